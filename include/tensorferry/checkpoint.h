@@ -1,0 +1,126 @@
+// tensorferry/checkpoint.h: one immutable table of every tensor of a checkpoint.
+//
+// A checkpoint is one safetensors file, an explicit list of them, or a directory. A directory
+// with "model.safetensors.index.json" (or an index file given directly) is a sharded checkpoint:
+// every tensor named in its weight_map must exist in the file it names, every tensor of those
+// files must be in the map, no tensor may live in two files, and no path may leave the directory
+// (no "..", no absolute path, no symlink resolving outside). A directory without an index holds
+// the union of its *.safetensors files (names must be unique across them).
+//
+// Opening reads and validates every header (format.h) but no tensor data.
+//
+// Ownership and lifetime: Open returns a shared_ptr to an immutable Checkpoint; hold it as long
+// as you use its tables. It keeps no file descriptor open.
+// Thread-safety: a Checkpoint is immutable after Open and safe to read from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tensorferry/env.h"
+#include "tensorferry/format.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry {
+
+inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+
+// The parsed content of a model.safetensors.index.json, before any file is opened.
+struct IndexDocument {
+  // (tensor name, file path as written in the index), sorted by tensor name.
+  std::vector<std::pair<std::string, std::string>> weight_map;
+  // The "metadata" object, each value as its JSON text (e.g. total_size -> "123"); sorted by key.
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+struct IndexLimits {
+  uint64_t max_index_size = 256u << 20;  // bytes of index JSON
+  uint32_t max_depth = 64;
+};
+
+// Parses the text of an index file. Pure: no I/O. Path safety is checked here too: a file value
+// that is absolute or has a ".." component is kIndexPathEscape.
+// Errors: kIndexTooLarge, kIndexInvalidJson, kIndexNoWeightMap, kIndexBadEntry, kDuplicateKey,
+// kIndexPathEscape.
+Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view source = "",
+                                     const IndexLimits& limits = {});
+
+struct FileInfo {
+  std::string path;  // as opened (the directory joined with the index's relative path)
+  uint64_t file_size = 0;
+  uint64_t header_size = 0;  // N
+  uint64_t data_offset = 0;  // 8 + N
+  std::vector<std::pair<std::string, std::string>> metadata;  // "__metadata__", sorted by key
+  uint64_t num_tensors = 0;
+};
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kU8;
+  std::vector<uint64_t> shape;
+  uint32_t file = 0;    // index into Checkpoint::files()
+  uint64_t offset = 0;  // absolute byte offset of the first byte in the file
+  uint64_t size = 0;    // bytes
+};
+
+struct OpenOptions {
+  // Where files are read from. nullptr means Env::Default(). Not owned; must outlive Open().
+  Env* env = nullptr;
+  ParseLimits parse_limits;
+  IndexLimits index_limits;
+};
+
+class Checkpoint {
+ public:
+  // Opens a .safetensors file, a model.safetensors.index.json file, or a directory.
+  // Errors: kNotFound, kIoError, kUnexpectedEof, every header error of ParseHeader and every
+  // index error of ParseIndexJson (messages prefixed with the file), kIndexMissingFile,
+  // kIndexMissingTensor, kIndexUnlistedTensor, kIndexDuplicateTensor, kIndexPathEscape,
+  // kInvalidArgument (a directory with no safetensors file).
+  static Result<std::shared_ptr<const Checkpoint>> Open(const std::string& path,
+                                                        const OpenOptions& options = {});
+
+  // Opens an explicit list of safetensors files as one checkpoint (no index).
+  // Errors: as Open, plus kIndexDuplicateTensor when a name appears in two files.
+  static Result<std::shared_ptr<const Checkpoint>> OpenFiles(std::span<const std::string> paths,
+                                                             const OpenOptions& options = {});
+
+  // Files in the order tensors reference them (index order: sorted by path).
+  const std::vector<FileInfo>& files() const noexcept { return files_; }
+  // Every tensor, ordered by (file, offset).
+  const std::vector<TensorInfo>& tensors() const noexcept { return tensors_; }
+  // nullptr when absent.
+  const TensorInfo* Find(std::string_view name) const noexcept;
+  // The index document's metadata (empty without an index).
+  const std::vector<std::pair<std::string, std::string>>& index_metadata() const noexcept {
+    return index_metadata_;
+  }
+  // The index file path, or empty.
+  const std::string& index_path() const noexcept { return index_path_; }
+  // Sum of all tensors' sizes.
+  uint64_t total_tensor_bytes() const noexcept { return total_tensor_bytes_; }
+
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
+
+ private:
+  Checkpoint() = default;
+  friend class CheckpointBuilder;
+
+  std::vector<FileInfo> files_;
+  std::vector<TensorInfo> tensors_;
+  std::vector<uint32_t> by_name_;  // indices into tensors_, sorted by name
+  std::vector<std::pair<std::string, std::string>> index_metadata_;
+  std::string index_path_;
+  uint64_t total_tensor_bytes_ = 0;
+};
+
+// Reads a file's header from `file` and validates it (ParseHeader with I/O).
+Result<Header> ReadHeader(const RandomAccessFile& file, const ParseLimits& limits = {});
+
+}  // namespace tensorferry

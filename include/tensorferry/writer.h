@@ -1,0 +1,91 @@
+// tensorferry/writer.h: writing safetensors files and sharded checkpoints.
+//
+// Output is byte-for-byte the reference's layout: tensors sorted by dtype (descending, in the
+// order of DType) then by name (bytewise), compact JSON header with "__metadata__" first, its keys
+// sorted so output is deterministic, header padded with spaces to a multiple of 8 bytes, data
+// contiguous in header order.
+//
+// Writes are atomic: bytes go to a temporary file in the destination directory, which is
+// fsynced, then renamed over the destination (and the directory fsynced). On any error the
+// temporary file is removed and the destination is untouched. Files are created with mode
+// 0666 & ~umask. Invalid input (bad names, duplicate names, data of the wrong size) is refused
+// before anything is written.
+//
+// Ownership: the writer borrows TensorToWrite::data for the duration of the call only.
+// Thread-safety: reentrant; concurrent calls writing to different paths are safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tensorferry/format.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry {
+
+struct TensorToWrite {
+  std::string name;
+  DType dtype = DType::kU8;
+  std::vector<uint64_t> shape;
+  // The bytes, little-endian, row-major; exactly TensorByteSize(dtype, shape) long. Borrowed.
+  std::span<const std::byte> data;
+  // Alternative to `data` for tensors too large to hold at once: called with increasing offsets
+  // to fill `out` with the tensor's bytes [offset, offset + out.size()). Used when set.
+  std::function<Status(uint64_t offset, std::span<std::byte> out)> generate;
+};
+
+using Metadata = std::vector<std::pair<std::string, std::string>>;
+
+struct WriteOptions {
+  // fsync the file and its directory before returning. Turn off only for scratch files.
+  bool sync = true;
+  // Size of the buffer used to stream data to disk.
+  size_t buffer_size = 8u << 20;
+};
+
+// The header bytes (JSON plus padding, without the 8-byte length prefix) that WriteFile would
+// write, and the order in which tensor data follows it. Pure; for tests and tools.
+// Errors: kBadTensorName (empty names are allowed; "__metadata__" and duplicates are not),
+// kBadTensorData (a data span of the wrong length, or neither data nor generate on a tensor with
+// bytes), kOverflow, kPartialByte, kInvalidArgument (duplicate metadata key).
+struct SerializedHeader {
+  std::string json;            // padded to a multiple of 8 bytes
+  std::vector<size_t> order;   // order[i] = index into the input of the i-th tensor written
+  uint64_t data_size = 0;
+};
+Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
+                                         const Metadata& metadata);
+
+// Writes one safetensors file at `path`. Errors: those of SerializeHeader, kIoError, and any
+// status returned by a generate callback.
+Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
+                 const Metadata& metadata = {}, const WriteOptions& options = {});
+
+struct ShardOptions {
+  // Largest data buffer of one shard. A tensor larger than this gets a shard of its own.
+  uint64_t max_shard_size = 5ull << 30;
+  // Shards are named "<prefix>-00001-of-00003.safetensors" (one shard: "<prefix>.safetensors");
+  // the index is "<prefix>.safetensors.index.json" (written only for several shards unless
+  // always_write_index).
+  std::string prefix = "model";
+  bool always_write_index = true;
+  WriteOptions write;
+};
+
+// Writes a sharded checkpoint into directory `dir` (created if missing). Tensors fill shards in
+// the caller's order (so layer 0 lands in the first shard, as transformers does); within a shard
+// the layout is WriteFile's. Each shard gets `metadata`; the index gets
+// {"metadata": {"total_size": <bytes>}, "weight_map": {<name>: <file>, ... sorted by name}}.
+// Name checks (duplicates across shards included) run before any file is written.
+// Returns the paths written (shards then index).
+Result<std::vector<std::string>> WriteSharded(const std::string& dir,
+                                              std::span<const TensorToWrite> tensors,
+                                              const Metadata& metadata = {},
+                                              const ShardOptions& options = {});
+
+}  // namespace tensorferry

@@ -1,0 +1,122 @@
+#include "testing/test_util.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace tensorferry::testing {
+
+TempDir::TempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/tensorferry-test-XXXXXX";
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + path);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::byte> ToBytes(const std::string& s) {
+  std::vector<std::byte> v(s.size());
+  std::memcpy(v.data(), s.data(), s.size());
+  return v;
+}
+
+std::string MakeFile(const std::string& header_json, uint64_t data_size) {
+  std::string out(8, '\0');
+  uint64_t n = header_json.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out += header_json;
+  for (uint64_t i = 0; i < data_size; ++i) out.push_back(static_cast<char>((i * 131 + 7) & 0xff));
+  return out;
+}
+
+class MemoryFile final : public RandomAccessFile {
+ public:
+  MemoryFile(std::string path, std::shared_ptr<MemoryEnv::Entry> entry, std::mutex* mu)
+      : path_(std::move(path)), entry_(std::move(entry)), mu_(mu) {}
+
+  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    auto& e = *entry_;
+    const auto& f = e.faults;
+    ++e.reads;
+    if (f.truncate_after_reads >= 0 && e.reads > static_cast<uint64_t>(f.truncate_after_reads) &&
+        e.bytes.size() > f.truncate_to) {
+      e.bytes.resize(f.truncate_to);
+    }
+    size_t want = dst.size();
+    if (f.max_read > 0) want = std::min(want, f.max_read);
+    if (f.eio_at >= 0 && static_cast<uint64_t>(f.eio_at) >= offset &&
+        static_cast<uint64_t>(f.eio_at) < offset + std::max<size_t>(want, 1)) {
+      return Status(Code::kIoError, path_ + ": injected EIO at offset " + std::to_string(f.eio_at));
+    }
+    if (offset >= e.bytes.size()) return size_t{0};
+    size_t n = std::min<uint64_t>(want, e.bytes.size() - offset);
+    std::memcpy(dst.data(), e.bytes.data() + offset, n);
+    return n;
+  }
+
+  Result<uint64_t> Size() const override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    return static_cast<uint64_t>(entry_->bytes.size());
+  }
+
+  const std::string& path() const noexcept override { return path_; }
+
+ private:
+  std::string path_;
+  std::shared_ptr<MemoryEnv::Entry> entry_;
+  std::mutex* mu_;
+};
+
+void MemoryEnv::AddFile(const std::string& path, std::string bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto e = std::make_shared<Entry>();
+  e->bytes = std::move(bytes);
+  files_[path] = std::move(e);
+}
+
+void MemoryEnv::SetFaults(const std::string& path, Faults faults) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = files_.find(path);
+  if (it == files_.end()) throw std::runtime_error("MemoryEnv: no file " + path);
+  it->second->faults = faults;
+}
+
+uint64_t MemoryEnv::reads(const std::string& path) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = files_.find(path);
+  return it == files_.end() ? 0 : it->second->reads;
+}
+
+Result<std::unique_ptr<RandomAccessFile>> MemoryEnv::OpenRandomAccess(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = files_.find(path);
+  if (it == files_.end()) return Status(Code::kNotFound, path + ": cannot open: no such file");
+  return std::unique_ptr<RandomAccessFile>(new MemoryFile(path, it->second, &mu_));
+}
+
+}  // namespace tensorferry::testing

@@ -1,0 +1,63 @@
+// The tensorferry command-line tool: one subcommand per file (inspect.cc, verify.cc, gen.cc),
+// shared helpers in util.cc. Uses the public API only.
+//
+// Exit codes: 0 success, 1 an I/O error or invalid input (one line "error: ..." on stderr),
+// 2 a usage error (bad option or value).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <CLI/CLI.hpp>
+
+#include "tensorferry/status.h"
+
+namespace tensorferry::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;
+inline constexpr int kExitUsage = 2;
+
+// A registered subcommand and what runs it once the command line has been parsed.
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+};
+
+Command AddInspectCommand(CLI::App& parent);
+Command AddVerifyCommand(CLI::App& parent);
+Command AddGenCommand(CLI::App& parent);
+
+// --- helpers (util.cc) ------------------------------------------------------------------------
+
+// "4.29 GB", "512.00 KB", "17 B" (decimal units, as disk sizes are usually quoted).
+std::string FormatBytes(uint64_t bytes);
+
+// Parses a size such as "1GB", "512MB", "2GiB", "4096", "1.5G" (case-insensitive; KB/MB/GB/TB
+// are powers of 1000, KiB/MiB/GiB/TiB powers of 1024, a bare number is bytes). nullopt when it is
+// not a size or does not fit 64 bits.
+std::optional<uint64_t> ParseSize(std::string_view text);
+
+// Makes text safe for one terminal line: control characters become \xNN.
+std::string OneLine(std::string_view text);
+
+// The "<path>: <reason>" of an error line: the status message, with `path: ` put in front unless
+// the message already starts with that path (library messages usually name the file).
+std::string ErrorText(std::string_view path, const Status& status);
+
+// Prints "error: <path>: <reason>" as exactly one line on stderr.
+void PrintError(std::string_view path, const Status& status);
+void PrintError(std::string_view text);
+
+// Writes `text` plus a newline to stdout and flushes; false when stdout failed (e.g. EPIPE, a full
+// disk), so a truncated --json document is reported rather than silently exiting 0.
+bool WriteStdout(std::string_view text);
+
+// Seconds since `start` on a steady clock.
+double SecondsSince(int64_t start_ns);
+int64_t NowNs();
+
+}  // namespace tensorferry::cli

@@ -1,0 +1,49 @@
+// tensorferry: inspect, verify and generate safetensors checkpoints.
+//
+//   tensorferry inspect PATH [--json] [--all]
+//   tensorferry verify PATH [--json]
+//   tensorferry gen OUT [--preset tiny|small|default|large] [--layers N] ... [--json]
+//
+// Exit codes: 0 success, 1 I/O error or invalid input, 2 usage error.
+#include <cstdio>
+#include <exception>
+#include <new>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "commands.h"
+
+#ifndef TENSORFERRY_VERSION_STRING
+#define TENSORFERRY_VERSION_STRING "unknown"
+#endif
+
+int main(int argc, char** argv) {
+  using namespace tensorferry::cli;
+  try {
+    CLI::App app{"tensorferry: inspect, verify and generate safetensors checkpoints"};
+    app.name("tensorferry");
+    app.set_version_flag("--version", std::string("tensorferry ") + TENSORFERRY_VERSION_STRING);
+    app.require_subcommand(1);
+    std::vector<Command> commands = {AddInspectCommand(app), AddVerifyCommand(app),
+                                     AddGenCommand(app)};
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      // --help and --version are "errors" with exit code 0; everything else is a usage error.
+      const int code = app.exit(e);
+      return code == 0 ? kExitOk : kExitUsage;
+    }
+    for (const Command& command : commands) {
+      if (command.app->parsed()) return command.run();
+    }
+    return kExitUsage;  // unreachable: require_subcommand(1)
+  } catch (const std::bad_alloc&) {
+    PrintError("out of memory");
+  } catch (const std::exception& e) {
+    PrintError(std::string("internal error: ") + e.what());
+  } catch (...) {
+    PrintError("internal error: unknown exception");
+  }
+  return kExitError;
+}

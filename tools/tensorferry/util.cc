@@ -1,0 +1,113 @@
+// Helpers shared by the tensorferry subcommands.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "commands.h"
+
+namespace tensorferry::cli {
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes < 1000) return std::to_string(bytes) + " B";
+  static constexpr const char* kUnits[] = {"KB", "MB", "GB", "TB", "PB", "EB"};
+  double v = static_cast<double>(bytes) / 1000.0;
+  size_t unit = 0;
+  // Switch unit where the rounded value would print as 1000.00.
+  while (v >= 999.995 && unit + 1 < std::size(kUnits)) {
+    v /= 1000.0;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[unit]);
+  return buf;
+}
+
+std::optional<uint64_t> ParseSize(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size() && ((text[i] >= '0' && text[i] <= '9') || text[i] == '.')) ++i;
+  const std::string number(text.substr(0, i));
+  if (number.empty() || number == "." || number.find('.') != number.rfind('.')) return std::nullopt;
+  std::string suffix;
+  for (char c : text.substr(i)) {
+    if (c == ' ') continue;
+    suffix.push_back(static_cast<char>(c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c));
+  }
+  double multiplier = 1;
+  if (!suffix.empty() && suffix != "B") {
+    static constexpr std::string_view kPrefixes = "KMGTPE";
+    const size_t p = kPrefixes.find(suffix[0]);
+    if (p == std::string_view::npos) return std::nullopt;
+    std::string_view rest = std::string_view(suffix).substr(1);
+    const bool binary = !rest.empty() && rest[0] == 'I';
+    if (binary) rest.remove_prefix(1);
+    if (!rest.empty() && rest != "B") return std::nullopt;
+    multiplier = std::pow(binary ? 1024.0 : 1000.0, static_cast<double>(p + 1));
+  }
+  const double value = std::strtod(number.c_str(), nullptr) * multiplier;
+  if (!std::isfinite(value) || value < 0 || value >= 18446744073709551616.0) return std::nullopt;
+  // Integral sizes are computed exactly; a fractional one ("1.5GB") is rounded.
+  if (number.find('.') == std::string::npos && value < 9007199254740992.0) {
+    return static_cast<uint64_t>(value);
+  }
+  return static_cast<uint64_t>(std::llround(value));
+}
+
+std::string OneLine(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c == 0x7F) {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    } else {
+      out.push_back(ch);
+    }
+  }
+  return out;
+}
+
+std::string ErrorText(std::string_view path, const Status& status) {
+  std::string_view message = status.message();
+  if (message.empty()) message = CodeName(status.code());
+  if (!path.empty() && message.size() > path.size() && message.starts_with(path)) {
+    // The message names the path itself ("<path>: ..." or "<path>/shard.safetensors: ...").
+    const char next = message[path.size()];
+    if (next == ':' || next == '/') return std::string(message);
+  }
+  std::string out(path);
+  out += ": ";
+  out += message;
+  return out;
+}
+
+void PrintError(std::string_view text) {
+  std::string line = "error: " + OneLine(text) + "\n";
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
+}
+
+void PrintError(std::string_view path, const Status& status) {
+  PrintError(ErrorText(path, status));
+}
+
+bool WriteStdout(std::string_view text) {
+  const bool wrote = std::fwrite(text.data(), 1, text.size(), stdout) == text.size() &&
+                     std::fputc('\n', stdout) != EOF;
+  return std::fflush(stdout) == 0 && wrote;
+}
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double SecondsSince(int64_t start_ns) {
+  return static_cast<double>(NowNs() - start_ns) * 1e-9;
+}
+
+}  // namespace tensorferry::cli

@@ -1,0 +1,501 @@
+// End-to-end tests of the tensorferry CLI: the binary is run as a child process and its exit
+// code, stdout and stderr are checked.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "testing/test_util.h"
+
+extern char** environ;
+
+namespace tensorferry {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ReadBytes;
+using testing::TempDir;
+using testing::WriteBytes;
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs the CLI with `args`, capturing stdout and stderr through files (no pipe deadlocks).
+RunResult RunCli(const std::vector<std::string>& args) {
+  TempDir io;
+  const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  std::vector<std::string> argv_storage = {TENSORFERRY_CLI_PATH};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  RunResult result;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    ADD_FAILURE() << "posix_spawn " << argv[0] << ": " << std::strerror(rc);
+    return result;
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) break;
+  }
+  if (WIFEXITED(status)) {
+    result.exit_code = WEXITSTATUS(status);
+  } else {
+    ADD_FAILURE() << "CLI died with signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    result.exit_code = 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  }
+  result.out = ReadBytes(out_path);
+  result.err = ReadBytes(err_path);
+  return result;
+}
+
+std::string Describe(const RunResult& r) {
+  return "exit " + std::to_string(r.exit_code) + "\n--- stdout:\n" + r.out + "\n--- stderr:\n" +
+         r.err;
+}
+
+// Generates the tiny preset into `dir` (no fsync: scratch files).
+void GenTiny(const std::string& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"gen", dir, "--preset", "tiny", "--no-sync"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const RunResult r = RunCli(args);
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+}
+
+// Files of `dir` by name, with their bytes.
+std::vector<std::pair<std::string, std::string>> DirContents(const std::string& dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    out.emplace_back(e.path().filename().string(), ReadBytes(e.path().string()));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::string> Shards(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Expects the failure shape of verify/inspect: exit 1, nothing on stdout, exactly one line on
+// stderr starting with "error: ".
+void ExpectOneLineError(const RunResult& r) {
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_EQ(r.out, "") << Describe(r);
+  ASSERT_FALSE(r.err.empty()) << Describe(r);
+  EXPECT_TRUE(r.err.starts_with("error: ")) << Describe(r);
+  EXPECT_EQ(r.err.back(), '\n') << Describe(r);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << Describe(r);
+}
+
+// Tensors of the tiny preset: embed, 2 layers x 9, final norm, lm_head.
+constexpr uint64_t kTinyTensors = 1 + 2 * 9 + 1 + 1;
+// BF16 bytes of the tiny preset: vocab 256, hidden 64, intermediate 128, kv dim 2 * 16 = 32.
+constexpr uint64_t kTinyBytes =
+    2 * (2 * 256 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64 + 2 * 64) + 64);
+
+// --- gen -------------------------------------------------------------------------------------
+
+TEST(CliGen, TinyIsDeterministic) {
+  TempDir t;
+  GenTiny(t.Join("a"));
+  GenTiny(t.Join("b"));
+  GenTiny(t.Join("c"), {"--seed", "1"});
+  const auto a = DirContents(t.Join("a"));
+  const auto b = DirContents(t.Join("b"));
+  const auto c = DirContents(t.Join("c"));
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(a, b);
+  ASSERT_EQ(a.size(), c.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, c[i].first);
+    if (a[i].first.ends_with(".safetensors")) {
+      EXPECT_NE(a[i].second, c[i].second) << a[i].first;
+    }
+  }
+}
+
+TEST(CliGen, ShardsLayerByLayer) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--shard-size", "40KB"});
+  const auto shards = Shards(dir);
+  EXPECT_GE(shards.size(), 3u);
+  EXPECT_TRUE(fs::exists(dir + "/model.safetensors.index.json"));
+  const RunResult r = RunCli({"inspect", dir, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(r.out)).get(doc), simdjson::SUCCESS) << r.out;
+  // The embedding is in the first shard, lm_head in the last, layer 0 before layer 1.
+  std::map<std::string, std::string> file_of;
+  for (simdjson::dom::element tensor : doc["tensors"].get_array()) {
+    file_of[std::string(tensor["name"].get_string().value())] =
+        std::string(tensor["file"].get_string().value());
+  }
+  EXPECT_EQ(file_of["model.embed_tokens.weight"], shards.front());
+  EXPECT_EQ(file_of["lm_head.weight"], shards.back());
+  EXPECT_LE(file_of["model.layers.0.mlp.down_proj.weight"],
+            file_of["model.layers.1.mlp.down_proj.weight"]);
+}
+
+TEST(CliGen, OptionsAndJsonSummary) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  const RunResult r = RunCli({"gen", dir, "--preset", "tiny", "--no-sync", "--dtype", "F32",
+                              "--layers", "3", "--tie-embeddings", "--metadata", "k=v", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(r.out)).get(doc), simdjson::SUCCESS) << r.out;
+  EXPECT_EQ(uint64_t(doc["tensors"]), uint64_t{1 + 3 * 9 + 1});
+  EXPECT_EQ(std::string_view(doc["config"]["dtype"]), "F32");
+  EXPECT_EQ(uint64_t(doc["config"]["layers"]), 3u);
+  EXPECT_EQ(uint64_t(doc["config"]["hidden"]), 64u);
+  EXPECT_EQ(std::string_view(doc["metadata"]["k"]), "v");
+  EXPECT_EQ(std::string_view(doc["metadata"]["format"]), "pt");
+}
+
+// Float values are small and finite; norms are near 1.
+TEST(CliGen, RealisticFloatValues) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--dtype", "F32"});
+  const RunResult r = RunCli({"inspect", dir, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(r.out)).get(doc), simdjson::SUCCESS) << r.out;
+  std::map<std::string, std::string> files;
+  int checked = 0;
+  for (simdjson::dom::element tensor : doc["tensors"].get_array()) {
+    const std::string name(tensor["name"].get_string().value());
+    const std::string path(tensor["file"].get_string().value());
+    if (!files.count(path)) files[path] = ReadBytes(path);
+    const std::string& bytes = files[path];
+    const uint64_t offset = tensor["offset"], size = tensor["size"];
+    ASSERT_LE(offset + size, bytes.size());
+    const bool norm = name.find("norm") != std::string::npos;
+    double sum = 0, sum_sq = 0;
+    for (uint64_t i = 0; i < size; i += 4) {
+      float v;
+      std::memcpy(&v, bytes.data() + offset + i, 4);
+      ASSERT_TRUE(std::isfinite(v)) << name;
+      if (norm) {
+        ASSERT_NEAR(v, 1.0, 0.051) << name;
+      } else {
+        ASSERT_LE(std::fabs(v), 0.035) << name;
+      }
+      sum += v;
+      sum_sq += static_cast<double>(v) * v;
+    }
+    if (!norm) {
+      const double n = static_cast<double>(size / 4);
+      const double mean = sum / n, stddev = std::sqrt(sum_sq / n - mean * mean);
+      EXPECT_NEAR(mean, 0.0, 0.003) << name;
+      EXPECT_NEAR(stddev, 0.02, 0.002) << name;
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, static_cast<int>(kTinyTensors));
+}
+
+TEST(CliGen, EveryDtypeVerifies) {
+  for (const char* dtype : {"BF16", "F16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
+                            "F8_E8M0", "F64", "C64", "I8", "U32", "BOOL", "F4"}) {
+    TempDir t;
+    const std::string dir = t.Join("m");
+    GenTiny(dir, {"--dtype", dtype, "--layers", "1"});
+    const RunResult r = RunCli({"verify", dir});
+    EXPECT_EQ(r.exit_code, 0) << dtype << "\n" << Describe(r);
+  }
+}
+
+// --- inspect ---------------------------------------------------------------------------------
+
+TEST(CliInspect, Json) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--shard-size", "100KB", "--metadata", "owner=test"});
+  const RunResult r = RunCli({"inspect", dir, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.err, "");
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(r.out)).get(doc), simdjson::SUCCESS) << r.out;
+  EXPECT_EQ(std::string_view(doc["path"]), dir);
+  const auto shards = Shards(dir);
+  simdjson::dom::array files = doc["files"];
+  ASSERT_EQ(files.size(), shards.size());
+  uint64_t file_bytes = 0, tensors_in_files = 0;
+  size_t i = 0;
+  for (simdjson::dom::element f : files) {
+    EXPECT_EQ(std::string_view(f["path"]), shards[i]);
+    EXPECT_EQ(uint64_t(f["size"]), fs::file_size(shards[i]));
+    EXPECT_GT(uint64_t(f["header_size"]), 0u);
+    EXPECT_EQ(std::string_view(f["metadata"]["format"]), "pt");
+    EXPECT_EQ(std::string_view(f["metadata"]["owner"]), "test");
+    file_bytes += uint64_t(f["size"]);
+    tensors_in_files += uint64_t(f["num_tensors"]);
+    ++i;
+  }
+  simdjson::dom::array tensors = doc["tensors"];
+  EXPECT_EQ(tensors.size(), kTinyTensors);
+  EXPECT_EQ(tensors_in_files, kTinyTensors);
+  bool saw_k = false;
+  uint64_t bytes = 0;
+  for (simdjson::dom::element tensor : tensors) {
+    EXPECT_EQ(std::string_view(tensor["dtype"]), "BF16");
+    bytes += uint64_t(tensor["size"]);
+    if (std::string_view(tensor["name"]) == "model.layers.1.self_attn.k_proj.weight") {
+      saw_k = true;
+      simdjson::dom::array shape = tensor["shape"];
+      ASSERT_EQ(shape.size(), 2u);
+      EXPECT_EQ(uint64_t(shape.at(0)), 32u);
+      EXPECT_EQ(uint64_t(shape.at(1)), 64u);
+      EXPECT_EQ(uint64_t(tensor["size"]), 32u * 64 * 2);
+    }
+  }
+  EXPECT_TRUE(saw_k);
+  EXPECT_EQ(bytes, kTinyBytes);
+  EXPECT_EQ(uint64_t(doc["totals"]["tensors"]), kTinyTensors);
+  EXPECT_EQ(uint64_t(doc["totals"]["bytes"]), kTinyBytes);
+  EXPECT_EQ(uint64_t(doc["totals"]["files"]), shards.size());
+  EXPECT_EQ(uint64_t(doc["totals"]["file_bytes"]), file_bytes);
+  EXPECT_EQ(uint64_t(doc["dtypes"]["BF16"]["count"]), kTinyTensors);
+  EXPECT_EQ(uint64_t(doc["dtypes"]["BF16"]["bytes"]), kTinyBytes);
+  EXPECT_EQ(uint64_t(doc["index_metadata"]["total_size"]), kTinyBytes);
+}
+
+TEST(CliInspect, Text) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir);
+  const RunResult r = RunCli({"inspect", dir});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("model.embed_tokens.weight"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[256, 64]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("BF16"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::to_string(kTinyTensors) + " tensors"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("format = pt"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("total_size"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("more (use --all)"), std::string::npos) << r.out;
+  // Columns are aligned: DTYPE starts at the same column on every tensor row.
+  size_t column = std::string::npos;
+  size_t rows = 0;
+  size_t pos = 0;
+  while (pos < r.out.size()) {
+    const size_t end = r.out.find('\n', pos);
+    const std::string line = r.out.substr(pos, end - pos);
+    pos = end == std::string::npos ? r.out.size() : end + 1;
+    if (!line.starts_with("model.") && !line.starts_with("lm_head")) continue;
+    const size_t c = line.find("BF16");
+    if (column == std::string::npos) column = c;
+    EXPECT_EQ(c, column) << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, kTinyTensors);
+}
+
+TEST(CliInspect, ManyTensorsAreElided) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--layers", "10"});  // 1 + 90 + 2 = 93 tensors
+  const RunResult r = RunCli({"inspect", dir});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("... 43 more (use --all)"), std::string::npos) << r.out;
+  const RunResult all = RunCli({"inspect", dir, "--all"});
+  ASSERT_EQ(all.exit_code, 0) << Describe(all);
+  EXPECT_EQ(all.out.find("more (use --all)"), std::string::npos);
+  EXPECT_NE(all.out.find("lm_head.weight"), std::string::npos);
+}
+
+TEST(CliInspect, SingleFileAndIndexPath) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--shard-size", "40KB"});
+  const auto shards = Shards(dir);
+  const RunResult one = RunCli({"inspect", shards[0], "--json"});
+  ASSERT_EQ(one.exit_code, 0) << Describe(one);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(one.out)).get(doc), simdjson::SUCCESS);
+  EXPECT_EQ(simdjson::dom::array(doc["files"]).size(), 1u);
+  const RunResult index = RunCli({"inspect", dir + "/model.safetensors.index.json", "--json"});
+  ASSERT_EQ(index.exit_code, 0) << Describe(index);
+  ASSERT_EQ(parser.parse(simdjson::padded_string(index.out)).get(doc), simdjson::SUCCESS);
+  EXPECT_EQ(uint64_t(doc["totals"]["tensors"]), kTinyTensors);
+}
+
+TEST(CliInspect, MissingPath) {
+  TempDir t;
+  ExpectOneLineError(RunCli({"inspect", t.Join("nope")}));
+}
+
+// --- verify ----------------------------------------------------------------------------------
+
+TEST(CliVerify, OkOnGenerated) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--shard-size", "40KB"});
+  const RunResult r = RunCli({"verify", dir});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_TRUE(r.out.starts_with("ok: " + std::to_string(kTinyTensors) + " tensors, " +
+                                std::to_string(Shards(dir).size()) + " files, "))
+      << r.out;
+  EXPECT_NE(r.out.find("GB/s"), std::string::npos);
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1);
+  EXPECT_EQ(r.err, "");
+
+  const RunResult j = RunCli({"verify", dir, "--json"});
+  ASSERT_EQ(j.exit_code, 0) << Describe(j);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(j.out)).get(doc), simdjson::SUCCESS) << j.out;
+  EXPECT_TRUE(bool(doc["ok"]));
+  EXPECT_EQ(uint64_t(doc["tensors"]), kTinyTensors);
+  uint64_t total = 0;
+  for (const auto& s : Shards(dir)) total += fs::file_size(s);
+  EXPECT_EQ(uint64_t(doc["bytes"]), total);
+}
+
+class CliVerifyCorrupt : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = t_.Join("m");
+    GenTiny(dir_, {"--shard-size", "40KB"});
+    shards_ = Shards(dir_);
+    ASSERT_GE(shards_.size(), 2u);
+  }
+  void ExpectVerifyFails(const std::string& path) {
+    ExpectOneLineError(RunCli({"verify", path}));
+    const RunResult j = RunCli({"verify", path, "--json"});
+    EXPECT_EQ(j.exit_code, 1) << Describe(j);
+    simdjson::dom::parser parser;
+    simdjson::dom::element doc;
+    ASSERT_EQ(parser.parse(simdjson::padded_string(j.out)).get(doc), simdjson::SUCCESS) << j.out;
+    EXPECT_FALSE(bool(doc["ok"]));
+    EXPECT_FALSE(std::string_view(doc["error"]["code"]).empty());
+  }
+
+  TempDir t_;
+  std::string dir_;
+  std::vector<std::string> shards_;
+};
+
+TEST_F(CliVerifyCorrupt, TruncatedShard) {
+  fs::resize_file(shards_[1], fs::file_size(shards_[1]) - 1000);
+  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(shards_[1]);
+}
+
+TEST_F(CliVerifyCorrupt, CorruptLengthPrefix) {
+  std::string bytes = ReadBytes(shards_[0]);
+  for (int i = 0; i < 8; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>(0xFF);
+  WriteBytes(shards_[0], bytes);
+  ExpectVerifyFails(dir_);
+}
+
+TEST_F(CliVerifyCorrupt, GarbageJson) {
+  std::string bytes = ReadBytes(shards_[0]);
+  // Keep the length prefix; scribble over the start of the JSON.
+  bytes.replace(8, 12, "}{garbage\n\x01\xff");
+  WriteBytes(shards_[0], bytes);
+  ExpectVerifyFails(dir_);
+}
+
+TEST_F(CliVerifyCorrupt, IndexNamesMissingFile) {
+  fs::remove(shards_.back());
+  ExpectVerifyFails(dir_);
+}
+
+TEST_F(CliVerifyCorrupt, PathTraversal) {
+  WriteBytes(t_.Join("outside.safetensors"), ReadBytes(shards_[0]));
+  const std::string index_path = dir_ + "/model.safetensors.index.json";
+  std::string index = ReadBytes(index_path);
+  const std::string victim = fs::path(shards_[0]).filename().string();
+  size_t pos = 0;
+  int replaced = 0;
+  while ((pos = index.find("\"" + victim + "\"", pos)) != std::string::npos) {
+    index.replace(pos, victim.size() + 2, "\"../outside.safetensors\"");
+    ++replaced;
+  }
+  ASSERT_GT(replaced, 0) << index;
+  WriteBytes(index_path, index);
+  ExpectVerifyFails(dir_);
+}
+
+TEST_F(CliVerifyCorrupt, EmptyAndTinyFiles) {
+  WriteBytes(shards_[0], "");
+  ExpectVerifyFails(dir_);
+  WriteBytes(shards_[0], "abc");
+  ExpectVerifyFails(dir_);
+}
+
+TEST(CliVerify, GarbageFileAndEmptyDirectory) {
+  TempDir t;
+  WriteBytes(t.Join("x.safetensors"), std::string(100, '\xAB'));
+  ExpectOneLineError(RunCli({"verify", t.Join("x.safetensors")}));
+  fs::create_directory(t.Join("empty"));
+  ExpectOneLineError(RunCli({"verify", t.Join("empty")}));
+  ExpectOneLineError(RunCli({"verify", t.Join("missing")}));
+}
+
+// --- common ----------------------------------------------------------------------------------
+
+TEST(CliUsage, ErrorsExitTwo) {
+  EXPECT_EQ(RunCli({}).exit_code, 2);
+  EXPECT_EQ(RunCli({"frobnicate"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"inspect"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"inspect", "x", "--bogus"}).exit_code, 2);
+  TempDir t;
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--dtype", "F17"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--shard-size", "12XB"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--shard-size", "0"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--preset", "huge"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--metadata", "novalue"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--preset", "tiny", "--heads", "3"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"gen", t.Join("a"), "--layers", "-1"}).exit_code, 2);
+  EXPECT_FALSE(fs::exists(t.Join("a")));
+}
+
+TEST(CliUsage, VersionAndHelp) {
+  const RunResult v = RunCli({"--version"});
+  EXPECT_EQ(v.exit_code, 0) << Describe(v);
+  EXPECT_TRUE(v.out.starts_with("tensorferry ")) << v.out;
+  for (const char* cmd : {"inspect", "verify", "gen"}) {
+    const RunResult h = RunCli({cmd, "--help"});
+    EXPECT_EQ(h.exit_code, 0) << Describe(h);
+    EXPECT_NE(h.out.find("--json"), std::string::npos) << h.out;
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -315,8 +315,10 @@ TEST(CliInspect, Text) {
     const size_t end = r.out.find('\n', pos);
     const std::string line = r.out.substr(pos, end - pos);
     pos = end == std::string::npos ? r.out.size() : end + 1;
-    if (!line.starts_with("model.") && !line.starts_with("lm_head")) continue;
     const size_t c = line.find("BF16");
+    if (c == std::string::npos || !(line.starts_with("model.") || line.starts_with("lm_head"))) {
+      continue;  // not a tensor row
+    }
     if (column == std::string::npos) column = c;
     EXPECT_EQ(c, column) << line;
     ++rows;

@@ -41,6 +41,11 @@ std::string FormatBytes(uint64_t bytes);
 // not a size or does not fit 64 bits.
 std::optional<uint64_t> ParseSize(std::string_view text);
 
+// "1 file", "3 files".
+inline std::string Plural(uint64_t n, std::string_view noun) {
+  return std::to_string(n) + " " + std::string(noun) + (n == 1 ? "" : "s");
+}
+
 // Makes text safe for one terminal line: control characters become \xNN.
 std::string OneLine(std::string_view text);
 

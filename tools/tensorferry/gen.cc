@@ -421,8 +421,8 @@ int RunGen(const GenArgs& args) {
   } else {
     char rate[64];
     std::snprintf(rate, sizeof rate, "%.2f s (%.2f GB/s)", seconds, gbps);
-    report = "wrote " + OneLine(args.out) + ": " + std::to_string(written->size()) + " files, " +
-             std::to_string(tensors.size()) + " tensors (" + std::to_string(total_params) +
+    report = "wrote " + OneLine(args.out) + ": " + Plural(written->size(), "file") + ", " +
+             Plural(tensors.size(), "tensor") + " (" + std::to_string(total_params) +
              " parameters, " + std::string(DTypeName(dtype)) + "), " + FormatBytes(total_bytes) +
              " in " + rate;
     for (size_t i = 0; i < written->size(); ++i) {

@@ -111,9 +111,8 @@ std::string HumanReport(const InspectArgs& args, const Checkpoint& ckpt,
   };
 
   std::string out;
-  out += OneLine(args.path) + ": " + std::to_string(tensors.size()) + " tensors, " +
-         FormatBytes(ckpt.total_tensor_bytes()) + " in " + std::to_string(files.size()) +
-         (files.size() == 1 ? " file" : " files");
+  out += OneLine(args.path) + ": " + Plural(tensors.size(), "tensor") + ", " +
+         FormatBytes(ckpt.total_tensor_bytes()) + " in " + Plural(files.size(), "file");
   if (!ckpt.index_path().empty()) out += " (index " + OneLine(ckpt.index_path()) + ")";
   out += "\n\n";
 
@@ -156,10 +155,9 @@ std::string HumanReport(const InspectArgs& args, const Checkpoint& ckpt,
   dtype_table.Print(out);
   out += "\n";
 
-  out += "totals: " + std::to_string(tensors.size()) + " tensors, " +
+  out += "totals: " + Plural(tensors.size(), "tensor") + ", " +
          FormatBytes(ckpt.total_tensor_bytes()) + " of tensor data, " +
-         std::to_string(files.size()) + (files.size() == 1 ? " file" : " files") + " of " +
-         FormatBytes(file_bytes) + "\n";
+         Plural(files.size(), "file") + " of " + FormatBytes(file_bytes) + "\n";
 
   // Metadata: once when every file carries the same, else per file.
   bool same = true;

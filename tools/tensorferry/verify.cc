@@ -122,10 +122,9 @@ int RunVerify(const VerifyArgs& args) {
   }
   char rate[64];
   std::snprintf(rate, sizeof rate, "%.2f s (%.2f GB/s)", seconds, gbps);
-  const std::string line = "ok: " + std::to_string(result.tensors) + " tensors, " +
-                           std::to_string(result.files) +
-                           (result.files == 1 ? " file, " : " files, ") +
-                           FormatBytes(result.bytes) + " verified in " + rate;
+  const std::string line = "ok: " + Plural(result.tensors, "tensor") + ", " +
+                           Plural(result.files, "file") + ", " + FormatBytes(result.bytes) +
+                           " verified in " + rate;
   if (!WriteStdout(line)) {
     PrintError("<stdout>: write failed");
     return kExitError;

@@ -171,7 +171,7 @@ uint8_t NearestFp8(DType dtype, double v) {
 // Produces the bytes of one tensor: block b (bytes [8b, 8b + 8)) is a function of (key, b).
 class ValueGenerator {
  public:
-  enum class Mode { kRaw, kBool, kTable8, kTable16, kF32, kF64 };
+  enum class Mode { kRaw, kBool, kTable16, kF32, kF64 };
 
   ValueGenerator(DType dtype, Kind kind) : kind_(kind) {
     switch (dtype) {
@@ -189,17 +189,23 @@ class ValueGenerator {
       case DType::kF8_E5M2:
       case DType::kF8_E4M3FNUZ:
       case DType::kF8_E5M2FNUZ:
-        mode_ = Mode::kTable8;
-        for (size_t i = 0; i < table8_.size(); ++i) {
-          table8_[i] = NearestFp8(dtype, SlotValue(kind, i, table8_.size()));
+      case DType::kF8_E8M0: {
+        std::array<uint8_t, 256> table8;
+        for (size_t i = 0; i < table8.size(); ++i) {
+          if (dtype == DType::kF8_E8M0) {  // a power-of-two scale: 2^-7 .. 1, norms exactly 1
+            table8[i] = static_cast<uint8_t>(kind == Kind::kNorm ? 127 : 120 + i % 8);
+          } else {
+            table8[i] = NearestFp8(dtype, SlotValue(kind, i, table8.size()));
+          }
+        }
+        // Two elements per lookup: 16 random bits pick a pair of codes.
+        mode_ = Mode::kTable16;
+        table16_.resize(1 << 16);
+        for (size_t i = 0; i < table16_.size(); ++i) {
+          table16_[i] = static_cast<uint16_t>(table8[i & 0xFF] | table8[i >> 8] << 8);
         }
         break;
-      case DType::kF8_E8M0:  // a power-of-two scale: 2^-7 .. 1 (weights), exactly 1 (norms)
-        mode_ = Mode::kTable8;
-        for (size_t i = 0; i < table8_.size(); ++i) {
-          table8_[i] = static_cast<uint8_t>(kind == Kind::kNorm ? 127 : 120 + i % 8);
-        }
-        break;
+      }
       case DType::kF32:
       case DType::kC64: mode_ = Mode::kF32; break;
       case DType::kF64: mode_ = Mode::kF64; break;
@@ -213,12 +219,6 @@ class ValueGenerator {
       case Mode::kRaw: return FillWith(key, offset, out, [](uint64_t r) { return r; });
       case Mode::kBool:
         return FillWith(key, offset, out, [](uint64_t r) { return r & 0x0101010101010101ull; });
-      case Mode::kTable8:
-        return FillWith(key, offset, out, [t = table8_.data()](uint64_t r) {
-          uint64_t v = 0;
-          for (int i = 0; i < 8; ++i) v |= uint64_t{t[(r >> (8 * i)) & 0xFF]} << (8 * i);
-          return v;
-        });
       case Mode::kTable16:
         return FillWith(key, offset, out, [t = table16_.data()](uint64_t r) {
           return uint64_t{t[r & 0xFFFF]} | uint64_t{t[(r >> 16) & 0xFFFF]} << 16 |
@@ -275,8 +275,7 @@ class ValueGenerator {
 
   Kind kind_;
   Mode mode_ = Mode::kRaw;
-  std::array<uint8_t, 256> table8_{};
-  std::vector<uint16_t> table16_;
+  std::vector<uint16_t> table16_;  // 16 random bits -> one 16-bit value or two 8-bit codes
 };
 
 // --- the command --------------------------------------------------------------------------------
@@ -421,7 +420,11 @@ int RunGen(const GenArgs& args) {
   } else {
     char rate[64];
     std::snprintf(rate, sizeof rate, "%.2f s (%.2f GB/s)", seconds, gbps);
-    report = "wrote " + OneLine(args.out) + ": " + Plural(written->size(), "file") + ", " +
+    const uint64_t shards = static_cast<uint64_t>(
+        std::count_if(written->begin(), written->end(),
+                      [](const std::string& p) { return p.ends_with(".safetensors"); }));
+    report = "wrote " + OneLine(args.out) + ": " + Plural(shards, "shard") +
+             (shards < written->size() ? " + index" : "") + ", " +
              Plural(tensors.size(), "tensor") + " (" + std::to_string(total_params) +
              " parameters, " + std::string(DTypeName(dtype)) + "), " + FormatBytes(total_bytes) +
              " in " + rate;

@@ -70,13 +70,39 @@ std::string OneLine(std::string_view text) {
   return out;
 }
 
+namespace {
+
+// True when `message` starts with `prefix` followed by ':' or '/' (a path inside it).
+bool NamesPathUnder(std::string_view message, std::string_view prefix) {
+  if (prefix.empty() || message.size() <= prefix.size() || !message.starts_with(prefix)) {
+    return false;
+  }
+  const char next = message[prefix.size()];
+  return next == ':' || next == '/' || prefix.back() == '/';
+}
+
+}  // namespace
+
 std::string ErrorText(std::string_view path, const Status& status) {
   std::string_view message = status.message();
   if (message.empty()) message = CodeName(status.code());
-  if (!path.empty() && message.size() > path.size() && message.starts_with(path)) {
-    // The message names the path itself ("<path>: ..." or "<path>/shard.safetensors: ...").
-    const char next = message[path.size()];
-    if (next == ':' || next == '/') return std::string(message);
+  // Library messages start with the file they are about: the path given, a file inside that
+  // directory, or (for an index or a file given) a sibling in the same directory. Those already
+  // have the "<path>: <reason>" shape.
+  if (NamesPathUnder(message, path)) return std::string(message);
+  const size_t slash = path.rfind('/');
+  if (slash != std::string_view::npos && NamesPathUnder(message, path.substr(0, slash + 1))) {
+    return std::string(message);
+  }
+  if (slash == std::string_view::npos) {
+    // A relative file name in the current directory: is the message about a sibling file?
+    const size_t colon = message.find(": ");
+    if (colon != std::string_view::npos) {
+      const std::string_view first = message.substr(0, colon);
+      if (first.find('/') == std::string_view::npos && first.ends_with(".safetensors")) {
+        return std::string(message);
+      }
+    }
   }
   std::string out(path);
   out += ": ";

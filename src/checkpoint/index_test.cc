@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 
 #include "tensorferry/checkpoint.h"
+#include "testing/test_util.h"
 
 namespace tensorferry {
 namespace {
@@ -193,6 +195,20 @@ TEST(IndexTest, EscapedNamesAreDecoded) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->weight_map[0].first, "a\nb");
   EXPECT_EQ(r->weight_map[0].second, "x.safetensors");
+}
+
+// The fuzz seed corpus doubles as test vectors: valid_* files parse, every other one fails.
+TEST(IndexTest, FuzzSeedCorpus) {
+  const std::filesystem::path dir =
+      std::filesystem::path(TENSORFERRY_SOURCE_DIR) / "fuzz" / "corpus" / "index";
+  int seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    auto r = ParseIndexJson(testing::ReadBytes(entry.path().string()), name);
+    EXPECT_EQ(r.ok(), name.rfind("valid_", 0) == 0) << name << ": " << r.status().ToString();
+    ++seen;
+  }
+  EXPECT_GE(seen, 10);
 }
 
 }  // namespace

@@ -47,8 +47,8 @@ struct IndexDocument {
 
 struct IndexLimits {
   uint64_t max_index_size = 256u << 20;  // bytes of index JSON
-  // Deepest JSON nesting, counting every value level as simdjson does: {"weight_map":{"a":"f"}}
-  // is 3 deep. Deeper documents are kIndexInvalidJson.
+  // Deepest JSON nesting in containers, counted as ParseLimits::max_depth is: a valid index
+  // needs 2 ({"weight_map":{"a":"f"}}). Deeper documents are kIndexInvalidJson.
   uint32_t max_depth = 64;
 };
 

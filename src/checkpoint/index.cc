@@ -96,10 +96,10 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
   }
 
   simdjson::dom::parser parser;
-  // Room for the whole document: no reallocation inside parse(). A zero depth cannot be
-  // allocated; it is treated as depth 1 (the top-level object alone).
+  // Room for the whole document: no reallocation inside parse(). simdjson counts the document
+  // itself as one level: add it so max_depth counts containers, as ParseLimits::max_depth does.
   const size_t capacity = std::max<size_t>(json.size(), 64);
-  const size_t max_depth = std::max<size_t>(limits.max_depth, 1);
+  const size_t max_depth = size_t{limits.max_depth} + 1;
   if (auto err = parser.allocate(capacity, max_depth); err != simdjson::SUCCESS) {
     return IndexError(Code::kIndexTooLarge, source,
                       "cannot allocate a JSON parser for " + std::to_string(json.size()) +

@@ -113,15 +113,15 @@ TEST(IndexTest, TooDeep) {
   EXPECT_EQ(s.code(), Code::kIndexInvalidJson);
   EXPECT_TRUE(Contains(s.message(), "deeper than the limit of 64"));
 
-  // Depth counts value levels, as simdjson does: {"weight_map":{"a":"b"}} is 3 deep (object,
-  // object, string) and {"metadata":{"a":[1]}} is 4 deep.
+  // Depth counts containers: {"weight_map":{"a":"b"}} nests 2, {"metadata":{"a":[1]}} nests 3.
   IndexLimits limits;
-  limits.max_depth = 3;
+  limits.max_depth = 2;
   EXPECT_TRUE(ParseIndexJson(WithMap("\"a\":\"b\""), "", limits).ok());
-  EXPECT_TRUE(ParseIndexJson("{\"metadata\":{\"a\":[]},\"weight_map\":{}}", "", limits).ok());
   EXPECT_EQ(ParseError("{\"metadata\":{\"a\":[1]},\"weight_map\":{}}", limits).code(),
             Code::kIndexInvalidJson);
-  limits.max_depth = 2;
+  limits.max_depth = 3;
+  EXPECT_TRUE(ParseIndexJson("{\"metadata\":{\"a\":[1]},\"weight_map\":{}}", "", limits).ok());
+  limits.max_depth = 1;
   EXPECT_EQ(ParseError(WithMap("\"a\":\"b\""), limits).code(), Code::kIndexInvalidJson);
   limits.max_depth = 0;  // nothing fits
   EXPECT_EQ(ParseError(WithMap(""), limits).code(), Code::kIndexInvalidJson);

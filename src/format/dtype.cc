@@ -66,8 +66,17 @@ std::optional<uint64_t> NumElements(std::span<const uint64_t> shape) noexcept {
 Result<uint64_t> TensorByteSize(DType dtype, std::span<const uint64_t> shape) {
   auto n = NumElements(shape);
   if (!n) return Status(Code::kOverflow, "element count of the shape overflows 64 bits");
+  const uint64_t width = DTypeBits(dtype);
+  if (width % 8 == 0) {
+    uint64_t bytes;
+    if (__builtin_mul_overflow(*n, width / 8, &bytes)) {
+      return Status(Code::kOverflow, "byte count (" + std::to_string(*n) + " elements of " +
+                                         std::string(DTypeName(dtype)) + ") overflows 64 bits");
+    }
+    return bytes;
+  }
   uint64_t bits;
-  if (__builtin_mul_overflow(*n, static_cast<uint64_t>(DTypeBits(dtype)), &bits)) {
+  if (__builtin_mul_overflow(*n, width, &bits)) {
     return Status(Code::kOverflow, "bit count (" + std::to_string(*n) + " elements of " +
                                        std::string(DTypeName(dtype)) + ") overflows 64 bits");
   }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <simdjson.h>
 
 #include "tensorferry/format.h"
 #include "testing/test_util.h"
@@ -806,6 +807,153 @@ TEST(WriterShard, FailingShardRemovesShardsAlreadyWritten) {
   EXPECT_EQ(r.status().code(), Code::kIoError);
   ExpectMessageHas(r.status(), {"\"w2\"", "source gone"}, "shard");
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{});
+}
+
+// --- against files written by the reference (tests/data/reference, safetensors 0.8)
+// ----------------
+
+std::vector<std::byte> FromHex(std::string_view hex) {
+  std::vector<std::byte> out(hex.size() / 2);
+  const auto nibble = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = static_cast<std::byte>(nibble(hex[2 * i]) * 16 + nibble(hex[2 * i + 1]));
+  }
+  return out;
+}
+
+TEST(WriterReference, ByteIdenticalToReferenceFiles) {
+  const std::string ref_dir = std::string(TENSORFERRY_SOURCE_DIR) + "/tests/data/reference";
+  simdjson::dom::parser parser;
+  simdjson::dom::element manifest;
+  ASSERT_EQ(parser.load(ref_dir + "/manifest.json").get(manifest), simdjson::SUCCESS);
+  simdjson::dom::object files;
+  ASSERT_EQ(manifest["files"].get(files), simdjson::SUCCESS);
+  size_t checked = 0;
+  TempDir dir;
+  for (auto [file_key, file] : files) {
+    const std::string name(file_key);
+    std::vector<std::vector<std::byte>> storage;
+    std::vector<TensorToWrite> tensors;
+    simdjson::dom::array entries;
+    ASSERT_EQ(file["tensors"].get(entries), simdjson::SUCCESS) << name;
+    storage.reserve(entries.size());
+    for (simdjson::dom::element e : entries) {
+      std::string_view tname, dtype, hex;
+      ASSERT_EQ(e["name"].get(tname), simdjson::SUCCESS);
+      ASSERT_EQ(e["dtype"].get(dtype), simdjson::SUCCESS);
+      ASSERT_EQ(e["data"].get(hex), simdjson::SUCCESS);
+      std::vector<uint64_t> shape;
+      for (simdjson::dom::element d : e["shape"].get_array()) shape.push_back(d.get_uint64());
+      const auto dt = DTypeFromName(dtype);
+      ASSERT_TRUE(dt.has_value()) << dtype;
+      storage.push_back(FromHex(hex));
+      tensors.push_back(Tensor(std::string(tname), *dt, shape, storage.back()));
+    }
+    Metadata metadata;
+    for (auto [k, v] : file["metadata"].get_object()) {
+      metadata.emplace_back(std::string(k), std::string(v.get_string().value()));
+    }
+    const std::string expected = ReadBytes(ref_dir + "/" + name + ".safetensors");
+    auto h = SerializeHeader(tensors, metadata);
+    ASSERT_TRUE(h.ok()) << name << ": " << h.status().ToString();
+    EXPECT_EQ(Le64(h->json.size()) + h->json, expected.substr(0, 8 + h->json.size())) << name;
+    const std::string path = dir.Join(name);
+    ASSERT_TRUE(WriteFile(path, tensors, metadata, NoSync()).ok()) << name;
+    EXPECT_EQ(ReadBytes(path), expected) << name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 7u);
+}
+
+// --- round trips through the parser
+// -----------------------------------------------------------------
+
+Header ParseFile(const std::string& path) {
+  const std::string bytes = ReadBytes(path);
+  const auto span = std::as_bytes(std::span<const char>(bytes.data(), bytes.size()));
+  auto h = ParseHeader(span, bytes.size(), {}, path);
+  EXPECT_TRUE(h.ok()) << h.status().ToString();
+  return h.ok() ? std::move(h).value() : Header{};
+}
+
+TEST(WriterRoundTrip, ParsesBackEveryDtypeNameAndMetadata) {
+  std::vector<std::vector<std::byte>> storage;
+  std::vector<TensorToWrite> tensors;
+  for (int d = 0; d < kNumDTypes; ++d) {
+    const auto dtype = static_cast<DType>(d);
+    const std::vector<uint64_t> shape = {2, 12};
+    storage.push_back(Pattern(TensorByteSize(dtype, shape).value(), static_cast<unsigned>(d)));
+    tensors.push_back(
+        Tensor(Numbered("layer.", static_cast<uint64_t>(d)), dtype, shape, storage.back()));
+  }
+  storage.push_back({});
+  tensors.push_back(Tensor("", DType::kF32, {0}, {}));
+  storage.push_back(Pattern(8, 99));
+  tensors.push_back(Tensor("q\"\\\n\x01\xe2\x82\xac", DType::kF64, {}, storage.back()));
+  tensors.push_back(Generated("gen", DType::kBF16, {3, 5}, 7));
+  const Metadata metadata = {{"z", "1"}, {"a\n", "\"v\""}, {"\xc3\xa9", ""}};
+
+  TempDir dir;
+  const std::string path = dir.Join("rt.safetensors");
+  ASSERT_TRUE(WriteFile(path, tensors, metadata).ok());
+  const std::string bytes = ReadBytes(path);
+  const Header h = ParseFile(path);
+  ASSERT_EQ(h.tensors.size(), tensors.size());
+  EXPECT_EQ(h.header_size % 8, 0u);
+  EXPECT_TRUE(h.has_metadata);
+  EXPECT_EQ(h.metadata, (Metadata{{"a\n", "\"v\""}, {"z", "1"}, {"\xc3\xa9", ""}}));
+
+  auto serialized = SerializeHeader(tensors, metadata);
+  ASSERT_TRUE(serialized.ok());
+  for (size_t i = 0; i < h.tensors.size(); ++i) {
+    const TensorEntry& e = h.tensors[i];
+    const TensorToWrite& t = tensors[serialized->order[i]];
+    EXPECT_EQ(e.name, t.name);
+    EXPECT_EQ(e.dtype, t.dtype) << t.name;
+    EXPECT_EQ(e.shape, t.shape) << t.name;
+    const std::string written = bytes.substr(h.data_offset() + e.begin, e.byte_size());
+    if (t.generate) {
+      EXPECT_EQ(written, Str(Pattern(e.byte_size(), 7))) << t.name;
+    } else {
+      EXPECT_EQ(written, Str(t.data)) << t.name;
+    }
+  }
+}
+
+TEST(WriterRoundTrip, EmptyMetadataIsAbsent) {
+  TempDir dir;
+  ASSERT_TRUE(WriteFile(dir.Join("e"), {}).ok());
+  const Header h = ParseFile(dir.Join("e"));
+  EXPECT_FALSE(h.has_metadata);
+  EXPECT_TRUE(h.tensors.empty());
+  EXPECT_EQ(h.header_size, 8u);
+}
+
+TEST(WriterRoundTrip, EveryShardParsesAndIndexCoversAllTensors) {
+  const ShardInput in = MakeShardInput({100, 3, 50, 50, 0, 200, 7});
+  TempDir dir;
+  ShardOptions options;
+  options.max_shard_size = 100;
+  options.write = NoSync();
+  auto r = WriteSharded(dir.path(), in.tensors, {{"format", "pt"}}, options);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->size(), 6u);  // [w0], [w1 w2], [w3 w4], [w5], [w6] and the index
+  std::vector<std::string> seen;
+  for (size_t s = 0; s + 1 < r->size(); ++s) {
+    const Header h = ParseFile((*r)[s]);
+    EXPECT_EQ(h.metadata, (Metadata{{"format", "pt"}}));
+    EXPECT_LE(h.data_size, std::max<uint64_t>(100, h.tensors.size() == 1 ? h.data_size : 0));
+    for (const auto& e : h.tensors) seen.push_back(e.name);
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<std::string>{"w0", "w1", "w2", "w3", "w4", "w5", "w6"}));
+
+  simdjson::dom::parser parser;
+  simdjson::dom::element index;
+  ASSERT_EQ(parser.load(r->back()).get(index), simdjson::SUCCESS);
+  EXPECT_EQ(index["metadata"]["total_size"].get_uint64().value(), 410u);
+  EXPECT_EQ(std::string(index["weight_map"]["w4"].get_string().value()),
+            "model-00003-of-00005.safetensors");
 }
 
 }  // namespace

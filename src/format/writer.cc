@@ -21,6 +21,7 @@
 #include <exception>
 #include <filesystem>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <string_view>
 #include <unordered_map>
@@ -249,11 +250,9 @@ uint64_t RandomBits(uint64_t salt) {
 // kernel straight from the caller's memory, with no copy.
 class FileSink {
  public:
-  FileSink(int fd, const std::string& path, size_t buffer_size)
-      : fd_(fd),
-        path_(path),
-        buffer_(std::make_unique<std::byte[]>(buffer_size)),
-        capacity_(buffer_size) {}
+  // REQUIRES: `buffer` holds `buffer_size` > 0 bytes; `path` outlives the sink.
+  FileSink(int fd, const std::string& path, std::unique_ptr<std::byte[]> buffer, size_t buffer_size)
+      : fd_(fd), path_(path), buffer_(std::move(buffer)), capacity_(buffer_size) {}
 
   uint64_t offset() const { return flushed_ + used_; }
 
@@ -396,7 +395,14 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   // The buffer never needs to exceed the file; small files then cost a small allocation.
   const size_t buffer_size = static_cast<size_t>(
       std::max<uint64_t>(1, std::min<uint64_t>(std::max<size_t>(options.buffer_size, 1), size)));
-  FileSink sink(file.get(), path, buffer_size);
+  // Not zero-filled (the bytes are overwritten before use), and sized by the caller's options, so
+  // failing to get it is reported rather than thrown.
+  std::unique_ptr<std::byte[]> buffer(new (std::nothrow) std::byte[buffer_size]);
+  if (buffer == nullptr) {
+    return Status(Code::kBudgetExceeded, path + ": cannot allocate a write buffer of " +
+                                             std::to_string(buffer_size) + " bytes");
+  }
+  FileSink sink(file.get(), path, std::move(buffer), buffer_size);
   TF_RETURN_IF_ERROR(body(sink));
   TF_RETURN_IF_ERROR(sink.Flush());
 

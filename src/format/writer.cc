@@ -257,6 +257,8 @@ class FileSink {
   uint64_t offset() const { return flushed_ + used_; }
 
   Status Append(std::span<const std::byte> bytes) {
+    // An empty span may carry a null pointer, which memcpy must not see even for 0 bytes.
+    if (bytes.empty()) return Status::Ok();
     if (bytes.size() <= capacity_ - used_) {
       std::memcpy(buffer_.get() + used_, bytes.data(), bytes.size());
       used_ += bytes.size();

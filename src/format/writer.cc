@@ -534,7 +534,6 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
     const bool overflow = __builtin_add_overflow(shard_size, sizes[i], &grown);
     if (!shards.back().empty() && (overflow || grown > options.max_shard_size)) {
       shards.emplace_back();
-      shard_size = 0;
       grown = sizes[i];
     }
     shards.back().push_back(i);

@@ -53,8 +53,8 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
 struct FileInfo {
   std::string path;  // as opened (the directory joined with the index's relative path)
   uint64_t file_size = 0;
-  uint64_t header_size = 0;  // N
-  uint64_t data_offset = 0;  // 8 + N
+  uint64_t header_size = 0;                                   // N
+  uint64_t data_offset = 0;                                   // 8 + N
   std::vector<std::pair<std::string, std::string>> metadata;  // "__metadata__", sorted by key
   uint64_t num_tensors = 0;
 };

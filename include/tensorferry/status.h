@@ -56,48 +56,48 @@ enum class Code : uint16_t {
   kUnexpectedEof = 8,    // category kIo: a file ended before a byte the format promised
 
   // --- safetensors header (category kCorrupt) -------------------------------------------------
-  kFileTooSmall = 100,        // fewer than 8 bytes: no length prefix
-  kHeaderTooLarge = 101,      // length prefix above ParseLimits::max_header_size
-  kHeaderOutOfBounds = 102,   // 8 + length prefix runs past the end of the file
-  kHeaderBom = 103,           // header starts with a UTF-8 byte-order mark
-  kHeaderNotUtf8 = 104,       // header bytes are not valid UTF-8
-  kHeaderInvalidJson = 105,   // header is not one valid JSON document
-  kHeaderNotObject = 106,     // JSON top level is not an object
-  kHeaderTooDeep = 107,       // JSON nesting beyond ParseLimits::max_depth
-  kTooManyTensors = 108,      // more entries than ParseLimits::max_tensors
-  kDuplicateKey = 109,        // a key appears twice in one JSON object (identical values too)
-  kReservedName = 110,        // a tensor named "__metadata__"
-  kMetadataNotObject = 111,   // "__metadata__" is not an object
-  kMetadataNotString = 112,   // a "__metadata__" value is not a string
-  kTensorNotObject = 113,     // a tensor entry is not an object
-  kMissingField = 114,        // dtype, shape or data_offsets absent
-  kUnknownDtype = 115,        // dtype not a string naming a known type (case-sensitive)
-  kInvalidShape = 116,        // shape not an array of non-negative 64-bit integers
-  kRankTooLarge = 117,        // more dimensions than ParseLimits::max_rank
-  kInvalidOffsets = 118,      // data_offsets not exactly two non-negative 64-bit integers
-  kOffsetsReversed = 119,     // data_offsets end < begin
-  kPartialByte = 120,         // element count x bit width is not a whole number of bytes
-  kSizeMismatch = 121,        // byte size from dtype and shape differs from end - begin
-  kOverflow = 122,            // an element count, byte count or offset does not fit 64 bits
-  kDataGap = 123,             // a hole between tensors (or the first does not start at 0)
-  kDataOverlap = 124,         // two tensors share bytes
-  kDataTrailing = 125,        // bytes after the last tensor, up to the end of the file
-  kDataTruncated = 126,       // the tensors extend past the end of the file
+  kFileTooSmall = 100,       // fewer than 8 bytes: no length prefix
+  kHeaderTooLarge = 101,     // length prefix above ParseLimits::max_header_size
+  kHeaderOutOfBounds = 102,  // 8 + length prefix runs past the end of the file
+  kHeaderBom = 103,          // header starts with a UTF-8 byte-order mark
+  kHeaderNotUtf8 = 104,      // header bytes are not valid UTF-8
+  kHeaderInvalidJson = 105,  // header is not one valid JSON document
+  kHeaderNotObject = 106,    // JSON top level is not an object
+  kHeaderTooDeep = 107,      // JSON nesting beyond ParseLimits::max_depth
+  kTooManyTensors = 108,     // more entries than ParseLimits::max_tensors
+  kDuplicateKey = 109,       // a key appears twice in one JSON object (identical values too)
+  kReservedName = 110,       // a tensor named "__metadata__"
+  kMetadataNotObject = 111,  // "__metadata__" is not an object
+  kMetadataNotString = 112,  // a "__metadata__" value is not a string
+  kTensorNotObject = 113,    // a tensor entry is not an object
+  kMissingField = 114,       // dtype, shape or data_offsets absent
+  kUnknownDtype = 115,       // dtype not a string naming a known type (case-sensitive)
+  kInvalidShape = 116,       // shape not an array of non-negative 64-bit integers
+  kRankTooLarge = 117,       // more dimensions than ParseLimits::max_rank
+  kInvalidOffsets = 118,     // data_offsets not exactly two non-negative 64-bit integers
+  kOffsetsReversed = 119,    // data_offsets end < begin
+  kPartialByte = 120,        // element count x bit width is not a whole number of bytes
+  kSizeMismatch = 121,       // byte size from dtype and shape differs from end - begin
+  kOverflow = 122,           // an element count, byte count or offset does not fit 64 bits
+  kDataGap = 123,            // a hole between tensors (or the first does not start at 0)
+  kDataOverlap = 124,        // two tensors share bytes
+  kDataTrailing = 125,       // bytes after the last tensor, up to the end of the file
+  kDataTruncated = 126,      // the tensors extend past the end of the file
 
   // --- sharded checkpoints: model.safetensors.index.json (category kCorrupt) -------------------
-  kIndexInvalidJson = 200,     // not valid UTF-8 JSON, too deep, or top level not an object
-  kIndexNoWeightMap = 201,     // "weight_map" missing or not an object
-  kIndexBadEntry = 202,        // a weight_map value is not a non-empty string
-  kIndexPathEscape = 203,      // a file path leaves the checkpoint directory
-  kIndexMissingTensor = 204,   // weight_map names a tensor its file does not contain
-  kIndexUnlistedTensor = 205,  // a shard holds a tensor the weight_map does not list
-  kIndexDuplicateTensor = 206, // one tensor name in two files
-  kIndexMissingFile = 207,     // weight_map names a file that does not exist
-  kIndexTooLarge = 208,        // index file above the size limit
+  kIndexInvalidJson = 200,      // not valid UTF-8 JSON, too deep, or top level not an object
+  kIndexNoWeightMap = 201,      // "weight_map" missing or not an object
+  kIndexBadEntry = 202,         // a weight_map value is not a non-empty string
+  kIndexPathEscape = 203,       // a file path leaves the checkpoint directory
+  kIndexMissingTensor = 204,    // weight_map names a tensor its file does not contain
+  kIndexUnlistedTensor = 205,   // a shard holds a tensor the weight_map does not list
+  kIndexDuplicateTensor = 206,  // one tensor name in two files
+  kIndexMissingFile = 207,      // weight_map names a file that does not exist
+  kIndexTooLarge = 208,         // index file above the size limit
 
   // --- writer (category kInvalidArgument) ------------------------------------------------------
-  kBadTensorName = 300,     // a name the format cannot hold (e.g. "__metadata__", duplicate)
-  kBadTensorData = 301,     // data length differs from dtype x shape, or no data source given
+  kBadTensorName = 300,  // a name the format cannot hold (e.g. "__metadata__", duplicate)
+  kBadTensorData = 301,  // data length differs from dtype x shape, or no data source given
 };
 
 // The category a code belongs to.
@@ -159,8 +159,8 @@ class [[nodiscard]] Result {
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (std::get<Status>(v_).ok()) v_ = Status(Code::kInternal, "Result built from an OK status");
   }
-  Result(const T& value) : v_(value) {}             // NOLINT(google-explicit-constructor)
-  Result(T&& value) : v_(std::move(value)) {}       // NOLINT(google-explicit-constructor)
+  Result(const T& value) : v_(value) {}        // NOLINT(google-explicit-constructor)
+  Result(T&& value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
   template <typename U, typename = std::enable_if_t<std::is_constructible_v<T, U&&> &&
                                                     !std::is_same_v<std::decay_t<U>, Status> &&
                                                     !std::is_same_v<std::decay_t<U>, T>>>

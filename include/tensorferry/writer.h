@@ -55,8 +55,8 @@ struct WriteOptions {
 // kBadTensorData (a data span of the wrong length, or neither data nor generate on a tensor with
 // bytes), kOverflow, kPartialByte, kInvalidArgument (duplicate metadata key).
 struct SerializedHeader {
-  std::string json;            // padded to a multiple of 8 bytes
-  std::vector<size_t> order;   // order[i] = index into the input of the i-th tensor written
+  std::string json;           // padded to a multiple of 8 bytes
+  std::vector<size_t> order;  // order[i] = index into the input of the i-th tensor written
   uint64_t data_size = 0;
 };
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,

@@ -12,28 +12,11 @@ struct DTypeDesc {
 };
 
 constexpr std::array<DTypeDesc, kNumDTypes> kDTypes = {{
-    {"BOOL", 8},
-    {"F4", 4},
-    {"F6_E2M3", 6},
-    {"F6_E3M2", 6},
-    {"U8", 8},
-    {"I8", 8},
-    {"F8_E5M2", 8},
-    {"F8_E4M3", 8},
-    {"F8_E8M0", 8},
-    {"F8_E4M3FNUZ", 8},
-    {"F8_E5M2FNUZ", 8},
-    {"I16", 16},
-    {"U16", 16},
-    {"F16", 16},
-    {"BF16", 16},
-    {"I32", 32},
-    {"U32", 32},
-    {"F32", 32},
-    {"C64", 64},
-    {"F64", 64},
-    {"I64", 64},
-    {"U64", 64},
+    {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+    {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+    {"I64", 64},        {"U64", 64},
 }};
 
 }  // namespace
@@ -81,9 +64,9 @@ Result<uint64_t> TensorByteSize(DType dtype, std::span<const uint64_t> shape) {
                                        std::string(DTypeName(dtype)) + ") overflows 64 bits");
   }
   if (bits % 8 != 0) {
-    return Status(Code::kPartialByte, std::to_string(*n) + " elements of " +
-                                          std::string(DTypeName(dtype)) + " take " +
-                                          std::to_string(bits) + " bits, not a whole number of bytes");
+    return Status(Code::kPartialByte,
+                  std::to_string(*n) + " elements of " + std::string(DTypeName(dtype)) + " take " +
+                      std::to_string(bits) + " bits, not a whole number of bytes");
   }
   return bits / 8;
 }

@@ -2,8 +2,8 @@
 //
 // Rules (docs/format.md lists them with their codes): the 8-byte length prefix is checked against
 // the limit and the file size with checked arithmetic; the JSON must be BOM-free UTF-8, one object,
-// no duplicate key anywhere, within the depth and tensor-count limits; each tensor entry has a known
-// dtype, a shape of non-negative integers and exactly two offsets; its byte size (checked
+// no duplicate key anywhere, within the depth and tensor-count limits; each tensor entry has a
+// known dtype, a shape of non-negative integers and exactly two offsets; its byte size (checked
 // multiplication, whole bytes for sub-byte types) equals end - begin; and the tensors, sorted by
 // offset, tile the data buffer exactly.
 #include <simdjson.h>
@@ -120,9 +120,10 @@ class Parser {
     header.has_metadata = true;
     for (dom::key_value_pair kv : obj) {
       if (kv.value.type() != dom::element_type::STRING) {
-        return Fail(Code::kMetadataNotString,
-                    "\"__metadata__\" value for key " + QuoteName(kv.key) + " must be a string, got " +
-                        TypeName(kv.value.type()) + " " + Render(kv.value));
+        return Fail(Code::kMetadataNotString, "\"__metadata__\" value for key " +
+                                                  QuoteName(kv.key) + " must be a string, got " +
+                                                  TypeName(kv.value.type()) + " " +
+                                                  Render(kv.value));
       }
       header.metadata.emplace_back(std::string(kv.key),
                                    std::string(kv.value.get_string().value_unsafe()));
@@ -143,7 +144,8 @@ class Parser {
     for (dom::key_value_pair kv : obj) {
       ++fields;
       if (kv.key == "dtype") {
-        if (have_dtype) return Fail(Code::kDuplicateKey, "duplicate key \"dtype\" in tensor " + QuoteName(name));
+        if (have_dtype)
+          return Fail(Code::kDuplicateKey, "duplicate key \"dtype\" in tensor " + QuoteName(name));
         have_dtype = true;
         std::string_view dt;
         if (kv.value.get_string().get(dt) != simdjson::SUCCESS) {
@@ -158,7 +160,8 @@ class Parser {
         }
         t.dtype = *d;
       } else if (kv.key == "shape") {
-        if (have_shape) return Fail(Code::kDuplicateKey, "duplicate key \"shape\" in tensor " + QuoteName(name));
+        if (have_shape)
+          return Fail(Code::kDuplicateKey, "duplicate key \"shape\" in tensor " + QuoteName(name));
         have_shape = true;
         dom::array arr;
         if (kv.value.get_array().get(arr) != simdjson::SUCCESS) {
@@ -176,14 +179,16 @@ class Parser {
           uint64_t v;
           if (d.get_uint64().get(v) != simdjson::SUCCESS) {
             return FailTensor(Code::kInvalidShape, name,
-                              "shape " + Render(kv.value) + ": dimension " + std::to_string(rank - 1) +
-                                  " is " + Render(d) + ", not a non-negative 64-bit integer");
+                              "shape " + Render(kv.value) + ": dimension " +
+                                  std::to_string(rank - 1) + " is " + Render(d) +
+                                  ", not a non-negative 64-bit integer");
           }
           t.shape.push_back(v);
         }
       } else if (kv.key == "data_offsets") {
         if (have_offsets) {
-          return Fail(Code::kDuplicateKey, "duplicate key \"data_offsets\" in tensor " + QuoteName(name));
+          return Fail(Code::kDuplicateKey,
+                      "duplicate key \"data_offsets\" in tensor " + QuoteName(name));
         }
         have_offsets = true;
         dom::array arr;
@@ -208,7 +213,8 @@ class Parser {
         t.end = v[1];
       } else {
         // Unknown fields are ignored, as the reference does, but must still be well-formed.
-        if (Status s = CheckUniqueKeysDeep(kv.value, "tensor " + QuoteName(name)); !s.ok()) return s;
+        if (Status s = CheckUniqueKeysDeep(kv.value, "tensor " + QuoteName(name)); !s.ok())
+          return s;
       }
     }
     if (fields > 3) {
@@ -244,12 +250,14 @@ class Parser {
 
   Result<Header> Parse(std::string_view json, uint64_t data_size) {
     if (json.size() >= 3 && static_cast<unsigned char>(json[0]) == 0xEF &&
-        static_cast<unsigned char>(json[1]) == 0xBB && static_cast<unsigned char>(json[2]) == 0xBF) {
+        static_cast<unsigned char>(json[1]) == 0xBB &&
+        static_cast<unsigned char>(json[2]) == 0xBF) {
       return Fail(Code::kHeaderBom, "header starts with a UTF-8 byte-order mark (file offset 8)");
     }
     if (!simdjson::validate_utf8(json.data(), json.size())) {
-      return Fail(Code::kHeaderNotUtf8, "header (file bytes 8 to " + std::to_string(8 + json.size()) +
-                                            ") is not valid UTF-8");
+      return Fail(
+          Code::kHeaderNotUtf8,
+          "header (file bytes 8 to " + std::to_string(8 + json.size()) + ") is not valid UTF-8");
     }
     dom::parser parser;
     // simdjson counts the document itself as one level: add it so max_depth counts containers.
@@ -266,7 +274,8 @@ class Parser {
                                               std::to_string(limits_.max_depth) +
                                               " levels (limit max_depth)");
       }
-      if (err == simdjson::UTF8_ERROR) return Fail(Code::kHeaderNotUtf8, "header is not valid UTF-8");
+      if (err == simdjson::UTF8_ERROR)
+        return Fail(Code::kHeaderNotUtf8, "header is not valid UTF-8");
       return Fail(Code::kHeaderInvalidJson,
                   std::string("header is not valid JSON: ") + simdjson::error_message(err));
     }
@@ -329,9 +338,9 @@ class Parser {
       }
       if (t.begin < expected) {
         return FailTensor(Code::kDataOverlap, t.name,
-                          "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                              "] overlap tensor " + QuoteName(prev->name) + ", which ends at " +
-                              std::to_string(expected));
+                          "data_offsets [" + std::to_string(t.begin) + ", " +
+                              std::to_string(t.end) + "] overlap tensor " + QuoteName(prev->name) +
+                              ", which ends at " + std::to_string(expected));
       }
       expected = t.end;
       prev = &t;
@@ -347,8 +356,10 @@ class Parser {
     }
     if (expected > data_size) {
       return FailTensor(Code::kDataTruncated, prev->name,
-                        "ends at data offset " + std::to_string(expected) + " but the file's data "
-                        "buffer (from file offset " + std::to_string(8 + json.size()) + ") is only " +
+                        "ends at data offset " + std::to_string(expected) +
+                            " but the file's data "
+                            "buffer (from file offset " +
+                            std::to_string(8 + json.size()) + ") is only " +
                             std::to_string(data_size) + " bytes: the file is truncated by " +
                             std::to_string(expected - data_size) + " bytes");
     }
@@ -373,8 +384,8 @@ Result<uint64_t> ParseHeaderLength(std::span<const std::byte> prefix, uint64_t f
                                            " bytes, too short for the 8-byte header length");
   }
   if (prefix.size() < 8) {
-    return p.Fail(Code::kInvalidArgument, "need the first 8 bytes of the file, got " +
-                                              std::to_string(prefix.size()));
+    return p.Fail(Code::kInvalidArgument,
+                  "need the first 8 bytes of the file, got " + std::to_string(prefix.size()));
   }
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[static_cast<size_t>(i)]);
@@ -384,9 +395,9 @@ Result<uint64_t> ParseHeaderLength(std::span<const std::byte> prefix, uint64_t f
                                              std::to_string(limits.max_header_size) + " bytes");
   }
   if (n > file_size - 8) {
-    return p.Fail(Code::kHeaderOutOfBounds,
-                  "header length " + std::to_string(n) + " (file bytes 0-7) runs past the end of the " +
-                      std::to_string(file_size) + "-byte file");
+    return p.Fail(Code::kHeaderOutOfBounds, "header length " + std::to_string(n) +
+                                                " (file bytes 0-7) runs past the end of the " +
+                                                std::to_string(file_size) + "-byte file");
   }
   return n;
 }

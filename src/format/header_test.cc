@@ -12,7 +12,8 @@ namespace {
 using testing::MakeFile;
 using testing::ToBytes;
 
-Result<Header> ParseJson(const std::string& json, uint64_t data_size, const ParseLimits& limits = {}) {
+Result<Header> ParseJson(const std::string& json, uint64_t data_size,
+                         const ParseLimits& limits = {}) {
   return ParseHeaderJson(json, data_size, limits, "m.safetensors");
 }
 
@@ -21,14 +22,14 @@ Result<Header> ParseBytes(const std::string& file, const ParseLimits& limits = {
   return ParseHeader(bytes, bytes.size(), limits, "m.safetensors");
 }
 
-#define EXPECT_CODE(expr, expected_code)                                           \
-  do {                                                                             \
-    auto r_ = (expr);                                                              \
-    ASSERT_FALSE(r_.ok()) << "expected " << CodeName(expected_code);               \
-    EXPECT_EQ(r_.status().code(), expected_code) << r_.status().ToString();        \
-    EXPECT_EQ(r_.status().category(), CategoryOf(expected_code));                  \
-    EXPECT_NE(r_.status().message().find("m.safetensors"), std::string::npos)      \
-        << r_.status().message();                                                  \
+#define EXPECT_CODE(expr, expected_code)                                      \
+  do {                                                                        \
+    auto r_ = (expr);                                                         \
+    ASSERT_FALSE(r_.ok()) << "expected " << CodeName(expected_code);          \
+    EXPECT_EQ(r_.status().code(), expected_code) << r_.status().ToString();   \
+    EXPECT_EQ(r_.status().category(), CategoryOf(expected_code));             \
+    EXPECT_NE(r_.status().message().find("m.safetensors"), std::string::npos) \
+        << r_.status().message();                                             \
   } while (0)
 
 const std::string kOne = R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})";
@@ -98,13 +99,12 @@ TEST(Header, EmptyHeaderAndWhitespaceAccepted) {
 }
 
 TEST(Header, SortsByOffsetAndKeepsMetadataSorted) {
-  const std::string j =
-      R"({"z":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
-      R"("__metadata__":{"b":"2","a":"1"},)"
-      R"("a":{"dtype":"U8","shape":[3],"data_offsets":[2,5]},)"
-      R"("e0":{"dtype":"F32","shape":[0,4],"data_offsets":[5,5]},)"
-      R"("s":{"dtype":"I16","shape":[],"data_offsets":[5,7]},)"
-      R"("":{"dtype":"BOOL","shape":[1],"data_offsets":[7,8]}})";
+  const std::string j = R"({"z":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                        R"("__metadata__":{"b":"2","a":"1"},)"
+                        R"("a":{"dtype":"U8","shape":[3],"data_offsets":[2,5]},)"
+                        R"("e0":{"dtype":"F32","shape":[0,4],"data_offsets":[5,5]},)"
+                        R"("s":{"dtype":"I16","shape":[],"data_offsets":[5,7]},)"
+                        R"("":{"dtype":"BOOL","shape":[1],"data_offsets":[7,8]}})";
   auto h = ParseJson(j, 8);
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   ASSERT_EQ(h->tensors.size(), 5u);
@@ -188,17 +188,21 @@ TEST(HeaderLength, OutOfBounds) {
 TEST(HeaderLength, NeedsEnoughBytes) {
   std::string f = MakeFile(kOne, 16);
   auto bytes = ToBytes(f);
-  auto r = ParseHeader(std::span<const std::byte>(bytes).first(20), bytes.size(), {}, "m.safetensors");
+  auto r =
+      ParseHeader(std::span<const std::byte>(bytes).first(20), bytes.size(), {}, "m.safetensors");
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
 }
 
-// --- JSON-level errors -------------------------------------------------------------------------------
+// --- JSON-level errors
+// -------------------------------------------------------------------------------
 
-TEST(Header, Bom) { EXPECT_CODE(ParseJson("\xEF\xBB\xBF{}", 0), Code::kHeaderBom); }
+TEST(Header, Bom) {
+  EXPECT_CODE(ParseJson("\xEF\xBB\xBF{}", 0), Code::kHeaderBom);
+}
 
 TEST(Header, NotUtf8) {
   EXPECT_CODE(ParseJson("{\"\xff\":{}}", 0), Code::kHeaderNotUtf8);
-  EXPECT_CODE(ParseJson("{\"\xc0\xaf\":1}", 0), Code::kHeaderNotUtf8);   // overlong
+  EXPECT_CODE(ParseJson("{\"\xc0\xaf\":1}", 0), Code::kHeaderNotUtf8);      // overlong
   EXPECT_CODE(ParseJson("{\"\xed\xa0\x80\":1}", 0), Code::kHeaderNotUtf8);  // surrogate
 }
 
@@ -212,8 +216,9 @@ TEST(Header, InvalidJson) {
   EXPECT_CODE(ParseJson("{'a':1}", 0), Code::kHeaderInvalidJson);
   EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],}})", 1),
               Code::kHeaderInvalidJson);
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[99999999999999999999],"data_offsets":[0,1]}})", 1),
-              Code::kHeaderInvalidJson);
+  EXPECT_CODE(
+      ParseJson(R"({"a":{"dtype":"U8","shape":[99999999999999999999],"data_offsets":[0,1]}})", 1),
+      Code::kHeaderInvalidJson);
 }
 
 TEST(Header, NotObject) {
@@ -256,12 +261,14 @@ TEST(Header, DuplicateKeys) {
               Code::kDuplicateKey);
   EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"shape":[1],"data_offsets":[0,1]}})", 1),
               Code::kDuplicateKey);
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"data_offsets":[0,1]}})", 1),
-              Code::kDuplicateKey);
+  EXPECT_CODE(
+      ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"data_offsets":[0,1]}})", 1),
+      Code::kDuplicateKey);
   EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1,"x":2}})", 1),
               Code::kDuplicateKey);
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[{"k":1,"k":1}]}})", 1),
-              Code::kDuplicateKey);
+  EXPECT_CODE(
+      ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[{"k":1,"k":1}]}})", 1),
+      Code::kDuplicateKey);
   EXPECT_CODE(ParseJson(R"({"__metadata__":{"k":"1","k":"1"}})", 0), Code::kDuplicateKey);
   EXPECT_CODE(ParseJson(R"({"__metadata__":{},"__metadata__":{}})", 0), Code::kDuplicateKey);
 }
@@ -293,24 +300,25 @@ TEST(Header, TensorEntryErrors) {
               Code::kUnknownDtype);
   for (const char* shape : {"[-1]", "[1.0]", "[\"1\"]", "[null]", "1", "{}", "[[1]]", "[1e2]",
                             "[18446744073709551616]"}) {
-    auto r = ParseJson(std::string(R"({"a":{"dtype":"U8","shape":)") + shape +
-                           R"(,"data_offsets":[0,1]}})",
-                       1);
+    auto r = ParseJson(
+        std::string(R"({"a":{"dtype":"U8","shape":)") + shape + R"(,"data_offsets":[0,1]}})", 1);
     ASSERT_FALSE(r.ok()) << shape;
     EXPECT_TRUE(r.status().code() == Code::kInvalidShape ||
                 r.status().code() == Code::kHeaderInvalidJson)
         << shape << " " << r.status().ToString();
   }
   for (const char* off : {"[0]", "[0,1,2]", "[-1,0]", "[0,1.5]", "\"0,1\"", "null", "[]", "{}"}) {
-    auto r = ParseJson(std::string(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":)") + off + "}}", 1);
+    auto r =
+        ParseJson(std::string(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":)") + off + "}}", 1);
     EXPECT_EQ(r.status().code(), Code::kInvalidOffsets) << off << " " << r.status().ToString();
   }
   EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,0]}})", 1),
               Code::kOffsetsReversed);
   EXPECT_CODE(ParseJson(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4),
               Code::kSizeMismatch);
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", 0),
-              Code::kOverflow);
+  EXPECT_CODE(
+      ParseJson(R"({"a":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", 0),
+      Code::kOverflow);
 }
 
 TEST(Header, RankLimit) {
@@ -321,33 +329,53 @@ TEST(Header, RankLimit) {
               Code::kRankTooLarge);
   ParseLimits l;
   l.max_rank = 65;
-  EXPECT_TRUE(ParseJson(R"({"a":{"dtype":"U8","shape":)" + shape + R"(,"data_offsets":[0,1]}})", 1, l).ok());
+  EXPECT_TRUE(
+      ParseJson(R"({"a":{"dtype":"U8","shape":)" + shape + R"(,"data_offsets":[0,1]}})", 1, l)
+          .ok());
 }
 
-// --- tiling of the data buffer -------------------------------------------------------------------------
+// --- tiling of the data buffer
+// -------------------------------------------------------------------------
 
 TEST(Header, Tiling) {
   // Hole at the start.
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2), Code::kDataGap);
-  // Hole between tensors.
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}})", 3),
+  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2),
               Code::kDataGap);
+  // Hole between tensors.
+  EXPECT_CODE(
+      ParseJson(
+          R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}})",
+          3),
+      Code::kDataGap);
   // Overlap.
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2),
-              Code::kDataOverlap);
+  EXPECT_CODE(
+      ParseJson(
+          R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
+          2),
+      Code::kDataOverlap);
   // Same range twice (aliasing) is an overlap.
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2),
-              Code::kDataOverlap);
+  EXPECT_CODE(
+      ParseJson(
+          R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})",
+          2),
+      Code::kDataOverlap);
   // Trailing bytes.
   EXPECT_CODE(ParseJson(kOne, 17), Code::kDataTrailing);
   EXPECT_CODE(ParseJson("{}", 1), Code::kDataTrailing);
   // Past the end of the file.
   EXPECT_CODE(ParseJson(kOne, 15), Code::kDataTruncated);
   // Zero-size tensors may share an offset.
-  EXPECT_TRUE(ParseJson(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"b":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"c":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1).ok());
+  EXPECT_TRUE(
+      ParseJson(
+          R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"b":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"c":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})",
+          1)
+          .ok());
   // Huge offsets near 2^64 must not wrap.
-  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}})", 0),
-              Code::kDataGap);
+  EXPECT_CODE(
+      ParseJson(
+          R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[18446744073709551614,18446744073709551615]}})",
+          0),
+      Code::kDataGap);
 }
 
 TEST(Header, MessagesNameTensorAndValues) {
@@ -364,7 +392,8 @@ TEST(Header, MessagesNameTensorAndValues) {
   EXPECT_EQ(r2.status().message().find('\n'), std::string::npos) << r2.status().message();
 }
 
-// --- corruption: mutate every byte of the prefix and many bytes of the JSON of a valid file ---------
+// --- corruption: mutate every byte of the prefix and many bytes of the JSON of a valid file
+// ---------
 
 TEST(HeaderCorruption, SingleByteMutationsNeverCrash) {
   const std::string j =
@@ -372,7 +401,8 @@ TEST(HeaderCorruption, SingleByteMutationsNeverCrash) {
   const std::string base = MakeFile(j, 40);
   ASSERT_TRUE(ParseBytes(base).ok());
   int rejected = 0;
-  const unsigned char values[] = {0x00, 0x01, 0x22, 0x2c, 0x30, 0x39, 0x5b, 0x5d, 0x7b, 0x7d, 0x80, 0xff};
+  const unsigned char values[] = {0x00, 0x01, 0x22, 0x2c, 0x30, 0x39,
+                                  0x5b, 0x5d, 0x7b, 0x7d, 0x80, 0xff};
   for (size_t pos = 0; pos < 8 + j.size(); ++pos) {
     for (unsigned char v : values) {
       std::string f = base;
@@ -404,7 +434,8 @@ TEST(HeaderCorruption, OffsetsMutated) {
   for (uint64_t a = 0; a < 42; a += 3) {
     for (uint64_t b = 0; b < 42; b += 5) {
       std::string j = R"({"w":{"dtype":"BF16","shape":[3,4],"data_offsets":[)" + std::to_string(a) +
-                      "," + std::to_string(b) + R"(]},"b":{"dtype":"F32","shape":[4],"data_offsets":[24,40]}})";
+                      "," + std::to_string(b) +
+                      R"(]},"b":{"dtype":"F32","shape":[4],"data_offsets":[24,40]}})";
       auto r = ParseBytes(MakeFile(j, 40));
       EXPECT_EQ(r.ok(), a == 0 && b == 24) << a << "," << b << " " << r.status().ToString();
     }
@@ -415,7 +446,8 @@ TEST(HeaderCorruption, LengthPrefixMutated) {
   const std::string base = MakeFile(kOne, 16);
   for (uint64_t n = 0; n < base.size() + 4; ++n) {
     std::string f = base;
-    for (int i = 0; i < 8; ++i) f[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+    for (int i = 0; i < 8; ++i)
+      f[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
     auto r = ParseBytes(f);
     EXPECT_EQ(r.ok(), n == kOne.size()) << n << " " << r.status().ToString();
   }

@@ -11,7 +11,9 @@
 namespace tensorferry {
 namespace {
 
-std::string ErrnoText(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+std::string ErrnoText(int err) {
+  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
 
 class PosixFile final : public RandomAccessFile {
  public:
@@ -88,11 +90,11 @@ Status ReadFully(const RandomAccessFile& file, uint64_t offset, std::span<std::b
     auto n = file.Read(offset + done, dst.subspan(done));
     if (!n.ok()) return n.status();
     if (*n == 0) {
-      return Status(Code::kUnexpectedEof,
-                    file.path() + ": unexpected end of file at offset " +
-                        std::to_string(offset + done) + ": wanted " + std::to_string(dst.size()) +
-                        " bytes at offset " + std::to_string(offset) + ", got " +
-                        std::to_string(done));
+      return Status(Code::kUnexpectedEof, file.path() + ": unexpected end of file at offset " +
+                                              std::to_string(offset + done) + ": wanted " +
+                                              std::to_string(dst.size()) + " bytes at offset " +
+                                              std::to_string(offset) + ", got " +
+                                              std::to_string(done));
     }
     done += *n;
   }

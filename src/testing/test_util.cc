@@ -47,7 +47,8 @@ std::vector<std::byte> ToBytes(const std::string& s) {
 std::string MakeFile(const std::string& header_json, uint64_t data_size) {
   std::string out(8, '\0');
   uint64_t n = header_json.size();
-  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
   out += header_json;
   for (uint64_t i = 0; i < data_size; ++i) out.push_back(static_cast<char>((i * 131 + 7) & 0xff));
   return out;

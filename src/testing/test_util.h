@@ -40,9 +40,10 @@ std::string MakeFile(const std::string& header_json, uint64_t data_size);
 class MemoryEnv : public Env {
  public:
   struct Faults {
-    size_t max_read = 0;            // >0: every read returns at most this many bytes
-    int64_t eio_at = -1;            // >=0: a read covering this offset fails with kIoError
-    int64_t truncate_after_reads = -1;  // >=0: after this many reads, the file shrinks to `truncate_to`
+    size_t max_read = 0;  // >0: every read returns at most this many bytes
+    int64_t eio_at = -1;  // >=0: a read covering this offset fails with kIoError
+    int64_t truncate_after_reads =
+        -1;  // >=0: after this many reads, the file shrinks to `truncate_to`
     uint64_t truncate_to = 0;
   };
 

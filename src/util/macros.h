@@ -7,10 +7,10 @@
 #define TF_CONCAT(a, b) TF_CONCAT_INNER(a, b)
 
 // Returns the status from the enclosing function when `expr` (a Status) is not OK.
-#define TF_RETURN_IF_ERROR(expr)                          \
-  do {                                                    \
-    ::tensorferry::Status tf_status_ = (expr);            \
-    if (!tf_status_.ok()) return tf_status_;              \
+#define TF_RETURN_IF_ERROR(expr)               \
+  do {                                         \
+    ::tensorferry::Status tf_status_ = (expr); \
+    if (!tf_status_.ok()) return tf_status_;   \
   } while (0)
 
 // `lhs = value of expr` (a Result<T>), or returns its status.

@@ -4,27 +4,18 @@ namespace tensorferry {
 
 Category CategoryOf(Code code) noexcept {
   switch (code) {
-    case Code::kOk:
-      return Category::kOk;
+    case Code::kOk: return Category::kOk;
     case Code::kIoError:
-    case Code::kUnexpectedEof:
-      return Category::kIo;
-    case Code::kNotFound:
-      return Category::kNotFound;
+    case Code::kUnexpectedEof: return Category::kIo;
+    case Code::kNotFound: return Category::kNotFound;
     case Code::kInvalidArgument:
     case Code::kBadTensorName:
-    case Code::kBadTensorData:
-      return Category::kInvalidArgument;
-    case Code::kUnsupported:
-      return Category::kUnsupported;
-    case Code::kBudgetExceeded:
-      return Category::kBudget;
-    case Code::kCudaError:
-      return Category::kCuda;
-    case Code::kInternal:
-      return Category::kInternal;
-    default:
-      break;
+    case Code::kBadTensorData: return Category::kInvalidArgument;
+    case Code::kUnsupported: return Category::kUnsupported;
+    case Code::kBudgetExceeded: return Category::kBudget;
+    case Code::kCudaError: return Category::kCuda;
+    case Code::kInternal: return Category::kInternal;
+    default: break;
   }
   const auto v = static_cast<uint16_t>(code);
   if (v >= 100 && v < 300) return Category::kCorrupt;

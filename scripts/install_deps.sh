@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything tensorferry needs on a fresh Debian 12 machine, idempotently: Debian packages
+# only when one is missing, the virtual environment only when requirements.txt changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
+              libsimdjson-dev libcli11-dev libgtest-dev googletest liburing-dev python3-venv)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[deps] installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  echo "[deps] Debian packages present"
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[deps] creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[deps] installing Python requirements into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -r requirements.txt
+  echo "$want" > "$stamp"
+else
+  echo "[deps] Python requirements present"
+fi

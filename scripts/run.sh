@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install dependencies, build, generate the default synthetic
+# Llama-style checkpoint (about 4 GB, 5 shards, with model.safetensors.index.json), then inspect
+# and verify it. Pass another directory as $1 to use it instead of data/default.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+scripts/build.sh release
+tf=build/release/bin/tensorferry
+out=${1:-data/default}
+if [ -f "$out/model.safetensors.index.json" ] && "$tf" verify "$out" >/dev/null 2>&1; then
+  echo "[run] $out already holds a valid checkpoint; not regenerating"
+else
+  rm -rf "$out"
+  "$tf" gen "$out"
+fi
+"$tf" inspect "$out"
+"$tf" verify "$out"

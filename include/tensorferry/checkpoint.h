@@ -12,9 +12,9 @@
 // Path safety of an index: the lexical checks (no absolute path, no ".." component, no NUL, no
 // backslash) always apply. The symlink check (each file's std::filesystem::weakly_canonical path
 // must lie inside the canonical directory of the index) needs the real file system, so it runs
-// only when OpenOptions::env is nullptr (the default Env). Note that this rejects layouts whose
-// shards are symlinks to elsewhere, such as the Hugging Face hub cache
-// (snapshots/<rev>/*.safetensors -> ../../blobs/<hash>): open those with OpenFiles.
+// only when OpenOptions::env is nullptr (the default Env). One exception keeps the Hugging Face hub
+// cache working: when the checkpoint directory is <repo>/snapshots/<rev>, a symlink resolving into
+// <repo>/blobs/ (that repository's own blobs, where the hub cache keeps the bytes) is accepted.
 //
 // Ownership and lifetime: Open returns a shared_ptr to an immutable Checkpoint; hold it as long
 // as you use its tables. It keeps no file descriptor open.

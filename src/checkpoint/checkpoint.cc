@@ -53,6 +53,15 @@ bool IsInside(const fs::path& dir, const fs::path& child) {
   return c != child.end();
 }
 
+// The Hugging Face hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, each file a
+// symlink to <repo>/blobs/<hash>. A target inside that repository's own blobs/ is accepted; any
+// other target outside the checkpoint directory is not.
+bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
+  const fs::path snapshots = canonical_dir.parent_path();
+  if (snapshots.filename() != "snapshots") return false;
+  return IsInside(snapshots.parent_path() / "blobs", target);
+}
+
 }  // namespace
 
 // Opens files, validates headers and builds a Checkpoint. One builder per Open call.
@@ -110,7 +119,8 @@ class CheckpointBuilder {
       if (options_.env == nullptr) {
         std::error_code ec;
         const fs::path canonical = fs::weakly_canonical(joined, ec);
-        if (ec || !IsInside(canonical_dir, canonical)) {
+        if (ec ||
+            (!IsInside(canonical_dir, canonical) && !IsInsideHubBlobs(canonical_dir, canonical))) {
           return Status(Code::kIndexPathEscape,
                         index_path + ": file " + json::Quote(rel) + " (of tensor " +
                             json::Quote(tensor) + ") resolves to " +

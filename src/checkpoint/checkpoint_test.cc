@@ -400,6 +400,32 @@ TEST_F(CheckpointTraversalTest, SymlinkInsideAccepted) {
   EXPECT_EQ(cp->files()[0].path, Dir() + "/link.safetensors");
 }
 
+TEST_F(CheckpointTraversalTest, HuggingFaceHubCacheLayout) {
+  // <repo>/snapshots/<rev>/model.safetensors -> ../../blobs/<hash>: accepted.
+  const std::string repo = root_.Join("models--org--name");
+  fs::create_directories(repo + "/blobs");
+  fs::create_directories(repo + "/snapshots/abc123");
+  WriteBytes(repo + "/blobs/0123abcd", Shard({{"t", 1}}));
+  const std::string snap = repo + "/snapshots/abc123";
+  fs::create_symlink("../../blobs/0123abcd", snap + "/model.safetensors");
+  WriteBytes(snap + "/" + std::string(kIndexFileName), Index({{"t", "model.safetensors"}}));
+  EXPECT_NE(OpenOk(snap), nullptr);
+  // Anything else outside the snapshot is still refused: another repository's blobs...
+  fs::create_directories(root_.Join("models--other/blobs"));
+  WriteBytes(root_.Join("models--other/blobs/ff"), Shard({{"t", 1}}));
+  fs::remove(snap + "/model.safetensors");
+  fs::create_symlink("../../../models--other/blobs/ff", snap + "/model.safetensors");
+  EXPECT_EQ(OpenError(snap).code(), Code::kIndexPathEscape);
+  // ...and blobs/ of a directory not named snapshots/.
+  const std::string other = root_.Join("r2");
+  fs::create_directories(other + "/blobs");
+  fs::create_directories(other + "/revs/x");
+  WriteBytes(other + "/blobs/aa", Shard({{"t", 1}}));
+  fs::create_symlink("../../blobs/aa", other + "/revs/x/model.safetensors");
+  WriteBytes(other + "/revs/x/" + std::string(kIndexFileName), Index({{"t", "model.safetensors"}}));
+  EXPECT_EQ(OpenError(other + "/revs/x").code(), Code::kIndexPathEscape);
+}
+
 TEST_F(CheckpointTraversalTest, LegitSubdirectory) {
   fs::create_directory(Dir() + "/sub");
   WriteBytes(Dir() + "/sub/model.safetensors", Shard({{"t", 1}}));

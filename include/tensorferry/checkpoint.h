@@ -9,6 +9,13 @@
 //
 // Opening reads and validates every header (format.h) but no tensor data.
 //
+// Path safety of an index: the lexical checks (no absolute path, no ".." component, no NUL, no
+// backslash) always apply. The symlink check (each file's std::filesystem::weakly_canonical path
+// must lie inside the canonical directory of the index) needs the real file system, so it runs
+// only when OpenOptions::env is nullptr (the default Env). One exception keeps the Hugging Face hub
+// cache working: when the checkpoint directory is <repo>/snapshots/<rev>, a symlink resolving into
+// <repo>/blobs/ (that repository's own blobs, where the hub cache keeps the bytes) is accepted.
+//
 // Ownership and lifetime: Open returns a shared_ptr to an immutable Checkpoint; hold it as long
 // as you use its tables. It keeps no file descriptor open.
 // Thread-safety: a Checkpoint is immutable after Open and safe to read from any thread.
@@ -40,6 +47,8 @@ struct IndexDocument {
 
 struct IndexLimits {
   uint64_t max_index_size = 256u << 20;  // bytes of index JSON
+  // Deepest JSON nesting in containers, counted as ParseLimits::max_depth is: a valid index
+  // needs 2 ({"weight_map":{"a":"f"}}). Deeper documents are kIndexInvalidJson.
   uint32_t max_depth = 64;
 };
 
@@ -78,6 +87,12 @@ struct OpenOptions {
 class Checkpoint {
  public:
   // Opens a .safetensors file, a model.safetensors.index.json file, or a directory.
+  // What `path` is comes from the real file system: a directory is read through its index when
+  // kIndexFileName is inside, else as every regular "*.safetensors" file directly inside (sorted
+  // by name); any other path ending in ".json" is an index; anything else a safetensors file.
+  // With a custom OpenOptions::env, a path the real file system does not have is decided by name
+  // (".json": an index; else a file), and when the Env has no such file but has
+  // "<path>/model.safetensors.index.json", that index is opened.
   // Errors: kNotFound, kIoError, kUnexpectedEof, every header error of ParseHeader and every
   // index error of ParseIndexJson (messages prefixed with the file), kIndexMissingFile,
   // kIndexMissingTensor, kIndexUnlistedTensor, kIndexDuplicateTensor, kIndexPathEscape,
@@ -85,8 +100,10 @@ class Checkpoint {
   static Result<std::shared_ptr<const Checkpoint>> Open(const std::string& path,
                                                         const OpenOptions& options = {});
 
-  // Opens an explicit list of safetensors files as one checkpoint (no index).
-  // Errors: as Open, plus kIndexDuplicateTensor when a name appears in two files.
+  // Opens an explicit list of safetensors files as one checkpoint (no index). files() is the
+  // list sorted by path.
+  // Errors: as Open, plus kIndexDuplicateTensor when a name appears in two files, and
+  // kInvalidArgument for an empty list or a path given twice.
   static Result<std::shared_ptr<const Checkpoint>> OpenFiles(std::span<const std::string> paths,
                                                              const OpenOptions& options = {});
 

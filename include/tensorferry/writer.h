@@ -44,7 +44,8 @@ using Metadata = std::vector<std::pair<std::string, std::string>>;
 struct WriteOptions {
   // fsync the file and its directory before returning. Turn off only for scratch files.
   bool sync = true;
-  // Size of the buffer used to stream data to disk.
+  // Size of the buffer used to stream data to disk (at most the file's size is allocated; 0 acts
+  // as 1). Data spans at least this large are written straight from the caller's memory.
   size_t buffer_size = 8u << 20;
 };
 
@@ -61,8 +62,12 @@ struct SerializedHeader {
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
                                          const Metadata& metadata);
 
-// Writes one safetensors file at `path`. Errors: those of SerializeHeader, kIoError, and any
-// status returned by a generate callback.
+// Writes one safetensors file at `path`. Errors: those of SerializeHeader; kInvalidArgument when
+// `path` names no file (empty, ends in '/'); kIoError naming the path, the byte offset and errno;
+// kBudgetExceeded when the write buffer cannot be allocated; any status returned by a generate
+// callback, prefixed with the tensor's name (kInternal if it throws). The temporary file is
+// "." + file name + ".tmp-<pid>-<random>" in the destination's directory. If only the final fsync
+// of the directory fails, the new file is already in place and kIoError is still returned.
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
                  const Metadata& metadata = {}, const WriteOptions& options = {});
 
@@ -81,7 +86,11 @@ struct ShardOptions {
 // the caller's order (so layer 0 lands in the first shard, as transformers does); within a shard
 // the layout is WriteFile's. Each shard gets `metadata`; the index gets
 // {"metadata": {"total_size": <bytes>}, "weight_map": {<name>: <file>, ... sorted by name}}.
-// Name checks (duplicates across shards included) run before any file is written.
+// Name checks (duplicates across shards included) run before any file is written. The index is
+// json.dumps(index, indent=2, sort_keys=True) + "\n" except that non-ASCII characters are kept as
+// UTF-8 rather than \u-escaped. If one file fails, the shards this call already wrote are removed.
+// Errors: those of WriteFile; kInvalidArgument for a prefix that is empty, ".", "..", or holds '/',
+// NUL or invalid UTF-8; kOverflow when the total size exceeds 64 bits.
 // Returns the paths written (shards then index).
 Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               std::span<const TensorToWrite> tensors,

@@ -40,7 +40,7 @@ std::string ReadBytes(const std::string& path) {
 
 std::vector<std::byte> ToBytes(const std::string& s) {
   std::vector<std::byte> v(s.size());
-  std::memcpy(v.data(), s.data(), s.size());
+  if (!s.empty()) std::memcpy(v.data(), s.data(), s.size());
   return v;
 }
 

@@ -1,0 +1,338 @@
+// Checkpoint::Open: one validated table of every tensor of a file, a file list, a directory or a
+// sharded checkpoint described by model.safetensors.index.json.
+//
+// Opening is three steps: decide what the path is (file, index, directory), open every file and
+// validate its header (ReadHeader), then cross-check the files against each other and against
+// the index, and build the immutable tables.
+#include <algorithm>
+#include <array>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "tensorferry/checkpoint.h"
+#include "util/json_writer.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+
+namespace fs = std::filesystem;
+
+Result<Header> ReadHeader(const RandomAccessFile& file, const ParseLimits& limits) {
+  TF_ASSIGN_OR_RETURN(const uint64_t file_size, file.Size());
+  std::array<std::byte, 8> prefix{};
+  const size_t prefix_len = static_cast<size_t>(std::min<uint64_t>(file_size, prefix.size()));
+  TF_RETURN_IF_ERROR(ReadFully(file, 0, std::span<std::byte>(prefix.data(), prefix_len)));
+  TF_ASSIGN_OR_RETURN(const uint64_t header_size,
+                      ParseHeaderLength(std::span<const std::byte>(prefix.data(), prefix_len),
+                                        file_size, limits, file.path()));
+  // ParseHeaderLength guarantees 8 + header_size <= file_size and header_size <= the limit.
+  std::vector<std::byte> buffer(static_cast<size_t>(8 + header_size));
+  TF_RETURN_IF_ERROR(ReadFully(file, 0, buffer));
+  return ParseHeader(buffer, file_size, limits, file.path());
+}
+
+namespace {
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// True when `child` (canonical) lies strictly inside `dir` (canonical).
+bool IsInside(const fs::path& dir, const fs::path& child) {
+  auto d = dir.begin();
+  auto c = child.begin();
+  for (; d != dir.end(); ++d, ++c) {
+    if (c == child.end() || *d != *c) return false;
+  }
+  return c != child.end();
+}
+
+// The Hugging Face hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, each file a
+// symlink to <repo>/blobs/<hash>. A target inside that repository's own blobs/ is accepted; any
+// other target outside the checkpoint directory is not.
+bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
+  const fs::path snapshots = canonical_dir.parent_path();
+  if (snapshots.filename() != "snapshots") return false;
+  return IsInside(snapshots.parent_path() / "blobs", target);
+}
+
+}  // namespace
+
+// Opens files, validates headers and builds a Checkpoint. One builder per Open call.
+class CheckpointBuilder {
+ public:
+  explicit CheckpointBuilder(const OpenOptions& options)
+      : options_(options), env_(options.env ? options.env : Env::Default()) {}
+
+  // A checkpoint of the given safetensors files (no index): names must be unique across them.
+  Result<std::shared_ptr<const Checkpoint>> FromFiles(std::vector<std::string> paths) {
+    if (paths.empty()) return Status(Code::kInvalidArgument, "no safetensors files given");
+    std::sort(paths.begin(), paths.end());
+    for (size_t i = 1; i < paths.size(); ++i) {
+      if (paths[i] == paths[i - 1]) {
+        return Status(Code::kInvalidArgument, paths[i] + ": file given more than once");
+      }
+    }
+    for (const auto& path : paths) TF_RETURN_IF_ERROR(AddFile(path));
+    TF_RETURN_IF_ERROR(CheckNoDuplicateTensors());
+    return Build();
+  }
+
+  // A sharded checkpoint described by the index file at `index_path`.
+  Result<std::shared_ptr<const Checkpoint>> FromIndex(const std::string& index_path) {
+    IndexDocument index;
+    TF_ASSIGN_OR_RETURN(index, ReadIndex(index_path));
+    const fs::path dir = fs::path(index_path).parent_path();
+
+    // Distinct files, keyed by their lexically normalized relative path ("./a" and "a" are one
+    // file), each with one tensor that maps to it (for messages).
+    std::map<std::string, std::string> first_tensor;  // normalized relative path -> tensor
+    std::vector<std::pair<std::string, std::string>> tensor_file;  // (tensor, normalized path)
+    tensor_file.reserve(index.weight_map.size());
+    for (const auto& [tensor, file] : index.weight_map) {
+      std::string rel = fs::path(file).lexically_normal().string();
+      first_tensor.emplace(rel, tensor);
+      tensor_file.emplace_back(tensor, std::move(rel));
+    }
+
+    // The canonical checks need the real file system: only with the default Env.
+    fs::path canonical_dir;
+    if (options_.env == nullptr) {
+      std::error_code ec;
+      canonical_dir = fs::weakly_canonical(dir.empty() ? fs::path(".") : dir, ec);
+      if (ec) {
+        return Status(Code::kIoError,
+                      index_path + ": cannot resolve the checkpoint directory: " + ec.message());
+      }
+    }
+
+    std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
+    std::vector<std::pair<std::string, std::string>> to_open;  // (joined path, relative path)
+    for (const auto& [rel, tensor] : first_tensor) {
+      const std::string joined = dir.empty() ? rel : (dir / rel).string();
+      if (options_.env == nullptr) {
+        std::error_code ec;
+        const fs::path canonical = fs::weakly_canonical(joined, ec);
+        if (ec ||
+            (!IsInside(canonical_dir, canonical) && !IsInsideHubBlobs(canonical_dir, canonical))) {
+          return Status(Code::kIndexPathEscape,
+                        index_path + ": file " + json::Quote(rel) + " (of tensor " +
+                            json::Quote(tensor) + ") resolves to " +
+                            (ec ? std::string("an unresolvable path: ") + ec.message()
+                                : json::Quote(canonical.string())) +
+                            ", outside the checkpoint directory " +
+                            json::Quote(canonical_dir.string()));
+        }
+      }
+      to_open.emplace_back(joined, rel);
+    }
+    // Files in path order (the order of `first_tensor` is by relative path; joining with one
+    // directory keeps it, but sort anyway so the table order is the documented one).
+    std::sort(to_open.begin(), to_open.end());
+    for (const auto& [joined, rel] : to_open) {
+      Status s = AddFile(joined);
+      if (s.code() == Code::kNotFound) {
+        return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
+                                                   " (of tensor " + json::Quote(first_tensor[rel]) +
+                                                   ") does not exist: " + s.message());
+      }
+      TF_RETURN_IF_ERROR(s);
+      file_index[rel] = static_cast<uint32_t>(files_.size() - 1);
+    }
+
+    TF_RETURN_IF_ERROR(CheckNoDuplicateTensors());
+
+    // Every weight_map tensor is in the file the map names.
+    for (const auto& [tensor, rel] : tensor_file) {
+      const uint32_t expected = file_index.at(rel);
+      auto it = where_.find(tensor);
+      if (it == where_.end() || it->second != expected) {
+        std::string message = index_path + ": weight_map maps tensor " + json::Quote(tensor) +
+                              " to " + json::Quote(files_[expected].path) +
+                              ", which does not contain it";
+        if (it != where_.end())
+          message += " (it is in " + json::Quote(files_[it->second].path) + ")";
+        return Status(Code::kIndexMissingTensor, std::move(message));
+      }
+    }
+    // Every tensor of every file is in the weight_map. A tensor listed for another file was
+    // caught above (that file lacks it, since no tensor is in two files).
+    if (where_.size() != tensor_file.size()) {
+      for (size_t f = 0; f < headers_.size(); ++f) {
+        for (const auto& t : headers_[f].tensors) {
+          auto it = std::lower_bound(
+              tensor_file.begin(), tensor_file.end(), t.name,
+              [](const auto& entry, const std::string& name) { return entry.first < name; });
+          if (it == tensor_file.end() || it->first != t.name) {
+            return Status(Code::kIndexUnlistedTensor,
+                          files_[f].path + ": tensor " + json::Quote(t.name) +
+                              " is not listed in the weight_map of " + index_path);
+          }
+        }
+      }
+    }
+
+    index_metadata_ = std::move(index.metadata);
+    index_path_ = index_path;
+    return Build();
+  }
+
+  // A directory: its index when present, else every *.safetensors file directly inside.
+  Result<std::shared_ptr<const Checkpoint>> FromDirectory(const std::string& dir) {
+    const std::string index_path = (fs::path(dir) / kIndexFileName).string();
+    std::error_code ec;
+    if (fs::exists(index_path, ec)) return FromIndex(index_path);
+    if (ec) return Status(Code::kIoError, index_path + ": " + ec.message());
+
+    std::vector<std::string> paths;
+    fs::directory_iterator it(dir, ec);
+    if (ec) return Status(Code::kIoError, dir + ": cannot list: " + ec.message());
+    for (; it != fs::directory_iterator(); it.increment(ec)) {
+      const auto& entry = *it;
+      std::error_code type_ec;
+      if (entry.path().extension() == ".safetensors" && entry.is_regular_file(type_ec)) {
+        paths.push_back(entry.path().string());
+      }
+    }
+    if (ec) return Status(Code::kIoError, dir + ": cannot list: " + ec.message());
+    if (paths.empty()) return Status(Code::kInvalidArgument, dir + ": no .safetensors files");
+    return FromFiles(std::move(paths));
+  }
+
+ private:
+  Result<IndexDocument> ReadIndex(const std::string& index_path) {
+    TF_ASSIGN_OR_RETURN(auto file, env_->OpenRandomAccess(index_path));
+    TF_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
+    // Checked before reading, so a huge file is never loaded into memory.
+    if (size > options_.index_limits.max_index_size) {
+      return Status(Code::kIndexTooLarge, index_path + ": index is " + std::to_string(size) +
+                                              " bytes, above the limit of " +
+                                              std::to_string(options_.index_limits.max_index_size));
+    }
+    std::string text(static_cast<size_t>(size), '\0');
+    TF_RETURN_IF_ERROR(ReadFully(
+        *file, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(text.data()), text.size())));
+    return ParseIndexJson(text, index_path, options_.index_limits);
+  }
+
+  // Opens `path`, validates its header and appends it to the tables.
+  Status AddFile(const std::string& path) {
+    TF_ASSIGN_OR_RETURN(auto file, env_->OpenRandomAccess(path));
+    TF_ASSIGN_OR_RETURN(Header header, ReadHeader(*file, options_.parse_limits));
+    FileInfo info;
+    info.path = path;
+    // The size the header was validated against: 8 + N + data.
+    info.file_size = header.data_offset() + header.data_size;
+    info.header_size = header.header_size;
+    info.data_offset = header.data_offset();
+    info.metadata = header.metadata;
+    info.num_tensors = header.tensors.size();
+    files_.push_back(std::move(info));
+    headers_.push_back(std::move(header));
+    return Status::Ok();
+  }
+
+  // Fills where_ (tensor name -> file); kIndexDuplicateTensor when a name is in two files.
+  Status CheckNoDuplicateTensors() {
+    for (size_t f = 0; f < headers_.size(); ++f) {
+      for (const auto& t : headers_[f].tensors) {
+        auto [it, inserted] = where_.emplace(t.name, static_cast<uint32_t>(f));
+        if (!inserted) {
+          return Status(Code::kIndexDuplicateTensor,
+                        "tensor " + json::Quote(t.name) +
+                            " is in two files: " + json::Quote(files_[it->second].path) + " and " +
+                            json::Quote(files_[f].path));
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  Result<std::shared_ptr<const Checkpoint>> Build() {
+    std::shared_ptr<Checkpoint> cp(new Checkpoint());
+    size_t total = 0;
+    for (const auto& h : headers_) total += h.tensors.size();
+    cp->tensors_.reserve(total);
+    where_.clear();  // its keys view the header names moved from below
+    for (size_t f = 0; f < headers_.size(); ++f) {
+      const uint64_t base = files_[f].data_offset;
+      // Header tensors are sorted by data offset already: (file, offset) order.
+      for (auto& t : headers_[f].tensors) {
+        TensorInfo info;
+        info.name = std::move(t.name);
+        info.dtype = t.dtype;
+        info.shape = std::move(t.shape);
+        info.file = static_cast<uint32_t>(f);
+        info.offset = base + t.begin;
+        info.size = t.end - t.begin;
+        cp->total_tensor_bytes_ += info.size;
+        cp->tensors_.push_back(std::move(info));
+      }
+    }
+    cp->by_name_.resize(cp->tensors_.size());
+    for (size_t i = 0; i < cp->by_name_.size(); ++i) cp->by_name_[i] = static_cast<uint32_t>(i);
+    const auto& tensors = cp->tensors_;
+    std::sort(cp->by_name_.begin(), cp->by_name_.end(),
+              [&](uint32_t a, uint32_t b) { return tensors[a].name < tensors[b].name; });
+    cp->files_ = std::move(files_);
+    cp->index_metadata_ = std::move(index_metadata_);
+    cp->index_path_ = std::move(index_path_);
+    return std::shared_ptr<const Checkpoint>(std::move(cp));
+  }
+
+  const OpenOptions& options_;
+  Env* env_;
+  std::vector<FileInfo> files_;
+  std::vector<Header> headers_;                           // parallel to files_
+  std::unordered_map<std::string_view, uint32_t> where_;  // tensor name -> file
+  std::vector<std::pair<std::string, std::string>> index_metadata_;
+  std::string index_path_;
+};
+
+Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
+                                                           const OpenOptions& options) {
+  CheckpointBuilder builder(options);
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (fs::is_directory(st)) return builder.FromDirectory(path);
+  if (fs::exists(st) || options.env != nullptr) {
+    // A custom Env may hold files the real file system does not: decide by name, and let a
+    // missing non-.json path stand for a directory holding an index.
+    if (EndsWith(path, ".json")) return builder.FromIndex(path);
+    if (options.env != nullptr && !fs::exists(st)) {
+      auto probe = options.env->OpenRandomAccess(path);
+      if (!probe.ok() && probe.status().code() == Code::kNotFound) {
+        const std::string index_path = (fs::path(path) / kIndexFileName).string();
+        if (options.env->OpenRandomAccess(index_path).ok()) return builder.FromIndex(index_path);
+        return probe.status();
+      }
+    }
+    std::vector<std::string> one{path};
+    return builder.FromFiles(std::move(one));
+  }
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+    return Status(Code::kIoError, path + ": cannot stat: " + ec.message());
+  }
+  return Status(Code::kNotFound, path + ": no such file or directory");
+}
+
+Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const std::string> paths,
+                                                                const OpenOptions& options) {
+  CheckpointBuilder builder(options);
+  return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
+}
+
+const TensorInfo* Checkpoint::Find(std::string_view name) const noexcept {
+  auto it = std::lower_bound(by_name_.begin(), by_name_.end(), name,
+                             [&](uint32_t i, std::string_view n) { return tensors_[i].name < n; });
+  if (it == by_name_.end() || tensors_[*it].name != name) return nullptr;
+  return &tensors_[*it];
+}
+
+}  // namespace tensorferry

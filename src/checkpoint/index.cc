@@ -1,0 +1,177 @@
+// ParseIndexJson: the model.safetensors.index.json document of a sharded checkpoint.
+//
+// A pure function over the index text: simdjson's DOM parser on a padded copy, then a walk that
+// checks every rule of checkpoint.h. The DOM keeps duplicate keys, so each object is checked for
+// them here (a set of string_views into the parser's string buffer).
+#include <simdjson.h>
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "tensorferry/checkpoint.h"
+#include "util/json_writer.h"
+
+namespace tensorferry {
+namespace {
+
+// Builds an error whose message starts with "source: " when a source is known.
+Status IndexError(Code code, std::string_view source, const std::string& message) {
+  if (source.empty()) return Status(code, message);
+  std::string m(source);
+  m += ": ";
+  m += message;
+  return Status(code, std::move(m));
+}
+
+// Rejects a file value that could name something outside the checkpoint directory: an absolute
+// path, a ".." component, an embedded NUL, or a backslash (a Windows separator or an escape
+// attempt such as "..\\x" that some consumers would interpret as a path separator).
+Status CheckRelativePath(std::string_view tensor, std::string_view file, std::string_view source) {
+  const auto escape = [&](std::string_view why) {
+    return IndexError(Code::kIndexPathEscape, source,
+                      "weight_map[" + json::Quote(tensor) + "]: file " + json::Quote(file) + " " +
+                          std::string(why));
+  };
+  if (file.find('\0') != std::string_view::npos) return escape("contains a NUL byte");
+  if (file.find('\\') != std::string_view::npos) return escape("contains a backslash");
+  if (file.front() == '/') return escape("is an absolute path");
+  size_t start = 0;
+  while (start <= file.size()) {
+    size_t end = file.find('/', start);
+    if (end == std::string_view::npos) end = file.size();
+    if (file.substr(start, end - start) == "..") {
+      return escape("has a \"..\" component: it leaves the checkpoint directory");
+    }
+    start = end + 1;
+  }
+  return Status::Ok();
+}
+
+// Checks that no key of `object` appears twice. `where` names the object in messages.
+Status CheckNoDuplicateKeys(simdjson::dom::object object, std::string_view where,
+                            std::string_view source) {
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(object.size());
+  for (auto field : object) {
+    if (!seen.insert(field.key).second) {
+      return IndexError(
+          Code::kDuplicateKey, source,
+          std::string(where) + ": key " + json::Quote(field.key) + " appears more than once");
+    }
+  }
+  return Status::Ok();
+}
+
+std::string_view TypeName(simdjson::dom::element_type type) {
+  using simdjson::dom::element_type;
+  switch (type) {
+    case element_type::ARRAY: return "an array";
+    case element_type::OBJECT: return "an object";
+    case element_type::INT64:
+    case element_type::UINT64:
+    case element_type::DOUBLE: return "a number";
+    case element_type::STRING: return "a string";
+    case element_type::BOOL: return "a boolean";
+    case element_type::NULL_VALUE: return "null";
+  }
+  return "a value of unknown type";
+}
+
+}  // namespace
+
+Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view source,
+                                     const IndexLimits& limits) {
+  if (json.size() > limits.max_index_size) {
+    return IndexError(Code::kIndexTooLarge, source,
+                      "index is " + std::to_string(json.size()) + " bytes, above the limit of " +
+                          std::to_string(limits.max_index_size));
+  }
+  // simdjson validates UTF-8 too, but a separate check gives a precise message.
+  if (!json::IsValidUtf8(json)) {
+    return IndexError(Code::kIndexInvalidJson, source, "index is not valid UTF-8");
+  }
+
+  simdjson::dom::parser parser;
+  // Room for the whole document: no reallocation inside parse(). simdjson counts the document
+  // itself as one level: add it so max_depth counts containers, as ParseLimits::max_depth does.
+  const size_t capacity = std::max<size_t>(json.size(), 64);
+  const size_t max_depth = size_t{limits.max_depth} + 1;
+  if (auto err = parser.allocate(capacity, max_depth); err != simdjson::SUCCESS) {
+    return IndexError(Code::kIndexTooLarge, source,
+                      "cannot allocate a JSON parser for " + std::to_string(json.size()) +
+                          " bytes: " + simdjson::error_message(err));
+  }
+  const simdjson::padded_string padded(json.data(), json.size());
+  simdjson::dom::element root;
+  if (auto err = parser.parse(padded).get(root); err != simdjson::SUCCESS) {
+    if (err == simdjson::DEPTH_ERROR) {
+      return IndexError(Code::kIndexInvalidJson, source,
+                        "index JSON nests deeper than the limit of " +
+                            std::to_string(limits.max_depth) + " levels");
+    }
+    return IndexError(Code::kIndexInvalidJson, source,
+                      std::string("index is not valid JSON: ") + simdjson::error_message(err));
+  }
+  simdjson::dom::object top;
+  if (root.get(top) != simdjson::SUCCESS) {
+    return IndexError(
+        Code::kIndexInvalidJson, source,
+        "index top level is " + std::string(TypeName(root.type())) + ", not an object");
+  }
+  if (auto s = CheckNoDuplicateKeys(top, "index top level", source); !s.ok()) return s;
+
+  IndexDocument doc;
+
+  // "metadata": optional; any JSON values, kept as minified text.
+  simdjson::dom::element metadata_element;
+  if (top.at_key("metadata").get(metadata_element) == simdjson::SUCCESS) {
+    simdjson::dom::object metadata;
+    if (metadata_element.get(metadata) != simdjson::SUCCESS) {
+      return IndexError(
+          Code::kIndexInvalidJson, source,
+          "\"metadata\" is " + std::string(TypeName(metadata_element.type())) + ", not an object");
+    }
+    if (auto s = CheckNoDuplicateKeys(metadata, "\"metadata\"", source); !s.ok()) return s;
+    doc.metadata.reserve(metadata.size());
+    for (auto field : metadata) {
+      doc.metadata.emplace_back(std::string(field.key), simdjson::minify(field.value));
+    }
+    std::sort(doc.metadata.begin(), doc.metadata.end());
+  }
+
+  // "weight_map": required; tensor name -> relative file path.
+  simdjson::dom::element map_element;
+  if (top.at_key("weight_map").get(map_element) != simdjson::SUCCESS) {
+    return IndexError(Code::kIndexNoWeightMap, source, "index has no \"weight_map\"");
+  }
+  simdjson::dom::object weight_map;
+  if (map_element.get(weight_map) != simdjson::SUCCESS) {
+    return IndexError(
+        Code::kIndexNoWeightMap, source,
+        "\"weight_map\" is " + std::string(TypeName(map_element.type())) + ", not an object");
+  }
+  if (auto s = CheckNoDuplicateKeys(weight_map, "\"weight_map\"", source); !s.ok()) return s;
+  doc.weight_map.reserve(weight_map.size());
+  for (auto field : weight_map) {
+    std::string_view file;
+    if (field.value.get(file) != simdjson::SUCCESS) {
+      return IndexError(Code::kIndexBadEntry, source,
+                        "weight_map[" + json::Quote(field.key) + "] is " +
+                            std::string(TypeName(field.value.type())) + ", not a file name string");
+    }
+    if (file.empty()) {
+      return IndexError(Code::kIndexBadEntry, source,
+                        "weight_map[" + json::Quote(field.key) + "] is an empty file name");
+    }
+    if (auto s = CheckRelativePath(field.key, file, source); !s.ok()) return s;
+    doc.weight_map.emplace_back(std::string(field.key), std::string(file));
+  }
+  std::sort(doc.weight_map.begin(), doc.weight_map.end());
+  return doc;
+}
+
+}  // namespace tensorferry

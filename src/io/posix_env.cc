@@ -55,7 +55,9 @@ class PosixEnv final : public Env {
   Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
     int fd;
     do {
-      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      // O_NONBLOCK: opening a FIFO (or some devices) for reading would otherwise block until a
+      // writer appears; such files are refused below. It has no effect on regular files.
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) {
       const int err = errno;
@@ -73,6 +75,8 @@ class PosixEnv final : public Env {
       if (S_ISDIR(st.st_mode)) return Status(Code::kInvalidArgument, path + ": is a directory");
       return Status(Code::kInvalidArgument, path + ": not a regular file");
     }
+    if (const int flags = ::fcntl(fd, F_GETFL); flags >= 0)
+      ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     return std::unique_ptr<RandomAccessFile>(new PosixFile(path, fd));
   }
 };

@@ -5,11 +5,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -57,9 +64,19 @@ RunResult RunCli(const std::vector<std::string>& args) {
     ADD_FAILURE() << "posix_spawn " << argv[0] << ": " << std::strerror(rc);
     return result;
   }
+  // The CLI must never hang: a run over the deadline is killed and fails the test.
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) break;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (;;) {
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid || (done < 0 && errno != EINTR)) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      ADD_FAILURE() << "CLI still running after 60 s; killed";
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   if (WIFEXITED(status)) {
     result.exit_code = WEXITSTATUS(status);
@@ -468,6 +485,15 @@ TEST(CliVerify, GarbageFileAndEmptyDirectory) {
   fs::create_directory(t.Join("empty"));
   ExpectOneLineError(RunCli({"verify", t.Join("empty")}));
   ExpectOneLineError(RunCli({"verify", t.Join("missing")}));
+}
+
+// Special files are refused, not waited on: opening a FIFO for reading would block forever.
+TEST(CliVerify, FifoIsRefusedWithoutHanging) {
+  TempDir t;
+  const std::string fifo = t.Join("pipe.safetensors");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ExpectOneLineError(RunCli({"verify", fifo}));
+  ExpectOneLineError(RunCli({"inspect", fifo}));
 }
 
 // --- common ----------------------------------------------------------------------------------

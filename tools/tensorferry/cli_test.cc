@@ -373,6 +373,28 @@ TEST(CliInspect, SingleFileAndIndexPath) {
   EXPECT_EQ(uint64_t(doc["totals"]["tensors"]), kTinyTensors);
 }
 
+// Names with quotes, backslashes, control characters and non-ASCII survive --json, and the text
+// table keeps one line per tensor.
+TEST(CliInspect, OddTensorNames) {
+  TempDir t;
+  const std::string path = t.Join("odd.safetensors");
+  const std::string name = R"(q\"b\\s\nl\u0001\u00e9)";  // as JSON text
+  WriteBytes(path,
+             testing::MakeFile(
+                 "{\"" + name + "\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2));
+  const RunResult j = RunCli({"inspect", path, "--json"});
+  ASSERT_EQ(j.exit_code, 0) << Describe(j);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(j.out)).get(doc), simdjson::SUCCESS) << j.out;
+  simdjson::dom::array tensors = doc["tensors"];
+  ASSERT_EQ(tensors.size(), 1u);
+  EXPECT_EQ(std::string_view(tensors.at(0)["name"]), "q\"b\\s\nl\x01\xc3\xa9");
+  const RunResult text = RunCli({"inspect", path});
+  ASSERT_EQ(text.exit_code, 0) << Describe(text);
+  EXPECT_NE(text.out.find("q\"b\\s\\x0al\\x01\xc3\xa9  U8"), std::string::npos) << text.out;
+}
+
 TEST(CliInspect, MissingPath) {
   TempDir t;
   ExpectOneLineError(RunCli({"inspect", t.Join("nope")}));

@@ -41,7 +41,7 @@ struct ModelConfig {
   uint64_t vocab = 32000;
 };
 
-// BF16 sizes: tiny ~0.3 MB, small ~0.49 GB, default ~3.15 GB, large ~4.73 GB.
+// BF16 sizes: tiny ~0.2 MB, small ~0.49 GB, default ~3.15 GB, large ~4.73 GB.
 const std::map<std::string, ModelConfig>& Presets() {
   static const std::map<std::string, ModelConfig> presets = {
       {"tiny", {2, 64, 128, 4, 2, 256}},
@@ -449,7 +449,7 @@ Command AddGenCommand(CLI::App& parent) {
       "benchmarks)");
   app->add_option("out", args->out, "Output directory (created if missing)")->required();
   app->add_option("--preset", args->preset,
-                  "Model size: tiny (~0.3 MB), small (~0.5 GB), default (~3.2 GB), large "
+                  "Model size: tiny (~0.2 MB), small (~0.5 GB), default (~3.2 GB), large "
                   "(~4.7 GB); explicit options override it")
       ->check(CLI::IsMember({"tiny", "small", "default", "large"}))
       ->capture_default_str();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install dependencies, build, generate the default synthetic
-# Llama-style checkpoint (about 4 GB, 5 shards, with model.safetensors.index.json), then inspect
+# Llama-style checkpoint (about 4.2 GB, 5 shards, with model.safetensors.index.json), then inspect
 # and verify it. Pass another directory as $1 to use it instead of data/default.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -118,7 +118,8 @@ class CheckpointBuilder {
       const std::string joined = dir.empty() ? rel : (dir / rel).string();
       if (options_.env == nullptr) {
         std::error_code ec;
-        const fs::path canonical = fs::weakly_canonical(joined, ec);
+        // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
+        const fs::path canonical = fs::weakly_canonical(fs::absolute(joined, ec), ec);
         if (ec ||
             (!IsInside(canonical_dir, canonical) && !IsInsideHubBlobs(canonical_dir, canonical))) {
           return Status(Code::kIndexPathEscape,

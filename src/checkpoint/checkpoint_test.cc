@@ -448,6 +448,15 @@ TEST_F(CheckpointTraversalTest, IndexOpenedByRelativePath) {
   EXPECT_EQ((*r)->files()[0].path, "sub/model.safetensors");
 }
 
+TEST_F(CheckpointTraversalTest, MissingShardOfIndexOpenedByBareRelativeName) {
+  WriteBytes(Dir() + "/" + std::string(kIndexFileName), Index({{"t", "gone.safetensors"}}));
+  const fs::path cwd = fs::current_path();
+  fs::current_path(Dir());
+  auto r = Checkpoint::Open(std::string(kIndexFileName));
+  fs::current_path(cwd);
+  EXPECT_EQ(r.status().code(), Code::kIndexMissingFile) << r.status().ToString();
+}
+
 // --- fault injection through MemoryEnv -----------------------------------------------------------
 
 TEST(CheckpointEnvTest, ShortReadsStillParse) {

@@ -74,6 +74,44 @@ class Parser {
     return Status(code, std::move(m));
   }
 
+  // simdjson reads the integer "-0" as 0, which would let a shape or offset written "-0" through;
+  // the reference (serde_json) reads it as a float and refuses it. A '-' followed by '0' and a
+  // delimiter, outside strings, is such a token. memchr finds candidates cheaply; only then is the
+  // header scanned with string state to confirm one.
+  Status RejectNegativeZero(std::string_view json) const {
+    const char* p = json.data();
+    const char* end = p + json.size();
+    auto is_delim = [](char c) {
+      return c == ',' || c == ']' || c == '}' || c == ' ' || c == '\t' || c == '\n' || c == '\r';
+    };
+    bool candidate = false;
+    for (const char* q = p; (q = static_cast<const char*>(std::memchr(q, '-', end - q))) != nullptr;
+         ++q) {
+      if (end - q >= 2 && q[1] == '0' && (end - q == 2 || is_delim(q[2]))) {
+        candidate = true;
+        break;
+      }
+    }
+    if (!candidate) return Status::Ok();
+    bool in_string = false;
+    for (const char* q = p; q < end; ++q) {
+      if (in_string) {
+        if (*q == '\\')
+          ++q;
+        else if (*q == '"')
+          in_string = false;
+      } else if (*q == '"') {
+        in_string = true;
+      } else if (*q == '-' && end - q >= 2 && q[1] == '0' && (end - q == 2 || is_delim(q[2]))) {
+        return Fail(Code::kHeaderInvalidJson,
+                    "the integer -0 at header byte " + std::to_string(q - p) + " (file offset " +
+                        std::to_string(8 + (q - p)) +
+                        ") is refused: a negative zero is not a valid shape, offset or count");
+      }
+    }
+    return Status::Ok();
+  }
+
   Status FailTensor(Code code, std::string_view name, const std::string& message) const {
     return Fail(code, "tensor " + QuoteName(name) + ": " + message);
   }
@@ -259,6 +297,7 @@ class Parser {
           Code::kHeaderNotUtf8,
           "header (file bytes 8 to " + std::to_string(8 + json.size()) + ") is not valid UTF-8");
     }
+    if (Status s = RejectNegativeZero(json); !s.ok()) return s;
     dom::parser parser;
     // simdjson counts the document itself as one level: add it so max_depth counts containers.
     if (parser.allocate(std::max<size_t>(json.size(), 64), size_t{limits_.max_depth} + 1) !=

@@ -321,6 +321,18 @@ TEST(Header, TensorEntryErrors) {
       Code::kOverflow);
 }
 
+TEST(Header, NegativeZeroRefusedAsTheReferenceDoes) {
+  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}})", 0),
+              Code::kHeaderInvalidJson);
+  EXPECT_CODE(ParseJson(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[-0, 0]}})", 0),
+              Code::kHeaderInvalidJson);
+  // Not a -0 token: inside a string, a float, or another number.
+  EXPECT_TRUE(
+      ParseJson(
+          R"({"a-0":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":[-0.5,-0e1,-1,"-0"]}})", 0)
+          .ok());
+}
+
 TEST(Header, RankLimit) {
   std::string shape = "[";
   for (int i = 0; i < 65; ++i) shape += i ? ",1" : "1";

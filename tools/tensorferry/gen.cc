@@ -35,18 +35,18 @@ namespace {
 struct ModelConfig {
   uint64_t layers = 32;
   uint64_t hidden = 2048;
-  uint64_t intermediate = 5632;
+  uint64_t intermediate = 8192;
   uint64_t heads = 16;
   uint64_t kv_heads = 4;
   uint64_t vocab = 32000;
 };
 
-// BF16 sizes: tiny ~0.2 MB, small ~0.49 GB, default ~3.15 GB, large ~4.73 GB.
+// BF16 sizes: tiny ~0.2 MB, small ~0.49 GB, default ~4.15 GB, large ~4.73 GB.
 const std::map<std::string, ModelConfig>& Presets() {
   static const std::map<std::string, ModelConfig> presets = {
       {"tiny", {2, 64, 128, 4, 2, 256}},
       {"small", {16, 1024, 2816, 16, 4, 32000}},
-      {"default", {32, 2048, 5632, 16, 4, 32000}},
+      {"default", {32, 2048, 8192, 16, 4, 32000}},
       {"large", {32, 2560, 6912, 20, 4, 32000}},
   };
   return presets;
@@ -449,14 +449,14 @@ Command AddGenCommand(CLI::App& parent) {
       "benchmarks)");
   app->add_option("out", args->out, "Output directory (created if missing)")->required();
   app->add_option("--preset", args->preset,
-                  "Model size: tiny (~0.2 MB), small (~0.5 GB), default (~3.2 GB), large "
+                  "Model size: tiny (~0.2 MB), small (~0.5 GB), default (~4.2 GB), large "
                   "(~4.7 GB); explicit options override it")
       ->check(CLI::IsMember({"tiny", "small", "default", "large"}))
       ->capture_default_str();
   args->layers = app->add_option("--layers", args->config.layers, "Decoder layers (default 32)");
   args->hidden = app->add_option("--hidden", args->config.hidden, "Hidden size (default 2048)");
   args->intermediate =
-      app->add_option("--intermediate", args->config.intermediate, "MLP size (default 5632)");
+      app->add_option("--intermediate", args->config.intermediate, "MLP size (default 8192)");
   args->heads = app->add_option("--heads", args->config.heads, "Attention heads (default 16)");
   args->kv_heads =
       app->add_option("--kv-heads", args->config.kv_heads, "Key/value heads (default 4)");

@@ -1,7 +1,7 @@
 // Times header parsing of one safetensors file, in process, after a warm-up:
 //   parse: ParseHeader over bytes already in memory (the pure parser)
 //   open:  Checkpoint::Open (open, read the header through Env, parse, build the table)
-// Prints one JSON object. Usage: tf_header_bench FILE [ITERATIONS]
+// Prints one JSON object. Usage: tf_header_parse_bench FILE [ITERATIONS]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

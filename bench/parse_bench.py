@@ -3,7 +3,7 @@ tensorferry and by the reference implementation (huggingface/safetensors) in the
 
     .venv/bin/python bench/parse_bench.py [--tensors 100000] [--iterations 11] [--build build/release]
 
-tensorferry: `tf_header_bench` (in process, after a warm-up): `parse` is ParseHeader over bytes in
+tensorferry: `tf_header_parse_bench` (in process, after a warm-up): `parse` is ParseHeader over bytes in
 memory, `open` is Checkpoint::Open (open + read header + parse + build the table).
 reference: `safetensors.safe_open(path, "np")` and `keys()` (open + read header + parse + build),
 timed in this Python process after a warm-up. The file is read once first (warm page cache).
@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    bench = os.path.join(args.build, "bin", "tf_header_bench")
+    bench = os.path.join(args.build, "bin", "tf_header_parse_bench")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "many.safetensors")
         make_file(path, args.tensors)

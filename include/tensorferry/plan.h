@@ -1,0 +1,91 @@
+// tensorferry/plan.h: a read plan, as a plain value.
+//
+// A plan turns a set of tensors of a Checkpoint into the work of loading them: tensors grouped
+// into batches whose bytes fit a budget (batches are made of tensors, never of whole files, and
+// may mix files), each batch laid out in one destination buffer, and the batch's bytes cut into
+// fixed-size read tasks spread across the files so one huge file is read in parallel and many
+// small files do not serialize. Tensors adjacent in a file and selected together are read as one
+// range (coalesced). A plan does no I/O: it can be printed (Explain), tested on its own, and is
+// where the bytes a load will read are counted.
+//
+// Thread-safety: MakePlan is reentrant; a Plan is an immutable value once built.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry {
+
+enum class DeliveryOrder : uint8_t {
+  kFile,   // batches follow (file, offset) order: the fastest
+  kLayer,  // batches never mix transformer layers; tensors without a layer come first, then
+           // layer 0, 1, ... (progressive layer-by-layer delivery)
+};
+
+struct PlanOptions {
+  // Size of one read task in bytes (the unit of parallelism). Must be > 0.
+  uint64_t chunk_size = 8ull << 20;
+  // Most bytes of tensor data in one batch; 0 means unbounded (a single batch, or one per layer).
+  uint64_t budget = 0;
+  // A tensor larger than `budget` is kBudgetExceeded, unless this is set: then it gets a batch of
+  // its own, the only batch allowed to exceed the budget.
+  bool allow_oversized = false;
+  DeliveryOrder order = DeliveryOrder::kFile;
+  // Destination offset alignment of each coalesced range within its batch buffer (power of two).
+  uint64_t alignment = 64;
+};
+
+// One tensor placed in a batch buffer.
+struct PlannedTensor {
+  uint32_t tensor = 0;         // index into Checkpoint::tensors()
+  uint64_t buffer_offset = 0;  // where its first byte lands in the batch buffer
+};
+
+// Read `length` bytes of file `file` at `file_offset` into the batch buffer at `buffer_offset`.
+struct ReadTask {
+  uint32_t file = 0;  // index into Checkpoint::files()
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  uint64_t buffer_offset = 0;
+};
+
+struct PlanBatch {
+  std::vector<PlannedTensor> tensors;  // in (file, offset) order
+  std::vector<ReadTask> tasks;         // interleaved across files
+  uint64_t tensor_bytes = 0;           // sum of the tensors' sizes (what the budget counts)
+  uint64_t buffer_size = 0;       // bytes of the destination buffer (alignment padding included)
+  std::optional<uint32_t> layer;  // with DeliveryOrder::kLayer: the batch's layer, if any
+};
+
+struct Plan {
+  std::vector<PlanBatch> batches;
+  uint64_t tensor_bytes = 0;  // total over batches: exactly the bytes a load reads
+  uint64_t num_tensors = 0;
+  uint64_t num_ranges = 0;  // coalesced ranges before cutting into tasks
+  uint64_t num_tasks = 0;
+
+  // Human-readable description: totals, then per batch its tensors' count and bytes, its ranges
+  // and tasks (the first few of each), one line each. With `checkpoint`, names files and tensors.
+  std::string Explain(const Checkpoint& checkpoint, size_t max_lines_per_batch = 8) const;
+};
+
+// Builds the plan for `tensors` (indices into checkpoint.tensors(); any order, no duplicates).
+// Errors: kInvalidArgument (an index out of range, a duplicate, chunk_size 0, alignment not a
+// power of two), kBudgetExceeded (a tensor larger than the budget without allow_oversized; the
+// message names the tensor, its size and the budget).
+Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,
+                      const PlanOptions& options = {});
+
+// The transformer layer a tensor name belongs to: the integer component following a component
+// named "layers", "layer", "h", "blocks" or "block" (e.g. "model.layers.12.mlp.up_proj.weight" ->
+// 12, "transformer.h.3.attn.c_attn.weight" -> 3); nullopt when there is none.
+std::optional<uint32_t> LayerOf(std::string_view name);
+
+}  // namespace tensorferry

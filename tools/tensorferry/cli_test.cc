@@ -547,5 +547,65 @@ TEST(CliUsage, VersionAndHelp) {
   }
 }
 
+// --- load ---------------------------------------------------------------------------------------
+
+std::string JsonString(const std::string& doc, const char* key) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element e = parser.parse(doc);
+  return std::string(std::string_view(e[key]));
+}
+
+TEST(CliLoad, ChecksumIndependentOfThreadsBudgetAndOrder) {
+  TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  GenTiny(ckpt, {"--shard-size", "40KB"});
+  std::string first;
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{}, {"--threads", "1", "--chunk-size", "3000"},
+        {"--budget", "40KB"}, {"--order", "layer"}, {"--budget", "70KB", "--order", "layer"}}) {
+    std::vector<std::string> args = {"load", ckpt, "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const RunResult r = RunCli(args);
+    ASSERT_EQ(r.exit_code, 0) << Describe(r);
+    simdjson::dom::parser parser;
+    simdjson::dom::element e = parser.parse(r.out);
+    EXPECT_EQ(uint64_t(e["tensors"]), kTinyTensors);
+    EXPECT_EQ(uint64_t(e["bytes"]), kTinyBytes);
+    const uint64_t budget = uint64_t(e["budget"]);
+    if (budget) EXPECT_LE(uint64_t(e["peak_budget_bytes"]), budget);
+    const std::string sum = JsonString(r.out, "checksum");
+    EXPECT_EQ(sum.size(), 16u);
+    if (first.empty()) first = sum;
+    EXPECT_EQ(sum, first) << "options must not change what is loaded";
+  }
+  // Another seed gives other bytes, so another checksum.
+  const std::string other = dir.Join("o");
+  GenTiny(other, {"--seed", "9"});
+  const RunResult r = RunCli({"load", other, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(JsonString(r.out, "checksum"), first);
+}
+
+TEST(CliLoad, TextExplainAndLayers) {
+  TempDir dir;
+  GenTiny(dir.Join("c"));
+  RunResult r = RunCli({"load", dir.Join("c"), "--explain", "--layers", "1"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("batch"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("loaded 9 tensors"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("GB/s"), std::string::npos) << r.out;
+}
+
+TEST(CliLoad, Errors) {
+  TempDir dir;
+  GenTiny(dir.Join("c"));
+  EXPECT_EQ(RunCli({"load", dir.Join("c"), "--budget", "lots"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"load", dir.Join("c"), "--order", "random"}).exit_code, 2);
+  // A tensor larger than the budget: one error line, unless allowed.
+  ExpectOneLineError(RunCli({"load", dir.Join("c"), "--budget", "1KB"}));
+  EXPECT_EQ(RunCli({"load", dir.Join("c"), "--budget", "1KB", "--allow-oversized"}).exit_code, 0);
+  ExpectOneLineError(RunCli({"load", dir.Join("missing")}));
+}
+
 }  // namespace
 }  // namespace tensorferry

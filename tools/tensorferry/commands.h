@@ -30,6 +30,7 @@ struct Command {
 Command AddInspectCommand(CLI::App& parent);
 Command AddVerifyCommand(CLI::App& parent);
 Command AddGenCommand(CLI::App& parent);
+Command AddLoadCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 

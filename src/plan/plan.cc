@@ -1,0 +1,317 @@
+// MakePlan: from a set of tensors to batches, destination layouts and read tasks; no I/O.
+//
+// Three passes, each simple enough to check by eye:
+//   1. validate and sort the selection (by group, then (file, offset));
+//   2. cut the sorted list greedily into batches that fit the budget;
+//   3. lay each batch out (coalesce file-adjacent tensors into ranges, align each range in the
+//      buffer) and cut its ranges into tasks interleaved across files.
+#include "tensorferry/plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace tensorferry {
+
+namespace {
+
+// REQUIRES: alignment is a power of two. Saturates instead of wrapping: a buffer that large could
+// never be allocated anyway, and saturation keeps the layout monotonic.
+uint64_t AlignUp(uint64_t value, uint64_t alignment) {
+  const uint64_t mask = alignment - 1;
+  if (value > std::numeric_limits<uint64_t>::max() - mask)
+    return std::numeric_limits<uint64_t>::max();
+  return (value + mask) & ~mask;
+}
+
+bool IsPowerOfTwo(uint64_t v) {
+  return v != 0 && (v & (v - 1)) == 0;
+}
+
+// The sort key of a selected tensor. `group` is 0 for every tensor with DeliveryOrder::kFile; with
+// kLayer it is 0 for tensors without a layer and layer + 1 otherwise, so the no-layer group comes
+// first. The tensor index breaks ties (zero-size tensors may share an offset with a neighbour) so
+// the plan is deterministic whatever order the caller listed the tensors in.
+struct Item {
+  uint64_t group = 0;
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  uint32_t tensor = 0;
+  uint64_t size = 0;
+
+  friend bool operator<(const Item& a, const Item& b) {
+    if (a.group != b.group) return a.group < b.group;
+    if (a.file != b.file) return a.file < b.file;
+    if (a.offset != b.offset) return a.offset < b.offset;
+    return a.tensor < b.tensor;
+  }
+};
+
+// A coalesced run of file bytes and where it lands in the batch buffer.
+struct Range {
+  uint32_t file = 0;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  uint64_t buffer_offset = 0;
+};
+
+// Lays out one batch (items in (file, offset) order) and fills `batch`; returns its range count.
+uint64_t LayOutBatch(std::span<const Item> items, const PlanOptions& options, PlanBatch& batch) {
+  std::vector<Range> ranges;
+  uint64_t pos = 0;  // end of the last range in the buffer
+  batch.tensors.reserve(items.size());
+  for (const Item& item : items) {
+    batch.tensor_bytes += item.size;
+    if (item.size == 0) {
+      // No bytes to read: any in-bounds offset is valid; the current end keeps offsets monotonic.
+      batch.tensors.push_back({item.tensor, pos});
+      continue;
+    }
+    const bool extends = !ranges.empty() && ranges.back().file == item.file &&
+                         ranges.back().file_offset + ranges.back().length == item.offset;
+    if (!extends) {
+      ranges.push_back({item.file, item.offset, 0, AlignUp(pos, options.alignment)});
+    }
+    Range& r = ranges.back();
+    // Inside a range, a tensor keeps its distance from the range's first byte in the file, so one
+    // read fills all of them.
+    batch.tensors.push_back({item.tensor, r.buffer_offset + (item.offset - r.file_offset)});
+    r.length = item.offset + item.size - r.file_offset;
+    pos = r.buffer_offset + r.length;
+  }
+  batch.buffer_size = pos;
+
+  // Cut ranges into tasks, one queue per file (ranges of a file are already in offset order).
+  std::map<uint32_t, std::vector<ReadTask>> per_file;
+  for (const Range& r : ranges) {
+    std::vector<ReadTask>& queue = per_file[r.file];
+    for (uint64_t done = 0; done < r.length;) {
+      const uint64_t n = std::min(options.chunk_size, r.length - done);
+      queue.push_back({r.file, r.file_offset + done, n, r.buffer_offset + done});
+      done += n;
+    }
+  }
+  // Round-robin over files: workers taking tasks in order spread across files, so one huge file
+  // is read in parallel with the others rather than after them, and many small files overlap.
+  size_t total = 0;
+  for (const auto& [file, queue] : per_file) total += queue.size();
+  batch.tasks.reserve(total);
+  for (size_t i = 0; batch.tasks.size() < total; ++i) {
+    for (const auto& [file, queue] : per_file) {
+      if (i < queue.size()) batch.tasks.push_back(queue[i]);
+    }
+  }
+  return ranges.size();
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " B";
+  double v = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (v >= 1024 && unit + 1 < std::size(kUnits)) {
+    v /= 1024;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
+  return buf;
+}
+
+}  // namespace
+
+std::optional<uint32_t> LayerOf(std::string_view name) {
+  static constexpr std::string_view kMarkers[] = {"layers", "layer", "h", "blocks", "block"};
+  std::string_view previous;
+  bool have_previous = false;
+  while (true) {
+    const size_t dot = name.find('.');
+    const std::string_view component = name.substr(0, dot);
+    if (have_previous &&
+        std::find(std::begin(kMarkers), std::end(kMarkers), previous) != std::end(kMarkers)) {
+      uint64_t value = 0;
+      bool valid = !component.empty();
+      for (const char c : component) {
+        if (c < '0' || c > '9') {
+          valid = false;
+          break;
+        }
+        value = value * 10 + static_cast<uint64_t>(c - '0');
+        if (value > std::numeric_limits<uint32_t>::max()) {
+          valid = false;
+          break;
+        }
+      }
+      if (valid) return static_cast<uint32_t>(value);
+      // Not a layer number ("h.99999999999", "layers.norm"): keep looking further on.
+    }
+    if (dot == std::string_view::npos) return std::nullopt;
+    previous = component;
+    have_previous = true;
+    name.remove_prefix(dot + 1);
+  }
+}
+
+Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,
+                      const PlanOptions& options) {
+  if (options.chunk_size == 0) {
+    return Status(Code::kInvalidArgument, "plan: chunk_size must be > 0");
+  }
+  if (!IsPowerOfTwo(options.alignment)) {
+    return Status(Code::kInvalidArgument, std::string("plan: alignment ") +
+                                              std::to_string(options.alignment) +
+                                              " is not a power of two");
+  }
+  const std::vector<TensorInfo>& all = checkpoint.tensors();
+  std::vector<bool> seen(all.size(), false);
+  std::vector<Item> items;
+  items.reserve(tensors.size());
+  for (const uint32_t index : tensors) {
+    if (index >= all.size()) {
+      return Status(Code::kInvalidArgument, std::string("plan: tensor index ") +
+                                                std::to_string(index) +
+                                                " out of range (checkpoint has " +
+                                                std::to_string(all.size()) + " tensors)");
+    }
+    const TensorInfo& t = all[index];
+    if (seen[index]) {
+      return Status(Code::kInvalidArgument, "plan: tensor '" + t.name + "' (index " +
+                                                std::to_string(index) + ") selected twice");
+    }
+    seen[index] = true;
+    if (options.budget != 0 && t.size > options.budget && !options.allow_oversized) {
+      return Status(Code::kBudgetExceeded,
+                    "plan: tensor '" + t.name + "' is " + std::to_string(t.size) +
+                        " bytes, more than the budget of " + std::to_string(options.budget) +
+                        " bytes (allow_oversized gives it a batch of its own)");
+    }
+    uint64_t group = 0;
+    if (options.order == DeliveryOrder::kLayer) {
+      const std::optional<uint32_t> layer = LayerOf(t.name);
+      group = layer ? uint64_t{*layer} + 1 : 0;
+    }
+    items.push_back({group, t.file, t.offset, index, t.size});
+  }
+  std::sort(items.begin(), items.end());
+
+  // Greedy batching over the sorted list: [begin, end) spans of `items`. Greedy keeps (file,
+  // offset) order across batches, which is what makes coalescing and sequential reads work.
+  struct Span {
+    size_t begin, end;
+    uint64_t group;
+  };
+  std::vector<Span> spans;
+  uint64_t bytes = 0;       // of the open span
+  bool can_extend = false;  // false before the first tensor and after an oversized one
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& item = items[i];
+    const bool oversized = options.budget != 0 && item.size > options.budget;
+    // `bytes <= budget` holds for every span but an oversized one, so the subtraction is safe.
+    if (can_extend && !oversized && spans.back().group == item.group &&
+        (options.budget == 0 || item.size <= options.budget - bytes)) {
+      spans.back().end = i + 1;
+      bytes += item.size;
+    } else {
+      spans.push_back({i, i + 1, item.group});
+      bytes = item.size;
+    }
+    can_extend = !oversized;
+  }
+
+  Plan plan;
+  plan.batches.resize(spans.size());
+  for (size_t b = 0; b < spans.size(); ++b) {
+    PlanBatch& batch = plan.batches[b];
+    const Span& s = spans[b];
+    if (options.order == DeliveryOrder::kLayer && s.group != 0) {
+      batch.layer = static_cast<uint32_t>(s.group - 1);
+    }
+    plan.num_ranges +=
+        LayOutBatch(std::span<const Item>(items).subspan(s.begin, s.end - s.begin), options, batch);
+    plan.tensor_bytes += batch.tensor_bytes;
+    plan.num_tensors += batch.tensors.size();
+    plan.num_tasks += batch.tasks.size();
+  }
+  return plan;
+}
+
+std::string Plan::Explain(const Checkpoint& checkpoint, size_t max_lines_per_batch) const {
+  const auto& files = checkpoint.files();
+  const auto& all = checkpoint.tensors();
+  // A plan made for another checkpoint must not crash the printer: unknown indices print as '#i'.
+  auto file_name = [&](uint32_t f) {
+    return f < files.size() ? files[f].path : std::string("#") + std::to_string(f);
+  };
+  auto tensor_name = [&](uint32_t t) {
+    return t < all.size() ? "'" + all[t].name + "'" : std::string("#") + std::to_string(t);
+  };
+
+  std::string out = std::string("plan: ") + std::to_string(num_tensors) + " tensors, " +
+                    std::to_string(tensor_bytes) + " bytes (" + HumanBytes(tensor_bytes) + "), " +
+                    std::to_string(batches.size()) + " batches, " + std::to_string(num_ranges) +
+                    " ranges, " + std::to_string(num_tasks) + " tasks\n";
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const PlanBatch& batch = batches[b];
+    // Ranges are not stored: recover them from the tasks. Two tasks of one range are contiguous in
+    // both file and buffer; two ranges of one file never are in the file (they would have been
+    // coalesced), so merging contiguous tasks gives back exactly the ranges.
+    std::vector<ReadTask> ranges(batch.tasks);
+    std::sort(ranges.begin(), ranges.end(), [](const ReadTask& x, const ReadTask& y) {
+      return x.file != y.file ? x.file < y.file : x.file_offset < y.file_offset;
+    });
+    std::vector<ReadTask> merged;
+    for (const ReadTask& t : ranges) {
+      if (!merged.empty() && merged.back().file == t.file &&
+          merged.back().file_offset + merged.back().length == t.file_offset &&
+          merged.back().buffer_offset + merged.back().length == t.buffer_offset) {
+        merged.back().length += t.length;
+      } else {
+        merged.push_back(t);
+      }
+    }
+    // Order ranges as the buffer lays them out, which is how a reader thinks of a batch.
+    std::sort(merged.begin(), merged.end(), [](const ReadTask& x, const ReadTask& y) {
+      return x.buffer_offset < y.buffer_offset;
+    });
+
+    out += std::string("batch ") + std::to_string(b) + ": " + std::to_string(batch.tensors.size()) +
+           " tensors, " + std::to_string(batch.tensor_bytes) + " bytes (buffer " +
+           std::to_string(batch.buffer_size) + "), " + std::to_string(merged.size()) + " ranges, " +
+           std::to_string(batch.tasks.size()) + " tasks";
+    if (batch.layer) out += std::string(", layer ") + std::to_string(*batch.layer);
+    out += "\n";
+
+    for (size_t i = 0; i < merged.size() && i < max_lines_per_batch; ++i) {
+      const ReadTask& r = merged[i];
+      out += std::string("  file ") + file_name(r.file) + " [" + std::to_string(r.file_offset) +
+             ", +" + std::to_string(r.length) + ") -> buffer +" + std::to_string(r.buffer_offset);
+      // Name the tensors the range holds: the first, and how many more.
+      size_t count = 0;
+      uint32_t first = 0;
+      for (const PlannedTensor& pt : batch.tensors) {
+        if (pt.tensor < all.size() && all[pt.tensor].size > 0 &&
+            pt.buffer_offset >= r.buffer_offset && pt.buffer_offset < r.buffer_offset + r.length) {
+          if (count++ == 0) first = pt.tensor;
+        }
+      }
+      if (count > 0) {
+        out += std::string("  ") + tensor_name(first);
+        if (count > 1) out += std::string(" +") + std::to_string(count - 1) + " more";
+      }
+      out += "\n";
+    }
+    if (merged.size() > max_lines_per_batch) {
+      out += std::string("  ... ") + std::to_string(merged.size() - max_lines_per_batch) +
+             " more ranges\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace tensorferry

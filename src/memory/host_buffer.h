@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "tensorferry/status.h"
@@ -40,6 +41,7 @@ class HostBuffer {
   uint64_t Populate(uint64_t offset, uint64_t length) noexcept;
 
  private:
+  friend class BufferPool;  // a reused buffer takes the size of the new request
   HostBuffer(std::byte* data, uint64_t size, uint64_t capacity)
       : data_(data), size_(size), capacity_(capacity) {}
   std::byte* data_;

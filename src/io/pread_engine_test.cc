@@ -1,0 +1,326 @@
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "io/read_engine.h"
+#include "testing/test_util.h"
+
+namespace tensorferry::io {
+namespace {
+
+using testing::MemoryEnv;
+
+::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
+  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
+}
+
+// Bytes that differ per file and per position, so a read from the wrong place shows.
+std::string Pattern(size_t size, unsigned seed) {
+  std::string s(size, '\0');
+  for (size_t i = 0; i < size; ++i)
+    s[i] = static_cast<char>((i * 131 + seed * 17 + (i >> 8)) & 0xff);
+  return s;
+}
+
+// Several files, each opened from `env`, and many requests of odd sizes and offsets over them.
+struct Workload {
+  std::vector<std::string> contents;
+  std::vector<std::unique_ptr<RandomAccessFile>> files;
+  std::vector<std::vector<std::byte>> dst;
+  std::vector<ReadRequest> requests;
+  std::vector<std::pair<size_t, uint64_t>> origin;  // (file index, offset) per request
+
+  // Checks every destination against the file bytes it was read from.
+  ::testing::AssertionResult Verify() const {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const auto& [f, off] = origin[i];
+      if (dst[i].size() != 0 &&
+          std::memcmp(dst[i].data(), contents[f].data() + off, dst[i].size()) != 0) {
+        return ::testing::AssertionFailure() << "request " << i << " (file " << f << ", offset "
+                                             << off << ", " << dst[i].size() << " bytes) differs";
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+Workload MakeWorkload(Env* env, const std::vector<std::string>& paths, size_t requests,
+                      unsigned seed) {
+  Workload w;
+  std::mt19937_64 rng(seed);
+  for (const std::string& path : paths) {
+    auto file = env->OpenRandomAccess(path);
+    EXPECT_TRUE(file.ok()) << file.status().ToString();
+    auto size = (*file)->Size();
+    EXPECT_TRUE(size.ok());
+    w.contents.push_back(std::string(*size, '\0'));
+    EXPECT_TRUE(
+        ReadFully(**file, 0,
+                  std::span<std::byte>(reinterpret_cast<std::byte*>(w.contents.back().data()),
+                                       w.contents.back().size()))
+            .ok());
+    w.files.push_back(std::move(file).value());
+  }
+  w.dst.resize(requests);
+  for (size_t i = 0; i < requests; ++i) {
+    const size_t f = i % paths.size();  // interleave files, as the plan does
+    const uint64_t size = w.contents[f].size();
+    const uint64_t off = rng() % size;
+    const uint64_t len = i % 7 == 0 ? 0 : rng() % (size - off + 1);
+    w.dst[i].resize(static_cast<size_t>(len));
+    w.origin.emplace_back(f, off);
+    w.requests.push_back(ReadRequest{w.files[f].get(), off, w.dst[i]});
+  }
+  return w;
+}
+
+std::unique_ptr<ReadEngine> Engine(unsigned threads) {
+  auto engine = MakePreadEngine(threads);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  return std::move(engine).value();
+}
+
+TEST(PreadEngineTest, ByteExactAcrossFilesAndThreadCounts) {
+  MemoryEnv env;
+  const std::vector<std::string> paths = {"a", "b", "c"};
+  env.AddFile("a", Pattern(10007, 1));
+  env.AddFile("b", Pattern(1, 2));
+  env.AddFile("c", Pattern(65537, 3));
+  env.SetFaults("c", {.max_read = 1000});  // short reads are continued
+  for (unsigned threads = 1; threads <= 8; ++threads) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    auto engine = Engine(threads);
+    EXPECT_EQ(engine->name(), "pread");
+    Workload w = MakeWorkload(&env, paths, 200, threads);
+    ASSERT_TRUE(engine->Execute(w.requests).ok());
+    EXPECT_TRUE(w.Verify());
+    uint64_t bytes = 0;
+    for (const auto& d : w.dst) bytes += d.size();
+    const EngineStats stats = engine->stats();
+    EXPECT_EQ(stats.requests, 200u);
+    EXPECT_EQ(stats.bytes_read, bytes);
+    EXPECT_GE(stats.read_calls, 200u * 6 / 7);
+  }
+}
+
+TEST(PreadEngineTest, ZeroThreadsMeansOnlineCpusAndEmptyJobIsOk) {
+  auto engine = Engine(0);
+  EXPECT_TRUE(engine->Execute({}).ok());
+  EXPECT_EQ(engine->stats().requests, 0u);
+}
+
+TEST(PreadEngineTest, ShortReadsCountEveryCall) {
+  MemoryEnv env;
+  env.AddFile("f", Pattern(1000, 4));
+  env.SetFaults("f", {.max_read = 7});
+  auto file = env.OpenRandomAccess("f");
+  ASSERT_TRUE(file.ok());
+  std::vector<std::byte> dst(100);
+  const ReadRequest request{file->get(), 13, dst};
+  auto engine = Engine(2);
+  ASSERT_TRUE(engine->Execute({&request, 1}).ok());
+  EXPECT_EQ(std::memcmp(dst.data(), Pattern(1000, 4).data() + 13, 100), 0);
+  EXPECT_EQ(engine->stats().read_calls, 15u);  // ceil(100 / 7)
+  EXPECT_EQ(engine->stats().bytes_read, 100u);
+}
+
+// A faulty file among healthy ones: the job fails with the fault's code and a message naming the
+// file and the offset, and the same engine then completes a healthy job.
+struct FaultCase {
+  const char* name;
+  MemoryEnv::Faults faults;
+  Code code;
+  const char* needle;  // expected in the message besides the path
+};
+
+class PreadEngineFaultTest : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(PreadEngineFaultTest, FailsWithCodeAndStaysUsable) {
+  const FaultCase& c = GetParam();
+  MemoryEnv env;
+  env.AddFile("good.safetensors", Pattern(50000, 5));
+  env.AddFile("bad.safetensors", Pattern(50000, 6));
+  for (unsigned threads : {1u, 3u, 8u}) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    env.AddFile("bad.safetensors", Pattern(50000, 6));  // undo a previous truncation
+    auto engine = Engine(threads);
+    Workload w = MakeWorkload(&env, {"good.safetensors", "bad.safetensors"}, 0, 0);
+    env.SetFaults("bad.safetensors", c.faults);  // armed after MakeWorkload read the contents
+    // Whole-file requests in 5000-byte pieces, so every fault is hit by some request.
+    for (size_t f = 0; f < 2; ++f) {
+      for (uint64_t off = 0; off < 50000; off += 5000) {
+        w.dst.emplace_back(5000);
+        w.origin.emplace_back(f, off);
+      }
+    }
+    for (size_t i = 0; i < w.dst.size(); ++i) {
+      w.requests.push_back(
+          ReadRequest{w.files[w.origin[i].first].get(), w.origin[i].second, w.dst[i]});
+    }
+    const Status status = engine->Execute(w.requests);
+    ASSERT_FALSE(status.ok());
+    EXPECT_EQ(status.code(), c.code) << status.ToString();
+    EXPECT_TRUE(Contains(status.message(), "bad.safetensors")) << status.ToString();
+    EXPECT_TRUE(Contains(status.message(), c.needle)) << status.ToString();
+
+    // Usable afterwards.
+    Workload ok = MakeWorkload(&env, {"good.safetensors"}, 50, threads);
+    ASSERT_TRUE(engine->Execute(ok.requests).ok());
+    EXPECT_TRUE(ok.Verify());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, PreadEngineFaultTest,
+    ::testing::Values(
+        FaultCase{"Eio", {.eio_at = 23456}, Code::kIoError, "offset 23456"},
+        FaultCase{
+            "EioShortReads", {.max_read = 333, .eio_at = 40001}, Code::kIoError, "offset 40001"},
+        // The file shrinks to 30000 bytes after its first reads: the request covering 30000 ends
+        // early (offset 30000) and any later one finds nothing (at its own offset).
+        FaultCase{"Truncated",
+                  {.truncate_after_reads = 2, .truncate_to = 30000},
+                  Code::kUnexpectedEof,
+                  "unexpected end of file at offset "},
+        FaultCase{"TruncatedShortReads",
+                  {.max_read = 1000, .truncate_after_reads = 3, .truncate_to = 12345},
+                  Code::kUnexpectedEof,
+                  "unexpected end of file at offset "}),
+    [](const ::testing::TestParamInfo<FaultCase>& p) { return std::string(p.param.name); });
+
+TEST(PreadEngineTest, EofMessageNamesOffsetsAndCounts) {
+  MemoryEnv env;
+  env.AddFile("short.safetensors", Pattern(1000, 7));
+  auto file = env.OpenRandomAccess("short.safetensors");
+  ASSERT_TRUE(file.ok());
+  std::vector<std::byte> dst(300);
+  const ReadRequest request{file->get(), 900, dst};
+  auto engine = Engine(2);
+  const Status status = engine->Execute({&request, 1});
+  EXPECT_EQ(status.code(), Code::kUnexpectedEof);
+  EXPECT_EQ(status.message(),
+            "short.safetensors: unexpected end of file at offset 1000: wanted 300 bytes at offset "
+            "900, got 100");
+}
+
+TEST(PreadEngineTest, ErrorStopsHandingOutRequests) {
+  MemoryEnv env;
+  env.AddFile("f", Pattern(4096, 8));
+  env.SetFaults("f", {.eio_at = 0});
+  auto file = env.OpenRandomAccess("f");
+  ASSERT_TRUE(file.ok());
+  // One worker: the first request fails, so none of the other 999 may be started.
+  std::vector<std::byte> dst(16);
+  std::vector<ReadRequest> requests(1000, ReadRequest{file->get(), 0, dst});
+  auto engine = Engine(1);
+  EXPECT_EQ(engine->Execute(requests).code(), Code::kIoError);
+  EXPECT_EQ(engine->stats().requests, 1u);
+  EXPECT_EQ(env.reads("f"), 1u);
+}
+
+TEST(PreadEngineTest, ConcurrentExecuteFromFourThreads) {
+  MemoryEnv env;
+  env.AddFile("x", Pattern(30011, 9));
+  env.AddFile("y", Pattern(20011, 10));
+  env.AddFile("bad", Pattern(20011, 11));
+  auto engine = Engine(3);
+  std::vector<std::thread> callers;
+  std::vector<int> failures(4, 0);
+  for (unsigned t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      for (int round = 0; round < 5; ++round) {
+        if (t == 3) {                // one caller keeps failing; the others must not notice
+          env.SetFaults("bad", {});  // MakeWorkload reads the whole file first
+          Workload w = MakeWorkload(&env, {"bad", "x"}, 40, 100 + static_cast<unsigned>(round));
+          std::vector<std::byte> covering(100);  // [700, 800) holds the EIO
+          w.requests.insert(w.requests.begin(), ReadRequest{w.files[0].get(), 700, covering});
+          env.SetFaults("bad", {.eio_at = 777});
+          if (engine->Execute(w.requests).code() == Code::kIoError) ++failures[t];
+          continue;
+        }
+        Workload w = MakeWorkload(&env, {"x", "y"}, 60, t * 10 + static_cast<unsigned>(round));
+        if (!engine->Execute(w.requests).ok() || !w.Verify()) ++failures[t];
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(failures[0] + failures[1] + failures[2], 0);
+  EXPECT_EQ(failures[3], 5);
+}
+
+// --- real files through Env::Default() -----------------------------------------------------------
+
+TEST(PreadEngineTest, RealFiles) {
+  testing::TempDir dir;
+  std::vector<std::string> paths;
+  for (unsigned i = 0; i < 3; ++i) {
+    paths.push_back(dir.Join("shard" + std::to_string(i) + ".safetensors"));
+    testing::WriteBytes(paths.back(), Pattern(100003 + i * 4099, 20 + i));
+  }
+  auto engine = Engine(4);
+  Workload w = MakeWorkload(Env::Default(), paths, 300, 42);
+  ASSERT_TRUE(engine->Execute(w.requests).ok());
+  EXPECT_TRUE(w.Verify());
+
+  // Past the end of a real file.
+  std::vector<std::byte> dst(10);
+  const ReadRequest past{w.files[0].get(), 100000, dst};
+  const Status status = engine->Execute({&past, 1});
+  EXPECT_EQ(status.code(), Code::kUnexpectedEof);
+  EXPECT_TRUE(Contains(status.message(), paths[0] + ": unexpected end of file at offset 100003"));
+}
+
+// --- CachedFraction ------------------------------------------------------------------------------
+
+TEST(ResidencyTest, CachedFractionOfReadFileThenDropped) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("cached.bin");
+  testing::WriteBytes(path, Pattern(1 << 20, 30));
+  (void)testing::ReadBytes(path);
+  auto fraction = CachedFraction(path, 0, 1 << 20);
+  ASSERT_TRUE(fraction.ok()) << fraction.status().ToString();
+  EXPECT_GT(*fraction, 0.5);
+  EXPECT_LE(*fraction, 1.0);
+
+  // Ask the kernel to drop the pages. Eviction is not guaranteed (tmpfs, overlay filesystems), so
+  // only the measurement itself is checked.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::fdatasync(fd), 0);
+  EXPECT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  ::close(fd);
+  auto after = CachedFraction(path, 4096, 1 << 20);  // also runs past the end: clamped
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
+  EXPECT_GE(*after, 0.0);
+  EXPECT_LE(*after, 1.0);
+}
+
+TEST(ResidencyTest, EdgeCasesAndErrors) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("small.bin");
+  testing::WriteBytes(path, Pattern(5000, 31));
+  auto empty = CachedFraction(path, 100, 0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, 1.0);
+  auto beyond = CachedFraction(path, 10000, 100);
+  ASSERT_TRUE(beyond.ok());
+  EXPECT_EQ(*beyond, 1.0);
+  auto odd = CachedFraction(path, 4097, 1);  // unaligned start, inside the second page
+  ASSERT_TRUE(odd.ok());
+  EXPECT_GE(*odd, 0.0);
+  EXPECT_LE(*odd, 1.0);
+
+  auto missing = CachedFraction(dir.Join("missing.bin"), 0, 10);
+  EXPECT_EQ(missing.status().code(), Code::kNotFound);
+  EXPECT_TRUE(Contains(missing.status().message(), "missing.bin"));
+}
+
+}  // namespace
+}  // namespace tensorferry::io

@@ -13,7 +13,9 @@ namespace tensorferry {
 
 // --- Selection ---------------------------------------------------------------------------------
 
-Selection Selection::All() { return Selection(); }
+Selection Selection::All() {
+  return Selection();
+}
 
 Selection Selection::Names(std::vector<std::string> names) {
   Selection s;
@@ -58,7 +60,8 @@ Result<std::vector<uint32_t>> Selection::Resolve(const Checkpoint& checkpoint) c
   return out;
 }
 
-// --- Loader ---------------------------------------------------------------------------------------
+// --- Loader
+// ---------------------------------------------------------------------------------------
 
 namespace {
 
@@ -97,7 +100,8 @@ struct Loader::Impl {
     for (size_t i = 0; i < infos.size(); ++i) {
       TF_ASSIGN_OR_RETURN(uint64_t size, files[i]->Size());
       if (size != infos[i].file_size) {
-        return Status(Code::kIoError, infos[i].path + ": file changed since the checkpoint was opened: " +
+        return Status(Code::kIoError, infos[i].path +
+                                          ": file changed since the checkpoint was opened: " +
                                           std::to_string(infos[i].file_size) + " bytes then, " +
                                           std::to_string(size) + " now");
       }
@@ -124,7 +128,8 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   if (options.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
   if (options.engine == Engine::kIoUring || options.engine == Engine::kMmap) {
     return Status(Code::kUnsupported,
-                  std::string("engine ") + (options.engine == Engine::kIoUring ? "io_uring" : "mmap") +
+                  std::string("engine ") +
+                      (options.engine == Engine::kIoUring ? "io_uring" : "mmap") +
                       " is not available in this build yet; use auto or pread");
   }
   auto impl = std::make_unique<Impl>();
@@ -169,15 +174,16 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
     const PlanBatch& batch = plan.batches[b];
     std::optional<memory::BudgetLease> lease = m.budget->TryAcquire(batch.tensor_bytes);
     if (!lease) {
-      return Status(Code::kBudgetExceeded,
-                    "batch " + std::to_string(b + 1) + " of " + std::to_string(plan.batches.size()) +
-                        " needs " + std::to_string(batch.tensor_bytes) + " bytes but " +
-                        std::to_string(m.budget->in_use()) + " of the " +
-                        std::to_string(m.budget->limit()) +
-                        "-byte budget are still held by tensors of earlier batches: drop them "
-                        "before the next batch, or raise the budget");
+      return Status(
+          Code::kBudgetExceeded,
+          "batch " + std::to_string(b + 1) + " of " + std::to_string(plan.batches.size()) +
+              " needs " + std::to_string(batch.tensor_bytes) + " bytes but " +
+              std::to_string(m.budget->in_use()) + " of the " + std::to_string(m.budget->limit()) +
+              "-byte budget are still held by tensors of earlier batches: drop them "
+              "before the next batch, or raise the budget");
     }
-    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, m.pool->Acquire(batch.buffer_size));
+    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
+                        m.pool->Acquire(batch.buffer_size));
 
     requests.clear();
     requests.reserve(batch.tasks.size());
@@ -232,7 +238,8 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   std::vector<std::pair<size_t, Tensor>> got;
   TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
     for (Tensor& t : batch.tensors) {
-      got.emplace_back(static_cast<size_t>(ckpt.Find(t.name()) - ckpt.tensors().data()), std::move(t));
+      got.emplace_back(static_cast<size_t>(ckpt.Find(t.name()) - ckpt.tensors().data()),
+                       std::move(t));
     }
     return Status::Ok();
   }));
@@ -243,6 +250,8 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   return out;
 }
 
-LoadStats Loader::stats() const { return impl_->stats; }
+LoadStats Loader::stats() const {
+  return impl_->stats;
+}
 
 }  // namespace tensorferry

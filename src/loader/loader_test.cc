@@ -168,15 +168,19 @@ TEST(Loader, OversizedTensor) {
   ASSERT_TRUE(loader.ok());
   Status s = (*loader)->Stream(Selection::All(), [](Batch) { return Status::Ok(); });
   EXPECT_EQ(s.code(), Code::kBudgetExceeded);
-  EXPECT_NE(s.message().find("model.embed_tokens.weight"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("more than the budget of 100 bytes"), std::string::npos)
+      << s.message();
   o.allow_oversized = true;
   auto loader2 = Loader::Open(f.dir.path(), o);
   ASSERT_TRUE(loader2.ok());
   size_t n = 0;
-  ASSERT_TRUE((*loader2)->Stream(Selection::All(), [&](Batch b) {
-                n += b.tensors.size();
-                return Status::Ok();
-              }).ok());
+  ASSERT_TRUE((*loader2)
+                  ->Stream(Selection::All(),
+                           [&](Batch b) {
+                             n += b.tensors.size();
+                             return Status::Ok();
+                           })
+                  .ok());
   EXPECT_EQ(n, f.tensors.size());
 }
 
@@ -187,12 +191,16 @@ TEST(Loader, LayerByLayerDelivery) {
   auto loader = Loader::Open(f.dir.path(), o);
   ASSERT_TRUE(loader.ok());
   std::vector<std::optional<uint32_t>> order;
-  ASSERT_TRUE((*loader)->Stream(Selection::All(), [&](Batch b) {
-                std::optional<uint32_t> layer = LayerOf(b.tensors.at(0).name());
-                for (const Tensor& t : b.tensors) EXPECT_EQ(LayerOf(t.name()), layer) << t.name();
-                order.push_back(layer);
-                return Status::Ok();
-              }).ok());
+  ASSERT_TRUE((*loader)
+                  ->Stream(Selection::All(),
+                           [&](Batch b) {
+                             std::optional<uint32_t> layer = LayerOf(b.tensors.at(0).name());
+                             for (const Tensor& t : b.tensors)
+                               EXPECT_EQ(LayerOf(t.name()), layer) << t.name();
+                             order.push_back(layer);
+                             return Status::Ok();
+                           })
+                  .ok());
   ASSERT_EQ(order.size(), 6u);
   EXPECT_FALSE(order[0].has_value());
   for (uint32_t l = 0; l < 5; ++l) EXPECT_EQ(order[l + 1], l);

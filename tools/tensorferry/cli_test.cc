@@ -560,9 +560,11 @@ TEST(CliLoad, ChecksumIndependentOfThreadsBudgetAndOrder) {
   const std::string ckpt = dir.Join("c");
   GenTiny(ckpt, {"--shard-size", "40KB"});
   std::string first;
-  for (const std::vector<std::string>& extra :
-       {std::vector<std::string>{}, {"--threads", "1", "--chunk-size", "3000"},
-        {"--budget", "40KB"}, {"--order", "layer"}, {"--budget", "70KB", "--order", "layer"}}) {
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{},
+                                                {"--threads", "1", "--chunk-size", "3000"},
+                                                {"--budget", "40KB"},
+                                                {"--order", "layer"},
+                                                {"--budget", "70KB", "--order", "layer"}}) {
     std::vector<std::string> args = {"load", ckpt, "--json"};
     args.insert(args.end(), extra.begin(), extra.end());
     const RunResult r = RunCli(args);
@@ -572,7 +574,9 @@ TEST(CliLoad, ChecksumIndependentOfThreadsBudgetAndOrder) {
     EXPECT_EQ(uint64_t(e["tensors"]), kTinyTensors);
     EXPECT_EQ(uint64_t(e["bytes"]), kTinyBytes);
     const uint64_t budget = uint64_t(e["budget"]);
-    if (budget) EXPECT_LE(uint64_t(e["peak_budget_bytes"]), budget);
+    if (budget) {
+      EXPECT_LE(uint64_t(e["peak_budget_bytes"]), budget);
+    }
     const std::string sum = JsonString(r.out, "checksum");
     EXPECT_EQ(sum.size(), 16u);
     if (first.empty()) first = sum;

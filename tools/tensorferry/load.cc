@@ -32,7 +32,8 @@ struct LoadArgs {
   bool no_checksum = false;
 };
 
-// --- CRC32C (Castagnoli), hardware when the CPU has SSE4.2 ----------------------------------------
+// --- CRC32C (Castagnoli), hardware when the CPU has SSE4.2
+// ----------------------------------------
 
 uint32_t Crc32cSoftware(uint32_t crc, const unsigned char* p, size_t n) {
   static const auto table = [] {
@@ -51,7 +52,7 @@ uint32_t Crc32cSoftware(uint32_t crc, const unsigned char* p, size_t n) {
 
 #if defined(__x86_64__)
 __attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const unsigned char* p,
-                                                           size_t n) {
+                                                          size_t n) {
   uint64_t c = ~crc;
   while (n >= 8) {
     uint64_t v;
@@ -89,7 +90,8 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
   LoadOptions o;
   o.threads = a.threads;
   auto chunk = ParseSize(a.chunk_size);
-  if (!chunk || *chunk == 0) return Status(Code::kInvalidArgument, "--chunk-size: not a size: " + a.chunk_size);
+  if (!chunk || *chunk == 0)
+    return Status(Code::kInvalidArgument, "--chunk-size: not a size: " + a.chunk_size);
   o.chunk_size = *chunk;
   auto budget = ParseSize(a.budget);
   if (!budget) return Status(Code::kInvalidArgument, "--budget: not a size: " + a.budget);
@@ -103,7 +105,8 @@ Result<Selection> MakeSelection(const LoadArgs& a) {
   if (a.layers.empty()) return Selection::All();
   unsigned first = 0, last = 0;
   char dash = 0;
-  if (std::sscanf(a.layers.c_str(), "%u%c%u", &first, &dash, &last) == 3 && dash == '-' && first <= last) {
+  if (std::sscanf(a.layers.c_str(), "%u%c%u", &first, &dash, &last) == 3 && dash == '-' &&
+      first <= last) {
     return Selection::Layers(first, last);
   }
   if (std::sscanf(a.layers.c_str(), "%u", &first) == 1) return Selection::Layers(first, first);
@@ -154,11 +157,13 @@ int RunLoad(const LoadArgs& args) {
   uint64_t combined = 0xcbf29ce484222325ull;  // FNV-1a over (name, crc) in name order
   for (const auto& [name, crc] : sums) {
     for (unsigned char c : name) combined = (combined ^ c) * 0x100000001b3ull;
-    for (int i = 0; i < 4; ++i) combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+    for (int i = 0; i < 4; ++i)
+      combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
   }
   char checksum[32];
   std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(combined));
-  const double gbps = stats.seconds > 0 ? static_cast<double>(stats.bytes) / stats.seconds / 1e9 : 0;
+  const double gbps =
+      stats.seconds > 0 ? static_cast<double>(stats.bytes) / stats.seconds / 1e9 : 0;
   const uint64_t peak_rss = PeakRss();
 
   if (args.json) {
@@ -181,14 +186,15 @@ int RunLoad(const LoadArgs& args) {
     return WriteStdout(j.str()) ? kExitOk : kExitError;
   }
   char line[512];
-  std::snprintf(line, sizeof line,
-                "loaded %s in %s: %s in %.3f s (%.2f GB/s); peak RSS %s; peak held %s%s; "
-                "checksum %s",
-                Plural(stats.tensors, "tensor").c_str(), Plural(stats.batches, "batch").c_str(),
-                FormatBytes(stats.bytes).c_str(), stats.seconds, gbps, FormatBytes(peak_rss).c_str(),
-                FormatBytes(stats.peak_budget_bytes).c_str(),
-                options->budget ? (" of a " + FormatBytes(options->budget) + " budget").c_str() : "",
-                args.no_checksum ? "(skipped)" : checksum);
+  std::snprintf(
+      line, sizeof line,
+      "loaded %s in %s: %s in %.3f s (%.2f GB/s); peak RSS %s; peak held %s%s; "
+      "checksum %s",
+      Plural(stats.tensors, "tensor").c_str(), Plural(stats.batches, "batch").c_str(),
+      FormatBytes(stats.bytes).c_str(), stats.seconds, gbps, FormatBytes(peak_rss).c_str(),
+      FormatBytes(stats.peak_budget_bytes).c_str(),
+      options->budget ? (" of a " + FormatBytes(options->budget) + " budget").c_str() : "",
+      args.no_checksum ? "(skipped)" : checksum);
   return WriteStdout(line) ? kExitOk : kExitError;
 }
 
@@ -202,7 +208,8 @@ Command AddLoadCommand(CLI::App& parent) {
       ->required();
   app->add_option("--threads", args->threads, "I/O threads (default: one per CPU)");
   app->add_option("--chunk-size", args->chunk_size, "Bytes per read task (default 8MiB)");
-  app->add_option("--budget", args->budget, "Most bytes of tensors held at once (default 0: unbounded)");
+  app->add_option("--budget", args->budget,
+                  "Most bytes of tensors held at once (default 0: unbounded)");
   app->add_option("--order", args->order, "Delivery order: file or layer")
       ->check(CLI::IsMember({"file", "layer"}));
   app->add_option("--layers", args->layers, "Only layers N or A-B");

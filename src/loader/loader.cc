@@ -137,7 +137,10 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   impl->options = options;
   impl->env = options.env ? options.env : Env::Default();
   TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(options.threads));
-  impl->pool = memory::BufferPool::Create(options.pool_bytes);
+  // Under a budget, cached buffers count against memory too: keep no more than the budget.
+  impl->pool = memory::BufferPool::Create(
+      options.budget > 0 ? std::min(options.pool_bytes, options.budget + (2u << 20))
+                         : options.pool_bytes);
   impl->budget = memory::Budget::Create(options.budget);
   return std::unique_ptr<Loader>(new Loader(std::move(impl)));
 }
@@ -182,8 +185,12 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
               "-byte budget are still held by tensors of earlier batches: drop them "
               "before the next batch, or raise the budget");
     }
-    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
-                        m.pool->Acquire(batch.buffer_size));
+    // Under a budget every batch asks for a buffer of the budget's size, so one buffer (or as many
+    // as the budget holds) is reused for the whole load instead of a fresh one per batch size.
+    const uint64_t want = m.options.budget > 0 && batch.buffer_size <= m.options.budget
+                              ? m.options.budget
+                              : batch.buffer_size;
+    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, m.pool->Acquire(want));
 
     requests.clear();
     requests.reserve(batch.tasks.size());

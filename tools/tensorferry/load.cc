@@ -190,7 +190,8 @@ int RunLoad(const LoadArgs& args) {
       line, sizeof line,
       "loaded %s in %s: %s in %.3f s (%.2f GB/s); peak RSS %s; peak held %s%s; "
       "checksum %s",
-      Plural(stats.tensors, "tensor").c_str(), Plural(stats.batches, "batch").c_str(),
+      Plural(stats.tensors, "tensor").c_str(),
+      (std::to_string(stats.batches) + (stats.batches == 1 ? " batch" : " batches")).c_str(),
       FormatBytes(stats.bytes).c_str(), stats.seconds, gbps, FormatBytes(peak_rss).c_str(),
       FormatBytes(stats.peak_budget_bytes).c_str(),
       options->budget ? (" of a " + FormatBytes(options->budget) + " budget").c_str() : "",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: formatting check, the release suite (C++ and Python interop), the whole suite under
-# ASan+UBSan, and each fuzz target for FUZZ_SECONDS (default 60) on its seed corpus.
+# ASan+UBSan, the concurrent parts under ThreadSanitizer, and each fuzz target for FUZZ_SECONDS
+# (default 60) on its seed corpus.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
@@ -17,6 +18,11 @@ echo "== ASan+UBSan build and tests"
 scripts/build.sh asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build/asan --output-on-failure -j 2 -LE python
+
+echo "== ThreadSanitizer build: the concurrent parts (engine, memory, loader)"
+scripts/build.sh tsan
+TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan --output-on-failure -j 2 -LE python \
+  -R 'Loader|Engine|Pread|Buffer|Budget|Residen'
 
 echo "== fuzz smoke runs (${FUZZ_SECONDS}s each)"
 scripts/build.sh fuzz

@@ -284,7 +284,6 @@ TEST(LoaderFaults, TruncatedMidLoad) {
   faults.truncate_after_reads = 2;
   faults.truncate_to = 300;
   m.env.SetFaults(m.path, faults);
-  LoadOptions o;
   auto r = (*loader)->Load();
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(r.status().code() == Code::kUnexpectedEof || r.status().code() == Code::kIoError)

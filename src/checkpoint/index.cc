@@ -8,23 +8,18 @@
 #include <algorithm>
 #include <string>
 #include <string_view>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "tensorferry/checkpoint.h"
+#include "util/json_dom.h"
 #include "util/json_writer.h"
 
 namespace tensorferry {
 namespace {
 
-// Builds an error whose message starts with "source: " when a source is known.
-Status IndexError(Code code, std::string_view source, const std::string& message) {
-  if (source.empty()) return Status(code, message);
-  std::string m(source);
-  m += ": ";
-  m += message;
-  return Status(code, std::move(m));
+Status IndexError(Code code, std::string_view source, std::string message) {
+  return json::WithSource(code, source, std::move(message));
 }
 
 // Rejects a file value that could name something outside the checkpoint directory: an absolute
@@ -54,31 +49,12 @@ Status CheckRelativePath(std::string_view tensor, std::string_view file, std::st
 // Checks that no key of `object` appears twice. `where` names the object in messages.
 Status CheckNoDuplicateKeys(simdjson::dom::object object, std::string_view where,
                             std::string_view source) {
-  std::unordered_set<std::string_view> seen;
-  seen.reserve(object.size());
-  for (auto field : object) {
-    if (!seen.insert(field.key).second) {
-      return IndexError(
-          Code::kDuplicateKey, source,
-          std::string(where) + ": key " + json::Quote(field.key) + " appears more than once");
-    }
+  if (auto key = json::FindDuplicateKey(object)) {
+    return IndexError(
+        Code::kDuplicateKey, source,
+        std::string(where) + ": key " + json::Quote(*key) + " appears more than once");
   }
   return Status::Ok();
-}
-
-std::string_view TypeName(simdjson::dom::element_type type) {
-  using simdjson::dom::element_type;
-  switch (type) {
-    case element_type::ARRAY: return "an array";
-    case element_type::OBJECT: return "an object";
-    case element_type::INT64:
-    case element_type::UINT64:
-    case element_type::DOUBLE: return "a number";
-    case element_type::STRING: return "a string";
-    case element_type::BOOL: return "a boolean";
-    case element_type::NULL_VALUE: return "null";
-  }
-  return "a value of unknown type";
 }
 
 }  // namespace
@@ -120,7 +96,7 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
   if (root.get(top) != simdjson::SUCCESS) {
     return IndexError(
         Code::kIndexInvalidJson, source,
-        "index top level is " + std::string(TypeName(root.type())) + ", not an object");
+        "index top level is " + std::string(json::TypeName(root.type())) + ", not an object");
   }
   if (auto s = CheckNoDuplicateKeys(top, "index top level", source); !s.ok()) return s;
 
@@ -131,9 +107,9 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
   if (top.at_key("metadata").get(metadata_element) == simdjson::SUCCESS) {
     simdjson::dom::object metadata;
     if (metadata_element.get(metadata) != simdjson::SUCCESS) {
-      return IndexError(
-          Code::kIndexInvalidJson, source,
-          "\"metadata\" is " + std::string(TypeName(metadata_element.type())) + ", not an object");
+      return IndexError(Code::kIndexInvalidJson, source,
+                        "\"metadata\" is " + std::string(json::TypeName(metadata_element.type())) +
+                            ", not an object");
     }
     if (auto s = CheckNoDuplicateKeys(metadata, "\"metadata\"", source); !s.ok()) return s;
     doc.metadata.reserve(metadata.size());
@@ -152,7 +128,7 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
   if (map_element.get(weight_map) != simdjson::SUCCESS) {
     return IndexError(
         Code::kIndexNoWeightMap, source,
-        "\"weight_map\" is " + std::string(TypeName(map_element.type())) + ", not an object");
+        "\"weight_map\" is " + std::string(json::TypeName(map_element.type())) + ", not an object");
   }
   if (auto s = CheckNoDuplicateKeys(weight_map, "\"weight_map\"", source); !s.ok()) return s;
   doc.weight_map.reserve(weight_map.size());
@@ -161,7 +137,8 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
     if (field.value.get(file) != simdjson::SUCCESS) {
       return IndexError(Code::kIndexBadEntry, source,
                         "weight_map[" + json::Quote(field.key) + "] is " +
-                            std::string(TypeName(field.value.type())) + ", not a file name string");
+                            std::string(json::TypeName(field.value.type())) +
+                            ", not a file name string");
     }
     if (file.empty()) {
       return IndexError(Code::kIndexBadEntry, source,

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tensorferry/format.h"
+#include "util/json_dom.h"
 #include "util/json_writer.h"
 
 namespace tensorferry {
@@ -30,20 +31,6 @@ std::string QuoteName(std::string_view name) {
   size_t cut = kMax;
   while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;
   return json::Quote(name.substr(0, cut)) + "...(" + std::to_string(name.size()) + " bytes)";
-}
-
-const char* TypeName(dom::element_type t) {
-  switch (t) {
-    case dom::element_type::ARRAY: return "an array";
-    case dom::element_type::OBJECT: return "an object";
-    case dom::element_type::INT64: return "a signed integer";
-    case dom::element_type::UINT64: return "an integer";
-    case dom::element_type::DOUBLE: return "a floating-point number";
-    case dom::element_type::STRING: return "a string";
-    case dom::element_type::BOOL: return "a boolean";
-    case dom::element_type::NULL_VALUE: return "null";
-  }
-  return "an unknown value";
 }
 
 // Short rendering of a JSON value for messages.
@@ -66,12 +53,8 @@ class Parser {
  public:
   Parser(const ParseLimits& limits, std::string_view source) : limits_(limits), source_(source) {}
 
-  Status Fail(Code code, const std::string& message) const {
-    if (source_.empty()) return Status(code, message);
-    std::string m(source_);
-    m += ": ";
-    m += message;
-    return Status(code, std::move(m));
+  Status Fail(Code code, std::string message) const {
+    return json::WithSource(code, source_, std::move(message));
   }
 
   // simdjson reads the integer "-0" as 0, which would let a shape or offset written "-0" through;
@@ -117,14 +100,9 @@ class Parser {
   }
 
   // Rejects duplicate keys in `obj`. `where` names the object in the message.
-  Status CheckUniqueKeys(dom::object obj, const std::string& where) {
-    keys_.clear();
-    for (dom::key_value_pair kv : obj) keys_.push_back(kv.key);
-    if (keys_.size() < 2) return Status::Ok();
-    std::sort(keys_.begin(), keys_.end());
-    auto dup = std::adjacent_find(keys_.begin(), keys_.end());
-    if (dup != keys_.end()) {
-      return Fail(Code::kDuplicateKey, "duplicate key " + QuoteName(*dup) + " in " + where);
+  Status CheckUniqueKeys(dom::object obj, const std::string& where) const {
+    if (auto key = json::FindDuplicateKey(obj)) {
+      return Fail(Code::kDuplicateKey, "duplicate key " + QuoteName(*key) + " in " + where);
     }
     return Status::Ok();
   }
@@ -151,7 +129,7 @@ class Parser {
     if (value.type() != dom::element_type::OBJECT) {
       return Fail(Code::kMetadataNotObject,
                   std::string("\"__metadata__\" must be an object of strings, got ") +
-                      TypeName(value.type()) + " " + Render(value));
+                      json::TypeName(value.type()) + " " + Render(value));
     }
     dom::object obj = value.get_object().value_unsafe();
     if (Status s = CheckUniqueKeys(obj, "\"__metadata__\""); !s.ok()) return s;
@@ -160,7 +138,7 @@ class Parser {
       if (kv.value.type() != dom::element_type::STRING) {
         return Fail(Code::kMetadataNotString, "\"__metadata__\" value for key " +
                                                   QuoteName(kv.key) + " must be a string, got " +
-                                                  TypeName(kv.value.type()) + " " +
+                                                  json::TypeName(kv.value.type()) + " " +
                                                   Render(kv.value));
       }
       header.metadata.emplace_back(std::string(kv.key),
@@ -173,8 +151,8 @@ class Parser {
   Status ParseTensor(std::string_view name, dom::element value, TensorEntry& t) {
     if (value.type() != dom::element_type::OBJECT) {
       return FailTensor(Code::kTensorNotObject, name,
-                        std::string("entry must be an object, got ") + TypeName(value.type()) +
-                            " " + Render(value));
+                        std::string("entry must be an object, got ") +
+                            json::TypeName(value.type()) + " " + Render(value));
     }
     dom::object obj = value.get_object().value_unsafe();
     bool have_dtype = false, have_shape = false, have_offsets = false;
@@ -189,7 +167,7 @@ class Parser {
         if (kv.value.get_string().get(dt) != simdjson::SUCCESS) {
           return FailTensor(Code::kUnknownDtype, name,
                             std::string("dtype must be a string, got ") +
-                                TypeName(kv.value.type()) + " " + Render(kv.value));
+                                json::TypeName(kv.value.type()) + " " + Render(kv.value));
         }
         auto d = DTypeFromName(dt);
         if (!d) {
@@ -205,7 +183,7 @@ class Parser {
         if (kv.value.get_array().get(arr) != simdjson::SUCCESS) {
           return FailTensor(Code::kInvalidShape, name,
                             std::string("shape must be an array of non-negative integers, got ") +
-                                TypeName(kv.value.type()) + " " + Render(kv.value));
+                                json::TypeName(kv.value.type()) + " " + Render(kv.value));
         }
         size_t rank = 0;
         for (dom::element d : arr) {
@@ -321,7 +299,7 @@ class Parser {
     dom::object root;
     if (doc.get_object().get(root) != simdjson::SUCCESS) {
       return Fail(Code::kHeaderNotObject,
-                  std::string("header JSON must be an object, got ") + TypeName(doc.type()));
+                  std::string("header JSON must be an object, got ") + json::TypeName(doc.type()));
     }
 
     Header header;
@@ -410,7 +388,6 @@ class Parser {
  private:
   const ParseLimits& limits_;
   std::string_view source_;
-  std::vector<std::string_view> keys_;
 };
 
 }  // namespace

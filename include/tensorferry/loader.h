@@ -81,18 +81,58 @@ class Selection {
   bool by_name_ = false;
 };
 
+// How bytes get from the files into memory.
+//   kAuto:    kIoUring where the kernel allows it, else kPread.
+//   kPread:   a pool of threads issuing pread(2) (preadv2 with O_DIRECT when direct I/O is used).
+//   kIoUring: one ring per worker thread through liburing, queue_depth reads in flight each.
+//   kMmap:    zero-copy: each file is mapped read-only once per loader and every Tensor is a view
+//             into the mapping (owner() keeps the mapping alive after the loader is gone). Pages
+//             are read on first touch unless LoadOptions::populate. No budget applies (the page
+//             cache owns the memory). SIGBUS: a file truncated while mapped would kill a plain
+//             mmap reader. tensorferry registers each mapping with a process-wide SIGBUS handler
+//             (installed once, chaining to any previous handler for addresses it does not own)
+//             that replaces the vanished page with zeros and records the fault; a load that
+//             faults returns kUnexpectedEof naming the file and offset, and tensors handed out
+//             earlier read zeros where the file vanished instead of crashing the process
+//             (docs/runtime_settings.md, "mmap and truncated files").
 enum class Engine : uint8_t { kAuto, kPread, kIoUring, kMmap };
 
+// O_DIRECT (bypassing the page cache) for the copying engines.
+//   kAuto: per file, direct when less than half of the file's bytes to read are in the page cache
+//          (measured with mincore) and the file system accepts O_DIRECT; buffered otherwise.
+//   kOn:   direct for every file whose file system accepts it (buffered fallback reported in
+//          LoadStats::direct_files / buffered_files).
+//   kOff:  always buffered.
+enum class DirectIO : uint8_t { kAuto, kOn, kOff };
+
+// "auto", "pread", "io_uring", "mmap" / "auto", "on", "off". Parse* errors: kInvalidArgument.
+std::string_view EngineName(Engine engine) noexcept;
+Result<Engine> ParseEngine(std::string_view name);
+std::string_view DirectIOName(DirectIO direct) noexcept;
+Result<DirectIO> ParseDirectIO(std::string_view name);
+
+// Every option with its default. Environment variables (TENSORFERRY_*) seed these defaults only
+// through LoadOptions::FromEnvironment(); a default-constructed LoadOptions ignores the
+// environment. docs/runtime_settings.md lists the variables.
 struct LoadOptions {
-  Engine engine = Engine::kAuto;  // kAuto and kPread: the pread pool (io_uring and mmap: later)
-  unsigned threads = 0;           // I/O workers; 0 = one per online CPU
-  uint64_t chunk_size = 8ull << 20;
-  uint64_t budget = 0;  // bytes of tensor data held at once; 0 = unbounded
-  bool allow_oversized = false;
-  DeliveryOrder order = DeliveryOrder::kFile;
-  // Released batch buffers kept for reuse by later batches and loads.
+  Engine engine = Engine::kAuto;      // TENSORFERRY_ENGINE
+  unsigned threads = 0;               // I/O workers; 0 = one per online CPU (TENSORFERRY_THREADS)
+  uint64_t chunk_size = 8ull << 20;   // bytes per read task (TENSORFERRY_CHUNK_SIZE)
+  DirectIO direct = DirectIO::kAuto;  // TENSORFERRY_DIRECT_IO
+  unsigned queue_depth = 8;  // io_uring reads in flight per worker (TENSORFERRY_QUEUE_DEPTH)
+  uint64_t budget = 0;  // bytes of tensor data held at once; 0 = unbounded (TENSORFERRY_BUDGET)
+  bool allow_oversized = false;  // a tensor larger than the budget loads alone instead of failing
+  DeliveryOrder order = DeliveryOrder::kFile;  // TENSORFERRY_ORDER = file | layer
+  // Released batch buffers kept for reuse by later batches and loads (TENSORFERRY_POOL_BYTES).
   uint64_t pool_bytes = 4ull << 30;
-  Env* env = nullptr;  // nullptr: Env::Default(). Not owned.
+  // mmap engine: pre-fault every mapped page during the load (MAP_POPULATE-like, in parallel) so
+  // first access costs nothing; false: pages are read on first touch.
+  bool populate = false;
+  Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
+
+  // Defaults overridden by the TENSORFERRY_* environment variables that are set. Errors:
+  // kInvalidArgument naming the variable and its value.
+  static Result<LoadOptions> FromEnvironment();
 };
 
 struct Batch {
@@ -110,6 +150,9 @@ struct LoadStats {
   uint64_t peak_budget_bytes = 0;  // highest bytes held against the budget
   uint64_t buffers_reused = 0;
   uint64_t buffers_allocated = 0;
+  std::string engine;           // the engine that ran ("pread", "io_uring", "mmap")
+  uint64_t direct_files = 0;    // files read with O_DIRECT
+  uint64_t buffered_files = 0;  // files read through the page cache
 };
 
 class Loader {

@@ -13,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tensorferry/size.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry::cli {
@@ -34,13 +35,8 @@ Command AddLoadCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 
-// "4.29 GB", "512.00 KB", "17 B" (decimal units, as disk sizes are usually quoted).
-std::string FormatBytes(uint64_t bytes);
-
-// Parses a size such as "1GB", "512MB", "2GiB", "4096", "1.5G" (case-insensitive; KB/MB/GB/TB
-// are powers of 1000, KiB/MiB/GiB/TiB powers of 1024, a bare number is bytes). nullopt when it is
-// not a size or does not fit 64 bits.
-std::optional<uint64_t> ParseSize(std::string_view text);
+using tensorferry::FormatBytes;
+using tensorferry::ParseSize;
 
 // "1 file", "3 files".
 inline std::string Plural(uint64_t n, std::string_view noun) {

@@ -1,0 +1,90 @@
+#include "errors.h"
+
+#include <cerrno>
+
+namespace nb = nanobind;
+
+namespace tensorferry::python {
+namespace {
+
+PyObject* g_safetensor_error = nullptr;
+PyObject* g_invalid_argument_error = nullptr;
+PyObject* g_unsupported_error = nullptr;
+PyObject* g_budget_error = nullptr;
+
+PyObject* NewClass(nb::module_& m, const char* name, const char* doc, PyObject* bases) {
+  const std::string qualified = std::string("tensorferry.") + name;
+  PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases, nullptr);
+  if (cls == nullptr) throw nb::python_error();
+  m.attr(name) = nb::handle(cls);
+  return cls;
+}
+
+// Builds the exception instance for `status` and sets it as the current Python error.
+void SetError(const Status& status) {
+  const std::string& message = status.message();
+  PyObject* cls = g_safetensor_error;
+  nb::object exc;
+  switch (status.category()) {
+    case Category::kNotFound:
+      exc = nb::steal(PyObject_CallFunction(PyExc_FileNotFoundError, "is", ENOENT,
+                                            message.c_str()));
+      break;
+    case Category::kIo:
+      exc = nb::steal(PyObject_CallFunction(PyExc_OSError, "is", EIO, message.c_str()));
+      break;
+    case Category::kInvalidArgument: cls = g_invalid_argument_error; break;
+    case Category::kUnsupported: cls = g_unsupported_error; break;
+    case Category::kBudget: cls = g_budget_error; break;
+    default: break;
+  }
+  if (!exc.is_valid()) {
+    if (PyErr_Occurred() != nullptr) return;
+    exc = nb::steal(PyObject_CallFunction(cls, "s", message.c_str()));
+  }
+  if (!exc.is_valid()) return;  // the constructor failed: its error stands
+  const std::string_view code = CodeName(status.code());
+  const std::string_view category = CategoryName(status.category());
+  PyObject_SetAttrString(exc.ptr(), "code",
+                         nb::str(code.data(), code.size()).ptr());
+  PyObject_SetAttrString(exc.ptr(), "category",
+                         nb::str(category.data(), category.size()).ptr());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+}  // namespace
+
+void RegisterErrors(nb::module_& m) {
+  g_safetensor_error = NewClass(
+      m, "SafetensorError",
+      "A file or checkpoint breaks the safetensors format (or another tensorferry error).\n\n"
+      "Attributes: code (e.g. 'duplicate_key'), category (e.g. 'corrupt').",
+      PyExc_Exception);
+  nb::object invalid_bases = nb::make_tuple(nb::handle(g_safetensor_error),
+                                            nb::handle(PyExc_ValueError));
+  g_invalid_argument_error =
+      NewClass(m, "InvalidArgumentError", "An argument tensorferry cannot use.",
+               invalid_bases.ptr());
+  nb::object unsupported_bases = nb::make_tuple(nb::handle(g_safetensor_error),
+                                                nb::handle(PyExc_NotImplementedError));
+  g_unsupported_error =
+      NewClass(m, "UnsupportedError", "Valid, but this build or machine cannot do it.",
+               unsupported_bases.ptr());
+  g_budget_error = NewClass(m, "BudgetExceededError",
+                            "The request does not fit the configured memory budget.",
+                            g_safetensor_error);
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      SetError(e.status());
+    }
+  });
+}
+
+nb::handle SafetensorErrorType() {
+  return nb::handle(g_safetensor_error);
+}
+
+}  // namespace tensorferry::python

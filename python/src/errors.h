@@ -1,0 +1,54 @@
+// Python exceptions for tensorferry::Status values.
+//
+// Binding code throws StatusError for a non-OK Status; the translator registered by
+// RegisterErrors turns it into the Python exception of the status's category:
+//
+//   kCorrupt, kCuda, kInternal  -> tensorferry.SafetensorError
+//   kInvalidArgument            -> tensorferry.InvalidArgumentError (SafetensorError, ValueError)
+//   kUnsupported                -> tensorferry.UnsupportedError (SafetensorError, NotImplementedError)
+//   kBudget                     -> tensorferry.BudgetExceededError (SafetensorError)
+//   kNotFound                   -> FileNotFoundError (errno ENOENT)
+//   kIo                         -> OSError (errno EIO)
+//
+// Every raised exception carries `code` (e.g. "duplicate_key") and `category` (e.g. "corrupt")
+// attributes; str(exception) is the status message (file, tensor, offset and values at fault).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "tensorferry/status.h"
+
+namespace tensorferry::python {
+
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(Status status) : status_(std::move(status)), what_(status_.ToString()) {}
+  const char* what() const noexcept override { return what_.c_str(); }
+  const Status& status() const noexcept { return status_; }
+
+ private:
+  Status status_;
+  std::string what_;
+};
+
+inline void Check(const Status& status) {
+  if (!status.ok()) throw StatusError(status);
+}
+
+template <typename T>
+T Unwrap(Result<T>&& result) {
+  if (!result.ok()) throw StatusError(result.status());
+  return std::move(result).value();
+}
+
+// Creates the exception classes as attributes of `m` and registers the translator.
+void RegisterErrors(nanobind::module_& m);
+
+// The tensorferry.SafetensorError class (valid after RegisterErrors).
+nanobind::handle SafetensorErrorType();
+
+}  // namespace tensorferry::python

@@ -1,0 +1,142 @@
+#include "export.h"
+
+#include <nanobind/ndarray.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "errors.h"
+
+namespace nb = nanobind;
+
+namespace tensorferry::python {
+namespace {
+
+std::atomic<int64_t> g_live_buffers{0};
+std::atomic<int64_t> g_live_bytes{0};
+
+// A valid, aligned address for zero-byte arrays (frameworks dislike null data pointers).
+alignas(64) std::byte g_empty[64];
+
+nb::dlpack::dtype NativeType(DType dtype) {
+  using nb::dlpack::dtype_code;
+  auto t = [](dtype_code code, uint8_t bits) {
+    return nb::dlpack::dtype{static_cast<uint8_t>(code), bits, 1};
+  };
+  switch (dtype) {
+    case DType::kBool: return t(dtype_code::Bool, 8);
+    case DType::kU8: return t(dtype_code::UInt, 8);
+    case DType::kI8: return t(dtype_code::Int, 8);
+    case DType::kI16: return t(dtype_code::Int, 16);
+    case DType::kU16: return t(dtype_code::UInt, 16);
+    case DType::kI32: return t(dtype_code::Int, 32);
+    case DType::kU32: return t(dtype_code::UInt, 32);
+    case DType::kI64: return t(dtype_code::Int, 64);
+    case DType::kU64: return t(dtype_code::UInt, 64);
+    case DType::kF16: return t(dtype_code::Float, 16);
+    case DType::kF32: return t(dtype_code::Float, 32);
+    case DType::kF64: return t(dtype_code::Float, 64);
+    case DType::kBF16: return t(dtype_code::Bfloat, 16);
+    case DType::kC64: return t(dtype_code::Complex, 64);
+    default: return t(dtype_code::UInt, 8);  // exported as bytes
+  }
+}
+
+}  // namespace
+
+Keeper::Keeper(std::shared_ptr<const void> owner, uint64_t bytes)
+    : owner_(std::move(owner)), bytes_(bytes) {
+  g_live_buffers.fetch_add(1, std::memory_order_relaxed);
+  g_live_bytes.fetch_add(static_cast<int64_t>(bytes_), std::memory_order_relaxed);
+}
+
+Keeper::~Keeper() {
+  g_live_buffers.fetch_sub(1, std::memory_order_relaxed);
+  g_live_bytes.fetch_sub(static_cast<int64_t>(bytes_), std::memory_order_relaxed);
+}
+
+int64_t Keeper::live_buffers() noexcept {
+  return g_live_buffers.load(std::memory_order_relaxed);
+}
+int64_t Keeper::live_bytes() noexcept {
+  return g_live_bytes.load(std::memory_order_relaxed);
+}
+
+std::shared_ptr<std::byte> AllocateBytes(uint64_t size) {
+  const uint64_t rounded = (size + 63) / 64 * 64;
+  void* p = rounded == 0 ? nullptr : std::aligned_alloc(64, rounded);
+  if (size != 0 && p == nullptr) {
+    throw StatusError(Status(Code::kBudgetExceeded,
+                             "cannot allocate " + std::to_string(size) + " bytes"));
+  }
+  if (p == nullptr) p = std::aligned_alloc(64, 64);
+  if (p == nullptr) throw std::bad_alloc();
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* b) { std::free(b); });
+}
+
+bool ExportsNatively(DType dtype, Framework framework) noexcept {
+  switch (dtype) {
+    case DType::kBool:
+    case DType::kU8:
+    case DType::kI8:
+    case DType::kI16:
+    case DType::kU16:
+    case DType::kI32:
+    case DType::kU32:
+    case DType::kI64:
+    case DType::kU64:
+    case DType::kF16:
+    case DType::kF32:
+    case DType::kF64:
+    case DType::kC64: return true;
+    case DType::kBF16: return framework == Framework::kTorch;
+    default: return false;
+  }
+}
+
+nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
+                  const std::byte* data, uint64_t size, DType dtype,
+                  std::span<const uint64_t> shape) {
+  const bool native = ExportsNatively(dtype, framework);
+  std::vector<size_t> dims(shape.begin(), shape.end());
+  nb::dlpack::dtype type = NativeType(dtype);
+  if (!native) {
+    // Bytes: same dimensions, the last one counted in bytes (sub-byte types pack into bytes).
+    type = NativeType(DType::kU8);
+    const unsigned bits = DTypeBits(dtype);
+    if (!dims.empty() && bits != 8) {
+      dims.back() = static_cast<size_t>(static_cast<uint64_t>(dims.back()) * bits / 8);
+    } else if (dims.empty() && bits != 8) {
+      dims.push_back(static_cast<size_t>(size));
+    }
+  }
+
+  std::shared_ptr<Keeper> owner = keeper;
+  const std::byte* ptr = size == 0 ? g_empty : data;
+  const unsigned element_bytes = native ? std::max(1u, DTypeBits(dtype) / 8) : 1u;
+  if (size != 0 && reinterpret_cast<uintptr_t>(ptr) % element_bytes != 0) {
+    // A file whose tensor offsets are not multiples of the element size: frameworks expect
+    // aligned elements, so this tensor (only) is copied.
+    std::shared_ptr<std::byte> copy = AllocateBytes(size);
+    std::memcpy(copy.get(), ptr, size);
+    ptr = copy.get();
+    owner = std::make_shared<Keeper>(std::shared_ptr<const void>(std::move(copy)), size);
+  }
+
+  nb::capsule capsule(new std::shared_ptr<Keeper>(std::move(owner)), [](void* p) noexcept {
+    delete static_cast<std::shared_ptr<Keeper>*>(p);
+  });
+  void* mutable_ptr = const_cast<std::byte*>(ptr);  // private memory: see the header comment
+  if (framework == Framework::kTorch) {
+    nb::ndarray<nb::pytorch, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,
+                                                    nullptr, type);
+    return nb::cast(array, nb::rv_policy::reference);
+  }
+  nb::ndarray<nb::numpy, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,
+                                                nullptr, type);
+  return nb::cast(array, nb::rv_policy::reference);
+}
+
+}  // namespace tensorferry::python

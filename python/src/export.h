@@ -1,0 +1,60 @@
+// Hand-off of loaded bytes to NumPy and PyTorch without copying (DLPack through nanobind).
+//
+// Every exported array co-owns a Keeper, which holds the C++ owner of the bytes (a loaded batch's
+// buffer, a mapping, or a heap block). Arrays stay valid after the loader, the checkpoint or the
+// file is closed; the bytes are released exactly when the last array (and every view of it) dies.
+// Each exported tensor gets a storage of its own in PyTorch (one DLPack capsule per tensor), so
+// torch.save of one tensor saves only that tensor and storage-sharing checks see distinct tensors.
+//
+// Writability: the memory handed out is private to this process (anonymous memory filled by the
+// loader, or a copy-on-write private mapping), so arrays are exported writable and PyTorch never
+// warns; writes change only the caller's copy, never the file.
+//
+// Keepers are counted (live_buffers / live_bytes) so tests can prove that memory is returned.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "tensorferry/format.h"
+
+namespace tensorferry::python {
+
+enum class Framework : int { kNumpy = 0, kTorch = 1 };
+
+class Keeper {
+ public:
+  Keeper(std::shared_ptr<const void> owner, uint64_t bytes);
+  ~Keeper();
+  Keeper(const Keeper&) = delete;
+  Keeper& operator=(const Keeper&) = delete;
+
+  static int64_t live_buffers() noexcept;
+  static int64_t live_bytes() noexcept;
+
+ private:
+  std::shared_ptr<const void> owner_;
+  uint64_t bytes_;
+};
+
+// A heap block of `size` bytes aligned to 64 (at least one byte is allocated). Errors: kBudgetExceeded.
+std::shared_ptr<std::byte> AllocateBytes(uint64_t size);
+
+// Whether `dtype` is exported with its own DLPack type to `framework` (false: exported as bytes,
+// uint8 with the last dimension scaled to bytes, and the Python layer views it as its type).
+bool ExportsNatively(DType dtype, Framework framework) noexcept;
+
+// The framework array over `size` bytes at `data` holding `dtype` elements of `shape`, co-owning
+// `keeper`. REQUIRES: the GIL is held; `data` is valid while `keeper` lives. Copies (into a new
+// aligned block) only when `data` is not aligned to the element size.
+nanobind::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
+                        const std::byte* data, uint64_t size, DType dtype,
+                        std::span<const uint64_t> shape);
+
+}  // namespace tensorferry::python

@@ -1,0 +1,609 @@
+// tensorferry._core: the compiled half of the Python package (the other half is
+// python/tensorferry/*.py, which gives these functions the safetensors-compatible names).
+//
+// Reader wraps one Checkpoint (a single file for safe_open, a file, directory or index for
+// Loader) with a lazily created Loader and lazily opened files for partial reads. Every call that
+// reads file bytes releases the GIL. A Reader may be shared by threads: calls on it are
+// serialized by a mutex, taken only after the GIL is released.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "errors.h"
+#include "export.h"
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/env.h"
+#include "tensorferry/format.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/plan.h"
+#include "tensorferry/size.h"
+#include "tensorferry/writer.h"
+
+namespace nb = nanobind;
+
+namespace tensorferry::python {
+namespace {
+
+Framework ToFramework(int framework) {
+  if (framework != 0 && framework != 1) {
+    throw StatusError(Status(Code::kInvalidArgument, "framework must be 0 (numpy) or 1 (torch)"));
+  }
+  return static_cast<Framework>(framework);
+}
+
+nb::list ShapeList(const std::vector<uint64_t>& shape) {
+  nb::list out;
+  for (uint64_t d : shape) out.append(d);
+  return out;
+}
+
+// LoadOptions from TENSORFERRY_* defaults, overridden by the keys present in `options`.
+LoadOptions MakeLoadOptions(const nb::dict& options) {
+  LoadOptions o = Unwrap(LoadOptions::FromEnvironment());
+  for (auto [key_handle, value] : options) {
+    const std::string key = nb::cast<std::string>(key_handle);
+    if (value.is_none()) continue;
+    if (key == "engine") {
+      o.engine = Unwrap(ParseEngine(nb::cast<std::string>(value)));
+    } else if (key == "direct") {
+      o.direct = Unwrap(ParseDirectIO(nb::cast<std::string>(value)));
+    } else if (key == "threads") {
+      o.threads = nb::cast<unsigned>(value);
+    } else if (key == "chunk_size") {
+      o.chunk_size = nb::cast<uint64_t>(value);
+    } else if (key == "queue_depth") {
+      o.queue_depth = nb::cast<unsigned>(value);
+    } else if (key == "budget") {
+      o.budget = nb::cast<uint64_t>(value);
+    } else if (key == "allow_oversized") {
+      o.allow_oversized = nb::cast<bool>(value);
+    } else if (key == "order") {
+      const std::string order = nb::cast<std::string>(value);
+      if (order == "file") {
+        o.order = DeliveryOrder::kFile;
+      } else if (order == "layer") {
+        o.order = DeliveryOrder::kLayer;
+      } else {
+        throw StatusError(Status(Code::kInvalidArgument,
+                                 "unknown order \"" + order + "\" (file, layer)"));
+      }
+    } else if (key == "pool_bytes") {
+      o.pool_bytes = nb::cast<uint64_t>(value);
+    } else if (key == "populate") {
+      o.populate = nb::cast<bool>(value);
+    } else {
+      throw StatusError(Status(Code::kInvalidArgument, "unknown load option \"" + key + "\""));
+    }
+  }
+  if (o.chunk_size == 0) throw StatusError(Status(Code::kInvalidArgument, "chunk_size must be > 0"));
+  return o;
+}
+
+nb::dict StatsDict(const LoadStats& s) {
+  nb::dict d;
+  d["tensors"] = s.tensors;
+  d["bytes"] = s.bytes;
+  d["batches"] = s.batches;
+  d["seconds"] = s.seconds;
+  d["peak_budget_bytes"] = s.peak_budget_bytes;
+  d["buffers_reused"] = s.buffers_reused;
+  d["buffers_allocated"] = s.buffers_allocated;
+  d["engine"] = s.engine;
+  d["direct_files"] = s.direct_files;
+  d["buffered_files"] = s.buffered_files;
+  return d;
+}
+
+bool SameOwner(const std::shared_ptr<const void>& a, const std::shared_ptr<const void>& b) {
+  return !a.owner_before(b) && !b.owner_before(a);
+}
+
+// (name, array) pairs. Consecutive tensors with one owner (a batch's buffer) share one Keeper, so
+// the live-buffer count follows the real buffers.
+nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
+  nb::list out;
+  size_t i = 0;
+  while (i < tensors.size()) {
+    size_t j = i + 1;
+    uint64_t bytes = tensors[i].size();
+    while (j < tensors.size() && SameOwner(tensors[i].owner(), tensors[j].owner())) {
+      bytes += tensors[j].size();
+      ++j;
+    }
+    auto keeper = std::make_shared<Keeper>(tensors[i].owner(), bytes);
+    for (; i < j; ++i) {
+      const Tensor& t = tensors[i];
+      out.append(nb::make_tuple(
+          t.name(), Export(framework, keeper, t.data(), t.size(), t.dtype(), t.shape())));
+    }
+  }
+  return out;
+}
+
+[[noreturn]] void RaiseMissingTensor(const std::string& name) {
+  // The reference's exception and message for a name the file does not hold.
+  nb::object exc = SafetensorErrorType()(nb::str(("File does not contain tensor " + name).c_str()));
+  exc.attr("code") = "not_found";
+  exc.attr("category") = "not_found";
+  PyErr_SetObject(SafetensorErrorType().ptr(), exc.ptr());
+  throw nb::python_error();
+}
+
+class Reader {
+ public:
+  // single_file: `path` must be one safetensors file (safe_open). Otherwise a file, a directory or
+  // an index (Loader).
+  Reader(const std::string& path, bool single_file, const nb::dict& options)
+      : options_(MakeLoadOptions(options)) {
+    nb::gil_scoped_release release;
+    if (single_file) {
+      const std::vector<std::string> paths{path};
+      checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths));
+    } else {
+      checkpoint_ = Unwrap(Checkpoint::Open(path));
+    }
+  }
+
+  std::vector<std::string> Names(bool by_offset) const {
+    std::vector<std::string> names;
+    names.reserve(checkpoint_->tensors().size());
+    for (const TensorInfo& t : checkpoint_->tensors()) names.push_back(t.name);
+    if (!by_offset) std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  std::vector<std::string> Files() const {
+    std::vector<std::string> out;
+    for (const FileInfo& f : checkpoint_->files()) out.push_back(f.path);
+    return out;
+  }
+
+  uint64_t TotalBytes() const { return checkpoint_->total_tensor_bytes(); }
+  size_t Size() const { return checkpoint_->tensors().size(); }
+  bool Contains(const std::string& name) const { return checkpoint_->Find(name) != nullptr; }
+
+  // (dtype name, shape, bytes, file index, absolute offset)
+  nb::tuple Info(const std::string& name) const {
+    const TensorInfo& t = Lookup(name);
+    const std::string_view dtype = DTypeName(t.dtype);
+    return nb::make_tuple(nb::str(dtype.data(), dtype.size()), ShapeList(t.shape), t.size, t.file,
+                          t.offset);
+  }
+
+  // The "__metadata__" of file `index` as a dict, or None when the header has none.
+  nb::object FileMetadata(size_t index) {
+    if (index >= checkpoint_->files().size()) throw nb::index_error("file index out of range");
+    const FileInfo& file = checkpoint_->files()[index];
+    bool present = !file.metadata.empty();
+    if (!present) {
+      // An empty table is either "__metadata__": {} or no "__metadata__" at all; only the header
+      // tells (read again, once, only in this case).
+      nb::gil_scoped_release release;
+      Lock lock(*this);
+      if (!has_empty_metadata_) {
+        auto f = Unwrap(Env::Default()->OpenRandomAccess(file.path));
+        has_empty_metadata_ = Unwrap(ReadHeader(*f)).has_metadata;
+      }
+      present = *has_empty_metadata_;
+    }
+    if (!present) return nb::none();
+    nb::dict d;
+    for (const auto& [k, v] : file.metadata) d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
+    return d;
+  }
+
+  nb::dict IndexMetadata() const {
+    nb::dict d;
+    for (const auto& [k, v] : checkpoint_->index_metadata()) {
+      d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
+    }
+    return d;
+  }
+
+  // Every selected tensor (all when `names` is None), through the Loader: one buffer per batch.
+  nb::list Load(const std::optional<std::vector<std::string>>& names, int framework) {
+    const Framework fw = ToFramework(framework);
+    if (names) {
+      for (const std::string& n : *names) Lookup(n);
+    }
+    std::vector<Tensor> tensors;
+    {
+      nb::gil_scoped_release release;
+      Lock lock(*this);
+      Loader& loader = EnsureLoader();
+      const Selection selection = names ? Selection::Names(*names) : Selection::All();
+      Result<std::vector<Tensor>> got = loader.Load(selection);
+      stats_ = loader.stats();
+      tensors = Unwrap(std::move(got));
+    }
+    return ExportTensors(fw, tensors);
+  }
+
+  // One tensor. Large tensors go through the Loader (parallel chunked reads into a pooled
+  // buffer); small ones are read with one positional read on this thread into a heap block, which
+  // costs far less per tensor than a batch and never uses a mapping per tensor.
+  nb::object GetTensor(const std::string& name, int framework) {
+    const Framework fw = ToFramework(framework);
+    const TensorInfo& t = Lookup(name);
+    if (t.size >= 2 * options_.chunk_size) {
+      std::vector<std::string> one{name};
+      nb::list got = Load(one, framework);
+      return nb::borrow<nb::tuple>(got[0])[1];
+    }
+    std::shared_ptr<std::byte> block;
+    {
+      nb::gil_scoped_release release;
+      block = ReadBytes(t, 0, t.size);
+    }
+    auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), t.size);
+    return Export(fw, keeper, block.get(), t.size, t.dtype, t.shape);
+  }
+
+  // Bytes [begin, end) of tensor `name` as a one-dimensional uint8 array of its own.
+  nb::object ReadRange(const std::string& name, uint64_t begin, uint64_t end, int framework) {
+    const Framework fw = ToFramework(framework);
+    const TensorInfo& t = Lookup(name);
+    if (begin > end || end > t.size) {
+      throw StatusError(Status(Code::kInvalidArgument,
+                               "byte range [" + std::to_string(begin) + ", " +
+                                   std::to_string(end) + ") outside tensor \"" + name + "\" of " +
+                                   std::to_string(t.size) + " bytes"));
+    }
+    std::shared_ptr<std::byte> block;
+    {
+      nb::gil_scoped_release release;
+      block = ReadBytes(t, begin, end - begin);
+    }
+    auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), end - begin);
+    const std::vector<uint64_t> shape{end - begin};
+    return Export(fw, keeper, block.get(), end - begin, DType::kU8, shape);
+  }
+
+  // Calls callback(index, count, bytes, [(name, array), ...]) for each batch of Loader::Stream.
+  void Stream(const std::optional<std::vector<std::string>>& names, int framework,
+              const nb::callable& callback) {
+    const Framework fw = ToFramework(framework);
+    if (names) {
+      for (const std::string& n : *names) Lookup(n);
+    }
+    std::optional<nb::python_error> raised;
+    Status status;
+    {
+      nb::gil_scoped_release release;
+      Lock lock(*this);
+      Loader& loader = EnsureLoader();
+      const Selection selection = names ? Selection::Names(*names) : Selection::All();
+      status = loader.Stream(selection, [&](Batch batch) -> Status {
+        nb::gil_scoped_acquire acquire;
+        try {
+          nb::list tensors = ExportTensors(fw, batch.tensors);
+          batch.tensors.clear();
+          callback(batch.index, batch.count, batch.bytes, tensors);
+        } catch (nb::python_error& e) {
+          raised.emplace(std::move(e));
+          return Status(Code::kInternal, "the stream callback raised an exception");
+        }
+        return Status::Ok();
+      });
+      stats_ = loader.stats();
+    }
+    if (raised) throw std::move(*raised);
+    Check(status);
+  }
+
+  // The tensors of `names` (all when None) grouped as a plan with `budget` would batch them.
+  std::vector<std::vector<std::string>> PlanGroups(
+      const std::optional<std::vector<std::string>>& names, uint64_t budget, bool allow_oversized,
+      const std::string& order) const {
+    const Selection selection = names ? Selection::Names(*names) : Selection::All();
+    PlanOptions p;
+    p.chunk_size = options_.chunk_size;
+    p.budget = budget;
+    p.allow_oversized = allow_oversized;
+    if (order == "layer") {
+      p.order = DeliveryOrder::kLayer;
+    } else if (order != "file") {
+      throw StatusError(Status(Code::kInvalidArgument, "unknown order \"" + order + "\""));
+    }
+    const std::vector<uint32_t> indices = Unwrap(selection.Resolve(*checkpoint_));
+    const Plan plan = Unwrap(MakePlan(*checkpoint_, indices, p));
+    std::vector<std::vector<std::string>> groups;
+    for (const PlanBatch& b : plan.batches) {
+      auto& g = groups.emplace_back();
+      for (const PlannedTensor& t : b.tensors) g.push_back(checkpoint_->tensors()[t.tensor].name);
+    }
+    return groups;
+  }
+
+  nb::dict Stats() const { return StatsDict(stats_); }
+
+  nb::dict Options() const {
+    nb::dict d;
+    d["engine"] = std::string(EngineName(options_.engine));
+    d["direct"] = std::string(DirectIOName(options_.direct));
+    d["threads"] = options_.threads;
+    d["chunk_size"] = options_.chunk_size;
+    d["queue_depth"] = options_.queue_depth;
+    d["budget"] = options_.budget;
+    d["allow_oversized"] = options_.allow_oversized;
+    d["order"] = options_.order == DeliveryOrder::kLayer ? "layer" : "file";
+    d["pool_bytes"] = options_.pool_bytes;
+    d["populate"] = options_.populate;
+    return d;
+  }
+
+  // Drops the loader (its buffer pool and threads) and open files. Tensors already handed out
+  // stay valid. Later reads reopen what they need.
+  void Close() {
+    nb::gil_scoped_release release;
+    Lock lock(*this);
+    loader_.reset();
+    files_.clear();
+  }
+
+ private:
+  // Serializes calls on one Reader. Construct only with the GIL released.
+  class Lock {
+   public:
+    explicit Lock(Reader& r) : r_(r) {
+      if (r.lock_owner_.load() == std::this_thread::get_id()) {
+        throw StatusError(Status(Code::kInvalidArgument,
+                                 "this loader is busy on this thread: a stream callback may not "
+                                 "read through the loader that called it"));
+      }
+      r.mu_.lock();
+      r.lock_owner_.store(std::this_thread::get_id());
+    }
+    ~Lock() {
+      r_.lock_owner_.store(std::thread::id());
+      r_.mu_.unlock();
+    }
+    Lock(const Lock&) = delete;
+    Lock& operator=(const Lock&) = delete;
+
+   private:
+    Reader& r_;
+  };
+
+  const TensorInfo& Lookup(const std::string& name) const {
+    const TensorInfo* t = checkpoint_->Find(name);
+    if (t == nullptr) RaiseMissingTensor(name);
+    return *t;
+  }
+
+  // REQUIRES: the lock is held.
+  Loader& EnsureLoader() {
+    if (!loader_) loader_ = Unwrap(Loader::Open(checkpoint_, options_));
+    return *loader_;
+  }
+
+  // Reads `length` bytes of `t` from `begin` into a new block. Takes the lock. REQUIRES: the GIL
+  // is released.
+  std::shared_ptr<std::byte> ReadBytes(const TensorInfo& t, uint64_t begin, uint64_t length) {
+    std::shared_ptr<std::byte> block = AllocateBytes(length);
+    if (length == 0) return block;
+    // The read runs outside the lock (positional reads are safe concurrently); the shared
+    // reference keeps the file open even if Close() runs meanwhile.
+    std::shared_ptr<const RandomAccessFile> file;
+    {
+      Lock lock(*this);
+      if (files_.size() != checkpoint_->files().size()) {
+        files_.clear();
+        files_.resize(checkpoint_->files().size());
+      }
+      auto& slot = files_[t.file];
+      if (!slot) {
+        std::shared_ptr<const RandomAccessFile> opened =
+            Unwrap(Env::Default()->OpenRandomAccess(checkpoint_->files()[t.file].path));
+        const uint64_t size = Unwrap(opened->Size());
+        if (size != checkpoint_->files()[t.file].file_size) {
+          throw StatusError(Status(
+              Code::kIoError, opened->path() + ": file changed since it was opened: " +
+                                  std::to_string(checkpoint_->files()[t.file].file_size) +
+                                  " bytes then, " + std::to_string(size) + " now"));
+        }
+        slot = std::move(opened);
+      }
+      file = slot;
+    }
+    Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length)));
+    return block;
+  }
+
+  std::shared_ptr<const Checkpoint> checkpoint_;
+  LoadOptions options_;
+  std::mutex mu_;
+  std::atomic<std::thread::id> lock_owner_{};
+  std::unique_ptr<Loader> loader_;
+  std::vector<std::shared_ptr<const RandomAccessFile>> files_;
+  std::optional<bool> has_empty_metadata_;
+  LoadStats stats_;
+};
+
+}  // namespace
+}  // namespace tensorferry::python
+
+namespace tensorferry::python {
+namespace {
+
+// entries: [(name, dtype name, shape, data address, byte length)]; the caller keeps the memory
+// alive and unchanged for the duration of the call.
+std::vector<TensorToWrite> ToWrite(const nb::list& entries) {
+  std::vector<TensorToWrite> out;
+  out.reserve(entries.size());
+  for (nb::handle h : entries) {
+    nb::tuple e = nb::cast<nb::tuple>(h);
+    if (e.size() != 5) throw nb::value_error("entries are (name, dtype, shape, address, length)");
+    TensorToWrite t;
+    t.name = nb::cast<std::string>(e[0]);
+    const std::string dtype = nb::cast<std::string>(e[1]);
+    const std::optional<DType> d = DTypeFromName(dtype);
+    if (!d) {
+      throw StatusError(Status(Code::kInvalidArgument,
+                               "tensor \"" + t.name + "\": unknown dtype \"" + dtype + "\""));
+    }
+    t.dtype = *d;
+    t.shape = nb::cast<std::vector<uint64_t>>(e[2]);
+    const auto address = nb::cast<uintptr_t>(e[3]);
+    const auto length = nb::cast<size_t>(e[4]);
+    t.data = std::span<const std::byte>(reinterpret_cast<const std::byte*>(address), length);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+Metadata ToMetadata(const std::optional<nb::dict>& metadata) {
+  Metadata out;
+  if (!metadata) return out;
+  for (auto [k, v] : *metadata) out.emplace_back(nb::cast<std::string>(k), nb::cast<std::string>(v));
+  return out;
+}
+
+nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& metadata) {
+  const std::vector<TensorToWrite> tensors = ToWrite(entries);
+  const Metadata meta = ToMetadata(metadata);
+  const SerializedHeader header = Unwrap(SerializeHeader(tensors, meta));
+  const uint64_t total = 8 + header.json.size() + header.data_size;
+  PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total));
+  if (raw == nullptr) throw nb::python_error();
+  nb::bytes out = nb::steal<nb::bytes>(raw);
+  char* dst = PyBytes_AS_STRING(raw);
+  {
+    nb::gil_scoped_release release;
+    uint64_t n = header.json.size();
+    for (int i = 0; i < 8; ++i) dst[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    std::memcpy(dst + 8, header.json.data(), header.json.size());
+    char* p = dst + 8 + header.json.size();
+    for (size_t i : header.order) {
+      const auto& d = tensors[i].data;
+      if (!d.empty()) std::memcpy(p, d.data(), d.size());
+      p += d.size();
+    }
+  }
+  return out;
+}
+
+void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metadata,
+                   const std::string& path) {
+  const std::vector<TensorToWrite> tensors = ToWrite(entries);
+  const Metadata meta = ToMetadata(metadata);
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = WriteFile(path, tensors, meta);
+  }
+  Check(s);
+}
+
+// The tensors of a whole safetensors file held in `data` (any object with the buffer protocol),
+// in name order. The data section is copied once into a block all tensors share.
+nb::list Deserialize(nb::handle data, int framework) {
+  const Framework fw = ToFramework(framework);
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+  struct Release {
+    Py_buffer* v;
+    ~Release() { PyBuffer_Release(v); }
+  } release_view{&view};
+  const auto* bytes = static_cast<const std::byte*>(view.buf);
+  const auto size = static_cast<uint64_t>(view.len);
+  Header header;
+  std::shared_ptr<std::byte> block;
+  {
+    nb::gil_scoped_release release;
+    header = Unwrap(ParseHeader(std::span<const std::byte>(bytes, size), size, {}, "<bytes>"));
+    block = AllocateBytes(header.data_size);
+    if (header.data_size != 0) {
+      std::memcpy(block.get(), bytes + header.data_offset(), header.data_size);
+    }
+  }
+  auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), header.data_size);
+  std::vector<const TensorEntry*> entries;
+  for (const TensorEntry& t : header.tensors) entries.push_back(&t);
+  std::sort(entries.begin(), entries.end(),
+            [](const TensorEntry* a, const TensorEntry* b) { return a->name < b->name; });
+  nb::list out;
+  for (const TensorEntry* t : entries) {
+    out.append(nb::make_tuple(t->name, Export(fw, keeper, block.get() + t->begin, t->byte_size(),
+                                              t->dtype, t->shape)));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace tensorferry::python
+
+NB_MODULE(_core, m) {
+  using namespace tensorferry;
+  using namespace tensorferry::python;
+  m.doc() = "tensorferry's compiled core (use the tensorferry package, not this module)";
+  m.attr("__version__") = TENSORFERRY_VERSION_STRING;
+  m.attr("SOURCE_HASH") = TENSORFERRY_SOURCE_HASH;
+  RegisterErrors(m);
+
+  nb::class_<Reader>(m, "Reader")
+      .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
+           nb::arg("single_file"), nb::arg("options"))
+      .def("names", &Reader::Names, nb::arg("by_offset"))
+      .def("files", &Reader::Files)
+      .def("total_bytes", &Reader::TotalBytes)
+      .def("__len__", &Reader::Size)
+      .def("__contains__", &Reader::Contains)
+      .def("info", &Reader::Info)
+      .def("file_metadata", &Reader::FileMetadata)
+      .def("index_metadata", &Reader::IndexMetadata)
+      .def("load", &Reader::Load, nb::arg("names").none(), nb::arg("framework"))
+      .def("get_tensor", &Reader::GetTensor)
+      .def("read_range", &Reader::ReadRange)
+      .def("stream", &Reader::Stream, nb::arg("names").none(), nb::arg("framework"),
+           nb::arg("callback"))
+      .def("plan_groups", &Reader::PlanGroups, nb::arg("names").none(), nb::arg("budget"),
+           nb::arg("allow_oversized"), nb::arg("order"))
+      .def("stats", &Reader::Stats)
+      .def("options", &Reader::Options)
+      .def("close", &Reader::Close);
+
+  m.def("serialize", &Serialize, nb::arg("entries"), nb::arg("metadata").none());
+  m.def("serialize_file", &SerializeFile, nb::arg("entries"), nb::arg("metadata").none(),
+        nb::arg("path"));
+  m.def("deserialize", &Deserialize, nb::arg("data"), nb::arg("framework"));
+  m.def("parse_size", [](const std::string& text) {
+    const std::optional<uint64_t> v = ParseSize(text);
+    if (!v) {
+      throw StatusError(Status(Code::kInvalidArgument,
+                               "not a size: \"" + text + "\" (e.g. 256MB, 1.5GiB, 4096)"));
+    }
+    return *v;
+  });
+  m.def("format_bytes", &FormatBytes);
+  m.def("layer_of", [](const std::string& name) -> std::optional<uint32_t> { return LayerOf(name); });
+  m.def("dtype_bits", [](const std::string& name) {
+    const std::optional<DType> d = DTypeFromName(name);
+    if (!d) throw nb::key_error(name.c_str());
+    return DTypeBits(*d);
+  });
+  m.def("exports_natively", [](const std::string& name, int framework) {
+    const std::optional<DType> d = DTypeFromName(name);
+    if (!d) throw nb::key_error(name.c_str());
+    return ExportsNatively(*d, ToFramework(framework));
+  });
+  m.def("dtype_names", [] {
+    std::vector<std::string> out;
+    for (int i = 0; i < kNumDTypes; ++i) out.emplace_back(DTypeName(static_cast<DType>(i)));
+    return out;
+  });
+  m.def("live_buffers", [] { return nb::make_tuple(Keeper::live_buffers(), Keeper::live_bytes()); },
+        "(buffers, bytes) of loaded memory still referenced by arrays handed to Python");
+}

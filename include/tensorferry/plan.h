@@ -40,6 +40,11 @@ struct PlanOptions {
   DeliveryOrder order = DeliveryOrder::kFile;
   // Destination offset alignment of each coalesced range within its batch buffer (power of two).
   uint64_t alignment = 64;
+  // When a range's file offset is a multiple of `alignment`, its buffer offset is made congruent
+  // to its file offset modulo io_alignment (a power of two >= alignment, or 0 for no such rule),
+  // so O_DIRECT can read the block-aligned middle straight into the buffer. Costs less than
+  // io_alignment bytes of padding per range.
+  uint64_t io_alignment = 4096;
 };
 
 // One tensor placed in a batch buffer.
@@ -78,7 +83,7 @@ struct Plan {
 
 // Builds the plan for `tensors` (indices into checkpoint.tensors(); any order, no duplicates).
 // Errors: kInvalidArgument (an index out of range, a duplicate, chunk_size 0, alignment not a
-// power of two), kBudgetExceeded (a tensor larger than the budget without allow_oversized; the
+// power of two, io_alignment neither 0 nor a power of two >= alignment), kBudgetExceeded (a tensor larger than the budget without allow_oversized; the
 // message names the tensor, its size and the budget).
 Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,
                       const PlanOptions& options = {});

@@ -106,10 +106,12 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
     // Bytes: same dimensions, the last one counted in bytes (sub-byte types pack into bytes).
     type = NativeType(DType::kU8);
     const unsigned bits = DTypeBits(dtype);
-    if (!dims.empty() && bits != 8) {
-      dims.back() = static_cast<size_t>(static_cast<uint64_t>(dims.back()) * bits / 8);
-    } else if (dims.empty() && bits != 8) {
-      dims.push_back(static_cast<size_t>(size));
+    if (bits != 8) {
+      if (!dims.empty() && (static_cast<uint64_t>(dims.back()) * bits) % 8 == 0) {
+        dims.back() = static_cast<size_t>(static_cast<uint64_t>(dims.back()) * bits / 8);
+      } else {
+        dims.assign(1, static_cast<size_t>(size));  // packed across rows: flat bytes
+      }
     }
   }
 

@@ -8,10 +8,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -141,6 +144,8 @@ nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
   throw nb::python_error();
 }
 
+class BatchStream;
+
 class Reader {
  public:
   // single_file: `path` must be one safetensors file (safe_open). Otherwise a file, a directory or
@@ -225,7 +230,7 @@ class Reader {
       Loader& loader = EnsureLoader();
       const Selection selection = names ? Selection::Names(*names) : Selection::All();
       Result<std::vector<Tensor>> got = loader.Load(selection);
-      stats_ = loader.stats();
+      SetStats(loader.stats());
       tensors = Unwrap(std::move(got));
     }
     return ExportTensors(fw, tensors);
@@ -297,7 +302,7 @@ class Reader {
         }
         return Status::Ok();
       });
-      stats_ = loader.stats();
+      SetStats(loader.stats());
     }
     if (raised) throw std::move(*raised);
     Check(status);
@@ -327,7 +332,10 @@ class Reader {
     return groups;
   }
 
-  nb::dict Stats() const { return StatsDict(stats_); }
+  nb::dict Stats() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return StatsDict(stats_);
+  }
 
   nb::dict Options() const {
     nb::dict d;
@@ -344,6 +352,10 @@ class Reader {
     return d;
   }
 
+  // Starts a background thread running Loader::Stream; batches are taken with BatchStream::Next.
+  std::unique_ptr<BatchStream> Iterate(const std::optional<std::vector<std::string>>& names,
+                                             int framework);
+
   // Drops the loader (its buffer pool and threads) and open files. Tensors already handed out
   // stay valid. Later reads reopen what they need.
   void Close() {
@@ -354,7 +366,11 @@ class Reader {
   }
 
  private:
-  // Serializes calls on one Reader. Construct only with the GIL released.
+  friend class BatchStream;
+
+  // Serializes calls on one Reader. Construct only with the GIL released. While a BatchStream
+  // iterates (its thread holds the lock until the iteration ends), other calls fail at once
+  // instead of waiting for an iteration that may never be resumed.
   class Lock {
    public:
     explicit Lock(Reader& r) : r_(r) {
@@ -363,7 +379,13 @@ class Reader {
                                  "this loader is busy on this thread: a stream callback may not "
                                  "read through the loader that called it"));
       }
-      r.mu_.lock();
+      while (!r.mu_.try_lock_for(std::chrono::milliseconds(5))) {
+        if (r.streaming_.load()) {
+          throw StatusError(Status(Code::kInvalidArgument,
+                                   "this loader is busy: an iteration over its batches is in "
+                                   "progress; finish or close it first"));
+        }
+      }
       r.lock_owner_.store(std::this_thread::get_id());
     }
     ~Lock() {
@@ -376,6 +398,11 @@ class Reader {
    private:
     Reader& r_;
   };
+
+  void SetStats(const LoadStats& stats) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_ = stats;
+  }
 
   const TensorInfo& Lookup(const std::string& name) const {
     const TensorInfo* t = checkpoint_->Find(name);
@@ -424,13 +451,142 @@ class Reader {
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   LoadOptions options_;
-  std::mutex mu_;
+  std::timed_mutex mu_;
   std::atomic<std::thread::id> lock_owner_{};
+  std::atomic<bool> streaming_{false};
+  mutable std::mutex stats_mu_;
   std::unique_ptr<Loader> loader_;
   std::vector<std::shared_ptr<const RandomAccessFile>> files_;
   std::optional<bool> has_empty_metadata_;
   LoadStats stats_;
 };
+
+// Pull-style iteration over Loader::Stream for Python generators. A thread runs Stream; its
+// callback hands each batch over and waits until the consumer asks for the next one, i.e. until
+// the consumer is done with the batch (it may still hold tensors of it: the loader's budget
+// accounting and double buffering handle that). Meanwhile the loader reads the next batch ahead
+// when the budget allows. Close() (or destruction) stops the stream and joins the thread.
+class BatchStream {
+ public:
+  BatchStream(Reader& reader, std::optional<std::vector<std::string>> names, Framework framework)
+      : reader_(reader), names_(std::move(names)), framework_(framework) {
+    reader_.streaming_.store(true);
+    thread_ = std::thread([this] { Run(); });
+  }
+
+  ~BatchStream() { Stop(); }
+  BatchStream(const BatchStream&) = delete;
+  BatchStream& operator=(const BatchStream&) = delete;
+
+  // (index, count, bytes, [(name, array), ...]) for the next batch, or None at the end. Raises
+  // the load's error, if any, once the batches before it have been taken.
+  nb::object Next() {
+    std::optional<Batch> batch;
+    Status final_status;
+    {
+      nb::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mu_);
+      if (delivered_) {
+        delivered_ = false;
+        released_ = true;
+        cv_.notify_all();
+      }
+      cv_.wait(lock, [&] { return batch_.has_value() || done_; });
+      if (batch_) {
+        batch.swap(batch_);
+        delivered_ = true;
+      } else {
+        final_status = final_;
+        final_ = Status::Ok();
+      }
+    }
+    if (!batch) {
+      Join();
+      Check(final_status);
+      return nb::none();
+    }
+    nb::list tensors = ExportTensors(framework_, batch->tensors);
+    const Batch& b = *batch;
+    return nb::make_tuple(b.index, b.count, b.bytes, tensors);
+  }
+
+  // Stops the stream (tensors already handed out stay valid) and waits for its thread.
+  void Close() {
+    nb::gil_scoped_release release;
+    Stop();
+  }
+
+ private:
+  void Run() {
+    Status status;
+    try {
+      Reader::Lock lock(reader_);
+      Loader& loader = reader_.EnsureLoader();
+      const Selection selection = names_ ? Selection::Names(*names_) : Selection::All();
+      status = loader.Stream(selection, [this](Batch batch) -> Status {
+        std::unique_lock<std::mutex> l(mu_);
+        batch_.emplace(std::move(batch));
+        cv_.notify_all();
+        cv_.wait(l, [&] { return released_ || cancelled_; });
+        released_ = false;
+        return cancelled_ ? Status(Code::kInternal, "iteration closed") : Status::Ok();
+      });
+      reader_.SetStats(loader.stats());
+    } catch (const StatusError& e) {
+      status = e.status();
+    } catch (const std::exception& e) {
+      status = Status(Code::kInternal, e.what());
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    done_ = true;
+    final_ = cancelled_ ? Status::Ok() : status;
+    cv_.notify_all();
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      cancelled_ = true;
+      batch_.reset();
+      cv_.notify_all();
+    }
+    Join();
+  }
+
+  void Join() {
+    if (thread_.joinable()) {
+      thread_.join();
+      reader_.streaming_.store(false);
+    }
+  }
+
+  Reader& reader_;
+  const std::optional<std::vector<std::string>> names_;
+  const Framework framework_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<Batch> batch_;  // handed over, not yet taken
+  bool delivered_ = false;      // the consumer holds the last batch taken
+  bool released_ = false;       // the consumer asked for the next batch
+  bool cancelled_ = false;
+  bool done_ = false;
+  Status final_;
+  std::thread thread_;
+};
+
+std::unique_ptr<BatchStream> Reader::Iterate(const std::optional<std::vector<std::string>>& names,
+                                             int framework) {
+  const Framework fw = ToFramework(framework);
+  if (names) {
+    for (const std::string& n : *names) Lookup(n);
+  }
+  if (streaming_.load()) {
+    throw StatusError(Status(Code::kInvalidArgument,
+                             "this loader is busy: an iteration over its batches is in progress; "
+                             "finish or close it first"));
+  }
+  return std::make_unique<BatchStream>(*this, names, fw);
+}
 
 }  // namespace
 }  // namespace tensorferry::python
@@ -508,7 +664,8 @@ void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metad
 }
 
 // The tensors of a whole safetensors file held in `data` (any object with the buffer protocol),
-// in name order. The data section is copied once into a block all tensors share.
+// as (name, dtype name, shape, array) in name order. The data section is copied once into a block all
+// tensors share.
 nb::list Deserialize(nb::handle data, int framework) {
   const Framework fw = ToFramework(framework);
   Py_buffer view;
@@ -536,8 +693,10 @@ nb::list Deserialize(nb::handle data, int framework) {
             [](const TensorEntry* a, const TensorEntry* b) { return a->name < b->name; });
   nb::list out;
   for (const TensorEntry* t : entries) {
-    out.append(nb::make_tuple(t->name, Export(fw, keeper, block.get() + t->begin, t->byte_size(),
-                                              t->dtype, t->shape)));
+    const std::string_view dtype = DTypeName(t->dtype);
+    out.append(nb::make_tuple(
+        t->name, nb::str(dtype.data(), dtype.size()), ShapeList(t->shape),
+        Export(fw, keeper, block.get() + t->begin, t->byte_size(), t->dtype, t->shape)));
   }
   return out;
 }
@@ -552,6 +711,10 @@ NB_MODULE(_core, m) {
   m.attr("__version__") = TENSORFERRY_VERSION_STRING;
   m.attr("SOURCE_HASH") = TENSORFERRY_SOURCE_HASH;
   RegisterErrors(m);
+
+  nb::class_<BatchStream>(m, "BatchStream")
+      .def("next", &BatchStream::Next)
+      .def("close", &BatchStream::Close);
 
   nb::class_<Reader>(m, "Reader")
       .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
@@ -571,6 +734,8 @@ NB_MODULE(_core, m) {
            nb::arg("callback"))
       .def("plan_groups", &Reader::PlanGroups, nb::arg("names").none(), nb::arg("budget"),
            nb::arg("allow_oversized"), nb::arg("order"))
+      .def("iterate", &Reader::Iterate, nb::arg("names").none(), nb::arg("framework"),
+           nb::keep_alive<0, 1>())
       .def("stats", &Reader::Stats)
       .def("options", &Reader::Options)
       .def("close", &Reader::Close);

@@ -1,0 +1,42 @@
+"""tensorferry: fast, strict loading of safetensors checkpoints.
+
+Drop-in for the safetensors package (change the import, keep the code):
+
+    from tensorferry import safe_open                 # instead of: from safetensors import safe_open
+    from tensorferry.torch import load_file, save_file
+    from tensorferry.numpy import load_file, save_file
+
+and a streaming loader for serving engines:
+
+    with tensorferry.Loader("/models/llama", budget="1GB") as loader:
+        for name, tensor in loader.iter_tensors():
+            model.load_weight(name, tensor)
+
+Tensors are the caller's: they stay valid after files and loaders are closed and are freed when
+the last reference goes. docs/python.md has the details.
+"""
+from ._core import (  # noqa: F401
+    BudgetExceededError,
+    InvalidArgumentError,
+    SafetensorError,
+    UnsupportedError,
+    __version__,
+)
+from ._frameworks import UnsupportedDTypeError  # noqa: F401
+from ._loader import Batch, Loader, LoadStats, layers, parse_size  # noqa: F401
+from ._safe_open import safe_open  # noqa: F401
+
+__all__ = [
+    "safe_open",
+    "SafetensorError",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "UnsupportedDTypeError",
+    "BudgetExceededError",
+    "Loader",
+    "LoadStats",
+    "Batch",
+    "layers",
+    "parse_size",
+    "__version__",
+]

@@ -1,0 +1,238 @@
+"""What tensorferry needs to know about each framework: dtypes, devices, array construction.
+
+The compiled core exports bytes as framework arrays through DLPack. Element types DLPack and the
+framework agree on are exported with their own type; the others (float8, float4) are exported as
+uint8 and viewed here as the framework's type, without a copy.
+"""
+import math
+import operator
+
+from . import _core
+from ._core import SafetensorError, UnsupportedError
+
+NUMPY, TORCH = 0, 1  # framework codes of the compiled core
+
+
+class UnsupportedDTypeError(UnsupportedError, TypeError):
+    """The tensor's dtype has no equivalent in the framework asked for (e.g. BF16 in NumPy)."""
+
+    __module__ = "tensorferry"
+
+
+# safetensors dtype -> torch attribute name. Types an older torch lacks are skipped at lookup.
+_TORCH_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "C64": "complex64",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    # Two 4-bit values per byte: the torch shape's last dimension is half the file's.
+    "F4": "float4_e2m1fn_x2",
+}
+
+_NUMPY_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "C64": "complex64",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+
+_BYTES_PER_FRAMEWORK_ELEMENT = {"F4": 1}  # packed pairs
+
+
+def prod(shape):
+    return math.prod(shape) if shape else 1
+
+
+class _Framework:
+    code = None
+    name = None
+
+    def __init__(self):
+        self._dtypes = {}
+        self._raw = {}
+
+    def dtype(self, st_dtype, tensor=None):
+        """The framework dtype for a safetensors dtype name, or UnsupportedDTypeError."""
+        try:
+            return self._dtypes[st_dtype]
+        except KeyError:
+            pass
+        dtype = self._lookup(st_dtype)
+        if dtype is None:
+            raise UnsupportedDTypeError(self._unsupported_message(st_dtype, tensor))
+        self._dtypes[st_dtype] = dtype
+        return dtype
+
+    def is_raw(self, st_dtype):
+        raw = self._raw.get(st_dtype)
+        if raw is None:
+            raw = self._raw[st_dtype] = not _core.exports_natively(st_dtype, self.code)
+        return raw
+
+    def shape(self, st_dtype, st_shape, tensor=None):
+        """The framework shape of a tensor whose header says `st_shape`."""
+        if st_dtype == "F4":
+            if not st_shape or st_shape[-1] % 2:
+                raise UnsupportedDTypeError(
+                    f"tensor {tensor!r}: F4 with shape {list(st_shape)} cannot be a "
+                    f"{self.name} float4_e2m1fn_x2 tensor (the last dimension must be even)")
+            return list(st_shape[:-1]) + [st_shape[-1] // 2]
+        return list(st_shape)
+
+    def finish(self, array, st_dtype):
+        """The array exported by the core, as the right framework dtype (no copy)."""
+        if self.is_raw(st_dtype):
+            return array.view(self.dtype(st_dtype))
+        return array
+
+    def from_bytes(self, u8, st_dtype, shape):
+        """A one-dimensional uint8 array viewed as `shape` elements of `st_dtype` (no copy)."""
+        return u8.view(self.dtype(st_dtype)).reshape(shape)
+
+    def _unsupported_message(self, st_dtype, tensor):
+        what = f"tensor {tensor!r} has dtype {st_dtype}" if tensor is not None else f"dtype {st_dtype}"
+        return f"{what}, which {self.name} does not support"
+
+
+class _Torch(_Framework):
+    code = TORCH
+    name = "torch"
+
+    def __init__(self):
+        super().__init__()
+        import torch
+        self.torch = torch
+
+    def _lookup(self, st_dtype):
+        attr = _TORCH_NAMES.get(st_dtype)
+        return getattr(self.torch, attr, None) if attr else None
+
+    def _unsupported_message(self, st_dtype, tensor):
+        msg = super()._unsupported_message(st_dtype, tensor)
+        if st_dtype in _TORCH_NAMES:
+            return f"{msg} (torch.{_TORCH_NAMES[st_dtype]} needs a newer torch)"
+        return f"{msg}: torch has no {st_dtype} type"
+
+    def probe(self, shape):
+        """A tensor of `shape` that holds no memory: indexing it checks an index exactly as
+        indexing the real tensor would, and gives the result's shape."""
+        return self.torch.empty((), dtype=self.torch.uint8).expand(shape)
+
+    def empty(self, shape, st_dtype):
+        return self.torch.empty(shape, dtype=self.dtype(st_dtype))
+
+    def own(self, result, base):
+        """`result` (base[index]) as a contiguous tensor that does not keep more than its own
+        bytes alive."""
+        if result.is_contiguous() and result.untyped_storage().nbytes() == result.nbytes:
+            return result
+        if base is not None and result.data_ptr() == base.data_ptr() and \
+                result.shape == base.shape and result.is_contiguous():
+            return result
+        return result.clone(memory_format=self.torch.contiguous_format)
+
+    def device(self, device):
+        torch = self.torch
+        if isinstance(device, torch.device):
+            return device
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise SafetensorError(f"device {device} is invalid") from None
+
+    def to_device(self, tensor, device):
+        if device.type == "cpu":
+            return tensor
+        return tensor.to(device)
+
+
+class _Numpy(_Framework):
+    code = NUMPY
+    name = "numpy"
+
+    def __init__(self):
+        super().__init__()
+        import numpy
+        self.np = numpy
+
+    def _lookup(self, st_dtype):
+        attr = _NUMPY_NAMES.get(st_dtype)
+        return self.np.dtype(attr) if attr else None
+
+    def _unsupported_message(self, st_dtype, tensor):
+        msg = super()._unsupported_message(st_dtype, tensor)
+        torch_name = _TORCH_NAMES.get(st_dtype)
+        if torch_name:
+            return f"{msg}: open the file with framework=\"pt\" (torch.{torch_name})"
+        return f"{msg}: no framework tensorferry supports has an {st_dtype} type"
+
+    def probe(self, shape):
+        np = self.np
+        return np.broadcast_to(np.empty((), dtype=np.uint8), shape)
+
+    def empty(self, shape, st_dtype):
+        return self.np.empty(shape, dtype=self.dtype(st_dtype))
+
+    def own(self, result, base):
+        np = self.np
+        if not isinstance(result, np.ndarray):  # a NumPy scalar: already its own
+            return result
+        if result.flags.c_contiguous and base is not None and result.shape == base.shape and \
+                result.__array_interface__["data"][0] == base.__array_interface__["data"][0]:
+            return result
+        if result.base is None:
+            return result
+        return result.copy()
+
+    def device(self, device):
+        if device not in ("cpu", None):
+            raise SafetensorError(f"device {device} is invalid: numpy arrays live on the cpu")
+        return "cpu"
+
+    def to_device(self, array, device):
+        return array
+
+
+_FRAMEWORKS = {}
+
+
+def get(framework):
+    """The framework adapter for "pt"/"torch"/"pytorch" or "np"/"numpy"."""
+    key = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "np", "numpy": "np"}.get(framework)
+    if key is None:
+        if framework in ("tf", "tensorflow", "flax", "jax", "mlx", "paddle", "paddlepaddle"):
+            raise SafetensorError(
+                f"framework {framework} is not supported by tensorferry (use \"pt\" or \"np\")")
+        raise SafetensorError(f"framework {framework} is invalid")
+    adapter = _FRAMEWORKS.get(key)
+    if adapter is None:
+        adapter = _FRAMEWORKS[key] = _Torch() if key == "pt" else _Numpy()
+    return adapter
+
+
+def index_int(value):
+    return operator.index(value)

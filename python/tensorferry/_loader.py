@@ -1,0 +1,371 @@
+"""Loader: the streaming loader for serving engines (tensorferry::Loader, include/tensorferry/loader.h)."""
+import dataclasses
+import os
+import time
+
+from . import _core, _frameworks
+from ._core import InvalidArgumentError
+
+
+def parse_size(value):
+    """Bytes from an int or a string such as "256MB", "1.5GiB", "4096" (None and 0: unbounded)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgumentError(f"a size must be >= 0, not {value}")
+        return value
+    if isinstance(value, str):
+        return _core.parse_size(value)
+    raise InvalidArgumentError(f"not a size: {value!r} (an int, or a string such as \"256MB\")")
+
+
+def layers(first, last=None):
+    """A `select` predicate: tensors of transformer layers first..last (inclusive), named as
+    "model.layers.N.", "transformer.h.N.", "blocks.N." and the like (tensorferry::LayerOf)."""
+    last = first if last is None else last
+
+    def predicate(name):
+        layer = _core.layer_of(name)
+        return layer is not None and first <= layer <= last
+
+    predicate.__name__ = f"layers({first}, {last})"
+    return predicate
+
+
+def peak_rss_bytes():
+    """The process's peak resident set (VmHWM), or None where /proc is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """Totals of the last load() or iteration of a Loader."""
+    tensors: int = 0
+    bytes: int = 0
+    batches: int = 0
+    seconds: float = 0.0  # time spent loading (the consumer's time between batches excluded)
+    peak_budget_bytes: int = 0  # most tensor bytes held against the budget at once
+    peak_rss_bytes: int = None  # the whole process's peak resident set (VmHWM) afterwards
+    engine: str = ""
+    direct_files: int = 0
+    buffered_files: int = 0
+    buffers_reused: int = 0
+    buffers_allocated: int = 0
+
+    @property
+    def gbps(self):
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __str__(self):
+        rss = f", peak RSS {_core.format_bytes(self.peak_rss_bytes)}" if self.peak_rss_bytes else ""
+        return (f"{self.tensors} tensors in {self.batches} batches: "
+                f"{_core.format_bytes(self.bytes)} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s) "
+                f"with {self.engine}; peak held {_core.format_bytes(self.peak_budget_bytes)}{rss}")
+
+    def _add(self, core):
+        self.tensors += core["tensors"]
+        self.bytes += core["bytes"]
+        self.batches += core["batches"]
+        self.peak_budget_bytes = max(self.peak_budget_bytes, core["peak_budget_bytes"])
+        self.engine = core["engine"] or self.engine
+        for key in ("direct_files", "buffered_files", "buffers_reused", "buffers_allocated"):
+            setattr(self, key, getattr(self, key) + core[key])
+
+
+@dataclasses.dataclass
+class Batch:
+    """One batch of Loader.iter_batches(): tensors that share one buffer."""
+    index: int
+    count: int
+    bytes: int
+    tensors: dict
+
+
+class _Progress:
+    def __init__(self, progress, total, desc):
+        self._bar = None
+        self._callback = None
+        self._done = 0
+        self._total = total
+        if callable(progress):
+            self._callback = progress
+        elif progress:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+
+    def update(self, n):
+        self._done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        if self._callback is not None:
+            self._callback(self._done, self._total)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class Loader:
+    """Loads a checkpoint (a .safetensors file, a directory, or a model.safetensors.index.json)
+    into host memory, batch by batch under a byte budget, as tensors the caller owns.
+
+    Args:
+        checkpoint: path of the file, directory or index.
+        device: where tensors go ("cpu"; a torch device moves each tensor after it is loaded).
+        budget: most bytes of tensor data held at once (int, or a string such as "256MB");
+            None or 0: unbounded. Under a budget, iter_tensors()/iter_batches() deliver batches of
+            at most half the budget, so the tensor the consumer still holds when it asks for the
+            next one never blocks the next batch.
+        threads: I/O threads (None: one per CPU).
+        engine: "auto", "pread", "io_uring" or "mmap".
+        select: which tensors: None (all), a name, a list of names, or a predicate on the name
+            (e.g. tensorferry.layers(0, 3)).
+        framework: "pt" (torch tensors, default) or "np" (numpy arrays).
+        direct, chunk_size, queue_depth, order, populate, allow_oversized, pool_bytes: the other
+            fields of tensorferry::LoadOptions (None: the default, or its TENSORFERRY_*
+            environment variable).
+        progress: True for a tqdm progress bar over bytes (when tqdm is installed), or a callable
+            progress(done_bytes, total_bytes).
+
+    Tensors stay valid after the loader is closed; memory is freed when the last tensor of a
+    batch is dropped. A Loader may be used from one thread at a time.
+    """
+
+    def __init__(self, checkpoint, device="cpu", budget=None, threads=None, engine=None,
+                 select=None, *, framework="pt", direct=None, chunk_size=None, queue_depth=None,
+                 order=None, populate=None, allow_oversized=None, pool_bytes=None,
+                 progress=False):
+        self._fw = _frameworks.get(framework)
+        self._device = self._fw.device(device)
+        options = {
+            "engine": engine,
+            "direct": direct,
+            "threads": threads,
+            "chunk_size": parse_size(chunk_size),
+            "queue_depth": queue_depth,
+            "budget": parse_size(budget),
+            "allow_oversized": allow_oversized,
+            "order": order,
+            "pool_bytes": parse_size(pool_bytes),
+            "populate": populate,
+        }
+        path = os.fspath(checkpoint)
+        self._reader = _core.Reader(path, False, {k: v for k, v in options.items() if v is not None})
+        self._names = self._resolve(select)
+        self._progress = progress
+        self._stats = LoadStats()
+        self._streams = []
+        self._closed = False
+
+    # --- what is in the checkpoint ----------------------------------------------------------------
+
+    def _resolve(self, select):
+        reader = self._reader
+        if select is None:
+            return None
+        if isinstance(select, str):
+            select = [select]
+        if callable(select):
+            return [n for n in reader.names(True) if select(n)]
+        names = list(select)
+        for n in names:
+            if not isinstance(n, str):
+                raise TypeError(f"select: tensor names must be str, not {type(n).__name__}")
+            reader.info(n)  # SafetensorError naming a missing tensor
+        return names
+
+    def keys(self):
+        """Names of the selected tensors, in file order."""
+        if self._names is None:
+            return self._reader.names(True)
+        chosen = set(self._names)
+        return [n for n in self._reader.names(True) if n in chosen]
+
+    def __len__(self):
+        return len(self._reader) if self._names is None else len(set(self._names))
+
+    @property
+    def files(self):
+        """Paths of the checkpoint's files."""
+        return self._reader.files()
+
+    @property
+    def total_bytes(self):
+        """Bytes of the selected tensors."""
+        if self._names is None:
+            return self._reader.total_bytes()
+        return sum(self._reader.info(n)[2] for n in set(self._names))
+
+    def metadata(self):
+        """The index's "metadata" (values as JSON text) for a sharded checkpoint, else the
+        "__metadata__" of the file (or None)."""
+        index = self._reader.index_metadata()
+        return index if index else self._reader.file_metadata(0)
+
+    @property
+    def options(self):
+        """The load options in effect (defaults and TENSORFERRY_* variables included)."""
+        return self._reader.options()
+
+    @property
+    def stats(self):
+        """LoadStats of the last load() or iteration."""
+        return self._stats
+
+    # --- loading --------------------------------------------------------------------------------
+
+    def _check_dtypes(self):
+        reader, fw = self._reader, self._fw
+        dtypes = {}
+        for name in (self._names if self._names is not None else reader.names(True)):
+            st_dtype, st_shape = reader.info(name)[:2]
+            fw.dtype(st_dtype, name)
+            fw.shape(st_dtype, st_shape, name)
+            dtypes[name] = st_dtype
+        return dtypes
+
+    def _finish(self, dtypes, pairs):
+        fw, device = self._fw, self._device
+        return [(name, fw.to_device(fw.finish(array, dtypes[name]), device))
+                for name, array in pairs]
+
+    def load(self):
+        """Every selected tensor, as a dict in file order. With a budget, they must all fit it
+        (BudgetExceededError otherwise: use iter_tensors)."""
+        self._check_open()
+        dtypes = self._check_dtypes()
+        stats = LoadStats()
+        start = time.perf_counter()
+        progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
+            if self._progress else None
+        out = {}
+        try:
+            if progress is None:
+                groups = [self._names]
+            else:
+                # One load per file, so progress moves shard by shard.
+                by_file = {}
+                for name in (self._names if self._names is not None else self._reader.names(True)):
+                    by_file.setdefault(self._reader.info(name)[3], []).append(name)
+                groups = [by_file[f] for f in sorted(by_file)]
+            for group in groups:
+                pairs = self._reader.load(group, self._fw.code)
+                core = self._reader.stats()
+                stats._add(core)
+                for name, tensor in self._finish(dtypes, pairs):
+                    out[name] = tensor
+                if progress is not None:
+                    progress.update(core["bytes"])
+        finally:
+            if progress is not None:
+                progress.close()
+        stats.seconds = time.perf_counter() - start
+        stats.peak_rss_bytes = peak_rss_bytes()
+        self._stats = stats
+        if self._names is not None:
+            order = {n: i for i, n in enumerate(self._reader.names(True))}
+            out = dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+        return out
+
+    def iter_batches(self):
+        """Yields Batch objects (index, count, bytes, tensors: dict) one at a time under the
+        budget, while the next batch is read ahead when the budget allows it."""
+        self._check_open()
+        dtypes = self._check_dtypes()
+        stats = LoadStats()
+        self._stats = stats
+        progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
+            if self._progress else None
+        stream = self._reader.iterate(self._names, self._fw.code)
+        self._streams.append(stream)
+        try:
+            while True:
+                got = stream.next()
+                if got is None:
+                    break
+                index, count, nbytes, pairs = got
+                del got
+                batch = Batch(index, count, nbytes, dict(self._finish(dtypes, pairs)))
+                del pairs
+                if progress is not None:
+                    progress.update(nbytes)
+                yield batch
+                del batch
+        finally:
+            stream.close()
+            self._streams.remove(stream)
+            if progress is not None:
+                progress.close()
+            core = self._reader.stats()
+            stats._add(core)
+            stats.seconds = core["seconds"]
+            stats.peak_rss_bytes = peak_rss_bytes()
+
+    def iter_tensors(self):
+        """Yields (name, tensor) pairs batch by batch under the budget (the shape of vLLM's
+        weights iterators). The generator keeps no reference to a tensor it has yielded."""
+        for batch in self.iter_batches():
+            tensors = batch.tensors
+            del batch
+            while tensors:
+                name = next(iter(tensors))
+                tensor = tensors.pop(name)
+                yield name, tensor
+                del tensor
+
+    def stream(self, callback):
+        """Calls callback(batch) for each Batch, on this thread (tensorferry::Loader::Stream).
+        An exception from the callback stops the load and propagates."""
+        self._check_open()
+        dtypes = self._check_dtypes()
+
+        def on_batch(index, count, nbytes, pairs):
+            callback(Batch(index, count, nbytes, dict(self._finish(dtypes, pairs))))
+
+        stats = LoadStats()
+        self._stats = stats
+        try:
+            self._reader.stream(self._names, self._fw.code, on_batch)
+        finally:
+            core = self._reader.stats()
+            stats._add(core)
+            stats.seconds = core["seconds"]
+            stats.peak_rss_bytes = peak_rss_bytes()
+
+    # --- lifetime -------------------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._closed:
+            raise _core.SafetensorError("Loader is closed")
+
+    def close(self):
+        """Stops any iteration and releases the loader's threads, buffers and files. Tensors
+        already handed out stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in list(self._streams):
+            stream.close()
+        self._reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.close()

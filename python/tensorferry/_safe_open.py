@@ -1,0 +1,146 @@
+"""safe_open: the safetensors file API (same names, signatures and results as safetensors 0.8)."""
+import errno
+import os
+
+from . import _core, _frameworks, _slicing
+from ._core import SafetensorError
+
+# backend= of safetensors (plus tensorferry's own engine names) -> load options.
+_BACKENDS = {"mmap": "mmap", "pread": "pread", "io_uring": "io_uring", "auto": "auto"}
+
+
+def default_load_options(backend=None):
+    """Load options for whole-file CPU loads (load_file, get_tensors, large get_tensor).
+
+    Default: the mmap engine with populate. Measured on warm files (docs/benchmarks.md) it is the
+    fastest way to a fully resident tensor set: the file's cached pages are mapped copy-on-write,
+    not copied, and populate faults every page in (in parallel) during the load, so the load is
+    complete when it returns and a file that shrank is reported then. Tensors are private,
+    writable copy-on-write views. TENSORFERRY_ENGINE / TENSORFERRY_POPULATE override the default
+    (docs/python.md); backend= overrides both.
+    """
+    if backend is not None:
+        engine = _BACKENDS.get(backend) if isinstance(backend, str) else None
+        if engine is None:
+            raise SafetensorError(
+                f'backend "{backend}" is invalid (expected one of: "mmap", "pread"; tensorferry '
+                f'also accepts "io_uring" and "auto")')
+        options = {"engine": engine}
+        if engine == "mmap" and not os.environ.get("TENSORFERRY_POPULATE"):
+            options["populate"] = True
+        return options
+    options = {}
+    if not os.environ.get("TENSORFERRY_ENGINE"):
+        options["engine"] = "mmap"
+        if not os.environ.get("TENSORFERRY_POPULATE"):
+            options["populate"] = True
+    return options
+
+
+def open_file(filename, options):
+    path = os.fspath(filename)
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, f"Is a directory: {path}", path)
+    return _core.Reader(path, True, options)
+
+
+class safe_open:
+    """Opens a safetensors file lazily: the header is read and fully validated at once, tensor
+    bytes only when asked for.
+
+    Args:
+        filename (str or os.PathLike): the file.
+        framework (str): "pt" (torch) or "np" (numpy).
+        device (str, int or torch.device): where tensors go ("cpu" by default).
+        backend (str, keyword-only): "mmap" or "pread" as in safetensors (also "io_uring",
+            "auto"); default: tensorferry's choice (see docs/python.md).
+
+    Tensors are the caller's: they stay valid after the file is closed.
+    """
+
+    def __init__(self, filename, framework, device="cpu", *, backend=None):
+        self._fw = _frameworks.get(framework)
+        self._device = self._fw.device(device)
+        self._reader = open_file(filename, default_load_options(backend))
+        self._closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.close()
+
+    def close(self):
+        """Closes the file. Tensors already returned stay valid."""
+        if not self._closed:
+            self._closed = True
+            self._reader.close()
+
+    def _open_reader(self):
+        if self._closed:
+            raise SafetensorError("File is closed")
+        return self._reader
+
+    def keys(self):
+        """Names of the tensors, sorted."""
+        return self._open_reader().names(False)
+
+    def offset_keys(self):
+        """Names of the tensors in the order of their data in the file."""
+        return self._open_reader().names(True)
+
+    def metadata(self):
+        """The "__metadata__" table (dict of str to str), or None when the file has none."""
+        return self._open_reader().file_metadata(0)
+
+    def get_tensor(self, name):
+        """The tensor `name`, in the framework and on the device of this file."""
+        reader = self._open_reader()
+        fw = self._fw
+        st_dtype, st_shape = reader.info(name)[:2]
+        fw.dtype(st_dtype, name)
+        fw.shape(st_dtype, st_shape, name)
+        tensor = fw.finish(reader.get_tensor(name, fw.code), st_dtype)
+        return fw.to_device(tensor, self._device)
+
+    def get_tensors(self):
+        """Every tensor, as a dict in file order (one load for the whole file)."""
+        reader = self._open_reader()
+        fw = self._fw
+        infos = {}
+        for name in reader.names(True):
+            st_dtype, st_shape = reader.info(name)[:2]
+            fw.dtype(st_dtype, name)
+            fw.shape(st_dtype, st_shape, name)
+            infos[name] = st_dtype
+        out = {}
+        for name, array in reader.load(None, fw.code):
+            out[name] = fw.to_device(fw.finish(array, infos[name]), self._device)
+        return out
+
+    def get_slice(self, name):
+        """A lazy view of tensor `name`: index it (framework rules) to read only what is needed."""
+        reader = self._open_reader()
+        reader.info(name)  # SafetensorError for a missing name, as the reference
+        return _Slice(self, name)
+
+
+class _Slice:
+    """What safe_open.get_slice returns: get_shape(), get_dtype() and indexing."""
+
+    def __init__(self, owner, name):
+        self._owner = owner
+        self._name = name
+
+    def get_shape(self):
+        return list(self._owner._open_reader().info(self._name)[1])
+
+    def get_dtype(self):
+        return self._owner._open_reader().info(self._name)[0]
+
+    def __getitem__(self, index):
+        owner = self._owner
+        result = _slicing.get_slice(owner._open_reader(), owner._fw, self._name, index)
+        return owner._fw.to_device(result, owner._device)

@@ -1,0 +1,107 @@
+"""get_slice: framework indexing on a tensor that is still in the file.
+
+The result equals ``full_tensor[index]`` under the framework's own rules, errors included: the
+index is first applied to a probe, a tensor of the same shape that holds no memory (a zero-stride
+broadcast), so every error is the framework's own. Then:
+
+* Basic indexes (integers, slices with any step, Ellipsis, None) read only the bytes the result
+  needs, as one contiguous range: the leading integer indexes pin a block, the first slice after
+  them bounds it to the rows it touches. The rest of the index is applied to that block.
+* Anything else (integer arrays, lists, booleans, tensors used as indexes) reads the whole tensor
+  and indexes it.
+
+The result owns its memory: a view that would keep a larger block alive is copied.
+"""
+import operator
+
+from ._frameworks import prod
+
+
+def _is_int(item):
+    if isinstance(item, bool):
+        return False
+    if isinstance(item, int):
+        return True
+    # NumPy integer scalars (not arrays, not bools): their __index__ makes them plain ints.
+    kind = getattr(getattr(item, "dtype", None), "kind", None)
+    return kind in ("i", "u") and getattr(item, "ndim", None) == 0 and \
+        type(item).__module__ == "numpy"
+
+
+def plan(index, shape):
+    """For a basic index: (first element, element count, block shape, index into the block).
+    None for any other index (the caller reads the whole tensor). REQUIRES: the index is valid for
+    `shape` (checked on the probe)."""
+    items = index if isinstance(index, tuple) else (index,)
+    normalized = []
+    for item in items:
+        if item is None or item is Ellipsis or isinstance(item, slice):
+            normalized.append(item)
+        elif _is_int(item):
+            normalized.append(operator.index(item))
+        else:
+            return None
+    ellipses = sum(1 for item in normalized if item is Ellipsis)
+    if ellipses > 1:
+        return None
+    consuming = sum(1 for item in normalized if item is not None and item is not Ellipsis)
+    fill = [slice(None)] * (len(shape) - consuming)
+    if ellipses:
+        at = next(i for i, item in enumerate(normalized) if item is Ellipsis)
+        normalized = normalized[:at] + fill + normalized[at + 1:]
+    else:
+        normalized = normalized + fill
+
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+
+    first = 0
+    dim = 0
+    adjusted = []
+    block = None
+    for k, item in enumerate(normalized):
+        if item is None:
+            adjusted.append(None)
+            continue
+        n = shape[dim]
+        if isinstance(item, int):
+            first += (item + n if item < 0 else item) * strides[dim]
+            dim += 1
+            continue
+        start, stop, step = item.indices(n)
+        rows = range(start, stop, step)
+        if len(rows) == 0:
+            return first, 0, [0] + list(shape[dim + 1:]), None
+        lo, hi = min(rows[0], rows[-1]), max(rows[0], rows[-1])
+        first += lo * strides[dim]
+        block = [hi - lo + 1] + list(shape[dim + 1:])
+        head, tail = rows[0] - lo, rows[-1] - lo
+        if step > 0:
+            adjusted.append(slice(head, tail + 1, step))
+        else:
+            adjusted.append(slice(head, tail - 1 if tail >= 1 else None, step))
+        adjusted.extend(normalized[k + 1:])
+        break
+    else:
+        block = list(shape[dim:])
+    return first, prod(block), block, tuple(adjusted)
+
+
+def get_slice(reader, fw, name, index):
+    """reader: _core.Reader; fw: a _frameworks adapter. Returns full[index] for tensor `name`."""
+    st_dtype, st_shape, nbytes, _, _ = reader.info(name)
+    fw.dtype(st_dtype, name)
+    shape = fw.shape(st_dtype, st_shape, name)
+    result_shape = fw.probe(shape)[index].shape  # raises exactly what full[index] would
+    p = plan(index, shape)
+    if p is None:
+        full = fw.finish(reader.get_tensor(name, fw.code), st_dtype)
+        return fw.own(full[index], full)
+    first, count, block, adjusted = p
+    if count == 0 or prod(result_shape) == 0:
+        return fw.empty(result_shape, st_dtype)
+    itemsize = nbytes // prod(shape)
+    u8 = reader.read_range(name, first * itemsize, (first + count) * itemsize, fw.code)
+    sub = fw.from_bytes(u8, st_dtype, block)
+    return fw.own(sub[adjusted], sub)

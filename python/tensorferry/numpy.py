@@ -63,7 +63,7 @@ def _entries(tensor_dict, metadata):
         little = array.astype(array.dtype.newbyteorder("<"), copy=False) \
             if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and
                                                  sys.byteorder == "big") else array
-        packed = np.ascontiguousarray(little)
+        packed = little if little.flags.c_contiguous else little.copy(order="C")
         keep.append(packed)
         entries.append((name, st, list(packed.shape), packed.ctypes.data if packed.size else 0,
                         packed.nbytes))

@@ -77,7 +77,8 @@ def _overlapping_groups(tensors):
         if key[1] == 0:
             continue
         start = t.data_ptr()
-        end = t.view(-1)[-1].data_ptr() + t.element_size()
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+        end = start + (last + 1) * t.element_size()
         by_storage.setdefault(key, []).append((start, end, name))
     groups = []
     for areas in by_storage.values():

@@ -1,0 +1,64 @@
+"""Shared fixtures of the Python suite, and a guard: the tests must exercise the tensorferry
+package built from the sources in this checkout (scripts/install_python.sh installs it; a CMake
+build with TENSORFERRY_BUILD_PYTHON=ON gives one under <build>/python for PYTHONPATH)."""
+import gc
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def pytest_configure(config):
+    if importlib.util.find_spec("tensorferry") is None:
+        pytest.exit("tensorferry is not installed: run scripts/install_python.sh", returncode=3)
+    import tensorferry._core as core
+    from python_source_hash import source_hash
+    want = source_hash()
+    have = core.SOURCE_HASH
+    if have and have != want:
+        pytest.exit(f"the installed tensorferry ({core.__file__}) was built from other sources "
+                    f"({have}, these are {want}): run scripts/install_python.sh", returncode=3)
+
+
+CLI = os.environ.get("TENSORFERRY_CLI") or os.path.join(ROOT, "build", "release", "bin",
+                                                         "tensorferry")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """The CLI's tiny preset (BF16, several shards with an index)."""
+    out = str(tmp_path_factory.mktemp("tiny") / "ckpt")
+    r = subprocess.run([CLI, "gen", out, "--preset", "tiny", "--shard-size", "64KB", "--no-sync"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def write_raw(path, header, data=b""):
+    """A safetensors file with exactly this header text (no padding) and data."""
+    hb = header if isinstance(header, bytes) else header.encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)) + hb + data)
+
+
+def live_buffers():
+    """(buffers, bytes) of loaded memory still referenced from Python, after a full collection."""
+    import tensorferry._core as core
+    gc.collect()
+    return core.live_buffers()
+
+
+def raw_bytes(t):
+    """The little-endian bytes of a torch tensor or numpy array, in C order."""
+    import numpy as np
+    if isinstance(t, np.ndarray) or np.isscalar(t):
+        return np.ascontiguousarray(t).tobytes()
+    import torch
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -190,6 +190,14 @@ class _Numpy(_Framework):
             return f"{msg}: open the file with framework=\"pt\" (torch.{torch_name})"
         return f"{msg}: no framework tensorferry supports has an {st_dtype} type"
 
+    def finish(self, array, st_dtype):
+        want = self.dtype(st_dtype)
+        # The buffer protocol describes 64-bit integers as C long long ('q'), which NumPy maps to
+        # np.longlong, not np.int64 (same bits, another scalar type): view as the canonical type.
+        if array.dtype.type is not want.type:
+            return array.view(want)
+        return array
+
     def probe(self, shape):
         np = self.np
         return np.broadcast_to(np.empty((), dtype=np.uint8), shape)

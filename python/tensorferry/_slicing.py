@@ -85,6 +85,10 @@ def plan(index, shape):
         break
     else:
         block = list(shape[dim:])
+    if ellipses:
+        # With an Ellipsis, NumPy returns a 0-d array where integers alone give a scalar; the
+        # expanded index has none left, so one goes back at the end (a no-op otherwise).
+        adjusted.append(Ellipsis)
     return first, prod(block), block, tuple(adjusted)
 
 

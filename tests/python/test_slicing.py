@@ -50,7 +50,7 @@ def same_result(got, want):
     assert type(got) is type(want), (type(got), type(want))
     if isinstance(want, torch.Tensor):
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.uint8 else got, want)
+        assert torch.equal(got, want)
         assert got.is_contiguous()
     else:
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -103,6 +103,10 @@ def test_matches_reference_get_slice_where_it_works(file_3d, framework):
             ref_got, ref_error = outcome(lambda: ref.get_slice("a")[index])
             assert got_error == want_error
             if ref_error is None and want_error is None:
+                if framework == "np":
+                    # Integers alone: NumPy (and tensorferry) give a scalar, the reference a 0-d
+                    # array; same value either way.
+                    got, ref_got = np.asarray(got), np.asarray(ref_got)
                 same_result(got, ref_got)
 
 

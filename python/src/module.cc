@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -144,6 +145,42 @@ nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
   throw nb::python_error();
 }
 
+// Files opened once, when a Reader opens its checkpoint, and served to the Loader from then on:
+// every read of the Reader's life goes to the files whose headers were validated, even if a path
+// is deleted or replaced meanwhile (as with the reference, which maps the file at open).
+class SharedFile : public RandomAccessFile {
+ public:
+  explicit SharedFile(std::shared_ptr<const RandomAccessFile> file) : file_(std::move(file)) {}
+  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    return file_->Read(offset, dst);
+  }
+  Result<uint64_t> Size() const override { return file_->Size(); }
+  const std::string& path() const noexcept override { return file_->path(); }
+  int native_handle() const noexcept override { return file_->native_handle(); }
+
+ private:
+  std::shared_ptr<const RandomAccessFile> file_;
+};
+
+class PinnedEnv : public Env {
+ public:
+  // REQUIRES: not called once the Env is in use (the table is read without locks).
+  void Pin(std::shared_ptr<const RandomAccessFile> file) {
+    files_[file->path()] = std::move(file);
+  }
+  std::shared_ptr<const RandomAccessFile> Find(const std::string& path) const {
+    auto it = files_.find(path);
+    return it == files_.end() ? nullptr : it->second;
+  }
+  Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
+    if (auto file = Find(path)) return std::unique_ptr<RandomAccessFile>(new SharedFile(file));
+    return Env::Default()->OpenRandomAccess(path);
+  }
+
+ private:
+  std::map<std::string, std::shared_ptr<const RandomAccessFile>> files_;
+};
+
 class BatchStream;
 
 class Reader {
@@ -154,11 +191,30 @@ class Reader {
       : options_(MakeLoadOptions(options)) {
     nb::gil_scoped_release release;
     if (single_file) {
+      // The file is opened first and its header read through that descriptor: no window in
+      // which another file could take its place.
+      env_.Pin(Unwrap(Env::Default()->OpenRandomAccess(path)));
+      OpenOptions open;
+      open.env = &env_;
       const std::vector<std::string> paths{path};
-      checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths));
+      checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths, open));
     } else {
       checkpoint_ = Unwrap(Checkpoint::Open(path));
+      for (const FileInfo& f : checkpoint_->files()) {
+        std::shared_ptr<const RandomAccessFile> file =
+            Unwrap(Env::Default()->OpenRandomAccess(f.path));
+        const uint64_t size = Unwrap(file->Size());
+        if (size != f.file_size) {
+          throw StatusError(Status(Code::kIoError, f.path + ": file changed while opening: " +
+                                                       std::to_string(f.file_size) +
+                                                       " bytes, then " + std::to_string(size)));
+        }
+        env_.Pin(std::move(file));
+      }
     }
+    for (const FileInfo& f : checkpoint_->files()) files_.push_back(env_.Find(f.path));
+    has_metadata_.resize(files_.size());
+    options_.env = &env_;
   }
 
   std::vector<std::string> Names(bool by_offset) const {
@@ -197,11 +253,10 @@ class Reader {
       // tells (read again, once, only in this case).
       nb::gil_scoped_release release;
       Lock lock(*this);
-      if (!has_empty_metadata_) {
-        auto f = Unwrap(Env::Default()->OpenRandomAccess(file.path));
-        has_empty_metadata_ = Unwrap(ReadHeader(*f)).has_metadata;
-      }
-      present = *has_empty_metadata_;
+      if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
+      std::optional<bool>& known = has_metadata_[index];
+      if (!known) known = Unwrap(ReadHeader(*files_[index])).has_metadata;
+      present = *known;
     }
     if (!present) return nb::none();
     nb::dict d;
@@ -361,6 +416,7 @@ class Reader {
   void Close() {
     nb::gil_scoped_release release;
     Lock lock(*this);
+    closed_ = true;
     loader_.reset();
     files_.clear();
   }
@@ -412,6 +468,7 @@ class Reader {
 
   // REQUIRES: the lock is held.
   Loader& EnsureLoader() {
+    if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the loader is closed"));
     if (!loader_) loader_ = Unwrap(Loader::Open(checkpoint_, options_));
     return *loader_;
   }
@@ -421,34 +478,18 @@ class Reader {
   std::shared_ptr<std::byte> ReadBytes(const TensorInfo& t, uint64_t begin, uint64_t length) {
     std::shared_ptr<std::byte> block = AllocateBytes(length);
     if (length == 0) return block;
-    // The read runs outside the lock (positional reads are safe concurrently); the shared
-    // reference keeps the file open even if Close() runs meanwhile.
+    // Positional reads on one file are safe concurrently; the lock only guards against Close().
     std::shared_ptr<const RandomAccessFile> file;
     {
       Lock lock(*this);
-      if (files_.size() != checkpoint_->files().size()) {
-        files_.clear();
-        files_.resize(checkpoint_->files().size());
-      }
-      auto& slot = files_[t.file];
-      if (!slot) {
-        std::shared_ptr<const RandomAccessFile> opened =
-            Unwrap(Env::Default()->OpenRandomAccess(checkpoint_->files()[t.file].path));
-        const uint64_t size = Unwrap(opened->Size());
-        if (size != checkpoint_->files()[t.file].file_size) {
-          throw StatusError(Status(
-              Code::kIoError, opened->path() + ": file changed since it was opened: " +
-                                  std::to_string(checkpoint_->files()[t.file].file_size) +
-                                  " bytes then, " + std::to_string(size) + " now"));
-        }
-        slot = std::move(opened);
-      }
-      file = slot;
+      if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
+      file = files_[t.file];
     }
     Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length)));
     return block;
   }
 
+  PinnedEnv env_;  // outlives loader_, which reads through it
   std::shared_ptr<const Checkpoint> checkpoint_;
   LoadOptions options_;
   std::timed_mutex mu_;
@@ -456,8 +497,9 @@ class Reader {
   std::atomic<bool> streaming_{false};
   mutable std::mutex stats_mu_;
   std::unique_ptr<Loader> loader_;
-  std::vector<std::shared_ptr<const RandomAccessFile>> files_;
-  std::optional<bool> has_empty_metadata_;
+  std::vector<std::shared_ptr<const RandomAccessFile>> files_;  // per checkpoint file
+  bool closed_ = false;
+  std::vector<std::optional<bool>> has_metadata_;  // per file, once asked (see FileMetadata)
   LoadStats stats_;
 };
 

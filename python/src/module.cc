@@ -27,6 +27,7 @@
 
 #include "errors.h"
 #include "export.h"
+#include "gil.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
 #include "tensorferry/format.h"
@@ -189,7 +190,7 @@ class Reader {
   // an index (Loader).
   Reader(const std::string& path, bool single_file, const nb::dict& options)
       : options_(MakeLoadOptions(options)) {
-    nb::gil_scoped_release release;
+    WithoutGil release;
     if (single_file) {
       // The file is opened first and its header read through that descriptor: no window in
       // which another file could take its place.
@@ -251,7 +252,7 @@ class Reader {
     if (!present) {
       // An empty table is either "__metadata__": {} or no "__metadata__" at all; only the header
       // tells (read again, once, only in this case).
-      nb::gil_scoped_release release;
+      WithoutGil release;
       Lock lock(*this);
       if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
       std::optional<bool>& known = has_metadata_[index];
@@ -280,7 +281,7 @@ class Reader {
     }
     std::vector<Tensor> tensors;
     {
-      nb::gil_scoped_release release;
+      WithoutGil release;
       Lock lock(*this);
       Loader& loader = EnsureLoader();
       const Selection selection = names ? Selection::Names(*names) : Selection::All();
@@ -304,7 +305,7 @@ class Reader {
     }
     std::shared_ptr<std::byte> block;
     {
-      nb::gil_scoped_release release;
+      WithoutGil release;
       block = ReadBytes(t, 0, t.size);
     }
     auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), t.size);
@@ -323,7 +324,7 @@ class Reader {
     }
     std::shared_ptr<std::byte> block;
     {
-      nb::gil_scoped_release release;
+      WithoutGil release;
       block = ReadBytes(t, begin, end - begin);
     }
     auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), end - begin);
@@ -341,7 +342,7 @@ class Reader {
     std::optional<nb::python_error> raised;
     Status status;
     {
-      nb::gil_scoped_release release;
+      WithoutGil release;
       Lock lock(*this);
       Loader& loader = EnsureLoader();
       const Selection selection = names ? Selection::Names(*names) : Selection::All();
@@ -414,7 +415,7 @@ class Reader {
   // Drops the loader (its buffer pool and threads) and open files. Tensors already handed out
   // stay valid. Later reads reopen what they need.
   void Close() {
-    nb::gil_scoped_release release;
+    WithoutGil release;
     Lock lock(*this);
     closed_ = true;
     loader_.reset();
@@ -526,7 +527,7 @@ class BatchStream {
     std::optional<Batch> batch;
     Status final_status;
     {
-      nb::gil_scoped_release release;
+      WithoutGil release;
       std::unique_lock<std::mutex> lock(mu_);
       if (delivered_) {
         delivered_ = false;
@@ -554,7 +555,7 @@ class BatchStream {
 
   // Stops the stream (tensors already handed out stay valid) and waits for its thread.
   void Close() {
-    nb::gil_scoped_release release;
+    WithoutGil release;
     Stop();
   }
 
@@ -679,7 +680,7 @@ nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& meta
   nb::bytes out = nb::steal<nb::bytes>(raw);
   char* dst = PyBytes_AS_STRING(raw);
   {
-    nb::gil_scoped_release release;
+    WithoutGil release;
     uint64_t n = header.json.size();
     for (int i = 0; i < 8; ++i) dst[i] = static_cast<char>((n >> (8 * i)) & 0xff);
     std::memcpy(dst + 8, header.json.data(), header.json.size());
@@ -699,7 +700,7 @@ void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metad
   const Metadata meta = ToMetadata(metadata);
   Status s;
   {
-    nb::gil_scoped_release release;
+    WithoutGil release;
     s = WriteFile(path, tensors, meta);
   }
   Check(s);
@@ -721,7 +722,7 @@ nb::list Deserialize(nb::handle data, int framework) {
   Header header;
   std::shared_ptr<std::byte> block;
   {
-    nb::gil_scoped_release release;
+    WithoutGil release;
     header = Unwrap(ParseHeader(std::span<const std::byte>(bytes, size), size, {}, "<bytes>"));
     block = AllocateBytes(header.data_size);
     if (header.data_size != 0) {
@@ -811,6 +812,8 @@ NB_MODULE(_core, m) {
     for (int i = 0; i < kNumDTypes; ++i) out.emplace_back(DTypeName(static_cast<DType>(i)));
     return out;
   });
+  m.def("gil_checks", [] { return nb::make_tuple(g_gil_sections.load(), g_gil_held_sections.load()); },
+        "(C++ sections that release the GIL, those that found it still held) since import");
   m.def("live_buffers", [] { return nb::make_tuple(Keeper::live_buffers(), Keeper::live_bytes()); },
         "(buffers, bytes) of loaded memory still referenced by arrays handed to Python");
 }

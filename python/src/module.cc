@@ -312,8 +312,10 @@ class Reader {
     return Export(fw, keeper, block.get(), t.size, t.dtype, t.shape);
   }
 
-  // Bytes [begin, end) of tensor `name` as a one-dimensional uint8 array of its own.
-  nb::object ReadRange(const std::string& name, uint64_t begin, uint64_t end, int framework) {
+  // Bytes [begin, end) of tensor `name` in a block of their own: as a one-dimensional uint8 array,
+  // or, given `shape` (in the header's terms), as that shape of the tensor's dtype.
+  nb::object ReadRange(const std::string& name, uint64_t begin, uint64_t end, int framework,
+                       const std::optional<std::vector<uint64_t>>& shape) {
     const Framework fw = ToFramework(framework);
     const TensorInfo& t = Lookup(name);
     if (begin > end || end > t.size) {
@@ -322,14 +324,22 @@ class Reader {
                                    std::to_string(end) + ") outside tensor \"" + name + "\" of " +
                                    std::to_string(t.size) + " bytes"));
     }
+    if (shape) {
+      const Result<uint64_t> bytes = TensorByteSize(t.dtype, *shape);
+      if (!bytes.ok() || *bytes != end - begin) {
+        throw StatusError(Status(Code::kInvalidArgument,
+                                 "shape does not match the byte range of tensor \"" + name + "\""));
+      }
+    }
     std::shared_ptr<std::byte> block;
     {
       WithoutGil release;
       block = ReadBytes(t, begin, end - begin);
     }
     auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), end - begin);
-    const std::vector<uint64_t> shape{end - begin};
-    return Export(fw, keeper, block.get(), end - begin, DType::kU8, shape);
+    if (shape) return Export(fw, keeper, block.get(), end - begin, t.dtype, *shape);
+    const std::vector<uint64_t> flat{end - begin};
+    return Export(fw, keeper, block.get(), end - begin, DType::kU8, flat);
   }
 
   // Calls callback(index, count, bytes, [(name, array), ...]) for each batch of Loader::Stream.
@@ -772,7 +782,8 @@ NB_MODULE(_core, m) {
       .def("index_metadata", &Reader::IndexMetadata)
       .def("load", &Reader::Load, nb::arg("names").none(), nb::arg("framework"))
       .def("get_tensor", &Reader::GetTensor)
-      .def("read_range", &Reader::ReadRange)
+      .def("read_range", &Reader::ReadRange, nb::arg("name"), nb::arg("begin"), nb::arg("end"),
+           nb::arg("framework"), nb::arg("shape").none() = nb::none())
       .def("stream", &Reader::Stream, nb::arg("names").none(), nb::arg("framework"),
            nb::arg("callback"))
       .def("plan_groups", &Reader::PlanGroups, nb::arg("names").none(), nb::arg("budget"),

@@ -103,6 +103,12 @@ class _Framework:
             return list(st_shape[:-1]) + [st_shape[-1] // 2]
         return list(st_shape)
 
+    def file_shape(self, st_dtype, shape):
+        """The header's shape for a framework shape (the inverse of shape())."""
+        if st_dtype == "F4":
+            return list(shape[:-1]) + [shape[-1] * 2]
+        return list(shape)
+
     def finish(self, array, st_dtype):
         """The array exported by the core, as the right framework dtype (no copy)."""
         if self.is_raw(st_dtype):
@@ -121,6 +127,7 @@ class _Framework:
 class _Torch(_Framework):
     code = TORCH
     name = "torch"
+    negative_steps = False  # torch slices need step > 0
 
     def __init__(self):
         super().__init__()
@@ -173,6 +180,7 @@ class _Torch(_Framework):
 class _Numpy(_Framework):
     code = NUMPY
     name = "numpy"
+    negative_steps = True
 
     def __init__(self):
         super().__init__()

@@ -28,10 +28,15 @@ def _is_int(item):
         type(item).__module__ == "numpy"
 
 
-def plan(index, shape):
-    """For a basic index: (first element, element count, block shape, index into the block).
-    None for any other index (the caller reads the whole tensor). REQUIRES: the index is valid for
-    `shape` (checked on the probe)."""
+PROBE = "probe"  # plan(): let the framework judge this index (it raises, or it is unusual)
+
+
+def plan(index, shape, negative_steps):
+    """For a basic index: (first element, element count, block shape, index into the block,
+    whether that index selects the whole block as it is). None for any other index (the caller
+    reads the whole tensor and indexes it). PROBE when the index breaks a rule (too many indices,
+    an integer out of range, a zero step, a negative step where the framework has none): the
+    framework's own indexing then raises its own error."""
     items = index if isinstance(index, tuple) else (index,)
     normalized = []
     for item in items:
@@ -45,12 +50,32 @@ def plan(index, shape):
     if ellipses > 1:
         return None
     consuming = sum(1 for item in normalized if item is not None and item is not Ellipsis)
+    if consuming > len(shape):
+        return PROBE
     fill = [slice(None)] * (len(shape) - consuming)
     if ellipses:
         at = next(i for i, item in enumerate(normalized) if item is Ellipsis)
         normalized = normalized[:at] + fill + normalized[at + 1:]
     else:
         normalized = normalized + fill
+
+    # Every remaining item is checked here, before anything is read.
+    dim = 0
+    for item in normalized:
+        if item is None:
+            continue
+        n = shape[dim]
+        dim += 1
+        if isinstance(item, int):
+            if not -n <= item < n:
+                return PROBE
+        else:
+            try:
+                step = item.indices(n)[2]
+            except (TypeError, ValueError):
+                return PROBE
+            if step < 0 and not negative_steps:
+                return PROBE
 
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
@@ -72,7 +97,7 @@ def plan(index, shape):
         start, stop, step = item.indices(n)
         rows = range(start, stop, step)
         if len(rows) == 0:
-            return first, 0, [0] + list(shape[dim + 1:]), None
+            return first, 0, [0] + list(shape[dim + 1:]), None, False
         lo, hi = min(rows[0], rows[-1]), max(rows[0], rows[-1])
         first += lo * strides[dim]
         block = [hi - lo + 1] + list(shape[dim + 1:])
@@ -85,11 +110,14 @@ def plan(index, shape):
         break
     else:
         block = list(shape[dim:])
+    whole = bool(block) and all(
+        isinstance(item, slice) and item.indices(n) == (0, n, 1)
+        for item, n in zip(adjusted, block)) and len(adjusted) <= len(block)
     if ellipses:
         # With an Ellipsis, NumPy returns a 0-d array where integers alone give a scalar; the
         # expanded index has none left, so one goes back at the end (a no-op otherwise).
         adjusted.append(Ellipsis)
-    return first, prod(block), block, tuple(adjusted)
+    return first, prod(block), block, tuple(adjusted), whole
 
 
 def get_slice(reader, fw, name, index):
@@ -97,15 +125,24 @@ def get_slice(reader, fw, name, index):
     st_dtype, st_shape, nbytes, _, _ = reader.info(name)
     fw.dtype(st_dtype, name)
     shape = fw.shape(st_dtype, st_shape, name)
-    result_shape = fw.probe(shape)[index].shape  # raises exactly what full[index] would
-    p = plan(index, shape)
+    p = plan(index, shape, fw.negative_steps)
+    if p is PROBE:
+        fw.probe(shape)[index]  # raises exactly what full[index] would
+        p = None  # it did not: let the real tensor decide
     if p is None:
         full = fw.finish(reader.get_tensor(name, fw.code), st_dtype)
         return fw.own(full[index], full)
-    first, count, block, adjusted = p
-    if count == 0 or prod(result_shape) == 0:
-        return fw.empty(result_shape, st_dtype)
+    first, count, block, adjusted, whole = p
+    if count == 0:
+        return fw.empty(fw.probe(shape)[index].shape, st_dtype)
     itemsize = nbytes // prod(shape)
-    u8 = reader.read_range(name, first * itemsize, (first + count) * itemsize, fw.code)
-    sub = fw.from_bytes(u8, st_dtype, block)
+    begin, end = first * itemsize, (first + count) * itemsize
+    if st_dtype == "F4" and not block:
+        # One packed pair: the header's terms cannot say "0-d", so read bytes and view them.
+        sub = fw.from_bytes(reader.read_range(name, begin, end, fw.code), st_dtype, block)
+    else:
+        sub = fw.finish(reader.read_range(name, begin, end, fw.code,
+                                          fw.file_shape(st_dtype, block)), st_dtype)
+    if whole:
+        return sub  # a block of its own, exactly the result
     return fw.own(sub[adjusted], sub)

@@ -170,3 +170,26 @@ def test_tensor_parallel_shards_like_vllm(tmp_path):
             assert torch.equal(torch.cat(parts, 0), w)
             parts = [sl[:, r * cols // world:(r + 1) * cols // world] for r in range(world)]
             assert torch.equal(torch.cat(parts, 1), w)
+
+
+def test_packed_and_8_bit_float_types(tmp_path):
+    # float8 and float4 (two values per byte) come out of the file as bytes and are viewed as
+    # torch's types; slices of them follow the same rules.
+    path = str(tmp_path / "f.safetensors")
+    raw = torch.arange(6 * 8, dtype=torch.uint8).reshape(6, 8)
+    tensors = {"f8": raw.view(torch.float8_e4m3fn), "f4": raw.clone().view(torch.float4_e2m1fn_x2)}
+    ref_pt.save_file(tensors, path)
+    rng = random.Random(5)
+    with tensorferry.safe_open(path, "pt") as f:
+        assert f.get_slice("f4").get_shape() == [6, 16]  # the file counts 4-bit values
+        for name, full in tensors.items():
+            assert torch.equal(f.get_tensor(name).view(torch.uint8), full.view(torch.uint8))
+            for _ in range(100):
+                index = random_index(rng, (6, 8), negative_steps=False)
+                want, want_error = outcome(lambda: full[index])
+                got, got_error = outcome(lambda: f.get_slice(name)[index])
+                assert got_error == want_error, index
+                if want_error is None:
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    assert torch.equal(got.contiguous().view(torch.uint8),
+                                       want.contiguous().view(torch.uint8))

@@ -27,8 +27,8 @@ void SetError(const Status& status) {
   nb::object exc;
   switch (status.category()) {
     case Category::kNotFound:
-      exc = nb::steal(PyObject_CallFunction(PyExc_FileNotFoundError, "is", ENOENT,
-                                            message.c_str()));
+      exc =
+          nb::steal(PyObject_CallFunction(PyExc_FileNotFoundError, "is", ENOENT, message.c_str()));
       break;
     case Category::kIo:
       exc = nb::steal(PyObject_CallFunction(PyExc_OSError, "is", EIO, message.c_str()));
@@ -45,10 +45,8 @@ void SetError(const Status& status) {
   if (!exc.is_valid()) return;  // the constructor failed: its error stands
   const std::string_view code = CodeName(status.code());
   const std::string_view category = CategoryName(status.category());
-  PyObject_SetAttrString(exc.ptr(), "code",
-                         nb::str(code.data(), code.size()).ptr());
-  PyObject_SetAttrString(exc.ptr(), "category",
-                         nb::str(category.data(), category.size()).ptr());
+  PyObject_SetAttrString(exc.ptr(), "code", nb::str(code.data(), code.size()).ptr());
+  PyObject_SetAttrString(exc.ptr(), "category", nb::str(category.data(), category.size()).ptr());
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
 }
 
@@ -60,19 +58,18 @@ void RegisterErrors(nb::module_& m) {
       "A file or checkpoint breaks the safetensors format (or another tensorferry error).\n\n"
       "Attributes: code (e.g. 'duplicate_key'), category (e.g. 'corrupt').",
       PyExc_Exception);
-  nb::object invalid_bases = nb::make_tuple(nb::handle(g_safetensor_error),
-                                            nb::handle(PyExc_ValueError));
-  g_invalid_argument_error =
-      NewClass(m, "InvalidArgumentError", "An argument tensorferry cannot use.",
-               invalid_bases.ptr());
-  nb::object unsupported_bases = nb::make_tuple(nb::handle(g_safetensor_error),
-                                                nb::handle(PyExc_NotImplementedError));
+  nb::object invalid_bases =
+      nb::make_tuple(nb::handle(g_safetensor_error), nb::handle(PyExc_ValueError));
+  g_invalid_argument_error = NewClass(m, "InvalidArgumentError",
+                                      "An argument tensorferry cannot use.", invalid_bases.ptr());
+  nb::object unsupported_bases =
+      nb::make_tuple(nb::handle(g_safetensor_error), nb::handle(PyExc_NotImplementedError));
   g_unsupported_error =
       NewClass(m, "UnsupportedError", "Valid, but this build or machine cannot do it.",
                unsupported_bases.ptr());
-  g_budget_error = NewClass(m, "BudgetExceededError",
-                            "The request does not fit the configured memory budget.",
-                            g_safetensor_error);
+  g_budget_error =
+      NewClass(m, "BudgetExceededError", "The request does not fit the configured memory budget.",
+               g_safetensor_error);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

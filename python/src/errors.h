@@ -5,10 +5,10 @@
 //
 //   kCorrupt, kCuda, kInternal  -> tensorferry.SafetensorError
 //   kInvalidArgument            -> tensorferry.InvalidArgumentError (SafetensorError, ValueError)
-//   kUnsupported                -> tensorferry.UnsupportedError (SafetensorError, NotImplementedError)
-//   kBudget                     -> tensorferry.BudgetExceededError (SafetensorError)
-//   kNotFound                   -> FileNotFoundError (errno ENOENT)
-//   kIo                         -> OSError (errno EIO)
+//   kUnsupported                -> tensorferry.UnsupportedError (SafetensorError,
+//   NotImplementedError) kBudget                     -> tensorferry.BudgetExceededError
+//   (SafetensorError) kNotFound                   -> FileNotFoundError (errno ENOENT) kIo ->
+//   OSError (errno EIO)
 //
 // Every raised exception carries `code` (e.g. "duplicate_key") and `category` (e.g. "corrupt")
 // attributes; str(exception) is the status message (file, tensor, offset and values at fault).

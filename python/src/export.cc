@@ -68,8 +68,8 @@ std::shared_ptr<std::byte> AllocateBytes(uint64_t size) {
   const uint64_t rounded = (size + 63) / 64 * 64;
   void* p = rounded == 0 ? nullptr : std::aligned_alloc(64, rounded);
   if (size != 0 && p == nullptr) {
-    throw StatusError(Status(Code::kBudgetExceeded,
-                             "cannot allocate " + std::to_string(size) + " bytes"));
+    throw StatusError(
+        Status(Code::kBudgetExceeded, "cannot allocate " + std::to_string(size) + " bytes"));
   }
   if (p == nullptr) p = std::aligned_alloc(64, 64);
   if (p == nullptr) throw std::bad_alloc();
@@ -96,9 +96,8 @@ bool ExportsNatively(DType dtype, Framework framework) noexcept {
   }
 }
 
-nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
-                  const std::byte* data, uint64_t size, DType dtype,
-                  std::span<const uint64_t> shape) {
+nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, const std::byte* data,
+                  uint64_t size, DType dtype, std::span<const uint64_t> shape) {
   const bool native = ExportsNatively(dtype, framework);
   std::vector<size_t> dims(shape.begin(), shape.end());
   nb::dlpack::dtype type = NativeType(dtype);
@@ -127,9 +126,8 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
     owner = std::make_shared<Keeper>(std::shared_ptr<const void>(std::move(copy)), size);
   }
 
-  nb::capsule capsule(new std::shared_ptr<Keeper>(std::move(owner)), [](void* p) noexcept {
-    delete static_cast<std::shared_ptr<Keeper>*>(p);
-  });
+  nb::capsule capsule(new std::shared_ptr<Keeper>(std::move(owner)),
+                      [](void* p) noexcept { delete static_cast<std::shared_ptr<Keeper>*>(p); });
   void* mutable_ptr = const_cast<std::byte*>(ptr);  // private memory: see the header comment
   if (framework == Framework::kTorch) {
     nb::ndarray<nb::pytorch, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,

@@ -43,7 +43,8 @@ class Keeper {
   uint64_t bytes_;
 };
 
-// A heap block of `size` bytes aligned to 64 (at least one byte is allocated). Errors: kBudgetExceeded.
+// A heap block of `size` bytes aligned to 64 (at least one byte is allocated). Errors:
+// kBudgetExceeded.
 std::shared_ptr<std::byte> AllocateBytes(uint64_t size);
 
 // Whether `dtype` is exported with its own DLPack type to `framework` (false: exported as bytes,

@@ -12,11 +12,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
-#include <map>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -81,8 +81,8 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
       } else if (order == "layer") {
         o.order = DeliveryOrder::kLayer;
       } else {
-        throw StatusError(Status(Code::kInvalidArgument,
-                                 "unknown order \"" + order + "\" (file, layer)"));
+        throw StatusError(
+            Status(Code::kInvalidArgument, "unknown order \"" + order + "\" (file, layer)"));
       }
     } else if (key == "pool_bytes") {
       o.pool_bytes = nb::cast<uint64_t>(value);
@@ -92,7 +92,8 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
       throw StatusError(Status(Code::kInvalidArgument, "unknown load option \"" + key + "\""));
     }
   }
-  if (o.chunk_size == 0) throw StatusError(Status(Code::kInvalidArgument, "chunk_size must be > 0"));
+  if (o.chunk_size == 0)
+    throw StatusError(Status(Code::kInvalidArgument, "chunk_size must be > 0"));
   return o;
 }
 
@@ -166,9 +167,7 @@ class SharedFile : public RandomAccessFile {
 class PinnedEnv : public Env {
  public:
   // REQUIRES: not called once the Env is in use (the table is read without locks).
-  void Pin(std::shared_ptr<const RandomAccessFile> file) {
-    files_[file->path()] = std::move(file);
-  }
+  void Pin(std::shared_ptr<const RandomAccessFile> file) { files_[file->path()] = std::move(file); }
   std::shared_ptr<const RandomAccessFile> Find(const std::string& path) const {
     auto it = files_.find(path);
     return it == files_.end() ? nullptr : it->second;
@@ -261,7 +260,8 @@ class Reader {
     }
     if (!present) return nb::none();
     nb::dict d;
-    for (const auto& [k, v] : file.metadata) d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
+    for (const auto& [k, v] : file.metadata)
+      d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
     return d;
   }
 
@@ -319,10 +319,10 @@ class Reader {
     const Framework fw = ToFramework(framework);
     const TensorInfo& t = Lookup(name);
     if (begin > end || end > t.size) {
-      throw StatusError(Status(Code::kInvalidArgument,
-                               "byte range [" + std::to_string(begin) + ", " +
-                                   std::to_string(end) + ") outside tensor \"" + name + "\" of " +
-                                   std::to_string(t.size) + " bytes"));
+      throw StatusError(Status(Code::kInvalidArgument, "byte range [" + std::to_string(begin) +
+                                                           ", " + std::to_string(end) +
+                                                           ") outside tensor \"" + name + "\" of " +
+                                                           std::to_string(t.size) + " bytes"));
     }
     if (shape) {
       const Result<uint64_t> bytes = TensorByteSize(t.dtype, *shape);
@@ -420,7 +420,7 @@ class Reader {
 
   // Starts a background thread running Loader::Stream; batches are taken with BatchStream::Next.
   std::unique_ptr<BatchStream> Iterate(const std::optional<std::vector<std::string>>& names,
-                                             int framework);
+                                       int framework);
 
   // Drops the loader (its buffer pool and threads) and open files. Tensors already handed out
   // stay valid. Later reads reopen what they need.
@@ -676,7 +676,8 @@ std::vector<TensorToWrite> ToWrite(const nb::list& entries) {
 Metadata ToMetadata(const std::optional<nb::dict>& metadata) {
   Metadata out;
   if (!metadata) return out;
-  for (auto [k, v] : *metadata) out.emplace_back(nb::cast<std::string>(k), nb::cast<std::string>(v));
+  for (auto [k, v] : *metadata)
+    out.emplace_back(nb::cast<std::string>(k), nb::cast<std::string>(v));
   return out;
 }
 
@@ -717,8 +718,8 @@ void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metad
 }
 
 // The tensors of a whole safetensors file held in `data` (any object with the buffer protocol),
-// as (name, dtype name, shape, array) in name order. The data section is copied once into a block all
-// tensors share.
+// as (name, dtype name, shape, array) in name order. The data section is copied once into a block
+// all tensors share.
 nb::list Deserialize(nb::handle data, int framework) {
   const Framework fw = ToFramework(framework);
   Py_buffer view;
@@ -807,7 +808,8 @@ NB_MODULE(_core, m) {
     return *v;
   });
   m.def("format_bytes", &FormatBytes);
-  m.def("layer_of", [](const std::string& name) -> std::optional<uint32_t> { return LayerOf(name); });
+  m.def("layer_of",
+        [](const std::string& name) -> std::optional<uint32_t> { return LayerOf(name); });
   m.def("dtype_bits", [](const std::string& name) {
     const std::optional<DType> d = DTypeFromName(name);
     if (!d) throw nb::key_error(name.c_str());
@@ -823,8 +825,11 @@ NB_MODULE(_core, m) {
     for (int i = 0; i < kNumDTypes; ++i) out.emplace_back(DTypeName(static_cast<DType>(i)));
     return out;
   });
-  m.def("gil_checks", [] { return nb::make_tuple(g_gil_sections.load(), g_gil_held_sections.load()); },
-        "(C++ sections that release the GIL, those that found it still held) since import");
-  m.def("live_buffers", [] { return nb::make_tuple(Keeper::live_buffers(), Keeper::live_bytes()); },
-        "(buffers, bytes) of loaded memory still referenced by arrays handed to Python");
+  m.def(
+      "gil_checks",
+      [] { return nb::make_tuple(g_gil_sections.load(), g_gil_held_sections.load()); },
+      "(C++ sections that release the GIL, those that found it still held) since import");
+  m.def(
+      "live_buffers", [] { return nb::make_tuple(Keeper::live_buffers(), Keeper::live_bytes()); },
+      "(buffers, bytes) of loaded memory still referenced by arrays handed to Python");
 }

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: install dependencies, build, generate the default synthetic
-# Llama-style checkpoint (about 4.2 GB, 5 shards, with model.safetensors.index.json), then inspect
-# and verify it. Pass another directory as $1 to use it instead of data/default.
+# The main job on a fresh machine: install dependencies, build (library, CLI, and the Python package
+# into .venv), generate the default synthetic Llama-style checkpoint (about 4.2 GB, 5 shards, with
+# model.safetensors.index.json), then inspect and verify it. Pass another directory as $1 to use it instead of data/default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 scripts/build.sh release
+scripts/install_python.sh   # the tensorferry Python package into .venv (skipped when current)
 tf=build/release/bin/tensorferry
 out=${1:-data/default}
 if [ -f "$out/model.safetensors.index.json" ] && "$tf" verify "$out" >/dev/null 2>&1; then

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Every test: formatting check, the release suite (C++ and Python interop), the whole suite under
-# ASan+UBSan, the concurrent parts under ThreadSanitizer, and each fuzz target for FUZZ_SECONDS
-# (default 60) on its seed corpus.
+# Every test: formatting check, the release suite (C++, and the Python tests against the package
+# installed into .venv from these sources), the whole suite under ASan+UBSan, the concurrent parts
+# under ThreadSanitizer, and each fuzz target for FUZZ_SECONDS (default 60) on its seed corpus.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
+scripts/install_python.sh   # the Python package the python_interop tests import (skipped when current)
 FUZZ_SECONDS=${FUZZ_SECONDS:-60}
 
 echo "== format check"

@@ -133,7 +133,9 @@ class Loader:
             at most half the budget, so the tensor the consumer still holds when it asks for the
             next one never blocks the next batch.
         threads: I/O threads (None: one per CPU).
-        engine: "auto", "pread", "io_uring" or "mmap".
+        engine: "auto", "pread", "io_uring" or "mmap". Default: "mmap" (with populate) when there
+            is no budget, as load_file; else "auto" (io_uring where the kernel allows, else
+            pread). TENSORFERRY_ENGINE overrides the default.
         select: which tensors: None (all), a name, a list of names, or a predicate on the name
             (e.g. tensorferry.layers(0, 3)).
         framework: "pt" (torch tensors, default) or "np" (numpy arrays).
@@ -165,6 +167,13 @@ class Loader:
             "pool_bytes": parse_size(pool_bytes),
             "populate": populate,
         }
+        if engine is None and not options["budget"] and not os.environ.get("TENSORFERRY_ENGINE") \
+                and not os.environ.get("TENSORFERRY_BUDGET"):
+            # Unbounded: the same default as load_file (mmap with populate), the fastest measured
+            # way to tensors in host memory (docs/python.md). Under a budget, the copying engines.
+            options["engine"] = "mmap"
+            if populate is None and not os.environ.get("TENSORFERRY_POPULATE"):
+                options["populate"] = True
         path = os.fspath(checkpoint)
         self._reader = _core.Reader(path, False, {k: v for k, v in options.items() if v is not None})
         self._names = self._resolve(select)

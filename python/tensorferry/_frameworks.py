@@ -109,6 +109,26 @@ class _Framework:
             return list(shape[:-1]) + [shape[-1] * 2]
         return list(shape)
 
+    def check(self, reader, names=None):
+        """Raises UnsupportedDTypeError when a tensor among `names` (all when None) has a dtype
+        this framework lacks, before anything is read."""
+        for st_dtype, odd in reader.dtypes(names).items():
+            try:
+                self.dtype(st_dtype)
+            except UnsupportedDTypeError:
+                candidates = names if names is not None else reader.names(True)
+                example = next(n for n in candidates if reader.info(n)[0] == st_dtype)
+                self.dtype(st_dtype, example)  # raises, naming the tensor
+            if odd:
+                self.shape(st_dtype, reader.info(odd[0])[1], odd[0])
+
+    def finish_all(self, triples, device):
+        """(name, tensor) pairs from the core's (name, dtype, array) triples."""
+        to_device = self.to_device
+        finish = self.finish
+        return [(name, to_device(finish(array, st_dtype), device))
+                for name, st_dtype, array in triples]
+
     def finish(self, array, st_dtype):
         """The array exported by the core, as the right framework dtype (no copy)."""
         if self.is_raw(st_dtype):

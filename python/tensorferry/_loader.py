@@ -47,6 +47,14 @@ def peak_rss_bytes():
     return None
 
 
+def _count(name, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name} must be an int >= 0, not {value!r}")
+    return value
+
+
 @dataclasses.dataclass
 class LoadStats:
     """Totals of the last load() or iteration of a Loader."""
@@ -158,9 +166,9 @@ class Loader:
         options = {
             "engine": engine,
             "direct": direct,
-            "threads": threads,
+            "threads": _count("threads", threads),
             "chunk_size": parse_size(chunk_size),
-            "queue_depth": queue_depth,
+            "queue_depth": _count("queue_depth", queue_depth),
             "budget": parse_size(budget),
             "allow_oversized": allow_oversized,
             "order": order,
@@ -240,25 +248,16 @@ class Loader:
     # --- loading --------------------------------------------------------------------------------
 
     def _check_dtypes(self):
-        reader, fw = self._reader, self._fw
-        dtypes = {}
-        for name in (self._names if self._names is not None else reader.names(True)):
-            st_dtype, st_shape = reader.info(name)[:2]
-            fw.dtype(st_dtype, name)
-            fw.shape(st_dtype, st_shape, name)
-            dtypes[name] = st_dtype
-        return dtypes
+        self._fw.check(self._reader, self._names)
 
-    def _finish(self, dtypes, pairs):
-        fw, device = self._fw, self._device
-        return [(name, fw.to_device(fw.finish(array, dtypes[name]), device))
-                for name, array in pairs]
+    def _finish(self, triples):
+        return self._fw.finish_all(triples, self._device)
 
     def load(self):
         """Every selected tensor, as a dict in file order. With a budget, they must all fit it
         (BudgetExceededError otherwise: use iter_tensors)."""
         self._check_open()
-        dtypes = self._check_dtypes()
+        self._check_dtypes()
         stats = LoadStats()
         start = time.perf_counter()
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -274,11 +273,11 @@ class Loader:
                     by_file.setdefault(self._reader.info(name)[3], []).append(name)
                 groups = [by_file[f] for f in sorted(by_file)]
             for group in groups:
-                pairs = self._reader.load(group, self._fw.code)
+                triples = self._reader.load(group, self._fw.code)
                 core = self._reader.stats()
                 stats._add(core)
-                for name, tensor in self._finish(dtypes, pairs):
-                    out[name] = tensor
+                out.update(self._finish(triples))
+                del triples
                 if progress is not None:
                     progress.update(core["bytes"])
         finally:
@@ -296,7 +295,7 @@ class Loader:
         """Yields Batch objects (index, count, bytes, tensors: dict) one at a time under the
         budget, while the next batch is read ahead when the budget allows it."""
         self._check_open()
-        dtypes = self._check_dtypes()
+        self._check_dtypes()
         stats = LoadStats()
         self._stats = stats
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -308,10 +307,10 @@ class Loader:
                 got = stream.next()
                 if got is None:
                     break
-                index, count, nbytes, pairs = got
+                index, count, nbytes, triples = got
                 del got
-                batch = Batch(index, count, nbytes, dict(self._finish(dtypes, pairs)))
-                del pairs
+                batch = Batch(index, count, nbytes, dict(self._finish(triples)))
+                del triples
                 if progress is not None:
                     progress.update(nbytes)
                 yield batch
@@ -342,10 +341,10 @@ class Loader:
         """Calls callback(batch) for each Batch, on this thread (tensorferry::Loader::Stream).
         An exception from the callback stops the load and propagates."""
         self._check_open()
-        dtypes = self._check_dtypes()
+        self._check_dtypes()
 
-        def on_batch(index, count, nbytes, pairs):
-            callback(Batch(index, count, nbytes, dict(self._finish(dtypes, pairs))))
+        def on_batch(index, count, nbytes, triples):
+            callback(Batch(index, count, nbytes, dict(self._finish(triples))))
 
         stats = LoadStats()
         self._stats = stats

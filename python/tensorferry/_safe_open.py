@@ -108,17 +108,8 @@ class safe_open:
     def get_tensors(self):
         """Every tensor, as a dict in file order (one load for the whole file)."""
         reader = self._open_reader()
-        fw = self._fw
-        infos = {}
-        for name in reader.names(True):
-            st_dtype, st_shape = reader.info(name)[:2]
-            fw.dtype(st_dtype, name)
-            fw.shape(st_dtype, st_shape, name)
-            infos[name] = st_dtype
-        out = {}
-        for name, array in reader.load(None, fw.code):
-            out[name] = fw.to_device(fw.finish(array, infos[name]), self._device)
-        return out
+        self._fw.check(reader)
+        return dict(self._fw.finish_all(reader.load(None, self._fw.code), self._device))
 
     def get_slice(self, name):
         """A lazy view of tensor `name`: index it (framework rules) to read only what is needed."""

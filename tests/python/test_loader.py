@@ -163,6 +163,9 @@ def test_budget_and_size_arguments(tiny_checkpoint):
     for bad in ("lots", -1, 1.5, True):
         with pytest.raises(tensorferry.InvalidArgumentError):
             tensorferry.Loader(tiny_checkpoint, budget=bad)
+    for bad in ({"threads": -1}, {"threads": 2.5}, {"queue_depth": True}):
+        with pytest.raises(tensorferry.InvalidArgumentError):
+            tensorferry.Loader(tiny_checkpoint, **bad)
     with pytest.raises(tensorferry.InvalidArgumentError, match="engine"):
         tensorferry.Loader(tiny_checkpoint, engine="warp")
     with pytest.raises(tensorferry.InvalidArgumentError, match="order"):

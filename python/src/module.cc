@@ -127,8 +127,8 @@ nb::str DTypeStr(DType dtype) {
   return *name;
 }
 
-// (name, dtype name, array) triples. Consecutive tensors with one owner (a batch's buffer) share one Keeper, so
-// the live-buffer count follows the real buffers.
+// (name, dtype name, array) triples. Consecutive tensors with one owner (a batch's buffer) share
+// one Keeper, so the live-buffer count follows the real buffers.
 nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
   nb::list out;
   size_t i = 0;
@@ -142,9 +142,9 @@ nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
     auto keeper = std::make_shared<Keeper>(tensors[i].owner(), bytes);
     for (; i < j; ++i) {
       const Tensor& t = tensors[i];
-      out.append(nb::make_tuple(t.name(), DTypeStr(t.dtype()),
-                                Export(framework, keeper, t.data(), t.size(), t.dtype(),
-                                       t.shape())));
+      out.append(
+          nb::make_tuple(t.name(), DTypeStr(t.dtype()),
+                         Export(framework, keeper, t.data(), t.size(), t.dtype(), t.shape())));
     }
   }
   return out;

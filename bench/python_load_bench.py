@@ -56,6 +56,9 @@ def rss_kb(field):
 
 def child(name, checkpoint, bin_dir):
     import torch
+    # The byte sums are the benchmark's own work: one thread, so they cannot straggle behind a
+    # busy core (a sum split over both cores waits for the slower one).
+    torch.set_num_threads(1)
     files = shard_files(checkpoint)
     checksum = 0
     nbytes = 0

@@ -152,6 +152,7 @@ struct LoadStats {
   uint64_t buffers_allocated = 0;
   std::string engine;           // the engine that ran ("pread", "io_uring", "mmap")
   uint64_t direct_files = 0;    // files read with O_DIRECT
+  uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
   uint64_t buffered_files = 0;  // files read through the page cache
 };
 

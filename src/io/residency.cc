@@ -20,7 +20,6 @@ namespace {
 
 constexpr uint64_t kWindow = uint64_t{1} << 30;  // bytes mapped at once
 
-
 // Owns a file descriptor.
 class Fd {
  public:

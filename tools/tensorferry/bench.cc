@@ -56,8 +56,12 @@ struct Sample {
     std::sort(v.begin(), v.end());
     return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
   }
-  double Min() const { return values.empty() ? 0 : *std::min_element(values.begin(), values.end()); }
-  double Max() const { return values.empty() ? 0 : *std::max_element(values.begin(), values.end()); }
+  double Min() const {
+    return values.empty() ? 0 : *std::min_element(values.begin(), values.end());
+  }
+  double Max() const {
+    return values.empty() ? 0 : *std::max_element(values.begin(), values.end());
+  }
 };
 
 // Progress on stderr when it is a terminal: "\r[bench] 3/17 warm io_uring".
@@ -199,8 +203,8 @@ double ParallelRead(const std::vector<Region>& regions, std::byte* dst, unsigned
     for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
       const Piece& p = pieces[i];
       for (uint64_t done = 0; done < p.length;) {
-        const ssize_t n = ::pread(p.fd, p.dst + done, p.length - done,
-                                  static_cast<off_t>(p.offset + done));
+        const ssize_t n =
+            ::pread(p.fd, p.dst + done, p.length - done, static_cast<off_t>(p.offset + done));
         if (n <= 0) break;
         done += static_cast<uint64_t>(n);
       }
@@ -241,11 +245,11 @@ double FioRead(const std::vector<std::string>& files, uint64_t total) {
     names += (names.empty() ? "" : ":") + escaped;
   }
   int rc = 0;
-  const std::string out = RunCapture(
-      {"fio", "--name=seq", "--rw=read", "--bs=8M", "--iodepth=32", "--ioengine=io_uring",
-       "--direct=1", "--numjobs=1", "--filename=" + names, "--size=" + std::to_string(total),
-       "--output-format=json"},
-      &rc);
+  const std::string out =
+      RunCapture({"fio", "--name=seq", "--rw=read", "--bs=8M", "--iodepth=32",
+                  "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--filename=" + names,
+                  "--size=" + std::to_string(total), "--output-format=json"},
+                 &rc);
   if (rc != 0) return -1;
   const size_t read = out.find("\"read\"");
   if (read == std::string::npos) return -1;
@@ -276,7 +280,8 @@ double DirectRead(const std::vector<std::string>& files) {
   auto work = [&] {
     Mapping buf(8u << 20);
     for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
-      const ssize_t n = ::pread(pieces[i].fd, buf.data, 8u << 20, static_cast<off_t>(pieces[i].offset));
+      const ssize_t n =
+          ::pread(pieces[i].fd, buf.data, 8u << 20, static_cast<off_t>(pieces[i].offset));
       if (n > 0) bytes += static_cast<uint64_t>(n);
     }
   };
@@ -359,7 +364,8 @@ int RunBench(const BenchArgs& args) {
     ParallelRead(regions, buf.data, cores);
     for (unsigned r = 0; r < runs; ++r) {
       // Page-cache copy limit: the buffer is touched (it was read into just before).
-      results["ref: page-cache copy limit"].values.push_back(ParallelRead(regions, buf.data, cores));
+      results["ref: page-cache copy limit"].values.push_back(
+          ParallelRead(regions, buf.data, cores));
       progress.Step("page-cache copy limit");
     }
   }
@@ -381,8 +387,8 @@ int RunBench(const BenchArgs& args) {
   auto load = [&](const std::string& engine, std::vector<std::string> extra) -> std::string {
     // --touch: every page of every tensor is read by the caller, so lazy views are timed as
     // their users pay for them (docs/benchmarks.md, "what loaded means").
-    std::vector<std::string> argv = {self, "load", args.path, "--engine", engine,
-                                     "--no-checksum", "--touch", "--json"};
+    std::vector<std::string> argv = {self,   "load",          args.path, "--engine",
+                                     engine, "--no-checksum", "--touch", "--json"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     int rc = 0;
     std::string out = RunCapture(argv, &rc);
@@ -444,7 +450,8 @@ int RunBench(const BenchArgs& args) {
       (void)Evict(files);
       double fio = FioRead(files, file_bytes);
       if (fio < 0) {
-        if (r == 0) notes.push_back("fio not found: storage limit from the internal O_DIRECT reader");
+        if (r == 0)
+          notes.push_back("fio not found: storage limit from the internal O_DIRECT reader");
         fio = DirectRead(files);
         results["ref: storage limit (O_DIRECT reader)"].values.push_back(fio);
       } else {
@@ -484,9 +491,8 @@ int RunBench(const BenchArgs& args) {
   }
   std::string text = "checkpoint " + args.path + ": " + FormatBytes(total) + " of tensors in " +
                      Plural(files.size(), "file") + "\nmachine: " + CpuModel() + ", " +
-                     std::to_string(cores) + " cores, " + FormatBytes(MemTotal()) +
-                     " RAM, Linux " + u.release + "\nmedian of " + std::to_string(runs) +
-                     " runs (min-max), GB/s:\n";
+                     std::to_string(cores) + " cores, " + FormatBytes(MemTotal()) + " RAM, Linux " +
+                     u.release + "\nmedian of " + std::to_string(runs) + " runs (min-max), GB/s:\n";
   for (const auto& [name, s] : results) {
     char line[160];
     std::snprintf(line, sizeof line, "  %-44s %7.2f  (%.2f-%.2f)\n", name.c_str(), s.Median(),
@@ -508,7 +514,8 @@ Command AddBenchCommand(CLI::App& parent) {
   app->add_option("path", args->path, "A .safetensors file, a checkpoint directory or an index")
       ->required();
   app->add_option("--runs", args->runs, "Runs per configuration (median reported; default 3)");
-  app->add_option("--engines", args->engines, "Comma-separated engines (default pread,io_uring,mmap)");
+  app->add_option("--engines", args->engines,
+                  "Comma-separated engines (default pread,io_uring,mmap)");
   app->add_option("--budget", args->budget, "Budget of the budgeted run (default 256MB)");
   app->add_flag("--no-cold", args->no_cold, "Skip the cold runs (they evict the files)");
   app->add_flag("--json", args->json, "Print one JSON document");

@@ -281,8 +281,7 @@ int RunLoad(const LoadArgs& args) {
       (std::to_string(stats.batches) + (stats.batches == 1 ? " batch" : " batches")).c_str(),
       FormatBytes(stats.bytes).c_str(), stats.seconds, gbps, stats.engine.c_str(),
       stats.direct_files ? (", O_DIRECT on " + Plural(stats.direct_files, "file")).c_str() : "",
-      FormatBytes(peak_rss).c_str(),
-      FormatBytes(stats.peak_budget_bytes).c_str(),
+      FormatBytes(peak_rss).c_str(), FormatBytes(stats.peak_budget_bytes).c_str(),
       options->budget ? (" of a " + FormatBytes(options->budget) + " budget").c_str() : "",
       args.no_checksum ? "(skipped)" : checksum);
   return WriteStdout(line) ? kExitOk : kExitError;
@@ -317,8 +316,9 @@ Command AddLoadCommand(CLI::App& parent) {
   app->add_flag("--explain", args->explain, "Print the read plan first");
   app->add_flag("--no-checksum", args->no_checksum, "Skip the checksum");
   app->add_flag("--json", args->json, "Print one JSON document");
-  app->footer("Defaults come from the TENSORFERRY_* environment variables when set "
-              "(docs/runtime_settings.md).");
+  app->footer(
+      "Defaults come from the TENSORFERRY_* environment variables when set "
+      "(docs/runtime_settings.md).");
   return {app, [args] { return RunLoad(*args); }};
 }
 

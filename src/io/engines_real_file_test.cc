@@ -93,9 +93,8 @@ TEST_P(RealFileEngineTest, RandomRequestsByteExact) {
     ASSERT_TRUE(engine->Execute(requests).ok());
     for (size_t i = 0; i < n; ++i) {
       const auto& [f, off] = origin[i];
-      ASSERT_EQ(std::memcmp(requests[i].dst.data(), contents[f].data() + off,
-                            requests[i].dst.size()),
-                0)
+      ASSERT_EQ(
+          std::memcmp(requests[i].dst.data(), contents[f].data() + off, requests[i].dst.size()), 0)
           << "request " << i;
     }
     const EngineStats s = engine->stats();
@@ -115,15 +114,14 @@ TEST_P(RealFileEngineTest, EndOfFileNamesFileAndOffset) {
   auto d = DirectFile::Open(*file);
   Aligned scratch(1 << 20);
   // Congruent destination, crossing the end: the direct middle or the tail hits EOF.
-  const ReadRequest past{file.get(), 8192, {scratch.data + 0, 16384},
-                         GetParam().direct && d.ok() ? (*d)->fd() : -1};
+  const ReadRequest past{
+      file.get(), 8192, {scratch.data + 0, 16384}, GetParam().direct && d.ok() ? (*d)->fd() : -1};
   auto engine = Make(2);
   const Status s = engine->Execute({&past, 1});
   EXPECT_EQ(s.code(), Code::kUnexpectedEof) << s.ToString();
   std::string expected = path;
   expected += ": unexpected end of file at offset";
-  EXPECT_NE(s.message().find(expected), std::string::npos)
-      << s.ToString();
+  EXPECT_NE(s.message().find(expected), std::string::npos) << s.ToString();
   // Usable afterwards.
   const ReadRequest ok{file.get(), 100, {scratch.data + 100, 5000}, -1};
   EXPECT_TRUE(engine->Execute({&ok, 1}).ok());

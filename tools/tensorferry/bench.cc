@@ -265,14 +265,12 @@ double DirectRead(const std::vector<std::string>& files) {
   };
   std::vector<int> fds;
   std::vector<Piece> pieces;
-  uint64_t total = 0;
   for (const std::string& f : files) {
     const int fd = ::open(f.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
     if (fd < 0) return -1;
     fds.push_back(fd);
     const uint64_t size = static_cast<uint64_t>(::lseek(fd, 0, SEEK_END));
     for (uint64_t at = 0; at < size; at += 8u << 20) pieces.push_back({fd, at});
-    total += size;
   }
   const unsigned threads = std::thread::hardware_concurrency() * 2;
   std::atomic<size_t> next{0};

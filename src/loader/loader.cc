@@ -429,7 +429,7 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Checkpoint& ckpt = *impl_->checkpoint;
-  if (impl_->options.budget > 0) {
+  if (impl_->options.budget > 0 && impl_->engine_kind != Engine::kMmap) {
     TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(ckpt));
     uint64_t total = 0;
     for (uint32_t i : indices) total += ckpt.tensors()[i].size;

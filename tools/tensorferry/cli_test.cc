@@ -682,6 +682,24 @@ TEST(CliBench, ReportsReferencesAndEveryEngine) {
   EXPECT_EQ(RunCli({"bench", dir.Join("c"), "--engines", "warp"}).exit_code, 2);
 }
 
+// The cold runs evict the files and measure the storage with fio: nothing may ever write to the
+// checkpoint (fio lays out, i.e. overwrites, files smaller than a --size it is given).
+TEST(CliBench, ColdRunsLeaveTheFilesUntouched) {
+  TempDir dir;
+  GenTiny(dir.Join("c"), {"--shard-size", "40KB"});
+  const auto before = DirContents(dir.Join("c"));
+  const RunResult r =
+      RunCli({"bench", dir.Join("c"), "--runs", "1", "--engines", "pread,mmap", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(DirContents(dir.Join("c")), before);
+  simdjson::dom::parser parser;
+  simdjson::dom::element e = parser.parse(r.out);
+  simdjson::dom::object results = e["results"];
+  simdjson::dom::element v;
+  EXPECT_EQ(results["cold: pread"].get(v), simdjson::SUCCESS) << r.out;
+  EXPECT_EQ(results["cold: mmap"].get(v), simdjson::SUCCESS) << r.out;
+}
+
 TEST(CliLoad, TextExplainAndLayers) {
   TempDir dir;
   GenTiny(dir.Join("c"));

@@ -60,6 +60,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Rendering values must terminate (cycles, depth) too.
   std::string why;
   (void)tensorferry::convert::PyStr(*r, r->root, 16, why);
-  (void)tensorferry::convert::HoldsTensorOrDict(*r, r->root);
+  const auto holds = tensorferry::convert::HoldersOfTensorsOrDicts(*r);
+  if (holds.size() != r->objects.size()) std::abort();
   return 0;
 }

@@ -65,8 +65,11 @@ struct PickleLimits {
 
 struct TorchLimits {
   PickleLimits pickle;
-  uint64_t max_zip_entries = 1u << 20;   // entries of one zip archive
-  uint32_t max_depth = 64;               // nesting of containers when flattening names
+  uint64_t max_zip_entries = 1u << 20;  // entries of one zip archive
+  uint32_t max_depth = 64;              // nesting of containers when flattening names
+  // Names and containers visited while flattening (a dict shared under many names counts once
+  // per name).
+  uint64_t max_entries = 1u << 22;
   uint64_t max_index_size = 256u << 20;  // bytes of pytorch_model.bin.index.json
 };
 

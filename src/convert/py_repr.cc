@@ -48,25 +48,46 @@ std::optional<std::string> PyKeyText(const PickleResult& r, const Value& v) {
   return std::nullopt;
 }
 
-bool HoldsTensorOrDict(const PickleResult& r, const Value& v) {
+std::vector<uint8_t> HoldersOfTensorsOrDicts(const PickleResult& r) {
+  const auto is_seq = [](Kind k) {
+    return k == Kind::kList || k == Kind::kTuple || k == Kind::kSet || k == Kind::kFrozenSet;
+  };
+  // Reverse edges (item -> containing sequence) as a CSR table, then a walk up from every tensor
+  // and dict.
+  const size_t n = r.objects.size();
+  std::vector<uint32_t> start(n + 1, 0);
+  for (const Object& o : r.objects) {
+    if (!is_seq(o.kind)) continue;
+    for (const Value& item : o.items) {
+      if (item.tag == Tag::kRef) ++start[item.ref + 1];
+    }
+  }
+  for (size_t i = 0; i < n; ++i) start[i + 1] += start[i];
+  std::vector<uint32_t> parents(start[n]);
+  std::vector<uint32_t> fill(start.begin(), start.end() - 1);
+  for (uint32_t c = 0; c < n; ++c) {
+    if (!is_seq(r.objects[c].kind)) continue;
+    for (const Value& item : r.objects[c].items) {
+      if (item.tag == Tag::kRef) parents[fill[item.ref]++] = c;
+    }
+  }
+  std::vector<uint8_t> holds(n, 0);
   std::vector<uint32_t> todo;
-  std::vector<uint8_t> seen(r.objects.size(), 0);
-  if (v.tag == Tag::kRef) todo.push_back(v.ref);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (r.objects[i].kind == Kind::kTensor || r.objects[i].kind == Kind::kDict) todo.push_back(i);
+  }
   while (!todo.empty()) {
-    const uint32_t ref = todo.back();
+    const uint32_t i = todo.back();
     todo.pop_back();
-    if (seen[ref]) continue;
-    seen[ref] = 1;
-    const Object& o = r.objects[ref];
-    if (o.kind == Kind::kTensor || o.kind == Kind::kDict) return true;
-    if (o.kind == Kind::kList || o.kind == Kind::kTuple || o.kind == Kind::kSet ||
-        o.kind == Kind::kFrozenSet) {
-      for (const Value& item : o.items) {
-        if (item.tag == Tag::kRef && !seen[item.ref]) todo.push_back(item.ref);
+    for (uint32_t k = start[i]; k < start[i + 1]; ++k) {
+      const uint32_t p = parents[k];
+      if (!holds[p]) {
+        holds[p] = 1;
+        todo.push_back(p);
       }
     }
   }
-  return false;
+  return holds;
 }
 
 std::string PyStringRepr(const std::string& s) {
@@ -131,11 +152,12 @@ std::string BytesRepr(const std::string& s) {
 
 class Printer {
  public:
-  Printer(const PickleResult& r, uint32_t max_depth) : r_(r), max_depth_(max_depth) {}
+  Printer(const PickleResult& r, uint32_t max_depth, size_t max_text)
+      : r_(r), max_depth_(max_depth), max_text_(max_text) {}
 
   bool Repr(const Value& v, uint32_t depth, std::string& out) {
-    if (out.size() > kMaxValueText) {
-      why_ = "its text is longer than " + std::to_string(kMaxValueText) + " bytes";
+    if (out.size() > max_text_) {
+      why_ = "its text is longer than " + std::to_string(max_text_) + " bytes";
       return false;
     }
     switch (v.tag) {
@@ -221,25 +243,29 @@ class Printer {
 
   const PickleResult& r_;
   uint32_t max_depth_;
+  size_t max_text_;
 };
 
 }  // namespace
 
 std::optional<std::string> PyStr(const PickleResult& r, const Value& v, uint32_t max_depth,
-                                 std::string& why) {
+                                 std::string& why, size_t max_text, size_t* produced) {
+  const std::string too_long = "its text is longer than " + std::to_string(max_text) + " bytes";
   if (v.tag == Tag::kRef && r.objects[v.ref].kind == Kind::kStr) {
     const std::string& s = r.objects[v.ref].str;
-    if (s.size() > kMaxValueText) {
-      why = "its text is longer than " + std::to_string(kMaxValueText) + " bytes";
+    if (produced != nullptr) *produced = s.size();
+    if (s.size() > max_text) {
+      why = too_long;
       return std::nullopt;
     }
     return s;
   }
-  Printer p(r, max_depth);
+  Printer p(r, max_depth, max_text);
   std::string out;
-  if (!p.Repr(v, 0, out) || out.size() > kMaxValueText) {
-    why = p.why_.empty() ? "its text is longer than " + std::to_string(kMaxValueText) + " bytes"
-                         : p.why_;
+  const bool ok = p.Repr(v, 0, out);
+  if (produced != nullptr) *produced = out.size();
+  if (!ok || out.size() > max_text) {
+    why = p.why_.empty() ? too_long : p.why_;
     return std::nullopt;
   }
   return out;

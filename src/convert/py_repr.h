@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "convert/pickle_vm.h"
 
@@ -21,13 +22,18 @@ std::string PyTypeName(const PickleResult& r, const Value& v);
 // any other key type.
 std::optional<std::string> PyKeyText(const PickleResult& r, const Value& v);
 
-// True when `v` holds a tensor or a dict anywhere inside it (cycles are followed once).
-bool HoldsTensorOrDict(const PickleResult& r, const Value& v);
+// For every object: 1 when it is a list, tuple, set or frozenset that holds a tensor or a dict
+// anywhere inside it (through other such containers, cycles included). One pass over all items:
+// O(objects + items), whatever the graph's shape.
+std::vector<uint8_t> HoldersOfTensorsOrDicts(const PickleResult& r);
 
 // str(v), or nullopt with `why` set: for storages and tensors, values nested deeper than
-// `max_depth` (recursive ones included) and texts longer than kMaxValueText.
+// `max_depth` (recursive ones included) and texts longer than `max_text` bytes. The work done is
+// bounded by max_text, however much the graph shares (a DAG of lists can have 2^depth paths);
+// `produced` (optional) receives the bytes of text built, kept or not, to charge a budget with.
 std::optional<std::string> PyStr(const PickleResult& r, const Value& v, uint32_t max_depth,
-                                 std::string& why);
+                                 std::string& why, size_t max_text = kMaxValueText,
+                                 size_t* produced = nullptr);
 
 // repr() of a str.
 std::string PyStringRepr(const std::string& s);

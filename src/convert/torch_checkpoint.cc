@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -50,6 +51,8 @@ struct OpenFile {
 constexpr std::array<uint8_t, 10> kLegacyMagic = {0x6c, 0xfc, 0x9c, 0x46, 0xf9,
                                                   0x20, 0x6a, 0xa8, 0x50, 0x19};
 constexpr int64_t kLegacyProtocol = 1001;
+// Text of all kept values together (the safetensors header holds them).
+constexpr size_t kMaxTotalValueText = 16u << 20;
 
 std::string Trim(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) s.pop_back();
@@ -559,7 +562,13 @@ class TorchCheckpointOpener {
                     info.path + ": the checkpoint holds a " + convert::PyTypeName(r, r.root) +
                         ", not a dict of tensors (a state dict); nothing to name its tensors by");
     }
-    Walker w{*this, r, info, file_index, first_storage, std::vector<uint8_t>(r.objects.size(), 0)};
+    Walker w{*this,
+             r,
+             info,
+             file_index,
+             first_storage,
+             std::vector<uint8_t>(r.objects.size(), 0),
+             convert::HoldersOfTensorsOrDicts(r)};
     return w.Walk(r.root, "", 0);
   }
 
@@ -570,6 +579,7 @@ class TorchCheckpointOpener {
     uint32_t file_index;
     uint32_t first_storage;
     std::vector<uint8_t> on_path;
+    std::vector<uint8_t> holds;  // HoldersOfTensorsOrDicts
 
     static std::string Join(const std::string& prefix, std::string_view key) {
       if (prefix.empty()) return std::string(key);
@@ -580,6 +590,14 @@ class TorchCheckpointOpener {
     }
 
     Status Walk(const Value& v, const std::string& name, uint32_t depth) {
+      // Shared sub-dicts are walked once per name that reaches them, which a crafted DAG could
+      // make exponential: every visit counts.
+      if (++o.visits_ > o.options_.limits.max_entries) {
+        return Status(Code::kPickleLimitExceeded,
+                      info.path + ": more than TorchLimits::max_entries (" +
+                          std::to_string(o.options_.limits.max_entries) +
+                          ") names and containers to flatten, at " + json::Quote(name));
+      }
       if (depth > o.options_.limits.max_depth) {
         return Status(Code::kPickleLimitExceeded,
                       info.path + ": " + json::Quote(name) +
@@ -591,7 +609,7 @@ class TorchCheckpointOpener {
         if (obj.kind == Kind::kTensor) return AddTensor(obj, name);
         const bool dict = obj.kind == Kind::kDict;
         const bool seq = obj.kind == Kind::kList || obj.kind == Kind::kTuple;
-        if ((dict && !obj.items.empty()) || (seq && convert::HoldsTensorOrDict(r, v))) {
+        if ((dict && !obj.items.empty()) || (seq && holds[v.ref])) {
           if (on_path[v.ref]) {
             o.AddValue(name, convert::PyTypeName(r, v), "", "it contains itself", file_index);
             return Status::Ok();
@@ -624,7 +642,17 @@ class TorchCheckpointOpener {
         }
       }
       std::string note;
-      auto text = convert::PyStr(r, v, o.options_.limits.max_depth, note);
+      std::optional<std::string> text;
+      if (o.text_left_ == 0) {
+        note = "the checkpoint's values exceed " + std::to_string(kMaxTotalValueText) +
+               " bytes of text in all";
+      } else {
+        // Failed attempts are charged too: they did the work.
+        size_t produced = 0;
+        text = convert::PyStr(r, v, o.options_.limits.max_depth, note,
+                              std::min(convert::kMaxValueText, o.text_left_), &produced);
+        o.text_left_ -= std::min(o.text_left_, produced + name.size());
+      }
       o.AddValue(name, convert::PyTypeName(r, v), text ? *text : "", text ? "" : note, file_index);
       return Status::Ok();
     }
@@ -675,6 +703,8 @@ class TorchCheckpointOpener {
   const TorchOpenOptions& options_;
   Env* env_;
   std::vector<uint32_t> value_file_;
+  uint64_t visits_ = 0;
+  size_t text_left_ = kMaxTotalValueText;
 };
 
 Result<std::unique_ptr<TorchCheckpoint>> TorchCheckpoint::Open(const std::string& path,

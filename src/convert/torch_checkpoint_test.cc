@@ -255,6 +255,46 @@ TEST(TorchCheckpoint, ValuesKeysAndCycles) {
   EXPECT_EQ(v.at("None")->text, "none");
 }
 
+TEST(TorchCheckpoint, SharedGraphsCannotBlowUp) {
+  // d0 = {"t": tensor}; d[k] = {"a": d[k-1], "b": d[k-1]}: 2^40 names if walked naively.
+  PickleBuilder dicts;
+  dicts.Proto(2).EmptyDict().Str("t").Tensor("FloatStorage", "0", 1, 0, {1}, {1}).SetItem();
+  dicts.Put(0).Op('0');  // POP: the dict lives on in the memo
+  for (uint32_t k = 1; k <= 40; ++k) {
+    dicts.EmptyDict().Mark().Str("a").Get(k - 1).Str("b").Get(k - 1).SetItems().Put(k).Op('0');
+  }
+  dicts.EmptyDict().Str("root").Get(40).SetItem().Stop();
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(dicts.bytes(), {{"0", F32Bytes({1})}}));
+  TorchLimits limits;
+  limits.max_entries = 10000;
+  auto r = OpenIn(env, "m.pt", limits);
+  EXPECT_TRUE(Fails(r.status(), Code::kPickleLimitExceeded, "TorchLimits::max_entries (10000)"));
+
+  // l[k] = [l[k-1], l[k-1]] under 5000 names: every text is too long, and the work is bounded
+  // by the total text budget, not 5000 x 2^60.
+  PickleBuilder lists;
+  lists.Proto(2).EmptyList().Put(0).Op('0');
+  for (uint32_t k = 1; k <= 60; ++k) {
+    lists.EmptyList().Mark().Get(k - 1).Get(k - 1).Appends().Put(k).Op('0');
+  }
+  lists.EmptyDict().Mark();
+  for (int i = 0; i < 5000; ++i) {
+    std::string key = "v";
+    key += std::to_string(i);  // (not "v" + ...: GCC 12 warns falsely, -Wrestrict)
+    lists.Str(key).Get(60);
+  }
+  lists.SetItems().Stop();
+  MemoryEnv env2;
+  env2.AddFile("m.pt", MakeTorchZip(lists.bytes(), {}));
+  auto c = OpenIn(env2, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ((*c)->values().size(), 5000u);
+  EXPECT_FALSE((*c)->values()[0].representable);
+  EXPECT_NE((*c)->values()[4999].note.find("in all"), std::string::npos)
+      << (*c)->values()[4999].note;
+}
+
 TEST(TorchCheckpoint, ShardedIndex) {
   PickleBuilder a, b;
   a.Proto(2)

@@ -16,6 +16,9 @@
 #include "util/macros.h"
 
 namespace tensorferry::convert {
+
+static_assert(sizeof(Value) == 16, "stack, memo and container items are Values");
+
 namespace {
 
 // --- dtypes --------------------------------------------------------------------------------------

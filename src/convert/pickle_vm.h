@@ -48,12 +48,15 @@ uint8_t TorchUint8Dtype() noexcept;
 enum class Tag : uint8_t { kNone, kBool, kInt, kFloat, kRef };
 
 // A Python value: scalars inline, everything else a reference into the arena.
+// 16 bytes: the member read is the one `tag` names.
 struct Value {
   Tag tag = Tag::kNone;
-  bool b = false;
-  int64_t i = 0;
-  double f = 0;
-  uint32_t ref = 0;
+  union {
+    int64_t i = 0;
+    bool b;
+    double f;
+    uint32_t ref;
+  };
 
   static Value None() { return {}; }
   static Value Bool(bool v) {

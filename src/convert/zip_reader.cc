@@ -288,6 +288,19 @@ Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out
     done += static_cast<size_t>(got);
     c.pos += static_cast<uint64_t>(got);
   }
+  if (c.pos == e.size) {
+    // At the end: one more read lets libzip compare the CRC it computed while the entry was
+    // read in order (after a seek backwards it has none to compare, and says nothing).
+    char probe;
+    const zip_int64_t got = zip_fread(c.file, &probe, 1);
+    if (got != 0) {
+      Status s = EntryError(
+          index, got < 0 ? "read failed at its end" : "holds more bytes than its recorded size",
+          got < 0 ? zip_error_strerror(zip_file_get_error(c.file)) : nullptr);
+      cursor_.reset();
+      return s;
+    }
+  }
   return Status::Ok();
 }
 

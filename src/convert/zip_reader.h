@@ -45,13 +45,15 @@ class ZipReader {
   // Index of the entry named exactly `name`, or nullopt.
   std::optional<size_t> Find(std::string_view name) const;
 
-  // The whole entry. Errors: kZipBadEntry (unreadable, CRC mismatch, encrypted, unknown
-  // compression), kPickleLimitExceeded-free: kZipBadEntry when larger than max_size.
+  // The whole entry, CRC checked. Errors: kZipBadEntry (unreadable, CRC mismatch, encrypted,
+  // unknown compression, larger than max_size), kIoError.
   Result<std::string> ReadAll(size_t index, uint64_t max_size);
 
-  // Bytes [offset, offset + out.size()) of the entry.
-  // REQUIRES: offset + out.size() <= entries()[index].size.
-  // Errors: kZipBadEntry, kIoError.
+  // Bytes [offset, offset + out.size()) of the entry. When an entry has been read from its start
+  // to its end in order (the usual way, chunk after chunk), the read that reaches the end also
+  // checks the entry's CRC-32.
+  // Errors: kInvalidArgument (range outside the entry), kZipBadEntry (CRC mismatch included),
+  // kIoError.
   Status ReadAt(size_t index, uint64_t offset, std::span<std::byte> out);
 
   const std::string& path() const;

@@ -121,6 +121,31 @@ TEST(ZipReader, CrcMismatchIsAnEntryError) {
   EXPECT_NE(all.status().message().find("zip entry \"a/data.pkl\""), std::string::npos);
 }
 
+TEST(ZipReader, CrcIsCheckedWhenAnEntryIsReadInOrder) {
+  const std::string data = Pattern(10000);
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto zip = OpenBytes(env, MakeZip({{"a/good", data}, {"a/bad", data, true}}), file);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  std::vector<std::byte> chunk(3000);
+  for (size_t index : {size_t{0}, size_t{1}}) {
+    Status last;
+    for (uint64_t off = 0; off < data.size(); off += chunk.size()) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), data.size() - off));
+      last = (*zip)->ReadAt(index, off, std::span<std::byte>(chunk.data(), n));
+      if (off + n < data.size()) {
+        ASSERT_TRUE(last.ok()) << last.ToString();
+      }
+    }
+    if (index == 0) {
+      EXPECT_TRUE(last.ok()) << last.ToString();
+    } else {
+      EXPECT_EQ(last.code(), Code::kZipBadEntry) << last.ToString();
+      EXPECT_NE(last.message().find("zip entry \"a/bad\""), std::string::npos);
+    }
+  }
+}
+
 TEST(ZipReader, IoErrorsComeBackAsIoErrors) {
   MemoryEnv env;
   // Large enough that libzip's scan of the last 64 KiB for the end record misses the fault.

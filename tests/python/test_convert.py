@@ -274,6 +274,22 @@ def test_max_shard_size(tmp_path, gen):
     assert_same(sd, tensors, meta)
 
 
+def test_corrupted_storage_bytes_fail_the_crc(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(1000, dtype=torch.float32)}, src)
+    with zipfile.ZipFile(src) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(src.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    data_at = info.header_offset + 30 + name_len + extra_len
+    raw[data_at + 100] ^= 0x01
+    src.write_bytes(bytes(raw))
+    doc = convert(src, tmp_path / "m.safetensors")
+    assert doc["error"]["code"] == "zip_bad_entry", doc
+    assert "CRC" in doc["error"]["message"] and "/data/0" in doc["error"]["message"]
+    assert not os.path.exists(tmp_path / "m.safetensors")
+
+
 def test_unsupported_dtype_is_refused(tmp_path):
     torch.save({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "c.pt")
     doc = convert(tmp_path / "c.pt", tmp_path / "c.safetensors")

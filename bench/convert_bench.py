@@ -6,7 +6,8 @@ The source is a synthetic Llama-style checkpoint: `tensorferry gen --preset P` w
 which are loaded and written back with `torch.save` as one pytorch_model.bin (zip format; legacy
 with --legacy). Throughput is source bytes / wall seconds of the conversion (process start to exit
 for the CLI; torch.load + save_file inside an already started Python for the baseline, so the
-baseline is not charged for importing torch).
+baseline is not charged for importing torch). Each conversion runs in its own process, whose peak
+resident memory is reported too.
 
     .venv/bin/python bench/convert_bench.py --preset small [--repeat 3] [--legacy] [--work DIR]
 """
@@ -20,7 +21,7 @@ import time
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,19 +66,36 @@ def make_source(cli, preset, work, legacy):
     return src
 
 
-def time_cli(cli, src, dst):
+BASELINE = """
+import sys, time, torch
+from safetensors.torch import save_file
+start = time.perf_counter()
+sd = torch.load(sys.argv[1], weights_only=True)
+save_file(sd, sys.argv[2], metadata={"format": "pt"})
+print(time.perf_counter() - start)
+"""
+
+
+def run_measured(cmd):
+    """Runs cmd in its own process: (wall seconds, peak RSS in bytes, stdout). GNU time reports
+    the peak RSS: a child forked from this (large) Python would inherit its high-water mark."""
     start = time.perf_counter()
-    subprocess.run([cli, "convert", src, dst, "--no-sync"], check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    r = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], capture_output=True)
+    elapsed = time.perf_counter() - start
+    if r.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed with {r.returncode}: {r.stderr.decode()[-500:]}")
+    return elapsed, int(r.stderr.decode().strip().splitlines()[-1]) * 1024, r.stdout
+
+
+def time_cli(cli, src, dst):
+    elapsed, rss, _ = run_measured([cli, "convert", src, dst, "--no-sync"])
+    return elapsed, rss
 
 
 def time_torch(src, dst):
-    start = time.perf_counter()
-    sd = torch.load(src, weights_only=True)
-    save_file(sd, dst, metadata={"format": "pt"})
-    elapsed = time.perf_counter() - start
-    del sd
-    return elapsed
+    # Timed inside the process (torch's import is not charged); peak RSS is the process's.
+    _, rss, out = run_measured([sys.executable, "-c", BASELINE, src, dst])
+    return float(out.decode().strip()), rss
 
 
 def same_tensors(a, b):
@@ -116,10 +134,15 @@ def main():
     if not same_tensors(ours_dst, ref_dst):
         print("error: the two outputs differ", file=sys.stderr)
         return 1
-    for label, times in (("tensorferry convert", ours), ("torch.load + save_file", ref)):
-        best, median = min(times), sorted(times)[len(times) // 2]
+    for label, runs in (("tensorferry convert", ours), ("torch.load + save_file", ref)):
+        times = sorted(t for t, _ in runs)
+        best, median = times[0], times[len(times) // 2]
+        rss = max(r for _, r in runs)
         print(f"{label:24s} best {best:6.3f} s = {size / best / 1e9:5.2f} GB/s   "
-              f"median {median:6.3f} s = {size / median / 1e9:5.2f} GB/s")
+              f"median {median:6.3f} s = {size / median / 1e9:5.2f} GB/s   "
+              f"peak RSS {rss / 1e6:7.1f} MB")
+    print("runs (s): tensorferry " + ", ".join(f"{t:.3f}" for t, _ in ours)
+          + "; torch " + ", ".join(f"{t:.3f}" for t, _ in ref))
     print("outputs hold identical tensors")
     os.remove(ours_dst)
     os.remove(ref_dst)

@@ -33,6 +33,11 @@ class RandomAccessFile {
 
   // The path this file was opened with.
   virtual const std::string& path() const noexcept = 0;
+
+  // The POSIX file descriptor behind this file, or -1 when there is none (test doubles). The
+  // io_uring, O_DIRECT and mmap paths need one; without it they fall back to Read(). Owned by the
+  // file: do not close it.
+  virtual int native_handle() const noexcept { return -1; }
 };
 
 class Env {

@@ -44,6 +44,7 @@ class PosixFile final : public RandomAccessFile {
   }
 
   const std::string& path() const noexcept override { return path_; }
+  int native_handle() const noexcept override { return fd_; }
 
  private:
   std::string path_;

@@ -7,6 +7,13 @@
 // offset; an OS error is kIoError naming file, offset and errno text. After the first failure the
 // engine stops starting new requests, waits for the running ones, and returns that first error.
 //
+// Direct I/O: a request may carry `direct_fd`, an O_DIRECT descriptor of the same file (see
+// DirectFile). The engine then reads the block-aligned middle of the request through it and the
+// unaligned head and tail (less than kDirectAlignment bytes each) through the buffered file, so
+// callers may ask for any offset and length. When the destination is not congruent to the file
+// offset modulo kDirectAlignment (O_DIRECT needs the memory aligned too), or when the file system
+// refuses an O_DIRECT read with EINVAL, the request is read buffered instead.
+//
 // Thread-safety: Execute may be called from several threads at once; requests of concurrent calls
 // share the workers. The files must outlive the call.
 #pragma once
@@ -23,14 +30,20 @@
 
 namespace tensorferry::io {
 
+// Offset, length and memory alignment of every O_DIRECT transfer (a multiple of any logical block
+// size in use: 512 and 4096).
+inline constexpr uint64_t kDirectAlignment = 4096;
+
 struct ReadRequest {
   const RandomAccessFile* file = nullptr;
   uint64_t offset = 0;
   std::span<std::byte> dst;
+  int direct_fd = -1;  // >= 0: an O_DIRECT descriptor of `file` for the aligned middle
 };
 
 struct EngineStats {
-  uint64_t bytes_read = 0;  // bytes delivered into destinations
+  uint64_t bytes_read = 0;    // bytes delivered into destinations
+  uint64_t direct_bytes = 0;  // of which read with O_DIRECT
   uint64_t requests = 0;
   uint64_t read_calls = 0;  // system calls (or Env::Read calls) made, short reads included
 };
@@ -46,11 +59,50 @@ class ReadEngine {
 };
 
 // A pool of `threads` workers (0: the number of online CPUs) each calling RandomAccessFile::Read
-// (pread for the default Env). Workers are started once and reused across Execute calls.
+// (pread for the default Env; preadv2 on the O_DIRECT descriptor for direct pieces). Workers are
+// started once and reused across Execute calls.
 Result<std::unique_ptr<ReadEngine>> MakePreadEngine(unsigned threads);
+
+// `threads` workers (0: online CPUs), each owning an io_uring of `queue_depth` entries and keeping
+// up to queue_depth reads in flight. Requests whose file has no native_handle() are read with
+// RandomAccessFile::Read on the worker. Errors: kUnsupported when this build has no liburing or the
+// kernel refuses io_uring (the message says which, e.g. io_uring_setup's errno).
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned queue_depth);
+
+// OK when an io_uring can be created here; otherwise the reason (kUnsupported).
+Status IoUringAvailable();
+
+// An O_DIRECT descriptor for a file already open buffered. Open checks that the path still names
+// the same inode as `file` (a file replaced since it was opened is kIoError naming it) and
+// returns kUnsupported when the file system refuses O_DIRECT (tmpfs, some FUSE) or the file has no
+// native handle. RAII: closes the descriptor.
+class DirectFile {
+ public:
+  static Result<std::unique_ptr<DirectFile>> Open(const RandomAccessFile& file);
+  ~DirectFile();
+  DirectFile(const DirectFile&) = delete;
+  DirectFile& operator=(const DirectFile&) = delete;
+  int fd() const noexcept { return fd_; }
+
+ private:
+  explicit DirectFile(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+// How a request is cut for direct I/O: [head) buffered, [middle) direct, [tail) buffered, in
+// request-relative bytes. `direct` is false when the whole request must be read buffered (no
+// descriptor, misaligned destination, or no whole block inside).
+struct DirectSplit {
+  bool direct = false;
+  uint64_t head = 0;    // bytes before the aligned middle
+  uint64_t middle = 0;  // aligned bytes read with O_DIRECT
+};
+DirectSplit SplitForDirect(const ReadRequest& request) noexcept;
 
 // Page-cache residency of [offset, offset + length) of the file at `path`, as a fraction in [0, 1],
 // measured with mmap + mincore (no data is read). Errors: kIoError, kNotFound.
 Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t length);
+// The same for an open file descriptor.
+Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, uint64_t length);
 
 }  // namespace tensorferry::io

@@ -13,16 +13,13 @@
 #include <cstring>
 #include <vector>
 
-#include "io/read_engine.h"
+#include "io/engine_common.h"
+#include "tensorferry/residency.h"
 
 namespace tensorferry::io {
 namespace {
 
 constexpr uint64_t kWindow = uint64_t{1} << 30;  // bytes mapped at once
-
-std::string ErrnoText(int err) {
-  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
-}
 
 // Owns a file descriptor.
 class Fd {
@@ -65,8 +62,12 @@ Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t
                   path + ": cannot open: " + ErrnoText(err));
   }
   const Fd fd(raw_fd);
+  return CachedFraction(fd.get(), path, offset, length);
+}
+
+Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, uint64_t length) {
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0) {
+  if (::fstat(fd, &st) != 0) {
     const int err = errno;
     return Status(Code::kIoError, path + ": fstat failed: " + ErrnoText(err));
   }
@@ -82,7 +83,7 @@ Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t
   std::vector<unsigned char> vec;
   for (uint64_t start = offset / page * page; start < end; start += kWindow) {
     const uint64_t len = std::min(kWindow, end - start);
-    void* addr = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd.get(), static_cast<off_t>(start));
+    void* addr = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(start));
     if (addr == MAP_FAILED) {
       const int err = errno;
       return Status(Code::kIoError, path + ": mmap of " + std::to_string(len) +
@@ -106,3 +107,30 @@ Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t
 }
 
 }  // namespace tensorferry::io
+
+namespace tensorferry {
+
+Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t length) {
+  return io::CachedFraction(path, offset, length);
+}
+
+Status DropFromPageCache(const std::string& path) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int err = errno;
+    return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
+                  path + ": cannot open: " + io::ErrnoText(err));
+  }
+  ::fdatasync(fd);
+  const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  if (rc != 0) {
+    return Status(Code::kIoError, path + ": posix_fadvise(DONTNEED) failed: " + io::ErrnoText(rc));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tensorferry

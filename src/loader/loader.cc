@@ -1,10 +1,18 @@
 // The host loader: Selection -> Plan -> read engine -> pooled buffers -> Tensors.
 #include "tensorferry/loader.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <utility>
 
+#include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "memory/host_buffer.h"
 #include "util/macros.h"
@@ -60,8 +68,7 @@ Result<std::vector<uint32_t>> Selection::Resolve(const Checkpoint& checkpoint) c
   return out;
 }
 
-// --- Loader
-// ---------------------------------------------------------------------------------------
+// --- Loader -----------------------------------------------------------------------------------
 
 namespace {
 
@@ -74,16 +81,31 @@ struct BatchMemory {
 
 using Clock = std::chrono::steady_clock;
 
+// With DirectIO::kAuto, a file is read with O_DIRECT when less than this fraction of the bytes to
+// read is in the page cache.
+constexpr double kDirectBelowCachedFraction = 0.5;
+
+unsigned OnlineCpus() {
+  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<unsigned>(n) : 1;
+}
+
 }  // namespace
 
 struct Loader::Impl {
   std::shared_ptr<const Checkpoint> checkpoint;
   LoadOptions options;
   Env* env = nullptr;
+  Engine engine_kind = Engine::kPread;  // resolved (never kAuto)
   std::unique_ptr<io::ReadEngine> engine;
   std::shared_ptr<memory::BufferPool> pool;
   std::shared_ptr<memory::Budget> budget;
   std::vector<std::unique_ptr<RandomAccessFile>> files;
+  // Per file: its O_DIRECT descriptor once opened (nullptr: not opened or refused).
+  std::vector<std::unique_ptr<io::DirectFile>> direct;
+  std::vector<bool> direct_refused;
+  // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
+  std::vector<std::shared_ptr<io::MappedFile>> maps;
   LoadStats stats;
 
   // Opens every file once per loader and checks it still has the size seen at Checkpoint::Open:
@@ -96,6 +118,11 @@ struct Loader::Impl {
         TF_ASSIGN_OR_RETURN(auto file, env->OpenRandomAccess(f.path));
         files.push_back(std::move(file));
       }
+      direct.clear();
+      direct.resize(infos.size());
+      direct_refused.assign(infos.size(), false);
+      maps.clear();
+      maps.resize(infos.size());
     }
     for (size_t i = 0; i < infos.size(); ++i) {
       TF_ASSIGN_OR_RETURN(uint64_t size, files[i]->Size());
@@ -109,13 +136,163 @@ struct Loader::Impl {
     return Status::Ok();
   }
 
-  PlanOptions MakePlanOptions() const {
+  // The plan's batches hold at most half the budget when the next batch is read while the caller
+  // handles the current one (double buffering), so two fit; the whole budget when a selected
+  // tensor is larger than half of it.
+  uint64_t BatchBudget(const Checkpoint& ckpt, std::span<const uint32_t> indices) const {
+    if (options.budget == 0) return 0;
+    uint64_t largest = 0;
+    for (uint32_t i : indices) largest = std::max(largest, ckpt.tensors()[i].size);
+    // Half, minus room for the per-range alignment padding of a batch buffer.
+    const uint64_t half = options.budget / 2;
+    return largest <= half ? half : options.budget;
+  }
+
+  PlanOptions MakePlanOptions(uint64_t batch_budget) const {
     PlanOptions p;
     p.chunk_size = options.chunk_size;
-    p.budget = options.budget;
+    p.budget = batch_budget;
     p.allow_oversized = options.allow_oversized;
     p.order = options.order;
     return p;
+  }
+
+  // Decides, per file the plan reads, whether its reads use O_DIRECT: returns the descriptor per
+  // file index (-1: buffered) and counts the choices into stats.
+  Result<std::vector<int>> ChooseDirect(const Plan& plan) {
+    const auto& infos = checkpoint->files();
+    std::vector<uint64_t> lo(infos.size(), UINT64_MAX), hi(infos.size(), 0);
+    for (const PlanBatch& b : plan.batches) {
+      for (const ReadTask& t : b.tasks) {
+        lo[t.file] = std::min(lo[t.file], t.file_offset);
+        hi[t.file] = std::max(hi[t.file], t.file_offset + t.length);
+      }
+    }
+    std::vector<int> fds(infos.size(), -1);
+    for (size_t f = 0; f < infos.size(); ++f) {
+      if (hi[f] == 0) continue;  // not read by this plan
+      bool use = false;
+      if (options.direct != DirectIO::kOff && files[f]->native_handle() >= 0 &&
+          !direct_refused[f]) {
+        use = options.direct == DirectIO::kOn;
+        if (!use) {
+          auto cached =
+              io::CachedFraction(files[f]->native_handle(), infos[f].path, lo[f], hi[f] - lo[f]);
+          use = cached.ok() && *cached < kDirectBelowCachedFraction;
+        }
+        if (use && !direct[f]) {
+          auto d = io::DirectFile::Open(*files[f]);
+          if (d.ok()) {
+            direct[f] = std::move(d).value();
+          } else if (d.status().code() == Code::kUnsupported) {
+            direct_refused[f] = true;  // the file system refuses O_DIRECT: buffered from now on
+            use = false;
+          } else {
+            return d.status();  // e.g. the file was replaced
+          }
+        }
+      }
+      if (use) {
+        fds[f] = direct[f]->fd();
+        ++stats.direct_files;
+      } else {
+        ++stats.buffered_files;
+      }
+    }
+    return fds;
+  }
+
+  // Reads batch `b` into a pooled buffer and makes its tensors. `lease` is the batch's share of
+  // the budget; it moves into the tensors' owner.
+  Result<Batch> ReadBatch(const Plan& plan, size_t b, memory::BudgetLease lease,
+                          const std::vector<int>& direct_fds, uint64_t batch_budget) {
+    const PlanBatch& batch = plan.batches[b];
+    // Under a budget every batch asks for a buffer of the same size (the batch budget plus room
+    // for alignment padding), so the same buffers are reused for the whole load.
+    const uint64_t uniform = batch_budget + batch.tasks.size() * 4096 + (64u << 10);
+    const uint64_t want = batch_budget > 0 && batch.buffer_size <= batch_budget
+                              ? std::max(batch.buffer_size, std::min(uniform, batch_budget * 2))
+                              : batch.buffer_size;
+    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(want));
+    std::vector<io::ReadRequest> requests;
+    requests.reserve(batch.tasks.size());
+    for (const ReadTask& t : batch.tasks) {
+      requests.push_back({files[t.file].get(), t.file_offset,
+                          std::span<std::byte>(buffer->data() + t.buffer_offset, t.length),
+                          direct_fds[t.file]});
+    }
+    TF_RETURN_IF_ERROR(engine->Execute(requests));
+
+    auto owner = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(lease)});
+    const auto& infos = checkpoint->tensors();
+    Batch out;
+    out.index = b;
+    out.count = plan.batches.size();
+    out.bytes = batch.tensor_bytes;
+    out.tensors.reserve(batch.tensors.size());
+    for (const PlannedTensor& pt : batch.tensors) {
+      const TensorInfo& info = infos[pt.tensor];
+      const std::byte* data = owner->buffer->data() + pt.buffer_offset;
+      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
+                               std::shared_ptr<const void>(owner, data));
+    }
+    return out;
+  }
+
+  // The mmap engine's batch: views into the mappings; with populate, every page read first (in
+  // parallel over the plan's tasks).
+  Result<Batch> MapBatch(const Plan& plan, size_t b) {
+    const PlanBatch& batch = plan.batches[b];
+    const auto& file_infos = checkpoint->files();
+    for (const PlannedTensor& pt : batch.tensors) {
+      const uint32_t f = checkpoint->tensors()[pt.tensor].file;
+      if (!maps[f]) {
+        TF_ASSIGN_OR_RETURN(maps[f], io::MappedFile::Map(*files[f], file_infos[f].file_size));
+      }
+    }
+    if (options.populate && !batch.tasks.empty()) {
+      std::atomic<size_t> next{0};
+      std::mutex mu;
+      Status first;
+      auto work = [&] {
+        for (size_t i; (i = next.fetch_add(1)) < batch.tasks.size();) {
+          const ReadTask& t = batch.tasks[i];
+          Status s = maps[t.file]->Populate(t.file_offset, t.length);
+          if (!s.ok()) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (first.ok()) first = std::move(s);
+            next.store(batch.tasks.size());
+          }
+        }
+      };
+      const unsigned n =
+          std::min<size_t>(options.threads ? options.threads : OnlineCpus(), batch.tasks.size());
+      std::vector<std::thread> helpers;
+      for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
+      work();
+      for (std::thread& t : helpers) t.join();
+      TF_RETURN_IF_ERROR(first);
+    }
+    const auto& infos = checkpoint->tensors();
+    Batch out;
+    out.index = b;
+    out.count = plan.batches.size();
+    out.bytes = batch.tensor_bytes;
+    out.tensors.reserve(batch.tensors.size());
+    for (const PlannedTensor& pt : batch.tensors) {
+      const TensorInfo& info = infos[pt.tensor];
+      const std::shared_ptr<io::MappedFile>& map = maps[info.file];
+      // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
+      if (map->faults() != 0) {
+        return Status(Code::kUnexpectedEof,
+                      map->path() + ": file shrank while mapped: page at offset " +
+                          std::to_string(map->first_fault_offset()) + " is past its end");
+      }
+      const std::byte* data = map->data() + info.offset;
+      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
+                               std::shared_ptr<const void>(map, data));
+    }
+    return out;
   }
 };
 
@@ -126,17 +303,23 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
                                              const LoadOptions& options) {
   if (!checkpoint) return Status(Code::kInvalidArgument, "Loader::Open: null checkpoint");
   if (options.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
-  if (options.engine == Engine::kIoUring || options.engine == Engine::kMmap) {
-    return Status(Code::kUnsupported,
-                  std::string("engine ") +
-                      (options.engine == Engine::kIoUring ? "io_uring" : "mmap") +
-                      " is not available in this build yet; use auto or pread");
-  }
+  if (options.queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
   auto impl = std::make_unique<Impl>();
   impl->checkpoint = std::move(checkpoint);
   impl->options = options;
   impl->env = options.env ? options.env : Env::Default();
-  TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(options.threads));
+  Engine kind = options.engine;
+  if (kind == Engine::kAuto) {
+    // io_uring where the kernel allows it: the same copies as pread for cached data, and deep
+    // queues with few threads for cold and direct reads.
+    kind = io::IoUringAvailable().ok() ? Engine::kIoUring : Engine::kPread;
+  }
+  impl->engine_kind = kind;
+  if (kind == Engine::kIoUring) {
+    TF_ASSIGN_OR_RETURN(impl->engine, io::MakeIoUringEngine(options.threads, options.queue_depth));
+  } else if (kind == Engine::kPread) {
+    TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(options.threads));
+  }  // kMmap copies nothing: no read engine
   // Under a budget, cached buffers count against memory too: keep no more than the budget.
   impl->pool = memory::BufferPool::Create(
       options.budget > 0 ? std::min(options.pool_bytes, options.budget + (2u << 20))
@@ -158,80 +341,95 @@ const std::shared_ptr<const Checkpoint>& Loader::checkpoint() const noexcept {
 
 Result<Plan> Loader::MakePlan(const Selection& selection) const {
   TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*impl_->checkpoint));
-  return tensorferry::MakePlan(*impl_->checkpoint, indices, impl_->MakePlanOptions());
+  const uint64_t batch_budget = impl_->BatchBudget(*impl_->checkpoint, indices);
+  return tensorferry::MakePlan(*impl_->checkpoint, indices, impl_->MakePlanOptions(batch_budget));
 }
 
 Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
   Impl& m = *impl_;
   m.stats = LoadStats();
+  m.stats.engine = std::string(EngineName(m.engine_kind));
   const auto start = Clock::now();
-  Clock::duration in_callbacks{};
+  Clock::duration idle{};  // time in callbacks with no read in flight
   const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
+  const uint64_t direct0 = m.engine ? m.engine->stats().direct_bytes : 0;
 
-  TF_ASSIGN_OR_RETURN(Plan plan, MakePlan(selection));
+  TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*m.checkpoint));
+  const uint64_t batch_budget = m.BatchBudget(*m.checkpoint, indices);
+  TF_ASSIGN_OR_RETURN(
+      Plan plan, tensorferry::MakePlan(*m.checkpoint, indices, m.MakePlanOptions(batch_budget)));
   TF_RETURN_IF_ERROR(m.OpenFiles());
-  const auto& infos = m.checkpoint->tensors();
-  std::vector<io::ReadRequest> requests;
+  const bool mapped = m.engine_kind == Engine::kMmap;
+  std::vector<int> direct_fds;
+  if (!mapped) {
+    TF_ASSIGN_OR_RETURN(direct_fds, m.ChooseDirect(plan));
+  }
+  const size_t n = plan.batches.size();
 
-  for (size_t b = 0; b < plan.batches.size(); ++b) {
-    const PlanBatch& batch = plan.batches[b];
-    std::optional<memory::BudgetLease> lease = m.budget->TryAcquire(batch.tensor_bytes);
-    if (!lease) {
-      return Status(
-          Code::kBudgetExceeded,
-          "batch " + std::to_string(b + 1) + " of " + std::to_string(plan.batches.size()) +
-              " needs " + std::to_string(batch.tensor_bytes) + " bytes but " +
-              std::to_string(m.budget->in_use()) + " of the " + std::to_string(m.budget->limit()) +
-              "-byte budget are still held by tensors of earlier batches: drop them "
-              "before the next batch, or raise the budget");
-    }
-    // Under a budget every batch asks for a buffer of the budget's size, so one buffer (or as many
-    // as the budget holds) is reused for the whole load instead of a fresh one per batch size.
-    const uint64_t want = m.options.budget > 0 && batch.buffer_size <= m.options.budget
-                              ? m.options.budget
-                              : batch.buffer_size;
-    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, m.pool->Acquire(want));
+  auto lease_for = [&](size_t b) -> std::optional<memory::BudgetLease> {
+    return m.budget->TryAcquire(plan.batches[b].tensor_bytes);
+  };
+  auto budget_error = [&](size_t b) {
+    return Status(Code::kBudgetExceeded,
+                  "batch " + std::to_string(b + 1) + " of " + std::to_string(n) + " needs " +
+                      std::to_string(plan.batches[b].tensor_bytes) + " bytes but " +
+                      std::to_string(m.budget->in_use()) + " of the " +
+                      std::to_string(m.budget->limit()) +
+                      "-byte budget are still held by tensors of earlier batches: drop them "
+                      "before the next batch, or raise the budget");
+  };
+  auto produce = [&](size_t b, memory::BudgetLease lease) -> Result<Batch> {
+    if (mapped) return m.MapBatch(plan, b);
+    return m.ReadBatch(plan, b, std::move(lease), direct_fds, batch_budget);
+  };
 
-    requests.clear();
-    requests.reserve(batch.tasks.size());
-    for (const ReadTask& t : batch.tasks) {
-      requests.push_back({m.files[t.file].get(), t.file_offset,
-                          std::span<std::byte>(buffer->data() + t.buffer_offset, t.length)});
+  // Double buffering: while the caller handles batch b, batch b + 1 is read on a helper thread
+  // when its bytes fit the budget at that moment (the plan halves batches under a budget so they
+  // do). Otherwise it is read after the callback returns.
+  std::future<Result<Batch>> next;
+  for (size_t b = 0; b < n; ++b) {
+    Result<Batch> current = Status(Code::kInternal, "unset");
+    if (next.valid()) {
+      current = next.get();
+    } else {
+      std::optional<memory::BudgetLease> lease = lease_for(b);
+      if (!lease) return budget_error(b);
+      current = produce(b, std::move(*lease));
     }
-    if (Status s = m.engine->Execute(requests); !s.ok()) return s;
-
-    auto owner = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(*lease)});
-    Batch out;
-    out.index = b;
-    out.count = plan.batches.size();
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = owner->buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
-                               std::shared_ptr<const void>(owner, data));
-    }
-    owner.reset();
-    m.stats.tensors += out.tensors.size();
-    m.stats.bytes += batch.tensor_bytes;
+    if (!current.ok()) return current.status();
+    Batch batch = std::move(current).value();
+    m.stats.tensors += batch.tensors.size();
+    m.stats.bytes += batch.bytes;
     m.stats.batches += 1;
     m.stats.peak_budget_bytes = m.budget->peak();
 
+    if (b + 1 < n && !mapped) {
+      if (std::optional<memory::BudgetLease> lease = lease_for(b + 1)) {
+        next = std::async(std::launch::async, [&produce, b, l = std::move(*lease)]() mutable {
+          return produce(b + 1, std::move(l));
+        });
+      }
+    }
+    const bool overlapped = next.valid();
     const auto cb_start = Clock::now();
-    Status s = on_batch(std::move(out));
-    in_callbacks += Clock::now() - cb_start;
-    if (!s.ok()) return s;
+    Status s = on_batch(std::move(batch));
+    if (!overlapped) idle += Clock::now() - cb_start;
+    if (!s.ok()) {
+      if (next.valid()) next.wait();  // its buffer and files must not outlive this call's use
+      return s;
+    }
   }
-  m.stats.seconds = std::chrono::duration<double>(Clock::now() - start - in_callbacks).count();
+  m.stats.seconds = std::chrono::duration<double>(Clock::now() - start - idle).count();
+  m.stats.peak_budget_bytes = m.budget->peak();
   m.stats.buffers_reused = m.pool->reused() - reused0;
   m.stats.buffers_allocated = m.pool->allocated() - allocated0;
+  m.stats.direct_bytes = m.engine ? m.engine->stats().direct_bytes - direct0 : 0;
   return Status::Ok();
 }
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Checkpoint& ckpt = *impl_->checkpoint;
-  if (impl_->options.budget > 0) {
+  if (impl_->options.budget > 0 && impl_->engine_kind != Engine::kMmap) {
     TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(ckpt));
     uint64_t total = 0;
     for (uint32_t i : indices) total += ckpt.tensors()[i].size;

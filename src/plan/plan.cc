@@ -76,7 +76,14 @@ uint64_t LayOutBatch(std::span<const Item> items, const PlanOptions& options, Pl
     const bool extends = !ranges.empty() && ranges.back().file == item.file &&
                          ranges.back().file_offset + ranges.back().length == item.offset;
     if (!extends) {
-      ranges.push_back({item.file, item.offset, 0, AlignUp(pos, options.alignment)});
+      uint64_t at = AlignUp(pos, options.alignment);
+      if (options.io_alignment != 0) {
+        // Congruent with the file offset modulo io_alignment (see PlanOptions::io_alignment).
+        const uint64_t mask = options.io_alignment - 1;
+        at = (pos & ~mask) + (item.offset & mask);
+        if (at < pos) at += options.io_alignment;
+      }
+      ranges.push_back({item.file, item.offset, 0, at});
     }
     Range& r = ranges.back();
     // Inside a range, a tensor keeps its distance from the range's first byte in the file, so one
@@ -92,7 +99,13 @@ uint64_t LayOutBatch(std::span<const Item> items, const PlanOptions& options, Pl
   for (const Range& r : ranges) {
     std::vector<ReadTask>& queue = per_file[r.file];
     for (uint64_t done = 0; done < r.length;) {
-      const uint64_t n = std::min(options.chunk_size, r.length - done);
+      uint64_t n = std::min(options.chunk_size, r.length - done);
+      if (options.io_alignment != 0 && n < r.length - done) {
+        // End tasks on io_alignment boundaries of the file, so only the range's own head and
+        // tail are unaligned for direct I/O (not every chunk's).
+        const uint64_t end = (r.file_offset + done + n) & ~(options.io_alignment - 1);
+        if (end > r.file_offset + done) n = end - (r.file_offset + done);
+      }
       queue.push_back({r.file, r.file_offset + done, n, r.buffer_offset + done});
       done += n;
     }
@@ -167,6 +180,12 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
     return Status(Code::kInvalidArgument, std::string("plan: alignment ") +
                                               std::to_string(options.alignment) +
                                               " is not a power of two");
+  }
+  if (options.io_alignment != 0 &&
+      (!IsPowerOfTwo(options.io_alignment) || options.io_alignment < options.alignment)) {
+    return Status(Code::kInvalidArgument, std::string("plan: io_alignment ") +
+                                              std::to_string(options.io_alignment) +
+                                              " is not a power of two >= alignment");
   }
   const std::vector<TensorInfo>& all = checkpoint.tensors();
   std::vector<bool> seen(all.size(), false);

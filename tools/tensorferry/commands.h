@@ -32,6 +32,7 @@ Command AddInspectCommand(CLI::App& parent);
 Command AddVerifyCommand(CLI::App& parent);
 Command AddGenCommand(CLI::App& parent);
 Command AddLoadCommand(CLI::App& parent);
+Command AddBenchCommand(CLI::App& parent);
 Command AddConvertCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------

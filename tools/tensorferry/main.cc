@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
     app.set_version_flag("--version", std::string("tensorferry ") + TENSORFERRY_VERSION_STRING);
     app.require_subcommand(1);
     std::vector<Command> commands = {AddInspectCommand(app), AddVerifyCommand(app),
-                                     AddGenCommand(app), AddLoadCommand(app),
-                                     AddConvertCommand(app)};
+                                     AddGenCommand(app),     AddLoadCommand(app),
+                                     AddBenchCommand(app),   AddConvertCommand(app)};
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

@@ -1,0 +1,239 @@
+// What the read engines share (engine_common.h).
+#include "io/engine_common.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace tensorferry::io {
+
+std::string ErrnoText(int err) {
+  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
+
+EngineStats EngineCounters::Snapshot() const {
+  EngineStats s;
+  s.bytes_read = bytes_read.load(std::memory_order_relaxed);
+  s.direct_bytes = direct_bytes.load(std::memory_order_relaxed);
+  s.requests = requests.load(std::memory_order_relaxed);
+  s.read_calls = read_calls.load(std::memory_order_relaxed);
+  return s;
+}
+
+// --- JobQueue ----------------------------------------------------------------------------------
+
+Status JobQueue::Run(std::span<const ReadRequest> requests, size_t workers) {
+  if (requests.empty()) return Status::Ok();
+  Job job(requests);
+  std::unique_lock<std::mutex> lock(mu_);
+  queue_.push_back(&job);
+  job.queued = true;
+  // Wake as many workers as there are requests to hand out; notify_all when that is everyone.
+  if (requests.size() >= workers) {
+    work_cv_.notify_all();
+  } else {
+    for (size_t i = 0; i < requests.size(); ++i) work_cv_.notify_one();
+  }
+  job.done_cv.wait(lock, [&job] { return !job.queued && job.running == 0; });
+  return job.error;
+}
+
+std::optional<JobQueue::Claim> JobQueue::Take(bool wait) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (wait) work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+  // Run blocks until its job is finished, so the queue is empty whenever the engine is destroyed
+  // by a well-behaved owner; stop_ alone ends the worker.
+  if (queue_.empty()) return std::nullopt;
+  Job* job = queue_.front();
+  queue_.pop_front();
+  const ReadRequest* request = &job->requests[job->next++];
+  ++job->running;
+  if (job->next < job->requests.size()) {
+    queue_.push_back(job);  // round-robin between concurrent jobs
+  } else {
+    job->queued = false;
+  }
+  return Claim{job, request};
+}
+
+void JobQueue::Finish(const Claim& claim, Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Job* job = claim.job;
+  --job->running;
+  if (!status.ok() && job->error.ok()) {
+    job->error = std::move(status);
+    if (job->queued) {
+      // Stop handing out this job's remaining requests.
+      queue_.erase(std::find(queue_.begin(), queue_.end(), job));
+      job->queued = false;
+    }
+  }
+  // Notified under the lock: the waiter cannot return (and destroy the Job) before we let go.
+  if (!job->queued && job->running == 0) job->done_cv.notify_all();
+}
+
+void JobQueue::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+}
+
+// --- reads -------------------------------------------------------------------------------------
+
+Status ReadBuffered(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst,
+                    uint64_t request_offset, uint64_t request_size, EngineCounters& counters) {
+  const size_t wanted = dst.size();
+  size_t done = 0;
+  while (done < wanted) {
+    auto n = file.Read(offset + done, dst.subspan(done));
+    counters.read_calls.fetch_add(1, std::memory_order_relaxed);
+    if (!n.ok()) return n.status();
+    if (*n == 0) {
+      return Status(Code::kUnexpectedEof, file.path() + ": unexpected end of file at offset " +
+                                              std::to_string(offset + done) + ": wanted " +
+                                              std::to_string(request_size) + " bytes at offset " +
+                                              std::to_string(request_offset) + ", got " +
+                                              std::to_string(offset + done - request_offset));
+    }
+    if (*n > wanted - done) {
+      // A Read that claims more than it was given would have written past the destination.
+      return Status(Code::kInternal, file.path() + ": read at offset " +
+                                         std::to_string(offset + done) + " returned " +
+                                         std::to_string(*n) + " bytes for a " +
+                                         std::to_string(wanted - done) + "-byte buffer");
+    }
+    done += *n;
+    counters.bytes_read.fetch_add(*n, std::memory_order_relaxed);
+  }
+  return Status::Ok();
+}
+
+Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<std::byte> dst,
+                  EngineCounters& counters) {
+  size_t done = 0;
+  while (done < dst.size()) {
+    const ssize_t n =
+        ::pread(fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+    counters.read_calls.fetch_add(1, std::memory_order_relaxed);
+    if (n < 0) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err == EINVAL && done == 0) {
+        return Status(Code::kUnsupported, path + ": O_DIRECT read refused (EINVAL)");
+      }
+      return Status(Code::kIoError, path + ": direct read of " + std::to_string(dst.size() - done) +
+                                        " bytes at offset " + std::to_string(offset + done) +
+                                        " failed: " + ErrnoText(err));
+    }
+    if (n == 0) {
+      return Status(Code::kUnexpectedEof, path + ": unexpected end of file at offset " +
+                                              std::to_string(offset + done) + " (direct read of " +
+                                              std::to_string(dst.size()) + " bytes at offset " +
+                                              std::to_string(offset) + ")");
+    }
+    done += static_cast<size_t>(n);
+    counters.bytes_read.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
+    counters.direct_bytes.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
+    // A short direct read mid-file ends on a block boundary only at EOF; continuing with an
+    // unaligned remainder would be EINVAL, so a non-block-multiple short read means EOF next.
+    if (done < dst.size() && done % kDirectAlignment != 0) {
+      return Status(Code::kUnexpectedEof, path + ": unexpected end of file at offset " +
+                                              std::to_string(offset + done) + " (direct read of " +
+                                              std::to_string(dst.size()) + " bytes at offset " +
+                                              std::to_string(offset) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+DirectSplit SplitForDirect(const ReadRequest& request) noexcept {
+  DirectSplit split;
+  if (request.direct_fd < 0 || request.dst.empty()) return split;
+  const auto addr = reinterpret_cast<uintptr_t>(request.dst.data());
+  if ((addr - request.offset) % kDirectAlignment != 0) return split;  // memory not congruent
+  const uint64_t begin =
+      (request.offset + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
+  const uint64_t end = (request.offset + request.dst.size()) / kDirectAlignment * kDirectAlignment;
+  if (end <= begin) return split;
+  split.direct = true;
+  split.head = begin - request.offset;
+  split.middle = end - begin;
+  return split;
+}
+
+Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
+  counters.requests.fetch_add(1, std::memory_order_relaxed);
+  if (request.dst.empty()) return Status::Ok();
+  if (request.file == nullptr) {
+    return Status(Code::kInvalidArgument,
+                  "read request at offset " + std::to_string(request.offset) + " has no file");
+  }
+  const RandomAccessFile& file = *request.file;
+  const uint64_t size = request.dst.size();
+  const DirectSplit split = SplitForDirect(request);
+  if (!split.direct) {
+    return ReadBuffered(file, request.offset, request.dst, request.offset, size, counters);
+  }
+  if (split.head > 0) {
+    Status s = ReadBuffered(file, request.offset, request.dst.first(split.head), request.offset,
+                            size, counters);
+    if (!s.ok()) return s;
+  }
+  const auto middle = request.dst.subspan(split.head, split.middle);
+  Status s =
+      ReadDirect(request.direct_fd, file.path(), request.offset + split.head, middle, counters);
+  if (s.code() == Code::kUnsupported) {
+    s = ReadBuffered(file, request.offset + split.head, middle, request.offset, size, counters);
+  }
+  if (!s.ok()) return s;
+  const uint64_t tail_at = split.head + split.middle;
+  if (tail_at < size) {
+    return ReadBuffered(file, request.offset + tail_at, request.dst.subspan(tail_at),
+                        request.offset, size, counters);
+  }
+  return Status::Ok();
+}
+
+// --- DirectFile --------------------------------------------------------------------------------
+
+Result<std::unique_ptr<DirectFile>> DirectFile::Open(const RandomAccessFile& file) {
+  const int buffered = file.native_handle();
+  if (buffered < 0) {
+    return Status(Code::kUnsupported, file.path() + ": no file descriptor for O_DIRECT");
+  }
+  int fd;
+  do {
+    fd = ::open(file.path().c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EINVAL) {
+      return Status(Code::kUnsupported,
+                    file.path() + ": the file system does not support O_DIRECT");
+    }
+    return Status(Code::kIoError, file.path() + ": cannot open with O_DIRECT: " + ErrnoText(err));
+  }
+  auto direct = std::unique_ptr<DirectFile>(new DirectFile(fd));
+  struct stat a, b;
+  if (::fstat(buffered, &a) != 0 || ::fstat(fd, &b) != 0) {
+    const int err = errno;
+    return Status(Code::kIoError, file.path() + ": fstat failed: " + ErrnoText(err));
+  }
+  if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+    return Status(Code::kIoError,
+                  file.path() + ": file was replaced since it was opened (another inode now)");
+  }
+  return direct;
+}
+
+DirectFile::~DirectFile() {
+  ::close(fd_);
+}
+
+}  // namespace tensorferry::io

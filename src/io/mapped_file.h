@@ -1,0 +1,67 @@
+// Internal: read-only-by-contract, copy-on-write mappings of whole files, guarded against SIGBUS.
+//
+// A MappedFile maps a file MAP_PRIVATE with PROT_READ|PROT_WRITE: views into it read the page cache
+// with no copy, and a caller who writes into a view gets a private copy of that page (the file is
+// never modified). It is unmapped when the last reference goes.
+//
+// SIGBUS: touching a page of a mapping whose file has shrunk raises SIGBUS, which kills a process
+// by default. Each MappedFile registers its address range in a fixed, lock-free table read by a
+// process-wide SIGBUS handler, installed on first use with sigaction (SA_SIGINFO | SA_ONSTACK,
+// keeping the previous handler). For a fault inside a registered range the handler maps an
+// anonymous zero page over the faulting page (mmap is a plain system call, safe in a signal
+// handler), counts the fault on the mapping, and returns: the access is retried and reads zeros.
+// Faults at other addresses go to the previous handler (or the default action). Populate() does
+// not even fault: it uses MADV_POPULATE_READ, which reports a vanished page as an error.
+//
+// Limits: the table holds kMaxMappings live mappings (Map returns kResourceExhausted-like
+// kUnsupported beyond that, and the loader reports it).
+//
+// Thread-safety: all members may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tensorferry/env.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry::io {
+
+class MappedFile {
+ public:
+  static constexpr size_t kMaxMappings = 65536;
+
+  // Maps all `size` bytes of `file` (which must have a native handle; the descriptor may be closed
+  // afterwards). Errors: kUnsupported (no descriptor, table full), kIoError (mmap failed).
+  static Result<std::shared_ptr<MappedFile>> Map(const RandomAccessFile& file, uint64_t size);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const std::byte* data() const noexcept { return data_; }
+  uint64_t size() const noexcept { return size_; }
+  const std::string& path() const noexcept { return path_; }
+
+  // Reads every page of [offset, offset + length) into the page cache and maps it (parallel
+  // callers may populate disjoint ranges). Errors: kUnexpectedEof naming the file and offset when
+  // the file no longer covers the range, kIoError otherwise.
+  Status Populate(uint64_t offset, uint64_t length) const;
+
+  // Pages replaced with zeros by the SIGBUS handler so far (0 unless the file shrank).
+  uint64_t faults() const noexcept;
+  // The file offset of the first such page, if any.
+  uint64_t first_fault_offset() const noexcept;
+
+ private:
+  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot)
+      : path_(std::move(path)), data_(data), size_(size), slot_(slot) {}
+  std::string path_;
+  std::byte* data_;
+  uint64_t size_;
+  size_t slot_;
+};
+
+}  // namespace tensorferry::io

@@ -1,0 +1,283 @@
+// The io_uring engine: worker threads each owning a ring, keeping up to queue_depth reads in
+// flight. Requests come from the same JobQueue as the pread engine's. A request becomes one to
+// three pieces (buffered head, O_DIRECT middle, buffered tail; or one buffered piece); each piece
+// is one read SQE, resubmitted for the rest after a short read. A request is Finish()ed only when
+// none of its pieces is in the kernel any more, so its destination is never written after Execute
+// returns, even when a sibling piece failed.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <memory>
+#include <mutex>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "io/engine_common.h"
+
+#if defined(TENSORFERRY_HAVE_LIBURING)
+#include <liburing.h>
+#endif
+
+namespace tensorferry::io {
+
+#if defined(TENSORFERRY_HAVE_LIBURING)
+namespace {
+
+// Largest length of one read SQE (the field is 32 bits; stay well inside it).
+constexpr uint64_t kMaxSqeBytes = uint64_t{1} << 30;
+
+class Ring {
+ public:
+  static Result<std::unique_ptr<Ring>> Create(unsigned entries) {
+    auto ring = std::unique_ptr<Ring>(new Ring());
+    const int rc = io_uring_queue_init(entries, &ring->ring_, 0);
+    if (rc < 0) {
+      return Status(Code::kUnsupported, "io_uring_queue_init(" + std::to_string(entries) +
+                                            ") failed: " + ErrnoText(-rc));
+    }
+    ring->initialized_ = true;
+    return ring;
+  }
+  ~Ring() {
+    if (initialized_) io_uring_queue_exit(&ring_);
+  }
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+  io_uring* get() { return &ring_; }
+
+ private:
+  Ring() = default;
+  io_uring ring_{};
+  bool initialized_ = false;
+};
+
+struct RequestState;
+
+// One read of a request: [offset, offset + length) of the file into dst.
+struct Piece {
+  RequestState* request = nullptr;
+  int fd = -1;
+  bool direct = false;
+  uint64_t offset = 0;  // next file offset to read
+  std::byte* dst = nullptr;
+  uint64_t remaining = 0;
+};
+
+struct RequestState {
+  JobQueue::Claim claim;
+  Piece pieces[3];
+  int pending = 0;  // pieces submitted and not completed
+  Status status;
+};
+
+class UringEngine final : public ReadEngine {
+ public:
+  // At least 3 entries: one request (up to 3 pieces) must always fit.
+  explicit UringEngine(unsigned queue_depth) : queue_depth_(std::max(queue_depth, 3u)) {}
+  ~UringEngine() override {
+    queue_.Stop();
+    for (std::thread& t : workers_) t.join();
+  }
+  UringEngine(const UringEngine&) = delete;
+  UringEngine& operator=(const UringEngine&) = delete;
+
+  // Creates every ring on this thread first (so failures are reported here), then the workers.
+  Status Start(unsigned threads) {
+    std::vector<std::unique_ptr<Ring>> rings;
+    for (unsigned i = 0; i < threads; ++i) {
+      auto ring = Ring::Create(queue_depth_);
+      if (!ring.ok()) return ring.status();
+      rings.push_back(std::move(ring).value());
+    }
+    workers_.reserve(threads);
+    for (unsigned i = 0; i < threads; ++i) {
+      try {
+        workers_.emplace_back(
+            [this, ring = std::shared_ptr<Ring>(std::move(rings[i]))] { WorkerLoop(*ring); });
+      } catch (const std::system_error& e) {
+        return Status(Code::kIoError, "io_uring engine: cannot start worker thread " +
+                                          std::to_string(i) + ": " + e.what());
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status Execute(std::span<const ReadRequest> requests) override {
+    return queue_.Run(requests, workers_.size());
+  }
+  EngineStats stats() const override { return counters_.Snapshot(); }
+  std::string_view name() const override { return "io_uring"; }
+
+ private:
+  // Turns a claimed request into pieces. Returns false when it has none to submit (finished).
+  bool Prepare(RequestState& r) {
+    const ReadRequest& q = *r.claim.request;
+    r.pending = 0;
+    r.status = Status::Ok();
+    auto add = [&](int fd, bool direct, uint64_t offset, std::byte* dst, uint64_t length) {
+      if (length == 0) return;
+      r.pieces[r.pending++] = Piece{&r, fd, direct, offset, dst, length};
+    };
+    const int fd = q.file->native_handle();
+    const DirectSplit split = SplitForDirect(q);
+    if (!split.direct) {
+      add(fd, false, q.offset, q.dst.data(), q.dst.size());
+    } else {
+      add(fd, false, q.offset, q.dst.data(), split.head);
+      add(q.direct_fd, true, q.offset + split.head, q.dst.data() + split.head, split.middle);
+      const uint64_t tail = split.head + split.middle;
+      add(fd, false, q.offset + tail, q.dst.data() + tail, q.dst.size() - tail);
+    }
+    return r.pending > 0;
+  }
+
+  static void Submit(io_uring* ring, Piece& p) {
+    io_uring_sqe* sqe = io_uring_get_sqe(ring);
+    // The worker never has more pieces in flight than the ring has entries (3 per request at most,
+    // admitted only while in_flight + 3 <= queue_depth_ = ring entries), so an SQE is always free.
+    io_uring_prep_read(sqe, p.fd, p.dst, static_cast<unsigned>(std::min(p.remaining, kMaxSqeBytes)),
+                       p.offset);
+    io_uring_sqe_set_data(sqe, &p);
+  }
+
+  // Handles one completion; returns true when the piece is finished (done or failed).
+  bool Complete(io_uring* ring, Piece& p, int res) {
+    RequestState& r = *p.request;
+    const ReadRequest& q = *r.claim.request;
+    counters_.read_calls.fetch_add(1, std::memory_order_relaxed);
+    if (res == -EINTR || res == -EAGAIN) {
+      Submit(ring, p);
+      return false;
+    }
+    if (res == -EINVAL && p.direct) {
+      // The file system refused O_DIRECT here: read this piece through the page cache instead.
+      p.direct = false;
+      p.fd = q.file->native_handle();
+      Submit(ring, p);
+      return false;
+    }
+    auto fail = [&](Status s) {
+      if (r.status.ok()) r.status = std::move(s);
+      return true;
+    };
+    if (res < 0) {
+      return fail(Status(Code::kIoError, q.file->path() + ": read of " +
+                                             std::to_string(p.remaining) + " bytes at offset " +
+                                             std::to_string(p.offset) +
+                                             " failed: " + ErrnoText(-res)));
+    }
+    const uint64_t n = static_cast<uint64_t>(res);
+    if (n == 0 || n > p.remaining || (p.direct && n < p.remaining && n % kDirectAlignment != 0)) {
+      if (n > p.remaining) {
+        return fail(Status(Code::kInternal, q.file->path() + ": read returned too many bytes"));
+      }
+      return fail(Status(Code::kUnexpectedEof, q.file->path() +
+                                                   ": unexpected end of file at offset " +
+                                                   std::to_string(p.offset + n) + ": wanted " +
+                                                   std::to_string(q.dst.size()) +
+                                                   " bytes at offset " + std::to_string(q.offset)));
+    }
+    counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
+    if (p.direct) counters_.direct_bytes.fetch_add(n, std::memory_order_relaxed);
+    p.offset += n;
+    p.dst += n;
+    p.remaining -= n;
+    if (p.remaining == 0) return true;
+    Submit(ring, p);  // short read: the rest
+    return false;
+  }
+
+  void WorkerLoop(Ring& ring_owner) {
+    io_uring* ring = ring_owner.get();
+    std::vector<std::unique_ptr<RequestState>> free_states;
+    unsigned in_flight = 0;  // pieces in the kernel
+    for (;;) {
+      // Admit requests while a whole request (up to 3 pieces) fits the ring.
+      while (in_flight + 3 <= queue_depth_) {
+        auto claim = queue_.Take(/*wait=*/in_flight == 0);
+        if (!claim) break;
+        counters_.requests.fetch_add(1, std::memory_order_relaxed);
+        const ReadRequest& q = *claim->request;
+        if (q.dst.empty() || q.file == nullptr || q.file->native_handle() < 0) {
+          // Nothing to read, or a file without a descriptor (test doubles): read it here.
+          counters_.requests.fetch_sub(1, std::memory_order_relaxed);
+          queue_.Finish(*claim, ReadRequestSync(q, counters_));
+          continue;
+        }
+        std::unique_ptr<RequestState> state;
+        if (free_states.empty()) {
+          state = std::make_unique<RequestState>();
+        } else {
+          state = std::move(free_states.back());
+          free_states.pop_back();
+        }
+        state->claim = *claim;
+        Prepare(*state);
+        for (int i = 0; i < state->pending; ++i) Submit(ring, state->pieces[i]);
+        in_flight += static_cast<unsigned>(state->pending);
+        state.release();  // owned by its pieces' user_data until the last completes
+      }
+      if (in_flight == 0) return;  // Take(wait) returned nullopt: stopped
+      io_uring_submit_and_wait(ring, 1);
+      io_uring_cqe* cqe;
+      unsigned seen = 0;
+      unsigned head;
+      io_uring_for_each_cqe(ring, head, cqe) {
+        ++seen;
+        auto* piece = static_cast<Piece*>(io_uring_cqe_get_data(cqe));
+        const int res = cqe->res;
+        if (!Complete(ring, *piece, res)) continue;  // resubmitted: still in flight
+        --in_flight;
+        RequestState* r = piece->request;
+        if (--r->pending == 0) {
+          queue_.Finish(r->claim, std::move(r->status));
+          free_states.emplace_back(r);
+        }
+      }
+      io_uring_cq_advance(ring, seen);
+    }
+  }
+
+  const unsigned queue_depth_;
+  JobQueue queue_;
+  std::vector<std::thread> workers_;
+  EngineCounters counters_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned queue_depth) {
+  if (queue_depth == 0) return Status(Code::kInvalidArgument, "io_uring: queue_depth must be > 0");
+  if (threads == 0) {
+    const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+    threads = online > 0 ? static_cast<unsigned>(online) : 1;
+  }
+  auto engine = std::make_unique<UringEngine>(queue_depth);
+  const Status status = engine->Start(threads);
+  if (!status.ok()) return status;
+  return std::unique_ptr<ReadEngine>(std::move(engine));
+}
+
+Status IoUringAvailable() {
+  static const Status status = [] {
+    auto ring = Ring::Create(2);
+    return ring.ok() ? Status::Ok() : ring.status();
+  }();
+  return status;
+}
+
+#else  // !TENSORFERRY_HAVE_LIBURING
+
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned, unsigned) {
+  return IoUringAvailable();
+}
+
+Status IoUringAvailable() {
+  return Status(Code::kUnsupported, "io_uring: this build has no liburing");
+}
+
+#endif
+
+}  // namespace tensorferry::io

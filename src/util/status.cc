@@ -11,7 +11,12 @@ Category CategoryOf(Code code) noexcept {
     case Code::kInvalidArgument:
     case Code::kBadTensorName:
     case Code::kBadTensorData: return Category::kInvalidArgument;
-    case Code::kUnsupported: return Category::kUnsupported;
+    case Code::kUnsupported:
+    case Code::kPickleUnsupportedOpcode:
+    case Code::kPickleRefusedGlobal:
+    case Code::kPickleRefusedCall:
+    case Code::kTorchUnsupportedDtype:
+    case Code::kTorchNotStateDict: return Category::kUnsupported;
     case Code::kBudgetExceeded: return Category::kBudget;
     case Code::kCudaError: return Category::kCuda;
     case Code::kInternal: return Category::kInternal;
@@ -19,6 +24,7 @@ Category CategoryOf(Code code) noexcept {
   }
   const auto v = static_cast<uint16_t>(code);
   if (v >= 100 && v < 300) return Category::kCorrupt;
+  if (v >= 400 && v < 500) return Category::kCorrupt;
   return Category::kInternal;
 }
 
@@ -71,6 +77,23 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kIndexTooLarge: return "index_too_large";
     case Code::kBadTensorName: return "bad_tensor_name";
     case Code::kBadTensorData: return "bad_tensor_data";
+    case Code::kPickleTruncated: return "pickle_truncated";
+    case Code::kPickleMalformed: return "pickle_malformed";
+    case Code::kPickleUnsupportedOpcode: return "pickle_unsupported_opcode";
+    case Code::kPickleRefusedGlobal: return "pickle_refused_global";
+    case Code::kPickleRefusedCall: return "pickle_refused_call";
+    case Code::kPickleLimitExceeded: return "pickle_limit_exceeded";
+    case Code::kPickleBadPersistentId: return "pickle_bad_persistent_id";
+    case Code::kTorchBadTensor: return "torch_bad_tensor";
+    case Code::kTorchUnsupportedDtype: return "torch_unsupported_dtype";
+    case Code::kTorchMissingStorage: return "torch_missing_storage";
+    case Code::kZipInvalid: return "zip_invalid";
+    case Code::kZipBadEntry: return "zip_bad_entry";
+    case Code::kTorchBadArchive: return "torch_bad_archive";
+    case Code::kTorchNameConflict: return "torch_name_conflict";
+    case Code::kTorchLegacyInvalid: return "torch_legacy_invalid";
+    case Code::kTorchNotStateDict: return "torch_not_state_dict";
+    case Code::kConvertVerifyMismatch: return "convert_verify_mismatch";
   }
   return "unknown";
 }

@@ -98,6 +98,14 @@ enum class Code : uint16_t {
   // --- writer (category kInvalidArgument) ------------------------------------------------------
   kBadTensorName = 300,  // a name the format cannot hold (e.g. "__metadata__", duplicate)
   kBadTensorData = 301,  // data length differs from dtype x shape, or no data source given
+
+  // --- device loading: CUDA runtime, cuFile (docs/gpu.md) ---------------------------------------
+  kCudaNotFound = 500,       // category kUnsupported: no CUDA runtime library could be loaded
+  kCudaSymbolMissing = 501,  // category kUnsupported: a loaded library lacks a function we need
+  kCudaNoDevice = 502,       // category kUnsupported: no usable device (or index out of range)
+  kDeviceOutOfMemory = 503,  // category kCuda: cudaMalloc (or pinned host allocation) failed
+  kGdsUnavailable = 504,     // category kUnsupported: GPUDirect Storage forced on but not usable
+  kCufileError = 505,        // category kCuda: a cuFile call failed
 };
 
 // The category a code belongs to.

@@ -33,6 +33,7 @@ Command AddVerifyCommand(CLI::App& parent);
 Command AddGenCommand(CLI::App& parent);
 Command AddLoadCommand(CLI::App& parent);
 Command AddBenchCommand(CLI::App& parent);
+Command AddDoctorCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 

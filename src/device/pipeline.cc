@@ -1,9 +1,5 @@
 #include "device/pipeline.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -18,7 +14,7 @@
 namespace tensorferry::device {
 namespace {
 
-constexpr uint64_t kFileAlign = 4096;  // chunk boundaries after a task's first chunk
+constexpr uint64_t kFileAlign = io::kDirectAlignment;  // chunk boundaries, slot congruence
 
 std::string Hex(const void* p) {
   char buf[32];
@@ -60,6 +56,8 @@ struct DevicePipeline::Chunk {
   uint64_t row_bytes = 0;
   uint64_t src_pitch = 0;
   uint64_t dst_pitch = 0;
+  uint64_t slot_offset = 0;  // where the bytes go in the slot: offset % kDirectAlignment
+  int direct_fd = -1;
   bool gds = false;
 
   std::string Describe() const {
@@ -68,15 +66,15 @@ struct DevicePipeline::Chunk {
   }
 };
 
-// A file opened for cuFile: its own descriptor (O_DIRECT where the file system allows) and the
-// cuFile handle, deregistered and closed on destruction.
+// A file registered with cuFile: the handle (deregistered on destruction) over an O_DIRECT
+// descriptor of its own where the file system allows, else over the file's buffered descriptor
+// (cuFile's compatibility mode decides whether it accepts that).
 struct DevicePipeline::GdsFile {
   std::shared_ptr<const cuda::Cufile> cufile;
-  int fd = -1;
+  std::unique_ptr<io::DirectFile> direct;
   cuda::CufileHandle handle = nullptr;
   ~GdsFile() {
     if (handle != nullptr) cufile->api().cuFileHandleDeregister(handle);
-    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -139,8 +137,6 @@ Result<std::unique_ptr<DevicePipeline>> DevicePipeline::Create(
   std::string problem;  // why GDS cannot be used, when it cannot
   if (options.gds == GdsMode::kOff) {
     pipeline->gds_off_reason_ = "GDS off (option)";
-  } else if (!options.paths_are_files) {
-    problem = "the files are not plain files on disk";
   } else if (!cufile.ok()) {
     problem = cufile.status().message();
   } else {
@@ -234,7 +230,9 @@ Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
     }
     gds ? ++run.gds_tasks : ++run.staged_tasks;
 
-    // Chunks: at most `slot` bytes; boundaries after the first on kFileAlign file offsets.
+    // Chunks: at most `slot` bytes; boundaries after the first on kFileAlign file offsets; each
+    // placed in its slot at its offset modulo kFileAlign (congruent, for O_DIRECT), which the
+    // first chunk's shorter length leaves room for.
     if (t.rows == 0 || t.row_bytes > slot) {
       // Contiguous, or strided with rows longer than a slot: each row (or the range) in pieces.
       const uint64_t rows = t.rows == 0 ? 1 : t.rows;
@@ -252,27 +250,37 @@ Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
           c.offset = at;
           c.length = end - at;
           c.dst = dst + (at - begin);
+          c.slot_offset = at % kFileAlign;
+          if (c.slot_offset + c.length > slot) c.slot_offset = 0;
+          c.direct_fd = t.direct_fd;
           c.gds = gds;
           run.chunks.push_back(c);
           at = end;
         }
       }
     } else {
-      // Strided: as many whole rows per chunk as fit a slot.
-      const uint64_t per_chunk = (slot - t.row_bytes) / t.src_pitch + 1;
-      for (uint64_t r = 0; r < t.rows; r += per_chunk) {
-        const uint64_t n = std::min(per_chunk, t.rows - r);
+      // Strided: as many whole rows per chunk as fit a slot (after the congruence offset, when
+      // a row still fits with it).
+      uint64_t r = 0;
+      while (r < t.rows) {
+        const uint64_t offset = t.file_offset + r * t.src_pitch;
+        uint64_t lead = offset % kFileAlign;
+        if (t.row_bytes > slot - lead) lead = 0;
+        const uint64_t n = std::min((slot - lead - t.row_bytes) / t.src_pitch + 1, t.rows - r);
         Chunk c;
         c.task = i;
         c.file = t.file;
-        c.offset = t.file_offset + r * t.src_pitch;
+        c.offset = offset;
         c.length = (n - 1) * t.src_pitch + t.row_bytes;
         c.dst = t.dst + r * t.dst_pitch;
         c.rows = n;
         c.row_bytes = t.row_bytes;
         c.src_pitch = t.src_pitch;
         c.dst_pitch = t.dst_pitch;
+        c.slot_offset = lead;
+        c.direct_fd = t.direct_fd;
         run.chunks.push_back(c);
+        r += n;
       }
     }
   }
@@ -298,30 +306,28 @@ Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
 
 Result<std::unique_ptr<DevicePipeline::GdsFile>> DevicePipeline::OpenGdsFile(
     const RandomAccessFile& file) {
-  const std::string& path = file.path();
   auto gds = std::make_unique<GdsFile>();
   gds->cufile = gds_driver_->cufile_ptr();
-  gds->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (gds->fd < 0 && errno == EINVAL) {
-    // The file system refuses O_DIRECT; cuFile may still accept the file (compatibility mode).
-    gds->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  }
-  if (gds->fd < 0) {
-    return Status(Code::kGdsUnavailable, path + ": cannot open for GDS: " + std::strerror(errno));
-  }
-  struct stat st;
-  auto size = file.Size();
-  if (::fstat(gds->fd, &st) != 0 || !size.ok() || static_cast<uint64_t>(st.st_size) != *size) {
+  int fd = file.native_handle();
+  if (fd < 0) {
     return Status(Code::kGdsUnavailable,
-                  path + ": not used with GDS: the file on disk differs from the one opened");
+                  file.path() + ": not used with GDS: no file descriptor (not a file on disk)");
+  }
+  auto direct = io::DirectFile::Open(file);
+  if (direct.ok()) {
+    gds->direct = std::move(direct).value();
+    fd = gds->direct->fd();
+  } else if (direct.status().code() != Code::kUnsupported) {
+    // E.g. the path now names another file: never read it.
+    return Status(Code::kGdsUnavailable, "not used with GDS: " + direct.status().message());
   }
   cuda::CufileDescr descr;
-  descr.handle.fd = gds->fd;
+  descr.handle.fd = fd;
   const cuda::CufileError error = gds->cufile->api().cuFileHandleRegister(&gds->handle, &descr);
   if (error.err != cuda::kCufileSuccess) {
     gds->handle = nullptr;
     return Status(Code::kGdsUnavailable,
-                  path + ": cuFileHandleRegister: " + cuda::CufileErrorText(error));
+                  file.path() + ": cuFileHandleRegister: " + cuda::CufileErrorText(error));
   }
   return gds;
 }
@@ -401,8 +407,9 @@ void DevicePipeline::Produce(unsigned producer, io::ReadEngine& engine, RunState
 Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine,
                              RunState& run) {
   TF_ASSIGN_OR_RETURN(const unsigned slot, ring_->Acquire());
-  const std::span<std::byte> buffer = ring_->slot(slot).first(static_cast<size_t>(chunk.length));
-  const io::ReadRequest request{chunk.file, chunk.offset, buffer};
+  const std::span<std::byte> buffer = ring_->slot(slot).subspan(
+      static_cast<size_t>(chunk.slot_offset), static_cast<size_t>(chunk.length));
+  const io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd};
   Status read = engine.Execute(std::span<const io::ReadRequest>(&request, 1));
   if (!read.ok()) {
     ring_->Release(slot);

@@ -1,10 +1,10 @@
 // Internal: the device pipeline, moving byte ranges of files into device memory.
 //
 // Input: a list of DeviceTasks (a file, a byte range, a device destination, optionally a strided
-// layout) and an io::ReadEngine. Each task is cut into chunks of at most slot_size bytes (chunk
-// boundaries after the first fall on 4 KiB file offsets, so O_DIRECT engines read them without
-// bounce buffers). Producer threads (each with its own CUDA stream) take chunks in order and, for
-// each one:
+// layout and an O_DIRECT descriptor) and an io::ReadEngine. Each task is cut into chunks of at
+// most slot_size bytes (chunk boundaries after the first fall on 4 KiB file offsets, and each chunk
+// sits in its slot at its file offset modulo 4 KiB, so O_DIRECT reads need no bounce buffers).
+// Producer threads (each with its own CUDA stream) take chunks in order and, for each one:
 //   staged path: acquire a free slot of the pinned StagingRing, read the chunk into it through the
 //     engine, queue cudaMemcpyAsync (cudaMemcpy2DAsync for strided tasks) to the destination on
 //     the producer's stream, and submit the slot, which records the slot's event; the slot is
@@ -19,7 +19,8 @@
 // GDS selection (DevicePipelineOptions::gds; docs/gpu.md):
 //   kOff:  never; the ring only.
 //   kAuto: when libcufile loads and cuFileDriverOpen succeeds (checked once, at Create), per file
-//          when its path can be opened and cuFileHandleRegister accepts it, and per task when it is
+//          when it has a file descriptor (O_DIRECT where the file system allows, else the buffered
+//          one) and cuFileHandleRegister accepts it, and per task when it is
 //          contiguous and its file offset and device address are multiples of gds_alignment. Every
 //          other task goes through the ring; stats().gds_reason says why, per cause.
 //   kOn:   like kAuto but an unusable library, driver or file is an error (kGdsUnavailable), and
@@ -77,6 +78,10 @@ struct DeviceTask {
   uint64_t row_bytes = 0;
   uint64_t src_pitch = 0;
   uint64_t dst_pitch = 0;
+  // An O_DIRECT descriptor of `file` (io::DirectFile), or -1: passed to the engine with each read.
+  // Staged data is placed in the slot congruent to its file offset modulo
+  // io::kDirectAlignment, so the engine can read the aligned middle of every chunk directly.
+  int direct_fd = -1;
 };
 
 struct DevicePipelineOptions {
@@ -89,9 +94,6 @@ struct DevicePipelineOptions {
   // Producer threads (each with a CUDA stream); 0: min(4, slot_count).
   unsigned producers = 0;
   GdsMode gds = GdsMode::kAuto;
-  // The tasks' RandomAccessFile::path() names the same bytes on disk (true for Env::Default());
-  // false (in-memory Envs) rules GDS out, since cuFile needs a file descriptor.
-  bool paths_are_files = true;
   // File offsets and device addresses GDS reads need to be multiples of, under kAuto.
   uint64_t gds_alignment = 4096;
 };
@@ -153,7 +155,8 @@ class DevicePipeline {
   void Produce(unsigned producer, io::ReadEngine& engine, RunState& run);
   Status Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
   Status ReadGds(const Chunk& chunk, RunState& run);
-  // Errors: kGdsUnavailable naming the file and the reason (open, changed file, cuFile refusal).
+  // Errors: kGdsUnavailable naming the file and the reason (no descriptor, replaced file, cuFile
+  // refusal).
   Result<std::unique_ptr<GdsFile>> OpenGdsFile(const RandomAccessFile& file);
 
   std::shared_ptr<const cuda::Runtime> runtime_;

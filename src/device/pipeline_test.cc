@@ -163,7 +163,6 @@ TEST_F(DevicePipelineTest, ManyOddTasksArriveByteExact) {
     options.slot_size = c.slot_size;
     options.staging_bytes = c.staging_bytes;
     options.producers = c.producers;
-    options.paths_are_files = false;
     auto pipeline = MakePipeline(options);
     ASSERT_TRUE(pipeline.ok()) << pipeline.status().ToString();
     ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
@@ -198,7 +197,6 @@ TEST_F(DevicePipelineTest, ATinyRingUnderSlowCopiesStaysCorrect) {
   options.slot_size = 4096;
   options.staging_bytes = 2 * 4096;
   options.producers = 3;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   EXPECT_EQ((*pipeline)->stats().slots, 2u);
@@ -222,13 +220,43 @@ TEST_F(DevicePipelineTest, ChunksAfterTheFirstStartOnPageBoundariesOfTheFile) {
   DevicePipelineOptions options;
   options.slot_size = 16384;
   options.staging_bytes = 4 * 16384;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
   EXPECT_TRUE(DeviceMatches(w));
   // [1000, 16384), [16384, 32768), [32768, 49152), [49152, 51000)
   EXPECT_EQ((*pipeline)->stats().chunks, 4u);
+}
+
+// With an O_DIRECT descriptor, chunks sit in their slots congruent to their file offsets, so the
+// engine reads their aligned middles directly.
+TEST_F(DevicePipelineTest, DirectReadsGoStraightIntoTheSlots) {
+  TempDir dir;
+  Workload w;
+  AddFiles(w, 2, 300'000, &dir);
+  AddRandomTasks(w, 40, 50'000, 13);
+  std::vector<std::unique_ptr<io::DirectFile>> direct;
+  for (const auto& file : w.files) {
+    auto d = io::DirectFile::Open(*file);
+    if (!d.ok()) GTEST_SKIP() << d.status().ToString();
+    direct.push_back(std::move(d).value());
+  }
+  for (DeviceTask& t : w.tasks) {
+    for (size_t f = 0; f < w.files.size(); ++f) {
+      if (t.file == w.files[f].get()) t.direct_fd = direct[f]->fd();
+    }
+  }
+  DevicePipelineOptions options;
+  options.slot_size = 16384;
+  options.staging_bytes = 4 * 16384;
+  options.gds = GdsMode::kOff;
+  auto pipeline = MakePipeline(options);
+  ASSERT_TRUE(pipeline.ok());
+  ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
+  EXPECT_TRUE(DeviceMatches(w));
+  const io::EngineStats engine = engine_->stats();
+  EXPECT_GT(engine.direct_bytes, engine.bytes_read / 2)
+      << "most bytes should have been read with O_DIRECT";
 }
 
 TEST_F(DevicePipelineTest, StridedTasksLandRowByRow) {
@@ -268,7 +296,6 @@ TEST_F(DevicePipelineTest, StridedTasksLandRowByRow) {
   options.slot_size = 4096;
   options.staging_bytes = 3 * 4096;
   options.producers = 2;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
@@ -291,7 +318,6 @@ TEST_F(DevicePipelineTest, AReadErrorNamesFileAndOffsetAndLeavesNothingBehind) {
   options.slot_size = 4096;
   options.staging_bytes = 3 * 4096;
   options.producers = 2;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   // Make sure some task covers the failing offset.
@@ -320,7 +346,6 @@ TEST_F(DevicePipelineTest, AFileShorterThanItsTaskIsUnexpectedEof) {
   DevicePipelineOptions options;
   options.slot_size = 4096;
   options.staging_bytes = 2 * 4096;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   const Status status = (*pipeline)->Run(std::span(&t, 1), *engine_, w.buffer.get());
@@ -341,7 +366,6 @@ TEST_F(DevicePipelineTest, ACopyThatCannotBeQueuedNamesItsBytes) {
   options.slot_size = 4096;
   options.staging_bytes = 4 * 4096;
   options.producers = 3;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   const Status status = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
@@ -366,7 +390,6 @@ TEST_F(DevicePipelineTest, AnAsynchronousCopyFailureSurfacesWithoutHanging) {
   options.slot_size = 4096;
   options.staging_bytes = 3 * 4096;
   options.producers = 2;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   const Status status = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
@@ -382,7 +405,6 @@ TEST_F(DevicePipelineTest, CreationFailuresLeakNothing) {
   config.fail_host_alloc_at = 1;
   Configure(config);
   DevicePipelineOptions options;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_FALSE(pipeline.ok());
   EXPECT_EQ(pipeline.status().code(), Code::kDeviceOutOfMemory);
@@ -412,7 +434,6 @@ TEST_F(DevicePipelineTest, MalformedTasksAreRefusedBeforeAnyIo) {
   DevicePipelineOptions options;
   options.slot_size = 4096;
   options.staging_bytes = 2 * 4096;
-  options.paths_are_files = false;
   auto pipeline = MakePipeline(options);
   ASSERT_TRUE(pipeline.ok());
   std::vector<DeviceTask> tasks(3, DeviceTask{w.files[0].get(), 0, 16, w.buffer->data()});
@@ -523,13 +544,19 @@ TEST_F(DevicePipelineGdsTest, OffAndInMemoryFilesUseTheRingAndSayWhy) {
   EXPECT_EQ((*off)->stats().gds_reason, "GDS off (option)");
   EXPECT_EQ(fake_->Stats().cufile_drivers_open, 0u);
 
-  DevicePipelineOptions options = Options(GdsMode::kAuto);
-  options.paths_are_files = false;
-  auto memory = MakePipeline(options);
+  // Files without a descriptor (test doubles) cannot use cuFile.
+  Workload in_memory;
+  AddFiles(in_memory, 1, 50'000, nullptr);
+  AddRandomTasks(in_memory, 10, 9000, 11);
+  auto memory = MakePipeline(Options(GdsMode::kAuto));
   ASSERT_TRUE(memory.ok());
-  EXPECT_EQ((*memory)->stats().gds_reason, "GDS not used: the files are not plain files on disk");
-  options.gds = GdsMode::kOn;
-  EXPECT_EQ(MakePipeline(options).status().code(), Code::kGdsUnavailable);
+  ASSERT_TRUE((*memory)->Run(in_memory.tasks, *engine_, in_memory.buffer.get()).ok());
+  EXPECT_TRUE(DeviceMatches(in_memory));
+  EXPECT_TRUE(Contains((*memory)->stats().gds_reason,
+                       "/mem/shard0.safetensors: not used with GDS: no file descriptor"));
+  auto forced_memory = MakePipeline(Options(GdsMode::kOn));
+  ASSERT_TRUE(forced_memory.ok());
+  EXPECT_EQ((*forced_memory)->Run(in_memory.tasks, *engine_).code(), Code::kGdsUnavailable);
 
   // Without cuFile installed.
   auto missing = DevicePipeline::Create(runtime_, Options(GdsMode::kAuto),

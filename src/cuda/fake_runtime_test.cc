@@ -101,6 +101,9 @@ TEST_F(FakeCudaRuntimeTest, RefusesHostDestinationsAndPageableSources) {
   // A device pointer where a host pointer belongs.
   EXPECT_EQ(api().cudaMemcpy(dev, dev, 16, kMemcpyHostToDevice), kErrorInvalidValue);
   EXPECT_TRUE(Contains(TakeViolations(), "source is device memory"));
+  EXPECT_EQ(api().cudaMemcpyAsync(dev, dev, 16, kMemcpyHostToDevice, stream->get()),
+            kErrorInvalidValue);
+  EXPECT_TRUE(Contains(TakeViolations(), "the source is device memory, not host memory"));
   // Past the end of the allocation.
   EXPECT_EQ(api().cudaMemcpyAsync(static_cast<char*>(dev) + 200, pinned->data(), 100,
                                   kMemcpyHostToDevice, stream->get()),

@@ -343,11 +343,7 @@ StreamState* LookupStream(void* handle) {
 // Validates and queues a host-to-device copy of `height` rows of `width` bytes.
 Error EnqueueCopy(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                   size_t height, int kind, void* stream, const char* fn) {
-  // The checksum reads the caller's memory in the caller's thread, before taking the lock.
   const bool is_2d = height != 1 || dpitch != width || spitch != width;
-  const uint64_t sum = width == 0 || height == 0
-                           ? 0
-                           : Checksum(static_cast<const std::byte*>(src), width, height, spitch);
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   ++s.copy_enqueue_calls;
@@ -384,6 +380,8 @@ Error EnqueueCopy(void* dst, size_t dpitch, const void* src, size_t spitch, size
       return Fail(kInvalidValue);
     }
   }
+  // Only now that the source is known to be host memory may it be read (in the caller's thread).
+  const uint64_t sum = Checksum(static_cast<const std::byte*>(src), width, height, spitch);
   Op op;
   CopyOp& c = op.copy;
   c.id = s.next_copy_id++;

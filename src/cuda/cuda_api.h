@@ -24,14 +24,18 @@
 
 #include "tensorferry/status.h"
 
+// The opaque handle types carry the names CUDA's headers give them (at global scope), so that the
+// function types we call through are exactly the library's: UBSan's -fsanitize=function checks
+// them on every call into an instrumented library (the fake runtime of the tests).
+struct CUstream_st;
+struct CUevent_st;
+
 namespace tensorferry::cuda {
 
 // --- our declarations of the runtime's C types (same size and values as CUDA's) ---------------
-using Error = int;  // cudaError_t (a C enum: int-sized)
-struct StreamHandle;
-using Stream = StreamHandle*;  // cudaStream_t
-struct EventHandle;
-using Event = EventHandle*;  // cudaEvent_t
+using Error = int;            // cudaError_t (a C enum: int-sized)
+using Stream = CUstream_st*;  // cudaStream_t
+using Event = CUevent_st*;    // cudaEvent_t
 
 inline constexpr Error kSuccess = 0;
 inline constexpr Error kErrorInvalidValue = 1;

@@ -23,26 +23,30 @@
 
 #include "tensorferry/status.h"
 
-namespace tensorferry::cuda {
-
-// --- our declarations of cufile.h's types ------------------------------------------------------
-struct CufileError {  // CUfileError_t: a CUfileOpError and a CUresult
+// Our declarations of cufile.h's types, under its own names at global scope (as for the runtime's
+// handles in cuda_api.h: the function types then match the library's exactly).
+struct CUfileError {  // CUfileError_t: a CUfileOpError and a CUresult
   int err = 0;
   int cu_err = 0;
 };
-inline constexpr int kCufileSuccess = 0;
-inline constexpr int kCufileIoNotSupported = 5008;   // CU_FILE_IO_NOT_SUPPORTED
-inline constexpr int kCufileHandleTypeOpaqueFd = 1;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD
-struct CufileDescr {                                 // CUfileDescr_t
-  int type = kCufileHandleTypeOpaqueFd;
+struct CUfileDescr_t {
+  int type = 1;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD
   union {
     int fd;
     void* handle;
   } handle{};
   const void* fs_ops = nullptr;
 };
-static_assert(sizeof(CufileDescr) == 24, "CUfileDescr_t layout");
+static_assert(sizeof(CUfileDescr_t) == 24, "CUfileDescr_t layout");
+
+namespace tensorferry::cuda {
+
+using CufileError = ::CUfileError;
+using CufileDescr = ::CUfileDescr_t;
 using CufileHandle = void*;  // CUfileHandle_t
+inline constexpr int kCufileSuccess = 0;
+inline constexpr int kCufileIoNotSupported = 5008;   // CU_FILE_IO_NOT_SUPPORTED
+inline constexpr int kCufileHandleTypeOpaqueFd = 1;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD
 
 struct CufileApi {
   CufileError (*cuFileDriverOpen)() = nullptr;

@@ -44,6 +44,23 @@
 
 #define TF_FAKE_EXPORT extern "C" __attribute__((visibility("default")))
 
+// The handle and cuFile types under the names CUDA's headers give them, as callers declare them
+// (tensorferry's shim does too), so the function types match exactly.
+struct CUstream_st;
+struct CUevent_st;
+struct CUfileError {
+  int err;
+  int cu_err;
+};
+struct CUfileDescr_t {
+  int type;
+  union {
+    int fd;
+    void* handle;
+  } handle;
+  const void* fs_ops;
+};
+
 namespace {
 
 using Error = int;
@@ -781,35 +798,35 @@ TF_FAKE_EXPORT Error cudaMemcpy(void* dst, const void* src, size_t count, int ki
 }
 
 TF_FAKE_EXPORT Error cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind,
-                                     void* stream) {
+                                     CUstream_st* stream) {
   return EnqueueCopy(dst, count, src, count, count, 1, kind, stream, "cudaMemcpyAsync");
 }
 
 TF_FAKE_EXPORT Error cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
-                                       size_t width, size_t height, int kind, void* stream) {
+                                       size_t width, size_t height, int kind, CUstream_st* stream) {
   return EnqueueCopy(dst, dpitch, src, spitch, width, height, kind, stream, "cudaMemcpy2DAsync");
 }
 
 // --- streams and events --------------------------------------------------------------------------
 
-TF_FAKE_EXPORT Error cudaStreamCreateWithFlags(void** stream, unsigned flags) {
+TF_FAKE_EXPORT Error cudaStreamCreateWithFlags(CUstream_st** stream, unsigned flags) {
   (void)flags;
   std::shared_ptr<StreamState> st = StartStream();
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   s.streams[st.get()] = st;
   ++s.stats.streams_live;
-  *stream = st.get();
+  *stream = reinterpret_cast<CUstream_st*>(st.get());
   return kSuccess;
 }
 
 // Work already queued still completes (as in CUDA); this call waits for it.
-TF_FAKE_EXPORT Error cudaStreamDestroy(void* stream) {
+TF_FAKE_EXPORT Error cudaStreamDestroy(CUstream_st* stream) {
   State& s = S();
   std::shared_ptr<StreamState> st;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    auto it = s.streams.find(static_cast<StreamState*>(stream));
+    auto it = s.streams.find(reinterpret_cast<StreamState*>(stream));
     if (it == s.streams.end()) return Fail(kInvalidResourceHandle);
     st = it->second;
     s.streams.erase(it);
@@ -821,7 +838,7 @@ TF_FAKE_EXPORT Error cudaStreamDestroy(void* stream) {
   return kSuccess;
 }
 
-TF_FAKE_EXPORT Error cudaStreamSynchronize(void* stream) {
+TF_FAKE_EXPORT Error cudaStreamSynchronize(CUstream_st* stream) {
   State& s = S();
   std::unique_lock<std::mutex> lock(s.mu);
   StreamState* st = LookupStream(stream);
@@ -830,31 +847,31 @@ TF_FAKE_EXPORT Error cudaStreamSynchronize(void* stream) {
   return st->error == kSuccess ? kSuccess : Fail(st->error);
 }
 
-TF_FAKE_EXPORT Error cudaEventCreateWithFlags(void** event, unsigned flags) {
+TF_FAKE_EXPORT Error cudaEventCreateWithFlags(CUevent_st** event, unsigned flags) {
   (void)flags;
   auto e = std::make_shared<EventState>();
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   s.events[e.get()] = e;
   ++s.stats.events_live;
-  *event = e.get();
+  *event = reinterpret_cast<CUevent_st*>(e.get());
   return kSuccess;
 }
 
-TF_FAKE_EXPORT Error cudaEventDestroy(void* event) {
+TF_FAKE_EXPORT Error cudaEventDestroy(CUevent_st* event) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.events.find(static_cast<EventState*>(event));
+  auto it = s.events.find(reinterpret_cast<EventState*>(event));
   if (it == s.events.end()) return Fail(kInvalidResourceHandle);
   s.events.erase(it);  // a record still queued keeps the state alive
   --s.stats.events_live;
   return kSuccess;
 }
 
-TF_FAKE_EXPORT Error cudaEventRecord(void* event, void* stream) {
+TF_FAKE_EXPORT Error cudaEventRecord(CUevent_st* event, CUstream_st* stream) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.events.find(static_cast<EventState*>(event));
+  auto it = s.events.find(reinterpret_cast<EventState*>(event));
   if (it == s.events.end()) return Fail(kInvalidResourceHandle);
   StreamState* st = LookupStream(stream);
   if (st == nullptr) return Fail(kInvalidResourceHandle);
@@ -867,20 +884,20 @@ TF_FAKE_EXPORT Error cudaEventRecord(void* event, void* stream) {
   return kSuccess;
 }
 
-TF_FAKE_EXPORT Error cudaEventQuery(void* event) {
+TF_FAKE_EXPORT Error cudaEventQuery(CUevent_st* event) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.events.find(static_cast<EventState*>(event));
+  auto it = s.events.find(reinterpret_cast<EventState*>(event));
   if (it == s.events.end()) return Fail(kInvalidResourceHandle);
   const EventState& e = *it->second;
   if (e.completed < e.recorded) return kNotReady;
   return e.error == kSuccess ? kSuccess : Fail(e.error);
 }
 
-TF_FAKE_EXPORT Error cudaEventSynchronize(void* event) {
+TF_FAKE_EXPORT Error cudaEventSynchronize(CUevent_st* event) {
   State& s = S();
   std::unique_lock<std::mutex> lock(s.mu);
-  auto it = s.events.find(static_cast<EventState*>(event));
+  auto it = s.events.find(reinterpret_cast<EventState*>(event));
   if (it == s.events.end()) return Fail(kInvalidResourceHandle);
   std::shared_ptr<EventState> e = it->second;
   const uint64_t target = e->recorded;
@@ -892,18 +909,8 @@ TF_FAKE_EXPORT Error cudaEventSynchronize(void* event) {
 
 namespace {
 
-struct CufileError {
-  int err;
-  int cu_err;
-};
-struct CufileDescr {
-  int type;
-  union {
-    int fd;
-    void* handle;
-  } handle;
-  const void* fs_ops;
-};
+using CufileError = ::CUfileError;
+using CufileDescr = ::CUfileDescr_t;
 
 constexpr int kCuFileDriverNotInitialized = 5001;
 constexpr int kCuFileCudaPointerInvalid = 5012;

@@ -118,6 +118,13 @@ enum class Code : uint16_t {
   kTorchLegacyInvalid = 414,       // legacy (non-zip) layout: magic, protocol, storage records
   kTorchNotStateDict = 415,        // category kUnsupported: the top level holds no named tensors
   kConvertVerifyMismatch = 416,    // --verify: the output differs from the source
+  // --- device loading: CUDA runtime, cuFile (docs/gpu.md) ---------------------------------------
+  kCudaNotFound = 500,       // category kUnsupported: no CUDA runtime library could be loaded
+  kCudaSymbolMissing = 501,  // category kUnsupported: a loaded library lacks a function we need
+  kCudaNoDevice = 502,       // category kUnsupported: no usable device (or index out of range)
+  kDeviceOutOfMemory = 503,  // category kCuda: cudaMalloc (or pinned host allocation) failed
+  kGdsUnavailable = 504,     // category kUnsupported: GPUDirect Storage forced on but not usable
+  kCufileError = 505,        // category kCuda: a cuFile call failed
 };
 
 // The category a code belongs to.

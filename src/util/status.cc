@@ -20,6 +20,12 @@ Category CategoryOf(Code code) noexcept {
     case Code::kBudgetExceeded: return Category::kBudget;
     case Code::kCudaError: return Category::kCuda;
     case Code::kInternal: return Category::kInternal;
+    case Code::kCudaNotFound:
+    case Code::kCudaSymbolMissing:
+    case Code::kCudaNoDevice:
+    case Code::kGdsUnavailable: return Category::kUnsupported;
+    case Code::kDeviceOutOfMemory:
+    case Code::kCufileError: return Category::kCuda;
     default: break;
   }
   const auto v = static_cast<uint16_t>(code);
@@ -94,6 +100,12 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kTorchLegacyInvalid: return "torch_legacy_invalid";
     case Code::kTorchNotStateDict: return "torch_not_state_dict";
     case Code::kConvertVerifyMismatch: return "convert_verify_mismatch";
+    case Code::kCudaNotFound: return "cuda_not_found";
+    case Code::kCudaSymbolMissing: return "cuda_symbol_missing";
+    case Code::kCudaNoDevice: return "cuda_no_device";
+    case Code::kDeviceOutOfMemory: return "device_out_of_memory";
+    case Code::kGdsUnavailable: return "gds_unavailable";
+    case Code::kCufileError: return "cufile_error";
   }
   return "unknown";
 }

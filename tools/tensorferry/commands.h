@@ -34,6 +34,7 @@ Command AddGenCommand(CLI::App& parent);
 Command AddLoadCommand(CLI::App& parent);
 Command AddBenchCommand(CLI::App& parent);
 Command AddConvertCommand(CLI::App& parent);
+Command AddDoctorCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 

@@ -23,5 +23,8 @@ function(tensorferry_add_test_binary name)
     TENSORFERRY_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
   tensorferry_strict_warnings(${name})
   include(GoogleTest)
-  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 PROPERTIES LABELS "cpu")
+  # Suites named *Gpu* need a real device (they skip without one): label "gpu", so
+  # `ctest -L gpu` runs them on a GPU machine (docs/gpu.md).
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 TEST_FILTER "-*Gpu*" PROPERTIES LABELS "cpu")
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 TEST_FILTER "*Gpu*" PROPERTIES LABELS "gpu")
 endfunction()

@@ -1,4 +1,6 @@
 include(CMakeFindDependencyMacro)
 find_dependency(Threads)
 find_dependency(simdjson)
+find_dependency(PkgConfig)
+pkg_check_modules(LIBZIP REQUIRED IMPORTED_TARGET libzip)
 include("${CMAKE_CURRENT_LIST_DIR}/tensorferryTargets.cmake")

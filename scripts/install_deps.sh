@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
-              libsimdjson-dev libcli11-dev libgtest-dev googletest liburing-dev python3-venv)
+              libsimdjson-dev libzip-dev pkg-config time libcli11-dev libgtest-dev googletest liburing-dev
+              python3-venv fio)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install dependencies, build (library, CLI, and the Python package
 # into .venv), generate the default synthetic Llama-style checkpoint (about 4.2 GB, 5 shards, with
-# model.safetensors.index.json), then inspect and verify it. Pass another directory as $1 to use it instead of data/default.
+# model.safetensors.index.json), inspect and verify it, then benchmark every engine cold and warm
+# against the same-run hardware references (`tensorferry bench`). Pass another directory as $1 to
+# use it instead of data/default; BENCH_RUNS (default 3) sets the runs per configuration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
@@ -17,3 +19,4 @@ else
 fi
 "$tf" inspect "$out"
 "$tf" verify "$out"
+"$tf" bench "$out" --runs "${BENCH_RUNS:-3}"

@@ -9,9 +9,13 @@
 //
 // Budget: with LoadOptions::budget > 0 the loader never holds more than `budget` bytes of tensor
 // data at once. Batch bytes count against the budget from the moment the batch's reads start until
-// the caller drops the last Tensor of that batch. Stream() delivers batches one at a time; if the
-// caller still holds so much of earlier batches that the next one cannot fit, Stream returns
-// kBudgetExceeded rather than wait forever (nothing else can free it).
+// the caller drops the last Tensor of that batch. Batches hold at most half the budget (the whole
+// budget when a selected tensor is larger than half), so that while the caller handles batch b,
+// batch b + 1 is read on a helper thread (double buffering) whenever its bytes fit at that moment.
+// Stream() delivers batches one at a time; if the caller still holds so much of earlier batches
+// that the next one cannot fit, Stream returns kBudgetExceeded rather than wait forever (nothing
+// else can free it). The mmap engine holds no tensor memory of its own (the page cache does), so
+// the budget only shapes its batches.
 //
 // Errors name file, tensor and byte offset. A failed batch releases its memory and hands no tensor
 // of it to the caller.
@@ -152,6 +156,7 @@ struct LoadStats {
   uint64_t buffers_allocated = 0;
   std::string engine;           // the engine that ran ("pread", "io_uring", "mmap")
   uint64_t direct_files = 0;    // files read with O_DIRECT
+  uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
   uint64_t buffered_files = 0;  // files read through the page cache
 };
 

@@ -38,12 +38,13 @@ struct PlanOptions {
   // its own, the only batch allowed to exceed the budget.
   bool allow_oversized = false;
   DeliveryOrder order = DeliveryOrder::kFile;
-  // Destination offset alignment of each coalesced range within its batch buffer (power of two).
+  // Destination offset alignment of each coalesced range within its batch buffer (power of two),
+  // used when io_alignment is 0.
   uint64_t alignment = 64;
-  // When a range's file offset is a multiple of `alignment`, its buffer offset is made congruent
-  // to its file offset modulo io_alignment (a power of two >= alignment, or 0 for no such rule),
-  // so O_DIRECT can read the block-aligned middle straight into the buffer. Costs less than
-  // io_alignment bytes of padding per range.
+  // Each range's buffer offset is made congruent to its file offset modulo io_alignment (a power
+  // of two >= alignment; 0 turns the rule off), so O_DIRECT can read the block-aligned middle
+  // straight into the buffer, and every tensor keeps in memory the alignment it has in the file
+  // (safetensors data is 8-byte aligned). Costs less than io_alignment bytes of padding per range.
   uint64_t io_alignment = 4096;
 };
 
@@ -83,8 +84,9 @@ struct Plan {
 
 // Builds the plan for `tensors` (indices into checkpoint.tensors(); any order, no duplicates).
 // Errors: kInvalidArgument (an index out of range, a duplicate, chunk_size 0, alignment not a
-// power of two, io_alignment neither 0 nor a power of two >= alignment), kBudgetExceeded (a tensor larger than the budget without allow_oversized; the
-// message names the tensor, its size and the budget).
+// power of two, io_alignment neither 0 nor a power of two >= alignment), kBudgetExceeded (a tensor
+// larger than the budget without allow_oversized; the message names the tensor, its size and the
+// budget).
 Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,
                       const PlanOptions& options = {});
 

@@ -98,6 +98,33 @@ enum class Code : uint16_t {
   // --- writer (category kInvalidArgument) ------------------------------------------------------
   kBadTensorName = 300,  // a name the format cannot hold (e.g. "__metadata__", duplicate)
   kBadTensorData = 301,  // data length differs from dtype x shape, or no data source given
+
+  // --- PyTorch checkpoints: pickle, zip, torch.save layout (convert.h) --------------------------
+  // Category kCorrupt unless noted.
+  kPickleTruncated = 400,          // the pickle ends inside an opcode or before STOP
+  kPickleMalformed = 401,          // stack underflow, missing MARK, wrong operand types, bad memo
+  kPickleUnsupportedOpcode = 402,  // category kUnsupported: an opcode the VM does not run
+  kPickleRefusedGlobal = 403,      // category kUnsupported: a global outside the allowlist
+  kPickleRefusedCall = 404,        // category kUnsupported: REDUCE/NEWOBJ/BUILD not allowlisted
+  kPickleLimitExceeded = 405,      // a PickleLimits bound (stack, memo, sizes, objects) is hit
+  kPickleBadPersistentId = 406,    // a persistent id that is not a torch storage reference
+  kTorchBadTensor = 407,           // a tensor's view (offset, shape, stride) leaves its storage
+  kTorchUnsupportedDtype = 408,    // category kUnsupported: no safetensors dtype for it
+  kTorchMissingStorage = 409,      // a storage's bytes are absent or of the wrong size
+  kZipInvalid = 410,               // not a readable zip archive, or inconsistent
+  kZipBadEntry = 411,              // an entry cannot be read (CRC, compression, encryption)
+  kTorchBadArchive = 412,          // no data.pkl, several archives, bad byteorder or version
+  kTorchNameConflict = 413,        // two entries flatten to one name, or a name is unusable
+  kTorchLegacyInvalid = 414,       // legacy (non-zip) layout: magic, protocol, storage records
+  kTorchNotStateDict = 415,        // category kUnsupported: the top level holds no named tensors
+  kConvertVerifyMismatch = 416,    // --verify: the output differs from the source
+  // --- device loading: CUDA runtime, cuFile (docs/gpu.md) ---------------------------------------
+  kCudaNotFound = 500,       // category kUnsupported: no CUDA runtime library could be loaded
+  kCudaSymbolMissing = 501,  // category kUnsupported: a loaded library lacks a function we need
+  kCudaNoDevice = 502,       // category kUnsupported: no usable device (or index out of range)
+  kDeviceOutOfMemory = 503,  // category kCuda: cudaMalloc (or pinned host allocation) failed
+  kGdsUnavailable = 504,     // category kUnsupported: GPUDirect Storage forced on but not usable
+  kCufileError = 505,        // category kCuda: a cuFile call failed
 };
 
 // The category a code belongs to.

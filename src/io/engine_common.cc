@@ -95,12 +95,11 @@ Status ReadBuffered(const RandomAccessFile& file, uint64_t offset, std::span<std
     counters.read_calls.fetch_add(1, std::memory_order_relaxed);
     if (!n.ok()) return n.status();
     if (*n == 0) {
-      return Status(Code::kUnexpectedEof,
-                    file.path() + ": unexpected end of file at offset " +
-                        std::to_string(offset + done) + ": wanted " +
-                        std::to_string(request_size) + " bytes at offset " +
-                        std::to_string(request_offset) + ", got " +
-                        std::to_string(offset + done - request_offset));
+      return Status(Code::kUnexpectedEof, file.path() + ": unexpected end of file at offset " +
+                                              std::to_string(offset + done) + ": wanted " +
+                                              std::to_string(request_size) + " bytes at offset " +
+                                              std::to_string(request_offset) + ", got " +
+                                              std::to_string(offset + done - request_offset));
     }
     if (*n > wanted - done) {
       // A Read that claims more than it was given would have written past the destination.
@@ -119,8 +118,8 @@ Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<st
                   EngineCounters& counters) {
   size_t done = 0;
   while (done < dst.size()) {
-    const ssize_t n = ::pread(fd, dst.data() + done, dst.size() - done,
-                              static_cast<off_t>(offset + done));
+    const ssize_t n =
+        ::pread(fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
     counters.read_calls.fetch_add(1, std::memory_order_relaxed);
     if (n < 0) {
       const int err = errno;
@@ -158,8 +157,8 @@ DirectSplit SplitForDirect(const ReadRequest& request) noexcept {
   if (request.direct_fd < 0 || request.dst.empty()) return split;
   const auto addr = reinterpret_cast<uintptr_t>(request.dst.data());
   if ((addr - request.offset) % kDirectAlignment != 0) return split;  // memory not congruent
-  const uint64_t begin = (request.offset + kDirectAlignment - 1) / kDirectAlignment *
-                         kDirectAlignment;
+  const uint64_t begin =
+      (request.offset + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
   const uint64_t end = (request.offset + request.dst.size()) / kDirectAlignment * kDirectAlignment;
   if (end <= begin) return split;
   split.direct = true;
@@ -187,8 +186,8 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
     if (!s.ok()) return s;
   }
   const auto middle = request.dst.subspan(split.head, split.middle);
-  Status s = ReadDirect(request.direct_fd, file.path(), request.offset + split.head, middle,
-                        counters);
+  Status s =
+      ReadDirect(request.direct_fd, file.path(), request.offset + split.head, middle, counters);
   if (s.code() == Code::kUnsupported) {
     s = ReadBuffered(file, request.offset + split.head, middle, request.offset, size, counters);
   }

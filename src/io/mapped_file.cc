@@ -155,9 +155,9 @@ Status MappedFile::Populate(uint64_t offset, uint64_t length) const {
     volatile const std::byte* p = data_;
     for (uint64_t at = begin; at < end; at += page) (void)p[at];
     if (faults() != before) {
-      return Status(Code::kUnexpectedEof,
-                    path_ + ": file shrank while mapped: page at offset " +
-                        std::to_string(first_fault_offset()) + " is past its end");
+      return Status(Code::kUnexpectedEof, path_ + ": file shrank while mapped: page at offset " +
+                                              std::to_string(first_fault_offset()) +
+                                              " is past its end");
     }
     return Status::Ok();
   }
@@ -166,8 +166,8 @@ Status MappedFile::Populate(uint64_t offset, uint64_t length) const {
                                             std::to_string(begin) + ", " + std::to_string(end) +
                                             ") are past its end");
   }
-  return Status(Code::kIoError, path_ + ": reading mapped bytes [" + std::to_string(begin) +
-                                    ", " + std::to_string(end) + ") failed: " + ErrnoText(err));
+  return Status(Code::kIoError, path_ + ": reading mapped bytes [" + std::to_string(begin) + ", " +
+                                    std::to_string(end) + ") failed: " + ErrnoText(err));
 }
 
 uint64_t MappedFile::faults() const noexcept {

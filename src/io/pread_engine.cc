@@ -1,5 +1,6 @@
 // The pread engine: a fixed pool of worker threads taking requests from one JobQueue and reading
-// each synchronously (pread; pread on the O_DIRECT descriptor for the aligned middle of direct ones).
+// each synchronously (pread; pread on the O_DIRECT descriptor for the aligned middle of direct
+// ones).
 #include <unistd.h>
 
 #include <system_error>

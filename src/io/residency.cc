@@ -14,12 +14,12 @@
 #include <vector>
 
 #include "io/engine_common.h"
+#include "tensorferry/residency.h"
 
 namespace tensorferry::io {
 namespace {
 
 constexpr uint64_t kWindow = uint64_t{1} << 30;  // bytes mapped at once
-
 
 // Owns a file descriptor.
 class Fd {
@@ -107,3 +107,30 @@ Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, 
 }
 
 }  // namespace tensorferry::io
+
+namespace tensorferry {
+
+Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t length) {
+  return io::CachedFraction(path, offset, length);
+}
+
+Status DropFromPageCache(const std::string& path) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int err = errno;
+    return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
+                  path + ": cannot open: " + io::ErrnoText(err));
+  }
+  ::fdatasync(fd);
+  const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  if (rc != 0) {
+    return Status(Code::kIoError, path + ": posix_fadvise(DONTNEED) failed: " + io::ErrnoText(rc));
+  }
+  return Status::Ok();
+}
+
+}  // namespace tensorferry

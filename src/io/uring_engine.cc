@@ -94,9 +94,8 @@ class UringEngine final : public ReadEngine {
     workers_.reserve(threads);
     for (unsigned i = 0; i < threads; ++i) {
       try {
-        workers_.emplace_back([this, ring = std::shared_ptr<Ring>(std::move(rings[i]))] {
-          WorkerLoop(*ring);
-        });
+        workers_.emplace_back(
+            [this, ring = std::shared_ptr<Ring>(std::move(rings[i]))] { WorkerLoop(*ring); });
       } catch (const std::system_error& e) {
         return Status(Code::kIoError, "io_uring engine: cannot start worker thread " +
                                           std::to_string(i) + ": " + e.what());
@@ -174,11 +173,11 @@ class UringEngine final : public ReadEngine {
       if (n > p.remaining) {
         return fail(Status(Code::kInternal, q.file->path() + ": read returned too many bytes"));
       }
-      return fail(Status(Code::kUnexpectedEof,
-                         q.file->path() + ": unexpected end of file at offset " +
-                             std::to_string(p.offset + n) + ": wanted " +
-                             std::to_string(q.dst.size()) + " bytes at offset " +
-                             std::to_string(q.offset)));
+      return fail(Status(Code::kUnexpectedEof, q.file->path() +
+                                                   ": unexpected end of file at offset " +
+                                                   std::to_string(p.offset + n) + ": wanted " +
+                                                   std::to_string(q.dst.size()) +
+                                                   " bytes at offset " + std::to_string(q.offset)));
     }
     counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
     if (p.direct) counters_.direct_bytes.fetch_add(n, std::memory_order_relaxed);

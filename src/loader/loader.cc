@@ -176,8 +176,8 @@ struct Loader::Impl {
           !direct_refused[f]) {
         use = options.direct == DirectIO::kOn;
         if (!use) {
-          auto cached = io::CachedFraction(files[f]->native_handle(), infos[f].path, lo[f],
-                                           hi[f] - lo[f]);
+          auto cached =
+              io::CachedFraction(files[f]->native_handle(), infos[f].path, lo[f], hi[f] - lo[f]);
           use = cached.ok() && *cached < kDirectBelowCachedFraction;
         }
         if (use && !direct[f]) {
@@ -265,8 +265,8 @@ struct Loader::Impl {
           }
         }
       };
-      const unsigned n = std::min<size_t>(options.threads ? options.threads : OnlineCpus(),
-                                          batch.tasks.size());
+      const unsigned n =
+          std::min<size_t>(options.threads ? options.threads : OnlineCpus(), batch.tasks.size());
       std::vector<std::thread> helpers;
       for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
       work();
@@ -352,11 +352,12 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   const auto start = Clock::now();
   Clock::duration idle{};  // time in callbacks with no read in flight
   const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
+  const uint64_t direct0 = m.engine ? m.engine->stats().direct_bytes : 0;
 
   TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*m.checkpoint));
   const uint64_t batch_budget = m.BatchBudget(*m.checkpoint, indices);
-  TF_ASSIGN_OR_RETURN(Plan plan,
-                      tensorferry::MakePlan(*m.checkpoint, indices, m.MakePlanOptions(batch_budget)));
+  TF_ASSIGN_OR_RETURN(
+      Plan plan, tensorferry::MakePlan(*m.checkpoint, indices, m.MakePlanOptions(batch_budget)));
   TF_RETURN_IF_ERROR(m.OpenFiles());
   const bool mapped = m.engine_kind == Engine::kMmap;
   std::vector<int> direct_fds;
@@ -369,13 +370,13 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
     return m.budget->TryAcquire(plan.batches[b].tensor_bytes);
   };
   auto budget_error = [&](size_t b) {
-    return Status(
-        Code::kBudgetExceeded,
-        "batch " + std::to_string(b + 1) + " of " + std::to_string(n) + " needs " +
-            std::to_string(plan.batches[b].tensor_bytes) + " bytes but " +
-            std::to_string(m.budget->in_use()) + " of the " + std::to_string(m.budget->limit()) +
-            "-byte budget are still held by tensors of earlier batches: drop them "
-            "before the next batch, or raise the budget");
+    return Status(Code::kBudgetExceeded,
+                  "batch " + std::to_string(b + 1) + " of " + std::to_string(n) + " needs " +
+                      std::to_string(plan.batches[b].tensor_bytes) + " bytes but " +
+                      std::to_string(m.budget->in_use()) + " of the " +
+                      std::to_string(m.budget->limit()) +
+                      "-byte budget are still held by tensors of earlier batches: drop them "
+                      "before the next batch, or raise the budget");
   };
   auto produce = [&](size_t b, memory::BudgetLease lease) -> Result<Batch> {
     if (mapped) return m.MapBatch(plan, b);
@@ -404,10 +405,9 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
 
     if (b + 1 < n && !mapped) {
       if (std::optional<memory::BudgetLease> lease = lease_for(b + 1)) {
-        next = std::async(std::launch::async,
-                          [&produce, b, l = std::move(*lease)]() mutable {
-                            return produce(b + 1, std::move(l));
-                          });
+        next = std::async(std::launch::async, [&produce, b, l = std::move(*lease)]() mutable {
+          return produce(b + 1, std::move(l));
+        });
       }
     }
     const bool overlapped = next.valid();
@@ -423,12 +423,13 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   m.stats.peak_budget_bytes = m.budget->peak();
   m.stats.buffers_reused = m.pool->reused() - reused0;
   m.stats.buffers_allocated = m.pool->allocated() - allocated0;
+  m.stats.direct_bytes = m.engine ? m.engine->stats().direct_bytes - direct0 : 0;
   return Status::Ok();
 }
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Checkpoint& ckpt = *impl_->checkpoint;
-  if (impl_->options.budget > 0) {
+  if (impl_->options.budget > 0 && impl_->engine_kind != Engine::kMmap) {
     TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(ckpt));
     uint64_t total = 0;
     for (uint32_t i : indices) total += ckpt.tensors()[i].size;

@@ -47,8 +47,8 @@ Result<DirectIO> ParseDirectIO(std::string_view name) {
 namespace {
 
 Status BadVariable(const char* variable, std::string_view value, std::string_view why) {
-  return Status(Code::kInvalidArgument, std::string(variable) + "=\"" + std::string(value) +
-                                            "\": " + std::string(why));
+  return Status(Code::kInvalidArgument,
+                std::string(variable) + "=\"" + std::string(value) + "\": " + std::string(why));
 }
 
 Result<uint64_t> SizeVariable(const char* variable, std::string_view value, bool allow_zero) {

@@ -77,7 +77,7 @@ uint64_t LayOutBatch(std::span<const Item> items, const PlanOptions& options, Pl
                          ranges.back().file_offset + ranges.back().length == item.offset;
     if (!extends) {
       uint64_t at = AlignUp(pos, options.alignment);
-      if (options.io_alignment != 0 && item.offset % options.alignment == 0) {
+      if (options.io_alignment != 0) {
         // Congruent with the file offset modulo io_alignment (see PlanOptions::io_alignment).
         const uint64_t mask = options.io_alignment - 1;
         at = (pos & ~mask) + (item.offset & mask);

@@ -170,7 +170,12 @@ void CheckInvariants(const Checkpoint& c, std::span<const uint32_t> selection,
             << "a tensor moved inside its range";
         r.length = t.offset + t.size - r.file_offset;
       } else {
-        EXPECT_EQ(pt.buffer_offset % options.alignment, 0u) << "range start not aligned";
+        if (options.io_alignment != 0) {
+          EXPECT_EQ(pt.buffer_offset % options.io_alignment, t.offset % options.io_alignment)
+              << "range start not congruent with its file offset";
+        } else {
+          EXPECT_EQ(pt.buffer_offset % options.alignment, 0u) << "range start not aligned";
+        }
         ranges.push_back({t.file, t.offset, t.size, pt.buffer_offset});
       }
     }
@@ -245,8 +250,17 @@ void CheckInvariants(const Checkpoint& c, std::span<const uint32_t> selection,
   }
 }
 
+// Most layout tests pin exact buffer offsets, which are simplest without the O_DIRECT congruence
+// rule; that rule has its own test (RangesCongruentWithFileOffsets) and the property test runs
+// both ways.
+PlanOptions Legacy() {
+  PlanOptions o;
+  o.io_alignment = 0;
+  return o;
+}
+
 Plan MustPlan(const Checkpoint& c, std::span<const uint32_t> selection,
-              const PlanOptions& options = {}) {
+              const PlanOptions& options = Legacy()) {
   auto plan = MakePlan(c, selection, options);
   EXPECT_TRUE(plan.ok()) << plan.status().ToString();
   if (!plan.ok()) return {};
@@ -271,7 +285,7 @@ TEST(PlanErrors, RefusesBadArguments) {
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
   EXPECT_TRUE(Contains(r.status().message(), "'b'"));
 
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.chunk_size = 0;
   EXPECT_EQ(MakePlan(*c, All(*c), options).status().code(), Code::kInvalidArgument);
 
@@ -283,7 +297,14 @@ TEST(PlanErrors, RefusesBadArguments) {
   for (const uint64_t alignment : {1ull, 2ull, 4096ull, 1ull << 63}) {
     options = {};
     options.alignment = alignment;
+    options.io_alignment = alignment <= 4096 ? 4096 : 0;
     EXPECT_TRUE(MakePlan(*c, All(*c), options).ok()) << alignment;
+  }
+  for (const uint64_t io_alignment : {3ull, 32ull, 4095ull}) {
+    options = {};
+    options.io_alignment = io_alignment;  // not a power of two, or below alignment (64)
+    EXPECT_EQ(MakePlan(*c, All(*c), options).status().code(), Code::kInvalidArgument)
+        << io_alignment;
   }
 }
 
@@ -291,7 +312,7 @@ TEST(PlanErrors, TensorOverBudgetNamesTensorSizeAndBudget) {
   TempDir dir;
   auto c = MakeCheckpoint(dir, {{{"small", 10}, {"big.weight", 300}}});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.budget = 299;
   auto r = MakePlan(*c, All(*c), options);
   ASSERT_FALSE(r.ok());
@@ -333,7 +354,7 @@ TEST(PlanBudget, ExactFitsFillBatches) {
   TempDir dir;
   auto c = MakeCheckpoint(dir, {{{"a", 100}, {"b", 100}, {"c", 100}, {"d", 100}, {"e", 50}}});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.budget = 200;
   const Plan plan = MustPlan(*c, All(*c), options);
   ASSERT_EQ(plan.batches.size(), 3u);
@@ -352,7 +373,7 @@ TEST(PlanBudget, ManySmallBatches) {
   for (int i = 0; i < 10; ++i) specs.push_back({std::string("t") + std::to_string(i), 64});
   auto c = MakeCheckpoint(dir, {specs});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.budget = 64;
   const Plan plan = MustPlan(*c, All(*c), options);
   ASSERT_EQ(plan.batches.size(), 10u);
@@ -369,7 +390,7 @@ TEST(PlanBudget, OversizedTensorGetsItsOwnBatch) {
   TempDir dir;
   auto c = MakeCheckpoint(dir, {{{"a", 40}, {"b", 40}, {"c_big", 500}, {"d", 40}, {"e", 40}}});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.budget = 100;
   EXPECT_EQ(MakePlan(*c, All(*c), options).status().code(), Code::kBudgetExceeded);
 
@@ -387,7 +408,7 @@ TEST(PlanBudget, SelectionOrderDoesNotMatter) {
   TempDir dir;
   auto c = MakeCheckpoint(dir, {{{"a", 40}, {"b", 70}, {"c", 10}}, {{"d", 90}, {"e", 5}}});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.budget = 100;
   options.chunk_size = 16;
   const std::vector<uint32_t> forward = Indices(*c, {"a", "b", "c", "d", "e"});
@@ -408,8 +429,12 @@ TEST(PlanLayout, CoalescesAdjacentTensorsOnly) {
   auto c = MakeCheckpoint(dir, {{{"a", 10}, {"b", 20}, {"c", 30}, {"d", 40}, {"e", 50}}});
   ASSERT_NE(c, nullptr);
 
+  // These expectations pin the layout without the O_DIRECT congruence rule (io_alignment 0); the
+  // rule itself is tested in PlanLayout.RangesCongruentWithFileOffsets.
+  PlanOptions legacy;
+  legacy.io_alignment = 0;
   // All: one range, tensors at their file distances, one task.
-  Plan plan = MustPlan(*c, All(*c));
+  Plan plan = MustPlan(*c, All(*c), legacy);
   ASSERT_EQ(plan.batches.size(), 1u);
   EXPECT_EQ(plan.num_ranges, 1u);
   ASSERT_EQ(plan.batches[0].tasks.size(), 1u);
@@ -420,7 +445,7 @@ TEST(PlanLayout, CoalescesAdjacentTensorsOnly) {
 
   // With holes: {a, b} | {d} -> two ranges, each starting aligned.
   const std::vector<uint32_t> holes = Indices(*c, {"a", "b", "d"});
-  plan = MustPlan(*c, holes);
+  plan = MustPlan(*c, holes, legacy);
   EXPECT_EQ(plan.num_ranges, 2u);
   const PlanBatch& b = plan.batches[0];
   ASSERT_EQ(b.tensors.size(), 3u);
@@ -430,7 +455,7 @@ TEST(PlanLayout, CoalescesAdjacentTensorsOnly) {
   EXPECT_EQ(b.buffer_size, 64u + 40u);
   EXPECT_EQ(b.tensor_bytes, 70u);
 
-  PlanOptions options;
+  PlanOptions options = legacy;
   options.alignment = 1;  // no padding
   plan = MustPlan(*c, holes, options);
   EXPECT_EQ(plan.batches[0].tensors[2].buffer_offset, 30u);
@@ -448,7 +473,9 @@ TEST(PlanLayout, TensorsOfDifferentFilesAreNeverCoalesced) {
     const TensorInfo& a = c->tensors()[0];
     const TensorInfo& b = c->tensors()[1];
     if (a.offset + a.size != b.offset) continue;
-    const Plan plan = MustPlan(*c, All(*c));
+    PlanOptions legacy;
+    legacy.io_alignment = 0;
+    const Plan plan = MustPlan(*c, All(*c), legacy);
     EXPECT_EQ(plan.num_ranges, 2u);
     EXPECT_EQ(plan.batches[0].tensors[1].buffer_offset, 64u);
     return;
@@ -460,8 +487,9 @@ TEST(PlanLayout, CutsRangesIntoChunks) {
   TempDir dir;
   auto c = MakeCheckpoint(dir, {{{"a", 600}, {"b", 400}}});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.chunk_size = 300;
+  options.io_alignment = 0;
   const Plan plan = MustPlan(*c, All(*c), options);
   const auto& tasks = plan.batches[0].tasks;
   ASSERT_EQ(tasks.size(), 4u);  // 1000 bytes coalesced: 300, 300, 300, 100
@@ -471,11 +499,49 @@ TEST(PlanLayout, CutsRangesIntoChunks) {
   EXPECT_EQ(tasks[3].file_offset, tasks[0].file_offset + 900);
 }
 
+TEST(PlanLayout, RangesCongruentWithFileOffsets) {
+  // Tensors of odd sizes with holes between the selected ones, over two files: every range lands
+  // at a buffer offset congruent to its file offset modulo 4096, so O_DIRECT can read its aligned
+  // middle in place.
+  TempDir dir;
+  auto c = MakeCheckpoint(dir, {{{"a", 5000}, {"b", 64}, {"c", 9000}, {"d", 3}, {"e", 70000}},
+                                {{"f", 12345}, {"g", 1}, {"h", 4096}}});
+  ASSERT_NE(c, nullptr);
+  for (uint64_t chunk : {uint64_t{4096}, uint64_t{6000}, uint64_t{1} << 20}) {
+    PlanOptions options;
+    options.chunk_size = chunk;
+    const Plan plan = MustPlan(*c, Indices(*c, {"a", "c", "e", "f", "h"}), options);
+    ASSERT_EQ(plan.batches.size(), 1u);
+    const PlanBatch& b = plan.batches[0];
+    for (const PlannedTensor& pt : b.tensors) {
+      const TensorInfo& t = c->tensors()[pt.tensor];
+      EXPECT_EQ(pt.buffer_offset % 4096, t.offset % 4096) << t.name;
+      EXPECT_LE(pt.buffer_offset + t.size, b.buffer_size);
+    }
+    // Tasks end on 4096-byte file boundaries except at the end of a range, and tile it exactly.
+    uint64_t total = 0;
+    for (const ReadTask& t : b.tasks) {
+      total += t.length;
+      EXPECT_LE(t.length, chunk);
+      const bool range_end = std::any_of(b.tensors.begin(), b.tensors.end(), [&](auto& pt) {
+        const TensorInfo& ti = c->tensors()[pt.tensor];
+        return ti.file == t.file && ti.offset + ti.size == t.file_offset + t.length;
+      });
+      if (!range_end) {
+        EXPECT_EQ((t.file_offset + t.length) % 4096, 0u) << t.file_offset;
+      }
+    }
+    EXPECT_EQ(total, b.tensor_bytes);
+    // Padding stays below 4096 bytes per range.
+    EXPECT_LT(b.buffer_size, b.tensor_bytes + plan.num_ranges * 4096);
+  }
+}
+
 TEST(PlanLayout, InterleavesTasksAcrossFiles) {
   TempDir dir;
   auto c = MakeCheckpoint(dir, {{{"a", 1000}}, {{"b", 250}}, {{"c", 600}}});
   ASSERT_NE(c, nullptr);
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.chunk_size = 250;
   const Plan plan = MustPlan(*c, All(*c), options);
   std::vector<uint32_t> files;
@@ -532,7 +598,7 @@ TEST(PlanLayer, GroupsLlamaByLayer) {
   const Checkpoint& c = **opened;
   ASSERT_GT(c.files().size(), 2u);
 
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.order = DeliveryOrder::kLayer;
   options.chunk_size = 100;
   Plan plan = MustPlan(c, All(c), options);
@@ -601,7 +667,7 @@ TEST(PlanExplain, MentionsTotalsEachBatchAndRanges) {
   for (int i = 0; i < 20; i += 2)
     selection.push_back(IndexOf(*c, std::string("t") + std::to_string(100 + i)));
   selection.push_back(IndexOf(*c, "other"));
-  PlanOptions options;
+  PlanOptions options = Legacy();
   options.budget = 300;
   const Plan plan = MustPlan(*c, selection, options);
   ASSERT_GE(plan.batches.size(), 2u);
@@ -668,6 +734,7 @@ TEST(PlanProperty, RandomCheckpointsKeepEveryInvariant) {
       options.allow_oversized = uniform(0, 1) == 1;
       options.chunk_size = uniform(1, 200);
       options.alignment = uint64_t{1} << uniform(0, 7);
+      options.io_alignment = uniform(0, 1) == 0 ? 0 : uint64_t{1} << uniform(7, 12);
       options.order = uniform(0, 1) == 0 ? DeliveryOrder::kFile : DeliveryOrder::kLayer;
 
       bool over = false;

@@ -11,14 +11,26 @@ Category CategoryOf(Code code) noexcept {
     case Code::kInvalidArgument:
     case Code::kBadTensorName:
     case Code::kBadTensorData: return Category::kInvalidArgument;
-    case Code::kUnsupported: return Category::kUnsupported;
+    case Code::kUnsupported:
+    case Code::kPickleUnsupportedOpcode:
+    case Code::kPickleRefusedGlobal:
+    case Code::kPickleRefusedCall:
+    case Code::kTorchUnsupportedDtype:
+    case Code::kTorchNotStateDict: return Category::kUnsupported;
     case Code::kBudgetExceeded: return Category::kBudget;
     case Code::kCudaError: return Category::kCuda;
     case Code::kInternal: return Category::kInternal;
+    case Code::kCudaNotFound:
+    case Code::kCudaSymbolMissing:
+    case Code::kCudaNoDevice:
+    case Code::kGdsUnavailable: return Category::kUnsupported;
+    case Code::kDeviceOutOfMemory:
+    case Code::kCufileError: return Category::kCuda;
     default: break;
   }
   const auto v = static_cast<uint16_t>(code);
   if (v >= 100 && v < 300) return Category::kCorrupt;
+  if (v >= 400 && v < 500) return Category::kCorrupt;
   return Category::kInternal;
 }
 
@@ -71,6 +83,29 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kIndexTooLarge: return "index_too_large";
     case Code::kBadTensorName: return "bad_tensor_name";
     case Code::kBadTensorData: return "bad_tensor_data";
+    case Code::kPickleTruncated: return "pickle_truncated";
+    case Code::kPickleMalformed: return "pickle_malformed";
+    case Code::kPickleUnsupportedOpcode: return "pickle_unsupported_opcode";
+    case Code::kPickleRefusedGlobal: return "pickle_refused_global";
+    case Code::kPickleRefusedCall: return "pickle_refused_call";
+    case Code::kPickleLimitExceeded: return "pickle_limit_exceeded";
+    case Code::kPickleBadPersistentId: return "pickle_bad_persistent_id";
+    case Code::kTorchBadTensor: return "torch_bad_tensor";
+    case Code::kTorchUnsupportedDtype: return "torch_unsupported_dtype";
+    case Code::kTorchMissingStorage: return "torch_missing_storage";
+    case Code::kZipInvalid: return "zip_invalid";
+    case Code::kZipBadEntry: return "zip_bad_entry";
+    case Code::kTorchBadArchive: return "torch_bad_archive";
+    case Code::kTorchNameConflict: return "torch_name_conflict";
+    case Code::kTorchLegacyInvalid: return "torch_legacy_invalid";
+    case Code::kTorchNotStateDict: return "torch_not_state_dict";
+    case Code::kConvertVerifyMismatch: return "convert_verify_mismatch";
+    case Code::kCudaNotFound: return "cuda_not_found";
+    case Code::kCudaSymbolMissing: return "cuda_symbol_missing";
+    case Code::kCudaNoDevice: return "cuda_no_device";
+    case Code::kDeviceOutOfMemory: return "device_out_of_memory";
+    case Code::kGdsUnavailable: return "gds_unavailable";
+    case Code::kCufileError: return "cufile_error";
   }
   return "unknown";
 }

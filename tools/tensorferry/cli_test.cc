@@ -590,6 +590,116 @@ TEST(CliLoad, ChecksumIndependentOfThreadsBudgetAndOrder) {
   EXPECT_NE(JsonString(r.out, "checksum"), first);
 }
 
+TEST(CliLoad, EveryEngineAndDirectModeGivesTheSameChecksum) {
+  TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  GenTiny(ckpt, {"--shard-size", "40KB"});
+  std::string first;
+  for (const char* engine : {"auto", "pread", "io_uring", "mmap"}) {
+    for (const char* direct : {"off", "on", "auto"}) {
+      const RunResult r = RunCli({"load", ckpt, "--json", "--engine", engine, "--direct", direct,
+                                  "--populate", "--touch", "--repeat", "2"});
+      if (std::string(engine) == "io_uring" && r.exit_code != 0 &&
+          r.err.find("io_uring") != std::string::npos) {
+        continue;  // the kernel refuses io_uring here; the message says so
+      }
+      ASSERT_EQ(r.exit_code, 0) << Describe(r);
+      const std::string sum = JsonString(r.out, "checksum");
+      if (first.empty()) first = sum;
+      EXPECT_EQ(sum, first) << engine << " direct " << direct;
+      simdjson::dom::parser parser;
+      simdjson::dom::element e = parser.parse(r.out);
+      EXPECT_EQ(simdjson::dom::array(e["runs_gb_per_s"]).size(), 2u);
+      if (std::string(engine) != "auto") {
+        EXPECT_EQ(JsonString(r.out, "engine"), engine);
+      }
+    }
+  }
+  EXPECT_EQ(RunCli({"load", ckpt, "--engine", "fast"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"load", ckpt, "--direct", "maybe"}).exit_code, 2);
+}
+
+// Peak resident memory under a budget, measured in a fresh process (VmHWM of the CLI): the
+// budget bounds the memory, whatever the checkpoint's size; without one the whole checkpoint is
+// resident.
+TEST(CliLoad, PeakResidentMemoryStaysWithinTheBudget) {
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "sanitizer shadow memory makes resident memory meaningless";
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+  GTEST_SKIP() << "sanitizer shadow memory makes resident memory meaningless";
+#endif
+#endif
+  TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  // ~123 MB of tensors in 6 shards (4 layers, hidden 1024, MLP 2816, vocab 8000, BF16).
+  const RunResult g = RunCli({"gen", ckpt, "--preset", "tiny", "--layers", "4", "--hidden", "1024",
+                              "--intermediate", "2816", "--heads", "8", "--kv-heads", "2",
+                              "--vocab", "8000", "--shard-size", "25MB", "--no-sync"});
+  ASSERT_EQ(g.exit_code, 0) << Describe(g);
+  auto peak_over_start = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> args = {"load", ckpt, "--json", "--no-checksum"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const RunResult r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 0) << Describe(r);
+    simdjson::dom::parser parser;
+    simdjson::dom::element e = parser.parse(r.out);
+    return std::make_pair(uint64_t(e["peak_rss_bytes"]) - uint64_t(e["rss_before_bytes"]),
+                          uint64_t(e["bytes"]));
+  };
+  const auto [unbounded, bytes] = peak_over_start({});
+  ASSERT_GT(bytes, 100'000'000u);
+  EXPECT_GT(unbounded, bytes * 9 / 10);  // everything was resident at once
+  for (const char* engine : {"pread", "io_uring"}) {
+    const uint64_t budget = 40'000'000;
+    const auto [peak, loaded] = peak_over_start({"--budget", "40MB", "--engine", engine});
+    if (loaded == 0) continue;  // io_uring refused by the kernel (exit code checked above)
+    EXPECT_EQ(loaded, bytes);
+    // The budget plus what the process itself allocates while loading (plan, threads' stacks).
+    EXPECT_LE(peak, budget + (16u << 20)) << engine;
+  }
+}
+
+TEST(CliBench, ReportsReferencesAndEveryEngine) {
+  TempDir dir;
+  GenTiny(dir.Join("c"));
+  const RunResult r =
+      RunCli({"bench", dir.Join("c"), "--runs", "1", "--no-cold", "--budget", "64KB", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element e = parser.parse(r.out);
+  simdjson::dom::object results = e["results"];
+  for (const char* key :
+       {"ref: page-cache copy limit", "ref: first touch of fresh memory",
+        "ref: 1 thread into fresh memory", "warm, fresh memory: pread",
+        "warm, reused buffers: pread", "warm, zero-copy views, every page touched: mmap",
+        "warm, budget 64KB: auto", "warm, unbounded: auto"}) {
+    simdjson::dom::element v;
+    ASSERT_EQ(results[key].get(v), simdjson::SUCCESS) << key << " missing in " << r.out;
+    EXPECT_GT(double(v["median_gb_per_s"]), 0.0) << key;
+  }
+  EXPECT_EQ(uint64_t(e["tensors"]), kTinyTensors);
+  EXPECT_EQ(RunCli({"bench", dir.Join("c"), "--engines", "warp"}).exit_code, 2);
+}
+
+// The cold runs evict the files and measure the storage with fio: nothing may ever write to the
+// checkpoint (fio lays out, i.e. overwrites, files smaller than a --size it is given).
+TEST(CliBench, ColdRunsLeaveTheFilesUntouched) {
+  TempDir dir;
+  GenTiny(dir.Join("c"), {"--shard-size", "40KB"});
+  const auto before = DirContents(dir.Join("c"));
+  const RunResult r =
+      RunCli({"bench", dir.Join("c"), "--runs", "1", "--engines", "pread,mmap", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(DirContents(dir.Join("c")), before);
+  simdjson::dom::parser parser;
+  simdjson::dom::element e = parser.parse(r.out);
+  simdjson::dom::object results = e["results"];
+  simdjson::dom::element v;
+  EXPECT_EQ(results["cold: pread"].get(v), simdjson::SUCCESS) << r.out;
+  EXPECT_EQ(results["cold: mmap"].get(v), simdjson::SUCCESS) << r.out;
+}
+
 TEST(CliLoad, TextExplainAndLayers) {
   TempDir dir;
   GenTiny(dir.Join("c"));

@@ -32,6 +32,9 @@ Command AddInspectCommand(CLI::App& parent);
 Command AddVerifyCommand(CLI::App& parent);
 Command AddGenCommand(CLI::App& parent);
 Command AddLoadCommand(CLI::App& parent);
+Command AddBenchCommand(CLI::App& parent);
+Command AddConvertCommand(CLI::App& parent);
+Command AddDoctorCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 

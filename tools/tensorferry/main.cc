@@ -3,6 +3,8 @@
 //   tensorferry inspect PATH [--json] [--all]
 //   tensorferry verify PATH [--json]
 //   tensorferry gen OUT [--preset tiny|small|default|large] [--layers N] ... [--json]
+//   tensorferry convert SRC DST [--max-shard-size SIZE] [--verify] [--json]
+//   tensorferry doctor [--json] [--quick]
 //
 // Exit codes: 0 success, 1 I/O error or invalid input, 2 usage error.
 #include <cstdio>
@@ -25,8 +27,9 @@ int main(int argc, char** argv) {
     app.name("tensorferry");
     app.set_version_flag("--version", std::string("tensorferry ") + TENSORFERRY_VERSION_STRING);
     app.require_subcommand(1);
-    std::vector<Command> commands = {AddInspectCommand(app), AddVerifyCommand(app),
-                                     AddGenCommand(app), AddLoadCommand(app)};
+    std::vector<Command> commands = {
+        AddInspectCommand(app), AddVerifyCommand(app),  AddGenCommand(app),   AddLoadCommand(app),
+        AddBenchCommand(app),   AddConvertCommand(app), AddDoctorCommand(app)};
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

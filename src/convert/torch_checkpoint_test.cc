@@ -1,0 +1,404 @@
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tensorferry/convert.h"
+#include "testing/test_util.h"
+#include "testing/torch_builder.h"
+
+namespace tensorferry {
+namespace {
+
+using testing::F32Bytes;
+using testing::MakeLegacy;
+using testing::MakeTorchZip;
+using testing::MakeZip;
+using testing::MemoryEnv;
+using testing::PickleBuilder;
+
+::testing::AssertionResult Fails(const Status& s, Code code, std::string_view needle) {
+  if (s.ok()) return ::testing::AssertionFailure() << "accepted";
+  if (s.code() != code) {
+    return ::testing::AssertionFailure() << "code " << CodeName(s.code()) << ": " << s.message();
+  }
+  if (s.message().find(needle) == std::string::npos) {
+    return ::testing::AssertionFailure() << "\"" << s.message() << "\" lacks \"" << needle << "\"";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+Result<std::unique_ptr<TorchCheckpoint>> OpenIn(MemoryEnv& env, const std::string& path,
+                                                TorchLimits limits = {}) {
+  TorchOpenOptions options;
+  options.env = &env;
+  options.limits = limits;
+  return TorchCheckpoint::Open(path, options);
+}
+
+std::string ReadAllOf(const TorchCheckpoint& c, const std::string& name, size_t chunk = 3) {
+  const TorchTensor* t = c.Find(name);
+  EXPECT_NE(t, nullptr) << name;
+  if (t == nullptr) return "";
+  const size_t index = static_cast<size_t>(t - c.tensors().data());
+  std::string out(static_cast<size_t>(t->byte_size), '\0');
+  for (size_t off = 0; off < out.size(); off += chunk) {
+    const size_t n = std::min(chunk, out.size() - off);
+    Status s =
+        c.ReadTensor(index, off, std::as_writable_bytes(std::span<char>(out.data() + off, n)));
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  return out;
+}
+
+// {"model": {"w": 2x3 float32 [0..5], "w_t": its transpose, "b": f16[3], "tied": w again},
+//  "step": 7, "lr": 0.5, "tags": ["a", 1]}
+PickleBuilder ModelPickle(bool legacy) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("model").OrderedDict().Mark();
+  p.Str("w").Tensor("FloatStorage", "0", 6, 0, {2, 3}, {3, 1}, legacy).Put(1);
+  p.Str("w_t").Tensor("FloatStorage", "0", 6, 0, {3, 2}, {1, 3}, legacy);
+  p.Str("b").Tensor("HalfStorage", "1", 3, 0, {3}, {1}, legacy);
+  p.Str("tied").Get(1);
+  p.SetItems();
+  p.Str("step")
+      .Int(7)
+      .Str("lr")
+      .Float(0.5)
+      .Str("tags")
+      .EmptyList()
+      .Mark()
+      .Str("a")
+      .Int(1)
+      .Appends();
+  p.SetItems().Stop();
+  return p;
+}
+
+const std::string kW = F32Bytes({0, 1, 2, 3, 4, 5});
+const std::string kB("\x01\x3c\x02\x3c\x03\x3c", 6);
+
+void ExpectModel(const TorchCheckpoint& c) {
+  ASSERT_EQ(c.tensors().size(), 4u);
+  EXPECT_EQ(c.tensors()[0].name, "model.w");
+  EXPECT_EQ(c.tensors()[1].name, "model.w_t");
+  EXPECT_EQ(c.tensors()[3].name, "model.tied");
+  const TorchTensor& w = *c.Find("model.w");
+  EXPECT_EQ(w.dtype, DType::kF32);
+  EXPECT_EQ(w.torch_dtype, "float32");
+  EXPECT_EQ(w.shape, (std::vector<uint64_t>{2, 3}));
+  EXPECT_TRUE(w.contiguous);
+  EXPECT_FALSE(c.Find("model.w_t")->contiguous);
+  EXPECT_EQ(c.Find("model.b")->dtype, DType::kF16);
+  EXPECT_EQ(c.storages().size(), 2u);
+  EXPECT_EQ(c.Find("model.tied")->storage, w.storage);
+  EXPECT_EQ(ReadAllOf(c, "model.w"), kW);
+  EXPECT_EQ(ReadAllOf(c, "model.tied"), kW);
+  EXPECT_EQ(ReadAllOf(c, "model.w_t"), F32Bytes({0, 3, 1, 4, 2, 5}));
+  EXPECT_EQ(ReadAllOf(c, "model.w_t", 1000), F32Bytes({0, 3, 1, 4, 2, 5}));
+  EXPECT_EQ(ReadAllOf(c, "model.b"), kB);
+  ASSERT_EQ(c.values().size(), 3u);
+  EXPECT_EQ(c.values()[0].name, "step");
+  EXPECT_EQ(c.values()[0].text, "7");
+  EXPECT_EQ(c.values()[1].text, "0.5");
+  EXPECT_EQ(c.values()[2].name, "tags");
+  EXPECT_EQ(c.values()[2].text, "['a', 1]");
+  EXPECT_EQ(c.values()[2].type, "list");
+}
+
+TEST(TorchCheckpoint, ZipArchive) {
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(ModelPickle(false).bytes(), {{"0", kW}, {"1", kB}}));
+  auto c = OpenIn(env, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ExpectModel(**c);
+  const TorchFileInfo& f = (*c)->files()[0];
+  EXPECT_EQ(f.format, TorchFormat::kZip);
+  EXPECT_EQ(f.archive, "archive");
+  EXPECT_EQ(f.version, "3");
+  EXPECT_FALSE(f.big_endian);
+  EXPECT_EQ(f.pickle_size, ModelPickle(false).size());
+}
+
+TEST(TorchCheckpoint, LegacyFile) {
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeLegacy(ModelPickle(true).bytes(), {{"1", 3, kB}, {"0", 6, kW}}));
+  auto c = OpenIn(env, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ExpectModel(**c);
+  EXPECT_EQ((*c)->files()[0].format, TorchFormat::kLegacy);
+}
+
+TEST(TorchCheckpoint, BigEndianStoragesAreSwapped) {
+  std::string w_be = kW, b_be = kB;
+  for (size_t i = 0; i < w_be.size(); i += 4) std::reverse(w_be.begin() + i, w_be.begin() + i + 4);
+  for (size_t i = 0; i < b_be.size(); i += 2) std::reverse(b_be.begin() + i, b_be.begin() + i + 2);
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(ModelPickle(false).bytes(), {{"0", w_be}, {"1", b_be}},
+                                   "archive", "big"));
+  auto c = OpenIn(env, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE((*c)->files()[0].big_endian);
+  ExpectModel(**c);
+}
+
+TEST(TorchCheckpoint, ArchiveLayoutErrors) {
+  const std::string pkl = ModelPickle(false).bytes();
+  const std::map<std::string, std::string> data = {{"0", kW}, {"1", kB}};
+  struct Case {
+    std::string bytes;
+    Code code;
+    std::string needle;
+  };
+  std::string wrong_size = MakeTorchZip(pkl, {{"0", kW + "x"}, {"1", kB}});
+  const std::vector<Case> cases = {
+      {MakeTorchZip(pkl, {{"0", kW}}), Code::kTorchMissingStorage,
+       "m.pt: storage \"1\" (pickle offset"},
+      {wrong_size, Code::kTorchMissingStorage,
+       "entry \"archive/data/0\" holds 25 bytes but its storage (6 x FloatStorage) needs 24"},
+      {MakeZip({{"archive/other", "x"}}), Code::kTorchBadArchive, "no \"<archive>/data.pkl\""},
+      {MakeZip({{"a/data.pkl", pkl}, {"b/data.pkl", pkl}}), Code::kTorchBadArchive,
+       "several \"<archive>/data.pkl\" entries"},
+      {MakeTorchZip(pkl, data, "archive", "middle"), Code::kTorchBadArchive,
+       "holds \"middle\", not \"little\" or \"big\""},
+      {MakeZip({{"archive/data.pkl", pkl}, {"archive/version", "three"}}), Code::kTorchBadArchive,
+       "not a version number"},
+      {MakeTorchZip(pkl + "junk", data), Code::kPickleMalformed, "4 bytes after STOP"},
+      {"hello world", Code::kTorchBadArchive, "neither a zip archive nor a pickle"},
+      {std::string("\x80\x02K\x01.", 5), Code::kTorchLegacyInvalid, "torch's magic number"},
+  };
+  for (const Case& c : cases) {
+    MemoryEnv env;
+    env.AddFile("m.pt", c.bytes);
+    auto r = OpenIn(env, "m.pt");
+    EXPECT_TRUE(Fails(r.status(), c.code, c.needle)) << c.needle;
+  }
+}
+
+TEST(TorchCheckpoint, MaliciousPickleInsideAnArchive) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark().Str("x").Global("os", "system").Str("touch /tmp/pwned");
+  p.Tuple(1).Reduce().SetItems().Stop();
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(p.bytes(), {}));
+  auto r = OpenIn(env, "m.pt");
+  EXPECT_TRUE(Fails(r.status(), Code::kPickleRefusedGlobal,
+                    "m.pt: archive/data.pkl: refused global os.system at pickle offset 10"));
+}
+
+TEST(TorchCheckpoint, ObjectTreeRules) {
+  struct Case {
+    PickleBuilder p;
+    Code code;
+    std::string needle;
+  };
+  std::vector<Case> cases(4);
+  cases[0].p.Proto(2).Tensor("FloatStorage", "0", 4, 0, {4}, {1}).Stop();
+  cases[0].code = Code::kTorchNotStateDict;
+  cases[0].needle = "holds a Tensor, not a dict of tensors";
+  cases[1].p.Proto(2).EmptyDict().Mark().Str("a.b").Tensor("FloatStorage", "0", 4, 0, {4}, {1});
+  cases[1].p.Str("a").EmptyDict().Str("b").Int(1).SetItem().SetItems().Stop();
+  cases[1].code = Code::kTorchNameConflict;
+  cases[1].needle = "two entries are both named \"a.b\"";
+  cases[2].p.Proto(2).EmptyDict().Mark().Str("c");
+  cases[2].p.Tensor("ComplexDoubleStorage", "0", 1, 0, {1}, {1}).SetItems().Stop();
+  cases[2].code = Code::kTorchUnsupportedDtype;
+  cases[2].needle = "tensor \"c\" (pickle offset";
+  cases[3].p.Proto(2).EmptyDict().Str("a").EmptyDict().Str("b").EmptyDict().Str("c").Int(1);
+  cases[3].p.SetItem().SetItem().SetItem().Stop();
+  cases[3].code = Code::kPickleLimitExceeded;
+  cases[3].needle = "\"a.b.c\" is nested deeper than TorchLimits::max_depth (2)";
+  TorchLimits limits;
+  limits.max_depth = 2;
+  for (const Case& c : cases) {
+    MemoryEnv env;
+    env.AddFile("m.pt", MakeTorchZip(c.p.bytes(), {{"0", std::string(16, '\0')}}));
+    auto r = OpenIn(env, "m.pt", limits);
+    EXPECT_TRUE(Fails(r.status(), c.code, c.needle)) << c.needle;
+  }
+}
+
+TEST(TorchCheckpoint, ValuesKeysAndCycles) {
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark();
+  p.Str("state").EmptyDict().Mark().Int(0).EmptyDict().Str("m").Tensor("FloatStorage", "0", 1, 0,
+                                                                       {}, {});
+  p.SetItem().Int(1).None().SetItems();              // int keys -> "state.0.m"
+  p.Str("loop").EmptyList().Put(5).Get(5).Append();  // a list holding itself
+  p.Str("blob").Bytes("\x01'").Str("dt").Global("torch", "float16");
+  p.Str("size").Global("torch", "Size").Int(2).Tuple(1).Tuple(1).Reduce();
+  p.Str("nested").EmptyList().Mark().EmptyDict().Str("lr").Float(1e-5).SetItem().Appends();
+  p.Str("empty").EmptyDict().Str("od").OrderedDict().Str("t").Int(3).Tuple(1);
+  p.Int(5).Str("int key").None().Str("none");
+  p.SetItems().Stop();
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(p.bytes(), {{"0", F32Bytes({1.5f})}}));
+  auto c = OpenIn(env, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ((*c)->tensors().size(), 1u);
+  EXPECT_EQ((*c)->tensors()[0].name, "state.0.m");
+  EXPECT_TRUE((*c)->tensors()[0].shape.empty());
+  std::map<std::string, const TorchValue*> v;
+  for (const TorchValue& x : (*c)->values()) v[x.name] = &x;
+  EXPECT_EQ(v.at("state.1")->text, "None");
+  EXPECT_FALSE(v.at("loop")->representable);
+  EXPECT_NE(v.at("loop")->note.find("contains itself"), std::string::npos) << v.at("loop")->note;
+  EXPECT_EQ(v.at("blob")->text, "b\"\\x01'\"");
+  EXPECT_EQ(v.at("dt")->text, "torch.float16");
+  EXPECT_EQ(v.at("size")->text, "torch.Size([2])");
+  EXPECT_EQ(v.at("nested.0.lr")->text, "1e-05");
+  EXPECT_EQ(v.at("empty")->text, "{}");
+  EXPECT_EQ(v.at("od")->text, "OrderedDict()");
+  EXPECT_EQ(v.at("t")->text, "(3,)");
+  EXPECT_EQ(v.at("5")->text, "int key");
+  EXPECT_EQ(v.at("None")->text, "none");
+}
+
+TEST(TorchCheckpoint, SharedGraphsCannotBlowUp) {
+  // d0 = {"t": tensor}; d[k] = {"a": d[k-1], "b": d[k-1]}: 2^40 names if walked naively.
+  PickleBuilder dicts;
+  dicts.Proto(2).EmptyDict().Str("t").Tensor("FloatStorage", "0", 1, 0, {1}, {1}).SetItem();
+  dicts.Put(0).Op('0');  // POP: the dict lives on in the memo
+  for (uint32_t k = 1; k <= 40; ++k) {
+    dicts.EmptyDict().Mark().Str("a").Get(k - 1).Str("b").Get(k - 1).SetItems().Put(k).Op('0');
+  }
+  dicts.EmptyDict().Str("root").Get(40).SetItem().Stop();
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(dicts.bytes(), {{"0", F32Bytes({1})}}));
+  TorchLimits limits;
+  limits.max_entries = 10000;
+  auto r = OpenIn(env, "m.pt", limits);
+  EXPECT_TRUE(Fails(r.status(), Code::kPickleLimitExceeded, "TorchLimits::max_entries (10000)"));
+
+  // l[k] = [l[k-1], l[k-1]] under 5000 names: every text is too long, and the work is bounded
+  // by the total text budget, not 5000 x 2^60.
+  PickleBuilder lists;
+  lists.Proto(2).EmptyList().Put(0).Op('0');
+  for (uint32_t k = 1; k <= 60; ++k) {
+    lists.EmptyList().Mark().Get(k - 1).Get(k - 1).Appends().Put(k).Op('0');
+  }
+  lists.EmptyDict().Mark();
+  for (int i = 0; i < 5000; ++i) {
+    std::string key = "v";
+    key += std::to_string(i);  // (not "v" + ...: GCC 12 warns falsely, -Wrestrict)
+    lists.Str(key).Get(60);
+  }
+  lists.SetItems().Stop();
+  MemoryEnv env2;
+  env2.AddFile("m.pt", MakeTorchZip(lists.bytes(), {}));
+  auto c = OpenIn(env2, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ((*c)->values().size(), 5000u);
+  EXPECT_FALSE((*c)->values()[0].representable);
+  EXPECT_NE((*c)->values()[4999].note.find("in all"), std::string::npos)
+      << (*c)->values()[4999].note;
+}
+
+TEST(TorchCheckpoint, ShardedIndex) {
+  PickleBuilder a, b;
+  a.Proto(2)
+      .EmptyDict()
+      .Mark()
+      .Str("x")
+      .Tensor("FloatStorage", "0", 1, 0, {1}, {1})
+      .SetItems()
+      .Stop();
+  b.Proto(2)
+      .EmptyDict()
+      .Mark()
+      .Str("y")
+      .Tensor("FloatStorage", "0", 2, 0, {2}, {1})
+      .SetItems()
+      .Stop();
+  auto env_with = [&](const std::string& index) {
+    auto env = std::make_unique<MemoryEnv>();
+    env->AddFile("d/p-1.bin", MakeTorchZip(a.bytes(), {{"0", F32Bytes({1})}}));
+    env->AddFile("d/p-2.bin", MakeLegacy(PickleBuilder()
+                                             .Proto(2)
+                                             .EmptyDict()
+                                             .Mark()
+                                             .Str("y")
+                                             .Tensor("FloatStorage", "k", 2, 0, {2}, {1}, true)
+                                             .SetItems()
+                                             .Stop()
+                                             .bytes(),
+                                         {{"k", 2, F32Bytes({2, 3})}}));
+    env->AddFile("d/pytorch_model.bin.index.json", index);
+    return env;
+  };
+  auto ok =
+      env_with(R"({"metadata":{"total_size":12},"weight_map":{"x":"p-1.bin","y":"p-2.bin"}})");
+  auto c = OpenIn(*ok, "d/pytorch_model.bin.index.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ((*c)->files().size(), 2u);
+  EXPECT_EQ((*c)->files()[1].format, TorchFormat::kLegacy);
+  EXPECT_EQ(ReadAllOf(**c, "y"), F32Bytes({2, 3}));
+  EXPECT_EQ((*c)->index_metadata().size(), 1u);
+
+  auto missing = env_with(R"({"weight_map":{"x":"p-1.bin","y":"p-2.bin","z":"p-2.bin"}})");
+  EXPECT_TRUE(Fails(OpenIn(*missing, "d/pytorch_model.bin.index.json").status(),
+                    Code::kIndexMissingTensor, "tensor \"z\" is listed in \"p-2.bin\""));
+  auto unlisted = env_with(R"({"weight_map":{"x":"p-1.bin","y":"p-2.bin"}})");
+  PickleBuilder two;
+  two.Proto(2).EmptyDict().Mark().Str("x").Tensor("FloatStorage", "0", 1, 0, {1}, {1});
+  two.Str("extra").Tensor("FloatStorage", "0", 1, 0, {1}, {1}).SetItems().Stop();
+  unlisted->AddFile("d/p-1.bin", MakeTorchZip(two.bytes(), {{"0", F32Bytes({1})}}));
+  EXPECT_TRUE(Fails(OpenIn(*unlisted, "d/pytorch_model.bin.index.json").status(),
+                    Code::kIndexUnlistedTensor, "d/p-1.bin: tensor \"extra\" is not listed"));
+  auto wrong_file = env_with(R"({"weight_map":{"x":"p-2.bin","y":"p-2.bin"}})");
+  EXPECT_TRUE(Fails(OpenIn(*wrong_file, "d/pytorch_model.bin.index.json").status(),
+                    Code::kIndexMissingTensor, "tensor \"x\" is listed in \"p-2.bin\""));
+  auto absent = env_with(R"({"weight_map":{"x":"p-1.bin","y":"p-3.bin"}})");
+  EXPECT_TRUE(Fails(OpenIn(*absent, "d/pytorch_model.bin.index.json").status(),
+                    Code::kIndexMissingFile, "file \"p-3.bin\""));
+  auto escape = env_with(R"({"weight_map":{"x":"../p-1.bin"}})");
+  EXPECT_EQ(OpenIn(*escape, "d/pytorch_model.bin.index.json").status().code(),
+            Code::kIndexPathEscape);
+}
+
+TEST(TorchCheckpoint, EveryTruncationOfAZipOrLegacyFileEndsCleanly) {
+  const std::string zip = MakeTorchZip(ModelPickle(false).bytes(), {{"0", kW}, {"1", kB}});
+  const std::string legacy = MakeLegacy(ModelPickle(true).bytes(), {{"1", 3, kB}, {"0", 6, kW}});
+  for (const std::string* full : {&zip, &legacy}) {
+    for (size_t n = 0; n < full->size(); ++n) {
+      MemoryEnv env;
+      env.AddFile("m.pt", full->substr(0, n));
+      auto c = OpenIn(env, "m.pt");
+      ASSERT_FALSE(c.ok()) << n;
+      EXPECT_FALSE(c.status().message().empty());
+    }
+  }
+}
+
+TEST(TorchCheckpoint, EveryByteFlipEndsCleanly) {
+  const std::string legacy = MakeLegacy(ModelPickle(true).bytes(), {{"1", 3, kB}, {"0", 6, kW}});
+  const std::string zip = MakeTorchZip(ModelPickle(false).bytes(), {{"0", kW}, {"1", kB}});
+  for (const std::string* full : {&zip, &legacy}) {
+    for (size_t i = 0; i < full->size(); ++i) {
+      std::string bytes = *full;
+      bytes[i] = static_cast<char>(bytes[i] ^ 0x24);
+      MemoryEnv env;
+      env.AddFile("m.pt", bytes);
+      auto c = OpenIn(env, "m.pt");
+      if (!c.ok()) continue;
+      for (size_t t = 0; t < (*c)->tensors().size(); ++t) {
+        std::vector<std::byte> out(static_cast<size_t>((*c)->tensors()[t].byte_size));
+        (void)(*c)->ReadTensor(t, 0, out);
+      }
+    }
+  }
+}
+
+TEST(TorchCheckpoint, ReadTensorChecksItsArguments) {
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(ModelPickle(false).bytes(), {{"0", kW}, {"1", kB}}));
+  auto c = OpenIn(env, "m.pt");
+  ASSERT_TRUE(c.ok());
+  std::vector<std::byte> out(8);
+  EXPECT_EQ((*c)->ReadTensor(99, 0, out).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*c)->ReadTensor(0, 20, out).code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tensorferry

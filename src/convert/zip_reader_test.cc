@@ -1,0 +1,210 @@
+#include "convert/zip_reader.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "testing/test_util.h"
+#include "testing/torch_builder.h"
+
+namespace tensorferry::convert {
+namespace {
+
+using testing::MakeZip;
+using testing::MemoryEnv;
+using testing::TempDir;
+using testing::ZipSpec;
+
+std::string Str(std::span<const std::byte> b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+std::string Pattern(size_t n) {
+  std::string s(n, '\0');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>((i * 7 + i / 251) & 0xff);
+  return s;
+}
+
+Result<std::unique_ptr<ZipReader>> OpenBytes(MemoryEnv& env, const std::string& bytes,
+                                             std::unique_ptr<RandomAccessFile>& file,
+                                             uint64_t max_entries = 1000) {
+  env.AddFile("a.zip", bytes);
+  auto f = env.OpenRandomAccess("a.zip");
+  if (!f.ok()) return f.status();
+  file = std::move(*f);
+  return ZipReader::Open(*file, max_entries);
+}
+
+TEST(ZipReader, ListsAndReadsStoredEntries) {
+  const std::string big = Pattern(100000);
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto zip =
+      OpenBytes(env, MakeZip({{"a/data.pkl", "pickle"}, {"a/data/0", big}, {"a/e", ""}}), file);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  ZipReader& z = **zip;
+  ASSERT_EQ(z.entries().size(), 3u);
+  EXPECT_EQ(z.entries()[1].name, "a/data/0");
+  EXPECT_EQ(z.entries()[1].size, big.size());
+  EXPECT_EQ(z.entries()[1].method, 0);
+  EXPECT_EQ(z.Find("a/data/0"), 1u);
+  EXPECT_FALSE(z.Find("a/data").has_value());
+  auto all = z.ReadAll(0, 100);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(*all, "pickle");
+  auto empty = z.ReadAll(2, 100);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, "");
+  auto limited = z.ReadAll(1, 10);
+  EXPECT_EQ(limited.status().code(), Code::kZipBadEntry);
+  // Ranges in any order, across the whole entry.
+  std::vector<std::byte> buf(4096);
+  for (uint64_t off : {uint64_t{50000}, uint64_t{0}, uint64_t{95904}, uint64_t{12345}}) {
+    ASSERT_TRUE(z.ReadAt(1, off, buf).ok());
+    EXPECT_EQ(Str(buf), big.substr(off, buf.size())) << off;
+  }
+  EXPECT_EQ(z.ReadAt(1, 99000, buf).code(), Code::kInvalidArgument);
+}
+
+TEST(ZipReader, DeflatedEntriesReadForwardAndBack) {
+  TempDir dir;
+  const std::string big = Pattern(300000);
+  testing::WriteDeflatedZip(dir.Join("d.zip"), {{"x/data.pkl", "abc"}, {"x/data/0", big}});
+  auto file = Env::Default()->OpenRandomAccess(dir.Join("d.zip"));
+  ASSERT_TRUE(file.ok());
+  auto zip = ZipReader::Open(**file, 100);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  ZipReader& z = **zip;
+  EXPECT_EQ(z.entries()[1].method, 8);
+  EXPECT_LT(z.entries()[1].compressed_size, big.size());
+  EXPECT_EQ(*z.ReadAll(0, 10), "abc");
+  std::vector<std::byte> buf(1000);
+  for (uint64_t off : {uint64_t{1000}, uint64_t{200000}, uint64_t{5}, uint64_t{299000}}) {
+    ASSERT_TRUE(z.ReadAt(1, off, buf).ok());
+    EXPECT_EQ(Str(buf), big.substr(off, buf.size())) << off;
+  }
+}
+
+TEST(ZipReader, RefusesWhatIsNotAZip) {
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto r = OpenBytes(env, "PK\x03\x04 this is not a zip archive at all", file);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kZipInvalid);
+  EXPECT_NE(r.status().message().find("a.zip: not a readable zip archive"), std::string::npos)
+      << r.status().message();
+}
+
+TEST(ZipReader, RefusesDuplicateNamesAndTooManyEntries) {
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto dup = OpenBytes(env, MakeZip({{"a/x", "1"}, {"a/x", "2"}}), file);
+  ASSERT_FALSE(dup.ok());
+  EXPECT_EQ(dup.status().code(), Code::kZipInvalid);
+  MemoryEnv env2;
+  std::unique_ptr<RandomAccessFile> file2;
+  auto many = OpenBytes(env2, MakeZip({{"a", "1"}, {"b", "2"}, {"c", "3"}}), file2, 2);
+  ASSERT_FALSE(many.ok());
+  EXPECT_NE(many.status().message().find("more than the limit of 2"), std::string::npos);
+}
+
+TEST(ZipReader, CrcMismatchIsAnEntryError) {
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  ZipSpec bad{"a/data.pkl", "some pickle bytes", true};
+  auto zip = OpenBytes(env, MakeZip({bad}), file);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  auto all = (*zip)->ReadAll(0, 100);
+  ASSERT_FALSE(all.ok());
+  EXPECT_EQ(all.status().code(), Code::kZipBadEntry);
+  EXPECT_NE(all.status().message().find("zip entry \"a/data.pkl\""), std::string::npos);
+}
+
+TEST(ZipReader, CrcIsCheckedWhenAnEntryIsReadInOrder) {
+  const std::string data = Pattern(10000);
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto zip = OpenBytes(env, MakeZip({{"a/good", data}, {"a/bad", data, true}}), file);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  std::vector<std::byte> chunk(3000);
+  for (size_t index : {size_t{0}, size_t{1}}) {
+    Status last;
+    for (uint64_t off = 0; off < data.size(); off += chunk.size()) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), data.size() - off));
+      last = (*zip)->ReadAt(index, off, std::span<std::byte>(chunk.data(), n));
+      if (off + n < data.size()) {
+        ASSERT_TRUE(last.ok()) << last.ToString();
+      }
+    }
+    if (index == 0) {
+      EXPECT_TRUE(last.ok()) << last.ToString();
+    } else {
+      EXPECT_EQ(last.code(), Code::kZipBadEntry) << last.ToString();
+      EXPECT_NE(last.message().find("zip entry \"a/bad\""), std::string::npos);
+    }
+  }
+}
+
+TEST(ZipReader, IoErrorsComeBackAsIoErrors) {
+  MemoryEnv env;
+  // Large enough that libzip's scan of the last 64 KiB for the end record misses the fault.
+  const std::string bytes = MakeZip({{"a/data.pkl", Pattern(200000)}});
+  env.AddFile("a.zip", bytes);
+  MemoryEnv::Faults faults;
+  faults.eio_at = 50000;
+  env.SetFaults("a.zip", faults);
+  auto f = env.OpenRandomAccess("a.zip");
+  ASSERT_TRUE(f.ok());
+  auto zip = ZipReader::Open(**f, 10);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  auto all = (*zip)->ReadAll(0, 300000);
+  ASSERT_FALSE(all.ok());
+  EXPECT_EQ(all.status().code(), Code::kIoError) << all.status().ToString();
+}
+
+TEST(ZipReader, ShortReadsAreContinued) {
+  MemoryEnv env;
+  const std::string data = Pattern(20000);
+  env.AddFile("a.zip", MakeZip({{"a/b", data}}));
+  MemoryEnv::Faults faults;
+  faults.max_read = 7;
+  env.SetFaults("a.zip", faults);
+  auto f = env.OpenRandomAccess("a.zip");
+  ASSERT_TRUE(f.ok());
+  auto zip = ZipReader::Open(**f, 10);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  EXPECT_EQ(*(*zip)->ReadAll(0, data.size()), data);
+}
+
+TEST(ZipReader, EveryTruncationAndByteFlipEndsCleanly) {
+  const std::string bytes = MakeZip({{"a/data.pkl", "pickle"}, {"a/data/0", Pattern(300)}});
+  auto exercise = [](const std::string& b) {
+    MemoryEnv env;
+    std::unique_ptr<RandomAccessFile> file;
+    auto zip = OpenBytes(env, b, file);
+    if (!zip.ok()) {
+      EXPECT_FALSE(zip.status().message().empty());
+      return;
+    }
+    for (size_t i = 0; i < (*zip)->entries().size(); ++i) {
+      auto all = (*zip)->ReadAll(i, 1000);
+      std::vector<std::byte> buf(
+          static_cast<size_t>(std::min<uint64_t>((*zip)->entries()[i].size, 64)));
+      auto s = (*zip)->ReadAt(i, 0, buf);
+      if (!all.ok()) {
+        EXPECT_FALSE(all.status().message().empty());
+      }
+      (void)s;
+    }
+  };
+  for (size_t n = 0; n < bytes.size(); ++n) exercise(bytes.substr(0, n));
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    std::string flipped = bytes;
+    flipped[i] = static_cast<char>(flipped[i] ^ 0x41);
+    exercise(flipped);
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry::convert

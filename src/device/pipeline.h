@@ -1,0 +1,174 @@
+// Internal: the device pipeline, moving byte ranges of files into device memory.
+//
+// Input: a list of DeviceTasks (a file, a byte range, a device destination, optionally a strided
+// layout and an O_DIRECT descriptor) and an io::ReadEngine. Each task is cut into chunks of at
+// most slot_size bytes (chunk boundaries after the first fall on 4 KiB file offsets, and each chunk
+// sits in its slot at its file offset modulo 4 KiB, so O_DIRECT reads need no bounce buffers).
+// Producer threads (each with its own CUDA stream) take chunks in order and, for each one:
+//   staged path: acquire a free slot of the pinned StagingRing, read the chunk into it through the
+//     engine, queue cudaMemcpyAsync (cudaMemcpy2DAsync for strided tasks) to the destination on
+//     the producer's stream, and submit the slot, which records the slot's event; the slot is
+//     reused only after that event completes. So the read of chunk k+1 overlaps the copy of chunk
+//     k, and several reads are in flight when there are several producers.
+//   GDS path: cuFileRead straight into the destination (registered once per DeviceBuffer), no
+//     staging and no copy.
+// Run returns when every chunk's bytes are in device memory (all copies complete) or on the first
+// error; after an error no new chunk starts, every copy in flight is waited for, and every slot is
+// free again before Run returns, so the caller may free the destinations at once.
+//
+// GDS selection (DevicePipelineOptions::gds; docs/gpu.md):
+//   kOff:  never; the ring only.
+//   kAuto: when libcufile loads and cuFileDriverOpen succeeds (checked once, at Create), per file
+//          when it has a file descriptor (O_DIRECT where the file system allows, else the buffered
+//          one) and cuFileHandleRegister accepts it, and per task when it is
+//          contiguous and its file offset and device address are multiples of gds_alignment. Every
+//          other task goes through the ring; stats().gds_reason says why, per cause.
+//   kOn:   like kAuto but an unusable library, driver or file is an error (kGdsUnavailable), and
+//          unaligned contiguous tasks use cuFile too (cuFile handles them, more slowly). Strided
+//          tasks always use the ring.
+//
+// Memory: pinned host memory is exactly the ring (slot_count x slot_size, both from the options,
+// allocated once at Create). The pipeline allocates no device memory: destinations are the
+// caller's (see device_memory.h for the budgeted allocator).
+//
+// Errors name the file and offset: the engine's read errors as they are (kIoError,
+// kUnexpectedEof), kCudaError "copy of <path> [offset, end) to device <address>: <CUDA error>",
+// kCufileError "<path>: cuFileRead at offset ...", kInvalidArgument for a malformed task (its
+// index).
+//
+// Thread-safety: Run calls on one pipeline are serialized (a second caller waits); the tasks'
+// files, the engine and the destinations must outlive the call.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cuda/cuda_api.h"
+#include "cuda/cufile_api.h"
+#include "cuda/resources.h"
+#include "device/device_memory.h"
+#include "device/staging_ring.h"
+#include "io/read_engine.h"
+#include "tensorferry/env.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry::device {
+
+enum class GdsMode : uint8_t { kAuto, kOn, kOff };
+std::string_view GdsModeName(GdsMode mode) noexcept;  // "auto", "on", "off"
+Result<GdsMode> ParseGdsMode(std::string_view name);  // errors: kInvalidArgument
+
+struct DeviceTask {
+  const RandomAccessFile* file = nullptr;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;       // bytes read: [file_offset, file_offset + length)
+  std::byte* dst = nullptr;  // device address (not touched on the host)
+  // Strided copy when rows > 0 (a tensor-parallel slice along a dimension other than 0): the bytes
+  // read hold `rows` rows of `row_bytes` bytes, `src_pitch` bytes apart, so length must be
+  // (rows - 1) * src_pitch + row_bytes; row r lands at dst + r * dst_pitch (dst_pitch >=
+  // row_bytes).
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;
+  uint64_t src_pitch = 0;
+  uint64_t dst_pitch = 0;
+  // An O_DIRECT descriptor of `file` (io::DirectFile), or -1: passed to the engine with each read.
+  // Staged data is placed in the slot congruent to its file offset modulo
+  // io::kDirectAlignment, so the engine can read the aligned middle of every chunk directly.
+  int direct_fd = -1;
+};
+
+struct DevicePipelineOptions {
+  int device = 0;
+  // Bytes per staging slot, i.e. per read and per copy (rounded up to 4 KiB).
+  uint64_t slot_size = 8ull << 20;
+  // Pinned host memory for the ring: slot_count = staging_bytes / slot_size, at least 2 (one slot
+  // filling while another copies), else kInvalidArgument.
+  uint64_t staging_bytes = 64ull << 20;
+  // Producer threads (each with a CUDA stream); 0: min(4, slot_count).
+  unsigned producers = 0;
+  GdsMode gds = GdsMode::kAuto;
+  // File offsets and device addresses GDS reads need to be multiples of, under kAuto.
+  uint64_t gds_alignment = 4096;
+};
+
+struct DevicePipelineStats {
+  uint64_t tasks = 0;
+  uint64_t chunks = 0;
+  uint64_t staged_bytes = 0;  // through the ring (read, then copied)
+  uint64_t gds_bytes = 0;     // read by cuFile straight into device memory
+  uint64_t copies = 0;        // cudaMemcpyAsync calls
+  uint64_t copies_2d = 0;     // cudaMemcpy2DAsync calls
+  unsigned slots = 0;
+  uint64_t slot_size = 0;
+  uint64_t pinned_bytes = 0;  // the ring's pinned memory
+  unsigned peak_slots_in_use = 0;
+  unsigned producers = 0;
+  bool gds_enabled = false;   // the driver opened (kAuto/kOn)
+  uint64_t gds_tasks = 0;     // tasks read with cuFile
+  uint64_t staged_tasks = 0;  // tasks through the ring
+  std::string gds_reason;     // why GDS is off, or why some tasks did not use it ("" if all did)
+};
+
+class DevicePipeline {
+ public:
+  // Creates the ring, the streams and (unless GDS is off) opens the cuFile driver. `cufile` is
+  // the cuFile library to use, or the reason it could not be loaded.
+  // Errors: kInvalidArgument (options), those of Runtime::CheckDevice, StagingRing::Create and
+  // stream creation, kGdsUnavailable (gds == kOn and cuFile or its driver is unusable).
+  static Result<std::unique_ptr<DevicePipeline>> Create(
+      std::shared_ptr<const cuda::Runtime> runtime, const DevicePipelineOptions& options,
+      Result<std::shared_ptr<const cuda::Cufile>> cufile);
+  // The same with the process-wide cuFile (cuda::ProcessCufile()), loaded only when gds != kOff.
+  static Result<std::unique_ptr<DevicePipeline>> Create(
+      std::shared_ptr<const cuda::Runtime> runtime, const DevicePipelineOptions& options);
+  ~DevicePipeline();
+  DevicePipeline(const DevicePipeline&) = delete;
+  DevicePipeline& operator=(const DevicePipeline&) = delete;
+
+  // Moves every task's bytes to its destination (see the file comment). `destination`, when given,
+  // is the buffer all destinations lie in: with GDS it is registered with cuFile once (later runs
+  // into the same buffer reuse the registration). Errors: see the file comment.
+  Status Run(std::span<const DeviceTask> tasks, io::ReadEngine& engine,
+             DeviceBuffer* destination = nullptr);
+
+  // Totals since creation (gds_reason: as of the last Run).
+  DevicePipelineStats stats() const;
+  const DevicePipelineOptions& options() const noexcept { return options_; }
+  // Staging slots not free (0 whenever no Run is in progress).
+  unsigned slots_in_use() const { return ring_->in_use(); }
+
+ private:
+  struct Chunk;
+  struct GdsFile;
+  struct RunState;
+  DevicePipeline(std::shared_ptr<const cuda::Runtime> runtime, const DevicePipelineOptions& options)
+      : runtime_(std::move(runtime)), options_(options) {}
+
+  Status Plan(std::span<const DeviceTask> tasks, RunState& run);
+  void Produce(unsigned producer, io::ReadEngine& engine, RunState& run);
+  Status Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
+  Status ReadGds(const Chunk& chunk, RunState& run);
+  // Errors: kGdsUnavailable naming the file and the reason (no descriptor, replaced file, cuFile
+  // refusal).
+  Result<std::unique_ptr<GdsFile>> OpenGdsFile(const RandomAccessFile& file);
+
+  std::shared_ptr<const cuda::Runtime> runtime_;
+  DevicePipelineOptions options_;
+  std::unique_ptr<StagingRing> ring_;
+  std::vector<cuda::UniqueStream> streams_;
+  std::shared_ptr<cuda::CufileDriver> gds_driver_;  // null: GDS off or unusable
+  std::string gds_off_reason_;                      // why gds_driver_ is null
+
+  std::mutex run_mu_;  // one Run at a time
+  mutable std::mutex stats_mu_;
+  DevicePipelineStats stats_;
+};
+
+}  // namespace tensorferry::device

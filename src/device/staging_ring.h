@@ -1,0 +1,97 @@
+// Internal: a ring of reusable pinned staging buffers ("slots") for host-to-device copies.
+//
+// All slots live in one cudaHostAlloc made at creation (pinning is expensive: it is paid once, not
+// per chunk) and each has an event. A producer Acquires a free slot, reads file bytes into it,
+// queues the copy to the device on its stream and Submits the slot, which records the slot's event
+// behind the copy. The slot is handed out again only after that event has completed, i.e. after
+// the device has finished reading it: a slot is never overwritten under a pending copy. Slot count
+// times slot size is all the pinned memory a load uses.
+//
+// Acquire prefers a never-used or already-completed slot; otherwise it waits for the oldest
+// submitted one. An asynchronous copy failure surfaces from the Acquire or Drain that observes the
+// slot's event, with the description given at Submit (file, offset, destination).
+//
+// Thread-safety: Acquire, Submit, Release and Drain may be called from several threads at once.
+// A slot's bytes belong to the thread that acquired it until it Submits or Releases it.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_api.h"
+#include "cuda/resources.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry::device {
+
+class StagingRing {
+ public:
+  // `slot_count` slots of `slot_size` bytes each, rounded up to 4 KiB so every slot is page
+  // aligned (as O_DIRECT reads need). Errors: kInvalidArgument (no slots, size 0),
+  // kDeviceOutOfMemory (the pinned allocation), kCudaError (event creation).
+  static Result<std::unique_ptr<StagingRing>> Create(std::shared_ptr<const cuda::Runtime> runtime,
+                                                     unsigned slot_count, uint64_t slot_size);
+  // Waits for every submitted slot, then frees events and memory.
+  ~StagingRing();
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+
+  unsigned slot_count() const noexcept { return static_cast<unsigned>(slots_.size()); }
+  uint64_t slot_size() const noexcept { return slot_size_; }
+  uint64_t pinned_bytes() const noexcept { return memory_->size(); }
+  std::span<std::byte> slot(unsigned index) const noexcept {
+    return {memory_->data() + index * slot_size_, static_cast<size_t>(slot_size_)};
+  }
+
+  // Blocks until a slot is free and returns its index; the caller owns it until Submit/Release.
+  // Errors: the asynchronous failure of the copy that last used the slot waited for (kCudaError,
+  // "<what given to Submit>: <CUDA error>"); that slot is free again afterwards.
+  Result<unsigned> Acquire();
+  // The caller queued copies from slot `index` on `stream`: records the slot's event behind them.
+  // Errors: kCudaError from cudaEventRecord (the stream is then synchronized and the slot freed).
+  Status Submit(unsigned index, cuda::Stream stream, std::string what);
+  // Returns a slot from which nothing was queued.
+  void Release(unsigned index);
+  // Waits until every submitted slot's copy has completed; the first asynchronous error, if any.
+  Status Drain();
+
+  unsigned in_use() const;       // slots acquired or submitted and not yet known complete
+  unsigned peak_in_use() const;  // highest in_use() seen
+
+ private:
+  enum class SlotState : uint8_t { kFree, kFilling, kSubmitted, kWaiting };
+  struct Slot {
+    cuda::UniqueEvent event;
+    SlotState state = SlotState::kFree;
+    std::string what;  // the copy it was submitted for
+  };
+  StagingRing(std::shared_ptr<const cuda::Runtime> runtime, uint64_t slot_size)
+      : runtime_(std::move(runtime)), slot_size_(slot_size) {}
+  // REQUIRES: mu_ held. A free slot becomes the caller's.
+  unsigned Take(unsigned index);
+  // REQUIRES: mu_ held. A slot whose copy completed becomes the caller's, or free again with the
+  // copy's error.
+  Result<unsigned> Reuse(unsigned index, cuda::Error error);
+  // REQUIRES: mu_ held. Back to the free list.
+  void MakeFree(unsigned index);
+
+  std::shared_ptr<const cuda::Runtime> runtime_;
+  uint64_t slot_size_;
+  std::unique_ptr<cuda::PinnedHostBuffer> memory_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Slot> slots_;
+  std::deque<unsigned> free_;       // never used, or known complete
+  std::deque<unsigned> submitted_;  // in submission order
+  unsigned in_use_ = 0;
+  unsigned peak_in_use_ = 0;
+};
+
+}  // namespace tensorferry::device

@@ -1,0 +1,204 @@
+#include "device/staging_ring.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "testing/fake_cuda.h"
+
+namespace tensorferry::device {
+namespace {
+
+::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
+  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
+}
+
+class StagingRingTest : public testing::FakeCudaTest {
+ protected:
+  void* Malloc(size_t size) {
+    void* p = nullptr;
+    EXPECT_EQ(runtime_->api().cudaMalloc(&p, size), cuda::kSuccess);
+    return p;
+  }
+};
+
+TEST_F(StagingRingTest, OnePinnedAllocationOfPageAlignedSlots) {
+  EXPECT_EQ(StagingRing::Create(runtime_, 0, 4096).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(StagingRing::Create(runtime_, 2, 0).status().code(), Code::kInvalidArgument);
+  auto ring = StagingRing::Create(runtime_, 3, 5000);
+  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+  EXPECT_EQ((*ring)->slot_count(), 3u);
+  EXPECT_EQ((*ring)->slot_size(), 8192u);
+  EXPECT_EQ((*ring)->pinned_bytes(), 3u * 8192);
+  for (unsigned i = 0; i < 3; ++i) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>((*ring)->slot(i).data()) % 4096, 0u);
+    EXPECT_EQ((*ring)->slot(i).size(), 8192u);
+  }
+  const TfFakeCudaStats s = fake_->Stats();
+  EXPECT_EQ(s.pinned_allocations_live, 1u);
+  EXPECT_EQ(s.pinned_bytes_in_use, 3u * 8192);
+  EXPECT_EQ(s.events_live, 3u);
+}
+
+TEST_F(StagingRingTest, PinnedAllocationFailureIsReported) {
+  auto config = DefaultConfig();
+  config.fail_host_alloc_at = 1;
+  Configure(config);
+  auto ring = StagingRing::Create(runtime_, 4, 1 << 20);
+  ASSERT_FALSE(ring.ok());
+  EXPECT_EQ(ring.status().code(), Code::kDeviceOutOfMemory);
+  EXPECT_TRUE(Contains(ring.status().message(), "cudaHostAlloc(4.19 MB of pinned memory)"));
+  EXPECT_TRUE(Contains(ring.status().message(), "cudaErrorMemoryAllocation"));
+}
+
+// With every slot submitted behind slow copies, Acquire hands a slot out only once the copy that
+// used it has run.
+TEST_F(StagingRingTest, ASlotIsReusedOnlyAfterItsCopyCompleted) {
+  auto config = DefaultConfig();
+  config.copy_delay_us = 5000;
+  Configure(config);
+  auto ring = StagingRing::Create(runtime_, 2, 4096);
+  ASSERT_TRUE(ring.ok());
+  StagingRing& r = **ring;
+  void* dev = Malloc(8192);
+  auto stream = cuda::UniqueStream::Create(runtime_);
+  ASSERT_TRUE(stream.ok());
+  for (int round = 0; round < 6; ++round) {
+    auto slot = r.Acquire();
+    ASSERT_TRUE(slot.ok()) << slot.status().ToString();
+    // The copy of round - 2 used this slot; it (and, in stream order, all before it) has run.
+    if (round >= 2) {
+      EXPECT_GE(fake_->Stats().copies_executed, static_cast<uint64_t>(round - 1)) << round;
+    }
+    std::memset(r.slot(*slot).data(), 'a' + round, 4096);
+    ASSERT_EQ(runtime_->api().cudaMemcpyAsync(static_cast<char*>(dev) + 4096 * (round % 2),
+                                              r.slot(*slot).data(), 4096, cuda::kMemcpyHostToDevice,
+                                              stream->get()),
+              cuda::kSuccess);
+    ASSERT_TRUE(r.Submit(*slot, stream->get(), "round " + std::to_string(round)).ok());
+    EXPECT_LE(r.in_use(), 2u);
+  }
+  ASSERT_TRUE(r.Drain().ok());
+  EXPECT_EQ(r.in_use(), 0u);
+  EXPECT_EQ(r.peak_in_use(), 2u);
+  EXPECT_EQ(fake_->ReadDevice(dev, 8192), std::string(4096, 'e') + std::string(4096, 'f'));
+  EXPECT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
+}
+
+TEST_F(StagingRingTest, AnAsynchronousCopyErrorNamesItsCopyAndFreesTheSlot) {
+  auto config = DefaultConfig();
+  config.fail_copy_execute_at = 1;
+  config.copy_delay_us = 2000;
+  Configure(config);
+  auto ring = StagingRing::Create(runtime_, 1, 4096);
+  ASSERT_TRUE(ring.ok());
+  StagingRing& r = **ring;
+  void* dev = Malloc(4096);
+  auto stream = cuda::UniqueStream::Create(runtime_);
+  ASSERT_TRUE(stream.ok());
+  auto slot = r.Acquire();
+  ASSERT_TRUE(slot.ok());
+  ASSERT_EQ(runtime_->api().cudaMemcpyAsync(dev, r.slot(*slot).data(), 4096,
+                                            cuda::kMemcpyHostToDevice, stream->get()),
+            cuda::kSuccess);
+  ASSERT_TRUE(r.Submit(*slot, stream->get(), "copy of model.safetensors [0, 4096)").ok());
+  auto again = r.Acquire();  // waits for the failed copy
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), Code::kCudaError);
+  EXPECT_TRUE(Contains(again.status().message(),
+                       "copy of model.safetensors [0, 4096): cudaErrorIllegalAddress"));
+  EXPECT_EQ(r.in_use(), 0u);
+  // The slot is usable again (the stream is not: it stays failed, like a CUDA context would).
+  auto third = r.Acquire();
+  ASSERT_TRUE(third.ok());
+  r.Release(*third);
+  EXPECT_TRUE(r.Drain().ok());
+  EXPECT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
+}
+
+TEST_F(StagingRingTest, DrainReportsTheFirstErrorAndWaitsForAll) {
+  auto config = DefaultConfig();
+  config.fail_copy_execute_at = 2;
+  config.copy_delay_us = 1000;
+  Configure(config);
+  auto ring = StagingRing::Create(runtime_, 4, 4096);
+  ASSERT_TRUE(ring.ok());
+  StagingRing& r = **ring;
+  void* dev = Malloc(4 * 4096);
+  std::vector<cuda::UniqueStream> streams;
+  for (int i = 0; i < 4; ++i)
+    streams.push_back(std::move(cuda::UniqueStream::Create(runtime_)).value());
+  for (int i = 0; i < 4; ++i) {
+    auto slot = r.Acquire();
+    ASSERT_TRUE(slot.ok());
+    std::memset(r.slot(*slot).data(), '0' + i, 4096);
+    ASSERT_EQ(
+        runtime_->api().cudaMemcpyAsync(static_cast<char*>(dev) + 4096 * i, r.slot(*slot).data(),
+                                        4096, cuda::kMemcpyHostToDevice, streams[i].get()),
+        cuda::kSuccess);
+    ASSERT_TRUE(r.Submit(*slot, streams[i].get(), "chunk " + std::to_string(i)).ok());
+  }
+  const Status drained = r.Drain();
+  EXPECT_EQ(drained.code(), Code::kCudaError);
+  EXPECT_TRUE(Contains(drained.message(), "chunk "));
+  EXPECT_EQ(r.in_use(), 0u);
+  EXPECT_EQ(fake_->Stats().copies_executed, 3u);
+  EXPECT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
+}
+
+// Many threads share a small ring; the fake checks every copy's source at run time against its
+// bytes at enqueue time, so a slot handed out under a pending copy shows as a violation (and as
+// a data race under ThreadSanitizer).
+TEST_F(StagingRingTest, ConcurrentProducersNeverOverwriteAPendingCopy) {
+  auto config = DefaultConfig();
+  config.copy_delay_us = 200;
+  Configure(config);
+  constexpr unsigned kSlots = 3, kThreads = 5, kRounds = 40;
+  auto ring = StagingRing::Create(runtime_, kSlots, 4096);
+  ASSERT_TRUE(ring.ok());
+  StagingRing& r = **ring;
+  void* dev = Malloc(kThreads * 4096);
+  std::vector<cuda::UniqueStream> streams;
+  for (unsigned i = 0; i < kThreads; ++i) {
+    streams.push_back(std::move(cuda::UniqueStream::Create(runtime_)).value());
+  }
+  std::atomic<unsigned> failures{0};
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (unsigned round = 0; round < kRounds; ++round) {
+        auto slot = r.Acquire();
+        if (!slot.ok()) {
+          ++failures;
+          return;
+        }
+        std::memset(r.slot(*slot).data(), static_cast<int>(t * kRounds + round), 4096);
+        if (runtime_->api().cudaMemcpyAsync(static_cast<char*>(dev) + 4096 * t,
+                                            r.slot(*slot).data(), 4096, cuda::kMemcpyHostToDevice,
+                                            streams[t].get()) != cuda::kSuccess ||
+            !r.Submit(*slot, streams[t].get(), "t").ok()) {
+          ++failures;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0u);
+  ASSERT_TRUE(r.Drain().ok());
+  EXPECT_LE(r.peak_in_use(), kSlots);
+  EXPECT_EQ(fake_->Stats().copies_executed, kThreads * kRounds);
+  for (unsigned t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(fake_->ReadDevice(static_cast<char*>(dev) + 4096 * t, 4096),
+              std::string(4096, static_cast<char>(t * kRounds + kRounds - 1)));
+  }
+  EXPECT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
+}
+
+}  // namespace
+}  // namespace tensorferry::device

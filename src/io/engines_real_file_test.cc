@@ -1,0 +1,207 @@
+// Both engines over real files (the io_uring engine only uses its ring for files with a
+// descriptor, so MemoryEnv tests exercise its fallback; these exercise the ring), buffered and
+// with O_DIRECT descriptors: random offsets and lengths, destinations congruent with the file
+// offset (direct middle) or not (buffered fallback), EOF, concurrent callers.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "io/read_engine.h"
+#include "testing/test_util.h"
+
+namespace tensorferry::io {
+namespace {
+
+std::string Bytes(size_t size, unsigned seed) {
+  std::string s(size, '\0');
+  std::mt19937 rng(seed);
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+struct EngineParam {
+  const char* name;
+  bool uring;
+  bool direct;
+};
+
+class RealFileEngineTest : public ::testing::TestWithParam<EngineParam> {
+ protected:
+  void SetUp() override {
+    if (GetParam().uring && !IoUringAvailable().ok()) {
+      GTEST_SKIP() << IoUringAvailable().ToString();
+    }
+  }
+  std::unique_ptr<ReadEngine> Make(unsigned threads, unsigned depth = 4) {
+    auto e = GetParam().uring ? MakeIoUringEngine(threads, depth) : MakePreadEngine(threads);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(e).value();
+  }
+};
+
+// Page-aligned scratch memory, so destinations can be made congruent with file offsets.
+struct Aligned {
+  explicit Aligned(size_t n) : size(n) {
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data = static_cast<std::byte*>(p);
+  }
+  ~Aligned() { ::munmap(data, size); }
+  std::byte* data;
+  size_t size;
+};
+
+TEST_P(RealFileEngineTest, RandomRequestsByteExact) {
+  testing::TempDir dir;
+  std::vector<std::string> contents, paths;
+  std::vector<std::unique_ptr<RandomAccessFile>> files;
+  std::vector<std::unique_ptr<DirectFile>> direct;
+  for (unsigned i = 0; i < 3; ++i) {
+    std::string name = "f";
+    name += std::to_string(i);
+    paths.push_back(dir.Join(name));
+    contents.push_back(Bytes(300007 + i * 40961, i));
+    testing::WriteBytes(paths.back(), contents.back());
+    files.push_back(Env::Default()->OpenRandomAccess(paths.back()).value());
+    auto d = DirectFile::Open(*files.back());
+    direct.push_back(d.ok() ? std::move(d).value() : nullptr);
+  }
+  for (unsigned threads : {1u, 2u, 5u}) {
+    auto engine = Make(threads, threads == 1 ? 3 : 8);
+    std::mt19937_64 rng(threads);
+    // Each request gets its own slot of the scratch buffer, 1 MiB apart.
+    const size_t n = 60;
+    Aligned scratch(n << 20);
+    std::vector<ReadRequest> requests;
+    std::vector<std::pair<size_t, uint64_t>> origin;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t f = i % 3;
+      const uint64_t size = contents[f].size();
+      const uint64_t off = rng() % size;
+      const uint64_t len = std::min<uint64_t>(rng() % (size - off + 1), (1u << 20) - 8192);
+      // Half the destinations congruent with the offset modulo 4096 (direct middle possible).
+      const uint64_t shift = i % 2 ? off % 4096 : (off + 1) % 4096;
+      std::byte* dst = scratch.data + (i << 20) + shift;
+      const int fd = GetParam().direct && direct[f] ? direct[f]->fd() : -1;
+      requests.push_back({files[f].get(), off, {dst, static_cast<size_t>(len)}, fd});
+      origin.emplace_back(f, off);
+    }
+    ASSERT_TRUE(engine->Execute(requests).ok());
+    for (size_t i = 0; i < n; ++i) {
+      const auto& [f, off] = origin[i];
+      ASSERT_EQ(
+          std::memcmp(requests[i].dst.data(), contents[f].data() + off, requests[i].dst.size()), 0)
+          << "request " << i;
+    }
+    const EngineStats s = engine->stats();
+    if (GetParam().direct && direct[0]) {
+      EXPECT_GT(s.direct_bytes, 0u);
+    } else {
+      EXPECT_EQ(s.direct_bytes, 0u);
+    }
+  }
+}
+
+TEST_P(RealFileEngineTest, EndOfFileNamesFileAndOffset) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("short.safetensors");
+  testing::WriteBytes(path, Bytes(20000, 9));
+  auto file = Env::Default()->OpenRandomAccess(path).value();
+  auto d = DirectFile::Open(*file);
+  Aligned scratch(1 << 20);
+  // Congruent destination, crossing the end: the direct middle or the tail hits EOF.
+  const ReadRequest past{
+      file.get(), 8192, {scratch.data + 0, 16384}, GetParam().direct && d.ok() ? (*d)->fd() : -1};
+  auto engine = Make(2);
+  const Status s = engine->Execute({&past, 1});
+  EXPECT_EQ(s.code(), Code::kUnexpectedEof) << s.ToString();
+  std::string expected = path;
+  expected += ": unexpected end of file at offset";
+  EXPECT_NE(s.message().find(expected), std::string::npos) << s.ToString();
+  // Usable afterwards.
+  const ReadRequest ok{file.get(), 100, {scratch.data + 100, 5000}, -1};
+  EXPECT_TRUE(engine->Execute({&ok, 1}).ok());
+}
+
+TEST_P(RealFileEngineTest, ConcurrentCallers) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("shared");
+  const std::string content = Bytes(1 << 20, 3);
+  testing::WriteBytes(path, content);
+  auto file = Env::Default()->OpenRandomAccess(path).value();
+  auto engine = Make(3);
+  std::vector<std::thread> callers;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      for (int round = 0; round < 10; ++round) {
+        std::vector<std::vector<std::byte>> dst(20);
+        std::vector<ReadRequest> requests;
+        for (size_t i = 0; i < dst.size(); ++i) {
+          const uint64_t off = (static_cast<uint64_t>(t) * 7919 + i * 104729 + round) % (1 << 19);
+          dst[i].resize(1000 + i * 37);
+          requests.push_back({file.get(), off, dst[i], -1});
+        }
+        if (!engine->Execute(requests).ok()) ++failures;
+        for (size_t i = 0; i < dst.size(); ++i) {
+          if (std::memcmp(dst[i].data(), content.data() + requests[i].offset, dst[i].size())) {
+            ++failures;
+          }
+        }
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, RealFileEngineTest,
+                         ::testing::Values(EngineParam{"pread", false, false},
+                                           EngineParam{"pread_direct", false, true},
+                                           EngineParam{"io_uring", true, false},
+                                           EngineParam{"io_uring_direct", true, true}),
+                         [](const auto& p) { return std::string(p.param.name); });
+
+TEST(DirectSplitTest, HeadMiddleTail) {
+  std::byte* base = reinterpret_cast<std::byte*>(uintptr_t{1} << 20);
+  ReadRequest r{nullptr, 5000, {base + 5000 % 4096, 20000}, 3};
+  DirectSplit s = SplitForDirect(r);
+  EXPECT_TRUE(s.direct);
+  EXPECT_EQ(s.head, 8192u - 5000u);
+  EXPECT_EQ(s.middle, 24576u - 8192u);
+  r.dst = {base + 1, 20000};  // not congruent
+  EXPECT_FALSE(SplitForDirect(r).direct);
+  r = ReadRequest{nullptr, 5000, {base + 5000 % 4096, 2000}, 3};  // no whole block inside
+  EXPECT_FALSE(SplitForDirect(r).direct);
+  r = ReadRequest{nullptr, 8192, {base, 8192}, -1};  // no descriptor
+  EXPECT_FALSE(SplitForDirect(r).direct);
+  r.direct_fd = 3;
+  s = SplitForDirect(r);
+  EXPECT_TRUE(s.direct);
+  EXPECT_EQ(s.head, 0u);
+  EXPECT_EQ(s.middle, 8192u);
+}
+
+TEST(DirectSplitTest, DirectFileRefusesAReplacedFile) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("model.safetensors");
+  testing::WriteBytes(path, Bytes(10000, 1));
+  auto file = Env::Default()->OpenRandomAccess(path).value();
+  std::string old = path;
+  old += ".old";
+  ASSERT_EQ(std::rename(path.c_str(), old.c_str()), 0);
+  testing::WriteBytes(path, Bytes(10000, 2));  // another inode under the same name
+  auto d = DirectFile::Open(*file);
+  ASSERT_FALSE(d.ok());
+  if (d.status().code() != Code::kUnsupported) {  // tmpfs refuses O_DIRECT before the check
+    EXPECT_EQ(d.status().code(), Code::kIoError);
+    EXPECT_NE(d.status().message().find("replaced"), std::string::npos) << d.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry::io

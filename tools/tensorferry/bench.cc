@@ -1,0 +1,542 @@
+// tensorferry bench PATH: every engine cold and warm against the same-run references of
+// docs/benchmarks.md ("How we measure"):
+//   - page-cache copy limit: pread of the cached files into an already-touched buffer, one thread
+//     per core (the ceiling of a warm load into reused memory);
+//   - first-touch cost: writing a freshly mapped buffer of the same size;
+//   - single-threaded read of the cached files into a fresh buffer (what naive loaders do);
+//   - storage limit: fio, O_DIRECT, 8 MiB blocks, queue depth 32, over the evicted files (an
+//     internal O_DIRECT reader when fio is not installed, said so in the output);
+// and, per engine, `tensorferry load` in a subprocess (fresh process: fresh memory and its own
+// peak RSS): warm into fresh memory (first run), warm into reused buffers (best later run), cold
+// (files evicted with posix_fadvise and checked with mincore first). Then the budgeted run.
+// Each figure is the median of --runs runs (min and max kept in --json).
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "commands.h"
+#include "json_out.h"
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/residency.h"
+
+extern char** environ;
+
+namespace tensorferry::cli {
+namespace {
+
+struct BenchArgs {
+  std::string path;
+  unsigned runs = 3;
+  std::string engines = "pread,io_uring,mmap";
+  std::string budget = "256MB";
+  bool no_cold = false;
+  bool json = false;
+};
+
+struct Sample {
+  std::vector<double> values;  // GB/s
+  double Median() const {
+    if (values.empty()) return 0;
+    std::vector<double> v = values;
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  }
+  double Min() const {
+    return values.empty() ? 0 : *std::min_element(values.begin(), values.end());
+  }
+  double Max() const {
+    return values.empty() ? 0 : *std::max_element(values.begin(), values.end());
+  }
+};
+
+// Progress on stderr when it is a terminal: "\r[bench] 3/17 warm io_uring".
+class Progress {
+ public:
+  explicit Progress(size_t total) : total_(total), tty_(::isatty(STDERR_FILENO) == 1) {}
+  void Step(const std::string& what) {
+    ++done_;
+    if (!tty_) return;
+    const size_t width = 30, filled = total_ ? done_ * width / total_ : width;
+    std::fprintf(stderr, "\r[%s%s] %zu/%zu %-40.40s", std::string(filled, '#').c_str(),
+                 std::string(width - std::min(filled, width), '.').c_str(), done_, total_,
+                 what.c_str());
+    std::fflush(stderr);
+  }
+  ~Progress() {
+    if (tty_) std::fprintf(stderr, "\r%80s\r", "");
+  }
+
+ private:
+  size_t total_, done_ = 0;
+  bool tty_;
+};
+
+// Runs argv, returns its stdout (and exit status through `rc`).
+std::string RunCapture(const std::vector<std::string>& argv, int* rc) {
+  int fds[2];
+  if (::pipe(fds) != 0) {
+    *rc = -1;
+    return "";
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid;
+  const int err = ::posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  std::string out;
+  if (err == 0) {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  if (err != 0 || ::waitpid(pid, &status, 0) < 0) {
+    *rc = -1;
+    return out;
+  }
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return out;
+}
+
+// The number after "key": in a JSON document we produced ourselves (flat keys are unique).
+// Spaces around the colon are allowed (fio writes them).
+double JsonNumber(const std::string& doc, const std::string& key, size_t from = 0) {
+  size_t at = doc.find("\"" + key + "\"", from);
+  if (at == std::string::npos) return -1;
+  at += key.size() + 2;
+  while (at < doc.size() && (doc[at] == ' ' || doc[at] == ':')) ++at;
+  return std::strtod(doc.c_str() + at, nullptr);
+}
+
+std::vector<double> JsonNumbers(const std::string& doc, const std::string& key) {
+  std::vector<double> out;
+  size_t at = doc.find("\"" + key + "\":[");
+  if (at == std::string::npos) return out;
+  const char* p = doc.c_str() + at + key.size() + 4;
+  while (*p != ']' && *p != '\0') {
+    char* end;
+    out.push_back(std::strtod(p, &end));
+    if (end == p) break;
+    p = end;
+    if (*p == ',') ++p;
+  }
+  return out;
+}
+
+std::string SelfExe() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "tensorferry";
+}
+
+double Seconds(int64_t start) {
+  return SecondsSince(start);
+}
+
+// Evicts every file and checks that under 1% of each remains cached.
+Status Evict(const std::vector<std::string>& files) {
+  for (const std::string& f : files) {
+    Status s = DropFromPageCache(f);
+    if (!s.ok()) return s;
+  }
+  for (const std::string& f : files) {
+    auto cached = CachedFraction(f);
+    if (!cached.ok()) return cached.status();
+    if (*cached > 0.01) {
+      return Status(Code::kIoError, f + ": still " + std::to_string(*cached * 100) +
+                                        "% cached after posix_fadvise(DONTNEED)");
+    }
+  }
+  return Status::Ok();
+}
+
+struct Region {
+  std::string path;
+  uint64_t offset, length;
+};
+
+// pread of every region into dst (which must hold them all) with `threads` threads in 8 MiB
+// pieces. Returns GB/s.
+double ParallelRead(const std::vector<Region>& regions, std::byte* dst, unsigned threads) {
+  struct Piece {
+    int fd;
+    uint64_t offset, length;
+    std::byte* dst;
+  };
+  std::vector<int> fds;
+  std::vector<Piece> pieces;
+  uint64_t total = 0;
+  for (const Region& r : regions) {
+    const int fd = ::open(r.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    fds.push_back(fd);
+    for (uint64_t at = 0; at < r.length; at += 8u << 20) {
+      const uint64_t n = std::min<uint64_t>(8u << 20, r.length - at);
+      pieces.push_back({fd, r.offset + at, n, dst + total + at});
+    }
+    total += r.length;
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+      const Piece& p = pieces[i];
+      for (uint64_t done = 0; done < p.length;) {
+        const ssize_t n =
+            ::pread(p.fd, p.dst + done, p.length - done, static_cast<off_t>(p.offset + done));
+        if (n <= 0) break;
+        done += static_cast<uint64_t>(n);
+      }
+    }
+  };
+  const int64_t t0 = NowNs();
+  std::vector<std::thread> pool;
+  for (unsigned i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  const double s = Seconds(t0);
+  for (int fd : fds) ::close(fd);
+  return static_cast<double>(total) / s / 1e9;
+}
+
+struct Mapping {
+  explicit Mapping(uint64_t n) : size(n) {
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data = p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+    if (data) ::madvise(data, n, MADV_HUGEPAGE);
+  }
+  ~Mapping() {
+    if (data) ::munmap(data, size);
+  }
+  std::byte* data;
+  uint64_t size;
+};
+
+// fio over the evicted files, O_DIRECT, 8 MiB blocks, the better of two shapes: one job with queue
+// depth 32 reading the files in turn, and one job per file (queue depth 8 each, reported as a
+// group), which is what a parallel loader does. GB/s, or -1 when fio is missing or fails.
+double FioRead(const std::vector<std::string>& files) {
+  auto escape = [](const std::string& f) {
+    std::string escaped;
+    for (char c : f) {
+      if (c == ':') escaped += '\\';
+      escaped += c;
+    }
+    return escaped;
+  };
+  auto bandwidth = [](const std::vector<std::string>& argv) {
+    int rc = 0;
+    const std::string out = RunCapture(argv, &rc);
+    if (rc != 0) return -1.0;
+    const size_t read = out.find("\"read\"");
+    if (read == std::string::npos) return -1.0;
+    const double bw = JsonNumber(out, "bw_bytes", read);
+    return bw > 0 ? bw / 1e9 : -1.0;
+  };
+  // --readonly: fio must never write the files (given a --size larger than a file, fio would
+  // "lay it out", overwriting it). No --size: each file is read whole, as it is.
+  const std::vector<std::string> common = {
+      "fio",        "--readonly",          "--rw=read", "--bs=8M", "--ioengine=io_uring",
+      "--direct=1", "--output-format=json"};
+  std::string names;
+  for (const std::string& f : files) names += (names.empty() ? "" : ":") + escape(f);
+  std::vector<std::string> one = common;
+  one.insert(one.end(), {"--name=seq", "--iodepth=32", "--filename=" + names});
+  (void)Evict(files);
+  const double single = bandwidth(one);
+  std::vector<std::string> per_file = common;
+  per_file.insert(per_file.end(), {"--iodepth=8", "--group_reporting"});
+  for (size_t i = 0; i < files.size(); ++i) {
+    per_file.push_back("--name=f" + std::to_string(i));
+    per_file.push_back("--filename=" + escape(files[i]));
+  }
+  (void)Evict(files);
+  const double parallel = bandwidth(per_file);
+  return std::max(single, parallel);
+}
+
+// The internal stand-in for fio: O_DIRECT reads of 8 MiB, 2 threads per core.
+double DirectRead(const std::vector<std::string>& files) {
+  struct Piece {
+    int fd;
+    uint64_t offset;
+  };
+  std::vector<int> fds;
+  std::vector<Piece> pieces;
+  for (const std::string& f : files) {
+    const int fd = ::open(f.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) return -1;
+    fds.push_back(fd);
+    const uint64_t size = static_cast<uint64_t>(::lseek(fd, 0, SEEK_END));
+    for (uint64_t at = 0; at < size; at += 8u << 20) pieces.push_back({fd, at});
+  }
+  const unsigned threads = std::thread::hardware_concurrency() * 2;
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> bytes{0};
+  auto work = [&] {
+    Mapping buf(8u << 20);
+    for (size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+      const ssize_t n =
+          ::pread(pieces[i].fd, buf.data, 8u << 20, static_cast<off_t>(pieces[i].offset));
+      if (n > 0) bytes += static_cast<uint64_t>(n);
+    }
+  };
+  const int64_t t0 = NowNs();
+  std::vector<std::thread> pool;
+  for (unsigned i = 0; i < threads; ++i) pool.emplace_back(work);
+  for (std::thread& t : pool) t.join();
+  const double s = Seconds(t0);
+  for (int fd : fds) ::close(fd);
+  return static_cast<double>(bytes.load()) / s / 1e9;
+}
+
+std::string CpuModel() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+uint64_t MemTotal() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  f >> key >> kb;
+  return kb * 1024;
+}
+
+int RunBench(const BenchArgs& args) {
+  auto checkpoint = Checkpoint::Open(args.path);
+  if (!checkpoint.ok()) {
+    PrintError(args.path, checkpoint.status());
+    return kExitError;
+  }
+  const Checkpoint& ckpt = **checkpoint;
+  std::vector<std::string> files;
+  std::vector<Region> regions;
+  uint64_t total = 0;
+  for (const FileInfo& f : ckpt.files()) {
+    files.push_back(f.path);
+    regions.push_back({f.path, f.data_offset, f.file_size - f.data_offset});
+    total += f.file_size - f.data_offset;
+  }
+  std::vector<std::string> engines;
+  for (size_t at = 0; at <= args.engines.size();) {
+    const size_t comma = std::min(args.engines.find(',', at), args.engines.size());
+    const std::string e = args.engines.substr(at, comma - at);
+    if (!e.empty()) {
+      if (!ParseEngine(e).ok()) {
+        PrintError("--engines: unknown engine " + e);
+        return kExitUsage;
+      }
+      engines.push_back(e);
+    }
+    at = comma + 1;
+  }
+  if (!ParseSize(args.budget)) {
+    PrintError("--budget: not a size: " + args.budget);
+    return kExitUsage;
+  }
+  const unsigned runs = std::max(args.runs, 1u);
+  const unsigned cores = std::thread::hardware_concurrency();
+  const std::string self = SelfExe();
+
+  Progress progress(3 * runs + engines.size() * (runs + (args.no_cold ? 0 : runs)) +
+                    (args.no_cold ? 0 : 1) + 2);
+  std::map<std::string, Sample> results;
+  std::map<std::string, uint64_t> memory;
+  std::vector<std::string> notes;
+
+  // Warm the files.
+  {
+    Mapping buf(total);
+    if (buf.data == nullptr) {
+      PrintError("cannot map " + std::to_string(total) + " bytes for the references");
+      return kExitError;
+    }
+    ParallelRead(regions, buf.data, cores);
+    for (unsigned r = 0; r < runs; ++r) {
+      // Page-cache copy limit: the buffer is touched (it was read into just before).
+      results["ref: page-cache copy limit"].values.push_back(
+          ParallelRead(regions, buf.data, cores));
+      progress.Step("page-cache copy limit");
+    }
+  }
+  for (unsigned r = 0; r < runs; ++r) {
+    Mapping fresh(total);
+    const int64_t t0 = NowNs();
+    for (uint64_t at = 0; at < total; at += 4096) fresh.data[at] = std::byte{1};
+    results["ref: first touch of fresh memory"].values.push_back(static_cast<double>(total) /
+                                                                 Seconds(t0) / 1e9);
+    progress.Step("first touch");
+  }
+  for (unsigned r = 0; r < runs; ++r) {
+    Mapping fresh(total);
+    results["ref: 1 thread into fresh memory"].values.push_back(
+        ParallelRead(regions, fresh.data, 1));
+    progress.Step("single thread, fresh memory");
+  }
+
+  auto load = [&](const std::string& engine, std::vector<std::string> extra) -> std::string {
+    // --touch: every page of every tensor is read by the caller, so lazy views are timed as
+    // their users pay for them (docs/benchmarks.md, "what loaded means").
+    std::vector<std::string> argv = {self,   "load",          args.path, "--engine",
+                                     engine, "--no-checksum", "--touch", "--json"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    int rc = 0;
+    std::string out = RunCapture(argv, &rc);
+    if (rc != 0) {
+      notes.push_back("load --engine " + engine + " failed with exit " + std::to_string(rc));
+      return "";
+    }
+    return out;
+  };
+
+  // Warm: each engine in its own process, 3 loads each: fresh memory, then reused buffers.
+  for (unsigned r = 0; r < runs; ++r) {
+    for (const std::string& e : engines) {
+      // mmap: one load per process (a second load would find the pages already mapped).
+      const bool mapped = e == "mmap";
+      const std::string out = load(e, {"--repeat", mapped ? "1" : "3"});
+      const std::vector<double> gbps = JsonNumbers(out, "runs_gb_per_s");
+      if (!gbps.empty()) {
+        if (mapped) {
+          results["warm, zero-copy views, every page touched: mmap"].values.push_back(gbps[0]);
+        } else if (gbps.size() == 3) {
+          results["warm, fresh memory: " + e].values.push_back(gbps[0]);
+          results["warm, reused buffers: " + e].values.push_back(std::max(gbps[1], gbps[2]));
+        }
+        memory["peak RSS: " + e] = static_cast<uint64_t>(JsonNumber(out, "peak_rss_bytes") -
+                                                         JsonNumber(out, "rss_before_bytes"));
+      }
+      progress.Step("warm " + e);
+    }
+  }
+  // Budget (warm, auto engine): bytes held and throughput against unbudgeted in the same run.
+  {
+    const std::string unbounded = load("auto", {});
+    const std::string budgeted = load("auto", {"--budget", args.budget});
+    const std::vector<double> u = JsonNumbers(unbounded, "runs_gb_per_s");
+    const std::vector<double> b = JsonNumbers(budgeted, "runs_gb_per_s");
+    if (!u.empty() && !b.empty()) {
+      results["warm, unbounded: auto"].values.push_back(u[0]);
+      results["warm, budget " + args.budget + ": auto"].values.push_back(b[0]);
+      memory["peak RSS over start, budget " + args.budget] = static_cast<uint64_t>(
+          JsonNumber(budgeted, "peak_rss_bytes") - JsonNumber(budgeted, "rss_before_bytes"));
+      memory["peak RSS over start, unbounded"] = static_cast<uint64_t>(
+          JsonNumber(unbounded, "peak_rss_bytes") - JsonNumber(unbounded, "rss_before_bytes"));
+    }
+    progress.Step("budget");
+  }
+  // Cold.
+  if (!args.no_cold) {
+    for (unsigned r = 0; r < runs; ++r) {
+      for (const std::string& e : engines) {
+        if (Status s = Evict(files); !s.ok()) {
+          notes.push_back("eviction failed: " + s.message());
+        }
+        const std::vector<double> gbps = JsonNumbers(load(e, {}), "runs_gb_per_s");
+        if (!gbps.empty()) results["cold: " + e].values.push_back(gbps[0]);
+        progress.Step("cold " + e);
+      }
+    }
+    for (unsigned r = 0; r < runs; ++r) {
+      (void)Evict(files);
+      double fio = FioRead(files);
+      if (fio < 0) {
+        if (r == 0)
+          notes.push_back("fio not found: storage limit from the internal O_DIRECT reader");
+        fio = DirectRead(files);
+        results["ref: storage limit (O_DIRECT reader)"].values.push_back(fio);
+      } else {
+        results["ref: storage limit (fio O_DIRECT)"].values.push_back(fio);
+      }
+    }
+    progress.Step("storage limit");
+  }
+  progress.Step("done");
+
+  utsname u{};
+  ::uname(&u);
+  if (args.json) {
+    JsonOut j;
+    j.BeginObject()
+        .Field("path", args.path)
+        .Field("bytes", total)
+        .Field("files", static_cast<uint64_t>(files.size()))
+        .Field("tensors", static_cast<uint64_t>(ckpt.tensors().size()))
+        .Field("runs", static_cast<uint64_t>(runs))
+        .Field("cpu", CpuModel())
+        .Field("cores", static_cast<uint64_t>(cores))
+        .Field("memory_bytes", MemTotal())
+        .Field("kernel", std::string(u.release))
+        .Key("results")
+        .BeginObject();
+    for (const auto& [name, s] : results) {
+      j.Key(name).BeginObject().Field("median_gb_per_s", s.Median()).Field("min", s.Min());
+      j.Field("max", s.Max()).EndObject();
+    }
+    j.EndObject().Key("memory").BeginObject();
+    for (const auto& [name, bytes] : memory) j.Field(name, bytes);
+    j.EndObject().Key("notes").BeginArray();
+    for (const std::string& n : notes) j.String(n);
+    j.EndArray().EndObject();
+    return WriteStdout(j.str()) ? kExitOk : kExitError;
+  }
+  std::string text = "checkpoint " + args.path + ": " + FormatBytes(total) + " of tensors in " +
+                     Plural(files.size(), "file") + "\nmachine: " + CpuModel() + ", " +
+                     std::to_string(cores) + " cores, " + FormatBytes(MemTotal()) + " RAM, Linux " +
+                     u.release + "\nmedian of " + std::to_string(runs) + " runs (min-max), GB/s:\n";
+  for (const auto& [name, s] : results) {
+    char line[160];
+    std::snprintf(line, sizeof line, "  %-44s %7.2f  (%.2f-%.2f)\n", name.c_str(), s.Median(),
+                  s.Min(), s.Max());
+    text += line;
+  }
+  for (const auto& [name, bytes] : memory) text += "  " + name + ": " + FormatBytes(bytes) + "\n";
+  for (const std::string& n : notes) text += "note: " + n + "\n";
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  return WriteStdout(text) ? kExitOk : kExitError;
+}
+
+}  // namespace
+
+Command AddBenchCommand(CLI::App& parent) {
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "bench", "Every engine cold and warm, against same-run hardware references");
+  app->add_option("path", args->path, "A .safetensors file, a checkpoint directory or an index")
+      ->required();
+  app->add_option("--runs", args->runs, "Runs per configuration (median reported; default 3)");
+  app->add_option("--engines", args->engines,
+                  "Comma-separated engines (default pread,io_uring,mmap)");
+  app->add_option("--budget", args->budget, "Budget of the budgeted run (default 256MB)");
+  app->add_flag("--no-cold", args->no_cold, "Skip the cold runs (they evict the files)");
+  app->add_flag("--json", args->json, "Print one JSON document");
+  return {app, [args] { return RunBench(*args); }};
+}
+
+}  // namespace tensorferry::cli

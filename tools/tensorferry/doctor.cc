@@ -1,0 +1,125 @@
+// tensorferry doctor: can this process load to a GPU, and if not, why not. Prints the CUDA runtime
+// found (or every candidate tried), the devices, and whether GPUDirect Storage (cuFile) is usable
+// with the reason. Exits 0 whatever it finds: the report is the result (scripts read
+// "cuda_available" from --json).
+#include <memory>
+#include <string>
+
+#include "commands.h"
+#include "json_out.h"
+#include "tensorferry/cuda.h"
+#include "tensorferry/size.h"
+
+namespace tensorferry::cli {
+namespace {
+
+struct DoctorArgs {
+  bool json = false;
+  bool quick = false;
+};
+
+std::string Version(int v) {
+  if (v <= 0) return "none";
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
+std::string ComputeCapability(const CudaDeviceInfo& d) {
+  return std::to_string(d.compute_major) + "." + std::to_string(d.compute_minor);
+}
+
+std::string Json(const CudaReport& r) {
+  JsonOut j;
+  j.BeginObject();
+  j.Field("cuda_available", r.cuda_usable());
+  j.Key("runtime").BeginObject();
+  j.Field("loaded", r.runtime_loaded);
+  j.Field("path", r.runtime_path);
+  j.Field("error", r.runtime_error);
+  j.Field("version", Version(r.runtime_version));
+  j.Field("driver_version", Version(r.driver_version));
+  j.EndObject();
+  j.Key("devices").BeginArray();
+  for (const CudaDeviceInfo& d : r.devices) {
+    j.BeginObject();
+    j.Field("index", static_cast<uint64_t>(d.index));
+    j.Field("name", d.name);
+    j.Field("pci_bus_id", d.pci_bus_id);
+    j.Field("compute_capability", ComputeCapability(d));
+    j.Field("total_memory", d.total_memory);
+    j.Field("free_memory", d.free_memory);
+    j.Field("error", d.error);
+    j.EndObject();
+  }
+  j.EndArray();
+  j.Field("device_error", r.device_error);
+  j.Key("cufile").BeginObject();
+  j.Field("loaded", r.cufile_loaded);
+  j.Field("path", r.cufile_path);
+  j.Field("error", r.cufile_error);
+  j.Field("driver_opened", r.cufile_driver_opened);
+  j.Field("driver_error", r.cufile_driver_error);
+  j.EndObject();
+  j.Key("gds").BeginObject();
+  j.Field("usable", r.gds_usable);
+  j.Field("reason", r.gds_reason);
+  j.EndObject();
+  j.EndObject();
+  return j.str();
+}
+
+std::string Text(const CudaReport& r) {
+  std::string out;
+  if (r.runtime_loaded) {
+    out += "CUDA runtime: " + r.runtime_path + " (runtime " + Version(r.runtime_version) +
+           ", driver " + Version(r.driver_version) + ")\n";
+  } else {
+    out += "CUDA runtime: not loaded: " + r.runtime_error + "\n";
+  }
+  if (r.devices.empty()) {
+    out += "devices: none: " + r.device_error + "\n";
+  } else {
+    out += "devices: " + std::to_string(r.devices.size()) + "\n";
+    for (const CudaDeviceInfo& d : r.devices) {
+      out += "  " + std::to_string(d.index) + ": " + d.name + ", " + d.pci_bus_id + ", compute " +
+             ComputeCapability(d) + ", " + FormatBytes(d.total_memory) + " total";
+      if (d.free_memory > 0) out += ", " + FormatBytes(d.free_memory) + " free";
+      if (!d.error.empty()) out += " (" + d.error + ")";
+      out += "\n";
+    }
+  }
+  if (r.cufile_loaded) {
+    out += "cuFile: " + r.cufile_path +
+           (r.cufile_driver_opened          ? ", driver opened"
+            : r.cufile_driver_error.empty() ? ""
+                                            : ", driver failed: " + r.cufile_driver_error) +
+           "\n";
+  } else {
+    out += "cuFile: not loaded: " + r.cufile_error + "\n";
+  }
+  out += std::string("GPUDirect Storage: ") + (r.gds_usable ? "usable: " : "not usable: ") +
+         r.gds_reason;
+  return out;
+}
+
+int RunDoctor(const DoctorArgs& args) {
+  DiagnoseOptions options;
+  options.query_free_memory = !args.quick;
+  options.open_cufile_driver = !args.quick;
+  const CudaReport report = DiagnoseDevices(options);
+  if (!WriteStdout(args.json ? Json(report) : Text(report))) return kExitError;
+  return kExitOk;
+}
+
+}  // namespace
+
+Command AddDoctorCommand(CLI::App& parent) {
+  auto args = std::make_shared<DoctorArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "doctor", "Report the CUDA runtime, devices and GPUDirect Storage support, and why not");
+  app->add_flag("--json", args->json, "One JSON document");
+  app->add_flag("--quick", args->quick,
+                "Skip what needs a CUDA context: free memory, opening the cuFile driver");
+  return Command{app, [args] { return RunDoctor(*args); }};
+}
+
+}  // namespace tensorferry::cli

@@ -1,0 +1,126 @@
+// `tensorferry doctor` end to end: the CLI runs as a child process with the fake CUDA runtime and
+// cuFile selected through the environment variables users would set.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <simdjson.h>
+
+#include "testing/test_util.h"
+
+extern char** environ;
+
+namespace tensorferry {
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs the CLI with `args` and the current environment changed by `env` (nullopt: unset).
+RunResult RunCli(const std::vector<std::string>& args,
+                 const std::map<std::string, std::optional<std::string>>& env) {
+  testing::TempDir io;
+  const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
+  std::vector<std::string> env_storage;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (!env.contains(entry.substr(0, entry.find('=')))) env_storage.push_back(entry);
+  }
+  for (const auto& [name, value] : env) {
+    if (value) env_storage.push_back(name + "=" + *value);
+  }
+  std::vector<char*> envp;
+  for (auto& e : env_storage) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_storage = {TENSORFERRY_CLI_PATH};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  pid_t pid = 0;
+  RunResult result;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    ADD_FAILURE() << "posix_spawn failed: " << rc;
+    return result;
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  result.out = testing::ReadBytes(out_path);
+  result.err = testing::ReadBytes(err_path);
+  return result;
+}
+
+TEST(DoctorCliTest, ReportsTheFakeDeviceAndGdsAsJson) {
+  const RunResult r =
+      RunCli({"doctor", "--json"}, {{"TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH},
+                                    {"TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(r.out).get(doc), simdjson::SUCCESS) << r.out;
+  EXPECT_TRUE(doc["cuda_available"].get_bool().value());
+  EXPECT_EQ(std::string(doc["runtime"]["path"].get_string().value()), TENSORFERRY_FAKE_CUDA_PATH);
+  EXPECT_EQ(std::string(doc["runtime"]["version"].get_string().value()), "13.0");
+  simdjson::dom::array devices = doc["devices"].get_array().value();
+  ASSERT_EQ(devices.size(), 1u);
+  EXPECT_EQ(std::string(devices.at(0)["name"].get_string().value()), "tensorferry fake GPU 0");
+  EXPECT_EQ(std::string(devices.at(0)["pci_bus_id"].get_string().value()), "0000:10:00.0");
+  EXPECT_EQ(devices.at(0)["total_memory"].get_uint64().value(), 1ull << 30);
+  EXPECT_TRUE(doc["cufile"]["driver_opened"].get_bool().value());
+  EXPECT_TRUE(doc["gds"]["usable"].get_bool().value());
+}
+
+TEST(DoctorCliTest, SaysWhichRuntimeItTriedWhenNoneLoads) {
+  const RunResult r =
+      RunCli({"doctor"}, {{"TENSORFERRY_CUDA_RUNTIME", "/nonexistent/libcudart.so.13"},
+                          {"TENSORFERRY_CUFILE_LIBRARY", std::nullopt}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("CUDA runtime: not loaded: CUDA runtime (libcudart) not found; tried: "
+                       "/nonexistent/libcudart.so.13"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("GPUDirect Storage: not usable: no usable CUDA device"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.err, "");
+}
+
+TEST(DoctorCliTest, TextReportNamesDevicesAndCufile) {
+  const RunResult r = RunCli({"doctor", "--quick"},
+                             {{"TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH},
+                              {"TENSORFERRY_CUFILE_LIBRARY", "/nonexistent/libcufile.so.0"}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("devices: 1\n  0: tensorferry fake GPU 0, 0000:10:00.0, compute 9.0, "
+                       "1.07 GB total"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("cuFile: not loaded: cuFile library (libcufile) not found; tried: "
+                       "/nonexistent/libcufile.so.0"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("GPUDirect Storage: not usable: cuFile is not installed"), std::string::npos)
+      << r.out;
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -2,9 +2,10 @@
 // python/tensorferry/*.py, which gives these functions the safetensors-compatible names).
 //
 // Reader wraps one Checkpoint (a single file for safe_open, a file, directory or index for
-// Loader) with a lazily created Loader and lazily opened files for partial reads. Every call that
-// reads file bytes releases the GIL. A Reader may be shared by threads: calls on it are
-// serialized by a mutex, taken only after the GIL is released.
+// Loader) with its files, opened once when the Reader opens (every later read, partial reads and
+// the Loader's, goes to the files whose headers were validated), and a lazily created Loader.
+// Every call that reads file bytes or waits releases the GIL (WithoutGil). A Reader may be shared
+// by threads: calls on it are serialized by a mutex, taken only after the GIL is released.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -108,6 +109,7 @@ nb::dict StatsDict(const LoadStats& s) {
   d["buffers_allocated"] = s.buffers_allocated;
   d["engine"] = s.engine;
   d["direct_files"] = s.direct_files;
+  d["direct_bytes"] = s.direct_bytes;
   d["buffered_files"] = s.buffered_files;
   return d;
 }

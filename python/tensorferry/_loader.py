@@ -65,7 +65,8 @@ class LoadStats:
     peak_budget_bytes: int = 0  # most tensor bytes held against the budget at once
     peak_rss_bytes: int = None  # the whole process's peak resident set (VmHWM) afterwards
     engine: str = ""
-    direct_files: int = 0
+    direct_files: int = 0  # files read with O_DIRECT
+    direct_bytes: int = 0  # bytes read with O_DIRECT (the rest through the page cache)
     buffered_files: int = 0
     buffers_reused: int = 0
     buffers_allocated: int = 0
@@ -87,7 +88,8 @@ class LoadStats:
         self.batches += core["batches"]
         self.peak_budget_bytes = max(self.peak_budget_bytes, core["peak_budget_bytes"])
         self.engine = core["engine"] or self.engine
-        for key in ("direct_files", "buffered_files", "buffers_reused", "buffers_allocated"):
+        for key in ("direct_files", "direct_bytes", "buffered_files", "buffers_reused",
+                    "buffers_allocated"):
             setattr(self, key, getattr(self, key) + core[key])
 
 

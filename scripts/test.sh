@@ -22,7 +22,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 
 echo "== ThreadSanitizer build: the concurrent parts (engine, memory, loader, device pipeline)"
 scripts/build.sh tsan
-TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build/tsan --output-on-failure -j 2 -LE python \
+TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/scripts/tsan.supp" ctest --test-dir build/tsan --output-on-failure -j 2 -LE python \
   -R 'Loader|Engine|Pread|Buffer|Budget|Residen|Device|Cuda|Staging'
 
 echo "== fuzz smoke runs (${FUZZ_SECONDS}s each)"

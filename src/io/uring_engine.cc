@@ -12,6 +12,7 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "io/engine_common.h"
@@ -133,6 +134,18 @@ class UringEngine final : public ReadEngine {
     return r.pending > 0;
   }
 
+  // Copies every available completion out of the ring and marks them seen. The only place that
+  // reads the completion ring itself (scripts/tsan.supp names it: the kernel writes that memory).
+  static void DrainRingCompletions(io_uring* ring, std::vector<std::pair<Piece*, int>>& out) {
+    out.clear();
+    io_uring_cqe* cqe;
+    unsigned head;
+    io_uring_for_each_cqe(ring, head, cqe) {
+      out.emplace_back(static_cast<Piece*>(io_uring_cqe_get_data(cqe)), cqe->res);
+    }
+    io_uring_cq_advance(ring, static_cast<unsigned>(out.size()));
+  }
+
   static void Submit(io_uring* ring, Piece& p) {
     io_uring_sqe* sqe = io_uring_get_sqe(ring);
     // The worker never has more pieces in flight than the ring has entries (3 per request at most,
@@ -192,6 +205,7 @@ class UringEngine final : public ReadEngine {
   void WorkerLoop(Ring& ring_owner) {
     io_uring* ring = ring_owner.get();
     std::vector<std::unique_ptr<RequestState>> free_states;
+    std::vector<std::pair<Piece*, int>> completions;
     unsigned in_flight = 0;  // pieces in the kernel
     for (;;) {
       // Admit requests while a whole request (up to 3 pieces) fits the ring.
@@ -221,13 +235,8 @@ class UringEngine final : public ReadEngine {
       }
       if (in_flight == 0) return;  // Take(wait) returned nullopt: stopped
       io_uring_submit_and_wait(ring, 1);
-      io_uring_cqe* cqe;
-      unsigned seen = 0;
-      unsigned head;
-      io_uring_for_each_cqe(ring, head, cqe) {
-        ++seen;
-        auto* piece = static_cast<Piece*>(io_uring_cqe_get_data(cqe));
-        const int res = cqe->res;
+      DrainRingCompletions(ring, completions);
+      for (const auto& [piece, res] : completions) {
         if (!Complete(ring, *piece, res)) continue;  // resubmitted: still in flight
         --in_flight;
         RequestState* r = piece->request;
@@ -236,7 +245,6 @@ class UringEngine final : public ReadEngine {
           free_states.emplace_back(r);
         }
       }
-      io_uring_cq_advance(ring, seen);
     }
   }
 

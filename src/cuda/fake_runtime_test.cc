@@ -46,7 +46,7 @@ class FakeCudaRuntimeTest : public testing::FakeCudaTest {
 
 TEST_F(FakeCudaRuntimeTest, CopiesRunLaterOnTheStreamAndInOrder) {
   auto config = DefaultConfig();
-  config.copy_delay_us = 20000;
+  config.copy_delay_us = 200000;  // far longer than the next few calls take
   Configure(config);
   auto a = Pinned(4096, 'a');
   auto b = Pinned(4096, 'b');
@@ -139,7 +139,7 @@ TEST_F(FakeCudaRuntimeTest, CatchesAStagingBufferReusedBeforeItsCopyRan) {
   GTEST_SKIP() << "the overwrite is a data race by construction; ThreadSanitizer reports it";
 #else
   auto config = DefaultConfig();
-  config.copy_delay_us = 20000;
+  config.copy_delay_us = 200000;  // far longer than the next few calls take
   Configure(config);
   auto pinned = Pinned(4096, 'x');
   void* dev = Malloc(4096);
@@ -158,7 +158,7 @@ TEST_F(FakeCudaRuntimeTest, CatchesAStagingBufferReusedBeforeItsCopyRan) {
 
 TEST_F(FakeCudaRuntimeTest, CatchesMemoryFreedUnderAPendingCopy) {
   auto config = DefaultConfig();
-  config.copy_delay_us = 20000;
+  config.copy_delay_us = 200000;  // far longer than the next few calls take
   Configure(config);
   void* pinned = nullptr;
   ASSERT_EQ(api().cudaHostAlloc(&pinned, 4096, 0), kSuccess);

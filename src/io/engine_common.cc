@@ -15,6 +15,11 @@ std::string ErrnoText(int err) {
   return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
 }
 
+unsigned OnlineCpus() {
+  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<unsigned>(n) : 1;
+}
+
 EngineStats EngineCounters::Snapshot() const {
   EngineStats s;
   s.bytes_read = bytes_read.load(std::memory_order_relaxed);

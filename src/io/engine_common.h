@@ -87,4 +87,7 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters);
 
 std::string ErrnoText(int err);
 
+// Online CPUs (at least 1): the default worker count of every engine.
+unsigned OnlineCpus();
+
 }  // namespace tensorferry::io

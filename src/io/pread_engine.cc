@@ -59,10 +59,7 @@ class PreadEngine final : public ReadEngine {
 }  // namespace
 
 Result<std::unique_ptr<ReadEngine>> MakePreadEngine(unsigned threads) {
-  if (threads == 0) {
-    const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
-    threads = online > 0 ? static_cast<unsigned>(online) : 1;
-  }
+  if (threads == 0) threads = OnlineCpus();
   auto engine = std::make_unique<PreadEngine>();
   const Status status = engine->Start(threads);
   if (!status.ok()) return status;

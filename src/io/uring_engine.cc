@@ -258,10 +258,7 @@ class UringEngine final : public ReadEngine {
 
 Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned queue_depth) {
   if (queue_depth == 0) return Status(Code::kInvalidArgument, "io_uring: queue_depth must be > 0");
-  if (threads == 0) {
-    const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
-    threads = online > 0 ? static_cast<unsigned>(online) : 1;
-  }
+  if (threads == 0) threads = OnlineCpus();
   auto engine = std::make_unique<UringEngine>(queue_depth);
   const Status status = engine->Start(threads);
   if (!status.ok()) return status;

@@ -1,7 +1,6 @@
 // The host loader: Selection -> Plan -> read engine -> pooled buffers -> Tensors.
 #include "tensorferry/loader.h"
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +11,7 @@
 #include <thread>
 #include <utility>
 
+#include "io/engine_common.h"
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "memory/host_buffer.h"
@@ -84,11 +84,6 @@ using Clock = std::chrono::steady_clock;
 // With DirectIO::kAuto, a file is read with O_DIRECT when less than this fraction of the bytes to
 // read is in the page cache.
 constexpr double kDirectBelowCachedFraction = 0.5;
-
-unsigned OnlineCpus() {
-  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? static_cast<unsigned>(n) : 1;
-}
 
 }  // namespace
 
@@ -265,8 +260,8 @@ struct Loader::Impl {
           }
         }
       };
-      const unsigned n =
-          std::min<size_t>(options.threads ? options.threads : OnlineCpus(), batch.tasks.size());
+      const unsigned n = std::min<size_t>(options.threads ? options.threads : io::OnlineCpus(),
+                                          batch.tasks.size());
       std::vector<std::thread> helpers;
       for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
       work();

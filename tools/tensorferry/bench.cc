@@ -151,10 +151,6 @@ std::string SelfExe() {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "tensorferry";
 }
 
-double Seconds(int64_t start) {
-  return SecondsSince(start);
-}
-
 // Evicts every file and checks that under 1% of each remains cached.
 Status Evict(const std::vector<std::string>& files) {
   for (const std::string& f : files) {
@@ -215,7 +211,7 @@ double ParallelRead(const std::vector<Region>& regions, std::byte* dst, unsigned
   for (unsigned i = 1; i < threads; ++i) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
-  const double s = Seconds(t0);
+  const double s = SecondsSince(t0);
   for (int fd : fds) ::close(fd);
   return static_cast<double>(total) / s / 1e9;
 }
@@ -306,7 +302,7 @@ double DirectRead(const std::vector<std::string>& files) {
   std::vector<std::thread> pool;
   for (unsigned i = 0; i < threads; ++i) pool.emplace_back(work);
   for (std::thread& t : pool) t.join();
-  const double s = Seconds(t0);
+  const double s = SecondsSince(t0);
   for (int fd : fds) ::close(fd);
   return static_cast<double>(bytes.load()) / s / 1e9;
 }
@@ -390,7 +386,7 @@ int RunBench(const BenchArgs& args) {
     const int64_t t0 = NowNs();
     for (uint64_t at = 0; at < total; at += 4096) fresh.data[at] = std::byte{1};
     results["ref: first touch of fresh memory"].values.push_back(static_cast<double>(total) /
-                                                                 Seconds(t0) / 1e9);
+                                                                 SecondsSince(t0) / 1e9);
     progress.Step("first touch");
   }
   for (unsigned r = 0; r < runs; ++r) {

@@ -1,7 +1,6 @@
 // The host loader: Selection -> Plan -> read engine -> pooled buffers -> Tensors.
 #include "tensorferry/loader.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>

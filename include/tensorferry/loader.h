@@ -1,11 +1,13 @@
-// tensorferry/loader.h: load tensors of a checkpoint into host memory, under a byte budget.
+// tensorferry/loader.h: load tensors of a checkpoint into host or CUDA device memory, under byte
+// budgets.
 //
 // A Loader turns a Selection (which tensors) into a Plan (plan.h) and executes it batch by batch:
-// each batch gets one destination buffer (from a pool that reuses released buffers, so repeated
-// loads skip the first-touch cost of fresh memory), its read tasks run on a pool of I/O workers
-// across all files at once, and its tensors are handed out as Tensor values that share ownership of
-// that buffer. A tensor stays valid as long as it (or a copy) lives, whatever happens to the
-// loader, the checkpoint or later batches: nothing is ever overwritten while referenced.
+// each batch gets one destination buffer (host: from a pool that reuses released buffers, so
+// repeated loads skip the first-touch cost of fresh memory; CUDA: one cudaMalloc), its read tasks
+// run on a pool of I/O workers across all files at once, and its tensors are handed out as Tensor
+// values that share ownership of that buffer. A tensor stays valid as long as it (or a copy) lives,
+// whatever happens to the loader, the checkpoint or later batches: nothing is ever overwritten
+// while referenced.
 //
 // Budget: with LoadOptions::budget > 0 the loader never holds more than `budget` bytes of tensor
 // data at once. Batch bytes count against the budget from the moment the batch's reads start until
@@ -17,6 +19,28 @@
 // else can free it). The mmap engine holds no tensor memory of its own (the page cache does), so
 // the budget only shapes its batches.
 //
+// Device loads (LoadOptions::device, or a per-tensor LoadOptions::placement; docs/gpu.md): a batch
+// bound for CUDA device d gets one device buffer (one cudaMalloc, from a budgeted allocator), its
+// read tasks go through the device pipeline: the same read engine reads each chunk into a slot of
+// a pinned staging ring (O_DIRECT when the loader's direct policy chooses it for the file), and a
+// cudaMemcpyAsync moves it to the tensor's final place; or, with GPUDirect Storage, cuFile reads
+// straight into the buffer. The tensors are views co-owning the buffer: cudaFree runs when the last
+// of them goes. The pipeline (its pinned ring, streams and cuFile driver) is created once per
+// Loader and device and reused by every later batch and load. Batches never mix devices: a placed
+// load delivers the host batches first, then each device's in device order.
+//
+// Device memory, precisely: the device memory a load uses is its live batch buffers, nothing else
+// (the staging ring is pinned host memory; copies and GDS reads go straight to the tensors' final
+// places; no buffer is ever sized after a shard file). A batch buffer holds the batch's tensors
+// plus alignment padding: less than 64 bytes per coalesced range (less than 4 KiB per range unless
+// GDS is off, where ranges keep their file offset modulo 4 KiB so GDS reads can be aligned). With
+// LoadOptions::device_budget > 0 the bytes of live batch buffers on one device (padding included,
+// tensors handed out counted until dropped) never exceed it: batches are planned at half of it
+// for double buffering, exactly as `budget` for host memory, and a batch that does not fit is
+// kBudgetExceeded. So the extra device memory of loading beyond the tensors themselves is the
+// padding alone, and the peak device memory of a streamed load is at most device_budget whatever
+// the size of the shard files. LoadStats::peak_device_bytes is that peak for the last load.
+//
 // Errors name file, tensor and byte offset. A failed batch releases its memory and hands no tensor
 // of it to the caller.
 //
@@ -27,10 +51,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/device.h"
 #include "tensorferry/env.h"
 #include "tensorferry/plan.h"
 #include "tensorferry/status.h"
@@ -42,22 +69,26 @@ class Tensor {
  public:
   Tensor() = default;
   Tensor(std::string name, DType dtype, std::vector<uint64_t> shape, const std::byte* data,
-         uint64_t size, std::shared_ptr<const void> owner)
+         uint64_t size, std::shared_ptr<const void> owner, Device device = Device::CPU())
       : name_(std::move(name)),
         dtype_(dtype),
         shape_(std::move(shape)),
         data_(data),
         size_(size),
-        owner_(std::move(owner)) {}
+        owner_(std::move(owner)),
+        device_(device) {}
 
   const std::string& name() const noexcept { return name_; }
   DType dtype() const noexcept { return dtype_; }
   const std::vector<uint64_t>& shape() const noexcept { return shape_; }
-  // Little-endian, row-major bytes; valid while this Tensor or a copy (or owner()) lives.
+  // Little-endian, row-major bytes; valid while this Tensor or a copy (or owner()) lives. On a
+  // CUDA device this is a device address: never dereference it on the host (CopyToHost).
   const std::byte* data() const noexcept { return data_; }
   uint64_t size() const noexcept { return size_; }
   // The shared owner of the memory (for hand-off to other frameworks, e.g. DLPack).
   const std::shared_ptr<const void>& owner() const noexcept { return owner_; }
+  // Where the bytes are: the host, or a CUDA device.
+  Device device() const noexcept { return device_; }
 
  private:
   std::string name_;
@@ -66,6 +97,7 @@ class Tensor {
   const std::byte* data_ = nullptr;
   uint64_t size_ = 0;
   std::shared_ptr<const void> owner_;
+  Device device_;
 };
 
 // Which tensors to load.
@@ -134,16 +166,55 @@ struct LoadOptions {
   bool populate = false;
   Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
 
+  // --- device loading (see the file comment and docs/gpu.md) ---
+  // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).
+  // A CUDA target is checked at Loader::Open (kCudaNotFound, kCudaNoDevice with the reason).
+  Device device = Device::CPU();
+  // Per-tensor placement (like accelerate's device_map): when set, called once per selected tensor
+  // at the start of each load and overrides `device` (Placement() builds one from name prefixes).
+  // Host tensors take the host path, device tensors the device pipeline; batches never mix devices.
+  std::function<Device(const TensorInfo&)> placement;
+  // Pinned host memory of the staging ring, per device used (TENSORFERRY_STAGING_BYTES): at least
+  // two slots' worth. Allocated once per Loader and device, reused by every load.
+  uint64_t staging_bytes = 64ull << 20;
+  // Bytes per staging slot: per read and per host-to-device copy (TENSORFERRY_STAGING_SLOT).
+  uint64_t staging_slot = 8ull << 20;
+  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(4, slots).
+  unsigned device_producers = 0;
+  // Bytes of device batch buffers (tensors plus padding) live at once per device; 0 = unbounded
+  // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in the file comment.
+  uint64_t device_budget = 0;
+  // GPUDirect Storage: auto, on, off (TENSORFERRY_GDS; device.h).
+  GdsMode gds = GdsMode::kAuto;
+
   // Defaults overridden by the TENSORFERRY_* environment variables that are set. Errors:
   // kInvalidArgument naming the variable and its value.
   static Result<LoadOptions> FromEnvironment();
 };
+
+// A placement from name prefixes, as accelerate's device_map: a tensor goes to the device of the
+// longest prefix that matches its name on a component boundary ("model.layers.1" matches
+// "model.layers.1.mlp.weight" and "model.layers.1", not "model.layers.10.x"; "" matches every
+// name), else to `fallback`.
+std::function<Device(const TensorInfo&)> Placement(std::vector<std::pair<std::string, Device>> map,
+                                                   Device fallback = Device::CPU());
 
 struct Batch {
   size_t index = 0;  // 0, 1, ... in delivery order
   size_t count = 0;  // batches in this load
   std::vector<Tensor> tensors;
   uint64_t bytes = 0;
+  Device device;  // where every tensor of the batch is
+};
+
+// A caller-provided destination for one tensor (Loader::LoadInto): `capacity` bytes at `data` on
+// `device` (a device address for CUDA). The caller owns the memory and keeps it valid during the
+// call.
+struct Destination {
+  std::string name;
+  Device device;
+  void* data = nullptr;
+  uint64_t capacity = 0;
 };
 
 struct LoadStats {
@@ -158,12 +229,28 @@ struct LoadStats {
   uint64_t direct_files = 0;    // files read with O_DIRECT
   uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
   uint64_t buffered_files = 0;  // files read through the page cache
+
+  // Device loading (zero for host-only loads).
+  std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
+  uint64_t device_tensors = 0;       // tensors delivered to CUDA devices
+  uint64_t device_bytes = 0;         // their bytes
+  uint64_t device_batches = 0;       // batches bound for CUDA devices
+  uint64_t device_buffer_bytes = 0;  // device memory allocated for them (tensors plus padding)
+  uint64_t staged_bytes = 0;         // bytes through the pinned staging ring
+  uint64_t gds_bytes = 0;            // bytes read by cuFile straight into device memory
+  std::string gds_reason;            // why GDS was not used (for some or all bytes); "" if it was
+  uint64_t pinned_bytes = 0;         // pinned staging memory the loader holds (all devices)
+  // Highest bytes of device batch buffers live at once during the load (summed over devices;
+  // buffers still held from earlier loads included): what device_budget bounds.
+  uint64_t peak_device_bytes = 0;
 };
 
 class Loader {
  public:
-  // Errors: kInvalidArgument (chunk_size 0), kUnsupported (an engine not built yet), those of
-  // Checkpoint::Open for the path overload.
+  // Errors: kInvalidArgument (chunk_size 0, staging smaller than two slots), kUnsupported (an
+  // engine not built yet), for a CUDA `device`: kCudaNotFound / kCudaSymbolMissing (the runtime
+  // does not load: every candidate with its reason), kCudaNoDevice, kGdsUnavailable (gds kOn);
+  // those of Checkpoint::Open for the path overload.
   static Result<std::unique_ptr<Loader>> Open(std::shared_ptr<const Checkpoint> checkpoint,
                                               const LoadOptions& options = {});
   static Result<std::unique_ptr<Loader>> Open(const std::string& path,
@@ -187,7 +274,17 @@ class Loader {
   // total must fit it (kBudgetExceeded otherwise: use Stream).
   Result<std::vector<Tensor>> Load(const Selection& selection = Selection::All());
 
-  // Totals of the last Stream or Load.
+  // Reads the named tensors into caller-provided memory, host or device, each destination at least
+  // as large as its tensor (the bytes past the tensor are left untouched). Host destinations are
+  // read by the engine, device ones through the device pipeline. No budget applies (the memory is
+  // the caller's). Errors, all checked before any read: kNotFound (a name not in the checkpoint),
+  // kInvalidArgument (a tensor named twice, a null destination for a non-empty tensor, a capacity
+  // below the tensor's size, two destinations overlapping on one device: the message names the
+  // tensors and sizes), those of the device (kCudaNotFound, kCudaNoDevice); then the read errors of
+  // Stream. After an error the destinations' contents are unspecified.
+  Status LoadInto(std::span<const Destination> destinations);
+
+  // Totals of the last Stream, Load or LoadInto.
   LoadStats stats() const;
 
  private:

@@ -11,6 +11,8 @@ PyObject* g_safetensor_error = nullptr;
 PyObject* g_invalid_argument_error = nullptr;
 PyObject* g_unsupported_error = nullptr;
 PyObject* g_budget_error = nullptr;
+PyObject* g_cuda_error = nullptr;
+PyObject* g_cuda_not_found_error = nullptr;
 
 PyObject* NewClass(nb::module_& m, const char* name, const char* doc, PyObject* bases) {
   const std::string qualified = std::string("tensorferry.") + name;
@@ -34,8 +36,14 @@ void SetError(const Status& status) {
       exc = nb::steal(PyObject_CallFunction(PyExc_OSError, "is", EIO, message.c_str()));
       break;
     case Category::kInvalidArgument: cls = g_invalid_argument_error; break;
-    case Category::kUnsupported: cls = g_unsupported_error; break;
+    case Category::kUnsupported:
+      cls = status.code() == Code::kCudaNotFound || status.code() == Code::kCudaSymbolMissing ||
+                    status.code() == Code::kCudaNoDevice || status.code() == Code::kGdsUnavailable
+                ? g_cuda_not_found_error
+                : g_unsupported_error;
+      break;
     case Category::kBudget: cls = g_budget_error; break;
+    case Category::kCuda: cls = g_cuda_error; break;
     default: break;
   }
   if (!exc.is_valid()) {
@@ -70,6 +78,19 @@ void RegisterErrors(nb::module_& m) {
   g_budget_error =
       NewClass(m, "BudgetExceededError", "The request does not fit the configured memory budget.",
                g_safetensor_error);
+
+  nb::object cuda_bases =
+      nb::make_tuple(nb::handle(g_safetensor_error), nb::handle(PyExc_RuntimeError));
+  g_cuda_error =
+      NewClass(m, "CudaError", "The CUDA runtime or cuFile failed (e.g. out of device memory).",
+               cuda_bases.ptr());
+  // UnsupportedError is a NotImplementedError, hence a RuntimeError too.
+  g_cuda_not_found_error = NewClass(
+      m, "CudaNotFoundError",
+      "No usable CUDA here: the runtime library did not load (the message lists every candidate "
+      "tried and why), it lacks a function, there is no such device, or GDS was forced on but "
+      "is unusable.",
+      g_unsupported_error);
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

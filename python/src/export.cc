@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "errors.h"
@@ -97,7 +98,7 @@ bool ExportsNatively(DType dtype, Framework framework) noexcept {
 }
 
 nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, const std::byte* data,
-                  uint64_t size, DType dtype, std::span<const uint64_t> shape) {
+                  uint64_t size, DType dtype, std::span<const uint64_t> shape, Device device) {
   const bool native = ExportsNatively(dtype, framework);
   std::vector<size_t> dims(shape.begin(), shape.end());
   nb::dlpack::dtype type = NativeType(dtype);
@@ -117,6 +118,33 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, co
   std::shared_ptr<Keeper> owner = keeper;
   const std::byte* ptr = size == 0 ? g_empty : data;
   const unsigned element_bytes = native ? std::max(1u, DTypeBits(dtype) / 8) : 1u;
+  if (device.is_cuda()) {
+    if (framework == Framework::kNumpy) {
+      throw StatusError(
+          Status(Code::kInvalidArgument,
+                 "numpy arrays live on the host: cannot export " + DeviceName(device) + " memory"));
+    }
+    if (size == 0) ptr = data;  // a 0-byte device tensor: no address is ever read
+    if (size != 0 && reinterpret_cast<uintptr_t>(ptr) % element_bytes != 0) {
+      throw StatusError(Status(Code::kUnsupported,
+                               "a " + std::string(DTypeName(dtype)) + " tensor at " +
+                                   DeviceName(device) +
+                                   " address not aligned to its element size (the file places it "
+                                   "so): load it to the cpu and move it"));
+    }
+    nb::capsule capsule(new std::shared_ptr<Keeper>(std::move(owner)),
+                        [](void* p) noexcept { delete static_cast<std::shared_ptr<Keeper>*>(p); });
+    void* device_ptr = const_cast<std::byte*>(ptr);
+    const auto cuda = static_cast<int32_t>(nb::device::cuda::value);
+    if (framework == Framework::kTorch) {
+      nb::ndarray<nb::pytorch> array(device_ptr, dims.size(), dims.data(), capsule, nullptr, type,
+                                     cuda, device.index);
+      return nb::cast(array, nb::rv_policy::reference);
+    }
+    nb::ndarray<> array(device_ptr, dims.size(), dims.data(), capsule, nullptr, type, cuda,
+                        device.index);
+    return nb::cast(array, nb::rv_policy::reference);
+  }
   if (size != 0 && reinterpret_cast<uintptr_t>(ptr) % element_bytes != 0) {
     // A file whose tensor offsets are not multiples of the element size: frameworks expect
     // aligned elements, so this tensor (only) is copied.
@@ -132,6 +160,11 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, co
   if (framework == Framework::kTorch) {
     nb::ndarray<nb::pytorch, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,
                                                     nullptr, type);
+    return nb::cast(array, nb::rv_policy::reference);
+  }
+  if (framework == Framework::kDlpack) {
+    nb::ndarray<nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule, nullptr,
+                                       type);
     return nb::cast(array, nb::rv_policy::reference);
   }
   nb::ndarray<nb::numpy, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,

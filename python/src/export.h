@@ -22,11 +22,14 @@
 #include <span>
 #include <string>
 
+#include "tensorferry/device.h"
 #include "tensorferry/format.h"
 
 namespace tensorferry::python {
 
-enum class Framework : int { kNumpy = 0, kTorch = 1 };
+// kDlpack: nanobind's own ndarray object (it has __dlpack__ and __dlpack_device__), for tests and
+// for frameworks that take any DLPack producer.
+enum class Framework : int { kNumpy = 0, kTorch = 1, kDlpack = 2 };
 
 class Keeper {
  public:
@@ -53,9 +56,14 @@ bool ExportsNatively(DType dtype, Framework framework) noexcept;
 
 // The framework array over `size` bytes at `data` holding `dtype` elements of `shape`, co-owning
 // `keeper`. REQUIRES: the GIL is held; `data` is valid while `keeper` lives. Copies (into a new
-// aligned block) only when `data` is not aligned to the element size.
+// aligned block) only when host `data` is not aligned to the element size.
+//
+// CUDA `device`: exported with DLPack device kDLCUDA and the device index (torch gets a CUDA
+// tensor on that device sharing the memory; the DeviceBuffer is freed when the last such tensor
+// goes). NumPy cannot hold device memory (kInvalidArgument); an element-misaligned device address
+// is kUnsupported naming the tensor's dtype and address (device bytes are never copied here).
 nanobind::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
                         const std::byte* data, uint64_t size, DType dtype,
-                        std::span<const uint64_t> shape);
+                        std::span<const uint64_t> shape, Device device = Device::CPU());
 
 }  // namespace tensorferry::python

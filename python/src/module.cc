@@ -7,6 +7,7 @@
 // Every call that reads file bytes or waits releases the GIL (WithoutGil). A Reader may be shared
 // by threads: calls on it are serialized by a mutex, taken only after the GIL is released.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -30,6 +31,8 @@
 #include "export.h"
 #include "gil.h"
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/cuda.h"
+#include "tensorferry/device.h"
 #include "tensorferry/env.h"
 #include "tensorferry/format.h"
 #include "tensorferry/loader.h"
@@ -43,8 +46,9 @@ namespace tensorferry::python {
 namespace {
 
 Framework ToFramework(int framework) {
-  if (framework != 0 && framework != 1) {
-    throw StatusError(Status(Code::kInvalidArgument, "framework must be 0 (numpy) or 1 (torch)"));
+  if (framework < 0 || framework > 2) {
+    throw StatusError(
+        Status(Code::kInvalidArgument, "framework must be 0 (numpy), 1 (torch) or 2 (dlpack)"));
   }
   return static_cast<Framework>(framework);
 }
@@ -58,6 +62,7 @@ nb::list ShapeList(const std::vector<uint64_t>& shape) {
 // LoadOptions from TENSORFERRY_* defaults, overridden by the keys present in `options`.
 LoadOptions MakeLoadOptions(const nb::dict& options) {
   LoadOptions o = Unwrap(LoadOptions::FromEnvironment());
+  std::optional<std::vector<std::pair<std::string, Device>>> placement;
   for (auto [key_handle, value] : options) {
     const std::string key = nb::cast<std::string>(key_handle);
     if (value.is_none()) continue;
@@ -89,12 +94,33 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
       o.pool_bytes = nb::cast<uint64_t>(value);
     } else if (key == "populate") {
       o.populate = nb::cast<bool>(value);
+    } else if (key == "device") {
+      o.device = Unwrap(ParseDevice(nb::cast<std::string>(value)));
+    } else if (key == "gds") {
+      o.gds = Unwrap(ParseGdsMode(nb::cast<std::string>(value)));
+    } else if (key == "staging_bytes") {
+      o.staging_bytes = nb::cast<uint64_t>(value);
+    } else if (key == "staging_slot") {
+      o.staging_slot = nb::cast<uint64_t>(value);
+    } else if (key == "device_budget") {
+      o.device_budget = nb::cast<uint64_t>(value);
+    } else if (key == "placement") {
+      // [(name prefix, device)] as accelerate's device_map; tensors matching none stay on
+      // `device` (the option's value, default cpu).
+      std::vector<std::pair<std::string, Device>> map;
+      for (nb::handle item : nb::cast<nb::list>(value)) {
+        nb::tuple pair = nb::cast<nb::tuple>(item);
+        map.emplace_back(nb::cast<std::string>(pair[0]),
+                         Unwrap(ParseDevice(nb::cast<std::string>(pair[1]))));
+      }
+      placement = std::move(map);
     } else {
       throw StatusError(Status(Code::kInvalidArgument, "unknown load option \"" + key + "\""));
     }
   }
   if (o.chunk_size == 0)
     throw StatusError(Status(Code::kInvalidArgument, "chunk_size must be > 0"));
+  if (placement) o.placement = Placement(std::move(*placement), o.device);
   return o;
 }
 
@@ -111,6 +137,16 @@ nb::dict StatsDict(const LoadStats& s) {
   d["direct_files"] = s.direct_files;
   d["direct_bytes"] = s.direct_bytes;
   d["buffered_files"] = s.buffered_files;
+  d["device"] = s.device;
+  d["device_tensors"] = s.device_tensors;
+  d["device_bytes"] = s.device_bytes;
+  d["device_batches"] = s.device_batches;
+  d["device_buffer_bytes"] = s.device_buffer_bytes;
+  d["staged_bytes"] = s.staged_bytes;
+  d["gds_bytes"] = s.gds_bytes;
+  d["gds_reason"] = s.gds_reason;
+  d["pinned_bytes"] = s.pinned_bytes;
+  d["peak_device_bytes"] = s.peak_device_bytes;
   return d;
 }
 
@@ -144,9 +180,9 @@ nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
     auto keeper = std::make_shared<Keeper>(tensors[i].owner(), bytes);
     for (; i < j; ++i) {
       const Tensor& t = tensors[i];
-      out.append(
-          nb::make_tuple(t.name(), DTypeStr(t.dtype()),
-                         Export(framework, keeper, t.data(), t.size(), t.dtype(), t.shape())));
+      out.append(nb::make_tuple(
+          t.name(), DTypeStr(t.dtype()),
+          Export(framework, keeper, t.data(), t.size(), t.dtype(), t.shape(), t.device())));
     }
   }
   return out;
@@ -229,6 +265,11 @@ class Reader {
     for (const FileInfo& f : checkpoint_->files()) files_.push_back(env_.Find(f.path));
     has_metadata_.resize(files_.size());
     options_.env = &env_;
+    if (options_.device.is_cuda() && !options_.placement) {
+      // A CUDA target is checked now, so that opening says at once why there is no device
+      // (the runtime that did not load, or the device count), and the pipeline is made once.
+      loader_ = Unwrap(Loader::Open(checkpoint_, options_));
+    }
   }
 
   std::vector<std::string> Names(bool by_offset) const {
@@ -341,7 +382,7 @@ class Reader {
   nb::object GetTensor(const std::string& name, int framework) {
     const Framework fw = ToFramework(framework);
     const TensorInfo& t = Lookup(name);
-    if (t.size >= 2 * options_.chunk_size) {
+    if (t.size >= 2 * options_.chunk_size || options_.device.is_cuda() || options_.placement) {
       std::vector<std::string> one{name};
       nb::list got = Load(one, framework);
       return nb::borrow<nb::tuple>(got[0])[1];
@@ -458,6 +499,11 @@ class Reader {
     d["order"] = options_.order == DeliveryOrder::kLayer ? "layer" : "file";
     d["pool_bytes"] = options_.pool_bytes;
     d["populate"] = options_.populate;
+    d["device"] = DeviceName(options_.device);
+    d["gds"] = std::string(GdsModeName(options_.gds));
+    d["staging_bytes"] = options_.staging_bytes;
+    d["staging_slot"] = options_.staging_slot;
+    d["device_budget"] = options_.device_budget;
     return d;
   }
 
@@ -852,6 +898,31 @@ NB_MODULE(_core, m) {
     return *v;
   });
   m.def("format_bytes", &FormatBytes);
+  m.def("cuda_available", [] { return CudaAvailable(); });
+  m.def(
+      "copy_to_host",
+      [](nb::ndarray<> array) {
+        // The bytes of any DLPack array, host or CUDA (a synchronous cudaMemcpy for device memory):
+        // lets tests check what was exported without a CUDA-enabled framework.
+        const size_t n = array.nbytes();
+        const int type = array.device_type();
+        Device device = Device::CPU();
+        if (type == nb::device::cuda::value) {
+          device = Device::CUDA(array.device_id());
+        } else if (type != nb::device::cpu::value) {
+          throw StatusError(Status(Code::kUnsupported,
+                                   "copy_to_host: DLPack device type " + std::to_string(type)));
+        }
+        std::string bytes(n, '\0');
+        Status s;
+        {
+          WithoutGil release;
+          s = CopyToHost(device, array.data(), std::as_writable_bytes(std::span<char>(bytes)));
+        }
+        Check(s);
+        return nb::bytes(bytes.data(), bytes.size());
+      },
+      nb::arg("array"), "The bytes of a DLPack array (host or CUDA) as bytes, copied to the host");
   m.def("layer_of",
         [](const std::string& name) -> std::optional<uint32_t> { return LayerOf(name); });
   m.def("dtype_bits", [](const std::string& name) {

@@ -17,6 +17,8 @@ the last reference goes. docs/python.md has the details.
 """
 from ._core import (  # noqa: F401
     BudgetExceededError,
+    CudaError,
+    CudaNotFoundError,
     InvalidArgumentError,
     SafetensorError,
     UnsupportedError,
@@ -33,6 +35,8 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedDTypeError",
     "BudgetExceededError",
+    "CudaError",
+    "CudaNotFoundError",
     "Loader",
     "LoadStats",
     "Batch",

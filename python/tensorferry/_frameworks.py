@@ -123,11 +123,18 @@ class _Framework:
                 self.shape(st_dtype, reader.info(odd[0])[1], odd[0])
 
     def finish_all(self, triples, device):
-        """(name, tensor) pairs from the core's (name, dtype, array) triples."""
-        to_device = self.to_device
+        """(name, tensor) pairs from the core's (name, dtype, array) triples. `device` None:
+        tensors stay where the core put them (a per-tensor placement)."""
         finish = self.finish
+        if device is None:
+            return [(name, finish(array, st_dtype)) for name, st_dtype, array in triples]
+        to_device = self.to_device
         return [(name, to_device(finish(array, st_dtype), device))
                 for name, st_dtype, array in triples]
+
+    def core_device(self, device):
+        """The device string the core loads to ("cuda:N"), or None for the host path."""
+        return None
 
     def finish(self, array, st_dtype):
         """The array exported by the core, as the right framework dtype (no copy)."""
@@ -184,15 +191,29 @@ class _Torch(_Framework):
 
     def device(self, device):
         torch = self.torch
-        if isinstance(device, torch.device):
-            return device
-        try:
-            return torch.device(device)
-        except (RuntimeError, TypeError, ValueError):
-            raise SafetensorError(f"device {device} is invalid") from None
+        if not isinstance(device, torch.device):
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError, ValueError):
+                raise SafetensorError(f"device {device} is invalid") from None
+        if device.type == "cuda" and device.index is None:
+            # "cuda": torch's current device (0 when CUDA is not initialized or absent).
+            index = 0
+            try:
+                if torch.cuda.is_available():
+                    index = torch.cuda.current_device()
+            except Exception:  # noqa: BLE001 - any CUDA trouble is reported by the load itself
+                pass
+            device = torch.device("cuda", index)
+        return device
+
+    def core_device(self, device):
+        if device is not None and device.type == "cuda":
+            return f"cuda:{device.index}"
+        return None
 
     def to_device(self, tensor, device):
-        if device.type == "cpu":
+        if device.type == "cpu" or tensor.device == device:
             return tensor
         return tensor.to(device)
 

@@ -70,6 +70,18 @@ class LoadStats:
     buffered_files: int = 0
     buffers_reused: int = 0
     buffers_allocated: int = 0
+    # Device loading (docs/gpu.md): where tensors went, bytes delivered to CUDA devices, bytes
+    # through the pinned staging ring and by GPUDirect Storage (and why not), pinned memory held,
+    # and the peak of GPU batch buffers held at once (what device_budget bounds).
+    device: str = ""
+    device_tensors: int = 0
+    device_bytes: int = 0
+    device_batches: int = 0
+    staged_bytes: int = 0
+    gds_bytes: int = 0
+    gds_reason: str = ""
+    pinned_bytes: int = 0
+    peak_device_bytes: int = 0
 
     @property
     def gbps(self):
@@ -89,8 +101,14 @@ class LoadStats:
         self.peak_budget_bytes = max(self.peak_budget_bytes, core["peak_budget_bytes"])
         self.engine = core["engine"] or self.engine
         for key in ("direct_files", "direct_bytes", "buffered_files", "buffers_reused",
-                    "buffers_allocated"):
+                    "buffers_allocated", "device_tensors", "device_bytes", "device_batches",
+                    "staged_bytes", "gds_bytes"):
             setattr(self, key, getattr(self, key) + core[key])
+        self.device = core["device"] if not self.device or self.device == core["device"] \
+            else "mixed"
+        self.gds_reason = core["gds_reason"] or self.gds_reason
+        self.pinned_bytes = max(self.pinned_bytes, core["pinned_bytes"])
+        self.peak_device_bytes = max(self.peak_device_bytes, core["peak_device_bytes"])
 
 
 @dataclasses.dataclass
@@ -137,7 +155,18 @@ class Loader:
 
     Args:
         checkpoint: path of the file, directory or index.
-        device: where tensors go ("cpu"; a torch device moves each tensor after it is loaded).
+        device: where tensors go: "cpu", or (framework "pt") "cuda" / "cuda:N" / a torch.device:
+            tensors are read straight into GPU memory through the device pipeline (a pinned
+            staging ring, or GPUDirect Storage) and returned as CUDA tensors sharing one device
+            buffer per batch (docs/gpu.md). Other torch devices: each tensor is moved after it is
+            loaded. CudaNotFoundError says why when CUDA is not usable.
+        device_map: per-tensor placement as accelerate's device_map: {name prefix: device}
+            (e.g. {"model.layers.0": "cuda:0", "lm_head": "cpu"}); tensors matching no prefix go
+            to `device`. Batches never mix devices.
+        device_budget: most bytes of GPU batch buffers held at once per device (None/0:
+            unbounded); the device counterpart of budget.
+        gds: GPUDirect Storage, "auto" (default), "on" or "off".
+        staging_bytes: pinned host memory of the staging ring (default 64MB).
         budget: most bytes of tensor data held at once (int, or a string such as "256MB");
             None or 0: unbounded. Under a budget, iter_tensors()/iter_batches() deliver batches of
             at most half the budget, so the tensor the consumer still holds when it asks for the
@@ -162,9 +191,22 @@ class Loader:
     def __init__(self, checkpoint, device="cpu", budget=None, threads=None, engine=None,
                  select=None, *, framework="pt", direct=None, chunk_size=None, queue_depth=None,
                  order=None, populate=None, allow_oversized=None, pool_bytes=None,
-                 progress=False):
+                 progress=False, device_map=None, device_budget=None, gds=None,
+                 staging_bytes=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
+        core_device = self._fw.core_device(self._device)
+        placement = None
+        if device_map is not None:
+            placement = []
+            for prefix, where in dict(device_map).items():
+                if isinstance(where, int):
+                    where = f"cuda:{where}"
+                target = self._fw.core_device(self._fw.device(where))
+                if target is None and self._fw.device(where) != self._fw.device("cpu"):
+                    raise _core.InvalidArgumentError(
+                        f"device_map: {prefix!r} -> {where!r}: only cpu and cuda devices")
+                placement.append((str(prefix), target or "cpu"))
         options = {
             "engine": engine,
             "direct": direct,
@@ -176,9 +218,20 @@ class Loader:
             "order": order,
             "pool_bytes": parse_size(pool_bytes),
             "populate": populate,
+            "device": core_device,
+            "placement": placement,
+            "device_budget": parse_size(device_budget),
+            "gds": gds,
+            "staging_bytes": parse_size(staging_bytes),
         }
+        if placement is not None:
+            # Tensors are already where the map puts them; `device` is where unmatched ones go.
+            self._device = None
+        elif core_device is not None:
+            self._device = None  # already on the device
         if engine is None and not options["budget"] and not os.environ.get("TENSORFERRY_ENGINE") \
-                and not os.environ.get("TENSORFERRY_BUDGET"):
+                and not os.environ.get("TENSORFERRY_BUDGET") and core_device is None \
+                and placement is None:
             # Unbounded: the same default as load_file (mmap with populate), the fastest measured
             # way to tensors in host memory (docs/python.md). Under a budget, the copying engines.
             options["engine"] = "mmap"

@@ -37,6 +37,16 @@ def default_load_options(backend=None):
     return options
 
 
+def device_load_options(backend=None):
+    """Load options for loads to a CUDA device: a copying engine (the staging ring reads through
+    it; mmap has nothing to offer there), TENSORFERRY_ENGINE or backend= when given."""
+    if backend is not None:
+        options = default_load_options(backend)
+        options.pop("populate", None)
+        return options
+    return {}
+
+
 def open_file(filename, options):
     path = os.fspath(filename)
     if not isinstance(path, str):
@@ -53,7 +63,10 @@ class safe_open:
     Args:
         filename (str or os.PathLike): the file.
         framework (str): "pt" (torch) or "np" (numpy).
-        device (str, int or torch.device): where tensors go ("cpu" by default).
+        device (str, int or torch.device): where tensors go ("cpu" by default). "cuda" /
+            "cuda:N" (framework "pt"): get_tensor and get_tensors read straight into GPU memory
+            through tensorferry's device pipeline and return CUDA tensors sharing that memory
+            (docs/gpu.md); CudaNotFoundError says why when CUDA is not usable here.
         backend (str, keyword-only): "mmap" or "pread" as in safetensors (also "io_uring",
             "auto"); default: tensorferry's choice (see docs/python.md).
 
@@ -63,7 +76,12 @@ class safe_open:
     def __init__(self, filename, framework, device="cpu", *, backend=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
-        self._reader = open_file(filename, default_load_options(backend))
+        options = default_load_options(backend)
+        core_device = self._fw.core_device(self._device)
+        if core_device is not None:
+            options = device_load_options(backend)
+            options["device"] = core_device
+        self._reader = open_file(filename, options)
         self._closed = False
 
     def __enter__(self):

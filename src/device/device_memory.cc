@@ -116,6 +116,11 @@ uint64_t DeviceAllocator::peak() const {
   return accounting_->peak;
 }
 
+void DeviceAllocator::ResetPeak() {
+  std::lock_guard<std::mutex> lock(accounting_->mu);
+  accounting_->peak = accounting_->in_use;
+}
+
 uint64_t DeviceAllocator::allocations() const {
   std::lock_guard<std::mutex> lock(accounting_->mu);
   return accounting_->allocations;

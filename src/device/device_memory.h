@@ -81,7 +81,8 @@ class DeviceAllocator {
   int device() const noexcept { return device_; }
   uint64_t budget() const noexcept { return budget_; }
   uint64_t in_use() const;       // bytes of live buffers
-  uint64_t peak() const;         // highest in_use() seen
+  uint64_t peak() const;         // highest in_use() seen (since creation or ResetPeak)
+  void ResetPeak();              // peak() restarts from in_use()
   uint64_t allocations() const;  // successful Allocate calls
 
  private:

@@ -29,23 +29,6 @@ std::string Plural(uint64_t n, const char* noun) {
 
 }  // namespace
 
-std::string_view GdsModeName(GdsMode mode) noexcept {
-  switch (mode) {
-    case GdsMode::kAuto: return "auto";
-    case GdsMode::kOn: return "on";
-    case GdsMode::kOff: return "off";
-  }
-  return "unknown";
-}
-
-Result<GdsMode> ParseGdsMode(std::string_view name) {
-  if (name == "auto") return GdsMode::kAuto;
-  if (name == "on") return GdsMode::kOn;
-  if (name == "off") return GdsMode::kOff;
-  return Status(Code::kInvalidArgument,
-                "GDS mode must be auto, on or off, got \"" + std::string(name) + "\"");
-}
-
 struct DevicePipeline::Chunk {
   size_t task = 0;
   const RandomAccessFile* file = nullptr;

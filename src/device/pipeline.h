@@ -56,14 +56,16 @@
 #include "device/device_memory.h"
 #include "device/staging_ring.h"
 #include "io/read_engine.h"
+#include "tensorferry/device.h"
 #include "tensorferry/env.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry::device {
 
-enum class GdsMode : uint8_t { kAuto, kOn, kOff };
-std::string_view GdsModeName(GdsMode mode) noexcept;  // "auto", "on", "off"
-Result<GdsMode> ParseGdsMode(std::string_view name);  // errors: kInvalidArgument
+// The public GdsMode (tensorferry/device.h): kAuto, kOn, kOff.
+using tensorferry::GdsMode;
+using tensorferry::GdsModeName;
+using tensorferry::ParseGdsMode;
 
 struct DeviceTask {
   const RandomAccessFile* file = nullptr;

@@ -1,19 +1,26 @@
-// The host loader: Selection -> Plan -> read engine -> pooled buffers -> Tensors.
+// The loader: Selection -> Plan (per device) -> read engine -> pooled host buffers or device
+// buffers through the device pipeline -> Tensors.
 #include "tensorferry/loader.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
+#include "cuda/cuda_api.h"
+#include "device/device_memory.h"
+#include "device/pipeline.h"
 #include "io/engine_common.h"
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "memory/host_buffer.h"
+#include "tensorferry/size.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -78,6 +85,27 @@ struct BatchMemory {
   memory::BudgetLease lease;
 };
 
+// A batch's memory, reserved before its reads start: its share of the host budget, or (for a
+// CUDA batch) its device buffer.
+struct Reservation {
+  memory::BudgetLease lease;
+  std::shared_ptr<device::DeviceBuffer> device;
+};
+
+// The selected tensors bound for one device, planned together: batches never mix devices.
+struct Group {
+  Device device;
+  Plan plan;
+  uint64_t batch_budget = 0;
+};
+
+// Per CUDA device: the budgeted allocator of batch buffers and the pipeline (pinned ring, streams,
+// cuFile driver), made once per Loader and reused by every load.
+struct DeviceSink {
+  std::shared_ptr<device::DeviceAllocator> allocator;
+  std::unique_ptr<device::DevicePipeline> pipeline;
+};
+
 using Clock = std::chrono::steady_clock;
 
 // With DirectIO::kAuto, a file is read with O_DIRECT when less than this fraction of the bytes to
@@ -101,6 +129,51 @@ struct Loader::Impl {
   // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
   std::vector<std::shared_ptr<io::MappedFile>> maps;
   LoadStats stats;
+  // Device loading: the runtime (loaded on first use), one sink per CUDA device used, and the
+  // engine device batches read through (the loader's engine; a pread engine for kMmap, which has
+  // none).
+  std::shared_ptr<const cuda::Runtime> runtime;
+  std::map<int, DeviceSink> sinks;
+  std::unique_ptr<io::ReadEngine> own_copy_engine;
+  io::ReadEngine* copy_engine = nullptr;
+
+  // The sink of CUDA device `index`, created on first use. REQUIRES: not called while a batch is
+  // being read on the helper thread.
+  Result<DeviceSink*> Sink(int index) {
+    auto it = sinks.find(index);
+    if (it != sinks.end()) return &it->second;
+    if (index < 0) {
+      return Status(Code::kInvalidArgument, "CUDA device index " + std::to_string(index));
+    }
+    if (!runtime) {
+      TF_ASSIGN_OR_RETURN(runtime, cuda::ProcessRuntime());
+    }
+    TF_RETURN_IF_ERROR(runtime->CheckDevice(index));
+    device::DevicePipelineOptions p;
+    p.device = index;
+    p.slot_size = options.staging_slot;
+    p.staging_bytes = options.staging_bytes;
+    p.producers = options.device_producers;
+    p.gds = options.gds;
+    TF_ASSIGN_OR_RETURN(std::unique_ptr<device::DevicePipeline> pipeline,
+                        device::DevicePipeline::Create(runtime, p));
+    DeviceSink sink{device::DeviceAllocator::Create(runtime, index, options.device_budget),
+                    std::move(pipeline)};
+    return &sinks.emplace(index, std::move(sink)).first->second;
+  }
+
+  // The engine that copies bytes into memory (host destinations of LoadInto, device batches).
+  Result<io::ReadEngine*> CopyEngine() {
+    if (copy_engine == nullptr) {
+      if (engine) {
+        copy_engine = engine.get();
+      } else {
+        TF_ASSIGN_OR_RETURN(own_copy_engine, io::MakePreadEngine(options.threads));
+        copy_engine = own_copy_engine.get();
+      }
+    }
+    return copy_engine;
+  }
 
   // Opens every file once per loader and checks it still has the size seen at Checkpoint::Open:
   // a file replaced or truncated since then is reported here, before any read.
@@ -133,13 +206,65 @@ struct Loader::Impl {
   // The plan's batches hold at most half the budget when the next batch is read while the caller
   // handles the current one (double buffering), so two fit; the whole budget when a selected
   // tensor is larger than half of it.
-  uint64_t BatchBudget(const Checkpoint& ckpt, std::span<const uint32_t> indices) const {
-    if (options.budget == 0) return 0;
+  static uint64_t BatchBudget(const Checkpoint& ckpt, std::span<const uint32_t> indices,
+                              uint64_t budget) {
+    if (budget == 0) return 0;
     uint64_t largest = 0;
     for (uint32_t i : indices) largest = std::max(largest, ckpt.tensors()[i].size);
-    // Half, minus room for the per-range alignment padding of a batch buffer.
-    const uint64_t half = options.budget / 2;
-    return largest <= half ? half : options.budget;
+    const uint64_t half = budget / 2;
+    return largest <= half ? half : budget;
+  }
+
+  // The device each selected tensor goes to.
+  Device Place(const TensorInfo& t) const {
+    return options.placement ? options.placement(t) : options.device;
+  }
+
+  // The plan of a load, one group per device (host first, then CUDA devices by index).
+  Result<std::vector<Group>> MakeGroups(const Selection& selection) const {
+    TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*checkpoint));
+    std::map<Device, std::vector<uint32_t>> by_device;
+    if (options.placement) {
+      for (uint32_t i : indices) by_device[Place(checkpoint->tensors()[i])].push_back(i);
+    } else {
+      by_device[options.device] = std::move(indices);
+    }
+    if (by_device.empty()) by_device[options.device];  // an empty selection: an empty plan
+    std::vector<Group> groups;
+    for (auto& [dev, idx] : by_device) {
+      if (dev.is_cuda() && dev.index < 0) {
+        return Status(Code::kInvalidArgument, "placement: CUDA device index " +
+                                                  std::to_string(dev.index) + " for tensor \"" +
+                                                  checkpoint->tensors()[idx.front()].name + "\"");
+      }
+      Group g;
+      g.device = dev;
+      const uint64_t limit = dev.is_cpu() ? options.budget : options.device_budget;
+      g.batch_budget = BatchBudget(*checkpoint, idx, limit);
+      PlanOptions p = MakePlanOptions(g.batch_budget);
+      // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
+      // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
+      if (dev.is_cuda() && options.gds == GdsMode::kOff) p.io_alignment = 0;
+      TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, idx, p));
+      if (dev.is_cuda() && limit > 0 && g.batch_budget < limit) {
+        // The device budget counts whole buffers, padding included: when padding pushes a batch
+        // past half the budget, plan again with the batch budget lowered by the overshoot, so two
+        // batches still fit (double buffering).
+        uint64_t largest_buffer = 0, largest_tensor = 0;
+        for (const PlanBatch& b : g.plan.batches) {
+          largest_buffer = std::max(largest_buffer, b.buffer_size);
+        }
+        for (uint32_t i : idx)
+          largest_tensor = std::max(largest_tensor, checkpoint->tensors()[i].size);
+        const uint64_t over = largest_buffer > g.batch_budget ? largest_buffer - g.batch_budget : 0;
+        if (over > 0 && g.batch_budget - largest_tensor > over) {
+          p.budget = g.batch_budget - over;
+          TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, idx, p));
+        }
+      }
+      groups.push_back(std::move(g));
+    }
+    return groups;
   }
 
   PlanOptions MakePlanOptions(uint64_t batch_budget) const {
@@ -153,15 +278,27 @@ struct Loader::Impl {
 
   // Decides, per file the plan reads, whether its reads use O_DIRECT: returns the descriptor per
   // file index (-1: buffered) and counts the choices into stats.
-  Result<std::vector<int>> ChooseDirect(const Plan& plan) {
+  // `reads`: the (file, offset, length) ranges the load reads; `skip_host_mapped`: the mmap
+  // engine's host batches read nothing (only its device batches count).
+  Result<std::vector<int>> ChooseDirect(std::span<const Group> groups, bool skip_host_mapped) {
     const auto& infos = checkpoint->files();
     std::vector<uint64_t> lo(infos.size(), UINT64_MAX), hi(infos.size(), 0);
-    for (const PlanBatch& b : plan.batches) {
-      for (const ReadTask& t : b.tasks) {
-        lo[t.file] = std::min(lo[t.file], t.file_offset);
-        hi[t.file] = std::max(hi[t.file], t.file_offset + t.length);
+    for (const Group& g : groups) {
+      if (skip_host_mapped && g.device.is_cpu()) continue;
+      for (const PlanBatch& b : g.plan.batches) {
+        for (const ReadTask& t : b.tasks) {
+          lo[t.file] = std::min(lo[t.file], t.file_offset);
+          hi[t.file] = std::max(hi[t.file], t.file_offset + t.length);
+        }
       }
     }
+    return ChooseDirect(lo, hi);
+  }
+
+  // Per file, the descriptor its reads within [lo, hi) use (-1: buffered; hi 0: not read).
+  Result<std::vector<int>> ChooseDirect(const std::vector<uint64_t>& lo,
+                                        const std::vector<uint64_t>& hi) {
+    const auto& infos = checkpoint->files();
     std::vector<int> fds(infos.size(), -1);
     for (size_t f = 0; f < infos.size(); ++f) {
       if (hi[f] == 0) continue;  // not read by this plan
@@ -233,6 +370,39 @@ struct Loader::Impl {
     return out;
   }
 
+  // Reads batch `b` of a CUDA group into `buffer` through the device's pipeline and makes its
+  // tensors: views co-owning the buffer.
+  Result<Batch> ReadDeviceBatch(const Group& group, size_t b,
+                                std::shared_ptr<device::DeviceBuffer> buffer,
+                                const std::vector<int>& direct_fds) {
+    const PlanBatch& batch = group.plan.batches[b];
+    const DeviceSink& sink = sinks.at(group.device.index);
+    std::vector<device::DeviceTask> tasks;
+    tasks.reserve(batch.tasks.size());
+    for (const ReadTask& t : batch.tasks) {
+      device::DeviceTask d;
+      d.file = files[t.file].get();
+      d.file_offset = t.file_offset;
+      d.length = t.length;
+      d.dst = buffer->data() + t.buffer_offset;
+      d.direct_fd = direct_fds[t.file];
+      tasks.push_back(d);
+    }
+    TF_RETURN_IF_ERROR(sink.pipeline->Run(tasks, *copy_engine, buffer.get()));
+    const auto& infos = checkpoint->tensors();
+    Batch out;
+    out.bytes = batch.tensor_bytes;
+    out.device = group.device;
+    out.tensors.reserve(batch.tensors.size());
+    for (const PlannedTensor& pt : batch.tensors) {
+      const TensorInfo& info = infos[pt.tensor];
+      const std::byte* data = buffer->data() + pt.buffer_offset;
+      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
+                               std::shared_ptr<const void>(buffer, data), group.device);
+    }
+    return out;
+  }
+
   // The mmap engine's batch: views into the mappings; with populate, every page read first (in
   // parallel over the plan's tasks).
   Result<Batch> MapBatch(const Plan& plan, size_t b) {
@@ -288,6 +458,29 @@ struct Loader::Impl {
     }
     return out;
   }
+
+  // The device figures of the load that just ended: pipeline totals since `before`, the pinned
+  // memory held, the peak of device buffers.
+  void CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before) {
+    std::string reasons;
+    for (const auto& [index, sink] : sinks) {
+      const device::DevicePipelineStats now = sink.pipeline->stats();
+      stats.pinned_bytes += now.pinned_bytes;
+      auto it = before.find(index);
+      const uint64_t staged0 = it == before.end() ? 0 : it->second.staged_bytes;
+      const uint64_t gds0 = it == before.end() ? 0 : it->second.gds_bytes;
+      const uint64_t tasks0 = it == before.end() ? 0 : it->second.tasks;
+      stats.staged_bytes += now.staged_bytes - staged0;
+      stats.gds_bytes += now.gds_bytes - gds0;
+      stats.peak_device_bytes += sink.allocator->peak();
+      if (now.tasks != tasks0 && !now.gds_reason.empty()) {
+        if (!reasons.empty()) reasons += "; ";
+        reasons += sinks.size() > 1 ? "cuda:" + std::to_string(index) + ": " + now.gds_reason
+                                    : now.gds_reason;
+      }
+    }
+    stats.gds_reason = std::move(reasons);
+  }
 };
 
 Loader::Loader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -319,6 +512,12 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
       options.budget > 0 ? std::min(options.pool_bytes, options.budget + (2u << 20))
                          : options.pool_bytes);
   impl->budget = memory::Budget::Create(options.budget);
+  if (options.device.is_cuda() && !options.placement) {
+    // A CUDA target is checked now (runtime, device, staging options, GDS when forced), and its
+    // pipeline made once for every later load.
+    TF_RETURN_IF_ERROR(impl->Sink(options.device.index).status());
+    TF_RETURN_IF_ERROR(impl->CopyEngine().status());
+  }
   return std::unique_ptr<Loader>(new Loader(std::move(impl)));
 }
 
@@ -334,9 +533,18 @@ const std::shared_ptr<const Checkpoint>& Loader::checkpoint() const noexcept {
 }
 
 Result<Plan> Loader::MakePlan(const Selection& selection) const {
-  TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*impl_->checkpoint));
-  const uint64_t batch_budget = impl_->BatchBudget(*impl_->checkpoint, indices);
-  return tensorferry::MakePlan(*impl_->checkpoint, indices, impl_->MakePlanOptions(batch_budget));
+  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, impl_->MakeGroups(selection));
+  if (groups.size() == 1) return std::move(groups.front().plan);
+  // Several devices: their batches in delivery order, as one plan.
+  Plan out;
+  for (Group& g : groups) {
+    for (PlanBatch& b : g.plan.batches) out.batches.push_back(std::move(b));
+    out.tensor_bytes += g.plan.tensor_bytes;
+    out.num_tensors += g.plan.num_tensors;
+    out.num_ranges += g.plan.num_ranges;
+    out.num_tasks += g.plan.num_tasks;
+  }
+  return out;
 }
 
 Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
@@ -346,61 +554,131 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   const auto start = Clock::now();
   Clock::duration idle{};  // time in callbacks with no read in flight
   const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
-  const uint64_t direct0 = m.engine ? m.engine->stats().direct_bytes : 0;
 
-  TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*m.checkpoint));
-  const uint64_t batch_budget = m.BatchBudget(*m.checkpoint, indices);
-  TF_ASSIGN_OR_RETURN(
-      Plan plan, tensorferry::MakePlan(*m.checkpoint, indices, m.MakePlanOptions(batch_budget)));
+  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(selection));
   TF_RETURN_IF_ERROR(m.OpenFiles());
   const bool mapped = m.engine_kind == Engine::kMmap;
-  std::vector<int> direct_fds;
-  if (!mapped) {
-    TF_ASSIGN_OR_RETURN(direct_fds, m.ChooseDirect(plan));
+  // Every device sink and the copy engine before the first batch: their errors come first, and
+  // the helper thread that reads ahead never creates one.
+  bool any_device = false;
+  for (const Group& g : groups) {
+    if (!g.device.is_cuda()) continue;
+    any_device = true;
+    TF_ASSIGN_OR_RETURN(DeviceSink * sink, m.Sink(g.device.index));
+    sink->allocator->ResetPeak();
   }
-  const size_t n = plan.batches.size();
+  if (any_device) TF_RETURN_IF_ERROR(m.CopyEngine().status());
+  std::map<int, device::DevicePipelineStats> pipeline0;
+  for (const auto& [index, sink] : m.sinks) pipeline0[index] = sink.pipeline->stats();
+  const uint64_t direct0 = m.copy_engine ? m.copy_engine->stats().direct_bytes
+                           : m.engine    ? m.engine->stats().direct_bytes
+                                         : 0;
+  std::vector<int> direct_fds;
+  if (!mapped || any_device) {
+    TF_ASSIGN_OR_RETURN(direct_fds, m.ChooseDirect(groups, mapped));
+  }
+  m.stats.device = groups.size() == 1 ? DeviceName(groups.front().device) : "mixed";
 
-  auto lease_for = [&](size_t b) -> std::optional<memory::BudgetLease> {
-    return m.budget->TryAcquire(plan.batches[b].tensor_bytes);
+  // Delivery order: (group, batch) pairs, the host's first.
+  std::vector<std::pair<size_t, size_t>> order;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t b = 0; b < groups[g].plan.batches.size(); ++b) order.emplace_back(g, b);
+  }
+  const size_t n = order.size();
+  auto batch_of = [&](size_t k) -> const PlanBatch& {
+    return groups[order[k].first].plan.batches[order[k].second];
   };
-  auto budget_error = [&](size_t b) {
+
+  // The memory of batch k, or nullopt when it does not fit its budget now.
+  auto reserve = [&](size_t k) -> Result<std::optional<Reservation>> {
+    const Group& g = groups[order[k].first];
+    const PlanBatch& pb = batch_of(k);
+    if (g.device.is_cpu()) {
+      std::optional<memory::BudgetLease> lease = m.budget->TryAcquire(pb.tensor_bytes);
+      if (!lease) return std::optional<Reservation>();
+      return std::optional<Reservation>(Reservation{std::move(*lease), nullptr});
+    }
+    Result<std::shared_ptr<device::DeviceBuffer>> buffer =
+        m.sinks.at(g.device.index).allocator->Allocate(pb.buffer_size);
+    if (!buffer.ok()) {
+      if (buffer.status().code() == Code::kBudgetExceeded) return std::optional<Reservation>();
+      return buffer.status();
+    }
+    return std::optional<Reservation>(Reservation{{}, std::move(buffer).value()});
+  };
+  auto budget_error = [&](size_t k) {
+    const Group& g = groups[order[k].first];
+    const PlanBatch& pb = batch_of(k);
+    if (g.device.is_cuda()) {
+      const device::DeviceAllocator& a = *m.sinks.at(g.device.index).allocator;
+      return Status(Code::kBudgetExceeded,
+                    "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
+                        std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +
+                        " memory but " + std::to_string(a.in_use()) + " of the " +
+                        std::to_string(a.budget()) +
+                        "-byte device budget are still held by tensors of earlier batches: drop "
+                        "them before the next batch, or raise the device budget");
+    }
     return Status(Code::kBudgetExceeded,
-                  "batch " + std::to_string(b + 1) + " of " + std::to_string(n) + " needs " +
-                      std::to_string(plan.batches[b].tensor_bytes) + " bytes but " +
+                  "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
+                      std::to_string(pb.tensor_bytes) + " bytes but " +
                       std::to_string(m.budget->in_use()) + " of the " +
                       std::to_string(m.budget->limit()) +
                       "-byte budget are still held by tensors of earlier batches: drop them "
                       "before the next batch, or raise the budget");
   };
-  auto produce = [&](size_t b, memory::BudgetLease lease) -> Result<Batch> {
-    if (mapped) return m.MapBatch(plan, b);
-    return m.ReadBatch(plan, b, std::move(lease), direct_fds, batch_budget);
+  auto produce = [&](size_t k, Reservation r) -> Result<Batch> {
+    const Group& g = groups[order[k].first];
+    const size_t b = order[k].second;
+    Result<Batch> got = Status(Code::kInternal, "unset");
+    if (g.device.is_cuda()) {
+      got = m.ReadDeviceBatch(g, b, std::move(r.device), direct_fds);
+    } else if (mapped) {
+      got = m.MapBatch(g.plan, b);
+    } else {
+      got = m.ReadBatch(g.plan, b, std::move(r.lease), direct_fds, g.batch_budget);
+    }
+    if (got.ok()) {
+      got->index = k;
+      got->count = n;
+      got->device = g.device;
+    }
+    return got;
   };
+  // A host batch of the mmap engine is never read ahead (it reads nothing).
+  auto read_ahead = [&](size_t k) { return !mapped || groups[order[k].first].device.is_cuda(); };
 
-  // Double buffering: while the caller handles batch b, batch b + 1 is read on a helper thread
-  // when its bytes fit the budget at that moment (the plan halves batches under a budget so they
-  // do). Otherwise it is read after the callback returns.
+  // Double buffering: while the caller handles batch k, batch k + 1 is read on a helper thread
+  // when its memory fits its budget at that moment (the plan halves batches under a budget so
+  // they do). Otherwise it is read after the callback returns.
   std::future<Result<Batch>> next;
-  for (size_t b = 0; b < n; ++b) {
+  for (size_t k = 0; k < n; ++k) {
     Result<Batch> current = Status(Code::kInternal, "unset");
     if (next.valid()) {
       current = next.get();
     } else {
-      std::optional<memory::BudgetLease> lease = lease_for(b);
-      if (!lease) return budget_error(b);
-      current = produce(b, std::move(*lease));
+      TF_ASSIGN_OR_RETURN(std::optional<Reservation> r, reserve(k));
+      if (!r) return budget_error(k);
+      current = produce(k, std::move(*r));
     }
     if (!current.ok()) return current.status();
     Batch batch = std::move(current).value();
     m.stats.tensors += batch.tensors.size();
     m.stats.bytes += batch.bytes;
     m.stats.batches += 1;
+    if (batch.device.is_cuda()) {
+      m.stats.device_tensors += batch.tensors.size();
+      m.stats.device_bytes += batch.bytes;
+      m.stats.device_batches += 1;
+      m.stats.device_buffer_bytes += batch_of(k).buffer_size;
+    }
     m.stats.peak_budget_bytes = m.budget->peak();
 
-    if (b + 1 < n && !mapped) {
-      if (std::optional<memory::BudgetLease> lease = lease_for(b + 1)) {
-        next = std::async(std::launch::async, [&produce, b, l = std::move(*lease)]() mutable {
-          return produce(b + 1, std::move(l));
+    if (k + 1 < n && read_ahead(k + 1)) {
+      TF_ASSIGN_OR_RETURN(std::optional<Reservation> r, reserve(k + 1));
+      if (r) {
+        next = std::async(std::launch::async, [&produce, k, r = std::move(*r)]() mutable {
+          return produce(k + 1, std::move(r));
         });
       }
     }
@@ -417,21 +695,31 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   m.stats.peak_budget_bytes = m.budget->peak();
   m.stats.buffers_reused = m.pool->reused() - reused0;
   m.stats.buffers_allocated = m.pool->allocated() - allocated0;
-  m.stats.direct_bytes = m.engine ? m.engine->stats().direct_bytes - direct0 : 0;
+  const io::ReadEngine* counted = m.copy_engine ? m.copy_engine : m.engine.get();
+  m.stats.direct_bytes = counted ? counted->stats().direct_bytes - direct0 : 0;
+  m.CollectDeviceStats(pipeline0);
   return Status::Ok();
 }
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
-  const Checkpoint& ckpt = *impl_->checkpoint;
-  if (impl_->options.budget > 0 && impl_->engine_kind != Engine::kMmap) {
+  const Impl& m = *impl_;
+  const Checkpoint& ckpt = *m.checkpoint;
+  const bool host_budget = m.options.budget > 0 && m.engine_kind != Engine::kMmap;
+  if (host_budget || m.options.device_budget > 0) {
+    // Load returns every tensor at once: each device's total must fit its budget.
     TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(ckpt));
-    uint64_t total = 0;
-    for (uint32_t i : indices) total += ckpt.tensors()[i].size;
-    if (total > impl_->options.budget) {
-      return Status(Code::kBudgetExceeded,
-                    "Load returns every tensor at once: " + std::to_string(total) +
-                        " bytes exceed the budget of " + std::to_string(impl_->options.budget) +
-                        " bytes; use Stream to load batch by batch");
+    std::map<Device, uint64_t> totals;
+    for (uint32_t i : indices) totals[m.Place(ckpt.tensors()[i])] += ckpt.tensors()[i].size;
+    for (const auto& [dev, total] : totals) {
+      const uint64_t limit =
+          dev.is_cpu() ? (host_budget ? m.options.budget : 0) : m.options.device_budget;
+      if (limit > 0 && total > limit) {
+        return Status(Code::kBudgetExceeded,
+                      "Load returns every tensor at once: " + std::to_string(total) +
+                          " bytes for " + DeviceName(dev) + " exceed the " +
+                          (dev.is_cpu() ? "budget" : "device budget") + " of " +
+                          std::to_string(limit) + " bytes; use Stream to load batch by batch");
+      }
     }
   }
   std::vector<std::pair<size_t, Tensor>> got;
@@ -449,8 +737,153 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   return out;
 }
 
+Status Loader::LoadInto(std::span<const Destination> destinations) {
+  Impl& m = *impl_;
+  m.stats = LoadStats();
+  m.stats.engine = std::string(EngineName(m.engine_kind));
+  const auto start = Clock::now();
+  const Checkpoint& ckpt = *m.checkpoint;
+
+  // Every check before any read.
+  std::vector<const TensorInfo*> infos;
+  infos.reserve(destinations.size());
+  std::set<std::string_view> seen;
+  std::set<Device> devices;
+  for (const Destination& d : destinations) {
+    const TensorInfo* t = ckpt.Find(d.name);
+    if (t == nullptr) {
+      return Status(Code::kNotFound, "tensor \"" + d.name + "\" is not in the checkpoint");
+    }
+    if (!seen.insert(d.name).second) {
+      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" has two destinations");
+    }
+    if (d.device.is_cuda() && d.device.index < 0) {
+      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\": CUDA device index " +
+                                                std::to_string(d.device.index));
+    }
+    if (d.capacity < t->size) {
+      return Status(Code::kInvalidArgument,
+                    "tensor \"" + d.name + "\" needs " + std::to_string(t->size) + " bytes (" +
+                        FormatBytes(t->size) + ") but its destination on " + DeviceName(d.device) +
+                        " holds " + std::to_string(d.capacity) + " bytes");
+    }
+    if (t->size > 0 && d.data == nullptr) {
+      return Status(
+          Code::kInvalidArgument,
+          "tensor \"" + d.name + "\" (" + std::to_string(t->size) + " bytes): null destination");
+    }
+    infos.push_back(t);
+    if (t->size > 0) devices.insert(d.device);
+  }
+  // No two destinations may overlap on one device (the bytes each tensor occupies).
+  {
+    std::vector<size_t> by_address;
+    for (size_t i = 0; i < destinations.size(); ++i) {
+      if (infos[i]->size > 0) by_address.push_back(i);
+    }
+    auto addr = [&](size_t i) { return reinterpret_cast<uintptr_t>(destinations[i].data); };
+    std::sort(by_address.begin(), by_address.end(), [&](size_t a, size_t b) {
+      const Device& da = destinations[a].device;
+      const Device& db = destinations[b].device;
+      return da == db ? addr(a) < addr(b) : da < db;
+    });
+    for (size_t j = 1; j < by_address.size(); ++j) {
+      const size_t a = by_address[j - 1], b = by_address[j];
+      if (destinations[a].device == destinations[b].device && addr(a) + infos[a]->size > addr(b)) {
+        return Status(Code::kInvalidArgument,
+                      "destinations of tensors \"" + destinations[a].name + "\" (" +
+                          std::to_string(infos[a]->size) + " bytes) and \"" + destinations[b].name +
+                          "\" overlap on " + DeviceName(destinations[a].device));
+      }
+    }
+  }
+  TF_RETURN_IF_ERROR(m.OpenFiles());
+  for (const Device& d : devices) {
+    if (d.is_cuda()) TF_RETURN_IF_ERROR(m.Sink(d.index).status());
+  }
+  TF_ASSIGN_OR_RETURN(io::ReadEngine * engine, m.CopyEngine());
+  std::map<int, device::DevicePipelineStats> pipeline0;
+  for (const auto& [index, sink] : m.sinks) {
+    pipeline0[index] = sink.pipeline->stats();
+    sink.allocator->ResetPeak();
+  }
+  const uint64_t direct0 = engine->stats().direct_bytes;
+
+  const size_t nfiles = ckpt.files().size();
+  std::vector<uint64_t> lo(nfiles, UINT64_MAX), hi(nfiles, 0);
+  for (const TensorInfo* t : infos) {
+    if (t->size == 0) continue;
+    lo[t->file] = std::min(lo[t->file], t->offset);
+    hi[t->file] = std::max(hi[t->file], t->offset + t->size);
+  }
+  TF_ASSIGN_OR_RETURN(std::vector<int> direct_fds, m.ChooseDirect(lo, hi));
+
+  std::vector<io::ReadRequest> host;
+  std::map<int, std::vector<device::DeviceTask>> device_tasks;
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    const TensorInfo& t = *infos[i];
+    const Destination& d = destinations[i];
+    m.stats.tensors += 1;
+    m.stats.bytes += t.size;
+    if (t.size == 0) continue;
+    auto* dst = static_cast<std::byte*>(d.data);
+    if (d.device.is_cuda()) {
+      device::DeviceTask task;
+      task.file = m.files[t.file].get();
+      task.file_offset = t.offset;
+      task.length = t.size;
+      task.dst = dst;
+      task.direct_fd = direct_fds[t.file];
+      device_tasks[d.device.index].push_back(task);
+      m.stats.device_tensors += 1;
+      m.stats.device_bytes += t.size;
+      continue;
+    }
+    // Host: cut into chunk_size reads so one large tensor is read by every worker.
+    for (uint64_t at = 0; at < t.size; at += m.options.chunk_size) {
+      const uint64_t len = std::min(m.options.chunk_size, t.size - at);
+      host.push_back({m.files[t.file].get(), t.offset + at,
+                      std::span<std::byte>(dst + at, static_cast<size_t>(len)),
+                      direct_fds[t.file]});
+    }
+  }
+  if (!host.empty()) TF_RETURN_IF_ERROR(engine->Execute(host));
+  for (const auto& [index, tasks] : device_tasks) {
+    TF_RETURN_IF_ERROR(m.sinks.at(index).pipeline->Run(tasks, *engine));
+  }
+  m.stats.batches = (host.empty() ? 0 : 1) + device_tasks.size();
+  m.stats.device_batches = device_tasks.size();
+  m.stats.device = devices.size() == 1 ? DeviceName(*devices.begin())
+                   : devices.empty()   ? DeviceName(Device::CPU())
+                                       : "mixed";
+  m.stats.direct_bytes = engine->stats().direct_bytes - direct0;
+  m.CollectDeviceStats(pipeline0);
+  m.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return Status::Ok();
+}
+
 LoadStats Loader::stats() const {
   return impl_->stats;
+}
+
+// --- Placement ---------------------------------------------------------------------------------
+
+std::function<Device(const TensorInfo&)> Placement(std::vector<std::pair<std::string, Device>> map,
+                                                   Device fallback) {
+  // Longest prefix first, so the first match is the most specific.
+  std::stable_sort(map.begin(), map.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  return [map = std::move(map), fallback](const TensorInfo& t) {
+    const std::string_view name = t.name;
+    for (const auto& [prefix, device] : map) {
+      if (prefix.empty()) return device;
+      if (name.size() >= prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+          (name.size() == prefix.size() || name[prefix.size()] == '.' || prefix.back() == '.')) {
+        return device;
+      }
+    }
+    return fallback;
+  };
 }
 
 }  // namespace tensorferry

@@ -120,6 +120,25 @@ Result<LoadOptions> LoadOptions::FromEnvironment() {
     }
     o.populate = *d == DirectIO::kOn;
   }
+  if (const char* v = get("TENSORFERRY_DEVICE")) {
+    auto d = ParseDevice(v);
+    if (!d.ok()) return BadVariable("TENSORFERRY_DEVICE", v, d.status().message());
+    o.device = *d;
+  }
+  if (const char* v = get("TENSORFERRY_GDS")) {
+    auto g = ParseGdsMode(v);
+    if (!g.ok()) return BadVariable("TENSORFERRY_GDS", v, g.status().message());
+    o.gds = *g;
+  }
+  if (const char* v = get("TENSORFERRY_STAGING_BYTES")) {
+    TF_ASSIGN_OR_RETURN(o.staging_bytes, SizeVariable("TENSORFERRY_STAGING_BYTES", v, false));
+  }
+  if (const char* v = get("TENSORFERRY_STAGING_SLOT")) {
+    TF_ASSIGN_OR_RETURN(o.staging_slot, SizeVariable("TENSORFERRY_STAGING_SLOT", v, false));
+  }
+  if (const char* v = get("TENSORFERRY_DEVICE_BUDGET")) {
+    TF_ASSIGN_OR_RETURN(o.device_budget, SizeVariable("TENSORFERRY_DEVICE_BUDGET", v, true));
+  }
   return o;
 }
 

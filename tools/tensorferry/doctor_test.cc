@@ -1,5 +1,5 @@
-// `tensorferry doctor` end to end: the CLI runs as a child process with the fake CUDA runtime and
-// cuFile selected through the environment variables users would set.
+// `tensorferry doctor` and `tensorferry load --device` end to end: the CLI runs as a child process
+// with the fake CUDA runtime and cuFile selected through the environment variables users would set.
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -120,6 +120,80 @@ TEST(DoctorCliTest, TextReportNamesDevicesAndCufile) {
       << r.out;
   EXPECT_NE(r.out.find("GPUDirect Storage: not usable: cuFile is not installed"), std::string::npos)
       << r.out;
+}
+
+std::map<std::string, std::optional<std::string>> FakeEnv() {
+  return {{"TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH},
+          {"TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH}};
+}
+
+// The checksum of tensors loaded to the (fake) device, computed on their copy back to the host,
+// equals the host load's, for every GDS mode, engine and device budget.
+TEST(DeviceLoadCli, ChecksumOnTheDeviceEqualsTheHostLoad) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  const RunResult gen =
+      RunCli({"gen", ckpt, "--preset", "tiny", "--no-sync", "--shard-size", "40KB"}, {});
+  ASSERT_EQ(gen.exit_code, 0) << gen.err;
+  const RunResult host = RunCli({"load", ckpt, "--json"}, {});
+  ASSERT_EQ(host.exit_code, 0) << host.err;
+  simdjson::dom::parser parser;
+  simdjson::dom::element h = parser.parse(host.out).value();
+  const std::string host_sum(h["checksum"].get_string().value());
+  const uint64_t bytes = h["bytes"].get_uint64().value();
+  EXPECT_EQ(std::string(h["device"].get_string().value()), "cpu");
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--gds", "off"},
+        {"--gds", "auto", "--engine", "pread", "--direct", "on"},
+        {"--gds", "on", "--engine", "mmap"},
+        {"--gds", "off", "--device-budget", "64KB", "--staging-bytes", "64KB", "--staging-slot",
+         "16KB"}}) {
+    std::vector<std::string> args = {"load", ckpt, "--json", "--device", "cuda:0"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const RunResult r = RunCli(args, FakeEnv());
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    simdjson::dom::parser p;
+    simdjson::dom::element e = p.parse(r.out).value();
+    EXPECT_EQ(std::string(e["checksum"].get_string().value()), host_sum) << r.out;
+    EXPECT_EQ(std::string(e["device"].get_string().value()), "cuda:0");
+    EXPECT_EQ(e["device_bytes"].get_uint64().value(), bytes);
+    EXPECT_EQ(e["staged_bytes"].get_uint64().value() + e["gds_bytes"].get_uint64().value(), bytes);
+    EXPECT_GT(e["pinned_bytes"].get_uint64().value(), 0u);
+    const uint64_t device_budget = e["device_budget"].get_uint64().value();
+    if (device_budget > 0) {
+      EXPECT_LE(e["peak_device_bytes"].get_uint64().value(), device_budget);
+      EXPECT_GT(e["device_batches"].get_uint64().value(), 1u);
+    }
+    if (extra[1] == "off") {
+      EXPECT_EQ(e["gds_bytes"].get_uint64().value(), 0u);
+    }
+    if (extra[1] == "on") {
+      EXPECT_GT(e["gds_bytes"].get_uint64().value(), 0u) << r.out;
+    }
+  }
+  // The text report gains a device line.
+  const RunResult text = RunCli({"load", ckpt, "--device", "cuda"}, FakeEnv());
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("checksum " + host_sum), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("\ndevice cuda:0: "), std::string::npos) << text.out;
+}
+
+TEST(DeviceLoadCli, NoRuntimeOrNoDeviceIsOneClearLine) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  ASSERT_EQ(RunCli({"gen", ckpt, "--preset", "tiny", "--no-sync"}, {}).exit_code, 0);
+  const RunResult none = RunCli({"load", ckpt, "--device", "cuda:0"},
+                                {{"TENSORFERRY_CUDA_RUNTIME", "/nonexistent/libcudart.so.13"}});
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_NE(
+      none.err.find("CUDA runtime (libcudart) not found; tried: /nonexistent/libcudart.so.13"),
+      std::string::npos)
+      << none.err;
+  const RunResult missing = RunCli({"load", ckpt, "--device", "cuda:4"}, FakeEnv());
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.err.find("CUDA device 4 does not exist"), std::string::npos) << missing.err;
+  const RunResult bad = RunCli({"load", ckpt, "--device", "tpu"}, FakeEnv());
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
 }
 
 }  // namespace

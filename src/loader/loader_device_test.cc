@@ -1,0 +1,484 @@
+// The Loader's device sink against the fake CUDA runtime (docs/gpu.md): byte-exact tensors in
+// (fake) device memory for every engine, direct and GDS mode, the pipeline made once per loader,
+// the device budget and the peak device memory, ownership of device buffers, per-tensor placement,
+// caller-provided destinations and error paths. Every test also proves that nothing leaked and
+// that the fake saw no misuse (FakeCudaTest).
+//
+// The loader reaches CUDA through the process-wide runtime (cuda::ProcessRuntime), selected here
+// with TENSORFERRY_CUDA_RUNTIME / TENSORFERRY_CUFILE_LIBRARY = the fake before its first use (CTest
+// runs every test in a process of its own).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_api.h"
+#include "cuda/cufile_api.h"
+#include "tensorferry/device.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/writer.h"
+#include "testing/fake_cuda.h"
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+using testing::TempDir;
+
+constexpr char kUntouched = static_cast<char>(0xCD);  // the fake's fresh device memory
+
+::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
+  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
+}
+
+// A sharded checkpoint of `layers` layers of odd-sized tensors, each filled with a pattern from
+// its name.
+struct Checkpoint {
+  TempDir dir;
+  std::vector<std::string> data;
+  std::vector<TensorToWrite> tensors;
+  uint64_t total = 0;
+
+  Checkpoint(int layers, uint64_t rows, uint64_t shard) {
+    auto add = [&](const std::string& name, DType dtype, std::vector<uint64_t> shape) {
+      TensorToWrite t;
+      t.name = name;
+      t.dtype = dtype;
+      t.shape = std::move(shape);
+      const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
+      std::string bytes(n, '\0');
+      const size_t h = std::hash<std::string>()(name);
+      for (uint64_t i = 0; i < n; ++i)
+        bytes[i] = static_cast<char>((i * 131 + h + (i >> 12)) & 0xff);
+      total += n;
+      data.push_back(std::move(bytes));
+      tensors.push_back(std::move(t));
+    };
+    data.reserve(3 + 4 * static_cast<size_t>(layers));
+    add("model.embed_tokens.weight", DType::kBF16, {33 * rows, 7});
+    for (int l = 0; l < layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      add(p + "self_attn.q_proj.weight", DType::kBF16, {13 * rows, 7});
+      add(p + "mlp.up_proj.weight", DType::kF32, {5 * rows, 11});
+      add(p + "input_layernorm.weight", DType::kF16, {7});
+      add(p + "scalar", DType::kI8, {});
+    }
+    add("lm_head.weight", DType::kF64, {3, 5});
+    add("model.norm.weight", DType::kU8, {0});
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      tensors[i].data = std::as_bytes(std::span<const char>(data[i]));
+    }
+    ShardOptions so;
+    so.max_shard_size = shard;
+    so.write.sync = false;
+    auto r = WriteSharded(dir.path(), tensors, {}, so);
+    if (!r.ok()) throw std::runtime_error(r.status().ToString());
+  }
+
+  const std::string& Expected(const std::string& name) const {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].name == name) return data[i];
+    }
+    throw std::runtime_error("no tensor " + name);
+  }
+};
+
+class LoaderDeviceTest : public testing::FakeCudaTest {
+ protected:
+  void SetUp() override {
+    // Before the first use of the process-wide runtime and cuFile, so both are the fake.
+    runtime_env_.emplace("TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH);
+    cufile_env_.emplace("TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH);
+    auto process = cuda::ProcessRuntime();
+    if (!process.ok() || (*process)->path() != TENSORFERRY_FAKE_CUDA_PATH) {
+      GTEST_SKIP() << "this process loaded another CUDA runtime first; run through ctest";
+    }
+    ASSERT_TRUE(cuda::ProcessCufile().ok());
+    FakeCudaTest::SetUp();
+  }
+
+  // The bytes of a loaded tensor, wherever it is.
+  std::string Bytes(const Tensor& t) const {
+    if (t.device().is_cpu()) return std::string(reinterpret_cast<const char*>(t.data()), t.size());
+    return fake_->ReadDevice(t.data(), t.size());
+  }
+
+  static LoadOptions DeviceOptions() {
+    LoadOptions o;
+    o.device = Device::CUDA(0);
+    o.threads = 3;
+    o.staging_bytes = 64 << 10;
+    o.staging_slot = 16 << 10;
+    o.gds = GdsMode::kOff;
+    return o;
+  }
+
+  std::optional<testing::ScopedEnv> runtime_env_;
+  std::optional<testing::ScopedEnv> cufile_env_;
+};
+
+TEST_F(LoaderDeviceTest, ByteExactForEveryEngineDirectAndGdsMode) {
+  Checkpoint c(4, 700, 64 << 10);  // ~250 KB over several shards
+  for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
+    for (DirectIO direct : {DirectIO::kOff, DirectIO::kOn}) {
+      for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
+        SCOPED_TRACE(std::string(EngineName(engine)) + " direct " +
+                     std::string(DirectIOName(direct)) + " gds " + std::string(GdsModeName(gds)));
+        LoadOptions o = DeviceOptions();
+        o.engine = engine;
+        o.direct = direct;
+        o.gds = gds;
+        o.chunk_size = 20000;
+        auto loader = Loader::Open(c.dir.path(), o);
+        if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
+        ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+        auto tensors = (*loader)->Load();
+        ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+        ASSERT_EQ(tensors->size(), c.tensors.size());
+        for (const Tensor& t : *tensors) {
+          EXPECT_EQ(t.device(), Device::CUDA(0)) << t.name();
+          EXPECT_EQ(Bytes(t), c.Expected(t.name())) << t.name();
+        }
+        const LoadStats s = (*loader)->stats();
+        EXPECT_EQ(s.device, "cuda:0");
+        EXPECT_EQ(s.device_bytes, c.total);
+        EXPECT_EQ(s.device_tensors, c.tensors.size());
+        EXPECT_EQ(s.staged_bytes + s.gds_bytes, c.total);
+        EXPECT_EQ(s.pinned_bytes, 64u << 10);
+        EXPECT_GE(s.peak_device_bytes, c.total);
+        EXPECT_EQ(s.peak_device_bytes, s.device_buffer_bytes);
+        if (gds == GdsMode::kOff) {
+          EXPECT_EQ(s.gds_bytes, 0u);
+          EXPECT_TRUE(Contains(s.gds_reason, "off")) << s.gds_reason;
+        } else {
+          // The fake's cuFile works: aligned tasks go through it.
+          EXPECT_GT(s.gds_bytes, 0u) << s.gds_reason;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
+  Checkpoint c(4, 200, 16 << 10);
+  auto loader = Loader::Open(c.dir.path(), DeviceOptions());
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  // Made at Open, before any load.
+  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 1u);
+  const uint64_t streams = fake_->Stats().streams_live;
+  EXPECT_GT(streams, 0u);
+  for (int run = 0; run < 3; ++run) {
+    auto tensors = (*loader)->Load();
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+    for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Expected(t.name()));
+  }
+  const TfFakeCudaStats s = fake_->Stats();
+  EXPECT_EQ(s.pinned_allocations_live, 1u) << "one ring for every load";
+  EXPECT_EQ(s.peak_pinned_bytes, 64u << 10);
+  EXPECT_EQ(s.streams_live, streams);
+  EXPECT_EQ(s.pageable_copies, 0u);
+}
+
+// The device budget bounds the peak device memory of a streamed load whatever the shard size:
+// the fake counts every cudaMalloc byte.
+TEST_F(LoaderDeviceTest, DeviceBudgetBoundsPeakDeviceMemoryIndependentOfShardSize) {
+  Checkpoint c(16, 100, 1 << 20);  // one shard of ~690 KB, no tensor above 46 KB
+  ASSERT_GT(c.total, 600u << 10);
+  const uint64_t budget = 96 << 10;
+  LoadOptions o = DeviceOptions();
+  o.device_budget = budget;
+  auto loader = Loader::Open(c.dir.path(), o);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  size_t batches = 0;
+  uint64_t most_live = 0;
+  std::map<std::string, int> seen;
+  Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
+    EXPECT_EQ(b.device, Device::CUDA(0));
+    ++batches;
+    // Double buffering: the next batch's buffer is already allocated (and being read).
+    most_live = std::max(most_live, fake_->Stats().device_allocations_live);
+    for (const Tensor& t : b.tensors) {
+      ++seen[t.name()];
+      EXPECT_EQ(Bytes(t), c.Expected(t.name())) << t.name();
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GT(batches, 5u);
+  EXPECT_EQ(seen.size(), c.tensors.size());
+  EXPECT_EQ(most_live, 2u) << "batch k + 1 is read while the caller handles batch k";
+  const TfFakeCudaStats f = fake_->Stats();
+  EXPECT_LE(f.peak_device_bytes, budget);
+  EXPECT_LE((*loader)->stats().peak_device_bytes, budget);
+  EXPECT_GT((*loader)->stats().peak_device_bytes, budget / 4);
+  EXPECT_EQ(f.device_bytes_in_use, 0u);
+
+  // All at once without a budget: the device memory is the tensors plus padding, not shards.
+  LoadOptions all = DeviceOptions();
+  auto loader2 = Loader::Open(c.dir.path(), all);
+  ASSERT_TRUE(loader2.ok());
+  Configure(DefaultConfig());  // peaks restart
+  auto some = (*loader2)->Load(Selection::Layers(3, 4));
+  ASSERT_TRUE(some.ok()) << some.status().ToString();
+  uint64_t selected = 0;
+  for (const Tensor& t : *some) selected += t.size();
+  const uint64_t peak = fake_->Stats().peak_device_bytes;
+  EXPECT_GE(peak, selected);
+  // GDS off: ranges are 64-byte aligned, so padding is below 64 bytes per range (<= tensors).
+  EXPECT_LE(peak, selected + 64 * some->size()) << "extra device memory beyond the tensors";
+  EXPECT_EQ((*loader2)->stats().peak_device_bytes, peak);
+}
+
+TEST_F(LoaderDeviceTest, HoldingDeviceBatchesIsAClearBudgetError) {
+  Checkpoint c(16, 100, 1 << 20);
+  LoadOptions o = DeviceOptions();
+  o.device_budget = 96 << 10;
+  auto loader = Loader::Open(c.dir.path(), o);
+  ASSERT_TRUE(loader.ok());
+  std::vector<Tensor> kept;
+  Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
+    for (Tensor& t : b.tensors) kept.push_back(std::move(t));
+    return Status::Ok();
+  });
+  EXPECT_EQ(s.code(), Code::kBudgetExceeded);
+  EXPECT_TRUE(Contains(s.message(), "cuda:0 memory")) << s.message();
+  EXPECT_TRUE(Contains(s.message(), "device budget")) << s.message();
+  EXPECT_LE(fake_->Stats().peak_device_bytes, 96u << 10);
+  // Load of everything at once cannot fit at all: said before any read.
+  auto all = (*loader)->Load();
+  EXPECT_EQ(all.status().code(), Code::kBudgetExceeded);
+  EXPECT_TRUE(Contains(all.status().message(), "device budget")) << all.status().message();
+}
+
+TEST_F(LoaderDeviceTest, TensorsCoOwnTheDeviceBufferAfterTheLoaderIsGone) {
+  Checkpoint c(2, 100, 1 << 20);
+  std::vector<Tensor> tensors;
+  {
+    auto loader = Loader::Open(c.dir.path(), DeviceOptions());
+    ASSERT_TRUE(loader.ok());
+    auto got = (*loader)->Load();
+    ASSERT_TRUE(got.ok());
+    tensors = std::move(got).value();
+  }
+  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 0u) << "the loader's ring went with it";
+  EXPECT_EQ(fake_->Stats().device_allocations_live, 1u) << "one buffer for the one batch";
+  Tensor keep = tensors[3];
+  tensors.clear();
+  EXPECT_EQ(fake_->Stats().device_allocations_live, 1u);
+  EXPECT_EQ(Bytes(keep), c.Expected(keep.name()));
+  keep = Tensor();
+  EXPECT_EQ(fake_->Stats().device_allocations_live, 0u) << "cudaFree with the last tensor";
+}
+
+TEST_F(LoaderDeviceTest, PlacementPutsEachTensorWhereTheMapSaysAndNeverMixesBatches) {
+  Checkpoint c(4, 100, 8 << 10);
+  LoadOptions o = DeviceOptions();
+  o.device = Device::CPU();
+  o.placement = Placement({{"model.layers.1", Device::CUDA(0)},
+                           {"model.layers.2", Device::CUDA(0)},
+                           {"lm_head", Device::CUDA(0)},
+                           {"model.layers.2.scalar", Device::CPU()}});
+  auto loader = Loader::Open(c.dir.path(), o);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 0u) << "no ring before a device is used";
+  auto expected_device = [](const std::string& name) {
+    if (name == "model.layers.2.scalar") return Device::CPU();
+    if (name.rfind("model.layers.1.", 0) == 0 || name.rfind("model.layers.2.", 0) == 0 ||
+        name == "lm_head.weight") {
+      return Device::CUDA(0);
+    }
+    return Device::CPU();
+  };
+  std::vector<Device> order;
+  size_t host_tensors = 0, device_tensors = 0;
+  Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
+    order.push_back(b.device);
+    for (const Tensor& t : b.tensors) {
+      EXPECT_EQ(t.device(), b.device) << t.name() << ": a batch mixes devices";
+      EXPECT_EQ(t.device(), expected_device(t.name())) << t.name();
+      EXPECT_EQ(Bytes(t), c.Expected(t.name())) << t.name();
+      (t.device().is_cpu() ? host_tensors : device_tensors) += 1;
+    }
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(device_tensors, 8u);  // layers 1 and 2 (less one scalar) and lm_head
+  EXPECT_EQ(host_tensors, c.tensors.size() - 8);
+  ASSERT_EQ(order.size(), 2u);
+  EXPECT_EQ(order[0], Device::CPU()) << "host batches first";
+  EXPECT_EQ(order[1], Device::CUDA(0));
+  const LoadStats st = (*loader)->stats();
+  EXPECT_EQ(st.device, "mixed");
+  EXPECT_EQ(st.device_tensors, 8u);
+  EXPECT_EQ(st.device_batches, 1u);
+
+  // A placement naming a device that does not exist: kCudaNoDevice before any read.
+  LoadOptions bad = DeviceOptions();
+  bad.device = Device::CPU();
+  bad.placement = Placement({{"lm_head", Device::CUDA(5)}});
+  auto loader2 = Loader::Open(c.dir.path(), bad);
+  ASSERT_TRUE(loader2.ok());
+  auto got = (*loader2)->Load();
+  EXPECT_EQ(got.status().code(), Code::kCudaNoDevice);
+  EXPECT_TRUE(Contains(got.status().message(), "CUDA device 5 does not exist"));
+}
+
+TEST(LoaderPlacement, LongestPrefixOnComponentBoundaries) {
+  auto place = Placement({{"model.layers.1", Device::CUDA(1)},
+                          {"model.layers.1.mlp", Device::CUDA(2)},
+                          {"model.", Device::CUDA(3)}},
+                         Device::CPU());
+  auto at = [&](const std::string& name) {
+    TensorInfo t;
+    t.name = name;
+    return place(t);
+  };
+  EXPECT_EQ(at("model.layers.1.attn.w"), Device::CUDA(1));
+  EXPECT_EQ(at("model.layers.1"), Device::CUDA(1));
+  EXPECT_EQ(at("model.layers.1.mlp.up"), Device::CUDA(2));
+  EXPECT_EQ(at("model.layers.10.attn.w"), Device::CUDA(3)) << "not a component boundary";
+  EXPECT_EQ(at("lm_head.weight"), Device::CPU());
+  EXPECT_EQ(Placement({{"", Device::CUDA(0)}})(TensorInfo{}), Device::CUDA(0));
+}
+
+TEST_F(LoaderDeviceTest, LoadIntoCallerDestinationsHostAndDevice) {
+  Checkpoint c(2, 300, 1 << 20);
+  auto loader = Loader::Open(c.dir.path(), DeviceOptions());
+  ASSERT_TRUE(loader.ok());
+  const std::string a = "model.layers.0.mlp.up_proj.weight";
+  const std::string b = "model.layers.1.self_attn.q_proj.weight";
+  const std::string h = "model.embed_tokens.weight";
+  const uint64_t na = c.Expected(a).size(), nb = c.Expected(b).size(), nh = c.Expected(h).size();
+  // One device allocation holding both, with a gap: bytes past each tensor stay untouched.
+  void* dev = nullptr;
+  ASSERT_EQ(runtime_->api().cudaMalloc(&dev, na + nb + 100), cuda::kSuccess);
+  auto* base = static_cast<std::byte*>(dev);
+  std::string host(nh + 10, 'x');
+  std::vector<Destination> dsts = {
+      {a, Device::CUDA(0), base, na + 50},
+      {b, Device::CUDA(0), base + na + 50, nb},
+      {h, Device::CPU(), host.data(), host.size()},
+  };
+  Status s = (*loader)->LoadInto(dsts);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  const std::string image = fake_->ReadDevice(dev, na + nb + 100);
+  EXPECT_EQ(image.substr(0, na), c.Expected(a));
+  EXPECT_EQ(image.substr(na, 50), std::string(50, kUntouched));
+  EXPECT_EQ(image.substr(na + 50, nb), c.Expected(b));
+  EXPECT_EQ(host.substr(0, nh), c.Expected(h));
+  EXPECT_EQ(host.substr(nh), std::string(10, 'x'));
+  const LoadStats st = (*loader)->stats();
+  EXPECT_EQ(st.tensors, 3u);
+  EXPECT_EQ(st.device_tensors, 2u);
+  EXPECT_EQ(st.device_bytes, na + nb);
+  EXPECT_EQ(st.device, "mixed");
+
+  // Capacity, overlap, duplicates, unknown names: errors that name the tensor, before any read.
+  Configure(DefaultConfig());  // counters restart
+  std::vector<Destination> small = {{b, Device::CUDA(0), base, nb - 1}};
+  s = (*loader)->LoadInto(small);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "tensor \"" + b + "\" needs " + std::to_string(nb) + " bytes"))
+      << s.message();
+  EXPECT_TRUE(Contains(s.message(), "on cuda:0 holds " + std::to_string(nb - 1) + " bytes"));
+  std::vector<Destination> overlap = {{a, Device::CUDA(0), base, na},
+                                      {b, Device::CUDA(0), base + na - 1, nb}};
+  s = (*loader)->LoadInto(overlap);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "overlap on cuda:0")) << s.message();
+  std::vector<Destination> same_address_other_device = {{a, Device::CUDA(0), base, na},
+                                                        {b, Device::CPU(), nullptr, nb}};
+  s = (*loader)->LoadInto(same_address_other_device);
+  EXPECT_TRUE(Contains(s.message(), "null destination")) << s.message();
+  std::vector<Destination> twice = {{a, Device::CUDA(0), base, na},
+                                    {a, Device::CPU(), host.data(), host.size()}};
+  EXPECT_EQ((*loader)->LoadInto(twice).code(), Code::kInvalidArgument);
+  std::vector<Destination> missing = {{"nope", Device::CUDA(0), base, 1}};
+  EXPECT_EQ((*loader)->LoadInto(missing).code(), Code::kNotFound);
+  EXPECT_EQ(fake_->Stats().copies_enqueued, 0u) << "no read after a failed check";
+  ASSERT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
+}
+
+TEST_F(LoaderDeviceTest, CopyFailureIsReportedAndLeavesNothingBehind) {
+  Checkpoint c(4, 300, 16 << 10);
+  auto config = DefaultConfig();
+  config.fail_copy_execute_at = 5;
+  Configure(config);
+  {
+    auto loader = Loader::Open(c.dir.path(), DeviceOptions());
+    ASSERT_TRUE(loader.ok());
+    auto got = (*loader)->Load();
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), Code::kCudaError) << got.status().ToString();
+    EXPECT_TRUE(Contains(got.status().message(), ".safetensors")) << got.status().message();
+    EXPECT_EQ(fake_->Stats().device_allocations_live, 0u) << "the failed batch's buffer is freed";
+  }
+}
+
+TEST_F(LoaderDeviceTest, MissingDeviceIsAClearErrorAtOpen) {
+  Checkpoint c(1, 10, 1 << 20);
+  LoadOptions o = DeviceOptions();
+  o.device = Device::CUDA(2);
+  auto loader = Loader::Open(c.dir.path(), o);
+  ASSERT_FALSE(loader.ok());
+  EXPECT_EQ(loader.status().code(), Code::kCudaNoDevice);
+  EXPECT_TRUE(Contains(loader.status().message(), "CUDA device 2 does not exist (1 device)"));
+
+  auto config = DefaultConfig();
+  config.device_count = 0;
+  Configure(config);
+  auto none = Loader::Open(c.dir.path(), DeviceOptions());
+  EXPECT_EQ(none.status().code(), Code::kCudaNoDevice) << none.status().ToString();
+
+  Configure(DefaultConfig());
+  LoadOptions one_slot = DeviceOptions();
+  one_slot.staging_bytes = one_slot.staging_slot;
+  EXPECT_EQ(Loader::Open(c.dir.path(), one_slot).status().code(), Code::kInvalidArgument);
+}
+
+TEST(LoaderDeviceOptions, ParseDeviceGdsAndEnvironment) {
+  EXPECT_EQ(ParseDevice("cpu").value(), Device::CPU());
+  EXPECT_EQ(ParseDevice("cuda").value(), Device::CUDA(0));
+  EXPECT_EQ(ParseDevice("cuda:3").value(), Device::CUDA(3));
+  EXPECT_EQ(ParseDevice("gpu:1").value(), Device::CUDA(1));
+  for (const char* bad : {"", "cuda:", "cuda:x", "cuda3", "tpu", "cuda:-1"}) {
+    EXPECT_EQ(ParseDevice(bad).status().code(), Code::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(DeviceName(Device::CUDA(7)), "cuda:7");
+  EXPECT_EQ(DeviceName(Device::CPU()), "cpu");
+  EXPECT_EQ(ParseGdsMode("on").value(), GdsMode::kOn);
+  EXPECT_FALSE(ParseGdsMode("maybe").ok());
+
+  testing::ScopedEnv d("TENSORFERRY_DEVICE", "cuda:1");
+  testing::ScopedEnv g("TENSORFERRY_GDS", "off");
+  testing::ScopedEnv s("TENSORFERRY_STAGING_BYTES", "32MiB");
+  testing::ScopedEnv slot("TENSORFERRY_STAGING_SLOT", "4MiB");
+  testing::ScopedEnv b("TENSORFERRY_DEVICE_BUDGET", "2GiB");
+  auto o = LoadOptions::FromEnvironment();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->device, Device::CUDA(1));
+  EXPECT_EQ(o->gds, GdsMode::kOff);
+  EXPECT_EQ(o->staging_bytes, 32u << 20);
+  EXPECT_EQ(o->staging_slot, 4u << 20);
+  EXPECT_EQ(o->device_budget, 2ull << 30);
+  testing::ScopedEnv wrong("TENSORFERRY_DEVICE", "cuda:zero");
+  auto bad = LoadOptions::FromEnvironment();
+  EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
+  EXPECT_TRUE(Contains(bad.status().message(), "TENSORFERRY_DEVICE")) << bad.status().message();
+}
+
+TEST(LoaderDeviceOptions, CopyToHostFromTheHostIsAMemcpy) {
+  const std::string src = "abcdef";
+  std::string dst(6, '\0');
+  ASSERT_TRUE(
+      CopyToHost(Device::CPU(), src.data(), std::as_writable_bytes(std::span<char>(dst))).ok());
+  EXPECT_EQ(dst, src);
+}
+
+}  // namespace
+}  // namespace tensorferry

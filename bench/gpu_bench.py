@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Checkpoint to GPU memory: tensorferry against safetensors.torch.load_file(device="cuda"),
+fastsafetensors and runai-model-streamer (each where importable; absent ones are skipped with a
+note), warm and cold, with the pinned host-to-device bandwidth of this machine measured in the
+same run as the reference.
+
+    .venv/bin/python bench/gpu_bench.py data/default                 # --repeats 3 --modes warm,cold
+    .venv/bin/python bench/gpu_bench.py data/default --json gpu.json
+
+Each loader runs in a child process of its own (CUDA context creation and imports are not timed;
+a 1-byte allocation initializes the context first). A run is timed from the call that starts the
+load until every tensor is in device memory (torch.cuda.synchronize()). For each run:
+  - GB/s over the checkpoint's tensor bytes; medians over --repeats runs are reported.
+  - peak extra device memory: a thread samples cudaMemGetInfo (torch.cuda.mem_get_info, which sees
+    every allocation, torch's caching allocator and tensorferry's own cudaMalloc alike) every
+    millisecond during the load; extra = (free before - lowest free during) - tensor bytes. For
+    tensorferry, LoadStats.peak_device_bytes (its batch buffers) is printed too.
+  - a checksum (sum of every tensor's bytes, computed on the GPU after timing) that must agree
+    between loaders.
+Cold runs evict every file with posix_fadvise(POSIX_FADV_DONTNEED) (and, as root, drop_caches when
+that left more than 1% cached) and report what stayed cached.
+
+The reference: pinned host memory to device (torch.empty(pin_memory=True).to("cuda",
+non_blocking=True)), the PCIe limit a staged load cannot beat warm.
+"""
+import argparse
+import ctypes
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+LOADERS = ["tensorferry", "tensorferry (gds off)", "safetensors", "fastsafetensors",
+           "fastsafetensors (nogds)", "runai-model-streamer"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def shards(path):
+    if os.path.isfile(path):
+        return [path]
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def cached_fraction(paths):
+    page = os.sysconf("SC_PAGE_SIZE")
+    cached = pages = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, 1, 1, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), "mmap failed", path)
+            n = (size + page - 1) // page
+            vec = ctypes.create_string_buffer(n)
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed", path)
+            cached += sum(b & 1 for b in vec.raw)
+            pages += n
+            _libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return cached / pages if pages else 0.0
+
+
+def evict(paths):
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    left = cached_fraction(paths)
+    if left > 0.01 and os.geteuid() == 0:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        left = cached_fraction(paths)
+    return left
+
+
+def warm(paths):
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+    return cached_fraction(paths)
+
+
+# --- the child: one loader, every run ----------------------------------------------------------
+
+class MinFree:
+    """Samples the device's free memory every millisecond; `lowest` is the minimum seen."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.lowest = torch.cuda.mem_get_info()[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.lowest = min(self.lowest, self.torch.cuda.mem_get_info()[0])
+            time.sleep(0.001)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.lowest = min(self.lowest, self.torch.cuda.mem_get_info()[0])
+
+
+def child(args):
+    import gc
+    import torch
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # the context, untimed
+    name = args.child
+    files = shards(args.path)
+    extra = {}
+    if name.startswith("tensorferry"):
+        import tensorferry
+        gds = "off" if "gds off" in name else "auto"
+
+        def load():
+            with tensorferry.Loader(args.path, device="cuda", gds=gds) as loader:
+                out = loader.load()
+                s = loader.stats
+                extra.update(peak_device_bytes=s.peak_device_bytes, staged_bytes=s.staged_bytes,
+                             gds_bytes=s.gds_bytes, gds_reason=s.gds_reason,
+                             pinned_bytes=s.pinned_bytes, engine=s.engine)
+                return out
+    elif name == "safetensors":
+        import safetensors.torch
+
+        def load():
+            out = {}
+            for f in files:
+                out.update(safetensors.torch.load_file(f, device="cuda"))
+            return out
+    elif name.startswith("fastsafetensors"):
+        import fastsafetensors
+        nogds = "nogds" in name
+
+        def load():
+            loader = fastsafetensors.SafeTensorsFileLoader(None, "cuda:0", nogds=nogds)
+            loader.add_filenames({0: files})
+            fb = loader.copy_files_to_device()
+            out = {k: fb.get_tensor(k).clone() for k in loader.get_keys()}
+            fb.close()
+            loader.close()
+            return out
+    elif name == "runai-model-streamer":
+        from runai_model_streamer import SafetensorsStreamer
+
+        def load():
+            out = {}
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files(files)
+                for k, t in streamer.get_tensors():
+                    out[k] = t.to("cuda", non_blocking=True)
+            return out
+    elif name == "pinned h2d":
+        total = sum(os.path.getsize(f) for f in files)
+        n = min(total, 4 << 30)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host.fill_(1)
+        runs = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dev = host.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            runs.append({"seconds": time.perf_counter() - t0, "bytes": n})
+            del dev
+            torch.cuda.empty_cache()
+        print(json.dumps({"loader": name, "runs": {"warm": runs}}))
+        return
+    else:
+        raise SystemExit(f"unknown loader {name}")
+
+    out = {"loader": name, "runs": {}}
+    for mode in args.modes.split(","):
+        runs = []
+        for _ in range(args.repeats):
+            left = evict(files) if mode == "cold" else warm(files)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            free0 = torch.cuda.mem_get_info()[0]
+            with MinFree(torch) as sampler:
+                t0 = time.perf_counter()
+                tensors = load()
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            checksum = 0
+            for t in tensors.values():
+                if t.numel():
+                    checksum += int(t.contiguous().view(torch.uint8).sum(dtype=torch.int64))
+            runs.append({"seconds": seconds, "bytes": nbytes, "checksum": checksum,
+                         "cached_fraction": left,
+                         "peak_extra_device_bytes": max(0, free0 - sampler.lowest - nbytes),
+                         **extra})
+            del tensors
+        out["runs"][mode] = runs
+    print(json.dumps(out))
+
+
+# --- the parent ----------------------------------------------------------------------------------
+
+def available(name):
+    module = {"tensorferry": "tensorferry", "tensorferry (gds off)": "tensorferry",
+              "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
+              "fastsafetensors (nogds)": "fastsafetensors",
+              "runai-model-streamer": "runai_model_streamer"}[name]
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default="data/default")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default="warm,cold")
+    p.add_argument("--loaders", default=",".join(LOADERS))
+    p.add_argument("--json", help="write the results here too")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    try:
+        import torch
+    except ImportError:
+        sys.exit("gpu_bench: needs torch")
+    if not torch.cuda.is_available():
+        sys.exit("gpu_bench: torch sees no CUDA device")
+    files = shards(args.path)
+    if not files:
+        sys.exit(f"gpu_bench: no .safetensors under {args.path}")
+    device = torch.cuda.get_device_name(0)
+    total = sum(os.path.getsize(f) for f in files)
+    print(f"# {args.path}: {len(files)} files, {total / 1e9:.2f} GB; {device}; "
+          f"{platform.node()}; torch {torch.__version__}; repeats {args.repeats} (medians)")
+    results = {"path": args.path, "device": device, "host": platform.node(),
+               "torch": torch.__version__, "repeats": args.repeats, "loaders": {}, "skipped": {}}
+    del torch
+    names = ["pinned h2d"] + [n for n in args.loaders.split(",") if n]
+    checksums = {}
+    for name in names:
+        if name != "pinned h2d" and not available(name):
+            results["skipped"][name] = "not installed"
+            print(f"{name:26s} skipped: not installed (pip install it to compare)")
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), args.path, "--child", name,
+               "--repeats", str(args.repeats), "--modes", args.modes]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            why = (r.stderr.strip().splitlines() or ["failed"])[-1]
+            results["skipped"][name] = why
+            print(f"{name:26s} failed: {why}")
+            continue
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        results["loaders"][name] = got
+        for mode, runs in got["runs"].items():
+            gbps = statistics.median(x["bytes"] / x["seconds"] / 1e9 for x in runs)
+            line = f"{name:26s} {mode:4s} {gbps:7.2f} GB/s"
+            if "peak_extra_device_bytes" in runs[0]:
+                extra = statistics.median(x["peak_extra_device_bytes"] for x in runs)
+                line += f"  peak extra device {extra / 1e6:8.1f} MB"
+                sums = {x["checksum"] for x in runs}
+                checksums.setdefault(next(iter(sums)), []).append(name)
+                if len(sums) != 1:
+                    line += "  CHECKSUM DIFFERS BETWEEN RUNS"
+                if mode == "cold":
+                    line += f"  (cached before: {max(x['cached_fraction'] for x in runs):.1%})"
+            if "peak_device_bytes" in runs[0]:
+                line += (f"  [loader: peak buffers {runs[0]['peak_device_bytes'] / 1e6:.1f} MB,"
+                         f" GDS {runs[0]['gds_bytes'] / 1e6:.0f} MB,"
+                         f" staged {runs[0]['staged_bytes'] / 1e6:.0f} MB,"
+                         f" pinned {runs[0]['pinned_bytes'] / 1e6:.0f} MB]")
+            print(line, flush=True)
+    if len(checksums) > 1:
+        print(f"checksums disagree: {checksums}")
+        results["checksum_mismatch"] = {str(k): v for k, v in checksums.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if len(checksums) > 1:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""device= in safe_open, load_file and Loader (docs/gpu.md, docs/python.md).
+
+Without a GPU (CI): the error paths, and, against the fake CUDA runtime of the C++ tests
+(libtensorferry_fake_cudart.so, selected with TENSORFERRY_CUDA_RUNTIME in a child process, since
+the runtime is chosen once per process), what the core exports for a CUDA load: DLPack arrays whose
+device is (kDLCUDA, index), whose bytes (copied back through the runtime) are the file's, and whose
+device buffer is freed when the last array goes. With a GPU and a CUDA build of torch, the tests
+marked `gpu` check real torch CUDA tensors against safetensors.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+FAKE = os.environ.get("TENSORFERRY_FAKE_CUDA") or os.path.join(
+    ROOT, "build", "release", "lib", "libtensorferry_fake_cudart.so")
+
+
+def _torch_cuda():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+gpu = pytest.mark.skipif(not _torch_cuda(), reason="needs torch with a CUDA device")
+needs_fake = pytest.mark.skipif(not os.path.exists(FAKE),
+                                reason=f"fake CUDA runtime not built ({FAKE})")
+
+
+def _run(code, env_extra):
+    env = dict(os.environ)
+    env.update(env_extra)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _fake_env():
+    return {"TENSORFERRY_CUDA_RUNTIME": FAKE, "TENSORFERRY_CUFILE_LIBRARY": FAKE}
+
+
+@needs_fake
+@pytest.mark.parametrize("gds", ["off", "auto"])
+def test_core_exports_cuda_dlpack_arrays_with_the_file_bytes(tiny_checkpoint, gds):
+    out = _run(f"""
+        import ctypes, json, gc
+        import tensorferry._core as core
+        fake = ctypes.CDLL({FAKE!r})  # the same library the runtime search loads: shared state
+        stats = (ctypes.c_uint64 * 32)()
+        def device_bytes():
+            fake.tf_fake_cuda_stats(stats)
+            return stats[0]  # device_bytes_in_use
+        ckpt = {tiny_checkpoint!r}
+        r = core.Reader(ckpt, False, {{"device": "cuda:0", "gds": {gds!r},
+                                       "staging_bytes": 1 << 20, "staging_slot": 1 << 18}})
+        triples = r.load(None, 2)
+        devices = sorted({{a.__dlpack_device__() for _, _, a in triples}})
+        got = {{name: core.copy_to_host(a).hex() for name, _, a in triples}}
+        held = device_bytes()
+        st = r.stats()
+        r.close()
+        del r
+        held_after_close = device_bytes()
+        del triples
+        gc.collect()
+        print(json.dumps({{"devices": devices, "got": got, "held": held,
+                          "held_after_close": held_after_close, "after": device_bytes(),
+                          "live": core.live_buffers()[0], "stats": st}}))
+    """, _fake_env())
+    assert out["devices"] == [[2, 0]]  # kDLCUDA, device 0
+    # The bytes in (fake) device memory are the file's, tensor by tensor.
+    from safetensors import safe_open as st_open
+    import glob
+    want = {}
+    for f in sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors"))):
+        with st_open(f, "pt") as h:
+            for k in h.keys():
+                t = h.get_tensor(k).contiguous().reshape(-1)
+                import torch
+                want[k] = t.view(torch.uint8).numpy().tobytes().hex() if t.numel() else ""
+    assert out["got"] == want
+    st = out["stats"]
+    assert st["device"] == "cuda:0"
+    assert st["device_bytes"] == sum(len(v) // 2 for v in want.values())
+    assert st["staged_bytes"] + st["gds_bytes"] == st["device_bytes"]
+    assert st["pinned_bytes"] == 1 << 20
+    assert out["held"] >= st["device_bytes"]
+    # The arrays co-own the device buffer: closing the reader frees nothing, dropping them all
+    # frees it.
+    assert out["held_after_close"] == out["held"]
+    assert out["after"] == 0
+    assert out["live"] == 0
+
+
+@needs_fake
+def test_loader_device_map_and_budget_against_the_fake(tiny_checkpoint):
+    out = _run(f"""
+        import json
+        import tensorferry._core as core
+        r = core.Reader({tiny_checkpoint!r}, False, {{
+            "device": "cpu", "placement": [("model.layers.0", "cuda:0"), ("lm_head", "cuda:0")],
+            "device_budget": 1 << 20, "staging_bytes": 1 << 20, "staging_slot": 1 << 18,
+            "engine": "pread"}})
+        where = {{}}
+        for name, _, a in r.load(None, 2):
+            where[name] = a.__dlpack_device__()
+        print(json.dumps({{"where": where, "stats": r.stats(), "options": r.options()}}))
+    """, _fake_env())
+    for name, dev in out["where"].items():
+        on_gpu = name.startswith("model.layers.0.") or name.startswith("lm_head")
+        assert dev == ([2, 0] if on_gpu else [1, 0]), name
+    assert out["stats"]["device"] == "mixed"
+    assert out["stats"]["peak_device_bytes"] <= 1 << 20
+    assert out["options"]["device_budget"] == 1 << 20
+
+
+def test_no_cuda_runtime_is_a_clear_cuda_not_found_error(tiny_checkpoint):
+    out = _run(f"""
+        import json, tensorferry
+        from tensorferry import safe_open, CudaNotFoundError, UnsupportedError
+        files = sorted(__import__("glob").glob({tiny_checkpoint!r} + "/*.safetensors"))
+        try:
+            safe_open(files[0], "pt", device="cuda:0")
+        except CudaNotFoundError as e:
+            print(json.dumps({{"message": str(e), "code": e.code,
+                              "unsupported": isinstance(e, UnsupportedError),
+                              "runtime": isinstance(e, RuntimeError)}}))
+    """, {"TENSORFERRY_CUDA_RUNTIME": "/nonexistent/libcudart.so.13"})
+    assert "CUDA runtime (libcudart) not found" in out["message"]
+    assert "/nonexistent/libcudart.so.13" in out["message"]
+    assert out["code"] == "cuda_not_found"
+    assert out["unsupported"] and out["runtime"]
+
+
+@needs_fake
+def test_missing_device_names_the_index(tiny_checkpoint):
+    out = _run(f"""
+        import json
+        import tensorferry
+        try:
+            tensorferry.Loader({tiny_checkpoint!r}, device="cuda:3")
+        except tensorferry.CudaNotFoundError as e:
+            print(json.dumps({{"message": str(e)}}))
+    """, _fake_env())
+    assert "CUDA device 3 does not exist (1 device)" in out["message"]
+
+
+def test_numpy_has_no_cuda(tiny_checkpoint):
+    import tensorferry
+    with pytest.raises(tensorferry.SafetensorError, match="numpy arrays live on the cpu"):
+        tensorferry.Loader(tiny_checkpoint, device="cuda", framework="np")
+
+
+@pytest.mark.skipif(_torch_cuda(), reason="checks the error where CUDA is not usable")
+def test_without_a_gpu_device_cuda_raises_cuda_not_found(tiny_checkpoint):
+    import glob
+    import tensorferry
+    from tensorferry.torch import load_file
+    f = sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors")))[0]
+    with pytest.raises(tensorferry.CudaNotFoundError) as e:
+        load_file(f, device="cuda")
+    assert "CUDA" in str(e.value) or "cuda" in str(e.value)
+
+
+# --- real GPU (skipped without one) ------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("gds", ["off", "auto"])
+def test_gpu_load_file_matches_safetensors(tiny_checkpoint, gds):
+    import glob
+    import torch
+    from safetensors.torch import load_file as st_load
+    from tensorferry.torch import load_file
+    os.environ["TENSORFERRY_GDS"] = gds
+    try:
+        for f in sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors"))):
+            got = load_file(f, device="cuda:0")
+            want = st_load(f, device="cuda:0")
+            assert list(got) == list(want)
+            for k in want:
+                assert got[k].device == torch.device("cuda", 0)
+                assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+                assert torch.equal(got[k], want[k]), k
+    finally:
+        del os.environ["TENSORFERRY_GDS"]
+
+
+@gpu
+def test_gpu_loader_shares_and_frees_the_device_buffer(tiny_checkpoint):
+    import gc
+    import torch
+    import tensorferry
+    from conftest import live_buffers
+    gc.collect()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    with tensorferry.Loader(tiny_checkpoint, device="cuda", device_budget="64MB") as loader:
+        tensors = loader.load()
+        assert loader.stats.device == "cuda:0"
+        assert loader.stats.peak_device_bytes <= 64 << 20
+    assert all(t.is_cuda for t in tensors.values())
+    assert live_buffers()[0] > 0
+    del tensors
+    assert live_buffers()[0] == 0
+    torch.cuda.synchronize()
+    # Our cudaMalloc is outside torch's caching allocator: the memory goes back to the device.
+    assert torch.cuda.mem_get_info()[0] >= free0 - (2 << 20)
+
+
+@gpu
+def test_gpu_safe_open_get_tensor_and_slice(tiny_checkpoint):
+    import glob
+    import torch
+    from safetensors import safe_open as st_open
+    from tensorferry import safe_open
+    f = sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors")))[0]
+    with safe_open(f, "pt", device="cuda:0") as a, st_open(f, "pt", device="cuda:0") as b:
+        for k in b.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k))
+            assert a.get_tensor(k).device == torch.device("cuda", 0)
+            if b.get_slice(k).get_shape():
+                assert torch.equal(a.get_slice(k)[:1], b.get_slice(k)[:1])

@@ -141,8 +141,8 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, co
                                      cuda, device.index);
       return nb::cast(array, nb::rv_policy::reference);
     }
-    nb::ndarray<> array(device_ptr, dims.size(), dims.data(), capsule, nullptr, type, cuda,
-                        device.index);
+    nb::ndarray<nb::array_api> array(device_ptr, dims.size(), dims.data(), capsule, nullptr, type,
+                                     cuda, device.index);
     return nb::cast(array, nb::rv_policy::reference);
   }
   if (size != 0 && reinterpret_cast<uintptr_t>(ptr) % element_bytes != 0) {
@@ -163,8 +163,8 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, co
     return nb::cast(array, nb::rv_policy::reference);
   }
   if (framework == Framework::kDlpack) {
-    nb::ndarray<nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule, nullptr,
-                                       type);
+    nb::ndarray<nb::array_api, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(),
+                                                      capsule, nullptr, type);
     return nb::cast(array, nb::rv_policy::reference);
   }
   nb::ndarray<nb::numpy, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,

@@ -27,7 +27,7 @@
 
 namespace tensorferry::python {
 
-// kDlpack: nanobind's own ndarray object (it has __dlpack__ and __dlpack_device__), for tests and
+// kDlpack: nanobind's array-API object (it has __dlpack__ and __dlpack_device__), for tests and
 // for frameworks that take any DLPack producer.
 enum class Framework : int { kNumpy = 0, kTorch = 1, kDlpack = 2 };
 

@@ -85,7 +85,9 @@ TEST_F(LoaderGpuTest, DeviceLoadEqualsHostLoadForEveryGdsMode) {
       ASSERT_TRUE(s.ok()) << s.ToString();
       EXPECT_EQ(seen, expected_.size());
       const LoadStats st = (*loader)->stats();
-      if (budget > 0) EXPECT_LE(st.peak_device_bytes, budget);
+      if (budget > 0) {
+        EXPECT_LE(st.peak_device_bytes, budget);
+      }
       std::printf(
           "[gpu loader] gds %s budget %llu: %.2f GB/s (loader time %.3f s, wall %.3f s "
           "with checks); staged %llu, GDS %llu bytes (%s)\n",

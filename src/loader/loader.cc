@@ -675,10 +675,13 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
     m.stats.peak_budget_bytes = m.budget->peak();
 
     if (k + 1 < n && read_ahead(k + 1)) {
-      TF_ASSIGN_OR_RETURN(std::optional<Reservation> r, reserve(k + 1));
-      if (r) {
-        next = std::async(std::launch::async, [&produce, k, r = std::move(*r)]() mutable {
-          return produce(k + 1, std::move(r));
+      // Read ahead only when the memory is there now; a failure (e.g. cudaMalloc while the
+      // caller still holds this batch) is not an error yet: the batch is tried again, and its
+      // error reported, after the callback.
+      Result<std::optional<Reservation>> r = reserve(k + 1);
+      if (r.ok() && *r) {
+        next = std::async(std::launch::async, [&produce, k, res = std::move(**r)]() mutable {
+          return produce(k + 1, std::move(res));
         });
       }
     }

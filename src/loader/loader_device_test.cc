@@ -234,6 +234,36 @@ TEST_F(LoaderDeviceTest, DeviceBudgetBoundsPeakDeviceMemoryIndependentOfShardSiz
   EXPECT_EQ((*loader2)->stats().peak_device_bytes, peak);
 }
 
+// A read-ahead that finds the device full is not an error: the batch is read after the caller
+// dropped the previous one.
+TEST_F(LoaderDeviceTest, ReadAheadThatFindsTheDeviceFullWaitsForTheCaller) {
+  Checkpoint c(4, 100, 1 << 20);  // layer batches of ~40 KB, the first (no layer) ~46 KB
+  auto config = DefaultConfig();
+  config.device_memory = 64 << 10;  // one batch fits, two do not
+  Configure(config);
+  LoadOptions o = DeviceOptions();
+  o.order = DeliveryOrder::kLayer;
+  auto loader = Loader::Open(c.dir.path(), o);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  size_t batches = 0;
+  Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
+    ++batches;
+    EXPECT_EQ(fake_->Stats().device_allocations_live, 1u);
+    for (const Tensor& t : b.tensors) EXPECT_EQ(Bytes(t), c.Expected(t.name()));
+    return Status::Ok();
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(batches, 5u);
+  // Holding a batch makes the next one fail for real, with the device's own numbers.
+  std::vector<Tensor> kept;
+  s = (*loader)->Stream(Selection::All(), [&](Batch b) {
+    for (Tensor& t : b.tensors) kept.push_back(std::move(t));
+    return Status::Ok();
+  });
+  EXPECT_EQ(s.code(), Code::kDeviceOutOfMemory) << s.ToString();
+  EXPECT_TRUE(Contains(s.message(), "free of")) << s.message();
+}
+
 TEST_F(LoaderDeviceTest, HoldingDeviceBatchesIsAClearBudgetError) {
   Checkpoint c(16, 100, 1 << 20);
   LoadOptions o = DeviceOptions();

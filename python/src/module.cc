@@ -482,6 +482,29 @@ class Reader {
     return groups;
   }
 
+  // Reads tensors into caller memory: entries are (name, device string, address, capacity in
+  // bytes); Loader::LoadInto checks names, capacities and overlaps before any read.
+  void LoadInto(const nb::list& entries) {
+    std::vector<Destination> destinations;
+    destinations.reserve(entries.size());
+    for (nb::handle h : entries) {
+      nb::tuple e = nb::cast<nb::tuple>(h);
+      if (e.size() != 4) throw nb::value_error("entries are (name, device, address, capacity)");
+      Destination d;
+      d.name = nb::cast<std::string>(e[0]);
+      d.device = Unwrap(ParseDevice(nb::cast<std::string>(e[1])));
+      d.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(e[2]));
+      d.capacity = nb::cast<uint64_t>(e[3]);
+      destinations.push_back(std::move(d));
+    }
+    WithoutGil release;
+    Lock lock(*this);
+    Loader& loader = EnsureLoader();
+    const Status s = loader.LoadInto(destinations);
+    SetStats(loader.stats());
+    Check(s);
+  }
+
   nb::dict Stats() const {
     std::lock_guard<std::mutex> lock(stats_mu_);
     return StatsDict(stats_);
@@ -881,6 +904,7 @@ NB_MODULE(_core, m) {
            nb::arg("allow_oversized"), nb::arg("order"))
       .def("iterate", &Reader::Iterate, nb::arg("names").none(), nb::arg("framework"),
            nb::keep_alive<0, 1>())
+      .def("load_into", &Reader::LoadInto, nb::arg("entries"))
       .def("stats", &Reader::Stats)
       .def("options", &Reader::Options)
       .def("close", &Reader::Close);

@@ -346,6 +346,46 @@ class Loader:
             out = dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
         return out
 
+    def load_into(self, destinations):
+        """Reads tensors into memory the caller owns: `destinations` maps tensor names to
+        contiguous, writable torch tensors (CPU or CUDA) or numpy arrays of the tensor's dtype
+        with room for its bytes (e.g. a model's parameters). Everything is checked before any
+        read: unknown names, a dtype other than the file's, a destination smaller than the tensor
+        (InvalidArgumentError naming the tensor and both sizes), destinations that overlap.
+        Bytes past a tensor in a larger destination are left untouched."""
+        self._check_open()
+        entries = []
+        for name, dst in destinations.items():
+            st_dtype = self._reader.info(name)[0]  # SafetensorError for a missing name
+            want = self._fw.dtype(st_dtype, name)
+            if hasattr(dst, "data_ptr"):  # torch
+                if not dst.is_contiguous():
+                    raise _core.InvalidArgumentError(f"load_into: {name!r}: not contiguous")
+                if dst.dtype != want:
+                    raise _core.InvalidArgumentError(
+                        f"load_into: {name!r} is {st_dtype} in the file, the destination is "
+                        f"{dst.dtype}")
+                device = "cpu" if dst.device.type == "cpu" else \
+                    self._fw.core_device(self._fw.device(dst.device))
+                if device is None:
+                    raise _core.InvalidArgumentError(
+                        f"load_into: {name!r}: destinations live on cpu or cuda, not {dst.device}")
+                entries.append((name, device, dst.data_ptr(), dst.numel() * dst.element_size()))
+            else:  # numpy
+                if not dst.flags.c_contiguous or not dst.flags.writeable:
+                    raise _core.InvalidArgumentError(
+                        f"load_into: {name!r}: not a contiguous, writable array")
+                if dst.dtype != want:
+                    raise _core.InvalidArgumentError(
+                        f"load_into: {name!r} is {st_dtype} in the file, the destination is "
+                        f"{dst.dtype}")
+                entries.append((name, "cpu", dst.ctypes.data, dst.nbytes))
+        stats = LoadStats()
+        self._reader.load_into(entries)
+        stats._add(self._reader.stats())
+        stats.seconds = self._reader.stats()["seconds"]
+        self._stats = stats
+
     def iter_batches(self):
         """Yields Batch objects (index, count, bytes, tensors: dict) one at a time under the
         budget, while the next batch is read ahead when the budget allows it."""

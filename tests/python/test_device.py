@@ -229,3 +229,34 @@ def test_gpu_safe_open_get_tensor_and_slice(tiny_checkpoint):
             assert a.get_tensor(k).device == torch.device("cuda", 0)
             if b.get_slice(k).get_shape():
                 assert torch.equal(a.get_slice(k)[:1], b.get_slice(k)[:1])
+
+
+# --- caller-provided destinations (host here; CUDA ones go through the same call) ----------------
+
+def test_load_into_caller_arrays_checks_capacity_and_dtype(tiny_checkpoint):
+    import tensorferry
+    import torch
+    from safetensors.torch import load_file as st_load
+    import glob
+    want = {}
+    for f in sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors"))):
+        want.update(st_load(f))
+    names = [n for n in want if want[n].numel()][:4]
+    with tensorferry.Loader(tiny_checkpoint) as loader:
+        dst = {n: torch.full_like(want[n], 0) for n in names}
+        loader.load_into(dst)
+        for n in names:
+            assert torch.equal(dst[n], want[n]), n
+        assert loader.stats.tensors == len(names)
+        # A larger destination: the tail is left untouched.
+        n = names[0]
+        big = torch.full((want[n].numel() + 3,), 7, dtype=want[n].dtype)
+        loader.load_into({n: big[:want[n].numel()].view(want[n].shape)})
+        assert torch.equal(big[want[n].numel():], torch.full((3,), 7, dtype=want[n].dtype))
+        small = torch.empty(max(want[n].numel() - 1, 0), dtype=want[n].dtype)
+        with pytest.raises(tensorferry.InvalidArgumentError, match=f'tensor "{n}" needs'):
+            loader.load_into({n: small})
+        with pytest.raises(tensorferry.InvalidArgumentError, match="in the file"):
+            loader.load_into({n: torch.empty(want[n].shape, dtype=torch.float64)})
+        with pytest.raises(tensorferry.SafetensorError):
+            loader.load_into({"no.such.tensor": small})

@@ -32,8 +32,8 @@
 // Device memory, precisely: the device memory a load uses is its live batch buffers, nothing else
 // (the staging ring is pinned host memory; copies and GDS reads go straight to the tensors' final
 // places; no buffer is ever sized after a shard file). A batch buffer holds the batch's tensors
-// plus alignment padding: less than 64 bytes per coalesced range (less than 4 KiB per range unless
-// GDS is off, where ranges keep their file offset modulo 4 KiB so GDS reads can be aligned). With
+// plus alignment padding: with GDS off, less than 64 bytes per coalesced range; otherwise less than
+// 4 KiB per range (ranges keep their file offset modulo 4 KiB so GDS reads can be aligned). With
 // LoadOptions::device_budget > 0 the bytes of live batch buffers on one device (padding included,
 // tensors handed out counted until dropped) never exceed it: batches are planned at half of it
 // for double buffering, exactly as `budget` for host memory, and a batch that does not fit is

@@ -164,7 +164,8 @@ class Loader:
             (e.g. {"model.layers.0": "cuda:0", "lm_head": "cpu"}); tensors matching no prefix go
             to `device`. Batches never mix devices.
         device_budget: most bytes of GPU batch buffers held at once per device (None/0:
-            unbounded); the device counterpart of budget.
+            unbounded); the device counterpart of budget. With device="cuda" and no device_map,
+            `budget` is taken as the device budget when device_budget is not given.
         gds: GPUDirect Storage, "auto" (default), "on" or "off".
         staging_bytes: pinned host memory of the staging ring (default 64MB).
         budget: most bytes of tensor data held at once (int, or a string such as "256MB");
@@ -224,12 +225,17 @@ class Loader:
             "gds": gds,
             "staging_bytes": parse_size(staging_bytes),
         }
+        if core_device is not None and placement is None and device_budget is None \
+                and options["budget"]:
+            # Every tensor goes to the GPU: the budget is about GPU memory.
+            options["device_budget"] = options.pop("budget")
         if placement is not None:
             # Tensors are already where the map puts them; `device` is where unmatched ones go.
             self._device = None
         elif core_device is not None:
             self._device = None  # already on the device
-        if engine is None and not options["budget"] and not os.environ.get("TENSORFERRY_ENGINE") \
+        if engine is None and not options.get("budget") \
+                and not os.environ.get("TENSORFERRY_ENGINE") \
                 and not os.environ.get("TENSORFERRY_BUDGET") and core_device is None \
                 and placement is None:
             # Unbounded: the same default as load_file (mmap with populate), the fastest measured

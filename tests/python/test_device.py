@@ -260,3 +260,17 @@ def test_load_into_caller_arrays_checks_capacity_and_dtype(tiny_checkpoint):
             loader.load_into({n: torch.empty(want[n].shape, dtype=torch.float64)})
         with pytest.raises(tensorferry.SafetensorError):
             loader.load_into({"no.such.tensor": small})
+
+
+@needs_fake
+def test_loader_budget_is_the_device_budget_for_a_gpu_loader(tiny_checkpoint):
+    out = _run(f"""
+        import json, tensorferry
+        with tensorferry.Loader({tiny_checkpoint!r}, device="cuda:0", budget="1MB") as a, \\
+                tensorferry.Loader({tiny_checkpoint!r}, device="cuda:0", budget="1MB",
+                                   device_budget="2MB") as b:
+            print(json.dumps({{"a": a.options, "b": b.options}}))
+    """, _fake_env())
+    assert out["a"]["device"] == "cuda:0"
+    assert out["a"]["device_budget"] == 1000000 and out["a"]["budget"] == 0
+    assert out["b"]["device_budget"] == 2000000 and out["b"]["budget"] == 1000000

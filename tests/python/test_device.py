@@ -41,7 +41,11 @@ def _run(code, env_extra):
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    last = r.stdout.strip().split("\n")[-1]
+    try:
+        return json.loads(last)
+    except ValueError:
+        raise AssertionError(f"not JSON: {last[:300]!r} ... stderr {r.stderr[-500:]!r}") from None
 
 
 def _fake_env():

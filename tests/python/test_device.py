@@ -35,17 +35,29 @@ needs_fake = pytest.mark.skipif(not os.path.exists(FAKE),
                                 reason=f"fake CUDA runtime not built ({FAKE})")
 
 
+_PRELUDE = """
+import json as _json, os as _os
+def emit(obj):
+    with open(_os.environ["TF_TEST_OUT"], "w") as _f:
+        _f.write(_json.dumps(obj))
+"""
+
+
 def _run(code, env_extra):
-    env = dict(os.environ)
-    env.update(env_extra)
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    last = r.stdout.strip().split("\n")[-1]
-    try:
-        return json.loads(last)
-    except ValueError:
-        raise AssertionError(f"not JSON: {last[:300]!r} ... stderr {r.stderr[-500:]!r}") from None
+    """Runs `code` in a child Python with `env_extra`; returns what it passed to emit() (written
+    to a file: large results never depend on pipe buffering)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.json")
+        env = dict(os.environ)
+        env.update(env_extra)
+        env["TF_TEST_OUT"] = out
+        r = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert os.path.exists(out), f"the child emitted nothing; stderr: {r.stderr[-1000:]}"
+        with open(out) as f:
+            return json.load(f)
 
 
 def _fake_env():
@@ -76,9 +88,9 @@ def test_core_exports_cuda_dlpack_arrays_with_the_file_bytes(tiny_checkpoint, gd
         held_after_close = device_bytes()
         del triples
         gc.collect()
-        print(json.dumps({{"devices": devices, "got": got, "held": held,
-                          "held_after_close": held_after_close, "after": device_bytes(),
-                          "live": core.live_buffers()[0], "stats": st}}))
+        emit({{"devices": devices, "got": got, "held": held,
+              "held_after_close": held_after_close, "after": device_bytes(),
+              "live": core.live_buffers()[0], "stats": st}})
     """, _fake_env())
     assert out["devices"] == [[2, 0]]  # kDLCUDA, device 0
     # The bytes in (fake) device memory are the file's, tensor by tensor.
@@ -117,7 +129,7 @@ def test_loader_device_map_and_budget_against_the_fake(tiny_checkpoint):
         where = {{}}
         for name, _, a in r.load(None, 2):
             where[name] = a.__dlpack_device__()
-        print(json.dumps({{"where": where, "stats": r.stats(), "options": r.options()}}))
+        emit({{"where": where, "stats": r.stats(), "options": r.options()}})
     """, _fake_env())
     for name, dev in out["where"].items():
         on_gpu = name.startswith("model.layers.0.") or name.startswith("lm_head")
@@ -135,9 +147,9 @@ def test_no_cuda_runtime_is_a_clear_cuda_not_found_error(tiny_checkpoint):
         try:
             safe_open(files[0], "pt", device="cuda:0")
         except CudaNotFoundError as e:
-            print(json.dumps({{"message": str(e), "code": e.code,
-                              "unsupported": isinstance(e, UnsupportedError),
-                              "runtime": isinstance(e, RuntimeError)}}))
+            emit({{"message": str(e), "code": e.code,
+                  "unsupported": isinstance(e, UnsupportedError),
+                  "runtime": isinstance(e, RuntimeError)}})
     """, {"TENSORFERRY_CUDA_RUNTIME": "/nonexistent/libcudart.so.13"})
     assert "CUDA runtime (libcudart) not found" in out["message"]
     assert "/nonexistent/libcudart.so.13" in out["message"]
@@ -153,7 +165,7 @@ def test_missing_device_names_the_index(tiny_checkpoint):
         try:
             tensorferry.Loader({tiny_checkpoint!r}, device="cuda:3")
         except tensorferry.CudaNotFoundError as e:
-            print(json.dumps({{"message": str(e)}}))
+            emit({{"message": str(e)}})
     """, _fake_env())
     assert "CUDA device 3 does not exist (1 device)" in out["message"]
 
@@ -273,7 +285,7 @@ def test_loader_budget_is_the_device_budget_for_a_gpu_loader(tiny_checkpoint):
         with tensorferry.Loader({tiny_checkpoint!r}, device="cuda:0", budget="1MB") as a, \\
                 tensorferry.Loader({tiny_checkpoint!r}, device="cuda:0", budget="1MB",
                                    device_budget="2MB") as b:
-            print(json.dumps({{"a": a.options, "b": b.options}}))
+            emit({{"a": a.options, "b": b.options}})
     """, _fake_env())
     assert out["a"]["device"] == "cuda:0"
     assert out["a"]["device_budget"] == 1000000 and out["a"]["budget"] == 0

@@ -37,6 +37,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -207,11 +208,24 @@ State& S() {
   return *state;
 }
 
-thread_local int current_device = 0;
-thread_local Error last_error = kSuccess;
+// Per-thread CUDA state (current device, last error), as the real runtime keeps it. A table, not
+// thread_local: this library is dlopen'ed, and LeakSanitizer's scan of a dlopen'ed library's
+// dynamic TLS crashes ("Tracer caught signal 11" in ScanRangeForPointers, clang 14 with glibc
+// 2.36) depending on the test binary's layout. Entries are never erased (a thread id reused by a
+// later thread inherits its state; tests do not rely on a fresh thread's defaults).
+struct ThreadState {
+  int current_device = 0;
+  Error last_error = kSuccess;
+};
+ThreadState& Self() {
+  static std::mutex* mu = new std::mutex;
+  static auto* table = new std::unordered_map<std::thread::id, ThreadState>;
+  std::lock_guard<std::mutex> lock(*mu);
+  return (*table)[std::this_thread::get_id()];  // nodes never move: the reference stays valid
+}
 
 Error Fail(Error e) {
-  last_error = e;
+  Self().last_error = e;
   return e;
 }
 
@@ -497,12 +511,12 @@ TF_FAKE_EXPORT Error cudaGetDeviceCount(int* count) {
 TF_FAKE_EXPORT Error cudaSetDevice(int device) {
   std::lock_guard<std::mutex> lock(S().mu);
   if (!ValidDevice(device)) return Fail(kInvalidDevice);
-  current_device = device;
+  Self().current_device = device;
   return kSuccess;
 }
 
 TF_FAKE_EXPORT Error cudaGetDevice(int* device) {
-  *device = current_device;
+  *device = Self().current_device;
   return kSuccess;
 }
 
@@ -554,7 +568,7 @@ TF_FAKE_EXPORT Error cudaMemGetInfo(size_t* free, size_t* total) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   const uint64_t limit = s.config.device_memory;
-  const auto d = static_cast<size_t>(current_device);
+  const auto d = static_cast<size_t>(Self().current_device);
   const uint64_t used = d < s.device_in_use.size() ? s.device_in_use[d] : 0;
   *total = static_cast<size_t>(limit);
   *free = static_cast<size_t>(used >= limit ? 0 : limit - used);
@@ -602,8 +616,9 @@ TF_FAKE_EXPORT const char* cudaGetErrorString(Error error) {
 }
 
 TF_FAKE_EXPORT Error cudaGetLastError() {
-  const Error e = last_error;
-  last_error = kSuccess;
+  ThreadState& self = Self();
+  const Error e = self.last_error;
+  self.last_error = kSuccess;
   return e;
 }
 
@@ -613,7 +628,7 @@ TF_FAKE_EXPORT Error cudaMalloc(void** ptr, size_t size) {
   *ptr = nullptr;
   if (size == 0) return kSuccess;
   State& s = S();
-  const int device = current_device;
+  const int device = Self().current_device;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.device_in_use.size() <= static_cast<size_t>(device)) {

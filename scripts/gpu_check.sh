@@ -22,15 +22,29 @@ scripts/install_python.sh
 
 echo "== tensorferry doctor"
 "$tf" doctor | tee "$out/doctor.txt"
+"$tf" doctor --json > "$out/doctor.json"
+if ! "$py" -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["cuda_available"] else 1)' \
+    "$out/doctor.json"; then
+  echo "gpu_check: no usable CUDA device here (see the doctor report above)" >&2
+  exit 1
+fi
 
 echo "== GPU-labelled C++ tests (real device)"
-ctest --test-dir build/release -L gpu --output-on-failure -V | tee "$out/ctest_gpu.txt" | grep -E '^[0-9]+: (\[|GB/s|.*throughput)|tests passed|Failed|SKIPPED' || true
-ctest --test-dir build/release -L gpu --output-on-failure >/dev/null
+if ! ctest --test-dir build/release -L gpu --output-on-failure -V > "$out/ctest_gpu.txt" 2>&1; then
+  tail -n 80 "$out/ctest_gpu.txt"
+  echo "gpu_check: GPU tests failed (full log: $out/ctest_gpu.txt)" >&2
+  exit 1
+fi
+grep -E 'gds=|\[gpu loader\]|Skipped|tests passed' "$out/ctest_gpu.txt" || true
 
 echo "== device tests against the fake runtime (sanity)"
 ctest --test-dir build/release -j "$(nproc)" --output-on-failure -R 'LoaderDevice|DevicePipeline|DeviceLoadCli|DeviceMemory|StagingRing'
 
 echo "== Python device tests"
+if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_check: $py has no CUDA-enabled torch: the Python GPU tests and the benchmark need it" >&2
+  exit 1
+fi
 TENSORFERRY_CLI="$PWD/$tf" TENSORFERRY_FAKE_CUDA="$PWD/build/release/lib/libtensorferry_fake_cudart.so" \
   "$py" -m pytest -q -p no:cacheprovider tests/python/test_device.py -rs
 

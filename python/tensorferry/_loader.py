@@ -219,7 +219,8 @@ class Loader:
             "order": order,
             "pool_bytes": parse_size(pool_bytes),
             "populate": populate,
-            "device": core_device,
+            # Always explicit: the Python default is the host, whatever TENSORFERRY_DEVICE says.
+            "device": core_device or "cpu",
             "placement": placement,
             "device_budget": parse_size(device_budget),
             "gds": gds,

@@ -53,6 +53,8 @@ def open_file(filename, options):
         path = os.fsdecode(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, f"Is a directory: {path}", path)
+    options = dict(options)
+    options.setdefault("device", "cpu")  # the Python default, whatever TENSORFERRY_DEVICE says
     return _core.Reader(path, True, options)
 
 

@@ -290,3 +290,21 @@ def test_loader_budget_is_the_device_budget_for_a_gpu_loader(tiny_checkpoint):
     assert out["a"]["device"] == "cuda:0"
     assert out["a"]["device_budget"] == 1000000 and out["a"]["budget"] == 0
     assert out["b"]["device_budget"] == 2000000 and out["b"]["budget"] == 1000000
+
+
+def test_tensorferry_device_variable_does_not_move_python_loads(tiny_checkpoint):
+    # The Python APIs' device= defaults to the host; TENSORFERRY_DEVICE seeds only the C++/CLI
+    # defaults, so it must not send a plain load_file to a GPU.
+    out = _run(f"""
+        import glob, tensorferry
+        from tensorferry.torch import load_file
+        f = sorted(glob.glob({tiny_checkpoint!r} + "/*.safetensors"))[0]
+        t = load_file(f)
+        with tensorferry.Loader({tiny_checkpoint!r}) as loader:
+            got = loader.load()
+            opts = loader.options
+        emit({{"n": len(got), "tensors": len(t), "device": opts["device"],
+              "types": sorted({{x.device.type for x in list(got.values()) + list(t.values())}})}})
+    """, {"TENSORFERRY_DEVICE": "cuda:0", "TENSORFERRY_CUDA_RUNTIME": "/nonexistent/libcudart.so"})
+    assert out["device"] == "cpu" and out["n"] > 0 and out["tensors"] > 0
+    assert out["types"] == ["cpu"]

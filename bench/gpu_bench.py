@@ -158,8 +158,14 @@ def child(args):
         import fastsafetensors
         nogds = "nogds" in name
 
+        try:  # newer releases want a process group object; SingleGroup is the one-process one
+            from fastsafetensors import SingleGroup
+            group = SingleGroup()
+        except ImportError:
+            group = None
+
         def load():
-            loader = fastsafetensors.SafeTensorsFileLoader(None, "cuda:0", nogds=nogds)
+            loader = fastsafetensors.SafeTensorsFileLoader(group, "cuda:0", nogds=nogds)
             loader.add_filenames({0: files})
             fb = loader.copy_files_to_device()
             out = {k: fb.get_tensor(k).clone() for k in loader.get_keys()}
@@ -213,7 +219,8 @@ def child(args):
             checksum = 0
             for t in tensors.values():
                 if t.numel():
-                    checksum += int(t.contiguous().view(torch.uint8).sum(dtype=torch.int64))
+                    checksum += int(t.contiguous().reshape(-1).view(torch.uint8)
+                                    .sum(dtype=torch.int64))
             runs.append({"seconds": seconds, "bytes": nbytes, "checksum": checksum,
                          "cached_fraction": left,
                          "peak_extra_device_bytes": max(0, free0 - sampler.lowest - nbytes),
@@ -235,7 +242,8 @@ def available(name):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?", default="data/default")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="warm,cold")

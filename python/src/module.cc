@@ -426,7 +426,8 @@ class Reader {
     return Export(fw, keeper, block.get(), end - begin, DType::kU8, flat);
   }
 
-  // Calls callback(index, count, bytes, [(name, array), ...]) for each batch of Loader::Stream.
+  // Calls callback(index, count, bytes, [(name, array), ...], device) for each batch of
+  // Loader::Stream (device: "cpu", "cuda:N").
   void Stream(const std::optional<std::vector<std::string>>& names, int framework,
               const nb::callable& callback) {
     const Framework fw = ToFramework(framework);
@@ -445,7 +446,7 @@ class Reader {
         try {
           nb::list tensors = ExportTensors(fw, batch.tensors);
           batch.tensors.clear();
-          callback(batch.index, batch.count, batch.bytes, tensors);
+          callback(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
         } catch (nb::python_error& e) {
           raised.emplace(std::move(e));
           return Status(Code::kInternal, "the stream callback raised an exception");
@@ -643,8 +644,8 @@ class BatchStream {
   BatchStream(const BatchStream&) = delete;
   BatchStream& operator=(const BatchStream&) = delete;
 
-  // (index, count, bytes, [(name, array), ...]) for the next batch, or None at the end. Raises
-  // the load's error, if any, once the batches before it have been taken.
+  // (index, count, bytes, [(name, array), ...], device) for the next batch, or None at the end.
+  // Raises the load's error, if any, once the batches before it have been taken.
   nb::object Next() {
     std::optional<Batch> batch;
     Status final_status;
@@ -672,7 +673,7 @@ class BatchStream {
     }
     nb::list tensors = ExportTensors(framework_, batch->tensors);
     const Batch& b = *batch;
-    return nb::make_tuple(b.index, b.count, b.bytes, tensors);
+    return nb::make_tuple(b.index, b.count, b.bytes, tensors, DeviceName(b.device));
   }
 
   // Stops the stream (tensors already handed out stay valid) and waits for its thread.

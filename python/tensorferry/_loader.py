@@ -113,11 +113,12 @@ class LoadStats:
 
 @dataclasses.dataclass
 class Batch:
-    """One batch of Loader.iter_batches(): tensors that share one buffer."""
+    """One batch of Loader.iter_batches(): tensors that share one buffer (on one device)."""
     index: int
     count: int
     bytes: int
     tensors: dict
+    device: str = "cpu"  # "cpu" or "cuda:N": batches never mix devices
 
 
 class _Progress:
@@ -409,9 +410,9 @@ class Loader:
                 got = stream.next()
                 if got is None:
                     break
-                index, count, nbytes, triples = got
+                index, count, nbytes, triples, device = got
                 del got
-                batch = Batch(index, count, nbytes, dict(self._finish(triples)))
+                batch = Batch(index, count, nbytes, dict(self._finish(triples)), device)
                 del triples
                 if progress is not None:
                     progress.update(nbytes)
@@ -445,8 +446,8 @@ class Loader:
         self._check_open()
         self._check_dtypes()
 
-        def on_batch(index, count, nbytes, triples):
-            callback(Batch(index, count, nbytes, dict(self._finish(triples))))
+        def on_batch(index, count, nbytes, triples, device):
+            callback(Batch(index, count, nbytes, dict(self._finish(triples)), device))
 
         stats = LoadStats()
         self._stats = stats

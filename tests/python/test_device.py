@@ -129,12 +129,22 @@ def test_loader_device_map_and_budget_against_the_fake(tiny_checkpoint):
         where = {{}}
         for name, _, a in r.load(None, 2):
             where[name] = a.__dlpack_device__()
-        emit({{"where": where, "stats": r.stats(), "options": r.options()}})
+        stats = r.stats()
+        batches = []
+        it = r.iterate(None, 2)
+        while (got := it.next()) is not None:
+            index, count, nbytes, triples, device = got
+            batches.append([device, sorted({{a.__dlpack_device__() for _, _, a in triples}})])
+            del triples, got
+        emit({{"where": where, "stats": stats, "options": r.options(), "batches": batches}})
     """, _fake_env())
     for name, dev in out["where"].items():
         on_gpu = name.startswith("model.layers.0.") or name.startswith("lm_head")
         assert dev == ([2, 0] if on_gpu else [1, 0]), name
     assert out["stats"]["device"] == "mixed"
+    # Streamed: the host batch first, then the device's; each batch on one device, as it says.
+    assert [b[0] for b in out["batches"]] == ["cpu", "cuda:0"]
+    assert out["batches"][0][1] == [[1, 0]] and out["batches"][1][1] == [[2, 0]]
     assert out["stats"]["peak_device_bytes"] <= 1 << 20
     assert out["options"]["device_budget"] == 1 << 20
 

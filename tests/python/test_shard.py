@@ -190,3 +190,27 @@ def test_loader_custom_rules_and_ties(tiny_checkpoint, full_tensors):
         tensorferry.Loader(tiny_checkpoint, tp_rank=2, tp_size=2)
     with pytest.raises(InvalidArgumentError):
         tensorferry.Loader(tiny_checkpoint, shard_rules="builtin")
+
+
+def test_load_file_shards(tmp_path):
+    import numpy as np
+
+    import tensorferry.numpy
+    import tensorferry.torch
+    full = {"a.q_proj.weight": torch.arange(70, dtype=torch.float32).reshape(10, 7),
+            "a.o_proj.weight": torch.arange(60, dtype=torch.float32).reshape(6, 10),
+            "a.norm.weight": torch.arange(6, dtype=torch.float32)}
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file(full, path)
+    for world in (2, 3):
+        for rank in range(world):
+            got = tensorferry.torch.load_file(path, tp_rank=rank, tp_size=world)
+            assert torch.equal(got["a.q_proj.weight"],
+                               torch.tensor_split(full["a.q_proj.weight"], world, 0)[rank])
+            assert torch.equal(got["a.o_proj.weight"],
+                               torch.tensor_split(full["a.o_proj.weight"], world, 1)[rank])
+            assert torch.equal(got["a.norm.weight"], full["a.norm.weight"])
+            arrays = tensorferry.numpy.load_file(path, tp_rank=rank, tp_size=world,
+                                                 shard_rules=[("*", 0)])
+            assert np.array_equal(arrays["a.o_proj.weight"],
+                                  np.array_split(full["a.o_proj.weight"].numpy(), world, 0)[rank])

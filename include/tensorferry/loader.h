@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -60,6 +61,7 @@
 #include "tensorferry/device.h"
 #include "tensorferry/env.h"
 #include "tensorferry/plan.h"
+#include "tensorferry/shard.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry {
@@ -112,6 +114,7 @@ class Selection {
   Result<std::vector<uint32_t>> Resolve(const Checkpoint& checkpoint) const;
 
  private:
+  friend class Loader;  // resolves tied aliases absent from the checkpoint
   std::vector<std::string> names_;
   std::function<bool(const TensorInfo&)> predicate_;
   bool by_name_ = false;
@@ -165,6 +168,21 @@ struct LoadOptions {
   // first access costs nothing; false: pages are read on first touch.
   bool populate = false;
   Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
+  // Tensor parallelism: when set, every tensor is delivered as the slice rank `shard->rank` of
+  // `shard->world` holds under `shard->spec` (shard.h): Tensor::shape() is the local shape,
+  // only the slice's bytes are read (plus gaps up to shard->max_gap inside covering reads), and
+  // LoadStats::bytes_read shows it. Dim-0 slices are one contiguous read (with mmap, a view
+  // into the mapping); other slices are strided reads packed into pooled buffers. Under a
+  // budget a tensor counts the bytes its reads occupy (its slice plus covered gaps).
+  // On a CUDA device (device/placement) the slice lands in the batch's device buffer holding
+  // exactly the local bytes: dim-0 slices as contiguous device tasks (GDS-eligible), other dims
+  // as strided tasks the pipeline copies with cudaMemcpy2DAsync from the staged covering range
+  // (rows are staged together only as far as they fit one staging slot; max_gap and
+  // exact_when_cached shape host reads only: see docs/gpu.md, "Tensor-parallel slices").
+  // Ties of the spec: an alias is delivered sharing its target's data (one read), also when the
+  // alias is absent from the files (tie_word_embeddings) or present as a duplicate (then its own
+  // bytes are not read).
+  std::optional<TensorParallelOptions> shard;
 
   // --- device loading (see the file comment and docs/gpu.md) ---
   // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).
@@ -219,7 +237,10 @@ struct Destination {
 
 struct LoadStats {
   uint64_t tensors = 0;
-  uint64_t bytes = 0;  // tensor bytes delivered
+  uint64_t bytes = 0;  // tensor bytes delivered (tied aliases not counted twice)
+  // Bytes read from files: `bytes` plus the gaps of covering reads (LoadOptions::shard). With
+  // mmap, the bytes of the ranges it populates or gathers (views read on first touch count too).
+  uint64_t bytes_read = 0;
   uint64_t batches = 0;
   double seconds = 0;              // wall time inside the loader (callbacks excluded)
   uint64_t peak_budget_bytes = 0;  // highest bytes held against the budget

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <map>
 #include <mutex>
@@ -20,6 +21,9 @@
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "memory/host_buffer.h"
+#include "tensorferry/format.h"
+#include "tensorferry/residency.h"
+#include "tensorferry/shard.h"
 #include "tensorferry/size.h"
 #include "util/macros.h"
 
@@ -93,11 +97,113 @@ struct Reservation {
 };
 
 // The selected tensors bound for one device, planned together: batches never mix devices.
+// A strided read of a tensor-parallel slice bound for a device (LoadOptions::shard with a split
+// on a dimension other than 0): `rows` rows of `row_bytes`, `src_pitch` apart in the file from
+// `file_offset`, land `dst_pitch` apart in the batch buffer from `buffer_offset` (a
+// cudaMemcpy2DAsync of the staged covering range; see src/device/pipeline.h).
+struct StridedRead {
+  uint32_t file = 0;
+  uint64_t file_offset = 0;
+  uint64_t buffer_offset = 0;
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;
+  uint64_t src_pitch = 0;
+  uint64_t dst_pitch = 0;
+  uint64_t length() const { return (rows - 1) * src_pitch + row_bytes; }
+};
+
 struct Group {
   Device device;
   Plan plan;
   uint64_t batch_budget = 0;
+  // Sharded device groups: per batch, the strided reads besides the batch's contiguous tasks.
+  std::vector<std::vector<StridedRead>> strided;
 };
+
+// The bytes of one index along dimension `dim` of `t` (whole bytes: SliceOf refuses splits
+// where they are not).
+uint64_t IndexBytes(const TensorInfo& t, uint32_t dim) {
+  uint64_t elements = 1;
+  for (size_t i = dim + 1; i < t.shape.size(); ++i) elements *= t.shape[i];
+  return elements * DTypeBits(t.dtype) / 8;
+}
+
+// Lays out a batch of a sharded plan again for a device: the host plan reads covering ranges
+// into the buffer and packs the pieces with memmoves afterwards, which on a device would cost the
+// gap bytes in device memory plus device-to-device moves. Here every tensor occupies exactly its
+// local bytes in the buffer: whole tensors and single-range slices (dim 0) are contiguous tasks
+// (coalesced when adjacent in the file, offsets congruent modulo io_alignment as the host plan
+// keeps them, for GDS); each block of a slice on another dimension is one StridedRead whose rows
+// the pipeline copies with cudaMemcpy2DAsync (fused dim-0 slices: one contiguous task per part).
+// The batch keeps its tensors and order; tasks, moves, buffer_size and read_bytes are replaced.
+void LayOutForDevice(const Checkpoint& ckpt, uint64_t io_alignment, PlanBatch& batch,
+                     std::vector<StridedRead>& strided) {
+  const auto& infos = ckpt.tensors();
+  std::vector<ReadTask> tasks;
+  strided.clear();
+  batch.moves.clear();
+  batch.read_bytes = 0;
+  uint64_t pos = 0;
+  bool can_extend = false;  // the last task ends at `pos` and may grow
+  auto place = [&](uint64_t file_offset) {
+    if (io_alignment == 0) return (pos + 63) & ~uint64_t{63};
+    const uint64_t mask = io_alignment - 1;
+    uint64_t at = (pos & ~mask) + (file_offset & mask);
+    if (at < pos) at += io_alignment;
+    return at;
+  };
+  for (PlannedTensor& pt : batch.tensors) {
+    const TensorInfo& info = infos[pt.tensor];
+    const uint64_t size = pt.size(info);
+    if (size == 0) {
+      pt.buffer_offset = pos;
+      continue;
+    }
+    const uint64_t ranges = pt.slice ? SliceRangeCount(info, *pt.slice) : 1;
+    if (ranges == 1) {
+      const uint64_t offset =
+          info.offset + (pt.slice ? SliceByteRanges(info, *pt.slice)[0].first : 0);
+      if (can_extend && tasks.back().file == info.file &&
+          tasks.back().file_offset + tasks.back().length == offset) {
+        tasks.back().length += size;
+      } else {
+        tasks.push_back({info.file, offset, 0, place(offset)});
+      }
+      ReadTask& t = tasks.back();
+      pt.buffer_offset = t.buffer_offset + (offset - t.file_offset);
+      if (t.length == 0) t.length = size;
+      pos = t.buffer_offset + t.length;
+      batch.read_bytes += size;
+      can_extend = true;
+      continue;
+    }
+    const TensorSlice& slice = *pt.slice;
+    const uint32_t dim = slice.rule.dim;
+    uint64_t outer = 1;
+    for (uint32_t i = 0; i < dim; ++i) outer *= info.shape[i];
+    const uint64_t row = IndexBytes(info, dim);
+    const uint64_t full = info.shape[dim] * row, local = slice.shape[dim] * row;
+    const uint64_t base = place(info.offset + slice.blocks.front().first * row);
+    uint64_t at = 0;  // where the block starts within a local row
+    for (const auto& [start, len] : slice.blocks) {
+      const uint64_t bytes = len * row, src = info.offset + start * row;
+      if (bytes == 0) continue;
+      if (outer == 1) {
+        tasks.push_back({info.file, src, bytes, base + at});
+        batch.read_bytes += bytes;
+      } else {
+        strided.push_back({info.file, src, base + at, outer, bytes, full, local});
+        batch.read_bytes += strided.back().length();
+      }
+      at += bytes;
+    }
+    pt.buffer_offset = base;
+    pos = base + size;
+    can_extend = false;
+  }
+  batch.tasks = std::move(tasks);
+  batch.buffer_size = pos;
+}
 
 // Per CUDA device: the budgeted allocator of batch buffers and the pipeline (pinned ring, streams,
 // cuFile driver), made once per Loader and reused by every load.
@@ -203,6 +309,95 @@ struct Loader::Impl {
     return Status::Ok();
   }
 
+  // What a selection means for one load: the tensors to read, which of them go to the caller,
+  // and the tied aliases (LoadOptions::shard ties) delivered sharing their target's data.
+  struct Resolved {
+    std::vector<uint32_t> read;                    // indices into tensors(), ascending
+    std::vector<bool> deliver;                     // per tensor index; empty: every read tensor
+    std::multimap<uint32_t, std::string> aliases;  // target index -> alias name
+  };
+
+  Result<Resolved> Resolve(const Selection& selection) const {
+    const Checkpoint& ckpt = *checkpoint;
+    Resolved r;
+    const ShardSpec* spec = options.shard ? &options.shard->spec : nullptr;
+    if (spec == nullptr || spec->ties().empty()) {
+      TF_ASSIGN_OR_RETURN(r.read, selection.Resolve(ckpt));
+      return r;
+    }
+    const auto& all = ckpt.tensors();
+    std::vector<bool> read(all.size(), false);
+    r.deliver.assign(all.size(), false);
+    std::map<std::string, uint32_t> alias_target;
+    auto index_of = [&](const TensorInfo* t) { return static_cast<uint32_t>(t - all.data()); };
+    // The target an alias stands for, when the spec ties it to a tensor the checkpoint has.
+    auto target_of = [&](std::string_view name) -> const TensorInfo* {
+      std::optional<std::string> target = spec->TieTarget(name);
+      return target ? ckpt.Find(*target) : nullptr;
+    };
+    auto add_alias = [&](const std::string& alias, const TensorInfo* target) {
+      read[index_of(target)] = true;
+      alias_target.emplace(alias, index_of(target));
+    };
+    if (selection.by_name_) {
+      for (const std::string& name : selection.names_) {
+        if (const TensorInfo* target = target_of(name)) {
+          add_alias(name, target);  // present or not, the alias's own bytes are not read
+          continue;
+        }
+        const TensorInfo* t = ckpt.Find(name);
+        if (t == nullptr) {
+          return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
+        }
+        read[index_of(t)] = r.deliver[index_of(t)] = true;
+      }
+    } else {
+      const auto& predicate = selection.predicate_;
+      for (uint32_t i = 0; i < all.size(); ++i) {
+        if (predicate && !predicate(all[i])) continue;
+        if (const TensorInfo* target = target_of(all[i].name)) {
+          add_alias(all[i].name, target);  // a duplicate of its target: read once
+        } else {
+          read[i] = r.deliver[i] = true;
+        }
+      }
+      // Aliases the files do not hold (tie_word_embeddings): selected as their target would be
+      // under the alias's name.
+      for (const auto& [alias, ignored] : spec->ties()) {
+        if (ckpt.Find(alias) != nullptr) continue;
+        const TensorInfo* target = target_of(alias);
+        if (target == nullptr) continue;
+        TensorInfo as_alias = *target;
+        as_alias.name = alias;
+        if (!predicate || predicate(as_alias)) add_alias(alias, target);
+      }
+    }
+    for (uint32_t i = 0; i < all.size(); ++i) {
+      if (read[i]) r.read.push_back(i);
+    }
+    for (const auto& [alias, target] : alias_target) r.aliases.emplace(target, alias);
+    return r;
+  }
+
+  // Applies `resolved` to a batch made from `planned`: tied aliases added after their target
+  // (sharing its bytes and owner), tensors read only for an alias dropped.
+  static void Deliver(const Resolved& resolved, const PlanBatch& planned, Batch& batch) {
+    if (resolved.deliver.empty()) return;
+    std::vector<Tensor> out;
+    out.reserve(batch.tensors.size() + resolved.aliases.size());
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const uint32_t index = planned.tensors[i].tensor;
+      Tensor& t = batch.tensors[i];
+      const auto [first, last] = resolved.aliases.equal_range(index);
+      for (auto it = first; it != last; ++it) {
+        out.emplace_back(it->second, t.dtype(), t.shape(), t.data(), t.size(), t.owner(),
+                         t.device());
+      }
+      if (resolved.deliver[index]) out.push_back(std::move(t));
+    }
+    batch.tensors = std::move(out);
+  }
+
   // The plan's batches hold at most half the budget when the next batch is read while the caller
   // handles the current one (double buffering), so two fit; the whole budget when a selected
   // tensor is larger than half of it.
@@ -221,8 +416,8 @@ struct Loader::Impl {
   }
 
   // The plan of a load, one group per device (host first, then CUDA devices by index).
-  Result<std::vector<Group>> MakeGroups(const Selection& selection) const {
-    TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*checkpoint));
+  Result<std::vector<Group>> MakeGroups(const Resolved& resolved) const {
+    std::vector<uint32_t> indices = resolved.read;
     std::map<Device, std::vector<uint32_t>> by_device;
     if (options.placement) {
       for (uint32_t i : indices) by_device[Place(checkpoint->tensors()[i])].push_back(i);
@@ -245,7 +440,26 @@ struct Loader::Impl {
       // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
       // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
       if (dev.is_cuda() && options.gds == GdsMode::kOff) p.io_alignment = 0;
-      TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, idx, p));
+      const bool relayout = dev.is_cuda() && options.shard.has_value();
+      if (relayout) {
+        // Batches are formed from the local sizes: the device layout holds no covered gaps.
+        p.file_max_gap.assign(checkpoint->files().size(), 0);
+      }
+      auto plan = [&]() -> Status {
+        TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, idx, p));
+        if (!relayout) return Status::Ok();
+        g.strided.assign(g.plan.batches.size(), {});
+        g.plan.read_bytes = 0;
+        g.plan.num_moves = 0;
+        g.plan.num_tasks = 0;
+        for (size_t b = 0; b < g.plan.batches.size(); ++b) {
+          LayOutForDevice(*checkpoint, p.io_alignment, g.plan.batches[b], g.strided[b]);
+          g.plan.read_bytes += g.plan.batches[b].read_bytes;
+          g.plan.num_tasks += g.plan.batches[b].tasks.size() + g.strided[b].size();
+        }
+        return Status::Ok();
+      };
+      TF_RETURN_IF_ERROR(plan());
       if (dev.is_cuda() && limit > 0 && g.batch_budget < limit) {
         // The device budget counts whole buffers, padding included: when padding pushes a batch
         // past half the budget, plan again with the batch budget lowered by the overshoot, so two
@@ -259,12 +473,29 @@ struct Loader::Impl {
         const uint64_t over = largest_buffer > g.batch_budget ? largest_buffer - g.batch_budget : 0;
         if (over > 0 && g.batch_budget - largest_tensor > over) {
           p.budget = g.batch_budget - over;
-          TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, idx, p));
+          TF_RETURN_IF_ERROR(plan());
         }
       }
       groups.push_back(std::move(g));
     }
     return groups;
+  }
+
+  // With shard->exact_when_cached: exact strides (0) for files mostly in the page cache, max_gap
+  // for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads the
+  // real file system by path: it only chooses how to read, never what is read.
+  std::vector<uint64_t> FileMaxGaps() const {
+    std::vector<uint64_t> gaps;
+    if (!options.shard || !options.shard->exact_when_cached) return gaps;
+    for (const FileInfo& f : checkpoint->files()) {
+      uint64_t gap = options.shard->max_gap;
+      if (f.file_size > f.data_offset) {
+        Result<double> cached = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
+        if (cached.ok() && *cached >= 0.5) gap = 0;
+      }
+      gaps.push_back(gap);
+    }
+    return gaps;
   }
 
   PlanOptions MakePlanOptions(uint64_t batch_budget) const {
@@ -273,6 +504,8 @@ struct Loader::Impl {
     p.budget = batch_budget;
     p.allow_oversized = options.allow_oversized;
     p.order = options.order;
+    p.shard = options.shard;
+    p.file_max_gap = FileMaxGaps();
     return p;
   }
 
@@ -289,6 +522,12 @@ struct Loader::Impl {
         for (const ReadTask& t : b.tasks) {
           lo[t.file] = std::min(lo[t.file], t.file_offset);
           hi[t.file] = std::max(hi[t.file], t.file_offset + t.length);
+        }
+      }
+      for (const std::vector<StridedRead>& reads : g.strided) {
+        for (const StridedRead& t : reads) {
+          lo[t.file] = std::min(lo[t.file], t.file_offset);
+          hi[t.file] = std::max(hi[t.file], t.file_offset + t.length());
         }
       }
     }
@@ -353,6 +592,10 @@ struct Loader::Impl {
                           direct_fds[t.file]});
     }
     TF_RETURN_IF_ERROR(engine->Execute(requests));
+    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
+    for (const BufferMove& mv : batch.moves) {
+      std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+    }
 
     auto owner = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(lease)});
     const auto& infos = checkpoint->tensors();
@@ -364,8 +607,8 @@ struct Loader::Impl {
     for (const PlannedTensor& pt : batch.tensors) {
       const TensorInfo& info = infos[pt.tensor];
       const std::byte* data = owner->buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
-                               std::shared_ptr<const void>(owner, data));
+      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
+                               pt.size(info), std::shared_ptr<const void>(owner, data));
     }
     return out;
   }
@@ -388,6 +631,21 @@ struct Loader::Impl {
       d.direct_fd = direct_fds[t.file];
       tasks.push_back(d);
     }
+    if (b < group.strided.size()) {
+      for (const StridedRead& t : group.strided[b]) {
+        device::DeviceTask d;
+        d.file = files[t.file].get();
+        d.file_offset = t.file_offset;
+        d.length = t.length();
+        d.dst = buffer->data() + t.buffer_offset;
+        d.rows = t.rows;
+        d.row_bytes = t.row_bytes;
+        d.src_pitch = t.src_pitch;
+        d.dst_pitch = t.dst_pitch;
+        d.direct_fd = direct_fds[t.file];
+        tasks.push_back(d);
+      }
+    }
     TF_RETURN_IF_ERROR(sink.pipeline->Run(tasks, *copy_engine, buffer.get()));
     const auto& infos = checkpoint->tensors();
     Batch out;
@@ -397,8 +655,9 @@ struct Loader::Impl {
     for (const PlannedTensor& pt : batch.tensors) {
       const TensorInfo& info = infos[pt.tensor];
       const std::byte* data = buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
-                               std::shared_ptr<const void>(buffer, data), group.device);
+      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
+                               pt.size(info), std::shared_ptr<const void>(buffer, data),
+                               group.device);
     }
     return out;
   }
@@ -438,23 +697,58 @@ struct Loader::Impl {
       TF_RETURN_IF_ERROR(first);
     }
     const auto& infos = checkpoint->tensors();
+    // Strided slices cannot be views: they are gathered from the mapping into one pooled buffer
+    // per batch. Dim-0 slices (one range) stay views.
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(batch.tensors.size());
+    std::vector<uint64_t> gather_at(batch.tensors.size(), 0);
+    uint64_t gather_bytes = 0;
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const PlannedTensor& pt = batch.tensors[i];
+      if (!pt.slice) continue;
+      pieces[i] = SliceByteRanges(infos[pt.tensor], *pt.slice);
+      if (pieces[i].size() > 1) {
+        gather_at[i] = gather_bytes;
+        gather_bytes += (pt.slice->bytes + 63) & ~uint64_t{63};
+      }
+    }
+    std::shared_ptr<BatchMemory> gathered;
+    if (gather_bytes > 0) {
+      TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(gather_bytes));
+      gathered = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), {}});
+    }
     Batch out;
     out.index = b;
     out.count = plan.batches.size();
     out.bytes = batch.tensor_bytes;
     out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const PlannedTensor& pt = batch.tensors[i];
       const TensorInfo& info = infos[pt.tensor];
       const std::shared_ptr<io::MappedFile>& map = maps[info.file];
+      const std::vector<uint64_t>& shape = pt.slice ? pt.slice->shape : info.shape;
+      const uint64_t size = pt.size(info);
+      const std::byte* data = nullptr;
+      std::shared_ptr<const void> owner;
+      if (pieces[i].size() > 1) {
+        std::byte* dst = gathered->buffer->data() + gather_at[i];
+        for (const auto& [off, len] : pieces[i]) {
+          std::memcpy(dst, map->data() + info.offset + off, len);
+          dst += len;
+        }
+        data = gathered->buffer->data() + gather_at[i];
+        owner = std::shared_ptr<const void>(gathered, data);
+      } else {
+        const uint64_t off = pieces[i].empty() ? 0 : pieces[i][0].first;
+        data = map->data() + info.offset + off;
+        owner = std::shared_ptr<const void>(map, data);
+      }
       // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
       if (map->faults() != 0) {
         return Status(Code::kUnexpectedEof,
                       map->path() + ": file shrank while mapped: page at offset " +
                           std::to_string(map->first_fault_offset()) + " is past its end");
       }
-      const std::byte* data = map->data() + info.offset;
-      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
-                               std::shared_ptr<const void>(map, data));
+      out.tensors.emplace_back(info.name, info.dtype, shape, data, size, std::move(owner));
     }
     return out;
   }
@@ -491,6 +785,15 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   if (!checkpoint) return Status(Code::kInvalidArgument, "Loader::Open: null checkpoint");
   if (options.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
   if (options.queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
+  if (options.shard) {
+    if (options.shard->world == 0 || options.shard->rank >= options.shard->world) {
+      return Status(Code::kInvalidArgument,
+                    "tensor parallelism: rank " + std::to_string(options.shard->rank) + " of " +
+                        std::to_string(options.shard->world) +
+                        ": the rank must be below a world size of at least 1");
+    }
+    TF_RETURN_IF_ERROR(options.shard->spec.Validate());
+  }
   auto impl = std::make_unique<Impl>();
   impl->checkpoint = std::move(checkpoint);
   impl->options = options;
@@ -533,14 +836,17 @@ const std::shared_ptr<const Checkpoint>& Loader::checkpoint() const noexcept {
 }
 
 Result<Plan> Loader::MakePlan(const Selection& selection) const {
-  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, impl_->MakeGroups(selection));
+  TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, impl_->Resolve(selection));
+  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, impl_->MakeGroups(resolved));
   if (groups.size() == 1) return std::move(groups.front().plan);
   // Several devices: their batches in delivery order, as one plan.
   Plan out;
   for (Group& g : groups) {
     for (PlanBatch& b : g.plan.batches) out.batches.push_back(std::move(b));
     out.tensor_bytes += g.plan.tensor_bytes;
+    out.read_bytes += g.plan.read_bytes;
     out.num_tensors += g.plan.num_tensors;
+    out.num_moves += g.plan.num_moves;
     out.num_ranges += g.plan.num_ranges;
     out.num_tasks += g.plan.num_tasks;
   }
@@ -555,7 +861,8 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   Clock::duration idle{};  // time in callbacks with no read in flight
   const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
 
-  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(selection));
+  TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, m.Resolve(selection));
+  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved));
   TF_RETURN_IF_ERROR(m.OpenFiles());
   const bool mapped = m.engine_kind == Engine::kMmap;
   // Every device sink and the copy engine before the first batch: their errors come first, and
@@ -573,6 +880,9 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   const uint64_t direct0 = m.copy_engine ? m.copy_engine->stats().direct_bytes
                            : m.engine    ? m.engine->stats().direct_bytes
                                          : 0;
+  const uint64_t read0 = m.copy_engine ? m.copy_engine->stats().bytes_read
+                         : m.engine    ? m.engine->stats().bytes_read
+                                       : 0;
   std::vector<int> direct_fds;
   if (!mapped || any_device) {
     TF_ASSIGN_OR_RETURN(direct_fds, m.ChooseDirect(groups, mapped));
@@ -663,6 +973,7 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
     }
     if (!current.ok()) return current.status();
     Batch batch = std::move(current).value();
+    Impl::Deliver(resolved, batch_of(k), batch);
     m.stats.tensors += batch.tensors.size();
     m.stats.bytes += batch.bytes;
     m.stats.batches += 1;
@@ -700,6 +1011,14 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   m.stats.buffers_allocated = m.pool->allocated() - allocated0;
   const io::ReadEngine* counted = m.copy_engine ? m.copy_engine : m.engine.get();
   m.stats.direct_bytes = counted ? counted->stats().direct_bytes - direct0 : 0;
+  // Bytes read: the engine's count (it reads host and device batches alike), plus, with the mmap
+  // engine, what its host batches populate or gather.
+  m.stats.bytes_read = counted ? counted->stats().bytes_read - read0 : 0;
+  if (mapped) {
+    for (const Group& g : groups) {
+      if (g.device.is_cpu()) m.stats.bytes_read += g.plan.read_bytes;
+    }
+  }
   m.CollectDeviceStats(pipeline0);
   return Status::Ok();
 }
@@ -709,11 +1028,14 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Checkpoint& ckpt = *m.checkpoint;
   const bool host_budget = m.options.budget > 0 && m.engine_kind != Engine::kMmap;
   if (host_budget || m.options.device_budget > 0) {
-    // Load returns every tensor at once: each device's total must fit its budget.
-    TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(ckpt));
-    std::map<Device, uint64_t> totals;
-    for (uint32_t i : indices) totals[m.Place(ckpt.tensors()[i])] += ckpt.tensors()[i].size;
-    for (const auto& [dev, total] : totals) {
+    // Load returns every tensor at once: each device's total must fit its budget. The totals are
+    // the plans' (local sizes of tensor-parallel slices, and on the host their covered gaps, as
+    // the leases will count them).
+    TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, m.Resolve(selection));
+    TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved));
+    for (const Group& g : groups) {
+      const Device dev = g.device;
+      const uint64_t total = std::max(g.plan.tensor_bytes, g.plan.read_bytes);
       const uint64_t limit =
           dev.is_cpu() ? (host_budget ? m.options.budget : 0) : m.options.device_budget;
       if (limit > 0 && total > limit) {
@@ -725,15 +1047,22 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
       }
     }
   }
+  // Checkpoint order; a tied alias the files lack comes right after its target.
+  auto order_of = [&](const std::string& name) -> size_t {
+    const TensorInfo* t = ckpt.Find(name);
+    if (t == nullptr && impl_->options.shard) {
+      if (auto target = impl_->options.shard->spec.TieTarget(name)) t = ckpt.Find(*target);
+      if (t != nullptr) return 2 * static_cast<size_t>(t - ckpt.tensors().data()) + 1;
+    }
+    return t == nullptr ? SIZE_MAX : 2 * static_cast<size_t>(t - ckpt.tensors().data());
+  };
   std::vector<std::pair<size_t, Tensor>> got;
   TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
-    for (Tensor& t : batch.tensors) {
-      got.emplace_back(static_cast<size_t>(ckpt.Find(t.name()) - ckpt.tensors().data()),
-                       std::move(t));
-    }
+    for (Tensor& t : batch.tensors) got.emplace_back(order_of(t.name()), std::move(t));
     return Status::Ok();
   }));
-  std::sort(got.begin(), got.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::stable_sort(got.begin(), got.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<Tensor> out;
   out.reserve(got.size());
   for (auto& [index, tensor] : got) out.push_back(std::move(tensor));

@@ -27,12 +27,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
 #include "tensorferry/plan.h"
+#include "tensorferry/shard.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry {
@@ -80,6 +82,7 @@ class Selection {
   Result<std::vector<uint32_t>> Resolve(const Checkpoint& checkpoint) const;
 
  private:
+  friend class Loader;  // resolves tied aliases absent from the checkpoint
   std::vector<std::string> names_;
   std::function<bool(const TensorInfo&)> predicate_;
   bool by_name_ = false;
@@ -133,6 +136,16 @@ struct LoadOptions {
   // first access costs nothing; false: pages are read on first touch.
   bool populate = false;
   Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
+  // Tensor parallelism: when set, every tensor is delivered as the slice rank `shard->rank` of
+  // `shard->world` holds under `shard->spec` (shard.h): Tensor::shape() is the local shape,
+  // only the slice's bytes are read (plus gaps up to shard->max_gap inside covering reads), and
+  // LoadStats::bytes_read shows it. Dim-0 slices are one contiguous read (with mmap, a view
+  // into the mapping); other slices are strided reads packed into pooled buffers. Under a
+  // budget a tensor counts the bytes its reads occupy (its slice plus covered gaps).
+  // Ties of the spec: an alias is delivered sharing its target's data (one read), also when the
+  // alias is absent from the files (tie_word_embeddings) or present as a duplicate (then its own
+  // bytes are not read).
+  std::optional<TensorParallelOptions> shard;
 
   // Defaults overridden by the TENSORFERRY_* environment variables that are set. Errors:
   // kInvalidArgument naming the variable and its value.
@@ -148,7 +161,10 @@ struct Batch {
 
 struct LoadStats {
   uint64_t tensors = 0;
-  uint64_t bytes = 0;  // tensor bytes delivered
+  uint64_t bytes = 0;  // tensor bytes delivered (tied aliases not counted twice)
+  // Bytes read from files: `bytes` plus the gaps of covering reads (LoadOptions::shard). With
+  // mmap, the bytes of the ranges it populates or gathers (views read on first touch count too).
+  uint64_t bytes_read = 0;
   uint64_t batches = 0;
   double seconds = 0;              // wall time inside the loader (callbacks excluded)
   uint64_t peak_budget_bytes = 0;  // highest bytes held against the budget

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/shard.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry {
@@ -46,12 +47,28 @@ struct PlanOptions {
   // straight into the buffer, and every tensor keeps in memory the alignment it has in the file
   // (safetensors data is 8-byte aligned). Costs less than io_alignment bytes of padding per range.
   uint64_t io_alignment = 4096;
+  // Tensor parallelism: each tensor is planned as the slice rank `shard->rank` of
+  // `shard->world` holds under `shard->spec` (SliceOf): only the slice's bytes are read (plus
+  // gaps up to max_gap inside covering reads), and the batch's `moves` pack each tensor's pieces
+  // together after the reads. Tensors of a slice that is the whole tensor are planned as without.
+  std::optional<TensorParallelOptions> shard;
 };
 
 // One tensor placed in a batch buffer.
 struct PlannedTensor {
   uint32_t tensor = 0;         // index into Checkpoint::tensors()
-  uint64_t buffer_offset = 0;  // where its first byte lands in the batch buffer
+  uint64_t buffer_offset = 0;  // where its first byte lands in the batch buffer (after moves)
+  // With PlanOptions::shard and a split rule: the rank's part (local shape and bytes).
+  std::optional<TensorSlice> slice;
+  uint64_t size(const TensorInfo& info) const { return slice ? slice->bytes : info.size; }
+};
+
+// After every read of a batch: move `length` bytes of the batch buffer from `from` to `to`
+// (memmove; from > to). Moves run in order; they pack the pieces of covering reads together.
+struct BufferMove {
+  uint64_t from = 0;
+  uint64_t to = 0;
+  uint64_t length = 0;
 };
 
 // Read `length` bytes of file `file` at `file_offset` into the batch buffer at `buffer_offset`.
@@ -65,15 +82,19 @@ struct ReadTask {
 struct PlanBatch {
   std::vector<PlannedTensor> tensors;  // in (file, offset) order
   std::vector<ReadTask> tasks;         // interleaved across files
-  uint64_t tensor_bytes = 0;           // sum of the tensors' sizes (what the budget counts)
+  std::vector<BufferMove> moves;       // after the reads, in order (sharded plans only)
+  uint64_t tensor_bytes = 0;           // sum of the tensors' (local) sizes: bytes delivered
+  uint64_t read_bytes = 0;             // bytes the tasks read (tensor_bytes plus covered gaps)
   uint64_t buffer_size = 0;       // bytes of the destination buffer (alignment padding included)
   std::optional<uint32_t> layer;  // with DeliveryOrder::kLayer: the batch's layer, if any
 };
 
 struct Plan {
   std::vector<PlanBatch> batches;
-  uint64_t tensor_bytes = 0;  // total over batches: exactly the bytes a load reads
+  uint64_t tensor_bytes = 0;  // total over batches: bytes delivered
+  uint64_t read_bytes = 0;    // total over batches: bytes read (tensor_bytes unless sharded)
   uint64_t num_tensors = 0;
+  uint64_t num_moves = 0;
   uint64_t num_ranges = 0;  // coalesced ranges before cutting into tasks
   uint64_t num_tasks = 0;
 
@@ -84,7 +105,8 @@ struct Plan {
 
 // Builds the plan for `tensors` (indices into checkpoint.tensors(); any order, no duplicates).
 // Errors: kInvalidArgument (an index out of range, a duplicate, chunk_size 0, alignment not a
-// power of two, io_alignment neither 0 nor a power of two >= alignment), kBudgetExceeded (a tensor
+// power of two, io_alignment neither 0 nor a power of two >= alignment, every error of SliceOf
+// with PlanOptions::shard), kBudgetExceeded (a tensor
 // larger than the budget without allow_oversized; the message names the tensor, its size and the
 // budget).
 Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,

@@ -177,4 +177,18 @@ std::vector<std::pair<uint64_t, uint64_t>> SliceByteRanges(const TensorInfo& ten
 // Number of ranges SliceByteRanges would return, without building them.
 uint64_t SliceRangeCount(const TensorInfo& tensor, const TensorSlice& slice);
 
+// Tensor-parallel loading settings (PlanOptions::shard, LoadOptions::shard): which rank of how
+// many this process is, the spec, and how strided slices are read.
+struct TensorParallelOptions {
+  ShardSpec spec;
+  uint32_t rank = 0;
+  uint32_t world = 1;
+  // Strided slices (splits of dim > 0, fused parts): consecutive byte ranges of one tensor whose
+  // gap is at most max_gap bytes are read as one covering read into the batch buffer (the gap
+  // bytes are read, then the wanted pieces moved together in place); larger gaps end the read
+  // (exact strides). 0: exact strides only (every range its own read, nothing discarded).
+  // Default 64 KiB; docs/benchmarks.md ("Tensor parallel") measures the trade-off.
+  uint64_t max_gap = 64u << 10;
+};
+
 }  // namespace tensorferry

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -130,6 +132,94 @@ struct Loader::Impl {
     return Status::Ok();
   }
 
+  // What a selection means for one load: the tensors to read, which of them go to the caller,
+  // and the tied aliases (LoadOptions::shard ties) delivered sharing their target's data.
+  struct Resolved {
+    std::vector<uint32_t> read;                    // indices into tensors(), ascending
+    std::vector<bool> deliver;                     // per tensor index; empty: every read tensor
+    std::multimap<uint32_t, std::string> aliases;  // target index -> alias name
+  };
+
+  Result<Resolved> Resolve(const Selection& selection) const {
+    const Checkpoint& ckpt = *checkpoint;
+    Resolved r;
+    const ShardSpec* spec = options.shard ? &options.shard->spec : nullptr;
+    if (spec == nullptr || spec->ties().empty()) {
+      TF_ASSIGN_OR_RETURN(r.read, selection.Resolve(ckpt));
+      return r;
+    }
+    const auto& all = ckpt.tensors();
+    std::vector<bool> read(all.size(), false);
+    r.deliver.assign(all.size(), false);
+    std::map<std::string, uint32_t> alias_target;
+    auto index_of = [&](const TensorInfo* t) { return static_cast<uint32_t>(t - all.data()); };
+    // The target an alias stands for, when the spec ties it to a tensor the checkpoint has.
+    auto target_of = [&](std::string_view name) -> const TensorInfo* {
+      std::optional<std::string> target = spec->TieTarget(name);
+      return target ? ckpt.Find(*target) : nullptr;
+    };
+    auto add_alias = [&](const std::string& alias, const TensorInfo* target) {
+      read[index_of(target)] = true;
+      alias_target.emplace(alias, index_of(target));
+    };
+    if (selection.by_name_) {
+      for (const std::string& name : selection.names_) {
+        if (const TensorInfo* target = target_of(name)) {
+          add_alias(name, target);  // present or not, the alias's own bytes are not read
+          continue;
+        }
+        const TensorInfo* t = ckpt.Find(name);
+        if (t == nullptr) {
+          return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
+        }
+        read[index_of(t)] = r.deliver[index_of(t)] = true;
+      }
+    } else {
+      const auto& predicate = selection.predicate_;
+      for (uint32_t i = 0; i < all.size(); ++i) {
+        if (predicate && !predicate(all[i])) continue;
+        if (const TensorInfo* target = target_of(all[i].name)) {
+          add_alias(all[i].name, target);  // a duplicate of its target: read once
+        } else {
+          read[i] = r.deliver[i] = true;
+        }
+      }
+      // Aliases the files do not hold (tie_word_embeddings): selected as their target would be
+      // under the alias's name.
+      for (const auto& [alias, ignored] : spec->ties()) {
+        if (ckpt.Find(alias) != nullptr) continue;
+        const TensorInfo* target = target_of(alias);
+        if (target == nullptr) continue;
+        TensorInfo as_alias = *target;
+        as_alias.name = alias;
+        if (!predicate || predicate(as_alias)) add_alias(alias, target);
+      }
+    }
+    for (uint32_t i = 0; i < all.size(); ++i) {
+      if (read[i]) r.read.push_back(i);
+    }
+    for (const auto& [alias, target] : alias_target) r.aliases.emplace(target, alias);
+    return r;
+  }
+
+  // Applies `resolved` to a batch made from `planned`: tied aliases added after their target
+  // (sharing its bytes and owner), tensors read only for an alias dropped.
+  static void Deliver(const Resolved& resolved, const PlanBatch& planned, Batch& batch) {
+    if (resolved.deliver.empty()) return;
+    std::vector<Tensor> out;
+    out.reserve(batch.tensors.size() + resolved.aliases.size());
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const uint32_t index = planned.tensors[i].tensor;
+      Tensor& t = batch.tensors[i];
+      const auto [first, last] = resolved.aliases.equal_range(index);
+      for (auto it = first; it != last; ++it) {
+        out.emplace_back(it->second, t.dtype(), t.shape(), t.data(), t.size(), t.owner());
+      }
+      if (resolved.deliver[index]) out.push_back(std::move(t));
+    }
+    batch.tensors = std::move(out);
+  }
+
   // The plan's batches hold at most half the budget when the next batch is read while the caller
   // handles the current one (double buffering), so two fit; the whole budget when a selected
   // tensor is larger than half of it.
@@ -148,6 +238,7 @@ struct Loader::Impl {
     p.budget = batch_budget;
     p.allow_oversized = options.allow_oversized;
     p.order = options.order;
+    p.shard = options.shard;
     return p;
   }
 
@@ -216,6 +307,10 @@ struct Loader::Impl {
                           direct_fds[t.file]});
     }
     TF_RETURN_IF_ERROR(engine->Execute(requests));
+    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
+    for (const BufferMove& mv : batch.moves) {
+      std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+    }
 
     auto owner = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(lease)});
     const auto& infos = checkpoint->tensors();
@@ -227,8 +322,8 @@ struct Loader::Impl {
     for (const PlannedTensor& pt : batch.tensors) {
       const TensorInfo& info = infos[pt.tensor];
       const std::byte* data = owner->buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
-                               std::shared_ptr<const void>(owner, data));
+      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
+                               pt.size(info), std::shared_ptr<const void>(owner, data));
     }
     return out;
   }
@@ -268,23 +363,58 @@ struct Loader::Impl {
       TF_RETURN_IF_ERROR(first);
     }
     const auto& infos = checkpoint->tensors();
+    // Strided slices cannot be views: they are gathered from the mapping into one pooled buffer
+    // per batch. Dim-0 slices (one range) stay views.
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(batch.tensors.size());
+    std::vector<uint64_t> gather_at(batch.tensors.size(), 0);
+    uint64_t gather_bytes = 0;
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const PlannedTensor& pt = batch.tensors[i];
+      if (!pt.slice) continue;
+      pieces[i] = SliceByteRanges(infos[pt.tensor], *pt.slice);
+      if (pieces[i].size() > 1) {
+        gather_at[i] = gather_bytes;
+        gather_bytes += (pt.slice->bytes + 63) & ~uint64_t{63};
+      }
+    }
+    std::shared_ptr<BatchMemory> gathered;
+    if (gather_bytes > 0) {
+      TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(gather_bytes));
+      gathered = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), {}});
+    }
     Batch out;
     out.index = b;
     out.count = plan.batches.size();
     out.bytes = batch.tensor_bytes;
     out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const PlannedTensor& pt = batch.tensors[i];
       const TensorInfo& info = infos[pt.tensor];
       const std::shared_ptr<io::MappedFile>& map = maps[info.file];
+      const std::vector<uint64_t>& shape = pt.slice ? pt.slice->shape : info.shape;
+      const uint64_t size = pt.size(info);
+      const std::byte* data = nullptr;
+      std::shared_ptr<const void> owner;
+      if (pieces[i].size() > 1) {
+        std::byte* dst = gathered->buffer->data() + gather_at[i];
+        for (const auto& [off, len] : pieces[i]) {
+          std::memcpy(dst, map->data() + info.offset + off, len);
+          dst += len;
+        }
+        data = gathered->buffer->data() + gather_at[i];
+        owner = std::shared_ptr<const void>(gathered, data);
+      } else {
+        const uint64_t off = pieces[i].empty() ? 0 : pieces[i][0].first;
+        data = map->data() + info.offset + off;
+        owner = std::shared_ptr<const void>(map, data);
+      }
       // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
       if (map->faults() != 0) {
         return Status(Code::kUnexpectedEof,
                       map->path() + ": file shrank while mapped: page at offset " +
                           std::to_string(map->first_fault_offset()) + " is past its end");
       }
-      const std::byte* data = map->data() + info.offset;
-      out.tensors.emplace_back(info.name, info.dtype, info.shape, data, info.size,
-                               std::shared_ptr<const void>(map, data));
+      out.tensors.emplace_back(info.name, info.dtype, shape, data, size, std::move(owner));
     }
     return out;
   }
@@ -298,6 +428,15 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   if (!checkpoint) return Status(Code::kInvalidArgument, "Loader::Open: null checkpoint");
   if (options.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
   if (options.queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
+  if (options.shard) {
+    if (options.shard->world == 0 || options.shard->rank >= options.shard->world) {
+      return Status(Code::kInvalidArgument,
+                    "tensor parallelism: rank " + std::to_string(options.shard->rank) + " of " +
+                        std::to_string(options.shard->world) +
+                        ": the rank must be below a world size of at least 1");
+    }
+    TF_RETURN_IF_ERROR(options.shard->spec.Validate());
+  }
   auto impl = std::make_unique<Impl>();
   impl->checkpoint = std::move(checkpoint);
   impl->options = options;
@@ -334,7 +473,8 @@ const std::shared_ptr<const Checkpoint>& Loader::checkpoint() const noexcept {
 }
 
 Result<Plan> Loader::MakePlan(const Selection& selection) const {
-  TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*impl_->checkpoint));
+  TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, impl_->Resolve(selection));
+  const std::vector<uint32_t>& indices = resolved.read;
   const uint64_t batch_budget = impl_->BatchBudget(*impl_->checkpoint, indices);
   return tensorferry::MakePlan(*impl_->checkpoint, indices, impl_->MakePlanOptions(batch_budget));
 }
@@ -347,8 +487,10 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   Clock::duration idle{};  // time in callbacks with no read in flight
   const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
   const uint64_t direct0 = m.engine ? m.engine->stats().direct_bytes : 0;
+  const uint64_t read0 = m.engine ? m.engine->stats().bytes_read : 0;
 
-  TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(*m.checkpoint));
+  TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, m.Resolve(selection));
+  const std::vector<uint32_t>& indices = resolved.read;
   const uint64_t batch_budget = m.BatchBudget(*m.checkpoint, indices);
   TF_ASSIGN_OR_RETURN(
       Plan plan, tensorferry::MakePlan(*m.checkpoint, indices, m.MakePlanOptions(batch_budget)));
@@ -361,7 +503,8 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   const size_t n = plan.batches.size();
 
   auto lease_for = [&](size_t b) -> std::optional<memory::BudgetLease> {
-    return m.budget->TryAcquire(plan.batches[b].tensor_bytes);
+    // Covering reads of sharded tensors hold their gaps in the buffer too.
+    return m.budget->TryAcquire(std::max(plan.batches[b].tensor_bytes, plan.batches[b].read_bytes));
   };
   auto budget_error = [&](size_t b) {
     return Status(Code::kBudgetExceeded,
@@ -392,6 +535,7 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
     }
     if (!current.ok()) return current.status();
     Batch batch = std::move(current).value();
+    Impl::Deliver(resolved, plan.batches[b], batch);
     m.stats.tensors += batch.tensors.size();
     m.stats.bytes += batch.bytes;
     m.stats.batches += 1;
@@ -418,15 +562,23 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   m.stats.buffers_reused = m.pool->reused() - reused0;
   m.stats.buffers_allocated = m.pool->allocated() - allocated0;
   m.stats.direct_bytes = m.engine ? m.engine->stats().direct_bytes - direct0 : 0;
+  m.stats.bytes_read = m.engine ? m.engine->stats().bytes_read - read0 : plan.read_bytes;
   return Status::Ok();
 }
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Checkpoint& ckpt = *impl_->checkpoint;
   if (impl_->options.budget > 0 && impl_->engine_kind != Engine::kMmap) {
-    TF_ASSIGN_OR_RETURN(std::vector<uint32_t> indices, selection.Resolve(ckpt));
+    TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, impl_->Resolve(selection));
     uint64_t total = 0;
-    for (uint32_t i : indices) total += ckpt.tensors()[i].size;
+    if (impl_->options.shard) {
+      // Local sizes (and covered gaps) count, as the leases will.
+      TF_ASSIGN_OR_RETURN(Plan plan,
+                          tensorferry::MakePlan(ckpt, resolved.read, impl_->MakePlanOptions(0)));
+      total = std::max(plan.tensor_bytes, plan.read_bytes);
+    } else {
+      for (uint32_t i : resolved.read) total += ckpt.tensors()[i].size;
+    }
     if (total > impl_->options.budget) {
       return Status(Code::kBudgetExceeded,
                     "Load returns every tensor at once: " + std::to_string(total) +
@@ -434,15 +586,22 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
                         " bytes; use Stream to load batch by batch");
     }
   }
+  // Checkpoint order; a tied alias the files lack comes right after its target.
+  auto order_of = [&](const std::string& name) -> size_t {
+    const TensorInfo* t = ckpt.Find(name);
+    if (t == nullptr && impl_->options.shard) {
+      if (auto target = impl_->options.shard->spec.TieTarget(name)) t = ckpt.Find(*target);
+      if (t != nullptr) return 2 * static_cast<size_t>(t - ckpt.tensors().data()) + 1;
+    }
+    return t == nullptr ? SIZE_MAX : 2 * static_cast<size_t>(t - ckpt.tensors().data());
+  };
   std::vector<std::pair<size_t, Tensor>> got;
   TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
-    for (Tensor& t : batch.tensors) {
-      got.emplace_back(static_cast<size_t>(ckpt.Find(t.name()) - ckpt.tensors().data()),
-                       std::move(t));
-    }
+    for (Tensor& t : batch.tensors) got.emplace_back(order_of(t.name()), std::move(t));
     return Status::Ok();
   }));
-  std::sort(got.begin(), got.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::stable_sort(got.begin(), got.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<Tensor> out;
   out.reserve(got.size());
   for (auto& [index, tensor] : got) out.push_back(std::move(tensor));

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "util/macros.h"
+
 namespace tensorferry {
 
 namespace {
@@ -43,7 +45,9 @@ struct Item {
   uint32_t file = 0;
   uint64_t offset = 0;
   uint32_t tensor = 0;
-  uint64_t size = 0;
+  uint64_t size = 0;    // bytes delivered (the slice's when sharded)
+  uint64_t cost = 0;    // bytes held in the buffer: size, or the covering reads' bytes if larger
+  int64_t layout = -1;  // index into the sharded layouts; -1: the whole tensor, one read
 
   friend bool operator<(const Item& a, const Item& b) {
     if (a.group != b.group) return a.group < b.group;
@@ -53,44 +57,123 @@ struct Item {
   }
 };
 
-// A coalesced run of file bytes and where it lands in the batch buffer.
+// A coalesced run of file bytes and where it lands in the batch buffer. A sealed range (a
+// segment of a sharded tensor) is never extended by a later tensor.
 struct Range {
   uint32_t file = 0;
   uint64_t file_offset = 0;
   uint64_t length = 0;
   uint64_t buffer_offset = 0;
+  bool sealed = false;
 };
 
+// How one sharded tensor is read: its slice, and the slice's byte ranges (absolute file offsets)
+// grouped into segments, each one read covering its ranges and the gaps between them.
+struct Segment {
+  uint64_t file_offset = 0;
+  uint64_t length = 0;
+  size_t first_piece = 0, end_piece = 0;  // [first, end) into pieces
+};
+struct ShardLayout {
+  TensorSlice slice;
+  std::vector<std::pair<uint64_t, uint64_t>> pieces;  // (absolute file offset, length)
+  std::vector<Segment> segments;
+  uint64_t read_bytes = 0;
+};
+
+// Segments of a later range of a sharded tensor are aligned for O_DIRECT (congruent with the file
+// offset) only when at least this long: aligning every small strided piece would waste up to
+// io_alignment bytes each, for reads too small to gain from O_DIRECT anyway.
+constexpr uint64_t kAlignSegmentsFrom = 256u << 10;
+
+ShardLayout MakeLayout(const TensorInfo& t, TensorSlice slice, uint64_t max_gap) {
+  ShardLayout l;
+  for (const auto& [off, len] : SliceByteRanges(t, slice))
+    l.pieces.emplace_back(t.offset + off, len);
+  l.slice = std::move(slice);
+  for (size_t i = 0; i < l.pieces.size(); ++i) {
+    const auto [off, len] = l.pieces[i];
+    if (!l.segments.empty()) {
+      Segment& last = l.segments.back();
+      const uint64_t end = last.file_offset + last.length;
+      if (off - end <= max_gap) {
+        last.length = off + len - last.file_offset;
+        last.end_piece = i + 1;
+        continue;
+      }
+    }
+    l.segments.push_back({off, len, i, i + 1});
+  }
+  for (const Segment& seg : l.segments) l.read_bytes += seg.length;
+  return l;
+}
+
 // Lays out one batch (items in (file, offset) order) and fills `batch`; returns its range count.
-uint64_t LayOutBatch(std::span<const Item> items, const PlanOptions& options, PlanBatch& batch) {
+uint64_t LayOutBatch(std::span<const Item> items, std::span<const ShardLayout> layouts,
+                     const PlanOptions& options, PlanBatch& batch) {
   std::vector<Range> ranges;
   uint64_t pos = 0;  // end of the last range in the buffer
+  // Where a new range reading from `file_offset` starts: aligned, and congruent with the file
+  // offset modulo io_alignment (see PlanOptions::io_alignment).
+  auto place = [&](uint64_t file_offset) {
+    uint64_t at = AlignUp(pos, options.alignment);
+    if (options.io_alignment != 0) {
+      const uint64_t mask = options.io_alignment - 1;
+      at = (pos & ~mask) + (file_offset & mask);
+      if (at < pos) at += options.io_alignment;
+    }
+    return at;
+  };
   batch.tensors.reserve(items.size());
   for (const Item& item : items) {
     batch.tensor_bytes += item.size;
+    const ShardLayout* layout =
+        item.layout >= 0 ? &layouts[static_cast<size_t>(item.layout)] : nullptr;
+    std::optional<TensorSlice> slice;
+    if (layout != nullptr) slice = layout->slice;
     if (item.size == 0) {
       // No bytes to read: any in-bounds offset is valid; the current end keeps offsets monotonic.
-      batch.tensors.push_back({item.tensor, pos});
+      batch.tensors.push_back({item.tensor, pos, std::move(slice)});
       continue;
     }
-    const bool extends = !ranges.empty() && ranges.back().file == item.file &&
-                         ranges.back().file_offset + ranges.back().length == item.offset;
-    if (!extends) {
-      uint64_t at = AlignUp(pos, options.alignment);
-      if (options.io_alignment != 0) {
-        // Congruent with the file offset modulo io_alignment (see PlanOptions::io_alignment).
-        const uint64_t mask = options.io_alignment - 1;
-        at = (pos & ~mask) + (item.offset & mask);
-        if (at < pos) at += options.io_alignment;
-      }
-      ranges.push_back({item.file, item.offset, 0, at});
+    // One contiguous read: the whole tensor, or a slice that is one range (dim 0).
+    if (layout == nullptr || layout->pieces.size() == 1) {
+      const uint64_t offset = layout ? layout->pieces[0].first : item.offset;
+      const uint64_t size = layout ? layout->pieces[0].second : item.size;
+      const bool extends = !ranges.empty() && !ranges.back().sealed &&
+                           ranges.back().file == item.file &&
+                           ranges.back().file_offset + ranges.back().length == offset;
+      if (!extends) ranges.push_back({item.file, offset, 0, place(offset)});
+      Range& r = ranges.back();
+      // Inside a range, a tensor keeps its distance from the range's first byte in the file, so
+      // one read fills all of them.
+      batch.tensors.push_back(
+          {item.tensor, r.buffer_offset + (offset - r.file_offset), std::move(slice)});
+      r.length = offset + size - r.file_offset;
+      batch.read_bytes += size;
+      pos = r.buffer_offset + r.length;
+      continue;
     }
-    Range& r = ranges.back();
-    // Inside a range, a tensor keeps its distance from the range's first byte in the file, so one
-    // read fills all of them.
-    batch.tensors.push_back({item.tensor, r.buffer_offset + (item.offset - r.file_offset)});
-    r.length = item.offset + item.size - r.file_offset;
-    pos = r.buffer_offset + r.length;
+    // Several pieces: each segment is read as a sealed range, segments one after the other, so
+    // every piece lands at or after its packed position (the tensor's start plus the bytes of the
+    // pieces before it); moves then pack them, in order, each moving left over bytes already
+    // consumed.
+    uint64_t dest = 0, packed = 0;
+    for (size_t k = 0; k < layout->segments.size(); ++k) {
+      const Segment& seg = layout->segments[k];
+      const uint64_t at = k == 0 || seg.length >= kAlignSegmentsFrom ? place(seg.file_offset) : pos;
+      if (k == 0) dest = at;
+      ranges.push_back({item.file, seg.file_offset, seg.length, at, /*sealed=*/true});
+      for (size_t i = seg.first_piece; i < seg.end_piece; ++i) {
+        const auto [off, len] = layout->pieces[i];
+        const uint64_t from = at + (off - seg.file_offset), to = dest + packed;
+        if (from != to) batch.moves.push_back({from, to, len});
+        packed += len;
+      }
+      batch.read_bytes += seg.length;
+      pos = at + seg.length;
+    }
+    batch.tensors.push_back({item.tensor, dest, std::move(slice)});
   }
   batch.buffer_size = pos;
 
@@ -187,10 +270,20 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
                                               std::to_string(options.io_alignment) +
                                               " is not a power of two >= alignment");
   }
+  if (options.shard) {
+    if (options.shard->world == 0 || options.shard->rank >= options.shard->world) {
+      return Status(Code::kInvalidArgument,
+                    "plan: tensor parallelism: rank " + std::to_string(options.shard->rank) +
+                        " of " + std::to_string(options.shard->world) +
+                        ": the rank must be below a world size of at least 1");
+    }
+    TF_RETURN_IF_ERROR(options.shard->spec.Validate());
+  }
   const std::vector<TensorInfo>& all = checkpoint.tensors();
   std::vector<bool> seen(all.size(), false);
   std::vector<Item> items;
   items.reserve(tensors.size());
+  std::vector<ShardLayout> layouts;
   for (const uint32_t index : tensors) {
     if (index >= all.size()) {
       return Status(Code::kInvalidArgument, std::string("plan: tensor index ") +
@@ -204,9 +297,22 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
                                                 std::to_string(index) + ") selected twice");
     }
     seen[index] = true;
-    if (options.budget != 0 && t.size > options.budget && !options.allow_oversized) {
+    uint64_t size = t.size, cost = t.size;
+    int64_t layout = -1;
+    if (options.shard) {
+      const ShardRule rule = options.shard->spec.RuleFor(t.name);
+      if (rule.is_split()) {
+        TF_ASSIGN_OR_RETURN(TensorSlice slice,
+                            SliceOf(t, rule, options.shard->rank, options.shard->world));
+        layouts.push_back(MakeLayout(t, std::move(slice), options.shard->max_gap));
+        layout = static_cast<int64_t>(layouts.size() - 1);
+        size = layouts.back().slice.bytes;
+        cost = std::max(size, layouts.back().read_bytes);
+      }
+    }
+    if (options.budget != 0 && cost > options.budget && !options.allow_oversized) {
       return Status(Code::kBudgetExceeded,
-                    "plan: tensor '" + t.name + "' is " + std::to_string(t.size) +
+                    "plan: tensor '" + t.name + "' is " + std::to_string(cost) +
                         " bytes, more than the budget of " + std::to_string(options.budget) +
                         " bytes (allow_oversized gives it a batch of its own)");
     }
@@ -215,7 +321,7 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
       const std::optional<uint32_t> layer = LayerOf(t.name);
       group = layer ? uint64_t{*layer} + 1 : 0;
     }
-    items.push_back({group, t.file, t.offset, index, t.size});
+    items.push_back({group, t.file, t.offset, index, size, cost, layout});
   }
   std::sort(items.begin(), items.end());
 
@@ -230,15 +336,15 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
   bool can_extend = false;  // false before the first tensor and after an oversized one
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& item = items[i];
-    const bool oversized = options.budget != 0 && item.size > options.budget;
+    const bool oversized = options.budget != 0 && item.cost > options.budget;
     // `bytes <= budget` holds for every span but an oversized one, so the subtraction is safe.
     if (can_extend && !oversized && spans.back().group == item.group &&
-        (options.budget == 0 || item.size <= options.budget - bytes)) {
+        (options.budget == 0 || item.cost <= options.budget - bytes)) {
       spans.back().end = i + 1;
-      bytes += item.size;
+      bytes += item.cost;
     } else {
       spans.push_back({i, i + 1, item.group});
-      bytes = item.size;
+      bytes = item.cost;
     }
     can_extend = !oversized;
   }
@@ -251,9 +357,11 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
     if (options.order == DeliveryOrder::kLayer && s.group != 0) {
       batch.layer = static_cast<uint32_t>(s.group - 1);
     }
-    plan.num_ranges +=
-        LayOutBatch(std::span<const Item>(items).subspan(s.begin, s.end - s.begin), options, batch);
+    plan.num_ranges += LayOutBatch(std::span<const Item>(items).subspan(s.begin, s.end - s.begin),
+                                   layouts, options, batch);
     plan.tensor_bytes += batch.tensor_bytes;
+    plan.read_bytes += batch.read_bytes;
+    plan.num_moves += batch.moves.size();
     plan.num_tensors += batch.tensors.size();
     plan.num_tasks += batch.tasks.size();
   }
@@ -274,7 +382,13 @@ std::string Plan::Explain(const Checkpoint& checkpoint, size_t max_lines_per_bat
   std::string out = std::string("plan: ") + std::to_string(num_tensors) + " tensors, " +
                     std::to_string(tensor_bytes) + " bytes (" + HumanBytes(tensor_bytes) + "), " +
                     std::to_string(batches.size()) + " batches, " + std::to_string(num_ranges) +
-                    " ranges, " + std::to_string(num_tasks) + " tasks\n";
+                    " ranges, " + std::to_string(num_tasks) + " tasks";
+  if (read_bytes != tensor_bytes || num_moves != 0) {
+    out += std::string(", reads ") + std::to_string(read_bytes) + " bytes (" +
+           HumanBytes(read_bytes) + ") of which " + std::to_string(read_bytes - tensor_bytes) +
+           " discarded, " + std::to_string(num_moves) + " moves";
+  }
+  out += "\n";
   for (size_t b = 0; b < batches.size(); ++b) {
     const PlanBatch& batch = batches[b];
     // Ranges are not stored: recover them from the tasks. Two tasks of one range are contiguous in
@@ -304,6 +418,10 @@ std::string Plan::Explain(const Checkpoint& checkpoint, size_t max_lines_per_bat
            std::to_string(batch.buffer_size) + "), " + std::to_string(merged.size()) + " ranges, " +
            std::to_string(batch.tasks.size()) + " tasks";
     if (batch.layer) out += std::string(", layer ") + std::to_string(*batch.layer);
+    if (batch.read_bytes != batch.tensor_bytes || !batch.moves.empty()) {
+      out += std::string(", reads ") + std::to_string(batch.read_bytes) + " bytes, " +
+             std::to_string(batch.moves.size()) + " moves";
+    }
     out += "\n";
 
     for (size_t i = 0; i < merged.size() && i < max_lines_per_batch; ++i) {

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +23,8 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "tensorferry/loader.h"
+#include "tensorferry/shard.h"
 #include "testing/test_util.h"
 
 extern char** environ;
@@ -719,6 +722,102 @@ TEST(CliLoad, Errors) {
   ExpectOneLineError(RunCli({"load", dir.Join("c"), "--budget", "1KB"}));
   EXPECT_EQ(RunCli({"load", dir.Join("c"), "--budget", "1KB", "--allow-oversized"}).exit_code, 0);
   ExpectOneLineError(RunCli({"load", dir.Join("missing")}));
+}
+
+// --- tensor parallelism: load --tp-*, reshard
+// -----------------------------------------------------
+
+std::map<std::string, std::pair<std::vector<uint64_t>, std::string>> LoadAll(
+    const std::string& path, std::optional<TensorParallelOptions> tp = std::nullopt) {
+  LoadOptions o;
+  o.engine = Engine::kPread;
+  o.shard = std::move(tp);
+  auto loader = Loader::Open(path, o);
+  EXPECT_TRUE(loader.ok()) << loader.status().ToString();
+  std::map<std::string, std::pair<std::vector<uint64_t>, std::string>> out;
+  if (!loader.ok()) return out;
+  auto tensors = (*loader)->Load();
+  EXPECT_TRUE(tensors.ok()) << tensors.status().ToString();
+  if (!tensors.ok()) return out;
+  for (const Tensor& t : *tensors) {
+    out[t.name()] = {t.shape(), std::string(reinterpret_cast<const char*>(t.data()), t.size())};
+  }
+  return out;
+}
+
+TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
+  TempDir dir;
+  GenTiny(dir.Join("src"));
+  const std::string dst = dir.Join("tp3");
+  RunResult r = RunCli(
+      {"reshard", dir.Join("src"), dst, "--tp", "3", "--max-shard-size", "64KB", "--no-sync"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("3 ranks"), std::string::npos) << r.out;
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    const std::string rank_dir = dst + "/rank-0000" + std::to_string(rank) + "-of-00003";
+    ASSERT_TRUE(fs::exists(rank_dir + "/model.safetensors.index.json")) << rank_dir;
+    EXPECT_EQ(RunCli({"verify", rank_dir}).exit_code, 0) << rank_dir;
+    const auto resharded = LoadAll(rank_dir);
+    const auto sliced =
+        LoadAll(dir.Join("src"), TensorParallelOptions{ShardSpec::Builtin(), rank, 3, 0});
+    ASSERT_EQ(resharded.size(), sliced.size());
+    for (const auto& [name, value] : sliced) {
+      auto it = resharded.find(name);
+      ASSERT_NE(it, resharded.end()) << name;
+      EXPECT_EQ(it->second.first, value.first) << name;
+      EXPECT_TRUE(it->second.second == value.second) << name << " rank " << rank;
+    }
+    auto ckpt = Checkpoint::Open(rank_dir).value();
+    bool has_rank = false;
+    for (const auto& [k, v] : ckpt->files()[0].metadata) {
+      if (k == "tensorferry.tp_rank") has_rank = v == std::to_string(rank);
+    }
+    EXPECT_TRUE(has_rank);
+  }
+  EXPECT_FALSE(fs::exists(dst + "/.rank-00000-of-00003.partial"));
+  // Never overwritten.
+  ExpectOneLineError(RunCli({"reshard", dir.Join("src"), dst, "--tp", "3", "--no-sync"}));
+  // --max-shard-size alone: the same tensors in more files.
+  const std::string split = dir.Join("split");
+  r = RunCli({"reshard", dir.Join("src"), split, "--max-shard-size", "16KB", "--no-sync"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(RunCli({"verify", split}).exit_code, 0);
+  EXPECT_GT(Checkpoint::Open(split).value()->files().size(),
+            Checkpoint::Open(dir.Join("src")).value()->files().size());
+  EXPECT_TRUE(LoadAll(split) == LoadAll(dir.Join("src")));
+  EXPECT_EQ(RunCli({"reshard", dir.Join("src"), dir.Join("x")}).exit_code, 2);
+}
+
+TEST(CliLoad, TensorParallelRankReportsBytesRead) {
+  TempDir dir;
+  GenTiny(dir.Join("c"));
+  RunResult r = RunCli(
+      {"load", dir.Join("c"), "--tp-rank", "1", "--tp-size", "4", "--json", "--engine", "pread"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element e = parser.parse(r.out);
+  const uint64_t read = e["bytes_read"].get_uint64().value();
+  const uint64_t total = Checkpoint::Open(dir.Join("c")).value()->total_tensor_bytes();
+  EXPECT_LT(read, total / 2);
+  EXPECT_GT(read, 0u);
+  EXPECT_EQ(e["tp_size"].get_uint64().value(), 4u);
+  r = RunCli(
+      {"load", dir.Join("c"), "--tp-rank", "1", "--tp-size", "4", "--explain", "--max-gap", "0"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("tp rank 1 of 4"), std::string::npos) << r.out;
+  TempDir rules;
+  WriteBytes(rules.Join("r.json"), R"({"rules":[{"pattern":"*.o_proj.weight","split":1}]})");
+  r = RunCli({"load", dir.Join("c"), "--tp-rank", "0", "--tp-size", "2", "--rules",
+              rules.Join("r.json"), "--max-gap", "1MB", "--explain"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("discarded"), std::string::npos) << r.out;
+  EXPECT_EQ(RunCli({"load", dir.Join("c"), "--tp-rank", "2", "--tp-size", "2"}).exit_code, 2);
+  EXPECT_EQ(RunCli({"load", dir.Join("c"), "--tp-rank", "0"}).exit_code, 2);
+  WriteBytes(rules.Join("bad.json"), R"({"rules":[{"pattern":"x"}]})");
+  EXPECT_EQ(RunCli({"load", dir.Join("c"), "--tp-rank", "0", "--tp-size", "2", "--rules",
+                    rules.Join("bad.json")})
+                .exit_code,
+            2);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "tensorferry/shard.h"
 #include "tensorferry/size.h"
 #include "tensorferry/status.h"
 
@@ -35,6 +36,7 @@ Command AddLoadCommand(CLI::App& parent);
 Command AddBenchCommand(CLI::App& parent);
 Command AddConvertCommand(CLI::App& parent);
 Command AddDoctorCommand(CLI::App& parent);
+Command AddReshardCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 
@@ -52,6 +54,9 @@ std::string OneLine(std::string_view text);
 // The "<path>: <reason>" of an error line: the status message, with `path: ` put in front unless
 // the message already starts with that path (library messages usually name the file).
 std::string ErrorText(std::string_view path, const Status& status);
+
+// A shard spec from a JSON file (shard.h schema); "builtin" and "none" name the built-in specs.
+Result<ShardSpec> ReadShardRules(const std::string& path);
 
 // Prints "error: <path>: <reason>" as exactly one line on stderr.
 void PrintError(std::string_view path, const Status& status);

@@ -15,6 +15,7 @@
 #include "commands.h"
 #include "json_out.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/shard.h"
 
 namespace tensorferry::cli {
 namespace {
@@ -38,6 +39,11 @@ struct LoadArgs {
   bool explain = false;
   bool json = false;
   bool no_checksum = false;
+  // Tensor parallelism: --tp-rank/--tp-size with the builtin rules or --rules FILE.
+  int tp_rank = -1;
+  unsigned tp_size = 0;
+  std::string rules;
+  std::string max_gap;
 };
 
 // --- CRC32C (Castagnoli), hardware when the CPU has SSE4.2
@@ -148,6 +154,31 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
   if (a.populate) o.populate = true;
   if (a.allow_oversized) o.allow_oversized = true;
   if (!a.order.empty()) o.order = a.order == "layer" ? DeliveryOrder::kLayer : DeliveryOrder::kFile;
+  if (a.tp_size > 0 || a.tp_rank >= 0 || !a.rules.empty() || !a.max_gap.empty()) {
+    if (a.tp_size == 0 || a.tp_rank < 0) {
+      return Status(Code::kInvalidArgument, "--tp-rank and --tp-size go together");
+    }
+    if (static_cast<unsigned>(a.tp_rank) >= a.tp_size) {
+      return Status(Code::kInvalidArgument, "--tp-rank " + std::to_string(a.tp_rank) +
+                                                " is not below --tp-size " +
+                                                std::to_string(a.tp_size));
+    }
+    TensorParallelOptions tp;
+    tp.rank = static_cast<uint32_t>(a.tp_rank);
+    tp.world = a.tp_size;
+    tp.spec = ShardSpec::Builtin();
+    if (!a.rules.empty()) {
+      auto spec = ReadShardRules(a.rules);
+      if (!spec.ok()) return spec.status();
+      tp.spec = std::move(spec).value();
+    }
+    if (!a.max_gap.empty()) {
+      auto gap = ParseSize(a.max_gap);
+      if (!gap) return Status(Code::kInvalidArgument, "--max-gap: not a size: " + a.max_gap);
+      tp.max_gap = *gap;
+    }
+    o.shard = std::move(tp);
+  }
   return o;
 }
 
@@ -262,6 +293,9 @@ int RunLoad(const LoadArgs& args) {
         .Field("direct_files", stats.direct_files)
         .Field("buffered_files", stats.buffered_files)
         .Field("direct_bytes", stats.direct_bytes)
+        .Field("bytes_read", stats.bytes_read)
+        .Field("tp_rank", options->shard ? uint64_t{options->shard->rank} : uint64_t{0})
+        .Field("tp_size", options->shard ? uint64_t{options->shard->world} : uint64_t{1})
         .Field("rss_before_bytes", rss_before)
         .Key("runs_gb_per_s")
         .BeginArray();
@@ -284,7 +318,13 @@ int RunLoad(const LoadArgs& args) {
       FormatBytes(peak_rss).c_str(), FormatBytes(stats.peak_budget_bytes).c_str(),
       options->budget ? (" of a " + FormatBytes(options->budget) + " budget").c_str() : "",
       args.no_checksum ? "(skipped)" : checksum);
-  return WriteStdout(line) ? kExitOk : kExitError;
+  std::string text = line;
+  if (options->shard) {
+    text += "; tp rank " + std::to_string(options->shard->rank) + " of " +
+            std::to_string(options->shard->world) + ": read " + FormatBytes(stats.bytes_read) +
+            " of " + FormatBytes((*loader)->checkpoint()->total_tensor_bytes());
+  }
+  return WriteStdout(text) ? kExitOk : kExitError;
 }
 
 }  // namespace
@@ -316,6 +356,13 @@ Command AddLoadCommand(CLI::App& parent) {
   app->add_flag("--explain", args->explain, "Print the read plan first");
   app->add_flag("--no-checksum", args->no_checksum, "Skip the checksum");
   app->add_flag("--json", args->json, "Print one JSON document");
+  app->add_option("--tp-rank", args->tp_rank, "Tensor parallelism: this rank (with --tp-size)");
+  app->add_option("--tp-size", args->tp_size, "Tensor parallelism: number of ranks");
+  app->add_option("--rules", args->rules,
+                  "Shard rules, a JSON file (docs/python.md schema; default: the builtin rules)");
+  app->add_option("--max-gap", args->max_gap,
+                  "Strided slices: gaps up to this size are read and discarded (default 64KiB; "
+                  "0: exact strides)");
   app->footer(
       "Defaults come from the TENSORFERRY_* environment variables when set "
       "(docs/runtime_settings.md).");

@@ -27,9 +27,10 @@ int main(int argc, char** argv) {
     app.name("tensorferry");
     app.set_version_flag("--version", std::string("tensorferry ") + TENSORFERRY_VERSION_STRING);
     app.require_subcommand(1);
-    std::vector<Command> commands = {
-        AddInspectCommand(app), AddVerifyCommand(app),  AddGenCommand(app),   AddLoadCommand(app),
-        AddBenchCommand(app),   AddConvertCommand(app), AddDoctorCommand(app)};
+    std::vector<Command> commands = {AddInspectCommand(app), AddVerifyCommand(app),
+                                     AddGenCommand(app),     AddLoadCommand(app),
+                                     AddBenchCommand(app),   AddConvertCommand(app),
+                                     AddDoctorCommand(app),  AddReshardCommand(app)};
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

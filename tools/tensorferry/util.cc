@@ -2,6 +2,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "commands.h"
@@ -37,6 +39,18 @@ bool NamesPathUnder(std::string_view message, std::string_view prefix) {
 }
 
 }  // namespace
+
+Result<ShardSpec> ReadShardRules(const std::string& path) {
+  if (path == "builtin") return ShardSpec::Builtin();
+  if (path == "none") return ShardSpec::None();
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return Status(Code::kNotFound, path + ": cannot open the shard rules file");
+  std::ostringstream text;
+  text << f.rdbuf();
+  auto spec = ShardSpec::FromJson(text.str());
+  if (!spec.ok()) return Status(spec.status().code(), path + ": " + spec.status().message());
+  return spec;
+}
 
 std::string ErrorText(std::string_view path, const Status& status) {
   std::string_view message = status.message();

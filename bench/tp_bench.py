@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Tensor-parallel loading benchmark (docs/benchmarks.md, "Tensor parallel").
+
+Runs `tensorferry load --json` on a checkpoint: the full load, then every rank of world sizes 2, 4
+and 8 with the builtin rules, for each gap setting (exact strides: --max-gap 0; the default 64KiB;
+covering blocks: --max-gap 1GiB). Reports per configuration the median load time over --runs runs
+and the bytes read per rank against the target (split tensors / world + replicated tensors).
+Files are read warm (page cache), so timings compare CPU-side work: syscalls and copies.
+
+    python3 bench/tp_bench.py data/default --cli build/release/bin/tensorferry [--runs 3]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+
+def run(cli, args):
+    r = subprocess.run([cli, "load", *args, "--json", "--no-checksum"], capture_output=True,
+                       text=True, check=False)
+    if r.returncode != 0:
+        sys.exit(f"tensorferry load {' '.join(args)} failed: {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def split_and_replicated(cli, path):
+    """(bytes of tensors the builtin rules split, bytes of replicated tensors), from inspect."""
+    r = subprocess.run([cli, "inspect", path, "--json", "--all"], capture_output=True, text=True,
+                       check=True)
+    doc = json.loads(r.stdout)
+    sys.path.insert(0, "build/python")
+    try:
+        import tensorferry
+        spec = tensorferry.ShardSpec.builtin()
+        rule_for = spec.rule_for
+    except ImportError:
+        sys.exit("the tensorferry Python package is needed for the builtin rules "
+                 "(scripts/install_python.sh)")
+    split = replicated = 0
+    for t in doc["tensors"]:
+        n = t["bytes"] if "bytes" in t else t["size"]
+        if "split" in rule_for(t["name"]):
+            split += n
+        else:
+            replicated += n
+    return split, replicated
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path")
+    ap.add_argument("--cli", default="build/release/bin/tensorferry")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--engine", default="pread")
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--gaps", default="0,64KiB,1GiB")
+    ap.add_argument("--threads", default="")
+    a = ap.parse_args()
+    common = ["--engine", a.engine] + (["--threads", a.threads] if a.threads else [])
+    split, replicated = split_and_replicated(a.cli, a.path)
+    print(f"checkpoint {a.path}: {split / 1e9:.3f} GB split by the builtin rules, "
+          f"{replicated / 1e9:.3f} GB replicated; engine {a.engine}; median of {a.runs} runs, warm")
+    run(a.cli, [a.path] + common)  # warm the page cache
+    full = [run(a.cli, [a.path] + common) for _ in range(a.runs)]
+    full_s = statistics.median(r["seconds"] for r in full)
+    print(f"full load: {full[0]['bytes_read'] / 1e9:.3f} GB read, {full_s:.3f} s")
+    print()
+    print("| world | max gap | bytes read per rank (max) | target | max / target | "
+          "time per rank (median over ranks) | slowest rank | vs full load |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world in [int(w) for w in a.worlds.split(",")]:
+        target = split / world + replicated
+        for gap in a.gaps.split(","):
+            reads, times = [], []
+            for rank in range(world):
+                rs = [run(a.cli, [a.path, "--tp-rank", str(rank), "--tp-size", str(world),
+                                  "--max-gap", gap] + common) for _ in range(a.runs)]
+                reads.append(max(r["bytes_read"] for r in rs))
+                times.append(statistics.median(r["seconds"] for r in rs))
+            print(f"| {world} | {gap} | {max(reads) / 1e9:.4f} GB | {target / 1e9:.4f} GB | "
+                  f"{max(reads) / target:.4f} | {statistics.median(times):.3f} s | "
+                  f"{max(times):.3f} s | {statistics.median(times) / full_s:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+// Tensor-parallel loading: every rank's tensors equal slicing the full tensor, byte for byte, for
+// every rule, world size, engine and gap setting; bytes read per rank; ties.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "io/read_engine.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/shard.h"
+#include "tensorferry/writer.h"
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+using testing::TempDir;
+
+// Expected local bytes built element by element from the full tensor (independent of
+// SliceByteRanges): walk the local multi-index, map the split coordinate through the parts.
+std::string NaiveSlice(const TensorInfo& t, const ShardRule& rule, uint32_t rank, uint32_t world,
+                       const std::string& full) {
+  if (!rule.is_split()) return full;
+  const uint64_t elem = DTypeBits(t.dtype) / 8;
+  std::vector<uint64_t> parts = rule.parts;
+  if (parts.empty() && rule.equal_parts > 1) {
+    parts.assign(rule.equal_parts, t.shape[rule.dim] / rule.equal_parts);
+  }
+  if (parts.empty()) parts.push_back(t.shape[rule.dim]);
+  std::vector<uint64_t> map;
+  uint64_t base = 0;
+  for (uint64_t p : parts) {
+    const uint64_t q = p / world, rem = p % world;
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < rank; ++i) off += q + (i < rem ? 1 : 0);
+    const uint64_t len = q + (rank < rem ? 1 : 0);
+    for (uint64_t i = 0; i < len; ++i) map.push_back(base + off + i);
+    base += p;
+  }
+  std::vector<uint64_t> local = t.shape;
+  local[rule.dim] = map.size();
+  uint64_t count = 1;
+  for (uint64_t d : local) count *= d;
+  std::string out;
+  std::vector<uint64_t> idx(local.size(), 0);
+  for (uint64_t e = 0; e < count; ++e) {
+    uint64_t flat = 0;
+    for (size_t d = 0; d < local.size(); ++d) {
+      flat = flat * t.shape[d] + (d == rule.dim ? map[idx[d]] : idx[d]);
+    }
+    out.append(full, flat * elem, elem);
+    for (size_t d = local.size(); d-- > 0;) {
+      if (++idx[d] < local[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+// A sharded checkpoint whose tensors exercise every rule: dim 0, dim 1, dim 2 of a 3-D tensor,
+// fused unequal parts, equal parts, replicate, uneven sizes, and whole tensors between slices.
+struct TpFixture {
+  TempDir dir;
+  std::vector<std::string> data;
+  std::vector<TensorToWrite> tensors;
+  ShardSpec spec;
+
+  explicit TpFixture(uint64_t scale = 1) {
+    auto add = [&](const std::string& name, DType dtype, std::vector<uint64_t> shape,
+                   ShardRule rule) {
+      TensorToWrite t;
+      t.name = name;
+      t.dtype = dtype;
+      t.shape = std::move(shape);
+      const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
+      std::string bytes(n, '\0');
+      const size_t h = std::hash<std::string>()(name);
+      for (uint64_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 131 + (i >> 9) + h));
+      data.push_back(std::move(bytes));
+      tensors.push_back(std::move(t));
+      spec.Set(name, std::move(rule));
+    };
+    add("embed.weight", DType::kBF16, {67 * scale, 24}, ShardRule::Split(0));
+    add("layers.0.q.weight", DType::kF32, {40 * scale, 17}, ShardRule::Split(0));
+    add("layers.0.o.weight", DType::kBF16, {24, 41 * scale}, ShardRule::Split(1));
+    add("layers.0.o.bias", DType::kBF16, {24}, ShardRule::Replicate());
+    add("layers.0.norm.weight", DType::kF16, {24}, ShardRule::Replicate());
+    add("layers.0.conv.weight", DType::kF16, {5, 9, 16 * scale + 3}, ShardRule::Split(2));
+    add("layers.0.mid.weight", DType::kI32, {6, 19 * scale, 5}, ShardRule::Split(1));
+    add("layers.0.qkv.weight", DType::kBF16, {16 * scale + 16, 12},
+        ShardRule::Split(0, {16 * scale, 8, 8}));
+    add("layers.0.c_attn.weight", DType::kF32, {10, 24 * scale}, ShardRule::SplitEqual(1, 3));
+    add("layers.0.scalar", DType::kI8, {}, ShardRule::Replicate());
+    add("layers.0.empty", DType::kF32, {0, 16}, ShardRule::Split(1));
+    add("head.weight", DType::kF64, {9 * scale, 8}, ShardRule::Split(0));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      tensors[i].data = std::as_bytes(std::span<const char>(data[i]));
+    }
+    ShardOptions so;
+    so.max_shard_size = 4096 * scale;
+    so.write.sync = false;
+    auto r = WriteSharded(dir.path(), tensors, {}, so);
+    if (!r.ok()) throw std::runtime_error(r.status().ToString());
+  }
+
+  const std::string& Full(const std::string& name) const {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].name == name) return data[i];
+    }
+    throw std::runtime_error("no tensor " + name);
+  }
+};
+
+std::string Bytes(const Tensor& t) {
+  return std::string(reinterpret_cast<const char*>(t.data()), t.size());
+}
+
+std::vector<Engine> Engines() {
+  std::vector<Engine> e = {Engine::kPread, Engine::kMmap};
+  if (io::IoUringAvailable().ok()) e.push_back(Engine::kIoUring);
+  return e;
+}
+
+// Loads rank `rank` of `world` and checks every tensor against the naive slice; returns the
+// stats.
+LoadStats CheckRank(const TpFixture& f, LoadOptions o, uint32_t rank, uint32_t world) {
+  o.shard = TensorParallelOptions{f.spec, rank, world, o.shard ? o.shard->max_gap : 64u << 10};
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  auto tensors = loader->Load();
+  EXPECT_TRUE(tensors.ok()) << tensors.status().ToString();
+  if (!tensors.ok()) return {};
+  EXPECT_EQ(tensors->size(), f.tensors.size());
+  const Checkpoint& ckpt = *loader->checkpoint();
+  for (const Tensor& t : *tensors) {
+    const TensorInfo& info = *ckpt.Find(t.name());
+    const ShardRule rule = f.spec.RuleFor(t.name());
+    const std::string want = NaiveSlice(info, rule, rank, world, f.Full(t.name()));
+    EXPECT_EQ(Bytes(t), want) << t.name() << " rank " << rank << "/" << world << " engine "
+                              << EngineName(o.engine);
+    const TensorSlice slice = SliceOf(info, rule, rank, world).value();
+    EXPECT_EQ(t.shape(), slice.shape) << t.name();
+  }
+  return loader->stats();
+}
+
+TEST(ShardLoad, EveryRankEqualsSlicingTheFullTensor) {
+  TpFixture f;
+  for (Engine engine : Engines()) {
+    for (uint64_t max_gap : {uint64_t{0}, uint64_t{64}, uint64_t{1} << 30}) {
+      for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
+        for (uint32_t rank = 0; rank < world; ++rank) {
+          LoadOptions o;
+          o.engine = engine;
+          o.threads = 2;
+          o.chunk_size = 1000;  // many tasks per range: cuts inside strided segments too
+          o.shard = TensorParallelOptions{ShardSpec(), 0, 1, max_gap};
+          const LoadStats st = CheckRank(f, o, rank, world);
+          // Bytes delivered: the sum of the slices; bytes read: exactly that with exact strides.
+          uint64_t want = 0;
+          for (const TensorToWrite& t : f.tensors) {
+            TensorInfo info;
+            info.name = t.name;
+            info.dtype = t.dtype;
+            info.shape = t.shape;
+            info.size = TensorByteSize(t.dtype, t.shape).value();
+            want += SliceOf(info, f.spec.RuleFor(t.name), rank, world).value().bytes;
+          }
+          EXPECT_EQ(st.bytes, want);
+          if (max_gap == 0 && engine != Engine::kMmap) {
+            EXPECT_EQ(st.bytes_read, want);
+          }
+          EXPECT_GE(st.bytes_read, want);
+        }
+      }
+    }
+  }
+}
+
+TEST(ShardLoad, DirectIoAndBudget) {
+  TpFixture f(64);  // tensors of tens of KB: O_DIRECT middles and several batches
+  for (Engine engine : Engines()) {
+    if (engine == Engine::kMmap) continue;
+    for (DirectIO d : {DirectIO::kOn, DirectIO::kOff}) {
+      for (uint32_t world : {2u, 3u, 8u}) {
+        for (uint32_t rank = 0; rank < world; rank += world - 1) {
+          LoadOptions o;
+          o.engine = engine;
+          o.direct = d;
+          o.threads = 3;
+          o.chunk_size = 16 << 10;
+          o.shard = TensorParallelOptions{ShardSpec(), 0, 1, 4096};
+          CheckRank(f, o, rank, world);
+        }
+      }
+    }
+  }
+  // Under a budget, batch by batch (Stream), each batch's buffer holding at most the budget.
+  for (uint32_t world : {2u, 4u}) {
+    LoadOptions o;
+    o.engine = Engine::kPread;
+    o.budget = 256 << 10;
+    o.shard = TensorParallelOptions{f.spec, world - 1, world, 1 << 20};
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    size_t seen = 0;
+    Status s = loader->Stream(Selection::All(), [&](Batch batch) {
+      for (const Tensor& t : batch.tensors) {
+        const TensorInfo& info = *loader->checkpoint()->Find(t.name());
+        EXPECT_EQ(Bytes(t),
+                  NaiveSlice(info, f.spec.RuleFor(t.name()), world - 1, world, f.Full(t.name())))
+            << t.name();
+        ++seen;
+      }
+      return Status::Ok();
+    });
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(seen, f.tensors.size());
+    EXPECT_GT(loader->stats().batches, 1u);
+    EXPECT_LE(loader->stats().peak_budget_bytes, o.budget);
+  }
+}
+
+TEST(ShardLoad, BytesReadPerRankFollowTheSplit) {
+  TpFixture f(32);
+  uint64_t replicated = 0, split = 0;
+  for (const TensorToWrite& t : f.tensors) {
+    const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
+    (f.spec.RuleFor(t.name).is_split() ? split : replicated) += n;
+  }
+  for (uint32_t world : {2u, 4u, 8u}) {
+    for (uint32_t rank = 0; rank < world; ++rank) {
+      LoadOptions o;
+      o.engine = Engine::kPread;
+      o.shard = TensorParallelOptions{f.spec, rank, world, 0};
+      auto loader = Loader::Open(f.dir.path(), o).value();
+      ASSERT_TRUE(loader->Load().ok());
+      // Uneven splits give some ranks one more index per part: allow 1% over the even share.
+      const double target = static_cast<double>(split) / world + static_cast<double>(replicated);
+      EXPECT_LE(static_cast<double>(loader->stats().bytes_read), target * 1.01 + 4096)
+          << rank << "/" << world;
+      EXPECT_GE(static_cast<double>(loader->stats().bytes_read), target * 0.9);
+    }
+  }
+}
+
+TEST(ShardLoad, MmapDimZeroSlicesAreViews) {
+  TpFixture f(8);
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  o.shard = TensorParallelOptions{f.spec, 1, 2, 0};
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  auto tensors = loader->Load().value();
+  const Checkpoint& ckpt = *loader->checkpoint();
+  auto same_owner = [](const Tensor& a, const Tensor& b) {
+    return !a.owner().owner_before(b.owner()) && !b.owner().owner_before(a.owner());
+  };
+  size_t views = 0, gathered = 0;
+  for (const Tensor& a : tensors) {
+    for (const Tensor& b : tensors) {
+      if (&a == &b || ckpt.Find(a.name())->file != ckpt.Find(b.name())->file) continue;
+      const bool a_view =
+          SliceRangeCount(*ckpt.Find(a.name()),
+                          SliceOf(*ckpt.Find(a.name()), f.spec.RuleFor(a.name()), 1, 2).value()) <=
+          1;
+      const bool b_view =
+          SliceRangeCount(*ckpt.Find(b.name()),
+                          SliceOf(*ckpt.Find(b.name()), f.spec.RuleFor(b.name()), 1, 2).value()) <=
+          1;
+      if (a.size() == 0 || b.size() == 0) continue;
+      // Views of one file share the mapping as owner; a gathered tensor has a pooled buffer.
+      if (a_view && b_view) {
+        EXPECT_TRUE(same_owner(a, b)) << a.name() << " " << b.name();
+        ++views;
+      } else if (a_view != b_view) {
+        EXPECT_FALSE(same_owner(a, b)) << a.name() << " " << b.name();
+        ++gathered;
+      }
+    }
+  }
+  EXPECT_GT(views, 0u);
+  EXPECT_GT(gathered, 0u);
+  EXPECT_EQ(tensors.size(), f.tensors.size());
+}
+
+TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
+  TpFixture f(4);
+  for (Engine engine : Engines()) {
+    // An alias the files lack (tie_word_embeddings) and one present as a duplicate name of
+    // another tensor (head.weight tied to embed.weight: its own bytes are not read).
+    ShardSpec spec = f.spec;
+    spec.Tie("lm_head.weight", "embed.weight").Tie("head.weight", "embed.weight");
+    LoadOptions o;
+    o.engine = engine;
+    o.shard = TensorParallelOptions{spec, 1, 2, 0};
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    auto tensors = loader->Load().value();
+    std::map<std::string, Tensor> by;
+    for (const Tensor& t : tensors) by[t.name()] = t;
+    ASSERT_TRUE(by.count("lm_head.weight"));
+    ASSERT_TRUE(by.count("head.weight"));
+    const Tensor& embed = by["embed.weight"];
+    EXPECT_EQ(by["lm_head.weight"].data(), embed.data());
+    EXPECT_EQ(by["head.weight"].data(), embed.data());
+    EXPECT_EQ(by["lm_head.weight"].shape(), embed.shape());
+    EXPECT_EQ(tensors.size(), f.tensors.size() + 1);
+    const TensorInfo& info = *loader->checkpoint()->Find("embed.weight");
+    EXPECT_EQ(Bytes(embed), NaiveSlice(info, ShardRule::Split(0), 1, 2, f.Full("embed.weight")));
+    // The alias right after its target in Load's order.
+    EXPECT_EQ(tensors[0].name(), "embed.weight");
+    if (engine != Engine::kMmap) {
+      // head.weight's bytes were not read.
+      uint64_t want = 0;
+      for (const Tensor& t : tensors) {
+        if (t.name() != "lm_head.weight" && t.name() != "head.weight") want += t.size();
+      }
+      EXPECT_EQ(loader->stats().bytes_read, want);
+    }
+    // By name: an absent alias resolves to its target.
+    auto named = loader->Load(Selection::Names({"lm_head.weight"})).value();
+    ASSERT_EQ(named.size(), 1u);
+    EXPECT_EQ(named[0].name(), "lm_head.weight");
+    EXPECT_EQ(Bytes(named[0]), Bytes(embed));
+  }
+}
+
+TEST(ShardLoad, SliceErrorsNameTheTensor) {
+  TpFixture f;
+  LoadOptions o;
+  ShardSpec spec;
+  spec.Add("*.norm.weight", ShardRule::Split(1));
+  o.shard = TensorParallelOptions{spec, 0, 2, 0};
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  auto r = loader->Load();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("layers.0.norm.weight"), std::string::npos);
+  o.shard = TensorParallelOptions{ShardSpec(), 2, 2, 0};
+  auto bad = Loader::Open(f.dir.path(), o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("rank 2 of 2"), std::string::npos);
+  o.shard = TensorParallelOptions{ShardSpec(), 0, 0, 0};
+  EXPECT_FALSE(Loader::Open(f.dir.path(), o).ok());
+  ShardSpec cycle;
+  cycle.Tie("a", "b").Tie("b", "a");
+  o.shard = TensorParallelOptions{cycle, 0, 1, 0};
+  EXPECT_FALSE(Loader::Open(f.dir.path(), o).ok());
+}
+
+TEST(ShardLoad, ExplainShowsStridedRanges) {
+  TpFixture f(4);
+  LoadOptions o;
+  o.shard = TensorParallelOptions{f.spec, 1, 4, 0};
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  const Plan plan = loader->MakePlan(Selection::Names({"layers.0.o.weight"})).value();
+  EXPECT_EQ(plan.num_ranges, 24u);  // one per row: exact strides
+  EXPECT_EQ(plan.read_bytes, plan.tensor_bytes);
+  o.shard->max_gap = 1 << 20;
+  auto covering = Loader::Open(f.dir.path(), o).value();
+  const Plan one = covering->MakePlan(Selection::Names({"layers.0.o.weight"})).value();
+  EXPECT_EQ(one.num_ranges, 1u);  // one covering read
+  EXPECT_GT(one.read_bytes, one.tensor_bytes);
+  EXPECT_EQ(one.num_moves, 23u);
+  const std::string text = one.Explain(*covering->checkpoint());
+  EXPECT_NE(text.find("discarded"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace tensorferry

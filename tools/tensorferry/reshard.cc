@@ -1,0 +1,235 @@
+// tensorferry reshard SRC DST --tp N: writes one complete checkpoint per tensor-parallel rank,
+// DST/rank-RRRRR-of-NNNNN/, each holding that rank's slice of every tensor (shard.h rules) with
+// its own model.safetensors.index.json, so a rank loads its directory directly with no slicing.
+// With --max-shard-size alone, DST is the same checkpoint re-split into files of that size.
+//
+// Streaming: tensors are never held whole. The writer asks each tensor for its bytes in buffer
+// sized pieces (TensorToWrite::generate), which are read from the source's slice ranges with
+// positional reads; memory stays at the writer's buffer. Nothing is half-written: each rank is
+// written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
+// complete; a failure removes the partial directory.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/env.h"
+#include "tensorferry/shard.h"
+#include "tensorferry/writer.h"
+
+namespace tensorferry::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ReshardArgs {
+  std::string src;
+  std::string dst;
+  unsigned tp = 0;
+  std::string rules;
+  std::string max_shard_size;
+  bool no_sync = false;
+};
+
+// The bytes of one tensor's slice, read on demand: `pieces` are (offset in the file, length), and
+// `starts` their offsets in the local tensor.
+struct SliceSource {
+  std::shared_ptr<RandomAccessFile> file;
+  std::vector<std::pair<uint64_t, uint64_t>> pieces;
+  std::vector<uint64_t> starts;
+
+  Status Fill(uint64_t offset, std::span<std::byte> out) const {
+    size_t i = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), offset) -
+                                   starts.begin()) -
+               1;
+    uint64_t done = 0;
+    while (done < out.size()) {
+      if (i >= pieces.size()) {
+        return Status(Code::kInternal, "reshard: read past the end of a slice");
+      }
+      const auto [poff, plen] = pieces[i];
+      const uint64_t within = offset + done - starts[i];
+      const uint64_t n = std::min<uint64_t>(plen - within, out.size() - done);
+      for (uint64_t got = 0; got < n;) {
+        auto r = file->Read(poff + within + got, out.subspan(done + got, n - got));
+        if (!r.ok()) return r.status();
+        if (*r == 0) {
+          return Status(Code::kUnexpectedEof, file->path() + ": ends before offset " +
+                                                  std::to_string(poff + within + got));
+        }
+        got += *r;
+      }
+      done += n;
+      ++i;
+    }
+    return Status::Ok();
+  }
+};
+
+Result<std::vector<std::string>> WriteRank(
+    const Checkpoint& ckpt, const std::vector<std::shared_ptr<RandomAccessFile>>& files,
+    const ShardSpec& spec, uint32_t rank, uint32_t world, const std::string& dir,
+    const ShardOptions& so, const Metadata& metadata) {
+  std::vector<TensorToWrite> tensors;
+  tensors.reserve(ckpt.tensors().size());
+  // Source order is file order, so layer 0 stays in the first shard as the source had it.
+  for (const TensorInfo& t : ckpt.tensors()) {
+    const ShardRule rule = world > 1 ? spec.RuleFor(t.name) : ShardRule::Replicate();
+    Result<TensorSlice> sliced = SliceOf(t, rule, rank, world);
+    if (!sliced.ok()) return sliced.status();
+    const TensorSlice& slice = *sliced;
+    auto source = std::make_shared<SliceSource>();
+    source->file = files[t.file];
+    uint64_t at = 0;
+    for (const auto& [off, len] : SliceByteRanges(t, slice)) {
+      source->pieces.emplace_back(t.offset + off, len);
+      source->starts.push_back(at);
+      at += len;
+    }
+    TensorToWrite w;
+    w.name = t.name;
+    w.dtype = t.dtype;
+    w.shape = slice.shape;
+    w.generate = [source](uint64_t offset, std::span<std::byte> out) {
+      return source->Fill(offset, out);
+    };
+    tensors.push_back(std::move(w));
+  }
+  return WriteSharded(dir, tensors, metadata, so);
+}
+
+std::string RankDirName(uint32_t rank, uint32_t world) {
+  char name[64];
+  std::snprintf(name, sizeof name, "rank-%05u-of-%05u", rank, world);
+  return name;
+}
+
+int RunReshard(const ReshardArgs& a) {
+  if (a.tp == 0 && a.max_shard_size.empty()) {
+    PrintError("reshard: give --tp N, --max-shard-size SIZE, or both");
+    return kExitUsage;
+  }
+  ShardOptions so;
+  if (!a.max_shard_size.empty()) {
+    auto size = ParseSize(a.max_shard_size);
+    if (!size || *size == 0) {
+      PrintError("--max-shard-size: not a size: " + a.max_shard_size);
+      return kExitUsage;
+    }
+    so.max_shard_size = *size;
+  }
+  so.write.sync = !a.no_sync;
+  ShardSpec spec = ShardSpec::Builtin();
+  if (!a.rules.empty()) {
+    auto r = ReadShardRules(a.rules);
+    if (!r.ok()) {
+      PrintError(a.rules, r.status());
+      return kExitUsage;
+    }
+    spec = std::move(r).value();
+  }
+  auto ckpt = Checkpoint::Open(a.src);
+  if (!ckpt.ok()) {
+    PrintError(a.src, ckpt.status());
+    return kExitError;
+  }
+  std::vector<std::shared_ptr<RandomAccessFile>> files;
+  for (const FileInfo& f : (*ckpt)->files()) {
+    auto file = Env::Default()->OpenRandomAccess(f.path);
+    if (!file.ok()) {
+      PrintError(f.path, file.status());
+      return kExitError;
+    }
+    files.push_back(std::move(file).value());
+  }
+  Metadata base;
+  if (!(*ckpt)->files().empty()) base = (*ckpt)->files()[0].metadata;
+  auto set = [](Metadata& m, const std::string& k, const std::string& v) {
+    for (auto& [key, value] : m) {
+      if (key == k) {
+        value = v;
+        return;
+      }
+    }
+    m.emplace_back(k, v);
+  };
+
+  std::error_code ec;
+  fs::create_directories(a.dst, ec);
+  if (ec) {
+    PrintError(a.dst, Status(Code::kIoError, "cannot create the directory: " + ec.message()));
+    return kExitError;
+  }
+  const uint32_t world = a.tp == 0 ? 1 : a.tp;
+  uint64_t written = 0;
+  for (uint32_t rank = 0; rank < world; ++rank) {
+    Metadata metadata = base;
+    if (a.tp > 0) {
+      set(metadata, "tensorferry.tp_rank", std::to_string(rank));
+      set(metadata, "tensorferry.tp_size", std::to_string(world));
+      set(metadata, "tensorferry.shard_rules", spec.ToJson());
+    }
+    const std::string final_dir =
+        a.tp > 0 ? (fs::path(a.dst) / RankDirName(rank, world)).string() : a.dst;
+    // A rank directory appears complete or not at all.
+    const std::string partial =
+        a.tp > 0 ? (fs::path(a.dst) / ("." + RankDirName(rank, world) + ".partial")).string()
+                 : a.dst;
+    if (a.tp > 0) {
+      if (fs::exists(final_dir)) {
+        PrintError(final_dir, Status(Code::kInvalidArgument, "already exists; not overwritten"));
+        return kExitError;
+      }
+      fs::remove_all(partial, ec);
+    }
+    auto paths = WriteRank(**ckpt, files, spec, rank, world, partial, so, metadata);
+    if (!paths.ok()) {
+      if (a.tp > 0) fs::remove_all(partial, ec);
+      PrintError(a.src, paths.status());
+      return kExitError;
+    }
+    if (a.tp > 0) {
+      fs::rename(partial, final_dir, ec);
+      if (ec) {
+        fs::remove_all(partial, ec);
+        PrintError(final_dir, Status(Code::kIoError, "rename failed: " + ec.message()));
+        return kExitError;
+      }
+    }
+    for (const std::string& p : *paths) {
+      if (p.ends_with(".safetensors")) {
+        written += fs::file_size(fs::path(final_dir) / fs::path(p).filename(), ec);
+      }
+    }
+  }
+  const std::string line = "resharded " + Plural((*ckpt)->tensors().size(), "tensor") + " of " +
+                           a.src + " into " + (a.tp > 0 ? Plural(world, "rank") + " under " : "") +
+                           a.dst + ": " + FormatBytes(written) + " written";
+  return WriteStdout(line) ? kExitOk : kExitError;
+}
+
+}  // namespace
+
+Command AddReshardCommand(CLI::App& parent) {
+  auto args = std::make_shared<ReshardArgs>();
+  CLI::App* app = parent.add_subcommand(
+      "reshard",
+      "Write one checkpoint per tensor-parallel rank (DST/rank-RRRRR-of-NNNNN/), or re-split "
+      "files with --max-shard-size");
+  app->add_option("src", args->src, "A .safetensors file, a checkpoint directory or an index")
+      ->required();
+  app->add_option("dst", args->dst, "Output directory")->required();
+  app->add_option("--tp", args->tp, "Number of tensor-parallel ranks");
+  app->add_option("--rules", args->rules,
+                  "Shard rules, a JSON file (shard.h schema; default: the builtin rules)");
+  app->add_option("--max-shard-size", args->max_shard_size,
+                  "Largest data size of one output file (default 5GB)");
+  app->add_flag("--no-sync", args->no_sync, "Skip fsync (scratch output)");
+  return {app, [args] { return RunReshard(*args); }};
+}
+
+}  // namespace tensorferry::cli

@@ -102,6 +102,13 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   const uint32_t me = collective.rank();
   if (checkpoint == nullptr)
     return Status(Code::kInvalidArgument, "LoadCooperative: no checkpoint");
+  if (!spec.ties().empty()) {
+    return Status(Code::kUnsupported, "cooperative load: the shard spec ties " +
+                                          spec.ties().front().first + " to " +
+                                          spec.ties().front().second +
+                                          "; ties are not supported by the cooperative path yet "
+                                          "(load tied checkpoints with LoadOptions::shard)");
+  }
   TF_ASSIGN_OR_RETURN(const std::vector<uint32_t> indices, selection.Resolve(*checkpoint));
   const std::vector<TensorInfo>& infos = checkpoint->tensors();
   const size_t n = indices.size();

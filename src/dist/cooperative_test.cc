@@ -110,6 +110,18 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
       if (rule.is_split()) shape[rule.dim] = SliceOf(info, rule, r, world).value().shape[rule.dim];
       EXPECT_EQ(mine[i].shape(), shape) << info.name;
     }
+    // The independent per-rank sliced path (LoadOptions::shard) gives the same tensors.
+    LoadOptions independent_options = options;
+    independent_options.shard = TensorParallelOptions{spec, r, world};
+    independent_options.budget = 0;  // Load returns everything at once
+    auto independent = Loader::Open(checkpoint, independent_options).ValueOrThrow();
+    const std::vector<Tensor> theirs = independent->Load().ValueOrThrow();
+    ASSERT_EQ(theirs.size(), mine.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_EQ(theirs[i].name(), mine[i].name());
+      EXPECT_EQ(theirs[i].shape(), mine[i].shape()) << mine[i].name();
+      EXPECT_EQ(Bytes(theirs[i]), Bytes(mine[i])) << mine[i].name() << " rank " << r;
+    }
     EXPECT_EQ(stats[r].bytes_read, expected_read) << "rank " << r;
     total_read += stats[r].bytes_read;
     EXPECT_EQ(stats[r].tensors, full.size());
@@ -133,6 +145,17 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
       }
     }
   }
+}
+
+TEST(Cooperative, TiesAreRefused) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  ShardSpec spec = testing::ShardFixtureSpec();
+  spec.Tie("lm_head.weight", "model.embed_tokens.weight");
+  auto group = MakeInProcessGroup(1).ValueOrThrow();
+  EXPECT_EQ(LoadCooperative(checkpoint, Selection::All(), spec, {}, *group[0]).status().code(),
+            Code::kUnsupported);
 }
 
 TEST(Cooperative, RuleErrorsStopEveryRankBeforeAnyRead) {

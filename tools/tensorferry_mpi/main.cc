@@ -1,12 +1,14 @@
 // tensorferry-mpi: tensor-parallel loading over MPI, one process per rank (docs/distributed.md).
 //
-//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|full] [--shard builtin|none|FILE]
+//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full] [--shard
+//   builtin|none|FILE]
 //          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
 //          [--threads N] [--repeat N] [--cold] [--json]
 //
 // Modes: cooperative: each rank reads its byte-balanced share once and the slices travel over MPI
-// (LoadCooperative); full: every rank reads every selected tensor whole (what a tensor-parallel job
-// without sliced loading does). Rank 0 prints, per repetition, the wall time (from a common
+// (LoadCooperative); sliced: every rank reads only its own slices from the files, independently
+// (LoadOptions::shard); full: every rank reads every selected tensor whole (what a tensor-parallel
+// job without sliced loading does). Rank 0 prints, per repetition, the wall time (from a common
 // barrier to the last rank's end), the bytes every rank read, sent and received; --json one
 // document with every repetition. --cold: before each repetition rank 0 evicts the checkpoint's
 // files from the page cache (DropFromPageCache) and checks they are out.
@@ -72,14 +74,16 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.sent = stats.bytes_sent;
     f.received = stats.bytes_received;
   } else {
-    auto loader = Loader::Open(checkpoint, options);
+    LoadOptions o = options;
+    if (mode == "sliced") o.shard = TensorParallelOptions{spec, c.rank(), c.size()};
+    auto loader = Loader::Open(checkpoint, o);
     if (!loader.ok()) return loader.status();
     Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
       f.bytes += b.bytes;
       return Status::Ok();
     });
     if (!s.ok()) return s;
-    f.read = f.bytes;
+    f.read = (*loader)->stats().bytes_read;
   }
   f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return f;
@@ -91,8 +95,8 @@ int Main(int argc, char** argv) {
   Args args;
   CLI::App* load = app.add_subcommand("load", "Load this rank's shard of a checkpoint");
   load->add_option("path", args.path, "Checkpoint file, directory or index")->required();
-  load->add_option("--mode", args.mode, "cooperative | full")
-      ->check(CLI::IsMember({"cooperative", "full"}));
+  load->add_option("--mode", args.mode, "cooperative | sliced | full")
+      ->check(CLI::IsMember({"cooperative", "sliced", "full"}));
   load->add_option("--shard", args.shard, "builtin | none | a ShardSpec JSON file");
   load->add_option("--engine", args.engine, "auto | pread | io_uring | mmap");
   load->add_option("--direct", args.direct, "auto | on | off");

@@ -8,6 +8,7 @@
 // by threads: calls on it are serialized by a mutex, taken only after the GIL is released.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -35,6 +36,7 @@
 #include "tensorferry/format.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/plan.h"
+#include "tensorferry/shard.h"
 #include "tensorferry/size.h"
 #include "tensorferry/writer.h"
 
@@ -59,6 +61,9 @@ nb::list ShapeList(const std::vector<uint64_t>& shape) {
 // LoadOptions from TENSORFERRY_* defaults, overridden by the keys present in `options`.
 LoadOptions MakeLoadOptions(const nb::dict& options) {
   LoadOptions o = Unwrap(LoadOptions::FromEnvironment());
+  std::optional<uint32_t> tp_rank, tp_size;
+  std::optional<ShardSpec> spec;
+  std::optional<uint64_t> max_gap;
   for (auto [key_handle, value] : options) {
     const std::string key = nb::cast<std::string>(key_handle);
     if (value.is_none()) continue;
@@ -90,12 +95,36 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
       o.pool_bytes = nb::cast<uint64_t>(value);
     } else if (key == "populate") {
       o.populate = nb::cast<bool>(value);
+    } else if (key == "tp_rank") {
+      tp_rank = nb::cast<uint32_t>(value);
+    } else if (key == "tp_size") {
+      tp_size = nb::cast<uint32_t>(value);
+    } else if (key == "shard_rules") {
+      spec = nb::cast<ShardSpec>(value);
+    } else if (key == "shard_max_gap") {
+      max_gap = nb::cast<uint64_t>(value);
     } else {
       throw StatusError(Status(Code::kInvalidArgument, "unknown load option \"" + key + "\""));
     }
   }
   if (o.chunk_size == 0)
     throw StatusError(Status(Code::kInvalidArgument, "chunk_size must be > 0"));
+  if (tp_rank || tp_size || spec || max_gap) {
+    if (!tp_rank || !tp_size) {
+      throw StatusError(Status(Code::kInvalidArgument, "tp_rank and tp_size go together"));
+    }
+    if (*tp_size == 0 || *tp_rank >= *tp_size) {
+      throw StatusError(Status(Code::kInvalidArgument, "tp_rank " + std::to_string(*tp_rank) +
+                                                           " is not below tp_size " +
+                                                           std::to_string(*tp_size)));
+    }
+    TensorParallelOptions tp;
+    tp.rank = *tp_rank;
+    tp.world = *tp_size;
+    tp.spec = spec ? std::move(*spec) : ShardSpec::Builtin();
+    if (max_gap) tp.max_gap = *max_gap;
+    o.shard = std::move(tp);
+  }
   return o;
 }
 
@@ -112,6 +141,7 @@ nb::dict StatsDict(const LoadStats& s) {
   d["direct_files"] = s.direct_files;
   d["direct_bytes"] = s.direct_bytes;
   d["buffered_files"] = s.buffered_files;
+  d["bytes_read"] = s.bytes_read;
   return d;
 }
 
@@ -459,6 +489,12 @@ class Reader {
     d["order"] = options_.order == DeliveryOrder::kLayer ? "layer" : "file";
     d["pool_bytes"] = options_.pool_bytes;
     d["populate"] = options_.populate;
+    if (options_.shard) {
+      d["tp_rank"] = options_.shard->rank;
+      d["tp_size"] = options_.shard->world;
+      d["shard_rules"] = options_.shard->spec;
+      d["shard_max_gap"] = options_.shard->max_gap;
+    }
     return d;
   }
 
@@ -685,6 +721,63 @@ std::unique_ptr<BatchStream> Reader::Iterate(const std::optional<std::vector<std
   return std::make_unique<BatchStream>(*this, names, fw);
 }
 
+// --- tensor parallelism (shard.h) ---------------------------------------------------------------
+
+// A rule as the JSON schema's dict: {"replicate": True} or {"split": dim[, "parts": [...] |
+// "equal_parts": k]}.
+nb::dict RuleDict(const ShardRule& rule) {
+  nb::dict d;
+  if (!rule.is_split()) {
+    d["replicate"] = true;
+    return d;
+  }
+  d["split"] = rule.dim;
+  if (!rule.parts.empty()) {
+    d["parts"] = ShapeList(rule.parts);
+  } else if (rule.equal_parts != 0) {
+    d["equal_parts"] = rule.equal_parts;
+  }
+  return d;
+}
+
+// What rank `rank` of `world` holds of a tensor (name, dtype name, full shape) under `rule`:
+// {"rule": dict, "dim": int or None, "blocks": [(start, length), ...], "shape": [...],
+// "bytes": int}. With ranges=True also "ranges": [(offset, length), ...] relative to the tensor's
+// first byte (SliceByteRanges).
+nb::dict SliceDict(const ShardRule& rule, const std::string& name, const std::string& dtype,
+                   const std::vector<uint64_t>& shape, uint32_t rank, uint32_t world, bool ranges) {
+  TensorInfo t;
+  t.name = name;
+  const std::optional<DType> d = DTypeFromName(dtype);
+  if (!d) throw StatusError(Status(Code::kInvalidArgument, "unknown dtype \"" + dtype + "\""));
+  t.dtype = *d;
+  t.shape = shape;
+  t.size = Unwrap(TensorByteSize(t.dtype, t.shape));
+  const TensorSlice slice = Unwrap(SliceOf(t, rule, rank, world));
+  nb::dict out;
+  out["rule"] = RuleDict(slice.rule);
+  out["dim"] = slice.rule.is_split() ? nb::cast(slice.rule.dim) : nb::none();
+  nb::list blocks;
+  for (const auto& [start, length] : slice.blocks) blocks.append(nb::make_tuple(start, length));
+  out["blocks"] = blocks;
+  out["shape"] = ShapeList(slice.shape);
+  out["bytes"] = slice.bytes;
+  if (ranges) {
+    nb::list r;
+    for (const auto& [offset, length] : SliceByteRanges(t, slice)) {
+      r.append(nb::make_tuple(offset, length));
+    }
+    out["ranges"] = r;
+  }
+  return out;
+}
+
+ShardRule RuleFromJson(const std::string& json) {
+  // One override entry parsed by the spec's own parser: the same checks and messages.
+  const ShardSpec spec = Unwrap(ShardSpec::FromJson("{\"overrides\":{\"rule\":" + json + "}}"));
+  return spec.overrides().front().second;
+}
+
 }  // namespace
 }  // namespace tensorferry::python
 
@@ -841,6 +934,35 @@ NB_MODULE(_core, m) {
       .def("options", &Reader::Options)
       .def("close", &Reader::Close);
 
+  nb::class_<ShardSpec>(m, "ShardSpec", "tensorferry::ShardSpec: tensor name -> shard rule")
+      .def_static("none", &ShardSpec::None)
+      .def_static("builtin", &ShardSpec::Builtin)
+      .def_static("from_json",
+                  [](const std::string& json) { return Unwrap(ShardSpec::FromJson(json)); })
+      .def("to_json", &ShardSpec::ToJson)
+      .def("rule_for",
+           [](const ShardSpec& s, const std::string& name) { return RuleDict(s.RuleFor(name)); })
+      .def("tie_target",
+           [](const ShardSpec& s, const std::string& name) { return s.TieTarget(name); })
+      .def("ties", [](const ShardSpec& s) { return s.ties(); })
+      .def(
+          "slice",
+          [](const ShardSpec& s, const std::string& name, const std::string& dtype,
+             const std::vector<uint64_t>& shape, uint32_t rank, uint32_t world, bool ranges) {
+            return SliceDict(s.RuleFor(name), name, dtype, shape, rank, world, ranges);
+          },
+          nb::arg("name"), nb::arg("dtype"), nb::arg("shape"), nb::arg("rank"), nb::arg("world"),
+          nb::arg("ranges") = false)
+      .def("__eq__", [](const ShardSpec& a, const ShardSpec& b) { return a == b; })
+      .def("__repr__", [](const ShardSpec& s) { return "ShardSpec(" + s.ToJson() + ")"; });
+  m.def(
+      "slice_of_rule",
+      [](const std::string& rule_json, const std::string& name, const std::string& dtype,
+         const std::vector<uint64_t>& shape, uint32_t rank, uint32_t world, bool ranges) {
+        return SliceDict(RuleFromJson(rule_json), name, dtype, shape, rank, world, ranges);
+      },
+      nb::arg("rule_json"), nb::arg("name"), nb::arg("dtype"), nb::arg("shape"), nb::arg("rank"),
+      nb::arg("world"), nb::arg("ranges") = false);
   m.def("serialize", &Serialize, nb::arg("entries"), nb::arg("metadata").none());
   m.def("serialize_file", &SerializeFile, nb::arg("entries"), nb::arg("metadata").none(),
         nb::arg("path"));

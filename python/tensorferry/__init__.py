@@ -19,12 +19,14 @@ from ._core import (  # noqa: F401
     BudgetExceededError,
     InvalidArgumentError,
     SafetensorError,
+    ShardSpec,
     UnsupportedError,
     __version__,
 )
 from ._frameworks import UnsupportedDTypeError  # noqa: F401
 from ._loader import Batch, Loader, LoadStats, layers, parse_size  # noqa: F401
 from ._safe_open import safe_open  # noqa: F401
+from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F401
 
 __all__ = [
     "safe_open",
@@ -38,5 +40,10 @@ __all__ = [
     "Batch",
     "layers",
     "parse_size",
+    "ShardSpec",
+    "TensorSlice",
+    "shard_spec",
+    "tensor_slice",
+    "rule_slice",
     "__version__",
 ]

@@ -5,6 +5,7 @@ import time
 
 from . import _core, _frameworks
 from ._core import InvalidArgumentError
+from ._shard import shard_spec
 
 
 def parse_size(value):
@@ -68,6 +69,7 @@ class LoadStats:
     direct_files: int = 0  # files read with O_DIRECT
     direct_bytes: int = 0  # bytes read with O_DIRECT (the rest through the page cache)
     buffered_files: int = 0
+    bytes_read: int = 0  # bytes read from files (a tensor-parallel rank: about its share)
     buffers_reused: int = 0
     buffers_allocated: int = 0
 
@@ -89,7 +91,7 @@ class LoadStats:
         self.peak_budget_bytes = max(self.peak_budget_bytes, core["peak_budget_bytes"])
         self.engine = core["engine"] or self.engine
         for key in ("direct_files", "direct_bytes", "buffered_files", "buffers_reused",
-                    "buffers_allocated"):
+                    "buffers_allocated", "bytes_read"):
             setattr(self, key, getattr(self, key) + core[key])
 
 
@@ -154,6 +156,12 @@ class Loader:
             environment variable).
         progress: True for a tqdm progress bar over bytes (when tqdm is installed), or a callable
             progress(done_bytes, total_bytes).
+        tp_rank, tp_size: tensor parallelism: every tensor comes back as the shard rank tp_rank
+            of tp_size holds (local shape), and only its bytes are read (stats.bytes_read).
+        shard_rules: how tensors are split (any tensorferry.shard_spec() form: None/"builtin"
+            for the built-in rules, a dict, JSON, a file, (pattern, rule) pairs; docs/python.md).
+        shard_max_gap: strided shards: gaps up to this many bytes are read and discarded
+            (default 64 KiB; 0: exact strides).
 
     Tensors stay valid after the loader is closed; memory is freed when the last tensor of a
     batch is dropped. A Loader may be used from one thread at a time.
@@ -162,7 +170,8 @@ class Loader:
     def __init__(self, checkpoint, device="cpu", budget=None, threads=None, engine=None,
                  select=None, *, framework="pt", direct=None, chunk_size=None, queue_depth=None,
                  order=None, populate=None, allow_oversized=None, pool_bytes=None,
-                 progress=False):
+                 progress=False, tp_rank=None, tp_size=None, shard_rules=None,
+                 shard_max_gap=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         options = {
@@ -176,7 +185,14 @@ class Loader:
             "order": order,
             "pool_bytes": parse_size(pool_bytes),
             "populate": populate,
+            "tp_rank": _count("tp_rank", tp_rank),
+            "tp_size": _count("tp_size", tp_size),
+            "shard_max_gap": parse_size(shard_max_gap),
         }
+        if shard_rules is not None:
+            if tp_size is None:
+                raise InvalidArgumentError("shard_rules needs tp_rank and tp_size")
+            options["shard_rules"] = shard_spec(shard_rules)
         if engine is None and not options["budget"] and not os.environ.get("TENSORFERRY_ENGINE") \
                 and not os.environ.get("TENSORFERRY_BUDGET"):
             # Unbounded: the same default as load_file (mmap with populate), the fastest measured

@@ -14,11 +14,18 @@ __all__ = ["load_file", "save_file", "load", "save"]
 _ST_NAMES = {np.dtype(attr): st for st, attr in _frameworks._NUMPY_NAMES.items()}
 
 
-def load_file(filename: Union[str, os.PathLike], *, backend: Optional[str] = None
+def load_file(filename: Union[str, os.PathLike], *, backend: Optional[str] = None,
+              tp_rank: Optional[int] = None, tp_size: Optional[int] = None, shard_rules=None
               ) -> Dict[str, np.ndarray]:
     """Loads every tensor of a safetensors file as numpy arrays, a dict in file order. A dtype
     numpy lacks (BF16, float8, ...) raises UnsupportedDTypeError (a SafetensorError and a
-    TypeError) naming the tensor, before anything is read."""
+    TypeError) naming the tensor, before anything is read. With tp_rank and tp_size, each array
+    is the shard that rank holds under `shard_rules` (tensorferry.Loader's)."""
+    if tp_rank is not None or tp_size is not None or shard_rules is not None:
+        from ._loader import Loader
+        with Loader(filename, engine=backend, framework="np", tp_rank=tp_rank, tp_size=tp_size,
+                    shard_rules=shard_rules) as loader:
+            return loader.load()
     with safe_open(filename, framework="np", backend=backend) as f:
         return f.get_tensors()
 

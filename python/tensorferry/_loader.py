@@ -3,7 +3,7 @@ import dataclasses
 import os
 import time
 
-from . import _core, _frameworks
+from . import _core, _distributed, _frameworks
 from ._core import InvalidArgumentError
 from ._shard import shard_spec
 
@@ -162,6 +162,9 @@ class Loader:
             for the built-in rules, a dict, JSON, a file, (pattern, rule) pairs; docs/python.md).
         shard_max_gap: strided shards: gaps up to this many bytes are read and discarded
             (default 64 KiB; 0: exact strides).
+        process_group: a torch.distributed process group of the tp_size ranks: cooperative mode,
+            each byte read once by one rank and the slices exchanged (docs/distributed.md;
+            load() only).
 
     Tensors stay valid after the loader is closed; memory is freed when the last tensor of a
     batch is dropped. A Loader may be used from one thread at a time.
@@ -171,7 +174,7 @@ class Loader:
                  select=None, *, framework="pt", direct=None, chunk_size=None, queue_depth=None,
                  order=None, populate=None, allow_oversized=None, pool_bytes=None,
                  progress=False, tp_rank=None, tp_size=None, shard_rules=None,
-                 shard_max_gap=None):
+                 shard_max_gap=None, process_group=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         options = {
@@ -201,6 +204,8 @@ class Loader:
             if populate is None and not os.environ.get("TENSORFERRY_POPULATE"):
                 options["populate"] = True
         path = os.fspath(checkpoint)
+        self._cooperative = None if process_group is None else _distributed.Cooperative(
+            path, process_group, options, self._fw, self._device)
         self._reader = _core.Reader(path, False, {k: v for k, v in options.items() if v is not None})
         self._names = self._resolve(select)
         self._progress = progress
@@ -259,6 +264,12 @@ class Loader:
         return self._reader.options()
 
     @property
+    def cooperative_stats(self):
+        """With process_group: this rank's figures of the last load() (bytes_read, bytes_sent,
+        bytes_received, rounds, seconds, read_seconds, exchange_seconds); else None."""
+        return None if self._cooperative is None else dict(self._cooperative.stats)
+
+    @property
     def stats(self):
         """LoadStats of the last load() or iteration."""
         return self._stats
@@ -276,6 +287,9 @@ class Loader:
         (BudgetExceededError otherwise: use iter_tensors)."""
         self._check_open()
         self._check_dtypes()
+        if self._cooperative is not None:
+            out, self._stats = self._cooperative.load(self._names, LoadStats)
+            return out
         stats = LoadStats()
         start = time.perf_counter()
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -314,6 +328,7 @@ class Loader:
         budget, while the next batch is read ahead when the budget allows it."""
         self._check_open()
         self._check_dtypes()
+        _distributed.refuse_streaming(self._cooperative)
         stats = LoadStats()
         self._stats = stats
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -360,6 +375,7 @@ class Loader:
         An exception from the callback stops the load and propagates."""
         self._check_open()
         self._check_dtypes()
+        _distributed.refuse_streaming(self._cooperative)
 
         def on_batch(index, count, nbytes, triples):
             callback(Batch(index, count, nbytes, dict(self._finish(triples))))

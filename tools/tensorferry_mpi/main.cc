@@ -48,6 +48,8 @@ struct RankFigures {
   uint64_t read = 0;
   uint64_t sent = 0;
   uint64_t received = 0;
+  double read_seconds = 0;      // cooperative: inside the Loader
+  double exchange_seconds = 0;  // cooperative: inside the collectives
 };
 
 Result<ShardSpec> SpecFrom(const std::string& shard) {
@@ -73,6 +75,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.read = stats.bytes_read;
     f.sent = stats.bytes_sent;
     f.received = stats.bytes_received;
+    f.read_seconds = stats.read_seconds;
+    f.exchange_seconds = stats.exchange_seconds;
   } else {
     LoadOptions o = options;
     if (mode == "sliced") o.shard = TensorParallelOptions{spec, c.rank(), c.size()};
@@ -177,8 +181,10 @@ int Main(int argc, char** argv) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     // Every rank's figures to everyone (microseconds for the time).
     std::vector<std::vector<uint64_t>> columns;
-    for (uint64_t v : {static_cast<uint64_t>(figures->seconds * 1e6), figures->bytes, figures->read,
-                       figures->sent, figures->received}) {
+    for (uint64_t v :
+         {static_cast<uint64_t>(figures->seconds * 1e6), figures->bytes, figures->read,
+          figures->sent, figures->received, static_cast<uint64_t>(figures->read_seconds * 1e6),
+          static_cast<uint64_t>(figures->exchange_seconds * 1e6)}) {
       auto all = group.AllGather(v);
       if (!all.ok()) return fail(all.status());
       columns.push_back(std::move(*all));
@@ -190,12 +196,16 @@ int Main(int argc, char** argv) {
       json += std::string(run ? ", " : "") + "{\"wall_seconds\": " + std::to_string(wall) +
               ", \"bytes_read_total\": " + std::to_string(total_read) + ", \"per_rank\": [";
       for (uint32_t r = 0; r < world; ++r) {
-        json += std::string(r ? ", " : "") + "{\"rank\": " + std::to_string(r) +
-                ", \"seconds\": " + std::to_string(static_cast<double>(columns[0][r]) / 1e6) +
-                ", \"bytes\": " + std::to_string(columns[1][r]) +
-                ", \"bytes_read\": " + std::to_string(columns[2][r]) +
-                ", \"bytes_sent\": " + std::to_string(columns[3][r]) +
-                ", \"bytes_received\": " + std::to_string(columns[4][r]) + "}";
+        json +=
+            std::string(r ? ", " : "") + "{\"rank\": " + std::to_string(r) +
+            ", \"seconds\": " + std::to_string(static_cast<double>(columns[0][r]) / 1e6) +
+            ", \"bytes\": " + std::to_string(columns[1][r]) +
+            ", \"bytes_read\": " + std::to_string(columns[2][r]) +
+            ", \"bytes_sent\": " + std::to_string(columns[3][r]) +
+            ", \"bytes_received\": " + std::to_string(columns[4][r]) +
+            ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
+            ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
+            "}";
       }
       json += "]}";
       continue;
@@ -204,10 +214,13 @@ int Main(int argc, char** argv) {
                 args.mode.c_str(), world, args.cold ? ", cold" : "", wall,
                 FormatBytes(total_read).c_str(), static_cast<double>(total_read) / wall / 1e9);
     for (uint32_t r = 0; r < world; ++r) {
-      std::printf("  rank %u: %.3f s, shard %s, read %s, sent %s, received %s\n", r,
-                  static_cast<double>(columns[0][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
-                  FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
-                  FormatBytes(columns[4][r]).c_str());
+      std::printf(
+          "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), shard %s, read %s, sent %s, "
+          "received %s\n",
+          r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
+          static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
+          FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
+          FormatBytes(columns[4][r]).c_str());
     }
   }
   if (root && args.json) std::printf("%s]}\n", json.c_str());

@@ -29,11 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_mpi(tool, np, path, mode, args, cold):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_btl_vader_single_copy_mechanism="none")
+               OMPI_MCA_mpi_yield_when_idle="1")  # more ranks than cores: do not spin
     cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", tool, "load", path,
            "--mode", mode, "--json", "--budget", args.budget, "--shard", args.shard]
     if args.engine:
         cmd += ["--engine", args.engine]
+    if args.direct:
+        cmd += ["--direct", args.direct]
     if cold:
         cmd.append("--cold")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -59,6 +61,8 @@ def main():
     p.add_argument("--cold-runs", type=int, default=3, help="0: no cold runs")
     p.add_argument("--budget", default="512MB")
     p.add_argument("--engine", default="")
+    p.add_argument("--direct", default="", help="auto | on | off (on: every rank reads from "
+                   "storage, as ranks on separate machines would; the page cache is not shared)")
     p.add_argument("--shard", default="builtin")
     p.add_argument("--tool", default=os.path.join(ROOT, "build", "release", "bin", "tensorferry-mpi"))
     p.add_argument("--json", help="write every sample here")
@@ -70,12 +74,12 @@ def main():
                if f.endswith(".safetensors")) if os.path.isdir(args.path) else os.path.getsize(args.path)
     print(f"# {platform.node()}: {os.cpu_count()} CPUs, {platform.release()}; "
           f"{args.path}: {size / 1e9:.2f} GB; {args.ranks} ranks, budget {args.budget}, "
-          f"shard rules {args.shard}; modes {', '.join(modes)}", flush=True)
+          f"shard rules {args.shard}, direct {args.direct or 'default'}; modes {', '.join(modes)}", flush=True)
     samples = {}
     configs = [(False, args.runs)] + ([(True, args.cold_runs)] if args.cold_runs else [])
     for cold, runs in configs:
         label = "cold" if cold else "warm"
-        if not cold:  # warm-up: every file in the page cache
+        if not cold and runs:  # warm-up: every file in the page cache
             run_mpi(args.tool, 1, args.path, "full", args, False)
         for i in range(runs):
             # Alternate the modes within each round of runs.

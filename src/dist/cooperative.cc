@@ -225,24 +225,37 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
       const uint64_t mine = item.counts[me];
       std::shared_ptr<std::byte[]> buffer(new std::byte[mine]);
       if (info.size > 0) {
+        // The reader copies its own slice straight into its result; the transfer carries the
+        // other ranks' slices only (the root's count is 0 in it, on every rank alike).
+        std::vector<uint64_t> transfer = item.counts;
+        transfer[root] = 0;
         std::span<const std::byte> send;
+        std::span<std::byte> recv;
         if (root == me) {
-          // Every rank's slice, in rank order, each in destination order.
-          pack.resize(std::accumulate(item.counts.begin(), item.counts.end(), uint64_t{0}));
+          std::byte* own = buffer.get();
+          for (const auto& [offset, length] : SliceByteRanges(info, item.slices[me])) {
+            std::memcpy(own, source->data() + offset, length);
+            own += length;
+          }
+          // Every other rank's slice, in rank order, each in destination order.
+          pack.resize(std::accumulate(transfer.begin(), transfer.end(), uint64_t{0}));
           std::byte* dst = pack.data();
           for (uint32_t q = 0; q < world; ++q) {
+            if (q == me) continue;
             for (const auto& [offset, length] : SliceByteRanges(info, item.slices[q])) {
               std::memcpy(dst, source->data() + offset, length);
               dst += length;
             }
           }
           send = pack;
-          local.bytes_sent += pack.size() - mine;
+          local.bytes_sent += pack.size();
         } else {
+          recv = {buffer.get(), mine};
           local.bytes_received += mine;
         }
-        TF_RETURN_IF_ERROR(collective.Scatterv(send, item.counts, {buffer.get(), mine}, root)
-                               .WithPrefix(info.name));
+        if (world > 1) {
+          TF_RETURN_IF_ERROR(collective.Scatterv(send, transfer, recv, root).WithPrefix(info.name));
+        }
       }
       const std::byte* data = buffer.get();
       out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, std::move(buffer));

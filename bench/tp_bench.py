@@ -5,9 +5,10 @@ Runs `tensorferry load --json` on a checkpoint: the full load, then every rank o
 and 8 with the builtin rules, for each gap setting (exact strides: --max-gap 0; the default 64KiB;
 covering blocks: --max-gap 1GiB). Reports per configuration the median load time over --runs runs
 and the bytes read per rank against the target (split tensors / world + replicated tensors).
-Files are read warm (page cache), so timings compare CPU-side work: syscalls and copies.
+Files are read warm (page cache) unless --cold evicts them (POSIX_FADV_DONTNEED) before every run.
 
-    python3 bench/tp_bench.py data/default --cli build/release/bin/tensorferry [--runs 3]
+    .venv/bin/python bench/tp_bench.py data/default [--cli build/release/bin/tensorferry]
+        [--runs 3] [--engine pread] [--worlds 2,4,8] [--gaps 0,64KiB,1GiB] [--cold]
 """
 import argparse
 import json
@@ -16,7 +17,24 @@ import subprocess
 import sys
 
 
+COLD = {"on": False, "files": []}
+
+
+def evict():
+    """Drops the checkpoint's pages from the page cache (POSIX_FADV_DONTNEED), so the next run
+    reads from storage."""
+    import os
+    for path in COLD["files"]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run(cli, args):
+    if COLD["on"]:
+        evict()
     r = subprocess.run([cli, "load", *args, "--json", "--no-checksum"], capture_output=True,
                        text=True, check=False)
     if r.returncode != 0:
@@ -29,7 +47,6 @@ def split_and_replicated(cli, path):
     r = subprocess.run([cli, "inspect", path, "--json", "--all"], capture_output=True, text=True,
                        check=True)
     doc = json.loads(r.stdout)
-    sys.path.insert(0, "build/python")
     try:
         import tensorferry
         spec = tensorferry.ShardSpec.builtin()
@@ -56,12 +73,31 @@ def main():
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--gaps", default="0,64KiB,1GiB")
     ap.add_argument("--threads", default="")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the checkpoint from the page cache before every run")
     a = ap.parse_args()
+    if a.cold:
+        import glob
+        import os
+        COLD["on"] = True
+        COLD["files"] = sorted(glob.glob(os.path.join(a.path, "*.safetensors"))) \
+            if os.path.isdir(a.path) else [a.path]
     common = ["--engine", a.engine] + (["--threads", a.threads] if a.threads else [])
     split, replicated = split_and_replicated(a.cli, a.path)
-    print(f"checkpoint {a.path}: {split / 1e9:.3f} GB split by the builtin rules, "
-          f"{replicated / 1e9:.3f} GB replicated; engine {a.engine}; median of {a.runs} runs, warm")
-    run(a.cli, [a.path] + common)  # warm the page cache
+    import os
+    import platform
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"machine: {os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}")
+    print(f"checkpoint {a.path}: {split / 1e9:.4f} GB split by the builtin rules, "
+          f"{replicated / 1e6:.3f} MB replicated; engine {a.engine}; median of {a.runs} runs, "
+          f"{'cold (evicted before each run)' if a.cold else 'warm page cache'}")
+    if not a.cold:
+        run(a.cli, [a.path] + common)  # warm the page cache
     full = [run(a.cli, [a.path] + common) for _ in range(a.runs)]
     full_s = statistics.median(r["seconds"] for r in full)
     print(f"full load: {full[0]['bytes_read'] / 1e9:.3f} GB read, {full_s:.3f} s")

@@ -775,8 +775,12 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
     EXPECT_TRUE(has_rank);
   }
   EXPECT_FALSE(fs::exists(dst + "/.rank-00000-of-00003.partial"));
-  // Never overwritten.
+  // Never overwritten, and refused before anything is written.
   ExpectOneLineError(RunCli({"reshard", dir.Join("src"), dst, "--tp", "3", "--no-sync"}));
+  fs::create_directories(dir.Join("other/rank-00002-of-00003"));
+  ExpectOneLineError(
+      RunCli({"reshard", dir.Join("src"), dir.Join("other"), "--tp", "3", "--no-sync"}));
+  EXPECT_FALSE(fs::exists(dir.Join("other/rank-00000-of-00003")));
   // --max-shard-size alone: the same tensors in more files.
   const std::string split = dir.Join("split");
   r = RunCli({"reshard", dir.Join("src"), split, "--max-shard-size", "16KB", "--no-sync"});

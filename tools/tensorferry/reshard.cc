@@ -7,7 +7,8 @@
 // sized pieces (TensorToWrite::generate), which are read from the source's slice ranges with
 // positional reads; memory stays at the writer's buffer. Nothing is half-written: each rank is
 // written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
-// complete; a failure removes the partial directory.
+// complete; a failure removes the partial directory (ranks completed before it stay, each whole).
+// An existing rank directory is refused before anything is written.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -165,6 +166,15 @@ int RunReshard(const ReshardArgs& a) {
     return kExitError;
   }
   const uint32_t world = a.tp == 0 ? 1 : a.tp;
+  // Refused before anything is written: no rank directory is ever overwritten.
+  for (uint32_t rank = 0; a.tp > 0 && rank < world; ++rank) {
+    const fs::path final_dir = fs::path(a.dst) / RankDirName(rank, world);
+    if (fs::exists(final_dir)) {
+      PrintError(final_dir.string(),
+                 Status(Code::kInvalidArgument, "already exists; not overwritten"));
+      return kExitError;
+    }
+  }
   uint64_t written = 0;
   for (uint32_t rank = 0; rank < world; ++rank) {
     Metadata metadata = base;
@@ -179,13 +189,7 @@ int RunReshard(const ReshardArgs& a) {
     const std::string partial =
         a.tp > 0 ? (fs::path(a.dst) / ("." + RankDirName(rank, world) + ".partial")).string()
                  : a.dst;
-    if (a.tp > 0) {
-      if (fs::exists(final_dir)) {
-        PrintError(final_dir, Status(Code::kInvalidArgument, "already exists; not overwritten"));
-        return kExitError;
-      }
-      fs::remove_all(partial, ec);
-    }
+    if (a.tp > 0) fs::remove_all(partial, ec);  // left by an interrupted run
     auto paths = WriteRank(**ckpt, files, spec, rank, world, partial, so, metadata);
     if (!paths.ok()) {
       if (a.tp > 0) fs::remove_all(partial, ec);

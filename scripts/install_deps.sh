@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
               libsimdjson-dev libzip-dev pkg-config time libcli11-dev libgtest-dev googletest liburing-dev
-              python3-venv fio)
+              python3-venv fio
+              openmpi-bin libopenmpi-dev)  # MPI: tensorferry::mpi, tensorferry-mpi, the mpi tests
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "distributed.h"
 #include "errors.h"
 #include "export.h"
 #include "gil.h"
@@ -975,6 +976,7 @@ NB_MODULE(_core, m) {
   m.attr("__version__") = TENSORFERRY_VERSION_STRING;
   m.attr("SOURCE_HASH") = TENSORFERRY_SOURCE_HASH;
   RegisterErrors(m);
+  RegisterDistributed(m);
 
   nb::class_<BatchStream>(m, "BatchStream")
       .def("next", &BatchStream::Next)

@@ -3,7 +3,7 @@ import dataclasses
 import os
 import time
 
-from . import _core, _frameworks
+from . import _core, _distributed, _frameworks
 from ._core import InvalidArgumentError
 from ._shard import shard_spec
 
@@ -193,7 +193,12 @@ class Loader:
             for the built-in rules, a dict, JSON, a file, (pattern, rule) pairs; docs/python.md).
         shard_max_gap: strided shards: gaps up to this many bytes are read and discarded, in
             every file (default: exact strides for files in the page cache, 64 KiB for the
-            others; 0: exact strides).
+            others; 0: exact strides). On a GPU, strided shards are always staged covering
+            ranges copied as 2D (docs/gpu.md).
+        process_group: a torch.distributed process group of the tp_size ranks: cooperative mode,
+            each byte read once by one rank and the slices exchanged (docs/distributed.md;
+            load() only). With device="cuda" each reader loads its tensors straight into GPU
+            memory and the exchange runs on GPU buffers (NCCL); `budget` bounds each round.
 
     Tensors stay valid after the loader is closed; memory is freed when the last tensor of a
     batch is dropped. A Loader may be used from one thread at a time.
@@ -204,7 +209,7 @@ class Loader:
                  order=None, populate=None, allow_oversized=None, pool_bytes=None,
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
-                 shard_max_gap=None):
+                 shard_max_gap=None, process_group=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -244,9 +249,16 @@ class Loader:
             if tp_size is None:
                 raise InvalidArgumentError("shard_rules needs tp_rank and tp_size")
             options["shard_rules"] = shard_spec(shard_rules)
+        if process_group is not None and device_map is not None:
+            raise InvalidArgumentError("process_group= and device_map= do not go together: the "
+                                       "cooperative exchange needs one device per rank")
+        # The torch device cooperative mode exchanges on (self._device is None once the core
+        # loads to the GPU itself).
+        requested = self._device
         if core_device is not None and placement is None and device_budget is None \
-                and options["budget"]:
-            # Every tensor goes to the GPU: the budget is about GPU memory.
+                and options["budget"] and process_group is None:
+            # Every tensor goes to the GPU: the budget is about GPU memory. (Cooperative mode
+            # keeps `budget` as the bytes each rank reads per round.)
             options["device_budget"] = options.pop("budget")
         if placement is not None:
             # Tensors are already where the map puts them; `device` is where unmatched ones go.
@@ -263,6 +275,8 @@ class Loader:
             if populate is None and not os.environ.get("TENSORFERRY_POPULATE"):
                 options["populate"] = True
         path = os.fspath(checkpoint)
+        self._cooperative = None if process_group is None else _distributed.Cooperative(
+            path, process_group, options, self._fw, requested)
         self._reader = _core.Reader(path, False, {k: v for k, v in options.items() if v is not None})
         self._names = self._resolve(select)
         self._progress = progress
@@ -321,6 +335,12 @@ class Loader:
         return self._reader.options()
 
     @property
+    def cooperative_stats(self):
+        """With process_group: this rank's figures of the last load() (bytes_read, bytes_sent,
+        bytes_received, rounds, seconds, read_seconds, exchange_seconds); else None."""
+        return None if self._cooperative is None else dict(self._cooperative.stats)
+
+    @property
     def stats(self):
         """LoadStats of the last load() or iteration."""
         return self._stats
@@ -338,6 +358,9 @@ class Loader:
         (BudgetExceededError otherwise: use iter_tensors)."""
         self._check_open()
         self._check_dtypes()
+        if self._cooperative is not None:
+            out, self._stats = self._cooperative.load(self._names, LoadStats)
+            return out
         stats = LoadStats()
         start = time.perf_counter()
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -416,6 +439,7 @@ class Loader:
         budget, while the next batch is read ahead when the budget allows it."""
         self._check_open()
         self._check_dtypes()
+        _distributed.refuse_streaming(self._cooperative)
         stats = LoadStats()
         self._stats = stats
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -462,6 +486,7 @@ class Loader:
         An exception from the callback stops the load and propagates."""
         self._check_open()
         self._check_dtypes()
+        _distributed.refuse_streaming(self._cooperative)
 
         def on_batch(index, count, nbytes, triples, device):
             callback(Batch(index, count, nbytes, dict(self._finish(triples)), device))

@@ -1,0 +1,211 @@
+"""Cooperative tensor-parallel loading over torch.distributed (docs/distributed.md).
+
+Every rank of a process group computes the same schedule (tensorferry::AssignReaders and
+AssignRounds through _core.cooperative_plan: contiguous, byte-balanced runs of tensors in
+checkpoint order, in budget-bounded rounds), reads only its own tensors with the C++ loader, and
+the slices reach their owners through torch.distributed collectives:
+
+  * replicated tensors: broadcast from the reader;
+  * split tensors: the reader cuts every rank's slice (the blocks SliceOf gives, concatenated
+    along the split dimension: the bytes SliceByteRanges names, in the same order), pads them to
+    one length as uint8 and scatters them; each rank keeps its own length.
+
+gloo exchanges CPU tensors; with device="cuda" (NCCL) the reader moves its tensors to its GPU
+first and every buffer lives on the GPU. The result on each rank equals the independent per-rank
+sliced load byte for byte. A read error on any rank is made known to all (an all-reduce of a flag
+per round), so every rank raises instead of waiting in a collective.
+"""
+import time
+
+from . import _core
+
+# Options of the per-rank sliced path: the cooperative reader reads whole tensors.
+_TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
+
+
+class Cooperative:
+    """The cooperative mode of one tensorferry.Loader (Loader(..., process_group=pg))."""
+
+    def __init__(self, path, process_group, options, fw, device):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise _core.InvalidArgumentError(
+                "process_group= needs an initialized torch.distributed")
+        world = dist.get_world_size(process_group)
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise _core.InvalidArgumentError("this process is not a member of process_group")
+        tp_rank, tp_size = options.get("tp_rank"), options.get("tp_size")
+        if tp_size is None or tp_rank is None:
+            raise _core.InvalidArgumentError("process_group= needs tp_rank and tp_size")
+        if (tp_rank, tp_size) != (rank, world):
+            raise _core.InvalidArgumentError(
+                f"tp_rank={tp_rank}, tp_size={tp_size} but this process is rank {rank} of "
+                f"{world} in process_group")
+        spec = options.get("shard_rules")
+        # Without shard_rules the per-rank path uses the builtin rules: so does this one.
+        self._spec_json = spec.to_json() if spec is not None else "builtin"
+        if spec is not None and json_ties(self._spec_json):
+            raise _core.UnsupportedError(
+                "cooperative loading does not support tied tensors (shard_rules ties) yet")
+        self._path = path
+        self._group = process_group
+        self._fw = fw
+        self._device = device
+        self._budget = options.get("budget") or 0
+        self._reader_options = {k: v for k, v in options.items()
+                                if v is not None and k not in _TP_KEYS and k != "budget"}
+        self.stats = {}
+
+    def load(self, names, stats_type):
+        """({name: tensor}, LoadStats) of this rank's shard."""
+        figures = {}
+        out = load_cooperative(self._path, process_group=self._group, shard_spec=self._spec_json,
+                               fw=self._fw, device=self._device, names=names,
+                               budget=self._budget, reader_options=self._reader_options,
+                               stats=figures)
+        self.stats = figures
+        stats = stats_type(tensors=figures["tensors"], bytes=figures["bytes"],
+                           batches=figures["rounds"], seconds=figures["seconds"])
+        stats.bytes_read = figures["bytes_read"]
+        return out, stats
+
+
+def json_ties(spec_json):
+    import json
+    return bool(json.loads(spec_json).get("ties"))
+
+
+def refuse_streaming(cooperative):
+    if cooperative is not None:
+        raise _core.InvalidArgumentError(
+            "a Loader with process_group= loads with load(); iter_tensors/iter_batches/stream "
+            "are not cooperative")
+
+
+def _global_rank(dist, group, rank):
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _as_bytes(torch, tensor):
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def load_cooperative(path, *, process_group, shard_spec, fw, device, names=None, budget=0,
+                     reader_options=None, stats=None):
+    """Loads this rank's shard of `names` (None: all) cooperatively; returns {name: tensor} in
+    checkpoint order, local shapes. shard_spec: "builtin", "none" or ShardSpec JSON text.
+    fw: the torch framework of _frameworks. stats: a dict to fill with this rank's figures."""
+    import torch
+    import torch.distributed as dist
+
+    if fw.name != "torch":
+        raise _core.InvalidArgumentError("process_group= needs framework=\"pt\" (torch)")
+    group = process_group
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise _core.InvalidArgumentError("this process is not a member of process_group")
+    start = time.perf_counter()
+    plan = _core.cooperative_plan(path, names, shard_spec, world, budget or 0)
+    on_gpu = device.type != "cpu"
+    # NCCL needs every buffer on the GPU, gloo on the CPU.
+    comm_device = device if on_gpu else torch.device("cpu")
+    figures = {"tensors": len(plan), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
+               "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0}
+    rounds = max((entry[4] for entry in plan), default=-1) + 1
+    # The rounds are the budget: the reader under them has none of its own.
+    reader = _core.Reader(path, False, dict(reader_options or {}))
+    out = {}
+    try:
+        mine_names = [entry[0] for entry in plan if entry[3] == rank]
+        fw.check(reader, mine_names)
+        for k in range(rounds):
+            mine = [entry[0] for entry in plan if entry[3] == rank and entry[4] == k]
+            loaded = {}
+            error = None
+            if mine:
+                t0 = time.perf_counter()
+                try:
+                    triples = reader.load(mine, fw.code)
+                    loaded = dict(fw.finish_all(triples, comm_device))
+                    del triples
+                    figures["bytes_read"] += reader.stats()["bytes"]
+                except Exception as e:  # re-raised below, after the others know
+                    error = e
+                figures["read_seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            flags = torch.zeros(world, dtype=torch.int32, device=comm_device)
+            flags[rank] = 1 if error is not None else 0
+            dist.all_reduce(flags, group=group)
+            if error is not None:
+                raise error
+            failed = [q for q in range(world) if flags[q].item()]
+            if failed:
+                raise _core.SafetensorError(
+                    f"cooperative load: rank {failed[0]} failed reading its share; see its error")
+            for name, st_dtype, shape, root, rnd, dim, parts in plan:
+                if rnd != k:
+                    continue
+                src = _global_rank(dist, group, root)
+                tdtype = fw.dtype(st_dtype)
+                if dim < 0:
+                    if root == rank:
+                        t = loaded.pop(name)
+                        if t.numel():
+                            dist.broadcast(t, src=src, group=group)
+                        figures["bytes_sent"] += t.nbytes * (world - 1)
+                    else:
+                        t = torch.empty(fw.shape(st_dtype, shape, name), dtype=tdtype,
+                                        device=comm_device)
+                        if t.numel():
+                            dist.broadcast(t, src=src, group=group)
+                        figures["bytes_received"] += t.nbytes
+                    out[name] = t
+                    continue
+                counts = [p[2] for p in parts]
+                longest = max(counts)
+                local_shape = parts[rank][0]
+                if longest == 0:
+                    out[name] = torch.empty(local_shape, dtype=tdtype, device=comm_device)
+                    continue
+                recv = torch.empty(longest, dtype=torch.uint8, device=comm_device)
+                scatter_list = None
+                if root == rank:
+                    full = loaded.pop(name)
+                    scatter_list = []
+                    for q, (q_shape, blocks, nbytes) in enumerate(parts):
+                        pieces = [full.narrow(dim, s, n) for s, n in blocks]
+                        piece = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
+                        flat = _as_bytes(torch, piece.contiguous())
+                        if nbytes < longest:
+                            padded = torch.empty(longest, dtype=torch.uint8, device=comm_device)
+                            padded[:nbytes] = flat
+                            flat = padded
+                        scatter_list.append(flat)
+                        if q != rank:
+                            figures["bytes_sent"] += nbytes
+                    del full
+                else:
+                    figures["bytes_received"] += counts[rank]
+                dist.scatter(recv, scatter_list, src=src, group=group)
+                del scatter_list
+                mine_bytes = recv[:counts[rank]]
+                if counts[rank] < longest:
+                    mine_bytes = mine_bytes.clone()  # do not keep the padding alive
+                out[name] = mine_bytes.view(tdtype).reshape(local_shape)
+            figures["exchange_seconds"] += time.perf_counter() - t0
+            figures["rounds"] += 1
+            del loaded
+    finally:
+        reader.close()
+    # Checkpoint order (the exchange went round by round).
+    out = {entry[0]: out[entry[0]] for entry in plan}
+    if on_gpu and device != comm_device:
+        out = {n: t.to(device) for n, t in out.items()}
+    figures["bytes"] = sum(t.nbytes for t in out.values())
+    figures["seconds"] = time.perf_counter() - start
+    if stats is not None:
+        stats.update(figures)
+    return out

@@ -1,0 +1,260 @@
+#include "tensorferry/cooperative.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <thread>
+
+#include "testing/shard_fixture.h"
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+using testing::OracleSlice;
+using testing::TempDir;
+
+std::string Bytes(const Tensor& t) {
+  return std::string(reinterpret_cast<const char*>(t.data()), t.size());
+}
+
+TEST(AssignReaders, ContiguousRunsWithTheSmallestLargestRun) {
+  const std::vector<uint64_t> sizes = {5, 1, 1, 1, 1, 9, 2, 2, 3, 0, 4};
+  for (uint32_t world = 1; world <= 12; ++world) {
+    const std::vector<uint32_t> readers = AssignReaders(sizes, world);
+    ASSERT_EQ(readers.size(), sizes.size());
+    // Contiguous and non-decreasing, ranks in range.
+    for (size_t i = 0; i < readers.size(); ++i) {
+      EXPECT_LT(readers[i], world);
+      if (i > 0) {
+        EXPECT_GE(readers[i], readers[i - 1]);
+      }
+    }
+    std::vector<uint64_t> load(world, 0);
+    for (size_t i = 0; i < sizes.size(); ++i) load[readers[i]] += sizes[i];
+    const uint64_t worst = *std::max_element(load.begin(), load.end());
+    // Brute force over every contiguous cut into at most `world` runs (n - 1 = 10 cut points).
+    uint64_t best = UINT64_MAX;
+    const size_t n = sizes.size();
+    for (uint32_t mask = 0; mask < (1u << (n - 1)); ++mask) {
+      if (static_cast<uint32_t>(__builtin_popcount(mask)) + 1 > world) continue;
+      uint64_t run = 0;
+      uint64_t largest = 0;
+      for (size_t i = 0; i < n; ++i) {
+        run += sizes[i];
+        if (i + 1 == n || (mask >> i) & 1) {
+          largest = std::max(largest, run);
+          run = 0;
+        }
+      }
+      best = std::min(best, largest);
+    }
+    EXPECT_EQ(worst, best) << "world " << world;
+    EXPECT_EQ(AssignReaders(sizes, world), readers);  // deterministic
+  }
+  EXPECT_TRUE(AssignReaders({}, 4).empty());
+  EXPECT_EQ(AssignReaders(std::vector<uint64_t>{7}, 4), std::vector<uint32_t>{0});
+}
+
+TEST(AssignRounds, EachRankFillsItsRoundsUpToTheLimit) {
+  const std::vector<uint64_t> sizes = {4, 4, 4, 10, 1, 1, 1, 1};
+  const std::vector<uint32_t> readers = {0, 0, 0, 1, 1, 1, 1, 1};
+  EXPECT_EQ(AssignRounds(sizes, readers, 2, 0), std::vector<uint32_t>(8, 0));
+  EXPECT_EQ(AssignRounds(sizes, readers, 2, 8), (std::vector<uint32_t>{0, 0, 1, 0, 1, 1, 1, 1}));
+}
+
+// Runs LoadCooperative on every member of an in-process group of `world` and checks each rank's
+// tensors against the oracle slicing of the full tensors, and the read accounting.
+void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions& options) {
+  auto checkpoint = Checkpoint::Open(path).ValueOrThrow();
+  auto full_loader = Loader::Open(checkpoint).ValueOrThrow();
+  const std::vector<Tensor> full = full_loader->Load().ValueOrThrow();
+  const ShardSpec spec = testing::ShardFixtureSpec();
+
+  auto group = MakeInProcessGroup(world).ValueOrThrow();
+  std::vector<Result<std::vector<Tensor>>> results(world, Status(Code::kInternal, "not run"));
+  std::vector<CooperativeStats> stats(world);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] =
+          LoadCooperative(checkpoint, Selection::All(), spec, options, *group[r], &stats[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+
+  std::vector<uint64_t> sizes;
+  for (const TensorInfo& info : checkpoint->tensors()) sizes.push_back(info.size);
+  const std::vector<uint32_t> readers = AssignReaders(sizes, world);
+  uint64_t total_read = 0;
+  for (uint32_t r = 0; r < world; ++r) {
+    ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
+    const std::vector<Tensor>& mine = *results[r];
+    ASSERT_EQ(mine.size(), full.size());
+    uint64_t expected_read = 0;
+    for (size_t i = 0; i < full.size(); ++i) {
+      const TensorInfo& info = checkpoint->tensors()[i];
+      if (readers[i] == r) expected_read += info.size;
+      const ShardRule rule = spec.RuleFor(info.name);
+      const uint64_t elem = info.shape.empty() || info.size == 0
+                                ? 1
+                                : info.size / std::accumulate(info.shape.begin(), info.shape.end(),
+                                                              uint64_t{1}, std::multiplies<>());
+      EXPECT_EQ(mine[i].name(), info.name);
+      EXPECT_EQ(mine[i].dtype(), info.dtype);
+      EXPECT_EQ(Bytes(mine[i]), OracleSlice(Bytes(full[i]), info.shape, elem, rule, r, world))
+          << info.name << " rank " << r << " of " << world;
+      std::vector<uint64_t> shape = info.shape;
+      if (rule.is_split()) shape[rule.dim] = SliceOf(info, rule, r, world).value().shape[rule.dim];
+      EXPECT_EQ(mine[i].shape(), shape) << info.name;
+    }
+    // The independent per-rank sliced path (LoadOptions::shard) gives the same tensors.
+    LoadOptions independent_options = options;
+    independent_options.shard = TensorParallelOptions{spec, r, world};
+    independent_options.budget = 0;  // Load returns everything at once
+    auto independent = Loader::Open(checkpoint, independent_options).ValueOrThrow();
+    const std::vector<Tensor> theirs = independent->Load().ValueOrThrow();
+    ASSERT_EQ(theirs.size(), mine.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_EQ(theirs[i].name(), mine[i].name());
+      EXPECT_EQ(theirs[i].shape(), mine[i].shape()) << mine[i].name();
+      EXPECT_EQ(Bytes(theirs[i]), Bytes(mine[i])) << mine[i].name() << " rank " << r;
+    }
+    EXPECT_EQ(stats[r].bytes_read, expected_read) << "rank " << r;
+    total_read += stats[r].bytes_read;
+    EXPECT_EQ(stats[r].tensors, full.size());
+  }
+  EXPECT_EQ(total_read, std::accumulate(sizes.begin(), sizes.end(), uint64_t{0}));
+}
+
+TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
+    for (Engine engine : {Engine::kPread, Engine::kMmap}) {
+      for (uint64_t budget : {uint64_t{0}, uint64_t{1500}}) {
+        SCOPED_TRACE("world " + std::to_string(world) + " engine " +
+                     std::string(EngineName(engine)) + " budget " + std::to_string(budget));
+        LoadOptions options;
+        options.engine = engine;
+        options.budget = budget;
+        options.threads = 2;
+        CheckCooperative(dir.path(), world, options);
+      }
+    }
+  }
+}
+
+TEST(Cooperative, TiesAreRefused) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  ShardSpec spec = testing::ShardFixtureSpec();
+  spec.Tie("lm_head.weight", "model.embed_tokens.weight");
+  auto group = MakeInProcessGroup(1).ValueOrThrow();
+  EXPECT_EQ(LoadCooperative(checkpoint, Selection::All(), spec, {}, *group[0]).status().code(),
+            Code::kUnsupported);
+}
+
+// The exchange runs in host memory: a device target is refused on every rank before any read
+// or collective (rank-local checks only, so a group of 1 suffices), naming the device; a shard
+// in the options does not change what the reader reads (whole tensors).
+TEST(Cooperative, DeviceTargetsAreRefusedAndShardOptionsIgnored) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  const ShardSpec spec = testing::ShardFixtureSpec();
+  auto group = MakeInProcessGroup(1).ValueOrThrow();
+  LoadOptions to_gpu;
+  to_gpu.device = Device::CUDA(0);
+  CooperativeStats stats;
+  const Status s =
+      LoadCooperative(checkpoint, Selection::All(), spec, to_gpu, *group[0], &stats).status();
+  EXPECT_EQ(s.code(), Code::kUnsupported) << s.ToString();
+  EXPECT_NE(s.message().find("cuda:0"), std::string::npos) << s.ToString();
+  EXPECT_EQ(stats.bytes_read, 0u);
+  LoadOptions placed;
+  placed.placement = Placement({{"model.layers.0", Device::CUDA(0)}});
+  EXPECT_EQ(LoadCooperative(checkpoint, Selection::All(), spec, placed, *group[0]).status().code(),
+            Code::kUnsupported);
+
+  // options.shard (rank 1 of 2) must not make the reader read slices: rank 0 of a group of 1
+  // gets the whole tensors.
+  LoadOptions with_shard;
+  with_shard.shard = TensorParallelOptions{spec, 1, 2};
+  const std::vector<Tensor> got =
+      LoadCooperative(checkpoint, Selection::All(), spec, with_shard, *group[0]).ValueOrThrow();
+  auto plain = Loader::Open(checkpoint).ValueOrThrow()->Load().ValueOrThrow();
+  ASSERT_EQ(got.size(), plain.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].shape(), plain[i].shape()) << got[i].name();
+    EXPECT_EQ(Bytes(got[i]), Bytes(plain[i])) << got[i].name();
+  }
+}
+
+TEST(Cooperative, RuleErrorsStopEveryRankBeforeAnyRead) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  ShardSpec spec = testing::ShardFixtureSpec();
+  spec.Set("model.layers.0.input_layernorm.weight", ShardRule::Split(1));  // a 1-D tensor
+  auto group = MakeInProcessGroup(3).ValueOrThrow();
+  std::vector<Status> statuses(3);
+  std::vector<CooperativeStats> stats(3);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      statuses[r] =
+          LoadCooperative(checkpoint, Selection::All(), spec, {}, *group[r], &stats[r]).status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (uint32_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(statuses[r].code(), Code::kInvalidArgument) << statuses[r].ToString();
+    EXPECT_NE(statuses[r].message().find("input_layernorm"), std::string::npos);
+    EXPECT_EQ(stats[r].bytes_read, 0u);
+  }
+}
+
+TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
+  // The checkpoint in memory, with an I/O error in the last shard: only the last rank reads it.
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path(), 1u << 20).ok());  // one shard
+  testing::MemoryEnv env;
+  for (const char* name : {"model.safetensors.index.json", "model.safetensors"}) {
+    env.AddFile(std::string("/mem/") + name, testing::ReadBytes(dir.Join(name)));
+  }
+  const std::string shard = "/mem/model.safetensors";
+  env.SetFaults(
+      shard,
+      {.eio_at =
+           static_cast<int64_t>(testing::ReadBytes(dir.Join("model.safetensors")).size()) - 10});
+  OpenOptions open;
+  open.env = &env;
+  auto checkpoint = Checkpoint::Open("/mem", open).ValueOrThrow();
+  LoadOptions options;
+  options.env = &env;
+  options.engine = Engine::kPread;
+  auto group = MakeInProcessGroup(3).ValueOrThrow();
+  std::vector<Status> statuses(3);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      statuses[r] = LoadCooperative(checkpoint, Selection::All(), testing::ShardFixtureSpec(),
+                                    options, *group[r])
+                        .status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(statuses[2].code(), Code::kIoError) << statuses[2].ToString();
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
+    EXPECT_NE(statuses[r].message().find("rank 2 failed"), std::string::npos)
+        << statuses[r].ToString();
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -1,0 +1,166 @@
+// MpiCollective (tensorferry/mpi.h).
+#include "tensorferry/mpi.h"
+
+#include <algorithm>
+#include <climits>
+#include <string>
+#include <vector>
+
+namespace tensorferry {
+namespace {
+
+// Largest piece of one transfer: MPI counts are int.
+constexpr uint64_t kPiece = uint64_t{1} << 30;
+
+Status MpiError(int rc, const char* op) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
+  return Status(Code::kIoError, std::string(op) + " failed: " + std::string(text, length) +
+                                    " (MPI error " + std::to_string(rc) + ")");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<MpiCollective>> MpiCollective::Create(MPI_Comm comm) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return Status(Code::kInvalidArgument, "MpiCollective: MPI is not initialized");
+  MPI_Comm dup = MPI_COMM_NULL;
+  int rc = MPI_Comm_dup(comm, &dup);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  int rank = 0;
+  int size = 0;
+  MPI_Comm_rank(dup, &rank);
+  MPI_Comm_size(dup, &size);
+  return std::unique_ptr<MpiCollective>(
+      new MpiCollective(dup, static_cast<uint32_t>(rank), static_cast<uint32_t>(size)));
+}
+
+MpiCollective::~MpiCollective() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+Status MpiCollective::Broadcast(std::span<const std::byte> send, std::span<std::byte> recv,
+                                uint32_t root) {
+  if (root >= size_) {
+    return Status(Code::kInvalidArgument, "Broadcast: root " + std::to_string(root) +
+                                              " outside a group of " + std::to_string(size_));
+  }
+  // The root's buffer is only read (MPI_Bcast's buffer argument is not const).
+  std::byte* data = rank_ == root ? const_cast<std::byte*>(send.data()) : recv.data();
+  uint64_t total = rank_ == root ? send.size() : recv.size();
+  // Every member must cut the same pieces: agree on the root's size first.
+  uint64_t root_total = total;
+  int rc = MPI_Bcast(&root_total, 1, MPI_UINT64_T, static_cast<int>(root), comm_);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Bcast");
+  if (root_total != total) {
+    return Status(Code::kInvalidArgument, "Broadcast: rank " + std::to_string(rank_) + " expects " +
+                                              std::to_string(total) + " bytes, root " +
+                                              std::to_string(root) + " sends " +
+                                              std::to_string(root_total));
+  }
+  for (uint64_t done = 0; done < total; done += kPiece) {
+    const int count = static_cast<int>(std::min(kPiece, total - done));
+    rc = MPI_Bcast(data + done, count, MPI_BYTE, static_cast<int>(root), comm_);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Bcast");
+  }
+  return Status::Ok();
+}
+
+Status MpiCollective::Scatterv(std::span<const std::byte> send, std::span<const uint64_t> counts,
+                               std::span<std::byte> recv, uint32_t root) {
+  if (root >= size_) {
+    return Status(Code::kInvalidArgument, "Scatterv: root " + std::to_string(root) +
+                                              " outside a group of " + std::to_string(size_));
+  }
+  if (counts.size() != size_) {
+    return Status(Code::kInvalidArgument, "Scatterv: " + std::to_string(counts.size()) +
+                                              " counts for a group of " + std::to_string(size_));
+  }
+  if (recv.size() != counts[rank_]) {
+    return Status(Code::kInvalidArgument, "Scatterv: rank " + std::to_string(rank_) +
+                                              " receives into " + std::to_string(recv.size()) +
+                                              " bytes, its count is " +
+                                              std::to_string(counts[rank_]));
+  }
+  std::vector<uint64_t> offsets(size_, 0);
+  uint64_t total = 0;
+  uint64_t largest = 0;
+  for (uint32_t r = 0; r < size_; ++r) {
+    offsets[r] = total;
+    total += counts[r];
+    largest = std::max(largest, counts[r]);
+  }
+  if (rank_ == root && send.size() != total) {
+    return Status(Code::kInvalidArgument, "Scatterv: root sends " + std::to_string(send.size()) +
+                                              " bytes, the counts sum to " + std::to_string(total));
+  }
+  // Piece p carries bytes [p * kPiece, (p + 1) * kPiece) of every block; displacements are int
+  // too, so each piece goes through MPI with the root's blocks addressed relative to the lowest
+  // block offset of the piece, which stays below INT_MAX when the whole piece does; otherwise
+  // (total above 2 GiB) the root sends each block of the piece point to point.
+  std::vector<int> piece_counts(size_);
+  std::vector<int> displacements(size_);
+  for (uint64_t start = 0; start < largest; start += kPiece) {
+    uint64_t piece_total = 0;
+    for (uint32_t r = 0; r < size_; ++r) {
+      piece_total += counts[r] > start ? std::min(kPiece, counts[r] - start) : 0;
+    }
+    const uint64_t mine = counts[rank_] > start ? std::min(kPiece, counts[rank_] - start) : 0;
+    const bool fits_int = total <= static_cast<uint64_t>(INT_MAX) && piece_total <= INT_MAX;
+    if (fits_int) {
+      for (uint32_t r = 0; r < size_; ++r) {
+        piece_counts[r] =
+            static_cast<int>(counts[r] > start ? std::min(kPiece, counts[r] - start) : 0);
+        displacements[r] = static_cast<int>(offsets[r] + std::min(start, counts[r]));
+      }
+      const int rc = MPI_Scatterv(rank_ == root ? send.data() : nullptr, piece_counts.data(),
+                                  displacements.data(), MPI_BYTE, recv.data() + start,
+                                  static_cast<int>(mine), MPI_BYTE, static_cast<int>(root), comm_);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Scatterv");
+      continue;
+    }
+    if (rank_ == root) {
+      std::vector<MPI_Request> requests;
+      for (uint32_t r = 0; r < size_; ++r) {
+        const uint64_t count = counts[r] > start ? std::min(kPiece, counts[r] - start) : 0;
+        if (count == 0) continue;
+        if (r == root) {
+          std::copy_n(send.data() + offsets[r] + start, count, recv.data() + start);
+          continue;
+        }
+        requests.emplace_back();
+        const int rc = MPI_Isend(send.data() + offsets[r] + start, static_cast<int>(count),
+                                 MPI_BYTE, static_cast<int>(r), 0, comm_, &requests.back());
+        if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Isend");
+      }
+      const int rc =
+          MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Waitall");
+    } else if (mine > 0) {
+      const int rc = MPI_Recv(recv.data() + start, static_cast<int>(mine), MPI_BYTE,
+                              static_cast<int>(root), 0, comm_, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Recv");
+    }
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<uint64_t>> MpiCollective::AllGather(uint64_t value) {
+  std::vector<uint64_t> values(size_);
+  const int rc = MPI_Allgather(&value, 1, MPI_UINT64_T, values.data(), 1, MPI_UINT64_T, comm_);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather");
+  return values;
+}
+
+Status MpiCollective::Barrier() {
+  const int rc = MPI_Barrier(comm_);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Barrier");
+  return Status::Ok();
+}
+
+}  // namespace tensorferry

@@ -1,0 +1,164 @@
+"""Cooperative tensor-parallel loading over torch.distributed (gloo, CPU): each rank's tensors
+equal torch.tensor_split slices of the full tensors (per fused part), byte for byte, and the ranks
+together read every byte once."""
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+
+# Fused parts of "*.qkv.weight" along dim 0.
+QKV_PARTS = [40, 12, 12]
+SPEC = {
+    "rules": [
+        {"pattern": "*.qkv.weight", "split": 0, "parts": QKV_PARTS},
+        {"pattern": "*.q_proj.*", "split": 0},
+        {"pattern": "*.o_proj.weight", "split": 1},
+        {"pattern": "embed.weight", "split": 0},
+    ]
+}
+
+
+def _rule(name):
+    if name.endswith(".qkv.weight"):
+        return 0, QKV_PARTS
+    if ".q_proj." in name or name == "embed.weight":
+        return 0, None
+    if name.endswith(".o_proj.weight"):
+        return 1, None
+    return None, None
+
+
+def _expected(full, name, rank, world):
+    dim, parts = _rule(name)
+    if dim is None:
+        return full
+    if parts is None:
+        return torch.tensor_split(full, world, dim)[rank]
+    pieces = [torch.tensor_split(p, world, dim)[rank] for p in torch.split(full, parts, dim)]
+    return torch.cat(pieces, dim)
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _make_checkpoint(directory):
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(5)
+    tensors = {"embed.weight": torch.randn(67, 12, generator=g).to(torch.bfloat16)}
+    for layer in range(3):
+        p = f"layers.{layer}."
+        tensors[p + "q_proj.weight"] = torch.randn(37, 20, generator=g)
+        tensors[p + "q_proj.bias"] = torch.randint(-100, 100, (29,), generator=g).to(torch.int8)
+        tensors[p + "qkv.weight"] = torch.randn(64, 9, generator=g).to(torch.float16)
+        tensors[p + "o_proj.weight"] = torch.randn(20, 37, generator=g).to(torch.bfloat16)
+        tensors[p + "norm.weight"] = torch.randn(20, generator=g)
+        tensors[p + "step"] = torch.tensor(layer, dtype=torch.int64)
+    tensors["empty"] = torch.empty(0, 4, dtype=torch.uint8)
+    # Two files with an index, so reads span files.
+    names = list(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, chunk in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in chunk}, os.path.join(directory, fname))
+        weight_map.update({n: fname for n in chunk})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return tensors
+
+
+def _rank_main(rank, world, path, init, configs, results):
+    import tensorferry
+    from safetensors.torch import load_file
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        pg = dist.new_group(list(range(world)))
+        full = {}
+        for fname in sorted(os.listdir(path)):
+            if fname.endswith(".safetensors"):
+                full.update(load_file(os.path.join(path, fname)))  # the reference reader
+        # The independent per-rank sliced path.
+        independent = tensorferry.Loader(path, tp_rank=rank, tp_size=world,
+                                         shard_rules=json.dumps(SPEC)).load()
+        for i, (budget, engine) in enumerate(configs):
+            loader = tensorferry.Loader(path, budget=budget, engine=engine, tp_rank=rank,
+                                        tp_size=world, shard_rules=json.dumps(SPEC),
+                                        process_group=pg)
+            got = loader.load()
+            stats = loader.cooperative_stats
+            assert list(got) == list(loader.keys()) == list(independent)
+            for name, t in got.items():
+                want = _expected(full[name], name, rank, world)
+                assert t.dtype == want.dtype, name
+                assert list(t.shape) == list(want.shape), (name, t.shape, want.shape)
+                assert _bytes(t) == _bytes(want), name
+                assert _bytes(t) == _bytes(independent[name]), name
+            assert loader.stats.bytes_read == stats["bytes_read"]
+            read = torch.tensor([stats["bytes_read"]], dtype=torch.int64)
+            dist.all_reduce(read)
+            total = sum(t.nbytes for t in full.values())
+            assert read.item() == total, (read.item(), total)
+            with open(f"{results}.{i}.{rank}", "w") as f:
+                json.dump(stats, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cooperative_gloo_matches_tensor_split(tmp_path, world):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _make_checkpoint(str(ckpt))
+    # Several rounds (a budget far below a rank's share) with the copying engine; one round with
+    # the default engine.
+    configs = [(1500, "pread"), (None, None)]
+    results = str(tmp_path / "stats")
+    mp.spawn(_rank_main, args=(world, str(ckpt), f"file://{tmp_path}/init", configs, results),
+             nprocs=world, join=True)
+    for i, (budget, _) in enumerate(configs):
+        stats = []
+        for r in range(world):
+            with open(f"{results}.{i}.{r}") as f:
+                stats.append(json.load(f))
+        if budget:
+            assert all(s["rounds"] >= 2 for s in stats if s["bytes_read"]), stats
+        assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+
+
+def test_process_group_needs_matching_tp_arguments(tmp_path):
+    import tensorferry
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _make_checkpoint(str(ckpt))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        with pytest.raises(tensorferry.InvalidArgumentError, match="tp_rank=0, tp_size=2"):
+            tensorferry.Loader(str(ckpt), tp_rank=0, tp_size=2, process_group=dist.group.WORLD)
+        with pytest.raises(tensorferry.InvalidArgumentError, match="needs tp_rank and tp_size"):
+            tensorferry.Loader(str(ckpt), process_group=dist.group.WORLD)
+        loader = tensorferry.Loader(str(ckpt), tp_rank=0, tp_size=1, process_group=dist.group.WORLD)
+        with pytest.raises(tensorferry.InvalidArgumentError, match="load\\(\\)"):
+            next(loader.iter_tensors())
+        with pytest.raises(tensorferry.UnsupportedError, match="tied"):
+            tensorferry.Loader(str(ckpt), tp_rank=0, tp_size=1, process_group=dist.group.WORLD,
+                               shard_rules={"ties": {"lm": "embed.weight"}})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_assign_readers_is_the_cpp_rule():
+    import tensorferry._core as core
+    sizes = [5, 1, 1, 1, 1, 9, 2, 2, 3, 0, 4]
+    assert core.assign_readers(sizes, 1) == [0] * len(sizes)
+    readers = core.assign_readers(sizes, 3)
+    assert readers == sorted(readers) and set(readers) == {0, 1, 2}
+    loads = [sum(s for s, r in zip(sizes, readers) if r == q) for q in range(3)]
+    assert max(loads) == 11

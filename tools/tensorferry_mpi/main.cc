@@ -1,0 +1,248 @@
+// tensorferry-mpi: tensor-parallel loading over MPI, one process per rank (docs/distributed.md).
+//
+//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full] [--shard
+//   builtin|none|FILE]
+//          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
+//          [--threads N] [--repeat N] [--cold] [--json]
+//
+// Modes: cooperative: each rank reads its byte-balanced share once and the slices travel over MPI
+// (LoadCooperative); sliced: every rank reads only its own slices from the files, independently
+// (LoadOptions::shard); full: every rank reads every selected tensor whole (what a tensor-parallel
+// job without sliced loading does). cooperative and sliced end with the rank's shard resident in
+// memory; full drops each batch after reading it (a lower bound of its cost). Rank 0 prints, per
+// repetition, the wall time (from a common barrier to the last rank's end), the bytes every rank
+// read, sent and received; --json one document with every repetition. --cold: before each
+// repetition rank 0 evicts the checkpoint's files from the page cache (DropFromPageCache) and
+// checks they are out.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tensorferry/cooperative.h"
+#include "tensorferry/mpi.h"
+#include "tensorferry/residency.h"
+#include "tensorferry/size.h"
+
+namespace tensorferry {
+namespace {
+
+struct Args {
+  std::string path;
+  std::string mode = "cooperative";
+  std::string shard = "builtin";
+  std::string engine;
+  std::string direct;
+  std::string budget;
+  unsigned threads = 0;
+  unsigned repeat = 1;
+  bool cold = false;
+  bool json = false;
+};
+
+struct RankFigures {
+  double seconds = 0;
+  uint64_t bytes = 0;  // bytes this rank ends with
+  uint64_t read = 0;
+  uint64_t sent = 0;
+  uint64_t received = 0;
+  double read_seconds = 0;      // cooperative: inside the Loader
+  double exchange_seconds = 0;  // cooperative: inside the collectives
+};
+
+Result<ShardSpec> SpecFrom(const std::string& shard) {
+  if (shard == "builtin") return ShardSpec::Builtin();
+  if (shard == "none") return ShardSpec::None();
+  std::ifstream in(shard);
+  if (!in) return Status(Code::kNotFound, "--shard: cannot read " + shard);
+  std::stringstream text;
+  text << in.rdbuf();
+  return ShardSpec::FromJson(text.str());
+}
+
+Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoint>& checkpoint,
+                            const ShardSpec& spec, const LoadOptions& options,
+                            const std::string& mode) {
+  RankFigures f;
+  const auto start = std::chrono::steady_clock::now();
+  if (mode == "cooperative") {
+    CooperativeStats stats;
+    auto tensors = LoadCooperative(checkpoint, Selection::All(), spec, options, c, &stats);
+    if (!tensors.ok()) return tensors.status();
+    f.bytes = stats.bytes;
+    f.read = stats.bytes_read;
+    f.sent = stats.bytes_sent;
+    f.received = stats.bytes_received;
+    f.read_seconds = stats.read_seconds;
+    f.exchange_seconds = stats.exchange_seconds;
+  } else {
+    LoadOptions o = options;
+    if (mode == "sliced") {
+      o.shard = TensorParallelOptions{spec, c.rank(), c.size()};
+      o.budget = 0;  // it keeps everything
+    }
+    auto loader = Loader::Open(checkpoint, o);
+    if (!loader.ok()) return loader.status();
+    // sliced holds its shard to the end, as cooperative does (the result resident in memory);
+    // full drops each batch (holding every tensor whole on every rank would not fit here), so
+    // its figure is a lower bound.
+    std::vector<Tensor> held;
+    Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
+      f.bytes += b.bytes;
+      if (mode == "sliced") held.insert(held.end(), b.tensors.begin(), b.tensors.end());
+      return Status::Ok();
+    });
+    if (!s.ok()) return s;
+    f.read = (*loader)->stats().bytes_read;
+  }
+  f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return f;
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app("tensorferry-mpi: tensor-parallel loading over MPI (run under mpirun)");
+  app.require_subcommand(1);
+  Args args;
+  CLI::App* load = app.add_subcommand("load", "Load this rank's shard of a checkpoint");
+  load->add_option("path", args.path, "Checkpoint file, directory or index")->required();
+  load->add_option("--mode", args.mode, "cooperative | sliced | full")
+      ->check(CLI::IsMember({"cooperative", "sliced", "full"}));
+  load->add_option("--shard", args.shard, "builtin | none | a ShardSpec JSON file");
+  load->add_option("--engine", args.engine, "auto | pread | io_uring | mmap");
+  load->add_option("--direct", args.direct, "auto | on | off");
+  load->add_option("--budget", args.budget, "Bytes per rank per round (cooperative) or held");
+  load->add_option("--threads", args.threads, "I/O threads per rank (0: one per CPU)");
+  load->add_option("--repeat", args.repeat, "Repetitions")->check(CLI::PositiveNumber);
+  load->add_flag("--cold", args.cold, "Evict the files from the page cache before each run");
+  load->add_flag("--json", args.json, "One JSON document on rank 0's stdout");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) app.exit(e);
+    return e.get_exit_code() == 0 ? 0 : 2;
+  }
+
+  // A rank that fails cannot leave the others waiting in a collective: abort the job.
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  };
+  auto c = MpiCollective::Create(MPI_COMM_WORLD);
+  if (!c.ok()) return fail(c.status());
+  Collective& group = **c;
+  auto options_or = LoadOptions::FromEnvironment();
+  if (!options_or.ok()) return fail(options_or.status());
+  LoadOptions options = *options_or;
+  if (!args.engine.empty()) {
+    auto e = ParseEngine(args.engine);
+    if (!e.ok()) return fail(e.status());
+    options.engine = *e;
+  }
+  if (!args.direct.empty()) {
+    auto d = ParseDirectIO(args.direct);
+    if (!d.ok()) return fail(d.status());
+    options.direct = *d;
+  }
+  if (!args.budget.empty()) {
+    auto b = ParseSize(args.budget);
+    if (!b) return fail(Status(Code::kInvalidArgument, "--budget: not a size: " + args.budget));
+    options.budget = *b;
+  }
+  options.threads = args.threads;
+  auto spec = SpecFrom(args.shard);
+  if (!spec.ok()) return fail(spec.status());
+  auto checkpoint = Checkpoint::Open(args.path);
+  if (!checkpoint.ok()) return fail(checkpoint.status());
+
+  const uint32_t world = group.size();
+  const bool root = group.rank() == 0;
+  std::string json = "{\"mode\": \"" + args.mode + "\", \"ranks\": " + std::to_string(world) +
+                     ", \"cold\": " + (args.cold ? "true" : "false") + ", \"runs\": [";
+  for (unsigned run = 0; run < args.repeat; ++run) {
+    uint64_t evict_failed = 0;
+    if (args.cold && root) {
+      for (const FileInfo& file : (*checkpoint)->files()) {
+        Status s = DropFromPageCache(file.path);
+        auto cached = CachedFraction(file.path);
+        if (!s.ok() || !cached.ok() || *cached > 0.01) evict_failed = 1;
+      }
+    }
+    auto evicted = group.AllGather(evict_failed);
+    if (!evicted.ok()) return fail(evicted.status());
+    if ((*evicted)[0] != 0) {
+      return fail(Status(Code::kUnsupported, "--cold: the files could not be evicted"));
+    }
+    Status s = group.Barrier();
+    if (!s.ok()) return fail(s);
+    const auto start = std::chrono::steady_clock::now();
+    auto figures = RunOnce(group, *checkpoint, *spec, options, args.mode);
+    if (!figures.ok()) return fail(figures.status());
+    s = group.Barrier();
+    if (!s.ok()) return fail(s);
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Every rank's figures to everyone (microseconds for the time).
+    std::vector<std::vector<uint64_t>> columns;
+    for (uint64_t v :
+         {static_cast<uint64_t>(figures->seconds * 1e6), figures->bytes, figures->read,
+          figures->sent, figures->received, static_cast<uint64_t>(figures->read_seconds * 1e6),
+          static_cast<uint64_t>(figures->exchange_seconds * 1e6)}) {
+      auto all = group.AllGather(v);
+      if (!all.ok()) return fail(all.status());
+      columns.push_back(std::move(*all));
+    }
+    uint64_t total_read = 0;
+    for (uint64_t v : columns[2]) total_read += v;
+    if (!root) continue;
+    if (args.json) {
+      json += std::string(run ? ", " : "") + "{\"wall_seconds\": " + std::to_string(wall) +
+              ", \"bytes_read_total\": " + std::to_string(total_read) + ", \"per_rank\": [";
+      for (uint32_t r = 0; r < world; ++r) {
+        json +=
+            std::string(r ? ", " : "") + "{\"rank\": " + std::to_string(r) +
+            ", \"seconds\": " + std::to_string(static_cast<double>(columns[0][r]) / 1e6) +
+            ", \"bytes\": " + std::to_string(columns[1][r]) +
+            ", \"bytes_read\": " + std::to_string(columns[2][r]) +
+            ", \"bytes_sent\": " + std::to_string(columns[3][r]) +
+            ", \"bytes_received\": " + std::to_string(columns[4][r]) +
+            ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
+            ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
+            "}";
+      }
+      json += "]}";
+      continue;
+    }
+    std::printf("run %u: %s, %u ranks%s: %.3f s wall, %s read in all (%.2f GB/s)\n", run + 1,
+                args.mode.c_str(), world, args.cold ? ", cold" : "", wall,
+                FormatBytes(total_read).c_str(), static_cast<double>(total_read) / wall / 1e9);
+    for (uint32_t r = 0; r < world; ++r) {
+      std::printf(
+          "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), shard %s, read %s, sent %s, "
+          "received %s\n",
+          r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
+          static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
+          FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
+          FormatBytes(columns[4][r]).c_str());
+    }
+  }
+  if (root && args.json) std::printf("%s]}\n", json.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace tensorferry
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  const int rc = tensorferry::Main(argc, argv);
+  MPI_Finalize();
+  return rc;
+}

@@ -159,6 +159,7 @@ def test_loader_rank_equals_tensor_split(tiny_checkpoint, full_tensors, engine, 
                                 shard_max_gap=0) as loader:
             got = loader.load()
             stats = loader.stats
+            assert loader.total_bytes == sum(t.numel() * t.element_size() for t in got.values())
         assert set(got) == set(full_tensors)
         for name, full in full_tensors.items():
             want = reference_slice(full, spec.rule_for(name), rank, world)

@@ -8,7 +8,7 @@ and the bytes read per rank against the target (split tensors / world + replicat
 Files are read warm (page cache) unless --cold evicts them (POSIX_FADV_DONTNEED) before every run.
 
     .venv/bin/python bench/tp_bench.py data/default [--cli build/release/bin/tensorferry]
-        [--runs 3] [--engine pread] [--worlds 2,4,8] [--gaps 0,64KiB,1GiB] [--cold]
+        [--runs 3] [--engine pread] [--worlds 2,4,8] [--gaps 0,64KiB,1GiB,auto] [--cold]
 """
 import argparse
 import json
@@ -110,8 +110,10 @@ def main():
         for gap in a.gaps.split(","):
             reads, times = [], []
             for rank in range(world):
-                rs = [run(a.cli, [a.path, "--tp-rank", str(rank), "--tp-size", str(world),
-                                  "--max-gap", gap] + common) for _ in range(a.runs)]
+                # "auto": no --max-gap (exact strides for cached files, 64KiB for the others)
+                gap_args = [] if gap == "auto" else ["--max-gap", gap]
+                rs = [run(a.cli, [a.path, "--tp-rank", str(rank), "--tp-size", str(world)] +
+                          gap_args + common) for _ in range(a.runs)]
                 reads.append(max(r["bytes_read"] for r in rs))
                 times.append(statistics.median(r["seconds"] for r in rs))
             print(f"| {world} | {gap} | {max(reads) / 1e9:.4f} GB | {target / 1e9:.4f} GB | "

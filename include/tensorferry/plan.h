@@ -52,6 +52,9 @@ struct PlanOptions {
   // gaps up to max_gap inside covering reads), and the batch's `moves` pack each tensor's pieces
   // together after the reads. Tensors of a slice that is the whole tensor are planned as without.
   std::optional<TensorParallelOptions> shard;
+  // Per file (index into Checkpoint::files()), the max_gap of that file's sharded tensors,
+  // overriding shard->max_gap (the Loader fills it from shard->exact_when_cached); empty: none.
+  std::vector<uint64_t> file_max_gap;
 };
 
 // One tensor placed in a batch buffer.

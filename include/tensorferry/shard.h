@@ -189,6 +189,11 @@ struct TensorParallelOptions {
   // (exact strides). 0: exact strides only (every range its own read, nothing discarded).
   // Default 64 KiB; docs/benchmarks.md ("Tensor parallel") measures the trade-off.
   uint64_t max_gap = 64u << 10;
+  // When true, a file at least half of whose tensor bytes are in the page cache (mincore) is read
+  // with exact strides whatever max_gap says: copies from the page cache cost little per request,
+  // so covered gaps are pure extra copying there, while from storage every strided piece would be
+  // its own read (measured in docs/benchmarks.md). Files that cannot be checked use max_gap.
+  bool exact_when_cached = true;
 };
 
 }  // namespace tensorferry

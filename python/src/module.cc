@@ -122,7 +122,10 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
     tp.rank = *tp_rank;
     tp.world = *tp_size;
     tp.spec = spec ? std::move(*spec) : ShardSpec::Builtin();
-    if (max_gap) tp.max_gap = *max_gap;
+    if (max_gap) {
+      tp.max_gap = *max_gap;
+      tp.exact_when_cached = false;  // an explicit gap applies to every file
+    }
     o.shard = std::move(tp);
   }
   return o;
@@ -494,6 +497,7 @@ class Reader {
       d["tp_size"] = options_.shard->world;
       d["shard_rules"] = options_.shard->spec;
       d["shard_max_gap"] = options_.shard->max_gap;
+      d["shard_exact_when_cached"] = options_.shard->exact_when_cached;
     }
     return d;
   }

@@ -160,8 +160,9 @@ class Loader:
             of tp_size holds (local shape), and only its bytes are read (stats.bytes_read).
         shard_rules: how tensors are split (any tensorferry.shard_spec() form: None/"builtin"
             for the built-in rules, a dict, JSON, a file, (pattern, rule) pairs; docs/python.md).
-        shard_max_gap: strided shards: gaps up to this many bytes are read and discarded
-            (default 64 KiB; 0: exact strides).
+        shard_max_gap: strided shards: gaps up to this many bytes are read and discarded, in
+            every file (default: exact strides for files in the page cache, 64 KiB for the
+            others; 0: exact strides).
         process_group: a torch.distributed process group of the tp_size ranks: cooperative mode,
             each byte read once by one rank and the slices exchanged (docs/distributed.md;
             load() only).

@@ -16,6 +16,7 @@
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "memory/host_buffer.h"
+#include "tensorferry/residency.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -232,6 +233,23 @@ struct Loader::Impl {
     return largest <= half ? half : options.budget;
   }
 
+  // With shard->exact_when_cached: exact strides (0) for files mostly in the page cache, max_gap
+  // for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads the
+  // real file system by path: it only chooses how to read, never what is read.
+  std::vector<uint64_t> FileMaxGaps() const {
+    std::vector<uint64_t> gaps;
+    if (!options.shard || !options.shard->exact_when_cached) return gaps;
+    for (const FileInfo& f : checkpoint->files()) {
+      uint64_t gap = options.shard->max_gap;
+      if (f.file_size > f.data_offset) {
+        Result<double> cached = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
+        if (cached.ok() && *cached >= 0.5) gap = 0;
+      }
+      gaps.push_back(gap);
+    }
+    return gaps;
+  }
+
   PlanOptions MakePlanOptions(uint64_t batch_budget) const {
     PlanOptions p;
     p.chunk_size = options.chunk_size;
@@ -239,6 +257,7 @@ struct Loader::Impl {
     p.allow_oversized = options.allow_oversized;
     p.order = options.order;
     p.shard = options.shard;
+    p.file_max_gap = FileMaxGaps();
     return p;
   }
 

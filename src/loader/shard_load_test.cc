@@ -9,6 +9,7 @@
 
 #include "io/read_engine.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/residency.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/writer.h"
 #include "testing/test_util.h"
@@ -126,7 +127,9 @@ std::vector<Engine> Engines() {
 // Loads rank `rank` of `world` and checks every tensor against the naive slice; returns the
 // stats.
 LoadStats CheckRank(const TpFixture& f, LoadOptions o, uint32_t rank, uint32_t world) {
-  o.shard = TensorParallelOptions{f.spec, rank, world, o.shard ? o.shard->max_gap : 64u << 10};
+  // exact_when_cached off: the freshly written files are cached, and every gap setting must run.
+  o.shard =
+      TensorParallelOptions{f.spec, rank, world, o.shard ? o.shard->max_gap : 64u << 10, false};
   auto loader = Loader::Open(f.dir.path(), o).value();
   auto tensors = loader->Load();
   EXPECT_TRUE(tensors.ok()) << tensors.status().ToString();
@@ -201,7 +204,7 @@ TEST(ShardLoad, DirectIoAndBudget) {
     LoadOptions o;
     o.engine = Engine::kPread;
     o.budget = 256 << 10;
-    o.shard = TensorParallelOptions{f.spec, world - 1, world, 1 << 20};
+    o.shard = TensorParallelOptions{f.spec, world - 1, world, 1 << 20, false};
     auto loader = Loader::Open(f.dir.path(), o).value();
     size_t seen = 0;
     Status s = loader->Stream(Selection::All(), [&](Batch batch) {
@@ -357,6 +360,7 @@ TEST(ShardLoad, ExplainShowsStridedRanges) {
   EXPECT_EQ(plan.num_ranges, 24u);  // one per row: exact strides
   EXPECT_EQ(plan.read_bytes, plan.tensor_bytes);
   o.shard->max_gap = 1 << 20;
+  o.shard->exact_when_cached = false;
   auto covering = Loader::Open(f.dir.path(), o).value();
   const Plan one = covering->MakePlan(Selection::Names({"layers.0.o.weight"})).value();
   EXPECT_EQ(one.num_ranges, 1u);  // one covering read
@@ -364,6 +368,35 @@ TEST(ShardLoad, ExplainShowsStridedRanges) {
   EXPECT_EQ(one.num_moves, 23u);
   const std::string text = one.Explain(*covering->checkpoint());
   EXPECT_NE(text.find("discarded"), std::string::npos) << text;
+}
+
+TEST(ShardLoad, ExactStridesWhenCachedCoveringWhenCold) {
+  TpFixture f(4);
+  LoadOptions o;
+  o.shard = TensorParallelOptions{f.spec, 1, 4, 1 << 20, true};
+  const Selection one = Selection::Names({"layers.0.o.weight"});
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  const std::string& file =
+      loader->checkpoint()->files()[loader->checkpoint()->Find("layers.0.o.weight")->file].path;
+  // Just written: in the page cache, so exact strides despite the 1 MiB max_gap.
+  if (CachedFraction(file).value() >= 0.5) {
+    const Plan warm = loader->MakePlan(one).value();
+    EXPECT_EQ(warm.num_ranges, 24u);
+    EXPECT_EQ(warm.read_bytes, warm.tensor_bytes);
+  }
+  ASSERT_TRUE(DropFromPageCache(file).ok());
+  if (CachedFraction(file).value() >= 0.5) {
+    GTEST_SKIP() << "this file system keeps the pages cached (tmpfs?)";
+  }
+  const Plan cold = loader->MakePlan(one).value();
+  EXPECT_EQ(cold.num_ranges, 1u);
+  EXPECT_GT(cold.read_bytes, cold.tensor_bytes);
+  // And the load reads correct bytes either way.
+  auto got = loader->Load(one).value();
+  ASSERT_EQ(got.size(), 1u);
+  const TensorInfo& info = *loader->checkpoint()->Find("layers.0.o.weight");
+  EXPECT_EQ(Bytes(got[0]),
+            NaiveSlice(info, ShardRule::Split(1), 1, 4, f.Full("layers.0.o.weight")));
 }
 
 }  // namespace

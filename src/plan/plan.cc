@@ -304,7 +304,9 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
       if (rule.is_split()) {
         TF_ASSIGN_OR_RETURN(TensorSlice slice,
                             SliceOf(t, rule, options.shard->rank, options.shard->world));
-        layouts.push_back(MakeLayout(t, std::move(slice), options.shard->max_gap));
+        const uint64_t gap = t.file < options.file_max_gap.size() ? options.file_max_gap[t.file]
+                                                                  : options.shard->max_gap;
+        layouts.push_back(MakeLayout(t, std::move(slice), gap));
         layout = static_cast<int64_t>(layouts.size() - 1);
         size = layouts.back().slice.bytes;
         cost = std::max(size, layouts.back().read_bytes);

@@ -176,6 +176,7 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
       auto gap = ParseSize(a.max_gap);
       if (!gap) return Status(Code::kInvalidArgument, "--max-gap: not a size: " + a.max_gap);
       tp.max_gap = *gap;
+      tp.exact_when_cached = false;  // an explicit gap applies to every file
     }
     o.shard = std::move(tp);
   }
@@ -361,7 +362,8 @@ Command AddLoadCommand(CLI::App& parent) {
   app->add_option("--rules", args->rules,
                   "Shard rules, a JSON file (docs/python.md schema; default: the builtin rules)");
   app->add_option("--max-gap", args->max_gap,
-                  "Strided slices: gaps up to this size are read and discarded (default 64KiB; "
+                  "Strided slices: gaps up to this size are read and discarded, in every file "
+                  "(default: exact strides for files in the page cache, 64KiB for the others; "
                   "0: exact strides)");
   app->footer(
       "Defaults come from the TENSORFERRY_* environment variables when set "

@@ -150,9 +150,10 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   const uint32_t round_count = n == 0 ? 0 : *std::max_element(rounds.begin(), rounds.end()) + 1;
 
   // The rounds are the budget: the loader under them loads each round's reads at once.
+  // It reads whole tensors: any per-rank slicing of the caller's options does not apply here.
   LoadOptions load_options = options;
   load_options.budget = 0;
-  load_options.shard.reset();  // the reader reads whole tensors: it cuts every rank's slice
+  load_options.shard.reset();
   // A rank whose loader cannot open still takes part in the first status exchange, so the others
   // learn of it instead of waiting for it in a collective.
   Result<std::unique_ptr<Loader>> opened = Loader::Open(checkpoint, load_options);

@@ -298,11 +298,15 @@ class Loader {
   // Reads the named tensors into caller-provided memory, host or device, each destination at least
   // as large as its tensor (the bytes past the tensor are left untouched). Host destinations are
   // read by the engine, device ones through the device pipeline. No budget applies (the memory is
-  // the caller's). Errors, all checked before any read: kNotFound (a name not in the checkpoint),
+  // the caller's). With LoadOptions::shard, each destination receives the tensor's slice (local
+  // row-major bytes; its capacity is checked against the slice's size) and a tied alias its
+  // target's slice; host rows are read exactly, device slices on dims > 0 as 2D copies.
+  // Errors, all checked before any read: kNotFound (a name not in the checkpoint),
   // kInvalidArgument (a tensor named twice, a null destination for a non-empty tensor, a capacity
-  // below the tensor's size, two destinations overlapping on one device: the message names the
-  // tensors and sizes), those of the device (kCudaNotFound, kCudaNoDevice); then the read errors of
-  // Stream. After an error the destinations' contents are unspecified.
+  // below the tensor's (slice's) size, two destinations overlapping on one device: the message
+  // names the tensors and sizes; the errors of SliceOf), those of the device (kCudaNotFound,
+  // kCudaNoDevice); then the read errors of Stream. After an error the destinations' contents are
+  // unspecified.
   Status LoadInto(std::span<const Destination> destinations);
 
   // Totals of the last Stream, Load or LoadInto.

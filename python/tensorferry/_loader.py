@@ -409,7 +409,9 @@ class Loader:
         with room for its bytes (e.g. a model's parameters). Everything is checked before any
         read: unknown names, a dtype other than the file's, a destination smaller than the tensor
         (InvalidArgumentError naming the tensor and both sizes), destinations that overlap.
-        Bytes past a tensor in a larger destination are left untouched."""
+        Bytes past a tensor in a larger destination are left untouched. With tp_rank/tp_size,
+        each destination receives this rank's slice (local row-major bytes: room for the slice
+        is enough)."""
         self._check_open()
         entries = []
         for name, dst in destinations.items():

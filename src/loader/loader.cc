@@ -128,6 +128,32 @@ uint64_t IndexBytes(const TensorInfo& t, uint32_t dim) {
   return elements * DTypeBits(t.dtype) / 8;
 }
 
+// The reads that put `slice` of `info` at [0, slice.bytes) of a destination, buffer_offset
+// relative to the tensor's first local byte: per block of the slice, one contiguous read
+// (rows == 1: a dim-0 split, nothing before the split dimension) or one strided read of every
+// leading index's row. REQUIRES: slice came from SliceOf(info, ...) with a split rule.
+std::vector<StridedRead> SliceReads(const TensorInfo& info, const TensorSlice& slice) {
+  const uint32_t dim = slice.rule.dim;
+  uint64_t outer = 1;
+  for (uint32_t i = 0; i < dim; ++i) outer *= info.shape[i];
+  const uint64_t row = IndexBytes(info, dim);
+  const uint64_t full = info.shape[dim] * row, local = slice.shape[dim] * row;
+  std::vector<StridedRead> reads;
+  if (outer == 0 || row == 0) return reads;
+  uint64_t at = 0;  // where the block starts within a local row
+  for (const auto& [start, len] : slice.blocks) {
+    const uint64_t bytes = len * row;
+    if (bytes == 0) continue;
+    if (outer == 1) {
+      reads.push_back({info.file, info.offset + start * row, at, 1, bytes, bytes, bytes});
+    } else {
+      reads.push_back({info.file, info.offset + start * row, at, outer, bytes, full, local});
+    }
+    at += bytes;
+  }
+  return reads;
+}
+
 // Lays out a batch of a sharded plan again for a device: the host plan reads covering ranges
 // into the buffer and packs the pieces with memmoves afterwards, which on a device would cost the
 // gap bytes in device memory plus device-to-device moves. Here every tensor occupies exactly its
@@ -177,25 +203,16 @@ void LayOutForDevice(const Checkpoint& ckpt, uint64_t io_alignment, PlanBatch& b
       can_extend = true;
       continue;
     }
-    const TensorSlice& slice = *pt.slice;
-    const uint32_t dim = slice.rule.dim;
-    uint64_t outer = 1;
-    for (uint32_t i = 0; i < dim; ++i) outer *= info.shape[i];
-    const uint64_t row = IndexBytes(info, dim);
-    const uint64_t full = info.shape[dim] * row, local = slice.shape[dim] * row;
-    const uint64_t base = place(info.offset + slice.blocks.front().first * row);
-    uint64_t at = 0;  // where the block starts within a local row
-    for (const auto& [start, len] : slice.blocks) {
-      const uint64_t bytes = len * row, src = info.offset + start * row;
-      if (bytes == 0) continue;
-      if (outer == 1) {
-        tasks.push_back({info.file, src, bytes, base + at});
-        batch.read_bytes += bytes;
+    std::vector<StridedRead> reads = SliceReads(info, *pt.slice);
+    const uint64_t base = place(reads.front().file_offset);
+    for (StridedRead& r : reads) {
+      r.buffer_offset += base;
+      if (r.rows == 1) {
+        tasks.push_back({r.file, r.file_offset, r.row_bytes, r.buffer_offset});
       } else {
-        strided.push_back({info.file, src, base + at, outer, bytes, full, local});
-        batch.read_bytes += strided.back().length();
+        strided.push_back(r);
       }
-      at += bytes;
+      batch.read_bytes += r.length();
     }
     pt.buffer_offset = base;
     pos = base + size;
@@ -401,13 +418,27 @@ struct Loader::Impl {
   // The plan's batches hold at most half the budget when the next batch is read while the caller
   // handles the current one (double buffering), so two fit; the whole budget when a selected
   // tensor is larger than half of it.
-  static uint64_t BatchBudget(const Checkpoint& ckpt, std::span<const uint32_t> indices,
-                              uint64_t budget) {
-    if (budget == 0) return 0;
+  // On a device a sharded tensor occupies exactly its slice; on the host its covering reads may
+  // take up to the whole tensor's bytes, so the whole size decides there.
+  uint64_t BatchBudget(std::span<const uint32_t> indices, uint64_t limit, bool on_device) const {
+    if (limit == 0) return 0;
     uint64_t largest = 0;
-    for (uint32_t i : indices) largest = std::max(largest, ckpt.tensors()[i].size);
-    const uint64_t half = budget / 2;
-    return largest <= half ? half : budget;
+    for (uint32_t i : indices) {
+      const TensorInfo& t = checkpoint->tensors()[i];
+      largest = std::max(largest, on_device ? LocalSize(t) : t.size);
+    }
+    const uint64_t half = limit / 2;
+    return largest <= half ? half : limit;
+  }
+
+  // The bytes a tensor occupies once loaded: its slice's under LoadOptions::shard (the whole
+  // size when the slice is invalid: planning reports that error).
+  uint64_t LocalSize(const TensorInfo& t) const {
+    if (!options.shard) return t.size;
+    const ShardRule rule = options.shard->spec.RuleFor(t.name);
+    if (!rule.is_split()) return t.size;
+    Result<TensorSlice> slice = SliceOf(t, rule, options.shard->rank, options.shard->world);
+    return slice.ok() ? slice->bytes : t.size;
   }
 
   // The device each selected tensor goes to.
@@ -435,7 +466,7 @@ struct Loader::Impl {
       Group g;
       g.device = dev;
       const uint64_t limit = dev.is_cpu() ? options.budget : options.device_budget;
-      g.batch_budget = BatchBudget(*checkpoint, idx, limit);
+      g.batch_budget = BatchBudget(idx, limit, dev.is_cuda());
       PlanOptions p = MakePlanOptions(g.batch_budget);
       // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
       // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
@@ -469,7 +500,7 @@ struct Loader::Impl {
           largest_buffer = std::max(largest_buffer, b.buffer_size);
         }
         for (uint32_t i : idx)
-          largest_tensor = std::max(largest_tensor, checkpoint->tensors()[i].size);
+          largest_tensor = std::max(largest_tensor, LocalSize(checkpoint->tensors()[i]));
         const uint64_t over = largest_buffer > g.batch_budget ? largest_buffer - g.batch_budget : 0;
         if (over > 0 && g.batch_budget - largest_tensor > over) {
           p.budget = g.batch_budget - over;
@@ -1076,16 +1107,38 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   const auto start = Clock::now();
   const Checkpoint& ckpt = *m.checkpoint;
 
-  // Every check before any read.
+  // Every check before any read. With LoadOptions::shard each tensor's slice is what is read
+  // (and what the destination must hold); a tied alias reads its target.
+  const std::optional<TensorParallelOptions>& shard = m.options.shard;
   std::vector<const TensorInfo*> infos;
+  std::vector<std::optional<TensorSlice>> slices;
+  std::vector<uint64_t> sizes;  // bytes each destination receives
   infos.reserve(destinations.size());
   std::set<std::string_view> seen;
   std::set<Device> devices;
   for (const Destination& d : destinations) {
-    const TensorInfo* t = ckpt.Find(d.name);
+    const TensorInfo* t = nullptr;
+    if (shard) {
+      if (std::optional<std::string> target = shard->spec.TieTarget(d.name)) {
+        t = ckpt.Find(*target);
+      }
+    }
+    if (t == nullptr) t = ckpt.Find(d.name);
     if (t == nullptr) {
       return Status(Code::kNotFound, "tensor \"" + d.name + "\" is not in the checkpoint");
     }
+    std::optional<TensorSlice> slice;
+    if (shard) {
+      const ShardRule rule = shard->spec.RuleFor(t->name);
+      if (rule.is_split()) {
+        TF_ASSIGN_OR_RETURN(slice, SliceOf(*t, rule, shard->rank, shard->world));
+      }
+    }
+    const uint64_t size = slice ? slice->bytes : t->size;
+    const std::string what = slice ? " (the slice of rank " + std::to_string(shard->rank) + " of " +
+                                         std::to_string(shard->world) + ", " +
+                                         slice->rule.ToString() + ")"
+                                   : "";
     if (!seen.insert(d.name).second) {
       return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" has two destinations");
     }
@@ -1093,25 +1146,26 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
       return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\": CUDA device index " +
                                                 std::to_string(d.device.index));
     }
-    if (d.capacity < t->size) {
+    if (d.capacity < size) {
       return Status(Code::kInvalidArgument,
-                    "tensor \"" + d.name + "\" needs " + std::to_string(t->size) + " bytes (" +
-                        FormatBytes(t->size) + ") but its destination on " + DeviceName(d.device) +
-                        " holds " + std::to_string(d.capacity) + " bytes");
+                    "tensor \"" + d.name + "\" needs " + std::to_string(size) + " bytes (" +
+                        FormatBytes(size) + ")" + what + " but its destination on " +
+                        DeviceName(d.device) + " holds " + std::to_string(d.capacity) + " bytes");
     }
-    if (t->size > 0 && d.data == nullptr) {
-      return Status(
-          Code::kInvalidArgument,
-          "tensor \"" + d.name + "\" (" + std::to_string(t->size) + " bytes): null destination");
+    if (size > 0 && d.data == nullptr) {
+      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" (" + std::to_string(size) +
+                                                " bytes" + what + "): null destination");
     }
     infos.push_back(t);
-    if (t->size > 0) devices.insert(d.device);
+    slices.push_back(std::move(slice));
+    sizes.push_back(size);
+    if (size > 0) devices.insert(d.device);
   }
   // No two destinations may overlap on one device (the bytes each tensor occupies).
   {
     std::vector<size_t> by_address;
     for (size_t i = 0; i < destinations.size(); ++i) {
-      if (infos[i]->size > 0) by_address.push_back(i);
+      if (sizes[i] > 0) by_address.push_back(i);
     }
     auto addr = [&](size_t i) { return reinterpret_cast<uintptr_t>(destinations[i].data); };
     std::sort(by_address.begin(), by_address.end(), [&](size_t a, size_t b) {
@@ -1121,10 +1175,10 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     });
     for (size_t j = 1; j < by_address.size(); ++j) {
       const size_t a = by_address[j - 1], b = by_address[j];
-      if (destinations[a].device == destinations[b].device && addr(a) + infos[a]->size > addr(b)) {
+      if (destinations[a].device == destinations[b].device && addr(a) + sizes[a] > addr(b)) {
         return Status(Code::kInvalidArgument,
                       "destinations of tensors \"" + destinations[a].name + "\" (" +
-                          std::to_string(infos[a]->size) + " bytes) and \"" + destinations[b].name +
+                          std::to_string(sizes[a]) + " bytes) and \"" + destinations[b].name +
                           "\" overlap on " + DeviceName(destinations[a].device));
       }
     }
@@ -1140,6 +1194,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     sink.allocator->ResetPeak();
   }
   const uint64_t direct0 = engine->stats().direct_bytes;
+  const uint64_t read0 = engine->stats().bytes_read;
 
   const size_t nfiles = ckpt.files().size();
   std::vector<uint64_t> lo(nfiles, UINT64_MAX), hi(nfiles, 0);
@@ -1155,28 +1210,48 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   for (size_t i = 0; i < destinations.size(); ++i) {
     const TensorInfo& t = *infos[i];
     const Destination& d = destinations[i];
+    const uint64_t size = sizes[i];
     m.stats.tensors += 1;
-    m.stats.bytes += t.size;
-    if (t.size == 0) continue;
+    m.stats.bytes += size;
+    if (size == 0) continue;
     auto* dst = static_cast<std::byte*>(d.data);
+    // What lands where: the whole tensor, or the slice's blocks (contiguous or strided).
+    const std::vector<StridedRead> reads =
+        slices[i] ? SliceReads(t, *slices[i])
+                  : std::vector<StridedRead>{{t.file, t.offset, 0, 1, t.size, t.size, t.size}};
     if (d.device.is_cuda()) {
-      device::DeviceTask task;
-      task.file = m.files[t.file].get();
-      task.file_offset = t.offset;
-      task.length = t.size;
-      task.dst = dst;
-      task.direct_fd = direct_fds[t.file];
-      device_tasks[d.device.index].push_back(task);
+      for (const StridedRead& r : reads) {
+        device::DeviceTask task;
+        task.file = m.files[t.file].get();
+        task.file_offset = r.file_offset;
+        task.length = r.length();
+        task.dst = dst + r.buffer_offset;
+        if (r.rows > 1) {  // a slice on a dimension other than 0: a 2D copy
+          task.rows = r.rows;
+          task.row_bytes = r.row_bytes;
+          task.src_pitch = r.src_pitch;
+          task.dst_pitch = r.dst_pitch;
+        }
+        task.direct_fd = direct_fds[t.file];
+        device_tasks[d.device.index].push_back(task);
+      }
       m.stats.device_tensors += 1;
-      m.stats.device_bytes += t.size;
+      m.stats.device_bytes += size;
       continue;
     }
-    // Host: cut into chunk_size reads so one large tensor is read by every worker.
-    for (uint64_t at = 0; at < t.size; at += m.options.chunk_size) {
-      const uint64_t len = std::min(m.options.chunk_size, t.size - at);
-      host.push_back({m.files[t.file].get(), t.offset + at,
-                      std::span<std::byte>(dst + at, static_cast<size_t>(len)),
-                      direct_fds[t.file]});
+    // Host: every row exactly (no covered gaps: the destination holds the slice only), cut into
+    // chunk_size reads so one large tensor is read by every worker.
+    for (const StridedRead& r : reads) {
+      for (uint64_t row = 0; row < r.rows; ++row) {
+        std::byte* to = dst + r.buffer_offset + row * r.dst_pitch;
+        const uint64_t from = r.file_offset + row * r.src_pitch;
+        for (uint64_t at = 0; at < r.row_bytes; at += m.options.chunk_size) {
+          const uint64_t len = std::min(m.options.chunk_size, r.row_bytes - at);
+          host.push_back({m.files[t.file].get(), from + at,
+                          std::span<std::byte>(to + at, static_cast<size_t>(len)),
+                          direct_fds[t.file]});
+        }
+      }
     }
   }
   if (!host.empty()) TF_RETURN_IF_ERROR(engine->Execute(host));
@@ -1189,6 +1264,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
                    : devices.empty()   ? DeviceName(Device::CPU())
                                        : "mixed";
   m.stats.direct_bytes = engine->stats().direct_bytes - direct0;
+  m.stats.bytes_read = engine->stats().bytes_read - read0;
   m.CollectDeviceStats(pipeline0);
   m.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return Status::Ok();

@@ -318,3 +318,121 @@ def test_tensorferry_device_variable_does_not_move_python_loads(tiny_checkpoint)
     """, {"TENSORFERRY_DEVICE": "cuda:0", "TENSORFERRY_CUDA_RUNTIME": "/nonexistent/libcudart.so"})
     assert out["device"] == "cpu" and out["n"] > 0 and out["tensors"] > 0
     assert out["types"] == ["cpu"]
+
+
+# --- tensor parallelism on the device (docs/gpu.md, "Tensor-parallel slices") ---------------
+
+_TP_RULES = {"rules": [
+    {"pattern": "rows.weight", "split": 0},
+    {"pattern": "cols.weight", "split": 1},
+    {"pattern": "deep.weight", "split": 2},
+    {"pattern": "qkv.weight", "split": 0, "parts": [24, 8, 8]},
+    {"pattern": "c_attn.weight", "split": 1, "equal_parts": 3},
+    {"pattern": "*.bias", "replicate": True},
+]}
+
+
+def _tp_checkpoint(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        "rows.weight": torch.randn(37, 29, generator=g).to(torch.bfloat16),
+        "cols.weight": torch.randn(24, 131, generator=g),
+        "deep.weight": torch.randn(5, 9, 67, generator=g).to(torch.float16),
+        "qkv.weight": torch.randn(40, 12, generator=g).to(torch.bfloat16),
+        "c_attn.weight": torch.randn(10, 51, generator=g),
+        "out.bias": torch.randn(24, generator=g),
+    }
+    path = str(tmp_path / "tp.safetensors")
+    save_file(tensors, path)
+    return path, tensors
+
+
+def _tp_reference(full, rule, rank, world):
+    import torch
+    if rule.get("replicate"):
+        return full
+    dim = rule["split"]
+    if "parts" in rule:
+        parts = torch.split(full, rule["parts"], dim)
+    elif rule.get("equal_parts", 0) > 1:
+        parts = torch.chunk(full, rule["equal_parts"], dim)
+    else:
+        parts = [full]
+    return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)
+
+
+@needs_fake
+def test_tp_slices_land_on_the_device_byte_exact(tmp_path):
+    """device="cuda" with tp_rank/tp_size: each rank's slices, copied back from (fake) device
+    memory, equal torch.tensor_split of the full tensors and the host sliced load, for world sizes
+    1, 2, 3, 4 and 8, through the core Reader and through tensorferry.Loader's options."""
+    import torch
+    path, tensors = _tp_checkpoint(tmp_path)
+    out = _run(f"""
+        import tensorferry, tensorferry._core as core
+        rules = tensorferry.shard_spec({_TP_RULES!r})
+        got = {{}}
+        for world in (1, 2, 3, 4, 8):
+            for rank in range(world):
+                opts = {{"tp_rank": rank, "tp_size": world, "shard_rules": rules,
+                         "staging_bytes": 1 << 16, "staging_slot": 1 << 13, "engine": "pread"}}
+                dev = core.Reader({path!r}, False, dict(opts, device="cuda:0", gds="off"))
+                host = core.Reader({path!r}, False, dict(opts, device="cpu"))
+                d = {{n: (a.__dlpack_device__(), core.copy_to_host(a).hex())
+                      for n, _, a in dev.load(None, 2)}}
+                h = {{n: core.copy_to_host(a).hex() for n, _, a in host.load(None, 2)}}
+                got[f"{{rank}}/{{world}}"] = {{"dev": d, "host": h, "stats": dev.stats()}}
+                dev.close(); host.close()
+        # tensorferry.Loader(device="cuda:0", tp_rank=, tp_size=): the options reach the core
+        # and its reader loads the device slices (torch itself cannot wrap the fake's memory).
+        with tensorferry.Loader({path!r}, device="cuda:0", tp_rank=1, tp_size=3,
+                                shard_rules={_TP_RULES!r}, staging_bytes=1 << 16) as loader:
+            opts = loader.options
+            via_loader = {{n: core.copy_to_host(a).hex()
+                           for n, _, a in loader._reader.load(None, 2)}}
+        emit({{"got": got, "options": opts, "via_loader": via_loader}})
+    """, _fake_env())
+    rules = {"rows.weight": {"split": 0}, "cols.weight": {"split": 1},
+             "deep.weight": {"split": 2}, "qkv.weight": {"split": 0, "parts": [24, 8, 8]},
+             "c_attn.weight": {"split": 1, "equal_parts": 3}, "out.bias": {"replicate": True}}
+
+    def hexbytes(t):
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+
+    for key, entry in out["got"].items():
+        rank, world = map(int, key.split("/"))
+        assert set(entry["dev"]) == set(tensors), key
+        want_total = 0
+        for name, full in tensors.items():
+            want = hexbytes(_tp_reference(full, rules[name], rank, world))
+            device, got = entry["dev"][name]
+            assert device == [2, 0], (key, name)
+            assert got == want, (key, name)
+            assert entry["host"][name] == want, (key, name)
+            want_total += len(want) // 2
+        st = entry["stats"]
+        assert st["device"] == "cuda:0" and st["device_bytes"] == want_total, key
+    assert out["options"]["device"] == "cuda:0"
+    assert out["options"]["tp_rank"] == 1 and out["options"]["tp_size"] == 3
+    for name, full in tensors.items():
+        assert out["via_loader"][name] == hexbytes(_tp_reference(full, rules[name], 1, 3)), name
+
+
+@gpu
+def test_gpu_tp_load_file_matches_tensor_split(tmp_path):
+    import torch
+    from tensorferry.torch import load_file
+    path, tensors = _tp_checkpoint(tmp_path)
+    rules = {"rows.weight": {"split": 0}, "cols.weight": {"split": 1},
+             "deep.weight": {"split": 2}, "qkv.weight": {"split": 0, "parts": [24, 8, 8]},
+             "c_attn.weight": {"split": 1, "equal_parts": 3}, "out.bias": {"replicate": True}}
+    for world in (1, 2, 3, 4, 8):
+        for rank in range(world):
+            got = load_file(path, device="cuda:0", tp_rank=rank, tp_size=world,
+                            shard_rules=_TP_RULES)
+            for name, full in tensors.items():
+                want = _tp_reference(full, rules[name], rank, world).to("cuda:0")
+                assert got[name].device == torch.device("cuda", 0)
+                assert torch.equal(got[name], want), (name, rank, world)

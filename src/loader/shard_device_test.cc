@@ -1,0 +1,371 @@
+// Tensor-parallel slices loaded onto a (fake) CUDA device: every rank's device tensors, copied
+// back with CopyToHost, equal byte for byte the host sliced load and an element-by-element slice
+// of the full tensor, for world sizes 1, 2, 3, 4, 8, splits on dims 0, 1 and 2, fused parts (given
+// and equal), uneven sizes, rows longer than a staging slot, both engines kinds (copying, mmap),
+// GDS off and auto; streamed under a device budget; placed partly on the host; tied aliases; and
+// LoadInto of slices. Every test also proves that nothing leaked and that the fake saw no misuse
+// (FakeCudaTest).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_api.h"
+#include "cuda/cufile_api.h"
+#include "tensorferry/device.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/shard.h"
+#include "tensorferry/writer.h"
+#include "testing/fake_cuda.h"
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+using testing::TempDir;
+
+// Expected local bytes built element by element from the full tensor (independent of SliceOf's
+// byte ranges and of the loader's layouts): walk the local multi-index, map the split coordinate
+// through the parts (numpy.array_split per part).
+std::string NaiveSlice(const TensorInfo& t, const ShardRule& rule, uint32_t rank, uint32_t world,
+                       const std::string& full) {
+  if (!rule.is_split()) return full;
+  const uint64_t elem = DTypeBits(t.dtype) / 8;
+  std::vector<uint64_t> parts = rule.parts;
+  if (parts.empty() && rule.equal_parts > 1) {
+    parts.assign(rule.equal_parts, t.shape[rule.dim] / rule.equal_parts);
+  }
+  if (parts.empty()) parts.push_back(t.shape[rule.dim]);
+  std::vector<uint64_t> map;
+  uint64_t base = 0;
+  for (uint64_t p : parts) {
+    const uint64_t q = p / world, rem = p % world;
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < rank; ++i) off += q + (i < rem ? 1 : 0);
+    const uint64_t len = q + (rank < rem ? 1 : 0);
+    for (uint64_t i = 0; i < len; ++i) map.push_back(base + off + i);
+    base += p;
+  }
+  std::vector<uint64_t> local = t.shape;
+  local[rule.dim] = map.size();
+  uint64_t count = 1;
+  for (uint64_t d : local) count *= d;
+  std::string out;
+  std::vector<uint64_t> idx(local.size(), 0);
+  for (uint64_t e = 0; e < count; ++e) {
+    uint64_t flat = 0;
+    for (size_t d = 0; d < local.size(); ++d) {
+      flat = flat * t.shape[d] + (d == rule.dim ? map[idx[d]] : idx[d]);
+    }
+    out.append(full, flat * elem, elem);
+    for (size_t d = local.size(); d-- > 0;) {
+      if (++idx[d] < local[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+// Tensors for every layout the device path has: dim-0 splits (contiguous), dim-1 and dim-2 splits
+// (strided 2D copies), fused dim-0 parts (one contiguous task per part), fused dim-1 equal parts
+// (one 2D copy per part), rows longer than a staging slot, replicated, scalar and empty tensors,
+// uneven sizes everywhere, over several files.
+struct TpFixture {
+  TempDir dir;
+  std::vector<std::string> data;
+  std::vector<TensorToWrite> tensors;
+  ShardSpec spec;
+
+  TpFixture() {
+    auto add = [&](const std::string& name, DType dtype, std::vector<uint64_t> shape,
+                   ShardRule rule) {
+      TensorToWrite t;
+      t.name = name;
+      t.dtype = dtype;
+      t.shape = std::move(shape);
+      const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
+      std::string bytes(n, '\0');
+      const size_t h = std::hash<std::string>()(name);
+      for (uint64_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 131 + (i >> 9) + h));
+      data.push_back(std::move(bytes));
+      tensors.push_back(std::move(t));
+      spec.Set(name, std::move(rule));
+    };
+    add("embed.weight", DType::kBF16, {539, 24}, ShardRule::Split(0));
+    add("layers.0.q.weight", DType::kF32, {323, 17}, ShardRule::Split(0));
+    add("layers.0.o.weight", DType::kBF16, {24, 331}, ShardRule::Split(1));
+    add("layers.0.o.bias", DType::kBF16, {24}, ShardRule::Replicate());
+    add("layers.0.conv.weight", DType::kF16, {5, 9, 131}, ShardRule::Split(2));
+    add("layers.0.mid.weight", DType::kI32, {6, 155, 5}, ShardRule::Split(1));
+    add("layers.0.qkv.weight", DType::kBF16, {144, 12}, ShardRule::Split(0, {128, 8, 8}));
+    add("layers.0.c_attn.weight", DType::kF32, {10, 195}, ShardRule::SplitEqual(1, 3));
+    add("layers.0.wide.weight", DType::kF32, {3, 10001}, ShardRule::Split(1));  // 40 KB rows
+    add("layers.0.scalar", DType::kI8, {}, ShardRule::Replicate());
+    add("layers.0.empty", DType::kF32, {0, 16}, ShardRule::Split(1));
+    add("head.weight", DType::kF64, {73, 8}, ShardRule::Split(0));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      tensors[i].data = std::as_bytes(std::span<const char>(data[i]));
+    }
+    ShardOptions so;
+    so.max_shard_size = 64 << 10;
+    so.write.sync = false;
+    auto r = WriteSharded(dir.path(), tensors, {}, so);
+    if (!r.ok()) throw std::runtime_error(r.status().ToString());
+  }
+
+  const std::string& Full(const std::string& name) const {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].name == name) return data[i];
+    }
+    throw std::runtime_error("no tensor " + name);
+  }
+
+  // Sum of every tensor's local bytes on `rank` of `world`.
+  uint64_t SliceBytes(uint32_t rank, uint32_t world) const {
+    uint64_t total = 0;
+    for (const TensorToWrite& t : tensors) {
+      TensorInfo info;
+      info.name = t.name;
+      info.dtype = t.dtype;
+      info.shape = t.shape;
+      info.size = TensorByteSize(t.dtype, t.shape).value();
+      total += SliceOf(info, spec.RuleFor(t.name), rank, world).value().bytes;
+    }
+    return total;
+  }
+};
+
+class ShardDeviceTest : public testing::FakeCudaTest {
+ protected:
+  void SetUp() override {
+    // Before the first use of the process-wide runtime and cuFile, so both are the fake.
+    runtime_env_.emplace("TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH);
+    cufile_env_.emplace("TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH);
+    auto process = cuda::ProcessRuntime();
+    if (!process.ok() || (*process)->path() != TENSORFERRY_FAKE_CUDA_PATH) {
+      GTEST_SKIP() << "this process loaded another CUDA runtime first; run through ctest";
+    }
+    ASSERT_TRUE(cuda::ProcessCufile().ok());
+    FakeCudaTest::SetUp();
+  }
+
+  // The bytes of a tensor wherever it is, through the public CopyToHost.
+  static std::string Bytes(const Tensor& t) {
+    std::string out(t.size(), '\0');
+    const Status s = CopyToHost(t.device(), t.data(),
+                                std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+    EXPECT_TRUE(s.ok()) << t.name() << ": " << s.ToString();
+    return out;
+  }
+
+  static LoadOptions DeviceOptions(const TpFixture& f, uint32_t rank, uint32_t world) {
+    LoadOptions o;
+    o.device = Device::CUDA(0);
+    o.threads = 3;
+    o.staging_bytes = 64 << 10;
+    o.staging_slot = 16 << 10;  // the wide tensor's rows (up to 40 KB) span several slots
+    o.gds = GdsMode::kOff;
+    o.shard = TensorParallelOptions{f.spec, rank, world};
+    return o;
+  }
+
+  std::optional<testing::ScopedEnv> runtime_env_;
+  std::optional<testing::ScopedEnv> cufile_env_;
+};
+
+TEST_F(ShardDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTensor) {
+  TpFixture f;
+  for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
+    for (uint32_t rank = 0; rank < world; ++rank) {
+      // The host sliced load of this rank: the reference the device must equal.
+      LoadOptions host_options;
+      host_options.engine = Engine::kPread;
+      host_options.shard = TensorParallelOptions{f.spec, rank, world};
+      auto host_loader = Loader::Open(f.dir.path(), host_options).value();
+      const std::vector<Tensor> host = host_loader->Load().value();
+      ASSERT_EQ(host.size(), f.tensors.size());
+      for (Engine engine : {Engine::kPread, Engine::kMmap}) {
+        for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
+          SCOPED_TRACE("rank " + std::to_string(rank) + " of " + std::to_string(world) + ", " +
+                       std::string(EngineName(engine)) + ", gds " + std::string(GdsModeName(gds)));
+          const uint64_t copies_2d_before = fake_->Stats().copies_2d;
+          LoadOptions o = DeviceOptions(f, rank, world);
+          o.engine = engine;
+          o.gds = gds;
+          auto loader = Loader::Open(f.dir.path(), o);
+          ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+          auto tensors = (*loader)->Load();
+          ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+          ASSERT_EQ(tensors->size(), host.size());
+          const Checkpoint& ckpt = *(*loader)->checkpoint();
+          for (size_t i = 0; i < tensors->size(); ++i) {
+            const Tensor& t = (*tensors)[i];
+            ASSERT_EQ(t.name(), host[i].name());
+            EXPECT_EQ(t.device(), Device::CUDA(0)) << t.name();
+            EXPECT_EQ(t.shape(), host[i].shape()) << t.name();
+            EXPECT_EQ(t.dtype(), host[i].dtype()) << t.name();
+            const std::string got = Bytes(t);
+            EXPECT_EQ(got, Bytes(host[i])) << t.name();
+            const TensorInfo& info = *ckpt.Find(t.name());
+            EXPECT_EQ(got,
+                      NaiveSlice(info, f.spec.RuleFor(t.name()), rank, world, f.Full(t.name())))
+                << t.name();
+            const TensorSlice slice = SliceOf(info, f.spec.RuleFor(t.name()), rank, world).value();
+            EXPECT_EQ(t.shape(), slice.shape) << t.name();
+          }
+          const LoadStats s = (*loader)->stats();
+          const uint64_t want = f.SliceBytes(rank, world);
+          EXPECT_EQ(s.device_bytes, want);
+          EXPECT_EQ(s.device_tensors, f.tensors.size());
+          // The device buffer holds the slices only (no covered gaps): alignment padding aside,
+          // less than 64 bytes per tensor with GDS off, 4 KiB with GDS possible.
+          const uint64_t pad = gds == GdsMode::kOff ? 64 : 4096;
+          EXPECT_GE(s.device_buffer_bytes, want);
+          EXPECT_LT(s.device_buffer_bytes, want + pad * f.tensors.size());
+          // Rows of the dim-1/dim-2 splits are never all read when world > 1: bytes read stay
+          // below the whole checkpoint's.
+          EXPECT_GE(s.bytes_read, want);
+          if (world > 1) {
+            EXPECT_LT(s.bytes_read, ckpt.total_tensor_bytes());
+            EXPECT_GT(fake_->Stats().copies_2d, copies_2d_before) << "strided slices: 2D copies";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ShardDeviceTest, StreamedUnderADeviceBudget) {
+  TpFixture f;
+  for (uint32_t world : {2u, 3u}) {
+    for (uint32_t rank = 0; rank < world; ++rank) {
+      LoadOptions o = DeviceOptions(f, rank, world);
+      o.device_budget = 128 << 10;  // batches of at most 64 KiB: the largest slice fits one
+      auto loader = Loader::Open(f.dir.path(), o).value();
+      size_t batches = 0;
+      std::map<std::string, std::string> got;
+      Status s = loader->Stream(Selection::All(), [&](Batch b) {
+        ++batches;
+        EXPECT_EQ(b.device, Device::CUDA(0));
+        for (const Tensor& t : b.tensors) got[t.name()] = Bytes(t);
+        return Status::Ok();  // every batch dropped before the next
+      });
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_GT(batches, 1u);
+      ASSERT_EQ(got.size(), f.tensors.size());
+      const Checkpoint& ckpt = *loader->checkpoint();
+      for (const auto& [name, bytes] : got) {
+        EXPECT_EQ(bytes,
+                  NaiveSlice(*ckpt.Find(name), f.spec.RuleFor(name), rank, world, f.Full(name)))
+            << name << " rank " << rank << " of " << world;
+      }
+      EXPECT_LE(loader->stats().peak_device_bytes, 128u << 10);
+    }
+  }
+}
+
+// A placement sends some slices to the host, some to the device; both sides slice alike.
+TEST_F(ShardDeviceTest, PlacementSplitsSlicesBetweenHostAndDevice) {
+  TpFixture f;
+  LoadOptions o = DeviceOptions(f, 1, 3);
+  o.placement = Placement({{"layers.0", Device::CUDA(0)}}, Device::CPU());
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  const std::vector<Tensor> tensors = loader->Load().value();
+  ASSERT_EQ(tensors.size(), f.tensors.size());
+  const Checkpoint& ckpt = *loader->checkpoint();
+  for (const Tensor& t : tensors) {
+    const bool on_device = t.name().rfind("layers.0", 0) == 0;
+    EXPECT_EQ(t.device(), on_device ? Device::CUDA(0) : Device::CPU()) << t.name();
+    EXPECT_EQ(Bytes(t),
+              NaiveSlice(*ckpt.Find(t.name()), f.spec.RuleFor(t.name()), 1, 3, f.Full(t.name())))
+        << t.name();
+  }
+  EXPECT_EQ(loader->stats().device, "mixed");
+}
+
+// A tied alias absent from the files comes back on the device sharing its target's slice.
+TEST_F(ShardDeviceTest, TiedAliasSharesTheDeviceSlice) {
+  TpFixture f;
+  f.spec.Tie("lm_head.weight", "embed.weight");
+  LoadOptions o = DeviceOptions(f, 2, 4);
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  const std::vector<Tensor> tensors = loader->Load().value();
+  ASSERT_EQ(tensors.size(), f.tensors.size() + 1);
+  const Tensor* embed = nullptr;
+  const Tensor* head = nullptr;
+  for (const Tensor& t : tensors) {
+    if (t.name() == "embed.weight") embed = &t;
+    if (t.name() == "lm_head.weight") head = &t;
+  }
+  ASSERT_NE(embed, nullptr);
+  ASSERT_NE(head, nullptr);
+  EXPECT_EQ(head->device(), Device::CUDA(0));
+  EXPECT_EQ(head->data(), embed->data());
+  EXPECT_EQ(head->shape(), embed->shape());
+  const TensorInfo& info = *loader->checkpoint()->Find("embed.weight");
+  EXPECT_EQ(Bytes(*head), NaiveSlice(info, ShardRule::Split(0), 2, 4, f.Full("embed.weight")));
+}
+
+// LoadInto with a shard reads each tensor's slice into the caller's memory, host or device.
+TEST_F(ShardDeviceTest, LoadIntoReadsSlicesIntoCallerMemory) {
+  TpFixture f;
+  for (uint32_t world : {1u, 3u, 8u}) {
+    const uint32_t rank = world - 1;
+    LoadOptions o = DeviceOptions(f, rank, world);
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    const Checkpoint& ckpt = *loader->checkpoint();
+    std::vector<Destination> destinations;
+    std::vector<std::string> host_memory;  // host destinations (every other tensor)
+    host_memory.reserve(f.tensors.size());
+    std::vector<void*> device_memory;
+    for (size_t i = 0; i < f.tensors.size(); ++i) {
+      const std::string& name = f.tensors[i].name;
+      const uint64_t bytes =
+          SliceOf(*ckpt.Find(name), f.spec.RuleFor(name), rank, world).value().bytes;
+      Destination d;
+      d.name = name;
+      d.capacity = bytes;
+      if (i % 2 == 0) {
+        host_memory.emplace_back(std::max<uint64_t>(bytes, 1), '\0');
+        d.device = Device::CPU();
+        d.data = host_memory.back().data();
+      } else {
+        void* p = nullptr;
+        ASSERT_EQ(runtime_->api().cudaMalloc(&p, std::max<uint64_t>(bytes, 1)), cuda::kSuccess);
+        device_memory.push_back(p);
+        d.device = Device::CUDA(0);
+        d.data = p;
+      }
+      destinations.push_back(d);
+    }
+    Status s = loader->LoadInto(destinations);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    for (const Destination& d : destinations) {
+      const TensorInfo& info = *ckpt.Find(d.name);
+      std::string got(d.capacity, '\0');
+      ASSERT_TRUE(CopyToHost(d.device, d.data,
+                             std::as_writable_bytes(std::span<char>(got.data(), got.size())))
+                      .ok());
+      EXPECT_EQ(got, NaiveSlice(info, f.spec.RuleFor(d.name), rank, world, f.Full(d.name)))
+          << d.name << " rank " << rank << " of " << world;
+    }
+    EXPECT_EQ(loader->stats().bytes, f.SliceBytes(rank, world));
+    // A destination sized for the slice but one byte short is refused before any read, naming
+    // the tensor and the slice's size.
+    if (world > 1) {
+      std::vector<Destination> short_one = {destinations[2]};
+      short_one[0].capacity -= 1;
+      const Status e = loader->LoadInto(short_one);
+      EXPECT_EQ(e.code(), Code::kInvalidArgument) << e.ToString();
+      EXPECT_NE(e.message().find(short_one[0].name), std::string::npos) << e.ToString();
+    }
+    for (void* p : device_memory) ASSERT_EQ(runtime_->api().cudaFree(p), cuda::kSuccess);
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -476,8 +476,9 @@ struct Loader::Impl {
         // Batches are formed from the local sizes: the device layout holds no covered gaps.
         p.file_max_gap.assign(checkpoint->files().size(), 0);
       }
+      const std::vector<uint32_t>& selected = idx;  // (lambdas cannot capture bindings in C++20)
       auto plan = [&]() -> Status {
-        TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, idx, p));
+        TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, selected, p));
         if (!relayout) return Status::Ok();
         g.strided.assign(g.plan.batches.size(), {});
         g.plan.read_bytes = 0;

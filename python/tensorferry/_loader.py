@@ -248,7 +248,16 @@ class Loader:
 
     @property
     def total_bytes(self):
-        """Bytes of the selected tensors."""
+        """Bytes of the selected tensors (a tensor-parallel rank's shards: their local bytes)."""
+        options = self._reader.options()
+        if "tp_size" in options:
+            spec = options["shard_rules"]
+            names = set(self._names) if self._names is not None else self._reader.names(True)
+            total = 0
+            for n in names:
+                dtype, shape = self._reader.info(n)[:2]
+                total += spec.slice(n, dtype, shape, options["tp_rank"], options["tp_size"])["bytes"]
+            return total
         if self._names is None:
             return self._reader.total_bytes()
         return sum(self._reader.info(n)[2] for n in set(self._names))

@@ -159,6 +159,7 @@ def test_loader_rank_equals_tensor_split(tiny_checkpoint, full_tensors, engine, 
                                 shard_max_gap=0) as loader:
             got = loader.load()
             stats = loader.stats
+            assert loader.total_bytes == sum(t.numel() * t.element_size() for t in got.values())
         assert set(got) == set(full_tensors)
         for name, full in full_tensors.items():
             want = reference_slice(full, spec.rule_for(name), rank, world)
@@ -214,3 +215,22 @@ def test_load_file_shards(tmp_path):
                                                  shard_rules=[("*", 0)])
             assert np.array_equal(arrays["a.o_proj.weight"],
                                   np.array_split(full["a.o_proj.weight"].numpy(), world, 0)[rank])
+
+
+def test_tied_alias_absent_from_files(tmp_path):
+    import subprocess
+
+    from conftest import CLI
+    out = str(tmp_path / "tied")
+    r = subprocess.run([CLI, "gen", out, "--preset", "tiny", "--tie-embeddings", "--no-sync"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rules = {"base": "builtin", "ties": {"lm_head.weight": "model.embed_tokens.weight"}}
+    for engine in ("pread", "mmap"):
+        with tensorferry.Loader(out, engine=engine, tp_rank=1, tp_size=2,
+                                shard_rules=rules) as loader:
+            got = loader.load()
+        emb = got["model.embed_tokens.weight"]
+        assert "lm_head.weight" in got
+        assert got["lm_head.weight"].data_ptr() == emb.data_ptr()
+        assert torch.equal(got["lm_head.weight"], emb)

@@ -178,6 +178,53 @@ TEST(DeviceLoadCli, ChecksumOnTheDeviceEqualsTheHostLoad) {
   EXPECT_NE(text.out.find("\ndevice cuda:0: "), std::string::npos) << text.out;
 }
 
+// `load --tp-rank R --tp-size N --device cuda:0`: each rank's slices (builtin rules: q/k/v/gate/up
+// and embeddings on dim 0, o_proj/down_proj on dim 1) land on the (fake) device; their checksum,
+// on the copy back, equals the host sliced load's, with GDS off and auto, and under a device
+// budget.
+TEST(DeviceLoadCli, TensorParallelSlicesOnTheDeviceEqualTheHostSlices) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  const RunResult gen =
+      RunCli({"gen", ckpt, "--preset", "tiny", "--no-sync", "--shard-size", "40KB"}, {});
+  ASSERT_EQ(gen.exit_code, 0) << gen.err;
+  for (const char* world_text : {"2", "3"}) {
+    const std::string world = world_text;
+    for (int rank = 0; rank < std::stoi(world); ++rank) {
+      const std::vector<std::string> tp = {"--tp-rank", std::to_string(rank), "--tp-size", world};
+      std::vector<std::string> host_args = {"load", ckpt, "--json", "--engine", "pread"};
+      host_args.insert(host_args.end(), tp.begin(), tp.end());
+      const RunResult host = RunCli(host_args, {});
+      ASSERT_EQ(host.exit_code, 0) << host.err;
+      simdjson::dom::parser parser;
+      simdjson::dom::element h = parser.parse(host.out).value();
+      const std::string host_sum(h["checksum"].get_string().value());
+      const uint64_t bytes = h["bytes"].get_uint64().value();
+      for (const std::vector<std::string>& extra :
+           {std::vector<std::string>{"--gds", "off"},
+            {"--gds", "auto", "--engine", "mmap"},
+            {"--gds", "off", "--device-budget", "48KB", "--staging-bytes", "64KB", "--staging-slot",
+             "16KB"}}) {
+        std::vector<std::string> args = {"load", ckpt, "--json", "--device", "cuda:0"};
+        args.insert(args.end(), tp.begin(), tp.end());
+        args.insert(args.end(), extra.begin(), extra.end());
+        const RunResult r = RunCli(args, FakeEnv());
+        ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+        simdjson::dom::parser p;
+        simdjson::dom::element e = p.parse(r.out).value();
+        EXPECT_EQ(std::string(e["checksum"].get_string().value()), host_sum)
+            << "rank " << rank << " of " << world << ": " << r.out;
+        EXPECT_EQ(e["device_bytes"].get_uint64().value(), bytes);
+        EXPECT_EQ(e["tp_size"].get_uint64().value(), std::stoull(world));
+        const uint64_t device_budget = e["device_budget"].get_uint64().value();
+        if (device_budget > 0) {
+          EXPECT_LE(e["peak_device_bytes"].get_uint64().value(), device_budget);
+        }
+      }
+    }
+  }
+}
+
 TEST(DeviceLoadCli, NoRuntimeOrNoDeviceIsOneClearLine) {
   testing::TempDir dir;
   const std::string ckpt = dir.Join("c");

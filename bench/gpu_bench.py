@@ -24,7 +24,6 @@ The reference: pinned host memory to device (torch.empty(pin_memory=True).to("cu
 non_blocking=True)), the PCIe limit a staged load cannot beat warm.
 """
 import argparse
-import ctypes
 import glob
 import json
 import os
@@ -35,69 +34,16 @@ import sys
 import threading
 import time
 
+from _pagecache import evict, warm
+
 LOADERS = ["tensorferry", "tensorferry (gds off)", "safetensors", "fastsafetensors",
            "fastsafetensors (nogds)", "runai-model-streamer"]
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def shards(path):
     if os.path.isfile(path):
         return [path]
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))
-
-
-def cached_fraction(paths):
-    page = os.sysconf("SC_PAGE_SIZE")
-    cached = pages = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, 1, 1, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), "mmap failed", path)
-            n = (size + page - 1) // page
-            vec = ctypes.create_string_buffer(n)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed", path)
-            cached += sum(b & 1 for b in vec.raw)
-            pages += n
-            _libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return cached / pages if pages else 0.0
-
-
-def evict(paths):
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    left = cached_fraction(paths)
-    if left > 0.01 and os.geteuid() == 0:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        left = cached_fraction(paths)
-    return left
-
-
-def warm(paths):
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(16 << 20):
-                pass
-    return cached_fraction(paths)
 
 
 # --- the child: one loader, every run ----------------------------------------------------------
@@ -205,7 +151,7 @@ def child(args):
     for mode in args.modes.split(","):
         runs = []
         for _ in range(args.repeats):
-            left = evict(files) if mode == "cold" else warm(files)
+            left = evict(files, empty=0.0) if mode == "cold" else warm(files, empty=0.0)
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.synchronize()

@@ -19,7 +19,6 @@ Cold runs evict each file with posix_fadvise(POSIX_FADV_DONTNEED), check with mi
 still cached, and as root fall back to /proc/sys/vm/drop_caches.
 """
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -27,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from _pagecache import evict, warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,66 +202,6 @@ def child(name, checkpoint, bin_dir):
     print(json.dumps({"seconds": end - start, "load_seconds": loaded - start, "bytes": nbytes,
                       "tensors": ntensors, "checksum": checksum,
                       "peak_rss_kb": rss_kb("VmHWM"), "baseline_rss_kb": baseline}))
-
-
-# --- page cache ------------------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def cached_fraction(paths):
-    """Fraction of the files' pages in the page cache (mincore)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    cached = pages = 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), "mmap failed", path)
-            n = (size + page - 1) // page
-            vec = ctypes.create_string_buffer(n)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed", path)
-            cached += sum(b & 1 for b in vec.raw)
-            pages += n
-            _libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return cached / pages if pages else 1.0
-
-
-def evict(paths):
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    left = cached_fraction(paths)
-    if left > 0.01 and os.geteuid() == 0:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        left = cached_fraction(paths)
-    return left
-
-
-def warm(paths):
-    if cached_fraction(paths) < 0.99:
-        for path in paths:
-            with open(path, "rb", buffering=0) as f:
-                while f.read(16 << 20):
-                    pass
-    return cached_fraction(paths)
 
 
 # --- the parent ----------------------------------------------------------------------------------
@@ -442,7 +383,7 @@ def main():
                     if run == 0:
                         continue
                 paths = bin_files if name == "torch.load .bin" else files
-                cached = evict(paths) if mode == "cold" else warm(paths)
+                cached = evict(paths) if mode == "cold" else warm(paths, unless_cached=True)
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), checkpoint,
                                        "--bin-dir", bin_dir, "--child", name],
                                       capture_output=True, text=True)

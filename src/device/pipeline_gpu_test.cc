@@ -15,6 +15,7 @@
 #include "device/pipeline.h"
 #include "io/read_engine.h"
 #include "tensorferry/cuda.h"
+#include "testing/real_gpu.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::device {
@@ -23,10 +24,8 @@ namespace {
 class RealGpuPipelineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto runtime = cuda::ProcessRuntime();
+    auto runtime = testing::RealGpuRuntime();
     if (!runtime.ok()) GTEST_SKIP() << runtime.status().ToString();
-    const Status device = (*runtime)->CheckDevice(0);
-    if (!device.ok()) GTEST_SKIP() << device.ToString();
     runtime_ = *runtime;
     auto engine = io::MakePreadEngine(8);
     ASSERT_TRUE(engine.ok());

@@ -22,6 +22,7 @@
 #include "tensorferry/loader.h"
 #include "tensorferry/writer.h"
 #include "testing/fake_cuda.h"
+#include "testing/shard_fixture.h"
 #include "testing/test_util.h"
 
 namespace tensorferry {
@@ -38,70 +39,18 @@ constexpr char kUntouched = static_cast<char>(0xCD);  // the fake's fresh device
 
 // A sharded checkpoint of `layers` layers of odd-sized tensors, each filled with a pattern from
 // its name.
-struct Checkpoint {
-  TempDir dir;
-  std::vector<std::string> data;
-  std::vector<TensorToWrite> tensors;
-  uint64_t total = 0;
-
-  Checkpoint(int layers, uint64_t rows, uint64_t shard) {
-    auto add = [&](const std::string& name, DType dtype, std::vector<uint64_t> shape) {
-      TensorToWrite t;
-      t.name = name;
-      t.dtype = dtype;
-      t.shape = std::move(shape);
-      const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
-      std::string bytes(n, '\0');
-      const size_t h = std::hash<std::string>()(name);
-      for (uint64_t i = 0; i < n; ++i)
-        bytes[i] = static_cast<char>((i * 131 + h + (i >> 12)) & 0xff);
-      total += n;
-      data.push_back(std::move(bytes));
-      tensors.push_back(std::move(t));
-    };
-    data.reserve(3 + 4 * static_cast<size_t>(layers));
-    add("model.embed_tokens.weight", DType::kBF16, {33 * rows, 7});
-    for (int l = 0; l < layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      add(p + "self_attn.q_proj.weight", DType::kBF16, {13 * rows, 7});
-      add(p + "mlp.up_proj.weight", DType::kF32, {5 * rows, 11});
-      add(p + "input_layernorm.weight", DType::kF16, {7});
-      add(p + "scalar", DType::kI8, {});
-    }
-    add("lm_head.weight", DType::kF64, {3, 5});
-    add("model.norm.weight", DType::kU8, {0});
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      tensors[i].data = std::as_bytes(std::span<const char>(data[i]));
-    }
-    ShardOptions so;
-    so.max_shard_size = shard;
-    so.write.sync = false;
-    auto r = WriteSharded(dir.path(), tensors, {}, so);
-    if (!r.ok()) throw std::runtime_error(r.status().ToString());
-  }
-
-  const std::string& Expected(const std::string& name) const {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].name == name) return data[i];
-    }
-    throw std::runtime_error("no tensor " + name);
+struct Checkpoint : testing::TestCheckpoint {
+  Checkpoint(int layers, uint64_t rows, uint64_t shard)
+      : TestCheckpoint([](uint64_t i, size_t h) {
+          return static_cast<char>((i * 131 + h + (i >> 12)) & 0xff);
+        }) {
+    testing::AddLayeredModel(*this, layers, rows);
+    Write(shard);
   }
 };
 
-class LoaderDeviceTest : public testing::FakeCudaTest {
+class LoaderDeviceTest : public testing::FakeCudaProcessTest {
  protected:
-  void SetUp() override {
-    // Before the first use of the process-wide runtime and cuFile, so both are the fake.
-    runtime_env_.emplace("TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH);
-    cufile_env_.emplace("TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH);
-    auto process = cuda::ProcessRuntime();
-    if (!process.ok() || (*process)->path() != TENSORFERRY_FAKE_CUDA_PATH) {
-      GTEST_SKIP() << "this process loaded another CUDA runtime first; run through ctest";
-    }
-    ASSERT_TRUE(cuda::ProcessCufile().ok());
-    FakeCudaTest::SetUp();
-  }
-
   // The bytes of a loaded tensor, wherever it is.
   std::string Bytes(const Tensor& t) const {
     if (t.device().is_cpu()) return std::string(reinterpret_cast<const char*>(t.data()), t.size());
@@ -117,9 +66,6 @@ class LoaderDeviceTest : public testing::FakeCudaTest {
     o.gds = GdsMode::kOff;
     return o;
   }
-
-  std::optional<testing::ScopedEnv> runtime_env_;
-  std::optional<testing::ScopedEnv> cufile_env_;
 };
 
 TEST_F(LoaderDeviceTest, ByteExactForEveryEngineDirectAndGdsMode) {
@@ -142,7 +88,7 @@ TEST_F(LoaderDeviceTest, ByteExactForEveryEngineDirectAndGdsMode) {
         ASSERT_EQ(tensors->size(), c.tensors.size());
         for (const Tensor& t : *tensors) {
           EXPECT_EQ(t.device(), Device::CUDA(0)) << t.name();
-          EXPECT_EQ(Bytes(t), c.Expected(t.name())) << t.name();
+          EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
         }
         const LoadStats s = (*loader)->stats();
         EXPECT_EQ(s.device, "cuda:0");
@@ -175,7 +121,7 @@ TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
   for (int run = 0; run < 3; ++run) {
     auto tensors = (*loader)->Load();
     ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-    for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Expected(t.name()));
+    for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name()));
   }
   const TfFakeCudaStats s = fake_->Stats();
   EXPECT_EQ(s.pinned_allocations_live, 1u) << "one ring for every load";
@@ -204,7 +150,7 @@ TEST_F(LoaderDeviceTest, DeviceBudgetBoundsPeakDeviceMemoryIndependentOfShardSiz
     most_live = std::max(most_live, fake_->Stats().device_allocations_live);
     for (const Tensor& t : b.tensors) {
       ++seen[t.name()];
-      EXPECT_EQ(Bytes(t), c.Expected(t.name())) << t.name();
+      EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
     }
     return Status::Ok();
   });
@@ -249,7 +195,7 @@ TEST_F(LoaderDeviceTest, ReadAheadThatFindsTheDeviceFullWaitsForTheCaller) {
   Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
     ++batches;
     EXPECT_EQ(fake_->Stats().device_allocations_live, 1u);
-    for (const Tensor& t : b.tensors) EXPECT_EQ(Bytes(t), c.Expected(t.name()));
+    for (const Tensor& t : b.tensors) EXPECT_EQ(Bytes(t), c.Full(t.name()));
     return Status::Ok();
   });
   ASSERT_TRUE(s.ok()) << s.ToString();
@@ -300,7 +246,7 @@ TEST_F(LoaderDeviceTest, TensorsCoOwnTheDeviceBufferAfterTheLoaderIsGone) {
   Tensor keep = tensors[3];
   tensors.clear();
   EXPECT_EQ(fake_->Stats().device_allocations_live, 1u);
-  EXPECT_EQ(Bytes(keep), c.Expected(keep.name()));
+  EXPECT_EQ(Bytes(keep), c.Full(keep.name()));
   keep = Tensor();
   EXPECT_EQ(fake_->Stats().device_allocations_live, 0u) << "cudaFree with the last tensor";
 }
@@ -331,7 +277,7 @@ TEST_F(LoaderDeviceTest, PlacementPutsEachTensorWhereTheMapSaysAndNeverMixesBatc
     for (const Tensor& t : b.tensors) {
       EXPECT_EQ(t.device(), b.device) << t.name() << ": a batch mixes devices";
       EXPECT_EQ(t.device(), expected_device(t.name())) << t.name();
-      EXPECT_EQ(Bytes(t), c.Expected(t.name())) << t.name();
+      EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
       (t.device().is_cpu() ? host_tensors : device_tensors) += 1;
     }
     return Status::Ok();
@@ -383,7 +329,7 @@ TEST_F(LoaderDeviceTest, LoadIntoCallerDestinationsHostAndDevice) {
   const std::string a = "model.layers.0.mlp.up_proj.weight";
   const std::string b = "model.layers.1.self_attn.q_proj.weight";
   const std::string h = "model.embed_tokens.weight";
-  const uint64_t na = c.Expected(a).size(), nb = c.Expected(b).size(), nh = c.Expected(h).size();
+  const uint64_t na = c.Full(a).size(), nb = c.Full(b).size(), nh = c.Full(h).size();
   // One device allocation holding both, with a gap: bytes past each tensor stay untouched.
   void* dev = nullptr;
   ASSERT_EQ(runtime_->api().cudaMalloc(&dev, na + nb + 100), cuda::kSuccess);
@@ -397,10 +343,10 @@ TEST_F(LoaderDeviceTest, LoadIntoCallerDestinationsHostAndDevice) {
   Status s = (*loader)->LoadInto(dsts);
   ASSERT_TRUE(s.ok()) << s.ToString();
   const std::string image = fake_->ReadDevice(dev, na + nb + 100);
-  EXPECT_EQ(image.substr(0, na), c.Expected(a));
+  EXPECT_EQ(image.substr(0, na), c.Full(a));
   EXPECT_EQ(image.substr(na, 50), std::string(50, kUntouched));
-  EXPECT_EQ(image.substr(na + 50, nb), c.Expected(b));
-  EXPECT_EQ(host.substr(0, nh), c.Expected(h));
+  EXPECT_EQ(image.substr(na + 50, nb), c.Full(b));
+  EXPECT_EQ(host.substr(0, nh), c.Full(h));
   EXPECT_EQ(host.substr(nh), std::string(10, 'x'));
   const LoadStats st = (*loader)->stats();
   EXPECT_EQ(st.tensors, 3u);

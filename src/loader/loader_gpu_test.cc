@@ -13,6 +13,7 @@
 #include "tensorferry/device.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/writer.h"
+#include "testing/real_gpu.h"
 #include "testing/test_util.h"
 
 namespace tensorferry {
@@ -21,10 +22,8 @@ namespace {
 class LoaderGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto runtime = cuda::ProcessRuntime();
+    auto runtime = testing::RealGpuRuntime();
     if (!runtime.ok()) GTEST_SKIP() << runtime.status().ToString();
-    const Status device = (*runtime)->CheckDevice(0);
-    if (!device.ok()) GTEST_SKIP() << device.ToString();
     // ~96 MB over 3 shards, tensors of odd sizes.
     std::vector<TensorToWrite> tensors;
     data_.reserve(48);

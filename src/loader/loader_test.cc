@@ -11,6 +11,7 @@
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "tensorferry/writer.h"
+#include "testing/shard_fixture.h"
 #include "testing/test_util.h"
 
 namespace tensorferry {
@@ -22,51 +23,13 @@ using testing::TempDir;
 
 // A sharded checkpoint of `layers` Llama-like layers with odd-sized tensors of several dtypes,
 // filled with a pattern derived from the name.
-struct Fixture {
-  TempDir dir;
-  std::vector<std::string> data;
-  std::vector<TensorToWrite> tensors;
-
+struct Fixture : testing::TestCheckpoint {
   // `rows` scales the leading dimension of the matrices (1: a few KB in all; 1000: megabytes).
-  explicit Fixture(int layers = 4, uint64_t shard = 4096, uint64_t rows = 1) {
-    auto add = [&](const std::string& name, DType dtype, std::vector<uint64_t> shape) {
-      TensorToWrite t;
-      t.name = name;
-      t.dtype = dtype;
-      t.shape = std::move(shape);
-      const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
-      std::string bytes(n, '\0');
-      const size_t h = std::hash<std::string>()(name);
-      for (uint64_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 131 + h) & 0xff);
-      data.push_back(std::move(bytes));
-      tensors.push_back(std::move(t));
-    };
-    data.reserve(3 + 4 * static_cast<size_t>(layers));
-    add("model.embed_tokens.weight", DType::kBF16, {33 * rows, 7});
-    for (int l = 0; l < layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      add(p + "self_attn.q_proj.weight", DType::kBF16, {13 * rows, 7});
-      add(p + "mlp.up_proj.weight", DType::kF32, {5 * rows, 11});
-      add(p + "input_layernorm.weight", DType::kF16, {7});
-      add(p + "scalar", DType::kI8, {});
-    }
-    add("lm_head.weight", DType::kF64, {3, 5});
-    add("model.norm.weight", DType::kU8, {0});
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      tensors[i].data = std::as_bytes(std::span<const char>(data[i]));
-    }
-    ShardOptions so;
-    so.max_shard_size = shard;
-    so.write.sync = false;
-    auto r = WriteSharded(dir.path(), tensors, {}, so);
-    if (!r.ok()) throw std::runtime_error(r.status().ToString());
-  }
-
-  const std::string& Expected(const std::string& name) const {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].name == name) return data[i];
-    }
-    throw std::runtime_error("no tensor " + name);
+  explicit Fixture(int layers = 4, uint64_t shard = 4096, uint64_t rows = 1)
+      : TestCheckpoint(
+            [](uint64_t i, size_t h) { return static_cast<char>((i * 131 + h) & 0xff); }) {
+    testing::AddLayeredModel(*this, layers, rows);
+    Write(shard);
   }
 };
 
@@ -87,7 +50,7 @@ TEST(Loader, LoadsEveryTensorByteExact) {
       ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
       ASSERT_EQ(tensors->size(), f.tensors.size());
       for (const Tensor& t : *tensors) {
-        EXPECT_EQ(Bytes(t), f.Expected(t.name())) << t.name() << " chunk " << chunk;
+        EXPECT_EQ(Bytes(t), f.Full(t.name())) << t.name() << " chunk " << chunk;
         const TensorInfo* info = (*loader)->checkpoint()->Find(t.name());
         EXPECT_EQ(t.dtype(), info->dtype);
         EXPECT_EQ(t.shape(), info->shape);
@@ -108,7 +71,7 @@ TEST(Loader, TensorsOutliveLoaderAndCheckpoint) {
     kept = std::move(*tensors);
   }  // loader and checkpoint gone
   ASSERT_EQ(kept.size(), 2u);
-  for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Expected(t.name()));
+  for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Full(t.name()));
 }
 
 TEST(Loader, SelectionByNameMissingIsNotFound) {
@@ -133,7 +96,7 @@ TEST(Loader, StreamUnderBudgetNeverExceedsIt) {
     ++batches;
     for (const Tensor& t : b.tensors) {
       ++seen[t.name()];
-      EXPECT_EQ(Bytes(t), f.Expected(t.name()));
+      EXPECT_EQ(Bytes(t), f.Full(t.name()));
     }
     return Status::Ok();  // tensors dropped here: budget returns
   });
@@ -159,7 +122,7 @@ TEST(Loader, HoldingEarlierBatchesIsAClearBudgetError) {
   EXPECT_EQ(s.code(), Code::kBudgetExceeded) << s.ToString();
   EXPECT_NE(s.message().find("held by tensors of earlier batches"), std::string::npos);
   // What was delivered is intact.
-  for (const Tensor& t : hoard) EXPECT_EQ(Bytes(t), f.Expected(t.name()));
+  for (const Tensor& t : hoard) EXPECT_EQ(Bytes(t), f.Full(t.name()));
   // Load of more than the budget is refused up front.
   EXPECT_EQ((*loader)->Load().status().code(), Code::kBudgetExceeded);
 }
@@ -285,7 +248,7 @@ TEST(LoaderEngines, ByteExactForEveryEngine) {
           ASSERT_TRUE(tensors.ok()) << CaseName(c) << ": " << tensors.status().ToString();
           ASSERT_EQ(tensors->size(), f->tensors.size());
           for (const Tensor& t : *tensors) {
-            ASSERT_EQ(Bytes(t), f->Expected(t.name()))
+            ASSERT_EQ(Bytes(t), f->Full(t.name()))
                 << CaseName(c) << " " << t.name() << " threads " << threads << " chunk " << chunk;
           }
           const LoadStats s = (*loader)->stats();
@@ -343,7 +306,7 @@ TEST(LoaderEngines, MmapTensorsOutliveTheLoaderAndAreViews) {
     EXPECT_EQ((*loader)->stats().buffers_allocated, 0u);  // nothing copied
     kept = std::move(*tensors);
   }
-  for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Expected(t.name()));
+  for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Full(t.name()));
 }
 
 // A file truncated after the mmap engine handed out views: touching the vanished pages must not
@@ -461,7 +424,7 @@ TEST(LoaderFaults, ShortReadsStillLoadExactly) {
   ASSERT_TRUE(loader.ok()) << loader.status().ToString();
   auto tensors = (*loader)->Load();
   ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-  for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), m.f.Expected(t.name()));
+  for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), m.f.Full(t.name()));
 }
 
 TEST(LoaderFaults, EioNamesFileAndOffset) {
@@ -522,7 +485,7 @@ TEST(Loader, SeveralLoadersAtOnce) {
       for (int rep = 0; rep < 3; ++rep) {
         Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
           for (const Tensor& t : b.tensors) {
-            if (Bytes(t) != f.Expected(t.name())) ++failures;
+            if (Bytes(t) != f.Full(t.name())) ++failures;
           }
           return Status::Ok();
         });

@@ -21,138 +21,53 @@
 #include "tensorferry/shard.h"
 #include "tensorferry/writer.h"
 #include "testing/fake_cuda.h"
+#include "testing/shard_fixture.h"
 #include "testing/test_util.h"
 
 namespace tensorferry {
 namespace {
 
+using testing::NaiveSlice;
 using testing::TempDir;
-
-// Expected local bytes built element by element from the full tensor (independent of SliceOf's
-// byte ranges and of the loader's layouts): walk the local multi-index, map the split coordinate
-// through the parts (numpy.array_split per part).
-std::string NaiveSlice(const TensorInfo& t, const ShardRule& rule, uint32_t rank, uint32_t world,
-                       const std::string& full) {
-  if (!rule.is_split()) return full;
-  const uint64_t elem = DTypeBits(t.dtype) / 8;
-  std::vector<uint64_t> parts = rule.parts;
-  if (parts.empty() && rule.equal_parts > 1) {
-    parts.assign(rule.equal_parts, t.shape[rule.dim] / rule.equal_parts);
-  }
-  if (parts.empty()) parts.push_back(t.shape[rule.dim]);
-  std::vector<uint64_t> map;
-  uint64_t base = 0;
-  for (uint64_t p : parts) {
-    const uint64_t q = p / world, rem = p % world;
-    uint64_t off = 0;
-    for (uint32_t i = 0; i < rank; ++i) off += q + (i < rem ? 1 : 0);
-    const uint64_t len = q + (rank < rem ? 1 : 0);
-    for (uint64_t i = 0; i < len; ++i) map.push_back(base + off + i);
-    base += p;
-  }
-  std::vector<uint64_t> local = t.shape;
-  local[rule.dim] = map.size();
-  uint64_t count = 1;
-  for (uint64_t d : local) count *= d;
-  std::string out;
-  std::vector<uint64_t> idx(local.size(), 0);
-  for (uint64_t e = 0; e < count; ++e) {
-    uint64_t flat = 0;
-    for (size_t d = 0; d < local.size(); ++d) {
-      flat = flat * t.shape[d] + (d == rule.dim ? map[idx[d]] : idx[d]);
-    }
-    out.append(full, flat * elem, elem);
-    for (size_t d = local.size(); d-- > 0;) {
-      if (++idx[d] < local[d]) break;
-      idx[d] = 0;
-    }
-  }
-  return out;
-}
 
 // Tensors for every layout the device path has: dim-0 splits (contiguous), dim-1 and dim-2 splits
 // (strided 2D copies), fused dim-0 parts (one contiguous task per part), fused dim-1 equal parts
 // (one 2D copy per part), rows longer than a staging slot, replicated, scalar and empty tensors,
 // uneven sizes everywhere, over several files.
-struct TpFixture {
-  TempDir dir;
-  std::vector<std::string> data;
-  std::vector<TensorToWrite> tensors;
-  ShardSpec spec;
-
+struct TpFixture : testing::TestCheckpoint {
   TpFixture() {
-    auto add = [&](const std::string& name, DType dtype, std::vector<uint64_t> shape,
-                   ShardRule rule) {
-      TensorToWrite t;
-      t.name = name;
-      t.dtype = dtype;
-      t.shape = std::move(shape);
-      const uint64_t n = TensorByteSize(t.dtype, t.shape).value();
-      std::string bytes(n, '\0');
-      const size_t h = std::hash<std::string>()(name);
-      for (uint64_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 131 + (i >> 9) + h));
-      data.push_back(std::move(bytes));
-      tensors.push_back(std::move(t));
-      spec.Set(name, std::move(rule));
-    };
-    add("embed.weight", DType::kBF16, {539, 24}, ShardRule::Split(0));
-    add("layers.0.q.weight", DType::kF32, {323, 17}, ShardRule::Split(0));
-    add("layers.0.o.weight", DType::kBF16, {24, 331}, ShardRule::Split(1));
-    add("layers.0.o.bias", DType::kBF16, {24}, ShardRule::Replicate());
-    add("layers.0.conv.weight", DType::kF16, {5, 9, 131}, ShardRule::Split(2));
-    add("layers.0.mid.weight", DType::kI32, {6, 155, 5}, ShardRule::Split(1));
-    add("layers.0.qkv.weight", DType::kBF16, {144, 12}, ShardRule::Split(0, {128, 8, 8}));
-    add("layers.0.c_attn.weight", DType::kF32, {10, 195}, ShardRule::SplitEqual(1, 3));
-    add("layers.0.wide.weight", DType::kF32, {3, 10001}, ShardRule::Split(1));  // 40 KB rows
-    add("layers.0.scalar", DType::kI8, {}, ShardRule::Replicate());
-    add("layers.0.empty", DType::kF32, {0, 16}, ShardRule::Split(1));
-    add("head.weight", DType::kF64, {73, 8}, ShardRule::Split(0));
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      tensors[i].data = std::as_bytes(std::span<const char>(data[i]));
-    }
-    ShardOptions so;
-    so.max_shard_size = 64 << 10;
-    so.write.sync = false;
-    auto r = WriteSharded(dir.path(), tensors, {}, so);
-    if (!r.ok()) throw std::runtime_error(r.status().ToString());
-  }
-
-  const std::string& Full(const std::string& name) const {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].name == name) return data[i];
-    }
-    throw std::runtime_error("no tensor " + name);
+    Add("embed.weight", DType::kBF16, {539, 24}, ShardRule::Split(0));
+    Add("layers.0.q.weight", DType::kF32, {323, 17}, ShardRule::Split(0));
+    Add("layers.0.o.weight", DType::kBF16, {24, 331}, ShardRule::Split(1));
+    Add("layers.0.o.bias", DType::kBF16, {24}, ShardRule::Replicate());
+    Add("layers.0.conv.weight", DType::kF16, {5, 9, 131}, ShardRule::Split(2));
+    Add("layers.0.mid.weight", DType::kI32, {6, 155, 5}, ShardRule::Split(1));
+    Add("layers.0.qkv.weight", DType::kBF16, {144, 12}, ShardRule::Split(0, {128, 8, 8}));
+    Add("layers.0.c_attn.weight", DType::kF32, {10, 195}, ShardRule::SplitEqual(1, 3));
+    Add("layers.0.wide.weight", DType::kF32, {3, 10001}, ShardRule::Split(1));  // 40 KB rows
+    Add("layers.0.scalar", DType::kI8, {}, ShardRule::Replicate());
+    Add("layers.0.empty", DType::kF32, {0, 16}, ShardRule::Split(1));
+    Add("head.weight", DType::kF64, {73, 8}, ShardRule::Split(0));
+    Write(64 << 10);
   }
 
   // Sum of every tensor's local bytes on `rank` of `world`.
   uint64_t SliceBytes(uint32_t rank, uint32_t world) const {
-    uint64_t total = 0;
+    uint64_t sum = 0;
     for (const TensorToWrite& t : tensors) {
       TensorInfo info;
       info.name = t.name;
       info.dtype = t.dtype;
       info.shape = t.shape;
       info.size = TensorByteSize(t.dtype, t.shape).value();
-      total += SliceOf(info, spec.RuleFor(t.name), rank, world).value().bytes;
+      sum += SliceOf(info, spec.RuleFor(t.name), rank, world).value().bytes;
     }
-    return total;
+    return sum;
   }
 };
 
-class ShardDeviceTest : public testing::FakeCudaTest {
+class ShardDeviceTest : public testing::FakeCudaProcessTest {
  protected:
-  void SetUp() override {
-    // Before the first use of the process-wide runtime and cuFile, so both are the fake.
-    runtime_env_.emplace("TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH);
-    cufile_env_.emplace("TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH);
-    auto process = cuda::ProcessRuntime();
-    if (!process.ok() || (*process)->path() != TENSORFERRY_FAKE_CUDA_PATH) {
-      GTEST_SKIP() << "this process loaded another CUDA runtime first; run through ctest";
-    }
-    ASSERT_TRUE(cuda::ProcessCufile().ok());
-    FakeCudaTest::SetUp();
-  }
-
   // The bytes of a tensor wherever it is, through the public CopyToHost.
   static std::string Bytes(const Tensor& t) {
     std::string out(t.size(), '\0');
@@ -172,9 +87,6 @@ class ShardDeviceTest : public testing::FakeCudaTest {
     o.shard = TensorParallelOptions{f.spec, rank, world};
     return o;
   }
-
-  std::optional<testing::ScopedEnv> runtime_env_;
-  std::optional<testing::ScopedEnv> cufile_env_;
 };
 
 TEST_F(ShardDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTensor) {

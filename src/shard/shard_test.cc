@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "testing/shard_fixture.h"
+
 namespace tensorferry {
 namespace {
 
@@ -20,52 +22,7 @@ TensorInfo Info(std::string name, DType dtype, std::vector<uint64_t> shape) {
   return t;
 }
 
-// torch.tensor_split / numpy.array_split of n over w: (offset, length) of piece r.
-std::pair<uint64_t, uint64_t> ArraySplit(uint64_t n, uint32_t w, uint32_t r) {
-  const uint64_t q = n / w, rem = n % w;
-  uint64_t off = 0;
-  for (uint32_t i = 0; i < r; ++i) off += q + (i < rem ? 1 : 0);
-  return {off, q + (r < rem ? 1 : 0)};
-}
-
-// The local tensor's bytes built element by element from the full tensor's bytes: walk the local
-// row-major multi-index, map the split coordinate through the fused parts, copy the element.
-std::vector<uint8_t> NaiveSlice(const TensorInfo& t, const ShardRule& rule, uint32_t rank,
-                                uint32_t world, const std::vector<uint8_t>& full) {
-  const uint64_t elem = DTypeBits(t.dtype) / 8;
-  if (!rule.is_split()) return full;
-  std::vector<uint64_t> parts = rule.parts;
-  if (parts.empty() && rule.equal_parts > 1) {
-    parts.assign(rule.equal_parts, t.shape[rule.dim] / rule.equal_parts);
-  }
-  if (parts.empty()) parts.push_back(t.shape[rule.dim]);
-  std::vector<uint64_t> map;  // local index along dim -> full index
-  uint64_t base = 0;
-  for (uint64_t p : parts) {
-    auto [off, len] = ArraySplit(p, world, rank);
-    for (uint64_t i = 0; i < len; ++i) map.push_back(base + off + i);
-    base += p;
-  }
-  std::vector<uint64_t> local = t.shape;
-  local[rule.dim] = map.size();
-  uint64_t count = 1;
-  for (uint64_t d : local) count *= d;
-  std::vector<uint8_t> out;
-  std::vector<uint64_t> idx(local.size(), 0);
-  for (uint64_t e = 0; e < count; ++e) {
-    uint64_t flat = 0;
-    for (size_t d = 0; d < local.size(); ++d) {
-      const uint64_t coord = d == rule.dim ? map[idx[d]] : idx[d];
-      flat = flat * t.shape[d] + coord;
-    }
-    for (uint64_t b = 0; b < elem; ++b) out.push_back(full[flat * elem + b]);
-    for (size_t d = local.size(); d-- > 0;) {
-      if (++idx[d] < local[d]) break;
-      idx[d] = 0;
-    }
-  }
-  return out;
-}
+using testing::NaiveSlice;
 
 std::vector<uint8_t> Pattern(uint64_t n) {
   std::vector<uint8_t> v(n);

@@ -102,6 +102,18 @@ void FakeCudaTest::SetUp() {
       << "an earlier test leaked fake CUDA objects";
 }
 
+void FakeCudaProcessTest::SetUp() {
+  // Before the first use of the process-wide runtime and cuFile, so both are the fake.
+  runtime_env_.emplace("TENSORFERRY_CUDA_RUNTIME", TENSORFERRY_FAKE_CUDA_PATH);
+  cufile_env_.emplace("TENSORFERRY_CUFILE_LIBRARY", TENSORFERRY_FAKE_CUDA_PATH);
+  auto process = cuda::ProcessRuntime();
+  if (!process.ok() || (*process)->path() != TENSORFERRY_FAKE_CUDA_PATH) {
+    GTEST_SKIP() << "this process loaded another CUDA runtime first; run through ctest";
+  }
+  ASSERT_TRUE(cuda::ProcessCufile().ok());
+  FakeCudaTest::SetUp();
+}
+
 void FakeCudaTest::TearDown() {
   if (!fake_) return;
   EXPECT_EQ(fake_->ViolationCount(), 0u) << fake_->Violations();

@@ -78,4 +78,16 @@ class FakeCudaTest : public ::testing::Test {
   std::shared_ptr<const cuda::Runtime> runtime_;
 };
 
+// FakeCudaTest for code that reaches CUDA through the process-wide runtime and cuFile
+// (cuda::ProcessRuntime, cuda::ProcessCufile): selects the fake for both with
+// TENSORFERRY_CUDA_RUNTIME / TENSORFERRY_CUFILE_LIBRARY before their first use, and skips the test
+// where the process loaded another runtime first (run through ctest: a process per test).
+class FakeCudaProcessTest : public FakeCudaTest {
+ protected:
+  void SetUp() override;
+
+  std::optional<ScopedEnv> runtime_env_;
+  std::optional<ScopedEnv> cufile_env_;
+};
+
 }  // namespace tensorferry::testing

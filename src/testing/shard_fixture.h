@@ -3,12 +3,15 @@
 // fused part), written independently of SliceOf so that tests compare two implementations.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "tensorferry/shard.h"
 #include "tensorferry/status.h"
+#include "tensorferry/writer.h"
+#include "testing/test_util.h"
 
 namespace tensorferry::testing {
 
@@ -25,5 +28,54 @@ ShardSpec ShardFixtureSpec();
 // element, whose full row-major bytes are `full`, under `rule` (parts given explicitly, or one).
 std::string OracleSlice(const std::string& full, const std::vector<uint64_t>& shape,
                         uint64_t elem_size, const ShardRule& rule, uint32_t rank, uint32_t world);
+
+// Expected local bytes of `t` (any rank) on `rank` of `world` under `rule`, built element by
+// element from the full tensor's bytes `full` (independent of SliceOf's byte ranges and of the
+// loader's layouts): walk the local row-major multi-index, map the split coordinate through the
+// parts (given, equal, or one; numpy.array_split per part), copy the element.
+std::string NaiveSlice(const TensorInfo& t, const ShardRule& rule, uint32_t rank, uint32_t world,
+                       const std::string& full);
+std::vector<uint8_t> NaiveSlice(const TensorInfo& t, const ShardRule& rule, uint32_t rank,
+                                uint32_t world, const std::vector<uint8_t>& full);
+
+// Byte `i` of a test tensor whose name hashes (std::hash) to `h`.
+using BytePattern = char (*)(uint64_t i, size_t h);
+// The pattern of the tensor-parallel tests: i * 131 + (i >> 9) + h.
+char TpByte(uint64_t i, size_t h);
+
+// Tensors to write as a test checkpoint, built one by one (bytes from `pattern`), each with its
+// rule in `spec` where one is given. Add every tensor, then write.
+struct TestTensors {
+  explicit TestTensors(BytePattern byte_pattern = TpByte) : pattern(byte_pattern) {}
+  TestTensors(const TestTensors&) = delete;
+  TestTensors& operator=(const TestTensors&) = delete;
+
+  void Add(const std::string& name, DType dtype, std::vector<uint64_t> shape);
+  void Add(const std::string& name, DType dtype, std::vector<uint64_t> shape, ShardRule rule);
+  // Writes the tensors into `dir` in shards of at most `max_shard_size` bytes.
+  Status WriteTo(const std::string& dir, uint64_t max_shard_size);
+  // The full bytes of tensor `name`; throws if there is none.
+  const std::string& Full(const std::string& name) const;
+
+  BytePattern pattern;
+  std::vector<std::string> data;
+  std::vector<TensorToWrite> tensors;
+  ShardSpec spec;
+  uint64_t total = 0;  // bytes of every tensor
+};
+
+// TestTensors written into a temporary directory of their own.
+struct TestCheckpoint : TestTensors {
+  explicit TestCheckpoint(BytePattern byte_pattern = TpByte) : TestTensors(byte_pattern) {}
+  // Writes into `dir`; throws on failure.
+  void Write(uint64_t max_shard_size);
+
+  TempDir dir;
+};
+
+// The model-like tensors of the loader tests: an embedding, `layers` layers of a q projection, an
+// up projection, a norm and a scalar, a head and an empty tensor; `rows` scales the leading
+// dimension of the matrices.
+void AddLayeredModel(TestTensors& t, int layers, uint64_t rows);
 
 }  // namespace tensorferry::testing

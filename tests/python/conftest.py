@@ -62,3 +62,18 @@ def raw_bytes(t):
     import torch
     t = t.detach().cpu().contiguous().reshape(-1)
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def reference_slice(full, rule, rank, world):
+    """The rank's shard built with torch: split into fused parts, tensor_split each, concatenate."""
+    import torch
+    if rule.get("replicate"):
+        return full
+    dim = rule["split"]
+    if "parts" in rule:
+        parts = torch.split(full, rule["parts"], dim)
+    elif rule.get("equal_parts", 0) > 1:
+        parts = torch.chunk(full, rule["equal_parts"], dim)
+    else:
+        parts = [full]
+    return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)

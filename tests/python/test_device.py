@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, reference_slice
 
 FAKE = os.environ.get("TENSORFERRY_FAKE_CUDA") or os.path.join(
     ROOT, "build", "release", "lib", "libtensorferry_fake_cudart.so")
@@ -349,20 +349,6 @@ def _tp_checkpoint(tmp_path):
     return path, tensors
 
 
-def _tp_reference(full, rule, rank, world):
-    import torch
-    if rule.get("replicate"):
-        return full
-    dim = rule["split"]
-    if "parts" in rule:
-        parts = torch.split(full, rule["parts"], dim)
-    elif rule.get("equal_parts", 0) > 1:
-        parts = torch.chunk(full, rule["equal_parts"], dim)
-    else:
-        parts = [full]
-    return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)
-
-
 @needs_fake
 def test_tp_slices_land_on_the_device_byte_exact(tmp_path):
     """device="cuda" with tp_rank/tp_size: each rank's slices, copied back from (fake) device
@@ -406,7 +392,7 @@ def test_tp_slices_land_on_the_device_byte_exact(tmp_path):
         assert set(entry["dev"]) == set(tensors), key
         want_total = 0
         for name, full in tensors.items():
-            want = hexbytes(_tp_reference(full, rules[name], rank, world))
+            want = hexbytes(reference_slice(full, rules[name], rank, world))
             device, got = entry["dev"][name]
             assert device == [2, 0], (key, name)
             assert got == want, (key, name)
@@ -417,7 +403,7 @@ def test_tp_slices_land_on_the_device_byte_exact(tmp_path):
     assert out["options"]["device"] == "cuda:0"
     assert out["options"]["tp_rank"] == 1 and out["options"]["tp_size"] == 3
     for name, full in tensors.items():
-        assert out["via_loader"][name] == hexbytes(_tp_reference(full, rules[name], 1, 3)), name
+        assert out["via_loader"][name] == hexbytes(reference_slice(full, rules[name], 1, 3)), name
 
 
 @gpu
@@ -433,6 +419,6 @@ def test_gpu_tp_load_file_matches_tensor_split(tmp_path):
             got = load_file(path, device="cuda:0", tp_rank=rank, tp_size=world,
                             shard_rules=_TP_RULES)
             for name, full in tensors.items():
-                want = _tp_reference(full, rules[name], rank, world).to("cuda:0")
+                want = reference_slice(full, rules[name], rank, world).to("cuda:0")
                 assert got[name].device == torch.device("cuda", 0)
                 assert torch.equal(got[name], want), (name, rank, world)

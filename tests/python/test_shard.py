@@ -4,23 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import reference_slice
 
 import tensorferry
 from tensorferry import InvalidArgumentError, ShardSpec, shard_spec, tensor_slice
-
-
-def reference_slice(full, rule, rank, world):
-    """The rank's shard built with torch: split into fused parts, tensor_split each, concatenate."""
-    if rule.get("replicate"):
-        return full
-    dim = rule["split"]
-    if "parts" in rule:
-        parts = torch.split(full, rule["parts"], dim)
-    elif rule.get("equal_parts", 0) > 1:
-        parts = torch.chunk(full, rule["equal_parts"], dim)
-    else:
-        parts = [full]
-    return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)
 
 
 def apply(full, s):

@@ -102,6 +102,31 @@ class Tensor {
   Device device_;
 };
 
+class Selection;
+
+// What a selection means under a shard spec's tied aliases (ShardSpec::Tie): the tensors to
+// read, which of them the caller asked for, and the aliases delivered sharing a read tensor's
+// data (read once). A tied alias selected by name, or matched by a predicate (as its target would
+// be, under the alias's name), stands for its target whether the files hold it (a duplicate, not
+// read) or not (tie_word_embeddings). Without a spec or without ties: `read` is
+// Selection::Resolve, `deliver` is empty, no aliases. Loader and LoadCooperative (cooperative.h)
+// resolve selections this way, so both deliver the same tensors in the same order.
+struct ResolvedSelection {
+  std::vector<uint32_t> read;  // indices into checkpoint.tensors(), ascending
+  std::vector<bool> deliver;   // per tensor index: asked for; empty: every read tensor
+  std::vector<std::pair<std::string, uint32_t>> aliases;  // (alias, target index), by alias name
+
+  // The order Loader::Load returns tensors in: (name, index of the tensor whose data it is), in
+  // checkpoint order; an alias the files lack comes right after its target (aliases of one target
+  // by name).
+  std::vector<std::pair<std::string, uint32_t>> Outputs(const Checkpoint& checkpoint) const;
+};
+
+// Errors: those of Selection::Resolve (kNotFound for a name that is neither a tensor nor a tied
+// alias of one).
+Result<ResolvedSelection> ResolveSelection(const Checkpoint& checkpoint, const Selection& selection,
+                                           const ShardSpec* spec);
+
 // Which tensors to load.
 class Selection {
  public:
@@ -114,7 +139,9 @@ class Selection {
   Result<std::vector<uint32_t>> Resolve(const Checkpoint& checkpoint) const;
 
  private:
-  friend class Loader;  // resolves tied aliases absent from the checkpoint
+  // Resolves tied aliases absent from the checkpoint.
+  friend Result<ResolvedSelection> ResolveSelection(const Checkpoint&, const Selection&,
+                                                    const ShardSpec*);
   std::vector<std::string> names_;
   std::function<bool(const TensorInfo&)> predicate_;
   bool by_name_ = false;

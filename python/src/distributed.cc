@@ -39,20 +39,28 @@ Result<ShardSpec> SpecOf(const std::string& spec) {
   return ShardSpec::FromJson(spec);
 }
 
-std::vector<PlanEntry> CooperativePlan(const std::string& path,
-                                       std::optional<std::vector<std::string>> names,
-                                       const std::string& spec_text, uint32_t world,
-                                       uint64_t round_bytes) {
+// (name, name of the read tensor whose data it is): what the caller gets, in Loader::Load's order
+// (tied aliases share their target's).
+using Output = std::pair<std::string, std::string>;
+
+std::pair<std::vector<PlanEntry>, std::vector<Output>> CooperativePlan(
+    const std::string& path, std::optional<std::vector<std::string>> names,
+    const std::string& spec_text, uint32_t world, uint64_t round_bytes) {
   if (world == 0) Check(Status(Code::kInvalidArgument, "cooperative_plan: world size 0"));
   std::shared_ptr<const Checkpoint> checkpoint;
   ShardSpec spec;
   std::vector<uint32_t> indices;
+  std::vector<Output> outputs;
   {
     nb::gil_scoped_release release;
     checkpoint = Unwrap(Checkpoint::Open(path));
     spec = Unwrap(SpecOf(spec_text));
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
-    indices = Unwrap(selection.Resolve(*checkpoint));
+    const ResolvedSelection resolved = Unwrap(ResolveSelection(*checkpoint, selection, &spec));
+    indices = resolved.read;
+    for (auto& [name, index] : resolved.Outputs(*checkpoint)) {
+      outputs.emplace_back(std::move(name), checkpoint->tensors()[index].name);
+    }
   }
   const std::vector<TensorInfo>& infos = checkpoint->tensors();
   std::vector<uint64_t> sizes;
@@ -77,7 +85,7 @@ std::vector<PlanEntry> CooperativePlan(const std::string& path,
                       rounds[k], rule.is_split() ? static_cast<int64_t>(rule.dim) : -1,
                       std::move(parts));
   }
-  return plan;
+  return {std::move(plan), std::move(outputs)};
 }
 
 }  // namespace
@@ -93,9 +101,10 @@ void RegisterDistributed(nb::module_& m) {
       "Reader rank of each tensor (sizes in checkpoint order): tensorferry::AssignReaders");
   m.def("cooperative_plan", &CooperativePlan, nb::arg("path"), nb::arg("names").none(),
         nb::arg("spec"), nb::arg("world"), nb::arg("round_bytes"),
-        "The schedule of a cooperative load: one (name, dtype, shape, reader, round, dim, parts) "
-        "per selected tensor in checkpoint order; parts: per rank (local shape, blocks, bytes), "
-        "empty for a replicated tensor (dim -1).");
+        "The schedule of a cooperative load: (entries, outputs). entries: one (name, dtype, "
+        "shape, reader, round, dim, parts) per tensor to read, in checkpoint order; parts: per "
+        "rank (local shape, blocks, bytes), empty for a replicated tensor (dim -1). outputs: "
+        "(name, name of the read tensor whose data it is) in Loader order (tied aliases).");
 }
 
 }  // namespace tensorferry::python

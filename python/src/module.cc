@@ -395,7 +395,14 @@ class Reader {
   nb::list Load(const std::optional<std::vector<std::string>>& names, int framework) {
     const Framework fw = ToFramework(framework);
     if (names) {
-      for (const std::string& n : *names) Lookup(n);
+      for (const std::string& n : *names) {
+        // A tied alias (shard_rules ties) stands for its target, present in the files or not.
+        std::optional<std::string> target;
+        if (options_.shard && checkpoint_->Find(n) == nullptr) {
+          target = options_.shard->spec.TieTarget(n);
+        }
+        Lookup(target ? *target : n);
+      }
     }
     std::vector<Tensor> tensors;
     {

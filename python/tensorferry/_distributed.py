@@ -45,9 +45,6 @@ class Cooperative:
         spec = options.get("shard_rules")
         # Without shard_rules the per-rank path uses the builtin rules: so does this one.
         self._spec_json = spec.to_json() if spec is not None else "builtin"
-        if spec is not None and json_ties(self._spec_json):
-            raise _core.UnsupportedError(
-                "cooperative loading does not support tied tensors (shard_rules ties) yet")
         self._path = path
         self._group = process_group
         self._fw = fw
@@ -69,11 +66,6 @@ class Cooperative:
                            batches=figures["rounds"], seconds=figures["seconds"])
         stats.bytes_read = figures["bytes_read"]
         return out, stats
-
-
-def json_ties(spec_json):
-    import json
-    return bool(json.loads(spec_json).get("ties"))
 
 
 def refuse_streaming(cooperative):
@@ -108,11 +100,11 @@ def load_cooperative(path, *, process_group, shard_spec, fw, device, names=None,
     if rank < 0:
         raise _core.InvalidArgumentError("this process is not a member of process_group")
     start = time.perf_counter()
-    plan = _core.cooperative_plan(path, names, shard_spec, world, budget or 0)
+    plan, outputs = _core.cooperative_plan(path, names, shard_spec, world, budget or 0)
     on_gpu = device.type != "cpu"
     # NCCL needs every buffer on the GPU, gloo on the CPU.
     comm_device = device if on_gpu else torch.device("cpu")
-    figures = {"tensors": len(plan), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
+    figures = {"tensors": len(outputs), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0}
     rounds = max((entry[4] for entry in plan), default=-1) + 1
     # The rounds are the budget: the reader under them has none of its own.
@@ -200,8 +192,9 @@ def load_cooperative(path, *, process_group, shard_spec, fw, device, names=None,
             del loaded
     finally:
         reader.close()
-    # Checkpoint order (the exchange went round by round).
-    out = {entry[0]: out[entry[0]] for entry in plan}
+    # The Loader's order (the exchange went round by round); tied aliases share their target's
+    # tensor, tensors read only for an alias are dropped.
+    out = {name: out[source] for name, source in outputs}
     if on_gpu and device != comm_device:
         out = {n: t.to(device) for n, t in out.items()}
     figures["bytes"] = sum(t.nbytes for t in out.values())

@@ -298,8 +298,19 @@ class Loader:
         for n in names:
             if not isinstance(n, str):
                 raise TypeError(f"select: tensor names must be str, not {type(n).__name__}")
-            reader.info(n)  # SafetensorError naming a missing tensor
+            reader.info(self._stored_name(n))  # SafetensorError naming a missing tensor
         return names
+
+    def _stored_name(self, name):
+        """The tensor of the files whose data `name` is: a tied alias's target (shard_rules
+        ties), else `name` itself."""
+        options = self._reader.options()
+        spec = options.get("shard_rules") if "tp_size" in options else None
+        if spec is not None and name not in self._reader:
+            target = spec.tie_target(name)
+            if target is not None:
+                return target
+        return name
 
     def keys(self):
         """Names of the selected tensors, in file order."""
@@ -325,7 +336,7 @@ class Loader:
             names = set(self._names) if self._names is not None else self._reader.names(True)
             total = 0
             for n in names:
-                dtype, shape = self._reader.info(n)[:2]
+                dtype, shape = self._reader.info(self._stored_name(n))[:2]
                 total += spec.slice(n, dtype, shape, options["tp_rank"], options["tp_size"])["bytes"]
             return total
         if self._names is None:
@@ -357,7 +368,10 @@ class Loader:
     # --- loading --------------------------------------------------------------------------------
 
     def _check_dtypes(self):
-        self._fw.check(self._reader, self._names)
+        names = self._names
+        if names is not None:
+            names = sorted({self._stored_name(n) for n in names})
+        self._fw.check(self._reader, names)
 
     def _finish(self, triples):
         return self._fw.finish_all(triples, self._device)
@@ -400,7 +414,11 @@ class Loader:
         self._stats = stats
         if self._names is not None:
             order = {n: i for i, n in enumerate(self._reader.names(True))}
-            out = dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
+            def position(name):  # a tied alias the files lack: right after its target
+                if name in order:
+                    return order[name]
+                return order.get(self._stored_name(name), len(order)) + 0.5
+            out = dict(sorted(out.items(), key=lambda kv: position(kv[0])))
         return out
 
     def load_into(self, destinations):

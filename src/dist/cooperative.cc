@@ -102,13 +102,6 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   const uint32_t me = collective.rank();
   if (checkpoint == nullptr)
     return Status(Code::kInvalidArgument, "LoadCooperative: no checkpoint");
-  if (!spec.ties().empty()) {
-    return Status(Code::kUnsupported, "cooperative load: the shard spec ties " +
-                                          spec.ties().front().first + " to " +
-                                          spec.ties().front().second +
-                                          "; ties are not supported by the cooperative path yet "
-                                          "(load tied checkpoints with LoadOptions::shard)");
-  }
   // The exchange packs slices out of the reader's tensors and the collectives move host bytes:
   // device tensors would be device addresses here. Refused the same way on every rank, before
   // any I/O or collective.
@@ -119,7 +112,11 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
                       " is not supported by LoadCooperative (load each rank's slices onto its "
                       "device with LoadOptions::shard, or move the returned host tensors)");
   }
-  TF_ASSIGN_OR_RETURN(const std::vector<uint32_t> indices, selection.Resolve(*checkpoint));
+  // Tied aliases resolve as for the Loader: their targets are read (once) and exchanged, the
+  // aliases added at the end sharing their target's result.
+  TF_ASSIGN_OR_RETURN(const ResolvedSelection resolved,
+                      ResolveSelection(*checkpoint, selection, &spec));
+  const std::vector<uint32_t>& indices = resolved.read;
   const std::vector<TensorInfo>& infos = checkpoint->tensors();
   const size_t n = indices.size();
 
@@ -275,8 +272,23 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
     local.exchange_seconds += SecondsSince(exchange_start);
     local.rounds++;
   }
+  // What the caller asked for, in the Loader's order: tensors read only for an alias dropped,
+  // aliases sharing their target's bytes.
+  std::vector<size_t> position(infos.size(), SIZE_MAX);
+  for (size_t i = 0; i < n; ++i) position[indices[i]] = i;
+  std::vector<Tensor> delivered;
+  for (auto& [name, index] : resolved.Outputs(*checkpoint)) {
+    const Tensor& t = out[position[index]];
+    if (name == t.name()) {
+      delivered.push_back(t);
+    } else {
+      delivered.emplace_back(std::move(name), t.dtype(), t.shape(), t.data(), t.size(), t.owner(),
+                             t.device());
+    }
+  }
+  out = std::move(delivered);
   for (const Tensor& t : out) local.bytes += t.size();
-  local.tensors = n;
+  local.tensors = out.size();
   local.seconds = SecondsSince(start);
   if (stats != nullptr) *stats = std::move(local);
   return out;

@@ -150,15 +150,69 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
   }
 }
 
-TEST(Cooperative, TiesAreRefused) {
+// Tied aliases: the target is read once and every rank's alias shares its target's slice; the
+// same tensors, names and order as the independent sliced path, for an alias the files hold (a
+// duplicate) and one they lack, under Selection::All and by name.
+TEST(Cooperative, TiedAliasesShareTheirTargetLikeTheIndependentPath) {
   TempDir dir;
   ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
   auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
   ShardSpec spec = testing::ShardFixtureSpec();
-  spec.Tie("lm_head.weight", "model.embed_tokens.weight");
-  auto group = MakeInProcessGroup(1).ValueOrThrow();
-  EXPECT_EQ(LoadCooperative(checkpoint, Selection::All(), spec, {}, *group[0]).status().code(),
-            Code::kUnsupported);
+  spec.Tie("lm_head.weight", "model.embed_tokens.weight");  // in the files: not read
+  spec.Tie("output.weight", "model.embed_tokens.weight");   // not in the files
+  ASSERT_NE(checkpoint->Find("lm_head.weight"), nullptr);
+  ASSERT_EQ(checkpoint->Find("output.weight"), nullptr);
+  const Selection selections[] = {
+      Selection::All(),
+      Selection::Names({"output.weight", "model.norm.weight", "lm_head.weight"}),
+  };
+  for (const Selection& selection : selections) {
+    for (uint32_t world : {1u, 2u, 3u}) {
+      SCOPED_TRACE("world " + std::to_string(world));
+      auto group = MakeInProcessGroup(world).ValueOrThrow();
+      std::vector<Result<std::vector<Tensor>>> results(world, Status(Code::kInternal, "not run"));
+      std::vector<CooperativeStats> stats(world);
+      std::vector<std::thread> threads;
+      for (uint32_t r = 0; r < world; ++r) {
+        threads.emplace_back([&, r] {
+          results[r] = LoadCooperative(checkpoint, selection, spec, {}, *group[r], &stats[r]);
+        });
+      }
+      for (auto& t : threads) t.join();
+      uint64_t total_read = 0;
+      for (uint32_t r = 0; r < world; ++r) {
+        ASSERT_TRUE(results[r].ok()) << results[r].status().ToString();
+        const std::vector<Tensor>& mine = *results[r];
+        LoadOptions independent_options;
+        independent_options.shard = TensorParallelOptions{spec, r, world};
+        const std::vector<Tensor> theirs = Loader::Open(checkpoint, independent_options)
+                                               .ValueOrThrow()
+                                               ->Load(selection)
+                                               .ValueOrThrow();
+        ASSERT_EQ(mine.size(), theirs.size());
+        for (size_t i = 0; i < mine.size(); ++i) {
+          EXPECT_EQ(mine[i].name(), theirs[i].name());
+          EXPECT_EQ(mine[i].shape(), theirs[i].shape()) << mine[i].name();
+          EXPECT_EQ(Bytes(mine[i]), Bytes(theirs[i])) << mine[i].name() << " rank " << r;
+        }
+        std::map<std::string, const Tensor*> by_name;
+        for (const Tensor& t : mine) by_name[t.name()] = &t;
+        ASSERT_TRUE(by_name.count("output.weight") && by_name.count("lm_head.weight"));
+        EXPECT_EQ(by_name["output.weight"]->data(), by_name["lm_head.weight"]->data());
+        EXPECT_EQ(stats[r].tensors, mine.size());
+        total_read += stats[r].bytes_read;
+      }
+      // The embeddings once (lm_head's own bytes never), plus what else the selection names.
+      uint64_t expected = checkpoint->Find("model.embed_tokens.weight")->size;
+      for (const TensorInfo& info : checkpoint->tensors()) {
+        if (info.name == "model.embed_tokens.weight" || info.name == "lm_head.weight") continue;
+        if (&selection == &selections[0] || info.name == "model.norm.weight") {
+          expected += info.size;
+        }
+      }
+      EXPECT_EQ(total_read, expected);
+    }
+  }
 }
 
 // The exchange runs in host memory: a device target is refused on every rank before any read

@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "cuda/cuda_api.h"
@@ -75,6 +76,90 @@ Result<std::vector<uint32_t>> Selection::Resolve(const Checkpoint& checkpoint) c
   for (uint32_t i = 0; i < all.size(); ++i) {
     if (!predicate_ || predicate_(all[i])) out.push_back(i);
   }
+  return out;
+}
+
+Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selection& selection,
+                                           const ShardSpec* spec) {
+  ResolvedSelection r;
+  if (spec == nullptr || spec->ties().empty()) {
+    TF_ASSIGN_OR_RETURN(r.read, selection.Resolve(ckpt));
+    return r;
+  }
+  const auto& all = ckpt.tensors();
+  std::vector<bool> read(all.size(), false);
+  r.deliver.assign(all.size(), false);
+  std::map<std::string, uint32_t> alias_target;
+  auto index_of = [&](const TensorInfo* t) { return static_cast<uint32_t>(t - all.data()); };
+  // The target an alias stands for, when the spec ties it to a tensor the checkpoint has.
+  auto target_of = [&](std::string_view name) -> const TensorInfo* {
+    std::optional<std::string> target = spec->TieTarget(name);
+    return target ? ckpt.Find(*target) : nullptr;
+  };
+  auto add_alias = [&](const std::string& alias, const TensorInfo* target) {
+    read[index_of(target)] = true;
+    alias_target.emplace(alias, index_of(target));
+  };
+  if (selection.by_name_) {
+    for (const std::string& name : selection.names_) {
+      if (const TensorInfo* target = target_of(name)) {
+        add_alias(name, target);  // present or not, the alias's own bytes are not read
+        continue;
+      }
+      const TensorInfo* t = ckpt.Find(name);
+      if (t == nullptr) {
+        return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
+      }
+      read[index_of(t)] = r.deliver[index_of(t)] = true;
+    }
+  } else {
+    const auto& predicate = selection.predicate_;
+    for (uint32_t i = 0; i < all.size(); ++i) {
+      if (predicate && !predicate(all[i])) continue;
+      if (const TensorInfo* target = target_of(all[i].name)) {
+        add_alias(all[i].name, target);  // a duplicate of its target: read once
+      } else {
+        read[i] = r.deliver[i] = true;
+      }
+    }
+    // Aliases the files do not hold (tie_word_embeddings): selected as their target would be
+    // under the alias's name.
+    for (const auto& [alias, ignored] : spec->ties()) {
+      if (ckpt.Find(alias) != nullptr) continue;
+      const TensorInfo* target = target_of(alias);
+      if (target == nullptr) continue;
+      TensorInfo as_alias = *target;
+      as_alias.name = alias;
+      if (!predicate || predicate(as_alias)) add_alias(alias, target);
+    }
+  }
+  for (uint32_t i = 0; i < all.size(); ++i) {
+    if (read[i]) r.read.push_back(i);
+  }
+  r.aliases.assign(alias_target.begin(), alias_target.end());
+  return r;
+}
+
+std::vector<std::pair<std::string, uint32_t>> ResolvedSelection::Outputs(
+    const Checkpoint& checkpoint) const {
+  const auto& all = checkpoint.tensors();
+  // Keys as Loader::Load sorts by: 2 * index for a tensor of the files, 2 * target + 1 for an
+  // alias the files lack.
+  std::vector<std::tuple<size_t, std::string, uint32_t>> keyed;
+  for (uint32_t i : read) {
+    if (deliver.empty() || deliver[i]) keyed.emplace_back(2 * size_t{i}, all[i].name, i);
+  }
+  for (const auto& [alias, target] : aliases) {
+    const TensorInfo* present = checkpoint.Find(alias);
+    const size_t key =
+        present != nullptr ? 2 * static_cast<size_t>(present - all.data()) : 2 * size_t{target} + 1;
+    keyed.emplace_back(key, alias, target);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
+  std::vector<std::pair<std::string, uint32_t>> out;
+  out.reserve(keyed.size());
+  for (auto& [key, name, index] : keyed) out.emplace_back(std::move(name), index);
   return out;
 }
 
@@ -335,64 +420,13 @@ struct Loader::Impl {
   };
 
   Result<Resolved> Resolve(const Selection& selection) const {
-    const Checkpoint& ckpt = *checkpoint;
+    TF_ASSIGN_OR_RETURN(
+        ResolvedSelection rs,
+        ResolveSelection(*checkpoint, selection, options.shard ? &options.shard->spec : nullptr));
     Resolved r;
-    const ShardSpec* spec = options.shard ? &options.shard->spec : nullptr;
-    if (spec == nullptr || spec->ties().empty()) {
-      TF_ASSIGN_OR_RETURN(r.read, selection.Resolve(ckpt));
-      return r;
-    }
-    const auto& all = ckpt.tensors();
-    std::vector<bool> read(all.size(), false);
-    r.deliver.assign(all.size(), false);
-    std::map<std::string, uint32_t> alias_target;
-    auto index_of = [&](const TensorInfo* t) { return static_cast<uint32_t>(t - all.data()); };
-    // The target an alias stands for, when the spec ties it to a tensor the checkpoint has.
-    auto target_of = [&](std::string_view name) -> const TensorInfo* {
-      std::optional<std::string> target = spec->TieTarget(name);
-      return target ? ckpt.Find(*target) : nullptr;
-    };
-    auto add_alias = [&](const std::string& alias, const TensorInfo* target) {
-      read[index_of(target)] = true;
-      alias_target.emplace(alias, index_of(target));
-    };
-    if (selection.by_name_) {
-      for (const std::string& name : selection.names_) {
-        if (const TensorInfo* target = target_of(name)) {
-          add_alias(name, target);  // present or not, the alias's own bytes are not read
-          continue;
-        }
-        const TensorInfo* t = ckpt.Find(name);
-        if (t == nullptr) {
-          return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
-        }
-        read[index_of(t)] = r.deliver[index_of(t)] = true;
-      }
-    } else {
-      const auto& predicate = selection.predicate_;
-      for (uint32_t i = 0; i < all.size(); ++i) {
-        if (predicate && !predicate(all[i])) continue;
-        if (const TensorInfo* target = target_of(all[i].name)) {
-          add_alias(all[i].name, target);  // a duplicate of its target: read once
-        } else {
-          read[i] = r.deliver[i] = true;
-        }
-      }
-      // Aliases the files do not hold (tie_word_embeddings): selected as their target would be
-      // under the alias's name.
-      for (const auto& [alias, ignored] : spec->ties()) {
-        if (ckpt.Find(alias) != nullptr) continue;
-        const TensorInfo* target = target_of(alias);
-        if (target == nullptr) continue;
-        TensorInfo as_alias = *target;
-        as_alias.name = alias;
-        if (!predicate || predicate(as_alias)) add_alias(alias, target);
-      }
-    }
-    for (uint32_t i = 0; i < all.size(); ++i) {
-      if (read[i]) r.read.push_back(i);
-    }
-    for (const auto& [alias, target] : alias_target) r.aliases.emplace(target, alias);
+    r.read = std::move(rs.read);
+    r.deliver = std::move(rs.deliver);
+    for (auto& [alias, target] : rs.aliases) r.aliases.emplace(target, std::move(alias));
     return r;
   }
 

@@ -221,3 +221,10 @@ def test_tied_alias_absent_from_files(tmp_path):
         assert "lm_head.weight" in got
         assert got["lm_head.weight"].data_ptr() == emb.data_ptr()
         assert torch.equal(got["lm_head.weight"], emb)
+        # Selected by name: the alias stands for its target (read once, shared), as in C++.
+        with tensorferry.Loader(out, engine=engine, tp_rank=1, tp_size=2, shard_rules=rules,
+                                select=["lm_head.weight", "model.norm.weight"]) as loader:
+            assert loader.total_bytes == emb.nbytes + got["model.norm.weight"].nbytes
+            picked = loader.load()
+        assert sorted(picked) == ["lm_head.weight", "model.norm.weight"]
+        assert torch.equal(picked["lm_head.weight"], emb)

@@ -62,8 +62,9 @@ Result<ShardSpec> ReadShardRules(const std::string& path);
 void PrintError(std::string_view path, const Status& status);
 void PrintError(std::string_view text);
 
-// Writes `text` plus a newline to stdout and flushes; false when stdout failed (e.g. EPIPE, a full
-// disk), so a truncated --json document is reported rather than silently exiting 0.
+// Writes `text` plus a newline to stdout and flushes; when stdout failed (e.g. EPIPE, a full
+// disk) prints "error: <stdout>: write failed" and returns false, so a truncated --json document
+// is reported rather than silently exiting 0.
 bool WriteStdout(std::string_view text);
 
 // Seconds since `start` on a steady clock.

@@ -107,10 +107,7 @@ int RunConvert(const ConvertArgs& args) {
           .EndObject();
     }
     j.EndObject();
-    if (!WriteStdout(j.str())) {
-      PrintError("<stdout>: write failed");
-      return kExitError;
-    }
+    if (!WriteStdout(j.str())) return kExitError;
     return status.ok() ? kExitOk : kExitError;
   }
 
@@ -137,10 +134,7 @@ int RunConvert(const ConvertArgs& args) {
     out += "\nverified: " + Plural(verified->tensors, "tensor") + ", " +
            FormatBytes(verified->bytes) + " identical in " + vr;
   }
-  if (!WriteStdout(out)) {
-    PrintError("<stdout>: write failed");
-    return kExitError;
-  }
+  if (!WriteStdout(out)) return kExitError;
   return kExitOk;
 }
 

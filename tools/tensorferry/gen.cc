@@ -432,10 +432,7 @@ int RunGen(const GenArgs& args) {
       report += "\n  " + OneLine((*written)[i]) + "  " + FormatBytes(sizes[i]);
     }
   }
-  if (!WriteStdout(report)) {
-    PrintError("<stdout>: write failed");
-    return kExitError;
-  }
+  if (!WriteStdout(report)) return kExitError;
   return kExitOk;
 }
 

@@ -269,10 +269,7 @@ int RunInspect(const InspectArgs& args) {
 
   const std::string report = args.json ? JsonReport(args, ckpt, dtypes, file_bytes)
                                        : HumanReport(args, ckpt, dtypes, file_bytes);
-  if (!WriteStdout(report)) {
-    PrintError("<stdout>: write failed");
-    return kExitError;
-  }
+  if (!WriteStdout(report)) return kExitError;
   return kExitOk;
 }
 

@@ -92,7 +92,9 @@ void PrintError(std::string_view path, const Status& status) {
 bool WriteStdout(std::string_view text) {
   const bool wrote = std::fwrite(text.data(), 1, text.size(), stdout) == text.size() &&
                      std::fputc('\n', stdout) != EOF;
-  return std::fflush(stdout) == 0 && wrote;
+  if (std::fflush(stdout) == 0 && wrote) return true;
+  PrintError("<stdout>: write failed");
+  return false;
 }
 
 int64_t NowNs() {

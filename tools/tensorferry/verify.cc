@@ -109,10 +109,7 @@ int RunVerify(const VerifyArgs& args) {
           .EndObject();
     }
     j.EndObject();
-    if (!WriteStdout(j.str())) {
-      PrintError("<stdout>: write failed");
-      return kExitError;
-    }
+    if (!WriteStdout(j.str())) return kExitError;
     return status.ok() ? kExitOk : kExitError;
   }
 
@@ -125,10 +122,7 @@ int RunVerify(const VerifyArgs& args) {
   const std::string line = "ok: " + Plural(result.tensors, "tensor") + ", " +
                            Plural(result.files, "file") + ", " + FormatBytes(result.bytes) +
                            " verified in " + rate;
-  if (!WriteStdout(line)) {
-    PrintError("<stdout>: write failed");
-    return kExitError;
-  }
+  if (!WriteStdout(line)) return kExitError;
   return kExitOk;
 }
 

@@ -199,8 +199,9 @@ nb::str DTypeStr(DType dtype) {
   return *name;
 }
 
-// (name, dtype name, array) triples. Consecutive tensors with one owner (a batch's buffer) share
-// one Keeper, so the live-buffer count follows the real buffers.
+// (name, dtype name, array) triples (kExportedArray: the array's index). Consecutive tensors with
+// one owner (a batch's buffer) share one Keeper, so the live-buffer count follows the real buffers.
+constexpr size_t kExportedArray = 2;
 nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
   nb::list out;
   size_t i = 0;
@@ -426,7 +427,7 @@ class Reader {
     if (t.size >= 2 * options_.chunk_size || options_.device.is_cuda() || options_.placement) {
       std::vector<std::string> one{name};
       nb::list got = Load(one, framework);
-      return nb::borrow<nb::tuple>(got[0])[1];
+      return nb::borrow<nb::tuple>(got[0])[kExportedArray];
     }
     std::shared_ptr<std::byte> block;
     {

@@ -82,6 +82,11 @@ struct OpenOptions {
   Env* env = nullptr;
   ParseLimits parse_limits;
   IndexLimits index_limits;
+  // Bounds on the whole checkpoint, so that many files within the per-file limits cannot add up
+  // to unbounded memory: tensors of all files, and bytes of all headers' JSON
+  // (kCheckpointTooLarge).
+  uint64_t max_total_tensors = 2'000'000;
+  uint64_t max_total_header_bytes = 512ull << 20;
 };
 
 class Checkpoint {

@@ -54,6 +54,8 @@ inline constexpr int kNumDTypes = 22;
 
 // The name used in headers, e.g. "BF16", "F8_E4M3".
 std::string_view DTypeName(DType dtype) noexcept;
+// A shape as messages and tables print it: "[4096, 11008]", "[]" for a scalar.
+std::string ShapeText(std::span<const uint64_t> shape);
 // Case-sensitive lookup of a header name; nullopt when unknown.
 std::optional<DType> DTypeFromName(std::string_view name) noexcept;
 // Width of one element in bits: 4 (F4), 6 (F6_*), 8, 16, 32 or 64.
@@ -70,8 +72,11 @@ Result<uint64_t> TensorByteSize(DType dtype, std::span<const uint64_t> shape);
 struct ParseLimits {
   // Largest header (the JSON) in bytes. The reference's own limit.
   uint64_t max_header_size = 100'000'000;
-  // Most tensors in one file.
-  uint64_t max_tensors = 10'000'000;
+  // Most tensors in one file (each costs about 0.6 KB while open; real checkpoints hold at most
+  // tens of thousands per file).
+  uint64_t max_tensors = 1'000'000;
+  // Most "__metadata__" entries in one file (real files hold a handful).
+  uint64_t max_metadata_entries = 65'536;
   // Deepest JSON nesting. A well-formed header nests 3 deep (object, tensor, shape).
   uint32_t max_depth = 64;
   // Most dimensions of one tensor (NumPy's limit).

@@ -48,6 +48,7 @@
 // concurrently. Tensor is a value: copies may be used from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -133,7 +134,7 @@ class Selection {
   static Selection All();
   static Selection Names(std::vector<std::string> names);  // each must exist (kNotFound)
   static Selection Where(std::function<bool(const TensorInfo&)> predicate);
-  static Selection Layers(uint32_t first, uint32_t last);  // LayerOf(name) in [first, last]
+  static Selection Layers(uint64_t first, uint64_t last);  // LayerOf(name) in [first, last]
 
   // Indices into checkpoint.tensors(), ascending. Errors: kNotFound for a missing name.
   Result<std::vector<uint32_t>> Resolve(const Checkpoint& checkpoint) const;
@@ -154,13 +155,14 @@ class Selection {
 //   kMmap:    zero-copy: each file is mapped read-only once per loader and every Tensor is a view
 //             into the mapping (owner() keeps the mapping alive after the loader is gone). Pages
 //             are read on first touch unless LoadOptions::populate. No budget applies (the page
-//             cache owns the memory). SIGBUS: a file truncated while mapped would kill a plain
-//             mmap reader. tensorferry registers each mapping with a process-wide SIGBUS handler
-//             (installed once, chaining to any previous handler for addresses it does not own)
-//             that replaces the vanished page with zeros and records the fault; a load that
-//             faults returns kUnexpectedEof naming the file and offset, and tensors handed out
-//             earlier read zeros where the file vanished instead of crashing the process
-//             (docs/runtime_settings.md, "mmap and truncated files").
+//             cache owns the memory). Files that change under their tensors
+//             (include/tensorferry/mapping.h): each mapping holds a read lease, and a writer
+//             that opens or truncates the file makes tensorferry copy the mapping into private
+//             memory first, so tensors keep their bytes; where no lease can be had, a page that
+//             vanished reads as zeros, is reported on stderr at once and by CheckMappedFiles
+//             (every Stream, Load and LoadInto starts with it), and a batch from that mapping is
+//             refused with kUnexpectedEof naming the file and offset (docs/runtime_settings.md,
+//             "mmap and files that change").
 enum class Engine : uint8_t { kAuto, kPread, kIoUring, kMmap };
 
 // O_DIRECT (bypassing the page cache) for the copying engines.
@@ -180,6 +182,11 @@ Result<DirectIO> ParseDirectIO(std::string_view name);
 // Every option with its default. Environment variables (TENSORFERRY_*) seed these defaults only
 // through LoadOptions::FromEnvironment(); a default-constructed LoadOptions ignores the
 // environment. docs/runtime_settings.md lists the variables.
+// Limits Loader::Open applies to LoadOptions (clamping, not failing): docs/runtime_settings.md.
+inline constexpr uint64_t kMinChunkSize = 4096;   // chunk_size below it reads as 4 KiB (a page)
+inline constexpr unsigned kMaxThreads = 256;      // more threads start 256
+inline constexpr unsigned kMaxQueueDepth = 4096;  // io_uring's own bound on a ring's entries
+
 struct LoadOptions {
   Engine engine = Engine::kAuto;      // TENSORFERRY_ENGINE
   unsigned threads = 0;               // I/O workers; 0 = one per online CPU (TENSORFERRY_THREADS)
@@ -195,6 +202,11 @@ struct LoadOptions {
   // first access costs nothing; false: pages are read on first touch.
   bool populate = false;
   Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
+  // Cancellation: a flag the caller may set from any thread while a load runs. Host reads not yet
+  // started are not started (those in flight finish: at most one chunk per worker), no further
+  // batch is delivered, and the call returns kCancelled. The flag is the caller's: a load that
+  // starts with it set returns kCancelled at once; clear it before the next load.
+  std::shared_ptr<const std::atomic<bool>> cancel;
   // Tensor parallelism: when set, every tensor is delivered as the slice rank `shard->rank` of
   // `shard->world` holds under `shard->spec` (shard.h): Tensor::shape() is the local shape,
   // only the slice's bytes are read (plus gaps up to shard->max_gap inside covering reads), and

@@ -117,7 +117,8 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
 
 // The transformer layer a tensor name belongs to: the integer component following a component
 // named "layers", "layer", "h", "blocks" or "block" (e.g. "model.layers.12.mlp.up_proj.weight" ->
-// 12, "transformer.h.3.attn.c_attn.weight" -> 3); nullopt when there is none.
-std::optional<uint32_t> LayerOf(std::string_view name);
+// 12, "transformer.h.3.attn.c_attn.weight" -> 3); nullopt when there is none (a number beyond
+// 2^64 - 1 is not a layer number).
+std::optional<uint64_t> LayerOf(std::string_view name);
 
 }  // namespace tensorferry

@@ -39,6 +39,7 @@ enum class Category : uint8_t {
   kBudget,           // the request does not fit the configured memory budget
   kCuda,             // the CUDA runtime or cuFile reported an error
   kInternal,         // a bug in tensorferry
+  kCancelled,        // the caller cancelled the operation (LoadOptions::cancel)
 };
 
 // One code per distinct failure. Stable: values are never renumbered.
@@ -54,6 +55,7 @@ enum class Code : uint16_t {
   kCudaError = 6,        // category kCuda
   kInternal = 7,         // category kInternal
   kUnexpectedEof = 8,    // category kIo: a file ended before a byte the format promised
+  kCancelled = 9,        // category kCancelled
 
   // --- safetensors header (category kCorrupt) -------------------------------------------------
   kFileTooSmall = 100,       // fewer than 8 bytes: no length prefix
@@ -83,6 +85,9 @@ enum class Code : uint16_t {
   kDataOverlap = 124,        // two tensors share bytes
   kDataTrailing = 125,       // bytes after the last tensor, up to the end of the file
   kDataTruncated = 126,      // the tensors extend past the end of the file
+  kTooManyMetadataEntries =
+      127,                    // "__metadata__" holds more than ParseLimits::max_metadata_entries
+  kCheckpointTooLarge = 128,  // a checkpoint's headers together exceed an OpenOptions::max_total_*
 
   // --- sharded checkpoints: model.safetensors.index.json (category kCorrupt) -------------------
   kIndexInvalidJson = 200,      // not valid UTF-8 JSON, too deep, or top level not an object

@@ -22,6 +22,19 @@ PyObject* NewClass(nb::module_& m, const char* name, const char* doc, PyObject* 
   return cls;
 }
 
+// The errno an I/O error's message reports (ErrnoText writes "<text> (errno N)"; the last one
+// counts), so that OSError.errno is the system's (EMFILE, EISDIR, ...); EIO when it names none.
+int OsErrno(const std::string& message) {
+  const size_t at = message.rfind("(errno ");
+  if (at == std::string::npos) return EIO;
+  int value = 0;
+  size_t i = at + 7;
+  for (; i < message.size() && message[i] >= '0' && message[i] <= '9' && value < 100000; ++i) {
+    value = value * 10 + (message[i] - '0');
+  }
+  return i < message.size() && message[i] == ')' && value > 0 ? value : EIO;
+}
+
 // Builds the exception instance for `status` and sets it as the current Python error.
 void SetError(const Status& status) {
   const std::string& message = status.message();
@@ -33,7 +46,8 @@ void SetError(const Status& status) {
           nb::steal(PyObject_CallFunction(PyExc_FileNotFoundError, "is", ENOENT, message.c_str()));
       break;
     case Category::kIo:
-      exc = nb::steal(PyObject_CallFunction(PyExc_OSError, "is", EIO, message.c_str()));
+      exc =
+          nb::steal(PyObject_CallFunction(PyExc_OSError, "is", OsErrno(message), message.c_str()));
       break;
     case Category::kInvalidArgument: cls = g_invalid_argument_error; break;
     case Category::kUnsupported:
@@ -103,6 +117,40 @@ void RegisterErrors(nb::module_& m) {
 
 nb::handle SafetensorErrorType() {
   return nb::handle(g_safetensor_error);
+}
+
+std::string ToText(nb::handle value, const std::string& what) {
+  if (!PyUnicode_Check(value.ptr())) {
+    throw StatusError(Status(Code::kInvalidArgument,
+                             what + " must be a str, not " +
+                                 nb::cast<std::string>(nb::str(value.type().attr("__name__")))));
+  }
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    throw StatusError(
+        Status(Code::kInvalidArgument, what + " " + nb::cast<std::string>(nb::repr(value)) +
+                                           " cannot be encoded as UTF-8 (a lone surrogate?)"));
+  }
+  return std::string(utf8, static_cast<size_t>(size));
+}
+
+uint64_t ToUnsigned(nb::handle value, const std::string& what, uint64_t max) {
+  if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
+    throw StatusError(Status(Code::kInvalidArgument,
+                             what + " must be an int, not " +
+                                 nb::cast<std::string>(nb::str(value.type().attr("__name__")))));
+  }
+  const unsigned long long v = PyLong_AsUnsignedLongLong(value.ptr());
+  const bool failed = v == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr;
+  if (failed) PyErr_Clear();
+  if (failed || v > max) {
+    throw StatusError(
+        Status(Code::kInvalidArgument, what + " = " + nb::cast<std::string>(nb::repr(value)) +
+                                           " is out of range [0, " + std::to_string(max) + "]"));
+  }
+  return v;
 }
 
 }  // namespace tensorferry::python

@@ -16,7 +16,9 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <exception>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -43,6 +45,16 @@ template <typename T>
 T Unwrap(Result<T>&& result) {
   if (!result.ok()) throw StatusError(result.status());
   return std::move(result).value();
+}
+
+// Python values to C++ at the edges, with errors that name the argument: `what` must be text
+// encodable as UTF-8 (a lone surrogate is refused), an int (not a bool) in [0, max of T].
+// Errors: InvalidArgumentError.
+std::string ToText(nanobind::handle value, const std::string& what);
+uint64_t ToUnsigned(nanobind::handle value, const std::string& what, uint64_t max);
+template <typename T>
+T ToUnsigned(nanobind::handle value, const std::string& what) {
+  return static_cast<T>(ToUnsigned(value, what, std::numeric_limits<T>::max()));
 }
 
 // Creates the exception classes as attributes of `m` and registers the translator.

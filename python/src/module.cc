@@ -32,12 +32,14 @@
 #include "errors.h"
 #include "export.h"
 #include "gil.h"
+#include "interrupt.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/cuda.h"
 #include "tensorferry/device.h"
 #include "tensorferry/env.h"
 #include "tensorferry/format.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/mapping.h"
 #include "tensorferry/plan.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/size.h"
@@ -70,24 +72,24 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
   std::optional<ShardSpec> spec;
   std::optional<uint64_t> max_gap;
   for (auto [key_handle, value] : options) {
-    const std::string key = nb::cast<std::string>(key_handle);
+    const std::string key = ToText(key_handle, "load option name");
     if (value.is_none()) continue;
     if (key == "engine") {
-      o.engine = Unwrap(ParseEngine(nb::cast<std::string>(value)));
+      o.engine = Unwrap(ParseEngine(ToText(value, key)));
     } else if (key == "direct") {
-      o.direct = Unwrap(ParseDirectIO(nb::cast<std::string>(value)));
+      o.direct = Unwrap(ParseDirectIO(ToText(value, key)));
     } else if (key == "threads") {
-      o.threads = nb::cast<unsigned>(value);
+      o.threads = ToUnsigned<unsigned>(value, key);
     } else if (key == "chunk_size") {
-      o.chunk_size = nb::cast<uint64_t>(value);
+      o.chunk_size = ToUnsigned<uint64_t>(value, key);
     } else if (key == "queue_depth") {
-      o.queue_depth = nb::cast<unsigned>(value);
+      o.queue_depth = ToUnsigned<unsigned>(value, key);
     } else if (key == "budget") {
-      o.budget = nb::cast<uint64_t>(value);
+      o.budget = ToUnsigned<uint64_t>(value, key);
     } else if (key == "allow_oversized") {
       o.allow_oversized = nb::cast<bool>(value);
     } else if (key == "order") {
-      const std::string order = nb::cast<std::string>(value);
+      const std::string order = ToText(value, key);
       if (order == "file") {
         o.order = DeliveryOrder::kFile;
       } else if (order == "layer") {
@@ -97,37 +99,37 @@ LoadOptions MakeLoadOptions(const nb::dict& options) {
             Status(Code::kInvalidArgument, "unknown order \"" + order + "\" (file, layer)"));
       }
     } else if (key == "pool_bytes") {
-      o.pool_bytes = nb::cast<uint64_t>(value);
+      o.pool_bytes = ToUnsigned<uint64_t>(value, key);
     } else if (key == "populate") {
       o.populate = nb::cast<bool>(value);
     } else if (key == "device") {
-      o.device = Unwrap(ParseDevice(nb::cast<std::string>(value)));
+      o.device = Unwrap(ParseDevice(ToText(value, key)));
     } else if (key == "gds") {
-      o.gds = Unwrap(ParseGdsMode(nb::cast<std::string>(value)));
+      o.gds = Unwrap(ParseGdsMode(ToText(value, key)));
     } else if (key == "staging_bytes") {
-      o.staging_bytes = nb::cast<uint64_t>(value);
+      o.staging_bytes = ToUnsigned<uint64_t>(value, key);
     } else if (key == "staging_slot") {
-      o.staging_slot = nb::cast<uint64_t>(value);
+      o.staging_slot = ToUnsigned<uint64_t>(value, key);
     } else if (key == "device_budget") {
-      o.device_budget = nb::cast<uint64_t>(value);
+      o.device_budget = ToUnsigned<uint64_t>(value, key);
     } else if (key == "placement") {
       // [(name prefix, device)] as accelerate's device_map; tensors matching none stay on
       // `device` (the option's value, default cpu).
       std::vector<std::pair<std::string, Device>> map;
       for (nb::handle item : nb::cast<nb::list>(value)) {
         nb::tuple pair = nb::cast<nb::tuple>(item);
-        map.emplace_back(nb::cast<std::string>(pair[0]),
-                         Unwrap(ParseDevice(nb::cast<std::string>(pair[1]))));
+        map.emplace_back(ToText(pair[0], "placement prefix"),
+                         Unwrap(ParseDevice(ToText(pair[1], "placement device"))));
       }
       placement = std::move(map);
     } else if (key == "tp_rank") {
-      tp_rank = nb::cast<uint32_t>(value);
+      tp_rank = ToUnsigned<uint32_t>(value, key);
     } else if (key == "tp_size") {
-      tp_size = nb::cast<uint32_t>(value);
+      tp_size = ToUnsigned<uint32_t>(value, key);
     } else if (key == "shard_rules") {
       spec = nb::cast<ShardSpec>(value);
     } else if (key == "shard_max_gap") {
-      max_gap = nb::cast<uint64_t>(value);
+      max_gap = ToUnsigned<uint64_t>(value, key);
     } else {
       throw StatusError(Status(Code::kInvalidArgument, "unknown load option \"" + key + "\""));
     }
@@ -274,6 +276,8 @@ class Reader {
   // an index (Loader).
   Reader(const std::string& path, bool single_file, const nb::dict& options)
       : options_(MakeLoadOptions(options)) {
+    Check(CheckMappedFiles());  // tensors handed out earlier lost bytes: say so at the next call
+    options_.cancel = cancel_;
     WithoutGil release;
     if (single_file) {
       // The file is opened first and its header read through that descriptor: no window in
@@ -285,16 +289,11 @@ class Reader {
       checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths, open));
     } else {
       checkpoint_ = Unwrap(Checkpoint::Open(path));
-      for (const FileInfo& f : checkpoint_->files()) {
-        std::shared_ptr<const RandomAccessFile> file =
-            Unwrap(Env::Default()->OpenRandomAccess(f.path));
-        const uint64_t size = Unwrap(file->Size());
-        if (size != f.file_size) {
-          throw StatusError(Status(Code::kIoError, f.path + ": file changed while opening: " +
-                                                       std::to_string(f.file_size) +
-                                                       " bytes, then " + std::to_string(size)));
-        }
-        env_.Pin(std::move(file));
+      // The files stay open from here on, so that one replaced later is not read, unless there
+      // are so many that holding them would exhaust the process's descriptors: then each is
+      // opened when read (and its size checked), under the loader's bound on open files.
+      if (checkpoint_->files().size() <= kPinnedFilesAtMost) {
+        for (const FileInfo& f : checkpoint_->files()) env_.Pin(Unwrap(OpenChecked(f)));
       }
     }
     for (const FileInfo& f : checkpoint_->files()) files_.push_back(env_.Find(f.path));
@@ -374,7 +373,11 @@ class Reader {
       Lock lock(*this);
       if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
       std::optional<bool>& known = has_metadata_[index];
-      if (!known) known = Unwrap(ReadHeader(*files_[index])).has_metadata;
+      if (!known) {
+        std::shared_ptr<const RandomAccessFile> open = files_[index];
+        if (!open) open = Unwrap(OpenChecked(checkpoint_->files()[index]));
+        known = Unwrap(ReadHeader(*open)).has_metadata;
+      }
       present = *known;
     }
     if (!present) return nb::none();
@@ -405,16 +408,15 @@ class Reader {
         Lookup(target ? *target : n);
       }
     }
-    std::vector<Tensor> tensors;
-    {
-      WithoutGil release;
+    cancel_->store(false);
+    std::vector<Tensor> tensors = Interruptible(*cancel_, [&] {
       Lock lock(*this);
       Loader& loader = EnsureLoader();
       const Selection selection = names ? Selection::Names(*names) : Selection::All();
       Result<std::vector<Tensor>> got = loader.Load(selection);
       SetStats(loader.stats());
-      tensors = Unwrap(std::move(got));
-    }
+      return Unwrap(std::move(got));
+    });
     return ExportTensors(fw, tensors);
   }
 
@@ -422,6 +424,7 @@ class Reader {
   // buffer); small ones are read with one positional read on this thread into a heap block, which
   // costs far less per tensor than a batch and never uses a mapping per tensor.
   nb::object GetTensor(const std::string& name, int framework) {
+    Check(CheckMappedFiles());
     const Framework fw = ToFramework(framework);
     const TensorInfo& t = Lookup(name);
     if (t.size >= 2 * options_.chunk_size || options_.device.is_cuda() || options_.placement) {
@@ -442,6 +445,7 @@ class Reader {
   // or, given `shape` (in the header's terms), as that shape of the tensor's dtype.
   nb::object ReadRange(const std::string& name, uint64_t begin, uint64_t end, int framework,
                        const std::optional<std::vector<uint64_t>>& shape) {
+    Check(CheckMappedFiles());
     const Framework fw = ToFramework(framework);
     const TensorInfo& t = Lookup(name);
     if (begin > end || end > t.size) {
@@ -534,18 +538,20 @@ class Reader {
       nb::tuple e = nb::cast<nb::tuple>(h);
       if (e.size() != 4) throw nb::value_error("entries are (name, device, address, capacity)");
       Destination d;
-      d.name = nb::cast<std::string>(e[0]);
-      d.device = Unwrap(ParseDevice(nb::cast<std::string>(e[1])));
+      d.name = ToText(e[0], "tensor name");
+      d.device = Unwrap(ParseDevice(ToText(e[1], "device")));
       d.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(e[2]));
       d.capacity = nb::cast<uint64_t>(e[3]);
       destinations.push_back(std::move(d));
     }
-    WithoutGil release;
-    Lock lock(*this);
-    Loader& loader = EnsureLoader();
-    const Status s = loader.LoadInto(destinations);
-    SetStats(loader.stats());
-    Check(s);
+    cancel_->store(false);
+    Interruptible(*cancel_, [&] {
+      Lock lock(*this);
+      Loader& loader = EnsureLoader();
+      const Status s = loader.LoadInto(destinations);
+      SetStats(loader.stats());
+      Check(s);
+    });
   }
 
   nb::dict Stats() const {
@@ -658,12 +664,34 @@ class Reader {
       if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
       file = files_[t.file];
     }
+    if (!file) file = Unwrap(OpenChecked(checkpoint_->files()[t.file]));  // not pinned
     Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length)));
     return block;
   }
 
+  // Opens a file of the checkpoint and checks it still has the size it was validated with.
+  static Result<std::shared_ptr<const RandomAccessFile>> OpenChecked(const FileInfo& f) {
+    Result<std::unique_ptr<RandomAccessFile>> opened = Env::Default()->OpenRandomAccess(f.path);
+    if (!opened.ok()) return opened.status();
+    std::shared_ptr<const RandomAccessFile> file = std::move(opened).value();
+    Result<uint64_t> size = file->Size();
+    if (!size.ok()) return size.status();
+    if (*size != f.file_size) {
+      return Status(Code::kIoError, f.path + ": file changed since the checkpoint was opened: " +
+                                        std::to_string(f.file_size) + " bytes then, " +
+                                        std::to_string(*size) + " now");
+    }
+    return file;
+  }
+
+  // Files of a directory checkpoint held open for the Reader's life at most (see the constructor).
+  static constexpr size_t kPinnedFilesAtMost = 64;
+
   PinnedEnv env_;  // outlives loader_, which reads through it
   std::shared_ptr<const Checkpoint> checkpoint_;
+  // LoadOptions::cancel of every load: cleared when a load starts, set by Ctrl-C (Interruptible)
+  // or by closing a stream.
+  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
   LoadOptions options_;
   std::timed_mutex mu_;
   std::atomic<std::thread::id> lock_owner_{};
@@ -698,21 +726,37 @@ class BatchStream {
   nb::object Next() {
     std::optional<Batch> batch;
     Status final_status;
-    {
-      WithoutGil release;
-      std::unique_lock<std::mutex> lock(mu_);
-      if (delivered_) {
-        delivered_ = false;
-        released_ = true;
-        cv_.notify_all();
+    for (bool taken = false; !taken;) {
+      {
+        WithoutGil release;
+        std::unique_lock<std::mutex> lock(mu_);
+        if (closed_) {
+          throw StatusError(
+              Status(Code::kInvalidArgument, "the iteration was stopped: its Loader was closed"));
+        }
+        if (delivered_) {
+          delivered_ = false;
+          released_ = true;
+          cv_.notify_all();
+        }
+        // Woken every kSignalPoll on the main thread so that Ctrl-C is seen while waiting.
+        const auto ready = [&] { return batch_.has_value() || done_; };
+        if (OnMainThread() ? cv_.wait_for(lock, kSignalPoll, ready)
+                           : (cv_.wait(lock, ready), true)) {
+          taken = true;
+          if (batch_) {
+            batch.swap(batch_);
+            delivered_ = true;
+          } else {
+            final_status = final_;
+            final_ = Status::Ok();
+          }
+        }
       }
-      cv_.wait(lock, [&] { return batch_.has_value() || done_; });
-      if (batch_) {
-        batch.swap(batch_);
-        delivered_ = true;
-      } else {
-        final_status = final_;
-        final_ = Status::Ok();
+      if (!taken && PyErr_CheckSignals() != 0) {
+        nb::python_error raised;
+        Close();  // cancels the reads in flight and joins the thread
+        throw raised;
       }
     }
     if (!batch) {
@@ -725,10 +769,13 @@ class BatchStream {
     return nb::make_tuple(b.index, b.count, b.bytes, tensors, DeviceName(b.device));
   }
 
-  // Stops the stream (tensors already handed out stay valid) and waits for its thread.
+  // Stops the stream (tensors already handed out stay valid) and waits for its thread; a later
+  // Next raises.
   void Close() {
     WithoutGil release;
     Stop();
+    std::lock_guard<std::mutex> l(mu_);
+    closed_ = true;
   }
 
  private:
@@ -761,6 +808,7 @@ class BatchStream {
   void Stop() {
     {
       std::lock_guard<std::mutex> l(mu_);
+      if (!done_) reader_.cancel_->store(true);  // the batch being read stops within a chunk
       cancelled_ = true;
       batch_.reset();
       cv_.notify_all();
@@ -784,6 +832,7 @@ class BatchStream {
   bool delivered_ = false;      // the consumer holds the last batch taken
   bool released_ = false;       // the consumer asked for the next batch
   bool cancelled_ = false;
+  bool closed_ = false;  // Close() was called: Next raises
   bool done_ = false;
   Status final_;
   std::thread thread_;
@@ -800,6 +849,7 @@ std::unique_ptr<BatchStream> Reader::Iterate(const std::optional<std::vector<std
                              "this loader is busy: an iteration over its batches is in progress; "
                              "finish or close it first"));
   }
+  cancel_->store(false);
   return std::make_unique<BatchStream>(*this, names, fw);
 }
 
@@ -875,8 +925,8 @@ std::vector<TensorToWrite> ToWrite(const nb::list& entries) {
     nb::tuple e = nb::cast<nb::tuple>(h);
     if (e.size() != 5) throw nb::value_error("entries are (name, dtype, shape, address, length)");
     TensorToWrite t;
-    t.name = nb::cast<std::string>(e[0]);
-    const std::string dtype = nb::cast<std::string>(e[1]);
+    t.name = ToText(e[0], "tensor name");
+    const std::string dtype = ToText(e[1], "dtype");
     const std::optional<DType> d = DTypeFromName(dtype);
     if (!d) {
       throw StatusError(Status(Code::kInvalidArgument,
@@ -896,7 +946,7 @@ Metadata ToMetadata(const std::optional<nb::dict>& metadata) {
   Metadata out;
   if (!metadata) return out;
   for (auto [k, v] : *metadata)
-    out.emplace_back(nb::cast<std::string>(k), nb::cast<std::string>(v));
+    out.emplace_back(ToText(k, "metadata key"), ToText(v, "metadata value"));
   return out;
 }
 
@@ -926,6 +976,7 @@ nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& meta
 
 void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metadata,
                    const std::string& path) {
+  Check(CheckMappedFiles());  // the tensors to write may be views of a file that shrank
   const std::vector<TensorToWrite> tensors = ToWrite(entries);
   const Metadata meta = ToMetadata(metadata);
   Status s;
@@ -984,6 +1035,7 @@ NB_MODULE(_core, m) {
   m.attr("__version__") = TENSORFERRY_VERSION_STRING;
   m.attr("SOURCE_HASH") = TENSORFERRY_SOURCE_HASH;
   RegisterErrors(m);
+  RememberMainThread();
   RegisterDistributed(m);
 
   nb::class_<BatchStream>(m, "BatchStream")
@@ -1060,6 +1112,18 @@ NB_MODULE(_core, m) {
   });
   m.def("format_bytes", &FormatBytes);
   m.def("cuda_available", [] { return CudaAvailable(); });
+  m.def("mapping_stats", [] {
+    const MappingStats s = GetMappingStats();
+    nb::dict d;
+    d["live"] = s.live;
+    d["leased"] = s.leased;
+    d["copied"] = s.copied;
+    d["faults"] = s.faults;
+    d["unleasable"] = s.unleasable;
+    return d;
+  });
+  m.def("check_mapped_files", [] { Check(CheckMappedFiles()); });
+  m.def("set_mapping_leases", [](bool enabled) { SetMappingLeases(enabled); });
   m.def(
       "copy_to_host",
       [](nb::ndarray<> array) {
@@ -1085,7 +1149,7 @@ NB_MODULE(_core, m) {
       },
       nb::arg("array"), "The bytes of a DLPack array (host or CUDA) as bytes, copied to the host");
   m.def("layer_of",
-        [](const std::string& name) -> std::optional<uint32_t> { return LayerOf(name); });
+        [](const std::string& name) -> std::optional<uint64_t> { return LayerOf(name); });
   m.def("dtype_bits", [](const std::string& name) {
     const std::optional<DType> d = DTypeFromName(name);
     if (!d) throw nb::key_error(name.c_str());

@@ -505,6 +505,9 @@ class Loader:
             tensors = batch.tensors
             del batch
             while tensors:
+                if self._closed:
+                    raise _core.InvalidArgumentError(
+                        "the iteration was stopped: its Loader was closed")
                 name = next(iter(tensors))
                 tensor = tensors.pop(name)
                 yield name, tensor

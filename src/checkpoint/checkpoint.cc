@@ -18,6 +18,7 @@
 #include "tensorferry/checkpoint.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/path.h"
 
 namespace tensorferry {
 
@@ -62,6 +63,43 @@ bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
   return IsInside(snapshots.parent_path() / "blobs", target);
 }
 
+// The path-safety rule of every file a checkpoint reads (index entries, and *.safetensors files of
+// a directory without an index): `path` must resolve, symlinks followed, to a file strictly inside
+// `canonical_dir`, or inside the repository's blobs/ for a hub snapshot. Otherwise
+// kIndexPathEscape: "<where>: <what> resolves to ..., outside the checkpoint directory ...".
+Status CheckContained(const fs::path& canonical_dir, const std::string& path,
+                      const std::string& where, const std::string& what) {
+  std::error_code ec;
+  // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
+  const fs::path canonical = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  if (!ec && (IsInside(canonical_dir, canonical) || IsInsideHubBlobs(canonical_dir, canonical))) {
+    return Status::Ok();
+  }
+  std::string why;
+  if (ec) {
+    why = "resolves to an unresolvable path: " + ec.message();
+  } else if (canonical == canonical_dir) {
+    why = "names the checkpoint directory " + json::Quote(canonical_dir.string()) +
+          " itself, not a file in it";
+    return Status(Code::kIndexPathEscape, where + ": " + what + " " + why);
+  } else {
+    why = "resolves to " + json::Quote(canonical.string());
+  }
+  return Status(Code::kIndexPathEscape, where + ": " + what + " " + why +
+                                            ", outside the checkpoint directory " +
+                                            json::Quote(canonical_dir.string()));
+}
+
+Result<fs::path> CanonicalDirectory(const fs::path& dir, const std::string& where) {
+  std::error_code ec;
+  fs::path canonical = fs::weakly_canonical(dir.empty() ? fs::path(".") : dir, ec);
+  if (ec) {
+    return Status(Code::kIoError,
+                  where + ": cannot resolve the checkpoint directory: " + ec.message());
+  }
+  return canonical;
+}
+
 }  // namespace
 
 // Opens files, validates headers and builds a Checkpoint. One builder per Open call.
@@ -104,12 +142,7 @@ class CheckpointBuilder {
     // The canonical checks need the real file system: only with the default Env.
     fs::path canonical_dir;
     if (options_.env == nullptr) {
-      std::error_code ec;
-      canonical_dir = fs::weakly_canonical(dir.empty() ? fs::path(".") : dir, ec);
-      if (ec) {
-        return Status(Code::kIoError,
-                      index_path + ": cannot resolve the checkpoint directory: " + ec.message());
-      }
+      TF_ASSIGN_OR_RETURN(canonical_dir, CanonicalDirectory(dir, index_path));
     }
 
     std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
@@ -117,19 +150,9 @@ class CheckpointBuilder {
     for (const auto& [rel, tensor] : first_tensor) {
       const std::string joined = dir.empty() ? rel : (dir / rel).string();
       if (options_.env == nullptr) {
-        std::error_code ec;
-        // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
-        const fs::path canonical = fs::weakly_canonical(fs::absolute(joined, ec), ec);
-        if (ec ||
-            (!IsInside(canonical_dir, canonical) && !IsInsideHubBlobs(canonical_dir, canonical))) {
-          return Status(Code::kIndexPathEscape,
-                        index_path + ": file " + json::Quote(rel) + " (of tensor " +
-                            json::Quote(tensor) + ") resolves to " +
-                            (ec ? std::string("an unresolvable path: ") + ec.message()
-                                : json::Quote(canonical.string())) +
-                            ", outside the checkpoint directory " +
-                            json::Quote(canonical_dir.string()));
-        }
+        TF_RETURN_IF_ERROR(CheckContained(
+            canonical_dir, joined, index_path,
+            "file " + json::Quote(rel) + " (of tensor " + json::Quote(tensor) + ")"));
       }
       to_open.emplace_back(joined, rel);
     }
@@ -203,6 +226,13 @@ class CheckpointBuilder {
     }
     if (ec) return Status(Code::kIoError, dir + ": cannot list: " + ec.message());
     if (paths.empty()) return Status(Code::kInvalidArgument, dir + ": no .safetensors files");
+    // The index's path rule applies to the files found by listing too: a symlink that leaves the
+    // directory (other than a hub snapshot's into its blobs/) is refused.
+    TF_ASSIGN_OR_RETURN(const fs::path canonical_dir, CanonicalDirectory(dir, dir));
+    for (const std::string& path : paths) {
+      TF_RETURN_IF_ERROR(CheckContained(canonical_dir, path, dir,
+                                        "file " + json::Quote(fs::path(path).filename().string())));
+    }
     return FromFiles(std::move(paths));
   }
 
@@ -226,6 +256,21 @@ class CheckpointBuilder {
   Status AddFile(const std::string& path) {
     TF_ASSIGN_OR_RETURN(auto file, env_->OpenRandomAccess(path));
     TF_ASSIGN_OR_RETURN(Header header, ReadHeader(*file, options_.parse_limits));
+    total_tensors_ += header.tensors.size();
+    total_header_bytes_ += header.header_size;
+    if (total_tensors_ > options_.max_total_tensors) {
+      return Status(Code::kCheckpointTooLarge,
+                    path + ": with this file the checkpoint holds " +
+                        std::to_string(total_tensors_) + " tensors, more than " +
+                        std::to_string(options_.max_total_tensors) + " (limit max_total_tensors)");
+    }
+    if (total_header_bytes_ > options_.max_total_header_bytes) {
+      return Status(Code::kCheckpointTooLarge,
+                    path + ": with this file the checkpoint's headers take " +
+                        std::to_string(total_header_bytes_) + " bytes, more than " +
+                        std::to_string(options_.max_total_header_bytes) +
+                        " (limit max_total_header_bytes)");
+    }
     FileInfo info;
     info.path = path;
     // The size the header was validated against: 8 + N + data.
@@ -289,6 +334,8 @@ class CheckpointBuilder {
 
   const OpenOptions& options_;
   Env* env_;
+  uint64_t total_tensors_ = 0;  // over the files added so far
+  uint64_t total_header_bytes_ = 0;
   std::vector<FileInfo> files_;
   std::vector<Header> headers_;                           // parallel to files_
   std::unordered_map<std::string_view, uint32_t> where_;  // tensor name -> file
@@ -298,6 +345,7 @@ class CheckpointBuilder {
 
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
                                                            const OpenOptions& options) {
+  TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
   CheckpointBuilder builder(options);
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -325,6 +373,8 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& pa
 
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const std::string> paths,
                                                                 const OpenOptions& options) {
+  for (const std::string& path : paths)
+    TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
   CheckpointBuilder builder(options);
   return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
 }

@@ -70,6 +70,13 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
   if (!json::IsValidUtf8(json)) {
     return IndexError(Code::kIndexInvalidJson, source, "index is not valid UTF-8");
   }
+  if (json.substr(0, 3) == "\xEF\xBB\xBF") {
+    // JSON (RFC 8259) forbids it, and Python's json.loads refuses it too; say so rather than
+    // report a syntax error at offset 0.
+    return IndexError(Code::kIndexInvalidJson, source,
+                      "index starts with a UTF-8 byte-order mark (EF BB BF), which JSON does not "
+                      "allow: save it as UTF-8 without a BOM");
+  }
 
   simdjson::dom::parser parser;
   // Room for the whole document: no reallocation inside parse(). simdjson counts the document

@@ -41,6 +41,7 @@ struct DevicePipeline::Chunk {
   uint64_t dst_pitch = 0;
   uint64_t slot_offset = 0;  // where the bytes go in the slot: offset % kDirectAlignment
   int direct_fd = -1;
+  const std::atomic<bool>* cancel = nullptr;
   bool gds = false;
 
   std::string Describe() const {
@@ -236,6 +237,7 @@ Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
           c.slot_offset = at % kFileAlign;
           if (c.slot_offset + c.length > slot) c.slot_offset = 0;
           c.direct_fd = t.direct_fd;
+          c.cancel = t.cancel;
           c.gds = gds;
           run.chunks.push_back(c);
           at = end;
@@ -262,6 +264,7 @@ Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
         c.dst_pitch = t.dst_pitch;
         c.slot_offset = lead;
         c.direct_fd = t.direct_fd;
+        c.cancel = t.cancel;
         run.chunks.push_back(c);
         r += n;
       }
@@ -392,7 +395,7 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
   TF_ASSIGN_OR_RETURN(const unsigned slot, ring_->Acquire());
   const std::span<std::byte> buffer = ring_->slot(slot).subspan(
       static_cast<size_t>(chunk.slot_offset), static_cast<size_t>(chunk.length));
-  const io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd};
+  const io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};
   Status read = engine.Execute(std::span<const io::ReadRequest>(&request, 1));
   if (!read.ok()) {
     ring_->Release(slot);

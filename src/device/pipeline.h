@@ -84,6 +84,8 @@ struct DeviceTask {
   // Staged data is placed in the slot congruent to its file offset modulo
   // io::kDirectAlignment, so the engine can read the aligned middle of every chunk directly.
   int direct_fd = -1;
+  // LoadOptions::cancel: staged reads not yet started when it is set are not started.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 struct DevicePipelineOptions {

@@ -71,4 +71,13 @@ Result<uint64_t> TensorByteSize(DType dtype, std::span<const uint64_t> shape) {
   return bits / 8;
 }
 
+std::string ShapeText(std::span<const uint64_t> shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
 }  // namespace tensorferry

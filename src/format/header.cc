@@ -40,15 +40,6 @@ std::string Render(dom::element e) {
   return s;
 }
 
-std::string ShapeString(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 class Parser {
  public:
   Parser(const ParseLimits& limits, std::string_view source) : limits_(limits), source_(source) {}
@@ -132,6 +123,12 @@ class Parser {
                       json::TypeName(value.type()) + " " + Render(value));
     }
     dom::object obj = value.get_object().value_unsafe();
+    if (obj.size() > limits_.max_metadata_entries) {
+      return Fail(Code::kTooManyMetadataEntries,
+                  "\"__metadata__\" holds " + std::to_string(obj.size()) + " entries, more than " +
+                      std::to_string(limits_.max_metadata_entries) +
+                      " (limit max_metadata_entries)");
+    }
     if (Status s = CheckUniqueKeys(obj, "\"__metadata__\""); !s.ok()) return s;
     header.has_metadata = true;
     for (dom::key_value_pair kv : obj) {
@@ -252,11 +249,11 @@ class Parser {
     auto bytes = TensorByteSize(t.dtype, t.shape);
     if (!bytes.ok()) {
       return FailTensor(bytes.status().code(), name,
-                        "shape " + ShapeString(t.shape) + ": " + bytes.status().message());
+                        "shape " + ShapeText(t.shape) + ": " + bytes.status().message());
     }
     if (*bytes != t.end - t.begin) {
       return FailTensor(Code::kSizeMismatch, name,
-                        std::string(DTypeName(t.dtype)) + " " + ShapeString(t.shape) + " takes " +
+                        std::string(DTypeName(t.dtype)) + " " + ShapeText(t.shape) + " takes " +
                             std::to_string(*bytes) + " bytes but data_offsets [" +
                             std::to_string(t.begin) + ", " + std::to_string(t.end) + "] span " +
                             std::to_string(t.end - t.begin));

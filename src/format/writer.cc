@@ -28,6 +28,7 @@
 
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/path.h"
 
 namespace tensorferry {
 namespace {
@@ -42,7 +43,7 @@ std::string TensorLabel(std::string_view name) {
   return "tensor " + json::Quote(name);
 }
 
-std::string ShapeText(std::span<const uint64_t> shape) {
+std::string JsonShape(std::span<const uint64_t> shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) {
     if (i > 0) out += ',';
@@ -71,13 +72,13 @@ Result<uint64_t> CheckTensor(const TensorToWrite& t) {
     return Status(Code::kBadTensorData,
                   TensorLabel(t.name) + ": neither data nor generate given for " +
                       std::to_string(*size) + " bytes (" + std::string(DTypeName(t.dtype)) + " " +
-                      ShapeText(t.shape) + ")");
+                      JsonShape(t.shape) + ")");
   }
   if (t.data.size() != *size) {
     return Status(Code::kBadTensorData,
                   TensorLabel(t.name) + ": data is " + std::to_string(t.data.size()) +
                       " bytes, expected " + std::to_string(*size) + " (" +
-                      std::string(DTypeName(t.dtype)) + " " + ShapeText(t.shape) + ")");
+                      std::string(DTypeName(t.dtype)) + " " + JsonShape(t.shape) + ")");
   }
   return size;
 }
@@ -171,7 +172,7 @@ Result<SerializedHeader> BuildHeader(
     json += ":{\"dtype\":\"";
     json += DTypeName(t.dtype);
     json += "\",\"shape\":";
-    json += ShapeText(t.shape);
+    json += JsonShape(t.shape);
     json += ",\"data_offsets\":[";
     json::AppendUint(json, offset);
     json.push_back(',');
@@ -495,6 +496,7 @@ Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
 
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
                  const Metadata& metadata, const WriteOptions& options) {
+  TF_RETURN_IF_ERROR(CheckPathString(path, "output path"));
   TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));
   TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(metadata));
   std::vector<size_t> all(tensors.size());
@@ -508,6 +510,7 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               std::span<const TensorToWrite> tensors,
                                               const Metadata& metadata,
                                               const ShardOptions& options) {
+  TF_RETURN_IF_ERROR(CheckPathString(dir, "output directory"));
   namespace fs = std::filesystem;
   const std::string& prefix = options.prefix;
   if (prefix.empty() || prefix == "." || prefix == ".." ||

@@ -49,20 +49,30 @@ Status JobQueue::Run(std::span<const ReadRequest> requests, size_t workers) {
 
 std::optional<JobQueue::Claim> JobQueue::Take(bool wait) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (wait) work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-  // Run blocks until its job is finished, so the queue is empty whenever the engine is destroyed
-  // by a well-behaved owner; stop_ alone ends the worker.
-  if (queue_.empty()) return std::nullopt;
-  Job* job = queue_.front();
-  queue_.pop_front();
-  const ReadRequest* request = &job->requests[job->next++];
-  ++job->running;
-  if (job->next < job->requests.size()) {
-    queue_.push_back(job);  // round-robin between concurrent jobs
-  } else {
-    job->queued = false;
+  for (;;) {
+    if (wait) work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    // Run blocks until its job is finished, so the queue is empty whenever the engine is
+    // destroyed by a well-behaved owner; stop_ alone ends the worker.
+    if (queue_.empty()) return std::nullopt;
+    Job* job = queue_.front();
+    queue_.pop_front();
+    const ReadRequest* request = &job->requests[job->next++];
+    if (request->cancel != nullptr && request->cancel->load(std::memory_order_relaxed)) {
+      // The caller cancelled: no further request of this job starts; Run returns kCancelled once
+      // those in flight are done.
+      if (job->error.ok()) job->error = Status(Code::kCancelled, "the load was cancelled");
+      job->queued = false;
+      if (job->running == 0) job->done_cv.notify_all();
+      continue;
+    }
+    ++job->running;
+    if (job->next < job->requests.size()) {
+      queue_.push_back(job);  // round-robin between concurrent jobs
+    } else {
+      job->queued = false;
+    }
+    return Claim{job, request};
   }
-  return Claim{job, request};
 }
 
 void JobQueue::Finish(const Claim& claim, Status status) {

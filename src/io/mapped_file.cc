@@ -1,17 +1,24 @@
 // MappedFile and its SIGBUS guard (mapped_file.h).
 #include "io/mapped_file.h"
 
+#include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <thread>
 
 #include "io/engine_common.h"
+#include "tensorferry/mapping.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -27,7 +34,20 @@ struct Slot {
   std::atomic<uintptr_t> end{0};
   std::atomic<uint64_t> faults{0};
   std::atomic<uint64_t> first_fault{UINT64_MAX};
+  // The file's path for the handler's stderr line (cut to fit), written before begin is published.
+  char path[240] = {};
 };
+
+// Process-wide fault accounting for CheckMappedFiles: every fault bumps g_fault_events; the first
+// unreported one leaves its file and offset in g_report_* (under g_report_mu, outside the handler).
+std::atomic<uint64_t> g_fault_events{0};
+std::atomic<uint64_t> g_fault_events_reported{0};
+std::atomic<size_t> g_last_fault_slot{SIZE_MAX};
+std::atomic<uint64_t> g_last_fault_offset{0};
+std::atomic<uint64_t> g_live{0};
+std::atomic<uint64_t> g_unleasable{0};
+std::atomic<uint64_t> g_copied{0};
+std::atomic<bool> g_leases_enabled{true};
 
 std::array<Slot, MappedFile::kMaxMappings>& Table() {
   static auto* table = new std::array<Slot, MappedFile::kMaxMappings>();  // never destroyed
@@ -38,6 +58,38 @@ std::mutex g_table_mu;
 struct sigaction g_previous;
 std::once_flag g_install_once;
 long g_page_size = 4096;
+
+// Async-signal-safe: decimal digits of v into buf (no terminator); returns the count.
+size_t FormatUnsigned(uint64_t v, char* buf) {
+  char digits[20];
+  size_t n = 0;
+  do {
+    digits[n++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v != 0);
+  for (size_t i = 0; i < n; ++i) buf[i] = digits[n - 1 - i];
+  return n;
+}
+
+// Async-signal-safe: "tensorferry: error: <path>: file shrank while mapped: bytes from offset N
+// read as zeros\n" on stderr.
+void ReportFaultOnStderr(const Slot& s, uint64_t offset) {
+  char line[400];
+  size_t n = 0;
+  auto put = [&](const char* text) {
+    for (; *text != '\0' && n < sizeof line - 1; ++text) line[n++] = *text;
+  };
+  put("tensorferry: error: ");
+  put(s.path);
+  put(": file shrank while its tensors were mapped: bytes from offset ");
+  char number[24];
+  const size_t digits = FormatUnsigned(offset, number);
+  number[digits] = '\0';
+  put(number);
+  put(" now read as zeros\n");
+  ssize_t ignored = ::write(STDERR_FILENO, line, n);
+  (void)ignored;
+}
 
 void OnSigbus(int sig, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
@@ -51,9 +103,15 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
     const long rc = ::syscall(SYS_mmap, page, g_page_size, PROT_READ | PROT_WRITE,
                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     if (rc == -1) break;  // cannot repair: let the previous handler decide
-    if (s.faults.fetch_add(1, std::memory_order_relaxed) == 0 ||
-        page - begin < s.first_fault.load(std::memory_order_relaxed)) {
+    const bool first = s.faults.fetch_add(1, std::memory_order_relaxed) == 0;
+    if (first || page - begin < s.first_fault.load(std::memory_order_relaxed)) {
       s.first_fault.store(page - begin, std::memory_order_relaxed);
+    }
+    if (first) {
+      ReportFaultOnStderr(s, page - begin);
+      g_last_fault_slot.store(i, std::memory_order_relaxed);
+      g_last_fault_offset.store(page - begin, std::memory_order_relaxed);
+      g_fault_events.fetch_add(1, std::memory_order_release);
     }
     return;  // the faulting access is retried and reads zeros
   }
@@ -81,6 +139,146 @@ void InstallHandler() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGBUS, &action, &g_previous);
 }
+
+// The read leases of live mappings and the one thread that answers their breaks.
+class LeaseKeeper {
+ public:
+  static LeaseKeeper& Get() {
+    static auto* keeper = new LeaseKeeper();  // never destroyed: its thread runs for the process
+    return *keeper;
+  }
+
+  // Takes a read lease on a new descriptor for the file behind `fd` guarding [addr, addr + size).
+  // Returns the lease's descriptor, or -1 when no lease can be had (the caller falls back on the
+  // SIGBUS guard).
+  int Acquire(int fd, std::byte* addr, uint64_t size) {
+    if (!g_leases_enabled.load(std::memory_order_relaxed) || size == 0) return -1;
+    if (!Start()) return -1;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (leases_.size() >= max_leases_) return -1;
+    const std::string self = "/proc/self/fd/" + std::to_string(fd);
+    const int lease_fd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (lease_fd < 0) return -1;
+    struct f_owner_ex owner;
+    owner.type = F_OWNER_TID;
+    owner.pid = tid_;
+    if (::fcntl(lease_fd, F_SETOWN_EX, &owner) != 0 || ::fcntl(lease_fd, F_SETSIG, signal_) != 0 ||
+        ::fcntl(lease_fd, F_SETLEASE, F_RDLCK) != 0) {
+      ::close(lease_fd);
+      return -1;
+    }
+    leases_[lease_fd] = Lease{addr, size};
+    return lease_fd;
+  }
+
+  // Ends the lease (if the thread has not already) before the mapping goes.
+  void Release(int lease_fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (leases_.erase(lease_fd) != 0) ::close(lease_fd);
+  }
+
+  bool Held(int lease_fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return leases_.count(lease_fd) != 0;
+  }
+
+  uint64_t count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return leases_.size();
+  }
+
+ private:
+  struct Lease {
+    std::byte* addr;
+    uint64_t size;
+  };
+
+  // Starts the thread once; false if it cannot run (then no leases are taken).
+  bool Start() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (started_) return tid_ > 0;
+    started_ = true;
+    signal_ = SIGRTMIN + 7;
+    // One descriptor per lease: at most a quarter of the descriptors this process may open.
+    struct rlimit limit;
+    if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+      max_leases_ = std::min<size_t>(max_leases_, limit.rlim_cur / 4);
+    }
+    try {
+      std::thread([this] { Run(); }).detach();
+    } catch (const std::system_error&) {
+      return false;
+    }
+    ready_.wait(lock, [this] { return tid_ != 0; });
+    return tid_ > 0;
+  }
+
+  void Run() {
+    // Block the lease signal (and SIGIO, which the kernel sends instead when it cannot queue the
+    // real-time one) in this thread only: breaks are directed at this thread and taken here with
+    // sigwaitinfo, so no handler is installed and other threads never see them.
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, signal_);
+    sigaddset(&set, SIGIO);
+    const bool blocked = ::pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tid_ = blocked ? static_cast<pid_t>(::syscall(SYS_gettid)) : -1;
+    }
+    ready_.notify_all();
+    if (!blocked) return;
+    for (;;) {
+      siginfo_t info;
+      const int sig = ::sigwaitinfo(&set, &info);
+      if (sig < 0) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sig == signal_) {
+        auto it = leases_.find(info.si_fd);
+        if (it != leases_.end()) Break(it);
+        continue;
+      }
+      // Plain SIGIO: no descriptor given; answer every lease the kernel is breaking.
+      for (auto it = leases_.begin(); it != leases_.end();) {
+        auto next = std::next(it);
+        if (::fcntl(it->first, F_GETLEASE) == F_UNLCK) Break(it);
+        it = next;
+      }
+    }
+  }
+
+  // Replaces the mapping with an anonymous copy at the same address, then lets the writer go.
+  // Called under mu_. Copy-on-write is not enough: truncation unmaps even a private mapping's
+  // copied pages (POSIX wants SIGBUS past the end), so the copy is made in anonymous memory and
+  // moved over the mapping with one mremap, which other threads see atomically (their faults wait
+  // for it, then find the copy). The file is intact while we copy: the writer waits for us.
+  void Break(std::map<int, Lease>::iterator it) {
+    const Lease& lease = it->second;
+    const uint64_t page = static_cast<uint64_t>(g_page_size);
+    const uint64_t length = (lease.size + page - 1) / page * page;
+    void* copy =
+        ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy != MAP_FAILED) {
+      std::memcpy(copy, lease.addr, lease.size);
+      if (::mremap(copy, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, lease.addr) == MAP_FAILED) {
+        ::munmap(copy, length);  // the loud guard stays
+      } else {
+        g_copied.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    ::fcntl(it->first, F_SETLEASE, F_UNLCK);
+    ::close(it->first);
+    leases_.erase(it);
+  }
+
+  std::mutex mu_;
+  std::condition_variable ready_;
+  bool started_ = false;
+  pid_t tid_ = 0;  // the thread's id; -1 if it could not block the signal
+  int signal_ = 0;
+  size_t max_leases_ = MappedFile::kMaxLeases;
+  std::map<int, Lease> leases_;  // by lease descriptor
+};
 
 }  // namespace
 
@@ -116,6 +314,10 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
                                             " files mapped at once; use a copying engine");
     }
     Slot& s = table[slot];
+    const std::string& path = file.path();
+    const size_t keep = std::min(path.size(), sizeof s.path - 1);
+    std::memcpy(s.path, path.data(), keep);
+    s.path[keep] = '\0';
     s.faults.store(0, std::memory_order_relaxed);
     s.first_fault.store(UINT64_MAX, std::memory_order_relaxed);
     s.end.store(reinterpret_cast<uintptr_t>(addr) + size, std::memory_order_release);
@@ -124,11 +326,16 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
       g_high_water.store(slot + 1, std::memory_order_release);
     }
   }
+  const int lease_fd = LeaseKeeper::Get().Acquire(fd, static_cast<std::byte*>(addr), size);
+  if (lease_fd < 0 && size > 0) g_unleasable.fetch_add(1, std::memory_order_relaxed);
+  g_live.fetch_add(1, std::memory_order_relaxed);
   return std::shared_ptr<MappedFile>(
-      new MappedFile(file.path(), static_cast<std::byte*>(addr), size, slot));
+      new MappedFile(file.path(), static_cast<std::byte*>(addr), size, slot, lease_fd));
 }
 
 MappedFile::~MappedFile() {
+  g_live.fetch_sub(1, std::memory_order_relaxed);
+  if (lease_fd_ >= 0) LeaseKeeper::Get().Release(lease_fd_);
   if (data_ == nullptr) return;
   {
     // Unregister first: once unmapped, the range may be reused by someone else's mapping.
@@ -179,4 +386,42 @@ uint64_t MappedFile::first_fault_offset() const noexcept {
                               : UINT64_MAX;
 }
 
+bool MappedFile::leased() const noexcept {
+  return lease_fd_ >= 0 && LeaseKeeper::Get().Held(lease_fd_);
+}
+
 }  // namespace tensorferry::io
+
+namespace tensorferry {
+
+MappingStats GetMappingStats() {
+  MappingStats s;
+  s.live = io::g_live.load(std::memory_order_relaxed);
+  s.leased = io::LeaseKeeper::Get().count();
+  s.copied = io::g_copied.load(std::memory_order_relaxed);
+  s.unleasable = io::g_unleasable.load(std::memory_order_relaxed);
+  s.faults = io::g_fault_events.load(std::memory_order_acquire);
+  return s;
+}
+
+void SetMappingLeases(bool enabled) noexcept {
+  io::g_leases_enabled.store(enabled, std::memory_order_relaxed);
+}
+
+Status CheckMappedFiles() {
+  const uint64_t events = io::g_fault_events.load(std::memory_order_acquire);
+  uint64_t reported = io::g_fault_events_reported.load(std::memory_order_relaxed);
+  if (events == reported) return Status::Ok();
+  if (!io::g_fault_events_reported.compare_exchange_strong(reported, events)) {
+    return Status::Ok();  // another caller reports these
+  }
+  const size_t slot = io::g_last_fault_slot.load(std::memory_order_relaxed);
+  std::string path = slot < io::MappedFile::kMaxMappings ? io::Table()[slot].path : "a mapped file";
+  return Status(Code::kUnexpectedEof,
+                path + ": file shrank while its tensors were mapped: bytes from offset " +
+                    std::to_string(io::g_last_fault_offset.load(std::memory_order_relaxed)) +
+                    " read as zeros (" + std::to_string(events - reported) +
+                    " mapping(s) affected); reload the tensors");
+}
+
+}  // namespace tensorferry

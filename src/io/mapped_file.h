@@ -1,20 +1,31 @@
-// Internal: read-only-by-contract, copy-on-write mappings of whole files, guarded against SIGBUS.
+// Internal: read-only-by-contract, copy-on-write mappings of whole files, guarded against changes
+// of the file (include/tensorferry/mapping.h says what a user sees).
 //
 // A MappedFile maps a file MAP_PRIVATE with PROT_READ|PROT_WRITE: views into it read the page cache
 // with no copy, and a caller who writes into a view gets a private copy of that page (the file is
 // never modified). It is unmapped when the last reference goes.
 //
-// SIGBUS: touching a page of a mapping whose file has shrunk raises SIGBUS, which kills a process
-// by default. Each MappedFile registers its address range in a fixed, lock-free table read by a
+// Read lease: Map opens the file again (through /proc/self/fd, so the same inode) and takes a read
+// lease on that descriptor, with the lease-break signal directed (F_SETOWN_EX, F_OWNER_TID) at one
+// process-wide thread that blocks it and waits for it. A break (someone opens the file for writing
+// or truncates it) makes that thread copy the whole mapping into anonymous memory moved over it
+// with one mremap (copy-on-write pages would not do: truncation unmaps them too), release the
+// lease and close the descriptor: the writer then proceeds and the views keep their bytes. No
+// process-wide handler is involved, so nothing else in the process is affected. Leases are held by
+// at most kMaxLeases mappings at once (one descriptor each; at most a quarter of RLIMIT_NOFILE).
+//
+// SIGBUS (no lease, or the copy was too late): touching a page of a mapping whose file has shrunk
+// raises SIGBUS. Each MappedFile registers its address range in a fixed, lock-free table read by a
 // process-wide SIGBUS handler, installed on first use with sigaction (SA_SIGINFO | SA_ONSTACK,
 // keeping the previous handler). For a fault inside a registered range the handler maps an
-// anonymous zero page over the faulting page (mmap is a plain system call, safe in a signal
-// handler), counts the fault on the mapping, and returns: the access is retried and reads zeros.
-// Faults at other addresses go to the previous handler (or the default action). Populate() does
-// not even fault: it uses MADV_POPULATE_READ, which reports a vanished page as an error.
+// anonymous zero page over the faulting page, counts the fault, writes one line naming the file and
+// offset to stderr (the first fault of each mapping), and returns: the access is retried and reads
+// zeros, and CheckMappedFiles() reports it. Faults at other addresses go to the previous handler
+// (or the default action). Populate() does not even fault: it uses MADV_POPULATE_READ, which
+// reports a vanished page as an error.
 //
-// Limits: the table holds kMaxMappings live mappings (Map returns kResourceExhausted-like
-// kUnsupported beyond that, and the loader reports it).
+// Limits: the table holds kMaxMappings live mappings (Map returns kUnsupported beyond that, and the
+// loader reports it).
 //
 // Thread-safety: all members may be called from any thread.
 #pragma once
@@ -33,9 +44,11 @@ namespace tensorferry::io {
 class MappedFile {
  public:
   static constexpr size_t kMaxMappings = 65536;
+  static constexpr size_t kMaxLeases = 256;
 
   // Maps all `size` bytes of `file` (which must have a native handle; the descriptor may be closed
-  // afterwards). Errors: kUnsupported (no descriptor, table full), kIoError (mmap failed).
+  // afterwards) and takes a read lease on it where it can. Errors: kUnsupported (no descriptor,
+  // table full), kIoError (mmap failed).
   static Result<std::shared_ptr<MappedFile>> Map(const RandomAccessFile& file, uint64_t size);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
@@ -54,14 +67,17 @@ class MappedFile {
   uint64_t faults() const noexcept;
   // The file offset of the first such page, if any.
   uint64_t first_fault_offset() const noexcept;
+  // Whether a read lease guards the mapping now.
+  bool leased() const noexcept;
 
  private:
-  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot)
-      : path_(std::move(path)), data_(data), size_(size), slot_(slot) {}
+  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot, int lease_fd)
+      : path_(std::move(path)), data_(data), size_(size), slot_(slot), lease_fd_(lease_fd) {}
   std::string path_;
   std::byte* data_;
   uint64_t size_;
   size_t slot_;
+  int lease_fd_;  // the read lease's descriptor, -1 without one
 };
 
 }  // namespace tensorferry::io

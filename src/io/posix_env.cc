@@ -1,5 +1,6 @@
 // The default Env: POSIX pread on file descriptors.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -7,6 +8,8 @@
 #include <cstring>
 
 #include "tensorferry/env.h"
+#include "util/macros.h"
+#include "util/path.h"
 
 namespace tensorferry {
 namespace {
@@ -54,6 +57,7 @@ class PosixFile final : public RandomAccessFile {
 class PosixEnv final : public Env {
  public:
   Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
+    TF_RETURN_IF_ERROR(CheckPathString(path));
     int fd;
     do {
       // O_NONBLOCK: opening a FIFO (or some devices) for reading would otherwise block until a
@@ -62,8 +66,17 @@ class PosixEnv final : public Env {
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) {
       const int err = errno;
+      std::string why = ErrnoText(err);
+      if (err == EMFILE) {
+        // Say which limit: the process's descriptors (ulimit -n), not the file.
+        struct rlimit limit;
+        if (::getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+          why += "; this process may open " + std::to_string(limit.rlim_cur) +
+                 " files at once (RLIMIT_NOFILE, `ulimit -n`)";
+        }
+      }
       return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
-                    path + ": cannot open: " + ErrnoText(err));
+                    path + ": cannot open: " + why);
     }
     struct stat st;
     if (::fstat(fd, &st) != 0) {

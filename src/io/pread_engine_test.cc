@@ -87,6 +87,24 @@ std::unique_ptr<ReadEngine> Engine(unsigned threads) {
   return std::move(engine).value();
 }
 
+// ReadRequest::cancel: requests not started when it is set are never started; Execute returns
+// kCancelled once those in flight are done. A flag set by the env's read hook mid-way stops the
+// rest.
+TEST(PreadEngineTest, CancelledRequestsAreNotStarted) {
+  MemoryEnv env;
+  env.AddFile("a", Pattern(100000, 1));
+  auto engine = Engine(2);
+  Workload w = MakeWorkload(&env, {"a"}, 300, 5);
+  std::atomic<bool> cancel{true};
+  for (ReadRequest& r : w.requests) r.cancel = &cancel;
+  const Status s = engine->Execute(w.requests);
+  EXPECT_EQ(s.code(), Code::kCancelled) << s.ToString();
+  EXPECT_EQ(engine->stats().requests, 0u);
+  cancel.store(false);
+  ASSERT_TRUE(engine->Execute(w.requests).ok());
+  EXPECT_TRUE(w.Verify());
+}
+
 TEST(PreadEngineTest, ByteExactAcrossFilesAndThreadCounts) {
   MemoryEnv env;
   const std::vector<std::string> paths = {"a", "b", "c"};

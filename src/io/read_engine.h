@@ -18,6 +18,7 @@
 // share the workers. The files must outlive the call.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -39,6 +40,9 @@ struct ReadRequest {
   uint64_t offset = 0;
   std::span<std::byte> dst;
   int direct_fd = -1;  // >= 0: an O_DIRECT descriptor of `file` for the aligned middle
+  // When set, requests not yet started when it becomes true are not started, and Execute returns
+  // kCancelled once those in flight are done.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 struct EngineStats {

@@ -19,10 +19,12 @@
 #include "device/device_memory.h"
 #include "device/pipeline.h"
 #include "io/engine_common.h"
+#include "io/file_set.h"
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "memory/host_buffer.h"
 #include "tensorferry/format.h"
+#include "tensorferry/mapping.h"
 #include "tensorferry/residency.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/size.h"
@@ -49,7 +51,7 @@ Selection Selection::Where(std::function<bool(const TensorInfo&)> predicate) {
   return s;
 }
 
-Selection Selection::Layers(uint32_t first, uint32_t last) {
+Selection Selection::Layers(uint64_t first, uint64_t last) {
   return Where([first, last](const TensorInfo& t) {
     auto layer = LayerOf(t.name);
     return layer && *layer >= first && *layer <= last;
@@ -87,6 +89,26 @@ Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selecti
     return r;
   }
   const auto& all = ckpt.tensors();
+  // Every tie must name a tensor the checkpoint has, and an alias the files hold must be that
+  // tensor's twin: otherwise the spec does not describe this checkpoint, and following it would
+  // silently hand out another tensor's bytes (or ignore the tie).
+  for (const auto& [alias, ignored] : spec->ties()) {
+    const std::optional<std::string> target = spec->TieTarget(alias);
+    if (!target) continue;  // a cycle: ShardSpec::Validate refuses it
+    const TensorInfo* t = ckpt.Find(*target);
+    if (t == nullptr) {
+      return Status(Code::kNotFound, "tie \"" + alias + "\" -> \"" + *target +
+                                         "\": the target is not in the checkpoint");
+    }
+    const TensorInfo* a = ckpt.Find(alias);
+    if (a != nullptr && (a->dtype != t->dtype || a->shape != t->shape)) {
+      return Status(Code::kInvalidArgument,
+                    "tie \"" + alias + "\" -> \"" + *target + "\": the alias is " +
+                        std::string(DTypeName(a->dtype)) + " " + ShapeText(a->shape) +
+                        " in the files but its target is " + std::string(DTypeName(t->dtype)) +
+                        " " + ShapeText(t->shape) + "; a tie must name the same tensor");
+    }
+  }
   std::vector<bool> read(all.size(), false);
   r.deliver.assign(all.size(), false);
   std::map<std::string, uint32_t> alias_target;
@@ -330,10 +352,8 @@ struct Loader::Impl {
   std::unique_ptr<io::ReadEngine> engine;
   std::shared_ptr<memory::BufferPool> pool;
   std::shared_ptr<memory::Budget> budget;
-  std::vector<std::unique_ptr<RandomAccessFile>> files;
-  // Per file: its O_DIRECT descriptor once opened (nullptr: not opened or refused).
-  std::vector<std::unique_ptr<io::DirectFile>> direct;
-  std::vector<bool> direct_refused;
+  // The checkpoint's files, opened on demand under a bound on descriptors (io/file_set.h).
+  std::unique_ptr<io::FileSet> files;
   // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
   std::vector<std::shared_ptr<io::MappedFile>> maps;
   LoadStats stats;
@@ -383,32 +403,71 @@ struct Loader::Impl {
     return copy_engine;
   }
 
-  // Opens every file once per loader and checks it still has the size seen at Checkpoint::Open:
-  // a file replaced or truncated since then is reported here, before any read.
+  // Makes the file set once per loader, and checks that the files it holds open still have the
+  // size seen at Checkpoint::Open (the others are checked when opened): a file replaced or
+  // truncated since then is reported before a read of it.
   Status OpenFiles() {
     const auto& infos = checkpoint->files();
-    if (files.size() != infos.size()) {
-      files.clear();
-      for (const FileInfo& f : infos) {
-        TF_ASSIGN_OR_RETURN(auto file, env->OpenRandomAccess(f.path));
-        files.push_back(std::move(file));
-      }
-      direct.clear();
-      direct.resize(infos.size());
-      direct_refused.assign(infos.size(), false);
+    if (!files) {
+      std::vector<io::FileSet::FileSpec> specs;
+      specs.reserve(infos.size());
+      for (const FileInfo& f : infos) specs.push_back({f.path, f.file_size});
+      files = std::make_unique<io::FileSet>(env, std::move(specs), io::FileSet::DefaultMaxOpen());
       maps.clear();
       maps.resize(infos.size());
     }
-    for (size_t i = 0; i < infos.size(); ++i) {
-      TF_ASSIGN_OR_RETURN(uint64_t size, files[i]->Size());
-      if (size != infos[i].file_size) {
-        return Status(Code::kIoError, infos[i].path +
-                                          ": file changed since the checkpoint was opened: " +
-                                          std::to_string(infos[i].file_size) + " bytes then, " +
-                                          std::to_string(size) + " now");
+    return files->CheckOpenSizes();
+  }
+
+  // Runs `run` over windows of the files in `used` (distinct file indices), each window at most
+  // half the file set's descriptor bound, with the window's files pinned: pins[f].file is set for
+  // exactly the files of the window. One window unless a batch reads hundreds of files.
+  Status InFileWindows(const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
+                       const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run) {
+    const size_t window = std::max<size_t>(1, files->max_open() / 2);
+    std::vector<io::FileSet::Pin> pins(files->size());
+    for (size_t w = 0; w < used.size(); w += window) {
+      const size_t end = std::min(used.size(), w + window);
+      for (size_t i = w; i < end; ++i) {
+        const uint32_t f = used[i];
+        TF_ASSIGN_OR_RETURN(pins[f], files->Get(f, f < want_direct.size() && want_direct[f]));
       }
+      TF_RETURN_IF_ERROR(run(pins));
+      for (size_t i = w; i < end; ++i) pins[used[i]] = {};
     }
     return Status::Ok();
+  }
+
+  // Runs device tasks (task i reads file task_file[i]) through the sink's pipeline, window by
+  // window of files (InFileWindows).
+  Status RunDeviceTasks(const DeviceSink& sink, std::vector<device::DeviceTask>& tasks,
+                        const std::vector<uint32_t>& task_file,
+                        const std::vector<bool>& want_direct, device::DeviceBuffer* buffer) {
+    return InFileWindows(
+        DistinctFiles(task_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
+          std::vector<device::DeviceTask> window;
+          for (size_t i = 0; i < tasks.size(); ++i) {
+            const io::FileSet::Pin& pin = pins[task_file[i]];
+            if (!pin.file) continue;
+            device::DeviceTask t = tasks[i];
+            t.file = pin.file.get();
+            t.direct_fd = pin.direct_fd();
+            window.push_back(t);
+          }
+          return buffer != nullptr ? sink.pipeline->Run(window, *copy_engine, buffer)
+                                   : sink.pipeline->Run(window, *copy_engine);
+        });
+  }
+
+  // The distinct file indices of `ids`, in first-use order.
+  std::vector<uint32_t> DistinctFiles(const std::vector<uint32_t>& ids) const {
+    std::vector<bool> seen(files->size(), false);
+    std::vector<uint32_t> out;
+    for (uint32_t f : ids) {
+      if (!seen[f]) out.push_back(f);
+      seen[f] = true;
+    }
+    return out;
   }
 
   // What a selection means for one load: the tensors to read, which of them go to the caller,
@@ -579,7 +638,7 @@ struct Loader::Impl {
   // file index (-1: buffered) and counts the choices into stats.
   // `reads`: the (file, offset, length) ranges the load reads; `skip_host_mapped`: the mmap
   // engine's host batches read nothing (only its device batches count).
-  Result<std::vector<int>> ChooseDirect(std::span<const Group> groups, bool skip_host_mapped) {
+  Result<std::vector<bool>> ChooseDirect(std::span<const Group> groups, bool skip_host_mapped) {
     const auto& infos = checkpoint->files();
     std::vector<uint64_t> lo(infos.size(), UINT64_MAX), hi(infos.size(), 0);
     for (const Group& g : groups) {
@@ -600,48 +659,38 @@ struct Loader::Impl {
     return ChooseDirect(lo, hi);
   }
 
-  // Per file, the descriptor its reads within [lo, hi) use (-1: buffered; hi 0: not read).
-  Result<std::vector<int>> ChooseDirect(const std::vector<uint64_t>& lo,
-                                        const std::vector<uint64_t>& hi) {
+  // Per file, whether its reads within [lo, hi) use O_DIRECT (hi 0: not read). The O_DIRECT
+  // descriptor is opened here, so a file system that refuses it is known (and counted) now.
+  Result<std::vector<bool>> ChooseDirect(const std::vector<uint64_t>& lo,
+                                         const std::vector<uint64_t>& hi) {
     const auto& infos = checkpoint->files();
-    std::vector<int> fds(infos.size(), -1);
-    for (size_t f = 0; f < infos.size(); ++f) {
+    std::vector<bool> use_direct(infos.size(), false);
+    for (uint32_t f = 0; f < infos.size(); ++f) {
       if (hi[f] == 0) continue;  // not read by this plan
       bool use = false;
-      if (options.direct != DirectIO::kOff && files[f]->native_handle() >= 0 &&
-          !direct_refused[f]) {
+      if (options.direct != DirectIO::kOff) {
+        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, files->Get(f));
         use = options.direct == DirectIO::kOn;
-        if (!use) {
+        if (!use && pin.file->native_handle() >= 0) {
           auto cached =
-              io::CachedFraction(files[f]->native_handle(), infos[f].path, lo[f], hi[f] - lo[f]);
+              io::CachedFraction(pin.file->native_handle(), infos[f].path, lo[f], hi[f] - lo[f]);
           use = cached.ok() && *cached < kDirectBelowCachedFraction;
         }
-        if (use && !direct[f]) {
-          auto d = io::DirectFile::Open(*files[f]);
-          if (d.ok()) {
-            direct[f] = std::move(d).value();
-          } else if (d.status().code() == Code::kUnsupported) {
-            direct_refused[f] = true;  // the file system refuses O_DIRECT: buffered from now on
-            use = false;
-          } else {
-            return d.status();  // e.g. the file was replaced
-          }
+        if (use) {
+          TF_ASSIGN_OR_RETURN(pin, files->Get(f, true));
+          use = pin.direct != nullptr;  // refused by the file system: buffered
         }
       }
-      if (use) {
-        fds[f] = direct[f]->fd();
-        ++stats.direct_files;
-      } else {
-        ++stats.buffered_files;
-      }
+      use_direct[f] = use;
+      ++(use ? stats.direct_files : stats.buffered_files);
     }
-    return fds;
+    return use_direct;
   }
 
   // Reads batch `b` into a pooled buffer and makes its tensors. `lease` is the batch's share of
   // the budget; it moves into the tensors' owner.
   Result<Batch> ReadBatch(const Plan& plan, size_t b, memory::BudgetLease lease,
-                          const std::vector<int>& direct_fds, uint64_t batch_budget) {
+                          const std::vector<bool>& want_direct, uint64_t batch_budget) {
     const PlanBatch& batch = plan.batches[b];
     // Under a budget every batch asks for a buffer of the same size (the batch budget plus room
     // for alignment padding), so the same buffers are reused for the whole load.
@@ -650,14 +699,22 @@ struct Loader::Impl {
                               ? std::max(batch.buffer_size, std::min(uniform, batch_budget * 2))
                               : batch.buffer_size;
     TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(want));
-    std::vector<io::ReadRequest> requests;
-    requests.reserve(batch.tasks.size());
-    for (const ReadTask& t : batch.tasks) {
-      requests.push_back({files[t.file].get(), t.file_offset,
-                          std::span<std::byte>(buffer->data() + t.buffer_offset, t.length),
-                          direct_fds[t.file]});
-    }
-    TF_RETURN_IF_ERROR(engine->Execute(requests));
+    std::vector<uint32_t> task_files;
+    task_files.reserve(batch.tasks.size());
+    for (const ReadTask& t : batch.tasks) task_files.push_back(t.file);
+    TF_RETURN_IF_ERROR(InFileWindows(
+        DistinctFiles(task_files), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
+          std::vector<io::ReadRequest> requests;
+          requests.reserve(batch.tasks.size());
+          for (const ReadTask& t : batch.tasks) {
+            const io::FileSet::Pin& pin = pins[t.file];
+            if (!pin.file) continue;  // another window's
+            requests.push_back({pin.file.get(), t.file_offset,
+                                std::span<std::byte>(buffer->data() + t.buffer_offset, t.length),
+                                pin.direct_fd(), options.cancel.get()});
+          }
+          return engine->Execute(requests);
+        }));
     // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
     for (const BufferMove& mv : batch.moves) {
       std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
@@ -683,24 +740,24 @@ struct Loader::Impl {
   // tensors: views co-owning the buffer.
   Result<Batch> ReadDeviceBatch(const Group& group, size_t b,
                                 std::shared_ptr<device::DeviceBuffer> buffer,
-                                const std::vector<int>& direct_fds) {
+                                const std::vector<bool>& want_direct) {
     const PlanBatch& batch = group.plan.batches[b];
     const DeviceSink& sink = sinks.at(group.device.index);
-    std::vector<device::DeviceTask> tasks;
+    std::vector<device::DeviceTask> tasks;  // file pointers filled in per window
+    std::vector<uint32_t> task_file;
     tasks.reserve(batch.tasks.size());
     for (const ReadTask& t : batch.tasks) {
       device::DeviceTask d;
-      d.file = files[t.file].get();
       d.file_offset = t.file_offset;
       d.length = t.length;
       d.dst = buffer->data() + t.buffer_offset;
-      d.direct_fd = direct_fds[t.file];
+      d.cancel = options.cancel.get();
       tasks.push_back(d);
+      task_file.push_back(t.file);
     }
     if (b < group.strided.size()) {
       for (const StridedRead& t : group.strided[b]) {
         device::DeviceTask d;
-        d.file = files[t.file].get();
         d.file_offset = t.file_offset;
         d.length = t.length();
         d.dst = buffer->data() + t.buffer_offset;
@@ -708,11 +765,12 @@ struct Loader::Impl {
         d.row_bytes = t.row_bytes;
         d.src_pitch = t.src_pitch;
         d.dst_pitch = t.dst_pitch;
-        d.direct_fd = direct_fds[t.file];
+        d.cancel = options.cancel.get();
         tasks.push_back(d);
+        task_file.push_back(t.file);
       }
     }
-    TF_RETURN_IF_ERROR(sink.pipeline->Run(tasks, *copy_engine, buffer.get()));
+    TF_RETURN_IF_ERROR(RunDeviceTasks(sink, tasks, task_file, want_direct, buffer.get()));
     const auto& infos = checkpoint->tensors();
     Batch out;
     out.bytes = batch.tensor_bytes;
@@ -736,7 +794,8 @@ struct Loader::Impl {
     for (const PlannedTensor& pt : batch.tensors) {
       const uint32_t f = checkpoint->tensors()[pt.tensor].file;
       if (!maps[f]) {
-        TF_ASSIGN_OR_RETURN(maps[f], io::MappedFile::Map(*files[f], file_infos[f].file_size));
+        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, files->Get(f));
+        TF_ASSIGN_OR_RETURN(maps[f], io::MappedFile::Map(*pin.file, file_infos[f].file_size));
       }
     }
     if (options.populate && !batch.tasks.empty()) {
@@ -847,9 +906,15 @@ Loader::Loader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Loader::~Loader() = default;
 
 Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> checkpoint,
-                                             const LoadOptions& options) {
+                                             const LoadOptions& given) {
   if (!checkpoint) return Status(Code::kInvalidArgument, "Loader::Open: null checkpoint");
-  if (options.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
+  if (given.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
+  // Clamped, not refused: a tiny chunk only multiplies per-read costs (and plan memory: one task
+  // per chunk), and threads beyond kMaxThreads only cost memory and start-up time.
+  LoadOptions options = given;
+  options.chunk_size = std::max(options.chunk_size, kMinChunkSize);
+  options.threads = std::min(options.threads, kMaxThreads);
+  options.queue_depth = std::min(options.queue_depth, kMaxQueueDepth);
   if (options.queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
   if (options.shard) {
     if (options.shard->world == 0 || options.shard->rank >= options.shard->world) {
@@ -920,6 +985,7 @@ Result<Plan> Loader::MakePlan(const Selection& selection) const {
 }
 
 Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
+  TF_RETURN_IF_ERROR(CheckMappedFiles());  // tensors of an earlier load lost bytes: say so first
   Impl& m = *impl_;
   m.stats = LoadStats();
   m.stats.engine = std::string(EngineName(m.engine_kind));
@@ -949,9 +1015,9 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   const uint64_t read0 = m.copy_engine ? m.copy_engine->stats().bytes_read
                          : m.engine    ? m.engine->stats().bytes_read
                                        : 0;
-  std::vector<int> direct_fds;
+  std::vector<bool> want_direct;
   if (!mapped || any_device) {
-    TF_ASSIGN_OR_RETURN(direct_fds, m.ChooseDirect(groups, mapped));
+    TF_ASSIGN_OR_RETURN(want_direct, m.ChooseDirect(groups, mapped));
   }
   m.stats.device = groups.size() == 1 ? DeviceName(groups.front().device) : "mixed";
 
@@ -1006,13 +1072,16 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
   auto produce = [&](size_t k, Reservation r) -> Result<Batch> {
     const Group& g = groups[order[k].first];
     const size_t b = order[k].second;
+    if (m.options.cancel && m.options.cancel->load(std::memory_order_relaxed)) {
+      return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
+    }
     Result<Batch> got = Status(Code::kInternal, "unset");
     if (g.device.is_cuda()) {
-      got = m.ReadDeviceBatch(g, b, std::move(r.device), direct_fds);
+      got = m.ReadDeviceBatch(g, b, std::move(r.device), want_direct);
     } else if (mapped) {
       got = m.MapBatch(g.plan, b);
     } else {
-      got = m.ReadBatch(g.plan, b, std::move(r.lease), direct_fds, g.batch_budget);
+      got = m.ReadBatch(g.plan, b, std::move(r.lease), want_direct, g.batch_budget);
     }
     if (got.ok()) {
       got->index = k;
@@ -1136,6 +1205,7 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
 }
 
 Status Loader::LoadInto(std::span<const Destination> destinations) {
+  TF_RETURN_IF_ERROR(CheckMappedFiles());
   Impl& m = *impl_;
   m.stats = LoadStats();
   m.stats.engine = std::string(EngineName(m.engine_kind));
@@ -1238,10 +1308,12 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     lo[t->file] = std::min(lo[t->file], t->offset);
     hi[t->file] = std::max(hi[t->file], t->offset + t->size);
   }
-  TF_ASSIGN_OR_RETURN(std::vector<int> direct_fds, m.ChooseDirect(lo, hi));
+  TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(lo, hi));
 
-  std::vector<io::ReadRequest> host;
+  std::vector<io::ReadRequest> host;  // file and O_DIRECT descriptor filled in per window
+  std::vector<uint32_t> host_file;
   std::map<int, std::vector<device::DeviceTask>> device_tasks;
+  std::map<int, std::vector<uint32_t>> device_task_file;
   for (size_t i = 0; i < destinations.size(); ++i) {
     const TensorInfo& t = *infos[i];
     const Destination& d = destinations[i];
@@ -1257,7 +1329,6 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     if (d.device.is_cuda()) {
       for (const StridedRead& r : reads) {
         device::DeviceTask task;
-        task.file = m.files[t.file].get();
         task.file_offset = r.file_offset;
         task.length = r.length();
         task.dst = dst + r.buffer_offset;
@@ -1267,8 +1338,9 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
           task.src_pitch = r.src_pitch;
           task.dst_pitch = r.dst_pitch;
         }
-        task.direct_fd = direct_fds[t.file];
+        task.cancel = m.options.cancel.get();
         device_tasks[d.device.index].push_back(task);
+        device_task_file[d.device.index].push_back(t.file);
       }
       m.stats.device_tensors += 1;
       m.stats.device_bytes += size;
@@ -1282,16 +1354,32 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
         const uint64_t from = r.file_offset + row * r.src_pitch;
         for (uint64_t at = 0; at < r.row_bytes; at += m.options.chunk_size) {
           const uint64_t len = std::min(m.options.chunk_size, r.row_bytes - at);
-          host.push_back({m.files[t.file].get(), from + at,
-                          std::span<std::byte>(to + at, static_cast<size_t>(len)),
-                          direct_fds[t.file]});
+          host.push_back({nullptr, from + at,
+                          std::span<std::byte>(to + at, static_cast<size_t>(len)), -1,
+                          m.options.cancel.get()});
+          host_file.push_back(t.file);
         }
       }
     }
   }
-  if (!host.empty()) TF_RETURN_IF_ERROR(engine->Execute(host));
-  for (const auto& [index, tasks] : device_tasks) {
-    TF_RETURN_IF_ERROR(m.sinks.at(index).pipeline->Run(tasks, *engine));
+  if (!host.empty()) {
+    TF_RETURN_IF_ERROR(m.InFileWindows(m.DistinctFiles(host_file), want_direct,
+                                       [&](const std::vector<io::FileSet::Pin>& pins) {
+                                         std::vector<io::ReadRequest> window;
+                                         for (size_t i = 0; i < host.size(); ++i) {
+                                           const io::FileSet::Pin& pin = pins[host_file[i]];
+                                           if (!pin.file) continue;
+                                           io::ReadRequest r = host[i];
+                                           r.file = pin.file.get();
+                                           r.direct_fd = pin.direct_fd();
+                                           window.push_back(r);
+                                         }
+                                         return engine->Execute(window);
+                                       }));
+  }
+  for (auto& [index, tasks] : device_tasks) {
+    TF_RETURN_IF_ERROR(
+        m.RunDeviceTasks(m.sinks.at(index), tasks, device_task_file[index], want_direct, nullptr));
   }
   m.stats.batches = (host.empty() ? 0 : 1) + device_tasks.size();
   m.stats.device_batches = device_tasks.size();

@@ -1,6 +1,8 @@
 #include "tensorferry/loader.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -10,6 +12,7 @@
 
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
+#include "tensorferry/mapping.h"
 #include "tensorferry/writer.h"
 #include "testing/shard_fixture.h"
 #include "testing/test_util.h"
@@ -35,6 +38,45 @@ struct Fixture : testing::TestCheckpoint {
 
 std::string Bytes(const Tensor& t) {
   return std::string(reinterpret_cast<const char*>(t.data()), t.size());
+}
+
+// LoadOptions::cancel: a load that starts cancelled reads nothing; one cancelled from a callback
+// delivers no further batch; both return kCancelled. Tiny chunk sizes are clamped, threads too.
+TEST(Loader, CancelStopsTheLoad) {
+  Fixture f(8, 4096, 200);
+  for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
+    LoadOptions o;
+    o.engine = engine;
+    o.budget = 64 << 10;  // many batches
+    o.allow_oversized = true;
+    auto cancel = std::make_shared<std::atomic<bool>>(true);
+    o.cancel = cancel;
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    size_t delivered = 0;
+    const Status none = loader->Stream(Selection::All(), [&](Batch) {
+      ++delivered;
+      return Status::Ok();
+    });
+    EXPECT_EQ(none.code(), Code::kCancelled) << none.ToString();
+    EXPECT_EQ(delivered, 0u);
+    cancel->store(false);
+    size_t batches = 0;
+    const Status s = loader->Stream(Selection::All(), [&](Batch) {
+      ++batches;
+      cancel->store(true);
+      return Status::Ok();
+    });
+    EXPECT_EQ(s.code(), Code::kCancelled) << s.ToString();
+    EXPECT_EQ(batches, 1u);
+    cancel->store(false);
+    size_t tensors = 0;  // cleared: loads again
+    const Status all = loader->Stream(Selection::All(), [&](Batch b) {
+      tensors += b.tensors.size();
+      return Status::Ok();
+    });
+    ASSERT_TRUE(all.ok()) << all.ToString();
+    EXPECT_EQ(tensors, f.tensors.size());
+  }
 }
 
 TEST(Loader, LoadsEveryTensorByteExact) {
@@ -309,9 +351,21 @@ TEST(LoaderEngines, MmapTensorsOutliveTheLoaderAndAreViews) {
   for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Full(t.name()));
 }
 
-// A file truncated after the mmap engine handed out views: touching the vanished pages must not
-// kill the process (SIGBUS); they read as zeros, and a later populated load reports the change.
-TEST(LoaderEngines, MmapSurvivesTruncationAfterLoad) {
+// Turns mapping leases off for one test (the loud-failure guard alone), and back on after it.
+struct WithoutLeases {
+  WithoutLeases() { SetMappingLeases(false); }
+  ~WithoutLeases() { SetMappingLeases(true); }
+};
+
+std::vector<std::vector<std::byte>> CopyBytes(const std::vector<Tensor>& tensors) {
+  std::vector<std::vector<std::byte>> out;
+  for (const Tensor& t : tensors) out.emplace_back(t.data(), t.data() + t.size());
+  return out;
+}
+
+// With a read lease (the default), a file truncated under the mmap engine's views does not take
+// their bytes: the truncation waits until the mapping has been copied into private memory.
+TEST(LoaderEngines, MmapLeaseKeepsTensorsWhenTheFileIsTruncated) {
   Fixture f(2, 1u << 30, 100);  // one file of ~100 KB
   const std::string path = f.dir.Join("model.safetensors");
   LoadOptions o;
@@ -320,18 +374,82 @@ TEST(LoaderEngines, MmapSurvivesTruncationAfterLoad) {
   ASSERT_TRUE(loader.ok());
   auto tensors = (*loader)->Load();
   ASSERT_TRUE(tensors.ok());
-  const Tensor* last = nullptr;
-  for (const Tensor& t : *tensors) {
-    if (last == nullptr || t.data() > last->data()) last = &t;
+  const auto before = CopyBytes(*tensors);
+  const MappingStats s0 = GetMappingStats();
+  ASSERT_GE(s0.leased, 1u) << "no read lease taken (filesystem without leases?)";
+  ASSERT_EQ(::truncate(path.c_str(), 0), 0);  // this thread: blocks until the copy is made
+  EXPECT_EQ(CopyBytes(*tensors), before);
+  const MappingStats s1 = GetMappingStats();
+  EXPECT_EQ(s1.copied, s0.copied + 1);
+  EXPECT_EQ(s1.faults, s0.faults);
+  EXPECT_TRUE(CheckMappedFiles().ok());
+}
+
+// Another process rewriting the file in place (open for writing, no truncation): the views keep
+// the bytes they had, where a plain MAP_PRIVATE mapping would show the new ones.
+TEST(LoaderEngines, MmapLeaseKeepsTensorsWhenAnotherProcessRewritesTheFile) {
+  Fixture f(2, 1u << 30, 100);
+  const std::string path = f.dir.Join("model.safetensors");
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  auto loader = Loader::Open(path, o);
+  ASSERT_TRUE(loader.ok());
+  auto tensors = (*loader)->Load();
+  ASSERT_TRUE(tensors.ok());
+  const auto before = CopyBytes(*tensors);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Only async-signal-safe calls here: overwrite every byte with 0xEE, then shrink the file.
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    if (fd < 0) ::_exit(3);
+    unsigned char junk[4096];
+    for (unsigned char& c : junk) c = 0xEE;
+    for (off_t at = 0; at < (1 << 17); at += sizeof junk) {
+      if (::pwrite(fd, junk, sizeof junk, at) < 0) ::_exit(4);
+    }
+    if (::ftruncate(fd, 100) != 0) ::_exit(5);
+    ::_exit(::close(fd) == 0 ? 0 : 6);
   }
-  ASSERT_NE(last, nullptr);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(CopyBytes(*tensors), before);
+  EXPECT_TRUE(CheckMappedFiles().ok());
+}
+
+// Without a lease (leases off here; in practice: a file of another user, or already open for
+// writing): touching the vanished pages must not kill the process (SIGBUS); they read as zeros,
+// stderr says so at once, CheckMappedFiles reports it once, the next load refuses to start, and a
+// later populated load reports the change.
+TEST(LoaderEngines, MmapWithoutLeaseFailsLoudlyAfterTruncation) {
+  WithoutLeases no_leases;
+  Fixture f(2, 1u << 30, 100);
+  const std::string path = f.dir.Join("model.safetensors");
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  auto loader = Loader::Open(path, o);
+  ASSERT_TRUE(loader.ok());
+  auto tensors = (*loader)->Load();
+  ASSERT_TRUE(tensors.ok());
+  EXPECT_EQ(GetMappingStats().leased, 0u);
   ASSERT_EQ(::truncate(path.c_str(), 0), 0);
   // Every byte of every tensor: the process survives, the vanished pages read zeros.
+  ::testing::internal::CaptureStderr();
   uint64_t nonzero = 0;
   for (const Tensor& t : *tensors) {
     for (uint64_t i = 0; i < t.size(); ++i) nonzero += t.data()[i] != std::byte{0};
   }
+  const std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(nonzero, 0u);
+  EXPECT_NE(said.find("tensorferry: error: " + path + ": file shrank"), std::string::npos) << said;
+  auto refused = (*loader)->Load();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), Code::kUnexpectedEof);
+  EXPECT_NE(refused.status().message().find(path), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_TRUE(CheckMappedFiles().ok());  // reported once
   o.populate = true;
   auto again = (*loader)->Load();
   ASSERT_FALSE(again.ok());
@@ -339,6 +457,7 @@ TEST(LoaderEngines, MmapSurvivesTruncationAfterLoad) {
 }
 
 TEST(LoaderEngines, MmapPopulateReportsAFileThatShrankUnderneath) {
+  WithoutLeases no_leases;
   Fixture f(2, 1u << 30, 100);
   const std::string path = f.dir.Join("model.safetensors");
   auto file = Env::Default()->OpenRandomAccess(path);
@@ -346,17 +465,43 @@ TEST(LoaderEngines, MmapPopulateReportsAFileThatShrankUnderneath) {
   const uint64_t size = *(*file)->Size();
   auto map = io::MappedFile::Map(**file, size);
   ASSERT_TRUE(map.ok()) << map.status().ToString();
+  EXPECT_FALSE((*map)->leased());
   ASSERT_TRUE((*map)->Populate(0, size).ok());
   ASSERT_EQ(::truncate(path.c_str(), 100), 0);
   Status s = (*map)->Populate(0, size);
   EXPECT_EQ(s.code(), Code::kUnexpectedEof) << s.ToString();
   EXPECT_NE(s.message().find(path), std::string::npos);
   // Touch a vanished page directly: repaired with zeros and counted, not a crash.
+  ::testing::internal::CaptureStderr();
   const volatile std::byte* p = (*map)->data();
   const std::byte last = p[size - 1];
+  ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(last, std::byte{0});
   EXPECT_GE((*map)->faults(), 1u);
   EXPECT_EQ((*map)->first_fault_offset() % 4096, 0u);
+  EXPECT_EQ(CheckMappedFiles().code(), Code::kUnexpectedEof);
+}
+
+// Leases are bounded (one descriptor each): mappings beyond kMaxLeases fall back on the loud
+// guard, and a mapping's lease ends with it.
+TEST(LoaderEngines, MmapLeasesAreBoundedAndReleased) {
+  Fixture f(2, 1u << 30, 100);
+  const std::string path = f.dir.Join("model.safetensors");
+  auto file = Env::Default()->OpenRandomAccess(path);
+  ASSERT_TRUE(file.ok());
+  const uint64_t size = *(*file)->Size();
+  const uint64_t leased0 = GetMappingStats().leased;
+  std::vector<std::shared_ptr<io::MappedFile>> maps;
+  for (size_t i = 0; i < io::MappedFile::kMaxLeases + 3; ++i) {
+    auto map = io::MappedFile::Map(**file, size);
+    ASSERT_TRUE(map.ok());
+    maps.push_back(*map);
+  }
+  EXPECT_EQ(GetMappingStats().leased, io::MappedFile::kMaxLeases);
+  EXPECT_TRUE(maps.front()->leased());
+  EXPECT_FALSE(maps.back()->leased());
+  maps.clear();
+  EXPECT_EQ(GetMappingStats().leased, leased0);
 }
 
 TEST(LoaderEngines, NamesAndEnvironment) {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "io/read_engine.h"
@@ -24,8 +25,11 @@ using testing::TempDir;
 // A sharded checkpoint whose tensors exercise every rule: dim 0, dim 1, dim 2 of a 3-D tensor,
 // fused unequal parts, equal parts, replicate, uneven sizes, and whole tensors between slices.
 struct TpFixture : testing::TestCheckpoint {
-  explicit TpFixture(uint64_t scale = 1) {
+  // `twin`: also "embed_twin.weight", a tensor of embed.weight's dtype and shape (a tie's
+  // duplicate in the files).
+  explicit TpFixture(uint64_t scale = 1, bool twin = false) {
     Add("embed.weight", DType::kBF16, {67 * scale, 24}, ShardRule::Split(0));
+    if (twin) Add("embed_twin.weight", DType::kBF16, {67 * scale, 24}, ShardRule::Split(0));
     Add("layers.0.q.weight", DType::kF32, {40 * scale, 17}, ShardRule::Split(0));
     Add("layers.0.o.weight", DType::kBF16, {24, 41 * scale}, ShardRule::Split(1));
     Add("layers.0.o.bias", DType::kBF16, {24}, ShardRule::Replicate());
@@ -215,12 +219,12 @@ TEST(ShardLoad, MmapDimZeroSlicesAreViews) {
 }
 
 TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
-  TpFixture f(4);
+  TpFixture f(4, /*twin=*/true);
   for (Engine engine : Engines()) {
-    // An alias the files lack (tie_word_embeddings) and one present as a duplicate name of
-    // another tensor (head.weight tied to embed.weight: its own bytes are not read).
+    // An alias the files lack (tie_word_embeddings) and one present as a duplicate of another
+    // tensor (embed_twin.weight tied to embed.weight: its own bytes are not read).
     ShardSpec spec = f.spec;
-    spec.Tie("lm_head.weight", "embed.weight").Tie("head.weight", "embed.weight");
+    spec.Tie("lm_head.weight", "embed.weight").Tie("embed_twin.weight", "embed.weight");
     LoadOptions o;
     o.engine = engine;
     o.shard = TensorParallelOptions{spec, 1, 2, 0};
@@ -229,10 +233,10 @@ TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     std::map<std::string, Tensor> by;
     for (const Tensor& t : tensors) by[t.name()] = t;
     ASSERT_TRUE(by.count("lm_head.weight"));
-    ASSERT_TRUE(by.count("head.weight"));
+    ASSERT_TRUE(by.count("embed_twin.weight"));
     const Tensor& embed = by["embed.weight"];
     EXPECT_EQ(by["lm_head.weight"].data(), embed.data());
-    EXPECT_EQ(by["head.weight"].data(), embed.data());
+    EXPECT_EQ(by["embed_twin.weight"].data(), embed.data());
     EXPECT_EQ(by["lm_head.weight"].shape(), embed.shape());
     EXPECT_EQ(tensors.size(), f.tensors.size() + 1);
     const TensorInfo& info = *loader->checkpoint()->Find("embed.weight");
@@ -240,10 +244,10 @@ TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     // The alias right after its target in Load's order.
     EXPECT_EQ(tensors[0].name(), "embed.weight");
     if (engine != Engine::kMmap) {
-      // head.weight's bytes were not read.
+      // embed_twin.weight's bytes were not read.
       uint64_t want = 0;
       for (const Tensor& t : tensors) {
-        if (t.name() != "lm_head.weight" && t.name() != "head.weight") want += t.size();
+        if (t.name() != "lm_head.weight" && t.name() != "embed_twin.weight") want += t.size();
       }
       EXPECT_EQ(loader->stats().bytes_read, want);
     }
@@ -252,6 +256,44 @@ TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     ASSERT_EQ(named.size(), 1u);
     EXPECT_EQ(named[0].name(), "lm_head.weight");
     EXPECT_EQ(Bytes(named[0]), Bytes(embed));
+  }
+}
+
+// A tie must describe this checkpoint: a target it lacks, or an alias in the files whose dtype or
+// shape differs from its target's, is an error naming both (never another tensor's bytes, never a
+// tie silently ignored).
+TEST(ShardLoad, TiesThatDoNotFitTheCheckpointAreErrors) {
+  TpFixture f(4);
+  const TensorInfo* embed = nullptr;
+  const TensorInfo* other = nullptr;
+  {
+    auto probe = Loader::Open(f.dir.path(), LoadOptions()).value();
+    embed = probe->checkpoint()->Find("embed.weight");
+    ASSERT_NE(embed, nullptr);
+    for (const TensorInfo& t : probe->checkpoint()->tensors()) {
+      if (t.shape != embed->shape || t.dtype != embed->dtype) other = &t;
+    }
+    ASSERT_NE(other, nullptr);
+    const std::string other_name = other->name;
+    for (auto [alias, target, code, words] :
+         std::vector<std::tuple<std::string, std::string, Code, std::string>>{
+             {"lm_head.weight", "no.such.weight", Code::kNotFound, "not in the checkpoint"},
+             {other_name, "embed.weight", Code::kInvalidArgument, "a tie must name the same"}}) {
+      ShardSpec spec = f.spec;
+      spec.Tie(alias, target);
+      LoadOptions o;
+      o.shard = TensorParallelOptions{spec, 0, 2, 0};
+      auto loader = Loader::Open(f.dir.path(), o).value();
+      for (const Selection& selection : {Selection::All(), Selection::Names({alias})}) {
+        auto got = loader->Load(selection);
+        ASSERT_FALSE(got.ok()) << alias << " -> " << target;
+        EXPECT_EQ(got.status().code(), code) << got.status().ToString();
+        const std::string& message = got.status().message();
+        EXPECT_NE(message.find("\"" + alias + "\" -> \"" + target + "\""), std::string::npos)
+            << message;
+        EXPECT_NE(message.find(words), std::string::npos) << message;
+      }
+    }
   }
 }
 

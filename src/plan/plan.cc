@@ -222,7 +222,7 @@ std::string HumanBytes(uint64_t bytes) {
 
 }  // namespace
 
-std::optional<uint32_t> LayerOf(std::string_view name) {
+std::optional<uint64_t> LayerOf(std::string_view name) {
   static constexpr std::string_view kMarkers[] = {"layers", "layer", "h", "blocks", "block"};
   std::string_view previous;
   bool have_previous = false;
@@ -238,13 +238,14 @@ std::optional<uint32_t> LayerOf(std::string_view name) {
           valid = false;
           break;
         }
-        value = value * 10 + static_cast<uint64_t>(c - '0');
-        if (value > std::numeric_limits<uint32_t>::max()) {
+        const auto digit = static_cast<uint64_t>(c - '0');
+        if (value > (std::numeric_limits<uint64_t>::max() - digit) / 10) {
           valid = false;
           break;
         }
+        value = value * 10 + digit;
       }
-      if (valid) return static_cast<uint32_t>(value);
+      if (valid) return value;
       // Not a layer number ("h.99999999999", "layers.norm"): keep looking further on.
     }
     if (dot == std::string_view::npos) return std::nullopt;
@@ -320,7 +321,7 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
     }
     uint64_t group = 0;
     if (options.order == DeliveryOrder::kLayer) {
-      const std::optional<uint32_t> layer = LayerOf(t.name);
+      const std::optional<uint64_t> layer = LayerOf(t.name);
       group = layer ? uint64_t{*layer} + 1 : 0;
     }
     items.push_back({group, t.file, t.offset, index, size, cost, layout});

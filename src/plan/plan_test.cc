@@ -638,13 +638,14 @@ TEST(PlanLayer, LayerOf) {
   EXPECT_EQ(LayerOf("vision.block.4294967295.w"), 4294967295u);
   EXPECT_EQ(LayerOf("layers.007.w"), 7u);
   EXPECT_EQ(LayerOf("model.layers.1.blocks.2.w"), 1u);  // the first marker wins
-  EXPECT_EQ(LayerOf("h.99999999999.layers.5"), 5u);     // an invalid number is skipped
+  EXPECT_EQ(LayerOf("h.4294967296.w"), 4294967296u);    // 64-bit layer numbers
+  EXPECT_EQ(LayerOf("h.18446744073709551615"), 18446744073709551615u);
+  EXPECT_EQ(LayerOf("h.99999999999999999999.layers.5"), 5u);  // an invalid number is skipped
 
   EXPECT_EQ(LayerOf("layers.x"), std::nullopt);
   EXPECT_EQ(LayerOf("layers"), std::nullopt);
   EXPECT_EQ(LayerOf("layers."), std::nullopt);
-  EXPECT_EQ(LayerOf("h.99999999999"), std::nullopt);
-  EXPECT_EQ(LayerOf("h.4294967296"), std::nullopt);
+  EXPECT_EQ(LayerOf("h.18446744073709551616"), std::nullopt);  // beyond 64 bits
   EXPECT_EQ(LayerOf("h.-1"), std::nullopt);
   EXPECT_EQ(LayerOf("h.1e3"), std::nullopt);
   EXPECT_EQ(LayerOf("model.embed_tokens.weight"), std::nullopt);

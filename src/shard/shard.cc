@@ -453,10 +453,6 @@ Result<ShardSpec> ShardSpec::FromJson(std::string_view text) {
 
 namespace {
 
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  return UintList(shape);
-}
-
 Status SliceError(const TensorInfo& t, const ShardRule& rule, uint32_t rank, uint32_t world,
                   const std::string& why) {
   return Status(Code::kInvalidArgument,

@@ -160,7 +160,7 @@ TEST(ShardTest, Errors) {
   const std::string dim = msg(ShardRule::Split(2), 0, 2);
   EXPECT_NE(dim.find("split dimension 2"), std::string::npos);
   EXPECT_NE(dim.find("\"model.w\""), std::string::npos);
-  EXPECT_NE(dim.find("[6,4]"), std::string::npos);
+  EXPECT_NE(dim.find("[6, 4]"), std::string::npos);
   EXPECT_NE(msg(ShardRule::Split(0, {4, 3}), 0, 2).find("parts sum to 7"), std::string::npos);
   EXPECT_NE(msg(ShardRule::Split(0, {6, 0}), 0, 2).find("size 0"), std::string::npos);
   EXPECT_NE(msg(ShardRule::SplitEqual(0, 4), 0, 2).find("do not divide"), std::string::npos);

@@ -20,6 +20,7 @@ Category CategoryOf(Code code) noexcept {
     case Code::kBudgetExceeded: return Category::kBudget;
     case Code::kCudaError: return Category::kCuda;
     case Code::kInternal: return Category::kInternal;
+    case Code::kCancelled: return Category::kCancelled;
     case Code::kCudaNotFound:
     case Code::kCudaSymbolMissing:
     case Code::kCudaNoDevice:
@@ -45,6 +46,9 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kCudaError: return "cuda_error";
     case Code::kInternal: return "internal";
     case Code::kUnexpectedEof: return "unexpected_eof";
+    case Code::kCancelled: return "cancelled";
+    case Code::kTooManyMetadataEntries: return "too_many_metadata_entries";
+    case Code::kCheckpointTooLarge: return "checkpoint_too_large";
     case Code::kFileTooSmall: return "file_too_small";
     case Code::kHeaderTooLarge: return "header_too_large";
     case Code::kHeaderOutOfBounds: return "header_out_of_bounds";
@@ -121,6 +125,7 @@ std::string_view CategoryName(Category category) noexcept {
     case Category::kBudget: return "budget";
     case Category::kCuda: return "cuda";
     case Category::kInternal: return "internal";
+    case Category::kCancelled: return "cancelled";
   }
   return "unknown";
 }

@@ -29,15 +29,6 @@ struct DTypeStats {
   uint64_t bytes = 0;
 };
 
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  return out + "]";
-}
-
 // Length of the longest prefix, ending with '/', shared by every file path: the checkpoint
 // directory, stripped when file names are shown in tables.
 size_t CommonDirLength(const std::vector<FileInfo>& files) {

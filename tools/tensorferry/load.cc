@@ -6,6 +6,7 @@
 // (cudaMemcpy), so equal checksums prove the bytes in device memory are the file's.
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -221,16 +222,29 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
   return o;
 }
 
+// --layers N or A-B, A <= B (layer numbers as LayerOf reads them: any 64-bit number).
 Result<Selection> MakeSelection(const LoadArgs& a) {
   if (a.layers.empty()) return Selection::All();
-  unsigned first = 0, last = 0;
-  char dash = 0;
-  if (std::sscanf(a.layers.c_str(), "%u%c%u", &first, &dash, &last) == 3 && dash == '-' &&
-      first <= last) {
-    return Selection::Layers(first, last);
+  const std::string_view text = a.layers;
+  auto number = [](std::string_view s) -> std::optional<uint64_t> {
+    uint64_t v = 0;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+    return v;
+  };
+  const size_t dash = text.find('-');
+  const std::optional<uint64_t> first = number(text.substr(0, dash));
+  const std::optional<uint64_t> last =
+      dash == std::string_view::npos ? first : number(text.substr(dash + 1));
+  if (!first || !last) {
+    return Status(Code::kInvalidArgument, "--layers: expected N or A-B, got \"" + a.layers + "\"");
   }
-  if (std::sscanf(a.layers.c_str(), "%u", &first) == 1) return Selection::Layers(first, first);
-  return Status(Code::kInvalidArgument, "--layers: expected N or A-B, got " + a.layers);
+  if (*first > *last) {
+    return Status(Code::kInvalidArgument, "--layers " + a.layers + ": the range is reversed (" +
+                                              std::to_string(*first) + " > " +
+                                              std::to_string(*last) + ")");
+  }
+  return Selection::Layers(*first, *last);
 }
 
 int RunLoad(const LoadArgs& args) {
@@ -267,7 +281,7 @@ int RunLoad(const LoadArgs& args) {
   double wall_seconds = 0;
   volatile unsigned char sink = 0;
   std::vector<std::byte> staging;  // device tensors are copied back here to be checksummed
-  for (unsigned run = 0; run < std::max(args.repeat, 1u); ++run) {
+  for (unsigned run = 0; run < args.repeat; ++run) {
     sums.clear();
     const int64_t wall0 = NowNs();
     const Status status = (*loader)->Stream(*selection, [&](Batch batch) -> Status {
@@ -439,7 +453,8 @@ Command AddLoadCommand(CLI::App& parent) {
   app->add_flag("--touch", args->touch,
                 "Read one byte per page of every tensor; GB/s then counts that time too");
   app->add_option("--repeat", args->repeat,
-                  "Load N times with the same loader (later runs reuse its buffers)");
+                  "Load N times with the same loader (later runs reuse its buffers)")
+      ->check(CLI::PositiveNumber);
   app->add_option("--order", args->order, "Delivery order: file or layer")
       ->check(CLI::IsMember({"file", "layer"}));
   app->add_option("--layers", args->layers, "Only layers N or A-B");

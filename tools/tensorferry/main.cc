@@ -15,6 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "tensorferry/mapping.h"
 
 #ifndef TENSORFERRY_VERSION_STRING
 #define TENSORFERRY_VERSION_STRING "unknown"
@@ -39,7 +40,15 @@ int main(int argc, char** argv) {
       return code == 0 ? kExitOk : kExitUsage;
     }
     for (const Command& command : commands) {
-      if (command.app->parsed()) return command.run();
+      if (!command.app->parsed()) continue;
+      int rc = command.run();
+      // A mapped file shrank under tensors this command used (no lease could guard it): whatever
+      // it printed from them is wrong, so it must not exit 0.
+      if (const tensorferry::Status mapped = tensorferry::CheckMappedFiles(); !mapped.ok()) {
+        PrintError(mapped.ToString());
+        if (rc == kExitOk) rc = kExitError;
+      }
+      return rc;
     }
     return kExitUsage;  // unreachable: require_subcommand(1)
   } catch (const std::bad_alloc&) {

@@ -1,0 +1,88 @@
+// Internal: the files of a checkpoint as one loader reads them, opened on demand with a bounded
+// number of descriptors.
+//
+// A checkpoint may have thousands of files while a process may open 1024 descriptors
+// (RLIMIT_NOFILE's usual soft limit). A FileSet opens a file when a read needs it, checks that it
+// still has the size the checkpoint was validated against (kIoError "file changed since the
+// checkpoint was opened" otherwise), and keeps at most `max_open` descriptors of its own (a file's
+// buffered descriptor, plus its O_DIRECT one when used): beyond that the least recently used
+// files are closed. A Pin keeps its file (and O_DIRECT descriptor) open while the caller reads
+// through it, even if the set closes it meanwhile, so closing never races a read; callers pin
+// only the files of the batches in flight.
+//
+// O_DIRECT: Get(f, true) opens the file's O_DIRECT descriptor (io::DirectFile) too; a file system
+// that refuses O_DIRECT is remembered and the file is read buffered from then on (Pin::direct is
+// null).
+//
+// Thread-safety: every member may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "io/read_engine.h"
+#include "tensorferry/env.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry::io {
+
+class FileSet {
+ public:
+  struct FileSpec {
+    std::string path;
+    uint64_t size = 0;  // the size every open must find
+  };
+  struct Pin {
+    std::shared_ptr<const RandomAccessFile> file;
+    std::shared_ptr<const DirectFile> direct;  // null: read buffered
+    int direct_fd() const noexcept { return direct ? direct->fd() : -1; }
+  };
+
+  // `max_open`: descriptors kept open at once (at least 2); DefaultMaxOpen() for the process.
+  FileSet(Env* env, std::vector<FileSpec> files, size_t max_open);
+
+  // A quarter of the soft RLIMIT_NOFILE, at most 1024 and at least 8 (256 under the usual 1024):
+  // the rest stays for the application, sockets and mappings' leases.
+  static size_t DefaultMaxOpen();
+
+  size_t size() const noexcept { return files_.size(); }
+  const std::string& path(uint32_t f) const noexcept { return files_[f].spec.path; }
+
+  // File `f`, open (and with want_direct, its O_DIRECT descriptor where the file system allows).
+  // Errors: those of Env::OpenRandomAccess and DirectFile::Open (a replaced file), kIoError when
+  // the size differs from the checkpoint's.
+  Result<Pin> Get(uint32_t f, bool want_direct = false);
+
+  // Checks the size of every file open now (fstat); files not open are checked when opened.
+  Status CheckOpenSizes();
+
+  // Descriptors the set holds now (pins may hold more while in use).
+  size_t open_descriptors() const;
+  size_t max_open() const noexcept { return max_open_; }
+  // Files opened so far, reopenings included (tests).
+  uint64_t opens() const;
+
+ private:
+  struct Entry {
+    FileSpec spec;
+    std::shared_ptr<const RandomAccessFile> file;
+    std::shared_ptr<const DirectFile> direct;
+    bool direct_refused = false;
+    uint64_t last_use = 0;
+  };
+  Status CheckSize(const Entry& e, const RandomAccessFile& file) const;
+  void EvictLocked(uint32_t keep);
+
+  Env* env_;
+  const size_t max_open_;
+  mutable std::mutex mu_;
+  std::vector<Entry> files_;
+  size_t open_ = 0;  // descriptors held by entries
+  uint64_t tick_ = 0;
+  uint64_t opens_ = 0;
+};
+
+}  // namespace tensorferry::io

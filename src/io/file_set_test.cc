@@ -1,0 +1,79 @@
+#include "io/file_set.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "testing/test_util.h"
+
+namespace tensorferry::io {
+namespace {
+
+using testing::MemoryEnv;
+
+std::vector<FileSet::FileSpec> AddFiles(MemoryEnv& env, size_t n) {
+  std::vector<FileSet::FileSpec> specs;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string path = "/m/f" + std::to_string(i);
+    env.AddFile(path, std::string(100 + i, static_cast<char>('a' + i % 26)));
+    specs.push_back({path, 100 + i});
+  }
+  return specs;
+}
+
+TEST(FileSet, KeepsAtMostMaxOpenAndReopensOnDemand) {
+  MemoryEnv env;
+  FileSet set(&env, AddFiles(env, 50), 8);
+  for (int round = 0; round < 3; ++round) {
+    for (uint32_t f = 0; f < 50; ++f) {
+      auto pin = set.Get(f);
+      ASSERT_TRUE(pin.ok()) << pin.status().ToString();
+      EXPECT_EQ(*(*pin).file->Size(), 100 + f);
+      EXPECT_LE(set.open_descriptors(), 8u);
+    }
+  }
+  EXPECT_EQ(set.opens(), 150u);  // every file reopened each round: 50 > 8
+  // The most recently used files stay open: no reopening.
+  const uint64_t before = set.opens();
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(set.Get(49 - i % 8).ok());
+  EXPECT_EQ(set.opens(), before);
+}
+
+TEST(FileSet, APinOutlivesEviction) {
+  MemoryEnv env;
+  FileSet set(&env, AddFiles(env, 10), 2);
+  auto first = set.Get(0);
+  ASSERT_TRUE(first.ok());
+  for (uint32_t f = 1; f < 10; ++f) ASSERT_TRUE(set.Get(f).ok());  // evicts file 0 from the set
+  std::string got(100, '\0');
+  ASSERT_TRUE(
+      ReadFully(*first->file, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(got.data()), 100))
+          .ok());
+  EXPECT_EQ(got, std::string(100, 'a'));
+}
+
+TEST(FileSet, AFileThatChangedSizeIsReportedWhenOpened) {
+  MemoryEnv env;
+  std::vector<FileSet::FileSpec> specs = AddFiles(env, 3);
+  env.AddFile("/m/f1", std::string(7, 'x'));  // replaced since the checkpoint was opened
+  FileSet set(&env, specs, 8);
+  EXPECT_TRUE(set.Get(0).ok());
+  auto changed = set.Get(1);
+  ASSERT_FALSE(changed.ok());
+  EXPECT_EQ(changed.status().code(), Code::kIoError);
+  EXPECT_NE(changed.status().message().find("/m/f1: file changed since the checkpoint was opened"),
+            std::string::npos)
+      << changed.status().ToString();
+  EXPECT_TRUE(set.CheckOpenSizes().ok());  // file 0, the only one open, is unchanged
+}
+
+TEST(FileSet, DefaultBoundIsAQuarterOfTheDescriptorLimit) {
+  const size_t n = FileSet::DefaultMaxOpen();
+  EXPECT_GE(n, 8u);
+  EXPECT_LE(n, 1024u);
+}
+
+}  // namespace
+}  // namespace tensorferry::io

@@ -28,11 +28,11 @@
 namespace tensorferry {
 
 struct MappingStats {
-  uint64_t live = 0;         // mappings alive now
-  uint64_t leased = 0;       // of them, guarded by a read lease now
-  uint64_t copied = 0;       // mappings copied into private memory because a writer came (ever)
-  uint64_t faults = 0;       // pages that read as zeros because their file shrank (ever)
-  uint64_t unleasable = 0;   // mappings made without a lease (ever): guarded by failing loudly
+  uint64_t live = 0;        // mappings alive now
+  uint64_t leased = 0;      // of them, guarded by a read lease now
+  uint64_t copied = 0;      // mappings copied into private memory because a writer came (ever)
+  uint64_t faults = 0;      // pages that read as zeros because their file shrank (ever)
+  uint64_t unleasable = 0;  // mappings made without a lease (ever): guarded by failing loudly
 };
 
 // The process-wide figures above.

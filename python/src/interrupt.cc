@@ -12,6 +12,8 @@ void RememberMainThread() {
   g_main_thread = nanobind::cast<unsigned long>(main.attr("ident"));
 }
 
-bool OnMainThread() { return PyThread_get_thread_ident() == g_main_thread; }
+bool OnMainThread() {
+  return PyThread_get_thread_ident() == g_main_thread;
+}
 
 }  // namespace tensorferry::python

@@ -48,9 +48,9 @@ TEST(FileSet, APinOutlivesEviction) {
   ASSERT_TRUE(first.ok());
   for (uint32_t f = 1; f < 10; ++f) ASSERT_TRUE(set.Get(f).ok());  // evicts file 0 from the set
   std::string got(100, '\0');
-  ASSERT_TRUE(
-      ReadFully(*first->file, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(got.data()), 100))
-          .ok());
+  ASSERT_TRUE(ReadFully(*first->file, 0,
+                        std::span<std::byte>(reinterpret_cast<std::byte*>(got.data()), 100))
+                  .ok());
   EXPECT_EQ(got, std::string(100, 'a'));
 }
 

@@ -119,18 +119,42 @@ nb::handle SafetensorErrorType() {
   return nb::handle(g_safetensor_error);
 }
 
+namespace {
+
+// str(x) of a Python object as UTF-8 (with replacement characters where it cannot be encoded).
+std::string Utf8Of(nb::handle text) {
+  if (!text.is_valid()) {
+    PyErr_Clear();
+    return "?";
+  }
+  nb::object bytes =
+      nb::steal(PyUnicode_AsEncodedString(text.ptr(), "utf-8", "backslashreplace"));
+  if (!bytes.is_valid()) {
+    PyErr_Clear();
+    return "?";
+  }
+  return std::string(PyBytes_AsString(bytes.ptr()), static_cast<size_t>(PyBytes_Size(bytes.ptr())));
+}
+
+std::string Repr(nb::handle value) { return Utf8Of(nb::steal(PyObject_Repr(value.ptr()))); }
+std::string TypeName(nb::handle value) {
+  return Utf8Of(nb::steal(PyObject_GetAttrString(value.type().ptr(), "__name__")));
+}
+
+}  // namespace
+
 std::string ToText(nb::handle value, const std::string& what) {
   if (!PyUnicode_Check(value.ptr())) {
     throw StatusError(Status(Code::kInvalidArgument,
                              what + " must be a str, not " +
-                                 nb::cast<std::string>(nb::str(value.type().attr("__name__")))));
+                                 TypeName(value)));
   }
   Py_ssize_t size = 0;
   const char* utf8 = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
   if (utf8 == nullptr) {
     PyErr_Clear();
     throw StatusError(
-        Status(Code::kInvalidArgument, what + " " + nb::cast<std::string>(nb::repr(value)) +
+        Status(Code::kInvalidArgument, what + " " + Repr(value) +
                                            " cannot be encoded as UTF-8 (a lone surrogate?)"));
   }
   return std::string(utf8, static_cast<size_t>(size));
@@ -140,14 +164,14 @@ uint64_t ToUnsigned(nb::handle value, const std::string& what, uint64_t max) {
   if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
     throw StatusError(Status(Code::kInvalidArgument,
                              what + " must be an int, not " +
-                                 nb::cast<std::string>(nb::str(value.type().attr("__name__")))));
+                                 TypeName(value)));
   }
   const unsigned long long v = PyLong_AsUnsignedLongLong(value.ptr());
   const bool failed = v == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr;
   if (failed) PyErr_Clear();
   if (failed || v > max) {
     throw StatusError(
-        Status(Code::kInvalidArgument, what + " = " + nb::cast<std::string>(nb::repr(value)) +
+        Status(Code::kInvalidArgument, what + " = " + Repr(value) +
                                            " is out of range [0, " + std::to_string(max) + "]"));
   }
   return v;

@@ -24,6 +24,10 @@ from ._core import (  # noqa: F401
     ShardSpec,
     UnsupportedError,
     __version__,
+    check_mapped_files,
+    cuda_available,
+    mapping_stats,
+    set_mapping_leases,
 )
 from ._frameworks import UnsupportedDTypeError  # noqa: F401
 from ._loader import Batch, Loader, LoadStats, layers, parse_size  # noqa: F401
@@ -32,6 +36,10 @@ from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F
 
 __all__ = [
     "safe_open",
+    "cuda_available",
+    "mapping_stats",
+    "check_mapped_files",
+    "set_mapping_leases",
     "SafetensorError",
     "InvalidArgumentError",
     "UnsupportedError",

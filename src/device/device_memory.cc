@@ -59,11 +59,13 @@ std::shared_ptr<DeviceAllocator> DeviceAllocator::Create(
   return std::shared_ptr<DeviceAllocator>(new DeviceAllocator(std::move(runtime), device, budget));
 }
 
-Result<std::shared_ptr<DeviceBuffer>> DeviceAllocator::Allocate(uint64_t bytes) {
+Result<std::shared_ptr<DeviceBuffer>> DeviceAllocator::Allocate(uint64_t bytes,
+                                                                bool oversized_alone) {
   {
     // Reserve first, so concurrent callers can never overshoot the budget together.
     std::lock_guard<std::mutex> lock(accounting_->mu);
-    if (budget_ > 0 && (bytes > budget_ || accounting_->in_use > budget_ - bytes)) {
+    const bool alone = oversized_alone && bytes > budget_ && accounting_->in_use == 0;
+    if (budget_ > 0 && !alone && (bytes > budget_ || accounting_->in_use > budget_ - bytes)) {
       return Status(Code::kBudgetExceeded, "device budget of " + FormatBytes(budget_) +
                                                " on device " + std::to_string(device_) +
                                                " exceeded: " + FormatBytes(accounting_->in_use) +

@@ -73,10 +73,12 @@ class DeviceAllocator {
                                                  int device, uint64_t budget);
 
   // One allocation of `bytes` on the device (the caller's current device is left unchanged).
+  // `oversized_alone`: a request larger than the whole budget is granted when nothing else is
+  // live (LoadOptions::allow_oversized: a tensor larger than the budget in a batch of its own).
   // Errors: kBudgetExceeded (the live bytes plus `bytes` exceed the budget; the message gives
   // both), kDeviceOutOfMemory (cudaMalloc failed; the message gives the device's free and total
   // memory), kCudaError (cudaSetDevice).
-  Result<std::shared_ptr<DeviceBuffer>> Allocate(uint64_t bytes);
+  Result<std::shared_ptr<DeviceBuffer>> Allocate(uint64_t bytes, bool oversized_alone = false);
 
   int device() const noexcept { return device_; }
   uint64_t budget() const noexcept { return budget_; }

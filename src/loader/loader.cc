@@ -97,8 +97,8 @@ Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selecti
     if (!target) continue;  // a cycle: ShardSpec::Validate refuses it
     const TensorInfo* t = ckpt.Find(*target);
     if (t == nullptr) {
-      return Status(Code::kNotFound, "tie \"" + alias + "\" -> \"" + *target +
-                                         "\": the target is not in the checkpoint");
+      return Status(Code::kInvalidArgument, "tie \"" + alias + "\" -> \"" + *target +
+                                                "\": the target is not in the checkpoint");
     }
     const TensorInfo* a = ckpt.Find(alias);
     if (a != nullptr && (a->dtype != t->dtype || a->shape != t->shape)) {
@@ -585,6 +585,18 @@ struct Loader::Impl {
         return Status::Ok();
       };
       TF_RETURN_IF_ERROR(plan());
+      if (dev.is_cuda() && limit > 0 && p.io_alignment != 0) {
+        // A tensor that fits the device budget but not with the padding that keeps its file
+        // offset modulo 4 KiB (for GDS): plan the group without that alignment (staged copies)
+        // rather than exceed the budget.
+        for (const PlanBatch& b : g.plan.batches) {
+          if (b.buffer_size > limit && b.tensor_bytes <= limit) {
+            p.io_alignment = 0;
+            TF_RETURN_IF_ERROR(plan());
+            break;
+          }
+        }
+      }
       if (dev.is_cuda() && limit > 0 && g.batch_budget < limit) {
         // The device budget counts whole buffers, padding included: when padding pushes a batch
         // past half the budget, plan again with the batch budget lowered by the overshoot, so two
@@ -1041,7 +1053,7 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
       return std::optional<Reservation>(Reservation{std::move(*lease), nullptr});
     }
     Result<std::shared_ptr<device::DeviceBuffer>> buffer =
-        m.sinks.at(g.device.index).allocator->Allocate(pb.buffer_size);
+        m.sinks.at(g.device.index).allocator->Allocate(pb.buffer_size, m.options.allow_oversized);
     if (!buffer.ok()) {
       if (buffer.status().code() == Code::kBudgetExceeded) return std::optional<Reservation>();
       return buffer.status();
@@ -1053,6 +1065,14 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
     const PlanBatch& pb = batch_of(k);
     if (g.device.is_cuda()) {
       const device::DeviceAllocator& a = *m.sinks.at(g.device.index).allocator;
+      if (a.in_use() == 0) {
+        return Status(Code::kBudgetExceeded,
+                      "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
+                          std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +
+                          " memory (alignment padding included), more than the whole " +
+                          std::to_string(a.budget()) +
+                          "-byte device budget: raise it, or set allow_oversized");
+      }
       return Status(Code::kBudgetExceeded,
                     "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
                         std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +

@@ -56,13 +56,13 @@ def _state_dict(count=38):
 
 
 def test_torch_save_over_the_file_its_mapped_tensors_came_from(tmp_path):
-    path = str(tmp_path / "model.safetensors")
+    path = str(tmp_path / "model.bin")  # torch.load reads *.safetensors names as safetensors
     sd = _state_dict()
     safetensors.torch.save_file(sd, path)
     loaded = tf_pt.load_file(path)  # views of the mapped file
     torch.save(loaded, path)        # truncates and rewrites that very file
     back = torch.load(path)
-    assert list(back) == list(sd)
+    assert sorted(back) == sorted(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
     assert tensorferry.mapping_stats()["faults"] == 0
@@ -71,7 +71,7 @@ def test_torch_save_over_the_file_its_mapped_tensors_came_from(tmp_path):
 
 def test_without_a_lease_a_shrunk_file_fails_loudly(tmp_path):
     # Leases off (as for a file of another user): the same sequence must not pass silently.
-    path = str(tmp_path / "model.safetensors")
+    path = str(tmp_path / "model.bin")
     safetensors.torch.save_file(_state_dict(), path)
     r = run_python(f"""
         import torch, tensorferry, tensorferry.torch as tf_pt
@@ -80,7 +80,7 @@ def test_without_a_lease_a_shrunk_file_fails_loudly(tmp_path):
         torch.save(loaded, {path!r})
         try:
             tf_pt.load_file({path!r})
-        except tensorferry.SafetensorError as e:
+        except OSError as e:
             print("raised:", e)
         else:
             print("no error")
@@ -171,7 +171,7 @@ def test_ties_that_do_not_fit_the_checkpoint_are_errors(tmp_path):
         (alias, target), = ties.items()
         loader = tensorferry.Loader(path, tp_rank=0, tp_size=2, shard_rules=rules)
         for call in (loader.load, lambda: dict(loader.iter_tensors())):
-            with pytest.raises(tensorferry.SafetensorError) as e:
+            with pytest.raises(tensorferry.InvalidArgumentError) as e:
                 call()
             assert f'"{alias}" -> "{target}"' in str(e.value) and words in str(e.value)
 
@@ -253,7 +253,7 @@ def test_os_errors_carry_the_real_errno(tmp_path):
     path = str(tmp_path / "x.safetensors")
     safetensors.torch.save_file({"a": torch.ones(2)}, path)
     r = run_python(f"""
-        import resource, tensorferry
+        import resource, torch, tensorferry, tensorferry.torch
         resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))
         keep = []
         try:

@@ -21,9 +21,11 @@ package on tensors whose sizes and file offsets sit just below, at and just abov
   shard max gap / segment align   64 KiB / 256 KiB               tensor-parallel strided reads
 
 Files are written by hand (write_file) so tensor offsets are chosen, not left to the writer's
-sort: most start off any 4 KiB boundary, some exactly on one. Every file also carries mixed dtypes
-(F32, BF16, F16, F64, I8, U8, I16, I32, I64, BOOL), a scalar and an empty tensor. Data is random
-bytes (NaN patterns included): comparisons are on bytes, never on float values.
+sort: most start off any 4 KiB boundary, some exactly on one. The files mix dtypes (F32, BF16,
+F16, F64, I8, U8, I16, I32, I64, BOOL; the small one also a scalar and an empty tensor); a 2-file
+checkpoint with an index (written by safetensors) covers multi-file loads and the builtin shard
+rules. Data is random bytes (NaN patterns included): comparisons are on bytes, never on float
+values.
 """
 import hashlib
 import json
@@ -69,7 +71,7 @@ ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F16": 2,
 ALIGN = "align-4096"  # write_file marker: the next tensor starts on a 4 KiB boundary of the file
 
 
-# --- files -----------------------------------------------------------------------------------------
+# --- files ----------------------------------------------------------------------------------------
 
 def write_file(path, entries, data_start, metadata=None, seed=0):
     """Writes a safetensors file with tensors in exactly this order, the data starting at byte
@@ -306,8 +308,8 @@ def sharded(tmp_path_factory):
         with safetensors.safe_open(path, "pt") as h:
             for n in h.offset_keys():
                 t = tensors[n]
-                layout[n] = ({v: k for k, v in ((k, v[1]) for k, v in DTYPES.items())}[t.dtype],
-                             tuple(t.shape), None, t.numel() * t.element_size())
+                st_dtype = next(k for k, v in DTYPES.items() if v[1] == t.dtype)
+                layout[n] = (st_dtype, tuple(t.shape), None, t.numel() * t.element_size())
                 weight_map[n] = fname
                 total += t.numel() * t.element_size()
     with open(d / "model.safetensors.index.json", "w") as f:
@@ -315,7 +317,7 @@ def sharded(tmp_path_factory):
     return Ckpt(str(d), layout, files)
 
 
-# --- comparisons -----------------------------------------------------------------------------------
+# --- comparisons ----------------------------------------------------------------------------------
 
 def _bytes_view(x):
     """The bytes of a tensor or array as a one-dimensional numpy uint8 array (a view if it can)."""
@@ -463,6 +465,8 @@ def test_safe_open_small_every_threshold_tensor(small, backend):
             if fw == "np":
                 with pytest.raises(tensorferry.UnsupportedDTypeError):
                     f.get_tensor("p.bf16_4094")
+            else:
+                assert_same_dict(f.get_tensors(), small.pt, f"{backend}/get_tensors/")
 
 
 @pytest.mark.parametrize("chunk", ["4KiB", "65536"])
@@ -571,7 +575,7 @@ def test_get_slice_around_thresholds(small, big, fw):
     assert compared > 200  # the reference answered most of them
 
 
-# --- load_file -------------------------------------------------------------------------------------
+# --- load_file ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", [None, "pread", "io_uring", "mmap"])
 def test_load_file_torch_and_numpy(small, big, backend):
@@ -589,7 +593,7 @@ def test_load_file_torch_and_numpy(small, big, backend):
         tf_np.load_file(small.path, backend=backend)
 
 
-# --- Loader: engines, direct I/O, chunk sizes, budgets ---------------------------------------------
+# --- Loader: engines, direct I/O, chunk sizes, budgets --------------------------------------------
 
 @pytest.mark.parametrize("engine,direct", ENGINES + [(None, None)])
 def test_loader_small_chunk_every_call(small, engine, direct):
@@ -605,7 +609,17 @@ def test_loader_small_chunk_every_call(small, engine, direct):
             assert_same_dict(got, small.pt, f"load#{attempt}/")
             check_stats(loader, engine, direct, len(names), small.nbytes(names))
             del got
+        assert loader.options["chunk_size"] == CHUNK
         iterate_tensors(loader, small.pt, "iter", hold=True)  # unbounded
+        streamed = []
+
+        def on_batch(batch):
+            for n, t in batch.tensors.items():
+                assert_same(t, small.pt[n], f"stream/{n}")
+                streamed.append(n)
+
+        loader.stream(on_batch)
+        assert streamed == names
         check_stats(loader, engine, direct, len(names), small.nbytes(names))
         # load_into: destinations full of a sentinel, every byte must be overwritten.
         dst = {n: torch.full_like(w, 0xA5 if w.dtype == torch.uint8 else 1)
@@ -655,6 +669,18 @@ def test_loader_chunk_sizes_around_the_page(small, chunk_size, engine, direct):
             assert_same(t, want[name], f"iter chunk {chunk_size}/{name}")
             seen += 1
         assert seen == len(names)
+
+
+@pytest.mark.parametrize("queue_depth,threads", [(1, 1), (2, 3), (4096, 1), (5000, 2)])
+def test_loader_io_uring_queue_depth_and_threads(small, queue_depth, threads):
+    """4 KiB tasks (~150 of them) against io_uring rings of 1, 2 and 4096 entries (5000: clamped
+    to 4096) on 1 to 3 workers, with O_DIRECT."""
+    names = [n for n in small.names if n.startswith(("s.", "p.", "c.", "a."))]
+    want = {n: small.pt[n] for n in names}
+    with make_loader(small.path, "io_uring", "on", chunk_size=PAGE, select=names,
+                     queue_depth=queue_depth, threads=threads) as loader:
+        assert_same_dict(loader.load(), want, f"qd {queue_depth}/{threads}/")
+        check_stats(loader, "io_uring", "on", len(names), small.nbytes(names))
 
 
 def _iterate_and_check(loader, want, budget, what):
@@ -713,6 +739,15 @@ def test_loader_budgets_cross_half_and_whole(small, engine, direct):
                          allow_oversized=True) as loader:
             _iterate_and_check(loader, small.pt, budget, f"oversized {budget}")
             assert loader.stats.tensors == len(small.names)
+            # load_into fills memory the caller owns: the budget does not limit it.
+            dst = {n: torch.empty_like(t) for n, t in small.pt.items()}
+            loader.load_into(dst)
+            assert_same_dict(dst, small.pt, f"load_into {budget}/")
+        # A tensor of exactly the budget, alone: load() fits it.
+        exact = next(n for n in small.names if small.layout[n][3] == budget)
+        with make_loader(small.path, engine, direct, chunk_size=CHUNK, budget=budget,
+                         select=[exact]) as loader:
+            assert_same_dict(loader.load(), {exact: small.pt[exact]}, f"exact {budget}/")
 
 
 @pytest.mark.parametrize("engine,direct", [("pread", "off"), ("io_uring", "on"), ("mmap", "off")])
@@ -742,7 +777,7 @@ def test_loader_big_budget_iteration(big, budget):
         assert loader.stats.tensors == len(big.names)
 
 
-# --- multi-file checkpoint -------------------------------------------------------------------------
+# --- multi-file checkpoint ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("engine,direct", ENGINES + [(None, None)])
 def test_sharded_checkpoint_directory_and_index(sharded, engine, direct):
@@ -808,7 +843,7 @@ def test_tp_slices_every_engine(tp, engine, direct):
                     assert_same_dict(got, want, what)
                     check_stats(loader, engine, direct, len(want), local)
                     del got
-                    if engine == "pread" and rules is RULES_SPLIT1:
+                    if rules is RULES_SPLIT1:
                         dst = {n: torch.empty_like(t) for n, t in want.items()}
                         loader.load_into(dst)
                         assert_same_dict(dst, want, "load_into/" + what)
@@ -976,6 +1011,15 @@ def test_fake_cuda_staging_slot_crossings(small, big, tp):
             res[f"small/budget{{budget}}"] = stream(
                 {small.path!r}, names, engine="pread", chunk_size={CHUNK}, staging_slot=slot,
                 staging_bytes=4 * slot, device_budget=budget)
+        for odd_slot in (4096, 4097, 65537):  # 4097 and 65537 are rounded up to 4 KiB multiples
+            rounded = (odd_slot + 4095) // 4096 * 4096
+            res[f"small/slot{{odd_slot}}"] = load(
+                {small.path!r}, engine="io_uring", chunk_size={CHUNK}, staging_slot=odd_slot,
+                staging_bytes=2 * rounded, gds="auto")
+            res[f"tp/1/3/slot{{odd_slot}}"] = load(
+                {tp.path!r}, engine="pread", staging_slot=odd_slot, staging_bytes=3 * rounded + 1,
+                tp_rank=1, tp_size=3, gds="auto",
+                shard_rules=tensorferry.shard_spec({RULES_SPLIT1!r}))
         res["big/default-slot"] = load({big.path!r}, engine="pread")
         for world in (2, 3):
             for rank in range(world):
@@ -985,11 +1029,11 @@ def test_fake_cuda_staging_slot_crossings(small, big, tp):
                     shard_rules=tensorferry.shard_spec({RULES_SPLIT1!r}))
         emit(res)
     """)
-    assert len(out) == 4 + 2 + 1 + 5
+    assert len(out) == 4 + 2 + 6 + 1 + 5
     for key, entry in out.items():
         assert "error" not in entry, (key, entry.get("error"))
         if key.startswith("tp/"):
-            rank, world = map(int, key.split("/")[1:])
+            rank, world = map(int, key.split("/")[1:3])
             want = {n: _sha(t) for n, t in _tp_want(tp, RULES_SPLIT1, rank, world).items()}
             nbytes = sum(t.nbytes for t in _tp_want(tp, RULES_SPLIT1, rank, world).values())
         else:
@@ -1006,12 +1050,6 @@ def test_fake_cuda_staging_slot_crossings(small, big, tp):
 
 
 @needs_fake
-@pytest.mark.xfail(strict=True, reason=(
-    "device loads ignore allow_oversized: with device_budget=1 MiB and allow_oversized=True the "
-    "plan gives a 1 MiB + 1 tensor a batch of its own, but DeviceAllocator::Allocate refuses it "
-    "even with nothing held (kBudgetExceeded 'batch 1 of 1 needs 1048577 bytes of cuda:0 memory "
-    "but 0 of the 1048576-byte device budget are still held by tensors of earlier batches'); the "
-    "host Budget grants an oversized request when nothing else is held"))
 def test_fake_cuda_allow_oversized_tensor_loads_alone(small):
     name = "b.u8_1048577"
     out = _run_child(f"""
@@ -1023,12 +1061,6 @@ def test_fake_cuda_allow_oversized_tensor_loads_alone(small):
 
 
 @needs_fake
-@pytest.mark.xfail(strict=True, reason=(
-    "with gds='auto' (the default) the device batch buffer keeps the file offset modulo 4 KiB, so "
-    "a tensor of exactly device_budget bytes at an offset that is not a multiple of 4096 needs "
-    "budget + (offset % 4096) bytes: the plan accepts it (its check counts tensor bytes, not "
-    "padding), then the allocator refuses it with nothing held ('needs 1048584 bytes ... but 0 of "
-    "the 1048576-byte device budget are still held'); gds='off' loads it"))
 def test_fake_cuda_tensor_of_exactly_the_device_budget_gds_auto(small):
     name = "b.bf16_1048576"
     assert small.layout[name][3] == BUDGET and small.layout[name][2] % PAGE
@@ -1052,14 +1084,33 @@ def _real_cuda():
 
 @pytest.mark.skipif(not _real_cuda(), reason="needs torch with a CUDA device")
 def test_real_cuda_around_the_staging_slot(small, big):
-    for ckpt in (small, big):
-        want = ref_pt.load_file(ckpt.path, device="cuda:0")
-        for budget in (None, 2 * DEFAULT_CHUNK):
+    """A real GPU: the default 8 MiB staging slot crossed by the k.* tensors, device budgets
+    (budget= is the device budget of a CUDA Loader) whose halves the b.* / m.* tensors cross, and
+    safe_open(device="cuda:0").get_tensor on both sides of 16 MiB. (Budgets stay above every
+    tensor plus its 4 KiB padding.)"""
+    for ckpt, budgets in ((small, (None, 2 * BUDGET + 2 * PAGE)),
+                          (big, (None, 4 * DEFAULT_CHUNK))):
+        want = ref_pt.load_file(ckpt.path)
+        for budget in budgets:
             with tensorferry.Loader(ckpt.path, device="cuda:0", budget=budget,
-                                    allow_oversized=True) as loader:
-                for name, t in loader.iter_tensors():
-                    assert t.device == torch.device("cuda", 0)
-                    assert_same(t.cpu(), want[name].cpu(), f"cuda {budget}/{name}")
+                                    select=[n for n in ckpt.names if budget is None
+                                            or ckpt.layout[n][3] + PAGE <= budget]) as loader:
+                it, seen = loader.iter_tensors(), []
+                while True:
+                    try:
+                        name, t = next(it)
+                    except StopIteration:
+                        break
+                    assert t.device == torch.device("cuda", 0), name
+                    assert_same(t.cpu(), want[name], f"cuda {budget}/{name}")
+                    seen.append(name)
+                    del t  # a batch's device buffer counts until its last tensor goes
+                assert seen == loader.keys()
+                assert loader.stats.device == "cuda:0"
+                if budget:
+                    assert loader.stats.peak_device_bytes <= budget
         with tensorferry.safe_open(ckpt.path, "pt", device="cuda:0") as f:
             for name in ckpt.names:
-                assert _same_bytes(f.get_tensor(name).cpu(), want[name].cpu()), name
+                t = f.get_tensor(name)
+                assert t.device == torch.device("cuda", 0), name
+                assert_same(t.cpu(), want[name], f"safe_open cuda/{name}")

@@ -57,10 +57,18 @@ struct PickleLimits {
   uint64_t max_memo = 1u << 24;           // memo entries
   uint64_t max_memo_index = 1ull << 32;   // largest memo key (LONG_BINPUT takes 32 bits)
   uint64_t max_string = 64u << 20;        // bytes of one string, bytes object or integer
-  uint64_t max_container = 1u << 26;      // items of one list, tuple, set or dict
-  uint64_t max_objects = 1u << 24;        // heap objects (strings, containers, tensors, ...)
-  uint64_t max_total_items = 1u << 27;    // container items over all containers
-  uint32_t max_rank = 64;                 // dimensions of one tensor
+  // Bytes of one LONG1/LONG4 integer: 1786 bytes hold every integer of up to 4,300 decimal
+  // digits, the limit Python itself puts on int <-> str conversion (whose cost is quadratic).
+  uint64_t max_int_bytes = 1786;
+  // Items and bytes the emulated calls copy (OrderedDict's pairs, torch.Size's dims,
+  // _codecs.encode's bytes; each call of a memoized argument copies again), in total: at most
+  // the pickle's size plus this allowance. A pickle that builds each argument once stays far
+  // below it; one that calls the same large argument again and again is refused.
+  uint64_t copy_allowance = 1u << 16;
+  uint64_t max_container = 1u << 26;    // items of one list, tuple, set or dict
+  uint64_t max_objects = 1u << 24;      // heap objects (strings, containers, tensors, ...)
+  uint64_t max_total_items = 1u << 27;  // container items over all containers
+  uint32_t max_rank = 64;               // dimensions of one tensor
 };
 
 struct TorchLimits {
@@ -70,6 +78,18 @@ struct TorchLimits {
   // Names and containers visited while flattening (a dict shared under many names counts once
   // per name).
   uint64_t max_entries = 1u << 22;
+  // Work and memory of flattening one pickle, bounded by its size: every name and container
+  // visited costs its dotted name's length plus 64 bytes, and one pickle's visits may cost at
+  // most flatten_base + flatten_per_pickle_byte x the pickle's size. A tree-shaped state dict
+  // costs a few times its pickle at most; a container shared under many names (a DAG, whose
+  // names multiply with its depth) is refused.
+  uint64_t flatten_base = 16u << 20;
+  uint64_t flatten_per_pickle_byte = 16;
+  // A conversion writes at most twice the bytes of the storages its tensors view, plus this:
+  // room for views that overlap (w beside w.T or w[:2], written as copies) and for small views
+  // that expand their storage (stride 0: torch's expand()). Beyond it, kTorchBadTensor naming
+  // the tensor, its shape, strides and storage, before anything is written.
+  uint64_t max_view_expansion = 64u << 20;
   uint64_t max_index_size = 256u << 20;  // bytes of pytorch_model.bin.index.json
 };
 
@@ -209,10 +229,14 @@ struct ConvertReport {
 // Converts the checkpoint at `src` (anything TorchCheckpoint::Open takes) to safetensors at
 // `dst`: a file path when the output is one file (an existing directory gets "model.safetensors"
 // inside), a directory otherwise (created if missing; shards "model-0000i-of-0000n.safetensors"
-// and "model.safetensors.index.json"). Writes are atomic per file (writer.h). Every output file's
-// "__metadata__" holds {"format": "pt"}, the alias entries and the kept values.
+// and "model.safetensors.index.json"). Output into a directory is WriteSharded's, all or nothing:
+// an older checkpoint there is replaced as a whole or left exactly as it was (writer.h); a file
+// path is written atomically. Every output file's "__metadata__" holds {"format": "pt"}, the alias
+// entries and the kept values.
 // Errors: those of TorchCheckpoint::Open and of WriteFile/WriteSharded (kBadTensorName for a
-// tensor named "__metadata__"); kInvalidArgument when an output file would replace a source file.
+// tensor named "__metadata__"); kInvalidArgument when an output file would replace a source file;
+// kTorchBadTensor when the tensors to write exceed twice their storages' bytes plus
+// TorchLimits::max_view_expansion (naming the tensor, its shape, strides and storage).
 Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::string& dst,
                                              const ConvertOptions& options = {});
 

@@ -7,7 +7,9 @@
 //
 // Writes are atomic: bytes go to a temporary file in the destination directory, which is
 // fsynced, then renamed over the destination (and the directory fsynced). On any error the
-// temporary file is removed and the destination is untouched. Files are created with mode
+// temporary file is removed and the destination is untouched. A sharded write is atomic as a
+// whole (WriteSharded). File operations go through WriteOptions::env (env.h), so tests can inject
+// failures (ENOSPC on the Nth write, a failing rename). Files are created with mode
 // 0666 & ~umask. Invalid input (bad names, duplicate names, data of the wrong size) is refused
 // before anything is written.
 //
@@ -23,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "tensorferry/env.h"
 #include "tensorferry/format.h"
 #include "tensorferry/status.h"
 
@@ -47,6 +50,9 @@ struct WriteOptions {
   // Size of the buffer used to stream data to disk (at most the file's size is allocated; 0 acts
   // as 1). Data spans at least this large are written straight from the caller's memory.
   size_t buffer_size = 8u << 20;
+  // Creates, renames, removes and fsyncs files (and reads an existing index). nullptr:
+  // Env::Default(). Borrowed for the duration of the call.
+  Env* env = nullptr;
 };
 
 // The header bytes (JSON plus padding, without the 8-byte length prefix) that WriteFile would
@@ -88,13 +94,35 @@ struct ShardOptions {
 // {"metadata": {"total_size": <bytes>}, "weight_map": {<name>: <file>, ... sorted by name}}.
 // Name checks (duplicates across shards included) run before any file is written. The index is
 // json.dumps(index, indent=2, sort_keys=True) + "\n" except that non-ASCII characters are kept as
-// UTF-8 rather than \u-escaped. If one file fails, the shards this call already wrote are removed.
+// UTF-8 rather than \u-escaped.
+//
+// All or nothing: every shard and the index are written to temporary names first. Only when all
+// are complete (and fsynced) are the files they replace, and the files of the layout already there
+// that the new one does not have, moved aside to hidden backups (".<name>.bak-<pid>-<random>");
+// then the new files are renamed in, the directory is fsynced and the backups removed. On any
+// failure, and on a signal handled by AbandonWritesInProgress(), the temporaries are removed and
+// the backups put back: the directory is exactly as before (a directory this call created is
+// removed again). "The layout already there" is the files "<prefix>.safetensors",
+// "<prefix>.safetensors.index.json" and the "*.safetensors" files that index names in `dir`; no
+// other file is ever touched. Only a crash (power loss, SIGKILL) during the renames can leave the
+// hidden backups behind, from which the old files can be restored by hand.
 // Errors: those of WriteFile; kInvalidArgument for a prefix that is empty, ".", "..", or holds '/',
-// NUL or invalid UTF-8; kOverflow when the total size exceeds 64 bits.
+// NUL or invalid UTF-8, or when a file to replace is a directory; kOverflow when the total size
+// exceeds 64 bits; kIoError naming a backup that could not be removed after the new files are in
+// place, or one that could not be put back after a failure.
 // Returns the paths written (shards then index).
 Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               std::span<const TensorToWrite> tensors,
                                               const Metadata& metadata = {},
                                               const ShardOptions& options = {});
+
+// For a SIGINT/SIGTERM handler that is about to end the process: removes the temporary files of
+// every write in progress in this process and undoes the renames of sharded writes not yet
+// committed (backups renamed back, new names removed), so destinations are as before those
+// writes; the backups of committed writes are removed. Async-signal-safe: it uses only unlink(2),
+// rename(2) and lock-free atomics. Writes still running on other threads fail afterwards; the
+// caller must not return to them (end the process, e.g. by re-raising the signal with its default
+// disposition).
+void AbandonWritesInProgress() noexcept;
 
 }  // namespace tensorferry

@@ -141,6 +141,55 @@ bool SameFile(const std::string& a, const std::string& b) {
   return fs::exists(a, ec) && fs::exists(b, ec) && fs::equivalent(a, b, ec);
 }
 
+std::string DimsText(const std::vector<uint64_t>& dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(dims[i]);
+  }
+  return out + "]";
+}
+
+// The output is bounded by the input: at most twice the bytes of the storages the written tensors
+// view, plus `expansion` (TorchLimits::max_view_expansion). A view with stride 0 or overlapping
+// strides can otherwise describe terabytes over a few bytes of storage.
+Status CheckOutputSize(const TorchCheckpoint& ckpt, const convert::ConversionPlan& plan,
+                       uint64_t expansion) {
+  const auto& tensors = ckpt.tensors();
+  const auto& storages = ckpt.storages();
+  std::vector<bool> counted(storages.size(), false);
+  uint64_t storage_bytes = 0;
+  for (size_t i : plan.write) {
+    const uint32_t s = tensors[i].storage;
+    if (!counted[s]) {
+      counted[s] = true;
+      storage_bytes += storages[s].nbytes;  // each within a file: no overflow
+    }
+  }
+  uint64_t limit;
+  if (__builtin_mul_overflow(storage_bytes, uint64_t{2}, &limit) ||
+      __builtin_add_overflow(limit, expansion, &limit)) {
+    return Status::Ok();
+  }
+  uint64_t total = 0;
+  for (size_t i : plan.write) {
+    const TorchTensor& t = tensors[i];
+    if (!__builtin_add_overflow(total, t.byte_size, &total) && total <= limit) continue;
+    const TorchStorage& st = storages[t.storage];
+    return Status(Code::kTorchBadTensor,
+                  ckpt.files()[st.file].path + ": tensor " + json::Quote(t.name) + " (" +
+                      t.torch_dtype + ", shape " + DimsText(t.shape) + ", stride " +
+                      DimsText(t.stride) + ", " + std::to_string(t.byte_size) +
+                      " bytes) views storage " + json::Quote(st.key) + " of " +
+                      std::to_string(st.nbytes) + " bytes; with it the output would exceed " +
+                      std::to_string(limit) +
+                      " bytes, twice the storages' bytes plus TorchLimits::max_view_expansion (" +
+                      std::to_string(expansion) +
+                      "): views that expand or overlap their storage this much are refused");
+  }
+  return Status::Ok();
+}
+
 // The path VerifyConversion opens for what ConvertTorchCheckpoint wrote at `dst`.
 std::string OutputPath(const std::string& dst) {
   std::error_code ec;
@@ -164,6 +213,8 @@ Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::
   report.kept_values = plan.kept_values;
   report.skipped = plan.skipped;
   report.metadata = plan.metadata;
+
+  TF_RETURN_IF_ERROR(CheckOutputSize(*ckpt, plan, options.open.limits.max_view_expansion));
 
   const TorchCheckpoint* reader = ckpt.get();
   std::vector<TensorToWrite> to_write;
@@ -213,16 +264,27 @@ Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::
     TF_ASSIGN_OR_RETURN(report.outputs, WriteSharded(dst, to_write, plan.metadata, shard));
   } else {
     std::error_code ec;
-    std::string path = dst;
-    if (fs::is_directory(dst, ec)) path = (fs::path(dst) / "model.safetensors").string();
+    const bool into_dir = fs::is_directory(dst, ec);
+    const std::string path = into_dir ? (fs::path(dst) / "model.safetensors").string() : dst;
     for (const TorchFileInfo& f : ckpt->files()) {
       if (SameFile(path, f.path)) {
         return Status(Code::kInvalidArgument,
                       path + ": the output would replace the source file " + f.path);
       }
     }
-    TF_RETURN_IF_ERROR(WriteFile(path, to_write, plan.metadata, options.write));
-    report.outputs.push_back(path);
+    if (into_dir) {
+      // One file, but through WriteSharded so that an older sharded checkpoint in the directory
+      // (whose index would shadow the new file) is replaced all or nothing.
+      ShardOptions single;
+      single.max_shard_size = UINT64_MAX;
+      single.prefix = "model";
+      single.always_write_index = false;
+      single.write = options.write;
+      TF_ASSIGN_OR_RETURN(report.outputs, WriteSharded(dst, to_write, plan.metadata, single));
+    } else {
+      TF_RETURN_IF_ERROR(WriteFile(path, to_write, plan.metadata, options.write));
+      report.outputs.push_back(path);
+    }
   }
   return report;
 }

@@ -158,5 +158,63 @@ TEST(ConvertTorchCheckpoint, RefusalsWriteNothing) {
   EXPECT_FALSE(fs::exists(dir.Join("out.safetensors")));
 }
 
+TEST(ConvertTorchCheckpoint, ExpandingViewsAreBoundedByTheirStorage) {
+  TempDir dir;
+  // One float of storage viewed as 2^40 elements with stride 0: 4 TiB of output from 4 bytes.
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark();
+  p.Str("small").Tensor("FloatStorage", "1", 2, 0, {2}, {1});
+  p.Str("huge").Tensor("FloatStorage", "0", 1, 0, {int64_t{1} << 40}, {0});
+  p.SetItems().Stop();
+  WriteBytes(dir.Join("x.pt"),
+             MakeTorchZip(p.bytes(), {{"0", F32Bytes({1})}, {"1", F32Bytes({2, 3})}}));
+  ConvertOptions options;
+  options.write.sync = false;
+  auto r = ConvertTorchCheckpoint(dir.Join("x.pt"), dir.Join("out"), options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kTorchBadTensor) << r.status().ToString();
+  for (const std::string& part : std::vector<std::string>{
+           dir.Join("x.pt"), "tensor \"huge\"", "shape [1099511627776]", "stride [0]",
+           "4398046511104 bytes", "of 4 bytes", "TorchLimits::max_view_expansion"}) {
+    EXPECT_NE(r.status().message().find(part), std::string::npos)
+        << part << " in " << r.status().message();
+  }
+  EXPECT_FALSE(fs::exists(dir.Join("out")));
+
+  // A small expanded view (a broadcast bias) is within the allowance and materialized.
+  PickleBuilder q;
+  q.Proto(2).EmptyDict().Mark();
+  q.Str("bias").Tensor("FloatStorage", "0", 1, 0, {2, 3}, {0, 0});
+  q.SetItems().Stop();
+  WriteBytes(dir.Join("b.pt"), MakeTorchZip(q.bytes(), {{"0", F32Bytes({7})}}));
+  auto ok = ConvertTorchCheckpoint(dir.Join("b.pt"), dir.Join("b.safetensors"), options);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_TRUE(VerifyConversion(dir.Join("b.pt"), dir.Join("b.safetensors"), options).ok());
+
+  // The limit is the caller's: none at all refuses the same file.
+  options.open.limits.max_view_expansion = 0;
+  auto refused = ConvertTorchCheckpoint(dir.Join("b.pt"), dir.Join("c.safetensors"), options);
+  EXPECT_EQ(refused.status().code(), Code::kTorchBadTensor) << refused.status().ToString();
+}
+
+TEST(ConvertTorchCheckpoint, IntoADirectoryReplacesAnOlderCheckpointWhole) {
+  TempDir dir;
+  WriteBytes(dir.Join("m.pt"), ModelZip());
+  ConvertOptions options;
+  options.write.sync = false;
+  options.max_shard_size = 40;
+  ASSERT_TRUE(ConvertTorchCheckpoint(dir.Join("m.pt"), dir.Join("out"), options).ok());
+  // One file now: the older shards and their index (which would shadow it) are gone.
+  options.max_shard_size = 0;
+  auto flat = ConvertTorchCheckpoint(dir.Join("m.pt"), dir.Join("out"), options);
+  ASSERT_TRUE(flat.ok()) << flat.status().ToString();
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.Join("out"))) {
+    names.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(names, std::vector<std::string>{"model.safetensors"});
+  EXPECT_TRUE(VerifyConversion(dir.Join("m.pt"), dir.Join("out"), options).ok());
+}
+
 }  // namespace
 }  // namespace tensorferry

@@ -262,31 +262,6 @@ std::string Hex2(uint8_t b) {
   return s;
 }
 
-std::string TypeName(const PickleResult& r, const Value& v) {
-  switch (v.tag) {
-    case Tag::kNone: return "None";
-    case Tag::kBool: return "bool";
-    case Tag::kInt: return "int";
-    case Tag::kFloat: return "float";
-    case Tag::kRef: break;
-  }
-  const Object& o = r.objects[v.ref];
-  switch (o.kind) {
-    case Kind::kStr: return "str";
-    case Kind::kBytes: return "bytes";
-    case Kind::kBigInt: return "int";
-    case Kind::kTuple: return "tuple";
-    case Kind::kList: return "list";
-    case Kind::kDict: return o.ordered ? "OrderedDict" : "dict";
-    case Kind::kSet: return "set";
-    case Kind::kFrozenSet: return "frozenset";
-    case Kind::kGlobal: return o.str;
-    case Kind::kStorage: return "storage";
-    case Kind::kTensor: return "tensor";
-  }
-  return "object";
-}
-
 // Pops into a new local `name`, or returns the underflow status.
 #define TF_VM_POP(name)                \
   Value name;                          \
@@ -421,6 +396,20 @@ class Vm {
     stack_.resize(m);
     return Status::Ok();
   }
+  // Charges `n` items or bytes that an emulated call copies from an existing object.
+  Status CountCopied(uint64_t n) {
+    const uint64_t allowed = size_ + limits_.copy_allowance;
+    if (n > allowed - std::min(copied_, allowed)) {
+      return Fail(Code::kPickleLimitExceeded,
+                  "the emulated calls copy more than the pickle's size plus "
+                  "PickleLimits::copy_allowance (" +
+                      std::to_string(allowed) +
+                      " items and bytes; a large argument called again "
+                      "and again?)");
+    }
+    copied_ += n;
+    return Status::Ok();
+  }
   Status CountItems(uint64_t n) {
     if (n > limits_.max_container) return Limit("max_container", limits_.max_container);
     if (n > limits_.max_total_items - total_items_) {
@@ -468,7 +457,12 @@ class Vm {
   Object* Obj(const Value& v, Kind kind) {
     return v.tag == Tag::kRef && r_.objects[v.ref].kind == kind ? &r_.objects[v.ref] : nullptr;
   }
-  std::string Type(const Value& v) const { return TypeName(r_, v); }
+  // What a message calls `v`: an allowlisted global by its own name ("torch.FloatStorage"),
+  // anything else by its Python type name.
+  std::string Type(const Value& v) const {
+    if (v.tag == Tag::kRef && r_.objects[v.ref].kind == Kind::kGlobal) return r_.objects[v.ref].str;
+    return PyTypeName(r_, v);
+  }
 
   // --- one opcode ----------------------------------------------------------------------------
   Status Step(uint8_t op) {
@@ -512,8 +506,22 @@ class Vm {
         return Push(Value::Int(static_cast<int64_t>(ReadLe(2))));
       case 0x8a:
       case 0x8b: {  // LONG1, LONG4
+        const unsigned n = op == 0x8a ? 1 : 4;
+        TF_RETURN_IF_ERROR(Need(n, op));
+        uint64_t len = 0;
+        for (unsigned i = 0; i < n; ++i) len |= static_cast<uint64_t>(data_[pos_ + i]) << (8 * i);
+        // Refused before anything is done with the digits: printing a huge integer (as a value
+        // or a key) costs time quadratic in its size. A negative LONG4 length is ReadPayload's.
+        if (len > limits_.max_int_bytes && !(n == 4 && (len & 0x80000000u))) {
+          return Fail(Code::kPickleLimitExceeded,
+                      std::string(OpcodeName(op)) + ": an integer of " + std::to_string(len) +
+                          " bytes exceeds PickleLimits::max_int_bytes (" +
+                          std::to_string(limits_.max_int_bytes) +
+                          "; integers of more than 4300 decimal digits are refused, as Python "
+                          "refuses to convert them to text)");
+        }
         std::string_view b;
-        TF_RETURN_IF_ERROR(ReadPayload(op, op == 0x8a ? 1 : 4, b));
+        TF_RETURN_IF_ERROR(ReadPayload(op, n, b));
         return PushLong(b);
       }
       case 'G': {
@@ -810,6 +818,11 @@ class Vm {
     if (args_obj == nullptr) {
       return RefuseCall(how, callable, "arguments must be a tuple, not " + Type(args_value));
     }
+    // No allowlisted callable takes more than 8 arguments; refused before anything is copied.
+    if (args_obj->items.size() > 8) {
+      return RefuseCall(how, callable,
+                        "takes at most 8 arguments, got " + std::to_string(args_obj->items.size()));
+    }
     const std::vector<Value> args = args_obj->items;  // copy: the arena may grow below
     switch (g->global) {
       case GlobalId::kOrderedDict: return MakeOrderedDict(how, callable, args);
@@ -839,6 +852,7 @@ class Vm {
         const Object* dims = Obj(args[0], Kind::kTuple);
         if (dims == nullptr) dims = Obj(args[0], Kind::kList);
         if (dims == nullptr) return RefuseCall(how, callable, "expects a tuple of ints");
+        TF_RETURN_IF_ERROR(CountCopied(dims->items.size()));
         std::vector<Value> items = dims->items;
         for (const Value& v : items) {
           if (v.tag != Tag::kInt) return RefuseCall(how, callable, "expects a tuple of ints");
@@ -854,6 +868,7 @@ class Vm {
         if (text == nullptr || enc == nullptr || (enc->str != "latin1" && enc->str != "latin-1")) {
           return RefuseCall(how, callable, "only encode(str, 'latin1') is emulated");
         }
+        TF_RETURN_IF_ERROR(CountCopied(text->str.size()));
         std::string bytes;
         const std::string& s = text->str;  // valid UTF-8 (checked when read)
         for (size_t i = 0; i < s.size();) {
@@ -886,6 +901,7 @@ class Vm {
       if (pairs == nullptr) pairs = Obj(args[0], Kind::kTuple);
       if (pairs == nullptr)
         return RefuseCall(how, callable, "expects a list of (key, value) pairs");
+      TF_RETURN_IF_ERROR(CountCopied(2 * pairs->items.size()));
       for (const Value& p : pairs->items) {
         const Object* kv = Obj(p, Kind::kTuple);
         if (kv == nullptr) kv = Obj(p, Kind::kList);
@@ -1064,6 +1080,10 @@ class Vm {
     const Object* t = Obj(pid, Kind::kTuple);
     if (t == nullptr) return BadPid("is a " + Type(pid) + ", not a tuple");
     const size_t want = pids_ == PersistentIds::kZip ? 5 : 6;
+    if (t->items.size() > want) {
+      return BadPid("has " + std::to_string(t->items.size()) + " fields, expected " +
+                    std::to_string(want));
+    }
     const std::vector<Value> f = t->items;
     const Object* tag = f.empty() ? nullptr : Obj(f[0], Kind::kStr);
     if (tag == nullptr || tag->str != "storage") {
@@ -1130,11 +1150,42 @@ class Vm {
   std::vector<size_t> marks_;
   std::map<uint64_t, Value> memo_;
   uint64_t total_items_ = 0;
+  uint64_t copied_ = 0;  // CountCopied
   std::map<std::string, uint32_t, std::less<>> storage_by_key_;
   PickleResult r_;
 };
 
 }  // namespace
+
+std::string PyTypeName(const PickleResult& r, const Value& v) {
+  switch (v.tag) {
+    case Tag::kNone: return "NoneType";
+    case Tag::kBool: return "bool";
+    case Tag::kInt: return "int";
+    case Tag::kFloat: return "float";
+    case Tag::kRef: break;
+  }
+  const Object& o = r.objects[v.ref];
+  switch (o.kind) {
+    case Kind::kStr: return "str";
+    case Kind::kBytes: return "bytes";
+    case Kind::kBigInt: return "int";
+    case Kind::kTuple: return o.torch_size ? "Size" : "tuple";
+    case Kind::kList: return "list";
+    case Kind::kDict: return o.ordered ? "OrderedDict" : "dict";
+    case Kind::kSet: return "set";
+    case Kind::kFrozenSet: return "frozenset";
+    case Kind::kGlobal:
+      if (o.global == GlobalId::kTorchDtype) return "dtype";
+      return o.global == GlobalId::kStorageType || o.global == GlobalId::kOrderedDict ||
+                     o.global == GlobalId::kTorchSize
+                 ? "type"
+                 : "function";
+    case Kind::kStorage: return "storage";
+    case Kind::kTensor: return "Tensor";
+  }
+  return "object";
+}
 
 Result<PickleResult> RunPickle(std::span<const std::byte> bytes, const PickleLimits& limits,
                                PersistentIds persistent_ids, std::string_view source) {

@@ -181,6 +181,11 @@ struct PickleResult {
 Result<PickleResult> RunPickle(std::span<const std::byte> bytes, const PickleLimits& limits,
                                PersistentIds persistent_ids, std::string_view source);
 
+// type(v).__name__ as Python prints it: "NoneType", "int", "str", "OrderedDict", "Size",
+// "Tensor", "type" (OrderedDict, torch.Size, storage classes), "dtype", "function". The one
+// type-name function of the converter: messages and reports use it alike.
+std::string PyTypeName(const PickleResult& r, const Value& v);
+
 // Python's repr() of a float ("0.1", "1e-05", "1.0", "inf", "nan").
 std::string PythonFloatRepr(double v);
 // Decimal text of a little-endian two's complement integer of any width.

@@ -527,6 +527,69 @@ TEST(PickleVm, EveryLimitIsEnforced) {
   EXPECT_TRUE(RunP(big, exact).ok());
 }
 
+TEST(PickleVm, HugeIntegersAreRefusedBeforeAnyWork) {
+  // The largest accepted integer: 1786 bytes, ~4300 decimal digits.
+  PickleBuilder ok;
+  ok.Proto(2).Op(0x8b).U32(1786).Raw(std::string(1785, '\x11') + '\x01').Stop();
+  auto r = RunP(ok);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const std::string digits = BigIntToDecimal(r->object(r->root).str);
+  EXPECT_GE(digits.size(), 4290u);
+  EXPECT_LE(digits.size(), 4301u);
+  // One byte more, and 256 KiB (which took minutes to print): refused at the opcode, naming it,
+  // the size and the offset, inside a container too.
+  for (const uint32_t n : {1787u, 256u << 10}) {
+    PickleBuilder big;
+    big.Proto(2).EmptyDict().Str("k").Op(0x8b).U32(n).Raw(std::string(n, '\x7f')).SetItem().Stop();
+    EXPECT_TRUE(Fails(RunP(big), Code::kPickleLimitExceeded,
+                      "LONG4: an integer of " + std::to_string(n) +
+                          " bytes exceeds PickleLimits::max_int_bytes (1786; integers of more "
+                          "than 4300 decimal digits"));
+    EXPECT_TRUE(Fails(RunP(big), Code::kPickleLimitExceeded, "at pickle offset 9"));
+  }
+  PickleBuilder as_key;  // LONG1 as a dict key, with a lowered limit
+  as_key.Proto(2).EmptyDict().Long1(std::string(20, '\x01')).None().SetItem().Stop();
+  PickleLimits l;
+  l.max_int_bytes = 16;
+  EXPECT_TRUE(Fails(RunP(as_key, l), Code::kPickleLimitExceeded, "LONG1: an integer of 20 bytes"));
+}
+
+TEST(PickleVm, EmulatedCallsCopyAtMostThePicklesSize) {
+  // A list of 1000 pairs, memoized, then OrderedDict(pairs) called again and again: each call
+  // costs 5 bytes of pickle and copies 2000 items.
+  const auto calls = [](int n) {
+    PickleBuilder p;
+    p.Proto(2).EmptyList().Put(0).Mark();
+    for (int i = 0; i < 1000; ++i) p.Int(i % 200).Int(i % 100).Tuple(2);
+    p.Appends().Op('0');
+    p.Global("collections", "OrderedDict").Put(1).Op('0');
+    p.EmptyList().Mark();
+    for (int i = 0; i < n; ++i) p.Get(1).Get(0).Tuple(1).Reduce();
+    p.Appends().Stop();
+    return p;
+  };
+  EXPECT_TRUE(RunP(calls(1)).ok());
+  EXPECT_TRUE(Fails(RunP(calls(1000)), Code::kPickleLimitExceeded,
+                    "copy more than the pickle's size plus PickleLimits::copy_allowance"));
+  // _codecs.encode of one memoized 64 KiB string, 100 times.
+  PickleBuilder enc;
+  enc.Proto(2).Str(std::string(64 << 10, 'a')).Put(0).Op('0');
+  enc.Global("_codecs", "encode").Put(1).Op('0').Str("latin1").Put(2).Op('0');
+  enc.EmptyList().Mark();
+  for (int i = 0; i < 100; ++i) enc.Get(1).Get(0).Get(2).Tuple(2).Reduce();
+  enc.Appends().Stop();
+  EXPECT_TRUE(Fails(RunP(enc), Code::kPickleLimitExceeded, "PickleLimits::copy_allowance"));
+}
+
+TEST(PickleVm, MessagesUsePythonTypeNames) {
+  PickleBuilder p;  // STACK_GLOBAL of None and a tensor
+  p.Proto(2).None().Tensor("FloatStorage", "0", 1, 0, {1}, {1}).Op(0x93).Stop();
+  EXPECT_TRUE(Fails(RunP(p), Code::kPickleMalformed, "must be str, not NoneType and Tensor"));
+  PickleBuilder g;  // a global is named by its own name
+  g.Proto(2).Global("torch", "FloatStorage").EmptyTuple().Reduce().Stop();
+  EXPECT_TRUE(Fails(RunP(g), Code::kPickleRefusedCall, "REDUCE of torch.FloatStorage"));
+}
+
 // A pickle shaped like torch.save's, used for truncation and corruption sweeps.
 PickleBuilder StateDictPickle() {
   PickleBuilder p;

@@ -4,36 +4,6 @@
 
 namespace tensorferry::convert {
 
-std::string PyTypeName(const PickleResult& r, const Value& v) {
-  switch (v.tag) {
-    case Tag::kNone: return "NoneType";
-    case Tag::kBool: return "bool";
-    case Tag::kInt: return "int";
-    case Tag::kFloat: return "float";
-    case Tag::kRef: break;
-  }
-  const Object& o = r.objects[v.ref];
-  switch (o.kind) {
-    case Kind::kStr: return "str";
-    case Kind::kBytes: return "bytes";
-    case Kind::kBigInt: return "int";
-    case Kind::kTuple: return o.torch_size ? "Size" : "tuple";
-    case Kind::kList: return "list";
-    case Kind::kDict: return o.ordered ? "OrderedDict" : "dict";
-    case Kind::kSet: return "set";
-    case Kind::kFrozenSet: return "frozenset";
-    case Kind::kGlobal:
-      if (o.global == GlobalId::kTorchDtype) return "dtype";
-      return o.global == GlobalId::kStorageType || o.global == GlobalId::kOrderedDict ||
-                     o.global == GlobalId::kTorchSize
-                 ? "type"
-                 : "function";
-    case Kind::kStorage: return "storage";
-    case Kind::kTensor: return "Tensor";
-  }
-  return "object";
-}
-
 std::optional<std::string> PyKeyText(const PickleResult& r, const Value& v) {
   switch (v.tag) {
     case Tag::kNone: return "None";

@@ -15,9 +15,6 @@ namespace tensorferry::convert {
 // Longest text PyStr produces; longer values are not representable.
 inline constexpr size_t kMaxValueText = 1u << 20;
 
-// type(v).__name__: "int", "str", "OrderedDict", "tensor", ...
-std::string PyTypeName(const PickleResult& r, const Value& v);
-
 // The text a dict key contributes to a flattened name: str, int, bool, None, float; nullopt for
 // any other key type.
 std::optional<std::string> PyKeyText(const PickleResult& r, const Value& v);

@@ -562,13 +562,20 @@ class TorchCheckpointOpener {
                     info.path + ": the checkpoint holds a " + convert::PyTypeName(r, r.root) +
                         ", not a dict of tensors (a state dict); nothing to name its tensors by");
     }
+    const TorchLimits& limits = options_.limits;
+    uint64_t budget;
+    if (__builtin_mul_overflow(limits.flatten_per_pickle_byte, info.pickle_size, &budget) ||
+        __builtin_add_overflow(budget, limits.flatten_base, &budget)) {
+      budget = UINT64_MAX;
+    }
     Walker w{*this,
              r,
              info,
              file_index,
              first_storage,
              std::vector<uint8_t>(r.objects.size(), 0),
-             convert::HoldersOfTensorsOrDicts(r)};
+             convert::HoldersOfTensorsOrDicts(r),
+             budget};
     return w.Walk(r.root, "", 0);
   }
 
@@ -580,6 +587,8 @@ class TorchCheckpointOpener {
     uint32_t first_storage;
     std::vector<uint8_t> on_path;
     std::vector<uint8_t> holds;  // HoldersOfTensorsOrDicts
+    uint64_t budget;             // TorchLimits::flatten_base + flatten_per_pickle_byte x size
+    uint64_t cost = 0;           // charged so far: name length + 64 per visit
 
     static std::string Join(const std::string& prefix, std::string_view key) {
       if (prefix.empty()) return std::string(key);
@@ -597,6 +606,17 @@ class TorchCheckpointOpener {
                       info.path + ": more than TorchLimits::max_entries (" +
                           std::to_string(o.options_.limits.max_entries) +
                           ") names and containers to flatten, at " + json::Quote(name));
+      }
+      // The names are what flattening holds in memory: a shared container multiplies them, so
+      // they are bounded by the pickle's size, not only counted.
+      cost += name.size() + 64;
+      if (cost > budget) {
+        return Status(Code::kPickleLimitExceeded,
+                      info.path + ": flattening the " + std::to_string(info.pickle_size) +
+                          "-byte pickle makes more than " + std::to_string(budget) +
+                          " bytes of names (TorchLimits::flatten_base + flatten_per_pickle_byte x "
+                          "the pickle's size; a container shared under many names?), at " +
+                          json::Quote(name.substr(0, 200)));
       }
       if (depth > o.options_.limits.max_depth) {
         return Status(Code::kPickleLimitExceeded,

@@ -295,6 +295,35 @@ TEST(TorchCheckpoint, SharedGraphsCannotBlowUp) {
       << (*c)->values()[4999].note;
 }
 
+TEST(TorchCheckpoint, FlatteningASharedDagIsBoundedByThePicklesSize) {
+  // A 59-level shared dict of ~1 KB (2^59 names): refused after a bounded amount of names, by
+  // the limit proportional to the pickle (the default max_entries would allow 4M names, ~700 MB).
+  PickleBuilder dicts;
+  dicts.Proto(2).EmptyDict().Str("t").Tensor("FloatStorage", "0", 1, 0, {1}, {1}).SetItem();
+  dicts.Put(0).Op('0');
+  for (uint32_t k = 1; k <= 59; ++k) {
+    dicts.EmptyDict().Mark().Str("a").Get(k - 1).Str("b").Get(k - 1).SetItems().Put(k).Op('0');
+  }
+  dicts.EmptyDict().Str("root").Get(59).SetItem().Stop();
+  ASSERT_LT(dicts.size(), 2048u);
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(dicts.bytes(), {{"0", F32Bytes({1})}}));
+  auto r = OpenIn(env, "m.pt");
+  EXPECT_TRUE(Fails(r.status(), Code::kPickleLimitExceeded,
+                    "flatten_base + flatten_per_pickle_byte x the pickle's size"));
+  EXPECT_TRUE(
+      Fails(r.status(), Code::kPickleLimitExceeded, std::to_string(dicts.size()) + "-byte pickle"));
+  // With a budget of 0 per byte and a tiny base, even a small tree is refused: the bound is real.
+  TorchLimits tight;
+  tight.flatten_base = 100;
+  tight.flatten_per_pickle_byte = 0;
+  MemoryEnv env2;
+  env2.AddFile("m.pt", MakeTorchZip(ModelPickle(false).bytes(), {{"0", kW}, {"1", kB}}));
+  EXPECT_TRUE(Fails(OpenIn(env2, "m.pt", tight).status(), Code::kPickleLimitExceeded,
+                    "more than 100 bytes of names"));
+  EXPECT_TRUE(OpenIn(env2, "m.pt").ok());
+}
+
 TEST(TorchCheckpoint, ShardedIndex) {
   PickleBuilder a, b;
   a.Proto(2)

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "util/json_writer.h"
 
@@ -89,6 +91,31 @@ zip_t* Archive(void* p) {
   return static_cast<zip_t*>(p);
 }
 
+// A name held by two entries of the archive in `file`, found by opening it again without
+// ZIP_CHECKCONS (with it, libzip refuses duplicate names with only "File already exists").
+// Empty when none is found.
+std::string DuplicateEntryName(zip_source_callback callback, void* source) {
+  zip_error_t error;
+  zip_error_init(&error);
+  zip_source_t* zs = zip_source_function_create(callback, source, &error);
+  zip_t* za = zs == nullptr ? nullptr : zip_open_from_source(zs, ZIP_RDONLY, &error);
+  zip_error_fini(&error);
+  if (za == nullptr) {
+    if (zs != nullptr) zip_source_free(zs);
+    return "";
+  }
+  std::vector<std::string> names;
+  const zip_int64_t n = zip_get_num_entries(za, 0);
+  for (zip_int64_t i = 0; i < n; ++i) {
+    const char* name = zip_get_name(za, static_cast<zip_uint64_t>(i), ZIP_FL_ENC_RAW);
+    if (name != nullptr) names.emplace_back(name);
+  }
+  zip_discard(za);
+  std::sort(names.begin(), names.end());
+  const auto dup = std::adjacent_find(names.begin(), names.end());
+  return dup == names.end() ? "" : *dup;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ZipReader>> ZipReader::Open(const RandomAccessFile& file,
@@ -113,8 +140,17 @@ Result<std::unique_ptr<ZipReader>> ZipReader::Open(const RandomAccessFile& file,
   if (za == nullptr) {
     zip_source_free(zs);
     std::string msg = zip_error_strerror(&error);
+    const int code = zip_error_code_zip(&error);
     zip_error_fini(&error);
     if (!src.io_status.ok()) return src.io_status;
+    if (code == ZIP_ER_EXISTS) {
+      const std::string dup = DuplicateEntryName(&Source::Callback, &src);
+      if (!src.io_status.ok()) return src.io_status;
+      return Status(Code::kZipInvalid,
+                    file.path() + ": the zip archive has a duplicate entry" +
+                        (dup.empty() ? std::string(" name") : " " + json::Quote(dup)) +
+                        " (two entries of one name; which one holds the data is ambiguous)");
+    }
     return Status(Code::kZipInvalid, file.path() + ": not a readable zip archive: " + msg);
   }
   zip_error_fini(&error);

@@ -99,9 +99,16 @@ TEST(ZipReader, RefusesWhatIsNotAZip) {
 TEST(ZipReader, RefusesDuplicateNamesAndTooManyEntries) {
   MemoryEnv env;
   std::unique_ptr<RandomAccessFile> file;
-  auto dup = OpenBytes(env, MakeZip({{"a/x", "1"}, {"a/x", "2"}}), file);
+  auto dup = OpenBytes(env, MakeZip({{"a/data.pkl", "p"}, {"a/x", "1"}, {"a/x", "2"}}), file);
   ASSERT_FALSE(dup.ok());
   EXPECT_EQ(dup.status().code(), Code::kZipInvalid);
+  // Not libzip's "File already exists": the archive, the fault and the name.
+  EXPECT_EQ(dup.status().message().find("already exists"), std::string::npos)
+      << dup.status().message();
+  EXPECT_NE(dup.status().message().find(file->path() + ": the zip archive has a duplicate entry "
+                                                       "\"a/x\""),
+            std::string::npos)
+      << dup.status().message();
   MemoryEnv env2;
   std::unique_ptr<RandomAccessFile> file2;
   auto many = OpenBytes(env2, MakeZip({{"a", "1"}, {"b", "2"}, {"c", "3"}}), file2, 2);

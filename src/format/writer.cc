@@ -2,21 +2,18 @@
 //
 // Layout: everything is validated and the whole header is built in memory first (SerializeHeader),
 // so a bad input is refused before a file exists. Bytes then go through a FileSink (one reusable
-// buffer, write loops that survive short writes and EINTR) into a temporary file created with
-// O_EXCL beside the destination; the temporary is renamed over the destination only once every
-// byte is written (and fsynced when asked). Ownership of the fd and of the temporary file's name
-// lives in small RAII types, so every early return, and even an exception thrown by a caller's
-// generator, closes the fd and unlinks the temporary.
+// buffer) into a temporary file that the Env creates with O_EXCL beside the destination; the
+// temporary is renamed over the destination only once every byte is written (and fsynced when
+// asked). A sharded write renames all its files in together (ShardedCommit), after moving the old
+// layout aside. Ownership of the file and of the temporary name lives in small RAII types
+// (WritableFile, TempFile, ShardedCommit), so every early return, and even an exception thrown by
+// a caller's generator, closes the file, removes the temporary and puts back what was moved; and
+// each name is registered in the rollback registry so a signal handler can do the same.
 #include "tensorferry/writer.h"
 
-#include <fcntl.h>
-#include <sys/random.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -26,16 +23,15 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "format/rollback_registry.h"
+#include "tensorferry/checkpoint.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/path.h"
+#include "util/random.h"
 
 namespace tensorferry {
 namespace {
-
-std::string ErrnoText(int err) {
-  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
-}
 
 // "tensor \"name\"": names are quoted JSON-style so control characters and odd bytes in a name
 // cannot garble a message.
@@ -190,70 +186,15 @@ Result<SerializedHeader> BuildHeader(
 // --- files
 // ----------------------------------------------------------------------------------------
 
-// Owns a file descriptor.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-
-  int get() const { return fd_; }
-  // Closes now, reporting the error: on NFS and some other filesystems write errors surface only
-  // at close. After this the object owns nothing, whatever the result.
-  int Close() {
-    const int fd = fd_;
-    fd_ = -1;
-    // No retry on EINTR: Linux releases the descriptor even then, and it may be reused already.
-    return ::close(fd) == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-// Owns the name of a temporary file: unlinks it on destruction unless Release()d.
-class TempFileGuard {
- public:
-  explicit TempFileGuard(std::string path) : path_(std::move(path)) {}
-  ~TempFileGuard() {
-    if (!path_.empty()) ::unlink(path_.c_str());
-  }
-  TempFileGuard(const TempFileGuard&) = delete;
-  TempFileGuard& operator=(const TempFileGuard&) = delete;
-
-  const std::string& path() const { return path_; }
-  void Release() { path_.clear(); }
-
- private:
-  std::string path_;
-};
-
-uint64_t RandomBits(uint64_t salt) {
-  uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), GRND_NONBLOCK) != static_cast<ssize_t>(sizeof(v))) {
-    // Early boot without entropy: any varying value will do, O_EXCL guarantees uniqueness.
-    v = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  }
-  // splitmix64 finalizer: spreads the salt (attempt number) over all bits.
-  v += salt * 0x9e3779b97f4a7c15ull;
-  v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ull;
-  v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
-  return v ^ (v >> 31);
-}
-
-// Writes bytes to a file descriptor through one reusable buffer; tracks the file offset for
-// error messages. Small pieces (the prefix, the header, small tensors) are gathered so a file of
-// many small tensors costs few system calls; pieces at least as large as the buffer go to the
-// kernel straight from the caller's memory, with no copy.
+// Writes bytes to a WritableFile through one reusable buffer. Small pieces (the prefix, the
+// header, small tensors) are gathered so a file of many small tensors costs few system calls;
+// pieces at least as large as the buffer go to the file straight from the caller's memory, with
+// no copy.
 class FileSink {
  public:
-  // REQUIRES: `buffer` holds `buffer_size` > 0 bytes; `path` outlives the sink.
-  FileSink(int fd, const std::string& path, std::unique_ptr<std::byte[]> buffer, size_t buffer_size)
-      : fd_(fd), path_(path), buffer_(std::move(buffer)), capacity_(buffer_size) {}
+  // REQUIRES: `buffer` holds `buffer_size` > 0 bytes; `file` outlives the sink.
+  FileSink(WritableFile& file, std::unique_ptr<std::byte[]> buffer, size_t buffer_size)
+      : file_(file), buffer_(std::move(buffer)), capacity_(buffer_size) {}
 
   uint64_t offset() const { return flushed_ + used_; }
 
@@ -308,92 +249,101 @@ class FileSink {
 
  private:
   Status WriteAll(std::span<const std::byte> bytes) {
-    while (!bytes.empty()) {
-      // Linux writes at most 0x7ffff000 bytes per call anyway; asking for less keeps the count in
-      // range of ssize_t everywhere.
-      const size_t want = std::min<size_t>(bytes.size(), size_t{1} << 30);
-      const ssize_t n = ::write(fd_, bytes.data(), want);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        const int err = errno;
-        return Status(Code::kIoError, path_ + ": write of " + std::to_string(bytes.size()) +
-                                          " bytes at offset " + std::to_string(flushed_) +
-                                          " failed: " + ErrnoText(err));
-      }
-      if (n == 0) {  // not expected from a regular file; avoid spinning forever
-        return Status(Code::kIoError, path_ + ": write at offset " + std::to_string(flushed_) +
-                                          " made no progress");
-      }
-      bytes = bytes.subspan(static_cast<size_t>(n));
-      flushed_ += static_cast<uint64_t>(n);
-    }
+    TF_RETURN_IF_ERROR(file_.Append(bytes));
+    flushed_ += bytes.size();
     return Status::Ok();
   }
 
-  int fd_;
-  const std::string& path_;
+  WritableFile& file_;
   std::unique_ptr<std::byte[]> buffer_;
   size_t capacity_;
   size_t used_ = 0;
-  uint64_t flushed_ = 0;  // bytes handed to the kernel so far
+  uint64_t flushed_ = 0;  // bytes handed to the file so far
 };
 
-Status SyncDirectory(const std::string& dir) {
-  int fd;
-  do {
-    fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int err = errno;
-    return Status(Code::kIoError, dir + ": cannot open directory to fsync it: " + ErrnoText(err));
-  }
-  UniqueFd dir_fd(fd);
-  if (::fsync(dir_fd.get()) != 0) {
-    const int err = errno;
-    // Some filesystems cannot fsync a directory (EINVAL); there is nothing more to make durable.
-    if (err != EINVAL) {
-      return Status(Code::kIoError, dir + ": fsync of directory failed: " + ErrnoText(err));
-    }
-  }
-  return Status::Ok();
+// "." + the first 200 bytes of `base` + `tag` + "<pid>-": the start of a hidden name beside a
+// file, within NAME_MAX (255) with the 16 random hex digits that follow. (Appended piece by piece:
+// GCC 12 warns falsely, -Wrestrict, on "literal" + string.)
+std::string HiddenSibling(std::string_view base, std::string_view tag) {
+  std::string out(".");
+  out += base.substr(0, 200);
+  out += tag;
+  out += std::to_string(::getpid());
+  out += '-';
+  return out;
 }
 
-// Writes `path` atomically: `body(sink)` produces the content of `size` bytes (a hint for the
-// buffer size) into a temporary file in the same directory, which then replaces `path`.
+// A complete temporary file beside its destination, not yet renamed into place. Owns the name:
+// the file is removed on destruction unless Release()d, and it is registered for removal if the
+// process is ended by a signal meanwhile (rollback_registry.h).
+class TempFile {
+ public:
+  TempFile(Env* env, std::string target) : env_(env), target_(std::move(target)) {}
+  ~TempFile() {
+    if (!path_.empty()) (void)env_->RemoveFile(path_);
+  }
+  TempFile(TempFile&& other) noexcept
+      : env_(other.env_),
+        target_(std::move(other.target_)),
+        path_(std::move(other.path_)),
+        entry_(std::move(other.entry_)) {
+    other.path_.clear();
+  }
+  TempFile& operator=(TempFile&&) = delete;
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::string& target() const { return target_; }
+
+  // Creates the file: "." + file name + ".tmp-<pid>-<random>" in the target's directory, so the
+  // final rename stays within one filesystem. The target's name is cut so the temporary name
+  // stays within NAME_MAX (255) even for a long target name.
+  Result<std::unique_ptr<WritableFile>> Create() {
+    namespace fs = std::filesystem;
+    const fs::path target(target_);
+    const std::string base = target.filename().string();
+    const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
+    const std::string stem = HiddenSibling(base, ".tmp-");
+    auto file = env_->NewTempFile(dir, stem, [this](const std::string& p) {
+      // Registered before the file exists, so no signal can leave it behind unregistered.
+      entry_ = p.empty() ? internal::RollbackEntry()
+                         : internal::RollbackEntry(internal::RollbackEntry::Kind::kTemporary, p);
+    });
+    if (!file.ok()) return file.status().WithPrefix(target_);
+    path_ = (*file)->path();
+    return file;
+  }
+
+  // The file has been renamed into place: nothing to remove any more.
+  void Release() {
+    path_.clear();
+    entry_.Reset();
+  }
+
+ private:
+  Env* env_;
+  std::string target_;
+  std::string path_;
+  internal::RollbackEntry entry_;
+};
+
+Env* EnvOf(const WriteOptions& options) {
+  return options.env != nullptr ? options.env : Env::Default();
+}
+
+// Writes a temporary file beside `path`: `body(sink)` produces the content of `size` bytes (a
+// hint for the buffer size); the file is fsynced (when asked) and closed.
 template <typename Body>
-Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& options,
-                   Body&& body) {
+Result<TempFile> WriteTemp(const std::string& path, uint64_t size, const WriteOptions& options,
+                           Body&& body) {
   namespace fs = std::filesystem;
-  const fs::path target(path);
-  const std::string base = target.filename().string();
+  const std::string base = fs::path(path).filename().string();
   if (base.empty() || base == "." || base == "..") {
     return Status(Code::kInvalidArgument, "\"" + path + "\" does not name a file");
   }
-  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-
-  // A name unique to this call, hidden (leading dot), in the destination's directory so the final
-  // rename stays within one filesystem. The destination's name is cut so the temporary name stays
-  // within NAME_MAX (255) even for a long destination name.
-  const std::string stem = "." + base.substr(0, 200) + ".tmp-" + std::to_string(::getpid()) + "-";
-  std::string temp_path;
-  int fd = -1;
-  for (uint64_t attempt = 0; fd < 0; ++attempt) {
-    char hex[17];
-    const uint64_t r = RandomBits(attempt);
-    for (int i = 0; i < 16; ++i) hex[i] = "0123456789abcdef"[(r >> (60 - 4 * i)) & 0xf];
-    hex[16] = '\0';
-    temp_path =
-        target.has_parent_path() ? (target.parent_path() / (stem + hex)).string() : stem + hex;
-    // 0666: the mode then comes from the umask, as for any file a program creates.
-    fd = ::open(temp_path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0666);
-    if (fd >= 0) break;
-    const int err = errno;
-    if (err == EINTR || (err == EEXIST && attempt < 100)) continue;
-    return Status(Code::kIoError,
-                  path + ": cannot create temporary file " + temp_path + ": " + ErrnoText(err));
-  }
-  UniqueFd file(fd);
-  TempFileGuard guard(temp_path);
+  TempFile temp(EnvOf(options), path);
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, temp.Create());
 
   // The buffer never needs to exceed the file; small files then cost a small allocation.
   const size_t buffer_size = static_cast<size_t>(
@@ -405,61 +355,57 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
     return Status(Code::kBudgetExceeded, path + ": cannot allocate a write buffer of " +
                                              std::to_string(buffer_size) + " bytes");
   }
-  FileSink sink(file.get(), path, std::move(buffer), buffer_size);
-  TF_RETURN_IF_ERROR(body(sink));
-  TF_RETURN_IF_ERROR(sink.Flush());
+  FileSink sink(*file, std::move(buffer), buffer_size);
+  TF_RETURN_IF_ERROR(body(sink).WithPrefix(path));
+  TF_RETURN_IF_ERROR(sink.Flush().WithPrefix(path));
+  if (options.sync) TF_RETURN_IF_ERROR(file->Sync().WithPrefix(path));
+  TF_RETURN_IF_ERROR(file->Close().WithPrefix(path));
+  return temp;
+}
 
-  if (options.sync) {
-    int rc;
-    do {
-      rc = ::fsync(file.get());
-    } while (rc != 0 && errno == EINTR);
-    if (rc != 0) {
-      const int err = errno;
-      return Status(Code::kIoError, path + ": fsync after writing " +
-                                        std::to_string(sink.offset()) +
-                                        " bytes failed: " + ErrnoText(err));
-    }
-  }
-  if (const int err = file.Close(); err != 0) {
-    return Status(Code::kIoError, path + ": close after writing " + std::to_string(sink.offset()) +
-                                      " bytes failed: " + ErrnoText(err));
-  }
-  if (::rename(temp_path.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    return Status(Code::kIoError, path + ": cannot rename temporary file " + temp_path +
-                                      " over it: " + ErrnoText(err));
-  }
-  guard.Release();
+// Writes `path` atomically: WriteTemp, then a rename over `path` and an fsync of its directory.
+template <typename Body>
+Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& options,
+                   Body&& body) {
+  TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));
+  Env* env = EnvOf(options);
+  TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), path).WithPrefix(path));
+  temp.Release();
   // After the rename the new file is in place; a failure here only means its directory entry may
   // not survive a crash, which the caller should still hear about.
-  if (options.sync) TF_RETURN_IF_ERROR(SyncDirectory(dir).WithPrefix(path));
+  if (options.sync) {
+    const std::filesystem::path target(path);
+    TF_RETURN_IF_ERROR(
+        env->SyncDirectory(target.has_parent_path() ? target.parent_path().string() : "")
+            .WithPrefix(path));
+  }
   return Status::Ok();
 }
 
-// Writes the file whose header is `header` (built from `tensors` and `sizes`).
-Status WriteWithHeader(const std::string& path, std::span<const TensorToWrite> tensors,
-                       std::span<const uint64_t> sizes, const SerializedHeader& header,
-                       const WriteOptions& options) {
+// The content of the file whose header is `header` (built from `tensors` and `sizes`).
+Status WriteBody(FileSink& sink, std::span<const TensorToWrite> tensors,
+                 std::span<const uint64_t> sizes, const SerializedHeader& header) {
   const uint64_t json_size = header.json.size();
-  uint64_t total = 8 + json_size;
-  if (__builtin_add_overflow(total, header.data_size, &total)) total = UINT64_MAX;
-  return AtomicWrite(path, total, options, [&](FileSink& sink) -> Status {
-    std::byte prefix[8];
-    for (int i = 0; i < 8; ++i) prefix[i] = static_cast<std::byte>((json_size >> (8 * i)) & 0xff);
-    TF_RETURN_IF_ERROR(sink.Append(prefix));
-    TF_RETURN_IF_ERROR(
-        sink.Append(std::as_bytes(std::span<const char>(header.json.data(), header.json.size()))));
-    for (size_t index : header.order) {
-      const TensorToWrite& t = tensors[index];
-      if (t.generate) {
-        TF_RETURN_IF_ERROR(sink.AppendGenerated(t, sizes[index]));
-      } else {
-        TF_RETURN_IF_ERROR(sink.Append(t.data));
-      }
+  std::byte prefix[8];
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<std::byte>((json_size >> (8 * i)) & 0xff);
+  TF_RETURN_IF_ERROR(sink.Append(prefix));
+  TF_RETURN_IF_ERROR(
+      sink.Append(std::as_bytes(std::span<const char>(header.json.data(), header.json.size()))));
+  for (size_t index : header.order) {
+    const TensorToWrite& t = tensors[index];
+    if (t.generate) {
+      TF_RETURN_IF_ERROR(sink.AppendGenerated(t, sizes[index]));
+    } else {
+      TF_RETURN_IF_ERROR(sink.Append(t.data));
     }
-    return Status::Ok();
-  });
+  }
+  return Status::Ok();
+}
+
+uint64_t FileSize(const SerializedHeader& header) {
+  uint64_t total = 8 + header.json.size();
+  if (__builtin_add_overflow(total, header.data_size, &total)) total = UINT64_MAX;
+  return total;
 }
 
 // transformers' index: json.dumps(index, indent=2, sort_keys=True) + "\n".
@@ -483,7 +429,188 @@ std::string IndexJson(std::span<const TensorToWrite> tensors,
   return out;
 }
 
+// The file names (in `dir`) of the layout with this prefix already there: the single-file name,
+// the index, and the files the index names (plain names ending in ".safetensors" only: never a
+// path elsewhere, never a file of another kind). An index that cannot be read or parsed names
+// nothing; it is itself still listed.
+std::vector<std::string> OldLayout(Env* env, const std::string& dir, const std::string& prefix) {
+  namespace fs = std::filesystem;
+  const std::string index_name = prefix + ".safetensors.index.json";
+  std::vector<std::string> names = {prefix + ".safetensors", index_name};
+  const std::string index_path = dir.empty() ? index_name : (fs::path(dir) / index_name).string();
+  auto file = env->OpenRandomAccess(index_path);
+  if (!file.ok()) return names;
+  const IndexLimits limits;
+  auto size = (*file)->Size();
+  if (!size.ok() || *size > limits.max_index_size) return names;
+  std::string text(static_cast<size_t>(*size), '\0');
+  if (!ReadFully(**file, 0, std::as_writable_bytes(std::span<char>(text.data(), text.size())))
+           .ok()) {
+    return names;
+  }
+  auto doc = ParseIndexJson(text, index_path, limits);
+  if (!doc.ok()) return names;
+  for (const auto& [tensor, file_name] : doc->weight_map) {
+    if (file_name.find('/') != std::string::npos || !file_name.ends_with(".safetensors") ||
+        file_name.starts_with(".")) {
+      continue;
+    }
+    if (std::find(names.begin(), names.end(), file_name) == names.end()) {
+      names.push_back(file_name);
+    }
+  }
+  return names;
+}
+
+// Puts a sharded write's complete temporary files in place all together, or not at all.
+//
+// Run() first moves every file it will replace or make obsolete aside to a hidden backup name
+// (".<name>.bak-<pid>-<random>"), then renames the new files in (index last) and fsyncs the
+// directory. Any failure undoes what was done, in reverse: created names removed, backups renamed
+// back, so the directory is as before. Every step is registered in the rollback registry first,
+// so a signal handler can undo it too (RunRegisteredRollbacks). After Run() succeeds the backups
+// are only garbage, removed by RemoveBackups().
+class ShardedCommit {
+ public:
+  ShardedCommit(Env* env, std::string dir, bool sync)
+      : env_(env), dir_(std::move(dir)), sync_(sync) {}
+  ~ShardedCommit() {
+    if (!done_) (void)Rollback();
+  }
+  ShardedCommit(const ShardedCommit&) = delete;
+  ShardedCommit& operator=(const ShardedCommit&) = delete;
+
+  // REQUIRES: every temporary is complete and closed. Renamed temporaries are Release()d.
+  Status Run(std::vector<TempFile>& temps, const std::vector<std::string>& old_names) {
+    Status s = Apply(temps, old_names);
+    if (s.ok()) {
+      group_.Commit();
+      done_ = true;
+      return s;
+    }
+    Status undo = Rollback();
+    done_ = true;
+    if (undo.ok()) return s;
+    return Status(s.code(), s.message() + "; undoing it: " + undo.message());
+  }
+
+  // Removes the backups of a committed write. Errors: kIoError naming each backup left behind.
+  Status RemoveBackups() {
+    std::string problems;
+    for (Moved& m : moved_) {
+      Status s = env_->RemoveFile(m.backup);
+      if (!s.ok() && s.code() != Code::kNotFound) {
+        if (!problems.empty()) problems += "; ";
+        problems += s.message();
+      }
+      m.entry.Reset();
+    }
+    moved_.clear();
+    created_.clear();
+    if (problems.empty()) return Status::Ok();
+    return Status(Code::kIoError,
+                  "the new files are in place, but old ones moved aside remain: " + problems);
+  }
+
+ private:
+  struct Moved {
+    std::string original;
+    std::string backup;
+    internal::RollbackEntry entry;
+  };
+  struct Created {
+    std::string path;
+    internal::RollbackEntry entry;
+  };
+
+  std::string Join(const std::string& name) const {
+    return dir_.empty() ? name : (std::filesystem::path(dir_) / name).string();
+  }
+
+  Status Apply(std::vector<TempFile>& temps, const std::vector<std::string>& old_names) {
+    namespace fs = std::filesystem;
+    std::vector<std::string> targets;
+    for (const TempFile& t : temps) targets.push_back(t.target());
+    for (const std::string& name : old_names) {
+      std::string path = Join(name);
+      if (std::find(targets.begin(), targets.end(), path) == targets.end()) {
+        targets.push_back(std::move(path));
+      }
+    }
+    for (const std::string& target : targets) {
+      std::error_code ec;
+      if (fs::is_directory(fs::symlink_status(target, ec))) {
+        return Status(Code::kInvalidArgument,
+                      target + ": is a directory; the checkpoint's file cannot replace it");
+      }
+      const std::string base = fs::path(target).filename().string();
+      Moved m;
+      m.original = target;
+      m.backup = Join(HiddenSibling(base, ".bak-") + util::RandomHex(moved_.size()));
+      m.entry = internal::RollbackEntry(internal::RollbackEntry::Kind::kBackup, m.backup,
+                                        m.original, &group_);
+      Status s = env_->RenameFile(target, m.backup);
+      if (s.code() == Code::kNotFound) continue;  // nothing there to keep
+      if (!s.ok()) return s.WithPrefix(target + ": cannot move the existing file aside");
+      moved_.push_back(std::move(m));
+    }
+    for (TempFile& t : temps) {
+      const bool existed = std::any_of(moved_.begin(), moved_.end(),
+                                       [&](const Moved& m) { return m.original == t.target(); });
+      Created c;
+      if (!existed) {
+        c.path = t.target();
+        c.entry =
+            internal::RollbackEntry(internal::RollbackEntry::Kind::kCreated, c.path, {}, &group_);
+      }
+      TF_RETURN_IF_ERROR(env_->RenameFile(t.path(), t.target()).WithPrefix(t.target()));
+      t.Release();
+      if (!existed) created_.push_back(std::move(c));
+    }
+    if (sync_) TF_RETURN_IF_ERROR(env_->SyncDirectory(dir_));
+    return Status::Ok();
+  }
+
+  // Removes the names created and renames the backups back, newest first. Errors: kIoError
+  // naming what could not be undone (a backup that could not be put back keeps its name).
+  Status Rollback() {
+    std::string problems;
+    const auto note = [&](const std::string& what) {
+      if (!problems.empty()) problems += "; ";
+      problems += what;
+    };
+    for (auto it = created_.rbegin(); it != created_.rend(); ++it) {
+      Status s = env_->RemoveFile(it->path);
+      if (!s.ok() && s.code() != Code::kNotFound) note(s.message());
+    }
+    created_.clear();
+    for (auto it = moved_.rbegin(); it != moved_.rend(); ++it) {
+      Status s = env_->RenameFile(it->backup, it->original);
+      if (!s.ok())
+        note(it->original + " could not be put back and remains as " + it->backup + ": " +
+             s.message());
+    }
+    const bool any = !moved_.empty();
+    moved_.clear();
+    if (any && sync_) (void)env_->SyncDirectory(dir_);
+    if (problems.empty()) return Status::Ok();
+    return Status(Code::kIoError, problems);
+  }
+
+  Env* env_;
+  std::string dir_;
+  bool sync_;
+  internal::RollbackGroup group_;
+  std::vector<Moved> moved_;
+  std::vector<Created> created_;
+  bool done_ = false;
+};
+
 }  // namespace
+
+void AbandonWritesInProgress() noexcept {
+  internal::RunRegisteredRollbacks();
+}
 
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
                                          const Metadata& metadata) {
@@ -503,7 +630,8 @@ Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors
   std::iota(all.begin(), all.end(), size_t{0});
   TF_ASSIGN_OR_RETURN(const SerializedHeader header,
                       BuildHeader(tensors, sizes, all, sorted_metadata));
-  return WriteWithHeader(path, tensors, sizes, header, options);
+  return AtomicWrite(path, FileSize(header), options,
+                     [&](FileSink& sink) { return WriteBody(sink, tensors, sizes, header); });
 }
 
 Result<std::vector<std::string>> WriteSharded(const std::string& dir,
@@ -566,47 +694,62 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
     names[s] = prefix + "-" + index + "-of-" + count + ".safetensors";
   }
 
-  if (!dir.empty()) {
-    std::error_code ec;
+  Env* env = EnvOf(options.write);
+  // A directory this call creates is removed again if the write fails.
+  std::error_code ec;
+  const bool dir_existed = dir.empty() || fs::exists(dir, ec);
+  if (!dir_existed) {
     fs::create_directories(dir, ec);
     if (ec) {
       return Status(Code::kIoError, dir + ": cannot create directory: " + ec.message());
     }
   }
+  struct RemoveCreatedDir {
+    const std::string* dir;
+    bool armed;
+    ~RemoveCreatedDir() {
+      if (armed) ::rmdir(dir->c_str());  // only if empty: never anything but this call's own
+    }
+  } remove_dir{&dir, !dir_existed};
   const auto join = [&](const std::string& name) {
     return dir.empty() ? name : (fs::path(dir) / name).string();
   };
 
-  std::vector<std::string> written;
-  // If a later shard fails, remove the ones this call already wrote: a half-written checkpoint
-  // (with, possibly, an older index beside it) would otherwise look loadable.
-  struct Cleanup {
-    std::vector<std::string>* paths;
-    bool armed = true;
-    ~Cleanup() {
-      if (!armed) return;
-      for (const auto& p : *paths) ::unlink(p.c_str());
-    }
-  } cleanup{&written};
-
+  // Every file goes to a temporary name first; nothing visible changes until all are complete.
+  std::vector<TempFile> temps;
+  temps.reserve(n + 1);
   for (size_t s = 0; s < n; ++s) {
-    std::string path = join(names[s]);
-    TF_RETURN_IF_ERROR(WriteWithHeader(path, tensors, sizes, headers[s], options.write));
-    written.push_back(std::move(path));
+    TF_ASSIGN_OR_RETURN(
+        TempFile temp,
+        WriteTemp(join(names[s]), FileSize(headers[s]), options.write,
+                  [&](FileSink& sink) { return WriteBody(sink, tensors, sizes, headers[s]); }));
+    temps.push_back(std::move(temp));
   }
+  const std::string index_name = prefix + ".safetensors.index.json";
   if (n > 1 || options.always_write_index) {
     std::vector<std::string> file_of(tensors.size());
     for (size_t s = 0; s < n; ++s) {
       for (size_t i : shards[s]) file_of[i] = names[s];
     }
     const std::string index = IndexJson(tensors, file_of, total_size);
-    std::string path = join(prefix + ".safetensors.index.json");
-    TF_RETURN_IF_ERROR(AtomicWrite(path, index.size(), options.write, [&](FileSink& sink) {
-      return sink.Append(std::as_bytes(std::span<const char>(index.data(), index.size())));
-    }));
-    written.push_back(std::move(path));
+    TF_ASSIGN_OR_RETURN(
+        TempFile temp,
+        WriteTemp(join(index_name), index.size(), options.write, [&](FileSink& sink) {
+          return sink.Append(std::as_bytes(std::span<const char>(index.data(), index.size())));
+        }));
+    temps.push_back(std::move(temp));
   }
-  cleanup.armed = false;
+
+  // The files of the layout already there that the new one replaces or makes obsolete.
+  std::vector<std::string> old_names = OldLayout(env, dir, prefix);
+  ShardedCommit commit(env, dir, options.write.sync);
+  TF_RETURN_IF_ERROR(commit.Run(temps, old_names));
+  remove_dir.armed = false;
+  std::vector<std::string> written;
+  written.reserve(temps.size());
+  for (const TempFile& t : temps) written.push_back(t.target());
+  // Only the backups' removal can fail now; the new checkpoint is complete either way.
+  TF_RETURN_IF_ERROR(commit.RemoveBackups());
   return written;
 }
 

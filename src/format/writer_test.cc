@@ -809,6 +809,174 @@ TEST(WriterShard, FailingShardRemovesShardsAlreadyWritten) {
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{});
 }
 
+// --- WriteSharded: all or nothing
+// -----------------------------------------------------------------------------------
+
+// Every file of `dir` (hidden ones included) with its bytes.
+std::vector<std::pair<std::string, std::string>> Snapshot(const std::string& dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const std::string& name : ListDir(dir)) out.emplace_back(name, ReadBytes(dir + "/" + name));
+  return out;
+}
+
+// An older checkpoint in `dir`: tensors w0..w5 of 4 bytes in 3 shards with an index, written
+// with seed 100 (other bytes than MakeShardInput's), and an unrelated file of the user.
+void WriteOldLayout(const std::string& dir) {
+  std::vector<TensorToWrite> old;
+  for (unsigned i = 0; i < 6; ++i)
+    old.push_back(Generated(Numbered("w", i), DType::kU8, {4}, 100 + i));
+  ShardOptions options;
+  options.max_shard_size = 8;
+  options.write = NoSync();
+  auto r = WriteSharded(dir, old, {}, options);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->size(), 4u);
+  WriteBytes(dir + "/notes.txt", "the user's own file");
+}
+
+// The new layout: 2 shards of 8 bytes (w0..w3), with sync so directory fsyncs happen too.
+ShardOptions TwoShards(Env* env) {
+  ShardOptions options;
+  options.max_shard_size = 8;
+  options.write.env = env;
+  options.write.buffer_size = 4;  // several appends per file
+  return options;
+}
+
+TEST(WriterShardAtomic, SuccessReplacesTheOlderLayoutAndNothingElse) {
+  TempDir dir;
+  WriteOldLayout(dir.path());
+  const ShardInput in = MakeShardInput({4, 4, 4, 4});
+  auto r = WriteSharded(dir.path(), in.tensors, {}, TwoShards(nullptr));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(ListDir(dir.path()),
+            (std::vector<std::string>{"model-00001-of-00002.safetensors",
+                                      "model-00002-of-00002.safetensors",
+                                      "model.safetensors.index.json", "notes.txt"}));
+  EXPECT_EQ(ReadBytes(dir.Join("notes.txt")), "the user's own file");
+  EXPECT_EQ(ReadBytes(dir.Join("model-00001-of-00002.safetensors")),
+            ExpectedShard(in.tensors, {0, 1}, {}));
+}
+
+TEST(WriterShardAtomic, SingleFileAndShardedLayoutsReplaceEachOther) {
+  TempDir dir;
+  const ShardInput in = MakeShardInput({4, 4, 4, 4});
+  ShardOptions single;
+  single.always_write_index = false;
+  single.write = NoSync();
+  ASSERT_TRUE(WriteSharded(dir.path(), in.tensors, {}, single).ok());
+  EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{"model.safetensors"});
+  ASSERT_TRUE(WriteSharded(dir.path(), in.tensors, {}, TwoShards(nullptr)).ok());
+  // The old single file would shadow nothing, but is the same checkpoint's stale copy: removed.
+  EXPECT_EQ(ListDir(dir.path()), (std::vector<std::string>{"model-00001-of-00002.safetensors",
+                                                           "model-00002-of-00002.safetensors",
+                                                           "model.safetensors.index.json"}));
+  ASSERT_TRUE(WriteSharded(dir.path(), in.tensors, {}, single).ok());
+  EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{"model.safetensors"});
+}
+
+TEST(WriterShardAtomic, OnlyFilesTheOldIndexNamesAreRemoved) {
+  TempDir dir;
+  WriteBytes(
+      dir.Join("model.safetensors.index.json"),
+      R"({"weight_map": {"a": "keep.txt", "b": "old.safetensors", "c": "sub/x.safetensors"}})");
+  WriteBytes(dir.Join("keep.txt"), "k");
+  WriteBytes(dir.Join("old.safetensors"), "o");
+  const ShardInput in = MakeShardInput({4});
+  ShardOptions options;
+  options.write = NoSync();
+  ASSERT_TRUE(WriteSharded(dir.path(), in.tensors, {}, options).ok());
+  EXPECT_EQ(ListDir(dir.path()), (std::vector<std::string>{"keep.txt", "model.safetensors",
+                                                           "model.safetensors.index.json"}));
+}
+
+TEST(WriterShardAtomic, NoSpaceOnAnyWriteLeavesTheDirectoryExactlyAsBefore) {
+  // How many appends a successful write makes.
+  const ShardInput in = MakeShardInput({4, 4, 4, 4});
+  testing::FaultInjectionEnv counting;
+  {
+    TempDir probe;
+    ASSERT_TRUE(WriteSharded(probe.path(), in.tensors, {}, TwoShards(&counting)).ok());
+  }
+  const uint64_t appends = counting.appends();
+  ASSERT_GE(appends, 6u);
+  for (uint64_t k = 1; k <= appends; ++k) {
+    TempDir dir;
+    WriteOldLayout(dir.path());
+    const auto before = Snapshot(dir.path());
+    testing::FaultInjectionEnv env({.fail_append = k});
+    auto r = WriteSharded(dir.path(), in.tensors, {}, TwoShards(&env));
+    ASSERT_FALSE(r.ok()) << "append " << k;
+    EXPECT_EQ(r.status().code(), Code::kIoError);
+    ExpectMessageHas(r.status(), {dir.path(), "No space left on device", "offset"}, "enospc");
+    EXPECT_EQ(Snapshot(dir.path()), before) << "append " << k;
+  }
+}
+
+TEST(WriterShardAtomic, FailingRenameOrSyncAtAnyStepIsUndone) {
+  const ShardInput in = MakeShardInput({4, 4, 4, 4});
+  testing::FaultInjectionEnv counting;
+  {
+    TempDir probe;
+    WriteOldLayout(probe.path());
+    ASSERT_TRUE(WriteSharded(probe.path(), in.tensors, {}, TwoShards(&counting)).ok());
+  }
+  // 7 names to move aside (the 3 new ones, the single-file name, the 3 old shards; the index is
+  // both), of which 3 do not exist, then 3 new files renamed in.
+  const uint64_t renames = counting.renames();
+  ASSERT_EQ(renames, 10u);
+  std::vector<testing::FaultInjectionEnv::Faults> faults;
+  for (uint64_t k = 1; k <= renames; ++k) faults.push_back({.fail_rename = k});
+  for (uint64_t k = 1; k <= 3; ++k) faults.push_back({.fail_sync = k});
+  faults.push_back({.fail_sync_directory = 1});
+  for (size_t i = 0; i < faults.size(); ++i) {
+    TempDir dir;
+    WriteOldLayout(dir.path());
+    const auto before = Snapshot(dir.path());
+    testing::FaultInjectionEnv env(faults[i]);
+    auto r = WriteSharded(dir.path(), in.tensors, {}, TwoShards(&env));
+    ASSERT_FALSE(r.ok()) << "case " << i;
+    EXPECT_EQ(r.status().code(), Code::kIoError) << r.status().ToString();
+    EXPECT_EQ(Snapshot(dir.path()), before) << "case " << i << ": " << r.status().ToString();
+  }
+}
+
+TEST(WriterShardAtomic, FailureRemovesTheDirectoryItCreated) {
+  TempDir dir;
+  const ShardInput in = MakeShardInput({4, 4});
+  testing::FaultInjectionEnv env({.fail_append = 2});
+  auto r = WriteSharded(dir.Join("new"), in.tensors, {}, TwoShards(&env));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{});
+}
+
+TEST(WriterShardAtomic, AbandonWritesInProgressRemovesTemporaries) {
+  // What the CLI's signal handler does, called from inside the write: the first shard's complete
+  // temporary and the second's partial one disappear at once; the old layout is untouched.
+  TempDir dir;
+  WriteOldLayout(dir.path());
+  const auto before = Snapshot(dir.path());
+  ShardInput in = MakeShardInput({4, 4, 4, 4});
+  std::vector<std::string> seen_during;
+  bool had_temporaries = false;
+  in.tensors[2] = Generated("w2", DType::kU8, {4}, 0);
+  in.tensors[2].generate = [&](uint64_t, std::span<std::byte>) {
+    for (const std::string& name : ListDir(dir.path())) {
+      had_temporaries = had_temporaries || name.find(".tmp-") != std::string::npos;
+    }
+    AbandonWritesInProgress();
+    seen_during = ListDir(dir.path());
+    return Status(Code::kIoError, "interrupted");
+  };
+  auto r = WriteSharded(dir.path(), in.tensors, {}, TwoShards(nullptr));
+  EXPECT_FALSE(r.ok());
+  EXPECT_TRUE(had_temporaries);
+  std::vector<std::string> before_names;
+  for (const auto& [name, bytes] : before) before_names.push_back(name);
+  EXPECT_EQ(seen_during, before_names);
+  EXPECT_EQ(Snapshot(dir.path()), before);
+}
+
 // --- against files written by the reference (tests/data/reference, safetensors 0.8)
 // ----------------
 

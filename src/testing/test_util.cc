@@ -10,6 +10,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "util/macros.h"
+
 namespace tensorferry::testing {
 
 TempDir::TempDir() {
@@ -118,6 +120,98 @@ Result<std::unique_ptr<RandomAccessFile>> MemoryEnv::OpenRandomAccess(const std:
   auto it = files_.find(path);
   if (it == files_.end()) return Status(Code::kNotFound, path + ": cannot open: no such file");
   return std::unique_ptr<RandomAccessFile>(new MemoryFile(path, it->second, &mu_));
+}
+
+class FaultyWritableFile final : public WritableFile {
+ public:
+  FaultyWritableFile(FaultInjectionEnv* env, std::unique_ptr<WritableFile> base)
+      : env_(env), base_(std::move(base)) {}
+
+  Status Append(std::span<const std::byte> data) override {
+    {
+      std::lock_guard<std::mutex> lock(env_->mu_);
+      if (env_->Hit(env_->appends_, env_->faults_.fail_append)) {
+        return Status(Code::kIoError, path() + ": write of " + std::to_string(data.size()) +
+                                          " bytes at offset " + std::to_string(offset_) +
+                                          " failed: No space left on device (errno 28)");
+      }
+    }
+    TF_RETURN_IF_ERROR(base_->Append(data));
+    offset_ += data.size();
+    return Status::Ok();
+  }
+  Status Sync() override {
+    {
+      std::lock_guard<std::mutex> lock(env_->mu_);
+      if (env_->Hit(env_->syncs_, env_->faults_.fail_sync)) {
+        return Status(Code::kIoError, path() + ": fsync failed: Input/output error (errno 5)");
+      }
+    }
+    return base_->Sync();
+  }
+  Status Close() override { return base_->Close(); }
+  const std::string& path() const noexcept override { return base_->path(); }
+
+ private:
+  FaultInjectionEnv* env_;
+  std::unique_ptr<WritableFile> base_;
+  uint64_t offset_ = 0;
+};
+
+void FaultInjectionEnv::SetFaults(Faults faults) {
+  std::lock_guard<std::mutex> lock(mu_);
+  faults_ = faults;
+  appends_ = syncs_ = renames_ = dir_syncs_ = 0;
+}
+
+uint64_t FaultInjectionEnv::appends() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return appends_;
+}
+
+uint64_t FaultInjectionEnv::renames() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return renames_;
+}
+
+bool FaultInjectionEnv::Hit(uint64_t& counter, uint64_t fail_at) {
+  ++counter;
+  return fail_at != 0 && counter == fail_at;
+}
+
+Result<std::unique_ptr<RandomAccessFile>> FaultInjectionEnv::OpenRandomAccess(
+    const std::string& path) {
+  return Env::Default()->OpenRandomAccess(path);
+}
+
+Result<std::unique_ptr<WritableFile>> FaultInjectionEnv::NewTempFile(
+    const std::string& dir, const std::string& stem,
+    const std::function<void(const std::string& path)>& reserve) {
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> base,
+                      Env::Default()->NewTempFile(dir, stem, reserve));
+  return std::unique_ptr<WritableFile>(new FaultyWritableFile(this, std::move(base)));
+}
+
+Status FaultInjectionEnv::RenameFile(const std::string& from, const std::string& to) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Hit(renames_, faults_.fail_rename)) {
+      return Status(Code::kIoError,
+                    "cannot rename " + from + " to " + to + ": Input/output error (errno 5)");
+    }
+  }
+  return Env::Default()->RenameFile(from, to);
+}
+
+Status FaultInjectionEnv::SyncDirectory(const std::string& dir) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Hit(dir_syncs_, faults_.fail_sync_directory)) {
+      return Status(Code::kIoError,
+                    dir + ": fsync of directory failed: Input/output error (errno 5)");
+    }
+  }
+  return Env::Default()->SyncDirectory(dir);
 }
 
 }  // namespace tensorferry::testing

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -63,6 +64,41 @@ class MemoryEnv : public Env {
   };
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Entry>> files_;
+};
+
+// An Env over real files (it forwards to Env::Default()) whose write operations fail on demand,
+// as a full disk or a failing rename would: counts are over all files, 1-based, 0 = never.
+class FaultInjectionEnv : public Env {
+ public:
+  struct Faults {
+    uint64_t fail_append = 0;  // the Nth WritableFile::Append fails with ENOSPC
+    uint64_t fail_sync = 0;    // the Nth WritableFile::Sync fails with EIO
+    uint64_t fail_rename = 0;  // the Nth RenameFile fails with EIO (after nothing was renamed)
+    uint64_t fail_sync_directory = 0;  // the Nth SyncDirectory fails with EIO
+  };
+
+  FaultInjectionEnv() = default;
+  explicit FaultInjectionEnv(Faults faults) : faults_(faults) {}
+  void SetFaults(Faults faults);
+
+  uint64_t appends() const;
+  uint64_t renames() const;
+
+  Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override;
+  Result<std::unique_ptr<WritableFile>> NewTempFile(
+      const std::string& dir, const std::string& stem,
+      const std::function<void(const std::string& path)>& reserve) override;
+  Status RenameFile(const std::string& from, const std::string& to) override;
+  Status SyncDirectory(const std::string& dir) override;
+
+ private:
+  friend class FaultyWritableFile;
+  // True when this call is the one that should fail.
+  bool Hit(uint64_t& counter, uint64_t fail_at);
+
+  mutable std::mutex mu_;
+  Faults faults_;
+  uint64_t appends_ = 0, syncs_ = 0, renames_ = 0, dir_syncs_ = 0;
 };
 
 }  // namespace tensorferry::testing

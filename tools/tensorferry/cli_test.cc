@@ -792,6 +792,89 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
   EXPECT_EQ(RunCli({"reshard", dir.Join("src"), dir.Join("x")}).exit_code, 2);
 }
 
+TEST(CliReshard, RefusesToWriteOverItsOwnSource) {
+  TempDir dir;
+  const std::string src = dir.Join("src");
+  GenTiny(src);
+  fs::create_symlink(src, dir.Join("link"));
+  fs::create_directories(dir.Join("sub"));
+  const auto before = DirContents(src);
+  // The same directory by any path: itself, a symlink, a ".." detour; and a source given as its
+  // index file or one of its files.
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {src, src},
+           {src, dir.Join("link")},
+           {src, dir.Join("sub/../src")},
+           {src + "/model.safetensors.index.json", src},
+           {dir.Join("link"), src}}) {
+    const RunResult r = RunCli({"reshard", from, to, "--max-shard-size", "100KB", "--no-sync"});
+    ExpectOneLineError(r);
+    EXPECT_NE(r.err.find("source"), std::string::npos) << Describe(r);
+    EXPECT_EQ(DirContents(src), before) << from << " -> " << to;
+  }
+}
+
+TEST(CliGen, RewritingADirectoryRemovesTheOlderLayout) {
+  TempDir dir;
+  const std::string out = dir.Join("m");
+  GenTiny(out, {"--shard-size", "40KB"});
+  ASSERT_GE(Shards(out).size(), 3u);
+  WriteBytes(out + "/README.md", "mine");
+  GenTiny(out);  // one shard now
+  std::vector<std::string> names;
+  for (const auto& [name, bytes] : DirContents(out)) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"README.md", "model.safetensors",
+                                             "model.safetensors.index.json"}));
+  EXPECT_EQ(RunCli({"verify", out}).exit_code, 0);
+}
+
+// Starts the CLI with `args` (output discarded) and returns its pid.
+pid_t SpawnCli(const std::vector<std::string>& args) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  std::vector<std::string> argv_storage = {TENSORFERRY_CLI_PATH};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  EXPECT_EQ(rc, 0) << std::strerror(rc);
+  return rc == 0 ? pid : -1;
+}
+
+TEST(CliGen, InterruptedWriteRemovesItsFilesAndDiesOfTheSignal) {
+  for (int sig : {SIGINT, SIGTERM}) {
+    TempDir dir;
+    const std::string out = dir.Join("m");
+    GenTiny(out, {"--shard-size", "40KB"});  // an older checkpoint that must survive
+    const auto before = DirContents(out);
+    // ~0.5 GB in 100 MB shards: interrupted as soon as its first temporary file appears.
+    const pid_t pid = SpawnCli({"gen", out, "--preset", "small", "--shard-size", "100MB"});
+    ASSERT_GT(pid, 0);
+    bool seen = false;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!seen && std::chrono::steady_clock::now() < deadline) {
+      for (const auto& e : fs::directory_iterator(out)) {
+        seen = seen || e.path().filename().string().find(".tmp-") != std::string::npos;
+      }
+      if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(seen) << "no temporary file appeared";
+    ASSERT_EQ(kill(pid, sig), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "exited with " << WEXITSTATUS(status);
+    EXPECT_EQ(WTERMSIG(status), sig);
+    // No temporary, no new shard, no backup: exactly the older checkpoint.
+    EXPECT_EQ(DirContents(out), before) << strsignal(sig);
+  }
+}
+
 TEST(CliLoad, TensorParallelRankReportsBytesRead) {
   TempDir dir;
   GenTiny(dir.Join("c"));

@@ -6,7 +6,11 @@
 //   tensorferry convert SRC DST [--max-shard-size SIZE] [--verify] [--json]
 //   tensorferry doctor [--json] [--quick]
 //
-// Exit codes: 0 success, 1 I/O error or invalid input, 2 usage error.
+// Exit codes: 0 success, 1 I/O error or invalid input, 2 usage error. Ended by SIGINT, SIGTERM
+// or SIGHUP, it first removes the temporary files of writes in progress (and undoes a sharded
+// write not yet committed), then dies of the signal as it would without a handler.
+#include <signal.h>
+
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -16,13 +20,41 @@
 
 #include "commands.h"
 #include "tensorferry/mapping.h"
+#include "tensorferry/writer.h"
 
 #ifndef TENSORFERRY_VERSION_STRING
 #define TENSORFERRY_VERSION_STRING "unknown"
 #endif
 
+namespace {
+
+// Async-signal-safe: AbandonWritesInProgress uses only unlink, rename and atomics. SA_RESETHAND
+// has already restored the default disposition, so raise() ends the process with this signal (at
+// once, or as soon as the handler returns if the signal is blocked meanwhile): the exit status
+// says which signal it was.
+extern "C" void OnTerminatingSignal(int sig) {
+  tensorferry::AbandonWritesInProgress();
+  ::raise(sig);
+}
+
+void InstallSignalHandlers() {
+  struct sigaction action {};
+  action.sa_handler = OnTerminatingSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESETHAND;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction old {};
+    // A signal the parent ignores (nohup, a shell's background job) stays ignored.
+    if (::sigaction(sig, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+    ::sigaction(sig, &action, nullptr);
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace tensorferry::cli;
+  InstallSignalHandlers();
   try {
     CLI::App app{"tensorferry: inspect, verify and generate safetensors checkpoints"};
     app.name("tensorferry");

@@ -8,7 +8,11 @@
 // positional reads; memory stays at the writer's buffer. Nothing is half-written: each rank is
 // written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
 // complete; a failure removes the partial directory (ranks completed before it stay, each whole).
-// An existing rank directory is refused before anything is written.
+// An existing rank directory is refused before anything is written. Without --tp, DST may not be
+// the source's own directory (compared by device and inode), which would replace the source; any
+// other existing checkpoint in DST is replaced all or nothing (WriteSharded).
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -158,6 +162,27 @@ int RunReshard(const ReshardArgs& a) {
     }
     m.emplace_back(k, v);
   };
+
+  // Re-splitting into the source's own directory would replace (and obsolete) the files being
+  // read. The same directory is recognized by device and inode, whatever path leads there
+  // (symlinks, "..", bind mounts).
+  if (a.tp == 0) {
+    struct stat dst_st;
+    if (::stat(a.dst.c_str(), &dst_st) == 0) {
+      for (const FileInfo& f : (*ckpt)->files()) {
+        const fs::path parent = fs::path(f.path).parent_path();
+        struct stat src_st;
+        if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
+            src_st.st_dev == dst_st.st_dev && src_st.st_ino == dst_st.st_ino) {
+          PrintError(a.dst, Status(Code::kInvalidArgument,
+                                   "is the directory of the source file " + f.path +
+                                       "; writing there would replace the checkpoint being "
+                                       "read (choose another output directory)"));
+          return kExitError;
+        }
+      }
+    }
+  }
 
   std::error_code ec;
   fs::create_directories(a.dst, ec);

@@ -145,4 +145,13 @@ class Checkpoint {
 // Reads a file's header from `file` and validates it (ParseHeader with I/O).
 Result<Header> ReadHeader(const RandomAccessFile& file, const ParseLimits& limits = {});
 
+// Opens a file of a checkpoint again (through `env`; nullptr: Env::Default()) and checks it still
+// has the size it was validated with (FileInfo::file_size). Errors: those of
+// Env::OpenRandomAccess; kIoError "<path>: file changed since the checkpoint was opened: N bytes
+// then, M now".
+Result<std::unique_ptr<RandomAccessFile>> ReopenCheckpointFile(const std::string& path,
+                                                               uint64_t size, Env* env = nullptr);
+// The same check on a file already open (fstat): Ok, or that kIoError.
+Status CheckCheckpointFileSize(const RandomAccessFile& file, uint64_t size);
+
 }  // namespace tensorferry

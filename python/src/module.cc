@@ -408,15 +408,22 @@ class Reader {
         Lookup(target ? *target : n);
       }
     }
+    // Locked on this thread (a stream callback reading through its own loader is refused here),
+    // then loaded on Interruptible's helper thread.
+    std::optional<Lock> lock;
+    {
+      WithoutGil release;
+      lock.emplace(*this);
+    }
     cancel_->store(false);
     std::vector<Tensor> tensors = Interruptible(*cancel_, [&] {
-      Lock lock(*this);
       Loader& loader = EnsureLoader();
       const Selection selection = names ? Selection::Names(*names) : Selection::All();
       Result<std::vector<Tensor>> got = loader.Load(selection);
       SetStats(loader.stats());
       return Unwrap(std::move(got));
     });
+    lock.reset();
     return ExportTensors(fw, tensors);
   }
 
@@ -544,9 +551,13 @@ class Reader {
       d.capacity = nb::cast<uint64_t>(e[3]);
       destinations.push_back(std::move(d));
     }
+    std::optional<Lock> lock;  // as in Load
+    {
+      WithoutGil release;
+      lock.emplace(*this);
+    }
     cancel_->store(false);
     Interruptible(*cancel_, [&] {
-      Lock lock(*this);
       Loader& loader = EnsureLoader();
       const Status s = loader.LoadInto(destinations);
       SetStats(loader.stats());
@@ -671,17 +682,9 @@ class Reader {
 
   // Opens a file of the checkpoint and checks it still has the size it was validated with.
   static Result<std::shared_ptr<const RandomAccessFile>> OpenChecked(const FileInfo& f) {
-    Result<std::unique_ptr<RandomAccessFile>> opened = Env::Default()->OpenRandomAccess(f.path);
-    if (!opened.ok()) return opened.status();
-    std::shared_ptr<const RandomAccessFile> file = std::move(opened).value();
-    Result<uint64_t> size = file->Size();
-    if (!size.ok()) return size.status();
-    if (*size != f.file_size) {
-      return Status(Code::kIoError, f.path + ": file changed since the checkpoint was opened: " +
-                                        std::to_string(f.file_size) + " bytes then, " +
-                                        std::to_string(*size) + " now");
-    }
-    return file;
+    Result<std::unique_ptr<RandomAccessFile>> file = ReopenCheckpointFile(f.path, f.file_size);
+    if (!file.ok()) return file.status();
+    return std::shared_ptr<const RandomAccessFile>(std::move(file).value());
   }
 
   // Files of a directory checkpoint held open for the Reader's life at most (see the constructor).

@@ -24,6 +24,24 @@ namespace tensorferry {
 
 namespace fs = std::filesystem;
 
+Result<std::unique_ptr<RandomAccessFile>> ReopenCheckpointFile(const std::string& path,
+                                                               uint64_t size, Env* env) {
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                      (env != nullptr ? env : Env::Default())->OpenRandomAccess(path));
+  TF_RETURN_IF_ERROR(CheckCheckpointFileSize(*file, size));
+  return file;
+}
+
+Status CheckCheckpointFileSize(const RandomAccessFile& file, uint64_t size) {
+  TF_ASSIGN_OR_RETURN(const uint64_t now, file.Size());
+  if (now != size) {
+    return Status(Code::kIoError, file.path() + ": file changed since the checkpoint was opened: " +
+                                      std::to_string(size) + " bytes then, " +
+                                      std::to_string(now) + " now");
+  }
+  return Status::Ok();
+}
+
 Result<Header> ReadHeader(const RandomAccessFile& file, const ParseLimits& limits) {
   TF_ASSIGN_OR_RETURN(const uint64_t file_size, file.Size());
   std::array<std::byte, 8> prefix{};

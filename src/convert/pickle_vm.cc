@@ -1169,7 +1169,7 @@ std::string PyTypeName(const PickleResult& r, const Value& v) {
   switch (o.kind) {
     case Kind::kStr: return "str";
     case Kind::kBytes: return "bytes";
-    case Kind::kBigInt: return "int";
+    case Kind::kBigInt: return "int beyond 64 bits";  // "must be an int, not int" otherwise
     case Kind::kTuple: return o.torch_size ? "Size" : "tuple";
     case Kind::kList: return "list";
     case Kind::kDict: return o.ordered ? "OrderedDict" : "dict";

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "tensorferry/checkpoint.h"
+
 #include "util/macros.h"
 
 namespace tensorferry::io {
@@ -21,16 +23,6 @@ size_t FileSet::DefaultMaxOpen() {
   return std::clamp<size_t>(limit.rlim_cur / 4, 8, 1024);
 }
 
-Status FileSet::CheckSize(const Entry& e, const RandomAccessFile& file) const {
-  TF_ASSIGN_OR_RETURN(uint64_t size, file.Size());
-  if (size != e.spec.size) {
-    return Status(Code::kIoError, e.spec.path + ": file changed since the checkpoint was opened: " +
-                                      std::to_string(e.spec.size) + " bytes then, " +
-                                      std::to_string(size) + " now");
-  }
-  return Status::Ok();
-}
-
 Result<FileSet::Pin> FileSet::Get(uint32_t f, bool want_direct) {
   std::lock_guard<std::mutex> lock(mu_);
   if (f >= files_.size()) {
@@ -39,10 +31,7 @@ Result<FileSet::Pin> FileSet::Get(uint32_t f, bool want_direct) {
   Entry& e = files_[f];
   e.last_use = ++tick_;
   if (!e.file) {
-    TF_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> opened,
-                        env_->OpenRandomAccess(e.spec.path));
-    TF_RETURN_IF_ERROR(CheckSize(e, *opened));
-    e.file = std::move(opened);
+    TF_ASSIGN_OR_RETURN(e.file, ReopenCheckpointFile(e.spec.path, e.spec.size, env_));
     ++open_;
     ++opens_;
   }
@@ -82,7 +71,7 @@ void FileSet::EvictLocked(uint32_t keep) {
 Status FileSet::CheckOpenSizes() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const Entry& e : files_) {
-    if (e.file) TF_RETURN_IF_ERROR(CheckSize(e, *e.file));
+    if (e.file) TF_RETURN_IF_ERROR(CheckCheckpointFileSize(*e.file, e.spec.size));
   }
   return Status::Ok();
 }

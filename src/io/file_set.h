@@ -73,7 +73,6 @@ class FileSet {
     bool direct_refused = false;
     uint64_t last_use = 0;
   };
-  Status CheckSize(const Entry& e, const RandomAccessFile& file) const;
   void EvictLocked(uint32_t keep);
 
   Env* env_;

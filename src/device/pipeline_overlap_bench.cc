@@ -5,8 +5,9 @@
 // moves the same bytes (files written to a temporary directory, warm in the page cache) three
 // ways, with the same chunks (slot_size pieces), the same number of threads and streams:
 //   read      the engine reads every chunk into pinned memory (the ring's slots), nothing copied;
-//   copy      every chunk is copied from pinned memory to device memory on the streams, nothing read;
-//   pipeline  DevicePipeline::Run: read into a slot, cudaMemcpyAsync from it, the slot reused after
+//   copy      every chunk is copied from pinned memory to device memory on the streams, nothing
+//   read; pipeline  DevicePipeline::Run: read into a slot, cudaMemcpyAsync from it, the slot reused
+//   after
 //             its event.
 // The figure is pipeline / min(read, copy) per round (median over rounds): 100% when reads and
 // copies overlap perfectly, 50% when two equal stages run one after the other.
@@ -136,8 +137,8 @@ class ThrottledEngine final : public io::ReadEngine {
       for (const io::ReadRequest& r : requests) bytes += r.dst.size();
       std::lock_guard<std::mutex> lock(mu_);
       const Clock::time_point start = std::max(Clock::now(), link_free_);
-      done = start + std::chrono::nanoseconds(
-                         static_cast<int64_t>(static_cast<double>(bytes) * 1e9 / bytes_per_second_));
+      done = start + std::chrono::nanoseconds(static_cast<int64_t>(static_cast<double>(bytes) *
+                                                                   1e9 / bytes_per_second_));
       link_free_ = done;
     }
     Status status = inner_->Execute(requests);
@@ -281,7 +282,8 @@ int Main(int argc, char** argv) {
           const size_t k = next.fetch_add(1);
           if (k >= chunks.size()) return;
           const unsigned s = (p + n * producers) % slots;
-          const io::ReadRequest request{chunks[k].file, chunks[k].offset,
+          const io::ReadRequest request{chunks[k].file,
+                                        chunks[k].offset,
                                         {(*pinned)->data() + s * slot, chunks[k].length},
                                         -1};
           if (!engine.Execute({&request, 1}).ok()) failed = true;
@@ -319,14 +321,16 @@ int Main(int argc, char** argv) {
     std::printf("tf_device_overlap_bench: %s, %u cores, load %s\n", CpuModel().c_str(),
                 std::thread::hardware_concurrency(), load_before.c_str());
 #ifndef NDEBUG
-    std::printf("WARNING: built without NDEBUG (not a release build): numbers are not meaningful\n");
+    std::printf(
+        "WARNING: built without NDEBUG (not a release build): numbers are not meaningful\n");
 #endif
-    std::printf("%u files of %llu MiB (page cache), %zu chunks of %llu MiB, %u slots, %u producers/"
-                "streams; read link %s, copy engine %s\n",
-                o.files, static_cast<unsigned long long>(file_size / mib), chunks.size(),
-                static_cast<unsigned long long>(slot / mib), slots, producers,
-                o.read_gbps > 0 ? (std::to_string(o.read_gbps) + " GB/s").c_str() : "unlimited",
-                o.copy_gbps > 0 ? (std::to_string(o.copy_gbps) + " GB/s").c_str() : "unlimited");
+    std::printf(
+        "%u files of %llu MiB (page cache), %zu chunks of %llu MiB, %u slots, %u producers/"
+        "streams; read link %s, copy engine %s\n",
+        o.files, static_cast<unsigned long long>(file_size / mib), chunks.size(),
+        static_cast<unsigned long long>(slot / mib), slots, producers,
+        o.read_gbps > 0 ? (std::to_string(o.read_gbps) + " GB/s").c_str() : "unlimited",
+        o.copy_gbps > 0 ? (std::to_string(o.copy_gbps) + " GB/s").c_str() : "unlimited");
     std::printf("%-6s %10s %10s %10s %10s\n", "round", "read", "copy", "pipeline", "overlap");
   }
   // A warm-up round (page cache, first touches of pinned and device memory), then the rounds;
@@ -376,9 +380,10 @@ int Main(int argc, char** argv) {
   } else {
     std::printf("%-6s %10.3f %10.3f %10.3f %9.1f%%   (GB/s; medians over %u rounds)\n", "median",
                 Median(reads), Median(copies), Median(pipes), 100 * figure, o.rounds);
-    std::printf("overlap: pipeline / min(read, copy) = %.1f%% (median of the rounds' ratios); "
-                "load %s -> %s; device bytes verified\n",
-                100 * figure, load_before.c_str(), LoadAverage().c_str());
+    std::printf(
+        "overlap: pipeline / min(read, copy) = %.1f%% (median of the rounds' ratios); "
+        "load %s -> %s; device bytes verified\n",
+        100 * figure, load_before.c_str(), LoadAverage().c_str());
   }
   return 0;
 }
@@ -386,4 +391,6 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace tensorferry::device
 
-int main(int argc, char** argv) { return tensorferry::device::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return tensorferry::device::Main(argc, argv);
+}

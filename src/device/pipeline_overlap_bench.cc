@@ -172,6 +172,13 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+std::string Rate(double gbps) {
+  if (gbps <= 0) return "unlimited";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g GB/s", gbps);
+  return buf;
+}
+
 std::string LoadAverage() {
   std::ifstream in("/proc/loadavg");
   std::string a, b, c;
@@ -328,9 +335,8 @@ int Main(int argc, char** argv) {
         "%u files of %llu MiB (page cache), %zu chunks of %llu MiB, %u slots, %u producers/"
         "streams; read link %s, copy engine %s\n",
         o.files, static_cast<unsigned long long>(file_size / mib), chunks.size(),
-        static_cast<unsigned long long>(slot / mib), slots, producers,
-        o.read_gbps > 0 ? (std::to_string(o.read_gbps) + " GB/s").c_str() : "unlimited",
-        o.copy_gbps > 0 ? (std::to_string(o.copy_gbps) + " GB/s").c_str() : "unlimited");
+        static_cast<unsigned long long>(slot / mib), slots, producers, Rate(o.read_gbps).c_str(),
+        Rate(o.copy_gbps).c_str());
     std::printf("%-6s %10s %10s %10s %10s\n", "round", "read", "copy", "pipeline", "overlap");
   }
   // A warm-up round (page cache, first touches of pinned and device memory), then the rounds;

@@ -26,8 +26,9 @@
 # package is installed into .venv while torch and the build tools are the machine's.
 #
 # Settings: DATA (checkpoint, default data/gpu_check), GEN_ARGS (tensorferry gen options, default
-# "--preset default --layers 64": ~8.3 GB in 5 shards), REPEATS (default 3), BENCH_ARGS (more
-# options of bench/gpu_bench.py, e.g. "--modes warm"), JOBS (build parallelism).
+# "--preset default --layers 64": ~8.1 GB in 9 shards of ~1 GB), REPEATS (default 3), BENCH_ARGS (more
+# options of bench/gpu_bench.py, e.g. "--modes warm"), JOBS (build parallelism), WERROR=OFF (strict
+# warnings not as errors: for a compiler newer than Debian 12's g++ 12; build.log counts them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -84,7 +85,9 @@ preflight() {
       echo "$t: not found"
     fi
   done
-  "$base_py" - <<'PY' || true
+  local report_py=$base_py
+  [ -x "$py" ] && report_py=$py
+  "$report_py" - <<'PY' || true
 import importlib, sys, sysconfig, os
 print("python:", sys.executable, sys.version.split()[0],
       "Python.h:", os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))
@@ -131,7 +134,8 @@ sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyt
   local t0=$SECONDS
   logged build.log scripts/build.sh release
   logged build.log scripts/install_python.sh
-  echo "build and Python package: $((SECONDS - t0)) s" | tee -a "$out/build.log"
+  echo "build and Python package: $((SECONDS - t0)) s; compiler warnings: $(grep -c 'warning:' "$out/build.log" || true)" |
+    tee -a "$out/build.log"
   built=1
 }
 
@@ -149,11 +153,12 @@ phase_cpu_tests() {
   echo "CPU tests: $((SECONDS - t0)) s"
 }
 
+# Prints tensorferry doctor (into the log $1 too) and stops unless CUDA and torch's CUDA work.
 require_cuda() {
+  "$tf" doctor 2>&1 | tee -a "$out/$1" || true
   "$tf" doctor --json > "$out/doctor.json" || true
   if ! "$py" -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["cuda_available"] else 1)' \
       "$out/doctor.json"; then
-    "$tf" doctor || true
     echo "gpu_check: no usable CUDA device here (see the doctor report above)" >&2
     exit 1
   fi
@@ -167,8 +172,7 @@ phase_gpu_tests() {
   phase_build
   local log=gpu_tests.log
   echo "== GPU tests (log: $out/$log)"
-  "$tf" doctor | tee -a "$out/$log"
-  require_cuda
+  require_cuda $log
   echo "-- GPU-labelled C++ tests (real device)" | tee -a "$out/$log"
   logged $log ctest --test-dir build/release -L gpu --output-on-failure -V
   grep -E 'gds=|\[gpu loader\]|Skipped|tests passed' "$out/$log" || true
@@ -184,8 +188,9 @@ phase_gpu_tests() {
 
 phase_bench() {
   phase_build
-  require_cuda
   local log=bench.log
+  echo "== bench (log: $out/$log)"
+  require_cuda $log
   echo "== checkpoint $data ($gen_args; log: $out/$log)" | tee -a "$out/$log"
   if [ -f "$data/model.safetensors.index.json" ] && "$tf" verify "$data" >/dev/null 2>&1; then
     echo "$data already holds a valid checkpoint" | tee -a "$out/$log"

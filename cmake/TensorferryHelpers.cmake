@@ -1,9 +1,13 @@
-# Strict warnings, only in developer mode: never imposed on consumers of the library.
+# Strict warnings, only in developer mode: never imposed on consumers of the library. Errors unless
+# TENSORFERRY_WERROR is off (a compiler newer than the project's may warn about new things).
 function(tensorferry_strict_warnings target)
   if(TENSORFERRY_DEVELOPER_MODE)
     target_compile_options(${target} PRIVATE
       -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Woverloaded-virtual
-      -Wimplicit-fallthrough -Wcast-align -Wformat=2 -Werror)
+      -Wimplicit-fallthrough -Wcast-align -Wformat=2)
+    if(TENSORFERRY_WERROR)
+      target_compile_options(${target} PRIVATE -Werror)
+    endif()
   endif()
 endfunction()
 

@@ -4,11 +4,13 @@
 #   asan     ASan + UBSan, tests
 #   tsan     ThreadSanitizer, tests
 #   fuzz     clang, libFuzzer targets with ASan + UBSan
+# WERROR=OFF keeps the strict warnings but not as errors (a compiler newer than Debian 12's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour=${1:-release}
 jobs=${JOBS:-$(nproc)}
-common=(-G Ninja -DTENSORFERRY_DEVELOPER_MODE=ON -DTENSORFERRY_PYTHON="$PWD/.venv/bin/python")
+common=(-G Ninja -DTENSORFERRY_DEVELOPER_MODE=ON -DTENSORFERRY_WERROR="${WERROR:-ON}"
+        -DTENSORFERRY_PYTHON="$PWD/.venv/bin/python")
 case "$flavour" in
   release) args=(-DCMAKE_BUILD_TYPE=Release) ;;
   asan) args=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ -DTENSORFERRY_SANITIZE=address,undefined) ;;

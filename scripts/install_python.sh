@@ -13,11 +13,12 @@ if [ "$want" = "$have" ] && [ "${FORCE:-0}" != 1 ]; then
   exit 0
 fi
 echo "[python] building and installing the tensorferry package into .venv (sources $want)"
-# Developer mode: the bindings compile with the project's strict warnings (-Werror); tests and
-# tools are not part of the package.
+# Developer mode: the bindings compile with the project's strict warnings (-Werror unless
+# WERROR=OFF); tests and tools are not part of the package.
 nice -n 10 "$py" -m pip install --quiet --no-build-isolation --no-deps \
   -C build-dir=build/python \
   -C cmake.define.TENSORFERRY_DEVELOPER_MODE=ON \
+  -C cmake.define.TENSORFERRY_WERROR="${WERROR:-ON}" \
   -C cmake.define.TENSORFERRY_SOURCE_HASH="$want" \
   -C build.tool-args=-j"${JOBS:-$(nproc)}" \
   .

@@ -3,6 +3,7 @@
 // cuda/resources.h.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -70,6 +71,33 @@ TEST_F(FakeCudaRuntimeTest, CopiesRunLaterOnTheStreamAndInOrder) {
   EXPECT_EQ(s.copies_executed, 2u);
   EXPECT_EQ(s.bytes_copied_to_device, 8192u);
   EXPECT_EQ(s.max_copies_pending, 2u);
+  EXPECT_EQ(api().cudaFree(dev), kSuccess);
+}
+
+TEST_F(FakeCudaRuntimeTest, CopyBandwidthIsSharedByEveryStream) {
+  // 4 copies of 1 MiB on two streams through one 40 MiB/s engine: at least 100 ms in all, however
+  // the streams interleave; unthrottled, the same copies take a few milliseconds.
+  constexpr size_t kCopy = 1 << 20;
+  auto config = DefaultConfig();
+  config.copy_bytes_per_second = 40ull << 20;
+  Configure(config);
+  auto src = Pinned(kCopy, 'x');
+  void* dev = Malloc(4 * kCopy);
+  auto s1 = UniqueStream::Create(runtime_);
+  auto s2 = UniqueStream::Create(runtime_);
+  ASSERT_TRUE(src && s1.ok() && s2.ok());
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < 4; ++i) {
+    ASSERT_EQ(api().cudaMemcpyAsync(static_cast<char*>(dev) + i * kCopy, src->data(), kCopy,
+                                    kMemcpyHostToDevice, (i % 2 ? s1 : s2)->get()),
+              kSuccess);
+  }
+  ASSERT_EQ(api().cudaStreamSynchronize(s1->get()), kSuccess);
+  ASSERT_EQ(api().cudaStreamSynchronize(s2->get()), kSuccess);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(elapsed, std::chrono::milliseconds(99));
+  EXPECT_EQ(fake_->ReadDevice(static_cast<char*>(dev) + 3 * kCopy, kCopy), std::string(kCopy, 'x'));
+  EXPECT_EQ(fake_->Stats().bytes_copied_to_device, 4 * kCopy);
   EXPECT_EQ(api().cudaFree(dev), kSuccess);
 }
 

@@ -8,7 +8,8 @@
 //     pointer passed where a device pointer belongs (and vice versa) is refused and recorded.
 //   - Streams are worker threads executing their queued operations in order, later than the call
 //     that queued them (copy_delay_us widens the gap). Events complete when the worker reaches
-//     them.
+//     them. With copy_bytes_per_second, copies share one bandwidth-limited copy engine, so a
+//     pipeline's overlap of reads and copies can be measured.
 //   - An async copy checksums its source when queued and again when it runs: a staging buffer
 //     reused before its copy completed is caught as a violation (and as a data race under TSan).
 //   - Async copies need pinned sources (cudaHostAlloc or cudaHostRegister); others are counted and,
@@ -189,6 +190,8 @@ struct State {
   int64_t copy_enqueue_calls = 0;
   int64_t copies_started = 0;
   int64_t cufile_read_calls = 0;
+  // With copy_bytes_per_second: when the shared copy engine finishes the copies started so far.
+  std::chrono::steady_clock::time_point copy_engine_free{};
 };
 
 void DefaultConfig(TfFakeCudaConfig* c) {
@@ -323,6 +326,16 @@ void WorkerLoop(StreamState* st) {
       const bool fail =
           s.config.fail_copy_execute_at > 0 && s.copies_started == s.config.fail_copy_execute_at;
       const uint32_t delay = s.config.copy_delay_us;
+      // The copy engine's time for this copy: after the copies started before it on any stream.
+      std::chrono::steady_clock::time_point engine_done{};
+      const uint64_t bandwidth = s.config.copy_bytes_per_second;
+      if (bandwidth > 0 && !skip && !fail) {
+        const auto start = std::max(std::chrono::steady_clock::now(), s.copy_engine_free);
+        engine_done = start + std::chrono::nanoseconds(
+                                  static_cast<int64_t>(static_cast<double>(c.width * c.height) *
+                                                       1e9 / static_cast<double>(bandwidth)));
+        s.copy_engine_free = engine_done;
+      }
       lock.unlock();
       if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
       bool changed = false;
@@ -331,6 +344,7 @@ void WorkerLoop(StreamState* st) {
         for (uint64_t r = 0; r < c.height; ++r) {
           std::memcpy(c.dst + r * c.dpitch, c.src + r * c.spitch, c.width);
         }
+        if (bandwidth > 0) std::this_thread::sleep_until(engine_done);
       }
       lock.lock();
       if (fail) st->error = kIllegalAddress;
@@ -475,6 +489,7 @@ TF_FAKE_EXPORT void tf_fake_cuda_reset(const TfFakeCudaConfig* config) {
   s.copy_enqueue_calls = 0;
   s.copies_started = 0;
   s.cufile_read_calls = 0;
+  s.copy_engine_free = {};
 }
 
 TF_FAKE_EXPORT void tf_fake_cuda_stats(TfFakeCudaStats* stats) {

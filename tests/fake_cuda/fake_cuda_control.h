@@ -29,6 +29,12 @@ typedef struct TfFakeCudaConfig {
   int cufile_driver_open_error; /* nonzero: cuFileDriverOpen returns this CU_FILE_* code */
   int cufile_handle_register_error; /* nonzero: cuFileHandleRegister returns this code */
   int64_t cufile_fail_read_at;      /* the n-th cuFileRead fails with -1 / errno EIO */
+  /* Nonzero: async copies go through one copy engine of this many bytes per second, shared by
+   * every stream (as host-to-device copies share the PCIe link): a copy of n bytes takes n /
+   * copy_bytes_per_second of wall time, starting when the engine finished the copies queued on any
+   * stream before it. 0: copies take the time of a memcpy. For measuring overlap (the device
+   * pipeline's benchmark); not a model of DMA beyond that. */
+  uint64_t copy_bytes_per_second;
 } TfFakeCudaConfig;
 
 typedef struct TfFakeCudaStats {
@@ -56,8 +62,8 @@ typedef struct TfFakeCudaStats {
   uint64_t cufile_bytes_read;
 } TfFakeCudaStats;
 
-/* Fills `config` with the defaults: 1 device, 1 GiB, no delay, pageable copies rejected, no faults.
- */
+/* Fills `config` with the defaults: 1 device, 1 GiB, no delay, no bandwidth limit, pageable copies
+ * rejected, no faults. */
 void tf_fake_cuda_default_config(TfFakeCudaConfig* config);
 /* Applies `config` (NULL: the defaults) and zeroes the counters and violations. Live objects
  * (allocations, streams, events) stay and keep being counted. */

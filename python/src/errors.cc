@@ -127,8 +127,7 @@ std::string Utf8Of(nb::handle text) {
     PyErr_Clear();
     return "?";
   }
-  nb::object bytes =
-      nb::steal(PyUnicode_AsEncodedString(text.ptr(), "utf-8", "backslashreplace"));
+  nb::object bytes = nb::steal(PyUnicode_AsEncodedString(text.ptr(), "utf-8", "backslashreplace"));
   if (!bytes.is_valid()) {
     PyErr_Clear();
     return "?";
@@ -136,7 +135,9 @@ std::string Utf8Of(nb::handle text) {
   return std::string(PyBytes_AsString(bytes.ptr()), static_cast<size_t>(PyBytes_Size(bytes.ptr())));
 }
 
-std::string Repr(nb::handle value) { return Utf8Of(nb::steal(PyObject_Repr(value.ptr()))); }
+std::string Repr(nb::handle value) {
+  return Utf8Of(nb::steal(PyObject_Repr(value.ptr())));
+}
 std::string TypeName(nb::handle value) {
   return Utf8Of(nb::steal(PyObject_GetAttrString(value.type().ptr(), "__name__")));
 }
@@ -145,34 +146,32 @@ std::string TypeName(nb::handle value) {
 
 std::string ToText(nb::handle value, const std::string& what) {
   if (!PyUnicode_Check(value.ptr())) {
-    throw StatusError(Status(Code::kInvalidArgument,
-                             what + " must be a str, not " +
-                                 TypeName(value)));
+    throw StatusError(
+        Status(Code::kInvalidArgument, what + " must be a str, not " + TypeName(value)));
   }
   Py_ssize_t size = 0;
   const char* utf8 = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
   if (utf8 == nullptr) {
     PyErr_Clear();
     throw StatusError(
-        Status(Code::kInvalidArgument, what + " " + Repr(value) +
-                                           " cannot be encoded as UTF-8 (a lone surrogate?)"));
+        Status(Code::kInvalidArgument,
+               what + " " + Repr(value) + " cannot be encoded as UTF-8 (a lone surrogate?)"));
   }
   return std::string(utf8, static_cast<size_t>(size));
 }
 
 uint64_t ToUnsigned(nb::handle value, const std::string& what, uint64_t max) {
   if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
-    throw StatusError(Status(Code::kInvalidArgument,
-                             what + " must be an int, not " +
-                                 TypeName(value)));
+    throw StatusError(
+        Status(Code::kInvalidArgument, what + " must be an int, not " + TypeName(value)));
   }
   const unsigned long long v = PyLong_AsUnsignedLongLong(value.ptr());
   const bool failed = v == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr;
   if (failed) PyErr_Clear();
   if (failed || v > max) {
     throw StatusError(
-        Status(Code::kInvalidArgument, what + " = " + Repr(value) +
-                                           " is out of range [0, " + std::to_string(max) + "]"));
+        Status(Code::kInvalidArgument,
+               what + " = " + Repr(value) + " is out of range [0, " + std::to_string(max) + "]"));
   }
   return v;
 }

@@ -36,8 +36,8 @@ Status CheckCheckpointFileSize(const RandomAccessFile& file, uint64_t size) {
   TF_ASSIGN_OR_RETURN(const uint64_t now, file.Size());
   if (now != size) {
     return Status(Code::kIoError, file.path() + ": file changed since the checkpoint was opened: " +
-                                      std::to_string(size) + " bytes then, " +
-                                      std::to_string(now) + " now");
+                                      std::to_string(size) + " bytes then, " + std::to_string(now) +
+                                      " now");
   }
   return Status::Ok();
 }

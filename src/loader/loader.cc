@@ -440,23 +440,33 @@ struct Loader::Impl {
 
   // Runs device tasks (task i reads file task_file[i]) through the sink's pipeline, window by
   // window of files (InFileWindows).
-  Status RunDeviceTasks(const DeviceSink& sink, std::vector<device::DeviceTask>& tasks,
+  Status RunDeviceTasks(const DeviceSink& sink, const std::vector<device::DeviceTask>& tasks,
                         const std::vector<uint32_t>& task_file,
                         const std::vector<bool>& want_direct, device::DeviceBuffer* buffer) {
     return InFileWindows(
         DistinctFiles(task_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          std::vector<device::DeviceTask> window;
-          for (size_t i = 0; i < tasks.size(); ++i) {
-            const io::FileSet::Pin& pin = pins[task_file[i]];
-            if (!pin.file) continue;
-            device::DeviceTask t = tasks[i];
-            t.file = pin.file.get();
-            t.direct_fd = pin.direct_fd();
-            window.push_back(t);
-          }
+          const std::vector<device::DeviceTask> window = WindowOf(tasks, task_file, pins);
           return buffer != nullptr ? sink.pipeline->Run(window, *copy_engine, buffer)
                                    : sink.pipeline->Run(window, *copy_engine);
         });
+  }
+
+  // The tasks (io::ReadRequest or device::DeviceTask; task i reads file task_file[i]) whose files
+  // are pinned in this window, with their file and O_DIRECT descriptor filled in.
+  template <typename Task>
+  static std::vector<Task> WindowOf(const std::vector<Task>& tasks,
+                                    const std::vector<uint32_t>& task_file,
+                                    const std::vector<io::FileSet::Pin>& pins) {
+    std::vector<Task> window;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const io::FileSet::Pin& pin = pins[task_file[i]];
+      if (!pin.file) continue;
+      Task t = tasks[i];
+      t.file = pin.file.get();
+      t.direct_fd = pin.direct_fd();
+      window.push_back(t);
+    }
+    return window;
   }
 
   // The distinct file indices of `ids`, in first-use order.
@@ -1383,19 +1393,10 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     }
   }
   if (!host.empty()) {
-    TF_RETURN_IF_ERROR(m.InFileWindows(m.DistinctFiles(host_file), want_direct,
-                                       [&](const std::vector<io::FileSet::Pin>& pins) {
-                                         std::vector<io::ReadRequest> window;
-                                         for (size_t i = 0; i < host.size(); ++i) {
-                                           const io::FileSet::Pin& pin = pins[host_file[i]];
-                                           if (!pin.file) continue;
-                                           io::ReadRequest r = host[i];
-                                           r.file = pin.file.get();
-                                           r.direct_fd = pin.direct_fd();
-                                           window.push_back(r);
-                                         }
-                                         return engine->Execute(window);
-                                       }));
+    TF_RETURN_IF_ERROR(m.InFileWindows(
+        m.DistinctFiles(host_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
+          return engine->Execute(Impl::WindowOf(host, host_file, pins));
+        }));
   }
   for (auto& [index, tasks] : device_tasks) {
     TF_RETURN_IF_ERROR(

@@ -47,7 +47,7 @@ RollbackNode* Claim(size_t need) {
 }
 
 void Copy(char* dst, std::string_view s) {
-  std::memcpy(dst, s.data(), s.size());
+  if (!s.empty()) std::memcpy(dst, s.data(), s.size());  // an empty view's data() may be null
   dst[s.size()] = '\0';
 }
 

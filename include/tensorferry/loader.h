@@ -177,7 +177,8 @@ struct Destination {
 
 class Loader {
  public:
-  // Errors: kInvalidArgument (chunk_size 0, staging smaller than two slots), kUnsupported (an
+  // The options are checked and clamped by LoadOptions::Validated (options.h) first.
+  // Errors: those of Validated, kInvalidArgument (staging smaller than two slots), kUnsupported (an
   // engine not built yet), for a CUDA `device`: kCudaNotFound / kCudaSymbolMissing (the runtime
   // does not load: every candidate with its reason), kCudaNoDevice, kGdsUnavailable (gds kOn);
   // those of Checkpoint::Open for the path overload.

@@ -113,7 +113,7 @@ struct LoadOptions {
   // bytes are not read).
   std::optional<TensorParallelOptions> shard;
 
-  // --- device loading (see the file comment and docs/gpu.md) ---
+  // --- device loading (see loader.h's file comment and docs/gpu.md) ---
   // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).
   // A CUDA target is checked at Loader::Open (kCudaNotFound, kCudaNoDevice with the reason).
   Device device = Device::CPU();
@@ -129,7 +129,7 @@ struct LoadOptions {
   // Producer threads of the pipeline, each with its own CUDA stream; 0: min(4, slots).
   unsigned device_producers = 0;
   // Bytes of device batch buffers (tensors plus padding) live at once per device; 0 = unbounded
-  // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in the file comment.
+  // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in loader.h's file comment.
   uint64_t device_budget = 0;
   // GPUDirect Storage: auto, on, off (TENSORFERRY_GDS; device.h).
   GdsMode gds = GdsMode::kAuto;

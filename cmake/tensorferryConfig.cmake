@@ -6,7 +6,7 @@ include("${CMAKE_CURRENT_LIST_DIR}/tensorferryTargets.cmake")
 # it needs libzip, which consumers of the core library alone do not.
 if(EXISTS "${CMAKE_CURRENT_LIST_DIR}/tensorferryConvertTargets.cmake")
   find_package(PkgConfig QUIET)
-  if(PkgConfig_FOUND)
+  if(PKG_CONFIG_FOUND)
     pkg_check_modules(LIBZIP QUIET IMPORTED_TARGET libzip)
   endif()
   if(TARGET PkgConfig::LIBZIP)

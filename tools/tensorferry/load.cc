@@ -153,6 +153,162 @@ Result<Selection> MakeSelection(const LoadArgs& a) {
   return Selection::Layers(*first, *last);
 }
 
+// What the --repeat runs of a load measured.
+struct Runs {
+  std::vector<std::pair<std::string, uint32_t>> sums;  // (name, CRC32C) of the last run
+  double checksum_seconds = 0;
+  std::vector<double> gbps;  // per run
+  double wall_seconds = 0;   // of the last run
+};
+
+// The per-batch work of `load`: checksums (device tensors through a copy back to the host) and,
+// with --touch, one byte per page.
+Status ConsumeBatch(const Batch& batch, const LoadArgs& args, Runs& runs,
+                    std::vector<std::byte>& staging) {
+  if (batch.device.is_cuda()) {
+    if (args.no_checksum) return Status::Ok();
+    const int64_t t0 = NowNs();
+    for (const Tensor& t : batch.tensors) {
+      if (staging.size() < t.size()) staging.resize(t.size());
+      const std::span<std::byte> host(staging.data(), t.size());
+      const Status copied = CopyToHost(t.device(), t.data(), host);
+      if (!copied.ok()) return copied;
+      runs.sums.emplace_back(t.name(), Crc32c(host.data(), host.size()));
+    }
+    runs.checksum_seconds += SecondsSince(t0);
+    return Status::Ok();
+  }
+  if (args.touch) {
+    // One byte per page of every tensor, as a user of lazily mapped tensors would pay.
+    static volatile unsigned char sink = 0;
+    unsigned char x = 0;
+    for (const Tensor& t : batch.tensors) {
+      const auto* p = reinterpret_cast<const unsigned char*>(t.data());
+      for (uint64_t i = 0; i < t.size(); i += 4096) x ^= p[i];
+    }
+    sink = sink ^ x;
+  }
+  if (!args.no_checksum) {
+    const int64_t t0 = NowNs();
+    for (const Tensor& t : batch.tensors) {
+      runs.sums.emplace_back(t.name(), Crc32c(t.data(), t.size()));
+    }
+    runs.checksum_seconds += SecondsSince(t0);
+  }
+  return Status::Ok();
+}
+
+// --repeat: the same loader loads again; later runs reuse the pooled buffers of earlier ones
+// (the warm, reused-memory case), the first pays for fresh memory.
+Status LoadRepeatedly(Loader& loader, const Selection& selection, const LoadArgs& args,
+                      Runs& runs) {
+  std::vector<std::byte> staging;  // device tensors are copied back here to be checksummed
+  for (unsigned run = 0; run < args.repeat; ++run) {
+    runs.sums.clear();
+    const int64_t wall0 = NowNs();
+    const Status status = loader.Stream(
+        selection, [&](Batch batch) { return ConsumeBatch(batch, args, runs, staging); });
+    if (!status.ok()) return status;
+    runs.wall_seconds = SecondsSince(wall0);
+    const LoadStats s = loader.stats();
+    // With --touch the figure is wall time (the touching is part of the load); otherwise the
+    // loader's own time (the checksum callback excluded).
+    const double secs = args.touch ? runs.wall_seconds : s.seconds;
+    runs.gbps.push_back(secs > 0 ? static_cast<double>(s.bytes) / secs / 1e9 : 0);
+  }
+  return Status::Ok();
+}
+
+// FNV-1a over (name, crc) in name order, as 16 hex digits.
+std::string CombinedChecksum(std::vector<std::pair<std::string, uint32_t>> sums) {
+  std::sort(sums.begin(), sums.end());
+  uint64_t combined = 0xcbf29ce484222325ull;
+  for (const auto& [name, crc] : sums) {
+    for (unsigned char c : name) combined = (combined ^ c) * 0x100000001b3ull;
+    for (int i = 0; i < 4; ++i)
+      combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  }
+  char checksum[32];
+  std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(combined));
+  return checksum;
+}
+
+// Everything `load` prints.
+struct Report {
+  const LoadArgs& args;
+  const LoadOptions& options;
+  const LoadStats& stats;
+  const Runs& runs;
+  std::string checksum;  // "" with --no-checksum
+  uint64_t total_tensor_bytes = 0;
+  uint64_t rss_before = 0;
+  uint64_t peak_rss = 0;
+  double Gbps() const {
+    return stats.seconds > 0 ? static_cast<double>(stats.bytes) / stats.seconds / 1e9 : 0;
+  }
+};
+
+// One JSON document: every LoadStats field (VisitLoadStats) plus the run's own figures.
+std::string JsonReport(const Report& r) {
+  const LoadOptions& o = r.options;
+  JsonOut j;
+  j.BeginObject().Field("path", r.args.path);
+  VisitLoadStats(r.stats, [&j](std::string_view name, const auto& value) { j.Field(name, value); });
+  j.Field("wall_seconds", r.runs.wall_seconds)
+      .Field("gb_per_s", r.Gbps())
+      .Field("budget", o.budget)
+      .Field("peak_rss_bytes", r.peak_rss)
+      .Field("tp_rank", o.shard ? uint64_t{o.shard->rank} : uint64_t{0})
+      .Field("tp_size", o.shard ? uint64_t{o.shard->world} : uint64_t{1})
+      .Field("rss_before_bytes", r.rss_before)
+      .Field("device_budget", o.device_budget)
+      .Field("gds", GdsModeName(o.gds))
+      .Key("runs_gb_per_s")
+      .BeginArray();
+  for (double g : r.runs.gbps) j.Double(g);
+  j.EndArray()
+      .Field("checksum", r.checksum)
+      .Field("checksum_seconds", r.runs.checksum_seconds)
+      .EndObject();
+  return j.str();
+}
+
+// One line (two with device tensors).
+std::string TextReport(const Report& r) {
+  const LoadStats& stats = r.stats;
+  const LoadOptions& o = r.options;
+  char line[512];
+  std::snprintf(
+      line, sizeof line,
+      "loaded %s in %s: %s in %.3f s (%.2f GB/s, %s%s); peak RSS %s; peak held %s%s; "
+      "checksum %s",
+      Plural(stats.tensors, "tensor").c_str(),
+      (std::to_string(stats.batches) + (stats.batches == 1 ? " batch" : " batches")).c_str(),
+      FormatBytes(stats.bytes).c_str(), stats.seconds, r.Gbps(), stats.engine.c_str(),
+      stats.direct_files ? (", O_DIRECT on " + Plural(stats.direct_files, "file")).c_str() : "",
+      FormatBytes(r.peak_rss).c_str(), FormatBytes(stats.peak_budget_bytes).c_str(),
+      o.budget ? (" of a " + FormatBytes(o.budget) + " budget").c_str() : "",
+      r.checksum.empty() ? "(skipped)" : r.checksum.c_str());
+  std::string text = line;
+  if (o.shard) {
+    text += "; tp rank " + std::to_string(o.shard->rank) + " of " + std::to_string(o.shard->world) +
+            ": read " + FormatBytes(stats.bytes_read) + " of " + FormatBytes(r.total_tensor_bytes);
+  }
+  if (stats.device_tensors == 0) return text;
+  std::snprintf(
+      line, sizeof line,
+      "device %s: %s in %llu batches; peak device memory %s%s; staged %s, GDS %s "
+      "(%s); pinned staging %s",
+      stats.device.c_str(), FormatBytes(stats.device_bytes).c_str(),
+      static_cast<unsigned long long>(stats.device_batches),
+      FormatBytes(stats.peak_device_bytes).c_str(),
+      o.device_budget ? (" of a " + FormatBytes(o.device_budget) + " device budget").c_str() : "",
+      FormatBytes(stats.staged_bytes).c_str(), FormatBytes(stats.gds_bytes).c_str(),
+      stats.gds_reason.empty() ? "every read" : OneLine(stats.gds_reason).c_str(),
+      FormatBytes(stats.pinned_bytes).c_str());
+  return text + "\n" + line;
+}
+
 int RunLoad(const LoadArgs& args) {
   const uint64_t rss_before = ProcStatusBytes("VmRSS:");
   auto options = MakeOptions(args);
@@ -178,132 +334,21 @@ int RunLoad(const LoadArgs& args) {
     }
     if (!WriteStdout(plan->Explain(*(*loader)->checkpoint()))) return kExitError;
   }
-
-  // --repeat: the same loader loads again; later runs reuse the pooled buffers of earlier ones
-  // (the warm, reused-memory case), the first pays for fresh memory.
-  std::vector<std::pair<std::string, uint32_t>> sums;
-  double checksum_seconds = 0;
-  std::vector<double> runs;
-  double wall_seconds = 0;
-  volatile unsigned char sink = 0;
-  std::vector<std::byte> staging;  // device tensors are copied back here to be checksummed
-  for (unsigned run = 0; run < args.repeat; ++run) {
-    sums.clear();
-    const int64_t wall0 = NowNs();
-    const Status status = (*loader)->Stream(*selection, [&](Batch batch) -> Status {
-      if (batch.device.is_cuda()) {
-        if (args.no_checksum) return Status::Ok();
-        const int64_t t0 = NowNs();
-        for (const Tensor& t : batch.tensors) {
-          if (staging.size() < t.size()) staging.resize(t.size());
-          const std::span<std::byte> host(staging.data(), t.size());
-          const Status copied = CopyToHost(t.device(), t.data(), host);
-          if (!copied.ok()) return copied;
-          sums.emplace_back(t.name(), Crc32c(host.data(), host.size()));
-        }
-        checksum_seconds += SecondsSince(t0);
-        return Status::Ok();
-      }
-      if (args.touch) {
-        // One byte per page of every tensor, as a user of lazily mapped tensors would pay.
-        unsigned char x = 0;
-        for (const Tensor& t : batch.tensors) {
-          const auto* p = reinterpret_cast<const unsigned char*>(t.data());
-          for (uint64_t i = 0; i < t.size(); i += 4096) x ^= p[i];
-        }
-        sink = sink ^ x;
-      }
-      if (!args.no_checksum) {
-        const int64_t t0 = NowNs();
-        for (const Tensor& t : batch.tensors) {
-          sums.emplace_back(t.name(), Crc32c(t.data(), t.size()));
-        }
-        checksum_seconds += SecondsSince(t0);
-      }
-      return Status::Ok();
-    });
-    if (!status.ok()) {
-      PrintError(args.path, status);
-      return kExitError;
-    }
-    wall_seconds = SecondsSince(wall0);
-    const LoadStats s = (*loader)->stats();
-    // With --touch the figure is wall time (the touching is part of the load); otherwise the
-    // loader's own time (the checksum callback excluded).
-    const double secs = args.touch ? wall_seconds : s.seconds;
-    runs.push_back(secs > 0 ? static_cast<double>(s.bytes) / secs / 1e9 : 0);
+  Runs runs;
+  if (const Status s = LoadRepeatedly(**loader, *selection, args, runs); !s.ok()) {
+    PrintError(args.path, s);
+    return kExitError;
   }
   const LoadStats stats = (*loader)->stats();
-  std::sort(sums.begin(), sums.end());
-  uint64_t combined = 0xcbf29ce484222325ull;  // FNV-1a over (name, crc) in name order
-  for (const auto& [name, crc] : sums) {
-    for (unsigned char c : name) combined = (combined ^ c) * 0x100000001b3ull;
-    for (int i = 0; i < 4; ++i)
-      combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
-  }
-  char checksum[32];
-  std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(combined));
-  const double gbps =
-      stats.seconds > 0 ? static_cast<double>(stats.bytes) / stats.seconds / 1e9 : 0;
-  const uint64_t peak_rss = PeakRss();
-
-  if (args.json) {
-    JsonOut j;
-    j.BeginObject().Field("path", args.path);
-    VisitLoadStats(stats, [&j](std::string_view name, const auto& value) { j.Field(name, value); });
-    j.Field("wall_seconds", wall_seconds)
-        .Field("gb_per_s", gbps)
-        .Field("budget", options->budget)
-        .Field("peak_rss_bytes", peak_rss)
-        .Field("tp_rank", options->shard ? uint64_t{options->shard->rank} : uint64_t{0})
-        .Field("tp_size", options->shard ? uint64_t{options->shard->world} : uint64_t{1})
-        .Field("rss_before_bytes", rss_before)
-        .Field("device_budget", options->device_budget)
-        .Field("gds", GdsModeName(options->gds))
-        .Key("runs_gb_per_s")
-        .BeginArray();
-    for (double r : runs) j.Double(r);
-    j.EndArray()
-        .Field("checksum", args.no_checksum ? std::string_view("") : std::string_view(checksum))
-        .Field("checksum_seconds", checksum_seconds)
-        .EndObject();
-    return WriteStdout(j.str()) ? kExitOk : kExitError;
-  }
-  char line[512];
-  std::snprintf(
-      line, sizeof line,
-      "loaded %s in %s: %s in %.3f s (%.2f GB/s, %s%s); peak RSS %s; peak held %s%s; "
-      "checksum %s",
-      Plural(stats.tensors, "tensor").c_str(),
-      (std::to_string(stats.batches) + (stats.batches == 1 ? " batch" : " batches")).c_str(),
-      FormatBytes(stats.bytes).c_str(), stats.seconds, gbps, stats.engine.c_str(),
-      stats.direct_files ? (", O_DIRECT on " + Plural(stats.direct_files, "file")).c_str() : "",
-      FormatBytes(peak_rss).c_str(), FormatBytes(stats.peak_budget_bytes).c_str(),
-      options->budget ? (" of a " + FormatBytes(options->budget) + " budget").c_str() : "",
-      args.no_checksum ? "(skipped)" : checksum);
-  std::string text = line;
-  if (options->shard) {
-    text += "; tp rank " + std::to_string(options->shard->rank) + " of " +
-            std::to_string(options->shard->world) + ": read " + FormatBytes(stats.bytes_read) +
-            " of " + FormatBytes((*loader)->checkpoint()->total_tensor_bytes());
-  }
-  if (!WriteStdout(text)) return kExitError;
-  if (stats.device_tensors > 0) {
-    std::snprintf(line, sizeof line,
-                  "device %s: %s in %llu batches; peak device memory %s%s; staged %s, GDS %s "
-                  "(%s); pinned staging %s",
-                  stats.device.c_str(), FormatBytes(stats.device_bytes).c_str(),
-                  static_cast<unsigned long long>(stats.device_batches),
-                  FormatBytes(stats.peak_device_bytes).c_str(),
-                  options->device_budget
-                      ? (" of a " + FormatBytes(options->device_budget) + " device budget").c_str()
-                      : "",
-                  FormatBytes(stats.staged_bytes).c_str(), FormatBytes(stats.gds_bytes).c_str(),
-                  stats.gds_reason.empty() ? "every read" : OneLine(stats.gds_reason).c_str(),
-                  FormatBytes(stats.pinned_bytes).c_str());
-    if (!WriteStdout(line)) return kExitError;
-  }
-  return kExitOk;
+  const Report report{args,
+                      *options,
+                      stats,
+                      runs,
+                      args.no_checksum ? std::string() : CombinedChecksum(runs.sums),
+                      (*loader)->checkpoint()->total_tensor_bytes(),
+                      rss_before,
+                      PeakRss()};
+  return WriteStdout(args.json ? JsonReport(report) : TextReport(report)) ? kExitOk : kExitError;
 }
 
 }  // namespace

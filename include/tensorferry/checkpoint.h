@@ -9,7 +9,8 @@
 //
 // Opening reads and validates every header (format.h) but no tensor data.
 //
-// Path safety of an index: the lexical checks (no absolute path, no ".." component, no NUL, no
+// Path safety of an index (the rules live in src/util/path.h, shared with the PyTorch .bin index
+// of convert.h): the lexical checks (no absolute path, no ".." component, no NUL, no
 // backslash) always apply. The symlink check (each file's std::filesystem::weakly_canonical path
 // must lie inside the canonical directory of the index) needs the real file system, so it runs
 // only when OpenOptions::env is nullptr (the default Env). One exception keeps the Hugging Face hub

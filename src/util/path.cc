@@ -66,11 +66,32 @@ Result<fs::path> CanonicalDirectory(const fs::path& dir, std::string_view where)
   return canonical;
 }
 
+namespace {
+
+// The path `path` resolves to, symlinks followed. weakly_canonical alone would keep a dangling
+// symlink as it is written (inside the directory) whatever it points at: its target is followed
+// here first (a chain of at most 40 links, as the kernel allows).
+fs::path Resolve(const std::string& path, std::error_code& ec) {
+  // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
+  fs::path p = fs::absolute(path, ec);
+  for (int links = 0; !ec && links < 40; ++links) {
+    std::error_code missing;  // a path that does not exist is no symlink: not an error here
+    if (!fs::is_symlink(fs::symlink_status(p, missing))) break;
+    const fs::path target = fs::read_symlink(p, ec);
+    // Relative to the link's directory as the kernel sees it (its own symlinks resolved first).
+    const fs::path base =
+        target.is_absolute() ? fs::path() : fs::weakly_canonical(p.parent_path(), ec);
+    p = (base / target).lexically_normal();
+  }
+  return ec ? p : fs::weakly_canonical(p, ec);
+}
+
+}  // namespace
+
 Status CheckContained(const fs::path& canonical_dir, const std::string& path,
                       std::string_view where, std::string_view what) {
   std::error_code ec;
-  // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
-  const fs::path canonical = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  const fs::path canonical = Resolve(path, ec);
   if (!ec && (IsInside(canonical_dir, canonical) || IsInsideHubBlobs(canonical_dir, canonical))) {
     return Status::Ok();
   }

@@ -9,16 +9,34 @@
 //
 // Opening reads and validates every header (format.h) but no tensor data.
 //
-// Path safety of an index: the lexical checks (no absolute path, no ".." component, no NUL, no
+// Path safety of an index (the rules live in src/util/path.h, shared with the PyTorch .bin index
+// of convert.h): the lexical checks (no absolute path, no ".." component, no NUL, no
 // backslash) always apply. The symlink check (each file's std::filesystem::weakly_canonical path
 // must lie inside the canonical directory of the index) needs the real file system, so it runs
 // only when OpenOptions::env is nullptr (the default Env). One exception keeps the Hugging Face hub
 // cache working: when the checkpoint directory is <repo>/snapshots/<rev>, a symlink resolving into
 // <repo>/blobs/ (that repository's own blobs, where the hub cache keeps the bytes) is accepted.
 //
+// Files: Open opens each file once, through OpenOptions::source (source.h), reads its header
+// through that open file, and keeps it: the Checkpoint owns its files, and every Loader made from
+// it, every load, stream and partial read (File()) reads through them; no path is opened again
+// while the file is held. A checkpoint with more files than OpenOptions::max_open_files keeps at
+// most that many open (least recently used closed first) and opens the others again when read;
+// a file opened again must have the identity (device, inode, size, mtime) it had at Open, else
+// kIoError "<path>: file changed since the checkpoint was opened: <what changed>".
+//
+// Files that change after Open: CheckUnchanged() compares, for every file held open, the fstat of
+// its descriptor (an in-place rewrite: size or mtime) and the stat of its path (a file renamed
+// over, or removed) with the identity taken at Open: two system calls per held file, no reads.
+// Every load of a Loader calls it before reading (the files not held are checked when opened
+// again), so a shard replaced by one of the same size, for a single file, a directory or an index
+// checkpoint alike, is reported at the next load rather than read.
+//
 // Ownership and lifetime: Open returns a shared_ptr to an immutable Checkpoint; hold it as long
-// as you use its tables. It keeps no file descriptor open.
-// Thread-safety: a Checkpoint is immutable after Open and safe to read from any thread.
+// as you use its tables or files. Its files close when the last holder (the Checkpoint, a Loader,
+// a SourceFile handed out by File()) lets go.
+// Thread-safety: a Checkpoint is immutable after Open and safe to read from any thread (its file
+// table synchronizes internally).
 #pragma once
 
 #include <cstdint>
@@ -31,9 +49,14 @@
 
 #include "tensorferry/env.h"
 #include "tensorferry/format.h"
+#include "tensorferry/source.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry {
+
+namespace io {
+class FileSet;  // internal: src/io/file_set.h
+}
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
 
@@ -78,8 +101,14 @@ struct TensorInfo {
 };
 
 struct OpenOptions {
-  // Where files are read from. nullptr means Env::Default(). Not owned; must outlive Open().
+  // Where files are read from. nullptr means Env::Default(). Not owned; must outlive the
+  // Checkpoint (files not held open are opened again through it).
   Env* env = nullptr;
+  // Where files are read from, when set (env then only decides what a path is); nullptr:
+  // MakeEnvSource(env).
+  std::shared_ptr<Source> source;
+  // Files held open at once; 0: a quarter of the soft RLIMIT_NOFILE, between 8 and 1024.
+  size_t max_open_files = 0;
   ParseLimits parse_limits;
   IndexLimits index_limits;
   // Bounds on the whole checkpoint, so that many files within the per-file limits cannot add up
@@ -127,6 +156,17 @@ class Checkpoint {
   // Sum of all tensors' sizes.
   uint64_t total_tensor_bytes() const noexcept { return total_tensor_bytes_; }
 
+  // File `f` of files(), open: the one Open read the header of, or, when it was closed under
+  // max_open_files, the path opened again and checked to be the same file. Holding the result
+  // keeps the file open. Errors: kInvalidArgument for f out of range, those of Source::Open,
+  // "file changed since the checkpoint was opened".
+  Result<std::shared_ptr<const SourceFile>> File(uint32_t f) const;
+  // Ok while every file held open is still the file Open read (see "Files that change").
+  // Errors: kIoError "<path>: file changed since the checkpoint was opened: ...".
+  Status CheckUnchanged() const;
+  // Internal (src/io/file_set.h): the file table File() reads, which loaders pin files through.
+  const std::shared_ptr<io::FileSet>& file_set() const noexcept { return file_set_; }
+
   Checkpoint(const Checkpoint&) = delete;
   Checkpoint& operator=(const Checkpoint&) = delete;
 
@@ -140,18 +180,10 @@ class Checkpoint {
   std::vector<std::pair<std::string, std::string>> index_metadata_;
   std::string index_path_;
   uint64_t total_tensor_bytes_ = 0;
+  std::shared_ptr<io::FileSet> file_set_;
 };
 
 // Reads a file's header from `file` and validates it (ParseHeader with I/O).
 Result<Header> ReadHeader(const RandomAccessFile& file, const ParseLimits& limits = {});
-
-// Opens a file of a checkpoint again (through `env`; nullptr: Env::Default()) and checks it still
-// has the size it was validated with (FileInfo::file_size). Errors: those of
-// Env::OpenRandomAccess; kIoError "<path>: file changed since the checkpoint was opened: N bytes
-// then, M now".
-Result<std::unique_ptr<RandomAccessFile>> ReopenCheckpointFile(const std::string& path,
-                                                               uint64_t size, Env* env = nullptr);
-// The same check on a file already open (fstat): Ok, or that kIoError.
-Status CheckCheckpointFileSize(const RandomAccessFile& file, uint64_t size);
 
 }  // namespace tensorferry

@@ -43,17 +43,18 @@ Result<ShardSpec> SpecOf(const std::string& spec) {
 // (tied aliases share their target's).
 using Output = std::pair<std::string, std::string>;
 
-std::pair<std::vector<PlanEntry>, std::vector<Output>> CooperativePlan(
-    const std::string& path, std::optional<std::vector<std::string>> names,
-    const std::string& spec_text, uint32_t world, uint64_t round_bytes) {
+}  // namespace
+
+nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
+                           const std::optional<std::vector<std::string>>& names,
+                           const std::string& spec_text, uint32_t world, uint64_t round_bytes) {
   if (world == 0) Check(Status(Code::kInvalidArgument, "cooperative_plan: world size 0"));
-  std::shared_ptr<const Checkpoint> checkpoint;
+  const Checkpoint* checkpoint = &checkpoint_ref;
   ShardSpec spec;
   std::vector<uint32_t> indices;
   std::vector<Output> outputs;
   {
     nb::gil_scoped_release release;
-    checkpoint = Unwrap(Checkpoint::Open(path));
     spec = Unwrap(SpecOf(spec_text));
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
     const ResolvedSelection resolved = Unwrap(ResolveSelection(*checkpoint, selection, &spec));
@@ -85,10 +86,8 @@ std::pair<std::vector<PlanEntry>, std::vector<Output>> CooperativePlan(
                       rounds[k], rule.is_split() ? static_cast<int64_t>(rule.dim) : -1,
                       std::move(parts));
   }
-  return {std::move(plan), std::move(outputs)};
+  return nb::cast(std::make_pair(std::move(plan), std::move(outputs)));
 }
-
-}  // namespace
 
 void RegisterDistributed(nb::module_& m) {
   m.def(
@@ -99,12 +98,6 @@ void RegisterDistributed(nb::module_& m) {
       },
       nb::arg("sizes"), nb::arg("world"),
       "Reader rank of each tensor (sizes in checkpoint order): tensorferry::AssignReaders");
-  m.def("cooperative_plan", &CooperativePlan, nb::arg("path"), nb::arg("names").none(),
-        nb::arg("spec"), nb::arg("world"), nb::arg("round_bytes"),
-        "The schedule of a cooperative load: (entries, outputs). entries: one (name, dtype, "
-        "shape, reader, round, dim, parts) per tensor to read, in checkpoint order; parts: per "
-        "rank (local shape, blocks, bytes), empty for a replicated tensor (dim -1). outputs: "
-        "(name, name of the read tensor whose data it is) in Loader order (tied aliases).");
 }
 
 }  // namespace tensorferry::python

@@ -113,40 +113,6 @@ nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
   throw nb::python_error();
 }
 
-// Files opened once, when a Reader opens its checkpoint, and served to the Loader from then on:
-// every read of the Reader's life goes to the files whose headers were validated, even if a path
-// is deleted or replaced meanwhile (as with the reference, which maps the file at open).
-class SharedFile : public RandomAccessFile {
- public:
-  explicit SharedFile(std::shared_ptr<const RandomAccessFile> file) : file_(std::move(file)) {}
-  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
-    return file_->Read(offset, dst);
-  }
-  Result<uint64_t> Size() const override { return file_->Size(); }
-  const std::string& path() const noexcept override { return file_->path(); }
-  int native_handle() const noexcept override { return file_->native_handle(); }
-
- private:
-  std::shared_ptr<const RandomAccessFile> file_;
-};
-
-class PinnedEnv : public Env {
- public:
-  // REQUIRES: not called once the Env is in use (the table is read without locks).
-  void Pin(std::shared_ptr<const RandomAccessFile> file) { files_[file->path()] = std::move(file); }
-  std::shared_ptr<const RandomAccessFile> Find(const std::string& path) const {
-    auto it = files_.find(path);
-    return it == files_.end() ? nullptr : it->second;
-  }
-  Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
-    if (auto file = Find(path)) return std::unique_ptr<RandomAccessFile>(new SharedFile(file));
-    return Env::Default()->OpenRandomAccess(path);
-  }
-
- private:
-  std::map<std::string, std::shared_ptr<const RandomAccessFile>> files_;
-};
-
 class BatchStream;
 
 class Reader {
@@ -158,31 +124,30 @@ class Reader {
     Check(CheckMappedFiles());  // tensors handed out earlier lost bytes: say so at the next call
     options_.cancel = cancel_;
     WithoutGil release;
+    // The checkpoint opens each file once and owns it (checkpoint.h): the header is read through
+    // the descriptor every later read uses, and a file replaced meanwhile is reported at the next
+    // load.
     if (single_file) {
-      // The file is opened first and its header read through that descriptor: no window in
-      // which another file could take its place.
-      env_.Pin(Unwrap(Env::Default()->OpenRandomAccess(path)));
-      OpenOptions open;
-      open.env = &env_;
       const std::vector<std::string> paths{path};
-      checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths, open));
+      checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths));
     } else {
       checkpoint_ = Unwrap(Checkpoint::Open(path));
-      // The files stay open from here on, so that one replaced later is not read, unless there
-      // are so many that holding them would exhaust the process's descriptors: then each is
-      // opened when read (and its size checked), under the loader's bound on open files.
-      if (checkpoint_->files().size() <= kPinnedFilesAtMost) {
-        for (const FileInfo& f : checkpoint_->files()) env_.Pin(Unwrap(OpenChecked(f)));
-      }
     }
-    for (const FileInfo& f : checkpoint_->files()) files_.push_back(env_.Find(f.path));
-    has_metadata_.resize(files_.size());
-    options_.env = &env_;
-    if (options_.device.is_cuda() && !options_.placement) {
-      // A CUDA target is checked now, so that opening says at once why there is no device
-      // (the runtime that did not load, or the device count), and the pipeline is made once.
-      loader_ = Unwrap(Loader::Open(checkpoint_, options_));
-    }
+    Init();
+  }
+
+  // A Reader of `other`'s checkpoint (no file is opened again) with its own options.
+  Reader(const Reader& other, const nb::dict& options)
+      : checkpoint_(other.checkpoint_), options_(MakeLoadOptions(options)) {
+    Check(CheckMappedFiles());
+    options_.cancel = cancel_;
+    WithoutGil release;
+    Init();
+  }
+
+  nb::object CooperativePlan(const std::optional<std::vector<std::string>>& names,
+                             const std::string& spec, uint32_t world, uint64_t round_bytes) const {
+    return python::CooperativePlan(*checkpoint_, names, spec, world, round_bytes);
   }
 
   std::vector<std::string> Names(bool by_offset) const {
@@ -253,9 +218,8 @@ class Reader {
       if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
       std::optional<bool>& known = has_metadata_[index];
       if (!known) {
-        std::shared_ptr<const RandomAccessFile> open = files_[index];
-        if (!open) open = Unwrap(OpenChecked(checkpoint_->files()[index]));
-        known = Unwrap(ReadHeader(*open)).has_metadata;
+        known = Unwrap(ReadHeader(*Unwrap(checkpoint_->File(static_cast<uint32_t>(index)))))
+                    .has_metadata;
       }
       present = *known;
     }
@@ -451,18 +415,27 @@ class Reader {
   std::unique_ptr<BatchStream> Iterate(const std::optional<std::vector<std::string>>& names,
                                        int framework);
 
-  // Drops the loader (its buffer pool and threads) and open files. Tensors already handed out
-  // stay valid. Later reads reopen what they need.
+  // Drops the loader (its buffer pool and threads). Tensors already handed out stay valid. The
+  // files are the checkpoint's: they close with the Reader.
   void Close() {
     WithoutGil release;
     Lock lock(*this);
     closed_ = true;
     loader_.reset();
-    files_.clear();
   }
 
  private:
   friend class BatchStream;
+
+  // The rest of construction, once checkpoint_ is set.
+  void Init() {
+    has_metadata_.resize(checkpoint_->files().size());
+    if (options_.device.is_cuda() && !options_.placement) {
+      // A CUDA target is checked now, so that opening says at once why there is no device
+      // (the runtime that did not load, or the device count), and the pipeline is made once.
+      loader_ = Unwrap(Loader::Open(checkpoint_, options_));
+    }
+  }
 
   // Serializes calls on one Reader. Construct only with the GIL released. While a BatchStream
   // iterates (its thread holds the lock until the iteration ends), other calls fail at once
@@ -519,28 +492,15 @@ class Reader {
     std::shared_ptr<std::byte> block = AllocateBytes(length);
     if (length == 0) return block;
     // Positional reads on one file are safe concurrently; the lock only guards against Close().
-    std::shared_ptr<const RandomAccessFile> file;
     {
       Lock lock(*this);
       if (closed_) throw StatusError(Status(Code::kInvalidArgument, "the file is closed"));
-      file = files_[t.file];
     }
-    if (!file) file = Unwrap(OpenChecked(checkpoint_->files()[t.file]));  // not pinned
+    const std::shared_ptr<const SourceFile> file = Unwrap(checkpoint_->File(t.file));
     Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length)));
     return block;
   }
 
-  // Opens a file of the checkpoint and checks it still has the size it was validated with.
-  static Result<std::shared_ptr<const RandomAccessFile>> OpenChecked(const FileInfo& f) {
-    Result<std::unique_ptr<RandomAccessFile>> file = ReopenCheckpointFile(f.path, f.file_size);
-    if (!file.ok()) return file.status();
-    return std::shared_ptr<const RandomAccessFile>(std::move(file).value());
-  }
-
-  // Files of a directory checkpoint held open for the Reader's life at most (see the constructor).
-  static constexpr size_t kPinnedFilesAtMost = 64;
-
-  PinnedEnv env_;  // outlives loader_, which reads through it
   std::shared_ptr<const Checkpoint> checkpoint_;
   // LoadOptions::cancel of every load: cleared when a load starts, set by Ctrl-C (Interruptible)
   // or by closing a stream.
@@ -551,7 +511,6 @@ class Reader {
   std::atomic<bool> streaming_{false};
   mutable std::mutex stats_mu_;
   std::unique_ptr<Loader> loader_;
-  std::vector<std::shared_ptr<const RandomAccessFile>> files_;  // per checkpoint file
   bool closed_ = false;
   std::vector<std::optional<bool>> has_metadata_;  // per file, once asked (see FileMetadata)
   LoadStats stats_;
@@ -898,6 +857,12 @@ NB_MODULE(_core, m) {
   nb::class_<Reader>(m, "Reader")
       .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
            nb::arg("single_file"), nb::arg("options"))
+      .def(nb::init<const Reader&, const nb::dict&>(), nb::arg("other"), nb::arg("options"),
+           "A Reader of other's checkpoint (its open files) with its own options.")
+      .def("cooperative_plan", &Reader::CooperativePlan, nb::arg("names").none(), nb::arg("spec"),
+           nb::arg("world"), nb::arg("round_bytes"),
+           "The schedule of a cooperative load of this checkpoint: (entries, outputs), see "
+           "distributed.h.")
       .def("names", &Reader::Names, nb::arg("by_offset"))
       .def("files", &Reader::Files)
       .def("total_bytes", &Reader::TotalBytes)

@@ -1,7 +1,7 @@
 """Cooperative tensor-parallel loading over torch.distributed (docs/distributed.md).
 
 Every rank of a process group computes the same schedule (tensorferry::AssignReaders and
-AssignRounds through _core.cooperative_plan: contiguous, byte-balanced runs of tensors in
+AssignRounds through Reader.cooperative_plan: contiguous, byte-balanced runs of tensors in
 checkpoint order, in budget-bounded rounds), reads only its own tensors with the C++ loader, and
 the slices reach their owners through torch.distributed collectives:
 
@@ -26,7 +26,9 @@ _TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
 class Cooperative:
     """The cooperative mode of one tensorferry.Loader (Loader(..., process_group=pg))."""
 
-    def __init__(self, path, process_group, options, fw, device):
+    def __init__(self, reader, process_group, options, fw, device):
+        """reader: the Loader's _core.Reader, whose checkpoint (and open files) this mode reads:
+        the checkpoint is opened once per Loader."""
         import torch.distributed as dist
         if not dist.is_available() or not dist.is_initialized():
             raise _core.InvalidArgumentError(
@@ -45,7 +47,7 @@ class Cooperative:
         spec = options.get("shard_rules")
         # Without shard_rules the per-rank path uses the builtin rules: so does this one.
         self._spec_json = spec.to_json() if spec is not None else "builtin"
-        self._path = path
+        self._base = reader
         self._group = process_group
         self._fw = fw
         self._device = device
@@ -57,7 +59,7 @@ class Cooperative:
     def load(self, names, stats_type):
         """({name: tensor}, LoadStats) of this rank's shard."""
         figures = {}
-        out = load_cooperative(self._path, process_group=self._group, shard_spec=self._spec_json,
+        out = load_cooperative(self._base, process_group=self._group, shard_spec=self._spec_json,
                                fw=self._fw, device=self._device, names=names,
                                budget=self._budget, reader_options=self._reader_options,
                                stats=figures)
@@ -84,10 +86,11 @@ def _as_bytes(torch, tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def load_cooperative(path, *, process_group, shard_spec, fw, device, names=None, budget=0,
+def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
                      reader_options=None, stats=None):
     """Loads this rank's shard of `names` (None: all) cooperatively; returns {name: tensor} in
-    checkpoint order, local shapes. shard_spec: "builtin", "none" or ShardSpec JSON text.
+    checkpoint order, local shapes. base: a _core.Reader of the checkpoint (its files are read;
+    nothing is opened again). shard_spec: "builtin", "none" or ShardSpec JSON text.
     fw: the torch framework of _frameworks. stats: a dict to fill with this rank's figures."""
     import torch
     import torch.distributed as dist
@@ -100,7 +103,7 @@ def load_cooperative(path, *, process_group, shard_spec, fw, device, names=None,
     if rank < 0:
         raise _core.InvalidArgumentError("this process is not a member of process_group")
     start = time.perf_counter()
-    plan, outputs = _core.cooperative_plan(path, names, shard_spec, world, budget or 0)
+    plan, outputs = base.cooperative_plan(names, shard_spec, world, budget or 0)
     on_gpu = device.type != "cpu"
     # NCCL needs every buffer on the GPU, gloo on the CPU.
     comm_device = device if on_gpu else torch.device("cpu")
@@ -108,7 +111,7 @@ def load_cooperative(path, *, process_group, shard_spec, fw, device, names=None,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0}
     rounds = max((entry[4] for entry in plan), default=-1) + 1
     # The rounds are the budget: the reader under them has none of its own.
-    reader = _core.Reader(path, False, dict(reader_options or {}))
+    reader = _core.Reader(base, dict(reader_options or {}))
     out = {}
     try:
         mine_names = [entry[0] for entry in plan if entry[3] == rank]

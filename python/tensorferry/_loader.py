@@ -275,9 +275,9 @@ class Loader:
             if populate is None and not os.environ.get("TENSORFERRY_POPULATE"):
                 options["populate"] = True
         path = os.fspath(checkpoint)
-        self._cooperative = None if process_group is None else _distributed.Cooperative(
-            path, process_group, options, self._fw, requested)
         self._reader = _core.Reader(path, False, {k: v for k, v in options.items() if v is not None})
+        self._cooperative = None if process_group is None else _distributed.Cooperative(
+            self._reader, process_group, options, self._fw, requested)
         self._names = self._resolve(select)
         self._progress = progress
         self._stats = LoadStats()

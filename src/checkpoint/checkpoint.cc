@@ -3,7 +3,8 @@
 //
 // Opening is three steps: decide what the path is (file, index, directory), open every file and
 // validate its header (ReadHeader), then cross-check the files against each other and against
-// the index, and build the immutable tables.
+// the index, and build the immutable tables and the file table (io::FileSet) that keeps the
+// files opened here.
 #include <algorithm>
 #include <array>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "io/file_set.h"
 #include "tensorferry/checkpoint.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
@@ -23,24 +25,6 @@
 namespace tensorferry {
 
 namespace fs = std::filesystem;
-
-Result<std::unique_ptr<RandomAccessFile>> ReopenCheckpointFile(const std::string& path,
-                                                               uint64_t size, Env* env) {
-  TF_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
-                      (env != nullptr ? env : Env::Default())->OpenRandomAccess(path));
-  TF_RETURN_IF_ERROR(CheckCheckpointFileSize(*file, size));
-  return file;
-}
-
-Status CheckCheckpointFileSize(const RandomAccessFile& file, uint64_t size) {
-  TF_ASSIGN_OR_RETURN(const uint64_t now, file.Size());
-  if (now != size) {
-    return Status(Code::kIoError, file.path() + ": file changed since the checkpoint was opened: " +
-                                      std::to_string(size) + " bytes then, " + std::to_string(now) +
-                                      " now");
-  }
-  return Status::Ok();
-}
 
 Result<Header> ReadHeader(const RandomAccessFile& file, const ParseLimits& limits) {
   TF_ASSIGN_OR_RETURN(const uint64_t file_size, file.Size());
@@ -62,69 +46,16 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-// True when `child` (canonical) lies strictly inside `dir` (canonical).
-bool IsInside(const fs::path& dir, const fs::path& child) {
-  auto d = dir.begin();
-  auto c = child.begin();
-  for (; d != dir.end(); ++d, ++c) {
-    if (c == child.end() || *d != *c) return false;
-  }
-  return c != child.end();
-}
-
-// The Hugging Face hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, each file a
-// symlink to <repo>/blobs/<hash>. A target inside that repository's own blobs/ is accepted; any
-// other target outside the checkpoint directory is not.
-bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
-  const fs::path snapshots = canonical_dir.parent_path();
-  if (snapshots.filename() != "snapshots") return false;
-  return IsInside(snapshots.parent_path() / "blobs", target);
-}
-
-// The path-safety rule of every file a checkpoint reads (index entries, and *.safetensors files of
-// a directory without an index): `path` must resolve, symlinks followed, to a file strictly inside
-// `canonical_dir`, or inside the repository's blobs/ for a hub snapshot. Otherwise
-// kIndexPathEscape: "<where>: <what> resolves to ..., outside the checkpoint directory ...".
-Status CheckContained(const fs::path& canonical_dir, const std::string& path,
-                      const std::string& where, const std::string& what) {
-  std::error_code ec;
-  // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
-  const fs::path canonical = fs::weakly_canonical(fs::absolute(path, ec), ec);
-  if (!ec && (IsInside(canonical_dir, canonical) || IsInsideHubBlobs(canonical_dir, canonical))) {
-    return Status::Ok();
-  }
-  std::string why;
-  if (ec) {
-    why = "resolves to an unresolvable path: " + ec.message();
-  } else if (canonical == canonical_dir) {
-    why = "names the checkpoint directory " + json::Quote(canonical_dir.string()) +
-          " itself, not a file in it";
-    return Status(Code::kIndexPathEscape, where + ": " + what + " " + why);
-  } else {
-    why = "resolves to " + json::Quote(canonical.string());
-  }
-  return Status(Code::kIndexPathEscape, where + ": " + what + " " + why +
-                                            ", outside the checkpoint directory " +
-                                            json::Quote(canonical_dir.string()));
-}
-
-Result<fs::path> CanonicalDirectory(const fs::path& dir, const std::string& where) {
-  std::error_code ec;
-  fs::path canonical = fs::weakly_canonical(dir.empty() ? fs::path(".") : dir, ec);
-  if (ec) {
-    return Status(Code::kIoError,
-                  where + ": cannot resolve the checkpoint directory: " + ec.message());
-  }
-  return canonical;
-}
-
 }  // namespace
 
 // Opens files, validates headers and builds a Checkpoint. One builder per Open call.
 class CheckpointBuilder {
  public:
   explicit CheckpointBuilder(const OpenOptions& options)
-      : options_(options), env_(options.env ? options.env : Env::Default()) {}
+      : options_(options),
+        source_(options.source ? options.source : MakeEnvSource(options.env)),
+        max_open_(options.max_open_files > 0 ? options.max_open_files
+                                             : io::FileSet::DefaultMaxOpen()) {}
 
   // A checkpoint of the given safetensors files (no index): names must be unique across them.
   Result<std::shared_ptr<const Checkpoint>> FromFiles(std::vector<std::string> paths) {
@@ -256,8 +187,8 @@ class CheckpointBuilder {
 
  private:
   Result<IndexDocument> ReadIndex(const std::string& index_path) {
-    TF_ASSIGN_OR_RETURN(auto file, env_->OpenRandomAccess(index_path));
-    TF_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
+    TF_ASSIGN_OR_RETURN(auto file, source_->Open(index_path));
+    const uint64_t size = file->identity().size;
     // Checked before reading, so a huge file is never loaded into memory.
     if (size > options_.index_limits.max_index_size) {
       return Status(Code::kIndexTooLarge, index_path + ": index is " + std::to_string(size) +
@@ -270,10 +201,21 @@ class CheckpointBuilder {
     return ParseIndexJson(text, index_path, options_.index_limits);
   }
 
-  // Opens `path`, validates its header and appends it to the tables.
+  // Opens `path`, validates its header and appends it to the tables; the file stays open (up to
+  // max_open_ files) for the file table.
   Status AddFile(const std::string& path) {
-    TF_ASSIGN_OR_RETURN(auto file, env_->OpenRandomAccess(path));
+    TF_ASSIGN_OR_RETURN(std::shared_ptr<const SourceFile> file, source_->Open(path));
     TF_ASSIGN_OR_RETURN(Header header, ReadHeader(*file, options_.parse_limits));
+    if (file->identity().size != header.data_offset() + header.data_size) {
+      // Changed between the identity and the header reads: the size read is not the size now.
+      TF_ASSIGN_OR_RETURN(const uint64_t now, file->Size());
+      FileIdentity then = file->identity();
+      FileIdentity later = then;
+      later.size = now;
+      return FileChangedError(path, then, later);
+    }
+    io::FileSet::FileSpec spec{path, file->identity(), nullptr};
+    if (specs_.size() < max_open_) spec.open = std::move(file);
     total_tensors_ += header.tensors.size();
     total_header_bytes_ += header.header_size;
     if (total_tensors_ > options_.max_total_tensors) {
@@ -299,6 +241,7 @@ class CheckpointBuilder {
     info.num_tensors = header.tensors.size();
     files_.push_back(std::move(info));
     headers_.push_back(std::move(header));
+    specs_.push_back(std::move(spec));
     return Status::Ok();
   }
 
@@ -347,12 +290,15 @@ class CheckpointBuilder {
     cp->files_ = std::move(files_);
     cp->index_metadata_ = std::move(index_metadata_);
     cp->index_path_ = std::move(index_path_);
+    cp->file_set_ = std::make_shared<io::FileSet>(source_, std::move(specs_), max_open_);
     return std::shared_ptr<const Checkpoint>(std::move(cp));
   }
 
   const OpenOptions& options_;
-  Env* env_;
-  uint64_t total_tensors_ = 0;  // over the files added so far
+  std::shared_ptr<Source> source_;
+  const size_t max_open_;
+  std::vector<io::FileSet::FileSpec> specs_;  // parallel to files_
+  uint64_t total_tensors_ = 0;                // over the files added so far
   uint64_t total_header_bytes_ = 0;
   std::vector<FileInfo> files_;
   std::vector<Header> headers_;                           // parallel to files_
@@ -395,6 +341,19 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const 
     TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
   CheckpointBuilder builder(options);
   return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
+}
+
+Result<std::shared_ptr<const SourceFile>> Checkpoint::File(uint32_t f) const {
+  if (f >= files_.size()) {
+    return Status(Code::kInvalidArgument, "file index " + std::to_string(f) + " out of range (" +
+                                              std::to_string(files_.size()) + " files)");
+  }
+  TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, file_set_->Get(f));
+  return std::move(pin.file);
+}
+
+Status Checkpoint::CheckUnchanged() const {
+  return file_set_->CheckUnchanged();
 }
 
 const TensorInfo* Checkpoint::Find(std::string_view name) const noexcept {

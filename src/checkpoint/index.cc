@@ -6,6 +6,7 @@
 #include <simdjson.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "tensorferry/checkpoint.h"
 #include "util/json_dom.h"
 #include "util/json_writer.h"
+#include "util/path.h"
 
 namespace tensorferry {
 namespace {
@@ -22,26 +24,13 @@ Status IndexError(Code code, std::string_view source, std::string message) {
   return json::WithSource(code, source, std::move(message));
 }
 
-// Rejects a file value that could name something outside the checkpoint directory: an absolute
-// path, a ".." component, an embedded NUL, or a backslash (a Windows separator or an escape
-// attempt such as "..\\x" that some consumers would interpret as a path separator).
+// Rejects a file value that could name something outside the checkpoint directory (the lexical
+// rule of util/path.h).
 Status CheckRelativePath(std::string_view tensor, std::string_view file, std::string_view source) {
-  const auto escape = [&](std::string_view why) {
-    return IndexError(Code::kIndexPathEscape, source,
-                      "weight_map[" + json::Quote(tensor) + "]: file " + json::Quote(file) + " " +
-                          std::string(why));
-  };
-  if (file.find('\0') != std::string_view::npos) return escape("contains a NUL byte");
-  if (file.find('\\') != std::string_view::npos) return escape("contains a backslash");
-  if (file.front() == '/') return escape("is an absolute path");
-  size_t start = 0;
-  while (start <= file.size()) {
-    size_t end = file.find('/', start);
-    if (end == std::string_view::npos) end = file.size();
-    if (file.substr(start, end - start) == "..") {
-      return escape("has a \"..\" component: it leaves the checkpoint directory");
-    }
-    start = end + 1;
+  if (std::optional<std::string> why = RelativePathProblem(file)) {
+    return IndexError(
+        Code::kIndexPathEscape, source,
+        "weight_map[" + json::Quote(tensor) + "]: file " + json::Quote(file) + " " + *why);
   }
   return Status::Ok();
 }

@@ -19,6 +19,7 @@
 #include "tensorferry/convert.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/path.h"
 
 namespace tensorferry {
 
@@ -59,15 +60,6 @@ std::string Trim(std::string s) {
   size_t i = 0;
   while (i < s.size() && (s[i] == ' ' || s[i] == '\n')) ++i;
   return s.substr(i);
-}
-
-bool IsInside(const fs::path& dir, const fs::path& child) {
-  auto d = dir.begin();
-  auto c = child.begin();
-  for (; d != dir.end(); ++d, ++c) {
-    if (c == child.end() || *d != *c) return false;
-  }
-  return c != child.end();
 }
 
 bool IsRowMajor(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& stride) {
@@ -181,12 +173,7 @@ class TorchCheckpointOpener {
     const fs::path dir = fs::path(index_path).parent_path();
     fs::path canonical_dir;
     if (options_.env == nullptr) {
-      std::error_code ec;
-      canonical_dir = fs::weakly_canonical(dir.empty() ? fs::path(".") : dir, ec);
-      if (ec) {
-        return Status(Code::kIoError,
-                      index_path + ": cannot resolve the checkpoint directory: " + ec.message());
-      }
+      TF_ASSIGN_OR_RETURN(canonical_dir, CanonicalDirectory(dir, index_path));
     }
     std::map<std::string, std::string> file_of_tensor;  // tensor -> normalized relative path
     std::map<std::string, std::string> files;           // normalized relative path -> a tensor
@@ -199,14 +186,12 @@ class TorchCheckpointOpener {
     for (const auto& [rel, tensor] : files) {
       const std::string joined = dir.empty() ? rel : (dir / rel).string();
       if (options_.env == nullptr) {
+        // The path rule of every index (util/path.h), hub-cache snapshots included.
+        TF_RETURN_IF_ERROR(CheckContained(
+            canonical_dir, joined, index_path,
+            "file " + json::Quote(rel) + " (of tensor " + json::Quote(tensor) + ")"));
         std::error_code ec;
-        const fs::path canonical = fs::weakly_canonical(fs::absolute(joined, ec), ec);
-        if (ec || !IsInside(canonical_dir, canonical)) {
-          return Status(Code::kIndexPathEscape, index_path + ": file " + json::Quote(rel) +
-                                                    " (of tensor " + json::Quote(tensor) +
-                                                    ") resolves outside the checkpoint directory");
-        }
-        if (!fs::exists(canonical, ec)) {
+        if (!fs::exists(joined, ec)) {
           return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
                                                      " (of tensor " + json::Quote(tensor) +
                                                      ") does not exist");

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -385,6 +386,47 @@ TEST(TorchCheckpoint, ShardedIndex) {
   auto escape = env_with(R"({"weight_map":{"x":"../p-1.bin"}})");
   EXPECT_EQ(OpenIn(*escape, "d/pytorch_model.bin.index.json").status().code(),
             Code::kIndexPathEscape);
+}
+
+// A sharded pytorch_model.bin in a Hugging Face hub cache: snapshots/<rev>/ holds symlinks into
+// the repository's blobs/ (the index too). The path rule accepts them, as it does for a
+// safetensors index, and still refuses a symlink that leaves the repository.
+TEST(TorchCheckpoint, ShardedIndexInAHubCacheSnapshot) {
+  namespace fs = std::filesystem;
+  testing::TempDir tmp;
+  const fs::path repo = fs::path(tmp.path()) / "models--org--name";
+  const fs::path snapshot = repo / "snapshots" / "0123abcd";
+  fs::create_directories(repo / "blobs");
+  fs::create_directories(snapshot);
+  auto one = [](const std::string& name, float v) {
+    PickleBuilder p;
+    p.Proto(2).EmptyDict().Mark().Str(name).Tensor("FloatStorage", "0", 1, 0, {1}, {1});
+    p.SetItems().Stop();
+    return MakeTorchZip(p.bytes(), {{"0", F32Bytes({v})}});
+  };
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {"pytorch_model-00001-of-00002.bin", one("x", 1)},
+      {"pytorch_model-00002-of-00002.bin", one("y", 2)},
+      {"pytorch_model.bin.index.json", R"({"weight_map":{"x":"pytorch_model-00001-of-00002.bin",)"
+                                       R"("y":"pytorch_model-00002-of-00002.bin"}})"}};
+  int blob = 0;
+  for (const auto& [name, bytes] : files) {
+    const std::string sha = "b10b" + std::to_string(blob++);
+    testing::WriteBytes((repo / "blobs" / sha).string(), bytes);
+    fs::create_symlink(fs::path("../../blobs") / sha, snapshot / name);
+  }
+  auto c = TorchCheckpoint::Open(snapshot.string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ((*c)->files().size(), 2u);
+  EXPECT_EQ(ReadAllOf(**c, "y"), F32Bytes({2}));
+
+  // A shard resolving outside the repository is still an escape.
+  testing::WriteBytes(tmp.Join("elsewhere.bin"), one("y", 3));
+  fs::remove(snapshot / "pytorch_model-00002-of-00002.bin");
+  fs::create_symlink(fs::path(tmp.path()) / "elsewhere.bin",
+                     snapshot / "pytorch_model-00002-of-00002.bin");
+  EXPECT_TRUE(Fails(TorchCheckpoint::Open(snapshot.string()).status(), Code::kIndexPathEscape,
+                    "outside the checkpoint directory"));
 }
 
 TEST(TorchCheckpoint, EveryTruncationOfAZipOrLegacyFileEndsCleanly) {

@@ -5,16 +5,20 @@
 
 #include <algorithm>
 
-#include "tensorferry/checkpoint.h"
-
 #include "util/macros.h"
 
 namespace tensorferry::io {
 
-FileSet::FileSet(Env* env, std::vector<FileSpec> files, size_t max_open)
-    : env_(env != nullptr ? env : Env::Default()), max_open_(std::max<size_t>(max_open, 2)) {
+FileSet::FileSet(std::shared_ptr<Source> source, std::vector<FileSpec> files, size_t max_open)
+    : source_(std::move(source)), max_open_(std::max<size_t>(max_open, 2)) {
   files_.reserve(files.size());
-  for (FileSpec& f : files) files_.push_back(Entry{std::move(f), nullptr, nullptr, false, 0});
+  for (FileSpec& f : files) {
+    const bool open = f.open != nullptr;
+    files_.push_back(Entry{std::move(f), nullptr, false, open ? ++tick_ : 0});
+    if (open) ++open_;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  EvictLocked(static_cast<uint32_t>(files_.size()));
 }
 
 size_t FileSet::DefaultMaxOpen() {
@@ -30,13 +34,13 @@ Result<FileSet::Pin> FileSet::Get(uint32_t f, bool want_direct) {
   }
   Entry& e = files_[f];
   e.last_use = ++tick_;
-  if (!e.file) {
-    TF_ASSIGN_OR_RETURN(e.file, ReopenCheckpointFile(e.spec.path, e.spec.size, env_));
+  if (!e.spec.open) {
+    TF_ASSIGN_OR_RETURN(e.spec.open, source_->Open(e.spec.path, &e.spec.identity));
     ++open_;
     ++opens_;
   }
-  if (want_direct && !e.direct && !e.direct_refused && e.file->native_handle() >= 0) {
-    Result<std::unique_ptr<DirectFile>> d = DirectFile::Open(*e.file);
+  if (want_direct && !e.direct && !e.direct_refused && e.spec.open->native_handle() >= 0) {
+    Result<std::unique_ptr<DirectFile>> d = DirectFile::Open(*e.spec.open);
     if (d.ok()) {
       e.direct = std::move(d).value();
       ++open_;
@@ -46,7 +50,7 @@ Result<FileSet::Pin> FileSet::Get(uint32_t f, bool want_direct) {
       return d.status();  // e.g. the file was replaced
     }
   }
-  Pin pin{e.file, want_direct ? e.direct : nullptr};
+  Pin pin{e.spec.open, want_direct ? e.direct : nullptr};
   EvictLocked(f);
   return pin;
 }
@@ -58,21 +62,25 @@ void FileSet::EvictLocked(uint32_t keep) {
     Entry* victim = nullptr;
     for (uint32_t i = 0; i < files_.size(); ++i) {
       Entry& e = files_[i];
-      if (i == keep || !e.file) continue;
+      if (i == keep || !e.spec.open) continue;
       if (victim == nullptr || e.last_use < victim->last_use) victim = &e;
     }
     if (victim == nullptr) return;
     open_ -= 1 + (victim->direct ? 1 : 0);
-    victim->file.reset();  // closed once no pin holds it
+    victim->spec.open.reset();  // closed once no pin holds it
     victim->direct.reset();
   }
 }
 
-Status FileSet::CheckOpenSizes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const Entry& e : files_) {
-    if (e.file) TF_RETURN_IF_ERROR(CheckCheckpointFileSize(*e.file, e.spec.size));
+Status FileSet::CheckUnchanged() {
+  std::vector<std::shared_ptr<const SourceFile>> open;  // checked outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Entry& e : files_) {
+      if (e.spec.open) open.push_back(e.spec.open);
+    }
   }
+  for (const auto& file : open) TF_RETURN_IF_ERROR(file->CheckUnchanged());
   return Status::Ok();
 }
 

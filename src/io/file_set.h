@@ -1,14 +1,15 @@
-// Internal: the files of a checkpoint as one loader reads them, opened on demand with a bounded
-// number of descriptors.
+// Internal: the files of a checkpoint, owned by the Checkpoint and shared by every loader and
+// partial read made from it, with a bounded number of descriptors.
 //
 // A checkpoint may have thousands of files while a process may open 1024 descriptors
-// (RLIMIT_NOFILE's usual soft limit). A FileSet opens a file when a read needs it, checks that it
-// still has the size the checkpoint was validated against (kIoError "file changed since the
-// checkpoint was opened" otherwise), and keeps at most `max_open` descriptors of its own (a file's
-// buffered descriptor, plus its O_DIRECT one when used): beyond that the least recently used
-// files are closed. A Pin keeps its file (and O_DIRECT descriptor) open while the caller reads
-// through it, even if the set closes it meanwhile, so closing never races a read; callers pin
-// only the files of the batches in flight.
+// (RLIMIT_NOFILE's usual soft limit). Checkpoint::Open hands the set the files it opened to read
+// their headers (up to `max_open` of them stay open); a file not open is opened again through
+// the Source when a read needs it, and must have the identity it had at Checkpoint::Open
+// (device, inode, size, mtime: FileChangedError otherwise, source.h). The set keeps at most
+// `max_open` descriptors of its own (a file's buffered descriptor, plus its O_DIRECT one when
+// used): beyond that the least recently used files are closed. A Pin keeps its file (and O_DIRECT
+// descriptor) open while the caller reads through it, even if the set closes it meanwhile, so
+// closing never races a read; callers pin only the files of the batches in flight.
 //
 // O_DIRECT: Get(f, true) opens the file's O_DIRECT descriptor (io::DirectFile) too; a file system
 // that refuses O_DIRECT is remembered and the file is read buffered from then on (Pin::direct is
@@ -24,7 +25,7 @@
 #include <vector>
 
 #include "io/read_engine.h"
-#include "tensorferry/env.h"
+#include "tensorferry/source.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry::io {
@@ -33,16 +34,18 @@ class FileSet {
  public:
   struct FileSpec {
     std::string path;
-    uint64_t size = 0;  // the size every open must find
+    FileIdentity identity;                   // what every later open must find
+    std::shared_ptr<const SourceFile> open;  // the file while still open, or null
   };
   struct Pin {
-    std::shared_ptr<const RandomAccessFile> file;
+    std::shared_ptr<const SourceFile> file;
     std::shared_ptr<const DirectFile> direct;  // null: read buffered
     int direct_fd() const noexcept { return direct ? direct->fd() : -1; }
   };
 
   // `max_open`: descriptors kept open at once (at least 2); DefaultMaxOpen() for the process.
-  FileSet(Env* env, std::vector<FileSpec> files, size_t max_open);
+  // Files of `files` given open count against it at once (the least recently given are closed).
+  FileSet(std::shared_ptr<Source> source, std::vector<FileSpec> files, size_t max_open);
 
   // A quarter of the soft RLIMIT_NOFILE, at most 1024 and at least 8 (256 under the usual 1024):
   // the rest stays for the application, sockets and mappings' leases.
@@ -52,30 +55,30 @@ class FileSet {
   const std::string& path(uint32_t f) const noexcept { return files_[f].spec.path; }
 
   // File `f`, open (and with want_direct, its O_DIRECT descriptor where the file system allows).
-  // Errors: those of Env::OpenRandomAccess and DirectFile::Open (a replaced file), kIoError when
-  // the size differs from the checkpoint's.
+  // Errors: those of Source::Open (FileChangedError for a file replaced since the checkpoint was
+  // opened) and DirectFile::Open (a replaced file).
   Result<Pin> Get(uint32_t f, bool want_direct = false);
 
-  // Checks the size of every file open now (fstat); files not open are checked when opened.
-  Status CheckOpenSizes();
+  // SourceFile::CheckUnchanged of every file open now (fstat + stat of the path); the files not
+  // open are checked when opened again.
+  Status CheckUnchanged();
 
   // Descriptors the set holds now (pins may hold more while in use).
   size_t open_descriptors() const;
   size_t max_open() const noexcept { return max_open_; }
-  // Files opened so far, reopenings included (tests).
+  // Files opened again after Checkpoint::Open closed them or eviction did (tests).
   uint64_t opens() const;
 
  private:
   struct Entry {
     FileSpec spec;
-    std::shared_ptr<const RandomAccessFile> file;
     std::shared_ptr<const DirectFile> direct;
     bool direct_refused = false;
     uint64_t last_use = 0;
   };
   void EvictLocked(uint32_t keep);
 
-  Env* env_;
+  std::shared_ptr<Source> source_;
   const size_t max_open_;
   mutable std::mutex mu_;
   std::vector<Entry> files_;

@@ -18,14 +18,16 @@ std::vector<FileSet::FileSpec> AddFiles(MemoryEnv& env, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const std::string path = "/m/f" + std::to_string(i);
     env.AddFile(path, std::string(100 + i, static_cast<char>('a' + i % 26)));
-    specs.push_back({path, 100 + i});
+    FileIdentity id;
+    id.size = 100 + i;  // a MemoryEnv file's identity is its size
+    specs.push_back({path, id, nullptr});
   }
   return specs;
 }
 
 TEST(FileSet, KeepsAtMostMaxOpenAndReopensOnDemand) {
   MemoryEnv env;
-  FileSet set(&env, AddFiles(env, 50), 8);
+  FileSet set(MakeEnvSource(&env), AddFiles(env, 50), 8);
   for (int round = 0; round < 3; ++round) {
     for (uint32_t f = 0; f < 50; ++f) {
       auto pin = set.Get(f);
@@ -43,7 +45,7 @@ TEST(FileSet, KeepsAtMostMaxOpenAndReopensOnDemand) {
 
 TEST(FileSet, APinOutlivesEviction) {
   MemoryEnv env;
-  FileSet set(&env, AddFiles(env, 10), 2);
+  FileSet set(MakeEnvSource(&env), AddFiles(env, 10), 2);
   auto first = set.Get(0);
   ASSERT_TRUE(first.ok());
   for (uint32_t f = 1; f < 10; ++f) ASSERT_TRUE(set.Get(f).ok());  // evicts file 0 from the set
@@ -58,7 +60,7 @@ TEST(FileSet, AFileThatChangedSizeIsReportedWhenOpened) {
   MemoryEnv env;
   std::vector<FileSet::FileSpec> specs = AddFiles(env, 3);
   env.AddFile("/m/f1", std::string(7, 'x'));  // replaced since the checkpoint was opened
-  FileSet set(&env, specs, 8);
+  FileSet set(MakeEnvSource(&env), specs, 8);
   EXPECT_TRUE(set.Get(0).ok());
   auto changed = set.Get(1);
   ASSERT_FALSE(changed.ok());
@@ -66,7 +68,20 @@ TEST(FileSet, AFileThatChangedSizeIsReportedWhenOpened) {
   EXPECT_NE(changed.status().message().find("/m/f1: file changed since the checkpoint was opened"),
             std::string::npos)
       << changed.status().ToString();
-  EXPECT_TRUE(set.CheckOpenSizes().ok());  // file 0, the only one open, is unchanged
+  EXPECT_TRUE(set.CheckUnchanged().ok());  // file 0, the only one open, is unchanged
+}
+
+TEST(FileSet, FilesGivenOpenAreNotOpenedAgain) {
+  MemoryEnv env;
+  std::vector<FileSet::FileSpec> specs = AddFiles(env, 4);
+  std::shared_ptr<Source> source = MakeEnvSource(&env);
+  for (auto& spec : specs) spec.open = std::move(source->Open(spec.path).value());
+  FileSet set(source, specs, 2);  // two of the four given open are closed at once
+  EXPECT_EQ(set.open_descriptors(), 2u);
+  for (uint32_t f = 2; f < 4; ++f) ASSERT_TRUE(set.Get(f).ok());
+  EXPECT_EQ(set.opens(), 0u);  // the most recently given stayed open
+  ASSERT_TRUE(set.Get(0).ok());
+  EXPECT_EQ(set.opens(), 1u);
 }
 
 TEST(FileSet, DefaultBoundIsAQuarterOfTheDescriptorLimit) {

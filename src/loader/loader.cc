@@ -352,8 +352,8 @@ struct Loader::Impl {
   std::unique_ptr<io::ReadEngine> engine;
   std::shared_ptr<memory::BufferPool> pool;
   std::shared_ptr<memory::Budget> budget;
-  // The checkpoint's files, opened on demand under a bound on descriptors (io/file_set.h).
-  std::unique_ptr<io::FileSet> files;
+  // The checkpoint's files (Checkpoint::file_set(): opened once, shared by its loaders).
+  std::shared_ptr<io::FileSet> files;
   // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
   std::vector<std::shared_ptr<io::MappedFile>> maps;
   LoadStats stats;
@@ -403,20 +403,16 @@ struct Loader::Impl {
     return copy_engine;
   }
 
-  // Makes the file set once per loader, and checks that the files it holds open still have the
-  // size seen at Checkpoint::Open (the others are checked when opened): a file replaced or
-  // truncated since then is reported before a read of it.
+  // Takes the checkpoint's files once per loader, and checks that the files it holds open are
+  // still those seen at Checkpoint::Open (the others are checked when opened again): a file
+  // replaced or rewritten since then is reported before a read of it.
   Status OpenFiles() {
-    const auto& infos = checkpoint->files();
     if (!files) {
-      std::vector<io::FileSet::FileSpec> specs;
-      specs.reserve(infos.size());
-      for (const FileInfo& f : infos) specs.push_back({f.path, f.file_size});
-      files = std::make_unique<io::FileSet>(env, std::move(specs), io::FileSet::DefaultMaxOpen());
+      files = checkpoint->file_set();
       maps.clear();
-      maps.resize(infos.size());
+      maps.resize(checkpoint->files().size());
     }
-    return files->CheckOpenSizes();
+    return checkpoint->CheckUnchanged();
   }
 
   // Runs `run` over windows of the files in `used` (distinct file indices), each window at most

@@ -1,8 +1,35 @@
+// Path safety (path.h).
 #include "util/path.h"
+
+#include <system_error>
 
 #include "util/json_writer.h"
 
 namespace tensorferry {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// True when `child` (canonical) lies strictly inside `dir` (canonical).
+bool IsInside(const fs::path& dir, const fs::path& child) {
+  auto d = dir.begin();
+  auto c = child.begin();
+  for (; d != dir.end(); ++d, ++c) {
+    if (c == child.end() || *d != *c) return false;
+  }
+  return c != child.end();
+}
+
+// The hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, each file a symlink to
+// <repo>/blobs/<hash>: a target inside that repository's own blobs/ is accepted.
+bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
+  const fs::path snapshots = canonical_dir.parent_path();
+  if (snapshots.filename() != "snapshots") return false;
+  return IsInside(snapshots.parent_path() / "blobs", target);
+}
+
+}  // namespace
 
 Status CheckPathString(std::string_view path, std::string_view what) {
   if (const size_t nul = path.find('\0'); nul != std::string_view::npos) {
@@ -11,6 +38,73 @@ Status CheckPathString(std::string_view path, std::string_view what) {
                                               std::to_string(nul) + ": no file can have that name");
   }
   return Status::Ok();
+}
+
+std::optional<std::string> RelativePathProblem(std::string_view file) {
+  if (file.find('\0') != std::string_view::npos) return "contains a NUL byte";
+  if (file.find('\\') != std::string_view::npos) return "contains a backslash";
+  if (!file.empty() && file.front() == '/') return "is an absolute path";
+  size_t start = 0;
+  while (start <= file.size()) {
+    size_t end = file.find('/', start);
+    if (end == std::string_view::npos) end = file.size();
+    if (file.substr(start, end - start) == "..") {
+      return "has a \"..\" component: it leaves the checkpoint directory";
+    }
+    start = end + 1;
+  }
+  return std::nullopt;
+}
+
+Result<fs::path> CanonicalDirectory(const fs::path& dir, std::string_view where) {
+  std::error_code ec;
+  fs::path canonical = fs::weakly_canonical(dir.empty() ? fs::path(".") : dir, ec);
+  if (ec) {
+    return Status(Code::kIoError, std::string(where) +
+                                      ": cannot resolve the checkpoint directory: " + ec.message());
+  }
+  return canonical;
+}
+
+namespace {
+
+// The path `path` resolves to, symlinks followed. weakly_canonical alone would keep a dangling
+// symlink as it is written (inside the directory) whatever it points at: its target is followed
+// here first (a chain of at most 40 links, as the kernel allows).
+fs::path Resolve(const std::string& path, std::error_code& ec) {
+  // Absolute first: weakly_canonical leaves a relative path to a missing file relative.
+  fs::path p = fs::absolute(path, ec);
+  for (int links = 0; !ec && links < 40; ++links) {
+    std::error_code missing;  // a path that does not exist is no symlink: not an error here
+    if (!fs::is_symlink(fs::symlink_status(p, missing))) break;
+    const fs::path target = fs::read_symlink(p, ec);
+    // Relative to the link's directory as the kernel sees it (its own symlinks resolved first).
+    const fs::path base =
+        target.is_absolute() ? fs::path() : fs::weakly_canonical(p.parent_path(), ec);
+    p = (base / target).lexically_normal();
+  }
+  return ec ? p : fs::weakly_canonical(p, ec);
+}
+
+}  // namespace
+
+Status CheckContained(const fs::path& canonical_dir, const std::string& path,
+                      std::string_view where, std::string_view what) {
+  std::error_code ec;
+  const fs::path canonical = Resolve(path, ec);
+  if (!ec && (IsInside(canonical_dir, canonical) || IsInsideHubBlobs(canonical_dir, canonical))) {
+    return Status::Ok();
+  }
+  const std::string prefix = std::string(where) + ": " + std::string(what) + " ";
+  if (!ec && canonical == canonical_dir) {
+    return Status(Code::kIndexPathEscape, prefix + "names the checkpoint directory " +
+                                              json::Quote(canonical_dir.string()) +
+                                              " itself, not a file in it");
+  }
+  const std::string why = ec ? "resolves to an unresolvable path: " + ec.message()
+                             : "resolves to " + json::Quote(canonical.string());
+  return Status(Code::kIndexPathEscape, prefix + why + ", outside the checkpoint directory " +
+                                            json::Quote(canonical_dir.string()));
 }
 
 }  // namespace tensorferry

@@ -1,6 +1,20 @@
-// Internal: checks of path strings before they reach the operating system.
+// Internal: path safety, the one module for every path tensorferry takes from a file or a user
+// before it reaches the operating system.
+//
+// Two layers, used by every index reader (the safetensors index in src/checkpoint/ and the
+// PyTorch .bin index in src/convert/) and by directory listings:
+//   * lexical (RelativePathProblem): a path written in an index must be relative and stay below
+//     its directory: no absolute path, no ".." component, no NUL byte, no backslash (a Windows
+//     separator, or an escape such as "..\\x" some consumers would read as one);
+//   * resolved (CheckContained): with symlinks followed, the file must lie strictly inside the
+//     checkpoint directory, with one exception that keeps the Hugging Face hub cache working:
+//     when the directory is <repo>/snapshots/<rev>, a file resolving into <repo>/blobs/ (that
+//     repository's own blobs, where the hub cache keeps the bytes: snapshots/<rev>/x ->
+//     ../../blobs/<sha>) is accepted. This layer needs the real file system.
 #pragma once
 
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -12,5 +26,20 @@ namespace tensorferry {
 // there and open another file (Python's open() refuses such paths with ValueError too). `what`
 // names the role in the message ("checkpoint path", "output path").
 Status CheckPathString(std::string_view path, std::string_view what = "path");
+
+// Why the relative path `file` (as written in an index) could leave its directory, e.g. "is an
+// absolute path", or nullopt when it cannot. An empty path is not checked here.
+std::optional<std::string> RelativePathProblem(std::string_view file);
+
+// The canonical form of checkpoint directory `dir` ("" is the working directory).
+// Errors: kIoError "<where>: cannot resolve the checkpoint directory: <why>".
+Result<std::filesystem::path> CanonicalDirectory(const std::filesystem::path& dir,
+                                                 std::string_view where);
+
+// Ok when `path` resolves, symlinks followed, to a file strictly inside `canonical_dir` (from
+// CanonicalDirectory), or inside the repository's blobs/ for a hub-cache snapshot. Otherwise
+// kIndexPathEscape "<where>: <what> resolves to ..., outside the checkpoint directory ...".
+Status CheckContained(const std::filesystem::path& canonical_dir, const std::string& path,
+                      std::string_view where, std::string_view what);
 
 }  // namespace tensorferry

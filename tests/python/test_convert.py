@@ -264,6 +264,42 @@ def test_sharded_bin_with_index(tmp_path, gen):
     assert not doc["ok"] and doc["error"]["code"] == "index_missing_tensor"
 
 
+def test_sharded_bin_in_a_hub_cache_snapshot(tmp_path, gen):
+    # The Hugging Face hub cache: snapshots/<rev>/ holds symlinks to ../../blobs/<sha>, the index
+    # included. Converting the snapshot (or its index) must not be refused as a path escape.
+    repo = tmp_path / "models--org--name"
+    blobs = repo / "blobs"
+    snapshot = repo / "snapshots" / "5e1f00d"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    shards = [{f"layers.{i}.w": random_tensor(torch.float16, (8, 4), gen) for i in range(2)},
+              {f"layers.{i}.w": random_tensor(torch.float16, (8, 4), gen) for i in range(2, 4)}]
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        name = f"pytorch_model-0000{n}-of-00002.bin"
+        torch.save(shard, blobs / f"sha{n}")
+        (snapshot / name).symlink_to(f"../../blobs/sha{n}")
+        weight_map.update({k: name for k in shard})
+    with open(blobs / "sha0", "w") as f:
+        json.dump({"metadata": {"total_size": 4 * 64}, "weight_map": weight_map}, f)
+    (snapshot / "pytorch_model.bin.index.json").symlink_to("../../blobs/sha0")
+    expected = {k: v for s in shards for k, v in s.items()}
+    for n, src in enumerate([snapshot, snapshot / "pytorch_model.bin.index.json"]):
+        doc = convert(src, tmp_path / f"out{n}", "--verify")
+        assert doc["ok"], doc
+        tensors, meta = read_output(tmp_path / f"out{n}")
+        assert sorted(tensors) == sorted(expected)
+        assert_same(expected, tensors, meta)
+
+    # A shard that resolves outside the repository is still refused.
+    outside = tmp_path / "outside.bin"
+    torch.save(shards[1], outside)
+    (snapshot / "pytorch_model-00002-of-00002.bin").unlink()
+    (snapshot / "pytorch_model-00002-of-00002.bin").symlink_to(outside)
+    doc = convert(snapshot, tmp_path / "out_escape")
+    assert not doc["ok"] and doc["error"]["code"] == "index_path_escape", doc
+
+
 def test_max_shard_size(tmp_path, gen):
     sd = {f"w{i}": random_tensor(torch.float32, (64, 64), gen) for i in range(6)}
     torch.save(sd, tmp_path / "m.pt")

@@ -1,0 +1,95 @@
+// tensorferry/source.h: where the bytes of a checkpoint come from.
+//
+// A Source opens the files of a checkpoint; a SourceFile is one of them, open, with the identity
+// it had when opened. Checkpoint::Open opens each file once through a Source and the checkpoint
+// owns it from then on (checkpoint.h): every loader, load and partial read made from that
+// checkpoint reads through the same SourceFile, and a file that must be opened again (a
+// checkpoint with more files than the open-file bound) must still have that identity.
+//
+// Identity: (device, inode, size, modification time in ns) for a POSIX file; a source without
+// inodes (a test double, an object store) sets what it has (at least the size; an object store
+// would put its ETag/generation hash in `inode`) and leaves the rest 0. Two identities are the
+// same file when every field is equal.
+//
+// Reads: a SourceFile is a RandomAccessFile (env.h), so the read engines take it as is. Read() is
+// one blocking positional read; ReadMany() submits a whole list at once. The POSIX file
+// implements ReadMany by reading each in turn (its engines keep many reads in flight through
+// their own threads or io_uring on the descriptor); a source whose reads have a high latency
+// (an object store: HTTP range requests) overrides ReadMany to keep them all in flight from one
+// caller thread, and reports native_handle() -1 so that the O_DIRECT, mmap and io_uring paths,
+// which need a descriptor, fall back to Read/ReadMany.
+//
+// Change detection (CheckUnchanged): the POSIX file compares fstat of its descriptor (a file
+// rewritten in place: size or mtime) and stat of its path (a file renamed over, or removed)
+// with the identity taken at open. Two system calls per file, no reads.
+//
+// Ownership: Open returns a uniquely owned file (the checkpoint shares it with its loaders).
+// Thread-safety: a Source and a SourceFile may be used from several threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "tensorferry/env.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry {
+
+struct FileIdentity {
+  uint64_t device = 0;
+  uint64_t inode = 0;  // or a version tag of a source without inodes
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileIdentity&) const = default;
+};
+
+// What differs between `then` and `now`, in words ("" when they are equal), e.g. "100 bytes
+// then, 96 now", "modified: mtime 1700000000.1 then, 1700000005.3 now", "replaced: inode 12 on
+// device 2049 then, inode 40 now".
+std::string DescribeIdentityChange(const FileIdentity& then, const FileIdentity& now);
+
+// The error every identity check reports: kIoError "<path>: file changed since the checkpoint
+// was opened: <DescribeIdentityChange>".
+Status FileChangedError(const std::string& path, const FileIdentity& then, const FileIdentity& now);
+
+struct SourceRead {
+  uint64_t offset = 0;
+  std::span<std::byte> dst;  // filled completely (kUnexpectedEof when the file ends first)
+};
+
+class SourceFile : public RandomAccessFile {
+ public:
+  // The identity taken when the file was opened.
+  virtual const FileIdentity& identity() const noexcept = 0;
+
+  // Reads every request completely, possibly concurrently and in any order; returns when all
+  // are done or with the first error (kIoError or kUnexpectedEof naming path and offset). The
+  // default reads them in turn with ReadFully.
+  virtual Status ReadMany(std::span<const SourceRead> reads) const;
+
+  // Ok while the file, and what its path names now, are the file opened (same identity); else
+  // FileChangedError. Cheap enough to call before every load (no data is read).
+  virtual Status CheckUnchanged() const = 0;
+};
+
+class Source {
+ public:
+  virtual ~Source() = default;
+
+  // Opens `path`. With `expected`, the file opened must have that identity (FileChangedError
+  // otherwise): the path of a checkpoint file reopened later must name the same file.
+  // Errors: kNotFound when it does not exist, kIoError otherwise, FileChangedError.
+  virtual Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
+                                                   const FileIdentity* expected = nullptr) = 0;
+};
+
+// The Source reading through `env` (nullptr: Env::Default()); not owned, must outlive the source.
+// Identity comes from fstat of the file's native_handle(), and CheckUnchanged also stats its path;
+// a file without a descriptor (a MemoryEnv's) has only its size as identity, and CheckUnchanged
+// compares only that.
+std::unique_ptr<Source> MakeEnvSource(Env* env = nullptr);
+
+}  // namespace tensorferry

@@ -1,0 +1,84 @@
+#include "util/path.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(PathSafety, NulBytesAreRefused) {
+  EXPECT_TRUE(CheckPathString("a/b.safetensors").ok());
+  const Status s = CheckPathString(std::string("a\0b", 3), "checkpoint path");
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("checkpoint path"), std::string::npos) << s.ToString();
+}
+
+TEST(PathSafety, LexicalRule) {
+  for (const char* ok : {"a.safetensors", "sub/a.safetensors", "./a", "a..b", "..a", "a/..b/c"}) {
+    EXPECT_FALSE(RelativePathProblem(ok).has_value()) << ok;
+  }
+  EXPECT_EQ(RelativePathProblem("/etc/passwd"), "is an absolute path");
+  EXPECT_EQ(RelativePathProblem("a\\b"), "contains a backslash");
+  EXPECT_EQ(RelativePathProblem(std::string("a\0b", 3)), "contains a NUL byte");
+  for (const char* escape : {"..", "../a", "a/../../b", "a/.."}) {
+    ASSERT_TRUE(RelativePathProblem(escape).has_value()) << escape;
+    EXPECT_NE(RelativePathProblem(escape)->find("\"..\""), std::string::npos) << escape;
+  }
+}
+
+// A hub-cache repository: snapshots/<rev>/x -> ../../blobs/<sha> is inside; a symlink to
+// another repository's blobs, or anywhere else, is not; without the snapshots/ layout blobs/ is
+// nothing special.
+TEST(PathSafety, SymlinksStayInsideOrInTheRepositorysBlobs) {
+  testing::TempDir tmp;
+  const fs::path root(tmp.path());
+  const fs::path repo = root / "models--a--b";
+  const fs::path snapshot = repo / "snapshots" / "rev1";
+  fs::create_directories(snapshot);
+  fs::create_directories(repo / "blobs");
+  fs::create_directories(root / "models--c--d" / "blobs");
+  testing::WriteBytes((repo / "blobs" / "sha").string(), "x");
+  testing::WriteBytes((root / "models--c--d" / "blobs" / "sha").string(), "x");
+  testing::WriteBytes((snapshot / "plain").string(), "x");
+  testing::WriteBytes((root / "outside").string(), "x");
+  fs::create_symlink("../../blobs/sha", snapshot / "hub");
+  fs::create_symlink("../../../models--c--d/blobs/sha", snapshot / "other_repo");
+  fs::create_symlink("../../../outside", snapshot / "outside");
+  // Dangling symlinks are judged by where they point: outside, or into the blobs (a download
+  // not finished: the open then says the file is missing).
+  fs::create_symlink("../../../nothing_here", snapshot / "dangling_outside");
+  fs::create_symlink("../../blobs/not_yet", snapshot / "dangling_blob");
+
+  auto dir = CanonicalDirectory(snapshot, "index");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  EXPECT_TRUE(CheckContained(*dir, (snapshot / "plain").string(), "index", "file").ok());
+  EXPECT_TRUE(CheckContained(*dir, (snapshot / "hub").string(), "index", "file").ok());
+  EXPECT_TRUE(CheckContained(*dir, (snapshot / "dangling_blob").string(), "index", "file").ok());
+  for (const char* name : {"other_repo", "outside", "dangling_outside"}) {
+    const Status s = CheckContained(*dir, (snapshot / name).string(), "index", "file \"x\"");
+    EXPECT_EQ(s.code(), Code::kIndexPathEscape) << name;
+    EXPECT_NE(s.message().find("index: file \"x\" resolves to"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("outside the checkpoint directory"), std::string::npos);
+  }
+  const Status self = CheckContained(*dir, snapshot.string(), "index", "file");
+  EXPECT_EQ(self.code(), Code::kIndexPathEscape);
+  EXPECT_NE(self.message().find("itself"), std::string::npos) << self.ToString();
+
+  // Not a snapshot directory: its blobs/ sibling is outside like anything else.
+  fs::create_directories(repo / "notsnap" / "rev");
+  fs::create_symlink("../../blobs/sha", repo / "notsnap" / "rev" / "hub");
+  auto notsnap = CanonicalDirectory(repo / "notsnap" / "rev", "index");
+  ASSERT_TRUE(notsnap.ok());
+  EXPECT_EQ(
+      CheckContained(*notsnap, (repo / "notsnap" / "rev" / "hub").string(), "index", "f").code(),
+      Code::kIndexPathEscape);
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -105,28 +105,38 @@ class Tensor {
 
 class Selection;
 
-// What a selection means under a shard spec's tied aliases (ShardSpec::Tie): the tensors to
-// read, which of them the caller asked for, and the aliases delivered sharing a read tensor's
-// data (read once). A tied alias selected by name, or matched by a predicate (as its target would
-// be, under the alias's name), stands for its target whether the files hold it (a duplicate, not
-// read) or not (tie_word_embeddings). Without a spec or without ties: `read` is
-// Selection::Resolve, `deliver` is empty, no aliases. Loader and LoadCooperative (cooperative.h)
-// resolve selections this way, so both deliver the same tensors in the same order.
-struct ResolvedSelection {
-  std::vector<uint32_t> read;  // indices into checkpoint.tensors(), ascending
-  std::vector<bool> deliver;   // per tensor index: asked for; empty: every read tensor
-  std::vector<std::pair<std::string, uint32_t>> aliases;  // (alias, target index), by alias name
-
-  // The order Loader::Load returns tensors in: (name, index of the tensor whose data it is), in
-  // checkpoint order; an alias the files lack comes right after its target (aliases of one target
-  // by name).
-  std::vector<std::pair<std::string, uint32_t>> Outputs(const Checkpoint& checkpoint) const;
+// One tensor a load of a selection delivers (Loader::Describe).
+struct OutputInfo {
+  std::string name;  // as delivered: a tied alias under its own name
+  DType dtype = DType::kU8;
+  std::vector<uint64_t> shape;  // local shape: the tensor-parallel slice applied
+  uint64_t bytes = 0;           // bytes of the delivered tensor (the slice's)
+  uint32_t tensor = 0;          // index into checkpoint.tensors() of the tensor whose bytes it is
+  // A tied alias (ShardSpec::Tie): its bytes are those of `tensor`, which has another name (read
+  // once, shared with that tensor's output when it is selected too).
+  bool alias = false;
+  std::optional<TensorSlice> slice;  // the slice of `tensor` delivered, when its rule splits it
 };
 
-// Errors: those of Selection::Resolve (kNotFound for a name that is neither a tensor nor a tied
-// alias of one).
-Result<ResolvedSelection> ResolveSelection(const Checkpoint& checkpoint, const Selection& selection,
-                                           const ShardSpec* spec);
+// What a load of a selection delivers and reads: the one resolution of tied aliases and output
+// order that every path (Load, Stream, LoadInto, LoadCooperative, the Python binding) uses.
+// A tied alias selected by name, or matched by a predicate (as its target would be, under the
+// alias's name), stands for its target whether the files hold it (a duplicate, not read) or not
+// (tie_word_embeddings). Without a shard spec or without ties, outputs are the selected tensors.
+struct Description {
+  // In the order Loader::Load returns them: checkpoint order; an alias the files lack comes right
+  // after its target (aliases of one target by name).
+  std::vector<OutputInfo> outputs;
+  std::vector<uint32_t> read;  // indices into checkpoint.tensors() to read, ascending
+  uint64_t bytes = 0;          // local bytes of the read tensors (LoadStats::bytes of a load)
+};
+
+// The description of `selection` over `checkpoint` for rank shard->rank of shard->world (no
+// slicing when `shard` is null; ties come from shard->spec). Pure: no I/O. Errors: kNotFound (a
+// name that is neither a tensor nor a tied alias of one), kInvalidArgument (a tie whose target is
+// not in the checkpoint or whose alias in the files differs from it; the errors of SliceOf).
+Result<Description> DescribeSelection(const Checkpoint& checkpoint, const Selection& selection,
+                                      const TensorParallelOptions* shard);
 
 // Which tensors to load.
 class Selection {
@@ -141,8 +151,8 @@ class Selection {
 
  private:
   // Resolves tied aliases absent from the checkpoint.
-  friend Result<ResolvedSelection> ResolveSelection(const Checkpoint&, const Selection&,
-                                                    const ShardSpec*);
+  friend Result<Description> DescribeSelection(const Checkpoint&, const Selection&,
+                                               const TensorParallelOptions*);
   std::vector<std::string> names_;
   std::function<bool(const TensorInfo&)> predicate_;
   bool by_name_ = false;
@@ -320,6 +330,11 @@ class Loader {
   Loader& operator=(const Loader&) = delete;
 
   const std::shared_ptr<const Checkpoint>& checkpoint() const noexcept;
+
+  // What a load of `selection` delivers (names in output order, dtypes, local shapes under
+  // LoadOptions::shard, byte counts, tied aliases resolved) and reads. Pure: no I/O, may be called
+  // at any time. Errors: those of DescribeSelection.
+  Result<Description> Describe(const Selection& selection) const;
 
   // The plan a load of `selection` would execute. Errors: those of Selection::Resolve and MakePlan.
   Result<Plan> MakePlan(const Selection& selection) const;

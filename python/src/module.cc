@@ -268,6 +268,17 @@ class PinnedEnv : public Env {
   std::map<std::string, std::shared_ptr<const RandomAccessFile>> files_;
 };
 
+// One tensor a load delivers, as Python sees it (Loader::Describe): tensorferry._core.Output.
+struct PyOutput {
+  std::string name;    // as delivered (a tied alias under its own name)
+  std::string dtype;   // safetensors dtype name
+  std::string stored;  // the tensor of the files whose bytes it is (its target for an alias)
+  std::vector<uint64_t> shape;  // local shape (the tensor-parallel slice applied)
+  uint64_t bytes = 0;           // local bytes
+  uint32_t file = 0;            // index of the file holding `stored`
+  bool alias = false;           // a tied alias of `stored`
+};
+
 class BatchStream;
 
 class Reader {
@@ -398,16 +409,7 @@ class Reader {
   // Every selected tensor (all when `names` is None), through the Loader: one buffer per batch.
   nb::list Load(const std::optional<std::vector<std::string>>& names, int framework) {
     const Framework fw = ToFramework(framework);
-    if (names) {
-      for (const std::string& n : *names) {
-        // A tied alias (shard_rules ties) stands for its target, present in the files or not.
-        std::optional<std::string> target;
-        if (options_.shard && checkpoint_->Find(n) == nullptr) {
-          target = options_.shard->spec.TieTarget(n);
-        }
-        Lookup(target ? *target : n);
-      }
-    }
+    if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
     // Locked on this thread (a stream callback reading through its own loader is refused here),
     // then loaded on Interruptible's helper thread.
     std::optional<Lock> lock;
@@ -484,9 +486,7 @@ class Reader {
   void Stream(const std::optional<std::vector<std::string>>& names, int framework,
               const nb::callable& callback) {
     const Framework fw = ToFramework(framework);
-    if (names) {
-      for (const std::string& n : *names) Lookup(n);
-    }
+    if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
     std::optional<nb::python_error> raised;
     Status status;
     {
@@ -597,6 +597,19 @@ class Reader {
     return d;
   }
 
+  // What a load of `names` (all when None) delivers, in output order (Loader::Describe).
+  std::vector<PyOutput> Describe(const std::optional<std::vector<std::string>>& names) const {
+    const Description d = DescribeNames(names);
+    std::vector<PyOutput> out;
+    out.reserve(d.outputs.size());
+    for (const OutputInfo& o : d.outputs) {
+      const TensorInfo& t = checkpoint_->tensors()[o.tensor];
+      out.push_back(
+          {o.name, std::string(DTypeName(o.dtype)), t.name, o.shape, o.bytes, t.file, o.alias});
+    }
+    return out;
+  }
+
   // Starts a background thread running Loader::Stream; batches are taken with BatchStream::Next.
   std::unique_ptr<BatchStream> Iterate(const std::optional<std::vector<std::string>>& names,
                                        int framework);
@@ -648,6 +661,23 @@ class Reader {
   void SetStats(const LoadStats& stats) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_ = stats;
+  }
+
+  // DescribeSelection under this reader's options. Raises SafetensorError (as the reference
+  // does) for a name that is neither a tensor nor a tied alias of one.
+  Description DescribeNames(const std::optional<std::vector<std::string>>& names) const {
+    const TensorParallelOptions* shard = options_.shard ? &*options_.shard : nullptr;
+    auto describe = [&](const Selection& selection) {
+      return DescribeSelection(*checkpoint_, selection, shard);
+    };
+    Result<Description> d = describe(names ? Selection::Names(*names) : Selection::All());
+    if (!d.ok() && d.status().code() == Code::kNotFound && names) {
+      for (const std::string& n : *names) {  // which name: the reference's error names it
+        Result<Description> one = describe(Selection::Names({n}));
+        if (!one.ok() && one.status().code() == Code::kNotFound) RaiseMissingTensor(n);
+      }
+    }
+    return Unwrap(std::move(d));
   }
 
   const TensorInfo& Lookup(const std::string& name) const {
@@ -844,9 +874,7 @@ class BatchStream {
 std::unique_ptr<BatchStream> Reader::Iterate(const std::optional<std::vector<std::string>>& names,
                                              int framework) {
   const Framework fw = ToFramework(framework);
-  if (names) {
-    for (const std::string& n : *names) Lookup(n);
-  }
+  if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
   if (streaming_.load()) {
     throw StatusError(Status(Code::kInvalidArgument,
                              "this loader is busy: an iteration over its batches is in progress; "
@@ -1045,6 +1073,19 @@ NB_MODULE(_core, m) {
       .def("next", &BatchStream::Next)
       .def("close", &BatchStream::Close);
 
+  nb::class_<PyOutput>(m, "Output", "A tensor a load delivers (tensorferry::Loader::Describe)")
+      .def_ro("name", &PyOutput::name)
+      .def_ro("dtype", &PyOutput::dtype)
+      .def_ro("stored", &PyOutput::stored)
+      .def_ro("shape", &PyOutput::shape)
+      .def_ro("bytes", &PyOutput::bytes)
+      .def_ro("file", &PyOutput::file)
+      .def_ro("alias", &PyOutput::alias)
+      .def("__repr__", [](const PyOutput& o) {
+        return "Output(" + o.name + ", " + o.dtype + ", " + ShapeText(o.shape) + ", " +
+               std::to_string(o.bytes) + " bytes" + (o.alias ? ", alias of " + o.stored : "") + ")";
+      });
+
   nb::class_<Reader>(m, "Reader")
       .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
            nb::arg("single_file"), nb::arg("options"))
@@ -1057,6 +1098,7 @@ NB_MODULE(_core, m) {
       .def("dtypes", &Reader::DTypes, nb::arg("names").none())
       .def("file_metadata", &Reader::FileMetadata)
       .def("index_metadata", &Reader::IndexMetadata)
+      .def("describe", &Reader::Describe, nb::arg("names").none())
       .def("load", &Reader::Load, nb::arg("names").none(), nb::arg("framework"))
       .def("get_tensor", &Reader::GetTensor)
       .def("read_range", &Reader::ReadRange, nb::arg("name"), nb::arg("begin"), nb::arg("end"),

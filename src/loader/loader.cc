@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "cuda/cuda_api.h"
@@ -81,19 +82,14 @@ Result<std::vector<uint32_t>> Selection::Resolve(const Checkpoint& checkpoint) c
   return out;
 }
 
-Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selection& selection,
-                                           const ShardSpec* spec) {
-  ResolvedSelection r;
-  if (spec == nullptr || spec->ties().empty()) {
-    TF_ASSIGN_OR_RETURN(r.read, selection.Resolve(ckpt));
-    return r;
-  }
-  const auto& all = ckpt.tensors();
-  // Every tie must name a tensor the checkpoint has, and an alias the files hold must be that
-  // tensor's twin: otherwise the spec does not describe this checkpoint, and following it would
-  // silently hand out another tensor's bytes (or ignore the tie).
-  for (const auto& [alias, ignored] : spec->ties()) {
-    const std::optional<std::string> target = spec->TieTarget(alias);
+namespace {
+
+// Every tie must name a tensor the checkpoint has, and an alias the files hold must be that
+// tensor's twin: otherwise the spec does not describe this checkpoint, and following it would
+// silently hand out another tensor's bytes (or ignore the tie).
+Status CheckTies(const Checkpoint& ckpt, const ShardSpec& spec) {
+  for (const auto& [alias, ignored] : spec.ties()) {
+    const std::optional<std::string> target = spec.TieTarget(alias);
     if (!target) continue;  // a cycle: ShardSpec::Validate refuses it
     const TensorInfo* t = ckpt.Find(*target);
     if (t == nullptr) {
@@ -109,21 +105,36 @@ Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selecti
                         " " + ShapeText(t->shape) + "; a tie must name the same tensor");
     }
   }
-  std::vector<bool> read(all.size(), false);
-  r.deliver.assign(all.size(), false);
+  return Status::Ok();
+}
+
+// A selection resolved: per tensor index, read and delivered under its own name; tied aliases
+// (alias name -> target index).
+struct Resolution {
+  std::vector<bool> read, deliver;
   std::map<std::string, uint32_t> alias_target;
+};
+
+// REQUIRES: CheckTies(ckpt, spec) passed.
+Result<Resolution> ResolveTied(const Checkpoint& ckpt, const std::vector<std::string>* names,
+                               const std::function<bool(const TensorInfo&)>& predicate,
+                               const ShardSpec& spec) {
+  const auto& all = ckpt.tensors();
+  Resolution r;
+  r.read.assign(all.size(), false);
+  r.deliver.assign(all.size(), false);
   auto index_of = [&](const TensorInfo* t) { return static_cast<uint32_t>(t - all.data()); };
   // The target an alias stands for, when the spec ties it to a tensor the checkpoint has.
   auto target_of = [&](std::string_view name) -> const TensorInfo* {
-    std::optional<std::string> target = spec->TieTarget(name);
+    std::optional<std::string> target = spec.TieTarget(name);
     return target ? ckpt.Find(*target) : nullptr;
   };
   auto add_alias = [&](const std::string& alias, const TensorInfo* target) {
-    read[index_of(target)] = true;
-    alias_target.emplace(alias, index_of(target));
+    r.read[index_of(target)] = true;
+    r.alias_target.emplace(alias, index_of(target));
   };
-  if (selection.by_name_) {
-    for (const std::string& name : selection.names_) {
+  if (names != nullptr) {
+    for (const std::string& name : *names) {
       if (const TensorInfo* target = target_of(name)) {
         add_alias(name, target);  // present or not, the alias's own bytes are not read
         continue;
@@ -132,57 +143,93 @@ Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selecti
       if (t == nullptr) {
         return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
       }
-      read[index_of(t)] = r.deliver[index_of(t)] = true;
+      r.read[index_of(t)] = r.deliver[index_of(t)] = true;
     }
-  } else {
-    const auto& predicate = selection.predicate_;
-    for (uint32_t i = 0; i < all.size(); ++i) {
-      if (predicate && !predicate(all[i])) continue;
-      if (const TensorInfo* target = target_of(all[i].name)) {
-        add_alias(all[i].name, target);  // a duplicate of its target: read once
-      } else {
-        read[i] = r.deliver[i] = true;
-      }
-    }
-    // Aliases the files do not hold (tie_word_embeddings): selected as their target would be
-    // under the alias's name.
-    for (const auto& [alias, ignored] : spec->ties()) {
-      if (ckpt.Find(alias) != nullptr) continue;
-      const TensorInfo* target = target_of(alias);
-      if (target == nullptr) continue;
-      TensorInfo as_alias = *target;
-      as_alias.name = alias;
-      if (!predicate || predicate(as_alias)) add_alias(alias, target);
-    }
+    return r;
   }
   for (uint32_t i = 0; i < all.size(); ++i) {
-    if (read[i]) r.read.push_back(i);
+    if (predicate && !predicate(all[i])) continue;
+    if (const TensorInfo* target = target_of(all[i].name)) {
+      add_alias(all[i].name, target);  // a duplicate of its target: read once
+    } else {
+      r.read[i] = r.deliver[i] = true;
+    }
   }
-  r.aliases.assign(alias_target.begin(), alias_target.end());
+  // Aliases the files do not hold (tie_word_embeddings): selected as their target would be under
+  // the alias's name.
+  for (const auto& [alias, ignored] : spec.ties()) {
+    if (ckpt.Find(alias) != nullptr) continue;
+    const TensorInfo* target = target_of(alias);
+    if (target == nullptr) continue;
+    TensorInfo as_alias = *target;
+    as_alias.name = alias;
+    if (!predicate || predicate(as_alias)) add_alias(alias, target);
+  }
   return r;
 }
 
-std::vector<std::pair<std::string, uint32_t>> ResolvedSelection::Outputs(
-    const Checkpoint& checkpoint) const {
-  const auto& all = checkpoint.tensors();
-  // Keys as Loader::Load sorts by: 2 * index for a tensor of the files, 2 * target + 1 for an
-  // alias the files lack.
-  std::vector<std::tuple<size_t, std::string, uint32_t>> keyed;
-  for (uint32_t i : read) {
-    if (deliver.empty() || deliver[i]) keyed.emplace_back(2 * size_t{i}, all[i].name, i);
+// Outputs in Loader::Load's order. Keys: 2 * index for a tensor of the files, 2 * target + 1 for
+// an alias the files lack.
+std::vector<OutputInfo> OrderOutputs(const Checkpoint& ckpt, const Resolution& r) {
+  const auto& all = ckpt.tensors();
+  std::vector<std::pair<size_t, OutputInfo>> keyed;
+  for (uint32_t i = 0; i < all.size(); ++i) {
+    if (r.deliver[i])
+      keyed.emplace_back(2 * size_t{i}, OutputInfo{all[i].name, {}, {}, 0, i, false, {}});
   }
-  for (const auto& [alias, target] : aliases) {
-    const TensorInfo* present = checkpoint.Find(alias);
+  for (const auto& [alias, target] : r.alias_target) {
+    const TensorInfo* present = ckpt.Find(alias);
     const size_t key =
         present != nullptr ? 2 * static_cast<size_t>(present - all.data()) : 2 * size_t{target} + 1;
-    keyed.emplace_back(key, alias, target);
+    keyed.emplace_back(key, OutputInfo{alias, {}, {}, 0, target, true, {}});
   }
   std::stable_sort(keyed.begin(), keyed.end(),
-                   [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
-  std::vector<std::pair<std::string, uint32_t>> out;
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<OutputInfo> out;
   out.reserve(keyed.size());
-  for (auto& [key, name, index] : keyed) out.emplace_back(std::move(name), index);
+  for (auto& [key, o] : keyed) out.push_back(std::move(o));
   return out;
+}
+
+}  // namespace
+
+Result<Description> DescribeSelection(const Checkpoint& ckpt, const Selection& selection,
+                                      const TensorParallelOptions* shard) {
+  const auto& all = ckpt.tensors();
+  Description d;
+  if (shard == nullptr || shard->spec.ties().empty()) {
+    TF_ASSIGN_OR_RETURN(d.read, selection.Resolve(ckpt));
+    d.outputs.reserve(d.read.size());
+    for (uint32_t i : d.read) d.outputs.push_back(OutputInfo{all[i].name, {}, {}, 0, i, false, {}});
+  } else {
+    TF_RETURN_IF_ERROR(CheckTies(ckpt, shard->spec));
+    TF_ASSIGN_OR_RETURN(Resolution r,
+                        ResolveTied(ckpt, selection.by_name_ ? &selection.names_ : nullptr,
+                                    selection.predicate_, shard->spec));
+    for (uint32_t i = 0; i < all.size(); ++i) {
+      if (r.read[i]) d.read.push_back(i);
+    }
+    d.outputs = OrderOutputs(ckpt, r);
+  }
+  // Dtypes, local shapes and bytes: a tensor's slice under its own rule (an alias delivers its
+  // target's slice).
+  std::vector<std::optional<TensorSlice>> slices(all.size());
+  for (uint32_t i : d.read) {
+    const TensorInfo& t = all[i];
+    const ShardRule rule = shard ? shard->spec.RuleFor(t.name) : ShardRule();
+    if (rule.is_split()) {
+      TF_ASSIGN_OR_RETURN(slices[i], SliceOf(t, rule, shard->rank, shard->world));
+    }
+    d.bytes += slices[i] ? slices[i]->bytes : t.size;
+  }
+  for (OutputInfo& o : d.outputs) {
+    const TensorInfo& t = all[o.tensor];
+    o.dtype = t.dtype;
+    o.slice = slices[o.tensor];
+    o.shape = o.slice ? o.slice->shape : t.shape;
+    o.bytes = o.slice ? o.slice->bytes : t.size;
+  }
+  return d;
 }
 
 // --- Loader -----------------------------------------------------------------------------------
@@ -480,8 +527,9 @@ struct Loader::Impl {
     return out;
   }
 
-  // What a selection means for one load: the tensors to read, which of them go to the caller,
-  // and the tied aliases (LoadOptions::shard ties) delivered sharing their target's data.
+  // What a selection means for one load (Describe), indexed for batches: the tensors to read,
+  // which of them go to the caller under their own name, and the tied aliases (LoadOptions::shard
+  // ties) delivered sharing their target's data.
   struct Resolved {
     std::vector<uint32_t> read;                    // indices into tensors(), ascending
     std::vector<bool> deliver;                     // per tensor index; empty: every read tensor
@@ -489,13 +537,32 @@ struct Loader::Impl {
   };
 
   Result<Resolved> Resolve(const Selection& selection) const {
-    TF_ASSIGN_OR_RETURN(
-        ResolvedSelection rs,
-        ResolveSelection(*checkpoint, selection, options.shard ? &options.shard->spec : nullptr));
+    TF_ASSIGN_OR_RETURN(Description d, Describe(selection));
+    return Index(std::move(d));
+  }
+
+  Result<Description> Describe(const Selection& selection) const {
+    return DescribeSelection(*checkpoint, selection, options.shard ? &*options.shard : nullptr);
+  }
+
+  static Resolved Index(Description d) {
     Resolved r;
-    r.read = std::move(rs.read);
-    r.deliver = std::move(rs.deliver);
-    for (auto& [alias, target] : rs.aliases) r.aliases.emplace(target, std::move(alias));
+    r.read = std::move(d.read);
+    if (d.outputs.size() == r.read.size() &&
+        std::none_of(d.outputs.begin(), d.outputs.end(), [](const auto& o) { return o.alias; })) {
+      return r;  // every read tensor delivered as itself
+    }
+    r.deliver.assign(r.read.empty() ? 0 : r.read.back() + 1, false);
+    std::vector<std::pair<std::string, uint32_t>> aliases;  // by name: a batch's order
+    for (OutputInfo& o : d.outputs) {
+      if (o.alias) {
+        aliases.emplace_back(std::move(o.name), o.tensor);
+      } else {
+        r.deliver[o.tensor] = true;
+      }
+    }
+    std::sort(aliases.begin(), aliases.end());
+    for (auto& [name, target] : aliases) r.aliases.emplace(target, std::move(name));
     return r;
   }
 
@@ -924,6 +991,35 @@ struct Loader::Impl {
   }
 };
 
+namespace {
+
+// A destination of LoadInto for output `o`: a valid device, room for the tensor (its slice), not
+// null unless the tensor is empty.
+Status CheckDestination(const Destination& d, const OutputInfo& o,
+                        const std::optional<TensorParallelOptions>& shard) {
+  const std::string what = o.slice ? " (the slice of rank " + std::to_string(shard->rank) + " of " +
+                                         std::to_string(shard->world) + ", " +
+                                         o.slice->rule.ToString() + ")"
+                                   : "";
+  if (d.device.is_cuda() && d.device.index < 0) {
+    return Status(Code::kInvalidArgument,
+                  "tensor \"" + d.name + "\": CUDA device index " + std::to_string(d.device.index));
+  }
+  if (d.capacity < o.bytes) {
+    return Status(Code::kInvalidArgument,
+                  "tensor \"" + d.name + "\" needs " + std::to_string(o.bytes) + " bytes (" +
+                      FormatBytes(o.bytes) + ")" + what + " but its destination on " +
+                      DeviceName(d.device) + " holds " + std::to_string(d.capacity) + " bytes");
+  }
+  if (o.bytes > 0 && d.data == nullptr) {
+    return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" (" + std::to_string(o.bytes) +
+                                              " bytes" + what + "): null destination");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Loader::Loader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Loader::~Loader() = default;
 
@@ -986,6 +1082,10 @@ Result<std::unique_ptr<Loader>> Loader::Open(const std::string& path, const Load
 
 const std::shared_ptr<const Checkpoint>& Loader::checkpoint() const noexcept {
   return impl_->checkpoint;
+}
+
+Result<Description> Loader::Describe(const Selection& selection) const {
+  return impl_->Describe(selection);
 }
 
 Result<Plan> Loader::MakePlan(const Selection& selection) const {
@@ -1190,7 +1290,6 @@ Status Loader::Stream(const Selection& selection, const std::function<Status(Bat
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Impl& m = *impl_;
-  const Checkpoint& ckpt = *m.checkpoint;
   const bool host_budget = m.options.budget > 0 && m.engine_kind != Engine::kMmap;
   if (host_budget || m.options.device_budget > 0) {
     // Load returns every tensor at once: each device's total must fit its budget. The totals are
@@ -1212,25 +1311,23 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
       }
     }
   }
-  // Checkpoint order; a tied alias the files lack comes right after its target.
-  auto order_of = [&](const std::string& name) -> size_t {
-    const TensorInfo* t = ckpt.Find(name);
-    if (t == nullptr && impl_->options.shard) {
-      if (auto target = impl_->options.shard->spec.TieTarget(name)) t = ckpt.Find(*target);
-      if (t != nullptr) return 2 * static_cast<size_t>(t - ckpt.tensors().data()) + 1;
-    }
-    return t == nullptr ? SIZE_MAX : 2 * static_cast<size_t>(t - ckpt.tensors().data());
-  };
-  std::vector<std::pair<size_t, Tensor>> got;
+  // Output order (Describe); batches deliver tensors in plan order.
+  TF_ASSIGN_OR_RETURN(const Description description, m.Describe(selection));
+  std::unordered_map<std::string_view, size_t> position;
+  for (size_t i = 0; i < description.outputs.size(); ++i) {
+    position.emplace(description.outputs[i].name, i);
+  }
+  std::vector<Tensor> out(description.outputs.size());
   TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
-    for (Tensor& t : batch.tensors) got.emplace_back(order_of(t.name()), std::move(t));
+    for (Tensor& t : batch.tensors) {
+      auto it = position.find(t.name());
+      if (it == position.end()) {
+        return Status(Code::kInternal, "tensor \"" + t.name() + "\" delivered but not selected");
+      }
+      out[it->second] = std::move(t);
+    }
     return Status::Ok();
   }));
-  std::stable_sort(got.begin(), got.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<Tensor> out;
-  out.reserve(got.size());
-  for (auto& [index, tensor] : got) out.push_back(std::move(tensor));
   return out;
 }
 
@@ -1243,58 +1340,29 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   const Checkpoint& ckpt = *m.checkpoint;
 
   // Every check before any read. With LoadOptions::shard each tensor's slice is what is read
-  // (and what the destination must hold); a tied alias reads its target.
-  const std::optional<TensorParallelOptions>& shard = m.options.shard;
-  std::vector<const TensorInfo*> infos;
-  std::vector<std::optional<TensorSlice>> slices;
-  std::vector<uint64_t> sizes;  // bytes each destination receives
-  infos.reserve(destinations.size());
+  // (and what the destination must hold); a tied alias reads its target (Describe).
+  std::vector<std::string> names;
+  names.reserve(destinations.size());
   std::set<std::string_view> seen;
-  std::set<Device> devices;
   for (const Destination& d : destinations) {
-    const TensorInfo* t = nullptr;
-    if (shard) {
-      if (std::optional<std::string> target = shard->spec.TieTarget(d.name)) {
-        t = ckpt.Find(*target);
-      }
-    }
-    if (t == nullptr) t = ckpt.Find(d.name);
-    if (t == nullptr) {
-      return Status(Code::kNotFound, "tensor \"" + d.name + "\" is not in the checkpoint");
-    }
-    std::optional<TensorSlice> slice;
-    if (shard) {
-      const ShardRule rule = shard->spec.RuleFor(t->name);
-      if (rule.is_split()) {
-        TF_ASSIGN_OR_RETURN(slice, SliceOf(*t, rule, shard->rank, shard->world));
-      }
-    }
-    const uint64_t size = slice ? slice->bytes : t->size;
-    const std::string what = slice ? " (the slice of rank " + std::to_string(shard->rank) + " of " +
-                                         std::to_string(shard->world) + ", " +
-                                         slice->rule.ToString() + ")"
-                                   : "";
     if (!seen.insert(d.name).second) {
       return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" has two destinations");
     }
-    if (d.device.is_cuda() && d.device.index < 0) {
-      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\": CUDA device index " +
-                                                std::to_string(d.device.index));
-    }
-    if (d.capacity < size) {
-      return Status(Code::kInvalidArgument,
-                    "tensor \"" + d.name + "\" needs " + std::to_string(size) + " bytes (" +
-                        FormatBytes(size) + ")" + what + " but its destination on " +
-                        DeviceName(d.device) + " holds " + std::to_string(d.capacity) + " bytes");
-    }
-    if (size > 0 && d.data == nullptr) {
-      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" (" + std::to_string(size) +
-                                                " bytes" + what + "): null destination");
-    }
-    infos.push_back(t);
-    slices.push_back(std::move(slice));
-    sizes.push_back(size);
-    if (size > 0) devices.insert(d.device);
+    names.push_back(d.name);
+  }
+  TF_ASSIGN_OR_RETURN(const Description description, m.Describe(Selection::Names(names)));
+  std::unordered_map<std::string_view, const OutputInfo*> output_of;
+  for (const OutputInfo& o : description.outputs) output_of.emplace(o.name, &o);
+  std::vector<const OutputInfo*> outputs;  // per destination
+  std::vector<uint64_t> sizes;             // bytes each destination receives
+  outputs.reserve(destinations.size());
+  std::set<Device> devices;
+  for (const Destination& d : destinations) {
+    const OutputInfo& o = *output_of.at(d.name);
+    TF_RETURN_IF_ERROR(CheckDestination(d, o, m.options.shard));
+    outputs.push_back(&o);
+    sizes.push_back(o.bytes);
+    if (o.bytes > 0) devices.insert(d.device);
   }
   // No two destinations may overlap on one device (the bytes each tensor occupies).
   {
@@ -1333,10 +1401,11 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
 
   const size_t nfiles = ckpt.files().size();
   std::vector<uint64_t> lo(nfiles, UINT64_MAX), hi(nfiles, 0);
-  for (const TensorInfo* t : infos) {
-    if (t->size == 0) continue;
-    lo[t->file] = std::min(lo[t->file], t->offset);
-    hi[t->file] = std::max(hi[t->file], t->offset + t->size);
+  for (const OutputInfo* o : outputs) {
+    const TensorInfo& t = ckpt.tensors()[o->tensor];
+    if (t.size == 0) continue;
+    lo[t.file] = std::min(lo[t.file], t.offset);
+    hi[t.file] = std::max(hi[t.file], t.offset + t.size);
   }
   TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(lo, hi));
 
@@ -1345,7 +1414,8 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   std::map<int, std::vector<device::DeviceTask>> device_tasks;
   std::map<int, std::vector<uint32_t>> device_task_file;
   for (size_t i = 0; i < destinations.size(); ++i) {
-    const TensorInfo& t = *infos[i];
+    const TensorInfo& t = ckpt.tensors()[outputs[i]->tensor];
+    const std::optional<TensorSlice>& slice = outputs[i]->slice;
     const Destination& d = destinations[i];
     const uint64_t size = sizes[i];
     m.stats.tensors += 1;
@@ -1354,8 +1424,8 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     auto* dst = static_cast<std::byte*>(d.data);
     // What lands where: the whole tensor, or the slice's blocks (contiguous or strided).
     const std::vector<StridedRead> reads =
-        slices[i] ? SliceReads(t, *slices[i])
-                  : std::vector<StridedRead>{{t.file, t.offset, 0, 1, t.size, t.size, t.size}};
+        slice ? SliceReads(t, *slice)
+              : std::vector<StridedRead>{{t.file, t.offset, 0, 1, t.size, t.size, t.size}};
     if (d.device.is_cuda()) {
       for (const StridedRead& r : reads) {
         device::DeviceTask task;

@@ -315,6 +315,37 @@ struct LoadStats {
   uint64_t peak_device_bytes = 0;
 };
 
+class Loader;
+
+// A pull-style load (Loader::Iterate): the batches of Stream, in the same order, one per Next(),
+// with the same budgets, errors and statistics. While the caller handles the batch Next returned,
+// the next batch is read ahead on a helper thread when its memory fits its budget then (double
+// buffering, as Stream).
+// Lifetime: borrows its Loader, which must outlive it; destroying it (or moving from it) waits for
+// the read ahead in flight and abandons the rest of the load (tensors handed out stay valid).
+// Thread-safety: one thread at a time; while it exists, the Loader may not start another load
+// (Stream, Load, LoadInto, Iterate) and must not be used from another thread except to set
+// LoadOptions::cancel (the batch being read stops within a chunk per worker; Next returns
+// kCancelled).
+class BatchIterator {
+ public:
+  BatchIterator(BatchIterator&&) noexcept;
+  BatchIterator& operator=(BatchIterator&&) noexcept;
+  ~BatchIterator();
+
+  // The next batch, or std::nullopt once every batch was delivered (Loader::stats() then holds
+  // the load's totals). Errors: those of Stream (kIoError, kUnexpectedEof, kBudgetExceeded when
+  // the caller still holds so much that the next batch cannot fit, kCancelled). After an error or
+  // the end, Next returns std::nullopt.
+  Result<std::optional<Batch>> Next();
+
+ private:
+  friend class Loader;
+  struct State;
+  explicit BatchIterator(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 class Loader {
  public:
   // Errors: kInvalidArgument (chunk_size 0, staging smaller than two slots), kUnsupported (an
@@ -345,6 +376,11 @@ class Loader {
   // kBudgetExceeded (see the file comment).
   Status Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch);
 
+  // Starts a load of `selection` whose batches the caller pulls with BatchIterator::Next (see
+  // there); Stream is a loop over it. Errors: those of MakePlan and of opening the files and
+  // devices, before any read.
+  Result<BatchIterator> Iterate(const Selection& selection);
+
   // Loads every selected tensor and returns them all (in checkpoint order). With a budget, the
   // total must fit it (kBudgetExceeded otherwise: use Stream).
   Result<std::vector<Tensor>> Load(const Selection& selection = Selection::All());
@@ -368,6 +404,7 @@ class Loader {
 
  private:
   struct Impl;
+  friend struct BatchIterator::State;
   explicit Loader(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

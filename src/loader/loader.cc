@@ -23,7 +23,9 @@
 #include "io/file_set.h"
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
+#include "loader/sink.h"
 #include "memory/host_buffer.h"
+#include "plan/device_layout.h"
 #include "tensorferry/format.h"
 #include "tensorferry/mapping.h"
 #include "tensorferry/residency.h"
@@ -236,151 +238,13 @@ Result<Description> DescribeSelection(const Checkpoint& ckpt, const Selection& s
 
 namespace {
 
-// What every Tensor of a batch co-owns: the buffer and the batch's share of the budget. Both are
-// released together when the last tensor goes.
-struct BatchMemory {
-  std::shared_ptr<memory::HostBuffer> buffer;
-  memory::BudgetLease lease;
-};
-
-// A batch's memory, reserved before its reads start: its share of the host budget, or (for a
-// CUDA batch) its device buffer.
-struct Reservation {
-  memory::BudgetLease lease;
-  std::shared_ptr<device::DeviceBuffer> device;
-};
-
 // The selected tensors bound for one device, planned together: batches never mix devices.
-// A strided read of a tensor-parallel slice bound for a device (LoadOptions::shard with a split
-// on a dimension other than 0): `rows` rows of `row_bytes`, `src_pitch` apart in the file from
-// `file_offset`, land `dst_pitch` apart in the batch buffer from `buffer_offset` (a
-// cudaMemcpy2DAsync of the staged covering range; see src/device/pipeline.h).
-struct StridedRead {
-  uint32_t file = 0;
-  uint64_t file_offset = 0;
-  uint64_t buffer_offset = 0;
-  uint64_t rows = 0;
-  uint64_t row_bytes = 0;
-  uint64_t src_pitch = 0;
-  uint64_t dst_pitch = 0;
-  uint64_t length() const { return (rows - 1) * src_pitch + row_bytes; }
-};
-
 struct Group {
   Device device;
   Plan plan;
   uint64_t batch_budget = 0;
   // Sharded device groups: per batch, the strided reads besides the batch's contiguous tasks.
   std::vector<std::vector<StridedRead>> strided;
-};
-
-// The bytes of one index along dimension `dim` of `t` (whole bytes: SliceOf refuses splits
-// where they are not).
-uint64_t IndexBytes(const TensorInfo& t, uint32_t dim) {
-  uint64_t elements = 1;
-  for (size_t i = dim + 1; i < t.shape.size(); ++i) elements *= t.shape[i];
-  return elements * DTypeBits(t.dtype) / 8;
-}
-
-// The reads that put `slice` of `info` at [0, slice.bytes) of a destination, buffer_offset
-// relative to the tensor's first local byte: per block of the slice, one contiguous read
-// (rows == 1: a dim-0 split, nothing before the split dimension) or one strided read of every
-// leading index's row. REQUIRES: slice came from SliceOf(info, ...) with a split rule.
-std::vector<StridedRead> SliceReads(const TensorInfo& info, const TensorSlice& slice) {
-  const uint32_t dim = slice.rule.dim;
-  uint64_t outer = 1;
-  for (uint32_t i = 0; i < dim; ++i) outer *= info.shape[i];
-  const uint64_t row = IndexBytes(info, dim);
-  const uint64_t full = info.shape[dim] * row, local = slice.shape[dim] * row;
-  std::vector<StridedRead> reads;
-  if (outer == 0 || row == 0) return reads;
-  uint64_t at = 0;  // where the block starts within a local row
-  for (const auto& [start, len] : slice.blocks) {
-    const uint64_t bytes = len * row;
-    if (bytes == 0) continue;
-    if (outer == 1) {
-      reads.push_back({info.file, info.offset + start * row, at, 1, bytes, bytes, bytes});
-    } else {
-      reads.push_back({info.file, info.offset + start * row, at, outer, bytes, full, local});
-    }
-    at += bytes;
-  }
-  return reads;
-}
-
-// Lays out a batch of a sharded plan again for a device: the host plan reads covering ranges
-// into the buffer and packs the pieces with memmoves afterwards, which on a device would cost the
-// gap bytes in device memory plus device-to-device moves. Here every tensor occupies exactly its
-// local bytes in the buffer: whole tensors and single-range slices (dim 0) are contiguous tasks
-// (coalesced when adjacent in the file, offsets congruent modulo io_alignment as the host plan
-// keeps them, for GDS); each block of a slice on another dimension is one StridedRead whose rows
-// the pipeline copies with cudaMemcpy2DAsync (fused dim-0 slices: one contiguous task per part).
-// The batch keeps its tensors and order; tasks, moves, buffer_size and read_bytes are replaced.
-void LayOutForDevice(const Checkpoint& ckpt, uint64_t io_alignment, PlanBatch& batch,
-                     std::vector<StridedRead>& strided) {
-  const auto& infos = ckpt.tensors();
-  std::vector<ReadTask> tasks;
-  strided.clear();
-  batch.moves.clear();
-  batch.read_bytes = 0;
-  uint64_t pos = 0;
-  bool can_extend = false;  // the last task ends at `pos` and may grow
-  auto place = [&](uint64_t file_offset) {
-    if (io_alignment == 0) return (pos + 63) & ~uint64_t{63};
-    const uint64_t mask = io_alignment - 1;
-    uint64_t at = (pos & ~mask) + (file_offset & mask);
-    if (at < pos) at += io_alignment;
-    return at;
-  };
-  for (PlannedTensor& pt : batch.tensors) {
-    const TensorInfo& info = infos[pt.tensor];
-    const uint64_t size = pt.size(info);
-    if (size == 0) {
-      pt.buffer_offset = pos;
-      continue;
-    }
-    const uint64_t ranges = pt.slice ? SliceRangeCount(info, *pt.slice) : 1;
-    if (ranges == 1) {
-      const uint64_t offset =
-          info.offset + (pt.slice ? SliceByteRanges(info, *pt.slice)[0].first : 0);
-      if (can_extend && tasks.back().file == info.file &&
-          tasks.back().file_offset + tasks.back().length == offset) {
-        tasks.back().length += size;
-      } else {
-        tasks.push_back({info.file, offset, 0, place(offset)});
-      }
-      ReadTask& t = tasks.back();
-      pt.buffer_offset = t.buffer_offset + (offset - t.file_offset);
-      if (t.length == 0) t.length = size;
-      pos = t.buffer_offset + t.length;
-      batch.read_bytes += size;
-      can_extend = true;
-      continue;
-    }
-    std::vector<StridedRead> reads = SliceReads(info, *pt.slice);
-    const uint64_t base = place(reads.front().file_offset);
-    for (StridedRead& r : reads) {
-      r.buffer_offset += base;
-      if (r.rows == 1) {
-        tasks.push_back({r.file, r.file_offset, r.row_bytes, r.buffer_offset});
-      } else {
-        strided.push_back(r);
-      }
-      batch.read_bytes += r.length();
-    }
-    pt.buffer_offset = base;
-    pos = base + size;
-    can_extend = false;
-  }
-  batch.tasks = std::move(tasks);
-  batch.buffer_size = pos;
-}
-
-// Per CUDA device: the budgeted allocator of batch buffers and the pipeline (pinned ring, streams,
-// cuFile driver), made once per Loader and reused by every load.
-struct DeviceSink {
-  std::shared_ptr<device::DeviceAllocator> allocator;
-  std::unique_ptr<device::DevicePipeline> pipeline;
 };
 
 using Clock = std::chrono::steady_clock;
@@ -408,15 +272,15 @@ struct Loader::Impl {
   // engine device batches read through (the loader's engine; a pread engine for kMmap, which has
   // none).
   std::shared_ptr<const cuda::Runtime> runtime;
-  std::map<int, DeviceSink> sinks;
+  std::map<int, sink::DeviceSlot> slots;
   std::unique_ptr<io::ReadEngine> own_copy_engine;
   io::ReadEngine* copy_engine = nullptr;
 
   // The sink of CUDA device `index`, created on first use. REQUIRES: not called while a batch is
   // being read on the helper thread.
-  Result<DeviceSink*> Sink(int index) {
-    auto it = sinks.find(index);
-    if (it != sinks.end()) return &it->second;
+  Result<sink::DeviceSlot*> Slot(int index) {
+    auto it = slots.find(index);
+    if (it != slots.end()) return &it->second;
     if (index < 0) {
       return Status(Code::kInvalidArgument, "CUDA device index " + std::to_string(index));
     }
@@ -432,9 +296,9 @@ struct Loader::Impl {
     p.gds = options.gds;
     TF_ASSIGN_OR_RETURN(std::unique_ptr<device::DevicePipeline> pipeline,
                         device::DevicePipeline::Create(runtime, p));
-    DeviceSink sink{device::DeviceAllocator::Create(runtime, index, options.device_budget),
-                    std::move(pipeline)};
-    return &sinks.emplace(index, std::move(sink)).first->second;
+    sink::DeviceSlot slot{device::DeviceAllocator::Create(runtime, index, options.device_budget),
+                          std::move(pipeline)};
+    return &slots.emplace(index, std::move(slot)).first->second;
   }
 
   // The engine that copies bytes into memory (host destinations of LoadInto, device batches).
@@ -483,48 +347,6 @@ struct Loader::Impl {
       for (size_t i = w; i < end; ++i) pins[used[i]] = {};
     }
     return Status::Ok();
-  }
-
-  // Runs device tasks (task i reads file task_file[i]) through the sink's pipeline, window by
-  // window of files (InFileWindows).
-  Status RunDeviceTasks(const DeviceSink& sink, const std::vector<device::DeviceTask>& tasks,
-                        const std::vector<uint32_t>& task_file,
-                        const std::vector<bool>& want_direct, device::DeviceBuffer* buffer) {
-    return InFileWindows(
-        DistinctFiles(task_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          const std::vector<device::DeviceTask> window = WindowOf(tasks, task_file, pins);
-          return buffer != nullptr ? sink.pipeline->Run(window, *copy_engine, buffer)
-                                   : sink.pipeline->Run(window, *copy_engine);
-        });
-  }
-
-  // The tasks (io::ReadRequest or device::DeviceTask; task i reads file task_file[i]) whose files
-  // are pinned in this window, with their file and O_DIRECT descriptor filled in.
-  template <typename Task>
-  static std::vector<Task> WindowOf(const std::vector<Task>& tasks,
-                                    const std::vector<uint32_t>& task_file,
-                                    const std::vector<io::FileSet::Pin>& pins) {
-    std::vector<Task> window;
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const io::FileSet::Pin& pin = pins[task_file[i]];
-      if (!pin.file) continue;
-      Task t = tasks[i];
-      t.file = pin.file.get();
-      t.direct_fd = pin.direct_fd();
-      window.push_back(t);
-    }
-    return window;
-  }
-
-  // The distinct file indices of `ids`, in first-use order.
-  std::vector<uint32_t> DistinctFiles(const std::vector<uint32_t>& ids) const {
-    std::vector<bool> seen(files->size(), false);
-    std::vector<uint32_t> out;
-    for (uint32_t f : ids) {
-      if (!seen[f]) out.push_back(f);
-      seen[f] = true;
-    }
-    return out;
   }
 
   // What a selection means for one load (Describe), indexed for batches: the tensors to read,
@@ -655,7 +477,7 @@ struct Loader::Impl {
         g.plan.num_moves = 0;
         g.plan.num_tasks = 0;
         for (size_t b = 0; b < g.plan.batches.size(); ++b) {
-          LayOutForDevice(*checkpoint, p.io_alignment, g.plan.batches[b], g.strided[b]);
+          g.strided[b] = LayOutForDevice(checkpoint->tensors(), p.io_alignment, g.plan.batches[b]);
           g.plan.read_bytes += g.plan.batches[b].read_bytes;
           g.plan.num_tasks += g.plan.batches[b].tasks.size() + g.strided[b].size();
         }
@@ -745,13 +567,14 @@ struct Loader::Impl {
         }
       }
     }
-    return ChooseDirect(lo, hi);
+    return ChooseDirect(std::make_pair(std::move(lo), std::move(hi)));
   }
 
   // Per file, whether its reads within [lo, hi) use O_DIRECT (hi 0: not read). The O_DIRECT
   // descriptor is opened here, so a file system that refuses it is known (and counted) now.
-  Result<std::vector<bool>> ChooseDirect(const std::vector<uint64_t>& lo,
-                                         const std::vector<uint64_t>& hi) {
+  Result<std::vector<bool>> ChooseDirect(
+      const std::pair<std::vector<uint64_t>, std::vector<uint64_t>>& spans) {
+    const auto& [lo, hi] = spans;
     const auto& infos = checkpoint->files();
     std::vector<bool> use_direct(infos.size(), false);
     for (uint32_t f = 0; f < infos.size(); ++f) {
@@ -776,203 +599,47 @@ struct Loader::Impl {
     return use_direct;
   }
 
-  // Reads batch `b` into a pooled buffer and makes its tensors. `lease` is the batch's share of
-  // the budget; it moves into the tensors' owner.
-  Result<Batch> ReadBatch(const Plan& plan, size_t b, memory::BudgetLease lease,
-                          const std::vector<bool>& want_direct, uint64_t batch_budget) {
-    const PlanBatch& batch = plan.batches[b];
-    // Under a budget every batch asks for a buffer of the same size (the batch budget plus room
-    // for alignment padding), so the same buffers are reused for the whole load.
-    const uint64_t uniform = batch_budget + batch.tasks.size() * 4096 + (64u << 10);
-    const uint64_t want = batch_budget > 0 && batch.buffer_size <= batch_budget
-                              ? std::max(batch.buffer_size, std::min(uniform, batch_budget * 2))
-                              : batch.buffer_size;
-    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(want));
-    std::vector<uint32_t> task_files;
-    task_files.reserve(batch.tasks.size());
-    for (const ReadTask& t : batch.tasks) task_files.push_back(t.file);
-    TF_RETURN_IF_ERROR(InFileWindows(
-        DistinctFiles(task_files), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          std::vector<io::ReadRequest> requests;
-          requests.reserve(batch.tasks.size());
-          for (const ReadTask& t : batch.tasks) {
-            const io::FileSet::Pin& pin = pins[t.file];
-            if (!pin.file) continue;  // another window's
-            requests.push_back({pin.file.get(), t.file_offset,
-                                std::span<std::byte>(buffer->data() + t.buffer_offset, t.length),
-                                pin.direct_fd(), options.cancel.get()});
-          }
-          return engine->Execute(requests);
-        }));
-    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
-    for (const BufferMove& mv : batch.moves) {
-      std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+  // Every device slot of `groups` (its peak reset) and the copy engine when a group is bound for a
+  // device: whether one is.
+  Result<bool> PrepareDevices(const std::vector<Group>& groups) {
+    bool any_device = false;
+    for (const Group& g : groups) {
+      if (!g.device.is_cuda()) continue;
+      any_device = true;
+      TF_ASSIGN_OR_RETURN(sink::DeviceSlot * slot, Slot(g.device.index));
+      slot->allocator->ResetPeak();
     }
-
-    auto owner = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(lease)});
-    const auto& infos = checkpoint->tensors();
-    Batch out;
-    out.index = b;
-    out.count = plan.batches.size();
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = owner->buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::shared_ptr<const void>(owner, data));
-    }
-    return out;
+    if (any_device) TF_RETURN_IF_ERROR(CopyEngine().status());
+    return any_device;
   }
 
-  // Reads batch `b` of a CUDA group into `buffer` through the device's pipeline and makes its
-  // tensors: views co-owning the buffer.
-  Result<Batch> ReadDeviceBatch(const Group& group, size_t b,
-                                std::shared_ptr<device::DeviceBuffer> buffer,
-                                const std::vector<bool>& want_direct) {
-    const PlanBatch& batch = group.plan.batches[b];
-    const DeviceSink& sink = sinks.at(group.device.index);
-    std::vector<device::DeviceTask> tasks;  // file pointers filled in per window
-    std::vector<uint32_t> task_file;
-    tasks.reserve(batch.tasks.size());
-    for (const ReadTask& t : batch.tasks) {
-      device::DeviceTask d;
-      d.file_offset = t.file_offset;
-      d.length = t.length;
-      d.dst = buffer->data() + t.buffer_offset;
-      d.cancel = options.cancel.get();
-      tasks.push_back(d);
-      task_file.push_back(t.file);
-    }
-    if (b < group.strided.size()) {
-      for (const StridedRead& t : group.strided[b]) {
-        device::DeviceTask d;
-        d.file_offset = t.file_offset;
-        d.length = t.length();
-        d.dst = buffer->data() + t.buffer_offset;
-        d.rows = t.rows;
-        d.row_bytes = t.row_bytes;
-        d.src_pitch = t.src_pitch;
-        d.dst_pitch = t.dst_pitch;
-        d.cancel = options.cancel.get();
-        tasks.push_back(d);
-        task_file.push_back(t.file);
-      }
-    }
-    TF_RETURN_IF_ERROR(RunDeviceTasks(sink, tasks, task_file, want_direct, buffer.get()));
-    const auto& infos = checkpoint->tensors();
-    Batch out;
-    out.bytes = batch.tensor_bytes;
-    out.device = group.device;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::shared_ptr<const void>(buffer, data),
-                               group.device);
-    }
-    return out;
-  }
+  // The engine whose counters a load reports (it reads host and device batches alike).
+  const io::ReadEngine* Counted() const { return copy_engine ? copy_engine : engine.get(); }
 
-  // The mmap engine's batch: views into the mappings; with populate, every page read first (in
-  // parallel over the plan's tasks).
-  Result<Batch> MapBatch(const Plan& plan, size_t b) {
-    const PlanBatch& batch = plan.batches[b];
-    const auto& file_infos = checkpoint->files();
-    for (const PlannedTensor& pt : batch.tensors) {
-      const uint32_t f = checkpoint->tensors()[pt.tensor].file;
-      if (!maps[f]) {
-        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, files->Get(f));
-        TF_ASSIGN_OR_RETURN(maps[f], io::MappedFile::Map(*pin.file, file_infos[f].file_size));
-      }
-    }
-    if (options.populate && !batch.tasks.empty()) {
-      std::atomic<size_t> next{0};
-      std::mutex mu;
-      Status first;
-      auto work = [&] {
-        for (size_t i; (i = next.fetch_add(1)) < batch.tasks.size();) {
-          const ReadTask& t = batch.tasks[i];
-          Status s = maps[t.file]->Populate(t.file_offset, t.length);
-          if (!s.ok()) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (first.ok()) first = std::move(s);
-            next.store(batch.tasks.size());
-          }
-        }
-      };
-      const unsigned n = std::min<size_t>(options.threads ? options.threads : io::OnlineCpus(),
-                                          batch.tasks.size());
-      std::vector<std::thread> helpers;
-      for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
-      work();
-      for (std::thread& t : helpers) t.join();
-      TF_RETURN_IF_ERROR(first);
-    }
-    const auto& infos = checkpoint->tensors();
-    // Strided slices cannot be views: they are gathered from the mapping into one pooled buffer
-    // per batch. Dim-0 slices (one range) stay views.
-    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(batch.tensors.size());
-    std::vector<uint64_t> gather_at(batch.tensors.size(), 0);
-    uint64_t gather_bytes = 0;
-    for (size_t i = 0; i < batch.tensors.size(); ++i) {
-      const PlannedTensor& pt = batch.tensors[i];
-      if (!pt.slice) continue;
-      pieces[i] = SliceByteRanges(infos[pt.tensor], *pt.slice);
-      if (pieces[i].size() > 1) {
-        gather_at[i] = gather_bytes;
-        gather_bytes += (pt.slice->bytes + 63) & ~uint64_t{63};
-      }
-    }
-    std::shared_ptr<BatchMemory> gathered;
-    if (gather_bytes > 0) {
-      TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(gather_bytes));
-      gathered = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), {}});
-    }
-    Batch out;
-    out.index = b;
-    out.count = plan.batches.size();
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (size_t i = 0; i < batch.tensors.size(); ++i) {
-      const PlannedTensor& pt = batch.tensors[i];
-      const TensorInfo& info = infos[pt.tensor];
-      const std::shared_ptr<io::MappedFile>& map = maps[info.file];
-      const std::vector<uint64_t>& shape = pt.slice ? pt.slice->shape : info.shape;
-      const uint64_t size = pt.size(info);
-      const std::byte* data = nullptr;
-      std::shared_ptr<const void> owner;
-      if (pieces[i].size() > 1) {
-        std::byte* dst = gathered->buffer->data() + gather_at[i];
-        for (const auto& [off, len] : pieces[i]) {
-          std::memcpy(dst, map->data() + info.offset + off, len);
-          dst += len;
-        }
-        data = gathered->buffer->data() + gather_at[i];
-        owner = std::shared_ptr<const void>(gathered, data);
-      } else {
-        const uint64_t off = pieces[i].empty() ? 0 : pieces[i][0].first;
-        data = map->data() + info.offset + off;
-        owner = std::shared_ptr<const void>(map, data);
-      }
-      // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
-      if (map->faults() != 0) {
-        return Status(Code::kUnexpectedEof,
-                      map->path() + ": file shrank while mapped: page at offset " +
-                          std::to_string(map->first_fault_offset()) + " is past its end");
-      }
-      out.tensors.emplace_back(info.name, info.dtype, shape, data, size, std::move(owner));
-    }
-    return out;
+  // What the sinks of one load borrow.
+  sink::SinkContext Context(std::vector<bool> want_direct, io::ReadEngine* reader) {
+    sink::SinkContext c;
+    c.checkpoint = checkpoint.get();
+    c.options = &options;
+    c.want_direct = std::move(want_direct);
+    c.windows = [this](const std::vector<uint32_t>& used, const std::vector<bool>& direct,
+                       const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run) {
+      return InFileWindows(used, direct, run);
+    };
+    c.engine = reader;
+    c.pool = pool.get();
+    c.budget = budget.get();
+    c.files = files.get();
+    c.maps = &maps;
+    return c;
   }
 
   // The device figures of the load that just ended: pipeline totals since `before`, the pinned
   // memory held, the peak of device buffers.
   void CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before) {
     std::string reasons;
-    for (const auto& [index, sink] : sinks) {
-      const device::DevicePipelineStats now = sink.pipeline->stats();
+    for (const auto& [index, slot] : slots) {
+      const device::DevicePipelineStats now = slot.pipeline->stats();
       stats.pinned_bytes += now.pinned_bytes;
       auto it = before.find(index);
       const uint64_t staged0 = it == before.end() ? 0 : it->second.staged_bytes;
@@ -980,10 +647,10 @@ struct Loader::Impl {
       const uint64_t tasks0 = it == before.end() ? 0 : it->second.tasks;
       stats.staged_bytes += now.staged_bytes - staged0;
       stats.gds_bytes += now.gds_bytes - gds0;
-      stats.peak_device_bytes += sink.allocator->peak();
+      stats.peak_device_bytes += slot.allocator->peak();
       if (now.tasks != tasks0 && !now.gds_reason.empty()) {
         if (!reasons.empty()) reasons += "; ";
-        reasons += sinks.size() > 1 ? "cuda:" + std::to_string(index) + ": " + now.gds_reason
+        reasons += slots.size() > 1 ? "cuda:" + std::to_string(index) + ": " + now.gds_reason
                                     : now.gds_reason;
       }
     }
@@ -1016,6 +683,95 @@ Status CheckDestination(const Destination& d, const OutputInfo& o,
                                               " bytes" + what + "): null destination");
   }
   return Status::Ok();
+}
+
+// No two destinations may overlap on one device (the bytes each tensor occupies).
+Status CheckOverlaps(std::span<const Destination> destinations,
+                     const std::vector<const OutputInfo*>& outputs) {
+  std::vector<size_t> by_address;
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    if (outputs[i]->bytes > 0) by_address.push_back(i);
+  }
+  auto addr = [&](size_t i) { return reinterpret_cast<uintptr_t>(destinations[i].data); };
+  std::sort(by_address.begin(), by_address.end(), [&](size_t a, size_t b) {
+    const Device& da = destinations[a].device;
+    const Device& db = destinations[b].device;
+    return da == db ? addr(a) < addr(b) : da < db;
+  });
+  for (size_t j = 1; j < by_address.size(); ++j) {
+    const size_t a = by_address[j - 1], b = by_address[j];
+    const uint64_t size = outputs[a]->bytes;
+    if (destinations[a].device == destinations[b].device && addr(a) + size > addr(b)) {
+      return Status(Code::kInvalidArgument, "destinations of tensors \"" + destinations[a].name +
+                                                "\" (" + std::to_string(size) + " bytes) and \"" +
+                                                destinations[b].name + "\" overlap on " +
+                                                DeviceName(destinations[a].device));
+    }
+  }
+  return Status::Ok();
+}
+
+// Per file, the span [lo, hi) of the tensors `outputs` read (hi 0: not read).
+std::pair<std::vector<uint64_t>, std::vector<uint64_t>> ReadSpans(
+    const Checkpoint& ckpt, const std::vector<const OutputInfo*>& outputs) {
+  const size_t nfiles = ckpt.files().size();
+  std::vector<uint64_t> lo(nfiles, UINT64_MAX), hi(nfiles, 0);
+  for (const OutputInfo* o : outputs) {
+    const TensorInfo& t = ckpt.tensors()[o->tensor];
+    if (t.size == 0) continue;
+    lo[t.file] = std::min(lo[t.file], t.offset);
+    hi[t.file] = std::max(hi[t.file], t.offset + t.size);
+  }
+  return {std::move(lo), std::move(hi)};
+}
+
+// The reads of LoadInto: host requests and, per CUDA device, device tasks (file and O_DIRECT
+// descriptor filled in per window; element i reads file *_file[i]).
+struct IntoReads {
+  std::vector<io::ReadRequest> host;
+  std::vector<uint32_t> host_file;
+  std::map<int, std::vector<device::DeviceTask>> device_tasks;
+  std::map<int, std::vector<uint32_t>> device_task_file;
+  std::map<int, uint64_t> device_tensors, device_bytes;
+};
+
+IntoReads MakeIntoReads(const Checkpoint& ckpt, const std::vector<const OutputInfo*>& outputs,
+                        std::span<const Destination> destinations, const LoadOptions& options) {
+  IntoReads out;
+  const std::atomic<bool>* cancel = options.cancel.get();
+  for (size_t i = 0; i < destinations.size(); ++i) {
+    const OutputInfo& o = *outputs[i];
+    const TensorInfo& t = ckpt.tensors()[o.tensor];
+    const Destination& d = destinations[i];
+    if (o.bytes == 0) continue;
+    auto* dst = static_cast<std::byte*>(d.data);
+    // What lands where: the whole tensor, or the slice's blocks (contiguous or strided).
+    const std::vector<StridedRead> reads = TensorReads(t, o.slice);
+    if (d.device.is_cuda()) {
+      for (const StridedRead& r : reads) {
+        out.device_tasks[d.device.index].push_back(sink::DeviceTaskOf(r, dst, cancel));
+        out.device_task_file[d.device.index].push_back(t.file);
+      }
+      out.device_tensors[d.device.index] += 1;
+      out.device_bytes[d.device.index] += o.bytes;
+      continue;
+    }
+    // Host: every row exactly (no covered gaps: the destination holds the slice only), cut into
+    // chunk_size reads so one large tensor is read by every worker.
+    for (const StridedRead& r : reads) {
+      for (uint64_t row = 0; row < r.rows; ++row) {
+        std::byte* to = dst + r.buffer_offset + row * r.dst_pitch;
+        const uint64_t from = r.file_offset + row * r.src_pitch;
+        for (uint64_t at = 0; at < r.row_bytes; at += options.chunk_size) {
+          const uint64_t len = std::min(options.chunk_size, r.row_bytes - at);
+          out.host.push_back({nullptr, from + at,
+                              std::span<std::byte>(to + at, static_cast<size_t>(len)), -1, cancel});
+          out.host_file.push_back(t.file);
+        }
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -1067,7 +823,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   if (options.device.is_cuda() && !options.placement) {
     // A CUDA target is checked now (runtime, device, staging options, GDS when forced), and its
     // pipeline made once for every later load.
-    TF_RETURN_IF_ERROR(impl->Sink(options.device.index).status());
+    TF_RETURN_IF_ERROR(impl->Slot(options.device.index).status());
     TF_RETURN_IF_ERROR(impl->CopyEngine().status());
   }
   return std::unique_ptr<Loader>(new Loader(std::move(impl)));
@@ -1106,186 +862,188 @@ Result<Plan> Loader::MakePlan(const Selection& selection) const {
   return out;
 }
 
-Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
+// --- BatchIterator: plan -> engine -> sink, one batch per Next --------------------------------
+
+struct BatchIterator::State {
+  Loader::Impl* m = nullptr;
+  Loader::Impl::Resolved resolved;
+  std::vector<Group> groups;
+  sink::SinkContext host, device;  // the sinks' borrowed state: the engine differs
+  std::vector<std::unique_ptr<sink::BatchSink>> sinks;  // per group
+  std::vector<std::pair<size_t, size_t>> order;         // (group, batch), the host's first
+  size_t k = 0;                                         // the next batch to deliver
+  bool over = false;                                    // ended, failed, or the end reached
+  std::future<Result<Batch>> next;                      // batch k, read ahead
+  // Statistics: the time the caller held a batch with no read in flight is not loading time.
+  Clock::time_point start;
+  Clock::duration idle{};
+  std::optional<Clock::time_point> returned_at;
+  bool returned_overlapped = false;
+  uint64_t reused0 = 0, allocated0 = 0, direct0 = 0, read0 = 0;
+  std::map<int, device::DevicePipelineStats> pipeline0;
+
+  ~State() {
+    if (next.valid()) next.wait();  // its buffer and files must not outlive the loader's use
+  }
+
+  const PlanBatch& BatchAt(size_t j) const {
+    return groups[order[j].first].plan.batches[order[j].second];
+  }
+
+  // Reads batch j into `memory` through its group's sink.
+  Result<Batch> Produce(size_t j, sink::Reservation memory) {
+    const auto [g, b] = order[j];
+    if (m->options.cancel && m->options.cancel->load(std::memory_order_relaxed)) {
+      return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
+    }
+    Result<Batch> got = sinks[g]->Complete(b, std::move(memory));
+    if (got.ok()) {
+      got->index = j;
+      got->count = order.size();
+      got->device = groups[g].device;
+    }
+    return got;
+  }
+
+  // Batch k: read ahead, or read now when its memory fits (kBudgetExceeded otherwise).
+  Result<Batch> Take() {
+    if (next.valid()) return next.get();
+    sink::BatchSink& s = *sinks[order[k].first];
+    TF_ASSIGN_OR_RETURN(std::optional<sink::Reservation> r, s.Reserve(BatchAt(k)));
+    if (!r) return s.BudgetError(BatchAt(k), k, order.size());
+    return Produce(k, std::move(*r));
+  }
+
+  // Double buffering: batch j is read on a helper thread while the caller handles batch j - 1,
+  // when its memory fits its budget now (the plan halves batches under a budget so they do). A
+  // failure to reserve (e.g. cudaMalloc while the caller still holds the batch) is not an error
+  // yet: the batch is tried again, and its error reported, by the next Next.
+  void ReadAhead(size_t j) {
+    if (j >= order.size() || !sinks[order[j].first]->reads_ahead()) return;
+    Result<std::optional<sink::Reservation>> r = sinks[order[j].first]->Reserve(BatchAt(j));
+    if (!r.ok() || !*r) return;
+    next = std::async(std::launch::async, [this, j, memory = std::move(**r)]() mutable {
+      return Produce(j, std::move(memory));
+    });
+  }
+
+  // Batch k as the caller gets it (tied aliases added, tensors read only for an alias dropped),
+  // counted.
+  void Count(Batch& batch) {
+    const PlanBatch& planned = BatchAt(k);
+    Loader::Impl::Deliver(resolved, planned, batch);
+    LoadStats& stats = m->stats;
+    stats.tensors += batch.tensors.size();
+    stats.bytes += batch.bytes;
+    stats.batches += 1;
+    if (batch.device.is_cuda()) {
+      stats.device_tensors += batch.tensors.size();
+      stats.device_bytes += batch.bytes;
+      stats.device_batches += 1;
+      stats.device_buffer_bytes += planned.buffer_size;
+    }
+    stats.peak_budget_bytes = m->budget->peak();
+  }
+
+  // The totals of a load that reached its end.
+  void Finish() {
+    LoadStats& stats = m->stats;
+    stats.seconds = std::chrono::duration<double>(Clock::now() - start - idle).count();
+    stats.peak_budget_bytes = m->budget->peak();
+    stats.buffers_reused = m->pool->reused() - reused0;
+    stats.buffers_allocated = m->pool->allocated() - allocated0;
+    const io::ReadEngine* counted = m->Counted();
+    stats.direct_bytes = counted ? counted->stats().direct_bytes - direct0 : 0;
+    // Bytes read: the engine's count (it reads host and device batches alike), plus, with the
+    // mmap engine, what its host batches populate or gather.
+    stats.bytes_read = counted ? counted->stats().bytes_read - read0 : 0;
+    if (m->engine_kind == Engine::kMmap) {
+      for (const Group& g : groups) {
+        if (g.device.is_cpu()) stats.bytes_read += g.plan.read_bytes;
+      }
+    }
+    m->CollectDeviceStats(pipeline0);
+  }
+};
+
+BatchIterator::BatchIterator(std::unique_ptr<State> state) : state_(std::move(state)) {}
+BatchIterator::BatchIterator(BatchIterator&&) noexcept = default;
+BatchIterator& BatchIterator::operator=(BatchIterator&&) noexcept = default;
+BatchIterator::~BatchIterator() = default;
+
+Result<std::optional<Batch>> BatchIterator::Next() {
+  State& s = *state_;
+  if (s.over) return std::optional<Batch>();
+  if (s.returned_at && !s.returned_overlapped) s.idle += Clock::now() - *s.returned_at;
+  if (s.k == s.order.size()) {
+    s.over = true;
+    s.Finish();
+    return std::optional<Batch>();
+  }
+  Result<Batch> current = s.Take();
+  if (!current.ok()) {
+    s.over = true;
+    return current.status();
+  }
+  Batch batch = std::move(current).value();
+  s.Count(batch);
+  s.ReadAhead(++s.k);
+  s.returned_overlapped = s.next.valid();
+  s.returned_at = Clock::now();
+  return std::optional<Batch>(std::move(batch));
+}
+
+Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   TF_RETURN_IF_ERROR(CheckMappedFiles());  // tensors of an earlier load lost bytes: say so first
   Impl& m = *impl_;
   m.stats = LoadStats();
   m.stats.engine = std::string(EngineName(m.engine_kind));
-  const auto start = Clock::now();
-  Clock::duration idle{};  // time in callbacks with no read in flight
-  const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
-
-  TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, m.Resolve(selection));
-  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved));
+  auto s = std::make_unique<BatchIterator::State>();
+  s->m = &m;
+  s->start = Clock::now();
+  s->reused0 = m.pool->reused();
+  s->allocated0 = m.pool->allocated();
+  TF_ASSIGN_OR_RETURN(s->resolved, m.Resolve(selection));
+  TF_ASSIGN_OR_RETURN(s->groups, m.MakeGroups(s->resolved));
   TF_RETURN_IF_ERROR(m.OpenFiles());
-  const bool mapped = m.engine_kind == Engine::kMmap;
-  // Every device sink and the copy engine before the first batch: their errors come first, and
+  // Every device slot and the copy engine before the first batch: their errors come first, and
   // the helper thread that reads ahead never creates one.
-  bool any_device = false;
-  for (const Group& g : groups) {
-    if (!g.device.is_cuda()) continue;
-    any_device = true;
-    TF_ASSIGN_OR_RETURN(DeviceSink * sink, m.Sink(g.device.index));
-    sink->allocator->ResetPeak();
+  TF_ASSIGN_OR_RETURN(const bool any_device, m.PrepareDevices(s->groups));
+  for (const auto& [index, slot] : m.slots) s->pipeline0[index] = slot.pipeline->stats();
+  if (const io::ReadEngine* counted = m.Counted()) {
+    s->direct0 = counted->stats().direct_bytes;
+    s->read0 = counted->stats().bytes_read;
   }
-  if (any_device) TF_RETURN_IF_ERROR(m.CopyEngine().status());
-  std::map<int, device::DevicePipelineStats> pipeline0;
-  for (const auto& [index, sink] : m.sinks) pipeline0[index] = sink.pipeline->stats();
-  const uint64_t direct0 = m.copy_engine ? m.copy_engine->stats().direct_bytes
-                           : m.engine    ? m.engine->stats().direct_bytes
-                                         : 0;
-  const uint64_t read0 = m.copy_engine ? m.copy_engine->stats().bytes_read
-                         : m.engine    ? m.engine->stats().bytes_read
-                                       : 0;
+  const bool mapped = m.engine_kind == Engine::kMmap;
   std::vector<bool> want_direct;
   if (!mapped || any_device) {
-    TF_ASSIGN_OR_RETURN(want_direct, m.ChooseDirect(groups, mapped));
+    TF_ASSIGN_OR_RETURN(want_direct, m.ChooseDirect(s->groups, mapped));
   }
-  m.stats.device = groups.size() == 1 ? DeviceName(groups.front().device) : "mixed";
-
-  // Delivery order: (group, batch) pairs, the host's first.
-  std::vector<std::pair<size_t, size_t>> order;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (size_t b = 0; b < groups[g].plan.batches.size(); ++b) order.emplace_back(g, b);
-  }
-  const size_t n = order.size();
-  auto batch_of = [&](size_t k) -> const PlanBatch& {
-    return groups[order[k].first].plan.batches[order[k].second];
-  };
-
-  // The memory of batch k, or nullopt when it does not fit its budget now.
-  auto reserve = [&](size_t k) -> Result<std::optional<Reservation>> {
-    const Group& g = groups[order[k].first];
-    const PlanBatch& pb = batch_of(k);
-    if (g.device.is_cpu()) {
-      std::optional<memory::BudgetLease> lease = m.budget->TryAcquire(pb.tensor_bytes);
-      if (!lease) return std::optional<Reservation>();
-      return std::optional<Reservation>(Reservation{std::move(*lease), nullptr});
-    }
-    Result<std::shared_ptr<device::DeviceBuffer>> buffer =
-        m.sinks.at(g.device.index).allocator->Allocate(pb.buffer_size, m.options.allow_oversized);
-    if (!buffer.ok()) {
-      if (buffer.status().code() == Code::kBudgetExceeded) return std::optional<Reservation>();
-      return buffer.status();
-    }
-    return std::optional<Reservation>(Reservation{{}, std::move(buffer).value()});
-  };
-  auto budget_error = [&](size_t k) {
-    const Group& g = groups[order[k].first];
-    const PlanBatch& pb = batch_of(k);
-    if (g.device.is_cuda()) {
-      const device::DeviceAllocator& a = *m.sinks.at(g.device.index).allocator;
-      if (a.in_use() == 0) {
-        return Status(Code::kBudgetExceeded,
-                      "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                          std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +
-                          " memory (alignment padding included), more than the whole " +
-                          std::to_string(a.budget()) +
-                          "-byte device budget: raise it, or set allow_oversized");
-      }
-      return Status(Code::kBudgetExceeded,
-                    "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                        std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +
-                        " memory but " + std::to_string(a.in_use()) + " of the " +
-                        std::to_string(a.budget()) +
-                        "-byte device budget are still held by tensors of earlier batches: drop "
-                        "them before the next batch, or raise the device budget");
-    }
-    return Status(Code::kBudgetExceeded,
-                  "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                      std::to_string(pb.tensor_bytes) + " bytes but " +
-                      std::to_string(m.budget->in_use()) + " of the " +
-                      std::to_string(m.budget->limit()) +
-                      "-byte budget are still held by tensors of earlier batches: drop them "
-                      "before the next batch, or raise the budget");
-  };
-  auto produce = [&](size_t k, Reservation r) -> Result<Batch> {
-    const Group& g = groups[order[k].first];
-    const size_t b = order[k].second;
-    if (m.options.cancel && m.options.cancel->load(std::memory_order_relaxed)) {
-      return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
-    }
-    Result<Batch> got = Status(Code::kInternal, "unset");
-    if (g.device.is_cuda()) {
-      got = m.ReadDeviceBatch(g, b, std::move(r.device), want_direct);
+  m.stats.device = s->groups.size() == 1 ? DeviceName(s->groups.front().device) : "mixed";
+  s->host = m.Context(want_direct, m.engine.get());
+  s->device = m.Context(want_direct, m.copy_engine);
+  for (size_t g = 0; g < s->groups.size(); ++g) {
+    const Group& group = s->groups[g];
+    if (group.device.is_cuda()) {
+      s->sinks.push_back(sink::MakeDeviceSink(s->device, group.plan, group.strided, group.device,
+                                              m.slots.at(group.device.index)));
     } else if (mapped) {
-      got = m.MapBatch(g.plan, b);
+      s->sinks.push_back(sink::MakeMappedSink(s->host, group.plan));
     } else {
-      got = m.ReadBatch(g.plan, b, std::move(r.lease), want_direct, g.batch_budget);
+      s->sinks.push_back(sink::MakeHostSink(s->host, group.plan, group.batch_budget));
     }
-    if (got.ok()) {
-      got->index = k;
-      got->count = n;
-      got->device = g.device;
-    }
-    return got;
-  };
-  // A host batch of the mmap engine is never read ahead (it reads nothing).
-  auto read_ahead = [&](size_t k) { return !mapped || groups[order[k].first].device.is_cuda(); };
-
-  // Double buffering: while the caller handles batch k, batch k + 1 is read on a helper thread
-  // when its memory fits its budget at that moment (the plan halves batches under a budget so
-  // they do). Otherwise it is read after the callback returns.
-  std::future<Result<Batch>> next;
-  for (size_t k = 0; k < n; ++k) {
-    Result<Batch> current = Status(Code::kInternal, "unset");
-    if (next.valid()) {
-      current = next.get();
-    } else {
-      TF_ASSIGN_OR_RETURN(std::optional<Reservation> r, reserve(k));
-      if (!r) return budget_error(k);
-      current = produce(k, std::move(*r));
-    }
-    if (!current.ok()) return current.status();
-    Batch batch = std::move(current).value();
-    Impl::Deliver(resolved, batch_of(k), batch);
-    m.stats.tensors += batch.tensors.size();
-    m.stats.bytes += batch.bytes;
-    m.stats.batches += 1;
-    if (batch.device.is_cuda()) {
-      m.stats.device_tensors += batch.tensors.size();
-      m.stats.device_bytes += batch.bytes;
-      m.stats.device_batches += 1;
-      m.stats.device_buffer_bytes += batch_of(k).buffer_size;
-    }
-    m.stats.peak_budget_bytes = m.budget->peak();
-
-    if (k + 1 < n && read_ahead(k + 1)) {
-      // Read ahead only when the memory is there now; a failure (e.g. cudaMalloc while the
-      // caller still holds this batch) is not an error yet: the batch is tried again, and its
-      // error reported, after the callback.
-      Result<std::optional<Reservation>> r = reserve(k + 1);
-      if (r.ok() && *r) {
-        next = std::async(std::launch::async, [&produce, k, res = std::move(**r)]() mutable {
-          return produce(k + 1, std::move(res));
-        });
-      }
-    }
-    const bool overlapped = next.valid();
-    const auto cb_start = Clock::now();
-    Status s = on_batch(std::move(batch));
-    if (!overlapped) idle += Clock::now() - cb_start;
-    if (!s.ok()) {
-      if (next.valid()) next.wait();  // its buffer and files must not outlive this call's use
-      return s;
-    }
+    for (size_t b = 0; b < group.plan.batches.size(); ++b) s->order.emplace_back(g, b);
   }
-  m.stats.seconds = std::chrono::duration<double>(Clock::now() - start - idle).count();
-  m.stats.peak_budget_bytes = m.budget->peak();
-  m.stats.buffers_reused = m.pool->reused() - reused0;
-  m.stats.buffers_allocated = m.pool->allocated() - allocated0;
-  const io::ReadEngine* counted = m.copy_engine ? m.copy_engine : m.engine.get();
-  m.stats.direct_bytes = counted ? counted->stats().direct_bytes - direct0 : 0;
-  // Bytes read: the engine's count (it reads host and device batches alike), plus, with the mmap
-  // engine, what its host batches populate or gather.
-  m.stats.bytes_read = counted ? counted->stats().bytes_read - read0 : 0;
-  if (mapped) {
-    for (const Group& g : groups) {
-      if (g.device.is_cpu()) m.stats.bytes_read += g.plan.read_bytes;
-    }
+  return BatchIterator(std::move(s));
+}
+
+Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
+  TF_ASSIGN_OR_RETURN(BatchIterator batches, Iterate(selection));
+  for (;;) {
+    TF_ASSIGN_OR_RETURN(std::optional<Batch> batch, batches.Next());
+    if (!batch) return Status::Ok();
+    TF_RETURN_IF_ERROR(on_batch(std::move(*batch)));
   }
-  m.CollectDeviceStats(pipeline0);
-  return Status::Ok();
 }
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
@@ -1354,126 +1112,51 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   std::unordered_map<std::string_view, const OutputInfo*> output_of;
   for (const OutputInfo& o : description.outputs) output_of.emplace(o.name, &o);
   std::vector<const OutputInfo*> outputs;  // per destination
-  std::vector<uint64_t> sizes;             // bytes each destination receives
-  outputs.reserve(destinations.size());
   std::set<Device> devices;
   for (const Destination& d : destinations) {
     const OutputInfo& o = *output_of.at(d.name);
     TF_RETURN_IF_ERROR(CheckDestination(d, o, m.options.shard));
     outputs.push_back(&o);
-    sizes.push_back(o.bytes);
     if (o.bytes > 0) devices.insert(d.device);
   }
-  // No two destinations may overlap on one device (the bytes each tensor occupies).
-  {
-    std::vector<size_t> by_address;
-    for (size_t i = 0; i < destinations.size(); ++i) {
-      if (sizes[i] > 0) by_address.push_back(i);
-    }
-    auto addr = [&](size_t i) { return reinterpret_cast<uintptr_t>(destinations[i].data); };
-    std::sort(by_address.begin(), by_address.end(), [&](size_t a, size_t b) {
-      const Device& da = destinations[a].device;
-      const Device& db = destinations[b].device;
-      return da == db ? addr(a) < addr(b) : da < db;
-    });
-    for (size_t j = 1; j < by_address.size(); ++j) {
-      const size_t a = by_address[j - 1], b = by_address[j];
-      if (destinations[a].device == destinations[b].device && addr(a) + sizes[a] > addr(b)) {
-        return Status(Code::kInvalidArgument,
-                      "destinations of tensors \"" + destinations[a].name + "\" (" +
-                          std::to_string(sizes[a]) + " bytes) and \"" + destinations[b].name +
-                          "\" overlap on " + DeviceName(destinations[a].device));
-      }
-    }
-  }
+  TF_RETURN_IF_ERROR(CheckOverlaps(destinations, outputs));
   TF_RETURN_IF_ERROR(m.OpenFiles());
   for (const Device& d : devices) {
-    if (d.is_cuda()) TF_RETURN_IF_ERROR(m.Sink(d.index).status());
+    if (d.is_cuda()) TF_RETURN_IF_ERROR(m.Slot(d.index).status());
   }
   TF_ASSIGN_OR_RETURN(io::ReadEngine * engine, m.CopyEngine());
   std::map<int, device::DevicePipelineStats> pipeline0;
-  for (const auto& [index, sink] : m.sinks) {
-    pipeline0[index] = sink.pipeline->stats();
-    sink.allocator->ResetPeak();
+  for (const auto& [index, slot] : m.slots) {
+    pipeline0[index] = slot.pipeline->stats();
+    slot.allocator->ResetPeak();
   }
   const uint64_t direct0 = engine->stats().direct_bytes;
   const uint64_t read0 = engine->stats().bytes_read;
+  TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(ReadSpans(ckpt, outputs)));
 
-  const size_t nfiles = ckpt.files().size();
-  std::vector<uint64_t> lo(nfiles, UINT64_MAX), hi(nfiles, 0);
+  const IntoReads reads = MakeIntoReads(ckpt, outputs, destinations, m.options);
   for (const OutputInfo* o : outputs) {
-    const TensorInfo& t = ckpt.tensors()[o->tensor];
-    if (t.size == 0) continue;
-    lo[t.file] = std::min(lo[t.file], t.offset);
-    hi[t.file] = std::max(hi[t.file], t.offset + t.size);
-  }
-  TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(lo, hi));
-
-  std::vector<io::ReadRequest> host;  // file and O_DIRECT descriptor filled in per window
-  std::vector<uint32_t> host_file;
-  std::map<int, std::vector<device::DeviceTask>> device_tasks;
-  std::map<int, std::vector<uint32_t>> device_task_file;
-  for (size_t i = 0; i < destinations.size(); ++i) {
-    const TensorInfo& t = ckpt.tensors()[outputs[i]->tensor];
-    const std::optional<TensorSlice>& slice = outputs[i]->slice;
-    const Destination& d = destinations[i];
-    const uint64_t size = sizes[i];
     m.stats.tensors += 1;
-    m.stats.bytes += size;
-    if (size == 0) continue;
-    auto* dst = static_cast<std::byte*>(d.data);
-    // What lands where: the whole tensor, or the slice's blocks (contiguous or strided).
-    const std::vector<StridedRead> reads =
-        slice ? SliceReads(t, *slice)
-              : std::vector<StridedRead>{{t.file, t.offset, 0, 1, t.size, t.size, t.size}};
-    if (d.device.is_cuda()) {
-      for (const StridedRead& r : reads) {
-        device::DeviceTask task;
-        task.file_offset = r.file_offset;
-        task.length = r.length();
-        task.dst = dst + r.buffer_offset;
-        if (r.rows > 1) {  // a slice on a dimension other than 0: a 2D copy
-          task.rows = r.rows;
-          task.row_bytes = r.row_bytes;
-          task.src_pitch = r.src_pitch;
-          task.dst_pitch = r.dst_pitch;
-        }
-        task.cancel = m.options.cancel.get();
-        device_tasks[d.device.index].push_back(task);
-        device_task_file[d.device.index].push_back(t.file);
-      }
-      m.stats.device_tensors += 1;
-      m.stats.device_bytes += size;
-      continue;
-    }
-    // Host: every row exactly (no covered gaps: the destination holds the slice only), cut into
-    // chunk_size reads so one large tensor is read by every worker.
-    for (const StridedRead& r : reads) {
-      for (uint64_t row = 0; row < r.rows; ++row) {
-        std::byte* to = dst + r.buffer_offset + row * r.dst_pitch;
-        const uint64_t from = r.file_offset + row * r.src_pitch;
-        for (uint64_t at = 0; at < r.row_bytes; at += m.options.chunk_size) {
-          const uint64_t len = std::min(m.options.chunk_size, r.row_bytes - at);
-          host.push_back({nullptr, from + at,
-                          std::span<std::byte>(to + at, static_cast<size_t>(len)), -1,
-                          m.options.cancel.get()});
-          host_file.push_back(t.file);
-        }
-      }
-    }
+    m.stats.bytes += o->bytes;
   }
-  if (!host.empty()) {
-    TF_RETURN_IF_ERROR(m.InFileWindows(
-        m.DistinctFiles(host_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          return engine->Execute(Impl::WindowOf(host, host_file, pins));
-        }));
+  for (const auto& [index, tasks] : reads.device_tasks) {
+    m.stats.device_tensors += reads.device_tensors.at(index);
+    m.stats.device_bytes += reads.device_bytes.at(index);
   }
-  for (auto& [index, tasks] : device_tasks) {
+  const sink::SinkContext context = m.Context(std::move(want_direct), engine);
+  if (!reads.host.empty()) {
     TF_RETURN_IF_ERROR(
-        m.RunDeviceTasks(m.sinks.at(index), tasks, device_task_file[index], want_direct, nullptr));
+        context.windows(sink::DistinctFiles(reads.host_file, ckpt.files().size()),
+                        context.want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
+                          return engine->Execute(sink::WindowOf(reads.host, reads.host_file, pins));
+                        }));
   }
-  m.stats.batches = (host.empty() ? 0 : 1) + device_tasks.size();
-  m.stats.device_batches = device_tasks.size();
+  for (const auto& [index, tasks] : reads.device_tasks) {
+    TF_RETURN_IF_ERROR(sink::RunDeviceTasks(context, m.slots.at(index), tasks,
+                                            reads.device_task_file.at(index), nullptr));
+  }
+  m.stats.batches = (reads.host.empty() ? 0 : 1) + reads.device_tasks.size();
+  m.stats.device_batches = reads.device_tasks.size();
   m.stats.device = devices.size() == 1 ? DeviceName(*devices.begin())
                    : devices.empty()   ? DeviceName(Device::CPU())
                                        : "mixed";

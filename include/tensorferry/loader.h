@@ -1,8 +1,9 @@
 // tensorferry/loader.h: load tensors of a checkpoint into host or CUDA device memory, under byte
 // budgets.
 //
-// A Loader turns a Selection (which tensors) into a Plan (plan.h) and executes it batch by batch:
-// each batch gets one destination buffer (host: from a pool that reuses released buffers, so
+// A Loader turns a Selection (which tensors) into a Description (what is delivered, Describe) and
+// a Plan (plan.h), and executes it batch by batch, plan -> read engine -> sink: each batch gets one
+// destination buffer (host: from a pool that reuses released buffers, so
 // repeated loads skip the first-touch cost of fresh memory; CUDA: one cudaMalloc), its read tasks
 // run on a pool of I/O workers across all files at once, and its tensors are handed out as Tensor
 // values that share ownership of that buffer. A tensor stays valid as long as it (or a copy) lives,
@@ -14,7 +15,8 @@
 // the caller drops the last Tensor of that batch. Batches hold at most half the budget (the whole
 // budget when a selected tensor is larger than half), so that while the caller handles batch b,
 // batch b + 1 is read on a helper thread (double buffering) whenever its bytes fit at that moment.
-// Stream() delivers batches one at a time; if the caller still holds so much of earlier batches
+// Iterate() (pull: BatchIterator::Next) and Stream() (push: a loop over Next) deliver batches one
+// at a time; if the caller still holds so much of earlier batches
 // that the next one cannot fit, Stream returns kBudgetExceeded rather than wait forever (nothing
 // else can free it). The mmap engine holds no tensor memory of its own (the page cache does), so
 // the budget only shapes its batches.
@@ -44,8 +46,11 @@
 // Errors name file, tensor and byte offset. A failed batch releases its memory and hands no tensor
 // of it to the caller.
 //
-// Thread-safety: a Loader may be used from one thread at a time; different Loaders may run
-// concurrently. Tensor is a value: copies may be used from any thread.
+// Thread-safety: a Loader may be used from one thread at a time (an open BatchIterator counts as
+// a use); different Loaders may run concurrently. Describe and MakePlan are const and pure.
+// Tensor is a value: copies may be used from any thread.
+// Ownership: Loader::Open shares the Checkpoint; Tensors co-own their memory; a BatchIterator
+// borrows its Loader (the Loader must outlive it).
 #pragma once
 
 #include <atomic>

@@ -16,8 +16,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -610,7 +608,7 @@ class Reader {
     return out;
   }
 
-  // Starts a background thread running Loader::Stream; batches are taken with BatchStream::Next.
+  // Starts a load whose batches are taken with BatchStream::Next (Loader::Iterate).
   std::unique_ptr<BatchStream> Iterate(const std::optional<std::vector<std::string>>& names,
                                        int framework);
 
@@ -627,23 +625,22 @@ class Reader {
  private:
   friend class BatchStream;
 
-  // Serializes calls on one Reader. Construct only with the GIL released. While a BatchStream
-  // iterates (its thread holds the lock until the iteration ends), other calls fail at once
-  // instead of waiting for an iteration that may never be resumed.
+  // Serializes calls on one Reader. Construct only with the GIL released. While an iteration
+  // (BatchStream) is open, other calls fail at once instead of waiting for an iteration that may
+  // never be resumed; its own steps (`step`) take the lock for the step only.
   class Lock {
    public:
-    explicit Lock(Reader& r) : r_(r) {
+    explicit Lock(Reader& r, bool step = false) : r_(r) {
       if (r.lock_owner_.load() == std::this_thread::get_id()) {
         throw StatusError(Status(Code::kInvalidArgument,
                                  "this loader is busy on this thread: a stream callback may not "
                                  "read through the loader that called it"));
       }
-      while (!r.mu_.try_lock_for(std::chrono::milliseconds(5))) {
-        if (r.streaming_.load()) {
-          throw StatusError(Status(Code::kInvalidArgument,
-                                   "this loader is busy: an iteration over its batches is in "
-                                   "progress; finish or close it first"));
-        }
+      if (!step) ThrowIfStreaming();
+      r.mu_.lock();
+      if (!step && r.streaming_.load()) {
+        r.mu_.unlock();
+        ThrowIfStreaming();
       }
       r.lock_owner_.store(std::this_thread::get_id());
     }
@@ -655,6 +652,13 @@ class Reader {
     Lock& operator=(const Lock&) = delete;
 
    private:
+    void ThrowIfStreaming() const {
+      if (r_.streaming_.load()) {
+        throw StatusError(Status(Code::kInvalidArgument,
+                                 "this loader is busy: an iteration over its batches is in "
+                                 "progress; finish or close it first"));
+      }
+    }
     Reader& r_;
   };
 
@@ -726,7 +730,7 @@ class Reader {
   // or by closing a stream.
   std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
   LoadOptions options_;
-  std::timed_mutex mu_;
+  std::mutex mu_;
   std::atomic<std::thread::id> lock_owner_{};
   std::atomic<bool> streaming_{false};
   mutable std::mutex stats_mu_;
@@ -737,151 +741,107 @@ class Reader {
   LoadStats stats_;
 };
 
-// Pull-style iteration over Loader::Stream for Python generators. A thread runs Stream; its
-// callback hands each batch over and waits until the consumer asks for the next one, i.e. until
-// the consumer is done with the batch (it may still hold tensors of it: the loader's budget
-// accounting and double buffering handle that). Meanwhile the loader reads the next batch ahead
-// when the budget allows. Close() (or destruction) stops the stream and joins the thread.
+// Pull-style iteration for Python generators over Loader::Iterate: each next() takes the batch
+// read ahead (or reads it) on the calling thread, with Ctrl-C seen on the main thread
+// (Interruptible); the iterator reads the following batch ahead while the consumer holds this one.
+// The Reader is busy (other calls raise) from Iterate until the end, an error, or Close().
 class BatchStream {
  public:
-  BatchStream(Reader& reader, std::optional<std::vector<std::string>> names, Framework framework)
-      : reader_(reader), names_(std::move(names)), framework_(framework) {
-    reader_.streaming_.store(true);
-    thread_ = std::thread([this] { Run(); });
-  }
+  BatchStream(Reader& reader, Loader& loader, BatchIterator batches, Framework framework)
+      : reader_(reader), loader_(loader), batches_(std::move(batches)), framework_(framework) {}
 
-  ~BatchStream() { Stop(); }
+  ~BatchStream() {
+    std::lock_guard<std::mutex> l(mu_);
+    Stop();
+  }
   BatchStream(const BatchStream&) = delete;
   BatchStream& operator=(const BatchStream&) = delete;
 
   // (index, count, bytes, [(name, array), ...], device) for the next batch, or None at the end.
   // Raises the load's error, if any, once the batches before it have been taken.
   nb::object Next() {
-    std::optional<Batch> batch;
-    Status final_status;
-    for (bool taken = false; !taken;) {
+    std::unique_lock<std::mutex> step(mu_, std::defer_lock);  // Close() waits for this step
+    std::optional<Reader::Lock> lock;
+    {
+      WithoutGil release;
+      step.lock();
+      if (closed_) {
+        throw StatusError(
+            Status(Code::kInvalidArgument, "the iteration was stopped: its Loader was closed"));
+      }
+      if (batches_) lock.emplace(reader_, /*step=*/true);
+    }
+    if (!batches_) return nb::none();
+    Result<std::optional<Batch>> got = Status(Code::kInternal, "unset");
+    try {
+      got = Interruptible(*reader_.cancel_, [&] { return batches_->Next(); });
+    } catch (...) {  // KeyboardInterrupt: the reads were cancelled; the iteration is over
+      WithoutGil release;
+      End();
+      closed_ = true;
+      throw;
+    }
+    if (!got.ok() || !*got) {
       {
         WithoutGil release;
-        std::unique_lock<std::mutex> lock(mu_);
-        if (closed_) {
-          throw StatusError(
-              Status(Code::kInvalidArgument, "the iteration was stopped: its Loader was closed"));
-        }
-        if (delivered_) {
-          delivered_ = false;
-          released_ = true;
-          cv_.notify_all();
-        }
-        // Woken every kSignalPoll on the main thread so that Ctrl-C is seen while waiting.
-        const auto ready = [&] { return batch_.has_value() || done_; };
-        if (OnMainThread() ? cv_.wait_for(lock, kSignalPoll, ready)
-                           : (cv_.wait(lock, ready), true)) {
-          taken = true;
-          if (batch_) {
-            batch.swap(batch_);
-            delivered_ = true;
-          } else {
-            final_status = final_;
-            final_ = Status::Ok();
-          }
-        }
+        End();
       }
-      if (!taken && PyErr_CheckSignals() != 0) {
-        nb::python_error raised;
-        Close();  // cancels the reads in flight and joins the thread
-        throw raised;
-      }
-    }
-    if (!batch) {
-      Join();
-      Check(final_status);
+      Check(got.status());
       return nb::none();
     }
-    nb::list tensors = ExportTensors(framework_, batch->tensors);
-    const Batch& b = *batch;
-    return nb::make_tuple(b.index, b.count, b.bytes, tensors, DeviceName(b.device));
+    Batch batch = std::move(**got);
+    lock.reset();
+    step.unlock();
+    nb::list tensors = ExportTensors(framework_, batch.tensors);
+    return nb::make_tuple(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
   }
 
-  // Stops the stream (tensors already handed out stay valid) and waits for its thread; a later
-  // Next raises.
+  // Stops the iteration (tensors already handed out stay valid), waiting for a step in flight on
+  // another thread; a later Next raises.
   void Close() {
     WithoutGil release;
-    Stop();
     std::lock_guard<std::mutex> l(mu_);
+    Stop();
     closed_ = true;
   }
 
  private:
-  void Run() {
-    Status status;
-    try {
-      Reader::Lock lock(reader_);
-      Loader& loader = reader_.EnsureLoader();
-      const Selection selection = names_ ? Selection::Names(*names_) : Selection::All();
-      status = loader.Stream(selection, [this](Batch batch) -> Status {
-        std::unique_lock<std::mutex> l(mu_);
-        batch_.emplace(std::move(batch));
-        cv_.notify_all();
-        cv_.wait(l, [&] { return released_ || cancelled_; });
-        released_ = false;
-        return cancelled_ ? Status(Code::kInternal, "iteration closed") : Status::Ok();
-      });
-      reader_.SetStats(loader.stats());
-    } catch (const StatusError& e) {
-      status = e.status();
-    } catch (const std::exception& e) {
-      status = Status(Code::kInternal, e.what());
-    }
-    std::lock_guard<std::mutex> l(mu_);
-    done_ = true;
-    final_ = cancelled_ ? Status::Ok() : status;
-    cv_.notify_all();
-  }
-
+  // Cancels the reads in flight (the batch read ahead stops within a chunk) and ends. REQUIRES:
+  // mu_ held.
   void Stop() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!done_) reader_.cancel_->store(true);  // the batch being read stops within a chunk
-      cancelled_ = true;
-      batch_.reset();
-      cv_.notify_all();
-    }
-    Join();
+    if (batches_) reader_.cancel_->store(true);
+    End();
   }
 
-  void Join() {
-    if (thread_.joinable()) {
-      thread_.join();
-      reader_.streaming_.store(false);
-    }
+  // Ends the iteration: the read ahead waited for, the load's figures kept, the Reader free again.
+  // REQUIRES: mu_ held.
+  void End() {
+    if (!batches_) return;
+    batches_.reset();
+    reader_.SetStats(loader_.stats());
+    reader_.streaming_.store(false);
   }
 
   Reader& reader_;
-  const std::optional<std::vector<std::string>> names_;
+  Loader& loader_;  // the Reader's: kept while streaming_ (Reader::Close refuses then)
+  std::mutex mu_;   // guards batches_ and closed_
+  std::optional<BatchIterator> batches_;  // empty once ended
   const Framework framework_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::optional<Batch> batch_;  // handed over, not yet taken
-  bool delivered_ = false;      // the consumer holds the last batch taken
-  bool released_ = false;       // the consumer asked for the next batch
-  bool cancelled_ = false;
   bool closed_ = false;  // Close() was called: Next raises
-  bool done_ = false;
-  Status final_;
-  std::thread thread_;
 };
 
 std::unique_ptr<BatchStream> Reader::Iterate(const std::optional<std::vector<std::string>>& names,
                                              int framework) {
   const Framework fw = ToFramework(framework);
   if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
-  if (streaming_.load()) {
-    throw StatusError(Status(Code::kInvalidArgument,
-                             "this loader is busy: an iteration over its batches is in progress; "
-                             "finish or close it first"));
-  }
+  WithoutGil release;
+  Lock lock(*this);  // busy while another iteration is open
   cancel_->store(false);
-  return std::make_unique<BatchStream>(*this, names, fw);
+  Loader& loader = EnsureLoader();
+  const Selection selection = names ? Selection::Names(*names) : Selection::All();
+  BatchIterator batches = Unwrap(loader.Iterate(selection));
+  streaming_.store(true);
+  return std::make_unique<BatchStream>(*this, loader, std::move(batches), fw);
 }
 
 // --- tensor parallelism (shard.h) ---------------------------------------------------------------

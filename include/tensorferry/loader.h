@@ -375,8 +375,8 @@ class Loader {
   // The plan a load of `selection` would execute. Errors: those of Selection::Resolve and MakePlan.
   Result<Plan> MakePlan(const Selection& selection) const;
 
-  // Loads batch by batch, calling `on_batch` for each on the calling thread; a non-OK status from
-  // the callback stops the load and is returned. Errors: those of MakePlan, kIoError,
+  // Loads batch by batch, calling `on_batch` for each on the calling thread (a loop over Iterate's
+  // Next); a non-OK status from the callback stops the load and is returned. Errors: those of MakePlan, kIoError,
   // kUnexpectedEof (a file shorter than its header promises, e.g. truncated since opening),
   // kBudgetExceeded (see the file comment).
   Status Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch);

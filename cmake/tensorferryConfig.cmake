@@ -1,6 +1,15 @@
 include(CMakeFindDependencyMacro)
 find_dependency(Threads)
 find_dependency(simdjson)
-find_dependency(PkgConfig)
-pkg_check_modules(LIBZIP REQUIRED IMPORTED_TARGET libzip)
 include("${CMAKE_CURRENT_LIST_DIR}/tensorferryTargets.cmake")
+# tensorferry::convert (torch.save checkpoints to safetensors), when it was built and installed:
+# it needs libzip, which consumers of the core library alone do not.
+if(EXISTS "${CMAKE_CURRENT_LIST_DIR}/tensorferryConvertTargets.cmake")
+  find_package(PkgConfig QUIET)
+  if(PKG_CONFIG_FOUND)
+    pkg_check_modules(LIBZIP QUIET IMPORTED_TARGET libzip)
+  endif()
+  if(TARGET PkgConfig::LIBZIP)
+    include("${CMAKE_CURRENT_LIST_DIR}/tensorferryConvertTargets.cmake")
+  endif()
+endif()

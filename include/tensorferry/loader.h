@@ -66,8 +66,10 @@
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/device.h"
 #include "tensorferry/env.h"
+#include "tensorferry/options.h"
 #include "tensorferry/plan.h"
 #include "tensorferry/shard.h"
+#include "tensorferry/stats.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry {
@@ -163,107 +165,6 @@ class Selection {
   bool by_name_ = false;
 };
 
-// How bytes get from the files into memory.
-//   kAuto:    kIoUring where the kernel allows it, else kPread.
-//   kPread:   a pool of threads issuing pread(2) (preadv2 with O_DIRECT when direct I/O is used).
-//   kIoUring: one ring per worker thread through liburing, queue_depth reads in flight each.
-//   kMmap:    zero-copy: each file is mapped read-only once per loader and every Tensor is a view
-//             into the mapping (owner() keeps the mapping alive after the loader is gone). Pages
-//             are read on first touch unless LoadOptions::populate. No budget applies (the page
-//             cache owns the memory). Files that change under their tensors
-//             (include/tensorferry/mapping.h): each mapping holds a read lease, and a writer
-//             that opens or truncates the file makes tensorferry copy the mapping into private
-//             memory first, so tensors keep their bytes; where no lease can be had, a page that
-//             vanished reads as zeros, is reported on stderr at once and by CheckMappedFiles
-//             (every Stream, Load and LoadInto starts with it), and a batch from that mapping is
-//             refused with kUnexpectedEof naming the file and offset (docs/runtime_settings.md,
-//             "mmap and files that change").
-enum class Engine : uint8_t { kAuto, kPread, kIoUring, kMmap };
-
-// O_DIRECT (bypassing the page cache) for the copying engines.
-//   kAuto: per file, direct when less than half of the file's bytes to read are in the page cache
-//          (measured with mincore) and the file system accepts O_DIRECT; buffered otherwise.
-//   kOn:   direct for every file whose file system accepts it (buffered fallback reported in
-//          LoadStats::direct_files / buffered_files).
-//   kOff:  always buffered.
-enum class DirectIO : uint8_t { kAuto, kOn, kOff };
-
-// "auto", "pread", "io_uring", "mmap" / "auto", "on", "off". Parse* errors: kInvalidArgument.
-std::string_view EngineName(Engine engine) noexcept;
-Result<Engine> ParseEngine(std::string_view name);
-std::string_view DirectIOName(DirectIO direct) noexcept;
-Result<DirectIO> ParseDirectIO(std::string_view name);
-
-// Every option with its default. Environment variables (TENSORFERRY_*) seed these defaults only
-// through LoadOptions::FromEnvironment(); a default-constructed LoadOptions ignores the
-// environment. docs/runtime_settings.md lists the variables.
-// Limits Loader::Open applies to LoadOptions (clamping, not failing): docs/runtime_settings.md.
-inline constexpr uint64_t kMinChunkSize = 4096;   // chunk_size below it reads as 4 KiB (a page)
-inline constexpr unsigned kMaxThreads = 256;      // more threads start 256
-inline constexpr unsigned kMaxQueueDepth = 4096;  // io_uring's own bound on a ring's entries
-
-struct LoadOptions {
-  Engine engine = Engine::kAuto;      // TENSORFERRY_ENGINE
-  unsigned threads = 0;               // I/O workers; 0 = one per online CPU (TENSORFERRY_THREADS)
-  uint64_t chunk_size = 8ull << 20;   // bytes per read task (TENSORFERRY_CHUNK_SIZE)
-  DirectIO direct = DirectIO::kAuto;  // TENSORFERRY_DIRECT_IO
-  unsigned queue_depth = 8;  // io_uring reads in flight per worker (TENSORFERRY_QUEUE_DEPTH)
-  uint64_t budget = 0;  // bytes of tensor data held at once; 0 = unbounded (TENSORFERRY_BUDGET)
-  bool allow_oversized = false;  // a tensor larger than the budget loads alone instead of failing
-  DeliveryOrder order = DeliveryOrder::kFile;  // TENSORFERRY_ORDER = file | layer
-  // Released batch buffers kept for reuse by later batches and loads (TENSORFERRY_POOL_BYTES).
-  uint64_t pool_bytes = 4ull << 30;
-  // mmap engine: pre-fault every mapped page during the load (MAP_POPULATE-like, in parallel) so
-  // first access costs nothing; false: pages are read on first touch.
-  bool populate = false;
-  Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
-  // Cancellation: a flag the caller may set from any thread while a load runs. Host reads not yet
-  // started are not started (those in flight finish: at most one chunk per worker), no further
-  // batch is delivered, and the call returns kCancelled. The flag is the caller's: a load that
-  // starts with it set returns kCancelled at once; clear it before the next load.
-  std::shared_ptr<const std::atomic<bool>> cancel;
-  // Tensor parallelism: when set, every tensor is delivered as the slice rank `shard->rank` of
-  // `shard->world` holds under `shard->spec` (shard.h): Tensor::shape() is the local shape,
-  // only the slice's bytes are read (plus gaps up to shard->max_gap inside covering reads), and
-  // LoadStats::bytes_read shows it. Dim-0 slices are one contiguous read (with mmap, a view
-  // into the mapping); other slices are strided reads packed into pooled buffers. Under a
-  // budget a tensor counts the bytes its reads occupy (its slice plus covered gaps).
-  // On a CUDA device (device/placement) the slice lands in the batch's device buffer holding
-  // exactly the local bytes: dim-0 slices as contiguous device tasks (GDS-eligible), other dims
-  // as strided tasks the pipeline copies with cudaMemcpy2DAsync from the staged covering range
-  // (rows are staged together only as far as they fit one staging slot; max_gap and
-  // exact_when_cached shape host reads only: see docs/gpu.md, "Tensor-parallel slices").
-  // Ties of the spec: an alias is delivered sharing its target's data (one read), also when the
-  // alias is absent from the files (tie_word_embeddings) or present as a duplicate (then its own
-  // bytes are not read).
-  std::optional<TensorParallelOptions> shard;
-
-  // --- device loading (see the file comment and docs/gpu.md) ---
-  // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).
-  // A CUDA target is checked at Loader::Open (kCudaNotFound, kCudaNoDevice with the reason).
-  Device device = Device::CPU();
-  // Per-tensor placement (like accelerate's device_map): when set, called once per selected tensor
-  // at the start of each load and overrides `device` (Placement() builds one from name prefixes).
-  // Host tensors take the host path, device tensors the device pipeline; batches never mix devices.
-  std::function<Device(const TensorInfo&)> placement;
-  // Pinned host memory of the staging ring, per device used (TENSORFERRY_STAGING_BYTES): at least
-  // two slots' worth. Allocated once per Loader and device, reused by every load.
-  uint64_t staging_bytes = 64ull << 20;
-  // Bytes per staging slot: per read and per host-to-device copy (TENSORFERRY_STAGING_SLOT).
-  uint64_t staging_slot = 8ull << 20;
-  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(4, slots).
-  unsigned device_producers = 0;
-  // Bytes of device batch buffers (tensors plus padding) live at once per device; 0 = unbounded
-  // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in the file comment.
-  uint64_t device_budget = 0;
-  // GPUDirect Storage: auto, on, off (TENSORFERRY_GDS; device.h).
-  GdsMode gds = GdsMode::kAuto;
-
-  // Defaults overridden by the TENSORFERRY_* environment variables that are set. Errors:
-  // kInvalidArgument naming the variable and its value.
-  static Result<LoadOptions> FromEnvironment();
-};
-
 // A placement from name prefixes, as accelerate's device_map: a tensor goes to the device of the
 // longest prefix that matches its name on a component boundary ("model.layers.1" matches
 // "model.layers.1.mlp.weight" and "model.layers.1", not "model.layers.10.x"; "" matches every
@@ -287,37 +188,6 @@ struct Destination {
   Device device;
   void* data = nullptr;
   uint64_t capacity = 0;
-};
-
-struct LoadStats {
-  uint64_t tensors = 0;
-  uint64_t bytes = 0;  // tensor bytes delivered (tied aliases not counted twice)
-  // Bytes read from files: `bytes` plus the gaps of covering reads (LoadOptions::shard). With
-  // mmap, the bytes of the ranges it populates or gathers (views read on first touch count too).
-  uint64_t bytes_read = 0;
-  uint64_t batches = 0;
-  double seconds = 0;              // wall time inside the loader (callbacks excluded)
-  uint64_t peak_budget_bytes = 0;  // highest bytes held against the budget
-  uint64_t buffers_reused = 0;
-  uint64_t buffers_allocated = 0;
-  std::string engine;           // the engine that ran ("pread", "io_uring", "mmap")
-  uint64_t direct_files = 0;    // files read with O_DIRECT
-  uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
-  uint64_t buffered_files = 0;  // files read through the page cache
-
-  // Device loading (zero for host-only loads).
-  std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
-  uint64_t device_tensors = 0;       // tensors delivered to CUDA devices
-  uint64_t device_bytes = 0;         // their bytes
-  uint64_t device_batches = 0;       // batches bound for CUDA devices
-  uint64_t device_buffer_bytes = 0;  // device memory allocated for them (tensors plus padding)
-  uint64_t staged_bytes = 0;         // bytes through the pinned staging ring
-  uint64_t gds_bytes = 0;            // bytes read by cuFile straight into device memory
-  std::string gds_reason;            // why GDS was not used (for some or all bytes); "" if it was
-  uint64_t pinned_bytes = 0;         // pinned staging memory the loader holds (all devices)
-  // Highest bytes of device batch buffers live at once during the load (summed over devices;
-  // buffers still held from earlier loads included): what device_budget bounds.
-  uint64_t peak_device_bytes = 0;
 };
 
 class Loader;
@@ -353,7 +223,8 @@ class BatchIterator {
 
 class Loader {
  public:
-  // Errors: kInvalidArgument (chunk_size 0, staging smaller than two slots), kUnsupported (an
+  // The options are checked and clamped by LoadOptions::Validated (options.h) first.
+  // Errors: those of Validated, kInvalidArgument (staging smaller than two slots), kUnsupported (an
   // engine not built yet), for a CUDA `device`: kCudaNotFound / kCudaSymbolMissing (the runtime
   // does not load: every candidate with its reason), kCudaNoDevice, kGdsUnavailable (gds kOn);
   // those of Checkpoint::Open for the path overload.
@@ -376,9 +247,9 @@ class Loader {
   Result<Plan> MakePlan(const Selection& selection) const;
 
   // Loads batch by batch, calling `on_batch` for each on the calling thread (a loop over Iterate's
-  // Next); a non-OK status from the callback stops the load and is returned. Errors: those of MakePlan, kIoError,
-  // kUnexpectedEof (a file shorter than its header promises, e.g. truncated since opening),
-  // kBudgetExceeded (see the file comment).
+  // Next); a non-OK status from the callback stops the load and is returned. Errors: those of
+  // MakePlan, kIoError, kUnexpectedEof (a file shorter than its header promises, e.g. truncated
+  // since opening), kBudgetExceeded (see the file comment).
   Status Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch);
 
   // Starts a load of `selection` whose batches the caller pulls with BatchIterator::Next (see

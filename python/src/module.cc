@@ -31,6 +31,7 @@
 #include "export.h"
 #include "gil.h"
 #include "interrupt.h"
+#include "options.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/cuda.h"
 #include "tensorferry/device.h"
@@ -60,128 +61,6 @@ nb::list ShapeList(const std::vector<uint64_t>& shape) {
   nb::list out;
   for (uint64_t d : shape) out.append(d);
   return out;
-}
-
-// LoadOptions from TENSORFERRY_* defaults, overridden by the keys present in `options`.
-LoadOptions MakeLoadOptions(const nb::dict& options) {
-  LoadOptions o = Unwrap(LoadOptions::FromEnvironment());
-  std::optional<std::vector<std::pair<std::string, Device>>> placement;
-  std::optional<uint32_t> tp_rank, tp_size;
-  std::optional<ShardSpec> spec;
-  std::optional<uint64_t> max_gap;
-  for (auto [key_handle, value] : options) {
-    const std::string key = ToText(key_handle, "load option name");
-    if (value.is_none()) continue;
-    if (key == "engine") {
-      o.engine = Unwrap(ParseEngine(ToText(value, key)));
-    } else if (key == "direct") {
-      o.direct = Unwrap(ParseDirectIO(ToText(value, key)));
-    } else if (key == "threads") {
-      o.threads = ToUnsigned<unsigned>(value, key);
-    } else if (key == "chunk_size") {
-      o.chunk_size = ToUnsigned<uint64_t>(value, key);
-    } else if (key == "queue_depth") {
-      o.queue_depth = ToUnsigned<unsigned>(value, key);
-    } else if (key == "budget") {
-      o.budget = ToUnsigned<uint64_t>(value, key);
-    } else if (key == "allow_oversized") {
-      o.allow_oversized = nb::cast<bool>(value);
-    } else if (key == "order") {
-      const std::string order = ToText(value, key);
-      if (order == "file") {
-        o.order = DeliveryOrder::kFile;
-      } else if (order == "layer") {
-        o.order = DeliveryOrder::kLayer;
-      } else {
-        throw StatusError(
-            Status(Code::kInvalidArgument, "unknown order \"" + order + "\" (file, layer)"));
-      }
-    } else if (key == "pool_bytes") {
-      o.pool_bytes = ToUnsigned<uint64_t>(value, key);
-    } else if (key == "populate") {
-      o.populate = nb::cast<bool>(value);
-    } else if (key == "device") {
-      o.device = Unwrap(ParseDevice(ToText(value, key)));
-    } else if (key == "gds") {
-      o.gds = Unwrap(ParseGdsMode(ToText(value, key)));
-    } else if (key == "staging_bytes") {
-      o.staging_bytes = ToUnsigned<uint64_t>(value, key);
-    } else if (key == "staging_slot") {
-      o.staging_slot = ToUnsigned<uint64_t>(value, key);
-    } else if (key == "device_budget") {
-      o.device_budget = ToUnsigned<uint64_t>(value, key);
-    } else if (key == "placement") {
-      // [(name prefix, device)] as accelerate's device_map; tensors matching none stay on
-      // `device` (the option's value, default cpu).
-      std::vector<std::pair<std::string, Device>> map;
-      for (nb::handle item : nb::cast<nb::list>(value)) {
-        nb::tuple pair = nb::cast<nb::tuple>(item);
-        map.emplace_back(ToText(pair[0], "placement prefix"),
-                         Unwrap(ParseDevice(ToText(pair[1], "placement device"))));
-      }
-      placement = std::move(map);
-    } else if (key == "tp_rank") {
-      tp_rank = ToUnsigned<uint32_t>(value, key);
-    } else if (key == "tp_size") {
-      tp_size = ToUnsigned<uint32_t>(value, key);
-    } else if (key == "shard_rules") {
-      spec = nb::cast<ShardSpec>(value);
-    } else if (key == "shard_max_gap") {
-      max_gap = ToUnsigned<uint64_t>(value, key);
-    } else {
-      throw StatusError(Status(Code::kInvalidArgument, "unknown load option \"" + key + "\""));
-    }
-  }
-  if (o.chunk_size == 0)
-    throw StatusError(Status(Code::kInvalidArgument, "chunk_size must be > 0"));
-  if (placement) o.placement = Placement(std::move(*placement), o.device);
-  if (tp_rank || tp_size || spec || max_gap) {
-    if (!tp_rank || !tp_size) {
-      throw StatusError(Status(Code::kInvalidArgument, "tp_rank and tp_size go together"));
-    }
-    if (*tp_size == 0 || *tp_rank >= *tp_size) {
-      throw StatusError(Status(Code::kInvalidArgument, "tp_rank " + std::to_string(*tp_rank) +
-                                                           " is not below tp_size " +
-                                                           std::to_string(*tp_size)));
-    }
-    TensorParallelOptions tp;
-    tp.rank = *tp_rank;
-    tp.world = *tp_size;
-    tp.spec = spec ? std::move(*spec) : ShardSpec::Builtin();
-    if (max_gap) {
-      tp.max_gap = *max_gap;
-      tp.exact_when_cached = false;  // an explicit gap applies to every file
-    }
-    o.shard = std::move(tp);
-  }
-  return o;
-}
-
-nb::dict StatsDict(const LoadStats& s) {
-  nb::dict d;
-  d["tensors"] = s.tensors;
-  d["bytes"] = s.bytes;
-  d["batches"] = s.batches;
-  d["seconds"] = s.seconds;
-  d["peak_budget_bytes"] = s.peak_budget_bytes;
-  d["buffers_reused"] = s.buffers_reused;
-  d["buffers_allocated"] = s.buffers_allocated;
-  d["engine"] = s.engine;
-  d["direct_files"] = s.direct_files;
-  d["direct_bytes"] = s.direct_bytes;
-  d["buffered_files"] = s.buffered_files;
-  d["device"] = s.device;
-  d["device_tensors"] = s.device_tensors;
-  d["device_bytes"] = s.device_bytes;
-  d["device_batches"] = s.device_batches;
-  d["device_buffer_bytes"] = s.device_buffer_bytes;
-  d["staged_bytes"] = s.staged_bytes;
-  d["gds_bytes"] = s.gds_bytes;
-  d["gds_reason"] = s.gds_reason;
-  d["pinned_bytes"] = s.pinned_bytes;
-  d["peak_device_bytes"] = s.peak_device_bytes;
-  d["bytes_read"] = s.bytes_read;
-  return d;
 }
 
 bool SameOwner(const std::shared_ptr<const void>& a, const std::shared_ptr<const void>& b) {
@@ -519,11 +398,7 @@ class Reader {
     p.chunk_size = options_.chunk_size;
     p.budget = budget;
     p.allow_oversized = allow_oversized;
-    if (order == "layer") {
-      p.order = DeliveryOrder::kLayer;
-    } else if (order != "file") {
-      throw StatusError(Status(Code::kInvalidArgument, "unknown order \"" + order + "\""));
-    }
+    p.order = Unwrap(ParseDeliveryOrder(order));
     const std::vector<uint32_t> indices = Unwrap(selection.Resolve(*checkpoint_));
     const Plan plan = Unwrap(MakePlan(*checkpoint_, indices, p));
     std::vector<std::vector<std::string>> groups;
@@ -568,32 +443,7 @@ class Reader {
     return StatsDict(stats_);
   }
 
-  nb::dict Options() const {
-    nb::dict d;
-    d["engine"] = std::string(EngineName(options_.engine));
-    d["direct"] = std::string(DirectIOName(options_.direct));
-    d["threads"] = options_.threads;
-    d["chunk_size"] = options_.chunk_size;
-    d["queue_depth"] = options_.queue_depth;
-    d["budget"] = options_.budget;
-    d["allow_oversized"] = options_.allow_oversized;
-    d["order"] = options_.order == DeliveryOrder::kLayer ? "layer" : "file";
-    d["pool_bytes"] = options_.pool_bytes;
-    d["populate"] = options_.populate;
-    d["device"] = DeviceName(options_.device);
-    d["gds"] = std::string(GdsModeName(options_.gds));
-    d["staging_bytes"] = options_.staging_bytes;
-    d["staging_slot"] = options_.staging_slot;
-    d["device_budget"] = options_.device_budget;
-    if (options_.shard) {
-      d["tp_rank"] = options_.shard->rank;
-      d["tp_size"] = options_.shard->world;
-      d["shard_rules"] = options_.shard->spec;
-      d["shard_max_gap"] = options_.shard->max_gap;
-      d["shard_exact_when_cached"] = options_.shard->exact_when_cached;
-    }
-    return d;
-  }
+  nb::dict Options() const { return OptionsDict(options_); }
 
   // What a load of `names` (all when None) delivers, in output order (Loader::Describe).
   std::vector<PyOutput> Describe(const std::optional<std::vector<std::string>>& names) const {

@@ -258,23 +258,8 @@ Loader::~Loader() = default;
 Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> checkpoint,
                                              const LoadOptions& given) {
   if (!checkpoint) return Status(Code::kInvalidArgument, "Loader::Open: null checkpoint");
-  if (given.chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
-  // Clamped, not refused: a tiny chunk only multiplies per-read costs (and plan memory: one task
-  // per chunk), and threads beyond kMaxThreads only cost memory and start-up time.
-  LoadOptions options = given;
-  options.chunk_size = std::max(options.chunk_size, kMinChunkSize);
-  options.threads = std::min(options.threads, kMaxThreads);
-  options.queue_depth = std::min(options.queue_depth, kMaxQueueDepth);
-  if (options.queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
-  if (options.shard) {
-    if (options.shard->world == 0 || options.shard->rank >= options.shard->world) {
-      return Status(Code::kInvalidArgument,
-                    "tensor parallelism: rank " + std::to_string(options.shard->rank) + " of " +
-                        std::to_string(options.shard->world) +
-                        ": the rank must be below a world size of at least 1");
-    }
-    TF_RETURN_IF_ERROR(options.shard->spec.Validate());
-  }
+  // Checks and clamps: LoadOptions::Validated (src/loader/options.cc).
+  TF_ASSIGN_OR_RETURN(const LoadOptions options, given.Validated());
   auto impl = std::make_unique<Impl>();
   impl->checkpoint = std::move(checkpoint);
   impl->options = options;

@@ -1,8 +1,13 @@
-// LoadOptions: names of the enums and the TENSORFERRY_* environment variables.
+// LoadOptions (tensorferry/options.h): the one place that reads options from text and checks them.
+#include "tensorferry/options.h"
+
+#include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
+#include <utility>
 
-#include "tensorferry/loader.h"
 #include "tensorferry/size.h"
 #include "util/macros.h"
 
@@ -36,108 +41,260 @@ std::string_view DirectIOName(DirectIO direct) noexcept {
   return "?";
 }
 
+Result<bool> ParseBool(std::string_view text) {
+  if (text == "on" || text == "1" || text == "true" || text == "yes") return true;
+  if (text == "off" || text == "0" || text == "false" || text == "no") return false;
+  std::string message = "\"";
+  message.append(text).append("\" is not a boolean (1/0, on/off, true/false, yes/no)");
+  return Status(Code::kInvalidArgument, std::move(message));
+}
+
 Result<DirectIO> ParseDirectIO(std::string_view name) {
   if (name == "auto") return DirectIO::kAuto;
-  if (name == "on" || name == "1" || name == "true" || name == "yes") return DirectIO::kOn;
-  if (name == "off" || name == "0" || name == "false" || name == "no") return DirectIO::kOff;
+  if (auto b = ParseBool(name); b.ok()) return *b ? DirectIO::kOn : DirectIO::kOff;
   return Status(Code::kInvalidArgument,
                 "unknown O_DIRECT mode \"" + std::string(name) + "\" (auto, on, off)");
 }
 
-namespace {
-
-Status BadVariable(const char* variable, std::string_view value, std::string_view why) {
-  return Status(Code::kInvalidArgument,
-                std::string(variable) + "=\"" + std::string(value) + "\": " + std::string(why));
+std::string_view DeliveryOrderName(DeliveryOrder order) noexcept {
+  return order == DeliveryOrder::kLayer ? "layer" : "file";
 }
 
-Result<uint64_t> SizeVariable(const char* variable, std::string_view value, bool allow_zero) {
-  std::optional<uint64_t> v = ParseSize(value);
-  if (!v) return BadVariable(variable, value, "not a size (e.g. 8MB, 1GiB, 4096)");
-  if (!allow_zero && *v == 0) return BadVariable(variable, value, "must be > 0");
+Result<DeliveryOrder> ParseDeliveryOrder(std::string_view name) {
+  if (name == "file") return DeliveryOrder::kFile;
+  if (name == "layer") return DeliveryOrder::kLayer;
+  return Status(Code::kInvalidArgument,
+                "unknown order \"" + std::string(name) + "\" (file, layer)");
+}
+
+namespace {
+
+// A setter reports why a value is refused as a phrase ("is not a size ...", "must be > 0") or a
+// Parse* message; Set puts "<key> = <value>" in front.
+using Setter = Status (*)(LoadOptions&, std::string_view);
+
+Status Why(std::string why) {
+  return Status(Code::kInvalidArgument, std::move(why));
+}
+
+template <class T>
+Status Assign(Result<T> parsed, T& field) {
+  if (!parsed.ok()) return parsed.status();
+  field = std::move(parsed).value();
+  return Status::Ok();
+}
+
+Result<uint64_t> Count(std::string_view value, uint64_t max) {
+  if (value.empty() || value.find_first_not_of("0123456789") != std::string_view::npos) {
+    return Why("is not a count");
+  }
+  uint64_t v = 0;
+  for (char c : value) {
+    if (v > (max - static_cast<uint64_t>(c - '0')) / 10) {
+      return Why("is out of range (at most " + std::to_string(max) + ")");
+    }
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  return v;
+}
+
+Result<uint64_t> Size(std::string_view value, bool allow_zero) {
+  const std::optional<uint64_t> v = ParseSize(value);
+  if (!v) {
+    if (!value.empty() && value.find_first_not_of("0123456789") == std::string_view::npos) {
+      return Why("is out of range (at most 18446744073709551615 bytes)");
+    }
+    return Why("is not a size (e.g. 8MB, 1GiB, 4096)");
+  }
+  if (!allow_zero && *v == 0) return Why("must be > 0");
   return *v;
 }
 
-Result<unsigned> CountVariable(const char* variable, std::string_view value, unsigned max) {
-  unsigned long v = 0;
-  if (value.empty() || value.size() > 9) return BadVariable(variable, value, "not a count");
-  for (char c : value) {
-    if (c < '0' || c > '9') return BadVariable(variable, value, "not a count");
-    v = v * 10 + static_cast<unsigned>(c - '0');
+template <auto Field, uint64_t Max, bool AllowZero>
+Status SetCount(LoadOptions& o, std::string_view value) {
+  TF_ASSIGN_OR_RETURN(uint64_t v, Count(value, Max));
+  if (!AllowZero && v == 0) return Why("must be > 0");
+  o.*Field = static_cast<std::remove_reference_t<decltype(o.*Field)>>(v);
+  return Status::Ok();
+}
+
+template <auto Field, bool AllowZero>
+Status SetSize(LoadOptions& o, std::string_view value) {
+  TF_ASSIGN_OR_RETURN(o.*Field, Size(value, AllowZero));
+  return Status::Ok();
+}
+
+template <auto Field>
+Status SetBool(LoadOptions& o, std::string_view value) {
+  TF_ASSIGN_OR_RETURN(o.*Field, ParseBool(value));
+  return Status::Ok();
+}
+
+// Tensor parallelism set key by key: rank and world stay "unset" until given.
+TensorParallelOptions& Shard(LoadOptions& o) {
+  if (!o.shard) o.shard = TensorParallelOptions{ShardSpec::Builtin(), kUnsetTpRank, 0};
+  return *o.shard;
+}
+
+Status SetShardRules(LoadOptions& o, std::string_view value) {
+  if (value == "builtin") {
+    Shard(o).spec = ShardSpec::Builtin();
+  } else if (value == "none") {
+    Shard(o).spec = ShardSpec::None();
+  } else {
+    TF_ASSIGN_OR_RETURN(ShardSpec spec, ShardSpec::FromJson(value));
+    Shard(o).spec = std::move(spec);
   }
-  if (v > max) return BadVariable(variable, value, "at most " + std::to_string(max));
-  return static_cast<unsigned>(v);
+  return Status::Ok();
+}
+
+struct Key {
+  std::string_view key;
+  std::string_view variable;  // "" when no environment variable sets it
+  Setter set;
+};
+
+constexpr uint64_t kU32 = UINT32_MAX;
+
+const std::array<Key, 20> kKeys = {{
+    {"engine", "TENSORFERRY_ENGINE",
+     [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
+    {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
+    {"chunk_size", "TENSORFERRY_CHUNK_SIZE", SetSize<&LoadOptions::chunk_size, false>},
+    {"direct", "TENSORFERRY_DIRECT_IO",
+     [](LoadOptions& o, std::string_view v) { return Assign(ParseDirectIO(v), o.direct); }},
+    {"queue_depth", "TENSORFERRY_QUEUE_DEPTH", SetCount<&LoadOptions::queue_depth, kU32, false>},
+    {"budget", "TENSORFERRY_BUDGET", SetSize<&LoadOptions::budget, true>},
+    {"allow_oversized", "", SetBool<&LoadOptions::allow_oversized>},
+    {"order", "TENSORFERRY_ORDER",
+     [](LoadOptions& o, std::string_view v) { return Assign(ParseDeliveryOrder(v), o.order); }},
+    {"pool_bytes", "TENSORFERRY_POOL_BYTES", SetSize<&LoadOptions::pool_bytes, true>},
+    {"populate", "TENSORFERRY_POPULATE", SetBool<&LoadOptions::populate>},
+    {"device", "TENSORFERRY_DEVICE",
+     [](LoadOptions& o, std::string_view v) { return Assign(ParseDevice(v), o.device); }},
+    {"gds", "TENSORFERRY_GDS",
+     [](LoadOptions& o, std::string_view v) { return Assign(ParseGdsMode(v), o.gds); }},
+    {"staging_bytes", "TENSORFERRY_STAGING_BYTES", SetSize<&LoadOptions::staging_bytes, false>},
+    {"staging_slot", "TENSORFERRY_STAGING_SLOT", SetSize<&LoadOptions::staging_slot, false>},
+    {"device_producers", "", SetCount<&LoadOptions::device_producers, kU32, true>},
+    {"device_budget", "TENSORFERRY_DEVICE_BUDGET", SetSize<&LoadOptions::device_budget, true>},
+    {"tp_rank", "",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(uint64_t rank, Count(v, kU32 - 1));
+       Shard(o).rank = static_cast<uint32_t>(rank);
+       return Status::Ok();
+     }},
+    {"tp_size", "",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(uint64_t world, Count(v, kU32));
+       Shard(o).world = static_cast<uint32_t>(world);
+       return Status::Ok();
+     }},
+    {"shard_rules", "", SetShardRules},
+    {"shard_max_gap", "",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(uint64_t gap, Size(v, true));
+       Shard(o).max_gap = gap;
+       o.shard->exact_when_cached = false;  // an explicit gap applies to every file
+       return Status::Ok();
+     }},
+}};
+
+std::array<std::string_view, kKeys.size()> KeyNames() {
+  std::array<std::string_view, kKeys.size()> names;
+  for (size_t i = 0; i < kKeys.size(); ++i) names[i] = kKeys[i].key;
+  return names;
+}
+
+const Key* FindKey(std::string_view key) {
+  for (const Key& k : kKeys) {
+    if (k.key == key) return &k;
+  }
+  return nullptr;
 }
 
 }  // namespace
 
+std::span<const std::string_view> LoadOptionKeys() noexcept {
+  static const auto names = KeyNames();
+  return names;
+}
+
+std::string LoadOptionVariable(std::string_view key) {
+  const Key* k = FindKey(key);
+  return k ? std::string(k->variable) : std::string();
+}
+
+Status LoadOptions::Set(std::string_view key, std::string_view value) {
+  const Key* k = FindKey(key);
+  if (k == nullptr) {
+    std::string known;
+    for (std::string_view name : LoadOptionKeys()) {
+      if (!known.empty()) known += ", ";
+      known += name;
+    }
+    return Status(Code::kInvalidArgument,
+                  "unknown load option \"" + std::string(key) + "\" (" + known + ")");
+  }
+  const std::string head = std::string(key) + " = " + std::string(value);
+  if (value.empty()) return Status(Code::kInvalidArgument, std::string(key) + ": empty value");
+  LoadOptions changed = *this;  // unchanged on error
+  const Status s = k->set(changed, value);
+  if (!s.ok()) {
+    const std::string& why = s.message();
+    const bool phrase = why.rfind("is ", 0) == 0 || why.rfind("must ", 0) == 0;
+    return Status(s.code(), head + (phrase ? " " : ": ") + why);
+  }
+  *this = std::move(changed);
+  return Status::Ok();
+}
+
+void LoadOptions::SetShardSpec(ShardSpec spec) {
+  Shard(*this).spec = std::move(spec);
+}
+
+Status SetContext(LoadOptions& options, std::string_view key, std::string_view value,
+                  std::string_view where) {
+  return options.Set(key, value).WithPrefix(where);
+}
+
+Result<LoadOptions> LoadOptions::Validated() const {
+  if (chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
+  if (queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
+  // Clamped, not refused: a tiny chunk only multiplies per-read costs (and plan memory: one task
+  // per chunk), and threads beyond kMaxThreads only cost memory and start-up time.
+  LoadOptions o = *this;
+  o.chunk_size = std::max(o.chunk_size, kMinChunkSize);
+  o.threads = std::min(o.threads, kMaxThreads);
+  o.queue_depth = std::min(o.queue_depth, kMaxQueueDepth);
+  if (o.shard) {
+    const TensorParallelOptions& tp = *o.shard;
+    if (tp.rank == kUnsetTpRank || tp.world == 0) {
+      std::string given;
+      if (tp.rank != kUnsetTpRank) given = " (tp_rank " + std::to_string(tp.rank) + " alone)";
+      if (tp.world != 0) given = " (tp_size " + std::to_string(tp.world) + " alone)";
+      return Status(Code::kInvalidArgument,
+                    "tp_rank and tp_size go together, tp_size at least 1" + given);
+    }
+    if (tp.rank >= tp.world) {
+      const std::string rank = std::to_string(tp.rank), world = std::to_string(tp.world);
+      return Status(Code::kInvalidArgument, "tensor parallelism: rank " + rank + " of " + world +
+                                                ": tp_rank " + rank + " is not below tp_size " +
+                                                world);
+    }
+    TF_RETURN_IF_ERROR(tp.spec.Validate());
+  }
+  return o;
+}
+
 Result<LoadOptions> LoadOptions::FromEnvironment() {
   LoadOptions o;
-  auto get = [](const char* name) -> const char* {
-    const char* v = std::getenv(name);
-    return v != nullptr && *v != '\0' ? v : nullptr;
-  };
-  if (const char* v = get("TENSORFERRY_ENGINE")) {
-    auto e = ParseEngine(v);
-    if (!e.ok()) return BadVariable("TENSORFERRY_ENGINE", v, e.status().message());
-    o.engine = *e;
-  }
-  if (const char* v = get("TENSORFERRY_THREADS")) {
-    TF_ASSIGN_OR_RETURN(o.threads, CountVariable("TENSORFERRY_THREADS", v, 1024));
-  }
-  if (const char* v = get("TENSORFERRY_CHUNK_SIZE")) {
-    TF_ASSIGN_OR_RETURN(o.chunk_size, SizeVariable("TENSORFERRY_CHUNK_SIZE", v, false));
-  }
-  if (const char* v = get("TENSORFERRY_DIRECT_IO")) {
-    auto d = ParseDirectIO(v);
-    if (!d.ok()) return BadVariable("TENSORFERRY_DIRECT_IO", v, d.status().message());
-    o.direct = *d;
-  }
-  if (const char* v = get("TENSORFERRY_QUEUE_DEPTH")) {
-    TF_ASSIGN_OR_RETURN(o.queue_depth, CountVariable("TENSORFERRY_QUEUE_DEPTH", v, 4096));
-    if (o.queue_depth == 0) return BadVariable("TENSORFERRY_QUEUE_DEPTH", v, "must be > 0");
-  }
-  if (const char* v = get("TENSORFERRY_BUDGET")) {
-    TF_ASSIGN_OR_RETURN(o.budget, SizeVariable("TENSORFERRY_BUDGET", v, true));
-  }
-  if (const char* v = get("TENSORFERRY_POOL_BYTES")) {
-    TF_ASSIGN_OR_RETURN(o.pool_bytes, SizeVariable("TENSORFERRY_POOL_BYTES", v, true));
-  }
-  if (const char* v = get("TENSORFERRY_ORDER")) {
-    const std::string_view s(v);
-    if (s == "file") {
-      o.order = DeliveryOrder::kFile;
-    } else if (s == "layer") {
-      o.order = DeliveryOrder::kLayer;
-    } else {
-      return BadVariable("TENSORFERRY_ORDER", s, "expected file or layer");
-    }
-  }
-  if (const char* v = get("TENSORFERRY_POPULATE")) {
-    auto d = ParseDirectIO(v);  // same vocabulary: on/off, 1/0, true/false
-    if (!d.ok() || *d == DirectIO::kAuto) {
-      return BadVariable("TENSORFERRY_POPULATE", v, "expected 1/0, on/off, true/false");
-    }
-    o.populate = *d == DirectIO::kOn;
-  }
-  if (const char* v = get("TENSORFERRY_DEVICE")) {
-    auto d = ParseDevice(v);
-    if (!d.ok()) return BadVariable("TENSORFERRY_DEVICE", v, d.status().message());
-    o.device = *d;
-  }
-  if (const char* v = get("TENSORFERRY_GDS")) {
-    auto g = ParseGdsMode(v);
-    if (!g.ok()) return BadVariable("TENSORFERRY_GDS", v, g.status().message());
-    o.gds = *g;
-  }
-  if (const char* v = get("TENSORFERRY_STAGING_BYTES")) {
-    TF_ASSIGN_OR_RETURN(o.staging_bytes, SizeVariable("TENSORFERRY_STAGING_BYTES", v, false));
-  }
-  if (const char* v = get("TENSORFERRY_STAGING_SLOT")) {
-    TF_ASSIGN_OR_RETURN(o.staging_slot, SizeVariable("TENSORFERRY_STAGING_SLOT", v, false));
-  }
-  if (const char* v = get("TENSORFERRY_DEVICE_BUDGET")) {
-    TF_ASSIGN_OR_RETURN(o.device_budget, SizeVariable("TENSORFERRY_DEVICE_BUDGET", v, true));
+  for (const Key& k : kKeys) {
+    if (k.variable.empty()) continue;
+    const char* v = std::getenv(std::string(k.variable).c_str());
+    if (v == nullptr || *v == '\0') continue;
+    TF_RETURN_IF_ERROR(
+        SetContext(o, k.key, v, std::string(k.variable) + "=\"" + std::string(v) + "\""));
   }
   return o;
 }

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "tensorferry/size.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -206,20 +207,6 @@ uint64_t LayOutBatch(std::span<const Item> items, std::span<const ShardLayout> l
   return ranges.size();
 }
 
-std::string HumanBytes(uint64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  if (bytes < 1024) return std::to_string(bytes) + " B";
-  double v = static_cast<double>(bytes);
-  size_t unit = 0;
-  while (v >= 1024 && unit + 1 < std::size(kUnits)) {
-    v /= 1024;
-    ++unit;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f %s", v, kUnits[unit]);
-  return buf;
-}
-
 }  // namespace
 
 std::optional<uint64_t> LayerOf(std::string_view name) {
@@ -383,12 +370,12 @@ std::string Plan::Explain(const Checkpoint& checkpoint, size_t max_lines_per_bat
   };
 
   std::string out = std::string("plan: ") + std::to_string(num_tensors) + " tensors, " +
-                    std::to_string(tensor_bytes) + " bytes (" + HumanBytes(tensor_bytes) + "), " +
+                    std::to_string(tensor_bytes) + " bytes (" + FormatBytes(tensor_bytes) + "), " +
                     std::to_string(batches.size()) + " batches, " + std::to_string(num_ranges) +
                     " ranges, " + std::to_string(num_tasks) + " tasks";
   if (read_bytes != tensor_bytes || num_moves != 0) {
     out += std::string(", reads ") + std::to_string(read_bytes) + " bytes (" +
-           HumanBytes(read_bytes) + ") of which " + std::to_string(read_bytes - tensor_bytes) +
+           FormatBytes(read_bytes) + ") of which " + std::to_string(read_bytes - tensor_bytes) +
            " discarded, " + std::to_string(num_moves) + " moves";
   }
   out += "\n";

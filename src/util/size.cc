@@ -1,7 +1,9 @@
 // Byte sizes: parsing and formatting (tensorferry/size.h).
 #include "tensorferry/size.h"
 
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <iterator>
 #include <string>
@@ -33,7 +35,8 @@ std::optional<uint64_t> ParseSize(std::string_view text) {
     if (c == ' ') continue;
     suffix.push_back(static_cast<char>(c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c));
   }
-  double multiplier = 1;
+  uint64_t base = 1;
+  unsigned power = 0;
   if (!suffix.empty() && suffix != "B") {
     static constexpr std::string_view kPrefixes = "KMGTPE";
     const size_t p = kPrefixes.find(suffix[0]);
@@ -42,14 +45,24 @@ std::optional<uint64_t> ParseSize(std::string_view text) {
     const bool binary = !rest.empty() && rest[0] == 'I';
     if (binary) rest.remove_prefix(1);
     if (!rest.empty() && rest != "B") return std::nullopt;
-    multiplier = std::pow(binary ? 1024.0 : 1000.0, static_cast<double>(p + 1));
+    base = binary ? 1024 : 1000;
+    power = static_cast<unsigned>(p + 1);
   }
-  const double value = std::strtod(number.c_str(), nullptr) * multiplier;
+  if (number.find('.') == std::string::npos) {
+    // Integral sizes are computed exactly, up to UINT64_MAX.
+    uint64_t v = 0;
+    const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
+    if (ec != std::errc() || end != number.data() + number.size()) return std::nullopt;
+    for (unsigned k = 0; k < power; ++k) {
+      if (v > UINT64_MAX / base) return std::nullopt;
+      v *= base;
+    }
+    return v;
+  }
+  // A fractional one ("1.5GB") is rounded.
+  const double value = std::strtod(number.c_str(), nullptr) *
+                       std::pow(static_cast<double>(base), static_cast<double>(power));
   if (!std::isfinite(value) || value < 0 || value >= 18446744073709551616.0) return std::nullopt;
-  // Integral sizes are computed exactly; a fractional one ("1.5GB") is rounded.
-  if (number.find('.') == std::string::npos && value < 9007199254740992.0) {
-    return static_cast<uint64_t>(value);
-  }
   return static_cast<uint64_t>(std::llround(value));
 }
 

@@ -32,6 +32,7 @@
 #include "json_out.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/options.h"
 #include "tensorferry/residency.h"
 
 extern char** environ;
@@ -339,21 +340,23 @@ int RunBench(const BenchArgs& args) {
     regions.push_back({f.path, f.data_offset, f.file_size - f.data_offset});
     total += f.file_size - f.data_offset;
   }
+  // The flags are checked as `tensorferry load` will read them (LoadOptions::Set).
+  LoadOptions checked;
   std::vector<std::string> engines;
   for (size_t at = 0; at <= args.engines.size();) {
     const size_t comma = std::min(args.engines.find(',', at), args.engines.size());
     const std::string e = args.engines.substr(at, comma - at);
     if (!e.empty()) {
-      if (!ParseEngine(e).ok()) {
-        PrintError("--engines: unknown engine " + e);
+      if (const Status s = SetContext(checked, "engine", e, "--engines"); !s.ok()) {
+        PrintError(s.message());
         return kExitUsage;
       }
       engines.push_back(e);
     }
     at = comma + 1;
   }
-  if (!ParseSize(args.budget)) {
-    PrintError("--budget: not a size: " + args.budget);
+  if (const Status s = SetContext(checked, "budget", args.budget, "--budget"); !s.ok()) {
+    PrintError(s.message());
     return kExitUsage;
   }
   const unsigned runs = std::max(args.runs, 1u);

@@ -724,6 +724,33 @@ TEST(CliLoad, Errors) {
   ExpectOneLineError(RunCli({"load", dir.Join("missing")}));
 }
 
+// Every flag goes through LoadOptions::Set: the message names the flag, the key and the value,
+// as the environment's names the variable (docs/runtime_settings.md, "One options layer").
+TEST(CliLoad, OptionErrorsNameTheFlagAndTheValue) {
+  TempDir dir;
+  GenTiny(dir.Join("c"));
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--budget", "lots"}, "--budget: budget = lots is not a size"},
+      {{"--order", "random"}, "--order: order = random: unknown order"},
+      {{"--queue-depth", "0"}, "--queue-depth: queue_depth = 0 must be > 0"},
+      {{"--max-gap", "1MB"}, "tp_rank and tp_size go together"},
+      {{"--tp-rank", "2", "--tp-size", "2"}, "tp_rank 2 is not below tp_size 2"}};
+  for (const auto& [flags, words] : cases) {
+    std::vector<std::string> args = {"load", dir.Join("c")};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const RunResult r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 2) << words;
+    EXPECT_NE(r.err.find(words), std::string::npos) << r.err;
+  }
+  ::setenv("TENSORFERRY_THREADS", "x", 1);  // the child inherits the environment
+  const RunResult env = RunCli({"load", dir.Join("c")});
+  ::unsetenv("TENSORFERRY_THREADS");
+  EXPECT_EQ(env.exit_code, 2);
+  EXPECT_NE(env.err.find("TENSORFERRY_THREADS=\"x\": threads = x is not a count"),
+            std::string::npos)
+      << env.err;
+}
+
 // --- tensor parallelism: load --tp-*, reshard
 // -----------------------------------------------------
 

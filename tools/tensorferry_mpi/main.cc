@@ -8,7 +8,7 @@
 // Modes: cooperative: each rank reads its byte-balanced share once and the slices travel over MPI
 // (LoadCooperative); sliced: every rank reads only its own slices from the files, independently
 // (LoadOptions::shard); full: every rank reads every selected tensor whole (what a tensor-parallel
-// job without sliced loading does). cooperative and sliced end with the rank's shard resident in
+// job without sliced loading does). cooperative and sliced end with the rank's slices resident in
 // memory; full drops each batch after reading it (a lower bound of its cost). Rank 0 prints, per
 // repetition, the wall time (from a common barrier to the last rank's end), the bytes every rank
 // read, sent and received; --json one document with every repetition. --cold: before each
@@ -21,10 +21,12 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tensorferry/cooperative.h"
 #include "tensorferry/mpi.h"
+#include "tensorferry/options.h"
 #include "tensorferry/residency.h"
 #include "tensorferry/size.h"
 
@@ -38,7 +40,7 @@ struct Args {
   std::string engine;
   std::string direct;
   std::string budget;
-  unsigned threads = 0;
+  std::string threads;  // empty: TENSORFERRY_THREADS, else one per CPU
   unsigned repeat = 1;
   bool cold = false;
   bool json = false;
@@ -87,7 +89,7 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     }
     auto loader = Loader::Open(checkpoint, o);
     if (!loader.ok()) return loader.status();
-    // sliced holds its shard to the end, as cooperative does (the result resident in memory);
+    // sliced holds its slices to the end, as cooperative does (the result resident in memory);
     // full drops each batch (holding every tensor whole on every rank would not fit here), so
     // its figure is a lower bound.
     std::vector<Tensor> held;
@@ -107,7 +109,7 @@ int Main(int argc, char** argv) {
   CLI::App app("tensorferry-mpi: tensor-parallel loading over MPI (run under mpirun)");
   app.require_subcommand(1);
   Args args;
-  CLI::App* load = app.add_subcommand("load", "Load this rank's shard of a checkpoint");
+  CLI::App* load = app.add_subcommand("load", "Load this rank's slices of a checkpoint");
   load->add_option("path", args.path, "Checkpoint file, directory or index")->required();
   load->add_option("--mode", args.mode, "cooperative | sliced | full")
       ->check(CLI::IsMember({"cooperative", "sliced", "full"}));
@@ -141,22 +143,15 @@ int Main(int argc, char** argv) {
   auto options_or = LoadOptions::FromEnvironment();
   if (!options_or.ok()) return fail(options_or.status());
   LoadOptions options = *options_or;
-  if (!args.engine.empty()) {
-    auto e = ParseEngine(args.engine);
-    if (!e.ok()) return fail(e.status());
-    options.engine = *e;
+  // The flags go through LoadOptions::Set, as every edge's options do (options.h).
+  for (const auto& [key, flag, value] : {std::tuple{"engine", "--engine", args.engine},
+                                         std::tuple{"direct", "--direct", args.direct},
+                                         std::tuple{"budget", "--budget", args.budget},
+                                         std::tuple{"threads", "--threads", args.threads}}) {
+    if (value.empty()) continue;
+    if (Status s = SetContext(options, key, value, flag); !s.ok()) return fail(s);
   }
-  if (!args.direct.empty()) {
-    auto d = ParseDirectIO(args.direct);
-    if (!d.ok()) return fail(d.status());
-    options.direct = *d;
-  }
-  if (!args.budget.empty()) {
-    auto b = ParseSize(args.budget);
-    if (!b) return fail(Status(Code::kInvalidArgument, "--budget: not a size: " + args.budget));
-    options.budget = *b;
-  }
-  options.threads = args.threads;
+  if (Status s = options.Validate(); !s.ok()) return fail(s);
   auto spec = SpecFrom(args.shard);
   if (!spec.ok()) return fail(spec.status());
   auto checkpoint = Checkpoint::Open(args.path);
@@ -225,7 +220,7 @@ int Main(int argc, char** argv) {
                 FormatBytes(total_read).c_str(), static_cast<double>(total_read) / wall / 1e9);
     for (uint32_t r = 0; r < world; ++r) {
       std::printf(
-          "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), shard %s, read %s, sent %s, "
+          "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), slices %s, read %s, sent %s, "
           "received %s\n",
           r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
           static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),

@@ -1,0 +1,181 @@
+// tensorferry/options.h: LoadOptions, every setting of a Loader, and the one way to set them from
+// text (the environment, the CLI, the Python binding and tensorferry-mpi all go through it).
+//
+// A LoadOptions is a plain value: fields may be assigned directly from C++. Edges that receive
+// text (a TENSORFERRY_* variable, a --flag, a Python keyword) call Set(key, value) with the key
+// naming scheme below, so that every edge accepts the same values and reports the same errors;
+// Validated() (Loader::Open calls it) applies the cross-field checks and the clamps.
+//
+// Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
+// allow_oversized, order, pool_bytes, populate, device, gds, staging_bytes, staging_slot,
+// device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap. Each edge spells a
+// key its own way: the environment as TENSORFERRY_<KEY> (upper case; `direct` is
+// TENSORFERRY_DIRECT_IO; tp_*, shard_rules, shard_max_gap, allow_oversized and device_producers
+// have no variable), the CLI as --key with '-' for '_', Python as key=. docs/runtime_settings.md
+// lists them.
+//
+// Thread-safety: a value; no shared state.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/device.h"
+#include "tensorferry/env.h"
+#include "tensorferry/plan.h"
+#include "tensorferry/shard.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry {
+
+// How bytes get from the files into memory.
+//   kAuto:    kIoUring where the kernel allows it, else kPread.
+//   kPread:   a pool of threads issuing pread(2) (preadv2 with O_DIRECT when direct I/O is used).
+//   kIoUring: one ring per worker thread through liburing, queue_depth reads in flight each.
+//   kMmap:    zero-copy: each file is mapped read-only once per loader and every Tensor is a view
+//             into the mapping (owner() keeps the mapping alive after the loader is gone). Pages
+//             are read on first touch unless LoadOptions::populate. No budget applies (the page
+//             cache owns the memory). Files that change under their tensors
+//             (include/tensorferry/mapping.h): each mapping holds a read lease, and a writer
+//             that opens or truncates the file makes tensorferry copy the mapping into private
+//             memory first, so tensors keep their bytes; where no lease can be had, a page that
+//             vanished reads as zeros, is reported on stderr at once and by CheckMappedFiles
+//             (every Stream, Load and LoadInto starts with it), and a batch from that mapping is
+//             refused with kUnexpectedEof naming the file and offset (docs/runtime_settings.md,
+//             "mmap and files that change").
+enum class Engine : uint8_t { kAuto, kPread, kIoUring, kMmap };
+
+// O_DIRECT (bypassing the page cache) for the copying engines.
+//   kAuto: per file, direct when less than half of the file's bytes to read are in the page cache
+//          (measured with mincore) and the file system accepts O_DIRECT; buffered otherwise.
+//   kOn:   direct for every file whose file system accepts it (buffered fallback reported in
+//          LoadStats::direct_files / buffered_files).
+//   kOff:  always buffered.
+enum class DirectIO : uint8_t { kAuto, kOn, kOff };
+
+// "auto", "pread", "io_uring", "mmap" / "auto", "on", "off". Parse* errors: kInvalidArgument.
+std::string_view EngineName(Engine engine) noexcept;
+Result<Engine> ParseEngine(std::string_view name);
+std::string_view DirectIOName(DirectIO direct) noexcept;
+Result<DirectIO> ParseDirectIO(std::string_view name);
+
+// Every option with its default. Environment variables (TENSORFERRY_*) seed these defaults only
+// through LoadOptions::FromEnvironment(); a default-constructed LoadOptions ignores the
+// environment. docs/runtime_settings.md lists the variables.
+// Limits LoadOptions::Validated (so Loader::Open) applies (clamping, not failing):
+// docs/runtime_settings.md.
+inline constexpr uint64_t kMinChunkSize = 4096;   // chunk_size below it reads as 4 KiB (a page)
+inline constexpr unsigned kMaxThreads = 256;      // more threads start 256
+inline constexpr unsigned kMaxQueueDepth = 4096;  // io_uring's own bound on a ring's entries
+// LoadOptions::shard->rank after Set("tp_size") alone: not a rank (Validated refuses it).
+inline constexpr uint32_t kUnsetTpRank = UINT32_MAX;
+
+struct LoadOptions {
+  Engine engine = Engine::kAuto;      // TENSORFERRY_ENGINE
+  unsigned threads = 0;               // I/O workers; 0 = one per online CPU (TENSORFERRY_THREADS)
+  uint64_t chunk_size = 8ull << 20;   // bytes per read task (TENSORFERRY_CHUNK_SIZE)
+  DirectIO direct = DirectIO::kAuto;  // TENSORFERRY_DIRECT_IO
+  unsigned queue_depth = 8;  // io_uring reads in flight per worker (TENSORFERRY_QUEUE_DEPTH)
+  uint64_t budget = 0;  // bytes of tensor data held at once; 0 = unbounded (TENSORFERRY_BUDGET)
+  bool allow_oversized = false;  // a tensor larger than the budget loads alone instead of failing
+  DeliveryOrder order = DeliveryOrder::kFile;  // TENSORFERRY_ORDER = file | layer
+  // Released batch buffers kept for reuse by later batches and loads (TENSORFERRY_POOL_BYTES).
+  uint64_t pool_bytes = 4ull << 30;
+  // mmap engine: pre-fault every mapped page during the load (MAP_POPULATE-like, in parallel) so
+  // first access costs nothing; false: pages are read on first touch.
+  bool populate = false;
+  Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
+  // Cancellation: a flag the caller may set from any thread while a load runs. Host reads not yet
+  // started are not started (those in flight finish: at most one chunk per worker), no further
+  // batch is delivered, and the call returns kCancelled. The flag is the caller's: a load that
+  // starts with it set returns kCancelled at once; clear it before the next load.
+  std::shared_ptr<const std::atomic<bool>> cancel;
+  // Tensor parallelism: when set, every tensor is delivered as the slice rank `shard->rank` of
+  // `shard->world` holds under `shard->spec` (shard.h): Tensor::shape() is the local shape,
+  // only the slice's bytes are read (plus gaps up to shard->max_gap inside covering reads), and
+  // LoadStats::bytes_read shows it. Dim-0 slices are one contiguous read (with mmap, a view
+  // into the mapping); other slices are strided reads packed into pooled buffers. Under a
+  // budget a tensor counts the bytes its reads occupy (its slice plus covered gaps).
+  // On a CUDA device (device/placement) the slice lands in the batch's device buffer holding
+  // exactly the local bytes: dim-0 slices as contiguous device tasks (GDS-eligible), other dims
+  // as strided tasks the pipeline copies with cudaMemcpy2DAsync from the staged covering range
+  // (rows are staged together only as far as they fit one staging slot; max_gap and
+  // exact_when_cached shape host reads only: see docs/gpu.md, "Tensor-parallel slices").
+  // Ties of the spec: an alias is delivered sharing its target's data (one read), also when the
+  // alias is absent from the files (tie_word_embeddings) or present as a duplicate (then its own
+  // bytes are not read).
+  std::optional<TensorParallelOptions> shard;
+
+  // --- device loading (see loader.h's file comment and docs/gpu.md) ---
+  // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).
+  // A CUDA target is checked at Loader::Open (kCudaNotFound, kCudaNoDevice with the reason).
+  Device device = Device::CPU();
+  // Per-tensor placement (like accelerate's device_map): when set, called once per selected tensor
+  // at the start of each load and overrides `device` (Placement() builds one from name prefixes).
+  // Host tensors take the host path, device tensors the device pipeline; batches never mix devices.
+  std::function<Device(const TensorInfo&)> placement;
+  // Pinned host memory of the staging ring, per device used (TENSORFERRY_STAGING_BYTES): at least
+  // two slots' worth. Allocated once per Loader and device, reused by every load.
+  uint64_t staging_bytes = 64ull << 20;
+  // Bytes per staging slot: per read and per host-to-device copy (TENSORFERRY_STAGING_SLOT).
+  uint64_t staging_slot = 8ull << 20;
+  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(4, slots).
+  unsigned device_producers = 0;
+  // Bytes of device batch buffers (tensors plus padding) live at once per device; 0 = unbounded
+  // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in loader.h's file comment.
+  uint64_t device_budget = 0;
+  // GPUDirect Storage: auto, on, off (TENSORFERRY_GDS; device.h).
+  GdsMode gds = GdsMode::kAuto;
+
+  // Sets the option `key` (see the file comment) from text. Values: engine/direct/order/device/gds
+  // as their Parse* functions read them; counts (threads, queue_depth, device_producers, tp_rank,
+  // tp_size) as decimal digits; sizes (chunk_size, budget, pool_bytes, staging_bytes,
+  // staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB", "1GiB", "4096");
+  // booleans (allow_oversized, populate) as 1/0, on/off, true/false, yes/no; shard_rules as
+  // "builtin", "none" or ShardSpec JSON. A tp_* or shard_* key creates `shard` (builtin rules)
+  // when unset; tp_rank and tp_size must both be set (Validated checks). shard_max_gap also turns
+  // exact_when_cached off (an explicit gap applies to every file). An empty value is an error.
+  // Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of the
+  // field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds its
+  // own spelling of the key as context (SetContext). On error the options are unchanged.
+  Status Set(std::string_view key, std::string_view value);
+  // For typed edges: the shard spec itself (creates `shard` as the tp_* keys do).
+  void SetShardSpec(ShardSpec spec);
+
+  // These options checked and clamped, as Loader::Open uses them. Clamped, not refused:
+  // chunk_size below kMinChunkSize reads kMinChunkSize; threads above kMaxThreads, queue_depth
+  // above kMaxQueueDepth start that many. Errors: kInvalidArgument for chunk_size 0, queue_depth 0,
+  // a `shard` without both tp_rank and tp_size (Set leaves rank at kUnsetTpRank and world at 0
+  // until both are given), tp_rank not below tp_size, an invalid shard spec (ShardSpec::Validate).
+  Result<LoadOptions> Validated() const;
+  Status Validate() const { return Validated().status(); }
+
+  // Defaults overridden by the TENSORFERRY_* environment variables that are set (Set for each).
+  // Errors: kInvalidArgument "TENSORFERRY_X=\"value\": <Set's message>".
+  static Result<LoadOptions> FromEnvironment();
+};
+
+// The keys Set accepts, in the order of the file comment.
+std::span<const std::string_view> LoadOptionKeys() noexcept;
+// The environment variable of `key` ("TENSORFERRY_CHUNK_SIZE"), "" for a key without one.
+std::string LoadOptionVariable(std::string_view key);
+
+// options.Set(key, value) with the edge's spelling of the key (e.g. "--budget",
+// "TENSORFERRY_BUDGET=\"1x\"") put in front of an error message: "<where>: <Set's message>".
+Status SetContext(LoadOptions& options, std::string_view key, std::string_view value,
+                  std::string_view where);
+
+// "file" / "layer". Errors: kInvalidArgument naming the value.
+std::string_view DeliveryOrderName(DeliveryOrder order) noexcept;
+Result<DeliveryOrder> ParseDeliveryOrder(std::string_view name);
+// "1"/"0", "on"/"off", "true"/"false", "yes"/"no". Errors: kInvalidArgument naming the value.
+Result<bool> ParseBool(std::string_view text);
+
+}  // namespace tensorferry

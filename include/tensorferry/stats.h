@@ -1,0 +1,74 @@
+// tensorferry/stats.h: what a load did (LoadStats), and the one list of its fields that every edge
+// (the CLI's --json, the Python stats dict) prints from.
+//
+// Thread-safety: values; VisitLoadStats calls `visit` on the calling thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace tensorferry {
+
+struct LoadStats {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;  // tensor bytes delivered (tied aliases not counted twice)
+  // Bytes read from files: `bytes` plus the gaps of covering reads (LoadOptions::shard). With
+  // mmap, the bytes of the ranges it populates or gathers (views read on first touch count too).
+  uint64_t bytes_read = 0;
+  uint64_t batches = 0;
+  double seconds = 0;              // wall time inside the loader (callbacks excluded)
+  uint64_t peak_budget_bytes = 0;  // highest bytes held against the budget
+  uint64_t buffers_reused = 0;
+  uint64_t buffers_allocated = 0;
+  std::string engine;           // the engine that ran ("pread", "io_uring", "mmap")
+  uint64_t direct_files = 0;    // files read with O_DIRECT
+  uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
+  uint64_t buffered_files = 0;  // files read through the page cache
+
+  // Device loading (zero for host-only loads).
+  std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
+  uint64_t device_tensors = 0;       // tensors delivered to CUDA devices
+  uint64_t device_bytes = 0;         // their bytes
+  uint64_t device_batches = 0;       // batches bound for CUDA devices
+  uint64_t device_buffer_bytes = 0;  // device memory allocated for them (tensors plus padding)
+  uint64_t staged_bytes = 0;         // bytes through the pinned staging ring
+  uint64_t gds_bytes = 0;            // bytes read by cuFile straight into device memory
+  std::string gds_reason;            // why GDS was not used (for some or all bytes); "" if it was
+  uint64_t pinned_bytes = 0;         // pinned staging memory the loader holds (all devices)
+  // Highest bytes of device batch buffers live at once during the load (summed over devices;
+  // buffers still held from earlier loads included): what device_budget bounds.
+  uint64_t peak_device_bytes = 0;
+};
+
+// Calls visit(name, value) once per field of `s`, in declaration order; `value` is a
+// const uint64_t&, const double& or const std::string&. The names are the field names: they are
+// the keys of `tensorferry load --json` and of the Python stats dict. A field added to LoadStats
+// is added here, and every edge shows it.
+template <class Visit>
+void VisitLoadStats(const LoadStats& s, Visit&& visit) {
+  visit("tensors", s.tensors);
+  visit("bytes", s.bytes);
+  visit("bytes_read", s.bytes_read);
+  visit("batches", s.batches);
+  visit("seconds", s.seconds);
+  visit("peak_budget_bytes", s.peak_budget_bytes);
+  visit("buffers_reused", s.buffers_reused);
+  visit("buffers_allocated", s.buffers_allocated);
+  visit("engine", s.engine);
+  visit("direct_files", s.direct_files);
+  visit("direct_bytes", s.direct_bytes);
+  visit("buffered_files", s.buffered_files);
+  visit("device", s.device);
+  visit("device_tensors", s.device_tensors);
+  visit("device_bytes", s.device_bytes);
+  visit("device_batches", s.device_batches);
+  visit("device_buffer_bytes", s.device_buffer_bytes);
+  visit("staged_bytes", s.staged_bytes);
+  visit("gds_bytes", s.gds_bytes);
+  visit("gds_reason", s.gds_reason);
+  visit("pinned_bytes", s.pinned_bytes);
+  visit("peak_device_bytes", s.peak_device_bytes);
+}
+
+}  // namespace tensorferry

@@ -1,0 +1,92 @@
+// Load options and statistics for Python (options.h).
+#include "options.h"
+
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "errors.h"
+#include "tensorferry/device.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/shard.h"
+
+namespace nb = nanobind;
+
+namespace tensorferry::python {
+namespace {
+
+// A Python option value as the text LoadOptions::Set reads.
+std::string OptionText(nb::handle value, const std::string& key) {
+  if (PyBool_Check(value.ptr())) return value.ptr() == Py_True ? "1" : "0";
+  if (PyLong_Check(value.ptr())) return nb::cast<std::string>(nb::str(value));
+  return ToText(value, key);
+}
+
+std::vector<std::pair<std::string, Device>> PlacementMap(nb::handle value) {
+  std::vector<std::pair<std::string, Device>> map;
+  for (nb::handle item : nb::cast<nb::list>(value)) {
+    nb::tuple pair = nb::cast<nb::tuple>(item);
+    map.emplace_back(ToText(pair[0], "placement prefix"),
+                     Unwrap(ParseDevice(ToText(pair[1], "placement device"))));
+  }
+  return map;
+}
+
+}  // namespace
+
+LoadOptions MakeLoadOptions(const nb::dict& options) {
+  LoadOptions o = Unwrap(LoadOptions::FromEnvironment());
+  std::optional<std::vector<std::pair<std::string, Device>>> placement;
+  for (auto [key_handle, value] : options) {
+    const std::string key = ToText(key_handle, "load option name");
+    if (value.is_none()) continue;
+    if (key == "placement") {
+      placement = PlacementMap(value);
+    } else if (key == "shard_rules" && !PyUnicode_Check(value.ptr())) {
+      o.SetShardSpec(nb::cast<ShardSpec>(value));
+    } else {
+      Check(o.Set(key, OptionText(value, key)));
+    }
+  }
+  if (placement) o.placement = Placement(std::move(*placement), o.device);
+  Check(o.Validate());
+  return o;
+}
+
+nb::dict OptionsDict(const LoadOptions& o) {
+  nb::dict d;
+  d["engine"] = std::string(EngineName(o.engine));
+  d["direct"] = std::string(DirectIOName(o.direct));
+  d["threads"] = o.threads;
+  d["chunk_size"] = o.chunk_size;
+  d["queue_depth"] = o.queue_depth;
+  d["budget"] = o.budget;
+  d["allow_oversized"] = o.allow_oversized;
+  d["order"] = std::string(DeliveryOrderName(o.order));
+  d["pool_bytes"] = o.pool_bytes;
+  d["populate"] = o.populate;
+  d["device"] = DeviceName(o.device);
+  d["gds"] = std::string(GdsModeName(o.gds));
+  d["staging_bytes"] = o.staging_bytes;
+  d["staging_slot"] = o.staging_slot;
+  d["device_budget"] = o.device_budget;
+  if (o.shard) {
+    d["tp_rank"] = o.shard->rank;
+    d["tp_size"] = o.shard->world;
+    d["shard_rules"] = o.shard->spec;
+    d["shard_max_gap"] = o.shard->max_gap;
+    d["shard_exact_when_cached"] = o.shard->exact_when_cached;
+  }
+  return d;
+}
+
+nb::dict StatsDict(const LoadStats& stats) {
+  nb::dict d;
+  VisitLoadStats(stats, [&d](const char* name, const auto& value) { d[name] = value; });
+  return d;
+}
+
+}  // namespace tensorferry::python

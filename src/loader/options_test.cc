@@ -1,0 +1,172 @@
+// LoadOptions::Set / Validated / FromEnvironment (tensorferry/options.h): every key, bad values,
+// clamps.
+#include "tensorferry/options.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <set>
+#include <string>
+
+namespace tensorferry {
+namespace {
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+LoadOptions MustSet(std::initializer_list<std::pair<const char*, const char*>> values) {
+  LoadOptions o;
+  for (const auto& [key, value] : values) {
+    const Status s = o.Set(key, value);
+    EXPECT_TRUE(s.ok()) << key << "=" << value << ": " << s.ToString();
+  }
+  return o;
+}
+
+TEST(LoadOptionsSet, EveryKey) {
+  const LoadOptions o =
+      MustSet({{"engine", "pread"},        {"threads", "7"},         {"chunk_size", "1MiB"},
+               {"direct", "on"},           {"queue_depth", "32"},    {"budget", "2GB"},
+               {"allow_oversized", "yes"}, {"order", "layer"},       {"pool_bytes", "0"},
+               {"populate", "true"},       {"device", "cuda:1"},     {"gds", "off"},
+               {"staging_bytes", "32MiB"}, {"staging_slot", "4MiB"}, {"device_producers", "2"},
+               {"device_budget", "1GiB"},  {"tp_rank", "1"},         {"tp_size", "4"},
+               {"shard_rules", "none"},    {"shard_max_gap", "0"}});
+  EXPECT_EQ(o.engine, Engine::kPread);
+  EXPECT_EQ(o.threads, 7u);
+  EXPECT_EQ(o.chunk_size, 1u << 20);
+  EXPECT_EQ(o.direct, DirectIO::kOn);
+  EXPECT_EQ(o.queue_depth, 32u);
+  EXPECT_EQ(o.budget, 2000000000u);
+  EXPECT_TRUE(o.allow_oversized);
+  EXPECT_EQ(o.order, DeliveryOrder::kLayer);
+  EXPECT_EQ(o.pool_bytes, 0u);
+  EXPECT_TRUE(o.populate);
+  EXPECT_EQ(o.device, (Device{DeviceKind::kCUDA, 1}));
+  EXPECT_EQ(o.gds, GdsMode::kOff);
+  EXPECT_EQ(o.staging_bytes, 32u << 20);
+  EXPECT_EQ(o.staging_slot, 4u << 20);
+  EXPECT_EQ(o.device_producers, 2u);
+  EXPECT_EQ(o.device_budget, 1u << 30);
+  ASSERT_TRUE(o.shard.has_value());
+  EXPECT_EQ(o.shard->rank, 1u);
+  EXPECT_EQ(o.shard->world, 4u);
+  EXPECT_EQ(o.shard->max_gap, 0u);
+  EXPECT_FALSE(o.shard->exact_when_cached);  // an explicit gap applies to every file
+  EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
+
+  // LoadOptionKeys lists exactly the keys Set accepts, each once.
+  std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
+  EXPECT_EQ(keys.size(), LoadOptionKeys().size());
+  EXPECT_EQ(keys.size(), 20u);
+}
+
+TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
+  struct Case {
+    const char* key;
+    const char* value;
+    const char* words;
+  };
+  for (const Case& c : {Case{"engine", "fast", "engine = fast: unknown engine"},
+                        Case{"threads", "-1", "threads = -1 is not a count"},
+                        Case{"threads", "4294967296", "threads = 4294967296 is out of range"},
+                        Case{"threads", "99999999999999999999999", "is out of range"},
+                        Case{"chunk_size", "0", "chunk_size = 0 must be > 0"},
+                        Case{"chunk_size", "1XB", "chunk_size = 1XB is not a size"},
+                        Case{"budget", "18446744073709551616",
+                             "budget = 18446744073709551616 "
+                             "is out of range"},
+                        Case{"direct", "maybe", "unknown O_DIRECT mode"},
+                        Case{"queue_depth", "0", "queue_depth = 0 must be > 0"},
+                        Case{"allow_oversized", "sure", "is not a boolean"},
+                        Case{"order", "random", "order = random: unknown order"},
+                        Case{"populate", "auto", "is not a boolean"},
+                        Case{"device", "tpu", "device = tpu"},
+                        Case{"gds", "always", "gds = always"},
+                        Case{"staging_bytes", "0", "must be > 0"},
+                        Case{"staging_slot", "0", "must be > 0"},
+                        Case{"tp_rank", "4294967295", "is out of range"},
+                        Case{"shard_rules", "{\"nope\": 1}", "shard_rules = "},
+                        Case{"budget", "", "budget: empty value"},
+                        Case{"speed", "11", "unknown load option \"speed\""}}) {
+    LoadOptions o;
+    const Status s = o.Set(c.key, c.value);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << c.key << "=" << c.value;
+    EXPECT_TRUE(Contains(s.message(), c.words)) << s.message();
+    EXPECT_FALSE(o.shard.has_value()) << c.key;
+    EXPECT_EQ(o.budget, 0u);
+  }
+  LoadOptions o;
+  const Status s = SetContext(o, "budget", "lots", "--budget");
+  EXPECT_EQ(s.message().rfind("--budget: budget = lots is not a size", 0), 0u) << s.message();
+}
+
+TEST(LoadOptionsValidated, ClampsAndRefusals) {
+  LoadOptions o;
+  o.chunk_size = 1;
+  o.threads = 100000;
+  o.queue_depth = 1u << 20;
+  auto v = o.Validated();
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  EXPECT_EQ(v->chunk_size, kMinChunkSize);
+  EXPECT_EQ(v->threads, kMaxThreads);
+  EXPECT_EQ(v->queue_depth, kMaxQueueDepth);
+  EXPECT_EQ(o.chunk_size, 1u);  // the original is untouched
+
+  o = LoadOptions();
+  o.chunk_size = 0;
+  EXPECT_TRUE(Contains(o.Validate().message(), "chunk_size must be > 0"));
+  o = LoadOptions();
+  o.queue_depth = 0;
+  EXPECT_TRUE(Contains(o.Validate().message(), "queue_depth must be > 0"));
+
+  // Tensor parallelism: both keys, rank below size, a valid spec.
+  EXPECT_TRUE(Contains(MustSet({{"tp_size", "2"}}).Validate().message(),
+                       "tp_rank and tp_size go together"));
+  EXPECT_TRUE(Contains(MustSet({{"tp_rank", "0"}}).Validate().message(),
+                       "tp_rank and tp_size go together"));
+  EXPECT_TRUE(Contains(MustSet({{"shard_max_gap", "1MB"}}).Validate().message(),
+                       "tp_rank and tp_size go together"));
+  EXPECT_TRUE(Contains(MustSet({{"tp_rank", "2"}, {"tp_size", "2"}}).Validate().message(),
+                       "tp_rank 2 is not below tp_size 2"));
+  EXPECT_TRUE(MustSet({{"tp_size", "2"}, {"tp_rank", "1"}}).Validate().ok());
+  o = LoadOptions();
+  o.shard = TensorParallelOptions{ShardSpec::Builtin(), 0, 0};
+  EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
+}
+
+TEST(LoadOptionsEnvironment, VariablesGoThroughSet) {
+  EXPECT_EQ(LoadOptionVariable("direct"), "TENSORFERRY_DIRECT_IO");
+  EXPECT_EQ(LoadOptionVariable("chunk_size"), "TENSORFERRY_CHUNK_SIZE");
+  EXPECT_EQ(LoadOptionVariable("tp_rank"), "");
+  ::setenv("TENSORFERRY_CHUNK_SIZE", "64KiB", 1);
+  ::setenv("TENSORFERRY_DEVICE_BUDGET", "1GB", 1);
+  ::setenv("TENSORFERRY_THREADS", "5000", 1);  // accepted; Validated clamps it
+  auto o = LoadOptions::FromEnvironment();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->chunk_size, 64u << 10);
+  EXPECT_EQ(o->device_budget, 1000000000u);
+  EXPECT_EQ(o->threads, 5000u);
+  ::setenv("TENSORFERRY_QUEUE_DEPTH", "0", 1);
+  auto bad = LoadOptions::FromEnvironment();
+  EXPECT_TRUE(Contains(bad.status().message(),
+                       "TENSORFERRY_QUEUE_DEPTH=\"0\": queue_depth = 0 must be > 0"))
+      << bad.status().message();
+  for (const char* v : {"TENSORFERRY_CHUNK_SIZE", "TENSORFERRY_DEVICE_BUDGET",
+                        "TENSORFERRY_THREADS", "TENSORFERRY_QUEUE_DEPTH"}) {
+    ::unsetenv(v);
+  }
+}
+
+TEST(LoadOptionsNames, RoundTrip) {
+  for (DeliveryOrder d : {DeliveryOrder::kFile, DeliveryOrder::kLayer}) {
+    EXPECT_EQ(*ParseDeliveryOrder(DeliveryOrderName(d)), d);
+  }
+  EXPECT_EQ(*ParseBool("no"), false);
+  EXPECT_EQ(*ParseBool("1"), true);
+  EXPECT_EQ(ParseBool("2").status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -1,0 +1,62 @@
+"""One options layer (include/tensorferry/options.h): the Python keywords go through the same
+LoadOptions::Set and Validated as the environment and the CLI, with the same messages."""
+import pytest
+import safetensors.torch
+import torch
+
+import tensorferry
+from tensorferry import _core
+
+
+@pytest.fixture
+def path(tmp_path):
+    p = str(tmp_path / "x.safetensors")
+    safetensors.torch.save_file({"a": torch.ones(4), "b": torch.zeros(2, 3)}, p)
+    return p
+
+
+def test_bad_values_name_the_key_and_the_value(path):
+    for kwargs, words in (({"order": "random"}, "order = random: unknown order"),
+                          ({"engine": "fast"}, "engine = fast: unknown engine"),
+                          ({"direct": "maybe"}, "direct = maybe: unknown O_DIRECT mode"),
+                          ({"queue_depth": 0}, "queue_depth = 0 must be > 0"),
+                          ({"chunk_size": 0}, "chunk_size = 0 must be > 0"),
+                          ({"tp_rank": 0}, "tp_rank and tp_size go together")):
+        with pytest.raises(tensorferry.InvalidArgumentError, match=words):
+            tensorferry.Loader(path, **kwargs)
+    with pytest.raises(tensorferry.InvalidArgumentError, match='unknown load option "speed"'):
+        _core.Reader(path, False, {"speed": 11})
+
+
+def test_the_environment_goes_through_the_same_checks(path, monkeypatch):
+    monkeypatch.setenv("TENSORFERRY_QUEUE_DEPTH", "0")
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match='TENSORFERRY_QUEUE_DEPTH="0": queue_depth = 0 must be > 0'):
+        tensorferry.Loader(path, engine="pread")
+    monkeypatch.setenv("TENSORFERRY_QUEUE_DEPTH", "16")
+    monkeypatch.setenv("TENSORFERRY_ORDER", "layer")
+    with tensorferry.Loader(path, engine="pread") as loader:
+        options = loader.options
+        assert options["queue_depth"] == 16 and options["order"] == "layer"
+
+
+def test_text_and_ints_mean_the_same(path):
+    a = _core.Reader(path, False, {"budget": "1MiB", "threads": "3", "populate": "on"}).options()
+    b = _core.Reader(path, False, {"budget": 1 << 20, "threads": 3, "populate": True}).options()
+    assert a == b
+    assert a["budget"] == 1 << 20 and a["threads"] == 3 and a["populate"] is True
+
+
+def test_stats_carry_every_field(path):
+    with tensorferry.Loader(path, engine="pread") as loader:
+        loader.load()
+        core = loader._reader.stats()
+    for key in ("tensors", "bytes", "bytes_read", "batches", "seconds", "engine",
+                "peak_device_bytes", "gds_reason", "pinned_bytes"):
+        assert key in core
+    assert core["tensors"] == 2 and core["engine"] == "pread"
+
+
+def test_cuda_available_is_public():
+    assert "cuda_available" in tensorferry.__all__
+    assert isinstance(tensorferry.cuda_available(), bool)

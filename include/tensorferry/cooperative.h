@@ -74,10 +74,10 @@ struct CooperativeStats {
 // checkpoint, selection, spec and options.budget (the schedule depends on them). Returns the
 // rank's tensors in the order Loader::Load returns them, with their local shapes
 // (TensorSlice::shape); replicated tensors whole. Tied aliases (ShardSpec::Tie) resolve as for the
-// Loader (ResolveSelection, loader.h): the target is read and exchanged once and the alias
+// Loader (DescribeSelection, loader.h): the target is read and exchanged once and the alias
 // shares its result. options.budget bounds each rank's reads per round (0: one round, the whole
 // share at once); options.shard is ignored (the spec and the collective decide). Errors: those of
-// ResolveSelection and SliceOf (identical on every rank), kUnsupported for a CUDA target in
+// DescribeSelection (SliceOf included) (identical on every rank), kUnsupported for a CUDA target in
 // `options` (device or placement: the exchange moves host memory; for slices on a GPU use
 // LoadOptions::shard per rank, docs/gpu.md), of the Loader on any rank (the failing rank returns
 // its own error, the others kIoError naming the failed rank), of the collective.

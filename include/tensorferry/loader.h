@@ -1,8 +1,9 @@
 // tensorferry/loader.h: load tensors of a checkpoint into host or CUDA device memory, under byte
 // budgets.
 //
-// A Loader turns a Selection (which tensors) into a Plan (plan.h) and executes it batch by batch:
-// each batch gets one destination buffer (host: from a pool that reuses released buffers, so
+// A Loader turns a Selection (which tensors) into a Description (what is delivered, Describe) and
+// a Plan (plan.h), and executes it batch by batch, plan -> read engine -> sink: each batch gets one
+// destination buffer (host: from a pool that reuses released buffers, so
 // repeated loads skip the first-touch cost of fresh memory; CUDA: one cudaMalloc), its read tasks
 // run on a pool of I/O workers across all files at once, and its tensors are handed out as Tensor
 // values that share ownership of that buffer. A tensor stays valid as long as it (or a copy) lives,
@@ -14,7 +15,8 @@
 // the caller drops the last Tensor of that batch. Batches hold at most half the budget (the whole
 // budget when a selected tensor is larger than half), so that while the caller handles batch b,
 // batch b + 1 is read on a helper thread (double buffering) whenever its bytes fit at that moment.
-// Stream() delivers batches one at a time; if the caller still holds so much of earlier batches
+// Iterate() (pull: BatchIterator::Next) and Stream() (push: a loop over Next) deliver batches one
+// at a time; if the caller still holds so much of earlier batches
 // that the next one cannot fit, Stream returns kBudgetExceeded rather than wait forever (nothing
 // else can free it). The mmap engine holds no tensor memory of its own (the page cache does), so
 // the budget only shapes its batches.
@@ -44,8 +46,11 @@
 // Errors name file, tensor and byte offset. A failed batch releases its memory and hands no tensor
 // of it to the caller.
 //
-// Thread-safety: a Loader may be used from one thread at a time; different Loaders may run
-// concurrently. Tensor is a value: copies may be used from any thread.
+// Thread-safety: a Loader may be used from one thread at a time (an open BatchIterator counts as
+// a use); different Loaders may run concurrently. Describe and MakePlan are const and pure.
+// Tensor is a value: copies may be used from any thread.
+// Ownership: Loader::Open shares the Checkpoint; Tensors co-own their memory; a BatchIterator
+// borrows its Loader (the Loader must outlive it).
 #pragma once
 
 #include <atomic>
@@ -107,28 +112,38 @@ class Tensor {
 
 class Selection;
 
-// What a selection means under a shard spec's tied aliases (ShardSpec::Tie): the tensors to
-// read, which of them the caller asked for, and the aliases delivered sharing a read tensor's
-// data (read once). A tied alias selected by name, or matched by a predicate (as its target would
-// be, under the alias's name), stands for its target whether the files hold it (a duplicate, not
-// read) or not (tie_word_embeddings). Without a spec or without ties: `read` is
-// Selection::Resolve, `deliver` is empty, no aliases. Loader and LoadCooperative (cooperative.h)
-// resolve selections this way, so both deliver the same tensors in the same order.
-struct ResolvedSelection {
-  std::vector<uint32_t> read;  // indices into checkpoint.tensors(), ascending
-  std::vector<bool> deliver;   // per tensor index: asked for; empty: every read tensor
-  std::vector<std::pair<std::string, uint32_t>> aliases;  // (alias, target index), by alias name
-
-  // The order Loader::Load returns tensors in: (name, index of the tensor whose data it is), in
-  // checkpoint order; an alias the files lack comes right after its target (aliases of one target
-  // by name).
-  std::vector<std::pair<std::string, uint32_t>> Outputs(const Checkpoint& checkpoint) const;
+// One tensor a load of a selection delivers (Loader::Describe).
+struct OutputInfo {
+  std::string name;  // as delivered: a tied alias under its own name
+  DType dtype = DType::kU8;
+  std::vector<uint64_t> shape;  // local shape: the tensor-parallel slice applied
+  uint64_t bytes = 0;           // bytes of the delivered tensor (the slice's)
+  uint32_t tensor = 0;          // index into checkpoint.tensors() of the tensor whose bytes it is
+  // A tied alias (ShardSpec::Tie): its bytes are those of `tensor`, which has another name (read
+  // once, shared with that tensor's output when it is selected too).
+  bool alias = false;
+  std::optional<TensorSlice> slice;  // the slice of `tensor` delivered, when its rule splits it
 };
 
-// Errors: those of Selection::Resolve (kNotFound for a name that is neither a tensor nor a tied
-// alias of one).
-Result<ResolvedSelection> ResolveSelection(const Checkpoint& checkpoint, const Selection& selection,
-                                           const ShardSpec* spec);
+// What a load of a selection delivers and reads: the one resolution of tied aliases and output
+// order that every path (Load, Stream, LoadInto, LoadCooperative, the Python binding) uses.
+// A tied alias selected by name, or matched by a predicate (as its target would be, under the
+// alias's name), stands for its target whether the files hold it (a duplicate, not read) or not
+// (tie_word_embeddings). Without a shard spec or without ties, outputs are the selected tensors.
+struct Description {
+  // In the order Loader::Load returns them: checkpoint order; an alias the files lack comes right
+  // after its target (aliases of one target by name).
+  std::vector<OutputInfo> outputs;
+  std::vector<uint32_t> read;  // indices into checkpoint.tensors() to read, ascending
+  uint64_t bytes = 0;          // local bytes of the read tensors (LoadStats::bytes of a load)
+};
+
+// The description of `selection` over `checkpoint` for rank shard->rank of shard->world (no
+// slicing when `shard` is null; ties come from shard->spec). Pure: no I/O. Errors: kNotFound (a
+// name that is neither a tensor nor a tied alias of one), kInvalidArgument (a tie whose target is
+// not in the checkpoint or whose alias in the files differs from it; the errors of SliceOf).
+Result<Description> DescribeSelection(const Checkpoint& checkpoint, const Selection& selection,
+                                      const TensorParallelOptions* shard);
 
 // Which tensors to load.
 class Selection {
@@ -143,8 +158,8 @@ class Selection {
 
  private:
   // Resolves tied aliases absent from the checkpoint.
-  friend Result<ResolvedSelection> ResolveSelection(const Checkpoint&, const Selection&,
-                                                    const ShardSpec*);
+  friend Result<Description> DescribeSelection(const Checkpoint&, const Selection&,
+                                               const TensorParallelOptions*);
   std::vector<std::string> names_;
   std::function<bool(const TensorInfo&)> predicate_;
   bool by_name_ = false;
@@ -175,6 +190,37 @@ struct Destination {
   uint64_t capacity = 0;
 };
 
+class Loader;
+
+// A pull-style load (Loader::Iterate): the batches of Stream, in the same order, one per Next(),
+// with the same budgets, errors and statistics. While the caller handles the batch Next returned,
+// the next batch is read ahead on a helper thread when its memory fits its budget then (double
+// buffering, as Stream).
+// Lifetime: borrows its Loader, which must outlive it; destroying it (or moving from it) waits for
+// the read ahead in flight and abandons the rest of the load (tensors handed out stay valid).
+// Thread-safety: one thread at a time; while it exists, the Loader may not start another load
+// (Stream, Load, LoadInto, Iterate) and must not be used from another thread except to set
+// LoadOptions::cancel (the batch being read stops within a chunk per worker; Next returns
+// kCancelled).
+class BatchIterator {
+ public:
+  BatchIterator(BatchIterator&&) noexcept;
+  BatchIterator& operator=(BatchIterator&&) noexcept;
+  ~BatchIterator();
+
+  // The next batch, or std::nullopt once every batch was delivered (Loader::stats() then holds
+  // the load's totals). Errors: those of Stream (kIoError, kUnexpectedEof, kBudgetExceeded when
+  // the caller still holds so much that the next batch cannot fit, kCancelled). After an error or
+  // the end, Next returns std::nullopt.
+  Result<std::optional<Batch>> Next();
+
+ private:
+  friend class Loader;
+  struct State;
+  explicit BatchIterator(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 class Loader {
  public:
   // The options are checked and clamped by LoadOptions::Validated (options.h) first.
@@ -192,14 +238,24 @@ class Loader {
 
   const std::shared_ptr<const Checkpoint>& checkpoint() const noexcept;
 
+  // What a load of `selection` delivers (names in output order, dtypes, local shapes under
+  // LoadOptions::shard, byte counts, tied aliases resolved) and reads. Pure: no I/O, may be called
+  // at any time. Errors: those of DescribeSelection.
+  Result<Description> Describe(const Selection& selection) const;
+
   // The plan a load of `selection` would execute. Errors: those of Selection::Resolve and MakePlan.
   Result<Plan> MakePlan(const Selection& selection) const;
 
-  // Loads batch by batch, calling `on_batch` for each on the calling thread; a non-OK status from
-  // the callback stops the load and is returned. Errors: those of MakePlan, kIoError,
-  // kUnexpectedEof (a file shorter than its header promises, e.g. truncated since opening),
-  // kBudgetExceeded (see the file comment).
+  // Loads batch by batch, calling `on_batch` for each on the calling thread (a loop over Iterate's
+  // Next); a non-OK status from the callback stops the load and is returned. Errors: those of
+  // MakePlan, kIoError, kUnexpectedEof (a file shorter than its header promises, e.g. truncated
+  // since opening), kBudgetExceeded (see the file comment).
   Status Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch);
+
+  // Starts a load of `selection` whose batches the caller pulls with BatchIterator::Next (see
+  // there); Stream is a loop over it. Errors: those of MakePlan and of opening the files and
+  // devices, before any read.
+  Result<BatchIterator> Iterate(const Selection& selection);
 
   // Loads every selected tensor and returns them all (in checkpoint order). With a budget, the
   // total must fit it (kBudgetExceeded otherwise: use Stream).
@@ -224,6 +280,7 @@ class Loader {
 
  private:
   struct Impl;
+  friend struct BatchIterator::State;
   explicit Loader(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

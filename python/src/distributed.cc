@@ -57,10 +57,13 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
     nb::gil_scoped_release release;
     spec = Unwrap(SpecOf(spec_text));
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
-    const ResolvedSelection resolved = Unwrap(ResolveSelection(*checkpoint, selection, &spec));
-    indices = resolved.read;
-    for (auto& [name, index] : resolved.Outputs(*checkpoint)) {
-      outputs.emplace_back(std::move(name), checkpoint->tensors()[index].name);
+    TensorParallelOptions tp;
+    tp.spec = spec;
+    tp.world = world;
+    const Description described = Unwrap(DescribeSelection(*checkpoint, selection, &tp));
+    indices = described.read;
+    for (const OutputInfo& o : described.outputs) {
+      outputs.emplace_back(o.name, checkpoint->tensors()[o.tensor].name);
     }
   }
   const std::vector<TensorInfo>& infos = checkpoint->tensors();

@@ -16,8 +16,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -112,6 +110,17 @@ nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
   PyErr_SetObject(SafetensorErrorType().ptr(), exc.ptr());
   throw nb::python_error();
 }
+
+// One tensor a load delivers, as Python sees it (Loader::Describe): tensorferry._core.Output.
+struct PyOutput {
+  std::string name;    // as delivered (a tied alias under its own name)
+  std::string dtype;   // safetensors dtype name
+  std::string stored;  // the tensor of the files whose bytes it is (its target for an alias)
+  std::vector<uint64_t> shape;  // local shape (the tensor-parallel slice applied)
+  uint64_t bytes = 0;           // local bytes
+  uint32_t file = 0;            // index of the file holding `stored`
+  bool alias = false;           // a tied alias of `stored`
+};
 
 class BatchStream;
 
@@ -241,16 +250,7 @@ class Reader {
   // Every selected tensor (all when `names` is None), through the Loader: one buffer per batch.
   nb::list Load(const std::optional<std::vector<std::string>>& names, int framework) {
     const Framework fw = ToFramework(framework);
-    if (names) {
-      for (const std::string& n : *names) {
-        // A tied alias (shard_rules ties) stands for its target, present in the files or not.
-        std::optional<std::string> target;
-        if (options_.shard && checkpoint_->Find(n) == nullptr) {
-          target = options_.shard->spec.TieTarget(n);
-        }
-        Lookup(target ? *target : n);
-      }
-    }
+    if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
     // Locked on this thread (a stream callback reading through its own loader is refused here),
     // then loaded on Interruptible's helper thread.
     std::optional<Lock> lock;
@@ -327,9 +327,7 @@ class Reader {
   void Stream(const std::optional<std::vector<std::string>>& names, int framework,
               const nb::callable& callback) {
     const Framework fw = ToFramework(framework);
-    if (names) {
-      for (const std::string& n : *names) Lookup(n);
-    }
+    if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
     std::optional<nb::python_error> raised;
     Status status;
     {
@@ -411,7 +409,20 @@ class Reader {
 
   nb::dict Options() const { return OptionsDict(options_); }
 
-  // Starts a background thread running Loader::Stream; batches are taken with BatchStream::Next.
+  // What a load of `names` (all when None) delivers, in output order (Loader::Describe).
+  std::vector<PyOutput> Describe(const std::optional<std::vector<std::string>>& names) const {
+    const Description d = DescribeNames(names);
+    std::vector<PyOutput> out;
+    out.reserve(d.outputs.size());
+    for (const OutputInfo& o : d.outputs) {
+      const TensorInfo& t = checkpoint_->tensors()[o.tensor];
+      out.push_back(
+          {o.name, std::string(DTypeName(o.dtype)), t.name, o.shape, o.bytes, t.file, o.alias});
+    }
+    return out;
+  }
+
+  // Starts a load whose batches are taken with BatchStream::Next (Loader::Iterate).
   std::unique_ptr<BatchStream> Iterate(const std::optional<std::vector<std::string>>& names,
                                        int framework);
 
@@ -437,23 +448,22 @@ class Reader {
     }
   }
 
-  // Serializes calls on one Reader. Construct only with the GIL released. While a BatchStream
-  // iterates (its thread holds the lock until the iteration ends), other calls fail at once
-  // instead of waiting for an iteration that may never be resumed.
+  // Serializes calls on one Reader. Construct only with the GIL released. While an iteration
+  // (BatchStream) is open, other calls fail at once instead of waiting for an iteration that may
+  // never be resumed; its own steps (`step`) take the lock for the step only.
   class Lock {
    public:
-    explicit Lock(Reader& r) : r_(r) {
+    explicit Lock(Reader& r, bool step = false) : r_(r) {
       if (r.lock_owner_.load() == std::this_thread::get_id()) {
         throw StatusError(Status(Code::kInvalidArgument,
                                  "this loader is busy on this thread: a stream callback may not "
                                  "read through the loader that called it"));
       }
-      while (!r.mu_.try_lock_for(std::chrono::milliseconds(5))) {
-        if (r.streaming_.load()) {
-          throw StatusError(Status(Code::kInvalidArgument,
-                                   "this loader is busy: an iteration over its batches is in "
-                                   "progress; finish or close it first"));
-        }
+      if (!step) ThrowIfStreaming();
+      r.mu_.lock();
+      if (!step && r.streaming_.load()) {
+        r.mu_.unlock();
+        ThrowIfStreaming();
       }
       r.lock_owner_.store(std::this_thread::get_id());
     }
@@ -465,12 +475,36 @@ class Reader {
     Lock& operator=(const Lock&) = delete;
 
    private:
+    void ThrowIfStreaming() const {
+      if (r_.streaming_.load()) {
+        throw StatusError(Status(Code::kInvalidArgument,
+                                 "this loader is busy: an iteration over its batches is in "
+                                 "progress; finish or close it first"));
+      }
+    }
     Reader& r_;
   };
 
   void SetStats(const LoadStats& stats) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_ = stats;
+  }
+
+  // DescribeSelection under this reader's options. Raises SafetensorError (as the reference
+  // does) for a name that is neither a tensor nor a tied alias of one.
+  Description DescribeNames(const std::optional<std::vector<std::string>>& names) const {
+    const TensorParallelOptions* shard = options_.shard ? &*options_.shard : nullptr;
+    auto describe = [&](const Selection& selection) {
+      return DescribeSelection(*checkpoint_, selection, shard);
+    };
+    Result<Description> d = describe(names ? Selection::Names(*names) : Selection::All());
+    if (!d.ok() && d.status().code() == Code::kNotFound && names) {
+      for (const std::string& n : *names) {  // which name: the reference's error names it
+        Result<Description> one = describe(Selection::Names({n}));
+        if (!one.ok() && one.status().code() == Code::kNotFound) RaiseMissingTensor(n);
+      }
+    }
+    return Unwrap(std::move(d));
   }
 
   const TensorInfo& Lookup(const std::string& name) const {
@@ -506,7 +540,7 @@ class Reader {
   // or by closing a stream.
   std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
   LoadOptions options_;
-  std::timed_mutex mu_;
+  std::mutex mu_;
   std::atomic<std::thread::id> lock_owner_{};
   std::atomic<bool> streaming_{false};
   mutable std::mutex stats_mu_;
@@ -516,153 +550,107 @@ class Reader {
   LoadStats stats_;
 };
 
-// Pull-style iteration over Loader::Stream for Python generators. A thread runs Stream; its
-// callback hands each batch over and waits until the consumer asks for the next one, i.e. until
-// the consumer is done with the batch (it may still hold tensors of it: the loader's budget
-// accounting and double buffering handle that). Meanwhile the loader reads the next batch ahead
-// when the budget allows. Close() (or destruction) stops the stream and joins the thread.
+// Pull-style iteration for Python generators over Loader::Iterate: each next() takes the batch
+// read ahead (or reads it) on the calling thread, with Ctrl-C seen on the main thread
+// (Interruptible); the iterator reads the following batch ahead while the consumer holds this one.
+// The Reader is busy (other calls raise) from Iterate until the end, an error, or Close().
 class BatchStream {
  public:
-  BatchStream(Reader& reader, std::optional<std::vector<std::string>> names, Framework framework)
-      : reader_(reader), names_(std::move(names)), framework_(framework) {
-    reader_.streaming_.store(true);
-    thread_ = std::thread([this] { Run(); });
-  }
+  BatchStream(Reader& reader, Loader& loader, BatchIterator batches, Framework framework)
+      : reader_(reader), loader_(loader), batches_(std::move(batches)), framework_(framework) {}
 
-  ~BatchStream() { Stop(); }
+  ~BatchStream() {
+    std::lock_guard<std::mutex> l(mu_);
+    Stop();
+  }
   BatchStream(const BatchStream&) = delete;
   BatchStream& operator=(const BatchStream&) = delete;
 
   // (index, count, bytes, [(name, array), ...], device) for the next batch, or None at the end.
   // Raises the load's error, if any, once the batches before it have been taken.
   nb::object Next() {
-    std::optional<Batch> batch;
-    Status final_status;
-    for (bool taken = false; !taken;) {
+    std::unique_lock<std::mutex> step(mu_, std::defer_lock);  // Close() waits for this step
+    std::optional<Reader::Lock> lock;
+    {
+      WithoutGil release;
+      step.lock();
+      if (closed_) {
+        throw StatusError(
+            Status(Code::kInvalidArgument, "the iteration was stopped: its Loader was closed"));
+      }
+      if (batches_) lock.emplace(reader_, /*step=*/true);
+    }
+    if (!batches_) return nb::none();
+    Result<std::optional<Batch>> got = Status(Code::kInternal, "unset");
+    try {
+      got = Interruptible(*reader_.cancel_, [&] { return batches_->Next(); });
+    } catch (...) {  // KeyboardInterrupt: the reads were cancelled; the iteration is over
+      WithoutGil release;
+      End();
+      closed_ = true;
+      throw;
+    }
+    if (!got.ok() || !*got) {
       {
         WithoutGil release;
-        std::unique_lock<std::mutex> lock(mu_);
-        if (closed_) {
-          throw StatusError(
-              Status(Code::kInvalidArgument, "the iteration was stopped: its Loader was closed"));
-        }
-        if (delivered_) {
-          delivered_ = false;
-          released_ = true;
-          cv_.notify_all();
-        }
-        // Woken every kSignalPoll on the main thread so that Ctrl-C is seen while waiting.
-        const auto ready = [&] { return batch_.has_value() || done_; };
-        if (OnMainThread() ? cv_.wait_for(lock, kSignalPoll, ready)
-                           : (cv_.wait(lock, ready), true)) {
-          taken = true;
-          if (batch_) {
-            batch.swap(batch_);
-            delivered_ = true;
-          } else {
-            final_status = final_;
-            final_ = Status::Ok();
-          }
-        }
+        End();
       }
-      if (!taken && PyErr_CheckSignals() != 0) {
-        nb::python_error raised;
-        Close();  // cancels the reads in flight and joins the thread
-        throw raised;
-      }
-    }
-    if (!batch) {
-      Join();
-      Check(final_status);
+      Check(got.status());
       return nb::none();
     }
-    nb::list tensors = ExportTensors(framework_, batch->tensors);
-    const Batch& b = *batch;
-    return nb::make_tuple(b.index, b.count, b.bytes, tensors, DeviceName(b.device));
+    Batch batch = std::move(**got);
+    lock.reset();
+    step.unlock();
+    nb::list tensors = ExportTensors(framework_, batch.tensors);
+    return nb::make_tuple(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
   }
 
-  // Stops the stream (tensors already handed out stay valid) and waits for its thread; a later
-  // Next raises.
+  // Stops the iteration (tensors already handed out stay valid), waiting for a step in flight on
+  // another thread; a later Next raises.
   void Close() {
     WithoutGil release;
-    Stop();
     std::lock_guard<std::mutex> l(mu_);
+    Stop();
     closed_ = true;
   }
 
  private:
-  void Run() {
-    Status status;
-    try {
-      Reader::Lock lock(reader_);
-      Loader& loader = reader_.EnsureLoader();
-      const Selection selection = names_ ? Selection::Names(*names_) : Selection::All();
-      status = loader.Stream(selection, [this](Batch batch) -> Status {
-        std::unique_lock<std::mutex> l(mu_);
-        batch_.emplace(std::move(batch));
-        cv_.notify_all();
-        cv_.wait(l, [&] { return released_ || cancelled_; });
-        released_ = false;
-        return cancelled_ ? Status(Code::kInternal, "iteration closed") : Status::Ok();
-      });
-      reader_.SetStats(loader.stats());
-    } catch (const StatusError& e) {
-      status = e.status();
-    } catch (const std::exception& e) {
-      status = Status(Code::kInternal, e.what());
-    }
-    std::lock_guard<std::mutex> l(mu_);
-    done_ = true;
-    final_ = cancelled_ ? Status::Ok() : status;
-    cv_.notify_all();
-  }
-
+  // Cancels the reads in flight (the batch read ahead stops within a chunk) and ends. REQUIRES:
+  // mu_ held.
   void Stop() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!done_) reader_.cancel_->store(true);  // the batch being read stops within a chunk
-      cancelled_ = true;
-      batch_.reset();
-      cv_.notify_all();
-    }
-    Join();
+    if (batches_) reader_.cancel_->store(true);
+    End();
   }
 
-  void Join() {
-    if (thread_.joinable()) {
-      thread_.join();
-      reader_.streaming_.store(false);
-    }
+  // Ends the iteration: the read ahead waited for, the load's figures kept, the Reader free again.
+  // REQUIRES: mu_ held.
+  void End() {
+    if (!batches_) return;
+    batches_.reset();
+    reader_.SetStats(loader_.stats());
+    reader_.streaming_.store(false);
   }
 
   Reader& reader_;
-  const std::optional<std::vector<std::string>> names_;
+  Loader& loader_;  // the Reader's: kept while streaming_ (Reader::Close refuses then)
+  std::mutex mu_;   // guards batches_ and closed_
+  std::optional<BatchIterator> batches_;  // empty once ended
   const Framework framework_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::optional<Batch> batch_;  // handed over, not yet taken
-  bool delivered_ = false;      // the consumer holds the last batch taken
-  bool released_ = false;       // the consumer asked for the next batch
-  bool cancelled_ = false;
   bool closed_ = false;  // Close() was called: Next raises
-  bool done_ = false;
-  Status final_;
-  std::thread thread_;
 };
 
 std::unique_ptr<BatchStream> Reader::Iterate(const std::optional<std::vector<std::string>>& names,
                                              int framework) {
   const Framework fw = ToFramework(framework);
-  if (names) {
-    for (const std::string& n : *names) Lookup(n);
-  }
-  if (streaming_.load()) {
-    throw StatusError(Status(Code::kInvalidArgument,
-                             "this loader is busy: an iteration over its batches is in progress; "
-                             "finish or close it first"));
-  }
+  if (names) DescribeNames(names);  // SafetensorError naming a missing tensor
+  WithoutGil release;
+  Lock lock(*this);  // busy while another iteration is open
   cancel_->store(false);
-  return std::make_unique<BatchStream>(*this, names, fw);
+  Loader& loader = EnsureLoader();
+  const Selection selection = names ? Selection::Names(*names) : Selection::All();
+  BatchIterator batches = Unwrap(loader.Iterate(selection));
+  streaming_.store(true);
+  return std::make_unique<BatchStream>(*this, loader, std::move(batches), fw);
 }
 
 // --- tensor parallelism (shard.h) ---------------------------------------------------------------
@@ -854,6 +842,19 @@ NB_MODULE(_core, m) {
       .def("next", &BatchStream::Next)
       .def("close", &BatchStream::Close);
 
+  nb::class_<PyOutput>(m, "Output", "A tensor a load delivers (tensorferry::Loader::Describe)")
+      .def_ro("name", &PyOutput::name)
+      .def_ro("dtype", &PyOutput::dtype)
+      .def_ro("stored", &PyOutput::stored)
+      .def_ro("shape", &PyOutput::shape)
+      .def_ro("bytes", &PyOutput::bytes)
+      .def_ro("file", &PyOutput::file)
+      .def_ro("alias", &PyOutput::alias)
+      .def("__repr__", [](const PyOutput& o) {
+        return "Output(" + o.name + ", " + o.dtype + ", " + ShapeText(o.shape) + ", " +
+               std::to_string(o.bytes) + " bytes" + (o.alias ? ", alias of " + o.stored : "") + ")";
+      });
+
   nb::class_<Reader>(m, "Reader")
       .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
            nb::arg("single_file"), nb::arg("options"))
@@ -872,6 +873,7 @@ NB_MODULE(_core, m) {
       .def("dtypes", &Reader::DTypes, nb::arg("names").none())
       .def("file_metadata", &Reader::FileMetadata)
       .def("index_metadata", &Reader::IndexMetadata)
+      .def("describe", &Reader::Describe, nb::arg("names").none())
       .def("load", &Reader::Load, nb::arg("names").none(), nb::arg("framework"))
       .def("get_tensor", &Reader::GetTensor)
       .def("read_range", &Reader::ReadRange, nb::arg("name"), nb::arg("begin"), nb::arg("end"),

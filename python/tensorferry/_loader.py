@@ -298,29 +298,22 @@ class Loader:
         for n in names:
             if not isinstance(n, str):
                 raise TypeError(f"select: tensor names must be str, not {type(n).__name__}")
-            reader.info(self._stored_name(n))  # SafetensorError naming a missing tensor
+        reader.describe(names)  # SafetensorError naming a missing tensor
         return names
 
-    def _stored_name(self, name):
-        """The tensor of the files whose data `name` is: a tied alias's target (shard_rules
-        ties), else `name` itself."""
-        options = self._reader.options()
-        spec = options.get("shard_rules") if "tp_size" in options else None
-        if spec is not None and name not in self._reader:
-            target = spec.tie_target(name)
-            if target is not None:
-                return target
-        return name
+    def _describe(self):
+        """What a load delivers, in output order: one _core.Output (name, dtype, local shape,
+        bytes, the stored tensor whose bytes it is, its file, whether it is a tied alias) per
+        tensor (tensorferry::Loader::Describe)."""
+        return self._reader.describe(self._names)
 
     def keys(self):
-        """Names of the selected tensors, in file order."""
-        if self._names is None:
-            return self._reader.names(True)
-        chosen = set(self._names)
-        return [n for n in self._reader.names(True) if n in chosen]
+        """Names of the selected tensors, in the order load() returns them (file order; a tied
+        alias the files lack right after its target)."""
+        return [o.name for o in self._describe()]
 
     def __len__(self):
-        return len(self._reader) if self._names is None else len(set(self._names))
+        return len(self._describe())
 
     @property
     def files(self):
@@ -329,19 +322,9 @@ class Loader:
 
     @property
     def total_bytes(self):
-        """Bytes of the selected tensors (a tensor-parallel rank's shards: their local bytes)."""
-        options = self._reader.options()
-        if "tp_size" in options:
-            spec = options["shard_rules"]
-            names = set(self._names) if self._names is not None else self._reader.names(True)
-            total = 0
-            for n in names:
-                dtype, shape = self._reader.info(self._stored_name(n))[:2]
-                total += spec.slice(n, dtype, shape, options["tp_rank"], options["tp_size"])["bytes"]
-            return total
-        if self._names is None:
-            return self._reader.total_bytes()
-        return sum(self._reader.info(n)[2] for n in set(self._names))
+        """Bytes of the selected tensors (a tensor-parallel rank's shards: their local bytes), each
+        stored tensor once (a tied alias shares its target's bytes)."""
+        return sum({o.stored: o.bytes for o in self._describe()}.values())
 
     def metadata(self):
         """The index's "metadata" (values as JSON text) for a sharded checkpoint, else the
@@ -370,7 +353,7 @@ class Loader:
     def _check_dtypes(self):
         names = self._names
         if names is not None:
-            names = sorted({self._stored_name(n) for n in names})
+            names = sorted({o.stored for o in self._describe()})
         self._fw.check(self._reader, names)
 
     def _finish(self, triples):
@@ -386,8 +369,9 @@ class Loader:
             return out
         stats = LoadStats()
         start = time.perf_counter()
-        progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
-            if self._progress else None
+        outputs = self._describe() if self._progress else None
+        progress = _Progress(self._progress, sum({o.stored: o.bytes for o in outputs}.values()),
+                             "tensorferry") if self._progress else None
         out = {}
         try:
             if progress is None:
@@ -395,8 +379,8 @@ class Loader:
             else:
                 # One load per file, so progress moves shard by shard.
                 by_file = {}
-                for name in (self._names if self._names is not None else self._reader.names(True)):
-                    by_file.setdefault(self._reader.info(name)[3], []).append(name)
+                for o in outputs:
+                    by_file.setdefault(o.file, []).append(o.name)
                 groups = [by_file[f] for f in sorted(by_file)]
             for group in groups:
                 triples = self._reader.load(group, self._fw.code)
@@ -412,13 +396,9 @@ class Loader:
         stats.seconds = time.perf_counter() - start
         stats.peak_rss_bytes = peak_rss_bytes()
         self._stats = stats
-        if self._names is not None:
-            order = {n: i for i, n in enumerate(self._reader.names(True))}
-            def position(name):  # a tied alias the files lack: right after its target
-                if name in order:
-                    return order[name]
-                return order.get(self._stored_name(name), len(order)) + 0.5
-            out = dict(sorted(out.items(), key=lambda kv: position(kv[0])))
+        if len(groups) > 1:  # each load returned its tensors in output order; merge them so
+            order = {o.name: i for i, o in enumerate(outputs)}
+            out = dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
         return out
 
     def load_into(self, destinations):
@@ -431,9 +411,11 @@ class Loader:
         each destination receives this rank's slice (local row-major bytes: room for the slice
         is enough)."""
         self._check_open()
+        # SafetensorError for a name that is neither a tensor nor a tied alias of one.
+        described = {o.name: o for o in self._reader.describe(list(destinations))}
         entries = []
         for name, dst in destinations.items():
-            st_dtype = self._reader.info(name)[0]  # SafetensorError for a missing name
+            st_dtype = described[name].dtype
             want = self._fw.dtype(st_dtype, name)
             if hasattr(dst, "data_ptr"):  # torch
                 if not dst.is_contiguous():

@@ -114,9 +114,12 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   }
   // Tied aliases resolve as for the Loader: their targets are read (once) and exchanged, the
   // aliases added at the end sharing their target's result.
-  TF_ASSIGN_OR_RETURN(const ResolvedSelection resolved,
-                      ResolveSelection(*checkpoint, selection, &spec));
-  const std::vector<uint32_t>& indices = resolved.read;
+  TensorParallelOptions tp;
+  tp.spec = spec;
+  tp.rank = me;
+  tp.world = world;
+  TF_ASSIGN_OR_RETURN(const Description described, DescribeSelection(*checkpoint, selection, &tp));
+  const std::vector<uint32_t>& indices = described.read;
   const std::vector<TensorInfo>& infos = checkpoint->tensors();
   const size_t n = indices.size();
 
@@ -277,12 +280,12 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   std::vector<size_t> position(infos.size(), SIZE_MAX);
   for (size_t i = 0; i < n; ++i) position[indices[i]] = i;
   std::vector<Tensor> delivered;
-  for (auto& [name, index] : resolved.Outputs(*checkpoint)) {
-    const Tensor& t = out[position[index]];
-    if (name == t.name()) {
+  for (const OutputInfo& o : described.outputs) {
+    const Tensor& t = out[position[o.tensor]];
+    if (!o.alias) {
       delivered.push_back(t);
     } else {
-      delivered.emplace_back(std::move(name), t.dtype(), t.shape(), t.data(), t.size(), t.owner(),
+      delivered.emplace_back(o.name, t.dtype(), t.shape(), t.data(), t.size(), t.owner(),
                              t.device());
     }
   }

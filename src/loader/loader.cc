@@ -1,18 +1,12 @@
-// The loader: Selection -> Plan (per device) -> read engine -> pooled host buffers or device
-// buffers through the device pipeline -> Tensors.
+// The loader: Selection -> Description -> Plan (per device group, groups.h) -> read engine ->
+// sink (sink.h: host, mapped, device) -> Tensors. This file: Loader::Impl's shared steps (device
+// slots, files, O_DIRECT choice, statistics), Open, Describe, MakePlan, Load, Placement; the
+// batch loop is batch_iterator.cc, LoadInto load_into.cc.
 #include "tensorferry/loader.h"
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <cstring>
-#include <future>
 #include <map>
-#include <mutex>
-#include <optional>
-#include <set>
-#include <thread>
-#include <tuple>
+#include <unordered_map>
 #include <utility>
 
 #include "cuda/cuda_api.h"
@@ -20,323 +14,19 @@
 #include "device/pipeline.h"
 #include "io/engine_common.h"
 #include "io/file_set.h"
-#include "io/mapped_file.h"
 #include "io/read_engine.h"
+#include "loader/groups.h"
+#include "loader/loader_impl.h"
+#include "loader/sink.h"
 #include "memory/host_buffer.h"
-#include "tensorferry/format.h"
-#include "tensorferry/mapping.h"
 #include "tensorferry/residency.h"
-#include "tensorferry/shard.h"
-#include "tensorferry/size.h"
 #include "util/macros.h"
 
 namespace tensorferry {
 
-// --- Selection ---------------------------------------------------------------------------------
-
-Selection Selection::All() {
-  return Selection();
-}
-
-Selection Selection::Names(std::vector<std::string> names) {
-  Selection s;
-  s.names_ = std::move(names);
-  s.by_name_ = true;
-  return s;
-}
-
-Selection Selection::Where(std::function<bool(const TensorInfo&)> predicate) {
-  Selection s;
-  s.predicate_ = std::move(predicate);
-  return s;
-}
-
-Selection Selection::Layers(uint64_t first, uint64_t last) {
-  return Where([first, last](const TensorInfo& t) {
-    auto layer = LayerOf(t.name);
-    return layer && *layer >= first && *layer <= last;
-  });
-}
-
-Result<std::vector<uint32_t>> Selection::Resolve(const Checkpoint& checkpoint) const {
-  const auto& all = checkpoint.tensors();
-  std::vector<uint32_t> out;
-  if (by_name_) {
-    out.reserve(names_.size());
-    for (const auto& name : names_) {
-      const TensorInfo* t = checkpoint.Find(name);
-      if (t == nullptr) {
-        return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
-      }
-      out.push_back(static_cast<uint32_t>(t - all.data()));
-    }
-    std::sort(out.begin(), out.end());
-    out.erase(std::unique(out.begin(), out.end()), out.end());
-    return out;
-  }
-  out.reserve(all.size());
-  for (uint32_t i = 0; i < all.size(); ++i) {
-    if (!predicate_ || predicate_(all[i])) out.push_back(i);
-  }
-  return out;
-}
-
-Result<ResolvedSelection> ResolveSelection(const Checkpoint& ckpt, const Selection& selection,
-                                           const ShardSpec* spec) {
-  ResolvedSelection r;
-  if (spec == nullptr || spec->ties().empty()) {
-    TF_ASSIGN_OR_RETURN(r.read, selection.Resolve(ckpt));
-    return r;
-  }
-  const auto& all = ckpt.tensors();
-  // Every tie must name a tensor the checkpoint has, and an alias the files hold must be that
-  // tensor's twin: otherwise the spec does not describe this checkpoint, and following it would
-  // silently hand out another tensor's bytes (or ignore the tie).
-  for (const auto& [alias, ignored] : spec->ties()) {
-    const std::optional<std::string> target = spec->TieTarget(alias);
-    if (!target) continue;  // a cycle: ShardSpec::Validate refuses it
-    const TensorInfo* t = ckpt.Find(*target);
-    if (t == nullptr) {
-      return Status(Code::kInvalidArgument, "tie \"" + alias + "\" -> \"" + *target +
-                                                "\": the target is not in the checkpoint");
-    }
-    const TensorInfo* a = ckpt.Find(alias);
-    if (a != nullptr && (a->dtype != t->dtype || a->shape != t->shape)) {
-      return Status(Code::kInvalidArgument,
-                    "tie \"" + alias + "\" -> \"" + *target + "\": the alias is " +
-                        std::string(DTypeName(a->dtype)) + " " + ShapeText(a->shape) +
-                        " in the files but its target is " + std::string(DTypeName(t->dtype)) +
-                        " " + ShapeText(t->shape) + "; a tie must name the same tensor");
-    }
-  }
-  std::vector<bool> read(all.size(), false);
-  r.deliver.assign(all.size(), false);
-  std::map<std::string, uint32_t> alias_target;
-  auto index_of = [&](const TensorInfo* t) { return static_cast<uint32_t>(t - all.data()); };
-  // The target an alias stands for, when the spec ties it to a tensor the checkpoint has.
-  auto target_of = [&](std::string_view name) -> const TensorInfo* {
-    std::optional<std::string> target = spec->TieTarget(name);
-    return target ? ckpt.Find(*target) : nullptr;
-  };
-  auto add_alias = [&](const std::string& alias, const TensorInfo* target) {
-    read[index_of(target)] = true;
-    alias_target.emplace(alias, index_of(target));
-  };
-  if (selection.by_name_) {
-    for (const std::string& name : selection.names_) {
-      if (const TensorInfo* target = target_of(name)) {
-        add_alias(name, target);  // present or not, the alias's own bytes are not read
-        continue;
-      }
-      const TensorInfo* t = ckpt.Find(name);
-      if (t == nullptr) {
-        return Status(Code::kNotFound, "tensor \"" + name + "\" is not in the checkpoint");
-      }
-      read[index_of(t)] = r.deliver[index_of(t)] = true;
-    }
-  } else {
-    const auto& predicate = selection.predicate_;
-    for (uint32_t i = 0; i < all.size(); ++i) {
-      if (predicate && !predicate(all[i])) continue;
-      if (const TensorInfo* target = target_of(all[i].name)) {
-        add_alias(all[i].name, target);  // a duplicate of its target: read once
-      } else {
-        read[i] = r.deliver[i] = true;
-      }
-    }
-    // Aliases the files do not hold (tie_word_embeddings): selected as their target would be
-    // under the alias's name.
-    for (const auto& [alias, ignored] : spec->ties()) {
-      if (ckpt.Find(alias) != nullptr) continue;
-      const TensorInfo* target = target_of(alias);
-      if (target == nullptr) continue;
-      TensorInfo as_alias = *target;
-      as_alias.name = alias;
-      if (!predicate || predicate(as_alias)) add_alias(alias, target);
-    }
-  }
-  for (uint32_t i = 0; i < all.size(); ++i) {
-    if (read[i]) r.read.push_back(i);
-  }
-  r.aliases.assign(alias_target.begin(), alias_target.end());
-  return r;
-}
-
-std::vector<std::pair<std::string, uint32_t>> ResolvedSelection::Outputs(
-    const Checkpoint& checkpoint) const {
-  const auto& all = checkpoint.tensors();
-  // Keys as Loader::Load sorts by: 2 * index for a tensor of the files, 2 * target + 1 for an
-  // alias the files lack.
-  std::vector<std::tuple<size_t, std::string, uint32_t>> keyed;
-  for (uint32_t i : read) {
-    if (deliver.empty() || deliver[i]) keyed.emplace_back(2 * size_t{i}, all[i].name, i);
-  }
-  for (const auto& [alias, target] : aliases) {
-    const TensorInfo* present = checkpoint.Find(alias);
-    const size_t key =
-        present != nullptr ? 2 * static_cast<size_t>(present - all.data()) : 2 * size_t{target} + 1;
-    keyed.emplace_back(key, alias, target);
-  }
-  std::stable_sort(keyed.begin(), keyed.end(),
-                   [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
-  std::vector<std::pair<std::string, uint32_t>> out;
-  out.reserve(keyed.size());
-  for (auto& [key, name, index] : keyed) out.emplace_back(std::move(name), index);
-  return out;
-}
-
 // --- Loader -----------------------------------------------------------------------------------
 
 namespace {
-
-// What every Tensor of a batch co-owns: the buffer and the batch's share of the budget. Both are
-// released together when the last tensor goes.
-struct BatchMemory {
-  std::shared_ptr<memory::HostBuffer> buffer;
-  memory::BudgetLease lease;
-};
-
-// A batch's memory, reserved before its reads start: its share of the host budget, or (for a
-// CUDA batch) its device buffer.
-struct Reservation {
-  memory::BudgetLease lease;
-  std::shared_ptr<device::DeviceBuffer> device;
-};
-
-// The selected tensors bound for one device, planned together: batches never mix devices.
-// A strided read of a tensor-parallel slice bound for a device (LoadOptions::shard with a split
-// on a dimension other than 0): `rows` rows of `row_bytes`, `src_pitch` apart in the file from
-// `file_offset`, land `dst_pitch` apart in the batch buffer from `buffer_offset` (a
-// cudaMemcpy2DAsync of the staged covering range; see src/device/pipeline.h).
-struct StridedRead {
-  uint32_t file = 0;
-  uint64_t file_offset = 0;
-  uint64_t buffer_offset = 0;
-  uint64_t rows = 0;
-  uint64_t row_bytes = 0;
-  uint64_t src_pitch = 0;
-  uint64_t dst_pitch = 0;
-  uint64_t length() const { return (rows - 1) * src_pitch + row_bytes; }
-};
-
-struct Group {
-  Device device;
-  Plan plan;
-  uint64_t batch_budget = 0;
-  // Sharded device groups: per batch, the strided reads besides the batch's contiguous tasks.
-  std::vector<std::vector<StridedRead>> strided;
-};
-
-// The bytes of one index along dimension `dim` of `t` (whole bytes: SliceOf refuses splits
-// where they are not).
-uint64_t IndexBytes(const TensorInfo& t, uint32_t dim) {
-  uint64_t elements = 1;
-  for (size_t i = dim + 1; i < t.shape.size(); ++i) elements *= t.shape[i];
-  return elements * DTypeBits(t.dtype) / 8;
-}
-
-// The reads that put `slice` of `info` at [0, slice.bytes) of a destination, buffer_offset
-// relative to the tensor's first local byte: per block of the slice, one contiguous read
-// (rows == 1: a dim-0 split, nothing before the split dimension) or one strided read of every
-// leading index's row. REQUIRES: slice came from SliceOf(info, ...) with a split rule.
-std::vector<StridedRead> SliceReads(const TensorInfo& info, const TensorSlice& slice) {
-  const uint32_t dim = slice.rule.dim;
-  uint64_t outer = 1;
-  for (uint32_t i = 0; i < dim; ++i) outer *= info.shape[i];
-  const uint64_t row = IndexBytes(info, dim);
-  const uint64_t full = info.shape[dim] * row, local = slice.shape[dim] * row;
-  std::vector<StridedRead> reads;
-  if (outer == 0 || row == 0) return reads;
-  uint64_t at = 0;  // where the block starts within a local row
-  for (const auto& [start, len] : slice.blocks) {
-    const uint64_t bytes = len * row;
-    if (bytes == 0) continue;
-    if (outer == 1) {
-      reads.push_back({info.file, info.offset + start * row, at, 1, bytes, bytes, bytes});
-    } else {
-      reads.push_back({info.file, info.offset + start * row, at, outer, bytes, full, local});
-    }
-    at += bytes;
-  }
-  return reads;
-}
-
-// Lays out a batch of a sharded plan again for a device: the host plan reads covering ranges
-// into the buffer and packs the pieces with memmoves afterwards, which on a device would cost the
-// gap bytes in device memory plus device-to-device moves. Here every tensor occupies exactly its
-// local bytes in the buffer: whole tensors and single-range slices (dim 0) are contiguous tasks
-// (coalesced when adjacent in the file, offsets congruent modulo io_alignment as the host plan
-// keeps them, for GDS); each block of a slice on another dimension is one StridedRead whose rows
-// the pipeline copies with cudaMemcpy2DAsync (fused dim-0 slices: one contiguous task per part).
-// The batch keeps its tensors and order; tasks, moves, buffer_size and read_bytes are replaced.
-void LayOutForDevice(const Checkpoint& ckpt, uint64_t io_alignment, PlanBatch& batch,
-                     std::vector<StridedRead>& strided) {
-  const auto& infos = ckpt.tensors();
-  std::vector<ReadTask> tasks;
-  strided.clear();
-  batch.moves.clear();
-  batch.read_bytes = 0;
-  uint64_t pos = 0;
-  bool can_extend = false;  // the last task ends at `pos` and may grow
-  auto place = [&](uint64_t file_offset) {
-    if (io_alignment == 0) return (pos + 63) & ~uint64_t{63};
-    const uint64_t mask = io_alignment - 1;
-    uint64_t at = (pos & ~mask) + (file_offset & mask);
-    if (at < pos) at += io_alignment;
-    return at;
-  };
-  for (PlannedTensor& pt : batch.tensors) {
-    const TensorInfo& info = infos[pt.tensor];
-    const uint64_t size = pt.size(info);
-    if (size == 0) {
-      pt.buffer_offset = pos;
-      continue;
-    }
-    const uint64_t ranges = pt.slice ? SliceRangeCount(info, *pt.slice) : 1;
-    if (ranges == 1) {
-      const uint64_t offset =
-          info.offset + (pt.slice ? SliceByteRanges(info, *pt.slice)[0].first : 0);
-      if (can_extend && tasks.back().file == info.file &&
-          tasks.back().file_offset + tasks.back().length == offset) {
-        tasks.back().length += size;
-      } else {
-        tasks.push_back({info.file, offset, 0, place(offset)});
-      }
-      ReadTask& t = tasks.back();
-      pt.buffer_offset = t.buffer_offset + (offset - t.file_offset);
-      if (t.length == 0) t.length = size;
-      pos = t.buffer_offset + t.length;
-      batch.read_bytes += size;
-      can_extend = true;
-      continue;
-    }
-    std::vector<StridedRead> reads = SliceReads(info, *pt.slice);
-    const uint64_t base = place(reads.front().file_offset);
-    for (StridedRead& r : reads) {
-      r.buffer_offset += base;
-      if (r.rows == 1) {
-        tasks.push_back({r.file, r.file_offset, r.row_bytes, r.buffer_offset});
-      } else {
-        strided.push_back(r);
-      }
-      batch.read_bytes += r.length();
-    }
-    pt.buffer_offset = base;
-    pos = base + size;
-    can_extend = false;
-  }
-  batch.tasks = std::move(tasks);
-  batch.buffer_size = pos;
-}
-
-// Per CUDA device: the budgeted allocator of batch buffers and the pipeline (pinned ring, streams,
-// cuFile driver), made once per Loader and reused by every load.
-struct DeviceSink {
-  std::shared_ptr<device::DeviceAllocator> allocator;
-  std::unique_ptr<device::DevicePipeline> pipeline;
-};
-
-using Clock = std::chrono::steady_clock;
 
 // With DirectIO::kAuto, a file is read with O_DIRECT when less than this fraction of the bytes to
 // read is in the page cache.
@@ -344,581 +34,219 @@ constexpr double kDirectBelowCachedFraction = 0.5;
 
 }  // namespace
 
-struct Loader::Impl {
-  std::shared_ptr<const Checkpoint> checkpoint;
-  LoadOptions options;
-  Env* env = nullptr;
-  Engine engine_kind = Engine::kPread;  // resolved (never kAuto)
-  std::unique_ptr<io::ReadEngine> engine;
-  std::shared_ptr<memory::BufferPool> pool;
-  std::shared_ptr<memory::Budget> budget;
-  // The checkpoint's files (Checkpoint::file_set(): opened once, shared by its loaders).
-  std::shared_ptr<io::FileSet> files;
-  // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
-  std::vector<std::shared_ptr<io::MappedFile>> maps;
-  LoadStats stats;
-  // Device loading: the runtime (loaded on first use), one sink per CUDA device used, and the
-  // engine device batches read through (the loader's engine; a pread engine for kMmap, which has
-  // none).
-  std::shared_ptr<const cuda::Runtime> runtime;
-  std::map<int, DeviceSink> sinks;
-  std::unique_ptr<io::ReadEngine> own_copy_engine;
-  io::ReadEngine* copy_engine = nullptr;
-
-  // The sink of CUDA device `index`, created on first use. REQUIRES: not called while a batch is
-  // being read on the helper thread.
-  Result<DeviceSink*> Sink(int index) {
-    auto it = sinks.find(index);
-    if (it != sinks.end()) return &it->second;
-    if (index < 0) {
-      return Status(Code::kInvalidArgument, "CUDA device index " + std::to_string(index));
-    }
-    if (!runtime) {
-      TF_ASSIGN_OR_RETURN(runtime, cuda::ProcessRuntime());
-    }
-    TF_RETURN_IF_ERROR(runtime->CheckDevice(index));
-    device::DevicePipelineOptions p;
-    p.device = index;
-    p.slot_size = options.staging_slot;
-    p.staging_bytes = options.staging_bytes;
-    p.producers = options.device_producers;
-    p.gds = options.gds;
-    TF_ASSIGN_OR_RETURN(std::unique_ptr<device::DevicePipeline> pipeline,
-                        device::DevicePipeline::Create(runtime, p));
-    DeviceSink sink{device::DeviceAllocator::Create(runtime, index, options.device_budget),
-                    std::move(pipeline)};
-    return &sinks.emplace(index, std::move(sink)).first->second;
+Result<sink::DeviceSlot*> Loader::Impl::Slot(int index) {
+  auto it = slots.find(index);
+  if (it != slots.end()) return &it->second;
+  if (index < 0) {
+    return Status(Code::kInvalidArgument, "CUDA device index " + std::to_string(index));
   }
-
-  // The engine that copies bytes into memory (host destinations of LoadInto, device batches).
-  Result<io::ReadEngine*> CopyEngine() {
-    if (copy_engine == nullptr) {
-      if (engine) {
-        copy_engine = engine.get();
-      } else {
-        TF_ASSIGN_OR_RETURN(own_copy_engine, io::MakePreadEngine(options.threads));
-        copy_engine = own_copy_engine.get();
-      }
-    }
-    return copy_engine;
+  if (!runtime) {
+    TF_ASSIGN_OR_RETURN(runtime, cuda::ProcessRuntime());
   }
+  TF_RETURN_IF_ERROR(runtime->CheckDevice(index));
+  device::DevicePipelineOptions p;
+  p.device = index;
+  p.slot_size = options.staging_slot;
+  p.staging_bytes = options.staging_bytes;
+  p.producers = options.device_producers;
+  p.gds = options.gds;
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<device::DevicePipeline> pipeline,
+                      device::DevicePipeline::Create(runtime, p));
+  sink::DeviceSlot slot{device::DeviceAllocator::Create(runtime, index, options.device_budget),
+                        std::move(pipeline)};
+  return &slots.emplace(index, std::move(slot)).first->second;
+}
 
-  // Takes the checkpoint's files once per loader, and checks that the files it holds open are
-  // still those seen at Checkpoint::Open (the others are checked when opened again): a file
-  // replaced or rewritten since then is reported before a read of it.
-  Status OpenFiles() {
-    if (!files) {
-      files = checkpoint->file_set();
-      maps.clear();
-      maps.resize(checkpoint->files().size());
-    }
-    return checkpoint->CheckUnchanged();
-  }
-
-  // Runs `run` over windows of the files in `used` (distinct file indices), each window at most
-  // half the file set's descriptor bound, with the window's files pinned: pins[f].file is set for
-  // exactly the files of the window. One window unless a batch reads hundreds of files.
-  Status InFileWindows(const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
-                       const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run) {
-    const size_t window = std::max<size_t>(1, files->max_open() / 2);
-    std::vector<io::FileSet::Pin> pins(files->size());
-    for (size_t w = 0; w < used.size(); w += window) {
-      const size_t end = std::min(used.size(), w + window);
-      for (size_t i = w; i < end; ++i) {
-        const uint32_t f = used[i];
-        TF_ASSIGN_OR_RETURN(pins[f], files->Get(f, f < want_direct.size() && want_direct[f]));
-      }
-      TF_RETURN_IF_ERROR(run(pins));
-      for (size_t i = w; i < end; ++i) pins[used[i]] = {};
-    }
-    return Status::Ok();
-  }
-
-  // Runs device tasks (task i reads file task_file[i]) through the sink's pipeline, window by
-  // window of files (InFileWindows).
-  Status RunDeviceTasks(const DeviceSink& sink, const std::vector<device::DeviceTask>& tasks,
-                        const std::vector<uint32_t>& task_file,
-                        const std::vector<bool>& want_direct, device::DeviceBuffer* buffer) {
-    return InFileWindows(
-        DistinctFiles(task_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          const std::vector<device::DeviceTask> window = WindowOf(tasks, task_file, pins);
-          return buffer != nullptr ? sink.pipeline->Run(window, *copy_engine, buffer)
-                                   : sink.pipeline->Run(window, *copy_engine);
-        });
-  }
-
-  // The tasks (io::ReadRequest or device::DeviceTask; task i reads file task_file[i]) whose files
-  // are pinned in this window, with their file and O_DIRECT descriptor filled in.
-  template <typename Task>
-  static std::vector<Task> WindowOf(const std::vector<Task>& tasks,
-                                    const std::vector<uint32_t>& task_file,
-                                    const std::vector<io::FileSet::Pin>& pins) {
-    std::vector<Task> window;
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const io::FileSet::Pin& pin = pins[task_file[i]];
-      if (!pin.file) continue;
-      Task t = tasks[i];
-      t.file = pin.file.get();
-      t.direct_fd = pin.direct_fd();
-      window.push_back(t);
-    }
-    return window;
-  }
-
-  // The distinct file indices of `ids`, in first-use order.
-  std::vector<uint32_t> DistinctFiles(const std::vector<uint32_t>& ids) const {
-    std::vector<bool> seen(files->size(), false);
-    std::vector<uint32_t> out;
-    for (uint32_t f : ids) {
-      if (!seen[f]) out.push_back(f);
-      seen[f] = true;
-    }
-    return out;
-  }
-
-  // What a selection means for one load: the tensors to read, which of them go to the caller,
-  // and the tied aliases (LoadOptions::shard ties) delivered sharing their target's data.
-  struct Resolved {
-    std::vector<uint32_t> read;                    // indices into tensors(), ascending
-    std::vector<bool> deliver;                     // per tensor index; empty: every read tensor
-    std::multimap<uint32_t, std::string> aliases;  // target index -> alias name
-  };
-
-  Result<Resolved> Resolve(const Selection& selection) const {
-    TF_ASSIGN_OR_RETURN(
-        ResolvedSelection rs,
-        ResolveSelection(*checkpoint, selection, options.shard ? &options.shard->spec : nullptr));
-    Resolved r;
-    r.read = std::move(rs.read);
-    r.deliver = std::move(rs.deliver);
-    for (auto& [alias, target] : rs.aliases) r.aliases.emplace(target, std::move(alias));
-    return r;
-  }
-
-  // Applies `resolved` to a batch made from `planned`: tied aliases added after their target
-  // (sharing its bytes and owner), tensors read only for an alias dropped.
-  static void Deliver(const Resolved& resolved, const PlanBatch& planned, Batch& batch) {
-    if (resolved.deliver.empty()) return;
-    std::vector<Tensor> out;
-    out.reserve(batch.tensors.size() + resolved.aliases.size());
-    for (size_t i = 0; i < batch.tensors.size(); ++i) {
-      const uint32_t index = planned.tensors[i].tensor;
-      Tensor& t = batch.tensors[i];
-      const auto [first, last] = resolved.aliases.equal_range(index);
-      for (auto it = first; it != last; ++it) {
-        out.emplace_back(it->second, t.dtype(), t.shape(), t.data(), t.size(), t.owner(),
-                         t.device());
-      }
-      if (resolved.deliver[index]) out.push_back(std::move(t));
-    }
-    batch.tensors = std::move(out);
-  }
-
-  // The plan's batches hold at most half the budget when the next batch is read while the caller
-  // handles the current one (double buffering), so two fit; the whole budget when a selected
-  // tensor is larger than half of it.
-  // On a device a sharded tensor occupies exactly its slice; on the host its covering reads may
-  // take up to the whole tensor's bytes, so the whole size decides there.
-  uint64_t BatchBudget(std::span<const uint32_t> indices, uint64_t limit, bool on_device) const {
-    if (limit == 0) return 0;
-    uint64_t largest = 0;
-    for (uint32_t i : indices) {
-      const TensorInfo& t = checkpoint->tensors()[i];
-      largest = std::max(largest, on_device ? LocalSize(t) : t.size);
-    }
-    const uint64_t half = limit / 2;
-    return largest <= half ? half : limit;
-  }
-
-  // The bytes a tensor occupies once loaded: its slice's under LoadOptions::shard (the whole
-  // size when the slice is invalid: planning reports that error).
-  uint64_t LocalSize(const TensorInfo& t) const {
-    if (!options.shard) return t.size;
-    const ShardRule rule = options.shard->spec.RuleFor(t.name);
-    if (!rule.is_split()) return t.size;
-    Result<TensorSlice> slice = SliceOf(t, rule, options.shard->rank, options.shard->world);
-    return slice.ok() ? slice->bytes : t.size;
-  }
-
-  // The device each selected tensor goes to.
-  Device Place(const TensorInfo& t) const {
-    return options.placement ? options.placement(t) : options.device;
-  }
-
-  // The plan of a load, one group per device (host first, then CUDA devices by index).
-  Result<std::vector<Group>> MakeGroups(const Resolved& resolved) const {
-    std::vector<uint32_t> indices = resolved.read;
-    std::map<Device, std::vector<uint32_t>> by_device;
-    if (options.placement) {
-      for (uint32_t i : indices) by_device[Place(checkpoint->tensors()[i])].push_back(i);
+Result<io::ReadEngine*> Loader::Impl::CopyEngine() {
+  if (copy_engine == nullptr) {
+    if (engine) {
+      copy_engine = engine.get();
     } else {
-      by_device[options.device] = std::move(indices);
+      TF_ASSIGN_OR_RETURN(own_copy_engine, io::MakePreadEngine(options.threads));
+      copy_engine = own_copy_engine.get();
     }
-    if (by_device.empty()) by_device[options.device];  // an empty selection: an empty plan
-    std::vector<Group> groups;
-    for (auto& [dev, idx] : by_device) {
-      if (dev.is_cuda() && dev.index < 0) {
-        return Status(Code::kInvalidArgument, "placement: CUDA device index " +
-                                                  std::to_string(dev.index) + " for tensor \"" +
-                                                  checkpoint->tensors()[idx.front()].name + "\"");
-      }
-      Group g;
-      g.device = dev;
-      const uint64_t limit = dev.is_cpu() ? options.budget : options.device_budget;
-      g.batch_budget = BatchBudget(idx, limit, dev.is_cuda());
-      PlanOptions p = MakePlanOptions(g.batch_budget);
-      // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
-      // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
-      if (dev.is_cuda() && options.gds == GdsMode::kOff) p.io_alignment = 0;
-      const bool relayout = dev.is_cuda() && options.shard.has_value();
-      if (relayout) {
-        // Batches are formed from the local sizes: the device layout holds no covered gaps.
-        p.file_max_gap.assign(checkpoint->files().size(), 0);
-      }
-      const std::vector<uint32_t>& selected = idx;  // (lambdas cannot capture bindings in C++20)
-      auto plan = [&]() -> Status {
-        TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(*checkpoint, selected, p));
-        if (!relayout) return Status::Ok();
-        g.strided.assign(g.plan.batches.size(), {});
-        g.plan.read_bytes = 0;
-        g.plan.num_moves = 0;
-        g.plan.num_tasks = 0;
-        for (size_t b = 0; b < g.plan.batches.size(); ++b) {
-          LayOutForDevice(*checkpoint, p.io_alignment, g.plan.batches[b], g.strided[b]);
-          g.plan.read_bytes += g.plan.batches[b].read_bytes;
-          g.plan.num_tasks += g.plan.batches[b].tasks.size() + g.strided[b].size();
-        }
-        return Status::Ok();
-      };
-      TF_RETURN_IF_ERROR(plan());
-      if (dev.is_cuda() && limit > 0 && p.io_alignment != 0) {
-        // A tensor that fits the device budget but not with the padding that keeps its file
-        // offset modulo 4 KiB (for GDS): plan the group without that alignment (staged copies)
-        // rather than exceed the budget.
-        for (const PlanBatch& b : g.plan.batches) {
-          if (b.buffer_size > limit && b.tensor_bytes <= limit) {
-            p.io_alignment = 0;
-            TF_RETURN_IF_ERROR(plan());
-            break;
-          }
-        }
-      }
-      if (dev.is_cuda() && limit > 0 && g.batch_budget < limit) {
-        // The device budget counts whole buffers, padding included: when padding pushes a batch
-        // past half the budget, plan again with the batch budget lowered by the overshoot, so two
-        // batches still fit (double buffering).
-        uint64_t largest_buffer = 0, largest_tensor = 0;
-        for (const PlanBatch& b : g.plan.batches) {
-          largest_buffer = std::max(largest_buffer, b.buffer_size);
-        }
-        for (uint32_t i : idx)
-          largest_tensor = std::max(largest_tensor, LocalSize(checkpoint->tensors()[i]));
-        const uint64_t over = largest_buffer > g.batch_budget ? largest_buffer - g.batch_budget : 0;
-        if (over > 0 && g.batch_budget - largest_tensor > over) {
-          p.budget = g.batch_budget - over;
-          TF_RETURN_IF_ERROR(plan());
-        }
-      }
-      groups.push_back(std::move(g));
-    }
-    return groups;
   }
+  return copy_engine;
+}
 
-  // With shard->exact_when_cached: exact strides (0) for files mostly in the page cache, max_gap
-  // for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads the
-  // real file system by path: it only chooses how to read, never what is read.
-  std::vector<uint64_t> FileMaxGaps() const {
-    std::vector<uint64_t> gaps;
-    if (!options.shard || !options.shard->exact_when_cached) return gaps;
-    for (const FileInfo& f : checkpoint->files()) {
-      uint64_t gap = options.shard->max_gap;
-      if (f.file_size > f.data_offset) {
-        Result<double> cached = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
-        if (cached.ok() && *cached >= 0.5) gap = 0;
-      }
-      gaps.push_back(gap);
-    }
-    return gaps;
+Status Loader::Impl::OpenFiles() {
+  if (!files) {
+    files = checkpoint->file_set();
+    maps.clear();
+    maps.resize(checkpoint->files().size());
   }
+  return checkpoint->CheckUnchanged();
+}
 
-  PlanOptions MakePlanOptions(uint64_t batch_budget) const {
-    PlanOptions p;
-    p.chunk_size = options.chunk_size;
-    p.budget = batch_budget;
-    p.allow_oversized = options.allow_oversized;
-    p.order = options.order;
-    p.shard = options.shard;
-    p.file_max_gap = FileMaxGaps();
-    return p;
+Status Loader::Impl::InFileWindows(
+    const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
+    const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run) {
+  const size_t window = std::max<size_t>(1, files->max_open() / 2);
+  std::vector<io::FileSet::Pin> pins(files->size());
+  for (size_t w = 0; w < used.size(); w += window) {
+    const size_t end = std::min(used.size(), w + window);
+    for (size_t i = w; i < end; ++i) {
+      const uint32_t f = used[i];
+      TF_ASSIGN_OR_RETURN(pins[f], files->Get(f, f < want_direct.size() && want_direct[f]));
+    }
+    TF_RETURN_IF_ERROR(run(pins));
+    for (size_t i = w; i < end; ++i) pins[used[i]] = {};
   }
+  return Status::Ok();
+}
 
-  // Decides, per file the plan reads, whether its reads use O_DIRECT: returns the descriptor per
-  // file index (-1: buffered) and counts the choices into stats.
-  // `reads`: the (file, offset, length) ranges the load reads; `skip_host_mapped`: the mmap
-  // engine's host batches read nothing (only its device batches count).
-  Result<std::vector<bool>> ChooseDirect(std::span<const Group> groups, bool skip_host_mapped) {
-    const auto& infos = checkpoint->files();
-    std::vector<uint64_t> lo(infos.size(), UINT64_MAX), hi(infos.size(), 0);
-    for (const Group& g : groups) {
-      if (skip_host_mapped && g.device.is_cpu()) continue;
-      for (const PlanBatch& b : g.plan.batches) {
-        for (const ReadTask& t : b.tasks) {
-          lo[t.file] = std::min(lo[t.file], t.file_offset);
-          hi[t.file] = std::max(hi[t.file], t.file_offset + t.length);
-        }
-      }
-      for (const std::vector<StridedRead>& reads : g.strided) {
-        for (const StridedRead& t : reads) {
-          lo[t.file] = std::min(lo[t.file], t.file_offset);
-          hi[t.file] = std::max(hi[t.file], t.file_offset + t.length());
-        }
-      }
-    }
-    return ChooseDirect(lo, hi);
+Result<Loader::Impl::Resolved> Loader::Impl::Resolve(const Selection& selection) const {
+  TF_ASSIGN_OR_RETURN(Description d, Describe(selection));
+  return Index(std::move(d));
+}
+
+Result<Description> Loader::Impl::Describe(const Selection& selection) const {
+  return DescribeSelection(*checkpoint, selection, options.shard ? &*options.shard : nullptr);
+}
+
+Loader::Impl::Resolved Loader::Impl::Index(Description d) {
+  Resolved r;
+  r.read = std::move(d.read);
+  if (d.outputs.size() == r.read.size() &&
+      std::none_of(d.outputs.begin(), d.outputs.end(), [](const auto& o) { return o.alias; })) {
+    return r;  // every read tensor delivered as itself
   }
-
-  // Per file, whether its reads within [lo, hi) use O_DIRECT (hi 0: not read). The O_DIRECT
-  // descriptor is opened here, so a file system that refuses it is known (and counted) now.
-  Result<std::vector<bool>> ChooseDirect(const std::vector<uint64_t>& lo,
-                                         const std::vector<uint64_t>& hi) {
-    const auto& infos = checkpoint->files();
-    std::vector<bool> use_direct(infos.size(), false);
-    for (uint32_t f = 0; f < infos.size(); ++f) {
-      if (hi[f] == 0) continue;  // not read by this plan
-      bool use = false;
-      if (options.direct != DirectIO::kOff) {
-        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, files->Get(f));
-        use = options.direct == DirectIO::kOn;
-        if (!use && pin.file->native_handle() >= 0) {
-          auto cached =
-              io::CachedFraction(pin.file->native_handle(), infos[f].path, lo[f], hi[f] - lo[f]);
-          use = cached.ok() && *cached < kDirectBelowCachedFraction;
-        }
-        if (use) {
-          TF_ASSIGN_OR_RETURN(pin, files->Get(f, true));
-          use = pin.direct != nullptr;  // refused by the file system: buffered
-        }
-      }
-      use_direct[f] = use;
-      ++(use ? stats.direct_files : stats.buffered_files);
+  r.deliver.assign(r.read.empty() ? 0 : r.read.back() + 1, false);
+  std::vector<std::pair<std::string, uint32_t>> aliases;  // by name: a batch's order
+  for (OutputInfo& o : d.outputs) {
+    if (o.alias) {
+      aliases.emplace_back(std::move(o.name), o.tensor);
+    } else {
+      r.deliver[o.tensor] = true;
     }
-    return use_direct;
   }
+  std::sort(aliases.begin(), aliases.end());
+  for (auto& [name, target] : aliases) r.aliases.emplace(target, std::move(name));
+  return r;
+}
 
-  // Reads batch `b` into a pooled buffer and makes its tensors. `lease` is the batch's share of
-  // the budget; it moves into the tensors' owner.
-  Result<Batch> ReadBatch(const Plan& plan, size_t b, memory::BudgetLease lease,
-                          const std::vector<bool>& want_direct, uint64_t batch_budget) {
-    const PlanBatch& batch = plan.batches[b];
-    // Under a budget every batch asks for a buffer of the same size (the batch budget plus room
-    // for alignment padding), so the same buffers are reused for the whole load.
-    const uint64_t uniform = batch_budget + batch.tasks.size() * 4096 + (64u << 10);
-    const uint64_t want = batch_budget > 0 && batch.buffer_size <= batch_budget
-                              ? std::max(batch.buffer_size, std::min(uniform, batch_budget * 2))
-                              : batch.buffer_size;
-    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(want));
-    std::vector<uint32_t> task_files;
-    task_files.reserve(batch.tasks.size());
-    for (const ReadTask& t : batch.tasks) task_files.push_back(t.file);
-    TF_RETURN_IF_ERROR(InFileWindows(
-        DistinctFiles(task_files), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          std::vector<io::ReadRequest> requests;
-          requests.reserve(batch.tasks.size());
-          for (const ReadTask& t : batch.tasks) {
-            const io::FileSet::Pin& pin = pins[t.file];
-            if (!pin.file) continue;  // another window's
-            requests.push_back({pin.file.get(), t.file_offset,
-                                std::span<std::byte>(buffer->data() + t.buffer_offset, t.length),
-                                pin.direct_fd(), options.cancel.get()});
-          }
-          return engine->Execute(requests);
-        }));
-    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
-    for (const BufferMove& mv : batch.moves) {
-      std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+void Loader::Impl::Deliver(const Resolved& resolved, const PlanBatch& planned, Batch& batch) {
+  if (resolved.deliver.empty()) return;
+  std::vector<Tensor> out;
+  out.reserve(batch.tensors.size() + resolved.aliases.size());
+  for (size_t i = 0; i < batch.tensors.size(); ++i) {
+    const uint32_t index = planned.tensors[i].tensor;
+    Tensor& t = batch.tensors[i];
+    const auto [first, last] = resolved.aliases.equal_range(index);
+    for (auto it = first; it != last; ++it) {
+      out.emplace_back(it->second, t.dtype(), t.shape(), t.data(), t.size(), t.owner(), t.device());
     }
-
-    auto owner = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(lease)});
-    const auto& infos = checkpoint->tensors();
-    Batch out;
-    out.index = b;
-    out.count = plan.batches.size();
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = owner->buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::shared_ptr<const void>(owner, data));
-    }
-    return out;
+    if (resolved.deliver[index]) out.push_back(std::move(t));
   }
+  batch.tensors = std::move(out);
+}
 
-  // Reads batch `b` of a CUDA group into `buffer` through the device's pipeline and makes its
-  // tensors: views co-owning the buffer.
-  Result<Batch> ReadDeviceBatch(const Group& group, size_t b,
-                                std::shared_ptr<device::DeviceBuffer> buffer,
-                                const std::vector<bool>& want_direct) {
-    const PlanBatch& batch = group.plan.batches[b];
-    const DeviceSink& sink = sinks.at(group.device.index);
-    std::vector<device::DeviceTask> tasks;  // file pointers filled in per window
-    std::vector<uint32_t> task_file;
-    tasks.reserve(batch.tasks.size());
-    for (const ReadTask& t : batch.tasks) {
-      device::DeviceTask d;
-      d.file_offset = t.file_offset;
-      d.length = t.length;
-      d.dst = buffer->data() + t.buffer_offset;
-      d.cancel = options.cancel.get();
-      tasks.push_back(d);
-      task_file.push_back(t.file);
-    }
-    if (b < group.strided.size()) {
-      for (const StridedRead& t : group.strided[b]) {
-        device::DeviceTask d;
-        d.file_offset = t.file_offset;
-        d.length = t.length();
-        d.dst = buffer->data() + t.buffer_offset;
-        d.rows = t.rows;
-        d.row_bytes = t.row_bytes;
-        d.src_pitch = t.src_pitch;
-        d.dst_pitch = t.dst_pitch;
-        d.cancel = options.cancel.get();
-        tasks.push_back(d);
-        task_file.push_back(t.file);
-      }
-    }
-    TF_RETURN_IF_ERROR(RunDeviceTasks(sink, tasks, task_file, want_direct, buffer.get()));
-    const auto& infos = checkpoint->tensors();
-    Batch out;
-    out.bytes = batch.tensor_bytes;
-    out.device = group.device;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::shared_ptr<const void>(buffer, data),
-                               group.device);
-    }
-    return out;
-  }
+Result<std::vector<Group>> Loader::Impl::MakeGroups(const std::vector<uint32_t>& read) const {
+  return GroupPlanner(*checkpoint, options).MakeGroups(read);
+}
 
-  // The mmap engine's batch: views into the mappings; with populate, every page read first (in
-  // parallel over the plan's tasks).
-  Result<Batch> MapBatch(const Plan& plan, size_t b) {
-    const PlanBatch& batch = plan.batches[b];
-    const auto& file_infos = checkpoint->files();
-    for (const PlannedTensor& pt : batch.tensors) {
-      const uint32_t f = checkpoint->tensors()[pt.tensor].file;
-      if (!maps[f]) {
-        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, files->Get(f));
-        TF_ASSIGN_OR_RETURN(maps[f], io::MappedFile::Map(*pin.file, file_infos[f].file_size));
+Result<std::vector<bool>> Loader::Impl::ChooseDirect(std::span<const Group> groups,
+                                                     bool skip_host_mapped) {
+  const auto& infos = checkpoint->files();
+  std::vector<uint64_t> lo(infos.size(), UINT64_MAX), hi(infos.size(), 0);
+  for (const Group& g : groups) {
+    if (skip_host_mapped && g.device.is_cpu()) continue;
+    for (const PlanBatch& b : g.plan.batches) {
+      for (const ReadTask& t : b.tasks) {
+        lo[t.file] = std::min(lo[t.file], t.file_offset);
+        hi[t.file] = std::max(hi[t.file], t.file_offset + t.length);
       }
     }
-    if (options.populate && !batch.tasks.empty()) {
-      std::atomic<size_t> next{0};
-      std::mutex mu;
-      Status first;
-      auto work = [&] {
-        for (size_t i; (i = next.fetch_add(1)) < batch.tasks.size();) {
-          const ReadTask& t = batch.tasks[i];
-          Status s = maps[t.file]->Populate(t.file_offset, t.length);
-          if (!s.ok()) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (first.ok()) first = std::move(s);
-            next.store(batch.tasks.size());
-          }
-        }
-      };
-      const unsigned n = std::min<size_t>(options.threads ? options.threads : io::OnlineCpus(),
-                                          batch.tasks.size());
-      std::vector<std::thread> helpers;
-      for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
-      work();
-      for (std::thread& t : helpers) t.join();
-      TF_RETURN_IF_ERROR(first);
-    }
-    const auto& infos = checkpoint->tensors();
-    // Strided slices cannot be views: they are gathered from the mapping into one pooled buffer
-    // per batch. Dim-0 slices (one range) stay views.
-    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(batch.tensors.size());
-    std::vector<uint64_t> gather_at(batch.tensors.size(), 0);
-    uint64_t gather_bytes = 0;
-    for (size_t i = 0; i < batch.tensors.size(); ++i) {
-      const PlannedTensor& pt = batch.tensors[i];
-      if (!pt.slice) continue;
-      pieces[i] = SliceByteRanges(infos[pt.tensor], *pt.slice);
-      if (pieces[i].size() > 1) {
-        gather_at[i] = gather_bytes;
-        gather_bytes += (pt.slice->bytes + 63) & ~uint64_t{63};
+    for (const std::vector<StridedRead>& reads : g.strided) {
+      for (const StridedRead& t : reads) {
+        lo[t.file] = std::min(lo[t.file], t.file_offset);
+        hi[t.file] = std::max(hi[t.file], t.file_offset + t.length());
       }
     }
-    std::shared_ptr<BatchMemory> gathered;
-    if (gather_bytes > 0) {
-      TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer, pool->Acquire(gather_bytes));
-      gathered = std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), {}});
-    }
-    Batch out;
-    out.index = b;
-    out.count = plan.batches.size();
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (size_t i = 0; i < batch.tensors.size(); ++i) {
-      const PlannedTensor& pt = batch.tensors[i];
-      const TensorInfo& info = infos[pt.tensor];
-      const std::shared_ptr<io::MappedFile>& map = maps[info.file];
-      const std::vector<uint64_t>& shape = pt.slice ? pt.slice->shape : info.shape;
-      const uint64_t size = pt.size(info);
-      const std::byte* data = nullptr;
-      std::shared_ptr<const void> owner;
-      if (pieces[i].size() > 1) {
-        std::byte* dst = gathered->buffer->data() + gather_at[i];
-        for (const auto& [off, len] : pieces[i]) {
-          std::memcpy(dst, map->data() + info.offset + off, len);
-          dst += len;
-        }
-        data = gathered->buffer->data() + gather_at[i];
-        owner = std::shared_ptr<const void>(gathered, data);
-      } else {
-        const uint64_t off = pieces[i].empty() ? 0 : pieces[i][0].first;
-        data = map->data() + info.offset + off;
-        owner = std::shared_ptr<const void>(map, data);
-      }
-      // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
-      if (map->faults() != 0) {
-        return Status(Code::kUnexpectedEof,
-                      map->path() + ": file shrank while mapped: page at offset " +
-                          std::to_string(map->first_fault_offset()) + " is past its end");
-      }
-      out.tensors.emplace_back(info.name, info.dtype, shape, data, size, std::move(owner));
-    }
-    return out;
   }
+  return ChooseDirect(std::make_pair(std::move(lo), std::move(hi)));
+}
 
-  // The device figures of the load that just ended: pipeline totals since `before`, the pinned
-  // memory held, the peak of device buffers.
-  void CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before) {
-    std::string reasons;
-    for (const auto& [index, sink] : sinks) {
-      const device::DevicePipelineStats now = sink.pipeline->stats();
-      stats.pinned_bytes += now.pinned_bytes;
-      auto it = before.find(index);
-      const uint64_t staged0 = it == before.end() ? 0 : it->second.staged_bytes;
-      const uint64_t gds0 = it == before.end() ? 0 : it->second.gds_bytes;
-      const uint64_t tasks0 = it == before.end() ? 0 : it->second.tasks;
-      stats.staged_bytes += now.staged_bytes - staged0;
-      stats.gds_bytes += now.gds_bytes - gds0;
-      stats.peak_device_bytes += sink.allocator->peak();
-      if (now.tasks != tasks0 && !now.gds_reason.empty()) {
-        if (!reasons.empty()) reasons += "; ";
-        reasons += sinks.size() > 1 ? "cuda:" + std::to_string(index) + ": " + now.gds_reason
-                                    : now.gds_reason;
+Result<std::vector<bool>> Loader::Impl::ChooseDirect(
+    const std::pair<std::vector<uint64_t>, std::vector<uint64_t>>& spans) {
+  const auto& [lo, hi] = spans;
+  const auto& infos = checkpoint->files();
+  std::vector<bool> use_direct(infos.size(), false);
+  for (uint32_t f = 0; f < infos.size(); ++f) {
+    if (hi[f] == 0) continue;  // not read by this plan
+    bool use = false;
+    if (options.direct != DirectIO::kOff) {
+      TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, files->Get(f));
+      use = options.direct == DirectIO::kOn;
+      if (!use && pin.file->native_handle() >= 0) {
+        auto cached =
+            io::CachedFraction(pin.file->native_handle(), infos[f].path, lo[f], hi[f] - lo[f]);
+        use = cached.ok() && *cached < kDirectBelowCachedFraction;
+      }
+      if (use) {
+        TF_ASSIGN_OR_RETURN(pin, files->Get(f, true));
+        use = pin.direct != nullptr;  // refused by the file system: buffered
       }
     }
-    stats.gds_reason = std::move(reasons);
+    use_direct[f] = use;
+    ++(use ? stats.direct_files : stats.buffered_files);
   }
-};
+  return use_direct;
+}
+
+Result<bool> Loader::Impl::PrepareDevices(const std::vector<Group>& groups) {
+  bool any_device = false;
+  for (const Group& g : groups) {
+    if (!g.device.is_cuda()) continue;
+    any_device = true;
+    TF_ASSIGN_OR_RETURN(sink::DeviceSlot * slot, Slot(g.device.index));
+    slot->allocator->ResetPeak();
+  }
+  if (any_device) TF_RETURN_IF_ERROR(CopyEngine().status());
+  return any_device;
+}
+
+const io::ReadEngine* Loader::Impl::Counted() const {
+  return copy_engine ? copy_engine : engine.get();
+}
+
+sink::SinkContext Loader::Impl::Context(std::vector<bool> want_direct, io::ReadEngine* reader) {
+  sink::SinkContext c;
+  c.checkpoint = checkpoint.get();
+  c.options = &options;
+  c.want_direct = std::move(want_direct);
+  c.windows = [this](const std::vector<uint32_t>& used, const std::vector<bool>& direct,
+                     const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run) {
+    return InFileWindows(used, direct, run);
+  };
+  c.engine = reader;
+  c.pool = pool.get();
+  c.budget = budget.get();
+  c.files = files.get();
+  c.maps = &maps;
+  return c;
+}
+
+void Loader::Impl::CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before) {
+  std::string reasons;
+  for (const auto& [index, slot] : slots) {
+    const device::DevicePipelineStats now = slot.pipeline->stats();
+    stats.pinned_bytes += now.pinned_bytes;
+    auto it = before.find(index);
+    const uint64_t staged0 = it == before.end() ? 0 : it->second.staged_bytes;
+    const uint64_t gds0 = it == before.end() ? 0 : it->second.gds_bytes;
+    const uint64_t tasks0 = it == before.end() ? 0 : it->second.tasks;
+    stats.staged_bytes += now.staged_bytes - staged0;
+    stats.gds_bytes += now.gds_bytes - gds0;
+    stats.peak_device_bytes += slot.allocator->peak();
+    if (now.tasks != tasks0 && !now.gds_reason.empty()) {
+      if (!reasons.empty()) reasons += "; ";
+      reasons += slots.size() > 1 ? "cuda:" + std::to_string(index) + ": " + now.gds_reason
+                                  : now.gds_reason;
+    }
+  }
+  stats.gds_reason = std::move(reasons);
+}
 
 Loader::Loader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Loader::~Loader() = default;
@@ -931,7 +259,6 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   auto impl = std::make_unique<Impl>();
   impl->checkpoint = std::move(checkpoint);
   impl->options = options;
-  impl->env = options.env ? options.env : Env::Default();
   Engine kind = options.engine;
   if (kind == Engine::kAuto) {
     // io_uring where the kernel allows it: the same copies as pread for cached data, and deep
@@ -952,7 +279,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   if (options.device.is_cuda() && !options.placement) {
     // A CUDA target is checked now (runtime, device, staging options, GDS when forced), and its
     // pipeline made once for every later load.
-    TF_RETURN_IF_ERROR(impl->Sink(options.device.index).status());
+    TF_RETURN_IF_ERROR(impl->Slot(options.device.index).status());
     TF_RETURN_IF_ERROR(impl->CopyEngine().status());
   }
   return std::unique_ptr<Loader>(new Loader(std::move(impl)));
@@ -969,9 +296,13 @@ const std::shared_ptr<const Checkpoint>& Loader::checkpoint() const noexcept {
   return impl_->checkpoint;
 }
 
+Result<Description> Loader::Describe(const Selection& selection) const {
+  return impl_->Describe(selection);
+}
+
 Result<Plan> Loader::MakePlan(const Selection& selection) const {
   TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, impl_->Resolve(selection));
-  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, impl_->MakeGroups(resolved));
+  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, impl_->MakeGroups(resolved.read));
   if (groups.size() == 1) return std::move(groups.front().plan);
   // Several devices: their batches in delivery order, as one plan.
   Plan out;
@@ -987,198 +318,15 @@ Result<Plan> Loader::MakePlan(const Selection& selection) const {
   return out;
 }
 
-Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
-  TF_RETURN_IF_ERROR(CheckMappedFiles());  // tensors of an earlier load lost bytes: say so first
-  Impl& m = *impl_;
-  m.stats = LoadStats();
-  m.stats.engine = std::string(EngineName(m.engine_kind));
-  const auto start = Clock::now();
-  Clock::duration idle{};  // time in callbacks with no read in flight
-  const uint64_t reused0 = m.pool->reused(), allocated0 = m.pool->allocated();
-
-  TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, m.Resolve(selection));
-  TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved));
-  TF_RETURN_IF_ERROR(m.OpenFiles());
-  const bool mapped = m.engine_kind == Engine::kMmap;
-  // Every device sink and the copy engine before the first batch: their errors come first, and
-  // the helper thread that reads ahead never creates one.
-  bool any_device = false;
-  for (const Group& g : groups) {
-    if (!g.device.is_cuda()) continue;
-    any_device = true;
-    TF_ASSIGN_OR_RETURN(DeviceSink * sink, m.Sink(g.device.index));
-    sink->allocator->ResetPeak();
-  }
-  if (any_device) TF_RETURN_IF_ERROR(m.CopyEngine().status());
-  std::map<int, device::DevicePipelineStats> pipeline0;
-  for (const auto& [index, sink] : m.sinks) pipeline0[index] = sink.pipeline->stats();
-  const uint64_t direct0 = m.copy_engine ? m.copy_engine->stats().direct_bytes
-                           : m.engine    ? m.engine->stats().direct_bytes
-                                         : 0;
-  const uint64_t read0 = m.copy_engine ? m.copy_engine->stats().bytes_read
-                         : m.engine    ? m.engine->stats().bytes_read
-                                       : 0;
-  std::vector<bool> want_direct;
-  if (!mapped || any_device) {
-    TF_ASSIGN_OR_RETURN(want_direct, m.ChooseDirect(groups, mapped));
-  }
-  m.stats.device = groups.size() == 1 ? DeviceName(groups.front().device) : "mixed";
-
-  // Delivery order: (group, batch) pairs, the host's first.
-  std::vector<std::pair<size_t, size_t>> order;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (size_t b = 0; b < groups[g].plan.batches.size(); ++b) order.emplace_back(g, b);
-  }
-  const size_t n = order.size();
-  auto batch_of = [&](size_t k) -> const PlanBatch& {
-    return groups[order[k].first].plan.batches[order[k].second];
-  };
-
-  // The memory of batch k, or nullopt when it does not fit its budget now.
-  auto reserve = [&](size_t k) -> Result<std::optional<Reservation>> {
-    const Group& g = groups[order[k].first];
-    const PlanBatch& pb = batch_of(k);
-    if (g.device.is_cpu()) {
-      std::optional<memory::BudgetLease> lease = m.budget->TryAcquire(pb.tensor_bytes);
-      if (!lease) return std::optional<Reservation>();
-      return std::optional<Reservation>(Reservation{std::move(*lease), nullptr});
-    }
-    Result<std::shared_ptr<device::DeviceBuffer>> buffer =
-        m.sinks.at(g.device.index).allocator->Allocate(pb.buffer_size, m.options.allow_oversized);
-    if (!buffer.ok()) {
-      if (buffer.status().code() == Code::kBudgetExceeded) return std::optional<Reservation>();
-      return buffer.status();
-    }
-    return std::optional<Reservation>(Reservation{{}, std::move(buffer).value()});
-  };
-  auto budget_error = [&](size_t k) {
-    const Group& g = groups[order[k].first];
-    const PlanBatch& pb = batch_of(k);
-    if (g.device.is_cuda()) {
-      const device::DeviceAllocator& a = *m.sinks.at(g.device.index).allocator;
-      if (a.in_use() == 0) {
-        return Status(Code::kBudgetExceeded,
-                      "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                          std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +
-                          " memory (alignment padding included), more than the whole " +
-                          std::to_string(a.budget()) +
-                          "-byte device budget: raise it, or set allow_oversized");
-      }
-      return Status(Code::kBudgetExceeded,
-                    "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                        std::to_string(pb.buffer_size) + " bytes of " + DeviceName(g.device) +
-                        " memory but " + std::to_string(a.in_use()) + " of the " +
-                        std::to_string(a.budget()) +
-                        "-byte device budget are still held by tensors of earlier batches: drop "
-                        "them before the next batch, or raise the device budget");
-    }
-    return Status(Code::kBudgetExceeded,
-                  "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                      std::to_string(pb.tensor_bytes) + " bytes but " +
-                      std::to_string(m.budget->in_use()) + " of the " +
-                      std::to_string(m.budget->limit()) +
-                      "-byte budget are still held by tensors of earlier batches: drop them "
-                      "before the next batch, or raise the budget");
-  };
-  auto produce = [&](size_t k, Reservation r) -> Result<Batch> {
-    const Group& g = groups[order[k].first];
-    const size_t b = order[k].second;
-    if (m.options.cancel && m.options.cancel->load(std::memory_order_relaxed)) {
-      return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
-    }
-    Result<Batch> got = Status(Code::kInternal, "unset");
-    if (g.device.is_cuda()) {
-      got = m.ReadDeviceBatch(g, b, std::move(r.device), want_direct);
-    } else if (mapped) {
-      got = m.MapBatch(g.plan, b);
-    } else {
-      got = m.ReadBatch(g.plan, b, std::move(r.lease), want_direct, g.batch_budget);
-    }
-    if (got.ok()) {
-      got->index = k;
-      got->count = n;
-      got->device = g.device;
-    }
-    return got;
-  };
-  // A host batch of the mmap engine is never read ahead (it reads nothing).
-  auto read_ahead = [&](size_t k) { return !mapped || groups[order[k].first].device.is_cuda(); };
-
-  // Double buffering: while the caller handles batch k, batch k + 1 is read on a helper thread
-  // when its memory fits its budget at that moment (the plan halves batches under a budget so
-  // they do). Otherwise it is read after the callback returns.
-  std::future<Result<Batch>> next;
-  for (size_t k = 0; k < n; ++k) {
-    Result<Batch> current = Status(Code::kInternal, "unset");
-    if (next.valid()) {
-      current = next.get();
-    } else {
-      TF_ASSIGN_OR_RETURN(std::optional<Reservation> r, reserve(k));
-      if (!r) return budget_error(k);
-      current = produce(k, std::move(*r));
-    }
-    if (!current.ok()) return current.status();
-    Batch batch = std::move(current).value();
-    Impl::Deliver(resolved, batch_of(k), batch);
-    m.stats.tensors += batch.tensors.size();
-    m.stats.bytes += batch.bytes;
-    m.stats.batches += 1;
-    if (batch.device.is_cuda()) {
-      m.stats.device_tensors += batch.tensors.size();
-      m.stats.device_bytes += batch.bytes;
-      m.stats.device_batches += 1;
-      m.stats.device_buffer_bytes += batch_of(k).buffer_size;
-    }
-    m.stats.peak_budget_bytes = m.budget->peak();
-
-    if (k + 1 < n && read_ahead(k + 1)) {
-      // Read ahead only when the memory is there now; a failure (e.g. cudaMalloc while the
-      // caller still holds this batch) is not an error yet: the batch is tried again, and its
-      // error reported, after the callback.
-      Result<std::optional<Reservation>> r = reserve(k + 1);
-      if (r.ok() && *r) {
-        next = std::async(std::launch::async, [&produce, k, res = std::move(**r)]() mutable {
-          return produce(k + 1, std::move(res));
-        });
-      }
-    }
-    const bool overlapped = next.valid();
-    const auto cb_start = Clock::now();
-    Status s = on_batch(std::move(batch));
-    if (!overlapped) idle += Clock::now() - cb_start;
-    if (!s.ok()) {
-      if (next.valid()) next.wait();  // its buffer and files must not outlive this call's use
-      return s;
-    }
-  }
-  m.stats.seconds = std::chrono::duration<double>(Clock::now() - start - idle).count();
-  m.stats.peak_budget_bytes = m.budget->peak();
-  m.stats.buffers_reused = m.pool->reused() - reused0;
-  m.stats.buffers_allocated = m.pool->allocated() - allocated0;
-  const io::ReadEngine* counted = m.copy_engine ? m.copy_engine : m.engine.get();
-  m.stats.direct_bytes = counted ? counted->stats().direct_bytes - direct0 : 0;
-  // Bytes read: the engine's count (it reads host and device batches alike), plus, with the mmap
-  // engine, what its host batches populate or gather.
-  m.stats.bytes_read = counted ? counted->stats().bytes_read - read0 : 0;
-  if (mapped) {
-    for (const Group& g : groups) {
-      if (g.device.is_cpu()) m.stats.bytes_read += g.plan.read_bytes;
-    }
-  }
-  m.CollectDeviceStats(pipeline0);
-  return Status::Ok();
-}
-
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
   const Impl& m = *impl_;
-  const Checkpoint& ckpt = *m.checkpoint;
   const bool host_budget = m.options.budget > 0 && m.engine_kind != Engine::kMmap;
   if (host_budget || m.options.device_budget > 0) {
     // Load returns every tensor at once: each device's total must fit its budget. The totals are
     // the plans' (local sizes of tensor-parallel slices, and on the host their covered gaps, as
     // the leases will count them).
     TF_ASSIGN_OR_RETURN(Impl::Resolved resolved, m.Resolve(selection));
-    TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved));
+    TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved.read));
     for (const Group& g : groups) {
       const Device dev = g.device;
       const uint64_t total = std::max(g.plan.tensor_bytes, g.plan.read_bytes);
@@ -1193,206 +341,24 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
       }
     }
   }
-  // Checkpoint order; a tied alias the files lack comes right after its target.
-  auto order_of = [&](const std::string& name) -> size_t {
-    const TensorInfo* t = ckpt.Find(name);
-    if (t == nullptr && impl_->options.shard) {
-      if (auto target = impl_->options.shard->spec.TieTarget(name)) t = ckpt.Find(*target);
-      if (t != nullptr) return 2 * static_cast<size_t>(t - ckpt.tensors().data()) + 1;
-    }
-    return t == nullptr ? SIZE_MAX : 2 * static_cast<size_t>(t - ckpt.tensors().data());
-  };
-  std::vector<std::pair<size_t, Tensor>> got;
+  // Output order (Describe); batches deliver tensors in plan order.
+  TF_ASSIGN_OR_RETURN(const Description description, m.Describe(selection));
+  std::unordered_map<std::string_view, size_t> position;
+  for (size_t i = 0; i < description.outputs.size(); ++i) {
+    position.emplace(description.outputs[i].name, i);
+  }
+  std::vector<Tensor> out(description.outputs.size());
   TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
-    for (Tensor& t : batch.tensors) got.emplace_back(order_of(t.name()), std::move(t));
+    for (Tensor& t : batch.tensors) {
+      auto it = position.find(t.name());
+      if (it == position.end()) {
+        return Status(Code::kInternal, "tensor \"" + t.name() + "\" delivered but not selected");
+      }
+      out[it->second] = std::move(t);
+    }
     return Status::Ok();
   }));
-  std::stable_sort(got.begin(), got.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<Tensor> out;
-  out.reserve(got.size());
-  for (auto& [index, tensor] : got) out.push_back(std::move(tensor));
   return out;
-}
-
-Status Loader::LoadInto(std::span<const Destination> destinations) {
-  TF_RETURN_IF_ERROR(CheckMappedFiles());
-  Impl& m = *impl_;
-  m.stats = LoadStats();
-  m.stats.engine = std::string(EngineName(m.engine_kind));
-  const auto start = Clock::now();
-  const Checkpoint& ckpt = *m.checkpoint;
-
-  // Every check before any read. With LoadOptions::shard each tensor's slice is what is read
-  // (and what the destination must hold); a tied alias reads its target.
-  const std::optional<TensorParallelOptions>& shard = m.options.shard;
-  std::vector<const TensorInfo*> infos;
-  std::vector<std::optional<TensorSlice>> slices;
-  std::vector<uint64_t> sizes;  // bytes each destination receives
-  infos.reserve(destinations.size());
-  std::set<std::string_view> seen;
-  std::set<Device> devices;
-  for (const Destination& d : destinations) {
-    const TensorInfo* t = nullptr;
-    if (shard) {
-      if (std::optional<std::string> target = shard->spec.TieTarget(d.name)) {
-        t = ckpt.Find(*target);
-      }
-    }
-    if (t == nullptr) t = ckpt.Find(d.name);
-    if (t == nullptr) {
-      return Status(Code::kNotFound, "tensor \"" + d.name + "\" is not in the checkpoint");
-    }
-    std::optional<TensorSlice> slice;
-    if (shard) {
-      const ShardRule rule = shard->spec.RuleFor(t->name);
-      if (rule.is_split()) {
-        TF_ASSIGN_OR_RETURN(slice, SliceOf(*t, rule, shard->rank, shard->world));
-      }
-    }
-    const uint64_t size = slice ? slice->bytes : t->size;
-    const std::string what = slice ? " (the slice of rank " + std::to_string(shard->rank) + " of " +
-                                         std::to_string(shard->world) + ", " +
-                                         slice->rule.ToString() + ")"
-                                   : "";
-    if (!seen.insert(d.name).second) {
-      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" has two destinations");
-    }
-    if (d.device.is_cuda() && d.device.index < 0) {
-      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\": CUDA device index " +
-                                                std::to_string(d.device.index));
-    }
-    if (d.capacity < size) {
-      return Status(Code::kInvalidArgument,
-                    "tensor \"" + d.name + "\" needs " + std::to_string(size) + " bytes (" +
-                        FormatBytes(size) + ")" + what + " but its destination on " +
-                        DeviceName(d.device) + " holds " + std::to_string(d.capacity) + " bytes");
-    }
-    if (size > 0 && d.data == nullptr) {
-      return Status(Code::kInvalidArgument, "tensor \"" + d.name + "\" (" + std::to_string(size) +
-                                                " bytes" + what + "): null destination");
-    }
-    infos.push_back(t);
-    slices.push_back(std::move(slice));
-    sizes.push_back(size);
-    if (size > 0) devices.insert(d.device);
-  }
-  // No two destinations may overlap on one device (the bytes each tensor occupies).
-  {
-    std::vector<size_t> by_address;
-    for (size_t i = 0; i < destinations.size(); ++i) {
-      if (sizes[i] > 0) by_address.push_back(i);
-    }
-    auto addr = [&](size_t i) { return reinterpret_cast<uintptr_t>(destinations[i].data); };
-    std::sort(by_address.begin(), by_address.end(), [&](size_t a, size_t b) {
-      const Device& da = destinations[a].device;
-      const Device& db = destinations[b].device;
-      return da == db ? addr(a) < addr(b) : da < db;
-    });
-    for (size_t j = 1; j < by_address.size(); ++j) {
-      const size_t a = by_address[j - 1], b = by_address[j];
-      if (destinations[a].device == destinations[b].device && addr(a) + sizes[a] > addr(b)) {
-        return Status(Code::kInvalidArgument,
-                      "destinations of tensors \"" + destinations[a].name + "\" (" +
-                          std::to_string(sizes[a]) + " bytes) and \"" + destinations[b].name +
-                          "\" overlap on " + DeviceName(destinations[a].device));
-      }
-    }
-  }
-  TF_RETURN_IF_ERROR(m.OpenFiles());
-  for (const Device& d : devices) {
-    if (d.is_cuda()) TF_RETURN_IF_ERROR(m.Sink(d.index).status());
-  }
-  TF_ASSIGN_OR_RETURN(io::ReadEngine * engine, m.CopyEngine());
-  std::map<int, device::DevicePipelineStats> pipeline0;
-  for (const auto& [index, sink] : m.sinks) {
-    pipeline0[index] = sink.pipeline->stats();
-    sink.allocator->ResetPeak();
-  }
-  const uint64_t direct0 = engine->stats().direct_bytes;
-  const uint64_t read0 = engine->stats().bytes_read;
-
-  const size_t nfiles = ckpt.files().size();
-  std::vector<uint64_t> lo(nfiles, UINT64_MAX), hi(nfiles, 0);
-  for (const TensorInfo* t : infos) {
-    if (t->size == 0) continue;
-    lo[t->file] = std::min(lo[t->file], t->offset);
-    hi[t->file] = std::max(hi[t->file], t->offset + t->size);
-  }
-  TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(lo, hi));
-
-  std::vector<io::ReadRequest> host;  // file and O_DIRECT descriptor filled in per window
-  std::vector<uint32_t> host_file;
-  std::map<int, std::vector<device::DeviceTask>> device_tasks;
-  std::map<int, std::vector<uint32_t>> device_task_file;
-  for (size_t i = 0; i < destinations.size(); ++i) {
-    const TensorInfo& t = *infos[i];
-    const Destination& d = destinations[i];
-    const uint64_t size = sizes[i];
-    m.stats.tensors += 1;
-    m.stats.bytes += size;
-    if (size == 0) continue;
-    auto* dst = static_cast<std::byte*>(d.data);
-    // What lands where: the whole tensor, or the slice's blocks (contiguous or strided).
-    const std::vector<StridedRead> reads =
-        slices[i] ? SliceReads(t, *slices[i])
-                  : std::vector<StridedRead>{{t.file, t.offset, 0, 1, t.size, t.size, t.size}};
-    if (d.device.is_cuda()) {
-      for (const StridedRead& r : reads) {
-        device::DeviceTask task;
-        task.file_offset = r.file_offset;
-        task.length = r.length();
-        task.dst = dst + r.buffer_offset;
-        if (r.rows > 1) {  // a slice on a dimension other than 0: a 2D copy
-          task.rows = r.rows;
-          task.row_bytes = r.row_bytes;
-          task.src_pitch = r.src_pitch;
-          task.dst_pitch = r.dst_pitch;
-        }
-        task.cancel = m.options.cancel.get();
-        device_tasks[d.device.index].push_back(task);
-        device_task_file[d.device.index].push_back(t.file);
-      }
-      m.stats.device_tensors += 1;
-      m.stats.device_bytes += size;
-      continue;
-    }
-    // Host: every row exactly (no covered gaps: the destination holds the slice only), cut into
-    // chunk_size reads so one large tensor is read by every worker.
-    for (const StridedRead& r : reads) {
-      for (uint64_t row = 0; row < r.rows; ++row) {
-        std::byte* to = dst + r.buffer_offset + row * r.dst_pitch;
-        const uint64_t from = r.file_offset + row * r.src_pitch;
-        for (uint64_t at = 0; at < r.row_bytes; at += m.options.chunk_size) {
-          const uint64_t len = std::min(m.options.chunk_size, r.row_bytes - at);
-          host.push_back({nullptr, from + at,
-                          std::span<std::byte>(to + at, static_cast<size_t>(len)), -1,
-                          m.options.cancel.get()});
-          host_file.push_back(t.file);
-        }
-      }
-    }
-  }
-  if (!host.empty()) {
-    TF_RETURN_IF_ERROR(m.InFileWindows(
-        m.DistinctFiles(host_file), want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-          return engine->Execute(Impl::WindowOf(host, host_file, pins));
-        }));
-  }
-  for (auto& [index, tasks] : device_tasks) {
-    TF_RETURN_IF_ERROR(
-        m.RunDeviceTasks(m.sinks.at(index), tasks, device_task_file[index], want_direct, nullptr));
-  }
-  m.stats.batches = (host.empty() ? 0 : 1) + device_tasks.size();
-  m.stats.device_batches = device_tasks.size();
-  m.stats.device = devices.size() == 1 ? DeviceName(*devices.begin())
-                   : devices.empty()   ? DeviceName(Device::CPU())
-                                       : "mixed";
-  m.stats.direct_bytes = engine->stats().direct_bytes - direct0;
-  m.stats.bytes_read = engine->stats().bytes_read - read0;
-  m.CollectDeviceStats(pipeline0);
-  m.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  return Status::Ok();
 }
 
 LoadStats Loader::stats() const {

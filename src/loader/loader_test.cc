@@ -150,6 +150,58 @@ TEST(Loader, StreamUnderBudgetNeverExceedsIt) {
   EXPECT_GT((*loader)->stats().buffers_reused, 0u) << "released buffers are reused";
 }
 
+// The pull API: the batches of Stream, in order, under the budget; nullopt at the end (and after
+// it); the load's totals once it ends; an iterator abandoned midway leaves the loader usable.
+TEST(Loader, IterateDeliversStreamsBatchesOnePerNext) {
+  Fixture f(8);
+  LoadOptions o;
+  o.budget = 600;
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  std::vector<std::vector<std::string>> streamed;
+  ASSERT_TRUE(loader
+                  ->Stream(Selection::All(),
+                           [&](Batch b) {
+                             auto& names = streamed.emplace_back();
+                             for (const Tensor& t : b.tensors) names.push_back(t.name());
+                             return Status::Ok();
+                           })
+                  .ok());
+  const LoadStats stream_stats = loader->stats();
+  {
+    BatchIterator batches = loader->Iterate(Selection::All()).value();
+    size_t k = 0;
+    for (;;) {
+      Result<std::optional<Batch>> got = batches.Next();
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      if (!*got) break;
+      const Batch& b = **got;
+      EXPECT_EQ(b.index, k);
+      EXPECT_EQ(b.count, streamed.size());
+      EXPECT_LE(b.bytes, o.budget);
+      ASSERT_LT(k, streamed.size());
+      ASSERT_EQ(b.tensors.size(), streamed[k].size());
+      for (size_t i = 0; i < b.tensors.size(); ++i) {
+        EXPECT_EQ(b.tensors[i].name(), streamed[k][i]);
+        EXPECT_EQ(Bytes(b.tensors[i]), f.Full(b.tensors[i].name()));
+      }
+      ++k;
+    }
+    EXPECT_EQ(k, streamed.size());
+    EXPECT_FALSE(batches.Next().value().has_value());
+    const LoadStats stats = loader->stats();
+    EXPECT_EQ(stats.tensors, stream_stats.tensors);
+    EXPECT_EQ(stats.bytes, stream_stats.bytes);
+    EXPECT_EQ(stats.batches, stream_stats.batches);
+    EXPECT_EQ(stats.bytes_read, stream_stats.bytes_read);
+    EXPECT_LE(stats.peak_budget_bytes, o.budget);
+  }
+  {
+    BatchIterator abandoned = loader->Iterate(Selection::All()).value();
+    ASSERT_TRUE(abandoned.Next().value().has_value());  // the next one is being read ahead
+  }
+  EXPECT_EQ(loader->Load(Selection::Names({f.tensors.front().name})).value().size(), 1u);
+}
+
 TEST(Loader, HoldingEarlierBatchesIsAClearBudgetError) {
   Fixture f(8);
   LoadOptions o;

@@ -2,6 +2,7 @@
 // every rule, world size, engine and gap setting; bytes read per rank; ties.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <string>
@@ -256,6 +257,66 @@ TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     ASSERT_EQ(named.size(), 1u);
     EXPECT_EQ(named[0].name(), "lm_head.weight");
     EXPECT_EQ(Bytes(named[0]), Bytes(embed));
+  }
+}
+
+// Describe is what Load delivers: the same names in the same order, the same dtypes, local shapes
+// and sizes; tied aliases marked and pointing at their target; only the targets read.
+TEST(ShardLoad, DescribeIsWhatLoadDelivers) {
+  TpFixture f(2, /*twin=*/true);
+  ShardSpec spec = f.spec;
+  spec.Tie("lm_head.weight", "embed.weight").Tie("embed_twin.weight", "embed.weight");
+  for (const bool sharded : {false, true}) {
+    LoadOptions o;
+    o.engine = Engine::kPread;
+    if (sharded) o.shard = TensorParallelOptions{spec, 1, 2, 0};
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    const Checkpoint& ckpt = *loader->checkpoint();
+    const auto embed = static_cast<uint32_t>(ckpt.Find("embed.weight") - ckpt.tensors().data());
+    const auto twin = static_cast<uint32_t>(ckpt.Find("embed_twin.weight") - ckpt.tensors().data());
+    for (const Selection& selection :
+         {Selection::All(), Selection::Names({"lm_head.weight", "layers.0.o.weight"}),
+          Selection::Where([](const TensorInfo& t) {
+            return t.name.find("head") == 0 || t.name.find("lm_") == 0;
+          })}) {
+      if (!sharded && !selection.Resolve(ckpt).ok()) continue;  // no alias without ties
+      const Description d = loader->Describe(selection).value();
+      const std::vector<Tensor> got = loader->Load(selection).value();
+      ASSERT_EQ(d.outputs.size(), got.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        const OutputInfo& out = d.outputs[i];
+        EXPECT_EQ(out.name, got[i].name());
+        EXPECT_EQ(out.dtype, got[i].dtype());
+        EXPECT_EQ(out.shape, got[i].shape()) << out.name;
+        EXPECT_EQ(out.bytes, got[i].size()) << out.name;
+        EXPECT_EQ(out.alias, ckpt.tensors()[out.tensor].name != out.name) << out.name;
+        if (out.alias) {
+          EXPECT_EQ(out.tensor, embed) << out.name;
+        }
+        EXPECT_EQ(out.slice.has_value(),
+                  sharded && spec.RuleFor(ckpt.tensors()[out.tensor].name).is_split());
+      }
+      EXPECT_TRUE(std::is_sorted(d.read.begin(), d.read.end()));
+      EXPECT_EQ(d.bytes, loader->stats().bytes);
+      if (sharded) {
+        // The duplicate in the files is never read: its target is.
+        EXPECT_EQ(std::count(d.read.begin(), d.read.end(), twin), 0);
+      }
+    }
+    if (sharded) {
+      const Description alias = loader->Describe(Selection::Names({"lm_head.weight"})).value();
+      ASSERT_EQ(alias.outputs.size(), 1u);
+      EXPECT_TRUE(alias.outputs[0].alias);
+      EXPECT_EQ(alias.read, std::vector<uint32_t>{embed});
+      // An absent alias right after its target.
+      const Description all = loader->Describe(Selection::All()).value();
+      ASSERT_GE(all.outputs.size(), 2u);
+      EXPECT_EQ(all.outputs[0].name, "embed.weight");
+      EXPECT_EQ(all.outputs[1].name, "lm_head.weight");
+    }
+    auto missing = loader->Describe(Selection::Names({"no.such.weight"}));
+    ASSERT_FALSE(missing.ok());
+    EXPECT_EQ(missing.status().code(), Code::kNotFound);
   }
 }
 

@@ -228,3 +228,63 @@ def test_tied_alias_absent_from_files(tmp_path):
             picked = loader.load()
         assert sorted(picked) == ["lm_head.weight", "model.norm.weight"]
         assert torch.equal(picked["lm_head.weight"], emb)
+
+
+def _tied_checkpoint(tmp_path):
+    """A checkpoint whose output head is tied to the embeddings and absent from the files
+    (tie_word_embeddings), with rules splitting the embeddings on dim 0."""
+    full = {"model.embed_tokens.weight": torch.arange(96, dtype=torch.float32).reshape(12, 8),
+            "model.layers.0.o_proj.weight": torch.arange(48, dtype=torch.float32).reshape(6, 8),
+            "model.norm.weight": torch.arange(8, dtype=torch.float32)}
+    path = str(tmp_path / "tied.safetensors")
+    tensorferry.torch.save_file(full, path)
+    rules = {"rules": [{"pattern": "*embed_tokens.weight", "split": 0},
+                       {"pattern": "*o_proj.weight", "split": 1}],
+             "ties": {"lm_head.weight": "model.embed_tokens.weight"}}
+    return path, full, rules
+
+
+@pytest.mark.parametrize("engine", ["pread", "mmap"])
+def test_tied_alias_through_every_edge(tmp_path, engine):
+    """Issue 12: an alias the files lack, selected by name, goes through iter_tensors, load_into
+    and progress=True as through load() (one Describe for every edge)."""
+    import tensorferry.torch  # noqa: F401
+    path, full, rules = _tied_checkpoint(tmp_path)
+    want = torch.tensor_split(full["model.embed_tokens.weight"], 2, 0)[1]
+    kw = dict(engine=engine, tp_rank=1, tp_size=2, shard_rules=rules)
+    with tensorferry.Loader(path, select=["lm_head.weight"], **kw) as loader:
+        assert loader.keys() == ["lm_head.weight"]
+        assert len(loader) == 1
+        assert loader.total_bytes == want.nbytes
+        loaded = loader.load()
+        streamed = dict(loader.iter_tensors())
+        batches = [b.tensors for b in loader.iter_batches()]
+    assert list(loaded) == ["lm_head.weight"] and torch.equal(loaded["lm_head.weight"], want)
+    assert list(streamed) == ["lm_head.weight"] and torch.equal(streamed["lm_head.weight"], want)
+    assert [list(b) for b in batches] == [["lm_head.weight"]]
+
+    # progress=True (a callable here; True takes the same path with tqdm) over load() and
+    # iter_tensors(): the alias is loaded and the progress reaches its total.
+    seen = []
+    with tensorferry.Loader(path, select=["lm_head.weight", "model.norm.weight"],
+                            progress=lambda done, total: seen.append((done, total)), **kw) as loader:
+        got = loader.load()
+        assert list(got) == ["lm_head.weight", "model.norm.weight"]
+        assert seen and seen[-1][0] == seen[-1][1] == want.nbytes + full["model.norm.weight"].nbytes
+        seen.clear()
+        assert sorted(dict(loader.iter_tensors())) == ["lm_head.weight", "model.norm.weight"]
+        assert seen[-1][0] == seen[-1][1]
+    assert torch.equal(got["lm_head.weight"], want)
+    with tensorferry.Loader(path, progress=True, **kw) as loader:
+        every = loader.load()
+    # The absent alias right after its target, as without progress.
+    assert list(every)[:2] == ["model.embed_tokens.weight", "lm_head.weight"]
+
+    # load_into: the alias's destination receives its target's slice.
+    dst = torch.full_like(want, -1.0)
+    with tensorferry.Loader(path, **kw) as loader:
+        loader.load_into({"lm_head.weight": dst})
+    assert torch.equal(dst, want)
+    with tensorferry.Loader(path, **kw) as loader:
+        with pytest.raises(tensorferry.SafetensorError, match="does not contain tensor no.such"):
+            loader.load_into({"no.such": torch.empty(1)})

@@ -1,0 +1,197 @@
+// Loader::Iterate and BatchIterator (loader.h): plan -> engine -> sink, one batch per Next, the
+// next batch read ahead on a helper thread (double buffering); Stream is a loop over it.
+#include <chrono>
+#include <future>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "loader/loader_impl.h"
+#include "tensorferry/mapping.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+
+struct BatchIterator::State {
+  Loader::Impl* m = nullptr;
+  Loader::Impl::Resolved resolved;
+  std::vector<Group> groups;
+  sink::SinkContext host, device;  // the sinks' borrowed state: the engine differs
+  std::vector<std::unique_ptr<sink::BatchSink>> sinks;  // per group
+  std::vector<std::pair<size_t, size_t>> order;         // (group, batch), the host's first
+  size_t k = 0;                                         // the next batch to deliver
+  bool over = false;                                    // ended, failed, or the end reached
+  std::future<Result<Batch>> next;                      // batch k, read ahead
+  // Statistics: the time the caller held a batch with no read in flight is not loading time.
+  Clock::time_point start;
+  Clock::duration idle{};
+  std::optional<Clock::time_point> returned_at;
+  bool returned_overlapped = false;
+  uint64_t reused0 = 0, allocated0 = 0, direct0 = 0, read0 = 0;
+  std::map<int, device::DevicePipelineStats> pipeline0;
+
+  ~State() {
+    if (next.valid()) next.wait();  // its buffer and files must not outlive the loader's use
+  }
+
+  const PlanBatch& BatchAt(size_t j) const {
+    return groups[order[j].first].plan.batches[order[j].second];
+  }
+
+  // Reads batch j into `memory` through its group's sink.
+  Result<Batch> Produce(size_t j, sink::Reservation memory) {
+    const auto [g, b] = order[j];
+    if (m->options.cancel && m->options.cancel->load(std::memory_order_relaxed)) {
+      return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
+    }
+    Result<Batch> got = sinks[g]->Complete(b, std::move(memory));
+    if (got.ok()) {
+      got->index = j;
+      got->count = order.size();
+      got->device = groups[g].device;
+    }
+    return got;
+  }
+
+  // Batch k: read ahead, or read now when its memory fits (kBudgetExceeded otherwise).
+  Result<Batch> Take() {
+    if (next.valid()) return next.get();
+    sink::BatchSink& s = *sinks[order[k].first];
+    TF_ASSIGN_OR_RETURN(std::optional<sink::Reservation> r, s.Reserve(BatchAt(k)));
+    if (!r) return s.BudgetError(BatchAt(k), k, order.size());
+    return Produce(k, std::move(*r));
+  }
+
+  // Double buffering: batch j is read on a helper thread while the caller handles batch j - 1,
+  // when its memory fits its budget now (the plan halves batches under a budget so they do). A
+  // failure to reserve (e.g. cudaMalloc while the caller still holds the batch) is not an error
+  // yet: the batch is tried again, and its error reported, by the next Next.
+  void ReadAhead(size_t j) {
+    if (j >= order.size() || !sinks[order[j].first]->reads_ahead()) return;
+    Result<std::optional<sink::Reservation>> r = sinks[order[j].first]->Reserve(BatchAt(j));
+    if (!r.ok() || !*r) return;
+    next = std::async(std::launch::async, [this, j, memory = std::move(**r)]() mutable {
+      return Produce(j, std::move(memory));
+    });
+  }
+
+  // Batch k as the caller gets it (tied aliases added, tensors read only for an alias dropped),
+  // counted.
+  void Count(Batch& batch) {
+    const PlanBatch& planned = BatchAt(k);
+    Loader::Impl::Deliver(resolved, planned, batch);
+    LoadStats& stats = m->stats;
+    stats.tensors += batch.tensors.size();
+    stats.bytes += batch.bytes;
+    stats.batches += 1;
+    if (batch.device.is_cuda()) {
+      stats.device_tensors += batch.tensors.size();
+      stats.device_bytes += batch.bytes;
+      stats.device_batches += 1;
+      stats.device_buffer_bytes += planned.buffer_size;
+    }
+    stats.peak_budget_bytes = m->budget->peak();
+  }
+
+  // The totals of a load that reached its end.
+  void Finish() {
+    LoadStats& stats = m->stats;
+    stats.seconds = std::chrono::duration<double>(Clock::now() - start - idle).count();
+    stats.peak_budget_bytes = m->budget->peak();
+    stats.buffers_reused = m->pool->reused() - reused0;
+    stats.buffers_allocated = m->pool->allocated() - allocated0;
+    const io::ReadEngine* counted = m->Counted();
+    stats.direct_bytes = counted ? counted->stats().direct_bytes - direct0 : 0;
+    // Bytes read: the engine's count (it reads host and device batches alike), plus, with the
+    // mmap engine, what its host batches populate or gather.
+    stats.bytes_read = counted ? counted->stats().bytes_read - read0 : 0;
+    if (m->engine_kind == Engine::kMmap) {
+      for (const Group& g : groups) {
+        if (g.device.is_cpu()) stats.bytes_read += g.plan.read_bytes;
+      }
+    }
+    m->CollectDeviceStats(pipeline0);
+  }
+};
+
+BatchIterator::BatchIterator(std::unique_ptr<State> state) : state_(std::move(state)) {}
+BatchIterator::BatchIterator(BatchIterator&&) noexcept = default;
+BatchIterator& BatchIterator::operator=(BatchIterator&&) noexcept = default;
+BatchIterator::~BatchIterator() = default;
+
+Result<std::optional<Batch>> BatchIterator::Next() {
+  State& s = *state_;
+  if (s.over) return std::optional<Batch>();
+  if (s.returned_at && !s.returned_overlapped) s.idle += Clock::now() - *s.returned_at;
+  if (s.k == s.order.size()) {
+    s.over = true;
+    s.Finish();
+    return std::optional<Batch>();
+  }
+  Result<Batch> current = s.Take();
+  if (!current.ok()) {
+    s.over = true;
+    return current.status();
+  }
+  Batch batch = std::move(current).value();
+  s.Count(batch);
+  s.ReadAhead(++s.k);
+  s.returned_overlapped = s.next.valid();
+  s.returned_at = Clock::now();
+  return std::optional<Batch>(std::move(batch));
+}
+
+Result<BatchIterator> Loader::Iterate(const Selection& selection) {
+  TF_RETURN_IF_ERROR(CheckMappedFiles());  // tensors of an earlier load lost bytes: say so first
+  Impl& m = *impl_;
+  m.stats = LoadStats();
+  m.stats.engine = std::string(EngineName(m.engine_kind));
+  auto s = std::make_unique<BatchIterator::State>();
+  s->m = &m;
+  s->start = Clock::now();
+  s->reused0 = m.pool->reused();
+  s->allocated0 = m.pool->allocated();
+  TF_ASSIGN_OR_RETURN(s->resolved, m.Resolve(selection));
+  TF_ASSIGN_OR_RETURN(s->groups, m.MakeGroups(s->resolved.read));
+  TF_RETURN_IF_ERROR(m.OpenFiles());
+  // Every device slot and the copy engine before the first batch: their errors come first, and
+  // the helper thread that reads ahead never creates one.
+  TF_ASSIGN_OR_RETURN(const bool any_device, m.PrepareDevices(s->groups));
+  for (const auto& [index, slot] : m.slots) s->pipeline0[index] = slot.pipeline->stats();
+  if (const io::ReadEngine* counted = m.Counted()) {
+    s->direct0 = counted->stats().direct_bytes;
+    s->read0 = counted->stats().bytes_read;
+  }
+  const bool mapped = m.engine_kind == Engine::kMmap;
+  std::vector<bool> want_direct;
+  if (!mapped || any_device) {
+    TF_ASSIGN_OR_RETURN(want_direct, m.ChooseDirect(s->groups, mapped));
+  }
+  m.stats.device = s->groups.size() == 1 ? DeviceName(s->groups.front().device) : "mixed";
+  s->host = m.Context(want_direct, m.engine.get());
+  s->device = m.Context(want_direct, m.copy_engine);
+  for (size_t g = 0; g < s->groups.size(); ++g) {
+    const Group& group = s->groups[g];
+    if (group.device.is_cuda()) {
+      s->sinks.push_back(sink::MakeDeviceSink(s->device, group.plan, group.strided, group.device,
+                                              m.slots.at(group.device.index)));
+    } else if (mapped) {
+      s->sinks.push_back(sink::MakeMappedSink(s->host, group.plan));
+    } else {
+      s->sinks.push_back(sink::MakeHostSink(s->host, group.plan, group.batch_budget));
+    }
+    for (size_t b = 0; b < group.plan.batches.size(); ++b) s->order.emplace_back(g, b);
+  }
+  return BatchIterator(std::move(s));
+}
+
+Status Loader::Stream(const Selection& selection, const std::function<Status(Batch)>& on_batch) {
+  TF_ASSIGN_OR_RETURN(BatchIterator batches, Iterate(selection));
+  for (;;) {
+    TF_ASSIGN_OR_RETURN(std::optional<Batch> batch, batches.Next());
+    if (!batch) return Status::Ok();
+    TF_RETURN_IF_ERROR(on_batch(std::move(*batch)));
+  }
+}
+
+}  // namespace tensorferry

@@ -1,0 +1,120 @@
+// The device sink: one device buffer per batch from the device's budgeted allocator, read through
+// the device's pipeline (staged copies or GDS); tensors are views co-owning the buffer.
+#include <string>
+#include <utility>
+
+#include "loader/sink.h"
+
+namespace tensorferry::sink {
+namespace {
+
+class DeviceSink final : public BatchSink {
+ public:
+  DeviceSink(const SinkContext& context, const Plan& plan,
+             const std::vector<std::vector<StridedRead>>& strided, Device device, DeviceSlot& slot)
+      : c_(context), plan_(plan), strided_(strided), device_(device), slot_(slot) {}
+
+  Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
+    Result<std::shared_ptr<device::DeviceBuffer>> buffer =
+        slot_.allocator->Allocate(batch.buffer_size, c_.options->allow_oversized);
+    if (!buffer.ok()) {
+      if (buffer.status().code() == Code::kBudgetExceeded) return std::optional<Reservation>();
+      return buffer.status();
+    }
+    return std::optional<Reservation>(Reservation{{}, std::move(buffer).value()});
+  }
+
+  Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const override {
+    const device::DeviceAllocator& a = *slot_.allocator;
+    const std::string head = "batch " + std::to_string(k + 1) + " of " + std::to_string(n) +
+                             " needs " + std::to_string(batch.buffer_size) + " bytes of " +
+                             DeviceName(device_) + " memory";
+    if (a.in_use() == 0) {
+      return Status(Code::kBudgetExceeded,
+                    head + " (alignment padding included), more than the whole " +
+                        std::to_string(a.budget()) +
+                        "-byte device budget: raise it, or set allow_oversized");
+    }
+    return Status(Code::kBudgetExceeded,
+                  head + " but " + std::to_string(a.in_use()) + " of the " +
+                      std::to_string(a.budget()) +
+                      "-byte device budget are still held by tensors of earlier batches: drop "
+                      "them before the next batch, or raise the device budget");
+  }
+
+  // Reads batch `b` into the reserved device buffer and makes its tensors: views co-owning it.
+  Result<Batch> Complete(size_t b, Reservation memory) override {
+    const PlanBatch& batch = plan_.batches[b];
+    const std::shared_ptr<device::DeviceBuffer>& buffer = memory.device;
+    std::vector<device::DeviceTask> tasks;  // file pointers filled in per window
+    std::vector<uint32_t> task_file;
+    const std::atomic<bool>* cancel = c_.options->cancel.get();
+    for (const ReadTask& t : batch.tasks) {
+      tasks.push_back(DeviceTaskOf(AsRead(t), buffer->data(), cancel));
+      task_file.push_back(t.file);
+    }
+    if (b < strided_.size()) {
+      for (const StridedRead& r : strided_[b]) {
+        tasks.push_back(DeviceTaskOf(r, buffer->data(), cancel));
+        task_file.push_back(r.file);
+      }
+    }
+    TF_RETURN_IF_ERROR(RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get()));
+    const auto& infos = c_.checkpoint->tensors();
+    Batch out;
+    out.bytes = batch.tensor_bytes;
+    out.tensors.reserve(batch.tensors.size());
+    for (const PlannedTensor& pt : batch.tensors) {
+      const TensorInfo& info = infos[pt.tensor];
+      const std::byte* data = buffer->data() + pt.buffer_offset;
+      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
+                               pt.size(info), std::shared_ptr<const void>(buffer, data), device_);
+    }
+    return out;
+  }
+
+ private:
+  const SinkContext& c_;
+  const Plan& plan_;
+  const std::vector<std::vector<StridedRead>>& strided_;
+  const Device device_;
+  DeviceSlot& slot_;
+};
+
+}  // namespace
+
+std::unique_ptr<BatchSink> MakeDeviceSink(const SinkContext& context, const Plan& plan,
+                                          const std::vector<std::vector<StridedRead>>& strided,
+                                          Device device, DeviceSlot& slot) {
+  return std::make_unique<DeviceSink>(context, plan, strided, device, slot);
+}
+
+device::DeviceTask DeviceTaskOf(const StridedRead& r, std::byte* base,
+                                const std::atomic<bool>* cancel) {
+  device::DeviceTask task;
+  task.file_offset = r.file_offset;
+  task.length = r.length();
+  task.dst = base + r.buffer_offset;
+  if (r.rows > 1) {  // a slice on a dimension other than 0: a 2D copy
+    task.rows = r.rows;
+    task.row_bytes = r.row_bytes;
+    task.src_pitch = r.src_pitch;
+    task.dst_pitch = r.dst_pitch;
+  }
+  task.cancel = cancel;
+  return task;
+}
+
+Status RunDeviceTasks(const SinkContext& context, const DeviceSlot& slot,
+                      const std::vector<device::DeviceTask>& tasks,
+                      const std::vector<uint32_t>& task_file, device::DeviceBuffer* buffer) {
+  return context.windows(
+      DistinctFiles(task_file, context.checkpoint->files().size()), context.want_direct,
+      [&](const std::vector<io::FileSet::Pin>& pins) {
+        const std::vector<device::DeviceTask> window = WindowOf(tasks, task_file, pins);
+        return buffer != nullptr ? slot.pipeline->Run(window, *context.engine, buffer)
+                                 : slot.pipeline->Run(window, *context.engine);
+      });
+}
+
+}  // namespace tensorferry::sink

@@ -1,0 +1,152 @@
+// Planning a load per device group (groups.h).
+#include "loader/groups.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "tensorferry/residency.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+
+// The plan's batches hold at most half the budget when the next batch is read while the caller
+// handles the current one (double buffering), so two fit; the whole budget when a selected
+// tensor is larger than half of it.
+// On a device a sharded tensor occupies exactly its slice; on the host its covering reads may
+// take up to the whole tensor's bytes, so the whole size decides there.
+uint64_t GroupPlanner::BatchBudget(std::span<const uint32_t> indices, uint64_t limit,
+                                   bool on_device) const {
+  if (limit == 0) return 0;
+  uint64_t largest = 0;
+  for (uint32_t i : indices) {
+    const TensorInfo& t = checkpoint_.tensors()[i];
+    largest = std::max(largest, on_device ? LocalSize(t) : t.size);
+  }
+  const uint64_t half = limit / 2;
+  return largest <= half ? half : limit;
+}
+
+// The bytes a tensor occupies once loaded: its slice's under LoadOptions::shard (the whole
+// size when the slice is invalid: planning reports that error).
+uint64_t GroupPlanner::LocalSize(const TensorInfo& t) const {
+  if (!options_.shard) return t.size;
+  const ShardRule rule = options_.shard->spec.RuleFor(t.name);
+  if (!rule.is_split()) return t.size;
+  Result<TensorSlice> slice = SliceOf(t, rule, options_.shard->rank, options_.shard->world);
+  return slice.ok() ? slice->bytes : t.size;
+}
+
+// The device each selected tensor goes to.
+Device GroupPlanner::Place(const TensorInfo& t) const {
+  return options_.placement ? options_.placement(t) : options_.device;
+}
+
+// The plan of a load, one group per device (host first, then CUDA devices by index).
+Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>& read) const {
+  std::vector<uint32_t> indices = read;
+  std::map<Device, std::vector<uint32_t>> by_device;
+  if (options_.placement) {
+    for (uint32_t i : indices) by_device[Place(checkpoint_.tensors()[i])].push_back(i);
+  } else {
+    by_device[options_.device] = std::move(indices);
+  }
+  if (by_device.empty()) by_device[options_.device];  // an empty selection: an empty plan
+  std::vector<Group> groups;
+  for (auto& [dev, idx] : by_device) {
+    if (dev.is_cuda() && dev.index < 0) {
+      return Status(Code::kInvalidArgument, "placement: CUDA device index " +
+                                                std::to_string(dev.index) + " for tensor \"" +
+                                                checkpoint_.tensors()[idx.front()].name + "\"");
+    }
+    Group g;
+    g.device = dev;
+    const uint64_t limit = dev.is_cpu() ? options_.budget : options_.device_budget;
+    g.batch_budget = BatchBudget(idx, limit, dev.is_cuda());
+    PlanOptions p = MakePlanOptions(g.batch_budget);
+    // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
+    // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
+    if (dev.is_cuda() && options_.gds == GdsMode::kOff) p.io_alignment = 0;
+    const bool relayout = dev.is_cuda() && options_.shard.has_value();
+    if (relayout) {
+      // Batches are formed from the local sizes: the device layout holds no covered gaps.
+      p.file_max_gap.assign(checkpoint_.files().size(), 0);
+    }
+    const std::vector<uint32_t>& selected = idx;  // (lambdas cannot capture bindings in C++20)
+    auto plan = [&]() -> Status {
+      TF_ASSIGN_OR_RETURN(g.plan, tensorferry::MakePlan(checkpoint_, selected, p));
+      if (!relayout) return Status::Ok();
+      g.strided.assign(g.plan.batches.size(), {});
+      g.plan.read_bytes = 0;
+      g.plan.num_moves = 0;
+      g.plan.num_tasks = 0;
+      for (size_t b = 0; b < g.plan.batches.size(); ++b) {
+        g.strided[b] = LayOutForDevice(checkpoint_.tensors(), p.io_alignment, g.plan.batches[b]);
+        g.plan.read_bytes += g.plan.batches[b].read_bytes;
+        g.plan.num_tasks += g.plan.batches[b].tasks.size() + g.strided[b].size();
+      }
+      return Status::Ok();
+    };
+    TF_RETURN_IF_ERROR(plan());
+    if (dev.is_cuda() && limit > 0 && p.io_alignment != 0) {
+      // A tensor that fits the device budget but not with the padding that keeps its file
+      // offset modulo 4 KiB (for GDS): plan the group without that alignment (staged copies)
+      // rather than exceed the budget.
+      for (const PlanBatch& b : g.plan.batches) {
+        if (b.buffer_size > limit && b.tensor_bytes <= limit) {
+          p.io_alignment = 0;
+          TF_RETURN_IF_ERROR(plan());
+          break;
+        }
+      }
+    }
+    if (dev.is_cuda() && limit > 0 && g.batch_budget < limit) {
+      // The device budget counts whole buffers, padding included: when padding pushes a batch
+      // past half the budget, plan again with the batch budget lowered by the overshoot, so two
+      // batches still fit (double buffering).
+      uint64_t largest_buffer = 0, largest_tensor = 0;
+      for (const PlanBatch& b : g.plan.batches) {
+        largest_buffer = std::max(largest_buffer, b.buffer_size);
+      }
+      for (uint32_t i : idx)
+        largest_tensor = std::max(largest_tensor, LocalSize(checkpoint_.tensors()[i]));
+      const uint64_t over = largest_buffer > g.batch_budget ? largest_buffer - g.batch_budget : 0;
+      if (over > 0 && g.batch_budget - largest_tensor > over) {
+        p.budget = g.batch_budget - over;
+        TF_RETURN_IF_ERROR(plan());
+      }
+    }
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+// With shard->exact_when_cached: exact strides (0) for files mostly in the page cache, max_gap
+// for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads the
+// real file system by path: it only chooses how to read, never what is read.
+std::vector<uint64_t> GroupPlanner::FileMaxGaps() const {
+  std::vector<uint64_t> gaps;
+  if (!options_.shard || !options_.shard->exact_when_cached) return gaps;
+  for (const FileInfo& f : checkpoint_.files()) {
+    uint64_t gap = options_.shard->max_gap;
+    if (f.file_size > f.data_offset) {
+      Result<double> cached = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
+      if (cached.ok() && *cached >= 0.5) gap = 0;
+    }
+    gaps.push_back(gap);
+  }
+  return gaps;
+}
+
+PlanOptions GroupPlanner::MakePlanOptions(uint64_t batch_budget) const {
+  PlanOptions p;
+  p.chunk_size = options_.chunk_size;
+  p.budget = batch_budget;
+  p.allow_oversized = options_.allow_oversized;
+  p.order = options_.order;
+  p.shard = options_.shard;
+  p.file_max_gap = FileMaxGaps();
+  return p;
+}
+
+}  // namespace tensorferry

@@ -1,0 +1,123 @@
+// The host sink: pooled host buffers under the host budget, read by the loader's engine.
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "loader/sink.h"
+
+namespace tensorferry::sink {
+namespace {
+
+// What every Tensor of a batch co-owns: the buffer and the batch's share of the budget. Both are
+// released together when the last tensor goes.
+struct BatchMemory {
+  std::shared_ptr<memory::HostBuffer> buffer;
+  memory::BudgetLease lease;
+};
+
+class HostSink final : public BatchSink {
+ public:
+  HostSink(const SinkContext& context, const Plan& plan, uint64_t batch_budget)
+      : c_(context), plan_(plan), batch_budget_(batch_budget) {}
+
+  Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
+    return ReserveHost(*c_.budget, batch);
+  }
+
+  Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const override {
+    return HostBudgetError(*c_.budget, batch, k, n);
+  }
+
+  // Reads batch `b` into a pooled buffer and makes its tensors; the lease moves into their owner.
+  Result<Batch> Complete(size_t b, Reservation memory) override {
+    const PlanBatch& batch = plan_.batches[b];
+    TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
+                        c_.pool->Acquire(BufferSize(batch)));
+    TF_RETURN_IF_ERROR(Read(batch, *buffer));
+    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
+    for (const BufferMove& mv : batch.moves) {
+      std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+    }
+    auto owner =
+        std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(memory.lease)});
+    const auto& infos = c_.checkpoint->tensors();
+    Batch out;
+    out.bytes = batch.tensor_bytes;
+    out.tensors.reserve(batch.tensors.size());
+    for (const PlannedTensor& pt : batch.tensors) {
+      const TensorInfo& info = infos[pt.tensor];
+      const std::byte* data = owner->buffer->data() + pt.buffer_offset;
+      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
+                               pt.size(info), std::shared_ptr<const void>(owner, data));
+    }
+    return out;
+  }
+
+ private:
+  // Under a budget every batch asks for a buffer of the same size (the batch budget plus room for
+  // alignment padding), so the same buffers are reused for the whole load.
+  uint64_t BufferSize(const PlanBatch& batch) const {
+    const uint64_t uniform = batch_budget_ + batch.tasks.size() * 4096 + (64u << 10);
+    return batch_budget_ > 0 && batch.buffer_size <= batch_budget_
+               ? std::max(batch.buffer_size, std::min(uniform, batch_budget_ * 2))
+               : batch.buffer_size;
+  }
+
+  Status Read(const PlanBatch& batch, memory::HostBuffer& buffer) {
+    std::vector<uint32_t> task_files;
+    task_files.reserve(batch.tasks.size());
+    for (const ReadTask& t : batch.tasks) task_files.push_back(t.file);
+    return c_.windows(
+        DistinctFiles(task_files, c_.checkpoint->files().size()), c_.want_direct,
+        [&](const std::vector<io::FileSet::Pin>& pins) {
+          std::vector<io::ReadRequest> requests;
+          requests.reserve(batch.tasks.size());
+          for (const ReadTask& t : batch.tasks) {
+            const io::FileSet::Pin& pin = pins[t.file];
+            if (!pin.file) continue;  // another window's
+            requests.push_back({pin.file.get(), t.file_offset,
+                                std::span<std::byte>(buffer.data() + t.buffer_offset, t.length),
+                                pin.direct_fd(), c_.options->cancel.get()});
+          }
+          return c_.engine->Execute(requests);
+        });
+  }
+
+  const SinkContext& c_;
+  const Plan& plan_;
+  const uint64_t batch_budget_;
+};
+
+}  // namespace
+
+std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan,
+                                        uint64_t batch_budget) {
+  return std::make_unique<HostSink>(context, plan, batch_budget);
+}
+
+std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& batch) {
+  std::optional<memory::BudgetLease> lease = budget.TryAcquire(batch.tensor_bytes);
+  if (!lease) return std::nullopt;
+  return Reservation{std::move(*lease), nullptr};
+}
+
+Status HostBudgetError(const memory::Budget& budget, const PlanBatch& batch, size_t k, size_t n) {
+  return Status(Code::kBudgetExceeded,
+                "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
+                    std::to_string(batch.tensor_bytes) + " bytes but " +
+                    std::to_string(budget.in_use()) + " of the " + std::to_string(budget.limit()) +
+                    "-byte budget are still held by tensors of earlier batches: drop them before "
+                    "the next batch, or raise the budget");
+}
+
+std::vector<uint32_t> DistinctFiles(const std::vector<uint32_t>& ids, size_t num_files) {
+  std::vector<bool> seen(num_files, false);
+  std::vector<uint32_t> out;
+  for (uint32_t f : ids) {
+    if (!seen[f]) out.push_back(f);
+    seen[f] = true;
+  }
+  return out;
+}
+
+}  // namespace tensorferry::sink

@@ -1,0 +1,111 @@
+// Loader::Impl: the state a Loader keeps between loads (checkpoint, options, engines, files,
+// mappings, pool, budget, device slots, statistics) and the steps every load shares. Internal to
+// src/loader/: loader.cc defines the methods; batch_iterator.cc and load_into.cc run loads on it.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_api.h"
+#include "io/file_set.h"
+#include "io/mapped_file.h"
+#include "io/read_engine.h"
+#include "loader/groups.h"
+#include "loader/sink.h"
+#include "memory/host_buffer.h"
+#include "tensorferry/loader.h"
+
+namespace tensorferry {
+
+using Clock = std::chrono::steady_clock;
+
+struct Loader::Impl {
+  std::shared_ptr<const Checkpoint> checkpoint;
+  LoadOptions options;
+  Engine engine_kind = Engine::kPread;  // resolved (never kAuto)
+  std::unique_ptr<io::ReadEngine> engine;
+  std::shared_ptr<memory::BufferPool> pool;
+  std::shared_ptr<memory::Budget> budget;
+  // The checkpoint's files (Checkpoint::file_set(): opened once, shared by its loaders).
+  std::shared_ptr<io::FileSet> files;
+  // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
+  std::vector<std::shared_ptr<io::MappedFile>> maps;
+  LoadStats stats;
+  // Device loading: the runtime (loaded on first use), one sink per CUDA device used, and the
+  // engine device batches read through (the loader's engine; a pread engine for kMmap, which has
+  // none).
+  std::shared_ptr<const cuda::Runtime> runtime;
+  std::map<int, sink::DeviceSlot> slots;
+  std::unique_ptr<io::ReadEngine> own_copy_engine;
+  io::ReadEngine* copy_engine = nullptr;
+
+  // The sink of CUDA device `index`, created on first use. REQUIRES: not called while a batch is
+  // being read on the helper thread.
+  Result<sink::DeviceSlot*> Slot(int index);
+
+  // The engine that copies bytes into memory (host destinations of LoadInto, device batches).
+  Result<io::ReadEngine*> CopyEngine();
+
+  // Takes the checkpoint's files once per loader, and checks that the files it holds open are
+  // still those seen at Checkpoint::Open (the others are checked when opened again): a file
+  // replaced or rewritten since then is reported before a read of it.
+  Status OpenFiles();
+
+  // Runs `run` over windows of the files in `used` (distinct file indices), each window at most
+  // half the file set's descriptor bound, with the window's files pinned: pins[f].file is set for
+  // exactly the files of the window. One window unless a batch reads hundreds of files.
+  Status InFileWindows(const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
+                       const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run);
+
+  // What a selection means for one load (Describe), indexed for batches: the tensors to read,
+  // which of them go to the caller under their own name, and the tied aliases (LoadOptions::shard
+  // ties) delivered sharing their target's data.
+  struct Resolved {
+    std::vector<uint32_t> read;                    // indices into tensors(), ascending
+    std::vector<bool> deliver;                     // per tensor index; empty: every read tensor
+    std::multimap<uint32_t, std::string> aliases;  // target index -> alias name
+  };
+
+  Result<Resolved> Resolve(const Selection& selection) const;
+
+  Result<Description> Describe(const Selection& selection) const;
+
+  static Resolved Index(Description d);
+
+  // Applies `resolved` to a batch made from `planned`: tied aliases added after their target
+  // (sharing its bytes and owner), tensors read only for an alias dropped.
+  static void Deliver(const Resolved& resolved, const PlanBatch& planned, Batch& batch);
+
+  Result<std::vector<Group>> MakeGroups(const std::vector<uint32_t>& read) const;
+
+  // Decides, per file the plan reads, whether its reads use O_DIRECT: returns the descriptor per
+  // file index (-1: buffered) and counts the choices into stats.
+  // `reads`: the (file, offset, length) ranges the load reads; `skip_host_mapped`: the mmap
+  // engine's host batches read nothing (only its device batches count).
+  Result<std::vector<bool>> ChooseDirect(std::span<const Group> groups, bool skip_host_mapped);
+
+  // Per file, whether its reads within [lo, hi) use O_DIRECT (hi 0: not read). The O_DIRECT
+  // descriptor is opened here, so a file system that refuses it is known (and counted) now.
+  Result<std::vector<bool>> ChooseDirect(
+      const std::pair<std::vector<uint64_t>, std::vector<uint64_t>>& spans);
+
+  // Every device slot of `groups` (its peak reset) and the copy engine when a group is bound for a
+  // device: whether one is.
+  Result<bool> PrepareDevices(const std::vector<Group>& groups);
+
+  // The engine whose counters a load reports (it reads host and device batches alike).
+  const io::ReadEngine* Counted() const;
+
+  // What the sinks of one load borrow.
+  sink::SinkContext Context(std::vector<bool> want_direct, io::ReadEngine* reader);
+
+  // The device figures of the load that just ended: pipeline totals since `before`, the pinned
+  // memory held, the peak of device buffers.
+  void CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before);
+};
+
+}  // namespace tensorferry

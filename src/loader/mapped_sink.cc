@@ -1,0 +1,140 @@
+// The mapped sink (Engine::kMmap): tensors are views into per-file mappings kept for the Loader;
+// with populate every page is read first; strided slices are gathered into one pooled buffer.
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "io/engine_common.h"
+#include "loader/sink.h"
+
+namespace tensorferry::sink {
+namespace {
+
+class MappedSink final : public BatchSink {
+ public:
+  MappedSink(const SinkContext& context, const Plan& plan) : c_(context), plan_(plan) {}
+
+  // The budget only shapes the batches (the page cache owns the memory): the lease is dropped as
+  // soon as the batch is made.
+  Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
+    return ReserveHost(*c_.budget, batch);
+  }
+  Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const override {
+    return HostBudgetError(*c_.budget, batch, k, n);
+  }
+  bool reads_ahead() const override { return false; }
+
+  Result<Batch> Complete(size_t b, Reservation) override {
+    const PlanBatch& batch = plan_.batches[b];
+    TF_RETURN_IF_ERROR(MapFiles(batch));
+    if (c_.options->populate && !batch.tasks.empty()) TF_RETURN_IF_ERROR(Populate(batch));
+    return MakeTensors(batch);
+  }
+
+ private:
+  Status MapFiles(const PlanBatch& batch) {
+    std::vector<std::shared_ptr<io::MappedFile>>& maps = *c_.maps;
+    for (const PlannedTensor& pt : batch.tensors) {
+      const uint32_t f = c_.checkpoint->tensors()[pt.tensor].file;
+      if (!maps[f]) {
+        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, c_.files->Get(f));
+        TF_ASSIGN_OR_RETURN(maps[f],
+                            io::MappedFile::Map(*pin.file, c_.checkpoint->files()[f].file_size));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Every page of the batch's tasks read, in parallel over the tasks.
+  Status Populate(const PlanBatch& batch) {
+    std::atomic<size_t> next{0};
+    std::mutex mu;
+    Status first;
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < batch.tasks.size();) {
+        const ReadTask& t = batch.tasks[i];
+        Status s = (*c_.maps)[t.file]->Populate(t.file_offset, t.length);
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (first.ok()) first = std::move(s);
+          next.store(batch.tasks.size());
+        }
+      }
+    };
+    const unsigned threads = c_.options->threads ? c_.options->threads : io::OnlineCpus();
+    const unsigned n = std::min<size_t>(threads, batch.tasks.size());
+    std::vector<std::thread> helpers;
+    for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
+    work();
+    for (std::thread& t : helpers) t.join();
+    return first;
+  }
+
+  // Views, or copies gathered into one pooled buffer for slices of several ranges (dim-0 slices,
+  // one range, stay views).
+  Result<Batch> MakeTensors(const PlanBatch& batch) {
+    const auto& infos = c_.checkpoint->tensors();
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(batch.tensors.size());
+    std::vector<uint64_t> gather_at(batch.tensors.size(), 0);
+    uint64_t gather_bytes = 0;
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const PlannedTensor& pt = batch.tensors[i];
+      if (!pt.slice) continue;
+      pieces[i] = SliceByteRanges(infos[pt.tensor], *pt.slice);
+      if (pieces[i].size() > 1) {
+        gather_at[i] = gather_bytes;
+        gather_bytes += (pt.slice->bytes + 63) & ~uint64_t{63};
+      }
+    }
+    std::shared_ptr<memory::HostBuffer> gathered;
+    if (gather_bytes > 0) {
+      TF_ASSIGN_OR_RETURN(gathered, c_.pool->Acquire(gather_bytes));
+    }
+    Batch out;
+    out.bytes = batch.tensor_bytes;
+    out.tensors.reserve(batch.tensors.size());
+    for (size_t i = 0; i < batch.tensors.size(); ++i) {
+      const PlannedTensor& pt = batch.tensors[i];
+      const TensorInfo& info = infos[pt.tensor];
+      const std::shared_ptr<io::MappedFile>& map = (*c_.maps)[info.file];
+      const std::byte* data = nullptr;
+      std::shared_ptr<const void> owner;
+      if (pieces[i].size() > 1) {
+        std::byte* dst = gathered->data() + gather_at[i];
+        for (const auto& [off, len] : pieces[i]) {
+          std::memcpy(dst, map->data() + info.offset + off, len);
+          dst += len;
+        }
+        data = gathered->data() + gather_at[i];
+        owner = std::shared_ptr<const void>(gathered, data);
+      } else {
+        const uint64_t off = pieces[i].empty() ? 0 : pieces[i][0].first;
+        data = map->data() + info.offset + off;
+        owner = std::shared_ptr<const void>(map, data);
+      }
+      // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
+      if (map->faults() != 0) {
+        return Status(Code::kUnexpectedEof,
+                      map->path() + ": file shrank while mapped: page at offset " +
+                          std::to_string(map->first_fault_offset()) + " is past its end");
+      }
+      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
+                               pt.size(info), std::move(owner));
+    }
+    return out;
+  }
+
+  const SinkContext& c_;
+  const Plan& plan_;
+};
+
+}  // namespace
+
+std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan) {
+  return std::make_unique<MappedSink>(context, plan);
+}
+
+}  // namespace tensorferry::sink

@@ -1,0 +1,124 @@
+// Sinks: where a batch's bytes go. The loader runs plan -> engine -> sink: a plan's batch is given
+// memory by its group's sink (Reserve), read into it by the read engine, and handed out as Tensors
+// co-owning that memory (Complete). Three sinks:
+//   host:   a pooled host buffer under the host budget, read by the loader's engine (covering
+//           reads of tensor-parallel slices packed with the plan's moves);
+//   mapped: views into per-file mappings (Engine::kMmap; populate pre-faults pages), strided slices
+//           gathered into one pooled buffer;
+//   device: a device buffer from the device's budgeted allocator, read through its pipeline (the
+//           plan laid out by LayOutForDevice, plan/device_layout.h).
+// Internal to the loader: a sink borrows the Loader's state (SinkContext) and is made per load.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "device/device_memory.h"
+#include "device/pipeline.h"
+#include "io/file_set.h"
+#include "io/mapped_file.h"
+#include "io/read_engine.h"
+#include "memory/host_buffer.h"
+#include "plan/device_layout.h"
+#include "tensorferry/loader.h"
+#include "util/macros.h"
+
+namespace tensorferry::sink {
+
+// A batch's memory, reserved before its reads start: its share of the host budget, or (for a
+// device batch) its device buffer.
+struct Reservation {
+  memory::BudgetLease lease;
+  std::shared_ptr<device::DeviceBuffer> device;
+};
+
+// Per CUDA device: the budgeted allocator of batch buffers and the pipeline (pinned ring, streams,
+// cuFile driver), made once per Loader and reused by every load.
+struct DeviceSlot {
+  std::shared_ptr<device::DeviceAllocator> allocator;
+  std::unique_ptr<device::DevicePipeline> pipeline;
+};
+
+// Runs `run` over windows of the files in `used` (distinct file indices) with the window's files
+// pinned (pins[f].file set for exactly the files of the window).
+using FileWindows =
+    std::function<Status(const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
+                         const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run)>;
+
+// What a sink borrows from its Loader for one load. Every pointer outlives the sink.
+struct SinkContext {
+  const Checkpoint* checkpoint = nullptr;
+  const LoadOptions* options = nullptr;
+  std::vector<bool> want_direct;  // per file: read with O_DIRECT
+  FileWindows windows;
+  io::ReadEngine* engine = nullptr;  // host sink: the loader's engine; device sink: the copy engine
+  memory::BufferPool* pool = nullptr;
+  memory::Budget* budget = nullptr;
+  io::FileSet* files = nullptr;                                  // mapped sink
+  std::vector<std::shared_ptr<io::MappedFile>>* maps = nullptr;  // mapped sink, per file
+};
+
+class BatchSink {
+ public:
+  virtual ~BatchSink() = default;
+  // The memory of `batch`, or nullopt when it does not fit its budget now (only the caller, by
+  // dropping tensors of earlier batches, can free it). Errors: those of the allocator.
+  virtual Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) = 0;
+  // Reads batch `b` of the group's plan into `memory` and makes its tensors, co-owning it.
+  // Errors: the read errors (kIoError, kUnexpectedEof, kCancelled), those of the device.
+  virtual Result<Batch> Complete(size_t b, Reservation memory) = 0;
+  // kBudgetExceeded for a batch Reserve refused: batch `k` of `n` in delivery order.
+  virtual Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const = 0;
+  // Whether the next batch is worth reading on a helper thread (the mapped sink reads nothing).
+  virtual bool reads_ahead() const { return true; }
+};
+
+// `plan`, `strided` (per batch, for the device sink) and `slot` are borrowed.
+std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan,
+                                        uint64_t batch_budget);
+std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan);
+std::unique_ptr<BatchSink> MakeDeviceSink(const SinkContext& context, const Plan& plan,
+                                          const std::vector<std::vector<StridedRead>>& strided,
+                                          Device device, DeviceSlot& slot);
+
+// The host budget's share of `batch` (host and mapped sinks), nullopt when it does not fit now, and
+// the kBudgetExceeded error for that case.
+std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& batch);
+Status HostBudgetError(const memory::Budget& budget, const PlanBatch& batch, size_t k, size_t n);
+
+// A device task of `read` landing at `base` (a device address) + read.buffer_offset.
+device::DeviceTask DeviceTaskOf(const StridedRead& read, std::byte* base,
+                                const std::atomic<bool>* cancel);
+
+// Runs device tasks (task i reads file task_file[i]) through `slot`'s pipeline window by window of
+// files; into `buffer` when given (GDS registration), else caller memory.
+Status RunDeviceTasks(const SinkContext& context, const DeviceSlot& slot,
+                      const std::vector<device::DeviceTask>& tasks,
+                      const std::vector<uint32_t>& task_file, device::DeviceBuffer* buffer);
+
+// The tasks (io::ReadRequest or device::DeviceTask; task i reads file task_file[i]) whose files
+// are pinned in this window, with their file and O_DIRECT descriptor filled in.
+template <typename Task>
+std::vector<Task> WindowOf(const std::vector<Task>& tasks, const std::vector<uint32_t>& task_file,
+                           const std::vector<io::FileSet::Pin>& pins) {
+  std::vector<Task> window;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const io::FileSet::Pin& pin = pins[task_file[i]];
+    if (!pin.file) continue;
+    Task t = tasks[i];
+    t.file = pin.file.get();
+    t.direct_fd = pin.direct_fd();
+    window.push_back(t);
+  }
+  return window;
+}
+
+// The distinct file indices of `ids`, in first-use order.
+std::vector<uint32_t> DistinctFiles(const std::vector<uint32_t>& ids, size_t num_files);
+
+}  // namespace tensorferry::sink

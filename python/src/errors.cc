@@ -119,6 +119,14 @@ nb::handle SafetensorErrorType() {
   return nb::handle(g_safetensor_error);
 }
 
+void RaiseMissingTensor(const std::string& name) {
+  nb::object exc = SafetensorErrorType()(nb::str(("File does not contain tensor " + name).c_str()));
+  exc.attr("code") = "not_found";
+  exc.attr("category") = "not_found";
+  PyErr_SetObject(SafetensorErrorType().ptr(), exc.ptr());
+  throw nb::python_error();
+}
+
 namespace {
 
 // str(x) of a Python object as UTF-8 (with replacement characters where it cannot be encoded).

@@ -63,4 +63,8 @@ void RegisterErrors(nanobind::module_& m);
 // The tensorferry.SafetensorError class (valid after RegisterErrors).
 nanobind::handle SafetensorErrorType();
 
+// Raises the reference's SafetensorError "File does not contain tensor <name>" (code and category
+// "not_found") for a name the checkpoint does not hold.
+[[noreturn]] void RaiseMissingTensor(const std::string& name);
+
 }  // namespace tensorferry::python

@@ -1,6 +1,8 @@
 #include "export.h"
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -170,6 +172,54 @@ nb::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper, co
   nb::ndarray<nb::numpy, nb::device::cpu> array(mutable_ptr, dims.size(), dims.data(), capsule,
                                                 nullptr, type);
   return nb::cast(array, nb::rv_policy::reference);
+}
+
+Framework ToFramework(int framework) {
+  if (framework < 0 || framework > 2) {
+    throw StatusError(
+        Status(Code::kInvalidArgument, "framework must be 0 (numpy), 1 (torch) or 2 (dlpack)"));
+  }
+  return static_cast<Framework>(framework);
+}
+
+nb::list ShapeList(const std::vector<uint64_t>& shape) {
+  nb::list out;
+  for (uint64_t d : shape) out.append(d);
+  return out;
+}
+
+nb::str DTypeStr(DType dtype) {
+  static nb::str* names[kNumDTypes] = {};
+  nb::str*& name = names[static_cast<int>(dtype)];
+  if (name == nullptr) {
+    const std::string_view n = DTypeName(dtype);
+    name = new nb::str(n.data(), n.size());  // never freed: lives as long as the module
+  }
+  return *name;
+}
+
+nb::list ExportTensors(Framework framework, std::vector<Tensor>& tensors) {
+  auto same_owner = [](const std::shared_ptr<const void>& a, const std::shared_ptr<const void>& b) {
+    return !a.owner_before(b) && !b.owner_before(a);
+  };
+  nb::list out;
+  size_t i = 0;
+  while (i < tensors.size()) {
+    size_t j = i + 1;
+    uint64_t bytes = tensors[i].size();
+    while (j < tensors.size() && same_owner(tensors[i].owner(), tensors[j].owner())) {
+      bytes += tensors[j].size();
+      ++j;
+    }
+    auto keeper = std::make_shared<Keeper>(tensors[i].owner(), bytes);
+    for (; i < j; ++i) {
+      const Tensor& t = tensors[i];
+      out.append(nb::make_tuple(
+          t.name(), DTypeStr(t.dtype()),
+          Export(framework, keeper, t.data(), t.size(), t.dtype(), t.shape(), t.device())));
+    }
+  }
+  return out;
 }
 
 }  // namespace tensorferry::python

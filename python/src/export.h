@@ -21,9 +21,11 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "tensorferry/device.h"
 #include "tensorferry/format.h"
+#include "tensorferry/loader.h"
 
 namespace tensorferry::python {
 
@@ -65,5 +67,20 @@ bool ExportsNatively(DType dtype, Framework framework) noexcept;
 nanobind::object Export(Framework framework, const std::shared_ptr<Keeper>& keeper,
                         const std::byte* data, uint64_t size, DType dtype,
                         std::span<const uint64_t> shape, Device device = Device::CPU());
+
+// `framework` as passed from Python (0 numpy, 1 torch, 2 dlpack). Throws StatusError otherwise.
+Framework ToFramework(int framework);
+
+// `shape` as a Python list of ints.
+nanobind::list ShapeList(const std::vector<uint64_t>& shape);
+
+// The dtype's header name as a Python string, made once per dtype.
+nanobind::str DTypeStr(DType dtype);
+
+// (name, dtype name, array) triples (kExportedArray: the array's index). Consecutive tensors with
+// one owner (a batch's buffer) share one Keeper, so the live-buffer count follows the real buffers.
+// REQUIRES: the GIL is held.
+constexpr size_t kExportedArray = 2;
+nanobind::list ExportTensors(Framework framework, std::vector<Tensor>& tensors);
 
 }  // namespace tensorferry::python

@@ -117,10 +117,10 @@ class _Framework:
                 self.dtype(st_dtype)
             except UnsupportedDTypeError:
                 candidates = names if names is not None else reader.names(True)
-                example = next(n for n in candidates if reader.info(n)[0] == st_dtype)
+                example = next(n for n in candidates if reader.info(n).dtype == st_dtype)
                 self.dtype(st_dtype, example)  # raises, naming the tensor
             if odd:
-                self.shape(st_dtype, reader.info(odd[0])[1], odd[0])
+                self.shape(st_dtype, reader.info(odd[0]).shape, odd[0])
 
     def finish_all(self, triples, device):
         """(name, tensor) pairs from the core's (name, dtype, array) triples. `device` None:

@@ -119,7 +119,8 @@ class safe_open:
         """The tensor `name`, in the framework and on the device of this file."""
         reader = self._open_reader()
         fw = self._fw
-        st_dtype, st_shape = reader.info(name)[:2]
+        info = reader.info(name)
+        st_dtype, st_shape = info.dtype, info.shape
         fw.dtype(st_dtype, name)
         fw.shape(st_dtype, st_shape, name)
         tensor = fw.finish(reader.get_tensor(name, fw.code), st_dtype)
@@ -146,10 +147,10 @@ class _Slice:
         self._name = name
 
     def get_shape(self):
-        return list(self._owner._open_reader().info(self._name)[1])
+        return list(self._owner._open_reader().info(self._name).shape)
 
     def get_dtype(self):
-        return self._owner._open_reader().info(self._name)[0]
+        return self._owner._open_reader().info(self._name).dtype
 
     def __getitem__(self, index):
         owner = self._owner

@@ -122,7 +122,8 @@ def plan(index, shape, negative_steps):
 
 def get_slice(reader, fw, name, index):
     """reader: _core.Reader; fw: a _frameworks adapter. Returns full[index] for tensor `name`."""
-    st_dtype, st_shape, nbytes, _, _ = reader.info(name)
+    info = reader.info(name)
+    st_dtype, st_shape, nbytes = info.dtype, info.shape, info.bytes
     fw.dtype(st_dtype, name)
     shape = fw.shape(st_dtype, st_shape, name)
     p = plan(index, shape, fw.negative_steps)

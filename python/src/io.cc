@@ -1,0 +1,144 @@
+#include "io.h"
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "export.h"
+#include "gil.h"
+#include "tensorferry/format.h"
+#include "tensorferry/mapping.h"
+#include "tensorferry/writer.h"
+
+namespace nb = nanobind;
+
+namespace tensorferry::python {
+namespace {
+
+// entries: [(name, dtype name, shape, data address, byte length)]; the caller keeps the memory
+// alive and unchanged for the duration of the call.
+std::vector<TensorToWrite> ToWrite(const nb::list& entries) {
+  std::vector<TensorToWrite> out;
+  out.reserve(entries.size());
+  for (nb::handle h : entries) {
+    nb::tuple e = nb::cast<nb::tuple>(h);
+    if (e.size() != 5) throw nb::value_error("entries are (name, dtype, shape, address, length)");
+    TensorToWrite t;
+    t.name = ToText(e[0], "tensor name");
+    const std::string dtype = ToText(e[1], "dtype");
+    const std::optional<DType> d = DTypeFromName(dtype);
+    if (!d) {
+      throw StatusError(Status(Code::kInvalidArgument,
+                               "tensor \"" + t.name + "\": unknown dtype \"" + dtype + "\""));
+    }
+    t.dtype = *d;
+    t.shape = nb::cast<std::vector<uint64_t>>(e[2]);
+    const auto address = nb::cast<uintptr_t>(e[3]);
+    const auto length = nb::cast<size_t>(e[4]);
+    t.data = std::span<const std::byte>(reinterpret_cast<const std::byte*>(address), length);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+Metadata ToMetadata(const std::optional<nb::dict>& metadata) {
+  Metadata out;
+  if (!metadata) return out;
+  for (auto [k, v] : *metadata)
+    out.emplace_back(ToText(k, "metadata key"), ToText(v, "metadata value"));
+  return out;
+}
+
+nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& metadata) {
+  const std::vector<TensorToWrite> tensors = ToWrite(entries);
+  const Metadata meta = ToMetadata(metadata);
+  const SerializedHeader header = Unwrap(SerializeHeader(tensors, meta));
+  const uint64_t total = 8 + header.json.size() + header.data_size;
+  PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total));
+  if (raw == nullptr) throw nb::python_error();
+  nb::bytes out = nb::steal<nb::bytes>(raw);
+  char* dst = PyBytes_AS_STRING(raw);
+  {
+    WithoutGil release;
+    uint64_t n = header.json.size();
+    for (int i = 0; i < 8; ++i) dst[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    std::memcpy(dst + 8, header.json.data(), header.json.size());
+    char* p = dst + 8 + header.json.size();
+    for (size_t i : header.order) {
+      const auto& d = tensors[i].data;
+      if (!d.empty()) std::memcpy(p, d.data(), d.size());
+      p += d.size();
+    }
+  }
+  return out;
+}
+
+void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metadata,
+                   const std::string& path) {
+  Check(CheckMappedFiles());  // the tensors to write may be views of a file that shrank
+  const std::vector<TensorToWrite> tensors = ToWrite(entries);
+  const Metadata meta = ToMetadata(metadata);
+  Status s;
+  {
+    WithoutGil release;
+    s = WriteFile(path, tensors, meta);
+  }
+  Check(s);
+}
+
+// The tensors of a whole safetensors file held in `data` (any object with the buffer protocol),
+// as (name, dtype name, shape, array) in name order. The data section is copied once into a block
+// all tensors share.
+nb::list Deserialize(nb::handle data, int framework) {
+  const Framework fw = ToFramework(framework);
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+  struct Release {
+    Py_buffer* v;
+    ~Release() { PyBuffer_Release(v); }
+  } release_view{&view};
+  const auto* bytes = static_cast<const std::byte*>(view.buf);
+  const auto size = static_cast<uint64_t>(view.len);
+  Header header;
+  std::shared_ptr<std::byte> block;
+  {
+    WithoutGil release;
+    header = Unwrap(ParseHeader(std::span<const std::byte>(bytes, size), size, {}, "<bytes>"));
+    block = AllocateBytes(header.data_size);
+    if (header.data_size != 0) {
+      std::memcpy(block.get(), bytes + header.data_offset(), header.data_size);
+    }
+  }
+  auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), header.data_size);
+  std::vector<const TensorEntry*> entries;
+  for (const TensorEntry& t : header.tensors) entries.push_back(&t);
+  std::sort(entries.begin(), entries.end(),
+            [](const TensorEntry* a, const TensorEntry* b) { return a->name < b->name; });
+  nb::list out;
+  for (const TensorEntry* t : entries) {
+    const std::string_view dtype = DTypeName(t->dtype);
+    out.append(nb::make_tuple(
+        t->name, nb::str(dtype.data(), dtype.size()), ShapeList(t->shape),
+        Export(fw, keeper, block.get() + t->begin, t->byte_size(), t->dtype, t->shape)));
+  }
+  return out;
+}
+
+}  // namespace
+
+void RegisterIo(nb::module_& m) {
+  m.def("serialize", &Serialize, nb::arg("entries"), nb::arg("metadata").none());
+  m.def("serialize_file", &SerializeFile, nb::arg("entries"), nb::arg("metadata").none(),
+        nb::arg("path"));
+  m.def("deserialize", &Deserialize, nb::arg("data"), nb::arg("framework"));
+}
+
+}  // namespace tensorferry::python

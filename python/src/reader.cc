@@ -1,0 +1,483 @@
+#include "reader.h"
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <span>
+#include <utility>
+
+#include "distributed.h"
+#include "errors.h"
+#include "export.h"
+#include "gil.h"
+#include "interrupt.h"
+#include "iterator.h"
+#include "options.h"
+#include "tensorferry/env.h"
+#include "tensorferry/format.h"
+#include "tensorferry/mapping.h"
+#include "tensorferry/plan.h"
+
+namespace nb = nanobind;
+
+namespace tensorferry::python {
+
+Reader::Reader(const std::string& path, bool single_file, const nb::dict& options)
+    : options_(MakeLoadOptions(options)) {
+  Check(CheckMappedFiles());  // tensors handed out earlier lost bytes: say so at the next call
+  options_.cancel = cancel_;
+  WithoutGil release;
+  // The checkpoint opens each file once and owns it (checkpoint.h): the header is read through
+  // the descriptor every later read uses, and a file replaced meanwhile is reported at the next
+  // load.
+  if (single_file) {
+    const std::vector<std::string> paths{path};
+    checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths));
+  } else {
+    checkpoint_ = Unwrap(Checkpoint::Open(path));
+  }
+  Init();
+}
+
+Reader::Reader(const Reader& other, const nb::dict& options)
+    : checkpoint_(other.Open()), options_(MakeLoadOptions(options)) {
+  Check(CheckMappedFiles());
+  options_.cancel = cancel_;
+  WithoutGil release;
+  Init();
+}
+
+void Reader::Init() {
+  has_metadata_.resize(checkpoint_->files().size());
+  if (options_.device.is_cuda() && !options_.placement) {
+    // A CUDA target is checked now, so that opening says at once why there is no device
+    // (the runtime that did not load, or the device count), and the pipeline is made once.
+    loader_ = Unwrap(Loader::Open(checkpoint_, options_));
+  }
+}
+
+std::shared_ptr<const Checkpoint> Reader::Open() const {
+  std::lock_guard<std::mutex> lock(checkpoint_mu_);
+  if (!checkpoint_) throw StatusError(Status(Code::kInvalidArgument, "this Reader is closed"));
+  return checkpoint_;
+}
+
+nb::object Reader::CooperativePlan(const std::optional<std::vector<std::string>>& names,
+                                   const std::string& spec, uint32_t world,
+                                   uint64_t round_bytes) const {
+  return python::CooperativePlan(*Open(), names, spec, world, round_bytes);
+}
+
+std::vector<std::string> Reader::Names(bool by_offset) const {
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  std::vector<std::string> names;
+  names.reserve(checkpoint->tensors().size());
+  for (const TensorInfo& t : checkpoint->tensors()) names.push_back(t.name);
+  if (!by_offset) std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::vector<std::string> Reader::Files() const {
+  std::vector<std::string> out;
+  for (const FileInfo& f : Open()->files()) out.push_back(f.path);
+  return out;
+}
+
+uint64_t Reader::TotalBytes() const {
+  return Open()->total_tensor_bytes();
+}
+size_t Reader::Size() const {
+  return Open()->tensors().size();
+}
+bool Reader::Contains(const std::string& name) const {
+  return Open()->Find(name) != nullptr;
+}
+
+PyTensorInfo Reader::Info(const std::string& name) const {
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  const TensorInfo& t = Lookup(*checkpoint, name);
+  return {t.name, std::string(DTypeName(t.dtype)), t.shape, t.size, t.file, t.offset};
+}
+
+nb::dict Reader::DTypes(const std::optional<std::vector<std::string>>& names) const {
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  bool seen[kNumDTypes] = {};
+  std::vector<std::string> odd_f4;
+  auto visit = [&](const TensorInfo& t) {
+    seen[static_cast<int>(t.dtype)] = true;
+    if (t.dtype == DType::kF4 && (t.shape.empty() || t.shape.back() % 2 != 0)) {
+      odd_f4.push_back(t.name);
+    }
+  };
+  if (names) {
+    for (const std::string& n : *names) visit(Lookup(*checkpoint, n));
+  } else {
+    for (const TensorInfo& t : checkpoint->tensors()) visit(t);
+  }
+  nb::dict out;
+  for (int i = 0; i < kNumDTypes; ++i) {
+    if (!seen[i]) continue;
+    nb::list odd;
+    if (static_cast<DType>(i) == DType::kF4) {
+      for (const std::string& n : odd_f4) odd.append(n);
+    }
+    out[DTypeStr(static_cast<DType>(i))] = odd;
+  }
+  return out;
+}
+
+nb::object Reader::FileMetadata(size_t index) {
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  if (index >= checkpoint->files().size()) throw nb::index_error("file index out of range");
+  const FileInfo& file = checkpoint->files()[index];
+  bool present = !file.metadata.empty();
+  if (!present) {
+    // An empty table is either "__metadata__": {} or no "__metadata__" at all; only the header
+    // tells (read again, once, only in this case).
+    WithoutGil release;
+    Lock lock(*this);
+    std::optional<bool>& known = has_metadata_[index];
+    if (!known) {
+      known =
+          Unwrap(ReadHeader(*Unwrap(checkpoint->File(static_cast<uint32_t>(index))))).has_metadata;
+    }
+    present = *known;
+  }
+  if (!present) return nb::none();
+  nb::dict d;
+  for (const auto& [k, v] : file.metadata)
+    d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
+  return d;
+}
+
+nb::dict Reader::IndexMetadata() const {
+  nb::dict d;
+  for (const auto& [k, v] : Open()->index_metadata()) {
+    d[nb::str(k.c_str(), k.size())] = nb::str(v.c_str(), v.size());
+  }
+  return d;
+}
+
+std::vector<PyOutput> Reader::Describe(const std::optional<std::vector<std::string>>& names) const {
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  const Description d = DescribeNames(*checkpoint, names);
+  std::vector<PyOutput> out;
+  out.reserve(d.outputs.size());
+  for (const OutputInfo& o : d.outputs) {
+    const TensorInfo& t = checkpoint->tensors()[o.tensor];
+    out.push_back(
+        {o.name, std::string(DTypeName(o.dtype)), t.name, o.shape, o.bytes, t.file, o.alias});
+  }
+  return out;
+}
+
+nb::list Reader::Load(const std::optional<std::vector<std::string>>& names, int framework) {
+  const Framework fw = ToFramework(framework);
+  if (names) DescribeNames(*Open(), names);  // SafetensorError naming a missing tensor
+  // Locked on this thread (a stream callback reading through its own loader is refused here),
+  // then loaded on Interruptible's helper thread.
+  std::optional<Lock> lock;
+  {
+    WithoutGil release;
+    lock.emplace(*this);
+  }
+  cancel_->store(false);
+  std::vector<Tensor> tensors = Interruptible(*cancel_, [&] {
+    Loader& loader = EnsureLoader();
+    const Selection selection = names ? Selection::Names(*names) : Selection::All();
+    Result<std::vector<Tensor>> got = loader.Load(selection);
+    SetStats(loader.stats());
+    return Unwrap(std::move(got));
+  });
+  lock.reset();
+  return ExportTensors(fw, tensors);
+}
+
+nb::object Reader::GetTensor(const std::string& name, int framework) {
+  Check(CheckMappedFiles());
+  const Framework fw = ToFramework(framework);
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  const TensorInfo& t = Lookup(*checkpoint, name);
+  if (t.size >= 2 * options_.chunk_size || options_.device.is_cuda() || options_.placement) {
+    std::vector<std::string> one{name};
+    nb::list got = Load(one, framework);
+    return nb::borrow<nb::tuple>(got[0])[kExportedArray];
+  }
+  std::shared_ptr<std::byte> block;
+  {
+    WithoutGil release;
+    block = ReadBytes(*checkpoint, t, 0, t.size);
+  }
+  auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), t.size);
+  return Export(fw, keeper, block.get(), t.size, t.dtype, t.shape);
+}
+
+nb::object Reader::ReadRange(const std::string& name, uint64_t begin, uint64_t end, int framework,
+                             const std::optional<std::vector<uint64_t>>& shape) {
+  Check(CheckMappedFiles());
+  const Framework fw = ToFramework(framework);
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  const TensorInfo& t = Lookup(*checkpoint, name);
+  if (begin > end || end > t.size) {
+    throw StatusError(Status(Code::kInvalidArgument, "byte range [" + std::to_string(begin) + ", " +
+                                                         std::to_string(end) +
+                                                         ") outside tensor \"" + name + "\" of " +
+                                                         std::to_string(t.size) + " bytes"));
+  }
+  if (shape) {
+    const Result<uint64_t> bytes = TensorByteSize(t.dtype, *shape);
+    if (!bytes.ok() || *bytes != end - begin) {
+      throw StatusError(Status(Code::kInvalidArgument,
+                               "shape does not match the byte range of tensor \"" + name + "\""));
+    }
+  }
+  std::shared_ptr<std::byte> block;
+  {
+    WithoutGil release;
+    block = ReadBytes(*checkpoint, t, begin, end - begin);
+  }
+  auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), end - begin);
+  if (shape) return Export(fw, keeper, block.get(), end - begin, t.dtype, *shape);
+  const std::vector<uint64_t> flat{end - begin};
+  return Export(fw, keeper, block.get(), end - begin, DType::kU8, flat);
+}
+
+void Reader::Stream(const std::optional<std::vector<std::string>>& names, int framework,
+                    const nb::callable& callback) {
+  const Framework fw = ToFramework(framework);
+  if (names) DescribeNames(*Open(), names);  // SafetensorError naming a missing tensor
+  std::optional<nb::python_error> raised;
+  Status status;
+  {
+    WithoutGil release;
+    Lock lock(*this);
+    Loader& loader = EnsureLoader();
+    const Selection selection = names ? Selection::Names(*names) : Selection::All();
+    status = loader.Stream(selection, [&](Batch batch) -> Status {
+      nb::gil_scoped_acquire acquire;
+      try {
+        nb::list tensors = ExportTensors(fw, batch.tensors);
+        batch.tensors.clear();
+        callback(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
+      } catch (nb::python_error& e) {
+        raised.emplace(std::move(e));
+        return Status(Code::kInternal, "the stream callback raised an exception");
+      }
+      return Status::Ok();
+    });
+    SetStats(loader.stats());
+  }
+  if (raised) throw std::move(*raised);
+  Check(status);
+}
+
+std::vector<std::vector<std::string>> Reader::PlanGroups(
+    const std::optional<std::vector<std::string>>& names, uint64_t budget, bool allow_oversized,
+    const std::string& order) const {
+  const std::shared_ptr<const Checkpoint> checkpoint = Open();
+  const Selection selection = names ? Selection::Names(*names) : Selection::All();
+  PlanOptions p;
+  p.chunk_size = options_.chunk_size;
+  p.budget = budget;
+  p.allow_oversized = allow_oversized;
+  p.order = Unwrap(ParseDeliveryOrder(order));
+  const std::vector<uint32_t> indices = Unwrap(selection.Resolve(*checkpoint));
+  const Plan plan = Unwrap(MakePlan(*checkpoint, indices, p));
+  std::vector<std::vector<std::string>> groups;
+  for (const PlanBatch& b : plan.batches) {
+    auto& g = groups.emplace_back();
+    for (const PlannedTensor& t : b.tensors) g.push_back(checkpoint->tensors()[t.tensor].name);
+  }
+  return groups;
+}
+
+void Reader::LoadInto(const nb::list& entries) {
+  std::vector<Destination> destinations;
+  destinations.reserve(entries.size());
+  for (nb::handle h : entries) {
+    nb::tuple e = nb::cast<nb::tuple>(h);
+    if (e.size() != 4) throw nb::value_error("entries are (name, device, address, capacity)");
+    Destination d;
+    d.name = ToText(e[0], "tensor name");
+    d.device = Unwrap(ParseDevice(ToText(e[1], "device")));
+    d.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(e[2]));
+    d.capacity = nb::cast<uint64_t>(e[3]);
+    destinations.push_back(std::move(d));
+  }
+  std::optional<Lock> lock;  // as in Load
+  {
+    WithoutGil release;
+    lock.emplace(*this);
+  }
+  cancel_->store(false);
+  Interruptible(*cancel_, [&] {
+    Loader& loader = EnsureLoader();
+    const Status s = loader.LoadInto(destinations);
+    SetStats(loader.stats());
+    Check(s);
+  });
+}
+
+nb::dict Reader::Stats() const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return StatsDict(stats_);
+}
+
+nb::dict Reader::Options() const {
+  return OptionsDict(options_);
+}
+
+void Reader::Close() {
+  WithoutGil release;
+  Lock lock(*this);  // refused while an iteration is open (close it first)
+  loader_.reset();
+  std::shared_ptr<const Checkpoint> dropped;  // released after the lock, outside checkpoint_mu_
+  {
+    std::lock_guard<std::mutex> l(checkpoint_mu_);
+    dropped = std::move(checkpoint_);
+  }
+}
+
+Reader::Lock::Lock(Reader& r, bool step) : r_(r) {
+  if (r.lock_owner_.load() == std::this_thread::get_id()) {
+    throw StatusError(Status(Code::kInvalidArgument,
+                             "this loader is busy on this thread: a stream callback may not "
+                             "read through the loader that called it"));
+  }
+  if (!step) ThrowIfStreaming();
+  r.mu_.lock();
+  if (!step && r.streaming_.load()) {
+    r.mu_.unlock();
+    ThrowIfStreaming();
+  }
+  r.lock_owner_.store(std::this_thread::get_id());
+}
+
+Reader::Lock::~Lock() {
+  r_.lock_owner_.store(std::thread::id());
+  r_.mu_.unlock();
+}
+
+void Reader::Lock::ThrowIfStreaming() const {
+  if (r_.streaming_.load()) {
+    throw StatusError(Status(Code::kInvalidArgument,
+                             "this loader is busy: an iteration over its batches is in "
+                             "progress; finish or close it first"));
+  }
+}
+
+void Reader::SetStats(const LoadStats& stats) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_ = stats;
+}
+
+Description Reader::DescribeNames(const Checkpoint& checkpoint,
+                                  const std::optional<std::vector<std::string>>& names) const {
+  const TensorParallelOptions* shard = options_.shard ? &*options_.shard : nullptr;
+  auto describe = [&](const Selection& selection) {
+    return DescribeSelection(checkpoint, selection, shard);
+  };
+  Result<Description> d = describe(names ? Selection::Names(*names) : Selection::All());
+  if (!d.ok() && d.status().code() == Code::kNotFound && names) {
+    for (const std::string& n : *names) {  // which name: the reference's error names it
+      Result<Description> one = describe(Selection::Names({n}));
+      if (!one.ok() && one.status().code() == Code::kNotFound) RaiseMissingTensor(n);
+    }
+  }
+  return Unwrap(std::move(d));
+}
+
+const TensorInfo& Reader::Lookup(const Checkpoint& checkpoint, const std::string& name) {
+  const TensorInfo* t = checkpoint.Find(name);
+  if (t == nullptr) RaiseMissingTensor(name);
+  return *t;
+}
+
+Loader& Reader::EnsureLoader() {
+  if (!loader_) {
+    std::lock_guard<std::mutex> lock(checkpoint_mu_);
+    if (!checkpoint_) throw StatusError(Status(Code::kInvalidArgument, "this Reader is closed"));
+    loader_ = Unwrap(Loader::Open(checkpoint_, options_));
+  }
+  return *loader_;
+}
+
+std::shared_ptr<std::byte> Reader::ReadBytes(const Checkpoint& checkpoint, const TensorInfo& t,
+                                             uint64_t begin, uint64_t length) {
+  std::shared_ptr<std::byte> block = AllocateBytes(length);
+  if (length == 0) return block;
+  // Positional reads on one file are safe concurrently; the caller's checkpoint reference keeps
+  // the file open even if the Reader is closed meanwhile.
+  const std::shared_ptr<const SourceFile> file = Unwrap(checkpoint.File(t.file));
+  Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length)));
+  return block;
+}
+
+void RegisterReader(nb::module_& m) {
+  nb::class_<PyTensorInfo>(m, "TensorInfo", "A tensor of a checkpoint, as its header describes it")
+      .def_ro("name", &PyTensorInfo::name)
+      .def_ro("dtype", &PyTensorInfo::dtype)
+      .def_ro("shape", &PyTensorInfo::shape)
+      .def_ro("bytes", &PyTensorInfo::bytes)
+      .def_ro("file", &PyTensorInfo::file)
+      .def_ro("offset", &PyTensorInfo::offset)
+      .def("__repr__", [](const PyTensorInfo& t) {
+        return "TensorInfo(" + t.name + ", " + t.dtype + ", " + ShapeText(t.shape) + ", " +
+               std::to_string(t.bytes) + " bytes, file " + std::to_string(t.file) + " at " +
+               std::to_string(t.offset) + ")";
+      });
+
+  nb::class_<PyOutput>(m, "Output", "A tensor a load delivers (tensorferry::Loader::Describe)")
+      .def_ro("name", &PyOutput::name)
+      .def_ro("dtype", &PyOutput::dtype)
+      .def_ro("stored", &PyOutput::stored)
+      .def_ro("shape", &PyOutput::shape)
+      .def_ro("bytes", &PyOutput::bytes)
+      .def_ro("file", &PyOutput::file)
+      .def_ro("alias", &PyOutput::alias)
+      .def("__repr__", [](const PyOutput& o) {
+        return "Output(" + o.name + ", " + o.dtype + ", " + ShapeText(o.shape) + ", " +
+               std::to_string(o.bytes) + " bytes" + (o.alias ? ", alias of " + o.stored : "") + ")";
+      });
+
+  nb::class_<Reader>(m, "Reader")
+      .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
+           nb::arg("single_file"), nb::arg("options"))
+      .def(nb::init<const Reader&, const nb::dict&>(), nb::arg("other"), nb::arg("options"),
+           "A Reader of other's checkpoint (its open files) with its own options.")
+      .def("cooperative_plan", &Reader::CooperativePlan, nb::arg("names").none(), nb::arg("spec"),
+           nb::arg("world"), nb::arg("round_bytes"),
+           "The schedule of a cooperative load of this checkpoint: (entries, outputs), see "
+           "distributed.h.")
+      .def("names", &Reader::Names, nb::arg("by_offset"))
+      .def("files", &Reader::Files)
+      .def("total_bytes", &Reader::TotalBytes)
+      .def("__len__", &Reader::Size)
+      .def("__contains__", &Reader::Contains)
+      .def("info", &Reader::Info, nb::arg("name"), "The tensor's TensorInfo")
+      .def("dtypes", &Reader::DTypes, nb::arg("names").none())
+      .def("file_metadata", &Reader::FileMetadata)
+      .def("index_metadata", &Reader::IndexMetadata)
+      .def("describe", &Reader::Describe, nb::arg("names").none())
+      .def("load", &Reader::Load, nb::arg("names").none(), nb::arg("framework"))
+      .def("get_tensor", &Reader::GetTensor)
+      .def("read_range", &Reader::ReadRange, nb::arg("name"), nb::arg("begin"), nb::arg("end"),
+           nb::arg("framework"), nb::arg("shape").none() = nb::none())
+      .def("stream", &Reader::Stream, nb::arg("names").none(), nb::arg("framework"),
+           nb::arg("callback"))
+      .def("plan_groups", &Reader::PlanGroups, nb::arg("names").none(), nb::arg("budget"),
+           nb::arg("allow_oversized"), nb::arg("order"))
+      .def("iterate", &Reader::Iterate, nb::arg("names").none(), nb::arg("framework"),
+           nb::keep_alive<0, 1>())
+      .def("load_into", &Reader::LoadInto, nb::arg("entries"))
+      .def("stats", &Reader::Stats)
+      .def("options", &Reader::Options)
+      .def("close", &Reader::Close,
+           "Drops the loader and this Reader's reference to the checkpoint (its files close when "
+           "nothing else holds it); every later call raises InvalidArgumentError.");
+}
+
+}  // namespace tensorferry::python

@@ -2,6 +2,7 @@
 the Loader or safe_open opens the checkpoint, and a shard replaced afterwards by one of the same
 size (renamed over it, or rewritten in place) is reported at the next load instead of being read,
 for a single file, a directory and an index checkpoint, and in cooperative mode."""
+import gc
 import json
 import os
 
@@ -88,3 +89,69 @@ def test_cooperative_mode_reads_the_checkpoint_the_loader_opened(tmp_path):
             loader.load()
     finally:
         dist.destroy_process_group()
+
+
+def _open_fds_on(paths):
+    """How many of this process's descriptors are open on `paths`."""
+    wanted = {os.path.realpath(p) for p in paths}
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")) in wanted:
+                count += 1
+        except OSError:
+            pass  # the descriptor listdir itself used, closed meanwhile
+    return count
+
+
+@pytest.mark.parametrize("engine", ["pread", "mmap"])
+def test_close_releases_the_files_and_refuses_later_calls(tmp_path, engine):
+    shards = _shards(str(tmp_path), index=True)
+    assert _open_fds_on(shards) == 0
+    loader = tensorferry.Loader(str(tmp_path), framework="pt", engine=engine)
+    tensors = loader.load()
+    reader = loader._reader
+    loader.close()
+    # Tensors handed out stay valid. Mapped ones hold their mappings and, with mapping leases
+    # (include/tensorferry/mapping.h), a lease descriptor each until they die.
+    assert torch.equal(tensors["s0.t0"], tensorferry.torch.load_file(shards[0])["s0.t0"])
+    if engine == "pread":
+        assert _open_fds_on(shards) == 0
+    del tensors
+    gc.collect()
+    assert _open_fds_on(shards) == 0
+    for call in (lambda: reader.names(True), lambda: reader.info("s0.t0"), reader.files,
+                 lambda: reader.load(None, 1), lambda: reader.describe(None)):
+        with pytest.raises(tensorferry.InvalidArgumentError, match="this Reader is closed"):
+            call()
+    reader.close()  # again: nothing to do
+
+
+def test_files_are_held_by_the_checkpoint_until_close(tmp_path):
+    shards = _shards(str(tmp_path), index=True)
+    loader = tensorferry.Loader(str(tmp_path), framework="pt", engine="pread")
+    loader.load()
+    loader.load()
+    assert _open_fds_on(shards) == len(shards)  # opened once each, whatever the loads
+    loader.close()
+    assert _open_fds_on(shards) == 0
+
+
+def test_close_of_safe_open_releases_its_file(tmp_path):
+    path = _shards(str(tmp_path), index=False)[0]
+    with tensorferry.safe_open(path, framework="pt") as f:
+        assert _open_fds_on([path]) == 1
+        t = f.get_tensor("s0.t1")
+    assert _open_fds_on([path]) == 0
+    assert t.shape == (64,)
+
+
+def test_a_reader_sharing_the_checkpoint_keeps_the_files_open(tmp_path):
+    shards = _shards(str(tmp_path), index=False)
+    base = tensorferry._core.Reader(str(tmp_path), False, {})
+    other = tensorferry._core.Reader(base, {})
+    base.close()
+    assert _open_fds_on(shards) == len(shards)
+    assert other.info("s1.t2").bytes == 64 * 4
+    other.close()
+    assert _open_fds_on(shards) == 0

@@ -23,6 +23,7 @@
 #include "interrupt.h"
 #include "io.h"
 #include "iterator.h"
+#include "options.h"
 #include "reader.h"
 #include "shard.h"
 #include "tensorferry/cuda.h"
@@ -50,14 +51,7 @@ NB_MODULE(_core, m) {
   RegisterReader(m);
   RegisterShard(m);
   RegisterIo(m);
-  m.def("parse_size", [](const std::string& text) {
-    const std::optional<uint64_t> v = ParseSize(text);
-    if (!v) {
-      throw StatusError(Status(Code::kInvalidArgument,
-                               "not a size: \"" + text + "\" (e.g. 256MB, 1.5GiB, 4096)"));
-    }
-    return *v;
-  });
+  RegisterOptions(m);
   m.def("format_bytes", &FormatBytes);
   m.def("cuda_available", [] { return CudaAvailable(); });
   m.def("mapping_stats", [] {

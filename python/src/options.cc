@@ -12,16 +12,23 @@
 #include "tensorferry/device.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/shard.h"
+#include "tensorferry/size.h"
 
 namespace nb = nanobind;
 
 namespace tensorferry::python {
 namespace {
 
-// A Python option value as the text LoadOptions::Set reads.
+// A Python option value as the text LoadOptions::Set reads: an int its digits (a negative one is
+// refused there), a bool "true"/"false" (which only boolean options accept), a str itself.
 std::string OptionText(nb::handle value, const std::string& key) {
-  if (PyBool_Check(value.ptr())) return value.ptr() == Py_True ? "1" : "0";
+  if (PyBool_Check(value.ptr())) return value.ptr() == Py_True ? "true" : "false";
   if (PyLong_Check(value.ptr())) return nb::cast<std::string>(nb::str(value));
+  if (!PyUnicode_Check(value.ptr())) {
+    throw StatusError(
+        Status(Code::kInvalidArgument,
+               key + " must be an int, a bool or a str, not " + Py_TYPE(value.ptr())->tp_name));
+  }
   return ToText(value, key);
 }
 
@@ -87,6 +94,39 @@ nb::dict StatsDict(const LoadStats& stats) {
   nb::dict d;
   VisitLoadStats(stats, [&d](const char* name, const auto& value) { d[name] = value; });
   return d;
+}
+
+uint64_t ParseSizeValue(nb::handle value) {
+  if (PyBool_Check(value.ptr()) || !(PyLong_Check(value.ptr()) || PyUnicode_Check(value.ptr()))) {
+    throw StatusError(
+        Status(Code::kInvalidArgument, "not a size: " + nb::cast<std::string>(nb::repr(value)) +
+                                           " (an int, or a str such as \"256MB\")"));
+  }
+  const std::string text = OptionText(value, "size");
+  const std::optional<uint64_t> v = ParseSize(text);
+  if (!v) {
+    throw StatusError(
+        Status(Code::kInvalidArgument, "not a size: \"" + text + "\" (e.g. 256MB, 1.5GiB, 4096)"));
+  }
+  return *v;
+}
+
+void RegisterOptions(nb::module_& m) {
+  m.def("parse_size", &ParseSizeValue, nb::arg("value"),
+        "Bytes from an int >= 0 or a str such as \"256MB\" (tensorferry::ParseSize)");
+  m.def(
+      "parse_option",
+      [](const std::string& key, nb::handle value) {
+        LoadOptions o;
+        Check(o.Set(key, OptionText(value, key)));
+        const nb::dict options = OptionsDict(o);
+        return nb::object(options[key.c_str()]);  // not the accessor: it refers to `options`
+      },
+      nb::arg("key"), nb::arg("value"),
+      "The value of load option `key` as LoadOptions::Set reads and checks it (its errors)");
+  m.def(
+      "stats_fields", [] { return StatsDict(LoadStats{}); },
+      "Every LoadStats field (VisitLoadStats) by name, in order, with its zero value");
 }
 
 }  // namespace tensorferry::python

@@ -9,18 +9,9 @@ from ._shard import shard_spec
 
 
 def parse_size(value):
-    """Bytes from an int or a string such as "256MB", "1.5GiB", "4096" (None and 0: unbounded)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidArgumentError(f"a size must be >= 0, not {value}")
-        return value
-    if isinstance(value, str):
-        return _core.parse_size(value)
-    raise InvalidArgumentError(f"not a size: {value!r} (an int, or a string such as \"256MB\")")
+    """Bytes from an int >= 0 or a string such as "256MB", "1.5GiB", "4096" (None: None). The
+    core's parser and checks (tensorferry::ParseSize): InvalidArgumentError otherwise."""
+    return None if value is None else _core.parse_size(value)
 
 
 def layers(first, last=None):
@@ -48,43 +39,7 @@ def peak_rss_bytes():
     return None
 
 
-def _count(name, value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"{name} must be an int >= 0, not {value!r}")
-    return value
-
-
-@dataclasses.dataclass
-class LoadStats:
-    """Totals of the last load() or iteration of a Loader."""
-    tensors: int = 0
-    bytes: int = 0
-    batches: int = 0
-    seconds: float = 0.0  # time spent loading (the consumer's time between batches excluded)
-    peak_budget_bytes: int = 0  # most tensor bytes held against the budget at once
-    peak_rss_bytes: int = None  # the whole process's peak resident set (VmHWM) afterwards
-    engine: str = ""
-    direct_files: int = 0  # files read with O_DIRECT
-    direct_bytes: int = 0  # bytes read with O_DIRECT (the rest through the page cache)
-    buffered_files: int = 0
-    bytes_read: int = 0  # bytes read from files (a tensor-parallel rank: about its share)
-    buffers_reused: int = 0
-    buffers_allocated: int = 0
-    # Device loading (docs/gpu.md): where tensors went, bytes delivered to CUDA devices, bytes
-    # through the pinned staging ring and by GPUDirect Storage (and why not), pinned memory held,
-    # and the peak of GPU batch buffers held at once (what device_budget bounds).
-    device: str = ""
-    device_tensors: int = 0
-    device_bytes: int = 0
-    device_batches: int = 0
-    staged_bytes: int = 0
-    gds_bytes: int = 0
-    gds_reason: str = ""
-    pinned_bytes: int = 0
-    peak_device_bytes: int = 0
-
+class _StatsMethods:
     @property
     def gbps(self):
         """Throughput in GB/s (10^9 bytes per second)."""
@@ -97,20 +52,35 @@ class LoadStats:
                 f"with {self.engine}; peak held {_core.format_bytes(self.peak_budget_bytes)}{rss}")
 
     def _add(self, core):
-        self.tensors += core["tensors"]
-        self.bytes += core["bytes"]
-        self.batches += core["batches"]
-        self.peak_budget_bytes = max(self.peak_budget_bytes, core["peak_budget_bytes"])
-        self.engine = core["engine"] or self.engine
-        for key in ("direct_files", "direct_bytes", "buffered_files", "buffers_reused",
-                    "buffers_allocated", "bytes_read", "device_tensors", "device_bytes",
-                    "device_batches", "staged_bytes", "gds_bytes"):
-            setattr(self, key, getattr(self, key) + core[key])
-        self.device = core["device"] if not self.device or self.device == core["device"] \
-            else "mixed"
-        self.gds_reason = core["gds_reason"] or self.gds_reason
-        self.pinned_bytes = max(self.pinned_bytes, core["pinned_bytes"])
-        self.peak_device_bytes = max(self.peak_device_bytes, core["peak_device_bytes"])
+        """Adds the core stats dict of one more load: counts add up, peaks ("peak_*",
+        "pinned_bytes") take the maximum, texts the latest non-empty one ("device": "mixed"
+        when the loads went to different devices); "seconds" is the caller's."""
+        for key, value in core.items():
+            mine = getattr(self, key)
+            if key == "seconds":
+                continue
+            if key == "device":
+                self.device = value if not mine or mine == value else "mixed"
+            elif isinstance(value, str):
+                setattr(self, key, value or mine)
+            elif key.startswith("peak_") or key == "pinned_bytes":
+                setattr(self, key, max(mine, value))
+            else:
+                setattr(self, key, mine + value)
+
+
+# Totals of the last load() or iteration of a Loader: every field of the core's LoadStats
+# (include/tensorferry/stats.h, the one list of them) plus the process's peak resident set.
+LoadStats = dataclasses.make_dataclass(
+    "LoadStats",
+    [(name, type(zero), dataclasses.field(default=zero))
+     for name, zero in _core.stats_fields().items()]
+    + [("peak_rss_bytes", int, dataclasses.field(default=None))],
+    bases=(_StatsMethods,))
+LoadStats.__module__ = __name__
+LoadStats.__doc__ = """Totals of the last load() or iteration of a Loader: the fields of the
+core's LoadStats (docs/python.md lists them) and peak_rss_bytes, the whole process's peak resident
+set (VmHWM) afterwards."""
 
 
 @dataclasses.dataclass
@@ -227,23 +197,24 @@ class Loader:
         options = {
             "engine": engine,
             "direct": direct,
-            "threads": _count("threads", threads),
-            "chunk_size": parse_size(chunk_size),
-            "queue_depth": _count("queue_depth", queue_depth),
-            "budget": parse_size(budget),
+            "threads": threads,
+            "chunk_size": chunk_size,
+            "queue_depth": queue_depth,
+            # A number (the choices below depend on it), read and checked by the core's Set.
+            "budget": None if budget is None else _core.parse_option("budget", budget),
             "allow_oversized": allow_oversized,
             "order": order,
-            "pool_bytes": parse_size(pool_bytes),
+            "pool_bytes": pool_bytes,
             "populate": populate,
             # Always explicit: the Python default is the host, whatever TENSORFERRY_DEVICE says.
             "device": core_device or "cpu",
             "placement": placement,
-            "device_budget": parse_size(device_budget),
+            "device_budget": device_budget,
             "gds": gds,
-            "staging_bytes": parse_size(staging_bytes),
-            "tp_rank": _count("tp_rank", tp_rank),
-            "tp_size": _count("tp_size", tp_size),
-            "shard_max_gap": parse_size(shard_max_gap),
+            "staging_bytes": staging_bytes,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "shard_max_gap": shard_max_gap,
         }
         if shard_rules is not None:
             if tp_size is None:

@@ -44,21 +44,9 @@ _TORCH_NAMES = {
     "F4": "float4_e2m1fn_x2",
 }
 
-_NUMPY_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "C64": "complex64",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-}
+# safetensors dtype -> numpy name: torch's, less the types numpy lacks (bfloat16, float8, float4).
+_NUMPY_NAMES = {k: v for k, v in _TORCH_NAMES.items()
+                if k != "BF16" and not k.startswith(("F8_", "F4"))}
 
 _BYTES_PER_FRAMEWORK_ELEMENT = {"F4": 1}  # packed pairs
 
@@ -131,6 +119,16 @@ class _Framework:
         to_device = self.to_device
         return [(name, to_device(finish(array, st_dtype), device))
                 for name, st_dtype, array in triples]
+
+    def deserialize(self, data):
+        """{name: tensor} of a whole safetensors file held in `data` (any buffer), sorted by
+        name: copied once into one block all tensors share (_core.deserialize)."""
+        out = {}
+        for name, st_dtype, st_shape, array in _core.deserialize(data, self.code):
+            self.dtype(st_dtype, name)
+            self.shape(st_dtype, st_shape, name)
+            out[name] = self.finish(array, st_dtype)
+        return out
 
     def core_device(self, device):
         """The device string the core loads to ("cuda:N"), or None for the host path."""
@@ -206,6 +204,16 @@ class _Torch(_Framework):
                 pass
             device = torch.device("cuda", index)
         return device
+
+    def deserialize(self, data):
+        """{name: tensor} of a whole safetensors file held in `data` (any buffer), sorted by
+        name: copied once into one block all tensors share (_core.deserialize)."""
+        out = {}
+        for name, st_dtype, st_shape, array in _core.deserialize(data, self.code):
+            self.dtype(st_dtype, name)
+            self.shape(st_dtype, st_shape, name)
+            out[name] = self.finish(array, st_dtype)
+        return out
 
     def core_device(self, device):
         if device is not None and device.type == "cuda":

@@ -205,16 +205,6 @@ class _Torch(_Framework):
             device = torch.device("cuda", index)
         return device
 
-    def deserialize(self, data):
-        """{name: tensor} of a whole safetensors file held in `data` (any buffer), sorted by
-        name: copied once into one block all tensors share (_core.deserialize)."""
-        out = {}
-        for name, st_dtype, st_shape, array in _core.deserialize(data, self.code):
-            self.dtype(st_dtype, name)
-            self.shape(st_dtype, st_shape, name)
-            out[name] = self.finish(array, st_dtype)
-        return out
-
     def core_device(self, device):
         if device is not None and device.type == "cuda":
             return f"cuda:{device.index}"

@@ -13,7 +13,7 @@
 // the rule applies to each part separately, offset by the part's start.
 //
 // A split that would leave some rank with nothing of a part (a part of n < world indices) is
-// refused (kInvalidArgument) rather than handing out empty shards: tensor-parallel layers assume
+// refused (kInvalidArgument) rather than handing out empty slices: tensor-parallel layers assume
 // every rank holds a piece of every split tensor, so an empty piece is a rule error (replicate
 // small tensors instead), and refusing it early names the tensor instead of failing in a matmul.
 //
@@ -177,8 +177,8 @@ std::vector<std::pair<uint64_t, uint64_t>> SliceByteRanges(const TensorInfo& ten
 // Number of ranges SliceByteRanges would return, without building them.
 uint64_t SliceRangeCount(const TensorInfo& tensor, const TensorSlice& slice);
 
-// Tensor-parallel loading settings (PlanOptions::shard, LoadOptions::shard): which rank of how
-// many this process is, the spec, and how strided slices are read.
+// Tensor-parallel loading settings (PlanOptions::tensor_parallel, LoadOptions::tensor_parallel):
+// which rank of how many this process is, the spec, and how strided slices are read.
 struct TensorParallelOptions {
   ShardSpec spec;
   uint32_t rank = 0;

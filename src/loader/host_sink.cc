@@ -34,7 +34,7 @@ class HostSink final : public BatchSink {
     TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
                         c_.pool->Acquire(BufferSize(batch)));
     TF_RETURN_IF_ERROR(Read(batch, *buffer));
-    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
+    // Pack the pieces of covering reads (tensor-parallel plans); each moves left, in plan order.
     for (const BufferMove& mv : batch.moves) {
       std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
     }

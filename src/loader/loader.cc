@@ -101,7 +101,8 @@ Result<Loader::Impl::Resolved> Loader::Impl::Resolve(const Selection& selection)
 }
 
 Result<Description> Loader::Impl::Describe(const Selection& selection) const {
-  return DescribeSelection(*checkpoint, selection, options.shard ? &*options.shard : nullptr);
+  return DescribeSelection(*checkpoint, selection,
+                           options.tensor_parallel ? &*options.tensor_parallel : nullptr);
 }
 
 Loader::Impl::Resolved Loader::Impl::Index(Description d) {

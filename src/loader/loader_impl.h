@@ -15,8 +15,8 @@
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "loader/groups.h"
-#include "loader/sink.h"
 #include "memory/host_buffer.h"
+#include "sink/sink.h"
 #include "tensorferry/loader.h"
 
 namespace tensorferry {

@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "loader/sink.h"
+#include "sink/sink.h"
 
 namespace tensorferry::sink {
 namespace {

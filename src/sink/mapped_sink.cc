@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "io/engine_common.h"
-#include "loader/sink.h"
+#include "sink/sink.h"
 
 namespace tensorferry::sink {
 namespace {

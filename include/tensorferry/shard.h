@@ -101,6 +101,9 @@ class ShardSpec {
   //   Everything else (norms, position embeddings, routers, row-parallel biases): replicated.
   // No ties: whether lm_head is tied depends on the model's config (tie_word_embeddings).
   static ShardSpec Builtin();
+  // The spec a name stands for where rules are given as text (the shard_rules option, the CLIs'
+  // rule flags): "builtin" (Builtin()) or "none" (None()); nullopt for any other text.
+  static std::optional<ShardSpec> Named(std::string_view name);
   // Parses the schema above. Errors (kInvalidArgument) name the offending entry, e.g.
   // `rules[2]: "split" is a string, not an integer`, `ties["a"]: tie cycle a -> b -> a`.
   static Result<ShardSpec> FromJson(std::string_view json);

@@ -138,14 +138,12 @@ TensorParallelOptions& TensorParallel(LoadOptions& o) {
 }
 
 Status SetShardRules(LoadOptions& o, std::string_view value) {
-  if (value == "builtin") {
-    TensorParallel(o).spec = ShardSpec::Builtin();
-  } else if (value == "none") {
-    TensorParallel(o).spec = ShardSpec::None();
-  } else {
-    TF_ASSIGN_OR_RETURN(ShardSpec spec, ShardSpec::FromJson(value));
-    TensorParallel(o).spec = std::move(spec);
+  if (std::optional<ShardSpec> named = ShardSpec::Named(value)) {
+    TensorParallel(o).spec = std::move(*named);
+    return Status::Ok();
   }
+  TF_ASSIGN_OR_RETURN(ShardSpec spec, ShardSpec::FromJson(value));
+  TensorParallel(o).spec = std::move(spec);
   return Status::Ok();
 }
 

@@ -349,7 +349,7 @@ int RunLoad(const LoadArgs& args) {
                       (*loader)->checkpoint()->total_tensor_bytes(),
                       rss_before,
                       PeakRss()};
-  return WriteStdout(args.json ? JsonReport(report) : TextReport(report)) ? kExitOk : kExitError;
+  return PrintReport(args.json ? JsonReport(report) : TextReport(report));
 }
 
 }  // namespace
@@ -358,8 +358,7 @@ Command AddLoadCommand(CLI::App& parent) {
   auto args = std::make_shared<LoadArgs>();
   CLI::App* app = parent.add_subcommand(
       "load", "Load a checkpoint into host or GPU memory; print GB/s, peak memory and a checksum");
-  app->add_option("path", args->path, "A .safetensors file, a checkpoint directory or an index")
-      ->required();
+  AddCheckpointPath(*app, args->path);
   // Load options: each flag is --KEY (with '-' for '_') of LoadOptions::Set, checked there.
   auto option = [&](const std::string& key, const std::string& help) {
     std::string flag = "--" + key;

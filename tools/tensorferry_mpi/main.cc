@@ -18,8 +18,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -29,6 +27,9 @@
 #include "tensorferry/options.h"
 #include "tensorferry/residency.h"
 #include "tensorferry/size.h"
+
+// The shared CLI helpers (tools/tensorferry/util.cc, compiled into this tool too).
+#include "commands.h"
 
 namespace tensorferry {
 namespace {
@@ -55,16 +56,6 @@ struct RankFigures {
   double read_seconds = 0;      // cooperative: inside the Loader
   double exchange_seconds = 0;  // cooperative: inside the collectives
 };
-
-Result<ShardSpec> SpecFrom(const std::string& rules) {
-  if (rules == "builtin") return ShardSpec::Builtin();
-  if (rules == "none") return ShardSpec::None();
-  std::ifstream in(rules);
-  if (!in) return Status(Code::kNotFound, "--shard-rules: cannot read " + rules);
-  std::stringstream text;
-  text << in.rdbuf();
-  return ShardSpec::FromJson(text.str());
-}
 
 Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoint>& checkpoint,
                             const ShardSpec& spec, const LoadOptions& options,
@@ -153,7 +144,7 @@ int Main(int argc, char** argv) {
     if (Status s = SetContext(options, key, value, flag); !s.ok()) return fail(s);
   }
   if (Status s = options.Validate(); !s.ok()) return fail(s);
-  auto spec = SpecFrom(args.shard_rules);
+  auto spec = cli::ReadShardRules(args.shard_rules);
   if (!spec.ok()) return fail(spec.status());
   auto checkpoint = Checkpoint::Open(args.path);
   if (!checkpoint.ok()) return fail(checkpoint.status());

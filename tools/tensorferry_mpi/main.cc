@@ -1,7 +1,7 @@
 // tensorferry-mpi: tensor-parallel loading over MPI, one process per rank (docs/distributed.md).
 //
-//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full] [--shard-rules
-//   builtin|none|FILE]
+//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full]
+//          [--shard-rules builtin|none|FILE] (--shard: the same, the former name)
 //          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
 //          [--threads N] [--repeat N] [--cold] [--json]
 //

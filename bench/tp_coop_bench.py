@@ -31,7 +31,7 @@ def run_mpi(tool, np, path, mode, args, cold):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_mpi_yield_when_idle="1")  # more ranks than cores: do not spin
     cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", tool, "load", path,
-           "--mode", mode, "--json", "--budget", args.budget, "--shard", args.shard]
+           "--mode", mode, "--json", "--budget", args.budget, "--shard-rules", args.shard_rules]
     if args.engine:
         cmd += ["--engine", args.engine]
     if args.direct:
@@ -63,7 +63,7 @@ def main():
     p.add_argument("--engine", default="")
     p.add_argument("--direct", default="", help="auto | on | off (on: every rank reads from "
                    "storage, as ranks on separate machines would; the page cache is not shared)")
-    p.add_argument("--shard", default="builtin")
+    p.add_argument("--shard-rules", default="builtin")
     p.add_argument("--tool", default=os.path.join(ROOT, "build", "release", "bin", "tensorferry-mpi"))
     p.add_argument("--json", help="write every sample here")
     args = p.parse_args()
@@ -74,7 +74,7 @@ def main():
                if f.endswith(".safetensors")) if os.path.isdir(args.path) else os.path.getsize(args.path)
     print(f"# {platform.node()}: {os.cpu_count()} CPUs, {platform.release()}; "
           f"{args.path}: {size / 1e9:.2f} GB; {args.ranks} ranks, budget {args.budget}, "
-          f"shard rules {args.shard}, direct {args.direct or 'default'}; modes {', '.join(modes)}", flush=True)
+          f"shard rules {args.shard_rules}, direct {args.direct or 'default'}; modes {', '.join(modes)}", flush=True)
     samples = {}
     configs = [(False, args.runs)] + ([(True, args.cold_runs)] if args.cold_runs else [])
     for cold, runs in configs:

@@ -19,7 +19,7 @@
 // Memory: per round a rank holds its own reads of the round (at most max(budget, its largest
 // tensor in the round)) plus one packing buffer of one tensor, besides the result. The Loader under
 // the rounds runs without a budget of its own: the rounds bound what it holds, and without
-// options.shard (the reader reads whole tensors and cuts every rank's slice itself).
+// options.tensor_parallel (the reader reads whole tensors and cuts every rank's slice itself).
 //
 // Thread-safety: a call uses its Collective exclusively; concurrent calls on distinct groups are
 // fine.
@@ -58,7 +58,7 @@ std::vector<uint32_t> AssignRounds(std::span<const uint64_t> sizes,
 
 struct CooperativeStats {
   uint64_t tensors = 0;         // tensors this rank ends with
-  uint64_t bytes = 0;           // bytes of those tensors (its shard)
+  uint64_t bytes = 0;           // bytes of those tensors (its slices)
   uint64_t bytes_read = 0;      // bytes this rank read from the files
   uint64_t bytes_sent = 0;      // bytes this rank sent to others (a broadcast counts world-1 times)
   uint64_t bytes_received = 0;  // bytes this rank received from others
@@ -69,18 +69,18 @@ struct CooperativeStats {
   std::string engine;           // the engine that ran the reads
 };
 
-// Loads this rank's shard of every selected tensor cooperatively (see the file comment): rank
+// Loads this rank's slice of every selected tensor cooperatively (see the file comment): rank
 // collective.rank() of collective.size(). Every rank of the group must call it with the same
 // checkpoint, selection, spec and options.budget (the schedule depends on them). Returns the
 // rank's tensors in the order Loader::Load returns them, with their local shapes
 // (TensorSlice::shape); replicated tensors whole. Tied aliases (ShardSpec::Tie) resolve as for the
 // Loader (DescribeSelection, loader.h): the target is read and exchanged once and the alias
 // shares its result. options.budget bounds each rank's reads per round (0: one round, the whole
-// share at once); options.shard is ignored (the spec and the collective decide). Errors: those of
-// DescribeSelection (SliceOf included) (identical on every rank), kUnsupported for a CUDA target in
-// `options` (device or placement: the exchange moves host memory; for slices on a GPU use
-// LoadOptions::shard per rank, docs/gpu.md), of the Loader on any rank (the failing rank returns
-// its own error, the others kIoError naming the failed rank), of the collective.
+// share at once); options.tensor_parallel is ignored (the spec and the collective decide). Errors:
+// those of DescribeSelection (SliceOf included) (identical on every rank), kUnsupported for a CUDA
+// target in `options` (device or placement: the exchange moves host memory; for slices on a GPU use
+// LoadOptions::tensor_parallel per rank, docs/gpu.md), of the Loader on any rank (the failing rank
+// returns its own error, the others kIoError naming the failed rank), of the collective.
 Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> checkpoint,
                                             const Selection& selection, const ShardSpec& spec,
                                             const LoadOptions& options, Collective& collective,

@@ -138,12 +138,13 @@ struct Description {
   uint64_t bytes = 0;          // local bytes of the read tensors (LoadStats::bytes of a load)
 };
 
-// The description of `selection` over `checkpoint` for rank shard->rank of shard->world (no
-// slicing when `shard` is null; ties come from shard->spec). Pure: no I/O. Errors: kNotFound (a
-// name that is neither a tensor nor a tied alias of one), kInvalidArgument (a tie whose target is
-// not in the checkpoint or whose alias in the files differs from it; the errors of SliceOf).
+// The description of `selection` over `checkpoint` for rank tensor_parallel->rank of
+// tensor_parallel->world (no slicing when `tensor_parallel` is null; ties come from
+// tensor_parallel->spec). Pure: no I/O. Errors: kNotFound (a name that is neither a tensor nor a
+// tied alias of one), kInvalidArgument (a tie whose target is not in the checkpoint or whose alias
+// in the files differs from it; the errors of SliceOf).
 Result<Description> DescribeSelection(const Checkpoint& checkpoint, const Selection& selection,
-                                      const TensorParallelOptions* shard);
+                                      const TensorParallelOptions* tensor_parallel);
 
 // Which tensors to load.
 class Selection {
@@ -239,8 +240,8 @@ class Loader {
   const std::shared_ptr<const Checkpoint>& checkpoint() const noexcept;
 
   // What a load of `selection` delivers (names in output order, dtypes, local shapes under
-  // LoadOptions::shard, byte counts, tied aliases resolved) and reads. Pure: no I/O, may be called
-  // at any time. Errors: those of DescribeSelection.
+  // LoadOptions::tensor_parallel, byte counts, tied aliases resolved) and reads. Pure: no I/O, may
+  // be called at any time. Errors: those of DescribeSelection.
   Result<Description> Describe(const Selection& selection) const;
 
   // The plan a load of `selection` would execute. Errors: those of Selection::Resolve and MakePlan.
@@ -264,8 +265,8 @@ class Loader {
   // Reads the named tensors into caller-provided memory, host or device, each destination at least
   // as large as its tensor (the bytes past the tensor are left untouched). Host destinations are
   // read by the engine, device ones through the device pipeline. No budget applies (the memory is
-  // the caller's). With LoadOptions::shard, each destination receives the tensor's slice (local
-  // row-major bytes; its capacity is checked against the slice's size) and a tied alias its
+  // the caller's). With LoadOptions::tensor_parallel, each destination receives the tensor's slice
+  // (local row-major bytes; its capacity is checked against the slice's size) and a tied alias its
   // target's slice; host rows are read exactly, device slices on dims > 0 as 2D copies.
   // Errors, all checked before any read: kNotFound (a name not in the checkpoint),
   // kInvalidArgument (a tensor named twice, a null destination for a non-empty tensor, a capacity

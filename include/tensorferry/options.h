@@ -74,7 +74,7 @@ Result<DirectIO> ParseDirectIO(std::string_view name);
 inline constexpr uint64_t kMinChunkSize = 4096;   // chunk_size below it reads as 4 KiB (a page)
 inline constexpr unsigned kMaxThreads = 256;      // more threads start 256
 inline constexpr unsigned kMaxQueueDepth = 4096;  // io_uring's own bound on a ring's entries
-// LoadOptions::shard->rank after Set("tp_size") alone: not a rank (Validated refuses it).
+// LoadOptions::tensor_parallel->rank after Set("tp_size") alone: not a rank (Validated refuses it).
 inline constexpr uint32_t kUnsetTpRank = UINT32_MAX;
 
 struct LoadOptions {
@@ -97,21 +97,21 @@ struct LoadOptions {
   // batch is delivered, and the call returns kCancelled. The flag is the caller's: a load that
   // starts with it set returns kCancelled at once; clear it before the next load.
   std::shared_ptr<const std::atomic<bool>> cancel;
-  // Tensor parallelism: when set, every tensor is delivered as the slice rank `shard->rank` of
-  // `shard->world` holds under `shard->spec` (shard.h): Tensor::shape() is the local shape,
-  // only the slice's bytes are read (plus gaps up to shard->max_gap inside covering reads), and
-  // LoadStats::bytes_read shows it. Dim-0 slices are one contiguous read (with mmap, a view
-  // into the mapping); other slices are strided reads packed into pooled buffers. Under a
-  // budget a tensor counts the bytes its reads occupy (its slice plus covered gaps).
-  // On a CUDA device (device/placement) the slice lands in the batch's device buffer holding
-  // exactly the local bytes: dim-0 slices as contiguous device tasks (GDS-eligible), other dims
-  // as strided tasks the pipeline copies with cudaMemcpy2DAsync from the staged covering range
-  // (rows are staged together only as far as they fit one staging slot; max_gap and
-  // exact_when_cached shape host reads only: see docs/gpu.md, "Tensor-parallel slices").
-  // Ties of the spec: an alias is delivered sharing its target's data (one read), also when the
-  // alias is absent from the files (tie_word_embeddings) or present as a duplicate (then its own
-  // bytes are not read).
-  std::optional<TensorParallelOptions> shard;
+  // Tensor parallelism: when set, every tensor is delivered as the slice rank
+  // `tensor_parallel->rank` of `tensor_parallel->world` holds under `tensor_parallel->spec`
+  // (shard.h): Tensor::shape() is the local shape, only the slice's bytes are read (plus gaps up to
+  // tensor_parallel->max_gap inside covering reads), and LoadStats::bytes_read shows it. Dim-0
+  // slices are one contiguous read (with mmap, a view into the mapping); other slices are strided
+  // reads packed into pooled buffers. Under a budget a tensor counts the bytes its reads occupy
+  // (its slice plus covered gaps). On a CUDA device (device/placement) the slice lands in the
+  // batch's device buffer holding exactly the local bytes: dim-0 slices as contiguous device tasks
+  // (GDS-eligible), other dims as strided tasks the pipeline copies with cudaMemcpy2DAsync from the
+  // staged covering range (rows are staged together only as far as they fit one staging slot;
+  // max_gap and exact_when_cached shape host reads only: see docs/gpu.md, "Tensor-parallel
+  // slices"). Ties of the spec: an alias is delivered sharing its target's data (one read), also
+  // when the alias is absent from the files (tie_word_embeddings) or present as a duplicate (then
+  // its own bytes are not read).
+  std::optional<TensorParallelOptions> tensor_parallel;
 
   // --- device loading (see loader.h's file comment and docs/gpu.md) ---
   // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).
@@ -139,21 +139,22 @@ struct LoadOptions {
   // tp_size) as decimal digits; sizes (chunk_size, budget, pool_bytes, staging_bytes,
   // staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB", "1GiB", "4096");
   // booleans (allow_oversized, populate) as 1/0, on/off, true/false, yes/no; shard_rules as
-  // "builtin", "none" or ShardSpec JSON. A tp_* or shard_* key creates `shard` (builtin rules)
-  // when unset; tp_rank and tp_size must both be set (Validated checks). shard_max_gap also turns
-  // exact_when_cached off (an explicit gap applies to every file). An empty value is an error.
-  // Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of the
-  // field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds its
-  // own spelling of the key as context (SetContext). On error the options are unchanged.
+  // "builtin", "none" or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin
+  // rules) when unset; tp_rank and tp_size must both be set (Validated checks). shard_max_gap also
+  // turns exact_when_cached off (an explicit gap applies to every file). An empty value is an
+  // error. Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of
+  // the field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds
+  // its own spelling of the key as context (SetContext). On error the options are unchanged.
   Status Set(std::string_view key, std::string_view value);
-  // For typed edges: the shard spec itself (creates `shard` as the tp_* keys do).
+  // For typed edges: the shard spec itself (creates `tensor_parallel` as the tp_* keys do).
   void SetShardSpec(ShardSpec spec);
 
   // These options checked and clamped, as Loader::Open uses them. Clamped, not refused:
   // chunk_size below kMinChunkSize reads kMinChunkSize; threads above kMaxThreads, queue_depth
   // above kMaxQueueDepth start that many. Errors: kInvalidArgument for chunk_size 0, queue_depth 0,
-  // a `shard` without both tp_rank and tp_size (Set leaves rank at kUnsetTpRank and world at 0
-  // until both are given), tp_rank not below tp_size, an invalid shard spec (ShardSpec::Validate).
+  // a `tensor_parallel` without both tp_rank and tp_size (Set leaves rank at kUnsetTpRank and world
+  // at 0 until both are given), tp_rank not below tp_size, an invalid shard spec
+  // (ShardSpec::Validate).
   Result<LoadOptions> Validated() const;
   Status Validate() const { return Validated().status(); }
 

@@ -47,13 +47,15 @@ struct PlanOptions {
   // straight into the buffer, and every tensor keeps in memory the alignment it has in the file
   // (safetensors data is 8-byte aligned). Costs less than io_alignment bytes of padding per range.
   uint64_t io_alignment = 4096;
-  // Tensor parallelism: each tensor is planned as the slice rank `shard->rank` of
-  // `shard->world` holds under `shard->spec` (SliceOf): only the slice's bytes are read (plus
-  // gaps up to max_gap inside covering reads), and the batch's `moves` pack each tensor's pieces
-  // together after the reads. Tensors of a slice that is the whole tensor are planned as without.
-  std::optional<TensorParallelOptions> shard;
-  // Per file (index into Checkpoint::files()), the max_gap of that file's sharded tensors,
-  // overriding shard->max_gap (the Loader fills it from shard->exact_when_cached); empty: none.
+  // Tensor parallelism: each tensor is planned as the slice rank `tensor_parallel->rank` of
+  // `tensor_parallel->world` holds under `tensor_parallel->spec` (SliceOf): only the slice's bytes
+  // are read (plus gaps up to max_gap inside covering reads), and the batch's `moves` pack each
+  // tensor's pieces together after the reads. Tensors of a slice that is the whole tensor are
+  // planned as without.
+  std::optional<TensorParallelOptions> tensor_parallel;
+  // Per file (index into Checkpoint::files()), the max_gap of that file's sliced tensors,
+  // overriding tensor_parallel->max_gap (the Loader fills it from
+  // tensor_parallel->exact_when_cached); empty: none.
   std::vector<uint64_t> file_max_gap;
 };
 
@@ -61,7 +63,7 @@ struct PlanOptions {
 struct PlannedTensor {
   uint32_t tensor = 0;         // index into Checkpoint::tensors()
   uint64_t buffer_offset = 0;  // where its first byte lands in the batch buffer (after moves)
-  // With PlanOptions::shard and a split rule: the rank's part (local shape and bytes).
+  // With PlanOptions::tensor_parallel and a split rule: the rank's part (local shape and bytes).
   std::optional<TensorSlice> slice;
   uint64_t size(const TensorInfo& info) const { return slice ? slice->bytes : info.size; }
 };
@@ -85,7 +87,7 @@ struct ReadTask {
 struct PlanBatch {
   std::vector<PlannedTensor> tensors;  // in (file, offset) order
   std::vector<ReadTask> tasks;         // interleaved across files
-  std::vector<BufferMove> moves;       // after the reads, in order (sharded plans only)
+  std::vector<BufferMove> moves;       // after the reads, in order (tensor-parallel plans only)
   uint64_t tensor_bytes = 0;           // sum of the tensors' (local) sizes: bytes delivered
   uint64_t read_bytes = 0;             // bytes the tasks read (tensor_bytes plus covered gaps)
   uint64_t buffer_size = 0;       // bytes of the destination buffer (alignment padding included)
@@ -95,7 +97,7 @@ struct PlanBatch {
 struct Plan {
   std::vector<PlanBatch> batches;
   uint64_t tensor_bytes = 0;  // total over batches: bytes delivered
-  uint64_t read_bytes = 0;    // total over batches: bytes read (tensor_bytes unless sharded)
+  uint64_t read_bytes = 0;    // total over batches: bytes read (tensor_bytes unless sliced)
   uint64_t num_tensors = 0;
   uint64_t num_moves = 0;
   uint64_t num_ranges = 0;  // coalesced ranges before cutting into tasks
@@ -109,7 +111,7 @@ struct Plan {
 // Builds the plan for `tensors` (indices into checkpoint.tensors(); any order, no duplicates).
 // Errors: kInvalidArgument (an index out of range, a duplicate, chunk_size 0, alignment not a
 // power of two, io_alignment neither 0 nor a power of two >= alignment, every error of SliceOf
-// with PlanOptions::shard), kBudgetExceeded (a tensor
+// with PlanOptions::tensor_parallel), kBudgetExceeded (a tensor
 // larger than the budget without allow_oversized; the message names the tensor, its size and the
 // budget).
 Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,

@@ -13,7 +13,7 @@
 // the rule applies to each part separately, offset by the part's start.
 //
 // A split that would leave some rank with nothing of a part (a part of n < world indices) is
-// refused (kInvalidArgument) rather than handing out empty shards: tensor-parallel layers assume
+// refused (kInvalidArgument) rather than handing out empty slices: tensor-parallel layers assume
 // every rank holds a piece of every split tensor, so an empty piece is a rule error (replicate
 // small tensors instead), and refusing it early names the tensor instead of failing in a matmul.
 //
@@ -101,6 +101,9 @@ class ShardSpec {
   //   Everything else (norms, position embeddings, routers, row-parallel biases): replicated.
   // No ties: whether lm_head is tied depends on the model's config (tie_word_embeddings).
   static ShardSpec Builtin();
+  // The spec a name stands for where rules are given as text (the shard_rules option, the CLIs'
+  // rule flags): "builtin" (Builtin()) or "none" (None()); nullopt for any other text.
+  static std::optional<ShardSpec> Named(std::string_view name);
   // Parses the schema above. Errors (kInvalidArgument) name the offending entry, e.g.
   // `rules[2]: "split" is a string, not an integer`, `ties["a"]: tie cycle a -> b -> a`.
   static Result<ShardSpec> FromJson(std::string_view json);
@@ -177,8 +180,8 @@ std::vector<std::pair<uint64_t, uint64_t>> SliceByteRanges(const TensorInfo& ten
 // Number of ranges SliceByteRanges would return, without building them.
 uint64_t SliceRangeCount(const TensorInfo& tensor, const TensorSlice& slice);
 
-// Tensor-parallel loading settings (PlanOptions::shard, LoadOptions::shard): which rank of how
-// many this process is, the spec, and how strided slices are read.
+// Tensor-parallel loading settings (PlanOptions::tensor_parallel, LoadOptions::tensor_parallel):
+// which rank of how many this process is, the spec, and how strided slices are read.
 struct TensorParallelOptions {
   ShardSpec spec;
   uint32_t rank = 0;

@@ -13,8 +13,9 @@ namespace tensorferry {
 struct LoadStats {
   uint64_t tensors = 0;
   uint64_t bytes = 0;  // tensor bytes delivered (tied aliases not counted twice)
-  // Bytes read from files: `bytes` plus the gaps of covering reads (LoadOptions::shard). With
-  // mmap, the bytes of the ranges it populates or gathers (views read on first touch count too).
+  // Bytes read from files: `bytes` plus the gaps of covering reads (LoadOptions::tensor_parallel).
+  // With mmap, the bytes of the ranges it populates or gathers (views read on first touch count
+  // too).
   uint64_t bytes_read = 0;
   uint64_t batches = 0;
   double seconds = 0;              // wall time inside the loader (callbacks excluded)

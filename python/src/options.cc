@@ -80,12 +80,12 @@ nb::dict OptionsDict(const LoadOptions& o) {
   d["staging_bytes"] = o.staging_bytes;
   d["staging_slot"] = o.staging_slot;
   d["device_budget"] = o.device_budget;
-  if (o.shard) {
-    d["tp_rank"] = o.shard->rank;
-    d["tp_size"] = o.shard->world;
-    d["shard_rules"] = o.shard->spec;
-    d["shard_max_gap"] = o.shard->max_gap;
-    d["shard_exact_when_cached"] = o.shard->exact_when_cached;
+  if (o.tensor_parallel) {
+    d["tp_rank"] = o.tensor_parallel->rank;
+    d["tp_size"] = o.tensor_parallel->world;
+    d["shard_rules"] = o.tensor_parallel->spec;
+    d["shard_max_gap"] = o.tensor_parallel->max_gap;
+    d["shard_exact_when_cached"] = o.tensor_parallel->exact_when_cached;
   }
   return d;
 }

@@ -376,9 +376,9 @@ void Reader::SetStats(const LoadStats& stats) {
 
 Description Reader::DescribeNames(const Checkpoint& checkpoint,
                                   const std::optional<std::vector<std::string>>& names) const {
-  const TensorParallelOptions* shard = options_.shard ? &*options_.shard : nullptr;
+  const TensorParallelOptions* tp = options_.tensor_parallel ? &*options_.tensor_parallel : nullptr;
   auto describe = [&](const Selection& selection) {
-    return DescribeSelection(checkpoint, selection, shard);
+    return DescribeSelection(checkpoint, selection, tp);
   };
   Result<Description> d = describe(names ? Selection::Names(*names) : Selection::All());
   if (!d.ok() && d.status().code() == Code::kNotFound && names) {

@@ -75,44 +75,23 @@ class CheckpointBuilder {
   Result<std::shared_ptr<const Checkpoint>> FromIndex(const std::string& index_path) {
     IndexDocument index;
     TF_ASSIGN_OR_RETURN(index, ReadIndex(index_path));
-    const fs::path dir = fs::path(index_path).parent_path();
-
-    // Distinct files, keyed by their lexically normalized relative path ("./a" and "a" are one
-    // file), each with one tensor that maps to it (for messages).
-    std::map<std::string, std::string> first_tensor;  // normalized relative path -> tensor
+    // Every tensor with its file's normalized relative path ("./a" and "a" are one file).
     std::vector<std::pair<std::string, std::string>> tensor_file;  // (tensor, normalized path)
     tensor_file.reserve(index.weight_map.size());
     for (const auto& [tensor, file] : index.weight_map) {
-      std::string rel = fs::path(file).lexically_normal().string();
-      first_tensor.emplace(rel, tensor);
-      tensor_file.emplace_back(tensor, std::move(rel));
+      tensor_file.emplace_back(tensor, fs::path(file).lexically_normal().string());
     }
-
-    // The canonical checks need the real file system: only with the default Env.
-    fs::path canonical_dir;
-    if (options_.env == nullptr) {
-      TF_ASSIGN_OR_RETURN(canonical_dir, CanonicalDirectory(dir, index_path));
-    }
-
+    // The distinct files in path order; the canonical checks need the real file system: only
+    // with the default Env.
+    TF_ASSIGN_OR_RETURN(const std::vector<IndexedFile> indexed,
+                        IndexedFiles(index.weight_map, index_path, options_.env == nullptr));
     std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
-    std::vector<std::pair<std::string, std::string>> to_open;  // (joined path, relative path)
-    for (const auto& [rel, tensor] : first_tensor) {
-      const std::string joined = dir.empty() ? rel : (dir / rel).string();
-      if (options_.env == nullptr) {
-        TF_RETURN_IF_ERROR(CheckContained(
-            canonical_dir, joined, index_path,
-            "file " + json::Quote(rel) + " (of tensor " + json::Quote(tensor) + ")"));
-      }
-      to_open.emplace_back(joined, rel);
-    }
-    // Files in path order (the order of `first_tensor` is by relative path; joining with one
-    // directory keeps it, but sort anyway so the table order is the documented one).
-    std::sort(to_open.begin(), to_open.end());
-    for (const auto& [joined, rel] : to_open) {
-      Status s = AddFile(joined);
+    for (const IndexedFile& f : indexed) {
+      const std::string& rel = f.rel;
+      Status s = AddFile(f.path);
       if (s.code() == Code::kNotFound) {
         return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
-                                                   " (of tensor " + json::Quote(first_tensor[rel]) +
+                                                   " (of tensor " + json::Quote(f.tensor) +
                                                    ") does not exist: " + s.message());
       }
       TF_RETURN_IF_ERROR(s);

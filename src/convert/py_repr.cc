@@ -1,5 +1,6 @@
 #include "convert/py_repr.h"
 
+#include <string_view>
 #include <vector>
 
 namespace tensorferry::convert {
@@ -60,12 +61,17 @@ std::vector<uint8_t> HoldersOfTensorsOrDicts(const PickleResult& r) {
   return holds;
 }
 
-std::string PyStringRepr(const std::string& s) {
-  // CPython: single quotes unless the text has a single quote and no double quote.
+namespace {
+
+// CPython's repr of str and bytes: single quotes unless the text has a single quote and no double
+// quote; \n \r \t and the quote escaped; other control bytes (and, for bytes, every byte from
+// 0x7f up; for str only 0x7f, as UTF-8 text is printable) as \xNN.
+std::string QuotedRepr(const std::string& s, std::string_view prefix, bool escape_high) {
   const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
   const char q = dq ? '"' : '\'';
   static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(1, q);
+  std::string out(prefix);
+  out.push_back(q);
   for (char ch : s) {
     const auto c = static_cast<unsigned char>(ch);
     if (ch == q || ch == '\\') {
@@ -77,7 +83,7 @@ std::string PyStringRepr(const std::string& s) {
       out += "\\r";
     } else if (ch == '\t') {
       out += "\\t";
-    } else if (c < 0x20 || c == 0x7f) {
+    } else if (c < 0x20 || c == 0x7f || (escape_high && c > 0x7f)) {
       out += "\\x";
       out.push_back(kHex[c >> 4]);
       out.push_back(kHex[c & 15]);
@@ -89,35 +95,16 @@ std::string PyStringRepr(const std::string& s) {
   return out;
 }
 
+}  // namespace
+
+std::string PyStringRepr(const std::string& s) {
+  return QuotedRepr(s, "", false);
+}
+
 namespace {
 
 std::string BytesRepr(const std::string& s) {
-  const bool dq = s.find('\'') != std::string::npos && s.find('"') == std::string::npos;
-  const char q = dq ? '"' : '\'';
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out = "b";
-  out.push_back(q);
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (ch == q || ch == '\\') {
-      out.push_back('\\');
-      out.push_back(ch);
-    } else if (ch == '\n') {
-      out += "\\n";
-    } else if (ch == '\r') {
-      out += "\\r";
-    } else if (ch == '\t') {
-      out += "\\t";
-    } else if (c < 0x20 || c >= 0x7f) {
-      out += "\\x";
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
-    } else {
-      out.push_back(ch);
-    }
-  }
-  out.push_back(q);
-  return out;
+  return QuotedRepr(s, "b", true);
 }
 
 class Printer {

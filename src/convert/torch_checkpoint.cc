@@ -170,32 +170,25 @@ class TorchCheckpointOpener {
     impl_.index_path = index_path;
     impl_.index_metadata = index.metadata;
 
-    const fs::path dir = fs::path(index_path).parent_path();
-    fs::path canonical_dir;
-    if (options_.env == nullptr) {
-      TF_ASSIGN_OR_RETURN(canonical_dir, CanonicalDirectory(dir, index_path));
-    }
     std::map<std::string, std::string> file_of_tensor;  // tensor -> normalized relative path
-    std::map<std::string, std::string> files;           // normalized relative path -> a tensor
     for (const auto& [tensor, file] : index.weight_map) {
-      std::string rel = fs::path(file).lexically_normal().string();
-      files.emplace(rel, tensor);
-      file_of_tensor.emplace(tensor, std::move(rel));
+      file_of_tensor.emplace(tensor, fs::path(file).lexically_normal().string());
     }
+    // The distinct files; the path rule of every index (util/path.h), hub-cache snapshots
+    // included, on the real file system only.
+    const bool on_disk = options_.env == nullptr;
+    TF_ASSIGN_OR_RETURN(const std::vector<IndexedFile> indexed,
+                        IndexedFiles(index.weight_map, index_path, on_disk));
     std::map<std::string, uint32_t> file_number;  // relative path -> files index
-    for (const auto& [rel, tensor] : files) {
-      const std::string joined = dir.empty() ? rel : (dir / rel).string();
-      if (options_.env == nullptr) {
-        // The path rule of every index (util/path.h), hub-cache snapshots included.
-        TF_RETURN_IF_ERROR(CheckContained(
-            canonical_dir, joined, index_path,
-            "file " + json::Quote(rel) + " (of tensor " + json::Quote(tensor) + ")"));
-        std::error_code ec;
-        if (!fs::exists(joined, ec)) {
-          return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
-                                                     " (of tensor " + json::Quote(tensor) +
-                                                     ") does not exist");
-        }
+    for (const IndexedFile& f : indexed) {
+      const std::string& rel = f.rel;
+      const std::string& tensor = f.tensor;
+      const std::string& joined = f.path;
+      std::error_code ec;
+      if (on_disk && !fs::exists(joined, ec)) {
+        return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
+                                                   " (of tensor " + json::Quote(tensor) +
+                                                   ") does not exist");
       }
       file_number[rel] = static_cast<uint32_t>(impl_.files.size());
       Status s = OpenOne(joined);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "util/json_writer.h"
+#include "util/macros.h"
 
 namespace tensorferry::convert {
 
@@ -297,33 +298,28 @@ Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out
     }
     c.pos = offset;
   }
+  // Reads exactly `n` bytes at the cursor into `dst`; on failure the cursor is dropped.
+  auto read_exactly = [&](std::byte* dst, uint64_t n) -> Status {
+    for (uint64_t done = 0; done < n;) {
+      const zip_int64_t got = zip_fread(c.file, dst + done, n - done);
+      if (got <= 0) {
+        Status s = EntryError(
+            index, "read failed at " + std::to_string(c.pos),
+            got < 0 ? zip_error_strerror(zip_file_get_error(c.file)) : "unexpected end of entry");
+        cursor_.reset();
+        return s;
+      }
+      done += static_cast<uint64_t>(got);
+      c.pos += static_cast<uint64_t>(got);
+    }
+    return Status::Ok();
+  };
   // Compressed: read forward to `offset`.
   std::byte skip[16384];
   while (c.pos < offset) {
-    const uint64_t want = std::min<uint64_t>(sizeof skip, offset - c.pos);
-    const zip_int64_t got = zip_fread(c.file, skip, want);
-    if (got <= 0) {
-      Status s = EntryError(
-          index, "read failed at " + std::to_string(c.pos),
-          got < 0 ? zip_error_strerror(zip_file_get_error(c.file)) : "unexpected end of entry");
-      cursor_.reset();
-      return s;
-    }
-    c.pos += static_cast<uint64_t>(got);
+    TF_RETURN_IF_ERROR(read_exactly(skip, std::min<uint64_t>(sizeof skip, offset - c.pos)));
   }
-  size_t done = 0;
-  while (done < out.size()) {
-    const zip_int64_t got = zip_fread(c.file, out.data() + done, out.size() - done);
-    if (got <= 0) {
-      Status s = EntryError(
-          index, "read failed at " + std::to_string(c.pos),
-          got < 0 ? zip_error_strerror(zip_file_get_error(c.file)) : "unexpected end of entry");
-      cursor_.reset();
-      return s;
-    }
-    done += static_cast<size_t>(got);
-    c.pos += static_cast<uint64_t>(got);
-  }
+  TF_RETURN_IF_ERROR(read_exactly(out.data(), out.size()));
   if (c.pos == e.size) {
     // At the end: one more read lets libzip compare the CRC it computed while the entry was
     // read in order (after a seek backwards it has none to compare, and says nothing).

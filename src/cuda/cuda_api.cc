@@ -148,16 +148,13 @@ Status ResolveAll(const LoadedLibrary& library, RuntimeApi& api) {
 Result<std::shared_ptr<const Runtime>> OpenRuntime(const RuntimeSearch& search) {
   bool exclusive = false;
   const std::vector<std::string> candidates = RuntimeCandidates(search, &exclusive);
-  std::optional<LoadedLibrary> library;
   // A runtime the process already uses (torch's, say) is preferred to loading a second one.
-  if (!exclusive) library = FindLoaded(search.names);
-  if (!library) {
-    TF_ASSIGN_OR_RETURN(library,
-                        OpenFirst(candidates, "CUDA runtime (libcudart)", Code::kCudaNotFound));
-  }
+  TF_ASSIGN_OR_RETURN(const LoadedLibrary library,
+                      FindOrOpen(search.names, candidates, exclusive, "CUDA runtime (libcudart)",
+                                 Code::kCudaNotFound));
   RuntimeApi api;
-  TF_RETURN_IF_ERROR(ResolveAll(*library, api));
-  return std::shared_ptr<const Runtime>(std::make_shared<Runtime>(library->path, api));
+  TF_RETURN_IF_ERROR(ResolveAll(library, api));
+  return std::shared_ptr<const Runtime>(std::make_shared<Runtime>(library.path, api));
 }
 
 Result<std::shared_ptr<const Runtime>> ProcessRuntime(const RuntimeSearch& search) {

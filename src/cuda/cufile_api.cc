@@ -77,22 +77,19 @@ Result<std::shared_ptr<const Cufile>> OpenCufile(const CufileSearch& search) {
     candidates = search.names;
     exclusive = false;
   }
-  std::optional<LoadedLibrary> library;
-  if (!exclusive) library = FindLoaded(search.names);
-  if (!library) {
-    TF_ASSIGN_OR_RETURN(library,
-                        OpenFirst(candidates, "cuFile library (libcufile)", Code::kCudaNotFound));
-  }
+  TF_ASSIGN_OR_RETURN(const LoadedLibrary library,
+                      FindOrOpen(search.names, candidates, exclusive, "cuFile library (libcufile)",
+                                 Code::kCudaNotFound));
   CufileApi api;
-  TF_RETURN_IF_ERROR(Resolve(*library, "cuFileDriverOpen", api.cuFileDriverOpen));
+  TF_RETURN_IF_ERROR(Resolve(library, "cuFileDriverOpen", api.cuFileDriverOpen));
   api.cuFileDriverClose = reinterpret_cast<decltype(api.cuFileDriverClose)>(
-      FindSymbol(*library, "cuFileDriverClose_v2"));
-  TF_RETURN_IF_ERROR(Resolve(*library, "cuFileHandleRegister", api.cuFileHandleRegister));
-  TF_RETURN_IF_ERROR(Resolve(*library, "cuFileHandleDeregister", api.cuFileHandleDeregister));
-  TF_RETURN_IF_ERROR(Resolve(*library, "cuFileBufRegister", api.cuFileBufRegister));
-  TF_RETURN_IF_ERROR(Resolve(*library, "cuFileBufDeregister", api.cuFileBufDeregister));
-  TF_RETURN_IF_ERROR(Resolve(*library, "cuFileRead", api.cuFileRead));
-  return std::shared_ptr<const Cufile>(std::make_shared<Cufile>(library->path, api));
+      FindSymbol(library, "cuFileDriverClose_v2"));
+  TF_RETURN_IF_ERROR(Resolve(library, "cuFileHandleRegister", api.cuFileHandleRegister));
+  TF_RETURN_IF_ERROR(Resolve(library, "cuFileHandleDeregister", api.cuFileHandleDeregister));
+  TF_RETURN_IF_ERROR(Resolve(library, "cuFileBufRegister", api.cuFileBufRegister));
+  TF_RETURN_IF_ERROR(Resolve(library, "cuFileBufDeregister", api.cuFileBufDeregister));
+  TF_RETURN_IF_ERROR(Resolve(library, "cuFileRead", api.cuFileRead));
+  return std::shared_ptr<const Cufile>(std::make_shared<Cufile>(library.path, api));
 }
 
 Result<std::shared_ptr<const Cufile>> ProcessCufile(const CufileSearch& search) {

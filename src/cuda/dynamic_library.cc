@@ -46,6 +46,15 @@ Result<LoadedLibrary> OpenFirst(const std::vector<std::string>& candidates, std:
   return Status(not_found, std::string(what) + " not found; tried: " + tried);
 }
 
+Result<LoadedLibrary> FindOrOpen(const std::vector<std::string>& names,
+                                 const std::vector<std::string>& candidates, bool exclusive,
+                                 std::string_view what, Code not_found) {
+  if (!exclusive) {
+    if (std::optional<LoadedLibrary> loaded = FindLoaded(names)) return *std::move(loaded);
+  }
+  return OpenFirst(candidates, what, not_found);
+}
+
 void* FindSymbol(const LoadedLibrary& library, const char* symbol) {
   if (library.handle == nullptr) return nullptr;
   return ::dlsym(library.handle, symbol);

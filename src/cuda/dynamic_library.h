@@ -32,6 +32,12 @@ Result<LoadedLibrary> OpenFirst(const std::vector<std::string>& candidates, std:
 // that torch brought in; nullopt when none is.
 std::optional<LoadedLibrary> FindLoaded(const std::vector<std::string>& candidates);
 
+// The library a CUDA component uses: unless `exclusive` (the user named one file), the first of
+// `names` the process already has (a runtime torch loaded, say), else OpenFirst(candidates).
+Result<LoadedLibrary> FindOrOpen(const std::vector<std::string>& names,
+                                 const std::vector<std::string>& candidates, bool exclusive,
+                                 std::string_view what, Code not_found);
+
 // The address of `symbol` in `library`, or nullptr.
 void* FindSymbol(const LoadedLibrary& library, const char* symbol);
 

@@ -82,17 +82,22 @@ Result<unsigned> StagingRing::Acquire() {
     }
     if (!submitted_.empty()) {
       // Wait for the oldest, outside the lock so other producers can submit and release.
-      const unsigned index = submitted_.front();
-      submitted_.pop_front();
-      slots_[index].state = SlotState::kWaiting;
-      lock.unlock();
-      const cuda::Error error = runtime_->api().cudaEventSynchronize(slots_[index].event.get());
-      lock.lock();
+      const auto [index, error] = WaitOldest(lock);
       return Reuse(index, error);
     }
     // Every slot is being filled or waited for by another thread: one of them frees up.
     cv_.wait(lock, [this] { return !free_.empty() || !submitted_.empty(); });
   }
+}
+
+std::pair<unsigned, cuda::Error> StagingRing::WaitOldest(std::unique_lock<std::mutex>& lock) {
+  const unsigned index = submitted_.front();
+  submitted_.pop_front();
+  slots_[index].state = SlotState::kWaiting;
+  lock.unlock();
+  const cuda::Error error = runtime_->api().cudaEventSynchronize(slots_[index].event.get());
+  lock.lock();
+  return {index, error};
 }
 
 Status StagingRing::Submit(unsigned index, cuda::Stream stream, std::string what) {
@@ -123,12 +128,7 @@ Status StagingRing::Drain() {
   Status first;
   std::unique_lock<std::mutex> lock(mu_);
   while (!submitted_.empty()) {
-    const unsigned index = submitted_.front();
-    submitted_.pop_front();
-    slots_[index].state = SlotState::kWaiting;
-    lock.unlock();
-    const cuda::Error error = runtime_->api().cudaEventSynchronize(slots_[index].event.get());
-    lock.lock();
+    const auto [index, error] = WaitOldest(lock);
     if (first.ok() && error != cuda::kSuccess) first = runtime_->Check(error, slots_[index].what);
     MakeFree(index);
   }

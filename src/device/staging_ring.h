@@ -23,6 +23,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_api.h"
@@ -79,6 +80,9 @@ class StagingRing {
   // REQUIRES: mu_ held. A slot whose copy completed becomes the caller's, or free again with the
   // copy's error.
   Result<unsigned> Reuse(unsigned index, cuda::Error error);
+  // REQUIRES: `lock` holds mu_ and submitted_ is not empty. Takes the oldest submitted slot
+  // (kWaiting) and waits for its event with the lock released; the slot and the wait's result.
+  std::pair<unsigned, cuda::Error> WaitOldest(std::unique_lock<std::mutex>& lock);
   // REQUIRES: mu_ held. Back to the free list.
   void MakeFree(unsigned index);
 

@@ -106,11 +106,12 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   // device tensors would be device addresses here. Refused the same way on every rank, before
   // any I/O or collective.
   if (options.device.is_cuda() || options.placement) {
-    return Status(Code::kUnsupported,
-                  "cooperative load: tensors are exchanged in host memory; LoadOptions::device " +
-                      DeviceName(options.device) + (options.placement ? " with a placement" : "") +
-                      " is not supported by LoadCooperative (load each rank's slices onto its "
-                      "device with LoadOptions::shard, or move the returned host tensors)");
+    return Status(
+        Code::kUnsupported,
+        "cooperative load: tensors are exchanged in host memory; LoadOptions::device " +
+            DeviceName(options.device) + (options.placement ? " with a placement" : "") +
+            " is not supported by LoadCooperative (load each rank's slices onto its "
+            "device with LoadOptions::tensor_parallel, or move the returned host tensors)");
   }
   // Tied aliases resolve as for the Loader: their targets are read (once) and exchanged, the
   // aliases added at the end sharing their target's result.
@@ -153,7 +154,7 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   // It reads whole tensors: any per-rank slicing of the caller's options does not apply here.
   LoadOptions load_options = options;
   load_options.budget = 0;
-  load_options.shard.reset();
+  load_options.tensor_parallel.reset();
   // A rank whose loader cannot open still takes part in the first status exchange, so the others
   // learn of it instead of waiting for it in a collective.
   Result<std::unique_ptr<Loader>> opened = Loader::Open(checkpoint, load_options);

@@ -110,9 +110,9 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
       if (rule.is_split()) shape[rule.dim] = SliceOf(info, rule, r, world).value().shape[rule.dim];
       EXPECT_EQ(mine[i].shape(), shape) << info.name;
     }
-    // The independent per-rank sliced path (LoadOptions::shard) gives the same tensors.
+    // The independent per-rank sliced path (LoadOptions::tensor_parallel) gives the same tensors.
     LoadOptions independent_options = options;
-    independent_options.shard = TensorParallelOptions{spec, r, world};
+    independent_options.tensor_parallel = TensorParallelOptions{spec, r, world};
     independent_options.budget = 0;  // Load returns everything at once
     auto independent = Loader::Open(checkpoint, independent_options).ValueOrThrow();
     const std::vector<Tensor> theirs = independent->Load().ValueOrThrow();
@@ -143,7 +143,7 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
         options.threads = 2;
         // Per-rank slicing options of the caller are ignored (the cooperative loader reads whole
         // tensors and slices by the spec it is given).
-        if (budget > 0) options.shard = TensorParallelOptions{ShardSpec::None(), 0, 1};
+        if (budget > 0) options.tensor_parallel = TensorParallelOptions{ShardSpec::None(), 0, 1};
         CheckCooperative(dir.path(), world, options);
       }
     }
@@ -184,7 +184,7 @@ TEST(Cooperative, TiedAliasesShareTheirTargetLikeTheIndependentPath) {
         ASSERT_TRUE(results[r].ok()) << results[r].status().ToString();
         const std::vector<Tensor>& mine = *results[r];
         LoadOptions independent_options;
-        independent_options.shard = TensorParallelOptions{spec, r, world};
+        independent_options.tensor_parallel = TensorParallelOptions{spec, r, world};
         const std::vector<Tensor> theirs = Loader::Open(checkpoint, independent_options)
                                                .ValueOrThrow()
                                                ->Load(selection)
@@ -216,9 +216,9 @@ TEST(Cooperative, TiedAliasesShareTheirTargetLikeTheIndependentPath) {
 }
 
 // The exchange runs in host memory: a device target is refused on every rank before any read
-// or collective (rank-local checks only, so a group of 1 suffices), naming the device; a shard
-// in the options does not change what the reader reads (whole tensors).
-TEST(Cooperative, DeviceTargetsAreRefusedAndShardOptionsIgnored) {
+// or collective (rank-local checks only, so a group of 1 suffices), naming the device; tensor
+// parallelism in the options does not change what the reader reads (whole tensors).
+TEST(Cooperative, DeviceTargetsAreRefusedAndTensorParallelOptionsIgnored) {
   TempDir dir;
   ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
   auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
@@ -237,12 +237,13 @@ TEST(Cooperative, DeviceTargetsAreRefusedAndShardOptionsIgnored) {
   EXPECT_EQ(LoadCooperative(checkpoint, Selection::All(), spec, placed, *group[0]).status().code(),
             Code::kUnsupported);
 
-  // options.shard (rank 1 of 2) must not make the reader read slices: rank 0 of a group of 1
-  // gets the whole tensors.
-  LoadOptions with_shard;
-  with_shard.shard = TensorParallelOptions{spec, 1, 2};
+  // options.tensor_parallel (rank 1 of 2) must not make the reader read slices: rank 0 of a group
+  // of 1 gets the whole tensors.
+  LoadOptions with_tensor_parallel;
+  with_tensor_parallel.tensor_parallel = TensorParallelOptions{spec, 1, 2};
   const std::vector<Tensor> got =
-      LoadCooperative(checkpoint, Selection::All(), spec, with_shard, *group[0]).ValueOrThrow();
+      LoadCooperative(checkpoint, Selection::All(), spec, with_tensor_parallel, *group[0])
+          .ValueOrThrow();
   auto plain = Loader::Open(checkpoint).ValueOrThrow()->Load().ValueOrThrow();
   ASSERT_EQ(got.size(), plain.size());
   for (size_t i = 0; i < got.size(); ++i) {

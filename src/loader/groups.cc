@@ -13,7 +13,7 @@ namespace tensorferry {
 // The plan's batches hold at most half the budget when the next batch is read while the caller
 // handles the current one (double buffering), so two fit; the whole budget when a selected
 // tensor is larger than half of it.
-// On a device a sharded tensor occupies exactly its slice; on the host its covering reads may
+// On a device a sliced tensor occupies exactly its slice; on the host its covering reads may
 // take up to the whole tensor's bytes, so the whole size decides there.
 uint64_t GroupPlanner::BatchBudget(std::span<const uint32_t> indices, uint64_t limit,
                                    bool on_device) const {
@@ -27,13 +27,14 @@ uint64_t GroupPlanner::BatchBudget(std::span<const uint32_t> indices, uint64_t l
   return largest <= half ? half : limit;
 }
 
-// The bytes a tensor occupies once loaded: its slice's under LoadOptions::shard (the whole
-// size when the slice is invalid: planning reports that error).
+// The bytes a tensor occupies once loaded: its slice's under LoadOptions::tensor_parallel (the
+// whole size when the slice is invalid: planning reports that error).
 uint64_t GroupPlanner::LocalSize(const TensorInfo& t) const {
-  if (!options_.shard) return t.size;
-  const ShardRule rule = options_.shard->spec.RuleFor(t.name);
+  if (!options_.tensor_parallel) return t.size;
+  const ShardRule rule = options_.tensor_parallel->spec.RuleFor(t.name);
   if (!rule.is_split()) return t.size;
-  Result<TensorSlice> slice = SliceOf(t, rule, options_.shard->rank, options_.shard->world);
+  Result<TensorSlice> slice =
+      SliceOf(t, rule, options_.tensor_parallel->rank, options_.tensor_parallel->world);
   return slice.ok() ? slice->bytes : t.size;
 }
 
@@ -67,7 +68,7 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
     // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
     // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
     if (dev.is_cuda() && options_.gds == GdsMode::kOff) p.io_alignment = 0;
-    const bool relayout = dev.is_cuda() && options_.shard.has_value();
+    const bool relayout = dev.is_cuda() && options_.tensor_parallel.has_value();
     if (relayout) {
       // Batches are formed from the local sizes: the device layout holds no covered gaps.
       p.file_max_gap.assign(checkpoint_.files().size(), 0);
@@ -121,14 +122,14 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
   return groups;
 }
 
-// With shard->exact_when_cached: exact strides (0) for files mostly in the page cache, max_gap
-// for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads the
-// real file system by path: it only chooses how to read, never what is read.
+// With tensor_parallel->exact_when_cached: exact strides (0) for files mostly in the page cache,
+// max_gap for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads
+// the real file system by path: it only chooses how to read, never what is read.
 std::vector<uint64_t> GroupPlanner::FileMaxGaps() const {
   std::vector<uint64_t> gaps;
-  if (!options_.shard || !options_.shard->exact_when_cached) return gaps;
+  if (!options_.tensor_parallel || !options_.tensor_parallel->exact_when_cached) return gaps;
   for (const FileInfo& f : checkpoint_.files()) {
-    uint64_t gap = options_.shard->max_gap;
+    uint64_t gap = options_.tensor_parallel->max_gap;
     if (f.file_size > f.data_offset) {
       Result<double> cached = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
       if (cached.ok() && *cached >= 0.5) gap = 0;
@@ -144,7 +145,7 @@ PlanOptions GroupPlanner::MakePlanOptions(uint64_t batch_budget) const {
   p.budget = batch_budget;
   p.allow_oversized = options_.allow_oversized;
   p.order = options_.order;
-  p.shard = options_.shard;
+  p.tensor_parallel = options_.tensor_parallel;
   p.file_max_gap = FileMaxGaps();
   return p;
 }

@@ -19,7 +19,8 @@ struct Group {
   Device device;
   Plan plan;
   uint64_t batch_budget = 0;
-  // Sharded device groups: per batch, the strided reads besides the batch's contiguous tasks.
+  // Tensor-parallel device groups: per batch, the strided reads besides the batch's contiguous
+  // tasks.
   std::vector<std::vector<StridedRead>> strided;
 };
 

@@ -18,11 +18,11 @@ namespace {
 // A destination of LoadInto for output `o`: a valid device, room for the tensor (its slice), not
 // null unless the tensor is empty.
 Status CheckDestination(const Destination& d, const OutputInfo& o,
-                        const std::optional<TensorParallelOptions>& shard) {
-  const std::string what = o.slice ? " (the slice of rank " + std::to_string(shard->rank) + " of " +
-                                         std::to_string(shard->world) + ", " +
-                                         o.slice->rule.ToString() + ")"
-                                   : "";
+                        const std::optional<TensorParallelOptions>& tensor_parallel) {
+  const std::string what =
+      o.slice ? " (the slice of rank " + std::to_string(tensor_parallel->rank) + " of " +
+                    std::to_string(tensor_parallel->world) + ", " + o.slice->rule.ToString() + ")"
+              : "";
   if (d.device.is_cuda() && d.device.index < 0) {
     return Status(Code::kInvalidArgument,
                   "tensor \"" + d.name + "\": CUDA device index " + std::to_string(d.device.index));
@@ -139,8 +139,8 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   const auto start = Clock::now();
   const Checkpoint& ckpt = *m.checkpoint;
 
-  // Every check before any read. With LoadOptions::shard each tensor's slice is what is read
-  // (and what the destination must hold); a tied alias reads its target (Describe).
+  // Every check before any read. With LoadOptions::tensor_parallel each tensor's slice is what is
+  // read (and what the destination must hold); a tied alias reads its target (Describe).
   std::vector<std::string> names;
   names.reserve(destinations.size());
   std::set<std::string_view> seen;
@@ -157,7 +157,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   std::set<Device> devices;
   for (const Destination& d : destinations) {
     const OutputInfo& o = *output_of.at(d.name);
-    TF_RETURN_IF_ERROR(CheckDestination(d, o, m.options.shard));
+    TF_RETURN_IF_ERROR(CheckDestination(d, o, m.options.tensor_parallel));
     outputs.push_back(&o);
     if (o.bytes > 0) devices.insert(d.device);
   }

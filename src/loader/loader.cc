@@ -17,8 +17,8 @@
 #include "io/read_engine.h"
 #include "loader/groups.h"
 #include "loader/loader_impl.h"
-#include "loader/sink.h"
 #include "memory/host_buffer.h"
+#include "sink/sink.h"
 #include "tensorferry/residency.h"
 #include "util/macros.h"
 
@@ -101,7 +101,8 @@ Result<Loader::Impl::Resolved> Loader::Impl::Resolve(const Selection& selection)
 }
 
 Result<Description> Loader::Impl::Describe(const Selection& selection) const {
-  return DescribeSelection(*checkpoint, selection, options.shard ? &*options.shard : nullptr);
+  return DescribeSelection(*checkpoint, selection,
+                           options.tensor_parallel ? &*options.tensor_parallel : nullptr);
 }
 
 Loader::Impl::Resolved Loader::Impl::Index(Description d) {
@@ -254,7 +255,7 @@ Loader::~Loader() = default;
 Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> checkpoint,
                                              const LoadOptions& given) {
   if (!checkpoint) return Status(Code::kInvalidArgument, "Loader::Open: null checkpoint");
-  // Checks and clamps: LoadOptions::Validated (src/loader/options.cc).
+  // Checks and clamps: LoadOptions::Validated (src/options/options.cc).
   TF_ASSIGN_OR_RETURN(const LoadOptions options, given.Validated());
   auto impl = std::make_unique<Impl>();
   impl->checkpoint = std::move(checkpoint);

@@ -15,8 +15,8 @@
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "loader/groups.h"
-#include "loader/sink.h"
 #include "memory/host_buffer.h"
+#include "sink/sink.h"
 #include "tensorferry/loader.h"
 
 namespace tensorferry {
@@ -62,8 +62,8 @@ struct Loader::Impl {
                        const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run);
 
   // What a selection means for one load (Describe), indexed for batches: the tensors to read,
-  // which of them go to the caller under their own name, and the tied aliases (LoadOptions::shard
-  // ties) delivered sharing their target's data.
+  // which of them go to the caller under their own name, and the tied aliases
+  // (LoadOptions::tensor_parallel ties) delivered sharing their target's data.
   struct Resolved {
     std::vector<uint32_t> read;                    // indices into tensors(), ascending
     std::vector<bool> deliver;                     // per tensor index; empty: every read tensor

@@ -1,8 +1,8 @@
-// Under mpirun (tests/mpi/run.sh NP tensorferry_mpi_test): every rank loads its shard of a small
+// Under mpirun (tests/mpi/run.sh NP tensorferry_mpi_test): every rank loads its slices of a small
 // generated checkpoint cooperatively over MPI and checks it byte for byte against the oracle
 // slicing of the full tensors (read independently), and that the ranks together read every byte
 // exactly once, each the bytes AssignReaders gives it; and against the independent per-rank
-// sliced path (LoadOptions::shard). Exit 0 when every rank passed.
+// sliced path (LoadOptions::tensor_parallel). Exit 0 when every rank passed.
 #include <cstdio>
 #include <functional>
 #include <numeric>
@@ -53,9 +53,9 @@ void Run(Collective& c, const std::string& path, const LoadOptions& options) {
         testing::OracleSlice(Bytes(full[i]), info.shape, elem, spec.RuleFor(info.name), me, world);
     Expect(Bytes((*result)[i]) == want, info.name + " on rank " + std::to_string(me));
   }
-  // The independent per-rank sliced path (LoadOptions::shard) gives the same tensors.
+  // The independent per-rank sliced path (LoadOptions::tensor_parallel) gives the same tensors.
   LoadOptions independent_options = options;
-  independent_options.shard = TensorParallelOptions{spec, me, world};
+  independent_options.tensor_parallel = TensorParallelOptions{spec, me, world};
   independent_options.budget = 0;  // Load returns everything at once
   const std::vector<Tensor> theirs =
       Loader::Open(checkpoint, independent_options).ValueOrThrow()->Load().ValueOrThrow();

@@ -45,11 +45,12 @@ std::vector<StridedRead> TensorReads(const TensorInfo& tensor,
 // A contiguous task of a plan as a read (rows == 1).
 StridedRead AsRead(const ReadTask& task);
 
-// Lays out `batch` (of a plan over `tensors` with PlanOptions::shard) again for a device: every
-// tensor occupies exactly its local bytes in the buffer; contiguous reads coalesce when adjacent in
-// the file and keep their file offset modulo `io_alignment` (0: 64-byte alignment only), as the
-// host plan does, for GDS. The batch keeps its tensors and order; tasks, moves, buffer_size and
-// read_bytes are replaced; the strided reads besides the batch's tasks are returned.
+// Lays out `batch` (of a plan over `tensors` with PlanOptions::tensor_parallel) again for a device:
+// every tensor occupies exactly its local bytes in the buffer; contiguous reads coalesce when
+// adjacent in the file and keep their file offset modulo `io_alignment` (0: 64-byte alignment
+// only), as the host plan does, for GDS. The batch keeps its tensors and order; tasks, moves,
+// buffer_size and read_bytes are replaced; the strided reads besides the batch's tasks are
+// returned.
 std::vector<StridedRead> LayOutForDevice(std::span<const TensorInfo> tensors, uint64_t io_alignment,
                                          PlanBatch& batch);
 

@@ -46,9 +46,9 @@ struct Item {
   uint32_t file = 0;
   uint64_t offset = 0;
   uint32_t tensor = 0;
-  uint64_t size = 0;    // bytes delivered (the slice's when sharded)
+  uint64_t size = 0;    // bytes delivered (the slice's when sliced)
   uint64_t cost = 0;    // bytes held in the buffer: size, or the covering reads' bytes if larger
-  int64_t layout = -1;  // index into the sharded layouts; -1: the whole tensor, one read
+  int64_t layout = -1;  // index into the sliced layouts; -1: the whole tensor, one read
 
   friend bool operator<(const Item& a, const Item& b) {
     if (a.group != b.group) return a.group < b.group;
@@ -59,7 +59,7 @@ struct Item {
 };
 
 // A coalesced run of file bytes and where it lands in the batch buffer. A sealed range (a
-// segment of a sharded tensor) is never extended by a later tensor.
+// segment of a sliced tensor) is never extended by a later tensor.
 struct Range {
   uint32_t file = 0;
   uint64_t file_offset = 0;
@@ -68,7 +68,7 @@ struct Range {
   bool sealed = false;
 };
 
-// How one sharded tensor is read: its slice, and the slice's byte ranges (absolute file offsets)
+// How one sliced tensor is read: its slice, and the slice's byte ranges (absolute file offsets)
 // grouped into segments, each one read covering its ranges and the gaps between them.
 struct Segment {
   uint64_t file_offset = 0;
@@ -82,7 +82,7 @@ struct ShardLayout {
   uint64_t read_bytes = 0;
 };
 
-// Segments of a later range of a sharded tensor are aligned for O_DIRECT (congruent with the file
+// Segments of a later range of a sliced tensor are aligned for O_DIRECT (congruent with the file
 // offset) only when at least this long: aligning every small strided piece would waste up to
 // io_alignment bytes each, for reads too small to gain from O_DIRECT anyway.
 constexpr uint64_t kAlignSegmentsFrom = 256u << 10;
@@ -258,14 +258,16 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
                                               std::to_string(options.io_alignment) +
                                               " is not a power of two >= alignment");
   }
-  if (options.shard) {
-    if (options.shard->world == 0 || options.shard->rank >= options.shard->world) {
+  if (options.tensor_parallel) {
+    if (options.tensor_parallel->world == 0 ||
+        options.tensor_parallel->rank >= options.tensor_parallel->world) {
       return Status(Code::kInvalidArgument,
-                    "plan: tensor parallelism: rank " + std::to_string(options.shard->rank) +
-                        " of " + std::to_string(options.shard->world) +
+                    "plan: tensor parallelism: rank " +
+                        std::to_string(options.tensor_parallel->rank) + " of " +
+                        std::to_string(options.tensor_parallel->world) +
                         ": the rank must be below a world size of at least 1");
     }
-    TF_RETURN_IF_ERROR(options.shard->spec.Validate());
+    TF_RETURN_IF_ERROR(options.tensor_parallel->spec.Validate());
   }
   const std::vector<TensorInfo>& all = checkpoint.tensors();
   std::vector<bool> seen(all.size(), false);
@@ -287,13 +289,14 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
     seen[index] = true;
     uint64_t size = t.size, cost = t.size;
     int64_t layout = -1;
-    if (options.shard) {
-      const ShardRule rule = options.shard->spec.RuleFor(t.name);
+    if (options.tensor_parallel) {
+      const ShardRule rule = options.tensor_parallel->spec.RuleFor(t.name);
       if (rule.is_split()) {
-        TF_ASSIGN_OR_RETURN(TensorSlice slice,
-                            SliceOf(t, rule, options.shard->rank, options.shard->world));
-        const uint64_t gap = t.file < options.file_max_gap.size() ? options.file_max_gap[t.file]
-                                                                  : options.shard->max_gap;
+        TF_ASSIGN_OR_RETURN(TensorSlice slice, SliceOf(t, rule, options.tensor_parallel->rank,
+                                                       options.tensor_parallel->world));
+        const uint64_t gap = t.file < options.file_max_gap.size()
+                                 ? options.file_max_gap[t.file]
+                                 : options.tensor_parallel->max_gap;
         layouts.push_back(MakeLayout(t, std::move(slice), gap));
         layout = static_cast<int64_t>(layouts.size() - 1);
         size = layouts.back().slice.bytes;

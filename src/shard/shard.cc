@@ -84,6 +84,12 @@ bool GlobMatch(std::string_view pattern, std::string_view name) noexcept {
 
 // --- ShardSpec ----------------------------------------------------------------------------------
 
+std::optional<ShardSpec> ShardSpec::Named(std::string_view name) {
+  if (name == "builtin") return Builtin();
+  if (name == "none") return None();
+  return std::nullopt;
+}
+
 ShardSpec ShardSpec::None() {
   return ShardSpec();
 }

@@ -1,9 +1,11 @@
 // Path safety (path.h).
 #include "util/path.h"
 
+#include <map>
 #include <system_error>
 
 #include "util/json_writer.h"
+#include "util/macros.h"
 
 namespace tensorferry {
 
@@ -105,6 +107,32 @@ Status CheckContained(const fs::path& canonical_dir, const std::string& path,
                              : "resolves to " + json::Quote(canonical.string());
   return Status(Code::kIndexPathEscape, prefix + why + ", outside the checkpoint directory " +
                                             json::Quote(canonical_dir.string()));
+}
+
+Result<std::vector<IndexedFile>> IndexedFiles(
+    const std::vector<std::pair<std::string, std::string>>& weight_map,
+    const std::string& index_path, bool on_disk) {
+  std::map<std::string, std::string> first_tensor;  // normalized relative path -> tensor
+  for (const auto& [tensor, file] : weight_map) {
+    first_tensor.emplace(fs::path(file).lexically_normal().string(), tensor);
+  }
+  const fs::path dir = fs::path(index_path).parent_path();
+  fs::path canonical_dir;
+  if (on_disk) {
+    TF_ASSIGN_OR_RETURN(canonical_dir, CanonicalDirectory(dir, index_path));
+  }
+  std::vector<IndexedFile> out;
+  out.reserve(first_tensor.size());
+  for (const auto& [rel, tensor] : first_tensor) {
+    std::string joined = dir.empty() ? rel : (dir / rel).string();
+    if (on_disk) {
+      TF_RETURN_IF_ERROR(
+          CheckContained(canonical_dir, joined, index_path,
+                         "file " + json::Quote(rel) + " (of tensor " + json::Quote(tensor) + ")"));
+    }
+    out.push_back(IndexedFile{rel, std::move(joined), tensor});
+  }
+  return out;
 }
 
 }  // namespace tensorferry

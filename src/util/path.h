@@ -17,6 +17,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "tensorferry/status.h"
 
@@ -41,5 +43,22 @@ Result<std::filesystem::path> CanonicalDirectory(const std::filesystem::path& di
 // kIndexPathEscape "<where>: <what> resolves to ..., outside the checkpoint directory ...".
 Status CheckContained(const std::filesystem::path& canonical_dir, const std::string& path,
                       std::string_view where, std::string_view what);
+
+// One distinct file an index names: its lexically normalized relative path, the path to open
+// (joined with the index's directory) and one tensor the index maps to it (for messages).
+struct IndexedFile {
+  std::string rel;
+  std::string path;
+  std::string tensor;
+};
+
+// The distinct files of `weight_map` (tensor -> relative path, as an index lists them; "./a" and
+// "a" are one file), sorted by relative path, for the index at `index_path`. With `on_disk` (the
+// real file system), each must resolve inside the index's directory (CheckContained, hub-cache
+// snapshots included). The lexical rule (RelativePathProblem) is the index parser's.
+// Errors: those of CanonicalDirectory and CheckContained.
+Result<std::vector<IndexedFile>> IndexedFiles(
+    const std::vector<std::pair<std::string, std::string>>& weight_map,
+    const std::string& index_path, bool on_disk);
 
 }  // namespace tensorferry

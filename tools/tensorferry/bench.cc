@@ -326,12 +326,9 @@ uint64_t MemTotal() {
 }
 
 int RunBench(const BenchArgs& args) {
-  auto checkpoint = Checkpoint::Open(args.path);
-  if (!checkpoint.ok()) {
-    PrintError(args.path, checkpoint.status());
-    return kExitError;
-  }
-  const Checkpoint& ckpt = **checkpoint;
+  const std::shared_ptr<const Checkpoint> checkpoint = OpenOrPrintError(args.path);
+  if (!checkpoint) return kExitError;
+  const Checkpoint& ckpt = *checkpoint;
   std::vector<std::string> files;
   std::vector<Region> regions;
   uint64_t total = 0;
@@ -503,7 +500,7 @@ int RunBench(const BenchArgs& args) {
     j.EndObject().Key("notes").BeginArray();
     for (const std::string& n : notes) j.String(n);
     j.EndArray().EndObject();
-    return WriteStdout(j.str()) ? kExitOk : kExitError;
+    return PrintReport(j.str());
   }
   std::string text = "checkpoint " + args.path + ": " + FormatBytes(total) + " of tensors in " +
                      Plural(files.size(), "file") + "\nmachine: " + CpuModel() + ", " +
@@ -518,7 +515,7 @@ int RunBench(const BenchArgs& args) {
   for (const auto& [name, bytes] : memory) text += "  " + name + ": " + FormatBytes(bytes) + "\n";
   for (const std::string& n : notes) text += "note: " + n + "\n";
   if (!text.empty() && text.back() == '\n') text.pop_back();
-  return WriteStdout(text) ? kExitOk : kExitError;
+  return PrintReport(text);
 }
 
 }  // namespace
@@ -527,8 +524,7 @@ Command AddBenchCommand(CLI::App& parent) {
   auto args = std::make_shared<BenchArgs>();
   CLI::App* app = parent.add_subcommand(
       "bench", "Every engine cold and warm, against same-run hardware references");
-  app->add_option("path", args->path, "A .safetensors file, a checkpoint directory or an index")
-      ->required();
+  AddCheckpointPath(*app, args->path);
   app->add_option("--runs", args->runs, "Runs per configuration (median reported; default 3)");
   app->add_option("--engines", args->engines,
                   "Comma-separated engines (default pread,io_uring,mmap)");

@@ -758,7 +758,7 @@ std::map<std::string, std::pair<std::vector<uint64_t>, std::string>> LoadAll(
     const std::string& path, std::optional<TensorParallelOptions> tp = std::nullopt) {
   LoadOptions o;
   o.engine = Engine::kPread;
-  o.shard = std::move(tp);
+  o.tensor_parallel = std::move(tp);
   auto loader = Loader::Open(path, o);
   EXPECT_TRUE(loader.ok()) << loader.status().ToString();
   std::map<std::string, std::pair<std::vector<uint64_t>, std::string>> out;

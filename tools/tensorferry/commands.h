@@ -7,12 +7,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 
 #include <CLI/CLI.hpp>
 
+#include "tensorferry/checkpoint.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/size.h"
 #include "tensorferry/status.h"
@@ -66,6 +68,21 @@ void PrintError(std::string_view text);
 // disk) prints "error: <stdout>: write failed" and returns false, so a truncated --json document
 // is reported rather than silently exiting 0.
 bool WriteStdout(std::string_view text);
+
+// Prints a command's report (WriteStdout) and gives its exit code: kExitOk, or kExitError when
+// stdout failed or `status` (what the report is about) is an error.
+int PrintReport(std::string_view report, const Status& status = Status::Ok());
+
+class JsonOut;
+// Writes the "error" member of a command's --json document: {"code", "category", "message"},
+// the message as ErrorText(path, status) gives it.
+void JsonError(JsonOut& j, std::string_view path, const Status& status);
+
+// The positional checkpoint argument (required) of every command that reads a checkpoint.
+CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name = "path");
+
+// Opens the checkpoint at `path`; on failure prints the error line and returns nullptr.
+std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path);
 
 // Seconds since `start` on a steady clock.
 double SecondsSince(int64_t start_ns);

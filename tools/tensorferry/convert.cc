@@ -98,17 +98,9 @@ int RunConvert(const ConvertArgs& args) {
             .EndObject();
       }
     }
-    if (!status.ok()) {
-      j.Key("error")
-          .BeginObject()
-          .Field("code", CodeName(status.code()))
-          .Field("category", CategoryName(status.category()))
-          .Field("message", ErrorText(error_path, status))
-          .EndObject();
-    }
+    if (!status.ok()) JsonError(j, error_path, status);
     j.EndObject();
-    if (!WriteStdout(j.str())) return kExitError;
-    return status.ok() ? kExitOk : kExitError;
+    return PrintReport(j.str(), status);
   }
 
   if (!status.ok()) {
@@ -134,8 +126,7 @@ int RunConvert(const ConvertArgs& args) {
     out += "\nverified: " + Plural(verified->tensors, "tensor") + ", " +
            FormatBytes(verified->bytes) + " identical in " + vr;
   }
-  if (!WriteStdout(out)) return kExitError;
-  return kExitOk;
+  return PrintReport(out);
 }
 
 }  // namespace

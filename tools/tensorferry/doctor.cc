@@ -106,8 +106,7 @@ int RunDoctor(const DoctorArgs& args) {
   options.query_free_memory = !args.quick;
   options.open_cufile_driver = !args.quick;
   const CudaReport report = DiagnoseDevices(options);
-  if (!WriteStdout(args.json ? Json(report) : Text(report))) return kExitError;
-  return kExitOk;
+  return PrintReport(args.json ? Json(report) : Text(report));
 }
 
 }  // namespace

@@ -432,8 +432,7 @@ int RunGen(const GenArgs& args) {
       report += "\n  " + OneLine((*written)[i]) + "  " + FormatBytes(sizes[i]);
     }
   }
-  if (!WriteStdout(report)) return kExitError;
-  return kExitOk;
+  return PrintReport(report);
 }
 
 }  // namespace

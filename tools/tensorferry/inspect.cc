@@ -242,12 +242,9 @@ std::string JsonReport(const InspectArgs& args, const Checkpoint& ckpt,
 }
 
 int RunInspect(const InspectArgs& args) {
-  auto opened = Checkpoint::Open(args.path);
-  if (!opened.ok()) {
-    PrintError(args.path, opened.status());
-    return kExitError;
-  }
-  const Checkpoint& ckpt = **opened;
+  const std::shared_ptr<const Checkpoint> opened = OpenOrPrintError(args.path);
+  if (!opened) return kExitError;
+  const Checkpoint& ckpt = *opened;
   std::array<DTypeStats, kNumDTypes> dtypes{};
   for (const TensorInfo& t : ckpt.tensors()) {
     const auto d = static_cast<size_t>(t.dtype);
@@ -260,8 +257,7 @@ int RunInspect(const InspectArgs& args) {
 
   const std::string report = args.json ? JsonReport(args, ckpt, dtypes, file_bytes)
                                        : HumanReport(args, ckpt, dtypes, file_bytes);
-  if (!WriteStdout(report)) return kExitError;
-  return kExitOk;
+  return PrintReport(report);
 }
 
 }  // namespace
@@ -270,9 +266,7 @@ Command AddInspectCommand(CLI::App& parent) {
   auto args = std::make_shared<InspectArgs>();
   CLI::App* app = parent.add_subcommand(
       "inspect", "List the tensors, totals, dtypes and metadata of a checkpoint (headers only)");
-  app->add_option("path", args->path,
-                  "A .safetensors file, a checkpoint directory or a model.safetensors.index.json")
-      ->required();
+  AddCheckpointPath(*app, args->path);
   app->add_flag("--json", args->json, "Print one JSON document instead of tables");
   app->add_flag("--all", args->all, "List every tensor (default: the first 50)");
   return {app, [args] { return RunInspect(*args); }};

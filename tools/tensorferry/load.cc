@@ -258,8 +258,8 @@ std::string JsonReport(const Report& r) {
       .Field("gb_per_s", r.Gbps())
       .Field("budget", o.budget)
       .Field("peak_rss_bytes", r.peak_rss)
-      .Field("tp_rank", o.shard ? uint64_t{o.shard->rank} : uint64_t{0})
-      .Field("tp_size", o.shard ? uint64_t{o.shard->world} : uint64_t{1})
+      .Field("tp_rank", o.tensor_parallel ? uint64_t{o.tensor_parallel->rank} : uint64_t{0})
+      .Field("tp_size", o.tensor_parallel ? uint64_t{o.tensor_parallel->world} : uint64_t{1})
       .Field("rss_before_bytes", r.rss_before)
       .Field("device_budget", o.device_budget)
       .Field("gds", GdsModeName(o.gds))
@@ -290,9 +290,10 @@ std::string TextReport(const Report& r) {
       o.budget ? (" of a " + FormatBytes(o.budget) + " budget").c_str() : "",
       r.checksum.empty() ? "(skipped)" : r.checksum.c_str());
   std::string text = line;
-  if (o.shard) {
-    text += "; tp rank " + std::to_string(o.shard->rank) + " of " + std::to_string(o.shard->world) +
-            ": read " + FormatBytes(stats.bytes_read) + " of " + FormatBytes(r.total_tensor_bytes);
+  if (o.tensor_parallel) {
+    text += "; tp rank " + std::to_string(o.tensor_parallel->rank) + " of " +
+            std::to_string(o.tensor_parallel->world) + ": read " + FormatBytes(stats.bytes_read) +
+            " of " + FormatBytes(r.total_tensor_bytes);
   }
   if (stats.device_tensors == 0) return text;
   std::snprintf(
@@ -348,7 +349,7 @@ int RunLoad(const LoadArgs& args) {
                       (*loader)->checkpoint()->total_tensor_bytes(),
                       rss_before,
                       PeakRss()};
-  return WriteStdout(args.json ? JsonReport(report) : TextReport(report)) ? kExitOk : kExitError;
+  return PrintReport(args.json ? JsonReport(report) : TextReport(report));
 }
 
 }  // namespace
@@ -357,8 +358,7 @@ Command AddLoadCommand(CLI::App& parent) {
   auto args = std::make_shared<LoadArgs>();
   CLI::App* app = parent.add_subcommand(
       "load", "Load a checkpoint into host or GPU memory; print GB/s, peak memory and a checksum");
-  app->add_option("path", args->path, "A .safetensors file, a checkpoint directory or an index")
-      ->required();
+  AddCheckpointPath(*app, args->path);
   // Load options: each flag is --KEY (with '-' for '_') of LoadOptions::Set, checked there.
   auto option = [&](const std::string& key, const std::string& help) {
     std::string flag = "--" + key;

@@ -137,13 +137,10 @@ int RunReshard(const ReshardArgs& a) {
     }
     spec = std::move(r).value();
   }
-  auto ckpt = Checkpoint::Open(a.src);
-  if (!ckpt.ok()) {
-    PrintError(a.src, ckpt.status());
-    return kExitError;
-  }
+  const std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(a.src);
+  if (!ckpt) return kExitError;
   std::vector<std::shared_ptr<RandomAccessFile>> files;
-  for (const FileInfo& f : (*ckpt)->files()) {
+  for (const FileInfo& f : ckpt->files()) {
     auto file = Env::Default()->OpenRandomAccess(f.path);
     if (!file.ok()) {
       PrintError(f.path, file.status());
@@ -152,7 +149,7 @@ int RunReshard(const ReshardArgs& a) {
     files.push_back(std::move(file).value());
   }
   Metadata base;
-  if (!(*ckpt)->files().empty()) base = (*ckpt)->files()[0].metadata;
+  if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
   auto set = [](Metadata& m, const std::string& k, const std::string& v) {
     for (auto& [key, value] : m) {
       if (key == k) {
@@ -169,7 +166,7 @@ int RunReshard(const ReshardArgs& a) {
   if (a.tp == 0) {
     struct stat dst_st;
     if (::stat(a.dst.c_str(), &dst_st) == 0) {
-      for (const FileInfo& f : (*ckpt)->files()) {
+      for (const FileInfo& f : ckpt->files()) {
         const fs::path parent = fs::path(f.path).parent_path();
         struct stat src_st;
         if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
@@ -215,7 +212,7 @@ int RunReshard(const ReshardArgs& a) {
         a.tp > 0 ? (fs::path(a.dst) / ("." + RankDirName(rank, world) + ".partial")).string()
                  : a.dst;
     if (a.tp > 0) fs::remove_all(partial, ec);  // left by an interrupted run
-    auto paths = WriteRank(**ckpt, files, spec, rank, world, partial, so, metadata);
+    auto paths = WriteRank(*ckpt, files, spec, rank, world, partial, so, metadata);
     if (!paths.ok()) {
       if (a.tp > 0) fs::remove_all(partial, ec);
       PrintError(a.src, paths.status());
@@ -235,10 +232,10 @@ int RunReshard(const ReshardArgs& a) {
       }
     }
   }
-  const std::string line = "resharded " + Plural((*ckpt)->tensors().size(), "tensor") + " of " +
+  const std::string line = "resharded " + Plural(ckpt->tensors().size(), "tensor") + " of " +
                            a.src + " into " + (a.tp > 0 ? Plural(world, "rank") + " under " : "") +
                            a.dst + ": " + FormatBytes(written) + " written";
-  return WriteStdout(line) ? kExitOk : kExitError;
+  return PrintReport(line);
 }
 
 }  // namespace
@@ -249,8 +246,7 @@ Command AddReshardCommand(CLI::App& parent) {
       "reshard",
       "Write one checkpoint per tensor-parallel rank (DST/rank-RRRRR-of-NNNNN/), or re-split "
       "files with --max-shard-size");
-  app->add_option("src", args->src, "A .safetensors file, a checkpoint directory or an index")
-      ->required();
+  AddCheckpointPath(*app, args->src, "src");
   app->add_option("dst", args->dst, "Output directory")->required();
   app->add_option("--tp", args->tp, "Number of tensor-parallel ranks");
   app->add_option("--rules", args->rules,

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "commands.h"
+#include "json_out.h"
 
 namespace tensorferry::cli {
 
@@ -41,8 +42,7 @@ bool NamesPathUnder(std::string_view message, std::string_view prefix) {
 }  // namespace
 
 Result<ShardSpec> ReadShardRules(const std::string& path) {
-  if (path == "builtin") return ShardSpec::Builtin();
-  if (path == "none") return ShardSpec::None();
+  if (std::optional<ShardSpec> named = ShardSpec::Named(path)) return std::move(*named);
   std::ifstream f(path, std::ios::binary);
   if (!f) return Status(Code::kNotFound, path + ": cannot open the shard rules file");
   std::ostringstream text;
@@ -95,6 +95,33 @@ bool WriteStdout(std::string_view text) {
   if (std::fflush(stdout) == 0 && wrote) return true;
   PrintError("<stdout>: write failed");
   return false;
+}
+
+int PrintReport(std::string_view report, const Status& status) {
+  return WriteStdout(report) && status.ok() ? kExitOk : kExitError;
+}
+
+void JsonError(JsonOut& j, std::string_view path, const Status& status) {
+  j.Key("error")
+      .BeginObject()
+      .Field("code", CodeName(status.code()))
+      .Field("category", CategoryName(status.category()))
+      .Field("message", ErrorText(path, status))
+      .EndObject();
+}
+
+CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name) {
+  return app
+      .add_option(name, path,
+                  "A .safetensors file, a checkpoint directory or a model.safetensors.index.json")
+      ->required();
+}
+
+std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path) {
+  Result<std::shared_ptr<const Checkpoint>> opened = Checkpoint::Open(path);
+  if (opened.ok()) return *std::move(opened);
+  PrintError(path, opened.status());
+  return nullptr;
 }
 
 int64_t NowNs() {

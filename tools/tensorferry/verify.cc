@@ -101,16 +101,10 @@ int RunVerify(const VerifyArgs& args) {
           .Field("seconds", seconds)
           .Field("gb_per_s", gbps);
     } else {
-      j.Key("error")
-          .BeginObject()
-          .Field("code", CodeName(status.code()))
-          .Field("category", CategoryName(status.category()))
-          .Field("message", ErrorText(args.path, status))
-          .EndObject();
+      JsonError(j, args.path, status);
     }
     j.EndObject();
-    if (!WriteStdout(j.str())) return kExitError;
-    return status.ok() ? kExitOk : kExitError;
+    return PrintReport(j.str(), status);
   }
 
   if (!status.ok()) {
@@ -122,8 +116,7 @@ int RunVerify(const VerifyArgs& args) {
   const std::string line = "ok: " + Plural(result.tensors, "tensor") + ", " +
                            Plural(result.files, "file") + ", " + FormatBytes(result.bytes) +
                            " verified in " + rate;
-  if (!WriteStdout(line)) return kExitError;
-  return kExitOk;
+  return PrintReport(line);
 }
 
 }  // namespace
@@ -132,9 +125,7 @@ Command AddVerifyCommand(CLI::App& parent) {
   auto args = std::make_shared<VerifyArgs>();
   CLI::App* app = parent.add_subcommand(
       "verify", "Validate a checkpoint and read every byte of its files (exit 1 on any problem)");
-  app->add_option("path", args->path,
-                  "A .safetensors file, a checkpoint directory or a model.safetensors.index.json")
-      ->required();
+  AddCheckpointPath(*app, args->path);
   app->add_flag("--json", args->json, "Print the result as one JSON document");
   return {app, [args] { return RunVerify(*args); }};
 }

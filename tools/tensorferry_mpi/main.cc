@@ -1,25 +1,23 @@
 // tensorferry-mpi: tensor-parallel loading over MPI, one process per rank (docs/distributed.md).
 //
-//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full] [--shard
-//   builtin|none|FILE]
+//   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full]
+//          [--shard-rules builtin|none|FILE] (--shard: the same, the former name)
 //          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
 //          [--threads N] [--repeat N] [--cold] [--json]
 //
 // Modes: cooperative: each rank reads its byte-balanced share once and the slices travel over MPI
 // (LoadCooperative); sliced: every rank reads only its own slices from the files, independently
-// (LoadOptions::shard); full: every rank reads every selected tensor whole (what a tensor-parallel
-// job without sliced loading does). cooperative and sliced end with the rank's slices resident in
-// memory; full drops each batch after reading it (a lower bound of its cost). Rank 0 prints, per
-// repetition, the wall time (from a common barrier to the last rank's end), the bytes every rank
-// read, sent and received; --json one document with every repetition. --cold: before each
-// repetition rank 0 evicts the checkpoint's files from the page cache (DropFromPageCache) and
-// checks they are out.
+// (LoadOptions::tensor_parallel); full: every rank reads every selected tensor whole (what a
+// tensor-parallel job without sliced loading does). cooperative and sliced end with the rank's
+// slices resident in memory; full drops each batch after reading it (a lower bound of its cost).
+// Rank 0 prints, per repetition, the wall time (from a common barrier to the last rank's end), the
+// bytes every rank read, sent and received; --json one document with every repetition. --cold:
+// before each repetition rank 0 evicts the checkpoint's files from the page cache
+// (DropFromPageCache) and checks they are out.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -30,13 +28,16 @@
 #include "tensorferry/residency.h"
 #include "tensorferry/size.h"
 
+// The shared CLI helpers (tools/tensorferry/util.cc, compiled into this tool too).
+#include "commands.h"
+
 namespace tensorferry {
 namespace {
 
 struct Args {
   std::string path;
   std::string mode = "cooperative";
-  std::string shard = "builtin";
+  std::string shard_rules = "builtin";
   std::string engine;
   std::string direct;
   std::string budget;
@@ -56,16 +57,6 @@ struct RankFigures {
   double exchange_seconds = 0;  // cooperative: inside the collectives
 };
 
-Result<ShardSpec> SpecFrom(const std::string& shard) {
-  if (shard == "builtin") return ShardSpec::Builtin();
-  if (shard == "none") return ShardSpec::None();
-  std::ifstream in(shard);
-  if (!in) return Status(Code::kNotFound, "--shard: cannot read " + shard);
-  std::stringstream text;
-  text << in.rdbuf();
-  return ShardSpec::FromJson(text.str());
-}
-
 Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoint>& checkpoint,
                             const ShardSpec& spec, const LoadOptions& options,
                             const std::string& mode) {
@@ -84,7 +75,7 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
   } else {
     LoadOptions o = options;
     if (mode == "sliced") {
-      o.shard = TensorParallelOptions{spec, c.rank(), c.size()};
+      o.tensor_parallel = TensorParallelOptions{spec, c.rank(), c.size()};
       o.budget = 0;  // it keeps everything
     }
     auto loader = Loader::Open(checkpoint, o);
@@ -113,7 +104,8 @@ int Main(int argc, char** argv) {
   load->add_option("path", args.path, "Checkpoint file, directory or index")->required();
   load->add_option("--mode", args.mode, "cooperative | sliced | full")
       ->check(CLI::IsMember({"cooperative", "sliced", "full"}));
-  load->add_option("--shard", args.shard, "builtin | none | a ShardSpec JSON file");
+  load->add_option("--shard-rules,--shard", args.shard_rules,
+                   "builtin | none | a ShardSpec JSON file");
   load->add_option("--engine", args.engine, "auto | pread | io_uring | mmap");
   load->add_option("--direct", args.direct, "auto | on | off");
   load->add_option("--budget", args.budget, "Bytes per rank per round (cooperative) or held");
@@ -152,7 +144,7 @@ int Main(int argc, char** argv) {
     if (Status s = SetContext(options, key, value, flag); !s.ok()) return fail(s);
   }
   if (Status s = options.Validate(); !s.ok()) return fail(s);
-  auto spec = SpecFrom(args.shard);
+  auto spec = cli::ReadShardRules(args.shard_rules);
   if (!spec.ok()) return fail(spec.status());
   auto checkpoint = Checkpoint::Open(args.path);
   if (!checkpoint.ok()) return fail(checkpoint.status());

@@ -66,7 +66,7 @@ struct TpFixture : testing::TestCheckpoint {
   }
 };
 
-class ShardDeviceTest : public testing::FakeCudaProcessTest {
+class TensorParallelDeviceTest : public testing::FakeCudaProcessTest {
  protected:
   // The bytes of a tensor wherever it is, through the public CopyToHost.
   static std::string Bytes(const Tensor& t) {
@@ -84,19 +84,19 @@ class ShardDeviceTest : public testing::FakeCudaProcessTest {
     o.staging_bytes = 64 << 10;
     o.staging_slot = 16 << 10;  // the wide tensor's rows (up to 40 KB) span several slots
     o.gds = GdsMode::kOff;
-    o.shard = TensorParallelOptions{f.spec, rank, world};
+    o.tensor_parallel = TensorParallelOptions{f.spec, rank, world};
     return o;
   }
 };
 
-TEST_F(ShardDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTensor) {
+TEST_F(TensorParallelDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTensor) {
   TpFixture f;
   for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
     for (uint32_t rank = 0; rank < world; ++rank) {
       // The host sliced load of this rank: the reference the device must equal.
       LoadOptions host_options;
       host_options.engine = Engine::kPread;
-      host_options.shard = TensorParallelOptions{f.spec, rank, world};
+      host_options.tensor_parallel = TensorParallelOptions{f.spec, rank, world};
       auto host_loader = Loader::Open(f.dir.path(), host_options).value();
       const std::vector<Tensor> host = host_loader->Load().value();
       ASSERT_EQ(host.size(), f.tensors.size());
@@ -151,7 +151,7 @@ TEST_F(ShardDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTensor) {
   }
 }
 
-TEST_F(ShardDeviceTest, StreamedUnderADeviceBudget) {
+TEST_F(TensorParallelDeviceTest, StreamedUnderADeviceBudget) {
   TpFixture f;
   for (uint32_t world : {2u, 3u}) {
     for (uint32_t rank = 0; rank < world; ++rank) {
@@ -181,7 +181,7 @@ TEST_F(ShardDeviceTest, StreamedUnderADeviceBudget) {
 }
 
 // A placement sends some slices to the host, some to the device; both sides slice alike.
-TEST_F(ShardDeviceTest, PlacementSplitsSlicesBetweenHostAndDevice) {
+TEST_F(TensorParallelDeviceTest, PlacementSplitsSlicesBetweenHostAndDevice) {
   TpFixture f;
   LoadOptions o = DeviceOptions(f, 1, 3);
   o.placement = Placement({{"layers.0", Device::CUDA(0)}}, Device::CPU());
@@ -200,7 +200,7 @@ TEST_F(ShardDeviceTest, PlacementSplitsSlicesBetweenHostAndDevice) {
 }
 
 // A tied alias absent from the files comes back on the device sharing its target's slice.
-TEST_F(ShardDeviceTest, TiedAliasSharesTheDeviceSlice) {
+TEST_F(TensorParallelDeviceTest, TiedAliasSharesTheDeviceSlice) {
   TpFixture f;
   f.spec.Tie("lm_head.weight", "embed.weight");
   LoadOptions o = DeviceOptions(f, 2, 4);
@@ -222,8 +222,9 @@ TEST_F(ShardDeviceTest, TiedAliasSharesTheDeviceSlice) {
   EXPECT_EQ(Bytes(*head), NaiveSlice(info, ShardRule::Split(0), 2, 4, f.Full("embed.weight")));
 }
 
-// LoadInto with a shard reads each tensor's slice into the caller's memory, host or device.
-TEST_F(ShardDeviceTest, LoadIntoReadsSlicesIntoCallerMemory) {
+// LoadInto with tensor parallelism reads each tensor's slice into the caller's memory, host or
+// device.
+TEST_F(TensorParallelDeviceTest, LoadIntoReadsSlicesIntoCallerMemory) {
   TpFixture f;
   for (uint32_t world : {1u, 3u, 8u}) {
     const uint32_t rank = world - 1;

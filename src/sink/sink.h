@@ -91,6 +91,16 @@ std::unique_ptr<BatchSink> MakeDeviceSink(const SinkContext& context, const Plan
 std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& batch);
 Status HostBudgetError(const memory::Budget& budget, const PlanBatch& batch, size_t k, size_t n);
 
+// The tensor of `pt` (planned tensor `info`) whose bytes are at `data`: its local shape and size,
+// co-owning `owner`, on `device`.
+Tensor PlannedTensorAt(const TensorInfo& info, const PlannedTensor& pt, const std::byte* data,
+                       std::shared_ptr<const void> owner, Device device = Device::CPU());
+
+// The tensors of `batch` laid out in one buffer at `base` (each at its buffer_offset), every one
+// co-owning `owner` (host and device sinks).
+Batch BatchInBuffer(const Checkpoint& checkpoint, const PlanBatch& batch, const std::byte* base,
+                    const std::shared_ptr<const void>& owner, Device device = Device::CPU());
+
 // A device task of `read` landing at `base` (a device address) + read.buffer_offset.
 device::DeviceTask DeviceTaskOf(const StridedRead& read, std::byte* base,
                                 const std::atomic<bool>* cancel);

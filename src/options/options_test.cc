@@ -49,11 +49,11 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.staging_slot, 4u << 20);
   EXPECT_EQ(o.device_producers, 2u);
   EXPECT_EQ(o.device_budget, 1u << 30);
-  ASSERT_TRUE(o.shard.has_value());
-  EXPECT_EQ(o.shard->rank, 1u);
-  EXPECT_EQ(o.shard->world, 4u);
-  EXPECT_EQ(o.shard->max_gap, 0u);
-  EXPECT_FALSE(o.shard->exact_when_cached);  // an explicit gap applies to every file
+  ASSERT_TRUE(o.tensor_parallel.has_value());
+  EXPECT_EQ(o.tensor_parallel->rank, 1u);
+  EXPECT_EQ(o.tensor_parallel->world, 4u);
+  EXPECT_EQ(o.tensor_parallel->max_gap, 0u);
+  EXPECT_FALSE(o.tensor_parallel->exact_when_cached);  // an explicit gap applies to every file
   EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
 
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
@@ -94,7 +94,7 @@ TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
     const Status s = o.Set(c.key, c.value);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << c.key << "=" << c.value;
     EXPECT_TRUE(Contains(s.message(), c.words)) << s.message();
-    EXPECT_FALSE(o.shard.has_value()) << c.key;
+    EXPECT_FALSE(o.tensor_parallel.has_value()) << c.key;
     EXPECT_EQ(o.budget, 0u);
   }
   LoadOptions o;
@@ -132,7 +132,7 @@ TEST(LoadOptionsValidated, ClampsAndRefusals) {
                        "tp_rank 2 is not below tp_size 2"));
   EXPECT_TRUE(MustSet({{"tp_size", "2"}, {"tp_rank", "1"}}).Validate().ok());
   o = LoadOptions();
-  o.shard = TensorParallelOptions{ShardSpec::Builtin(), 0, 0};
+  o.tensor_parallel = TensorParallelOptions{ShardSpec::Builtin(), 0, 0};
   EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
 }
 

@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "loader/sink.h"
+#include "sink/sink.h"
 
 namespace tensorferry::sink {
 namespace {
@@ -34,23 +34,13 @@ class HostSink final : public BatchSink {
     TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
                         c_.pool->Acquire(BufferSize(batch)));
     TF_RETURN_IF_ERROR(Read(batch, *buffer));
-    // Pack the pieces of covering reads (sharded plans); each moves left, in plan order.
+    // Pack the pieces of covering reads (tensor-parallel plans); each moves left, in plan order.
     for (const BufferMove& mv : batch.moves) {
       std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
     }
     auto owner =
         std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(memory.lease)});
-    const auto& infos = c_.checkpoint->tensors();
-    Batch out;
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = owner->buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::shared_ptr<const void>(owner, data));
-    }
-    return out;
+    return BatchInBuffer(*c_.checkpoint, batch, owner->buffer->data(), owner);
   }
 
  private:
@@ -108,6 +98,26 @@ Status HostBudgetError(const memory::Budget& budget, const PlanBatch& batch, siz
                     std::to_string(budget.in_use()) + " of the " + std::to_string(budget.limit()) +
                     "-byte budget are still held by tensors of earlier batches: drop them before "
                     "the next batch, or raise the budget");
+}
+
+Tensor PlannedTensorAt(const TensorInfo& info, const PlannedTensor& pt, const std::byte* data,
+                       std::shared_ptr<const void> owner, Device device) {
+  return Tensor(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data, pt.size(info),
+                std::move(owner), device);
+}
+
+Batch BatchInBuffer(const Checkpoint& checkpoint, const PlanBatch& batch, const std::byte* base,
+                    const std::shared_ptr<const void>& owner, Device device) {
+  const auto& infos = checkpoint.tensors();
+  Batch out;
+  out.bytes = batch.tensor_bytes;
+  out.tensors.reserve(batch.tensors.size());
+  for (const PlannedTensor& pt : batch.tensors) {
+    const std::byte* data = base + pt.buffer_offset;
+    out.tensors.push_back(PlannedTensorAt(infos[pt.tensor], pt, data,
+                                          std::shared_ptr<const void>(owner, data), device));
+  }
+  return out;
 }
 
 std::vector<uint32_t> DistinctFiles(const std::vector<uint32_t>& ids, size_t num_files) {

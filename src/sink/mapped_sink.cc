@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "io/engine_common.h"
-#include "loader/sink.h"
+#include "sink/sink.h"
 
 namespace tensorferry::sink {
 namespace {
@@ -121,8 +121,7 @@ class MappedSink final : public BatchSink {
                       map->path() + ": file shrank while mapped: page at offset " +
                           std::to_string(map->first_fault_offset()) + " is past its end");
       }
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::move(owner));
+      out.tensors.push_back(PlannedTensorAt(info, pt, data, std::move(owner)));
     }
     return out;
   }

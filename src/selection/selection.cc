@@ -174,18 +174,18 @@ std::vector<OutputInfo> OrderOutputs(const Checkpoint& ckpt, const Resolution& r
 }  // namespace
 
 Result<Description> DescribeSelection(const Checkpoint& ckpt, const Selection& selection,
-                                      const TensorParallelOptions* shard) {
+                                      const TensorParallelOptions* tensor_parallel) {
   const auto& all = ckpt.tensors();
   Description d;
-  if (shard == nullptr || shard->spec.ties().empty()) {
+  if (tensor_parallel == nullptr || tensor_parallel->spec.ties().empty()) {
     TF_ASSIGN_OR_RETURN(d.read, selection.Resolve(ckpt));
     d.outputs.reserve(d.read.size());
     for (uint32_t i : d.read) d.outputs.push_back(OutputInfo{all[i].name, {}, {}, 0, i, false, {}});
   } else {
-    TF_RETURN_IF_ERROR(CheckTies(ckpt, shard->spec));
+    TF_RETURN_IF_ERROR(CheckTies(ckpt, tensor_parallel->spec));
     TF_ASSIGN_OR_RETURN(Resolution r,
                         ResolveTied(ckpt, selection.by_name_ ? &selection.names_ : nullptr,
-                                    selection.predicate_, shard->spec));
+                                    selection.predicate_, tensor_parallel->spec));
     for (uint32_t i = 0; i < all.size(); ++i) {
       if (r.read[i]) d.read.push_back(i);
     }
@@ -196,9 +196,10 @@ Result<Description> DescribeSelection(const Checkpoint& ckpt, const Selection& s
   std::vector<std::optional<TensorSlice>> slices(all.size());
   for (uint32_t i : d.read) {
     const TensorInfo& t = all[i];
-    const ShardRule rule = shard ? shard->spec.RuleFor(t.name) : ShardRule();
+    const ShardRule rule = tensor_parallel ? tensor_parallel->spec.RuleFor(t.name) : ShardRule();
     if (rule.is_split()) {
-      TF_ASSIGN_OR_RETURN(slices[i], SliceOf(t, rule, shard->rank, shard->world));
+      TF_ASSIGN_OR_RETURN(slices[i],
+                          SliceOf(t, rule, tensor_parallel->rank, tensor_parallel->world));
     }
     d.bytes += slices[i] ? slices[i]->bytes : t.size;
   }

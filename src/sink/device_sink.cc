@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "loader/sink.h"
+#include "sink/sink.h"
 
 namespace tensorferry::sink {
 namespace {
@@ -60,17 +60,7 @@ class DeviceSink final : public BatchSink {
       }
     }
     TF_RETURN_IF_ERROR(RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get()));
-    const auto& infos = c_.checkpoint->tensors();
-    Batch out;
-    out.bytes = batch.tensor_bytes;
-    out.tensors.reserve(batch.tensors.size());
-    for (const PlannedTensor& pt : batch.tensors) {
-      const TensorInfo& info = infos[pt.tensor];
-      const std::byte* data = buffer->data() + pt.buffer_offset;
-      out.tensors.emplace_back(info.name, info.dtype, pt.slice ? pt.slice->shape : info.shape, data,
-                               pt.size(info), std::shared_ptr<const void>(buffer, data), device_);
-    }
-    return out;
+    return BatchInBuffer(*c_.checkpoint, batch, buffer->data(), buffer, device_);
   }
 
  private:

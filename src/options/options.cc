@@ -131,20 +131,19 @@ Status SetBool(LoadOptions& o, std::string_view value) {
 }
 
 // Tensor parallelism set key by key: rank and world stay "unset" until given.
-TensorParallelOptions& Shard(LoadOptions& o) {
-  if (!o.shard) o.shard = TensorParallelOptions{ShardSpec::Builtin(), kUnsetTpRank, 0};
-  return *o.shard;
+TensorParallelOptions& TensorParallel(LoadOptions& o) {
+  if (!o.tensor_parallel)
+    o.tensor_parallel = TensorParallelOptions{ShardSpec::Builtin(), kUnsetTpRank, 0};
+  return *o.tensor_parallel;
 }
 
 Status SetShardRules(LoadOptions& o, std::string_view value) {
-  if (value == "builtin") {
-    Shard(o).spec = ShardSpec::Builtin();
-  } else if (value == "none") {
-    Shard(o).spec = ShardSpec::None();
-  } else {
-    TF_ASSIGN_OR_RETURN(ShardSpec spec, ShardSpec::FromJson(value));
-    Shard(o).spec = std::move(spec);
+  if (std::optional<ShardSpec> named = ShardSpec::Named(value)) {
+    TensorParallel(o).spec = std::move(*named);
+    return Status::Ok();
   }
+  TF_ASSIGN_OR_RETURN(ShardSpec spec, ShardSpec::FromJson(value));
+  TensorParallel(o).spec = std::move(spec);
   return Status::Ok();
 }
 
@@ -181,21 +180,21 @@ const std::array<Key, 20> kKeys = {{
     {"tp_rank", "",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(uint64_t rank, Count(v, kU32 - 1));
-       Shard(o).rank = static_cast<uint32_t>(rank);
+       TensorParallel(o).rank = static_cast<uint32_t>(rank);
        return Status::Ok();
      }},
     {"tp_size", "",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(uint64_t world, Count(v, kU32));
-       Shard(o).world = static_cast<uint32_t>(world);
+       TensorParallel(o).world = static_cast<uint32_t>(world);
        return Status::Ok();
      }},
     {"shard_rules", "", SetShardRules},
     {"shard_max_gap", "",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(uint64_t gap, Size(v, true));
-       Shard(o).max_gap = gap;
-       o.shard->exact_when_cached = false;  // an explicit gap applies to every file
+       TensorParallel(o).max_gap = gap;
+       o.tensor_parallel->exact_when_cached = false;  // an explicit gap applies to every file
        return Status::Ok();
      }},
 }};
@@ -250,7 +249,7 @@ Status LoadOptions::Set(std::string_view key, std::string_view value) {
 }
 
 void LoadOptions::SetShardSpec(ShardSpec spec) {
-  Shard(*this).spec = std::move(spec);
+  TensorParallel(*this).spec = std::move(spec);
 }
 
 Status SetContext(LoadOptions& options, std::string_view key, std::string_view value,
@@ -267,8 +266,8 @@ Result<LoadOptions> LoadOptions::Validated() const {
   o.chunk_size = std::max(o.chunk_size, kMinChunkSize);
   o.threads = std::min(o.threads, kMaxThreads);
   o.queue_depth = std::min(o.queue_depth, kMaxQueueDepth);
-  if (o.shard) {
-    const TensorParallelOptions& tp = *o.shard;
+  if (o.tensor_parallel) {
+    const TensorParallelOptions& tp = *o.tensor_parallel;
     if (tp.rank == kUnsetTpRank || tp.world == 0) {
       std::string given;
       if (tp.rank != kUnsetTpRank) given = " (tp_rank " + std::to_string(tp.rank) + " alone)";

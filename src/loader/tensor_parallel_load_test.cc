@@ -23,7 +23,7 @@ namespace {
 using testing::NaiveSlice;
 using testing::TempDir;
 
-// A sharded checkpoint whose tensors exercise every rule: dim 0, dim 1, dim 2 of a 3-D tensor,
+// A sliced checkpoint whose tensors exercise every rule: dim 0, dim 1, dim 2 of a 3-D tensor,
 // fused unequal parts, equal parts, replicate, uneven sizes, and whole tensors between slices.
 struct TpFixture : testing::TestCheckpoint {
   // `twin`: also "embed_twin.weight", a tensor of embed.weight's dtype and shape (a tie's
@@ -61,8 +61,8 @@ std::vector<Engine> Engines() {
 // stats.
 LoadStats CheckRank(const TpFixture& f, LoadOptions o, uint32_t rank, uint32_t world) {
   // exact_when_cached off: the freshly written files are cached, and every gap setting must run.
-  o.shard =
-      TensorParallelOptions{f.spec, rank, world, o.shard ? o.shard->max_gap : 64u << 10, false};
+  o.tensor_parallel = TensorParallelOptions{
+      f.spec, rank, world, o.tensor_parallel ? o.tensor_parallel->max_gap : 64u << 10, false};
   auto loader = Loader::Open(f.dir.path(), o).value();
   auto tensors = loader->Load();
   EXPECT_TRUE(tensors.ok()) << tensors.status().ToString();
@@ -81,7 +81,7 @@ LoadStats CheckRank(const TpFixture& f, LoadOptions o, uint32_t rank, uint32_t w
   return loader->stats();
 }
 
-TEST(ShardLoad, EveryRankEqualsSlicingTheFullTensor) {
+TEST(TensorParallelLoad, EveryRankEqualsSlicingTheFullTensor) {
   TpFixture f;
   for (Engine engine : Engines()) {
     for (uint64_t max_gap : {uint64_t{0}, uint64_t{64}, uint64_t{1} << 30}) {
@@ -91,7 +91,7 @@ TEST(ShardLoad, EveryRankEqualsSlicingTheFullTensor) {
           o.engine = engine;
           o.threads = 2;
           o.chunk_size = 1000;  // many tasks per range: cuts inside strided segments too
-          o.shard = TensorParallelOptions{ShardSpec(), 0, 1, max_gap};
+          o.tensor_parallel = TensorParallelOptions{ShardSpec(), 0, 1, max_gap};
           const LoadStats st = CheckRank(f, o, rank, world);
           // Bytes delivered: the sum of the slices; bytes read: exactly that with exact strides.
           uint64_t want = 0;
@@ -114,7 +114,7 @@ TEST(ShardLoad, EveryRankEqualsSlicingTheFullTensor) {
   }
 }
 
-TEST(ShardLoad, DirectIoAndBudget) {
+TEST(TensorParallelLoad, DirectIoAndBudget) {
   TpFixture f(64);  // tensors of tens of KB: O_DIRECT middles and several batches
   for (Engine engine : Engines()) {
     if (engine == Engine::kMmap) continue;
@@ -126,7 +126,7 @@ TEST(ShardLoad, DirectIoAndBudget) {
           o.direct = d;
           o.threads = 3;
           o.chunk_size = 16 << 10;
-          o.shard = TensorParallelOptions{ShardSpec(), 0, 1, 4096};
+          o.tensor_parallel = TensorParallelOptions{ShardSpec(), 0, 1, 4096};
           CheckRank(f, o, rank, world);
         }
       }
@@ -137,7 +137,7 @@ TEST(ShardLoad, DirectIoAndBudget) {
     LoadOptions o;
     o.engine = Engine::kPread;
     o.budget = 256 << 10;
-    o.shard = TensorParallelOptions{f.spec, world - 1, world, 1 << 20, false};
+    o.tensor_parallel = TensorParallelOptions{f.spec, world - 1, world, 1 << 20, false};
     auto loader = Loader::Open(f.dir.path(), o).value();
     size_t seen = 0;
     Status s = loader->Stream(Selection::All(), [&](Batch batch) {
@@ -157,7 +157,7 @@ TEST(ShardLoad, DirectIoAndBudget) {
   }
 }
 
-TEST(ShardLoad, BytesReadPerRankFollowTheSplit) {
+TEST(TensorParallelLoad, BytesReadPerRankFollowTheSplit) {
   TpFixture f(32);
   uint64_t replicated = 0, split = 0;
   for (const TensorToWrite& t : f.tensors) {
@@ -168,7 +168,7 @@ TEST(ShardLoad, BytesReadPerRankFollowTheSplit) {
     for (uint32_t rank = 0; rank < world; ++rank) {
       LoadOptions o;
       o.engine = Engine::kPread;
-      o.shard = TensorParallelOptions{f.spec, rank, world, 0};
+      o.tensor_parallel = TensorParallelOptions{f.spec, rank, world, 0};
       auto loader = Loader::Open(f.dir.path(), o).value();
       ASSERT_TRUE(loader->Load().ok());
       // Uneven splits give some ranks one more index per part: allow 1% over the even share.
@@ -180,11 +180,11 @@ TEST(ShardLoad, BytesReadPerRankFollowTheSplit) {
   }
 }
 
-TEST(ShardLoad, MmapDimZeroSlicesAreViews) {
+TEST(TensorParallelLoad, MmapDimZeroSlicesAreViews) {
   TpFixture f(8);
   LoadOptions o;
   o.engine = Engine::kMmap;
-  o.shard = TensorParallelOptions{f.spec, 1, 2, 0};
+  o.tensor_parallel = TensorParallelOptions{f.spec, 1, 2, 0};
   auto loader = Loader::Open(f.dir.path(), o).value();
   auto tensors = loader->Load().value();
   const Checkpoint& ckpt = *loader->checkpoint();
@@ -219,7 +219,7 @@ TEST(ShardLoad, MmapDimZeroSlicesAreViews) {
   EXPECT_EQ(tensors.size(), f.tensors.size());
 }
 
-TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
+TEST(TensorParallelLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
   TpFixture f(4, /*twin=*/true);
   for (Engine engine : Engines()) {
     // An alias the files lack (tie_word_embeddings) and one present as a duplicate of another
@@ -228,7 +228,7 @@ TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     spec.Tie("lm_head.weight", "embed.weight").Tie("embed_twin.weight", "embed.weight");
     LoadOptions o;
     o.engine = engine;
-    o.shard = TensorParallelOptions{spec, 1, 2, 0};
+    o.tensor_parallel = TensorParallelOptions{spec, 1, 2, 0};
     auto loader = Loader::Open(f.dir.path(), o).value();
     auto tensors = loader->Load().value();
     std::map<std::string, Tensor> by;
@@ -262,14 +262,14 @@ TEST(ShardLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
 
 // Describe is what Load delivers: the same names in the same order, the same dtypes, local shapes
 // and sizes; tied aliases marked and pointing at their target; only the targets read.
-TEST(ShardLoad, DescribeIsWhatLoadDelivers) {
+TEST(TensorParallelLoad, DescribeIsWhatLoadDelivers) {
   TpFixture f(2, /*twin=*/true);
   ShardSpec spec = f.spec;
   spec.Tie("lm_head.weight", "embed.weight").Tie("embed_twin.weight", "embed.weight");
-  for (const bool sharded : {false, true}) {
+  for (const bool sliced : {false, true}) {
     LoadOptions o;
     o.engine = Engine::kPread;
-    if (sharded) o.shard = TensorParallelOptions{spec, 1, 2, 0};
+    if (sliced) o.tensor_parallel = TensorParallelOptions{spec, 1, 2, 0};
     auto loader = Loader::Open(f.dir.path(), o).value();
     const Checkpoint& ckpt = *loader->checkpoint();
     const auto embed = static_cast<uint32_t>(ckpt.Find("embed.weight") - ckpt.tensors().data());
@@ -279,7 +279,7 @@ TEST(ShardLoad, DescribeIsWhatLoadDelivers) {
           Selection::Where([](const TensorInfo& t) {
             return t.name.find("head") == 0 || t.name.find("lm_") == 0;
           })}) {
-      if (!sharded && !selection.Resolve(ckpt).ok()) continue;  // no alias without ties
+      if (!sliced && !selection.Resolve(ckpt).ok()) continue;  // no alias without ties
       const Description d = loader->Describe(selection).value();
       const std::vector<Tensor> got = loader->Load(selection).value();
       ASSERT_EQ(d.outputs.size(), got.size());
@@ -294,16 +294,16 @@ TEST(ShardLoad, DescribeIsWhatLoadDelivers) {
           EXPECT_EQ(out.tensor, embed) << out.name;
         }
         EXPECT_EQ(out.slice.has_value(),
-                  sharded && spec.RuleFor(ckpt.tensors()[out.tensor].name).is_split());
+                  sliced && spec.RuleFor(ckpt.tensors()[out.tensor].name).is_split());
       }
       EXPECT_TRUE(std::is_sorted(d.read.begin(), d.read.end()));
       EXPECT_EQ(d.bytes, loader->stats().bytes);
-      if (sharded) {
+      if (sliced) {
         // The duplicate in the files is never read: its target is.
         EXPECT_EQ(std::count(d.read.begin(), d.read.end(), twin), 0);
       }
     }
-    if (sharded) {
+    if (sliced) {
       const Description alias = loader->Describe(Selection::Names({"lm_head.weight"})).value();
       ASSERT_EQ(alias.outputs.size(), 1u);
       EXPECT_TRUE(alias.outputs[0].alias);
@@ -323,7 +323,7 @@ TEST(ShardLoad, DescribeIsWhatLoadDelivers) {
 // A tie must describe this checkpoint: a target it lacks, or an alias in the files whose dtype or
 // shape differs from its target's, is an error naming both (never another tensor's bytes, never a
 // tie silently ignored).
-TEST(ShardLoad, TiesThatDoNotFitTheCheckpointAreErrors) {
+TEST(TensorParallelLoad, TiesThatDoNotFitTheCheckpointAreErrors) {
   TpFixture f(4);
   const TensorInfo* embed = nullptr;
   const TensorInfo* other = nullptr;
@@ -343,7 +343,7 @@ TEST(ShardLoad, TiesThatDoNotFitTheCheckpointAreErrors) {
       ShardSpec spec = f.spec;
       spec.Tie(alias, target);
       LoadOptions o;
-      o.shard = TensorParallelOptions{spec, 0, 2, 0};
+      o.tensor_parallel = TensorParallelOptions{spec, 0, 2, 0};
       auto loader = Loader::Open(f.dir.path(), o).value();
       for (const Selection& selection : {Selection::All(), Selection::Names({alias})}) {
         auto got = loader->Load(selection);
@@ -358,40 +358,40 @@ TEST(ShardLoad, TiesThatDoNotFitTheCheckpointAreErrors) {
   }
 }
 
-TEST(ShardLoad, SliceErrorsNameTheTensor) {
+TEST(TensorParallelLoad, SliceErrorsNameTheTensor) {
   TpFixture f;
   LoadOptions o;
   ShardSpec spec;
   spec.Add("*.norm.weight", ShardRule::Split(1));
-  o.shard = TensorParallelOptions{spec, 0, 2, 0};
+  o.tensor_parallel = TensorParallelOptions{spec, 0, 2, 0};
   auto loader = Loader::Open(f.dir.path(), o).value();
   auto r = loader->Load();
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
   EXPECT_NE(r.status().message().find("layers.0.norm.weight"), std::string::npos);
-  o.shard = TensorParallelOptions{ShardSpec(), 2, 2, 0};
+  o.tensor_parallel = TensorParallelOptions{ShardSpec(), 2, 2, 0};
   auto bad = Loader::Open(f.dir.path(), o);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("rank 2 of 2"), std::string::npos);
-  o.shard = TensorParallelOptions{ShardSpec(), 0, 0, 0};
+  o.tensor_parallel = TensorParallelOptions{ShardSpec(), 0, 0, 0};
   EXPECT_FALSE(Loader::Open(f.dir.path(), o).ok());
   ShardSpec cycle;
   cycle.Tie("a", "b").Tie("b", "a");
-  o.shard = TensorParallelOptions{cycle, 0, 1, 0};
+  o.tensor_parallel = TensorParallelOptions{cycle, 0, 1, 0};
   EXPECT_FALSE(Loader::Open(f.dir.path(), o).ok());
 }
 
-TEST(ShardLoad, ExplainShowsStridedRanges) {
+TEST(TensorParallelLoad, ExplainShowsStridedRanges) {
   TpFixture f(4);
   LoadOptions o;
-  o.shard = TensorParallelOptions{f.spec, 1, 4, 0};
+  o.tensor_parallel = TensorParallelOptions{f.spec, 1, 4, 0};
   auto loader = Loader::Open(f.dir.path(), o).value();
   const Plan plan = loader->MakePlan(Selection::Names({"layers.0.o.weight"})).value();
   EXPECT_EQ(plan.num_ranges, 24u);  // one per row: exact strides
   EXPECT_EQ(plan.read_bytes, plan.tensor_bytes);
-  o.shard->max_gap = 1 << 20;
-  o.shard->exact_when_cached = false;
+  o.tensor_parallel->max_gap = 1 << 20;
+  o.tensor_parallel->exact_when_cached = false;
   auto covering = Loader::Open(f.dir.path(), o).value();
   const Plan one = covering->MakePlan(Selection::Names({"layers.0.o.weight"})).value();
   EXPECT_EQ(one.num_ranges, 1u);  // one covering read
@@ -401,10 +401,10 @@ TEST(ShardLoad, ExplainShowsStridedRanges) {
   EXPECT_NE(text.find("discarded"), std::string::npos) << text;
 }
 
-TEST(ShardLoad, ExactStridesWhenCachedCoveringWhenCold) {
+TEST(TensorParallelLoad, ExactStridesWhenCachedCoveringWhenCold) {
   TpFixture f(4);
   LoadOptions o;
-  o.shard = TensorParallelOptions{f.spec, 1, 4, 1 << 20, true};
+  o.tensor_parallel = TensorParallelOptions{f.spec, 1, 4, 1 << 20, true};
   const Selection one = Selection::Names({"layers.0.o.weight"});
   auto loader = Loader::Open(f.dir.path(), o).value();
   const std::string& file =

@@ -207,6 +207,146 @@ uint64_t LayOutBatch(std::span<const Item> items, std::span<const ShardLayout> l
   return ranges.size();
 }
 
+// Checks the options MakePlan depends on: chunk size, alignments and the tensor-parallel rank.
+Status ValidatePlanOptions(const PlanOptions& options) {
+  if (options.chunk_size == 0) {
+    return Status(Code::kInvalidArgument, "plan: chunk_size must be > 0");
+  }
+  if (!IsPowerOfTwo(options.alignment)) {
+    return Status(Code::kInvalidArgument, std::string("plan: alignment ") +
+                                              std::to_string(options.alignment) +
+                                              " is not a power of two");
+  }
+  if (options.io_alignment != 0 &&
+      (!IsPowerOfTwo(options.io_alignment) || options.io_alignment < options.alignment)) {
+    return Status(Code::kInvalidArgument, std::string("plan: io_alignment ") +
+                                              std::to_string(options.io_alignment) +
+                                              " is not a power of two >= alignment");
+  }
+  if (options.tensor_parallel) {
+    if (options.tensor_parallel->world == 0 ||
+        options.tensor_parallel->rank >= options.tensor_parallel->world) {
+      return Status(Code::kInvalidArgument,
+                    "plan: tensor parallelism: rank " +
+                        std::to_string(options.tensor_parallel->rank) + " of " +
+                        std::to_string(options.tensor_parallel->world) +
+                        ": the rank must be below a world size of at least 1");
+    }
+    TF_RETURN_IF_ERROR(options.tensor_parallel->spec.Validate());
+  }
+  return Status::Ok();
+}
+
+// The sort item of tensor `index` (`t`): sliced when its shard rule splits it (the layout is
+// appended to `layouts`), checked against the budget, grouped by layer for DeliveryOrder::kLayer.
+Result<Item> MakeItem(const TensorInfo& t, uint32_t index, const PlanOptions& options,
+                      std::vector<ShardLayout>& layouts) {
+  uint64_t size = t.size, cost = t.size;
+  int64_t layout = -1;
+  if (options.tensor_parallel) {
+    const ShardRule rule = options.tensor_parallel->spec.RuleFor(t.name);
+    if (rule.is_split()) {
+      TF_ASSIGN_OR_RETURN(TensorSlice slice, SliceOf(t, rule, options.tensor_parallel->rank,
+                                                     options.tensor_parallel->world));
+      const uint64_t gap = t.file < options.file_max_gap.size() ? options.file_max_gap[t.file]
+                                                                : options.tensor_parallel->max_gap;
+      layouts.push_back(MakeLayout(t, std::move(slice), gap));
+      layout = static_cast<int64_t>(layouts.size() - 1);
+      size = layouts.back().slice.bytes;
+      cost = std::max(size, layouts.back().read_bytes);
+    }
+  }
+  if (options.budget != 0 && cost > options.budget && !options.allow_oversized) {
+    return Status(Code::kBudgetExceeded,
+                  "plan: tensor '" + t.name + "' is " + std::to_string(cost) +
+                      " bytes, more than the budget of " + std::to_string(options.budget) +
+                      " bytes (allow_oversized gives it a batch of its own)");
+  }
+  uint64_t group = 0;
+  if (options.order == DeliveryOrder::kLayer) {
+    const std::optional<uint64_t> layer = LayerOf(t.name);
+    group = layer ? uint64_t{*layer} + 1 : 0;
+  }
+  return Item{group, t.file, t.offset, index, size, cost, layout};
+}
+
+// Pass 1: checks the selection (indices in range, none twice) and appends one item per tensor.
+Status CollectItems(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,
+                    const PlanOptions& options, std::vector<Item>& items,
+                    std::vector<ShardLayout>& layouts) {
+  const std::vector<TensorInfo>& all = checkpoint.tensors();
+  std::vector<bool> seen(all.size(), false);
+  items.reserve(tensors.size());
+  for (const uint32_t index : tensors) {
+    if (index >= all.size()) {
+      return Status(Code::kInvalidArgument, std::string("plan: tensor index ") +
+                                                std::to_string(index) +
+                                                " out of range (checkpoint has " +
+                                                std::to_string(all.size()) + " tensors)");
+    }
+    const TensorInfo& t = all[index];
+    if (seen[index]) {
+      return Status(Code::kInvalidArgument, "plan: tensor '" + t.name + "' (index " +
+                                                std::to_string(index) + ") selected twice");
+    }
+    seen[index] = true;
+    TF_ASSIGN_OR_RETURN(Item item, MakeItem(t, index, options, layouts));
+    items.push_back(item);
+  }
+  return Status::Ok();
+}
+
+// A batch before layout: the [begin, end) span of the sorted items it holds, and their group.
+struct Span {
+  size_t begin, end;
+  uint64_t group;
+};
+
+// Pass 2: greedy batching over the sorted list. Greedy keeps (file, offset) order across batches,
+// which is what makes coalescing and sequential reads work.
+std::vector<Span> CutIntoSpans(const std::vector<Item>& items, const PlanOptions& options) {
+  std::vector<Span> spans;
+  uint64_t bytes = 0;       // of the open span
+  bool can_extend = false;  // false before the first tensor and after an oversized one
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& item = items[i];
+    const bool oversized = options.budget != 0 && item.cost > options.budget;
+    // `bytes <= budget` holds for every span but an oversized one, so the subtraction is safe.
+    if (can_extend && !oversized && spans.back().group == item.group &&
+        (options.budget == 0 || item.cost <= options.budget - bytes)) {
+      spans.back().end = i + 1;
+      bytes += item.cost;
+    } else {
+      spans.push_back({i, i + 1, item.group});
+      bytes = item.cost;
+    }
+    can_extend = !oversized;
+  }
+  return spans;
+}
+
+// Pass 3: lays out each span as one batch of the plan and sums the plan's totals.
+Plan LayOutPlan(const std::vector<Item>& items, const std::vector<Span>& spans,
+                const std::vector<ShardLayout>& layouts, const PlanOptions& options) {
+  Plan plan;
+  plan.batches.resize(spans.size());
+  for (size_t b = 0; b < spans.size(); ++b) {
+    PlanBatch& batch = plan.batches[b];
+    const Span& s = spans[b];
+    if (options.order == DeliveryOrder::kLayer && s.group != 0) {
+      batch.layer = static_cast<uint32_t>(s.group - 1);
+    }
+    plan.num_ranges += LayOutBatch(std::span<const Item>(items).subspan(s.begin, s.end - s.begin),
+                                   layouts, options, batch);
+    plan.tensor_bytes += batch.tensor_bytes;
+    plan.read_bytes += batch.read_bytes;
+    plan.num_moves += batch.moves.size();
+    plan.num_tensors += batch.tensors.size();
+    plan.num_tasks += batch.tasks.size();
+  }
+  return plan;
+}
+
 }  // namespace
 
 std::optional<uint64_t> LayerOf(std::string_view name) {
@@ -244,200 +384,124 @@ std::optional<uint64_t> LayerOf(std::string_view name) {
 
 Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> tensors,
                       const PlanOptions& options) {
-  if (options.chunk_size == 0) {
-    return Status(Code::kInvalidArgument, "plan: chunk_size must be > 0");
-  }
-  if (!IsPowerOfTwo(options.alignment)) {
-    return Status(Code::kInvalidArgument, std::string("plan: alignment ") +
-                                              std::to_string(options.alignment) +
-                                              " is not a power of two");
-  }
-  if (options.io_alignment != 0 &&
-      (!IsPowerOfTwo(options.io_alignment) || options.io_alignment < options.alignment)) {
-    return Status(Code::kInvalidArgument, std::string("plan: io_alignment ") +
-                                              std::to_string(options.io_alignment) +
-                                              " is not a power of two >= alignment");
-  }
-  if (options.tensor_parallel) {
-    if (options.tensor_parallel->world == 0 ||
-        options.tensor_parallel->rank >= options.tensor_parallel->world) {
-      return Status(Code::kInvalidArgument,
-                    "plan: tensor parallelism: rank " +
-                        std::to_string(options.tensor_parallel->rank) + " of " +
-                        std::to_string(options.tensor_parallel->world) +
-                        ": the rank must be below a world size of at least 1");
-    }
-    TF_RETURN_IF_ERROR(options.tensor_parallel->spec.Validate());
-  }
-  const std::vector<TensorInfo>& all = checkpoint.tensors();
-  std::vector<bool> seen(all.size(), false);
+  TF_RETURN_IF_ERROR(ValidatePlanOptions(options));
   std::vector<Item> items;
-  items.reserve(tensors.size());
   std::vector<ShardLayout> layouts;
-  for (const uint32_t index : tensors) {
-    if (index >= all.size()) {
-      return Status(Code::kInvalidArgument, std::string("plan: tensor index ") +
-                                                std::to_string(index) +
-                                                " out of range (checkpoint has " +
-                                                std::to_string(all.size()) + " tensors)");
-    }
-    const TensorInfo& t = all[index];
-    if (seen[index]) {
-      return Status(Code::kInvalidArgument, "plan: tensor '" + t.name + "' (index " +
-                                                std::to_string(index) + ") selected twice");
-    }
-    seen[index] = true;
-    uint64_t size = t.size, cost = t.size;
-    int64_t layout = -1;
-    if (options.tensor_parallel) {
-      const ShardRule rule = options.tensor_parallel->spec.RuleFor(t.name);
-      if (rule.is_split()) {
-        TF_ASSIGN_OR_RETURN(TensorSlice slice, SliceOf(t, rule, options.tensor_parallel->rank,
-                                                       options.tensor_parallel->world));
-        const uint64_t gap = t.file < options.file_max_gap.size()
-                                 ? options.file_max_gap[t.file]
-                                 : options.tensor_parallel->max_gap;
-        layouts.push_back(MakeLayout(t, std::move(slice), gap));
-        layout = static_cast<int64_t>(layouts.size() - 1);
-        size = layouts.back().slice.bytes;
-        cost = std::max(size, layouts.back().read_bytes);
-      }
-    }
-    if (options.budget != 0 && cost > options.budget && !options.allow_oversized) {
-      return Status(Code::kBudgetExceeded,
-                    "plan: tensor '" + t.name + "' is " + std::to_string(cost) +
-                        " bytes, more than the budget of " + std::to_string(options.budget) +
-                        " bytes (allow_oversized gives it a batch of its own)");
-    }
-    uint64_t group = 0;
-    if (options.order == DeliveryOrder::kLayer) {
-      const std::optional<uint64_t> layer = LayerOf(t.name);
-      group = layer ? uint64_t{*layer} + 1 : 0;
-    }
-    items.push_back({group, t.file, t.offset, index, size, cost, layout});
-  }
+  TF_RETURN_IF_ERROR(CollectItems(checkpoint, tensors, options, items, layouts));
   std::sort(items.begin(), items.end());
-
-  // Greedy batching over the sorted list: [begin, end) spans of `items`. Greedy keeps (file,
-  // offset) order across batches, which is what makes coalescing and sequential reads work.
-  struct Span {
-    size_t begin, end;
-    uint64_t group;
-  };
-  std::vector<Span> spans;
-  uint64_t bytes = 0;       // of the open span
-  bool can_extend = false;  // false before the first tensor and after an oversized one
-  for (size_t i = 0; i < items.size(); ++i) {
-    const Item& item = items[i];
-    const bool oversized = options.budget != 0 && item.cost > options.budget;
-    // `bytes <= budget` holds for every span but an oversized one, so the subtraction is safe.
-    if (can_extend && !oversized && spans.back().group == item.group &&
-        (options.budget == 0 || item.cost <= options.budget - bytes)) {
-      spans.back().end = i + 1;
-      bytes += item.cost;
-    } else {
-      spans.push_back({i, i + 1, item.group});
-      bytes = item.cost;
-    }
-    can_extend = !oversized;
-  }
-
-  Plan plan;
-  plan.batches.resize(spans.size());
-  for (size_t b = 0; b < spans.size(); ++b) {
-    PlanBatch& batch = plan.batches[b];
-    const Span& s = spans[b];
-    if (options.order == DeliveryOrder::kLayer && s.group != 0) {
-      batch.layer = static_cast<uint32_t>(s.group - 1);
-    }
-    plan.num_ranges += LayOutBatch(std::span<const Item>(items).subspan(s.begin, s.end - s.begin),
-                                   layouts, options, batch);
-    plan.tensor_bytes += batch.tensor_bytes;
-    plan.read_bytes += batch.read_bytes;
-    plan.num_moves += batch.moves.size();
-    plan.num_tensors += batch.tensors.size();
-    plan.num_tasks += batch.tasks.size();
-  }
-  return plan;
+  const std::vector<Span> spans = CutIntoSpans(items, options);
+  return LayOutPlan(items, spans, layouts, options);
 }
 
-std::string Plan::Explain(const Checkpoint& checkpoint, size_t max_lines_per_batch) const {
-  const auto& files = checkpoint.files();
-  const auto& all = checkpoint.tensors();
-  // A plan made for another checkpoint must not crash the printer: unknown indices print as '#i'.
-  auto file_name = [&](uint32_t f) {
-    return f < files.size() ? files[f].path : std::string("#") + std::to_string(f);
-  };
-  auto tensor_name = [&](uint32_t t) {
-    return t < all.size() ? "'" + all[t].name + "'" : std::string("#") + std::to_string(t);
-  };
+namespace {
 
-  std::string out = std::string("plan: ") + std::to_string(num_tensors) + " tensors, " +
-                    std::to_string(tensor_bytes) + " bytes (" + FormatBytes(tensor_bytes) + "), " +
-                    std::to_string(batches.size()) + " batches, " + std::to_string(num_ranges) +
-                    " ranges, " + std::to_string(num_tasks) + " tasks";
-  if (read_bytes != tensor_bytes || num_moves != 0) {
-    out += std::string(", reads ") + std::to_string(read_bytes) + " bytes (" +
-           FormatBytes(read_bytes) + ") of which " + std::to_string(read_bytes - tensor_bytes) +
-           " discarded, " + std::to_string(num_moves) + " moves";
+// A file's path, or '#f' for an index the checkpoint does not have (a plan made for another
+// checkpoint must not crash the printer).
+std::string FileName(const Checkpoint& checkpoint, uint32_t f) {
+  const auto& files = checkpoint.files();
+  return f < files.size() ? files[f].path : std::string("#") + std::to_string(f);
+}
+
+// A tensor's quoted name, or '#t' for an index the checkpoint does not have.
+std::string TensorName(const Checkpoint& checkpoint, uint32_t t) {
+  const auto& all = checkpoint.tensors();
+  return t < all.size() ? "'" + all[t].name + "'" : std::string("#") + std::to_string(t);
+}
+
+// The coalesced ranges of a batch, recovered from its tasks and ordered by buffer offset.
+std::vector<ReadTask> RangesOf(const PlanBatch& batch) {
+  // Ranges are not stored: recover them from the tasks. Two tasks of one range are contiguous in
+  // both file and buffer; two ranges of one file never are in the file (they would have been
+  // coalesced), so merging contiguous tasks gives back exactly the ranges.
+  std::vector<ReadTask> ranges(batch.tasks);
+  std::sort(ranges.begin(), ranges.end(), [](const ReadTask& x, const ReadTask& y) {
+    return x.file != y.file ? x.file < y.file : x.file_offset < y.file_offset;
+  });
+  std::vector<ReadTask> merged;
+  for (const ReadTask& t : ranges) {
+    if (!merged.empty() && merged.back().file == t.file &&
+        merged.back().file_offset + merged.back().length == t.file_offset &&
+        merged.back().buffer_offset + merged.back().length == t.buffer_offset) {
+      merged.back().length += t.length;
+    } else {
+      merged.push_back(t);
+    }
+  }
+  // Order ranges as the buffer lays them out, which is how a reader thinks of a batch.
+  std::sort(merged.begin(), merged.end(),
+            [](const ReadTask& x, const ReadTask& y) { return x.buffer_offset < y.buffer_offset; });
+  return merged;
+}
+
+// The plan's first line: its totals.
+std::string ExplainTotals(const Plan& plan) {
+  std::string out = std::string("plan: ") + std::to_string(plan.num_tensors) + " tensors, " +
+                    std::to_string(plan.tensor_bytes) + " bytes (" +
+                    FormatBytes(plan.tensor_bytes) + "), " + std::to_string(plan.batches.size()) +
+                    " batches, " + std::to_string(plan.num_ranges) + " ranges, " +
+                    std::to_string(plan.num_tasks) + " tasks";
+  if (plan.read_bytes != plan.tensor_bytes || plan.num_moves != 0) {
+    out += std::string(", reads ") + std::to_string(plan.read_bytes) + " bytes (" +
+           FormatBytes(plan.read_bytes) + ") of which " +
+           std::to_string(plan.read_bytes - plan.tensor_bytes) + " discarded, " +
+           std::to_string(plan.num_moves) + " moves";
   }
   out += "\n";
+  return out;
+}
+
+// The line that opens batch `b`: its tensors, bytes, ranges, tasks, layer and reads.
+std::string ExplainBatchHeader(size_t b, const PlanBatch& batch, size_t num_ranges) {
+  std::string out = std::string("batch ") + std::to_string(b) + ": " +
+                    std::to_string(batch.tensors.size()) + " tensors, " +
+                    std::to_string(batch.tensor_bytes) + " bytes (buffer " +
+                    std::to_string(batch.buffer_size) + "), " + std::to_string(num_ranges) +
+                    " ranges, " + std::to_string(batch.tasks.size()) + " tasks";
+  if (batch.layer) out += std::string(", layer ") + std::to_string(*batch.layer);
+  if (batch.read_bytes != batch.tensor_bytes || !batch.moves.empty()) {
+    out += std::string(", reads ") + std::to_string(batch.read_bytes) + " bytes, " +
+           std::to_string(batch.moves.size()) + " moves";
+  }
+  out += "\n";
+  return out;
+}
+
+// One range's line: file bytes, buffer offset, and the first tensor it holds and how many more.
+std::string ExplainRange(const Checkpoint& checkpoint, const PlanBatch& batch, const ReadTask& r) {
+  const auto& all = checkpoint.tensors();
+  std::string out = std::string("  file ") + FileName(checkpoint, r.file) + " [" +
+                    std::to_string(r.file_offset) + ", +" + std::to_string(r.length) +
+                    ") -> buffer +" + std::to_string(r.buffer_offset);
+  // Name the tensors the range holds: the first, and how many more.
+  size_t count = 0;
+  uint32_t first = 0;
+  for (const PlannedTensor& pt : batch.tensors) {
+    if (pt.tensor < all.size() && all[pt.tensor].size > 0 && pt.buffer_offset >= r.buffer_offset &&
+        pt.buffer_offset < r.buffer_offset + r.length) {
+      if (count++ == 0) first = pt.tensor;
+    }
+  }
+  if (count > 0) {
+    out += std::string("  ") + TensorName(checkpoint, first);
+    if (count > 1) out += std::string(" +") + std::to_string(count - 1) + " more";
+  }
+  out += "\n";
+  return out;
+}
+
+}  // namespace
+
+std::string Plan::Explain(const Checkpoint& checkpoint, size_t max_lines_per_batch) const {
+  std::string out = ExplainTotals(*this);
   for (size_t b = 0; b < batches.size(); ++b) {
     const PlanBatch& batch = batches[b];
-    // Ranges are not stored: recover them from the tasks. Two tasks of one range are contiguous in
-    // both file and buffer; two ranges of one file never are in the file (they would have been
-    // coalesced), so merging contiguous tasks gives back exactly the ranges.
-    std::vector<ReadTask> ranges(batch.tasks);
-    std::sort(ranges.begin(), ranges.end(), [](const ReadTask& x, const ReadTask& y) {
-      return x.file != y.file ? x.file < y.file : x.file_offset < y.file_offset;
-    });
-    std::vector<ReadTask> merged;
-    for (const ReadTask& t : ranges) {
-      if (!merged.empty() && merged.back().file == t.file &&
-          merged.back().file_offset + merged.back().length == t.file_offset &&
-          merged.back().buffer_offset + merged.back().length == t.buffer_offset) {
-        merged.back().length += t.length;
-      } else {
-        merged.push_back(t);
-      }
+    const std::vector<ReadTask> ranges = RangesOf(batch);
+    out += ExplainBatchHeader(b, batch, ranges.size());
+    for (size_t i = 0; i < ranges.size() && i < max_lines_per_batch; ++i) {
+      out += ExplainRange(checkpoint, batch, ranges[i]);
     }
-    // Order ranges as the buffer lays them out, which is how a reader thinks of a batch.
-    std::sort(merged.begin(), merged.end(), [](const ReadTask& x, const ReadTask& y) {
-      return x.buffer_offset < y.buffer_offset;
-    });
-
-    out += std::string("batch ") + std::to_string(b) + ": " + std::to_string(batch.tensors.size()) +
-           " tensors, " + std::to_string(batch.tensor_bytes) + " bytes (buffer " +
-           std::to_string(batch.buffer_size) + "), " + std::to_string(merged.size()) + " ranges, " +
-           std::to_string(batch.tasks.size()) + " tasks";
-    if (batch.layer) out += std::string(", layer ") + std::to_string(*batch.layer);
-    if (batch.read_bytes != batch.tensor_bytes || !batch.moves.empty()) {
-      out += std::string(", reads ") + std::to_string(batch.read_bytes) + " bytes, " +
-             std::to_string(batch.moves.size()) + " moves";
-    }
-    out += "\n";
-
-    for (size_t i = 0; i < merged.size() && i < max_lines_per_batch; ++i) {
-      const ReadTask& r = merged[i];
-      out += std::string("  file ") + file_name(r.file) + " [" + std::to_string(r.file_offset) +
-             ", +" + std::to_string(r.length) + ") -> buffer +" + std::to_string(r.buffer_offset);
-      // Name the tensors the range holds: the first, and how many more.
-      size_t count = 0;
-      uint32_t first = 0;
-      for (const PlannedTensor& pt : batch.tensors) {
-        if (pt.tensor < all.size() && all[pt.tensor].size > 0 &&
-            pt.buffer_offset >= r.buffer_offset && pt.buffer_offset < r.buffer_offset + r.length) {
-          if (count++ == 0) first = pt.tensor;
-        }
-      }
-      if (count > 0) {
-        out += std::string("  ") + tensor_name(first);
-        if (count > 1) out += std::string(" +") + std::to_string(count - 1) + " more";
-      }
-      out += "\n";
-    }
-    if (merged.size() > max_lines_per_batch) {
-      out += std::string("  ... ") + std::to_string(merged.size() - max_lines_per_batch) +
+    if (ranges.size() > max_lines_per_batch) {
+      out += std::string("  ... ") + std::to_string(ranges.size() - max_lines_per_batch) +
              " more ranges\n";
     }
   }

@@ -606,6 +606,145 @@ class ShardedCommit {
   bool done_ = false;
 };
 
+// Checks that a shard prefix is a plain file name: non-empty UTF-8, not "." or "..", no '/' or NUL.
+Status CheckShardPrefix(const std::string& prefix) {
+  if (prefix.empty() || prefix == "." || prefix == ".." ||
+      prefix.find_first_of(std::string_view("/\0", 2)) != std::string::npos ||
+      !json::IsValidUtf8(prefix)) {
+    return Status(Code::kInvalidArgument,
+                  "shard prefix " + json::Quote(prefix) +
+                      " must be a non-empty UTF-8 file name without '/' or NUL");
+  }
+  return Status::Ok();
+}
+
+// Tensors cut into shards (indices into the tensors, in order) and the checkpoint's total size.
+struct ShardCut {
+  std::vector<std::vector<size_t>> shards;
+  uint64_t total_size = 0;
+};
+
+// Cuts the tensors into shards in the caller's order: a new shard starts when the next tensor
+// would push the current one past the limit, so a tensor above the limit ends up alone.
+Result<ShardCut> CutIntoShards(std::span<const TensorToWrite> tensors,
+                               std::span<const uint64_t> sizes, uint64_t max_shard_size) {
+  ShardCut cut;
+  cut.shards.resize(1);
+  uint64_t shard_size = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (__builtin_add_overflow(cut.total_size, sizes[i], &cut.total_size)) {
+      return Status(Code::kOverflow, TensorLabel(tensors[i].name) +
+                                         ": total size of the checkpoint overflows 64 bits");
+    }
+    uint64_t grown;
+    const bool overflow = __builtin_add_overflow(shard_size, sizes[i], &grown);
+    if (!cut.shards.back().empty() && (overflow || grown > max_shard_size)) {
+      cut.shards.emplace_back();
+      grown = sizes[i];
+    }
+    cut.shards.back().push_back(i);
+    shard_size = grown;
+  }
+  return cut;
+}
+
+// The header of every shard, or the first error one of them gives.
+Result<std::vector<SerializedHeader>> BuildShardHeaders(
+    std::span<const TensorToWrite> tensors, std::span<const uint64_t> sizes,
+    const std::vector<std::vector<size_t>>& shards,
+    const std::vector<const std::pair<std::string, std::string>*>& metadata) {
+  std::vector<SerializedHeader> headers;
+  headers.reserve(shards.size());
+  for (const auto& shard : shards) {
+    TF_ASSIGN_OR_RETURN(SerializedHeader h, BuildHeader(tensors, sizes, shard, metadata));
+    headers.push_back(std::move(h));
+  }
+  return headers;
+}
+
+// The shards' file names: "<prefix>.safetensors" alone, else transformers'
+// f"{prefix}-{i:05d}-of-{n:05d}.safetensors".
+std::vector<std::string> ShardNames(const std::string& prefix, size_t n) {
+  std::vector<std::string> names(n);
+  for (size_t s = 0; s < n; ++s) {
+    if (n == 1) {
+      names[s] = prefix + ".safetensors";
+      break;
+    }
+    std::string index = std::to_string(s + 1);
+    std::string count = std::to_string(n);
+    index.insert(0, index.size() < 5 ? 5 - index.size() : 0, '0');
+    count.insert(0, count.size() < 5 ? 5 - count.size() : 0, '0');
+    names[s] = prefix + "-" + index + "-of-" + count + ".safetensors";
+  }
+  return names;
+}
+
+// Creates `dir` (and its parents) unless it exists; the value says whether it existed already.
+Result<bool> CreateDirectoryIfMissing(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool dir_existed = dir.empty() || fs::exists(dir, ec);
+  if (!dir_existed) {
+    fs::create_directories(dir, ec);
+    if (ec) {
+      return Status(Code::kIoError, dir + ": cannot create directory: " + ec.message());
+    }
+  }
+  return dir_existed;
+}
+
+// Removes `dir` on destruction while armed, and only if it is empty: never anything but the
+// directory this call created.
+struct RemoveCreatedDir {
+  const std::string* dir;
+  bool armed;
+  ~RemoveCreatedDir() {
+    if (armed) ::rmdir(dir->c_str());
+  }
+};
+
+// `name` inside `dir` ("" being the current directory).
+std::string JoinDir(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : (std::filesystem::path(dir) / name).string();
+}
+
+// Writes every shard to a temporary file beside its name in `dir`; room is kept for the index.
+Result<std::vector<TempFile>> WriteShardTemps(const std::string& dir,
+                                              std::span<const TensorToWrite> tensors,
+                                              std::span<const uint64_t> sizes,
+                                              const std::vector<SerializedHeader>& headers,
+                                              const std::vector<std::string>& names,
+                                              const WriteOptions& options) {
+  const size_t n = names.size();
+  std::vector<TempFile> temps;
+  temps.reserve(n + 1);
+  for (size_t s = 0; s < n; ++s) {
+    TF_ASSIGN_OR_RETURN(
+        TempFile temp,
+        WriteTemp(JoinDir(dir, names[s]), FileSize(headers[s]), options,
+                  [&](FileSink& sink) { return WriteBody(sink, tensors, sizes, headers[s]); }));
+    temps.push_back(std::move(temp));
+  }
+  return temps;
+}
+
+// Writes the index ("<prefix>.safetensors.index.json", naming each tensor's shard) to a
+// temporary file in `dir`.
+Result<TempFile> WriteIndexTemp(const std::string& dir, std::span<const TensorToWrite> tensors,
+                                const ShardCut& cut, const std::vector<std::string>& names,
+                                const ShardOptions& options) {
+  const std::string index_name = options.prefix + ".safetensors.index.json";
+  std::vector<std::string> file_of(tensors.size());
+  for (size_t s = 0; s < names.size(); ++s) {
+    for (size_t i : cut.shards[s]) file_of[i] = names[s];
+  }
+  const std::string index = IndexJson(tensors, file_of, cut.total_size);
+  return WriteTemp(JoinDir(dir, index_name), index.size(), options.write, [&](FileSink& sink) {
+    return sink.Append(std::as_bytes(std::span<const char>(index.data(), index.size())));
+  });
+}
+
 }  // namespace
 
 void AbandonWritesInProgress() noexcept {
@@ -639,109 +778,30 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               const Metadata& metadata,
                                               const ShardOptions& options) {
   TF_RETURN_IF_ERROR(CheckPathString(dir, "output directory"));
-  namespace fs = std::filesystem;
-  const std::string& prefix = options.prefix;
-  if (prefix.empty() || prefix == "." || prefix == ".." ||
-      prefix.find_first_of(std::string_view("/\0", 2)) != std::string::npos ||
-      !json::IsValidUtf8(prefix)) {
-    return Status(Code::kInvalidArgument,
-                  "shard prefix " + json::Quote(prefix) +
-                      " must be a non-empty UTF-8 file name without '/' or NUL");
-  }
+  TF_RETURN_IF_ERROR(CheckShardPrefix(options.prefix));
   TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));
   TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(metadata));
-
-  // Shards in the caller's order: a new shard starts when the next tensor would push the current
-  // one past the limit, so a tensor above the limit ends up alone.
-  std::vector<std::vector<size_t>> shards(1);
-  uint64_t shard_size = 0;
-  uint64_t total_size = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (__builtin_add_overflow(total_size, sizes[i], &total_size)) {
-      return Status(Code::kOverflow, TensorLabel(tensors[i].name) +
-                                         ": total size of the checkpoint overflows 64 bits");
-    }
-    uint64_t grown;
-    const bool overflow = __builtin_add_overflow(shard_size, sizes[i], &grown);
-    if (!shards.back().empty() && (overflow || grown > options.max_shard_size)) {
-      shards.emplace_back();
-      grown = sizes[i];
-    }
-    shards.back().push_back(i);
-    shard_size = grown;
-  }
-
+  TF_ASSIGN_OR_RETURN(const ShardCut cut, CutIntoShards(tensors, sizes, options.max_shard_size));
   // Headers first: every error the input can cause surfaces before a file is written.
-  std::vector<SerializedHeader> headers;
-  headers.reserve(shards.size());
-  for (const auto& shard : shards) {
-    TF_ASSIGN_OR_RETURN(SerializedHeader h, BuildHeader(tensors, sizes, shard, sorted_metadata));
-    headers.push_back(std::move(h));
-  }
-
-  const size_t n = shards.size();
-  std::vector<std::string> names(n);
-  for (size_t s = 0; s < n; ++s) {
-    if (n == 1) {
-      names[s] = prefix + ".safetensors";
-      break;
-    }
-    // transformers: f"{prefix}-{i:05d}-of-{n:05d}.safetensors".
-    std::string index = std::to_string(s + 1);
-    std::string count = std::to_string(n);
-    index.insert(0, index.size() < 5 ? 5 - index.size() : 0, '0');
-    count.insert(0, count.size() < 5 ? 5 - count.size() : 0, '0');
-    names[s] = prefix + "-" + index + "-of-" + count + ".safetensors";
-  }
+  TF_ASSIGN_OR_RETURN(const std::vector<SerializedHeader> headers,
+                      BuildShardHeaders(tensors, sizes, cut.shards, sorted_metadata));
+  const std::vector<std::string> names = ShardNames(options.prefix, cut.shards.size());
 
   Env* env = EnvOf(options.write);
   // A directory this call creates is removed again if the write fails.
-  std::error_code ec;
-  const bool dir_existed = dir.empty() || fs::exists(dir, ec);
-  if (!dir_existed) {
-    fs::create_directories(dir, ec);
-    if (ec) {
-      return Status(Code::kIoError, dir + ": cannot create directory: " + ec.message());
-    }
-  }
-  struct RemoveCreatedDir {
-    const std::string* dir;
-    bool armed;
-    ~RemoveCreatedDir() {
-      if (armed) ::rmdir(dir->c_str());  // only if empty: never anything but this call's own
-    }
-  } remove_dir{&dir, !dir_existed};
-  const auto join = [&](const std::string& name) {
-    return dir.empty() ? name : (fs::path(dir) / name).string();
-  };
+  TF_ASSIGN_OR_RETURN(const bool dir_existed, CreateDirectoryIfMissing(dir));
+  RemoveCreatedDir remove_dir{&dir, !dir_existed};
 
   // Every file goes to a temporary name first; nothing visible changes until all are complete.
-  std::vector<TempFile> temps;
-  temps.reserve(n + 1);
-  for (size_t s = 0; s < n; ++s) {
-    TF_ASSIGN_OR_RETURN(
-        TempFile temp,
-        WriteTemp(join(names[s]), FileSize(headers[s]), options.write,
-                  [&](FileSink& sink) { return WriteBody(sink, tensors, sizes, headers[s]); }));
-    temps.push_back(std::move(temp));
-  }
-  const std::string index_name = prefix + ".safetensors.index.json";
-  if (n > 1 || options.always_write_index) {
-    std::vector<std::string> file_of(tensors.size());
-    for (size_t s = 0; s < n; ++s) {
-      for (size_t i : shards[s]) file_of[i] = names[s];
-    }
-    const std::string index = IndexJson(tensors, file_of, total_size);
-    TF_ASSIGN_OR_RETURN(
-        TempFile temp,
-        WriteTemp(join(index_name), index.size(), options.write, [&](FileSink& sink) {
-          return sink.Append(std::as_bytes(std::span<const char>(index.data(), index.size())));
-        }));
-    temps.push_back(std::move(temp));
+  TF_ASSIGN_OR_RETURN(std::vector<TempFile> temps,
+                      WriteShardTemps(dir, tensors, sizes, headers, names, options.write));
+  if (names.size() > 1 || options.always_write_index) {
+    TF_ASSIGN_OR_RETURN(TempFile index, WriteIndexTemp(dir, tensors, cut, names, options));
+    temps.push_back(std::move(index));
   }
 
   // The files of the layout already there that the new one replaces or makes obsolete.
-  std::vector<std::string> old_names = OldLayout(env, dir, prefix);
+  std::vector<std::string> old_names = OldLayout(env, dir, options.prefix);
   ShardedCommit commit(env, dir, options.write.sync);
   TF_RETURN_IF_ERROR(commit.Run(temps, old_names));
   remove_dir.armed = false;

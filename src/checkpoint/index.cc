@@ -46,10 +46,8 @@ Status CheckNoDuplicateKeys(simdjson::dom::object object, std::string_view where
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view source,
-                                     const IndexLimits& limits) {
+// Checks the raw text before parsing: within the size limit, valid UTF-8, no byte-order mark.
+Status CheckIndexText(std::string_view json, std::string_view source, const IndexLimits& limits) {
   if (json.size() > limits.max_index_size) {
     return IndexError(Code::kIndexTooLarge, source,
                       "index is " + std::to_string(json.size()) + " bytes, above the limit of " +
@@ -66,8 +64,13 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
                       "index starts with a UTF-8 byte-order mark (EF BB BF), which JSON does not "
                       "allow: save it as UTF-8 without a BOM");
   }
+  return Status::Ok();
+}
 
-  simdjson::dom::parser parser;
+// Parses `json` with `parser` into `top`, its top-level object without duplicate keys. `top`
+// stays valid as long as `parser` lives and is not reused.
+Status ParseTopObject(simdjson::dom::parser& parser, std::string_view json, std::string_view source,
+                      const IndexLimits& limits, simdjson::dom::object& top) {
   // Room for the whole document: no reallocation inside parse(). simdjson counts the document
   // itself as one level: add it so max_depth counts containers, as ParseLimits::max_depth does.
   const size_t capacity = std::max<size_t>(json.size(), 64);
@@ -88,34 +91,37 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
     return IndexError(Code::kIndexInvalidJson, source,
                       std::string("index is not valid JSON: ") + simdjson::error_message(err));
   }
-  simdjson::dom::object top;
   if (root.get(top) != simdjson::SUCCESS) {
     return IndexError(
         Code::kIndexInvalidJson, source,
         "index top level is " + std::string(json::TypeName(root.type())) + ", not an object");
   }
-  if (auto s = CheckNoDuplicateKeys(top, "index top level", source); !s.ok()) return s;
+  return CheckNoDuplicateKeys(top, "index top level", source);
+}
 
-  IndexDocument doc;
-
-  // "metadata": optional; any JSON values, kept as minified text.
+// Reads "metadata" (optional; any JSON values) into `out` as (key, minified JSON text), sorted.
+Status ParseMetadata(simdjson::dom::object top, std::string_view source,
+                     std::vector<std::pair<std::string, std::string>>& out) {
   simdjson::dom::element metadata_element;
-  if (top.at_key("metadata").get(metadata_element) == simdjson::SUCCESS) {
-    simdjson::dom::object metadata;
-    if (metadata_element.get(metadata) != simdjson::SUCCESS) {
-      return IndexError(Code::kIndexInvalidJson, source,
-                        "\"metadata\" is " + std::string(json::TypeName(metadata_element.type())) +
-                            ", not an object");
-    }
-    if (auto s = CheckNoDuplicateKeys(metadata, "\"metadata\"", source); !s.ok()) return s;
-    doc.metadata.reserve(metadata.size());
-    for (auto field : metadata) {
-      doc.metadata.emplace_back(std::string(field.key), simdjson::minify(field.value));
-    }
-    std::sort(doc.metadata.begin(), doc.metadata.end());
+  if (top.at_key("metadata").get(metadata_element) != simdjson::SUCCESS) return Status::Ok();
+  simdjson::dom::object metadata;
+  if (metadata_element.get(metadata) != simdjson::SUCCESS) {
+    return IndexError(Code::kIndexInvalidJson, source,
+                      "\"metadata\" is " + std::string(json::TypeName(metadata_element.type())) +
+                          ", not an object");
   }
+  if (auto s = CheckNoDuplicateKeys(metadata, "\"metadata\"", source); !s.ok()) return s;
+  out.reserve(metadata.size());
+  for (auto field : metadata) {
+    out.emplace_back(std::string(field.key), simdjson::minify(field.value));
+  }
+  std::sort(out.begin(), out.end());
+  return Status::Ok();
+}
 
-  // "weight_map": required; tensor name -> relative file path.
+// Reads "weight_map" (required; tensor name -> relative file path) into `out`, sorted by name.
+Status ParseWeightMap(simdjson::dom::object top, std::string_view source,
+                      std::vector<std::pair<std::string, std::string>>& out) {
   simdjson::dom::element map_element;
   if (top.at_key("weight_map").get(map_element) != simdjson::SUCCESS) {
     return IndexError(Code::kIndexNoWeightMap, source, "index has no \"weight_map\"");
@@ -127,7 +133,7 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
         "\"weight_map\" is " + std::string(json::TypeName(map_element.type())) + ", not an object");
   }
   if (auto s = CheckNoDuplicateKeys(weight_map, "\"weight_map\"", source); !s.ok()) return s;
-  doc.weight_map.reserve(weight_map.size());
+  out.reserve(weight_map.size());
   for (auto field : weight_map) {
     std::string_view file;
     if (field.value.get(file) != simdjson::SUCCESS) {
@@ -141,9 +147,23 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
                         "weight_map[" + json::Quote(field.key) + "] is an empty file name");
     }
     if (auto s = CheckRelativePath(field.key, file, source); !s.ok()) return s;
-    doc.weight_map.emplace_back(std::string(field.key), std::string(file));
+    out.emplace_back(std::string(field.key), std::string(file));
   }
-  std::sort(doc.weight_map.begin(), doc.weight_map.end());
+  std::sort(out.begin(), out.end());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view source,
+                                     const IndexLimits& limits) {
+  if (auto s = CheckIndexText(json, source, limits); !s.ok()) return s;
+  simdjson::dom::parser parser;
+  simdjson::dom::object top;
+  if (auto s = ParseTopObject(parser, json, source, limits, top); !s.ok()) return s;
+  IndexDocument doc;
+  if (auto s = ParseMetadata(top, source, doc.metadata); !s.ok()) return s;
+  if (auto s = ParseWeightMap(top, source, doc.weight_map); !s.ok()) return s;
   return doc;
 }
 

@@ -329,6 +329,103 @@ Result<ShardRule> ParseRule(simdjson::dom::object obj, const std::string& where,
   return rule;
 }
 
+// Parses `text` with `parser` into `top`: valid UTF-8 and JSON, an object without duplicate keys.
+// `top` stays valid as long as `parser` lives and is not reused.
+Status ParseSpecDocument(simdjson::dom::parser& parser, std::string_view text,
+                         simdjson::dom::object& top) {
+  if (!json::IsValidUtf8(text)) return SpecError("document", "not valid UTF-8");
+  const simdjson::padded_string padded(text.data(), text.size());
+  simdjson::dom::element root;
+  if (auto err = parser.parse(padded).get(root); err != simdjson::SUCCESS) {
+    return SpecError("document", std::string("not valid JSON: ") + simdjson::error_message(err));
+  }
+  if (root.get(top) != simdjson::SUCCESS) {
+    return SpecError("document", "top level is " + Describe(root) + ", not an object");
+  }
+  if (auto dup = json::FindDuplicateKey(top)) {
+    return SpecError("document", "duplicate key " + json::Quote(*dup));
+  }
+  return Status::Ok();
+}
+
+// "base": true for "builtin", false for "none"; anything else is an error.
+Result<bool> ParseBase(simdjson::dom::element value) {
+  std::string_view base;
+  if (value.get(base) != simdjson::SUCCESS || (base != "builtin" && base != "none")) {
+    return SpecError("base", "must be \"builtin\" or \"none\"");
+  }
+  return base == "builtin";
+}
+
+// "rules": adds each {"pattern": ..., rule} of the array to `spec`, in order.
+Status AddRules(simdjson::dom::element value, ShardSpec& spec) {
+  simdjson::dom::array arr;
+  if (value.get(arr) != simdjson::SUCCESS) {
+    return SpecError("rules", "is " + Describe(value) + ", not an array");
+  }
+  size_t i = 0;
+  for (auto item : arr) {
+    const std::string where = "rules[" + std::to_string(i++) + "]";
+    simdjson::dom::object obj;
+    if (item.get(obj) != simdjson::SUCCESS) {
+      return SpecError(where, "is " + Describe(item) + ", not an object");
+    }
+    std::string_view pattern;
+    simdjson::dom::element pe;
+    if (obj.at_key("pattern").get(pe) != simdjson::SUCCESS) {
+      return SpecError(where, "no \"pattern\"");
+    }
+    if (pe.get(pattern) != simdjson::SUCCESS) {
+      return SpecError(where, "\"pattern\" is " + Describe(pe) + ", not a string");
+    }
+    if (pattern.empty()) return SpecError(where, "empty pattern");
+    TF_ASSIGN_OR_RETURN(ShardRule rule, ParseRule(obj, where, /*allow_pattern=*/true));
+    spec.Add(std::string(pattern), std::move(rule));
+  }
+  return Status::Ok();
+}
+
+// "overrides": sets the rule of each exact tensor name of the object in `spec`.
+Status SetOverrides(simdjson::dom::element value, ShardSpec& spec) {
+  simdjson::dom::object obj;
+  if (value.get(obj) != simdjson::SUCCESS) {
+    return SpecError("overrides", "is " + Describe(value) + ", not an object");
+  }
+  if (auto dup = json::FindDuplicateKey(obj)) {
+    return SpecError("overrides", "duplicate name " + json::Quote(*dup));
+  }
+  for (auto entry : obj) {
+    const std::string where = "overrides[" + json::Quote(entry.key) + "]";
+    simdjson::dom::object robj;
+    if (entry.value.get(robj) != simdjson::SUCCESS) {
+      return SpecError(where, "is " + Describe(entry.value) + ", not an object");
+    }
+    TF_ASSIGN_OR_RETURN(ShardRule rule, ParseRule(robj, where, /*allow_pattern=*/false));
+    spec.Set(std::string(entry.key), std::move(rule));
+  }
+  return Status::Ok();
+}
+
+// "ties": ties each alias of the object to its target name in `spec`.
+Status AddTies(simdjson::dom::element value, ShardSpec& spec) {
+  simdjson::dom::object obj;
+  if (value.get(obj) != simdjson::SUCCESS) {
+    return SpecError("ties", "is " + Describe(value) + ", not an object");
+  }
+  if (auto dup = json::FindDuplicateKey(obj)) {
+    return SpecError("ties", "duplicate alias " + json::Quote(*dup));
+  }
+  for (auto entry : obj) {
+    std::string_view target;
+    if (entry.value.get(target) != simdjson::SUCCESS) {
+      return SpecError("ties[" + json::Quote(entry.key) + "]",
+                       "is " + Describe(entry.value) + ", not a string");
+    }
+    spec.Tie(std::string(entry.key), std::string(target));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string ShardSpec::ToJson() const {
@@ -361,87 +458,21 @@ std::string ShardSpec::ToJson() const {
 }
 
 Result<ShardSpec> ShardSpec::FromJson(std::string_view text) {
-  if (!json::IsValidUtf8(text)) return SpecError("document", "not valid UTF-8");
   simdjson::dom::parser parser;
-  const simdjson::padded_string padded(text.data(), text.size());
-  simdjson::dom::element root;
-  if (auto err = parser.parse(padded).get(root); err != simdjson::SUCCESS) {
-    return SpecError("document", std::string("not valid JSON: ") + simdjson::error_message(err));
-  }
   simdjson::dom::object top;
-  if (root.get(top) != simdjson::SUCCESS) {
-    return SpecError("document", "top level is " + Describe(root) + ", not an object");
-  }
-  if (auto dup = json::FindDuplicateKey(top)) {
-    return SpecError("document", "duplicate key " + json::Quote(*dup));
-  }
+  TF_RETURN_IF_ERROR(ParseSpecDocument(parser, text, top));
   ShardSpec spec;
   bool builtin = false;
   for (auto field : top) {
     const std::string_view key = field.key;
     if (key == "base") {
-      std::string_view base;
-      if (field.value.get(base) != simdjson::SUCCESS || (base != "builtin" && base != "none")) {
-        return SpecError("base", "must be \"builtin\" or \"none\"");
-      }
-      builtin = base == "builtin";
+      TF_ASSIGN_OR_RETURN(builtin, ParseBase(field.value));
     } else if (key == "rules") {
-      simdjson::dom::array arr;
-      if (field.value.get(arr) != simdjson::SUCCESS) {
-        return SpecError("rules", "is " + Describe(field.value) + ", not an array");
-      }
-      size_t i = 0;
-      for (auto item : arr) {
-        const std::string where = "rules[" + std::to_string(i++) + "]";
-        simdjson::dom::object obj;
-        if (item.get(obj) != simdjson::SUCCESS) {
-          return SpecError(where, "is " + Describe(item) + ", not an object");
-        }
-        std::string_view pattern;
-        simdjson::dom::element pe;
-        if (obj.at_key("pattern").get(pe) != simdjson::SUCCESS) {
-          return SpecError(where, "no \"pattern\"");
-        }
-        if (pe.get(pattern) != simdjson::SUCCESS) {
-          return SpecError(where, "\"pattern\" is " + Describe(pe) + ", not a string");
-        }
-        if (pattern.empty()) return SpecError(where, "empty pattern");
-        TF_ASSIGN_OR_RETURN(ShardRule rule, ParseRule(obj, where, /*allow_pattern=*/true));
-        spec.Add(std::string(pattern), std::move(rule));
-      }
+      TF_RETURN_IF_ERROR(AddRules(field.value, spec));
     } else if (key == "overrides") {
-      simdjson::dom::object obj;
-      if (field.value.get(obj) != simdjson::SUCCESS) {
-        return SpecError("overrides", "is " + Describe(field.value) + ", not an object");
-      }
-      if (auto dup = json::FindDuplicateKey(obj)) {
-        return SpecError("overrides", "duplicate name " + json::Quote(*dup));
-      }
-      for (auto entry : obj) {
-        const std::string where = "overrides[" + json::Quote(entry.key) + "]";
-        simdjson::dom::object robj;
-        if (entry.value.get(robj) != simdjson::SUCCESS) {
-          return SpecError(where, "is " + Describe(entry.value) + ", not an object");
-        }
-        TF_ASSIGN_OR_RETURN(ShardRule rule, ParseRule(robj, where, /*allow_pattern=*/false));
-        spec.Set(std::string(entry.key), std::move(rule));
-      }
+      TF_RETURN_IF_ERROR(SetOverrides(field.value, spec));
     } else if (key == "ties") {
-      simdjson::dom::object obj;
-      if (field.value.get(obj) != simdjson::SUCCESS) {
-        return SpecError("ties", "is " + Describe(field.value) + ", not an object");
-      }
-      if (auto dup = json::FindDuplicateKey(obj)) {
-        return SpecError("ties", "duplicate alias " + json::Quote(*dup));
-      }
-      for (auto entry : obj) {
-        std::string_view target;
-        if (entry.value.get(target) != simdjson::SUCCESS) {
-          return SpecError("ties[" + json::Quote(entry.key) + "]",
-                           "is " + Describe(entry.value) + ", not a string");
-        }
-        spec.Tie(std::string(entry.key), std::string(target));
-      }
+      TF_RETURN_IF_ERROR(AddTies(field.value, spec));
     } else {
       return SpecError("document", "unknown key " + json::Quote(key));
     }

@@ -198,30 +198,29 @@ std::string OutputPath(const std::string& dst) {
   return (fs::path(dst) / "model.safetensors").string();
 }
 
-}  // namespace
-
-Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::string& dst,
-                                             const ConvertOptions& options) {
-  TF_ASSIGN_OR_RETURN(std::unique_ptr<TorchCheckpoint> ckpt,
-                      TorchCheckpoint::Open(src, options.open));
-  const convert::ConversionPlan plan = convert::PlanConversion(*ckpt, options.keep_values);
-
+// The report's fields known before writing: the source's bytes and what the plan decided.
+ConvertReport StartReport(const TorchCheckpoint& ckpt, const convert::ConversionPlan& plan) {
   ConvertReport report;
-  for (const TorchFileInfo& f : ckpt->files()) report.source_bytes += f.file_size;
+  for (const TorchFileInfo& f : ckpt.files()) report.source_bytes += f.file_size;
   report.aliases = plan.aliases;
   report.copied_views = plan.copied_views;
   report.kept_values = plan.kept_values;
   report.skipped = plan.skipped;
   report.metadata = plan.metadata;
+  return report;
+}
 
-  TF_RETURN_IF_ERROR(CheckOutputSize(*ckpt, plan, options.open.limits.max_view_expansion));
-
-  const TorchCheckpoint* reader = ckpt.get();
+// The tensors the plan writes, each streamed from `ckpt` (which must outlive them); counts them
+// in `report` and their bytes per source file in `file_bytes`.
+std::vector<TensorToWrite> TensorsToWrite(const TorchCheckpoint& ckpt,
+                                          const convert::ConversionPlan& plan,
+                                          ConvertReport& report,
+                                          std::vector<uint64_t>& file_bytes) {
+  const TorchCheckpoint* reader = &ckpt;
   std::vector<TensorToWrite> to_write;
   to_write.reserve(plan.write.size());
-  std::vector<uint64_t> file_bytes(ckpt->files().size(), 0);
   for (size_t index : plan.write) {
-    const TorchTensor& t = ckpt->tensors()[index];
+    const TorchTensor& t = ckpt.tensors()[index];
     TensorToWrite w;
     w.name = t.name;
     w.dtype = t.dtype;
@@ -232,59 +231,101 @@ Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::
     to_write.push_back(std::move(w));
     report.tensors += 1;
     report.tensor_bytes += t.byte_size;
-    file_bytes[ckpt->storages()[t.storage].file] += t.byte_size;
+    file_bytes[ckpt.storages()[t.storage].file] += t.byte_size;
   }
+  return to_write;
+}
 
+// Refuses a directory `dst` holding a file named like WriteSharded's output ("model*") that is
+// one of the source files, before anything is written.
+Status CheckNoSourceInDir(const TorchCheckpoint& ckpt, const std::string& dst) {
+  std::error_code ec;
+  if (!fs::is_directory(dst, ec)) return Status::Ok();
+  for (const auto& entry : fs::directory_iterator(dst, ec)) {
+    for (const TorchFileInfo& f : ckpt.files()) {
+      const std::string name = entry.path().filename().string();
+      if (name.starts_with("model") && SameFile(entry.path().string(), f.path)) {
+        return Status(Code::kInvalidArgument, entry.path().string() +
+                                                  ": writing the output here could replace the "
+                                                  "source file " +
+                                                  f.path);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Writes a sharded output into `dst` (shards no larger than the largest source file unless
+// max_shard_size says otherwise); `outputs` gets the files written.
+Status WriteShardedOutput(const TorchCheckpoint& ckpt, const std::string& dst,
+                          std::span<const TensorToWrite> to_write,
+                          const convert::ConversionPlan& plan, const ConvertOptions& options,
+                          const std::vector<uint64_t>& file_bytes,
+                          std::vector<std::string>& outputs) {
+  ShardOptions shard;
+  shard.max_shard_size = options.max_shard_size;
+  if (shard.max_shard_size == 0) {
+    shard.max_shard_size =
+        std::max<uint64_t>(1, *std::max_element(file_bytes.begin(), file_bytes.end()));
+  }
+  shard.prefix = "model";
+  shard.always_write_index = true;
+  shard.write = options.write;
+  // The names WriteSharded will use, checked against the source before anything is written.
+  TF_RETURN_IF_ERROR(CheckNoSourceInDir(ckpt, dst));
+  TF_ASSIGN_OR_RETURN(outputs, WriteSharded(dst, to_write, plan.metadata, shard));
+  return Status::Ok();
+}
+
+// Writes one file: `dst`, or model.safetensors in it when it is a directory; `outputs` gets the
+// files written.
+Status WriteSingleOutput(const TorchCheckpoint& ckpt, const std::string& dst,
+                         std::span<const TensorToWrite> to_write,
+                         const convert::ConversionPlan& plan, const ConvertOptions& options,
+                         std::vector<std::string>& outputs) {
+  std::error_code ec;
+  const bool into_dir = fs::is_directory(dst, ec);
+  const std::string path = into_dir ? (fs::path(dst) / "model.safetensors").string() : dst;
+  for (const TorchFileInfo& f : ckpt.files()) {
+    if (SameFile(path, f.path)) {
+      return Status(Code::kInvalidArgument,
+                    path + ": the output would replace the source file " + f.path);
+    }
+  }
+  if (into_dir) {
+    // One file, but through WriteSharded so that an older sharded checkpoint in the directory
+    // (whose index would shadow the new file) is replaced all or nothing.
+    ShardOptions single;
+    single.max_shard_size = UINT64_MAX;
+    single.prefix = "model";
+    single.always_write_index = false;
+    single.write = options.write;
+    TF_ASSIGN_OR_RETURN(outputs, WriteSharded(dst, to_write, plan.metadata, single));
+  } else {
+    TF_RETURN_IF_ERROR(WriteFile(path, to_write, plan.metadata, options.write));
+    outputs.push_back(path);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::string& dst,
+                                             const ConvertOptions& options) {
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<TorchCheckpoint> ckpt,
+                      TorchCheckpoint::Open(src, options.open));
+  const convert::ConversionPlan plan = convert::PlanConversion(*ckpt, options.keep_values);
+  ConvertReport report = StartReport(*ckpt, plan);
+  TF_RETURN_IF_ERROR(CheckOutputSize(*ckpt, plan, options.open.limits.max_view_expansion));
+
+  std::vector<uint64_t> file_bytes(ckpt->files().size(), 0);
+  const std::vector<TensorToWrite> to_write = TensorsToWrite(*ckpt, plan, report, file_bytes);
   report.sharded = options.max_shard_size > 0 || !ckpt->index_path().empty();
   if (report.sharded) {
-    ShardOptions shard;
-    shard.max_shard_size = options.max_shard_size;
-    if (shard.max_shard_size == 0) {
-      shard.max_shard_size =
-          std::max<uint64_t>(1, *std::max_element(file_bytes.begin(), file_bytes.end()));
-    }
-    shard.prefix = "model";
-    shard.always_write_index = true;
-    shard.write = options.write;
-    // The names WriteSharded will use, checked against the source before anything is written.
-    std::error_code ec;
-    if (fs::is_directory(dst, ec)) {
-      for (const auto& entry : fs::directory_iterator(dst, ec)) {
-        for (const TorchFileInfo& f : ckpt->files()) {
-          const std::string name = entry.path().filename().string();
-          if (name.starts_with("model") && SameFile(entry.path().string(), f.path)) {
-            return Status(Code::kInvalidArgument, entry.path().string() +
-                                                      ": writing the output here could replace the "
-                                                      "source file " +
-                                                      f.path);
-          }
-        }
-      }
-    }
-    TF_ASSIGN_OR_RETURN(report.outputs, WriteSharded(dst, to_write, plan.metadata, shard));
+    TF_RETURN_IF_ERROR(
+        WriteShardedOutput(*ckpt, dst, to_write, plan, options, file_bytes, report.outputs));
   } else {
-    std::error_code ec;
-    const bool into_dir = fs::is_directory(dst, ec);
-    const std::string path = into_dir ? (fs::path(dst) / "model.safetensors").string() : dst;
-    for (const TorchFileInfo& f : ckpt->files()) {
-      if (SameFile(path, f.path)) {
-        return Status(Code::kInvalidArgument,
-                      path + ": the output would replace the source file " + f.path);
-      }
-    }
-    if (into_dir) {
-      // One file, but through WriteSharded so that an older sharded checkpoint in the directory
-      // (whose index would shadow the new file) is replaced all or nothing.
-      ShardOptions single;
-      single.max_shard_size = UINT64_MAX;
-      single.prefix = "model";
-      single.always_write_index = false;
-      single.write = options.write;
-      TF_ASSIGN_OR_RETURN(report.outputs, WriteSharded(dst, to_write, plan.metadata, single));
-    } else {
-      TF_RETURN_IF_ERROR(WriteFile(path, to_write, plan.metadata, options.write));
-      report.outputs.push_back(path);
-    }
+    TF_RETURN_IF_ERROR(WriteSingleOutput(*ckpt, dst, to_write, plan, options, report.outputs));
   }
   return report;
 }

@@ -69,6 +69,7 @@ struct DevicePipeline::RunState {
   DeviceBuffer* destination = nullptr;
   bool destination_registered = false;
   uint64_t tasks = 0, gds_tasks = 0, staged_tasks = 0;
+  uint64_t strided = 0, unaligned = 0, refused = 0;  // staged with GDS on, by cause (Plan)
   std::vector<std::string> reasons;
 
   std::atomic<size_t> next{0};
@@ -162,132 +163,154 @@ Status BadTask(size_t index, const std::string& what) {
   return Status(Code::kInvalidArgument, "device task " + std::to_string(index) + ": " + what);
 }
 
+// kInvalidArgument unless task `index` (not empty) has a file, a destination and a valid layout.
+Status CheckTask(size_t index, const DeviceTask& t) {
+  if (t.file == nullptr) return BadTask(index, "no file");
+  if (t.dst == nullptr) return BadTask(index, "no device destination");
+  if (t.file_offset + t.length < t.file_offset) return BadTask(index, "offset + length overflows");
+  if (t.rows > 0) {
+    const bool ok_shape = t.row_bytes > 0 && t.src_pitch >= t.row_bytes &&
+                          t.dst_pitch >= t.row_bytes &&
+                          (t.rows - 1) <= (UINT64_MAX - t.row_bytes) / t.src_pitch &&
+                          (t.rows - 1) * t.src_pitch + t.row_bytes == t.length;
+    if (!ok_shape) {
+      return BadTask(index, "strided layout (" + std::to_string(t.rows) + " rows of " +
+                                std::to_string(t.row_bytes) + " bytes, source pitch " +
+                                std::to_string(t.src_pitch) + ", destination pitch " +
+                                std::to_string(t.dst_pitch) + ") does not match length " +
+                                std::to_string(t.length));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
   const uint64_t slot = ring_->slot_size();
-  const uint64_t align = options_.gds_alignment;
-  const bool forced = options_.gds == GdsMode::kOn;
-  uint64_t strided = 0, unaligned = 0, refused = 0;
   for (size_t i = 0; i < tasks.size(); ++i) {
     const DeviceTask& t = tasks[i];
     if (t.length == 0) continue;
-    if (t.file == nullptr) return BadTask(i, "no file");
-    if (t.dst == nullptr) return BadTask(i, "no device destination");
-    if (t.file_offset + t.length < t.file_offset) return BadTask(i, "offset + length overflows");
-    if (t.rows > 0) {
-      const bool ok_shape = t.row_bytes > 0 && t.src_pitch >= t.row_bytes &&
-                            t.dst_pitch >= t.row_bytes &&
-                            (t.rows - 1) <= (UINT64_MAX - t.row_bytes) / t.src_pitch &&
-                            (t.rows - 1) * t.src_pitch + t.row_bytes == t.length;
-      if (!ok_shape) {
-        return BadTask(i, "strided layout (" + std::to_string(t.rows) + " rows of " +
-                              std::to_string(t.row_bytes) + " bytes, source pitch " +
-                              std::to_string(t.src_pitch) + ", destination pitch " +
-                              std::to_string(t.dst_pitch) + ") does not match length " +
-                              std::to_string(t.length));
-      }
-    }
+    TF_RETURN_IF_ERROR(CheckTask(i, t));
     ++run.tasks;
-
-    bool gds = false;
-    if (gds_driver_ && t.rows == 0) {
-      if (!run.gds_files.contains(t.file) && !run.gds_refused.contains(t.file)) {
-        auto opened = OpenGdsFile(*t.file);
-        if (opened.ok()) {
-          run.gds_files[t.file] = std::move(opened).value();
-        } else {
-          if (forced) return opened.status();
-          run.gds_refused[t.file] = opened.status().message();
-        }
-      }
-      if (run.gds_files.contains(t.file)) {
-        const bool aligned =
-            t.file_offset % align == 0 && reinterpret_cast<uintptr_t>(t.dst) % align == 0;
-        gds = aligned || forced;
-        if (!gds) ++unaligned;
-      } else {
-        ++refused;
-      }
-    } else if (gds_driver_) {
-      ++strided;
-    }
+    TF_ASSIGN_OR_RETURN(const bool gds, ChooseGds(t, run));
     gds ? ++run.gds_tasks : ++run.staged_tasks;
-
     // Chunks: at most `slot` bytes; boundaries after the first on kFileAlign file offsets; each
     // placed in its slot at its offset modulo kFileAlign (congruent, for O_DIRECT), which the
     // first chunk's shorter length leaves room for.
     if (t.rows == 0 || t.row_bytes > slot) {
-      // Contiguous, or strided with rows longer than a slot: each row (or the range) in pieces.
-      const uint64_t rows = t.rows == 0 ? 1 : t.rows;
-      const uint64_t piece = t.rows == 0 ? t.length : t.row_bytes;
-      for (uint64_t r = 0; r < rows; ++r) {
-        const uint64_t begin = t.file_offset + r * t.src_pitch;
-        std::byte* dst = t.dst + r * t.dst_pitch;
-        uint64_t at = begin;
-        while (at < begin + piece) {
-          uint64_t end = std::min(begin + piece, (at + slot) / kFileAlign * kFileAlign);
-          if (end <= at) end = std::min(begin + piece, at + slot);
-          Chunk c;
-          c.task = i;
-          c.file = t.file;
-          c.offset = at;
-          c.length = end - at;
-          c.dst = dst + (at - begin);
-          c.slot_offset = at % kFileAlign;
-          if (c.slot_offset + c.length > slot) c.slot_offset = 0;
-          c.direct_fd = t.direct_fd;
-          c.cancel = t.cancel;
-          c.gds = gds;
-          run.chunks.push_back(c);
-          at = end;
-        }
-      }
+      ChunkRanges(i, t, slot, gds, run.chunks);
     } else {
-      // Strided: as many whole rows per chunk as fit a slot (after the congruence offset, when
-      // a row still fits with it).
-      uint64_t r = 0;
-      while (r < t.rows) {
-        const uint64_t offset = t.file_offset + r * t.src_pitch;
-        uint64_t lead = offset % kFileAlign;
-        if (t.row_bytes > slot - lead) lead = 0;
-        const uint64_t n = std::min((slot - lead - t.row_bytes) / t.src_pitch + 1, t.rows - r);
-        Chunk c;
-        c.task = i;
-        c.file = t.file;
-        c.offset = offset;
-        c.length = (n - 1) * t.src_pitch + t.row_bytes;
-        c.dst = t.dst + r * t.dst_pitch;
-        c.rows = n;
-        c.row_bytes = t.row_bytes;
-        c.src_pitch = t.src_pitch;
-        c.dst_pitch = t.dst_pitch;
-        c.slot_offset = lead;
-        c.direct_fd = t.direct_fd;
-        c.cancel = t.cancel;
-        run.chunks.push_back(c);
-        r += n;
-      }
+      ChunkRows(i, t, slot, run.chunks);
     }
   }
+  ExplainStaging(run);
+  return Status::Ok();
+}
+
+Result<bool> DevicePipeline::ChooseGds(const DeviceTask& t, RunState& run) {
+  if (!gds_driver_) return false;
+  if (t.rows > 0) {
+    ++run.strided;
+    return false;
+  }
+  const bool forced = options_.gds == GdsMode::kOn;
+  if (!run.gds_files.contains(t.file) && !run.gds_refused.contains(t.file)) {
+    auto opened = OpenGdsFile(*t.file);
+    if (opened.ok()) {
+      run.gds_files[t.file] = std::move(opened).value();
+    } else {
+      if (forced) return opened.status();
+      run.gds_refused[t.file] = opened.status().message();
+    }
+  }
+  if (!run.gds_files.contains(t.file)) {
+    ++run.refused;
+    return false;
+  }
+  const uint64_t align = options_.gds_alignment;
+  const bool aligned =
+      t.file_offset % align == 0 && reinterpret_cast<uintptr_t>(t.dst) % align == 0;
+  if (!aligned && !forced) ++run.unaligned;
+  return aligned || forced;
+}
+
+void DevicePipeline::ChunkRanges(size_t index, const DeviceTask& t, uint64_t slot, bool gds,
+                                 std::vector<Chunk>& chunks) {
+  // Contiguous, or strided with rows longer than a slot: each row (or the range) in pieces.
+  const uint64_t rows = t.rows == 0 ? 1 : t.rows;
+  const uint64_t piece = t.rows == 0 ? t.length : t.row_bytes;
+  for (uint64_t r = 0; r < rows; ++r) {
+    const uint64_t begin = t.file_offset + r * t.src_pitch;
+    std::byte* dst = t.dst + r * t.dst_pitch;
+    uint64_t at = begin;
+    while (at < begin + piece) {
+      uint64_t end = std::min(begin + piece, (at + slot) / kFileAlign * kFileAlign);
+      if (end <= at) end = std::min(begin + piece, at + slot);
+      Chunk c;
+      c.task = index;
+      c.file = t.file;
+      c.offset = at;
+      c.length = end - at;
+      c.dst = dst + (at - begin);
+      c.slot_offset = at % kFileAlign;
+      if (c.slot_offset + c.length > slot) c.slot_offset = 0;
+      c.direct_fd = t.direct_fd;
+      c.cancel = t.cancel;
+      c.gds = gds;
+      chunks.push_back(c);
+      at = end;
+    }
+  }
+}
+
+void DevicePipeline::ChunkRows(size_t index, const DeviceTask& t, uint64_t slot,
+                               std::vector<Chunk>& chunks) {
+  // Strided: as many whole rows per chunk as fit a slot (after the congruence offset, when
+  // a row still fits with it).
+  uint64_t r = 0;
+  while (r < t.rows) {
+    const uint64_t offset = t.file_offset + r * t.src_pitch;
+    uint64_t lead = offset % kFileAlign;
+    if (t.row_bytes > slot - lead) lead = 0;
+    const uint64_t n = std::min((slot - lead - t.row_bytes) / t.src_pitch + 1, t.rows - r);
+    Chunk c;
+    c.task = index;
+    c.file = t.file;
+    c.offset = offset;
+    c.length = (n - 1) * t.src_pitch + t.row_bytes;
+    c.dst = t.dst + r * t.dst_pitch;
+    c.rows = n;
+    c.row_bytes = t.row_bytes;
+    c.src_pitch = t.src_pitch;
+    c.dst_pitch = t.dst_pitch;
+    c.slot_offset = lead;
+    c.direct_fd = t.direct_fd;
+    c.cancel = t.cancel;
+    chunks.push_back(c);
+    r += n;
+  }
+}
+
+void DevicePipeline::ExplainStaging(RunState& run) const {
   if (!gds_driver_) {
     run.reasons.push_back(gds_off_reason_);
-  } else {
-    for (const auto& [file, why] : run.gds_refused) run.reasons.push_back(why);
-    if (refused > 0) {
-      run.reasons.push_back(Plural(refused, "task") +
-                            " of files cuFile refused used the staging ring");
-    }
-    if (unaligned > 0) {
-      run.reasons.push_back(Plural(unaligned, "task") + " not aligned to " + std::to_string(align) +
-                            " bytes (file offset or device address) used the staging ring");
-    }
-    if (strided > 0) {
-      run.reasons.push_back(Plural(strided, "strided task") +
-                            " used the staging ring (GDS reads contiguous ranges only)");
-    }
+    return;
   }
-  return Status::Ok();
+  for (const auto& [file, why] : run.gds_refused) run.reasons.push_back(why);
+  if (run.refused > 0) {
+    run.reasons.push_back(Plural(run.refused, "task") +
+                          " of files cuFile refused used the staging ring");
+  }
+  if (run.unaligned > 0) {
+    run.reasons.push_back(Plural(run.unaligned, "task") + " not aligned to " +
+                          std::to_string(options_.gds_alignment) +
+                          " bytes (file offset or device address) used the staging ring");
+  }
+  if (run.strided > 0) {
+    run.reasons.push_back(Plural(run.strided, "strided task") +
+                          " used the staging ring (GDS reads contiguous ranges only)");
+  }
 }
 
 Result<std::unique_ptr<DevicePipeline::GdsFile>> DevicePipeline::OpenGdsFile(

@@ -155,7 +155,19 @@ class DevicePipeline {
   DevicePipeline(std::shared_ptr<const cuda::Runtime> runtime, const DevicePipelineOptions& options)
       : runtime_(std::move(runtime)), options_(options) {}
 
+  // Checks the tasks, picks GDS or the staging ring for each and cuts them into run.chunks.
   Status Plan(std::span<const DeviceTask> tasks, RunState& run);
+  // Whether task `t` (checked) reads with GDS; opens its file with cuFile on first use and counts
+  // in `run` why not. Errors: those of OpenGdsFile when GDS is forced on.
+  Result<bool> ChooseGds(const DeviceTask& t, RunState& run);
+  // Chunks of a contiguous task, or of a strided one whose rows exceed a slot: each row in pieces.
+  static void ChunkRanges(size_t index, const DeviceTask& t, uint64_t slot, bool gds,
+                          std::vector<Chunk>& chunks);
+  // Chunks of a strided task whose rows fit a slot: as many whole rows per chunk as fit.
+  static void ChunkRows(size_t index, const DeviceTask& t, uint64_t slot,
+                        std::vector<Chunk>& chunks);
+  // Appends to run.reasons why tasks of the run used the staging ring.
+  void ExplainStaging(RunState& run) const;
   void Produce(unsigned producer, io::ReadEngine& engine, RunState& run);
   Status Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
   Status ReadGds(const Chunk& chunk, RunState& run);

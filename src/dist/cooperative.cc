@@ -92,16 +92,18 @@ std::vector<uint32_t> AssignRounds(std::span<const uint64_t> sizes,
   return rounds;
 }
 
-Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> checkpoint,
-                                            const Selection& selection, const ShardSpec& spec,
-                                            const LoadOptions& options, Collective& collective,
-                                            CooperativeStats* stats) {
-  const Clock::time_point start = Clock::now();
-  CooperativeStats local;
-  const uint32_t world = collective.size();
-  const uint32_t me = collective.rank();
-  if (checkpoint == nullptr)
-    return Status(Code::kInvalidArgument, "LoadCooperative: no checkpoint");
+namespace {
+
+// The schedule every rank computes alike: each tensor read with its parts, its reader and round.
+struct Schedule {
+  std::vector<Item> items;        // the tensors read, in checkpoint order
+  std::vector<uint32_t> readers;  // AssignReaders
+  std::vector<uint32_t> rounds;   // AssignRounds
+  uint32_t round_count = 0;
+};
+
+// kUnsupported unless `options` targets host memory.
+Status CheckHostTarget(const LoadOptions& options) {
   // The exchange packs slices out of the reader's tensors and the collectives move host bytes:
   // device tensors would be device addresses here. Refused the same way on every rank, before
   // any I/O or collective.
@@ -113,86 +115,139 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
             " is not supported by LoadCooperative (load each rank's slices onto its "
             "device with LoadOptions::tensor_parallel, or move the returned host tensors)");
   }
+  return Status::Ok();
+}
+
+// The selection's description for rank `me` of `world` under `spec`.
+Result<Description> DescribeForRank(const Checkpoint& checkpoint, const Selection& selection,
+                                    const ShardSpec& spec, uint32_t me, uint32_t world) {
   // Tied aliases resolve as for the Loader: their targets are read (once) and exchanged, the
   // aliases added at the end sharing their target's result.
   TensorParallelOptions tp;
   tp.spec = spec;
   tp.rank = me;
   tp.world = world;
-  TF_ASSIGN_OR_RETURN(const Description described, DescribeSelection(*checkpoint, selection, &tp));
-  const std::vector<uint32_t>& indices = described.read;
-  const std::vector<TensorInfo>& infos = checkpoint->tensors();
-  const size_t n = indices.size();
+  return DescribeSelection(checkpoint, selection, &tp);
+}
 
-  // Every rank's slice of every tensor, before any I/O: a rule error stops every rank here.
-  std::vector<Item> items(n);
-  std::vector<uint64_t> sizes(n);
-  for (size_t i = 0; i < n; ++i) {
-    Item& item = items[i];
-    item.info = &infos[indices[i]];
-    sizes[i] = item.info->size;
-    const ShardRule rule = spec.RuleFor(item.info->name);
-    item.whole = !rule.is_split();
-    if (item.whole) {
-      item.local_shape = item.info->shape;
-      continue;
-    }
-    item.slices.reserve(world);
-    item.counts.reserve(world);
-    for (uint32_t q = 0; q < world; ++q) {
-      TF_ASSIGN_OR_RETURN(TensorSlice slice, SliceOf(*item.info, rule, q, world));
-      item.counts.push_back(slice.bytes);
-      item.slices.push_back(std::move(slice));
-    }
-    item.local_shape = item.slices[me].shape;
+// `info` with every rank's slice of it under its rule in `spec` (none when the rule keeps it
+// whole).
+Result<Item> MakeItem(const TensorInfo& info, const ShardSpec& spec, uint32_t me, uint32_t world) {
+  Item item;
+  item.info = &info;
+  const ShardRule rule = spec.RuleFor(info.name);
+  item.whole = !rule.is_split();
+  if (item.whole) {
+    item.local_shape = info.shape;
+    return item;
   }
-  const std::vector<uint32_t> readers = AssignReaders(sizes, world);
-  const std::vector<uint32_t> rounds = AssignRounds(sizes, readers, world, options.budget);
-  const uint32_t round_count = n == 0 ? 0 : *std::max_element(rounds.begin(), rounds.end()) + 1;
+  item.slices.reserve(world);
+  item.counts.reserve(world);
+  for (uint32_t q = 0; q < world; ++q) {
+    TF_ASSIGN_OR_RETURN(TensorSlice slice, SliceOf(info, rule, q, world));
+    item.counts.push_back(slice.bytes);
+    item.slices.push_back(std::move(slice));
+  }
+  item.local_shape = item.slices[me].shape;
+  return item;
+}
 
+// The schedule of the tensors `indices` (checkpoint order), rounds bounded by `budget`.
+Result<Schedule> MakeSchedule(const Checkpoint& checkpoint, std::span<const uint32_t> indices,
+                              const ShardSpec& spec, uint64_t budget, uint32_t me, uint32_t world) {
+  // Every rank's slice of every tensor, before any I/O: a rule error stops every rank here.
+  const std::vector<TensorInfo>& infos = checkpoint.tensors();
+  Schedule schedule;
+  std::vector<uint64_t> sizes;
+  for (const uint32_t index : indices) {
+    TF_ASSIGN_OR_RETURN(Item item, MakeItem(infos[index], spec, me, world));
+    sizes.push_back(item.info->size);
+    schedule.items.push_back(std::move(item));
+  }
+  schedule.readers = AssignReaders(sizes, world);
+  schedule.rounds = AssignRounds(sizes, schedule.readers, world, budget);
+  schedule.round_count =
+      indices.empty() ? 0 : *std::max_element(schedule.rounds.begin(), schedule.rounds.end()) + 1;
+  return schedule;
+}
+
+// The Loader under the rounds: whole tensors, no budget of its own.
+Result<std::unique_ptr<Loader>> OpenRoundLoader(std::shared_ptr<const Checkpoint> checkpoint,
+                                                const LoadOptions& options) {
   // The rounds are the budget: the loader under them loads each round's reads at once.
   // It reads whole tensors: any per-rank slicing of the caller's options does not apply here.
   LoadOptions load_options = options;
   load_options.budget = 0;
   load_options.tensor_parallel.reset();
-  // A rank whose loader cannot open still takes part in the first status exchange, so the others
-  // learn of it instead of waiting for it in a collective.
-  Result<std::unique_ptr<Loader>> opened = Loader::Open(checkpoint, load_options);
-  const Status open_status = opened.status();
-  std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
+  return Loader::Open(std::move(checkpoint), load_options);
+}
 
-  if (round_count == 0 && !open_status.ok()) return open_status;
-  std::vector<Tensor> out(n);
-  std::vector<std::byte> pack;
-  for (uint32_t k = 0; k < round_count; ++k) {
-    // 1. This rank's reads of the round.
+// Copies `slice` of `info` out of `source` (the whole tensor's bytes) to `dst`; returns its end.
+std::byte* CopySlice(const TensorInfo& info, const TensorSlice& slice, const std::byte* source,
+                     std::byte* dst) {
+  for (const auto& [offset, length] : SliceByteRanges(info, slice)) {
+    std::memcpy(dst, source + offset, length);
+    dst += length;
+  }
+  return dst;
+}
+
+// This rank's side of the rounds: its reads, the status exchange, the tensor exchange.
+class RoundRunner {
+ public:
+  // `loader` is null when it could not open (`open_status` says why).
+  RoundRunner(const Schedule& schedule, Collective& collective, Loader* loader, Status open_status,
+              CooperativeStats& stats)
+      : schedule_(schedule),
+        collective_(collective),
+        loader_(loader),
+        open_status_(std::move(open_status)),
+        stats_(stats),
+        me_(collective.rank()),
+        world_(collective.size()) {}
+
+  // Runs round k: this rank's result of each tensor of the round lands in out[i] (schedule order).
+  Status Run(uint32_t k, std::vector<Tensor>& out) {
+    Result<std::vector<Tensor>> loaded = Read(k);
+    const Clock::time_point exchange_start = Clock::now();
+    TF_RETURN_IF_ERROR(AgreeOnReads(loaded.status()));
+    TF_RETURN_IF_ERROR(Exchange(k, *loaded, out));
+    stats_.exchange_seconds += SecondsSince(exchange_start);
+    stats_.rounds++;
+    return Status::Ok();
+  }
+
+ private:
+  // This rank's reads of round k, in checkpoint order.
+  Result<std::vector<Tensor>> Read(uint32_t k) {
+    if (!open_status_.ok()) return open_status_;
     std::vector<std::string> names;
-    for (size_t i = 0; i < n; ++i) {
-      if (readers[i] == me && rounds[i] == k) names.push_back(items[i].info->name);
-    }
-    std::vector<Tensor> loaded;
-    Status read_status = open_status;
-    if (read_status.ok() && !names.empty()) {
-      const Clock::time_point read_start = Clock::now();
-      Result<std::vector<Tensor>> r = loader->Load(Selection::Names(std::move(names)));
-      local.read_seconds += SecondsSince(read_start);
-      if (r.ok()) {
-        loaded = std::move(r).value();
-        const LoadStats ls = loader->stats();
-        local.bytes_read += ls.bytes;
-        local.engine = ls.engine;
-      } else {
-        read_status = r.status();
+    for (size_t i = 0; i < schedule_.items.size(); ++i) {
+      if (schedule_.readers[i] == me_ && schedule_.rounds[i] == k) {
+        names.push_back(schedule_.items[i].info->name);
       }
     }
-    // 2. Everyone learns whether every rank has its reads, so nobody waits in a collective for a
+    if (names.empty()) return std::vector<Tensor>{};
+    const Clock::time_point read_start = Clock::now();
+    Result<std::vector<Tensor>> r = loader_->Load(Selection::Names(std::move(names)));
+    stats_.read_seconds += SecondsSince(read_start);
+    if (r.ok()) {
+      const LoadStats ls = loader_->stats();
+      stats_.bytes_read += ls.bytes;
+      stats_.engine = ls.engine;
+    }
+    return r;
+  }
+
+  // Shares this rank's read status with every rank; an error unless every rank has its reads.
+  Status AgreeOnReads(const Status& read_status) {
+    // Everyone learns whether every rank has its reads, so nobody waits in a collective for a
     // rank that gave up.
-    const Clock::time_point exchange_start = Clock::now();
-    TF_ASSIGN_OR_RETURN(
-        const std::vector<uint64_t> codes,
-        collective.AllGather(read_status.ok() ? 0 : 1 + static_cast<uint64_t>(read_status.code())));
+    TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> codes,
+                        collective_.AllGather(
+                            read_status.ok() ? 0 : 1 + static_cast<uint64_t>(read_status.code())));
     if (!read_status.ok()) return read_status;
-    for (uint32_t q = 0; q < world; ++q) {
+    for (uint32_t q = 0; q < world_; ++q) {
       if (codes[q] != 0) {
         return Status(Code::kIoError, "cooperative load: rank " + std::to_string(q) +
                                           " failed reading its share (" +
@@ -200,89 +255,112 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
                                           "); see that rank's error");
       }
     }
-    // 3. The exchange, tensor by tensor in checkpoint order.
+    return Status::Ok();
+  }
+
+  // Exchanges round k's tensors, tensor by tensor in checkpoint order; `loaded`: this rank's reads.
+  Status Exchange(uint32_t k, const std::vector<Tensor>& loaded, std::vector<Tensor>& out) {
     size_t next_loaded = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (rounds[i] != k) continue;
-      const Item& item = items[i];
-      const TensorInfo& info = *item.info;
-      const uint32_t root = readers[i];
+    for (size_t i = 0; i < schedule_.items.size(); ++i) {
+      if (schedule_.rounds[i] != k) continue;
+      const Item& item = schedule_.items[i];
+      const uint32_t root = schedule_.readers[i];
       const Tensor* source = nullptr;
-      if (root == me) {
-        if (next_loaded >= loaded.size() || loaded[next_loaded].name() != info.name) {
-          return Status(Code::kInternal,
-                        "cooperative load: loader returned tensors out of order at " + info.name);
+      if (root == me_) {
+        if (next_loaded >= loaded.size() || loaded[next_loaded].name() != item.info->name) {
+          return Status(
+              Code::kInternal,
+              "cooperative load: loader returned tensors out of order at " + item.info->name);
         }
         source = &loaded[next_loaded++];
       }
-      if (item.whole) {
-        if (root == me) {
-          out[i] = *source;  // shares the loader's buffer
-          local.bytes_sent += info.size * (world - 1);
-          if (info.size > 0) {
-            TF_RETURN_IF_ERROR(collective.Broadcast({source->data(), source->size()}, {}, root)
-                                   .WithPrefix(info.name));
-          }
-        } else {
-          std::shared_ptr<std::byte[]> buffer(new std::byte[info.size]);
-          if (info.size > 0) {
-            TF_RETURN_IF_ERROR(
-                collective.Broadcast({}, {buffer.get(), info.size}, root).WithPrefix(info.name));
-          }
-          local.bytes_received += info.size;
-          const std::byte* data = buffer.get();
-          out[i] = Tensor(info.name, info.dtype, info.shape, data, info.size, std::move(buffer));
-        }
-        continue;
-      }
-      const uint64_t mine = item.counts[me];
-      std::shared_ptr<std::byte[]> buffer(new std::byte[mine]);
-      if (info.size > 0) {
-        // The reader copies its own slice straight into its result; the transfer carries the
-        // other ranks' slices only (the root's count is 0 in it, on every rank alike).
-        std::vector<uint64_t> transfer = item.counts;
-        transfer[root] = 0;
-        std::span<const std::byte> send;
-        std::span<std::byte> recv;
-        if (root == me) {
-          std::byte* own = buffer.get();
-          for (const auto& [offset, length] : SliceByteRanges(info, item.slices[me])) {
-            std::memcpy(own, source->data() + offset, length);
-            own += length;
-          }
-          // Every other rank's slice, in rank order, each in destination order.
-          pack.resize(std::accumulate(transfer.begin(), transfer.end(), uint64_t{0}));
-          std::byte* dst = pack.data();
-          for (uint32_t q = 0; q < world; ++q) {
-            if (q == me) continue;
-            for (const auto& [offset, length] : SliceByteRanges(info, item.slices[q])) {
-              std::memcpy(dst, source->data() + offset, length);
-              dst += length;
-            }
-          }
-          send = pack;
-          local.bytes_sent += pack.size();
-        } else {
-          recv = {buffer.get(), mine};
-          local.bytes_received += mine;
-        }
-        if (world > 1) {
-          TF_RETURN_IF_ERROR(collective.Scatterv(send, transfer, recv, root).WithPrefix(info.name));
-        }
-      }
-      const std::byte* data = buffer.get();
-      out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, std::move(buffer));
+      TF_ASSIGN_OR_RETURN(out[i],
+                          item.whole ? Broadcast(item, root, source) : Scatter(item, root, source));
     }
-    local.exchange_seconds += SecondsSince(exchange_start);
-    local.rounds++;
+    return Status::Ok();
   }
-  // What the caller asked for, in the Loader's order: tensors read only for an alias dropped,
-  // aliases sharing their target's bytes.
-  std::vector<size_t> position(infos.size(), SIZE_MAX);
-  for (size_t i = 0; i < n; ++i) position[indices[i]] = i;
+
+  // A replicated tensor: the reader (`root`, holding `source`) broadcasts it whole.
+  Result<Tensor> Broadcast(const Item& item, uint32_t root, const Tensor* source) {
+    const TensorInfo& info = *item.info;
+    if (root == me_) {
+      stats_.bytes_sent += info.size * (world_ - 1);
+      if (info.size > 0) {
+        TF_RETURN_IF_ERROR(collective_.Broadcast({source->data(), source->size()}, {}, root)
+                               .WithPrefix(info.name));
+      }
+      return *source;  // shares the loader's buffer
+    }
+    std::shared_ptr<std::byte[]> buffer(new std::byte[info.size]);
+    if (info.size > 0) {
+      TF_RETURN_IF_ERROR(
+          collective_.Broadcast({}, {buffer.get(), info.size}, root).WithPrefix(info.name));
+    }
+    stats_.bytes_received += info.size;
+    const std::byte* data = buffer.get();
+    return Tensor(info.name, info.dtype, info.shape, data, info.size, std::move(buffer));
+  }
+
+  // A split tensor: the reader (`root`, holding `source`) scatters every rank's slice.
+  Result<Tensor> Scatter(const Item& item, uint32_t root, const Tensor* source) {
+    const TensorInfo& info = *item.info;
+    const uint64_t mine = item.counts[me_];
+    std::shared_ptr<std::byte[]> buffer(new std::byte[mine]);
+    if (info.size > 0) {
+      // The reader copies its own slice straight into its result; the transfer carries the
+      // other ranks' slices only (the root's count is 0 in it, on every rank alike).
+      std::vector<uint64_t> transfer = item.counts;
+      transfer[root] = 0;
+      std::span<const std::byte> send;
+      std::span<std::byte> recv;
+      if (root == me_) {
+        CopySlice(info, item.slices[me_], source->data(), buffer.get());
+        Pack(item, *source, transfer);
+        send = pack_;
+        stats_.bytes_sent += pack_.size();
+      } else {
+        recv = {buffer.get(), mine};
+        stats_.bytes_received += mine;
+      }
+      if (world_ > 1) {
+        TF_RETURN_IF_ERROR(collective_.Scatterv(send, transfer, recv, root).WithPrefix(info.name));
+      }
+    }
+    const std::byte* data = buffer.get();
+    return Tensor(info.name, info.dtype, item.local_shape, data, mine, std::move(buffer));
+  }
+
+  // Packs every other rank's slice of `source` into pack_, in rank order, each in destination
+  // order.
+  void Pack(const Item& item, const Tensor& source, std::span<const uint64_t> transfer) {
+    pack_.resize(std::accumulate(transfer.begin(), transfer.end(), uint64_t{0}));
+    std::byte* dst = pack_.data();
+    for (uint32_t q = 0; q < world_; ++q) {
+      if (q == me_) continue;
+      dst = CopySlice(*item.info, item.slices[q], source.data(), dst);
+    }
+  }
+
+  const Schedule& schedule_;
+  Collective& collective_;
+  Loader* loader_;
+  const Status open_status_;
+  CooperativeStats& stats_;
+  const uint32_t me_;
+  const uint32_t world_;
+  std::vector<std::byte> pack_;  // the reader's packing buffer, reused across tensors
+};
+
+// What the caller asked for, in the Loader's order, from `exchanged` (the tensors read, in
+// described.read's order): tensors read only for an alias dropped, aliases sharing their
+// target's bytes.
+std::vector<Tensor> Deliver(const Description& described, size_t tensor_count,
+                            const std::vector<Tensor>& exchanged) {
+  std::vector<size_t> position(tensor_count, SIZE_MAX);
+  for (size_t i = 0; i < described.read.size(); ++i) position[described.read[i]] = i;
   std::vector<Tensor> delivered;
   for (const OutputInfo& o : described.outputs) {
-    const Tensor& t = out[position[o.tensor]];
+    const Tensor& t = exchanged[position[o.tensor]];
     if (!o.alias) {
       delivered.push_back(t);
     } else {
@@ -290,7 +368,39 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
                              t.device());
     }
   }
-  out = std::move(delivered);
+  return delivered;
+}
+
+}  // namespace
+
+Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> checkpoint,
+                                            const Selection& selection, const ShardSpec& spec,
+                                            const LoadOptions& options, Collective& collective,
+                                            CooperativeStats* stats) {
+  const Clock::time_point start = Clock::now();
+  CooperativeStats local;
+  if (checkpoint == nullptr)
+    return Status(Code::kInvalidArgument, "LoadCooperative: no checkpoint");
+  TF_RETURN_IF_ERROR(CheckHostTarget(options));
+  TF_ASSIGN_OR_RETURN(
+      const Description described,
+      DescribeForRank(*checkpoint, selection, spec, collective.rank(), collective.size()));
+  TF_ASSIGN_OR_RETURN(const Schedule schedule,
+                      MakeSchedule(*checkpoint, described.read, spec, options.budget,
+                                   collective.rank(), collective.size()));
+
+  // A rank whose loader cannot open still takes part in the first status exchange, so the others
+  // learn of it instead of waiting for it in a collective.
+  Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, options);
+  const Status open_status = opened.status();
+  std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
+  if (schedule.round_count == 0 && !open_status.ok()) return open_status;
+
+  RoundRunner rounds(schedule, collective, loader.get(), open_status, local);
+  std::vector<Tensor> exchanged(schedule.items.size());
+  for (uint32_t k = 0; k < schedule.round_count; ++k) TF_RETURN_IF_ERROR(rounds.Run(k, exchanged));
+
+  std::vector<Tensor> out = Deliver(described, checkpoint->tensors().size(), exchanged);
   for (const Tensor& t : out) local.bytes += t.size();
   local.tensors = out.size();
   local.seconds = SecondsSince(start);

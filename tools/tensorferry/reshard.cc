@@ -113,124 +113,157 @@ std::string RankDirName(uint32_t rank, uint32_t world) {
   return name;
 }
 
-int RunReshard(const ReshardArgs& a) {
-  if (a.tp == 0 && a.max_shard_size.empty()) {
-    PrintError("reshard: give --tp N, --max-shard-size SIZE, or both");
-    return kExitUsage;
-  }
-  ShardOptions so;
+// Parses --max-shard-size, --no-sync and --rules; prints the error and returns false if invalid.
+bool ParseReshardOptions(const ReshardArgs& a, ShardOptions& so, ShardSpec& spec) {
   if (!a.max_shard_size.empty()) {
     auto size = ParseSize(a.max_shard_size);
     if (!size || *size == 0) {
       PrintError("--max-shard-size: not a size: " + a.max_shard_size);
-      return kExitUsage;
+      return false;
     }
     so.max_shard_size = *size;
   }
   so.write.sync = !a.no_sync;
-  ShardSpec spec = ShardSpec::Builtin();
+  spec = ShardSpec::Builtin();
   if (!a.rules.empty()) {
     auto r = ReadShardRules(a.rules);
     if (!r.ok()) {
       PrintError(a.rules, r.status());
-      return kExitUsage;
+      return false;
     }
     spec = std::move(r).value();
   }
-  const std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(a.src);
-  if (!ckpt) return kExitError;
-  std::vector<std::shared_ptr<RandomAccessFile>> files;
-  for (const FileInfo& f : ckpt->files()) {
+  return true;
+}
+
+// Opens every file of the checkpoint for positional reads; prints the error and returns false.
+bool OpenSourceFiles(const Checkpoint& ckpt,
+                     std::vector<std::shared_ptr<RandomAccessFile>>& files) {
+  for (const FileInfo& f : ckpt.files()) {
     auto file = Env::Default()->OpenRandomAccess(f.path);
     if (!file.ok()) {
       PrintError(f.path, file.status());
-      return kExitError;
+      return false;
     }
     files.push_back(std::move(file).value());
   }
-  Metadata base;
-  if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
-  auto set = [](Metadata& m, const std::string& k, const std::string& v) {
-    for (auto& [key, value] : m) {
-      if (key == k) {
-        value = v;
-        return;
-      }
-    }
-    m.emplace_back(k, v);
-  };
+  return true;
+}
 
-  // Re-splitting into the source's own directory would replace (and obsolete) the files being
-  // read. The same directory is recognized by device and inode, whatever path leads there
-  // (symlinks, "..", bind mounts).
-  if (a.tp == 0) {
-    struct stat dst_st;
-    if (::stat(a.dst.c_str(), &dst_st) == 0) {
-      for (const FileInfo& f : ckpt->files()) {
-        const fs::path parent = fs::path(f.path).parent_path();
-        struct stat src_st;
-        if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
-            src_st.st_dev == dst_st.st_dev && src_st.st_ino == dst_st.st_ino) {
-          PrintError(a.dst, Status(Code::kInvalidArgument,
-                                   "is the directory of the source file " + f.path +
-                                       "; writing there would replace the checkpoint being "
-                                       "read (choose another output directory)"));
-          return kExitError;
-        }
-      }
+// Sets metadata key `k` to `v`, replacing an existing value or appending.
+void SetMetadata(Metadata& m, const std::string& k, const std::string& v) {
+  for (auto& [key, value] : m) {
+    if (key == k) {
+      value = v;
+      return;
     }
   }
+  m.emplace_back(k, v);
+}
 
+// Returns false (with the error printed) if DST is the directory of a source file.
+// Re-splitting into the source's own directory would replace (and obsolete) the files being
+// read. The same directory is recognized by device and inode, whatever path leads there
+// (symlinks, "..", bind mounts).
+bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt) {
+  struct stat dst_st;
+  if (::stat(a.dst.c_str(), &dst_st) != 0) return true;
+  for (const FileInfo& f : ckpt.files()) {
+    const fs::path parent = fs::path(f.path).parent_path();
+    struct stat src_st;
+    if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
+        src_st.st_dev == dst_st.st_dev && src_st.st_ino == dst_st.st_ino) {
+      PrintError(a.dst, Status(Code::kInvalidArgument,
+                               "is the directory of the source file " + f.path +
+                                   "; writing there would replace the checkpoint being "
+                                   "read (choose another output directory)"));
+      return false;
+    }
+  }
+  return true;
+}
+
+// Creates DST and refuses existing rank directories; prints the error and returns false.
+bool PrepareDestination(const ReshardArgs& a, uint32_t world) {
   std::error_code ec;
   fs::create_directories(a.dst, ec);
   if (ec) {
     PrintError(a.dst, Status(Code::kIoError, "cannot create the directory: " + ec.message()));
-    return kExitError;
+    return false;
   }
-  const uint32_t world = a.tp == 0 ? 1 : a.tp;
   // Refused before anything is written: no rank directory is ever overwritten.
   for (uint32_t rank = 0; a.tp > 0 && rank < world; ++rank) {
     const fs::path final_dir = fs::path(a.dst) / RankDirName(rank, world);
     if (fs::exists(final_dir)) {
       PrintError(final_dir.string(),
                  Status(Code::kInvalidArgument, "already exists; not overwritten"));
-      return kExitError;
+      return false;
     }
   }
+  return true;
+}
+
+// Writes one rank (or the whole re-split checkpoint without --tp) and adds the bytes of its
+// .safetensors files to `written`; prints the error and returns false on failure.
+bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
+                  const std::vector<std::shared_ptr<RandomAccessFile>>& files,
+                  const ShardSpec& spec, const ShardOptions& so, const Metadata& base,
+                  uint32_t rank, uint32_t world, uint64_t& written) {
+  std::error_code ec;
+  Metadata metadata = base;
+  if (a.tp > 0) {
+    SetMetadata(metadata, "tensorferry.tp_rank", std::to_string(rank));
+    SetMetadata(metadata, "tensorferry.tp_size", std::to_string(world));
+    SetMetadata(metadata, "tensorferry.shard_rules", spec.ToJson());
+  }
+  const std::string final_dir =
+      a.tp > 0 ? (fs::path(a.dst) / RankDirName(rank, world)).string() : a.dst;
+  // A rank directory appears complete or not at all.
+  const std::string partial =
+      a.tp > 0 ? (fs::path(a.dst) / ("." + RankDirName(rank, world) + ".partial")).string() : a.dst;
+  if (a.tp > 0) fs::remove_all(partial, ec);  // left by an interrupted run
+  auto paths = WriteRank(ckpt, files, spec, rank, world, partial, so, metadata);
+  if (!paths.ok()) {
+    if (a.tp > 0) fs::remove_all(partial, ec);
+    PrintError(a.src, paths.status());
+    return false;
+  }
+  if (a.tp > 0) {
+    fs::rename(partial, final_dir, ec);
+    if (ec) {
+      fs::remove_all(partial, ec);
+      PrintError(final_dir, Status(Code::kIoError, "rename failed: " + ec.message()));
+      return false;
+    }
+  }
+  for (const std::string& p : *paths) {
+    if (p.ends_with(".safetensors")) {
+      written += fs::file_size(fs::path(final_dir) / fs::path(p).filename(), ec);
+    }
+  }
+  return true;
+}
+
+int RunReshard(const ReshardArgs& a) {
+  if (a.tp == 0 && a.max_shard_size.empty()) {
+    PrintError("reshard: give --tp N, --max-shard-size SIZE, or both");
+    return kExitUsage;
+  }
+  ShardOptions so;
+  ShardSpec spec = ShardSpec::Builtin();
+  if (!ParseReshardOptions(a, so, spec)) return kExitUsage;
+  const std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(a.src);
+  if (!ckpt) return kExitError;
+  std::vector<std::shared_ptr<RandomAccessFile>> files;
+  if (!OpenSourceFiles(*ckpt, files)) return kExitError;
+  Metadata base;
+  if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
+  if (a.tp == 0 && !CheckDstIsNotSource(a, *ckpt)) return kExitError;
+  const uint32_t world = a.tp == 0 ? 1 : a.tp;
+  if (!PrepareDestination(a, world)) return kExitError;
   uint64_t written = 0;
   for (uint32_t rank = 0; rank < world; ++rank) {
-    Metadata metadata = base;
-    if (a.tp > 0) {
-      set(metadata, "tensorferry.tp_rank", std::to_string(rank));
-      set(metadata, "tensorferry.tp_size", std::to_string(world));
-      set(metadata, "tensorferry.shard_rules", spec.ToJson());
-    }
-    const std::string final_dir =
-        a.tp > 0 ? (fs::path(a.dst) / RankDirName(rank, world)).string() : a.dst;
-    // A rank directory appears complete or not at all.
-    const std::string partial =
-        a.tp > 0 ? (fs::path(a.dst) / ("." + RankDirName(rank, world) + ".partial")).string()
-                 : a.dst;
-    if (a.tp > 0) fs::remove_all(partial, ec);  // left by an interrupted run
-    auto paths = WriteRank(*ckpt, files, spec, rank, world, partial, so, metadata);
-    if (!paths.ok()) {
-      if (a.tp > 0) fs::remove_all(partial, ec);
-      PrintError(a.src, paths.status());
-      return kExitError;
-    }
-    if (a.tp > 0) {
-      fs::rename(partial, final_dir, ec);
-      if (ec) {
-        fs::remove_all(partial, ec);
-        PrintError(final_dir, Status(Code::kIoError, "rename failed: " + ec.message()));
-        return kExitError;
-      }
-    }
-    for (const std::string& p : *paths) {
-      if (p.ends_with(".safetensors")) {
-        written += fs::file_size(fs::path(final_dir) / fs::path(p).filename(), ec);
-      }
-    }
+    if (!WriteOneRank(a, *ckpt, files, spec, so, base, rank, world, written)) return kExitError;
   }
   const std::string line = "resharded " + Plural(ckpt->tensors().size(), "tensor") + " of " +
                            a.src + " into " + (a.tp > 0 ? Plural(world, "rank") + " under " : "") +

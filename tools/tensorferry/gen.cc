@@ -305,9 +305,9 @@ int UsageError(const std::string& text) {
   return kExitUsage;
 }
 
-int RunGen(const GenArgs& args) {
-  // The preset, with options given explicitly on top.
-  ModelConfig c = Presets().at(args.preset);
+// The preset with explicit options on top, checked; returns the usage error text, or "" if valid.
+std::string ResolveConfig(const GenArgs& args, ModelConfig& c) {
+  c = Presets().at(args.preset);
   if (args.layers->count()) c.layers = args.config.layers;
   if (args.hidden->count()) c.hidden = args.config.hidden;
   if (args.intermediate->count()) c.intermediate = args.config.intermediate;
@@ -315,15 +315,16 @@ int RunGen(const GenArgs& args) {
   if (args.kv_heads->count()) c.kv_heads = args.config.kv_heads;
   if (args.vocab->count()) c.vocab = args.config.vocab;
   if (c.hidden == 0 || c.intermediate == 0 || c.heads == 0 || c.kv_heads == 0 || c.vocab == 0) {
-    return UsageError("--hidden, --intermediate, --heads, --kv-heads and --vocab must be positive");
+    return "--hidden, --intermediate, --heads, --kv-heads and --vocab must be positive";
   }
-  if (c.hidden % c.heads != 0) return UsageError("--hidden must be a multiple of --heads");
-  if (c.heads % c.kv_heads != 0) return UsageError("--heads must be a multiple of --kv-heads");
-  if (c.layers > 100000) return UsageError("--layers: at most 100000");
+  if (c.hidden % c.heads != 0) return "--hidden must be a multiple of --heads";
+  if (c.heads % c.kv_heads != 0) return "--heads must be a multiple of --kv-heads";
+  if (c.layers > 100000) return "--layers: at most 100000";
+  return "";
+}
 
-  const DType dtype = *DTypeFromName(args.dtype);  // checked by the option's validator
-  const uint64_t shard_size = *ParseSize(args.shard_size);
-
+// {"format": "pt"} with the --metadata KEY=VALUE pairs applied in order (later ones replace).
+Metadata BuildMetadata(const GenArgs& args) {
   Metadata metadata = {{"format", "pt"}};
   for (const std::string& kv : args.metadata) {
     const size_t eq = kv.find('=');
@@ -336,18 +337,25 @@ int RunGen(const GenArgs& args) {
       metadata.emplace_back(key, value);
     }
   }
+  return metadata;
+}
 
-  const std::vector<TensorSpec> specs = LlamaLayout(c, args.tie_embeddings);
-  uint64_t total_bytes = 0;
-  uint64_t total_params = 0;
+// Sums the byte and parameter counts of `specs`; returns the usage error text, or "" if valid.
+std::string SumSizes(const std::vector<TensorSpec>& specs, DType dtype, uint64_t& total_bytes,
+                     uint64_t& total_params) {
   for (const TensorSpec& s : specs) {
     auto bytes = TensorByteSize(dtype, s.shape);
-    if (!bytes.ok()) return UsageError(s.name + ": " + bytes.status().message());
-    if (total_bytes + *bytes < total_bytes) return UsageError("total size overflows 64 bits");
+    if (!bytes.ok()) return s.name + ": " + bytes.status().message();
+    if (total_bytes + *bytes < total_bytes) return "total size overflows 64 bits";
     total_bytes += *bytes;
     total_params += NumElements(s.shape).value_or(0);
   }
+  return "";
+}
 
+// The tensors to write, each generating its deterministic values on demand.
+std::vector<TensorToWrite> MakeTensors(const std::vector<TensorSpec>& specs, DType dtype,
+                                       uint64_t seed) {
   const auto weights = std::make_shared<const ValueGenerator>(dtype, Kind::kWeight);
   const auto norms = std::make_shared<const ValueGenerator>(dtype, Kind::kNorm);
   std::vector<TensorToWrite> tensors;
@@ -358,81 +366,119 @@ int RunGen(const GenArgs& args) {
     t.dtype = dtype;
     t.shape = s.shape;
     auto gen = s.kind == Kind::kNorm ? norms : weights;
-    t.generate = [gen, key = TensorKey(args.seed, s.name)](uint64_t offset,
-                                                           std::span<std::byte> out) {
+    t.generate = [gen, key = TensorKey(seed, s.name)](uint64_t offset, std::span<std::byte> out) {
       gen->Fill(key, offset, out);
       return Status::Ok();
     };
     tensors.push_back(std::move(t));
   }
+  return tensors;
+}
+
+// What gen wrote, for the report.
+struct GenResult {
+  std::vector<std::string> written;
+  std::vector<uint64_t> sizes;
+  uint64_t tensors = 0;
+  uint64_t total_params = 0;
+  uint64_t total_bytes = 0;
+  double seconds = 0;
+  double gbps = 0;
+};
+
+// The sizes of the written files (0 where unreadable).
+std::vector<uint64_t> FileSizes(const std::vector<std::string>& written) {
+  std::vector<uint64_t> sizes;
+  for (const std::string& path : written) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    sizes.push_back(ec ? 0 : static_cast<uint64_t>(size));
+  }
+  return sizes;
+}
+
+// The --json report.
+std::string JsonReport(const GenArgs& args, const ModelConfig& c, DType dtype, uint64_t shard_size,
+                       const Metadata& metadata, const GenResult& r) {
+  JsonOut j;
+  j.BeginObject().Field("path", args.out);
+  j.Key("files").BeginArray();
+  for (size_t i = 0; i < r.written.size(); ++i) {
+    j.BeginObject().Field("path", r.written[i]).Field("size", r.sizes[i]).EndObject();
+  }
+  j.EndArray();
+  j.Field("tensors", r.tensors)
+      .Field("params", r.total_params)
+      .Field("bytes", r.total_bytes)
+      .Field("seconds", r.seconds)
+      .Field("gb_per_s", r.gbps);
+  j.Key("config")
+      .BeginObject()
+      .Field("preset", args.preset)
+      .Field("layers", c.layers)
+      .Field("hidden", c.hidden)
+      .Field("intermediate", c.intermediate)
+      .Field("heads", c.heads)
+      .Field("kv_heads", c.kv_heads)
+      .Field("vocab", c.vocab)
+      .Field("dtype", DTypeName(dtype))
+      .Field("tie_embeddings", args.tie_embeddings)
+      .Field("shard_size", shard_size)
+      .Field("seed", args.seed)
+      .EndObject();
+  j.Key("metadata").BeginObject();
+  for (const auto& [k, v] : metadata) j.Field(k, v);
+  j.EndObject().EndObject();
+  return j.str();
+}
+
+// The human-readable report: a summary line, then one line per written file.
+std::string TextReport(const GenArgs& args, DType dtype, const GenResult& r) {
+  char rate[64];
+  std::snprintf(rate, sizeof rate, "%.2f s (%.2f GB/s)", r.seconds, r.gbps);
+  const uint64_t shards = static_cast<uint64_t>(
+      std::count_if(r.written.begin(), r.written.end(),
+                    [](const std::string& p) { return p.ends_with(".safetensors"); }));
+  std::string report = "wrote " + OneLine(args.out) + ": " + Plural(shards, "shard") +
+                       (shards < r.written.size() ? " + index" : "") + ", " +
+                       Plural(r.tensors, "tensor") + " (" + std::to_string(r.total_params) +
+                       " parameters, " + std::string(DTypeName(dtype)) + "), " +
+                       FormatBytes(r.total_bytes) + " in " + rate;
+  for (size_t i = 0; i < r.written.size(); ++i) {
+    report += "\n  " + OneLine(r.written[i]) + "  " + FormatBytes(r.sizes[i]);
+  }
+  return report;
+}
+
+int RunGen(const GenArgs& args) {
+  ModelConfig c;
+  if (std::string err = ResolveConfig(args, c); !err.empty()) return UsageError(err);
+  const DType dtype = *DTypeFromName(args.dtype);  // checked by the option's validator
+  const uint64_t shard_size = *ParseSize(args.shard_size);
+  const Metadata metadata = BuildMetadata(args);
+  const std::vector<TensorSpec> specs = LlamaLayout(c, args.tie_embeddings);
+  GenResult r;
+  if (std::string err = SumSizes(specs, dtype, r.total_bytes, r.total_params); !err.empty()) {
+    return UsageError(err);
+  }
+  const std::vector<TensorToWrite> tensors = MakeTensors(specs, dtype, args.seed);
+  r.tensors = tensors.size();
 
   ShardOptions options;
   options.max_shard_size = shard_size;
   options.write.sync = !args.no_sync;
   const int64_t start = NowNs();
   auto written = WriteSharded(args.out, tensors, metadata, options);
-  const double seconds = SecondsSince(start);
+  r.seconds = SecondsSince(start);
   if (!written.ok()) {
     PrintError(args.out, written.status());
     return kExitError;
   }
-  const double gbps = seconds > 0 ? static_cast<double>(total_bytes) / seconds / 1e9 : 0.0;
-
-  std::vector<uint64_t> sizes;
-  for (const std::string& path : *written) {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(path, ec);
-    sizes.push_back(ec ? 0 : static_cast<uint64_t>(size));
-  }
-
-  std::string report;
-  if (args.json) {
-    JsonOut j;
-    j.BeginObject().Field("path", args.out);
-    j.Key("files").BeginArray();
-    for (size_t i = 0; i < written->size(); ++i) {
-      j.BeginObject().Field("path", (*written)[i]).Field("size", sizes[i]).EndObject();
-    }
-    j.EndArray();
-    j.Field("tensors", static_cast<uint64_t>(tensors.size()))
-        .Field("params", total_params)
-        .Field("bytes", total_bytes)
-        .Field("seconds", seconds)
-        .Field("gb_per_s", gbps);
-    j.Key("config")
-        .BeginObject()
-        .Field("preset", args.preset)
-        .Field("layers", c.layers)
-        .Field("hidden", c.hidden)
-        .Field("intermediate", c.intermediate)
-        .Field("heads", c.heads)
-        .Field("kv_heads", c.kv_heads)
-        .Field("vocab", c.vocab)
-        .Field("dtype", DTypeName(dtype))
-        .Field("tie_embeddings", args.tie_embeddings)
-        .Field("shard_size", shard_size)
-        .Field("seed", args.seed)
-        .EndObject();
-    j.Key("metadata").BeginObject();
-    for (const auto& [k, v] : metadata) j.Field(k, v);
-    j.EndObject().EndObject();
-    report = j.str();
-  } else {
-    char rate[64];
-    std::snprintf(rate, sizeof rate, "%.2f s (%.2f GB/s)", seconds, gbps);
-    const uint64_t shards = static_cast<uint64_t>(
-        std::count_if(written->begin(), written->end(),
-                      [](const std::string& p) { return p.ends_with(".safetensors"); }));
-    report = "wrote " + OneLine(args.out) + ": " + Plural(shards, "shard") +
-             (shards < written->size() ? " + index" : "") + ", " +
-             Plural(tensors.size(), "tensor") + " (" + std::to_string(total_params) +
-             " parameters, " + std::string(DTypeName(dtype)) + "), " + FormatBytes(total_bytes) +
-             " in " + rate;
-    for (size_t i = 0; i < written->size(); ++i) {
-      report += "\n  " + OneLine((*written)[i]) + "  " + FormatBytes(sizes[i]);
-    }
-  }
-  return PrintReport(report);
+  r.gbps = r.seconds > 0 ? static_cast<double>(r.total_bytes) / r.seconds / 1e9 : 0.0;
+  r.written = std::move(written).value();
+  r.sizes = FileSizes(r.written);
+  return PrintReport(args.json ? JsonReport(args, c, dtype, shard_size, metadata, r)
+                               : TextReport(args, dtype, r));
 }
 
 }  // namespace

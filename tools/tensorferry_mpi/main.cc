@@ -96,10 +96,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
   return f;
 }
 
-int Main(int argc, char** argv) {
-  CLI::App app("tensorferry-mpi: tensor-parallel loading over MPI (run under mpirun)");
-  app.require_subcommand(1);
-  Args args;
+// Defines the `load` subcommand and its options, bound to `args`.
+void DefineLoadCommand(CLI::App& app, Args& args) {
   CLI::App* load = app.add_subcommand("load", "Load this rank's slices of a checkpoint");
   load->add_option("path", args.path, "Checkpoint file, directory or index")->required();
   load->add_option("--mode", args.mode, "cooperative | sliced | full")
@@ -113,6 +111,138 @@ int Main(int argc, char** argv) {
   load->add_option("--repeat", args.repeat, "Repetitions")->check(CLI::PositiveNumber);
   load->add_flag("--cold", args.cold, "Evict the files from the page cache before each run");
   load->add_flag("--json", args.json, "One JSON document on rank 0's stdout");
+}
+
+// Prints the error and aborts the job: a rank that fails cannot leave the others waiting in a
+// collective.
+int Fail(const Status& s) {
+  std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  return 1;
+}
+
+// The environment's load options with the flags applied and validated.
+Result<LoadOptions> ResolveLoadOptions(const Args& args) {
+  auto options_or = LoadOptions::FromEnvironment();
+  if (!options_or.ok()) return options_or.status();
+  LoadOptions options = *options_or;
+  // The flags go through LoadOptions::Set, as every edge's options do (options.h).
+  for (const auto& [key, flag, value] : {std::tuple{"engine", "--engine", args.engine},
+                                         std::tuple{"direct", "--direct", args.direct},
+                                         std::tuple{"budget", "--budget", args.budget},
+                                         std::tuple{"threads", "--threads", args.threads}}) {
+    if (value.empty()) continue;
+    if (Status s = SetContext(options, key, value, flag); !s.ok()) return s;
+  }
+  if (Status s = options.Validate(); !s.ok()) return s;
+  return options;
+}
+
+// --cold: rank 0 evicts the files; every rank learns whether that worked.
+Status EvictIfCold(Collective& group, const Checkpoint& checkpoint, bool cold, bool root) {
+  uint64_t evict_failed = 0;
+  if (cold && root) {
+    for (const FileInfo& file : checkpoint.files()) {
+      Status s = DropFromPageCache(file.path);
+      auto cached = CachedFraction(file.path);
+      if (!s.ok() || !cached.ok() || *cached > 0.01) evict_failed = 1;
+    }
+  }
+  auto evicted = group.AllGather(evict_failed);
+  if (!evicted.ok()) return evicted.status();
+  if ((*evicted)[0] != 0) {
+    return Status(Code::kUnsupported, "--cold: the files could not be evicted");
+  }
+  return Status::Ok();
+}
+
+// Every rank's figures to everyone (microseconds for the times), one column per figure.
+Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
+                                                         const RankFigures& figures) {
+  std::vector<std::vector<uint64_t>> columns;
+  for (uint64_t v :
+       {static_cast<uint64_t>(figures.seconds * 1e6), figures.bytes, figures.read, figures.sent,
+        figures.received, static_cast<uint64_t>(figures.read_seconds * 1e6),
+        static_cast<uint64_t>(figures.exchange_seconds * 1e6)}) {
+    auto all = group.AllGather(v);
+    if (!all.ok()) return all.status();
+    columns.push_back(std::move(*all));
+  }
+  return columns;
+}
+
+// Appends one repetition's JSON object to `json`.
+void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_read,
+                   const std::vector<std::vector<uint64_t>>& columns, uint32_t world) {
+  json += std::string(run ? ", " : "") + "{\"wall_seconds\": " + std::to_string(wall) +
+          ", \"bytes_read_total\": " + std::to_string(total_read) + ", \"per_rank\": [";
+  for (uint32_t r = 0; r < world; ++r) {
+    json += std::string(r ? ", " : "") + "{\"rank\": " + std::to_string(r) +
+            ", \"seconds\": " + std::to_string(static_cast<double>(columns[0][r]) / 1e6) +
+            ", \"bytes\": " + std::to_string(columns[1][r]) +
+            ", \"bytes_read\": " + std::to_string(columns[2][r]) +
+            ", \"bytes_sent\": " + std::to_string(columns[3][r]) +
+            ", \"bytes_received\": " + std::to_string(columns[4][r]) +
+            ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
+            ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
+            "}";
+  }
+  json += "]}";
+}
+
+// Prints one repetition's summary line and one line per rank.
+void PrintRunText(const Args& args, unsigned run, double wall, uint64_t total_read,
+                  const std::vector<std::vector<uint64_t>>& columns, uint32_t world) {
+  std::printf("run %u: %s, %u ranks%s: %.3f s wall, %s read in all (%.2f GB/s)\n", run + 1,
+              args.mode.c_str(), world, args.cold ? ", cold" : "", wall,
+              FormatBytes(total_read).c_str(), static_cast<double>(total_read) / wall / 1e9);
+  for (uint32_t r = 0; r < world; ++r) {
+    std::printf(
+        "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), slices %s, read %s, sent %s, "
+        "received %s\n",
+        r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
+        static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
+        FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
+        FormatBytes(columns[4][r]).c_str());
+  }
+}
+
+// One repetition: evict if cold, load between two barriers, gather and report the figures (rank
+// 0 prints, or appends to `json` with --json).
+Status RunRepetition(Collective& group, const std::shared_ptr<const Checkpoint>& checkpoint,
+                     const ShardSpec& spec, const LoadOptions& options, const Args& args,
+                     unsigned run, std::string& json) {
+  const uint32_t world = group.size();
+  const bool root = group.rank() == 0;
+  if (Status s = EvictIfCold(group, *checkpoint, args.cold, root); !s.ok()) return s;
+  Status s = group.Barrier();
+  if (!s.ok()) return s;
+  const auto start = std::chrono::steady_clock::now();
+  auto figures = RunOnce(group, checkpoint, spec, options, args.mode);
+  if (!figures.ok()) return figures.status();
+  s = group.Barrier();
+  if (!s.ok()) return s;
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  auto columns = GatherFigures(group, *figures);
+  if (!columns.ok()) return columns.status();
+  uint64_t total_read = 0;
+  for (uint64_t v : (*columns)[2]) total_read += v;
+  if (!root) return Status::Ok();
+  if (args.json) {
+    AppendRunJson(json, run, wall, total_read, *columns, world);
+  } else {
+    PrintRunText(args, run, wall, total_read, *columns, world);
+  }
+  return Status::Ok();
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app("tensorferry-mpi: tensor-parallel loading over MPI (run under mpirun)");
+  app.require_subcommand(1);
+  Args args;
+  DefineLoadCommand(app, args);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -122,103 +252,23 @@ int Main(int argc, char** argv) {
     return e.get_exit_code() == 0 ? 0 : 2;
   }
 
-  // A rank that fails cannot leave the others waiting in a collective: abort the job.
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, 1);
-    return 1;
-  };
   auto c = MpiCollective::Create(MPI_COMM_WORLD);
-  if (!c.ok()) return fail(c.status());
+  if (!c.ok()) return Fail(c.status());
   Collective& group = **c;
-  auto options_or = LoadOptions::FromEnvironment();
-  if (!options_or.ok()) return fail(options_or.status());
-  LoadOptions options = *options_or;
-  // The flags go through LoadOptions::Set, as every edge's options do (options.h).
-  for (const auto& [key, flag, value] : {std::tuple{"engine", "--engine", args.engine},
-                                         std::tuple{"direct", "--direct", args.direct},
-                                         std::tuple{"budget", "--budget", args.budget},
-                                         std::tuple{"threads", "--threads", args.threads}}) {
-    if (value.empty()) continue;
-    if (Status s = SetContext(options, key, value, flag); !s.ok()) return fail(s);
-  }
-  if (Status s = options.Validate(); !s.ok()) return fail(s);
+  auto options = ResolveLoadOptions(args);
+  if (!options.ok()) return Fail(options.status());
   auto spec = cli::ReadShardRules(args.shard_rules);
-  if (!spec.ok()) return fail(spec.status());
+  if (!spec.ok()) return Fail(spec.status());
   auto checkpoint = Checkpoint::Open(args.path);
-  if (!checkpoint.ok()) return fail(checkpoint.status());
+  if (!checkpoint.ok()) return Fail(checkpoint.status());
 
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
   std::string json = "{\"mode\": \"" + args.mode + "\", \"ranks\": " + std::to_string(world) +
                      ", \"cold\": " + (args.cold ? "true" : "false") + ", \"runs\": [";
   for (unsigned run = 0; run < args.repeat; ++run) {
-    uint64_t evict_failed = 0;
-    if (args.cold && root) {
-      for (const FileInfo& file : (*checkpoint)->files()) {
-        Status s = DropFromPageCache(file.path);
-        auto cached = CachedFraction(file.path);
-        if (!s.ok() || !cached.ok() || *cached > 0.01) evict_failed = 1;
-      }
-    }
-    auto evicted = group.AllGather(evict_failed);
-    if (!evicted.ok()) return fail(evicted.status());
-    if ((*evicted)[0] != 0) {
-      return fail(Status(Code::kUnsupported, "--cold: the files could not be evicted"));
-    }
-    Status s = group.Barrier();
-    if (!s.ok()) return fail(s);
-    const auto start = std::chrono::steady_clock::now();
-    auto figures = RunOnce(group, *checkpoint, *spec, options, args.mode);
-    if (!figures.ok()) return fail(figures.status());
-    s = group.Barrier();
-    if (!s.ok()) return fail(s);
-    const double wall =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    // Every rank's figures to everyone (microseconds for the time).
-    std::vector<std::vector<uint64_t>> columns;
-    for (uint64_t v :
-         {static_cast<uint64_t>(figures->seconds * 1e6), figures->bytes, figures->read,
-          figures->sent, figures->received, static_cast<uint64_t>(figures->read_seconds * 1e6),
-          static_cast<uint64_t>(figures->exchange_seconds * 1e6)}) {
-      auto all = group.AllGather(v);
-      if (!all.ok()) return fail(all.status());
-      columns.push_back(std::move(*all));
-    }
-    uint64_t total_read = 0;
-    for (uint64_t v : columns[2]) total_read += v;
-    if (!root) continue;
-    if (args.json) {
-      json += std::string(run ? ", " : "") + "{\"wall_seconds\": " + std::to_string(wall) +
-              ", \"bytes_read_total\": " + std::to_string(total_read) + ", \"per_rank\": [";
-      for (uint32_t r = 0; r < world; ++r) {
-        json +=
-            std::string(r ? ", " : "") + "{\"rank\": " + std::to_string(r) +
-            ", \"seconds\": " + std::to_string(static_cast<double>(columns[0][r]) / 1e6) +
-            ", \"bytes\": " + std::to_string(columns[1][r]) +
-            ", \"bytes_read\": " + std::to_string(columns[2][r]) +
-            ", \"bytes_sent\": " + std::to_string(columns[3][r]) +
-            ", \"bytes_received\": " + std::to_string(columns[4][r]) +
-            ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
-            ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
-            "}";
-      }
-      json += "]}";
-      continue;
-    }
-    std::printf("run %u: %s, %u ranks%s: %.3f s wall, %s read in all (%.2f GB/s)\n", run + 1,
-                args.mode.c_str(), world, args.cold ? ", cold" : "", wall,
-                FormatBytes(total_read).c_str(), static_cast<double>(total_read) / wall / 1e9);
-    for (uint32_t r = 0; r < world; ++r) {
-      std::printf(
-          "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), slices %s, read %s, sent %s, "
-          "received %s\n",
-          r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
-          static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
-          FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
-          FormatBytes(columns[4][r]).c_str());
-    }
+    Status s = RunRepetition(group, *checkpoint, *spec, *options, args, run, json);
+    if (!s.ok()) return Fail(s);
   }
   if (root && args.json) std::printf("%s]}\n", json.c_str());
   return 0;

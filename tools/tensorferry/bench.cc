@@ -325,6 +325,224 @@ uint64_t MemTotal() {
   return kb * 1024;
 }
 
+// What the bench measured: throughput samples, memory figures and notes, by name.
+struct BenchResults {
+  std::map<std::string, Sample> results;
+  std::map<std::string, uint64_t> memory;
+  std::vector<std::string> notes;
+};
+
+// Checks --engines and --budget as `tensorferry load` will read them (LoadOptions::Set) and
+// collects the engines; prints the error and returns false if one is invalid.
+bool CheckLoadFlags(const BenchArgs& args, std::vector<std::string>& engines) {
+  LoadOptions checked;
+  for (size_t at = 0; at <= args.engines.size();) {
+    const size_t comma = std::min(args.engines.find(',', at), args.engines.size());
+    const std::string e = args.engines.substr(at, comma - at);
+    if (!e.empty()) {
+      if (const Status s = SetContext(checked, "engine", e, "--engines"); !s.ok()) {
+        PrintError(s.message());
+        return false;
+      }
+      engines.push_back(e);
+    }
+    at = comma + 1;
+  }
+  if (const Status s = SetContext(checked, "budget", args.budget, "--budget"); !s.ok()) {
+    PrintError(s.message());
+    return false;
+  }
+  return true;
+}
+
+// The hardware references: page-cache copy limit (after warming the files), first touch of
+// fresh memory, one thread into fresh memory. Prints the error and returns false if the buffer
+// cannot be mapped.
+bool RunReferences(const std::vector<Region>& regions, uint64_t total, unsigned runs,
+                   unsigned cores, Progress& progress, BenchResults& out) {
+  // Warm the files.
+  {
+    Mapping buf(total);
+    if (buf.data == nullptr) {
+      PrintError("cannot map " + std::to_string(total) + " bytes for the references");
+      return false;
+    }
+    ParallelRead(regions, buf.data, cores);
+    for (unsigned r = 0; r < runs; ++r) {
+      // Page-cache copy limit: the buffer is touched (it was read into just before).
+      out.results["ref: page-cache copy limit"].values.push_back(
+          ParallelRead(regions, buf.data, cores));
+      progress.Step("page-cache copy limit");
+    }
+  }
+  for (unsigned r = 0; r < runs; ++r) {
+    Mapping fresh(total);
+    const int64_t t0 = NowNs();
+    for (uint64_t at = 0; at < total; at += 4096) fresh.data[at] = std::byte{1};
+    out.results["ref: first touch of fresh memory"].values.push_back(static_cast<double>(total) /
+                                                                     SecondsSince(t0) / 1e9);
+    progress.Step("first touch");
+  }
+  for (unsigned r = 0; r < runs; ++r) {
+    Mapping fresh(total);
+    out.results["ref: 1 thread into fresh memory"].values.push_back(
+        ParallelRead(regions, fresh.data, 1));
+    progress.Step("single thread, fresh memory");
+  }
+  return true;
+}
+
+// Runs `tensorferry load --json` with `engine` in a child process; its output, or "" (with a
+// note) if it failed.
+std::string LoadJson(const BenchArgs& args, const std::string& self, const std::string& engine,
+                     std::vector<std::string> extra, BenchResults& out) {
+  // --touch: every page of every tensor is read by the caller, so lazy views are timed as
+  // their users pay for them (docs/benchmarks.md, "what loaded means").
+  std::vector<std::string> argv = {self,   "load",          args.path, "--engine",
+                                   engine, "--no-checksum", "--touch", "--json"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  int rc = 0;
+  std::string json = RunCapture(argv, &rc);
+  if (rc != 0) {
+    out.notes.push_back("load --engine " + engine + " failed with exit " + std::to_string(rc));
+    return "";
+  }
+  return json;
+}
+
+// Warm: each engine in its own process, 3 loads each: fresh memory, then reused buffers.
+void RunWarm(const BenchArgs& args, const std::string& self,
+             const std::vector<std::string>& engines, unsigned runs, Progress& progress,
+             BenchResults& out) {
+  for (unsigned r = 0; r < runs; ++r) {
+    for (const std::string& e : engines) {
+      // mmap: one load per process (a second load would find the pages already mapped).
+      const bool mapped = e == "mmap";
+      const std::string json = LoadJson(args, self, e, {"--repeat", mapped ? "1" : "3"}, out);
+      const std::vector<double> gbps = JsonNumbers(json, "runs_gb_per_s");
+      if (!gbps.empty()) {
+        if (mapped) {
+          out.results["warm, zero-copy views, every page touched: mmap"].values.push_back(gbps[0]);
+        } else if (gbps.size() == 3) {
+          out.results["warm, fresh memory: " + e].values.push_back(gbps[0]);
+          out.results["warm, reused buffers: " + e].values.push_back(std::max(gbps[1], gbps[2]));
+        }
+        out.memory["peak RSS: " + e] = static_cast<uint64_t>(JsonNumber(json, "peak_rss_bytes") -
+                                                             JsonNumber(json, "rss_before_bytes"));
+      }
+      progress.Step("warm " + e);
+    }
+  }
+}
+
+// Budget (warm, auto engine): bytes held and throughput against unbudgeted in the same run.
+void RunBudget(const BenchArgs& args, const std::string& self, Progress& progress,
+               BenchResults& out) {
+  const std::string unbounded = LoadJson(args, self, "auto", {}, out);
+  const std::string budgeted = LoadJson(args, self, "auto", {"--budget", args.budget}, out);
+  const std::vector<double> u = JsonNumbers(unbounded, "runs_gb_per_s");
+  const std::vector<double> b = JsonNumbers(budgeted, "runs_gb_per_s");
+  if (!u.empty() && !b.empty()) {
+    out.results["warm, unbounded: auto"].values.push_back(u[0]);
+    out.results["warm, budget " + args.budget + ": auto"].values.push_back(b[0]);
+    out.memory["peak RSS over start, budget " + args.budget] = static_cast<uint64_t>(
+        JsonNumber(budgeted, "peak_rss_bytes") - JsonNumber(budgeted, "rss_before_bytes"));
+    out.memory["peak RSS over start, unbounded"] = static_cast<uint64_t>(
+        JsonNumber(unbounded, "peak_rss_bytes") - JsonNumber(unbounded, "rss_before_bytes"));
+  }
+  progress.Step("budget");
+}
+
+// Cold: each engine after evicting the files, then the storage limit (fio, or the internal
+// O_DIRECT reader).
+void RunCold(const BenchArgs& args, const std::string& self,
+             const std::vector<std::string>& engines, const std::vector<std::string>& files,
+             unsigned runs, Progress& progress, BenchResults& out) {
+  for (unsigned r = 0; r < runs; ++r) {
+    for (const std::string& e : engines) {
+      if (Status s = Evict(files); !s.ok()) {
+        out.notes.push_back("eviction failed: " + s.message());
+      }
+      const std::vector<double> gbps =
+          JsonNumbers(LoadJson(args, self, e, {}, out), "runs_gb_per_s");
+      if (!gbps.empty()) out.results["cold: " + e].values.push_back(gbps[0]);
+      progress.Step("cold " + e);
+    }
+  }
+  for (unsigned r = 0; r < runs; ++r) {
+    (void)Evict(files);
+    double fio = FioRead(files);
+    if (fio < 0) {
+      if (r == 0)
+        out.notes.push_back("fio not found: storage limit from the internal O_DIRECT reader");
+      fio = DirectRead(files);
+      out.results["ref: storage limit (O_DIRECT reader)"].values.push_back(fio);
+    } else {
+      out.results["ref: storage limit (fio O_DIRECT)"].values.push_back(fio);
+    }
+  }
+  progress.Step("storage limit");
+}
+
+// The machine and checkpoint the bench ran on, for the report.
+struct BenchContext {
+  std::string path;
+  uint64_t total = 0;
+  uint64_t files = 0;
+  uint64_t tensors = 0;
+  unsigned runs = 0;
+  unsigned cores = 0;
+  std::string kernel;
+};
+
+// The --json report.
+std::string BenchJson(const BenchContext& c, const BenchResults& out) {
+  JsonOut j;
+  j.BeginObject()
+      .Field("path", c.path)
+      .Field("bytes", c.total)
+      .Field("files", c.files)
+      .Field("tensors", c.tensors)
+      .Field("runs", static_cast<uint64_t>(c.runs))
+      .Field("cpu", CpuModel())
+      .Field("cores", static_cast<uint64_t>(c.cores))
+      .Field("memory_bytes", MemTotal())
+      .Field("kernel", c.kernel)
+      .Key("results")
+      .BeginObject();
+  for (const auto& [name, s] : out.results) {
+    j.Key(name).BeginObject().Field("median_gb_per_s", s.Median()).Field("min", s.Min());
+    j.Field("max", s.Max()).EndObject();
+  }
+  j.EndObject().Key("memory").BeginObject();
+  for (const auto& [name, bytes] : out.memory) j.Field(name, bytes);
+  j.EndObject().Key("notes").BeginArray();
+  for (const std::string& n : out.notes) j.String(n);
+  j.EndArray().EndObject();
+  return j.str();
+}
+
+// The human-readable report: checkpoint and machine, one line per result, memory, notes.
+std::string BenchText(const BenchContext& c, const BenchResults& out) {
+  std::string text = "checkpoint " + c.path + ": " + FormatBytes(c.total) + " of tensors in " +
+                     Plural(c.files, "file") + "\nmachine: " + CpuModel() + ", " +
+                     std::to_string(c.cores) + " cores, " + FormatBytes(MemTotal()) +
+                     " RAM, Linux " + c.kernel + "\nmedian of " + std::to_string(c.runs) +
+                     " runs (min-max), GB/s:\n";
+  for (const auto& [name, s] : out.results) {
+    char line[160];
+    std::snprintf(line, sizeof line, "  %-44s %7.2f  (%.2f-%.2f)\n", name.c_str(), s.Median(),
+                  s.Min(), s.Max());
+    text += line;
+  }
+  for (const auto& [name, bytes] : out.memory) {
+    text += "  " + name + ": " + FormatBytes(bytes) + "\n";
+  }
+  for (const std::string& n : out.notes) text += "note: " + n + "\n";
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  return text;
+}
+
 int RunBench(const BenchArgs& args) {
   const std::shared_ptr<const Checkpoint> checkpoint = OpenOrPrintError(args.path);
   if (!checkpoint) return kExitError;
@@ -337,185 +555,26 @@ int RunBench(const BenchArgs& args) {
     regions.push_back({f.path, f.data_offset, f.file_size - f.data_offset});
     total += f.file_size - f.data_offset;
   }
-  // The flags are checked as `tensorferry load` will read them (LoadOptions::Set).
-  LoadOptions checked;
   std::vector<std::string> engines;
-  for (size_t at = 0; at <= args.engines.size();) {
-    const size_t comma = std::min(args.engines.find(',', at), args.engines.size());
-    const std::string e = args.engines.substr(at, comma - at);
-    if (!e.empty()) {
-      if (const Status s = SetContext(checked, "engine", e, "--engines"); !s.ok()) {
-        PrintError(s.message());
-        return kExitUsage;
-      }
-      engines.push_back(e);
-    }
-    at = comma + 1;
-  }
-  if (const Status s = SetContext(checked, "budget", args.budget, "--budget"); !s.ok()) {
-    PrintError(s.message());
-    return kExitUsage;
-  }
+  if (!CheckLoadFlags(args, engines)) return kExitUsage;
   const unsigned runs = std::max(args.runs, 1u);
   const unsigned cores = std::thread::hardware_concurrency();
   const std::string self = SelfExe();
 
   Progress progress(3 * runs + engines.size() * (runs + (args.no_cold ? 0 : runs)) +
                     (args.no_cold ? 0 : 1) + 2);
-  std::map<std::string, Sample> results;
-  std::map<std::string, uint64_t> memory;
-  std::vector<std::string> notes;
-
-  // Warm the files.
-  {
-    Mapping buf(total);
-    if (buf.data == nullptr) {
-      PrintError("cannot map " + std::to_string(total) + " bytes for the references");
-      return kExitError;
-    }
-    ParallelRead(regions, buf.data, cores);
-    for (unsigned r = 0; r < runs; ++r) {
-      // Page-cache copy limit: the buffer is touched (it was read into just before).
-      results["ref: page-cache copy limit"].values.push_back(
-          ParallelRead(regions, buf.data, cores));
-      progress.Step("page-cache copy limit");
-    }
-  }
-  for (unsigned r = 0; r < runs; ++r) {
-    Mapping fresh(total);
-    const int64_t t0 = NowNs();
-    for (uint64_t at = 0; at < total; at += 4096) fresh.data[at] = std::byte{1};
-    results["ref: first touch of fresh memory"].values.push_back(static_cast<double>(total) /
-                                                                 SecondsSince(t0) / 1e9);
-    progress.Step("first touch");
-  }
-  for (unsigned r = 0; r < runs; ++r) {
-    Mapping fresh(total);
-    results["ref: 1 thread into fresh memory"].values.push_back(
-        ParallelRead(regions, fresh.data, 1));
-    progress.Step("single thread, fresh memory");
-  }
-
-  auto load = [&](const std::string& engine, std::vector<std::string> extra) -> std::string {
-    // --touch: every page of every tensor is read by the caller, so lazy views are timed as
-    // their users pay for them (docs/benchmarks.md, "what loaded means").
-    std::vector<std::string> argv = {self,   "load",          args.path, "--engine",
-                                     engine, "--no-checksum", "--touch", "--json"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    int rc = 0;
-    std::string out = RunCapture(argv, &rc);
-    if (rc != 0) {
-      notes.push_back("load --engine " + engine + " failed with exit " + std::to_string(rc));
-      return "";
-    }
-    return out;
-  };
-
-  // Warm: each engine in its own process, 3 loads each: fresh memory, then reused buffers.
-  for (unsigned r = 0; r < runs; ++r) {
-    for (const std::string& e : engines) {
-      // mmap: one load per process (a second load would find the pages already mapped).
-      const bool mapped = e == "mmap";
-      const std::string out = load(e, {"--repeat", mapped ? "1" : "3"});
-      const std::vector<double> gbps = JsonNumbers(out, "runs_gb_per_s");
-      if (!gbps.empty()) {
-        if (mapped) {
-          results["warm, zero-copy views, every page touched: mmap"].values.push_back(gbps[0]);
-        } else if (gbps.size() == 3) {
-          results["warm, fresh memory: " + e].values.push_back(gbps[0]);
-          results["warm, reused buffers: " + e].values.push_back(std::max(gbps[1], gbps[2]));
-        }
-        memory["peak RSS: " + e] = static_cast<uint64_t>(JsonNumber(out, "peak_rss_bytes") -
-                                                         JsonNumber(out, "rss_before_bytes"));
-      }
-      progress.Step("warm " + e);
-    }
-  }
-  // Budget (warm, auto engine): bytes held and throughput against unbudgeted in the same run.
-  {
-    const std::string unbounded = load("auto", {});
-    const std::string budgeted = load("auto", {"--budget", args.budget});
-    const std::vector<double> u = JsonNumbers(unbounded, "runs_gb_per_s");
-    const std::vector<double> b = JsonNumbers(budgeted, "runs_gb_per_s");
-    if (!u.empty() && !b.empty()) {
-      results["warm, unbounded: auto"].values.push_back(u[0]);
-      results["warm, budget " + args.budget + ": auto"].values.push_back(b[0]);
-      memory["peak RSS over start, budget " + args.budget] = static_cast<uint64_t>(
-          JsonNumber(budgeted, "peak_rss_bytes") - JsonNumber(budgeted, "rss_before_bytes"));
-      memory["peak RSS over start, unbounded"] = static_cast<uint64_t>(
-          JsonNumber(unbounded, "peak_rss_bytes") - JsonNumber(unbounded, "rss_before_bytes"));
-    }
-    progress.Step("budget");
-  }
-  // Cold.
-  if (!args.no_cold) {
-    for (unsigned r = 0; r < runs; ++r) {
-      for (const std::string& e : engines) {
-        if (Status s = Evict(files); !s.ok()) {
-          notes.push_back("eviction failed: " + s.message());
-        }
-        const std::vector<double> gbps = JsonNumbers(load(e, {}), "runs_gb_per_s");
-        if (!gbps.empty()) results["cold: " + e].values.push_back(gbps[0]);
-        progress.Step("cold " + e);
-      }
-    }
-    for (unsigned r = 0; r < runs; ++r) {
-      (void)Evict(files);
-      double fio = FioRead(files);
-      if (fio < 0) {
-        if (r == 0)
-          notes.push_back("fio not found: storage limit from the internal O_DIRECT reader");
-        fio = DirectRead(files);
-        results["ref: storage limit (O_DIRECT reader)"].values.push_back(fio);
-      } else {
-        results["ref: storage limit (fio O_DIRECT)"].values.push_back(fio);
-      }
-    }
-    progress.Step("storage limit");
-  }
+  BenchResults out;
+  if (!RunReferences(regions, total, runs, cores, progress, out)) return kExitError;
+  RunWarm(args, self, engines, runs, progress, out);
+  RunBudget(args, self, progress, out);
+  if (!args.no_cold) RunCold(args, self, engines, files, runs, progress, out);
   progress.Step("done");
 
   utsname u{};
   ::uname(&u);
-  if (args.json) {
-    JsonOut j;
-    j.BeginObject()
-        .Field("path", args.path)
-        .Field("bytes", total)
-        .Field("files", static_cast<uint64_t>(files.size()))
-        .Field("tensors", static_cast<uint64_t>(ckpt.tensors().size()))
-        .Field("runs", static_cast<uint64_t>(runs))
-        .Field("cpu", CpuModel())
-        .Field("cores", static_cast<uint64_t>(cores))
-        .Field("memory_bytes", MemTotal())
-        .Field("kernel", std::string(u.release))
-        .Key("results")
-        .BeginObject();
-    for (const auto& [name, s] : results) {
-      j.Key(name).BeginObject().Field("median_gb_per_s", s.Median()).Field("min", s.Min());
-      j.Field("max", s.Max()).EndObject();
-    }
-    j.EndObject().Key("memory").BeginObject();
-    for (const auto& [name, bytes] : memory) j.Field(name, bytes);
-    j.EndObject().Key("notes").BeginArray();
-    for (const std::string& n : notes) j.String(n);
-    j.EndArray().EndObject();
-    return PrintReport(j.str());
-  }
-  std::string text = "checkpoint " + args.path + ": " + FormatBytes(total) + " of tensors in " +
-                     Plural(files.size(), "file") + "\nmachine: " + CpuModel() + ", " +
-                     std::to_string(cores) + " cores, " + FormatBytes(MemTotal()) + " RAM, Linux " +
-                     u.release + "\nmedian of " + std::to_string(runs) + " runs (min-max), GB/s:\n";
-  for (const auto& [name, s] : results) {
-    char line[160];
-    std::snprintf(line, sizeof line, "  %-44s %7.2f  (%.2f-%.2f)\n", name.c_str(), s.Median(),
-                  s.Min(), s.Max());
-    text += line;
-  }
-  for (const auto& [name, bytes] : memory) text += "  " + name + ": " + FormatBytes(bytes) + "\n";
-  for (const std::string& n : notes) text += "note: " + n + "\n";
-  if (!text.empty() && text.back() == '\n') text.pop_back();
-  return PrintReport(text);
+  const BenchContext c{args.path, total, files.size(),          ckpt.tensors().size(),
+                       runs,      cores, std::string(u.release)};
+  return PrintReport(args.json ? BenchJson(c, out) : BenchText(c, out));
 }
 
 }  // namespace

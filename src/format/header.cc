@@ -145,94 +145,88 @@ class Parser {
     return Status::Ok();
   }
 
-  Status ParseTensor(std::string_view name, dom::element value, TensorEntry& t) {
-    if (value.type() != dom::element_type::OBJECT) {
-      return FailTensor(Code::kTensorNotObject, name,
-                        std::string("entry must be an object, got ") +
+  // Parses a tensor's "dtype" field (rejecting a duplicate) into t.dtype.
+  Status ParseDtypeField(std::string_view name, dom::element value, bool& have, TensorEntry& t) {
+    if (have)
+      return Fail(Code::kDuplicateKey, "duplicate key \"dtype\" in tensor " + QuoteName(name));
+    have = true;
+    std::string_view dt;
+    if (value.get_string().get(dt) != simdjson::SUCCESS) {
+      return FailTensor(Code::kUnknownDtype, name,
+                        std::string("dtype must be a string, got ") + json::TypeName(value.type()) +
+                            " " + Render(value));
+    }
+    auto d = DTypeFromName(dt);
+    if (!d) {
+      return FailTensor(Code::kUnknownDtype, name,
+                        "unknown dtype " + QuoteName(dt) + " (dtype names are case-sensitive)");
+    }
+    t.dtype = *d;
+    return Status::Ok();
+  }
+
+  // Parses a tensor's "shape" field (rejecting a duplicate, enforcing max_rank) into t.shape.
+  Status ParseShapeField(std::string_view name, dom::element value, bool& have, TensorEntry& t) {
+    if (have)
+      return Fail(Code::kDuplicateKey, "duplicate key \"shape\" in tensor " + QuoteName(name));
+    have = true;
+    dom::array arr;
+    if (value.get_array().get(arr) != simdjson::SUCCESS) {
+      return FailTensor(Code::kInvalidShape, name,
+                        std::string("shape must be an array of non-negative integers, got ") +
                             json::TypeName(value.type()) + " " + Render(value));
     }
-    dom::object obj = value.get_object().value_unsafe();
-    bool have_dtype = false, have_shape = false, have_offsets = false;
-    size_t fields = 0;
-    for (dom::key_value_pair kv : obj) {
-      ++fields;
-      if (kv.key == "dtype") {
-        if (have_dtype)
-          return Fail(Code::kDuplicateKey, "duplicate key \"dtype\" in tensor " + QuoteName(name));
-        have_dtype = true;
-        std::string_view dt;
-        if (kv.value.get_string().get(dt) != simdjson::SUCCESS) {
-          return FailTensor(Code::kUnknownDtype, name,
-                            std::string("dtype must be a string, got ") +
-                                json::TypeName(kv.value.type()) + " " + Render(kv.value));
+    size_t rank = 0;
+    for (dom::element d : arr) {
+      if (++rank > limits_.max_rank) {
+        return FailTensor(Code::kRankTooLarge, name,
+                          "shape has more than " + std::to_string(limits_.max_rank) +
+                              " dimensions (limit max_rank)");
+      }
+      uint64_t v;
+      if (d.get_uint64().get(v) != simdjson::SUCCESS) {
+        return FailTensor(Code::kInvalidShape, name,
+                          "shape " + Render(value) + ": dimension " + std::to_string(rank - 1) +
+                              " is " + Render(d) + ", not a non-negative 64-bit integer");
+      }
+      t.shape.push_back(v);
+    }
+    return Status::Ok();
+  }
+
+  // Parses a tensor's "data_offsets" field (rejecting a duplicate) into t.begin and t.end.
+  Status ParseOffsetsField(std::string_view name, dom::element value, bool& have, TensorEntry& t) {
+    if (have) {
+      return Fail(Code::kDuplicateKey,
+                  "duplicate key \"data_offsets\" in tensor " + QuoteName(name));
+    }
+    have = true;
+    dom::array arr;
+    uint64_t v[2];
+    size_t n = 0;
+    bool ok = value.get_array().get(arr) == simdjson::SUCCESS;
+    if (ok) {
+      for (dom::element d : arr) {
+        if (n == 2 || d.get_uint64().get(v[n]) != simdjson::SUCCESS) {
+          ok = false;
+          break;
         }
-        auto d = DTypeFromName(dt);
-        if (!d) {
-          return FailTensor(Code::kUnknownDtype, name,
-                            "unknown dtype " + QuoteName(dt) + " (dtype names are case-sensitive)");
-        }
-        t.dtype = *d;
-      } else if (kv.key == "shape") {
-        if (have_shape)
-          return Fail(Code::kDuplicateKey, "duplicate key \"shape\" in tensor " + QuoteName(name));
-        have_shape = true;
-        dom::array arr;
-        if (kv.value.get_array().get(arr) != simdjson::SUCCESS) {
-          return FailTensor(Code::kInvalidShape, name,
-                            std::string("shape must be an array of non-negative integers, got ") +
-                                json::TypeName(kv.value.type()) + " " + Render(kv.value));
-        }
-        size_t rank = 0;
-        for (dom::element d : arr) {
-          if (++rank > limits_.max_rank) {
-            return FailTensor(Code::kRankTooLarge, name,
-                              "shape has more than " + std::to_string(limits_.max_rank) +
-                                  " dimensions (limit max_rank)");
-          }
-          uint64_t v;
-          if (d.get_uint64().get(v) != simdjson::SUCCESS) {
-            return FailTensor(Code::kInvalidShape, name,
-                              "shape " + Render(kv.value) + ": dimension " +
-                                  std::to_string(rank - 1) + " is " + Render(d) +
-                                  ", not a non-negative 64-bit integer");
-          }
-          t.shape.push_back(v);
-        }
-      } else if (kv.key == "data_offsets") {
-        if (have_offsets) {
-          return Fail(Code::kDuplicateKey,
-                      "duplicate key \"data_offsets\" in tensor " + QuoteName(name));
-        }
-        have_offsets = true;
-        dom::array arr;
-        uint64_t v[2];
-        size_t n = 0;
-        bool ok = kv.value.get_array().get(arr) == simdjson::SUCCESS;
-        if (ok) {
-          for (dom::element d : arr) {
-            if (n == 2 || d.get_uint64().get(v[n]) != simdjson::SUCCESS) {
-              ok = false;
-              break;
-            }
-            ++n;
-          }
-        }
-        if (!ok || n != 2) {
-          return FailTensor(Code::kInvalidOffsets, name,
-                            "data_offsets must be exactly two non-negative 64-bit integers, got " +
-                                Render(kv.value));
-        }
-        t.begin = v[0];
-        t.end = v[1];
-      } else {
-        // Unknown fields are ignored, as the reference does, but must still be well-formed.
-        if (Status s = CheckUniqueKeysDeep(kv.value, "tensor " + QuoteName(name)); !s.ok())
-          return s;
+        ++n;
       }
     }
-    if (fields > 3) {
-      if (Status s = CheckUniqueKeys(obj, "tensor " + QuoteName(name)); !s.ok()) return s;
+    if (!ok || n != 2) {
+      return FailTensor(
+          Code::kInvalidOffsets, name,
+          "data_offsets must be exactly two non-negative 64-bit integers, got " + Render(value));
     }
+    t.begin = v[0];
+    t.end = v[1];
+    return Status::Ok();
+  }
+
+  // Checks a parsed tensor: required fields present, offsets ordered, byte size matching.
+  Status CheckTensorEntry(std::string_view name, bool have_dtype, bool have_shape,
+                          bool have_offsets, const TensorEntry& t) {
     if (!have_dtype || !have_shape || !have_offsets) {
       std::string missing;
       for (auto [have, field] : {std::pair{have_dtype, "dtype"}, std::pair{have_shape, "shape"},
@@ -259,6 +253,37 @@ class Parser {
                             std::to_string(t.end - t.begin));
     }
     return Status::Ok();
+  }
+
+  // Parses one tensor entry (an object with dtype, shape and data_offsets) into `t`.
+  Status ParseTensor(std::string_view name, dom::element value, TensorEntry& t) {
+    if (value.type() != dom::element_type::OBJECT) {
+      return FailTensor(Code::kTensorNotObject, name,
+                        std::string("entry must be an object, got ") +
+                            json::TypeName(value.type()) + " " + Render(value));
+    }
+    dom::object obj = value.get_object().value_unsafe();
+    bool have_dtype = false, have_shape = false, have_offsets = false;
+    size_t fields = 0;
+    for (dom::key_value_pair kv : obj) {
+      ++fields;
+      Status s;
+      if (kv.key == "dtype") {
+        s = ParseDtypeField(name, kv.value, have_dtype, t);
+      } else if (kv.key == "shape") {
+        s = ParseShapeField(name, kv.value, have_shape, t);
+      } else if (kv.key == "data_offsets") {
+        s = ParseOffsetsField(name, kv.value, have_offsets, t);
+      } else {
+        // Unknown fields are ignored, as the reference does, but must still be well-formed.
+        s = CheckUniqueKeysDeep(kv.value, "tensor " + QuoteName(name));
+      }
+      if (!s.ok()) return s;
+    }
+    if (fields > 3) {
+      if (Status s = CheckUniqueKeys(obj, "tensor " + QuoteName(name)); !s.ok()) return s;
+    }
+    return CheckTensorEntry(name, have_dtype, have_shape, have_offsets, t);
   }
 
   Result<Header> Parse(std::string_view json, uint64_t data_size) {

@@ -286,7 +286,8 @@ class Parser {
     return CheckTensorEntry(name, have_dtype, have_shape, have_offsets, t);
   }
 
-  Result<Header> Parse(std::string_view json, uint64_t data_size) {
+  // Rejects raw header bytes that are not plain JSON text: a BOM, invalid UTF-8, negative zero.
+  Status CheckRawHeader(std::string_view json) {
     if (json.size() >= 3 && static_cast<unsigned char>(json[0]) == 0xEF &&
         static_cast<unsigned char>(json[1]) == 0xBB &&
         static_cast<unsigned char>(json[2]) == 0xBF) {
@@ -298,14 +299,18 @@ class Parser {
           "header (file bytes 8 to " + std::to_string(8 + json.size()) + ") is not valid UTF-8");
     }
     if (Status s = RejectNegativeZero(json); !s.ok()) return s;
-    dom::parser parser;
+    return Status::Ok();
+  }
+
+  // Parses the header JSON with `parser` (bounded by max_depth) and gets its root object.
+  Status ParseRootObject(std::string_view json, dom::parser& parser,
+                         const simdjson::padded_string& padded, dom::object& root) {
     // simdjson counts the document itself as one level: add it so max_depth counts containers.
     if (parser.allocate(std::max<size_t>(json.size(), 64), size_t{limits_.max_depth} + 1) !=
         simdjson::SUCCESS) {
       return Fail(Code::kHeaderTooLarge, "cannot allocate a JSON parser for a header of " +
                                              std::to_string(json.size()) + " bytes");
     }
-    simdjson::padded_string padded(json);
     dom::element doc;
     if (auto err = parser.parse(padded).get(doc); err != simdjson::SUCCESS) {
       if (err == simdjson::DEPTH_ERROR) {
@@ -318,15 +323,15 @@ class Parser {
       return Fail(Code::kHeaderInvalidJson,
                   std::string("header is not valid JSON: ") + simdjson::error_message(err));
     }
-    dom::object root;
     if (doc.get_object().get(root) != simdjson::SUCCESS) {
       return Fail(Code::kHeaderNotObject,
                   std::string("header JSON must be an object, got ") + json::TypeName(doc.type()));
     }
+    return Status::Ok();
+  }
 
-    Header header;
-    header.header_size = json.size();
-    header.data_size = data_size;
+  // Reads __metadata__ into `header` and parses every other root entry into `entries`.
+  Status ParseEntries(dom::object root, Header& header, std::vector<TensorEntry>& entries) {
     bool seen_metadata = false;
     size_t count = 0;
     for (dom::key_value_pair kv : root) {
@@ -342,7 +347,7 @@ class Parser {
                                                " tensors (limit max_tensors)");
       }
     }
-    std::vector<TensorEntry> entries(count);
+    entries.resize(count);
     size_t i = 0;
     for (dom::key_value_pair kv : root) {
       if (kv.key == "__metadata__") continue;
@@ -353,9 +358,14 @@ class Parser {
     if (Status s = CheckUniqueKeys(root, "the header (tensor names must be unique)"); !s.ok()) {
       return s;
     }
+    return Status::Ok();
+  }
 
+  // Checks that the tensors tile [0, data_size) exactly; `order` gets them sorted by position.
+  Status CheckTiling(const std::vector<TensorEntry>& entries, uint64_t data_size, size_t json_size,
+                     std::vector<uint32_t>& order) {
     // Tiling: sorted by (begin, end, name), the tensors must cover [0, data_size) exactly.
-    std::vector<uint32_t> order(entries.size());
+    order.resize(entries.size());
     for (uint32_t k = 0; k < order.size(); ++k) order[k] = k;
     const auto& ts = entries;
     std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
@@ -398,10 +408,28 @@ class Parser {
                         "ends at data offset " + std::to_string(expected) +
                             " but the file's data "
                             "buffer (from file offset " +
-                            std::to_string(8 + json.size()) + ") is only " +
+                            std::to_string(8 + json_size) + ") is only " +
                             std::to_string(data_size) + " bytes: the file is truncated by " +
                             std::to_string(expected - data_size) + " bytes");
     }
+    return Status::Ok();
+  }
+
+  // Parses and validates a whole header JSON text (file bytes from offset 8).
+  Result<Header> Parse(std::string_view json, uint64_t data_size) {
+    if (Status s = CheckRawHeader(json); !s.ok()) return s;
+    dom::parser parser;
+    simdjson::padded_string padded(json);
+    dom::object root;  // points into `parser`, which outlives it
+    if (Status s = ParseRootObject(json, parser, padded, root); !s.ok()) return s;
+
+    Header header;
+    header.header_size = json.size();
+    header.data_size = data_size;
+    std::vector<TensorEntry> entries;
+    if (Status s = ParseEntries(root, header, entries); !s.ok()) return s;
+    std::vector<uint32_t> order;
+    if (Status s = CheckTiling(entries, data_size, json.size(), order); !s.ok()) return s;
     header.tensors.reserve(order.size());
     for (uint32_t k : order) header.tensors.push_back(std::move(entries[k]));
     return header;

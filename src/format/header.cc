@@ -145,94 +145,88 @@ class Parser {
     return Status::Ok();
   }
 
-  Status ParseTensor(std::string_view name, dom::element value, TensorEntry& t) {
-    if (value.type() != dom::element_type::OBJECT) {
-      return FailTensor(Code::kTensorNotObject, name,
-                        std::string("entry must be an object, got ") +
+  // Parses a tensor's "dtype" field (rejecting a duplicate) into t.dtype.
+  Status ParseDtypeField(std::string_view name, dom::element value, bool& have, TensorEntry& t) {
+    if (have)
+      return Fail(Code::kDuplicateKey, "duplicate key \"dtype\" in tensor " + QuoteName(name));
+    have = true;
+    std::string_view dt;
+    if (value.get_string().get(dt) != simdjson::SUCCESS) {
+      return FailTensor(Code::kUnknownDtype, name,
+                        std::string("dtype must be a string, got ") + json::TypeName(value.type()) +
+                            " " + Render(value));
+    }
+    auto d = DTypeFromName(dt);
+    if (!d) {
+      return FailTensor(Code::kUnknownDtype, name,
+                        "unknown dtype " + QuoteName(dt) + " (dtype names are case-sensitive)");
+    }
+    t.dtype = *d;
+    return Status::Ok();
+  }
+
+  // Parses a tensor's "shape" field (rejecting a duplicate, enforcing max_rank) into t.shape.
+  Status ParseShapeField(std::string_view name, dom::element value, bool& have, TensorEntry& t) {
+    if (have)
+      return Fail(Code::kDuplicateKey, "duplicate key \"shape\" in tensor " + QuoteName(name));
+    have = true;
+    dom::array arr;
+    if (value.get_array().get(arr) != simdjson::SUCCESS) {
+      return FailTensor(Code::kInvalidShape, name,
+                        std::string("shape must be an array of non-negative integers, got ") +
                             json::TypeName(value.type()) + " " + Render(value));
     }
-    dom::object obj = value.get_object().value_unsafe();
-    bool have_dtype = false, have_shape = false, have_offsets = false;
-    size_t fields = 0;
-    for (dom::key_value_pair kv : obj) {
-      ++fields;
-      if (kv.key == "dtype") {
-        if (have_dtype)
-          return Fail(Code::kDuplicateKey, "duplicate key \"dtype\" in tensor " + QuoteName(name));
-        have_dtype = true;
-        std::string_view dt;
-        if (kv.value.get_string().get(dt) != simdjson::SUCCESS) {
-          return FailTensor(Code::kUnknownDtype, name,
-                            std::string("dtype must be a string, got ") +
-                                json::TypeName(kv.value.type()) + " " + Render(kv.value));
+    size_t rank = 0;
+    for (dom::element d : arr) {
+      if (++rank > limits_.max_rank) {
+        return FailTensor(Code::kRankTooLarge, name,
+                          "shape has more than " + std::to_string(limits_.max_rank) +
+                              " dimensions (limit max_rank)");
+      }
+      uint64_t v;
+      if (d.get_uint64().get(v) != simdjson::SUCCESS) {
+        return FailTensor(Code::kInvalidShape, name,
+                          "shape " + Render(value) + ": dimension " + std::to_string(rank - 1) +
+                              " is " + Render(d) + ", not a non-negative 64-bit integer");
+      }
+      t.shape.push_back(v);
+    }
+    return Status::Ok();
+  }
+
+  // Parses a tensor's "data_offsets" field (rejecting a duplicate) into t.begin and t.end.
+  Status ParseOffsetsField(std::string_view name, dom::element value, bool& have, TensorEntry& t) {
+    if (have) {
+      return Fail(Code::kDuplicateKey,
+                  "duplicate key \"data_offsets\" in tensor " + QuoteName(name));
+    }
+    have = true;
+    dom::array arr;
+    uint64_t v[2];
+    size_t n = 0;
+    bool ok = value.get_array().get(arr) == simdjson::SUCCESS;
+    if (ok) {
+      for (dom::element d : arr) {
+        if (n == 2 || d.get_uint64().get(v[n]) != simdjson::SUCCESS) {
+          ok = false;
+          break;
         }
-        auto d = DTypeFromName(dt);
-        if (!d) {
-          return FailTensor(Code::kUnknownDtype, name,
-                            "unknown dtype " + QuoteName(dt) + " (dtype names are case-sensitive)");
-        }
-        t.dtype = *d;
-      } else if (kv.key == "shape") {
-        if (have_shape)
-          return Fail(Code::kDuplicateKey, "duplicate key \"shape\" in tensor " + QuoteName(name));
-        have_shape = true;
-        dom::array arr;
-        if (kv.value.get_array().get(arr) != simdjson::SUCCESS) {
-          return FailTensor(Code::kInvalidShape, name,
-                            std::string("shape must be an array of non-negative integers, got ") +
-                                json::TypeName(kv.value.type()) + " " + Render(kv.value));
-        }
-        size_t rank = 0;
-        for (dom::element d : arr) {
-          if (++rank > limits_.max_rank) {
-            return FailTensor(Code::kRankTooLarge, name,
-                              "shape has more than " + std::to_string(limits_.max_rank) +
-                                  " dimensions (limit max_rank)");
-          }
-          uint64_t v;
-          if (d.get_uint64().get(v) != simdjson::SUCCESS) {
-            return FailTensor(Code::kInvalidShape, name,
-                              "shape " + Render(kv.value) + ": dimension " +
-                                  std::to_string(rank - 1) + " is " + Render(d) +
-                                  ", not a non-negative 64-bit integer");
-          }
-          t.shape.push_back(v);
-        }
-      } else if (kv.key == "data_offsets") {
-        if (have_offsets) {
-          return Fail(Code::kDuplicateKey,
-                      "duplicate key \"data_offsets\" in tensor " + QuoteName(name));
-        }
-        have_offsets = true;
-        dom::array arr;
-        uint64_t v[2];
-        size_t n = 0;
-        bool ok = kv.value.get_array().get(arr) == simdjson::SUCCESS;
-        if (ok) {
-          for (dom::element d : arr) {
-            if (n == 2 || d.get_uint64().get(v[n]) != simdjson::SUCCESS) {
-              ok = false;
-              break;
-            }
-            ++n;
-          }
-        }
-        if (!ok || n != 2) {
-          return FailTensor(Code::kInvalidOffsets, name,
-                            "data_offsets must be exactly two non-negative 64-bit integers, got " +
-                                Render(kv.value));
-        }
-        t.begin = v[0];
-        t.end = v[1];
-      } else {
-        // Unknown fields are ignored, as the reference does, but must still be well-formed.
-        if (Status s = CheckUniqueKeysDeep(kv.value, "tensor " + QuoteName(name)); !s.ok())
-          return s;
+        ++n;
       }
     }
-    if (fields > 3) {
-      if (Status s = CheckUniqueKeys(obj, "tensor " + QuoteName(name)); !s.ok()) return s;
+    if (!ok || n != 2) {
+      return FailTensor(
+          Code::kInvalidOffsets, name,
+          "data_offsets must be exactly two non-negative 64-bit integers, got " + Render(value));
     }
+    t.begin = v[0];
+    t.end = v[1];
+    return Status::Ok();
+  }
+
+  // Checks a parsed tensor: required fields present, offsets ordered, byte size matching.
+  Status CheckTensorEntry(std::string_view name, bool have_dtype, bool have_shape,
+                          bool have_offsets, const TensorEntry& t) {
     if (!have_dtype || !have_shape || !have_offsets) {
       std::string missing;
       for (auto [have, field] : {std::pair{have_dtype, "dtype"}, std::pair{have_shape, "shape"},
@@ -261,7 +255,39 @@ class Parser {
     return Status::Ok();
   }
 
-  Result<Header> Parse(std::string_view json, uint64_t data_size) {
+  // Parses one tensor entry (an object with dtype, shape and data_offsets) into `t`.
+  Status ParseTensor(std::string_view name, dom::element value, TensorEntry& t) {
+    if (value.type() != dom::element_type::OBJECT) {
+      return FailTensor(Code::kTensorNotObject, name,
+                        std::string("entry must be an object, got ") +
+                            json::TypeName(value.type()) + " " + Render(value));
+    }
+    dom::object obj = value.get_object().value_unsafe();
+    bool have_dtype = false, have_shape = false, have_offsets = false;
+    size_t fields = 0;
+    for (dom::key_value_pair kv : obj) {
+      ++fields;
+      Status s;
+      if (kv.key == "dtype") {
+        s = ParseDtypeField(name, kv.value, have_dtype, t);
+      } else if (kv.key == "shape") {
+        s = ParseShapeField(name, kv.value, have_shape, t);
+      } else if (kv.key == "data_offsets") {
+        s = ParseOffsetsField(name, kv.value, have_offsets, t);
+      } else {
+        // Unknown fields are ignored, as the reference does, but must still be well-formed.
+        s = CheckUniqueKeysDeep(kv.value, "tensor " + QuoteName(name));
+      }
+      if (!s.ok()) return s;
+    }
+    if (fields > 3) {
+      if (Status s = CheckUniqueKeys(obj, "tensor " + QuoteName(name)); !s.ok()) return s;
+    }
+    return CheckTensorEntry(name, have_dtype, have_shape, have_offsets, t);
+  }
+
+  // Rejects raw header bytes that are not plain JSON text: a BOM, invalid UTF-8, negative zero.
+  Status CheckRawHeader(std::string_view json) {
     if (json.size() >= 3 && static_cast<unsigned char>(json[0]) == 0xEF &&
         static_cast<unsigned char>(json[1]) == 0xBB &&
         static_cast<unsigned char>(json[2]) == 0xBF) {
@@ -273,14 +299,18 @@ class Parser {
           "header (file bytes 8 to " + std::to_string(8 + json.size()) + ") is not valid UTF-8");
     }
     if (Status s = RejectNegativeZero(json); !s.ok()) return s;
-    dom::parser parser;
+    return Status::Ok();
+  }
+
+  // Parses the header JSON with `parser` (bounded by max_depth) and gets its root object.
+  Status ParseRootObject(std::string_view json, dom::parser& parser,
+                         const simdjson::padded_string& padded, dom::object& root) {
     // simdjson counts the document itself as one level: add it so max_depth counts containers.
     if (parser.allocate(std::max<size_t>(json.size(), 64), size_t{limits_.max_depth} + 1) !=
         simdjson::SUCCESS) {
       return Fail(Code::kHeaderTooLarge, "cannot allocate a JSON parser for a header of " +
                                              std::to_string(json.size()) + " bytes");
     }
-    simdjson::padded_string padded(json);
     dom::element doc;
     if (auto err = parser.parse(padded).get(doc); err != simdjson::SUCCESS) {
       if (err == simdjson::DEPTH_ERROR) {
@@ -293,15 +323,15 @@ class Parser {
       return Fail(Code::kHeaderInvalidJson,
                   std::string("header is not valid JSON: ") + simdjson::error_message(err));
     }
-    dom::object root;
     if (doc.get_object().get(root) != simdjson::SUCCESS) {
       return Fail(Code::kHeaderNotObject,
                   std::string("header JSON must be an object, got ") + json::TypeName(doc.type()));
     }
+    return Status::Ok();
+  }
 
-    Header header;
-    header.header_size = json.size();
-    header.data_size = data_size;
+  // Reads __metadata__ into `header` and parses every other root entry into `entries`.
+  Status ParseEntries(dom::object root, Header& header, std::vector<TensorEntry>& entries) {
     bool seen_metadata = false;
     size_t count = 0;
     for (dom::key_value_pair kv : root) {
@@ -317,7 +347,7 @@ class Parser {
                                                " tensors (limit max_tensors)");
       }
     }
-    std::vector<TensorEntry> entries(count);
+    entries.resize(count);
     size_t i = 0;
     for (dom::key_value_pair kv : root) {
       if (kv.key == "__metadata__") continue;
@@ -328,9 +358,14 @@ class Parser {
     if (Status s = CheckUniqueKeys(root, "the header (tensor names must be unique)"); !s.ok()) {
       return s;
     }
+    return Status::Ok();
+  }
 
+  // Checks that the tensors tile [0, data_size) exactly; `order` gets them sorted by position.
+  Status CheckTiling(const std::vector<TensorEntry>& entries, uint64_t data_size, size_t json_size,
+                     std::vector<uint32_t>& order) {
     // Tiling: sorted by (begin, end, name), the tensors must cover [0, data_size) exactly.
-    std::vector<uint32_t> order(entries.size());
+    order.resize(entries.size());
     for (uint32_t k = 0; k < order.size(); ++k) order[k] = k;
     const auto& ts = entries;
     std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
@@ -373,10 +408,28 @@ class Parser {
                         "ends at data offset " + std::to_string(expected) +
                             " but the file's data "
                             "buffer (from file offset " +
-                            std::to_string(8 + json.size()) + ") is only " +
+                            std::to_string(8 + json_size) + ") is only " +
                             std::to_string(data_size) + " bytes: the file is truncated by " +
                             std::to_string(expected - data_size) + " bytes");
     }
+    return Status::Ok();
+  }
+
+  // Parses and validates a whole header JSON text (file bytes from offset 8).
+  Result<Header> Parse(std::string_view json, uint64_t data_size) {
+    if (Status s = CheckRawHeader(json); !s.ok()) return s;
+    dom::parser parser;
+    simdjson::padded_string padded(json);
+    dom::object root;  // points into `parser`, which outlives it
+    if (Status s = ParseRootObject(json, parser, padded, root); !s.ok()) return s;
+
+    Header header;
+    header.header_size = json.size();
+    header.data_size = data_size;
+    std::vector<TensorEntry> entries;
+    if (Status s = ParseEntries(root, header, entries); !s.ok()) return s;
+    std::vector<uint32_t> order;
+    if (Status s = CheckTiling(entries, data_size, json.size(), order); !s.ok()) return s;
     header.tensors.reserve(order.size());
     for (uint32_t k : order) header.tensors.push_back(std::move(entries[k]));
     return header;

@@ -109,76 +109,69 @@ ShardLayout MakeLayout(const TensorInfo& t, TensorSlice slice, uint64_t max_gap)
   return l;
 }
 
-// Lays out one batch (items in (file, offset) order) and fills `batch`; returns its range count.
-uint64_t LayOutBatch(std::span<const Item> items, std::span<const ShardLayout> layouts,
-                     const PlanOptions& options, PlanBatch& batch) {
-  std::vector<Range> ranges;
-  uint64_t pos = 0;  // end of the last range in the buffer
-  // Where a new range reading from `file_offset` starts: aligned, and congruent with the file
-  // offset modulo io_alignment (see PlanOptions::io_alignment).
-  auto place = [&](uint64_t file_offset) {
-    uint64_t at = AlignUp(pos, options.alignment);
-    if (options.io_alignment != 0) {
-      const uint64_t mask = options.io_alignment - 1;
-      at = (pos & ~mask) + (file_offset & mask);
-      if (at < pos) at += options.io_alignment;
-    }
-    return at;
-  };
-  batch.tensors.reserve(items.size());
-  for (const Item& item : items) {
-    batch.tensor_bytes += item.size;
-    const ShardLayout* layout =
-        item.layout >= 0 ? &layouts[static_cast<size_t>(item.layout)] : nullptr;
-    std::optional<TensorSlice> slice;
-    if (layout != nullptr) slice = layout->slice;
-    if (item.size == 0) {
-      // No bytes to read: any in-bounds offset is valid; the current end keeps offsets monotonic.
-      batch.tensors.push_back({item.tensor, pos, std::move(slice)});
-      continue;
-    }
-    // One contiguous read: the whole tensor, or a slice that is one range (dim 0).
-    if (layout == nullptr || layout->pieces.size() == 1) {
-      const uint64_t offset = layout ? layout->pieces[0].first : item.offset;
-      const uint64_t size = layout ? layout->pieces[0].second : item.size;
-      const bool extends = !ranges.empty() && !ranges.back().sealed &&
-                           ranges.back().file == item.file &&
-                           ranges.back().file_offset + ranges.back().length == offset;
-      if (!extends) ranges.push_back({item.file, offset, 0, place(offset)});
-      Range& r = ranges.back();
-      // Inside a range, a tensor keeps its distance from the range's first byte in the file, so
-      // one read fills all of them.
-      batch.tensors.push_back(
-          {item.tensor, r.buffer_offset + (offset - r.file_offset), std::move(slice)});
-      r.length = offset + size - r.file_offset;
-      batch.read_bytes += size;
-      pos = r.buffer_offset + r.length;
-      continue;
-    }
-    // Several pieces: each segment is read as a sealed range, segments one after the other, so
-    // every piece lands at or after its packed position (the tensor's start plus the bytes of the
-    // pieces before it); moves then pack them, in order, each moving left over bytes already
-    // consumed.
-    uint64_t dest = 0, packed = 0;
-    for (size_t k = 0; k < layout->segments.size(); ++k) {
-      const Segment& seg = layout->segments[k];
-      const uint64_t at = k == 0 || seg.length >= kAlignSegmentsFrom ? place(seg.file_offset) : pos;
-      if (k == 0) dest = at;
-      ranges.push_back({item.file, seg.file_offset, seg.length, at, /*sealed=*/true});
-      for (size_t i = seg.first_piece; i < seg.end_piece; ++i) {
-        const auto [off, len] = layout->pieces[i];
-        const uint64_t from = at + (off - seg.file_offset), to = dest + packed;
-        if (from != to) batch.moves.push_back({from, to, len});
-        packed += len;
-      }
-      batch.read_bytes += seg.length;
-      pos = at + seg.length;
-    }
-    batch.tensors.push_back({item.tensor, dest, std::move(slice)});
+// Where a new range reading from `file_offset` starts after buffer end `pos`: aligned, and
+// congruent with the file offset modulo io_alignment (see PlanOptions::io_alignment).
+uint64_t PlaceRange(uint64_t pos, uint64_t file_offset, const PlanOptions& options) {
+  uint64_t at = AlignUp(pos, options.alignment);
+  if (options.io_alignment != 0) {
+    const uint64_t mask = options.io_alignment - 1;
+    at = (pos & ~mask) + (file_offset & mask);
+    if (at < pos) at += options.io_alignment;
   }
-  batch.buffer_size = pos;
+  return at;
+}
 
-  // Cut ranges into tasks, one queue per file (ranges of a file are already in offset order).
+// Adds a tensor read in one contiguous range (whole tensor, or a one-range slice) to `batch`.
+void AddContiguousTensor(const Item& item, const ShardLayout* layout,
+                         std::optional<TensorSlice> slice, const PlanOptions& options,
+                         std::vector<Range>& ranges, uint64_t& pos, PlanBatch& batch) {
+  const uint64_t offset = layout ? layout->pieces[0].first : item.offset;
+  const uint64_t size = layout ? layout->pieces[0].second : item.size;
+  const bool extends = !ranges.empty() && !ranges.back().sealed &&
+                       ranges.back().file == item.file &&
+                       ranges.back().file_offset + ranges.back().length == offset;
+  if (!extends) ranges.push_back({item.file, offset, 0, PlaceRange(pos, offset, options)});
+  Range& r = ranges.back();
+  // Inside a range, a tensor keeps its distance from the range's first byte in the file, so
+  // one read fills all of them.
+  batch.tensors.push_back(
+      {item.tensor, r.buffer_offset + (offset - r.file_offset), std::move(slice)});
+  r.length = offset + size - r.file_offset;
+  batch.read_bytes += size;
+  pos = r.buffer_offset + r.length;
+}
+
+// Adds a tensor read in several pieces (sealed segment ranges plus packing moves) to `batch`.
+void AddPiecedTensor(const Item& item, const ShardLayout& layout, std::optional<TensorSlice> slice,
+                     const PlanOptions& options, std::vector<Range>& ranges, uint64_t& pos,
+                     PlanBatch& batch) {
+  // Each segment is read as a sealed range, segments one after the other, so every piece lands
+  // at or after its packed position (the tensor's start plus the bytes of the pieces before it);
+  // moves then pack them, in order, each moving left over bytes already consumed.
+  uint64_t dest = 0, packed = 0;
+  for (size_t k = 0; k < layout.segments.size(); ++k) {
+    const Segment& seg = layout.segments[k];
+    const uint64_t at = k == 0 || seg.length >= kAlignSegmentsFrom
+                            ? PlaceRange(pos, seg.file_offset, options)
+                            : pos;
+    if (k == 0) dest = at;
+    ranges.push_back({item.file, seg.file_offset, seg.length, at, /*sealed=*/true});
+    for (size_t i = seg.first_piece; i < seg.end_piece; ++i) {
+      const auto [off, len] = layout.pieces[i];
+      const uint64_t from = at + (off - seg.file_offset), to = dest + packed;
+      if (from != to) batch.moves.push_back({from, to, len});
+      packed += len;
+    }
+    batch.read_bytes += seg.length;
+    pos = at + seg.length;
+  }
+  batch.tensors.push_back({item.tensor, dest, std::move(slice)});
+}
+
+// Cuts ranges into read tasks and interleaves them round-robin over files into `batch.tasks`.
+void CutRangesIntoTasks(const std::vector<Range>& ranges, const PlanOptions& options,
+                        PlanBatch& batch) {
+  // One queue per file (ranges of a file are already in offset order).
   std::map<uint32_t, std::vector<ReadTask>> per_file;
   for (const Range& r : ranges) {
     std::vector<ReadTask>& queue = per_file[r.file];
@@ -204,6 +197,31 @@ uint64_t LayOutBatch(std::span<const Item> items, std::span<const ShardLayout> l
       if (i < queue.size()) batch.tasks.push_back(queue[i]);
     }
   }
+}
+
+// Lays out one batch (items in (file, offset) order) and fills `batch`; returns its range count.
+uint64_t LayOutBatch(std::span<const Item> items, std::span<const ShardLayout> layouts,
+                     const PlanOptions& options, PlanBatch& batch) {
+  std::vector<Range> ranges;
+  uint64_t pos = 0;  // end of the last range in the buffer
+  batch.tensors.reserve(items.size());
+  for (const Item& item : items) {
+    batch.tensor_bytes += item.size;
+    const ShardLayout* layout =
+        item.layout >= 0 ? &layouts[static_cast<size_t>(item.layout)] : nullptr;
+    std::optional<TensorSlice> slice;
+    if (layout != nullptr) slice = layout->slice;
+    if (item.size == 0) {
+      // No bytes to read: any in-bounds offset is valid; the current end keeps offsets monotonic.
+      batch.tensors.push_back({item.tensor, pos, std::move(slice)});
+    } else if (layout == nullptr || layout->pieces.size() == 1) {
+      AddContiguousTensor(item, layout, std::move(slice), options, ranges, pos, batch);
+    } else {
+      AddPiecedTensor(item, *layout, std::move(slice), options, ranges, pos, batch);
+    }
+  }
+  batch.buffer_size = pos;
+  CutRangesIntoTasks(ranges, options, batch);
   return ranges.size();
 }
 

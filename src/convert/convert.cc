@@ -46,10 +46,9 @@ std::pair<uint64_t, uint64_t> Extent(const TorchTensor& t) {
   return {t.storage_offset * elem, (last + 1) * elem};
 }
 
-}  // namespace
-
-ConversionPlan PlanConversion(const TorchCheckpoint& checkpoint, bool keep_values) {
-  ConversionPlan plan;
+// Marks identical views of one storage as aliases of the smallest-named one; fills
+// plan.aliases, plan.copied_views (for "format") and plan.write.
+void PlanAliases(const TorchCheckpoint& checkpoint, ConversionPlan& plan) {
   const auto& tensors = checkpoint.tensors();
   // Group identical views; the smallest name is kept.
   std::map<ViewKey, std::vector<size_t>> groups;
@@ -79,8 +78,12 @@ ConversionPlan PlanConversion(const TorchCheckpoint& checkpoint, bool keep_value
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!is_alias[i]) plan.write.push_back(i);
   }
+}
 
-  // Overlapping, non-identical views of one storage among the written tensors.
+// Adds to plan.copied_views the overlapping, non-identical views of one storage among the
+// written tensors.
+void PlanOverlaps(const TorchCheckpoint& checkpoint, ConversionPlan& plan) {
+  const auto& tensors = checkpoint.tensors();
   std::map<uint32_t, std::vector<std::tuple<uint64_t, uint64_t, size_t>>> by_storage;
   for (size_t i : plan.write) {
     if (tensors[i].byte_size == 0) continue;
@@ -109,9 +112,10 @@ ConversionPlan PlanConversion(const TorchCheckpoint& checkpoint, bool keep_value
     }
   }
   for (auto& [name, why] : overlaps) plan.copied_views.emplace_back(name, why);
-  std::sort(plan.copied_views.begin(), plan.copied_views.end());
-  std::sort(plan.aliases.begin(), plan.aliases.end());
+}
 
+// Fills plan.metadata ("format", aliases, kept values), plan.kept_values and plan.skipped.
+void PlanMetadata(const TorchCheckpoint& checkpoint, bool keep_values, ConversionPlan& plan) {
   std::map<std::string, std::string> metadata;
   metadata.emplace(kFormatKey, "pt");
   for (const auto& [alias, kept] : plan.aliases) metadata.emplace(alias, kept);
@@ -129,6 +133,17 @@ ConversionPlan PlanConversion(const TorchCheckpoint& checkpoint, bool keep_value
     }
   }
   plan.metadata.assign(metadata.begin(), metadata.end());
+}
+
+}  // namespace
+
+ConversionPlan PlanConversion(const TorchCheckpoint& checkpoint, bool keep_values) {
+  ConversionPlan plan;
+  PlanAliases(checkpoint, plan);
+  PlanOverlaps(checkpoint, plan);
+  std::sort(plan.copied_views.begin(), plan.copied_views.end());
+  std::sort(plan.aliases.begin(), plan.aliases.end());
+  PlanMetadata(checkpoint, keep_values, plan);
   return plan;
 }
 

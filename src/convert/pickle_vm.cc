@@ -830,67 +830,80 @@ class Vm {
       case GlobalId::kRebuildTensorV2:
       case GlobalId::kRebuildTensorV3: return RebuildTensor(g->global, callable, args);
       case GlobalId::kRebuildParameter:
-      case GlobalId::kRebuildParameterWithState: {
-        const size_t want = g->global == GlobalId::kRebuildParameter ? 3 : 4;
-        if (args.size() != want) {
-          return RefuseCall(
-              how, callable,
-              "expects " + std::to_string(want) + " arguments, got " + std::to_string(args.size()));
-        }
-        Object* t = Obj(args[0], Kind::kTensor);
-        if (t == nullptr)
-          return RefuseCall(how, callable, "data must be a tensor, not " + Type(args[0]));
-        if (args[1].tag != Tag::kBool) {
-          return RefuseCall(how, callable, "requires_grad must be a bool, not " + Type(args[1]));
-        }
-        TF_RETURN_IF_ERROR(CheckHooks(callable, args[2]));
-        r_.tensors[t->index].parameter = true;
-        return Push(args[0]);
-      }
-      case GlobalId::kTorchSize: {
-        if (args.size() != 1) return RefuseCall(how, callable, "expects one argument");
-        const Object* dims = Obj(args[0], Kind::kTuple);
-        if (dims == nullptr) dims = Obj(args[0], Kind::kList);
-        if (dims == nullptr) return RefuseCall(how, callable, "expects a tuple of ints");
-        TF_RETURN_IF_ERROR(CountCopied(dims->items.size()));
-        std::vector<Value> items = dims->items;
-        for (const Value& v : items) {
-          if (v.tag != Tag::kInt) return RefuseCall(how, callable, "expects a tuple of ints");
-        }
-        TF_RETURN_IF_ERROR(PushObject(Kind::kTuple, std::move(items)));
-        r_.objects[stack_.back().ref].torch_size = true;
-        return Status::Ok();
-      }
-      case GlobalId::kCodecsEncode: {
-        if (args.size() != 2) return RefuseCall(how, callable, "expects (str, 'latin1')");
-        const Object* text = Obj(args[0], Kind::kStr);
-        const Object* enc = Obj(args[1], Kind::kStr);
-        if (text == nullptr || enc == nullptr || (enc->str != "latin1" && enc->str != "latin-1")) {
-          return RefuseCall(how, callable, "only encode(str, 'latin1') is emulated");
-        }
-        TF_RETURN_IF_ERROR(CountCopied(text->str.size()));
-        std::string bytes;
-        const std::string& s = text->str;  // valid UTF-8 (checked when read)
-        for (size_t i = 0; i < s.size();) {
-          const auto c = static_cast<uint8_t>(s[i]);
-          if (c < 0x80) {
-            bytes.push_back(static_cast<char>(c));
-            i += 1;
-          } else if ((c & 0xE0) == 0xC0) {
-            bytes.push_back(
-                static_cast<char>(((c & 0x1F) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3F)));
-            i += 2;
-          } else {
-            return RefuseCall(how, callable, "a character above U+00FF is not latin1");
-          }
-        }
-        return PushString(Kind::kBytes, bytes);
-      }
+      case GlobalId::kRebuildParameterWithState:
+        return RebuildParameter(how, callable, g->global, args);
+      case GlobalId::kTorchSize: return MakeTorchSize(how, callable, args);
+      case GlobalId::kCodecsEncode: return CodecsEncode(how, callable, args);
       case GlobalId::kStorageType:
       case GlobalId::kTorchDtype:
         return RefuseCall(how, callable, "storage classes and dtypes are values, never called");
     }
     return RefuseCall(how, callable, "not callable");
+  }
+
+  // torch._utils._rebuild_parameter(data, requires_grad, backward_hooks[, state]): marks the
+  // tensor as a parameter and pushes it.
+  Status RebuildParameter(std::string_view how, const Value& callable, GlobalId id,
+                          const std::vector<Value>& args) {
+    const size_t want = id == GlobalId::kRebuildParameter ? 3 : 4;
+    if (args.size() != want) {
+      return RefuseCall(
+          how, callable,
+          "expects " + std::to_string(want) + " arguments, got " + std::to_string(args.size()));
+    }
+    Object* t = Obj(args[0], Kind::kTensor);
+    if (t == nullptr)
+      return RefuseCall(how, callable, "data must be a tensor, not " + Type(args[0]));
+    if (args[1].tag != Tag::kBool) {
+      return RefuseCall(how, callable, "requires_grad must be a bool, not " + Type(args[1]));
+    }
+    TF_RETURN_IF_ERROR(CheckHooks(callable, args[2]));
+    r_.tensors[t->index].parameter = true;
+    return Push(args[0]);
+  }
+
+  // torch.Size(tuple or list of ints): pushes a tuple marked torch_size.
+  Status MakeTorchSize(std::string_view how, const Value& callable,
+                       const std::vector<Value>& args) {
+    if (args.size() != 1) return RefuseCall(how, callable, "expects one argument");
+    const Object* dims = Obj(args[0], Kind::kTuple);
+    if (dims == nullptr) dims = Obj(args[0], Kind::kList);
+    if (dims == nullptr) return RefuseCall(how, callable, "expects a tuple of ints");
+    TF_RETURN_IF_ERROR(CountCopied(dims->items.size()));
+    std::vector<Value> items = dims->items;
+    for (const Value& v : items) {
+      if (v.tag != Tag::kInt) return RefuseCall(how, callable, "expects a tuple of ints");
+    }
+    TF_RETURN_IF_ERROR(PushObject(Kind::kTuple, std::move(items)));
+    r_.objects[stack_.back().ref].torch_size = true;
+    return Status::Ok();
+  }
+
+  // _codecs.encode(str, 'latin1'): pushes the bytes of a str whose characters are all <= U+00FF.
+  Status CodecsEncode(std::string_view how, const Value& callable, const std::vector<Value>& args) {
+    if (args.size() != 2) return RefuseCall(how, callable, "expects (str, 'latin1')");
+    const Object* text = Obj(args[0], Kind::kStr);
+    const Object* enc = Obj(args[1], Kind::kStr);
+    if (text == nullptr || enc == nullptr || (enc->str != "latin1" && enc->str != "latin-1")) {
+      return RefuseCall(how, callable, "only encode(str, 'latin1') is emulated");
+    }
+    TF_RETURN_IF_ERROR(CountCopied(text->str.size()));
+    std::string bytes;
+    const std::string& s = text->str;  // valid UTF-8 (checked when read)
+    for (size_t i = 0; i < s.size();) {
+      const auto c = static_cast<uint8_t>(s[i]);
+      if (c < 0x80) {
+        bytes.push_back(static_cast<char>(c));
+        i += 1;
+      } else if ((c & 0xE0) == 0xC0) {
+        bytes.push_back(
+            static_cast<char>(((c & 0x1F) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3F)));
+        i += 2;
+      } else {
+        return RefuseCall(how, callable, "a character above U+00FF is not latin1");
+      }
+    }
+    return PushString(Kind::kBytes, bytes);
   }
 
   Status MakeOrderedDict(std::string_view how, const Value& callable,
@@ -978,6 +991,67 @@ class Vm {
     return Status::Ok();
   }
 
+  // Checks the v2/v3 arguments after stride (requires_grad, backward_hooks, dtype, metadata);
+  // a v3 dtype replaces t.dtype.
+  Status ReadRebuildExtras(GlobalId id, const Value& callable, const std::vector<Value>& args,
+                           TensorRecord& t) {
+    if (id != GlobalId::kRebuildTensor) {
+      if (args[4].tag != Tag::kBool) {
+        return RefuseCall("REDUCE", callable, "requires_grad must be a bool, not " + Type(args[4]));
+      }
+      TF_RETURN_IF_ERROR(CheckHooks(callable, args[5]));
+    }
+    size_t meta_index = 6;
+    if (id == GlobalId::kRebuildTensorV3) {
+      const Object* d = Obj(args[6], Kind::kGlobal);
+      if (d == nullptr || d->global != GlobalId::kTorchDtype) {
+        return RefuseCall("REDUCE", callable, "dtype must be a torch dtype, not " + Type(args[6]));
+      }
+      t.dtype = d->dtype;
+      meta_index = 7;
+    }
+    if (args.size() > meta_index) {
+      const Value& meta = args[meta_index];
+      const Object* d = Obj(meta, Kind::kDict);
+      if (meta.tag != Tag::kNone && (d == nullptr || !d->items.empty())) {
+        return RefuseCall("REDUCE", callable,
+                          "tensor metadata (conjugate or negative bits, ...) is not supported");
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Checks that the (non-empty) view t lies inside storage st, without 64-bit overflow.
+  Status CheckViewInStorage(const TensorRecord& t, const StorageRecord& st) const {
+    const uint64_t elem = kTorchDtypes[t.dtype].element_size;
+    bool empty = false;
+    uint64_t last = t.offset;
+    for (size_t i = 0; i < t.shape.size(); ++i) {
+      if (t.shape[i] == 0) empty = true;
+    }
+    if (!empty) {
+      for (size_t i = 0; i < t.shape.size(); ++i) {
+        uint64_t step;
+        if (__builtin_mul_overflow(t.shape[i] - 1, t.stride[i], &step) ||
+            __builtin_add_overflow(last, step, &last)) {
+          return BadTensor("the view's extent overflows 64 bits");
+        }
+      }
+      uint64_t end_bytes;
+      if (__builtin_add_overflow(last, uint64_t{1}, &end_bytes) ||
+          __builtin_mul_overflow(end_bytes, elem, &end_bytes)) {
+        return BadTensor("the view's extent overflows 64 bits");
+      }
+      if (end_bytes > st.nbytes) {
+        return BadTensor("a view of storage " + json::Quote(st.key) + " (" +
+                         std::to_string(st.nbytes) + " bytes) reaches byte " +
+                         std::to_string(end_bytes) + " (offset " + std::to_string(t.offset) +
+                         " elements of " + std::to_string(elem) + " bytes)");
+      }
+    }
+    return Status::Ok();
+  }
+
   // _rebuild_tensor(storage, offset, size, stride)
   // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks[, metadata])
   // _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, backward_hooks, dtype[,
@@ -1013,56 +1087,8 @@ class Vm {
     }
     const StorageRecord& st = r_.storages[storage->index];
     t.dtype = st.dtype;
-    if (id != GlobalId::kRebuildTensor) {
-      if (args[4].tag != Tag::kBool) {
-        return RefuseCall("REDUCE", callable, "requires_grad must be a bool, not " + Type(args[4]));
-      }
-      TF_RETURN_IF_ERROR(CheckHooks(callable, args[5]));
-    }
-    size_t meta_index = 6;
-    if (id == GlobalId::kRebuildTensorV3) {
-      const Object* d = Obj(args[6], Kind::kGlobal);
-      if (d == nullptr || d->global != GlobalId::kTorchDtype) {
-        return RefuseCall("REDUCE", callable, "dtype must be a torch dtype, not " + Type(args[6]));
-      }
-      t.dtype = d->dtype;
-      meta_index = 7;
-    }
-    if (args.size() > meta_index) {
-      const Value& meta = args[meta_index];
-      const Object* d = Obj(meta, Kind::kDict);
-      if (meta.tag != Tag::kNone && (d == nullptr || !d->items.empty())) {
-        return RefuseCall("REDUCE", callable,
-                          "tensor metadata (conjugate or negative bits, ...) is not supported");
-      }
-    }
-    // The view must lie inside the storage.
-    const uint64_t elem = kTorchDtypes[t.dtype].element_size;
-    bool empty = false;
-    uint64_t last = t.offset;
-    for (size_t i = 0; i < t.shape.size(); ++i) {
-      if (t.shape[i] == 0) empty = true;
-    }
-    if (!empty) {
-      for (size_t i = 0; i < t.shape.size(); ++i) {
-        uint64_t step;
-        if (__builtin_mul_overflow(t.shape[i] - 1, t.stride[i], &step) ||
-            __builtin_add_overflow(last, step, &last)) {
-          return BadTensor("the view's extent overflows 64 bits");
-        }
-      }
-      uint64_t end_bytes;
-      if (__builtin_add_overflow(last, uint64_t{1}, &end_bytes) ||
-          __builtin_mul_overflow(end_bytes, elem, &end_bytes)) {
-        return BadTensor("the view's extent overflows 64 bits");
-      }
-      if (end_bytes > st.nbytes) {
-        return BadTensor("a view of storage " + json::Quote(st.key) + " (" +
-                         std::to_string(st.nbytes) + " bytes) reaches byte " +
-                         std::to_string(end_bytes) + " (offset " + std::to_string(t.offset) +
-                         " elements of " + std::to_string(elem) + " bytes)");
-      }
-    }
+    TF_RETURN_IF_ERROR(ReadRebuildExtras(id, callable, args, t));
+    TF_RETURN_IF_ERROR(CheckViewInStorage(t, st));
     if (r_.tensors.size() >= limits_.max_objects) return Limit("max_objects", limits_.max_objects);
     TF_RETURN_IF_ERROR(CountItems(t.shape.size() * 2));
     TF_ASSIGN_OR_RETURN(const uint32_t ref, NewObject(Kind::kTensor));

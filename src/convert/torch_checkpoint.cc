@@ -266,6 +266,26 @@ class TorchCheckpointOpener {
     TF_ASSIGN_OR_RETURN(open.zip,
                         convert::ZipReader::Open(*open.file, options_.limits.max_zip_entries));
     convert::ZipReader& zip = *open.zip;
+    TF_ASSIGN_OR_RETURN(const ZipEntryRef pkl, FindDataPkl(zip, path));
+    info.archive = pkl.name.substr(0, pkl.name.size() - 9);
+    const std::string prefix = info.archive + "/";
+    TF_RETURN_IF_ERROR(ReadByteorder(zip, prefix, info));
+    open.big_endian = info.big_endian;
+    TF_RETURN_IF_ERROR(ReadVersion(zip, prefix, info));
+    const std::string source = path + ": " + pkl.name;
+    TF_ASSIGN_OR_RETURN(PickleResult result, RunZipPickle(zip, pkl, source, info));
+    const uint32_t first_storage = static_cast<uint32_t>(impl_.storages.size());
+    TF_RETURN_IF_ERROR(AddZipStorages(zip, result, prefix, path, file_index));
+    return Flatten(result, info, file_index, first_storage);
+  }
+
+  struct ZipEntryRef {
+    size_t index;
+    std::string name;
+  };
+
+  // The one "<archive>/data.pkl" entry of the zip; an error if there is none or several.
+  Result<ZipEntryRef> FindDataPkl(convert::ZipReader& zip, const std::string& path) {
     std::vector<size_t> candidates;
     for (size_t i = 0; i < zip.entries().size(); ++i) {
       const std::string& name = zip.entries()[i].name;
@@ -285,10 +305,12 @@ class TorchCheckpointOpener {
                         json::Quote(zip.entries()[candidates[0]].name) + ", " +
                         json::Quote(zip.entries()[candidates[1]].name) + ")");
     }
-    const ZipEntryRef pkl{candidates[0], zip.entries()[candidates[0]].name};
-    info.archive = pkl.name.substr(0, pkl.name.size() - 9);
-    const std::string prefix = info.archive + "/";
+    return ZipEntryRef{candidates[0], zip.entries()[candidates[0]].name};
+  }
 
+  // Sets info.big_endian from the optional "<archive>/byteorder" entry ("little" or "big").
+  Status ReadByteorder(convert::ZipReader& zip, const std::string& prefix, TorchFileInfo& info) {
+    const std::string& path = info.path;
     if (auto bo = zip.Find(prefix + "byteorder")) {
       TF_ASSIGN_OR_RETURN(std::string text, zip.ReadAll(*bo, 64));
       text = Trim(std::move(text));
@@ -300,7 +322,12 @@ class TorchCheckpointOpener {
                           json::Quote(text) + ", not \"little\" or \"big\"");
       }
     }
-    open.big_endian = info.big_endian;
+    return Status::Ok();
+  }
+
+  // Sets info.version from the optional "version" (or ".data/version") entry, a decimal number.
+  Status ReadVersion(convert::ZipReader& zip, const std::string& prefix, TorchFileInfo& info) {
+    const std::string& path = info.path;
     auto version = zip.Find(prefix + "version");
     if (!version) version = zip.Find(prefix + ".data/version");
     if (version) {
@@ -314,9 +341,13 @@ class TorchCheckpointOpener {
       }
       info.version = text;
     }
+    return Status::Ok();
+  }
 
+  // Reads data.pkl (within max_pickle_size), runs it, and rejects bytes after STOP.
+  Result<PickleResult> RunZipPickle(convert::ZipReader& zip, const ZipEntryRef& pkl,
+                                    const std::string& source, TorchFileInfo& info) {
     const uint64_t pkl_size = zip.entries()[pkl.index].size;
-    const std::string source = path + ": " + pkl.name;
     if (pkl_size > options_.limits.pickle.max_pickle_size) {
       return Status(Code::kPickleLimitExceeded,
                     source + ": " + std::to_string(pkl_size) +
@@ -334,8 +365,13 @@ class TorchCheckpointOpener {
                     source + ": " + std::to_string(pickle.size() - result.end) +
                         " bytes after STOP at pickle offset " + std::to_string(result.end));
     }
+    return result;
+  }
 
-    const uint32_t first_storage = static_cast<uint32_t>(impl_.storages.size());
+  // Matches each pickled storage to its "<archive>/data/<key>" entry (present, right size)
+  // and adds it.
+  Status AddZipStorages(convert::ZipReader& zip, const PickleResult& result,
+                        const std::string& prefix, const std::string& path, uint32_t file_index) {
     for (const convert::StorageRecord& s : result.storages) {
       const std::string entry = prefix + "data/" + s.key;
       auto index = zip.Find(entry);
@@ -357,13 +393,8 @@ class TorchCheckpointOpener {
       AddStorage(s, file_index);
       impl_.locations.push_back({*index, 0});
     }
-    return Flatten(result, info, file_index, first_storage);
+    return Status::Ok();
   }
-
-  struct ZipEntryRef {
-    size_t index;
-    std::string name;
-  };
 
   void AddStorage(const convert::StorageRecord& s, uint32_t file_index) {
     TorchStorage st;

@@ -1,0 +1,184 @@
+#include "objstore/url.h"
+
+#include <cstdint>
+#include <optional>
+
+namespace tensorferry::objstore {
+namespace {
+
+constexpr size_t kMaxBucketLength = 255;
+
+Status Bad(std::string_view url, std::string_view problem) {
+  return Status(Code::kInvalidArgument,
+                "object URL \"" + std::string(url) + "\": " + std::string(problem));
+}
+
+char Lower(char c) {
+  return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
+}
+
+bool StartsWithNoCase(std::string_view s, std::string_view prefix) {
+  if (s.size() < prefix.size()) return false;
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    if (Lower(s[i]) != prefix[i]) return false;
+  }
+  return true;
+}
+
+bool IsAlnum(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+}
+
+// A description of the first NUL, control or whitespace byte in `s`, or nullopt.
+std::optional<std::string> ControlProblem(std::string_view s) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c == 0) return "contains a NUL byte at offset " + std::to_string(i);
+    if (c == ' ') return "contains a space at offset " + std::to_string(i);
+    if (c < 0x20 || c == 0x7f) {
+      return "contains a control character or whitespace at offset " + std::to_string(i);
+    }
+  }
+  return std::nullopt;
+}
+
+Result<ObjectUrl> ParseS3(std::string_view url, std::string_view rest) {
+  const size_t slash = rest.find('/');
+  ObjectUrl out;
+  out.scheme = Scheme::kS3;
+  out.bucket = std::string(rest.substr(0, slash));
+  if (slash != std::string_view::npos) out.key = std::string(rest.substr(slash + 1));
+  if (out.bucket.empty()) return Bad(url, "empty bucket name");
+  if (out.bucket.size() > kMaxBucketLength) {
+    return Bad(url, "bucket name longer than " + std::to_string(kMaxBucketLength) + " characters");
+  }
+  for (char c : out.bucket) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '-' || c == '_')) {
+      return Bad(url, "bucket name \"" + out.bucket +
+                          "\" has a character outside [a-z0-9.-_] (bucket names are lower-case)");
+    }
+  }
+  if (!out.key.empty() && out.key[0] == '/') return Bad(url, "the key starts with '/'");
+  return out;
+}
+
+// Checks "host[:port]" (the authority without userinfo) and returns a problem, or nullopt.
+std::optional<std::string> AuthorityProblem(std::string_view authority) {
+  std::string_view host = authority;
+  std::optional<std::string_view> port;
+  if (!authority.empty() && authority[0] == '[') {
+    const size_t close = authority.find(']');
+    if (close == std::string_view::npos) return "unterminated IPv6 literal in the host";
+    host = authority.substr(1, close - 1);
+    for (char c : host) {
+      if (!(IsAlnum(c) || c == ':' || c == '.')) return "invalid IPv6 literal in the host";
+    }
+    const std::string_view after = authority.substr(close + 1);
+    if (!after.empty()) {
+      if (after[0] != ':') return "unexpected characters after the IPv6 literal";
+      port = after.substr(1);
+    }
+  } else {
+    const size_t colon = authority.find(':');
+    if (colon != std::string_view::npos) {
+      host = authority.substr(0, colon);
+      port = authority.substr(colon + 1);
+    }
+    for (char c : host) {
+      if (!(IsAlnum(c) || c == '.' || c == '-' || c == '_' || c == '~' || c == '%')) {
+        return "the host has a character outside [A-Za-z0-9.-_~%]: '" + std::string(1, c) + "'";
+      }
+    }
+  }
+  if (host.empty()) return "empty host";
+  if (port.has_value()) {
+    if (port->empty() || port->size() > 5) return "the port is not a number from 1 to 65535";
+    uint32_t value = 0;
+    for (char c : *port) {
+      if (c < '0' || c > '9') return "the port is not a number from 1 to 65535";
+      value = value * 10 + static_cast<uint32_t>(c - '0');
+    }
+    if (value == 0 || value > 65535) return "the port is not a number from 1 to 65535";
+  }
+  return std::nullopt;
+}
+
+Result<ObjectUrl> ParseHttp(std::string_view url, Scheme scheme, std::string_view rest) {
+  if (rest.find('#') != std::string_view::npos) {
+    return Bad(url, "a '#fragment' is not allowed in an object URL");
+  }
+  if (rest.find('?') != std::string_view::npos) {
+    return Bad(url, "a '?query' is not allowed (it would change what a ranged GET reads)");
+  }
+  const size_t slash = rest.find('/');
+  const std::string_view authority = rest.substr(0, slash);
+  if (authority.find('@') != std::string_view::npos) {
+    return Bad(url, "credentials (user@host) are not allowed in URLs; use the options instead");
+  }
+  if (auto problem = AuthorityProblem(authority)) return Bad(url, *problem);
+  ObjectUrl out;
+  out.scheme = scheme;
+  out.origin =
+      std::string(scheme == Scheme::kHttp ? "http://" : "https://") + std::string(authority);
+  if (slash != std::string_view::npos) out.key = std::string(rest.substr(slash + 1));
+  return out;
+}
+
+}  // namespace
+
+std::string ObjectUrl::ToString() const {
+  if (scheme == Scheme::kS3) return "s3://" + bucket + "/" + key;
+  return origin + "/" + key;
+}
+
+bool IsObjectUrl(std::string_view path) {
+  return StartsWithNoCase(path, "s3://") || StartsWithNoCase(path, "http://") ||
+         StartsWithNoCase(path, "https://");
+}
+
+Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
+  if (auto problem = ControlProblem(url)) return Bad(url, *problem);
+  if (StartsWithNoCase(url, "s3://")) return ParseS3(url, url.substr(5));
+  if (StartsWithNoCase(url, "http://")) return ParseHttp(url, Scheme::kHttp, url.substr(7));
+  if (StartsWithNoCase(url, "https://")) return ParseHttp(url, Scheme::kHttps, url.substr(8));
+  return Bad(url, "not an s3://, http:// or https:// URL");
+}
+
+ObjectUrl Join(const ObjectUrl& dir, std::string_view relative) {
+  ObjectUrl out = dir;
+  const std::string rel =
+      dir.scheme == Scheme::kS3 ? std::string(relative) : PercentEncode(relative, true);
+  if (!out.key.empty() && out.key.back() != '/') out.key += '/';
+  out.key += rel;
+  return out;
+}
+
+ObjectUrl Parent(const ObjectUrl& file) {
+  ObjectUrl out = file;
+  const size_t slash = file.key.rfind('/');
+  out.key = slash == std::string::npos ? std::string() : file.key.substr(0, slash);
+  return out;
+}
+
+bool KeyEndsWith(const ObjectUrl& url, std::string_view suffix) {
+  return std::string_view(url.key).ends_with(suffix);
+}
+
+std::string PercentEncode(std::string_view s, bool keep_slash) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    if (IsAlnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || (keep_slash && c == '/')) {
+      out += c;
+    } else {
+      const auto b = static_cast<unsigned char>(c);
+      out += '%';
+      out += kHex[b >> 4];
+      out += kHex[b & 0xf];
+    }
+  }
+  return out;
+}
+
+}  // namespace tensorferry::objstore

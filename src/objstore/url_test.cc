@@ -1,0 +1,156 @@
+#include "objstore/url.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace tensorferry::objstore {
+namespace {
+
+ObjectUrl MustParse(std::string_view url) {
+  auto parsed = ParseObjectUrl(url);
+  EXPECT_TRUE(parsed.ok()) << url << ": " << parsed.status().ToString();
+  return parsed.ok() ? *parsed : ObjectUrl{};
+}
+
+// The problem ParseObjectUrl reports for `url` (it must fail with kInvalidArgument naming it).
+std::string Problem(std::string_view url) {
+  auto parsed = ParseObjectUrl(url);
+  EXPECT_FALSE(parsed.ok()) << url << " was accepted";
+  if (parsed.ok()) return "";
+  EXPECT_EQ(parsed.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(parsed.status().message().find(std::string(url)), std::string::npos)
+      << parsed.status().ToString();
+  return parsed.status().message();
+}
+
+TEST(ObjectUrl, IsObjectUrl) {
+  for (const char* yes : {"s3://b/k", "S3://b", "http://h/x", "HTTPS://h", "hTtP://h"}) {
+    EXPECT_TRUE(IsObjectUrl(yes)) << yes;
+  }
+  for (const char* no : {"", "s3:/b", "/tmp/s3://x", "model.safetensors", "ftp://h/x", "s3"}) {
+    EXPECT_FALSE(IsObjectUrl(no)) << no;
+  }
+}
+
+TEST(ObjectUrl, ParsesS3) {
+  ObjectUrl url = MustParse("s3://my-bucket.v2/models/llama/model.safetensors");
+  EXPECT_EQ(url.scheme, Scheme::kS3);
+  EXPECT_EQ(url.bucket, "my-bucket.v2");
+  EXPECT_EQ(url.key, "models/llama/model.safetensors");
+  EXPECT_TRUE(url.origin.empty());
+  EXPECT_EQ(url.ToString(), "s3://my-bucket.v2/models/llama/model.safetensors");
+
+  EXPECT_EQ(MustParse("S3://bucket").key, "");
+  EXPECT_EQ(MustParse("s3://bucket/").key, "");
+  EXPECT_EQ(MustParse("s3://bucket/prefix/").key, "prefix/");
+  EXPECT_EQ(MustParse("s3://bucket").ToString(), "s3://bucket/");
+  // s3 keys are raw: '?', '#', '%' and non-ASCII bytes are part of the key.
+  EXPECT_EQ(MustParse("s3://bucket/a?b#c%20d\xc3\xa9").key, "a?b#c%20d\xc3\xa9");
+  EXPECT_EQ(MustParse("s3://old_style_bucket/k").bucket, "old_style_bucket");
+}
+
+TEST(ObjectUrl, RefusesBadS3) {
+  EXPECT_NE(Problem("s3://").find("empty bucket"), std::string::npos);
+  EXPECT_NE(Problem("s3:///key").find("empty bucket"), std::string::npos);
+  EXPECT_NE(Problem("s3://MyBucket/k").find("[a-z0-9.-_]"), std::string::npos);
+  EXPECT_NE(Problem("s3://b:1/k").find("[a-z0-9.-_]"), std::string::npos);
+  EXPECT_NE(Problem("s3://" + std::string(256, 'a') + "/k").find("longer than 255"),
+            std::string::npos);
+  EXPECT_TRUE(ParseObjectUrl("s3://" + std::string(255, 'a') + "/k").ok());
+  EXPECT_NE(Problem("s3://b//k").find("starts with '/'"), std::string::npos);
+}
+
+TEST(ObjectUrl, ParsesHttp) {
+  ObjectUrl url = MustParse("HTTP://Example.com:8080/repo/resolve/main/model%20a.safetensors");
+  EXPECT_EQ(url.scheme, Scheme::kHttp);
+  EXPECT_EQ(url.origin, "http://Example.com:8080");
+  EXPECT_EQ(url.key, "repo/resolve/main/model%20a.safetensors");
+  EXPECT_TRUE(url.bucket.empty());
+  EXPECT_EQ(url.ToString(), "http://Example.com:8080/repo/resolve/main/model%20a.safetensors");
+
+  ObjectUrl bare = MustParse("https://host");
+  EXPECT_EQ(bare.scheme, Scheme::kHttps);
+  EXPECT_EQ(bare.origin, "https://host");
+  EXPECT_EQ(bare.key, "");
+  EXPECT_EQ(MustParse("https://host/").key, "");
+  EXPECT_EQ(MustParse("http://127.0.0.1:65535/a").origin, "http://127.0.0.1:65535");
+  EXPECT_EQ(MustParse("http://[::1]:8080/a/b").origin, "http://[::1]:8080");
+  EXPECT_EQ(MustParse("http://[::1]/a").key, "a");
+}
+
+TEST(ObjectUrl, RefusesBadHttp) {
+  EXPECT_NE(Problem("http://").find("empty host"), std::string::npos);
+  EXPECT_NE(Problem("http:///path").find("empty host"), std::string::npos);
+  EXPECT_NE(Problem("https://:443/x").find("empty host"), std::string::npos);
+  EXPECT_NE(Problem("https://user:secret@host/x").find("credentials"), std::string::npos);
+  EXPECT_NE(Problem("https://host/x?versionId=3").find("query"), std::string::npos);
+  EXPECT_NE(Problem("https://host/x#frag").find("fragment"), std::string::npos);
+  for (const char* port : {"http://h:/x", "http://h:0/x", "http://h:65536/x", "http://h:8a/x",
+                           "http://h:-1/x", "http://h:123456/x", "http://h:1:2/x"}) {
+    EXPECT_NE(Problem(port).find("port"), std::string::npos) << port;
+  }
+  EXPECT_NE(Problem("http://[::1/x").find("IPv6"), std::string::npos);
+  EXPECT_NE(Problem("http://[::1]x/x").find("IPv6"), std::string::npos);
+  EXPECT_NE(Problem("http://ho\\st/x").find("host"), std::string::npos);
+}
+
+TEST(ObjectUrl, RefusesControlCharactersAndWhitespace) {
+  EXPECT_NE(Problem(std::string("s3://b/k\0x", 10)).find("NUL"), std::string::npos);
+  EXPECT_NE(Problem("s3://b/a b").find("space"), std::string::npos);
+  for (const char* bad : {"s3://b/a\tb", "http://h/a\nb", "http://h/a\rb", "s3://b/\x7f"}) {
+    EXPECT_NE(Problem(bad).find("control"), std::string::npos) << bad;
+  }
+}
+
+TEST(ObjectUrl, RefusesOtherSchemes) {
+  for (const char* bad : {"", "/tmp/model.safetensors", "ftp://h/x", "s3:/b/k", "gs://b/k"}) {
+    EXPECT_NE(Problem(bad).find("not an s3://, http:// or https:// URL"), std::string::npos);
+  }
+}
+
+TEST(ObjectUrl, JoinPutsExactlyOneSlash) {
+  ObjectUrl dir = MustParse("s3://b/models/llama");
+  EXPECT_EQ(Join(dir, "model-00001.safetensors").ToString(),
+            "s3://b/models/llama/model-00001.safetensors");
+  EXPECT_EQ(Join(MustParse("s3://b/models/llama/"), "x").key, "models/llama/x");
+  EXPECT_EQ(Join(MustParse("s3://b"), "x").key, "x");
+  EXPECT_EQ(Join(dir, "sub/x y").key, "models/llama/sub/x y");  // s3 keys stay raw
+  // http(s): the file name is encoded into the URL path.
+  ObjectUrl http = MustParse("http://h:1/repo/main/");
+  EXPECT_EQ(Join(http, "sub/model a#1.safetensors").ToString(),
+            "http://h:1/repo/main/sub/model%20a%231.safetensors");
+  EXPECT_EQ(Join(MustParse("http://h"), "m.safetensors").ToString(), "http://h/m.safetensors");
+}
+
+TEST(ObjectUrl, Parent) {
+  EXPECT_EQ(Parent(MustParse("s3://b/a/b/model.safetensors.index.json")).key, "a/b");
+  EXPECT_EQ(Parent(MustParse("s3://b/model.safetensors")).key, "");
+  EXPECT_EQ(Parent(MustParse("s3://b/a/")).key, "a");
+  ObjectUrl http = Parent(MustParse("https://h/x/y.json"));
+  EXPECT_EQ(http.origin, "https://h");
+  EXPECT_EQ(http.key, "x");
+  // Parent then Join gives the file back.
+  ObjectUrl file = MustParse("s3://b/a/b/c.safetensors");
+  EXPECT_EQ(Join(Parent(file), "c.safetensors"), file);
+}
+
+TEST(ObjectUrl, KeyEndsWith) {
+  EXPECT_TRUE(KeyEndsWith(MustParse("s3://b/m.safetensors.index.json"), ".json"));
+  EXPECT_FALSE(KeyEndsWith(MustParse("s3://b/m.JSON"), ".json"));
+  EXPECT_FALSE(KeyEndsWith(MustParse("s3://b/"), ".json"));
+  EXPECT_TRUE(KeyEndsWith(MustParse("http://h/m.safetensors"), ".safetensors"));
+}
+
+TEST(ObjectUrl, PercentEncode) {
+  EXPECT_EQ(PercentEncode("AZaz09-_.~", false), "AZaz09-_.~");
+  EXPECT_EQ(PercentEncode("a/b c", true), "a/b%20c");
+  EXPECT_EQ(PercentEncode("a/b c", false), "a%2Fb%20c");
+  EXPECT_EQ(PercentEncode("+=&?#%*", true), "%2B%3D%26%3F%23%25%2A");
+  EXPECT_EQ(PercentEncode("\xc3\xa9", true), "%C3%A9");
+  EXPECT_EQ(PercentEncode(std::string("\0\xff", 2), true), "%00%FF");
+  EXPECT_EQ(PercentEncode("", true), "");
+}
+
+}  // namespace
+}  // namespace tensorferry::objstore

@@ -1,0 +1,481 @@
+#include "objstore/aws_config.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
+#include "util/macros.h"
+
+namespace tensorferry::objstore {
+namespace {
+
+// An AWS file larger than this is refused rather than read (they are a few KiB in practice).
+constexpr uintmax_t kMaxAwsFileSize = 1 << 20;
+
+bool IsSpace(char c) {
+  return c == ' ' || c == '\t' || c == '\r' || c == '\f' || c == '\v';
+}
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && IsSpace(s.front())) s.remove_prefix(1);
+  while (!s.empty() && IsSpace(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) {
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  }
+  return out;
+}
+
+// "profile   x" -> "profile x".
+std::string CollapseSpaces(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (IsSpace(c)) {
+      if (!out.empty() && out.back() != ' ') out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  if (!out.empty() && out.back() == ' ') out.pop_back();
+  return out;
+}
+
+// A value with an inline comment (a '#' or ';' preceded by whitespace) removed, trimmed.
+std::string_view ValueWithoutComment(std::string_view value) {
+  for (size_t i = 1; i < value.size(); ++i) {
+    if ((value[i] == '#' || value[i] == ';') && IsSpace(value[i - 1])) {
+      value = value.substr(0, i);
+      break;
+    }
+  }
+  return Trim(value);
+}
+
+// The state of ParseAwsIni between lines.
+struct IniState {
+  AwsIni ini;
+  std::string section;
+  bool in_section = false;
+  std::string last_key;      // the last top-level property of the section, "" when none
+  bool last_nested = false;  // it had an empty value: indented lines are its sub-properties
+  size_t last_indent = 0;    // its indentation
+};
+
+Status IniError(std::string_view file, size_t line, std::string_view problem) {
+  return Status(Code::kInvalidArgument,
+                std::string(file) + ":" + std::to_string(line) + ": " + std::string(problem));
+}
+
+// Splits "key = value"; nullopt without '=' or with an empty key.
+std::optional<std::pair<std::string, std::string>> SplitProperty(std::string_view line) {
+  const size_t eq = line.find('=');
+  if (eq == std::string_view::npos) return std::nullopt;
+  const std::string_view key = Trim(line.substr(0, eq));
+  if (key.empty()) return std::nullopt;
+  return std::pair(std::string(key), std::string(ValueWithoutComment(line.substr(eq + 1))));
+}
+
+Status IniSectionLine(IniState& state, std::string_view line, std::string_view file, size_t n) {
+  const size_t close = line.find(']');
+  if (close == std::string_view::npos) return IniError(file, n, "a '[' section without ']'");
+  const std::string_view rest = Trim(line.substr(close + 1));
+  if (!rest.empty() && rest[0] != '#' && rest[0] != ';') {
+    return IniError(file, n, "unexpected text after the section's ']'");
+  }
+  std::string name = CollapseSpaces(line.substr(1, close - 1));
+  if (name.empty()) return IniError(file, n, "an empty section name");
+  state.section = std::move(name);
+  state.in_section = true;
+  state.ini[state.section];  // a section with no properties still exists
+  state.last_key.clear();
+  return Status::Ok();
+}
+
+Status IniIndentedLine(IniState& state, std::string_view line, std::string_view file, size_t n) {
+  auto& section = state.ini[state.section];
+  if (!state.last_nested) {  // a continuation line of a multi-line value
+    section[state.last_key] += "\n" + std::string(Trim(line));
+    return Status::Ok();
+  }
+  auto property = SplitProperty(line);
+  if (!property) {
+    return IniError(file, n,
+                    "expected an indented \"key = value\" under \"" + state.last_key + " =\"");
+  }
+  section[state.last_key + "." + property->first] = property->second;
+  return Status::Ok();
+}
+
+// Lines are read as the AWS CLI's configparser reads them: a line indented deeper than the last
+// property continues it (a sub-property when its value was empty); any other line is a
+// section, a property or a comment, indented or not.
+Status IniLine(IniState& state, std::string_view raw, std::string_view file, size_t n) {
+  const std::string_view line = Trim(raw);
+  if (line.empty() || line[0] == '#' || line[0] == ';') return Status::Ok();
+  size_t indent = 0;
+  while (indent < raw.size() && IsSpace(raw[indent])) ++indent;
+  if (state.in_section && !state.last_key.empty() && indent > state.last_indent) {
+    return IniIndentedLine(state, line, file, n);
+  }
+  if (line[0] == '[') return IniSectionLine(state, line, file, n);
+  if (!state.in_section) return IniError(file, n, "a property before any [section]");
+  auto property = SplitProperty(line);
+  if (!property) {
+    return IniError(file, n, "expected \"key = value\", a [section] or a comment");
+  }
+  state.last_key = property->first;
+  state.last_indent = indent;
+  state.last_nested = property->second.empty();
+  if (!state.last_nested) state.ini[state.section][property->first] = property->second;
+  return Status::Ok();
+}
+
+// ---- environment and files ----------------------------------------------------------------------
+
+// GetEnv with empty values read as unset.
+std::optional<std::string> Env(const GetEnv& env, const char* name) {
+  if (!env) return std::nullopt;
+  std::optional<std::string> value = env(name);
+  if (value && value->empty()) return std::nullopt;
+  return value;
+}
+
+bool EnvTrue(const GetEnv& env, const char* name) {
+  const auto value = Env(env, name);
+  return value && (Lower(*value) == "true" || *value == "1");
+}
+
+// The path of one AWS file: the variable `var`, else $HOME/<home_relative>; "" when neither.
+std::string AwsFilePath(const GetEnv& env, const char* var, const char* home_relative) {
+  const auto home = Env(env, "HOME");
+  if (auto path = Env(env, var)) {
+    if (home && path->rfind("~/", 0) == 0) return *home + path->substr(1);
+    return *path;
+  }
+  return home ? *home + "/" + home_relative : std::string();
+}
+
+// The parsed file at `path`; empty when `path` is "" or no file is there.
+Result<AwsIni> LoadAwsFile(const std::string& path) {
+  if (path.empty()) return AwsIni{};
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (status.type() == std::filesystem::file_type::not_found) return AwsIni{};
+  if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
+  if (!std::filesystem::is_regular_file(status)) {
+    return Status(Code::kIoError, path + ": the AWS file is not a regular file");
+  }
+  if (std::filesystem::file_size(path, ec) > kMaxAwsFileSize || ec) {
+    return Status(Code::kInvalidArgument, path + ": the AWS file is larger than 1 MiB");
+  }
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return Status(Code::kIoError, path + ": cannot open the AWS file: " + std::strerror(errno));
+  }
+  std::string text(kMaxAwsFileSize + 1, '\0');
+  const size_t n = std::fread(text.data(), 1, text.size(), f);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return Status(Code::kIoError, path + ": cannot read the AWS file");
+  text.resize(n);
+  return ParseAwsIni(text, path);
+}
+
+// The selected profile: its sections in both files.
+struct Profile {
+  std::string name;
+  std::string named_by;  // "options", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", or "" (default)
+  std::string credentials_path, config_path;
+  std::map<std::string, std::string> credentials, config;
+
+  // The value of `key`, credentials file first, and the file it came from.
+  std::optional<std::pair<std::string, std::string>> Get(const std::string& key) const {
+    if (auto it = credentials.find(key); it != credentials.end()) {
+      return std::pair(it->second, credentials_path);
+    }
+    if (auto it = config.find(key); it != config.end()) return std::pair(it->second, config_path);
+    return std::nullopt;
+  }
+  std::string Where(const std::string& file) const { return "profile \"" + name + "\" in " + file; }
+};
+
+std::string ShownPath(const std::string& path, const char* what) {
+  return path.empty() ? std::string("(no ") + what + " file: HOME is not set)" : path;
+}
+
+Result<Profile> LoadProfile(const S3Request& request, const GetEnv& env) {
+  Profile p;
+  if (!request.profile.empty()) {
+    p.name = request.profile, p.named_by = "options";
+  } else if (auto v = Env(env, "AWS_PROFILE")) {
+    p.name = *v, p.named_by = "AWS_PROFILE";
+  } else if (auto d = Env(env, "AWS_DEFAULT_PROFILE")) {
+    p.name = *d, p.named_by = "AWS_DEFAULT_PROFILE";
+  } else {
+    p.name = "default";
+  }
+  p.credentials_path = AwsFilePath(env, "AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials");
+  p.config_path = AwsFilePath(env, "AWS_CONFIG_FILE", ".aws/config");
+  TF_ASSIGN_OR_RETURN(AwsIni credentials, LoadAwsFile(p.credentials_path));
+  TF_ASSIGN_OR_RETURN(AwsIni config, LoadAwsFile(p.config_path));
+  bool found = false;
+  if (auto it = credentials.find(p.name); it != credentials.end()) {
+    p.credentials = it->second, found = true;
+  }
+  std::vector<std::string> names = {"profile " + p.name};
+  if (p.name == "default") names.insert(names.begin(), "default");
+  for (const std::string& section : names) {
+    if (auto it = config.find(section); it != config.end()) {
+      for (const auto& [k, v] : it->second) p.config[k] = v;
+      found = true;
+    }
+  }
+  if (!found && !p.named_by.empty()) {
+    return Status(Code::kInvalidArgument, "AWS profile \"" + p.name + "\" (from " + p.named_by +
+                                              ") is in neither " +
+                                              ShownPath(p.credentials_path, "credentials") +
+                                              " nor " + ShownPath(p.config_path, "config"));
+  }
+  return p;
+}
+
+// ---- settings ---------------------------------------------------------------------------------
+
+Status SetKeys(S3Config& c, std::string id, std::string secret, std::string token, std::string from,
+               std::string_view id_name, std::string_view secret_name) {
+  if (id.empty() != secret.empty()) {
+    return Status(Code::kInvalidArgument, "S3 credentials from " + from + ": " +
+                                              std::string(id.empty() ? secret_name : id_name) +
+                                              " is set without " +
+                                              std::string(id.empty() ? id_name : secret_name));
+  }
+  c.access_key_id = std::move(id);
+  c.secret_access_key = std::move(secret);
+  c.session_token = std::move(token);
+  c.credentials_from = std::move(from);
+  return Status::Ok();
+}
+
+// From the profile's credentials file section, else its config file section; false when neither
+// has keys.
+Result<bool> ProfileKeys(S3Config& c, const Profile& p) {
+  for (const auto* section : {&p.credentials, &p.config}) {
+    auto value = [&](const char* key) {
+      auto it = section->find(key);
+      return it == section->end() ? std::string() : it->second;
+    };
+    std::string id = value("aws_access_key_id"), secret = value("aws_secret_access_key");
+    if (id.empty() && secret.empty()) continue;
+    const std::string& file = section == &p.credentials ? p.credentials_path : p.config_path;
+    TF_RETURN_IF_ERROR(SetKeys(c, std::move(id), std::move(secret), value("aws_session_token"),
+                               p.Where(file), "aws_access_key_id", "aws_secret_access_key"));
+    return true;
+  }
+  return false;
+}
+
+Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p) {
+  if (r.anonymous == 1 || (r.anonymous == -1 && EnvTrue(env, "AWS_NO_SIGN_REQUEST"))) {
+    c.anonymous = true;
+    c.credentials_from =
+        r.anonymous == 1 ? "options: anonymous" : "environment (AWS_NO_SIGN_REQUEST)";
+    return Status::Ok();
+  }
+  if (!r.access_key_id.empty() || !r.secret_access_key.empty() || !r.session_token.empty()) {
+    if (r.access_key_id.empty() && r.secret_access_key.empty()) {
+      return Status(Code::kInvalidArgument,
+                    "S3 credentials from options: session_token is set without access_key_id "
+                    "and secret_access_key");
+    }
+    return SetKeys(c, r.access_key_id, r.secret_access_key, r.session_token, "options",
+                   "access_key_id", "secret_access_key");
+  }
+  const auto id = Env(env, "AWS_ACCESS_KEY_ID"), secret = Env(env, "AWS_SECRET_ACCESS_KEY");
+  if (id || secret) {
+    return SetKeys(c, id.value_or(""), secret.value_or(""),
+                   Env(env, "AWS_SESSION_TOKEN").value_or(""), "environment (AWS_ACCESS_KEY_ID)",
+                   "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
+  }
+  TF_ASSIGN_OR_RETURN(const bool from_profile, ProfileKeys(c, p));
+  if (from_profile) return Status::Ok();
+  if (r.anonymous == 0) {
+    return Status(Code::kInvalidArgument,
+                  "no S3 credentials found (options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                  "profile \"" +
+                      p.name + "\" in " + ShownPath(p.credentials_path, "credentials") + " or " +
+                      ShownPath(p.config_path, "config") + ") and anonymous access is turned off");
+  }
+  c.anonymous = true;
+  c.credentials_from = "none found: anonymous";
+  return Status::Ok();
+}
+
+Status ResolveRegion(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p) {
+  if (!r.region.empty()) {
+    c.region = r.region, c.region_from = "options";
+  } else if (auto v = Env(env, "AWS_REGION")) {
+    c.region = *v, c.region_from = "AWS_REGION";
+  } else if (auto d = Env(env, "AWS_DEFAULT_REGION")) {
+    c.region = *d, c.region_from = "AWS_DEFAULT_REGION";
+  } else if (auto pr = p.Get("region")) {
+    c.region = pr->first, c.region_from = p.Where(pr->second);
+  } else {
+    c.region = "us-east-1", c.region_from = "default";
+  }
+  for (char ch : c.region) {
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                    (ch >= '0' && ch <= '9') || ch == '-' || ch == '_' || ch == '.';
+    if (!ok) {
+      return Status(Code::kInvalidArgument, "S3 region \"" + c.region + "\" from " + c.region_from +
+                                                ": only letters, digits, '-', '_' and '.' allowed");
+    }
+  }
+  return Status::Ok();
+}
+
+// `value` as "scheme://host[:port]", or an error naming `from`.
+Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from) {
+  const auto problem = [&](std::string_view what) {
+    return Status(Code::kInvalidArgument,
+                  "S3 endpoint \"" + value + "\" from " + from + ": " + std::string(what));
+  };
+  std::string_view v = value;
+  if (v.ends_with('/')) v.remove_suffix(1);
+  auto url = ParseObjectUrl(v);
+  if (!url.ok()) return problem(url.status().message());
+  if (url->scheme == Scheme::kS3) return problem("must be an http:// or https:// URL");
+  if (!url->key.empty() || v.ends_with('/')) {
+    return problem("must be scheme://host[:port] with no path");
+  }
+  return url->origin;
+}
+
+Status ResolveEndpoint(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p) {
+  std::string value;
+  const auto ignore = p.Get("ignore_configured_endpoint_urls");
+  const bool ignore_configured = EnvTrue(env, "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS") ||
+                                 (ignore && Lower(ignore->first) == "true");
+  if (!r.endpoint.empty()) {
+    value = r.endpoint, c.endpoint_from = "options";
+  } else if (ignore_configured) {
+    // Only the explicit endpoint counts.
+  } else if (auto s3 = Env(env, "AWS_ENDPOINT_URL_S3")) {
+    value = *s3, c.endpoint_from = "AWS_ENDPOINT_URL_S3";
+  } else if (auto all = Env(env, "AWS_ENDPOINT_URL")) {
+    value = *all, c.endpoint_from = "AWS_ENDPOINT_URL";
+  } else if (auto ps3 = p.Get("s3.endpoint_url")) {
+    value = ps3->first;
+    c.endpoint_from = "profile \"" + p.name + "\" (s3.endpoint_url) in " + ps3->second;
+  } else if (auto pall = p.Get("endpoint_url")) {
+    value = pall->first;
+    c.endpoint_from = "profile \"" + p.name + "\" (endpoint_url) in " + pall->second;
+  }
+  if (value.empty()) {
+    const bool china = c.region.rfind("cn-", 0) == 0;
+    value = "https://s3." + c.region + (china ? ".amazonaws.com.cn" : ".amazonaws.com");
+    c.endpoint_from = "AWS default";
+  }
+  TF_ASSIGN_OR_RETURN(c.endpoint, NormalizeEndpoint(value, c.endpoint_from));
+  return Status::Ok();
+}
+
+// The host of "scheme://host[:port]", lower-cased.
+std::string EndpointHost(const std::string& endpoint) {
+  std::string_view rest = endpoint;
+  rest.remove_prefix(std::min(rest.size(), rest.find("://") + 3));
+  if (!rest.empty() && rest[0] == '[') return Lower(rest.substr(0, rest.find(']') + 1));
+  return Lower(rest.substr(0, rest.find(':')));
+}
+
+bool IsAmazonHost(const std::string& host) {
+  const std::string_view h = host;
+  return h == "amazonaws.com" || h.ends_with(".amazonaws.com") || h.ends_with(".amazonaws.com.cn");
+}
+
+Status ResolvePathStyle(S3Config& c, const S3Request& r, const Profile& p) {
+  if (r.path_style == 0 || r.path_style == 1) {
+    c.path_style = r.path_style == 1;
+    c.path_style_auto = false;
+    return Status::Ok();
+  }
+  if (auto style = p.Get("s3.addressing_style")) {
+    const std::string value = Lower(style->first);
+    if (value == "path" || value == "virtual") {
+      c.path_style = value == "path";
+      c.path_style_auto = false;
+      return Status::Ok();
+    }
+    if (value != "auto") {
+      return Status(Code::kInvalidArgument, p.Where(style->second) + ": s3.addressing_style = \"" +
+                                                style->first + "\" is not path, virtual or auto");
+    }
+  }
+  c.path_style = !IsAmazonHost(EndpointHost(c.endpoint));
+  c.path_style_auto = true;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<AwsIni> ParseAwsIni(std::string_view text, std::string_view file) {
+  IniState state;
+  size_t line_number = 0;
+  while (!text.empty()) {
+    const size_t eol = text.find('\n');
+    const std::string_view line = text.substr(0, eol);
+    text = eol == std::string_view::npos ? std::string_view() : text.substr(eol + 1);
+    ++line_number;
+    TF_RETURN_IF_ERROR(IniLine(state, line, file, line_number));
+  }
+  return std::move(state.ini);
+}
+
+GetEnv ProcessEnv() {
+  return [](const char* name) -> std::optional<std::string> {
+    const char* value = std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read-only use
+    if (value == nullptr || *value == '\0') return std::nullopt;
+    return std::string(value);
+  };
+}
+
+Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env) {
+  TF_ASSIGN_OR_RETURN(const Profile profile, LoadProfile(request, env));
+  S3Config config;
+  TF_RETURN_IF_ERROR(ResolveCredentials(config, request, env, profile));
+  TF_RETURN_IF_ERROR(ResolveRegion(config, request, env, profile));
+  TF_RETURN_IF_ERROR(ResolveEndpoint(config, request, env, profile));
+  TF_RETURN_IF_ERROR(ResolvePathStyle(config, request, profile));
+  return config;
+}
+
+bool S3Config::UsesPathStyle(const ObjectUrl& url) const {
+  if (path_style) return true;
+  if (!path_style_auto) return false;
+  return url.bucket.find_first_of("._") != std::string::npos;
+}
+
+std::string S3Config::ObjectRequestUrl(const ObjectUrl& url, std::string_view query) const {
+  std::string out;
+  if (url.scheme != Scheme::kS3) {
+    out = url.ToString();
+  } else if (UsesPathStyle(url)) {
+    out = endpoint + "/" + url.bucket;
+    if (!url.key.empty()) out += "/" + PercentEncode(url.key, true);
+  } else {
+    const size_t host = endpoint.find("://") + 3;
+    out = endpoint.substr(0, host) + url.bucket + "." + endpoint.substr(host) + "/" +
+          PercentEncode(url.key, true);
+  }
+  if (!query.empty()) out += "?" + std::string(query);
+  return out;
+}
+
+}  // namespace tensorferry::objstore

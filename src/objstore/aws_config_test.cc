@@ -1,0 +1,448 @@
+#include "objstore/aws_config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "testing/test_util.h"
+
+namespace tensorferry::objstore {
+namespace {
+
+// A fake environment whose HOME is a fresh temporary directory; the real environment is never
+// read.
+class FakeAws {
+ public:
+  FakeAws() { vars_["HOME"] = home_.path(); }
+  void Set(const std::string& name, const std::string& value) { vars_[name] = value; }
+  void Credentials(const std::string& text) { Write(".aws/credentials", text); }
+  void Config(const std::string& text) { Write(".aws/config", text); }
+  void Write(const std::string& relative, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(home_.Join(relative)).parent_path());
+    testing::WriteBytes(home_.Join(relative), text);
+  }
+  std::string Path(const std::string& relative) const { return home_.Join(relative); }
+  GetEnv Env() const {
+    return [vars = vars_](const char* name) -> std::optional<std::string> {
+      auto it = vars.find(name);
+      if (it == vars.end()) return std::nullopt;
+      return it->second;
+    };
+  }
+  Result<S3Config> Resolve(const S3Request& request = {}) const {
+    return ResolveS3Config(request, Env());
+  }
+  S3Config MustResolve(const S3Request& request = {}) const {
+    auto config = Resolve(request);
+    EXPECT_TRUE(config.ok()) << config.status().ToString();
+    return config.ok() ? *config : S3Config{};
+  }
+  // The message of the kInvalidArgument error resolving `request` must give.
+  std::string Error(const S3Request& request = {}) const {
+    auto config = Resolve(request);
+    EXPECT_FALSE(config.ok());
+    if (config.ok()) return "";
+    EXPECT_EQ(config.status().code(), Code::kInvalidArgument) << config.status().ToString();
+    return config.status().message();
+  }
+
+ private:
+  testing::TempDir home_;
+  std::map<std::string, std::string> vars_;
+};
+
+S3Request WithKeys(const std::string& id, const std::string& secret) {
+  S3Request r;
+  r.access_key_id = id;
+  r.secret_access_key = secret;
+  return r;
+}
+
+TEST(AwsConfig, NothingConfiguredIsAnonymousOnAwsDefaults) {
+  FakeAws aws;
+  const S3Config c = aws.MustResolve();
+  EXPECT_TRUE(c.anonymous);
+  EXPECT_EQ(c.credentials_from, "none found: anonymous");
+  EXPECT_TRUE(c.access_key_id.empty());
+  EXPECT_EQ(c.region, "us-east-1");
+  EXPECT_EQ(c.region_from, "default");
+  EXPECT_EQ(c.endpoint, "https://s3.us-east-1.amazonaws.com");
+  EXPECT_EQ(c.endpoint_from, "AWS default");
+  EXPECT_FALSE(c.path_style);
+  EXPECT_TRUE(c.path_style_auto);
+  // No HOME at all: no files, same result.
+  auto no_home = ResolveS3Config({}, [](const char*) { return std::optional<std::string>(); });
+  ASSERT_TRUE(no_home.ok()) << no_home.status().ToString();
+  EXPECT_TRUE(no_home->anonymous);
+}
+
+TEST(AwsConfig, CredentialsPrecedence) {
+  FakeAws aws;
+  aws.Config("[default]\naws_access_key_id = CFG_ID\naws_secret_access_key = CFG_SECRET\n");
+  S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.access_key_id, "CFG_ID");
+  EXPECT_EQ(c.secret_access_key, "CFG_SECRET");
+  EXPECT_EQ(c.credentials_from, "profile \"default\" in " + aws.Path(".aws/config"));
+  EXPECT_FALSE(c.anonymous);
+
+  aws.Credentials(
+      "[default]\naws_access_key_id=FILE_ID\naws_secret_access_key=FILE_SECRET\n"
+      "aws_session_token=FILE_TOKEN\n");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.access_key_id, "FILE_ID");
+  EXPECT_EQ(c.session_token, "FILE_TOKEN");
+  EXPECT_EQ(c.credentials_from, "profile \"default\" in " + aws.Path(".aws/credentials"));
+
+  aws.Set("AWS_ACCESS_KEY_ID", "ENV_ID");
+  aws.Set("AWS_SECRET_ACCESS_KEY", "ENV_SECRET");
+  aws.Set("AWS_SESSION_TOKEN", "ENV_TOKEN");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.access_key_id, "ENV_ID");
+  EXPECT_EQ(c.secret_access_key, "ENV_SECRET");
+  EXPECT_EQ(c.session_token, "ENV_TOKEN");
+  EXPECT_EQ(c.credentials_from, "environment (AWS_ACCESS_KEY_ID)");
+
+  c = aws.MustResolve(WithKeys("OPT_ID", "OPT_SECRET"));
+  EXPECT_EQ(c.access_key_id, "OPT_ID");
+  EXPECT_EQ(c.secret_access_key, "OPT_SECRET");
+  EXPECT_EQ(c.session_token, "");  // the environment's token does not go with other keys
+  EXPECT_EQ(c.credentials_from, "options");
+  EXPECT_FALSE(c.anonymous);
+}
+
+TEST(AwsConfig, HalfAPairOfKeysIsAnError) {
+  FakeAws aws;
+  EXPECT_NE(aws.Error(WithKeys("ID", "")).find("access_key_id is set without secret_access_key"),
+            std::string::npos);
+  S3Request token_only;
+  token_only.session_token = "T";
+  EXPECT_NE(aws.Error(token_only).find("session_token"), std::string::npos);
+
+  FakeAws env;
+  env.Set("AWS_SECRET_ACCESS_KEY", "S");
+  EXPECT_NE(env.Error().find("AWS_SECRET_ACCESS_KEY is set without AWS_ACCESS_KEY_ID"),
+            std::string::npos);
+
+  FakeAws file;
+  file.Credentials("[default]\naws_access_key_id = ID\n");
+  const std::string message = file.Error();
+  EXPECT_NE(message.find("aws_access_key_id is set without aws_secret_access_key"),
+            std::string::npos);
+  EXPECT_NE(message.find(file.Path(".aws/credentials")), std::string::npos) << message;
+}
+
+TEST(AwsConfig, AnonymousWinsWhenAskedFor) {
+  FakeAws aws;
+  aws.Set("AWS_ACCESS_KEY_ID", "ENV_ID");
+  aws.Set("AWS_SECRET_ACCESS_KEY", "ENV_SECRET");
+  S3Request anonymous = WithKeys("OPT_ID", "OPT_SECRET");
+  anonymous.anonymous = 1;
+  S3Config c = aws.MustResolve(anonymous);
+  EXPECT_TRUE(c.anonymous);
+  EXPECT_TRUE(c.access_key_id.empty());
+  EXPECT_EQ(c.credentials_from, "options: anonymous");
+
+  for (const char* yes : {"true", "TRUE", "1"}) {
+    aws.Set("AWS_NO_SIGN_REQUEST", yes);
+    c = aws.MustResolve();
+    EXPECT_TRUE(c.anonymous) << yes;
+    EXPECT_EQ(c.credentials_from, "environment (AWS_NO_SIGN_REQUEST)");
+  }
+  aws.Set("AWS_NO_SIGN_REQUEST", "false");
+  EXPECT_FALSE(aws.MustResolve().anonymous);
+
+  // An explicit "not anonymous" overrides the environment, and needs credentials.
+  aws.Set("AWS_NO_SIGN_REQUEST", "true");
+  S3Request signed_request;
+  signed_request.anonymous = 0;
+  c = aws.MustResolve(signed_request);
+  EXPECT_FALSE(c.anonymous);
+  EXPECT_EQ(c.access_key_id, "ENV_ID");
+  FakeAws none;
+  const std::string message = none.Error(signed_request);
+  EXPECT_NE(message.find("no S3 credentials found"), std::string::npos) << message;
+  EXPECT_NE(message.find(none.Path(".aws/credentials")), std::string::npos) << message;
+}
+
+TEST(AwsConfig, ProfileSelectionAndSections) {
+  FakeAws aws;
+  aws.Credentials(
+      "[default]\naws_access_key_id = D\naws_secret_access_key = DS\n"
+      "[env]\naws_access_key_id = E\naws_secret_access_key = ES\n"
+      "[envdefault]\naws_access_key_id = ED\naws_secret_access_key = EDS\n");
+  // In the config file a named profile is "[profile NAME]": "[opt]" is not profile "opt".
+  aws.Config(
+      "[opt]\nregion = wrong\n[profile opt]\naws_access_key_id = O\n"
+      "aws_secret_access_key = OS\nregion = eu-west-3\n");
+  EXPECT_EQ(aws.MustResolve().access_key_id, "D");
+  aws.Set("AWS_DEFAULT_PROFILE", "envdefault");
+  EXPECT_EQ(aws.MustResolve().access_key_id, "ED");
+  aws.Set("AWS_PROFILE", "env");
+  EXPECT_EQ(aws.MustResolve().access_key_id, "E");
+  S3Request request;
+  request.profile = "opt";
+  const S3Config c = aws.MustResolve(request);
+  EXPECT_EQ(c.access_key_id, "O");
+  EXPECT_EQ(c.region, "eu-west-3");
+  EXPECT_EQ(c.region_from, "profile \"opt\" in " + aws.Path(".aws/config"));
+  EXPECT_EQ(c.credentials_from, "profile \"opt\" in " + aws.Path(".aws/config"));
+}
+
+TEST(AwsConfig, MissingExplicitProfileIsAnError) {
+  FakeAws aws;
+  aws.Credentials("[default]\naws_access_key_id = D\naws_secret_access_key = DS\n");
+  S3Request request;
+  request.profile = "nope";
+  std::string message = aws.Error(request);
+  EXPECT_NE(message.find("AWS profile \"nope\" (from options)"), std::string::npos) << message;
+  EXPECT_NE(message.find(aws.Path(".aws/credentials")), std::string::npos) << message;
+  EXPECT_NE(message.find(aws.Path(".aws/config")), std::string::npos) << message;
+  aws.Set("AWS_PROFILE", "gone");
+  message = aws.Error();
+  EXPECT_NE(message.find("\"gone\" (from AWS_PROFILE)"), std::string::npos) << message;
+  // The implicit "default" may be missing.
+  FakeAws empty;
+  EXPECT_TRUE(empty.Resolve().ok());
+}
+
+TEST(AwsConfig, FileLocationsFromTheEnvironment) {
+  FakeAws aws;
+  aws.Credentials("[default]\naws_access_key_id = HOME_ID\naws_secret_access_key = S\n");
+  aws.Write("elsewhere/creds",
+            "[default]\naws_access_key_id = ENV_FILE_ID\naws_secret_access_key = S\n");
+  aws.Write("elsewhere/conf", "[default]\nregion = ap-south-1\n");
+  aws.Set("AWS_SHARED_CREDENTIALS_FILE", aws.Path("elsewhere/creds"));
+  aws.Set("AWS_CONFIG_FILE", "~/elsewhere/conf");  // "~/" is $HOME
+  const S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.access_key_id, "ENV_FILE_ID");
+  EXPECT_EQ(c.region, "ap-south-1");
+  // Files that do not exist are fine.
+  aws.Set("AWS_SHARED_CREDENTIALS_FILE", aws.Path("missing/creds"));
+  aws.Set("AWS_CONFIG_FILE", aws.Path("missing/conf"));
+  EXPECT_TRUE(aws.MustResolve().anonymous);
+  // A directory where the file should be cannot be read.
+  aws.Set("AWS_CONFIG_FILE", aws.Path("elsewhere"));
+  auto dir = aws.Resolve();
+  ASSERT_FALSE(dir.ok());
+  EXPECT_EQ(dir.status().code(), Code::kIoError);
+  EXPECT_NE(dir.status().message().find(aws.Path("elsewhere")), std::string::npos);
+}
+
+TEST(AwsConfig, RegionPrecedence) {
+  FakeAws aws;
+  aws.Config("[default]\nregion = from-profile\n");
+  EXPECT_EQ(aws.MustResolve().region, "from-profile");
+  aws.Set("AWS_DEFAULT_REGION", "from-default-env");
+  EXPECT_EQ(aws.MustResolve().region, "from-default-env");
+  aws.Set("AWS_REGION", "from-env");
+  S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.region, "from-env");
+  EXPECT_EQ(c.region_from, "AWS_REGION");
+  EXPECT_EQ(c.endpoint, "https://s3.from-env.amazonaws.com");
+  S3Request request;
+  request.region = "cn-north-1";
+  c = aws.MustResolve(request);
+  EXPECT_EQ(c.region, "cn-north-1");
+  EXPECT_EQ(c.region_from, "options");
+  EXPECT_EQ(c.endpoint, "https://s3.cn-north-1.amazonaws.com.cn");
+  request.region = "us-east-1:evil";
+  EXPECT_NE(aws.Error(request).find("S3 region \"us-east-1:evil\" from options"),
+            std::string::npos);
+}
+
+TEST(AwsConfig, EndpointPrecedence) {
+  FakeAws aws;
+  aws.Config("[default]\nendpoint_url = http://all-profile:1\n");
+  S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.endpoint, "http://all-profile:1");
+  EXPECT_EQ(c.endpoint_from, "profile \"default\" (endpoint_url) in " + aws.Path(".aws/config"));
+  aws.Config(
+      "[default]\nendpoint_url = http://all-profile:1\ns3 =\n  endpoint_url = "
+      "http://s3-profile:2/\n");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.endpoint, "http://s3-profile:2");
+  EXPECT_EQ(c.endpoint_from, "profile \"default\" (s3.endpoint_url) in " + aws.Path(".aws/config"));
+  aws.Set("AWS_ENDPOINT_URL", "http://all-env:3");
+  EXPECT_EQ(aws.MustResolve().endpoint, "http://all-env:3");
+  aws.Set("AWS_ENDPOINT_URL_S3", "https://s3-env:4");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.endpoint, "https://s3-env:4");
+  EXPECT_EQ(c.endpoint_from, "AWS_ENDPOINT_URL_S3");
+  S3Request request;
+  request.endpoint = "HTTP://127.0.0.1:8333/";
+  c = aws.MustResolve(request);
+  EXPECT_EQ(c.endpoint, "http://127.0.0.1:8333");
+  EXPECT_EQ(c.endpoint_from, "options");
+  // Ignoring configured endpoints leaves the explicit one, or the AWS default.
+  aws.Set("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true");
+  EXPECT_EQ(aws.MustResolve(request).endpoint, "http://127.0.0.1:8333");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.endpoint, "https://s3.us-east-1.amazonaws.com");
+  EXPECT_EQ(c.endpoint_from, "AWS default");
+}
+
+TEST(AwsConfig, EndpointValidation) {
+  FakeAws aws;
+  S3Request request;
+  for (const char* bad : {"s3.example.com", "ftp://h", "http://h/path", "http://h//",
+                          "http://h?x=1", "http://user:pw@h", "http://h:99999", "s3://b"}) {
+    request.endpoint = bad;
+    const std::string message = aws.Error(request);
+    EXPECT_NE(message.find(std::string("S3 endpoint \"") + bad + "\" from options"),
+              std::string::npos)
+        << message;
+  }
+  aws.Set("AWS_ENDPOINT_URL", "localhost:9000");
+  EXPECT_NE(aws.Error().find("from AWS_ENDPOINT_URL"), std::string::npos);
+}
+
+TEST(AwsConfig, PathStyle) {
+  FakeAws aws;
+  // Auto: virtual-hosted on AWS, path-style elsewhere.
+  EXPECT_FALSE(aws.MustResolve().path_style);
+  S3Request custom;
+  custom.endpoint = "http://127.0.0.1:8333";
+  S3Config c = aws.MustResolve(custom);
+  EXPECT_TRUE(c.path_style);
+  EXPECT_TRUE(c.path_style_auto);
+  custom.endpoint = "https://bucket-host.S3.eu-west-1.AmazonAWS.com";
+  EXPECT_FALSE(aws.MustResolve(custom).path_style);
+  // The profile's s3.addressing_style.
+  aws.Config("[default]\ns3 =\n    addressing_style = path\n");
+  c = aws.MustResolve();
+  EXPECT_TRUE(c.path_style);
+  EXPECT_FALSE(c.path_style_auto);
+  aws.Config("[default]\ns3 =\n    addressing_style = virtual\n");
+  custom.endpoint = "http://127.0.0.1:8333";
+  c = aws.MustResolve(custom);
+  EXPECT_FALSE(c.path_style);
+  EXPECT_FALSE(c.path_style_auto);
+  aws.Config("[default]\ns3 =\n    addressing_style = auto\n");
+  EXPECT_TRUE(aws.MustResolve(custom).path_style_auto);
+  aws.Config("[default]\ns3 =\n    addressing_style = sideways\n");
+  const std::string message = aws.Error();
+  EXPECT_NE(message.find("\"sideways\" is not path, virtual or auto"), std::string::npos);
+  EXPECT_NE(message.find(aws.Path(".aws/config")), std::string::npos) << message;
+  // The request beats the profile.
+  S3Request path;
+  path.path_style = 1;
+  EXPECT_TRUE(aws.MustResolve(path).path_style);
+  aws.Config("[default]\ns3 =\n    addressing_style = path\n");
+  path.path_style = 0;
+  EXPECT_FALSE(aws.MustResolve(path).path_style);
+}
+
+ObjectUrl S3Url(const std::string& url) {
+  auto parsed = ParseObjectUrl(url);
+  EXPECT_TRUE(parsed.ok()) << parsed.status().ToString();
+  return parsed.ok() ? *parsed : ObjectUrl{};
+}
+
+TEST(AwsConfig, ObjectRequestUrl) {
+  S3Config c;
+  c.endpoint = "http://127.0.0.1:8333";
+  c.path_style = true;
+  // (A URL with a space is refused by ParseObjectUrl, but keys listed or joined may hold one.)
+  ObjectUrl url;
+  url.bucket = "models";
+  url.key = "llama 3/model+1.safetensors";
+  EXPECT_EQ(c.ObjectRequestUrl(url),
+            "http://127.0.0.1:8333/models/llama%203/model%2B1.safetensors");
+  EXPECT_EQ(c.ObjectRequestUrl(S3Url("s3://models/prefix/"), "list-type=2&prefix=a%2Fb"),
+            "http://127.0.0.1:8333/models/prefix/?list-type=2&prefix=a%2Fb");
+  EXPECT_EQ(c.ObjectRequestUrl(S3Url("s3://models"), "list-type=2"),
+            "http://127.0.0.1:8333/models?list-type=2");
+
+  c.endpoint = "https://s3.eu-west-1.amazonaws.com";
+  c.path_style = false;
+  c.path_style_auto = true;
+  EXPECT_FALSE(c.UsesPathStyle(url));
+  EXPECT_EQ(c.ObjectRequestUrl(url),
+            "https://models.s3.eu-west-1.amazonaws.com/llama%203/model%2B1.safetensors");
+  EXPECT_EQ(c.ObjectRequestUrl(S3Url("s3://models"), "list-type=2"),
+            "https://models.s3.eu-west-1.amazonaws.com/?list-type=2");
+  // A bucket with a '.' (or '_') cannot be a host-name label under a wildcard certificate.
+  const ObjectUrl dotted = S3Url("s3://my.models/a~b");
+  EXPECT_TRUE(c.UsesPathStyle(dotted));
+  EXPECT_EQ(c.ObjectRequestUrl(dotted), "https://s3.eu-west-1.amazonaws.com/my.models/a~b");
+  c.path_style_auto = false;  // explicitly virtual-hosted: kept
+  EXPECT_EQ(c.ObjectRequestUrl(dotted), "https://my.models.s3.eu-west-1.amazonaws.com/a~b");
+  // Virtual-hosted with a port.
+  c.endpoint = "http://minio.local:9000";
+  EXPECT_EQ(c.ObjectRequestUrl(S3Url("s3://b/k")), "http://b.minio.local:9000/k");
+  // http(s) URLs go as they are.
+  auto http = ParseObjectUrl("https://hub.example/x/m%20a.safetensors");
+  ASSERT_TRUE(http.ok());
+  EXPECT_EQ(c.ObjectRequestUrl(*http), "https://hub.example/x/m%20a.safetensors");
+}
+
+TEST(AwsIni, CommentsWhitespaceAndNestedSections) {
+  const std::string text =
+      "# a comment\n"
+      "; another\n"
+      "[default]\r\n"
+      "region=us-west-2   \n"
+      "output   =   json  # inline comment\n"
+      "secret = abc#not-a-comment\n"
+      "\n"
+      "[ profile   dev ]  ; comment after the header\n"
+      "s3 =\n"
+      "    endpoint_url = http://localhost:8333\n"
+      "\n"
+      "    addressing_style = path\n"
+      "region = eu-central-1\n"
+      "multi = first\n"
+      "   second\n"
+      "[empty]\n";
+  auto ini = ParseAwsIni(text, "cfg");
+  ASSERT_TRUE(ini.ok()) << ini.status().ToString();
+  auto& d = ini->at("default");
+  EXPECT_EQ(d.at("region"), "us-west-2");
+  EXPECT_EQ(d.at("output"), "json");
+  EXPECT_EQ(d.at("secret"), "abc#not-a-comment");
+  auto& dev = ini->at("profile dev");
+  EXPECT_EQ(dev.at("s3.endpoint_url"), "http://localhost:8333");
+  EXPECT_EQ(dev.at("s3.addressing_style"), "path");
+  EXPECT_EQ(dev.count("s3"), 0U);
+  EXPECT_EQ(dev.at("region"), "eu-central-1");
+  EXPECT_EQ(dev.at("multi"), "first\nsecond");
+  EXPECT_TRUE(ini->at("empty").empty());
+}
+
+TEST(AwsIni, IndentedFileReadsAsTheAwsCliReadsIt) {
+  // Properties at one indentation are siblings; only deeper lines continue one.
+  auto ini =
+      ParseAwsIni("[default]\n  region = a\n  s3 =\n    addressing_style = path\n  x = y\n", "cfg");
+  ASSERT_TRUE(ini.ok()) << ini.status().ToString();
+  EXPECT_EQ(ini->at("default").at("region"), "a");
+  EXPECT_EQ(ini->at("default").at("s3.addressing_style"), "path");
+  EXPECT_EQ(ini->at("default").at("x"), "y");
+}
+
+TEST(AwsIni, MalformedLinesNameFileAndLine) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"region = x\n", "cfg:1: a property before any [section]"},
+      {"[default]\nregion\n", "cfg:2: expected \"key = value\""},
+      {"[default]\n = x\n", "cfg:2: expected \"key = value\""},
+      {"[default\n", "cfg:1: a '[' section without ']'"},
+      {"[]\n", "cfg:1: an empty section name"},
+      {"[a] b\n", "cfg:1: unexpected text after the section's ']'"},
+      {"[a]\n\n# c\ns3 =\n  no equals sign\n", "cfg:5: expected an indented \"key = value\""},
+  };
+  for (const auto& [text, expected] : cases) {
+    auto ini = ParseAwsIni(text, "cfg");
+    ASSERT_FALSE(ini.ok()) << text;
+    EXPECT_EQ(ini.status().code(), Code::kInvalidArgument);
+    EXPECT_EQ(ini.status().message().rfind(expected, 0), 0U) << ini.status().message();
+  }
+  // Through ResolveS3Config, the message names the real file.
+  FakeAws aws;
+  aws.Config("[default]\nregion = x\nthis is not a property\n");
+  const std::string message = aws.Error();
+  EXPECT_NE(message.find(aws.Path(".aws/config") + ":3:"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace tensorferry::objstore

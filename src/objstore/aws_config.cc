@@ -131,10 +131,10 @@ Status IniLine(IniState& state, std::string_view raw, std::string_view file, siz
   if (!property) {
     return IniError(file, n, "expected \"key = value\", a [section] or a comment");
   }
-  state.last_key = property->first;
+  state.last_key = Lower(property->first);  // configparser lower-cases property names
   state.last_indent = indent;
   state.last_nested = property->second.empty();
-  if (!state.last_nested) state.ini[state.section][property->first] = property->second;
+  if (!state.last_nested) state.ini[state.section][state.last_key] = property->second;
   return Status::Ok();
 }
 
@@ -173,7 +173,9 @@ Result<AwsIni> LoadAwsFile(const std::string& path) {
   if (!std::filesystem::is_regular_file(status)) {
     return Status(Code::kIoError, path + ": the AWS file is not a regular file");
   }
-  if (std::filesystem::file_size(path, ec) > kMaxAwsFileSize || ec) {
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
+  if (size > kMaxAwsFileSize) {
     return Status(Code::kInvalidArgument, path + ": the AWS file is larger than 1 MiB");
   }
   std::FILE* f = std::fopen(path.c_str(), "rb");

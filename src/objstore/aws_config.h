@@ -51,8 +51,8 @@ struct S3Config {
   std::string endpoint_from;  // likewise: "options", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL",
                               // "profile \"x\" (s3.endpoint_url) in <file>", "profile \"x\"
                               // (endpoint_url) in <file>", "AWS default"
-  std::string region_from;  // "options", "AWS_REGION", "AWS_DEFAULT_REGION", "profile ...",
-                            // "default"
+  std::string region_from;    // "options", "AWS_REGION", "AWS_DEFAULT_REGION", "profile ...",
+                              // "default"
 
   // True when `url` (s3) is addressed path-style with this configuration.
   bool UsesPathStyle(const ObjectUrl& url) const;
@@ -101,7 +101,8 @@ GetEnv ProcessEnv();                                                         // 
 Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env = ProcessEnv());
 
 // One parsed AWS INI file: section name (as written between the brackets, whitespace-trimmed and
-// inner runs of whitespace collapsed to one space: "profile x") -> key -> value. Nested
+// inner runs of whitespace collapsed to one space: "profile x") -> key -> value. Keys are
+// lower-cased (as configparser does; sub-keys are kept as written), values trimmed. Nested
 // sub-section keys are "parent.key" ("s3.endpoint_url"). Later duplicates win. Exposed for tests.
 using AwsIni = std::map<std::string, std::map<std::string, std::string>>;
 // Errors: kInvalidArgument "<file>:<line>: <problem>" for a malformed line.

@@ -386,6 +386,7 @@ TEST(AwsIni, CommentsWhitespaceAndNestedSections) {
       "region=us-west-2   \n"
       "output   =   json  # inline comment\n"
       "secret = abc#not-a-comment\n"
+      "Upper_Case = kept\n"
       "\n"
       "[ profile   dev ]  ; comment after the header\n"
       "s3 =\n"
@@ -399,6 +400,7 @@ TEST(AwsIni, CommentsWhitespaceAndNestedSections) {
   auto ini = ParseAwsIni(text, "cfg");
   ASSERT_TRUE(ini.ok()) << ini.status().ToString();
   auto& d = ini->at("default");
+  EXPECT_EQ(d.at("upper_case"), "kept");  // names lower-cased, values kept
   EXPECT_EQ(d.at("region"), "us-west-2");
   EXPECT_EQ(d.at("output"), "json");
   EXPECT_EQ(d.at("secret"), "abc#not-a-comment");

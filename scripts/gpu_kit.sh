@@ -26,13 +26,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: what CMakeLists.txt finds (simdjson, libzip, liburing, CLI11, GoogleTest) and
+# Debian packages: what CMakeLists.txt finds (simdjson, libzip, liburing, CLI11, GoogleTest, curl.h:
+# the header only; libcurl is loaded at run time when the machine has it) and
 # the shared libraries they link (the -dev packages depend on them), plus pkgconf for
 # pkg_check_modules.
 KIT_DEBS=(libsimdjson-dev libsimdjson14
           libzip-dev libzip4
           liburing-dev liburing2
           libcli11-dev
+          libcurl4-openssl-dev
           libgtest-dev
           pkgconf-bin libpkgconf3)
 # Peers that the GPU machine does not have (its Python packages: /work/.library/device/KINDS.md);

@@ -49,6 +49,7 @@
 
 #include "tensorferry/env.h"
 #include "tensorferry/format.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
 
@@ -107,6 +108,9 @@ struct OpenOptions {
   // Where files are read from, when set (env then only decides what a path is); nullptr:
   // MakeEnvSource(env).
   std::shared_ptr<Source> source;
+  // Settings of the object Source made for "s3://" and "http(s)://" paths when `source` is unset
+  // (object_store.h).
+  ObjectStoreOptions object_store;
   // Files held open at once; 0: a quarter of the soft RLIMIT_NOFILE, between 8 and 1024.
   size_t max_open_files = 0;
   ParseLimits parse_limits;
@@ -120,7 +124,8 @@ struct OpenOptions {
 
 class Checkpoint {
  public:
-  // Opens a .safetensors file, a model.safetensors.index.json file, or a directory.
+  // Opens a .safetensors file, a model.safetensors.index.json file, or a directory; or the same
+  // in object storage or on an HTTP server, by URL (object_store.h says how a URL is decided).
   // What `path` is comes from the real file system: a directory is read through its index when
   // kIndexFileName is inside, else as every regular "*.safetensors" file directly inside (sorted
   // by name); any other path ending in ".json" is an index; anything else a safetensors file.

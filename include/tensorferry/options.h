@@ -8,7 +8,11 @@
 //
 // Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
 // allow_oversized, order, pool_bytes, populate, device, gds, staging_bytes, staging_slot,
-// device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap. Each edge spells a
+// device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap, and for object
+// storage (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id,
+// s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_*
+// variables apply), object_concurrency, object_part_size, object_retries, object_timeout_ms,
+// object_header_bytes, object_verify_tls, object_ca_bundle. Each edge spells a
 // key its own way: the environment as TENSORFERRY_<KEY> (upper case; `direct` is
 // TENSORFERRY_DIRECT_IO; tp_*, shard_rules, shard_max_gap, allow_oversized and device_producers
 // have no variable), the CLI as --key with '-' for '_', Python as key=. docs/runtime_settings.md
@@ -112,6 +116,12 @@ struct LoadOptions {
   // when the alias is absent from the files (tie_word_embeddings) or present as a duplicate (then
   // its own bytes are not read).
   std::optional<TensorParallelOptions> tensor_parallel;
+
+  // Checkpoints at "s3://" and "http(s)://" URLs (object_store.h): credentials, endpoint and
+  // transport. Their reads are requests issued by the pread engine's workers, whatever `engine`
+  // says (it is about local files), at least object_store.concurrency of them, each read at most
+  // object_store.part_size bytes.
+  ObjectStoreOptions object_store;
 
   // --- device loading (see loader.h's file comment and docs/gpu.md) ---
   // Where tensors go: the host (default) or a CUDA device (TENSORFERRY_DEVICE = cpu, cuda, cuda:N).

@@ -23,6 +23,11 @@
 // rewritten in place: size or mtime) and stat of its path (a file renamed over, or removed)
 // with the identity taken at open. Two system calls per file, no reads.
 //
+// Object stores (object_store.h) implement this interface too: their files have no descriptor,
+// their identity is (ETag hash, size), CheckUnchanged is free (every read is pinned to the ETag),
+// and the Source tells the loader how to read them (hints(): many requests in flight, each of a
+// bounded size) and what it did (stats()).
+//
 // Ownership: Open returns a uniquely owned file (the checkpoint shares it with its loaders).
 // Thread-safety: a Source and a SourceFile may be used from several threads at once.
 #pragma once
@@ -32,6 +37,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "tensorferry/env.h"
 #include "tensorferry/status.h"
@@ -75,9 +82,31 @@ class SourceFile : public RandomAccessFile {
   virtual Status CheckUnchanged() const = 0;
 };
 
+// Counters of a Source's requests since it was made (a Loader reports per-load differences in
+// LoadStats::remote_*). Zero for local files.
+struct SourceStats {
+  uint64_t requests = 0;  // requests sent (reads, listings), retries included
+  uint64_t retries = 0;   // requests that repeated a failed one
+  uint64_t bytes = 0;     // bytes received
+};
+
+// How reads of a Source's files are best issued; zeros: as the load options say (local files).
+struct SourceReadHints {
+  unsigned concurrency = 0;  // reads in flight (the loader starts at least this many workers)
+  uint64_t read_size = 0;    // the largest single read (the loader's chunk size for these files)
+};
+
 class Source {
  public:
   virtual ~Source() = default;
+
+  virtual SourceStats stats() const { return {}; }
+  virtual SourceReadHints hints() const { return {}; }
+
+  // The names (full paths) of the files directly inside `dir` whose names end with `suffix`,
+  // sorted. The default: kUnsupported (the file system source lists through the Checkpoint's own
+  // directory code).
+  virtual Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix);
 
   // Opens `path`. With `expected`, the file opened must have that identity (FileChangedError
   // otherwise): the path of a checkpoint file reopened later must name the same file.

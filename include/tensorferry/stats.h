@@ -27,6 +27,12 @@ struct LoadStats {
   uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
   uint64_t buffered_files = 0;  // files read through the page cache
 
+  // Object storage and HTTP (zero for local files): requests sent (retries included), requests
+  // that retried a failed one, and bytes received, during this load.
+  uint64_t remote_requests = 0;
+  uint64_t remote_retries = 0;
+  uint64_t remote_bytes = 0;
+
   // Device loading (zero for host-only loads).
   std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
   uint64_t device_tensors = 0;       // tensors delivered to CUDA devices
@@ -60,6 +66,9 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("direct_files", s.direct_files);
   visit("direct_bytes", s.direct_bytes);
   visit("buffered_files", s.buffered_files);
+  visit("remote_requests", s.remote_requests);
+  visit("remote_retries", s.remote_retries);
+  visit("remote_bytes", s.remote_bytes);
   visit("device", s.device);
   visit("device_tensors", s.device_tensors);
   visit("device_bytes", s.device_bytes);

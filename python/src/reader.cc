@@ -33,11 +33,13 @@ Reader::Reader(const std::string& path, bool single_file, const nb::dict& option
   // The checkpoint opens each file once and owns it (checkpoint.h): the header is read through
   // the descriptor every later read uses, and a file replaced meanwhile is reported at the next
   // load.
+  OpenOptions open;
+  open.object_store = options_.object_store;  // s3:// and http(s):// paths (object_store.h)
   if (single_file) {
     const std::vector<std::string> paths{path};
-    checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths));
+    checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths, open));
   } else {
-    checkpoint_ = Unwrap(Checkpoint::Open(path));
+    checkpoint_ = Unwrap(Checkpoint::Open(path, open));
   }
   Init();
 }

@@ -3,7 +3,7 @@ import dataclasses
 import os
 import time
 
-from . import _core, _distributed, _frameworks
+from . import _core, _distributed, _frameworks, _safe_open
 from ._core import InvalidArgumentError
 from ._shard import shard_spec
 
@@ -179,7 +179,7 @@ class Loader:
                  order=None, populate=None, allow_oversized=None, pool_bytes=None,
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
-                 shard_max_gap=None, process_group=None):
+                 shard_max_gap=None, process_group=None, storage_options=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -216,6 +216,7 @@ class Loader:
             "tp_size": tp_size,
             "shard_max_gap": shard_max_gap,
         }
+        options.update(_safe_open.storage_load_options(storage_options))
         if shard_rules is not None:
             if tp_size is None:
                 raise InvalidArgumentError("shard_rules needs tp_rank and tp_size")

@@ -47,11 +47,40 @@ def device_load_options(backend=None):
     return {}
 
 
+_STORAGE_PREFIXES = ("s3_", "object_")
+
+
+def storage_load_options(storage_options):
+    """The load options of `storage_options` (a dict of object-storage settings, keys s3_* and
+    object_* as docs/object_storage.md lists them), checked by name here and by value in the core.
+    """
+    if storage_options is None:
+        return {}
+    if not isinstance(storage_options, dict):
+        raise _core.InvalidArgumentError(
+            f"storage_options must be a dict, not {type(storage_options).__name__}")
+    out = {}
+    for key, value in storage_options.items():
+        if not isinstance(key, str) or not key.startswith(_STORAGE_PREFIXES):
+            raise _core.InvalidArgumentError(
+                f"storage_options: unknown setting {key!r} (settings start with s3_ or object_; "
+                f"see docs/object_storage.md)")
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def is_url(path):
+    """True for the s3:// and http(s):// paths the core reads through an object source."""
+    return isinstance(path, str) and path.split("://", 1)[0].lower() in ("s3", "http", "https") \
+        and "://" in path
+
+
 def open_file(filename, options):
     path = os.fspath(filename)
     if not isinstance(path, str):
         path = os.fsdecode(path)
-    if os.path.isdir(path):
+    if not is_url(path) and os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, f"Is a directory: {path}", path)
     options = dict(options)
     options.setdefault("device", "cpu")  # the Python default, whatever TENSORFERRY_DEVICE says
@@ -71,11 +100,14 @@ class safe_open:
             (docs/gpu.md); CudaNotFoundError says why when CUDA is not usable here.
         backend (str, keyword-only): "mmap" or "pread" as in safetensors (also "io_uring",
             "auto"); default: tensorferry's choice (see docs/python.md).
+        storage_options (dict, keyword-only): object-storage settings for s3:// and http(s)://
+            filenames (s3_endpoint, s3_region, object_concurrency, ...: docs/object_storage.md);
+            the AWS_* environment variables and ~/.aws files apply without them.
 
     Tensors are the caller's: they stay valid after the file is closed.
     """
 
-    def __init__(self, filename, framework, device="cpu", *, backend=None):
+    def __init__(self, filename, framework, device="cpu", *, backend=None, storage_options=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         options = default_load_options(backend)
@@ -83,6 +115,7 @@ class safe_open:
         if core_device is not None:
             options = device_load_options(backend)
             options["device"] = core_device
+        options.update(storage_load_options(storage_options))
         self._reader = open_file(filename, options)
         self._closed = False
 

@@ -15,8 +15,8 @@ _ST_NAMES = {np.dtype(attr): st for st, attr in _frameworks._NUMPY_NAMES.items()
 
 
 def load_file(filename: Union[str, os.PathLike], *, backend: Optional[str] = None,
-              tp_rank: Optional[int] = None, tp_size: Optional[int] = None, shard_rules=None
-              ) -> Dict[str, np.ndarray]:
+              tp_rank: Optional[int] = None, tp_size: Optional[int] = None, shard_rules=None,
+              storage_options=None) -> Dict[str, np.ndarray]:
     """Loads every tensor of a safetensors file as numpy arrays, a dict in file order. A dtype
     numpy lacks (BF16, float8, ...) raises UnsupportedDTypeError (a SafetensorError and a
     TypeError) naming the tensor, before anything is read. With tp_rank and tp_size, each array
@@ -24,9 +24,10 @@ def load_file(filename: Union[str, os.PathLike], *, backend: Optional[str] = Non
     if tp_rank is not None or tp_size is not None or shard_rules is not None:
         from ._loader import Loader
         with Loader(filename, engine=backend, framework="np", tp_rank=tp_rank, tp_size=tp_size,
-                    shard_rules=shard_rules) as loader:
+                    shard_rules=shard_rules, storage_options=storage_options) as loader:
             return loader.load()
-    with safe_open(filename, framework="np", backend=backend) as f:
+    with safe_open(filename, framework="np", backend=backend,
+                   storage_options=storage_options) as f:
         return f.get_tensors()
 
 

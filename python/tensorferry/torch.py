@@ -20,7 +20,8 @@ for _st, _attr in _frameworks._TORCH_NAMES.items():
 
 def load_file(filename: Union[str, os.PathLike], device: Union[str, int] = "cpu", *,
               backend: Optional[str] = None, tp_rank: Optional[int] = None,
-              tp_size: Optional[int] = None, shard_rules=None) -> Dict[str, torch.Tensor]:
+              tp_size: Optional[int] = None, shard_rules=None,
+              storage_options=None) -> Dict[str, torch.Tensor]:
     """Loads every tensor of a safetensors file, as a dict in file order.
 
     On the CPU the default is tensorferry's fastest measured path (docs/python.md); `backend`
@@ -30,9 +31,10 @@ def load_file(filename: Union[str, os.PathLike], device: Union[str, int] = "cpu"
     if tp_rank is not None or tp_size is not None or shard_rules is not None:
         from ._loader import Loader
         with Loader(filename, device=device, engine=backend, tp_rank=tp_rank, tp_size=tp_size,
-                    shard_rules=shard_rules) as loader:
+                    shard_rules=shard_rules, storage_options=storage_options) as loader:
             return loader.load()
-    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
+    with safe_open(filename, framework="pt", device=device, backend=backend,
+                   storage_options=storage_options) as f:
         return f.get_tensors()
 
 

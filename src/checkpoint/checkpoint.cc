@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "io/file_set.h"
+#include "objstore/url.h"
 #include "tensorferry/checkpoint.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
@@ -83,8 +84,11 @@ class CheckpointBuilder {
     }
     // The distinct files in path order; the canonical checks need the real file system: only
     // with the default Env.
+    // The canonical checks need the real file system: only with the default Env, and not for
+    // URLs (whose lexical rule ParseIndexJson applied: no key leaves the index's prefix).
+    const bool on_disk = options_.env == nullptr && !IsObjectUrl(index_path);
     TF_ASSIGN_OR_RETURN(const std::vector<IndexedFile> indexed,
-                        IndexedFiles(index.weight_map, index_path, options_.env == nullptr));
+                        IndexedFiles(index.weight_map, index_path, on_disk));
     std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
     for (const IndexedFile& f : indexed) {
       const std::string& rel = f.rel;
@@ -286,9 +290,51 @@ class CheckpointBuilder {
   std::string index_path_;
 };
 
+namespace {
+
+// `options` with its source set: the object source when unset (object_store.h).
+Result<OpenOptions> WithObjectSource(const OpenOptions& given) {
+  OpenOptions options = given;
+  if (!options.source) {
+    TF_ASSIGN_OR_RETURN(options.source, MakeObjectSource(options.object_store));
+  }
+  return options;
+}
+
+// A URL: an index (".json"), a file (".safetensors"), or a prefix holding an index, else (S3) the
+// *.safetensors objects directly under it.
+Result<std::shared_ptr<const Checkpoint>> OpenUrl(const std::string& path,
+                                                  const OpenOptions& given) {
+  TF_ASSIGN_OR_RETURN(const objstore::ObjectUrl url, objstore::ParseObjectUrl(path));
+  TF_ASSIGN_OR_RETURN(const OpenOptions options, WithObjectSource(given));
+  CheckpointBuilder builder(options);
+  if (objstore::KeyEndsWith(url, ".json")) return builder.FromIndex(url.ToString());
+  if (objstore::KeyEndsWith(url, ".safetensors")) {
+    return builder.FromFiles(std::vector<std::string>{url.ToString()});
+  }
+  const std::string index = objstore::Join(url, kIndexFileName).ToString();
+  Result<std::unique_ptr<SourceFile>> probe = options.source->Open(index);
+  if (probe.ok()) return builder.FromIndex(index);
+  if (probe.status().code() != Code::kNotFound) return probe.status();
+  Result<std::vector<std::string>> listed = options.source->List(url.ToString(), ".safetensors");
+  if (!listed.ok()) {
+    return Status(listed.status().code(), url.ToString() + ": no " + std::string(kIndexFileName) +
+                                              " under this prefix, and " +
+                                              listed.status().message());
+  }
+  if (listed->empty()) {
+    return Status(Code::kNotFound, url.ToString() + ": no " + std::string(kIndexFileName) +
+                                       " and no *.safetensors object directly under this prefix");
+  }
+  return builder.FromFiles(std::move(listed).value());
+}
+
+}  // namespace
+
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
                                                            const OpenOptions& options) {
   TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
+  if (IsObjectUrl(path)) return OpenUrl(path, options);
   CheckpointBuilder builder(options);
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -316,8 +362,20 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& pa
 
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const std::string> paths,
                                                                 const OpenOptions& options) {
-  for (const std::string& path : paths)
+  size_t urls = 0;
+  for (const std::string& path : paths) {
     TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
+    urls += IsObjectUrl(path) ? 1 : 0;
+  }
+  if (urls > 0 && urls < paths.size()) {
+    return Status(Code::kInvalidArgument,
+                  "a checkpoint's files are all local or all URLs, not a mix of both");
+  }
+  if (urls > 0 && !options.source) {
+    TF_ASSIGN_OR_RETURN(const OpenOptions with_source, WithObjectSource(options));
+    CheckpointBuilder builder(with_source);
+    return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
+  }
   CheckpointBuilder builder(options);
   return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
 }

@@ -3,10 +3,15 @@
 #include <cstdlib>
 #include <mutex>
 
-#include "cuda/dynamic_library.h"
+#include "util/dynamic_library.h"
 #include "util/macros.h"
 
 namespace tensorferry::cuda {
+
+using dynlib::FindOrOpen;
+using dynlib::FindSymbol;
+using dynlib::LoadedLibrary;
+using dynlib::Resolve;
 
 std::string Runtime::ErrorText(Error error) const {
   const char* name = api_.cudaGetErrorName ? api_.cudaGetErrorName(error) : nullptr;

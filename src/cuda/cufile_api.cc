@@ -5,10 +5,15 @@
 #include <mutex>
 #include <optional>
 
-#include "cuda/dynamic_library.h"
+#include "util/dynamic_library.h"
 #include "util/macros.h"
 
 namespace tensorferry::cuda {
+
+using dynlib::FindOrOpen;
+using dynlib::FindSymbol;
+using dynlib::LoadedLibrary;
+using dynlib::Resolve;
 namespace {
 
 const char* CufileErrorName(int err) {

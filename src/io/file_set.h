@@ -46,6 +46,8 @@ class FileSet {
   // `max_open`: descriptors kept open at once (at least 2); DefaultMaxOpen() for the process.
   // Files of `files` given open count against it at once (the least recently given are closed).
   FileSet(std::shared_ptr<Source> source, std::vector<FileSpec> files, size_t max_open);
+  // The source the files come from (its stats() and hints() describe remote reads).
+  const std::shared_ptr<Source>& source() const noexcept { return source_; }
 
   // A quarter of the soft RLIMIT_NOFILE, at most 1024 and at least 8 (256 under the usual 1024):
   // the rest stays for the application, sockets and mappings' leases.

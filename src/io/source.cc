@@ -123,6 +123,10 @@ Status SourceFile::ReadMany(std::span<const SourceRead> reads) const {
   return Status::Ok();
 }
 
+Result<std::vector<std::string>> Source::List(const std::string& dir, std::string_view) {
+  return Status(Code::kUnsupported, dir + ": this source cannot list files");
+}
+
 std::unique_ptr<Source> MakeEnvSource(Env* env) {
   return std::make_unique<EnvSource>(env);
 }

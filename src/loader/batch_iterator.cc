@@ -28,6 +28,7 @@ struct BatchIterator::State {
   std::optional<Clock::time_point> returned_at;
   bool returned_overlapped = false;
   uint64_t reused0 = 0, allocated0 = 0, direct0 = 0, read0 = 0;
+  SourceStats source0;
   std::map<int, device::DevicePipelineStats> pipeline0;
 
   ~State() {
@@ -111,6 +112,7 @@ struct BatchIterator::State {
       }
     }
     m->CollectDeviceStats(pipeline0);
+    m->CollectSourceStats(source0);
   }
 };
 
@@ -150,6 +152,7 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   s->m = &m;
   s->start = Clock::now();
   s->reused0 = m.pool->reused();
+  s->source0 = m.SourceNow();
   s->allocated0 = m.pool->allocated();
   TF_ASSIGN_OR_RETURN(s->resolved, m.Resolve(selection));
   TF_ASSIGN_OR_RETURN(s->groups, m.MakeGroups(s->resolved.read));

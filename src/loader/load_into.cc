@@ -174,6 +174,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   }
   const uint64_t direct0 = engine->stats().direct_bytes;
   const uint64_t read0 = engine->stats().bytes_read;
+  const SourceStats source0 = m.SourceNow();
   TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(ReadSpans(ckpt, outputs)));
 
   const IntoReads reads = MakeIntoReads(ckpt, outputs, destinations, m.options);
@@ -205,6 +206,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   m.stats.direct_bytes = engine->stats().direct_bytes - direct0;
   m.stats.bytes_read = engine->stats().bytes_read - read0;
   m.CollectDeviceStats(pipeline0);
+  m.CollectSourceStats(source0);
   m.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return Status::Ok();
 }

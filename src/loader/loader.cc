@@ -261,6 +261,16 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   impl->checkpoint = std::move(checkpoint);
   impl->options = options;
   Engine kind = options.engine;
+  // A remote source (object storage): many network reads in flight, each of its part size.
+  const SourceReadHints hints = impl->checkpoint->file_set()->source()->hints();
+  // The engine setting is about local files: whatever it says (mmap has nothing to map), the
+  // reads are requests issued by the pread engine's workers.
+  if (hints.concurrency > 0) {
+    kind = Engine::kPread;
+    impl->options.threads = std::max(options.threads > 0 ? options.threads : 1,
+                                     std::min(hints.concurrency, kMaxThreads));
+    if (hints.read_size > 0) impl->options.chunk_size = hints.read_size;
+  }
   if (kind == Engine::kAuto) {
     // io_uring where the kernel allows it: the same copies as pread for cached data, and deep
     // queues with few threads for cold and direct reads.
@@ -270,7 +280,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   if (kind == Engine::kIoUring) {
     TF_ASSIGN_OR_RETURN(impl->engine, io::MakeIoUringEngine(options.threads, options.queue_depth));
   } else if (kind == Engine::kPread) {
-    TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(options.threads));
+    TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(impl->options.threads));
   }  // kMmap copies nothing: no read engine
   // Under a budget, cached buffers count against memory too: keep no more than the budget.
   impl->pool = memory::BufferPool::Create(
@@ -289,6 +299,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
 Result<std::unique_ptr<Loader>> Loader::Open(const std::string& path, const LoadOptions& options) {
   OpenOptions open;
   open.env = options.env;
+  open.object_store = options.object_store;
   TF_ASSIGN_OR_RETURN(std::shared_ptr<const Checkpoint> checkpoint, Checkpoint::Open(path, open));
   return Open(std::move(checkpoint), options);
 }

@@ -106,6 +106,14 @@ struct Loader::Impl {
   // The device figures of the load that just ended: pipeline totals since `before`, the pinned
   // memory held, the peak of device buffers.
   void CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before);
+  // The checkpoint's source counters now, and stats.remote_* as their growth since `before`.
+  SourceStats SourceNow() const { return checkpoint->file_set()->source()->stats(); }
+  void CollectSourceStats(const SourceStats& before) {
+    const SourceStats now = SourceNow();
+    stats.remote_requests = now.requests - before.requests;
+    stats.remote_retries = now.retries - before.retries;
+    stats.remote_bytes = now.bytes - before.bytes;
+  }
 };
 
 }  // namespace tensorferry

@@ -147,6 +147,45 @@ Status SetShardRules(LoadOptions& o, std::string_view value) {
   return Status::Ok();
 }
 
+// Object storage (object_store.h): text, tri-state and numeric fields of LoadOptions::object_store.
+template <std::string ObjectStoreOptions::*Field>
+Status SetText(LoadOptions& o, std::string_view value) {
+  o.object_store.*Field = std::string(value);
+  return Status::Ok();
+}
+
+template <int ObjectStoreOptions::*Field>
+Status SetTriState(LoadOptions& o, std::string_view value) {
+  if (value == "auto") {
+    o.object_store.*Field = -1;
+    return Status::Ok();
+  }
+  TF_ASSIGN_OR_RETURN(const bool on, ParseBool(value));
+  o.object_store.*Field = on ? 1 : 0;
+  return Status::Ok();
+}
+
+template <auto Field, uint64_t Min, uint64_t Max>
+Status SetObjectNumber(LoadOptions& o, std::string_view value) {
+  const bool is_size =
+      std::is_same_v<std::remove_reference_t<decltype(o.object_store.*Field)>, uint64_t>;
+  uint64_t v = 0;
+  if (is_size) {
+    TF_ASSIGN_OR_RETURN(v, Size(value, true));
+  } else {
+    TF_ASSIGN_OR_RETURN(v, Count(value, Max));
+  }
+  if (v < Min) return Why("must be at least " + std::to_string(Min));
+  if (v > Max) return Why("is out of range (at most " + std::to_string(Max) + ")");
+  o.object_store.*Field = static_cast<std::remove_reference_t<decltype(o.object_store.*Field)>>(v);
+  return Status::Ok();
+}
+
+Status SetVerifyTls(LoadOptions& o, std::string_view value) {
+  TF_ASSIGN_OR_RETURN(o.object_store.verify_tls, ParseBool(value));
+  return Status::Ok();
+}
+
 struct Key {
   std::string_view key;
   std::string_view variable;  // "" when no environment variable sets it
@@ -155,7 +194,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 20> kKeys = {{
+const std::array<Key, 35> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -197,6 +236,28 @@ const std::array<Key, 20> kKeys = {{
        o.tensor_parallel->exact_when_cached = false;  // an explicit gap applies to every file
        return Status::Ok();
      }},
+    // S3 settings: the AWS_* variables and files are read when a URL is opened (object_store.h);
+    // these override them.
+    {"s3_endpoint", "", SetText<&ObjectStoreOptions::endpoint>},
+    {"s3_region", "", SetText<&ObjectStoreOptions::region>},
+    {"s3_profile", "", SetText<&ObjectStoreOptions::profile>},
+    {"s3_access_key_id", "", SetText<&ObjectStoreOptions::access_key_id>},
+    {"s3_secret_access_key", "", SetText<&ObjectStoreOptions::secret_access_key>},
+    {"s3_session_token", "", SetText<&ObjectStoreOptions::session_token>},
+    {"s3_anonymous", "", SetTriState<&ObjectStoreOptions::anonymous>},
+    {"s3_path_style", "", SetTriState<&ObjectStoreOptions::path_style>},
+    {"object_concurrency", "TENSORFERRY_OBJECT_CONCURRENCY",
+     SetObjectNumber<&ObjectStoreOptions::concurrency, 1, kMaxThreads>},
+    {"object_part_size", "TENSORFERRY_OBJECT_PART_SIZE",
+     SetObjectNumber<&ObjectStoreOptions::part_size, 4096, (1ull << 32)>},
+    {"object_retries", "TENSORFERRY_OBJECT_RETRIES",
+     SetObjectNumber<&ObjectStoreOptions::retries, 0, 100>},
+    {"object_timeout_ms", "TENSORFERRY_OBJECT_TIMEOUT_MS",
+     SetObjectNumber<&ObjectStoreOptions::timeout_ms, 100, 3'600'000>},
+    {"object_header_bytes", "TENSORFERRY_OBJECT_HEADER_BYTES",
+     SetObjectNumber<&ObjectStoreOptions::header_bytes, 8, (256ull << 20)>},
+    {"object_verify_tls", "TENSORFERRY_OBJECT_VERIFY_TLS", SetVerifyTls},
+    {"object_ca_bundle", "TENSORFERRY_OBJECT_CA_BUNDLE", SetText<&ObjectStoreOptions::ca_bundle>},
 }};
 
 std::array<std::string_view, kKeys.size()> KeyNames() {

@@ -65,28 +65,6 @@ struct Sample {
   }
 };
 
-// Progress on stderr when it is a terminal: "\r[bench] 3/17 warm io_uring".
-class Progress {
- public:
-  explicit Progress(size_t total) : total_(total), tty_(::isatty(STDERR_FILENO) == 1) {}
-  void Step(const std::string& what) {
-    ++done_;
-    if (!tty_) return;
-    const size_t width = 30, filled = total_ ? done_ * width / total_ : width;
-    std::fprintf(stderr, "\r[%s%s] %zu/%zu %-40.40s", std::string(filled, '#').c_str(),
-                 std::string(width - std::min(filled, width), '.').c_str(), done_, total_,
-                 what.c_str());
-    std::fflush(stderr);
-  }
-  ~Progress() {
-    if (tty_) std::fprintf(stderr, "\r%80s\r", "");
-  }
-
- private:
-  size_t total_, done_ = 0;
-  bool tty_;
-};
-
 // Runs argv, returns its stdout (and exit status through `rc`).
 std::string RunCapture(const std::vector<std::string>& argv, int* rc) {
   int fds[2];

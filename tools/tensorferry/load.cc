@@ -203,11 +203,21 @@ Status ConsumeBatch(const Batch& batch, const LoadArgs& args, Runs& runs,
 Status LoadRepeatedly(Loader& loader, const Selection& selection, const LoadArgs& args,
                       Runs& runs) {
   std::vector<std::byte> staging;  // device tensors are copied back here to be checksummed
+  const Result<Description> described = loader.Describe(selection);
+  uint64_t total = 0;
+  if (described.ok()) {
+    for (const OutputInfo& o : described->outputs) total += o.bytes;
+  }
   for (unsigned run = 0; run < args.repeat; ++run) {
     runs.sums.clear();
     const int64_t wall0 = NowNs();
-    const Status status = loader.Stream(
-        selection, [&](Batch batch) { return ConsumeBatch(batch, args, runs, staging); });
+    Progress progress(0);
+    uint64_t done = 0;
+    const Status status = loader.Stream(selection, [&](Batch batch) {
+      done += batch.bytes;
+      progress.Bytes(done, total, SecondsSince(wall0));
+      return ConsumeBatch(batch, args, runs, staging);
+    });
     if (!status.ok()) return status;
     runs.wall_seconds = SecondsSince(wall0);
     const LoadStats s = loader.stats();
@@ -290,6 +300,12 @@ std::string TextReport(const Report& r) {
       o.budget ? (" of a " + FormatBytes(o.budget) + " budget").c_str() : "",
       r.checksum.empty() ? "(skipped)" : r.checksum.c_str());
   std::string text = line;
+  if (stats.remote_requests > 0) {
+    text += "; remote: " + Plural(stats.remote_requests, "request") + " (" +
+            std::to_string(stats.remote_retries) +
+            (stats.remote_retries == 1 ? " retry), " : " retries), ") +
+            FormatBytes(stats.remote_bytes) + " received";
+  }
   if (o.tensor_parallel) {
     text += "; tp rank " + std::to_string(o.tensor_parallel->rank) + " of " +
             std::to_string(o.tensor_parallel->world) + ": read " + FormatBytes(stats.bytes_read) +
@@ -383,6 +399,18 @@ Command AddLoadCommand(CLI::App& parent) {
   option("order", "Delivery order: file or layer");
   option("tp_rank", "Tensor parallelism: this rank (with --tp-size)");
   option("tp_size", "Tensor parallelism: number of ranks");
+  // Object storage (s3:// and http(s):// paths): docs/object_storage.md.
+  option("s3_endpoint",
+         "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, profile, AWS)");
+  option("s3_region", "S3 region (default: AWS_REGION, profile, us-east-1)");
+  option("s3_profile",
+         "AWS profile of ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE)");
+  option("s3_anonymous", "Unsigned S3 requests (public buckets): 1/0");
+  option("s3_path_style", "S3 path-style addressing: 1, 0 or auto (auto: path-style off AWS)");
+  option("object_concurrency", "Ranged GETs in flight (default 32)");
+  option("object_part_size", "Bytes per ranged GET (default 8MiB)");
+  option("object_retries", "Retries per request after the first (default 6)");
+  option("object_timeout_ms", "A request receiving nothing this long is retried (default 30000)");
   app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");
   app->add_flag("--touch", args->touch,
                 "Read one byte per page of every tensor; GB/s then counts that time too");

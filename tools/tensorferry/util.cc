@@ -1,4 +1,7 @@
 // Helpers shared by the tensorferry subcommands.
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -8,6 +11,7 @@
 
 #include "commands.h"
 #include "json_out.h"
+#include "tensorferry/options.h"
 
 namespace tensorferry::cli {
 
@@ -113,15 +117,50 @@ void JsonError(JsonOut& j, std::string_view path, const Status& status) {
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name) {
   return app
       .add_option(name, path,
-                  "A .safetensors file, a checkpoint directory or a model.safetensors.index.json")
+                  "A .safetensors file, a checkpoint directory or a model.safetensors.index.json, "
+                  "local or as an s3:// or http(s):// URL")
       ->required();
 }
 
 std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path) {
-  Result<std::shared_ptr<const Checkpoint>> opened = Checkpoint::Open(path);
+  Result<LoadOptions> env = LoadOptions::FromEnvironment();
+  if (!env.ok()) {
+    PrintError(env.status().message());
+    return nullptr;
+  }
+  OpenOptions open;
+  open.object_store = env->object_store;
+  Result<std::shared_ptr<const Checkpoint>> opened = Checkpoint::Open(path, open);
   if (opened.ok()) return *std::move(opened);
   PrintError(path, opened.status());
   return nullptr;
+}
+
+Progress::Progress(size_t total) : total_(total), tty_(::isatty(STDERR_FILENO) == 1) {}
+
+Progress::~Progress() {
+  if (tty_) std::fprintf(stderr, "\r%80s\r", "");
+}
+
+void Progress::Step(const std::string& what) {
+  ++done_;
+  Draw(done_, total_, std::to_string(done_) + "/" + std::to_string(total_) + " " + what);
+}
+
+void Progress::Bytes(uint64_t done, uint64_t total, double seconds) {
+  char rate[32];
+  std::snprintf(rate, sizeof rate, "%.2f GB/s",
+                seconds > 0 ? static_cast<double>(done) / seconds / 1e9 : 0.0);
+  Draw(done, total, FormatBytes(done) + " of " + FormatBytes(total) + ", " + rate);
+}
+
+void Progress::Draw(uint64_t done, uint64_t total, const std::string& what) {
+  if (!tty_) return;
+  const uint64_t width = 30;
+  const uint64_t filled = total ? std::min(width, done * width / total) : width;
+  std::fprintf(stderr, "\r[%s%s] %-44.44s", std::string(filled, '#').c_str(),
+               std::string(width - filled, '.').c_str(), what.c_str());
+  std::fflush(stderr);
 }
 
 int64_t NowNs() {

@@ -1,8 +1,9 @@
-// Internal: loading shared libraries at run time (dlopen), for the CUDA runtime and cuFile.
+// Internal: loading shared libraries at run time (dlopen): the CUDA runtime, cuFile and libcurl.
 //
-// tensorferry never links against CUDA: the libraries are found when first needed, so the same
-// build runs on machines with and without a GPU. A library, once loaded, is never unloaded: the
-// CUDA runtime starts threads and registers exit handlers that must not outlive its code.
+// tensorferry never links against them: the libraries are found when first needed, so the same
+// build runs on machines with and without a GPU (or libcurl). A library, once loaded, is never
+// unloaded: the CUDA runtime starts threads and registers exit handlers that must not outlive its
+// code.
 //
 // Thread-safety: all functions may be called from several threads at once (dlopen and dlsym are).
 #pragma once
@@ -14,7 +15,7 @@
 
 #include "tensorferry/status.h"
 
-namespace tensorferry::cuda {
+namespace tensorferry::dynlib {
 
 struct LoadedLibrary {
   void* handle = nullptr;  // from dlopen; never closed
@@ -42,12 +43,13 @@ Result<LoadedLibrary> FindOrOpen(const std::vector<std::string>& names,
 void* FindSymbol(const LoadedLibrary& library, const char* symbol);
 
 // Resolves `symbol` into the function pointer `out`.
-// Errors: kCudaSymbolMissing ("<path>: missing symbol <symbol>").
+// Errors: `missing` ("<path>: missing symbol <symbol>").
 template <typename Fn>
-Status Resolve(const LoadedLibrary& library, const char* symbol, Fn*& out) {
+Status Resolve(const LoadedLibrary& library, const char* symbol, Fn*& out,
+               Code missing = Code::kCudaSymbolMissing) {
   out = reinterpret_cast<Fn*>(FindSymbol(library, symbol));
   if (out != nullptr) return Status::Ok();
-  return Status(Code::kCudaSymbolMissing, library.path + ": missing symbol " + symbol);
+  return Status(missing, library.path + ": missing symbol " + symbol);
 }
 
-}  // namespace tensorferry::cuda
+}  // namespace tensorferry::dynlib

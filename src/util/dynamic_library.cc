@@ -1,9 +1,9 @@
-#include "cuda/dynamic_library.h"
+#include "util/dynamic_library.h"
 
 #include <dlfcn.h>
 #include <link.h>
 
-namespace tensorferry::cuda {
+namespace tensorferry::dynlib {
 
 namespace {
 
@@ -60,4 +60,4 @@ void* FindSymbol(const LoadedLibrary& library, const char* symbol) {
   return ::dlsym(library.handle, symbol);
 }
 
-}  // namespace tensorferry::cuda
+}  // namespace tensorferry::dynlib

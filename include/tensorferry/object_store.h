@@ -1,0 +1,85 @@
+// tensorferry/object_store.h: checkpoints in object storage (S3-compatible) and on HTTP servers.
+//
+// A path that starts with "s3://", "http://" or "https://" is a URL: Checkpoint::Open,
+// Loader::Open, every CLI command that reads and the Python API read it through an object Source
+// (source.h) instead of the file system. What a URL names is decided by its key, as for local
+// paths:
+//   ".../model.safetensors.index.json" (any ".json"): a sharded checkpoint; its files are the keys
+//       "<index's prefix>/<weight_map value>"; a value that would leave that prefix (absolute,
+//       "..") is kIndexPathEscape, as for local files;
+//   ".../x.safetensors": one file;
+//   anything else is a prefix ("directory"): "<prefix>/model.safetensors.index.json" when that
+//       object exists, else (S3 only) every "<prefix>/*.safetensors" object directly under it,
+//       listed with ListObjectsV2. An HTTP server cannot be listed: a prefix URL without an index
+//       is kNotFound saying so.
+//
+// Transport: libcurl, loaded at run time (libcurl.so.4; TENSORFERRY_CURL_LIBRARY names another
+// file): connection reuse, HTTP/1.1 and HTTP/2 over TLS, AWS Signature V4. Every read is a ranged
+// GET written straight into the caller's buffer; `concurrency` GETs are in flight per load (the
+// loader's read workers), each of at most `part_size` bytes. Opening a file costs one ranged GET
+// of its first `header_bytes` bytes, which gives its size, its ETag and (for headers up to that
+// size) its whole safetensors header: one round trip per file.
+//
+// Consistency: every GET carries If-Match with the ETag seen when the file was opened (and the
+// response's ETag and total size are compared with it), so an object overwritten during a load is
+// reported as a local file replaced under a load is: kIoError "<url>: file changed since the
+// checkpoint was opened: ...". Without an ETag (some HTTP servers), the size alone is pinned.
+//
+// Faults: connection errors (reset, refused, truncated body), stalls (no byte for `timeout_ms`),
+// HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown, InternalError, RequestTimeout are retried
+// up to `retries` times with exponential backoff and full jitter; a retry resumes the range from
+// the last byte received. Other statuses end the read at once. Errors name the URL, the byte range,
+// the HTTP status, the S3 error code and message from the body, the attempts made, and where the
+// credentials and endpoint came from (kNotFound for 404/NoSuchKey/NoSuchBucket, kIoError
+// otherwise). A load that fails hands out no batch it could not complete.
+//
+// Credentials and endpoints (S3) are resolved as the AWS CLI does: each field below when set, else
+// AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE with
+// ~/.aws/credentials and ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE), AWS_REGION /
+// AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_NO_SIGN_REQUEST. No credentials
+// anywhere means unsigned (anonymous) requests. docs/object_storage.md lists every setting.
+//
+// Thread-safety: options are values; the Source is safe to use from several threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "tensorferry/source.h"
+#include "tensorferry/status.h"
+
+namespace tensorferry {
+
+struct ObjectStoreOptions {
+  // --- S3 (each "" / -1 = resolved from the environment and AWS files, as above) ---
+  std::string endpoint;  // "http(s)://host[:port]" (LoadOptions key s3_endpoint)
+  std::string region;    // s3_region; default us-east-1
+  std::string profile;   // s3_profile
+  std::string access_key_id, secret_access_key, session_token;  // s3_access_key_id, ...
+  int anonymous = -1;   // s3_anonymous: 1 = never sign (public buckets)
+  int path_style = -1;  // s3_path_style: 1 path-style, 0 virtual-hosted, -1 auto (path-style
+                        // for endpoints other than AWS's)
+  // --- transport (S3 and HTTP) ---
+  unsigned concurrency = 32;      // ranged GETs in flight (object_concurrency)
+  uint64_t part_size = 8u << 20;  // bytes per ranged GET (object_part_size)
+  unsigned retries = 6;           // further attempts per request after the first (object_retries)
+  uint32_t timeout_ms = 30'000;   // a request receiving no byte for this long is retried, and a
+                                  // connection not made in this time fails (object_timeout_ms)
+  uint64_t header_bytes =
+      256u << 10;             // the speculative first GET of each file (object_header_bytes)
+  uint32_t backoff_ms = 100;  // first retry delay, doubled per attempt, capped at 10 s, jittered
+  bool verify_tls = true;     // object_verify_tls: verify the server's certificate
+  std::string ca_bundle;      // object_ca_bundle: a CA file instead of the system's
+};
+
+// True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").
+bool IsObjectUrl(std::string_view path);
+
+// The Source reading URLs with these options (credentials resolved now, libcurl loaded now).
+// Errors: kInvalidArgument (a bad setting, naming it and where it came from), kUnsupported
+// (libcurl could not be loaded: what was tried).
+Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options);
+
+}  // namespace tensorferry

@@ -1,0 +1,241 @@
+// HttpClient (http.h): GETs through libcurl easy handles.
+#include "objstore/http.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <string_view>
+#include <utility>
+
+#include "objstore/curl_api.h"
+#include "util/macros.h"
+
+namespace tensorferry::objstore {
+
+namespace {
+
+std::optional<uint64_t> ParseDigits(std::string_view s) {
+  if (s.empty() || s.size() > 19) return std::nullopt;
+  uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  return v;
+}
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+bool HeaderIs(std::string_view name, std::string_view want) {
+  if (name.size() != want.size()) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(name[i])) != want[i]) return false;
+  }
+  return true;
+}
+
+// What one transfer collects; the callbacks' user data.
+struct Transfer {
+  const HttpRequest* request = nullptr;
+  HttpResponse* response = nullptr;
+  bool body_checked = false;  // the first body byte decided where the body goes
+  bool into_body = false;
+};
+
+size_t OnHeader(char* data, size_t size, size_t count, void* user) {
+  auto* t = static_cast<Transfer*>(user);
+  const size_t n = size * count;
+  std::string_view line(data, n);
+  if (line.rfind("HTTP/", 0) == 0) {
+    // A new response (after a redirect or a 100 Continue): forget the previous one's headers.
+    const size_t sp = line.find(' ');
+    HttpResponse& r = *t->response;
+    r.status =
+        sp == std::string_view::npos ? 0 : std::atol(std::string(line.substr(sp + 1, 3)).c_str());
+    r.etag.clear();
+    r.content_range.clear();
+    r.last_modified.clear();
+    return n;
+  }
+  const size_t colon = line.find(':');
+  if (colon == std::string_view::npos) return n;
+  const std::string_view name = line.substr(0, colon);
+  const std::string_view value = Trim(line.substr(colon + 1));
+  if (HeaderIs(name, "etag")) t->response->etag = value;
+  if (HeaderIs(name, "content-range")) t->response->content_range = value;
+  if (HeaderIs(name, "last-modified")) t->response->last_modified = value;
+  return n;
+}
+
+// Decides, at the first body byte, whether the body is the requested bytes.
+void CheckBody(Transfer& t) {
+  t.body_checked = true;
+  HttpResponse& r = *t.response;
+  const HttpRequest& q = *t.request;
+  if (q.body.empty() || r.status < 200 || r.status > 299) return;
+  const uint64_t first = q.range ? q.range->first : 0;
+  if (r.status == 206) {
+    const std::optional<uint64_t> start = r.RangeStart();
+    if (!start || *start != first) {
+      r.rejected = "206 response for " + (r.content_range.empty() ? "no range" : r.content_range) +
+                   ", not for the range starting at byte " + std::to_string(first);
+      return;
+    }
+  } else if (first != 0) {
+    r.rejected = "the server ignored the Range header (HTTP " + std::to_string(r.status) + ")";
+    return;
+  }
+  t.into_body = true;
+}
+
+size_t OnBody(char* data, size_t size, size_t count, void* user) {
+  auto* t = static_cast<Transfer*>(user);
+  const size_t n = size * count;
+  if (!t->body_checked) CheckBody(*t);
+  HttpResponse& r = *t->response;
+  if (t->into_body) {
+    const std::span<std::byte> dst = t->request->body;
+    if (r.body_bytes + n > dst.size()) {
+      r.rejected =
+          "the server sent more than the " + std::to_string(dst.size()) + " bytes asked for";
+      return 0;  // aborts the transfer (CURLE_WRITE_ERROR)
+    }
+    std::memcpy(dst.data() + r.body_bytes, data, n);
+    r.body_bytes += n;
+    return n;
+  }
+  if (!r.rejected.empty() && r.status >= 200 && r.status <= 299) return 0;  // not our bytes
+  const size_t room =
+      t->request->text_limit > r.text.size() ? t->request->text_limit - r.text.size() : 0;
+  r.text.append(data, std::min(n, room));
+  return n;
+}
+
+}  // namespace
+
+std::optional<uint64_t> HttpResponse::TotalSize() const {
+  const size_t slash = content_range.rfind('/');
+  if (slash == std::string::npos) return std::nullopt;
+  return ParseDigits(Trim(std::string_view(content_range).substr(slash + 1)));
+}
+
+std::optional<uint64_t> HttpResponse::RangeStart() const {
+  std::string_view s = content_range;
+  if (s.rfind("bytes ", 0) != 0) return std::nullopt;
+  s.remove_prefix(6);
+  const size_t dash = s.find('-');
+  if (dash == std::string_view::npos) return std::nullopt;
+  return ParseDigits(Trim(s.substr(0, dash)));
+}
+
+Result<std::unique_ptr<HttpClient>> HttpClient::Make(HttpSettings settings) {
+  TF_ASSIGN_OR_RETURN(const CurlApi* api, Curl());
+  if (!settings.access_key_id.empty() && !api->has_sigv4) {
+    return Status(Code::kUnsupported, api->path + " is libcurl " + api->version +
+                                          ": signed S3 requests need libcurl 7.75 or later");
+  }
+  return std::unique_ptr<HttpClient>(new HttpClient(api, std::move(settings)));
+}
+
+HttpClient::HttpClient(const CurlApi* api, HttpSettings settings)
+    : api_(api), settings_(std::move(settings)) {}
+
+HttpClient::~HttpClient() {
+  for (void* h : idle_) api_->easy_cleanup(static_cast<CURL*>(h));
+}
+
+void* HttpClient::Take() const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!idle_.empty()) {
+      void* h = idle_.back();
+      idle_.pop_back();
+      return h;
+    }
+  }
+  return api_->easy_init();
+}
+
+void HttpClient::Give(void* handle) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  idle_.push_back(handle);
+}
+
+HttpResponse HttpClient::Get(const HttpRequest& request) const {
+  HttpResponse response;
+  CURL* h = static_cast<CURL*>(Take());
+  if (h == nullptr) {
+    response.curl_code = CURLE_OUT_OF_MEMORY;
+    response.curl_error = "curl_easy_init failed";
+    return response;
+  }
+  const CurlApi& c = *api_;
+  c.easy_reset(h);  // options only: the connection cache stays
+  Transfer t{&request, &response};
+  char error[CURL_ERROR_SIZE] = {0};
+  const HttpSettings& s = settings_;
+  c.easy_setopt(h, CURLOPT_URL, request.url.c_str());
+  c.easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  c.easy_setopt(h, CURLOPT_ERRORBUFFER, error);
+  c.easy_setopt(h, CURLOPT_HEADERFUNCTION, &OnHeader);
+  c.easy_setopt(h, CURLOPT_HEADERDATA, &t);
+  c.easy_setopt(h, CURLOPT_WRITEFUNCTION, &OnBody);
+  c.easy_setopt(h, CURLOPT_WRITEDATA, &t);
+  c.easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(s.timeout_ms));
+  // A transfer that receives nothing for the timeout is abandoned (and retried by the caller).
+  c.easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  c.easy_setopt(h, CURLOPT_LOW_SPEED_TIME,
+                static_cast<long>(std::max<uint32_t>(1, (s.timeout_ms + 999) / 1000)));
+  c.easy_setopt(h, CURLOPT_BUFFERSIZE, 512L << 10);
+  c.easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
+  c.easy_setopt(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_2TLS));
+  c.easy_setopt(h, CURLOPT_USERAGENT, "tensorferry");
+  c.easy_setopt(h, CURLOPT_SSL_VERIFYPEER, s.verify_tls ? 1L : 0L);
+  c.easy_setopt(h, CURLOPT_SSL_VERIFYHOST, s.verify_tls ? 2L : 0L);
+  if (!s.ca_bundle.empty()) c.easy_setopt(h, CURLOPT_CAINFO, s.ca_bundle.c_str());
+  if (s.follow_redirects) {
+    c.easy_setopt(h, CURLOPT_FOLLOWLOCATION, 1L);
+    c.easy_setopt(h, CURLOPT_MAXREDIRS, 8L);
+  }
+  curl_slist* headers = nullptr;
+  for (const std::string& hdr : request.headers) headers = c.slist_append(headers, hdr.c_str());
+  std::string range;
+  if (request.range) {
+    range = "Range: bytes=" + std::to_string(request.range->first) + "-" +
+            std::to_string(request.range->second);
+    headers = c.slist_append(headers, range.c_str());
+  }
+  const std::string aws = "aws:amz:" + s.region + ":s3";
+  if (!s.access_key_id.empty()) {
+    headers = c.slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    std::string token;
+    if (!s.session_token.empty()) {
+      token = "x-amz-security-token: " + s.session_token;
+      headers = c.slist_append(headers, token.c_str());
+    }
+    c.easy_setopt(h, CURLOPT_AWS_SIGV4, aws.c_str());
+    c.easy_setopt(h, CURLOPT_USERNAME, s.access_key_id.c_str());
+    c.easy_setopt(h, CURLOPT_PASSWORD, s.secret_access_key.c_str());
+  }
+  c.easy_setopt(h, CURLOPT_HTTPHEADER, headers);
+  const CURLcode code = c.easy_perform(h);
+  c.slist_free_all(headers);
+  long status = 0;
+  if (c.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status != 0) {
+    response.status = status;
+  }
+  if (code != CURLE_OK) {
+    response.curl_code = code;
+    response.curl_error = error[0] != '\0' ? error : c.easy_strerror(code);
+  }
+  c.easy_setopt(h, CURLOPT_ERRORBUFFER, static_cast<char*>(nullptr));
+  c.easy_setopt(h, CURLOPT_HTTPHEADER, static_cast<curl_slist*>(nullptr));
+  Give(h);
+  return response;
+}
+
+}  // namespace tensorferry::objstore

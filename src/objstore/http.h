@@ -1,0 +1,90 @@
+// Internal: one HTTP request at a time per call, over a pool of reusable libcurl handles.
+//
+// HttpClient::Perform sends one GET and returns what happened: the status, the headers the object
+// layer needs (ETag, Content-Range, Last-Modified), and the body, written either straight into a
+// caller buffer (a ranged GET's destination: only when the response is a 206 starting at the
+// requested byte, or a 200 when the request started at 0; anything else goes to `text`) or into
+// `text` (bounded). It never retries: object_source.cc decides what to repeat.
+//
+// Signing: with S3 credentials, requests carry AWS Signature V4 (libcurl's CURLOPT_AWS_SIGV4 over
+// every header we send, plus x-amz-content-sha256: UNSIGNED-PAYLOAD and x-amz-security-token for
+// session credentials); without, they go unsigned.
+//
+// Connections: each handle keeps its connections alive; a handle is used by one request at a
+// time and returned to the pool after it, so N concurrent callers reuse N connections.
+// Thread-safety: Perform may be called from any number of threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensorferry/status.h"
+
+namespace tensorferry::objstore {
+
+struct CurlApi;
+
+struct HttpSettings {
+  // AWS Signature V4 when access_key_id is set.
+  std::string access_key_id, secret_access_key, session_token, region;
+  uint32_t timeout_ms = 30'000;  // connect timeout, and the longest time without a byte received
+  bool verify_tls = true;
+  std::string ca_bundle;
+  bool follow_redirects = false;  // plain HTTP(S) sources follow redirects (a hub to its CDN)
+};
+
+struct HttpRequest {
+  std::string url;                   // fully encoded
+  std::vector<std::string> headers;  // "Name: value"
+  // Bytes [first, last] of the object (a Range header), or the whole object when unset.
+  std::optional<std::pair<uint64_t, uint64_t>> range;
+  std::span<std::byte> body;    // where a matching 2xx body goes (empty: into `text`)
+  size_t text_limit = 1 << 20;  // bytes of other bodies kept
+};
+
+struct HttpResponse {
+  long status = 0;            // 0 when no response came
+  int curl_code = 0;          // CURLcode; 0 = the transfer completed
+  std::string curl_error;     // libcurl's message for curl_code
+  std::string etag;           // the ETag header as sent (quotes included)
+  std::string content_range;  // "bytes 0-99/1234"
+  std::string last_modified;
+  uint64_t body_bytes = 0;  // bytes written into request.body
+  std::string text;         // a body not written into request.body (error documents, listings)
+  std::string rejected;     // why a 2xx body was not accepted into request.body, if it was not
+  // Total size from Content-Range ("bytes a-b/TOTAL", "bytes */TOTAL"); nullopt without one.
+  std::optional<uint64_t> TotalSize() const;
+  // First byte of a "bytes a-b/total" Content-Range; nullopt without one.
+  std::optional<uint64_t> RangeStart() const;
+};
+
+class HttpClient {
+ public:
+  // Loads libcurl (curl_api.h). Errors: kUnsupported.
+  static Result<std::unique_ptr<HttpClient>> Make(HttpSettings settings);
+  ~HttpClient();
+  HttpClient(const HttpClient&) = delete;
+  HttpClient& operator=(const HttpClient&) = delete;
+
+  HttpResponse Get(const HttpRequest& request) const;
+  const HttpSettings& settings() const noexcept { return settings_; }
+  const CurlApi& api() const noexcept { return *api_; }
+
+ private:
+  HttpClient(const CurlApi* api, HttpSettings settings);
+  void* Take() const;
+  void Give(void* handle) const;
+
+  const CurlApi* api_;
+  HttpSettings settings_;
+  mutable std::mutex mu_;
+  mutable std::vector<void*> idle_;  // CURL* easy handles not in use
+};
+
+}  // namespace tensorferry::objstore

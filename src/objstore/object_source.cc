@@ -1,0 +1,473 @@
+// The object-store Source (tensorferry/object_store.h): S3 and HTTP(S) URLs read by ranged GETs
+// with retries, resume and ETag pinning.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "objstore/aws_config.h"
+#include "objstore/http.h"
+#include "objstore/s3_xml.h"
+#include "objstore/url.h"
+#include "tensorferry/object_store.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+
+bool IsObjectUrl(std::string_view path) {
+  return objstore::IsObjectUrl(path);
+}
+
+namespace objstore {
+namespace {
+
+struct Counters {
+  std::atomic<uint64_t> requests{0}, retries{0}, bytes{0};
+};
+
+// Where one object is and how to ask for it.
+struct Target {
+  ObjectUrl url;
+  std::string name;         // url.ToString(): what messages call it
+  std::string request_url;  // the URL to GET
+  bool s3 = false;
+};
+
+uint64_t Fnv1a(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char c : s) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string RangeText(uint64_t first, uint64_t last) {
+  return "bytes " + std::to_string(first) + "-" + std::to_string(last);
+}
+
+// A short, printable excerpt of a body that is not an S3 error document.
+std::string Excerpt(std::string_view text) {
+  std::string out;
+  for (char c : text.substr(0, 160)) out += (c >= 32 && c < 127) ? c : ' ';
+  return out;
+}
+
+bool RetryableS3Code(std::string_view code) {
+  return code == "SlowDown" || code == "InternalError" || code == "RequestTimeout" ||
+         code == "ServiceUnavailable" || code == "Throttling" || code == "RequestTimeTooSkewed";
+}
+
+}  // namespace
+
+class ObjectSource;
+
+// What went wrong with one response, and whether trying again may help.
+struct Verdict {
+  bool retryable = false;
+  Code code = Code::kIoError;
+  std::string why;  // "HTTP 503 SlowDown: Please reduce your request rate." or a curl error
+};
+
+Verdict Judge(const HttpResponse& r) {
+  Verdict v;
+  std::string s3code;
+  if (r.status == 0) {
+    v.retryable = true;
+    v.why = "no response (" + r.curl_error + ")";
+    return v;
+  }
+  v.why = "HTTP " + std::to_string(r.status);
+  if (std::optional<S3ErrorBody> e = ParseS3Error(r.text)) {
+    s3code = e->code;
+    v.why += " " + e->code;
+    if (!e->message.empty()) v.why += ": " + e->message;
+    if (!e->request_id.empty()) v.why += " (request id " + e->request_id + ")";
+  } else if (r.status >= 300 && !r.text.empty()) {
+    v.why += ": " + Excerpt(r.text);
+  }
+  if (!r.rejected.empty()) v.why += " (" + r.rejected + ")";
+  if (r.curl_code != 0) v.why += " (" + r.curl_error + ")";
+  if (r.status >= 200 && r.status <= 299) {
+    // A good status whose body broke off (reset, truncated, stalled) or was not the range asked.
+    v.retryable = r.rejected.empty() || r.rejected.find("more than") == std::string::npos;
+    if (r.rejected.find("ignored the Range") != std::string::npos) v.retryable = false;
+    return v;
+  }
+  if (r.status == 404 || s3code == "NoSuchKey" || s3code == "NoSuchBucket")
+    v.code = Code::kNotFound;
+  v.retryable = r.status == 429 || r.status == 500 || r.status == 502 || r.status == 503 ||
+                r.status == 504 || RetryableS3Code(s3code);
+  return v;
+}
+
+class ObjectFile final : public SourceFile {
+ public:
+  ObjectFile(std::shared_ptr<const ObjectSource> source, Target target, FileIdentity identity,
+             std::string etag, std::vector<std::byte> prefix)
+      : source_(source),
+        target_(std::move(target)),
+        identity_(identity),
+        etag_(std::move(etag)),
+        prefix_(std::move(prefix)) {}
+
+  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override;
+  Result<uint64_t> Size() const override { return identity_.size; }
+  const std::string& path() const noexcept override { return target_.name; }
+  const FileIdentity& identity() const noexcept override { return identity_; }
+  // Every read is pinned to the ETag seen at open (If-Match): nothing to check up front.
+  Status CheckUnchanged() const override { return Status::Ok(); }
+
+ private:
+  bool FromPrefix(uint64_t offset, std::span<std::byte> dst) const;
+
+  const std::shared_ptr<const ObjectSource> source_;  // a file may outlive its checkpoint
+  const Target target_;
+  const FileIdentity identity_;
+  const std::string etag_;  // "" when the server sent none
+  mutable std::mutex mu_;
+  // The first bytes, fetched at open: they serve the header reads, then are released.
+  mutable std::vector<std::byte> prefix_;
+};
+
+class ObjectSource final : public Source, public std::enable_shared_from_this<ObjectSource> {
+ public:
+  explicit ObjectSource(ObjectStoreOptions options) : options_(std::move(options)) {}
+
+  Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
+                                           const FileIdentity* expected) override;
+  Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
+  SourceStats stats() const override {
+    return {counters_.requests.load(), counters_.retries.load(), counters_.bytes.load()};
+  }
+  SourceReadHints hints() const override { return {options_.concurrency, options_.part_size}; }
+
+  // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
+  // and resuming.
+  Status ReadRange(const Target& target, const std::string& etag, uint64_t size, uint64_t first,
+                   std::span<std::byte> dst) const;
+
+ private:
+  Result<Target> Resolve(const std::string& path) const;
+  Result<const HttpClient*> Client(bool s3) const;
+  // Sends `request` until it succeeds, fails for good or runs out of attempts. `accept` says
+  // whether a response is the answer (then returned, whatever its status).
+  template <class Accept>
+  Result<HttpResponse> Send(const Target& target, const HttpRequest& request,
+                            const std::string& what, Accept accept) const;
+  std::string Context(const Target& target) const;
+  void Backoff(unsigned attempt) const;
+  Status Failed(const Target& target, const std::string& what, const Verdict& v,
+                unsigned attempts) const;
+
+  const ObjectStoreOptions options_;
+  mutable Counters counters_;
+  mutable std::once_flag s3_once_, http_once_;
+  mutable Result<S3Config> s3_config_ = Status(Code::kInternal, "unresolved");
+  mutable Result<std::unique_ptr<HttpClient>> s3_client_ = Status(Code::kInternal, "unmade");
+  mutable Result<std::unique_ptr<HttpClient>> http_client_ = Status(Code::kInternal, "unmade");
+};
+
+// --- ObjectSource ------------------------------------------------------------------------------
+
+Result<const HttpClient*> ObjectSource::Client(bool s3) const {
+  if (s3) {
+    std::call_once(s3_once_, [this] {
+      S3Request req;
+      req.endpoint = options_.endpoint;
+      req.region = options_.region;
+      req.profile = options_.profile;
+      req.access_key_id = options_.access_key_id;
+      req.secret_access_key = options_.secret_access_key;
+      req.session_token = options_.session_token;
+      req.anonymous = options_.anonymous;
+      req.path_style = options_.path_style;
+      s3_config_ = ResolveS3Config(req);
+      if (!s3_config_.ok()) {
+        s3_client_ = s3_config_.status();
+        return;
+      }
+      HttpSettings hs;
+      if (!s3_config_->anonymous) {
+        hs.access_key_id = s3_config_->access_key_id;
+        hs.secret_access_key = s3_config_->secret_access_key;
+        hs.session_token = s3_config_->session_token;
+      }
+      hs.region = s3_config_->region;
+      hs.timeout_ms = options_.timeout_ms;
+      hs.verify_tls = options_.verify_tls;
+      hs.ca_bundle = options_.ca_bundle;
+      s3_client_ = HttpClient::Make(std::move(hs));
+    });
+    if (!s3_client_.ok()) return s3_client_.status();
+    return s3_client_->get();
+  }
+  std::call_once(http_once_, [this] {
+    HttpSettings hs;
+    hs.timeout_ms = options_.timeout_ms;
+    hs.verify_tls = options_.verify_tls;
+    hs.ca_bundle = options_.ca_bundle;
+    hs.follow_redirects = true;
+    http_client_ = HttpClient::Make(std::move(hs));
+  });
+  if (!http_client_.ok()) return http_client_.status();
+  return http_client_->get();
+}
+
+Result<Target> ObjectSource::Resolve(const std::string& path) const {
+  TF_ASSIGN_OR_RETURN(ObjectUrl url, ParseObjectUrl(path));
+  Target t;
+  t.s3 = url.scheme == Scheme::kS3;
+  t.name = url.ToString();
+  if (t.s3) {
+    TF_RETURN_IF_ERROR(Client(true).status());
+    if (url.key.empty() || url.key.back() == '/') {
+      return Status(Code::kInvalidArgument,
+                    t.name + ": names no object (the key is empty or ends with '/')");
+    }
+    t.request_url = s3_config_->ObjectRequestUrl(url);
+  } else {
+    t.request_url = url.origin + "/" + url.key;
+  }
+  t.url = std::move(url);
+  return t;
+}
+
+std::string ObjectSource::Context(const Target& target) const {
+  if (!target.s3 || !s3_config_.ok()) return "";
+  const S3Config& c = *s3_config_;
+  return " [endpoint " + c.endpoint + " (" + c.endpoint_from + "), region " + c.region +
+         ", credentials: " + (c.anonymous ? std::string("anonymous") : c.credentials_from) + "]";
+}
+
+void ObjectSource::Backoff(unsigned attempt) const {
+  // Exponential with "equal jitter": half the delay fixed, half random, capped at 10 s.
+  const uint64_t cap = 10'000;
+  const uint64_t base = std::max<uint32_t>(1, options_.backoff_ms);
+  const uint64_t delay = std::min<uint64_t>(cap, base << std::min(attempt, 16u));
+  thread_local std::minstd_rand rng(std::random_device{}());
+  const uint64_t ms = delay / 2 + std::uniform_int_distribution<uint64_t>(0, delay / 2)(rng);
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+Status ObjectSource::Failed(const Target& target, const std::string& what, const Verdict& v,
+                            unsigned attempts) const {
+  std::string message = target.name + ": " + what + ": " + v.why;
+  if (attempts > 1) {
+    message += "; gave up after " + std::to_string(attempts) + " attempts";
+  }
+  message += Context(target);
+  return Status(v.code, std::move(message));
+}
+
+template <class Accept>
+Result<HttpResponse> ObjectSource::Send(const Target& target, const HttpRequest& request,
+                                        const std::string& what, Accept accept) const {
+  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.s3));
+  for (unsigned attempt = 0;; ++attempt) {
+    if (attempt > 0) counters_.retries.fetch_add(1, std::memory_order_relaxed);
+    counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    HttpResponse r = client->Get(request);
+    counters_.bytes.fetch_add(r.body_bytes + r.text.size(), std::memory_order_relaxed);
+    if (accept(r)) return r;
+    const Verdict v = Judge(r);
+    if (!v.retryable || attempt >= options_.retries) return Failed(target, what, v, attempt + 1);
+    Backoff(attempt);
+  }
+}
+
+Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
+                                                       const FileIdentity* expected) {
+  TF_ASSIGN_OR_RETURN(Target target, Resolve(path));
+  // One speculative ranged GET: the size (Content-Range), the ETag and the first bytes.
+  std::vector<std::byte> prefix(static_cast<size_t>(std::max<uint64_t>(options_.header_bytes, 8)));
+  HttpRequest req;
+  req.url = target.request_url;
+  req.range = std::make_pair(uint64_t{0}, uint64_t{prefix.size() - 1});
+  req.body = prefix;
+  const auto complete = [](const HttpResponse& r) {
+    return (r.status == 206 || r.status == 200 || r.status == 416) && r.curl_code == 0 &&
+           r.rejected.empty();
+  };
+  TF_ASSIGN_OR_RETURN(
+      HttpResponse r,
+      Send(target, req, "open (GET " + RangeText(0, prefix.size() - 1) + ")", complete));
+  FileIdentity id;
+  if (r.status == 206) {
+    const std::optional<uint64_t> total = r.TotalSize();
+    if (!total) {
+      return Status(Code::kIoError, target.name +
+                                        ": 206 response without a total size (Content-Range \"" +
+                                        r.content_range + "\")" + Context(target));
+    }
+    id.size = *total;
+  } else if (r.status == 416) {
+    id.size = r.TotalSize().value_or(0);  // an empty object has no byte 0
+    if (id.size != 0) {
+      return Status(Code::kIoError, target.name + ": HTTP 416 for bytes 0-" +
+                                        std::to_string(prefix.size() - 1) + " of a " +
+                                        std::to_string(id.size) + "-byte object" + Context(target));
+    }
+  } else {
+    id.size = r.body_bytes;  // 200: the whole object fitted the prefix
+  }
+  prefix.resize(static_cast<size_t>(std::min<uint64_t>(r.body_bytes, id.size)));
+  id.inode = Fnv1a(r.etag);
+  if (expected != nullptr && id != *expected) {
+    return Status(Code::kIoError, target.name + ": file changed since the checkpoint was opened: " +
+                                      (id.size != expected->size
+                                           ? std::to_string(expected->size) + " bytes then, " +
+                                                 std::to_string(id.size) + " now"
+                                           : "ETag now " + r.etag));
+  }
+  return std::unique_ptr<SourceFile>(
+      new ObjectFile(shared_from_this(), std::move(target), id, r.etag, std::move(prefix)));
+}
+
+Status ObjectSource::ReadRange(const Target& target, const std::string& etag, uint64_t size,
+                               uint64_t first, std::span<std::byte> dst) const {
+  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.s3));
+  const uint64_t last = first + dst.size() - 1;
+  const std::string what = "GET " + RangeText(first, last);
+  uint64_t received = 0;
+  for (unsigned attempt = 0;; ++attempt) {
+    if (attempt > 0) counters_.retries.fetch_add(1, std::memory_order_relaxed);
+    counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    HttpRequest req;
+    req.url = target.request_url;
+    req.range = std::make_pair(first + received, last);  // resume after the bytes received
+    req.body = dst.subspan(static_cast<size_t>(received));
+    if (!etag.empty()) req.headers.push_back("If-Match: " + etag);
+    HttpResponse r = client->Get(req);
+    counters_.bytes.fetch_add(r.body_bytes, std::memory_order_relaxed);
+    // Pinned: the object answering must be the one opened.
+    if (r.status == 412 || (!etag.empty() && !r.etag.empty() && r.etag != etag) ||
+        (r.status == 206 && r.TotalSize() && *r.TotalSize() != size)) {
+      std::string detail = r.status == 412 ? "If-Match " + etag + " failed (HTTP 412)"
+                                           : "ETag " + etag + " then, " + r.etag + " now";
+      if (r.status == 206 && r.TotalSize() && *r.TotalSize() != size) {
+        detail = std::to_string(size) + " bytes then, " + std::to_string(*r.TotalSize()) + " now";
+      }
+      return Status(Code::kIoError,
+                    target.name + ": file changed since the checkpoint was opened: " + detail +
+                        " (" + what + ")");
+    }
+    received += r.body_bytes;
+    if (received == dst.size() && r.curl_code == 0 && r.rejected.empty()) return Status::Ok();
+    Verdict v = Judge(r);
+    if (r.status >= 200 && r.status <= 299 && r.curl_code == 0 && r.rejected.empty()) {
+      v.retryable = true;  // a complete response with fewer bytes than asked
+      v.why += " (body ended after " + std::to_string(received) + " of " +
+               std::to_string(dst.size()) + " bytes)";
+    }
+    if (!v.retryable || attempt >= options_.retries) {
+      if (received > 0 && received < dst.size()) {
+        v.why += "; " + std::to_string(received) + " of " + std::to_string(dst.size()) +
+                 " bytes received";
+      }
+      return Failed(target, what, v, attempt + 1);
+    }
+    Backoff(attempt);
+  }
+}
+
+Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
+                                                    std::string_view suffix) {
+  TF_ASSIGN_OR_RETURN(ObjectUrl url, ParseObjectUrl(dir));
+  if (url.scheme != Scheme::kS3) {
+    return Status(Code::kNotFound, url.ToString() +
+                                       ": an HTTP server cannot be listed: give the URL of its "
+                                       "model.safetensors.index.json or of a .safetensors file");
+  }
+  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(true));
+  (void)client;
+  std::string prefix = url.key;
+  if (!prefix.empty() && prefix.back() != '/') prefix += '/';
+  Target target;
+  target.s3 = true;
+  target.url = url;
+  target.name = url.ToString();
+  std::vector<std::string> out;
+  std::string token;
+  for (int page = 0; page < 100000; ++page) {
+    // SigV4 signs the query as sent: parameters in byte order, values encoded.
+    std::string query;
+    if (!token.empty()) query += "continuation-token=" + PercentEncode(token, false) + "&";
+    query += "delimiter=%2F&list-type=2&prefix=" + PercentEncode(prefix, false);
+    ObjectUrl bucket = url;
+    bucket.key.clear();
+    HttpRequest req;
+    req.url = s3_config_->ObjectRequestUrl(bucket, query);
+    req.text_limit = 64u << 20;
+    TF_ASSIGN_OR_RETURN(
+        HttpResponse r,
+        Send(target, req, "list (ListObjectsV2 prefix \"" + prefix + "\")",
+             [](const HttpResponse& x) { return x.status == 200 && x.curl_code == 0; }));
+    Result<ListPage> listed = ParseListObjectsV2(r.text);
+    if (!listed.ok()) return listed.status().WithPrefix(target.name);
+    for (const ListedObject& o : listed->objects) {
+      if (o.key.size() < prefix.size() + suffix.size() ||
+          o.key.compare(0, prefix.size(), prefix) != 0)
+        continue;
+      const std::string_view rest = std::string_view(o.key).substr(prefix.size());
+      if (rest.find('/') != std::string_view::npos || rest.size() < suffix.size() ||
+          rest.substr(rest.size() - suffix.size()) != suffix)
+        continue;
+      out.push_back("s3://" + url.bucket + "/" + o.key);
+    }
+    if (!listed->truncated || listed->next_token.empty()) break;
+    token = listed->next_token;
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// --- ObjectFile --------------------------------------------------------------------------------
+
+bool ObjectFile::FromPrefix(uint64_t offset, std::span<std::byte> dst) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (prefix_.empty()) return false;
+  if (offset + dst.size() > prefix_.size()) {
+    std::vector<std::byte>().swap(prefix_);  // data reads have begun: the prefix is done
+    return false;
+  }
+  std::memcpy(dst.data(), prefix_.data() + offset, dst.size());
+  // The header's second read (the whole header from byte 0) is the prefix's last use.
+  if (offset == 0 && dst.size() > 8) std::vector<std::byte>().swap(prefix_);
+  return true;
+}
+
+Result<size_t> ObjectFile::Read(uint64_t offset, std::span<std::byte> dst) const {
+  if (offset >= identity_.size || dst.empty()) return size_t{0};
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(dst.size(), identity_.size - offset));
+  dst = dst.first(n);
+  if (FromPrefix(offset, dst)) return n;
+  const uint64_t part = std::max<uint64_t>(source_->hints().read_size, 1u << 20);
+  for (uint64_t at = 0; at < n; at += part) {
+    const size_t len = static_cast<size_t>(std::min<uint64_t>(part, n - at));
+    TF_RETURN_IF_ERROR(source_->ReadRange(target_, etag_, identity_.size, offset + at,
+                                          dst.subspan(static_cast<size_t>(at), len)));
+  }
+  return n;
+}
+
+}  // namespace objstore
+
+Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options) {
+  if (options.concurrency == 0) {
+    return Status(Code::kInvalidArgument, "object_concurrency must be > 0");
+  }
+  if (options.part_size < 4096) {
+    return Status(Code::kInvalidArgument, "object_part_size must be at least 4096 bytes");
+  }
+  return std::shared_ptr<Source>(std::make_shared<objstore::ObjectSource>(options));
+}
+
+}  // namespace tensorferry

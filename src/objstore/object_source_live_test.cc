@@ -1,0 +1,123 @@
+// The object source against a real S3 server, through the public C++ API (Checkpoint, Loader).
+//
+// Needs a server: tests/python/test_object_store.py starts SeaweedFS, uploads a sharded checkpoint
+// and runs this binary with
+//   TENSORFERRY_TEST_S3_URL    the checkpoint's s3:// prefix,
+//   TENSORFERRY_TEST_S3_LOCAL  the same checkpoint on disk,
+//   AWS_* variables            the server's endpoint and credentials.
+// Without them every test here skips (the Python suite is what runs them, in CI too).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/object_store.h"
+#include "tensorferry/options.h"
+
+namespace tensorferry {
+namespace {
+
+struct Live {
+  std::string url, local;
+};
+
+std::optional<Live> LiveServer() {
+  const char* url = std::getenv("TENSORFERRY_TEST_S3_URL");
+  const char* local = std::getenv("TENSORFERRY_TEST_S3_LOCAL");
+  if (url == nullptr || local == nullptr) return std::nullopt;
+  return Live{url, local};
+}
+
+#define REQUIRE_LIVE(live)                       \
+  const std::optional<Live> live = LiveServer(); \
+  if (!live) GTEST_SKIP() << "no S3 server (run by tests/python/test_object_store.py)"
+
+// Loads everything (or a tensor-parallel rank) and returns (name, bytes) pairs in load order.
+std::vector<std::pair<std::string, std::string>> LoadAll(const std::string& path,
+                                                         LoadOptions options, LoadStats* stats) {
+  auto loader = Loader::Open(path, options);
+  EXPECT_TRUE(loader.ok()) << loader.status().ToString();
+  if (!loader.ok()) return {};
+  auto tensors = (*loader)->Load();
+  EXPECT_TRUE(tensors.ok()) << tensors.status().ToString();
+  if (!tensors.ok()) return {};
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Tensor& t : *tensors) {
+    out.emplace_back(t.name(), std::string(reinterpret_cast<const char*>(t.data()), t.size()));
+  }
+  if (stats != nullptr) *stats = (*loader)->stats();
+  return out;
+}
+
+TEST(ObjectSourceLive, ShardedCheckpointMatchesTheLocalCopy) {
+  REQUIRE_LIVE(live);
+  auto remote = Checkpoint::Open(live->url);
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  auto local = Checkpoint::Open(live->local);
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  ASSERT_EQ((*remote)->files().size(), (*local)->files().size());
+  EXPECT_GT((*remote)->files().size(), 1u);
+  EXPECT_EQ((*remote)->files()[0].path.rfind("s3://", 0), 0u);
+  ASSERT_EQ((*remote)->tensors().size(), (*local)->tensors().size());
+
+  LoadStats stats;
+  const auto got = LoadAll(live->url, LoadOptions{}, &stats);
+  const auto want = LoadAll(live->local, LoadOptions{}, nullptr);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first);
+    EXPECT_TRUE(got[i].second == want[i].second) << got[i].first << " differs";
+  }
+  EXPECT_GT(stats.remote_requests, 0u);
+  EXPECT_EQ(stats.remote_bytes, stats.bytes_read);  // the prefixes were read at open
+}
+
+TEST(ObjectSourceLive, TensorParallelRanksReadTheirSlicesOnly) {
+  REQUIRE_LIVE(live);
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    LoadOptions o;
+    ASSERT_TRUE(o.Set("tp_rank", std::to_string(rank)).ok());
+    ASSERT_TRUE(o.Set("tp_size", "2").ok());
+    LoadStats stats;
+    const auto got = LoadAll(live->url, o, &stats);
+    const auto want = LoadAll(live->local, o, nullptr);
+    ASSERT_EQ(got, want) << "rank " << rank;
+    auto checkpoint = Checkpoint::Open(live->local);
+    ASSERT_TRUE(checkpoint.ok());
+    EXPECT_LT(stats.remote_bytes, (*checkpoint)->total_tensor_bytes()) << "rank " << rank;
+    EXPECT_EQ(stats.remote_bytes, stats.bytes_read) << "rank " << rank;
+  }
+}
+
+TEST(ObjectSourceLive, MissingObjectIsNotFoundNamingTheKey) {
+  REQUIRE_LIVE(live);
+  const std::string url = live->url + "/no-such-shard.safetensors";
+  auto opened = Checkpoint::Open(url);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), Code::kNotFound);
+  EXPECT_NE(opened.status().message().find("no-such-shard.safetensors"), std::string::npos)
+      << opened.status().message();
+  EXPECT_NE(opened.status().message().find("NoSuchKey"), std::string::npos)
+      << opened.status().message();
+}
+
+TEST(ObjectSourceLive, WrongSecretNamesTheS3ErrorAndTheCredentials) {
+  REQUIRE_LIVE(live);
+  OpenOptions o;
+  o.object_store.access_key_id = std::getenv("AWS_ACCESS_KEY_ID");
+  o.object_store.secret_access_key = "not-the-secret";
+  o.object_store.retries = 0;
+  auto opened = Checkpoint::Open(live->url, o);
+  ASSERT_FALSE(opened.ok());
+  const std::string& m = opened.status().message();
+  EXPECT_NE(m.find("HTTP 403 SignatureDoesNotMatch"), std::string::npos) << m;
+  EXPECT_NE(m.find("credentials: options"), std::string::npos) << m;
+  EXPECT_NE(m.find(live->url), std::string::npos) << m;
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -77,3 +77,33 @@ def reference_slice(full, rule, rank, world):
     else:
         parts = [full]
     return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    """A SeaweedFS S3 endpoint on loopback (objstore_servers.SeaweedS3), started on first use and
+    stopped at the end of the session. Fails (never skips) when `weed` is missing."""
+    from objstore_servers import SeaweedS3
+    server = SeaweedS3()
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(f"SeaweedFS did not start: {e}", pytrace=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nginx_http():
+    """nginx serving a temp directory on loopback (objstore_servers.NginxHttp), started on first
+    use. Fails (never skips) when nginx is missing: apt-get install nginx-light."""
+    from objstore_servers import NginxHttp
+    server = NginxHttp()
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(f"nginx did not start: {e}", pytrace=False)
+    yield server
+    server.stop()

@@ -203,7 +203,8 @@ def _s3_error(status, reason, code, message):
 
 
 _CANNED = {
-    "status_503_slowdown": _s3_error(503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "status_503_slowdown": _s3_error(503, "Slow Down", "SlowDown",
+                                     "Please reduce your request rate."),
     "status_500": _s3_error(500, "Internal Server Error", "InternalError",
                             "We encountered an internal error. Please try again."),
 }

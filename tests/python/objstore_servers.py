@@ -4,7 +4,7 @@
 venv's python) as an S3 endpoint with SigV4 identities; `NginxHttp` runs Debian's nginx as a static
 file server with range requests and ETags. Both:
   - bind 127.0.0.1 only, on ports chosen free at start (every port the server opens);
-  - keep their data, config, logs and pid files in a directory of their own (never /etc or /var/log);
+  - keep data, config, logs and pid files in a directory of their own (never /etc, /var/log);
   - run in a process group of their own, stopped with SIGTERM then SIGKILL of the whole group, and
     registered with atexit so that no server outlives the Python process, even after a failed test;
   - fail with a clear error (what to install, or the tail of the server's log) rather than skip.
@@ -170,10 +170,10 @@ class SeaweedS3:
     REGION = "us-east-1"
     SERVICES = ("master", "volume", "filer", "s3", "admin", "webdav", "debug", "s3debug")
 
-    def __init__(self, data_dir=None, start_timeout_s=60.0, extra_args=()):
-        self._own_dir = data_dir is None
-        self.root = data_dir or tempfile.mkdtemp(prefix="tf-seaweed-")
-        os.makedirs(self.root, exist_ok=True)
+    def __init__(self, parent_dir=None, start_timeout_s=60.0, extra_args=()):
+        """Data, config and log go to a fresh directory under parent_dir (default: the system
+        temp dir; the benchmark uses /var/tmp), removed by stop()."""
+        self.root = tempfile.mkdtemp(prefix="tf-seaweed-", dir=parent_dir)
         self.start_timeout_s = start_timeout_s
         self.extra_args = list(extra_args)
         self.ports = {}
@@ -207,8 +207,7 @@ class SeaweedS3:
                 os.unlink(sock)
             except OSError:
                 pass
-        if self._own_dir:
-            shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self):
         return self.start()

@@ -60,7 +60,7 @@ def raw_get(port, path, headers=None, timeout=5.0):
     return status, hdrs, body, ending
 
 
-# -- SeaweedFS --------------------------------------------------------------------------------------
+# -- SeaweedFS -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def s3_object(seaweed):
     key = "infra/data.bin"
@@ -150,7 +150,7 @@ def test_seaweed_env_has_the_aws_variables(seaweed):
     assert env["AWS_REGION"] == seaweed.REGION
 
 
-# -- nginx ------------------------------------------------------------------------------------------
+# -- nginx -----------------------------------------------------------------------------------------
 def test_nginx_range_get_with_etag_and_if_match(nginx_http):
     nginx_http.put("ckpt/data.bin", DATA)
     status, h, body, ending = raw_get(nginx_http.port, "/ckpt/data.bin",
@@ -173,7 +173,7 @@ def test_nginx_range_get_with_etag_and_if_match(nginx_http):
     assert status == 404
 
 
-# -- fault proxy ------------------------------------------------------------------------------------
+# -- fault proxy -----------------------------------------------------------------------------------
 @pytest.fixture
 def http_proxy(nginx_http):
     nginx_http.put("proxy/data.bin", DATA)

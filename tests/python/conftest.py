@@ -107,3 +107,21 @@ def nginx_http():
         pytest.fail(f"nginx did not start: {e}", pytrace=False)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_proxy(seaweed):
+    """A fault_proxy.FaultProxy in front of the `seaweed` S3 endpoint, no rules set; clients use
+    proxy.url as their endpoint (seaweed.env(endpoint=proxy.url) for a subprocess)."""
+    from fault_proxy import FaultProxy
+    host, port = seaweed.endpoint[len("http://"):].rsplit(":", 1)
+    with FaultProxy(host, int(port)) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def nginx_proxy(nginx_http):
+    """A fault_proxy.FaultProxy in front of `nginx_http`; proxy.url + "/" + relpath."""
+    from fault_proxy import FaultProxy
+    with FaultProxy("127.0.0.1", nginx_http.port) as proxy:
+        yield proxy

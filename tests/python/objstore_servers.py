@@ -393,14 +393,32 @@ class NginxHttp:
         return f"http://{LOOPBACK}:{self.port}/{relpath.lstrip('/')}"
 
     def put(self, relpath, data):
-        """Writes a file under root (replacing it atomically: a new inode, a new ETag)."""
+        """Writes a file under root, replacing any old one atomically. nginx's ETag is
+        "<mtime>-<size>" in hex, whole seconds: a replaced file gets an mtime at least one second
+        past the old one, so its ETag always changes. Returns the path."""
         path = os.path.join(self.root, relpath)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        old_mtime = os.stat(path).st_mtime if os.path.exists(path) else None
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(data)
+        if old_mtime is not None:
+            mtime = max(time.time(), int(old_mtime) + 1)
+            os.utime(tmp, (mtime, mtime))
         os.replace(tmp, path)
         return path
+
+    def copy_dir(self, local_dir, relprefix):
+        """Copies every file under local_dir to root/relprefix/; returns the relative paths."""
+        out = []
+        for dirpath, _, files in os.walk(local_dir):
+            for name in sorted(files):
+                src = os.path.join(dirpath, name)
+                rel = f"{relprefix.strip('/')}/{os.path.relpath(src, local_dir)}".lstrip("/")
+                with open(src, "rb") as f:
+                    self.put(rel, f.read())
+                out.append(rel)
+        return sorted(out)
 
     def _write_conf(self):
         w = self.work

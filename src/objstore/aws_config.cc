@@ -1,5 +1,6 @@
 #include "objstore/aws_config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>

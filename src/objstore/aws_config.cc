@@ -481,4 +481,16 @@ std::string S3Config::ObjectRequestUrl(const ObjectUrl& url, std::string_view qu
   return out;
 }
 
+std::string ListObjectsV2Query(std::string_view prefix, std::string_view continuation_token,
+                               std::string_view delimiter) {
+  std::string query;
+  if (!continuation_token.empty()) {
+    query += "continuation-token=" + PercentEncode(continuation_token, false) + "&";
+  }
+  if (!delimiter.empty()) query += "delimiter=" + PercentEncode(delimiter, false) + "&";
+  query += "list-type=2";
+  if (!prefix.empty()) query += "&prefix=" + PercentEncode(prefix, false);
+  return query;
+}
+
 }  // namespace tensorferry::objstore

@@ -64,6 +64,13 @@ struct S3Config {
   std::string ObjectRequestUrl(const ObjectUrl& url, std::string_view query = "") const;
 };
 
+// The query of a ListObjectsV2 request (already encoded, parameters sorted by name as SigV4's
+// canonical query wants them): "continuation-token=..&delimiter=..&list-type=2&prefix=..", with
+// the empty ones left out (list-type=2 is always there). For S3Config::ObjectRequestUrl with the
+// bucket's URL (key "").
+std::string ListObjectsV2Query(std::string_view prefix, std::string_view continuation_token = "",
+                               std::string_view delimiter = "");
+
 using GetEnv = std::function<std::optional<std::string>(const char* name)>;  // empty value = unset
 GetEnv ProcessEnv();                                                         // std::getenv
 

@@ -378,6 +378,18 @@ TEST(AwsConfig, ObjectRequestUrl) {
   EXPECT_EQ(c.ObjectRequestUrl(*http), "https://hub.example/x/m%20a.safetensors");
 }
 
+TEST(AwsConfig, ListObjectsV2Query) {
+  EXPECT_EQ(ListObjectsV2Query(""), "list-type=2");
+  EXPECT_EQ(ListObjectsV2Query("llama 3/"), "list-type=2&prefix=llama%203%2F");
+  EXPECT_EQ(ListObjectsV2Query("p/", "1ueG+cx/L=", "/"),
+            "continuation-token=1ueG%2Bcx%2FL%3D&delimiter=%2F&list-type=2&prefix=p%2F");
+  S3Config c;
+  c.endpoint = "http://127.0.0.1:8333";
+  c.path_style = true;
+  EXPECT_EQ(c.ObjectRequestUrl(S3Url("s3://models"), ListObjectsV2Query("a/")),
+            "http://127.0.0.1:8333/models?list-type=2&prefix=a%2F");
+}
+
 TEST(AwsIni, CommentsWhitespaceAndNestedSections) {
   const std::string text =
       "# a comment\n"

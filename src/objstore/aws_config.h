@@ -82,7 +82,12 @@ GetEnv ProcessEnv();                                                         // 
 //   else profile aws_access_key_id/aws_secret_access_key/aws_session_token (credentials file first,
 //   then config file); else anonymous. anonymous=1 (request, or AWS_NO_SIGN_REQUEST=true/1 when
 //   the request leaves it unset) wins; anonymous=0 with no credentials found is an error. A key id
-//   without its secret (or the reverse), in any one place, is an error.
+//   without its secret (or the reverse), in any one place, is an error. Only static keys are
+//   read: a profile without keys that names another source (credential_process, role_arn,
+//   sso_session, sso_start_url, web_identity_token_file, credential_source) is kUnsupported;
+//   web-identity or container credentials in the environment (AWS_WEB_IDENTITY_TOKEN_FILE,
+//   AWS_CONTAINER_CREDENTIALS_*) are not fetched, and credentials_from says so; the EC2 instance
+//   metadata service is not asked.
 // - profile: request, AWS_PROFILE, AWS_DEFAULT_PROFILE, "default". A profile named explicitly
 // (request or
 //   env) that exists in neither file is an error (kInvalidArgument naming the profile and both

@@ -166,6 +166,37 @@ TEST(AwsConfig, AnonymousWinsWhenAskedFor) {
   EXPECT_NE(message.find(none.Path(".aws/credentials")), std::string::npos) << message;
 }
 
+TEST(AwsConfig, CredentialSourcesWeDoNotImplementAreNamed) {
+  FakeAws aws;
+  aws.Config(
+      "[profile sso]\nsso_session = corp\nregion = eu-west-1\n"
+      "[profile both]\nrole_arn = arn:x\naws_access_key_id = K\naws_secret_access_key = S\n");
+  S3Request request;
+  request.profile = "sso";
+  auto config = aws.Resolve(request);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), Code::kUnsupported);
+  EXPECT_NE(config.status().message().find("profile \"sso\" in " + aws.Path(".aws/config") +
+                                           " gets its credentials through sso_session"),
+            std::string::npos)
+      << config.status().ToString();
+  // Static keys in the profile are used as they are.
+  request.profile = "both";
+  EXPECT_EQ(aws.MustResolve(request).access_key_id, "K");
+  // Keys from elsewhere make the profile's source irrelevant.
+  request.profile = "sso";
+  aws.Set("AWS_ACCESS_KEY_ID", "E");
+  aws.Set("AWS_SECRET_ACCESS_KEY", "ES");
+  EXPECT_EQ(aws.MustResolve(request).access_key_id, "E");
+  // Web identity (EKS) in the environment: anonymous, and the message says why.
+  FakeAws pod;
+  pod.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/token");
+  const S3Config c = pod.MustResolve();
+  EXPECT_TRUE(c.anonymous);
+  EXPECT_NE(c.credentials_from.find("AWS_WEB_IDENTITY_TOKEN_FILE is set"), std::string::npos)
+      << c.credentials_from;
+}
+
 TEST(AwsConfig, ProfileSelectionAndSections) {
   FakeAws aws;
   aws.Credentials(

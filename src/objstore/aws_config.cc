@@ -1,5 +1,6 @@
 #include "objstore/aws_config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -284,6 +285,22 @@ Result<bool> ProfileKeys(S3Config& c, const Profile& p) {
   return false;
 }
 
+// A profile whose credentials come from a process, a role or SSO names a source tensorferry does
+// not implement: an error, rather than unsigned requests that fail with AccessDenied later.
+Status RefuseUnsupportedProfileSource(const Profile& p) {
+  for (const char* key : {"credential_process", "role_arn", "sso_session", "sso_start_url",
+                          "web_identity_token_file", "credential_source"}) {
+    if (auto value = p.Get(key)) {
+      return Status(Code::kUnsupported,
+                    p.Where(value->second) + " gets its credentials through " + key +
+                        ", which tensorferry does not support: give static keys (options, "
+                        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or aws_access_key_id/"
+                        "aws_secret_access_key in the profile)");
+    }
+  }
+  return Status::Ok();
+}
+
 Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p) {
   if (r.anonymous == 1 || (r.anonymous == -1 && EnvTrue(env, "AWS_NO_SIGN_REQUEST"))) {
     c.anonymous = true;
@@ -308,6 +325,7 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
   }
   TF_ASSIGN_OR_RETURN(const bool from_profile, ProfileKeys(c, p));
   if (from_profile) return Status::Ok();
+  TF_RETURN_IF_ERROR(RefuseUnsupportedProfileSource(p));
   if (r.anonymous == 0) {
     return Status(Code::kInvalidArgument,
                   "no S3 credentials found (options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
@@ -317,6 +335,15 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
   }
   c.anonymous = true;
   c.credentials_from = "none found: anonymous";
+  for (const char* var : {"AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                          "AWS_CONTAINER_CREDENTIALS_FULL_URI"}) {
+    if (Env(env, var)) {
+      c.credentials_from += std::string(" (") + var +
+                            " is set, but tensorferry reads only static keys: export "
+                            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)";
+      break;
+    }
+  }
   return Status::Ok();
 }
 
@@ -478,6 +505,18 @@ std::string S3Config::ObjectRequestUrl(const ObjectUrl& url, std::string_view qu
   }
   if (!query.empty()) out += "?" + std::string(query);
   return out;
+}
+
+std::string ListObjectsV2Query(std::string_view prefix, std::string_view continuation_token,
+                               std::string_view delimiter) {
+  std::string query;
+  if (!continuation_token.empty()) {
+    query += "continuation-token=" + PercentEncode(continuation_token, false) + "&";
+  }
+  if (!delimiter.empty()) query += "delimiter=" + PercentEncode(delimiter, false) + "&";
+  query += "list-type=2";
+  if (!prefix.empty()) query += "&prefix=" + PercentEncode(prefix, false);
+  return query;
 }
 
 }  // namespace tensorferry::objstore

@@ -64,6 +64,13 @@ struct S3Config {
   std::string ObjectRequestUrl(const ObjectUrl& url, std::string_view query = "") const;
 };
 
+// The query of a ListObjectsV2 request (already encoded, parameters sorted by name as SigV4's
+// canonical query wants them): "continuation-token=..&delimiter=..&list-type=2&prefix=..", with
+// the empty ones left out (list-type=2 is always there). For S3Config::ObjectRequestUrl with the
+// bucket's URL (key "").
+std::string ListObjectsV2Query(std::string_view prefix, std::string_view continuation_token = "",
+                               std::string_view delimiter = "");
+
 using GetEnv = std::function<std::optional<std::string>(const char* name)>;  // empty value = unset
 GetEnv ProcessEnv();                                                         // std::getenv
 
@@ -75,7 +82,12 @@ GetEnv ProcessEnv();                                                         // 
 //   else profile aws_access_key_id/aws_secret_access_key/aws_session_token (credentials file first,
 //   then config file); else anonymous. anonymous=1 (request, or AWS_NO_SIGN_REQUEST=true/1 when
 //   the request leaves it unset) wins; anonymous=0 with no credentials found is an error. A key id
-//   without its secret (or the reverse), in any one place, is an error.
+//   without its secret (or the reverse), in any one place, is an error. Only static keys are
+//   read: a profile without keys that names another source (credential_process, role_arn,
+//   sso_session, sso_start_url, web_identity_token_file, credential_source) is kUnsupported;
+//   web-identity or container credentials in the environment (AWS_WEB_IDENTITY_TOKEN_FILE,
+//   AWS_CONTAINER_CREDENTIALS_*) are not fetched, and credentials_from says so; the EC2 instance
+//   metadata service is not asked.
 // - profile: request, AWS_PROFILE, AWS_DEFAULT_PROFILE, "default". A profile named explicitly
 // (request or
 //   env) that exists in neither file is an error (kInvalidArgument naming the profile and both

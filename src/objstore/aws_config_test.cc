@@ -166,6 +166,37 @@ TEST(AwsConfig, AnonymousWinsWhenAskedFor) {
   EXPECT_NE(message.find(none.Path(".aws/credentials")), std::string::npos) << message;
 }
 
+TEST(AwsConfig, CredentialSourcesWeDoNotImplementAreNamed) {
+  FakeAws aws;
+  aws.Config(
+      "[profile sso]\nsso_session = corp\nregion = eu-west-1\n"
+      "[profile both]\nrole_arn = arn:x\naws_access_key_id = K\naws_secret_access_key = S\n");
+  S3Request request;
+  request.profile = "sso";
+  auto config = aws.Resolve(request);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), Code::kUnsupported);
+  EXPECT_NE(config.status().message().find("profile \"sso\" in " + aws.Path(".aws/config") +
+                                           " gets its credentials through sso_session"),
+            std::string::npos)
+      << config.status().ToString();
+  // Static keys in the profile are used as they are.
+  request.profile = "both";
+  EXPECT_EQ(aws.MustResolve(request).access_key_id, "K");
+  // Keys from elsewhere make the profile's source irrelevant.
+  request.profile = "sso";
+  aws.Set("AWS_ACCESS_KEY_ID", "E");
+  aws.Set("AWS_SECRET_ACCESS_KEY", "ES");
+  EXPECT_EQ(aws.MustResolve(request).access_key_id, "E");
+  // Web identity (EKS) in the environment: anonymous, and the message says why.
+  FakeAws pod;
+  pod.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/token");
+  const S3Config c = pod.MustResolve();
+  EXPECT_TRUE(c.anonymous);
+  EXPECT_NE(c.credentials_from.find("AWS_WEB_IDENTITY_TOKEN_FILE is set"), std::string::npos)
+      << c.credentials_from;
+}
+
 TEST(AwsConfig, ProfileSelectionAndSections) {
   FakeAws aws;
   aws.Credentials(
@@ -376,6 +407,18 @@ TEST(AwsConfig, ObjectRequestUrl) {
   auto http = ParseObjectUrl("https://hub.example/x/m%20a.safetensors");
   ASSERT_TRUE(http.ok());
   EXPECT_EQ(c.ObjectRequestUrl(*http), "https://hub.example/x/m%20a.safetensors");
+}
+
+TEST(AwsConfig, ListObjectsV2Query) {
+  EXPECT_EQ(ListObjectsV2Query(""), "list-type=2");
+  EXPECT_EQ(ListObjectsV2Query("llama 3/"), "list-type=2&prefix=llama%203%2F");
+  EXPECT_EQ(ListObjectsV2Query("p/", "1ueG+cx/L=", "/"),
+            "continuation-token=1ueG%2Bcx%2FL%3D&delimiter=%2F&list-type=2&prefix=p%2F");
+  S3Config c;
+  c.endpoint = "http://127.0.0.1:8333";
+  c.path_style = true;
+  EXPECT_EQ(c.ObjectRequestUrl(S3Url("s3://models"), ListObjectsV2Query("a/")),
+            "http://127.0.0.1:8333/models?list-type=2&prefix=a%2F");
 }
 
 TEST(AwsIni, CommentsWhitespaceAndNestedSections) {

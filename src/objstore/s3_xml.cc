@@ -1,5 +1,6 @@
 #include "objstore/s3_xml.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace tensorferry::objstore {

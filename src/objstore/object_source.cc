@@ -398,9 +398,7 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
   std::string token;
   for (int page = 0; page < 100000; ++page) {
     // SigV4 signs the query as sent: parameters in byte order, values encoded.
-    std::string query;
-    if (!token.empty()) query += "continuation-token=" + PercentEncode(token, false) + "&";
-    query += "delimiter=%2F&list-type=2&prefix=" + PercentEncode(prefix, false);
+    const std::string query = ListObjectsV2Query(prefix, token, "/");
     ObjectUrl bucket = url;
     bucket.key.clear();
     HttpRequest req;

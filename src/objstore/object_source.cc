@@ -244,7 +244,7 @@ std::string ObjectSource::Context(const Target& target) const {
   if (!target.s3 || !s3_config_.ok()) return "";
   const S3Config& c = *s3_config_;
   return " [endpoint " + c.endpoint + " (" + c.endpoint_from + "), region " + c.region +
-         ", credentials: " + (c.anonymous ? std::string("anonymous") : c.credentials_from) + "]";
+         ", credentials: " + c.credentials_from + "]";
 }
 
 void ObjectSource::Backoff(unsigned attempt) const {

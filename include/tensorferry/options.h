@@ -120,7 +120,8 @@ struct LoadOptions {
   // Checkpoints at "s3://" and "http(s)://" URLs (object_store.h): credentials, endpoint and
   // transport. Their reads are requests issued by the pread engine's workers, whatever `engine`
   // says (it is about local files), at least object_store.concurrency of them, each read at most
-  // object_store.part_size bytes.
+  // object_store.part_size bytes; on the way to a GPU, one request per staging slot
+  // (device_producers, unless set, is staging_bytes / staging_slot).
   ObjectStoreOptions object_store;
 
   // --- device loading (see loader.h's file comment and docs/gpu.md) ---

@@ -270,6 +270,11 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     impl->options.threads = std::max(options.threads > 0 ? options.threads : 1,
                                      std::min(hints.concurrency, kMaxThreads));
     if (hints.read_size > 0) impl->options.chunk_size = hints.read_size;
+    // On the way to a GPU, each staging slot's producer has a request in flight: one per slot.
+    if (options.device_producers == 0 && options.staging_slot > 0) {
+      impl->options.device_producers = static_cast<unsigned>(
+          std::max<uint64_t>(1, options.staging_bytes / options.staging_slot));
+    }
   }
   if (kind == Engine::kAuto) {
     // io_uring where the kernel allows it: the same copies as pread for cached data, and deep

@@ -43,7 +43,7 @@ struct ReshardArgs {
 // The bytes of one tensor's slice, read on demand: `pieces` are (offset in the file, length), and
 // `starts` their offsets in the local tensor.
 struct SliceSource {
-  std::shared_ptr<RandomAccessFile> file;
+  std::shared_ptr<const RandomAccessFile> file;
   std::vector<std::pair<uint64_t, uint64_t>> pieces;
   std::vector<uint64_t> starts;
 
@@ -76,7 +76,7 @@ struct SliceSource {
 };
 
 Result<std::vector<std::string>> WriteRank(
-    const Checkpoint& ckpt, const std::vector<std::shared_ptr<RandomAccessFile>>& files,
+    const Checkpoint& ckpt, const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
     const ShardSpec& spec, uint32_t rank, uint32_t world, const std::string& dir,
     const ShardOptions& so, const Metadata& metadata) {
   std::vector<TensorToWrite> tensors;
@@ -136,13 +136,14 @@ bool ParseReshardOptions(const ReshardArgs& a, ShardOptions& so, ShardSpec& spec
   return true;
 }
 
-// Opens every file of the checkpoint for positional reads; prints the error and returns false.
+// The checkpoint's own files (opened and identified at Checkpoint::Open; local or remote), for
+// positional reads; prints the error and returns false.
 bool OpenSourceFiles(const Checkpoint& ckpt,
-                     std::vector<std::shared_ptr<RandomAccessFile>>& files) {
-  for (const FileInfo& f : ckpt.files()) {
-    auto file = Env::Default()->OpenRandomAccess(f.path);
+                     std::vector<std::shared_ptr<const RandomAccessFile>>& files) {
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    auto file = ckpt.File(f);
     if (!file.ok()) {
-      PrintError(f.path, file.status());
+      PrintError(ckpt.files()[f].path, file.status());
       return false;
     }
     files.push_back(std::move(file).value());
@@ -206,7 +207,7 @@ bool PrepareDestination(const ReshardArgs& a, uint32_t world) {
 // Writes one rank (or the whole re-split checkpoint without --tp) and adds the bytes of its
 // .safetensors files to `written`; prints the error and returns false on failure.
 bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
-                  const std::vector<std::shared_ptr<RandomAccessFile>>& files,
+                  const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
                   const ShardSpec& spec, const ShardOptions& so, const Metadata& base,
                   uint32_t rank, uint32_t world, uint64_t& written) {
   std::error_code ec;
@@ -254,7 +255,7 @@ int RunReshard(const ReshardArgs& a) {
   if (!ParseReshardOptions(a, so, spec)) return kExitUsage;
   const std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(a.src);
   if (!ckpt) return kExitError;
-  std::vector<std::shared_ptr<RandomAccessFile>> files;
+  std::vector<std::shared_ptr<const RandomAccessFile>> files;
   if (!OpenSourceFiles(*ckpt, files)) return kExitError;
   Metadata base;
   if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;

@@ -12,6 +12,7 @@
 #include "json_out.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
+#include "tensorferry/options.h"
 
 namespace tensorferry::cli {
 namespace {
@@ -41,11 +42,13 @@ Status CheckSize(const RandomAccessFile& file, uint64_t expected, const char* wh
   return Status::Ok();
 }
 
-// Reads every byte of `info`'s file, checking its size before and after.
-Status ReadWholeFile(Env* env, const FileInfo& info, std::vector<std::byte>& buffer) {
-  auto opened = env->OpenRandomAccess(info.path);
+// Reads every byte of file `f` (the checkpoint's own open file: local, or an object read by
+// ranged GETs), checking its size before and after.
+Status ReadWholeFile(const Checkpoint& ckpt, uint32_t f, std::vector<std::byte>& buffer) {
+  const FileInfo& info = ckpt.files()[f];
+  auto opened = ckpt.File(f);
   if (!opened.ok()) return opened.status();
-  const RandomAccessFile& file = **opened;
+  const SourceFile& file = **opened;
   if (Status s = CheckSize(file, info.file_size, "since validation"); !s.ok()) return s;
   for (uint64_t offset = 0; offset < info.file_size;) {
     const size_t n =
@@ -65,20 +68,27 @@ Status ReadWholeFile(Env* env, const FileInfo& info, std::vector<std::byte>& buf
                                       "past the validated size " +
                                       std::to_string(info.file_size));
   }
-  return CheckSize(file, info.file_size, "while being verified");
+  if (Status s = CheckSize(file, info.file_size, "while being verified"); !s.ok()) return s;
+  // Read through the descriptor opened at validation: a file renamed over meanwhile is the path
+  // no longer naming it.
+  return file.CheckUnchanged();
 }
 
 Status Verify(const std::string& path, VerifyResult& result) {
-  auto opened = Checkpoint::Open(path);
+  Result<LoadOptions> env = LoadOptions::FromEnvironment();  // TENSORFERRY_OBJECT_* for URLs
+  if (!env.ok()) return env.status();
+  OpenOptions open;
+  open.object_store = env->object_store;
+  auto opened = Checkpoint::Open(path, open);
   if (!opened.ok()) return opened.status();
   const Checkpoint& ckpt = **opened;
   result.tensors = ckpt.tensors().size();
   result.files = ckpt.files().size();
   result.tensor_bytes = ckpt.total_tensor_bytes();
   std::vector<std::byte> buffer(kChunkSize);
-  for (const FileInfo& info : ckpt.files()) {
-    if (Status s = ReadWholeFile(Env::Default(), info, buffer); !s.ok()) return s;
-    result.bytes += info.file_size;
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    if (Status s = ReadWholeFile(ckpt, f, buffer); !s.ok()) return s;
+    result.bytes += ckpt.files()[f].file_size;
   }
   return Status::Ok();
 }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "tensorferry/object_store.h"
 #include "json_out.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/loader.h"
@@ -522,6 +523,12 @@ std::string BenchText(const BenchContext& c, const BenchResults& out) {
 }
 
 int RunBench(const BenchArgs& args) {
+  if (IsObjectUrl(args.path)) {
+    // Engines, the page cache and fio are about local storage.
+    PrintError(args.path + ": bench measures local storage (engines, page cache, fio); for a URL "
+               "use `tensorferry load URL --repeat N --json` or bench/object_store_bench.py");
+    return kExitUsage;
+  }
   const std::shared_ptr<const Checkpoint> checkpoint = OpenOrPrintError(args.path);
   if (!checkpoint) return kExitError;
   const Checkpoint& ckpt = *checkpoint;

@@ -23,7 +23,8 @@
 // Consistency: every GET carries If-Match with the ETag seen when the file was opened (and the
 // response's ETag and total size are compared with it), so an object overwritten during a load is
 // reported as a local file replaced under a load is: kIoError "<url>: file changed since the
-// checkpoint was opened: ...". Without an ETag (some HTTP servers), the size alone is pinned.
+// checkpoint was opened: ...". A weak ETag (W/"...") is compared but not sent (If-Match is a
+// strong comparison); without an ETag (some HTTP servers), the size alone is pinned.
 //
 // Faults: connection errors (reset, refused, truncated body), stalls (no byte for `timeout_ms`),
 // HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown, InternalError, RequestTimeout are retried
@@ -77,9 +78,10 @@ struct ObjectStoreOptions {
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").
 bool IsObjectUrl(std::string_view path);
 
-// The Source reading URLs with these options (credentials resolved now, libcurl loaded now).
-// Errors: kInvalidArgument (a bad setting, naming it and where it came from), kUnsupported
-// (libcurl could not be loaded: what was tried).
+// The Source reading URLs with these options. libcurl is loaded and the S3 settings resolved when
+// the first URL is opened; their errors (kUnsupported: libcurl could not be loaded, naming what was
+// tried; kInvalidArgument: a bad setting, naming it and where it came from) are that Open's.
+// Errors here: kInvalidArgument for concurrency 0 or part_size below 4096.
 Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options);
 
 }  // namespace tensorferry

@@ -344,7 +344,9 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
     req.url = target.request_url;
     req.range = std::make_pair(first + received, last);  // resume after the bytes received
     req.body = dst.subspan(static_cast<size_t>(received));
-    if (!etag.empty()) req.headers.push_back("If-Match: " + etag);
+    // If-Match compares strongly: a weak ETag (W/"...") would never match, so it is only
+    // compared with each response's below.
+    if (!etag.empty() && etag.rfind("W/", 0) != 0) req.headers.push_back("If-Match: " + etag);
     HttpResponse r = client->Get(req);
     counters_.bytes.fetch_add(r.body_bytes, std::memory_order_relaxed);
     // Pinned: the object answering must be the one opened.

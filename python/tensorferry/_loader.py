@@ -169,6 +169,11 @@ class Loader:
             each byte read once by one rank and the slices exchanged (docs/distributed.md;
             load() only). With device="cuda" each reader loads its tensors straight into GPU
             memory and the exchange runs on GPU buffers (NCCL); `budget` bounds each round.
+        storage_options: for s3:// and http(s):// checkpoints, a dict of object-storage
+            settings (s3_endpoint, s3_region, s3_profile, s3_access_key_id,
+            s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style,
+            object_concurrency, object_part_size, object_retries, object_timeout_ms, ...;
+            docs/object_storage.md). Without it the AWS_* variables and ~/.aws files apply.
 
     Tensors stay valid after the loader is closed; memory is freed when the last tensor of a
     batch is dropped. A Loader may be used from one thread at a time.

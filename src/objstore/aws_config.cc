@@ -171,10 +171,13 @@ Result<AwsIni> LoadAwsFile(const std::string& path) {
   const auto status = std::filesystem::status(path, ec);
   if (status.type() == std::filesystem::file_type::not_found) return AwsIni{};
   if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
-  // A directory is an error; a character device or pipe (AWS_CONFIG_FILE=/dev/null, a common way
-  // to ignore the files, as the AWS CLI allows) is read like a file, up to the size bound below.
-  if (std::filesystem::is_directory(status)) {
-    return Status(Code::kIoError, path + ": the AWS file is a directory");
+  if (!std::filesystem::is_regular_file(status)) {
+    return Status(Code::kIoError, path + ": the AWS file is not a regular file");
+  }
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
+  if (size > kMaxAwsFileSize) {
+    return Status(Code::kInvalidArgument, path + ": the AWS file is larger than 1 MiB");
   }
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
@@ -185,9 +188,6 @@ Result<AwsIni> LoadAwsFile(const std::string& path) {
   const bool failed = std::ferror(f) != 0;
   std::fclose(f);
   if (failed) return Status(Code::kIoError, path + ": cannot read the AWS file");
-  if (n > kMaxAwsFileSize) {
-    return Status(Code::kInvalidArgument, path + ": the AWS file is larger than 1 MiB");
-  }
   text.resize(n);
   return ParseAwsIni(text, path);
 }

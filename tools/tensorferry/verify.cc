@@ -12,6 +12,7 @@
 #include "json_out.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
+#include "tensorferry/object_store.h"
 
 namespace tensorferry::cli {
 namespace {
@@ -41,11 +42,10 @@ Status CheckSize(const RandomAccessFile& file, uint64_t expected, const char* wh
   return Status::Ok();
 }
 
-// Reads every byte of `info`'s file, checking its size before and after.
-Status ReadWholeFile(Env* env, const FileInfo& info, std::vector<std::byte>& buffer) {
-  auto opened = env->OpenRandomAccess(info.path);
-  if (!opened.ok()) return opened.status();
-  const RandomAccessFile& file = **opened;
+// Reads every byte of `file` (its size checked first): a local file, or an object-store file
+// opened by the checkpoint (an object has no path to open again).
+Status ReadEveryByte(const RandomAccessFile& file, const FileInfo& info,
+                     std::vector<std::byte>& buffer) {
   if (Status s = CheckSize(file, info.file_size, "since validation"); !s.ok()) return s;
   for (uint64_t offset = 0; offset < info.file_size;) {
     const size_t n =
@@ -55,6 +55,15 @@ Status ReadWholeFile(Env* env, const FileInfo& info, std::vector<std::byte>& buf
     }
     offset += n;
   }
+  return Status::Ok();
+}
+
+// Reads every byte of `info`'s file, checking its size before and after.
+Status ReadWholeFile(Env* env, const FileInfo& info, std::vector<std::byte>& buffer) {
+  auto opened = env->OpenRandomAccess(info.path);
+  if (!opened.ok()) return opened.status();
+  const RandomAccessFile& file = **opened;
+  if (Status s = ReadEveryByte(file, info, buffer); !s.ok()) return s;
   // One byte past the end must not exist: a file that grew is not the file that was validated.
   std::byte extra{};
   auto past_end = file.Read(info.file_size, std::span<std::byte>(&extra, 1));
@@ -76,8 +85,17 @@ Status Verify(const std::string& path, VerifyResult& result) {
   result.files = ckpt.files().size();
   result.tensor_bytes = ckpt.total_tensor_bytes();
   std::vector<std::byte> buffer(kChunkSize);
-  for (const FileInfo& info : ckpt.files()) {
-    if (Status s = ReadWholeFile(Env::Default(), info, buffer); !s.ok()) return s;
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    const FileInfo& info = ckpt.files()[f];
+    if (IsObjectUrl(info.path)) {
+      // An object has no path to open again: read it through the checkpoint's own file (every
+      // ranged GET pinned to the ETag seen at open, so a replaced object is reported).
+      auto file = ckpt.File(f);
+      if (!file.ok()) return file.status();
+      if (Status s = ReadEveryByte(**file, info, buffer); !s.ok()) return s;
+    } else if (Status s = ReadWholeFile(Env::Default(), info, buffer); !s.ok()) {
+      return s;
+    }
     result.bytes += info.file_size;
   }
   return Status::Ok();

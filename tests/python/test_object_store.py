@@ -134,7 +134,7 @@ def cli_checksum(path, *args, env=None):
     return json.loads(r.stdout)
 
 
-# --- 1. byte-exact loads ----------------------------------------------------------------------------
+# --- 1. byte-exact loads --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("store", ["s3", "http"])
 @pytest.mark.parametrize("name", REF_FILES)
@@ -310,7 +310,7 @@ def test_index_may_not_leave_its_prefix(stores, store, target):
         assert target in str(e.value)
 
 
-# --- 3. credentials and endpoints ------------------------------------------------------------------
+# --- 3. credentials and endpoints -----------------------------------------------------------------
 
 def s3_error(stores, key, **opts):
     url = stores.seaweed.url(key) if "://" not in key else key
@@ -423,3 +423,44 @@ def test_unknown_storage_option_is_invalid_argument(stores):
         tensorferry.torch.load_file(url, storage_options={"endpoint": "x"})
     with pytest.raises(InvalidArgumentError):
         safe_open(url, "pt", storage_options={"object_concurrency": 0})
+
+
+# --- edges ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_header_longer_than_the_first_get(stores, store):
+    """object_header_bytes smaller than a header: the rest of it comes by ranged GETs."""
+    for rel, local in ((f"ref/{REF_FILES[0]}", os.path.join(REF_DIR, REF_FILES[0])),
+                       ("tiny", stores.tiny)):
+        url, opts = stores.url(store, rel)
+        opts = dict(opts, object_header_bytes=16)
+        assert_same(load_all(url, storage_options=opts), load_all(local))
+
+
+def test_trailing_slash_prefix_and_endpoint(stores):
+    url, opts = stores.url("s3", "tiny/")
+    opts["s3_endpoint"] += "/"
+    assert_same(load_all(url, storage_options=opts), load_all(stores.tiny))
+    url, _ = stores.url("http", "tiny/")
+    assert_same(load_all(url), load_all(stores.tiny))
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_empty_and_short_objects_are_format_errors(stores, store):
+    for name, data in (("zero", b""), ("short", b"\x10\x00\x00")):
+        rel = f"short/{name}.safetensors"
+        if store == "s3":
+            stores.seaweed.upload(stores.seaweed.BUCKET, f"{PREFIX}/{rel}", data)
+        else:
+            stores.nginx.put(f"{PREFIX}/{rel}", data)
+        url, opts = stores.url(store, rel)
+        with pytest.raises(SafetensorError) as e:
+            load_all(url, storage_options=opts)
+        assert url in str(e.value), str(e.value)
+
+
+def test_cli_error_names_the_s3_code(stores):
+    url = stores.seaweed.url(f"{PREFIX}/ref/missing.safetensors")
+    r = cli("load", url, "--json", env=stores.seaweed.env())
+    assert r.returncode == 1
+    assert "NoSuchKey" in r.stdout + r.stderr and url in r.stdout + r.stderr

@@ -150,31 +150,34 @@ def test_status_that_is_not_retried_fails_at_once(stores, s3_proxy):
     assert s3_proxy.stats()["requests"] == 1
 
 
-def changed_copy(path):
-    """The file's bytes with every data byte flipped: same size and header, other content."""
+def changed_copy(path, shorter):
+    """The file's bytes with every data byte flipped: same header, other content; `shorter`:
+    without its last 1000 bytes too."""
     raw = bytearray(open(path, "rb").read())
     start = 8 + int.from_bytes(raw[:8], "little")
     raw[start:] = bytes(b ^ 0x5A for b in raw[start:])
-    return bytes(raw)
+    return bytes(raw[:-1000] if shorter else raw)
 
 
+@pytest.mark.parametrize("shorter", [False, True], ids=["same-size", "shorter"])
 @pytest.mark.parametrize("store", ["s3", "http"])
 def test_object_overwritten_mid_load_is_reported_never_wrong_bytes(stores, request, store,
-                                                                    big_checkpoint):
+                                                                    shorter, big_checkpoint):
     shard = sorted(f for f in os.listdir(big_checkpoint) if f.endswith(".safetensors"))[0]
     local = os.path.join(big_checkpoint, shard)
     original = open(local, "rb").read()
-    rel = f"overwrite-{store}/{shard}"
+    rel = f"overwrite-{store}-{int(shorter)}/{shard}"
     if store == "s3":
         stores.seaweed.upload(stores.seaweed.BUCKET, f"{PREFIX}/{rel}", original)
 
         def overwrite():
-            stores.seaweed.overwrite(stores.seaweed.BUCKET, f"{PREFIX}/{rel}", changed_copy(local))
+            stores.seaweed.overwrite(stores.seaweed.BUCKET, f"{PREFIX}/{rel}",
+                                     changed_copy(local, shorter))
     else:
         stores.nginx.put(f"{PREFIX}/{rel}", original)
 
         def overwrite():
-            stores.nginx.put(f"{PREFIX}/{rel}", changed_copy(local))
+            stores.nginx.put(f"{PREFIX}/{rel}", changed_copy(local, shorter))
     proxy, url, opts = through_proxy(stores, request, store, rel, object_part_size=256 << 10)
     want = tensorferry.torch.load_file(local)
     loader = tensorferry.Loader(url, budget="2MiB", storage_options=opts)

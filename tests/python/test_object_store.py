@@ -44,7 +44,8 @@ class Stores:
     """The checkpoints uploaded once per module, and how to name them.
 
     S3 (bucket BUCKET): PREFIX/ref/<file>, PREFIX/tiny/ (shards + index), PREFIX/tiny-noindex/
-    (shards only: a listing); PUBLIC_BUCKET: PREFIX/tiny/. nginx: PREFIX/ref/, PREFIX/tiny/."""
+    (shards without index: a listing, with a config.json and a sub/ beside them);
+    PUBLIC_BUCKET: PREFIX/tiny/. nginx: PREFIX/ref/, PREFIX/tiny/."""
 
     def __init__(self, seaweed, nginx_http, tiny):
         self.seaweed, self.nginx, self.tiny = seaweed, nginx_http, tiny
@@ -58,6 +59,10 @@ class Stores:
         seaweed.upload_dir(b, f"{PREFIX}/tiny", tiny)
         for shard in self.shards:
             seaweed.upload(b, f"{PREFIX}/tiny-noindex/{shard}", os.path.join(tiny, shard))
+        # Not part of the listed checkpoint: other suffixes, and objects one level down.
+        seaweed.upload(b, f"{PREFIX}/tiny-noindex/config.json", b"{}")
+        seaweed.upload(b, f"{PREFIX}/tiny-noindex/sub/extra.safetensors",
+                       os.path.join(tiny, self.shards[0]))
         seaweed.upload_dir(seaweed.PUBLIC_BUCKET, f"{PREFIX}/tiny", tiny)
         nginx_http.copy_dir(REF_DIR, f"{PREFIX}/ref")
         nginx_http.copy_dir(tiny, f"{PREFIX}/tiny")
@@ -218,6 +223,24 @@ def test_tiny_checkpoint_through_the_cli(stores, store, form):
     assert b["tensors"] == a["tensors"] and b["totals"] == a["totals"]
     verify = cli("verify", url, env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_reshard_from_a_url_writes_what_reshard_from_disk_writes(stores, store, tmp_path):
+    url, _, local = stores.tiny_form(store, "index")
+    env = stores.seaweed.env() if store == "s3" else {}
+    for src, dst in ((local, tmp_path / "from-disk"), (url, tmp_path / "from-url")):
+        r = cli("reshard", src, str(dst), "--tp", "2", "--no-sync", env=env)
+        assert r.returncode == 0, r.stderr
+    written = sorted(os.path.relpath(os.path.join(d, f), tmp_path / "from-disk")
+                     for d, _, files in os.walk(tmp_path / "from-disk") for f in files)
+    assert written and written == sorted(
+        os.path.relpath(os.path.join(d, f), tmp_path / "from-url")
+        for d, _, files in os.walk(tmp_path / "from-url") for f in files)
+    for rel in written:
+        if rel.endswith(".safetensors"):
+            assert_same(load_all(str(tmp_path / "from-url" / rel)),
+                        load_all(str(tmp_path / "from-disk" / rel)))
 
 
 def gtest_binary():

@@ -100,6 +100,19 @@ def test_retried_fault_ends_in_a_byte_exact_load(stores, request, store, kind):
     assert stats.remote_retries > 0 and stats.remote_requests > stats.remote_retries
 
 
+def test_listing_and_index_probe_are_retried(stores, s3_proxy):
+    """The first GETs of a load without index: the index probe (a ranged GET that ends in
+    NoSuchKey) and the ListObjectsV2 request, each answered 503 SlowDown once."""
+    opts = stores.s3_options(endpoint=s3_proxy.url, **FAST)
+    s3_proxy.set_rules([
+        Rule("status_503_slowdown", every=1, times=1, match=lambda r: "list-type=2" in r.target),
+        Rule("status_503_slowdown", every=1, times=1,
+             match=lambda r: r.target.endswith("model.safetensors.index.json"))])
+    url = stores.seaweed.url(f"{PREFIX}/tiny-noindex")
+    assert_same(load_all(url, storage_options=opts), load_all(stores.tiny_noindex))
+    assert s3_proxy.stats()["faults"]["status_503_slowdown"] == 2
+
+
 def test_cli_reports_retries_and_loads_byte_exact(stores, s3_proxy):
     s3_proxy.set_rules([fault_rule("reset_mid_body", every=2, times=3, match=not_the_open)])
     env = dict(os.environ)

@@ -23,6 +23,7 @@
 #include "commands.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/writer.h"
 
@@ -43,7 +44,7 @@ struct ReshardArgs {
 // The bytes of one tensor's slice, read on demand: `pieces` are (offset in the file, length), and
 // `starts` their offsets in the local tensor.
 struct SliceSource {
-  std::shared_ptr<RandomAccessFile> file;
+  std::shared_ptr<const RandomAccessFile> file;
   std::vector<std::pair<uint64_t, uint64_t>> pieces;
   std::vector<uint64_t> starts;
 
@@ -76,7 +77,7 @@ struct SliceSource {
 };
 
 Result<std::vector<std::string>> WriteRank(
-    const Checkpoint& ckpt, const std::vector<std::shared_ptr<RandomAccessFile>>& files,
+    const Checkpoint& ckpt, const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
     const ShardSpec& spec, uint32_t rank, uint32_t world, const std::string& dir,
     const ShardOptions& so, const Metadata& metadata) {
   std::vector<TensorToWrite> tensors;
@@ -138,8 +139,20 @@ bool ParseReshardOptions(const ReshardArgs& a, ShardOptions& so, ShardSpec& spec
 
 // Opens every file of the checkpoint for positional reads; prints the error and returns false.
 bool OpenSourceFiles(const Checkpoint& ckpt,
-                     std::vector<std::shared_ptr<RandomAccessFile>>& files) {
-  for (const FileInfo& f : ckpt.files()) {
+                     std::vector<std::shared_ptr<const RandomAccessFile>>& files) {
+  for (uint32_t i = 0; i < ckpt.files().size(); ++i) {
+    const FileInfo& f = ckpt.files()[i];
+    // An object (s3://, http(s)://) has no path to open again: the checkpoint's own file reads
+    // it (every ranged GET pinned to the ETag seen at open).
+    if (IsObjectUrl(f.path)) {
+      auto file = ckpt.File(i);
+      if (!file.ok()) {
+        PrintError(f.path, file.status());
+        return false;
+      }
+      files.push_back(std::move(file).value());
+      continue;
+    }
     auto file = Env::Default()->OpenRandomAccess(f.path);
     if (!file.ok()) {
       PrintError(f.path, file.status());
@@ -206,7 +219,7 @@ bool PrepareDestination(const ReshardArgs& a, uint32_t world) {
 // Writes one rank (or the whole re-split checkpoint without --tp) and adds the bytes of its
 // .safetensors files to `written`; prints the error and returns false on failure.
 bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
-                  const std::vector<std::shared_ptr<RandomAccessFile>>& files,
+                  const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
                   const ShardSpec& spec, const ShardOptions& so, const Metadata& base,
                   uint32_t rank, uint32_t world, uint64_t& written) {
   std::error_code ec;
@@ -254,7 +267,7 @@ int RunReshard(const ReshardArgs& a) {
   if (!ParseReshardOptions(a, so, spec)) return kExitUsage;
   const std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(a.src);
   if (!ckpt) return kExitError;
-  std::vector<std::shared_ptr<RandomAccessFile>> files;
+  std::vector<std::shared_ptr<const RandomAccessFile>> files;
   if (!OpenSourceFiles(*ckpt, files)) return kExitError;
   Metadata base;
   if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;

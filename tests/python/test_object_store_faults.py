@@ -22,7 +22,7 @@ import tensorferry.torch
 from tensorferry import ShardSpec
 
 FAST = {"object_timeout_ms": 1500, "object_header_bytes": 4096}
-STALL_S = 12.0  # a stall lasts this long, then the proxy resets the connection
+STALL_S = 20.0  # a stall lasts this long, then the proxy resets the connection
 
 
 @pytest.fixture(autouse=True)
@@ -153,6 +153,20 @@ def test_persistent_fault_gives_up_naming_url_range_attempts_status(stores, requ
     assert "open (GET bytes 0-4095)" in msg and "gave up after 3 attempts" in msg, msg
 
 
+def test_persistent_stall_gives_up_after_the_timeouts(stores, s3_proxy):
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    opts = stores.s3_options(endpoint=s3_proxy.url, object_retries=1, **FAST)
+    loader = tensorferry.Loader(url, storage_options=opts)
+    s3_proxy.set_rules([fault_rule("stall", every=1, match=not_the_open)])
+    start = time.monotonic()
+    with loader, pytest.raises(OSError) as e:
+        loader.load()
+    seconds = time.monotonic() - start
+    msg = str(e.value)
+    assert "stalled: no byte received for 1500 ms" in msg and "gave up after 2 attempts" in msg
+    assert seconds < STALL_S / 2, seconds  # two timeouts and a backoff, not the stall
+
+
 def test_status_that_is_not_retried_fails_at_once(stores, s3_proxy):
     url = stores.seaweed.url(f"{PREFIX}/tiny")
     opts = stores.s3_options(endpoint=s3_proxy.url, **FAST)
@@ -270,3 +284,19 @@ def test_tensor_parallel_ranks_read_their_share_only(stores, world):
         assert stats.bytes_read == local_read
         assert stats.remote_bytes == stats.bytes_read
         assert stats.remote_bytes <= share * 1.01, (stats.remote_bytes, share)
+
+
+def test_selected_tensors_transfer_their_bytes_only(stores):
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    with tensorferry.Loader(stores.tiny) as loader:
+        names = loader.keys()[1::3]
+    want = load_all(stores.tiny, select=names)
+    with tensorferry.Loader(url, select=names, storage_options=stores.s3_options()) as loader:
+        got = loader.load()
+        stats = loader.stats
+    assert_same(got, want)
+    assert stats.remote_bytes == stats.bytes_read
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in want.values())
+    # Coalescing may read small gaps between the selected tensors, never the whole checkpoint.
+    assert stats.remote_bytes < sum(os.path.getsize(os.path.join(stores.tiny, f))
+                                    for f in stores.shards) / 2

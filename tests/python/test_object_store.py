@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
@@ -368,7 +369,7 @@ def test_missing_key_and_bucket_are_not_found(stores):
     assert isinstance(err, FileNotFoundError) and "NoSuchBucket" in msg and url in msg, msg
 
 
-def test_profile_with_credentials_and_config_files(stores, tmp_path):
+def test_profile_with_credentials_and_config_files(stores, tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / ".aws").mkdir(parents=True)
     key, secret = stores.seaweed.ADMIN_KEY
@@ -391,6 +392,12 @@ def test_profile_with_credentials_and_config_files(stores, tmp_path):
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
     assert "InvalidAccessKeyId" in r.stderr and "default" in r.stderr, r.stderr
+    # In Python, the profile chosen by storage_options (s3_profile) over AWS_PROFILE.
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE")
+    monkeypatch.delenv("AWS_CONFIG_FILE")
+    monkeypatch.setenv("AWS_PROFILE", "default")
+    assert_same(load_all(url, storage_options={"s3_profile": "tf"}), load_all(local))
 
 
 def test_anonymous_read_of_the_public_bucket(stores, monkeypatch):
@@ -487,3 +494,81 @@ def test_cli_error_names_the_s3_code(stores):
     r = cli("load", url, "--json", env=stores.seaweed.env())
     assert r.returncode == 1
     assert "NoSuchKey" in r.stdout + r.stderr and url in r.stdout + r.stderr
+
+
+class TlsFront:
+    """TLS on loopback in front of a plain HTTP server (nginx): each connection is decrypted and
+    relayed byte for byte, in both directions. The certificate is self-signed for 127.0.0.1."""
+
+    def __init__(self, upstream_port, workdir):
+        import socket
+        import ssl
+        import threading
+        self.cert = os.path.join(workdir, "cert.pem")
+        key = os.path.join(workdir, "key.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", key, "-out", self.cert], check=True, capture_output=True)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert, key)
+        ctx.set_alpn_protocols(["http/1.1"])
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port = upstream_port
+        self.ctx, self.socket, self.threading = ctx, socket, threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            self.threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw):
+        try:
+            tls = self.ctx.wrap_socket(raw, server_side=True)
+        except OSError:  # a client that refused the certificate
+            raw.close()
+            return
+        up = self.socket.create_connection(("127.0.0.1", self.upstream_port))
+
+        def pump(src, dst):
+            try:
+                while data := src.recv(1 << 16):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            for s in (src, dst):
+                try:
+                    s.shutdown(self.socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        self.threading.Thread(target=pump, args=(up, tls), daemon=True).start()
+        pump(tls, up)
+
+    def url(self, rel):
+        return f"https://127.0.0.1:{self.port}/{rel}"
+
+    def close(self):
+        self.listener.close()
+
+
+def test_https_verifies_the_certificate(stores, tmp_path):
+    front = TlsFront(stores.nginx.port, str(tmp_path))
+    try:
+        url = front.url(f"{PREFIX}/tiny/model.safetensors.index.json")
+        want = load_all(stores.tiny)
+        start = time.monotonic()
+        with pytest.raises(OSError) as e:  # self-signed: refused by the system's CAs
+            load_all(url)
+        assert url.rsplit("/", 1)[0] in str(e.value) and "certificate" in str(e.value).lower()
+        assert "attempts" not in str(e.value)  # not retried: it would fail the same way
+        assert time.monotonic() - start < 3
+        assert_same(load_all(url, storage_options={"object_ca_bundle": front.cert}), want)
+        assert_same(load_all(url, storage_options={"object_verify_tls": False}), want)
+    finally:
+        front.close()
+

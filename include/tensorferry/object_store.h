@@ -29,7 +29,8 @@
 // Faults: connection errors (reset, refused, truncated body), stalls (no byte for `timeout_ms`),
 // HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown, InternalError, RequestTimeout are retried
 // up to `retries` times with exponential backoff and full jitter; a retry resumes the range from
-// the last byte received. Other statuses end the read at once. Errors name the URL, the byte range,
+// the last byte received. Other statuses, and TLS failures (a certificate that does not verify),
+// end the read at once. Errors name the URL, the byte range,
 // the HTTP status, the S3 error code and message from the body, the attempts made, and where the
 // credentials and endpoint came from (kNotFound for 404/NoSuchKey/NoSuchBucket, kIoError
 // otherwise). A load that fails hands out no batch it could not complete.

@@ -9,6 +9,7 @@
 #include <array>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -89,10 +90,19 @@ class CheckpointBuilder {
     const bool on_disk = options_.env == nullptr && !IsObjectUrl(index_path);
     TF_ASSIGN_OR_RETURN(const std::vector<IndexedFile> indexed,
                         IndexedFiles(index.weight_map, index_path, on_disk));
+    // A URL's files are keys under the index's prefix: objstore::Join percent-encodes a name
+    // for http(s) (so that ' ', '#', '?' and '%' in a file name stay part of that name), where
+    // IndexedFiles' path join puts it into the URL raw.
+    std::optional<objstore::ObjectUrl> url_dir;
+    if (IsObjectUrl(index_path)) {
+      TF_ASSIGN_OR_RETURN(const objstore::ObjectUrl index_url,
+                          objstore::ParseObjectUrl(index_path));
+      url_dir = objstore::Parent(index_url);
+    }
     std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
     for (const IndexedFile& f : indexed) {
       const std::string& rel = f.rel;
-      Status s = AddFile(f.path);
+      Status s = AddFile(url_dir ? objstore::Join(*url_dir, rel).ToString() : f.path);
       if (s.code() == Code::kNotFound) {
         return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
                                                    " (of tensor " + json::Quote(f.tensor) +

@@ -171,6 +171,9 @@ Result<AwsIni> LoadAwsFile(const std::string& path) {
   const auto status = std::filesystem::status(path, ec);
   if (status.type() == std::filesystem::file_type::not_found) return AwsIni{};
   if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
+  // AWS_CONFIG_FILE=/dev/null is the usual way to turn a file off (the AWS CLI and boto3 read it
+  // as empty): a character device is an empty file, never read (a terminal would block).
+  if (status.type() == std::filesystem::file_type::character) return AwsIni{};
   if (!std::filesystem::is_regular_file(status)) {
     return Status(Code::kIoError, path + ": the AWS file is not a regular file");
   }

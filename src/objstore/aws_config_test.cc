@@ -253,6 +253,10 @@ TEST(AwsConfig, FileLocationsFromTheEnvironment) {
   aws.Set("AWS_SHARED_CREDENTIALS_FILE", aws.Path("missing/creds"));
   aws.Set("AWS_CONFIG_FILE", aws.Path("missing/conf"));
   EXPECT_TRUE(aws.MustResolve().anonymous);
+  // /dev/null turns a file off, as for the AWS CLI.
+  aws.Set("AWS_SHARED_CREDENTIALS_FILE", "/dev/null");
+  aws.Set("AWS_CONFIG_FILE", "/dev/null");
+  EXPECT_TRUE(aws.MustResolve().anonymous);
   // A directory where the file should be cannot be read.
   aws.Set("AWS_CONFIG_FILE", aws.Path("elsewhere"));
   auto dir = aws.Resolve();

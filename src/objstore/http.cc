@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstring>
 #include <string_view>
 #include <utility>
@@ -38,17 +39,35 @@ bool HeaderIs(std::string_view name, std::string_view want) {
   return true;
 }
 
+using Clock = std::chrono::steady_clock;
+
 // What one transfer collects; the callbacks' user data.
 struct Transfer {
   const HttpRequest* request = nullptr;
   HttpResponse* response = nullptr;
   bool body_checked = false;  // the first body byte decided where the body goes
   bool into_body = false;
+  // The stall watchdog (OnProgress): when the last header or body byte arrived.
+  Clock::time_point last_byte = Clock::now();
+  uint32_t timeout_ms = 0;
+  bool stalled = false;
 };
+
+// Aborts a transfer that has received nothing for timeout_ms. (libcurl's LOW_SPEED_LIMIT/TIME
+// average the speed over a window of several seconds, so after a burst of bytes a stall went
+// unnoticed for up to ~6 s more than asked: 8 s for a 1.5 s timeout.) libcurl calls this at
+// least once a second while a transfer runs, and more often while bytes flow.
+int OnProgress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  auto* t = static_cast<Transfer*>(user);
+  if (Clock::now() - t->last_byte < std::chrono::milliseconds(t->timeout_ms)) return 0;
+  t->stalled = true;
+  return 1;  // CURLE_ABORTED_BY_CALLBACK
+}
 
 size_t OnHeader(char* data, size_t size, size_t count, void* user) {
   auto* t = static_cast<Transfer*>(user);
   const size_t n = size * count;
+  t->last_byte = Clock::now();
   std::string_view line(data, n);
   if (line.rfind("HTTP/", 0) == 0) {
     // A new response (after a redirect or a 100 Continue): forget the previous one's headers.
@@ -95,6 +114,7 @@ void CheckBody(Transfer& t) {
 size_t OnBody(char* data, size_t size, size_t count, void* user) {
   auto* t = static_cast<Transfer*>(user);
   const size_t n = size * count;
+  t->last_byte = Clock::now();
   if (!t->body_checked) CheckBody(*t);
   HttpResponse& r = *t->response;
   if (t->into_body) {
@@ -176,6 +196,7 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   const CurlApi& c = *api_;
   c.easy_reset(h);  // options only: the connection cache stays
   Transfer t{&request, &response};
+  t.timeout_ms = std::max<uint32_t>(1, settings_.timeout_ms);
   char error[CURL_ERROR_SIZE] = {0};
   const HttpSettings& s = settings_;
   c.easy_setopt(h, CURLOPT_URL, request.url.c_str());
@@ -187,9 +208,9 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   c.easy_setopt(h, CURLOPT_WRITEDATA, &t);
   c.easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(s.timeout_ms));
   // A transfer that receives nothing for the timeout is abandoned (and retried by the caller).
-  c.easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1L);
-  c.easy_setopt(h, CURLOPT_LOW_SPEED_TIME,
-                static_cast<long>(std::max<uint32_t>(1, (s.timeout_ms + 999) / 1000)));
+  c.easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+  c.easy_setopt(h, CURLOPT_XFERINFOFUNCTION, &OnProgress);
+  c.easy_setopt(h, CURLOPT_XFERINFODATA, &t);
   c.easy_setopt(h, CURLOPT_BUFFERSIZE, 512L << 10);
   c.easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
   c.easy_setopt(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_2TLS));
@@ -231,6 +252,9 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   if (code != CURLE_OK) {
     response.curl_code = code;
     response.curl_error = error[0] != '\0' ? error : c.easy_strerror(code);
+    if (t.stalled) {
+      response.curl_error = "stalled: no byte received for " + std::to_string(t.timeout_ms) + " ms";
+    }
   }
   c.easy_setopt(h, CURLOPT_ERRORBUFFER, static_cast<char*>(nullptr));
   c.easy_setopt(h, CURLOPT_HTTPHEADER, static_cast<curl_slist*>(nullptr));

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "objstore/aws_config.h"
+#include "objstore/curl_api.h"
 #include "objstore/http.h"
 #include "objstore/s3_xml.h"
 #include "objstore/url.h"
@@ -65,6 +66,22 @@ bool RetryableS3Code(std::string_view code) {
          code == "ServiceUnavailable" || code == "Throttling" || code == "RequestTimeTooSkewed";
 }
 
+// libcurl errors that another attempt cannot fix: TLS verification and setup, unusable URLs.
+bool PermanentTransportError(int curl_code) {
+  switch (curl_code) {
+    case CURLE_UNSUPPORTED_PROTOCOL:
+    case CURLE_URL_MALFORMAT:
+    case CURLE_SSL_CERTPROBLEM:
+    case CURLE_SSL_CIPHER:
+    case CURLE_PEER_FAILED_VERIFICATION:
+    case CURLE_SSL_CACERT_BADFILE:
+    case CURLE_SSL_CRL_BADFILE:
+    case CURLE_SSL_ISSUER_ERROR:
+    case CURLE_SSL_PINNEDPUBKEYNOTMATCH: return true;
+    default: return false;
+  }
+}
+
 }  // namespace
 
 class ObjectSource;
@@ -80,7 +97,10 @@ Verdict Judge(const HttpResponse& r) {
   Verdict v;
   std::string s3code;
   if (r.status == 0) {
-    v.retryable = true;
+    // Connections that failed (refused, reset, timed out) may work next time; a certificate
+    // that does not verify, or a URL libcurl cannot use, will not: retrying only delays the
+    // error (by ~6 s with the default retries).
+    v.retryable = !PermanentTransportError(r.curl_code);
     v.why = "no response (" + r.curl_error + ")";
     return v;
   }

@@ -1,0 +1,302 @@
+"""Object-storage loads under faults and with tensor parallelism (issue 13, points 4 and 5).
+
+Faults come from fault_proxy.FaultProxy between tensorferry and the real server (SeaweedFS for
+s3://, nginx for http://): resets mid-body, stalls, 503 SlowDown, 500 InternalError, truncated
+bodies, and objects overwritten mid-load. Every load ends byte-exact or with a clear error; a batch
+of a failed load is never handed out. Timeouts are short (object_timeout_ms 1500) so that stalls
+cost seconds, not minutes."""
+import json
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import CLI, reference_slice
+from fault_proxy import KINDS, Rule
+from test_object_store import PREFIX, Stores, assert_same, clean_aws_env, load_all
+
+import tensorferry
+import tensorferry.torch
+from tensorferry import ShardSpec
+
+FAST = {"object_timeout_ms": 1500, "object_header_bytes": 4096}
+STALL_S = 20.0  # a stall lasts this long, then the proxy resets the connection
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_aws(monkeypatch):
+    clean_aws_env(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def stores(seaweed, nginx_http, tiny_checkpoint):
+    return Stores(seaweed, nginx_http, tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory, seaweed, nginx_http):
+    """About 12 MB of F32 tensors in 3 shards with an index, on S3 and nginx (PREFIX/big)."""
+    import safetensors.torch as st
+    out = tmp_path_factory.mktemp("big")
+    rng = np.random.default_rng(13)
+    weight_map = {}
+    for s in range(3):
+        tensors = {f"layers.{s}.w{i}": torch.from_numpy(
+            rng.standard_normal((256 + 64 * i, 1024 - 96 * i), dtype=np.float32))
+            for i in range(4)}
+        name = f"model-{s + 1:05d}-of-00003.safetensors"
+        st.save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    seaweed.upload_dir(seaweed.BUCKET, f"{PREFIX}/big", str(out))
+    nginx_http.copy_dir(str(out), f"{PREFIX}/big")
+    return str(out)
+
+
+def through_proxy(stores, request, store, rel, **more):
+    """(proxy, URL of PREFIX/rel through it, storage_options) for "s3" or "http"."""
+    if store == "s3":
+        proxy = request.getfixturevalue("s3_proxy")
+        return (proxy, stores.seaweed.url(f"{PREFIX}/{rel}"),
+                stores.s3_options(endpoint=proxy.url, **FAST, **more))
+    proxy = request.getfixturevalue("nginx_proxy")
+    if not rel.endswith((".json", ".safetensors")):
+        rel += "/model.safetensors.index.json"  # nginx cannot list, but a prefix finds its index
+    return proxy, f"{proxy.url}/{PREFIX}/{rel}", dict(FAST, **more)
+
+
+def not_the_open(request):
+    """Not the first GET of a file (bytes 0-...), the one Checkpoint::Open makes."""
+    return not request.headers.get("range", "").startswith("bytes=0-")
+
+
+def fault_rule(kind, **kw):
+    extra = {"stall_s": STALL_S} if kind == "stall" else {}
+    extra.update(kw)
+    return Rule(kind, only_ranged=True, **extra)
+
+
+# --- 4. faults ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_retried_fault_ends_in_a_byte_exact_load(stores, request, store, kind):
+    proxy, url, opts = through_proxy(stores, request, store, "tiny")
+    # Faults on the load's GETs (opens retry too, but count in no load's stats).
+    proxy.set_rules([fault_rule(kind, every=2, times=1 if kind == "stall" else 3,
+                                match=not_the_open)])
+    with tensorferry.Loader(url, storage_options=opts) as loader:
+        start = time.monotonic()
+        got = loader.load()
+        seconds = time.monotonic() - start
+        stats = loader.stats
+    assert_same(got, load_all(stores.tiny))
+    assert proxy.stats()["faults"][kind] > 0
+    if kind == "stall":  # given up after object_timeout_ms without a byte, not at the reset
+        assert seconds < STALL_S / 2, seconds
+    assert stats.remote_retries > 0 and stats.remote_requests > stats.remote_retries
+
+
+def test_listing_and_index_probe_are_retried(stores, s3_proxy):
+    """The first GETs of a load without index: the index probe (a ranged GET that ends in
+    NoSuchKey) and the ListObjectsV2 request, each answered 503 SlowDown once."""
+    opts = stores.s3_options(endpoint=s3_proxy.url, **FAST)
+    s3_proxy.set_rules([
+        Rule("status_503_slowdown", every=1, times=1, match=lambda r: "list-type=2" in r.target),
+        Rule("status_503_slowdown", every=1, times=1,
+             match=lambda r: r.target.endswith("model.safetensors.index.json"))])
+    url = stores.seaweed.url(f"{PREFIX}/tiny-noindex")
+    assert_same(load_all(url, storage_options=opts), load_all(stores.tiny_noindex))
+    assert s3_proxy.stats()["faults"]["status_503_slowdown"] == 2
+
+
+def test_cli_reports_retries_and_loads_byte_exact(stores, s3_proxy):
+    s3_proxy.set_rules([fault_rule("reset_mid_body", every=2, times=3, match=not_the_open)])
+    env = dict(os.environ)
+    env.update(stores.seaweed.env(endpoint=s3_proxy.url))
+    env["TENSORFERRY_OBJECT_HEADER_BYTES"] = "4096"
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    r = subprocess.run([CLI, "load", url, "--json", "--object-timeout-ms", "1500"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    want = subprocess.run([CLI, "load", stores.tiny, "--json"], capture_output=True, text=True,
+                          timeout=60)
+    assert got["checksum"] == json.loads(want.stdout)["checksum"]
+    assert got["remote_retries"] > 0 and got["remote_requests"] > 0 and got["remote_bytes"] > 0
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+@pytest.mark.parametrize("kind,why", [("status_503_slowdown", "HTTP 503 SlowDown"),
+                                      ("status_500", "HTTP 500 InternalError"),
+                                      ("reset_mid_body", "reset by peer")])
+def test_persistent_fault_gives_up_naming_url_range_attempts_status(stores, request, store, kind,
+                                                                    why):
+    proxy, url, opts = through_proxy(stores, request, store, "tiny", object_retries=2)
+    proxy.set_rules([fault_rule(kind, every=1, match=not_the_open)])
+    loader = tensorferry.Loader(url, storage_options=opts)  # opens: not faulted
+    files = loader.files
+    with loader, pytest.raises(OSError) as e:
+        loader.load()
+    msg = str(e.value)
+    shard_urls = [u for u in files if u in msg]
+    assert len(shard_urls) == 1, msg
+    assert "GET bytes " in msg and "gave up after 3 attempts" in msg and why in msg, msg
+    # Opening faults the same way: the first GET of a file, named as such.
+    proxy.set_rules([fault_rule(kind, every=1)])
+    with pytest.raises(OSError) as e:
+        tensorferry.Loader(url, storage_options=opts)
+    msg = str(e.value)
+    assert "open (GET bytes 0-4095)" in msg and "gave up after 3 attempts" in msg, msg
+
+
+def test_persistent_stall_gives_up_after_the_timeouts(stores, s3_proxy):
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    opts = stores.s3_options(endpoint=s3_proxy.url, object_retries=1, **FAST)
+    loader = tensorferry.Loader(url, storage_options=opts)
+    s3_proxy.set_rules([fault_rule("stall", every=1, match=not_the_open)])
+    start = time.monotonic()
+    with loader, pytest.raises(OSError) as e:
+        loader.load()
+    seconds = time.monotonic() - start
+    msg = str(e.value)
+    assert "stalled: no byte received for 1500 ms" in msg and "gave up after 2 attempts" in msg
+    assert seconds < STALL_S / 2, seconds  # two timeouts and a backoff, not the stall
+
+
+def test_status_that_is_not_retried_fails_at_once(stores, s3_proxy):
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    opts = stores.s3_options(endpoint=s3_proxy.url, **FAST)
+    opts["s3_secret_access_key"] = "not-the-secret"
+    with pytest.raises(OSError, match="SignatureDoesNotMatch") as e:
+        tensorferry.Loader(url, storage_options=opts)
+    assert "attempts" not in str(e.value)
+    assert s3_proxy.stats()["requests"] == 1
+
+
+def changed_copy(path, shorter):
+    """The file's bytes with every data byte flipped: same header, other content; `shorter`:
+    without its last 1000 bytes too."""
+    raw = bytearray(open(path, "rb").read())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    raw[start:] = bytes(b ^ 0x5A for b in raw[start:])
+    return bytes(raw[:-1000] if shorter else raw)
+
+
+@pytest.mark.parametrize("shorter", [False, True], ids=["same-size", "shorter"])
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_object_overwritten_mid_load_is_reported_never_wrong_bytes(stores, request, store,
+                                                                    shorter, big_checkpoint):
+    shard = sorted(f for f in os.listdir(big_checkpoint) if f.endswith(".safetensors"))[0]
+    local = os.path.join(big_checkpoint, shard)
+    original = open(local, "rb").read()
+    rel = f"overwrite-{store}-{int(shorter)}/{shard}"
+    if store == "s3":
+        stores.seaweed.upload(stores.seaweed.BUCKET, f"{PREFIX}/{rel}", original)
+
+        def overwrite():
+            stores.seaweed.overwrite(stores.seaweed.BUCKET, f"{PREFIX}/{rel}",
+                                     changed_copy(local, shorter))
+    else:
+        stores.nginx.put(f"{PREFIX}/{rel}", original)
+
+        def overwrite():
+            stores.nginx.put(f"{PREFIX}/{rel}", changed_copy(local, shorter))
+    proxy, url, opts = through_proxy(stores, request, store, rel, object_part_size=256 << 10)
+    want = tensorferry.torch.load_file(local)
+    loader = tensorferry.Loader(url, budget="2MiB", storage_options=opts)
+    proxy.overwrite_after(3, overwrite)  # after the open and two data GETs
+    delivered = deliver_until_error(loader, want, url,
+                                    "file changed since the checkpoint was opened")
+    assert proxy.stats()["overwrites"] == 1
+    assert len(delivered) < len(want)
+
+
+def deliver_until_error(loader, want, url, error):
+    """Iterates the loader's batches until the OSError matching `error` and naming `url` (or one
+    of its files); every batch handed out before it must be byte-exact: the bytes of the objects
+    that were opened. Returns the names delivered."""
+    delivered = []
+    with loader, pytest.raises(OSError, match=error) as e:
+        for batch in loader.iter_batches():
+            assert_same(batch.tensors, {k: want[k] for k in batch.tensors})
+            delivered += list(batch.tensors)
+            del batch  # the budget counts what is still held
+    assert url.rsplit("/", 1)[0] in str(e.value), str(e.value)
+    return delivered
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_failed_batch_is_never_handed_out(stores, request, store, big_checkpoint):
+    proxy, url, opts = through_proxy(stores, request, store, "big", object_retries=1,
+                                     object_part_size=256 << 10)
+    want = load_all(big_checkpoint)
+    loader = tensorferry.Loader(url, budget="2MiB", storage_options=opts)
+    # From the 12th data GET on, every response is a 503: the load fails part way.
+    proxy.set_rules([fault_rule("status_503_slowdown", every=1, skip=12, match=not_the_open)])
+    delivered = deliver_until_error(loader, want, url, "gave up after 2 attempts")
+    assert 0 < len(delivered) < len(want)
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_one_reset_in_twenty_still_loads_byte_exact(stores, request, store, big_checkpoint):
+    proxy, url, opts = through_proxy(stores, request, store, "big", object_part_size=256 << 10)
+    proxy.set_rules([Rule("reset_mid_body", probability=0.05, seed=20, only_ranged=True)])
+    with tensorferry.Loader(url, storage_options=opts) as loader:
+        got = loader.load()
+        stats = loader.stats
+    assert_same(got, load_all(big_checkpoint))
+    faults = proxy.stats()["faults"]["reset_mid_body"]
+    assert faults > 0 and stats.remote_retries >= faults
+    assert stats.remote_requests >= 12 << 20 >> 18  # 256 KB parts
+
+
+# --- 5. tensor parallelism ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_ranks_read_their_share_only(stores, world):
+    import safetensors.torch as st
+    full = {}
+    for shard in stores.shards:
+        full.update(st.load_file(os.path.join(stores.tiny, shard)))
+    spec = ShardSpec.builtin()
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    split = sum(t.numel() * t.element_size() for n, t in full.items()
+                if "split" in spec.rule_for(n))
+    share = split / world + (total - split)
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    for rank in range(world):
+        kw = dict(tp_rank=rank, tp_size=world, shard_max_gap=0)
+        with tensorferry.Loader(stores.tiny, engine="pread", **kw) as loader:
+            want = loader.load()
+            local_read = loader.stats.bytes_read
+        with tensorferry.Loader(url, storage_options=stores.s3_options(), **kw) as loader:
+            got = loader.load()
+            stats = loader.stats
+        assert_same(got, want)
+        for name, t in full.items():
+            assert torch.equal(got[name], reference_slice(t, spec.rule_for(name), rank, world))
+        # The load's GETs carry the rank's bytes and nothing else (the headers were read when
+        # the checkpoint was opened).
+        assert stats.bytes_read == local_read
+        assert stats.remote_bytes == stats.bytes_read
+        assert stats.remote_bytes <= share * 1.01, (stats.remote_bytes, share)
+
+
+def test_selected_tensors_transfer_their_bytes_only(stores):
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    with tensorferry.Loader(stores.tiny) as loader:
+        names = loader.keys()[1::3]
+    want = load_all(stores.tiny, select=names)
+    with tensorferry.Loader(url, select=names, storage_options=stores.s3_options()) as loader:
+        got = loader.load()
+        stats = loader.stats
+    assert_same(got, want)
+    assert stats.remote_bytes == stats.bytes_read
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in want.values())
+    # Coalescing may read small gaps between the selected tensors, never the whole checkpoint.
+    assert stats.remote_bytes < sum(os.path.getsize(os.path.join(stores.tiny, f))
+                                    for f in stores.shards) / 2

@@ -20,14 +20,16 @@ load until every tensor is in device memory (torch.cuda.synchronize()). For each
 Cold runs evict every file with posix_fadvise(POSIX_FADV_DONTNEED) (and, as root, drop_caches when
 that left more than 1% cached) and report what stayed cached.
 
-The reference: pinned host memory to device (torch.empty(pin_memory=True).to("cuda",
-non_blocking=True)), the PCIe limit a staged load cannot beat warm.
+The references: pinned host memory to device (torch.empty(pin_memory=True).to("cuda",
+non_blocking=True)), the PCIe limit a staged load cannot beat warm; and pageable host memory to
+device (a plain torch.empty(...).to("cuda")), what a loader that copies from unpinned buffers gets.
 """
 import argparse
 import glob
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,8 +38,16 @@ import time
 
 from _pagecache import evict, warm
 
-LOADERS = ["tensorferry", "tensorferry (gds off)", "safetensors", "fastsafetensors",
+LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (device budget 1GB)",
+           "tensorferry (load_into)", "tensorferry (tp 0/2)", "tensorferry (tp 1/2)",
+           "tensorferry (tp 0/8)", "tensorferry (tp 7/8)", "safetensors", "fastsafetensors",
            "fastsafetensors (nogds)", "runai-model-streamer"]
+# Variants: "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
+# each batch on the GPU and keeping nothing; "load_into" reads into destinations allocated before
+# the timer starts (a model's parameters); "tp R/W" loads rank R's slices of world W (builtin
+# rules), one rank per process in turn: its bytes are the rank's local bytes and its checksum is
+# not compared with the others'. TENSORFERRY_* settings in the environment apply to every
+# tensorferry variant (e.g. TENSORFERRY_DEVICE_PRODUCERS, TENSORFERRY_STAGING_BYTES).
 
 
 def shards(path):
@@ -81,17 +91,62 @@ def child(args):
     files = shards(args.path)
     extra = {}
     if name.startswith("tensorferry"):
+        import re
         import tensorferry
-        gds = "off" if "gds off" in name else "auto"
+        gds = "auto" if name == "tensorferry" else "off"
+        kwargs = {}
+        tp = re.search(r"tp (\d+)/(\d+)", name)
+        if tp:
+            kwargs.update(tp_rank=int(tp.group(1)), tp_size=int(tp.group(2)))
+        if "device budget" in name:
+            kwargs["device_budget"] = "1GB"
 
-        def load():
-            with tensorferry.Loader(args.path, device="cuda", gds=gds) as loader:
-                out = loader.load()
-                s = loader.stats
-                extra.update(peak_device_bytes=s.peak_device_bytes, staged_bytes=s.staged_bytes,
-                             gds_bytes=s.gds_bytes, gds_reason=s.gds_reason,
-                             pinned_bytes=s.pinned_bytes, engine=s.engine)
-                return out
+        def record(loader):
+            s = loader.stats
+            extra.update(peak_device_bytes=s.peak_device_bytes, staged_bytes=s.staged_bytes,
+                         gds_bytes=s.gds_bytes, gds_reason=s.gds_reason,
+                         pinned_bytes=s.pinned_bytes, engine=s.engine)
+
+        if "load_into" in name:
+            import safetensors
+            shapes = {}
+            for f in files:
+                with safetensors.safe_open(f, "pt") as h:
+                    for k in h.keys():
+                        sl = h.get_slice(k)
+                        shapes[k] = (sl.get_shape(), sl.get_dtype())
+            dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                      "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+
+            def load():
+                dests = {k: torch.empty(shape, dtype=dtypes[dt], device="cuda")
+                         for k, (shape, dt) in shapes.items()}
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with tensorferry.Loader(args.path, device="cuda", gds=gds) as loader:
+                    loader.load_into(dests)
+                    record(loader)
+                torch.cuda.synchronize()
+                return dests, time.perf_counter() - t0, True
+        elif "device budget" in name:
+            def load():
+                total, checksum = 0, 0
+                with tensorferry.Loader(args.path, device="cuda", gds=gds, **kwargs) as loader:
+                    for batch in loader.iter_batches():
+                        for t in batch.tensors.values():
+                            total += t.numel() * t.element_size()
+                            if t.numel():
+                                checksum += int(t.contiguous().reshape(-1).view(torch.uint8)
+                                                .sum(dtype=torch.int64))
+                        del batch, t  # hold nothing while the next batch is allocated
+                    record(loader)
+                return ("summary", total, checksum)
+        else:
+            def load():
+                with tensorferry.Loader(args.path, device="cuda", gds=gds, **kwargs) as loader:
+                    out = loader.load()
+                    record(loader)
+                    return out
     elif name == "safetensors":
         import safetensors.torch
 
@@ -128,6 +183,22 @@ def child(args):
                 for k, t in streamer.get_tensors():
                     out[k] = t.to("cuda", non_blocking=True)
             return out
+    elif name == "pageable h2d":
+        total = sum(os.path.getsize(f) for f in files)
+        n = min(total, 4 << 30)
+        host = torch.empty(n, dtype=torch.uint8)
+        host.fill_(1)
+        runs = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dev = host.to("cuda")
+            torch.cuda.synchronize()
+            runs.append({"seconds": time.perf_counter() - t0, "bytes": n})
+            del dev
+            torch.cuda.empty_cache()
+        print(json.dumps({"loader": name, "runs": {"warm": runs}}))
+        return
     elif name == "pinned h2d":
         total = sum(os.path.getsize(f) for f in files)
         n = min(total, 4 << 30)
@@ -156,20 +227,34 @@ def child(args):
             torch.cuda.empty_cache()
             torch.cuda.synchronize()
             free0 = torch.cuda.mem_get_info()[0]
+            reserved0 = torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
             with MinFree(torch) as sampler:
                 t0 = time.perf_counter()
                 tensors = load()
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            checksum = 0
-            for t in tensors.values():
-                if t.numel():
-                    checksum += int(t.contiguous().reshape(-1).view(torch.uint8)
-                                    .sum(dtype=torch.int64))
+            if isinstance(tensors, tuple) and len(tensors) == 3 and tensors[2] is True:
+                tensors, seconds, _ = tensors  # load_into: timed without the destinations
+            resident = 0  # device bytes the result holds (the destinations count as the result)
+            if isinstance(tensors, tuple):  # streamed: summed batch by batch, nothing kept
+                _, nbytes, checksum = tensors
+                # The checksum's own temporaries sit in torch's caching allocator (about 1 GB
+                # for the largest tensors, measured): not the loader's memory.
+                resident = torch.cuda.max_memory_reserved() - reserved0
+            else:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                resident = nbytes
+                checksum = 0
+                for t in tensors.values():
+                    if t.numel():
+                        checksum += int(t.contiguous().reshape(-1).view(torch.uint8)
+                                        .sum(dtype=torch.int64))
             runs.append({"seconds": seconds, "bytes": nbytes, "checksum": checksum,
                          "cached_fraction": left,
-                         "peak_extra_device_bytes": max(0, free0 - sampler.lowest - nbytes),
+                         "peak_extra_device_bytes": max(0, free0 - sampler.lowest - resident),
+                         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                         * 1024,
                          **extra})
             del tensors
         out["runs"][mode] = runs
@@ -179,7 +264,9 @@ def child(args):
 # --- the parent ----------------------------------------------------------------------------------
 
 def available(name):
-    module = {"tensorferry": "tensorferry", "tensorferry (gds off)": "tensorferry",
+    if name.startswith("tensorferry"):
+        name = "tensorferry"
+    module = {"tensorferry": "tensorferry",
               "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
               "fastsafetensors (nogds)": "fastsafetensors",
               "runai-model-streamer": "runai_model_streamer"}[name]
@@ -216,10 +303,10 @@ def main():
     results = {"path": args.path, "device": device, "host": platform.node(),
                "torch": torch.__version__, "repeats": args.repeats, "loaders": {}, "skipped": {}}
     del torch
-    names = ["pinned h2d"] + [n for n in args.loaders.split(",") if n]
+    names = ["pinned h2d", "pageable h2d"] + [n for n in args.loaders.split(",") if n]
     checksums = {}
     for name in names:
-        if name != "pinned h2d" and not available(name):
+        if not name.endswith(" h2d") and not available(name):
             results["skipped"][name] = "not installed"
             print(f"{name:26s} skipped: not installed (pip install it to compare)")
             continue
@@ -235,12 +322,14 @@ def main():
         results["loaders"][name] = got
         for mode, runs in got["runs"].items():
             gbps = statistics.median(x["bytes"] / x["seconds"] / 1e9 for x in runs)
-            line = f"{name:26s} {mode:4s} {gbps:7.2f} GB/s"
+            line = f"{name:34s} {mode:4s} {gbps:7.2f} GB/s"
             if "peak_extra_device_bytes" in runs[0]:
                 extra = statistics.median(x["peak_extra_device_bytes"] for x in runs)
                 line += f"  peak extra device {extra / 1e6:8.1f} MB"
+                line += f"  peak RSS {statistics.median(x['peak_rss_bytes'] for x in runs) / 1e6:7.0f} MB"
                 sums = {x["checksum"] for x in runs}
-                checksums.setdefault(next(iter(sums)), []).append(name)
+                if "(tp " not in name:  # a rank's slices have their own sum
+                    checksums.setdefault(next(iter(sums)), []).append(name)
                 if len(sums) != 1:
                     line += "  CHECKSUM DIFFERS BETWEEN RUNS"
                 if mode == "cold":

@@ -27,7 +27,8 @@
 #
 # Settings: DATA (checkpoint, default data/gpu_check), GEN_ARGS (tensorferry gen options, default
 # "--preset default --layers 64": ~8.1 GB in 9 shards of ~1 GB), REPEATS (default 3), BENCH_ARGS (more
-# options of bench/gpu_bench.py, e.g. "--modes warm"), JOBS (build parallelism), WERROR=OFF (strict
+# options of bench/gpu_bench.py, e.g. "--modes warm"), LOADERS (gpu_bench.py's --loaders: names
+# with spaces, comma-separated, e.g. "tensorferry,safetensors"), JOBS (build parallelism), WERROR=OFF (strict
 # warnings not as errors: for a compiler newer than Debian 12's g++ 12; build.log counts them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -229,7 +230,8 @@ PY
   echo "== benchmark (bench/gpu_bench.py)" | tee -a "$out/$log"
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   PYTHONUNBUFFERED=1 "$py" bench/gpu_bench.py "$data" --repeats "${REPEATS:-3}" \
-    --json "$out/gpu_bench.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/$log"
+    --json "$out/gpu_bench.json" ${LOADERS:+--loaders "$LOADERS"} ${BENCH_ARGS:-} 2>&1 |
+    tee -a "$out/$log"
 }
 
 t_start=$SECONDS

@@ -14,8 +14,8 @@
 // variables apply), object_concurrency, object_part_size, object_retries, object_timeout_ms,
 // object_header_bytes, object_verify_tls, object_ca_bundle. Each edge spells a
 // key its own way: the environment as TENSORFERRY_<KEY> (upper case; `direct` is
-// TENSORFERRY_DIRECT_IO; tp_*, shard_rules, shard_max_gap, allow_oversized and device_producers
-// have no variable), the CLI as --key with '-' for '_', Python as key=. docs/runtime_settings.md
+// TENSORFERRY_DIRECT_IO; tp_*, shard_rules, shard_max_gap and allow_oversized have no
+// variable), the CLI as --key with '-' for '_', Python as key=. docs/runtime_settings.md
 // lists them.
 //
 // Thread-safety: a value; no shared state.
@@ -137,7 +137,7 @@ struct LoadOptions {
   uint64_t staging_bytes = 64ull << 20;
   // Bytes per staging slot: per read and per host-to-device copy (TENSORFERRY_STAGING_SLOT).
   uint64_t staging_slot = 8ull << 20;
-  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(4, slots).
+  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(8, slots).
   unsigned device_producers = 0;
   // Bytes of device batch buffers (tensors plus padding) live at once per device; 0 = unbounded
   // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in loader.h's file comment.

@@ -1,5 +1,8 @@
 #include "cuda/cufile_api.h"
 
+#include <dirent.h>
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -94,7 +97,10 @@ Result<std::shared_ptr<const Cufile>> OpenCufile(const CufileSearch& search) {
   TF_RETURN_IF_ERROR(Resolve(library, "cuFileBufRegister", api.cuFileBufRegister));
   TF_RETURN_IF_ERROR(Resolve(library, "cuFileBufDeregister", api.cuFileBufDeregister));
   TF_RETURN_IF_ERROR(Resolve(library, "cuFileRead", api.cuFileRead));
-  return std::shared_ptr<const Cufile>(std::make_shared<Cufile>(library.path, api));
+  // A test double (tests/fake_cuda) declares that it needs no kernel support.
+  const bool platform_free = FindSymbol(library, "tensorferry_cufile_needs_no_platform") != nullptr;
+  return std::shared_ptr<const Cufile>(std::make_shared<Cufile>(
+      library.path, api, platform_free ? std::string() : search.platform_root));
 }
 
 Result<std::shared_ptr<const Cufile>> ProcessCufile(const CufileSearch& search) {
@@ -116,6 +122,28 @@ Result<std::shared_ptr<CufileDriver>> CufileDriver::Open(std::shared_ptr<const C
 
 CufileDriver::~CufileDriver() {
   if (cufile_->api().cuFileDriverClose != nullptr) cufile_->api().cuFileDriverClose();
+}
+
+std::string GdsPlatformProblem(const std::string& root) {
+  std::string base = root;
+  if (!base.empty() && base.back() == '/') base.pop_back();
+  struct stat st {};
+  if (::stat((base + "/proc/driver/nvidia-fs").c_str(), &st) == 0) return "";
+  const std::string nvme = base + "/sys/class/nvme";
+  if (DIR* dir = ::opendir(nvme.c_str())) {
+    bool any = false;
+    while (const dirent* entry = ::readdir(dir)) {
+      if (entry->d_name[0] != '.') {
+        any = true;
+        break;
+      }
+    }
+    ::closedir(dir);
+    if (any) return "";
+  }
+  return "the nvidia-fs kernel module is not loaded (no " + base +
+         "/proc/driver/nvidia-fs) and there is no NVMe device for P2PDMA (" + nvme +
+         "): cuFile would refuse every file (gds=on tries it anyway)";
 }
 
 }  // namespace tensorferry::cuda

@@ -64,14 +64,26 @@ struct CufileApi {
 
 class Cufile {
  public:
-  Cufile(std::string path, const CufileApi& api) : path_(std::move(path)), api_(api) {}
+  Cufile(std::string path, const CufileApi& api, std::string platform_root = "/")
+      : path_(std::move(path)), api_(api), platform_root_(std::move(platform_root)) {}
   const CufileApi& api() const noexcept { return api_; }
   const std::string& path() const noexcept { return path_; }
+  // Where GdsPlatformProblem looks ("/": this machine); empty: no platform check (a library that
+  // exports tensorferry_cufile_needs_no_platform, i.e. the test double tests/fake_cuda).
+  const std::string& platform_root() const noexcept { return platform_root_; }
 
  private:
   std::string path_;
   CufileApi api_;
+  std::string platform_root_;
 };
+
+// Why GPUDirect Storage cannot move data on this machine, judged from the kernel alone ("" when it
+// may): GDS needs the nvidia-fs kernel module (<root>/proc/driver/nvidia-fs) or, without it, NVMe
+// devices for the P2PDMA mode of recent CUDA releases (<root>/sys/class/nvme not empty). Without
+// either, cuFile refuses every file, and opening its driver costs about half a second (measured on
+// an H100 machine, docs/benchmarks.md): GdsMode::kAuto does not try it then; kOn still does.
+std::string GdsPlatformProblem(const std::string& root);
 
 // "CU_FILE_IO_NOT_SUPPORTED (5008)"; the CUDA driver error too when err is
 // CU_FILE_CUDA_DRIVER_ERROR.
@@ -85,6 +97,7 @@ struct CufileSearch {
   bool use_environment = true;  // TENSORFERRY_CUFILE_LIBRARY, when set, is the only candidate
   std::string path;             // when non-empty, the only candidate
   std::vector<std::string> names = {"libcufile.so.0", "libcufile.so.1", "libcufile.so"};
+  std::string platform_root = "/";  // Cufile::platform_root
 };
 
 // Errors: kCudaNotFound (candidates and reasons), kCudaSymbolMissing.

@@ -124,6 +124,9 @@ Result<std::unique_ptr<DevicePipeline>> DevicePipeline::Create(
     pipeline->gds_off_reason_ = "GDS off (option)";
   } else if (!cufile.ok()) {
     problem = cufile.status().message();
+  } else if (options.gds == GdsMode::kAuto && !(*cufile)->platform_root().empty() &&
+             !(problem = cuda::GdsPlatformProblem((*cufile)->platform_root())).empty()) {
+    // Not worth the driver's start-up cost: no file could use it.
   } else {
     auto driver = cuda::CufileDriver::Open(*cufile);
     if (driver.ok()) {
@@ -140,7 +143,7 @@ Result<std::unique_ptr<DevicePipeline>> DevicePipeline::Create(
   }
 
   TF_ASSIGN_OR_RETURN(pipeline->ring_, StagingRing::Create(runtime, slot_count, slot_size));
-  const unsigned producers = options.producers > 0 ? options.producers : std::min(4u, slot_count);
+  const unsigned producers = options.producers > 0 ? options.producers : std::min(8u, slot_count);
   for (unsigned i = 0; i < producers; ++i) {
     TF_ASSIGN_OR_RETURN(cuda::UniqueStream stream, cuda::UniqueStream::Create(runtime));
     pipeline->streams_.push_back(std::move(stream));

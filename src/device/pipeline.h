@@ -95,7 +95,7 @@ struct DevicePipelineOptions {
   // Pinned host memory for the ring: slot_count = staging_bytes / slot_size, at least 2 (one slot
   // filling while another copies), else kInvalidArgument.
   uint64_t staging_bytes = 64ull << 20;
-  // Producer threads (each with a CUDA stream); 0: min(4, slot_count).
+  // Producer threads (each with a CUDA stream); 0: min(8, slot_count).
   unsigned producers = 0;
   GdsMode gds = GdsMode::kAuto;
   // File offsets and device addresses GDS reads need to be multiples of, under kAuto.

@@ -4,6 +4,7 @@
 #include "device/pipeline.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstring>
@@ -567,6 +568,42 @@ TEST_F(DevicePipelineGdsTest, OffAndInMemoryFilesUseTheRingAndSayWhy) {
                                        Status(Code::kCudaNotFound, "libcufile.so.0 not found"));
   EXPECT_EQ(forced.status().code(), Code::kGdsUnavailable);
   EXPECT_TRUE(Contains(forced.status().message(), "GDS forced on but unusable"));
+
+  // cuFile installed on a machine whose kernel cannot do GDS (no nvidia-fs, no NVMe): auto does
+  // not pay for opening the driver; on still tries it.
+  testing::TempDir root;
+  const std::shared_ptr<const cuda::Cufile> platformless = std::make_shared<const cuda::Cufile>(
+      fake_->cufile()->path(), fake_->cufile()->api(), root.path());
+  const uint64_t open_before = fake_->Stats().cufile_drivers_open;
+  auto skipped = DevicePipeline::Create(runtime_, Options(GdsMode::kAuto), platformless);
+  ASSERT_TRUE(skipped.ok()) << skipped.status().ToString();
+  EXPECT_TRUE(Contains((*skipped)->stats().gds_reason,
+                       "GDS not used: the nvidia-fs kernel module is not loaded"));
+  EXPECT_FALSE((*skipped)->stats().gds_enabled);
+  EXPECT_EQ(fake_->Stats().cufile_drivers_open, open_before);
+  {
+    auto tried = DevicePipeline::Create(runtime_, Options(GdsMode::kOn), platformless);
+    ASSERT_TRUE(tried.ok()) << tried.status().ToString();
+    EXPECT_TRUE((*tried)->stats().gds_enabled);
+    EXPECT_EQ(fake_->Stats().cufile_drivers_open, open_before + 1);
+  }
+}
+
+TEST(GdsPlatformProblem, NeedsNvidiaFsOrNvme) {
+  testing::TempDir root;
+  EXPECT_TRUE(Contains(cuda::GdsPlatformProblem(root.path()),
+                       "no " + root.path() + "/proc/driver/nvidia-fs"));
+  ASSERT_EQ(::mkdir(root.Join("sys").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(root.Join("sys/class").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(root.Join("sys/class/nvme").c_str(), 0755), 0);
+  EXPECT_NE(cuda::GdsPlatformProblem(root.path() + "/"), "");  // an empty class: no NVMe
+  ASSERT_EQ(::mkdir(root.Join("sys/class/nvme/nvme0").c_str(), 0755), 0);
+  EXPECT_EQ(cuda::GdsPlatformProblem(root.path()), "");
+  testing::TempDir other;
+  ASSERT_EQ(::mkdir(other.Join("proc").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(other.Join("proc/driver").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(other.Join("proc/driver/nvidia-fs").c_str(), 0755), 0);
+  EXPECT_EQ(cuda::GdsPlatformProblem(other.path()), "");
 }
 
 TEST_F(DevicePipelineGdsTest, ADriverThatDoesNotOpenMeansTheRing) {

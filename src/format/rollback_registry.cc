@@ -1,6 +1,7 @@
 // The rollback registry (rollback_registry.h): a lock-free, grow-only list of nodes.
 #include "format/rollback_registry.h"
 
+#include <stdio.h>
 #include <unistd.h>
 
 #include <algorithm>

@@ -214,7 +214,8 @@ const std::array<Key, 35> kKeys = {{
      [](LoadOptions& o, std::string_view v) { return Assign(ParseGdsMode(v), o.gds); }},
     {"staging_bytes", "TENSORFERRY_STAGING_BYTES", SetSize<&LoadOptions::staging_bytes, false>},
     {"staging_slot", "TENSORFERRY_STAGING_SLOT", SetSize<&LoadOptions::staging_slot, false>},
-    {"device_producers", "", SetCount<&LoadOptions::device_producers, kU32, true>},
+    {"device_producers", "TENSORFERRY_DEVICE_PRODUCERS",
+     SetCount<&LoadOptions::device_producers, kU32, true>},
     {"device_budget", "TENSORFERRY_DEVICE_BUDGET", SetSize<&LoadOptions::device_budget, true>},
     {"tp_rank", "",
      [](LoadOptions& o, std::string_view v) -> Status {

@@ -25,14 +25,41 @@ LoadOptions MustSet(std::initializer_list<std::pair<const char*, const char*>> v
 }
 
 TEST(LoadOptionsSet, EveryKey) {
-  const LoadOptions o =
-      MustSet({{"engine", "pread"},        {"threads", "7"},         {"chunk_size", "1MiB"},
-               {"direct", "on"},           {"queue_depth", "32"},    {"budget", "2GB"},
-               {"allow_oversized", "yes"}, {"order", "layer"},       {"pool_bytes", "0"},
-               {"populate", "true"},       {"device", "cuda:1"},     {"gds", "off"},
-               {"staging_bytes", "32MiB"}, {"staging_slot", "4MiB"}, {"device_producers", "2"},
-               {"device_budget", "1GiB"},  {"tp_rank", "1"},         {"tp_size", "4"},
-               {"shard_rules", "none"},    {"shard_max_gap", "0"}});
+  const LoadOptions o = MustSet({{"engine", "pread"},
+                                 {"threads", "7"},
+                                 {"chunk_size", "1MiB"},
+                                 {"direct", "on"},
+                                 {"queue_depth", "32"},
+                                 {"budget", "2GB"},
+                                 {"allow_oversized", "yes"},
+                                 {"order", "layer"},
+                                 {"pool_bytes", "0"},
+                                 {"populate", "true"},
+                                 {"device", "cuda:1"},
+                                 {"gds", "off"},
+                                 {"staging_bytes", "32MiB"},
+                                 {"staging_slot", "4MiB"},
+                                 {"device_producers", "2"},
+                                 {"device_budget", "1GiB"},
+                                 {"tp_rank", "1"},
+                                 {"tp_size", "4"},
+                                 {"shard_rules", "none"},
+                                 {"shard_max_gap", "0"},
+                                 {"s3_endpoint", "http://127.0.0.1:9000"},
+                                 {"s3_region", "eu-west-1"},
+                                 {"s3_profile", "dev"},
+                                 {"s3_access_key_id", "AK"},
+                                 {"s3_secret_access_key", "SK"},
+                                 {"s3_session_token", "ST"},
+                                 {"s3_anonymous", "0"},
+                                 {"s3_path_style", "1"},
+                                 {"object_concurrency", "8"},
+                                 {"object_part_size", "16MiB"},
+                                 {"object_retries", "2"},
+                                 {"object_timeout_ms", "5000"},
+                                 {"object_header_bytes", "64KiB"},
+                                 {"object_verify_tls", "0"},
+                                 {"object_ca_bundle", "/etc/ssl/ca.pem"}});
   EXPECT_EQ(o.engine, Engine::kPread);
   EXPECT_EQ(o.threads, 7u);
   EXPECT_EQ(o.chunk_size, 1u << 20);
@@ -54,12 +81,28 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.tensor_parallel->world, 4u);
   EXPECT_EQ(o.tensor_parallel->max_gap, 0u);
   EXPECT_FALSE(o.tensor_parallel->exact_when_cached);  // an explicit gap applies to every file
+  const ObjectStoreOptions& os = o.object_store;
+  EXPECT_EQ(os.endpoint, "http://127.0.0.1:9000");
+  EXPECT_EQ(os.region, "eu-west-1");
+  EXPECT_EQ(os.profile, "dev");
+  EXPECT_EQ(os.access_key_id, "AK");
+  EXPECT_EQ(os.secret_access_key, "SK");
+  EXPECT_EQ(os.session_token, "ST");
+  EXPECT_EQ(os.anonymous, 0);
+  EXPECT_EQ(os.path_style, 1);
+  EXPECT_EQ(os.concurrency, 8u);
+  EXPECT_EQ(os.part_size, 16u << 20);
+  EXPECT_EQ(os.retries, 2u);
+  EXPECT_EQ(os.timeout_ms, 5000u);
+  EXPECT_EQ(os.header_bytes, 64u << 10);
+  EXPECT_FALSE(os.verify_tls);
+  EXPECT_EQ(os.ca_bundle, "/etc/ssl/ca.pem");
   EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
 
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 20u);
+  EXPECT_EQ(keys.size(), 35u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

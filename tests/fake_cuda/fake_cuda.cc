@@ -955,6 +955,12 @@ CufileError CufileResult(int err) {
 
 }  // namespace
 
+// Declares this library a test double that needs no kernel support for GDS: cufile_api.cc skips
+// GdsPlatformProblem for it (kPlatformFreeSymbol).
+TF_FAKE_EXPORT int tensorferry_cufile_needs_no_platform() {
+  return 1;
+}
+
 TF_FAKE_EXPORT CufileError cuFileDriverOpen() {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);

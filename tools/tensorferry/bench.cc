@@ -29,10 +29,10 @@
 #include <vector>
 
 #include "commands.h"
-#include "tensorferry/object_store.h"
 #include "json_out.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/options.h"
 #include "tensorferry/residency.h"
 
@@ -525,7 +525,8 @@ std::string BenchText(const BenchContext& c, const BenchResults& out) {
 int RunBench(const BenchArgs& args) {
   if (IsObjectUrl(args.path)) {
     // Engines, the page cache and fio are about local storage.
-    PrintError(args.path + ": bench measures local storage (engines, page cache, fio); for a URL "
+    PrintError(args.path +
+               ": bench measures local storage (engines, page cache, fio); for a URL "
                "use `tensorferry load URL --repeat N --json` or bench/object_store_bench.py");
     return kExitUsage;
   }

@@ -67,6 +67,9 @@ struct CooperativeStats {
   double read_seconds = 0;      // inside the Loader
   double exchange_seconds = 0;  // inside the collectives (waiting for slower readers included)
   std::string engine;           // the engine that ran the reads
+  // Requests, retries and bytes received of this rank's reads from object storage
+  // (LoadStats::remote_*; zero for local files).
+  uint64_t remote_requests = 0, remote_retries = 0, remote_bytes = 0;
 };
 
 // Loads this rank's slice of every selected tensor cooperatively (see the file comment): rank

@@ -67,6 +67,9 @@ class Cooperative:
         stats = stats_type(tensors=figures["tensors"], bytes=figures["bytes"],
                            batches=figures["rounds"], seconds=figures["seconds"])
         stats.bytes_read = figures["bytes_read"]
+        stats.remote_requests = figures["remote_requests"]
+        stats.remote_retries = figures["remote_retries"]
+        stats.remote_bytes = figures["remote_bytes"]
         return out, stats
 
 
@@ -108,7 +111,8 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     # NCCL needs every buffer on the GPU, gloo on the CPU.
     comm_device = device if on_gpu else torch.device("cpu")
     figures = {"tensors": len(outputs), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
-               "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0}
+               "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
+               "remote_requests": 0, "remote_retries": 0, "remote_bytes": 0}
     rounds = max((entry[4] for entry in plan), default=-1) + 1
     # The rounds are the budget: the reader under them has none of its own.
     reader = _core.Reader(base, dict(reader_options or {}))
@@ -126,7 +130,10 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                     triples = reader.load(mine, fw.code)
                     loaded = dict(fw.finish_all(triples, comm_device))
                     del triples
-                    figures["bytes_read"] += reader.stats()["bytes"]
+                    core = reader.stats()
+                    figures["bytes_read"] += core["bytes"]
+                    for key in ("remote_requests", "remote_retries", "remote_bytes"):
+                        figures[key] += core[key]
                 except Exception as e:  # re-raised below, after the others know
                     error = e
                 figures["read_seconds"] += time.perf_counter() - t0

@@ -235,6 +235,9 @@ class RoundRunner {
       const LoadStats ls = loader_->stats();
       stats_.bytes_read += ls.bytes;
       stats_.engine = ls.engine;
+      stats_.remote_requests += ls.remote_requests;
+      stats_.remote_retries += ls.remote_retries;
+      stats_.remote_bytes += ls.remote_bytes;
     }
     return r;
   }

@@ -53,8 +53,10 @@ struct RankFigures {
   uint64_t read = 0;
   uint64_t sent = 0;
   uint64_t received = 0;
-  double read_seconds = 0;      // cooperative: inside the Loader
-  double exchange_seconds = 0;  // cooperative: inside the collectives
+  double read_seconds = 0;       // cooperative: inside the Loader
+  double exchange_seconds = 0;   // cooperative: inside the collectives
+  uint64_t remote_requests = 0;  // object storage: requests and bytes received (0 for files)
+  uint64_t remote_bytes = 0;
 };
 
 Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoint>& checkpoint,
@@ -72,6 +74,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.received = stats.bytes_received;
     f.read_seconds = stats.read_seconds;
     f.exchange_seconds = stats.exchange_seconds;
+    f.remote_requests = stats.remote_requests;
+    f.remote_bytes = stats.remote_bytes;
   } else {
     LoadOptions o = options;
     if (mode == "sliced") {
@@ -91,6 +95,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     });
     if (!s.ok()) return s;
     f.read = (*loader)->stats().bytes_read;
+    f.remote_requests = (*loader)->stats().remote_requests;
+    f.remote_bytes = (*loader)->stats().remote_bytes;
   }
   f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return f;
@@ -164,7 +170,8 @@ Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
   for (uint64_t v :
        {static_cast<uint64_t>(figures.seconds * 1e6), figures.bytes, figures.read, figures.sent,
         figures.received, static_cast<uint64_t>(figures.read_seconds * 1e6),
-        static_cast<uint64_t>(figures.exchange_seconds * 1e6)}) {
+        static_cast<uint64_t>(figures.exchange_seconds * 1e6), figures.remote_requests,
+        figures.remote_bytes}) {
     auto all = group.AllGather(v);
     if (!all.ok()) return all.status();
     columns.push_back(std::move(*all));
@@ -186,7 +193,8 @@ void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_
             ", \"bytes_received\": " + std::to_string(columns[4][r]) +
             ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
             ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
-            "}";
+            ", \"remote_requests\": " + std::to_string(columns[7][r]) +
+            ", \"remote_bytes\": " + std::to_string(columns[8][r]) + "}";
   }
   json += "]}";
 }

@@ -8,8 +8,10 @@ import torch
 from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._safe_open import safe_open, default_load_options, open_file
+from ._dispatch import load_checkpoint_and_dispatch
 
-__all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model"]
+__all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model",
+           "load_checkpoint_and_dispatch"]
 
 _ST_NAMES = {}
 for _st, _attr in _frameworks._TORCH_NAMES.items():

@@ -1,0 +1,300 @@
+"""load_checkpoint_and_dispatch: a model (on the meta device or not) filled from a checkpoint, each
+parameter and buffer allocated once on its target device in its target dtype and the file's bytes
+read straight into it (docs/models.md).
+
+The order of the work:
+  1. the device map: accelerate's own placement (get_balanced_memory, infer_auto_device_map) for
+     "auto", "balanced", "balanced_low_0" and "sequential"; a dict as given; one device for all;
+  2. the model's tensors grouped by identity (tied parameters are one group, read once), matched
+     with the checkpoint's (Loader.describe: dtype and, with tp_rank/tp_size, the rank-local shape);
+     missing and unexpected names found before anything is allocated;
+  3. every group allocated on its device (empty) and put into the model, so modules are whole;
+  4. init_missing for the groups the files lack (before any read: a module's reset_parameters may
+     rewrite its loaded parameters too, and the reads come after it);
+  5. the reads: tensors whose target dtype is the file's go through Loader.load_into straight into
+     the parameters; the others stream batch by batch under the budget, on their target device,
+     and are converted there by copy_;
+  6. accelerate's dispatch_model when a device map was given (hooks for multi-device maps), as
+     accelerate's load_checkpoint_and_dispatch does.
+"""
+import warnings
+
+import torch
+
+from . import _core
+from ._loader import Loader
+
+_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _as_dtype(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        got = getattr(torch, dtype.replace("torch.", ""), None)
+        if isinstance(got, torch.dtype):
+            return got
+    raise _core.InvalidArgumentError(f"dtype: {dtype!r} is not a torch dtype")
+
+
+def _as_device(where):
+    if isinstance(where, int):
+        return torch.device("cuda", where)
+    if isinstance(where, str) and where == "disk":
+        raise _core.InvalidArgumentError(
+            "device_map: 'disk' (offload to offload_folder) is not supported by "
+            "tensorferry.torch.load_checkpoint_and_dispatch yet; use accelerate's for disk offload")
+    try:
+        return torch.device(where)
+    except (RuntimeError, TypeError) as e:
+        raise _core.InvalidArgumentError(f"device_map: {where!r} is not a device: {e}") from None
+
+
+def _accelerate():
+    try:
+        import accelerate
+        import accelerate.utils  # noqa: F401
+    except ImportError as e:
+        raise ImportError("device_map strategies and multi-device dispatch use accelerate's own "
+                          "placement: pip install accelerate") from e
+    return accelerate
+
+
+def _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype):
+    """(dict name-prefix -> device or None for "leave where it is", the map for dispatch_model)."""
+    if device_map is None:
+        return None, None
+    if isinstance(device_map, str) and device_map in _STRATEGIES:
+        _accelerate()
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(model, max_memory=max_memory,
+                                             no_split_module_classes=no_split_module_classes,
+                                             dtype=dtype, low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                           no_split_module_classes=no_split_module_classes,
+                                           dtype=dtype)
+    elif not isinstance(device_map, dict):
+        device_map = {"": device_map}
+    resolved = {prefix: _as_device(where) for prefix, where in device_map.items()}
+    return resolved, dict(device_map)
+
+
+def _device_for(name, resolved):
+    """The device of the longest prefix of `name` (whole dotted components) in the map."""
+    best, best_len = None, -1
+    for prefix, device in resolved.items():
+        if prefix == "" or name == prefix or name.startswith(prefix + "."):
+            if len(prefix) > best_len:
+                best, best_len = device, len(prefix)
+    if best is None:
+        raise _core.InvalidArgumentError(f"device_map places no prefix of {name!r}")
+    return best
+
+
+def _owner(model, name):
+    module_name, _, leaf = name.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), leaf
+
+
+class _Group:
+    """Model tensors that are one object (tied parameters), and where they come from."""
+
+    def __init__(self, names, tensor, is_param):
+        self.names, self.tensor, self.is_param = names, tensor, is_param
+        self.source = None        # the checkpoint name read into it
+        self.target = None        # the allocated tensor
+        self.file_dtype = None
+
+
+def _model_groups(model):
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    groups, by_id = [], {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            by_id[id(p)].names.append(name)
+        else:
+            by_id[id(p)] = g = _Group([name], p, True)
+            groups.append(g)
+    transient = []  # non-persistent buffers: not in state dicts, so not in files
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if name not in persistent:
+            transient.append((name, b))
+            continue
+        if id(b) in by_id:
+            by_id[id(b)].names.append(name)
+        else:
+            by_id[id(b)] = g = _Group([name], b, False)
+            groups.append(g)
+    return groups, transient
+
+
+def _target_dtype(model_dtype, file_dtype, dtype):
+    """accelerate's rule: floating-point values take `dtype` when given, else the model's dtype;
+    integer and boolean values keep the file's."""
+    if not file_dtype.is_floating_point:
+        return file_dtype
+    return dtype if dtype is not None else model_dtype
+
+
+def _init_missing(model, groups, init_missing):
+    if init_missing is None:
+        return
+    if callable(init_missing):
+        with torch.no_grad():
+            for g in groups:
+                for name in g.names[:1]:
+                    init_missing(name, g.target)
+        return
+    if init_missing not in ("init_fn", "reset_parameters"):
+        raise _core.InvalidArgumentError(
+            f"init_missing: {init_missing!r}: a callable(name, tensor), 'init_fn' or "
+            "'reset_parameters'")
+    done = set()
+    with torch.no_grad():
+        for g in groups:
+            module, _ = _owner(model, g.names[0])
+            if id(module) in done:
+                continue
+            method = getattr(module, init_missing, None)
+            if not callable(method):
+                raise _core.InvalidArgumentError(
+                    f"init_missing={init_missing!r}: {g.names[0]!r} is missing from the "
+                    f"checkpoint and its module ({type(module).__name__}) has no "
+                    f"{init_missing}()")
+            method()
+            done.add(id(module))
+
+
+def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memory=None,
+                                 no_split_module_classes=None, dtype=None, offload_folder=None,
+                                 strict=True, tp_rank=None, tp_size=None, shard_rules=None,
+                                 init_missing=None, budget=None, progress=False,
+                                 storage_options=None):
+    """Fills `model` (on the meta device or materialized) from `checkpoint` (a file, a directory
+    or index of a sharded checkpoint, or an s3:// or http(s):// URL) and returns it, like
+    accelerate.load_checkpoint_and_dispatch; see docs/models.md for the differences.
+
+    device_map: None (tensors stay on their device; meta ones go to the CPU), a device ("cpu",
+    "cuda:1", 0, torch.device), a dict of module-name prefixes to devices, or "auto", "balanced",
+    "balanced_low_0", "sequential" (computed by accelerate with max_memory and
+    no_split_module_classes). dtype: floating-point tensors are converted to it (default: the
+    model's dtype of each parameter), integers keep the file's. Tied parameters are read once and
+    stay tied. strict: unexpected checkpoint tensors are an error (else a warning); tensors the
+    model has and the files lack are an error naming them unless init_missing initialises them (a
+    callable(name, tensor) filling the tensor in place, or "init_fn"/"reset_parameters": that
+    method of the owning module, called before the reads). tp_rank/tp_size/shard_rules: every
+    tensor is allocated at the rank-local shape of its slice and only this rank's bytes are read.
+    budget: bytes of batch buffers held at once by the converting reads (the reads into the model
+    need none). offload_folder: disk offload is not supported (an error names it)."""
+    if offload_folder is not None:
+        raise _core.InvalidArgumentError(
+            "offload_folder: disk offload is not supported by "
+            "tensorferry.torch.load_checkpoint_and_dispatch yet")
+    dtype = _as_dtype(dtype)
+    resolved, dispatch_map = _resolve_device_map(model, device_map, max_memory,
+                                                 no_split_module_classes, dtype)
+    tp = tp_rank is not None or tp_size is not None
+    if tp and resolved is not None and len(set(resolved.values())) > 1:
+        raise _core.InvalidArgumentError(
+            "tp_rank/tp_size: one device per rank (device_map maps to "
+            f"{sorted(set(map(str, resolved.values())))})")
+    loader_kw = dict(tp_rank=tp_rank, tp_size=tp_size, shard_rules=shard_rules,
+                     storage_options=storage_options)
+    with Loader(checkpoint, **loader_kw) as probe:
+        described = {o.name: o for o in probe._describe()}
+        fw = probe._fw
+
+    # The model's own tie declarations (transformers' tie_weights; init_empty_weights unties
+    # what a constructor tied), before tensors are grouped by identity.
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    groups, transient = _model_groups(model)
+    model_names = {n for g in groups for n in g.names}
+    missing, present = [], []
+    for g in groups:
+        g.source = next((n for n in g.names if n in described), None)
+        (present if g.source is not None else missing).append(g)
+    unexpected = [n for n in described if n not in model_names]
+    if unexpected:
+        text = (f"{type(model).__name__}: {len(unexpected)} checkpoint tensor(s) the model does not "
+                f"have: {', '.join(sorted(unexpected)[:20])}" +
+                (" ..." if len(unexpected) > 20 else ""))
+        if strict:
+            raise _core.InvalidArgumentError("Unexpected key(s) in state_dict: " + text)
+        warnings.warn(text, stacklevel=2)
+    if missing and init_missing is None:
+        names = sorted(n for g in missing for n in g.names)
+        raise _core.InvalidArgumentError(
+            f"Missing key(s) in state_dict: {type(model).__name__}: {len(names)} tensor(s) are not "
+            f"in {checkpoint}: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
+            "(init_missing= initialises them)")
+
+    def device_of(g):
+        if resolved is not None:
+            return _device_for(g.names[0], resolved)
+        return torch.device("cpu") if g.tensor.device.type == "meta" else g.tensor.device
+
+    # Allocate, checking shapes (the rank-local ones with tensor parallelism).
+    for g in present:
+        o = described[g.source]
+        g.file_dtype = fw.dtype(o.dtype, g.source)
+        shape = tuple(o.shape)
+        if not tp and tuple(g.tensor.shape) != shape:
+            raise _core.InvalidArgumentError(
+                f"size mismatch for {g.source}: the checkpoint has shape {list(shape)}, the model "
+                f"{list(g.tensor.shape)}")
+        g.target = torch.empty(shape, dtype=_target_dtype(g.tensor.dtype, g.file_dtype, dtype),
+                               device=device_of(g))
+    for g in missing:
+        want = dtype if (dtype is not None and g.tensor.dtype.is_floating_point) else g.tensor.dtype
+        g.target = torch.empty(tuple(g.tensor.shape), dtype=want, device=device_of(g))
+
+    # Into the model: every name of a group gets the same object.
+    for g in groups:
+        value = torch.nn.Parameter(g.target, requires_grad=g.tensor.requires_grad) \
+            if g.is_param else g.target
+        for name in g.names:
+            module, leaf = _owner(model, name)
+            if g.is_param:
+                module._parameters[leaf] = value
+            else:
+                module._buffers[leaf] = value
+        g.target = value
+    for name, b in transient:
+        module, leaf = _owner(model, name)
+        if b.device.type == "meta":
+            raise _core.InvalidArgumentError(
+                f"{name}: a non-persistent buffer on the meta device (no file holds it): build the "
+                "model with its buffers materialized (accelerate's init_empty_weights does)")
+        if resolved is not None:
+            module._buffers[leaf] = b.to(_device_for(name, resolved))
+
+    _init_missing(model, missing, init_missing)
+
+    # The reads.
+    direct = {g.source: g.target.data for g in present if g.target.dtype == g.file_dtype}
+    converted = [g for g in present if g.target.dtype != g.file_dtype]
+    if direct:
+        with Loader(checkpoint, progress=progress, **loader_kw) as loader:
+            loader.load_into(direct)
+    by_device = {}
+    for g in converted:
+        by_device.setdefault(g.target.device, []).append(g)
+    with torch.no_grad():
+        for device, gs in by_device.items():
+            targets = {g.source: g.target for g in gs}
+            with Loader(checkpoint, device=device, budget=budget, allow_oversized=True,
+                        select=list(targets),
+                        progress=progress, **loader_kw) as loader:
+                for batch in loader.iter_batches():
+                    for name, t in batch.tensors.items():
+                        targets[name].copy_(t)
+                        del t  # hold nothing of the batch while the next one is read
+                    del batch
+
+    if dispatch_map is not None:
+        from accelerate import dispatch_model
+        model = dispatch_model(model, device_map=dispatch_map)
+    return model

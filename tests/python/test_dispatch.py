@@ -1,0 +1,273 @@
+"""tensorferry.torch.load_checkpoint_and_dispatch against accelerate's function of the same name,
+with the real accelerate package: a small Llama-shaped model built on the meta device, loaded by
+both; identical parameters and outputs; ties kept; dtype conversion; device maps from accelerate's
+own placement; missing and unexpected tensors; tensor-parallel materialization whose column- and
+row-parallel matmuls recombine to the full model's."""
+import os
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import init_empty_weights  # noqa: E402
+from conftest import CLI  # noqa: E402
+
+import tensorferry  # noqa: E402
+import tensorferry.torch as tft  # noqa: E402
+
+HIDDEN, INTER, VOCAB, LAYERS = 32, 48, 64, 2
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.v_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=True)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attention()
+        self.mlp = MLP()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.register_buffer("scale", torch.full((HIDDEN,), 0.5), persistent=False)
+
+    def forward(self, x):
+        a = self.self_attn
+        h = self.norm(x)
+        attn = torch.softmax(a.q_proj(h) @ a.k_proj(h).transpose(-1, -2) / HIDDEN ** 0.5, -1)
+        x = x + a.o_proj(attn @ a.v_proj(h))
+        return x + self.mlp(x) * self.scale
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.tie_weights()
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+
+    def tie_weights(self):
+        """As transformers' tie_word_embeddings: init_empty_weights re-creates each parameter it
+        registers, which unties them, so the tie is declared here and redone after."""
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def _reference(seed=0):
+    torch.manual_seed(seed)
+    m = Tiny()
+    with torch.no_grad():
+        m.steps.copy_(torch.tensor([3, 1, 4]))
+    return m
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The reference model saved as a sharded checkpoint (index + 2 files) and as one file; the
+    tied lm_head.weight is not stored (save_model drops it, as transformers does)."""
+    from safetensors.torch import save_model
+    d = tmp_path_factory.mktemp("dispatch")
+    ref = _reference()
+    single = str(d / "model.safetensors")
+    save_model(ref, single, metadata={"format": "pt"})
+    sharded = d / "sharded"
+    sharded.mkdir()
+    r = subprocess.run([CLI, "reshard", single, str(sharded), "--max-shard-size", "20KB"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) >= 2
+    return {"single": single, "sharded": str(sharded), "ref": ref, "dir": d}
+
+
+def _meta_model(tie=True):
+    with init_empty_weights():
+        m = Tiny()
+    if tie:  # what transformers does after building on the meta device
+        m.tie_weights()
+    return m
+
+
+def _assert_same_model(got, want, forward=True):
+    g, w = dict(got.named_parameters()), dict(want.named_parameters())
+    assert list(g) == list(w)
+    for name in w:
+        assert g[name].dtype == w[name].dtype, name
+        assert g[name].device == w[name].device, name
+        assert torch.equal(g[name], w[name]), name
+    for name, b in want.named_buffers():
+        assert torch.equal(dict(got.named_buffers())[name], b), name
+    if not forward:
+        return
+    ids = torch.arange(10).reshape(2, 5)
+    with torch.no_grad():
+        assert torch.equal(got(ids), want(ids))
+
+
+@pytest.mark.parametrize("form", ["single", "sharded"])
+@pytest.mark.parametrize("device_map", [None, "auto", "sequential", {"": "cpu"}, "cpu",
+                                        {"embed_tokens": "cpu", "layers": "cpu", "lm_head": "cpu",
+                                         "steps": "cpu"}])
+def test_equals_accelerate(checkpoint, form, device_map):
+    path = checkpoint[form]
+    ours = tft.load_checkpoint_and_dispatch(_meta_model(), path, device_map=device_map)
+    # accelerate takes no single device: the same placement as a dict.
+    theirs = accelerate.load_checkpoint_and_dispatch(
+        _meta_model(), path, device_map={"": "cpu"} if device_map in (None, "cpu") else device_map)
+    _assert_same_model(ours, theirs)
+    _assert_same_model(ours, checkpoint["ref"])
+    # The tie is kept: one parameter, read once.
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+
+
+def test_the_models_own_tie_declaration_is_applied(checkpoint):
+    """A meta model whose tie was undone by init_empty_weights: tie_weights() is the model's own
+    declaration, applied before the tensors are matched with the files."""
+    m = _meta_model(tie=False)
+    assert m.lm_head.weight is not m.embed_tokens.weight
+    ours = tft.load_checkpoint_and_dispatch(m, checkpoint["single"])
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+    _assert_same_model(ours, checkpoint["ref"])
+    assert ours.layers[0].scale.device.type == "cpu"  # the non-persistent buffer, materialized
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "float16"])
+def test_dtype_converts_floats_and_keeps_integers(checkpoint, dtype):
+    ours = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["sharded"], device_map="cpu",
+                                            dtype=dtype, budget="8KB")
+    theirs = accelerate.load_checkpoint_and_dispatch(_meta_model(), checkpoint["sharded"],
+                                                     device_map={"": "cpu"}, dtype=dtype)
+    # No forward: the float32 non-persistent buffer mixes dtypes on the CPU (for both).
+    _assert_same_model(ours, theirs, forward=False)
+    assert ours.steps.dtype == torch.int64
+    assert ours.layers[1].mlp.up_proj.weight.dtype == getattr(torch, str(dtype).split(".")[-1])
+
+
+def test_materialized_model_is_filled_in_place_of_its_values(checkpoint):
+    torch.manual_seed(123)
+    model = Tiny()  # real, random weights
+    tft.load_checkpoint_and_dispatch(model, checkpoint["single"])
+    _assert_same_model(model, checkpoint["ref"])
+
+
+def test_missing_tensor_is_an_error_naming_it_unless_initialised(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.1.mlp.up_proj.weight"]
+    path = str(tmp_path / "missing.safetensors")
+    save_file(sd, path)
+    with pytest.raises(tensorferry.InvalidArgumentError, match="layers.1.mlp.up_proj.weight"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), path)
+
+    seen = []
+
+    def fill(name, tensor):
+        seen.append(name)
+        tensor.fill_(0.25)
+
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), path, init_missing=fill)
+    assert seen == ["layers.1.mlp.up_proj.weight"]
+    assert torch.all(m.layers[1].mlp.up_proj.weight == 0.25)
+    assert torch.equal(m.layers[1].mlp.gate_proj.weight, checkpoint["ref"].layers[1].mlp.gate_proj.weight)
+
+    with pytest.raises(tensorferry.InvalidArgumentError, match=r"\(Linear\) has no init_fn"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), path, init_missing="init_fn")
+
+
+def test_reset_parameters_initialises_before_the_reads(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.0.norm.weight"]  # LayerNorm.reset_parameters sets weight 1, bias 0
+    path = str(tmp_path / "norm.safetensors")
+    save_file(sd, path)
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), path, init_missing="reset_parameters")
+    assert torch.all(m.layers[0].norm.weight == 1.0)
+    # The bias is the file's, not reset_parameters' zeros.
+    assert torch.equal(m.layers[0].norm.bias, checkpoint["ref"].layers[0].norm.bias)
+
+
+def test_unexpected_and_mismatched_tensors(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    sd["extra.weight"] = torch.zeros(2)
+    path = str(tmp_path / "extra.safetensors")
+    save_file(sd, path)
+    with pytest.raises(tensorferry.InvalidArgumentError, match="extra.weight"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), path)
+    with pytest.warns(UserWarning, match="extra.weight"):
+        m = tft.load_checkpoint_and_dispatch(_meta_model(), path, strict=False)
+    _assert_same_model(m, checkpoint["ref"])
+
+    sd = load_file(checkpoint["single"])
+    sd["layers.0.mlp.down_proj.weight"] = torch.zeros(HIDDEN, INTER + 1)
+    path = str(tmp_path / "shape.safetensors")
+    save_file(sd, path)
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match=r"size mismatch for layers.0.mlp.down_proj.weight.*\[32, 49\]"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), path)
+
+
+def test_disk_offload_is_refused_naming_it(checkpoint, tmp_path):
+    with pytest.raises(tensorferry.InvalidArgumentError, match="disk"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"],
+                                         device_map={"": "disk"})
+    with pytest.raises(tensorferry.InvalidArgumentError, match="offload_folder"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"],
+                                         offload_folder=str(tmp_path))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_materialization_recombines_to_the_full_layers(checkpoint, world):
+    """Each rank's parameters have rank-local shapes; column-parallel outputs concatenate and
+    row-parallel partial products sum to the full model's layer outputs."""
+    full = checkpoint["ref"]
+    ranks = [tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["sharded"], tp_rank=r,
+                                              tp_size=world) for r in range(world)]
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7))
+    for i in range(LAYERS):
+        fa, fm = full.layers[i].self_attn, full.layers[i].mlp
+        parts = [m.layers[i] for m in ranks]
+        assert parts[0].self_attn.q_proj.weight.shape == (HIDDEN // world, HIDDEN)
+        assert parts[0].self_attn.o_proj.weight.shape == (HIDDEN, HIDDEN // world)
+        assert parts[0].self_attn.o_proj.bias.shape == (HIDDEN,)  # replicated
+        with torch.no_grad():
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                got = torch.cat([getattr(p.self_attn, proj)(x) for p in parts], -1)
+                assert torch.allclose(got, getattr(fa, proj)(x), atol=1e-6), proj
+            # Row parallel: each rank multiplies its slice of the input; the sum is the full
+            # product, and the bias is added once.
+            h = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(i))
+            pieces = torch.tensor_split(h, world, -1)
+            partial = sum(p.self_attn.o_proj.weight @ s.T for p, s in zip(parts, pieces)).T
+            assert torch.allclose(partial + fa.o_proj.bias, fa.o_proj(h), atol=1e-5)
+            # The whole MLP: gate/up column parallel, down row parallel.
+            mlp = sum(p.mlp(x) for p in parts)
+            assert torch.allclose(mlp, fm(x), atol=1e-5)
+    # Vocab-parallel embedding, tied to the vocab-parallel lm_head: still one parameter.
+    assert ranks[1].embed_tokens.weight.shape == (VOCAB // world, HIDDEN)
+    assert ranks[1].lm_head.weight is ranks[1].embed_tokens.weight
+    assert torch.equal(ranks[1].embed_tokens.weight,
+                       torch.tensor_split(full.embed_tokens.weight, world, 0)[1])

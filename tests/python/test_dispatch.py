@@ -271,3 +271,21 @@ def test_tensor_parallel_materialization_recombines_to_the_full_layers(checkpoin
     assert ranks[1].lm_head.weight is ranks[1].embed_tokens.weight
     assert torch.equal(ranks[1].embed_tokens.weight,
                        torch.tensor_split(full.embed_tokens.weight, world, 0)[1])
+
+
+def test_host_parameters_are_writable_without_touching_the_file(checkpoint):
+    """Host tensors that keep the file's dtype are copy-on-write views of the file's mapping:
+    writing them changes the model, never the file."""
+    with open(checkpoint["single"], "rb") as f:
+        before = f.read()
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], device_map="cpu")
+    with torch.no_grad():
+        m.layers[0].mlp.up_proj.weight.mul_(2)
+        m.embed_tokens.weight.zero_()
+    assert torch.equal(m.layers[0].mlp.up_proj.weight,
+                       checkpoint["ref"].layers[0].mlp.up_proj.weight * 2)
+    assert torch.all(m.lm_head.weight == 0)  # still tied
+    with open(checkpoint["single"], "rb") as f:
+        assert f.read() == before
+    again = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"])
+    _assert_same_model(again, checkpoint["ref"])

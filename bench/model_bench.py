@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""A model, not a state dict: transformers' LlamaForCausalLM built on the meta device from a config
+matching the checkpoint (accelerate's init_empty_weights), then filled by
+tensorferry.torch.load_checkpoint_and_dispatch and by accelerate.load_checkpoint_and_dispatch, with
+the same device map and dtype, in the same run (issue 14's first target).
+
+    .venv/bin/python bench/model_bench.py                       # data/default, 3 repeats
+    .venv/bin/python bench/model_bench.py data/small --repeats 5 --json /tmp/model.json
+
+The checkpoint is made with `tensorferry gen DIR --metadata format=pt` when absent (accelerate
+refuses safetensors files without that metadata). Each contender runs in a child process of its
+own, alternating, so that page cache and allocator state are alike: the model is built on the meta
+device (untimed), then the call is timed until it returns and every page of every parameter
+has been touched once (a model backed by a file mapping is read at first use; "call" is the
+call alone). Peak RSS is the child's
+VmHWM when the call returned minus its RSS before the call, beside the model's bytes; the parameters of the
+two results are compared (checksum of every parameter's bytes) and must agree.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.join(ROOT, "build", "release", "bin", "tensorferry")
+
+
+def config_of(path):
+    """A LlamaConfig whose parameters are exactly the checkpoint's tensors."""
+    import tensorferry
+    from transformers import LlamaConfig
+    with tensorferry.Loader(path) as loader:
+        shapes = {o.name: list(o.shape) for o in loader._describe()}
+    vocab, hidden = shapes["model.embed_tokens.weight"]
+    inter = shapes["model.layers.0.mlp.gate_proj.weight"][0]
+    layers = 1 + max(int(n.split(".")[2]) for n in shapes if n.startswith("model.layers."))
+    q = shapes["model.layers.0.self_attn.q_proj.weight"][0]
+    kv = shapes["model.layers.0.self_attn.k_proj.weight"][0]
+    head_dim = 128 if hidden % 128 == 0 and q % 128 == 0 else 64
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=q // head_dim,
+                       num_key_value_heads=kv // head_dim, head_dim=head_dim,
+                       tie_word_embeddings="lm_head.weight" not in shapes)
+
+
+def child(args):
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+    config = config_of(args.path)
+    with init_empty_weights():
+        model = LlamaForCausalLM(config)
+    dtype = getattr(torch, args.dtype)
+    rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    start = time.perf_counter()
+    if args.child == "tensorferry":
+        import tensorferry.torch
+        model = tensorferry.torch.load_checkpoint_and_dispatch(
+            model, args.path, device_map=args.device_map, dtype=dtype,
+            no_split_module_classes=["LlamaDecoderLayer"])
+    else:
+        import accelerate
+        model = accelerate.load_checkpoint_and_dispatch(
+            model, args.path, device_map=args.device_map, dtype=dtype,
+            no_split_module_classes=["LlamaDecoderLayer"])
+    seconds = time.perf_counter() - start
+    # Ready means in memory: touch one byte of every page of every tensor (a loader may hand out
+    # views of a file mapping whose pages are read at first use).
+    for p in model.state_dict().values():
+        if p.numel():
+            int(p.reshape(-1).view(torch.uint8)[::4096].sum())
+    touched = time.perf_counter() - start
+    peak = _hwm()  # before the checksum below allocates anything
+    nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    checksum = 0
+    for name, p in sorted(model.state_dict().items()):
+        checksum = (checksum * 1_000_003 + int(p.reshape(-1).view(torch.uint8)
+                                              .sum(dtype=torch.int64))) % (1 << 61)
+    print(json.dumps({"seconds": touched, "call_seconds": seconds, "bytes": nbytes, "checksum": checksum,
+                      "rss_before": rss0, "peak_rss": peak}))
+
+
+def _hwm():
+    """The process's peak RSS so far (VmHWM), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default="data/default")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device-map", default="cpu",
+                   help="a device ('cpu') or a strategy ('auto', 'sequential')")
+    p.add_argument("--modes", default="warm,cold",
+                   help="warm: files read through first; cold: evicted (posix_fadvise) first")
+    p.add_argument("--json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        if args.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            args.device_map = {"": args.device_map}
+        child(args)
+        return
+    if not os.path.exists(os.path.join(args.path, "model.safetensors.index.json")):
+        preset = os.path.basename(args.path.rstrip("/"))
+        preset = preset if preset in ("tiny", "small", "default", "large") else "default"
+        subprocess.run([CLI, "gen", args.path, "--preset", preset, "--metadata", "format=pt"],
+                       check=True)
+    print(f"# {args.path}; dtype {args.dtype}; device_map {args.device_map}; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _pagecache import evict, warm
+    files = [os.path.join(args.path, f) for f in sorted(os.listdir(args.path))
+             if f.endswith(".safetensors")]
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = measure(args, mode, files, evict, warm)
+    result = {"path": args.path, "dtype": args.dtype, "device_map": args.device_map,
+              "modes": results, "load_after": os.getloadavg()[0]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    sums = {t["checksum"] for m in results.values() for ts in m.values() for t in ts}
+    if len(sums) != 1:
+        sys.exit("parameters differ between the contenders")
+
+
+def measure(args, mode, files, evict, warm):
+    runs = {"tensorferry": [], "accelerate": []}
+    for r in range(args.repeats):
+        order = ["tensorferry", "accelerate"] if r % 2 == 0 else ["accelerate", "tensorferry"]
+        for name in order:
+            left = evict(files, empty=0.0) if mode == "cold" else warm(files, empty=0.0)
+            # Fresh children: the peak RSS of each is its own (resource.RUSAGE_CHILDREN would
+            # mix them), taken from /proc by the child before the call and wait4 after.
+            t = run_child_rss(args, name)
+            runs[name].append(t)
+            print(f"  {mode} round {r + 1} {name:12s} (cached {left:.0%}) {t['seconds']:7.2f} s (call {t['call_seconds']:.2f} s)  "
+                  f"{t['bytes'] / t['seconds'] / 1e9:5.2f} GB/s  peak RSS +"
+                  f"{(t['maxrss'] - t['rss_before']) / 2**20:7.0f} MiB", flush=True)
+    print(f"{mode}: {'contender':14s} {'s':>7s} {'GB/s':>6s} {'peak RSS over start':>20s}  "
+          "model bytes")
+    for name, ts in runs.items():
+        s = statistics.median(t["seconds"] for t in ts)
+        rss = statistics.median(t["maxrss"] - t["rss_before"] for t in ts)
+        print(f"{mode}: {name:14s} {s:7.2f} {ts[0]['bytes'] / s / 1e9:6.2f} {rss / 2**20:16.0f} MiB"
+              f"  {ts[0]['bytes'] / 2**20:.0f} MiB")
+    ratio = (statistics.median(t["seconds"] for t in runs["accelerate"]) /
+             statistics.median(t["seconds"] for t in runs["tensorferry"]))
+    same = len({t["checksum"] for ts in runs.values() for t in ts}) == 1
+    print(f"{mode}: tensorferry is {ratio:.2f}x accelerate; parameters "
+          f"{'identical' if same else 'DIFFER'}; load {os.getloadavg()[0]:.2f}", flush=True)
+    return runs
+
+
+def run_child_rss(args, name):
+    cmd = [sys.executable, os.path.abspath(__file__), args.path, "--child", name,
+           "--dtype", args.dtype, "--device-map", args.device_map]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = proc.stdout.read()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        sys.exit(f"{name} failed: {err.strip().splitlines()[-1] if err.strip() else '?'}")
+    got = json.loads(out.strip().splitlines()[-1])
+    got["maxrss"] = got["peak_rss"]  # VmHWM when the call returned (wait4's includes the check)
+    return got
+
+
+if __name__ == "__main__":
+    main()

@@ -183,32 +183,17 @@ def child(args):
                 for k, t in streamer.get_tensors():
                     out[k] = t.to("cuda", non_blocking=True)
             return out
-    elif name == "pageable h2d":
+    elif name in ("pinned h2d", "pageable h2d"):
+        pinned = name == "pinned h2d"
         total = sum(os.path.getsize(f) for f in files)
         n = min(total, 4 << 30)
-        host = torch.empty(n, dtype=torch.uint8)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
         host.fill_(1)
         runs = []
         for _ in range(args.repeats):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dev = host.to("cuda")
-            torch.cuda.synchronize()
-            runs.append({"seconds": time.perf_counter() - t0, "bytes": n})
-            del dev
-            torch.cuda.empty_cache()
-        print(json.dumps({"loader": name, "runs": {"warm": runs}}))
-        return
-    elif name == "pinned h2d":
-        total = sum(os.path.getsize(f) for f in files)
-        n = min(total, 4 << 30)
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        host.fill_(1)
-        runs = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dev = host.to("cuda", non_blocking=True)
+            dev = host.to("cuda", non_blocking=pinned)
             torch.cuda.synchronize()
             runs.append({"seconds": time.perf_counter() - t0, "bytes": n})
             del dev

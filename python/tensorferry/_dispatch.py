@@ -17,12 +17,14 @@ The order of the work:
   6. accelerate's dispatch_model when a device map was given (hooks for multi-device maps), as
      accelerate's load_checkpoint_and_dispatch does.
 """
+import os
 import warnings
 
 import torch
 
 from . import _core
 from ._loader import Loader
+from ._safe_open import is_url
 
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -90,10 +92,6 @@ def _device_for(name, resolved):
     if best is None:
         raise _core.InvalidArgumentError(f"device_map places no prefix of {name!r}")
     return best
-
-
-def _is_url(path):
-    return str(path).startswith(("s3://", "http://", "https://"))
 
 
 def _owner(model, name):
@@ -244,6 +242,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     # keep the file's dtype are not allocated: they become views of the file's mapping below
     # (copy-on-write, so they stay writable), as safetensors' and accelerate's are.
     cpu = torch.device("cpu")
+    mappable = not tp and not is_url(os.fspath(checkpoint))
     mapped = []
     for g in present:
         o = described[g.source]
@@ -254,7 +253,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 f"size mismatch for {g.source}: the checkpoint has shape {list(shape)}, the model "
                 f"{list(g.tensor.shape)}")
         want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
-        if want == g.file_dtype and device_of(g) == cpu and not tp and not _is_url(checkpoint):
+        if mappable and want == g.file_dtype and device_of(g) == cpu:
             mapped.append(g)
             continue
         g.target = torch.empty(shape, dtype=want, device=device_of(g))
@@ -300,7 +299,8 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             g.target = views.pop(g.source)
             put(g)
         del views
-    reading = [g for g in present if g not in mapped]
+    mapped_ids = {id(g) for g in mapped}
+    reading = [g for g in present if id(g) not in mapped_ids]
     direct = {g.source: g.target.data for g in reading if g.target.dtype == g.file_dtype}
     converted = [g for g in reading if g.target.dtype != g.file_dtype]
     if direct:

@@ -1,11 +1,19 @@
 #!/usr/bin/env python3
-"""A model, not a state dict: transformers' LlamaForCausalLM built on the meta device from a config
+"""A model, not a state dict, two flows (issue 14's targets), each contender in the same run:
+
+--flow dispatch (default): transformers' LlamaForCausalLM built on the meta device from a config
 matching the checkpoint (accelerate's init_empty_weights), then filled by
 tensorferry.torch.load_checkpoint_and_dispatch and by accelerate.load_checkpoint_and_dispatch, with
-the same device map and dtype, in the same run (issue 14's first target).
+the same device map and dtype.
+
+--flow from_pretrained: transformers' AutoModelForCausalLM.from_pretrained(path, dtype=...) as is
+("transformers") and inside tensorferry.transformers.loading() ("tensorferry"); the config.json
+(matching the checkpoint) is written beside the files when absent. transformers' modules are
+imported before the clock starts (both pay the same import time).
 
     .venv/bin/python bench/model_bench.py                       # data/default, 3 repeats
     .venv/bin/python bench/model_bench.py data/small --repeats 5 --json /tmp/model.json
+    .venv/bin/python bench/model_bench.py /var/tmp/model-default --flow from_pretrained
 
 The checkpoint is made with `tensorferry gen DIR --metadata format=pt` when absent (accelerate
 refuses safetensors files without that metadata). Each contender runs in a child process of its
@@ -47,6 +55,8 @@ def config_of(path):
 
 
 def child(args):
+    if args.flow == "from_pretrained":
+        return child_from_pretrained(args)
     import torch
     from accelerate import init_empty_weights
     from transformers import LlamaForCausalLM
@@ -66,6 +76,31 @@ def child(args):
         model = accelerate.load_checkpoint_and_dispatch(
             model, args.path, device_map=args.device_map, dtype=dtype,
             no_split_module_classes=["LlamaDecoderLayer"])
+    report(model, start, rss0)
+
+
+def child_from_pretrained(args):
+    import torch
+    import transformers
+    import transformers.core_model_loading  # noqa: F401  imported before the clock starts
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM
+    import tensorferry.transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dtype = getattr(torch, args.dtype)
+    rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    start = time.perf_counter()
+    if args.child == "tensorferry":
+        with tensorferry.transformers.loading():
+            model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype)
+    report(model, start, rss0)
+
+
+def report(model, start, rss0):
+    import torch
     seconds = time.perf_counter() - start
     # Ready means in memory: touch one byte of every page of every tensor (a loader may hand out
     # views of a file mapping whose pages are read at first use).
@@ -102,6 +137,7 @@ def main():
                    help="a device ('cpu') or a strategy ('auto', 'sequential')")
     p.add_argument("--modes", default="warm,cold",
                    help="warm: files read through first; cold: evicted (posix_fadvise) first")
+    p.add_argument("--flow", choices=("dispatch", "from_pretrained"), default="dispatch")
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -115,7 +151,11 @@ def main():
         preset = preset if preset in ("tiny", "small", "default", "large") else "default"
         subprocess.run([CLI, "gen", args.path, "--preset", preset, "--metadata", "format=pt"],
                        check=True)
-    print(f"# {args.path}; dtype {args.dtype}; device_map {args.device_map}; "
+    if args.flow == "from_pretrained" and not os.path.exists(os.path.join(args.path, "config.json")):
+        config = config_of(args.path)
+        config.dtype = args.dtype
+        config.save_pretrained(args.path)
+    print(f"# {args.path}; flow {args.flow}; dtype {args.dtype}; device_map {args.device_map}; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _pagecache import evict, warm
@@ -124,7 +164,8 @@ def main():
     results = {}
     for mode in args.modes.split(","):
         results[mode] = measure(args, mode, files, evict, warm)
-    result = {"path": args.path, "dtype": args.dtype, "device_map": args.device_map,
+    result = {"path": args.path, "flow": args.flow, "dtype": args.dtype,
+              "device_map": args.device_map,
               "modes": results, "load_after": os.getloadavg()[0]}
     if args.json:
         with open(args.json, "w") as f:
@@ -135,9 +176,10 @@ def main():
 
 
 def measure(args, mode, files, evict, warm):
-    runs = {"tensorferry": [], "accelerate": []}
+    other = "transformers" if args.flow == "from_pretrained" else "accelerate"
+    runs = {"tensorferry": [], other: []}
     for r in range(args.repeats):
-        order = ["tensorferry", "accelerate"] if r % 2 == 0 else ["accelerate", "tensorferry"]
+        order = ["tensorferry", other] if r % 2 == 0 else [other, "tensorferry"]
         for name in order:
             left = evict(files, empty=0.0) if mode == "cold" else warm(files, empty=0.0)
             # Fresh children: the peak RSS of each is its own (resource.RUSAGE_CHILDREN would
@@ -154,17 +196,17 @@ def measure(args, mode, files, evict, warm):
         rss = statistics.median(t["maxrss"] - t["rss_before"] for t in ts)
         print(f"{mode}: {name:14s} {s:7.2f} {ts[0]['bytes'] / s / 1e9:6.2f} {rss / 2**20:16.0f} MiB"
               f"  {ts[0]['bytes'] / 2**20:.0f} MiB")
-    ratio = (statistics.median(t["seconds"] for t in runs["accelerate"]) /
+    ratio = (statistics.median(t["seconds"] for t in runs[other]) /
              statistics.median(t["seconds"] for t in runs["tensorferry"]))
     same = len({t["checksum"] for ts in runs.values() for t in ts}) == 1
-    print(f"{mode}: tensorferry is {ratio:.2f}x accelerate; parameters "
+    print(f"{mode}: tensorferry is {ratio:.2f}x {other}; parameters "
           f"{'identical' if same else 'DIFFER'}; load {os.getloadavg()[0]:.2f}", flush=True)
     return runs
 
 
 def run_child_rss(args, name):
     cmd = [sys.executable, os.path.abspath(__file__), args.path, "--child", name,
-           "--dtype", args.dtype, "--device-map", args.device_map]
+           "--dtype", args.dtype, "--device-map", args.device_map, "--flow", args.flow]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = proc.stdout.read()
     err = proc.stderr.read()

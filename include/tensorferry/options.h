@@ -95,6 +95,19 @@ struct LoadOptions {
   // mmap engine: pre-fault every mapped page during the load (MAP_POPULATE-like, in parallel) so
   // first access costs nothing; false: pages are read on first touch.
   bool populate = false;
+  // Host memory the copying engines may fill with tensor data (TENSORFERRY_MEMORY_LIMIT): 0
+  // (default) = 3/4 of what this process may still allocate when the Loader opens
+  // (memory_limit.h: the memory cgroup's limit less its unreclaimable usage, and MemAvailable);
+  // a size = that many bytes; "off" (UINT64_MAX) = no check. Applies when `budget` is 0 and the
+  // host is the target: a selection larger than the limit is then loaded under a budget of the
+  // limit (allow_oversized), so Stream completes and Load fails before reading anything with
+  // kBudgetExceeded naming the limit and suggesting a budget. The mmap engine is exempt (its
+  // tensors are page-cache pages the kernel can reclaim), as are device targets.
+  uint64_t memory_limit = 0;
+  // After each load, ask the kernel to drop the files it read from the page cache
+  // (posix_fadvise DONTNEED; TENSORFERRY_DROP_CACHE), for servers that want that memory back.
+  // Not with the mmap engine, whose tensors are those pages (a mapped page is not dropped).
+  bool drop_cache = false;
   Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
   // Cancellation: a flag the caller may set from any thread while a load runs. Host reads not yet
   // started are not started (those in flight finish: at most one chunk per worker), no further
@@ -149,13 +162,14 @@ struct LoadOptions {
   // as their Parse* functions read them; counts (threads, queue_depth, device_producers, tp_rank,
   // tp_size) as decimal digits; sizes (chunk_size, budget, pool_bytes, staging_bytes,
   // staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB", "1GiB", "4096");
-  // booleans (allow_oversized, populate) as 1/0, on/off, true/false, yes/no; shard_rules as
-  // "builtin", "none" or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin
-  // rules) when unset; tp_rank and tp_size must both be set (Validated checks). shard_max_gap also
-  // turns exact_when_cached off (an explicit gap applies to every file). An empty value is an
-  // error. Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of
-  // the field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds
-  // its own spelling of the key as context (SetContext). On error the options are unchanged.
+  // memory_limit as a size or "off"; booleans (allow_oversized, populate, drop_cache) as 1/0,
+  // on/off, true/false, yes/no; shard_rules as "builtin", "none" or ShardSpec JSON. A tp_* or
+  // shard_* key creates `tensor_parallel` (builtin rules) when unset; tp_rank and tp_size must both
+  // be set (Validated checks). shard_max_gap also turns exact_when_cached off (an explicit gap
+  // applies to every file). An empty value is an error. Errors: kInvalidArgument "<key> = <value>
+  // <why>" (unknown key, bad value, a value out of the field's range, 0 for chunk_size,
+  // queue_depth, staging_bytes, staging_slot); the edge adds its own spelling of the key as context
+  // (SetContext). On error the options are unchanged.
   Status Set(std::string_view key, std::string_view value);
   // For typed edges: the shard spec itself (creates `tensor_parallel` as the tp_* keys do).
   void SetShardSpec(ShardSpec spec);

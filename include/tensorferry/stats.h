@@ -22,7 +22,11 @@ struct LoadStats {
   uint64_t peak_budget_bytes = 0;  // highest bytes held against the budget
   uint64_t buffers_reused = 0;
   uint64_t buffers_allocated = 0;
-  std::string engine;           // the engine that ran ("pread", "io_uring", "mmap")
+  std::string engine;  // the engine that ran ("pread", "io_uring", "mmap")
+  // The budget the loader set itself because no budget was given and the checkpoint exceeds the
+  // host memory this process may use (LoadOptions::memory_limit), with where that limit came
+  // from; "" when the caller's budget (or none) applied.
+  std::string memory_budget;
   uint64_t direct_files = 0;    // files read with O_DIRECT
   uint64_t direct_bytes = 0;    // bytes read with O_DIRECT (the rest went through the page cache)
   uint64_t buffered_files = 0;  // files read through the page cache
@@ -63,6 +67,7 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("buffers_reused", s.buffers_reused);
   visit("buffers_allocated", s.buffers_allocated);
   visit("engine", s.engine);
+  visit("memory_budget", s.memory_budget);
   visit("direct_files", s.direct_files);
   visit("direct_bytes", s.direct_bytes);
   visit("buffered_files", s.buffered_files);

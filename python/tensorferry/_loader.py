@@ -152,6 +152,15 @@ class Loader:
         select: which tensors: None (all), a name, a list of names, or a predicate on the name
             (e.g. tensorferry.layers(0, 3)).
         framework: "pt" (torch tensors, default) or "np" (numpy arrays).
+        memory_limit: without a budget, host memory the copying engines ("pread", "io_uring",
+            "auto") may fill: a size, or "off"; default: 3/4 of what this process may use (the
+            memory cgroup's limit less its unreclaimable usage, and MemAvailable). A selection
+            larger than that streams under a budget of that size (stats.memory_budget says so),
+            and load() fails before reading with BudgetExceededError naming the limit instead of
+            the process being OOM-killed. The mmap engine is exempt (page-cache pages).
+        drop_cache: after each load, drop the files read from the page cache (posix_fadvise
+            DONTNEED), for servers that want that memory back; not with the mmap engine, whose
+            tensors are those pages.
         direct, chunk_size, queue_depth, order, populate, allow_oversized, pool_bytes: the other
             fields of tensorferry::LoadOptions (None: the default, or its TENSORFERRY_*
             environment variable).
@@ -184,7 +193,8 @@ class Loader:
                  order=None, populate=None, allow_oversized=None, pool_bytes=None,
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
-                 shard_max_gap=None, process_group=None, storage_options=None):
+                 shard_max_gap=None, process_group=None, storage_options=None,
+                 memory_limit=None, drop_cache=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -211,6 +221,8 @@ class Loader:
             "order": order,
             "pool_bytes": pool_bytes,
             "populate": populate,
+            "memory_limit": memory_limit,
+            "drop_cache": drop_cache,
             # Always explicit: the Python default is the host, whatever TENSORFERRY_DEVICE says.
             "device": core_device or "cpu",
             "placement": placement,

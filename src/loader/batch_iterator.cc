@@ -8,6 +8,7 @@
 
 #include "loader/loader_impl.h"
 #include "tensorferry/mapping.h"
+#include "tensorferry/residency.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -94,8 +95,9 @@ struct BatchIterator::State {
     stats.peak_budget_bytes = m->budget->peak();
   }
 
-  // The totals of a load that reached its end.
-  void Finish() {
+  // The totals of a load that reached its end; with drop_cache, its files dropped from the page
+  // cache.
+  Status Finish() {
     LoadStats& stats = m->stats;
     stats.seconds = std::chrono::duration<double>(Clock::now() - start - idle).count();
     stats.peak_budget_bytes = m->budget->peak();
@@ -113,6 +115,20 @@ struct BatchIterator::State {
     }
     m->CollectDeviceStats(pipeline0);
     m->CollectSourceStats(source0);
+    if (!m->options.drop_cache || m->engine_kind == Engine::kMmap ||
+        m->checkpoint->file_set()->source()->hints().concurrency > 0) {
+      return Status::Ok();  // mapped pages are the tensors; object storage has no page cache
+    }
+    std::vector<bool> read(m->checkpoint->files().size(), false);
+    for (const Group& g : groups) {
+      for (const PlanBatch& b : g.plan.batches) {
+        for (const ReadTask& t : b.tasks) read[t.file] = true;
+      }
+    }
+    for (size_t f = 0; f < read.size(); ++f) {
+      if (read[f]) TF_RETURN_IF_ERROR(DropFromPageCache(m->checkpoint->files()[f].path));
+    }
+    return Status::Ok();
   }
 };
 
@@ -127,7 +143,7 @@ Result<std::optional<Batch>> BatchIterator::Next() {
   if (s.returned_at && !s.returned_overlapped) s.idle += Clock::now() - *s.returned_at;
   if (s.k == s.order.size()) {
     s.over = true;
-    s.Finish();
+    TF_RETURN_IF_ERROR(s.Finish());
     return std::optional<Batch>();
   }
   Result<Batch> current = s.Take();
@@ -148,6 +164,7 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   Impl& m = *impl_;
   m.stats = LoadStats();
   m.stats.engine = std::string(EngineName(m.engine_kind));
+  m.stats.memory_budget = m.memory_note;
   auto s = std::make_unique<BatchIterator::State>();
   s->m = &m;
   s->start = Clock::now();

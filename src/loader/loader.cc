@@ -19,7 +19,9 @@
 #include "loader/loader_impl.h"
 #include "memory/host_buffer.h"
 #include "sink/sink.h"
+#include "tensorferry/memory_limit.h"
 #include "tensorferry/residency.h"
+#include "tensorferry/size.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -287,11 +289,29 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   } else if (kind == Engine::kPread) {
     TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(impl->options.threads));
   }  // kMmap copies nothing: no read engine
+  // No budget, host tensors in memory the copying engines fill: a selection larger than the
+  // memory this process may use is loaded under a budget of that much (LoadOptions::memory_limit).
+  if (options.budget == 0 && kind != Engine::kMmap && !options.device.is_cuda() &&
+      !options.placement && options.memory_limit != UINT64_MAX) {
+    uint64_t limit = options.memory_limit;
+    std::string where = "the memory_limit option";
+    if (limit == 0) {
+      const MemoryLimit m = ReadMemoryLimit();
+      const uint64_t available = m.Available();
+      limit = available == UINT64_MAX ? 0 : available / 4 * 3;
+      where = "3/4 of what this process may use: " + m.Describe();
+    }
+    if (limit > 0 && impl->checkpoint->total_tensor_bytes() > limit) {
+      impl->options.budget = limit;
+      impl->options.allow_oversized = true;
+      impl->memory_note = FormatBytes(limit) + " (" + where + ")";
+    }
+  }
   // Under a budget, cached buffers count against memory too: keep no more than the budget.
+  const uint64_t budget = impl->options.budget;
   impl->pool = memory::BufferPool::Create(
-      options.budget > 0 ? std::min(options.pool_bytes, options.budget + (2u << 20))
-                         : options.pool_bytes);
-  impl->budget = memory::Budget::Create(options.budget);
+      budget > 0 ? std::min(options.pool_bytes, budget + (2u << 20)) : options.pool_bytes);
+  impl->budget = memory::Budget::Create(budget);
   if (options.device.is_cuda() && !options.placement) {
     // A CUDA target is checked now (runtime, device, staging options, GDS when forced), and its
     // pipeline made once for every later load.
@@ -349,6 +369,16 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
       const uint64_t total = std::max(g.plan.tensor_bytes, g.plan.read_bytes);
       const uint64_t limit =
           dev.is_cpu() ? (host_budget ? m.options.budget : 0) : m.options.device_budget;
+      if (limit > 0 && total > limit && dev.is_cpu() && !m.memory_note.empty()) {
+        const std::string half = std::to_string(std::max<uint64_t>(limit / 2 >> 20, 1)) + "MiB";
+        return Status(Code::kBudgetExceeded,
+                      "Load returns every tensor at once: " + FormatBytes(total) +
+                          " of tensors exceed the host memory limit of " + m.memory_note +
+                          "; load batch by batch under a budget (Loader::Stream with budget " +
+                          half + "; Python Loader(path, budget=\"" + half +
+                          "\").iter_batches(); tensorferry load --budget " + half +
+                          ") or map the files (engine mmap)");
+      }
       if (limit > 0 && total > limit) {
         return Status(Code::kBudgetExceeded,
                       "Load returns every tensor at once: " + std::to_string(total) +

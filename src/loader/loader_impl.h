@@ -26,6 +26,9 @@ using Clock = std::chrono::steady_clock;
 struct Loader::Impl {
   std::shared_ptr<const Checkpoint> checkpoint;
   LoadOptions options;
+  // Set when options.budget came from the memory this process may use (LoadOptions::memory_limit):
+  // the limit and where it came from, for Load's error.
+  std::string memory_note;
   Engine engine_kind = Engine::kPread;  // resolved (never kAuto)
   std::unique_ptr<io::ReadEngine> engine;
   std::shared_ptr<memory::BufferPool> pool;

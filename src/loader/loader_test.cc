@@ -13,6 +13,8 @@
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "tensorferry/mapping.h"
+#include "tensorferry/residency.h"
+#include "tensorferry/size.h"
 #include "tensorferry/writer.h"
 #include "testing/shard_fixture.h"
 #include "testing/test_util.h"
@@ -100,6 +102,76 @@ TEST(Loader, LoadsEveryTensorByteExact) {
       EXPECT_EQ((*loader)->stats().tensors, f.tensors.size());
     }
   }
+}
+
+// LoadOptions::memory_limit: with no budget, a checkpoint larger than the memory the process may
+// use streams under a budget of that much, and Load refuses before reading, naming the limit.
+TEST(Loader, MemoryLimitBoundsLoadsWithoutABudget) {
+  Fixture f(8, 1u << 30, 200);
+  const uint64_t total = f.total;
+  const uint64_t limit = total / 4;
+  for (Engine engine : {Engine::kPread, Engine::kIoUring}) {
+    LoadOptions o;
+    o.engine = engine;
+    o.memory_limit = limit;
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    auto refused = loader->Load();
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), Code::kBudgetExceeded);
+    EXPECT_NE(refused.status().message().find("host memory limit of " + FormatBytes(limit) +
+                                              " (the memory_limit option)"),
+              std::string::npos)
+        << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("--budget"), std::string::npos);
+    EXPECT_EQ(loader->stats().bytes_read, 0u);
+    size_t tensors = 0;
+    const Status s = loader->Stream(Selection::All(), [&](Batch b) {
+      for (const Tensor& t : b.tensors) {
+        EXPECT_EQ(Bytes(t), f.Full(t.name())) << t.name();
+        ++tensors;
+      }
+      return Status::Ok();
+    });
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(tensors, f.tensors.size());
+    EXPECT_GT(loader->stats().batches, 1u);
+    EXPECT_LE(loader->stats().peak_budget_bytes, limit);
+  }
+  // A selection that fits, "off", the mmap engine and an explicit budget are not affected.
+  LoadOptions fits;
+  fits.engine = Engine::kPread;
+  fits.memory_limit = total * 2;
+  EXPECT_TRUE(Loader::Open(f.dir.path(), fits).value()->Load().ok());
+  LoadOptions off = fits;
+  ASSERT_TRUE(off.Set("memory_limit", "off").ok());
+  EXPECT_TRUE(Loader::Open(f.dir.path(), off).value()->Load().ok());
+  LoadOptions mapped;
+  mapped.engine = Engine::kMmap;
+  mapped.memory_limit = limit;
+  EXPECT_TRUE(Loader::Open(f.dir.path(), mapped).value()->Load().ok());
+  LoadOptions budgeted;
+  budgeted.engine = Engine::kPread;
+  budgeted.memory_limit = limit;
+  budgeted.budget = total;
+  EXPECT_TRUE(Loader::Open(f.dir.path(), budgeted).value()->Load().ok());
+}
+
+// LoadOptions::drop_cache: the files a load read leave the page cache when it ends.
+TEST(Loader, DropCacheEvictsTheFilesRead) {
+  Fixture f(4, 1u << 30, 200);
+  const std::string path = f.dir.Join("model.safetensors");
+  LoadOptions o;
+  o.engine = Engine::kPread;
+  o.direct = DirectIO::kOff;
+  auto warm = Loader::Open(f.dir.path(), o).value()->Load();
+  ASSERT_TRUE(warm.ok());
+  ASSERT_GT(*CachedFraction(path), 0.9);  // buffered reads leave it cached
+  o.drop_cache = true;
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  auto tensors = loader->Load();
+  ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+  for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), f.Full(t.name()));
+  EXPECT_LT(*CachedFraction(path), 0.1);
 }
 
 TEST(Loader, TensorsOutliveLoaderAndCheckpoint) {

@@ -35,6 +35,8 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"order", "layer"},
                                  {"pool_bytes", "0"},
                                  {"populate", "true"},
+                                 {"memory_limit", "3GiB"},
+                                 {"drop_cache", "1"},
                                  {"device", "cuda:1"},
                                  {"gds", "off"},
                                  {"staging_bytes", "32MiB"},
@@ -70,6 +72,11 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.order, DeliveryOrder::kLayer);
   EXPECT_EQ(o.pool_bytes, 0u);
   EXPECT_TRUE(o.populate);
+  EXPECT_EQ(o.memory_limit, 3ull << 30);
+  EXPECT_TRUE(o.drop_cache);
+  LoadOptions off;
+  EXPECT_TRUE(off.Set("memory_limit", "off").ok());
+  EXPECT_EQ(off.memory_limit, UINT64_MAX);
   EXPECT_EQ(o.device, (Device{DeviceKind::kCUDA, 1}));
   EXPECT_EQ(o.gds, GdsMode::kOff);
   EXPECT_EQ(o.staging_bytes, 32u << 20);
@@ -102,7 +109,7 @@ TEST(LoadOptionsSet, EveryKey) {
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 35u);
+  EXPECT_EQ(keys.size(), 37u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
@@ -125,6 +132,8 @@ TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
                         Case{"allow_oversized", "sure", "is not a boolean"},
                         Case{"order", "random", "order = random: unknown order"},
                         Case{"populate", "auto", "is not a boolean"},
+                        Case{"memory_limit", "lots", "memory_limit = lots is not a size"},
+                        Case{"drop_cache", "maybe", "is not a boolean"},
                         Case{"device", "tpu", "device = tpu"},
                         Case{"gds", "always", "gds = always"},
                         Case{"staging_bytes", "0", "must be > 0"},

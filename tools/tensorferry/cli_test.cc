@@ -724,6 +724,29 @@ TEST(CliLoad, Errors) {
   ExpectOneLineError(RunCli({"load", dir.Join("missing")}));
 }
 
+// --memory-limit without --budget: the load streams under a budget of the limit and says so;
+// --drop-cache is accepted (its effect is tested in loader_test.cc).
+TEST(CliLoad, MemoryLimitStreamsUnderABudgetOfIt) {
+  TempDir dir;
+  GenTiny(dir.Join("c"));
+  const RunResult whole = RunCli({"load", dir.Join("c"), "--engine", "pread"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const RunResult bounded = RunCli(
+      {"load", dir.Join("c"), "--engine", "pread", "--memory-limit", "4KiB", "--drop-cache"});
+  ASSERT_EQ(bounded.exit_code, 0) << bounded.err;
+  EXPECT_NE(bounded.out.find("of a budget of 4.10 KB (the memory_limit option)"), std::string::npos)
+      << bounded.out;
+  const auto checksum = [](const std::string& out) { return out.substr(out.rfind("checksum")); };
+  EXPECT_EQ(checksum(bounded.out), checksum(whole.out));
+  const RunResult off = RunCli({"load", dir.Join("c"), "--memory-limit", "off", "--json"});
+  ASSERT_EQ(off.exit_code, 0) << off.err;
+  EXPECT_NE(off.out.find("\"memory_budget\":\"\""), std::string::npos) << off.out;
+  const RunResult bad = RunCli({"load", dir.Join("c"), "--memory-limit", "lots"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("--memory-limit: memory_limit = lots is not a size"), std::string::npos)
+      << bad.err;
+}
+
 // Every flag goes through LoadOptions::Set: the message names the flag, the key and the value,
 // as the environment's names the variable (docs/runtime_settings.md, "One options layer").
 TEST(CliLoad, OptionErrorsNameTheFlagAndTheValue) {

@@ -1,13 +1,15 @@
 // tensorferry doctor: can this process load to a GPU, and if not, why not. Prints the CUDA runtime
 // found (or every candidate tried), the devices, and whether GPUDirect Storage (cuFile) is usable
-// with the reason. Exits 0 whatever it finds: the report is the result (scripts read
-// "cuda_available" from --json).
+// with the reason; and the host memory this process may use (memory_limit.h: the memory cgroup's
+// limit, MemAvailable), which bounds loads without a budget. Exits 0 whatever it finds: the report
+// is the result (scripts read "cuda_available" from --json).
 #include <memory>
 #include <string>
 
 #include "commands.h"
 #include "json_out.h"
 #include "tensorferry/cuda.h"
+#include "tensorferry/memory_limit.h"
 #include "tensorferry/size.h"
 
 namespace tensorferry::cli {
@@ -27,9 +29,20 @@ std::string ComputeCapability(const CudaDeviceInfo& d) {
   return std::to_string(d.compute_major) + "." + std::to_string(d.compute_minor);
 }
 
-std::string Json(const CudaReport& r) {
+std::string Json(const CudaReport& r, const MemoryLimit& m) {
   JsonOut j;
   j.BeginObject();
+  j.Key("memory").BeginObject();
+  j.Field("cgroup_version", m.cgroup_version);
+  j.Field("cgroup_limit", m.cgroup_limit);
+  j.Field("cgroup_usage", m.cgroup_usage);
+  j.Field("cgroup_reclaimable", m.cgroup_reclaimable);
+  j.Field("cgroup_file", m.cgroup_file);
+  j.Field("cgroup_error", m.cgroup_error);
+  j.Field("mem_total", m.mem_total);
+  j.Field("mem_available", m.mem_available);
+  j.Field("available", m.Available() == UINT64_MAX ? uint64_t{0} : m.Available());
+  j.EndObject();
   j.Field("cuda_available", r.cuda_usable());
   j.Key("runtime").BeginObject();
   j.Field("loaded", r.runtime_loaded);
@@ -67,8 +80,8 @@ std::string Json(const CudaReport& r) {
   return j.str();
 }
 
-std::string Text(const CudaReport& r) {
-  std::string out;
+std::string Text(const CudaReport& r, const MemoryLimit& m) {
+  std::string out = "host memory: " + m.Describe() + "\n";
   if (r.runtime_loaded) {
     out += "CUDA runtime: " + r.runtime_path + " (runtime " + Version(r.runtime_version) +
            ", driver " + Version(r.driver_version) + ")\n";
@@ -106,7 +119,8 @@ int RunDoctor(const DoctorArgs& args) {
   options.query_free_memory = !args.quick;
   options.open_cufile_driver = !args.quick;
   const CudaReport report = DiagnoseDevices(options);
-  return PrintReport(args.json ? Json(report) : Text(report));
+  const MemoryLimit memory = ReadMemoryLimit();
+  return PrintReport(args.json ? Json(report, memory) : Text(report, memory));
 }
 
 }  // namespace
@@ -114,7 +128,9 @@ int RunDoctor(const DoctorArgs& args) {
 Command AddDoctorCommand(CLI::App& parent) {
   auto args = std::make_shared<DoctorArgs>();
   CLI::App* app = parent.add_subcommand(
-      "doctor", "Report the CUDA runtime, devices and GPUDirect Storage support, and why not");
+      "doctor",
+      "Report the host memory this process may use, the CUDA runtime, devices and GPUDirect "
+      "Storage support, and why not");
   app->add_flag("--json", args->json, "One JSON document");
   app->add_flag("--quick", args->quick,
                 "Skip what needs a CUDA context: free memory, opening the cuFile driver");

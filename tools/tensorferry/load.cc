@@ -39,6 +39,7 @@ struct LoadArgs {
   std::string path;
   std::map<std::string, OptionFlag> options;  // by LoadOptions::Set key
   bool populate = false;
+  bool drop_cache = false;
   bool touch = false;
   unsigned repeat = 1;
   std::string layers;  // "A-B"
@@ -117,6 +118,7 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
     if (s.ok() && !flag.value.empty()) s = SetContext(o, key, flag.value, flag.flag);
   }
   if (s.ok() && a.populate) s = o.Set("populate", "1");
+  if (s.ok() && a.drop_cache) s = o.Set("drop_cache", "1");
   if (s.ok() && a.allow_oversized) s = o.Set("allow_oversized", "1");
   if (s.ok() && !a.rules.empty()) {
     Result<ShardSpec> spec = ReadShardRules(a.rules);
@@ -297,7 +299,9 @@ std::string TextReport(const Report& r) {
       FormatBytes(stats.bytes).c_str(), stats.seconds, r.Gbps(), stats.engine.c_str(),
       stats.direct_files ? (", O_DIRECT on " + Plural(stats.direct_files, "file")).c_str() : "",
       FormatBytes(r.peak_rss).c_str(), FormatBytes(stats.peak_budget_bytes).c_str(),
-      o.budget ? (" of a " + FormatBytes(o.budget) + " budget").c_str() : "",
+      o.budget                       ? (" of a " + FormatBytes(o.budget) + " budget").c_str()
+      : !stats.memory_budget.empty() ? (" of a budget of " + stats.memory_budget).c_str()
+                                     : "",
       r.checksum.empty() ? "(skipped)" : r.checksum.c_str());
   std::string text = line;
   if (stats.remote_requests > 0) {
@@ -388,7 +392,12 @@ Command AddLoadCommand(CLI::App& parent) {
   option("threads", "I/O threads (default: one per CPU)");
   option("queue_depth", "io_uring reads in flight per thread");
   option("chunk_size", "Bytes per read task (default 8MiB)");
-  option("budget", "Most bytes of tensors held at once (default 0: unbounded)");
+  option("budget",
+         "Most bytes of tensors held at once (default 0: unbounded, unless the checkpoint exceeds "
+         "--memory-limit)");
+  option("memory_limit",
+         "Host memory the tensors may use without --budget: a size, or off (default: 3/4 of what "
+         "this process may use: the memory cgroup's limit and MemAvailable)");
   option("device",
          "Where tensors go: cpu (default), cuda or cuda:N (the checksum is then computed on a copy "
          "back to the host)");
@@ -412,6 +421,8 @@ Command AddLoadCommand(CLI::App& parent) {
   option("object_retries", "Retries per request after the first (default 6)");
   option("object_timeout_ms", "A request receiving nothing this long is retried (default 30000)");
   app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");
+  app->add_flag("--drop-cache", args->drop_cache,
+                "Drop the files read from the page cache after the load (not with --engine mmap)");
   app->add_flag("--touch", args->touch,
                 "Read one byte per page of every tensor; GB/s then counts that time too");
   app->add_option("--repeat", args->repeat,

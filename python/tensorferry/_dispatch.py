@@ -289,10 +289,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
 
     # The reads.
     if mapped:
-        # populate=False: pages are read at first use, as accelerate's and safetensors' mappings
-        # are. Populating up front measured 11x accelerate warm but 0.6x cold on the default
-        # checkpoint (docs/benchmarks.md, "Models").
-        with Loader(checkpoint, engine="mmap", populate=False, select=[g.source for g in mapped],
+        # populate=True: every page is read during the call, in parallel (each range asked for at
+        # once with MADV_WILLNEED, then faulted in with MADV_POPULATE_READ: mapped_file.cc), so
+        # the model is resident when it returns; accelerate's and safetensors' mappings are read
+        # at first use, one fault at a time (docs/benchmarks.md, "Models").
+        with Loader(checkpoint, engine="mmap", populate=True, select=[g.source for g in mapped],
                     progress=progress, **loader_kw) as loader:
             views = loader.load()
         for g in mapped:

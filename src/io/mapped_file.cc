@@ -358,6 +358,9 @@ Status PopulatePages(const std::string& path, std::byte* data, uint64_t size, si
   const uint64_t page = static_cast<uint64_t>(g_page_size);
   const uint64_t begin = offset / page * page;
   const uint64_t end = offset + length;
+  // Start reading the whole range at once (asynchronous readahead in large requests) before
+  // faulting it in: populating alone reads a readahead window at a time, waiting for each.
+  (void)::madvise(data + begin, end - begin, MADV_WILLNEED);
   if (::madvise(data + begin, end - begin, MADV_POPULATE_READ) == 0) return Status::Ok();
   const int err = errno;
   if (err == EINVAL) {

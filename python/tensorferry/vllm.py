@@ -309,6 +309,14 @@ def _make_class():
                     f"two; use at least {2 * size} bytes, \"auto\", or 0 (unbounded)")
             return budget
 
+        def _progress(self):
+            """A progress bar over bytes when vLLM asks for one, on the first rank only (as
+            vLLM's own weight iterators)."""
+            if not self.load_config.use_tqdm_on_load:
+                return False
+            import torch.distributed as dist
+            return not dist.is_initialized() or dist.get_rank() == 0
+
         def _common(self):
             o = self.options
             return {k: v for k, v in (("threads", o.threads), ("engine", o.engine),
@@ -321,7 +329,7 @@ def _make_class():
                 budget = self._budget(probe, part.checkpoint)
             loader = tensorferry.Loader(part.checkpoint, device=device, budget=budget,
                                         select=part.select,
-                                        progress=bool(self.load_config.use_tqdm_on_load),
+                                        progress=self._progress(),
                                         **self._common())
             with loader:
                 try:

@@ -281,6 +281,13 @@ def test_a_budget_below_two_of_the_largest_tensor_names_it(single):
     assert "use at least 65536 bytes" in e["message"]
 
 
+def test_a_model_keeping_its_weights_exceeds_the_budget_with_an_error_saying_so(single):
+    e = single["errors"]["hoarding_model"]
+    assert e["type"] == "BudgetExceededError"
+    assert "kept more weights alive than the budget" in e["message"]
+    assert "set it to 0 (unbounded)" in e["message"]
+
+
 def test_a_missing_tensor_is_refused_as_vllm_refuses_it(single):
     ours, theirs = single["errors"]["missing_tensor"], single["errors"]["missing_tensor_vllm"]
     assert ours == theirs

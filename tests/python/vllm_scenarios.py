@@ -176,6 +176,15 @@ def single(workdir):
         "budget_below_two_tensors": error_of(
             lambda: build(sharded, "tensorferry", {"budget": largest + largest // 2})),
     }
+    # A model whose load_weights keeps every tensor it is given: over the budget, an error.
+    def hoarding(self, weights):
+        return original(self, list(weights))
+    cls_model.load_weights = hoarding
+    try:
+        out["errors"]["hoarding_model"] = error_of(
+            lambda: build(sharded, "tensorferry", {"budget": 2 * largest}))
+    finally:
+        cls_model.load_weights = original
     # A checkpoint lacking one tensor: both loaders must refuse it, with vLLM's message.
     import shutil
     from safetensors.torch import load_file, save_file

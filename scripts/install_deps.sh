@@ -40,3 +40,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 else
   echo "[deps] Python requirements present"
 fi
+
+# The vLLM loader plugin's tests run the real vLLM from its own virtual environment (its pins
+# conflict with requirements.txt): .venv-vllm, skipped when current.
+scripts/install_vllm.sh

@@ -1,0 +1,434 @@
+"""vLLM loader plugin: `vllm serve MODEL --load-format tensorferry` (docs/models.md, "vLLM").
+
+The package declares the entry point `tensorferry = "tensorferry.vllm:register"` in vLLM's
+`vllm.general_plugins` group; vLLM calls register() in every process it starts (API server,
+engine core, workers), which registers TensorferryModelLoader, a BaseModelLoader, under the load
+format "tensorferry". Importing this module needs neither vLLM nor torch: only register() and
+the loader class (built on first use: `tensorferry.vllm.TensorferryModelLoader`) import vLLM.
+
+What the loader does, per worker: it finds the model's safetensors files as vLLM's default loader
+does (local directory or Hugging Face download, the index's weight_map deciding which files count,
+the model's allow_patterns_overrides, is_unused_checkpoint_weight and secondary_weights), streams
+their tensors with tensorferry.Loader under a byte budget to the device the model's parameters
+live on (a CUDA GPU: read straight into GPU memory), and feeds them to `model.load_weights`, which
+shards, fuses and converts them as it does for every vLLM loader. Then it checks that every
+parameter was loaded, exactly as vLLM's DefaultModelLoader does (same rule, same ValueError).
+
+Options come from `--model-loader-extra-config` (LoadConfig.model_loader_extra_config), checked
+by parse_options(); an unknown key or a bad value is a ValueError naming it:
+
+    budget        bytes of tensor data held at once: an int, a size string ("2GB", "1.5GiB"),
+                  0 or None (unbounded), or "auto" (default: 1 GiB, raised to twice the largest
+                  tensor). vLLM's load_weights holds one tensor while it asks for the next, so a
+                  budget must hold two of the largest tensor: a smaller explicit one is an error
+                  naming that tensor. On a GPU it bounds the GPU memory of the batches.
+    cooperative   false (default) or true: with tensor parallelism, each rank of vLLM's
+                  tensor-parallel group reads 1/N of the checkpoint's bytes and receives the rest
+                  through that group's collectives (NCCL on GPUs, gloo on CPUs), round by round
+                  under the budget. Every rank still gets every whole tensor: vLLM's weight
+                  loaders cut each rank's shard themselves. No effect when the group has one rank.
+    device        "auto" (default): where the model's parameters are; "cpu": host memory, the
+                  model's weight loaders copy to the device.
+    threads       I/O threads (positive int; default one per CPU).
+    engine        "auto", "pread", "io_uring" or "mmap" (tensorferry.Loader's engines).
+    gds           GPUDirect Storage: "auto" (default), "on" or "off".
+    enable_weights_track
+                  bool, as for vLLM's default loader: check that every parameter was loaded
+                  (default: on for unquantized models whose load_weights reports what it loaded).
+"""
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import time
+
+LOAD_FORMAT = "tensorferry"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_BUDGET = 1 << 30
+
+_ENGINES = ("auto", "pread", "io_uring", "mmap")
+_GDS = ("auto", "on", "off")
+_DEVICES = ("auto", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The checked model_loader_extra_config (module docstring). budget: "auto", None (unbounded)
+    or a byte count > 0."""
+    budget: object = "auto"
+    cooperative: bool = False
+    device: str = "auto"
+    threads: int = None
+    engine: str = None
+    gds: str = None
+    enable_weights_track: bool = None
+
+
+_KEYS = tuple(f.name for f in dataclasses.fields(Options))
+
+
+def _bad(key, message):
+    return ValueError(f"model_loader_extra_config[{key!r}] for load format {LOAD_FORMAT!r}: "
+                      f"{message}")
+
+
+def parse_options(extra):
+    """Options from vLLM's model_loader_extra_config (a dict; None: the defaults). Errors:
+    ValueError naming the unknown key (with the closest known one) or the bad value."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"model_loader_extra_config for load format {LOAD_FORMAT!r} must be a "
+                         f"dict, not {type(extra).__name__}")
+    for key in extra:
+        if key not in _KEYS:
+            close = difflib.get_close_matches(str(key), _KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"model_loader_extra_config for load format {LOAD_FORMAT!r}: unknown "
+                             f"key {key!r}{hint}; known keys: {', '.join(_KEYS)}")
+    values = {}
+    if "budget" in extra:
+        budget = extra["budget"]
+        if budget == "auto":
+            values["budget"] = "auto"
+        elif budget is None or budget == 0 or budget == "0":
+            values["budget"] = None
+        else:
+            if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+                raise _bad("budget", f"{budget!r} is not a size (an int, a string such as "
+                           f"\"2GB\", 0 for unbounded, or \"auto\")")
+            from . import parse_size
+            try:
+                values["budget"] = parse_size(budget) or None
+            except ValueError as e:
+                raise _bad("budget", str(e)) from None
+    for key in ("cooperative", "enable_weights_track"):
+        if key in extra:
+            value = extra[key]
+            if not isinstance(value, bool) and not (key == "enable_weights_track"
+                                                    and value is None):
+                raise _bad(key, f"{value!r} is not true or false")
+            values[key] = value
+    if "threads" in extra:
+        threads = extra["threads"]
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads <= 0):
+            raise _bad("threads", f"{threads!r} is not a positive integer")
+        values["threads"] = threads
+    for key, choices in (("device", _DEVICES), ("engine", _ENGINES), ("gds", _GDS)):
+        if key in extra:
+            value = extra[key]
+            if value is None and key != "device":
+                values[key] = None
+                continue
+            if value not in choices:
+                raise _bad(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
+            values[key] = value
+    return Options(**values)
+
+
+# --- which files ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Part:
+    """One Loader's worth of a weight source: a checkpoint path (an index or a .safetensors file)
+    and the names to load from it (None: all)."""
+    checkpoint: str
+    select: list = None
+
+
+def plan_parts(folder, files, is_unused_weight=None):
+    """The Loaders that read exactly `files` (paths inside `folder`, as vLLM's file selection
+    leaves them): the folder's index with a `select` of the tensors those files hold when the
+    index names them all (one Loader for a sharded checkpoint), else one Loader per file.
+    is_unused_weight(name) -> True drops single tensors the model says it does not load."""
+    index = os.path.join(folder, INDEX_NAME)
+    parts = []
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        in_index = {os.path.normpath(os.path.join(folder, v)) for v in weight_map.values()}
+        wanted = {os.path.normpath(p) for p in files}
+        if wanted <= in_index:
+            names = None
+            if wanted != in_index or is_unused_weight is not None:
+                names = [n for n, v in weight_map.items()
+                         if os.path.normpath(os.path.join(folder, v)) in wanted
+                         and not (is_unused_weight is not None and is_unused_weight(n))]
+            parts.append(Part(index, names))
+            return parts
+    for path in sorted(files):
+        parts.append(Part(path, None if is_unused_weight is None else
+                          (lambda n, _f=is_unused_weight: not _f(n))))
+    return parts
+
+
+# --- registration ------------------------------------------------------------------------------
+
+_CLASS = None
+_REGISTERED = False
+
+
+def loader_class():
+    """TensorferryModelLoader, the vllm BaseModelLoader subclass (built on first call; imports
+    vLLM)."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _make_class()
+    return _CLASS
+
+
+def register():
+    """The `vllm.general_plugins` entry point: registers TensorferryModelLoader under the load
+    format "tensorferry" (vllm.model_executor.model_loader.register_model_loader). Safe to call
+    more than once in a process (registers once)."""
+    global _REGISTERED
+    from vllm.model_executor.model_loader import register_model_loader
+    cls = loader_class()
+    if not _REGISTERED:
+        register_model_loader(LOAD_FORMAT)(cls)
+        _REGISTERED = True
+    return cls
+
+
+def __getattr__(name):
+    if name == "TensorferryModelLoader":
+        return loader_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _make_class():
+    import torch
+    from vllm.logger import init_logger
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader import weight_utils
+
+    import tensorferry
+    from . import _core, _loader
+
+    logger = init_logger("vllm.tensorferry")
+
+    class TensorferryModelLoader(BaseModelLoader):
+        """vLLM model loader reading safetensors checkpoints with tensorferry (module docstring
+        of tensorferry.vllm). load_weights(model, model_config) fills an initialized model;
+        stats (a dict) describes the last load: tensors, bytes (delivered), bytes_read (read
+        by this process), peak_held_bytes, budget, rounds, seconds, cooperative."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            self.options = parse_options(load_config.model_loader_extra_config)
+            self.stats = {}
+
+        # --- files, as vLLM's default loader finds them ----------------------------------------
+
+        def _files(self, model_or_path, revision, subfolder=None, allow_patterns=None):
+            """(folder, safetensors files) of one weight source; downloads when not local."""
+            found = weight_utils.maybe_download_from_modelscope(model_or_path, revision)
+            model_or_path = found or model_or_path
+            patterns = ["*.safetensors"] if allow_patterns is None else \
+                [p for p in allow_patterns if p.endswith(".safetensors")]
+            if not patterns:
+                raise RuntimeError(
+                    f"load format {LOAD_FORMAT!r} reads safetensors only: the model's "
+                    f"allow_patterns_overrides {list(allow_patterns)} name no .safetensors files")
+            if os.path.isdir(model_or_path):
+                folder = model_or_path
+            else:
+                folder = weight_utils.download_weights_from_hf(
+                    model_or_path, self.load_config.download_dir, patterns, revision,
+                    subfolder=subfolder, ignore_patterns=self.load_config.ignore_patterns)
+                weight_utils.download_safetensors_index_file_from_hf(
+                    model_or_path, INDEX_NAME, cache_dir=self.load_config.download_dir,
+                    subfolder=subfolder, revision=revision)
+            if subfolder is not None:
+                folder = os.path.join(folder, subfolder)
+            files = []
+            for pattern in patterns:  # the first pattern that matches, as vLLM
+                files = sorted(glob.glob(os.path.join(folder, pattern)))
+                if files:
+                    break
+            if allow_patterns is None:
+                files = weight_utils.filter_duplicate_safetensors_files(files, folder,
+                                                                        INDEX_NAME)
+            if not files:
+                raise RuntimeError(
+                    f"Cannot find any safetensors weights in {model_or_path!r} (load format "
+                    f"{LOAD_FORMAT!r} reads *.safetensors only; --load-format auto reads .bin "
+                    f"and .pt)")
+            return folder, files
+
+        def download_model(self, model_config):
+            self._files(model_config.model, model_config.revision)
+
+        def _sources(self, model, model_config):
+            yield (model_config.model, model_config.revision, None, "",
+                   getattr(model, "allow_patterns_overrides", None),
+                   getattr(model, "is_unused_checkpoint_weight", None))
+            for s in getattr(model, "secondary_weights", ()):
+                yield (s.model_or_path, s.revision, getattr(s, "subfolder", None),
+                       getattr(s, "prefix", ""), getattr(s, "allow_patterns_overrides", None),
+                       getattr(s, "is_unused_weight", None))
+
+        # --- weights ---------------------------------------------------------------------------
+
+        def _device(self, model):
+            if self.options.device == "cpu":
+                return torch.device("cpu")
+            for p in model.parameters():
+                if p.device.type != "meta":
+                    return p.device
+            return torch.device("cpu")
+
+        def _tp(self):
+            """(group coordinator, rank, world) of vLLM's tensor-parallel group, or None when
+            the mode is not cooperative or the group has one rank."""
+            if not self.options.cooperative:
+                return None
+            from vllm.distributed import get_tp_group
+            tp = get_tp_group()
+            return (tp, tp.rank_in_group, tp.world_size) if tp.world_size > 1 else None
+
+        def _budget(self, loader, checkpoint):
+            """The byte budget for this Loader: checked against its largest tensor."""
+            outputs = loader._describe()
+            largest = max(outputs, key=lambda o: o.bytes, default=None)
+            size = largest.bytes if largest is not None else 0
+            budget = self.options.budget
+            if budget == "auto":
+                return max(DEFAULT_BUDGET, 2 * size)
+            if budget is not None and budget < 2 * size:
+                fmt = _core.format_bytes
+                raise ValueError(
+                    f"model_loader_extra_config['budget'] for load format {LOAD_FORMAT!r}: "
+                    f"{fmt(budget)} is less than twice the largest tensor, "
+                    f"{largest.name!r} ({fmt(size)}, of {checkpoint!r}): vLLM's load_weights "
+                    f"holds one tensor while it asks for the next, so the budget must hold "
+                    f"two; use at least {2 * size} bytes, \"auto\", or 0 (unbounded)")
+            return budget
+
+        def _progress(self):
+            """A progress bar over bytes when vLLM asks for one, on the first rank only (as
+            vLLM's own weight iterators)."""
+            if not self.load_config.use_tqdm_on_load:
+                return False
+            import torch.distributed as dist
+            return not dist.is_initialized() or dist.get_rank() == 0
+
+        def _common(self):
+            o = self.options
+            return {k: v for k, v in (("threads", o.threads), ("engine", o.engine),
+                                      ("gds", o.gds)) if v is not None}
+
+        def _stream(self, part, prefix, device):
+            """(name, tensor) of one Part through Loader.iter_tensors under the budget."""
+            with tensorferry.Loader(part.checkpoint, device=device, select=part.select,
+                                    **self._common()) as probe:
+                budget = self._budget(probe, part.checkpoint)
+            loader = tensorferry.Loader(part.checkpoint, device=device, budget=budget,
+                                        select=part.select,
+                                        progress=self._progress(),
+                                        **self._common())
+            with loader:
+                try:
+                    for name, tensor in loader.iter_tensors():
+                        yield prefix + name, tensor
+                        del tensor  # before the next batch is asked for
+                except _core.BudgetExceededError as e:
+                    raise _core.BudgetExceededError(
+                        f"load format {LOAD_FORMAT!r}: the model's load_weights kept more "
+                        f"weights alive than the budget ({_core.format_bytes(budget)}) allows "
+                        f"(it should hold only the tensor it is given): raise "
+                        f"model_loader_extra_config['budget'] or set it to 0 (unbounded). "
+                        f"{e}") from None
+                s = loader.stats
+                self._account(s.tensors, s.bytes, s.bytes_read or s.bytes,
+                              max(s.peak_budget_bytes, s.peak_device_bytes), s.batches, budget)
+
+        def _cooperative(self, part, prefix, device, tp):
+            """(name, tensor) of one Part, read cooperatively by the tensor-parallel group in
+            rounds of at most half the budget (each round: every rank reads ~1/N of its bytes,
+            the whole tensors reach every rank by broadcast)."""
+            coordinator, rank, world = tp
+            group = coordinator.device_group if device.type == "cuda" else \
+                coordinator.cpu_group
+            loader = tensorferry.Loader(part.checkpoint, device=device, select=part.select,
+                                        process_group=group, tp_rank=rank, tp_size=world,
+                                        shard_rules="none", **self._common())
+            with loader:
+                budget = self._budget(loader, part.checkpoint)
+                loader._check_dtypes()
+                rounds, current, held = [], [], 0
+                seen = set()
+                for o in loader._describe():  # checkpoint order; aliases share their target
+                    nbytes = 0 if o.stored in seen else o.bytes
+                    seen.add(o.stored)
+                    if current and budget is not None and held + nbytes > budget // 2:
+                        rounds.append((current, held))
+                        current, held = [], 0
+                    current.append(o.name)
+                    held += nbytes
+                if current:
+                    rounds.append((current, held))
+                for names, held in rounds:
+                    # One cooperative load per round: what Loader.load() does for all of them.
+                    tensors, stats = loader._cooperative.load(names, _loader.LoadStats)
+                    read = loader.cooperative_stats["bytes_read"]
+                    self._account(len(tensors), held, read, held, 1, budget)
+                    while tensors:
+                        name = next(iter(tensors))
+                        tensor = tensors.pop(name)
+                        yield prefix + name, tensor
+                        del tensor
+
+        def _account(self, tensors, nbytes, read, peak, rounds, budget):
+            s = self.stats
+            s["tensors"] += tensors
+            s["bytes"] += nbytes
+            s["bytes_read"] += read
+            s["peak_held_bytes"] = max(s["peak_held_bytes"], peak)
+            s["rounds"] += rounds
+            s["budget"] = budget
+
+        def weights(self, model, model_config):
+            """(name, tensor) pairs of every weight source of `model`, as load_weights takes
+            them."""
+            device = self._device(model)
+            tp = self._tp()
+            for model_or_path, revision, subfolder, prefix, patterns, unused in \
+                    self._sources(model, model_config):
+                folder, files = self._files(model_or_path, revision, subfolder, patterns)
+                if unused is not None:
+                    files = weight_utils.filter_safetensors_files_by_weight_name(files, unused)
+                for part in plan_parts(folder, files, unused):
+                    if tp is None:
+                        yield from self._stream(part, prefix, device)
+                    else:
+                        yield from self._cooperative(part, prefix, device, tp)
+
+        def load_weights(self, model, model_config):
+            self.stats = {"tensors": 0, "bytes": 0, "bytes_read": 0, "peak_held_bytes": 0,
+                          "rounds": 0, "budget": None, "seconds": 0.0,
+                          "cooperative": self._tp() is not None}
+            start = time.perf_counter()
+            loaded = model.load_weights(self.weights(model, model_config))
+            self.stats["seconds"] = time.perf_counter() - start
+            s = self.stats
+            logger.info("tensorferry: %d tensors, %s (%s read by this rank) in %.2f s, peak "
+                        "held %s%s", s["tensors"], _core.format_bytes(s["bytes"]),
+                        _core.format_bytes(s["bytes_read"]), s["seconds"],
+                        _core.format_bytes(s["peak_held_bytes"]),
+                        ", cooperative" if s["cooperative"] else "")
+            track = self.options.enable_weights_track
+            if track is None:
+                track = model_config.quantization is None and loaded is not None
+            if track:
+                # vLLM's own check (the same rule and message as its default loader).
+                DefaultModelLoader.track_weights_loading(
+                    self, model, loaded, quantized=model_config.quantization is not None)
+
+    TensorferryModelLoader.__module__ = __name__
+    TensorferryModelLoader.__qualname__ = "TensorferryModelLoader"
+    return TensorferryModelLoader

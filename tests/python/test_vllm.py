@@ -1,0 +1,330 @@
+"""The vLLM loader plugin (tensorferry.vllm) against the real vLLM from PyPI.
+
+vLLM pins its own torch and transformers, so it lives in .venv-vllm (scripts/install_vllm.sh,
+requirements-vllm.txt). The tests here run in the suite's Python; everything that needs vLLM runs
+in vllm_scenarios.py under .venv-vllm's Python, with the tensorferry package under test (the one
+this suite imports) and its dist-info on PYTHONPATH, so vLLM finds the plugin through the
+`vllm.general_plugins` entry point exactly as a pip-installed tensorferry provides it.
+
+What runs in vLLM: its CpuPlatform (VLLM_TARGET_DEVICE=cpu) builds the real
+vllm.model_executor.models.llama.LlamaForCausalLM from a tiny transformers checkpoint, through
+vLLM's own get_model_loader / load_model path, once with vLLM's DefaultModelLoader and once with
+the plugin, and every parameter is compared byte for byte; with tensor parallelism (two
+processes, vLLM's distributed state over gloo) each rank's shards are compared the same way.
+The model is never run: the PyPI wheel is built for CUDA and carries no CPU kernels
+(docs/models.md, "vLLM", says what could not run and why)."""
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import tensorferry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PYTHON = os.environ.get("TENSORFERRY_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin",
+                                                                         "python")
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_scenarios.py")
+ENTRY_POINT = "tensorferry = tensorferry.vllm:register"
+
+
+# --- without vLLM --------------------------------------------------------------------------------
+
+
+def test_importing_the_plugin_module_imports_neither_vllm_nor_torch():
+    code = ("import sys, tensorferry, tensorferry.vllm as v; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules)); "
+            "print(v.LOAD_FORMAT, callable(v.register))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[]", "tensorferry True"]
+
+
+def test_pyproject_declares_the_entry_point():
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {
+        "tensorferry": "tensorferry.vllm:register"}
+
+
+def test_options_defaults_and_values():
+    from tensorferry.vllm import Options, parse_options
+    assert parse_options({}) == Options()
+    assert parse_options(None).budget == "auto"
+    o = parse_options({"budget": "2GB", "cooperative": True, "device": "cpu", "threads": 4,
+                       "engine": "io_uring", "gds": "off", "enable_weights_track": False})
+    assert (o.budget, o.cooperative, o.device, o.threads, o.engine, o.gds,
+            o.enable_weights_track) == (2_000_000_000, True, "cpu", 4, "io_uring", "off", False)
+    assert parse_options({"budget": 0}).budget is None
+    assert parse_options({"budget": None}).budget is None
+    assert parse_options({"budget": 4096}).budget == 4096
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"budgt": 1}, ["unknown key 'budgt'", "did you mean 'budget'", "known keys: budget"]),
+    ({"num_threads": 4}, ["unknown key 'num_threads'", "did you mean 'threads'"]),
+    ({"budget": "lots"}, ["['budget']", "not a size"]),
+    ({"budget": -1}, ["['budget']"]),
+    ({"budget": True}, ["['budget']", "True is not a size"]),
+    ({"cooperative": "yes"}, ["['cooperative']", "'yes' is not true or false"]),
+    ({"threads": 0}, ["['threads']", "0 is not a positive integer"]),
+    ({"engine": "dma"}, ["['engine']", "'dma' is not one of 'auto', 'pread', 'io_uring', 'mmap'"]),
+    ({"gds": True}, ["['gds']", "not one of 'auto', 'on', 'off'"]),
+    ({"device": "cuda:0"}, ["['device']", "'cuda:0' is not one of 'auto', 'cpu'"]),
+    ("budget=1GB", ["must be a dict, not str"]),
+])
+def test_bad_options_are_value_errors_naming_the_key(extra, words):
+    from tensorferry.vllm import parse_options
+    with pytest.raises(ValueError) as e:
+        parse_options(extra)
+    for w in words:
+        assert w in str(e.value)
+    assert "'tensorferry'" in str(e.value)
+
+
+def _save(path, names):
+    import numpy as np
+    from tensorferry.numpy import save_file
+    save_file({n: np.full((4,), i, dtype=np.float32) for i, n in enumerate(names)}, path)
+
+
+def test_plan_parts_uses_the_index_and_selects_the_kept_files(tmp_path):
+    from tensorferry.vllm import INDEX_NAME, Part, plan_parts
+    _save(tmp_path / "a.safetensors", ["x", "y"])
+    _save(tmp_path / "b.safetensors", ["z"])
+    with open(tmp_path / INDEX_NAME, "w") as f:
+        json.dump({"weight_map": {"x": "a.safetensors", "y": "a.safetensors",
+                                  "z": "b.safetensors"}}, f)
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    index = str(tmp_path / INDEX_NAME)
+    assert plan_parts(str(tmp_path), [a, b]) == [Part(index, None)]
+    assert plan_parts(str(tmp_path), [b]) == [Part(index, ["z"])]
+    assert plan_parts(str(tmp_path), [a, b], lambda n: n == "y") == [Part(index, ["x", "z"])]
+    # A file the index does not name (e.g. a consolidated file beside the shards): per file.
+    _save(tmp_path / "c.safetensors", ["w"])
+    c = str(tmp_path / "c.safetensors")
+    assert plan_parts(str(tmp_path), [c, a]) == [Part(a, None), Part(c, None)]
+    # And the parts load what they say.
+    with tensorferry.Loader(index, select=["z"]) as loader:
+        assert loader.keys() == ["z"]
+
+
+def test_plan_parts_without_an_index_is_one_part_per_file(tmp_path):
+    from tensorferry.vllm import plan_parts
+    _save(tmp_path / "m1.safetensors", ["x"])
+    _save(tmp_path / "m0.safetensors", ["y"])
+    files = [str(tmp_path / "m1.safetensors"), str(tmp_path / "m0.safetensors")]
+    parts = plan_parts(str(tmp_path), files, lambda n: n == "y")
+    assert [p.checkpoint for p in parts] == sorted(files)
+    keys = []
+    for p in parts:
+        with tensorferry.Loader(p.checkpoint, select=p.select) as loader:
+            keys.append(loader.keys())
+    assert keys == [[], ["x"]]
+
+
+# --- with the real vLLM (in .venv-vllm) -----------------------------------------------------------
+
+
+def _overlay(tmp_path_factory):
+    """A PYTHONPATH folder holding the tensorferry package this suite imports and a dist-info
+    carrying its entry points: the installed one (pip install . writes them from pyproject.toml)
+    when the package comes from an installed distribution, else one written from
+    pyproject.toml (a build tree on PYTHONPATH)."""
+    root = tmp_path_factory.mktemp("vllm-path")
+    package = os.path.dirname(os.path.abspath(tensorferry.__file__))
+    os.symlink(package, root / "tensorferry")
+    info = root / "tensorferry-0.1.0.dist-info"
+    info.mkdir()
+    entry_points = None
+    try:
+        dist = importlib.metadata.distribution("tensorferry")
+        installed = os.path.join(str(dist.locate_file("")), "tensorferry")
+        if os.path.realpath(installed) == os.path.realpath(package):
+            # The installed package: its own entry points, or none (and the test fails).
+            entry_points = dist.read_text("entry_points.txt") or ""
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if entry_points is None:
+        entry_points = "[vllm.general_plugins]\n" + ENTRY_POINT + "\n"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorferry\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    return str(root), entry_points
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(path):
+    env = dict(os.environ)
+    env.update(PYTHONPATH=path, VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+def _result(text, what):
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"{what}: no result from vllm_scenarios.py; its output:\n{text[-6000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert "crash" not in result, f"{what}:\n{result['crash']}"
+    return result
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory):
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(f"{VLLM_PYTHON} is missing: run scripts/install_vllm.sh "
+                    f"(scripts/install_deps.sh does)", pytrace=False)
+    path, entry_points = _overlay(tmp_path_factory)
+    work = str(tmp_path_factory.mktemp("vllm-work"))
+    return {"path": path, "entry_points": entry_points, "work": work}
+
+
+@pytest.fixture(scope="session")
+def single(vllm_env):
+    env = _env(vllm_env["path"])
+    env["TF_TEST_PORT"] = str(_free_port())
+    r = subprocess.run([VLLM_PYTHON, SCENARIOS, "single", vllm_env["work"]], env=env,
+                       capture_output=True, text=True, timeout=900)
+    return _result(r.stdout + r.stderr, "vllm_scenarios.py single")
+
+
+@pytest.fixture(scope="session")
+def tp2(vllm_env, single):  # after `single`: it writes the checkpoints
+    world, port = 2, _free_port()
+    procs = []
+    for rank in range(world):
+        env = _env(vllm_env["path"])
+        env["TF_TEST_RANK"] = str(rank)
+        procs.append(subprocess.Popen(
+            [VLLM_PYTHON, SCENARIOS, "tp", vllm_env["work"], str(world), str(port)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    for rank, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"tensor-parallel rank {rank} did not finish in 900 s")
+        results.append(_result(out, f"vllm_scenarios.py tp rank {rank}"))
+    return results
+
+
+def test_vllm_finds_the_plugin_through_its_entry_point(single, vllm_env):
+    assert ENTRY_POINT.replace(" ", "") in vllm_env["entry_points"].replace(" ", "")
+    assert single["vllm_version"] == "0.33.0"  # requirements-vllm.txt
+    assert single["vllm_imported_by_tensorferry_vllm"] is False
+    assert ENTRY_POINT in single["entry_points"]
+
+
+def test_get_model_loader_returns_the_plugin(single):
+    assert single["loader_class"] == "tensorferry.vllm.TensorferryModelLoader"
+    assert single["is_base_model_loader"] and single["same_class_as_module"]
+
+
+@pytest.mark.parametrize("case", ["sharded_default", "sharded_budget", "single_budget",
+                                  "sharded_unbounded", "sharded_cpu_mmap"])
+def test_vllm_llama_gets_the_same_weights_as_from_vllms_default_loader(single, case):
+    assert single["model_class"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
+    load = single["loads"][case]
+    assert load["compared"] == 24  # 21 checkpoint tensors, fused by vLLM into its parameters
+    assert load["differences"] == []
+    assert load["stats"]["tensors"] == 21
+    assert load["stats"]["bytes"] == load["model_bytes"]
+
+
+@pytest.mark.parametrize("case", ["sharded_budget", "single_budget"])
+def test_the_budget_bounds_what_is_held(single, case):
+    load = single["loads"][case]
+    budget = load["stats"]["budget"]
+    assert budget == 65536 == 2 * single["largest_tensor_bytes"]
+    # Measured independently: the bytes of tensorferry's live buffers as load_weights takes
+    # each tensor; and the loader's own account.
+    assert 0 < load["live_peak"] <= budget
+    assert load["stats"]["peak_held_bytes"] <= budget
+    assert load["stats"]["rounds"] > 1
+
+
+def test_budget_auto_holds_the_whole_small_model_in_one_batch(single):
+    stats = single["loads"]["sharded_default"]["stats"]
+    assert stats["budget"] == 1 << 30
+    assert stats["rounds"] == 1
+
+
+def test_unknown_extra_config_key_is_a_value_error_naming_it(single):
+    e = single["errors"]["unknown_key"]
+    assert e["type"] == "ValueError"
+    assert "unknown key 'budgt' (did you mean 'budget'?)" in e["message"]
+    assert single["errors"]["bad_budget"]["type"] == "ValueError"
+    assert "['budget']" in single["errors"]["bad_budget"]["message"]
+    assert "'dma' is not one of" in single["errors"]["bad_engine"]["message"]
+
+
+def test_a_budget_below_two_of_the_largest_tensor_names_it(single):
+    e = single["errors"]["budget_below_two_tensors"]
+    assert e["type"] == "ValueError"
+    assert "less than twice the largest tensor" in e["message"]
+    assert "'model.embed_tokens.weight'" in e["message"] or "'lm_head.weight'" in e["message"]
+    assert "use at least 65536 bytes" in e["message"]
+
+
+def test_a_model_keeping_its_weights_exceeds_the_budget_with_an_error_saying_so(single):
+    e = single["errors"]["hoarding_model"]
+    assert e["type"] == "BudgetExceededError"
+    assert "kept more weights alive than the budget" in e["message"]
+    assert "set it to 0 (unbounded)" in e["message"]
+
+
+def test_a_missing_tensor_is_refused_as_vllm_refuses_it(single):
+    ours, theirs = single["errors"]["missing_tensor"], single["errors"]["missing_tensor_vllm"]
+    assert ours == theirs
+    assert ours["type"] == "ValueError"
+    assert "Following weights were not initialized from checkpoint" in ours["message"]
+    assert "model.layers.1.post_attention_layernorm.weight" in ours["message"]
+
+
+def test_a_model_without_safetensors_is_an_error_saying_so(single):
+    e = single["errors"]["no_safetensors"]
+    assert e["type"] == "RuntimeError"
+    assert "Cannot find any safetensors weights" in e["message"]
+
+
+@pytest.mark.parametrize("case", ["cooperative", "cooperative_unbounded", "plain"])
+def test_tensor_parallel_ranks_get_vllms_shards(tp2, case):
+    for rank, result in enumerate(tp2):
+        assert (result["tp_rank"], result["tp_world"]) == (rank, 2)
+        load = result["loads"][case]
+        assert load["compared"] == 24
+        assert load["differences"] == [], f"rank {rank}"
+        assert load["stats"]["cooperative"] == case.startswith("cooperative")
+        assert load["stats"]["tensors"] == 21
+
+
+@pytest.mark.parametrize("case", ["cooperative", "cooperative_unbounded"])
+def test_cooperative_ranks_read_every_byte_once(tp2, case):
+    stats = [r["loads"][case]["stats"] for r in tp2]
+    total = stats[0]["bytes"]
+    read = [s["bytes_read"] for s in stats]
+    assert sum(read) == total
+    assert all(0 < r < total for r in read)
+    if case == "cooperative_unbounded":  # one round: the byte-balanced split
+        assert max(read) - min(read) <= 1024
+    else:  # rounds of at most half the budget
+        assert all(s["peak_held_bytes"] <= s["budget"] // 2 for s in stats)
+        assert all(s["rounds"] > 1 for s in stats)
+    plain = [r["loads"]["plain"]["stats"]["bytes_read"] for r in tp2]
+    assert plain == [total, total]

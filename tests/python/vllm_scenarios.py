@@ -1,0 +1,244 @@
+"""The vLLM half of test_vllm.py: run with the Python of .venv-vllm (the real vLLM from PyPI,
+requirements-vllm.txt), tensorferry on PYTHONPATH (with its dist-info, so vLLM finds the entry
+point). Prints one JSON object of findings on its last line; test_vllm.py asserts on them.
+
+    python vllm_scenarios.py single WORKDIR         registration, load, budget, errors (world 1)
+    python vllm_scenarios.py tp WORKDIR WORLD PORT  tensor parallelism, one process per rank
+
+vLLM runs on its CPU platform (VLLM_TARGET_DEVICE=cpu, set by the caller): its PyPI wheel is
+built for CUDA and has no compiled CPU kernels (vllm._C_AVX2/_C_AVX512 are missing), which
+does not matter here: models are built and filled, never run."""
+import json
+import os
+import sys
+import traceback
+
+
+def make_checkpoints(workdir):
+    """A tiny Llama (transformers' LlamaForCausalLM, BF16) saved twice: sharded with an index,
+    and as one model.safetensors. Same weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    sharded = os.path.join(workdir, "llama-sharded")
+    single = os.path.join(workdir, "llama-single")
+    if os.path.exists(os.path.join(single, "config.json")):
+        return sharded, single
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # norms are ones at init: make every tensor distinct
+            p.copy_(torch.randn_like(p))
+    model.save_pretrained(sharded, max_shard_size="60KB")
+    model.save_pretrained(single, max_shard_size="100MB")
+    return sharded, single
+
+
+def vllm_config(path, load_format, extra=None, tp=1):
+    from vllm.engine.arg_utils import EngineArgs
+    args = EngineArgs(model=path, load_format=load_format, skip_tokenizer_init=True,
+                      dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                      tensor_parallel_size=tp, model_loader_extra_config=extra or {})
+    return args.create_engine_config()
+
+
+def init_distributed(path, rank, world, port):
+    """vLLM's distributed state as a worker sets it up: gloo, `world` ranks, one TP group."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    with set_current_vllm_config(vllm_config(path, "safetensors", tp=world)):
+        init_distributed_environment(world_size=world, rank=rank,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=rank, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=world)
+
+
+def build(path, load_format, extra=None, tp=1):
+    """(model, loader) built and filled by vLLM's own get_model path, as a worker does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    config = vllm_config(path, load_format, extra, tp)
+    with set_current_vllm_config(config):
+        loader = get_model_loader(config.load_config)
+        model = loader.load_model(vllm_config=config, model_config=config.model_config)
+    return model, loader
+
+
+def raw(t):
+    import torch
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def differences(a, b):
+    """Names whose bytes, dtype or shape differ between two models (parameters and buffers)."""
+    sa = dict(a.named_parameters())
+    sa.update(a.named_buffers())
+    sb = dict(b.named_parameters())
+    sb.update(b.named_buffers())
+    diff = sorted(set(sa) ^ set(sb))
+    for name in sorted(set(sa) & set(sb)):
+        x, y = sa[name], sb[name]
+        if x.dtype != y.dtype or x.shape != y.shape or raw(x) != raw(y):
+            diff.append(name)
+    return diff, len(sa)
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the findings name the type
+        return {"type": type(e).__name__, "message": str(e)}
+    return None
+
+
+def single(workdir):
+    import torch
+    from importlib.metadata import entry_points
+    out = {}
+    sharded, single_file = make_checkpoints(workdir)
+
+    import tensorferry.vllm as tfv
+    out["vllm_imported_by_tensorferry_vllm"] = "vllm" in sys.modules
+    import vllm
+    out["vllm_version"] = vllm.__version__
+    out["torch_version"] = torch.__version__
+    from vllm.platforms import current_platform
+    out["platform"] = type(current_platform).__name__
+
+    # Registration through the entry point, as vLLM does it in each process.
+    out["entry_points"] = sorted(f"{e.name} = {e.value}"
+                                 for e in entry_points(group="vllm.general_plugins"))
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    loader = get_model_loader(LoadConfig(load_format="tensorferry"))
+    cls = type(loader)
+    out["loader_class"] = f"{cls.__module__}.{cls.__qualname__}"
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    out["is_base_model_loader"] = isinstance(loader, BaseModelLoader)
+    out["same_class_as_module"] = cls is tfv.TensorferryModelLoader
+
+    init_distributed(sharded, 0, 1, int(os.environ.get("TF_TEST_PORT", "29531")))
+
+    # The reference: vLLM's DefaultModelLoader ("safetensors").
+    reference, _ = build(sharded, "safetensors")
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    out["model_class"] = f"{type(reference).__module__}.{type(reference).__qualname__}"
+
+    # Independent measure of what is held: tensorferry's live batch buffers, sampled as the
+    # model's load_weights takes each weight.
+    import tensorferry._core as core
+    cls_model = type(reference)
+    original = cls_model.load_weights
+    peak = [0]
+
+    def measured(self, weights):
+        def gen():
+            for item in weights:  # (tensors are freed by reference counting: no gc needed)
+                peak[0] = max(peak[0], core.live_buffers()[1])
+                yield item
+        return original(self, gen())
+
+    cases = {
+        "sharded_default": (sharded, {}),
+        "sharded_budget": (sharded, {"budget": 65536, "threads": 2, "engine": "pread"}),
+        "single_budget": (single_file, {"budget": "64KiB"}),
+        "sharded_unbounded": (sharded, {"budget": 0}),
+        "sharded_cpu_mmap": (sharded, {"device": "cpu", "engine": "mmap", "budget": None}),
+    }
+    out["loads"] = {}
+    largest = max(p.numel() * p.element_size() for p in reference.parameters())
+    out["largest_tensor_bytes"] = largest
+    for key, (path, extra) in cases.items():
+        peak[0] = 0
+        cls_model.load_weights = measured
+        try:
+            model, ldr = build(path, "tensorferry", extra)
+        finally:
+            cls_model.load_weights = original
+        diff, count = differences(model, reference)
+        out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats,
+                             "live_peak": peak[0],
+                             "model_bytes": total}
+        del model
+
+    # Errors: the extra config, the budget, a missing tensor.
+    out["errors"] = {
+        "unknown_key": error_of(lambda: get_model_loader(
+            LoadConfig(load_format="tensorferry", model_loader_extra_config={"budgt": "1GB"}))),
+        "bad_budget": error_of(lambda: get_model_loader(
+            LoadConfig(load_format="tensorferry", model_loader_extra_config={"budget": "lots"}))),
+        "bad_engine": error_of(lambda: get_model_loader(
+            LoadConfig(load_format="tensorferry", model_loader_extra_config={"engine": "dma"}))),
+        "budget_below_two_tensors": error_of(
+            lambda: build(sharded, "tensorferry", {"budget": largest + largest // 2})),
+    }
+    # A model whose load_weights keeps every tensor it is given: over the budget, an error.
+    def hoarding(self, weights):
+        return original(self, list(weights))
+    cls_model.load_weights = hoarding
+    try:
+        out["errors"]["hoarding_model"] = error_of(
+            lambda: build(sharded, "tensorferry", {"budget": 2 * largest}))
+    finally:
+        cls_model.load_weights = original
+    # A checkpoint lacking one tensor: both loaders must refuse it, with vLLM's message.
+    import shutil
+    from safetensors.torch import load_file, save_file
+    broken = os.path.join(workdir, "llama-missing")
+    if not os.path.exists(broken):
+        shutil.copytree(single_file, broken)
+        tensors = load_file(os.path.join(broken, "model.safetensors"))
+        del tensors["model.layers.1.post_attention_layernorm.weight"]
+        save_file(tensors, os.path.join(broken, "model.safetensors"), metadata={"format": "pt"})
+    out["errors"]["missing_tensor"] = error_of(lambda: build(broken, "tensorferry"))
+    out["errors"]["missing_tensor_vllm"] = error_of(lambda: build(broken, "safetensors"))
+    empty = os.path.join(workdir, "llama-no-safetensors")
+    if not os.path.exists(empty):
+        os.makedirs(empty)
+        shutil.copy(os.path.join(single_file, "config.json"), empty)
+    out["errors"]["no_safetensors"] = error_of(lambda: build(empty, "tensorferry"))
+    return out
+
+
+def tp(workdir, world, port):
+    rank = int(os.environ["TF_TEST_RANK"])
+    sharded, _ = make_checkpoints(workdir)
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    init_distributed(sharded, rank, world, port)
+    from vllm.distributed import get_tp_group
+    out = {"rank": rank, "tp_rank": get_tp_group().rank_in_group,
+           "tp_world": get_tp_group().world_size}
+    reference, _ = build(sharded, "safetensors", tp=world)
+    out["local_bytes"] = sum(p.numel() * p.element_size() for p in reference.parameters())
+    out["loads"] = {}
+    for key, extra in (("cooperative", {"cooperative": True, "budget": 65536}),
+                       ("cooperative_unbounded", {"cooperative": True, "budget": 0}),
+                       ("plain", {"budget": 65536})):
+        model, ldr = build(sharded, "tensorferry", extra, tp=world)
+        diff, count = differences(model, reference)
+        out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
+        del model
+    return out
+
+
+def main():
+    what, workdir = sys.argv[1], sys.argv[2]
+    try:
+        if what == "single":
+            result = single(workdir)
+        else:
+            result = tp(workdir, int(sys.argv[3]), int(sys.argv[4]))
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = {"crash": traceback.format_exc()}
+    sys.stdout.flush()
+    print("\nRESULT " + json.dumps(result, default=str), flush=True)
+    os._exit(0)  # vLLM's distributed state has no clean shutdown here
+
+
+if __name__ == "__main__":
+    main()

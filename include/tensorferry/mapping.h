@@ -42,14 +42,6 @@ MappingStats GetMappingStats();
 // under its tensors since the last call that reported it (each fault event is reported once).
 Status CheckMappedFiles();
 
-// Reads [data, data + size) of a view handed out by the mmap engine into memory now (the pages of a
-// load with populate off are otherwise read at first touch, one fault at a time): one
-// MADV_POPULATE_READ, so several threads populating different tensors read in parallel. Errors:
-// kInvalidArgument when the range is not inside a live tensorferry mapping; kUnexpectedEof naming
-// the file and byte range when the file shrank under it; kIoError for a read error. The caller
-// keeps the view alive during the call.
-Status PopulateMapped(const void* data, uint64_t size);
-
 // Whether mappings made from now on take read leases (default: on). Off, only the loud-failure
 // guard remains: for a process that rewrites files it has mapped and wants neither the private
 // copy nor the writer's wait for it. Process-wide.

@@ -67,17 +67,6 @@ NB_MODULE(_core, m) {
   m.def("check_mapped_files", [] { Check(CheckMappedFiles()); });
   m.def("set_mapping_leases", [](bool enabled) { SetMappingLeases(enabled); });
   m.def(
-      "populate_mapped",
-      [](uintptr_t address, uint64_t size) {
-        Status status;
-        {
-          WithoutGil release;  // several threads populate different tensors at once
-          status = PopulateMapped(reinterpret_cast<const void*>(address), size);
-        }
-        Check(status);
-      },
-      nb::arg("address"), nb::arg("size"));
-  m.def(
       "copy_to_host",
       [](nb::ndarray<> array) {
         // The bytes of any DLPack array, host or CUDA (a synchronous cudaMemcpy for device memory):

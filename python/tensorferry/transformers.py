@@ -11,10 +11,11 @@ What changes: transformers opens each checkpoint file with `safetensors.safe_ope
 every tensor through `get_slice(name)[...]` from its loading threads. Routed here, each file is
 mapped once by tensorferry's mmap engine (copy-on-write: a write into a parameter copies that page,
 the file is never modified; a file rewritten or truncated under the mapping is guarded as
-docs/runtime_settings.md says), and each request is answered with a view of the mapping whose
-pages are read into memory right then, in one call (MADV_POPULATE_READ) by the thread that asked,
-so transformers' threads read in parallel and the parameters are resident when from_pretrained
-returns. Slices of a tensor (tensor-parallel plans) copy only the bytes they select.
+docs/runtime_settings.md says), and every request is answered with a view of the mapping. When
+the first request for a file asks for a whole tensor (a plain from_pretrained), the whole file is
+read into memory then, in parallel and in large requests (the mmap engine's populate), so the
+parameters are resident when from_pretrained returns; when it asks for a part (a tensor-parallel
+plan), nothing is read ahead and each slice copies only the bytes it selects.
 
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
@@ -68,8 +69,10 @@ class safe_open(_safe_open):
         super().close()
         self._views = None
 
-    def _view(self, name):
-        """The mapped view of tensor `name`, or None when this file is read the default way."""
+    def _view(self, name, whole=True):
+        """The mapped view of tensor `name`, or None when this file is read the default way.
+        `whole`: the caller wants all of it (decides, on the file's first request, whether the
+        whole file is read into memory at once)."""
         if not self._mappable:
             return None
         self._open_reader()  # "File is closed" after close()
@@ -78,9 +81,7 @@ class safe_open(_safe_open):
             with self._map_lock:
                 if self._views is None:
                     try:
-                        # populate=False: nothing is read here; each request populates its own
-                        # tensor (below), from the thread that asked.
-                        with Loader(self._filename, engine="mmap", populate=False) as loader:
+                        with Loader(self._filename, engine="mmap", populate=whole) as loader:
                             self._views = loader.load()
                     except UnsupportedDTypeError:
                         self._views = {}  # per tensor, each with its own error if it has one
@@ -89,10 +90,7 @@ class safe_open(_safe_open):
 
     def get_tensor(self, name):
         view = self._view(name)
-        if view is None:
-            return super().get_tensor(name)
-        _populate(view)
-        return view
+        return super().get_tensor(name) if view is None else view
 
     def get_slice(self, name):
         reader = self._open_reader()
@@ -102,22 +100,13 @@ class safe_open(_safe_open):
 
 class _MappedSlice(_Slice):
     def __getitem__(self, index):
-        view = self._owner._view(self._name)
+        whole = index is Ellipsis or (isinstance(index, slice) and index == slice(None)) or \
+            (isinstance(index, tuple) and index == (Ellipsis,))
+        view = self._owner._view(self._name, whole)
         if view is None:
             return super().__getitem__(index)
-        # The framework's own result, copied when it is a part of the tensor (only the selected
-        # bytes are read then); the whole tensor is the view itself, read into memory here.
-        result = self._owner._fw.own(view[index], view)
-        if result.numel() and result.data_ptr() == view.data_ptr() and \
-                result.numel() == view.numel():
-            _populate(view)
-        return result
-
-
-def _populate(view):
-    nbytes = view.numel() * view.element_size()
-    if nbytes:
-        _core.populate_mapped(view.data_ptr(), nbytes)
+        # The framework's own result; a part of the tensor is copied (only its bytes are read).
+        return self._owner._fw.own(view[index], view)
 
 
 def _original_safe_open():

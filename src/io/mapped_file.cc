@@ -419,29 +419,6 @@ MappingStats GetMappingStats() {
   return s;
 }
 
-Status PopulateMapped(const void* data, uint64_t size) {
-  if (size == 0) return Status::Ok();
-  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
-  auto& table = io::Table();
-  const size_t n = io::g_high_water.load(std::memory_order_acquire);
-  for (size_t slot = 0; slot < n; ++slot) {
-    const uintptr_t begin = table[slot].begin.load(std::memory_order_acquire);
-    const uintptr_t end = table[slot].end.load(std::memory_order_acquire);
-    if (begin == 0 || p < begin || p >= end) continue;
-    if (size > end - p) {
-      return Status(Code::kInvalidArgument, std::string("populate: ") + std::to_string(size) +
-                                                " bytes from offset " + std::to_string(p - begin) +
-                                                " run past the end of the mapping of " +
-                                                table[slot].path);
-    }
-    return io::PopulatePages(table[slot].path, reinterpret_cast<std::byte*>(begin), end - begin,
-                             slot, p - begin, size);
-  }
-  return Status(Code::kInvalidArgument,
-                "populate: the " + std::to_string(size) +
-                    " bytes given are not inside a file mapping made by tensorferry");
-}
-
 void SetMappingLeases(bool enabled) noexcept {
   io::g_leases_enabled.store(enabled, std::memory_order_relaxed);
 }

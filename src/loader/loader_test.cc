@@ -606,37 +606,6 @@ TEST(LoaderEngines, MmapPopulateReportsAFileThatShrankUnderneath) {
   EXPECT_EQ(CheckMappedFiles().code(), Code::kUnexpectedEof);
 }
 
-// PopulateMapped: by address, for views handed out lazily (the Python edges populate each tensor
-// from the thread that asks for it).
-TEST(LoaderEngines, PopulateMappedFindsTheMappingByAddress) {
-  WithoutLeases no_leases;
-  Fixture f(2, 1u << 30, 100);
-  const std::string path = f.dir.Join("model.safetensors");
-  auto file = Env::Default()->OpenRandomAccess(path);
-  ASSERT_TRUE(file.ok());
-  const uint64_t size = *(*file)->Size();
-  auto map = io::MappedFile::Map(**file, size);
-  ASSERT_TRUE(map.ok()) << map.status().ToString();
-  const std::byte* data = (*map)->data();
-  EXPECT_TRUE(PopulateMapped(data, size).ok());
-  EXPECT_TRUE(PopulateMapped(data + 5, size - 5).ok());  // unaligned start
-  EXPECT_TRUE(PopulateMapped(data + size, 0).ok());      // nothing to do
-  Status past = PopulateMapped(data + 8, size);
-  EXPECT_EQ(past.code(), Code::kInvalidArgument) << past.ToString();
-  EXPECT_NE(past.message().find(path), std::string::npos) << past.ToString();
-  std::vector<std::byte> elsewhere(64);
-  Status outside = PopulateMapped(elsewhere.data(), elsewhere.size());
-  EXPECT_EQ(outside.code(), Code::kInvalidArgument);
-  EXPECT_NE(outside.message().find("not inside a file mapping"), std::string::npos);
-  ASSERT_EQ(::truncate(path.c_str(), 100), 0);
-  Status shrank = PopulateMapped(data, size);
-  EXPECT_EQ(shrank.code(), Code::kUnexpectedEof) << shrank.ToString();
-  EXPECT_NE(shrank.message().find(path), std::string::npos) << shrank.ToString();
-  map->reset();
-  Status gone = PopulateMapped(data, size);  // unmapped: no longer found
-  EXPECT_EQ(gone.code(), Code::kInvalidArgument) << gone.ToString();
-}
-
 // Leases are bounded (one descriptor each): mappings beyond kMaxLeases fall back on the loud
 // guard, and a mapping's lease ends with it.
 TEST(LoaderEngines, MmapLeasesAreBoundedAndReleased) {

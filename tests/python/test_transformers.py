@@ -3,6 +3,7 @@ and identical outputs with and without it, with the pinned transformers, for a L
 all-MiniLM-L6-v2 weights (BERT-style encoder) and a mixture-of-experts model whose files hold one
 tensor per expert (transformers fuses them while loading), each single-file and sharded."""
 import contextlib
+import sys
 import json
 import os
 
@@ -234,3 +235,20 @@ def test_a_damaged_shard_is_an_error_naming_the_file(tmp_path):
         _load(AutoModelForCausalLM, tmp_path, True, dtype=torch.bfloat16)
     assert files[1] in str(raised.value)
     assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def test_whole_first_reads_the_file_and_a_part_first_only_its_pages(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from _pagecache import cached_fraction, evict
+    path = str(tmp_path / "big.safetensors")
+    tensorferry.torch.save_file({"a": torch.ones(1024, 4096), "b": torch.ones(1024, 4096)}, path)
+    evict([path])
+    if cached_fraction([path]) > 0.05:
+        pytest.skip("the page cache of the test directory cannot be emptied here")
+    with tft.safe_open(path, framework="pt") as f:  # a tensor-parallel plan: parts first
+        part = f.get_slice("a")[:16]
+        assert torch.equal(part, torch.ones(16, 4096))
+        assert cached_fraction([path]) < 0.3
+    with tft.safe_open(path, framework="pt") as f:  # from_pretrained: whole tensors first
+        assert torch.equal(f.get_slice("a")[...], torch.ones(1024, 4096))
+        assert cached_fraction([path]) > 0.95  # the whole file, read at once

@@ -345,51 +345,39 @@ MappedFile::~MappedFile() {
   ::munmap(data_, size_);
 }
 
-namespace {
-
-// Reads the pages of [offset, offset + length) of the mapping in `slot` (base `data`, `size` bytes,
-// file `path`) into memory: MADV_POPULATE_READ, or one touch per page on kernels without it.
-Status PopulatePages(const std::string& path, std::byte* data, uint64_t size, size_t slot,
-                     uint64_t offset, uint64_t length) {
+Status MappedFile::Populate(uint64_t offset, uint64_t length) const {
   if (length == 0) return Status::Ok();
-  if (offset > size || length > size - offset) {
-    return Status(Code::kInvalidArgument, path + ": populate past the mapping");
+  if (offset > size_ || length > size_ - offset) {
+    return Status(Code::kInvalidArgument, path_ + ": populate past the mapping");
   }
   const uint64_t page = static_cast<uint64_t>(g_page_size);
   const uint64_t begin = offset / page * page;
   const uint64_t end = offset + length;
   // Start reading the whole range at once (asynchronous readahead in large requests) before
   // faulting it in: populating alone reads a readahead window at a time, waiting for each.
-  (void)::madvise(data + begin, end - begin, MADV_WILLNEED);
-  if (::madvise(data + begin, end - begin, MADV_POPULATE_READ) == 0) return Status::Ok();
+  (void)::madvise(data_ + begin, end - begin, MADV_WILLNEED);
+  if (::madvise(data_ + begin, end - begin, MADV_POPULATE_READ) == 0) return Status::Ok();
   const int err = errno;
   if (err == EINVAL) {
     // Kernel older than 5.14: touch one byte per page; a vanished page is repaired by the SIGBUS
-    // handler and counted in the slot's faults.
-    Slot& s = Table()[slot];
-    const uint64_t before = s.faults.load(std::memory_order_relaxed);
-    volatile const std::byte* p = data;
+    // handler and shows up in faults().
+    const uint64_t before = faults();
+    volatile const std::byte* p = data_;
     for (uint64_t at = begin; at < end; at += page) (void)p[at];
-    if (s.faults.load(std::memory_order_relaxed) != before) {
-      return Status(Code::kUnexpectedEof, path + ": file shrank while mapped: page at offset " +
-                                              std::to_string(s.first_fault.load()) +
+    if (faults() != before) {
+      return Status(Code::kUnexpectedEof, path_ + ": file shrank while mapped: page at offset " +
+                                              std::to_string(first_fault_offset()) +
                                               " is past its end");
     }
     return Status::Ok();
   }
   if (err == EFAULT) {
-    return Status(Code::kUnexpectedEof, path + ": file shrank while mapped: bytes in [" +
+    return Status(Code::kUnexpectedEof, path_ + ": file shrank while mapped: bytes in [" +
                                             std::to_string(begin) + ", " + std::to_string(end) +
                                             ") are past its end");
   }
-  return Status(Code::kIoError, path + ": reading mapped bytes [" + std::to_string(begin) + ", " +
+  return Status(Code::kIoError, path_ + ": reading mapped bytes [" + std::to_string(begin) + ", " +
                                     std::to_string(end) + ") failed: " + ErrnoText(err));
-}
-
-}  // namespace
-
-Status MappedFile::Populate(uint64_t offset, uint64_t length) const {
-  return PopulatePages(path_, data_, size_, slot_, offset, length);
 }
 
 uint64_t MappedFile::faults() const noexcept {

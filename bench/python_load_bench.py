@@ -34,9 +34,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOADERS = [
     "tensorferry load_file",
     "tensorferry load_file (pread)",
+    "tensorferry load_file (mmap)",
     "tensorferry Loader.load",
     "tensorferry Loader.iter_tensors 1GB",
     "safetensors load_file",
+    "safetensors load_file (pread)",
     "fastsafetensors (nogds)",
     "runai-model-streamer",
     "torch.load .bin",
@@ -115,6 +117,13 @@ def child(name, checkpoint, bin_dir):
         loaded = time.perf_counter()
         for t in tensors.values():
             touch(t)
+    elif name == "tensorferry load_file (mmap)":
+        tensors = {}
+        for f in files:
+            tensors.update(tensorferry.torch.load_file(f, backend="mmap"))
+        loaded = time.perf_counter()
+        for t in tensors.values():
+            touch(t)
     elif name == "tensorferry Loader.load":
         tensors = tensorferry.Loader(checkpoint).load()
         loaded = time.perf_counter()
@@ -128,6 +137,13 @@ def child(name, checkpoint, bin_dir):
         tensors = {}
         for f in files:
             tensors.update(safetensors.torch.load_file(f))
+        loaded = time.perf_counter()
+        for t in tensors.values():
+            touch(t)
+    elif name == "safetensors load_file (pread)":
+        tensors = {}
+        for f in files:
+            tensors.update(safetensors.torch.load_file(f, backend="pread"))
         loaded = time.perf_counter()
         for t in tensors.values():
             touch(t)
@@ -350,6 +366,9 @@ def main():
     p.add_argument("--bin-dir", help="where the .bin copy lives (default: <checkpoint>-bin)")
     p.add_argument("--json", help="write every run and the summary here")
     p.add_argument("--svg", help="write a bar chart here")
+    p.add_argument("--evict-also", default="",
+                   help="cold runs also evict the .safetensors files of this directory (the "
+                        "source of a FUSE mount the checkpoint is read through)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     checkpoint = os.path.abspath(args.checkpoint)
@@ -383,6 +402,8 @@ def main():
                     if run == 0:
                         continue
                 paths = bin_files if name == "torch.load .bin" else files
+                if mode == "cold" and args.evict_also:
+                    evict(shard_files(args.evict_also))
                 cached = evict(paths) if mode == "cold" else warm(paths, unless_cached=True)
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), checkpoint,
                                        "--bin-dir", bin_dir, "--child", name],

@@ -8,7 +8,8 @@ APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
               libsimdjson-dev libzip-dev pkg-config time libcli11-dev libgtest-dev googletest liburing-dev
               python3-venv fio
               libcurl4-openssl-dev nginx-light  # object storage: libcurl (loaded at run time), the HTTP test server
-              openmpi-bin libopenmpi-dev)  # MPI: tensorferry::mpi, tensorferry-mpi, the mpi tests
+              openmpi-bin libopenmpi-dev  # MPI: tensorferry::mpi, tensorferry-mpi, the mpi tests
+              fuse3 libfuse3-dev)  # tf_slowfs: the slow file system of the file-system tests and benchmark
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

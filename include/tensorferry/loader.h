@@ -276,7 +276,8 @@ class Loader {
   // unspecified.
   Status LoadInto(std::span<const Destination> destinations);
 
-  // Totals of the last Stream, Load or LoadInto.
+  // Totals of the last Stream, Load or LoadInto. Before the first load: zeros, with what Open
+  // decided (engine, engine_reason, filesystem).
   LoadStats stats() const;
 
  private:

@@ -7,9 +7,9 @@
 // Validated() (Loader::Open calls it) applies the cross-field checks and the clamps.
 //
 // Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
-// allow_oversized, order, pool_bytes, populate, device, gds, staging_bytes, staging_slot,
-// device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap, and for object
-// storage (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id,
+// allow_oversized, order, pool_bytes, populate, prefer_mmap, device, gds, staging_bytes,
+// staging_slot, device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap, and
+// for object storage (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id,
 // s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_*
 // variables apply), object_concurrency, object_part_size, object_retries, object_timeout_ms,
 // object_header_bytes, object_verify_tls, object_ca_bundle. Each edge spells a
@@ -40,7 +40,15 @@
 namespace tensorferry {
 
 // How bytes get from the files into memory.
-//   kAuto:    kIoUring where the kernel allows it, else kPread.
+//   kAuto:    kIoUring where the kernel allows it, else kPread; kMmap instead when
+//             LoadOptions::prefer_mmap and every file is on a local file system. Files on a
+//             network (NFS, SMB, Lustre, GPFS, Ceph, 9p, ...) or user-space (FUSE, virtiofs)
+//             file system, or on an overlay of one, are never mapped by kAuto: a page-cache miss
+//             there is a synchronous round trip per readahead window, and large reads with many
+//             in flight are several times faster (docs/benchmarks.md, "Slow file systems"). On
+//             those file systems kAuto also keeps more reads in flight (kSlowFsInFlight: io_uring
+//             queue_depth, or pread threads) where threads and queue_depth are left at their
+//             defaults. LoadStats::filesystem and ::engine_reason say what was found and chosen.
 //   kPread:   a pool of threads issuing pread(2) (preadv2 with O_DIRECT when direct I/O is used).
 //   kIoUring: one ring per worker thread through liburing, queue_depth reads in flight each.
 //   kMmap:    zero-copy: each file is mapped read-only once per loader and every Tensor is a view
@@ -75,9 +83,11 @@ Result<DirectIO> ParseDirectIO(std::string_view name);
 // environment. docs/runtime_settings.md lists the variables.
 // Limits LoadOptions::Validated (so Loader::Open) applies (clamping, not failing):
 // docs/runtime_settings.md.
-inline constexpr uint64_t kMinChunkSize = 4096;   // chunk_size below it reads as 4 KiB (a page)
-inline constexpr unsigned kMaxThreads = 256;      // more threads start 256
-inline constexpr unsigned kMaxQueueDepth = 4096;  // io_uring's own bound on a ring's entries
+inline constexpr uint64_t kMinChunkSize = 4096;  // chunk_size below it reads as 4 KiB (a page)
+inline constexpr unsigned kMaxThreads = 256;     // more threads start 256
+inline constexpr unsigned kMaxQueueDepth = 4096;
+// Reads kAuto keeps in flight on a network or user-space file system (Engine::kAuto).
+inline constexpr unsigned kSlowFsInFlight = 64;  // io_uring's own bound on a ring's entries
 // LoadOptions::tensor_parallel->rank after Set("tp_size") alone: not a rank (Validated refuses it).
 inline constexpr uint32_t kUnsetTpRank = UINT32_MAX;
 
@@ -95,6 +105,10 @@ struct LoadOptions {
   // mmap engine: pre-fault every mapped page during the load (MAP_POPULATE-like, in parallel) so
   // first access costs nothing; false: pages are read on first touch.
   bool populate = false;
+  // Engine::kAuto may choose kMmap (with `populate` as set) when every file is on a local file
+  // system (TENSORFERRY_PREFER_MMAP). The Python package's whole-file defaults set it: mapping is
+  // the fastest way to tensors in host memory from the page cache or a local disk.
+  bool prefer_mmap = false;
   // Host memory the copying engines may fill with tensor data (TENSORFERRY_MEMORY_LIMIT): 0
   // (default) = 3/4 of what this process may still allocate when the Loader opens
   // (memory_limit.h: the memory cgroup's limit less its unreclaimable usage, and MemAvailable);
@@ -162,10 +176,10 @@ struct LoadOptions {
   // as their Parse* functions read them; counts (threads, queue_depth, device_producers, tp_rank,
   // tp_size) as decimal digits; sizes (chunk_size, budget, pool_bytes, staging_bytes,
   // staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB", "1GiB", "4096");
-  // memory_limit as a size or "off"; booleans (allow_oversized, populate, drop_cache) as 1/0,
-  // on/off, true/false, yes/no; shard_rules as "builtin", "none" or ShardSpec JSON. A tp_* or
-  // shard_* key creates `tensor_parallel` (builtin rules) when unset; tp_rank and tp_size must both
-  // be set (Validated checks). shard_max_gap also turns exact_when_cached off (an explicit gap
+  // memory_limit as a size or "off"; booleans (allow_oversized, populate, prefer_mmap, drop_cache)
+  // as 1/0, on/off, true/false, yes/no; shard_rules as "builtin", "none" or ShardSpec JSON. A tp_*
+  // or shard_* key creates `tensor_parallel` (builtin rules) when unset; tp_rank and tp_size must
+  // both be set (Validated checks). shard_max_gap also turns exact_when_cached off (an explicit gap
   // applies to every file). An empty value is an error. Errors: kInvalidArgument "<key> = <value>
   // <why>" (unknown key, bad value, a value out of the field's range, 0 for chunk_size,
   // queue_depth, staging_bytes, staging_slot); the edge adds its own spelling of the key as context

@@ -23,6 +23,12 @@ struct LoadStats {
   uint64_t buffers_reused = 0;
   uint64_t buffers_allocated = 0;
   std::string engine;  // the engine that ran ("pread", "io_uring", "mmap")
+  // Why that engine: "set by the caller", or what Engine::kAuto found ("files on fuse.sshfs
+  // (user space): mmap page faults would wait on the daemon; io_uring, 64 reads in flight").
+  std::string engine_reason;
+  // The file systems the checkpoint's files are on ("ext4", "nfs", "overlay(nfs)", several
+  // comma-separated); "" for object storage.
+  std::string filesystem;
   // The budget the loader set itself because no budget was given and the checkpoint exceeds the
   // host memory this process may use (LoadOptions::memory_limit), with where that limit came
   // from; "" when the caller's budget (or none) applied.
@@ -67,6 +73,8 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("buffers_reused", s.buffers_reused);
   visit("buffers_allocated", s.buffers_allocated);
   visit("engine", s.engine);
+  visit("engine_reason", s.engine_reason);
+  visit("filesystem", s.filesystem);
   visit("memory_budget", s.memory_budget);
   visit("direct_files", s.direct_files);
   visit("direct_bytes", s.direct_bytes);

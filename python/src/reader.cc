@@ -328,6 +328,19 @@ nb::dict Reader::Stats() const {
   return StatsDict(stats_);
 }
 
+nb::dict Reader::Engine() {
+  LoadStats s;
+  {
+    WithoutGil release;
+    s = EnsureLoader().stats();
+  }
+  nb::dict out;
+  out["engine"] = s.engine;
+  out["engine_reason"] = s.engine_reason;
+  out["filesystem"] = s.filesystem;
+  return out;
+}
+
 nb::dict Reader::Options() const {
   return OptionsDict(options_);
 }
@@ -476,6 +489,7 @@ void RegisterReader(nb::module_& m) {
            nb::keep_alive<0, 1>())
       .def("load_into", &Reader::LoadInto, nb::arg("entries"))
       .def("stats", &Reader::Stats)
+      .def("engine", &Reader::Engine)
       .def("options", &Reader::Options)
       .def("close", &Reader::Close,
            "Drops the loader and this Reader's reference to the checkpoint (its files close when "

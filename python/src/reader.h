@@ -117,7 +117,10 @@ class Reader {
   // bytes); Loader::LoadInto checks names, capacities and overlaps before any read.
   void LoadInto(const nanobind::list& entries);
 
-  nanobind::dict Stats() const;    // the last load's LoadStats (StatsDict)
+  nanobind::dict Stats() const;  // the last load's LoadStats (StatsDict)
+  // The engine the loader runs, why, and the files' file systems (LoadStats::engine,
+  // engine_reason, filesystem), known from Loader::Open on (opens the loader if needed).
+  nanobind::dict Engine();
   nanobind::dict Options() const;  // OptionsDict
 
   // Drops the loader and the checkpoint (see the file comment). Idempotent.

@@ -293,7 +293,10 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         # once with MADV_WILLNEED, then faulted in with MADV_POPULATE_READ: mapped_file.cc), so
         # the model is resident when it returns; accelerate's and safetensors' mappings are read
         # at first use, one fault at a time (docs/benchmarks.md, "Models").
-        with Loader(checkpoint, engine="mmap", populate=True, select=[g.source for g in mapped],
+        # On a network or FUSE file system the files are read instead (prefer_mmap: the mapping
+        # is for local file systems), into memory the tensors own.
+        with Loader(checkpoint, engine="auto", prefer_mmap=True, populate=True,
+                    select=[g.source for g in mapped],
                     progress=progress, **loader_kw) as loader:
             views = loader.load()
         for g in mapped:

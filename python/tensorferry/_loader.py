@@ -146,9 +146,11 @@ class Loader:
             at most half the budget, so the tensor the consumer still holds when it asks for the
             next one never blocks the next batch.
         threads: I/O threads (None: one per CPU).
-        engine: "auto", "pread", "io_uring" or "mmap". Default: "mmap" (with populate) when there
-            is no budget, as load_file; else "auto" (io_uring where the kernel allows, else
-            pread). TENSORFERRY_ENGINE overrides the default.
+        engine: "auto", "pread", "io_uring" or "mmap". Default: "auto" (io_uring where the
+            kernel allows, else pread), which with no budget prefers "mmap" with populate, as
+            load_file, for files on local file systems (prefer_mmap); files on network or FUSE
+            file systems are read, never mapped (docs/python.md, "Slow file systems").
+            TENSORFERRY_ENGINE overrides the default. `engine_info` says what was chosen.
         select: which tensors: None (all), a name, a list of names, or a predicate on the name
             (e.g. tensorferry.layers(0, 3)).
         framework: "pt" (torch tensors, default) or "np" (numpy arrays).
@@ -161,7 +163,8 @@ class Loader:
         drop_cache: after each load, drop the files read from the page cache (posix_fadvise
             DONTNEED), for servers that want that memory back; not with the mmap engine, whose
             tensors are those pages.
-        direct, chunk_size, queue_depth, order, populate, allow_oversized, pool_bytes: the other
+        direct, chunk_size, queue_depth, order, populate, prefer_mmap, allow_oversized,
+            pool_bytes: the other
             fields of tensorferry::LoadOptions (None: the default, or its TENSORFERRY_*
             environment variable).
         progress: True for a tqdm progress bar over bytes (when tqdm is installed), or a callable
@@ -190,7 +193,8 @@ class Loader:
 
     def __init__(self, checkpoint, device="cpu", budget=None, threads=None, engine=None,
                  select=None, *, framework="pt", direct=None, chunk_size=None, queue_depth=None,
-                 order=None, populate=None, allow_oversized=None, pool_bytes=None,
+                 order=None, populate=None, prefer_mmap=None, allow_oversized=None,
+                 pool_bytes=None,
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
                  shard_max_gap=None, process_group=None, storage_options=None,
@@ -221,6 +225,7 @@ class Loader:
             "order": order,
             "pool_bytes": pool_bytes,
             "populate": populate,
+            "prefer_mmap": prefer_mmap,
             "memory_limit": memory_limit,
             "drop_cache": drop_cache,
             # Always explicit: the Python default is the host, whatever TENSORFERRY_DEVICE says.
@@ -258,9 +263,12 @@ class Loader:
                 and not os.environ.get("TENSORFERRY_ENGINE") \
                 and not os.environ.get("TENSORFERRY_BUDGET") and core_device is None \
                 and placement is None:
-            # Unbounded: the same default as load_file (mmap with populate), the fastest measured
-            # way to tensors in host memory (docs/python.md). Under a budget, the copying engines.
-            options["engine"] = "mmap"
+            # Unbounded: the same default as load_file (mmap with populate on local file
+            # systems), the fastest measured way to tensors in host memory (docs/python.md).
+            # Under a budget, the copying engines.
+            options["engine"] = "auto"
+            if prefer_mmap is None and not os.environ.get("TENSORFERRY_PREFER_MMAP"):
+                options["prefer_mmap"] = True
             if populate is None and not os.environ.get("TENSORFERRY_POPULATE"):
                 options["populate"] = True
         path = os.fspath(checkpoint)
@@ -336,6 +344,12 @@ class Loader:
     def stats(self):
         """LoadStats of the last load() or iteration."""
         return self._stats
+
+    @property
+    def engine_info(self):
+        """The engine this loader reads with, why, and the file systems of the files: a dict
+        with "engine", "engine_reason" and "filesystem" (as in stats), known before any load."""
+        return self._reader.engine()
 
     # --- loading --------------------------------------------------------------------------------
 

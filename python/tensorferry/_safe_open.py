@@ -12,12 +12,15 @@ _BACKENDS = {"mmap": "mmap", "pread": "pread", "io_uring": "io_uring", "auto": "
 def default_load_options(backend=None):
     """Load options for whole-file CPU loads (load_file, get_tensors, large get_tensor).
 
-    Default: the mmap engine with populate. Measured on warm files (docs/benchmarks.md) it is the
-    fastest way to a fully resident tensor set: the file's cached pages are mapped copy-on-write,
-    not copied, and populate faults every page in (in parallel) during the load, so the load is
-    complete when it returns and a file that shrank is reported then. Tensors are private,
-    writable copy-on-write views. TENSORFERRY_ENGINE / TENSORFERRY_POPULATE override the default
-    (docs/python.md); backend= overrides both.
+    Default: the mmap engine with populate for a file on a local file system ("auto" with
+    prefer_mmap). Measured on warm files (docs/benchmarks.md) it is the fastest way to a fully
+    resident tensor set: the file's cached pages are mapped copy-on-write, not copied, and
+    populate faults every page in (in parallel) during the load, so the load is complete when it
+    returns and a file that shrank is reported then. Tensors are private, writable copy-on-write
+    views. A file on a network or FUSE file system is read instead (io_uring, many large reads in
+    flight): page faults there wait for a round trip each. TENSORFERRY_ENGINE /
+    TENSORFERRY_POPULATE / TENSORFERRY_PREFER_MMAP override the default (docs/python.md);
+    backend= overrides them all (backend="mmap" maps whatever the file system).
     """
     if backend is not None:
         engine = _BACKENDS.get(backend) if isinstance(backend, str) else None
@@ -31,7 +34,9 @@ def default_load_options(backend=None):
         return options
     options = {}
     if not os.environ.get("TENSORFERRY_ENGINE"):
-        options["engine"] = "mmap"
+        options["engine"] = "auto"
+        if not os.environ.get("TENSORFERRY_PREFER_MMAP"):
+            options["prefer_mmap"] = True
         if not os.environ.get("TENSORFERRY_POPULATE"):
             options["populate"] = True
     return options

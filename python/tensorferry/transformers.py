@@ -15,7 +15,10 @@ docs/runtime_settings.md says), and every request is answered with a view of the
 the first request for a file asks for a whole tensor (a plain from_pretrained), the whole file is
 read into memory then, in parallel and in large requests (the mmap engine's populate), so the
 parameters are resident when from_pretrained returns; when it asks for a part (a tensor-parallel
-plan), nothing is read ahead and each slice copies only the bytes it selects.
+plan), nothing is read ahead and each slice copies only the bytes it selects. A file on a
+network or FUSE file system (NFS, SMB, Lustre, sshfs, s3fs, ...), where each page fault of a
+mapping waits for a round trip, is not mapped: a whole-tensor first request reads the whole file
+with many large reads in flight (the io_uring engine), a part first reads each slice's bytes.
 
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
@@ -60,6 +63,7 @@ class safe_open(_safe_open):
         super().__init__(filename, framework, device, backend=backend,
                          storage_options=storage_options)
         self._filename = filename
+        self._backend = backend
         self._map_lock = threading.Lock()
         self._views = None  # name -> view of the mapping; {} when the file cannot be mapped
         self._mappable = (self._fw.name == "torch" and str(self._device) == "cpu"
@@ -81,8 +85,15 @@ class safe_open(_safe_open):
             with self._map_lock:
                 if self._views is None:
                     try:
-                        with Loader(self._filename, engine="mmap", populate=whole) as loader:
-                            self._views = loader.load()
+                        # backend="mmap" maps whatever the file system; else the mapping
+                        # is for local file systems (Loader's prefer_mmap).
+                        engine = "mmap" if self._backend == "mmap" else "auto"
+                        with Loader(self._filename, engine=engine, prefer_mmap=True,
+                                    populate=whole) as loader:
+                            if whole or loader.engine_info["engine"] == "mmap":
+                                self._views = loader.load()
+                            else:  # a part first, files not mapped: each slice reads its bytes
+                                self._views = {}
                     except UnsupportedDTypeError:
                         self._views = {}  # per tensor, each with its own error if it has one
                 views = self._views

@@ -162,8 +162,7 @@ Result<std::optional<Batch>> BatchIterator::Next() {
 Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   TF_RETURN_IF_ERROR(CheckMappedFiles());  // tensors of an earlier load lost bytes: say so first
   Impl& m = *impl_;
-  m.stats = LoadStats();
-  m.stats.engine = std::string(EngineName(m.engine_kind));
+  m.ResetStats();
   m.stats.memory_budget = m.memory_note;
   auto s = std::make_unique<BatchIterator::State>();
   s->m = &m;

@@ -134,8 +134,7 @@ IntoReads MakeIntoReads(const Checkpoint& ckpt, const std::vector<const OutputIn
 Status Loader::LoadInto(std::span<const Destination> destinations) {
   TF_RETURN_IF_ERROR(CheckMappedFiles());
   Impl& m = *impl_;
-  m.stats = LoadStats();
-  m.stats.engine = std::string(EngineName(m.engine_kind));
+  m.ResetStats();
   const auto start = Clock::now();
   const Checkpoint& ckpt = *m.checkpoint;
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -14,6 +15,7 @@
 #include "device/pipeline.h"
 #include "io/engine_common.h"
 #include "io/file_set.h"
+#include "io/filesystem.h"
 #include "io/read_engine.h"
 #include "loader/groups.h"
 #include "loader/loader_impl.h"
@@ -33,6 +35,43 @@ namespace {
 // With DirectIO::kAuto, a file is read with O_DIRECT when less than this fraction of the bytes to
 // read is in the page cache.
 constexpr double kDirectBelowCachedFraction = 0.5;
+
+unsigned DefaultThreads() {
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// The file systems of a checkpoint's files: their types, comma-separated and each once, and the
+// slow ones (network, user space) with their class, "" when none.
+struct FileSystems {
+  std::string types;
+  std::string slow;
+};
+
+FileSystems DetectFileSystems(const Checkpoint& checkpoint) {
+  FileSystems out;
+  std::map<std::string, io::FileSystemInfo> by_dir;  // a sharded checkpoint: one statfs
+  for (const auto& file : checkpoint.files()) {
+    const size_t slash = file.path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : file.path.substr(0, slash + 1);
+    if (by_dir.count(dir)) continue;
+    Result<io::FileSystemInfo> info = io::DetectFileSystem(dir);
+    if (!info.ok()) continue;  // an injected Env's files: nothing to say
+    const auto known = [](const std::string& list, const std::string& item) {
+      return ("," + list + ",").find("," + item + ",") != std::string::npos;
+    };
+    if (!known(out.types, info->type)) out.types += (out.types.empty() ? "" : ",") + info->type;
+    if (info->slow_faults()) {
+      const std::string what =
+          info->type +
+          (info->cls == io::FileSystemClass::kNetwork ? " (network file system)" : " (user space)");
+      if (out.slow.find(what) == std::string::npos) {
+        out.slow += (out.slow.empty() ? "files on " : ", ") + what;
+      }
+    }
+    by_dir.emplace(dir, *std::move(info));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -209,6 +248,13 @@ Result<bool> Loader::Impl::PrepareDevices(const std::vector<Group>& groups) {
   return any_device;
 }
 
+void Loader::Impl::ResetStats() {
+  stats = LoadStats();
+  stats.engine = std::string(EngineName(engine_kind));
+  stats.engine_reason = engine_reason;
+  stats.filesystem = filesystems;
+}
+
 const io::ReadEngine* Loader::Impl::Counted() const {
   return copy_engine ? copy_engine : engine.get();
 }
@@ -278,14 +324,50 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
           std::max<uint64_t>(1, options.staging_bytes / options.staging_slot));
     }
   }
-  if (kind == Engine::kAuto) {
+  const FileSystems fs =
+      hints.concurrency > 0 ? FileSystems{} : DetectFileSystems(*impl->checkpoint);
+  impl->filesystems = fs.types;
+  if (hints.concurrency > 0) {
+    impl->engine_reason = "object storage: requests issued by the pread engine's workers";
+  } else if (kind != Engine::kAuto) {
+    impl->engine_reason = "set by the caller";
+    if (kind == Engine::kMmap && !fs.slow.empty()) {
+      impl->engine_reason += " (" + fs.slow + ": page faults there are slow; auto would read)";
+    }
+  } else if (!fs.slow.empty()) {
+    // Large reads with many in flight, never page faults: each miss of a mapping would wait for
+    // one round trip of at most the readahead window.
+    kind = io::IoUringAvailable().ok() ? Engine::kIoUring : Engine::kPread;
+    const LoadOptions defaults;
+    if (kind == Engine::kIoUring && options.queue_depth == defaults.queue_depth) {
+      const unsigned workers = options.threads > 0 ? options.threads : DefaultThreads();
+      impl->options.queue_depth =
+          std::max(options.queue_depth, (kSlowFsInFlight + workers - 1) / workers);
+    } else if (kind == Engine::kPread && options.threads == 0) {
+      impl->options.threads = kSlowFsInFlight;
+    }
+    const unsigned in_flight =
+        kind == Engine::kIoUring
+            ? impl->options.queue_depth * (options.threads > 0 ? options.threads : DefaultThreads())
+            : (impl->options.threads > 0 ? impl->options.threads : DefaultThreads());
+    impl->engine_reason = fs.slow + ": mmap page faults would wait for a round trip each; " +
+                          std::string(EngineName(kind)) + " with " + std::to_string(in_flight) +
+                          " reads of up to " + FormatBytes(impl->options.chunk_size) + " in flight";
+  } else if (options.prefer_mmap) {
+    kind = Engine::kMmap;
+    impl->engine_reason = "local file system (prefer_mmap): the files are mapped";
+  } else {
     // io_uring where the kernel allows it: the same copies as pread for cached data, and deep
     // queues with few threads for cold and direct reads.
-    kind = io::IoUringAvailable().ok() ? Engine::kIoUring : Engine::kPread;
+    const Status uring = io::IoUringAvailable();
+    kind = uring.ok() ? Engine::kIoUring : Engine::kPread;
+    impl->engine_reason =
+        uring.ok() ? "io_uring available" : "io_uring unavailable: " + uring.message();
   }
   impl->engine_kind = kind;
   if (kind == Engine::kIoUring) {
-    TF_ASSIGN_OR_RETURN(impl->engine, io::MakeIoUringEngine(options.threads, options.queue_depth));
+    TF_ASSIGN_OR_RETURN(impl->engine,
+                        io::MakeIoUringEngine(impl->options.threads, impl->options.queue_depth));
   } else if (kind == Engine::kPread) {
     TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(impl->options.threads));
   }  // kMmap copies nothing: no read engine
@@ -318,6 +400,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     TF_RETURN_IF_ERROR(impl->Slot(options.device.index).status());
     TF_RETURN_IF_ERROR(impl->CopyEngine().status());
   }
+  impl->ResetStats();  // stats() says which engine, and why, before the first load
   return std::unique_ptr<Loader>(new Loader(std::move(impl)));
 }
 

@@ -30,6 +30,8 @@ struct Loader::Impl {
   // the limit and where it came from, for Load's error.
   std::string memory_note;
   Engine engine_kind = Engine::kPread;  // resolved (never kAuto)
+  std::string engine_reason;            // why (LoadStats::engine_reason)
+  std::string filesystems;              // LoadStats::filesystem
   std::unique_ptr<io::ReadEngine> engine;
   std::shared_ptr<memory::BufferPool> pool;
   std::shared_ptr<memory::Budget> budget;
@@ -45,6 +47,9 @@ struct Loader::Impl {
   std::map<int, sink::DeviceSlot> slots;
   std::unique_ptr<io::ReadEngine> own_copy_engine;
   io::ReadEngine* copy_engine = nullptr;
+
+  // Starts a load's statistics: zero, with what Open found (engine, why, file systems).
+  void ResetStats();
 
   // The sink of CUDA device `index`, created on first use. REQUIRES: not called while a batch is
   // being read on the helper thread.

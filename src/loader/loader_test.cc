@@ -10,6 +10,7 @@
 #include <map>
 #include <thread>
 
+#include "io/filesystem.h"
 #include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "tensorferry/mapping.h"
@@ -666,6 +667,51 @@ TEST(LoaderEngines, NamesAndEnvironment) {
     ::unsetenv(v);
   }
   EXPECT_TRUE(LoadOptions::FromEnvironment().ok());
+}
+
+// Engine::kAuto's choice and its reason, known from Open on; the files' file system in stats.
+TEST(LoaderEngines, AutoSaysWhatItChoseAndWhy) {
+  Fixture f;
+  const std::string fs = io::DetectFileSystem(f.dir.path()).value().type;
+  struct Case {
+    Engine engine;
+    bool prefer_mmap;
+    std::string reason;
+  };
+  const bool uring = io::IoUringAvailable().ok();
+  for (const Case& c :
+       {Case{Engine::kAuto, false, uring ? "io_uring available" : "io_uring unavailable"},
+        Case{Engine::kAuto, true, "local file system (prefer_mmap)"},
+        Case{Engine::kPread, true, "set by the caller"},
+        Case{Engine::kMmap, false, "set by the caller"}}) {
+    LoadOptions o;
+    o.engine = c.engine;
+    o.prefer_mmap = c.prefer_mmap;
+    auto loader = Loader::Open(f.dir.path(), o);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    const LoadStats before = (*loader)->stats();
+    const bool slow = io::DetectFileSystem(f.dir.path())->slow_faults();
+    if (!slow) {
+      const Engine want = c.engine != Engine::kAuto ? c.engine
+                          : c.prefer_mmap           ? Engine::kMmap
+                          : uring                   ? Engine::kIoUring
+                                                    : Engine::kPread;
+      EXPECT_EQ(before.engine, EngineName(want));
+      EXPECT_EQ(before.engine_reason.rfind(c.reason, 0), 0u) << before.engine_reason;
+    }
+    EXPECT_EQ(before.filesystem, fs);
+    EXPECT_EQ(before.tensors, 0u);
+    ASSERT_TRUE((*loader)->Load().ok());
+    const LoadStats after = (*loader)->stats();
+    EXPECT_EQ(after.engine, before.engine);
+    EXPECT_EQ(after.engine_reason, before.engine_reason);
+    EXPECT_EQ(after.filesystem, fs);
+    EXPECT_EQ(after.tensors, f.tensors.size());
+  }
+  LoadOptions o;
+  ASSERT_TRUE(o.Set("prefer_mmap", "yes").ok());
+  EXPECT_TRUE(o.prefer_mmap);
+  EXPECT_FALSE(o.Set("prefer_mmap", "sometimes").ok());
 }
 
 // --- faults through the file interface ------------------------------------------------------

@@ -194,7 +194,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 37> kKeys = {{
+const std::array<Key, 38> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -208,6 +208,7 @@ const std::array<Key, 37> kKeys = {{
      [](LoadOptions& o, std::string_view v) { return Assign(ParseDeliveryOrder(v), o.order); }},
     {"pool_bytes", "TENSORFERRY_POOL_BYTES", SetSize<&LoadOptions::pool_bytes, true>},
     {"populate", "TENSORFERRY_POPULATE", SetBool<&LoadOptions::populate>},
+    {"prefer_mmap", "TENSORFERRY_PREFER_MMAP", SetBool<&LoadOptions::prefer_mmap>},
     {"memory_limit", "TENSORFERRY_MEMORY_LIMIT",
      [](LoadOptions& o, std::string_view v) -> Status {
        if (v == "off" || v == "none") {

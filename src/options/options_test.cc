@@ -35,6 +35,7 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"order", "layer"},
                                  {"pool_bytes", "0"},
                                  {"populate", "true"},
+                                 {"prefer_mmap", "on"},
                                  {"memory_limit", "3GiB"},
                                  {"drop_cache", "1"},
                                  {"device", "cuda:1"},
@@ -72,6 +73,7 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.order, DeliveryOrder::kLayer);
   EXPECT_EQ(o.pool_bytes, 0u);
   EXPECT_TRUE(o.populate);
+  EXPECT_TRUE(o.prefer_mmap);
   EXPECT_EQ(o.memory_limit, 3ull << 30);
   EXPECT_TRUE(o.drop_cache);
   LoadOptions off;
@@ -109,7 +111,7 @@ TEST(LoadOptionsSet, EveryKey) {
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 37u);
+  EXPECT_EQ(keys.size(), 38u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

@@ -39,6 +39,7 @@ struct LoadArgs {
   std::string path;
   std::map<std::string, OptionFlag> options;  // by LoadOptions::Set key
   bool populate = false;
+  bool prefer_mmap = false;
   bool drop_cache = false;
   bool touch = false;
   unsigned repeat = 1;
@@ -118,6 +119,7 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
     if (s.ok() && !flag.value.empty()) s = SetContext(o, key, flag.value, flag.flag);
   }
   if (s.ok() && a.populate) s = o.Set("populate", "1");
+  if (s.ok() && a.prefer_mmap) s = o.Set("prefer_mmap", "1");
   if (s.ok() && a.drop_cache) s = o.Set("drop_cache", "1");
   if (s.ok() && a.allow_oversized) s = o.Set("allow_oversized", "1");
   if (s.ok() && !a.rules.empty()) {
@@ -353,7 +355,10 @@ int RunLoad(const LoadArgs& args) {
       PrintError(args.path, plan.status());
       return kExitError;
     }
-    if (!WriteStdout(plan->Explain(*(*loader)->checkpoint()))) return kExitError;
+    const LoadStats chosen = (*loader)->stats();  // what Open decided
+    std::string head = "engine " + chosen.engine + ": " + chosen.engine_reason;
+    if (!chosen.filesystem.empty()) head += "; file system: " + chosen.filesystem;
+    if (!WriteStdout(head + "\n" + plan->Explain(*(*loader)->checkpoint()))) return kExitError;
   }
   Runs runs;
   if (const Status s = LoadRepeatedly(**loader, *selection, args, runs); !s.ok()) {
@@ -421,6 +426,8 @@ Command AddLoadCommand(CLI::App& parent) {
   option("object_retries", "Retries per request after the first (default 6)");
   option("object_timeout_ms", "A request receiving nothing this long is retried (default 30000)");
   app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");
+  app->add_flag("--prefer-mmap", args->prefer_mmap,
+                "--engine auto: map the files when they are on local file systems");
   app->add_flag("--drop-cache", args->drop_cache,
                 "Drop the files read from the page cache after the load (not with --engine mmap)");
   app->add_flag("--touch", args->touch,

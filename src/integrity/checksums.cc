@@ -16,6 +16,13 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#if defined(TENSORFERRY_XXH3_DISPATCH)
+// Debian's libxxhash is built with xxHash's x86 dispatcher: XXH3 with the widest vectors the CPU
+// has (AVX2, AVX-512), chosen at run time, where the inline build is limited to the baseline
+// (SSE2) the library is compiled for. Chunk hashing is the hot loop of verification.
+extern "C" XXH64_hash_t XXH3_64bits_dispatch(const void* input, size_t len);
+#endif
+
 namespace tensorferry {
 
 struct ChecksumBuilder::State {
@@ -203,7 +210,11 @@ uint64_t ChecksumChunkCount(uint64_t size, uint64_t chunk_size) noexcept {
 }
 
 uint64_t ChecksumChunk(std::span<const std::byte> chunk) noexcept {
+#if defined(TENSORFERRY_XXH3_DISPATCH)
+  return XXH3_64bits_dispatch(chunk.data(), chunk.size());
+#else
   return XXH3_64bits(chunk.data(), chunk.size());
+#endif
 }
 
 uint64_t CombineChunkDigests(std::span<const uint64_t> chunks) noexcept {

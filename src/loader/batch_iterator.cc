@@ -49,7 +49,8 @@ struct BatchIterator::State {
     }
     Result<Batch> got = sinks[g]->Complete(b, std::move(memory));
     // Checksums before anyone sees the batch: a mismatch fails it (the batch is dropped here).
-    if (got.ok() && !m->checksums.empty()) {
+    if (got.ok() && !m->checksums.empty() &&
+        (groups[g].device.is_cuda() || m->engine_kind == Engine::kMmap)) {
       if (Status s = m->VerifyBatch(groups[g].plan.batches[b], *got, verified); !s.ok()) {
         return Result<Batch>(std::move(s));
       }
@@ -200,6 +201,10 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   }
   m.stats.device = s->groups.size() == 1 ? DeviceName(s->groups.front().device) : "mixed";
   s->host = m.Context(want_direct, m.engine.get());
+  s->host.checksums = &m.checksums;  // checked by the host sink as bytes land
+  s->host.verify_counts = &s->verified;
+  s->host.check_on_landing = m.engine_kind == Engine::kPread;
+  s->host.verify_threads = m.VerifyThreads();
   s->device = m.Context(want_direct, m.copy_engine);
   for (size_t g = 0; g < s->groups.size(); ++g) {
     const Group& group = s->groups[g];

@@ -116,12 +116,14 @@ struct Loader::Impl {
   // (none for a file without, and for every file when verify is off). Read once by Open.
   std::vector<std::optional<FileChecksums>> checksums;
   Status LoadChecksums();
-  // What VerifyBatch counted; summed into stats.verified_* / verify_* at the end of a load.
-  struct VerifyCounts {
-    std::atomic<uint64_t> tensors{0}, bytes{0}, skipped{0}, nanos{0};
-  };
+  // Threads that hash a batch's chunks after its reads: options.threads, else every CPU.
+  unsigned VerifyThreads() const;
+  // What the checks counted; summed into stats.verified_* / verify_* at the end of a load.
+  using VerifyCounts = sink::VerifyCounts;
   // Checks every whole host tensor of `batch` (made from `planned`, before tied aliases are added)
-  // whose file has checksums, chunks hashed in parallel. Errors: kChecksumMismatch.
+  // whose file has checksums, chunks hashed in parallel: for the mapped sink's batches (the host
+  // sink checks its own as bytes land, sink/landing_check.h), and counts device tensors as
+  // skipped. Errors: kChecksumMismatch.
   Status VerifyBatch(const PlanBatch& planned, const Batch& batch, VerifyCounts& counts) const;
   // The checkpoint's source counters now, and stats.remote_* as their growth since `before`.
   SourceStats SourceNow() const { return checkpoint->file_set()->source()->stats(); }

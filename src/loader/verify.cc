@@ -11,14 +11,11 @@
 #include "util/macros.h"
 
 namespace tensorferry {
-namespace {
 
-unsigned VerifyThreads(const LoadOptions& options) {
+unsigned Loader::Impl::VerifyThreads() const {
   const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
   return options.threads > 0 ? std::min(options.threads, cpus) : cpus;
 }
-
-}  // namespace
 
 Status Loader::Impl::LoadChecksums() {
   checksums.clear();
@@ -118,7 +115,7 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
                       checkpoint->files()[job.info->file].path, job.info->name, job.info->offset);
     }
   };
-  const size_t workers = std::min<size_t>(VerifyThreads(options), work.size());
+  const size_t workers = std::min<size_t>(VerifyThreads(), work.size());
   std::vector<std::thread> helpers;
   for (size_t t = 1; t < workers; ++t) helpers.emplace_back(run);
   if (!work.empty()) run();

@@ -104,3 +104,20 @@ def test_verify_on_needs_checksums_and_the_environment_sets_the_default(tmp_path
     out = subprocess.run([os.sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "['a', 'b']"
+
+
+def test_convert_keeps_its_checksums_over_a_value_of_that_name(tmp_path):
+    cli = os.environ.get("TENSORFERRY_CLI", "build/release/bin/tensorferry")
+    src, dst = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"
+    torch.save({"w": torch.ones(4, 4), KEY: 5, "epoch": 3}, src)
+    r = subprocess.run([cli, "convert", "--json", "--no-sync", "--verify", str(src), str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    doc = json.loads(r.stdout)
+    assert KEY in {s["name"] for s in doc["skipped"]}
+    with ref_safe_open(str(dst), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["epoch"] == "3"
+    assert sorted(json.loads(meta[KEY])["tensors"]) == ["w"]
+    r = subprocess.run([cli, "verify", str(dst)], capture_output=True, text=True)
+    assert r.returncode == 0 and "1 embedded" in r.stdout, (r.stdout, r.stderr)

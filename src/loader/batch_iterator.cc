@@ -203,7 +203,6 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   s->host = m.Context(want_direct, m.engine.get());
   s->host.checksums = &m.checksums;  // checked by the host sink as bytes land
   s->host.verify_counts = &s->verified;
-  s->host.check_on_landing = m.engine_kind == Engine::kPread;
   s->host.verify_threads = m.VerifyThreads();
   s->device = m.Context(want_direct, m.copy_engine);
   for (size_t g = 0; g < s->groups.size(); ++g) {

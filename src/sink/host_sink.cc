@@ -33,15 +33,16 @@ class HostSink final : public BatchSink {
     const PlanBatch& batch = plan_.batches[b];
     TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
                         c_.pool->Acquire(BufferSize(batch)));
-    // Checksums (LoadOptions::verify): each chunk hashed by the worker that lands its last byte
-    // (check_on_landing), else after the reads (and after tensor-parallel moves, which put bytes
-    // in their final place), in parallel.
+    // Checksums (LoadOptions::verify): each chunk hashed by the engine's worker that lands its
+    // last byte, overlapping the reads still in flight (docs/benchmarks.md: cold loads hide the
+    // hashing this way, not after the reads); with tensor-parallel moves, which put bytes in
+    // their final place only after the reads, after them, in parallel.
     std::unique_ptr<LandingCheck> check;
     if (c_.checksums != nullptr && !c_.checksums->empty()) {
       check = LandingCheck::Make(*c_.checkpoint, batch, *c_.checksums, buffer->data(),
                                  *c_.verify_counts);
     }
-    const bool on_landing = check && batch.moves.empty() && c_.check_on_landing;
+    const bool on_landing = check && batch.moves.empty();
     TF_RETURN_IF_ERROR(Read(batch, *buffer, on_landing ? check.get() : nullptr));
     // Pack the pieces of covering reads (tensor-parallel plans); each moves left, in plan order.
     for (const BufferMove& mv : batch.moves) {

@@ -36,9 +36,8 @@ class LandingCheck {
   // Bytes [begin, end) of the batch buffer have landed: hashes each chunk this completes.
   // Thread-safe. Errors: kChecksumMismatch (VerifyChunk's message).
   Status Landed(uint64_t begin, uint64_t end);
-  // Every chunk not yet hashed, on up to `threads` threads (after the batch's reads, for engines
-  // whose workers should not hash: io_uring's reap and resubmit, and after tensor-parallel
-  // moves). Errors: the first mismatching chunk's.
+  // Every chunk not yet hashed, on up to `threads` threads (after a batch's reads and its
+  // tensor-parallel moves). Errors: the first mismatching chunk's.
   Status VerifyAll(unsigned threads);
   // As a ReadRequest::landed hook (the request's dst inside the buffer).
   const std::function<Status(const io::ReadRequest&)>* hook() const { return &hook_; }

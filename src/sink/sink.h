@@ -66,10 +66,7 @@ struct SinkContext {
   // the checks are counted (LoadOptions::verify, landing_check.h).
   const std::vector<std::optional<FileChecksums>>* checksums = nullptr;
   VerifyCounts* verify_counts = nullptr;
-  // Whether the engine's workers hash chunks as they land (pread: right after their own read,
-  // the bytes still cached) rather than after the batch's reads, in parallel (io_uring: a worker
-  // hashing would stop reaping and resubmitting its ring, which measured costlier cold).
-  bool check_on_landing = false;
+  // Threads that hash a batch's chunks after its reads (batches with tensor-parallel moves).
   unsigned verify_threads = 1;
 };
 

@@ -1,6 +1,7 @@
 include(CMakeFindDependencyMacro)
 find_dependency(Threads)
 find_dependency(simdjson)
+find_dependency(OpenSSL COMPONENTS Crypto)
 include("${CMAKE_CURRENT_LIST_DIR}/tensorferryTargets.cmake")
 # tensorferry::convert (torch.save checkpoints to safetensors), when it was built and installed:
 # it needs libzip, which consumers of the core library alone do not.

@@ -33,6 +33,8 @@ cd "$(dirname "$0")/.."
 KIT_DEBS=(libsimdjson-dev libsimdjson14
           libzip-dev libzip4
           liburing-dev liburing2
+          libxxhash-dev libxxhash0
+          libssl-dev
           libcli11-dev
           libcurl4-openssl-dev
           libgtest-dev

@@ -56,6 +56,16 @@ class WritableFile {
   // Writes all of `data` after the bytes written so far, continuing short writes and retrying
   // EINTR. Errors: kIoError naming the path, the byte offset and the OS error (ENOSPC, EIO...).
   virtual Status Append(std::span<const std::byte> data) = 0;
+  // Overwrites `data.size()` bytes already written, starting at `offset` (the writer fills in a
+  // header's checksums after streaming the data). REQUIRES: offset + data.size() <= bytes written
+  // so far, and buffered Append data is irrelevant (there is none: Append writes through).
+  // Errors: kUnsupported from files that cannot (the default; the writer then hashes first),
+  // kIoError naming the path, the offset and the OS error.
+  virtual Status WriteAt(uint64_t offset, std::span<const std::byte> data) {
+    (void)offset;
+    (void)data;
+    return Status(Code::kUnsupported, path() + ": positioned writes are not supported");
+  }
   // fsync. Errors: kIoError naming the path and the OS error.
   virtual Status Sync() = 0;
   // Closes the descriptor, reporting the error (NFS reports some write errors only here). After

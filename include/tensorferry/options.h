@@ -8,11 +8,11 @@
 //
 // Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
 // allow_oversized, order, pool_bytes, populate, prefer_mmap, device, gds, staging_bytes,
-// staging_slot, device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap, and
-// for object storage (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id,
-// s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_*
-// variables apply), object_concurrency, object_part_size, object_retries, object_timeout_ms,
-// object_header_bytes, object_verify_tls, object_ca_bundle. Each edge spells a
+// staging_slot, device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap,
+// verify, and for object storage (object_store.h) s3_endpoint, s3_region, s3_profile,
+// s3_access_key_id, s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style (no
+// variables: the AWS_* variables apply), object_concurrency, object_part_size, object_retries,
+// object_timeout_ms, object_header_bytes, object_verify_tls, object_ca_bundle. Each edge spells a
 // key its own way: the environment as TENSORFERRY_<KEY> (upper case; `direct` is
 // TENSORFERRY_DIRECT_IO; tp_*, shard_rules, shard_max_gap and allow_oversized have no
 // variable), the CLI as --key with '-' for '_', Python as key=. docs/runtime_settings.md
@@ -38,6 +38,17 @@
 #include "tensorferry/status.h"
 
 namespace tensorferry {
+
+// Integrity checksums checked at load (integrity.h, docs/integrity.md): the digests embedded in a
+// file's metadata, else those of the sidecar manifest beside the checkpoint.
+//   kAuto: check the files that have checksums, load the others unchecked.
+//   kOn:   every file must have them (Loader::Open fails with kChecksumsInvalid naming the first
+//          file without), and every whole tensor delivered is checked.
+//   kOff:  nothing is checked (nor are the records read).
+enum class VerifyMode : uint8_t { kAuto, kOn, kOff };
+// "auto" / "on" / "off". Errors: kInvalidArgument naming the value.
+std::string_view VerifyModeName(VerifyMode mode) noexcept;
+Result<VerifyMode> ParseVerifyMode(std::string_view name);
 
 // How bytes get from the files into memory.
 //   kAuto:    kIoUring where the kernel allows it, else kPread; kMmap instead when
@@ -171,19 +182,26 @@ struct LoadOptions {
   uint64_t device_budget = 0;
   // GPUDirect Storage: auto, on, off (TENSORFERRY_GDS; device.h).
   GdsMode gds = GdsMode::kAuto;
+  // Checksums checked at load (TENSORFERRY_VERIFY = auto | on | off; VerifyMode above). A batch
+  // is delivered only after every whole tensor in it matched; a mismatch fails the load with
+  // kChecksumMismatch naming file, tensor, chunk and byte ranges. Checked: whole tensors on the
+  // host (copying engines: in the batch buffer after the reads; mmap: the mapped range, which
+  // reads it; without populate only with kOn). Not checked (verify_skipped_tensors): slices of
+  // tensor parallelism, tensors on a CUDA device, lazily mapped tensors (no populate) under kAuto.
+  VerifyMode verify = VerifyMode::kAuto;
 
   // Sets the option `key` (see the file comment) from text. Values: engine/direct/order/device/gds
   // as their Parse* functions read them; counts (threads, queue_depth, device_producers, tp_rank,
-  // tp_size) as decimal digits; sizes (chunk_size, budget, pool_bytes, staging_bytes,
-  // staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB", "1GiB", "4096");
-  // memory_limit as a size or "off"; booleans (allow_oversized, populate, prefer_mmap, drop_cache)
-  // as 1/0, on/off, true/false, yes/no; shard_rules as "builtin", "none" or ShardSpec JSON. A tp_*
-  // or shard_* key creates `tensor_parallel` (builtin rules) when unset; tp_rank and tp_size must
-  // both be set (Validated checks). shard_max_gap also turns exact_when_cached off (an explicit gap
-  // applies to every file). An empty value is an error. Errors: kInvalidArgument "<key> = <value>
-  // <why>" (unknown key, bad value, a value out of the field's range, 0 for chunk_size,
-  // queue_depth, staging_bytes, staging_slot); the edge adds its own spelling of the key as context
-  // (SetContext). On error the options are unchanged.
+  // tp_size) as decimal digits; verify as auto/on/off; sizes (chunk_size, budget, pool_bytes,
+  // staging_bytes, staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB",
+  // "1GiB", "4096"); memory_limit as a size or "off"; booleans (allow_oversized, populate,
+  // prefer_mmap, drop_cache) as 1/0, on/off, true/false, yes/no; shard_rules as "builtin", "none"
+  // or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin rules) when unset;
+  // tp_rank and tp_size must both be set (Validated checks). shard_max_gap also turns
+  // exact_when_cached off (an explicit gap applies to every file). An empty value is an error.
+  // Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of the
+  // field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds its
+  // own spelling of the key as context (SetContext). On error the options are unchanged.
   Status Set(std::string_view key, std::string_view value);
   // For typed edges: the shard spec itself (creates `tensor_parallel` as the tp_* keys do).
   void SetShardSpec(ShardSpec spec);

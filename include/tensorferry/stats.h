@@ -56,6 +56,14 @@ struct LoadStats {
   // Highest bytes of device batch buffers live at once during the load (summed over devices;
   // buffers still held from earlier loads included): what device_budget bounds.
   uint64_t peak_device_bytes = 0;
+
+  // Integrity checksums (LoadOptions::verify, docs/integrity.md).
+  uint64_t verified_tensors = 0;  // tensors whose every chunk matched its digest
+  uint64_t verified_bytes = 0;    // their bytes
+  // Tensors delivered unchecked although their file has checksums (tensor-parallel slices,
+  // tensors on a CUDA device).
+  uint64_t verify_skipped_tensors = 0;
+  double verify_seconds = 0;  // wall time spent hashing (summed over batches)
 };
 
 // Calls visit(name, value) once per field of `s`, in declaration order; `value` is a
@@ -92,6 +100,10 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("gds_reason", s.gds_reason);
   visit("pinned_bytes", s.pinned_bytes);
   visit("peak_device_bytes", s.peak_device_bytes);
+  visit("verified_tensors", s.verified_tensors);
+  visit("verified_bytes", s.verified_bytes);
+  visit("verify_skipped_tensors", s.verify_skipped_tensors);
+  visit("verify_seconds", s.verify_seconds);
 }
 
 }  // namespace tensorferry

@@ -130,6 +130,9 @@ enum class Code : uint16_t {
   kDeviceOutOfMemory = 503,  // category kCuda: cudaMalloc (or pinned host allocation) failed
   kGdsUnavailable = 504,     // category kUnsupported: GPUDirect Storage forced on but not usable
   kCufileError = 505,        // category kCuda: a cuFile call failed
+  // --- integrity checksums (integrity.h, docs/integrity.md) ------------------------------------
+  kChecksumMismatch = 600,  // category kCorrupt: a chunk's bytes differ from its recorded digest
+  kChecksumsInvalid = 601,  // category kCorrupt: checksum metadata or manifest is malformed
 };
 
 // The category a code belongs to.

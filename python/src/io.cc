@@ -82,14 +82,16 @@ nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& meta
 }
 
 void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metadata,
-                   const std::string& path) {
+                   const std::string& path, bool checksums) {
   Check(CheckMappedFiles());  // the tensors to write may be views of a file that shrank
   const std::vector<TensorToWrite> tensors = ToWrite(entries);
   const Metadata meta = ToMetadata(metadata);
   Status s;
   {
     WithoutGil release;
-    s = WriteFile(path, tensors, meta);
+    WriteOptions options;
+    options.checksums = checksums;  // per-tensor checksums in the metadata (docs/integrity.md)
+    s = WriteFile(path, tensors, meta, options);
   }
   Check(s);
 }
@@ -137,7 +139,7 @@ nb::list Deserialize(nb::handle data, int framework) {
 void RegisterIo(nb::module_& m) {
   m.def("serialize", &Serialize, nb::arg("entries"), nb::arg("metadata").none());
   m.def("serialize_file", &SerializeFile, nb::arg("entries"), nb::arg("metadata").none(),
-        nb::arg("path"));
+        nb::arg("path"), nb::arg("checksums") = true);
   m.def("deserialize", &Deserialize, nb::arg("data"), nb::arg("framework"));
 }
 

@@ -198,7 +198,7 @@ class Loader:
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
                  shard_max_gap=None, process_group=None, storage_options=None,
-                 memory_limit=None, drop_cache=None):
+                 memory_limit=None, drop_cache=None, verify=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -237,6 +237,7 @@ class Loader:
             "tp_rank": tp_rank,
             "tp_size": tp_size,
             "shard_max_gap": shard_max_gap,
+            "verify": verify,
         }
         options.update(_safe_open.storage_load_options(storage_options))
         if shard_rules is not None:

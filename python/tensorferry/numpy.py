@@ -16,15 +16,18 @@ _ST_NAMES = {np.dtype(attr): st for st, attr in _frameworks._NUMPY_NAMES.items()
 
 def load_file(filename: Union[str, os.PathLike], *, backend: Optional[str] = None,
               tp_rank: Optional[int] = None, tp_size: Optional[int] = None, shard_rules=None,
-              storage_options=None) -> Dict[str, np.ndarray]:
+              storage_options=None, verify: Optional[str] = None) -> Dict[str, np.ndarray]:
     """Loads every tensor of a safetensors file as numpy arrays, a dict in file order. A dtype
     numpy lacks (BF16, float8, ...) raises UnsupportedDTypeError (a SafetensorError and a
     TypeError) naming the tensor, before anything is read. With tp_rank and tp_size, each array
-    is the shard that rank holds under `shard_rules` (tensorferry.Loader's)."""
-    if tp_rank is not None or tp_size is not None or shard_rules is not None:
+    is the shard that rank holds under `shard_rules` (tensorferry.Loader's). `verify` ("auto",
+    "on", "off") checks per-tensor checksums (docs/integrity.md)."""
+    if tp_rank is not None or tp_size is not None or shard_rules is not None \
+            or verify is not None:
         from ._loader import Loader
         with Loader(filename, engine=backend, framework="np", tp_rank=tp_rank, tp_size=tp_size,
-                    shard_rules=shard_rules, storage_options=storage_options) as loader:
+                    shard_rules=shard_rules, storage_options=storage_options,
+                    verify=verify) as loader:
             return loader.load()
     with safe_open(filename, framework="np", backend=backend,
                    storage_options=storage_options) as f:
@@ -82,9 +85,11 @@ def save(tensor_dict: Dict[str, np.ndarray], metadata: Optional[Dict[str, str]] 
 
 
 def save_file(tensor_dict: Dict[str, np.ndarray], filename: Union[str, os.PathLike],
-              metadata: Optional[Dict[str, str]] = None) -> None:
-    """Writes `tensor_dict` to `filename` (byte-identical to safetensors.numpy.save_file),
-    atomically: a temporary file is written, fsynced and renamed over `filename`."""
+              metadata: Optional[Dict[str, str]] = None, *, checksums: bool = True) -> None:
+    """Writes `tensor_dict` to `filename`, atomically: a temporary file is written, fsynced and
+    renamed over `filename`. The bytes are safetensors.numpy.save_file's plus one metadata entry,
+    "tensorferry.checksums" (per-tensor checksums, docs/integrity.md); checksums=False leaves it
+    out: then byte-identical to the reference."""
     entries, keep = _entries(tensor_dict, metadata)
-    _core.serialize_file(entries, metadata, os.fsdecode(os.fspath(filename)))
+    _core.serialize_file(entries, metadata, os.fsdecode(os.fspath(filename)), checksums)
     del keep

@@ -23,17 +23,21 @@ for _st, _attr in _frameworks._TORCH_NAMES.items():
 def load_file(filename: Union[str, os.PathLike], device: Union[str, int] = "cpu", *,
               backend: Optional[str] = None, tp_rank: Optional[int] = None,
               tp_size: Optional[int] = None, shard_rules=None,
-              storage_options=None) -> Dict[str, torch.Tensor]:
+              storage_options=None, verify: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """Loads every tensor of a safetensors file, as a dict in file order.
 
     On the CPU the default is tensorferry's fastest measured path (docs/python.md); `backend`
     ("mmap", "pread"; also "io_uring", "auto") chooses one explicitly. With tp_rank and tp_size,
     each tensor is the shard that rank holds under `shard_rules` (tensorferry.Loader's).
+    `verify` ("auto", "on", "off"; default TENSORFERRY_VERIFY, else auto) checks per-tensor
+    checksums (docs/integrity.md).
     """
-    if tp_rank is not None or tp_size is not None or shard_rules is not None:
+    if tp_rank is not None or tp_size is not None or shard_rules is not None \
+            or verify is not None:
         from ._loader import Loader
         with Loader(filename, device=device, engine=backend, tp_rank=tp_rank, tp_size=tp_size,
-                    shard_rules=shard_rules, storage_options=storage_options) as loader:
+                    shard_rules=shard_rules, storage_options=storage_options,
+                    verify=verify) as loader:
             return loader.load()
     with safe_open(filename, framework="pt", device=device, backend=backend,
                    storage_options=storage_options) as f:
@@ -153,11 +157,13 @@ def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = 
 
 
 def save_file(tensors: Dict[str, torch.Tensor], filename: Union[str, os.PathLike],
-              metadata: Optional[Dict[str, str]] = None) -> None:
-    """Writes `tensors` to `filename` (byte-identical to safetensors.torch.save_file), atomically:
-    a temporary file is written, fsynced and renamed over `filename`."""
+              metadata: Optional[Dict[str, str]] = None, *, checksums: bool = True) -> None:
+    """Writes `tensors` to `filename`, atomically: a temporary file is written, fsynced and
+    renamed over `filename`. The bytes are safetensors.torch.save_file's plus one metadata entry,
+    "tensorferry.checksums" (per-tensor checksums, docs/integrity.md; every safetensors reader
+    reads the file); checksums=False leaves it out: then byte-identical to the reference."""
     entries, keep = _entries(tensors, metadata)
-    _core.serialize_file(entries, metadata, os.fsdecode(os.fspath(filename)))
+    _core.serialize_file(entries, metadata, os.fsdecode(os.fspath(filename)), checksums)
     del keep
 
 
@@ -197,7 +203,8 @@ def _names_to_drop(state_dict, preferred=()):
 
 
 def save_model(model: torch.nn.Module, filename: Union[str, os.PathLike],
-               metadata: Optional[Dict[str, str]] = None, force_contiguous: bool = True):
+               metadata: Optional[Dict[str, str]] = None, force_contiguous: bool = True, *,
+               checksums: bool = True):
     """Saves model.state_dict() with tied (shared) tensors written once; the dropped names are
     recorded in the metadata as name -> kept name (as safetensors.torch.save_model does)."""
     state_dict = model.state_dict()
@@ -209,7 +216,7 @@ def save_model(model: torch.nn.Module, filename: Union[str, os.PathLike],
             del state_dict[name]
     if force_contiguous:
         state_dict = {k: v.contiguous() for k, v in state_dict.items()}
-    save_file(state_dict, filename, metadata=metadata)
+    save_file(state_dict, filename, metadata=metadata, checksums=checksums)
 
 
 def load_model(model: torch.nn.Module, filename: Union[str, os.PathLike], strict: bool = True,

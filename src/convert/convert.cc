@@ -15,6 +15,7 @@
 
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/convert.h"
+#include "tensorferry/integrity.h"
 #include "tensorferry/writer.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
@@ -127,6 +128,10 @@ void PlanMetadata(const TorchCheckpoint& checkpoint, bool keep_values, Conversio
     } else if (v.name == kFormatKey) {
       plan.skipped.emplace_back(v.name,
                                 "a " + v.type + ": the metadata key \"format\" holds \"pt\"");
+    } else if (v.name == kChecksumsMetadataKey) {
+      plan.skipped.emplace_back(v.name, "a " + v.type + ": the metadata key \"" +
+                                            std::string(kChecksumsMetadataKey) +
+                                            "\" holds the output's checksums");
     } else {
       plan.kept_values.emplace_back(v.name, v.text);
       metadata.emplace(v.name, v.text);
@@ -431,7 +436,8 @@ Result<VerifyConversionReport> VerifyConversion(const std::string& src, const st
   }
   if (options.keep_values) {
     for (const TorchValue& v : source->values()) {
-      if (!v.representable || v.name == "format") continue;
+      // Skipped as PlanMetadata skips them: those keys hold the format and the checksums.
+      if (!v.representable || v.name == "format" || v.name == kChecksumsMetadataKey) continue;
       auto it = metadata.find(v.name);
       if (it == metadata.end() || it->second != v.text) {
         return Mismatch(dst + ": value " + json::Quote(v.name) +

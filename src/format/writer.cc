@@ -21,10 +21,12 @@
 #include <new>
 #include <numeric>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 
 #include "format/rollback_registry.h"
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/integrity.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/path.h"
@@ -215,7 +217,9 @@ class FileSink {
 
   // Streams `size` bytes produced by `generate(offset, out)`, in increasing offsets, directly
   // into the free part of the buffer.
-  Status AppendGenerated(const TensorToWrite& t, uint64_t size) {
+  // `builder`, when given, hashes the bytes as they are generated.
+  Status AppendGenerated(const TensorToWrite& t, uint64_t size,
+                         ChecksumBuilder* builder = nullptr) {
     uint64_t done = 0;
     while (done < size) {
       if (used_ == capacity_) TF_RETURN_IF_ERROR(Flush());
@@ -234,11 +238,20 @@ class FileSink {
         return s.WithPrefix(TensorLabel(t.name) + ": generating bytes [" + std::to_string(done) +
                             ", " + std::to_string(done + n) + ")");
       }
+      if (builder != nullptr) builder->Update(out);
       used_ += n;
       done += n;
     }
     return Status::Ok();
   }
+
+  // Overwrites bytes already written (buffered bytes are flushed first).
+  Status OverwriteAt(uint64_t offset, std::span<const std::byte> bytes) {
+    TF_RETURN_IF_ERROR(Flush());
+    return file_.WriteAt(offset, bytes);
+  }
+  // Whether the file takes positioned writes (probed with an empty one).
+  bool CanOverwrite() { return file_.WriteAt(0, {}).code() != Code::kUnsupported; }
 
   Status Flush() {
     if (used_ == 0) return Status::Ok();
@@ -400,6 +413,141 @@ Status WriteBody(FileSink& sink, std::span<const TensorToWrite> tensors,
     }
   }
   return Status::Ok();
+}
+
+// --- checksums (integrity.h) --------------------------------------------------------------------
+
+// What one file's checksums need: its tensors (indices into the caller's), the caller's metadata
+// and the options; the header is rebuilt with the digests once they are known.
+struct ChecksummedFile {
+  std::span<const TensorToWrite> tensors;
+  std::span<const uint64_t> sizes;
+  std::vector<size_t> members;
+  const Metadata* metadata;
+  FileChecksums sums;  // placeholder digests (zeros) until computed
+};
+
+// The file's header with `sums` as the kChecksumsMetadataKey entry (replacing the caller's).
+Result<SerializedHeader> HeaderWithChecksums(const ChecksummedFile& file) {
+  Metadata metadata;
+  metadata.reserve(file.metadata->size() + 1);
+  for (const auto& entry : *file.metadata) {
+    if (entry.first != kChecksumsMetadataKey) metadata.push_back(entry);
+  }
+  metadata.emplace_back(std::string(kChecksumsMetadataKey), SerializeFileChecksums(file.sums));
+  TF_ASSIGN_OR_RETURN(const auto sorted, SortedMetadata(metadata));
+  return BuildHeader(file.tensors, file.sizes, file.members, sorted);
+}
+
+// Checksums of the right shape with zero digests: the header they give has the final length.
+ChecksummedFile PlaceholderChecksums(std::span<const TensorToWrite> tensors,
+                                     std::span<const uint64_t> sizes, std::vector<size_t> members,
+                                     const Metadata& metadata, const WriteOptions& options) {
+  ChecksummedFile file{tensors, sizes, std::move(members), &metadata, {}};
+  file.sums.chunk_size = options.checksum_chunk_size;
+  for (size_t i : file.members) {
+    TensorChecksum& sum = file.sums.tensors[tensors[i].name];
+    sum.chunks.assign(ChecksumChunkCount(sizes[i], options.checksum_chunk_size), 0);
+  }
+  return file;
+}
+
+unsigned HashThreads(const WriteOptions& options) {
+  if (options.checksum_threads > 0) return options.checksum_threads;
+  return std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
+}
+
+Status CheckChecksumOptions(const WriteOptions& options) {
+  if (options.checksums && (options.checksum_chunk_size < kMinChecksumChunkSize ||
+                            options.checksum_chunk_size > kMaxChecksumChunkSize)) {
+    return Status(Code::kInvalidArgument,
+                  "checksum chunk size " + std::to_string(options.checksum_chunk_size) +
+                      " is outside [" + std::to_string(kMinChecksumChunkSize) + ", " +
+                      std::to_string(kMaxChecksumChunkSize) + "]");
+  }
+  return Status::Ok();
+}
+
+// Hashes a generated tensor by running its generator over a scratch buffer (for files that cannot
+// take the header back at the end, so the digests must be known before it is written).
+Status HashGenerated(const TensorToWrite& t, uint64_t size, size_t buffer_size, uint64_t chunk_size,
+                     TensorChecksum& out) {
+  ChecksumBuilder builder(chunk_size);
+  std::vector<std::byte> scratch(static_cast<size_t>(std::min<uint64_t>(buffer_size, size)));
+  for (uint64_t done = 0; done < size;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(size - done, scratch.size()));
+    std::span<std::byte> piece(scratch.data(), n);
+    Status s;
+    try {
+      s = t.generate(done, piece);
+    } catch (const std::exception& e) {
+      s = Status(Code::kInternal, std::string("generate threw an exception: ") + e.what());
+    } catch (...) {
+      s = Status(Code::kInternal, "generate threw an exception");
+    }
+    if (!s.ok()) {
+      return s.WithPrefix(TensorLabel(t.name) + ": generating bytes [" + std::to_string(done) +
+                          ", " + std::to_string(done + n) + ") to hash them");
+    }
+    builder.Update(piece);
+    done += n;
+  }
+  out = builder.Finish();
+  return Status::Ok();
+}
+
+// The content of a file with checksums. Spans are hashed first (chunks in parallel); generated
+// tensors are hashed while they stream and the header, written first with placeholder digests of
+// the same length, is overwritten at the end (or, when the file cannot, hashed in a first pass).
+Status WriteChecksummedBody(FileSink& sink, ChecksummedFile& file, const WriteOptions& options) {
+  const unsigned threads = HashThreads(options);
+  const uint64_t chunk = options.checksum_chunk_size;
+  bool generated = false;
+  for (size_t i : file.members) {
+    const TensorToWrite& t = file.tensors[i];
+    if (t.generate) {
+      generated = true;
+      continue;
+    }
+    file.sums.tensors[t.name] = ComputeTensorChecksum(t.data, chunk, threads);
+  }
+  const bool overwrite = generated && sink.CanOverwrite();
+  if (generated && !overwrite) {
+    for (size_t i : file.members) {
+      const TensorToWrite& t = file.tensors[i];
+      if (!t.generate) continue;
+      TF_RETURN_IF_ERROR(
+          HashGenerated(t, file.sizes[i], options.buffer_size, chunk, file.sums.tensors[t.name]));
+    }
+  }
+  // Without generated tensors (or hashed already) this is the final header.
+  TF_ASSIGN_OR_RETURN(const SerializedHeader header, HeaderWithChecksums(file));
+  const uint64_t json_size = header.json.size();
+  std::byte prefix[8];
+  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<std::byte>((json_size >> (8 * i)) & 0xff);
+  TF_RETURN_IF_ERROR(sink.Append(prefix));
+  TF_RETURN_IF_ERROR(
+      sink.Append(std::as_bytes(std::span<const char>(header.json.data(), header.json.size()))));
+  for (size_t index : header.order) {
+    const TensorToWrite& t = file.tensors[index];
+    if (t.generate) {
+      ChecksumBuilder builder(chunk);
+      TF_RETURN_IF_ERROR(
+          sink.AppendGenerated(t, file.sizes[index], overwrite ? &builder : nullptr));
+      if (overwrite) file.sums.tensors[t.name] = builder.Finish();
+    } else {
+      TF_RETURN_IF_ERROR(sink.Append(t.data));
+    }
+  }
+  if (!overwrite) return Status::Ok();
+  TF_ASSIGN_OR_RETURN(const SerializedHeader final_header, HeaderWithChecksums(file));
+  if (final_header.json.size() != json_size) {
+    return Status(Code::kInternal, "checksummed header changed length (" +
+                                       std::to_string(json_size) + " -> " +
+                                       std::to_string(final_header.json.size()) + " bytes)");
+  }
+  return sink.OverwriteAt(
+      8, std::as_bytes(std::span<const char>(final_header.json.data(), final_header.json.size())));
 }
 
 uint64_t FileSize(const SerializedHeader& header) {
@@ -710,20 +858,20 @@ std::string JoinDir(const std::string& dir, const std::string& name) {
 }
 
 // Writes every shard to a temporary file beside its name in `dir`; room is kept for the index.
-Result<std::vector<TempFile>> WriteShardTemps(const std::string& dir,
-                                              std::span<const TensorToWrite> tensors,
-                                              std::span<const uint64_t> sizes,
-                                              const std::vector<SerializedHeader>& headers,
-                                              const std::vector<std::string>& names,
-                                              const WriteOptions& options) {
+Result<std::vector<TempFile>> WriteShardTemps(
+    const std::string& dir, std::span<const TensorToWrite> tensors, std::span<const uint64_t> sizes,
+    const std::vector<SerializedHeader>& headers, const std::vector<std::string>& names,
+    std::vector<ChecksummedFile>& checksummed, const WriteOptions& options) {
   const size_t n = names.size();
   std::vector<TempFile> temps;
   temps.reserve(n + 1);
   for (size_t s = 0; s < n; ++s) {
     TF_ASSIGN_OR_RETURN(
         TempFile temp,
-        WriteTemp(JoinDir(dir, names[s]), FileSize(headers[s]), options,
-                  [&](FileSink& sink) { return WriteBody(sink, tensors, sizes, headers[s]); }));
+        WriteTemp(JoinDir(dir, names[s]), FileSize(headers[s]), options, [&](FileSink& sink) {
+          if (!checksummed.empty()) return WriteChecksummedBody(sink, checksummed[s], options);
+          return WriteBody(sink, tensors, sizes, headers[s]);
+        }));
     temps.push_back(std::move(temp));
   }
   return temps;
@@ -767,6 +915,14 @@ Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors
   TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(metadata));
   std::vector<size_t> all(tensors.size());
   std::iota(all.begin(), all.end(), size_t{0});
+  if (options.checksums) {
+    TF_RETURN_IF_ERROR(CheckChecksumOptions(options));
+    ChecksummedFile file = PlaceholderChecksums(tensors, sizes, all, metadata, options);
+    // Every error the input can cause surfaces here, before a file exists.
+    TF_ASSIGN_OR_RETURN(const SerializedHeader header, HeaderWithChecksums(file));
+    return AtomicWrite(path, FileSize(header), options,
+                       [&](FileSink& sink) { return WriteChecksummedBody(sink, file, options); });
+  }
   TF_ASSIGN_OR_RETURN(const SerializedHeader header,
                       BuildHeader(tensors, sizes, all, sorted_metadata));
   return AtomicWrite(path, FileSize(header), options,
@@ -783,8 +939,18 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(metadata));
   TF_ASSIGN_OR_RETURN(const ShardCut cut, CutIntoShards(tensors, sizes, options.max_shard_size));
   // Headers first: every error the input can cause surfaces before a file is written.
-  TF_ASSIGN_OR_RETURN(const std::vector<SerializedHeader> headers,
-                      BuildShardHeaders(tensors, sizes, cut.shards, sorted_metadata));
+  std::vector<SerializedHeader> headers;
+  std::vector<ChecksummedFile> checksummed;
+  if (options.write.checksums) {
+    TF_RETURN_IF_ERROR(CheckChecksumOptions(options.write));
+    for (const auto& shard : cut.shards) {
+      checksummed.push_back(PlaceholderChecksums(tensors, sizes, shard, metadata, options.write));
+      TF_ASSIGN_OR_RETURN(SerializedHeader h, HeaderWithChecksums(checksummed.back()));
+      headers.push_back(std::move(h));
+    }
+  } else {
+    TF_ASSIGN_OR_RETURN(headers, BuildShardHeaders(tensors, sizes, cut.shards, sorted_metadata));
+  }
   const std::vector<std::string> names = ShardNames(options.prefix, cut.shards.size());
 
   Env* env = EnvOf(options.write);
@@ -793,8 +959,9 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   RemoveCreatedDir remove_dir{&dir, !dir_existed};
 
   // Every file goes to a temporary name first; nothing visible changes until all are complete.
-  TF_ASSIGN_OR_RETURN(std::vector<TempFile> temps,
-                      WriteShardTemps(dir, tensors, sizes, headers, names, options.write));
+  TF_ASSIGN_OR_RETURN(
+      std::vector<TempFile> temps,
+      WriteShardTemps(dir, tensors, sizes, headers, names, checksummed, options.write));
   if (names.size() > 1 || options.always_write_index) {
     TF_ASSIGN_OR_RETURN(TempFile index, WriteIndexTemp(dir, tensors, cut, names, options));
     temps.push_back(std::move(index));

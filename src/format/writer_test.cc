@@ -93,9 +93,17 @@ TensorToWrite Generated(std::string name, DType dtype, std::vector<uint64_t> sha
   return t;
 }
 
+// Also without checksums: these tests are about the reference's layout, byte for byte (the
+// checksums entry is tested in writer_checksums_test.cc).
 WriteOptions NoSync() {
   WriteOptions o;
   o.sync = false;
+  o.checksums = false;
+  return o;
+}
+ShardOptions Plain() {
+  ShardOptions o;
+  o.write = NoSync();
   return o;
 }
 
@@ -113,7 +121,7 @@ TEST(WriterVectors, SingleF32Tensor) {
 
   TempDir dir;
   const std::string path = dir.Join("a.safetensors");
-  ASSERT_TRUE(WriteFile(path, tensors).ok());
+  ASSERT_TRUE(WriteFile(path, tensors, {}, NoSync()).ok());
   EXPECT_EQ(ReadBytes(path), Le64(64) + h->json + Str(data));
 }
 
@@ -129,7 +137,7 @@ TEST(WriterVectors, Rank4PadsWithSpaces) {
 
   TempDir dir;
   const std::string path = dir.Join("a.safetensors");
-  ASSERT_TRUE(WriteFile(path, tensors).ok());
+  ASSERT_TRUE(WriteFile(path, tensors, {}, NoSync()).ok());
   EXPECT_EQ(ReadBytes(path), Le64(72) + h->json + Str(data));
 }
 
@@ -142,7 +150,7 @@ TEST(WriterVectors, EmptyDict) {
 
   TempDir dir;
   const std::string path = dir.Join("empty.safetensors");
-  ASSERT_TRUE(WriteFile(path, {}).ok());
+  ASSERT_TRUE(WriteFile(path, {}, {}, NoSync()).ok());
   EXPECT_EQ(ReadBytes(path), std::string("\x08\0\0\0\0\0\0\0{}      ", 16));
 }
 
@@ -155,7 +163,7 @@ TEST(WriterVectors, EmptyDictWithMetadata) {
 
   TempDir dir;
   const std::string path = dir.Join("m.safetensors");
-  ASSERT_TRUE(WriteFile(path, {}, metadata).ok());
+  ASSERT_TRUE(WriteFile(path, {}, metadata, NoSync()).ok());
   EXPECT_EQ(ReadBytes(path), Le64(40) + h->json);
 }
 
@@ -521,7 +529,7 @@ TEST(WriterFile, ReplacesExistingDestination) {
   TempDir dir;
   const std::string path = dir.Join("model.safetensors");
   WriteBytes(path, std::string(1000, 'x'));
-  ASSERT_TRUE(WriteFile(path, {}).ok());
+  ASSERT_TRUE(WriteFile(path, {}, {}, NoSync()).ok());
   EXPECT_EQ(ReadBytes(path), Le64(8) + "{}      ");
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{"model.safetensors"});
 }
@@ -756,7 +764,7 @@ TEST(WriterShard, SeveralShardsWriteIndexEvenWhenNotAlways) {
 
 TEST(WriterShard, EmptyTensorListGivesOneEmptyShard) {
   TempDir dir;
-  auto r = WriteSharded(dir.path(), {}, {{"format", "pt"}});
+  auto r = WriteSharded(dir.path(), {}, {{"format", "pt"}}, Plain());
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(ReadBytes(dir.Join("model.safetensors")),
             Le64(32) + R"({"__metadata__":{"format":"pt"}})");
@@ -839,7 +847,8 @@ ShardOptions TwoShards(Env* env) {
   ShardOptions options;
   options.max_shard_size = 8;
   options.write.env = env;
-  options.write.buffer_size = 4;  // several appends per file
+  options.write.buffer_size = 4;    // several appends per file
+  options.write.checksums = false;  // compared with the reference layout byte for byte
   return options;
 }
 
@@ -1063,7 +1072,7 @@ TEST(WriterRoundTrip, ParsesBackEveryDtypeNameAndMetadata) {
 
   TempDir dir;
   const std::string path = dir.Join("rt.safetensors");
-  ASSERT_TRUE(WriteFile(path, tensors, metadata).ok());
+  ASSERT_TRUE(WriteFile(path, tensors, metadata, NoSync()).ok());
   const std::string bytes = ReadBytes(path);
   const Header h = ParseFile(path);
   ASSERT_EQ(h.tensors.size(), tensors.size());
@@ -1090,7 +1099,7 @@ TEST(WriterRoundTrip, ParsesBackEveryDtypeNameAndMetadata) {
 
 TEST(WriterRoundTrip, EmptyMetadataIsAbsent) {
   TempDir dir;
-  ASSERT_TRUE(WriteFile(dir.Join("e"), {}).ok());
+  ASSERT_TRUE(WriteFile(dir.Join("e"), {}, {}, NoSync()).ok());
   const Header h = ParseFile(dir.Join("e"));
   EXPECT_FALSE(h.has_metadata);
   EXPECT_TRUE(h.tensors.empty());

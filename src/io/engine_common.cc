@@ -76,6 +76,10 @@ std::optional<JobQueue::Claim> JobQueue::Take(bool wait) {
 }
 
 void JobQueue::Finish(const Claim& claim, Status status) {
+  // The request's bytes have landed: its hook (an integrity check) runs on this worker, outside
+  // the lock, before the job can complete.
+  if (status.ok() && claim.request->landed != nullptr)
+    status = (*claim.request->landed)(*claim.request);
   std::lock_guard<std::mutex> lock(mu_);
   Job* job = claim.job;
   --job->running;

@@ -131,6 +131,27 @@ class PosixWritableFile final : public WritableFile {
     return Status::Ok();
   }
 
+  Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    while (!data.empty()) {
+      const size_t want = std::min<size_t>(data.size(), size_t{1} << 30);
+      const ssize_t n = ::pwrite(fd_, data.data(), want, static_cast<off_t>(offset));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        const int err = errno;
+        return Status(Code::kIoError, path_ + ": write of " + std::to_string(data.size()) +
+                                          " bytes at offset " + std::to_string(offset) +
+                                          " failed: " + ErrnoText(err));
+      }
+      if (n == 0) {
+        return Status(Code::kIoError,
+                      path_ + ": write at offset " + std::to_string(offset) + " made no progress");
+      }
+      data = data.subspan(static_cast<size_t>(n));
+      offset += static_cast<uint64_t>(n);
+    }
+    return Status::Ok();
+  }
+
   Status Sync() override {
     int rc;
     do {

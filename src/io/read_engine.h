@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -43,6 +44,10 @@ struct ReadRequest {
   // When set, requests not yet started when it becomes true are not started, and Execute returns
   // kCancelled once those in flight are done.
   const std::atomic<bool>* cancel = nullptr;
+  // When set, called by the worker that completed the request, once all of `dst` has landed
+  // (before Execute can return); an error it returns is the request's (integrity checks hash the
+  // bytes here, while they are still in the worker's cache). Borrowed; must be thread-safe.
+  const std::function<Status(const ReadRequest&)>* landed = nullptr;
 };
 
 struct EngineStats {

@@ -29,6 +29,7 @@ struct BatchIterator::State {
   std::optional<Clock::time_point> returned_at;
   bool returned_overlapped = false;
   uint64_t reused0 = 0, allocated0 = 0, direct0 = 0, read0 = 0;
+  Loader::Impl::VerifyCounts verified;  // LoadOptions::verify, counted on whichever thread reads
   SourceStats source0;
   std::map<int, device::DevicePipelineStats> pipeline0;
 
@@ -47,6 +48,13 @@ struct BatchIterator::State {
       return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
     }
     Result<Batch> got = sinks[g]->Complete(b, std::move(memory));
+    // Checksums before anyone sees the batch: a mismatch fails it (the batch is dropped here).
+    if (got.ok() && !m->checksums.empty() &&
+        (groups[g].device.is_cuda() || m->engine_kind == Engine::kMmap)) {
+      if (Status s = m->VerifyBatch(groups[g].plan.batches[b], *got, verified); !s.ok()) {
+        return Result<Batch>(std::move(s));
+      }
+    }
     if (got.ok()) {
       got->index = j;
       got->count = order.size();
@@ -113,6 +121,10 @@ struct BatchIterator::State {
         if (g.device.is_cpu()) stats.bytes_read += g.plan.read_bytes;
       }
     }
+    stats.verified_tensors = verified.tensors.load();
+    stats.verified_bytes = verified.bytes.load();
+    stats.verify_skipped_tensors = verified.skipped.load();
+    stats.verify_seconds = static_cast<double>(verified.nanos.load()) / 1e9;
     m->CollectDeviceStats(pipeline0);
     m->CollectSourceStats(source0);
     if (!m->options.drop_cache || m->engine_kind == Engine::kMmap ||
@@ -188,6 +200,9 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   }
   m.stats.device = s->groups.size() == 1 ? DeviceName(s->groups.front().device) : "mixed";
   s->host = m.Context(want_direct, m.engine.get());
+  s->host.checksums = &m.checksums;  // checked by the host sink as bytes land
+  s->host.verify_counts = &s->verified;
+  s->host.verify_threads = m.VerifyThreads();
   s->device = m.Context(want_direct, m.copy_engine);
   for (size_t g = 0; g < s->groups.size(); ++g) {
     const Group& group = s->groups[g];

@@ -400,6 +400,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     TF_RETURN_IF_ERROR(impl->Slot(options.device.index).status());
     TF_RETURN_IF_ERROR(impl->CopyEngine().status());
   }
+  TF_RETURN_IF_ERROR(impl->LoadChecksums());  // LoadOptions::verify (src/loader/verify.cc)
   impl->ResetStats();  // stats() says which engine, and why, before the first load
   return std::unique_ptr<Loader>(new Loader(std::move(impl)));
 }

@@ -3,9 +3,11 @@
 // src/loader/: loader.cc defines the methods; batch_iterator.cc and load_into.cc run loads on it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "loader/groups.h"
 #include "memory/host_buffer.h"
 #include "sink/sink.h"
+#include "tensorferry/integrity.h"
 #include "tensorferry/loader.h"
 
 namespace tensorferry {
@@ -114,6 +117,19 @@ struct Loader::Impl {
   // The device figures of the load that just ended: pipeline totals since `before`, the pinned
   // memory held, the peak of device buffers.
   void CollectDeviceStats(const std::map<int, device::DevicePipelineStats>& before);
+  // Integrity checksums (LoadOptions::verify, src/loader/verify.cc): per file, those loads check
+  // (none for a file without, and for every file when verify is off). Read once by Open.
+  std::vector<std::optional<FileChecksums>> checksums;
+  Status LoadChecksums();
+  // Threads that hash a batch's chunks after its reads: options.threads, else every CPU.
+  unsigned VerifyThreads() const;
+  // What the checks counted; summed into stats.verified_* / verify_* at the end of a load.
+  using VerifyCounts = sink::VerifyCounts;
+  // Checks every whole host tensor of `batch` (made from `planned`, before tied aliases are added)
+  // whose file has checksums, chunks hashed in parallel: for the mapped sink's batches (the host
+  // sink checks its own as bytes land, sink/landing_check.h), and counts device tensors as
+  // skipped. Errors: kChecksumMismatch.
+  Status VerifyBatch(const PlanBatch& planned, const Batch& batch, VerifyCounts& counts) const;
   // The checkpoint's source counters now, and stats.remote_* as their growth since `before`.
   SourceStats SourceNow() const { return checkpoint->file_set()->source()->stats(); }
   void CollectSourceStats(const SourceStats& before) {

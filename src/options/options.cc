@@ -67,6 +67,23 @@ Result<DeliveryOrder> ParseDeliveryOrder(std::string_view name) {
                 "unknown order \"" + std::string(name) + "\" (file, layer)");
 }
 
+std::string_view VerifyModeName(VerifyMode mode) noexcept {
+  switch (mode) {
+    case VerifyMode::kAuto: return "auto";
+    case VerifyMode::kOn: return "on";
+    case VerifyMode::kOff: return "off";
+  }
+  return "auto";
+}
+
+Result<VerifyMode> ParseVerifyMode(std::string_view name) {
+  if (name == "auto") return VerifyMode::kAuto;
+  if (name == "on") return VerifyMode::kOn;
+  if (name == "off") return VerifyMode::kOff;
+  return Status(Code::kInvalidArgument,
+                "unknown verify mode \"" + std::string(name) + "\" (auto, on, off)");
+}
+
 namespace {
 
 // A setter reports why a value is refused as a phrase ("is not a size ...", "must be > 0") or a
@@ -194,7 +211,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 38> kKeys = {{
+const std::array<Key, 39> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -269,6 +286,8 @@ const std::array<Key, 38> kKeys = {{
      SetObjectNumber<&ObjectStoreOptions::header_bytes, 8, (256ull << 20)>},
     {"object_verify_tls", "TENSORFERRY_OBJECT_VERIFY_TLS", SetVerifyTls},
     {"object_ca_bundle", "TENSORFERRY_OBJECT_CA_BUNDLE", SetText<&ObjectStoreOptions::ca_bundle>},
+    {"verify", "TENSORFERRY_VERIFY",
+     [](LoadOptions& o, std::string_view v) { return Assign(ParseVerifyMode(v), o.verify); }},
 }};
 
 std::array<std::string_view, kKeys.size()> KeyNames() {

@@ -33,10 +33,24 @@ class HostSink final : public BatchSink {
     const PlanBatch& batch = plan_.batches[b];
     TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
                         c_.pool->Acquire(BufferSize(batch)));
-    TF_RETURN_IF_ERROR(Read(batch, *buffer));
+    // Checksums (LoadOptions::verify): each chunk hashed by the engine's worker that lands its
+    // last byte, overlapping the reads still in flight (docs/benchmarks.md: cold loads hide the
+    // hashing this way, not after the reads); with tensor-parallel moves, which put bytes in
+    // their final place only after the reads, after them, in parallel.
+    std::unique_ptr<LandingCheck> check;
+    if (c_.checksums != nullptr && !c_.checksums->empty()) {
+      check = LandingCheck::Make(*c_.checkpoint, batch, *c_.checksums, buffer->data(),
+                                 *c_.verify_counts);
+    }
+    const bool on_landing = check && batch.moves.empty();
+    TF_RETURN_IF_ERROR(Read(batch, *buffer, on_landing ? check.get() : nullptr));
     // Pack the pieces of covering reads (tensor-parallel plans); each moves left, in plan order.
     for (const BufferMove& mv : batch.moves) {
       std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+    }
+    if (check) {
+      if (!on_landing) TF_RETURN_IF_ERROR(check->VerifyAll(c_.verify_threads));
+      check->Count();
     }
     auto owner =
         std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(memory.lease)});
@@ -53,7 +67,7 @@ class HostSink final : public BatchSink {
                : batch.buffer_size;
   }
 
-  Status Read(const PlanBatch& batch, memory::HostBuffer& buffer) {
+  Status Read(const PlanBatch& batch, memory::HostBuffer& buffer, const LandingCheck* check) {
     std::vector<uint32_t> task_files;
     task_files.reserve(batch.tasks.size());
     for (const ReadTask& t : batch.tasks) task_files.push_back(t.file);
@@ -67,7 +81,8 @@ class HostSink final : public BatchSink {
             if (!pin.file) continue;  // another window's
             requests.push_back({pin.file.get(), t.file_offset,
                                 std::span<std::byte>(buffer.data() + t.buffer_offset, t.length),
-                                pin.direct_fd(), c_.options->cancel.get()});
+                                pin.direct_fd(), c_.options->cancel.get(),
+                                check != nullptr ? check->hook() : nullptr});
           }
           return c_.engine->Execute(requests);
         });

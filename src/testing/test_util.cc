@@ -149,6 +149,9 @@ class FaultyWritableFile final : public WritableFile {
     }
     return base_->Sync();
   }
+  Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    return base_->WriteAt(offset, data);
+  }
   Status Close() override { return base_->Close(); }
   const std::string& path() const noexcept override { return base_->path(); }
 

@@ -27,6 +27,8 @@ Category CategoryOf(Code code) noexcept {
     case Code::kGdsUnavailable: return Category::kUnsupported;
     case Code::kDeviceOutOfMemory:
     case Code::kCufileError: return Category::kCuda;
+    case Code::kChecksumMismatch:
+    case Code::kChecksumsInvalid: return Category::kCorrupt;
     default: break;
   }
   const auto v = static_cast<uint16_t>(code);
@@ -110,6 +112,8 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kDeviceOutOfMemory: return "device_out_of_memory";
     case Code::kGdsUnavailable: return "gds_unavailable";
     case Code::kCufileError: return "cufile_error";
+    case Code::kChecksumMismatch: return "checksum_mismatch";
+    case Code::kChecksumsInvalid: return "checksums_invalid";
   }
   return "unknown";
 }

@@ -51,6 +51,11 @@ def read_safetensors(path):
     meta = header.pop("__metadata__", {})
     out = {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
            for k, v in header.items()}
+    # convert records per-tensor checksums (docs/integrity.md): one per tensor of the file (the
+    # reference's files have none).
+    if "tensorferry.checksums" in meta:
+        checksums = json.loads(meta.pop("tensorferry.checksums"))
+        assert sorted(checksums["tensors"]) == sorted(out)
     return out, meta
 
 

@@ -23,8 +23,10 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "tensorferry/integrity.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/shard.h"
+#include "tensorferry/writer.h"
 #include "testing/test_util.h"
 
 extern char** environ;
@@ -955,6 +957,124 @@ TEST(CliLoad, TensorParallelRankReportsBytesRead) {
                     rules.Join("bad.json")})
                 .exit_code,
             2);
+}
+
+// --- integrity checksums (docs/integrity.md) ---------------------------------------------------
+
+// Flips one bit of the first byte of the largest tensor of the checkpoint at `path`; returns the
+// tensor's name.
+std::string CorruptLargestTensor(const std::string& path) {
+  auto ckpt = Checkpoint::Open(path);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  const TensorInfo* largest = nullptr;
+  for (const TensorInfo& t : (*ckpt)->tensors()) {
+    if (largest == nullptr || t.size > largest->size) largest = &t;
+  }
+  const std::string file = (*ckpt)->files()[largest->file].path;
+  std::string bytes = ReadBytes(file);
+  bytes[largest->offset + 5] ^= 0x10;
+  WriteBytes(file, bytes);
+  return largest->name;
+}
+
+TEST(CliChecksums, WritersEmbedThemAndVerifyAndLoadCheckThem) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir, {"--shard-size", "40KB"});
+  const size_t shards = Shards(dir).size();
+  const RunResult ok = RunCli({"verify", dir});
+  ASSERT_EQ(ok.exit_code, 0) << Describe(ok);
+  EXPECT_NE(ok.out.find("checksums: " + std::to_string(shards) + " embedded, 0 from the manifest"),
+            std::string::npos)
+      << ok.out;
+  const RunResult loaded = RunCli({"load", dir, "--verify", "on"});
+  ASSERT_EQ(loaded.exit_code, 0) << Describe(loaded);
+  EXPECT_NE(loaded.out.find("checksums verified: " + std::to_string(kTinyTensors) + " tensors"),
+            std::string::npos)
+      << loaded.out;
+
+  const std::string name = CorruptLargestTensor(dir);
+  const RunResult bad = RunCli({"verify", dir});
+  ExpectOneLineError(bad);
+  EXPECT_NE(
+      bad.err.find("tensor \"" + name + "\": checksum mismatch in chunk 0 of 1 (tensor bytes [0, "),
+      std::string::npos)
+      << bad.err;
+  for (const char* engine : {"pread", "mmap"}) {
+    const RunResult load_bad = RunCli({"load", dir, "--engine", engine, "--populate"});
+    ExpectOneLineError(load_bad);
+    EXPECT_NE(load_bad.err.find("checksum mismatch in chunk 0"), std::string::npos) << engine;
+  }
+  const RunResult off = RunCli({"load", dir, "--verify", "off"});
+  EXPECT_EQ(off.exit_code, 0) << Describe(off);
+}
+
+TEST(CliChecksums, ManifestForThirdPartyFiles) {
+  TempDir t;
+  std::vector<std::byte> a(5000), b(300);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::byte(static_cast<uint8_t>(i * 7));
+  WriteOptions plain;
+  plain.checksums = false;  // as the reference writes
+  std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr},
+                                        {"b", DType::kU8, {300}, b, nullptr}};
+  const std::string file = t.Join("model.safetensors");
+  ASSERT_TRUE(WriteFile(file, tensors, {}, plain).ok());
+
+  const RunResult none = RunCli({"load", file, "--verify", "on"});
+  ExpectOneLineError(none);
+  EXPECT_NE(none.err.find("has no checksums"), std::string::npos) << none.err;
+
+  const RunResult wrote = RunCli({"checksum", file, "--chunk-size", "1KiB"});
+  ASSERT_EQ(wrote.exit_code, 0) << Describe(wrote);
+  const std::string manifest = t.Join(std::string(kChecksumManifestName));
+  ASSERT_TRUE(fs::exists(manifest)) << wrote.out;
+  auto parsed = ParseChecksumManifest(ReadBytes(manifest));
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  ASSERT_EQ(parsed->files.count("model.safetensors"), 1u);
+  EXPECT_EQ(parsed->files.at("model.safetensors").checksums.tensors.at("a").chunks.size(), 5u);
+
+  const RunResult ok = RunCli({"verify", file, "--json"});
+  ASSERT_EQ(ok.exit_code, 0) << Describe(ok);
+  EXPECT_NE(ok.out.find("\"checksums\":\"manifest\""), std::string::npos) << ok.out;
+  EXPECT_EQ(RunCli({"load", file, "--verify", "on"}).exit_code, 0);
+
+  std::string bytes = ReadBytes(file);
+  bytes[bytes.size() - 300 - 1000] ^= 1;  // tensor a (stored after b: same dtype, name order)
+  WriteBytes(file, bytes);
+  const RunResult bad = RunCli({"verify", file});
+  ExpectOneLineError(bad);
+  EXPECT_NE(bad.err.find("checksum mismatch in chunk"), std::string::npos) << bad.err;
+  // A file of another size than recorded is refused before hashing.
+  WriteBytes(file, bytes + std::string(8, ' '));
+  const RunResult resized = RunCli({"load", file});
+  EXPECT_EQ(resized.exit_code, 1) << Describe(resized);
+}
+
+TEST(CliChecksums, HubCacheBlobsAreCheckedBySha256) {
+  TempDir t;
+  const std::string repo = t.Join("models--x--y");
+  fs::create_directories(repo + "/blobs");
+  fs::create_directories(repo + "/snapshots/abc");
+  std::vector<std::byte> a(1000, std::byte{3});
+  std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {1000}, a, nullptr}};
+  const std::string tmp = t.Join("tmp.safetensors");
+  ASSERT_TRUE(WriteFile(tmp, tensors).ok());
+  auto sha = Sha256OfFile(tmp);
+  ASSERT_TRUE(sha.ok()) << sha.status().ToString();
+  fs::rename(tmp, repo + "/blobs/" + *sha);
+  fs::create_symlink("../../blobs/" + *sha, repo + "/snapshots/abc/model.safetensors");
+  const RunResult ok = RunCli({"verify", repo + "/snapshots/abc", "--json"});
+  ASSERT_EQ(ok.exit_code, 0) << Describe(ok);
+  EXPECT_NE(ok.out.find("\"hub_sha256\":\"ok\""), std::string::npos) << ok.out;
+
+  // Same bytes under another blob name: the content does not hash to its name.
+  const std::string wrong(64, 'a');
+  fs::rename(repo + "/blobs/" + *sha, repo + "/blobs/" + wrong);
+  fs::remove(repo + "/snapshots/abc/model.safetensors");
+  fs::create_symlink("../../blobs/" + wrong, repo + "/snapshots/abc/model.safetensors");
+  const RunResult bad = RunCli({"verify", repo + "/snapshots/abc"});
+  ExpectOneLineError(bad);
+  EXPECT_NE(bad.err.find("is named by SHA-256 " + wrong), std::string::npos) << bad.err;
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ Command AddBenchCommand(CLI::App& parent);
 Command AddConvertCommand(CLI::App& parent);
 Command AddDoctorCommand(CLI::App& parent);
 Command AddReshardCommand(CLI::App& parent);
+Command AddChecksumCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 

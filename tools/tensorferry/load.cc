@@ -312,6 +312,14 @@ std::string TextReport(const Report& r) {
             (stats.remote_retries == 1 ? " retry), " : " retries), ") +
             FormatBytes(stats.remote_bytes) + " received";
   }
+  if (stats.verified_tensors > 0 || stats.verify_skipped_tensors > 0) {
+    text += "; checksums verified: " + Plural(stats.verified_tensors, "tensor") + ", " +
+            FormatBytes(stats.verified_bytes);
+    if (stats.verify_skipped_tensors > 0) {
+      text += " (" + Plural(stats.verify_skipped_tensors, "tensor") +
+              " not checkable: slices or on a device)";
+    }
+  }
   if (o.tensor_parallel) {
     text += "; tp rank " + std::to_string(o.tensor_parallel->rank) + " of " +
             std::to_string(o.tensor_parallel->world) + ": read " + FormatBytes(stats.bytes_read) +
@@ -411,6 +419,9 @@ Command AddLoadCommand(CLI::App& parent) {
   option("staging_slot", "Bytes per staging slot, i.e. per read and per copy (default 8MiB)");
   option("device_budget", "Most bytes of device batch buffers held at once (default 0: unbounded)");
   option("order", "Delivery order: file or layer");
+  option("verify",
+         "Check per-tensor checksums (embedded, or tensorferry.checksums.json): auto (when "
+         "present), on (required) or off (default auto)");
   option("tp_rank", "Tensor parallelism: this rank (with --tp-size)");
   option("tp_size", "Tensor parallelism: number of ranks");
   // Object storage (s3:// and http(s):// paths): docs/object_storage.md.

@@ -1,0 +1,83 @@
+"""What load-time checksum verification costs (docs/integrity.md; figures in docs/benchmarks.md,
+"Integrity checksums"): `tensorferry load` with --verify off and on, alternating within each round
+(the order flips every round), warm into reused buffers (--repeat: the runs after the first reuse
+the pooled buffers of the first) and cold (files evicted before each load), in the same run.
+Prints the medians and the cost of verification (1 - on/off) per case.
+
+  .venv/bin/python bench/verify_bench.py data/default --rounds 5 [--engine io_uring] [--json]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _pagecache  # noqa: E402
+
+
+def files_of(path):
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    return [path]
+
+
+def load(cli, path, engine, verify, repeat, extra):
+    cmd = [cli, "load", path, "--engine", engine, "--verify", verify, "--repeat", str(repeat),
+           "--no-checksum", "--json"] + extra
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("path")
+    p.add_argument("--cli", default=os.environ.get("TENSORFERRY_CLI", "build/release/bin/tensorferry"))
+    p.add_argument("--engine", default="io_uring")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=4, help="warm: loads per process (first dropped)")
+    p.add_argument("--no-cold", action="store_true")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    files = files_of(a.path)
+    results = {"warm": {"off": [], "on": []}, "cold": {"off": [], "on": []}}
+    verified = {}
+    for r in range(a.rounds):
+        modes = ("off", "on") if r % 2 == 0 else ("on", "off")
+        for mode in modes:
+            _pagecache.warm(files, unless_cached=True)
+            doc = load(a.cli, a.path, a.engine, mode, a.repeat, [])
+            results["warm"][mode] += doc["runs_gb_per_s"][1:]  # reused buffers only
+            verified[mode] = doc["verified_bytes"]
+        if a.no_cold:
+            continue
+        for mode in modes:
+            left = _pagecache.evict(files)
+            if left > 0.01:
+                print(f"warning: {left:.1%} of the files still cached", file=sys.stderr)
+            doc = load(a.cli, a.path, a.engine, mode, 1, [])
+            results["cold"][mode] += doc["runs_gb_per_s"]
+    summary = {"path": a.path, "engine": a.engine, "rounds": a.rounds, "repeat": a.repeat,
+               "verified_bytes_on": verified.get("on"), "verified_bytes_off": verified.get("off"),
+               "loadavg": os.getloadavg(), "cases": {}}
+    for case, by_mode in results.items():
+        if not by_mode["off"]:
+            continue
+        off, on = statistics.median(by_mode["off"]), statistics.median(by_mode["on"])
+        summary["cases"][case] = {
+            "off_gb_per_s": off, "on_gb_per_s": on, "cost": 1 - on / off if off else 0.0,
+            "off_runs": by_mode["off"], "on_runs": by_mode["on"]}
+    if a.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"{a.path}: engine {a.engine}, {a.rounds} rounds, load average "
+          f"{' '.join(f'{x:.2f}' for x in summary['loadavg'])}")
+    for case, c in summary["cases"].items():
+        print(f"  {case:4s}  verify off {c['off_gb_per_s']:.2f} GB/s  on {c['on_gb_per_s']:.2f} GB/s"
+              f"  cost {c['cost']:+.1%}  (runs off {min(c['off_runs']):.2f}-{max(c['off_runs']):.2f},"
+              f" on {min(c['on_runs']):.2f}-{max(c['on_runs']):.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+// The writers' checksums (WriteOptions::checksums, integrity.h): what they store, that files stay
+// the reference's bytes except that one metadata entry, and streamed (generated) tensors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/integrity.h"
+#include "tensorferry/writer.h"
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+using ::tensorferry::testing::ReadBytes;
+using ::tensorferry::testing::TempDir;
+
+std::vector<std::byte> Pattern(size_t n, unsigned seed) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed * 17 + 5) & 0xff);
+  return v;
+}
+
+// A generator over `bytes` (borrowed).
+std::function<Status(uint64_t, std::span<std::byte>)> Generator(const std::vector<std::byte>& b) {
+  return [&b](uint64_t offset, std::span<std::byte> out) {
+    std::memcpy(out.data(), b.data() + offset, out.size());
+    return Status::Ok();
+  };
+}
+
+FileChecksums ReadChecksums(const std::string& path) {
+  auto ckpt = Checkpoint::Open(path);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  auto sums = EmbeddedChecksums((*ckpt)->files()[0].metadata, path);
+  EXPECT_TRUE(sums.ok()) << sums.status().ToString();
+  EXPECT_TRUE(sums->has_value());
+  return sums->value_or(FileChecksums{});
+}
+
+// Files whose WriteAt is unsupported (the default of WritableFile): the writer hashes first.
+class NoWriteAtFile final : public WritableFile {
+ public:
+  explicit NoWriteAtFile(std::unique_ptr<WritableFile> base) : base_(std::move(base)) {}
+  Status Append(std::span<const std::byte> data) override { return base_->Append(data); }
+  Status Sync() override { return base_->Sync(); }
+  Status Close() override { return base_->Close(); }
+  const std::string& path() const noexcept override { return base_->path(); }
+
+ private:
+  std::unique_ptr<WritableFile> base_;
+};
+class NoWriteAtEnv final : public Env {
+ public:
+  Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
+    return Env::Default()->OpenRandomAccess(path);
+  }
+  Result<std::unique_ptr<WritableFile>> NewTempFile(
+      const std::string& dir, const std::string& stem,
+      const std::function<void(const std::string& path)>& reserve) override {
+    auto file = Env::Default()->NewTempFile(dir, stem, reserve);
+    if (!file.ok()) return file.status();
+    return std::unique_ptr<WritableFile>(new NoWriteAtFile(std::move(*file)));
+  }
+};
+
+TEST(WriterChecksums, StoredPerTensorAndOnlyTheMetadataDiffers) {
+  TempDir dir;
+  const auto a = Pattern(10'000, 1), b = Pattern(3, 2), empty = Pattern(0, 3);
+  std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {10'000}, a, nullptr},
+                                        {"b", DType::kI8, {3}, b, nullptr},
+                                        {"e", DType::kF32, {0}, empty, nullptr}};
+  const Metadata metadata = {{"format", "pt"}, {std::string(kChecksumsMetadataKey), "stale"}};
+  WriteOptions with;
+  with.checksum_chunk_size = 4096;
+  ASSERT_TRUE(WriteFile(dir.Join("with.safetensors"), tensors, metadata, with).ok());
+
+  const FileChecksums sums = ReadChecksums(dir.Join("with.safetensors"));
+  EXPECT_EQ(sums.chunk_size, 4096u);
+  ASSERT_EQ(sums.tensors.size(), 3u);
+  EXPECT_EQ(sums.tensors.at("a"), ComputeTensorChecksum(a, 4096));
+  EXPECT_EQ(sums.tensors.at("a").chunks.size(), 3u);
+  EXPECT_EQ(sums.tensors.at("b"), ComputeTensorChecksum(b, 4096));
+  EXPECT_TRUE(sums.tensors.at("e").chunks.empty());
+
+  // Without checksums: the reference's bytes, with the caller's metadata as given.
+  WriteOptions without;
+  without.checksums = false;
+  ASSERT_TRUE(WriteFile(dir.Join("without.safetensors"), tensors, metadata, without).ok());
+  Metadata expected = {{"format", "pt"},
+                       {std::string(kChecksumsMetadataKey), SerializeFileChecksums(sums)}};
+  ASSERT_TRUE(WriteFile(dir.Join("same.safetensors"), tensors, expected, without).ok());
+  EXPECT_EQ(ReadBytes(dir.Join("with.safetensors")), ReadBytes(dir.Join("same.safetensors")));
+  EXPECT_NE(ReadBytes(dir.Join("with.safetensors")), ReadBytes(dir.Join("without.safetensors")));
+}
+
+TEST(WriterChecksums, GeneratedTensorsHashedWhileStreamingOrFirst) {
+  TempDir dir;
+  const auto big = Pattern(50'000, 4), small = Pattern(100, 5);
+  std::vector<TensorToWrite> tensors = {{"big", DType::kU8, {50'000}, {}, Generator(big)},
+                                        {"small", DType::kU8, {100}, small, nullptr}};
+  WriteOptions options;
+  options.checksum_chunk_size = 1024;
+  options.buffer_size = 3000;  // many generator calls, not aligned to chunks
+  ASSERT_TRUE(WriteFile(dir.Join("g.safetensors"), tensors, {}, options).ok());
+  NoWriteAtEnv env;
+  options.env = &env;
+  ASSERT_TRUE(WriteFile(dir.Join("h.safetensors"), tensors, {}, options).ok());
+  // Same bytes either way, and the same as from spans.
+  EXPECT_EQ(ReadBytes(dir.Join("g.safetensors")), ReadBytes(dir.Join("h.safetensors")));
+  tensors[0].generate = nullptr;
+  tensors[0].data = big;
+  options.env = nullptr;
+  ASSERT_TRUE(WriteFile(dir.Join("s.safetensors"), tensors, {}, options).ok());
+  EXPECT_EQ(ReadBytes(dir.Join("g.safetensors")), ReadBytes(dir.Join("s.safetensors")));
+  EXPECT_EQ(ReadChecksums(dir.Join("g.safetensors")).tensors.at("big"),
+            ComputeTensorChecksum(big, 1024));
+}
+
+TEST(WriterChecksums, EveryShardCarriesItsOwnTensors) {
+  TempDir dir;
+  const auto a = Pattern(5000, 1), b = Pattern(5000, 2), c = Pattern(5000, 3);
+  std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr},
+                                        {"b", DType::kU8, {5000}, {}, Generator(b)},
+                                        {"c", DType::kU8, {5000}, c, nullptr}};
+  ShardOptions options;
+  options.max_shard_size = 6000;
+  options.write.checksum_chunk_size = 2048;
+  auto written = WriteSharded(dir.path(), tensors, {{"k", "v"}}, options);
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  ASSERT_EQ(written->size(), 4u);  // three shards and the index
+  for (size_t s = 0; s < 3; ++s) {
+    const FileChecksums sums = ReadChecksums((*written)[s]);
+    ASSERT_EQ(sums.tensors.size(), 1u);
+    const std::string name(1, static_cast<char>('a' + s));
+    EXPECT_EQ(sums.tensors.at(name), ComputeTensorChecksum(Pattern(5000, unsigned(s + 1)), 2048));
+  }
+}
+
+TEST(WriterChecksums, BadChunkSizeRefusedBeforeWriting) {
+  TempDir dir;
+  WriteOptions options;
+  options.checksum_chunk_size = 10;
+  const Status s = WriteFile(dir.Join("x.safetensors"), {}, {}, options);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_FALSE(std::filesystem::exists(dir.Join("x.safetensors")));
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -1,0 +1,256 @@
+// Implements the checkpoint half of integrity.h: the sidecar manifest beside a checkpoint, and the
+// checksums of a checkpoint's files computed or verified by reading them.
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <thread>
+
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/integrity.h"
+#include "util/json_writer.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+namespace {
+
+// Bytes read at once: a whole number of chunks, at least 64 MiB, so that every thread has chunks.
+uint64_t PieceSize(uint64_t chunk_size) {
+  return std::max<uint64_t>(1, (64u << 20) / chunk_size) * chunk_size;
+}
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads.
+void ParallelFor(uint64_t n, unsigned threads, const std::function<void(uint64_t)>& fn) {
+  const uint64_t workers = std::min<uint64_t>(std::max(threads, 1u), n);
+  if (workers <= 1) {
+    for (uint64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  auto range = [&](uint64_t w) {
+    for (uint64_t i = n * w / workers; i < n * (w + 1) / workers; ++i) fn(i);
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(workers - 1);
+  for (uint64_t w = 1; w < workers; ++w) pool.emplace_back(range, w);
+  range(0);
+  for (std::thread& t : pool) t.join();
+}
+
+// The tensors of file `f`, in file order.
+std::vector<const TensorInfo*> TensorsOf(const Checkpoint& ckpt, uint32_t f) {
+  std::vector<const TensorInfo*> out;
+  for (const TensorInfo& t : ckpt.tensors()) {
+    if (t.file == f) out.push_back(&t);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+  return out;
+}
+
+// Reads every tensor of file `f` in pieces of whole chunks and calls
+// fn(tensor, first chunk index, piece bytes).
+Status ForEachPiece(
+    const Checkpoint& ckpt, uint32_t f, uint64_t chunk_size,
+    const std::function<Status(const TensorInfo&, uint64_t, std::span<const std::byte>)>& fn) {
+  TF_ASSIGN_OR_RETURN(std::shared_ptr<const SourceFile> file, ckpt.File(f));
+  const uint64_t piece = PieceSize(chunk_size);
+  std::vector<std::byte> buffer;
+  for (const TensorInfo* t : TensorsOf(ckpt, f)) {
+    if (t->size == 0) {
+      TF_RETURN_IF_ERROR(fn(*t, 0, {}));
+      continue;
+    }
+    for (uint64_t done = 0; done < t->size; done += piece) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, t->size - done));
+      if (buffer.size() < n) buffer.resize(n);
+      std::span<std::byte> bytes(buffer.data(), n);
+      TF_RETURN_IF_ERROR(ReadFully(*file, t->offset + done, bytes));
+      TF_RETURN_IF_ERROR(fn(*t, done / chunk_size, bytes));
+    }
+  }
+  return Status::Ok();
+}
+
+std::string DirectoryOf(const std::string& path) {
+  const std::filesystem::path p(path);
+  return p.has_parent_path() ? p.parent_path().string() : std::string();
+}
+
+// The file's name relative to the manifest's directory.
+std::string RelativeName(const std::string& dir, const std::string& path) {
+  if (!dir.empty() && path.size() > dir.size() && path.compare(0, dir.size(), dir) == 0 &&
+      path[dir.size()] == '/') {
+    return path.substr(dir.size() + 1);
+  }
+  return std::filesystem::path(path).filename().string();
+}
+
+}  // namespace
+
+std::string ChecksumManifestPath(const Checkpoint& ckpt) {
+  if (ckpt.files().empty()) return std::string();
+  const std::string dir = DirectoryOf(ckpt.files()[0].path);
+  return dir.empty() ? std::string(kChecksumManifestName)
+                     : dir + "/" + std::string(kChecksumManifestName);
+}
+
+Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& ckpt) {
+  const std::string path = ChecksumManifestPath(ckpt);
+  if (path.empty()) return std::optional<ChecksumManifest>();
+  auto file = Env::Default()->OpenRandomAccess(path);
+  if (!file.ok()) {
+    if (file.status().code() == Code::kNotFound) return std::optional<ChecksumManifest>();
+    return file.status();
+  }
+  TF_ASSIGN_OR_RETURN(const uint64_t size, (*file)->Size());
+  if (size > (256u << 20)) {
+    return Status(Code::kChecksumsInvalid,
+                  path + ": manifest of " + std::to_string(size) + " bytes is larger than 256 MiB");
+  }
+  std::string text(static_cast<size_t>(size), '\0');
+  TF_RETURN_IF_ERROR(
+      ReadFully(**file, 0, std::as_writable_bytes(std::span<char>(text.data(), text.size()))));
+  TF_ASSIGN_OR_RETURN(ChecksumManifest manifest, ParseChecksumManifest(text, path));
+  return std::optional<ChecksumManifest>(std::move(manifest));
+}
+
+Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_t chunk_size,
+                                                 unsigned threads) {
+  if (chunk_size < kMinChecksumChunkSize || chunk_size > kMaxChecksumChunkSize) {
+    return Status(Code::kInvalidArgument, "checksum chunk size " + std::to_string(chunk_size) +
+                                              " is outside [" +
+                                              std::to_string(kMinChecksumChunkSize) + ", " +
+                                              std::to_string(kMaxChecksumChunkSize) + "]");
+  }
+  ChecksumManifest manifest;
+  manifest.chunk_size = chunk_size;
+  const std::string dir = DirectoryOf(ChecksumManifestPath(ckpt));
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    ManifestFile entry;
+    entry.size = ckpt.files()[f].file_size;
+    entry.checksums.chunk_size = chunk_size;
+    TF_RETURN_IF_ERROR(
+        ForEachPiece(ckpt, f, chunk_size,
+                     [&](const TensorInfo& t, uint64_t first, std::span<const std::byte> bytes) {
+                       TensorChecksum& sum = entry.checksums.tensors[t.name];
+                       sum.chunks.resize(ChecksumChunkCount(t.size, chunk_size));
+                       const uint64_t n = ChecksumChunkCount(bytes.size(), chunk_size);
+                       ParallelFor(n, threads, [&](uint64_t i) {
+                         const uint64_t begin = i * chunk_size;
+                         sum.chunks[first + i] = ChecksumChunk(bytes.subspan(
+                             begin, std::min<uint64_t>(chunk_size, bytes.size() - begin)));
+                       });
+                       return Status::Ok();
+                     }));
+    for (auto& [name, sum] : entry.checksums.tensors) sum.digest = CombineChunkDigests(sum.chunks);
+    manifest.files.emplace(RelativeName(dir, ckpt.files()[f].path), std::move(entry));
+  }
+  return manifest;
+}
+
+Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& manifest, Env* env) {
+  if (env == nullptr) env = Env::Default();
+  const std::string path = ChecksumManifestPath(ckpt);
+  if (path.empty())
+    return Status(Code::kInvalidArgument, "a checkpoint of no file has no manifest");
+  const std::string dir = DirectoryOf(path);
+  const std::string text = SerializeChecksumManifest(manifest);
+  std::string temp_path;
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                      env->NewTempFile(dir, "." + std::string(kChecksumManifestName) + ".tmp-",
+                                       [&](const std::string& name) { temp_path = name; }));
+  Status s = file->Append(std::as_bytes(std::span<const char>(text.data(), text.size())));
+  if (s.ok()) s = file->Sync();
+  const Status closed = file->Close();
+  if (s.ok()) s = closed;
+  if (s.ok()) s = env->RenameFile(file->path(), path);
+  if (!s.ok()) {
+    (void)env->RemoveFile(file->path());
+    return s;
+  }
+  return env->SyncDirectory(dir);
+}
+
+std::string_view ChecksumSourceName(ChecksumSource source) noexcept {
+  switch (source) {
+    case ChecksumSource::kNone: return "none";
+    case ChecksumSource::kEmbedded: return "embedded";
+    case ChecksumSource::kManifest: return "manifest";
+  }
+  return "none";
+}
+
+Result<std::optional<FileChecksums>> ChecksumsForFile(const Checkpoint& ckpt, uint32_t f,
+                                                      const ChecksumManifest* manifest,
+                                                      ChecksumSource* source) {
+  const FileInfo& info = ckpt.files()[f];
+  ChecksumSource from = ChecksumSource::kNone;
+  std::optional<FileChecksums> sums;
+  TF_ASSIGN_OR_RETURN(sums, EmbeddedChecksums(info.metadata, info.path));
+  if (sums) {
+    from = ChecksumSource::kEmbedded;
+  } else if (manifest != nullptr) {
+    const std::string name = RelativeName(DirectoryOf(ChecksumManifestPath(ckpt)), info.path);
+    auto it = manifest->files.find(name);
+    if (it != manifest->files.end()) {
+      if (it->second.size != info.file_size) {
+        return Status(Code::kChecksumMismatch, info.path + ": the checksum manifest records " +
+                                                   std::to_string(it->second.size) +
+                                                   " bytes, the file has " +
+                                                   std::to_string(info.file_size));
+      }
+      sums = it->second.checksums;
+      from = ChecksumSource::kManifest;
+    }
+  }
+  if (source != nullptr) *source = from;
+  if (!sums) return sums;
+  // The record must cover exactly the file's tensors, each with its chunk count.
+  uint64_t covered = 0;
+  for (const TensorInfo& t : ckpt.tensors()) {
+    if (t.file != f) continue;
+    auto it = sums->tensors.find(t.name);
+    if (it == sums->tensors.end()) {
+      return Status(Code::kChecksumsInvalid, info.path + ": tensor " + json::Quote(t.name) +
+                                                 " has no checksum in the " +
+                                                 std::string(ChecksumSourceName(from)) + " record");
+    }
+    TF_RETURN_IF_ERROR(CheckChecksumShape(it->second, sums->chunk_size, t.size, info.path, t.name));
+    ++covered;
+  }
+  if (covered != sums->tensors.size()) {
+    return Status(Code::kChecksumsInvalid,
+                  info.path + ": the " + std::string(ChecksumSourceName(from)) +
+                      " checksum record names " + std::to_string(sums->tensors.size()) +
+                      " tensors, the file has " + std::to_string(covered));
+  }
+  return sums;
+}
+
+Status VerifyFileChecksums(const Checkpoint& ckpt, uint32_t f, const FileChecksums& checksums,
+                           unsigned threads, uint64_t* bytes_verified) {
+  const std::string& path = ckpt.files()[f].path;
+  const uint64_t chunk = checksums.chunk_size;
+  return ForEachPiece(
+      ckpt, f, chunk, [&](const TensorInfo& t, uint64_t first, std::span<const std::byte> bytes) {
+        auto it = checksums.tensors.find(t.name);
+        if (it == checksums.tensors.end()) {
+          return Status(Code::kChecksumsInvalid,
+                        path + ": tensor " + json::Quote(t.name) + " has no checksum");
+        }
+        TF_RETURN_IF_ERROR(CheckChecksumShape(it->second, chunk, t.size, path, t.name));
+        const uint64_t n = ChecksumChunkCount(bytes.size(), chunk);
+        std::vector<Status> results(n);
+        ParallelFor(n, threads, [&](uint64_t i) {
+          const uint64_t begin = i * chunk;
+          results[i] =
+              VerifyChunk(it->second, chunk, t.size, first + i,
+                          bytes.subspan(begin, std::min<uint64_t>(chunk, bytes.size() - begin)),
+                          path, t.name, t.offset);
+        });
+        for (Status& s : results) TF_RETURN_IF_ERROR(s);
+        if (bytes_verified != nullptr) *bytes_verified += bytes.size();
+        return Status::Ok();
+      });
+}
+
+}  // namespace tensorferry

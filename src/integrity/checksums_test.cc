@@ -1,0 +1,215 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "tensorferry/integrity.h"
+
+namespace tensorferry {
+namespace {
+
+std::vector<std::byte> Bytes(size_t n, uint8_t seed = 1) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = std::byte(static_cast<uint8_t>(i * 31 + seed));
+  return v;
+}
+
+std::span<const std::byte> Span(std::string_view s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+TEST(Checksums, KnownValues) {
+  // XXH3-64 of the empty input (xxHash's published test vector).
+  EXPECT_EQ(ChecksumChunk({}), 0x2d06800538d394c2ull);
+  EXPECT_EQ(DigestHex(0x2d06800538d394c2ull), "2d06800538d394c2");
+  // A tensor of 0 bytes has no chunk: its digest is XXH3-64 of nothing.
+  const TensorChecksum empty = ComputeTensorChecksum({}, 1024);
+  EXPECT_TRUE(empty.chunks.empty());
+  EXPECT_EQ(empty.digest, 0x2d06800538d394c2ull);
+  // The worked example of docs/integrity.md.
+  const TensorChecksum abc = ComputeTensorChecksum(Span("abc"), 1024);
+  ASSERT_EQ(abc.chunks.size(), 1u);
+  EXPECT_EQ(abc.chunks[0], 0x78af5f94892f3950ull);  // XXH3_64bits("abc")
+  EXPECT_EQ(abc.digest, CombineChunkDigests(abc.chunks));
+  EXPECT_EQ(DigestHex(abc.digest), "5758ca032005f7ac");
+  std::vector<std::byte> w(1500);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::byte(static_cast<uint8_t>(i % 251));
+  const TensorChecksum sum = ComputeTensorChecksum(w, 1024);
+  ASSERT_EQ(sum.chunks.size(), 2u);
+  EXPECT_EQ(DigestHex(sum.chunks[0]), "e5d78bafa45b2aa5");
+  EXPECT_EQ(DigestHex(sum.chunks[1]), "def3f17b16472ef4");
+  EXPECT_EQ(DigestHex(sum.digest), "59bd0d55303d0030");
+}
+
+TEST(Checksums, ChunkCount) {
+  EXPECT_EQ(ChecksumChunkCount(0, 1024), 0u);
+  EXPECT_EQ(ChecksumChunkCount(1, 1024), 1u);
+  EXPECT_EQ(ChecksumChunkCount(1024, 1024), 1u);
+  EXPECT_EQ(ChecksumChunkCount(1025, 1024), 2u);
+}
+
+TEST(Checksums, TwoLevelDefinition) {
+  const auto data = Bytes(5000);
+  const TensorChecksum sum = ComputeTensorChecksum(data, 1024);
+  ASSERT_EQ(sum.chunks.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    const size_t len = std::min<size_t>(1024, data.size() - i * 1024);
+    EXPECT_EQ(sum.chunks[i], ChecksumChunk(std::span(data).subspan(i * 1024, len)));
+  }
+  // The digest is XXH3 over the big-endian chunk digests.
+  std::vector<std::byte> concatenated;
+  for (uint64_t c : sum.chunks) {
+    for (int b = 7; b >= 0; --b) concatenated.push_back(std::byte((c >> (8 * b)) & 0xff));
+  }
+  EXPECT_EQ(sum.digest, ChecksumChunk(concatenated));
+}
+
+TEST(Checksums, ThreadsAndStreamingAgree) {
+  const auto data = Bytes(100'000);
+  const TensorChecksum one = ComputeTensorChecksum(data, 4096, 1);
+  EXPECT_EQ(ComputeTensorChecksum(data, 4096, 4), one);
+  EXPECT_EQ(ComputeTensorChecksum(data, 4096, 1000), one);
+  ChecksumBuilder builder(4096);
+  size_t at = 0;
+  for (size_t piece : {1u, 4095u, 4096u, 7000u, 3u}) {
+    builder.Update(std::span(data).subspan(at, piece));
+    at += piece;
+  }
+  builder.Update(std::span(data).subspan(at));
+  EXPECT_EQ(builder.Finish(), one);
+  // Finish starts again empty.
+  EXPECT_EQ(builder.Finish(), ComputeTensorChecksum({}, 4096));
+  ChecksumBuilder moved = std::move(builder);
+  moved.Update(data);
+  EXPECT_EQ(moved.Finish(), one);
+}
+
+TEST(Checksums, SerializeParseRoundTrip) {
+  FileChecksums sums;
+  sums.chunk_size = 1024;
+  sums.tensors["b"] = ComputeTensorChecksum(Bytes(3000), 1024);
+  sums.tensors["a\"x"] = ComputeTensorChecksum(Bytes(10), 1024);
+  sums.tensors["empty"] = ComputeTensorChecksum({}, 1024);
+  const std::string text = SerializeFileChecksums(sums);
+  EXPECT_EQ(text.find('\n'), std::string::npos);
+  EXPECT_EQ(text.rfind("{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{", 0),
+            0u);
+  auto parsed = ParseFileChecksums(text);
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(*parsed, sums);
+
+  std::vector<std::pair<std::string, std::string>> metadata = {{"format", "pt"}};
+  auto none = EmbeddedChecksums(metadata);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  metadata.emplace_back(std::string(kChecksumsMetadataKey), text);
+  auto some = EmbeddedChecksums(metadata);
+  ASSERT_TRUE(some.ok());
+  ASSERT_TRUE(some->has_value());
+  EXPECT_EQ(**some, sums);
+}
+
+TEST(Checksums, HostileMetadataIsRefusedCleanly) {
+  const std::string good_digest = DigestHex(ComputeTensorChecksum(Span("abc"), 1024).digest);
+  const std::string good_chunk = DigestHex(ChecksumChunk(Span("abc")));
+  auto entry = [&](const std::string& digest, const std::string& chunks) {
+    return "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{\"t\":{\"digest\":"
+           "\"" +
+           digest + "\",\"chunks\":\"" + chunks + "\"}}}";
+  };
+  ASSERT_TRUE(ParseFileChecksums(entry(good_digest, good_chunk)).ok());
+  const std::vector<std::string> bad = {
+      "",
+      "[]",
+      "{",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{},\"x\":1}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"chunk_size\":1024,\"tensors\":{}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":0,\"tensors\":{}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":-5,\"tensors\":{}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1.5,\"tensors\":{}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":99999999999999,\"tensors\":{}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":[]}",
+      "{\"algorithm\":7,\"chunk_size\":1024,\"tensors\":{}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{\"t\":1}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{\"t\":{}}}",
+      entry(good_digest, good_chunk + "0"),
+      entry(good_digest, good_chunk + good_chunk),  // digest does not match the chunks
+      entry("0000000000000000", good_chunk),
+      entry(good_digest.substr(0, 15), good_chunk),
+      entry("ABCDEF0123456789", good_chunk),
+      entry(good_digest, "zzzzzzzzzzzzzzzz"),
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{\"t\":{\"digest\":\"" +
+          good_digest + "\",\"chunks\":\"" + good_chunk + "\",\"extra\":\"\"}}}",
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":1024,\"tensors\":{\"t\":{\"digest\":\"" +
+          good_digest + "\",\"chunks\":\"" + good_chunk + "\"},\"t\":{\"digest\":\"" + good_digest +
+          "\",\"chunks\":\"" + good_chunk + "\"}}}",
+      std::string(100'000, '['),
+  };
+  for (const std::string& text : bad) {
+    auto parsed = ParseFileChecksums(text, "m.safetensors");
+    ASSERT_FALSE(parsed.ok()) << text;
+    EXPECT_EQ(parsed.status().code(), Code::kChecksumsInvalid) << text;
+    EXPECT_EQ(parsed.status().message().rfind("m.safetensors: ", 0), 0u)
+        << parsed.status().message();
+  }
+  auto unknown = ParseFileChecksums("{\"algorithm\":\"sha1\",\"chunk_size\":1024,\"tensors\":{}}");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), Code::kUnsupported);
+  EXPECT_NE(unknown.status().message().find("\"sha1\""), std::string::npos);
+}
+
+TEST(Checksums, VerifyNamesFileTensorChunkAndRange) {
+  auto data = Bytes(5000);
+  const TensorChecksum sum = ComputeTensorChecksum(data, 1024);
+  EXPECT_TRUE(VerifyTensor(sum, 1024, data, "f.safetensors", "w", 80, 3).ok());
+  data[2100] ^= std::byte{1};  // chunk 2
+  const Status s = VerifyTensor(sum, 1024, data, "f.safetensors", "w", 80, 3);
+  ASSERT_EQ(s.code(), Code::kChecksumMismatch);
+  EXPECT_EQ(s.message().rfind("f.safetensors: tensor \"w\": checksum mismatch in chunk 2 of 5 "
+                              "(tensor bytes [2048, 3072), file bytes [2128, 3152)): xxh3 ",
+                              0),
+            0u)
+      << s.message();
+  EXPECT_NE(s.message().find(", expected " + DigestHex(sum.chunks[2])), std::string::npos);
+  // The wrong size for the checksum is a checksum problem, not a data one.
+  const Status shape = VerifyTensor(sum, 1024, std::span(data).first(1000), "f", "w", 0);
+  EXPECT_EQ(shape.code(), Code::kChecksumsInvalid);
+  EXPECT_EQ(VerifyChunk(sum, 1024, 5000, 9, std::span(data).first(1024), "f", "w", 0).code(),
+            Code::kChecksumsInvalid);
+  EXPECT_EQ(VerifyChunk(sum, 1024, 5000, 4, std::span(data).first(1024), "f", "w", 0).code(),
+            Code::kChecksumsInvalid);  // the last chunk is 904 bytes
+}
+
+TEST(Checksums, ManifestRoundTripAndHostileNames) {
+  ChecksumManifest manifest;
+  manifest.chunk_size = 2048;
+  ManifestFile file;
+  file.size = 4242;
+  file.checksums.chunk_size = 2048;
+  file.checksums.tensors["x"] = ComputeTensorChecksum(Bytes(5000), 2048);
+  manifest.files["model-00001-of-00002.safetensors"] = file;
+  manifest.files["sub/model-00002-of-00002.safetensors"] = file;
+  const std::string text = SerializeChecksumManifest(manifest);
+  EXPECT_EQ(text.back(), '\n');
+  auto parsed = ParseChecksumManifest(text, "m.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(*parsed, manifest);
+  EXPECT_TRUE(ParseChecksumManifest(SerializeChecksumManifest(ChecksumManifest{})).ok());
+
+  for (const char* name : {"", "/etc/passwd", "../x", "a/../../x", "a\\\\b", "a//b", "./a"}) {
+    const std::string hostile =
+        "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":2048,\"files\":{\"" + std::string(name) +
+        "\":{\"size\":1,\"tensors\":{}}}}";
+    auto r = ParseChecksumManifest(hostile, "m.json");
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_EQ(r.status().code(), Code::kChecksumsInvalid) << name;
+  }
+  auto no_size = ParseChecksumManifest(
+      "{\"algorithm\":\"xxh3-64-chunked\",\"chunk_size\":2048,\"files\":{\"a\":{\"tensors\":{}}}}");
+  EXPECT_EQ(no_size.status().code(), Code::kChecksumsInvalid);
+}
+
+}  // namespace
+}  // namespace tensorferry

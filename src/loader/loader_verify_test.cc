@@ -1,0 +1,195 @@
+// Load-time checksums (LoadOptions::verify, src/loader/verify.cc): every engine checks whole host
+// tensors before a batch is delivered; mismatches name file, tensor, chunk and ranges.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "tensorferry/integrity.h"
+#include "tensorferry/loader.h"
+#include "tensorferry/writer.h"
+#include "testing/test_util.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+namespace {
+
+using ::tensorferry::testing::ReadBytes;
+using ::tensorferry::testing::TempDir;
+using ::tensorferry::testing::WriteBytes;
+
+struct Fixture {
+  TempDir dir;
+  std::vector<std::byte> a = Bytes(20'000, 1), b = Bytes(64 * 32, 2), c = Bytes(10, 3);
+  std::string path = dir.Join("m.safetensors");
+
+  static std::vector<std::byte> Bytes(size_t n, unsigned seed) {
+    std::vector<std::byte> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = std::byte(static_cast<uint8_t>(i * 13 + seed));
+    return v;
+  }
+
+  void Write(bool checksums) {
+    std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {20'000}, a, nullptr},
+                                          {"b", DType::kU8, {64, 32}, b, nullptr},
+                                          {"c", DType::kU8, {10}, c, nullptr}};
+    WriteOptions options;
+    options.checksums = checksums;
+    options.checksum_chunk_size = 4096;
+    ASSERT_TRUE(WriteFile(path, tensors, {}, options).ok());
+  }
+
+  // Flips a bit of tensor a's byte `at` (a is stored first: same dtype, first by name).
+  void Corrupt(uint64_t at) {
+    auto ckpt = Checkpoint::Open(path);
+    ASSERT_TRUE(ckpt.ok());
+    std::string bytes = ReadBytes(path);
+    bytes[(*ckpt)->files()[0].data_offset + at] ^= 0x40;
+    WriteBytes(path, bytes);
+  }
+};
+
+Result<LoadStats> LoadWith(const std::string& path, Engine engine, VerifyMode verify,
+                           uint64_t budget = 0) {
+  LoadOptions options;
+  options.engine = engine;
+  options.verify = verify;
+  options.budget = budget;
+  options.threads = 3;
+  options.populate = engine == Engine::kMmap;  // lazy mappings are checked only with kOn
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Open(path, options));
+  TF_ASSIGN_OR_RETURN(std::vector<Tensor> tensors, loader->Load());
+  (void)tensors;
+  return loader->stats();
+}
+
+std::vector<Engine> Engines() {
+  return {Engine::kPread, Engine::kIoUring, Engine::kMmap};
+}
+
+TEST(LoaderVerify, EveryEngineChecksWholeTensors) {
+  Fixture f;
+  f.Write(true);
+  for (Engine engine : Engines()) {
+    auto stats = LoadWith(f.path, engine, VerifyMode::kAuto);
+    if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;  // no io_uring
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    EXPECT_EQ(stats->verified_tensors, 3u);
+    EXPECT_EQ(stats->verified_bytes, 20'000u + 64 * 32 + 10);
+    EXPECT_EQ(stats->verify_skipped_tensors, 0u);
+    auto off = LoadWith(f.path, engine, VerifyMode::kOff);
+    ASSERT_TRUE(off.ok());
+    EXPECT_EQ(off->verified_tensors, 0u);
+  }
+  // Lazily mapped tensors (mmap without populate) stay lazy under auto; on checks them.
+  for (VerifyMode mode : {VerifyMode::kAuto, VerifyMode::kOn}) {
+    LoadOptions options;
+    options.engine = Engine::kMmap;
+    options.verify = mode;
+    auto loader = Loader::Open(f.path, options);
+    ASSERT_TRUE(loader.ok());
+    ASSERT_TRUE((*loader)->Load().ok());
+    EXPECT_EQ((*loader)->stats().verified_tensors, mode == VerifyMode::kOn ? 3u : 0u);
+    EXPECT_EQ((*loader)->stats().verify_skipped_tensors, mode == VerifyMode::kOn ? 0u : 3u);
+  }
+}
+
+TEST(LoaderVerify, MismatchFailsTheBatchNamingFileTensorChunkAndRange) {
+  Fixture f;
+  f.Write(true);
+  f.Corrupt(9000);  // chunk 2 of tensor a: bytes [8192, 12288)
+  for (Engine engine : Engines()) {
+    for (uint64_t budget : {uint64_t{0}, uint64_t{41'000}}) {
+      if (engine == Engine::kMmap && budget > 0) continue;
+      auto stats = LoadWith(f.path, engine, VerifyMode::kAuto, budget);
+      if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;
+      ASSERT_FALSE(stats.ok());
+      EXPECT_EQ(stats.status().code(), Code::kChecksumMismatch);
+      EXPECT_NE(stats.status().message().find(
+                    f.path + ": tensor \"a\": checksum mismatch in chunk 2 of 5 (tensor bytes "
+                             "[8192, 12288), file bytes ["),
+                std::string::npos)
+          << stats.status().message();
+    }
+    // Streaming: no batch holding the bad tensor is ever handed out.
+    LoadOptions options;
+    options.engine = engine;
+    options.populate = true;
+    options.budget = 41'000;
+    auto loader = Loader::Open(f.path, options);
+    if (!loader.ok()) continue;
+    std::vector<std::string> delivered;
+    const Status s = (*loader)->Stream(Selection::All(), [&](Batch batch) {
+      for (const Tensor& t : batch.tensors) delivered.push_back(t.name());
+      return Status::Ok();
+    });
+    EXPECT_EQ(s.code(), Code::kChecksumMismatch);
+    EXPECT_EQ(std::count(delivered.begin(), delivered.end(), "a"), 0);
+  }
+  EXPECT_TRUE(LoadWith(f.path, Engine::kPread, VerifyMode::kOff).ok());
+}
+
+TEST(LoaderVerify, OnRequiresChecksumsAutoLoadsFilesWithout) {
+  Fixture f;
+  f.Write(false);
+  auto on = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
+  ASSERT_FALSE(on.ok());
+  EXPECT_EQ(on.status().code(), Code::kChecksumsInvalid);
+  EXPECT_NE(on.status().message().find("has no checksums"), std::string::npos);
+  auto autod = LoadWith(f.path, Engine::kPread, VerifyMode::kAuto);
+  ASSERT_TRUE(autod.ok());
+  EXPECT_EQ(autod->verified_tensors, 0u);
+
+  // A manifest beside it makes them checkable.
+  auto ckpt = Checkpoint::Open(f.path);
+  ASSERT_TRUE(ckpt.ok());
+  auto manifest = ComputeChecksumManifest(**ckpt, 4096, 2);
+  ASSERT_TRUE(manifest.ok());
+  ASSERT_TRUE(WriteChecksumManifest(**ckpt, *manifest).ok());
+  auto with = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
+  ASSERT_TRUE(with.ok()) << with.status().ToString();
+  EXPECT_EQ(with->verified_tensors, 3u);
+}
+
+TEST(LoaderVerify, UnknownAlgorithmIgnoredInAutoRefusedWhenOn) {
+  Fixture f;
+  std::vector<TensorToWrite> tensors = {{"c", DType::kU8, {10}, f.c, nullptr}};
+  WriteOptions plain;
+  plain.checksums = false;
+  ASSERT_TRUE(WriteFile(f.path, tensors,
+                        {{std::string(kChecksumsMetadataKey),
+                          "{\"algorithm\":\"blake3\",\"chunk_size\":4096,\"tensors\":{}}"}},
+                        plain)
+                  .ok());
+  auto autod = LoadWith(f.path, Engine::kPread, VerifyMode::kAuto);
+  ASSERT_TRUE(autod.ok()) << autod.status().ToString();
+  EXPECT_EQ(autod->verified_tensors, 0u);
+  auto on = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
+  EXPECT_EQ(on.status().code(), Code::kUnsupported);
+  // A malformed record is an error even in auto mode (the header itself is damaged).
+  ASSERT_TRUE(WriteFile(f.path, tensors, {{std::string(kChecksumsMetadataKey), "{"}}, plain).ok());
+  EXPECT_EQ(LoadWith(f.path, Engine::kPread, VerifyMode::kAuto).status().code(),
+            Code::kChecksumsInvalid);
+}
+
+TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {
+  Fixture f;
+  f.Write(true);
+  LoadOptions options;
+  options.engine = Engine::kPread;
+  TensorParallelOptions tp;
+  tp.spec = ShardSpec::None();
+  tp.spec.Set("b", ShardRule::Split(1));
+  tp.rank = 0;
+  tp.world = 2;
+  options.tensor_parallel = tp;
+  auto loader = Loader::Open(f.path, options);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  ASSERT_TRUE((*loader)->Load().ok());
+  EXPECT_EQ((*loader)->stats().verified_tensors, 2u);
+  EXPECT_EQ((*loader)->stats().verify_skipped_tensors, 1u);
+}
+
+}  // namespace
+}  // namespace tensorferry

@@ -1,0 +1,133 @@
+// Load-time integrity checks (LoadOptions::verify, docs/integrity.md): the checksums of each file
+// are read once when the Loader opens (embedded in the file's metadata, else the sidecar manifest
+// beside the checkpoint), and every batch's whole host tensors are hashed chunk by chunk, on
+// several threads, after its reads and before it is delivered (for a batch read ahead, on the
+// helper thread, overlapping the caller's work on the previous batch).
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "loader/loader_impl.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+
+unsigned Loader::Impl::VerifyThreads() const {
+  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  return options.threads > 0 ? std::min(options.threads, cpus) : cpus;
+}
+
+Status Loader::Impl::LoadChecksums() {
+  checksums.clear();
+  if (options.verify == VerifyMode::kOff) return Status::Ok();
+  const Checkpoint& ckpt = *checkpoint;
+  std::optional<ChecksumManifest> manifest;
+  // The sidecar manifest sits beside local files (an object store has no "beside").
+  if (!ckpt.files().empty() && ckpt.files()[0].path.find("://") == std::string::npos) {
+    auto read = ReadChecksumManifest(ckpt);
+    if (!read.ok()) {
+      // A manifest of an algorithm this version does not know is ignored in auto mode.
+      if (read.status().code() != Code::kUnsupported || options.verify == VerifyMode::kOn) {
+        return read.status();
+      }
+    } else {
+      manifest = std::move(*read);
+    }
+  }
+  std::vector<std::optional<FileChecksums>> per_file(ckpt.files().size());
+  bool any = false;
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    ChecksumSource source = ChecksumSource::kNone;
+    auto sums = ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source);
+    if (!sums.ok()) {
+      if (sums.status().code() == Code::kUnsupported && options.verify == VerifyMode::kAuto) {
+        continue;  // checksums of a newer algorithm: loaded unchecked
+      }
+      return sums.status();
+    }
+    if (!sums->has_value() && options.verify == VerifyMode::kOn) {
+      return Status(Code::kChecksumsInvalid,
+                    ckpt.files()[f].path +
+                        ": verify=on, but the file has no checksums (none in its metadata, none "
+                        "in a " +
+                        std::string(kChecksumManifestName) +
+                        " beside it; `tensorferry checksum` writes one)");
+    }
+    any = any || sums->has_value();
+    per_file[f] = std::move(*sums);
+  }
+  if (any) checksums = std::move(per_file);
+  return Status::Ok();
+}
+
+Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
+                                 VerifyCounts& counts) const {
+  const auto start = std::chrono::steady_clock::now();
+  const auto& infos = checkpoint->tensors();
+  struct Work {
+    const TensorChecksum* expected;
+    uint64_t chunk_size;
+    const TensorInfo* info;
+    const std::byte* data;
+    uint64_t chunk;
+  };
+  std::vector<Work> work;
+  uint64_t tensors = 0, bytes = 0, skipped = 0;
+  // Lazily mapped tensors (mmap without populate) are read on first touch, part by part; hashing
+  // them would read them whole now. Checked only when asked for explicitly (verify=on).
+  const bool lazy =
+      engine_kind == Engine::kMmap && !options.populate && options.verify != VerifyMode::kOn;
+  for (size_t i = 0; i < planned.tensors.size() && i < batch.tensors.size(); ++i) {
+    const PlannedTensor& pt = planned.tensors[i];
+    const TensorInfo& info = infos[pt.tensor];
+    const std::optional<FileChecksums>& sums = checksums[info.file];
+    if (!sums) continue;
+    const Tensor& tensor = batch.tensors[i];
+    // A digest covers a whole tensor: a tensor-parallel slice, or bytes on a device, cannot be
+    // checked here.
+    if (pt.slice || !tensor.device().is_cpu() || tensor.name() != info.name ||
+        tensor.size() != info.size || (lazy && batch.device.is_cpu())) {
+      ++skipped;
+      continue;
+    }
+    auto it = sums->tensors.find(info.name);
+    if (it == sums->tensors.end()) {  // ChecksumsForFile made sure every tensor has one
+      return Status(Code::kInternal, info.name + ": no checksum");
+    }
+    const uint64_t n = ChecksumChunkCount(info.size, sums->chunk_size);
+    for (uint64_t c = 0; c < n; ++c) {
+      work.push_back(
+          {&it->second, sums->chunk_size, &info, static_cast<const std::byte*>(tensor.data()), c});
+    }
+    ++tensors;
+    bytes += info.size;
+  }
+  std::vector<Status> results(work.size());
+  std::atomic<size_t> next{0};
+  auto run = [&] {
+    for (size_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < work.size();) {
+      const Work& job = work[w];
+      const uint64_t begin = job.chunk * job.chunk_size;
+      const uint64_t len = std::min(job.chunk_size, job.info->size - begin);
+      results[w] =
+          VerifyChunk(*job.expected, job.chunk_size, job.info->size, job.chunk,
+                      std::span<const std::byte>(job.data + begin, len),
+                      checkpoint->files()[job.info->file].path, job.info->name, job.info->offset);
+    }
+  };
+  const size_t workers = std::min<size_t>(VerifyThreads(), work.size());
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < workers; ++t) helpers.emplace_back(run);
+  if (!work.empty()) run();
+  for (std::thread& t : helpers) t.join();
+  counts.nanos += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  for (Status& s : results) TF_RETURN_IF_ERROR(s);
+  counts.tensors += tensors;
+  counts.bytes += bytes;
+  counts.skipped += skipped;
+  return Status::Ok();
+}
+
+}  // namespace tensorferry

@@ -1,0 +1,128 @@
+// LandingCheck (landing_check.h): per-chunk countdowns of bytes still to land; the worker that
+// brings one to zero hashes the chunk.
+#include "sink/landing_check.h"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "util/macros.h"
+
+namespace tensorferry::sink {
+
+LandingCheck::LandingCheck(const Checkpoint& checkpoint, const std::byte* base,
+                           VerifyCounts& counts)
+    : checkpoint_(checkpoint), base_(base), counts_(counts) {
+  hook_ = [this](const io::ReadRequest& r) {
+    const uint64_t begin = static_cast<uint64_t>(r.dst.data() - base_);
+    return Landed(begin, begin + r.dst.size());
+  };
+}
+
+std::unique_ptr<LandingCheck> LandingCheck::Make(
+    const Checkpoint& checkpoint, const PlanBatch& batch,
+    const std::vector<std::optional<FileChecksums>>& sums, const std::byte* base,
+    VerifyCounts& counts) {
+  struct Planned {
+    uint64_t begin;
+    uint64_t index;
+    const TensorChecksum* expected;
+    uint64_t chunk_size;
+    const TensorInfo* info;
+  };
+  std::vector<Planned> planned;
+  uint64_t tensors = 0, bytes = 0, skipped = 0;
+  const auto& infos = checkpoint.tensors();
+  for (const PlannedTensor& pt : batch.tensors) {
+    const TensorInfo& info = infos[pt.tensor];
+    if (info.file >= sums.size() || !sums[info.file]) continue;
+    const FileChecksums& file = *sums[info.file];
+    if (pt.slice) {  // a digest covers the whole tensor
+      ++skipped;
+      continue;
+    }
+    auto it = file.tensors.find(info.name);
+    if (it == file.tensors.end()) continue;  // ChecksumsForFile made sure every tensor has one
+    const uint64_t n = ChecksumChunkCount(info.size, file.chunk_size);
+    for (uint64_t c = 0; c < n; ++c) {
+      planned.push_back(
+          {pt.buffer_offset + c * file.chunk_size, c, &it->second, file.chunk_size, &info});
+    }
+    ++tensors;
+    bytes += info.size;
+  }
+  counts.skipped += skipped;
+  if (planned.empty()) return nullptr;
+  std::sort(planned.begin(), planned.end(),
+            [](const Planned& a, const Planned& b) { return a.begin < b.begin; });
+  std::unique_ptr<LandingCheck> check(new LandingCheck(checkpoint, base, counts));
+  check->chunks_ = std::make_unique<Chunk[]>(planned.size());
+  check->num_chunks_ = planned.size();
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const Planned& p = planned[i];
+    Chunk& c = check->chunks_[i];
+    c.begin = p.begin;
+    c.end = p.begin + std::min(p.chunk_size, p.info->size - p.index * p.chunk_size);
+    c.index = p.index;
+    c.expected = p.expected;
+    c.chunk_size = p.chunk_size;
+    c.info = p.info;
+    c.remaining.store(c.end - c.begin, std::memory_order_relaxed);
+  }
+  check->tensors_ = tensors;
+  check->bytes_ = bytes;
+  return check;
+}
+
+Status LandingCheck::Hash(const Chunk& c) {
+  const auto start = std::chrono::steady_clock::now();
+  Status s = VerifyChunk(*c.expected, c.chunk_size, c.info->size, c.index,
+                         std::span<const std::byte>(base_ + c.begin, c.end - c.begin),
+                         checkpoint_.files()[c.info->file].path, c.info->name, c.info->offset);
+  counts_.nanos += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  return s;
+}
+
+Status LandingCheck::Landed(uint64_t begin, uint64_t end) {
+  // The first chunk ending after `begin`.
+  Chunk* const first = chunks_.get();
+  Chunk* const last = first + num_chunks_;
+  Chunk* c = std::upper_bound(first, last, begin,
+                              [](uint64_t at, const Chunk& chunk) { return at < chunk.end; });
+  for (; c != last && c->begin < end; ++c) {
+    const uint64_t overlap = std::min(end, c->end) - std::max(begin, c->begin);
+    if (overlap == 0) continue;
+    // The request that completes the chunk hashes it: every byte of it is in the buffer.
+    if (c->remaining.fetch_sub(overlap, std::memory_order_acq_rel) != overlap) continue;
+    TF_RETURN_IF_ERROR(Hash(*c));
+  }
+  return Status::Ok();
+}
+
+Status LandingCheck::VerifyAll(unsigned threads) {
+  std::vector<Status> results(num_chunks_);
+  std::atomic<size_t> next{0};
+  auto run = [&] {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks_;) {
+      // A chunk not hashed yet (none is, unless the engine's workers hashed as bytes landed).
+      if (chunks_[i].remaining.exchange(0, std::memory_order_acq_rel) == 0) continue;
+      results[i] = Hash(chunks_[i]);
+    }
+  };
+  const size_t workers = std::min<size_t>(std::max(threads, 1u), num_chunks_);
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < workers; ++t) helpers.emplace_back(run);
+  run();
+  for (std::thread& t : helpers) t.join();
+  for (Status& s : results) TF_RETURN_IF_ERROR(s);
+  return Status::Ok();
+}
+
+void LandingCheck::Count() {
+  counts_.tensors += tensors_;
+  counts_.bytes += bytes_;
+}
+
+}  // namespace tensorferry::sink

@@ -1,0 +1,68 @@
+// Integrity checks as bytes land (LoadOptions::verify, docs/integrity.md): the checksum chunks of
+// a batch's whole host tensors are hashed by the read engine's worker that completes the last of
+// their bytes (ReadRequest::landed), while those bytes are still in its cache, instead of in a
+// second pass over the batch buffer. Internal to the sinks.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "io/read_engine.h"
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/integrity.h"
+#include "tensorferry/plan.h"
+
+namespace tensorferry::sink {
+
+// What the checks of one load counted (LoadStats::verified_*, verify_*); shared by the threads
+// that read batches.
+struct VerifyCounts {
+  std::atomic<uint64_t> tensors{0}, bytes{0}, skipped{0}, nanos{0};
+};
+
+class LandingCheck {
+ public:
+  // The check of `batch` laid out at `base` (each tensor at its buffer_offset), or nullptr when
+  // no tensor of it has a checksum. `sums` is per file (Loader::Impl::checksums); borrowed, as are
+  // the checkpoint and the batch, for the check's lifetime. Tensor-parallel slices are counted as
+  // skipped.
+  static std::unique_ptr<LandingCheck> Make(const Checkpoint& checkpoint, const PlanBatch& batch,
+                                            const std::vector<std::optional<FileChecksums>>& sums,
+                                            const std::byte* base, VerifyCounts& counts);
+  // Bytes [begin, end) of the batch buffer have landed: hashes each chunk this completes.
+  // Thread-safe. Errors: kChecksumMismatch (VerifyChunk's message).
+  Status Landed(uint64_t begin, uint64_t end);
+  // Every chunk not yet hashed, on up to `threads` threads (after a batch's reads and its
+  // tensor-parallel moves). Errors: the first mismatching chunk's.
+  Status VerifyAll(unsigned threads);
+  // As a ReadRequest::landed hook (the request's dst inside the buffer).
+  const std::function<Status(const io::ReadRequest&)>* hook() const { return &hook_; }
+  // Adds the checked tensors to the counts (after a batch whose every chunk landed).
+  void Count();
+
+ private:
+  struct Chunk {
+    uint64_t begin = 0, end = 0;  // in the batch buffer
+    uint64_t index = 0;           // within its tensor
+    const TensorChecksum* expected = nullptr;
+    uint64_t chunk_size = 0;
+    const TensorInfo* info = nullptr;
+    std::atomic<uint64_t> remaining{0};
+  };
+  LandingCheck(const Checkpoint& checkpoint, const std::byte* base, VerifyCounts& counts);
+  Status Hash(const Chunk& c);
+
+  const Checkpoint& checkpoint_;
+  const std::byte* base_;
+  VerifyCounts& counts_;
+  std::unique_ptr<Chunk[]> chunks_;  // sorted by begin, not overlapping
+  size_t num_chunks_ = 0;
+  uint64_t tensors_ = 0, bytes_ = 0;
+  std::function<Status(const io::ReadRequest&)> hook_;
+};
+
+}  // namespace tensorferry::sink

@@ -1,0 +1,123 @@
+"""Per-tensor checksums from Python (docs/integrity.md): save_file records them, checksums=False
+gives the reference's bytes, loads check them (verify=, TENSORFERRY_VERIFY), and a corrupt tensor
+is an error naming the tensor and chunk, never a tensor handed out."""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open as ref_safe_open
+from safetensors.torch import save_file as ref_save_file
+
+import tensorferry
+import tensorferry.numpy
+import tensorferry.torch
+
+KEY = "tensorferry.checksums"
+
+
+def tensors():
+    g = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(300, 100, generator=g), "b": torch.arange(10, dtype=torch.int64)}
+
+
+def corrupt(path, name):
+    with ref_safe_open(path, framework="pt") as f:
+        keys = list(f.keys())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    begin = header[name]["data_offsets"][0]
+    data[8 + n + begin + 7] ^= 0x20
+    with open(path, "wb") as f:
+        f.write(data)
+    return keys
+
+
+def test_save_file_records_checksums_readable_by_the_reference(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file(tensors(), path, metadata={"format": "pt"})
+    with ref_safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == "pt"
+        record = json.loads(meta[KEY])
+        assert record["algorithm"] == "xxh3-64-chunked"
+        assert sorted(record["tensors"]) == ["a", "b"]
+        assert torch.equal(f.get_tensor("a"), tensors()["a"])
+    # checksums=False: the reference's bytes exactly.
+    ours, ref = str(tmp_path / "plain.safetensors"), str(tmp_path / "ref.safetensors")
+    tensorferry.torch.save_file(tensors(), ours, metadata={"format": "pt"}, checksums=False)
+    ref_save_file(tensors(), ref, metadata={"format": "pt"})
+    assert open(ours, "rb").read() == open(ref, "rb").read()
+    np_path = str(tmp_path / "np.safetensors")
+    tensorferry.numpy.save_file({"x": tensors()["b"].numpy()}, np_path)
+    with ref_safe_open(np_path, framework="np") as f:
+        assert KEY in f.metadata()
+
+
+def test_loads_verify_and_report(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file(tensors(), path)
+    with tensorferry.Loader(path, verify="on") as loader:
+        got = loader.load()
+        stats = loader.stats
+    assert torch.equal(got["a"], tensors()["a"])
+    assert stats.verified_tensors == 2
+    assert stats.verified_bytes == 300 * 100 * 4 + 10 * 8
+    got = tensorferry.torch.load_file(path, verify="on")
+    assert torch.equal(got["b"], tensors()["b"])
+
+
+@pytest.mark.parametrize("engine", ["mmap", "pread", "io_uring"])
+def test_corrupt_tensor_is_an_error_and_never_delivered(tmp_path, engine):
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file(tensors(), path)
+    corrupt(path, "a")
+    # (mmap: populated; a lazy mapping is checked only with verify="on")
+    populate = True if engine == "mmap" else None
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        with tensorferry.Loader(path, engine=engine, populate=populate) as loader:
+            loader.load()
+    assert e.value.code == "checksum_mismatch"
+    assert 'tensor "a": checksum mismatch in chunk 0 of 1' in str(e.value)
+    with pytest.raises(tensorferry.SafetensorError):
+        tensorferry.torch.load_file(path)  # the default (auto) checks too
+    with tensorferry.Loader(path, engine=engine, verify="off") as loader:
+        assert set(loader.load()) == {"a", "b"}
+
+
+def test_verify_on_needs_checksums_and_the_environment_sets_the_default(tmp_path):
+    path = str(tmp_path / "ref.safetensors")
+    ref_save_file(tensors(), path)
+    with pytest.raises(tensorferry.SafetensorError, match="has no checksums"):
+        tensorferry.torch.load_file(path, verify="on")
+    with pytest.raises(tensorferry.InvalidArgumentError, match="verify"):
+        tensorferry.Loader(path, verify="sometimes")
+    ours = str(tmp_path / "ours.safetensors")
+    tensorferry.torch.save_file(tensors(), ours)
+    corrupt(ours, "b")
+    env = dict(os.environ, TENSORFERRY_VERIFY="off")
+    code = ("import tensorferry.torch, sys; "
+            f"t = tensorferry.torch.load_file({ours!r}); print(sorted(t))")
+    out = subprocess.run([os.sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "['a', 'b']"
+
+
+def test_convert_keeps_its_checksums_over_a_value_of_that_name(tmp_path):
+    cli = os.environ.get("TENSORFERRY_CLI", "build/release/bin/tensorferry")
+    src, dst = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"
+    torch.save({"w": torch.ones(4, 4), KEY: 5, "epoch": 3}, src)
+    r = subprocess.run([cli, "convert", "--json", "--no-sync", "--verify", str(src), str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    doc = json.loads(r.stdout)
+    assert KEY in {s["name"] for s in doc["skipped"]}
+    with ref_safe_open(str(dst), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["epoch"] == "3"
+    assert sorted(json.loads(meta[KEY])["tensors"]) == ["w"]
+    r = subprocess.run([cli, "verify", str(dst)], capture_output=True, text=True)
+    assert r.returncode == 0 and "1 embedded" in r.stdout, (r.stdout, r.stderr)

@@ -65,6 +65,25 @@ corpus_size() {
   echo "$n $b"
 }
 
+# Sorts new artifacts: a timeout-* or slow-unit-* input that now runs within the timeout only ran
+# long because the process was stopped or starved (libFuzzer's clock is wall-clock): moved to
+# fuzz/artifacts/<name>/stalled/. True when anything else (a real finding) is left.
+real_findings() {
+  local f real=1
+  for f in "$@"; do
+    case "$(basename "$f")" in
+      timeout-* | slow-unit-*)
+        if nice -n 19 "$fuzzer" -timeout=10 -rss_limit_mb=2048 "$f" >/dev/null 2>&1; then
+          mkdir -p "fuzz/artifacts/$name/stalled"
+          mv "$f" "fuzz/artifacts/$name/stalled/"
+          continue
+        fi ;;
+    esac
+    real=0
+  done
+  return $real
+}
+
 failures=()
 for name in "${names[@]}"; do
   fuzzer=build/fuzz/fuzz/${name}_fuzz
@@ -78,30 +97,56 @@ for name in "${names[@]}"; do
   read -r before_files before_bytes < <(corpus_size "$corpus")
   dict=()
   [ -f "fuzz/$name.dict" ] && dict=(-dict="fuzz/$name.dict")
-  limits=()
-  [ -n "$seconds" ] && limits+=(-max_total_time="$seconds")
-  [ -n "$runs" ] && limits+=(-runs="$runs")
   touch "$work/start"
 
-  echo "== $name: ${limits[*]} on $corpus ($before_files files, $before_bytes bytes)"
+  what=""
+  [ -n "$seconds" ] && what+="${seconds}s "
+  [ -n "$runs" ] && what+="$runs runs "
+  echo "== $name: ${what}on $corpus ($before_files files, $before_bytes bytes)"
+  # Runs the fuzzer until the time or the runs are used up; after a stall (real_findings) the
+  # fuzzer starts again for what is left.
   start=$(date +%s.%N)
-  set +e
-  nice -n 19 "$fuzzer" "${limits[@]}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-    -artifact_prefix="fuzz/artifacts/$name/" "${dict[@]}" "$work/in" >"$work/log" 2>&1
-  rc=$?
-  set -e
+  end=$(($(date +%s) + ${seconds:-0}))
+  execs=0 stalls=0 rc=0
+  : >"$work/all.log"
+  while :; do
+    limits=()
+    if [ -n "$seconds" ]; then
+      left=$((end - $(date +%s)))
+      [ "$left" -le 0 ] && break
+      limits+=(-max_total_time="$left")
+    fi
+    if [ -n "$runs" ]; then
+      [ "$execs" -ge "$runs" ] && break
+      limits+=(-runs="$((runs - execs))")
+    fi
+    touch "$work/segment"
+    set +e
+    nice -n 19 "$fuzzer" "${limits[@]}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+      -artifact_prefix="fuzz/artifacts/$name/" "${dict[@]}" "$work/in" >"$work/log" 2>&1
+    rc=$?
+    set -e
+    cat "$work/log" >>"$work/all.log"
+    n=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log" | tail -1)
+    # Without final stats (a crash), the last status line ("#N ... cov: ...").
+    [ -z "$n" ] && n=$(grep -E '^#[0-9]+' "$work/log" | tail -1 | sed -E 's/^#([0-9]+).*/\1/')
+    execs=$((execs + ${n:-0}))
+    new=$(find "fuzz/artifacts/$name" -maxdepth 1 -type f -newer "$work/segment")
+    if [ -n "$new" ] && ! real_findings $new; then
+      stalls=$((stalls + 1))
+      echo "   (a timeout or slow unit that does not reproduce: the process was stalled)"
+      [ "$rc" != 0 ] && { rc=0; continue; }
+    fi
+    break
+  done
   elapsed=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.0f", e - s}')
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log" | tail -1)
-  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$work/log" | tail -1)
-  # The last status line ("#N DONE cov: X ft: Y corp: ...", or the last pulse before a crash).
-  last=$(grep -E '^#[0-9]+.*cov: ' "$work/log" | tail -1 || true)
-  [ -z "$execs" ] && execs=$(sed -E 's/^#([0-9]+).*/\1/' <<<"$last")
-  [ -z "$rate" ] && rate=$(sed -nE 's/.*exec\/s: ([0-9]+).*/\1/p' <<<"$last")
+  rate=$(awk -v n="$execs" -v t="$elapsed" 'BEGIN {printf "%.0f", (t > 0 ? n / t : 0)}')
 
   # Minimize: the hand-written seeds first, then whatever of the rest adds coverage.
   find "$corpus" -maxdepth 1 -regextype posix-extended -type f ! -regex '.*/[0-9a-f]{40}' -exec cp {} "$work/min/" \;
+  # (an input that fails here failed above too; the merge's own artifacts are dropped)
   nice -n 19 "$fuzzer" -merge=1 -timeout=10 -rss_limit_mb=2048 \
-    -artifact_prefix="fuzz/artifacts/$name/" "$work/min" "$work/in" >"$work/merge.log" 2>&1 || {
+    -artifact_prefix="$work/merge-" "$work/min" "$work/in" >"$work/merge.log" 2>&1 || {
     echo "merge of $name failed:" >&2; tail -20 "$work/merge.log" >&2; exit 1
   }
   rm -rf "$corpus"
@@ -113,26 +158,27 @@ for name in "${names[@]}"; do
   cov=$(sed -nE 's/.*cov: ([0-9]+).*/\1/p' <<<"$inited")
   ft=$(sed -nE 's/.*ft: ([0-9]+).*/\1/p' <<<"$inited")
 
-  found=$(find "fuzz/artifacts/$name" -type f -newer "$work/start" | sort)
+  found=$(find "fuzz/artifacts/$name" -maxdepth 1 -type f -newer "$work/start" | sort)
   result=ok
+  [ "$stalls" -gt 0 ] && result="ok ($stalls stalls)"
   if [ -n "$found" ]; then
     result="FAILED: $(echo $found)"
     failures+=($found)
   elif [ "$rc" != 0 ]; then
     result="FAILED: fuzzer exited $rc"
     failures+=("$name (exit $rc; log below)")
-    tail -30 "$work/log" >&2
+    tail -30 "$work/all.log" >&2
   fi
-  echo "   $name: ${execs:-?} executions in ${elapsed}s (${rate:-?} exec/s); corpus" \
+  echo "   $name: $execs executions in ${elapsed}s (${rate:-?} exec/s); corpus" \
     "$before_files files/$before_bytes bytes -> $after_files files/$after_bytes bytes;" \
     "cov ${cov:-?} ft ${ft:-?}; $result"
   if [ -n "$md" ]; then
-    echo "| $name | ${execs:-?} | $elapsed | ${rate:-?} | $before_files, $before_bytes | $after_files, $after_bytes | ${cov:-?} | ${ft:-?} | $result |" >>"$md"
+    echo "| $name | $execs | $elapsed | ${rate:-?} | $before_files, $before_bytes | $after_files, $after_bytes | ${cov:-?} | ${ft:-?} | $result |" >>"$md"
   fi
   if [ -n "$json" ]; then
-    printf '{"fuzzer":"%s","executions":%s,"seconds":%s,"exec_per_sec":%s,"corpus_before":{"files":%s,"bytes":%s},"corpus_after":{"files":%s,"bytes":%s},"cov":%s,"ft":%s,"result":"%s","date":"%s"}\n' \
-      "$name" "${execs:-null}" "$elapsed" "${rate:-null}" "$before_files" "$before_bytes" \
-      "$after_files" "$after_bytes" "${cov:-null}" "${ft:-null}" "$result" \
+    printf '{"fuzzer":"%s","executions":%s,"seconds":%s,"exec_per_sec":%s,"corpus_before":{"files":%s,"bytes":%s},"corpus_after":{"files":%s,"bytes":%s},"cov":%s,"ft":%s,"stalls":%s,"result":"%s","date":"%s"}\n' \
+      "$name" "$execs" "$elapsed" "$rate" "$before_files" "$before_bytes" \
+      "$after_files" "$after_bytes" "${cov:-null}" "${ft:-null}" "$stalls" "$result" \
       "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$json"
   fi
   rm -rf "$work"

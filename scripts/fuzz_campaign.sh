@@ -107,7 +107,7 @@ for name in "${names[@]}"; do
   # fuzzer starts again for what is left.
   start=$(date +%s.%N)
   end=$(($(date +%s) + ${seconds:-0}))
-  execs=0 stalls=0 rc=0
+  execs=0 stalls=0 stalled_s=0 rc=0
   : >"$work/all.log"
   while :; do
     limits=()
@@ -134,13 +134,17 @@ for name in "${names[@]}"; do
     new=$(find "fuzz/artifacts/$name" -maxdepth 1 -type f -newer "$work/segment")
     if [ -n "$new" ] && ! real_findings $new; then
       stalls=$((stalls + 1))
-      echo "   (a timeout or slow unit that does not reproduce: the process was stalled)"
+      # How long the unit seemed to run: the time the process stood still, roughly.
+      still=$(sed -nE 's/^(ALARM: working on the last Unit for|Slowest unit:) ([0-9]+) s.*/\2/p' "$work/log" | sort -n | tail -1)
+      stalled_s=$((stalled_s + ${still:-0}))
+      echo "   (a timeout or slow unit that does not reproduce: the process stood still ~${still:-?}s)"
       [ "$rc" != 0 ] && { rc=0; continue; }
     fi
     break
   done
   elapsed=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.0f", e - s}')
-  rate=$(awk -v n="$execs" -v t="$elapsed" 'BEGIN {printf "%.0f", (t > 0 ? n / t : 0)}')
+  # exec/s over the time the fuzzer could run (stalls left out)
+  rate=$(awk -v n="$execs" -v t="$((elapsed - stalled_s))" 'BEGIN {printf "%.0f", (t > 0 ? n / t : 0)}')
 
   # Minimize: the hand-written seeds first, then whatever of the rest adds coverage.
   find "$corpus" -maxdepth 1 -regextype posix-extended -type f ! -regex '.*/[0-9a-f]{40}' -exec cp {} "$work/min/" \;
@@ -160,7 +164,7 @@ for name in "${names[@]}"; do
 
   found=$(find "fuzz/artifacts/$name" -maxdepth 1 -type f -newer "$work/start" | sort)
   result=ok
-  [ "$stalls" -gt 0 ] && result="ok ($stalls stalls)"
+  [ "$stalls" -gt 0 ] && result="ok ($stalls stalls, ${stalled_s}s)"
   if [ -n "$found" ]; then
     result="FAILED: $(echo $found)"
     failures+=($found)
@@ -176,9 +180,9 @@ for name in "${names[@]}"; do
     echo "| $name | $execs | $elapsed | ${rate:-?} | $before_files, $before_bytes | $after_files, $after_bytes | ${cov:-?} | ${ft:-?} | $result |" >>"$md"
   fi
   if [ -n "$json" ]; then
-    printf '{"fuzzer":"%s","executions":%s,"seconds":%s,"exec_per_sec":%s,"corpus_before":{"files":%s,"bytes":%s},"corpus_after":{"files":%s,"bytes":%s},"cov":%s,"ft":%s,"stalls":%s,"result":"%s","date":"%s"}\n' \
+    printf '{"fuzzer":"%s","executions":%s,"seconds":%s,"exec_per_sec":%s,"corpus_before":{"files":%s,"bytes":%s},"corpus_after":{"files":%s,"bytes":%s},"cov":%s,"ft":%s,"stalls":%s,"stalled_seconds":%s,"result":"%s","date":"%s"}\n' \
       "$name" "$execs" "$elapsed" "$rate" "$before_files" "$before_bytes" \
-      "$after_files" "$after_bytes" "${cov:-null}" "${ft:-null}" "$stalls" "$result" \
+      "$after_files" "$after_bytes" "${cov:-null}" "${ft:-null}" "$stalls" "$stalled_s" "$result" \
       "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$json"
   fi
   rm -rf "$work"

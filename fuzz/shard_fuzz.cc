@@ -1,8 +1,9 @@
 // libFuzzer target: the bytes are a shard rules document (ShardSpec::FromJson: the shard_rules
 // option, the CLIs' rule files). FromJson must never crash, hang or read outside the input; an
 // error is kInvalidArgument and says it is about the shard spec; an accepted spec validates,
-// survives ToJson/FromJson unchanged, and every rule in it slices tensors consistently: over all
-// ranks the slices tile the tensor (SliceOf, SliceByteRanges and SliceRangeCount agree).
+// survives ToJson/FromJson unchanged, its globs match as a reference matcher does, and every rule
+// in it slices tensors consistently: over all ranks the slices tile the tensor (SliceOf,
+// SliceByteRanges and SliceRangeCount agree).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -81,6 +82,42 @@ void CheckSlices(const ShardRule& rule, const TensorInfo& t, uint32_t world) {
   if (end != t.size) std::abort();
 }
 
+// GlobMatch by dynamic programming over (pattern prefix, name prefix): slow, obviously right.
+bool ReferenceGlob(std::string_view pattern, std::string_view name) {
+  std::vector<char> row(name.size() + 1, 0), next(name.size() + 1, 0);
+  row[0] = 1;
+  for (size_t j = 1; j <= name.size(); ++j) row[j] = 0;
+  for (char pc : pattern) {
+    next[0] = pc == '*' && row[0];
+    for (size_t j = 1; j <= name.size(); ++j) {
+      if (pc == '*') {
+        next[j] = row[j] || next[j - 1];
+      } else {
+        next[j] = row[j - 1] && (pc == '?' || pc == name[j - 1]);
+      }
+    }
+    std::swap(row, next);
+  }
+  return row[name.size()] != 0;
+}
+
+// The pattern with its wildcards filled in matches; GlobMatch agrees with ReferenceGlob on the
+// names the spec holds.
+void CheckGlob(std::string_view pattern, const std::vector<std::string_view>& names) {
+  std::string filled, stretched;
+  for (char c : pattern) {
+    filled += c == '*' ? std::string() : c == '?' ? std::string("q") : std::string(1, c);
+    stretched += c == '*' ? std::string("a*?b") : c == '?' ? std::string("?") : std::string(1, c);
+  }
+  if (!tensorferry::GlobMatch(pattern, filled) || !tensorferry::GlobMatch(pattern, stretched)) {
+    std::abort();
+  }
+  for (std::string_view name : names) {
+    if (pattern.size() * name.size() > 4096) continue;
+    if (tensorferry::GlobMatch(pattern, name) != ReferenceGlob(pattern, name)) std::abort();
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -114,12 +151,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const auto& [name, rule] : overrides) {
     if (!spec->TieTarget(name) && !(spec->RuleFor(name) == rule)) std::abort();
   }
-  // A pattern matches itself when it has no wildcard.
+  // Globs: checked against the names and patterns of the spec (the first 8 of each).
+  std::vector<std::string_view> names;
   for (const auto& [pattern, rule] : spec->patterns()) {
-    if (pattern.find_first_of("*?") == std::string::npos &&
-        !tensorferry::GlobMatch(pattern, pattern)) {
-      std::abort();
-    }
+    if (names.size() < 8) names.push_back(pattern);
+  }
+  for (const auto& [name, rule] : overrides) {
+    if (names.size() < 16) names.push_back(name);
+  }
+  for (size_t i = 0; i < spec->patterns().size() && i < 8; ++i) {
+    CheckGlob(spec->patterns()[i].first, names);
   }
 
   // The rules slice consistently (the first few, on a few tensors and world sizes).

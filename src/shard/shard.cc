@@ -65,12 +65,14 @@ bool GlobMatch(std::string_view pattern, std::string_view name) noexcept {
   size_t p = 0, n = 0;
   size_t star = std::string_view::npos, star_n = 0;
   while (n < name.size()) {
-    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
-      ++p;
-      ++n;
-    } else if (p < pattern.size() && pattern[p] == '*') {
+    // '*' first: a '*' in the pattern is always a wildcard, also where the name has a '*' (taken
+    // as a literal there, the match could not backtrack past it: "*t" failed on "*.weight").
+    if (p < pattern.size() && pattern[p] == '*') {
       star = p++;
       star_n = n;
+    } else if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
+      ++p;
+      ++n;
     } else if (star != std::string_view::npos) {
       p = star + 1;
       n = ++star_n;

@@ -196,6 +196,21 @@ TEST(ShardTest, GlobMatch) {
   EXPECT_TRUE(GlobMatch("**x", "x"));
 }
 
+// Found by fuzz/shard_fuzz.cc: a '*' in the pattern met a '*' in the name and was taken as a
+// literal, so the match could not backtrack past it.
+TEST(ShardTest, GlobMatchStarInName) {
+  EXPECT_TRUE(GlobMatch("*t", "*.q_proj`t"));
+  EXPECT_TRUE(GlobMatch("*t", "*.norm.w:ight"));
+  EXPECT_TRUE(GlobMatch("*.weight", "*.weight"));
+  EXPECT_TRUE(GlobMatch("*.weight", "**.weight"));
+  EXPECT_TRUE(GlobMatch("a*b", "a*xb"));
+  EXPECT_TRUE(GlobMatch("*", "*"));
+  EXPECT_FALSE(GlobMatch("*x", "*y"));
+  auto spec = ShardSpec::FromJson(R"({"rules":[{"pattern":"*t","split":0}]})");
+  ASSERT_TRUE(spec.ok()) << spec.status().message();
+  EXPECT_TRUE(spec->RuleFor("*.weight").is_split());
+}
+
 TEST(ShardTest, RuleLookupOrder) {
   ShardSpec spec;
   spec.Add("*.weight", ShardRule::Split(0))

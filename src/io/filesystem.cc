@@ -203,6 +203,7 @@ std::optional<MountEntry> ParseMountInfoLine(std::string_view line) {
   MountEntry e;
   e.major = *maj;
   e.minor = *min;
+  e.root = Unescape(f[3]);
   e.mount_point = Unescape(f[4]);
   e.type = Unescape(f[dash + 1]);
   e.source = Unescape(f[dash + 2]);

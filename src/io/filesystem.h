@@ -57,9 +57,11 @@ std::optional<MagicInfo> ClassifyMagic(uint64_t magic) noexcept;
 FileSystemClass ClassifyType(std::string_view type) noexcept;
 
 // One line of /proc/self/mountinfo (proc(5)): the fields DetectFileSystem uses, with octal
-// escapes (\040 for a space) decoded. nullopt for a line that is not in that format.
+// escapes (\040 for a space) decoded. nullopt for a line that is not in that format. The one
+// mountinfo parser: the memory cgroup's mounts (memory_limit.cc) are found through it too.
 struct MountEntry {
   uint32_t major = 0, minor = 0;
+  std::string root;  // the directory of the file system mounted there ("/" usually)
   std::string mount_point;
   std::string type;           // "fuse.sshfs", "overlay", ...
   std::string source;         // the mount source ("server:/export", "overlay")

@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <charconv>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string_view>
 #include <vector>
 
+#include "io/filesystem.h"
 #include "tensorferry/size.h"
 
 namespace tensorferry {
@@ -81,22 +83,6 @@ bool ReadKey(const std::string& text, std::string_view key, uint64_t* out) {
   return false;
 }
 
-// Mount points use octal escapes for spaces and the like ("\040").
-std::string Unescape(std::string_view s) {
-  std::string out;
-  for (size_t i = 0; i < s.size(); ++i) {
-    auto octal = [&](size_t k) { return s[k] >= '0' && s[k] <= '7'; };
-    if (s[i] == '\\' && i + 3 < s.size() && octal(i + 1) && octal(i + 2) && octal(i + 3)) {
-      out.push_back(
-          static_cast<char>((s[i + 1] - '0') * 64 + (s[i + 2] - '0') * 8 + (s[i + 3] - '0')));
-      i += 3;
-    } else {
-      out.push_back(s[i]);
-    }
-  }
-  return out;
-}
-
 struct Mount {
   std::string root;   // the cgroup path mounted there ("/" usually)
   std::string point;  // where
@@ -105,19 +91,15 @@ struct Mount {
 // The mount of the v1 hierarchy holding `controller`, or of the v2 hierarchy (controller "").
 bool FindMount(const std::string& mountinfo, std::string_view controller, Mount* out) {
   for (std::string_view line : Split(mountinfo, '\n')) {
-    const size_t dash = line.find(" - ");
-    if (dash == std::string_view::npos) continue;
-    const std::vector<std::string_view> pre = Split(line.substr(0, dash), ' ');
-    const std::vector<std::string_view> post = Split(line.substr(dash + 3), ' ');
-    if (pre.size() < 5 || post.size() < 3) continue;
-    const std::string_view fstype = post[0];
-    if (controller.empty() ? fstype != "cgroup2" : fstype != "cgroup") continue;
+    const std::optional<io::MountEntry> e = io::ParseMountInfoLine(line);
+    if (!e) continue;
+    if (controller.empty() ? e->type != "cgroup2" : e->type != "cgroup") continue;
     if (!controller.empty()) {
-      const std::vector<std::string_view> opts = Split(Trim(post[2]), ',');
+      const std::vector<std::string_view> opts = Split(Trim(e->super_options), ',');
       if (std::find(opts.begin(), opts.end(), controller) == opts.end()) continue;
     }
-    out->root = Unescape(pre[3]);
-    out->point = Unescape(pre[4]);
+    out->root = e->root;
+    out->point = e->mount_point;
     return true;
   }
   return false;

@@ -43,6 +43,8 @@ def source(tmp_path_factory):
     tensors = {f"layers.{i}.w": rng.standard_normal((256, 512), dtype=np.float32)
                for i in range(6)}
     tensors["embed"] = rng.integers(0, 255, (1000, 64), dtype=np.uint8)
+    # Larger than a read chunk (8 MiB) and than a FUSE request (1 MiB): several reads in flight.
+    tensors["big"] = rng.integers(0, 255, (20 << 20) + 4096 + 7, dtype=np.uint8)
     tensorferry.numpy.save_file(tensors, str(root / "single.safetensors"))
     sharded = root / "sharded"
     sharded.mkdir()

@@ -6,22 +6,17 @@
 #include <cstring>
 #include <thread>
 
+#include "integrity/xxh3_isa.h"
 #include "tensorferry/integrity.h"
 #include "util/json_dom.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 
 // xxHash from Debian's libxxhash-dev, compiled inline (XXH_INLINE_ALL): no library to link for
-// tensorferry or its consumers, and the hash loop is inlined into ours.
+// tensorferry or its consumers. Whole chunks, the hot loop of verification, are hashed with the
+// widest vectors the CPU has (xxh3_isa.h).
 #define XXH_INLINE_ALL
 #include <xxhash.h>
-
-#if defined(TENSORFERRY_XXH3_DISPATCH)
-// Debian's libxxhash is built with xxHash's x86 dispatcher: XXH3 with the widest vectors the CPU
-// has (AVX2, AVX-512), chosen at run time, where the inline build is limited to the baseline
-// (SSE2) the library is compiled for. Chunk hashing is the hot loop of verification.
-extern "C" XXH64_hash_t XXH3_64bits_dispatch(const void* input, size_t len);
-#endif
 
 namespace tensorferry {
 
@@ -210,12 +205,47 @@ uint64_t ChecksumChunkCount(uint64_t size, uint64_t chunk_size) noexcept {
 }
 
 uint64_t ChecksumChunk(std::span<const std::byte> chunk) noexcept {
-#if defined(TENSORFERRY_XXH3_DISPATCH)
-  return XXH3_64bits_dispatch(chunk.data(), chunk.size());
-#else
-  return XXH3_64bits(chunk.data(), chunk.size());
-#endif
+  return integrity_internal::Xxh3Widest(chunk.data(), chunk.size());
 }
+
+namespace integrity_internal {
+
+uint64_t Xxh3Baseline(const void* data, size_t size) noexcept {
+  return XXH3_64bits(data, size);
+}
+
+namespace {
+
+using Xxh3Fn = uint64_t (*)(const void*, size_t) noexcept;
+
+struct Xxh3Choice {
+  Xxh3Fn fn;
+  const char* name;
+};
+
+Xxh3Choice ChooseXxh3() noexcept {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (__builtin_cpu_supports("avx512f")) return {&Xxh3Avx512, "avx512"};
+  if (__builtin_cpu_supports("avx2")) return {&Xxh3Avx2, "avx2"};
+#endif
+  return {&Xxh3Baseline, "baseline"};
+}
+
+const Xxh3Choice& Xxh3Chosen() noexcept {
+  static const Xxh3Choice choice = ChooseXxh3();
+  return choice;
+}
+
+}  // namespace
+
+uint64_t Xxh3Widest(const void* data, size_t size) noexcept {
+  return Xxh3Chosen().fn(data, size);
+}
+const char* Xxh3WidestName() noexcept {
+  return Xxh3Chosen().name;
+}
+
+}  // namespace integrity_internal
 
 uint64_t CombineChunkDigests(std::span<const uint64_t> chunks) noexcept {
   XXH3_state_t state;

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "integrity/xxh3_isa.h"
 #include "tensorferry/integrity.h"
 
 namespace tensorferry {
@@ -17,6 +18,37 @@ std::vector<std::byte> Bytes(size_t n, uint8_t seed = 1) {
 
 std::span<const std::byte> Span(std::string_view s) {
   return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+// Every instruction-set variant of XXH3 the CPU can run gives the baseline's hash, for sizes around
+// XXH3's internal boundaries (16, 128, 240 bytes, its 1 KiB stripes and 64-byte blocks) and for
+// unaligned starts; the dispatcher's choice is one of them.
+TEST(Checksums, InstructionSetVariantsAgree) {
+  using namespace integrity_internal;
+  std::vector<uint64_t (*)(const void*, size_t) noexcept> variants = {&Xxh3Widest};
+  std::vector<std::string> names = {std::string("widest (") + Xxh3WidestName() + ")"};
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (__builtin_cpu_supports("avx2")) {
+    variants.push_back(&Xxh3Avx2);
+    names.push_back("avx2");
+  }
+  if (__builtin_cpu_supports("avx512f")) {
+    variants.push_back(&Xxh3Avx512);
+    names.push_back("avx512");
+  }
+#endif
+  const std::vector<std::byte> data = Bytes(70000, 7);
+  for (size_t size : {0, 1, 3, 16, 17, 128, 129, 240, 241, 1023, 1024, 1025, 4096, 65536, 69990}) {
+    for (size_t start : {0, 1, 7}) {
+      const uint64_t want = Xxh3Baseline(data.data() + start, size);
+      for (size_t v = 0; v < variants.size(); ++v) {
+        EXPECT_EQ(variants[v](data.data() + start, size), want)
+            << names[v] << ", " << size << " bytes at +" << start;
+      }
+    }
+  }
+  const std::string widest = Xxh3WidestName();
+  EXPECT_TRUE(widest == "avx512" || widest == "avx2" || widest == "baseline") << widest;
 }
 
 TEST(Checksums, KnownValues) {

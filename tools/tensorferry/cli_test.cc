@@ -346,6 +346,19 @@ TEST(CliInspect, Text) {
     ++rows;
   }
   EXPECT_EQ(rows, kTinyTensors);
+  // The writer's checksums (kilobytes of metadata per file) are abbreviated, naming their size;
+  // --all prints them whole, as --json does.
+  EXPECT_NE(r.out.find("tensorferry.checksums = "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("; --all or --json prints it whole)"), std::string::npos) << r.out;
+  for (size_t at = 0, end; at < r.out.size(); at = end + 1) {
+    end = r.out.find('\n', at);
+    if (end == std::string::npos) end = r.out.size();
+    EXPECT_LE(end - at, 300u) << r.out.substr(at, 300);
+  }
+  const RunResult all = RunCli({"inspect", dir, "--all"});
+  ASSERT_EQ(all.exit_code, 0) << Describe(all);
+  EXPECT_EQ(all.out.find("--all or --json prints it whole"), std::string::npos) << all.out;
+  EXPECT_NE(all.out.find("tensorferry.checksums = {"), std::string::npos) << all.out;
 }
 
 TEST(CliInspect, ManyTensorsAreElided) {

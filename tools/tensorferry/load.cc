@@ -51,50 +51,6 @@ struct LoadArgs {
   std::string rules;  // --rules FILE: the shard spec of --tp-rank/--tp-size
 };
 
-// --- CRC32C (Castagnoli), hardware when the CPU has SSE4.2
-// ----------------------------------------
-
-uint32_t Crc32cSoftware(uint32_t crc, const unsigned char* p, size_t n) {
-  static const auto table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  crc = ~crc;
-  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
-  return ~crc;
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const unsigned char* p,
-                                                          size_t n) {
-  uint64_t c = ~crc;
-  while (n >= 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    c = __builtin_ia32_crc32di(c, v);
-    p += 8;
-    n -= 8;
-  }
-  uint32_t c32 = static_cast<uint32_t>(c);
-  while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
-  return ~c32;
-}
-#endif
-
-uint32_t Crc32c(const std::byte* data, size_t n) {
-  const auto* p = reinterpret_cast<const unsigned char*>(data);
-#if defined(__x86_64__)
-  static const bool hw = __builtin_cpu_supports("sse4.2");
-  if (hw) return Crc32cHardware(0, p, n);
-#endif
-  return Crc32cSoftware(0, p, n);
-}
-
 // Peak resident set size of this process (VmHWM), in bytes; 0 when unknown.
 // A "Vm...:" line of /proc/self/status in bytes (0 when absent).
 uint64_t ProcStatusBytes(std::string_view key) {
@@ -172,15 +128,9 @@ Status ConsumeBatch(const Batch& batch, const LoadArgs& args, Runs& runs,
   if (batch.device.is_cuda()) {
     if (args.no_checksum) return Status::Ok();
     const int64_t t0 = NowNs();
-    for (const Tensor& t : batch.tensors) {
-      if (staging.size() < t.size()) staging.resize(t.size());
-      const std::span<std::byte> host(staging.data(), t.size());
-      const Status copied = CopyToHost(t.device(), t.data(), host);
-      if (!copied.ok()) return copied;
-      runs.sums.emplace_back(t.name(), Crc32c(host.data(), host.size()));
-    }
+    const Status summed = AppendTensorSums(batch.tensors, runs.sums, staging);
     runs.checksum_seconds += SecondsSince(t0);
-    return Status::Ok();
+    return summed;
   }
   if (args.touch) {
     // One byte per page of every tensor, as a user of lazily mapped tensors would pay.
@@ -194,9 +144,8 @@ Status ConsumeBatch(const Batch& batch, const LoadArgs& args, Runs& runs,
   }
   if (!args.no_checksum) {
     const int64_t t0 = NowNs();
-    for (const Tensor& t : batch.tensors) {
-      runs.sums.emplace_back(t.name(), Crc32c(t.data(), t.size()));
-    }
+    const Status summed = AppendTensorSums(batch.tensors, runs.sums, staging);
+    if (!summed.ok()) return summed;
     runs.checksum_seconds += SecondsSince(t0);
   }
   return Status::Ok();
@@ -231,20 +180,6 @@ Status LoadRepeatedly(Loader& loader, const Selection& selection, const LoadArgs
     runs.gbps.push_back(secs > 0 ? static_cast<double>(s.bytes) / secs / 1e9 : 0);
   }
   return Status::Ok();
-}
-
-// FNV-1a over (name, crc) in name order, as 16 hex digits.
-std::string CombinedChecksum(std::vector<std::pair<std::string, uint32_t>> sums) {
-  std::sort(sums.begin(), sums.end());
-  uint64_t combined = 0xcbf29ce484222325ull;
-  for (const auto& [name, crc] : sums) {
-    for (unsigned char c : name) combined = (combined ^ c) * 0x100000001b3ull;
-    for (int i = 0; i < 4; ++i)
-      combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
-  }
-  char checksum[32];
-  std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(combined));
-  return checksum;
 }
 
 // Everything `load` prints.

@@ -2,15 +2,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
 
 #include "commands.h"
 #include "json_out.h"
+#include "tensorferry/device.h"
 #include "tensorferry/options.h"
 
 namespace tensorferry::cli {
@@ -171,6 +174,84 @@ int64_t NowNs() {
 
 double SecondsSince(int64_t start_ns) {
   return static_cast<double>(NowNs() - start_ns) * 1e-9;
+}
+
+// --- CRC32C (Castagnoli), hardware when the CPU has SSE4.2
+// ----------------------------------------
+
+namespace {
+
+uint32_t Crc32cSoftware(uint32_t crc, const unsigned char* p, size_t n) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const unsigned char* p,
+                                                          size_t n) {
+  uint64_t c = ~crc;
+  while (n >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __builtin_ia32_crc32di(c, v);
+    p += 8;
+    n -= 8;
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
+  return ~c32;
+}
+#endif
+
+}  // namespace
+
+uint32_t Crc32c(const std::byte* data, size_t n) {
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
+#if defined(__x86_64__)
+  static const bool hw = __builtin_cpu_supports("sse4.2");
+  if (hw) return Crc32cHardware(0, p, n);
+#endif
+  return Crc32cSoftware(0, p, n);
+}
+
+// FNV-1a over (name, crc) in name order, as 16 hex digits.
+std::string CombinedChecksum(TensorSums sums) {
+  std::sort(sums.begin(), sums.end());
+  uint64_t combined = 0xcbf29ce484222325ull;
+  for (const auto& [name, crc] : sums) {
+    for (unsigned char c : name) combined = (combined ^ c) * 0x100000001b3ull;
+    for (int i = 0; i < 4; ++i)
+      combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  }
+  char checksum[32];
+  std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(combined));
+  return checksum;
+}
+
+Status AppendTensorSums(std::span<const Tensor> tensors, TensorSums& sums,
+                        std::vector<std::byte>& staging) {
+  for (const Tensor& t : tensors) {
+    if (t.device().is_cuda()) {
+      if (staging.size() < t.size()) staging.resize(t.size());
+      const std::span<std::byte> host(staging.data(), t.size());
+      const Status copied = CopyToHost(t.device(), t.data(), host);
+      if (!copied.ok()) return copied;
+      sums.emplace_back(t.name(), Crc32c(host.data(), host.size()));
+    } else {
+      sums.emplace_back(t.name(), Crc32c(t.data(), t.size()));
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace tensorferry::cli

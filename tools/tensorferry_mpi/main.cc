@@ -3,7 +3,7 @@
 //   mpirun -np 4 tensorferry-mpi load PATH [--mode cooperative|sliced|full]
 //          [--shard-rules builtin|none|FILE] (--shard: the same, the former name)
 //          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
-//          [--threads N] [--repeat N] [--cold] [--json]
+//          [--threads N] [--repeat N] [--cold] [--json] [--checksum]
 //
 // Modes: cooperative: each rank reads its byte-balanced share once and the slices travel over MPI
 // (LoadCooperative); sliced: every rank reads only its own slices from the files, independently
@@ -13,11 +13,15 @@
 // Rank 0 prints, per repetition, the wall time (from a common barrier to the last rank's end), the
 // bytes every rank read, sent and received; --json one document with every repetition. --cold:
 // before each repetition rank 0 evicts the checkpoint's files from the page cache
-// (DropFromPageCache) and checks they are out.
+// (DropFromPageCache) and checks they are out. --checksum: each rank's checksum of its tensors,
+// the one `tensorferry load` prints (CRC32C per tensor, combined in name order), so that sliced
+// and cooperative can be compared rank by rank (computed after the rank's own clock, inside the
+// wall time; not for full, which keeps nothing).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -45,6 +49,7 @@ struct Args {
   unsigned repeat = 1;
   bool cold = false;
   bool json = false;
+  bool checksum = false;  // --checksum: each rank's checksum of its tensors (the `load` one)
 };
 
 struct RankFigures {
@@ -57,11 +62,21 @@ struct RankFigures {
   double exchange_seconds = 0;   // cooperative: inside the collectives
   uint64_t remote_requests = 0;  // object storage: requests and bytes received (0 for files)
   uint64_t remote_bytes = 0;
+  uint64_t checksum = 0;  // with --checksum (sliced, cooperative): CombinedChecksum as a number
 };
+
+// The `load` checksum of a rank's tensors (after the load's clock: see --checksum), as a number.
+Result<uint64_t> RankChecksum(std::span<const Tensor> tensors) {
+  cli::TensorSums sums;
+  std::vector<std::byte> staging;
+  const Status s = cli::AppendTensorSums(tensors, sums, staging);
+  if (!s.ok()) return s;
+  return std::stoull(cli::CombinedChecksum(std::move(sums)), nullptr, 16);
+}
 
 Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoint>& checkpoint,
                             const ShardSpec& spec, const LoadOptions& options,
-                            const std::string& mode) {
+                            const std::string& mode, bool checksum) {
   RankFigures f;
   const auto start = std::chrono::steady_clock::now();
   if (mode == "cooperative") {
@@ -76,6 +91,13 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.exchange_seconds = stats.exchange_seconds;
     f.remote_requests = stats.remote_requests;
     f.remote_bytes = stats.remote_bytes;
+    f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (checksum) {
+      auto sum = RankChecksum(*tensors);
+      if (!sum.ok()) return sum.status();
+      f.checksum = *sum;
+    }
+    return f;
   } else {
     LoadOptions o = options;
     if (mode == "sliced") {
@@ -97,8 +119,13 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.read = (*loader)->stats().bytes_read;
     f.remote_requests = (*loader)->stats().remote_requests;
     f.remote_bytes = (*loader)->stats().remote_bytes;
+    f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (checksum && mode == "sliced") {
+      auto sum = RankChecksum(held);
+      if (!sum.ok()) return sum.status();
+      f.checksum = *sum;
+    }
   }
-  f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return f;
 }
 
@@ -117,6 +144,9 @@ void DefineLoadCommand(CLI::App& app, Args& args) {
   load->add_option("--repeat", args.repeat, "Repetitions")->check(CLI::PositiveNumber);
   load->add_flag("--cold", args.cold, "Evict the files from the page cache before each run");
   load->add_flag("--json", args.json, "One JSON document on rank 0's stdout");
+  load->add_flag("--checksum", args.checksum,
+                 "Each rank's checksum of its tensors, as `tensorferry load` computes it "
+                 "(sliced and cooperative; inside the wall time)");
 }
 
 // Prints the error and aborts the job: a rank that fails cannot leave the others waiting in a
@@ -171,7 +201,7 @@ Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
        {static_cast<uint64_t>(figures.seconds * 1e6), figures.bytes, figures.read, figures.sent,
         figures.received, static_cast<uint64_t>(figures.read_seconds * 1e6),
         static_cast<uint64_t>(figures.exchange_seconds * 1e6), figures.remote_requests,
-        figures.remote_bytes}) {
+        figures.remote_bytes, figures.checksum}) {
     auto all = group.AllGather(v);
     if (!all.ok()) return all.status();
     columns.push_back(std::move(*all));
@@ -181,7 +211,8 @@ Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
 
 // Appends one repetition's JSON object to `json`.
 void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_read,
-                   const std::vector<std::vector<uint64_t>>& columns, uint32_t world) {
+                   const std::vector<std::vector<uint64_t>>& columns, uint32_t world,
+                   bool checksum) {
   json += std::string(run ? ", " : "") + "{\"wall_seconds\": " + std::to_string(wall) +
           ", \"bytes_read_total\": " + std::to_string(total_read) + ", \"per_rank\": [";
   for (uint32_t r = 0; r < world; ++r) {
@@ -194,7 +225,13 @@ void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_
             ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
             ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
             ", \"remote_requests\": " + std::to_string(columns[7][r]) +
-            ", \"remote_bytes\": " + std::to_string(columns[8][r]) + "}";
+            ", \"remote_bytes\": " + std::to_string(columns[8][r]);
+    if (checksum) {
+      char hex[32];
+      std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(columns[9][r]));
+      json += std::string(", \"checksum\": \"") + hex + "\"";
+    }
+    json += "}";
   }
   json += "]}";
 }
@@ -227,7 +264,7 @@ Status RunRepetition(Collective& group, const std::shared_ptr<const Checkpoint>&
   Status s = group.Barrier();
   if (!s.ok()) return s;
   const auto start = std::chrono::steady_clock::now();
-  auto figures = RunOnce(group, checkpoint, spec, options, args.mode);
+  auto figures = RunOnce(group, checkpoint, spec, options, args.mode, args.checksum);
   if (!figures.ok()) return figures.status();
   s = group.Barrier();
   if (!s.ok()) return s;
@@ -239,7 +276,8 @@ Status RunRepetition(Collective& group, const std::shared_ptr<const Checkpoint>&
   for (uint64_t v : (*columns)[2]) total_read += v;
   if (!root) return Status::Ok();
   if (args.json) {
-    AppendRunJson(json, run, wall, total_read, *columns, world);
+    AppendRunJson(json, run, wall, total_read, *columns, world,
+                  args.checksum && args.mode != "full");
   } else {
     PrintRunText(args, run, wall, total_read, *columns, world);
   }

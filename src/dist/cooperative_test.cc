@@ -85,9 +85,23 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
   }
   for (auto& t : threads) t.join();
 
-  std::vector<uint64_t> sizes;
-  for (const TensorInfo& info : checkpoint->tensors()) sizes.push_back(info.size);
-  const std::vector<uint32_t> readers = AssignReaders(sizes, world);
+  // Every rank runs in this process: one host. The plan every rank made is PlanCooperative's.
+  const std::vector<uint32_t> one_host(world, 0);
+  const CooperativePlan plan =
+      PlanCooperative(*checkpoint, Selection::All(), spec, options, one_host).ValueOrThrow();
+  ASSERT_EQ(plan.tensors.size(), checkpoint->tensors().size());
+  const bool all = options.cooperative.exchange == ExchangeChoice::kAll;
+  uint64_t exchanged_count = 0, exchanged_bytes = 0;
+  for (const CooperativeTensorPlan& t : plan.tensors) {
+    if (all) {
+      EXPECT_TRUE(t.exchanged);
+    }
+    if (options.cooperative.exchange == ExchangeChoice::kNone) {
+      EXPECT_FALSE(t.exchanged);
+    }
+    exchanged_count += t.exchanged ? 1 : 0;
+    exchanged_bytes += t.exchanged ? checkpoint->tensors()[t.tensor].size : 0;
+  }
   uint64_t total_read = 0;
   for (uint32_t r = 0; r < world; ++r) {
     ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
@@ -96,7 +110,7 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
     uint64_t expected_read = 0;
     for (size_t i = 0; i < full.size(); ++i) {
       const TensorInfo& info = checkpoint->tensors()[i];
-      if (readers[i] == r) expected_read += info.size;
+      if (plan.tensors[i].exchanged && plan.tensors[i].reader == r) expected_read += info.size;
       const ShardRule rule = spec.RuleFor(info.name);
       const uint64_t elem = info.shape.empty() || info.size == 0
                                 ? 1
@@ -122,11 +136,23 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
       EXPECT_EQ(theirs[i].shape(), mine[i].shape()) << mine[i].name();
       EXPECT_EQ(Bytes(theirs[i]), Bytes(mine[i])) << mine[i].name() << " rank " << r;
     }
-    EXPECT_EQ(stats[r].bytes_read, expected_read) << "rank " << r;
-    total_read += stats[r].bytes_read;
+    // Read accounting: exactly the exchanged tensors this rank reads, plus (when some are local)
+    // its own parts of the others.
+    if (exchanged_count == plan.tensors.size()) {
+      EXPECT_EQ(stats[r].bytes_read, expected_read) << "rank " << r;
+    } else {
+      EXPECT_GT(stats[r].bytes_read, expected_read) << "rank " << r;
+    }
+    total_read += expected_read;
     EXPECT_EQ(stats[r].tensors, full.size());
+    EXPECT_EQ(stats[r].hosts, 1u);
+    EXPECT_EQ(stats[r].exchanged_tensors, exchanged_count);
+    EXPECT_EQ(stats[r].local_tensors, plan.tensors.size() - exchanged_count);
+    if (exchanged_count == 0) {
+      EXPECT_EQ(stats[r].bytes_sent + stats[r].bytes_received, 0u);
+    }
   }
-  EXPECT_EQ(total_read, std::accumulate(sizes.begin(), sizes.end(), uint64_t{0}));
+  EXPECT_EQ(total_read, exchanged_bytes);
 }
 
 TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
@@ -135,19 +161,119 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
   for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
     for (Engine engine : {Engine::kPread, Engine::kMmap}) {
       for (uint64_t budget : {uint64_t{0}, uint64_t{1500}}) {
-        SCOPED_TRACE("world " + std::to_string(world) + " engine " +
-                     std::string(EngineName(engine)) + " budget " + std::to_string(budget));
-        LoadOptions options;
-        options.engine = engine;
-        options.budget = budget;
-        options.threads = 2;
-        // Per-rank slicing options of the caller are ignored (the cooperative loader reads whole
-        // tensors and slices by the spec it is given).
-        if (budget > 0) options.tensor_parallel = TensorParallelOptions{ShardSpec::None(), 0, 1};
-        CheckCooperative(dir.path(), world, options);
+        for (ExchangeChoice choice :
+             {ExchangeChoice::kAll, ExchangeChoice::kAuto, ExchangeChoice::kNone}) {
+          SCOPED_TRACE("world " + std::to_string(world) + " engine " +
+                       std::string(EngineName(engine)) + " budget " + std::to_string(budget) +
+                       " exchange " + std::string(ExchangeChoiceName(choice)));
+          LoadOptions options;
+          options.engine = engine;
+          options.budget = budget;
+          options.cooperative.exchange = choice;
+          options.threads = 2;
+          // Per-rank slicing options of the caller are ignored (the cooperative loader reads whole
+          // tensors and slices by the spec it is given).
+          if (budget > 0) options.tensor_parallel = TensorParallelOptions{ShardSpec::None(), 0, 1};
+          CheckCooperative(dir.path(), world, options);
+        }
       }
     }
   }
+}
+
+// The cost model: on one host (network free) every tensor whose exchange saves reads is
+// exchanged and exact dim-0 slices stay local; across hosts a slow network keeps everything
+// local, a fast one exchanges what saves most storage per network byte first; the estimates
+// follow max(read / storage, network / network rate).
+TEST(PlanCooperative, ChoosesPerTensorFromStorageAndNetworkRates) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  const ShardSpec spec = testing::ShardFixtureSpec();
+  auto rule_of = [&](const CooperativeTensorPlan& t) {
+    return spec.RuleFor(checkpoint->tensors()[t.tensor].name);
+  };
+  auto exact_dim0 = [&](const CooperativeTensorPlan& t) {
+    const ShardRule rule = rule_of(t);
+    return rule.is_split() && rule.dim == 0 && rule.parts.empty() && rule.equal_parts == 0;
+  };
+  LoadOptions options;
+  options.cooperative.storage_rate = 1'000'000'000;
+  options.cooperative.network_rate = 1'000'000'000;
+
+  // One host, 4 ranks.
+  const std::vector<uint32_t> one_host(4, 0);
+  CooperativePlan plan =
+      PlanCooperative(*checkpoint, Selection::All(), spec, options, one_host).ValueOrThrow();
+  EXPECT_EQ(plan.hosts, 1u);
+  EXPECT_EQ(plan.storage_rate, 1'000'000'000u);
+  for (const CooperativeTensorPlan& t : plan.tensors) {
+    const std::string& name = checkpoint->tensors()[t.tensor].name;
+    EXPECT_EQ(t.exchange_network, 0u) << name;
+    EXPECT_EQ(t.exchanged, t.local_read > t.exchange_read) << name;
+    if (exact_dim0(t)) {
+      EXPECT_FALSE(t.exchanged) << name;
+      EXPECT_EQ(t.local_read, t.exchange_read) << name;
+    }
+    if (!rule_of(t).is_split()) {
+      EXPECT_EQ(t.local_read, 4 * checkpoint->tensors()[t.tensor].size) << name;
+      EXPECT_TRUE(t.exchanged || checkpoint->tensors()[t.tensor].size == 0) << name;
+    }
+  }
+  EXPECT_LE(plan.chosen.seconds, plan.all_local.seconds);
+  EXPECT_LE(plan.chosen.seconds, plan.all_exchanged.seconds);
+  EXPECT_EQ(plan.chosen.network, 0u);
+  EXPECT_DOUBLE_EQ(plan.all_local.seconds, static_cast<double>(plan.all_local.read) / 1e9);
+  EXPECT_NE(plan.ToString(*checkpoint).find("model.embed_tokens.weight: local"), std::string::npos)
+      << plan.ToString(*checkpoint);
+
+  // 4 hosts x 2 ranks. A network a million times slower than storage: any exchange takes longer
+  // than reading everything locally.
+  const std::vector<uint32_t> four_hosts = {0, 0, 1, 1, 2, 2, 3, 3};
+  options.cooperative.network_rate = 1'000;
+  plan = PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts).ValueOrThrow();
+  EXPECT_EQ(plan.hosts, 4u);
+  for (const CooperativeTensorPlan& t : plan.tensors) EXPECT_FALSE(t.exchanged);
+  EXPECT_EQ(plan.rounds, 0u);
+  EXPECT_DOUBLE_EQ(plan.chosen.seconds, plan.all_local.seconds);
+  EXPECT_GT(plan.all_exchanged.seconds, plan.all_local.seconds);
+
+  // A network 1000 times faster: everything that saves reads is exchanged, the estimate is the
+  // lowest of the three, and it reads less than the all-local plan.
+  options.cooperative.network_rate = 1'000'000'000'000;
+  plan = PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts).ValueOrThrow();
+  uint64_t exchanged = 0;
+  for (const CooperativeTensorPlan& t : plan.tensors) {
+    if (t.local_read > t.exchange_read) {
+      EXPECT_TRUE(t.exchanged) << checkpoint->tensors()[t.tensor].name;
+    }
+    if (checkpoint->tensors()[t.tensor].size > 0) {
+      EXPECT_GT(t.exchange_network, 0u);
+    }
+    exchanged += t.exchanged ? 1 : 0;
+  }
+  EXPECT_GT(exchanged, 0u);
+  EXPECT_GT(plan.rounds, 0u);
+  EXPECT_LT(plan.chosen.read, plan.all_local.read);
+  EXPECT_LE(plan.chosen.seconds, plan.all_local.seconds);
+  EXPECT_LE(plan.chosen.seconds, plan.all_exchanged.seconds);
+  const std::string text = plan.ToString(*checkpoint);
+  EXPECT_NE(text.find("8 ranks on 4 hosts, exchange auto"), std::string::npos) << text;
+  EXPECT_NE(text.find(": exchanged (reader "), std::string::npos) << text;
+
+  // Forced choices, and bad host lists.
+  options.cooperative.exchange = ExchangeChoice::kNone;
+  plan = PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts).ValueOrThrow();
+  EXPECT_DOUBLE_EQ(plan.chosen.seconds, plan.all_local.seconds);
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  plan = PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts).ValueOrThrow();
+  EXPECT_DOUBLE_EQ(plan.chosen.seconds, plan.all_exchanged.seconds);
+  for (const CooperativeTensorPlan& t : plan.tensors) EXPECT_TRUE(t.exchanged);
+  EXPECT_EQ(PlanCooperative(*checkpoint, Selection::All(), spec, options, {}).status().code(),
+            Code::kInvalidArgument);
+  const std::vector<uint32_t> gap = {0, 2};
+  EXPECT_EQ(PlanCooperative(*checkpoint, Selection::All(), spec, options, gap).status().code(),
+            Code::kInvalidArgument);
 }
 
 // Tied aliases: the target is read once and every rank's alias shares its target's slice; the
@@ -295,6 +421,7 @@ TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
   LoadOptions options;
   options.env = &env;
   options.engine = Engine::kPread;
+  options.cooperative.exchange = ExchangeChoice::kAll;  // rank 2 alone reads the last bytes
   auto group = MakeInProcessGroup(3).ValueOrThrow();
   std::vector<Status> statuses(3);
   std::vector<std::thread> threads;
@@ -311,6 +438,23 @@ TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
     EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
     EXPECT_NE(statuses[r].message().find("rank 2 failed"), std::string::npos)
         << statuses[r].ToString();
+  }
+
+  // Every tensor local: the ranks whose own parts hit the error fail with it, the others learn
+  // of it at the end; nobody waits.
+  options.cooperative.exchange = ExchangeChoice::kNone;
+  auto local_group = MakeInProcessGroup(3).ValueOrThrow();
+  threads.clear();
+  for (uint32_t r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      statuses[r] = LoadCooperative(checkpoint, Selection::All(), testing::ShardFixtureSpec(),
+                                    options, *local_group[r])
+                        .status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (uint32_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
   }
 }
 

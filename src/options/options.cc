@@ -67,6 +67,23 @@ Result<DeliveryOrder> ParseDeliveryOrder(std::string_view name) {
                 "unknown order \"" + std::string(name) + "\" (file, layer)");
 }
 
+std::string_view ExchangeChoiceName(ExchangeChoice choice) noexcept {
+  switch (choice) {
+    case ExchangeChoice::kAuto: return "auto";
+    case ExchangeChoice::kAll: return "all";
+    case ExchangeChoice::kNone: return "none";
+  }
+  return "?";
+}
+
+Result<ExchangeChoice> ParseExchangeChoice(std::string_view name) {
+  for (ExchangeChoice c : {ExchangeChoice::kAuto, ExchangeChoice::kAll, ExchangeChoice::kNone}) {
+    if (name == ExchangeChoiceName(c)) return c;
+  }
+  return Status(Code::kInvalidArgument,
+                "unknown exchange choice \"" + std::string(name) + "\" (auto, all, none)");
+}
+
 std::string_view VerifyModeName(VerifyMode mode) noexcept {
   switch (mode) {
     case VerifyMode::kAuto: return "auto";
@@ -211,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 39> kKeys = {{
+const std::array<Key, 42> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -288,6 +305,20 @@ const std::array<Key, 39> kKeys = {{
     {"object_ca_bundle", "TENSORFERRY_OBJECT_CA_BUNDLE", SetText<&ObjectStoreOptions::ca_bundle>},
     {"verify", "TENSORFERRY_VERIFY",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseVerifyMode(v), o.verify); }},
+    {"coop_exchange", "TENSORFERRY_COOP_EXCHANGE",
+     [](LoadOptions& o, std::string_view v) {
+       return Assign(ParseExchangeChoice(v), o.cooperative.exchange);
+     }},
+    {"coop_storage_rate", "TENSORFERRY_COOP_STORAGE_RATE",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(o.cooperative.storage_rate, Size(v, true));
+       return Status::Ok();
+     }},
+    {"coop_network_rate", "TENSORFERRY_COOP_NETWORK_RATE",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(o.cooperative.network_rate, Size(v, true));
+       return Status::Ok();
+     }},
 }};
 
 std::array<std::string_view, kKeys.size()> KeyNames() {

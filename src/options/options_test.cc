@@ -62,7 +62,10 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"object_timeout_ms", "5000"},
                                  {"object_header_bytes", "64KiB"},
                                  {"object_verify_tls", "0"},
-                                 {"object_ca_bundle", "/etc/ssl/ca.pem"}});
+                                 {"object_ca_bundle", "/etc/ssl/ca.pem"},
+                                 {"coop_exchange", "none"},
+                                 {"coop_storage_rate", "500MB"},
+                                 {"coop_network_rate", "125MB"}});
   EXPECT_EQ(o.engine, Engine::kPread);
   EXPECT_EQ(o.threads, 7u);
   EXPECT_EQ(o.chunk_size, 1u << 20);
@@ -106,12 +109,15 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(os.header_bytes, 64u << 10);
   EXPECT_FALSE(os.verify_tls);
   EXPECT_EQ(os.ca_bundle, "/etc/ssl/ca.pem");
+  EXPECT_EQ(o.cooperative.exchange, ExchangeChoice::kNone);
+  EXPECT_EQ(o.cooperative.storage_rate, 500'000'000u);
+  EXPECT_EQ(o.cooperative.network_rate, 125'000'000u);
   EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
 
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 39u);
+  EXPECT_EQ(keys.size(), 42u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
@@ -142,6 +148,8 @@ TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
                         Case{"staging_slot", "0", "must be > 0"},
                         Case{"tp_rank", "4294967295", "is out of range"},
                         Case{"shard_rules", "{\"nope\": 1}", "shard_rules = "},
+                        Case{"coop_exchange", "some", "coop_exchange = some: unknown exchange"},
+                        Case{"coop_network_rate", "fast", "coop_network_rate = fast is not a size"},
                         Case{"budget", "", "budget: empty value"},
                         Case{"speed", "11", "unknown load option \"speed\""}}) {
     LoadOptions o;

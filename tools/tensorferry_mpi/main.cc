@@ -4,19 +4,22 @@
 //          [--shard-rules builtin|none|FILE] (--shard: the same, the former name)
 //          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
 //          [--threads N] [--repeat N] [--cold] [--json] [--checksum]
+//          [--exchange auto|all|none] [--storage-rate 2GB] [--network-rate 1.25GB] [--explain]
 //
-// Modes: cooperative: each rank reads its byte-balanced share once and the slices travel over MPI
-// (LoadCooperative); sliced: every rank reads only its own slices from the files, independently
-// (LoadOptions::tensor_parallel); full: every rank reads every selected tensor whole (what a
-// tensor-parallel job without sliced loading does). cooperative and sliced end with the rank's
-// slices resident in memory; full drops each batch after reading it (a lower bound of its cost).
-// Rank 0 prints, per repetition, the wall time (from a common barrier to the last rank's end), the
-// bytes every rank read, sent and received; --json one document with every repetition. --cold:
-// before each repetition rank 0 evicts the checkpoint's files from the page cache
-// (DropFromPageCache) and checks they are out. --checksum: each rank's checksum of its tensors,
-// the one `tensorferry load` prints (CRC32C per tensor, combined in name order), so that sliced
-// and cooperative can be compared rank by rank (computed after the rank's own clock, inside the
-// wall time; not for full, which keeps nothing).
+// Modes: cooperative: LoadCooperative; the tensors it exchanges (--exchange: auto, the cost model
+// of --storage-rate and --network-rate, bytes per second per host; all; none) are read once, in
+// byte-balanced shares, and their slices travel over MPI, the others are read by every rank for
+// itself; --explain prints its plan (rank 0) and loads nothing. sliced: every rank reads only its
+// own slices from the files, independently (LoadOptions::tensor_parallel); full: every rank reads
+// every selected tensor whole (what a tensor-parallel job without sliced loading does). cooperative
+// and sliced end with the rank's slices resident in memory; full drops each batch after reading it
+// (a lower bound of its cost). Rank 0 prints, per repetition, the wall time (from a common barrier
+// to the last rank's end), the bytes every rank read, sent and received; --json one document with
+// every repetition. --cold: before each repetition the first rank of every host evicts the
+// checkpoint's files from its host's page cache (DropFromPageCache) and checks they are out.
+// --checksum: each rank's checksum of its tensors, the one `tensorferry load` prints (CRC32C per
+// tensor, combined in name order), so that sliced and cooperative can be compared rank by rank
+// (computed after the rank's own clock, inside the wall time; not for full, which keeps nothing).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -24,6 +27,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "tensorferry/cooperative.h"
@@ -49,7 +53,11 @@ struct Args {
   unsigned repeat = 1;
   bool cold = false;
   bool json = false;
-  bool checksum = false;  // --checksum: each rank's checksum of its tensors (the `load` one)
+  bool checksum = false;     // --checksum: each rank's checksum of its tensors (the `load` one)
+  std::string exchange;      // --exchange: LoadOptions key coop_exchange
+  std::string storage_rate;  // --storage-rate: coop_storage_rate
+  std::string network_rate;  // --network-rate: coop_network_rate
+  bool explain = false;      // --explain: print the cooperative plan, load nothing
 };
 
 struct RankFigures {
@@ -62,7 +70,9 @@ struct RankFigures {
   double exchange_seconds = 0;   // cooperative: inside the collectives
   uint64_t remote_requests = 0;  // object storage: requests and bytes received (0 for files)
   uint64_t remote_bytes = 0;
-  uint64_t checksum = 0;  // with --checksum (sliced, cooperative): CombineTensorSums
+  uint64_t checksum = 0;           // with --checksum (sliced, cooperative): CombineTensorSums
+  uint64_t exchanged_tensors = 0;  // cooperative: the plan's choice
+  uint64_t local_tensors = 0;
 };
 
 // The `load` checksum of a rank's tensors (after the load's clock: see --checksum), as a number.
@@ -88,6 +98,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.sent = stats.bytes_sent;
     f.received = stats.bytes_received;
     f.read_seconds = stats.read_seconds;
+    f.exchanged_tensors = stats.exchanged_tensors;
+    f.local_tensors = stats.local_tensors;
     f.exchange_seconds = stats.exchange_seconds;
     f.remote_requests = stats.remote_requests;
     f.remote_bytes = stats.remote_bytes;
@@ -144,6 +156,16 @@ void DefineLoadCommand(CLI::App& app, Args& args) {
   load->add_option("--repeat", args.repeat, "Repetitions")->check(CLI::PositiveNumber);
   load->add_flag("--cold", args.cold, "Evict the files from the page cache before each run");
   load->add_flag("--json", args.json, "One JSON document on rank 0's stdout");
+  load->add_option("--exchange", args.exchange,
+                   "cooperative: which tensors are read once and exchanged: auto (the cost "
+                   "model) | all | none");
+  load->add_option("--storage-rate", args.storage_rate,
+                   "cooperative cost model: bytes per second one host reads (default 2GB)");
+  load->add_option("--network-rate", args.network_rate,
+                   "cooperative cost model: bytes per second one host receives (default 1.25GB)");
+  load->add_flag("--explain", args.explain,
+                 "cooperative: print the plan (which tensors are exchanged, the estimates) and "
+                 "load nothing");
   load->add_flag("--checksum", args.checksum,
                  "Each rank's checksum of its tensors, as `tensorferry load` computes it "
                  "(sliced and cooperative; inside the wall time)");
@@ -164,10 +186,14 @@ Result<LoadOptions> ResolveLoadOptions(const Args& args) {
   if (!options_or.ok()) return options_or.status();
   LoadOptions options = *options_or;
   // The flags go through LoadOptions::Set, as every edge's options do (options.h).
-  for (const auto& [key, flag, value] : {std::tuple{"engine", "--engine", args.engine},
-                                         std::tuple{"direct", "--direct", args.direct},
-                                         std::tuple{"budget", "--budget", args.budget},
-                                         std::tuple{"threads", "--threads", args.threads}}) {
+  for (const auto& [key, flag, value] :
+       {std::tuple{"engine", "--engine", args.engine},
+        std::tuple{"direct", "--direct", args.direct},
+        std::tuple{"budget", "--budget", args.budget},
+        std::tuple{"threads", "--threads", args.threads},
+        std::tuple{"coop_exchange", "--exchange", args.exchange},
+        std::tuple{"coop_storage_rate", "--storage-rate", args.storage_rate},
+        std::tuple{"coop_network_rate", "--network-rate", args.network_rate}}) {
     if (value.empty()) continue;
     if (Status s = SetContext(options, key, value, flag); !s.ok()) return s;
   }
@@ -175,10 +201,17 @@ Result<LoadOptions> ResolveLoadOptions(const Args& args) {
   return options;
 }
 
-// --cold: rank 0 evicts the files; every rank learns whether that worked.
-Status EvictIfCold(Collective& group, const Checkpoint& checkpoint, bool cold, bool root) {
+// --cold: the first rank of each host (HostsOfRanks) evicts the files from that host's page cache
+// (on separate machines each host has its own); every rank learns whether that worked.
+Status EvictIfCold(Collective& group, const Checkpoint& checkpoint, bool cold) {
+  if (!cold) return Status::Ok();
+  auto hosts = HostsOfRanks(group);
+  if (!hosts.ok()) return hosts.status();
+  const uint32_t me = group.rank();
+  const bool first_of_host =
+      std::find((*hosts).begin(), (*hosts).end(), (*hosts)[me]) - (*hosts).begin() == me;
   uint64_t evict_failed = 0;
-  if (cold && root) {
+  if (first_of_host) {
     for (const FileInfo& file : checkpoint.files()) {
       Status s = DropFromPageCache(file.path);
       auto cached = CachedFraction(file.path);
@@ -187,8 +220,11 @@ Status EvictIfCold(Collective& group, const Checkpoint& checkpoint, bool cold, b
   }
   auto evicted = group.AllGather(evict_failed);
   if (!evicted.ok()) return evicted.status();
-  if ((*evicted)[0] != 0) {
-    return Status(Code::kUnsupported, "--cold: the files could not be evicted");
+  for (uint32_t r = 0; r < (*evicted).size(); ++r) {
+    if ((*evicted)[r] != 0) {
+      return Status(Code::kUnsupported, "--cold: the files could not be evicted on rank " +
+                                            std::to_string(r) + "'s host");
+    }
   }
   return Status::Ok();
 }
@@ -201,7 +237,7 @@ Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
        {static_cast<uint64_t>(figures.seconds * 1e6), figures.bytes, figures.read, figures.sent,
         figures.received, static_cast<uint64_t>(figures.read_seconds * 1e6),
         static_cast<uint64_t>(figures.exchange_seconds * 1e6), figures.remote_requests,
-        figures.remote_bytes, figures.checksum}) {
+        figures.remote_bytes, figures.checksum, figures.exchanged_tensors, figures.local_tensors}) {
     auto all = group.AllGather(v);
     if (!all.ok()) return all.status();
     columns.push_back(std::move(*all));
@@ -225,7 +261,9 @@ void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_
             ", \"read_seconds\": " + std::to_string(static_cast<double>(columns[5][r]) / 1e6) +
             ", \"exchange_seconds\": " + std::to_string(static_cast<double>(columns[6][r]) / 1e6) +
             ", \"remote_requests\": " + std::to_string(columns[7][r]) +
-            ", \"remote_bytes\": " + std::to_string(columns[8][r]);
+            ", \"remote_bytes\": " + std::to_string(columns[8][r]) +
+            ", \"exchanged_tensors\": " + std::to_string(columns[10][r]) +
+            ", \"local_tensors\": " + std::to_string(columns[11][r]);
     if (checksum) json += ", \"checksum\": \"" + cli::ChecksumHex(columns[9][r]) + "\"";
     json += "}";
   }
@@ -241,11 +279,16 @@ void PrintRunText(const Args& args, unsigned run, double wall, uint64_t total_re
   for (uint32_t r = 0; r < world; ++r) {
     std::printf(
         "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), slices %s, read %s, sent %s, "
-        "received %s\n",
+        "received %s%s\n",
         r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
         static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
         FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
-        FormatBytes(columns[4][r]).c_str());
+        FormatBytes(columns[4][r]).c_str(),
+        args.mode == "cooperative"
+            ? (", " + std::to_string(columns[10][r]) + " tensors exchanged, " +
+               std::to_string(columns[11][r]) + " local")
+                  .c_str()
+            : "");
   }
 }
 
@@ -256,7 +299,7 @@ Status RunRepetition(Collective& group, const std::shared_ptr<const Checkpoint>&
                      unsigned run, std::string& json) {
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
-  if (Status s = EvictIfCold(group, *checkpoint, args.cold, root); !s.ok()) return s;
+  if (Status s = EvictIfCold(group, *checkpoint, args.cold); !s.ok()) return s;
   Status s = group.Barrier();
   if (!s.ok()) return s;
   const auto start = std::chrono::steady_clock::now();
@@ -307,7 +350,35 @@ int Main(int argc, char** argv) {
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
   std::string json = "{\"mode\": \"" + args.mode + "\", \"ranks\": " + std::to_string(world) +
-                     ", \"cold\": " + (args.cold ? "true" : "false") + ", \"runs\": [";
+                     ", \"cold\": " + (args.cold ? "true" : "false");
+  if (args.mode == "cooperative" || args.explain) {
+    // The plan every rank will make (LoadCooperative makes the same one itself).
+    auto hosts = HostsOfRanks(group);
+    if (!hosts.ok()) return Fail(hosts.status());
+    auto plan = PlanCooperative(**checkpoint, Selection::All(), *spec, *options, *hosts);
+    if (!plan.ok()) return Fail(plan.status());
+    if (args.explain) {
+      if (root) std::printf("%s", plan->ToString(**checkpoint).c_str());
+      return 0;
+    }
+    json += ", \"hosts\": " + std::to_string(plan->hosts) + ", \"exchange\": \"" +
+            std::string(ExchangeChoiceName(plan->choice)) +
+            "\", \"storage_rate\": " + std::to_string(plan->storage_rate) +
+            ", \"network_rate\": " + std::to_string(plan->network_rate) + ", \"estimate\": {";
+    const std::pair<const char*, const CooperativePlan::Estimate*> estimates[] = {
+        {"chosen", &plan->chosen},
+        {"all_local", &plan->all_local},
+        {"all_exchanged", &plan->all_exchanged}};
+    for (size_t i = 0; i < 3; ++i) {
+      const auto& [name, e] = estimates[i];
+      json += std::string(i ? ", " : "") + "\"" + name +
+              "\": {\"seconds\": " + std::to_string(e->seconds) +
+              ", \"read\": " + std::to_string(e->read) +
+              ", \"network\": " + std::to_string(e->network) + "}";
+    }
+    json += "}";
+  }
+  json += ", \"runs\": [";
   for (unsigned run = 0; run < args.repeat; ++run) {
     Status s = RunRepetition(group, *checkpoint, *spec, *options, args, run, json);
     if (!s.ok()) return Fail(s);

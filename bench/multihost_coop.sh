@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Cooperative vs independent sliced loading across the multi-host rehearsal (issue 17;
+# docs/distributed.md, "Multi-host rehearsal" and "Choosing what to exchange").
+#
+# Builds a rehearsal of HOSTS network namespaces (scripts/multihost.sh) whose links run at RATE and
+# whose storage reads run at STORAGE_RATE per host (blkio throttling), stages CKPT on every host,
+# and loads it with tensorferry-mpi, RANKS_PER_HOST ranks per host, with O_DIRECT (every read goes
+# to the throttled disk: storage-bound, no page cache shared between hosts), REPEATS times per
+# contender, the contenders alternating within each repetition:
+#   sliced          every rank reads its own slices (--mode sliced)
+#   exchange-all    cooperative, every tensor exchanged (--exchange all)
+#   exchange-auto   cooperative, the cost model's choice (--exchange auto) with the rates given
+#   exchange-none   cooperative path, nothing exchanged (the model's "all local")
+# Prints one JSON line per run and a summary (median wall seconds per contender) at the end; the
+# cost model's plan (--explain) first. Root only. Environment (defaults in brackets):
+#   HOSTS [4] RANKS_PER_HOST [2] RATE [200mbit] STORAGE_RATE [20mbps, tc units: 20 MB/s] CKPT [data/small]
+#   REPEATS [3] CONTENDERS ["sliced exchange-all exchange-auto exchange-none"] PREFIX [tfcoop]
+#   MODEL_STORAGE / MODEL_NETWORK: the rates given to the cost model, bytes per second per host
+#   [STORAGE_RATE and RATE's bytes per second]; TF_MPI [build/release/bin/tensorferry-mpi].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HOSTS=${HOSTS:-4}
+RANKS_PER_HOST=${RANKS_PER_HOST:-2}
+RATE=${RATE:-200mbit}
+STORAGE_RATE=${STORAGE_RATE:-20mbps}
+CKPT=${CKPT:-data/small}
+REPEATS=${REPEATS:-3}
+CONTENDERS=${CONTENDERS:-sliced exchange-all exchange-auto exchange-none}
+PREFIX=${PREFIX:-tfcoop}
+TF_MPI=${TF_MPI:-$PWD/build/release/bin/tensorferry-mpi}
+
+[ "$(id -u)" = 0 ] || { echo "multihost_coop: needs root (network namespaces, cgroups)" >&2; exit 2; }
+[ -x "$TF_MPI" ] || { echo "multihost_coop: $TF_MPI not built" >&2; exit 2; }
+[ -e "$CKPT" ] || { echo "multihost_coop: checkpoint $CKPT not found" >&2; exit 2; }
+
+# Rates in bytes per second for the cost model, from the rehearsal's own spellings.
+to_bytes_per_second() {
+  python3 - "$1" <<'EOF'
+import re, sys
+v = sys.argv[1].strip().lower()
+m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)(bit|b|bps)?", v)
+if not m:
+    sys.exit(f"cannot read rate {sys.argv[1]!r}")
+n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+print(int(n / 8 if m.group(3) == "bit" else n))
+EOF
+}
+MODEL_STORAGE=${MODEL_STORAGE:-$(to_bytes_per_second "$STORAGE_RATE")}
+MODEL_NETWORK=${MODEL_NETWORK:-$(to_bytes_per_second "$RATE")}
+
+mh=scripts/multihost.sh
+cleanup() { "$mh" down --prefix "$PREFIX" >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+"$mh" up --prefix "$PREFIX" --hosts "$HOSTS" --rate "$RATE" --storage-rate "$STORAGE_RATE" >&2
+path=$("$mh" stage --prefix "$PREFIX" "$CKPT" ckpt)
+echo "# $(date -u +%FT%TZ) $(uptime | sed 's/.*load average/load average/')" >&2
+echo "# $HOSTS hosts x $RANKS_PER_HOST ranks, link $RATE, storage $STORAGE_RATE per host," \
+  "model storage $MODEL_STORAGE B/s network $MODEL_NETWORK B/s, checkpoint $CKPT" >&2
+
+run() {  # contender -> one JSON document on stdout
+  local args=(load "$path" --shard-rules builtin --direct on --json
+              --storage-rate "$MODEL_STORAGE" --network-rate "$MODEL_NETWORK")
+  case $1 in
+    sliced) args+=(--mode sliced) ;;
+    exchange-all) args+=(--mode cooperative --exchange all) ;;
+    exchange-auto) args+=(--mode cooperative --exchange auto) ;;
+    exchange-none) args+=(--mode cooperative --exchange none) ;;
+    *) echo "unknown contender $1" >&2; return 2 ;;
+  esac
+  "$mh" mpirun --prefix "$PREFIX" --ranks-per-host "$RANKS_PER_HOST" -- "$TF_MPI" "${args[@]}"
+}
+
+"$mh" mpirun --prefix "$PREFIX" --ranks-per-host "$RANKS_PER_HOST" -- "$TF_MPI" load "$path" \
+  --shard-rules builtin --explain --storage-rate "$MODEL_STORAGE" \
+  --network-rate "$MODEL_NETWORK" | sed -n '1,6p' >&2
+
+results=$(mktemp)
+for ((rep = 1; rep <= REPEATS; rep++)); do
+  for c in $CONTENDERS; do
+    doc=$(run "$c")
+    python3 - "$c" "$rep" "$doc" <<'EOF' | tee -a "$results"
+import json, sys
+c, rep, doc = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+r = doc["runs"][0]
+ranks = r["per_rank"]
+print(json.dumps({"contender": c, "repeat": rep, "wall_seconds": r["wall_seconds"],
+                  "bytes_read_total": r["bytes_read_total"],
+                  "bytes_sent_total": sum(x["bytes_sent"] for x in ranks),
+                  "exchanged_tensors": ranks[0]["exchanged_tensors"],
+                  "local_tensors": ranks[0]["local_tensors"],
+                  "estimate": doc.get("estimate", {}).get("chosen", {}).get("seconds")}))
+EOF
+  done
+done
+python3 - "$results" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by = {}
+for r in rows:
+    by.setdefault(r["contender"], []).append(r)
+base = statistics.median(r["wall_seconds"] for r in by.get("sliced", rows))
+for c, rs in by.items():
+    med = statistics.median(r["wall_seconds"] for r in rs)
+    print(json.dumps({"contender": c, "median_wall_seconds": round(med, 3),
+                      "runs": [round(r["wall_seconds"], 3) for r in rs],
+                      "speedup_vs_sliced": round(base / med, 2),
+                      "bytes_read_total": rs[0]["bytes_read_total"],
+                      "estimate_seconds": rs[0]["estimate"]}))
+EOF
+rm -f "$results"

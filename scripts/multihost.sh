@@ -6,13 +6,14 @@
 # them over TCP, launched without ssh. Needs root, iproute2, util-linux (unshare, flock), and Open
 # MPI for the mpirun command.
 #
-#   scripts/multihost.sh up --hosts N [--rate R] [--delay D] [--prefix P]
+#   scripts/multihost.sh up --hosts N [--rate R] [--delay D] [--storage-rate S] [--prefix P]
 #   scripts/multihost.sh down [--prefix P]
 #   scripts/multihost.sh status [--prefix P]
 #   scripts/multihost.sh exec [--prefix P] HOST cmd...
 #   scripts/multihost.sh mpirun [--prefix P] [--ranks-per-host K] [--hosts M] -- program args...
 #   scripts/multihost.sh stage [--prefix P] SRC NAME
 #   scripts/multihost.sh measure [--prefix P] [--bytes N] FROM TO
+#   scripts/multihost.sh measure-storage [--prefix P] [--bytes N] HOST...
 #
 # Names: namespaces P-h1..P-hN, veths P-h1..P-hN (the bridge ends; the other end is eth0 inside
 # the host), bridge P-br, per-host /etc/netns/P-hI/hosts, state under $MULTIHOST_DIR/P (default
@@ -28,6 +29,15 @@
 # pages), so `$MULTIHOST_DIR/P/local/NAME` is each host's own copy. Environment inside a host:
 # TF_MULTIHOST_HOST (hI), TF_MULTIHOST_IP, TF_MULTIHOST_LOCAL (the local path), GLOO_SOCKET_IFNAME
 # (eth0, unless set).
+#
+# --storage-rate S (tc's units, as --rate: 100mbps is 100 MB/s, 800mbit is 100 MB/s) limits what
+# each host reads from the disk that holds $MULTIHOST_DIR to S, every host on its own: one cgroup
+# per host, tensorferry-P-hI, in the cgroup v1 blkio hierarchy (blkio.throttle.read_bps_device) or,
+# where there is none, in the unified hierarchy with its io controller (io.max rbps), and every
+# command run in a host joins its host's cgroup. Reads that reach the disk are throttled; page-cache
+# hits are not (benchmark cold: O_DIRECT, or evict every host's copy; tensorferry-mpi --cold evicts
+# on rank 0's host only); writes are not throttled.
+# `measure-storage` reads a file of N bytes with O_DIRECT in every HOST at once.
 set -euo pipefail
 
 SELF=$(readlink -f "$0")
@@ -57,21 +67,24 @@ need_root() {
 
 state() { echo "$BASE/$PREFIX"; }
 
-# Loads the state of a running rehearsal: SUBNET (a.b.c), HOSTS, RATE, DELAY.
+# Loads the state of a running rehearsal: SUBNET (a.b.c), HOSTS, RATE, DELAY, and the storage
+# throttle: STORAGE_RATE (empty: none), STORAGE_DEV (the disk, MAJ:MIN), STORAGE_CGROUP (v1 or v2),
+# STORAGE_ROOT (the hierarchy's directory that holds the hosts' cgroups).
 load_state() {
   local f
   f="$(state)/env"
   [ -f "$f" ] ||
     die "no rehearsal '$PREFIX' is up ($f missing): run 'scripts/multihost.sh up --prefix $PREFIX --hosts N'"
+  STORAGE_RATE="" STORAGE_DEV="" STORAGE_CGROUP="" STORAGE_ROOT=""
   # shellcheck disable=SC1090
   . "$f"
 }
 
-# A rate in tc's units to bytes per second.
+# A rate in tc's units to bytes per second ($2: the option it came from, for errors).
 rate_bytes() {
-  local r=$1 n unit
+  local r=$1 opt=${2:---rate} n unit
   [[ $r =~ ^([0-9]+(\.[0-9]+)?)([a-zA-Z]*)$ ]] ||
-    die "--rate '$r': expected a number and a unit (bit, kbit, mbit, gbit, bps, kbps, mbps, gbps)"
+    die "$opt '$r': expected a number and a unit (bits/s: bit, kbit, mbit, gbit; bytes/s: bps, kbps, mbps, gbps)"
   n=${BASH_REMATCH[1]}
   unit=${BASH_REMATCH[3],,}
   case $unit in
@@ -83,7 +96,7 @@ rate_bytes() {
     kbps) awk -v n="$n" 'BEGIN{printf "%d", n*1000}' ;;
     mbps) awk -v n="$n" 'BEGIN{printf "%d", n*1e6}' ;;
     gbps) awk -v n="$n" 'BEGIN{printf "%d", n*1e9}' ;;
-    *) die "--rate '$r': unknown unit '$unit' (bit, kbit, mbit, gbit, bps, kbps, mbps, gbps)" ;;
+    *) die "$opt '$r': unknown unit '$unit' (bits/s: bit, kbit, mbit, gbit; bytes/s: bps, kbps, mbps, gbps)" ;;
   esac
 }
 
@@ -171,6 +184,103 @@ shape() {
   fi
 }
 
+# The cgroup directories where hosts' storage cgroups can live, one "KIND DIR" a line: the cgroup v1
+# blkio hierarchy's root (KIND v1) when it has blk-throttle, then the unified hierarchy's root (v2)
+# when its io controller is free (not bound to v1).
+storage_hierarchies() {
+  local dir
+  dir=$(findmnt -rn -t cgroup -o TARGET,OPTIONS 2>/dev/null | awk '$2 ~ /(^|,)blkio(,|$)/ {print $1; exit}')
+  if [ -n "$dir" ] && [ -f "$dir/blkio.throttle.read_bps_device" ]; then echo "v1 $dir"; fi
+  dir=$(findmnt -rn -t cgroup2 -o TARGET 2>/dev/null | head -1)
+  if [ -n "$dir" ] && grep -qw io "$dir/cgroup.controllers" 2>/dev/null; then echo "v2 $dir"; fi
+  return 0
+}
+
+# The whole disk (MAJ:MIN) that holds directory $1: blk-throttle takes disks, not partitions (the
+# kernel answers ENODEV for a partition), so a partition is replaced by its disk.
+storage_disk() {
+  local dir=$1 d src sys
+  d=$(stat -c %d "$dir") || die "--storage-rate: cannot stat $dir"
+  d="$((((d >> 8) & 0xfff) | ((d >> 32) & ~0xfff))):$(((d & 0xff) | ((d >> 12) & ~0xff)))"
+  if [ ! -e "/sys/dev/block/$d" ]; then
+    # A filesystem on an anonymous device number (btrfs): its mount's source, when that is a disk.
+    src=$(findmnt -n -o SOURCE -T "$dir" 2>/dev/null | tail -1) # the topmost of stacked mounts
+    src=${src%%[*}
+    if [ -b "$src" ]; then
+      d="$((16#$(stat -L -c %t "$src"))):$((16#$(stat -L -c %T "$src")))"
+    else
+      die "--storage-rate: $dir is on $(stat -f -c %T "$dir")" \
+        "(${src:-no source}, device $d), not on a block device; set MULTIHOST_DIR to a directory on a disk"
+    fi
+  fi
+  sys=$(readlink -f "/sys/dev/block/$d")
+  [ -e "$sys/partition" ] && d=$(cat "$sys/../dev")
+  echo "$d"
+}
+
+# Writes $1 into the cgroup file $2, or dies saying what the kernel answered.
+cg_write() {
+  local err
+  err=$({ printf '%s\n' "$1" >"$2"; } 2>&1) || die "cannot write '$1' to $2: ${err##*: }"
+}
+
+# Before anything is created: the disk under the state directory (STORAGE_DEV) and the hierarchy
+# to throttle it with (STORAGE_CGROUP, STORAGE_ROOT), or dies saying which is missing.
+storage_check() {
+  local dir kind root bps
+  bps=$(rate_bytes "$STORAGE_RATE" --storage-rate) || exit 1
+  ((bps > 0)) || die "--storage-rate '$STORAGE_RATE': must be above 0"
+  dir=$(state)
+  while [ ! -d "$dir" ]; do dir=$(dirname "$dir"); done # where the state directory will be created
+  STORAGE_DEV=$(storage_disk "$dir") || exit 1
+  read -r kind root < <(storage_hierarchies) ||
+    die "--storage-rate: no cgroup controller to throttle reads: neither a cgroup v1 'blkio' hierarchy" \
+      "with blkio.throttle.read_bps_device nor a cgroup2 hierarchy with the 'io' controller is mounted" \
+      "(findmnt -t cgroup,cgroup2); leaving '$PREFIX' as it was"
+  STORAGE_CGROUP=$kind STORAGE_ROOT=$root
+}
+
+# One cgroup per host, tensorferry-P-hI, reading at most STORAGE_RATE from STORAGE_DEV (storage_check
+# found both).
+storage_setup() {
+  local bps kind=$STORAGE_CGROUP root=$STORAGE_ROOT i cg
+  bps=$(rate_bytes "$STORAGE_RATE" --storage-rate) || exit 1
+  if [ "$kind" = v2 ] && ! grep -qw io "$root/cgroup.subtree_control"; then
+    cg_write +io "$root/cgroup.subtree_control" # stays on after down: others may rely on it
+  fi
+  for ((i = 1; i <= HOSTS; i++)); do
+    cg=$root/tensorferry-$PREFIX-h$i
+    mkdir "$cg" || die "cannot create cgroup $cg"
+    if [ "$kind" = v1 ]; then
+      cg_write "$STORAGE_DEV $bps" "$cg/blkio.throttle.read_bps_device"
+    else
+      cg_write "$STORAGE_DEV rbps=$bps" "$cg/io.max"
+    fi
+  done
+}
+
+# Empties (TERM, then KILL) and removes every host cgroup named with the prefix, in either hierarchy.
+storage_teardown() {
+  local kind root cg pids sig t
+  while read -r kind root; do
+    for cg in "$root/tensorferry-$PREFIX"-h*; do
+      [[ -d $cg && ${cg##*/} =~ ^tensorferry-$PREFIX-h[0-9]+$ ]] || continue
+      for sig in TERM KILL; do
+        pids=$(cat "$cg/cgroup.procs")
+        [ -n "$pids" ] || break
+        # shellcheck disable=SC2086  # one pid a word
+        kill -s "$sig" $pids 2>/dev/null || true
+        for ((t = 0; t < 50; t++)); do
+          [ -n "$(cat "$cg/cgroup.procs")" ] || break
+          sleep 0.1
+        done
+      done
+      rmdir "$cg" 2>/dev/null ||
+        die "cannot remove cgroup $cg (processes still in it: $(tr '\n' ' ' <"$cg/cgroup.procs"))"
+    done
+  done < <(storage_hierarchies)
+}
+
 do_down() {
   local ns pid l
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^$PREFIX-h[0-9]+$" || true); do
@@ -180,6 +290,7 @@ do_down() {
     ip netns del "$ns" || die "cannot delete network namespace $ns"
     rm -rf "/etc/netns/$ns"
   done
+  storage_teardown
   for l in $(ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | grep -E "^$PREFIX-(br|h[0-9]+x?)$" || true); do
     if ! ip link del "$l" 2>/dev/null && ip link show "$l" >/dev/null 2>&1; then
       die "cannot delete link $l"
@@ -193,12 +304,13 @@ do_down() {
 
 do_up() {
   local hosts=0 i ns veth
-  RATE="" DELAY=""
+  RATE="" DELAY="" STORAGE_RATE="" STORAGE_DEV="" STORAGE_CGROUP="" STORAGE_ROOT=""
   while (($#)); do
     case $1 in
       --hosts) hosts=${2:?--hosts N}; shift 2 ;;
       --rate) RATE=${2:?--rate R}; shift 2 ;;
       --delay) DELAY=${2:?--delay D}; shift 2 ;;
+      --storage-rate) STORAGE_RATE=${2:?--storage-rate S}; shift 2 ;;
       --prefix) PREFIX=${2:?--prefix P}; shift 2 ;;
       *) die "up: unknown argument '$1'" ;;
     esac
@@ -206,6 +318,7 @@ do_up() {
   check_prefix
   [[ $hosts =~ ^[0-9]+$ ]] && ((hosts >= 1 && hosts <= 99)) || die "up: --hosts N with N in 1..99 (got '$hosts')"
   [ -n "$RATE" ] && rate_bytes "$RATE" >/dev/null
+  if [ -n "$STORAGE_RATE" ]; then storage_check; fi
   [ -n "$DELAY" ] && { [[ $DELAY =~ ^[0-9.]+(s|ms|us)$ ]] || die "--delay '$DELAY': expected a number and s, ms or us"; }
   HOSTS=$hosts
   # `up` on a rehearsal that is up re-creates it from nothing.
@@ -241,11 +354,16 @@ do_up() {
       echo "$SUBNET.254 $PREFIX-br"
     } >"/etc/netns/$PREFIX-h$i/hosts"
   done
+  if [ -n "$STORAGE_RATE" ]; then storage_setup; fi
   cat >"$(state)/env" <<EOF
 SUBNET=$SUBNET
 HOSTS=$hosts
 RATE='$RATE'
 DELAY='$DELAY'
+STORAGE_RATE='$STORAGE_RATE'
+STORAGE_DEV='$STORAGE_DEV'
+STORAGE_CGROUP='$STORAGE_CGROUP'
+STORAGE_ROOT='$STORAGE_ROOT'
 EOF
   {
     echo '#!/bin/sh'
@@ -255,15 +373,21 @@ EOF
   chmod +x "$(state)/agent"
   trap - EXIT
   echo "multihost: $PREFIX up: $hosts hosts on $SUBNET.0/24 (h1=$SUBNET.1 .. h$hosts=$SUBNET.$hosts," \
-    "bridge $SUBNET.254)${RATE:+, rate $RATE}${DELAY:+, delay $DELAY}"
+    "bridge $SUBNET.254)${RATE:+, rate $RATE}${DELAY:+, delay $DELAY}${STORAGE_RATE:+, storage reads $STORAGE_RATE per host from disk $STORAGE_DEV (cgroup $STORAGE_CGROUP)}"
 }
 
-# Runs argv in host $1 (an index): network namespace, own hostname, own storage at local/.
+# Runs argv in host $1 (an index): network namespace, own hostname, own storage at local/, and,
+# with a storage rate, the host's cgroup (joined by this process before it execs: every child stays).
 in_host() {
   local i=$1
   shift
-  local ns=$PREFIX-h$i
+  local ns=$PREFIX-h$i cg err me=$BASHPID # this process: the command substitution below is another
   ip netns list | awk '{print $1}' | grep -qx "$ns" || die "network namespace $ns is gone: run 'up' again"
+  if [ -n "$STORAGE_RATE" ]; then
+    cg=$STORAGE_ROOT/tensorferry-$PREFIX-h$i
+    [ -d "$cg" ] || die "cgroup $cg of host h$i (--storage-rate $STORAGE_RATE) is gone: run 'up' again"
+    err=$({ echo "$me" >"$cg/cgroup.procs"; } 2>&1) || die "cannot join cgroup $cg: ${err##*: }"
+  fi
   # shellcheck disable=SC2016  # the inner script's $1.. are its own arguments
   exec ip netns exec "$ns" env TF_MULTIHOST_HOST="h$i" TF_MULTIHOST_IP="$SUBNET.$i" \
     TF_MULTIHOST_LOCAL="$(state)/local" GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-eth0}" \
@@ -406,13 +530,76 @@ s.shutdown(socket.SHUT_WR); s.recv(1); s.close()
   rm -f "$out"
 }
 
+# Timed O_DIRECT reads of N bytes, in every HOST at once: each host reads its own file (written into
+# its storage first, random bytes, fsynced), all starting at the same moment; prints one JSON line
+# per host (host, bytes, seconds, bytes_per_second, and the wall-clock start and end of its read).
+do_measure_storage() {
+  local bytes=$((100 * 1000 * 1000)) args=() py=${PYTHON:-python3}
+  while (($#)); do
+    case $1 in
+      --bytes) bytes=${2:?--bytes N}; shift 2 ;;
+      --prefix) PREFIX=${2:?--prefix P}; shift 2 ;;
+      *) args+=("$1"); shift ;;
+    esac
+  done
+  ((${#args[@]} >= 1)) || die "measure-storage [--bytes N] HOST..."
+  [[ $bytes =~ ^[0-9]+$ ]] && ((bytes >= 1048576)) || die "measure-storage: --bytes '$bytes': 1048576 or more"
+  load_state
+  local h i idx=() name tmp files pids=() start k rc=0
+  for h in "${args[@]}"; do
+    i=$(host_index "$h")
+    [[ " ${idx[*]} " != *" $i "* ]] || die "measure-storage: host h$i given twice"
+    idx+=("$i")
+  done
+  name=.measure-storage.$$
+  tmp=$(mktemp -d)
+  files=("$tmp")
+  for i in "${idx[@]}"; do files+=("$(state)/hosts/h$i/$name"); done
+  # shellcheck disable=SC2064  # the paths are fixed now
+  trap "rm -rf $(printf '%q ' "${files[@]}")" EXIT
+  for i in "${idx[@]}"; do
+    head -c "$bytes" /dev/urandom >"$(state)/hosts/h$i/$name" ||
+      die "measure-storage: cannot write $bytes bytes into host h$i's storage $(state)/hosts/h$i"
+  done
+  sync "${files[@]:1}"
+  start=$("$py" -c 'import time; print(time.time() + 1.0)')
+  for k in "${!idx[@]}"; do
+    i=${idx[$k]}
+    # shellcheck disable=SC2016
+    "$SELF" exec --prefix "$PREFIX" "$i" "$py" -c '
+import json, mmap, os, sys, time
+path, start = sys.argv[1], float(sys.argv[2])
+fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT wants
+while time.time() < start:
+    time.sleep(min(0.01, max(0.0, start - time.time())))
+t0, w0, got = time.monotonic(), time.time(), 0
+while True:
+    n = os.readv(fd, [buf])
+    if n == 0:
+        break
+    got += n
+dt, w1 = time.monotonic() - t0, time.time()
+print(json.dumps({"host": os.environ["TF_MULTIHOST_HOST"], "bytes": got, "seconds": dt,
+                  "bytes_per_second": got / dt, "start": w0, "end": w1}))
+' "$(state)/local/$name" "$start" >"$tmp/$k" &
+    pids+=($!)
+  done
+  for k in "${!pids[@]}"; do
+    wait "${pids[k]}" || { echo "multihost: measure-storage: the reader in h${idx[k]} failed" >&2; rc=1; }
+  done
+  ((rc == 0)) || exit 1
+  for k in "${!idx[@]}"; do cat "$tmp/$k"; done
+}
+
 do_status() {
   while [[ ${1:-} == --prefix ]]; do PREFIX=${2:?--prefix P}; shift 2; done
   load_state
   local i
-  echo "prefix=$PREFIX subnet=$SUBNET.0/24 hosts=$HOSTS rate=${RATE:-none} delay=${DELAY:-none} bridge=$SUBNET.254"
+  echo "prefix=$PREFIX subnet=$SUBNET.0/24 hosts=$HOSTS rate=${RATE:-none} delay=${DELAY:-none}" \
+    "bridge=$SUBNET.254 storage_rate=${STORAGE_RATE:-none}${STORAGE_RATE:+ storage_device=$STORAGE_DEV}${STORAGE_RATE:+ storage_cgroup=$STORAGE_CGROUP:$STORAGE_ROOT}"
   for ((i = 1; i <= HOSTS; i++)); do
-    echo "h$i $SUBNET.$i $PREFIX-h$i $(state)/hosts/h$i"
+    echo "h$i $SUBNET.$i $PREFIX-h$i $(state)/hosts/h$i${STORAGE_RATE:+ $STORAGE_ROOT/tensorferry-$PREFIX-h$i}"
   done
 }
 
@@ -444,5 +631,6 @@ case $cmd in
   mpirun) need_root; do_mpirun "$@" ;;
   stage) do_stage "$@" ;;
   measure) need_root; do_measure "$@" ;;
+  measure-storage) need_root; do_measure_storage "$@" ;;
   *) usage ;;
 esac

@@ -1,14 +1,17 @@
 """The multi-host rehearsal of scripts/multihost.sh (docs/distributed.md, "Multi-host rehearsal"):
 hosts as network namespaces on a shaped bridge, tensorferry-mpi across them over TCP (cooperative
 equals sliced), torch.distributed (gloo) across them (cooperative equals sliced byte for byte),
-the configured rate measured, and nothing left behind. Needs root and `ip netns`."""
+the configured rate measured, the per-host storage rate (cgroup blkio/io throttling) measured, and
+nothing left behind. Needs root and `ip netns`."""
 import glob
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -18,6 +21,7 @@ from conftest import CLI, ROOT
 SCRIPT = os.path.join(ROOT, "scripts", "multihost.sh")
 MPI_TOOL = os.path.join(os.path.dirname(os.path.abspath(CLI)), "tensorferry-mpi")
 RATE_MBIT = 100
+STORAGE_MBPS = 40  # per host, MB/s: 2 hosts at once stay far below this VM's ~900 MB/s disk
 
 
 def _netns_unavailable():
@@ -45,8 +49,19 @@ def _sh(*args, env=None, timeout=60, check=True):
     return r
 
 
+def _cgroup_roots():
+    """The cgroup hierarchies --storage-rate may use: v1 blkio, and the unified one."""
+    roots = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mnt, fstype, opts = line.split()[:4]
+            if fstype == "cgroup2" or (fstype == "cgroup" and "blkio" in opts.split(",")):
+                roots.append(mnt)
+    return roots
+
+
 def _leftovers(prefix, state_dir):
-    """Everything named with `prefix` that still exists: namespaces, links, files."""
+    """Everything named with `prefix` that still exists: namespaces, links, files, cgroups."""
     names = [line.split()[0] for line in
              subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                             check=True).stdout.splitlines() if line.strip()]
@@ -58,6 +73,8 @@ def _leftovers(prefix, state_dir):
     left += [p for p in [os.path.join(state_dir, prefix)] if os.path.exists(p)]
     addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
     left += [line for line in addrs.splitlines() if f"{prefix}-" in line]
+    for root in _cgroup_roots():
+        left += glob.glob(os.path.join(root, f"tensorferry-{prefix}-h*"))
     return left
 
 
@@ -225,4 +242,127 @@ def test_up_down_idempotent_delay_and_nothing_left(tmp_path):
     finally:
         _sh("down", env=env)
         _sh("down", env=env)  # twice: a no-op
+    assert _leftovers(prefix, state) == []
+
+
+@pytest.fixture(scope="module")
+def storage_rehearsal():
+    """Two hosts reading at most STORAGE_MBPS each, state on a disk (/var/tmp: /tmp may be a tmpfs,
+    which no block throttle sees); torn down, and checked gone."""
+    state = tempfile.mkdtemp(prefix="tf-multihost-", dir="/var/tmp")
+    prefix = _prefix("s")
+    env = dict(os.environ, MULTIHOST_DIR=state, MULTIHOST_PREFIX=prefix)
+    try:
+        r = _sh("up", "--hosts", "2", "--storage-rate", f"{STORAGE_MBPS}mbps", env=env,
+                check=False)
+        if r.returncode != 0:
+            # Only a machine without a block throttle may refuse, saying so, and leaving nothing.
+            assert "no cgroup controller to throttle reads" in r.stderr, r.stderr
+            assert _leftovers(prefix, state) == []
+            pytest.skip(r.stderr.strip())
+        yield {"prefix": prefix, "env": env, "state": state}
+    finally:
+        _sh("down", env=env)
+        assert _leftovers(prefix, state) == []
+        shutil.rmtree(state)
+
+
+def _measure_storage(env, hosts, nbytes):
+    r = _sh("measure-storage", "--bytes", str(nbytes), *hosts, env=env, timeout=60)
+    got = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [g["host"] for g in got] == list(hosts)
+    assert all(g["bytes"] == nbytes for g in got), got
+    return got
+
+
+def test_storage_rate_one_host(storage_rehearsal):
+    env, p = storage_rehearsal["env"], storage_rehearsal["prefix"]
+    status = _sh("status", env=env).stdout.splitlines()
+    assert f"storage_rate={STORAGE_MBPS}mbps" in status[0].split()
+    for i in (1, 2):
+        cg = status[i].split()[4]
+        assert os.path.basename(cg) == f"tensorferry-{p}-h{i}" and os.path.isdir(cg)
+    # A command in a host is in that host's cgroup.
+    cgroups = _sh("exec", "h2", "cat", "/proc/self/cgroup", env=env).stdout
+    assert f"/tensorferry-{p}-h2\n" in cgroups, cgroups
+    (one,) = _measure_storage(env, ["h1"], 48 * 1000 * 1000)
+    mbps = one["bytes_per_second"] / 1e6
+    assert 0.8 * STORAGE_MBPS <= mbps <= 1.2 * STORAGE_MBPS, one
+
+
+def test_storage_rate_two_hosts_at_once_each_its_own(storage_rehearsal):
+    got = _measure_storage(storage_rehearsal["env"], ["h1", "h2"], 48 * 1000 * 1000)
+    for g in got:
+        mbps = g["bytes_per_second"] / 1e6
+        assert 0.8 * STORAGE_MBPS <= mbps <= 1.2 * STORAGE_MBPS, got
+    # The two reads ran at the same time (each over most of the other's): the rate is per host,
+    # not shared.
+    overlap = min(g["end"] for g in got) - max(g["start"] for g in got)
+    assert overlap >= 0.8 * max(g["seconds"] for g in got), got
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (Open MPI) is not installed")
+def test_storage_rate_mpi_ranks_are_in_their_hosts_cgroup(storage_rehearsal):
+    out = _sh("mpirun", "--ranks-per-host", "2", "--", "sh", "-c",
+              'echo "$OMPI_COMM_WORLD_RANK" $(cat /proc/self/cgroup)',  # one line a rank
+              env=storage_rehearsal["env"], timeout=60).stdout
+    p = storage_rehearsal["prefix"]
+    where = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert sorted(where) == ["0", "1", "2", "3"], out
+    for rank, line in where.items():
+        assert f"/tensorferry-{p}-h{int(rank) // 2 + 1}" in line, out
+
+
+def test_storage_rate_down_ends_processes_and_refusals_leave_nothing(tmp_path):
+    state = tempfile.mkdtemp(prefix="tf-multihost-", dir="/var/tmp")
+    prefix = _prefix("r")
+    env = dict(os.environ, MULTIHOST_DIR=state, MULTIHOST_PREFIX=prefix)
+    sleeper = None
+    try:
+        r = _sh("up", "--hosts", "2", "--storage-rate", "800mbit", env=env, check=False)
+        if r.returncode != 0:
+            assert "no cgroup controller to throttle reads" in r.stderr, r.stderr
+            pytest.skip(r.stderr.strip())
+        # A process that ignores SIGTERM, in h1's cgroup: `up` again (without a storage rate)
+        # ends it and removes the cgroups.
+        sleeper = subprocess.Popen([SCRIPT, "exec", "h1", "sh", "-c", "trap '' TERM; sleep 60"],
+                                   env=env)
+        cg = [g for g in (os.path.join(root, f"tensorferry-{prefix}-h1")
+                          for root in _cgroup_roots()) if os.path.isdir(g)]
+        assert len(cg) == 1
+        deadline = time.monotonic() + 10
+        while not open(os.path.join(cg[0], "cgroup.procs")).read().strip():
+            assert time.monotonic() < deadline, "the process never joined the cgroup"
+            time.sleep(0.05)
+        _sh("up", "--hosts", "2", env=env, timeout=60)
+        assert sleeper.wait(timeout=10) != 0
+        assert "storage_rate=none" in _sh("status", env=env).stdout
+        assert not [n for n in _leftovers(prefix, state) if "tensorferry-" in n]
+        _sh("down", env=env)
+        assert _leftovers(prefix, state) == []
+        # Refusals, before anything is created: a unit that is not tc's, a rate of 0, a state
+        # directory on a tmpfs, and no controller (every cgroup hierarchy unmounted in a private
+        # mount namespace).
+        for rate, want in (("50MB", "unknown unit 'mb'"), ("0mbps", "must be above 0")):
+            r = _sh("up", "--hosts", "2", "--storage-rate", rate, env=env, check=False)
+            assert r.returncode != 0 and want in r.stderr, r.stderr
+        tmpfs = str(tmp_path / "tmpfs")
+        os.mkdir(tmpfs)
+        script = (f"mount -t tmpfs tf-multihost-test {tmpfs} && "
+                  f"MULTIHOST_DIR={tmpfs} {SCRIPT} up --hosts 2 --storage-rate 50mbps")
+        r = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode != 0, r.stderr
+        assert "is on tmpfs" in r.stderr and "not on a block device" in r.stderr, r.stderr
+        script = ("findmnt -rn -t cgroup,cgroup2 -o TARGET | while read -r m; do umount -l \"$m\"; "
+                  f"done; {SCRIPT} up --hosts 2 --storage-rate 50mbps")
+        r = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode != 0 and "no cgroup controller to throttle reads" in r.stderr, r.stderr
+        assert _leftovers(prefix, state) == []
+    finally:
+        if sleeper is not None and sleeper.poll() is None:
+            sleeper.kill()
+        _sh("down", env=env)
+        shutil.rmtree(state, ignore_errors=True)
     assert _leftovers(prefix, state) == []

@@ -6,15 +6,20 @@
 # whose storage reads run at STORAGE_RATE per host (blkio throttling), stages CKPT on every host,
 # and loads it with tensorferry-mpi, RANKS_PER_HOST ranks per host, with O_DIRECT (every read goes
 # to the throttled disk: storage-bound, no page cache shared between hosts), REPEATS times per
-# contender, the contenders alternating within each repetition:
+# contender, the contenders alternating within each repetition (each repetition starting one
+# contender later):
 #   sliced          every rank reads its own slices (--mode sliced)
 #   exchange-all    cooperative, every tensor exchanged (--exchange all)
 #   exchange-auto   cooperative, the cost model's choice (--exchange auto) with the rates given
 #   exchange-none   cooperative path, nothing exchanged (the model's "all local")
 # Prints one JSON line per run and a summary (median wall seconds per contender) at the end; the
 # cost model's plan (--explain) first. Root only. Environment (defaults in brackets):
-#   HOSTS [4] RANKS_PER_HOST [2] RATE [200mbit] STORAGE_RATE [20mbps, tc units: 20 MB/s] CKPT [data/small]
+#   HOSTS [4] RANKS_PER_HOST [2] RATE [200mbit] STORAGE_RATE [20mbps, tc units: 20 MB/s]
+#   CKPT [data/small]
 #   REPEATS [3] CONTENDERS ["sliced exchange-all exchange-auto exchange-none"] PREFIX [tfcoop]
+#   COLD [1]: --cold, the files evicted from every host's page cache before each run (else the
+#   staged copies are cached, and strided slices read exactly from the cache are not throttled)
+#   BUDGET [32MB]: --budget, bytes per rank per round of the cooperative exchange
 #   MODEL_STORAGE / MODEL_NETWORK: the rates given to the cost model, bytes per second per host
 #   [STORAGE_RATE and RATE's bytes per second]; TF_MPI [build/release/bin/tensorferry-mpi].
 set -euo pipefail
@@ -29,6 +34,8 @@ REPEATS=${REPEATS:-3}
 CONTENDERS=${CONTENDERS:-sliced exchange-all exchange-auto exchange-none}
 PREFIX=${PREFIX:-tfcoop}
 TF_MPI=${TF_MPI:-$PWD/build/release/bin/tensorferry-mpi}
+COLD=${COLD:-1}
+BUDGET=${BUDGET:-32MB}
 
 [ "$(id -u)" = 0 ] || { echo "multihost_coop: needs root (network namespaces, cgroups)" >&2; exit 2; }
 [ -x "$TF_MPI" ] || { echo "multihost_coop: $TF_MPI not built" >&2; exit 2; }
@@ -56,11 +63,13 @@ trap cleanup EXIT
 path=$("$mh" stage --prefix "$PREFIX" "$CKPT" ckpt)
 echo "# $(date -u +%FT%TZ) $(uptime | sed 's/.*load average/load average/')" >&2
 echo "# $HOSTS hosts x $RANKS_PER_HOST ranks, link $RATE, storage $STORAGE_RATE per host," \
-  "model storage $MODEL_STORAGE B/s network $MODEL_NETWORK B/s, checkpoint $CKPT" >&2
+  "cold $COLD, budget $BUDGET, model storage $MODEL_STORAGE B/s network $MODEL_NETWORK B/s," \
+  "checkpoint $CKPT" >&2
 
 run() {  # contender -> one JSON document on stdout
-  local args=(load "$path" --shard-rules builtin --direct on --json
+  local args=(load "$path" --shard-rules builtin --direct on --json --budget "$BUDGET"
               --storage-rate "$MODEL_STORAGE" --network-rate "$MODEL_NETWORK")
+  [ "$COLD" = 1 ] && args+=(--cold)
   case $1 in
     sliced) args+=(--mode sliced) ;;
     exchange-all) args+=(--mode cooperative --exchange all) ;;
@@ -72,12 +81,16 @@ run() {  # contender -> one JSON document on stdout
 }
 
 "$mh" mpirun --prefix "$PREFIX" --ranks-per-host "$RANKS_PER_HOST" -- "$TF_MPI" load "$path" \
-  --shard-rules builtin --explain --storage-rate "$MODEL_STORAGE" \
+  --shard-rules builtin --explain --budget "$BUDGET" --storage-rate "$MODEL_STORAGE" \
   --network-rate "$MODEL_NETWORK" | sed -n '1,6p' >&2
 
 results=$(mktemp)
+read -r -a contenders <<<"$CONTENDERS"
+n=${#contenders[@]}
 for ((rep = 1; rep <= REPEATS; rep++)); do
-  for c in $CONTENDERS; do
+  # Each repetition starts one contender later, so none always runs right after the same one.
+  for ((j = 0; j < n; j++)); do
+    c=${contenders[$(((rep - 1 + j) % n))]}
     doc=$(run "$c")
     python3 - "$c" "$rep" "$doc" <<'EOF' | tee -a "$results"
 import json, sys

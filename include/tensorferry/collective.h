@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tensorferry/status.h"
@@ -51,10 +52,60 @@ class Collective {
   virtual Status Scatterv(std::span<const std::byte> send, std::span<const uint64_t> counts,
                           std::span<std::byte> recv, uint32_t root) = 0;
 
+  // Every member sends a block to every member and receives one from each: `send` is the
+  // concatenation of the blocks for members 0, 1, ... (send_counts[q] bytes for member q, the
+  // member's own block included), `recv` the concatenation of the blocks from members 0, 1, ...
+  // (recv_counts[p] bytes from member p). Counts must agree pairwise: send_counts[q] on member p
+  // equals recv_counts[p] on member q (a mismatch is kInvalidArgument on every member). All
+  // pairs transfer at once, so every member's link is busy (the cooperative exchange's one call
+  // per round).
+  virtual Status AllToAllv(std::span<const std::byte> send, std::span<const uint64_t> send_counts,
+                           std::span<std::byte> recv, std::span<const uint64_t> recv_counts) = 0;
+
   // values[r] = the `value` member r passed, on every member.
   virtual Result<std::vector<uint64_t>> AllGather(uint64_t value) = 0;
 
   virtual Status Barrier() = 0;
+
+  // Ends the group's work because of `why` (a rank died, a link is down: a call has waited too
+  // long); callable from any thread while another thread is blocked in a call of this member.
+  // Returns false where the implementation cannot interrupt anything. MpiCollective cannot cancel
+  // an MPI call: it prints `why` on stderr and calls MPI_Abort on its communicator (the job ends,
+  // as when a rank dies); the in-process group makes every member's pending and later calls
+  // return `why`. Thread-safe, unlike the other calls.
+  virtual bool Abort(const Status& why) {
+    (void)why;
+    return false;
+  }
+};
+
+// Bounds how long one member waits in collective calls: each call (or group of calls) runs as a
+// named step through Watch; a step that lasts longer than the timeout ends the group with
+// Collective::Abort(kIoError "<what>: rank R waited T s in <step> for the other ranks
+// (coop_timeout_ms); a rank died or hangs, or a link is down"). A helper thread exists only with a
+// timeout (0: nothing is watched). The collective must outlive the watchdog. Watch is called by
+// the thread that makes the collective calls; the watchdog's own thread only calls Abort.
+class CollectiveWatchdog {
+ public:
+  CollectiveWatchdog(Collective& collective, uint64_t timeout_ms, std::string what);
+  ~CollectiveWatchdog();
+  CollectiveWatchdog(const CollectiveWatchdog&) = delete;
+  CollectiveWatchdog& operator=(const CollectiveWatchdog&) = delete;
+
+  // Runs fn() (collective calls) as step `step`; returns what fn returns.
+  template <typename Fn>
+  auto Watch(const std::string& step, Fn&& fn) {
+    Begin(step);
+    auto result = fn();
+    End();
+    return result;
+  }
+
+ private:
+  void Begin(const std::string& step);
+  void End();
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
 // `world` members of one in-process group (world >= 1), member r at index r. The members share

@@ -119,12 +119,13 @@ struct CooperativePlan {
 // host_of_rank[r], dense indices from 0). The choice (options.cooperative.exchange):
 //   all / none: every tensor exchanged / local.
 //   auto: start with every tensor local; the tensors whose exchange would save storage bytes
-//   (local_read > exchange_read) are taken in decreasing order of storage bytes saved per
-//   network byte spent, and the plan exchanges the prefix of that order whose estimate
-//   max(read / storage_rate, network / network_rate) over average hosts is the lowest (ties:
-//   the shorter prefix); then, of that plan, all local and all exchanged, the one whose exact
-//   estimate (below) is the lowest. On one host the network is free: every tensor that saves reads
-//   is exchanged; exact dim-0 slices never save any and stay local.
+//   (local_read > exchange_read) are ordered by decreasing storage bytes saved per network byte
+//   spent, and the plan exchanges the prefix of that order whose exact estimate (below: actual
+//   readers, the busiest host) is the lowest, among the first 32 prefixes, 64 spread over the
+//   order, and those around the best prefix of the same model over average hosts (ties: the
+//   shorter prefix); all exchanged replaces it when strictly faster. On one host the network is
+//   free: every tensor that saves reads is exchanged; exact dim-0 slices never save any and stay
+//   local.
 // Covering reads use options.tensor_parallel's max_gap when it is set, else the default 64 KiB.
 // Rounds are bounded by options.budget (AssignRounds). Errors: those of DescribeSelection (SliceOf
 // included), kInvalidArgument for an empty host_of_rank or host indices that are not dense.

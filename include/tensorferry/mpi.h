@@ -43,6 +43,9 @@ class MpiCollective final : public Collective {
                    uint32_t root) override;
   Status Scatterv(std::span<const std::byte> send, std::span<const uint64_t> counts,
                   std::span<std::byte> recv, uint32_t root) override;
+  Status AllToAllv(std::span<const std::byte> send, std::span<const uint64_t> send_counts,
+                   std::span<std::byte> recv, std::span<const uint64_t> recv_counts) override;
+  bool Abort(const Status& why) override;
   Result<std::vector<uint64_t>> AllGather(uint64_t value) override;
   Status Barrier() override;
 

@@ -9,7 +9,8 @@
 // Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
 // allow_oversized, order, pool_bytes, populate, prefer_mmap, device, gds, staging_bytes,
 // staging_slot, device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap,
-// verify, coop_exchange, coop_storage_rate, coop_network_rate, and for object storage
+// verify, coop_exchange, coop_storage_rate, coop_network_rate, coop_timeout_ms, and for object
+// storage
 // (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id, s3_secret_access_key,
 // s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_* variables apply),
 // object_concurrency, object_part_size, object_retries, object_timeout_ms, object_header_bytes,
@@ -75,6 +76,11 @@ struct CooperativeOptions {
   // Bytes per second one host receives from the other hosts; 0: the default above
   // (TENSORFERRY_COOP_NETWORK_RATE). Ranks on one host exchange through memory, at no cost.
   uint64_t network_rate = 0;
+  // The longest a rank waits in one step of the load for the other ranks (a round's reads, an
+  // exchange) before it gives up, in milliseconds; 0: forever (TENSORFERRY_COOP_TIMEOUT_MS). A
+  // rank that died or hangs, or a link that went down, then ends every waiting rank with an error
+  // naming the rank and the step (Collective::Abort: an MPI job is aborted).
+  uint64_t timeout_ms = 300'000;
 };
 
 // How bytes get from the files into memory.

@@ -13,8 +13,13 @@ the slices reach their owners through torch.distributed collectives:
 gloo exchanges CPU tensors; with device="cuda" (NCCL) the reader moves its tensors to its GPU
 first and every buffer lives on the GPU. The result on each rank equals the independent per-rank
 sliced load byte for byte. A read error on any rank is made known to all (an all-reduce of a flag
-per round), so every rank raises instead of waiting in a collective.
+per round), so every rank raises instead of waiting in a collective. Every collective waits at
+most coop_timeout_ms (LoadOptions' key, default 300000; 0: forever): a rank that died or hangs, or
+a link that went down, ends the waiting ranks with an OSError naming the rank and the step (and
+the process group is unusable afterwards, as after any failed collective).
 """
+import datetime
+import errno
 import time
 
 from . import _core
@@ -52,6 +57,8 @@ class Cooperative:
         self._fw = fw
         self._device = device
         self._budget = options.get("budget") or 0
+        timeout_ms = options.get("coop_timeout_ms")
+        self._timeout_ms = 300000 if timeout_ms is None else int(timeout_ms)
         self._reader_options = {k: v for k, v in options.items()
                                 if v is not None and k not in _TP_KEYS and k != "budget"}
         self.stats = {}
@@ -62,7 +69,7 @@ class Cooperative:
         out = load_cooperative(self._base, process_group=self._group, shard_spec=self._spec_json,
                                fw=self._fw, device=self._device, names=names,
                                budget=self._budget, reader_options=self._reader_options,
-                               stats=figures)
+                               stats=figures, timeout_ms=self._timeout_ms)
         self.stats = figures
         stats = stats_type(tensors=figures["tensors"], bytes=figures["bytes"],
                            batches=figures["rounds"], seconds=figures["seconds"])
@@ -89,8 +96,24 @@ def _as_bytes(torch, tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _collective(step, rank, timeout, start):
+    """Runs start() (a torch.distributed call with async_op=True) and waits for it at most
+    `timeout` (a timedelta; None: forever); its failure as an OSError naming this rank and
+    `step`."""
+    try:
+        work = start()
+        if work is not None:
+            if timeout is None:
+                work.wait()
+            elif not work.wait(timeout=timeout):
+                raise TimeoutError(f"not done after {timeout.total_seconds():g} s")
+    except Exception as e:
+        raise OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} (a rank "
+                                 "died or hangs, or a link is down?)") from e
+
+
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
-                     reader_options=None, stats=None):
+                     reader_options=None, stats=None, timeout_ms=300000):
     """Loads this rank's shard of `names` (None: all) cooperatively; returns {name: tensor} in
     checkpoint order, local shapes. base: a _core.Reader of the checkpoint (its files are read;
     nothing is opened again). shard_spec: "builtin", "none" or ShardSpec JSON text.
@@ -106,6 +129,7 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     if rank < 0:
         raise _core.InvalidArgumentError("this process is not a member of process_group")
     start = time.perf_counter()
+    timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else None
     plan, outputs = base.cooperative_plan(names, shard_spec, world, budget or 0)
     on_gpu = device.type != "cpu"
     # NCCL needs every buffer on the GPU, gloo on the CPU.
@@ -140,7 +164,9 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             t0 = time.perf_counter()
             flags = torch.zeros(world, dtype=torch.int32, device=comm_device)
             flags[rank] = 1 if error is not None else 0
-            dist.all_reduce(flags, group=group)
+            step = f"round {k} of {rounds}"
+            _collective(f"{step} (every rank's reads)", rank, timeout,
+                        lambda: dist.all_reduce(flags, group=group, async_op=True))
             if error is not None:
                 raise error
             failed = [q for q in range(world) if flags[q].item()]
@@ -155,15 +181,15 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 if dim < 0:
                     if root == rank:
                         t = loaded.pop(name)
-                        if t.numel():
-                            dist.broadcast(t, src=src, group=group)
                         figures["bytes_sent"] += t.nbytes * (world - 1)
                     else:
                         t = torch.empty(fw.shape(st_dtype, shape, name), dtype=tdtype,
                                         device=comm_device)
-                        if t.numel():
-                            dist.broadcast(t, src=src, group=group)
                         figures["bytes_received"] += t.nbytes
+                    if t.numel():
+                        _collective(f"{step} (broadcast of {name})", rank, timeout,
+                                    lambda: dist.broadcast(t, src=src, group=group,
+                                                           async_op=True))
                     out[name] = t
                     continue
                 counts = [p[2] for p in parts]
@@ -191,7 +217,9 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                     del full
                 else:
                     figures["bytes_received"] += counts[rank]
-                dist.scatter(recv, scatter_list, src=src, group=group)
+                _collective(f"{step} (scatter of {name})", rank, timeout,
+                            lambda: dist.scatter(recv, scatter_list, src=src, group=group,
+                                                 async_op=True))
                 del scatter_list
                 mine_bytes = recv[:counts[rank]]
                 if counts[rank] < longest:

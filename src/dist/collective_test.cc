@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
 #include <thread>
 
@@ -69,6 +70,54 @@ TEST(InProcessCollective, BroadcastScatterAllGatherEveryWorldSize) {
   }
 }
 
+// Block p -> q has Count(p, q) bytes (some empty), filled with a pattern naming p and q.
+uint64_t Count(uint32_t p, uint32_t q) {
+  return ((p * 3 + q * 5 + 1) % 7) * 11;
+}
+
+TEST(InProcessCollective, AllToAllvEveryWorldSize) {
+  for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
+    RunGroup(world, [&](Collective& c) {
+      const uint32_t me = c.rank();
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        std::vector<uint64_t> send_counts(world), recv_counts(world);
+        std::vector<std::byte> send;
+        for (uint32_t q = 0; q < world; ++q) {
+          send_counts[q] = Count(me, q);
+          recv_counts[q] = Count(q, me);
+          const auto block = Pattern(send_counts[q], me * 16 + q + repeat);
+          send.insert(send.end(), block.begin(), block.end());
+        }
+        uint64_t total = 0;
+        for (uint64_t n : recv_counts) total += n;
+        std::vector<std::byte> recv(total);
+        ASSERT_TRUE(c.AllToAllv(send, send_counts, recv, recv_counts).ok());
+        uint64_t offset = 0;
+        for (uint32_t p = 0; p < world; ++p) {
+          const auto want = Pattern(Count(p, me), p * 16 + me + repeat);
+          EXPECT_TRUE(std::equal(want.begin(), want.end(), recv.begin() + offset))
+              << "block from " << p << " to " << me;
+          offset += Count(p, me);
+        }
+      }
+    });
+  }
+}
+
+// Abort, from another thread, ends a member's pending call and every later one with its status.
+TEST(InProcessCollective, AbortEndsPendingAndLaterCalls) {
+  auto group = MakeInProcessGroup(2).ValueOrThrow();
+  Status pending;
+  std::thread waiter([&] { pending = group[0]->Barrier(); });  // member 1 never comes
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(group[1]->Abort(Status(Code::kIoError, "rank 1 is gone")));
+  waiter.join();
+  EXPECT_EQ(pending.code(), Code::kIoError);
+  EXPECT_EQ(pending.message(), "rank 1 is gone");
+  EXPECT_EQ(group[0]->AllGather(1).status().message(), "rank 1 is gone");
+  EXPECT_EQ(group[1]->Barrier().message(), "rank 1 is gone");
+}
+
 TEST(InProcessCollective, MismatchesAreErrorsOnEveryMember) {
   RunGroup(3, [](Collective& c) {
     // Rank 2 expects a different size: every member gets the same error.
@@ -92,6 +141,15 @@ TEST(InProcessCollective, MismatchesAreErrorsOnEveryMember) {
     s = c.Scatterv(c.rank() == 0 ? std::span<const std::byte>(two) : std::span<const std::byte>(),
                    counts, one, 0);
     EXPECT_EQ(s.code(), Code::kInvalidArgument);
+    // AllToAllv: rank 1 expects 3 bytes from rank 0, which sends 2.
+    std::vector<uint64_t> send_counts = {2, 2, 2};
+    std::vector<uint64_t> recv_counts = {c.rank() == 1 ? 3u : 2u, 2, 2};
+    std::vector<std::byte> out(6), in(c.rank() == 1 ? 7 : 6);
+    s = c.AllToAllv(out, send_counts, in, recv_counts);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument);
+    EXPECT_NE(s.message().find("rank 0 sends 2 bytes to rank 1, which expects 3"),
+              std::string::npos)
+        << s.ToString();
   });
 }
 

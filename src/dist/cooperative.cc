@@ -4,12 +4,15 @@
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 
 #include "tensorferry/size.h"
@@ -202,9 +205,9 @@ CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
 
 // The tensors to exchange under ExchangeChoice::kAuto (see PlanCooperative).
 std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tensors,
-                                  const std::vector<Costed>& costed, uint32_t hosts,
+                                  const std::vector<Costed>& costed,
+                                  std::span<const uint32_t> host_of_rank, uint32_t hosts,
                                   uint64_t storage_rate, uint64_t network_rate) {
-  std::vector<bool> exchanged(tensors.size(), false);
   std::vector<size_t> candidates;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].local_read > tensors[i].exchange_read) candidates.push_back(i);
@@ -218,7 +221,9 @@ std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tens
     return saved(a) * static_cast<double>(tensors[b].exchange_network) >
            saved(b) * static_cast<double>(tensors[a].exchange_network);
   });
-  // The model over average hosts, prefix by prefix: storage falls, network rises.
+  const size_t n = candidates.size();
+  // The model over average hosts, prefix by prefix: storage falls, network rises; its best
+  // prefix is where the two meet.
   double read = 0, network = 0;
   for (const Costed& c : costed) {
     uint64_t sum = 0;
@@ -229,19 +234,41 @@ std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tens
     return std::max(read / static_cast<double>(storage_rate),
                     network / static_cast<double>(network_rate));
   };
-  double best = seconds();
-  size_t best_prefix = 0;
-  for (size_t k = 0; k < candidates.size(); ++k) {
+  double best_average = seconds();
+  size_t average_prefix = 0;
+  for (size_t k = 0; k < n; ++k) {
     const CooperativeTensorPlan& t = tensors[candidates[k]];
     read -= static_cast<double>(t.local_read - t.exchange_read);
     network += static_cast<double>(t.exchange_network);
-    if (seconds() < best * (1 - 1e-12)) {
-      best = seconds();
-      best_prefix = k + 1;
+    if (seconds() < best_average * (1 - 1e-12)) {
+      best_average = seconds();
+      average_prefix = k + 1;
     }
   }
-  for (size_t k = 0; k < best_prefix; ++k) exchanged[candidates[k]] = true;
-  return exchanged;
+  // The busiest host differs from the average one (a tensor read on one host is received by
+  // every other), so prefixes are compared by the exact estimate: the first 32, 64 spread over
+  // the whole order, and those around the average model's best.
+  std::vector<size_t> prefixes;
+  for (size_t p = 0; p <= std::min<size_t>(n, 32); ++p) prefixes.push_back(p);
+  for (size_t i = 1; i <= 64; ++i) prefixes.push_back((n * i + 63) / 64);
+  for (size_t p = average_prefix >= 2 ? average_prefix - 2 : 0; p <= average_prefix + 2; ++p) {
+    if (p <= n) prefixes.push_back(p);
+  }
+  std::sort(prefixes.begin(), prefixes.end());
+  prefixes.erase(std::unique(prefixes.begin(), prefixes.end()), prefixes.end());
+  std::vector<bool> exchanged(tensors.size(), false), best;
+  double best_seconds = 0;
+  size_t done = 0;
+  for (const size_t p : prefixes) {
+    for (; done < p; ++done) exchanged[candidates[done]] = true;
+    const double e =
+        Estimate(costed, exchanged, host_of_rank, hosts, storage_rate, network_rate).seconds;
+    if (best.empty() || e < best_seconds * (1 - 1e-12)) {
+      best_seconds = e;
+      best = exchanged;
+    }
+  }
+  return best;
 }
 
 Status CheckHosts(std::span<const uint32_t> host_of_rank, uint32_t* hosts) {
@@ -324,7 +351,8 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
 
   std::vector<bool> exchanged(plan.tensors.size(), plan.choice == ExchangeChoice::kAll);
   if (plan.choice == ExchangeChoice::kAuto) {
-    exchanged = ChooseExchanged(plan.tensors, costed, hosts, plan.storage_rate, plan.network_rate);
+    exchanged = ChooseExchanged(plan.tensors, costed, host_of_rank, hosts, plan.storage_rate,
+                                plan.network_rate);
   }
   const std::vector<bool> none(plan.tensors.size(), false), all(plan.tensors.size(), true);
   plan.all_local =
@@ -335,8 +363,8 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
   plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
                          plan.network_rate, &readers);
   if (plan.choice == ExchangeChoice::kAuto) {
-    // The greedy order works on average hosts; the exact estimates (actual readers, the busiest
-    // host) may still prefer one of the uniform plans: take it when strictly faster.
+    // Prefixes hold only the tensors that save reads: exchanging every tensor (exact dim-0
+    // slices too, which spreads the reads by bytes) may still be faster: take it when strictly so.
     for (const bool uniform : {false, true}) {
       const CooperativePlan::Estimate& e = uniform ? plan.all_exchanged : plan.all_local;
       if (e.seconds < plan.chosen.seconds * (1 - 1e-9)) {
@@ -398,8 +426,10 @@ class RoundRunner {
   // `loader` is null when it could not open (`open_status` says why). `items[i]` is the item of
   // plan.tensors[i].
   RoundRunner(const CooperativePlan& plan, const std::vector<Item>& items, Collective& collective,
-              Loader* loader, Status open_status, CooperativeStats& stats)
+              CollectiveWatchdog& watchdog, Loader* loader, Status open_status,
+              CooperativeStats& stats)
       : plan_(plan),
+        watchdog_(watchdog),
         items_(items),
         collective_(collective),
         loader_(loader),
@@ -421,7 +451,10 @@ class RoundRunner {
       // On an error the future's destructor waits for the read in flight (bounded) before the
       // loader goes away.
       const Clock::time_point exchange_start = Clock::now();
-      TF_RETURN_IF_ERROR(AgreeOnReads(current.status()));
+      const std::string round =
+          "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds);
+      TF_RETURN_IF_ERROR(watchdog_.Watch(round + " (every rank's reads)",
+                                         [&] { return AgreeOnReads(current.status()); }));
       TF_RETURN_IF_ERROR(Exchange(k, *current, out));
       stats_.exchange_seconds += SecondsSince(exchange_start);
       stats_.rounds++;
@@ -463,90 +496,117 @@ class RoundRunner {
     return AgreeOnStatus(collective_, read_status, "reading its share");
   }
 
-  // Exchanges round k's tensors, tensor by tensor in checkpoint order; `loaded`: this rank's reads.
+  // Bytes of tensor `i`'s part for rank q: the whole tensor (replicated) or q's slice.
+  uint64_t Part(size_t i, uint32_t q) const {
+    return items_[i].whole ? items_[i].info->size : items_[i].counts[q];
+  }
+
+  // Exchanges round k's tensors in one AllToAllv: every rank sends each other rank that rank's
+  // parts of the tensors it read this round, in plan order, each padded to kPartAlign bytes, and
+  // receives its parts from every reader the same way; all links are busy at once. The received
+  // parts stay in one buffer that the tensors co-own. `loaded`: this rank's reads of the round.
   Status Exchange(uint32_t k, const std::vector<Tensor>& loaded, std::vector<Tensor>& out) {
-    size_t next_loaded = 0;
+    std::vector<size_t> round;  // plan indices of the round's tensors
     for (size_t i = 0; i < plan_.tensors.size(); ++i) {
-      if (!plan_.tensors[i].exchanged || plan_.tensors[i].round != k) continue;
-      const Item& item = items_[i];
-      const uint32_t root = plan_.tensors[i].reader;
-      const Tensor* source = nullptr;
-      if (root == me_) {
-        if (next_loaded >= loaded.size() || loaded[next_loaded].name() != item.info->name) {
-          return Status(
-              Code::kInternal,
-              "cooperative load: loader returned tensors out of order at " + item.info->name);
-        }
-        source = &loaded[next_loaded++];
+      if (plan_.tensors[i].exchanged && plan_.tensors[i].round == k) round.push_back(i);
+    }
+    // This rank's reads, in plan order.
+    std::vector<const Tensor*> source(round.size(), nullptr);
+    size_t next_loaded = 0;
+    for (size_t j = 0; j < round.size(); ++j) {
+      if (plan_.tensors[round[j]].reader != me_) continue;
+      const std::string& name = items_[round[j]].info->name;
+      if (next_loaded >= loaded.size() || loaded[next_loaded].name() != name) {
+        return Status(Code::kInternal,
+                      "cooperative load: loader returned tensors out of order at " + name);
       }
-      TF_ASSIGN_OR_RETURN(out[i],
-                          item.whole ? Broadcast(item, root, source) : Scatter(item, root, source));
+      source[j] = &loaded[next_loaded++];
+    }
+    std::vector<uint64_t> send_counts(world_, 0), recv_counts(world_, 0);
+    for (const size_t i : round) {
+      const uint32_t reader = plan_.tensors[i].reader;
+      if (reader == me_) {
+        for (uint32_t q = 0; q < world_; ++q) {
+          if (q == me_) continue;
+          send_counts[q] += AlignPart(Part(i, q));
+          stats_.bytes_sent += Part(i, q);
+        }
+      } else {
+        recv_counts[reader] += AlignPart(Part(i, me_));
+        stats_.bytes_received += Part(i, me_);
+      }
+    }
+    // Pack: block q holds q's parts of this rank's tensors of the round, in plan order.
+    std::vector<uint64_t> cursor(world_, 0);
+    uint64_t send_total = 0, recv_total = 0;
+    for (uint32_t q = 0; q < world_; ++q) {
+      cursor[q] = send_total;
+      send_total += send_counts[q];
+      recv_total += recv_counts[q];
+    }
+    if (pack_.size() < send_total) pack_.resize(send_total);
+    for (size_t j = 0; j < round.size(); ++j) {
+      if (source[j] == nullptr) continue;
+      const size_t i = round[j];
+      const Item& item = items_[i];
+      for (uint32_t q = 0; q < world_; ++q) {
+        if (q == me_) continue;
+        std::byte* dst = pack_.data() + cursor[q];
+        if (item.whole) {
+          if (item.info->size > 0) std::memcpy(dst, source[j]->data(), item.info->size);
+        } else {
+          CopySlice(*item.info, item.slices[q], source[j]->data(), dst);
+        }
+        cursor[q] += AlignPart(Part(i, q));
+      }
+    }
+    std::shared_ptr<std::byte[]> received(new std::byte[std::max<uint64_t>(recv_total, 1)]);
+    const std::string step =
+        "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds) + " (the exchange)";
+    TF_RETURN_IF_ERROR(watchdog_
+                           .Watch(step,
+                                  [&] {
+                                    return collective_.AllToAllv(
+                                        {pack_.data(), send_total}, send_counts,
+                                        {received.get(), recv_total}, recv_counts);
+                                  })
+                           .WithPrefix(step));
+    // Unpack: the parts from each reader follow one another in plan order.
+    uint64_t offset = 0;
+    for (uint32_t p = 0; p < world_; ++p) {
+      cursor[p] = offset;
+      offset += recv_counts[p];
+    }
+    for (size_t j = 0; j < round.size(); ++j) {
+      const size_t i = round[j];
+      const Item& item = items_[i];
+      const TensorInfo& info = *item.info;
+      const uint32_t reader = plan_.tensors[i].reader;
+      const uint64_t mine = Part(i, me_);
+      if (reader == me_) {
+        if (item.whole) {
+          out[i] = *source[j];  // shares the loader's buffer
+          continue;
+        }
+        std::shared_ptr<std::byte[]> buffer(new std::byte[std::max<uint64_t>(mine, 1)]);
+        CopySlice(info, item.slices[me_], source[j]->data(), buffer.get());
+        const std::byte* data = buffer.get();
+        out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, std::move(buffer));
+        continue;
+      }
+      const std::byte* data = received.get() + cursor[reader];
+      cursor[reader] += AlignPart(mine);
+      out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, received);
     }
     return Status::Ok();
   }
 
-  // A replicated tensor: the reader (`root`, holding `source`) broadcasts it whole.
-  Result<Tensor> Broadcast(const Item& item, uint32_t root, const Tensor* source) {
-    const TensorInfo& info = *item.info;
-    if (root == me_) {
-      stats_.bytes_sent += info.size * (world_ - 1);
-      if (info.size > 0) {
-        TF_RETURN_IF_ERROR(collective_.Broadcast({source->data(), source->size()}, {}, root)
-                               .WithPrefix(info.name));
-      }
-      return *source;  // shares the loader's buffer
-    }
-    std::shared_ptr<std::byte[]> buffer(new std::byte[info.size]);
-    if (info.size > 0) {
-      TF_RETURN_IF_ERROR(
-          collective_.Broadcast({}, {buffer.get(), info.size}, root).WithPrefix(info.name));
-    }
-    stats_.bytes_received += info.size;
-    const std::byte* data = buffer.get();
-    return Tensor(info.name, info.dtype, info.shape, data, info.size, std::move(buffer));
-  }
-
-  // A split tensor: the reader (`root`, holding `source`) scatters every rank's slice.
-  Result<Tensor> Scatter(const Item& item, uint32_t root, const Tensor* source) {
-    const TensorInfo& info = *item.info;
-    const uint64_t mine = item.counts[me_];
-    std::shared_ptr<std::byte[]> buffer(new std::byte[mine]);
-    if (info.size > 0) {
-      // The reader copies its own slice straight into its result; the transfer carries the
-      // other ranks' slices only (the root's count is 0 in it, on every rank alike).
-      std::vector<uint64_t> transfer = item.counts;
-      transfer[root] = 0;
-      std::span<const std::byte> send;
-      std::span<std::byte> recv;
-      if (root == me_) {
-        CopySlice(info, item.slices[me_], source->data(), buffer.get());
-        Pack(item, *source, transfer);
-        send = pack_;
-        stats_.bytes_sent += pack_.size();
-      } else {
-        recv = {buffer.get(), mine};
-        stats_.bytes_received += mine;
-      }
-      if (world_ > 1) {
-        TF_RETURN_IF_ERROR(collective_.Scatterv(send, transfer, recv, root).WithPrefix(info.name));
-      }
-    }
-    const std::byte* data = buffer.get();
-    return Tensor(info.name, info.dtype, item.local_shape, data, mine, std::move(buffer));
-  }
-
-  // Packs every other rank's slice of `source` into pack_, in rank order, each in destination
-  // order.
-  void Pack(const Item& item, const Tensor& source, std::span<const uint64_t> transfer) {
-    pack_.resize(std::accumulate(transfer.begin(), transfer.end(), uint64_t{0}));
-    std::byte* dst = pack_.data();
-    for (uint32_t q = 0; q < world_; ++q) {
-      if (q == me_) continue;
-      dst = CopySlice(*item.info, item.slices[q], source.data(), dst);
-    }
-  }
+  // Parts start at multiples of 64 bytes in the exchange buffers (aligned tensor data).
+  static constexpr uint64_t kPartAlign = 64;
+  static uint64_t AlignPart(uint64_t n) { return (n + kPartAlign - 1) / kPartAlign * kPartAlign; }
 
   const CooperativePlan& plan_;
+  CollectiveWatchdog& watchdog_;
   const std::vector<Item>& items_;
   Collective& collective_;
   Loader* loader_;
@@ -554,7 +614,7 @@ class RoundRunner {
   CooperativeStats& stats_;
   const uint32_t me_;
   const uint32_t world_;
-  std::vector<std::byte> pack_;  // the reader's packing buffer, reused across tensors
+  std::vector<std::byte> pack_;  // the outgoing parts of a round, reused across rounds
 };
 
 // What the caller asked for, in the Loader's order, from `exchanged` (the tensors read, in
@@ -704,7 +764,10 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
     return Status(Code::kInvalidArgument, "LoadCooperative: no checkpoint");
   TF_RETURN_IF_ERROR(CheckHostTarget(options));
   const uint32_t me = collective.rank(), world = collective.size();
-  TF_ASSIGN_OR_RETURN(const std::vector<uint32_t> hosts, HostsOfRanks(collective));
+  CollectiveWatchdog watchdog(collective, options.cooperative.timeout_ms, "cooperative load");
+  TF_ASSIGN_OR_RETURN(const std::vector<uint32_t> hosts,
+                      watchdog.Watch("the start (learning every rank's host)",
+                                     [&] { return HostsOfRanks(collective); }));
   TF_ASSIGN_OR_RETURN(const Description described,
                       DescribeForRank(*checkpoint, selection, spec, me, world));
   std::vector<Item> items;
@@ -734,12 +797,14 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
     Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, options);
     const Status open_status = opened.status();
     std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
-    RoundRunner rounds(plan, items, collective, loader.get(), open_status, local);
+    RoundRunner rounds(plan, items, collective, watchdog, loader.get(), open_status, local);
     rounds_status = rounds.RunAll(exchanged);
   }
   Result<LocalReads> reads = local_reads.valid() ? local_reads.get() : LocalReads{};
   TF_RETURN_IF_ERROR(rounds_status);
-  TF_RETURN_IF_ERROR(AgreeOnStatus(collective, reads.status(), "reading its local tensors"));
+  TF_RETURN_IF_ERROR(watchdog.Watch("the end (every rank's local reads)", [&] {
+    return AgreeOnStatus(collective, reads.status(), "reading its local tensors");
+  }));
   local.bytes_read += reads->bytes_read;
   local.local_seconds = reads->seconds;
   local.remote_requests += reads->remote_requests;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <numeric>
 #include <thread>
@@ -399,6 +400,40 @@ TEST(Cooperative, RuleErrorsStopEveryRankBeforeAnyRead) {
     EXPECT_EQ(statuses[r].code(), Code::kInvalidArgument) << statuses[r].ToString();
     EXPECT_NE(statuses[r].message().find("input_layernorm"), std::string::npos);
     EXPECT_EQ(stats[r].bytes_read, 0u);
+  }
+}
+
+// A rank that stops taking part (dead, hung, cut off): every other rank gives up after the
+// timeout with an error naming itself and the step, instead of waiting forever.
+TEST(Cooperative, ARankThatStopsEndsTheOthersAfterTheTimeout) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  auto group = MakeInProcessGroup(3).ValueOrThrow();
+  LoadOptions options;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  options.cooperative.timeout_ms = 300;
+  std::vector<Status> statuses(3);
+  std::vector<double> seconds(3);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const auto start = std::chrono::steady_clock::now();
+      statuses[r] = LoadCooperative(checkpoint, Selection::All(), testing::ShardFixtureSpec(),
+                                    options, *group[r])
+                        .status();
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  }
+  // Rank 2 takes part in the first step only, then is gone.
+  ASSERT_TRUE(HostsOfRanks(*group[2]).ok());
+  for (auto& t : threads) t.join();
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
+    EXPECT_NE(statuses[r].message().find("waited 0.3 s in round 0 of"), std::string::npos)
+        << statuses[r].ToString();
+    EXPECT_NE(statuses[r].message().find("a rank died or hangs"), std::string::npos);
+    EXPECT_LT(seconds[r], 10.0);
   }
 }
 

@@ -17,12 +17,13 @@
 namespace tensorferry {
 namespace {
 
-enum class Op : uint8_t { kBroadcast, kScatterv, kAllGather, kBarrier };
+enum class Op : uint8_t { kBroadcast, kScatterv, kAllToAllv, kAllGather, kBarrier };
 
 const char* OpName(Op op) {
   switch (op) {
     case Op::kBroadcast: return "Broadcast";
     case Op::kScatterv: return "Scatterv";
+    case Op::kAllToAllv: return "AllToAllv";
     case Op::kAllGather: return "AllGather";
     case Op::kBarrier: return "Barrier";
   }
@@ -34,7 +35,8 @@ struct Call {
   uint32_t root = 0;
   std::span<const std::byte> send;
   std::span<std::byte> recv;
-  std::span<const uint64_t> counts;
+  std::span<const uint64_t> counts;       // Scatterv; AllToAllv: the send counts
+  std::span<const uint64_t> recv_counts;  // AllToAllv
   uint64_t value = 0;
 };
 
@@ -46,17 +48,23 @@ struct Shared {
   uint32_t arrived = 0;
   uint64_t generation = 0;
   std::vector<Call> slots;
+  Status aborted = Status::Ok();  // set once by Abort: every pending and later call returns it
 
-  // Blocks until every member has called Wait for the same generation.
-  void Wait(std::unique_lock<std::mutex>& lock) {
+  // Blocks until every member has called Wait for the same generation, or, when `abortable`, the
+  // group is aborted (then returns the abort's status). The wait after the copies is not
+  // abortable: every member that passed the first wait reaches it without blocking, and no
+  // member may free its buffers while another still copies from them.
+  Status Wait(std::unique_lock<std::mutex>& lock, bool abortable) {
+    if (abortable && !aborted.ok()) return aborted;
     const uint64_t gen = generation;
     if (++arrived == world) {
       arrived = 0;
       ++generation;
       cv.notify_all();
-      return;
+      return Status::Ok();
     }
-    cv.wait(lock, [&] { return generation != gen; });
+    cv.wait(lock, [&] { return generation != gen || (abortable && !aborted.ok()); });
+    return generation != gen ? Status::Ok() : aborted;
   }
 };
 
@@ -89,6 +97,17 @@ class InProcessMember final : public Collective {
     return Run(c);
   }
 
+  Status AllToAllv(std::span<const std::byte> send, std::span<const uint64_t> send_counts,
+                   std::span<std::byte> recv, std::span<const uint64_t> recv_counts) override {
+    Call c;
+    c.op = Op::kAllToAllv;
+    c.send = send;
+    c.recv = recv;
+    c.counts = send_counts;
+    c.recv_counts = recv_counts;
+    return Run(c);
+  }
+
   Result<std::vector<uint64_t>> AllGather(uint64_t value) override {
     Call c;
     c.op = Op::kAllGather;
@@ -103,6 +122,16 @@ class InProcessMember final : public Collective {
     Call c;
     c.op = Op::kBarrier;
     return Run(c);
+  }
+
+  bool Abort(const Status& why) override {
+    Shared& s = *shared_;
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.aborted.ok()) {
+      s.aborted = why.ok() ? Status(Code::kInternal, "in-process group aborted") : why;
+    }
+    s.cv.notify_all();
+    return true;
   }
 
  private:
@@ -159,6 +188,40 @@ class InProcessMember final : public Collective {
                                                   std::to_string(total));
       }
     }
+    if (first.op == Op::kAllToAllv) return CheckAllToAllv(calls);
+    return Status::Ok();
+  }
+
+  static uint64_t Sum(std::span<const uint64_t> v) {
+    uint64_t total = 0;
+    for (uint64_t n : v) total += n;
+    return total;
+  }
+
+  static Status CheckAllToAllv(const std::vector<Call>& calls) {
+    const uint32_t world = static_cast<uint32_t>(calls.size());
+    for (uint32_t p = 0; p < world; ++p) {
+      const Call& c = calls[p];
+      if (c.counts.size() != world || c.recv_counts.size() != world) {
+        return Status(Code::kInvalidArgument, "AllToAllv: rank " + std::to_string(p) +
+                                                  " passes counts of another group size");
+      }
+      if (c.send.size() != Sum(c.counts) || c.recv.size() != Sum(c.recv_counts)) {
+        return Status(Code::kInvalidArgument, "AllToAllv: rank " + std::to_string(p) +
+                                                  "'s buffers differ from its counts' sums");
+      }
+    }
+    for (uint32_t p = 0; p < world; ++p) {
+      for (uint32_t q = 0; q < world; ++q) {
+        if (calls[p].counts[q] != calls[q].recv_counts[p]) {
+          return Status(Code::kInvalidArgument, "AllToAllv: rank " + std::to_string(p) + " sends " +
+                                                    std::to_string(calls[p].counts[q]) +
+                                                    " bytes to rank " + std::to_string(q) +
+                                                    ", which expects " +
+                                                    std::to_string(calls[q].recv_counts[p]));
+        }
+      }
+    }
     return Status::Ok();
   }
 
@@ -166,7 +229,7 @@ class InProcessMember final : public Collective {
     Shared& s = *shared_;
     std::unique_lock<std::mutex> lock(s.mu);
     s.slots[rank_] = call;
-    s.Wait(lock);
+    if (Status w = s.Wait(lock, /*abortable=*/true); !w.ok()) return w;
     // Every slot is written; nobody writes a slot again before the second Wait.
     Status verdict = Check(s.slots);
     if (verdict.ok()) {
@@ -188,6 +251,19 @@ class InProcessMember final : public Collective {
           }
           break;
         }
+        case Op::kAllToAllv: {
+          // From each member p: its block for this member, at the sum of the counts before it.
+          uint64_t dst = 0;
+          for (uint32_t p = 0; p < s.world; ++p) {
+            const Call& from = s.slots[p];
+            uint64_t src = 0;
+            for (uint32_t q = 0; q < rank_; ++q) src += from.counts[q];
+            const uint64_t n = from.counts[rank_];
+            if (n > 0) std::memcpy(call.recv.data() + dst, from.send.data() + src, n);
+            dst += call.recv_counts[p];
+          }
+          break;
+        }
         case Op::kAllGather: break;
         case Op::kBarrier: break;
       }
@@ -196,7 +272,7 @@ class InProcessMember final : public Collective {
         for (uint32_t r = 0; r < s.world; ++r) (*values)[r] = s.slots[r].value;
       }
     }
-    s.Wait(lock);
+    static_cast<void>(s.Wait(lock, /*abortable=*/false));  // not abortable: always ok
     return verdict;
   }
 

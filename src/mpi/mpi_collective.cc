@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -150,11 +151,85 @@ Status MpiCollective::Scatterv(std::span<const std::byte> send, std::span<const 
   return Status::Ok();
 }
 
+Status MpiCollective::AllToAllv(std::span<const std::byte> send,
+                                std::span<const uint64_t> send_counts, std::span<std::byte> recv,
+                                std::span<const uint64_t> recv_counts) {
+  if (send_counts.size() != size_ || recv_counts.size() != size_) {
+    return Status(Code::kInvalidArgument, "AllToAllv: counts for a group of " +
+                                              std::to_string(send_counts.size()) + " and " +
+                                              std::to_string(recv_counts.size()) + ", not " +
+                                              std::to_string(size_));
+  }
+  std::vector<uint64_t> send_offsets(size_ + 1, 0), recv_offsets(size_ + 1, 0);
+  for (uint32_t r = 0; r < size_; ++r) {
+    send_offsets[r + 1] = send_offsets[r] + send_counts[r];
+    recv_offsets[r + 1] = recv_offsets[r] + recv_counts[r];
+  }
+  // Every member learns what each peer will send it and compares it with what it expects; the
+  // verdict is agreed on (a member that gave up alone would leave the others waiting).
+  std::vector<uint64_t> incoming(size_);
+  int rc =
+      MPI_Alltoall(send_counts.data(), 1, MPI_UINT64_T, incoming.data(), 1, MPI_UINT64_T, comm_);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Alltoall");
+  int bad = -1;  // the first peer whose count disagrees
+  if (send.size() != send_offsets[size_] || recv.size() != recv_offsets[size_]) {
+    bad = static_cast<int>(rank_);
+  }
+  for (uint32_t p = 0; p < size_ && bad < 0; ++p) {
+    if (incoming[p] != recv_counts[p]) bad = static_cast<int>(p);
+  }
+  int flagged[2] = {bad >= 0 ? 1 : 0, bad >= 0 ? static_cast<int>(rank_) : -1};
+  int any[2] = {0, -1};
+  rc = MPI_Allreduce(flagged, any, 2, MPI_INT, MPI_MAX, comm_);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allreduce");
+  if (any[0] != 0) {
+    return Status(Code::kInvalidArgument,
+                  "AllToAllv: counts disagree (rank " + std::to_string(any[1]) +
+                      (bad >= 0 ? "; here: peer " + std::to_string(bad) : std::string()) + ")");
+  }
+  // Own block: a copy. Peers: every piece of every block posted at once (non-overtaking order
+  // between a pair keeps the pieces of one block in sequence).
+  std::copy_n(send.data() + send_offsets[rank_], send_counts[rank_],
+              recv.data() + recv_offsets[rank_]);
+  std::vector<MPI_Request> requests;
+  for (uint32_t p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    for (uint64_t done = 0; done < recv_counts[p]; done += kPiece) {
+      requests.emplace_back();
+      rc = MPI_Irecv(recv.data() + recv_offsets[p] + done,
+                     static_cast<int>(std::min(kPiece, recv_counts[p] - done)), MPI_BYTE,
+                     static_cast<int>(p), 1, comm_, &requests.back());
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Irecv");
+    }
+  }
+  for (uint32_t i = 1; i < size_; ++i) {
+    // Start with the next rank up, so that not every member sends to rank 0 first.
+    const uint32_t q = (rank_ + i) % size_;
+    for (uint64_t done = 0; done < send_counts[q]; done += kPiece) {
+      requests.emplace_back();
+      rc = MPI_Isend(send.data() + send_offsets[q] + done,
+                     static_cast<int>(std::min(kPiece, send_counts[q] - done)), MPI_BYTE,
+                     static_cast<int>(q), 1, comm_, &requests.back());
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Isend");
+    }
+  }
+  rc = MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Waitall");
+  return Status::Ok();
+}
+
 Result<std::vector<uint64_t>> MpiCollective::AllGather(uint64_t value) {
   std::vector<uint64_t> values(size_);
   const int rc = MPI_Allgather(&value, 1, MPI_UINT64_T, values.data(), 1, MPI_UINT64_T, comm_);
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather");
   return values;
+}
+
+bool MpiCollective::Abort(const Status& why) {
+  std::fprintf(stderr, "error: rank %u: %s; aborting the MPI job\n", rank_, why.ToString().c_str());
+  std::fflush(stderr);
+  MPI_Abort(comm_, 1);
+  return true;  // not reached when MPI_Abort ends the process
 }
 
 Status MpiCollective::Barrier() {

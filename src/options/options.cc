@@ -228,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 42> kKeys = {{
+const std::array<Key, 43> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -312,6 +312,11 @@ const std::array<Key, 42> kKeys = {{
     {"coop_storage_rate", "TENSORFERRY_COOP_STORAGE_RATE",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(o.cooperative.storage_rate, Size(v, true));
+       return Status::Ok();
+     }},
+    {"coop_timeout_ms", "TENSORFERRY_COOP_TIMEOUT_MS",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(o.cooperative.timeout_ms, Count(v, UINT64_MAX));
        return Status::Ok();
      }},
     {"coop_network_rate", "TENSORFERRY_COOP_NETWORK_RATE",

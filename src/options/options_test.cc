@@ -65,7 +65,8 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"object_ca_bundle", "/etc/ssl/ca.pem"},
                                  {"coop_exchange", "none"},
                                  {"coop_storage_rate", "500MB"},
-                                 {"coop_network_rate", "125MB"}});
+                                 {"coop_network_rate", "125MB"},
+                                 {"coop_timeout_ms", "20000"}});
   EXPECT_EQ(o.engine, Engine::kPread);
   EXPECT_EQ(o.threads, 7u);
   EXPECT_EQ(o.chunk_size, 1u << 20);
@@ -112,12 +113,13 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.cooperative.exchange, ExchangeChoice::kNone);
   EXPECT_EQ(o.cooperative.storage_rate, 500'000'000u);
   EXPECT_EQ(o.cooperative.network_rate, 125'000'000u);
+  EXPECT_EQ(o.cooperative.timeout_ms, 20'000u);
   EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
 
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 42u);
+  EXPECT_EQ(keys.size(), 43u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -142,14 +143,23 @@ def test_mpi_across_hosts_cooperative_equals_sliced(rehearsal, staged_checkpoint
     assert where == {"0": f"{p}-h1", "1": f"{p}-h1", "2": f"{p}-h2", "3": f"{p}-h2"}
 
     docs = {}
-    for mode in ("cooperative", "sliced"):
+    for name, mode, extra in (("cooperative", "cooperative", ["--exchange", "all"]),
+                              ("auto", "cooperative", ["--exchange", "auto"]),
+                              ("sliced", "sliced", [])):
         r = _sh("mpirun", "--ranks-per-host", "2", "--", MPI_TOOL, "load",
                 staged_checkpoint["path"], "--mode", mode, "--shard-rules", "builtin", "--json",
-                "--checksum", env=env, timeout=120)
-        docs[mode] = json.loads(r.stdout)
-        assert docs[mode]["ranks"] == 4 and docs[mode]["mode"] == mode
+                "--checksum", *extra, env=env, timeout=120)
+        docs[name] = json.loads(r.stdout)
+        assert docs[name]["ranks"] == 4 and docs[name]["mode"] == mode
     coop = docs["cooperative"]["runs"][0]
     sliced = docs["sliced"]["runs"][0]
+    # The cost model's choice (auto): two hosts seen, some tensors exchanged, the same slices.
+    auto = docs["auto"]
+    assert auto["hosts"] == 2 and auto["exchange"] == "auto"
+    assert auto["estimate"]["chosen"]["seconds"] <= auto["estimate"]["all_local"]["seconds"]
+    assert [x["checksum"] for x in auto["runs"][0]["per_rank"]] == \
+        [x["checksum"] for x in sliced["per_rank"]]
+    assert docs["cooperative"]["hosts"] == 2
     # Every rank ends with the same slices either way: the same bytes, and the same checksum
     # (CRC32C per tensor, combined in name order), which is also the single-process sliced load's.
     assert [x["bytes"] for x in coop["per_rank"]] == [x["bytes"] for x in sliced["per_rank"]]
@@ -366,3 +376,148 @@ def test_storage_rate_down_ends_processes_and_refusals_leave_nothing(tmp_path):
         _sh("down", env=env)
         shutil.rmtree(state, ignore_errors=True)
     assert _leftovers(prefix, state) == []
+
+
+# --- faults across hosts (issue 17, part 3) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fault_rehearsal(tmp_path_factory):
+    """Two hosts whose storage reads run at 4 MB/s each, with a ~50 MB checkpoint staged, so that
+    a cold cooperative load lasts several seconds: time to kill a rank or cut a link mid-load."""
+    if not os.path.exists(MPI_TOOL) or shutil.which("mpirun") is None:
+        pytest.skip("tensorferry-mpi or mpirun is missing")
+    state = tempfile.mkdtemp(prefix="tf-multihost-", dir="/var/tmp")
+    prefix = _prefix("f")
+    env = dict(os.environ, MULTIHOST_DIR=state, MULTIHOST_PREFIX=prefix)
+    try:
+        r = _sh("up", "--hosts", "2", "--storage-rate", "4mbps", env=env, check=False)
+        if r.returncode != 0:
+            assert "no cgroup controller to throttle reads" in r.stderr, r.stderr
+            pytest.skip(r.stderr.strip())
+        src = os.path.join(state, "src")
+        g = subprocess.run([CLI, "gen", src, "--preset", "tiny", "--layers", "4", "--hidden",
+                            "512", "--intermediate", "2048", "--vocab", "8000", "--no-sync"],
+                           capture_output=True, text=True, timeout=120)
+        assert g.returncode == 0, g.stderr
+        path = _sh("stage", src, "ckpt", env=env).stdout.strip()
+        status = _sh("status", env=env).stdout.splitlines()
+        cgroups = {f"h{i}": status[i].split()[4] for i in (1, 2)}
+        yield {"prefix": prefix, "env": env, "path": path, "cgroups": cgroups}
+    finally:
+        _sh("down", env=env)
+        assert _leftovers(prefix, state) == []
+        shutil.rmtree(state)
+
+
+def _ranks_in(cgroup):
+    """PIDs of tensorferry-mpi processes in a host's cgroup."""
+    pids = []
+    with open(os.path.join(cgroup, "cgroup.procs")) as f:
+        for pid in f.read().split():
+            try:
+                with open(f"/proc/{pid}/comm") as c:
+                    if c.read().strip() == "tensorferry-mpi":
+                        pids.append(int(pid))
+            except OSError:
+                pass
+    return pids
+
+
+class _Job:
+    """mpirun in the background, its output (stdout and stderr) collected line by line."""
+
+    def __init__(self, cmd, env):
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env)
+        self.lines = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def output(self):
+        return "".join(self.lines)
+
+    def wait(self, timeout):
+        """The exit status, or None if still running after `timeout` seconds."""
+        try:
+            rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(timeout=10)
+        return rc
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+        self._reader.join(timeout=10)
+
+
+def _start_cooperative_load(rehearsal, *extra):
+    """mpirun of three cold, O_DIRECT cooperative loads (2 ranks per host) in the background;
+    returns once the first has ended, so that a fault comes in the middle of the second."""
+    cmd = [SCRIPT, "mpirun", "--ranks-per-host", "2", "--", MPI_TOOL, "load", rehearsal["path"],
+           "--mode", "cooperative", "--exchange", "all", "--direct", "on", "--cold", "--budget",
+           "4MB", "--repeat", "3", *extra]
+    job = _Job(cmd, rehearsal["env"])
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("run 1:") for line in job.lines):
+        if time.monotonic() > deadline or job.p.poll() is not None:
+            job.kill()
+            pytest.fail("the first load did not end: " + job.output())
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the second load's reads
+    assert job.p.poll() is None and not any(line.startswith("run 2:") for line in job.lines), \
+        "the second load ended before the fault: " + job.output()
+    return job
+
+
+def test_a_killed_rank_ends_every_rank_within_30s(fault_rehearsal):
+    job = _start_cooperative_load(fault_rehearsal)
+    victim = _ranks_in(fault_rehearsal["cgroups"]["h2"])[0]
+    os.kill(victim, 9)
+    killed_at = time.monotonic()
+    rc = job.wait(timeout=30)
+    took = time.monotonic() - killed_at
+    if rc is None:
+        job.kill()
+        pytest.fail("the job outlived a killed rank by 30 s: " + job.output())
+    out = job.output()
+    assert rc != 0 and took < 30, out
+    for cg in fault_rehearsal["cgroups"].values():
+        assert _ranks_in(cg) == [], "a rank outlived the job"
+    # The launcher names the dead rank and how it died.
+    assert re.search(r"rank \d+ .*(signal 9|Killed)|(signal 9|Killed).*rank \d+", out, re.S), out
+
+
+def test_a_link_down_ends_every_rank_with_the_timeout(fault_rehearsal):
+    prefix = fault_rehearsal["prefix"]
+    job = _start_cooperative_load(fault_rehearsal, "--timeout-ms", "6000")
+    subprocess.run(["ip", "netns", "exec", f"{prefix}-h2", "ip", "link", "set", "eth0", "down"],
+                   check=True)
+    cut_at = time.monotonic()
+    try:
+        # Every rank gives up by itself: the ones that wait on the cut host time out.
+        while time.monotonic() - cut_at < 30:
+            if not any(_ranks_in(cg) for cg in fault_rehearsal["cgroups"].values()):
+                break
+            time.sleep(0.2)
+        left = {h: _ranks_in(cg) for h, cg in fault_rehearsal["cgroups"].items()}
+        took = time.monotonic() - cut_at
+    finally:
+        subprocess.run(["ip", "netns", "exec", f"{prefix}-h2", "ip", "link", "set", "eth0", "up"],
+                       check=True)
+    rc = job.wait(timeout=60)
+    if rc is None:
+        job.kill()
+    out = job.output()
+    assert left == {"h1": [], "h2": []}, f"ranks alive 30 s after the link went down: {left}\n{out}"
+    assert took < 30
+    assert rc != 0, out
+    assert not any(line.startswith("run 2:") for line in job.lines), out
+    # The error names the rank that gave up and the step it waited in.
+    assert re.search(r"rank \d+: io_error: (cooperative load|tensorferry-mpi): rank \d+ waited "
+                     r"6 s in (round \d+ of \d+|the (start|end)|repetition 2)", out), out

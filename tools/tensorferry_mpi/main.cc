@@ -5,6 +5,7 @@
 //          [--engine auto|pread|io_uring|mmap] [--direct auto|on|off] [--budget 256MB]
 //          [--threads N] [--repeat N] [--cold] [--json] [--checksum]
 //          [--exchange auto|all|none] [--storage-rate 2GB] [--network-rate 1.25GB] [--explain]
+//          [--timeout-ms 300000]
 //
 // Modes: cooperative: LoadCooperative; the tensors it exchanges (--exchange: auto, the cost model
 // of --storage-rate and --network-rate, bytes per second per host; all; none) are read once, in
@@ -57,6 +58,7 @@ struct Args {
   std::string exchange;      // --exchange: LoadOptions key coop_exchange
   std::string storage_rate;  // --storage-rate: coop_storage_rate
   std::string network_rate;  // --network-rate: coop_network_rate
+  std::string timeout_ms;    // --timeout-ms: coop_timeout_ms
   bool explain = false;      // --explain: print the cooperative plan, load nothing
 };
 
@@ -163,6 +165,9 @@ void DefineLoadCommand(CLI::App& app, Args& args) {
                    "cooperative cost model: bytes per second one host reads (default 2GB)");
   load->add_option("--network-rate", args.network_rate,
                    "cooperative cost model: bytes per second one host receives (default 1.25GB)");
+  load->add_option("--timeout-ms", args.timeout_ms,
+                   "cooperative: the longest a rank waits for the others in one step before it "
+                   "aborts the job naming itself and the step (default 300000; 0: forever)");
   load->add_flag("--explain", args.explain,
                  "cooperative: print the plan (which tensors are exchanged, the estimates) and "
                  "load nothing");
@@ -193,7 +198,8 @@ Result<LoadOptions> ResolveLoadOptions(const Args& args) {
         std::tuple{"threads", "--threads", args.threads},
         std::tuple{"coop_exchange", "--exchange", args.exchange},
         std::tuple{"coop_storage_rate", "--storage-rate", args.storage_rate},
-        std::tuple{"coop_network_rate", "--network-rate", args.network_rate}}) {
+        std::tuple{"coop_network_rate", "--network-rate", args.network_rate},
+        std::tuple{"coop_timeout_ms", "--timeout-ms", args.timeout_ms}}) {
     if (value.empty()) continue;
     if (Status s = SetContext(options, key, value, flag); !s.ok()) return s;
   }
@@ -294,22 +300,27 @@ void PrintRunText(const Args& args, unsigned run, double wall, uint64_t total_re
 
 // One repetition: evict if cold, load between two barriers, gather and report the figures (rank
 // 0 prints, or appends to `json` with --json).
-Status RunRepetition(Collective& group, const std::shared_ptr<const Checkpoint>& checkpoint,
-                     const ShardSpec& spec, const LoadOptions& options, const Args& args,
-                     unsigned run, std::string& json) {
+Status RunRepetition(Collective& group, CollectiveWatchdog& watchdog,
+                     const std::shared_ptr<const Checkpoint>& checkpoint, const ShardSpec& spec,
+                     const LoadOptions& options, const Args& args, unsigned run,
+                     std::string& json) {
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
-  if (Status s = EvictIfCold(group, *checkpoint, args.cold); !s.ok()) return s;
-  Status s = group.Barrier();
+  const std::string repetition = "repetition " + std::to_string(run + 1);
+  Status s = watchdog.Watch(repetition + " (start)", [&] {
+    Status evicted = EvictIfCold(group, *checkpoint, args.cold);
+    return evicted.ok() ? group.Barrier() : evicted;
+  });
   if (!s.ok()) return s;
   const auto start = std::chrono::steady_clock::now();
   auto figures = RunOnce(group, checkpoint, spec, options, args.mode, args.checksum);
   if (!figures.ok()) return figures.status();
-  s = group.Barrier();
+  s = watchdog.Watch(repetition + " (end of the load)", [&] { return group.Barrier(); });
   if (!s.ok()) return s;
   const double wall =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  auto columns = GatherFigures(group, *figures);
+  auto columns = watchdog.Watch(repetition + " (gathering the figures)",
+                                [&] { return GatherFigures(group, *figures); });
   if (!columns.ok()) return columns.status();
   uint64_t total_read = 0;
   for (uint64_t v : (*columns)[2]) total_read += v;
@@ -319,6 +330,7 @@ Status RunRepetition(Collective& group, const std::shared_ptr<const Checkpoint>&
                   args.checksum && args.mode != "full");
   } else {
     PrintRunText(args, run, wall, total_read, *columns, world);
+    std::fflush(stdout);  // each repetition as it ends (through mpirun's output forwarding)
   }
   return Status::Ok();
 }
@@ -347,13 +359,16 @@ int Main(int argc, char** argv) {
   auto checkpoint = Checkpoint::Open(args.path);
   if (!checkpoint.ok()) return Fail(checkpoint.status());
 
+  // The tool's own collective steps (the load's are watched inside LoadCooperative).
+  CollectiveWatchdog watchdog(group, options->cooperative.timeout_ms, "tensorferry-mpi");
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
   std::string json = "{\"mode\": \"" + args.mode + "\", \"ranks\": " + std::to_string(world) +
                      ", \"cold\": " + (args.cold ? "true" : "false");
   if (args.mode == "cooperative" || args.explain) {
     // The plan every rank will make (LoadCooperative makes the same one itself).
-    auto hosts = HostsOfRanks(group);
+    auto hosts = watchdog.Watch("the start (learning every rank's host)",
+                                [&] { return HostsOfRanks(group); });
     if (!hosts.ok()) return Fail(hosts.status());
     auto plan = PlanCooperative(**checkpoint, Selection::All(), *spec, *options, *hosts);
     if (!plan.ok()) return Fail(plan.status());
@@ -380,7 +395,7 @@ int Main(int argc, char** argv) {
   }
   json += ", \"runs\": [";
   for (unsigned run = 0; run < args.repeat; ++run) {
-    Status s = RunRepetition(group, *checkpoint, *spec, *options, args, run, json);
+    Status s = RunRepetition(group, watchdog, *checkpoint, *spec, *options, args, run, json);
     if (!s.ok()) return Fail(s);
   }
   if (root && args.json) std::printf("%s]}\n", json.c_str());

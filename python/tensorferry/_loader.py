@@ -181,6 +181,9 @@ class Loader:
             each byte read once by one rank and the slices exchanged (docs/distributed.md;
             load() only). With device="cuda" each reader loads its tensors straight into GPU
             memory and the exchange runs on GPU buffers (NCCL); `budget` bounds each round.
+        coop_timeout_ms: with process_group, the longest any collective of the exchange may
+            wait for the other ranks (default 300000; 0: forever); past it, load() raises
+            OSError naming this rank and the step (a rank died or hangs, or a link is down).
         storage_options: for s3:// and http(s):// checkpoints, a dict of object-storage
             settings (s3_endpoint, s3_region, s3_profile, s3_access_key_id,
             s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style,
@@ -198,7 +201,7 @@ class Loader:
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
                  shard_max_gap=None, process_group=None, storage_options=None,
-                 memory_limit=None, drop_cache=None, verify=None):
+                 memory_limit=None, drop_cache=None, verify=None, coop_timeout_ms=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -238,6 +241,7 @@ class Loader:
             "tp_size": tp_size,
             "shard_max_gap": shard_max_gap,
             "verify": verify,
+            "coop_timeout_ms": coop_timeout_ms,
         }
         options.update(_safe_open.storage_load_options(storage_options))
         if shard_rules is not None:

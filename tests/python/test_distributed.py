@@ -170,3 +170,44 @@ def test_assign_readers_is_the_cpp_rule():
     assert readers == sorted(readers) and set(readers) == {0, 1, 2}
     loads = [sum(s for s, r in zip(sizes, readers) if r == q) for q in range(3)]
     assert max(loads) == 11
+
+
+def _stalled_main(rank, path, init, results):
+    import time
+    import traceback
+
+    import tensorferry
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:
+        time.sleep(8)  # never takes part: a hung rank, as far as rank 0 can tell
+        dist.destroy_process_group()
+        return
+    start = time.monotonic()
+    try:
+        loader = tensorferry.Loader(path, tp_rank=0, tp_size=2, shard_rules=json.dumps(SPEC),
+                                    process_group=dist.group.WORLD, coop_timeout_ms=1500)
+        loader.load()
+        outcome = {"error": None}
+    except Exception as e:  # the test checks the type
+        outcome = {"error": str(e), "type": type(e).__name__, "trace": traceback.format_exc()}
+    outcome["seconds"] = time.monotonic() - start
+    with open(results, "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)  # the group is unusable after a failed collective: no orderly teardown
+
+
+def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
+    """A rank that never takes part: the other gives up after coop_timeout_ms with an OSError
+    naming itself and the step, instead of waiting forever."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _make_checkpoint(str(ckpt))
+    results = str(tmp_path / "outcome.json")
+    mp.spawn(_stalled_main, args=(str(ckpt), f"file://{tmp_path}/init", results), nprocs=2,
+             join=True)
+    with open(results) as f:
+        outcome = json.load(f)
+    assert outcome["error"] is not None and outcome["type"] == "OSError", outcome
+    assert "cooperative load: rank 0 gave up in round 0 of 1 (every rank's reads)" in \
+        outcome["error"], outcome
+    assert outcome["seconds"] < 8, outcome

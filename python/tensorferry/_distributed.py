@@ -63,6 +63,11 @@ class Cooperative:
                                 if v is not None and k not in _TP_KEYS and k != "budget"}
         self.stats = {}
 
+    @property
+    def device(self):
+        """The torch device the tensors are delivered on."""
+        return self._device
+
     def load(self, names, stats_type):
         """({name: tensor}, LoadStats) of this rank's shard."""
         figures = {}
@@ -70,6 +75,25 @@ class Cooperative:
                                fw=self._fw, device=self._device, names=names,
                                budget=self._budget, reader_options=self._reader_options,
                                stats=figures, timeout_ms=self._timeout_ms)
+        return out, self._stats(figures, stats_type)
+
+    def iter_rounds(self, names, stats_type, on_stats):
+        """Yields (round, {name: tensor}) of this rank's shard, round by round (the tensors whose
+        exchange ended in that round, aliases with their target); on_stats(LoadStats) is called
+        when the iteration ends, however it ends. Every rank of the group must iterate to the
+        end (a rank that stops early leaves the others waiting: the timeout ends them)."""
+        figures = {}
+        try:
+            yield from iter_cooperative(
+                self._base, process_group=self._group, shard_spec=self._spec_json, fw=self._fw,
+                device=self._device, names=names, budget=self._budget,
+                reader_options=self._reader_options, stats=figures,
+                timeout_ms=self._timeout_ms)
+        finally:
+            if figures:
+                on_stats(self._stats(figures, stats_type))
+
+    def _stats(self, figures, stats_type):
         self.stats = figures
         stats = stats_type(tensors=figures["tensors"], bytes=figures["bytes"],
                            batches=figures["rounds"], seconds=figures["seconds"])
@@ -77,14 +101,7 @@ class Cooperative:
         stats.remote_requests = figures["remote_requests"]
         stats.remote_retries = figures["remote_retries"]
         stats.remote_bytes = figures["remote_bytes"]
-        return out, stats
-
-
-def refuse_streaming(cooperative):
-    if cooperative is not None:
-        raise _core.InvalidArgumentError(
-            "a Loader with process_group= loads with load(); iter_tensors/iter_batches/stream "
-            "are not cooperative")
+        return stats
 
 
 def _global_rank(dist, group, rank):
@@ -115,9 +132,27 @@ def _collective(step, rank, timeout, start):
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
                      reader_options=None, stats=None, timeout_ms=300000):
     """Loads this rank's shard of `names` (None: all) cooperatively; returns {name: tensor} in
-    checkpoint order, local shapes. base: a _core.Reader of the checkpoint (its files are read;
+    the Loader's order, local shapes. base: a _core.Reader of the checkpoint (its files are read;
     nothing is opened again). shard_spec: "builtin", "none" or ShardSpec JSON text.
     fw: the torch framework of _frameworks. stats: a dict to fill with this rank's figures."""
+    order = []
+    out = {}
+    for _, tensors in iter_cooperative(base, process_group=process_group, shard_spec=shard_spec,
+                                       fw=fw, device=device, names=names, budget=budget,
+                                       reader_options=reader_options, stats=stats,
+                                       timeout_ms=timeout_ms, order=order):
+        out.update(tensors)
+    return {name: out[name] for name in order}
+
+
+def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
+                     reader_options=None, stats=None, timeout_ms=300000, order=None):
+    """Yields (round, {name: tensor}): this rank's shard of `names` (None: all), round by round as
+    the exchange delivers it, each round's tensors in the Loader's order (a tied alias with its
+    target). Arguments as load_cooperative's; `order`, when a list, receives every output name in
+    the Loader's order before the first round. stats: a dict kept up to date with this rank's
+    figures (also when the iteration stops early). The generator keeps no reference to a round it
+    has yielded."""
     import torch
     import torch.distributed as dist
 
@@ -138,9 +173,16 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
                "remote_requests": 0, "remote_retries": 0, "remote_bytes": 0}
     rounds = max((entry[4] for entry in plan), default=-1) + 1
+    if order is not None:
+        order.extend(name for name, _ in outputs)
+    # Outputs by the tensor read for them (a tied alias shares its target's).
+    outputs_of = {}
+    for name, source in outputs:
+        outputs_of.setdefault(source, []).append(name)
     # The rounds are the budget: the reader under them has none of its own.
     reader = _core.Reader(base, dict(reader_options or {}))
-    out = {}
+    if stats is not None:
+        stats.update(figures)
     try:
         mine_names = [entry[0] for entry in plan if entry[3] == rank]
         fw.check(reader, mine_names)
@@ -173,6 +215,7 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             if failed:
                 raise _core.SafetensorError(
                     f"cooperative load: rank {failed[0]} failed reading its share; see its error")
+            got = {}  # this round's tensors read, by name
             for name, st_dtype, shape, root, rnd, dim, parts in plan:
                 if rnd != k:
                     continue
@@ -190,13 +233,13 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                         _collective(f"{step} (broadcast of {name})", rank, timeout,
                                     lambda: dist.broadcast(t, src=src, group=group,
                                                            async_op=True))
-                    out[name] = t
+                    got[name] = t
                     continue
                 counts = [p[2] for p in parts]
                 longest = max(counts)
                 local_shape = parts[rank][0]
                 if longest == 0:
-                    out[name] = torch.empty(local_shape, dtype=tdtype, device=comm_device)
+                    got[name] = torch.empty(local_shape, dtype=tdtype, device=comm_device)
                     continue
                 recv = torch.empty(longest, dtype=torch.uint8, device=comm_device)
                 scatter_list = None
@@ -224,19 +267,28 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 mine_bytes = recv[:counts[rank]]
                 if counts[rank] < longest:
                     mine_bytes = mine_bytes.clone()  # do not keep the padding alive
-                out[name] = mine_bytes.view(tdtype).reshape(local_shape)
+                got[name] = mine_bytes.view(tdtype).reshape(local_shape)
             figures["exchange_seconds"] += time.perf_counter() - t0
             figures["rounds"] += 1
             del loaded
+            # The outputs of this round's tensors (the plan is in checkpoint order, as the
+            # Loader's); tied aliases share their target's tensor, tensors read only for an
+            # alias are dropped.
+            batch = {}
+            for name in got:
+                for output in outputs_of.get(name, ()):
+                    batch[output] = got[name]
+            del got
+            if on_gpu and device != comm_device:
+                batch = {n: t.to(device) for n, t in batch.items()}
+            figures["bytes"] += sum(t.nbytes for t in batch.values())
+            figures["seconds"] = time.perf_counter() - start
+            if stats is not None:
+                stats.update(figures)
+            yield k, batch
+            del batch
     finally:
         reader.close()
-    # The Loader's order (the exchange went round by round); tied aliases share their target's
-    # tensor, tensors read only for an alias are dropped.
-    out = {name: out[source] for name, source in outputs}
-    if on_gpu and device != comm_device:
-        out = {n: t.to(device) for n, t in out.items()}
-    figures["bytes"] = sum(t.nbytes for t in out.values())
-    figures["seconds"] = time.perf_counter() - start
-    if stats is not None:
-        stats.update(figures)
-    return out
+        figures["seconds"] = time.perf_counter() - start
+        if stats is not None:
+            stats.update(figures)

@@ -178,8 +178,9 @@ class Loader:
             others; 0: exact strides). On a GPU, strided shards are always staged covering
             ranges copied as 2D (docs/gpu.md).
         process_group: a torch.distributed process group of the tp_size ranks: cooperative mode,
-            each byte read once by one rank and the slices exchanged (docs/distributed.md;
-            load() only). With device="cuda" each reader loads its tensors straight into GPU
+            each byte read once by one rank and the slices exchanged (docs/distributed.md);
+            load(), and iter_batches/iter_tensors/stream round by round (every rank must
+            iterate to the end). With device="cuda" each reader loads its tensors straight into GPU
             memory and the exchange runs on GPU buffers (NCCL); `budget` bounds each round.
         coop_timeout_ms: with process_group, the longest any collective of the exchange may
             wait for the other ranks (default 300000; 0: forever); past it, load() raises
@@ -458,7 +459,9 @@ class Loader:
         budget, while the next batch is read ahead when the budget allows it."""
         self._check_open()
         self._check_dtypes()
-        _distributed.refuse_streaming(self._cooperative)
+        if self._cooperative is not None:
+            yield from self._iter_cooperative_batches()
+            return
         stats = LoadStats()
         self._stats = stats
         progress = _Progress(self._progress, self.total_bytes, "tensorferry") \
@@ -488,6 +491,21 @@ class Loader:
             stats.seconds = core["seconds"]
             stats.peak_rss_bytes = peak_rss_bytes()
 
+    def _iter_cooperative_batches(self):
+        """iter_batches with process_group=: one Batch per round of the exchange (index: the
+        round), as soon as the round is exchanged; every rank must iterate to the end."""
+        device = str(self._cooperative.device)
+
+        def on_stats(stats):
+            self._stats = stats
+
+        for index, tensors in self._cooperative.iter_rounds(self._names, LoadStats, on_stats):
+            if self._closed:
+                raise _core.InvalidArgumentError("the iteration was stopped: its Loader was closed")
+            nbytes = sum(t.nbytes for t in tensors.values())
+            yield Batch(index, len(tensors), nbytes, tensors, device)
+            del tensors
+
     def iter_tensors(self):
         """Yields (name, tensor) pairs batch by batch under the budget (the shape of vLLM's
         weights iterators). The generator keeps no reference to a tensor it has yielded."""
@@ -508,7 +526,10 @@ class Loader:
         An exception from the callback stops the load and propagates."""
         self._check_open()
         self._check_dtypes()
-        _distributed.refuse_streaming(self._cooperative)
+        if self._cooperative is not None:
+            for batch in self._iter_cooperative_batches():
+                callback(batch)
+            return
 
         def on_batch(index, count, nbytes, triples, device):
             callback(Batch(index, count, nbytes, dict(self._finish(triples)), device))

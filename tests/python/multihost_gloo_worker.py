@@ -1,12 +1,16 @@
 """One rank of a torch.distributed (gloo) job across the hosts of scripts/multihost.sh, started in
 each host by `scripts/multihost.sh exec` (tests/python/test_multihost.py).
 
-    python multihost_gloo_worker.py RANK WORLD MASTER_ADDR MASTER_PORT CHECKPOINT OUT_JSON
+    python multihost_gloo_worker.py RANK WORLD MASTER_ADDR MASTER_PORT CHECKPOINT OUT_JSON [--fault]
 
 An all_reduce of rank + 1 over the hosts, then a cooperative tensor-parallel load of CHECKPOINT
 (each host reads its own copy) through the same process group, compared byte for byte with the
 independent sliced load of this rank's slices. Writes its figures to OUT_JSON; any mismatch fails
-the process."""
+the process.
+
+With --fault: cooperative loads with O_DIRECT, 2 MB rounds and coop_timeout_ms 4000, over and
+over, until one fails (the test kills a rank or cuts a link meanwhile); writes the failure
+(type, message, seconds from the last completed load) to OUT_JSON and exits 0."""
 import hashlib
 import json
 import os
@@ -17,11 +21,41 @@ import torch
 import torch.distributed as dist
 
 
+def fault(rank, world, path, out):
+    import time
+
+    import tensorferry
+    pg = dist.new_group(list(range(world)))
+    loads = 0
+    last = time.monotonic()
+    try:
+        while loads < 1000:
+            loader = tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="builtin",
+                                        process_group=pg, budget="2MB", direct="on",
+                                        coop_timeout_ms=4000)
+            loader.load()
+            loader.close()
+            loads += 1
+            last = time.monotonic()
+            with open(out + ".loads", "w") as f:
+                f.write(str(loads))
+        outcome = {"type": None, "error": None}
+    except Exception as e:  # the test checks the type and the message
+        outcome = {"type": type(e).__name__, "error": str(e)}
+    outcome.update(loads=loads, seconds=time.monotonic() - last)
+    with open(out, "w") as f:
+        json.dump(outcome, f)
+    sys.stdout.flush()
+    os._exit(0)  # the group is unusable after a failed collective: no orderly teardown
+
+
 def main():
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     addr, port, path, out = sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world)
+    if "--fault" in sys.argv[7:]:
+        fault(rank, world, path, out)
     try:
         t = torch.tensor([rank + 1], dtype=torch.int64)
         dist.all_reduce(t)

@@ -521,3 +521,85 @@ def test_a_link_down_ends_every_rank_with_the_timeout(fault_rehearsal):
     # The error names the rank that gave up and the step it waited in.
     assert re.search(r"rank \d+: io_error: (cooperative load|tensorferry-mpi): rank \d+ waited "
                      r"6 s in (round \d+ of \d+|the (start|end)|repetition 2)", out), out
+
+
+def _gloo_fault_job(rehearsal, tmp_path):
+    """Rank 0 on h1 and rank 1 on h2 loading cooperatively over gloo again and again (see
+    multihost_gloo_worker.py --fault); returns the two processes once both have completed a
+    load."""
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    worker = os.path.join(ROOT, "tests", "python", "multihost_gloo_worker.py")
+    status = _sh("status", env=rehearsal["env"]).stdout.split()
+    subnet = dict(kv.split("=", 1) for kv in status if "=" in kv)["subnet"]
+    port = str(30500 + os.getpid() % 1000)
+    procs = [subprocess.Popen(
+        [SCRIPT, "exec", host, sys.executable, worker, str(rank), "2",
+         subnet.replace(".0/24", ".1"), port, rehearsal["path"], str(tmp_path / f"rank{rank}.json"),
+         "--fault"], env=rehearsal["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for rank, host in enumerate(("h1", "h2"))]
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}.json.loads").exists() for r in (0, 1)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail("the gloo loads did not start: " +
+                        "\n".join(p.communicate()[0] for p in procs))
+        time.sleep(0.1)
+    time.sleep(1.0)  # inside a load
+    return procs
+
+
+def _gloo_outcome(procs, tmp_path, rank):
+    try:
+        out = procs[rank].communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"gloo rank {rank} still waits 30 s after the fault")
+    with open(tmp_path / f"rank{rank}.json") as f:
+        return json.load(f), out
+
+
+def _pythons_in(cgroup):
+    pids = []
+    with open(os.path.join(cgroup, "cgroup.procs")) as f:
+        for pid in f.read().split():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as c:
+                    if b"multihost_gloo_worker.py" in c.read():
+                        pids.append(int(pid))
+            except OSError:
+                pass
+    return pids
+
+
+def test_gloo_a_killed_rank_ends_the_other(fault_rehearsal, tmp_path):
+    procs = _gloo_fault_job(fault_rehearsal, tmp_path)
+    for pid in _pythons_in(fault_rehearsal["cgroups"]["h2"]):
+        os.kill(pid, 9)
+    killed_at = time.monotonic()
+    outcome, out = _gloo_outcome(procs, tmp_path, 0)
+    procs[1].communicate(timeout=30)
+    assert time.monotonic() - killed_at < 30
+    assert outcome["type"] == "OSError", (outcome, out)
+    assert "cooperative load: rank 0 gave up in round" in outcome["error"], (outcome, out)
+
+
+def test_gloo_a_link_down_ends_every_rank_with_the_timeout(fault_rehearsal, tmp_path):
+    prefix = fault_rehearsal["prefix"]
+    procs = _gloo_fault_job(fault_rehearsal, tmp_path)
+    subprocess.run(["ip", "netns", "exec", f"{prefix}-h2", "ip", "link", "set", "eth0", "down"],
+                   check=True)
+    cut_at = time.monotonic()
+    try:
+        outcomes = [_gloo_outcome(procs, tmp_path, r) for r in (0, 1)]
+        took = time.monotonic() - cut_at
+    finally:
+        subprocess.run(["ip", "netns", "exec", f"{prefix}-h2", "ip", "link", "set", "eth0", "up"],
+                       check=True)
+    assert took < 30
+    for rank, (outcome, out) in enumerate(outcomes):
+        assert outcome["type"] == "OSError", (outcome, out)
+        assert f"cooperative load: rank {rank} gave up in round" in outcome["error"], outcome

@@ -140,25 +140,48 @@ Result<Item> MakeItem(const TensorInfo& info, const ShardSpec& spec, uint32_t me
   return item;
 }
 
-// The bytes a rank reads for `slice` of `info` when it reads its own part: the slice's ranges,
-// consecutive ones merged across gaps of at most max_gap (the covering reads of the sliced plan).
-uint64_t CoveringBytes(const TensorInfo& info, const TensorSlice& slice, uint64_t max_gap) {
+// Bytes covered by `periods` repetitions (`stride` bytes apart) of `blocks` (start, length) in
+// units of `row` bytes, consecutive ranges merged across gaps of at most max_gap.
+uint64_t CoveringOfPeriods(const std::vector<std::pair<uint64_t, uint64_t>>& blocks, uint64_t row,
+                           uint64_t stride, uint64_t periods, uint64_t max_gap) {
   uint64_t total = 0;
   uint64_t run_start = 0, run_end = 0;
   bool open = false;
-  for (const auto& [offset, length] : SliceByteRanges(info, slice)) {
-    if (length == 0) continue;
-    if (open && offset >= run_end && offset - run_end <= max_gap) {
-      run_end = offset + length;
-      continue;
+  for (uint64_t o = 0; o < periods; ++o) {
+    for (const auto& [start, length] : blocks) {
+      if (length == 0) continue;
+      const uint64_t offset = o * stride + start * row;
+      if (open && offset >= run_end && offset - run_end <= max_gap) {
+        run_end = offset + length * row;
+        continue;
+      }
+      if (open) total += run_end - run_start;
+      run_start = offset;
+      run_end = offset + length * row;
+      open = true;
     }
-    if (open) total += run_end - run_start;
-    run_start = offset;
-    run_end = offset + length;
-    open = true;
   }
   if (open) total += run_end - run_start;
   return total;
+}
+
+// The bytes a rank reads for `slice` of `info` when it reads its own part: the slice's ranges
+// (SliceByteRanges), consecutive ones merged across gaps of at most max_gap (the covering reads
+// of the sliced plan). The ranges repeat with every index of the dimensions before the split one,
+// and so do the merges: the cover of n repetitions is C1 + (n - 1) (C2 - C1), computed from one
+// and two (the plan stays cheap for thousands of rows times hundreds of ranks).
+uint64_t CoveringBytes(const TensorInfo& info, const TensorSlice& slice, uint64_t max_gap) {
+  if (!slice.rule.is_split()) return info.size;
+  const uint32_t dim = slice.rule.dim;
+  uint64_t outer = 1;
+  for (uint32_t d = 0; d < dim; ++d) outer *= info.shape[d];
+  if (outer == 0 || info.shape[dim] == 0 || info.size == 0) return 0;
+  const uint64_t row = info.size / (outer * info.shape[dim]);  // bytes per index of `dim`
+  const uint64_t stride = info.shape[dim] * row;
+  if (outer <= 2) return CoveringOfPeriods(slice.blocks, row, stride, outer, max_gap);
+  const uint64_t one = CoveringOfPeriods(slice.blocks, row, stride, 1, max_gap);
+  const uint64_t two = CoveringOfPeriods(slice.blocks, row, stride, 2, max_gap);
+  return one + (outer - 1) * (two - one);
 }
 
 // One selected tensor and every rank's part of it, with its cost-model figures per host.
@@ -660,6 +683,7 @@ struct LocalReads {
   std::vector<Tensor> tensors;  // in Loader::Load's order
   uint64_t bytes_read = 0;
   double seconds = 0;
+  std::string engine;
   uint64_t remote_requests = 0, remote_retries = 0, remote_bytes = 0;
 };
 
@@ -679,6 +703,7 @@ Result<LocalReads> ReadLocal(std::shared_ptr<const Checkpoint> checkpoint,
   TF_ASSIGN_OR_RETURN(r.tensors, loader->Load(Selection::Names(std::move(names))));
   const LoadStats ls = loader->stats();
   r.bytes_read = ls.bytes_read;
+  r.engine = ls.engine;
   r.remote_requests = ls.remote_requests;
   r.remote_retries = ls.remote_retries;
   r.remote_bytes = ls.remote_bytes;
@@ -807,6 +832,7 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   }));
   local.bytes_read += reads->bytes_read;
   local.local_seconds = reads->seconds;
+  if (local.engine.empty()) local.engine = reads->engine;
   local.remote_requests += reads->remote_requests;
   local.remote_retries += reads->remote_retries;
   local.remote_bytes += reads->remote_bytes;

@@ -437,6 +437,56 @@ TEST(Cooperative, ARankThatStopsEndsTheOthersAfterTheTimeout) {
   }
 }
 
+// The cost model's local reads are the covering reads of each rank's slice: every slice range
+// (SliceByteRanges), consecutive ones merged across gaps up to max_gap; computed without walking
+// every row, and equal to walking them.
+TEST(PlanCooperative, LocalReadsAreTheSlicesCoveringReads) {
+  TempDir dir;
+  testing::TestTensors tensors;
+  tensors.Add("a.weight", DType::kF32, {64, 3, 40});  // split along 1, then along 2
+  tensors.Add("b.weight", DType::kBF16, {5, 7, 96});  // fused parts along 2
+  tensors.Add("c.weight", DType::kF16, {4096, 3});    // rows of 6 bytes
+  ASSERT_TRUE(tensors.WriteTo(dir.path(), 1ull << 30).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  for (const uint32_t split_dim : {1u, 2u}) {
+    ShardSpec spec = ShardSpec::None();
+    spec.Set("a.weight", ShardRule::Split(split_dim));
+    spec.Set("b.weight", ShardRule::Split(2, {32, 32, 32}));
+    spec.Set("c.weight", ShardRule::Split(1));
+    for (const uint64_t max_gap : {uint64_t{0}, uint64_t{100}, uint64_t{64} << 10}) {
+      for (const uint32_t world : {2u, 3u}) {
+        LoadOptions options;
+        options.tensor_parallel = TensorParallelOptions{spec, 0, world, max_gap};
+        const std::vector<uint32_t> one_host(world, 0);
+        const CooperativePlan plan =
+            PlanCooperative(*checkpoint, Selection::All(), spec, options, one_host).ValueOrThrow();
+        for (const CooperativeTensorPlan& t : plan.tensors) {
+          const TensorInfo& info = checkpoint->tensors()[t.tensor];
+          uint64_t want = 0;
+          for (uint32_t r = 0; r < world; ++r) {
+            const TensorSlice slice = SliceOf(info, spec.RuleFor(info.name), r, world).value();
+            uint64_t start = 0, end = 0;
+            bool open = false;
+            for (const auto& [offset, length] : SliceByteRanges(info, slice)) {
+              if (open && offset - end <= max_gap) {
+                end = offset + length;
+                continue;
+              }
+              if (open) want += end - start;
+              start = offset;
+              end = offset + length;
+              open = true;
+            }
+            if (open) want += end - start;
+          }
+          EXPECT_EQ(t.local_read, want)
+              << info.name << " dim " << split_dim << " gap " << max_gap << " world " << world;
+        }
+      }
+    }
+  }
+}
+
 TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
   // The checkpoint in memory, with an I/O error in the last shard: only the last rank reads it.
   TempDir dir;

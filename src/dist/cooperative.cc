@@ -476,8 +476,10 @@ class RoundRunner {
       const Clock::time_point exchange_start = Clock::now();
       const std::string round =
           "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds);
-      TF_RETURN_IF_ERROR(watchdog_.Watch(round + " (every rank's reads)",
-                                         [&] { return AgreeOnReads(current.status()); }));
+      TF_RETURN_IF_ERROR(watchdog_.Watch(round + " (every rank's reads)", [&] {
+        // Nobody waits in a collective for a rank that gave up.
+        return AgreeOnStatus(collective_, current.status(), "reading its share");
+      }));
       TF_RETURN_IF_ERROR(Exchange(k, *current, out));
       stats_.exchange_seconds += SecondsSince(exchange_start);
       stats_.rounds++;
@@ -510,13 +512,6 @@ class RoundRunner {
       stats_.remote_bytes += ls.remote_bytes;
     }
     return r;
-  }
-
-  // Shares this rank's read status with every rank; an error unless every rank has its reads.
-  Status AgreeOnReads(const Status& read_status) {
-    // Everyone learns whether every rank has its reads, so nobody waits in a collective for a
-    // rank that gave up.
-    return AgreeOnStatus(collective_, read_status, "reading its share");
   }
 
   // Bytes of tensor `i`'s part for rank q: the whole tensor (replicated) or q's slice.

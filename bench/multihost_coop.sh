@@ -12,6 +12,8 @@
 #   exchange-all    cooperative, every tensor exchanged (--exchange all)
 #   exchange-auto   cooperative, the cost model's choice (--exchange auto) with the rates given
 #   exchange-none   cooperative path, nothing exchanged (the model's "all local")
+# A contender NAME:before runs NAME with the binary TF_MPI_BEFORE instead (before/after a change,
+# alternating in the same runs).
 # Prints one JSON line per run and a summary (median wall seconds per contender) at the end; the
 # cost model's plan (--explain) first. Root only. Environment (defaults in brackets):
 #   HOSTS [4] RANKS_PER_HOST [2] RATE [200mbit] STORAGE_RATE [20mbps, tc units: 20 MB/s]
@@ -21,7 +23,8 @@
 #   staged copies are cached, and strided slices read exactly from the cache are not throttled)
 #   BUDGET [32MB]: --budget, bytes per rank per round of the cooperative exchange
 #   MODEL_STORAGE / MODEL_NETWORK: the rates given to the cost model, bytes per second per host
-#   [STORAGE_RATE and RATE's bytes per second]; TF_MPI [build/release/bin/tensorferry-mpi].
+#   [STORAGE_RATE and RATE's bytes per second]; TF_MPI [build/release/bin/tensorferry-mpi];
+#   TF_MPI_BEFORE (for NAME:before contenders); SHARD_RULES [builtin] (--shard-rules).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +39,8 @@ PREFIX=${PREFIX:-tfcoop}
 TF_MPI=${TF_MPI:-$PWD/build/release/bin/tensorferry-mpi}
 COLD=${COLD:-1}
 BUDGET=${BUDGET:-32MB}
+SHARD_RULES=${SHARD_RULES:-builtin}
+TF_MPI_BEFORE=${TF_MPI_BEFORE:-}
 
 [ "$(id -u)" = 0 ] || { echo "multihost_coop: needs root (network namespaces, cgroups)" >&2; exit 2; }
 [ -x "$TF_MPI" ] || { echo "multihost_coop: $TF_MPI not built" >&2; exit 2; }
@@ -67,21 +72,27 @@ echo "# $HOSTS hosts x $RANKS_PER_HOST ranks, link $RATE, storage $STORAGE_RATE 
   "checkpoint $CKPT" >&2
 
 run() {  # contender -> one JSON document on stdout
-  local args=(load "$path" --shard-rules builtin --direct on --json --budget "$BUDGET"
+  local args=(load "$path" --shard-rules "$SHARD_RULES" --direct on --json --budget "$BUDGET"
               --storage-rate "$MODEL_STORAGE" --network-rate "$MODEL_NETWORK")
+  local bin=$TF_MPI name=$1
+  if [[ $name == *:before ]]; then
+    [ -x "$TF_MPI_BEFORE" ] || { echo "multihost_coop: $name needs TF_MPI_BEFORE" >&2; return 2; }
+    bin=$TF_MPI_BEFORE
+    name=${name%:before}
+  fi
   [ "$COLD" = 1 ] && args+=(--cold)
-  case $1 in
+  case $name in
     sliced) args+=(--mode sliced) ;;
     exchange-all) args+=(--mode cooperative --exchange all) ;;
     exchange-auto) args+=(--mode cooperative --exchange auto) ;;
     exchange-none) args+=(--mode cooperative --exchange none) ;;
     *) echo "unknown contender $1" >&2; return 2 ;;
   esac
-  "$mh" mpirun --prefix "$PREFIX" --ranks-per-host "$RANKS_PER_HOST" -- "$TF_MPI" "${args[@]}"
+  "$mh" mpirun --prefix "$PREFIX" --ranks-per-host "$RANKS_PER_HOST" -- "$bin" "${args[@]}"
 }
 
 "$mh" mpirun --prefix "$PREFIX" --ranks-per-host "$RANKS_PER_HOST" -- "$TF_MPI" load "$path" \
-  --shard-rules builtin --explain --budget "$BUDGET" --storage-rate "$MODEL_STORAGE" \
+  --shard-rules "$SHARD_RULES" --explain --budget "$BUDGET" --storage-rate "$MODEL_STORAGE" \
   --network-rate "$MODEL_NETWORK" | sed -n '1,6p' >&2
 
 results=$(mktemp)
@@ -92,13 +103,19 @@ for ((rep = 1; rep <= REPEATS; rep++)); do
   for ((j = 0; j < n; j++)); do
     c=${contenders[$(((rep - 1 + j) % n))]}
     doc=$(run "$c")
-    python3 - "$c" "$rep" "$doc" <<'EOF' | tee -a "$results"
+    python3 - "$c" "$rep" "$doc" "$RANKS_PER_HOST" <<'EOF' | tee -a "$results"
 import json, sys
 c, rep, doc = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+per_host = int(sys.argv[4])
 r = doc["runs"][0]
 ranks = r["per_rank"]
+# Ranks fill the hosts in order (mpirun --map-by slot, RANKS_PER_HOST slots per host).
+host_read = {}
+for x in ranks:
+    host_read[x["rank"] // per_host] = host_read.get(x["rank"] // per_host, 0) + x["bytes_read"]
 print(json.dumps({"contender": c, "repeat": rep, "wall_seconds": r["wall_seconds"],
                   "bytes_read_total": r["bytes_read_total"],
+                  "bytes_read_busiest_host": max(host_read.values()),
                   "bytes_sent_total": sum(x["bytes_sent"] for x in ranks),
                   "exchanged_tensors": ranks[0]["exchanged_tensors"],
                   "local_tensors": ranks[0]["local_tensors"],
@@ -119,6 +136,7 @@ for c, rs in by.items():
                       "runs": [round(r["wall_seconds"], 3) for r in rs],
                       "speedup_vs_sliced": round(base / med, 2),
                       "bytes_read_total": rs[0]["bytes_read_total"],
+                      "bytes_read_busiest_host": rs[0]["bytes_read_busiest_host"],
                       "estimate_seconds": rs[0]["estimate"]}))
 EOF
 rm -f "$results"

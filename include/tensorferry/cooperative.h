@@ -16,12 +16,14 @@
 //   3. The local tensors are read by each rank with a sliced Loader (LoadOptions::tensor_parallel)
 //      on a helper thread, while the rounds run.
 //   4. Round by round: each rank loads its exchanged tensors of the round with an ordinary Loader
-//      (any engine, O_DIRECT, ...); while round k is exchanged, round k + 1 is already being
-//      read. For each tensor of round k in checkpoint order its reader broadcasts it (replicated)
-//      or packs every rank's slice (SliceByteRanges, in destination order) and scatters the
-//      blocks (split). A read error on any rank is made known to every rank (an AllGather of
-//      each rank's status per round, and one for the local reads at the end) so that all stop
-//      together instead of waiting in a collective.
+//      (any engine, O_DIRECT, ...), and its row pieces of the tensors split among the readers
+//      with a sliced one; while round k is exchanged, round k + 1 is already being read. In one
+//      AllToAllv per round, each reader sends every other rank that rank's part of what it read:
+//      the whole tensor (replicated), its slice (SliceByteRanges, in destination order), or the
+//      part of its slice inside a piece's rows, which the receiver copies into place. A read error
+//      on any rank is made known to every rank (an AllGather of each rank's status per round, and
+//      one for the local reads at the end) so that all stop together instead of waiting in a
+//      collective.
 // The tensors each rank ends with are byte for byte those of the independent sliced path: the
 // same SliceOf/SliceByteRanges decide which bytes, in the same order.
 //
@@ -76,8 +78,14 @@ Result<std::vector<uint32_t>> HostsOfRanks(Collective& collective);
 struct CooperativeTensorPlan {
   uint32_t tensor = 0;     // index in Checkpoint::tensors()
   bool exchanged = false;  // read once by `reader` and exchanged; false: each rank reads its part
-  uint32_t reader = 0;     // exchanged: the rank that reads it
-  uint32_t round = 0;      // exchanged: its round
+  uint32_t reader = 0;     // exchanged and read whole: the rank that reads it
+  uint32_t round = 0;      // exchanged: its round (split among readers: its last piece's)
+  // Exchanged: 1 when one reader reads it whole; world when it is split among every rank by rows
+  // (a huge tensor, see PlanCooperative): piece p, the rows ShardRule::Split(0) gives rank p of
+  // world, is read by rank p in round piece_rounds[p], and each rank receives its part of every
+  // piece from the piece's reader.
+  uint32_t readers = 1;
+  std::vector<uint32_t> piece_rounds;
   // Bytes per host, averaged over the hosts: read from storage when each rank reads its own part
   // (its slice's covering reads, gaps up to max_gap included; a replicated tensor once per
   // rank), read when exchanged (the tensor's size over the hosts), and received from other hosts
@@ -110,6 +118,9 @@ struct CooperativePlan {
   Estimate all_local;      // every tensor local (the independent sliced load)
   Estimate all_exchanged;  // every tensor exchanged
   Estimate chosen;         // this plan
+  // Bytes rank `rank` reads of the exchanged tensors: those it reads whole and its row pieces of
+  // those split among the readers. `checkpoint` gives the sizes.
+  uint64_t ExchangedBytesReadBy(const Checkpoint& checkpoint, uint32_t rank) const;
   // The plan as text (`tensorferry-mpi load --explain`): the settings, the three estimates, and
   // one line per tensor with its choice and figures. `checkpoint` gives the names.
   std::string ToString(const Checkpoint& checkpoint) const;
@@ -126,9 +137,16 @@ struct CooperativePlan {
 //   shorter prefix); all exchanged replaces it when strictly faster. On one host the network is
 //   free: every tensor that saves reads is exchanged; exact dim-0 slices never save any and stay
 //   local.
+// An exchanged tensor larger than half the even share of the exchanged bytes (total / world) or
+// than options.budget, with at least one row per rank, is split among every rank by rows instead
+// of given to one reader (CooperativeTensorPlan::readers): one reader of a huge embedding or
+// lm_head would hold up every round-synchronised rank and hold it all in memory; the estimates
+// count its reads spread over the hosts. The other exchanged tensors get their readers from
+// AssignReaders.
 // Covering reads use options.tensor_parallel's max_gap when it is set, else the default 64 KiB.
-// Rounds are bounded by options.budget (AssignRounds). Errors: those of DescribeSelection (SliceOf
-// included), kInvalidArgument for an empty host_of_rank or host indices that are not dense.
+// Rounds are bounded by options.budget (AssignRounds over the tensors read whole and the pieces).
+// Errors: those of DescribeSelection (SliceOf included), kInvalidArgument for an empty host_of_rank
+// or host indices that are not dense.
 Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
                                         const ShardSpec& spec, const LoadOptions& options,
                                         std::span<const uint32_t> host_of_rank);

@@ -189,26 +189,86 @@ struct Costed {
   Item item;
   std::vector<uint64_t> local_read;  // per host: bytes its ranks read for their own parts
   std::vector<uint64_t> received;    // per host: bytes its ranks end with (their parts)
+  bool splittable = false;           // may be split among the readers by rows (SplitAmongReaders)
 };
 
+// Byte range [begin, end) of the tensor that rank p of `world` reads when the tensor is split
+// among the readers by rows: the rows Split(0) gives rank p (the uneven rule of shard.h, which
+// SliceOf applies and the piece Loader reads). REQUIRES: the tensor is splittable (CanSplit).
+std::pair<uint64_t, uint64_t> PieceRange(const TensorInfo& info, uint32_t p, uint32_t world) {
+  const uint64_t rows = info.shape[0];
+  const uint64_t row = info.size / rows;
+  const uint64_t base = rows / world, extra = rows % world;
+  const uint64_t start = p * base + std::min<uint64_t>(p, extra);
+  const uint64_t count = base + (p < extra ? 1 : 0);
+  return {start * row, (start + count) * row};
+}
+
+// True when `info` can be split among `world` readers by rows: at least one row per reader and
+// whole bytes per row (a sub-byte dtype may not be).
+bool CanSplit(const TensorInfo& info, uint32_t world) {
+  return world > 1 && !info.shape.empty() && info.shape[0] >= world && info.size > 0 &&
+         info.size % info.shape[0] == 0;
+}
+
+// Which exchanged tensors are split among every rank by rows (CooperativeTensorPlan::readers):
+// the splittable ones larger than half the even share of the exchanged bytes (one reader would
+// hold up the others: contiguous runs balance within one tensor) or than the round budget (one
+// rank would read it whole in a round of its own while the others wait, and hold all of it).
+std::vector<bool> SplitAmongReaders(const std::vector<Costed>& costed,
+                                    const std::vector<bool>& exchanged, uint32_t world,
+                                    uint64_t budget) {
+  std::vector<bool> split(costed.size(), false);
+  if (world <= 1) return split;
+  uint64_t total = 0;
+  for (size_t i = 0; i < costed.size(); ++i) {
+    if (exchanged[i]) total += costed[i].item.info->size;
+  }
+  const uint64_t half_share = total / world / 2;
+  for (size_t i = 0; i < costed.size(); ++i) {
+    const uint64_t size = costed[i].item.info->size;
+    split[i] = exchanged[i] && costed[i].splittable &&
+               (size > half_share || (budget > 0 && size > budget));
+  }
+  return split;
+}
+
 // Per-host totals of a placement and the model's estimate of it.
+// `split` receives SplitAmongReaders' choice, `readers_out` the readers (AssignReaders) of the
+// exchanged tensors read whole, in order.
 CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
                                    const std::vector<bool>& exchanged,
                                    std::span<const uint32_t> host_of_rank, uint32_t hosts,
-                                   uint64_t storage_rate, uint64_t network_rate,
-                                   std::vector<uint32_t>* readers_out = nullptr) {
+                                   uint64_t storage_rate, uint64_t network_rate, uint64_t budget,
+                                   std::vector<uint32_t>* readers_out = nullptr,
+                                   std::vector<bool>* split_out = nullptr) {
   const uint32_t world = static_cast<uint32_t>(host_of_rank.size());
+  const std::vector<bool> split = SplitAmongReaders(costed, exchanged, world, budget);
   std::vector<uint64_t> sizes;
   for (size_t i = 0; i < costed.size(); ++i) {
-    if (exchanged[i]) sizes.push_back(costed[i].item.info->size);
+    if (exchanged[i] && !split[i]) sizes.push_back(costed[i].item.info->size);
   }
   const std::vector<uint32_t> readers = AssignReaders(sizes, world);
   std::vector<uint64_t> read(hosts, 0), network(hosts, 0);
+  std::vector<uint64_t> ranks_on(hosts, 0);
+  for (uint32_t h : host_of_rank) ranks_on[h]++;
   size_t next = 0;
   for (size_t i = 0; i < costed.size(); ++i) {
     const Costed& c = costed[i];
     if (!exchanged[i]) {
       for (uint32_t h = 0; h < hosts; ++h) read[h] += c.local_read[h];
+      continue;
+    }
+    if (split[i]) {
+      // Rank p reads piece p; a host receives its ranks' parts of the pieces read elsewhere,
+      // counted as the other hosts' share of the rows.
+      for (uint32_t p = 0; p < world; ++p) {
+        const auto [begin, end] = PieceRange(*c.item.info, p, world);
+        read[host_of_rank[p]] += end - begin;
+      }
+      for (uint32_t h = 0; h < hosts; ++h) {
+        network[h] += c.received[h] / world * (world - ranks_on[h]);
+      }
       continue;
     }
     const uint32_t reader_host = host_of_rank[readers[next++]];
@@ -218,6 +278,7 @@ CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
     }
   }
   if (readers_out != nullptr) *readers_out = readers;
+  if (split_out != nullptr) *split_out = split;
   CooperativePlan::Estimate e;
   e.read = *std::max_element(read.begin(), read.end());
   e.network = *std::max_element(network.begin(), network.end());
@@ -230,7 +291,7 @@ CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
 std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tensors,
                                   const std::vector<Costed>& costed,
                                   std::span<const uint32_t> host_of_rank, uint32_t hosts,
-                                  uint64_t storage_rate, uint64_t network_rate) {
+                                  uint64_t storage_rate, uint64_t network_rate, uint64_t budget) {
   std::vector<size_t> candidates;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].local_read > tensors[i].exchange_read) candidates.push_back(i);
@@ -285,7 +346,8 @@ std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tens
   for (const size_t p : prefixes) {
     for (; done < p; ++done) exchanged[candidates[done]] = true;
     const double e =
-        Estimate(costed, exchanged, host_of_rank, hosts, storage_rate, network_rate).seconds;
+        Estimate(costed, exchanged, host_of_rank, hosts, storage_rate, network_rate, budget)
+            .seconds;
     if (best.empty() || e < best_seconds * (1 - 1e-12)) {
       best_seconds = e;
       best = exchanged;
@@ -348,6 +410,7 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
   for (const uint32_t index : indices) {
     Costed c;
     TF_ASSIGN_OR_RETURN(c.item, MakeItem(infos[index], spec, me, world));
+    c.splittable = CanSplit(infos[index], world);
     c.local_read.assign(hosts, 0);
     c.received.assign(hosts, 0);
     const uint64_t size = infos[index].size;
@@ -375,16 +438,17 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
   std::vector<bool> exchanged(plan.tensors.size(), plan.choice == ExchangeChoice::kAll);
   if (plan.choice == ExchangeChoice::kAuto) {
     exchanged = ChooseExchanged(plan.tensors, costed, host_of_rank, hosts, plan.storage_rate,
-                                plan.network_rate);
+                                plan.network_rate, options.budget);
   }
   const std::vector<bool> none(plan.tensors.size(), false), all(plan.tensors.size(), true);
-  plan.all_local =
-      Estimate(costed, none, host_of_rank, hosts, plan.storage_rate, plan.network_rate);
-  plan.all_exchanged =
-      Estimate(costed, all, host_of_rank, hosts, plan.storage_rate, plan.network_rate);
+  plan.all_local = Estimate(costed, none, host_of_rank, hosts, plan.storage_rate, plan.network_rate,
+                            options.budget);
+  plan.all_exchanged = Estimate(costed, all, host_of_rank, hosts, plan.storage_rate,
+                                plan.network_rate, options.budget);
   std::vector<uint32_t> readers;
+  std::vector<bool> split;
   plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
-                         plan.network_rate, &readers);
+                         plan.network_rate, options.budget, &readers, &split);
   if (plan.choice == ExchangeChoice::kAuto) {
     // Prefixes hold only the tensors that save reads: exchanging every tensor (exact dim-0
     // slices too, which spreads the reads by bytes) may still be faster: take it when strictly so.
@@ -393,25 +457,50 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
       if (e.seconds < plan.chosen.seconds * (1 - 1e-9)) {
         exchanged.assign(plan.tensors.size(), uniform);
         plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
-                               plan.network_rate, &readers);
+                               plan.network_rate, options.budget, &readers, &split);
       }
     }
   }
 
-  // Readers and rounds of the exchanged tensors.
-  std::vector<uint64_t> sizes;
+  // Readers and rounds of the exchanged tensors: the units of reading are the tensors read whole
+  // and every piece of the tensors split among the readers (piece p read by rank p), in
+  // checkpoint order, so each rank's rounds follow its reads through the files.
+  std::vector<uint64_t> unit_sizes;
+  std::vector<uint32_t> unit_readers;
+  size_t next_reader = 0;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    if (exchanged[i]) sizes.push_back(costed[i].item.info->size);
+    if (!exchanged[i]) continue;
+    const TensorInfo& info = *costed[i].item.info;
+    if (split[i]) {
+      for (uint32_t p = 0; p < world; ++p) {
+        const auto [begin, end] = PieceRange(info, p, world);
+        unit_sizes.push_back(end - begin);
+        unit_readers.push_back(p);
+      }
+    } else {
+      unit_sizes.push_back(info.size);
+      unit_readers.push_back(readers[next_reader++]);
+    }
   }
-  const std::vector<uint32_t> rounds = AssignRounds(sizes, readers, world, options.budget);
+  const std::vector<uint32_t> rounds =
+      AssignRounds(unit_sizes, unit_readers, world, options.budget);
   size_t next = 0;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     if (!exchanged[i]) continue;
-    plan.tensors[i].exchanged = true;
-    plan.tensors[i].reader = readers[next];
-    plan.tensors[i].round = rounds[next];
-    plan.rounds = std::max(plan.rounds, rounds[next] + 1);
-    ++next;
+    CooperativeTensorPlan& t = plan.tensors[i];
+    t.exchanged = true;
+    if (split[i]) {
+      t.readers = world;
+      t.piece_rounds.assign(rounds.begin() + next, rounds.begin() + next + world);
+      t.reader = 0;
+      t.round = *std::max_element(t.piece_rounds.begin(), t.piece_rounds.end());
+      next += world;
+    } else {
+      t.reader = unit_readers[next];
+      t.round = rounds[next];
+      ++next;
+    }
+    plan.rounds = std::max(plan.rounds, t.round + 1);
   }
   if (items_out != nullptr) {
     items_out->clear();
@@ -431,6 +520,32 @@ Result<std::unique_ptr<Loader>> OpenRoundLoader(std::shared_ptr<const Checkpoint
   return Loader::Open(std::move(checkpoint), load_options);
 }
 
+// The Loader of this rank's row pieces of the tensors split among the readers (null when there
+// are none): sliced, each such tensor by rows (Split(0)) over the readers, no budget of its own.
+Result<std::unique_ptr<Loader>> OpenPieceLoader(std::shared_ptr<const Checkpoint> checkpoint,
+                                                const LoadOptions& options,
+                                                const CooperativePlan& plan,
+                                                const std::vector<Item>& items, uint32_t me,
+                                                uint32_t world) {
+  ShardSpec pieces = ShardSpec::None();
+  bool any = false;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (plan.tensors[i].exchanged && plan.tensors[i].readers > 1) {
+      pieces.Set(items[i].info->name, ShardRule::Split(0));
+      any = true;
+    }
+  }
+  if (!any) return std::unique_ptr<Loader>();
+  LoadOptions load_options = options;
+  load_options.budget = 0;
+  TensorParallelOptions tp;
+  tp.spec = std::move(pieces);
+  tp.rank = me;
+  tp.world = world;
+  load_options.tensor_parallel = std::move(tp);
+  return Loader::Open(std::move(checkpoint), load_options);
+}
+
 // Copies `slice` of `info` out of `source` (the whole tensor's bytes) to `dst`; returns its end.
 std::byte* CopySlice(const TensorInfo& info, const TensorSlice& slice, const std::byte* source,
                      std::byte* dst) {
@@ -443,23 +558,64 @@ std::byte* CopySlice(const TensorInfo& info, const TensorSlice& slice, const std
 
 Status AgreeOnStatus(Collective& collective, const Status& status, const char* what);
 
+// One unit of the rounds' reading: an exchanged tensor its reader reads whole, or one row piece
+// of a tensor split among the readers (CooperativeTensorPlan::readers).
+struct Unit {
+  size_t tensor = 0;  // index in plan.tensors
+  uint32_t reader = 0;
+  uint32_t round = 0;
+  bool piece = false;
+  uint64_t begin = 0, end = 0;  // piece: its bytes of the tensor
+};
+
+// Part of a piece for one rank: `length` bytes at `from` in the tensor go to `to` in the rank's
+// part (its whole copy, or its slice's row-major bytes).
+struct PieceSpan {
+  uint64_t from = 0, to = 0, length = 0;
+};
+
 // This rank's side of the rounds: its reads, the status exchange, the tensor exchange.
 class RoundRunner {
  public:
-  // `loader` is null when it could not open (`open_status` says why). `items[i]` is the item of
-  // plan.tensors[i].
+  // `loader` reads the tensors read whole, `piece_loader` (sliced by rows) this rank's pieces of
+  // those split among the readers; either is null when it could not open (`open_status` says
+  // why) or is not needed. `items[i]` is the item of plan.tensors[i].
   RoundRunner(const CooperativePlan& plan, const std::vector<Item>& items, Collective& collective,
-              CollectiveWatchdog& watchdog, Loader* loader, Status open_status,
-              CooperativeStats& stats)
+              CollectiveWatchdog& watchdog, Loader* loader, Loader* piece_loader,
+              Status open_status, CooperativeStats& stats)
       : plan_(plan),
         watchdog_(watchdog),
         items_(items),
         collective_(collective),
         loader_(loader),
+        piece_loader_(piece_loader),
         open_status_(std::move(open_status)),
         stats_(stats),
         me_(collective.rank()),
-        world_(collective.size()) {}
+        world_(collective.size()),
+        assembly_(plan.tensors.size()),
+        part_ranges_(plan.tensors.size()) {
+    for (size_t i = 0; i < plan_.tensors.size(); ++i) {
+      const CooperativeTensorPlan& t = plan_.tensors[i];
+      if (!t.exchanged) continue;
+      const TensorInfo& info = *items_[i].info;
+      if (t.readers <= 1) {
+        units_.push_back({i, t.reader, t.round, false, 0, info.size});
+        continue;
+      }
+      for (uint32_t p = 0; p < t.readers; ++p) {
+        const auto [begin, end] = PieceRange(info, p, t.readers);
+        units_.push_back({i, p, t.piece_rounds[p], true, begin, end});
+      }
+      // Every rank's part as ranges of the tensor, in the part's order.
+      part_ranges_[i].resize(world_);
+      for (uint32_t q = 0; q < world_; ++q) {
+        part_ranges_[i][q] = items_[i].whole
+                                 ? std::vector<std::pair<uint64_t, uint64_t>>{{0, info.size}}
+                                 : SliceByteRanges(info, items_[i].slices[q]);
+      }
+    }
+  }
 
   // Runs every round: this rank's result of each exchanged tensor lands in out[i] (plan order).
   // Round k + 1 is read on a helper thread while round k is exchanged.
@@ -491,27 +647,61 @@ class RoundRunner {
   }
 
  private:
-  // This rank's reads of round k, in checkpoint order.
+  // This rank's units of round k, in unit order.
+  std::vector<size_t> MyUnits(uint32_t k) const {
+    std::vector<size_t> mine;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].round == k && units_[u].reader == me_) mine.push_back(u);
+    }
+    return mine;
+  }
+
+  // Loads `names` with `loader` and adds what it read to the statistics.
+  Result<std::vector<Tensor>> LoadNames(Loader* loader, std::vector<std::string> names) {
+    if (names.empty()) return std::vector<Tensor>{};
+    TF_ASSIGN_OR_RETURN(std::vector<Tensor> tensors,
+                        loader->Load(Selection::Names(std::move(names))));
+    const LoadStats ls = loader->stats();
+    stats_.bytes_read += ls.bytes;
+    stats_.engine = ls.engine;
+    stats_.remote_requests += ls.remote_requests;
+    stats_.remote_retries += ls.remote_retries;
+    stats_.remote_bytes += ls.remote_bytes;
+    return tensors;
+  }
+
+  // This rank's reads of round k: one tensor per unit of MyUnits(k), in that order.
   Result<std::vector<Tensor>> Read(uint32_t k) {
     if (!open_status_.ok()) return open_status_;
-    std::vector<std::string> names;
-    for (size_t i = 0; i < plan_.tensors.size(); ++i) {
-      const CooperativeTensorPlan& t = plan_.tensors[i];
-      if (t.exchanged && t.reader == me_ && t.round == k) names.push_back(items_[i].info->name);
+    const std::vector<size_t> mine = MyUnits(k);
+    std::vector<std::string> whole, pieces;
+    for (const size_t u : mine) {
+      (units_[u].piece ? pieces : whole).push_back(items_[units_[u].tensor].info->name);
     }
-    if (names.empty()) return std::vector<Tensor>{};
     const Clock::time_point read_start = Clock::now();
-    Result<std::vector<Tensor>> r = loader_->Load(Selection::Names(std::move(names)));
+    Result<std::vector<Tensor>> read_whole = LoadNames(loader_, std::move(whole));
+    Result<std::vector<Tensor>> read_pieces =
+        read_whole.ok() ? LoadNames(piece_loader_, std::move(pieces)) : std::vector<Tensor>{};
     stats_.read_seconds += SecondsSince(read_start);
-    if (r.ok()) {
-      const LoadStats ls = loader_->stats();
-      stats_.bytes_read += ls.bytes;
-      stats_.engine = ls.engine;
-      stats_.remote_requests += ls.remote_requests;
-      stats_.remote_retries += ls.remote_retries;
-      stats_.remote_bytes += ls.remote_bytes;
+    TF_RETURN_IF_ERROR(read_whole.status());
+    TF_RETURN_IF_ERROR(read_pieces.status());
+    // Both loaders return checkpoint order, as the units are.
+    std::vector<Tensor> out;
+    size_t next_whole = 0, next_piece = 0;
+    for (const size_t u : mine) {
+      const Unit& unit = units_[u];
+      std::vector<Tensor>& from = unit.piece ? *read_pieces : *read_whole;
+      size_t& next = unit.piece ? next_piece : next_whole;
+      const std::string& name = items_[unit.tensor].info->name;
+      if (next >= from.size() || from[next].name() != name ||
+          from[next].size() != unit.end - unit.begin) {
+        return Status(Code::kInternal, "cooperative load: the loader returned " +
+                                           std::string(unit.piece ? "a row piece of " : "") + name +
+                                           " out of order or of another size");
+      }
+      out.push_back(std::move(from[next++]));
     }
-    return r;
+    return out;
   }
 
   // Bytes of tensor `i`'s part for rank q: the whole tensor (replicated) or q's slice.
@@ -519,42 +709,86 @@ class RoundRunner {
     return items_[i].whole ? items_[i].info->size : items_[i].counts[q];
   }
 
-  // Exchanges round k's tensors in one AllToAllv: every rank sends each other rank that rank's
-  // parts of the tensors it read this round, in plan order, each padded to kPartAlign bytes, and
-  // receives its parts from every reader the same way; all links are busy at once. The received
-  // parts stay in one buffer that the tensors co-own. `loaded`: this rank's reads of the round.
-  Status Exchange(uint32_t k, const std::vector<Tensor>& loaded, std::vector<Tensor>& out) {
-    std::vector<size_t> round;  // plan indices of the round's tensors
-    for (size_t i = 0; i < plan_.tensors.size(); ++i) {
-      if (plan_.tensors[i].exchanged && plan_.tensors[i].round == k) round.push_back(i);
+  // Rank q's part of piece `unit`: the ranges of q's part inside the piece's bytes.
+  std::vector<PieceSpan> PieceSpans(const Unit& unit, uint32_t q) const {
+    std::vector<PieceSpan> spans;
+    uint64_t to = 0;
+    for (const auto& [offset, length] : part_ranges_[unit.tensor][q]) {
+      const uint64_t begin = std::max(offset, unit.begin);
+      const uint64_t end = std::min(offset + length, unit.end);
+      if (begin < end) spans.push_back({begin, to + (begin - offset), end - begin});
+      to += length;
     }
-    // This rank's reads, in plan order.
+    return spans;
+  }
+
+  static uint64_t SpanBytes(const std::vector<PieceSpan>& spans) {
+    uint64_t n = 0;
+    for (const PieceSpan& s : spans) n += s.length;
+    return n;
+  }
+
+  // Where this rank's part of a tensor split among the readers is assembled (allocated, and
+  // handed to out[i], at its first piece).
+  std::byte* Assembly(size_t i, std::vector<Tensor>& out) {
+    if (assembly_[i] == nullptr) {
+      const TensorInfo& info = *items_[i].info;
+      const uint64_t mine = Part(i, me_);
+      assembly_[i].reset(new std::byte[std::max<uint64_t>(mine, 1)]);
+      const std::byte* data = assembly_[i].get();
+      out[i] = Tensor(info.name, info.dtype, items_[i].local_shape, data, mine, assembly_[i]);
+    }
+    return assembly_[i].get();
+  }
+
+  // Exchanges round k's units in one AllToAllv: every rank sends each other rank that rank's
+  // parts of what it read this round, in unit order, each padded to kPartAlign bytes, and
+  // receives its parts from every reader the same way; all links are busy at once. The received
+  // parts of tensors read whole stay in one buffer that the tensors co-own; parts of pieces are
+  // copied into place. `loaded`: this rank's reads of the round (Read).
+  Status Exchange(uint32_t k, const std::vector<Tensor>& loaded, std::vector<Tensor>& out) {
+    std::vector<size_t> round;  // the round's units
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].round == k) round.push_back(u);
+    }
+    // This rank's reads, by position in `round`; the parts of pieces per rank.
     std::vector<const Tensor*> source(round.size(), nullptr);
+    std::vector<std::vector<std::vector<PieceSpan>>> spans(round.size());
     size_t next_loaded = 0;
     for (size_t j = 0; j < round.size(); ++j) {
-      if (plan_.tensors[round[j]].reader != me_) continue;
-      const std::string& name = items_[round[j]].info->name;
-      if (next_loaded >= loaded.size() || loaded[next_loaded].name() != name) {
-        return Status(Code::kInternal,
-                      "cooperative load: loader returned tensors out of order at " + name);
+      const Unit& unit = units_[round[j]];
+      if (unit.reader == me_) {
+        if (next_loaded >= loaded.size()) {
+          return Status(Code::kInternal, "cooperative load: round " + std::to_string(k) +
+                                             " has fewer reads than units");
+        }
+        source[j] = &loaded[next_loaded++];
       }
-      source[j] = &loaded[next_loaded++];
+      if (!unit.piece) continue;
+      spans[j].resize(world_);
+      for (uint32_t q = 0; q < world_; ++q) {
+        if (unit.reader == me_ || q == me_) spans[j][q] = PieceSpans(unit, q);
+      }
     }
+    auto bytes = [&](size_t j, uint32_t q) {
+      const Unit& unit = units_[round[j]];
+      return unit.piece ? SpanBytes(spans[j][q]) : Part(unit.tensor, q);
+    };
     std::vector<uint64_t> send_counts(world_, 0), recv_counts(world_, 0);
-    for (const size_t i : round) {
-      const uint32_t reader = plan_.tensors[i].reader;
+    for (size_t j = 0; j < round.size(); ++j) {
+      const uint32_t reader = units_[round[j]].reader;
       if (reader == me_) {
         for (uint32_t q = 0; q < world_; ++q) {
           if (q == me_) continue;
-          send_counts[q] += AlignPart(Part(i, q));
-          stats_.bytes_sent += Part(i, q);
+          send_counts[q] += AlignPart(bytes(j, q));
+          stats_.bytes_sent += bytes(j, q);
         }
       } else {
-        recv_counts[reader] += AlignPart(Part(i, me_));
-        stats_.bytes_received += Part(i, me_);
+        recv_counts[reader] += AlignPart(bytes(j, me_));
+        stats_.bytes_received += bytes(j, me_);
       }
     }
-    // Pack: block q holds q's parts of this rank's tensors of the round, in plan order.
+    // Pack: block q holds q's parts of this rank's reads of the round, in unit order.
     std::vector<uint64_t> cursor(world_, 0);
     uint64_t send_total = 0, recv_total = 0;
     for (uint32_t q = 0; q < world_; ++q) {
@@ -565,17 +799,22 @@ class RoundRunner {
     if (pack_.size() < send_total) pack_.resize(send_total);
     for (size_t j = 0; j < round.size(); ++j) {
       if (source[j] == nullptr) continue;
-      const size_t i = round[j];
-      const Item& item = items_[i];
+      const Unit& unit = units_[round[j]];
+      const Item& item = items_[unit.tensor];
       for (uint32_t q = 0; q < world_; ++q) {
         if (q == me_) continue;
         std::byte* dst = pack_.data() + cursor[q];
-        if (item.whole) {
+        if (unit.piece) {
+          for (const PieceSpan& s : spans[j][q]) {
+            std::memcpy(dst, source[j]->data() + (s.from - unit.begin), s.length);
+            dst += s.length;
+          }
+        } else if (item.whole) {
           if (item.info->size > 0) std::memcpy(dst, source[j]->data(), item.info->size);
         } else {
           CopySlice(*item.info, item.slices[q], source[j]->data(), dst);
         }
-        cursor[q] += AlignPart(Part(i, q));
+        cursor[q] += AlignPart(bytes(j, q));
       }
     }
     std::shared_ptr<std::byte[]> received(new std::byte[std::max<uint64_t>(recv_total, 1)]);
@@ -589,19 +828,36 @@ class RoundRunner {
                                         {received.get(), recv_total}, recv_counts);
                                   })
                            .WithPrefix(step));
-    // Unpack: the parts from each reader follow one another in plan order.
+    // Unpack: the parts from each reader follow one another in unit order.
     uint64_t offset = 0;
     for (uint32_t p = 0; p < world_; ++p) {
       cursor[p] = offset;
       offset += recv_counts[p];
     }
     for (size_t j = 0; j < round.size(); ++j) {
-      const size_t i = round[j];
+      const Unit& unit = units_[round[j]];
+      const size_t i = unit.tensor;
       const Item& item = items_[i];
       const TensorInfo& info = *item.info;
-      const uint32_t reader = plan_.tensors[i].reader;
-      const uint64_t mine = Part(i, me_);
-      if (reader == me_) {
+      const uint64_t mine = bytes(j, me_);
+      if (unit.piece) {
+        std::byte* base = Assembly(i, out);
+        const std::byte* from = nullptr;
+        if (unit.reader != me_) {
+          from = received.get() + cursor[unit.reader];
+          cursor[unit.reader] += AlignPart(mine);
+        }
+        for (const PieceSpan& s : spans[j][me_]) {
+          if (unit.reader == me_) {
+            std::memcpy(base + s.to, source[j]->data() + (s.from - unit.begin), s.length);
+          } else {
+            std::memcpy(base + s.to, from, s.length);
+            from += s.length;
+          }
+        }
+        continue;
+      }
+      if (unit.reader == me_) {
         if (item.whole) {
           out[i] = *source[j];  // shares the loader's buffer
           continue;
@@ -612,8 +868,8 @@ class RoundRunner {
         out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, std::move(buffer));
         continue;
       }
-      const std::byte* data = received.get() + cursor[reader];
-      cursor[reader] += AlignPart(mine);
+      const std::byte* data = received.get() + cursor[unit.reader];
+      cursor[unit.reader] += AlignPart(mine);
       out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, received);
     }
     return Status::Ok();
@@ -628,10 +884,16 @@ class RoundRunner {
   const std::vector<Item>& items_;
   Collective& collective_;
   Loader* loader_;
+  Loader* piece_loader_;
   const Status open_status_;
   CooperativeStats& stats_;
   const uint32_t me_;
   const uint32_t world_;
+  std::vector<Unit> units_;  // in plan order, pieces by reader
+  // Tensors split among the readers: this rank's part, assembled piece by piece.
+  std::vector<std::shared_ptr<std::byte[]>> assembly_;
+  // Tensors split among the readers: every rank's part as ranges of the tensor.
+  std::vector<std::vector<std::vector<std::pair<uint64_t, uint64_t>>>> part_ranges_;
   std::vector<std::byte> pack_;  // the outgoing parts of a round, reused across rounds
 };
 
@@ -739,6 +1001,20 @@ Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Sele
   return MakePlan(checkpoint, described.read, spec, options, host_of_rank, 0, nullptr);
 }
 
+uint64_t CooperativePlan::ExchangedBytesReadBy(const Checkpoint& checkpoint, uint32_t rank) const {
+  uint64_t bytes = 0;
+  for (const CooperativeTensorPlan& t : tensors) {
+    const TensorInfo& info = checkpoint.tensors()[t.tensor];
+    if (t.exchanged && t.readers > 1 && rank < t.readers) {
+      const auto [begin, end] = PieceRange(info, rank, t.readers);
+      bytes += end - begin;
+    } else if (t.exchanged && t.readers <= 1 && t.reader == rank) {
+      bytes += info.size;
+    }
+  }
+  return bytes;
+}
+
 std::string CooperativePlan::ToString(const Checkpoint& checkpoint) const {
   auto rate = [](uint64_t r) { return FormatBytes(r) + "/s"; };
   auto estimate = [](const Estimate& e) {
@@ -762,7 +1038,13 @@ std::string CooperativePlan::ToString(const Checkpoint& checkpoint) const {
   out += "  per tensor (bytes per host: local read | exchanged read + received):\n";
   for (const CooperativeTensorPlan& t : tensors) {
     out += "    " + checkpoint.tensors()[t.tensor].name + ": ";
-    if (t.exchanged) {
+    if (t.exchanged && t.readers > 1) {
+      const auto [first, last] = std::minmax_element(t.piece_rounds.begin(), t.piece_rounds.end());
+      out += "exchanged (split among " + std::to_string(t.readers) + " readers by rows, round" +
+             (*first == *last ? " " + std::to_string(*first)
+                              : "s " + std::to_string(*first) + "-" + std::to_string(*last)) +
+             ")";
+    } else if (t.exchanged) {
       out += "exchanged (reader " + std::to_string(t.reader) + ", round " +
              std::to_string(t.round) + ")";
     } else {
@@ -815,9 +1097,17 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
     // A rank whose loader cannot open still takes part in the first status exchange, so the
     // others learn of it instead of waiting for it in a collective.
     Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, options);
-    const Status open_status = opened.status();
+    Status open_status = opened.status();
     std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
-    RoundRunner rounds(plan, items, collective, watchdog, loader.get(), open_status, local);
+    std::unique_ptr<Loader> piece_loader;
+    if (open_status.ok()) {
+      Result<std::unique_ptr<Loader>> pieces =
+          OpenPieceLoader(checkpoint, options, plan, items, me, world);
+      open_status = pieces.status();
+      if (pieces.ok()) piece_loader = std::move(pieces).value();
+    }
+    RoundRunner rounds(plan, items, collective, watchdog, loader.get(), piece_loader.get(),
+                       open_status, local);
     rounds_status = rounds.RunAll(exchanged);
   }
   Result<LocalReads> reads = local_reads.valid() ? local_reads.get() : LocalReads{};

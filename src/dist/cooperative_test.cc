@@ -92,8 +92,18 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
       PlanCooperative(*checkpoint, Selection::All(), spec, options, one_host).ValueOrThrow();
   ASSERT_EQ(plan.tensors.size(), checkpoint->tensors().size());
   const bool all = options.cooperative.exchange == ExchangeChoice::kAll;
-  uint64_t exchanged_count = 0, exchanged_bytes = 0;
+  uint64_t exchanged_count = 0, exchanged_bytes = 0, split_count = 0;
   for (const CooperativeTensorPlan& t : plan.tensors) {
+    if (t.exchanged && t.readers > 1) {
+      // Split among every rank by rows: one round per piece.
+      EXPECT_EQ(t.readers, world);
+      ASSERT_EQ(t.piece_rounds.size(), world);
+      EXPECT_EQ(t.round, *std::max_element(t.piece_rounds.begin(), t.piece_rounds.end()));
+      ++split_count;
+    } else {
+      EXPECT_EQ(t.readers, 1u);
+      EXPECT_TRUE(t.piece_rounds.empty());
+    }
     if (all) {
       EXPECT_TRUE(t.exchanged);
     }
@@ -108,10 +118,9 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
     ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
     const std::vector<Tensor>& mine = *results[r];
     ASSERT_EQ(mine.size(), full.size());
-    uint64_t expected_read = 0;
+    const uint64_t expected_read = plan.ExchangedBytesReadBy(*checkpoint, r);
     for (size_t i = 0; i < full.size(); ++i) {
       const TensorInfo& info = checkpoint->tensors()[i];
-      if (plan.tensors[i].exchanged && plan.tensors[i].reader == r) expected_read += info.size;
       const ShardRule rule = spec.RuleFor(info.name);
       const uint64_t elem = info.shape.empty() || info.size == 0
                                 ? 1
@@ -154,6 +163,14 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
     }
   }
   EXPECT_EQ(total_read, exchanged_bytes);
+  // With every tensor exchanged over 8 ranks and a budget below the largest tensors, some are
+  // split among the readers (the fixture's sizes make sure of it).
+  if (all && world == 8 && options.budget > 0) {
+    EXPECT_GT(split_count, 0u);
+  }
+  if (world == 1) {
+    EXPECT_EQ(split_count, 0u);
+  }
 }
 
 TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
@@ -180,6 +197,114 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
       }
     }
   }
+}
+
+// A tensor far larger than a rank's share (a replicated embedding, a row-parallel or fused
+// matrix) is split among every rank by rows: each rank reads its rows of it and every rank ends
+// with its part byte for byte as the independent sliced path gives it; with a budget smaller
+// than the tensor no rank holds more than its piece in a round. The plan counts the reads spread
+// over the hosts.
+TEST(Cooperative, HugeTensorsAreSplitAmongTheReadersByRows) {
+  testing::TestCheckpoint t;
+  t.Add("embed.weight", DType::kF32, {1001, 33}, ShardRule::Replicate());             // 132 KB
+  t.Add("a.weight", DType::kBF16, {40, 7}, ShardRule::Split(1));                      // small
+  t.Add("fused.weight", DType::kF16, {300, 70}, ShardRule::Split(0, {200, 60, 40}));  // 42 KB
+  t.Add("row.weight", DType::kBF16, {250, 90}, ShardRule::Split(1));                  // 45 KB
+  t.Add("norm.weight", DType::kF32, {33}, ShardRule::Replicate());
+  t.Add("odd.weight", DType::kU8, {5, 9000}, ShardRule::Replicate());  // 45 KB, 5 rows
+  t.Write(64 << 10);                                                   // several files
+  auto checkpoint = Checkpoint::Open(t.dir.path()).ValueOrThrow();
+  auto index_of = [&](const std::string& name) {
+    for (size_t i = 0; i < checkpoint->tensors().size(); ++i) {
+      if (checkpoint->tensors()[i].name == name) return i;
+    }
+    throw std::runtime_error("no " + name);
+  };
+  for (uint32_t world : {2u, 3u, 4u, 6u}) {
+    for (uint64_t budget : {uint64_t{0}, uint64_t{20'000}}) {
+      SCOPED_TRACE("world " + std::to_string(world) + " budget " + std::to_string(budget));
+      LoadOptions options;
+      options.engine = Engine::kPread;
+      options.threads = 2;
+      options.budget = budget;
+      options.cooperative.exchange = ExchangeChoice::kAll;
+      const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
+                                                   std::vector<uint32_t>(world, 0))
+                                       .ValueOrThrow();
+      const CooperativeTensorPlan& embed = plan.tensors[index_of("embed.weight")];
+      EXPECT_EQ(embed.readers, world);
+      EXPECT_EQ(plan.tensors[index_of("a.weight")].readers, 1u);
+      EXPECT_EQ(plan.tensors[index_of("norm.weight")].readers, 1u);
+      // Split when larger than half the even share or the budget, and only with a row per rank.
+      const uint64_t half_share = t.total / world / 2, odd = 45'000;
+      const bool odd_split = world <= 5 && (odd > half_share || (budget > 0 && odd > budget));
+      EXPECT_EQ(plan.tensors[index_of("odd.weight")].readers, odd_split ? world : 1u);
+      if (budget > 0) {
+        // Larger than the budget: split whatever the share.
+        EXPECT_EQ(plan.tensors[index_of("fused.weight")].readers, world);
+        EXPECT_EQ(plan.tensors[index_of("row.weight")].readers, world);
+        EXPECT_GT(plan.rounds, 1u);
+      }
+
+      auto group = MakeInProcessGroup(world).ValueOrThrow();
+      std::vector<Result<std::vector<Tensor>>> results(world, Status(Code::kInternal, "not run"));
+      std::vector<CooperativeStats> stats(world);
+      std::vector<std::thread> threads;
+      for (uint32_t r = 0; r < world; ++r) {
+        threads.emplace_back([&, r] {
+          results[r] =
+              LoadCooperative(checkpoint, Selection::All(), t.spec, options, *group[r], &stats[r]);
+        });
+      }
+      for (auto& th : threads) th.join();
+      uint64_t total_read = 0;
+      for (uint32_t r = 0; r < world; ++r) {
+        ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
+        LoadOptions independent_options;
+        independent_options.tensor_parallel = TensorParallelOptions{t.spec, r, world};
+        auto independent = Loader::Open(checkpoint, independent_options).ValueOrThrow();
+        const std::vector<Tensor> theirs = independent->Load().ValueOrThrow();
+        const std::vector<Tensor>& mine = *results[r];
+        ASSERT_EQ(theirs.size(), mine.size());
+        for (size_t i = 0; i < mine.size(); ++i) {
+          EXPECT_EQ(mine[i].name(), theirs[i].name());
+          EXPECT_EQ(mine[i].shape(), theirs[i].shape()) << mine[i].name();
+          EXPECT_EQ(Bytes(mine[i]), Bytes(theirs[i])) << mine[i].name() << " rank " << r;
+        }
+        // Rank r read its rows of the split tensors (the rows Split(0) gives it, as SliceOf
+        // computes them) and the others it is the reader of.
+        uint64_t expected = 0;
+        for (const CooperativeTensorPlan& p : plan.tensors) {
+          const TensorInfo& info = checkpoint->tensors()[p.tensor];
+          if (p.readers > 1) {
+            expected += SliceOf(info, ShardRule::Split(0), r, world).value().bytes;
+          } else if (p.reader == r) {
+            expected += info.size;
+          }
+        }
+        EXPECT_EQ(stats[r].bytes_read, expected) << "rank " << r;
+        EXPECT_EQ(plan.ExchangedBytesReadBy(*checkpoint, r), expected) << "rank " << r;
+        if (world >= 3) {
+          // Less than the embedding alone, which one reader would have read whole.
+          EXPECT_LT(stats[r].bytes_read, checkpoint->tensors()[index_of("embed.weight")].size);
+        }
+        total_read += stats[r].bytes_read;
+      }
+      EXPECT_EQ(total_read, t.total);  // every byte read once
+    }
+  }
+
+  // Across hosts, the busiest host reads about its share of the embedding, not all of it.
+  LoadOptions options;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  const std::vector<uint32_t> two_hosts = {0, 0, 1, 1};
+  const CooperativePlan plan =
+      PlanCooperative(*checkpoint, Selection::All(), t.spec, options, two_hosts).ValueOrThrow();
+  EXPECT_EQ(plan.tensors[index_of("embed.weight")].readers, 4u);
+  EXPECT_LE(plan.all_exchanged.read, t.total / 2 + t.total / 4);
+  EXPECT_NE(plan.ToString(*checkpoint).find("embed.weight: exchanged (split among 4 readers"),
+            std::string::npos)
+      << plan.ToString(*checkpoint);
 }
 
 // The cost model: on one host (network free) every tensor whose exchange saves reads is

@@ -50,10 +50,9 @@ void Run(Collective& c, const std::string& path, const LoadOptions& options) {
   }
   Expect(stats.hosts == plan.hosts && stats.exchanged_tensors == exchanged_count,
          "the load's plan differs from PlanCooperative's");
-  uint64_t expected_read = 0;
+  const uint64_t expected_read = plan.ExchangedBytesReadBy(*checkpoint, me);
   for (size_t i = 0; i < full.size(); ++i) {
     const TensorInfo& info = checkpoint->tensors()[i];
-    if (plan.tensors[i].exchanged && plan.tensors[i].reader == me) expected_read += info.size;
     const uint64_t elements =
         std::accumulate(info.shape.begin(), info.shape.end(), uint64_t{1}, std::multiplies<>());
     const uint64_t elem = elements == 0 ? 1 : info.size / elements;

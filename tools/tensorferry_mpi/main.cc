@@ -376,7 +376,11 @@ int Main(int argc, char** argv) {
       if (root) std::printf("%s", plan->ToString(**checkpoint).c_str());
       return 0;
     }
-    json += ", \"hosts\": " + std::to_string(plan->hosts) + ", \"exchange\": \"" +
+    uint64_t split = 0;  // tensors split among the readers by rows
+    for (const CooperativeTensorPlan& t : plan->tensors) split += t.readers > 1 ? 1 : 0;
+    json += ", \"hosts\": " + std::to_string(plan->hosts) +
+            ", \"rounds\": " + std::to_string(plan->rounds) +
+            ", \"split_tensors\": " + std::to_string(split) + ", \"exchange\": \"" +
             std::string(ExchangeChoiceName(plan->choice)) +
             "\", \"storage_rate\": " + std::to_string(plan->storage_rate) +
             ", \"network_rate\": " + std::to_string(plan->network_rate) + ", \"estimate\": {";

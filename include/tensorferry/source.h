@@ -32,6 +32,7 @@
 // Thread-safety: a Source and a SourceFile may be used from several threads at once.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -82,12 +83,38 @@ class SourceFile : public RandomAccessFile {
   virtual Status CheckUnchanged() const = 0;
 };
 
-// Counters of a Source's requests since it was made (a Loader reports per-load differences in
-// LoadStats::remote_*). Zero for local files.
+// Counters of a Source's requests since it was made, every reader's together (a Loader reports
+// its own through SourceStatsScope). Zero for local files.
 struct SourceStats {
   uint64_t requests = 0;  // requests sent (reads, listings), retries included
   uint64_t retries = 0;   // requests that repeated a failed one
   uint64_t bytes = 0;     // bytes received
+};
+
+// Requests counted for one reader of a Source (SourceStatsScope). Thread-safe.
+struct SourceCounters {
+  std::atomic<uint64_t> requests{0}, retries{0}, bytes{0};
+  SourceStats Snapshot() const;
+};
+
+// Attribution of a Source's requests to the reader that made them: while a scope lives on a
+// thread, every request a Source makes on that thread is added to the scope's counters as well as
+// to the Source's own totals (stats()). Several loaders of one checkpoint share its Source, so
+// the Source's totals mix their requests; each read engine scopes its reads with counters of its
+// own, from which a Loader reports LoadStats::remote_*. Scopes nest (the innermost counts);
+// a null `counters` suspends counting on the thread. Not copyable; destroy on the thread that made
+// it.
+class SourceStatsScope {
+ public:
+  explicit SourceStatsScope(SourceCounters* counters) noexcept;
+  ~SourceStatsScope();
+  SourceStatsScope(const SourceStatsScope&) = delete;
+  SourceStatsScope& operator=(const SourceStatsScope&) = delete;
+  // The counters of the innermost scope on this thread, or null.
+  static SourceCounters* Current() noexcept;
+
+ private:
+  SourceCounters* previous_;
 };
 
 // How reads of a Source's files are best issued; zeros: as the load options say (local files).

@@ -26,6 +26,7 @@ EngineStats EngineCounters::Snapshot() const {
   s.direct_bytes = direct_bytes.load(std::memory_order_relaxed);
   s.requests = requests.load(std::memory_order_relaxed);
   s.read_calls = read_calls.load(std::memory_order_relaxed);
+  s.source = source.Snapshot();
   return s;
 }
 
@@ -188,6 +189,8 @@ DirectSplit SplitForDirect(const ReadRequest& request) noexcept {
 
 Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
   counters.requests.fetch_add(1, std::memory_order_relaxed);
+  // An object store's requests for this read count as this engine's (its loader's).
+  const SourceStatsScope scope(&counters.source);
   if (request.dst.empty()) return Status::Ok();
   if (request.file == nullptr) {
     return Status(Code::kInvalidArgument,

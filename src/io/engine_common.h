@@ -21,6 +21,7 @@ struct EngineCounters {
   std::atomic<uint64_t> direct_bytes{0};
   std::atomic<uint64_t> requests{0};
   std::atomic<uint64_t> read_calls{0};
+  SourceCounters source;  // requests the files' sources made for this engine's reads
 
   EngineStats Snapshot() const;
 };

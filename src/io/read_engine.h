@@ -28,6 +28,7 @@
 #include <string_view>
 
 #include "tensorferry/env.h"
+#include "tensorferry/source.h"
 #include "tensorferry/status.h"
 
 namespace tensorferry::io {
@@ -55,6 +56,7 @@ struct EngineStats {
   uint64_t direct_bytes = 0;  // of which read with O_DIRECT
   uint64_t requests = 0;
   uint64_t read_calls = 0;  // system calls (or Env::Read calls) made, short reads included
+  SourceStats source;       // requests of the files' sources for these reads (object storage)
 };
 
 class ReadEngine {

@@ -118,6 +118,28 @@ Status FileChangedError(const std::string& path, const FileIdentity& then,
                                     DescribeIdentityChange(then, now));
 }
 
+namespace {
+thread_local SourceCounters* current_source_counters = nullptr;
+}  // namespace
+
+SourceStats SourceCounters::Snapshot() const {
+  return {requests.load(std::memory_order_relaxed), retries.load(std::memory_order_relaxed),
+          bytes.load(std::memory_order_relaxed)};
+}
+
+SourceStatsScope::SourceStatsScope(SourceCounters* counters) noexcept
+    : previous_(current_source_counters) {
+  current_source_counters = counters;
+}
+
+SourceStatsScope::~SourceStatsScope() {
+  current_source_counters = previous_;
+}
+
+SourceCounters* SourceStatsScope::Current() noexcept {
+  return current_source_counters;
+}
+
 Status SourceFile::ReadMany(std::span<const SourceRead> reads) const {
   for (const SourceRead& r : reads) TF_RETURN_IF_ERROR(ReadFully(*this, r.offset, r.dst));
   return Status::Ok();

@@ -130,8 +130,19 @@ struct Loader::Impl {
   // sink checks its own as bytes land, sink/landing_check.h), and counts device tensors as
   // skipped. Errors: kChecksumMismatch.
   Status VerifyBatch(const PlanBatch& planned, const Batch& batch, VerifyCounts& counts) const;
-  // The checkpoint's source counters now, and stats.remote_* as their growth since `before`.
-  SourceStats SourceNow() const { return checkpoint->file_set()->source()->stats(); }
+  // The source requests this loader's engines made so far (SourceStatsScope: not those of other
+  // loaders of the checkpoint), and stats.remote_* as their growth since `before`.
+  SourceStats SourceNow() const {
+    SourceStats s;
+    for (const io::ReadEngine* e : {engine.get(), own_copy_engine.get()}) {
+      if (e == nullptr) continue;
+      const SourceStats c = e->stats().source;
+      s.requests += c.requests;
+      s.retries += c.retries;
+      s.bytes += c.bytes;
+    }
+    return s;
+  }
   void CollectSourceStats(const SourceStats& before) {
     const SourceStats now = SourceNow();
     stats.remote_requests = now.requests - before.requests;

@@ -29,10 +29,6 @@ bool IsObjectUrl(std::string_view path) {
 namespace objstore {
 namespace {
 
-struct Counters {
-  std::atomic<uint64_t> requests{0}, retries{0}, bytes{0};
-};
-
 // Where one object is and how to ask for it.
 struct Target {
   ObjectUrl url;
@@ -164,9 +160,7 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
-  SourceStats stats() const override {
-    return {counters_.requests.load(), counters_.retries.load(), counters_.bytes.load()};
-  }
+  SourceStats stats() const override { return counters_.Snapshot(); }
   SourceReadHints hints() const override { return {options_.concurrency, options_.part_size}; }
 
   // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
@@ -188,7 +182,20 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
                 unsigned attempts) const;
 
   const ObjectStoreOptions options_;
-  mutable Counters counters_;
+  // Every request, and (CountRequest, CountBytes) the reader's scope's too (SourceStatsScope).
+  mutable SourceCounters counters_;
+  void CountRequest(unsigned attempt) const {
+    for (SourceCounters* c : {&counters_, SourceStatsScope::Current()}) {
+      if (c == nullptr) continue;
+      if (attempt > 0) c->retries.fetch_add(1, std::memory_order_relaxed);
+      c->requests.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  void CountBytes(uint64_t n) const {
+    for (SourceCounters* c : {&counters_, SourceStatsScope::Current()}) {
+      if (c != nullptr) c->bytes.fetch_add(n, std::memory_order_relaxed);
+    }
+  }
   mutable std::once_flag s3_once_, http_once_;
   mutable Result<S3Config> s3_config_ = Status(Code::kInternal, "unresolved");
   mutable Result<std::unique_ptr<HttpClient>> s3_client_ = Status(Code::kInternal, "unmade");
@@ -292,10 +299,9 @@ Result<HttpResponse> ObjectSource::Send(const Target& target, const HttpRequest&
                                         const std::string& what, Accept accept) const {
   TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.s3));
   for (unsigned attempt = 0;; ++attempt) {
-    if (attempt > 0) counters_.retries.fetch_add(1, std::memory_order_relaxed);
-    counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    CountRequest(attempt);
     HttpResponse r = client->Get(request);
-    counters_.bytes.fetch_add(r.body_bytes + r.text.size(), std::memory_order_relaxed);
+    CountBytes(r.body_bytes + r.text.size());
     if (accept(r)) return r;
     const Verdict v = Judge(r);
     if (!v.retryable || attempt >= options_.retries) return Failed(target, what, v, attempt + 1);
@@ -358,8 +364,7 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
   const std::string what = "GET " + RangeText(first, last);
   uint64_t received = 0;
   for (unsigned attempt = 0;; ++attempt) {
-    if (attempt > 0) counters_.retries.fetch_add(1, std::memory_order_relaxed);
-    counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    CountRequest(attempt);
     HttpRequest req;
     req.url = target.request_url;
     req.range = std::make_pair(first + received, last);  // resume after the bytes received
@@ -368,7 +373,7 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
     // compared with each response's below.
     if (!etag.empty() && etag.rfind("W/", 0) != 0) req.headers.push_back("If-Match: " + etag);
     HttpResponse r = client->Get(req);
-    counters_.bytes.fetch_add(r.body_bytes, std::memory_order_relaxed);
+    CountBytes(r.body_bytes);
     // Pinned: the object answering must be the one opened.
     if (r.status == 412 || (!etag.empty() && !r.etag.empty() && r.etag != etag) ||
         (r.status == 206 && r.TotalSize() && *r.TotalSize() != size)) {

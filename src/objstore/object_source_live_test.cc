@@ -11,8 +11,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "io/file_set.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/object_store.h"
@@ -91,6 +93,39 @@ TEST(ObjectSourceLive, TensorParallelRanksReadTheirSlicesOnly) {
     EXPECT_LT(stats.remote_bytes, (*checkpoint)->total_tensor_bytes()) << "rank " << rank;
     EXPECT_EQ(stats.remote_bytes, stats.bytes_read) << "rank " << rank;
   }
+}
+
+// Two loaders of one checkpoint (one Source) reading at the same time: each reports the requests
+// and bytes of its own reads only (SourceStatsScope), not the other's, as the cooperative load's
+// round and local loaders do.
+TEST(ObjectSourceLive, ConcurrentLoadersOfOneCheckpointCountTheirOwnRequests) {
+  REQUIRE_LIVE(live);
+  auto checkpoint = Checkpoint::Open(live->url);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  std::shared_ptr<const Checkpoint> shared = std::move(checkpoint).value();
+  const SourceStats before = shared->file_set()->source()->stats();
+  LoadStats stats[2];
+  std::thread threads[2];
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    threads[rank] = std::thread([&, rank] {
+      LoadOptions o;
+      ASSERT_TRUE(o.Set("tp_rank", std::to_string(rank)).ok());
+      ASSERT_TRUE(o.Set("tp_size", "2").ok());
+      auto loader = Loader::Open(shared, o);
+      ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+      ASSERT_TRUE((*loader)->Load().ok());
+      stats[rank] = (*loader)->stats();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const SourceStats after = shared->file_set()->source()->stats();
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    EXPECT_GT(stats[rank].bytes_read, 0u);
+    EXPECT_EQ(stats[rank].remote_bytes, stats[rank].bytes_read) << "rank " << rank;
+  }
+  // Together they are every request the source made meanwhile.
+  EXPECT_EQ(stats[0].remote_bytes + stats[1].remote_bytes, after.bytes - before.bytes);
+  EXPECT_EQ(stats[0].remote_requests + stats[1].remote_requests, after.requests - before.requests);
 }
 
 TEST(ObjectSourceLive, MissingObjectIsNotFoundNamingTheKey) {

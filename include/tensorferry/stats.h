@@ -38,7 +38,8 @@ struct LoadStats {
   uint64_t buffered_files = 0;  // files read through the page cache
 
   // Object storage and HTTP (zero for local files): requests sent (retries included), requests
-  // that retried a failed one, and bytes received, during this load.
+  // that retried a failed one, and bytes received, by this load's reads (not those of other
+  // loaders of the same checkpoint reading at the same time: source.h, SourceStatsScope).
   uint64_t remote_requests = 0;
   uint64_t remote_retries = 0;
   uint64_t remote_bytes = 0;

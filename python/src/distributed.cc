@@ -1,6 +1,6 @@
 // The schedule of a cooperative load (tensorferry/cooperative.h) for the Python package, so that
 // Python ranks exchanging through torch.distributed read and slice exactly as the C++ ranks do:
-// the same AssignReaders/AssignRounds, the same SliceOf.
+// the same PlanCooperative (cost model, readers, rounds, row pieces), the same SliceOf.
 #include "distributed.h"
 
 #include <nanobind/stl/optional.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "options.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/cooperative.h"
 #include "tensorferry/format.h"
@@ -29,9 +30,10 @@ namespace {
 using Block = std::pair<uint64_t, uint64_t>;
 // One rank's part: local shape, blocks along the split dimension, bytes.
 using RankPart = std::tuple<std::vector<uint64_t>, std::vector<Block>, uint64_t>;
-// name, dtype, full shape, reader, round, split dimension (-1: replicated), every rank's part.
-using PlanEntry = std::tuple<std::string, std::string, std::vector<uint64_t>, uint32_t, uint32_t,
-                             int64_t, std::vector<RankPart>>;
+// One tensor to read (see distributed.h).
+using PlanEntry =
+    std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, bool, uint32_t, uint32_t,
+               std::vector<Block>, std::vector<uint32_t>, int64_t, std::vector<RankPart>>;
 
 Result<ShardSpec> SpecOf(const std::string& spec) {
   if (spec == "builtin") return ShardSpec::Builtin();
@@ -47,49 +49,54 @@ using Output = std::pair<std::string, std::string>;
 
 nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
                            const std::optional<std::vector<std::string>>& names,
-                           const std::string& spec_text, uint32_t world, uint64_t round_bytes) {
-  if (world == 0) Check(Status(Code::kInvalidArgument, "cooperative_plan: world size 0"));
+                           const std::string& spec_text, const std::vector<uint32_t>& hosts,
+                           const nb::dict& options) {
+  if (hosts.empty()) Check(Status(Code::kInvalidArgument, "cooperative_plan: no ranks"));
   const Checkpoint* checkpoint = &checkpoint_ref;
-  ShardSpec spec;
-  std::vector<uint32_t> indices;
+  const uint32_t world = static_cast<uint32_t>(hosts.size());
+  const LoadOptions load_options = MakeLoadOptions(options);
   std::vector<Output> outputs;
+  std::vector<PlanEntry> entries;
   {
     nb::gil_scoped_release release;
-    spec = Unwrap(SpecOf(spec_text));
+    const ShardSpec spec = Unwrap(SpecOf(spec_text));
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
     TensorParallelOptions tp;
     tp.spec = spec;
     tp.world = world;
     const Description described = Unwrap(DescribeSelection(*checkpoint, selection, &tp));
-    indices = described.read;
     for (const OutputInfo& o : described.outputs) {
       outputs.emplace_back(o.name, checkpoint->tensors()[o.tensor].name);
     }
-  }
-  const std::vector<TensorInfo>& infos = checkpoint->tensors();
-  std::vector<uint64_t> sizes;
-  sizes.reserve(indices.size());
-  for (uint32_t i : indices) sizes.push_back(infos[i].size);
-  const std::vector<uint32_t> readers = AssignReaders(sizes, world);
-  const std::vector<uint32_t> rounds = AssignRounds(sizes, readers, world, round_bytes);
-  std::vector<PlanEntry> plan;
-  plan.reserve(indices.size());
-  for (size_t k = 0; k < indices.size(); ++k) {
-    const TensorInfo& info = infos[indices[k]];
-    const ShardRule rule = spec.RuleFor(info.name);
-    std::vector<RankPart> parts;
-    if (rule.is_split()) {
-      parts.reserve(world);
-      for (uint32_t q = 0; q < world; ++q) {
-        TensorSlice slice = Unwrap(SliceOf(info, rule, q, world));
-        parts.emplace_back(std::move(slice.shape), std::move(slice.blocks), slice.bytes);
+    const tensorferry::CooperativePlan plan =
+        Unwrap(PlanCooperative(*checkpoint, selection, spec, load_options, hosts));
+    const std::vector<TensorInfo>& infos = checkpoint->tensors();
+    entries.reserve(plan.tensors.size());
+    for (const CooperativeTensorPlan& t : plan.tensors) {
+      const TensorInfo& info = infos[t.tensor];
+      const ShardRule rule = spec.RuleFor(info.name);
+      std::vector<RankPart> parts;
+      if (rule.is_split()) {
+        parts.reserve(world);
+        for (uint32_t q = 0; q < world; ++q) {
+          TensorSlice slice = Unwrap(SliceOf(info, rule, q, world));
+          parts.emplace_back(std::move(slice.shape), std::move(slice.blocks), slice.bytes);
+        }
       }
+      // Rows of each piece of a tensor split among the readers: the rows Split(0) gives rank p
+      // (the same rule the C++ ranks read by).
+      std::vector<Block> piece_rows;
+      if (t.exchanged && t.readers > 1) {
+        for (uint32_t p = 0; p < t.readers; ++p) {
+          piece_rows.push_back(Unwrap(SliceOf(info, ShardRule::Split(0), p, t.readers)).blocks[0]);
+        }
+      }
+      entries.emplace_back(info.name, std::string(DTypeName(info.dtype)), info.shape, info.size,
+                           t.exchanged, t.reader, t.round, std::move(piece_rows), t.piece_rounds,
+                           rule.is_split() ? static_cast<int64_t>(rule.dim) : -1, std::move(parts));
     }
-    plan.emplace_back(info.name, std::string(DTypeName(info.dtype)), info.shape, readers[k],
-                      rounds[k], rule.is_split() ? static_cast<int64_t>(rule.dim) : -1,
-                      std::move(parts));
   }
-  return nb::cast(std::make_pair(std::move(plan), std::move(outputs)));
+  return nb::cast(std::make_pair(std::move(entries), std::move(outputs)));
 }
 
 void RegisterDistributed(nb::module_& m) {

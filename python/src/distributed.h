@@ -16,13 +16,19 @@ namespace tensorferry::python {
 void RegisterDistributed(nanobind::module_& m);
 
 // Reader.cooperative_plan: the schedule of a cooperative load of `checkpoint` (the Reader's, so
-// the checkpoint is opened once): (entries, outputs). entries: one (name, dtype, shape, reader,
-// round, dim, parts) per tensor to read, in checkpoint order; parts: per rank (local shape,
-// blocks, bytes), empty for a replicated tensor (dim -1). outputs: (name, name of the read tensor
-// whose data it is) in Loader order (tied aliases). Takes the GIL; releases it while planning.
+// the checkpoint is opened once) over len(hosts) ranks, rank r on host hosts[r] (dense indices):
+// PlanCooperative with LoadOptions from `options` (MakeLoadOptions: budget, coop_exchange,
+// coop_storage_rate, coop_network_rate, shard_max_gap). Returns (entries, outputs). entries: one
+// (name, dtype, shape, nbytes, exchanged, reader, round, piece_rows, piece_rounds, dim, parts)
+// per tensor to read, in checkpoint order: exchanged false: every rank reads its own part;
+// piece_rows non-empty: split among the readers, piece p (rows (start, count)) read by rank p in
+// round piece_rounds[p]; else read whole by `reader` in `round`. dim: the split dimension (-1:
+// replicated); parts: per rank (local shape, blocks, bytes), empty for a replicated tensor.
+// outputs: (name, name of the read tensor whose data it is) in Loader order (tied aliases).
+// Takes the GIL; releases it while planning.
 nanobind::object CooperativePlan(const Checkpoint& checkpoint,
                                  const std::optional<std::vector<std::string>>& names,
-                                 const std::string& spec_text, uint32_t world,
-                                 uint64_t round_bytes);
+                                 const std::string& spec_text, const std::vector<uint32_t>& hosts,
+                                 const nanobind::dict& options);
 
 }  // namespace tensorferry::python

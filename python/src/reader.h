@@ -63,8 +63,8 @@ class Reader {
 
   // The schedule of a cooperative load of this checkpoint (distributed.h).
   nanobind::object CooperativePlan(const std::optional<std::vector<std::string>>& names,
-                                   const std::string& spec, uint32_t world,
-                                   uint64_t round_bytes) const;
+                                   const std::string& spec, const std::vector<uint32_t>& hosts,
+                                   const nanobind::dict& options) const;
 
   std::vector<std::string> Names(bool by_offset) const;  // by offset, or sorted
   std::vector<std::string> Files() const;                // paths, in file index order

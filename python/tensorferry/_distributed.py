@@ -1,31 +1,37 @@
 """Cooperative tensor-parallel loading over torch.distributed (docs/distributed.md).
 
-Every rank of a process group computes the same schedule (tensorferry::AssignReaders and
-AssignRounds through Reader.cooperative_plan: contiguous, byte-balanced runs of tensors in
-checkpoint order, in budget-bounded rounds), reads only its own tensors with the C++ loader, and
-the slices reach their owners through torch.distributed collectives:
+Every rank of a process group learns which ranks share its host (an all-gather of host-name
+hashes) and computes the same plan as the C++ ranks do (tensorferry::PlanCooperative through
+Reader.cooperative_plan): which tensors are exchanged and which each rank reads for itself (the
+cost model of LoadOptions' coop_exchange, coop_storage_rate and coop_network_rate), the readers
+and budget-bounded rounds of the exchanged ones, and the huge ones split among the readers by
+rows. Each rank reads with the C++ loader: its exchanged tensors whole, its row pieces (a
+row-sliced reader), and its own slices of the local tensors (a sliced reader, on a helper thread
+while the rounds run). Each round is one all_to_all_single: every reader sends every other rank
+that rank's part of what it read (its slice, the blocks SliceOf gives concatenated along the split
+dimension: the bytes SliceByteRanges names, in the same order; the whole tensor; or its part of
+a row piece), each part padded to 64 bytes.
 
-  * replicated tensors: broadcast from the reader;
-  * split tensors: the reader cuts every rank's slice (the blocks SliceOf gives, concatenated
-    along the split dimension: the bytes SliceByteRanges names, in the same order), pads them to
-    one length as uint8 and scatters them; each rank keeps its own length.
-
-gloo exchanges CPU tensors; with device="cuda" (NCCL) the reader moves its tensors to its GPU
-first and every buffer lives on the GPU. The result on each rank equals the independent per-rank
+gloo exchanges CPU tensors; with device="cuda" (NCCL) the readers load straight to the GPU and
+every buffer lives on the GPU. The result on each rank equals the independent per-rank
 sliced load byte for byte. A read error on any rank is made known to all (an all-reduce of a flag
-per round), so every rank raises instead of waiting in a collective. Every collective waits at
+per round, and one for the local reads at the end), so every rank raises instead of waiting in a
+collective. Every collective waits at
 most coop_timeout_ms (LoadOptions' key, default 300000; 0: forever): a rank that died or hangs, or
 a link that went down, ends the waiting ranks with an OSError naming the rank and the step (and
 the process group is unusable afterwards, as after any failed collective).
 """
 import datetime
 import errno
+import json
 import time
 
 from . import _core
 
 # Options of the per-rank sliced path: the cooperative reader reads whole tensors.
 _TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
+# Options of the plan (PlanCooperative's cost model and covering reads).
+_PLAN_KEYS = ("coop_exchange", "coop_storage_rate", "coop_network_rate", "shard_max_gap")
 
 
 class Cooperative:
@@ -61,6 +67,7 @@ class Cooperative:
         self._timeout_ms = 300000 if timeout_ms is None else int(timeout_ms)
         self._reader_options = {k: v for k, v in options.items()
                                 if v is not None and k not in _TP_KEYS and k != "budget"}
+        self._plan_options = {k: options.get(k) for k in _PLAN_KEYS if options.get(k) is not None}
         self.stats = {}
 
     @property
@@ -74,7 +81,8 @@ class Cooperative:
         out = load_cooperative(self._base, process_group=self._group, shard_spec=self._spec_json,
                                fw=self._fw, device=self._device, names=names,
                                budget=self._budget, reader_options=self._reader_options,
-                               stats=figures, timeout_ms=self._timeout_ms)
+                               plan_options=self._plan_options, stats=figures,
+                               timeout_ms=self._timeout_ms)
         return out, self._stats(figures, stats_type)
 
     def iter_rounds(self, names, stats_type, on_stats):
@@ -87,8 +95,8 @@ class Cooperative:
             yield from iter_cooperative(
                 self._base, process_group=self._group, shard_spec=self._spec_json, fw=self._fw,
                 device=self._device, names=names, budget=self._budget,
-                reader_options=self._reader_options, stats=figures,
-                timeout_ms=self._timeout_ms)
+                reader_options=self._reader_options, plan_options=self._plan_options,
+                stats=figures, timeout_ms=self._timeout_ms)
         finally:
             if figures:
                 on_stats(self._stats(figures, stats_type))
@@ -130,29 +138,109 @@ def _collective(step, rank, timeout, start):
 
 
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
-                     reader_options=None, stats=None, timeout_ms=300000):
+                     reader_options=None, plan_options=None, stats=None, timeout_ms=300000):
     """Loads this rank's shard of `names` (None: all) cooperatively; returns {name: tensor} in
     the Loader's order, local shapes. base: a _core.Reader of the checkpoint (its files are read;
     nothing is opened again). shard_spec: "builtin", "none" or ShardSpec JSON text.
-    fw: the torch framework of _frameworks. stats: a dict to fill with this rank's figures."""
+    fw: the torch framework of _frameworks. plan_options: the cost model's settings
+    (coop_exchange, coop_storage_rate, coop_network_rate, shard_max_gap; PlanCooperative).
+    stats: a dict to fill with this rank's figures."""
     order = []
     out = {}
     for _, tensors in iter_cooperative(base, process_group=process_group, shard_spec=shard_spec,
                                        fw=fw, device=device, names=names, budget=budget,
-                                       reader_options=reader_options, stats=stats,
+                                       reader_options=reader_options,
+                                       plan_options=plan_options, stats=stats,
                                        timeout_ms=timeout_ms, order=order):
         out.update(tensors)
     return {name: out[name] for name in order}
 
 
+def _hosts(torch, dist, group, rank, world, comm_device, timeout):
+    """Host index of every rank of `group` (dense, in order of first appearance): an all-gather of
+    a hash of each rank's host name (FNV-1a, as tensorferry::HostsOfRanks)."""
+    import socket
+    h = 1469598103934665603
+    for b in socket.gethostname().encode():
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    mine = torch.tensor([h - (1 << 64) if h >= 1 << 63 else h], dtype=torch.int64,
+                        device=comm_device)
+    every = [torch.empty(1, dtype=torch.int64, device=comm_device) for _ in range(world)]
+    _collective("the start (learning every rank's host)", rank, timeout,
+                lambda: dist.all_gather(every, mine, group=group, async_op=True))
+    seen = {}
+    return [seen.setdefault(int(t.item()), len(seen)) for t in every]
+
+
+def _align(n):
+    """Parts start at multiples of 64 bytes in the exchange buffers (a typed view needs it)."""
+    return (n + 63) // 64 * 64
+
+
+class _Unit:
+    """One unit of the rounds' reading: a tensor read whole by its reader, or one row piece of a
+    tensor split among the readers (rows [row0, row0 + rows))."""
+    __slots__ = ("entry", "reader", "round", "row0", "rows")
+
+    def __init__(self, entry, reader, rnd, row0=None, rows=None):
+        self.entry, self.reader, self.round, self.row0, self.rows = entry, reader, rnd, row0, rows
+
+    @property
+    def piece(self):
+        return self.row0 is not None
+
+
+class _Entry:
+    """A plan entry of Reader.cooperative_plan (python/src/distributed.h)."""
+    __slots__ = ("name", "st_dtype", "shape", "nbytes", "exchanged", "reader", "round",
+                 "piece_rows", "piece_rounds", "dim", "parts")
+
+    def __init__(self, t):
+        (self.name, self.st_dtype, self.shape, self.nbytes, self.exchanged, self.reader,
+         self.round, self.piece_rows, self.piece_rounds, self.dim, self.parts) = t
+
+    def part_bytes(self, q):
+        return self.nbytes if self.dim < 0 else self.parts[q][2]
+
+    def piece_spans(self, unit, q):
+        """Rank q's part of piece `unit` as (row in the piece, row in q's part, rows) for a
+        replicated or dim-0 tensor; None for dims > 0 (every row of the piece, q's columns)."""
+        if self.dim < 0:
+            return [(0, unit.row0, unit.rows)]
+        if self.dim > 0:
+            return None
+        spans, base = [], 0
+        end = unit.row0 + unit.rows
+        for start, length in self.parts[q][1]:
+            lo, hi = max(start, unit.row0), min(start + length, end)
+            if lo < hi:
+                spans.append((lo - unit.row0, base + lo - start, hi - lo))
+            base += length
+        return spans
+
+    def piece_bytes(self, unit, q):
+        rows = self.shape[0]
+        if self.dim > 0:
+            return unit.rows * (self.parts[q][2] // rows)
+        return sum(n for _, _, n in self.piece_spans(unit, q)) * (self.nbytes // rows)
+
+    def unit_bytes(self, unit, q):
+        return self.piece_bytes(unit, q) if unit.piece else self.part_bytes(q)
+
+
 def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
-                     reader_options=None, stats=None, timeout_ms=300000, order=None):
+                     reader_options=None, plan_options=None, stats=None, timeout_ms=300000,
+                     order=None):
     """Yields (round, {name: tensor}): this rank's shard of `names` (None: all), round by round as
     the exchange delivers it, each round's tensors in the Loader's order (a tied alias with its
-    target). Arguments as load_cooperative's; `order`, when a list, receives every output name in
-    the Loader's order before the first round. stats: a dict kept up to date with this rank's
-    figures (also when the iteration stops early). The generator keeps no reference to a round it
-    has yielded."""
+    target); the tensors each rank reads for itself (the plan's local ones) come with the last
+    round. Arguments as load_cooperative's; plan_options: the cost model's settings
+    (coop_exchange, coop_storage_rate, coop_network_rate, shard_max_gap); `order`, when a list,
+    receives every output name in the Loader's order before the first round. stats: a dict kept
+    up to date with this rank's figures (also when the iteration stops early). The generator
+    keeps no reference to a round it has yielded."""
+    import concurrent.futures
+
     import torch
     import torch.distributed as dist
 
@@ -165,119 +253,129 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         raise _core.InvalidArgumentError("this process is not a member of process_group")
     start = time.perf_counter()
     timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else None
-    plan, outputs = base.cooperative_plan(names, shard_spec, world, budget or 0)
     on_gpu = device.type != "cpu"
     # NCCL needs every buffer on the GPU, gloo on the CPU.
     comm_device = device if on_gpu else torch.device("cpu")
+    hosts = _hosts(torch, dist, group, rank, world, comm_device, timeout)
+    options = {k: v for k, v in (plan_options or {}).items() if v is not None}
+    options["budget"] = budget or 0
+    raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options)
+    plan = [_Entry(t) for t in raw_plan]
     figures = {"tensors": len(outputs), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
-               "remote_requests": 0, "remote_retries": 0, "remote_bytes": 0}
-    rounds = max((entry[4] for entry in plan), default=-1) + 1
+               "local_seconds": 0.0, "remote_requests": 0, "remote_retries": 0,
+               "remote_bytes": 0, "hosts": len(set(hosts)),
+               "exchanged_tensors": sum(1 for e in plan if e.exchanged),
+               "local_tensors": sum(1 for e in plan if not e.exchanged)}
+    units = []
+    for e in plan:
+        if not e.exchanged:
+            continue
+        if not e.piece_rows:
+            units.append(_Unit(e, e.reader, e.round))
+        else:
+            units.extend(_Unit(e, p, e.piece_rounds[p], row0, rows)
+                         for p, (row0, rows) in enumerate(e.piece_rows))
+    rounds = max((u.round for u in units), default=-1) + 1
     if order is not None:
         order.extend(name for name, _ in outputs)
     # Outputs by the tensor read for them (a tied alias shares its target's).
     outputs_of = {}
     for name, source in outputs:
         outputs_of.setdefault(source, []).append(name)
-    # The rounds are the budget: the reader under them has none of its own.
-    reader = _core.Reader(base, dict(reader_options or {}))
+    # The rounds are the budget: the readers under them have none of their own. Whole tensors,
+    # row pieces (every split tensor by rows over the ranks), and the local tensors (this rank's
+    # own slices, as the independent sliced load reads them).
+    base_options = dict(reader_options or {})
+    reader = _core.Reader(base, base_options)
+    pieced = [e.name for e in plan if e.exchanged and e.piece_rows]
+    piece_reader = None
+    local = [e.name for e in plan if not e.exchanged]
+    local_reader = None
+    pool = None
     if stats is not None:
         stats.update(figures)
+
+    def account(core, key):
+        figures["bytes_read"] += core[key]
+        for k in ("remote_requests", "remote_retries", "remote_bytes"):
+            figures[k] += core[k]
+
+    def read_local():
+        t0 = time.perf_counter()
+        triples = local_reader.load(local, fw.code)
+        got = dict(fw.finish_all(triples, comm_device))
+        account(local_reader.stats(), "bytes_read")
+        figures["local_seconds"] = time.perf_counter() - t0
+        return got
+
     try:
-        mine_names = [entry[0] for entry in plan if entry[3] == rank]
-        fw.check(reader, mine_names)
-        for k in range(rounds):
-            mine = [entry[0] for entry in plan if entry[3] == rank and entry[4] == k]
+        fw.check(reader, [e.name for e in plan])
+        if pieced:
+            spec = json.dumps({"base": "none",
+                               "overrides": {n: {"split": 0} for n in pieced}})
+            piece_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
+                                                   shard_rules=spec))
+        local_future = None
+        if local:
+            local_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
+                                                   shard_rules=shard_spec,
+                                                   shard_max_gap=options.get("shard_max_gap")))
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            local_future = pool.submit(read_local)
+        mine_parts = {}  # tensors split among the readers: this rank's part, filled piece by piece
+        for k in range(max(rounds, 1 if local else 0)):
+            mine = [u for u in units if u.round == k and u.reader == rank]
             loaded = {}
             error = None
             if mine:
                 t0 = time.perf_counter()
                 try:
-                    triples = reader.load(mine, fw.code)
-                    loaded = dict(fw.finish_all(triples, comm_device))
-                    del triples
-                    core = reader.stats()
-                    figures["bytes_read"] += core["bytes"]
-                    for key in ("remote_requests", "remote_retries", "remote_bytes"):
-                        figures[key] += core[key]
+                    for rdr, want in ((reader, [u.entry.name for u in mine if not u.piece]),
+                                      (piece_reader, [u.entry.name for u in mine if u.piece])):
+                        if want:
+                            triples = rdr.load(want, fw.code)
+                            loaded.update(fw.finish_all(triples, comm_device))
+                            del triples
+                            account(rdr.stats(), "bytes")
                 except Exception as e:  # re-raised below, after the others know
                     error = e
                 figures["read_seconds"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            flags = torch.zeros(world, dtype=torch.int32, device=comm_device)
-            flags[rank] = 1 if error is not None else 0
             step = f"round {k} of {rounds}"
-            _collective(f"{step} (every rank's reads)", rank, timeout,
-                        lambda: dist.all_reduce(flags, group=group, async_op=True))
-            if error is not None:
-                raise error
-            failed = [q for q in range(world) if flags[q].item()]
-            if failed:
-                raise _core.SafetensorError(
-                    f"cooperative load: rank {failed[0]} failed reading its share; see its error")
-            got = {}  # this round's tensors read, by name
-            for name, st_dtype, shape, root, rnd, dim, parts in plan:
-                if rnd != k:
-                    continue
-                src = _global_rank(dist, group, root)
-                tdtype = fw.dtype(st_dtype)
-                if dim < 0:
-                    if root == rank:
-                        t = loaded.pop(name)
-                        figures["bytes_sent"] += t.nbytes * (world - 1)
-                    else:
-                        t = torch.empty(fw.shape(st_dtype, shape, name), dtype=tdtype,
-                                        device=comm_device)
-                        figures["bytes_received"] += t.nbytes
-                    if t.numel():
-                        _collective(f"{step} (broadcast of {name})", rank, timeout,
-                                    lambda: dist.broadcast(t, src=src, group=group,
-                                                           async_op=True))
-                    got[name] = t
-                    continue
-                counts = [p[2] for p in parts]
-                longest = max(counts)
-                local_shape = parts[rank][0]
-                if longest == 0:
-                    got[name] = torch.empty(local_shape, dtype=tdtype, device=comm_device)
-                    continue
-                recv = torch.empty(longest, dtype=torch.uint8, device=comm_device)
-                scatter_list = None
-                if root == rank:
-                    full = loaded.pop(name)
-                    scatter_list = []
-                    for q, (q_shape, blocks, nbytes) in enumerate(parts):
-                        pieces = [full.narrow(dim, s, n) for s, n in blocks]
-                        piece = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
-                        flat = _as_bytes(torch, piece.contiguous())
-                        if nbytes < longest:
-                            padded = torch.empty(longest, dtype=torch.uint8, device=comm_device)
-                            padded[:nbytes] = flat
-                            flat = padded
-                        scatter_list.append(flat)
-                        if q != rank:
-                            figures["bytes_sent"] += nbytes
-                    del full
-                else:
-                    figures["bytes_received"] += counts[rank]
-                _collective(f"{step} (scatter of {name})", rank, timeout,
-                            lambda: dist.scatter(recv, scatter_list, src=src, group=group,
-                                                 async_op=True))
-                del scatter_list
-                mine_bytes = recv[:counts[rank]]
-                if counts[rank] < longest:
-                    mine_bytes = mine_bytes.clone()  # do not keep the padding alive
-                got[name] = mine_bytes.view(tdtype).reshape(local_shape)
-            figures["exchange_seconds"] += time.perf_counter() - t0
-            figures["rounds"] += 1
+            _agree(torch, dist, group, rank, world, comm_device, timeout, error,
+                   f"{step} (every rank's reads)", "reading its share")
+            got = {}  # this round's whole tensors and completed parts, by name
+            if rounds:
+                _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step,
+                          [u for u in units if u.round == k], loaded, got, mine_parts, figures)
             del loaded
-            # The outputs of this round's tensors (the plan is in checkpoint order, as the
-            # Loader's); tied aliases share their target's tensor, tensors read only for an
-            # alias are dropped.
+            if k == rounds - 1 or rounds == 0:
+                # The last round: every piece has arrived, and the local tensors come too.
+                got.update(mine_parts)
+                mine_parts = {}
+                local_got, error = {}, None
+                if local_future is not None:
+                    try:
+                        local_got = local_future.result()
+                    except Exception as e:
+                        error = e
+                _agree(torch, dist, group, rank, world, comm_device, timeout, error,
+                       "the end (every rank's local reads)", "reading its local tensors")
+                got.update(local_got)
+                del local_got
+            figures["exchange_seconds"] += time.perf_counter() - t0
+            figures["rounds"] += 1  # batches delivered (a load of local tensors only: one)
+            # The outputs of this round's tensors, in the Loader's order (the plan's, checkpoint
+            # order); tied aliases share their target's tensor, tensors read only for an alias
+            # are dropped.
             batch = {}
-            for name in got:
-                for output in outputs_of.get(name, ()):
-                    batch[output] = got[name]
+            for e in plan:
+                t = got.get(e.name)
+                if t is None:
+                    continue
+                for output in outputs_of.get(e.name, ()):
+                    batch[output] = t
             del got
             if on_gpu and device != comm_device:
                 batch = {n: t.to(device) for n, t in batch.items()}
@@ -288,7 +386,134 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             yield k, batch
             del batch
     finally:
-        reader.close()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for r in (reader, piece_reader, local_reader):
+            if r is not None:
+                r.close()
         figures["seconds"] = time.perf_counter() - start
         if stats is not None:
             stats.update(figures)
+
+
+def _agree(torch, dist, group, rank, world, comm_device, timeout, error, step, what):
+    """Every rank's read status to every rank: raises this rank's own error, or names the first
+    rank that failed, so that no rank waits in a collective for one that gave up."""
+    flags = torch.zeros(world, dtype=torch.int32, device=comm_device)
+    flags[rank] = 1 if error is not None else 0
+    _collective(step, rank, timeout,
+                lambda: dist.all_reduce(flags, group=group, async_op=True))
+    if error is not None:
+        raise error
+    failed = [q for q in range(world) if flags[q].item()]
+    if failed:
+        raise _core.SafetensorError(
+            f"cooperative load: rank {failed[0]} failed {what}; see its error")
+
+
+def _part_of(torch, e, full, q):
+    """Rank q's part of the whole tensor `full` (its slice, or all of it), contiguous."""
+    if e.dim < 0:
+        return full
+    pieces = [full.narrow(e.dim, s, n) for s, n in e.parts[q][1]]
+    return (torch.cat(pieces, e.dim) if len(pieces) > 1 else pieces[0]).contiguous()
+
+
+def _piece_part(torch, e, unit, piece, q):
+    """Rank q's part of row piece `piece` (rows unit.row0 ...): contiguous rows of its part."""
+    spans = e.piece_spans(unit, q)
+    if spans is None:  # dims > 0: every row of the piece, q's columns
+        return _part_of(torch, e, piece, q)
+    rows = [piece.narrow(0, src, n) for src, _, n in spans]
+    if not rows:
+        return piece.narrow(0, 0, 0)
+    return (torch.cat(rows, 0) if len(rows) > 1 else rows[0]).contiguous()
+
+
+def _place_piece(e, unit, target, rows, rank):
+    """Copies `rows` (rank's part of piece `unit`, as _piece_part made it) into `target`, the
+    rank's part of the whole tensor."""
+    spans = e.piece_spans(unit, rank)
+    if spans is None:
+        target.narrow(0, unit.row0, unit.rows).copy_(rows)
+        return
+    at = 0
+    for _, dst, n in spans:
+        target.narrow(0, dst, n).copy_(rows.narrow(0, at, n))
+        at += n
+
+
+def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, units, loaded,
+              got, mine_parts, figures):
+    """One round's exchange in one all_to_all_single: every rank sends each other rank that
+    rank's parts of what it read this round (unit order, each padded to 64 bytes) and receives
+    its own from every reader. Whole tensors land in `got` (views of the round's receive buffer,
+    or the reader's own tensor); parts of row pieces are copied into mine_parts[name]."""
+    send = [[] for _ in range(world)]
+    send_splits = [0] * world
+    recv_splits = [0] * world
+    for u in units:
+        e = u.entry
+        if u.reader != rank:
+            recv_splits[u.reader] += _align(e.unit_bytes(u, rank))
+            figures["bytes_received"] += e.unit_bytes(u, rank)
+            continue
+        src = loaded.pop(e.name) if not u.piece else loaded[e.name]
+        for q in range(world):
+            part = _piece_part(torch, e, u, src, q) if u.piece else _part_of(torch, e, src, q)
+            if q == rank:
+                if u.piece:
+                    _place_piece(e, u, _target(torch, fw, e, rank, mine_parts, comm_device), part,
+                                 rank)
+                else:
+                    got[e.name] = part
+                continue
+            flat = _as_bytes(torch, part)
+            n = flat.numel()
+            send[q].append(flat)
+            if _align(n) > n:
+                send[q].append(torch.zeros(_align(n) - n, dtype=torch.uint8, device=comm_device))
+            send_splits[q] += _align(n)
+            figures["bytes_sent"] += n
+        if u.piece:
+            loaded.pop(e.name, None)
+    chunks = [c for q in range(world) for c in send[q]]
+    send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8,
+                                                            device=comm_device)
+    del chunks, send
+    recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
+    if sum(send_splits) or sum(recv_splits):
+        _collective(f"{step} (the exchange)", rank, timeout,
+                    lambda: dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits,
+                                                   group=group, async_op=True))
+    del send_buf
+    cursor, at = [], 0
+    for n in recv_splits:
+        cursor.append(at)
+        at += n
+    for u in units:
+        if u.reader == rank:
+            continue
+        e = u.entry
+        n = e.unit_bytes(u, rank)
+        data = recv_buf[cursor[u.reader]:cursor[u.reader] + n]
+        cursor[u.reader] += _align(n)
+        tdtype = fw.dtype(e.st_dtype)
+        if not u.piece:
+            shape = e.parts[rank][0] if e.dim >= 0 else e.shape
+            got[e.name] = data.view(tdtype).reshape(fw.shape(e.st_dtype, shape, e.name))
+            continue
+        target = _target(torch, fw, e, rank, mine_parts, comm_device)
+        row_shape = list(target.shape[1:])
+        _place_piece(e, u, target, data.view(tdtype).reshape([-1] + row_shape), rank)
+
+
+def _target(torch, fw, e, rank, mine_parts, comm_device):
+    """This rank's part of tensor e (split among the readers), allocated at its first piece."""
+    t = mine_parts.get(e.name)
+    if t is None:
+        shape = e.parts[rank][0] if e.dim >= 0 else e.shape
+        t = torch.empty(fw.shape(e.st_dtype, shape, e.name), dtype=fw.dtype(e.st_dtype),
+                        device=comm_device)
+        mine_parts[e.name] = t
+    return t

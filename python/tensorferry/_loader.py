@@ -185,6 +185,11 @@ class Loader:
         coop_timeout_ms: with process_group, the longest any collective of the exchange may
             wait for the other ranks (default 300000; 0: forever); past it, load() raises
             OSError naming this rank and the step (a rank died or hangs, or a link is down).
+        coop_exchange: with process_group, which tensors are read once and exchanged: "auto"
+            (default: a cost model of each host's storage and network time, see
+            docs/distributed.md), "all", or "none" (each rank reads its own slices).
+        coop_storage_rate, coop_network_rate: the cost model's storage read rate and network
+            rate per host (bytes per second or sizes like "2G"; defaults 2 GB/s and 1.25 GB/s).
         storage_options: for s3:// and http(s):// checkpoints, a dict of object-storage
             settings (s3_endpoint, s3_region, s3_profile, s3_access_key_id,
             s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style,
@@ -202,7 +207,8 @@ class Loader:
                  progress=False, device_map=None, device_budget=None, gds=None,
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
                  shard_max_gap=None, process_group=None, storage_options=None,
-                 memory_limit=None, drop_cache=None, verify=None, coop_timeout_ms=None):
+                 memory_limit=None, drop_cache=None, verify=None, coop_timeout_ms=None,
+                 coop_exchange=None, coop_storage_rate=None, coop_network_rate=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -243,6 +249,9 @@ class Loader:
             "shard_max_gap": shard_max_gap,
             "verify": verify,
             "coop_timeout_ms": coop_timeout_ms,
+            "coop_exchange": coop_exchange,
+            "coop_storage_rate": coop_storage_rate,
+            "coop_network_rate": coop_network_rate,
         }
         options.update(_safe_open.storage_load_options(storage_options))
         if shard_rules is not None:

@@ -3,9 +3,10 @@ each host by `scripts/multihost.sh exec` (tests/python/test_multihost.py).
 
     python multihost_gloo_worker.py RANK WORLD MASTER_ADDR MASTER_PORT CHECKPOINT OUT_JSON [--fault]
 
-An all_reduce of rank + 1 over the hosts, then a cooperative tensor-parallel load of CHECKPOINT
-(each host reads its own copy) through the same process group, compared byte for byte with the
-independent sliced load of this rank's slices. Writes its figures to OUT_JSON; any mismatch fails
+An all_reduce of rank + 1 over the hosts, then cooperative tensor-parallel loads of CHECKPOINT
+(each host reads its own copy) through the same process group, every tensor exchanged and then
+the cost model's choice, each compared byte for byte with the independent sliced load of this
+rank's slices. Writes its figures to OUT_JSON; any mismatch fails
 the process.
 
 With --fault: cooperative loads with O_DIRECT, 2 MB rounds and coop_timeout_ms 4000, over and
@@ -64,27 +65,34 @@ def main():
         pg = dist.new_group(list(range(world)))
         independent = tensorferry.Loader(path, tp_rank=rank, tp_size=world,
                                          shard_rules="builtin").load()
-        loader = tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="builtin",
-                                    process_group=pg)
-        got = loader.load()
-        stats = loader.cooperative_stats
-        assert list(got) == list(independent), (list(got), list(independent))
-        digest = hashlib.sha256()
-        for name, tensor in got.items():
-            a = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            b = independent[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            assert tensor.dtype == independent[name].dtype, name
-            assert list(tensor.shape) == list(independent[name].shape), name
-            assert a == b, f"{name}: the cooperative slice differs from the sliced one"
-            digest.update(name.encode() + b"\0" + a)
-        read = torch.tensor([stats["bytes_read"]], dtype=torch.int64)
-        dist.all_reduce(read)
+        figures = {"rank": rank, "all_reduce": t.item(), "hostname": socket.gethostname(),
+                   "host_ip": os.environ.get("TF_MULTIHOST_IP")}
+        # Every tensor exchanged (each byte read once in all), then the cost model's choice.
+        for exchange in ("all", "auto"):
+            loader = tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="builtin",
+                                        process_group=pg, coop_exchange=exchange)
+            got = loader.load()
+            stats = loader.cooperative_stats
+            assert list(got) == list(independent), (list(got), list(independent))
+            digest = hashlib.sha256()
+            for name, tensor in got.items():
+                a = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                b = independent[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                assert tensor.dtype == independent[name].dtype, name
+                assert list(tensor.shape) == list(independent[name].shape), name
+                assert a == b, f"{name}: the cooperative slice differs from the sliced one"
+                digest.update(name.encode() + b"\0" + a)
+            read = torch.tensor([stats["bytes_read"]], dtype=torch.int64)
+            dist.all_reduce(read)
+            figures[exchange] = {"tensors": len(got), "sha256": digest.hexdigest(),
+                                 "bytes_read_all_ranks": read.item(),
+                                 "bytes_sent": stats["bytes_sent"],
+                                 "bytes_received": stats["bytes_received"],
+                                 "hosts": stats["hosts"],
+                                 "exchanged_tensors": stats["exchanged_tensors"],
+                                 "local_tensors": stats["local_tensors"]}
         with open(out, "w") as f:
-            json.dump({"rank": rank, "all_reduce": t.item(), "hostname": socket.gethostname(),
-                       "host_ip": os.environ.get("TF_MULTIHOST_IP"), "tensors": len(got),
-                       "sha256": digest.hexdigest(), "bytes_read_all_ranks": read.item(),
-                       "bytes_sent": stats["bytes_sent"],
-                       "bytes_received": stats["bytes_received"]}, f)
+            json.dump(figures, f)
     finally:
         dist.destroy_process_group()
 

@@ -88,10 +88,10 @@ def _rank_main(rank, world, path, init, configs, results):
         # The independent per-rank sliced path.
         independent = tensorferry.Loader(path, tp_rank=rank, tp_size=world,
                                          shard_rules=json.dumps(SPEC)).load()
-        for i, (budget, engine) in enumerate(configs):
+        for i, (budget, engine, exchange) in enumerate(configs):
             loader = tensorferry.Loader(path, budget=budget, engine=engine, tp_rank=rank,
                                         tp_size=world, shard_rules=json.dumps(SPEC),
-                                        process_group=pg)
+                                        process_group=pg, coop_exchange=exchange)
             got = loader.load()
             stats = loader.cooperative_stats
             assert list(got) == list(loader.keys()) == list(independent)
@@ -105,7 +105,13 @@ def _rank_main(rank, world, path, init, configs, results):
             read = torch.tensor([stats["bytes_read"]], dtype=torch.int64)
             dist.all_reduce(read)
             total = sum(t.nbytes for t in full.values())
-            assert read.item() == total, (read.item(), total)
+            if exchange != "none":
+                # Every byte read once (auto on one host exchanges whatever saves reads).
+                assert read.item() == total, (read.item(), total)
+            else:
+                # Each rank reads its own slices and every replicated tensor.
+                replicated = sum(t.nbytes for n, t in full.items() if _rule(n)[0] is None)
+                assert read.item() == total + (world - 1) * replicated, (read.item(), total)
             with open(f"{results}.{i}.{rank}", "w") as f:
                 json.dump(stats, f)
             # Round by round: the same tensors as load(), one batch per round, in order.
@@ -134,19 +140,32 @@ def test_cooperative_gloo_matches_tensor_split(tmp_path, world):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _make_checkpoint(str(ckpt))
-    # Several rounds (a budget far below a rank's share) with the copying engine; one round with
-    # the default engine.
-    configs = [(1500, "pread"), (None, None)]
+    # Everything exchanged in several rounds (a budget far below a rank's share and below the
+    # larger tensors, which are then split among the readers by rows: dim-0, fused dim-0 and
+    # dim-1 ones) with the copying engine; the cost model's choice in one round with the default
+    # engine; nothing exchanged.
+    configs = [(1000, "pread", "all"), (None, None, None), (None, None, "none")]
     results = str(tmp_path / "stats")
     mp.spawn(_rank_main, args=(world, str(ckpt), f"file://{tmp_path}/init", configs, results),
              nprocs=world, join=True)
-    for i, (budget, _) in enumerate(configs):
+    for i, (budget, _, exchange) in enumerate(configs):
         stats = []
         for r in range(world):
             with open(f"{results}.{i}.{r}") as f:
                 stats.append(json.load(f))
         if budget:
             assert all(s["rounds"] >= 2 for s in stats if s["bytes_read"]), stats
+        if exchange == "all":
+            assert all(s["local_tensors"] == 0 for s in stats), stats
+        if exchange == "none" or (exchange is None and world == 1):
+            # Nothing exchanged: asked for, or the model's choice for one rank (no read saved).
+            assert all(s["bytes_sent"] == 0 and s["exchanged_tensors"] == 0 for s in stats), stats
+        if world == 1:
+            assert all(s["bytes_sent"] == 0 for s in stats), stats
+        if exchange is None and world > 1:
+            # One host: the network is free, so everything that saves reads is exchanged (the
+            # fused and dim-1 slices, the replicated tensors) and exact dim-0 slices stay local.
+            assert all(s["exchanged_tensors"] > 0 and s["local_tensors"] > 0 for s in stats), stats
         assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
 
 
@@ -228,6 +247,7 @@ def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
     with open(results) as f:
         outcome = json.load(f)
     assert outcome["error"] is not None and outcome["type"] == "OSError", outcome
-    assert "cooperative load: rank 0 gave up in round 0 of 1 (every rank's reads)" in \
+    # The first collective: the all-gather of every rank's host.
+    assert "cooperative load: rank 0 gave up in the start (learning every rank's host)" in \
         outcome["error"], outcome
     assert outcome["seconds"] < 8, outcome

@@ -207,9 +207,16 @@ def test_gloo_across_hosts(rehearsal, staged_checkpoint, tmp_path):
     assert [x["all_reduce"] for x in results] == [3, 3]
     assert [x["host_ip"] for x in results] == rehearsal["ips"]
     assert [x["hostname"] for x in results] == [f"{rehearsal['prefix']}-h{i}" for i in (1, 2)]
-    assert all(x["bytes_read_all_ranks"] == staged_checkpoint["tensor_bytes"] for x in results)
-    assert sum(x["bytes_sent"] for x in results) == sum(x["bytes_received"] for x in results) > 0
-    assert results[0]["tensors"] == results[1]["tensors"] > 0
+    for exchange in ("all", "auto"):
+        got = [x[exchange] for x in results]
+        assert all(x["hosts"] == 2 for x in got), got
+        assert sum(x["bytes_sent"] for x in got) == sum(x["bytes_received"] for x in got) > 0
+        assert got[0]["tensors"] == got[1]["tensors"] > 0
+    # Every tensor exchanged: each byte read once in all; the model's choice keeps some local.
+    assert all(x["all"]["bytes_read_all_ranks"] == staged_checkpoint["tensor_bytes"]
+               for x in results)
+    assert all(x["all"]["local_tensors"] == 0 for x in results)
+    assert all(x["auto"]["local_tensors"] > 0 for x in results)
 
 
 def test_shaped_rate_is_the_configured_rate(rehearsal):
@@ -584,7 +591,9 @@ def test_gloo_a_killed_rank_ends_the_other(fault_rehearsal, tmp_path):
     procs[1].communicate(timeout=30)
     assert time.monotonic() - killed_at < 30
     assert outcome["type"] == "OSError", (outcome, out)
-    assert "cooperative load: rank 0 gave up in round" in outcome["error"], (outcome, out)
+    # In a round, or in the host all-gather that starts every load (the kill may fall between).
+    assert re.search(r"cooperative load: rank 0 gave up in (round|the start|the end)",
+                     outcome["error"]), (outcome, out)
 
 
 def test_gloo_a_link_down_ends_every_rank_with_the_timeout(fault_rehearsal, tmp_path):
@@ -602,4 +611,5 @@ def test_gloo_a_link_down_ends_every_rank_with_the_timeout(fault_rehearsal, tmp_
     assert took < 30
     for rank, (outcome, out) in enumerate(outcomes):
         assert outcome["type"] == "OSError", (outcome, out)
-        assert f"cooperative load: rank {rank} gave up in round" in outcome["error"], outcome
+        assert re.search(rf"cooperative load: rank {rank} gave up in (round|the start|the end)",
+                         outcome["error"]), outcome

@@ -302,12 +302,12 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             figures[k] += core[k]
 
     def read_local():
+        """On the helper thread: this rank's local tensors, its reader's stats and the time (the
+        figures are updated by the main thread, which owns them)."""
         t0 = time.perf_counter()
         triples = local_reader.load(local, fw.code)
         got = dict(fw.finish_all(triples, comm_device))
-        account(local_reader.stats(), "bytes_read")
-        figures["local_seconds"] = time.perf_counter() - t0
-        return got
+        return got, local_reader.stats(), time.perf_counter() - t0
 
     try:
         fw.check(reader, [e.name for e in plan])
@@ -357,7 +357,8 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 local_got, error = {}, None
                 if local_future is not None:
                     try:
-                        local_got = local_future.result()
+                        local_got, core, figures["local_seconds"] = local_future.result()
+                        account(core, "bytes_read")
                     except Exception as e:
                         error = e
                 _agree(torch, dist, group, rank, world, comm_device, timeout, error,

@@ -64,7 +64,8 @@ def worker(args):
                             world_size=world)
     pg = dist.new_group(list(range(world)))
     contenders = args.contenders.split(",")
-    common = dict(tp_rank=rank, tp_size=world, shard_rules="builtin", direct="on")
+    common = dict(tp_rank=rank, tp_size=world, shard_rules="builtin", direct="on",
+                  engine=args.engine)
     for rep in range(args.repeats):
         for j in range(len(contenders)):
             name = contenders[(rep + j) % len(contenders)]
@@ -117,7 +118,8 @@ def driver(args):
         load = open("/proc/loadavg").read().split()[:3]
         print(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} load average {load}; "
               f"{args.hosts} hosts x {args.ranks_per_host} ranks, link {args.rate}, storage "
-              f"{args.storage_rate} per host, budget {args.budget}, checkpoint {args.ckpt}",
+              f"{args.storage_rate} per host, budget {args.budget}, engine "
+              f"{args.engine or 'default'}, checkpoint {args.ckpt}",
               flush=True)
         world = args.hosts * args.ranks_per_host
         port = str(29000 + os.getpid() % 1000)
@@ -130,7 +132,8 @@ def driver(args):
                  "--port", port, "--path", path, "--repeats", str(args.repeats),
                  "--budget", args.budget, "--contenders", args.contenders,
                  "--model-storage", str(bytes_per_second(args.storage_rate)),
-                 "--model-network", str(bytes_per_second(args.rate))],
+                 "--model-network", str(bytes_per_second(args.rate))]
+                + (["--engine", args.engine] if args.engine else []),
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True))
         rows = []
         for line in procs[0].stdout:
@@ -165,6 +168,10 @@ def main():
     p.add_argument("--budget", default="32MB")
     p.add_argument("--contenders", default="sliced,all,auto")
     p.add_argument("--prefix", default="tfgloo")
+    p.add_argument("--engine", default=None,
+                   help="every load's engine (default: the Loader's choice; its auto may map the "
+                        "files, and then O_DIRECT does not apply and the ranks of a host share "
+                        "the page cache)")
     # Worker side (started by the driver in each host).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)

@@ -87,9 +87,11 @@ class Cooperative:
 
     def iter_rounds(self, names, stats_type, on_stats):
         """Yields (round, {name: tensor}) of this rank's shard, round by round (the tensors whose
-        exchange ended in that round, aliases with their target); on_stats(LoadStats) is called
-        when the iteration ends, however it ends. Every rank of the group must iterate to the
-        end (a rank that stops early leaves the others waiting: the timeout ends them)."""
+        exchange ended in that round, aliases with their target; the tensors split among the
+        readers and those this rank read for itself come with the last round);
+        on_stats(LoadStats) is called when the iteration ends, however it ends. Every rank of
+        the group must iterate to the end (a rank that stops early leaves the others waiting:
+        the timeout ends them)."""
         figures = {}
         try:
             yield from iter_cooperative(

@@ -186,7 +186,7 @@ phase_gpu_tests() {
   tail -n 3 "$out/$log"
   echo "-- Python device tests" | tee -a "$out/$log"
   logged $log env TENSORFERRY_CLI="$root/$tf" TENSORFERRY_FAKE_CUDA="$root/$fake" \
-    "$py" -m pytest -q -p no:cacheprovider tests/python/test_device.py -rs
+    "$py" -m pytest -q -p no:cacheprovider tests/python/test_device.py tests/python/test_module.py -rs
   tail -n 3 "$out/$log"
 }
 
@@ -213,20 +213,34 @@ phase_bench() {
   fi
 
   echo "== CLI: the device load's checksum equals the host load's" | tee -a "$out/$log"
-  local host dev gds
+  local host dev gds args
+  # Fails the phase unless the CLI load $2 (JSON) has the checksum of $1; prints what it did.
+  same_as_host() {
+    "$py" - "$1" "$2" "$3" <<'PY' | tee -a "$out/$log"
+import json, sys
+host, dev, label = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+assert host["checksum"] == dev["checksum"], (label, host["checksum"], dev["checksum"])
+print(f"{label}: checksum {dev['checksum']} == host; {dev['gb_per_s']:.2f} GB/s; read "
+      f"{dev['bytes_read']/1e9:.2f} GB, staged {dev['staged_bytes']/1e9:.2f} GB (gathered "
+      f"{dev.get('gathered_bytes', 0)/1e9:.2f} GB), GDS {dev['gds_bytes']/1e9:.2f} GB "
+      f"({dev['gds_reason'] or 'every read'}); peak device {dev['peak_device_bytes']/1e9:.2f} GB")
+PY
+  }
   host=$("$tf" load "$data" --json --engine pread)
   echo "{\"host\": $host" > "$out/load_cuda.json"
   for gds in off auto; do
     dev=$("$tf" load "$data" --json --device cuda:0 --gds "$gds")
     echo ", \"cuda_gds_$gds\": $dev" >> "$out/load_cuda.json"
-    "$py" - "$host" "$dev" "$gds" <<'PY' | tee -a "$out/$log"
-import json, sys
-host, dev, gds = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
-assert host["checksum"] == dev["checksum"], (host["checksum"], dev["checksum"])
-print(f"gds {gds}: checksum {dev['checksum']} == host; {dev['gb_per_s']:.2f} GB/s; "
-      f"staged {dev['staged_bytes']/1e9:.2f} GB, GDS {dev['gds_bytes']/1e9:.2f} GB "
-      f"({dev['gds_reason'] or 'every read'}); peak device {dev['peak_device_bytes']/1e9:.2f} GB")
-PY
+    same_as_host "$host" "$dev" "gds $gds"
+  done
+  # Tensor-parallel rank 0 of 8, the files warm from the loads above: strided rows gathered from
+  # the page cache, and (an explicit --max-gap) staged as covering ranges.
+  host=$("$tf" load "$data" --json --engine pread --tp-rank 0 --tp-size 8)
+  for args in "" "--max-gap 64KiB"; do
+    # shellcheck disable=SC2086  # args is a list of options
+    dev=$("$tf" load "$data" --json --device cuda:0 --gds off --tp-rank 0 --tp-size 8 $args)
+    echo ", \"cuda_tp_0_of_8${args:+_covering}\": $dev" >> "$out/load_cuda.json"
+    same_as_host "$host" "$dev" "tp 0/8${args:+ $args}"
   done
   echo "}" >> "$out/load_cuda.json"
 

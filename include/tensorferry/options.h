@@ -182,10 +182,11 @@ struct LoadOptions {
   // batch's device buffer holding exactly the local bytes: dim-0 slices as contiguous device tasks
   // (GDS-eligible), other dims as strided tasks the pipeline copies with cudaMemcpy2DAsync from the
   // staged covering range (rows are staged together only as far as they fit one staging slot;
-  // max_gap and exact_when_cached shape host reads only: see docs/gpu.md, "Tensor-parallel
-  // slices"). Ties of the spec: an alias is delivered sharing its target's data (one read), also
-  // when the alias is absent from the files (tie_word_embeddings) or present as a duplicate (then
-  // its own bytes are not read).
+  // with exact_when_cached, files mostly in the page cache have those rows gathered from a
+  // mapping instead, staging only the slices' bytes; max_gap shapes host reads only: see
+  // docs/gpu.md, "Tensor-parallel slices"). Ties of the spec: an alias is delivered sharing its
+  // target's data (one read), also when the alias is absent from the files (tie_word_embeddings) or
+  // present as a duplicate (then its own bytes are not read).
   std::optional<TensorParallelOptions> tensor_parallel;
   // LoadCooperative's choices (cooperative.h); the Loader ignores them.
   CooperativeOptions cooperative;

@@ -51,9 +51,13 @@ struct LoadStats {
   uint64_t device_batches = 0;       // batches bound for CUDA devices
   uint64_t device_buffer_bytes = 0;  // device memory allocated for them (tensors plus padding)
   uint64_t staged_bytes = 0;         // bytes through the pinned staging ring
-  uint64_t gds_bytes = 0;            // bytes read by cuFile straight into device memory
-  std::string gds_reason;            // why GDS was not used (for some or all bytes); "" if it was
-  uint64_t pinned_bytes = 0;         // pinned staging memory the loader holds (all devices)
+  // Of staged_bytes: rows of tensor-parallel slices gathered from the page cache (a mapping of
+  // their file, for files mostly cached: TensorParallelOptions::exact_when_cached) instead of
+  // read as covering ranges; counted in bytes_read too.
+  uint64_t gathered_bytes = 0;
+  uint64_t gds_bytes = 0;     // bytes read by cuFile straight into device memory
+  std::string gds_reason;     // why GDS was not used (for some or all bytes); "" if it was
+  uint64_t pinned_bytes = 0;  // pinned staging memory the loader holds (all devices)
   // Highest bytes of device batch buffers live at once during the load (summed over devices;
   // buffers still held from earlier loads included): what device_budget bounds.
   uint64_t peak_device_bytes = 0;
@@ -97,6 +101,7 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("device_batches", s.device_batches);
   visit("device_buffer_bytes", s.device_buffer_bytes);
   visit("staged_bytes", s.staged_bytes);
+  visit("gathered_bytes", s.gathered_bytes);
   visit("gds_bytes", s.gds_bytes);
   visit("gds_reason", s.gds_reason);
   visit("pinned_bytes", s.pinned_bytes);

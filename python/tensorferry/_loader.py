@@ -175,8 +175,9 @@ class Loader:
             for the built-in rules, a dict, JSON, a file, (pattern, rule) pairs; docs/python.md).
         shard_max_gap: strided shards: gaps up to this many bytes are read and discarded, in
             every file (default: exact strides for files in the page cache, 64 KiB for the
-            others; 0: exact strides). On a GPU, strided shards are always staged covering
-            ranges copied as 2D (docs/gpu.md).
+            others; 0: exact strides). On a GPU, strided shards of files in the page cache
+            are gathered row by row into the staging ring; of other files, or whenever
+            shard_max_gap is given, staged as covering ranges copied as 2D (docs/gpu.md).
         process_group: a torch.distributed process group of the tp_size ranks: cooperative mode,
             each byte read once by one rank and the slices exchanged (docs/distributed.md);
             load(), and iter_batches/iter_tensors/stream round by round (every rank must

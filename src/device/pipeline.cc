@@ -43,8 +43,16 @@ struct DevicePipeline::Chunk {
   int direct_fd = -1;
   const std::atomic<bool>* cancel = nullptr;
   bool gds = false;
+  // A gathered chunk: its first row in the task's source; the slot holds the rows packed
+  // (length = rows * row_bytes) and offset is the first row's file offset.
+  const std::byte* gather = nullptr;
 
   std::string Describe() const {
+    if (gather != nullptr) {
+      return "copy of " + file->path() + " (" + std::to_string(rows) + " rows of " +
+             std::to_string(row_bytes) + " bytes from offset " + std::to_string(offset) +
+             ", pitch " + std::to_string(src_pitch) + ", gathered) to device " + Hex(dst);
+    }
     return "copy of " + file->path() + " [" + std::to_string(offset) + ", " +
            std::to_string(offset + length) + ") to device " + Hex(dst);
   }
@@ -74,7 +82,7 @@ struct DevicePipeline::RunState {
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
-  std::atomic<uint64_t> staged_bytes{0}, gds_bytes{0}, copies{0}, copies_2d{0};
+  std::atomic<uint64_t> staged_bytes{0}, gathered_bytes{0}, gds_bytes{0}, copies{0}, copies_2d{0};
   std::mutex mu;
   Status error;  // the first failure
 
@@ -184,6 +192,12 @@ Status CheckTask(size_t index, const DeviceTask& t) {
                                 std::to_string(t.length));
     }
   }
+  if (t.source != nullptr &&
+      (t.source_size < t.file_offset || t.source_size - t.file_offset < t.length)) {
+    return BadTask(index, "bytes [" + std::to_string(t.file_offset) + ", " +
+                              std::to_string(t.file_offset + t.length) + ") beyond its source's " +
+                              std::to_string(t.source_size) + " bytes");
+  }
   return Status::Ok();
 }
 
@@ -203,6 +217,8 @@ Status DevicePipeline::Plan(std::span<const DeviceTask> tasks, RunState& run) {
     // first chunk's shorter length leaves room for.
     if (t.rows == 0 || t.row_bytes > slot) {
       ChunkRanges(i, t, slot, gds, run.chunks);
+    } else if (t.source != nullptr) {
+      ChunkGathered(i, t, slot, run.chunks);
     } else {
       ChunkRows(i, t, slot, run.chunks);
     }
@@ -295,6 +311,27 @@ void DevicePipeline::ChunkRows(size_t index, const DeviceTask& t, uint64_t slot,
   }
 }
 
+void DevicePipeline::ChunkGathered(size_t index, const DeviceTask& t, uint64_t slot,
+                                   std::vector<Chunk>& chunks) {
+  const uint64_t per_chunk = slot / t.row_bytes;  // >= 1: the rows fit a slot
+  for (uint64_t r = 0; r < t.rows; r += per_chunk) {
+    const uint64_t n = std::min(per_chunk, t.rows - r);
+    Chunk c;
+    c.task = index;
+    c.file = t.file;
+    c.offset = t.file_offset + r * t.src_pitch;
+    c.length = n * t.row_bytes;
+    c.dst = t.dst + r * t.dst_pitch;
+    c.rows = n;
+    c.row_bytes = t.row_bytes;
+    c.src_pitch = t.src_pitch;
+    c.dst_pitch = t.dst_pitch;
+    c.cancel = t.cancel;
+    c.gather = t.source + c.offset;
+    chunks.push_back(c);
+  }
+}
+
 void DevicePipeline::ExplainStaging(RunState& run) const {
   if (!gds_driver_) {
     run.reasons.push_back(gds_off_reason_);
@@ -383,6 +420,7 @@ Status DevicePipeline::Run(std::span<const DeviceTask> tasks, io::ReadEngine& en
     stats_.tasks += run.tasks;
     stats_.chunks += run.chunks.size();
     stats_.staged_bytes += run.staged_bytes.load();
+    stats_.gathered_bytes += run.gathered_bytes.load();
     stats_.gds_bytes += run.gds_bytes.load();
     stats_.copies += run.copies.load();
     stats_.copies_2d += run.copies_2d.load();
@@ -421,16 +459,31 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
   TF_ASSIGN_OR_RETURN(const unsigned slot, ring_->Acquire());
   const std::span<std::byte> buffer = ring_->slot(slot).subspan(
       static_cast<size_t>(chunk.slot_offset), static_cast<size_t>(chunk.length));
-  const io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};
-  Status read = engine.Execute(std::span<const io::ReadRequest>(&request, 1));
-  if (!read.ok()) {
-    ring_->Release(slot);
-    return read;
+  if (chunk.gather != nullptr) {
+    if (chunk.cancel != nullptr && chunk.cancel->load(std::memory_order_acquire)) {
+      ring_->Release(slot);
+      return Status(Code::kCancelled, "the load was cancelled");
+    }
+    // From the page cache through the mapping: the rows only, packed.
+    const auto row = static_cast<size_t>(chunk.row_bytes);
+    for (uint64_t r = 0; r < chunk.rows; ++r) {
+      std::memcpy(buffer.data() + r * row, chunk.gather + r * chunk.src_pitch, row);
+    }
+  } else {
+    const io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};
+    Status read = engine.Execute(std::span<const io::ReadRequest>(&request, 1));
+    if (!read.ok()) {
+      ring_->Release(slot);
+      return read;
+    }
   }
   const cuda::RuntimeApi& api = runtime_->api();
   cuda::Error error;
-  if (chunk.rows > 0) {
-    error = api.cudaMemcpy2DAsync(chunk.dst, chunk.dst_pitch, buffer.data(), chunk.src_pitch,
+  // A gathered chunk is packed in the slot: one plain copy when the destination rows are too.
+  const bool packed = chunk.gather != nullptr && chunk.dst_pitch == chunk.row_bytes;
+  if (chunk.rows > 0 && !packed) {
+    const uint64_t src_pitch = chunk.gather != nullptr ? chunk.row_bytes : chunk.src_pitch;
+    error = api.cudaMemcpy2DAsync(chunk.dst, chunk.dst_pitch, buffer.data(), src_pitch,
                                   chunk.row_bytes, chunk.rows, cuda::kMemcpyHostToDevice, stream);
     run.copies_2d.fetch_add(1, std::memory_order_relaxed);
   } else {
@@ -444,6 +497,8 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
     return runtime_->Check(error, what);
   }
   run.staged_bytes.fetch_add(chunk.length, std::memory_order_relaxed);
+  if (chunk.gather != nullptr)
+    run.gathered_bytes.fetch_add(chunk.length, std::memory_order_relaxed);
   return ring_->Submit(slot, stream, std::move(what));
 }
 

@@ -9,7 +9,9 @@
 //     engine, queue cudaMemcpyAsync (cudaMemcpy2DAsync for strided tasks) to the destination on
 //     the producer's stream, and submit the slot, which records the slot's event; the slot is
 //     reused only after that event completes. So the read of chunk k+1 overlaps the copy of chunk
-//     k, and several reads are in flight when there are several producers.
+//     k, and several reads are in flight when there are several producers. A strided task with a
+//     DeviceTask::source is gathered instead of read: its rows are copied from the source into
+//     the slot packed (only the slice's bytes are staged).
 //   GDS path: cuFileRead straight into the destination (registered once per DeviceBuffer), no
 //     staging and no copy.
 // Run returns when every chunk's bytes are in device memory (all copies complete) or on the first
@@ -86,6 +88,15 @@ struct DeviceTask {
   int direct_fd = -1;
   // LoadOptions::cancel: staged reads not yet started when it is set are not started.
   const std::atomic<bool>* cancel = nullptr;
+  // The file's bytes in host memory from file offset 0 (a mapping of the file, io::MappedFile;
+  // source_size bytes of it), or null. A strided task with a source is gathered: each chunk copies
+  // only its rows' row_bytes from the source into its slot, packed, and one copy moves them to the
+  // device; the gaps between rows are neither read nor staged, and the engine is not used. Meant
+  // for files in the page cache (the Loader sets it under
+  // TensorParallelOptions::exact_when_cached), where a row is a memcpy, not a read. Contiguous
+  // tasks and rows longer than a slot ignore it.
+  const std::byte* source = nullptr;
+  uint64_t source_size = 0;
 };
 
 struct DevicePipelineOptions {
@@ -105,10 +116,11 @@ struct DevicePipelineOptions {
 struct DevicePipelineStats {
   uint64_t tasks = 0;
   uint64_t chunks = 0;
-  uint64_t staged_bytes = 0;  // through the ring (read, then copied)
-  uint64_t gds_bytes = 0;     // read by cuFile straight into device memory
-  uint64_t copies = 0;        // cudaMemcpyAsync calls
-  uint64_t copies_2d = 0;     // cudaMemcpy2DAsync calls
+  uint64_t staged_bytes = 0;    // through the ring (read, then copied)
+  uint64_t gathered_bytes = 0;  // of staged_bytes: rows gathered from DeviceTask::source
+  uint64_t gds_bytes = 0;       // read by cuFile straight into device memory
+  uint64_t copies = 0;          // cudaMemcpyAsync calls
+  uint64_t copies_2d = 0;       // cudaMemcpy2DAsync calls
   unsigned slots = 0;
   uint64_t slot_size = 0;
   uint64_t pinned_bytes = 0;  // the ring's pinned memory
@@ -166,6 +178,9 @@ class DevicePipeline {
   // Chunks of a strided task whose rows fit a slot: as many whole rows per chunk as fit.
   static void ChunkRows(size_t index, const DeviceTask& t, uint64_t slot,
                         std::vector<Chunk>& chunks);
+  // Chunks of a strided task with a source whose rows fit a slot: as many rows as fit packed.
+  static void ChunkGathered(size_t index, const DeviceTask& t, uint64_t slot,
+                            std::vector<Chunk>& chunks);
   // Appends to run.reasons why tasks of the run used the staging ring.
   void ExplainStaging(RunState& run) const;
   void Produce(unsigned producer, io::ReadEngine& engine, RunState& run);

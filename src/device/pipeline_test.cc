@@ -119,6 +119,49 @@ class DevicePipelineTest : public testing::FakeCudaTest {
     }
   }
 
+  struct Strided {
+    uint64_t offset, rows, row_bytes, src_pitch, dst_pitch;
+  };
+  // One strided task per case over w's first file, 17 bytes apart in a new destination buffer;
+  // gathered from the file's bytes (DeviceTask::source) when `gather`.
+  void AddStridedTasks(Workload& w, const std::vector<Strided>& cases, bool gather) {
+    const std::string& src = w.contents[0];
+    uint64_t size = 0;
+    for (const Strided& c : cases) size += (c.rows - 1) * c.dst_pitch + c.row_bytes + 17;
+    Allocate(w, size);
+    uint64_t at = 0;
+    for (const Strided& c : cases) {
+      DeviceTask t;
+      t.file = w.files[0].get();
+      t.file_offset = c.offset;
+      t.length = (c.rows - 1) * c.src_pitch + c.row_bytes;
+      t.dst = w.buffer->data() + at;
+      t.rows = c.rows;
+      t.row_bytes = c.row_bytes;
+      t.src_pitch = c.src_pitch;
+      t.dst_pitch = c.dst_pitch;
+      if (gather) {
+        t.source = reinterpret_cast<const std::byte*>(src.data());
+        t.source_size = src.size();
+      }
+      w.tasks.push_back(t);
+      for (uint64_t r = 0; r < c.rows; ++r) {
+        std::memcpy(w.expected.data() + at + r * c.dst_pitch,
+                    src.data() + c.offset + r * c.src_pitch, c.row_bytes);
+      }
+      at += (c.rows - 1) * c.dst_pitch + c.row_bytes + 17;
+    }
+  }
+
+  // Slots of 4 KiB, three of them, two producers.
+  static DevicePipelineOptions SmallRing() {
+    DevicePipelineOptions options;
+    options.slot_size = 4096;
+    options.staging_bytes = 3 * 4096;
+    options.producers = 2;
+    return options;
+  }
+
   void Allocate(Workload& w, uint64_t size) {
     auto buffer = allocator_->Allocate(size);
     ASSERT_TRUE(buffer.ok()) << buffer.status().ToString();
@@ -263,46 +306,70 @@ TEST_F(DevicePipelineTest, DirectReadsGoStraightIntoTheSlots) {
 TEST_F(DevicePipelineTest, StridedTasksLandRowByRow) {
   Workload w;
   AddFiles(w, 1, 300'000, nullptr);
-  const std::string& src = w.contents[0];
-  struct Strided {
-    uint64_t offset, rows, row_bytes, src_pitch, dst_pitch;
-  };
   // Many rows per chunk; rows longer than a slot; a padded destination pitch; one row.
-  const Strided cases[] = {{13, 50, 40, 100, 40},
-                           {5000, 3, 10'000, 12'000, 10'000},
-                           {777, 20, 33, 501, 48},
-                           {3, 1, 999, 999, 999}};
-  uint64_t size = 0;
-  for (const Strided& c : cases) size += (c.rows - 1) * c.dst_pitch + c.row_bytes + 17;
-  Allocate(w, size);
-  uint64_t at = 0;
-  for (const Strided& c : cases) {
-    DeviceTask t;
-    t.file = w.files[0].get();
-    t.file_offset = c.offset;
-    t.length = (c.rows - 1) * c.src_pitch + c.row_bytes;
-    t.dst = w.buffer->data() + at;
-    t.rows = c.rows;
-    t.row_bytes = c.row_bytes;
-    t.src_pitch = c.src_pitch;
-    t.dst_pitch = c.dst_pitch;
-    w.tasks.push_back(t);
-    for (uint64_t r = 0; r < c.rows; ++r) {
-      std::memcpy(w.expected.data() + at + r * c.dst_pitch, src.data() + c.offset + r * c.src_pitch,
-                  c.row_bytes);
-    }
-    at += (c.rows - 1) * c.dst_pitch + c.row_bytes + 17;
-  }
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 3 * 4096;
-  options.producers = 2;
-  auto pipeline = MakePipeline(options);
+  AddStridedTasks(w,
+                  {{13, 50, 40, 100, 40},
+                   {5000, 3, 10'000, 12'000, 10'000},
+                   {777, 20, 33, 501, 48},
+                   {3, 1, 999, 999, 999}},
+                  false);
+  auto pipeline = MakePipeline(SmallRing());
   ASSERT_TRUE(pipeline.ok());
   ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
   EXPECT_TRUE(DeviceMatches(w));
   EXPECT_GT((*pipeline)->stats().copies_2d, 0u);
   EXPECT_GT((*pipeline)->stats().copies, 0u);  // the long rows went as plain copies
+  EXPECT_EQ((*pipeline)->stats().gathered_bytes, 0u);
+}
+
+// With a source (the file's bytes in memory, e.g. its page-cache mapping), a strided task's rows
+// are gathered into the slot packed: the engine reads nothing, only the rows are staged, and packed
+// destinations take one plain copy per chunk.
+TEST_F(DevicePipelineTest, GatheredStridedTasksStageOnlyTheirRows) {
+  Workload w;
+  AddFiles(w, 1, 300'000, nullptr);
+  const std::vector<Strided> cases = {{13, 500, 40, 100, 40},   // many chunks, packed
+                                      {777, 200, 33, 501, 48},  // padded destination: 2D copies
+                                      {3, 1, 999, 999, 999},    // one row
+                                      {4096, 2, 4096, 8192, 4096}};  // one whole slot per row
+  AddStridedTasks(w, cases, true);
+  uint64_t rows_bytes = 0;
+  for (const Strided& c : cases) rows_bytes += c.rows * c.row_bytes;
+  auto pipeline = MakePipeline(SmallRing());
+  ASSERT_TRUE(pipeline.ok());
+  const uint64_t copies_2d = fake_->Stats().copies_2d;
+  ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
+  EXPECT_TRUE(DeviceMatches(w));
+  const DevicePipelineStats s = (*pipeline)->stats();
+  EXPECT_EQ(memory_env_.reads("/mem/shard0.safetensors"), 0u) << "gathered: nothing read";
+  EXPECT_EQ(s.staged_bytes, rows_bytes);
+  EXPECT_EQ(s.gathered_bytes, rows_bytes);
+  EXPECT_GT(s.copies, 0u);                         // the packed ones
+  EXPECT_GT(fake_->Stats().copies_2d, copies_2d);  // the padded one
+  EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
+
+  // Rows longer than a slot still go through the engine, row piece by row piece (exact).
+  Workload wide;
+  AddFiles(wide, 1, 300'000, nullptr);
+  AddStridedTasks(wide, {{5000, 3, 10'000, 12'000, 10'000}}, true);
+  ASSERT_TRUE((*pipeline)->Run(wide.tasks, *engine_, wide.buffer.get()).ok());
+  EXPECT_TRUE(DeviceMatches(wide));
+  EXPECT_GT(memory_env_.reads("/mem/shard0.safetensors"), 0u);
+  EXPECT_EQ((*pipeline)->stats().gathered_bytes, rows_bytes);
+
+  // A source shorter than the task's bytes is refused before anything is staged; a set cancel
+  // flag stops gathered chunks like read ones.
+  DeviceTask short_source = w.tasks[0];
+  short_source.source_size = short_source.file_offset + short_source.length - 1;
+  Status refused = (*pipeline)->Run(std::span<const DeviceTask>(&short_source, 1), *engine_);
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.ToString();
+  EXPECT_NE(refused.message().find("beyond its source's"), std::string::npos) << refused.ToString();
+  std::atomic<bool> cancel{true};
+  DeviceTask cancelled = w.tasks[0];
+  cancelled.cancel = &cancel;
+  Status stopped = (*pipeline)->Run(std::span<const DeviceTask>(&cancelled, 1), *engine_);
+  EXPECT_EQ(stopped.code(), Code::kCancelled) << stopped.ToString();
+  EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
 }
 
 TEST_F(DevicePipelineTest, AReadErrorNamesFileAndOffsetAndLeavesNothingBehind) {

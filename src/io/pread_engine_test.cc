@@ -320,6 +320,44 @@ TEST(ResidencyTest, CachedFractionOfReadFileThenDropped) {
   EXPECT_LE(*after, 1.0);
 }
 
+// Sampled residency agrees with the page-by-page count: a file whose first half alone was read
+// back after dropping it (where the kernel drops pages at all), measured both ways.
+TEST(ResidencyTest, SampledAgreesWithEveryPage) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("half.bin");
+  const size_t size = 8 << 20;
+  testing::WriteBytes(path, Pattern(size, 32));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::fdatasync(fd), 0);
+  EXPECT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  EXPECT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM), 0);  // no readahead past the half
+  std::vector<char> buf(size / 2);
+  ASSERT_EQ(::pread(fd, buf.data(), buf.size(), 0), static_cast<ssize_t>(buf.size()));
+  io::ResidencySampling every;
+  every.above_pages = UINT64_MAX;
+  io::ResidencySampling sampled;
+  sampled.above_pages = 0;
+  sampled.samples = 64;
+  sampled.pages_per_sample = 4;
+  for (uint64_t offset : {uint64_t{0}, uint64_t{12345}, uint64_t{3} << 20}) {
+    SCOPED_TRACE(offset);
+    auto exact = io::CachedFraction(fd, path, offset, size, every);
+    auto estimate = io::CachedFraction(fd, path, offset, size, sampled);
+    ASSERT_TRUE(exact.ok()) << exact.status().ToString();
+    ASSERT_TRUE(estimate.ok()) << estimate.status().ToString();
+    EXPECT_NEAR(*estimate, *exact, 0.1);
+  }
+  // Samples as dense as the pages: the same count.
+  sampled.samples = 2048;
+  sampled.pages_per_sample = 1;
+  auto dense = io::CachedFraction(fd, path, 0, size, sampled);
+  auto exact = io::CachedFraction(fd, path, 0, size, every);
+  ASSERT_TRUE(dense.ok() && exact.ok());
+  EXPECT_DOUBLE_EQ(*dense, *exact);
+  ::close(fd);
+}
+
 TEST(ResidencyTest, EdgeCasesAndErrors) {
   testing::TempDir dir;
   const std::string path = dir.Join("small.bin");

@@ -54,6 +54,7 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
   }
   if (by_device.empty()) by_device[options_.device];  // an empty selection: an empty plan
   std::vector<Group> groups;
+  const std::vector<bool> cached = CachedFiles();  // once per load: mincore is not free
   for (auto& [dev, idx] : by_device) {
     if (dev.is_cuda() && dev.index < 0) {
       return Status(Code::kInvalidArgument, "placement: CUDA device index " +
@@ -64,7 +65,7 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
     g.device = dev;
     const uint64_t limit = dev.is_cpu() ? options_.budget : options_.device_budget;
     g.batch_budget = BatchBudget(idx, limit, dev.is_cuda());
-    PlanOptions p = MakePlanOptions(g.batch_budget);
+    PlanOptions p = MakePlanOptions(g.batch_budget, cached);
     // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
     // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
     if (dev.is_cuda() && options_.gds == GdsMode::kOff) p.io_alignment = 0;
@@ -83,6 +84,14 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
       g.plan.num_tasks = 0;
       for (size_t b = 0; b < g.plan.batches.size(); ++b) {
         g.strided[b] = LayOutForDevice(checkpoint_.tensors(), p.io_alignment, g.plan.batches[b]);
+        for (StridedRead& r : g.strided[b]) {  // (cached: empty unless exact_when_cached)
+          // From the page cache a row is a memcpy: gather the rows rather than stage the whole
+          // covering range (at world 8 a row-parallel weight's covering range is 8x its slice).
+          if (r.rows > 1 && r.file < cached.size() && cached[r.file]) {
+            r.gather = true;
+            g.plan.batches[b].read_bytes -= r.length() - r.rows * r.row_bytes;
+          }
+        }
         g.plan.read_bytes += g.plan.batches[b].read_bytes;
         g.plan.num_tasks += g.plan.batches[b].tasks.size() + g.strided[b].size();
       }
@@ -122,31 +131,33 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
   return groups;
 }
 
-// With tensor_parallel->exact_when_cached: exact strides (0) for files mostly in the page cache,
-// max_gap for the others (and for files the check cannot see, e.g. a MemoryEnv's). The check reads
-// the real file system by path: it only chooses how to read, never what is read.
-std::vector<uint64_t> GroupPlanner::FileMaxGaps() const {
-  std::vector<uint64_t> gaps;
-  if (!options_.tensor_parallel || !options_.tensor_parallel->exact_when_cached) return gaps;
+// With tensor_parallel->exact_when_cached: files mostly in the page cache (host groups: exact
+// strides; device groups: gathered rows) and the others (max_gap; files the check cannot see, e.g.
+// a MemoryEnv's, count as not cached). The check reads the real file system by path: it only
+// chooses how to read, never what is read.
+std::vector<bool> GroupPlanner::CachedFiles() const {
+  std::vector<bool> cached;
+  if (!options_.tensor_parallel || !options_.tensor_parallel->exact_when_cached) return cached;
   for (const FileInfo& f : checkpoint_.files()) {
-    uint64_t gap = options_.tensor_parallel->max_gap;
+    bool mostly = false;
     if (f.file_size > f.data_offset) {
-      Result<double> cached = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
-      if (cached.ok() && *cached >= 0.5) gap = 0;
+      Result<double> in = CachedFraction(f.path, f.data_offset, f.file_size - f.data_offset);
+      mostly = in.ok() && *in >= 0.5;
     }
-    gaps.push_back(gap);
+    cached.push_back(mostly);
   }
-  return gaps;
+  return cached;
 }
 
-PlanOptions GroupPlanner::MakePlanOptions(uint64_t batch_budget) const {
+PlanOptions GroupPlanner::MakePlanOptions(uint64_t batch_budget,
+                                          const std::vector<bool>& cached) const {
   PlanOptions p;
   p.chunk_size = options_.chunk_size;
   p.budget = batch_budget;
   p.allow_oversized = options_.allow_oversized;
   p.order = options_.order;
   p.tensor_parallel = options_.tensor_parallel;
-  p.file_max_gap = FileMaxGaps();
+  for (bool c : cached) p.file_max_gap.push_back(c ? 0 : options_.tensor_parallel->max_gap);
   return p;
 }
 

@@ -20,7 +20,8 @@ struct Group {
   Plan plan;
   uint64_t batch_budget = 0;
   // Tensor-parallel device groups: per batch, the strided reads besides the batch's contiguous
-  // tasks.
+  // tasks (gathered from the page cache, StridedRead::gather, for files mostly cached under
+  // exact_when_cached).
   std::vector<std::vector<StridedRead>> strided;
 };
 
@@ -38,8 +39,11 @@ class GroupPlanner {
   uint64_t BatchBudget(std::span<const uint32_t> indices, uint64_t limit, bool on_device) const;
   uint64_t LocalSize(const TensorInfo& t) const;
   Device Place(const TensorInfo& t) const;
-  std::vector<uint64_t> FileMaxGaps() const;
-  PlanOptions MakePlanOptions(uint64_t batch_budget) const;
+  // Per file, whether at least half of its tensor bytes are in the page cache; empty unless
+  // tensor_parallel->exact_when_cached (the only check that does I/O).
+  std::vector<bool> CachedFiles() const;
+  // `cached`: CachedFiles() (exact strides for cached files, max_gap for the others).
+  PlanOptions MakePlanOptions(uint64_t batch_budget, const std::vector<bool>& cached) const;
 
   const Checkpoint& checkpoint_;
   const LoadOptions& options_;

@@ -286,6 +286,10 @@ void Loader::Impl::CollectDeviceStats(const std::map<int, device::DevicePipeline
     const uint64_t gds0 = it == before.end() ? 0 : it->second.gds_bytes;
     const uint64_t tasks0 = it == before.end() ? 0 : it->second.tasks;
     stats.staged_bytes += now.staged_bytes - staged0;
+    const uint64_t gathered =
+        now.gathered_bytes - (it == before.end() ? 0 : it->second.gathered_bytes);
+    stats.gathered_bytes += gathered;
+    stats.bytes_read += gathered;  // the engine did not read these: the mapping did
     stats.gds_bytes += now.gds_bytes - gds0;
     stats.peak_device_bytes += slot.allocator->peak();
     if (now.tasks != tasks0 && !now.gds_reason.empty()) {

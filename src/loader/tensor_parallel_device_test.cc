@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/cuda_api.h"
@@ -100,14 +101,22 @@ TEST_F(TensorParallelDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTen
       auto host_loader = Loader::Open(f.dir.path(), host_options).value();
       const std::vector<Tensor> host = host_loader->Load().value();
       ASSERT_EQ(host.size(), f.tensors.size());
-      for (Engine engine : {Engine::kPread, Engine::kMmap}) {
-        for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
+      // The files were just written, so they are in the page cache: exact_when_cached gathers
+      // strided rows from a mapping; without it the covering ranges are read and staged.
+      for (auto [engine, gds, exact] : {std::tuple{Engine::kPread, GdsMode::kOff, true},
+                                        std::tuple{Engine::kPread, GdsMode::kOff, false},
+                                        std::tuple{Engine::kPread, GdsMode::kAuto, true},
+                                        std::tuple{Engine::kMmap, GdsMode::kOff, false},
+                                        std::tuple{Engine::kMmap, GdsMode::kAuto, true}}) {
+        {
           SCOPED_TRACE("rank " + std::to_string(rank) + " of " + std::to_string(world) + ", " +
-                       std::string(EngineName(engine)) + ", gds " + std::string(GdsModeName(gds)));
+                       std::string(EngineName(engine)) + ", gds " + std::string(GdsModeName(gds)) +
+                       (exact ? ", gathered" : ", covering reads"));
           const uint64_t copies_2d_before = fake_->Stats().copies_2d;
           LoadOptions o = DeviceOptions(f, rank, world);
           o.engine = engine;
           o.gds = gds;
+          o.tensor_parallel->exact_when_cached = exact;
           auto loader = Loader::Open(f.dir.path(), o);
           ASSERT_TRUE(loader.ok()) << loader.status().ToString();
           auto tensors = (*loader)->Load();
@@ -139,11 +148,21 @@ TEST_F(TensorParallelDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTen
           EXPECT_GE(s.device_buffer_bytes, want);
           EXPECT_LT(s.device_buffer_bytes, want + pad * f.tensors.size());
           // Rows of the dim-1/dim-2 splits are never all read when world > 1: bytes read stay
-          // below the whole checkpoint's.
+          // below the whole checkpoint's; gathered, exactly the slices' bytes are read.
           EXPECT_GE(s.bytes_read, want);
+          EXPECT_EQ(s.staged_bytes + s.gds_bytes, s.bytes_read);
           if (world > 1) {
             EXPECT_LT(s.bytes_read, ckpt.total_tensor_bytes());
             EXPECT_GT(fake_->Stats().copies_2d, copies_2d_before) << "strided slices: 2D copies";
+            if (exact) {
+              EXPECT_GT(s.gathered_bytes, 0u);
+            } else {
+              EXPECT_EQ(s.gathered_bytes, 0u);
+              EXPECT_GT(s.bytes_read, want) << "covering reads read the gaps between rows";
+            }
+          }
+          if (exact) {
+            EXPECT_EQ(s.bytes_read, want);
           }
         }
       }

@@ -30,6 +30,10 @@ struct StridedRead {
   uint64_t row_bytes = 0;
   uint64_t src_pitch = 0;
   uint64_t dst_pitch = 0;
+  // Gather the rows from the page cache (a mapping of the file) instead of reading the covering
+  // range: set by the loader for files mostly cached under TensorParallelOptions::exact_when_cached
+  // (src/loader/groups.cc); only rows * row_bytes bytes are then read and staged.
+  bool gather = false;
   // The bytes of the file the read spans (first row's start to last row's end).
   uint64_t length() const { return (rows - 1) * src_pitch + row_bytes; }
   friend bool operator==(const StridedRead&, const StridedRead&) = default;

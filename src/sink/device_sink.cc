@@ -53,13 +53,34 @@ class DeviceSink final : public BatchSink {
       tasks.push_back(DeviceTaskOf(AsRead(t), buffer->data(), cancel));
       task_file.push_back(t.file);
     }
+    std::vector<uint32_t> gathered;  // files whose rows are gathered from their mapping
     if (b < strided_.size()) {
       for (const StridedRead& r : strided_[b]) {
-        tasks.push_back(DeviceTaskOf(r, buffer->data(), cancel));
+        device::DeviceTask task = DeviceTaskOf(r, buffer->data(), cancel);
+        if (r.gather) {
+          TF_ASSIGN_OR_RETURN(const io::MappedFile* map, MappingOf(c_, r.file));
+          task.source = map->data();
+          task.source_size = map->size();
+          if (gathered.empty() || gathered.back() != r.file) gathered.push_back(r.file);
+        }
+        tasks.push_back(task);
         task_file.push_back(r.file);
       }
     }
+    std::vector<uint64_t> faults;
+    for (uint32_t f : gathered) faults.push_back((*c_.maps)[f]->faults());
     TF_RETURN_IF_ERROR(RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get()));
+    for (size_t i = 0; i < gathered.size(); ++i) {
+      const io::MappedFile& map = *(*c_.maps)[gathered[i]];
+      if (map.faults() != faults[i]) {
+        // The file shrank under the mapping: the gathered rows past its end read as zeros.
+        return Status(Code::kUnexpectedEof,
+                      map.path() +
+                          ": file shrank while its rows were copied to the device (from "
+                          "offset " +
+                          std::to_string(map.first_fault_offset()) + "); reload");
+      }
+    }
     return BatchInBuffer(*c_.checkpoint, batch, buffer->data(), buffer, device_);
   }
 

@@ -36,14 +36,8 @@ class MappedSink final : public BatchSink {
 
  private:
   Status MapFiles(const PlanBatch& batch) {
-    std::vector<std::shared_ptr<io::MappedFile>>& maps = *c_.maps;
     for (const PlannedTensor& pt : batch.tensors) {
-      const uint32_t f = c_.checkpoint->tensors()[pt.tensor].file;
-      if (!maps[f]) {
-        TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, c_.files->Get(f));
-        TF_ASSIGN_OR_RETURN(maps[f],
-                            io::MappedFile::Map(*pin.file, c_.checkpoint->files()[f].file_size));
-      }
+      TF_RETURN_IF_ERROR(MappingOf(c_, c_.checkpoint->tensors()[pt.tensor].file).status());
     }
     return Status::Ok();
   }
@@ -131,6 +125,16 @@ class MappedSink final : public BatchSink {
 };
 
 }  // namespace
+
+Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f) {
+  std::vector<std::shared_ptr<io::MappedFile>>& maps = *context.maps;
+  if (!maps[f]) {
+    TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, context.files->Get(f));
+    TF_ASSIGN_OR_RETURN(maps[f],
+                        io::MappedFile::Map(*pin.file, context.checkpoint->files()[f].file_size));
+  }
+  return maps[f].get();
+}
 
 std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan) {
   return std::make_unique<MappedSink>(context, plan);

@@ -89,6 +89,9 @@ class BatchSink {
 std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan,
                                         uint64_t batch_budget);
 std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan);
+// The loader's mapping of file `f` (context.maps[f], made on first use; the mapped sink's views
+// and the device sink's gathered rows share it). Errors: those of FileSet::Get and MappedFile::Map.
+Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f);
 std::unique_ptr<BatchSink> MakeDeviceSink(const SinkContext& context, const Plan& plan,
                                           const std::vector<std::vector<StridedRead>>& strided,
                                           Device device, DeviceSlot& slot);

@@ -58,10 +58,14 @@ class DeviceSink final : public BatchSink {
       for (const StridedRead& r : strided_[b]) {
         device::DeviceTask task = DeviceTaskOf(r, buffer->data(), cancel);
         if (r.gather) {
-          TF_ASSIGN_OR_RETURN(const io::MappedFile* map, MappingOf(c_, r.file));
-          task.source = map->data();
-          task.source_size = map->size();
-          if (gathered.empty() || gathered.back() != r.file) gathered.push_back(r.file);
+          // A file that cannot be mapped (the mapping table full, mmap refused) is read as
+          // covering ranges instead: slower, not wrong; errors of the file itself surface there.
+          Result<const io::MappedFile*> map = MappingOf(c_, r.file);
+          if (map.ok()) {
+            task.source = (*map)->data();
+            task.source_size = (*map)->size();
+            if (gathered.empty() || gathered.back() != r.file) gathered.push_back(r.file);
+          }
         }
         tasks.push_back(task);
         task_file.push_back(r.file);

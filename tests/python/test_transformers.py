@@ -254,3 +254,51 @@ def test_whole_first_reads_the_file_and_a_part_first_only_its_pages(tmp_path):
     with tft.safe_open(path, framework="pt") as f:  # from_pretrained: whole tensors first
         assert torch.equal(f.get_slice("a")[...], torch.ones(4096, 4096))
         assert cached_fraction([path]) > 0.95  # the whole file, read at once
+
+
+def _drain_read_ahead():
+    """Waits until the read-ahead thread has done everything queued so far."""
+    if tft._prefetcher is not None:
+        tft._prefetcher.submit(lambda: None).result(timeout=120)
+
+
+def test_the_other_opened_files_are_read_ahead_after_a_whole_first_request(tmp_path):
+    """transformers opens every file, then asks for tensors: after the first whole-tensor request,
+    the files opened and not yet asked for are read in the background, whole, in open order; a
+    file closed before its turn is skipped; every answer is the file's bytes."""
+    paths, want = [], {}
+    for i in range(4):
+        tensors = {f"w{i}.{j}": torch.full((64, 32), float(i * 10 + j)) for j in range(3)}
+        want.update(tensors)
+        paths.append(str(tmp_path / f"part{i}.safetensors"))
+        tensorferry.torch.save_file(tensors, paths[-1])
+    files = [tft.safe_open(p, framework="pt") for p in paths]
+    files[3].close()  # closed before its turn: never read
+    slices = {k: f.get_slice(k) for f in files[:3] for k in f.keys()}
+    assert all(f._views is None for f in files)
+    assert torch.equal(slices["w0.0"][...], want["w0.0"])  # the first request: whole
+    _drain_read_ahead()
+    assert files[1]._views is not None and files[2]._views is not None
+    assert files[3]._views is None
+    for k, s in slices.items():
+        assert torch.equal(s[...], want[k]), k
+    for f in files[:3]:
+        f.close()
+    assert not any(r() in files for r in tft._unrequested)
+
+
+def test_a_part_first_reads_nothing_ahead(tmp_path):
+    """A tensor-parallel plan asks for parts first: no other file is read ahead (each rank reads
+    only its slices' bytes)."""
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"part{i}.safetensors"))
+        tensorferry.torch.save_file({f"w{i}": torch.arange(64 * 32.0).reshape(64, 32)},
+                                    paths[-1])
+    files = [tft.safe_open(p, framework="pt") for p in paths]
+    assert torch.equal(files[0].get_slice("w0")[:8], torch.arange(8 * 32.0).reshape(8, 32))
+    _drain_read_ahead()
+    assert files[1]._views is None and files[2]._views is None
+    for f in files:
+        f.close()
+    assert not any(r() in files for r in tft._unrequested)

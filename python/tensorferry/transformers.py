@@ -15,11 +15,7 @@ docs/runtime_settings.md says), and every request is answered with a view of the
 the first request for a file asks for a whole tensor (a plain from_pretrained), the whole file is
 read into memory then, in parallel and in large requests (the mmap engine's populate), so the
 parameters are resident when from_pretrained returns; when it asks for a part (a tensor-parallel
-plan), nothing is read ahead and each slice copies only the bytes it selects. transformers opens
-every file of the checkpoint before asking for any tensor: once the first request of one of them
-asks for a whole tensor, the other files opened and not yet asked for are read the same way by one
-background thread, in the order they were opened, while transformers converts the first file's
-tensors (a request for a file the thread has not reached yet reads it at once, as before). A file on a
+plan), nothing is read ahead and each slice copies only the bytes it selects. A file on a
 network or FUSE file system (NFS, SMB, Lustre, sshfs, s3fs, ...), where each page fault of a
 mapping waits for a round trip, is not mapped: a whole-tensor first request reads the whole file
 with many large reads in flight (the io_uring engine), a part first reads each slice's bytes.
@@ -34,11 +30,9 @@ Thread-safety: enable/disable/loading may be called from any thread; the patch i
 (as transformers' own module attributes are), and nested loading() blocks keep it until the
 outermost one ends.
 """
-import concurrent.futures
 import importlib
 import sys
 import threading
-import weakref
 from contextlib import contextmanager
 
 from . import _core
@@ -58,12 +52,6 @@ _lock = threading.Lock()
 _depth = 0
 _patched = []  # (module, attribute, original)
 
-# Files opened (mappable) and not yet asked for anything, in open order (weak: a file nobody asks
-# for is not kept alive), and the one thread that reads them ahead (_read_ahead).
-_prefetch_lock = threading.Lock()
-_unrequested = []
-_prefetcher = None
-
 
 class safe_open(_safe_open):
     """tensorferry's drop-in safe_open (same arguments and results), answering whole-tensor
@@ -78,19 +66,12 @@ class safe_open(_safe_open):
         self._backend = backend
         self._map_lock = threading.Lock()
         self._views = None  # name -> view of the mapping; {} when the file cannot be mapped
-        self._closed = False
         self._mappable = (self._fw.name == "torch" and str(self._device) == "cpu"
                           and backend in (None, "mmap") and not is_url(filename))
-        if self._mappable:
-            with _prefetch_lock:
-                _unrequested.append(weakref.ref(self))
 
     def close(self):
         super().close()
-        with self._map_lock:  # after a read ahead of this file in progress, if any
-            self._closed = True
-            self._views = None
-        _forget(self)
+        self._views = None
 
     def _view(self, name, whole=True):
         """The mapped view of tensor `name`, or None when this file is read the default way.
@@ -101,28 +82,7 @@ class safe_open(_safe_open):
         self._open_reader()  # "File is closed" after close()
         views = self._views
         if views is None:
-            first = _forget(self)
-            views = self._map(whole)
-            if first and whole:
-                _read_ahead_others()
-        return views.get(name)
-
-    def _read_ahead(self):
-        """The background thread's work: this file read whole, unless it was asked for or closed
-        meanwhile. Errors are left to the request that meets them again."""
-        try:
-            if not self._closed and self._views is None:
-                self._map(True)
-        except Exception:  # noqa: BLE001: the file's own request reports it
-            pass
-
-    def _map(self, whole):
-        """Maps the file on its first request (reading it whole when `whole`); the views."""
-        views = self._views
-        if views is None:
             with self._map_lock:
-                if self._closed:
-                    self._open_reader()  # raises "File is closed"
                 if self._views is None:
                     try:
                         # backend="mmap" maps whatever the file system; else the mapping
@@ -137,7 +97,7 @@ class safe_open(_safe_open):
                     except UnsupportedDTypeError:
                         self._views = {}  # per tensor, each with its own error if it has one
                 views = self._views
-        return views
+        return views.get(name)
 
     def get_tensor(self, name):
         view = self._view(name)
@@ -158,31 +118,6 @@ class _MappedSlice(_Slice):
             return super().__getitem__(index)
         # The framework's own result; a part of the tensor is copied (only its bytes are read).
         return self._owner._fw.own(view[index], view)
-
-
-def _forget(f):
-    """Removes `f` (and dead entries) from the files not yet asked for; whether it was there."""
-    with _prefetch_lock:
-        before = len(_unrequested)
-        _unrequested[:] = [r for r in _unrequested if r() is not None and r() is not f]
-        return len(_unrequested) < before
-
-
-def _read_ahead_others():
-    """A file's first request asked for a whole tensor: the model is read whole. The files opened
-    and not yet asked for are read by the background thread, in their open order."""
-    global _prefetcher
-    with _prefetch_lock:
-        pending = [r() for r in _unrequested]
-        _unrequested.clear()
-        pending = [f for f in pending if f is not None]
-        if not pending:
-            return
-        if _prefetcher is None:
-            _prefetcher = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="tensorferry-read-ahead")
-        for f in pending:
-            _prefetcher.submit(f._read_ahead)
 
 
 def _original_safe_open():

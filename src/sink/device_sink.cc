@@ -1,5 +1,6 @@
 // The device sink: one device buffer per batch from the device's budgeted allocator, read through
 // the device's pipeline (staged copies or GDS); tensors are views co-owning the buffer.
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -53,7 +54,7 @@ class DeviceSink final : public BatchSink {
       tasks.push_back(DeviceTaskOf(AsRead(t), buffer->data(), cancel));
       task_file.push_back(t.file);
     }
-    std::vector<uint32_t> gathered;  // files whose rows are gathered from their mapping
+    std::vector<const io::MappedFile*> gathered;  // the mappings rows are gathered from
     if (b < strided_.size()) {
       for (const StridedRead& r : strided_[b]) {
         device::DeviceTask task = DeviceTaskOf(r, buffer->data(), cancel);
@@ -64,7 +65,9 @@ class DeviceSink final : public BatchSink {
           if (map.ok()) {
             task.source = (*map)->data();
             task.source_size = (*map)->size();
-            if (gathered.empty() || gathered.back() != r.file) gathered.push_back(r.file);
+            if (std::find(gathered.begin(), gathered.end(), *map) == gathered.end()) {
+              gathered.push_back(*map);
+            }
           }
         }
         tasks.push_back(task);
@@ -72,10 +75,10 @@ class DeviceSink final : public BatchSink {
       }
     }
     std::vector<uint64_t> faults;
-    for (uint32_t f : gathered) faults.push_back((*c_.maps)[f]->faults());
+    for (const io::MappedFile* map : gathered) faults.push_back(map->faults());
     TF_RETURN_IF_ERROR(RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get()));
     for (size_t i = 0; i < gathered.size(); ++i) {
-      const io::MappedFile& map = *(*c_.maps)[gathered[i]];
+      const io::MappedFile& map = *gathered[i];
       if (map.faults() != faults[i]) {
         // The file shrank under the mapping: the gathered rows past its end read as zeros.
         return Status(Code::kUnexpectedEof,

@@ -127,6 +127,10 @@ class MappedSink final : public BatchSink {
 }  // namespace
 
 Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f) {
+  // The mapped and device sinks of one load may complete batches on different threads (a
+  // placement mixing host and device, read ahead): the loader's mapping table is shared.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   std::vector<std::shared_ptr<io::MappedFile>>& maps = *context.maps;
   if (!maps[f]) {
     TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, context.files->Get(f));

@@ -153,12 +153,29 @@ class DevicePipelineTest : public testing::FakeCudaTest {
     }
   }
 
-  // Slots of 4 KiB, three of them, two producers.
-  static DevicePipelineOptions SmallRing() {
+  // 30 random tasks (seed `seed`) over two files through a pipeline with `ring`, the fake
+  // configured by `config`: the failed run's status, every slot free again.
+  Status RunFaultyRandomTasks(const TfFakeCudaConfig& config, const DevicePipelineOptions& ring,
+                              unsigned seed) {
+    Configure(config);
+    Workload w;
+    AddFiles(w, 2, 100'000, nullptr);
+    AddRandomTasks(w, 30, 10'000, seed);
+    auto pipeline = MakePipeline(ring);
+    EXPECT_TRUE(pipeline.ok()) << pipeline.status().ToString();
+    if (!pipeline.ok()) return pipeline.status();
+    const Status status = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
+    EXPECT_FALSE(status.ok());
+    EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
+    return status;
+  }
+
+  // `slots` slots of 4 KiB and `producers` producers (0: the default).
+  static DevicePipelineOptions Ring(unsigned slots, unsigned producers = 0) {
     DevicePipelineOptions options;
     options.slot_size = 4096;
-    options.staging_bytes = 3 * 4096;
-    options.producers = 2;
+    options.staging_bytes = slots * 4096;
+    options.producers = producers;
     return options;
   }
 
@@ -237,11 +254,7 @@ TEST_F(DevicePipelineTest, ATinyRingUnderSlowCopiesStaysCorrect) {
   Workload w;
   AddFiles(w, 2, 100'000, nullptr);
   AddRandomTasks(w, 40, 20'000, 7);
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 2 * 4096;
-  options.producers = 3;
-  auto pipeline = MakePipeline(options);
+  auto pipeline = MakePipeline(Ring(2, 3));
   ASSERT_TRUE(pipeline.ok());
   EXPECT_EQ((*pipeline)->stats().slots, 2u);
   ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
@@ -313,7 +326,7 @@ TEST_F(DevicePipelineTest, StridedTasksLandRowByRow) {
                    {777, 20, 33, 501, 48},
                    {3, 1, 999, 999, 999}},
                   false);
-  auto pipeline = MakePipeline(SmallRing());
+  auto pipeline = MakePipeline(Ring(3, 2));
   ASSERT_TRUE(pipeline.ok());
   ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
   EXPECT_TRUE(DeviceMatches(w));
@@ -335,7 +348,7 @@ TEST_F(DevicePipelineTest, GatheredStridedTasksStageOnlyTheirRows) {
   AddStridedTasks(w, cases, true);
   uint64_t rows_bytes = 0;
   for (const Strided& c : cases) rows_bytes += c.rows * c.row_bytes;
-  auto pipeline = MakePipeline(SmallRing());
+  auto pipeline = MakePipeline(Ring(3, 2));
   ASSERT_TRUE(pipeline.ok());
   const uint64_t copies_2d = fake_->Stats().copies_2d;
   ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
@@ -382,11 +395,7 @@ TEST_F(DevicePipelineTest, AReadErrorNamesFileAndOffsetAndLeavesNothingBehind) {
   MemoryEnv::Faults faults;
   faults.eio_at = 50'000;
   memory_env_.SetFaults("/mem/shard1.safetensors", faults);
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 3 * 4096;
-  options.producers = 2;
-  auto pipeline = MakePipeline(options);
+  auto pipeline = MakePipeline(Ring(3, 2));
   ASSERT_TRUE(pipeline.ok());
   // Make sure some task covers the failing offset.
   DeviceTask covering{w.files[1].get(), 49'000, 2000, w.buffer->data()};
@@ -411,10 +420,7 @@ TEST_F(DevicePipelineTest, AFileShorterThanItsTaskIsUnexpectedEof) {
   AddFiles(w, 1, 10'000, nullptr);
   Allocate(w, 5000);
   DeviceTask t{w.files[0].get(), 8000, 5000, w.buffer->data()};
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 2 * 4096;
-  auto pipeline = MakePipeline(options);
+  auto pipeline = MakePipeline(Ring(2));
   ASSERT_TRUE(pipeline.ok());
   const Status status = (*pipeline)->Run(std::span(&t, 1), *engine_, w.buffer.get());
   EXPECT_EQ(status.code(), Code::kUnexpectedEof);
@@ -426,23 +432,11 @@ TEST_F(DevicePipelineTest, ACopyThatCannotBeQueuedNamesItsBytes) {
   auto config = DefaultConfig();
   config.fail_copy_enqueue_at = 5;
   config.copy_delay_us = 100;
-  Configure(config);
-  Workload w;
-  AddFiles(w, 2, 100'000, nullptr);
-  AddRandomTasks(w, 30, 10'000, 5);
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 4 * 4096;
-  options.producers = 3;
-  auto pipeline = MakePipeline(options);
-  ASSERT_TRUE(pipeline.ok());
-  const Status status = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
-  ASSERT_FALSE(status.ok());
+  const Status status = RunFaultyRandomTasks(config, Ring(4, 3), 5);
   EXPECT_EQ(status.code(), Code::kCudaError);
   EXPECT_TRUE(Contains(status.message(), "copy of /mem/shard")) << status.ToString();
   EXPECT_TRUE(Contains(status.message(), ") to device 0x"));
   EXPECT_TRUE(Contains(status.message(), "cudaErrorUnknown"));
-  EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
   EXPECT_EQ(fake_->Stats().copies_executed, fake_->Stats().copies_enqueued);
 }
 
@@ -450,22 +444,10 @@ TEST_F(DevicePipelineTest, AnAsynchronousCopyFailureSurfacesWithoutHanging) {
   auto config = DefaultConfig();
   config.fail_copy_execute_at = 4;
   config.copy_delay_us = 200;
-  Configure(config);
-  Workload w;
-  AddFiles(w, 2, 100'000, nullptr);
-  AddRandomTasks(w, 30, 10'000, 9);
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 3 * 4096;
-  options.producers = 2;
-  auto pipeline = MakePipeline(options);
-  ASSERT_TRUE(pipeline.ok());
-  const Status status = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
-  ASSERT_FALSE(status.ok());
+  const Status status = RunFaultyRandomTasks(config, Ring(3, 2), 9);
   EXPECT_EQ(status.code(), Code::kCudaError);
   EXPECT_TRUE(Contains(status.message(), "cudaErrorIllegalAddress")) << status.ToString();
   EXPECT_TRUE(Contains(status.message(), "copy of /mem/shard"));
-  EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
 }
 
 TEST_F(DevicePipelineTest, CreationFailuresLeakNothing) {
@@ -499,10 +481,7 @@ TEST_F(DevicePipelineTest, MalformedTasksAreRefusedBeforeAnyIo) {
   Workload w;
   AddFiles(w, 1, 10'000, nullptr);
   Allocate(w, 4096);
-  DevicePipelineOptions options;
-  options.slot_size = 4096;
-  options.staging_bytes = 2 * 4096;
-  auto pipeline = MakePipeline(options);
+  auto pipeline = MakePipeline(Ring(2));
   ASSERT_TRUE(pipeline.ok());
   std::vector<DeviceTask> tasks(3, DeviceTask{w.files[0].get(), 0, 16, w.buffer->data()});
   tasks[1].file = nullptr;

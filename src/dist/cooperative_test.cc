@@ -68,23 +68,39 @@ TEST(AssignRounds, EachRankFillsItsRoundsUpToTheLimit) {
 
 // Runs LoadCooperative on every member of an in-process group of `world` and checks each rank's
 // tensors against the oracle slicing of the full tensors, and the read accounting.
+// LoadCooperative on every rank of a new in-process group of `world`, one thread a rank: each
+// rank's result and statistics.
+struct GroupRun {
+  std::vector<Result<std::vector<Tensor>>> results;
+  std::vector<CooperativeStats> stats;
+  Status status(uint32_t rank) const { return results[rank].status(); }
+};
+GroupRun RunCooperativeGroup(const std::shared_ptr<const Checkpoint>& checkpoint,
+                             const Selection& selection, const ShardSpec& spec,
+                             const LoadOptions& options, uint32_t world) {
+  auto group = MakeInProcessGroup(world).ValueOrThrow();
+  GroupRun run{std::vector<Result<std::vector<Tensor>>>(world, Status(Code::kInternal, "not run")),
+               std::vector<CooperativeStats>(world)};
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      run.results[r] =
+          LoadCooperative(checkpoint, selection, spec, options, *group[r], &run.stats[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return run;
+}
+
 void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions& options) {
   auto checkpoint = Checkpoint::Open(path).ValueOrThrow();
   auto full_loader = Loader::Open(checkpoint).ValueOrThrow();
   const std::vector<Tensor> full = full_loader->Load().ValueOrThrow();
   const ShardSpec spec = testing::ShardFixtureSpec();
 
-  auto group = MakeInProcessGroup(world).ValueOrThrow();
-  std::vector<Result<std::vector<Tensor>>> results(world, Status(Code::kInternal, "not run"));
-  std::vector<CooperativeStats> stats(world);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      results[r] =
-          LoadCooperative(checkpoint, Selection::All(), spec, options, *group[r], &stats[r]);
-    });
-  }
-  for (auto& t : threads) t.join();
+  GroupRun run = RunCooperativeGroup(checkpoint, Selection::All(), spec, options, world);
+  const auto& results = run.results;
+  const auto& stats = run.stats;
 
   // Every rank runs in this process: one host. The plan every rank made is PlanCooperative's.
   const std::vector<uint32_t> one_host(world, 0);
@@ -246,17 +262,9 @@ TEST(Cooperative, HugeTensorsAreSplitAmongTheReadersByRows) {
         EXPECT_GT(plan.rounds, 1u);
       }
 
-      auto group = MakeInProcessGroup(world).ValueOrThrow();
-      std::vector<Result<std::vector<Tensor>>> results(world, Status(Code::kInternal, "not run"));
-      std::vector<CooperativeStats> stats(world);
-      std::vector<std::thread> threads;
-      for (uint32_t r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          results[r] =
-              LoadCooperative(checkpoint, Selection::All(), t.spec, options, *group[r], &stats[r]);
-        });
-      }
-      for (auto& th : threads) th.join();
+      GroupRun run = RunCooperativeGroup(checkpoint, Selection::All(), t.spec, options, world);
+      const auto& results = run.results;
+      const auto& stats = run.stats;
       uint64_t total_read = 0;
       for (uint32_t r = 0; r < world; ++r) {
         ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
@@ -421,16 +429,9 @@ TEST(Cooperative, TiedAliasesShareTheirTargetLikeTheIndependentPath) {
   for (const Selection& selection : selections) {
     for (uint32_t world : {1u, 2u, 3u}) {
       SCOPED_TRACE("world " + std::to_string(world));
-      auto group = MakeInProcessGroup(world).ValueOrThrow();
-      std::vector<Result<std::vector<Tensor>>> results(world, Status(Code::kInternal, "not run"));
-      std::vector<CooperativeStats> stats(world);
-      std::vector<std::thread> threads;
-      for (uint32_t r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          results[r] = LoadCooperative(checkpoint, selection, spec, {}, *group[r], &stats[r]);
-        });
-      }
-      for (auto& t : threads) t.join();
+      GroupRun run = RunCooperativeGroup(checkpoint, selection, spec, {}, world);
+      const auto& results = run.results;
+      const auto& stats = run.stats;
       uint64_t total_read = 0;
       for (uint32_t r = 0; r < world; ++r) {
         ASSERT_TRUE(results[r].ok()) << results[r].status().ToString();
@@ -510,21 +511,11 @@ TEST(Cooperative, RuleErrorsStopEveryRankBeforeAnyRead) {
   auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
   ShardSpec spec = testing::ShardFixtureSpec();
   spec.Set("model.layers.0.input_layernorm.weight", ShardRule::Split(1));  // a 1-D tensor
-  auto group = MakeInProcessGroup(3).ValueOrThrow();
-  std::vector<Status> statuses(3);
-  std::vector<CooperativeStats> stats(3);
-  std::vector<std::thread> threads;
+  const GroupRun run = RunCooperativeGroup(checkpoint, Selection::All(), spec, {}, 3);
   for (uint32_t r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      statuses[r] =
-          LoadCooperative(checkpoint, Selection::All(), spec, {}, *group[r], &stats[r]).status();
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (uint32_t r = 0; r < 3; ++r) {
-    EXPECT_EQ(statuses[r].code(), Code::kInvalidArgument) << statuses[r].ToString();
-    EXPECT_NE(statuses[r].message().find("input_layernorm"), std::string::npos);
-    EXPECT_EQ(stats[r].bytes_read, 0u);
+    EXPECT_EQ(run.status(r).code(), Code::kInvalidArgument) << run.status(r).ToString();
+    EXPECT_NE(run.status(r).message().find("input_layernorm"), std::string::npos);
+    EXPECT_EQ(run.stats[r].bytes_read, 0u);
   }
 }
 
@@ -632,39 +623,22 @@ TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
   options.env = &env;
   options.engine = Engine::kPread;
   options.cooperative.exchange = ExchangeChoice::kAll;  // rank 2 alone reads the last bytes
-  auto group = MakeInProcessGroup(3).ValueOrThrow();
-  std::vector<Status> statuses(3);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      statuses[r] = LoadCooperative(checkpoint, Selection::All(), testing::ShardFixtureSpec(),
-                                    options, *group[r])
-                        .status();
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(statuses[2].code(), Code::kIoError) << statuses[2].ToString();
+  const GroupRun run =
+      RunCooperativeGroup(checkpoint, Selection::All(), testing::ShardFixtureSpec(), options, 3);
+  EXPECT_EQ(run.status(2).code(), Code::kIoError) << run.status(2).ToString();
   for (uint32_t r = 0; r < 2; ++r) {
-    EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
-    EXPECT_NE(statuses[r].message().find("rank 2 failed"), std::string::npos)
-        << statuses[r].ToString();
+    EXPECT_EQ(run.status(r).code(), Code::kIoError) << run.status(r).ToString();
+    EXPECT_NE(run.status(r).message().find("rank 2 failed"), std::string::npos)
+        << run.status(r).ToString();
   }
 
   // Every tensor local: the ranks whose own parts hit the error fail with it, the others learn
   // of it at the end; nobody waits.
   options.cooperative.exchange = ExchangeChoice::kNone;
-  auto local_group = MakeInProcessGroup(3).ValueOrThrow();
-  threads.clear();
+  const GroupRun local =
+      RunCooperativeGroup(checkpoint, Selection::All(), testing::ShardFixtureSpec(), options, 3);
   for (uint32_t r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      statuses[r] = LoadCooperative(checkpoint, Selection::All(), testing::ShardFixtureSpec(),
-                                    options, *local_group[r])
-                        .status();
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (uint32_t r = 0; r < 3; ++r) {
-    EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
+    EXPECT_EQ(local.status(r).code(), Code::kIoError) << local.status(r).ToString();
   }
 }
 

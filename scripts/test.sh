@@ -21,10 +21,10 @@ scripts/build.sh asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build/asan --output-on-failure -j 2 -LE 'python|mpi'
 
-echo "== ThreadSanitizer build: the concurrent parts (engine, memory, loader, device pipeline, tensor-parallel loads, in-process collectives)"
+echo "== ThreadSanitizer build: the concurrent parts (engine, memory, loader, device pipeline, tensor-parallel loads, in-process collectives, checks as bytes land)"
 scripts/build.sh tsan
 TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/scripts/tsan.supp" ctest --test-dir build/tsan --output-on-failure -j 2 -LE 'python|mpi' \
-  -R 'Loader|Engine|Pread|Buffer|Budget|Residen|Device|Cuda|Staging|Collective|Cooperative|TensorParallelLoad'
+  -R 'Loader|Engine|Pread|Buffer|Budget|Residen|Device|Cuda|Staging|Collective|Cooperative|TensorParallelLoad|LandingCheck'
 
 echo "== fuzz smoke runs (${FUZZ_SECONDS}s each)"
 scripts/build.sh fuzz

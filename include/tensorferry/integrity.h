@@ -121,6 +121,11 @@ Status CheckChecksumShape(const TensorChecksum& expected, uint64_t chunk_size, u
 Status VerifyChunk(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
                    uint64_t index, std::span<const std::byte> bytes, std::string_view file,
                    std::string_view tensor, uint64_t file_offset);
+// The same for a chunk of `length` bytes whose XXH3-64 `got` was computed elsewhere (hashed as
+// its bytes arrived). Same errors.
+Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
+                        uint64_t index, uint64_t length, uint64_t got, std::string_view file,
+                        std::string_view tensor, uint64_t file_offset);
 // Verifies a whole tensor's bytes, its chunks on up to `threads` threads. Errors: those of
 // CheckChecksumShape and VerifyChunk (the first mismatching chunk).
 Status VerifyTensor(const TensorChecksum& expected, uint64_t chunk_size,

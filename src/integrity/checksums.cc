@@ -21,7 +21,7 @@
 namespace tensorferry {
 
 struct ChecksumBuilder::State {
-  XXH3_state_t xxh;
+  integrity_internal::Xxh3Stream xxh;
 };
 
 namespace {
@@ -210,25 +210,35 @@ uint64_t ChecksumChunk(std::span<const std::byte> chunk) noexcept {
 
 namespace integrity_internal {
 
+static_assert(sizeof(XXH3_state_t) <= sizeof(Xxh3State) &&
+                  alignof(XXH3_state_t) <= alignof(Xxh3State),
+              "Xxh3State must hold xxHash's XXH3_state_t");
+
 uint64_t Xxh3Baseline(const void* data, size_t size) noexcept {
   return XXH3_64bits(data, size);
 }
+TF_XXH3_STREAM_DEFINE(Baseline)
 
 namespace {
 
-using Xxh3Fn = uint64_t (*)(const void*, size_t) noexcept;
-
 struct Xxh3Choice {
-  Xxh3Fn fn;
+  uint64_t (*fn)(const void*, size_t) noexcept;
+  void (*reset)(Xxh3State*) noexcept;
+  void (*update)(Xxh3State*, const void*, size_t) noexcept;
+  uint64_t (*digest)(const Xxh3State*) noexcept;
   const char* name;
 };
 
 Xxh3Choice ChooseXxh3() noexcept {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (__builtin_cpu_supports("avx512f")) return {&Xxh3Avx512, "avx512"};
-  if (__builtin_cpu_supports("avx2")) return {&Xxh3Avx2, "avx2"};
+  if (__builtin_cpu_supports("avx512f")) {
+    return {&Xxh3Avx512, &Xxh3Avx512Reset, &Xxh3Avx512Update, &Xxh3Avx512Digest, "avx512"};
+  }
+  if (__builtin_cpu_supports("avx2")) {
+    return {&Xxh3Avx2, &Xxh3Avx2Reset, &Xxh3Avx2Update, &Xxh3Avx2Digest, "avx2"};
+  }
 #endif
-  return {&Xxh3Baseline, "baseline"};
+  return {&Xxh3Baseline, &Xxh3BaselineReset, &Xxh3BaselineUpdate, &Xxh3BaselineDigest, "baseline"};
 }
 
 const Xxh3Choice& Xxh3Chosen() noexcept {
@@ -243,6 +253,16 @@ uint64_t Xxh3Widest(const void* data, size_t size) noexcept {
 }
 const char* Xxh3WidestName() noexcept {
   return Xxh3Chosen().name;
+}
+
+void Xxh3Stream::Reset() noexcept {
+  Xxh3Chosen().reset(&state_);
+}
+void Xxh3Stream::Update(const void* data, size_t size) noexcept {
+  Xxh3Chosen().update(&state_, data, size);
+}
+uint64_t Xxh3Stream::Digest() const noexcept {
+  return Xxh3Chosen().digest(&state_);
 }
 
 }  // namespace integrity_internal
@@ -286,9 +306,8 @@ TensorChecksum ComputeTensorChecksum(std::span<const std::byte> bytes, uint64_t 
   return sum;
 }
 
-ChecksumBuilder::ChecksumBuilder(uint64_t chunk_size) : chunk_size_(chunk_size), state_(new State) {
-  XXH3_64bits_reset(&state_->xxh);
-}
+ChecksumBuilder::ChecksumBuilder(uint64_t chunk_size)
+    : chunk_size_(chunk_size), state_(new State) {}
 ChecksumBuilder::~ChecksumBuilder() {
   delete state_;
 }
@@ -311,25 +330,25 @@ ChecksumBuilder& ChecksumBuilder::operator=(ChecksumBuilder&& other) noexcept {
 void ChecksumBuilder::Update(std::span<const std::byte> bytes) {
   while (!bytes.empty()) {
     const uint64_t take = std::min<uint64_t>(bytes.size(), chunk_size_ - in_chunk_);
-    XXH3_64bits_update(&state_->xxh, bytes.data(), take);
+    state_->xxh.Update(bytes.data(), take);
     in_chunk_ += take;
     bytes = bytes.subspan(take);
     if (in_chunk_ == chunk_size_) {
-      chunks_.push_back(XXH3_64bits_digest(&state_->xxh));
-      XXH3_64bits_reset(&state_->xxh);
+      chunks_.push_back(state_->xxh.Digest());
+      state_->xxh.Reset();
       in_chunk_ = 0;
     }
   }
 }
 
 TensorChecksum ChecksumBuilder::Finish() {
-  if (in_chunk_ > 0) chunks_.push_back(XXH3_64bits_digest(&state_->xxh));
+  if (in_chunk_ > 0) chunks_.push_back(state_->xxh.Digest());
   TensorChecksum sum;
   sum.chunks = std::move(chunks_);
   sum.digest = CombineChunkDigests(sum.chunks);
   chunks_.clear();
   in_chunk_ = 0;
-  XXH3_64bits_reset(&state_->xxh);
+  state_->xxh.Reset();
   return sum;
 }
 
@@ -405,17 +424,23 @@ Status CheckChecksumShape(const TensorChecksum& expected, uint64_t chunk_size, u
 Status VerifyChunk(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
                    uint64_t index, std::span<const std::byte> bytes, std::string_view file,
                    std::string_view tensor, uint64_t file_offset) {
+  return CheckChunkDigest(expected, chunk_size, tensor_size, index, bytes.size(),
+                          ChecksumChunk(bytes), file, tensor, file_offset);
+}
+
+Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
+                        uint64_t index, uint64_t length, uint64_t got, std::string_view file,
+                        std::string_view tensor, uint64_t file_offset) {
   const uint64_t count = ChecksumChunkCount(tensor_size, chunk_size);
   const uint64_t begin = index * chunk_size;
   if (index >= count || index >= expected.chunks.size() ||
-      bytes.size() != std::min<uint64_t>(chunk_size, tensor_size - begin)) {
+      length != std::min<uint64_t>(chunk_size, tensor_size - begin)) {
     return Status(Code::kChecksumsInvalid, std::string(file) + ": tensor " + json::Quote(tensor) +
                                                ": chunk " + std::to_string(index) +
                                                " does not fit");
   }
-  const uint64_t got = ChecksumChunk(bytes);
   if (got == expected.chunks[index]) return Status::Ok();
-  const uint64_t end = begin + bytes.size();
+  const uint64_t end = begin + length;
   return Status(Code::kChecksumMismatch,
                 std::string(file) + ": tensor " + json::Quote(tensor) +
                     ": checksum mismatch in chunk " + std::to_string(index) + " of " +

@@ -51,6 +51,50 @@ TEST(Checksums, InstructionSetVariantsAgree) {
   EXPECT_TRUE(widest == "avx512" || widest == "avx2" || widest == "baseline") << widest;
 }
 
+// Streaming XXH3 (every variant's reset/update/digest, and Xxh3Stream) gives the one-shot hash of
+// the concatenated pieces, whatever the piece sizes (across xxHash's 256-byte internal buffer and
+// its 1 KiB stripes), and a stream may be digested, continued and reset.
+TEST(Checksums, StreamingMatchesOneShot) {
+  using namespace integrity_internal;
+  struct Variant {
+    const char* name;
+    void (*reset)(Xxh3State*) noexcept;
+    void (*update)(Xxh3State*, const void*, size_t) noexcept;
+    uint64_t (*digest)(const Xxh3State*) noexcept;
+  };
+  std::vector<Variant> variants = {
+      {"baseline", &Xxh3BaselineReset, &Xxh3BaselineUpdate, &Xxh3BaselineDigest}};
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (__builtin_cpu_supports("avx2"))
+    variants.push_back({"avx2", &Xxh3Avx2Reset, &Xxh3Avx2Update, &Xxh3Avx2Digest});
+  if (__builtin_cpu_supports("avx512f"))
+    variants.push_back({"avx512", &Xxh3Avx512Reset, &Xxh3Avx512Update, &Xxh3Avx512Digest});
+#endif
+  const std::vector<std::byte> data = Bytes(300000, 11);
+  for (size_t size : {0, 1, 240, 241, 1024, 4097, 300000}) {
+    const uint64_t want = Xxh3Baseline(data.data(), size);
+    for (size_t piece : {1, 7, 255, 256, 1024, 65536, 300000}) {
+      if (piece < 64 && size > 5000) continue;  // byte-sized pieces over small sizes only
+      for (const Variant& v : variants) {
+        Xxh3State state;
+        v.reset(&state);
+        for (size_t at = 0; at < size; at += piece) {
+          v.update(&state, data.data() + at, std::min(piece, size - at));
+        }
+        EXPECT_EQ(v.digest(&state), want) << v.name << ", " << size << " bytes by " << piece;
+      }
+      Xxh3Stream stream;
+      for (size_t at = 0; at < size; at += piece) {
+        stream.Update(data.data() + at, std::min(piece, size - at));
+        EXPECT_EQ(stream.Digest(), Xxh3Baseline(data.data(), std::min(at + piece, size)));
+      }
+      EXPECT_EQ(stream.Digest(), want) << "Xxh3Stream, " << size << " bytes by " << piece;
+      stream.Reset();
+      EXPECT_EQ(stream.Digest(), Xxh3Baseline(nullptr, 0));
+    }
+  }
+}
+
 TEST(Checksums, KnownValues) {
   // XXH3-64 of the empty input (xxHash's published test vector).
   EXPECT_EQ(ChecksumChunk({}), 0x2d06800538d394c2ull);

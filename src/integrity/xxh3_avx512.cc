@@ -12,6 +12,7 @@ namespace tensorferry::integrity_internal {
 uint64_t Xxh3Avx512(const void* data, size_t size) noexcept {
   return XXH3_64bits(data, size);
 }
+TF_XXH3_STREAM_DEFINE(Avx512)
 
 }  // namespace tensorferry::integrity_internal
 #endif

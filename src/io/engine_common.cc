@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "util/macros.h"
+
 namespace tensorferry::io {
 
 std::string ErrnoText(int err) {
@@ -77,10 +79,6 @@ std::optional<JobQueue::Claim> JobQueue::Take(bool wait) {
 }
 
 void JobQueue::Finish(const Claim& claim, Status status) {
-  // The request's bytes have landed: its hook (an integrity check) runs on this worker, outside
-  // the lock, before the job can complete.
-  if (status.ok() && claim.request->landed != nullptr)
-    status = (*claim.request->landed)(*claim.request);
   std::lock_guard<std::mutex> lock(mu_);
   Job* job = claim.job;
   --job->running;
@@ -187,6 +185,38 @@ DirectSplit SplitForDirect(const ReadRequest& request) noexcept {
   return split;
 }
 
+namespace {
+
+// Reads `part`, a piece of `request` (its whole, or one piece for the landed hook), buffered or
+// split for O_DIRECT; EOF messages name the whole request.
+Status ReadPart(const ReadRequest& request, const ReadRequest& part, EngineCounters& counters) {
+  const RandomAccessFile& file = *request.file;
+  const uint64_t size = request.dst.size();
+  const DirectSplit split = SplitForDirect(part);
+  if (!split.direct) {
+    return ReadBuffered(file, part.offset, part.dst, request.offset, size, counters);
+  }
+  if (split.head > 0) {
+    Status s =
+        ReadBuffered(file, part.offset, part.dst.first(split.head), request.offset, size, counters);
+    if (!s.ok()) return s;
+  }
+  const auto middle = part.dst.subspan(split.head, split.middle);
+  Status s = ReadDirect(part.direct_fd, file.path(), part.offset + split.head, middle, counters);
+  if (s.code() == Code::kUnsupported) {
+    s = ReadBuffered(file, part.offset + split.head, middle, request.offset, size, counters);
+  }
+  if (!s.ok()) return s;
+  const uint64_t tail_at = split.head + split.middle;
+  if (tail_at < part.dst.size()) {
+    return ReadBuffered(file, part.offset + tail_at, part.dst.subspan(tail_at), request.offset,
+                        size, counters);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
   counters.requests.fetch_add(1, std::memory_order_relaxed);
   // An object store's requests for this read count as this engine's (its loader's).
@@ -196,28 +226,22 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
     return Status(Code::kInvalidArgument,
                   "read request at offset " + std::to_string(request.offset) + " has no file");
   }
-  const RandomAccessFile& file = *request.file;
-  const uint64_t size = request.dst.size();
-  const DirectSplit split = SplitForDirect(request);
-  if (!split.direct) {
-    return ReadBuffered(file, request.offset, request.dst, request.offset, size, counters);
+  if (request.landed == nullptr) return ReadPart(request, request, counters);
+  if (SplitForDirect(request).direct) {
+    // O_DIRECT reads stay whole (the device's transfer size matters more than the cache; the
+    // bytes come from the device, not from the CPU's copy): the hook runs once, at the end.
+    TF_RETURN_IF_ERROR(ReadPart(request, request, counters));
+    return (*request.landed)(request);
   }
-  if (split.head > 0) {
-    Status s = ReadBuffered(file, request.offset, request.dst.first(split.head), request.offset,
-                            size, counters);
-    if (!s.ok()) return s;
-  }
-  const auto middle = request.dst.subspan(split.head, split.middle);
-  Status s =
-      ReadDirect(request.direct_fd, file.path(), request.offset + split.head, middle, counters);
-  if (s.code() == Code::kUnsupported) {
-    s = ReadBuffered(file, request.offset + split.head, middle, request.offset, size, counters);
-  }
-  if (!s.ok()) return s;
-  const uint64_t tail_at = split.head + split.middle;
-  if (tail_at < size) {
-    return ReadBuffered(file, request.offset + tail_at, request.dst.subspan(tail_at),
-                        request.offset, size, counters);
+  // Buffered: piece by piece, each handed to the hook right after the copy that brought it in.
+  for (uint64_t at = 0; at < request.dst.size(); at += kLandedPieceBytes) {
+    ReadRequest piece = request;
+    piece.offset = request.offset + at;
+    piece.dst =
+        request.dst.subspan(at, std::min<uint64_t>(kLandedPieceBytes, request.dst.size() - at));
+    piece.landed = nullptr;
+    TF_RETURN_IF_ERROR(ReadPart(request, piece, counters));
+    TF_RETURN_IF_ERROR((*request.landed)(piece));
   }
   return Status::Ok();
 }

@@ -6,6 +6,9 @@
 #include <sys/mman.h>
 
 #include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -157,6 +160,83 @@ TEST_P(RealFileEngineTest, ConcurrentCallers) {
   }
   for (auto& c : callers) c.join();
   EXPECT_EQ(failures.load(), 0);
+}
+
+// The landed hook (integrity checks as bytes land): a buffered request is handed over in pieces of
+// at most kLandedPieceBytes, in order, each already holding the file's bytes when the hook runs;
+// a request split for O_DIRECT is handed over whole once it landed. An error of the hook is the
+// request's, and the engine stays usable.
+TEST_P(RealFileEngineTest, LandedHookSeesEveryPieceAsItLands) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("big");
+  const std::string content = Bytes(5 * kLandedPieceBytes + 12345, 4);
+  testing::WriteBytes(path, content);
+  auto file = Env::Default()->OpenRandomAccess(path).value();
+  auto d = DirectFile::Open(*file);
+  const int direct_fd = GetParam().direct && d.ok() ? (*d)->fd() : -1;
+  Aligned scratch(content.size() + (1 << 20));
+  std::mutex mu;
+  std::map<const std::byte*, std::vector<std::pair<uint64_t, uint64_t>>> seen;  // by request dst
+  std::vector<const std::byte*> starts;
+  int mismatches = 0;
+  std::function<Status(const ReadRequest&)> hook = [&](const ReadRequest& piece) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (std::memcmp(piece.dst.data(), content.data() + piece.offset, piece.dst.size()) != 0) {
+      ++mismatches;
+    }
+    // The request this piece belongs to: the last start at or before it.
+    const std::byte* owner = nullptr;
+    for (const std::byte* s : starts) {
+      if (s <= piece.dst.data() && (owner == nullptr || s > owner)) owner = s;
+    }
+    seen[owner].emplace_back(piece.offset, piece.dst.size());
+    return Status::Ok();
+  };
+  // Three requests: congruent with the file (a direct middle when there is a descriptor), and two
+  // buffered ones (no descriptor).
+  const uint64_t lengths[] = {3 * kLandedPieceBytes + 4096 + 100, 2 * kLandedPieceBytes + 7, 999};
+  const uint64_t offsets[] = {4096 * 3 + 100, 50, kLandedPieceBytes * 4};
+  std::vector<ReadRequest> requests;
+  std::byte* at = scratch.data + 100;  // congruent with offsets[0] modulo 4096
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(
+        {file.get(), offsets[i], {at, lengths[i]}, i == 0 ? direct_fd : -1, nullptr, &hook});
+    starts.push_back(at);
+    at += (lengths[i] + 8191) / 4096 * 4096;
+  }
+  auto engine = Make(2, 6);
+  ASSERT_TRUE(engine->Execute(requests).ok());
+  EXPECT_EQ(mismatches, 0);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& pieces = seen[starts[i]];
+    ASSERT_FALSE(pieces.empty()) << i;
+    if (i == 0 && direct_fd >= 0) {
+      ASSERT_EQ(pieces.size(), 1u);  // direct: whole, once
+      EXPECT_EQ(pieces[0], std::make_pair(offsets[0], lengths[0]));
+      continue;
+    }
+    uint64_t next = offsets[i];
+    for (const auto& [offset, size] : pieces) {
+      EXPECT_EQ(offset, next) << "request " << i << ": pieces in order, none missing";
+      EXPECT_GT(size, 0u);
+      EXPECT_LE(size, kLandedPieceBytes);
+      next = offset + size;
+    }
+    EXPECT_EQ(next, offsets[i] + lengths[i]) << i;
+  }
+  // A failing hook fails the request with its error.
+  std::function<Status(const ReadRequest&)> refuse = [](const ReadRequest& piece) {
+    return piece.offset >= 50 + kLandedPieceBytes
+               ? Status(Code::kChecksumMismatch, "bad piece at " + std::to_string(piece.offset))
+               : Status::Ok();
+  };
+  const ReadRequest bad{file.get(), 50,      {scratch.data, 2 * kLandedPieceBytes},
+                        -1,         nullptr, &refuse};
+  const Status s = engine->Execute({&bad, 1});
+  EXPECT_EQ(s.code(), Code::kChecksumMismatch) << s.ToString();
+  EXPECT_EQ(s.message(), "bad piece at " + std::to_string(50 + kLandedPieceBytes));
+  const ReadRequest ok{file.get(), 100, {scratch.data + 100, 5000}, -1};
+  EXPECT_TRUE(engine->Execute({&ok, 1}).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, RealFileEngineTest,

@@ -358,6 +358,46 @@ TEST(ResidencyTest, SampledAgreesWithEveryPage) {
   ::close(fd);
 }
 
+// The range is mapped a window at a time: windows of a few pages, with sampled runs that cross
+// their boundaries, count the same pages as one window over the whole file.
+TEST(ResidencyTest, SmallWindowsCountTheSamePages) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("windows.bin");
+  const size_t size = 4 << 20;
+  testing::WriteBytes(path, Pattern(size, 33));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::fdatasync(fd), 0);
+  EXPECT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  EXPECT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM), 0);
+  // Every third 64 KiB stretch read back: residency that differs from window to window.
+  std::vector<char> buf(64 << 10);
+  for (size_t at = 0; at < size; at += 3 * buf.size()) {
+    ASSERT_EQ(::pread(fd, buf.data(), buf.size(), static_cast<off_t>(at)),
+              static_cast<ssize_t>(buf.size()));
+  }
+  for (bool sample : {false, true}) {
+    io::ResidencySampling one;
+    one.above_pages = sample ? 0 : UINT64_MAX;
+    one.samples = 37;
+    one.pages_per_sample = 7;
+    for (uint64_t offset : {uint64_t{0}, uint64_t{5000}, uint64_t{1} << 20}) {
+      SCOPED_TRACE(std::to_string(offset) + (sample ? " sampled" : " every page"));
+      auto whole = io::CachedFraction(fd, path, offset, size, one);
+      ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+      for (uint64_t window :
+           {uint64_t{1}, uint64_t{3} << 12, uint64_t{5} << 12, uint64_t{1} << 20}) {
+        io::ResidencySampling small = one;
+        small.window_bytes = window;  // 1 byte: one page at a time
+        auto windowed = io::CachedFraction(fd, path, offset, size, small);
+        ASSERT_TRUE(windowed.ok()) << windowed.status().ToString();
+        EXPECT_DOUBLE_EQ(*windowed, *whole) << "window " << window;
+      }
+    }
+  }
+  ::close(fd);
+}
+
 TEST(ResidencyTest, EdgeCasesAndErrors) {
   testing::TempDir dir;
   const std::string path = dir.Join("small.bin");

@@ -45,11 +45,19 @@ struct ReadRequest {
   // When set, requests not yet started when it becomes true are not started, and Execute returns
   // kCancelled once those in flight are done.
   const std::atomic<bool>* cancel = nullptr;
-  // When set, called by the worker that completed the request, once all of `dst` has landed
-  // (before Execute can return); an error it returns is the request's (integrity checks hash the
-  // bytes here, while they are still in the worker's cache). Borrowed; must be thread-safe.
+  // When set, called on the worker that read them for the request's bytes as they land (before
+  // Execute can return), with a request naming the landed piece's offset and bytes: a buffered
+  // request is read in pieces of at most kLandedPieceBytes, each handed over as it lands, in
+  // order; one split for O_DIRECT (SplitForDirect) is handed over whole once all of it landed.
+  // An error it returns is the request's. Integrity checks hash the bytes here, while they are
+  // still in the worker's cache. Borrowed; must be thread-safe.
   const std::function<Status(const ReadRequest&)>* landed = nullptr;
 };
+
+// The pieces of a request with a `landed` hook: small enough to be in the core's cache (L2) when
+// the hook hashes them, large enough that the extra system calls cost little (docs/benchmarks.md,
+// "Integrity checksums").
+inline constexpr uint64_t kLandedPieceBytes = uint64_t{512} << 10;
 
 struct EngineStats {
   uint64_t bytes_read = 0;    // bytes delivered into destinations
@@ -120,6 +128,9 @@ struct ResidencySampling {
   uint64_t above_pages = uint64_t{1} << 16;  // 256 MiB of 4 KiB pages
   uint64_t samples = 256;
   uint64_t pages_per_sample = 32;
+  // Bytes of the file mapped at once (whole pages, at least one): a checkpoint of hundreds of
+  // gigabytes needs neither that much address space nor a residency byte per page at once.
+  uint64_t window_bytes = uint64_t{1} << 30;
 };
 
 // Page-cache residency of [offset, offset + length) of the file at `path`, as a fraction in [0, 1],

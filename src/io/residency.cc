@@ -22,8 +22,6 @@
 namespace tensorferry::io {
 namespace {
 
-constexpr uint64_t kWindow = uint64_t{1} << 30;  // bytes mapped at once
-
 // Owns a file descriptor.
 class Fd {
  public:
@@ -102,7 +100,7 @@ Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, 
   uint64_t total = 0;
   std::vector<unsigned char> vec;
   size_t r = 0;  // the next run (or the rest of one a window boundary cut)
-  const uint64_t window_pages = kWindow / page;
+  const uint64_t window_pages = std::max<uint64_t>(1, sampling.window_bytes / page);
   for (uint64_t w0 = first_page; w0 < end_page && r < runs.size(); w0 += window_pages) {
     const uint64_t w1 = std::min(end_page, w0 + window_pages);
     if (runs[r].first >= w1) continue;  // no run here: nothing to map

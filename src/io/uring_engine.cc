@@ -1,9 +1,10 @@
 // The io_uring engine: worker threads each owning a ring, keeping up to queue_depth reads in
 // flight. Requests come from the same JobQueue as the pread engine's. A request becomes one to
 // three pieces (buffered head, O_DIRECT middle, buffered tail; or one buffered piece); each piece
-// is one read SQE, resubmitted for the rest after a short read. A request is Finish()ed only when
-// none of its pieces is in the kernel any more, so its destination is never written after Execute
-// returns, even when a sibling piece failed.
+// is one read SQE, resubmitted for the rest after a short read (a buffered request with a landed
+// hook: kLandedPieceBytes per SQE, each handed to the hook as it completes). A request is
+// Finish()ed only when none of its pieces is in the kernel any more, so its destination is never
+// written after Execute returns, even when a sibling piece failed.
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,6 +71,9 @@ struct RequestState {
   JobQueue::Claim claim;
   Piece pieces[3];
   int pending = 0;  // pieces submitted and not completed
+  // A buffered request with a landed hook: its piece goes to the kernel kLandedPieceBytes at a
+  // time and each part is handed to the hook as it completes (read_engine.h).
+  bool piecewise = false;
   Status status;
 };
 
@@ -123,6 +127,7 @@ class UringEngine final : public ReadEngine {
     };
     const int fd = q.file->native_handle();
     const DirectSplit split = SplitForDirect(q);
+    r.piecewise = q.landed != nullptr && !split.direct;
     if (!split.direct) {
       add(fd, false, q.offset, q.dst.data(), q.dst.size());
     } else {
@@ -150,7 +155,8 @@ class UringEngine final : public ReadEngine {
     io_uring_sqe* sqe = io_uring_get_sqe(ring);
     // The worker never has more pieces in flight than the ring has entries (3 per request at most,
     // admitted only while in_flight + 3 <= queue_depth_ = ring entries), so an SQE is always free.
-    io_uring_prep_read(sqe, p.fd, p.dst, static_cast<unsigned>(std::min(p.remaining, kMaxSqeBytes)),
+    const uint64_t most = p.request->piecewise ? kLandedPieceBytes : kMaxSqeBytes;
+    io_uring_prep_read(sqe, p.fd, p.dst, static_cast<unsigned>(std::min(p.remaining, most)),
                        p.offset);
     io_uring_sqe_set_data(sqe, &p);
   }
@@ -194,6 +200,14 @@ class UringEngine final : public ReadEngine {
     }
     counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
     if (p.direct) counters_.direct_bytes.fetch_add(n, std::memory_order_relaxed);
+    if (r.piecewise) {
+      ReadRequest landed = q;
+      landed.offset = p.offset;
+      landed.dst = std::span<std::byte>(p.dst, n);
+      landed.landed = nullptr;
+      Status s = (*q.landed)(landed);
+      if (!s.ok()) return fail(std::move(s));
+    }
     p.offset += n;
     p.dst += n;
     p.remaining -= n;
@@ -241,6 +255,8 @@ class UringEngine final : public ReadEngine {
         --in_flight;
         RequestState* r = piece->request;
         if (--r->pending == 0) {
+          const ReadRequest& q = *r->claim.request;
+          if (r->status.ok() && q.landed != nullptr && !r->piecewise) r->status = (*q.landed)(q);
           queue_.Finish(r->claim, std::move(r->status));
           free_states.emplace_back(r);
         }

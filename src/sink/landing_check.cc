@@ -1,5 +1,5 @@
-// LandingCheck (landing_check.h): per-chunk countdowns of bytes still to land; the worker that
-// brings one to zero hashes the chunk.
+// LandingCheck (landing_check.h): per chunk, a streaming hash of the bytes landed in order from its
+// start and a count of the bytes landed; the worker that lands the last byte checks the chunk.
 #include "sink/landing_check.h"
 
 #include <algorithm>
@@ -67,22 +67,41 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
     c.expected = p.expected;
     c.chunk_size = p.chunk_size;
     c.info = p.info;
-    c.remaining.store(c.end - c.begin, std::memory_order_relaxed);
+    c.hashed_to = c.begin;
   }
   check->tensors_ = tensors;
   check->bytes_ = bytes;
   return check;
 }
 
-Status LandingCheck::Hash(const Chunk& c) {
-  const auto start = std::chrono::steady_clock::now();
-  Status s = VerifyChunk(*c.expected, c.chunk_size, c.info->size, c.index,
-                         std::span<const std::byte>(base_ + c.begin, c.end - c.begin),
-                         checkpoint_.files()[c.info->file].path, c.info->name, c.info->offset);
-  counts_.nanos += static_cast<uint64_t>(
+namespace {
+
+uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
+  return static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count());
-  return s;
+}
+
+}  // namespace
+
+void LandingCheck::Extend(Chunk& c, uint64_t from, uint64_t to) {
+  const auto start = std::chrono::steady_clock::now();
+  if (!c.hash) c.hash = std::make_unique<integrity_internal::Xxh3Stream>();
+  c.hash->Update(base_ + from, to - from);
+  c.hashed_to = to;
+  counts_.nanos += NanosSince(start);
+}
+
+uint64_t LandingCheck::HashWhole(const Chunk& c) {
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t got = ChecksumChunk(std::span<const std::byte>(base_ + c.begin, c.end - c.begin));
+  counts_.nanos += NanosSince(start);
+  return got;
+}
+
+Status LandingCheck::Compare(const Chunk& c, uint64_t got) const {
+  return CheckChunkDigest(*c.expected, c.chunk_size, c.info->size, c.index, c.end - c.begin, got,
+                          checkpoint_.files()[c.info->file].path, c.info->name, c.info->offset);
 }
 
 Status LandingCheck::Landed(uint64_t begin, uint64_t end) {
@@ -92,11 +111,41 @@ Status LandingCheck::Landed(uint64_t begin, uint64_t end) {
   Chunk* c = std::upper_bound(first, last, begin,
                               [](uint64_t at, const Chunk& chunk) { return at < chunk.end; });
   for (; c != last && c->begin < end; ++c) {
-    const uint64_t overlap = std::min(end, c->end) - std::max(begin, c->begin);
-    if (overlap == 0) continue;
-    // The request that completes the chunk hashes it: every byte of it is in the buffer.
-    if (c->remaining.fetch_sub(overlap, std::memory_order_acq_rel) != overlap) continue;
-    TF_RETURN_IF_ERROR(Hash(*c));
+    const uint64_t from = std::max(begin, c->begin), to = std::min(end, c->end);
+    if (from >= to) continue;
+    uint64_t got = 0;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      if (c->done) continue;  // VerifyAll got there first
+      c->landed += to - from;
+      if (from == c->begin && to == c->end) {
+        c->done = true;  // landed in one piece: hashed in one call, straight from the cache
+        got = HashWhole(*c);
+      } else if (from == c->hashed_to) {
+        Extend(*c, from, to);  // in the cache of the worker that just copied it
+        // Pieces that landed ahead and now follow on (hashed from memory).
+        for (size_t i = 0; i < c->waiting.size();) {
+          if (c->waiting[i].first == c->hashed_to) {
+            Extend(*c, c->waiting[i].first, c->waiting[i].second);
+            c->waiting[i] = c->waiting.back();
+            c->waiting.pop_back();
+            i = 0;
+          } else {
+            ++i;
+          }
+        }
+      } else {
+        c->waiting.emplace_back(from, to);
+      }
+      if (!c->done) {
+        if (c->landed < c->end - c->begin) continue;
+        c->done = true;
+        // Every byte has landed. Pieces that do not tile the chunk (a byte landed twice) would
+        // leave a gap in the streamed hash: then hash it whole rather than trust the count.
+        got = c->hash && c->hashed_to == c->end ? c->hash->Digest() : HashWhole(*c);
+      }
+    }
+    TF_RETURN_IF_ERROR(Compare(*c, got));
   }
   return Status::Ok();
 }
@@ -106,9 +155,17 @@ Status LandingCheck::VerifyAll(unsigned threads) {
   std::atomic<size_t> next{0};
   auto run = [&] {
     for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks_;) {
-      // A chunk not hashed yet (none is, unless the engine's workers hashed as bytes landed).
-      if (chunks_[i].remaining.exchange(0, std::memory_order_acq_rel) == 0) continue;
-      results[i] = Hash(chunks_[i]);
+      // A chunk not checked yet (none is, unless the engine's workers hashed as bytes landed):
+      // hashed whole, whatever landed through Landed.
+      Chunk& c = chunks_[i];
+      uint64_t got = 0;
+      {
+        std::lock_guard<std::mutex> lock(c.mu);
+        if (c.done) continue;
+        c.done = true;
+        got = HashWhole(c);
+      }
+      results[i] = Compare(c, got);
     }
   };
   const size_t workers = std::min<size_t>(std::max(threads, 1u), num_chunks_);

@@ -1,16 +1,22 @@
 // Integrity checks as bytes land (LoadOptions::verify, docs/integrity.md): the checksum chunks of
-// a batch's whole host tensors are hashed by the read engine's worker that completes the last of
-// their bytes (ReadRequest::landed), while those bytes are still in its cache, instead of in a
-// second pass over the batch buffer. Internal to the sinks.
+// a batch's whole host tensors are hashed by the read engine's workers as the bytes land
+// (ReadRequest::landed), while those bytes are still in the worker's cache, instead of in a
+// second pass over the batch buffer. Each chunk keeps a streaming hash of its bytes landed in
+// order from its start; a piece that lands ahead of that waits (its bytes are hashed from memory
+// once the gap before it has landed), and the chunk is compared once all of it has landed.
+// Internal to the sinks.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
+#include "integrity/xxh3_isa.h"
 #include "io/read_engine.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
@@ -33,8 +39,9 @@ class LandingCheck {
   static std::unique_ptr<LandingCheck> Make(const Checkpoint& checkpoint, const PlanBatch& batch,
                                             const std::vector<std::optional<FileChecksums>>& sums,
                                             const std::byte* base, VerifyCounts& counts);
-  // Bytes [begin, end) of the batch buffer have landed: hashes each chunk this completes.
-  // Thread-safe. Errors: kChecksumMismatch (VerifyChunk's message).
+  // Bytes [begin, end) of the batch buffer have landed (each byte once): hashes what of them
+  // continues a chunk's hash, and checks each chunk this completes. Thread-safe. Errors:
+  // kChecksumMismatch (VerifyChunk's message).
   Status Landed(uint64_t begin, uint64_t end);
   // Every chunk not yet hashed, on up to `threads` threads (after a batch's reads and its
   // tensor-parallel moves). Errors: the first mismatching chunk's.
@@ -51,10 +58,22 @@ class LandingCheck {
     const TensorChecksum* expected = nullptr;
     uint64_t chunk_size = 0;
     const TensorInfo* info = nullptr;
-    std::atomic<uint64_t> remaining{0};
+    std::mutex mu;  // guards the rest
+    bool done = false;
+    uint64_t landed = 0;                                 // bytes landed so far
+    uint64_t hashed_to = 0;                              // [begin, hashed_to) is in `hash`
+    std::vector<std::pair<uint64_t, uint64_t>> waiting;  // landed beyond hashed_to, not hashed
+    // Made when the chunk's first bytes land without the rest (a chunk that lands in one piece
+    // is hashed in one call, and a batch of many small tensors holds no 576-byte states).
+    std::unique_ptr<integrity_internal::Xxh3Stream> hash;
   };
   LandingCheck(const Checkpoint& checkpoint, const std::byte* base, VerifyCounts& counts);
-  Status Hash(const Chunk& c);
+  // Adds [from, to) to the chunk's hash (c.mu held; from == c.hashed_to).
+  void Extend(Chunk& c, uint64_t from, uint64_t to);
+  // The chunk's hash, from the bytes in the buffer (c.mu held or no writer left).
+  uint64_t HashWhole(const Chunk& c);
+  // The chunk's whole hash against its checksum.
+  Status Compare(const Chunk& c, uint64_t got) const;
 
   const Checkpoint& checkpoint_;
   const std::byte* base_;

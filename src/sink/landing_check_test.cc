@@ -1,0 +1,200 @@
+// LandingCheck (integrity checks as bytes land): whatever order and sizes the pieces land in, from
+// one thread or several, every chunk is checked once all of its bytes landed; a flipped byte
+// anywhere (in a piece hashed as it landed, in one that landed ahead and waited, in a chunk that
+// landed whole) fails with the chunk's index; chunks left over are checked by VerifyAll.
+#include "sink/landing_check.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensorferry/writer.h"
+#include "testing/test_util.h"
+
+namespace tensorferry::sink {
+namespace {
+
+constexpr uint64_t kChunk = 64 << 10;
+
+struct Fixture {
+  testing::TempDir dir;
+  std::string path = dir.Join("m.safetensors");
+  std::shared_ptr<const Checkpoint> checkpoint;
+  std::vector<std::optional<FileChecksums>> sums;
+  PlanBatch batch;
+  std::vector<std::byte> buffer;  // the batch buffer: each tensor at its buffer_offset
+
+  Fixture() {
+    // "big": 3.5 chunks; "small": inside one chunk; "whole": exactly one chunk.
+    std::vector<std::vector<std::byte>> data = {Bytes(3 * kChunk + kChunk / 2, 1), Bytes(1000, 2),
+                                                Bytes(kChunk, 3)};
+    const char* names[] = {"big", "small", "whole"};
+    std::vector<TensorToWrite> tensors;
+    for (int i = 0; i < 3; ++i) {
+      tensors.push_back({names[i], DType::kU8, {data[i].size()}, data[i], nullptr});
+    }
+    WriteOptions options;
+    options.checksums = true;
+    options.checksum_chunk_size = kChunk;
+    EXPECT_TRUE(WriteFile(path, tensors, {}, options).ok());
+    checkpoint = Checkpoint::Open(path).value();
+    auto embedded = EmbeddedChecksums(checkpoint->files()[0].metadata, path);
+    EXPECT_TRUE(embedded.ok() && embedded->has_value());
+    sums.push_back(std::move(embedded).value());
+    // Laid out in the buffer in tensor order with a gap of 100 bytes between them.
+    uint64_t at = 0;
+    for (uint32_t t = 0; t < checkpoint->tensors().size(); ++t) {
+      const TensorInfo& info = checkpoint->tensors()[t];
+      batch.tensors.push_back({t, at, std::nullopt});
+      at += info.size + 100;
+    }
+    buffer.resize(at);
+    for (const PlannedTensor& pt : batch.tensors) {
+      const TensorInfo& info = checkpoint->tensors()[pt.tensor];
+      for (int i = 0; i < 3; ++i) {
+        if (info.name == names[i]) {
+          std::memcpy(buffer.data() + pt.buffer_offset, data[i].data(), info.size);
+        }
+      }
+    }
+  }
+
+  static std::vector<std::byte> Bytes(size_t n, unsigned seed) {
+    std::vector<std::byte> v(n);
+    std::mt19937 rng(seed);
+    for (std::byte& b : v) b = std::byte(static_cast<uint8_t>(rng()));
+    return v;
+  }
+
+  // Where tensor `name`'s byte `at` is in the buffer.
+  uint64_t At(const std::string& name, uint64_t at) const {
+    for (const PlannedTensor& pt : batch.tensors) {
+      if (checkpoint->tensors()[pt.tensor].name == name) return pt.buffer_offset + at;
+    }
+    ADD_FAILURE() << name;
+    return 0;
+  }
+};
+
+// The buffer cut into pieces: fixed-size, or of random sizes.
+std::vector<std::pair<uint64_t, uint64_t>> Pieces(uint64_t size, uint64_t piece, unsigned seed) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  std::mt19937_64 rng(seed);
+  for (uint64_t at = 0; at < size;) {
+    const uint64_t n = std::min(size - at, piece > 0 ? piece : 1 + rng() % (3 * kChunk / 2));
+    out.emplace_back(at, at + n);
+    at += n;
+  }
+  return out;
+}
+
+// Lands `pieces` in the given order on `threads` threads (piece i on thread i % threads), then
+// VerifyAll; the errors seen, in no particular order.
+std::vector<Status> Land(Fixture& f, const std::vector<std::pair<uint64_t, uint64_t>>& pieces,
+                         unsigned threads, VerifyCounts& counts, size_t land_only = SIZE_MAX) {
+  auto check = LandingCheck::Make(*f.checkpoint, f.batch, f.sums, f.buffer.data(), counts);
+  EXPECT_NE(check, nullptr);
+  std::vector<std::vector<Status>> errors(threads);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (size_t i = t; i < std::min(pieces.size(), land_only); i += threads) {
+        Status s = check->Landed(pieces[i].first, pieces[i].second);
+        if (!s.ok()) errors[t].push_back(std::move(s));
+      }
+    });
+  }
+  for (std::thread& t : pool) t.join();
+  std::vector<Status> all;
+  for (auto& e : errors) all.insert(all.end(), e.begin(), e.end());
+  Status rest = check->VerifyAll(2);
+  if (!rest.ok()) all.push_back(rest);
+  if (all.empty()) check->Count();
+  return all;
+}
+
+std::vector<std::vector<std::pair<uint64_t, uint64_t>>> Orders(uint64_t size) {
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> orders;
+  orders.push_back({{0, size}});                // one piece
+  orders.push_back(Pieces(size, 16 << 10, 0));  // in order
+  auto reversed = Pieces(size, 16 << 10, 0);    // every piece ahead of its gap
+  std::reverse(reversed.begin(), reversed.end());
+  orders.push_back(reversed);
+  for (unsigned seed = 1; seed <= 3; ++seed) {  // random sizes, shuffled
+    auto shuffled = Pieces(size, 0, seed);
+    std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937(seed));
+    orders.push_back(shuffled);
+  }
+  return orders;
+}
+
+TEST(LandingCheck, EveryOrderChecksEveryChunk) {
+  Fixture f;
+  for (unsigned threads : {1u, 3u}) {
+    for (const auto& order : Orders(f.buffer.size())) {
+      VerifyCounts counts;
+      const std::vector<Status> errors = Land(f, order, threads, counts);
+      EXPECT_TRUE(errors.empty()) << errors[0].ToString();
+      EXPECT_EQ(counts.tensors.load(), 3u);
+      EXPECT_EQ(counts.bytes.load(), 3 * kChunk + kChunk / 2 + 1000 + kChunk);
+    }
+  }
+}
+
+TEST(LandingCheck, FlippedByteFailsItsChunkInEveryOrder) {
+  struct Flip {
+    const char* tensor;
+    uint64_t at;
+    uint64_t chunk;
+  };
+  const Flip flips[] = {{"big", 0, 0},
+                        {"big", kChunk + 20000, 1},
+                        {"big", 2 * kChunk - 1, 1},
+                        {"big", 3 * kChunk + kChunk / 2 - 1, 3},
+                        {"small", 999, 0},
+                        {"whole", kChunk / 2, 0}};
+  for (const Flip& flip : flips) {
+    Fixture f;
+    f.buffer[f.At(flip.tensor, flip.at)] ^= std::byte{0x10};
+    for (unsigned threads : {1u, 2u}) {
+      for (const auto& order : Orders(f.buffer.size())) {
+        VerifyCounts counts;
+        const std::vector<Status> errors = Land(f, order, threads, counts);
+        ASSERT_EQ(errors.size(), 1u) << flip.tensor << " byte " << flip.at;
+        EXPECT_EQ(errors[0].code(), Code::kChecksumMismatch);
+        const std::string want = std::string("tensor \"") + flip.tensor +
+                                 "\": checksum mismatch in chunk " + std::to_string(flip.chunk) +
+                                 " of ";
+        EXPECT_NE(errors[0].message().find(want), std::string::npos) << errors[0].ToString();
+        EXPECT_EQ(counts.tensors.load(), 0u);
+      }
+    }
+  }
+}
+
+TEST(LandingCheck, VerifyAllChecksChunksNotFullyLanded) {
+  for (bool corrupt : {false, true}) {
+    Fixture f;
+    if (corrupt) f.buffer[f.At("big", kChunk + 100)] ^= std::byte{1};
+    const auto pieces = Pieces(f.buffer.size(), 16 << 10, 0);
+    // Only the first half of the pieces land through the hook; the rest are checked whole.
+    VerifyCounts counts;
+    const std::vector<Status> errors = Land(f, pieces, 1, counts, pieces.size() / 2);
+    if (!corrupt) {
+      EXPECT_TRUE(errors.empty()) << errors[0].ToString();
+      EXPECT_EQ(counts.tensors.load(), 3u);
+    } else {
+      ASSERT_EQ(errors.size(), 1u);
+      EXPECT_NE(errors[0].message().find("checksum mismatch in chunk 1 of 4"), std::string::npos)
+          << errors[0].ToString();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry::sink

@@ -272,8 +272,11 @@ class Loader {
   // kInvalidArgument (a tensor named twice, a null destination for a non-empty tensor, a capacity
   // below the tensor's (slice's) size, two destinations overlapping on one device: the message
   // names the tensors and sizes; the errors of SliceOf), those of the device (kCudaNotFound,
-  // kCudaNoDevice); then the read errors of Stream. After an error the destinations' contents are
-  // unspecified.
+  // kCudaNoDevice); then the read errors of Stream. With checksums (LoadOptions::verify), whole
+  // host destinations are hashed as their bytes land: a mismatch is kChecksumMismatch naming file,
+  // tensor, chunk and byte ranges (slices and device destinations are counted in
+  // LoadStats::verify_skipped_tensors). After an error the destinations' contents are unspecified:
+  // bytes that did not match may be in them.
   Status LoadInto(std::span<const Destination> destinations);
 
   // Totals of the last Stream, Load or LoadInto. Before the first load: zeros, with what Open

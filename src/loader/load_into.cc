@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "loader/loader_impl.h"
+#include "sink/landing_check.h"
 #include "tensorferry/mapping.h"
 #include "tensorferry/size.h"
 #include "util/macros.h"
@@ -176,7 +177,27 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   const SourceStats source0 = m.SourceNow();
   TF_ASSIGN_OR_RETURN(std::vector<bool> want_direct, m.ChooseDirect(ReadSpans(ckpt, outputs)));
 
-  const IntoReads reads = MakeIntoReads(ckpt, outputs, destinations, m.options);
+  IntoReads reads = MakeIntoReads(ckpt, outputs, destinations, m.options);
+  // Checksums (LoadOptions::verify): whole host destinations are hashed as their bytes land, as a
+  // batch buffer is; slices and device destinations are counted as skipped.
+  sink::VerifyCounts verified;
+  std::unique_ptr<sink::LandingCheck> check;
+  if (!m.checksums.empty()) {
+    std::vector<PlannedTensor> host;
+    for (size_t i = 0; i < destinations.size(); ++i) {
+      const TensorInfo& info = ckpt.tensors()[outputs[i]->tensor];
+      if (destinations[i].device.is_cuda()) {
+        if (info.file < m.checksums.size() && m.checksums[info.file]) verified.skipped += 1;
+        continue;
+      }
+      host.push_back({outputs[i]->tensor, reinterpret_cast<uintptr_t>(destinations[i].data),
+                      outputs[i]->slice});
+    }
+    check = sink::LandingCheck::Make(ckpt, host, m.checksums, nullptr, verified);
+    if (check) {
+      for (io::ReadRequest& r : reads.host) r.landed = check->hook();
+    }
+  }
   for (const OutputInfo* o : outputs) {
     m.stats.tensors += 1;
     m.stats.bytes += o->bytes;
@@ -193,10 +214,18 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
                           return engine->Execute(sink::WindowOf(reads.host, reads.host_file, pins));
                         }));
   }
+  if (check) {
+    TF_RETURN_IF_ERROR(check->VerifyAll(m.VerifyThreads()));  // none left unless a read had no hook
+    check->Count();
+  }
   for (const auto& [index, tasks] : reads.device_tasks) {
     TF_RETURN_IF_ERROR(sink::RunDeviceTasks(context, m.slots.at(index), tasks,
                                             reads.device_task_file.at(index), nullptr));
   }
+  m.stats.verified_tensors = verified.tensors.load();
+  m.stats.verified_bytes = verified.bytes.load();
+  m.stats.verify_skipped_tensors = verified.skipped.load();
+  m.stats.verify_seconds = static_cast<double>(verified.nanos.load()) / 1e9;
   m.stats.batches = (reads.host.empty() ? 0 : 1) + reads.device_tasks.size();
   m.stats.device_batches = reads.device_tasks.size();
   m.stats.device = devices.size() == 1 ? DeviceName(*devices.begin())

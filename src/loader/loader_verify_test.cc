@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -189,6 +191,68 @@ TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {
   ASSERT_TRUE((*loader)->Load().ok());
   EXPECT_EQ((*loader)->stats().verified_tensors, 2u);
   EXPECT_EQ((*loader)->stats().verify_skipped_tensors, 1u);
+}
+
+// LoadInto: whole host destinations are checked as their bytes land (a large tensor in several
+// reads: chunk_size below its size), on every copying engine; a flipped byte is the same error as
+// a load's; slices are skipped and counted; verify=off reads without checking.
+TEST(LoaderVerify, LoadIntoChecksHostDestinations) {
+  Fixture f;
+  f.Write(true);
+  auto load_into = [&](Engine engine, VerifyMode verify,
+                       std::optional<TensorParallelOptions> tp) -> Result<LoadStats> {
+    LoadOptions options;
+    options.engine = engine;
+    options.verify = verify;
+    options.threads = 3;
+    options.chunk_size = 4096 + 1000;  // a's 20,000 bytes in four reads, across its chunks
+    options.tensor_parallel = tp;
+    TF_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Open(f.path, options));
+    std::vector<std::vector<std::byte>> memory;
+    std::vector<Destination> dsts;
+    for (const char* name : {"a", "b", "c"}) {
+      memory.emplace_back(30'000);
+      dsts.push_back({name, Device::CPU(), memory.back().data(), memory.back().size()});
+    }
+    TF_RETURN_IF_ERROR(loader->LoadInto(dsts));
+    if (!tp && (std::memcmp(memory[0].data(), f.a.data(), f.a.size()) != 0 ||
+                std::memcmp(memory[1].data(), f.b.data(), f.b.size()) != 0)) {
+      return Status(Code::kInternal, "wrong bytes");
+    }
+    return loader->stats();
+  };
+  for (Engine engine : {Engine::kPread, Engine::kIoUring}) {
+    auto stats = load_into(engine, VerifyMode::kAuto, std::nullopt);
+    if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;  // no io_uring
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    EXPECT_EQ(stats->verified_tensors, 3u);
+    EXPECT_EQ(stats->verified_bytes, 20'000u + 64 * 32 + 10);
+    EXPECT_EQ(stats->verify_skipped_tensors, 0u);
+    TensorParallelOptions tp;
+    tp.spec = ShardSpec::None();
+    tp.spec.Set("b", ShardRule::Split(1));
+    tp.rank = 1;
+    tp.world = 2;
+    auto sliced = load_into(engine, VerifyMode::kAuto, tp);
+    ASSERT_TRUE(sliced.ok()) << sliced.status().ToString();
+    EXPECT_EQ(sliced->verified_tensors, 2u);
+    EXPECT_EQ(sliced->verify_skipped_tensors, 1u);
+  }
+  f.Corrupt(20'000 - 1);  // the last byte of a: chunk 4, bytes [16384, 20000)
+  for (Engine engine : {Engine::kPread, Engine::kIoUring}) {
+    auto stats = load_into(engine, VerifyMode::kAuto, std::nullopt);
+    if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;
+    ASSERT_FALSE(stats.ok());
+    EXPECT_EQ(stats.status().code(), Code::kChecksumMismatch);
+    EXPECT_NE(stats.status().message().find(
+                  f.path + ": tensor \"a\": checksum mismatch in chunk 4 of 5 (tensor bytes "
+                           "[16384, 20000), file bytes ["),
+              std::string::npos)
+        << stats.status().message();
+    auto off = load_into(engine, VerifyMode::kOff, std::nullopt);
+    ASSERT_FALSE(off.ok());  // the bytes differ from the fixture's, unchecked
+    EXPECT_EQ(off.status().message(), "wrong bytes");
+  }
 }
 
 }  // namespace

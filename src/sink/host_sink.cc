@@ -39,7 +39,7 @@ class HostSink final : public BatchSink {
     // their final place only after the reads, after them, in parallel.
     std::unique_ptr<LandingCheck> check;
     if (c_.checksums != nullptr && !c_.checksums->empty()) {
-      check = LandingCheck::Make(*c_.checkpoint, batch, *c_.checksums, buffer->data(),
+      check = LandingCheck::Make(*c_.checkpoint, batch.tensors, *c_.checksums, buffer->data(),
                                  *c_.verify_counts);
     }
     const bool on_landing = check && batch.moves.empty();

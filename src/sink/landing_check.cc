@@ -12,15 +12,15 @@ namespace tensorferry::sink {
 
 LandingCheck::LandingCheck(const Checkpoint& checkpoint, const std::byte* base,
                            VerifyCounts& counts)
-    : checkpoint_(checkpoint), base_(base), counts_(counts) {
+    : checkpoint_(checkpoint), base_(reinterpret_cast<uintptr_t>(base)), counts_(counts) {
   hook_ = [this](const io::ReadRequest& r) {
-    const uint64_t begin = static_cast<uint64_t>(r.dst.data() - base_);
+    const uint64_t begin = reinterpret_cast<uintptr_t>(r.dst.data()) - base_;
     return Landed(begin, begin + r.dst.size());
   };
 }
 
 std::unique_ptr<LandingCheck> LandingCheck::Make(
-    const Checkpoint& checkpoint, const PlanBatch& batch,
+    const Checkpoint& checkpoint, std::span<const PlannedTensor> batch_tensors,
     const std::vector<std::optional<FileChecksums>>& sums, const std::byte* base,
     VerifyCounts& counts) {
   struct Planned {
@@ -33,7 +33,7 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
   std::vector<Planned> planned;
   uint64_t tensors = 0, bytes = 0, skipped = 0;
   const auto& infos = checkpoint.tensors();
-  for (const PlannedTensor& pt : batch.tensors) {
+  for (const PlannedTensor& pt : batch_tensors) {
     const TensorInfo& info = infos[pt.tensor];
     if (info.file >= sums.size() || !sums[info.file]) continue;
     const FileChecksums& file = *sums[info.file];
@@ -87,14 +87,15 @@ uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
 void LandingCheck::Extend(Chunk& c, uint64_t from, uint64_t to) {
   const auto start = std::chrono::steady_clock::now();
   if (!c.hash) c.hash = std::make_unique<integrity_internal::Xxh3Stream>();
-  c.hash->Update(base_ + from, to - from);
+  c.hash->Update(reinterpret_cast<const std::byte*>(base_ + from), to - from);
   c.hashed_to = to;
   counts_.nanos += NanosSince(start);
 }
 
 uint64_t LandingCheck::HashWhole(const Chunk& c) {
   const auto start = std::chrono::steady_clock::now();
-  const uint64_t got = ChecksumChunk(std::span<const std::byte>(base_ + c.begin, c.end - c.begin));
+  const uint64_t got = ChecksumChunk(std::span<const std::byte>(
+      reinterpret_cast<const std::byte*>(base_ + c.begin), c.end - c.begin));
   counts_.nanos += NanosSince(start);
   return got;
 }

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -32,28 +33,30 @@ struct VerifyCounts {
 
 class LandingCheck {
  public:
-  // The check of `batch` laid out at `base` (each tensor at its buffer_offset), or nullptr when
-  // no tensor of it has a checksum. `sums` is per file (Loader::Impl::checksums); borrowed, as are
-  // the checkpoint and the batch, for the check's lifetime. Tensor-parallel slices are counted as
-  // skipped.
-  static std::unique_ptr<LandingCheck> Make(const Checkpoint& checkpoint, const PlanBatch& batch,
+  // The check of `tensors` (a batch's) laid out at `base` (each tensor at its buffer_offset; with
+  // a null `base`, buffer_offset is the tensor's address: LoadInto's destinations), or nullptr
+  // when none of them has a checksum. The tensors may not overlap. `sums` is per file
+  // (Loader::Impl::checksums); borrowed, as is the checkpoint, for the check's lifetime.
+  // Tensor-parallel slices are counted as skipped.
+  static std::unique_ptr<LandingCheck> Make(const Checkpoint& checkpoint,
+                                            std::span<const PlannedTensor> tensors,
                                             const std::vector<std::optional<FileChecksums>>& sums,
                                             const std::byte* base, VerifyCounts& counts);
-  // Bytes [begin, end) of the batch buffer have landed (each byte once): hashes what of them
-  // continues a chunk's hash, and checks each chunk this completes. Thread-safe. Errors:
-  // kChecksumMismatch (VerifyChunk's message).
+  // Bytes [begin, end) past `base` have landed (each byte once): hashes what of them continues a
+  // chunk's hash, and checks each chunk this completes. Thread-safe. Errors: kChecksumMismatch
+  // (VerifyChunk's message).
   Status Landed(uint64_t begin, uint64_t end);
   // Every chunk not yet hashed, on up to `threads` threads (after a batch's reads and its
   // tensor-parallel moves). Errors: the first mismatching chunk's.
   Status VerifyAll(unsigned threads);
-  // As a ReadRequest::landed hook (the request's dst inside the buffer).
+  // As a ReadRequest::landed hook (the request's dst among the tensors).
   const std::function<Status(const io::ReadRequest&)>* hook() const { return &hook_; }
   // Adds the checked tensors to the counts (after a batch whose every chunk landed).
   void Count();
 
  private:
   struct Chunk {
-    uint64_t begin = 0, end = 0;  // in the batch buffer
+    uint64_t begin = 0, end = 0;  // past base_
     uint64_t index = 0;           // within its tensor
     const TensorChecksum* expected = nullptr;
     uint64_t chunk_size = 0;
@@ -76,7 +79,7 @@ class LandingCheck {
   Status Compare(const Chunk& c, uint64_t got) const;
 
   const Checkpoint& checkpoint_;
-  const std::byte* base_;
+  uintptr_t base_;  // 0: offsets are addresses
   VerifyCounts& counts_;
   std::unique_ptr<Chunk[]> chunks_;  // sorted by begin, not overlapping
   size_t num_chunks_ = 0;

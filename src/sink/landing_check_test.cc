@@ -97,7 +97,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Pieces(uint64_t size, uint64_t piece,
 // VerifyAll; the errors seen, in no particular order.
 std::vector<Status> Land(Fixture& f, const std::vector<std::pair<uint64_t, uint64_t>>& pieces,
                          unsigned threads, VerifyCounts& counts, size_t land_only = SIZE_MAX) {
-  auto check = LandingCheck::Make(*f.checkpoint, f.batch, f.sums, f.buffer.data(), counts);
+  auto check = LandingCheck::Make(*f.checkpoint, f.batch.tensors, f.sums, f.buffer.data(), counts);
   EXPECT_NE(check, nullptr);
   std::vector<std::vector<Status>> errors(threads);
   std::vector<std::thread> pool;

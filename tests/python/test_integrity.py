@@ -70,6 +70,30 @@ def test_loads_verify_and_report(tmp_path):
     assert torch.equal(got["b"], tensors()["b"])
 
 
+@pytest.mark.parametrize("engine", ["pread", "io_uring"])
+def test_load_into_checks_host_destinations(tmp_path, engine):
+    # Loader.load_into (and so load_checkpoint_and_dispatch) checks whole host destinations as
+    # their bytes land; a corrupt tensor is the same error as a load's.
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file(tensors(), path)
+    out = {k: torch.empty_like(v) for k, v in tensors().items()}
+    with tensorferry.Loader(path, engine=engine) as loader:
+        loader.load_into(out)
+        stats = loader.stats
+    assert all(torch.equal(out[k], v) for k, v in tensors().items())
+    assert stats.verified_tensors == 2
+    assert stats.verified_bytes == 300 * 100 * 4 + 10 * 8
+    corrupt(path, "a")
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        with tensorferry.Loader(path, engine=engine) as loader:
+            loader.load_into(out)
+    assert e.value.code == "checksum_mismatch"
+    assert 'tensor "a": checksum mismatch in chunk 0 of 1' in str(e.value)
+    with tensorferry.Loader(path, engine=engine, verify="off") as loader:
+        loader.load_into(out)
+        assert loader.stats.verified_tensors == 0
+
+
 @pytest.mark.parametrize("engine", ["mmap", "pread", "io_uring"])
 def test_corrupt_tensor_is_an_error_and_never_delivered(tmp_path, engine):
     path = str(tmp_path / "m.safetensors")

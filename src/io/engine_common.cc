@@ -227,9 +227,11 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
                   "read request at offset " + std::to_string(request.offset) + " has no file");
   }
   if (request.landed == nullptr) return ReadPart(request, request, counters);
-  if (SplitForDirect(request).direct) {
+  if (SplitForDirect(request).direct || request.file->native_handle() < 0) {
     // O_DIRECT reads stay whole (the device's transfer size matters more than the cache; the
-    // bytes come from the device, not from the CPU's copy): the hook runs once, at the end.
+    // bytes come from the device, not from the CPU's copy), and so do reads of files without a
+    // descriptor (an object store's: each Read is ranged GETs of its part size, which 512 KiB
+    // pieces would multiply): the hook runs once, at the end.
     TF_RETURN_IF_ERROR(ReadPart(request, request, counters));
     return (*request.landed)(request);
   }

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -147,6 +149,31 @@ TEST(PreadEngineTest, ShortReadsCountEveryCall) {
   EXPECT_EQ(std::memcmp(dst.data(), Pattern(1000, 4).data() + 13, 100), 0);
   EXPECT_EQ(engine->stats().read_calls, 15u);  // ceil(100 / 7)
   EXPECT_EQ(engine->stats().bytes_read, 100u);
+}
+
+// A file without a descriptor (an object store's, here a MemoryEnv's) is read whole even with a
+// landed hook (its reads are ranged GETs of their own part size, which pieces would multiply): the
+// hook runs once, for the whole request.
+TEST(PreadEngineTest, LandedHookGetsFilesWithoutDescriptorWhole) {
+  MemoryEnv env;
+  const uint64_t size = 3 * kLandedPieceBytes + 5;
+  env.AddFile("f", Pattern(size, 6));
+  auto file = env.OpenRandomAccess("f");
+  ASSERT_TRUE(file.ok());
+  std::vector<std::byte> dst(size - 10);
+  std::vector<std::pair<uint64_t, uint64_t>> seen;
+  std::mutex mu;
+  const std::function<Status(const ReadRequest&)> hook = [&](const ReadRequest& r) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.emplace_back(r.offset, r.dst.size());
+    return Status::Ok();
+  };
+  const ReadRequest request{file->get(), 10, dst, -1, nullptr, &hook};
+  auto engine = Engine(2);
+  ASSERT_TRUE(engine->Execute({&request, 1}).ok());
+  EXPECT_EQ(std::memcmp(dst.data(), Pattern(size, 6).data() + 10, dst.size()), 0);
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0], std::make_pair(uint64_t{10}, uint64_t{dst.size()}));
 }
 
 // A faulty file among healthy ones: the job fails with the fault's code and a message naming the

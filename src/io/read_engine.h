@@ -47,8 +47,10 @@ struct ReadRequest {
   const std::atomic<bool>* cancel = nullptr;
   // When set, called on the worker that read them for the request's bytes as they land (before
   // Execute can return), with a request naming the landed piece's offset and bytes: a buffered
-  // request is read in pieces of at most kLandedPieceBytes, each handed over as it lands, in
-  // order; one split for O_DIRECT (SplitForDirect) is handed over whole once all of it landed.
+  // request of a file with a descriptor is read in pieces of at most kLandedPieceBytes, each
+  // handed over as it lands, in order; one split for O_DIRECT (SplitForDirect), or of a file
+  // without a descriptor (object storage: its reads are ranged GETs of their own part size), is
+  // handed over whole once all of it landed.
   // An error it returns is the request's. Integrity checks hash the bytes here, while they are
   // still in the worker's cache. Borrowed; must be thread-safe.
   const std::function<Status(const ReadRequest&)>* landed = nullptr;

@@ -121,10 +121,7 @@ struct BatchIterator::State {
         if (g.device.is_cpu()) stats.bytes_read += g.plan.read_bytes;
       }
     }
-    stats.verified_tensors = verified.tensors.load();
-    stats.verified_bytes = verified.bytes.load();
-    stats.verify_skipped_tensors = verified.skipped.load();
-    stats.verify_seconds = static_cast<double>(verified.nanos.load()) / 1e9;
+    m->CollectVerifyStats(verified);
     m->CollectDeviceStats(pipeline0);
     m->CollectSourceStats(source0);
     if (!m->options.drop_cache || m->engine_kind == Engine::kMmap ||

@@ -222,10 +222,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     TF_RETURN_IF_ERROR(sink::RunDeviceTasks(context, m.slots.at(index), tasks,
                                             reads.device_task_file.at(index), nullptr));
   }
-  m.stats.verified_tensors = verified.tensors.load();
-  m.stats.verified_bytes = verified.bytes.load();
-  m.stats.verify_skipped_tensors = verified.skipped.load();
-  m.stats.verify_seconds = static_cast<double>(verified.nanos.load()) / 1e9;
+  m.CollectVerifyStats(verified);
   m.stats.batches = (reads.host.empty() ? 0 : 1) + reads.device_tasks.size();
   m.stats.device_batches = reads.device_tasks.size();
   m.stats.device = devices.size() == 1 ? DeviceName(*devices.begin())

@@ -130,6 +130,8 @@ struct Loader::Impl {
   // sink checks its own as bytes land, sink/landing_check.h), and counts device tensors as
   // skipped. Errors: kChecksumMismatch.
   Status VerifyBatch(const PlanBatch& planned, const Batch& batch, VerifyCounts& counts) const;
+  // stats.verified_* / verify_* from what a load's checks counted (Load/Stream, LoadInto).
+  void CollectVerifyStats(const VerifyCounts& counts);
   // The source requests this loader's engines made so far (SourceStatsScope: not those of other
   // loaders of the checkpoint), and stats.remote_* as their growth since `before`.
   SourceStats SourceNow() const {

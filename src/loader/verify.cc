@@ -60,6 +60,13 @@ Status Loader::Impl::LoadChecksums() {
   return Status::Ok();
 }
 
+void Loader::Impl::CollectVerifyStats(const VerifyCounts& counts) {
+  stats.verified_tensors = counts.tensors.load();
+  stats.verified_bytes = counts.bytes.load();
+  stats.verify_skipped_tensors = counts.skipped.load();
+  stats.verify_seconds = static_cast<double>(counts.nanos.load()) / 1e9;
+}
+
 Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
                                  VerifyCounts& counts) const {
   const auto start = std::chrono::steady_clock::now();

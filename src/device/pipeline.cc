@@ -46,6 +46,8 @@ struct DevicePipeline::Chunk {
   // A gathered chunk: its first row in the task's source; the slot holds the rows packed
   // (length = rows * row_bytes) and offset is the first row's file offset.
   const std::byte* gather = nullptr;
+  // DeviceTask::passed (contiguous staged chunks only).
+  const std::function<Status(const std::byte*, std::span<const std::byte>)>* passed = nullptr;
 
   std::string Describe() const {
     if (gather != nullptr) {
@@ -277,6 +279,7 @@ void DevicePipeline::ChunkRanges(size_t index, const DeviceTask& t, uint64_t slo
       c.direct_fd = t.direct_fd;
       c.cancel = t.cancel;
       c.gds = gds;
+      if (t.rows == 0 && !gds) c.passed = t.passed;
       chunks.push_back(c);
       at = end;
     }
@@ -470,7 +473,13 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
       std::memcpy(buffer.data() + r * row, chunk.gather + r * chunk.src_pitch, row);
     }
   } else {
-    const io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};
+    io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};
+    // Each piece handed to DeviceTask::passed as it lands in the slot, with its device address.
+    const std::function<Status(const io::ReadRequest&)> on_piece =
+        [&](const io::ReadRequest& piece) {
+          return (*chunk.passed)(chunk.dst + (piece.dst.data() - buffer.data()), piece.dst);
+        };
+    if (chunk.passed != nullptr) request.landed = &on_piece;
     Status read = engine.Execute(std::span<const io::ReadRequest>(&request, 1));
     if (!read.ok()) {
       ring_->Release(slot);

@@ -45,6 +45,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -97,6 +98,13 @@ struct DeviceTask {
   // tasks and rows longer than a slot ignore it.
   const std::byte* source = nullptr;
   uint64_t source_size = 0;
+  // Contiguous staged tasks only: called with each piece of the task's bytes while it is in its
+  // staging slot, before the slot's copy to the device (as the engine lands it: a piece at a time
+  // where the engine hands them out, io::ReadRequest::landed), with the piece's destination
+  // address. Not called for bytes read with GDS or for strided tasks. An error fails the run
+  // like a read error (the copy is not queued). Checksums use it (sink/landing_check.h).
+  const std::function<Status(const std::byte* dst, std::span<const std::byte> bytes)>* passed =
+      nullptr;
 };
 
 struct DevicePipelineOptions {

@@ -49,8 +49,8 @@ struct BatchIterator::State {
     }
     Result<Batch> got = sinks[g]->Complete(b, std::move(memory));
     // Checksums before anyone sees the batch: a mismatch fails it (the batch is dropped here).
-    if (got.ok() && !m->checksums.empty() &&
-        (groups[g].device.is_cuda() || m->engine_kind == Engine::kMmap)) {
+    if (got.ok() && !m->checksums.empty() && !groups[g].device.is_cuda() &&
+        m->engine_kind == Engine::kMmap) {
       if (Status s = m->VerifyBatch(groups[g].plan.batches[b], *got, verified); !s.ok()) {
         return Result<Batch>(std::move(s));
       }
@@ -201,6 +201,8 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   s->host.verify_counts = &s->verified;
   s->host.verify_threads = m.VerifyThreads();
   s->device = m.Context(want_direct, m.copy_engine);
+  s->device.checksums = &m.checksums;  // checked by the device sink in the staging slots
+  s->device.verify_counts = &s->verified;
   for (size_t g = 0; g < s->groups.size(); ++g) {
     const Group& group = s->groups[g];
     if (group.device.is_cuda()) {

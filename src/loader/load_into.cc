@@ -179,23 +179,26 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
 
   IntoReads reads = MakeIntoReads(ckpt, outputs, destinations, m.options);
   // Checksums (LoadOptions::verify): whole host destinations are hashed as their bytes land, as a
-  // batch buffer is; slices and device destinations are counted as skipped.
+  // batch buffer is, and whole device destinations in the staging slots on their way (bytes read
+  // with GDS: skipped); slices are counted as skipped.
   sink::VerifyCounts verified;
-  std::unique_ptr<sink::LandingCheck> check;
+  std::unique_ptr<sink::LandingCheck> check, device_check;
   if (!m.checksums.empty()) {
-    std::vector<PlannedTensor> host;
+    std::vector<PlannedTensor> host, device;
     for (size_t i = 0; i < destinations.size(); ++i) {
-      const TensorInfo& info = ckpt.tensors()[outputs[i]->tensor];
-      if (destinations[i].device.is_cuda()) {
-        if (info.file < m.checksums.size() && m.checksums[info.file]) verified.skipped += 1;
-        continue;
-      }
-      host.push_back({outputs[i]->tensor, reinterpret_cast<uintptr_t>(destinations[i].data),
+      (destinations[i].device.is_cuda() ? device : host)
+          .push_back({outputs[i]->tensor, reinterpret_cast<uintptr_t>(destinations[i].data),
                       outputs[i]->slice});
     }
     check = sink::LandingCheck::Make(ckpt, host, m.checksums, nullptr, verified);
     if (check) {
       for (io::ReadRequest& r : reads.host) r.landed = check->hook();
+    }
+    device_check = sink::LandingCheck::Make(ckpt, device, m.checksums, nullptr, verified);
+    if (device_check) {
+      for (auto& [index, tasks] : reads.device_tasks) {
+        for (device::DeviceTask& t : tasks) t.passed = device_check->passed_hook();
+      }
     }
   }
   for (const OutputInfo* o : outputs) {
@@ -222,6 +225,7 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     TF_RETURN_IF_ERROR(sink::RunDeviceTasks(context, m.slots.at(index), tasks,
                                             reads.device_task_file.at(index), nullptr));
   }
+  if (device_check) device_check->Count();
   m.CollectVerifyStats(verified);
   m.stats.batches = (reads.host.empty() ? 0 : 1) + reads.device_tasks.size();
   m.stats.device_batches = reads.device_tasks.size();

@@ -380,6 +380,98 @@ TEST_F(LoaderDeviceTest, LoadIntoCallerDestinationsHostAndDevice) {
   ASSERT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
 }
 
+// Checksums of device loads are checked in the staging slots, piece by piece before each slot's
+// copy (checksum chunks of 1 KiB straddle the 16 KiB slots, which three producers fill out of
+// order): every tensor staged is verified, bytes read with GDS are counted as skipped, and a
+// flipped byte fails the load naming the tensor and chunk, with no batch handed out.
+TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
+  testing::TestCheckpoint c(
+      [](uint64_t i, size_t h) { return static_cast<char>((i * 131 + h + (i >> 12)) & 0xff); });
+  testing::AddLayeredModel(c, 3, 400);
+  c.checksum_chunk_size = 1024;
+  c.Write(64 << 10);
+  const uint64_t n = c.tensors.size();
+  for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
+    for (DirectIO direct : {DirectIO::kOff, DirectIO::kOn}) {
+      for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
+        SCOPED_TRACE(std::string(EngineName(engine)) + " direct " +
+                     std::string(DirectIOName(direct)) + " gds " + std::string(GdsModeName(gds)));
+        LoadOptions o = DeviceOptions();
+        o.engine = engine;
+        o.direct = direct;
+        o.gds = gds;
+        o.verify = VerifyMode::kOn;
+        o.chunk_size = 20000;  // reads split: some start aligned, and GDS (auto) takes those
+        auto loader = Loader::Open(c.dir.path(), o);
+        if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
+        ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+        auto tensors = (*loader)->Load();
+        ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+        for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
+        const LoadStats s = (*loader)->stats();
+        EXPECT_EQ(s.verified_tensors + s.verify_skipped_tensors, n);
+        if (s.gds_bytes == 0) {
+          EXPECT_EQ(s.verified_tensors, n);
+          EXPECT_EQ(s.verified_bytes, c.total);
+        } else {
+          EXPECT_GT(s.verify_skipped_tensors, 0u) << "GDS bytes never pass through the host";
+        }
+        if (gds == GdsMode::kAuto && engine != Engine::kMmap) {
+          EXPECT_GT(s.gds_bytes, 0u);
+        }
+      }
+    }
+  }
+  const std::string name = "model.layers.1.mlp.up_proj.weight";
+  const uint64_t size = c.Full(name).size();
+  void* dev = nullptr;
+  ASSERT_EQ(runtime_->api().cudaMalloc(&dev, size), cuda::kSuccess);
+  const std::vector<Destination> dsts = {{name, Device::CUDA(0), dev, size}};
+  {
+    auto loader = Loader::Open(c.dir.path(), DeviceOptions());
+    ASSERT_TRUE(loader.ok());
+    ASSERT_TRUE((*loader)->LoadInto(dsts).ok());
+    EXPECT_EQ(fake_->ReadDevice(dev, size), c.Full(name));
+    EXPECT_EQ((*loader)->stats().verified_tensors, 1u);
+    EXPECT_EQ((*loader)->stats().verified_bytes, size);
+  }
+  // A flipped byte in the middle of an up projection: its 1 KiB chunk fails.
+  {
+    auto ckpt = tensorferry::Checkpoint::Open(c.dir.path());
+    ASSERT_TRUE(ckpt.ok());
+    const TensorInfo* info = nullptr;
+    for (const TensorInfo& t : (*ckpt)->tensors()) {
+      if (t.name == name) info = &t;
+    }
+    ASSERT_NE(info, nullptr);
+    const std::string path = (*ckpt)->files()[info->file].path;
+    std::string bytes = testing::ReadBytes(path);
+    bytes[info->offset + 5000] ^= 0x08;  // offsets are the file's
+    testing::WriteBytes(path, bytes);
+  }
+  for (Engine engine : {Engine::kPread, Engine::kIoUring}) {
+    LoadOptions o = DeviceOptions();
+    o.engine = engine;
+    o.device_budget = 256 << 10;  // several batches
+    auto loader = Loader::Open(c.dir.path(), o);
+    if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    std::vector<std::string> delivered;
+    const Status s = (*loader)->Stream(Selection::All(), [&](Batch batch) {
+      for (const Tensor& t : batch.tensors) delivered.push_back(t.name());
+      return Status::Ok();
+    });
+    EXPECT_EQ(s.code(), Code::kChecksumMismatch) << s.ToString();
+    EXPECT_TRUE(Contains(s.message(), "tensor \"" + name + "\": checksum mismatch in chunk 4 of "))
+        << s.message();
+    EXPECT_EQ(std::count(delivered.begin(), delivered.end(), name), 0);
+    // Caller destinations on the device are checked the same way.
+    const Status into = (*loader)->LoadInto(dsts);
+    EXPECT_EQ(into.code(), Code::kChecksumMismatch) << into.ToString();
+  }
+  ASSERT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
+}
+
 TEST_F(LoaderDeviceTest, CopyFailureIsReportedAndLeavesNothingBehind) {
   Checkpoint c(4, 300, 16 << 10);
   auto config = DefaultConfig();

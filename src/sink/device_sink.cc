@@ -50,8 +50,18 @@ class DeviceSink final : public BatchSink {
     std::vector<device::DeviceTask> tasks;  // file pointers filled in per window
     std::vector<uint32_t> task_file;
     const std::atomic<bool>* cancel = c_.options->cancel.get();
+    // Checksums (LoadOptions::verify): whole tensors hashed in the staging slots, each piece as
+    // it lands there, before the slot is copied to the device; a mismatch fails the batch before
+    // any of it is handed out. Bytes read with GDS never pass through host memory: their
+    // tensors are counted as skipped.
+    std::unique_ptr<LandingCheck> check;
+    if (c_.checksums != nullptr && !c_.checksums->empty()) {
+      check = LandingCheck::Make(*c_.checkpoint, batch.tensors, *c_.checksums, buffer->data(),
+                                 *c_.verify_counts);
+    }
     for (const ReadTask& t : batch.tasks) {
       tasks.push_back(DeviceTaskOf(AsRead(t), buffer->data(), cancel));
+      if (check) tasks.back().passed = check->passed_hook();
       task_file.push_back(t.file);
     }
     std::vector<const io::MappedFile*> gathered;  // the mappings rows are gathered from
@@ -77,6 +87,7 @@ class DeviceSink final : public BatchSink {
     std::vector<uint64_t> faults;
     for (const io::MappedFile* map : gathered) faults.push_back(map->faults());
     TF_RETURN_IF_ERROR(RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get()));
+    if (check) check->Count();
     for (size_t i = 0; i < gathered.size(); ++i) {
       const io::MappedFile& map = *gathered[i];
       if (map.faults() != faults[i]) {

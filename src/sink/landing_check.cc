@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "util/macros.h"
@@ -16,6 +17,10 @@ LandingCheck::LandingCheck(const Checkpoint& checkpoint, const std::byte* base,
   hook_ = [this](const io::ReadRequest& r) {
     const uint64_t begin = reinterpret_cast<uintptr_t>(r.dst.data()) - base_;
     return Landed(begin, begin + r.dst.size());
+  };
+  passed_hook_ = [this](const std::byte* dst, std::span<const std::byte> bytes) {
+    const uint64_t begin = reinterpret_cast<uintptr_t>(dst) - base_;
+    return Passed(begin, begin + bytes.size(), bytes.data());
   };
 }
 
@@ -31,7 +36,7 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
     const TensorInfo* info;
   };
   std::vector<Planned> planned;
-  uint64_t tensors = 0, bytes = 0, skipped = 0;
+  uint64_t skipped = 0, empty = 0;
   const auto& infos = checkpoint.tensors();
   for (const PlannedTensor& pt : batch_tensors) {
     const TensorInfo& info = infos[pt.tensor];
@@ -48,11 +53,10 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
       planned.push_back(
           {pt.buffer_offset + c * file.chunk_size, c, &it->second, file.chunk_size, &info});
     }
-    ++tensors;
-    bytes += info.size;
+    if (n == 0) ++empty;  // nothing to hash: checked as soon as its digest was (ChecksumsForFile)
   }
   counts.skipped += skipped;
-  if (planned.empty()) return nullptr;
+  if (planned.empty() && empty == 0) return nullptr;
   std::sort(planned.begin(), planned.end(),
             [](const Planned& a, const Planned& b) { return a.begin < b.begin; });
   std::unique_ptr<LandingCheck> check(new LandingCheck(checkpoint, base, counts));
@@ -69,8 +73,7 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
     c.info = p.info;
     c.hashed_to = c.begin;
   }
-  check->tensors_ = tensors;
-  check->bytes_ = bytes;
+  check->empty_tensors_ = empty;
   return check;
 }
 
@@ -84,10 +87,10 @@ uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-void LandingCheck::Extend(Chunk& c, uint64_t from, uint64_t to) {
+void LandingCheck::Extend(Chunk& c, uint64_t from, uint64_t to, const std::byte* data) {
   const auto start = std::chrono::steady_clock::now();
   if (!c.hash) c.hash = std::make_unique<integrity_internal::Xxh3Stream>();
-  c.hash->Update(reinterpret_cast<const std::byte*>(base_ + from), to - from);
+  c.hash->Update(data, to - from);
   c.hashed_to = to;
   counts_.nanos += NanosSince(start);
 }
@@ -106,29 +109,50 @@ Status LandingCheck::Compare(const Chunk& c, uint64_t got) const {
 }
 
 Status LandingCheck::Landed(uint64_t begin, uint64_t end) {
+  return Arrived(begin, end, nullptr);
+}
+
+Status LandingCheck::Passed(uint64_t begin, uint64_t end, const std::byte* data) {
+  return Arrived(begin, end, data);
+}
+
+Status LandingCheck::Arrived(uint64_t begin, uint64_t end, const std::byte* data) {
+  const bool in_buffer = data == nullptr;
+  // Where byte `at` of [begin, end) is now.
+  auto at = [&](uint64_t offset) {
+    return in_buffer ? reinterpret_cast<const std::byte*>(base_ + offset) : data + (offset - begin);
+  };
   // The first chunk ending after `begin`.
   Chunk* const first = chunks_.get();
   Chunk* const last = first + num_chunks_;
-  Chunk* c = std::upper_bound(first, last, begin,
-                              [](uint64_t at, const Chunk& chunk) { return at < chunk.end; });
+  Chunk* c = std::upper_bound(
+      first, last, begin, [](uint64_t offset, const Chunk& chunk) { return offset < chunk.end; });
   for (; c != last && c->begin < end; ++c) {
     const uint64_t from = std::max(begin, c->begin), to = std::min(end, c->end);
     if (from >= to) continue;
     uint64_t got = 0;
     {
       std::lock_guard<std::mutex> lock(c->mu);
-      if (c->done) continue;  // VerifyAll got there first
+      if (c->done) {
+        if (in_buffer) continue;  // VerifyAll got there first
+        return Status(Code::kInternal, c->info->name + ": checksum chunk " +
+                                           std::to_string(c->index) + " passed twice");
+      }
       c->landed += to - from;
       if (from == c->begin && to == c->end) {
         c->done = true;  // landed in one piece: hashed in one call, straight from the cache
-        got = HashWhole(*c);
+        const auto start = std::chrono::steady_clock::now();
+        got = ChecksumChunk(std::span<const std::byte>(at(from), to - from));
+        counts_.nanos += NanosSince(start);
       } else if (from == c->hashed_to) {
-        Extend(*c, from, to);  // in the cache of the worker that just copied it
+        Extend(*c, from, to, at(from));  // in the cache of the worker that just copied it
         // Pieces that landed ahead and now follow on (hashed from memory).
         for (size_t i = 0; i < c->waiting.size();) {
-          if (c->waiting[i].first == c->hashed_to) {
-            Extend(*c, c->waiting[i].first, c->waiting[i].second);
-            c->waiting[i] = c->waiting.back();
+          Chunk::Waiting& w = c->waiting[i];
+          if (w.from == c->hashed_to) {
+            Extend(*c, w.from, w.to,
+                   w.copy ? w.copy.get() : reinterpret_cast<const std::byte*>(base_ + w.from));
+            w = std::move(c->waiting.back());
             c->waiting.pop_back();
             i = 0;
           } else {
@@ -136,14 +160,27 @@ Status LandingCheck::Landed(uint64_t begin, uint64_t end) {
           }
         }
       } else {
-        c->waiting.emplace_back(from, to);
+        Chunk::Waiting w{from, to, nullptr};
+        if (!in_buffer) {  // the bytes will be gone after this call
+          w.copy = std::make_unique<std::byte[]>(to - from);
+          std::memcpy(w.copy.get(), at(from), to - from);
+        }
+        c->waiting.push_back(std::move(w));
       }
       if (!c->done) {
         if (c->landed < c->end - c->begin) continue;
         c->done = true;
-        // Every byte has landed. Pieces that do not tile the chunk (a byte landed twice) would
-        // leave a gap in the streamed hash: then hash it whole rather than trust the count.
-        got = c->hash && c->hashed_to == c->end ? c->hash->Digest() : HashWhole(*c);
+        if (c->hash && c->hashed_to == c->end) {
+          got = c->hash->Digest();
+        } else if (in_buffer) {
+          // Pieces that do not tile the chunk (a byte landed twice) would leave a gap in the
+          // streamed hash: then hash it whole rather than trust the count.
+          got = HashWhole(*c);
+        } else {
+          return Status(Code::kInternal, c->info->name + ": checksum chunk " +
+                                             std::to_string(c->index) +
+                                             " passed in pieces that do not tile it");
+        }
       }
     }
     TF_RETURN_IF_ERROR(Compare(*c, got));
@@ -179,8 +216,27 @@ Status LandingCheck::VerifyAll(unsigned threads) {
 }
 
 void LandingCheck::Count() {
-  counts_.tensors += tensors_;
-  counts_.bytes += bytes_;
+  // A tensor's chunks are adjacent (sorted by offset; destinations do not overlap).
+  uint64_t tensors = empty_tensors_, bytes = 0, skipped = 0;
+  auto start_of = [](const Chunk& c) { return c.begin - c.index * c.chunk_size; };
+  for (size_t i = 0; i < num_chunks_;) {
+    const TensorInfo* info = chunks_[i].info;
+    const uint64_t start = start_of(chunks_[i]);
+    bool all = true;
+    for (; i < num_chunks_ && chunks_[i].info == info && start_of(chunks_[i]) == start; ++i) {
+      std::lock_guard<std::mutex> lock(chunks_[i].mu);
+      all = all && chunks_[i].done;
+    }
+    if (all) {
+      ++tensors;
+      bytes += info->size;
+    } else {
+      ++skipped;
+    }
+  }
+  counts_.tensors += tensors;
+  counts_.bytes += bytes;
+  counts_.skipped += skipped;
 }
 
 }  // namespace tensorferry::sink

@@ -46,12 +46,25 @@ class LandingCheck {
   // chunk's hash, and checks each chunk this completes. Thread-safe. Errors: kChecksumMismatch
   // (VerifyChunk's message).
   Status Landed(uint64_t begin, uint64_t end);
+  // Bytes [begin, end) past `base` have passed through `data` on their way there (a pinned
+  // staging slot before its copy to the device; `base` is then a device address and is never
+  // read): `data` holds them during the call only. Hashed from `data` where they continue a
+  // chunk's hash; a piece ahead of that is copied and waits for the gap (at most a chunk's bytes
+  // per piece). Thread-safe. Errors: kChecksumMismatch; kInternal when a chunk's bytes pass more
+  // than once (its hash cannot be redone from device memory).
+  Status Passed(uint64_t begin, uint64_t end, const std::byte* data);
   // Every chunk not yet hashed, on up to `threads` threads (after a batch's reads and its
-  // tensor-parallel moves). Errors: the first mismatching chunk's.
+  // tensor-parallel moves). Errors: the first mismatching chunk's. Host buffers only.
   Status VerifyAll(unsigned threads);
   // As a ReadRequest::landed hook (the request's dst among the tensors).
   const std::function<Status(const io::ReadRequest&)>* hook() const { return &hook_; }
-  // Adds the checked tensors to the counts (after a batch whose every chunk landed).
+  // As a DeviceTask::passed hook: Passed(dst - base, ..., bytes).
+  const std::function<Status(const std::byte* dst, std::span<const std::byte> bytes)>* passed_hook()
+      const {
+    return &passed_hook_;
+  }
+  // Adds to the counts the tensors whose every chunk was checked as verified, and the rest (bytes
+  // that never passed through host memory: GDS reads) as skipped.
   void Count();
 
  private:
@@ -63,16 +76,22 @@ class LandingCheck {
     const TensorInfo* info = nullptr;
     std::mutex mu;  // guards the rest
     bool done = false;
-    uint64_t landed = 0;                                 // bytes landed so far
-    uint64_t hashed_to = 0;                              // [begin, hashed_to) is in `hash`
-    std::vector<std::pair<uint64_t, uint64_t>> waiting;  // landed beyond hashed_to, not hashed
+    uint64_t landed = 0;     // bytes landed so far
+    uint64_t hashed_to = 0;  // [begin, hashed_to) is in `hash`
+    struct Waiting {
+      uint64_t from = 0, to = 0;
+      std::unique_ptr<std::byte[]> copy;  // Passed: the bytes; Landed: null (at base + from)
+    };
+    std::vector<Waiting> waiting;  // landed beyond hashed_to, not hashed
     // Made when the chunk's first bytes land without the rest (a chunk that lands in one piece
     // is hashed in one call, and a batch of many small tensors holds no 576-byte states).
     std::unique_ptr<integrity_internal::Xxh3Stream> hash;
   };
   LandingCheck(const Checkpoint& checkpoint, const std::byte* base, VerifyCounts& counts);
-  // Adds [from, to) to the chunk's hash (c.mu held; from == c.hashed_to).
-  void Extend(Chunk& c, uint64_t from, uint64_t to);
+  // Adds [from, to), held at `data`, to the chunk's hash (c.mu held; from == c.hashed_to).
+  void Extend(Chunk& c, uint64_t from, uint64_t to, const std::byte* data);
+  // Landed and Passed: `data` holds [begin, end), or null for the buffer at base.
+  Status Arrived(uint64_t begin, uint64_t end, const std::byte* data);
   // The chunk's hash, from the bytes in the buffer (c.mu held or no writer left).
   uint64_t HashWhole(const Chunk& c);
   // The chunk's whole hash against its checksum.
@@ -83,8 +102,9 @@ class LandingCheck {
   VerifyCounts& counts_;
   std::unique_ptr<Chunk[]> chunks_;  // sorted by begin, not overlapping
   size_t num_chunks_ = 0;
-  uint64_t tensors_ = 0, bytes_ = 0;
+  uint64_t empty_tensors_ = 0;  // zero-byte tensors with checksums: no chunk
   std::function<Status(const io::ReadRequest&)> hook_;
+  std::function<Status(const std::byte*, std::span<const std::byte>)> passed_hook_;
 };
 
 }  // namespace tensorferry::sink

@@ -196,5 +196,86 @@ TEST(LandingCheck, VerifyAllChecksChunksNotFullyLanded) {
   }
 }
 
+// Passes `pieces` (in the given order, piece i on thread i % threads) the way the device
+// pipeline does: each copied into a slot of its thread, handed over, and the slot scribbled over
+// at once. `base` is a stand-in for device memory, filled with other bytes: reading it would fail
+// the checks. The errors seen, in no particular order.
+std::vector<Status> Pass(Fixture& f, const std::vector<std::pair<uint64_t, uint64_t>>& pieces,
+                         unsigned threads, VerifyCounts& counts, size_t pass_only = SIZE_MAX) {
+  std::vector<std::byte> device(f.buffer.size(), std::byte{0x5a});
+  auto check = LandingCheck::Make(*f.checkpoint, f.batch.tensors, f.sums, device.data(), counts);
+  EXPECT_NE(check, nullptr);
+  std::vector<std::vector<Status>> errors(threads);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      std::vector<std::byte> slot;
+      for (size_t i = t; i < std::min(pieces.size(), pass_only); i += threads) {
+        const auto [begin, end] = pieces[i];
+        slot.assign(f.buffer.begin() + static_cast<ptrdiff_t>(begin),
+                    f.buffer.begin() + static_cast<ptrdiff_t>(end));
+        Status s = (*check->passed_hook())(device.data() + begin, slot);
+        if (!s.ok()) errors[t].push_back(std::move(s));
+        std::fill(slot.begin(), slot.end(), std::byte{0xa5});  // the slot is reused
+      }
+    });
+  }
+  for (std::thread& t : pool) t.join();
+  std::vector<Status> all;
+  for (auto& e : errors) all.insert(all.end(), e.begin(), e.end());
+  if (all.empty()) check->Count();
+  return all;
+}
+
+TEST(LandingCheck, PassedPiecesAreHashedBeforeTheirSlotIsReused) {
+  Fixture f;
+  for (unsigned threads : {1u, 3u}) {
+    for (const auto& order : Orders(f.buffer.size())) {
+      VerifyCounts counts;
+      const std::vector<Status> errors = Pass(f, order, threads, counts);
+      EXPECT_TRUE(errors.empty()) << errors[0].ToString();
+      EXPECT_EQ(counts.tensors.load(), 3u);
+      EXPECT_EQ(counts.bytes.load(), 3 * kChunk + kChunk / 2 + 1000 + kChunk);
+      EXPECT_EQ(counts.skipped.load(), 0u);
+    }
+  }
+  for (const char* tensor : {"big", "small"}) {
+    Fixture bad;
+    bad.buffer[bad.At(tensor, 999)] ^= std::byte{0x04};
+    for (const auto& order : Orders(bad.buffer.size())) {
+      VerifyCounts counts;
+      const std::vector<Status> errors = Pass(bad, order, 2, counts);
+      ASSERT_EQ(errors.size(), 1u) << tensor;
+      EXPECT_EQ(errors[0].code(), Code::kChecksumMismatch);
+      EXPECT_NE(errors[0].message().find(std::string("tensor \"") + tensor +
+                                         "\": checksum mismatch in chunk 0 of "),
+                std::string::npos)
+          << errors[0].ToString();
+    }
+  }
+}
+
+// Bytes that never pass (read with GDS straight into device memory) leave their tensors
+// unchecked: counted as skipped, never as verified; and a chunk passed twice is an error.
+TEST(LandingCheck, TensorsWhoseBytesDidNotPassAreSkipped) {
+  Fixture f;
+  const uint64_t big = f.checkpoint->tensors()[f.batch.tensors[0].tensor].size;
+  ASSERT_EQ(big, 3 * kChunk + kChunk / 2);  // "big" is first in the buffer
+  VerifyCounts counts;
+  // Everything but big's last 1000 bytes.
+  std::vector<std::pair<uint64_t, uint64_t>> pieces = {{0, big - 1000}, {big, f.buffer.size()}};
+  EXPECT_TRUE(Pass(f, pieces, 1, counts).empty());
+  EXPECT_EQ(counts.tensors.load(), 2u);
+  EXPECT_EQ(counts.bytes.load(), 1000 + kChunk);
+  EXPECT_EQ(counts.skipped.load(), 1u);
+
+  VerifyCounts twice;
+  // Its count reaches the chunk's size with a gap in the hash, which device memory cannot fill.
+  std::vector<std::pair<uint64_t, uint64_t>> again = {{0, kChunk - 100}, {0, kChunk - 100}};
+  const std::vector<Status> errors = Pass(f, again, 1, twice);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].code(), Code::kInternal);
+}
+
 }  // namespace
 }  // namespace tensorferry::sink

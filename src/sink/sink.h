@@ -62,8 +62,8 @@ struct SinkContext {
   memory::Budget* budget = nullptr;
   io::FileSet* files = nullptr;                                  // mapped sink
   std::vector<std::shared_ptr<io::MappedFile>>* maps = nullptr;  // mapped sink, per file
-  // Host sink: per file, the checksums to check as bytes land (none: nullptr or empty), and where
-  // the checks are counted (LoadOptions::verify, landing_check.h).
+  // Host and device sinks: per file, the checksums to check as bytes land (none: nullptr or
+  // empty), and where the checks are counted (LoadOptions::verify, landing_check.h).
   const std::vector<std::optional<FileChecksums>>* checksums = nullptr;
   VerifyCounts* verify_counts = nullptr;
   // Threads that hash a batch's chunks after its reads (batches with tensor-parallel moves).

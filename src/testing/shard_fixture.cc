@@ -162,6 +162,7 @@ Status TestTensors::WriteTo(const std::string& dir, uint64_t max_shard_size) {
   ShardOptions so;
   so.max_shard_size = max_shard_size;
   so.write.sync = false;
+  so.write.checksum_chunk_size = checksum_chunk_size;
   return WriteSharded(dir, tensors, {}, so).status();
 }
 

@@ -61,7 +61,8 @@ struct TestTensors {
   std::vector<std::string> data;
   std::vector<TensorToWrite> tensors;
   ShardSpec spec;
-  uint64_t total = 0;  // bytes of every tensor
+  uint64_t total = 0;                       // bytes of every tensor
+  uint64_t checksum_chunk_size = 4u << 20;  // WriteOptions::checksum_chunk_size
 };
 
 // TestTensors written into a temporary directory of their own.

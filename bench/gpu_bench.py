@@ -38,7 +38,8 @@ import time
 
 from _pagecache import evict, warm
 
-LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (device budget 1GB)",
+LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (gds off, verify off)",
+           "tensorferry (device budget 1GB)",
            "tensorferry (load_into)", "tensorferry (tp 0/2)", "tensorferry (tp 1/2)",
            "tensorferry (tp 0/8)", "tensorferry (tp 7/8)", "tensorferry (tp 0/8 covering)",
            "safetensors", "fastsafetensors",
@@ -48,7 +49,8 @@ LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (device budget 1
 # the timer starts (a model's parameters); "tp R/W" loads rank R's slices of world W (builtin
 # rules), one rank per process in turn: its bytes are the rank's local bytes and its checksum is
 # not compared with the others'; "covering" stages strided slices as covering ranges (an explicit
-# shard_max_gap) instead of gathering the rows of cached files. TENSORFERRY_* settings in the environment apply to every
+# shard_max_gap) instead of gathering the rows of cached files; "verify off" skips the checksums
+# (checked by default in the staging slots when the checkpoint carries them, as `tensorferry gen`'s do). TENSORFERRY_* settings in the environment apply to every
 # tensorferry variant (e.g. TENSORFERRY_DEVICE_PRODUCERS, TENSORFERRY_STAGING_BYTES).
 
 
@@ -104,13 +106,17 @@ def child(args):
             kwargs["device_budget"] = "1GB"
         if "covering" in name:  # strided slices staged as covering ranges, not gathered rows
             kwargs["shard_max_gap"] = 64 << 10
+        if "verify off" in name:
+            kwargs["verify"] = "off"
 
         def record(loader):
             s = loader.stats
             extra.update(peak_device_bytes=s.peak_device_bytes, staged_bytes=s.staged_bytes,
                          gathered_bytes=getattr(s, "gathered_bytes", 0),
                          gds_bytes=s.gds_bytes, gds_reason=s.gds_reason,
-                         pinned_bytes=s.pinned_bytes, engine=s.engine)
+                         pinned_bytes=s.pinned_bytes, engine=s.engine,
+                         verified_tensors=s.verified_tensors,
+                         verify_skipped_tensors=s.verify_skipped_tensors)
 
         if "load_into" in name:
             import safetensors

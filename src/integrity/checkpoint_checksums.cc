@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
-#include <thread>
 
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/parallel.h"
 
 namespace tensorferry {
 namespace {
@@ -16,23 +16,6 @@ namespace {
 // Bytes read at once: a whole number of chunks, at least 64 MiB, so that every thread has chunks.
 uint64_t PieceSize(uint64_t chunk_size) {
   return std::max<uint64_t>(1, (64u << 20) / chunk_size) * chunk_size;
-}
-
-// Runs fn(i) for i in [0, n) on up to `threads` threads.
-void ParallelFor(uint64_t n, unsigned threads, const std::function<void(uint64_t)>& fn) {
-  const uint64_t workers = std::min<uint64_t>(std::max(threads, 1u), n);
-  if (workers <= 1) {
-    for (uint64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  auto range = [&](uint64_t w) {
-    for (uint64_t i = n * w / workers; i < n * (w + 1) / workers; ++i) fn(i);
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(workers - 1);
-  for (uint64_t w = 1; w < workers; ++w) pool.emplace_back(range, w);
-  range(0);
-  for (std::thread& t : pool) t.join();
 }
 
 // The tensors of file `f`, in file order.
@@ -134,7 +117,7 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_
                        TensorChecksum& sum = entry.checksums.tensors[t.name];
                        sum.chunks.resize(ChecksumChunkCount(t.size, chunk_size));
                        const uint64_t n = ChecksumChunkCount(bytes.size(), chunk_size);
-                       ParallelFor(n, threads, [&](uint64_t i) {
+                       ParallelFor(n, threads, [&](size_t i) {
                          const uint64_t begin = i * chunk_size;
                          sum.chunks[first + i] = ChecksumChunk(bytes.subspan(
                              begin, std::min<uint64_t>(chunk_size, bytes.size() - begin)));
@@ -239,15 +222,12 @@ Status VerifyFileChecksums(const Checkpoint& ckpt, uint32_t f, const FileChecksu
         }
         TF_RETURN_IF_ERROR(CheckChecksumShape(it->second, chunk, t.size, path, t.name));
         const uint64_t n = ChecksumChunkCount(bytes.size(), chunk);
-        std::vector<Status> results(n);
-        ParallelFor(n, threads, [&](uint64_t i) {
+        TF_RETURN_IF_ERROR(ParallelForUntilError(n, threads, [&](size_t i) {
           const uint64_t begin = i * chunk;
-          results[i] =
-              VerifyChunk(it->second, chunk, t.size, first + i,
-                          bytes.subspan(begin, std::min<uint64_t>(chunk, bytes.size() - begin)),
-                          path, t.name, t.offset);
-        });
-        for (Status& s : results) TF_RETURN_IF_ERROR(s);
+          return VerifyChunk(it->second, chunk, t.size, first + i,
+                             bytes.subspan(begin, std::min<uint64_t>(chunk, bytes.size() - begin)),
+                             path, t.name, t.offset);
+        }));
         if (bytes_verified != nullptr) *bytes_verified += bytes.size();
         return Status::Ok();
       });

@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "integrity/xxh3_isa.h"
 #include "tensorferry/integrity.h"
 #include "util/json_dom.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/parallel.h"
 
 // xxHash from Debian's libxxhash-dev, compiled inline (XXH_INLINE_ALL): no library to link for
 // tensorferry or its consumers. Whole chunks, the hot loop of verification, are hashed with the
@@ -283,25 +283,11 @@ TensorChecksum ComputeTensorChecksum(std::span<const std::byte> bytes, uint64_t 
   TensorChecksum sum;
   const uint64_t n = ChecksumChunkCount(bytes.size(), chunk_size);
   sum.chunks.resize(n);
-  auto hash_range = [&](uint64_t first, uint64_t last) {
-    for (uint64_t i = first; i < last; ++i) {
-      const uint64_t begin = i * chunk_size;
-      const uint64_t len = std::min<uint64_t>(chunk_size, bytes.size() - begin);
-      sum.chunks[i] = ChecksumChunk(bytes.subspan(begin, len));
-    }
-  };
-  const uint64_t workers = std::min<uint64_t>(std::max(threads, 1u), n);
-  if (workers <= 1) {
-    hash_range(0, n);
-  } else {
-    std::vector<std::thread> pool;
-    pool.reserve(workers - 1);
-    for (uint64_t w = 1; w < workers; ++w) {
-      pool.emplace_back(hash_range, n * w / workers, n * (w + 1) / workers);
-    }
-    hash_range(0, n / workers);
-    for (std::thread& t : pool) t.join();
-  }
+  ParallelFor(n, threads, [&](size_t i) {
+    const uint64_t begin = i * chunk_size;
+    sum.chunks[i] =
+        ChecksumChunk(bytes.subspan(begin, std::min<uint64_t>(chunk_size, bytes.size() - begin)));
+  });
   sum.digest = CombineChunkDigests(sum.chunks);
   return sum;
 }
@@ -455,31 +441,12 @@ Status VerifyTensor(const TensorChecksum& expected, uint64_t chunk_size,
                     std::string_view tensor, uint64_t file_offset, unsigned threads) {
   TF_RETURN_IF_ERROR(CheckChecksumShape(expected, chunk_size, bytes.size(), file, tensor));
   const uint64_t n = expected.chunks.size();
-  std::vector<Status> results(n);
-  auto check_range = [&](uint64_t first, uint64_t last) {
-    for (uint64_t i = first; i < last; ++i) {
-      const uint64_t begin = i * chunk_size;
-      const uint64_t len = std::min<uint64_t>(chunk_size, bytes.size() - begin);
-      results[i] = VerifyChunk(expected, chunk_size, bytes.size(), i, bytes.subspan(begin, len),
-                               file, tensor, file_offset);
-    }
-  };
-  const uint64_t workers = std::min<uint64_t>(std::max(threads, 1u), n);
-  if (workers <= 1) {
-    check_range(0, n);
-  } else {
-    std::vector<std::thread> pool;
-    pool.reserve(workers - 1);
-    for (uint64_t w = 1; w < workers; ++w) {
-      pool.emplace_back(check_range, n * w / workers, n * (w + 1) / workers);
-    }
-    check_range(0, n / workers);
-    for (std::thread& t : pool) t.join();
-  }
-  for (Status& s : results) {
-    if (!s.ok()) return s;
-  }
-  return Status::Ok();
+  return ParallelForUntilError(n, threads, [&](size_t i) {
+    const uint64_t begin = i * chunk_size;
+    const uint64_t len = std::min<uint64_t>(chunk_size, bytes.size() - begin);
+    return VerifyChunk(expected, chunk_size, bytes.size(), i, bytes.subspan(begin, len), file,
+                       tensor, file_offset);
+  });
 }
 
 std::string SerializeChecksumManifest(const ChecksumManifest& manifest) {

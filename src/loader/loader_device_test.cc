@@ -66,46 +66,63 @@ class LoaderDeviceTest : public testing::FakeCudaProcessTest {
     o.gds = GdsMode::kOff;
     return o;
   }
+
+  // DeviceOptions for every engine, O_DIRECT mode and GDS mode, reads split at 20000 bytes (some
+  // start aligned, and GDS (auto) takes those).
+  struct ReadPath {
+    std::string what;
+    LoadOptions options;
+  };
+  static std::vector<ReadPath> EveryReadPath() {
+    std::vector<ReadPath> out;
+    for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
+      for (DirectIO direct : {DirectIO::kOff, DirectIO::kOn}) {
+        for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
+          LoadOptions o = DeviceOptions();
+          o.engine = engine;
+          o.direct = direct;
+          o.gds = gds;
+          o.chunk_size = 20000;
+          out.push_back({std::string(EngineName(engine)) + " direct " +
+                             std::string(DirectIOName(direct)) + " gds " +
+                             std::string(GdsModeName(gds)),
+                         o});
+        }
+      }
+    }
+    return out;
+  }
 };
 
 TEST_F(LoaderDeviceTest, ByteExactForEveryEngineDirectAndGdsMode) {
   Checkpoint c(4, 700, 64 << 10);  // ~250 KB over several shards
-  for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
-    for (DirectIO direct : {DirectIO::kOff, DirectIO::kOn}) {
-      for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
-        SCOPED_TRACE(std::string(EngineName(engine)) + " direct " +
-                     std::string(DirectIOName(direct)) + " gds " + std::string(GdsModeName(gds)));
-        LoadOptions o = DeviceOptions();
-        o.engine = engine;
-        o.direct = direct;
-        o.gds = gds;
-        o.chunk_size = 20000;
-        auto loader = Loader::Open(c.dir.path(), o);
-        if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
-        ASSERT_TRUE(loader.ok()) << loader.status().ToString();
-        auto tensors = (*loader)->Load();
-        ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-        ASSERT_EQ(tensors->size(), c.tensors.size());
-        for (const Tensor& t : *tensors) {
-          EXPECT_EQ(t.device(), Device::CUDA(0)) << t.name();
-          EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
-        }
-        const LoadStats s = (*loader)->stats();
-        EXPECT_EQ(s.device, "cuda:0");
-        EXPECT_EQ(s.device_bytes, c.total);
-        EXPECT_EQ(s.device_tensors, c.tensors.size());
-        EXPECT_EQ(s.staged_bytes + s.gds_bytes, c.total);
-        EXPECT_EQ(s.pinned_bytes, 64u << 10);
-        EXPECT_GE(s.peak_device_bytes, c.total);
-        EXPECT_EQ(s.peak_device_bytes, s.device_buffer_bytes);
-        if (gds == GdsMode::kOff) {
-          EXPECT_EQ(s.gds_bytes, 0u);
-          EXPECT_TRUE(Contains(s.gds_reason, "off")) << s.gds_reason;
-        } else {
-          // The fake's cuFile works: aligned tasks go through it.
-          EXPECT_GT(s.gds_bytes, 0u) << s.gds_reason;
-        }
-      }
+  for (const ReadPath& path : EveryReadPath()) {
+    SCOPED_TRACE(path.what);
+    const GdsMode gds = path.options.gds;
+    auto loader = Loader::Open(c.dir.path(), path.options);
+    if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    auto tensors = (*loader)->Load();
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+    ASSERT_EQ(tensors->size(), c.tensors.size());
+    for (const Tensor& t : *tensors) {
+      EXPECT_EQ(t.device(), Device::CUDA(0)) << t.name();
+      EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
+    }
+    const LoadStats s = (*loader)->stats();
+    EXPECT_EQ(s.device, "cuda:0");
+    EXPECT_EQ(s.device_bytes, c.total);
+    EXPECT_EQ(s.device_tensors, c.tensors.size());
+    EXPECT_EQ(s.staged_bytes + s.gds_bytes, c.total);
+    EXPECT_EQ(s.pinned_bytes, 64u << 10);
+    EXPECT_GE(s.peak_device_bytes, c.total);
+    EXPECT_EQ(s.peak_device_bytes, s.device_buffer_bytes);
+    if (gds == GdsMode::kOff) {
+      EXPECT_EQ(s.gds_bytes, 0u);
+      EXPECT_TRUE(Contains(s.gds_reason, "off")) << s.gds_reason;
+    } else {
+      // The fake's cuFile works: aligned tasks go through it.
+      EXPECT_GT(s.gds_bytes, 0u) << s.gds_reason;
     }
   }
 }
@@ -391,35 +408,26 @@ TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
   c.checksum_chunk_size = 1024;
   c.Write(64 << 10);
   const uint64_t n = c.tensors.size();
-  for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
-    for (DirectIO direct : {DirectIO::kOff, DirectIO::kOn}) {
-      for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
-        SCOPED_TRACE(std::string(EngineName(engine)) + " direct " +
-                     std::string(DirectIOName(direct)) + " gds " + std::string(GdsModeName(gds)));
-        LoadOptions o = DeviceOptions();
-        o.engine = engine;
-        o.direct = direct;
-        o.gds = gds;
-        o.verify = VerifyMode::kOn;
-        o.chunk_size = 20000;  // reads split: some start aligned, and GDS (auto) takes those
-        auto loader = Loader::Open(c.dir.path(), o);
-        if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
-        ASSERT_TRUE(loader.ok()) << loader.status().ToString();
-        auto tensors = (*loader)->Load();
-        ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-        for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
-        const LoadStats s = (*loader)->stats();
-        EXPECT_EQ(s.verified_tensors + s.verify_skipped_tensors, n);
-        if (s.gds_bytes == 0) {
-          EXPECT_EQ(s.verified_tensors, n);
-          EXPECT_EQ(s.verified_bytes, c.total);
-        } else {
-          EXPECT_GT(s.verify_skipped_tensors, 0u) << "GDS bytes never pass through the host";
-        }
-        if (gds == GdsMode::kAuto && engine != Engine::kMmap) {
-          EXPECT_GT(s.gds_bytes, 0u);
-        }
-      }
+  for (const ReadPath& path : EveryReadPath()) {
+    SCOPED_TRACE(path.what);
+    LoadOptions o = path.options;
+    o.verify = VerifyMode::kOn;
+    auto loader = Loader::Open(c.dir.path(), o);
+    if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    auto tensors = (*loader)->Load();
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+    for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
+    const LoadStats s = (*loader)->stats();
+    EXPECT_EQ(s.verified_tensors + s.verify_skipped_tensors, n);
+    if (s.gds_bytes == 0) {
+      EXPECT_EQ(s.verified_tensors, n);
+      EXPECT_EQ(s.verified_bytes, c.total);
+    } else {
+      EXPECT_GT(s.verify_skipped_tensors, 0u) << "GDS bytes never pass through the host";
+    }
+    if (o.gds == GdsMode::kAuto && o.engine != Engine::kMmap) {
+      EXPECT_GT(s.gds_bytes, 0u);
     }
   }
   const std::string name = "model.layers.1.mlp.up_proj.weight";

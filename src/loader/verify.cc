@@ -9,6 +9,7 @@
 
 #include "loader/loader_impl.h"
 #include "util/macros.h"
+#include "util/parallel.h"
 
 namespace tensorferry {
 
@@ -109,28 +110,18 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
     ++tensors;
     bytes += info.size;
   }
-  std::vector<Status> results(work.size());
-  std::atomic<size_t> next{0};
-  auto run = [&] {
-    for (size_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < work.size();) {
-      const Work& job = work[w];
-      const uint64_t begin = job.chunk * job.chunk_size;
-      const uint64_t len = std::min(job.chunk_size, job.info->size - begin);
-      results[w] =
-          VerifyChunk(*job.expected, job.chunk_size, job.info->size, job.chunk,
-                      std::span<const std::byte>(job.data + begin, len),
-                      checkpoint->files()[job.info->file].path, job.info->name, job.info->offset);
-    }
-  };
-  const size_t workers = std::min<size_t>(VerifyThreads(), work.size());
-  std::vector<std::thread> helpers;
-  for (size_t t = 1; t < workers; ++t) helpers.emplace_back(run);
-  if (!work.empty()) run();
-  for (std::thread& t : helpers) t.join();
+  const Status checked = ParallelForUntilError(work.size(), VerifyThreads(), [&](size_t w) {
+    const Work& job = work[w];
+    const uint64_t begin = job.chunk * job.chunk_size;
+    const uint64_t len = std::min(job.chunk_size, job.info->size - begin);
+    return VerifyChunk(*job.expected, job.chunk_size, job.info->size, job.chunk,
+                       std::span<const std::byte>(job.data + begin, len),
+                       checkpoint->files()[job.info->file].path, job.info->name, job.info->offset);
+  });
   counts.nanos += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count());
-  for (Status& s : results) TF_RETURN_IF_ERROR(s);
+  TF_RETURN_IF_ERROR(checked);
   counts.tensors += tensors;
   counts.bytes += bytes;
   counts.skipped += skipped;

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "util/macros.h"
+#include "util/parallel.h"
 
 namespace tensorferry::sink {
 
@@ -189,30 +189,19 @@ Status LandingCheck::Arrived(uint64_t begin, uint64_t end, const std::byte* data
 }
 
 Status LandingCheck::VerifyAll(unsigned threads) {
-  std::vector<Status> results(num_chunks_);
-  std::atomic<size_t> next{0};
-  auto run = [&] {
-    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks_;) {
-      // A chunk not checked yet (none is, unless the engine's workers hashed as bytes landed):
-      // hashed whole, whatever landed through Landed.
-      Chunk& c = chunks_[i];
-      uint64_t got = 0;
-      {
-        std::lock_guard<std::mutex> lock(c.mu);
-        if (c.done) continue;
-        c.done = true;
-        got = HashWhole(c);
-      }
-      results[i] = Compare(c, got);
+  return ParallelForUntilError(num_chunks_, threads, [this](size_t i) {
+    // A chunk not checked yet (none is, unless the engine's workers hashed as bytes landed):
+    // hashed whole, whatever landed through Landed.
+    Chunk& c = chunks_[i];
+    uint64_t got = 0;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.done) return Status::Ok();
+      c.done = true;
+      got = HashWhole(c);
     }
-  };
-  const size_t workers = std::min<size_t>(std::max(threads, 1u), num_chunks_);
-  std::vector<std::thread> helpers;
-  for (size_t t = 1; t < workers; ++t) helpers.emplace_back(run);
-  run();
-  for (std::thread& t : helpers) t.join();
-  for (Status& s : results) TF_RETURN_IF_ERROR(s);
-  return Status::Ok();
+    return Compare(c, got);
+  });
 }
 
 void LandingCheck::Count() {

@@ -1,14 +1,13 @@
 // The mapped sink (Engine::kMmap): tensors are views into per-file mappings kept for the Loader;
 // with populate every page is read first; strided slices are gathered into one pooled buffer.
-#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "io/engine_common.h"
 #include "sink/sink.h"
+#include "util/parallel.h"
 
 namespace tensorferry::sink {
 namespace {
@@ -44,27 +43,11 @@ class MappedSink final : public BatchSink {
 
   // Every page of the batch's tasks read, in parallel over the tasks.
   Status Populate(const PlanBatch& batch) {
-    std::atomic<size_t> next{0};
-    std::mutex mu;
-    Status first;
-    auto work = [&] {
-      for (size_t i; (i = next.fetch_add(1)) < batch.tasks.size();) {
-        const ReadTask& t = batch.tasks[i];
-        Status s = (*c_.maps)[t.file]->Populate(t.file_offset, t.length);
-        if (!s.ok()) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (first.ok()) first = std::move(s);
-          next.store(batch.tasks.size());
-        }
-      }
-    };
     const unsigned threads = c_.options->threads ? c_.options->threads : io::OnlineCpus();
-    const unsigned n = std::min<size_t>(threads, batch.tasks.size());
-    std::vector<std::thread> helpers;
-    for (unsigned i = 1; i < n; ++i) helpers.emplace_back(work);
-    work();
-    for (std::thread& t : helpers) t.join();
-    return first;
+    return ParallelForUntilError(batch.tasks.size(), threads, [&](size_t i) {
+      const ReadTask& t = batch.tasks[i];
+      return (*c_.maps)[t.file]->Populate(t.file_offset, t.length);
+    });
   }
 
   // Views, or copies gathered into one pooled buffer for slices of several ranges (dim-0 slices,

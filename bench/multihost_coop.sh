@@ -11,6 +11,7 @@
 #   sliced          every rank reads its own slices (--mode sliced)
 #   exchange-all    cooperative, every tensor exchanged (--exchange all)
 #   exchange-auto   cooperative, the cost model's choice (--exchange auto) with the rates given
+#   exchange-measured  the same with the network rate measured by the probe (no --network-rate)
 #   exchange-none   cooperative path, nothing exchanged (the model's "all local")
 # A contender NAME:before runs NAME with the binary TF_MPI_BEFORE instead (before/after a change,
 # alternating in the same runs).
@@ -73,7 +74,7 @@ echo "# $HOSTS hosts x $RANKS_PER_HOST ranks, link $RATE, storage $STORAGE_RATE 
 
 run() {  # contender -> one JSON document on stdout
   local args=(load "$path" --shard-rules "$SHARD_RULES" --direct on --json --budget "$BUDGET"
-              --storage-rate "$MODEL_STORAGE" --network-rate "$MODEL_NETWORK")
+              --storage-rate "$MODEL_STORAGE")
   local bin=$TF_MPI name=$1
   if [[ $name == *:before ]]; then
     [ -x "$TF_MPI_BEFORE" ] || { echo "multihost_coop: $name needs TF_MPI_BEFORE" >&2; return 2; }
@@ -84,7 +85,8 @@ run() {  # contender -> one JSON document on stdout
   case $name in
     sliced) args+=(--mode sliced) ;;
     exchange-all) args+=(--mode cooperative --exchange all) ;;
-    exchange-auto) args+=(--mode cooperative --exchange auto) ;;
+    exchange-auto) args+=(--mode cooperative --exchange auto --network-rate "$MODEL_NETWORK") ;;
+    exchange-measured) args+=(--mode cooperative --exchange auto) ;;  # the probe's rate
     exchange-none) args+=(--mode cooperative --exchange none) ;;
     *) echo "unknown contender $1" >&2; return 2 ;;
   esac
@@ -119,6 +121,8 @@ print(json.dumps({"contender": c, "repeat": rep, "wall_seconds": r["wall_seconds
                   "bytes_sent_total": sum(x["bytes_sent"] for x in ranks),
                   "exchanged_tensors": ranks[0]["exchanged_tensors"],
                   "local_tensors": ranks[0]["local_tensors"],
+                  "measured_network_rate": ranks[0].get("measured_network_rate", 0),
+                  "probe_seconds": ranks[0].get("probe_seconds", 0),
                   "estimate": doc.get("estimate", {}).get("chosen", {}).get("seconds")}))
 EOF
   done

@@ -74,6 +74,52 @@ std::vector<uint32_t> AssignRounds(std::span<const uint64_t> sizes,
 // make it. Errors: those of the collective.
 Result<std::vector<uint32_t>> HostsOfRanks(Collective& collective);
 
+// The exchange of a network probe (MeasureNetworkRate; the Python package runs the same one over
+// torch.distributed): every rank sends `bytes` in equal blocks to the ranks on other hosts, after
+// a one-byte exchange between the same pairs that opens lazily made connections. Counts are per
+// member, in AllToAllv's layout. Thread-safe (immutable).
+class NetworkProbe {
+ public:
+  // host_of_rank as HostsOfRanks gives it; every rank makes the same probe.
+  NetworkProbe(std::span<const uint32_t> host_of_rank, uint64_t bytes);
+  // Whether the ranks are on more than one host (else there is nothing to measure).
+  bool several_hosts() const noexcept { return several_hosts_; }
+  std::vector<uint64_t> SendCounts(uint32_t rank, bool warmup) const;
+  std::vector<uint64_t> RecvCounts(uint32_t rank, bool warmup) const;
+  // The rate, in bytes per second, of the slowest host's receiving when the probe's exchange took
+  // `nanos` (the slowest rank's time); at least 1; 0 with one host.
+  uint64_t Rate(uint64_t nanos) const;
+
+ private:
+  std::vector<uint32_t> host_of_rank_;
+  std::vector<uint64_t> block_;  // what rank p sends each rank on another host
+  bool several_hosts_ = false;
+};
+
+// The rate one host receives from the others through `collective`, in bytes per second: every
+// rank sends `bytes` in equal blocks to the ranks on other hosts (host_of_rank, as HostsOfRanks
+// gives it) in one AllToAllv, after a one-byte exchange that opens lazily made connections; the
+// time is the slowest rank's, and the rate the slowest host's, so every rank returns the same
+// value. 0 when every rank is on one host. A collective call: every rank must make it with the
+// same arguments. Errors: kInvalidArgument (host_of_rank does not match the group), those of
+// the collective.
+Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint32_t> host_of_rank,
+                                    uint64_t bytes);
+
+// The bytes each rank sends in the network probe the plan is made with: options.cooperative's
+// probe_bytes when the plan may choose (exchange kAuto), no network_rate was given and the ranks
+// are on more than one host; else 0 (no probe).
+uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t> host_of_rank);
+
+// The options the cooperative plan is made with: `options`, with cooperative.network_rate
+// measured by MeasureNetworkRate(collective, host_of_rank, cooperative.probe_bytes) when the plan
+// may choose (exchange kAuto), no rate was given, probe_bytes > 0 and the ranks are on more than
+// one host (a collective call then); `measured` gets the rate measured, or 0. LoadCooperative
+// calls it; a caller that prints the plan (PlanCooperative) calls it to print the same plan.
+Result<LoadOptions> WithMeasuredNetworkRate(Collective& collective,
+                                            std::span<const uint32_t> host_of_rank,
+                                            const LoadOptions& options, uint64_t* measured);
+
 // One selected tensor in a cooperative plan, and the cost model's figures for it.
 struct CooperativeTensorPlan {
   uint32_t tensor = 0;     // index in Checkpoint::tensors()
@@ -165,7 +211,12 @@ struct CooperativeStats {
   double read_seconds = 0;         // inside the Loader of the rounds
   double local_seconds = 0;     // the local tensors' reads (on a helper thread, beside the rounds)
   double exchange_seconds = 0;  // inside the collectives (waiting for slower readers included)
-  std::string engine;           // the engine that ran the reads
+  // The network rate the plan used when the probe measured it (CooperativeOptions::probe_bytes),
+  // in bytes per second per host (the same on every rank), and the probe's wall time; 0 when no
+  // probe ran.
+  uint64_t measured_network_rate = 0;
+  double probe_seconds = 0;
+  std::string engine;  // the engine that ran the reads
   // Requests, retries and bytes received of this rank's reads from object storage
   // (LoadStats::remote_*; zero for local files).
   uint64_t remote_requests = 0, remote_retries = 0, remote_bytes = 0;

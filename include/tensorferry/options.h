@@ -73,9 +73,15 @@ struct CooperativeOptions {
   // Bytes per second one host reads from its storage (all its ranks together); 0: the default
   // above (TENSORFERRY_COOP_STORAGE_RATE).
   uint64_t storage_rate = 0;
-  // Bytes per second one host receives from the other hosts; 0: the default above
-  // (TENSORFERRY_COOP_NETWORK_RATE). Ranks on one host exchange through memory, at no cost.
+  // Bytes per second one host receives from the other hosts; 0: measured by the probe below when
+  // it runs, else the default above (TENSORFERRY_COOP_NETWORK_RATE). Ranks on one host exchange
+  // through memory, at no cost.
   uint64_t network_rate = 0;
+  // Bytes each rank sends to the ranks on other hosts, through the group's own collective, to
+  // measure the network rate LoadCooperative plans with: only with exchange kAuto, network_rate
+  // 0 and ranks on more than one host; 0: no probe (TENSORFERRY_COOP_PROBE_BYTES). The nominal
+  // rate of a link is not what an exchange achieves over it (docs/distributed.md).
+  uint64_t probe_bytes = 16u << 20;
   // The longest a rank waits in one step of the load for the other ranks (a round's reads, an
   // exchange) before it gives up, in milliseconds; 0: forever (TENSORFERRY_COOP_TIMEOUT_MS). A
   // rank that died or hangs, or a link that went down, then ends every waiting rank with an error

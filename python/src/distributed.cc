@@ -100,6 +100,35 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
 }
 
 void RegisterDistributed(nb::module_& m) {
+  // The network probe of a cooperative plan (tensorferry::NetworkProbe), for the ranks that run it
+  // over torch.distributed.
+  m.def(
+      "network_probe_bytes",
+      [](const std::vector<uint32_t>& hosts, const nb::dict& options) {
+        return NetworkProbeBytes(MakeLoadOptions(options), hosts);
+      },
+      nb::arg("hosts"), nb::arg("options"),
+      "Bytes each rank sends in the network probe, 0 for none: tensorferry::NetworkProbeBytes");
+  m.def(
+      "network_probe_counts",
+      [](const std::vector<uint32_t>& hosts, uint64_t bytes, uint32_t rank, bool warmup) {
+        if (rank >= hosts.size()) {
+          Check(Status(Code::kInvalidArgument, "network_probe_counts: rank " +
+                                                   std::to_string(rank) + " of " +
+                                                   std::to_string(hosts.size())));
+        }
+        const NetworkProbe probe(hosts, bytes);
+        return std::make_pair(probe.SendCounts(rank, warmup), probe.RecvCounts(rank, warmup));
+      },
+      nb::arg("hosts"), nb::arg("bytes"), nb::arg("rank"), nb::arg("warmup"),
+      "(send counts, receive counts) of `rank` in the probe's exchange (warmup: the one-byte one)");
+  m.def(
+      "network_probe_rate",
+      [](const std::vector<uint32_t>& hosts, uint64_t bytes, uint64_t nanos) {
+        return NetworkProbe(hosts, bytes).Rate(nanos);
+      },
+      nb::arg("hosts"), nb::arg("bytes"), nb::arg("nanos"),
+      "Bytes per second per host when the probe's exchange took `nanos` (the slowest rank's)");
   m.def(
       "assign_readers",
       [](const std::vector<uint64_t>& sizes, uint32_t world) {

@@ -31,7 +31,8 @@ from . import _core
 # Options of the per-rank sliced path: the cooperative reader reads whole tensors.
 _TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
 # Options of the plan (PlanCooperative's cost model and covering reads).
-_PLAN_KEYS = ("coop_exchange", "coop_storage_rate", "coop_network_rate", "shard_max_gap")
+_PLAN_KEYS = ("coop_exchange", "coop_storage_rate", "coop_network_rate", "coop_probe_bytes",
+              "shard_max_gap")
 
 
 class Cooperative:
@@ -174,6 +175,36 @@ def _hosts(torch, dist, group, rank, world, comm_device, timeout):
     return [seen.setdefault(int(t.item()), len(seen)) for t in every]
 
 
+def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts, nbytes):
+    """The network rate the plan is made with, measured as tensorferry::MeasureNetworkRate
+    measures it (the same NetworkProbe exchange and arithmetic, through all_to_all_single): bytes
+    per second per host, the same on every rank; 0 when nbytes is 0 (no probe)."""
+    if not nbytes:
+        return 0
+
+    def exchange(warmup, step):
+        send, recv = _core.network_probe_counts(hosts, nbytes, rank, warmup)
+        out = torch.full((sum(send),), 0x5A, dtype=torch.uint8, device=comm_device)
+        into = torch.empty(sum(recv), dtype=torch.uint8, device=comm_device)
+        _collective(step, rank, timeout,
+                    lambda: dist.all_to_all_single(into, out, list(recv), list(send), group=group,
+                                                   async_op=True))
+
+    exchange(True, "the network probe (opening the connections)")
+    _collective("the network probe (barrier)", rank, timeout,
+                lambda: dist.barrier(group=group, async_op=True))
+    t0 = time.perf_counter_ns()
+    exchange(False, "the network probe")
+    if comm_device.type != "cpu":
+        torch.cuda.synchronize(comm_device)
+    mine = torch.tensor([time.perf_counter_ns() - t0], dtype=torch.int64, device=comm_device)
+    every = [torch.empty(1, dtype=torch.int64, device=comm_device)
+             for _ in range(len(hosts))]
+    _collective("the network probe (gathering the times)", rank, timeout,
+                lambda: dist.all_gather(every, mine, group=group, async_op=True))
+    return _core.network_probe_rate(hosts, nbytes, max(int(t.item()) for t in every))
+
+
 def _align(n):
     """Parts start at multiples of 64 bytes in the exchange buffers (a typed view needs it)."""
     return (n + 63) // 64 * 64
@@ -261,6 +292,12 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     hosts = _hosts(torch, dist, group, rank, world, comm_device, timeout)
     options = {k: v for k, v in (plan_options or {}).items() if v is not None}
     options["budget"] = budget or 0
+    probe_start = time.perf_counter()
+    measured = _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
+                                     _core.network_probe_bytes(hosts, options))
+    if measured:
+        options["coop_network_rate"] = measured
+    probe_seconds = time.perf_counter() - probe_start if measured else 0.0
     raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options)
     plan = [_Entry(t) for t in raw_plan]
     figures = {"tensors": len(outputs), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
@@ -268,7 +305,8 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                "local_seconds": 0.0, "remote_requests": 0, "remote_retries": 0,
                "remote_bytes": 0, "hosts": len(set(hosts)),
                "exchanged_tensors": sum(1 for e in plan if e.exchanged),
-               "local_tensors": sum(1 for e in plan if not e.exchanged)}
+               "local_tensors": sum(1 for e in plan if not e.exchanged),
+               "measured_network_rate": measured, "probe_seconds": probe_seconds}
     units = []
     for e in plan:
         if not e.exchanged:

@@ -190,7 +190,11 @@ class Loader:
             (default: a cost model of each host's storage and network time, see
             docs/distributed.md), "all", or "none" (each rank reads its own slices).
         coop_storage_rate, coop_network_rate: the cost model's storage read rate and network
-            rate per host (bytes per second or sizes like "2G"; defaults 2 GB/s and 1.25 GB/s).
+            rate per host (bytes per second or sizes like "2G"; defaults 2 GB/s and, for the
+            network, what the probe measures, else 1.25 GB/s).
+        coop_probe_bytes: with process_group, coop_exchange "auto", no coop_network_rate and
+            ranks on more than one host, the bytes each rank sends to the other hosts' ranks to
+            measure the network rate before planning (default "16MiB"; 0: no probe).
         storage_options: for s3:// and http(s):// checkpoints, a dict of object-storage
             settings (s3_endpoint, s3_region, s3_profile, s3_access_key_id,
             s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style,
@@ -209,7 +213,8 @@ class Loader:
                  staging_bytes=None, tp_rank=None, tp_size=None, shard_rules=None,
                  shard_max_gap=None, process_group=None, storage_options=None,
                  memory_limit=None, drop_cache=None, verify=None, coop_timeout_ms=None,
-                 coop_exchange=None, coop_storage_rate=None, coop_network_rate=None):
+                 coop_exchange=None, coop_storage_rate=None, coop_network_rate=None,
+                 coop_probe_bytes=None):
         self._fw = _frameworks.get(framework)
         self._device = self._fw.device(device)
         core_device = self._fw.core_device(self._device)
@@ -253,6 +258,7 @@ class Loader:
             "coop_exchange": coop_exchange,
             "coop_storage_rate": coop_storage_rate,
             "coop_network_rate": coop_network_rate,
+            "coop_probe_bytes": coop_probe_bytes,
         }
         options.update(_safe_open.storage_load_options(storage_options))
         if shard_rules is not None:

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <limits>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -989,6 +991,98 @@ Result<std::vector<uint32_t>> HostsOfRanks(Collective& collective) {
   return hosts;
 }
 
+NetworkProbe::NetworkProbe(std::span<const uint32_t> host_of_rank, uint64_t bytes)
+    : host_of_rank_(host_of_rank.begin(), host_of_rank.end()), block_(host_of_rank.size(), 0) {
+  const size_t world = host_of_rank_.size();
+  for (size_t p = 0; p < world; ++p) {
+    uint64_t remote = 0;
+    for (size_t q = 0; q < world; ++q) remote += host_of_rank_[q] != host_of_rank_[p] ? 1 : 0;
+    block_[p] = remote == 0 ? 0 : std::max<uint64_t>(1, bytes / remote);
+    several_hosts_ = several_hosts_ || remote > 0;
+  }
+}
+
+std::vector<uint64_t> NetworkProbe::SendCounts(uint32_t rank, bool warmup) const {
+  std::vector<uint64_t> out(host_of_rank_.size(), 0);
+  for (size_t q = 0; q < out.size() && rank < out.size(); ++q) {
+    if (host_of_rank_[q] != host_of_rank_[rank]) out[q] = warmup ? 1 : block_[rank];
+  }
+  return out;
+}
+
+std::vector<uint64_t> NetworkProbe::RecvCounts(uint32_t rank, bool warmup) const {
+  std::vector<uint64_t> out(host_of_rank_.size(), 0);
+  for (size_t p = 0; p < out.size() && rank < out.size(); ++p) {
+    if (host_of_rank_[p] != host_of_rank_[rank]) out[p] = warmup ? 1 : block_[p];
+  }
+  return out;
+}
+
+uint64_t NetworkProbe::Rate(uint64_t nanos) const {
+  if (!several_hosts_) return 0;
+  std::map<uint32_t, uint64_t> received;  // bytes each host received
+  for (size_t q = 0; q < host_of_rank_.size(); ++q) {
+    for (size_t p = 0; p < host_of_rank_.size(); ++p) {
+      if (host_of_rank_[p] != host_of_rank_[q]) received[host_of_rank_[q]] += block_[p];
+    }
+  }
+  double rate = std::numeric_limits<double>::max();
+  for (const auto& [host, got] : received) {
+    rate = std::min(
+        rate, static_cast<double>(got) * 1e9 / static_cast<double>(std::max<uint64_t>(1, nanos)));
+  }
+  return std::max<uint64_t>(1, static_cast<uint64_t>(std::min(rate, 1.8e19)));
+}
+
+Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint32_t> host_of_rank,
+                                    uint64_t bytes) {
+  const uint32_t world = collective.size(), me = collective.rank();
+  if (host_of_rank.size() != world || me >= world) {
+    return Status(Code::kInvalidArgument, "network probe: host_of_rank has " +
+                                              std::to_string(host_of_rank.size()) +
+                                              " entries for a group of " + std::to_string(world));
+  }
+  const NetworkProbe probe(host_of_rank, bytes);
+  if (!probe.several_hosts()) return uint64_t{0};
+  auto exchange = [&](bool warmup) {
+    const std::vector<uint64_t> send = probe.SendCounts(me, warmup);
+    const std::vector<uint64_t> recv = probe.RecvCounts(me, warmup);
+    std::vector<std::byte> out(std::accumulate(send.begin(), send.end(), uint64_t{0}),
+                               std::byte{0x5a});
+    std::vector<std::byte> in(std::accumulate(recv.begin(), recv.end(), uint64_t{0}));
+    return collective.AllToAllv(out, send, in, recv);
+  };
+  TF_RETURN_IF_ERROR(exchange(/*warmup=*/true));
+  TF_RETURN_IF_ERROR(collective.Barrier());
+  const Clock::time_point start = Clock::now();
+  TF_RETURN_IF_ERROR(exchange(/*warmup=*/false));
+  const uint64_t nanos = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(nanos));
+  return probe.Rate(*std::max_element(all.begin(), all.end()));
+}
+
+uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t> host_of_rank) {
+  const CooperativeOptions& c = options.cooperative;
+  const bool several_hosts = std::any_of(host_of_rank.begin(), host_of_rank.end(),
+                                         [&](uint32_t h) { return h != host_of_rank.front(); });
+  return c.exchange == ExchangeChoice::kAuto && c.network_rate == 0 && several_hosts ? c.probe_bytes
+                                                                                     : 0;
+}
+
+Result<LoadOptions> WithMeasuredNetworkRate(Collective& collective,
+                                            std::span<const uint32_t> host_of_rank,
+                                            const LoadOptions& options, uint64_t* measured) {
+  if (measured != nullptr) *measured = 0;
+  const uint64_t bytes = NetworkProbeBytes(options, host_of_rank);
+  if (bytes == 0) return options;
+  TF_ASSIGN_OR_RETURN(const uint64_t rate, MeasureNetworkRate(collective, host_of_rank, bytes));
+  LoadOptions out = options;
+  out.cooperative.network_rate = rate;
+  if (measured != nullptr) *measured = rate;
+  return out;
+}
+
 Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
                                         const ShardSpec& spec, const LoadOptions& options,
                                         std::span<const uint32_t> host_of_rank) {
@@ -1072,9 +1166,18 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
                                      [&] { return HostsOfRanks(collective); }));
   TF_ASSIGN_OR_RETURN(const Description described,
                       DescribeForRank(*checkpoint, selection, spec, me, world));
+  // The network rate the plan assumes, measured through this group's collective when it may
+  // decide the plan.
+  const Clock::time_point probe_start = Clock::now();
+  TF_ASSIGN_OR_RETURN(const LoadOptions planned, watchdog.Watch("the network probe", [&] {
+    return WithMeasuredNetworkRate(collective, hosts, options, &local.measured_network_rate);
+  }));
+  if (local.measured_network_rate > 0) {
+    local.probe_seconds = std::chrono::duration<double>(Clock::now() - probe_start).count();
+  }
   std::vector<Item> items;
   TF_ASSIGN_OR_RETURN(const CooperativePlan plan,
-                      MakePlan(*checkpoint, described.read, spec, options, hosts, me, &items));
+                      MakePlan(*checkpoint, described.read, spec, planned, hosts, me, &items));
   local.hosts = plan.hosts;
 
   // The local tensors, read on a helper thread while the rounds run.

@@ -642,5 +642,64 @@ TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
   }
 }
 
+// The network probe: the same rate on every rank of a group spread over hosts (here fake hosts
+// of an in-process group, which exchanges through memory), none when every rank is on one host,
+// and the options it changes only when the plan may choose and no rate was given.
+TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
+  constexpr uint32_t kWorld = 4;
+  auto group = MakeInProcessGroup(kWorld).ValueOrThrow();
+  auto run = [&](std::vector<uint32_t> hosts, const LoadOptions& options) {
+    std::vector<Result<LoadOptions>> got(kWorld, Status(Code::kInternal, "not run"));
+    std::vector<uint64_t> measured(kWorld, 12345);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      threads.emplace_back(
+          [&, r] { got[r] = WithMeasuredNetworkRate(*group[r], hosts, options, &measured[r]); });
+    }
+    for (auto& t : threads) t.join();
+    return std::make_pair(std::move(got), measured);
+  };
+  LoadOptions options;
+  options.cooperative.probe_bytes = 1 << 20;
+  {
+    auto [got, measured] = run({0, 0, 1, 1}, options);
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(got[r].ok()) << got[r].status().ToString();
+      EXPECT_GT(measured[r], 0u);
+      EXPECT_EQ(measured[r], measured[0]) << "rank " << r;
+      EXPECT_EQ(got[r]->cooperative.network_rate, measured[r]);
+    }
+  }
+  {
+    auto [got, measured] = run({0, 1, 2, 0}, options);  // uneven hosts
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(got[r].ok()) << got[r].status().ToString();
+      EXPECT_EQ(measured[r], measured[0]);
+      EXPECT_GT(measured[r], 0u);
+    }
+  }
+  // One host, a rate given, a fixed choice, or no probe: no collective call, options unchanged.
+  LoadOptions given = options, all = options, off = options;
+  given.cooperative.network_rate = 777;
+  all.cooperative.exchange = ExchangeChoice::kAll;
+  off.cooperative.probe_bytes = 0;
+  for (const auto& [hosts, o] :
+       std::vector<std::pair<std::vector<uint32_t>, LoadOptions>>{{{0, 0, 0, 0}, options},
+                                                                  {{0, 0, 1, 1}, given},
+                                                                  {{0, 0, 1, 1}, all},
+                                                                  {{0, 0, 1, 1}, off}}) {
+    auto [got, measured] = run(hosts, o);
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(got[r].ok());
+      EXPECT_EQ(measured[r], 0u);
+      EXPECT_EQ(got[r]->cooperative.network_rate, o.cooperative.network_rate);
+    }
+  }
+  auto bad = MeasureNetworkRate(*group[0], std::vector<uint32_t>{0, 1}, 1024);
+  EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("2 entries for a group of 4"), std::string::npos)
+      << bad.status().ToString();
+}
+
 }  // namespace
 }  // namespace tensorferry

@@ -228,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 43> kKeys = {{
+const std::array<Key, 44> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -322,6 +322,12 @@ const std::array<Key, 43> kKeys = {{
     {"coop_network_rate", "TENSORFERRY_COOP_NETWORK_RATE",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(o.cooperative.network_rate, Size(v, true));
+       return Status::Ok();
+     }},
+    {"coop_probe_bytes", "TENSORFERRY_COOP_PROBE_BYTES",
+     [](LoadOptions& o, std::string_view v) -> Status {
+       TF_ASSIGN_OR_RETURN(o.cooperative.probe_bytes, Size(v, true));
+       if (o.cooperative.probe_bytes > (uint64_t{1} << 30)) return Why("is more than 1GiB");
        return Status::Ok();
      }},
 }};

@@ -66,7 +66,8 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"coop_exchange", "none"},
                                  {"coop_storage_rate", "500MB"},
                                  {"coop_network_rate", "125MB"},
-                                 {"coop_timeout_ms", "20000"}});
+                                 {"coop_timeout_ms", "20000"},
+                                 {"coop_probe_bytes", "4MiB"}});
   EXPECT_EQ(o.engine, Engine::kPread);
   EXPECT_EQ(o.threads, 7u);
   EXPECT_EQ(o.chunk_size, 1u << 20);
@@ -114,12 +115,13 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.cooperative.storage_rate, 500'000'000u);
   EXPECT_EQ(o.cooperative.network_rate, 125'000'000u);
   EXPECT_EQ(o.cooperative.timeout_ms, 20'000u);
+  EXPECT_EQ(o.cooperative.probe_bytes, 4u << 20);
   EXPECT_TRUE(o.Validate().ok()) << o.Validate().ToString();
 
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 43u);
+  EXPECT_EQ(keys.size(), 44u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
@@ -128,32 +130,34 @@ TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
     const char* value;
     const char* words;
   };
-  for (const Case& c : {Case{"engine", "fast", "engine = fast: unknown engine"},
-                        Case{"threads", "-1", "threads = -1 is not a count"},
-                        Case{"threads", "4294967296", "threads = 4294967296 is out of range"},
-                        Case{"threads", "99999999999999999999999", "is out of range"},
-                        Case{"chunk_size", "0", "chunk_size = 0 must be > 0"},
-                        Case{"chunk_size", "1XB", "chunk_size = 1XB is not a size"},
-                        Case{"budget", "18446744073709551616",
-                             "budget = 18446744073709551616 "
-                             "is out of range"},
-                        Case{"direct", "maybe", "unknown O_DIRECT mode"},
-                        Case{"queue_depth", "0", "queue_depth = 0 must be > 0"},
-                        Case{"allow_oversized", "sure", "is not a boolean"},
-                        Case{"order", "random", "order = random: unknown order"},
-                        Case{"populate", "auto", "is not a boolean"},
-                        Case{"memory_limit", "lots", "memory_limit = lots is not a size"},
-                        Case{"drop_cache", "maybe", "is not a boolean"},
-                        Case{"device", "tpu", "device = tpu"},
-                        Case{"gds", "always", "gds = always"},
-                        Case{"staging_bytes", "0", "must be > 0"},
-                        Case{"staging_slot", "0", "must be > 0"},
-                        Case{"tp_rank", "4294967295", "is out of range"},
-                        Case{"shard_rules", "{\"nope\": 1}", "shard_rules = "},
-                        Case{"coop_exchange", "some", "coop_exchange = some: unknown exchange"},
-                        Case{"coop_network_rate", "fast", "coop_network_rate = fast is not a size"},
-                        Case{"budget", "", "budget: empty value"},
-                        Case{"speed", "11", "unknown load option \"speed\""}}) {
+  for (const Case& c :
+       {Case{"engine", "fast", "engine = fast: unknown engine"},
+        Case{"threads", "-1", "threads = -1 is not a count"},
+        Case{"threads", "4294967296", "threads = 4294967296 is out of range"},
+        Case{"threads", "99999999999999999999999", "is out of range"},
+        Case{"chunk_size", "0", "chunk_size = 0 must be > 0"},
+        Case{"chunk_size", "1XB", "chunk_size = 1XB is not a size"},
+        Case{"budget", "18446744073709551616",
+             "budget = 18446744073709551616 "
+             "is out of range"},
+        Case{"direct", "maybe", "unknown O_DIRECT mode"},
+        Case{"queue_depth", "0", "queue_depth = 0 must be > 0"},
+        Case{"allow_oversized", "sure", "is not a boolean"},
+        Case{"order", "random", "order = random: unknown order"},
+        Case{"populate", "auto", "is not a boolean"},
+        Case{"memory_limit", "lots", "memory_limit = lots is not a size"},
+        Case{"drop_cache", "maybe", "is not a boolean"},
+        Case{"device", "tpu", "device = tpu"},
+        Case{"gds", "always", "gds = always"},
+        Case{"staging_bytes", "0", "must be > 0"},
+        Case{"staging_slot", "0", "must be > 0"},
+        Case{"tp_rank", "4294967295", "is out of range"},
+        Case{"shard_rules", "{\"nope\": 1}", "shard_rules = "},
+        Case{"coop_exchange", "some", "coop_exchange = some: unknown exchange"},
+        Case{"coop_network_rate", "fast", "coop_network_rate = fast is not a size"},
+        Case{"coop_probe_bytes", "2GiB", "coop_probe_bytes = 2GiB is more than 1GiB"},
+        Case{"budget", "", "budget: empty value"},
+        Case{"speed", "11", "unknown load option \"speed\""}}) {
     LoadOptions o;
     const Status s = o.Set(c.key, c.value);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << c.key << "=" << c.value;

@@ -69,8 +69,12 @@ def main():
                    "host_ip": os.environ.get("TF_MULTIHOST_IP")}
         # Every tensor exchanged (each byte read once in all), then the cost model's choice.
         for exchange in ("all", "auto"):
+            # auto: the network rate measured by the probe (the shaped link's, or less), storage
+            # modelled as slower still, so that the replicated and dimension-1 tensors pay to
+            # exchange and the exact dimension-0 slices stay local.
+            extra = {"coop_storage_rate": "1MB"} if exchange == "auto" else {}
             loader = tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="builtin",
-                                        process_group=pg, coop_exchange=exchange)
+                                        process_group=pg, coop_exchange=exchange, **extra)
             got = loader.load()
             stats = loader.cooperative_stats
             assert list(got) == list(independent), (list(got), list(independent))
@@ -90,7 +94,8 @@ def main():
                                  "bytes_received": stats["bytes_received"],
                                  "hosts": stats["hosts"],
                                  "exchanged_tensors": stats["exchanged_tensors"],
-                                 "local_tensors": stats["local_tensors"]}
+                                 "local_tensors": stats["local_tensors"],
+                                 "measured_network_rate": stats["measured_network_rate"]}
         with open(out, "w") as f:
             json.dump(figures, f)
     finally:

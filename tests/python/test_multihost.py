@@ -156,6 +156,12 @@ def test_mpi_across_hosts_cooperative_equals_sliced(rehearsal, staged_checkpoint
     # The cost model's choice (auto): two hosts seen, some tensors exchanged, the same slices.
     auto = docs["auto"]
     assert auto["hosts"] == 2 and auto["exchange"] == "auto"
+    # Planned with the network rate the probe measured through MPI, the same on every rank and
+    # at most about the shaped link's (bytes per second per host).
+    assert auto["network_rate_measured"] is True
+    rates = {x["measured_network_rate"] for x in auto["runs"][0]["per_rank"]}
+    assert len(rates) == 1 and 0 < rates.pop() <= 1.5 * RATE_MBIT * 1e6 / 8, auto["runs"][0]
+    assert all(x["measured_network_rate"] == 0 for x in coop["per_rank"])
     assert auto["estimate"]["chosen"]["seconds"] <= auto["estimate"]["all_local"]["seconds"]
     assert [x["checksum"] for x in auto["runs"][0]["per_rank"]] == \
         [x["checksum"] for x in sliced["per_rank"]]
@@ -217,6 +223,11 @@ def test_gloo_across_hosts(rehearsal, staged_checkpoint, tmp_path):
                for x in results)
     assert all(x["all"]["local_tensors"] == 0 for x in results)
     assert all(x["auto"]["local_tensors"] > 0 for x in results)
+    # auto plans with the rate the probe measured over gloo (the same on both ranks, near the
+    # shaped link's; exchanging all measures nothing); the fixed choice measures nothing.
+    rates = [x["auto"]["measured_network_rate"] for x in results]
+    assert rates[0] == rates[1] and 0 < rates[0] <= 1.5 * RATE_MBIT * 1e6 / 8, rates
+    assert [x["all"]["measured_network_rate"] for x in results] == [0, 0]
 
 
 def test_shaped_rate_is_the_configured_rate(rehearsal):

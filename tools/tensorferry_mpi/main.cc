@@ -75,6 +75,8 @@ struct RankFigures {
   uint64_t checksum = 0;           // with --checksum (sliced, cooperative): CombineTensorSums
   uint64_t exchanged_tensors = 0;  // cooperative: the plan's choice
   uint64_t local_tensors = 0;
+  uint64_t measured_network_rate = 0;  // cooperative: the probe's rate (0: none ran)
+  double probe_seconds = 0;
 };
 
 // The `load` checksum of a rank's tensors (after the load's clock: see --checksum), as a number.
@@ -102,6 +104,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.read_seconds = stats.read_seconds;
     f.exchanged_tensors = stats.exchanged_tensors;
     f.local_tensors = stats.local_tensors;
+    f.measured_network_rate = stats.measured_network_rate;
+    f.probe_seconds = stats.probe_seconds;
     f.exchange_seconds = stats.exchange_seconds;
     f.remote_requests = stats.remote_requests;
     f.remote_bytes = stats.remote_bytes;
@@ -243,7 +247,8 @@ Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
        {static_cast<uint64_t>(figures.seconds * 1e6), figures.bytes, figures.read, figures.sent,
         figures.received, static_cast<uint64_t>(figures.read_seconds * 1e6),
         static_cast<uint64_t>(figures.exchange_seconds * 1e6), figures.remote_requests,
-        figures.remote_bytes, figures.checksum, figures.exchanged_tensors, figures.local_tensors}) {
+        figures.remote_bytes, figures.checksum, figures.exchanged_tensors, figures.local_tensors,
+        figures.measured_network_rate, static_cast<uint64_t>(figures.probe_seconds * 1e6)}) {
     auto all = group.AllGather(v);
     if (!all.ok()) return all.status();
     columns.push_back(std::move(*all));
@@ -269,7 +274,9 @@ void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_
             ", \"remote_requests\": " + std::to_string(columns[7][r]) +
             ", \"remote_bytes\": " + std::to_string(columns[8][r]) +
             ", \"exchanged_tensors\": " + std::to_string(columns[10][r]) +
-            ", \"local_tensors\": " + std::to_string(columns[11][r]);
+            ", \"local_tensors\": " + std::to_string(columns[11][r]) +
+            ", \"measured_network_rate\": " + std::to_string(columns[12][r]) +
+            ", \"probe_seconds\": " + std::to_string(static_cast<double>(columns[13][r]) / 1e6);
     if (checksum) json += ", \"checksum\": \"" + cli::ChecksumHex(columns[9][r]) + "\"";
     json += "}";
   }
@@ -370,7 +377,13 @@ int Main(int argc, char** argv) {
     auto hosts = watchdog.Watch("the start (learning every rank's host)",
                                 [&] { return HostsOfRanks(group); });
     if (!hosts.ok()) return Fail(hosts.status());
-    auto plan = PlanCooperative(**checkpoint, Selection::All(), *spec, *options, *hosts);
+    // With the network rate measured as LoadCooperative measures it (each load measures again).
+    uint64_t measured = 0;
+    auto planned = watchdog.Watch("the network probe", [&] {
+      return WithMeasuredNetworkRate(group, *hosts, *options, &measured);
+    });
+    if (!planned.ok()) return Fail(planned.status());
+    auto plan = PlanCooperative(**checkpoint, Selection::All(), *spec, *planned, *hosts);
     if (!plan.ok()) return Fail(plan.status());
     if (args.explain) {
       if (root) std::printf("%s", plan->ToString(**checkpoint).c_str());
@@ -383,7 +396,9 @@ int Main(int argc, char** argv) {
             ", \"split_tensors\": " + std::to_string(split) + ", \"exchange\": \"" +
             std::string(ExchangeChoiceName(plan->choice)) +
             "\", \"storage_rate\": " + std::to_string(plan->storage_rate) +
-            ", \"network_rate\": " + std::to_string(plan->network_rate) + ", \"estimate\": {";
+            ", \"network_rate\": " + std::to_string(plan->network_rate) +
+            ", \"network_rate_measured\": " + (measured > 0 ? "true" : "false") +
+            ", \"estimate\": {";
     const std::pair<const char*, const CooperativePlan::Estimate*> estimates[] = {
         {"chosen", &plan->chosen},
         {"all_local", &plan->all_local},

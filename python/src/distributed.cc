@@ -122,6 +122,11 @@ void RegisterDistributed(nb::module_& m) {
       },
       nb::arg("hosts"), nb::arg("bytes"), nb::arg("rank"), nb::arg("warmup"),
       "(send counts, receive counts) of `rank` in the probe's exchange (warmup: the one-byte one)");
+  m.def("network_probe_first_bytes", &NetworkProbe::FirstBytes, nb::arg("limit"),
+        "The probe's first round's bytes per rank: tensorferry::NetworkProbe::FirstBytes");
+  m.def("network_probe_next_bytes", &NetworkProbe::NextBytes, nb::arg("bytes"), nb::arg("nanos"),
+        nb::arg("limit"),
+        "The next round's bytes per rank, 0 when done: tensorferry::NetworkProbe::NextBytes");
   m.def(
       "network_probe_rate",
       [](const std::vector<uint32_t>& hosts, uint64_t bytes, uint64_t nanos) {

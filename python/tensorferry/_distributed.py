@@ -182,27 +182,33 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
     if not nbytes:
         return 0
 
-    def exchange(warmup, step):
-        send, recv = _core.network_probe_counts(hosts, nbytes, rank, warmup)
+    def exchange(size, warmup, step):
+        send, recv = _core.network_probe_counts(hosts, size, rank, warmup)
         out = torch.full((sum(send),), 0x5A, dtype=torch.uint8, device=comm_device)
         into = torch.empty(sum(recv), dtype=torch.uint8, device=comm_device)
         _collective(step, rank, timeout,
                     lambda: dist.all_to_all_single(into, out, list(recv), list(send), group=group,
                                                    async_op=True))
 
-    exchange(True, "the network probe (opening the connections)")
-    _collective("the network probe (barrier)", rank, timeout,
-                lambda: dist.barrier(group=group, async_op=True))
-    t0 = time.perf_counter_ns()
-    exchange(False, "the network probe")
-    if comm_device.type != "cpu":
-        torch.cuda.synchronize(comm_device)
-    mine = torch.tensor([time.perf_counter_ns() - t0], dtype=torch.int64, device=comm_device)
-    every = [torch.empty(1, dtype=torch.int64, device=comm_device)
-             for _ in range(len(hosts))]
-    _collective("the network probe (gathering the times)", rank, timeout,
-                lambda: dist.all_gather(every, mine, group=group, async_op=True))
-    return _core.network_probe_rate(hosts, nbytes, max(int(t.item()) for t in every))
+    exchange(1, True, "the network probe (opening the connections)")
+    rate = 0
+    size = _core.network_probe_first_bytes(nbytes)
+    while size:
+        _collective("the network probe (barrier)", rank, timeout,
+                    lambda: dist.barrier(group=group, async_op=True))
+        t0 = time.perf_counter_ns()
+        exchange(size, False, "the network probe")
+        if comm_device.type != "cpu":
+            torch.cuda.synchronize(comm_device)
+        mine = torch.tensor([time.perf_counter_ns() - t0], dtype=torch.int64, device=comm_device)
+        every = [torch.empty(1, dtype=torch.int64, device=comm_device)
+                 for _ in range(len(hosts))]
+        _collective("the network probe (gathering the times)", rank, timeout,
+                    lambda: dist.all_gather(every, mine, group=group, async_op=True))
+        slowest = max(int(t.item()) for t in every)
+        rate = _core.network_probe_rate(hosts, size, slowest)
+        size = _core.network_probe_next_bytes(size, slowest, nbytes)
+    return rate
 
 
 def _align(n):

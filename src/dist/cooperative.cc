@@ -1034,6 +1034,16 @@ uint64_t NetworkProbe::Rate(uint64_t nanos) const {
   return std::max<uint64_t>(1, static_cast<uint64_t>(std::min(rate, 1.8e19)));
 }
 
+uint64_t NetworkProbe::FirstBytes(uint64_t limit) {
+  return std::min<uint64_t>(limit, 1u << 20);
+}
+
+uint64_t NetworkProbe::NextBytes(uint64_t bytes, uint64_t nanos, uint64_t limit) {
+  constexpr uint64_t kLongEnoughNanos = 50'000'000;  // 50 ms: latency and start-up are noise
+  if (nanos >= kLongEnoughNanos || bytes >= limit) return 0;
+  return std::min<uint64_t>(limit, bytes * 8);
+}
+
 Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint32_t> host_of_rank,
                                     uint64_t bytes) {
   const uint32_t world = collective.size(), me = collective.rank();
@@ -1042,9 +1052,8 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
                                               std::to_string(host_of_rank.size()) +
                                               " entries for a group of " + std::to_string(world));
   }
-  const NetworkProbe probe(host_of_rank, bytes);
-  if (!probe.several_hosts()) return uint64_t{0};
-  auto exchange = [&](bool warmup) {
+  if (!NetworkProbe(host_of_rank, bytes).several_hosts()) return uint64_t{0};
+  auto exchange = [&](const NetworkProbe& probe, bool warmup) {
     const std::vector<uint64_t> send = probe.SendCounts(me, warmup);
     const std::vector<uint64_t> recv = probe.RecvCounts(me, warmup);
     std::vector<std::byte> out(std::accumulate(send.begin(), send.end(), uint64_t{0}),
@@ -1052,14 +1061,23 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
     std::vector<std::byte> in(std::accumulate(recv.begin(), recv.end(), uint64_t{0}));
     return collective.AllToAllv(out, send, in, recv);
   };
-  TF_RETURN_IF_ERROR(exchange(/*warmup=*/true));
-  TF_RETURN_IF_ERROR(collective.Barrier());
-  const Clock::time_point start = Clock::now();
-  TF_RETURN_IF_ERROR(exchange(/*warmup=*/false));
-  const uint64_t nanos = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
-  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(nanos));
-  return probe.Rate(*std::max_element(all.begin(), all.end()));
+  TF_RETURN_IF_ERROR(exchange(NetworkProbe(host_of_rank, 1), /*warmup=*/true));
+  // Rounds of growing size until one lasts long enough (every rank takes the same decision, from
+  // the slowest rank's time).
+  uint64_t rate = 0;
+  for (uint64_t size = NetworkProbe::FirstBytes(bytes); size != 0;) {
+    const NetworkProbe probe(host_of_rank, size);
+    TF_RETURN_IF_ERROR(collective.Barrier());
+    const Clock::time_point start = Clock::now();
+    TF_RETURN_IF_ERROR(exchange(probe, /*warmup=*/false));
+    const uint64_t nanos = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(nanos));
+    const uint64_t slowest = *std::max_element(all.begin(), all.end());
+    rate = probe.Rate(slowest);
+    size = NetworkProbe::NextBytes(size, slowest, bytes);
+  }
+  return rate;
 }
 
 uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t> host_of_rank) {

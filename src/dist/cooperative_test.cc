@@ -695,6 +695,20 @@ TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
       EXPECT_EQ(got[r]->cooperative.network_rate, o.cooperative.network_rate);
     }
   }
+  // Rounds grow eightfold from 1 MiB until one lasts 50 ms or reaches the limit.
+  EXPECT_EQ(NetworkProbe::FirstBytes(16u << 20), 1u << 20);
+  EXPECT_EQ(NetworkProbe::FirstBytes(1000), 1000u);
+  EXPECT_EQ(NetworkProbe::NextBytes(1u << 20, 1'000'000, 16u << 20), 8u << 20);
+  EXPECT_EQ(NetworkProbe::NextBytes(8u << 20, 1'000'000, 16u << 20), 16u << 20);
+  EXPECT_EQ(NetworkProbe::NextBytes(16u << 20, 1'000'000, 16u << 20), 0u);
+  EXPECT_EQ(NetworkProbe::NextBytes(1u << 20, 60'000'000, 16u << 20), 0u);
+  // The rate of the slowest host: 4 ranks on 2 hosts, 1000 bytes each split over the 2 remote
+  // ranks, so each host receives 2 x 2 x 500 bytes; in 1 ms: 2 MB/s.
+  const std::vector<uint32_t> two_hosts = {0, 0, 1, 1};
+  const NetworkProbe probe(two_hosts, 1000);
+  EXPECT_EQ(probe.Rate(1'000'000), 2'000'000u);
+  EXPECT_EQ(probe.SendCounts(0, false), (std::vector<uint64_t>{0, 0, 500, 500}));
+  EXPECT_EQ(probe.RecvCounts(3, true), (std::vector<uint64_t>{1, 1, 0, 0}));
   auto bad = MeasureNetworkRate(*group[0], std::vector<uint32_t>{0, 1}, 1024);
   EXPECT_EQ(bad.status().code(), Code::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("2 entries for a group of 4"), std::string::npos)

@@ -91,8 +91,8 @@ class NetworkProbe {
   uint64_t Rate(uint64_t nanos) const;
   // The probe runs rounds of growing size, so that a slow link is not made to carry the whole
   // `limit` (probe_bytes) and a fast one is timed over long enough: the first round's bytes per
-  // rank, and the next round's after one of `bytes` took `nanos` (0: that round's rate is the
-  // measurement: it lasted 50 ms or more, or reached the limit).
+  // rank (64 KiB), and the next round's (eight times more) after one of `bytes` took `nanos` (0:
+  // that round's rate is the measurement: it lasted 20 ms or more, or reached the limit).
   static uint64_t FirstBytes(uint64_t limit);
   static uint64_t NextBytes(uint64_t bytes, uint64_t nanos, uint64_t limit);
 
@@ -105,7 +105,7 @@ class NetworkProbe {
 // The rate one host receives from the others through `collective`, in bytes per second: every
 // rank sends its bytes in equal blocks to the ranks on other hosts (host_of_rank, as HostsOfRanks
 // gives it) in one AllToAllv per round, after a one-byte exchange that opens lazily made
-// connections; rounds grow from 1 MiB per rank up to `bytes` until one lasts 50 ms
+// connections; rounds grow from 64 KiB per rank up to `bytes` until one lasts 20 ms
 // (NetworkProbe::NextBytes); the time is the slowest rank's, and the rate the slowest host's, so
 // every rank returns the same value. 0 when every rank is on one host. A collective call: every
 // rank must make it with the same arguments. Errors: kInvalidArgument (host_of_rank does not match

@@ -695,13 +695,13 @@ TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
       EXPECT_EQ(got[r]->cooperative.network_rate, o.cooperative.network_rate);
     }
   }
-  // Rounds grow eightfold from 1 MiB until one lasts 50 ms or reaches the limit.
-  EXPECT_EQ(NetworkProbe::FirstBytes(16u << 20), 1u << 20);
+  // Rounds grow eightfold from 64 KiB until one lasts 20 ms or reaches the limit.
+  EXPECT_EQ(NetworkProbe::FirstBytes(16u << 20), 64u << 10);
   EXPECT_EQ(NetworkProbe::FirstBytes(1000), 1000u);
-  EXPECT_EQ(NetworkProbe::NextBytes(1u << 20, 1'000'000, 16u << 20), 8u << 20);
-  EXPECT_EQ(NetworkProbe::NextBytes(8u << 20, 1'000'000, 16u << 20), 16u << 20);
+  EXPECT_EQ(NetworkProbe::NextBytes(64u << 10, 1'000'000, 16u << 20), 512u << 10);
+  EXPECT_EQ(NetworkProbe::NextBytes(4u << 20, 1'000'000, 16u << 20), 16u << 20);
   EXPECT_EQ(NetworkProbe::NextBytes(16u << 20, 1'000'000, 16u << 20), 0u);
-  EXPECT_EQ(NetworkProbe::NextBytes(1u << 20, 60'000'000, 16u << 20), 0u);
+  EXPECT_EQ(NetworkProbe::NextBytes(64u << 10, 20'000'000, 16u << 20), 0u);
   // The rate of the slowest host: 4 ranks on 2 hosts, 1000 bytes each split over the 2 remote
   // ranks, so each host receives 2 x 2 x 500 bytes; in 1 ms: 2 MB/s.
   const std::vector<uint32_t> two_hosts = {0, 0, 1, 1};

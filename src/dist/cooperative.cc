@@ -1024,20 +1024,43 @@ std::vector<uint64_t> NetworkProbe::RecvCounts(uint32_t rank, bool warmup) const
   return out;
 }
 
-uint64_t NetworkProbe::Rate(uint64_t nanos) const {
-  if (!several_hosts_) return 0;
-  std::map<uint32_t, uint64_t> received;  // bytes each host received
+std::map<uint32_t, uint64_t> NetworkProbe::Received() const {
+  std::map<uint32_t, uint64_t> received;
   for (size_t q = 0; q < host_of_rank_.size(); ++q) {
     for (size_t p = 0; p < host_of_rank_.size(); ++p) {
       if (host_of_rank_[p] != host_of_rank_[q]) received[host_of_rank_[q]] += block_[p];
     }
   }
+  return received;
+}
+
+uint64_t NetworkProbe::Rate(uint64_t nanos) const {
+  if (!several_hosts_) return 0;
   double rate = std::numeric_limits<double>::max();
-  for (const auto& [host, got] : received) {
+  for (const auto& [host, got] : Received()) {
     rate = std::min(
         rate, static_cast<double>(got) * 1e9 / static_cast<double>(std::max<uint64_t>(1, nanos)));
   }
   return std::max<uint64_t>(1, static_cast<uint64_t>(std::min(rate, 1.8e19)));
+}
+
+uint64_t NetworkProbe::RateAfter(const NetworkProbe& smaller, uint64_t smaller_nanos,
+                                 uint64_t nanos) const {
+  const uint64_t whole = Rate(nanos);
+  if (!several_hosts_ || nanos <= smaller_nanos) return whole;
+  const std::map<uint32_t, uint64_t> big = Received(), small = smaller.Received();
+  double slope = std::numeric_limits<double>::max();
+  for (const auto& [host, got] : big) {
+    auto it = small.find(host);
+    const uint64_t before = it == small.end() ? 0 : it->second;
+    if (got <= before) return whole;
+    slope = std::min(slope, static_cast<double>(got - before) * 1e9 /
+                                static_cast<double>(nanos - smaller_nanos));
+  }
+  // The fixed cost of a round (latency, the barrier's skew) counts in `whole` and not in the
+  // slope; a slope of noisy times is kept within 4x of it.
+  return static_cast<uint64_t>(
+      std::clamp(slope, static_cast<double>(whole), 4.0 * static_cast<double>(whole)));
 }
 
 uint64_t NetworkProbe::FirstBytes(uint64_t limit) {
@@ -1045,9 +1068,9 @@ uint64_t NetworkProbe::FirstBytes(uint64_t limit) {
 }
 
 uint64_t NetworkProbe::NextBytes(uint64_t bytes, uint64_t nanos, uint64_t limit) {
-  constexpr uint64_t kLongEnoughNanos = 20'000'000;  // 20 ms: latency and start-up are noise
+  constexpr uint64_t kLongEnoughNanos = 100'000'000;  // 100 ms: latency is a small part
   if (nanos >= kLongEnoughNanos || bytes >= limit) return 0;
-  return std::min<uint64_t>(limit, bytes * 8);
+  return std::min<uint64_t>(limit, bytes * 4);
 }
 
 Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint32_t> host_of_rank,
@@ -1070,7 +1093,7 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
   TF_RETURN_IF_ERROR(exchange(NetworkProbe(host_of_rank, 1), /*warmup=*/true));
   // Rounds of growing size until one lasts long enough (every rank takes the same decision, from
   // the slowest rank's time).
-  uint64_t rate = 0;
+  uint64_t rate = 0, previous_size = 0, previous_nanos = 0;
   for (uint64_t size = NetworkProbe::FirstBytes(bytes); size != 0;) {
     const NetworkProbe probe(host_of_rank, size);
     TF_RETURN_IF_ERROR(collective.Barrier());
@@ -1080,7 +1103,11 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
     TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(nanos));
     const uint64_t slowest = *std::max_element(all.begin(), all.end());
-    rate = probe.Rate(slowest);
+    rate = previous_size == 0 ? probe.Rate(slowest)
+                              : probe.RateAfter(NetworkProbe(host_of_rank, previous_size),
+                                                previous_nanos, slowest);
+    previous_size = size;
+    previous_nanos = slowest;
     size = NetworkProbe::NextBytes(size, slowest, bytes);
   }
   return rate;

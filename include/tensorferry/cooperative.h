@@ -90,11 +90,6 @@ class NetworkProbe {
   // The rate, in bytes per second, of the slowest host's receiving when the probe's exchange took
   // `nanos` (the slowest rank's time); at least 1; 0 with one host.
   uint64_t Rate(uint64_t nanos) const;
-  // The rate of this (last) round when the round before it, `smaller`, took smaller_nanos: the
-  // slope between the two rounds (the extra bytes over the extra time, which leaves out the fixed
-  // cost of a round), kept between Rate(nanos) and 4 x Rate(nanos); Rate(nanos) when the times
-  // do not grow.
-  uint64_t RateAfter(const NetworkProbe& smaller, uint64_t smaller_nanos, uint64_t nanos) const;
   // The probe runs rounds of growing size, so that a slow link is not made to carry the whole
   // `limit` (probe_bytes) and a fast one is timed over long enough: the first round's bytes per
   // rank (64 KiB), and the next round's (four times more) after one of `bytes` took `nanos` (0:
@@ -113,8 +108,8 @@ class NetworkProbe {
 // rank sends its bytes in equal blocks to the ranks on other hosts (host_of_rank, as HostsOfRanks
 // gives it) in one AllToAllv per round, after a one-byte exchange that opens lazily made
 // connections; rounds grow from 64 KiB per rank up to `bytes` until one lasts 100 ms
-// (NetworkProbe::NextBytes), and the rate is the last round's (RateAfter the one before); times
-// are the slowest rank's, and rates the slowest host's, so every rank returns the same value. 0
+// (NetworkProbe::NextBytes), and the rate is the last round's; times are the slowest rank's, and
+// rates the slowest host's, so every rank returns the same value. 0
 // when every rank is on one host. A collective call: every rank must make it with the same
 // arguments. Errors: kInvalidArgument (host_of_rank does not match the group), those of the
 // collective.

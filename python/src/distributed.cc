@@ -129,17 +129,11 @@ void RegisterDistributed(nb::module_& m) {
         "The next round's bytes per rank, 0 when done: tensorferry::NetworkProbe::NextBytes");
   m.def(
       "network_probe_rate",
-      [](const std::vector<uint32_t>& hosts, uint64_t bytes, uint64_t nanos,
-         uint64_t previous_bytes, uint64_t previous_nanos) {
-        const NetworkProbe probe(hosts, bytes);
-        return previous_bytes == 0
-                   ? probe.Rate(nanos)
-                   : probe.RateAfter(NetworkProbe(hosts, previous_bytes), previous_nanos, nanos);
+      [](const std::vector<uint32_t>& hosts, uint64_t bytes, uint64_t nanos) {
+        return NetworkProbe(hosts, bytes).Rate(nanos);
       },
-      nb::arg("hosts"), nb::arg("bytes"), nb::arg("nanos"), nb::arg("previous_bytes"),
-      nb::arg("previous_nanos"),
-      "Bytes per second per host when the probe's last round took `nanos` (the slowest rank's), "
-      "after a round of previous_bytes in previous_nanos (0: none): NetworkProbe::RateAfter");
+      nb::arg("hosts"), nb::arg("bytes"), nb::arg("nanos"),
+      "Bytes per second per host when the probe's round took `nanos` (the slowest rank's)");
   m.def(
       "assign_readers",
       [](const std::vector<uint64_t>& sizes, uint32_t world) {

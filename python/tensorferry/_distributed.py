@@ -191,7 +191,7 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
                                                    async_op=True))
 
     exchange(1, True, "the network probe (opening the connections)")
-    rate = previous_size = previous_nanos = 0
+    rate = 0
     size = _core.network_probe_first_bytes(nbytes)
     while size:
         _collective("the network probe (barrier)", rank, timeout,
@@ -206,8 +206,7 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
         _collective("the network probe (gathering the times)", rank, timeout,
                     lambda: dist.all_gather(every, mine, group=group, async_op=True))
         slowest = max(int(t.item()) for t in every)
-        rate = _core.network_probe_rate(hosts, size, slowest, previous_size, previous_nanos)
-        previous_size, previous_nanos = size, slowest
+        rate = _core.network_probe_rate(hosts, size, slowest)
         size = _core.network_probe_next_bytes(size, slowest, nbytes)
     return rate
 

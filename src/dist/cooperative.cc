@@ -1044,25 +1044,6 @@ uint64_t NetworkProbe::Rate(uint64_t nanos) const {
   return std::max<uint64_t>(1, static_cast<uint64_t>(std::min(rate, 1.8e19)));
 }
 
-uint64_t NetworkProbe::RateAfter(const NetworkProbe& smaller, uint64_t smaller_nanos,
-                                 uint64_t nanos) const {
-  const uint64_t whole = Rate(nanos);
-  if (!several_hosts_ || nanos <= smaller_nanos) return whole;
-  const std::map<uint32_t, uint64_t> big = Received(), small = smaller.Received();
-  double slope = std::numeric_limits<double>::max();
-  for (const auto& [host, got] : big) {
-    auto it = small.find(host);
-    const uint64_t before = it == small.end() ? 0 : it->second;
-    if (got <= before) return whole;
-    slope = std::min(slope, static_cast<double>(got - before) * 1e9 /
-                                static_cast<double>(nanos - smaller_nanos));
-  }
-  // The fixed cost of a round (latency, the barrier's skew) counts in `whole` and not in the
-  // slope; a slope of noisy times is kept within 4x of it.
-  return static_cast<uint64_t>(
-      std::clamp(slope, static_cast<double>(whole), 4.0 * static_cast<double>(whole)));
-}
-
 uint64_t NetworkProbe::FirstBytes(uint64_t limit) {
   return std::min<uint64_t>(limit, 64u << 10);
 }
@@ -1093,7 +1074,7 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
   TF_RETURN_IF_ERROR(exchange(NetworkProbe(host_of_rank, 1), /*warmup=*/true));
   // Rounds of growing size until one lasts long enough (every rank takes the same decision, from
   // the slowest rank's time).
-  uint64_t rate = 0, previous_size = 0, previous_nanos = 0;
+  uint64_t rate = 0;
   for (uint64_t size = NetworkProbe::FirstBytes(bytes); size != 0;) {
     const NetworkProbe probe(host_of_rank, size);
     TF_RETURN_IF_ERROR(collective.Barrier());
@@ -1103,11 +1084,10 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
     TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(nanos));
     const uint64_t slowest = *std::max_element(all.begin(), all.end());
-    rate = previous_size == 0 ? probe.Rate(slowest)
-                              : probe.RateAfter(NetworkProbe(host_of_rank, previous_size),
-                                                previous_nanos, slowest);
-    previous_size = size;
-    previous_nanos = slowest;
+    // The last round's whole time, its fixed cost (latency, the barrier's skew) included: a
+    // slope between rounds, which leaves that out, measured too noisy on a loaded machine
+    // (docs/benchmarks.md); an underestimate errs toward reading locally.
+    rate = probe.Rate(slowest);
     size = NetworkProbe::NextBytes(size, slowest, bytes);
   }
   return rate;

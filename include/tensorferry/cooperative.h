@@ -3,7 +3,9 @@
 // Collective (collective.h: MPI, an in-process group; torch.distributed in Python).
 //
 // The flow (docs/distributed.md):
-//   1. The ranks learn which of them share a host (HostsOfRanks: an all-gather of host names).
+//   1. The ranks learn which of them share a host (HostsOfRanks: an all-gather of host names),
+//      and, when the plan may choose and no network rate is given, measure the rate between the
+//      hosts through the collective (WithMeasuredNetworkRate, MeasureNetworkRate).
 //   2. Every rank computes, from the checkpoint alone, the same CooperativePlan
 //      (PlanCooperative): which selected tensors are exchanged (read once by one rank, the
 //      reader, and sent to the others) and which are local (every rank reads its own slice, or

@@ -273,10 +273,10 @@ class Loader {
   // below the tensor's (slice's) size, two destinations overlapping on one device: the message
   // names the tensors and sizes; the errors of SliceOf), those of the device (kCudaNotFound,
   // kCudaNoDevice); then the read errors of Stream. With checksums (LoadOptions::verify), whole
-  // host destinations are hashed as their bytes land: a mismatch is kChecksumMismatch naming file,
-  // tensor, chunk and byte ranges (slices and device destinations are counted in
-  // LoadStats::verify_skipped_tensors). After an error the destinations' contents are unspecified:
-  // bytes that did not match may be in them.
+  // host destinations are hashed as their bytes land and whole device destinations in the
+  // staging slots: a mismatch is kChecksumMismatch naming file, tensor, chunk and byte ranges
+  // (slices and destinations read with GDS are counted in LoadStats::verify_skipped_tensors). After
+  // an error the destinations' contents are unspecified: bytes that did not match may be in them.
   Status LoadInto(std::span<const Destination> destinations);
 
   // Totals of the last Stream, Load or LoadInto. Before the first load: zeros, with what Open

@@ -9,7 +9,8 @@
 // Keys (Set, LoadOptionKeys): engine, threads, chunk_size, direct, queue_depth, budget,
 // allow_oversized, order, pool_bytes, populate, prefer_mmap, device, gds, staging_bytes,
 // staging_slot, device_producers, device_budget, tp_rank, tp_size, shard_rules, shard_max_gap,
-// verify, coop_exchange, coop_storage_rate, coop_network_rate, coop_timeout_ms, and for object
+// verify, coop_exchange, coop_storage_rate, coop_network_rate, coop_probe_bytes, coop_timeout_ms,
+// and for object
 // storage
 // (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id, s3_secret_access_key,
 // s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_* variables apply),
@@ -227,16 +228,18 @@ struct LoadOptions {
   // Checksums checked at load (TENSORFERRY_VERIFY = auto | on | off; VerifyMode above). A batch
   // is delivered only after every whole tensor in it matched; a mismatch fails the load with
   // kChecksumMismatch naming file, tensor, chunk and byte ranges. Checked: whole tensors on the
-  // host (copying engines: in the batch buffer after the reads; mmap: the mapped range, which
-  // reads it; without populate only with kOn). Not checked (verify_skipped_tensors): slices of
-  // tensor parallelism, tensors on a CUDA device, lazily mapped tensors (no populate) under kAuto.
+  // host (copying engines: each piece as it lands in the batch buffer; mmap: the mapped range,
+  // which reads it; without populate only with kOn) and on a CUDA device (in the pinned staging
+  // slots, before each copy). Not checked (verify_skipped_tensors): slices of tensor
+  // parallelism, tensors read with GDS (never in host memory), lazily mapped tensors (no
+  // populate) under kAuto.
   VerifyMode verify = VerifyMode::kAuto;
 
   // Sets the option `key` (see the file comment) from text. Values: engine/direct/order/device/gds
   // as their Parse* functions read them; counts (threads, queue_depth, device_producers, tp_rank,
   // tp_size) as decimal digits; verify as auto/on/off; sizes (chunk_size, budget, pool_bytes,
-  // staging_bytes, staging_slot, device_budget, shard_max_gap, and the rates coop_storage_rate and
-  // coop_network_rate in bytes per second) as ParseSize reads them ("256MB",
+  // staging_bytes, staging_slot, device_budget, shard_max_gap, coop_probe_bytes, and the rates
+  // coop_storage_rate and coop_network_rate in bytes per second) as ParseSize reads them ("256MB",
   // "1GiB", "4096"); memory_limit as a size or "off"; booleans (allow_oversized, populate,
   // prefer_mmap, drop_cache) as 1/0, on/off, true/false, yes/no; shard_rules as "builtin", "none"
   // or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin rules) when unset;

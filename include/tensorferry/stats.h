@@ -66,7 +66,7 @@ struct LoadStats {
   uint64_t verified_tensors = 0;  // tensors whose every chunk matched its digest
   uint64_t verified_bytes = 0;    // their bytes
   // Tensors delivered unchecked although their file has checksums (tensor-parallel slices,
-  // tensors on a CUDA device).
+  // tensors read to a CUDA device with GDS, lazily mapped tensors under verify auto).
   uint64_t verify_skipped_tensors = 0;
   double verify_seconds = 0;  // wall time spent hashing (summed over batches)
 };

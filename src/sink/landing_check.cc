@@ -95,10 +95,11 @@ void LandingCheck::Extend(Chunk& c, uint64_t from, uint64_t to, const std::byte*
   counts_.nanos += NanosSince(start);
 }
 
-uint64_t LandingCheck::HashWhole(const Chunk& c) {
+uint64_t LandingCheck::HashWhole(const Chunk& c, const std::byte* data) {
   const auto start = std::chrono::steady_clock::now();
   const uint64_t got = ChecksumChunk(std::span<const std::byte>(
-      reinterpret_cast<const std::byte*>(base_ + c.begin), c.end - c.begin));
+      data != nullptr ? data : reinterpret_cast<const std::byte*>(base_ + c.begin),
+      c.end - c.begin));
   counts_.nanos += NanosSince(start);
   return got;
 }
@@ -141,9 +142,7 @@ Status LandingCheck::Arrived(uint64_t begin, uint64_t end, const std::byte* data
       c->landed += to - from;
       if (from == c->begin && to == c->end) {
         c->done = true;  // landed in one piece: hashed in one call, straight from the cache
-        const auto start = std::chrono::steady_clock::now();
-        got = ChecksumChunk(std::span<const std::byte>(at(from), to - from));
-        counts_.nanos += NanosSince(start);
+        got = HashWhole(*c, at(from));
       } else if (from == c->hashed_to) {
         Extend(*c, from, to, at(from));  // in the cache of the worker that just copied it
         // Pieces that landed ahead and now follow on (hashed from memory).

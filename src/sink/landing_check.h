@@ -92,8 +92,9 @@ class LandingCheck {
   void Extend(Chunk& c, uint64_t from, uint64_t to, const std::byte* data);
   // Landed and Passed: `data` holds [begin, end), or null for the buffer at base.
   Status Arrived(uint64_t begin, uint64_t end, const std::byte* data);
-  // The chunk's hash, from the bytes in the buffer (c.mu held or no writer left).
-  uint64_t HashWhole(const Chunk& c);
+  // The chunk's hash, from `data` (the chunk's bytes), or from the buffer when null (c.mu held or
+  // no writer left).
+  uint64_t HashWhole(const Chunk& c, const std::byte* data = nullptr);
   // The chunk's whole hash against its checksum.
   Status Compare(const Chunk& c, uint64_t got) const;
 

@@ -54,6 +54,26 @@ LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (gds off, verify
 # tensorferry variant (e.g. TENSORFERRY_DEVICE_PRODUCERS, TENSORFERRY_STAGING_BYTES).
 
 
+def loader_names(text):
+    """The comma-separated loader names of --loaders; a comma inside parentheses belongs to the
+    name ("tensorferry (gds off, verify off)"). Exits on a name that is not one of LOADERS, before
+    anything is measured."""
+    names, depth, cur = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            names.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    names.append(cur.strip())
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in LOADERS]
+    if unknown:
+        sys.exit(f"gpu_bench: unknown loader(s) {unknown}; known: {', '.join(LOADERS)}")
+    return names
+
+
 def shards(path):
     if os.path.isfile(path):
         return [path]
@@ -309,7 +329,7 @@ def main():
     results = {"path": args.path, "device": device, "host": platform.node(),
                "torch": torch.__version__, "repeats": args.repeats, "loaders": {}, "skipped": {}}
     del torch
-    names = ["pinned h2d", "pageable h2d"] + [n for n in args.loaders.split(",") if n]
+    names = ["pinned h2d", "pageable h2d"] + loader_names(args.loaders)
     checksums = {}
     for name in names:
         if not name.endswith(" h2d") and not available(name):

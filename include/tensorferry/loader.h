@@ -275,7 +275,8 @@ class Loader {
   // kCudaNoDevice); then the read errors of Stream. With checksums (LoadOptions::verify), whole
   // host destinations are hashed as their bytes land and whole device destinations in the
   // staging slots: a mismatch is kChecksumMismatch naming file, tensor, chunk and byte ranges
-  // (slices and destinations read with GDS are counted in LoadStats::verify_skipped_tensors). After
+  // (a slice over the chunks it holds whole, LoadStats::verify_partial_tensors; destinations read
+  // with GDS and slices holding no whole chunk are counted in verify_skipped_tensors). After
   // an error the destinations' contents are unspecified: bytes that did not match may be in them.
   Status LoadInto(std::span<const Destination> destinations);
 

@@ -230,9 +230,10 @@ struct LoadOptions {
   // kChecksumMismatch naming file, tensor, chunk and byte ranges. Checked: whole tensors on the
   // host (copying engines: each piece as it lands in the batch buffer; mmap: the mapped range,
   // which reads it; without populate only with kOn) and on a CUDA device (in the pinned staging
-  // slots, before each copy). Not checked (verify_skipped_tensors): slices of tensor
-  // parallelism, tensors read with GDS (never in host memory), lazily mapped tensors (no
-  // populate) under kAuto.
+  // slots, before each copy). Tensor-parallel slices: the checksum chunks a slice holds whole
+  // (verify_partial_tensors when bytes at its edges are left out). Not checked
+  // (verify_skipped_tensors): slices that hold no whole chunk (most strided splits), tensors read
+  // with GDS (never in host memory), lazily mapped tensors (no populate) under kAuto.
   VerifyMode verify = VerifyMode::kAuto;
 
   // Sets the option `key` (see the file comment) from text. Values: engine/direct/order/device/gds

@@ -63,10 +63,14 @@ struct LoadStats {
   uint64_t peak_device_bytes = 0;
 
   // Integrity checksums (LoadOptions::verify, docs/integrity.md).
-  uint64_t verified_tensors = 0;  // tensors whose every chunk matched its digest
-  uint64_t verified_bytes = 0;    // their bytes
-  // Tensors delivered unchecked although their file has checksums (tensor-parallel slices,
-  // tensors read to a CUDA device with GDS, lazily mapped tensors under verify auto).
+  uint64_t verified_tensors = 0;  // tensors (or slices) whose every delivered byte was checked
+  // Tensor-parallel slices of which only the checksum chunks they hold whole were checked: the
+  // bytes at their edges (less than a chunk on each side of a block) were delivered unchecked.
+  uint64_t verify_partial_tensors = 0;
+  uint64_t verified_bytes = 0;  // bytes checked: the verified tensors' and the partial ones' chunks
+  // Tensors delivered unchecked although their file has checksums (tensor-parallel slices that
+  // hold no whole chunk, such as most strided splits; tensors read to a CUDA device with GDS;
+  // lazily mapped tensors under verify auto).
   uint64_t verify_skipped_tensors = 0;
   double verify_seconds = 0;  // wall time spent hashing (summed over batches)
 };
@@ -107,6 +111,7 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("pinned_bytes", s.pinned_bytes);
   visit("peak_device_bytes", s.peak_device_bytes);
   visit("verified_tensors", s.verified_tensors);
+  visit("verify_partial_tensors", s.verify_partial_tensors);
   visit("verified_bytes", s.verified_bytes);
   visit("verify_skipped_tensors", s.verify_skipped_tensors);
   visit("verify_seconds", s.verify_seconds);

@@ -476,6 +476,31 @@ TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
     // Caller destinations on the device are checked the same way.
     const Status into = (*loader)->LoadInto(dsts);
     EXPECT_EQ(into.code(), Code::kChecksumMismatch) << into.ToString();
+    // Tensor-parallel halves along dim 0 (2000 rows of 44 bytes): the chunks each holds whole are
+    // checked in the slots; rank 0 holds the flipped chunk and fails, rank 1 loads, its half
+    // counted as partial (32 bytes at its start are in a chunk cut between the ranks).
+    for (uint32_t rank : {0u, 1u}) {
+      LoadOptions t = o;
+      t.device_budget = 0;  // Load returns every tensor at once
+      TensorParallelOptions tp;
+      tp.spec = ShardSpec::None();
+      tp.spec.Set(name, ShardRule::Split(0));
+      tp.rank = rank;
+      tp.world = 2;
+      t.tensor_parallel = tp;
+      auto sliced = Loader::Open(c.dir.path(), t);
+      ASSERT_TRUE(sliced.ok()) << sliced.status().ToString();
+      auto got = (*sliced)->Load();
+      if (rank == 0) {
+        ASSERT_FALSE(got.ok());
+        EXPECT_EQ(got.status().code(), Code::kChecksumMismatch) << got.status().ToString();
+        EXPECT_TRUE(Contains(got.status().message(), "chunk 4 of ")) << got.status().message();
+      } else {
+        ASSERT_TRUE(got.ok()) << got.status().ToString();
+        EXPECT_EQ((*sliced)->stats().verify_partial_tensors, 1u);
+        EXPECT_EQ((*sliced)->stats().verified_tensors, n - 1);
+      }
+    }
   }
   ASSERT_EQ(runtime_->api().cudaFree(dev), cuda::kSuccess);
 }

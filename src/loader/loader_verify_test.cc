@@ -255,5 +255,83 @@ TEST(LoaderVerify, LoadIntoChecksHostDestinations) {
   }
 }
 
+// Tensor-parallel slices are checked over the checksum chunks they hold whole, on every engine,
+// by Load and by LoadInto: a's 20,000 bytes in chunks of 4096, split along dim 0 in two. Rank 0
+// holds [0, 10000) (chunks 0 and 1 whole), rank 1 [10000, 20000) (chunks 3 and 4, the short last
+// one). A flipped byte in a chunk a rank holds fails that rank's load only; one in chunk 2 (cut
+// between the ranks) is in neither's check. b's dim-1 halves hold no whole chunk: skipped.
+TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
+  Fixture f;
+  f.Write(true);
+  auto load = [&](Engine engine, uint32_t rank, bool into) -> Result<LoadStats> {
+    LoadOptions options;
+    options.engine = engine;
+    options.verify = VerifyMode::kAuto;
+    options.threads = 3;
+    options.populate = engine == Engine::kMmap;
+    options.chunk_size = 4096 + 1000;  // reads that cut across checksum chunks
+    TensorParallelOptions tp;
+    tp.spec = ShardSpec::None();
+    tp.spec.Set("a", ShardRule::Split(0));
+    tp.spec.Set("b", ShardRule::Split(1));
+    tp.rank = rank;
+    tp.world = 2;
+    options.tensor_parallel = tp;
+    TF_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Open(f.path, options));
+    if (into) {
+      std::vector<std::byte> a(10'000), b(64 * 16), c(10);
+      std::vector<Destination> dsts = {{"a", Device::CPU(), a.data(), a.size()},
+                                       {"b", Device::CPU(), b.data(), b.size()},
+                                       {"c", Device::CPU(), c.data(), c.size()}};
+      TF_RETURN_IF_ERROR(loader->LoadInto(dsts));
+    } else {
+      TF_ASSIGN_OR_RETURN(std::vector<Tensor> tensors, loader->Load());
+      (void)tensors;
+    }
+    return loader->stats();
+  };
+  for (Engine engine : Engines()) {
+    for (bool into : {false, true}) {
+      if (into && engine == Engine::kMmap) continue;  // LoadInto copies: pread or io_uring
+      SCOPED_TRACE(std::string(EngineName(engine)) + (into ? " LoadInto" : " Load"));
+      auto zero = load(engine, 0, into);
+      if (!zero.ok() && zero.status().code() == Code::kUnsupported) continue;  // no io_uring
+      ASSERT_TRUE(zero.ok()) << zero.status().ToString();
+      EXPECT_EQ(zero->verified_tensors, 1u);  // c (replicated)
+      EXPECT_EQ(zero->verify_partial_tensors, 1u);
+      EXPECT_EQ(zero->verify_skipped_tensors, 1u);
+      EXPECT_EQ(zero->verified_bytes, 10u + 2 * 4096);
+      auto one = load(engine, 1, into);
+      ASSERT_TRUE(one.ok()) << one.status().ToString();
+      EXPECT_EQ(one->verify_partial_tensors, 1u);
+      EXPECT_EQ(one->verified_bytes, 10u + 4096 + (20'000 - 4 * 4096));
+    }
+  }
+  f.Corrupt(8192 + 100);  // chunk 2: held whole by neither rank
+  for (Engine engine : Engines()) {
+    auto zero = load(engine, 0, false);
+    if (!zero.ok() && zero.status().code() == Code::kUnsupported) continue;
+    EXPECT_TRUE(zero.ok()) << zero.status().ToString();
+    EXPECT_TRUE(load(engine, 1, false).ok());
+  }
+  f.Corrupt(8192 + 100);  // undone
+  f.Corrupt(20'000 - 1);  // chunk 4: rank 1's
+  for (Engine engine : Engines()) {
+    for (bool into : {false, true}) {
+      if (into && engine == Engine::kMmap) continue;
+      SCOPED_TRACE(std::string(EngineName(engine)) + (into ? " LoadInto" : " Load"));
+      auto zero = load(engine, 0, into);
+      if (!zero.ok() && zero.status().code() == Code::kUnsupported) continue;
+      EXPECT_TRUE(zero.ok()) << zero.status().ToString();
+      auto one = load(engine, 1, into);
+      ASSERT_FALSE(one.ok());
+      EXPECT_EQ(one.status().code(), Code::kChecksumMismatch);
+      EXPECT_NE(one.status().message().find("tensor \"a\": checksum mismatch in chunk 4 of 5"),
+                std::string::npos)
+          << one.status().message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tensorferry

@@ -64,6 +64,7 @@ Status Loader::Impl::LoadChecksums() {
 void Loader::Impl::CollectVerifyStats(const VerifyCounts& counts) {
   stats.verified_tensors = counts.tensors.load();
   stats.verified_bytes = counts.bytes.load();
+  stats.verify_partial_tensors = counts.partial.load();
   stats.verify_skipped_tensors = counts.skipped.load();
   stats.verify_seconds = static_cast<double>(counts.nanos.load()) / 1e9;
 }
@@ -76,11 +77,11 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
     const TensorChecksum* expected;
     uint64_t chunk_size;
     const TensorInfo* info;
-    const std::byte* data;
+    const std::byte* data;  // the chunk's first byte
     uint64_t chunk;
   };
   std::vector<Work> work;
-  uint64_t tensors = 0, bytes = 0, skipped = 0;
+  uint64_t tensors = 0, bytes = 0, partial = 0, skipped = 0;
   // Lazily mapped tensors (mmap without populate) are read on first touch, part by part; hashing
   // them would read them whole now. Checked only when asked for explicitly (verify=on).
   const bool lazy =
@@ -91,10 +92,9 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
     const std::optional<FileChecksums>& sums = checksums[info.file];
     if (!sums) continue;
     const Tensor& tensor = batch.tensors[i];
-    // A digest covers a whole tensor: a tensor-parallel slice, or bytes on a device, cannot be
-    // checked here.
-    if (pt.slice || !tensor.device().is_cpu() || tensor.name() != info.name ||
-        tensor.size() != info.size || (lazy && batch.device.is_cpu())) {
+    // Bytes on a device cannot be hashed here (device loads are checked in the staging slots).
+    if (!tensor.device().is_cpu() || tensor.name() != info.name || tensor.size() != pt.size(info) ||
+        (lazy && batch.device.is_cpu())) {
       ++skipped;
       continue;
     }
@@ -102,20 +102,33 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
     if (it == sums->tensors.end()) {  // ChecksumsForFile made sure every tensor has one
       return Status(Code::kInternal, info.name + ": no checksum");
     }
-    const uint64_t n = ChecksumChunkCount(info.size, sums->chunk_size);
-    for (uint64_t c = 0; c < n; ++c) {
-      work.push_back(
-          {&it->second, sums->chunk_size, &info, static_cast<const std::byte*>(tensor.data()), c});
+    const uint64_t size = sums->chunk_size;
+    const auto* data = static_cast<const std::byte*>(tensor.data());
+    if (pt.slice) {  // the chunks the slice holds whole (a digest of the rest needs other bytes)
+      const auto held = sink::SliceWholeChunks(info, *pt.slice, size);
+      if (held.empty()) {
+        ++skipped;
+        continue;
+      }
+      uint64_t covered = 0;
+      for (const auto& [index, local] : held) {
+        work.push_back({&it->second, size, &info, data + local, index});
+        covered += std::min(size, info.size - index * size);
+      }
+      (covered == pt.slice->bytes ? tensors : partial) += 1;
+      bytes += covered;
+      continue;
     }
+    const uint64_t n = ChecksumChunkCount(info.size, size);
+    for (uint64_t c = 0; c < n; ++c) work.push_back({&it->second, size, &info, data + c * size, c});
     ++tensors;
     bytes += info.size;
   }
   const Status checked = ParallelForUntilError(work.size(), VerifyThreads(), [&](size_t w) {
     const Work& job = work[w];
-    const uint64_t begin = job.chunk * job.chunk_size;
-    const uint64_t len = std::min(job.chunk_size, job.info->size - begin);
+    const uint64_t len = std::min(job.chunk_size, job.info->size - job.chunk * job.chunk_size);
     return VerifyChunk(*job.expected, job.chunk_size, job.info->size, job.chunk,
-                       std::span<const std::byte>(job.data + begin, len),
+                       std::span<const std::byte>(job.data, len),
                        checkpoint->files()[job.info->file].path, job.info->name, job.info->offset);
   });
   counts.nanos += static_cast<uint64_t>(
@@ -124,6 +137,7 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
   TF_RETURN_IF_ERROR(checked);
   counts.tensors += tensors;
   counts.bytes += bytes;
+  counts.partial += partial;
   counts.skipped += skipped;
   return Status::Ok();
 }

@@ -24,6 +24,27 @@ LandingCheck::LandingCheck(const Checkpoint& checkpoint, const std::byte* base,
   };
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> SliceWholeChunks(const TensorInfo& info,
+                                                            const TensorSlice& slice,
+                                                            uint64_t chunk_size) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  if (chunk_size == 0 || info.size == 0) return out;
+  // A strided split has a range per row: thousands, each usually far shorter than a chunk.
+  const uint64_t ranges = SliceRangeCount(info, slice);
+  if (ranges == 0 || (ranges > 1024 && slice.bytes / ranges < chunk_size)) return out;
+  uint64_t local = 0;
+  for (const auto& [offset, length] : SliceByteRanges(info, slice)) {
+    // The chunks that start inside the range and end inside it (the last chunk may be short).
+    for (uint64_t i = (offset + chunk_size - 1) / chunk_size; i * chunk_size < offset + length;
+         ++i) {
+      if (std::min((i + 1) * chunk_size, info.size) > offset + length) break;
+      out.emplace_back(i, local + (i * chunk_size - offset));
+    }
+    local += length;
+  }
+  return out;
+}
+
 std::unique_ptr<LandingCheck> LandingCheck::Make(
     const Checkpoint& checkpoint, std::span<const PlannedTensor> batch_tensors,
     const std::vector<std::optional<FileChecksums>>& sums, const std::byte* base,
@@ -34,26 +55,43 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
     const TensorChecksum* expected;
     uint64_t chunk_size;
     const TensorInfo* info;
+    uint32_t entry;
   };
   std::vector<Planned> planned;
+  std::vector<Entry> entries;
   uint64_t skipped = 0, empty = 0;
   const auto& infos = checkpoint.tensors();
   for (const PlannedTensor& pt : batch_tensors) {
     const TensorInfo& info = infos[pt.tensor];
     if (info.file >= sums.size() || !sums[info.file]) continue;
     const FileChecksums& file = *sums[info.file];
-    if (pt.slice) {  // a digest covers the whole tensor
-      ++skipped;
-      continue;
-    }
     auto it = file.tensors.find(info.name);
     if (it == file.tensors.end()) continue;  // ChecksumsForFile made sure every tensor has one
-    const uint64_t n = ChecksumChunkCount(info.size, file.chunk_size);
-    for (uint64_t c = 0; c < n; ++c) {
-      planned.push_back(
-          {pt.buffer_offset + c * file.chunk_size, c, &it->second, file.chunk_size, &info});
+    const uint64_t size = file.chunk_size;
+    const auto entry = static_cast<uint32_t>(entries.size());
+    if (pt.slice) {  // the chunks it holds whole; a digest of the rest needs bytes it lacks
+      const auto held = SliceWholeChunks(info, *pt.slice, size);
+      if (held.empty()) {
+        ++skipped;
+        continue;
+      }
+      uint64_t covered = 0;
+      for (const auto& [index, local] : held) {
+        planned.push_back({pt.buffer_offset + local, index, &it->second, size, &info, entry});
+        covered += std::min(size, info.size - index * size);
+      }
+      entries.push_back({&info, pt.slice->bytes, covered});
+      continue;
     }
-    if (n == 0) ++empty;  // nothing to hash: checked as soon as its digest was (ChecksumsForFile)
+    const uint64_t n = ChecksumChunkCount(info.size, size);
+    if (n == 0) {  // nothing to hash: checked as soon as its digest was (ChecksumsForFile)
+      ++empty;
+      continue;
+    }
+    for (uint64_t c = 0; c < n; ++c) {
+      planned.push_back({pt.buffer_offset + c * size, c, &it->second, size, &info, entry});
+    }
+    entries.push_back({&info, info.size, info.size});
   }
   counts.skipped += skipped;
   if (planned.empty() && empty == 0) return nullptr;
@@ -71,8 +109,10 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
     c.expected = p.expected;
     c.chunk_size = p.chunk_size;
     c.info = p.info;
+    c.entry = p.entry;
     c.hashed_to = c.begin;
   }
+  check->entries_ = std::move(entries);
   check->empty_tensors_ = empty;
   return check;
 }
@@ -204,26 +244,27 @@ Status LandingCheck::VerifyAll(unsigned threads) {
 }
 
 void LandingCheck::Count() {
-  // A tensor's chunks are adjacent (sorted by offset; destinations do not overlap).
-  uint64_t tensors = empty_tensors_, bytes = 0, skipped = 0;
-  auto start_of = [](const Chunk& c) { return c.begin - c.index * c.chunk_size; };
-  for (size_t i = 0; i < num_chunks_;) {
-    const TensorInfo* info = chunks_[i].info;
-    const uint64_t start = start_of(chunks_[i]);
-    bool all = true;
-    for (; i < num_chunks_ && chunks_[i].info == info && start_of(chunks_[i]) == start; ++i) {
-      std::lock_guard<std::mutex> lock(chunks_[i].mu);
-      all = all && chunks_[i].done;
-    }
-    if (all) {
-      ++tensors;
-      bytes += info->size;
-    } else {
+  std::vector<char> all(entries_.size(), 1);
+  for (size_t i = 0; i < num_chunks_; ++i) {
+    std::lock_guard<std::mutex> lock(chunks_[i].mu);
+    if (!chunks_[i].done) all[chunks_[i].entry] = 0;
+  }
+  uint64_t tensors = empty_tensors_, bytes = 0, partial = 0, skipped = 0;
+  for (size_t e = 0; e < entries_.size(); ++e) {
+    const Entry& entry = entries_[e];
+    if (!all[e]) {
       ++skipped;
+    } else if (entry.covered_bytes == entry.local_bytes) {
+      ++tensors;
+      bytes += entry.local_bytes;
+    } else {
+      ++partial;
+      bytes += entry.covered_bytes;
     }
   }
   counts_.tensors += tensors;
   counts_.bytes += bytes;
+  counts_.partial += partial;
   counts_.skipped += skipped;
 }
 

@@ -22,14 +22,24 @@
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
 #include "tensorferry/plan.h"
+#include "tensorferry/shard.h"
 
 namespace tensorferry::sink {
 
 // What the checks of one load counted (LoadStats::verified_*, verify_*); shared by the threads
 // that read batches.
 struct VerifyCounts {
-  std::atomic<uint64_t> tensors{0}, bytes{0}, skipped{0}, nanos{0};
+  std::atomic<uint64_t> tensors{0}, bytes{0}, skipped{0}, partial{0}, nanos{0};
 };
+
+// The checksum chunks (of `chunk_size` bytes, docs/integrity.md) that the tensor-parallel slice
+// `slice` of `info` holds whole, each as (chunk index, offset of the chunk's first byte in the
+// local tensor), in local order. A dim-0 split holds the chunks inside its rows; a strided split
+// (dim > 0) holds a chunk only where one of its ranges is a chunk long or more, which is checked
+// without listing ranges shorter than a chunk. Empty when it holds none.
+std::vector<std::pair<uint64_t, uint64_t>> SliceWholeChunks(const TensorInfo& info,
+                                                            const TensorSlice& slice,
+                                                            uint64_t chunk_size);
 
 class LandingCheck {
  public:
@@ -37,7 +47,9 @@ class LandingCheck {
   // a null `base`, buffer_offset is the tensor's address: LoadInto's destinations), or nullptr
   // when none of them has a checksum. The tensors may not overlap. `sums` is per file
   // (Loader::Impl::checksums); borrowed, as is the checkpoint, for the check's lifetime.
-  // Tensor-parallel slices are counted as skipped.
+  // A tensor-parallel slice is checked over the chunks it holds whole (SliceWholeChunks): counted
+  // as verified when they are all of its bytes, as partial when bytes at its edges are left out,
+  // and as skipped when it holds no whole chunk.
   static std::unique_ptr<LandingCheck> Make(const Checkpoint& checkpoint,
                                             std::span<const PlannedTensor> tensors,
                                             const std::vector<std::optional<FileChecksums>>& sums,
@@ -63,7 +75,8 @@ class LandingCheck {
       const {
     return &passed_hook_;
   }
-  // Adds to the counts the tensors whose every chunk was checked as verified, and the rest (bytes
+  // Adds to the counts the tensors whose every planned chunk was checked: as verified (every byte
+  // delivered checked) or partial (a slice's whole chunks checked, its edges not); the rest (bytes
   // that never passed through host memory: GDS reads) as skipped.
   void Count();
 
@@ -74,7 +87,8 @@ class LandingCheck {
     const TensorChecksum* expected = nullptr;
     uint64_t chunk_size = 0;
     const TensorInfo* info = nullptr;
-    std::mutex mu;  // guards the rest
+    uint32_t entry = 0;  // its tensor, in entries_
+    std::mutex mu;       // guards the rest
     bool done = false;
     uint64_t landed = 0;     // bytes landed so far
     uint64_t hashed_to = 0;  // [begin, hashed_to) is in `hash`
@@ -101,6 +115,13 @@ class LandingCheck {
   const Checkpoint& checkpoint_;
   uintptr_t base_;  // 0: offsets are addresses
   VerifyCounts& counts_;
+  // A planned tensor with chunks to check: the bytes it delivers, and those its chunks cover.
+  struct Entry {
+    const TensorInfo* info = nullptr;
+    uint64_t local_bytes = 0;    // the tensor's size, or a slice's
+    uint64_t covered_bytes = 0;  // its chunks' bytes
+  };
+  std::vector<Entry> entries_;
   std::unique_ptr<Chunk[]> chunks_;  // sorted by begin, not overlapping
   size_t num_chunks_ = 0;
   uint64_t empty_tensors_ = 0;  // zero-byte tensors with checksums: no chunk

@@ -277,5 +277,91 @@ TEST(LandingCheck, TensorsWhoseBytesDidNotPassAreSkipped) {
   EXPECT_EQ(errors[0].code(), Code::kInternal);
 }
 
+// The chunks a slice holds whole, against every byte: for splits of either dimension (fused parts
+// included), every rank, and chunk sizes from 1 byte to beyond the tensor, a chunk is held when
+// its bytes are all in the slice and adjacent in the local tensor, at the local offset returned.
+TEST(SliceWholeChunks, AgreeWithTheSliceByteByByte) {
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<uint64_t, uint64_t>>{{12, 7}, {64, 32}, {33, 100}, {1, 50}}) {
+    TensorInfo info;
+    info.name = "t";
+    info.shape = {rows, cols};
+    info.size = rows * cols;
+    std::vector<ShardRule> rules = {ShardRule::Split(0), ShardRule::Split(1)};
+    if (rows % 4 == 0) rules.push_back(ShardRule::Split(0, {rows / 4, 3 * rows / 4}));
+    for (const ShardRule& rule : rules) {
+      for (uint32_t world : {1u, 2u, 3u, 4u}) {
+        for (uint32_t rank = 0; rank < world; ++rank) {
+          auto slice = SliceOf(info, rule, rank, world);
+          if (!slice.ok()) continue;  // a split this shape does not allow
+          std::vector<uint64_t> at;   // local byte -> tensor byte
+          for (const auto& [offset, length] : SliceByteRanges(info, *slice)) {
+            for (uint64_t k = 0; k < length; ++k) at.push_back(offset + k);
+          }
+          for (uint64_t chunk : {1ull, 5ull, 7ull, 64ull, 100ull, 1000ull, 100000ull}) {
+            std::vector<std::pair<uint64_t, uint64_t>> want;
+            for (uint64_t i = 0; i * chunk < info.size; ++i) {
+              const uint64_t begin = i * chunk, end = std::min(begin + chunk, info.size);
+              auto p = std::find(at.begin(), at.end(), begin);
+              if (p == at.end()) continue;
+              const auto local = static_cast<uint64_t>(p - at.begin());
+              bool whole = local + (end - begin) <= at.size();
+              for (uint64_t k = 0; whole && k < end - begin; ++k)
+                whole = at[local + k] == begin + k;
+              if (whole) want.emplace_back(i, local);
+            }
+            EXPECT_EQ(SliceWholeChunks(info, *slice, chunk), want)
+                << rows << "x" << cols << " dim " << rule.dim << " rank " << rank << "/" << world
+                << " chunk " << chunk;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A batch holding a dim-0 slice: the chunks it holds whole are checked as they land (a flipped
+// byte in one fails with its index), bytes at its edges are not, and it counts as partial.
+TEST(LandingCheck, ASliceIsCheckedOverItsWholeChunks) {
+  Fixture f;
+  // "big" (3.5 chunks) split in two along dim 0: rank 1 holds bytes [1.75, 3.5) chunks of it,
+  // so chunks 2 and 3 (the short last one) whole, and a quarter chunk before them.
+  const TensorInfo* big = nullptr;
+  uint32_t index = 0;
+  for (uint32_t t = 0; t < f.checkpoint->tensors().size(); ++t) {
+    if (f.checkpoint->tensors()[t].name == "big") big = &f.checkpoint->tensors()[index = t];
+  }
+  ASSERT_NE(big, nullptr);
+  auto slice = SliceOf(*big, ShardRule::Split(0), 1, 2);
+  ASSERT_TRUE(slice.ok());
+  const uint64_t first = big->size - slice->bytes;  // the slice's first byte in the tensor
+  for (uint64_t flip : {uint64_t{0}, 2 * kChunk - first + 7, uint64_t{1}}) {  // none, chunk 2, edge
+    PlanBatch batch;
+    batch.tensors.push_back({index, 0, *slice});
+    std::vector<std::byte> buffer(slice->bytes);
+    std::memcpy(buffer.data(), f.buffer.data() + f.At("big", first), slice->bytes);
+    if (flip > 0) buffer[flip] ^= std::byte{0x40};
+    VerifyCounts counts;
+    auto check = LandingCheck::Make(*f.checkpoint, batch.tensors, f.sums, buffer.data(), counts);
+    ASSERT_NE(check, nullptr);
+    Status s = Status::Ok();
+    for (const auto& [begin, end] : Pieces(buffer.size(), 3000, 1)) {
+      Status landed = check->Landed(begin, end);
+      if (s.ok()) s = landed;
+    }
+    if (flip == 2 * kChunk - first + 7) {
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.code(), Code::kChecksumMismatch);
+      EXPECT_NE(s.message().find("chunk 2 of 4"), std::string::npos) << s.message();
+      continue;
+    }
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    check->Count();
+    EXPECT_EQ(counts.partial.load(), 1u);
+    EXPECT_EQ(counts.tensors.load(), 0u);
+    EXPECT_EQ(counts.bytes.load(), big->size - 2 * kChunk);
+  }
+}
+
 }  // namespace
 }  // namespace tensorferry::sink

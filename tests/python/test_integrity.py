@@ -95,6 +95,42 @@ def test_load_into_checks_host_destinations(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ["mmap", "pread", "io_uring"])
+def test_tensor_parallel_slices_check_the_chunks_they_hold_whole(tmp_path, engine):
+    # 12,000,000 bytes in 4 MiB checksum chunks, split in two along dim 0: rank 0 holds chunk 0
+    # whole, rank 1 chunk 2 (the short last one); chunk 1 is cut between them. The halves are
+    # checked over those chunks (verify_partial_tensors); a flipped byte in chunk 2 fails rank 1.
+    path = str(tmp_path / "m.safetensors")
+    a = torch.randn(3000, 1000, generator=torch.Generator().manual_seed(5))
+    tensorferry.torch.save_file({"a": a, "b": torch.arange(10)}, path)
+    populate = True if engine == "mmap" else None
+
+    def load(rank):
+        with tensorferry.Loader(path, engine=engine, populate=populate, tp_rank=rank, tp_size=2,
+                                shard_rules={"a": 0}) as loader:
+            got = loader.load()
+            return got, loader.stats
+
+    for rank in (0, 1):
+        got, stats = load(rank)
+        assert torch.equal(got["a"], a[1500 * rank:1500 * (rank + 1)])
+        assert stats.verify_partial_tensors == 1
+        assert stats.verified_tensors == 1  # b, replicated
+        assert stats.verified_bytes == 80 + (4 << 20 if rank == 0 else 12_000_000 - (8 << 20))
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    n = int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8:8 + n])["a"]["data_offsets"][0]
+    data[8 + n + begin + 10_000_000] ^= 0x20
+    with open(path, "wb") as f:
+        f.write(data)
+    load(0)
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        load(1)
+    assert e.value.code == "checksum_mismatch"
+    assert 'tensor "a": checksum mismatch in chunk 2 of 3' in str(e.value)
+
+
+@pytest.mark.parametrize("engine", ["mmap", "pread", "io_uring"])
 def test_corrupt_tensor_is_an_error_and_never_delivered(tmp_path, engine):
     path = str(tmp_path / "m.safetensors")
     tensorferry.torch.save_file(tensors(), path)

@@ -247,12 +247,16 @@ std::string TextReport(const Report& r) {
             (stats.remote_retries == 1 ? " retry), " : " retries), ") +
             FormatBytes(stats.remote_bytes) + " received";
   }
-  if (stats.verified_tensors > 0 || stats.verify_skipped_tensors > 0) {
-    text += "; checksums verified: " + Plural(stats.verified_tensors, "tensor") + ", " +
-            FormatBytes(stats.verified_bytes);
+  if (stats.verified_tensors > 0 || stats.verify_partial_tensors > 0 ||
+      stats.verify_skipped_tensors > 0) {
+    text += "; checksums verified: " + Plural(stats.verified_tensors, "tensor");
+    if (stats.verify_partial_tensors > 0) {
+      text += " and the whole chunks of " + Plural(stats.verify_partial_tensors, "slice");
+    }
+    text += ", " + FormatBytes(stats.verified_bytes);
     if (stats.verify_skipped_tensors > 0) {
       text += " (" + Plural(stats.verify_skipped_tensors, "tensor") +
-              " not checkable: slices or on a device)";
+              " not checkable: slices holding no whole chunk, or read to a device with GDS)";
     }
   }
   if (o.tensor_parallel) {

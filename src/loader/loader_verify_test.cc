@@ -333,5 +333,53 @@ TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
   }
 }
 
+// A fused split (two blocks per rank: gathered from two ranges, not a view) is checked over the
+// chunks its blocks hold whole, on every engine: a's parts of 10,000 bytes halved, rank 0 holds
+// [0, 5000) and [10000, 15000): chunk 0 whole, nothing else. A flipped byte in chunk 0 fails it.
+TEST(LoaderVerify, FusedSlicesAreCheckedOverTheChunksTheirBlocksHold) {
+  Fixture f;
+  f.Write(true);
+  auto load = [&](Engine engine) -> Result<LoadStats> {
+    LoadOptions options;
+    options.engine = engine;
+    options.threads = 2;
+    options.populate = engine == Engine::kMmap;
+    TensorParallelOptions tp;
+    tp.spec = ShardSpec::None();
+    tp.spec.Set("a", ShardRule::Split(0, {10'000, 10'000}));
+    tp.rank = 0;
+    tp.world = 2;
+    options.tensor_parallel = tp;
+    TF_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Open(f.path, options));
+    TF_ASSIGN_OR_RETURN(std::vector<Tensor> tensors, loader->Load());
+    for (const Tensor& t : tensors) {
+      if (t.name() != "a") continue;
+      const auto* got = static_cast<const std::byte*>(t.data());
+      if (t.size() != 10'000 || std::memcmp(got, f.a.data(), 5000) != 0 ||
+          std::memcmp(got + 5000, f.a.data() + 10'000, 5000) != 0) {
+        return Status(Code::kInternal, "wrong bytes");
+      }
+    }
+    return loader->stats();
+  };
+  for (Engine engine : Engines()) {
+    SCOPED_TRACE(std::string(EngineName(engine)));
+    auto stats = load(engine);
+    if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    EXPECT_EQ(stats->verify_partial_tensors, 1u);
+    EXPECT_EQ(stats->verified_tensors, 2u);  // b and c, whole
+    EXPECT_EQ(stats->verified_bytes, 4096u + 64 * 32 + 10);
+  }
+  f.Corrupt(4000);  // chunk 0
+  for (Engine engine : Engines()) {
+    SCOPED_TRACE(std::string(EngineName(engine)));
+    auto stats = load(engine);
+    if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;
+    ASSERT_FALSE(stats.ok());
+    EXPECT_EQ(stats.status().code(), Code::kChecksumMismatch) << stats.status().ToString();
+  }
+}
+
 }  // namespace
 }  // namespace tensorferry

@@ -564,8 +564,11 @@ def _gloo_fault_job(rehearsal, tmp_path):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             for p in procs:
                 p.kill()
+            outcomes = [(tmp_path / f"rank{r}.json") for r in (0, 1)]
             pytest.fail("the gloo loads did not start: " +
-                        "\n".join(p.communicate()[0] for p in procs))
+                        "\n".join(p.communicate()[0] for p in procs) + "\n" +
+                        "\n".join(f"rank {r}: {o.read_text()}" for r, o in enumerate(outcomes)
+                                  if o.exists()))
         time.sleep(0.1)
     time.sleep(1.0)  # inside a load
     return procs

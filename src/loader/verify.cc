@@ -104,25 +104,17 @@ Status Loader::Impl::VerifyBatch(const PlanBatch& planned, const Batch& batch,
     }
     const uint64_t size = sums->chunk_size;
     const auto* data = static_cast<const std::byte*>(tensor.data());
-    if (pt.slice) {  // the chunks the slice holds whole (a digest of the rest needs other bytes)
-      const auto held = sink::SliceWholeChunks(info, *pt.slice, size);
-      if (held.empty()) {
-        ++skipped;
-        continue;
-      }
-      uint64_t covered = 0;
-      for (const auto& [index, local] : held) {
-        work.push_back({&it->second, size, &info, data + local, index});
-        covered += std::min(size, info.size - index * size);
-      }
-      (covered == pt.slice->bytes ? tensors : partial) += 1;
-      bytes += covered;
+    const size_t before = work.size();
+    const uint64_t covered =
+        sink::ForEachHeldChunk(info, pt, size, [&](uint64_t index, uint64_t local) {
+          work.push_back({&it->second, size, &info, data + local, index});
+        });
+    if (pt.slice && work.size() == before) {  // no whole chunk: a digest needs bytes it lacks
+      ++skipped;
       continue;
     }
-    const uint64_t n = ChecksumChunkCount(info.size, size);
-    for (uint64_t c = 0; c < n; ++c) work.push_back({&it->second, size, &info, data + c * size, c});
-    ++tensors;
-    bytes += info.size;
+    (covered == pt.size(info) ? tensors : partial) += 1;
+    bytes += covered;
   }
   const Status checked = ParallelForUntilError(work.size(), VerifyThreads(), [&](size_t w) {
     const Work& job = work[w];

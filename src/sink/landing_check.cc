@@ -69,29 +69,17 @@ std::unique_ptr<LandingCheck> LandingCheck::Make(
     if (it == file.tensors.end()) continue;  // ChecksumsForFile made sure every tensor has one
     const uint64_t size = file.chunk_size;
     const auto entry = static_cast<uint32_t>(entries.size());
-    if (pt.slice) {  // the chunks it holds whole; a digest of the rest needs bytes it lacks
-      const auto held = SliceWholeChunks(info, *pt.slice, size);
-      if (held.empty()) {
-        ++skipped;
-        continue;
-      }
-      uint64_t covered = 0;
-      for (const auto& [index, local] : held) {
-        planned.push_back({pt.buffer_offset + local, index, &it->second, size, &info, entry});
-        covered += std::min(size, info.size - index * size);
-      }
-      entries.push_back({&info, pt.slice->bytes, covered});
+    const size_t before = planned.size();
+    const uint64_t covered = ForEachHeldChunk(info, pt, size, [&](uint64_t index, uint64_t local) {
+      planned.push_back({pt.buffer_offset + local, index, &it->second, size, &info, entry});
+    });
+    if (planned.size() == before) {
+      // A slice holding no whole chunk (a digest of the rest needs bytes it lacks), or an empty
+      // tensor: nothing to hash, checked as soon as its digest was (ChecksumsForFile).
+      ++(pt.slice ? skipped : empty);
       continue;
     }
-    const uint64_t n = ChecksumChunkCount(info.size, size);
-    if (n == 0) {  // nothing to hash: checked as soon as its digest was (ChecksumsForFile)
-      ++empty;
-      continue;
-    }
-    for (uint64_t c = 0; c < n; ++c) {
-      planned.push_back({pt.buffer_offset + c * size, c, &it->second, size, &info, entry});
-    }
-    entries.push_back({&info, info.size, info.size});
+    entries.push_back({pt.size(info), covered});
   }
   counts.skipped += skipped;
   if (planned.empty() && empty == 0) return nullptr;

@@ -7,6 +7,7 @@
 // Internal to the sinks.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -40,6 +41,29 @@ struct VerifyCounts {
 std::vector<std::pair<uint64_t, uint64_t>> SliceWholeChunks(const TensorInfo& info,
                                                             const TensorSlice& slice,
                                                             uint64_t chunk_size);
+
+// Calls chunk(index, local offset) for each checksum chunk that the bytes `tensor` delivers hold
+// whole: every chunk of a whole tensor, SliceWholeChunks of a slice. Returns the bytes they
+// cover: tensor.size(info) when every delivered byte is checked, less for a slice whose edges
+// are left out, 0 for a slice that holds no whole chunk (and for an empty tensor).
+template <typename F>
+uint64_t ForEachHeldChunk(const TensorInfo& info, const PlannedTensor& tensor, uint64_t chunk_size,
+                          F&& chunk) {
+  uint64_t covered = 0;
+  auto held = [&](uint64_t index, uint64_t local) {
+    chunk(index, local);
+    covered += std::min(chunk_size, info.size - index * chunk_size);
+  };
+  if (tensor.slice) {
+    for (const auto& [index, local] : SliceWholeChunks(info, *tensor.slice, chunk_size)) {
+      held(index, local);
+    }
+  } else {
+    const uint64_t n = ChecksumChunkCount(info.size, chunk_size);
+    for (uint64_t c = 0; c < n; ++c) held(c, c * chunk_size);
+  }
+  return covered;
+}
 
 class LandingCheck {
  public:
@@ -117,7 +141,6 @@ class LandingCheck {
   VerifyCounts& counts_;
   // A planned tensor with chunks to check: the bytes it delivers, and those its chunks cover.
   struct Entry {
-    const TensorInfo* info = nullptr;
     uint64_t local_bytes = 0;    // the tensor's size, or a slice's
     uint64_t covered_bytes = 0;  // its chunks' bytes
   };

@@ -444,11 +444,15 @@ do_mpirun() {
   hostfile=$(state)/hostfile.$$
   for ((i = 1; i <= m; i++)); do echo "$SUBNET.$i slots=$k"; done >"$hostfile"
   local rc=0
+  # mpi_yield_when_idle: the hosts of the rehearsal share this machine's CPUs, and a rank that
+  # spins in a collective (Open MPI's default with a slot per rank) would take them from the other
+  # hosts' ranks, which separate machines do not share (docs/benchmarks.md, "Multi-host
+  # rehearsal": it made the cooperative path with nothing exchanged 4-8% slower than sliced).
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun \
     --hostfile "$hostfile" -np $((m * k)) --map-by slot \
     --mca plm_rsh_agent "$(state)/agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca btl tcp,self --mca btl_tcp_if_include "$SUBNET.0/24" \
-    --mca oob_tcp_if_include "$SUBNET.0/24" "$@" || rc=$?
+    --mca oob_tcp_if_include "$SUBNET.0/24" --mca mpi_yield_when_idle 1 "$@" || rc=$?
   rm -f "$hostfile"
   return $rc
 }

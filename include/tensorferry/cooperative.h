@@ -16,7 +16,10 @@
 //      every selected tensor is computed first (SliceOf): a rule error fails every rank the same
 //      way before any I/O.
 //   3. The local tensors are read by each rank with a sliced Loader (LoadOptions::tensor_parallel)
-//      on a helper thread, while the rounds run.
+//      on a helper thread: those that no exchange could save reads of
+//      (CooperativeTensorPlan::SavesReads) while the network probe runs, when it runs; the others
+//      once the rank's reads of the first round are done (so that the first exchange starts as
+//      early as the storage allows), beside the rounds.
 //   4. Round by round: each rank loads its exchanged tensors of the round with an ordinary Loader
 //      (any engine, O_DIRECT, ...), and its row pieces of the tensors split among the readers
 //      with a sliced one; while round k is exchanged, round k + 1 is already being read. In one
@@ -106,17 +109,26 @@ class NetworkProbe {
   bool several_hosts_ = false;
 };
 
-// The rate one host receives from the others through `collective`, in bytes per second: every
-// rank sends its bytes in equal blocks to the ranks on other hosts (host_of_rank, as HostsOfRanks
-// gives it) in one AllToAllv per round, after a one-byte exchange that opens lazily made
-// connections; rounds grow from 64 KiB per rank up to `bytes` until one lasts 100 ms
-// (NetworkProbe::NextBytes), and the rate is the last round's; times are the slowest rank's, and
-// rates the slowest host's, so every rank returns the same value. 0
-// when every rank is on one host. A collective call: every rank must make it with the same
-// arguments. Errors: kInvalidArgument (host_of_rank does not match the group), those of the
-// collective.
-Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint32_t> host_of_rank,
-                                    uint64_t bytes);
+// What a network probe measured: the rate one host receives from the others, in bytes per second,
+// and how long the probe took (the slowest rank's time from its first exchange to its last); both
+// 0 when no probe ran.
+struct NetworkMeasurement {
+  uint64_t rate = 0;
+  double seconds = 0;
+};
+
+// The rate one host receives from the others through `collective`: every rank sends its bytes in
+// equal blocks to the ranks on other hosts (host_of_rank, as HostsOfRanks gives it) in one
+// AllToAllv per round, after a one-byte exchange that opens lazily made connections; rounds grow
+// from 64 KiB per rank up to `bytes` until one lasts 100 ms (NetworkProbe::NextBytes), and the
+// rate is the last round's; times are the slowest rank's, and rates the slowest host's, so every
+// rank returns the same values (one more AllGather agrees on the probe's time, at least 1 ns).
+// Zeros when every rank is on one host (no collective call then). A collective call: every rank
+// must make it with the same arguments. Errors: kInvalidArgument (host_of_rank does not match the
+// group), those of the collective.
+Result<NetworkMeasurement> MeasureNetworkRate(Collective& collective,
+                                              std::span<const uint32_t> host_of_rank,
+                                              uint64_t bytes);
 
 // The bytes each rank sends in the network probe the plan is made with: options.cooperative's
 // probe_bytes when the plan may choose (exchange kAuto), no network_rate was given and the ranks
@@ -126,11 +138,13 @@ uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t>
 // The options the cooperative plan is made with: `options`, with cooperative.network_rate
 // measured by MeasureNetworkRate(collective, host_of_rank, cooperative.probe_bytes) when the plan
 // may choose (exchange kAuto), no rate was given, probe_bytes > 0 and the ranks are on more than
-// one host (a collective call then); `measured` gets the rate measured, or 0. LoadCooperative
-// calls it; a caller that prints the plan (PlanCooperative) calls it to print the same plan.
+// one host (a collective call then); `measured` gets what the probe measured, or zeros.
+// LoadCooperative calls it; a caller that prints the plan calls it, and PlanCooperative with
+// measured->seconds, to print the plan a load makes.
 Result<LoadOptions> WithMeasuredNetworkRate(Collective& collective,
                                             std::span<const uint32_t> host_of_rank,
-                                            const LoadOptions& options, uint64_t* measured);
+                                            const LoadOptions& options,
+                                            NetworkMeasurement* measured);
 
 // One selected tensor in a cooperative plan, and the cost model's figures for it.
 struct CooperativeTensorPlan {
@@ -152,6 +166,10 @@ struct CooperativeTensorPlan {
   uint64_t local_read = 0;
   uint64_t exchange_read = 0;
   uint64_t exchange_network = 0;
+  // Whether exchanging it would save storage bytes (local_read > exchange_read): the candidates
+  // of ExchangeChoice::kAuto. An exact dim-0 slice saves none (the ranks' parts are disjoint):
+  // such tensors are read while the network probe runs (LoadCooperative), whatever it measures.
+  bool SavesReads() const noexcept { return local_read > exchange_read; }
 };
 
 // A cooperative load's plan: identical on every rank (a pure function of its arguments).
@@ -162,12 +180,17 @@ struct CooperativePlan {
   ExchangeChoice choice = ExchangeChoice::kAuto;
   uint64_t storage_rate = 0;  // bytes/s per host, defaults applied (options.h)
   uint64_t network_rate = 0;
+  double probe_seconds = 0;  // the network probe's time before the plan (0: no probe)
   std::vector<CooperativeTensorPlan> tensors;  // the tensors read, in checkpoint order
   uint32_t rounds = 0;                         // rounds of the exchanged tensors
   // The model's prediction for a placement of the reads: the busiest host's bytes read from
-  // storage and received over the network, both flowing at once:
-  // seconds = max(read / storage_rate, network / network_rate). Computed with the actual readers
-  // (AssignReaders) of the exchanged tensors.
+  // storage and received over the network, both flowing at once, per host h:
+  // seconds = max(read_h / storage_rate, network_h / network_rate), the largest over the hosts.
+  // After a probe of P = probe_seconds (it ran, and the tensors that save no reads, pre_h bytes
+  // per host, were read during it), the plan's clock starts with the probe: the other reads
+  // start at P, and so does the network:
+  // seconds = max(read_h / S, P + (read_h - pre_h) / S, network_h > 0 ? P + network_h / B : 0).
+  // Computed with the actual readers (AssignReaders) of the exchanged tensors.
   struct Estimate {
     uint64_t read = 0;
     uint64_t network = 0;
@@ -192,9 +215,12 @@ struct CooperativePlan {
 //   spent, and the plan exchanges the prefix of that order whose exact estimate (below: actual
 //   readers, the busiest host) is the lowest, among the first 32 prefixes, 64 spread over the
 //   order, and those around the best prefix of the same model over average hosts (ties: the
-//   shorter prefix); all exchanged replaces it when strictly faster. On one host the network is
-//   free: every tensor that saves reads is exchanged; exact dim-0 slices never save any and stay
-//   local.
+//   shorter prefix); all exchanged replaces it when strictly faster (not after a probe: the
+//   tensors that save no reads were read during it); an exchange must beat all local by 10%
+//   (the costs the model leaves out). On one host the network is free: every tensor that saves
+//   reads is exchanged; exact dim-0 slices never save any and stay local.
+// probe_seconds: the network probe's time (NetworkMeasurement::seconds) when one ran before this
+// plan, else 0; it enters the estimates (Estimate above).
 // An exchanged tensor larger than half the even share of the exchanged bytes (total / world) or
 // than options.budget, with at least one row per rank, is split among every rank by rows instead
 // of given to one reader (CooperativeTensorPlan::readers): one reader of a huge embedding or
@@ -207,7 +233,8 @@ struct CooperativePlan {
 // or host indices that are not dense.
 Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
                                         const ShardSpec& spec, const LoadOptions& options,
-                                        std::span<const uint32_t> host_of_rank);
+                                        std::span<const uint32_t> host_of_rank,
+                                        double probe_seconds = 0);
 
 struct CooperativeStats {
   uint64_t tensors = 0;         // tensors this rank ends with
@@ -221,7 +248,9 @@ struct CooperativeStats {
   uint64_t local_tensors = 0;      // tensors every rank read its own part of
   double seconds = 0;              // wall time of the whole call
   double read_seconds = 0;         // inside the Loader of the rounds
-  double local_seconds = 0;     // the local tensors' reads (on a helper thread, beside the rounds)
+  // The local tensors' reads (on a helper thread, beside the probe and the rounds): from the
+  // start of the first to the end of the last.
+  double local_seconds = 0;
   double exchange_seconds = 0;  // inside the collectives (waiting for slower readers included)
   // The network rate the plan used when the probe measured it (CooperativeOptions::probe_bytes),
   // in bytes per second per host (the same on every rank), and the probe's wall time; 0 when no

@@ -33,7 +33,7 @@ using RankPart = std::tuple<std::vector<uint64_t>, std::vector<Block>, uint64_t>
 // One tensor to read (see distributed.h).
 using PlanEntry =
     std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, bool, uint32_t, uint32_t,
-               std::vector<Block>, std::vector<uint32_t>, int64_t, std::vector<RankPart>>;
+               std::vector<Block>, std::vector<uint32_t>, int64_t, std::vector<RankPart>, bool>;
 
 Result<ShardSpec> SpecOf(const std::string& spec) {
   if (spec == "builtin") return ShardSpec::Builtin();
@@ -50,7 +50,7 @@ using Output = std::pair<std::string, std::string>;
 nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
                            const std::optional<std::vector<std::string>>& names,
                            const std::string& spec_text, const std::vector<uint32_t>& hosts,
-                           const nb::dict& options) {
+                           const nb::dict& options, double probe_seconds) {
   if (hosts.empty()) Check(Status(Code::kInvalidArgument, "cooperative_plan: no ranks"));
   const Checkpoint* checkpoint = &checkpoint_ref;
   const uint32_t world = static_cast<uint32_t>(hosts.size());
@@ -69,7 +69,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
       outputs.emplace_back(o.name, checkpoint->tensors()[o.tensor].name);
     }
     const tensorferry::CooperativePlan plan =
-        Unwrap(PlanCooperative(*checkpoint, selection, spec, load_options, hosts));
+        Unwrap(PlanCooperative(*checkpoint, selection, spec, load_options, hosts, probe_seconds));
     const std::vector<TensorInfo>& infos = checkpoint->tensors();
     entries.reserve(plan.tensors.size());
     for (const CooperativeTensorPlan& t : plan.tensors) {
@@ -93,7 +93,8 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
       }
       entries.emplace_back(info.name, std::string(DTypeName(info.dtype)), info.shape, info.size,
                            t.exchanged, t.reader, t.round, std::move(piece_rows), t.piece_rounds,
-                           rule.is_split() ? static_cast<int64_t>(rule.dim) : -1, std::move(parts));
+                           rule.is_split() ? static_cast<int64_t>(rule.dim) : -1, std::move(parts),
+                           t.SavesReads());
     }
   }
   return nb::cast(std::make_pair(std::move(entries), std::move(outputs)));

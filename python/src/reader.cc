@@ -69,8 +69,8 @@ std::shared_ptr<const Checkpoint> Reader::Open() const {
 
 nb::object Reader::CooperativePlan(const std::optional<std::vector<std::string>>& names,
                                    const std::string& spec, const std::vector<uint32_t>& hosts,
-                                   const nb::dict& options) const {
-  return python::CooperativePlan(*Open(), names, spec, hosts, options);
+                                   const nb::dict& options, double probe_seconds) const {
+  return python::CooperativePlan(*Open(), names, spec, hosts, options, probe_seconds);
 }
 
 std::vector<std::string> Reader::Names(bool by_offset) const {
@@ -464,7 +464,7 @@ void RegisterReader(nb::module_& m) {
       .def(nb::init<const Reader&, const nb::dict&>(), nb::arg("other"), nb::arg("options"),
            "A Reader of other's checkpoint (its open files) with its own options.")
       .def("cooperative_plan", &Reader::CooperativePlan, nb::arg("names").none(), nb::arg("spec"),
-           nb::arg("hosts"), nb::arg("options"),
+           nb::arg("hosts"), nb::arg("options"), nb::arg("probe_seconds") = 0.0,
            "The schedule of a cooperative load of this checkpoint: (entries, outputs), see "
            "distributed.h.")
       .def("names", &Reader::Names, nb::arg("by_offset"))

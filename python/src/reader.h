@@ -64,7 +64,7 @@ class Reader {
   // The schedule of a cooperative load of this checkpoint (distributed.h).
   nanobind::object CooperativePlan(const std::optional<std::vector<std::string>>& names,
                                    const std::string& spec, const std::vector<uint32_t>& hosts,
-                                   const nanobind::dict& options) const;
+                                   const nanobind::dict& options, double probe_seconds) const;
 
   std::vector<std::string> Names(bool by_offset) const;  // by offset, or sorted
   std::vector<std::string> Files() const;                // paths, in file index order

@@ -176,11 +176,13 @@ def _hosts(torch, dist, group, rank, world, comm_device, timeout):
 
 
 def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts, nbytes):
-    """The network rate the plan is made with, measured as tensorferry::MeasureNetworkRate
-    measures it (the same NetworkProbe exchange and arithmetic, through all_to_all_single): bytes
-    per second per host, the same on every rank; 0 when nbytes is 0 (no probe)."""
+    """(rate, seconds): the network rate the plan is made with, measured as
+    tensorferry::MeasureNetworkRate measures it (the same NetworkProbe exchange and arithmetic,
+    through all_to_all_single), bytes per second per host, and the probe's time, the slowest
+    rank's; the same on every rank; (0, 0.0) when nbytes is 0 (no probe)."""
     if not nbytes:
-        return 0
+        return 0, 0.0
+    probe_start = time.perf_counter_ns()
 
     def exchange(size, warmup, step):
         send, recv = _core.network_probe_counts(hosts, size, rank, warmup)
@@ -208,7 +210,13 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
         slowest = max(int(t.item()) for t in every)
         rate = _core.network_probe_rate(hosts, size, slowest)
         size = _core.network_probe_next_bytes(size, slowest, nbytes)
-    return rate
+    # The probe's time, the slowest rank's: the plan's clock starts after it on every rank.
+    mine = torch.tensor([time.perf_counter_ns() - probe_start], dtype=torch.int64,
+                        device=comm_device)
+    every = [torch.empty(1, dtype=torch.int64, device=comm_device) for _ in range(len(hosts))]
+    _collective("the network probe (gathering the times)", rank, timeout,
+                lambda: dist.all_gather(every, mine, group=group, async_op=True))
+    return rate, max(1, max(int(t.item()) for t in every)) / 1e9
 
 
 def _align(n):
@@ -232,11 +240,12 @@ class _Unit:
 class _Entry:
     """A plan entry of Reader.cooperative_plan (python/src/distributed.h)."""
     __slots__ = ("name", "st_dtype", "shape", "nbytes", "exchanged", "reader", "round",
-                 "piece_rows", "piece_rounds", "dim", "parts")
+                 "piece_rows", "piece_rounds", "dim", "parts", "saves_reads")
 
     def __init__(self, t):
         (self.name, self.st_dtype, self.shape, self.nbytes, self.exchanged, self.reader,
-         self.round, self.piece_rows, self.piece_rounds, self.dim, self.parts) = t
+         self.round, self.piece_rows, self.piece_rounds, self.dim, self.parts,
+         self.saves_reads) = t
 
     def part_bytes(self, q):
         return self.nbytes if self.dim < 0 else self.parts[q][2]
@@ -298,79 +307,99 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     hosts = _hosts(torch, dist, group, rank, world, comm_device, timeout)
     options = {k: v for k, v in (plan_options or {}).items() if v is not None}
     options["budget"] = budget or 0
-    probe_start = time.perf_counter()
-    measured = _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
-                                     _core.network_probe_bytes(hosts, options))
-    if measured:
-        options["coop_network_rate"] = measured
-    probe_seconds = time.perf_counter() - probe_start if measured else 0.0
-    raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options)
-    plan = [_Entry(t) for t in raw_plan]
-    figures = {"tensors": len(outputs), "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
+    base_options = dict(reader_options or {})
+    figures = {"tensors": 0, "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
                "local_seconds": 0.0, "remote_requests": 0, "remote_retries": 0,
-               "remote_bytes": 0, "hosts": len(set(hosts)),
-               "exchanged_tensors": sum(1 for e in plan if e.exchanged),
-               "local_tensors": sum(1 for e in plan if not e.exchanged),
-               "measured_network_rate": measured, "probe_seconds": probe_seconds}
-    units = []
-    for e in plan:
-        if not e.exchanged:
-            continue
-        if not e.piece_rows:
-            units.append(_Unit(e, e.reader, e.round))
-        else:
-            units.extend(_Unit(e, p, e.piece_rounds[p], row0, rows)
-                         for p, (row0, rows) in enumerate(e.piece_rows))
-    rounds = max((u.round for u in units), default=-1) + 1
-    if order is not None:
-        order.extend(name for name, _ in outputs)
-    # Outputs by the tensor read for them (a tied alias shares its target's).
-    outputs_of = {}
-    for name, source in outputs:
-        outputs_of.setdefault(source, []).append(name)
-    # The rounds are the budget: the readers under them have none of their own. Whole tensors,
-    # row pieces (every split tensor by rows over the ranks), and the local tensors (this rank's
-    # own slices, as the independent sliced load reads them).
-    base_options = dict(reader_options or {})
-    reader = _core.Reader(base, base_options)
-    pieced = [e.name for e in plan if e.exchanged and e.piece_rows]
-    piece_reader = None
-    local = [e.name for e in plan if not e.exchanged]
-    local_reader = None
-    pool = None
-    if stats is not None:
-        stats.update(figures)
+               "remote_bytes": 0, "hosts": len(set(hosts)), "exchanged_tensors": 0,
+               "local_tensors": 0, "measured_network_rate": 0, "probe_seconds": 0.0}
+    reader = piece_reader = local_reader = pool = None
+    local_jobs = []  # the local reads on the helper thread, in order
 
     def account(core, key):
         figures["bytes_read"] += core[key]
         for k in ("remote_requests", "remote_retries", "remote_bytes"):
             figures[k] += core[k]
 
-    def read_local():
-        """On the helper thread: this rank's local tensors, its reader's stats and the time (the
-        figures are updated by the main thread, which owns them)."""
+    def read_local(which):
+        """On the helper thread: this rank's part of the local tensors `which`, its reader's
+        stats and when it started and ended (the figures are updated by the main thread, which
+        owns them)."""
         t0 = time.perf_counter()
-        triples = local_reader.load(local, fw.code)
+        triples = local_reader.load(which, fw.code)
         got = dict(fw.finish_all(triples, comm_device))
-        return got, local_reader.stats(), time.perf_counter() - t0
+        return got, local_reader.stats(), t0, time.perf_counter()
+
+    def start_local(which):
+        nonlocal local_reader, pool
+        if not which:
+            return
+        if local_reader is None:
+            local_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
+                                                   shard_rules=shard_spec,
+                                                   shard_max_gap=options.get("shard_max_gap")))
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+        local_jobs.append(pool.submit(read_local, which))
 
     try:
+        # With a network probe ahead (auto, no rate given, several hosts), the tensors that no
+        # exchange saves reads of are local whatever it measures: read while it runs.
+        nbytes = _core.network_probe_bytes(hosts, options)
+        preread = set()
+        if nbytes:
+            raw, _ = base.cooperative_plan(names, shard_spec, hosts,
+                                           dict(options, coop_exchange="none"))
+            preread = {e.name for e in map(_Entry, raw) if not e.saves_reads}
+            start_local([e.name for e in map(_Entry, raw) if not e.saves_reads])
+        measured, probe_seconds = _measure_network_rate(torch, dist, group, rank, comm_device,
+                                                        timeout, hosts, nbytes)
+        if measured:
+            options["coop_network_rate"] = measured
+        raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options,
+                                                  probe_seconds)
+        plan = [_Entry(t) for t in raw_plan]
+        if any(e.exchanged for e in plan if e.name in preread):
+            raise _core.SafetensorError(
+                "cooperative load: the plan exchanges a tensor read during the network probe")
+        figures.update({"tensors": len(outputs),
+                        "exchanged_tensors": sum(1 for e in plan if e.exchanged),
+                        "local_tensors": sum(1 for e in plan if not e.exchanged),
+                        "measured_network_rate": measured, "probe_seconds": probe_seconds})
+        units = []
+        for e in plan:
+            if not e.exchanged:
+                continue
+            if not e.piece_rows:
+                units.append(_Unit(e, e.reader, e.round))
+            else:
+                units.extend(_Unit(e, p, e.piece_rounds[p], row0, rows)
+                             for p, (row0, rows) in enumerate(e.piece_rows))
+        rounds = max((u.round for u in units), default=-1) + 1
+        if order is not None:
+            order.extend(name for name, _ in outputs)
+        # Outputs by the tensor read for them (a tied alias shares its target's).
+        outputs_of = {}
+        for name, source in outputs:
+            outputs_of.setdefault(source, []).append(name)
+        # The rounds are the budget: the readers under them have none of their own. Whole
+        # tensors, row pieces (every split tensor by rows over the ranks), and the local tensors
+        # (this rank's own slices, as the independent sliced load reads them): those not read
+        # during the probe once this rank's reads of the first round are done.
+        reader = _core.Reader(base, base_options)
+        pieced = [e.name for e in plan if e.exchanged and e.piece_rows]
+        local = [e.name for e in plan if not e.exchanged and e.name not in preread]
+        if stats is not None:
+            stats.update(figures)
         fw.check(reader, [e.name for e in plan])
         if pieced:
             spec = json.dumps({"base": "none",
                                "overrides": {n: {"split": 0} for n in pieced}})
             piece_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
                                                    shard_rules=spec))
-        local_future = None
-        if local:
-            local_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
-                                                   shard_rules=shard_spec,
-                                                   shard_max_gap=options.get("shard_max_gap")))
-            pool = concurrent.futures.ThreadPoolExecutor(1)
-            local_future = pool.submit(read_local)
+        if not rounds:
+            start_local(local)
         mine_parts = {}  # tensors split among the readers: this rank's part, filled piece by piece
-        for k in range(max(rounds, 1 if local else 0)):
+        for k in range(max(rounds, 1 if local or preread else 0)):
             mine = [u for u in units if u.round == k and u.reader == rank]
             loaded = {}
             error = None
@@ -387,6 +416,8 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 except Exception as e:  # re-raised below, after the others know
                     error = e
                 figures["read_seconds"] += time.perf_counter() - t0
+            if k == 0 and rounds and error is None:
+                start_local(local)
             t0 = time.perf_counter()
             step = f"round {k} of {rounds}"
             _agree(torch, dist, group, rank, world, comm_device, timeout, error,
@@ -400,13 +431,18 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 # The last round: every piece has arrived, and the local tensors come too.
                 got.update(mine_parts)
                 mine_parts = {}
-                local_got, error = {}, None
-                if local_future is not None:
+                local_got, error, spans = {}, None, []
+                for job in local_jobs:
                     try:
-                        local_got, core, figures["local_seconds"] = local_future.result()
+                        part, core, t_start, t_end = job.result()
+                        local_got.update(part)
                         account(core, "bytes_read")
+                        spans.append((t_start, t_end))
                     except Exception as e:
-                        error = e
+                        error = error or e
+                if spans:  # from the start of the first local read to the end of the last
+                    figures["local_seconds"] = (max(e for _, e in spans)
+                                                - min(b for b, _ in spans))
                 _agree(torch, dist, group, rank, world, comm_device, timeout, error,
                        "the end (every rank's local reads)", "reading its local tensors")
                 got.update(local_got)

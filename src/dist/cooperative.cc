@@ -4,18 +4,22 @@
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "tensorferry/size.h"
 #include "util/macros.h"
@@ -192,6 +196,27 @@ struct Costed {
   std::vector<uint64_t> local_read;  // per host: bytes its ranks read for their own parts
   std::vector<uint64_t> received;    // per host: bytes its ranks end with (their parts)
   bool splittable = false;           // may be split among the readers by rows (SplitAmongReaders)
+  bool preread = false;  // read while the network probe ran (it ran, and this saves no reads)
+};
+
+// What the estimates depend on besides the placement (CooperativePlan::Estimate).
+struct Model {
+  std::span<const uint32_t> host_of_rank;
+  uint32_t hosts = 1;
+  uint64_t storage_rate = 1;
+  uint64_t network_rate = 1;
+  uint64_t budget = 0;
+  double probe_seconds = 0;  // > 0: a probe ran first, the Costed::preread tensors read during it
+
+  // A host's time: its storage reads (those not read during the probe start after it) and, when
+  // it receives anything, its network transfers (after the probe), both at once.
+  double Seconds(double read, double preread, double network) const {
+    const double s = static_cast<double>(storage_rate), b = static_cast<double>(network_rate);
+    double t = read / s;
+    if (probe_seconds > 0) t = std::max(t, probe_seconds + (read - preread) / s);
+    if (network > 0) t = std::max(t, probe_seconds + network / b);
+    return t;
+  }
 };
 
 // Byte range [begin, end) of the tensor that rank p of `world` reads when the tensor is split
@@ -239,26 +264,28 @@ std::vector<bool> SplitAmongReaders(const std::vector<Costed>& costed,
 // `split` receives SplitAmongReaders' choice, `readers_out` the readers (AssignReaders) of the
 // exchanged tensors read whole, in order.
 CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
-                                   const std::vector<bool>& exchanged,
-                                   std::span<const uint32_t> host_of_rank, uint32_t hosts,
-                                   uint64_t storage_rate, uint64_t network_rate, uint64_t budget,
+                                   const std::vector<bool>& exchanged, const Model& model,
                                    std::vector<uint32_t>* readers_out = nullptr,
                                    std::vector<bool>* split_out = nullptr) {
-  const uint32_t world = static_cast<uint32_t>(host_of_rank.size());
-  const std::vector<bool> split = SplitAmongReaders(costed, exchanged, world, budget);
+  const std::span<const uint32_t> host_of_rank = model.host_of_rank;
+  const uint32_t world = static_cast<uint32_t>(host_of_rank.size()), hosts = model.hosts;
+  const std::vector<bool> split = SplitAmongReaders(costed, exchanged, world, model.budget);
   std::vector<uint64_t> sizes;
   for (size_t i = 0; i < costed.size(); ++i) {
     if (exchanged[i] && !split[i]) sizes.push_back(costed[i].item.info->size);
   }
   const std::vector<uint32_t> readers = AssignReaders(sizes, world);
-  std::vector<uint64_t> read(hosts, 0), network(hosts, 0);
+  std::vector<uint64_t> read(hosts, 0), preread(hosts, 0), network(hosts, 0);
   std::vector<uint64_t> ranks_on(hosts, 0);
   for (uint32_t h : host_of_rank) ranks_on[h]++;
   size_t next = 0;
   for (size_t i = 0; i < costed.size(); ++i) {
     const Costed& c = costed[i];
     if (!exchanged[i]) {
-      for (uint32_t h = 0; h < hosts; ++h) read[h] += c.local_read[h];
+      for (uint32_t h = 0; h < hosts; ++h) {
+        read[h] += c.local_read[h];
+        if (c.preread) preread[h] += c.local_read[h];
+      }
       continue;
     }
     if (split[i]) {
@@ -284,19 +311,21 @@ CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
   CooperativePlan::Estimate e;
   e.read = *std::max_element(read.begin(), read.end());
   e.network = *std::max_element(network.begin(), network.end());
-  e.seconds = std::max(static_cast<double>(e.read) / static_cast<double>(storage_rate),
-                       static_cast<double>(e.network) / static_cast<double>(network_rate));
+  for (uint32_t h = 0; h < hosts; ++h) {
+    e.seconds = std::max(
+        e.seconds, model.Seconds(static_cast<double>(read[h]), static_cast<double>(preread[h]),
+                                 static_cast<double>(network[h])));
+  }
   return e;
 }
 
 // The tensors to exchange under ExchangeChoice::kAuto (see PlanCooperative).
 std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tensors,
-                                  const std::vector<Costed>& costed,
-                                  std::span<const uint32_t> host_of_rank, uint32_t hosts,
-                                  uint64_t storage_rate, uint64_t network_rate, uint64_t budget) {
+                                  const std::vector<Costed>& costed, const Model& model) {
+  const uint32_t hosts = model.hosts;
   std::vector<size_t> candidates;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].local_read > tensors[i].exchange_read) candidates.push_back(i);
+    if (tensors[i].SavesReads()) candidates.push_back(i);
   }
   // Storage bytes saved per network byte spent, best first (no network cost: first of all).
   auto saved = [&](size_t i) {
@@ -310,16 +339,14 @@ std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tens
   const size_t n = candidates.size();
   // The model over average hosts, prefix by prefix: storage falls, network rises; its best
   // prefix is where the two meet.
-  double read = 0, network = 0;
+  double read = 0, preread = 0, network = 0;
   for (const Costed& c : costed) {
     uint64_t sum = 0;
     for (uint64_t b : c.local_read) sum += b;
     read += static_cast<double>(sum) / hosts;
+    if (c.preread) preread += static_cast<double>(sum) / hosts;
   }
-  auto seconds = [&] {
-    return std::max(read / static_cast<double>(storage_rate),
-                    network / static_cast<double>(network_rate));
-  };
+  auto seconds = [&] { return model.Seconds(read, preread, network); };
   double best_average = seconds();
   size_t average_prefix = 0;
   for (size_t k = 0; k < n; ++k) {
@@ -347,9 +374,7 @@ std::vector<bool> ChooseExchanged(const std::vector<CooperativeTensorPlan>& tens
   size_t done = 0;
   for (const size_t p : prefixes) {
     for (; done < p; ++done) exchanged[candidates[done]] = true;
-    const double e =
-        Estimate(costed, exchanged, host_of_rank, hosts, storage_rate, network_rate, budget)
-            .seconds;
+    const double e = Estimate(costed, exchanged, model).seconds;
     if (best.empty() || e < best_seconds * (1 - 1e-12)) {
       best_seconds = e;
       best = exchanged;
@@ -390,13 +415,18 @@ Result<Description> DescribeForRank(const Checkpoint& checkpoint, const Selectio
 // (docs/benchmarks.md, "Multi-host rehearsal"), the exchange's fixed costs being outside the model.
 constexpr double kMinExchangeGain = 0.10;
 
-// The plan of the tensors `indices` (checkpoint order), with the items of rank `me`.
+// The plan of the tensors `indices` (checkpoint order), with the items of rank `me`, made after a
+// network probe of `probe_seconds` (0: none ran; see PlanCooperative).
 Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> indices,
                                  const ShardSpec& spec, const LoadOptions& options,
                                  std::span<const uint32_t> host_of_rank, uint32_t me,
-                                 std::vector<Item>* items_out) {
+                                 std::vector<Item>* items_out, double probe_seconds = 0) {
   CooperativePlan plan;
   TF_RETURN_IF_ERROR(CheckHosts(host_of_rank, &plan.hosts));
+  if (!(probe_seconds >= 0) || !std::isfinite(probe_seconds)) {
+    return Status(Code::kInvalidArgument,
+                  "cooperative plan: probe_seconds must be finite and >= 0");
+  }
   plan.world = static_cast<uint32_t>(host_of_rank.size());
   plan.host_of_rank.assign(host_of_rank.begin(), host_of_rank.end());
   plan.choice = options.cooperative.exchange;
@@ -404,6 +434,7 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
                                                             : kDefaultStorageRate;
   plan.network_rate = options.cooperative.network_rate != 0 ? options.cooperative.network_rate
                                                             : kDefaultNetworkRate;
+  plan.probe_seconds = probe_seconds;
   const uint64_t max_gap =
       options.tensor_parallel ? options.tensor_parallel->max_gap : TensorParallelOptions{}.max_gap;
   const uint32_t world = plan.world, hosts = plan.hosts;
@@ -438,35 +469,36 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
     t.exchange_read = size / hosts;
     // From a reader on another host with probability (hosts - 1) / hosts.
     t.exchange_network = hosts > 1 ? received / hosts * (hosts - 1) / hosts : 0;
+    // After a probe, the tensors that no exchange saves reads of were read during it.
+    c.preread = probe_seconds > 0 && !t.SavesReads();
     plan.tensors.push_back(t);
     costed.push_back(std::move(c));
   }
 
+  const Model model{host_of_rank,      hosts,          plan.storage_rate,
+                    plan.network_rate, options.budget, probe_seconds};
   std::vector<bool> exchanged(plan.tensors.size(), plan.choice == ExchangeChoice::kAll);
-  if (plan.choice == ExchangeChoice::kAuto) {
-    exchanged = ChooseExchanged(plan.tensors, costed, host_of_rank, hosts, plan.storage_rate,
-                                plan.network_rate, options.budget);
-  }
+  if (plan.choice == ExchangeChoice::kAuto)
+    exchanged = ChooseExchanged(plan.tensors, costed, model);
   const std::vector<bool> none(plan.tensors.size(), false), all(plan.tensors.size(), true);
-  plan.all_local = Estimate(costed, none, host_of_rank, hosts, plan.storage_rate, plan.network_rate,
-                            options.budget);
-  plan.all_exchanged = Estimate(costed, all, host_of_rank, hosts, plan.storage_rate,
-                                plan.network_rate, options.budget);
+  plan.all_local = Estimate(costed, none, model);
+  plan.all_exchanged = Estimate(costed, all, model);
   std::vector<uint32_t> readers;
   std::vector<bool> split;
-  plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
-                         plan.network_rate, options.budget, &readers, &split);
+  plan.chosen = Estimate(costed, exchanged, model, &readers, &split);
   if (plan.choice == ExchangeChoice::kAuto) {
     // Prefixes hold only the tensors that save reads: exchanging every tensor (exact dim-0
-    // slices too, which spreads the reads by bytes) may still be faster: take it when strictly so.
+    // slices too, which spreads the reads by bytes) may still be faster: take it when strictly so
+    // (not after a probe: those tensors were read during it).
     // Then, exchanging anything costs what the model does not count (each round's collectives,
-    // the helper thread, the probe): it must beat reading everything locally by kMinExchangeGain.
+    // the helper thread): it must beat reading everything locally by kMinExchangeGain.
     auto take = [&](bool uniform) {
       exchanged.assign(plan.tensors.size(), uniform);
-      plan.chosen = Estimate(costed, exchanged, host_of_rank, hosts, plan.storage_rate,
-                             plan.network_rate, options.budget, &readers, &split);
+      plan.chosen = Estimate(costed, exchanged, model, &readers, &split);
     };
-    if (plan.all_exchanged.seconds < plan.chosen.seconds * (1 - 1e-9)) take(true);
+    if (probe_seconds == 0 && plan.all_exchanged.seconds < plan.chosen.seconds * (1 - 1e-9)) {
+      take(true);
+    }
     if (plan.chosen.seconds > plan.all_local.seconds * (1 - kMinExchangeGain)) take(false);
   }
 
@@ -626,10 +658,12 @@ class RoundRunner {
   }
 
   // Runs every round: this rank's result of each exchanged tensor lands in out[i] (plan order).
-  // Round k + 1 is read on a helper thread while round k is exchanged.
-  Status RunAll(std::vector<Tensor>& out) {
+  // Round k + 1 is read on a helper thread while round k is exchanged. `after_first_read` runs
+  // once this rank's reads of round 0 succeeded.
+  Status RunAll(std::vector<Tensor>& out, const std::function<void()>& after_first_read) {
     if (plan_.rounds == 0) return Status::Ok();
     Result<std::vector<Tensor>> current = Read(0);
+    if (current.ok()) after_first_read();
     for (uint32_t k = 0; k < plan_.rounds; ++k) {
       std::future<Result<std::vector<Tensor>>> next;
       if (k + 1 < plan_.rounds) {
@@ -947,7 +981,7 @@ Status AgreeOnStatus(Collective& collective, const Status& status, const char* w
 struct LocalReads {
   std::vector<Tensor> tensors;  // in Loader::Load's order
   uint64_t bytes_read = 0;
-  double seconds = 0;
+  Clock::time_point started, finished;
   std::string engine;
   uint64_t remote_requests = 0, remote_retries = 0, remote_bytes = 0;
 };
@@ -972,9 +1006,27 @@ Result<LocalReads> ReadLocal(std::shared_ptr<const Checkpoint> checkpoint,
   r.remote_requests = ls.remote_requests;
   r.remote_retries = ls.remote_retries;
   r.remote_bytes = ls.remote_bytes;
-  r.seconds = SecondsSince(start);
+  r.started = start;
+  r.finished = Clock::now();
   return r;
 }
+
+// A ReadLocal on a helper thread; an empty list reads nothing (and starts no thread).
+class LocalReadTask {
+ public:
+  void Start(std::shared_ptr<const Checkpoint> checkpoint, const LoadOptions& options,
+             const ShardSpec& spec, uint32_t me, uint32_t world, std::vector<std::string> names) {
+    if (names.empty()) return;
+    future_ = std::async(std::launch::async, [=, names = std::move(names)]() mutable {
+      return ReadLocal(std::move(checkpoint), options, spec, me, world, std::move(names));
+    });
+  }
+  // What it read (nothing when it did not start). Waits for it.
+  Result<LocalReads> Get() { return future_.valid() ? future_.get() : LocalReads{}; }
+
+ private:
+  std::future<Result<LocalReads>> future_;
+};
 
 }  // namespace
 
@@ -1054,15 +1106,17 @@ uint64_t NetworkProbe::NextBytes(uint64_t bytes, uint64_t nanos, uint64_t limit)
   return std::min<uint64_t>(limit, bytes * 4);
 }
 
-Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint32_t> host_of_rank,
-                                    uint64_t bytes) {
+Result<NetworkMeasurement> MeasureNetworkRate(Collective& collective,
+                                              std::span<const uint32_t> host_of_rank,
+                                              uint64_t bytes) {
   const uint32_t world = collective.size(), me = collective.rank();
   if (host_of_rank.size() != world || me >= world) {
     return Status(Code::kInvalidArgument, "network probe: host_of_rank has " +
                                               std::to_string(host_of_rank.size()) +
                                               " entries for a group of " + std::to_string(world));
   }
-  if (!NetworkProbe(host_of_rank, bytes).several_hosts()) return uint64_t{0};
+  if (!NetworkProbe(host_of_rank, bytes).several_hosts()) return NetworkMeasurement{};
+  const Clock::time_point probe_start = Clock::now();
   auto exchange = [&](const NetworkProbe& probe, bool warmup) {
     const std::vector<uint64_t> send = probe.SendCounts(me, warmup);
     const std::vector<uint64_t> recv = probe.RecvCounts(me, warmup);
@@ -1090,7 +1144,13 @@ Result<uint64_t> MeasureNetworkRate(Collective& collective, std::span<const uint
     rate = probe.Rate(slowest);
     size = NetworkProbe::NextBytes(size, slowest, bytes);
   }
-  return rate;
+  // The probe's time, the slowest rank's: the plan's clock starts after it on every rank.
+  const auto elapsed =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - probe_start);
+  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                      collective.AllGather(static_cast<uint64_t>(elapsed.count())));
+  const uint64_t slowest = std::max<uint64_t>(1, *std::max_element(all.begin(), all.end()));
+  return NetworkMeasurement{rate, static_cast<double>(slowest) / 1e9};
 }
 
 uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t> host_of_rank) {
@@ -1103,27 +1163,31 @@ uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t>
 
 Result<LoadOptions> WithMeasuredNetworkRate(Collective& collective,
                                             std::span<const uint32_t> host_of_rank,
-                                            const LoadOptions& options, uint64_t* measured) {
-  if (measured != nullptr) *measured = 0;
+                                            const LoadOptions& options,
+                                            NetworkMeasurement* measured) {
+  if (measured != nullptr) *measured = NetworkMeasurement{};
   const uint64_t bytes = NetworkProbeBytes(options, host_of_rank);
   if (bytes == 0) return options;
-  TF_ASSIGN_OR_RETURN(const uint64_t rate, MeasureNetworkRate(collective, host_of_rank, bytes));
+  TF_ASSIGN_OR_RETURN(const NetworkMeasurement got,
+                      MeasureNetworkRate(collective, host_of_rank, bytes));
   LoadOptions out = options;
-  out.cooperative.network_rate = rate;
-  if (measured != nullptr) *measured = rate;
+  out.cooperative.network_rate = got.rate;
+  if (measured != nullptr) *measured = got;
   return out;
 }
 
 Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
                                         const ShardSpec& spec, const LoadOptions& options,
-                                        std::span<const uint32_t> host_of_rank) {
+                                        std::span<const uint32_t> host_of_rank,
+                                        double probe_seconds) {
   if (host_of_rank.empty()) {
     return Status(Code::kInvalidArgument, "cooperative plan: no ranks (host_of_rank is empty)");
   }
   const uint32_t world = static_cast<uint32_t>(host_of_rank.size());
   TF_ASSIGN_OR_RETURN(const Description described,
                       DescribeForRank(checkpoint, selection, spec, 0, world));
-  return MakePlan(checkpoint, described.read, spec, options, host_of_rank, 0, nullptr);
+  return MakePlan(checkpoint, described.read, spec, options, host_of_rank, 0, nullptr,
+                  probe_seconds);
 }
 
 uint64_t CooperativePlan::ExchangedBytesReadBy(const Checkpoint& checkpoint, uint32_t rank) const {
@@ -1154,6 +1218,14 @@ std::string CooperativePlan::ToString(const Checkpoint& checkpoint) const {
                     std::to_string(hosts) + " host" + (hosts == 1 ? "" : "s") + ", exchange " +
                     std::string(ExchangeChoiceName(choice)) + ", storage " + rate(storage_rate) +
                     " and network " + rate(network_rate) + " per host\n";
+  if (probe_seconds > 0) {
+    char line[160];
+    std::snprintf(line, sizeof(line),
+                  "  planned after a network probe of %.3g s (the tensors that save no reads are "
+                  "read during it)\n",
+                  probe_seconds);
+    out += line;
+  }
   out += "  " + std::to_string(exchanged) + " of " + std::to_string(tensors.size()) +
          " tensors exchanged in " + std::to_string(rounds) + " round" + (rounds == 1 ? "" : "s") +
          ", " + std::to_string(tensors.size() - exchanged) + " read by each rank for itself\n";
@@ -1197,33 +1269,62 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
                                      [&] { return HostsOfRanks(collective); }));
   TF_ASSIGN_OR_RETURN(const Description described,
                       DescribeForRank(*checkpoint, selection, spec, me, world));
+  const std::vector<TensorInfo>& infos = checkpoint->tensors();
+  // With a network probe ahead (auto, no rate given, several hosts), the tensors that no
+  // exchange saves reads of (exact dim-0 slices) are local whatever it measures: they are read
+  // while it runs, so the storage works while the network is measured.
+  LocalReadTask preread;
+  std::unordered_set<std::string_view> preread_names;
+  if (NetworkProbeBytes(options, hosts) > 0) {
+    LoadOptions o = options;
+    o.cooperative.exchange = ExchangeChoice::kNone;  // only the per-tensor figures are needed
+    TF_ASSIGN_OR_RETURN(const CooperativePlan figures,
+                        MakePlan(*checkpoint, described.read, spec, o, hosts, me, nullptr));
+    std::vector<std::string> names;
+    for (const CooperativeTensorPlan& t : figures.tensors) {
+      if (!t.SavesReads()) {
+        names.push_back(infos[t.tensor].name);
+        preread_names.insert(infos[t.tensor].name);
+      }
+    }
+    preread.Start(checkpoint, options, spec, me, world, std::move(names));
+  }
   // The network rate the plan assumes, measured through this group's collective when it may
   // decide the plan.
-  const Clock::time_point probe_start = Clock::now();
+  NetworkMeasurement measured;
   TF_ASSIGN_OR_RETURN(const LoadOptions planned, watchdog.Watch("the network probe", [&] {
-    return WithMeasuredNetworkRate(collective, hosts, options, &local.measured_network_rate);
+    return WithMeasuredNetworkRate(collective, hosts, options, &measured);
   }));
-  if (local.measured_network_rate > 0) {
-    local.probe_seconds = std::chrono::duration<double>(Clock::now() - probe_start).count();
-  }
+  local.measured_network_rate = measured.rate;
+  local.probe_seconds = measured.seconds;
   std::vector<Item> items;
-  TF_ASSIGN_OR_RETURN(const CooperativePlan plan,
-                      MakePlan(*checkpoint, described.read, spec, planned, hosts, me, &items));
+  TF_ASSIGN_OR_RETURN(
+      const CooperativePlan plan,
+      MakePlan(*checkpoint, described.read, spec, planned, hosts, me, &items, measured.seconds));
   local.hosts = plan.hosts;
 
-  // The local tensors, read on a helper thread while the rounds run.
+  // The other local tensors, read on a helper thread once this rank's reads of the first round
+  // are done (the first exchange waits for those), beside the rounds.
   std::vector<std::string> local_names;
+  size_t preread_planned = 0;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    if (!plan.tensors[i].exchanged) local_names.push_back(items[i].info->name);
+    if (plan.tensors[i].exchanged) continue;
+    if (preread_names.count(items[i].info->name) != 0) {
+      ++preread_planned;
+    } else {
+      local_names.push_back(items[i].info->name);
+    }
   }
-  local.local_tensors = local_names.size();
-  local.exchanged_tensors = plan.tensors.size() - local_names.size();
-  std::future<Result<LocalReads>> local_reads;
-  if (!local_names.empty()) {
-    local_reads = std::async(std::launch::async, [&, names = std::move(local_names)]() mutable {
-      return ReadLocal(checkpoint, options, spec, me, world, std::move(names));
-    });
+  if (preread_planned != preread_names.size()) {
+    return Status(Code::kInternal,
+                  "cooperative load: the plan exchanges a tensor read during the network probe");
   }
+  local.local_tensors = local_names.size() + preread_planned;
+  local.exchanged_tensors = plan.tensors.size() - local.local_tensors;
+  LocalReadTask rest;
+  auto start_rest = [&] {
+    rest.Start(checkpoint, options, spec, me, world, std::move(local_names));
+  };
 
   std::vector<Tensor> exchanged(plan.tensors.size());
   Status rounds_status = Status::Ok();
@@ -1242,24 +1343,31 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
     }
     RoundRunner rounds(plan, items, collective, watchdog, loader.get(), piece_loader.get(),
                        open_status, local);
-    rounds_status = rounds.RunAll(exchanged);
+    rounds_status = rounds.RunAll(exchanged, start_rest);
+  } else {
+    start_rest();
   }
-  Result<LocalReads> reads = local_reads.valid() ? local_reads.get() : LocalReads{};
+  Result<LocalReads> first = preread.Get();
+  Result<LocalReads> second = rest.Get();
   TF_RETURN_IF_ERROR(rounds_status);
+  const Status reads_status = !first.ok() ? first.status() : second.status();
   TF_RETURN_IF_ERROR(watchdog.Watch("the end (every rank's local reads)", [&] {
-    return AgreeOnStatus(collective, reads.status(), "reading its local tensors");
+    return AgreeOnStatus(collective, reads_status, "reading its local tensors");
   }));
-  local.bytes_read += reads->bytes_read;
-  local.local_seconds = reads->seconds;
-  if (local.engine.empty()) local.engine = reads->engine;
-  local.remote_requests += reads->remote_requests;
-  local.remote_retries += reads->remote_retries;
-  local.remote_bytes += reads->remote_bytes;
-  {
-    std::unordered_map<std::string_view, size_t> position;
-    for (size_t i = 0; i < plan.tensors.size(); ++i) {
-      if (!plan.tensors[i].exchanged) position.emplace(items[i].info->name, i);
-    }
+  std::unordered_map<std::string_view, size_t> position;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (!plan.tensors[i].exchanged) position.emplace(items[i].info->name, i);
+  }
+  std::optional<Clock::time_point> local_start, local_end;
+  for (LocalReads* reads : {&*first, &*second}) {
+    if (reads->started == Clock::time_point{}) continue;  // nothing to read
+    local_start = local_start ? std::min(*local_start, reads->started) : reads->started;
+    local_end = local_end ? std::max(*local_end, reads->finished) : reads->finished;
+    local.bytes_read += reads->bytes_read;
+    if (local.engine.empty()) local.engine = reads->engine;
+    local.remote_requests += reads->remote_requests;
+    local.remote_retries += reads->remote_retries;
+    local.remote_bytes += reads->remote_bytes;
     for (Tensor& t : reads->tensors) {
       auto it = position.find(t.name());
       if (it == position.end()) {
@@ -1269,6 +1377,8 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
       exchanged[it->second] = std::move(t);
     }
   }
+  if (local_start)
+    local.local_seconds = std::chrono::duration<double>(*local_end - *local_start).count();
 
   std::vector<Tensor> out = Deliver(described, checkpoint->tensors().size(), exchanged);
   for (const Tensor& t : out) local.bytes += t.size();

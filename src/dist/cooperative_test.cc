@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <thread>
@@ -410,6 +412,77 @@ TEST(PlanCooperative, ChoosesPerTensorFromStorageAndNetworkRates) {
             Code::kInvalidArgument);
 }
 
+// After a network probe of P seconds the plan's clock starts with the probe: the tensors that save
+// no reads were read during it, every other read and the network start after it, and those
+// tensors are never exchanged (not even when exchanging everything would be faster).
+TEST(PlanCooperative, CountsTheProbesTimeAndWhatWasReadDuringIt) {
+  TempDir dir;
+  ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  const ShardSpec spec = testing::ShardFixtureSpec();
+  const std::vector<uint32_t> four_hosts = {0, 0, 1, 1, 2, 2, 3, 3};
+  LoadOptions options;
+  options.cooperative.storage_rate = 1'000'000;          // 1 MB/s
+  options.cooperative.network_rate = 1'000'000'000'000;  // a free network
+  const CooperativePlan before =
+      PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts).ValueOrThrow();
+  uint64_t saving = 0, not_saving = 0;
+  for (const CooperativeTensorPlan& t : before.tensors) {
+    (t.SavesReads() ? saving : not_saving) += 1;
+    EXPECT_EQ(t.SavesReads(), t.local_read > t.exchange_read);
+  }
+  ASSERT_GT(saving, 0u);
+  ASSERT_GT(not_saving, 0u);
+  EXPECT_EQ(before.probe_seconds, 0);
+  // The all-local estimate without a probe: the busiest host's reads at the storage rate.
+  EXPECT_DOUBLE_EQ(before.all_local.seconds, static_cast<double>(before.all_local.read) / 1e6);
+
+  // A short probe: the reads of what saves nothing took longer than it, so the all-local time is
+  // unchanged unless the rest alone, started after the probe, ends later.
+  const double tiny = 1e-6;
+  CooperativePlan plan =
+      PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts, tiny)
+          .ValueOrThrow();
+  EXPECT_EQ(plan.probe_seconds, tiny);
+  EXPECT_NEAR(plan.all_local.seconds, before.all_local.seconds, 2 * tiny);
+  for (const CooperativeTensorPlan& t : plan.tensors) {
+    if (!t.SavesReads()) {
+      EXPECT_FALSE(t.exchanged) << checkpoint->tensors()[t.tensor].name;
+    }
+  }
+  EXPECT_NE(plan.ToString(*checkpoint).find("planned after a network probe of"), std::string::npos);
+
+  // A long probe (far longer than every read): every estimate is at least the probe plus what
+  // follows it; exchanging anything pays the probe and more, and nothing is.
+  const double long_probe = 1000 * before.all_local.seconds;
+  plan = PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts, long_probe)
+             .ValueOrThrow();
+  EXPECT_GE(plan.all_local.seconds, long_probe);
+  EXPECT_GE(plan.chosen.seconds, long_probe);
+  EXPECT_LE(plan.all_local.seconds, long_probe + before.all_local.seconds);
+  EXPECT_GE(plan.all_exchanged.seconds, long_probe);
+  for (const CooperativeTensorPlan& t : plan.tensors) EXPECT_FALSE(t.exchanged);
+  EXPECT_DOUBLE_EQ(plan.chosen.seconds, plan.all_local.seconds);
+
+  // The same with a network a thousand times slower than storage: the probe adds to the
+  // network's time, so the exchange is worse still, and nothing is exchanged either way.
+  options.cooperative.network_rate = 1'000;
+  for (const double probe : {0.0, 0.5}) {
+    plan = PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts, probe)
+               .ValueOrThrow();
+    for (const CooperativeTensorPlan& t : plan.tensors) EXPECT_FALSE(t.exchanged);
+    EXPECT_EQ(plan.rounds, 0u);
+  }
+
+  // A probe time that is not a time.
+  for (const double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    EXPECT_EQ(PlanCooperative(*checkpoint, Selection::All(), spec, options, four_hosts, bad)
+                  .status()
+                  .code(),
+              Code::kInvalidArgument);
+  }
+}
+
 // Tied aliases: the target is read once and every rank's alias shares its target's slice; the
 // same tensors, names and order as the independent sliced path, for an alias the files hold (a
 // duplicate) and one they lack, under Selection::All and by name.
@@ -650,7 +723,7 @@ TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
   auto group = MakeInProcessGroup(kWorld).ValueOrThrow();
   auto run = [&](std::vector<uint32_t> hosts, const LoadOptions& options) {
     std::vector<Result<LoadOptions>> got(kWorld, Status(Code::kInternal, "not run"));
-    std::vector<uint64_t> measured(kWorld, 12345);
+    std::vector<NetworkMeasurement> measured(kWorld, NetworkMeasurement{12345, 1.5});
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < kWorld; ++r) {
       threads.emplace_back(
@@ -665,17 +738,22 @@ TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
     auto [got, measured] = run({0, 0, 1, 1}, options);
     for (uint32_t r = 0; r < kWorld; ++r) {
       ASSERT_TRUE(got[r].ok()) << got[r].status().ToString();
-      EXPECT_GT(measured[r], 0u);
-      EXPECT_EQ(measured[r], measured[0]) << "rank " << r;
-      EXPECT_EQ(got[r]->cooperative.network_rate, measured[r]);
+      EXPECT_GT(measured[r].rate, 0u);
+      EXPECT_EQ(measured[r].rate, measured[0].rate) << "rank " << r;
+      EXPECT_EQ(got[r]->cooperative.network_rate, measured[r].rate);
+      // The probe's time, the slowest rank's: the same on every rank.
+      EXPECT_GT(measured[r].seconds, 0);
+      EXPECT_LT(measured[r].seconds, 60);
+      EXPECT_EQ(measured[r].seconds, measured[0].seconds) << "rank " << r;
     }
   }
   {
     auto [got, measured] = run({0, 1, 2, 0}, options);  // uneven hosts
     for (uint32_t r = 0; r < kWorld; ++r) {
       ASSERT_TRUE(got[r].ok()) << got[r].status().ToString();
-      EXPECT_EQ(measured[r], measured[0]);
-      EXPECT_GT(measured[r], 0u);
+      EXPECT_EQ(measured[r].rate, measured[0].rate);
+      EXPECT_GT(measured[r].rate, 0u);
+      EXPECT_EQ(measured[r].seconds, measured[0].seconds);
     }
   }
   // One host, a rate given, a fixed choice, or no probe: no collective call, options unchanged.
@@ -691,7 +769,8 @@ TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
     auto [got, measured] = run(hosts, o);
     for (uint32_t r = 0; r < kWorld; ++r) {
       ASSERT_TRUE(got[r].ok());
-      EXPECT_EQ(measured[r], 0u);
+      EXPECT_EQ(measured[r].rate, 0u);
+      EXPECT_EQ(measured[r].seconds, 0);
       EXPECT_EQ(got[r]->cooperative.network_rate, o.cooperative.network_rate);
     }
   }

@@ -378,12 +378,13 @@ int Main(int argc, char** argv) {
                                 [&] { return HostsOfRanks(group); });
     if (!hosts.ok()) return Fail(hosts.status());
     // With the network rate measured as LoadCooperative measures it (each load measures again).
-    uint64_t measured = 0;
+    NetworkMeasurement measured;
     auto planned = watchdog.Watch("the network probe", [&] {
       return WithMeasuredNetworkRate(group, *hosts, *options, &measured);
     });
     if (!planned.ok()) return Fail(planned.status());
-    auto plan = PlanCooperative(**checkpoint, Selection::All(), *spec, *planned, *hosts);
+    auto plan =
+        PlanCooperative(**checkpoint, Selection::All(), *spec, *planned, *hosts, measured.seconds);
     if (!plan.ok()) return Fail(plan.status());
     if (args.explain) {
       if (root) std::printf("%s", plan->ToString(**checkpoint).c_str());
@@ -397,8 +398,8 @@ int Main(int argc, char** argv) {
             std::string(ExchangeChoiceName(plan->choice)) +
             "\", \"storage_rate\": " + std::to_string(plan->storage_rate) +
             ", \"network_rate\": " + std::to_string(plan->network_rate) +
-            ", \"network_rate_measured\": " + (measured > 0 ? "true" : "false") +
-            ", \"estimate\": {";
+            ", \"network_rate_measured\": " + (measured.rate > 0 ? "true" : "false") +
+            ", \"probe_seconds\": " + std::to_string(plan->probe_seconds) + ", \"estimate\": {";
     const std::pair<const char*, const CooperativePlan::Estimate*> estimates[] = {
         {"chosen", &plan->chosen},
         {"all_local", &plan->all_local},

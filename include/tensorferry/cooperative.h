@@ -97,8 +97,10 @@ class NetworkProbe {
   uint64_t Rate(uint64_t nanos) const;
   // The probe runs rounds of growing size, so that a slow link is not made to carry the whole
   // `limit` (probe_bytes) and a fast one is timed over long enough: the first round's bytes per
-  // rank (64 KiB), and the next round's (four times more) after one of `bytes` took `nanos` (0:
-  // the last round is the measurement: it lasted 100 ms or more, or reached the limit).
+  // rank (64 KiB), and the next round's after one of `bytes` took `nanos`: sized to last about
+  // 150 ms at that round's rate, at most four times larger and at least one byte larger, up to
+  // `limit` (0: the last round is the measurement: it lasted 100 ms or more, or reached the
+  // limit).
   static uint64_t FirstBytes(uint64_t limit);
   static uint64_t NextBytes(uint64_t bytes, uint64_t nanos, uint64_t limit);
 

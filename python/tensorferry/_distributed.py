@@ -6,8 +6,9 @@ Reader.cooperative_plan): which tensors are exchanged and which each rank reads 
 cost model of LoadOptions' coop_exchange, coop_storage_rate and coop_network_rate), the readers
 and budget-bounded rounds of the exchanged ones, and the huge ones split among the readers by
 rows. Each rank reads with the C++ loader: its exchanged tensors whole, its row pieces (a
-row-sliced reader), and its own slices of the local tensors (a sliced reader, on a helper thread
-while the rounds run). Each round is one all_to_all_single: every reader sends every other rank
+row-sliced reader), and its own slices of the local tensors (a sliced reader, on a helper thread:
+those no exchange saves reads of while the network probe runs, when it runs, the others once the
+rank's reads of the first round are done; the plan counts the probe's time). Each round is one all_to_all_single: every reader sends every other rank
 that rank's part of what it read (its slice, the blocks SliceOf gives concatenated along the split
 dimension: the bytes SliceByteRanges names, in the same order; the whole tensor; or its part of
 a row piece), each part padded to 64 bytes.

@@ -774,13 +774,16 @@ TEST(Cooperative, NetworkProbeGivesEveryRankTheSameRate) {
       EXPECT_EQ(got[r]->cooperative.network_rate, o.cooperative.network_rate);
     }
   }
-  // Rounds grow fourfold from 64 KiB until one lasts 100 ms or reaches the limit.
+  // Rounds grow from 64 KiB, at most fourfold, until one lasts 100 ms or reaches the limit.
   EXPECT_EQ(NetworkProbe::FirstBytes(16u << 20), 64u << 10);
   EXPECT_EQ(NetworkProbe::FirstBytes(1000), 1000u);
   EXPECT_EQ(NetworkProbe::NextBytes(64u << 10, 1'000'000, 16u << 20), 256u << 10);
   EXPECT_EQ(NetworkProbe::NextBytes(8u << 20, 1'000'000, 16u << 20), 16u << 20);
   EXPECT_EQ(NetworkProbe::NextBytes(16u << 20, 1'000'000, 16u << 20), 0u);
   EXPECT_EQ(NetworkProbe::NextBytes(64u << 10, 100'000'000, 16u << 20), 0u);
+  // Close to the threshold, the next round is sized to last about 150 ms, not four times longer.
+  EXPECT_EQ(NetworkProbe::NextBytes(256u << 10, 75'000'000, 16u << 20), 512u << 10);
+  EXPECT_EQ(NetworkProbe::NextBytes(1000, 99'999'999, 16u << 20), 1500u);
   // The rate of the slowest host: 4 ranks on 2 hosts, 1000 bytes each split over the 2 remote
   // ranks, so each host receives 2 x 2 x 500 bytes; in 1 ms: 2 MB/s.
   const std::vector<uint32_t> two_hosts = {0, 0, 1, 1};

@@ -102,7 +102,8 @@ def main():
                                  "hosts": stats["hosts"],
                                  "exchanged_tensors": stats["exchanged_tensors"],
                                  "local_tensors": stats["local_tensors"],
-                                 "measured_network_rate": stats["measured_network_rate"]}
+                                 "measured_network_rate": stats["measured_network_rate"],
+                                 "probe_seconds": stats["probe_seconds"]}
         with open(out, "w") as f:
             json.dump(figures, f)
     finally:

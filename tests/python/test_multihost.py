@@ -162,6 +162,10 @@ def test_mpi_across_hosts_cooperative_equals_sliced(rehearsal, staged_checkpoint
     rates = {x["measured_network_rate"] for x in auto["runs"][0]["per_rank"]}
     assert len(rates) == 1 and 0 < rates.pop() <= 1.5 * RATE_MBIT * 1e6 / 8, auto["runs"][0]
     assert all(x["measured_network_rate"] == 0 for x in coop["per_rank"])
+    # The probe's time, which the plan counts (and --explain prints): agreed by every rank.
+    probes = {x["probe_seconds"] for x in auto["runs"][0]["per_rank"]}
+    assert len(probes) == 1 and 0 < probes.pop() < 60, auto["runs"][0]
+    assert auto["probe_seconds"] > 0
     assert auto["estimate"]["chosen"]["seconds"] <= auto["estimate"]["all_local"]["seconds"]
     assert [x["checksum"] for x in auto["runs"][0]["per_rank"]] == \
         [x["checksum"] for x in sliced["per_rank"]]
@@ -228,6 +232,10 @@ def test_gloo_across_hosts(rehearsal, staged_checkpoint, tmp_path):
     rates = [x["auto"]["measured_network_rate"] for x in results]
     assert rates[0] == rates[1] and 0 < rates[0] <= 1.5 * RATE_MBIT * 1e6 / 8, rates
     assert [x["all"]["measured_network_rate"] for x in results] == [0, 0]
+    # The probe's time, which the plan counts: the slowest rank's, agreed by both.
+    probe = [x["auto"]["probe_seconds"] for x in results]
+    assert probe[0] == probe[1] and 0 < probe[0] < 60, probe
+    assert [x["all"]["probe_seconds"] for x in results] == [0, 0]
 
 
 def test_shaped_rate_is_the_configured_rate(rehearsal):

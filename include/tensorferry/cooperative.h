@@ -19,7 +19,8 @@
 //      on a helper thread: those that no exchange could save reads of
 //      (CooperativeTensorPlan::SavesReads) while the network probe runs, when it runs; the others
 //      once the rank's reads of the first round are done (so that the first exchange starts as
-//      early as the storage allows), beside the rounds.
+//      early as the storage allows), beside the rounds. On an error they are cancelled
+//      (LoadOptions::cancel: the Loader's own flag unless the caller set one), not waited for.
 //   4. Round by round: each rank loads its exchanged tensors of the round with an ordinary Loader
 //      (any engine, O_DIRECT, ...), and its row pieces of the tensors split among the readers
 //      with a sliced one; while round k is exchanged, round k + 1 is already being read. In one

@@ -491,6 +491,9 @@ void RegisterReader(nb::module_& m) {
       .def("stats", &Reader::Stats)
       .def("engine", &Reader::Engine)
       .def("options", &Reader::Options)
+      .def("cancel", &Reader::Cancel,
+           "Stops the load running on another thread within a chunk per worker; a load started "
+           "later clears it.")
       .def("close", &Reader::Close,
            "Drops the loader and this Reader's reference to the checkpoint (its files close when "
            "nothing else holds it); every later call raises InvalidArgumentError.");

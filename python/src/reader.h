@@ -66,6 +66,10 @@ class Reader {
                                    const std::string& spec, const std::vector<uint32_t>& hosts,
                                    const nanobind::dict& options, double probe_seconds) const;
 
+  // Stops the load running on another thread within a chunk per worker (it raises as an
+  // interrupted one does); a load started later clears it. Thread-safe.
+  void Cancel() noexcept { cancel_->store(true); }
+
   std::vector<std::string> Names(bool by_offset) const;  // by offset, or sorted
   std::vector<std::string> Files() const;                // paths, in file index order
   uint64_t TotalBytes() const;

@@ -471,6 +471,12 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             del batch
     finally:
         if pool is not None:
+            # On an error or an early close the local reads still queued or running are
+            # cancelled (after a complete load there are none left), so the error comes out
+            # within a chunk per worker rather than after every local read.
+            for job in local_jobs:
+                job.cancel()
+            local_reader.cancel()
             pool.shutdown(wait=True)
         for r in (reader, piece_reader, local_reader):
             if r is not None:

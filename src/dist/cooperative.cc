@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -1011,20 +1012,35 @@ Result<LocalReads> ReadLocal(std::shared_ptr<const Checkpoint> checkpoint,
   return r;
 }
 
-// A ReadLocal on a helper thread; an empty list reads nothing (and starts no thread).
+// A ReadLocal on a helper thread; an empty list reads nothing (and starts no thread). One that is
+// abandoned (destroyed before Get, on an error path) is cancelled, so that the error reaches the
+// caller within a chunk per worker instead of after every local read: through its own
+// LoadOptions::cancel, or the caller's when the caller gave one (which it alone may set).
 class LocalReadTask {
  public:
+  LocalReadTask() = default;
+  LocalReadTask(const LocalReadTask&) = delete;
+  LocalReadTask& operator=(const LocalReadTask&) = delete;
+  ~LocalReadTask() {
+    if (!future_.valid()) return;
+    cancel_->store(true, std::memory_order_relaxed);
+    future_.wait();
+  }
+
   void Start(std::shared_ptr<const Checkpoint> checkpoint, const LoadOptions& options,
              const ShardSpec& spec, uint32_t me, uint32_t world, std::vector<std::string> names) {
     if (names.empty()) return;
+    LoadOptions o = options;
+    if (o.cancel == nullptr) o.cancel = cancel_;
     future_ = std::async(std::launch::async, [=, names = std::move(names)]() mutable {
-      return ReadLocal(std::move(checkpoint), options, spec, me, world, std::move(names));
+      return ReadLocal(std::move(checkpoint), o, spec, me, world, std::move(names));
     });
   }
   // What it read (nothing when it did not start). Waits for it.
   Result<LocalReads> Get() { return future_.valid() ? future_.get() : LocalReads{}; }
 
  private:
+  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
   std::future<Result<LocalReads>> future_;
 };
 
@@ -1353,9 +1369,10 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   } else {
     start_rest();
   }
+  // A failed round returns at once: the local reads still running are cancelled (~LocalReadTask).
+  TF_RETURN_IF_ERROR(rounds_status);
   Result<LocalReads> first = preread.Get();
   Result<LocalReads> second = rest.Get();
-  TF_RETURN_IF_ERROR(rounds_status);
   const Status reads_status = !first.ok() ? first.status() : second.status();
   TF_RETURN_IF_ERROR(watchdog.Watch("the end (every rank's local reads)", [&] {
     return AgreeOnStatus(collective, reads_status, "reading its local tensors");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -713,6 +714,82 @@ TEST(Cooperative, AReadErrorOnOneRankStopsEveryRank) {
   for (uint32_t r = 0; r < 3; ++r) {
     EXPECT_EQ(local.status(r).code(), Code::kIoError) << local.status(r).ToString();
   }
+}
+
+// A round that fails on one rank ends every rank at once: the others' local reads, started after
+// their own round-0 reads, are cancelled (within a read per worker) instead of run to the end.
+TEST(Cooperative, AFailedRoundCancelsTheLocalReads) {
+  // One big dim-0 tensor (local: no exchange saves reads of it) and six replicated ones
+  // (exchanged on one host, two per reader, none split among the readers), in memory; every
+  // read a slow 4 KiB.
+  testing::TestTensors tensors;
+  tensors.Add("big.weight", DType::kF32, {3 * 512, 1024}, ShardRule::Split(0));  // 6 MiB
+  for (const char* name :
+       {"n0.weight", "n1.weight", "n2.weight", "n3.weight", "n4.weight", "n5.weight"}) {
+    tensors.Add(name, DType::kF32, {65536});  // 256 KiB
+  }
+  TempDir dir;
+  ASSERT_TRUE(tensors.WriteTo(dir.path(), 1ull << 30).ok());
+  testing::MemoryEnv env;
+  std::string shard;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    const std::string name = entry.path().filename().string();
+    env.AddFile("/mem/" + name, testing::ReadBytes(entry.path().string()));
+    if (name.ends_with(".safetensors")) shard = "/mem/" + name;
+  }
+  OpenOptions open;
+  open.env = &env;
+  auto checkpoint = Checkpoint::Open("/mem", open).ValueOrThrow();
+  const ShardSpec& spec = tensors.spec;
+  LoadOptions options;
+  options.env = &env;
+  options.engine = Engine::kPread;
+  options.threads = 2;
+  options.chunk_size = kMinChunkSize;  // cancelled within a chunk per worker: make chunks short
+  options.cooperative.exchange = ExchangeChoice::kAuto;  // one host: what saves reads is exchanged
+  constexpr uint32_t kWorld = 3;
+  const std::vector<uint32_t> one_host(kWorld, 0);
+  const CooperativePlan plan =
+      PlanCooperative(*checkpoint, Selection::All(), spec, options, one_host).ValueOrThrow();
+  // An I/O error inside rank 2's first tensor of round 0; every read a slow 4 KiB.
+  const CooperativeTensorPlan* victim = nullptr;
+  for (const CooperativeTensorPlan& t : plan.tensors) {
+    if (t.exchanged && t.readers == 1 && t.reader == 2 && t.round == 0 &&
+        checkpoint->tensors()[t.tensor].size > 0) {
+      victim = &t;
+      break;
+    }
+  }
+  ASSERT_NE(victim, nullptr) << plan.ToString(*checkpoint);
+  const TensorInfo& info = checkpoint->tensors()[victim->tensor];
+  testing::MemoryEnv::Faults faults;
+  faults.max_read = 4096;
+  faults.delay_us = 2000;
+  env.SetFaults(shard, faults);
+  // How long every rank's local reads take alone (each rank reads its own parts).
+  LoadOptions local = options;
+  local.cooperative.exchange = ExchangeChoice::kNone;
+  auto start = std::chrono::steady_clock::now();
+  const GroupRun calibration =
+      RunCooperativeGroup(checkpoint, Selection::All(), spec, local, kWorld);
+  const double all_local =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(calibration.status(r).ok());
+
+  faults.eio_at = static_cast<int64_t>(info.offset) + 1;
+  env.SetFaults(shard, faults);
+  start = std::chrono::steady_clock::now();
+  const GroupRun run = RunCooperativeGroup(checkpoint, Selection::All(), spec, options, kWorld);
+  const double failed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(run.status(2).code(), Code::kIoError) << run.status(2).ToString();
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(run.status(r).code(), Code::kIoError) << run.status(r).ToString();
+    EXPECT_NE(run.status(r).message().find("rank 2 failed"), std::string::npos)
+        << run.status(r).ToString();
+  }
+  EXPECT_LT(failed, all_local / 2)
+      << "all local " << all_local << " s, failed load " << failed << " s";
 }
 
 // The network probe: the same rate on every rank of a group spread over hosts (here fake hosts

@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "util/macros.h"
 
@@ -62,6 +64,12 @@ class MemoryFile final : public RandomAccessFile {
       : path_(std::move(path)), entry_(std::move(entry)), mu_(mu) {}
 
   Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    uint32_t delay_us = 0;
+    {
+      std::lock_guard<std::mutex> lock(*mu_);
+      delay_us = entry_->faults.delay_us;
+    }
+    if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
     std::lock_guard<std::mutex> lock(*mu_);
     auto& e = *entry_;
     const auto& f = e.faults;

@@ -46,6 +46,7 @@ class MemoryEnv : public Env {
     int64_t truncate_after_reads =
         -1;  // >=0: after this many reads, the file shrinks to `truncate_to`
     uint64_t truncate_to = 0;
+    uint32_t delay_us = 0;  // >0: every read first waits this long (a slow disk; reads overlap)
   };
 
   void AddFile(const std::string& path, std::string bytes);

@@ -17,6 +17,8 @@ throttled disk: cold, storage-bound), and the builtin shard rules:
   all      process_group=, coop_exchange="all": every tensor read once and exchanged;
   auto     process_group=, coop_exchange="auto" with coop_storage_rate/coop_network_rate set to
            the configured rates: the cost model's choice;
+  measured the same without coop_network_rate: the plan made with the rate (and the time) of the
+           network probe;
   none     process_group=, coop_exchange="none".
 A load's time is the slowest rank's (all ranks start after a barrier). Prints one JSON line per
 load and a summary (medians). Root only. Run it with nothing else on the machine.
@@ -71,9 +73,11 @@ def worker(args):
             name = contenders[(rep + j) % len(contenders)]
             kwargs = dict(common)
             if name != "sliced":
-                kwargs.update(process_group=pg, budget=args.budget, coop_exchange=name,
-                              coop_storage_rate=args.model_storage,
-                              coop_network_rate=args.model_network)
+                kwargs.update(process_group=pg, budget=args.budget,
+                              coop_exchange="auto" if name == "measured" else name,
+                              coop_storage_rate=args.model_storage)
+                if name != "measured":  # measured: the probe's rate
+                    kwargs.update(coop_network_rate=args.model_network)
             evict(args.path)  # cold: this host's copy out of the page cache
             dist.barrier()
             start = time.perf_counter()
@@ -96,7 +100,10 @@ def worker(args):
                                   "bytes_sent_total": int(figures[2].item()),
                                   "exchanged_tensors": stats.get("exchanged_tensors"),
                                   "local_tensors": stats.get("local_tensors"),
-                                  "hosts": stats.get("hosts")}), flush=True)
+                                  "hosts": stats.get("hosts"),
+                                  "probe_seconds": stats.get("probe_seconds"),
+                                  "measured_network_rate": stats.get("measured_network_rate")}),
+                      flush=True)
     dist.destroy_process_group()
 
 

@@ -350,8 +350,9 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         if nbytes:
             raw, _ = base.cooperative_plan(names, shard_spec, hosts,
                                            dict(options, coop_exchange="none"))
-            preread = {e.name for e in map(_Entry, raw) if not e.saves_reads}
-            start_local([e.name for e in map(_Entry, raw) if not e.saves_reads])
+            first = [e.name for e in map(_Entry, raw) if not e.saves_reads]
+            preread = set(first)
+            start_local(first)
         measured, probe_seconds = _measure_network_rate(torch, dist, group, rank, comm_device,
                                                         timeout, hosts, nbytes)
         if measured:

@@ -94,7 +94,8 @@ def worker(args):
             dist.all_reduce(slowest[:1], op=dist.ReduceOp.MAX)
             # The slowest rank's time in the rounds' reads, the exchange and the local reads.
             parts = torch.tensor([stats.get(k, 0.0) for k in
-                                  ("read_seconds", "exchange_seconds", "local_seconds")],
+                                  ("read_seconds", "exchange_seconds", "local_seconds",
+                                   "network_seconds")],
                                  dtype=torch.float64)
             dist.all_reduce(parts, op=dist.ReduceOp.MAX)
             dist.all_reduce(figures[1:], op=dist.ReduceOp.SUM)
@@ -107,9 +108,10 @@ def worker(args):
                                   "local_tensors": stats.get("local_tensors"),
                                   "hosts": stats.get("hosts"),
                                   "probe_seconds": stats.get("probe_seconds"),
-                                  "slowest_read_exchange_local_seconds":
+                                  "slowest_read_exchange_local_network_seconds":
                                       [round(v, 3) for v in parts.tolist()],
-                                  "measured_network_rate": stats.get("measured_network_rate")}),
+                                  "measured_network_rate": stats.get("measured_network_rate"),
+                                  "rounds": stats.get("rounds")}),
                       flush=True)
     dist.destroy_process_group()
 

@@ -311,7 +311,7 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     base_options = dict(reader_options or {})
     figures = {"tensors": 0, "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
-               "local_seconds": 0.0, "remote_requests": 0, "remote_retries": 0,
+               "local_seconds": 0.0, "network_seconds": 0.0, "remote_requests": 0, "remote_retries": 0,
                "remote_bytes": 0, "hosts": len(set(hosts)), "exchanged_tensors": 0,
                "local_tensors": 0, "measured_network_rate": 0, "probe_seconds": 0.0}
     reader = piece_reader = local_reader = pool = None
@@ -502,27 +502,48 @@ def _agree(torch, dist, group, rank, world, comm_device, timeout, error, step, w
             f"cooperative load: rank {failed[0]} failed {what}; see its error")
 
 
-def _part_of(torch, e, full, q):
-    """Rank q's part of the whole tensor `full` (its slice, or all of it), contiguous."""
+def _blocks(e, full, q):
+    """Rank q's part of the whole tensor `full` (its slice, or all of it) as (dim, views): the
+    part is the views concatenated along dim (no copy made)."""
     if e.dim < 0:
-        return full
-    pieces = [full.narrow(e.dim, s, n) for s, n in e.parts[q][1]]
-    return (torch.cat(pieces, e.dim) if len(pieces) > 1 else pieces[0]).contiguous()
+        return 0, [full]
+    return e.dim, [full.narrow(e.dim, s, n) for s, n in e.parts[q][1]]
 
 
-def _piece_part(torch, e, unit, piece, q):
-    """Rank q's part of row piece `piece` (rows unit.row0 ...): contiguous rows of its part."""
+def _piece_blocks(e, unit, piece, q):
+    """Rank q's part of row piece `piece` (rows unit.row0 ...) as (dim, views), as _blocks."""
     spans = e.piece_spans(unit, q)
     if spans is None:  # dims > 0: every row of the piece, q's columns
-        return _part_of(torch, e, piece, q)
-    rows = [piece.narrow(0, src, n) for src, _, n in spans]
-    if not rows:
-        return piece.narrow(0, 0, 0)
-    return (torch.cat(rows, 0) if len(rows) > 1 else rows[0]).contiguous()
+        return _blocks(e, piece, q)
+    return 0, [piece.narrow(0, src, n) for src, _, n in spans]
+
+
+def _joined(torch, dim, views):
+    """The views concatenated along dim, contiguous (a view itself when there is one)."""
+    if not views:
+        return None
+    return (torch.cat(views, dim) if len(views) > 1 else views[0]).contiguous()
+
+
+def _copy_blocks(dim, views, into):
+    """Copies the views, concatenated along dim, into `into` (a flat uint8 tensor of exactly
+    their bytes): one copy, no intermediate tensor."""
+    if not views:
+        return
+    if len(views) == 1:  # also a scalar (no dimension to concatenate along)
+        into.view(views[0].dtype).view(views[0].shape).copy_(views[0])
+        return
+    shape = list(views[0].shape)
+    shape[dim] = sum(v.shape[dim] for v in views)
+    target = into.view(views[0].dtype).view(shape)
+    at = 0
+    for v in views:
+        target.narrow(dim, at, v.shape[dim]).copy_(v)
+        at += v.shape[dim]
 
 
 def _place_piece(e, unit, target, rows, rank):
-    """Copies `rows` (rank's part of piece `unit`, as _piece_part made it) into `target`, the
+    """Copies `rows` (rank's part of piece `unit`, as _piece_blocks gives it) into `target`, the
     rank's part of the whole tensor."""
     spans = e.piece_spans(unit, rank)
     if spans is None:
@@ -540,43 +561,55 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
     rank's parts of what it read this round (unit order, each padded to 64 bytes) and receives
     its own from every reader. Whole tensors land in `got` (views of the round's receive buffer,
     or the reader's own tensor); parts of row pieces are copied into mine_parts[name]."""
-    send = [[] for _ in range(world)]
     send_splits = [0] * world
     recv_splits = [0] * world
+    # The sizes first, so the parts are copied once, straight into one send buffer.
+    for u in units:
+        for q in range(world):
+            if q == rank:
+                continue
+            if u.reader == rank:
+                send_splits[q] += _align(u.entry.unit_bytes(u, q))
+            elif q == u.reader:
+                recv_splits[q] += _align(u.entry.unit_bytes(u, rank))
+    send_buf = torch.empty(sum(send_splits), dtype=torch.uint8, device=comm_device)
+    cursor, at = [], 0
+    for n in send_splits:
+        cursor.append(at)
+        at += n
     for u in units:
         e = u.entry
         if u.reader != rank:
-            recv_splits[u.reader] += _align(e.unit_bytes(u, rank))
             figures["bytes_received"] += e.unit_bytes(u, rank)
             continue
         src = loaded.pop(e.name) if not u.piece else loaded[e.name]
         for q in range(world):
-            part = _piece_part(torch, e, u, src, q) if u.piece else _part_of(torch, e, src, q)
+            dim, views = _piece_blocks(e, u, src, q) if u.piece else _blocks(e, src, q)
             if q == rank:
+                part = _joined(torch, dim, views)
+                if part is None:
+                    part = src.narrow(0, 0, 0)
                 if u.piece:
                     _place_piece(e, u, _target(torch, fw, e, rank, mine_parts, comm_device), part,
                                  rank)
                 else:
                     got[e.name] = part
                 continue
-            flat = _as_bytes(torch, part)
-            n = flat.numel()
-            send[q].append(flat)
-            if _align(n) > n:
-                send[q].append(torch.zeros(_align(n) - n, dtype=torch.uint8, device=comm_device))
-            send_splits[q] += _align(n)
+            n = e.unit_bytes(u, q)
+            _copy_blocks(dim, views, send_buf[cursor[q]:cursor[q] + n])
+            if _align(n) > n:  # the padding zeroed: no stale memory goes over the network
+                send_buf[cursor[q] + n:cursor[q] + _align(n)].zero_()
+            cursor[q] += _align(n)
             figures["bytes_sent"] += n
         if u.piece:
             loaded.pop(e.name, None)
-    chunks = [c for q in range(world) for c in send[q]]
-    send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8,
-                                                            device=comm_device)
-    del chunks, send
     recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
     if sum(send_splits) or sum(recv_splits):
+        t0 = time.perf_counter()
         _collective(f"{step} (the exchange)", rank, timeout,
                     lambda: dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits,
                                                    group=group, async_op=True))
+        figures["network_seconds"] += time.perf_counter() - t0
     del send_buf
     cursor, at = [], 0
     for n in recv_splits:

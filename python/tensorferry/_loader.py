@@ -359,7 +359,9 @@ class Loader:
     @property
     def cooperative_stats(self):
         """With process_group: this rank's figures of the last load() (bytes_read, bytes_sent,
-        bytes_received, rounds, seconds, read_seconds, exchange_seconds); else None."""
+        bytes_received, rounds, seconds, read_seconds, exchange_seconds: the rounds' collectives
+        and the wait for the local reads, network_seconds: inside the exchanges'
+        all_to_all_single alone, local_seconds, probe_seconds, ...); else None."""
         return None if self._cooperative is None else dict(self._cooperative.stats)
 
     @property

@@ -102,6 +102,10 @@ def _rank_main(rank, world, path, init, configs, results):
                 assert _bytes(t) == _bytes(want), name
                 assert _bytes(t) == _bytes(independent[name]), name
             assert loader.stats.bytes_read == stats["bytes_read"]
+            # The time inside the exchanges' collectives is part of the exchange's time.
+            assert 0 <= stats["network_seconds"] <= stats["exchange_seconds"]
+            if stats["bytes_sent"] or stats["bytes_received"]:
+                assert stats["network_seconds"] > 0
             read = torch.tensor([stats["bytes_read"]], dtype=torch.int64)
             dist.all_reduce(read)
             total = sum(t.nbytes for t in full.values())

@@ -423,6 +423,8 @@ class Bench:
 
     def rounds(self, best_raw):
         order = self.contenders(best_raw)
+        if not order:  # only "tp" or "faults" asked for
+            return
         for i in range(self.args.repeats):
             print(f"round {i + 1}/{self.args.repeats}", flush=True)
             shift = i % len(order)

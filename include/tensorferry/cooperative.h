@@ -224,12 +224,14 @@ struct CooperativePlan {
 //   reads is exchanged; exact dim-0 slices never save any and stay local.
 // probe_seconds: the network probe's time (NetworkMeasurement::seconds) when one ran before this
 // plan, else 0; it enters the estimates (Estimate above).
-// An exchanged tensor larger than half the even share of the exchanged bytes (total / world) or
-// than options.budget, with at least one row per rank, is split among every rank by rows instead
-// of given to one reader (CooperativeTensorPlan::readers): one reader of a huge embedding or
-// lm_head would hold up every round-synchronised rank and hold it all in memory; the estimates
-// count its reads spread over the hosts. The other exchanged tensors get their readers from
-// AssignReaders.
+// An exchanged tensor larger than half the even share of the exchanged bytes (share = total /
+// world), or than share / 128 if also over 1 MiB, or than options.budget, with at least one row
+// per rank, is split among every rank by rows instead of given to one reader
+// (CooperativeTensorPlan::readers): one reader of a huge embedding or lm_head would hold up every
+// round-synchronised rank and hold it all in memory, and AssignReaders' contiguous runs balance
+// within one unsplit tensor, so no rank reads more than its share + max(share / 128, 1 MiB); the
+// estimates count a split tensor's reads spread over the hosts. The other exchanged tensors get
+// their readers from AssignReaders.
 // Covering reads use options.tensor_parallel's max_gap when it is set, else the default 64 KiB.
 // Rounds are bounded by options.budget (AssignRounds over the tensors read whole and the pieces).
 // Errors: those of DescribeSelection (SliceOf included), kInvalidArgument for an empty host_of_rank

@@ -4,7 +4,7 @@ Every rank of a process group learns which ranks share its host (an all-gather o
 hashes) and computes the same plan as the C++ ranks do (tensorferry::PlanCooperative through
 Reader.cooperative_plan): which tensors are exchanged and which each rank reads for itself (the
 cost model of LoadOptions' coop_exchange, coop_storage_rate and coop_network_rate), the readers
-and budget-bounded rounds of the exchanged ones, and the huge ones split among the readers by
+and budget-bounded rounds of the exchanged ones, and the large ones split among the readers by
 rows. Each rank reads with the C++ loader: its exchanged tensors whole, its row pieces (a
 row-sliced reader), and its own slices of the local tensors (a sliced reader, on a helper thread:
 those no exchange saves reads of while the network probe runs, when it runs, the others once the

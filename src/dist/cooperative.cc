@@ -240,9 +240,18 @@ bool CanSplit(const TensorInfo& info, uint32_t world) {
 }
 
 // Which exchanged tensors are split among every rank by rows (CooperativeTensorPlan::readers):
-// the splittable ones larger than half the even share of the exchanged bytes (one reader would
-// hold up the others: contiguous runs balance within one tensor) or than the round budget (one
-// rank would read it whole in a round of its own while the others wait, and hold all of it).
+// the splittable ones larger than
+// - half the even share of the exchanged bytes (one reader would hold up the others);
+// - 1/kBalanceFraction of that share, if also over kMinSplitBytes: the readers' contiguous runs
+//   balance within one unsplit tensor, so no rank reads (or, from object storage, transfers)
+//   more than its share + 1/128 (issue 13: "share + 1%"), or than its share + 1 MiB on a
+//   checkpoint whose share is under 128 MiB (pieces of small tensors would cost more requests
+//   than the balance gains);
+// - the round budget (one rank would read it whole in a round of its own while the others wait,
+//   and hold all of it).
+constexpr uint64_t kBalanceFraction = 128;
+constexpr uint64_t kMinSplitBytes = uint64_t{1} << 20;
+
 std::vector<bool> SplitAmongReaders(const std::vector<Costed>& costed,
                                     const std::vector<bool>& exchanged, uint32_t world,
                                     uint64_t budget) {
@@ -252,11 +261,13 @@ std::vector<bool> SplitAmongReaders(const std::vector<Costed>& costed,
   for (size_t i = 0; i < costed.size(); ++i) {
     if (exchanged[i]) total += costed[i].item.info->size;
   }
-  const uint64_t half_share = total / world / 2;
+  const uint64_t share = total / world;
+  const uint64_t threshold =
+      std::min(share / 2, std::max(share / kBalanceFraction, kMinSplitBytes));
   for (size_t i = 0; i < costed.size(); ++i) {
     const uint64_t size = costed[i].item.info->size;
-    split[i] = exchanged[i] && costed[i].splittable &&
-               (size > half_share || (budget > 0 && size > budget));
+    split[i] =
+        exchanged[i] && costed[i].splittable && (size > threshold || (budget > 0 && size > budget));
   }
   return split;
 }

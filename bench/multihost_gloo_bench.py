@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -80,15 +81,18 @@ def worker(args):
                     kwargs.update(coop_network_rate=args.model_network)
             evict(args.path)  # cold: this host's copy out of the page cache
             dist.barrier()
+            cpu0 = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             loader = tensorferry.Loader(args.path, **kwargs)
             got = loader.load()
             seconds = time.perf_counter() - start
+            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
             stats = loader.cooperative_stats if name != "sliced" else {}
             read = stats.get("bytes_read", loader.stats.bytes_read)
             loader.close()
             del got
-            figures = torch.tensor([seconds, read, stats.get("bytes_sent", 0)],
+            figures = torch.tensor([seconds, read, stats.get("bytes_sent", 0), cpu],
                                    dtype=torch.float64)
             slowest = figures.clone()
             dist.all_reduce(slowest[:1], op=dist.ReduceOp.MAX)
@@ -104,6 +108,7 @@ def worker(args):
                                   "wall_seconds": round(slowest[0].item(), 3),
                                   "bytes_read_total": int(figures[1].item()),
                                   "bytes_sent_total": int(figures[2].item()),
+                                  "cpu_seconds_total": round(figures[3].item(), 3),
                                   "exchanged_tensors": stats.get("exchanged_tensors"),
                                   "local_tensors": stats.get("local_tensors"),
                                   "hosts": stats.get("hosts"),

@@ -515,21 +515,17 @@ def _piece_blocks(e, unit, piece, q):
     spans = e.piece_spans(unit, q)
     if spans is None:  # dims > 0: every row of the piece, q's columns
         return _blocks(e, piece, q)
-    return 0, [piece.narrow(0, src, n) for src, _, n in spans]
+    return 0, [piece.narrow(0, src, n) for src, _, n in spans] or [piece.narrow(0, 0, 0)]
 
 
 def _joined(torch, dim, views):
     """The views concatenated along dim, contiguous (a view itself when there is one)."""
-    if not views:
-        return None
     return (torch.cat(views, dim) if len(views) > 1 else views[0]).contiguous()
 
 
 def _copy_blocks(dim, views, into):
     """Copies the views, concatenated along dim, into `into` (a flat uint8 tensor of exactly
     their bytes): one copy, no intermediate tensor."""
-    if not views:
-        return
     if len(views) == 1:  # also a scalar (no dimension to concatenate along)
         into.view(views[0].dtype).view(views[0].shape).copy_(views[0])
         return
@@ -563,39 +559,40 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
     or the reader's own tensor); parts of row pieces are copied into mine_parts[name]."""
     send_splits = [0] * world
     recv_splits = [0] * world
-    # The sizes first, so the parts are copied once, straight into one send buffer.
+    # The sizes first, so the parts are copied once, straight into one send buffer: per unit,
+    # every rank's part when this rank reads it, else this rank's.
+    sizes = []
     for u in units:
-        for q in range(world):
-            if q == rank:
-                continue
-            if u.reader == rank:
-                send_splits[q] += _align(u.entry.unit_bytes(u, q))
-            elif q == u.reader:
-                recv_splits[q] += _align(u.entry.unit_bytes(u, rank))
+        if u.reader == rank:
+            sizes.append([u.entry.unit_bytes(u, q) for q in range(world)])
+            for q in range(world):
+                if q != rank:
+                    send_splits[q] += _align(sizes[-1][q])
+        else:
+            sizes.append(u.entry.unit_bytes(u, rank))
+            recv_splits[u.reader] += _align(sizes[-1])
     send_buf = torch.empty(sum(send_splits), dtype=torch.uint8, device=comm_device)
     cursor, at = [], 0
     for n in send_splits:
         cursor.append(at)
         at += n
-    for u in units:
+    for u, size in zip(units, sizes):
         e = u.entry
         if u.reader != rank:
-            figures["bytes_received"] += e.unit_bytes(u, rank)
+            figures["bytes_received"] += size
             continue
         src = loaded.pop(e.name) if not u.piece else loaded[e.name]
         for q in range(world):
             dim, views = _piece_blocks(e, u, src, q) if u.piece else _blocks(e, src, q)
             if q == rank:
                 part = _joined(torch, dim, views)
-                if part is None:
-                    part = src.narrow(0, 0, 0)
                 if u.piece:
                     _place_piece(e, u, _target(torch, fw, e, rank, mine_parts, comm_device), part,
                                  rank)
                 else:
                     got[e.name] = part
                 continue
-            n = e.unit_bytes(u, q)
+            n = size[q]
             _copy_blocks(dim, views, send_buf[cursor[q]:cursor[q] + n])
             if _align(n) > n:  # the padding zeroed: no stale memory goes over the network
                 send_buf[cursor[q] + n:cursor[q] + _align(n)].zero_()
@@ -615,11 +612,10 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
     for n in recv_splits:
         cursor.append(at)
         at += n
-    for u in units:
+    for u, n in zip(units, sizes):
         if u.reader == rank:
             continue
         e = u.entry
-        n = e.unit_bytes(u, rank)
         data = recv_buf[cursor[u.reader]:cursor[u.reader] + n]
         cursor[u.reader] += _align(n)
         tdtype = fw.dtype(e.st_dtype)

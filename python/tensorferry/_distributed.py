@@ -316,6 +316,8 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                "local_tensors": 0, "measured_network_rate": 0, "probe_seconds": 0.0}
     reader = piece_reader = local_reader = pool = None
     local_jobs = []  # the local reads on the helper thread, in order
+    units = []
+    round_pool = ahead = None  # the round reader: round k + 1 read while round k is exchanged
 
     def account(core, key):
         figures["bytes_read"] += core[key]
@@ -330,6 +332,27 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         triples = local_reader.load(which, fw.code)
         got = dict(fw.finish_all(triples, comm_device))
         return got, local_reader.stats(), t0, time.perf_counter()
+
+    def read_round(k):
+        """This rank's units of round k (whole tensors, then row pieces), on the main thread
+        (round 0) or the round reader's (round k + 1 while round k is exchanged): (loaded, the
+        readers' stats, seconds, error); the main thread updates the figures."""
+        mine = [u for u in units if u.round == k and u.reader == rank]
+        loaded, cores, error = {}, [], None
+        if not mine:
+            return loaded, cores, 0.0, error
+        t0 = time.perf_counter()
+        try:
+            for rdr, want in ((reader, [u.entry.name for u in mine if not u.piece]),
+                              (piece_reader, [u.entry.name for u in mine if u.piece])):
+                if want:
+                    triples = rdr.load(want, fw.code)
+                    loaded.update(fw.finish_all(triples, comm_device))
+                    del triples
+                    cores.append(rdr.stats())
+        except Exception as e:  # re-raised in the round, after the others know
+            error = e
+        return loaded, cores, time.perf_counter() - t0, error
 
     def start_local(which):
         nonlocal local_reader, pool
@@ -367,7 +390,6 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                         "exchanged_tensors": sum(1 for e in plan if e.exchanged),
                         "local_tensors": sum(1 for e in plan if not e.exchanged),
                         "measured_network_rate": measured, "probe_seconds": probe_seconds})
-        units = []
         for e in plan:
             if not e.exchanged:
                 continue
@@ -401,25 +423,23 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         if not rounds:
             start_local(local)
         mine_parts = {}  # tensors split among the readers: this rank's part, filled piece by piece
+        # The rounds overlap as in the core: round k + 1 is read on the round reader while round
+        # k is exchanged, so a rank holds the reads of two rounds at most.
+        current = read_round(0) if rounds else ({}, [], 0.0, None)
         for k in range(max(rounds, 1 if local or preread else 0)):
-            mine = [u for u in units if u.round == k and u.reader == rank]
-            loaded = {}
-            error = None
-            if mine:
-                t0 = time.perf_counter()
-                try:
-                    for rdr, want in ((reader, [u.entry.name for u in mine if not u.piece]),
-                                      (piece_reader, [u.entry.name for u in mine if u.piece])):
-                        if want:
-                            triples = rdr.load(want, fw.code)
-                            loaded.update(fw.finish_all(triples, comm_device))
-                            del triples
-                            account(rdr.stats(), "bytes")
-                except Exception as e:  # re-raised below, after the others know
-                    error = e
-                figures["read_seconds"] += time.perf_counter() - t0
+            if ahead is not None:
+                current, ahead = ahead.result(), None
+            loaded, cores, seconds, error = current
+            current = None
+            for core in cores:
+                account(core, "bytes")
+            figures["read_seconds"] += seconds
             if k == 0 and rounds and error is None:
                 start_local(local)
+            if k + 1 < rounds and error is None:
+                if round_pool is None:
+                    round_pool = concurrent.futures.ThreadPoolExecutor(1)
+                ahead = round_pool.submit(read_round, k + 1)
             t0 = time.perf_counter()
             step = f"round {k} of {rounds}"
             _agree(torch, dist, group, rank, world, comm_device, timeout, error,
@@ -471,6 +491,15 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             yield k, batch
             del batch
     finally:
+        if round_pool is not None:
+            # A round read ahead when the load stopped (an error, or an early close): not
+            # started, it never starts; started, it is cancelled like the local reads, and
+            # waited for before its readers close.
+            if ahead is not None and not ahead.cancel():
+                for r in (reader, piece_reader):
+                    if r is not None:
+                        r.cancel()
+            round_pool.shutdown(wait=True)
         if pool is not None:
             # On an error or an early close the local reads still queued or running are
             # cancelled (after a complete load there are none left), so the error comes out

@@ -255,3 +255,64 @@ def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
     assert "cooperative load: rank 0 gave up in the start (learning every rank's host)" in \
         outcome["error"], outcome
     assert outcome["seconds"] < 8, outcome
+
+
+def _corrupt_round_main(rank, world, path, init, results):
+    import tensorferry
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        pg = dist.new_group(list(range(world)))
+        # Every tensor replicated and exchanged, one per rank and round (the budget holds one).
+        loader = tensorferry.Loader(path, budget=5000, tp_rank=rank, tp_size=world,
+                                    shard_rules="none", process_group=pg, coop_exchange="all")
+        batches, names = [], []
+        outcome = {"error": None}
+        try:
+            for batch in loader.iter_batches():
+                batches.append(batch.index)
+                names.extend(batch.tensors)
+        except Exception as e:  # the test checks the type and message
+            outcome = {"error": str(e), "type": type(e).__name__}
+        outcome.update({"batches": batches, "names": names})
+        with open(f"{results}.{rank}", "w") as f:
+            json.dump(outcome, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cooperative_gloo_corrupt_tensor_in_a_later_round(tmp_path, world):
+    """Rounds are read ahead (round k + 1 while round k is exchanged): a corrupt tensor in the
+    last round fails its reader with the checksum error naming it and every other rank with an
+    error naming that rank, after the earlier rounds were delivered (identically on every rank),
+    and no rank hands out the corrupt tensor."""
+    import tensorferry.torch
+    from test_integrity import corrupt
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    g = torch.Generator().manual_seed(11)
+    tensors = {f"t{i:02d}": torch.randn(1000, generator=g) for i in range(4 * world)}
+    path = str(ckpt / "model.safetensors")
+    tensorferry.torch.save_file(tensors, path)  # with checksums
+    bad = sorted(tensors)[-1]  # read in the last round
+    corrupt(path, bad)
+    results = str(tmp_path / "outcome")
+    mp.spawn(_corrupt_round_main,
+             args=(world, path, f"file://{tmp_path}/init", results), nprocs=world, join=True)
+    outcomes = []
+    for r in range(world):
+        with open(f"{results}.{r}") as f:
+            outcomes.append(json.load(f))
+    failing = [r for r, o in enumerate(outcomes) if bad in (o["error"] or "")]
+    assert len(failing) == 1, outcomes
+    culprit = failing[0]
+    assert "checksum" in outcomes[culprit]["error"], outcomes[culprit]
+    for r, o in enumerate(outcomes):
+        assert o["error"] is not None, (r, o)
+        assert bad not in o["names"], (r, o)
+        # Four rounds, one tensor per rank each: the first three arrived everywhere.
+        assert o["batches"] == [0, 1, 2], (r, o)
+        if r != culprit:
+            assert o["type"] == "SafetensorError", (r, o)
+            assert f"cooperative load: rank {culprit} failed reading its share" in o["error"], o

@@ -123,6 +123,11 @@ print(json.dumps({"contender": c, "repeat": rep, "wall_seconds": r["wall_seconds
                   "local_tensors": ranks[0]["local_tensors"],
                   "measured_network_rate": ranks[0].get("measured_network_rate", 0),
                   "probe_seconds": ranks[0].get("probe_seconds", 0),
+                  # The slowest rank's, as multihost_gloo_bench.py prints them.
+                  "slowest_read_exchange_local_network_seconds": [
+                      round(max(x.get(k, 0) for x in ranks), 3)
+                      for k in ("read_seconds", "exchange_seconds", "local_seconds",
+                                "network_seconds")],
                   "estimate": doc.get("estimate", {}).get("chosen", {}).get("seconds")}))
 EOF
   done

@@ -257,6 +257,9 @@ struct CooperativeStats {
   // start of the first to the end of the last.
   double local_seconds = 0;
   double exchange_seconds = 0;  // inside the collectives (waiting for slower readers included)
+  // Of exchange_seconds, the time inside the rounds' AllToAllv calls (the transfers, and the
+  // wait for the other ranks to reach them).
+  double network_seconds = 0;
   // The network rate the plan used when the probe measured it (CooperativeOptions::probe_bytes),
   // in bytes per second per host (the same on every rank), and the probe's wall time; 0 when no
   // probe ran.

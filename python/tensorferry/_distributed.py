@@ -8,7 +8,9 @@ and budget-bounded rounds of the exchanged ones, and the large ones split among 
 rows. Each rank reads with the C++ loader: its exchanged tensors whole, its row pieces (a
 row-sliced reader), and its own slices of the local tensors (a sliced reader, on a helper thread:
 those no exchange saves reads of while the network probe runs, when it runs, the others once the
-rank's reads of the first round are done; the plan counts the probe's time). Each round is one all_to_all_single: every reader sends every other rank
+rank's reads of the first round are done; the plan counts the probe's time), round k + 1 on a
+round reader thread while round k is exchanged. Each round is one all-to-all (_all_to_all: one
+all_to_all_single on a GPU, pairwise steps on the CPU): every reader sends every other rank
 that rank's part of what it read (its slice, the blocks SliceOf gives concatenated along the split
 dimension: the bytes SliceByteRanges names, in the same order; the whole tensor; or its part of
 a row piece), each part padded to 64 bytes.
@@ -28,6 +30,8 @@ import json
 import time
 
 from . import _core
+
+_numpy = []  # [numpy or None], imported at the first exchange (_assign)
 
 # Options of the per-rank sliced path: the cooperative reader reads whole tensors.
 _TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
@@ -141,6 +145,53 @@ def _collective(step, rank, timeout, start):
                                  "died or hangs, or a link is down?)") from e
 
 
+def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, recv, send,
+                recv_splits, send_splits):
+    """All-to-all of flat uint8 buffers (all_to_all_single's layout: rank q's block of `send` goes
+    to q, q's block for this rank lands in `recv`, blocks in rank order); every rank of `group`
+    calls it with matching splits. On a GPU (NCCL), one all_to_all_single. On the CPU (gloo, over
+    TCP), world - 1 pairwise steps (step i: send to rank + i, receive from rank - i, both at once;
+    empty blocks skipped on both sides): with every rank sending to all at once, the flows into a
+    host met in one link queue and a loss stalled the whole exchange for seconds now and then (the
+    multi-host rehearsal: docs/benchmarks.md); pairwise, a host receives a few flows at a time.
+    Each wait is bounded by `timeout` and named `step`, as _collective does."""
+    if comm_device.type != "cpu":
+        _collective(step, rank, timeout,
+                    lambda: dist.all_to_all_single(recv, send, list(recv_splits),
+                                                   list(send_splits), group=group, async_op=True))
+        return
+    send_at, recv_at = [0] * world, [0] * world
+    for q in range(1, world):
+        send_at[q] = send_at[q - 1] + send_splits[q - 1]
+        recv_at[q] = recv_at[q - 1] + recv_splits[q - 1]
+    if send_splits[rank]:  # this rank's own block, if any (the probe and the exchange have none)
+        recv[recv_at[rank]:recv_at[rank] + recv_splits[rank]].copy_(
+            send[send_at[rank]:send_at[rank] + send_splits[rank]])
+    for i in range(1, world):
+        to, source = (rank + i) % world, (rank - i) % world
+        ops = []
+        if recv_splits[source]:
+            ops.append(dist.P2POp(dist.irecv,
+                                  recv[recv_at[source]:recv_at[source] + recv_splits[source]],
+                                  _global_rank(dist, group, source), group))
+        if send_splits[to]:
+            ops.append(dist.P2POp(dist.isend, send[send_at[to]:send_at[to] + send_splits[to]],
+                                  _global_rank(dist, group, to), group))
+        if ops:
+            works = _started(step, rank, lambda: dist.batch_isend_irecv(ops))
+            for work in works:
+                _collective(step, rank, timeout, lambda work=work: work)
+
+
+def _started(step, rank, start):
+    """start()'s result, its failure as _collective's OSError."""
+    try:
+        return start()
+    except Exception as e:
+        raise OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} (a rank "
+                                 "died or hangs, or a link is down?)") from e
+
+
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
                      reader_options=None, plan_options=None, stats=None, timeout_ms=300000):
     """Loads this rank's shard of `names` (None: all) cooperatively; returns {name: tensor} in
@@ -179,7 +230,7 @@ def _hosts(torch, dist, group, rank, world, comm_device, timeout):
 def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts, nbytes):
     """(rate, seconds): the network rate the plan is made with, measured as
     tensorferry::MeasureNetworkRate measures it (the same NetworkProbe exchange and arithmetic,
-    through all_to_all_single), bytes per second per host, and the probe's time, the slowest
+    through _all_to_all, as the rounds exchange), bytes per second per host, and the probe's time, the slowest
     rank's; the same on every rank; (0, 0.0) when nbytes is 0 (no probe)."""
     if not nbytes:
         return 0, 0.0
@@ -189,9 +240,8 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
         send, recv = _core.network_probe_counts(hosts, size, rank, warmup)
         out = torch.full((sum(send),), 0x5A, dtype=torch.uint8, device=comm_device)
         into = torch.empty(sum(recv), dtype=torch.uint8, device=comm_device)
-        _collective(step, rank, timeout,
-                    lambda: dist.all_to_all_single(into, out, list(recv), list(send), group=group,
-                                                   async_op=True))
+        _all_to_all(torch, dist, group, rank, len(hosts), comm_device, timeout, step, into, out,
+                    recv, send)
 
     exchange(1, True, "the network probe (opening the connections)")
     rate = 0
@@ -547,42 +597,82 @@ def _piece_blocks(e, unit, piece, q):
     return 0, [piece.narrow(0, src, n) for src, _, n in spans] or [piece.narrow(0, 0, 0)]
 
 
-def _joined(torch, dim, views):
-    """The views concatenated along dim, contiguous (a view itself when there is one)."""
-    return (torch.cat(views, dim) if len(views) > 1 else views[0]).contiguous()
+def _assign(torch, dst, src):
+    """dst[...] = src (the same shape and dtype). Host memory is copied by numpy, on this thread
+    only: torch's copy_ runs a large copy on its OpenMP pool, whose threads spin-wait for one
+    another, and where ranks share few cores (eight ranks on two vCPUs in the multi-host
+    rehearsal) packing a round of 5 MB took up to 0.26 s instead of 1-10 ms, while every rank's
+    all_to_all waited for the slowest packer (docs/benchmarks.md). Device memory: copy_."""
+    if not _numpy:
+        try:
+            import numpy
+        except ImportError:  # an optional dependency: torch's copy_ then
+            numpy = None
+        _numpy.append(numpy)
+    np = _numpy[0]
 
+    def unit(t):  # whether t's bytes can be viewed as uint8 (unit stride in its last dimension)
+        return t.dim() == 0 or t.stride(-1) == 1
 
-def _copy_blocks(dim, views, into):
-    """Copies the views, concatenated along dim, into `into` (a flat uint8 tensor of exactly
-    their bytes): one copy, no intermediate tensor."""
-    if len(views) == 1:  # also a scalar (no dimension to concatenate along)
-        into.view(views[0].dtype).view(views[0].shape).copy_(views[0])
+    if dst.device.type != "cpu" or np is None or not (unit(dst) and unit(src)):
+        dst.copy_(src)
         return
+
+    def raw(t):  # the bytes of t, as numpy's
+        return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).numpy()
+
+    np.copyto(raw(dst), raw(src))
+
+
+def _joined_shape(dim, views):
     shape = list(views[0].shape)
-    shape[dim] = sum(v.shape[dim] for v in views)
-    target = into.view(views[0].dtype).view(shape)
+    if len(views) > 1:
+        shape[dim] = sum(v.shape[dim] for v in views)
+    return shape
+
+
+def _fill(torch, dim, views, target):
+    """Copies the views, concatenated along dim, into `target` (of their joined shape)."""
+    if len(views) == 1:  # also a scalar (no dimension to concatenate along)
+        _assign(torch, target, views[0])
+        return
     at = 0
     for v in views:
-        target.narrow(dim, at, v.shape[dim]).copy_(v)
+        _assign(torch, target.narrow(dim, at, v.shape[dim]), v)
         at += v.shape[dim]
 
 
-def _place_piece(e, unit, target, rows, rank):
+def _joined(torch, dim, views):
+    """The views concatenated along dim, contiguous (a view itself when there is one)."""
+    if len(views) == 1 and views[0].is_contiguous():
+        return views[0]
+    out = torch.empty(_joined_shape(dim, views), dtype=views[0].dtype, device=views[0].device)
+    _fill(torch, dim, views, out)
+    return out
+
+
+def _copy_blocks(torch, dim, views, into):
+    """Copies the views, concatenated along dim, into `into` (a flat uint8 tensor of exactly
+    their bytes): one copy, no intermediate tensor."""
+    _fill(torch, dim, views, into.view(views[0].dtype).view(_joined_shape(dim, views)))
+
+
+def _place_piece(torch, e, unit, target, rows, rank):
     """Copies `rows` (rank's part of piece `unit`, as _piece_blocks gives it) into `target`, the
     rank's part of the whole tensor."""
     spans = e.piece_spans(unit, rank)
     if spans is None:
-        target.narrow(0, unit.row0, unit.rows).copy_(rows)
+        _assign(torch, target.narrow(0, unit.row0, unit.rows), rows)
         return
     at = 0
     for _, dst, n in spans:
-        target.narrow(0, dst, n).copy_(rows.narrow(0, at, n))
+        _assign(torch, target.narrow(0, dst, n), rows.narrow(0, at, n))
         at += n
 
 
 def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, units, loaded,
               got, mine_parts, figures):
-    """One round's exchange in one all_to_all_single: every rank sends each other rank that
+    """One round's exchange in one _all_to_all: every rank sends each other rank that
     rank's parts of what it read this round (unit order, each padded to 64 bytes) and receives
     its own from every reader. Whole tensors land in `got` (views of the round's receive buffer,
     or the reader's own tensor); parts of row pieces are copied into mine_parts[name]."""
@@ -616,13 +706,13 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
             if q == rank:
                 part = _joined(torch, dim, views)
                 if u.piece:
-                    _place_piece(e, u, _target(torch, fw, e, rank, mine_parts, comm_device), part,
-                                 rank)
+                    _place_piece(torch, e, u,
+                                 _target(torch, fw, e, rank, mine_parts, comm_device), part, rank)
                 else:
                     got[e.name] = part
                 continue
             n = size[q]
-            _copy_blocks(dim, views, send_buf[cursor[q]:cursor[q] + n])
+            _copy_blocks(torch, dim, views, send_buf[cursor[q]:cursor[q] + n])
             if _align(n) > n:  # the padding zeroed: no stale memory goes over the network
                 send_buf[cursor[q] + n:cursor[q] + _align(n)].zero_()
             cursor[q] += _align(n)
@@ -632,9 +722,8 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
     recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
     if sum(send_splits) or sum(recv_splits):
         t0 = time.perf_counter()
-        _collective(f"{step} (the exchange)", rank, timeout,
-                    lambda: dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits,
-                                                   group=group, async_op=True))
+        _all_to_all(torch, dist, group, rank, world, comm_device, timeout,
+                    f"{step} (the exchange)", recv_buf, send_buf, recv_splits, send_splits)
         figures["network_seconds"] += time.perf_counter() - t0
     del send_buf
     cursor, at = [], 0
@@ -654,7 +743,7 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
             continue
         target = _target(torch, fw, e, rank, mine_parts, comm_device)
         row_shape = list(target.shape[1:])
-        _place_piece(e, u, target, data.view(tdtype).reshape([-1] + row_shape), rank)
+        _place_piece(torch, e, u, target, data.view(tdtype).reshape([-1] + row_shape), rank)
 
 
 def _target(torch, fw, e, rank, mine_parts, comm_device):

@@ -874,6 +874,7 @@ class RoundRunner {
     std::shared_ptr<std::byte[]> received(new std::byte[std::max<uint64_t>(recv_total, 1)]);
     const std::string step =
         "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds) + " (the exchange)";
+    const Clock::time_point network_start = Clock::now();
     TF_RETURN_IF_ERROR(watchdog_
                            .Watch(step,
                                   [&] {
@@ -882,6 +883,7 @@ class RoundRunner {
                                         {received.get(), recv_total}, recv_counts);
                                   })
                            .WithPrefix(step));
+    stats_.network_seconds += SecondsSince(network_start);
     // Unpack: the parts from each reader follow one another in unit order.
     uint64_t offset = 0;
     for (uint32_t p = 0; p < world_; ++p) {

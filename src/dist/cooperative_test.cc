@@ -180,6 +180,12 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
     if (exchanged_count == 0) {
       EXPECT_EQ(stats[r].bytes_sent + stats[r].bytes_received, 0u);
     }
+    // The transfers' time is part of the exchange's.
+    EXPECT_GE(stats[r].network_seconds, 0);
+    EXPECT_LE(stats[r].network_seconds, stats[r].exchange_seconds) << "rank " << r;
+    if (stats[r].bytes_sent + stats[r].bytes_received > 0) {
+      EXPECT_GT(stats[r].network_seconds, 0) << "rank " << r;
+    }
   }
   EXPECT_EQ(total_read, exchanged_bytes);
   // With every tensor exchanged over 8 ranks and a budget below the largest tensors, some are

@@ -70,6 +70,8 @@ struct RankFigures {
   uint64_t received = 0;
   double read_seconds = 0;       // cooperative: inside the Loader
   double exchange_seconds = 0;   // cooperative: inside the collectives
+  double network_seconds = 0;    // cooperative: of those, inside the rounds' AllToAllv
+  double local_seconds = 0;      // cooperative: the local tensors' reads (CooperativeStats)
   uint64_t remote_requests = 0;  // object storage: requests and bytes received (0 for files)
   uint64_t remote_bytes = 0;
   uint64_t checksum = 0;           // with --checksum (sliced, cooperative): CombineTensorSums
@@ -107,6 +109,8 @@ Result<RankFigures> RunOnce(Collective& c, const std::shared_ptr<const Checkpoin
     f.measured_network_rate = stats.measured_network_rate;
     f.probe_seconds = stats.probe_seconds;
     f.exchange_seconds = stats.exchange_seconds;
+    f.network_seconds = stats.network_seconds;
+    f.local_seconds = stats.local_seconds;
     f.remote_requests = stats.remote_requests;
     f.remote_bytes = stats.remote_bytes;
     f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -248,7 +252,9 @@ Result<std::vector<std::vector<uint64_t>>> GatherFigures(Collective& group,
         figures.received, static_cast<uint64_t>(figures.read_seconds * 1e6),
         static_cast<uint64_t>(figures.exchange_seconds * 1e6), figures.remote_requests,
         figures.remote_bytes, figures.checksum, figures.exchanged_tensors, figures.local_tensors,
-        figures.measured_network_rate, static_cast<uint64_t>(figures.probe_seconds * 1e6)}) {
+        figures.measured_network_rate, static_cast<uint64_t>(figures.probe_seconds * 1e6),
+        static_cast<uint64_t>(figures.network_seconds * 1e6),
+        static_cast<uint64_t>(figures.local_seconds * 1e6)}) {
     auto all = group.AllGather(v);
     if (!all.ok()) return all.status();
     columns.push_back(std::move(*all));
@@ -276,7 +282,9 @@ void AppendRunJson(std::string& json, unsigned run, double wall, uint64_t total_
             ", \"exchanged_tensors\": " + std::to_string(columns[10][r]) +
             ", \"local_tensors\": " + std::to_string(columns[11][r]) +
             ", \"measured_network_rate\": " + std::to_string(columns[12][r]) +
-            ", \"probe_seconds\": " + std::to_string(static_cast<double>(columns[13][r]) / 1e6);
+            ", \"probe_seconds\": " + std::to_string(static_cast<double>(columns[13][r]) / 1e6) +
+            ", \"network_seconds\": " + std::to_string(static_cast<double>(columns[14][r]) / 1e6) +
+            ", \"local_seconds\": " + std::to_string(static_cast<double>(columns[15][r]) / 1e6);
     if (checksum) json += ", \"checksum\": \"" + cli::ChecksumHex(columns[9][r]) + "\"";
     json += "}";
   }

@@ -274,6 +274,21 @@ PY
       echo "gpu_check: the verify pairs failed; going on" | tee -a "$out/$log"
   fi
 
+  # What checksums cost a host load on this machine's cores (docs/integrity.md; issue 15's
+  # targets: at most 10% warm, 3% cold, which the 2-vCPU development VMs cannot show), on the
+  # first shard so that it takes seconds: bench/verify_bench.py, warm and cold (evicted with
+  # posix_fadvise), --verify on against off alternating. HOST_VERIFY_ROUNDS=0 skips it.
+  local host_rounds=${HOST_VERIFY_ROUNDS:-3}
+  local shard
+  shard=$(find "$data" -maxdepth 1 -name '*.safetensors' | sort | head -1)
+  if [ "$host_rounds" -gt 0 ] && [ -n "$shard" ]; then
+    echo "== CLI: what checksums cost a host load, warm and cold ($(basename "$shard"), $host_rounds rounds)" |
+      tee -a "$out/$log"
+    "$py" bench/verify_bench.py "$shard" --cli "$tf" --rounds "$host_rounds" --engine io_uring 2>&1 |
+      tee -a "$out/$log" ||
+      echo "gpu_check: the host verify bench failed; going on" | tee -a "$out/$log"
+  fi
+
   echo "== benchmark (bench/gpu_bench.py)" | tee -a "$out/$log"
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   PYTHONUNBUFFERED=1 "$py" bench/gpu_bench.py "$data" --repeats "${REPEATS:-3}" \

@@ -141,8 +141,13 @@ def _collective(step, rank, timeout, start):
             elif not work.wait(timeout=timeout):
                 raise TimeoutError(f"not done after {timeout.total_seconds():g} s")
     except Exception as e:
-        raise OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} (a rank "
-                                 "died or hangs, or a link is down?)") from e
+        raise _gave_up(step, rank, e) from e
+
+
+def _gave_up(step, rank, e):
+    """The OSError of a collective step that failed or timed out with `e`."""
+    return OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} (a rank died "
+                              "or hangs, or a link is down?)")
 
 
 def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, recv, send,
@@ -178,18 +183,12 @@ def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, rec
             ops.append(dist.P2POp(dist.isend, send[send_at[to]:send_at[to] + send_splits[to]],
                                   _global_rank(dist, group, to), group))
         if ops:
-            works = _started(step, rank, lambda: dist.batch_isend_irecv(ops))
+            try:
+                works = dist.batch_isend_irecv(ops)
+            except Exception as e:
+                raise _gave_up(step, rank, e) from e
             for work in works:
                 _collective(step, rank, timeout, lambda work=work: work)
-
-
-def _started(step, rank, start):
-    """start()'s result, its failure as _collective's OSError."""
-    try:
-        return start()
-    except Exception as e:
-        raise OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} (a rank "
-                                 "died or hangs, or a link is down?)") from e
 
 
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,

@@ -26,12 +26,11 @@ the process group is unusable afterwards, as after any failed collective).
 """
 import datetime
 import errno
+import functools
 import json
 import time
 
 from . import _core
-
-_numpy = []  # [numpy or None], imported at the first exchange (_assign)
 
 # Options of the per-rank sliced path: the cooperative reader reads whole tensors.
 _TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
@@ -229,8 +228,8 @@ def _hosts(torch, dist, group, rank, world, comm_device, timeout):
 def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts, nbytes):
     """(rate, seconds): the network rate the plan is made with, measured as
     tensorferry::MeasureNetworkRate measures it (the same NetworkProbe exchange and arithmetic,
-    through _all_to_all, as the rounds exchange), bytes per second per host, and the probe's time, the slowest
-    rank's; the same on every rank; (0, 0.0) when nbytes is 0 (no probe)."""
+    through _all_to_all, as the rounds exchange), bytes per second per host, and the probe's
+    time, the slowest rank's; the same on every rank; (0, 0.0) when nbytes is 0 (no probe)."""
     if not nbytes:
         return 0, 0.0
     probe_start = time.perf_counter_ns()
@@ -360,9 +359,10 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     base_options = dict(reader_options or {})
     figures = {"tensors": 0, "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
-               "local_seconds": 0.0, "network_seconds": 0.0, "remote_requests": 0, "remote_retries": 0,
-               "remote_bytes": 0, "hosts": len(set(hosts)), "exchanged_tensors": 0,
-               "local_tensors": 0, "measured_network_rate": 0, "probe_seconds": 0.0}
+               "local_seconds": 0.0, "network_seconds": 0.0, "remote_requests": 0,
+               "remote_retries": 0, "remote_bytes": 0, "hosts": len(set(hosts)),
+               "exchanged_tensors": 0, "local_tensors": 0, "measured_network_rate": 0,
+               "probe_seconds": 0.0}
     reader = piece_reader = local_reader = pool = None
     local_jobs = []  # the local reads on the helper thread, in order
     units = []
@@ -602,13 +602,7 @@ def _assign(torch, dst, src):
     another, and where ranks share few cores (eight ranks on two vCPUs in the multi-host
     rehearsal) packing a round of 5 MB took up to 0.26 s instead of 1-10 ms, while every rank's
     all_to_all waited for the slowest packer (docs/benchmarks.md). Device memory: copy_."""
-    if not _numpy:
-        try:
-            import numpy
-        except ImportError:  # an optional dependency: torch's copy_ then
-            numpy = None
-        _numpy.append(numpy)
-    np = _numpy[0]
+    np = _numpy()
 
     def unit(t):  # whether t's bytes can be viewed as uint8 (unit stride in its last dimension)
         return t.dim() == 0 or t.stride(-1) == 1
@@ -621,6 +615,17 @@ def _assign(torch, dst, src):
         return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).numpy()
 
     np.copyto(raw(dst), raw(src))
+
+
+@functools.cache
+def _numpy():
+    """numpy, imported at the first exchange; None without it (an optional dependency: _assign
+    copies with torch then)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 def _joined_shape(dim, views):

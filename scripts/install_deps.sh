@@ -26,13 +26,28 @@ else
   echo "[deps] Debian packages present"
 fi
 
+# Free space first: a fresh install writes about 6 GB into .venv, 10 GB into .venv-vllm and 2 GB of
+# builds (plus pip's temporary files). Failing here names what is missing instead of pip's ENOSPC
+# half-way through an install.
+need_gb=0
+want=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
+[ "$(cat .venv/.requirements.sha256 2>/dev/null)" = "$want" ] || need_gb=$((need_gb + 8))
+[ "$(cat .venv-vllm/.requirements.sha256 2>/dev/null)" = "$(sha256sum requirements-vllm.txt | cut -d' ' -f1)" ] ||
+  need_gb=$((need_gb + 12))
+[ -d build/asan ] || need_gb=$((need_gb + 3))
+free_gb=$(($(df -Pk . | awk 'NR == 2 {print $4}') / 1048576))
+if ((free_gb < need_gb)); then
+  echo "[deps] not enough disk space: ${free_gb} GB free on the file system of $PWD, the install and" \
+    "builds still to do need about ${need_gb} GB (.venv ~8, .venv-vllm ~12, builds ~3)" >&2
+  exit 1
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[deps] creating .venv"
   "$PY" -m venv .venv
 fi
 stamp=.venv/.requirements.sha256
-want=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[deps] installing Python requirements into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null

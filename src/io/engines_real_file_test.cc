@@ -239,6 +239,54 @@ TEST_P(RealFileEngineTest, LandedHookSeesEveryPieceAsItLands) {
   EXPECT_TRUE(engine->Execute({&ok, 1}).ok());
 }
 
+// Requests read whole (O_DIRECT) with a landed hook, more of them than the engine keeps in flight:
+// io_uring runs each hook after submitting the next reads, pread after each read. Every request is
+// checked exactly once, after its bytes landed, and a failing check fails the load with its error.
+TEST_P(RealFileEngineTest, LandedHookOfWholeRequestsRunsOncePerRequest) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("direct");
+  constexpr uint64_t kPiece = 8192;
+  constexpr int kRequests = 24;
+  const std::string content = Bytes(kRequests * 2 * kPiece, 9);
+  testing::WriteBytes(path, content);
+  auto file = Env::Default()->OpenRandomAccess(path).value();
+  auto d = DirectFile::Open(*file);
+  const int direct_fd = GetParam().direct && d.ok() ? (*d)->fd() : -1;
+  Aligned scratch(kRequests * kPiece);
+  std::mutex mu;
+  std::map<uint64_t, int> calls;  // by request offset
+  int mismatches = 0;
+  uint64_t refused_offset = UINT64_MAX;
+  std::function<Status(const ReadRequest&)> hook = [&](const ReadRequest& r) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (std::memcmp(r.dst.data(), content.data() + r.offset, r.dst.size()) != 0) ++mismatches;
+    ++calls[r.offset];
+    return r.offset == refused_offset
+               ? Status(Code::kChecksumMismatch, "bad request at " + std::to_string(r.offset))
+               : Status::Ok();
+  };
+  std::vector<ReadRequest> requests;
+  for (int i = 0; i < kRequests; ++i) {
+    requests.push_back(
+        {file.get(), 2 * kPiece * i, {scratch.data + kPiece * i, kPiece}, direct_fd, nullptr, &hook});
+  }
+  auto engine = Make(2, 6);
+  ASSERT_TRUE(engine->Execute(requests).ok());
+  EXPECT_EQ(mismatches, 0);
+  for (const auto& r : requests) {
+    // Whole when direct; a buffered request is handed over in one piece here (8 KiB).
+    EXPECT_EQ(calls[r.offset], 1) << r.offset;
+  }
+  refused_offset = 2 * kPiece * 17;
+  const Status s = engine->Execute(requests);
+  EXPECT_EQ(s.code(), Code::kChecksumMismatch) << s.ToString();
+  EXPECT_EQ(s.message(), "bad request at " + std::to_string(refused_offset));
+  refused_offset = UINT64_MAX;
+  calls.clear();
+  ASSERT_TRUE(engine->Execute(requests).ok());
+  EXPECT_EQ(calls.size(), static_cast<size_t>(kRequests));
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, RealFileEngineTest,
                          ::testing::Values(EngineParam{"pread", false, false},
                                            EngineParam{"pread_direct", false, true},

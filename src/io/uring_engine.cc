@@ -220,7 +220,14 @@ class UringEngine final : public ReadEngine {
     io_uring* ring = ring_owner.get();
     std::vector<std::unique_ptr<RequestState>> free_states;
     std::vector<std::pair<Piece*, int>> completions;
+    // Requests read whole (O_DIRECT) whose landed hook has yet to run: it runs once the next
+    // reads are in the kernel, so the disk is not left short of requests while this core hashes.
+    std::vector<RequestState*> unchecked;
     unsigned in_flight = 0;  // pieces in the kernel
+    auto finish = [&](RequestState* r) {
+      queue_.Finish(r->claim, std::move(r->status));
+      free_states.emplace_back(r);
+    };
     // Handles every completion in the ring; returns how many there were.
     auto reap = [&] {
       DrainRingCompletions(ring, completions);
@@ -230,9 +237,11 @@ class UringEngine final : public ReadEngine {
         RequestState* r = piece->request;
         if (--r->pending == 0) {
           const ReadRequest& q = *r->claim.request;
-          if (r->status.ok() && q.landed != nullptr && !r->piecewise) r->status = (*q.landed)(q);
-          queue_.Finish(r->claim, std::move(r->status));
-          free_states.emplace_back(r);
+          if (r->status.ok() && q.landed != nullptr && !r->piecewise) {
+            unchecked.push_back(r);
+          } else {
+            finish(r);
+          }
         }
       }
       return completions.size();
@@ -250,7 +259,7 @@ class UringEngine final : public ReadEngine {
     for (;;) {
       // Admit requests while a whole request (up to 3 pieces) fits the ring.
       while (in_flight + 3 <= queue_depth_) {
-        auto claim = queue_.Take(/*wait=*/in_flight == 0);
+        auto claim = queue_.Take(/*wait=*/in_flight == 0 && unchecked.empty());
         if (!claim) break;
         counters_.requests.fetch_add(1, std::memory_order_relaxed);
         const ReadRequest& q = *claim->request;
@@ -274,6 +283,15 @@ class UringEngine final : public ReadEngine {
         const bool piecewise = state->piecewise;
         state.release();  // owned by its pieces' user_data until the last completes
         if (piecewise) pump();
+      }
+      if (!unchecked.empty()) {
+        io_uring_submit(ring);  // the reads just admitted go to the disk before the hook runs
+        for (RequestState* r : unchecked) {
+          r->status = (*r->claim.request->landed)(*r->claim.request);
+          finish(r);
+        }
+        unchecked.clear();
+        continue;
       }
       if (in_flight == 0) return;  // Take(wait) returned nullopt: stopped
       io_uring_submit_and_wait(ring, 1);

@@ -267,8 +267,12 @@ TEST_P(RealFileEngineTest, LandedHookOfWholeRequestsRunsOncePerRequest) {
   };
   std::vector<ReadRequest> requests;
   for (int i = 0; i < kRequests; ++i) {
-    requests.push_back(
-        {file.get(), 2 * kPiece * i, {scratch.data + kPiece * i, kPiece}, direct_fd, nullptr, &hook});
+    requests.push_back({file.get(),
+                        2 * kPiece * i,
+                        {scratch.data + kPiece * i, kPiece},
+                        direct_fd,
+                        nullptr,
+                        &hook});
   }
   auto engine = Make(2, 6);
   ASSERT_TRUE(engine->Execute(requests).ok());

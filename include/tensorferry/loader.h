@@ -14,7 +14,9 @@
 // data at once. Batch bytes count against the budget from the moment the batch's reads start until
 // the caller drops the last Tensor of that batch. Batches hold at most half the budget (the whole
 // budget when a selected tensor is larger than half), so that while the caller handles batch b,
-// batch b + 1 is read on a helper thread (double buffering) whenever its bytes fit at that moment.
+// batch b + 1 is read on a helper thread (double buffering) whenever its bytes fit at that moment;
+// when the caller still holds batch b - 1 then (a loop holds it while asking for batch b), a host
+// batch b + 1 is read as soon as the caller drops it.
 // Iterate() (pull: BatchIterator::Next) and Stream() (push: a loop over Next) deliver batches one
 // at a time; if the caller still holds so much of earlier batches
 // that the next one cannot fit, Stream returns kBudgetExceeded rather than wait forever (nothing
@@ -195,8 +197,8 @@ class Loader;
 
 // A pull-style load (Loader::Iterate): the batches of Stream, in the same order, one per Next(),
 // with the same budgets, errors and statistics. While the caller handles the batch Next returned,
-// the next batch is read ahead on a helper thread when its memory fits its budget then (double
-// buffering, as Stream).
+// the next batch is read ahead on a helper thread when its memory fits its budget then, or for
+// host batches as soon as the caller drops earlier batches (double buffering, as Stream).
 // Lifetime: borrows its Loader, which must outlive it; destroying it (or moving from it) waits for
 // the read ahead in flight and abandons the rest of the load (tensors handed out stay valid).
 // Thread-safety: one thread at a time; while it exists, the Loader may not start another load

@@ -1,5 +1,6 @@
 // Loader::Iterate and BatchIterator (loader.h): plan -> engine -> sink, one batch per Next, the
 // next batch read ahead on a helper thread (double buffering); Stream is a loop over it.
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <map>
@@ -23,6 +24,13 @@ struct BatchIterator::State {
   size_t k = 0;                                         // the next batch to deliver
   bool over = false;                                    // ended, failed, or the end reached
   std::future<Result<Batch>> next;                      // batch k, read ahead
+  // A read-ahead waiting for the caller to drop an earlier batch's memory.
+  struct Waiting {
+    std::atomic<bool> stop{false};       // set by the caller's thread: give up the wait
+    std::atomic<bool> reserved{false};   // the memory was granted: the read ran or runs
+    std::atomic<bool> abandoned{false};  // the wait ended without memory: nothing was read
+  };
+  std::shared_ptr<Waiting> waiting;  // of `next`, when it began by waiting
   // Statistics: the time the caller held a batch with no read in flight is not loading time.
   Clock::time_point start;
   Clock::duration idle{};
@@ -34,7 +42,15 @@ struct BatchIterator::State {
   std::map<int, device::DevicePipelineStats> pipeline0;
 
   ~State() {
+    StopWaiting();
     if (next.valid()) next.wait();  // its buffer and files must not outlive the loader's use
+  }
+
+  // Ends the wait of a read-ahead still waiting for memory (it returns without reading).
+  void StopWaiting() {
+    if (!waiting) return;
+    waiting->stop.store(true);
+    m->budget->Interrupt();
   }
 
   const PlanBatch& BatchAt(size_t j) const {
@@ -65,7 +81,12 @@ struct BatchIterator::State {
 
   // Batch k: read ahead, or read now when its memory fits (kBudgetExceeded otherwise).
   Result<Batch> Take() {
-    if (next.valid()) return next.get();
+    if (next.valid()) {
+      StopWaiting();  // the caller asks for the batch now: it is read here if its wait is not over
+      std::shared_ptr<Waiting> waited = std::move(waiting);
+      Result<Batch> got = next.get();
+      if (!waited || !waited->abandoned.load()) return got;
+    }
     sink::BatchSink& s = *sinks[order[k].first];
     TF_ASSIGN_OR_RETURN(std::optional<sink::Reservation> r, s.Reserve(BatchAt(k)));
     if (!r) return s.BudgetError(BatchAt(k), k, order.size());
@@ -76,12 +97,30 @@ struct BatchIterator::State {
   // when its memory fits its budget now (the plan halves batches under a budget so they do). A
   // failure to reserve (e.g. cudaMalloc while the caller still holds the batch) is not an error
   // yet: the batch is tried again, and its error reported, by the next Next.
+  // When the memory is still held by batches the caller has (a caller iterating in a loop
+  // usually holds the batch before while it asks for the next), the helper waits for the caller
+  // to drop them and reads then, while the caller works on its batch; Take ends a wait that has
+  // not ended yet and reads the batch itself.
   void ReadAhead(size_t j) {
     if (j >= order.size() || !sinks[order[j].first]->reads_ahead()) return;
     Result<std::optional<sink::Reservation>> r = sinks[order[j].first]->Reserve(BatchAt(j));
-    if (!r.ok() || !*r) return;
-    next = std::async(std::launch::async, [this, j, memory = std::move(**r)]() mutable {
-      return Produce(j, std::move(memory));
+    if (!r.ok()) return;
+    if (*r) {
+      next = std::async(std::launch::async, [this, j, memory = std::move(**r)]() mutable {
+        return Produce(j, std::move(memory));
+      });
+      return;
+    }
+    waiting = std::make_shared<Waiting>();
+    next = std::async(std::launch::async, [this, j, w = waiting]() -> Result<Batch> {
+      Result<std::optional<sink::Reservation>> got =
+          sinks[order[j].first]->ReserveWhenFree(BatchAt(j), w->stop);
+      if (!got.ok() || !*got) {
+        w->abandoned.store(true);  // Take reserves (or reports the budget error) itself
+        return Status(Code::kCancelled, "read-ahead ended before its memory was free");
+      }
+      w->reserved.store(true);
+      return Produce(j, std::move(**got));
     });
   }
 
@@ -149,7 +188,10 @@ BatchIterator::~BatchIterator() = default;
 Result<std::optional<Batch>> BatchIterator::Next() {
   State& s = *state_;
   if (s.over) return std::optional<Batch>();
-  if (s.returned_at && !s.returned_overlapped) s.idle += Clock::now() - *s.returned_at;
+  // Time the caller held a batch while nothing was read: no read-ahead, or one that waited for
+  // memory the whole time.
+  const bool overlapped = s.returned_overlapped && (!s.waiting || s.waiting->reserved.load());
+  if (s.returned_at && !overlapped) s.idle += Clock::now() - *s.returned_at;
   if (s.k == s.order.size()) {
     s.over = true;
     TF_RETURN_IF_ERROR(s.Finish());

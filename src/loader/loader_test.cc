@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -755,6 +756,75 @@ TEST(LoaderFaults, EioNamesFileAndOffset) {
   EXPECT_EQ(r.status().code(), Code::kIoError);
   EXPECT_NE(r.status().message().find(m.path), std::string::npos) << r.status().message();
   EXPECT_NE(r.status().message().find(std::to_string(t->offset + 3)), std::string::npos);
+}
+
+// A caller iterating in a loop holds batch k - 1 while it asks for batch k, so batch k + 1's
+// memory is not free when it would be read ahead: the helper waits for the caller to drop batch
+// k - 1 and reads then, not when the caller asks for batch k + 1. An iterator destroyed while its
+// read-ahead waits ends the wait (no hang).
+TEST(LoaderFaults, ReadAheadWaitsForTheCallerToDropTheBatchBefore) {
+  MemoryFixture m;
+  LoadOptions o;
+  o.engine = Engine::kPread;
+  uint64_t total = 0, largest = 0;
+  {
+    auto probe = m.Open();
+    ASSERT_TRUE(probe.ok()) << probe.status().ToString();
+    for (const TensorInfo& t : (*probe)->checkpoint()->tensors()) {
+      total += t.size;
+      largest = std::max(largest, t.size);
+    }
+  }
+  o.budget = std::max(2 * largest, total / 2);  // batches of at most a quarter of the tensors
+  auto loader = m.Open(o);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  auto wait_for_reads_above = [&](uint64_t n) {
+    for (int i = 0; i < 1000 && m.env.reads(m.path) <= n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return m.env.reads(m.path) > n;
+  };
+  {
+    BatchIterator batches = (*loader)->Iterate(Selection::All()).value();
+    std::optional<Batch> before = batches.Next().value();  // batch 0; batch 1 is read ahead
+    ASSERT_TRUE(before.has_value());
+    ASSERT_GE(before->count, 4u);
+    std::optional<Batch> current = batches.Next().value();  // batch 1; batch 2 must wait
+    ASSERT_TRUE(current.has_value());
+    const uint64_t reads = m.env.reads(m.path);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(m.env.reads(m.path), reads) << "read ahead beyond the budget";
+    before.reset();  // batch 0 dropped: batch 2 is read now, while the caller holds batch 1
+    EXPECT_TRUE(wait_for_reads_above(reads)) << "the waiting read-ahead did not read";
+    size_t k = 1;
+    for (;;) {
+      for (const Tensor& t : current->tensors) EXPECT_EQ(Bytes(t), m.f.Full(t.name()));
+      EXPECT_EQ(current->index, k);
+      Result<std::optional<Batch>> got = batches.Next();  // batch k held during the call
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      if (!*got) break;
+      current = std::move(*got);
+      ++k;
+    }
+    EXPECT_EQ(k + 1, (*loader)->stats().batches);
+    EXPECT_LE((*loader)->stats().peak_budget_bytes, o.budget);
+  }
+  {
+    BatchIterator batches = (*loader)->Iterate(Selection::All()).value();
+    std::optional<Batch> first = batches.Next().value();
+    std::optional<Batch> second = batches.Next().value();  // batch 2's read-ahead waits
+    ASSERT_TRUE(first && second);
+  }  // destroyed with the wait pending: returns (the tensors stay valid)
+  // Holding every batch: the waiting read-ahead gives up when the batch is asked for, and the
+  // caller gets the budget error.
+  BatchIterator batches = (*loader)->Iterate(Selection::All()).value();
+  std::vector<Batch> hoard;
+  Result<std::optional<Batch>> got = Status::Ok();
+  while ((got = batches.Next()).ok() && got->has_value()) hoard.push_back(std::move(**got));
+  EXPECT_EQ(got.status().code(), Code::kBudgetExceeded) << got.status().ToString();
+  for (const Batch& b : hoard) {
+    for (const Tensor& t : b.tensors) EXPECT_EQ(Bytes(t), m.f.Full(t.name()));
+  }
 }
 
 TEST(LoaderFaults, TruncatedMidLoad) {

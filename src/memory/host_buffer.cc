@@ -213,6 +213,21 @@ std::optional<BudgetLease> Budget::TryAcquire(uint64_t bytes) {
   return BudgetLease(shared_from_this(), bytes);
 }
 
+std::optional<BudgetLease> Budget::AcquireUnless(uint64_t bytes, const std::atomic<bool>& stop) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return stop.load() || Fits(limit_, in_use_, bytes); });
+  if (stop.load()) return std::nullopt;
+  in_use_ += bytes;
+  peak_ = std::max(peak_, in_use_);
+  return BudgetLease(shared_from_this(), bytes);
+}
+
+void Budget::Interrupt() {
+  // Under the lock: a waiter is either before its check (and sees `stop`) or waiting (and wakes).
+  std::lock_guard<std::mutex> lock(mu_);
+  cv_.notify_all();
+}
+
 uint64_t Budget::in_use() const {
   std::lock_guard<std::mutex> lock(mu_);
   return in_use_;

@@ -9,10 +9,11 @@ namespace tensorferry::sink {
 namespace {
 
 // What every Tensor of a batch co-owns: the buffer and the batch's share of the budget. Both are
-// released together when the last tensor goes.
+// released together when the last tensor goes: the buffer first (back to the pool), then the
+// lease, so that a read-ahead waiting for the lease finds the buffer in the pool.
 struct BatchMemory {
-  std::shared_ptr<memory::HostBuffer> buffer;
   memory::BudgetLease lease;
+  std::shared_ptr<memory::HostBuffer> buffer;
 };
 
 class HostSink final : public BatchSink {
@@ -22,6 +23,13 @@ class HostSink final : public BatchSink {
 
   Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
     return ReserveHost(*c_.budget, batch);
+  }
+
+  Result<std::optional<Reservation>> ReserveWhenFree(const PlanBatch& batch,
+                                                     const std::atomic<bool>& stop) override {
+    std::optional<memory::BudgetLease> lease = c_.budget->AcquireUnless(batch.tensor_bytes, stop);
+    if (!lease) return std::optional<Reservation>();
+    return std::optional<Reservation>(Reservation{std::move(*lease), nullptr});
   }
 
   Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const override {
@@ -53,7 +61,7 @@ class HostSink final : public BatchSink {
       check->Count();
     }
     auto owner =
-        std::make_shared<BatchMemory>(BatchMemory{std::move(buffer), std::move(memory.lease)});
+        std::make_shared<BatchMemory>(BatchMemory{std::move(memory.lease), std::move(buffer)});
     return BatchInBuffer(*c_.checkpoint, batch, owner->buffer->data(), owner);
   }
 

@@ -81,6 +81,14 @@ class BatchSink {
   virtual Result<Batch> Complete(size_t b, Reservation memory) = 0;
   // kBudgetExceeded for a batch Reserve refused: batch `k` of `n` in delivery order.
   virtual Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const = 0;
+  // Like Reserve, but when the memory is held by batches the caller still has, waits (on a helper
+  // thread) until the caller drops enough of them, or until `stop` is set (then nullopt; whoever
+  // sets it calls Budget::Interrupt). Sinks whose memory is not the host budget do not wait.
+  virtual Result<std::optional<Reservation>> ReserveWhenFree(const PlanBatch& batch,
+                                                             const std::atomic<bool>& stop) {
+    (void)stop;
+    return Reserve(batch);
+  }
   // Whether the next batch is worth reading on a helper thread (the mapped sink reads nothing).
   virtual bool reads_ahead() const { return true; }
 };

@@ -103,7 +103,8 @@ struct BatchIterator::State {
   // not ended yet and reads the batch itself.
   void ReadAhead(size_t j) {
     if (j >= order.size() || !sinks[order[j].first]->reads_ahead()) return;
-    Result<std::optional<sink::Reservation>> r = sinks[order[j].first]->Reserve(BatchAt(j));
+    sink::BatchSink& s = *sinks[order[j].first];
+    Result<std::optional<sink::Reservation>> r = s.Reserve(BatchAt(j));
     if (!r.ok()) return;
     if (*r) {
       next = std::async(std::launch::async, [this, j, memory = std::move(**r)]() mutable {
@@ -111,6 +112,7 @@ struct BatchIterator::State {
       });
       return;
     }
+    if (!s.waits_for_memory()) return;
     waiting = std::make_shared<Waiting>();
     next = std::async(std::launch::async, [this, j, w = waiting]() -> Result<Batch> {
       Result<std::optional<sink::Reservation>> got =

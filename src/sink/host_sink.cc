@@ -25,6 +25,8 @@ class HostSink final : public BatchSink {
     return ReserveHost(*c_.budget, batch);
   }
 
+  bool waits_for_memory() const override { return true; }
+
   Result<std::optional<Reservation>> ReserveWhenFree(const PlanBatch& batch,
                                                      const std::atomic<bool>& stop) override {
     std::optional<memory::BudgetLease> lease = c_.budget->AcquireUnless(batch.tensor_bytes, stop);

@@ -81,9 +81,12 @@ class BatchSink {
   virtual Result<Batch> Complete(size_t b, Reservation memory) = 0;
   // kBudgetExceeded for a batch Reserve refused: batch `k` of `n` in delivery order.
   virtual Status BudgetError(const PlanBatch& batch, size_t k, size_t n) const = 0;
+  // Whether ReserveWhenFree can wait for memory (the host budget's; a device's cannot be waited
+  // for: its allocator may also be short of memory the budget does not count).
+  virtual bool waits_for_memory() const { return false; }
   // Like Reserve, but when the memory is held by batches the caller still has, waits (on a helper
   // thread) until the caller drops enough of them, or until `stop` is set (then nullopt; whoever
-  // sets it calls Budget::Interrupt). Sinks whose memory is not the host budget do not wait.
+  // sets it calls Budget::Interrupt). Only called when waits_for_memory().
   virtual Result<std::optional<Reservation>> ReserveWhenFree(const PlanBatch& batch,
                                                              const std::atomic<bool>& stop) {
     (void)stop;

@@ -105,8 +105,9 @@ class Budget : public std::enable_shared_from_this<Budget> {
   BudgetLease Acquire(uint64_t bytes);
   // Non-blocking: nullopt when the bytes do not fit now.
   std::optional<BudgetLease> TryAcquire(uint64_t bytes);
-  // Blocks until `bytes` fit (then reserves them, as Acquire) or `stop` is set (then nullopt); a
-  // thread that sets `stop` calls Interrupt() after, so that the wait sees it.
+  // Blocks until `bytes` fit (then reserves them, as Acquire) or `stop` is set (then nullopt; stop
+  // wins when both hold); a thread that sets `stop` calls Interrupt() after, so that the wait sees
+  // it.
   std::optional<BudgetLease> AcquireUnless(uint64_t bytes, const std::atomic<bool>& stop);
   // Wakes every AcquireUnless to check its `stop` again.
   void Interrupt();

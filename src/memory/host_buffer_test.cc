@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -218,6 +219,45 @@ TEST(BudgetTest, AcquireBlocksUntilALeaseIsDestroyed) {
   EXPECT_TRUE(granted.load());
   EXPECT_EQ(budget->in_use(), 0u);
   EXPECT_EQ(budget->peak(), 80u);
+}
+
+// AcquireUnless: granted when a lease goes, like Acquire; or ended by its stop flag and Interrupt
+// (nullopt, nothing reserved), while a waiter with its own flag unset keeps waiting.
+TEST(BudgetTest, AcquireUnlessWaitsUntilFreedOrStopped) {
+  auto budget = Budget::Create(100);
+  auto held = std::make_unique<BudgetLease>(budget->Acquire(80));
+  std::atomic<bool> stop_a{false}, stop_b{false};
+  std::atomic<int> a_result{0}, b_result{0};  // 0 waiting, 1 granted, 2 stopped
+  std::thread a([&] {
+    std::optional<BudgetLease> lease = budget->AcquireUnless(50, stop_a);
+    a_result = lease ? 1 : 2;
+  });
+  std::optional<BudgetLease> b_lease;
+  std::thread b([&] {
+    b_lease = budget->AcquireUnless(40, stop_b);
+    b_result = b_lease ? 1 : 2;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_EQ(a_result.load(), 0);
+  EXPECT_EQ(b_result.load(), 0);
+  stop_a = true;
+  budget->Interrupt();
+  a.join();
+  EXPECT_EQ(a_result.load(), 2);  // stopped: nothing reserved
+  EXPECT_EQ(budget->in_use(), 80u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(b_result.load(), 0);  // woken by Interrupt, its flag unset: still waiting
+  held.reset();
+  b.join();
+  EXPECT_EQ(b_result.load(), 1);
+  EXPECT_EQ(budget->in_use(), 40u);
+  b_lease.reset();
+  EXPECT_EQ(budget->in_use(), 0u);
+  // A stop set before the call: nullopt at once.
+  std::atomic<bool> stopped{true};
+  auto most = budget->Acquire(100);
+  EXPECT_FALSE(budget->AcquireUnless(1, stopped).has_value());
+  EXPECT_EQ(budget->in_use(), 100u);
 }
 
 TEST(BudgetTest, OversizedWaitsForEmptyBudget) {

@@ -227,13 +227,19 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
                   "read request at offset " + std::to_string(request.offset) + " has no file");
   }
   if (request.landed == nullptr) return ReadPart(request, request, counters);
-  if (SplitForDirect(request).direct || request.file->native_handle() < 0) {
+  if (SplitForDirect(request).direct) {
     // O_DIRECT reads stay whole (the device's transfer size matters more than the cache; the
-    // bytes come from the device, not from the CPU's copy), and so do reads of files without a
-    // descriptor (an object store's: each Read is ranged GETs of its part size, which 512 KiB
-    // pieces would multiply): the hook runs once, at the end.
+    // bytes come from the device, not from the CPU's copy): the hook runs once, at the end.
     TF_RETURN_IF_ERROR(ReadPart(request, request, counters));
     return (*request.landed)(request);
+  }
+  if (request.file->native_handle() < 0) {
+    // Files without a descriptor (an object store's: each Read is ranged GETs of its part size,
+    // which 512 KiB pieces would multiply) stay whole; a file that writes its bytes as they
+    // arrive hands them over on the way (LandingScope), the rest goes at the end.
+    LandingScope landing(request);
+    TF_RETURN_IF_ERROR(ReadPart(request, request, counters));
+    return landing.Finish();
   }
   // Buffered: piece by piece, each handed to the hook right after the copy that brought it in.
   for (uint64_t at = 0; at < request.dst.size(); at += kLandedPieceBytes) {
@@ -246,6 +252,46 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
     TF_RETURN_IF_ERROR((*request.landed)(piece));
   }
   return Status::Ok();
+}
+
+// --- LandingScope ------------------------------------------------------------------------------
+
+namespace {
+thread_local LandingScope* g_landing_scope = nullptr;
+}  // namespace
+
+LandingScope::LandingScope(const ReadRequest& request) noexcept
+    : request_(request), reported_(request.dst.data()), previous_(g_landing_scope) {
+  g_landing_scope = this;
+}
+
+LandingScope::~LandingScope() {
+  g_landing_scope = previous_;
+}
+
+void LandingScope::Landed(const std::byte* end) noexcept {
+  LandingScope* scope = g_landing_scope;
+  if (scope == nullptr || !scope->status_.ok()) return;
+  const std::byte* last = scope->request_.dst.data() + scope->request_.dst.size();
+  if (end <= scope->reported_ || end > last) return;
+  if (static_cast<uint64_t>(end - scope->reported_) < kLandedPieceBytes) return;
+  scope->HandOver(end);
+}
+
+void LandingScope::HandOver(const std::byte* end) {
+  ReadRequest piece = request_;
+  const uint64_t at = static_cast<uint64_t>(reported_ - request_.dst.data());
+  piece.offset = request_.offset + at;
+  piece.dst = request_.dst.subspan(at, static_cast<uint64_t>(end - reported_));
+  piece.landed = nullptr;
+  status_ = (*request_.landed)(piece);
+  reported_ = end;
+}
+
+Status LandingScope::Finish() {
+  const std::byte* last = request_.dst.data() + request_.dst.size();
+  if (status_.ok() && reported_ < last) HandOver(last);
+  return status_;
 }
 
 // --- DirectFile --------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -152,8 +153,8 @@ TEST(PreadEngineTest, ShortReadsCountEveryCall) {
 }
 
 // A file without a descriptor (an object store's, here a MemoryEnv's) is read whole even with a
-// landed hook (its reads are ranged GETs of their own part size, which pieces would multiply): the
-// hook runs once, for the whole request.
+// landed hook (its reads are ranged GETs of their own part size, which pieces would multiply): a
+// file that does not report its bytes as they land (LandingScope) gets the hook once, at the end.
 TEST(PreadEngineTest, LandedHookGetsFilesWithoutDescriptorWhole) {
   MemoryEnv env;
   const uint64_t size = 3 * kLandedPieceBytes + 5;
@@ -174,6 +175,76 @@ TEST(PreadEngineTest, LandedHookGetsFilesWithoutDescriptorWhole) {
   EXPECT_EQ(std::memcmp(dst.data(), Pattern(size, 6).data() + 10, dst.size()), 0);
   ASSERT_EQ(seen.size(), 1u);
   EXPECT_EQ(seen[0], std::make_pair(uint64_t{10}, uint64_t{dst.size()}));
+}
+
+// A file without a descriptor that writes its bytes progressively and reports them
+// (LandingScope::Landed, as an object store's GET does as its body arrives): the hook gets them in
+// order while the read is still running, in pieces of at least kLandedPieceBytes (the last may be
+// shorter), covering the request exactly once; a hook error fails the request after the read.
+class ProgressiveFile final : public RandomAccessFile {
+ public:
+  explicit ProgressiveFile(std::string bytes) : bytes_(std::move(bytes)) {}
+  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    in_read = true;
+    constexpr size_t kStep = 100 << 10;  // a body arriving 100 KiB at a time
+    for (size_t at = 0; at < dst.size(); at += kStep) {
+      const size_t n = std::min(kStep, dst.size() - at);
+      std::memcpy(dst.data() + at, bytes_.data() + offset + at, n);
+      LandingScope::Landed(dst.data() + at + n);
+    }
+    in_read = false;
+    return dst.size();
+  }
+  Result<uint64_t> Size() const override { return bytes_.size(); }
+  const std::string& path() const noexcept override { return path_; }
+  static thread_local bool in_read;
+
+ private:
+  std::string bytes_;
+  std::string path_ = "progressive";
+};
+thread_local bool ProgressiveFile::in_read = false;
+
+TEST(PreadEngineTest, LandedHookGetsProgressiveFilesAsTheyLand) {
+  const uint64_t size = 5 * kLandedPieceBytes + 777;
+  const std::string content = Pattern(size, 8);
+  ProgressiveFile file(content);
+  std::vector<std::byte> dst(size - 100);
+  struct Piece {
+    uint64_t offset, size;
+    bool during_read;
+  };
+  std::vector<Piece> seen;
+  int mismatches = 0;
+  std::mutex mu;
+  uint64_t refuse_at = UINT64_MAX;
+  const std::function<Status(const ReadRequest&)> hook = [&](const ReadRequest& r) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (std::memcmp(r.dst.data(), content.data() + r.offset, r.dst.size()) != 0) ++mismatches;
+    seen.push_back({r.offset, r.dst.size(), ProgressiveFile::in_read});
+    return r.offset >= refuse_at ? Status(Code::kChecksumMismatch, "bad piece") : Status::Ok();
+  };
+  const ReadRequest request{&file, 100, dst, -1, nullptr, &hook};
+  auto engine = Engine(2);
+  ASSERT_TRUE(engine->Execute({&request, 1}).ok());
+  EXPECT_EQ(mismatches, 0);
+  ASSERT_GE(seen.size(), 4u);
+  uint64_t next = 100;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].offset, next) << i;
+    if (i + 1 < seen.size()) {
+      EXPECT_GE(seen[i].size, kLandedPieceBytes) << i;
+      EXPECT_TRUE(seen[i].during_read) << i;  // handed over before the read returned
+    }
+    next += seen[i].size;
+  }
+  EXPECT_EQ(next, 100 + dst.size());
+  // A failing check fails the request (the read itself completes).
+  seen.clear();
+  refuse_at = 100 + kLandedPieceBytes;
+  const Status s = engine->Execute({&request, 1});
+  EXPECT_EQ(s.code(), Code::kChecksumMismatch) << s.ToString();
+  EXPECT_EQ(seen.size(), 2u);  // nothing handed over after the first error
 }
 
 // A faulty file among healthy ones: the job fails with the fault's code and a message naming the

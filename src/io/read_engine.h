@@ -48,9 +48,10 @@ struct ReadRequest {
   // When set, called on the worker that read them for the request's bytes as they land (before
   // Execute can return), with a request naming the landed piece's offset and bytes: a buffered
   // request of a file with a descriptor is read in pieces of at most kLandedPieceBytes, each
-  // handed over as it lands, in order; one split for O_DIRECT (SplitForDirect), or of a file
-  // without a descriptor (object storage: its reads are ranged GETs of their own part size), is
-  // handed over whole once all of it landed.
+  // handed over as it lands, in order; one split for O_DIRECT (SplitForDirect) is handed over
+  // whole once all of it landed; one of a file without a descriptor (object storage: its reads
+  // are ranged GETs of their own part size, which pieces would multiply) in pieces of at least
+  // kLandedPieceBytes as the file writes them (LandingScope), else whole at the end.
   // An error it returns is the request's. Integrity checks hash the bytes here, while they are
   // still in the worker's cache. Borrowed; must be thread-safe.
   const std::function<Status(const ReadRequest&)>* landed = nullptr;
@@ -60,6 +61,30 @@ struct ReadRequest {
 // the hook hashes them, large enough that the extra system calls cost little (docs/benchmarks.md,
 // "Integrity checksums").
 inline constexpr uint64_t kLandedPieceBytes = uint64_t{512} << 10;
+
+// A read whose bytes are written progressively by the file itself (an object store's GET writes
+// its body as it arrives): while a scope lives on a thread, whatever writes a read's destination
+// on that thread calls Landed(end) with the end of the bytes written so far, and the scope hands
+// them to the request's landed hook in order, at least kLandedPieceBytes at a time, while they
+// are still in the core's cache. Internal; scopes do not nest (one read per thread at a time).
+class LandingScope {
+ public:
+  explicit LandingScope(const ReadRequest& request) noexcept;  // request.landed must be set
+  ~LandingScope();
+  LandingScope(const LandingScope&) = delete;
+  LandingScope& operator=(const LandingScope&) = delete;
+  // No-op without a scope on this thread, or for `end` outside its request's destination.
+  static void Landed(const std::byte* end) noexcept;
+  // After the read returned: hands over what is left; the hook's first error, if any.
+  Status Finish();
+
+ private:
+  void HandOver(const std::byte* end);
+  const ReadRequest& request_;
+  const std::byte* reported_;  // the bytes before this were handed over
+  Status status_;
+  LandingScope* previous_;
+};
 
 struct EngineStats {
   uint64_t bytes_read = 0;    // bytes delivered into destinations

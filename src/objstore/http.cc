@@ -8,6 +8,7 @@
 #include <string_view>
 #include <utility>
 
+#include "io/read_engine.h"
 #include "objstore/curl_api.h"
 #include "util/macros.h"
 
@@ -126,6 +127,7 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
     }
     std::memcpy(dst.data() + r.body_bytes, data, n);
     r.body_bytes += n;
+    io::LandingScope::Landed(dst.data() + r.body_bytes);  // checks as bytes land (read_engine.h)
     return n;
   }
   if (!r.rejected.empty() && r.status >= 200 && r.status <= 299) return 0;  // not our bytes

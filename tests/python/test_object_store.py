@@ -297,6 +297,38 @@ def test_keys_with_utf8_and_reserved_characters(stores, store):
     assert_same(load_all(base, storage_options=opts), load_all(tiny_shard))
 
 
+@pytest.mark.parametrize("part_size", ["8MiB", "1MiB"])
+def test_checks_as_the_body_lands_find_a_corrupt_byte(stores, tmp_path, part_size):
+    """Checksums of an object store's bytes are checked as each GET's body lands (in pieces of
+    512 KiB and more, read_engine.h's LandingScope): a checkpoint with embedded checksums loads
+    verified and byte-exact, and one byte flipped deep in a 10 MiB tensor (chunk 2 of 3) is the
+    checksum error naming the tensor and chunk, whatever the part size."""
+    want = {"a": torch.arange(10 * 1024 * 1024 // 4, dtype=torch.int32).reshape(1024, -1),
+            "b": torch.ones(3, 5)}
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file(want, path)
+    data = bytearray(open(path, "rb").read())
+    b = stores.seaweed.BUCKET
+    stores.seaweed.upload(b, f"{PREFIX}/landing-{part_size}/good.safetensors", bytes(data))
+    n = int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8:8 + n])["a"]["data_offsets"][0]
+    data[8 + n + begin + 9_000_000] ^= 0x20
+    stores.seaweed.upload(b, f"{PREFIX}/landing-{part_size}/bad.safetensors", bytes(data))
+    opts = stores.s3_options(object_part_size=part_size)
+    good = stores.seaweed.url(f"{PREFIX}/landing-{part_size}/good.safetensors")
+    with tensorferry.Loader(good, verify="on", storage_options=opts) as loader:
+        got = loader.load()
+        stats = loader.stats
+    assert_same(dict(sorted(got.items())), want)
+    assert stats.verified_tensors == 2 and stats.verified_bytes == 10 * 1024 * 1024 + 60
+    bad = stores.seaweed.url(f"{PREFIX}/landing-{part_size}/bad.safetensors")
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        with tensorferry.Loader(bad, verify="on", storage_options=opts) as loader:
+            loader.load()
+    assert e.value.code == "checksum_mismatch"
+    assert 'tensor "a": checksum mismatch in chunk 2 of 3' in str(e.value)
+
+
 # --- 2. prefix rules ------------------------------------------------------------------------------
 
 def test_http_prefix_without_index_is_not_found_naming_the_url(stores):

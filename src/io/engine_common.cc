@@ -243,11 +243,8 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
   }
   // Buffered: piece by piece, each handed to the hook right after the copy that brought it in.
   for (uint64_t at = 0; at < request.dst.size(); at += kLandedPieceBytes) {
-    ReadRequest piece = request;
-    piece.offset = request.offset + at;
-    piece.dst =
-        request.dst.subspan(at, std::min<uint64_t>(kLandedPieceBytes, request.dst.size() - at));
-    piece.landed = nullptr;
+    const ReadRequest piece =
+        PieceOf(request, at, std::min<uint64_t>(kLandedPieceBytes, request.dst.size() - at));
     TF_RETURN_IF_ERROR(ReadPart(request, piece, counters));
     TF_RETURN_IF_ERROR((*request.landed)(piece));
   }
@@ -279,12 +276,8 @@ void LandingScope::Landed(const std::byte* end) noexcept {
 }
 
 void LandingScope::HandOver(const std::byte* end) {
-  ReadRequest piece = request_;
   const uint64_t at = static_cast<uint64_t>(reported_ - request_.dst.data());
-  piece.offset = request_.offset + at;
-  piece.dst = request_.dst.subspan(at, static_cast<uint64_t>(end - reported_));
-  piece.landed = nullptr;
-  status_ = (*request_.landed)(piece);
+  status_ = (*request_.landed)(PieceOf(request_, at, static_cast<uint64_t>(end - reported_)));
   reported_ = end;
 }
 

@@ -62,11 +62,21 @@ struct ReadRequest {
 // "Integrity checksums").
 inline constexpr uint64_t kLandedPieceBytes = uint64_t{512} << 10;
 
+// The bytes [at, at + length) of `request` as the landed hook gets them: their file offset and
+// destination, without the hook.
+inline ReadRequest PieceOf(const ReadRequest& request, uint64_t at, uint64_t length) {
+  ReadRequest piece = request;
+  piece.offset = request.offset + at;
+  piece.dst = request.dst.subspan(at, length);
+  piece.landed = nullptr;
+  return piece;
+}
+
 // A read whose bytes are written progressively by the file itself (an object store's GET writes
 // its body as it arrives): while a scope lives on a thread, whatever writes a read's destination
 // on that thread calls Landed(end) with the end of the bytes written so far, and the scope hands
 // them to the request's landed hook in order, at least kLandedPieceBytes at a time, while they
-// are still in the core's cache. Internal; scopes do not nest (one read per thread at a time).
+// are still in the core's cache. Internal; the innermost scope on a thread gets the reports.
 class LandingScope {
  public:
   explicit LandingScope(const ReadRequest& request) noexcept;  // request.landed must be set

@@ -201,11 +201,7 @@ class UringEngine final : public ReadEngine {
     counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
     if (p.direct) counters_.direct_bytes.fetch_add(n, std::memory_order_relaxed);
     if (r.piecewise) {
-      ReadRequest landed = q;
-      landed.offset = p.offset;
-      landed.dst = std::span<std::byte>(p.dst, n);
-      landed.landed = nullptr;
-      Status s = (*q.landed)(landed);
+      Status s = (*q.landed)(PieceOf(q, p.offset - q.offset, n));
       if (!s.ok()) return fail(std::move(s));
     }
     p.offset += n;

@@ -26,9 +26,8 @@ struct BatchIterator::State {
   std::future<Result<Batch>> next;                      // batch k, read ahead
   // A read-ahead waiting for the caller to drop an earlier batch's memory.
   struct Waiting {
-    std::atomic<bool> stop{false};       // set by the caller's thread: give up the wait
-    std::atomic<bool> reserved{false};   // the memory was granted: the read ran or runs
-    std::atomic<bool> abandoned{false};  // the wait ended without memory: nothing was read
+    std::atomic<bool> stop{false};      // set by the caller's thread: give up the wait
+    std::atomic<bool> reserved{false};  // the memory was granted: the read ran or runs
   };
   std::shared_ptr<Waiting> waiting;  // of `next`, when it began by waiting
   // Statistics: the time the caller held a batch with no read in flight is not loading time.
@@ -85,7 +84,7 @@ struct BatchIterator::State {
       StopWaiting();  // the caller asks for the batch now: it is read here if its wait is not over
       std::shared_ptr<Waiting> waited = std::move(waiting);
       Result<Batch> got = next.get();
-      if (!waited || !waited->abandoned.load()) return got;
+      if (!waited || waited->reserved.load()) return got;  // else: it ended without memory
     }
     sink::BatchSink& s = *sinks[order[k].first];
     TF_ASSIGN_OR_RETURN(std::optional<sink::Reservation> r, s.Reserve(BatchAt(k)));
@@ -117,8 +116,7 @@ struct BatchIterator::State {
     next = std::async(std::launch::async, [this, j, w = waiting]() -> Result<Batch> {
       Result<std::optional<sink::Reservation>> got =
           sinks[order[j].first]->ReserveWhenFree(BatchAt(j), w->stop);
-      if (!got.ok() || !*got) {
-        w->abandoned.store(true);  // Take reserves (or reports the budget error) itself
+      if (!got.ok() || !*got) {  // Take reserves (or reports the budget error) itself
         return Status(Code::kCancelled, "read-ahead ended before its memory was free");
       }
       w->reserved.store(true);

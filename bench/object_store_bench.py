@@ -408,10 +408,10 @@ class Bench:
             b = best_raw["raw-python"]
             out.append(("raw python", lambda: self.run_child(
                 "raw-python", concurrency=b["concurrency"], part_size=b["part_size"])))
-        # The CLI at the raw curl's best transport setting (its concurrency and part size, where
-        # the defaults, 32 GETs of 8 MiB, suit a remote store's per-connection limits), with its
-        # checks (the generated checkpoint embeds checksums) and without them (the raw contenders
-        # compute nothing): what the transport costs against what the hashing costs.
+        # The CLI at the raw curl's best transport setting (its concurrency and part size; the
+        # defaults are 8 GETs of 32 MiB for a store on this host, as here, 32 of 8 MiB for a remote
+        # one), with its checks (the generated checkpoint embeds checksums) and without them (the
+        # raw contenders compute nothing): what the transport costs against what hashing costs.
         matched = []
         if "raw-curl" in best_raw:
             b = best_raw["raw-curl"]

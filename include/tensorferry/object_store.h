@@ -64,11 +64,17 @@ struct ObjectStoreOptions {
   int path_style = -1;  // s3_path_style: 1 path-style, 0 virtual-hosted, -1 auto (path-style
                         // for endpoints other than AWS's)
   // --- transport (S3 and HTTP) ---
-  unsigned concurrency = 32;      // ranged GETs in flight (object_concurrency)
-  uint64_t part_size = 8u << 20;  // bytes per ranged GET (object_part_size)
-  unsigned retries = 6;           // further attempts per request after the first (object_retries)
-  uint32_t timeout_ms = 30'000;   // a request receiving no byte for this long is retried, and a
-                                  // connection not made in this time fails (object_timeout_ms)
+  // Ranged GETs in flight (object_concurrency) and bytes per GET (object_part_size); 0 = auto:
+  // 8 GETs of 32 MiB while every object opened so far came from this host (the connection's
+  // address is a loopback address or one of this host's interfaces: the server shares the
+  // client's CPUs, and each further connection costs both sides CPU without adding bandwidth),
+  // else 32 GETs of 8 MiB (a remote store limits each connection; many in flight fill the link).
+  // Each one set alone keeps the other's automatic value.
+  unsigned concurrency = 0;
+  uint64_t part_size = 0;
+  unsigned retries = 6;          // further attempts per request after the first (object_retries)
+  uint32_t timeout_ms = 30'000;  // a request receiving no byte for this long is retried, and a
+                                 // connection not made in this time fails (object_timeout_ms)
   uint64_t header_bytes =
       256u << 10;             // the speculative first GET of each file (object_header_bytes)
   uint32_t backoff_ms = 100;  // first retry delay, doubled per attempt, capped at 10 s, jittered
@@ -82,7 +88,7 @@ bool IsObjectUrl(std::string_view path);
 // The Source reading URLs with these options. libcurl is loaded and the S3 settings resolved when
 // the first URL is opened; their errors (kUnsupported: libcurl could not be loaded, naming what was
 // tried; kInvalidArgument: a bad setting, naming it and where it came from) are that Open's.
-// Errors here: kInvalidArgument for concurrency 0 or part_size below 4096.
+// Errors here: kInvalidArgument for a part_size other than 0 below 4096.
 Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options);
 
 }  // namespace tensorferry

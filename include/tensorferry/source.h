@@ -121,6 +121,9 @@ class SourceStatsScope {
 struct SourceReadHints {
   unsigned concurrency = 0;  // reads in flight (the loader starts at least this many workers)
   uint64_t read_size = 0;    // the largest single read (the loader's chunk size for these files)
+  // How these were chosen, for LoadStats::engine_reason ("8 GETs of 32 MiB in flight: the
+  // endpoint 127.0.0.1 is this host"); "" when there is nothing to say.
+  std::string reason;
 };
 
 class Source {

@@ -333,6 +333,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   impl->filesystems = fs.types;
   if (hints.concurrency > 0) {
     impl->engine_reason = "object storage: requests issued by the pread engine's workers";
+    if (!hints.reason.empty()) impl->engine_reason += ", " + hints.reason;
   } else if (kind != Engine::kAuto) {
     impl->engine_reason = "set by the caller";
     if (kind == Engine::kMmap && !fs.slow.empty()) {

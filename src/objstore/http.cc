@@ -251,6 +251,10 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   if (c.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status != 0) {
     response.status = status;
   }
+  char* peer = nullptr;
+  if (c.easy_getinfo(h, CURLINFO_PRIMARY_IP, &peer) == CURLE_OK && peer != nullptr) {
+    response.peer = peer;
+  }
   if (code != CURLE_OK) {
     response.curl_code = code;
     response.curl_error = error[0] != '\0' ? error : c.easy_strerror(code);

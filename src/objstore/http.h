@@ -58,6 +58,7 @@ struct HttpResponse {
   uint64_t body_bytes = 0;  // bytes written into request.body
   std::string text;         // a body not written into request.body (error documents, listings)
   std::string rejected;     // why a 2xx body was not accepted into request.body, if it was not
+  std::string peer;  // the address the connection went to ("127.0.0.1", "::1"); "" if none was made
   // Total size from Content-Range ("bytes a-b/TOTAL", "bytes */TOTAL"); nullopt without one.
   std::optional<uint64_t> TotalSize() const;
   // First byte of a "bytes a-b/total" Content-Range; nullopt without one.

@@ -16,6 +16,7 @@
 #include "objstore/curl_api.h"
 #include "objstore/http.h"
 #include "objstore/s3_xml.h"
+#include "objstore/transport.h"
 #include "objstore/url.h"
 #include "tensorferry/object_store.h"
 #include "util/macros.h"
@@ -161,7 +162,7 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
                                            const FileIdentity* expected) override;
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
   SourceStats stats() const override { return counters_.Snapshot(); }
-  SourceReadHints hints() const override { return {options_.concurrency, options_.part_size}; }
+  SourceReadHints hints() const override;
 
   // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
   // and resuming.
@@ -196,6 +197,12 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
       if (c != nullptr) c->bytes.fetch_add(n, std::memory_order_relaxed);
     }
   }
+  // Where the objects opened so far were served from (HttpResponse::peer), for the automatic
+  // transport (ObjectStoreOptions::concurrency/part_size 0): the first address of each kind.
+  void NotePeer(const std::string& peer) const;
+  mutable std::mutex peers_mu_;
+  mutable std::string local_peer_, remote_peer_;
+
   mutable std::once_flag s3_once_, http_once_;
   mutable Result<S3Config> s3_config_ = Status(Code::kInternal, "unresolved");
   mutable Result<std::unique_ptr<HttpClient>> s3_client_ = Status(Code::kInternal, "unmade");
@@ -309,6 +316,18 @@ Result<HttpResponse> ObjectSource::Send(const Target& target, const HttpRequest&
   }
 }
 
+void ObjectSource::NotePeer(const std::string& peer) const {
+  if (peer.empty()) return;
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  std::string& slot = IsAddressOfThisHost(peer) ? local_peer_ : remote_peer_;
+  if (slot.empty()) slot = peer;
+}
+
+SourceReadHints ObjectSource::hints() const {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  return ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_);
+}
+
 Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
                                                        const FileIdentity* expected) {
   TF_ASSIGN_OR_RETURN(Target target, Resolve(path));
@@ -345,6 +364,7 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
     id.size = r.body_bytes;  // 200: the whole object fitted the prefix
   }
   prefix.resize(static_cast<size_t>(std::min<uint64_t>(r.body_bytes, id.size)));
+  NotePeer(r.peer);
   id.inode = Fnv1a(r.etag);
   if (expected != nullptr && id != *expected) {
     return Status(Code::kIoError, target.name + ": file changed since the checkpoint was opened: " +
@@ -486,11 +506,9 @@ Result<size_t> ObjectFile::Read(uint64_t offset, std::span<std::byte> dst) const
 }  // namespace objstore
 
 Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options) {
-  if (options.concurrency == 0) {
-    return Status(Code::kInvalidArgument, "object_concurrency must be > 0");
-  }
-  if (options.part_size < 4096) {
-    return Status(Code::kInvalidArgument, "object_part_size must be at least 4096 bytes");
+  if (options.part_size != 0 && options.part_size < 4096) {
+    return Status(Code::kInvalidArgument,
+                  "object_part_size must be at least 4096 bytes (or 0: automatic)");
   }
   return std::shared_ptr<Source>(std::make_shared<objstore::ObjectSource>(options));
 }

@@ -128,6 +128,41 @@ TEST(ObjectSourceLive, ConcurrentLoadersOfOneCheckpointCountTheirOwnRequests) {
   EXPECT_EQ(stats[0].remote_requests + stats[1].remote_requests, after.requests - before.requests);
 }
 
+// The server runs on loopback: the automatic transport takes the local choice (transport.h), the
+// load's engine_reason says so, and values set win.
+TEST(ObjectSourceLive, TransportForAStoreOnThisHost) {
+  REQUIRE_LIVE(live);
+  auto checkpoint = Checkpoint::Open(live->url);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  const SourceReadHints h = (*checkpoint)->file_set()->source()->hints();
+  EXPECT_EQ(h.concurrency, 8u);
+  EXPECT_EQ(h.read_size, 32u << 20);
+  EXPECT_NE(h.reason.find("the store is on this host ("), std::string::npos) << h.reason;
+
+  LoadStats stats;
+  ASSERT_FALSE(LoadAll(live->url, LoadOptions{}, &stats).empty());
+  EXPECT_NE(stats.engine_reason.find("8 GETs of 33.55 MB in flight (the store is on this host"),
+            std::string::npos)
+      << stats.engine_reason;
+
+  OpenOptions o;
+  o.object_store.concurrency = 3;
+  o.object_store.part_size = 64u << 10;
+  auto set = Checkpoint::Open(live->url, o);
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  const SourceReadHints s = (*set)->file_set()->source()->hints();
+  EXPECT_EQ(s.concurrency, 3u);
+  EXPECT_EQ(s.read_size, 64u << 10);
+  EXPECT_EQ(s.reason, "3 GETs of 65.54 KB in flight (as set)");
+  auto loader = Loader::Open(std::shared_ptr<const Checkpoint>(std::move(set).value()));
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  auto tensors = (*loader)->Load();
+  ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+  // Every GET is at most 64 KiB: at least that many requests for the bytes read.
+  const LoadStats& st = (*loader)->stats();
+  EXPECT_GE(st.remote_requests, st.bytes_read / (64u << 10));
+}
+
 TEST(ObjectSourceLive, MissingObjectIsNotFoundNamingTheKey) {
   REQUIRE_LIVE(live);
   const std::string url = live->url + "/no-such-shard.safetensors";

@@ -371,8 +371,10 @@ Command AddLoadCommand(CLI::App& parent) {
          "AWS profile of ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE)");
   option("s3_anonymous", "Unsigned S3 requests (public buckets): 1/0");
   option("s3_path_style", "S3 path-style addressing: 1, 0 or auto (auto: path-style off AWS)");
-  option("object_concurrency", "Ranged GETs in flight (default 32)");
-  option("object_part_size", "Bytes per ranged GET (default 8MiB)");
+  option("object_concurrency",
+         "Ranged GETs in flight (default: 8 when the store is on this host, else 32)");
+  option("object_part_size",
+         "Bytes per ranged GET (default: 32MiB when the store is on this host, else 8MiB)");
   option("object_retries", "Retries per request after the first (default 6)");
   option("object_timeout_ms", "A request receiving nothing this long is retried (default 30000)");
   app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");

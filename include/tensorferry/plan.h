@@ -38,6 +38,10 @@ struct PlanOptions {
   // A tensor larger than `budget` is kBudgetExceeded, unless this is set: then it gets a batch of
   // its own, the only batch allowed to exceed the budget.
   bool allow_oversized = false;
+  // A tensor larger than `budget` but at most `alone_budget` gets a batch of its own rather than
+  // kBudgetExceeded (0: none): the loader's batches under a budget stay small enough for one to be
+  // read while the caller holds another, and a tensor too large for that goes alone.
+  uint64_t alone_budget = 0;
   DeliveryOrder order = DeliveryOrder::kFile;
   // Destination offset alignment of each coalesced range within its batch buffer (power of two),
   // used when io_alignment is 0.

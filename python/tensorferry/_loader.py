@@ -143,8 +143,9 @@ class Loader:
         staging_bytes: pinned host memory of the staging ring (default 64MB).
         budget: most bytes of tensor data held at once (int, or a string such as "256MB");
             None or 0: unbounded. Under a budget, iter_tensors()/iter_batches() deliver batches of
-            at most half the budget, so the tensor the consumer still holds when it asks for the
-            next one never blocks the next batch.
+            at most half the budget (at most the budget less the largest tensor, with a larger
+            tensor alone, when a tensor is over half), so the tensor the consumer still holds when
+            it asks for the next one does not block the next batch.
         threads: I/O threads (None: one per CPU).
         engine: "auto", "pread", "io_uring" or "mmap". Default: "auto" (io_uring where the
             kernel allows, else pread), which with no budget prefers "mmap" with populate, as

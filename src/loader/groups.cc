@@ -10,9 +10,13 @@
 
 namespace tensorferry {
 
-// The plan's batches hold at most half the budget when the next batch is read while the caller
-// handles the current one (double buffering), so two fit; the whole budget when a selected
-// tensor is larger than half of it.
+// The plan's batches hold at most half the budget when every selected tensor fits in half of it,
+// so that the next batch is read while the caller handles the current one (double buffering).
+// When a tensor is larger than half: on the host, the budget less the largest tensor, so that a
+// batch still fits beside any other (a tensor over that goes alone: PlanOptions::alone_budget,
+// set by MakeGroups), as long as that leaves batches of at least a quarter of the budget (smaller
+// ones would leave too few reads in flight); otherwise, and on a device (whose buffers are sized
+// with their padding below), the whole budget: no double buffering.
 // On a device a sliced tensor occupies exactly its slice; on the host its covering reads may
 // take up to the whole tensor's bytes, so the whole size decides there.
 uint64_t GroupPlanner::BatchBudget(std::span<const uint32_t> indices, uint64_t limit,
@@ -24,7 +28,9 @@ uint64_t GroupPlanner::BatchBudget(std::span<const uint32_t> indices, uint64_t l
     largest = std::max(largest, on_device ? LocalSize(t) : t.size);
   }
   const uint64_t half = limit / 2;
-  return largest <= half ? half : limit;
+  if (largest <= half) return half;
+  if (!on_device && largest < limit && limit - largest >= limit / 4) return limit - largest;
+  return limit;
 }
 
 // The bytes a tensor occupies once loaded: its slice's under LoadOptions::tensor_parallel (the
@@ -66,6 +72,7 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
     const uint64_t limit = dev.is_cpu() ? options_.budget : options_.device_budget;
     g.batch_budget = BatchBudget(idx, limit, dev.is_cuda());
     PlanOptions p = MakePlanOptions(g.batch_budget, cached);
+    if (g.batch_budget < limit && !dev.is_cuda()) p.alone_budget = limit;
     // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
     // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
     if (dev.is_cuda() && options_.gds == GdsMode::kOff) p.io_alignment = 0;

@@ -397,7 +397,8 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   // Under a budget, cached buffers count against memory too: keep no more than the budget.
   const uint64_t budget = impl->options.budget;
   impl->pool = memory::BufferPool::Create(
-      budget > 0 ? std::min(options.pool_bytes, budget + (2u << 20)) : options.pool_bytes);
+      budget > 0 ? std::min(options.pool_bytes, budget + (2u << 20)) : options.pool_bytes,
+      /*trim=*/budget > 0);
   impl->budget = memory::Budget::Create(budget);
   if (options.device.is_cuda() && !options.placement) {
     // A CUDA target is checked now (runtime, device, staging options, GDS when forced), and its

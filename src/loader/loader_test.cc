@@ -827,6 +827,80 @@ TEST(LoaderFaults, ReadAheadWaitsForTheCallerToDropTheBatchBefore) {
   }
 }
 
+// Under a budget smaller than twice the largest tensor, batches hold at most the budget less the
+// largest tensor and a tensor over that goes alone, so a loop that holds batch k - 1 while it asks
+// for batch k still fits (before, every batch took the whole budget and such a loop got
+// kBudgetExceeded at batch 2), the same few buffers serve the whole load, and each engine
+// delivers the exact bytes.
+TEST(Loader, BatchesBesideATensorOverHalfTheBudgetStillFitTwoAtOnce) {
+  Fixture f(8, 1u << 20, 200);  // embedding 92,400 bytes; layers 80,400 bytes each
+  uint64_t largest = 0;
+  std::string largest_name;
+  for (const auto& t : f.tensors) {
+    if (f.Full(t.name).size() > largest) {
+      largest = f.Full(t.name).size();
+      largest_name = t.name;
+    }
+  }
+  const uint64_t budget = largest * 16 / 10;  // the largest is 5/8 of it
+  for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
+    SCOPED_TRACE(EngineName(engine));
+    LoadOptions o;
+    o.engine = engine;
+    o.budget = budget;
+    auto loader = Loader::Open(f.dir.path(), o);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    BatchIterator batches = (*loader)->Iterate(Selection::All()).value();
+    std::optional<Batch> before;
+    size_t tensors = 0;
+    bool alone = false;
+    for (;;) {
+      Result<std::optional<Batch>> got = batches.Next();  // the batch before still held
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      if (!*got) break;
+      const Batch& b = **got;
+      uint64_t bytes = 0;
+      for (const Tensor& t : b.tensors) {
+        EXPECT_EQ(Bytes(t), f.Full(t.name()));
+        bytes += t.size();
+      }
+      if (bytes > budget - largest) {
+        ASSERT_EQ(b.tensors.size(), 1u) << "a batch over the budget less the largest tensor";
+        EXPECT_EQ(b.tensors[0].name(), largest_name);
+        alone = true;
+      }
+      tensors += b.tensors.size();
+      before = std::move(*got);
+    }
+    EXPECT_TRUE(alone);
+    EXPECT_EQ(tensors, f.tensors.size());
+    const LoadStats st = (*loader)->stats();
+    EXPECT_LE(st.peak_budget_bytes, budget);
+    EXPECT_GT(st.batches, 4u);
+    if (engine != Engine::kMmap) {
+      EXPECT_LE(st.buffers_allocated, 3u);
+    }
+  }
+  // Batches of less than a quarter of the budget would leave too few reads in flight: with the
+  // largest tensor at 9/10 of the budget, batches take the whole budget again (as before).
+  LoadOptions o;
+  o.budget = largest * 10 / 9;
+  auto loader = Loader::Open(f.dir.path(), o);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  uint64_t most = 0;
+  ASSERT_TRUE((*loader)
+                  ->Stream(Selection::All(),
+                           [&](Batch b) {
+                             uint64_t bytes = 0;
+                             for (const Tensor& t : b.tensors) bytes += t.size();
+                             most = std::max(most, bytes);
+                             return Status::Ok();
+                           })
+                  .ok());
+  EXPECT_GT(most, o.budget - largest);
+  EXPECT_LE(most, o.budget);
+}
+
 TEST(LoaderFaults, TruncatedMidLoad) {
   MemoryFixture m;
   auto loader = m.Open();

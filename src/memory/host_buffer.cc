@@ -36,14 +36,15 @@ uint64_t CapacityFor(uint64_t size) {
 
 // --- HostBuffer ----------------------------------------------------------------------------------
 
-Result<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(uint64_t size) {
+Result<std::unique_ptr<HostBuffer>> HostBuffer::Allocate(uint64_t size, uint64_t min_capacity) {
+  const uint64_t mapped = std::max(size, min_capacity);
   // Twice the huge page of headroom: the rounding below and the alignment slack must not overflow.
-  if (size > std::numeric_limits<size_t>::max() - 2 * kHugePage) {
-    return Status(Code::kBudgetExceeded,
-                  "cannot allocate a host buffer of " + std::to_string(size) + " bytes: too large");
+  if (mapped > std::numeric_limits<size_t>::max() - 2 * kHugePage) {
+    return Status(Code::kBudgetExceeded, "cannot allocate a host buffer of " +
+                                             std::to_string(mapped) + " bytes: too large");
   }
-  const uint64_t capacity = CapacityFor(size);
-  const bool huge = size >= kHugePage;
+  const uint64_t capacity = CapacityFor(mapped);
+  const bool huge = mapped >= kHugePage;
   // mmap only guarantees page alignment, and the kernel backs only 2 MiB-aligned ranges with
   // transparent huge pages; map 2 MiB more than needed and trim both ends to an aligned range.
   const uint64_t map_len = huge ? capacity + kHugePage : capacity;
@@ -74,6 +75,18 @@ HostBuffer::~HostBuffer() {
   ::munmap(data_, capacity_);
 }
 
+void HostBuffer::Resize(uint64_t size, bool trim) noexcept {
+  size_ = size;
+  if (trim) {
+    const uint64_t keep = std::min(capacity_, RoundUp(size, kHugePage));
+    if (resident_ > keep) {
+      (void)::madvise(data_ + keep, resident_ - keep, MADV_DONTNEED);
+      resident_ = keep;
+    }
+  }
+  resident_ = std::max(resident_, size);
+}
+
 // The byte written is zero: callers populate a range before reading data into it (fresh anonymous
 // memory is zero anyway, and a reused buffer's old contents are about to be overwritten).
 uint64_t HostBuffer::Populate(uint64_t offset, uint64_t length) noexcept {
@@ -91,37 +104,47 @@ uint64_t HostBuffer::Populate(uint64_t offset, uint64_t length) noexcept {
 
 // --- BufferPool ----------------------------------------------------------------------------------
 
-std::shared_ptr<BufferPool> BufferPool::Create(uint64_t max_cached_bytes) {
-  return std::shared_ptr<BufferPool>(new BufferPool(max_cached_bytes));
+std::shared_ptr<BufferPool> BufferPool::Create(uint64_t max_cached_bytes, bool trim) {
+  return std::shared_ptr<BufferPool>(new BufferPool(max_cached_bytes, trim));
 }
 
-Result<std::shared_ptr<HostBuffer>> BufferPool::Acquire(uint64_t size) {
+Result<std::shared_ptr<HostBuffer>> BufferPool::Acquire(uint64_t size, uint64_t min_capacity) {
   std::unique_ptr<HostBuffer> buffer;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Smallest fit, at most twice the request so a small batch does not pin a huge mapping. A
-    // buffer of exactly the capacity a fresh allocation would get always qualifies (tiny sizes).
+    // buffer of exactly the capacity a fresh allocation would get always qualifies (tiny sizes,
+    // and a budgeted load's shared capacity: min_capacity).
+    const uint64_t fresh_capacity = CapacityFor(std::max(size, min_capacity));
     auto best = cache_.end();
     for (auto it = cache_.begin(); it != cache_.end(); ++it) {
       const uint64_t cap = (*it)->capacity();
-      const bool fits = cap >= size && (cap / 2 <= size || cap == CapacityFor(size));
+      const bool fits = cap >= size && (cap / 2 <= size || cap == fresh_capacity);
       if (fits && (best == cache_.end() || cap < (*best)->capacity())) best = it;
     }
     if (best != cache_.end()) {
       buffer = std::move(*best);
       cache_.erase(best);
-      cached_bytes_ -= buffer->capacity();
-      buffer->size_ = size;
+      cached_bytes_ -= buffer->resident();
       ++reused_;
+      // Trimmed only when what the pool's buffers may hold would pass the cache's limit (under a
+      // budget: the budget): a buffer that once held a larger batch gives those pages back then,
+      // and not while they still fit (each trim is a first touch again for a later larger batch).
+      const uint64_t before = buffer->resident();
+      const bool trim =
+          trim_ && resident_total_ - before + std::max(before, size) > max_cached_bytes_;
+      buffer->Resize(size, trim);
+      resident_total_ = resident_total_ - before + buffer->resident();
     }
   }
   if (buffer == nullptr) {
     // Mapped outside the lock: a large mmap can take a while and must not stall other callers.
-    auto fresh = HostBuffer::Allocate(size);
+    auto fresh = HostBuffer::Allocate(size, min_capacity);
     if (!fresh.ok()) return fresh.status();
     buffer = std::move(fresh).value();
     std::lock_guard<std::mutex> lock(mu_);
     ++allocated_;
+    resident_total_ += buffer->resident();
   }
   // The deleter holds the pool weakly: buffers may outlive it, and must not keep it alive.
   std::weak_ptr<BufferPool> pool = weak_from_this();
@@ -135,13 +158,17 @@ void BufferPool::Release(std::unique_ptr<HostBuffer> buffer) {
   std::vector<std::unique_ptr<HostBuffer>> evicted;  // unmapped after the lock is dropped
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (buffer->capacity() > max_cached_bytes_) return;  // could never be kept: unmap now
-    cached_bytes_ += buffer->capacity();
+    if (buffer->resident() > max_cached_bytes_) {  // could never be kept: unmap now
+      resident_total_ -= buffer->resident();
+      return;
+    }
+    cached_bytes_ += buffer->resident();
     cache_.push_back(std::move(buffer));
     // Oldest first: the newest buffer is the likeliest to match the next load's batch sizes.
     size_t n = 0;
     while (cached_bytes_ > max_cached_bytes_) {
-      cached_bytes_ -= cache_[n]->capacity();
+      cached_bytes_ -= cache_[n]->resident();
+      resident_total_ -= cache_[n]->resident();
       evicted.push_back(std::move(cache_[n]));
       ++n;
     }

@@ -27,8 +27,10 @@ namespace tensorferry::memory {
 
 class HostBuffer {
  public:
-  // Errors: kBudgetExceeded when the mapping fails (ENOMEM), with the size in the message.
-  static Result<std::unique_ptr<HostBuffer>> Allocate(uint64_t size);
+  // A buffer of `size` bytes mapped for at least `min_capacity` (so that it can serve larger
+  // requests later). Errors: kBudgetExceeded when the mapping fails (ENOMEM), with the size in the
+  // message.
+  static Result<std::unique_ptr<HostBuffer>> Allocate(uint64_t size, uint64_t min_capacity = 0);
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
@@ -36,6 +38,9 @@ class HostBuffer {
   std::byte* data() const noexcept { return data_; }
   uint64_t size() const noexcept { return size_; }          // as requested
   uint64_t capacity() const noexcept { return capacity_; }  // mapped bytes
+  // Bytes from the start that may hold memory: the largest size requested since the buffer was
+  // mapped or last trimmed (BufferPool with trim), rounded up to the huge page when trimmed.
+  uint64_t resident() const noexcept { return resident_; }
 
   // Writes one byte per page of [offset, offset + length) so the kernel allocates the pages now
   // (used to populate ahead of, or alongside, reads). Returns the number of pages touched.
@@ -44,32 +49,46 @@ class HostBuffer {
  private:
   friend class BufferPool;  // a reused buffer takes the size of the new request
   HostBuffer(std::byte* data, uint64_t size, uint64_t capacity)
-      : data_(data), size_(size), capacity_(capacity) {}
+      : data_(data), size_(size), capacity_(capacity), resident_(size) {}
+  // Takes the size of a new request; when `trim`, first returns the memory beyond it (rounded up to
+  // the huge page) to the kernel (madvise MADV_DONTNEED: read back as zeros when touched again).
+  void Resize(uint64_t size, bool trim) noexcept;
   std::byte* data_;
   uint64_t size_;
   uint64_t capacity_;
+  uint64_t resident_;
 };
 
 class BufferPool : public std::enable_shared_from_this<BufferPool> {
  public:
-  // Keeps at most `max_cached_bytes` of released buffers (0: keep none).
-  static std::shared_ptr<BufferPool> Create(uint64_t max_cached_bytes);
+  // Keeps at most `max_cached_bytes` of released buffers (0: keep none), counted by what each may
+  // hold (HostBuffer::resident). With `trim` (pools under a byte budget), a buffer reused for a
+  // smaller request first returns the memory beyond it when what all the pool's buffers (in use
+  // and cached) may hold would otherwise pass `max_cached_bytes`: a buffer that once held a large
+  // batch does not keep those pages while it serves smaller ones beside others; without, a reused
+  // buffer keeps its pages (no first touch again).
+  static std::shared_ptr<BufferPool> Create(uint64_t max_cached_bytes, bool trim = false);
 
   // A buffer of at least `size` bytes: a cached one whose capacity fits (smallest first, and not
-  // more than twice `size`), else a new one. Released to the pool when the last reference goes,
-  // even if the pool has been destroyed meanwhile (then it is simply unmapped).
-  Result<std::shared_ptr<HostBuffer>> Acquire(uint64_t size);
+  // more than twice `size`), else a new one mapped for at least `min_capacity` bytes (a budgeted
+  // load's batches share one capacity, so that any buffer fits any batch). Released to the pool
+  // when the last reference goes, even if the pool has been destroyed meanwhile (then it is simply
+  // unmapped).
+  Result<std::shared_ptr<HostBuffer>> Acquire(uint64_t size, uint64_t min_capacity = 0);
 
   uint64_t cached_bytes() const;
   uint64_t reused() const;     // Acquire calls served from the cache
   uint64_t allocated() const;  // Acquire calls that mapped new memory
 
  private:
-  explicit BufferPool(uint64_t max_cached_bytes) : max_cached_bytes_(max_cached_bytes) {}
+  BufferPool(uint64_t max_cached_bytes, bool trim)
+      : max_cached_bytes_(max_cached_bytes), trim_(trim) {}
   void Release(std::unique_ptr<HostBuffer> buffer);
 
   mutable std::mutex mu_;
   uint64_t max_cached_bytes_;
+  const bool trim_;
+  uint64_t resident_total_ = 0;  // resident() of every buffer of this pool still mapped
   uint64_t cached_bytes_ = 0;
   uint64_t reused_ = 0;
   uint64_t allocated_ = 0;

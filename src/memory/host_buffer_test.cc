@@ -1,6 +1,7 @@
 #include "memory/host_buffer.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -128,6 +129,65 @@ TEST(BufferPoolTest, EvictsBeyondMaxCachedBytes) {
   { auto a = none->Acquire(kMiB); }
   EXPECT_EQ(none->reused(), 0u);
   EXPECT_EQ(none->allocated(), 2u);
+}
+
+// Pages of [offset, offset + length) of `b` that are resident (mincore).
+uint64_t ResidentPages(const HostBuffer& b, uint64_t offset, uint64_t length) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((length + page - 1) / page);
+  EXPECT_EQ(::mincore(b.data() + offset, length, in.data()), 0) << std::strerror(errno);
+  uint64_t n = 0;
+  for (unsigned char c : in) n += c & 1;
+  return n;
+}
+
+// Under a budget (trim), a buffer that held a large batch and is reused for a smaller one returns
+// the memory beyond the new size (rounded up to the huge page) when what the pool's buffers may
+// hold, in use and cached, would pass the cache's limit; while it fits, or without trim, the pages
+// stay (no first touch again).
+TEST(BufferPoolTest, TrimReturnsTheMemoryBeyondASmallerRequestPastTheLimit) {
+  struct Case {
+    const char* name;
+    uint64_t limit;
+    bool trim;
+    bool trimmed;
+  };
+  for (const Case& c : {Case{"trim past the limit", 10 * kMiB, true, true},
+                        Case{"trim within the limit", 64 * kMiB, true, false},
+                        Case{"no trim", 10 * kMiB, false, false}}) {
+    SCOPED_TRACE(c.name);
+    auto pool = BufferPool::Create(c.limit, c.trim);
+    std::byte* data = nullptr;
+    {
+      auto a = pool->Acquire(8 * kMiB);
+      ASSERT_TRUE(a.ok());
+      std::memset((*a)->data(), 0x5a, 8 * kMiB);
+      data = (*a)->data();
+      EXPECT_EQ((*a)->resident(), 8 * kMiB);
+    }
+    EXPECT_EQ(pool->cached_bytes(), 8 * kMiB);
+    auto other = pool->Acquire(3 * kMiB);  // a new buffer (8 MiB is over twice 3 MiB), in use
+    ASSERT_TRUE(other.ok());
+    ASSERT_NE((*other)->data(), data);
+    auto b = pool->Acquire(5 * kMiB);  // the 8 MiB buffer again
+    ASSERT_TRUE(b.ok());
+    ASSERT_EQ((*b)->data(), data);
+    EXPECT_EQ((*b)->size(), 5 * kMiB);
+    EXPECT_EQ((*b)->resident(), c.trimmed ? 6 * kMiB : 8 * kMiB);
+    EXPECT_EQ(ResidentPages(**b, 0, 5 * kMiB) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)),
+              5 * kMiB);
+    const uint64_t tail = ResidentPages(**b, 6 * kMiB, 2 * kMiB);
+    if (c.trimmed) {
+      EXPECT_EQ(tail, 0u);
+      EXPECT_EQ((*b)->data()[7 * kMiB], std::byte{0});  // read back as zeros
+    } else {
+      EXPECT_GT(tail, 0u);
+      EXPECT_EQ((*b)->data()[7 * kMiB], std::byte{0x5a});
+    }
+    EXPECT_EQ((*b)->data()[5 * kMiB - 1], std::byte{0x5a});  // the request's bytes are kept
+    b = pool->Acquire(0);
+    EXPECT_EQ(pool->cached_bytes(), c.trimmed ? 6 * kMiB : 8 * kMiB);
+  }
 }
 
 TEST(BufferPoolTest, BufferOutlivesPool) {

@@ -274,10 +274,11 @@ Result<Item> MakeItem(const TensorInfo& t, uint32_t index, const PlanOptions& op
       cost = std::max(size, layouts.back().read_bytes);
     }
   }
-  if (options.budget != 0 && cost > options.budget && !options.allow_oversized) {
+  const uint64_t limit = std::max(options.budget, options.alone_budget);
+  if (options.budget != 0 && cost > limit && !options.allow_oversized) {
     return Status(Code::kBudgetExceeded,
                   "plan: tensor '" + t.name + "' is " + std::to_string(cost) +
-                      " bytes, more than the budget of " + std::to_string(options.budget) +
+                      " bytes, more than the budget of " + std::to_string(limit) +
                       " bytes (allow_oversized gives it a batch of its own)");
   }
   uint64_t group = 0;

@@ -19,7 +19,7 @@ struct BatchMemory {
 class HostSink final : public BatchSink {
  public:
   HostSink(const SinkContext& context, const Plan& plan, uint64_t batch_budget)
-      : c_(context), plan_(plan), batch_budget_(batch_budget) {}
+      : c_(context), plan_(plan), batch_budget_(batch_budget), uniform_(UniformSize()) {}
 
   Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
     return ReserveHost(*c_.budget, batch);
@@ -42,7 +42,7 @@ class HostSink final : public BatchSink {
   Result<Batch> Complete(size_t b, Reservation memory) override {
     const PlanBatch& batch = plan_.batches[b];
     TF_ASSIGN_OR_RETURN(std::shared_ptr<memory::HostBuffer> buffer,
-                        c_.pool->Acquire(BufferSize(batch)));
+                        c_.pool->Acquire(batch.buffer_size, uniform_));
     // Checksums (LoadOptions::verify): each chunk hashed by the engine's worker that lands its
     // last byte, overlapping the reads still in flight (docs/benchmarks.md: cold loads hide the
     // hashing this way, not after the reads); with tensor-parallel moves, which put bytes in
@@ -68,13 +68,19 @@ class HostSink final : public BatchSink {
   }
 
  private:
-  // Under a budget every batch asks for a buffer of the same size (the batch budget plus room for
-  // alignment padding), so the same buffers are reused for the whole load.
-  uint64_t BufferSize(const PlanBatch& batch) const {
-    const uint64_t uniform = batch_budget_ + batch.tasks.size() * 4096 + (64u << 10);
-    return batch_budget_ > 0 && batch.buffer_size <= batch_budget_
-               ? std::max(batch.buffer_size, std::min(uniform, batch_budget_ * 2))
-               : batch.buffer_size;
+  // Under a budget, buffers are mapped for the largest batch within it (a tensor alone in its batch
+  // included: PlanOptions::alone_budget), so that any buffer released to the pool fits any later
+  // batch and the load reuses the same few buffers; each holds only what its batch uses (the pool
+  // trims what a larger batch left). Batches over the budget (allow_oversized) get buffers of
+  // their own size.
+  uint64_t UniformSize() const {
+    if (batch_budget_ == 0) return 0;
+    const uint64_t limit = c_.budget->limit();
+    uint64_t uniform = 0;
+    for (const PlanBatch& b : plan_.batches) {
+      if (limit == 0 || b.tensor_bytes <= limit) uniform = std::max(uniform, b.buffer_size);
+    }
+    return uniform;
   }
 
   Status Read(const PlanBatch& batch, memory::HostBuffer& buffer, const LandingCheck* check) {
@@ -101,6 +107,7 @@ class HostSink final : public BatchSink {
   const SinkContext& c_;
   const Plan& plan_;
   const uint64_t batch_budget_;
+  const uint64_t uniform_;  // UniformSize(): the capacity buffers are mapped for (0: their size)
 };
 
 }  // namespace

@@ -74,6 +74,29 @@ def test_iter_tensors_under_a_budget(tiny_checkpoint, reference, sizes):
     assert live_buffers() == (0, 0)
 
 
+@pytest.mark.parametrize("share", [1.4, 1.6])
+def test_a_plain_loop_under_less_than_twice_the_largest_tensor(tiny_checkpoint, reference, sizes,
+                                                               share):
+    """The largest tensors go alone and the others in batches of at most the budget less the
+    largest, so the loop variable's batch and the next one fit together."""
+    largest = max(sizes.values())
+    budget = int(largest * share)
+    with tensorferry.Loader(tiny_checkpoint, budget=budget) as loader:
+        got = {}
+        for batch in loader.iter_batches():  # holds the batch before while it asks for the next
+            assert batch.bytes <= budget - largest or len(batch.tensors) == 1, batch.bytes
+            got.update({n: t.clone() for n, t in batch.tensors.items()})
+        assert_equal_dicts(got, reference)
+        assert 0 < loader.stats.peak_budget_bytes <= budget
+        del batch
+        got = {}
+        for name, tensor in loader.iter_tensors():
+            got[name] = tensor.clone()
+        assert_equal_dicts(got, reference)
+    del tensor
+    assert live_buffers() == (0, 0)
+
+
 def test_keeping_every_tensor_exceeds_the_budget(tiny_checkpoint, sizes):
     budget = 2 * max(sizes.values())
     loader = tensorferry.Loader(tiny_checkpoint, budget=budget)

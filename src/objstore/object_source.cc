@@ -163,6 +163,8 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
   SourceStats stats() const override { return counters_.Snapshot(); }
   SourceReadHints hints() const override;
+  // hints().read_size, without the reason's text (every read asks for it).
+  uint64_t PartSize() const;
 
   // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
   // and resuming.
@@ -326,6 +328,13 @@ void ObjectSource::NotePeer(const std::string& peer) const {
 SourceReadHints ObjectSource::hints() const {
   std::lock_guard<std::mutex> lock(peers_mu_);
   return ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_);
+}
+
+uint64_t ObjectSource::PartSize() const {
+  if (options_.part_size != 0) return options_.part_size;
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  return ChooseTransport(options_.concurrency, 0, local_peer_, remote_peer_, /*explain=*/false)
+      .read_size;
 }
 
 Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
@@ -494,7 +503,7 @@ Result<size_t> ObjectFile::Read(uint64_t offset, std::span<std::byte> dst) const
   const size_t n = static_cast<size_t>(std::min<uint64_t>(dst.size(), identity_.size - offset));
   dst = dst.first(n);
   if (FromPrefix(offset, dst)) return n;
-  const uint64_t part = std::max<uint64_t>(source_->hints().read_size, 1u << 20);
+  const uint64_t part = std::max<uint64_t>(source_->PartSize(), 1u << 20);
   for (uint64_t at = 0; at < n; at += part) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(part, n - at));
     TF_RETURN_IF_ERROR(source_->ReadRange(target_, etag_, identity_.size, offset + at,

@@ -51,16 +51,20 @@ bool IsAddressOfThisHost(const std::string& address) {
 }
 
 SourceReadHints ChooseTransport(unsigned concurrency, uint64_t part_size,
-                                const std::string& local_peer, const std::string& remote_peer) {
+                                const std::string& local_peer, const std::string& remote_peer,
+                                bool explain) {
   SourceReadHints h{concurrency, part_size, ""};
+  if (concurrency == 0 || part_size == 0) {
+    const bool here = !local_peer.empty() && remote_peer.empty();
+    if (h.concurrency == 0) h.concurrency = here ? kLocalConcurrency : kRemoteConcurrency;
+    if (h.read_size == 0) h.read_size = here ? kLocalPartSize : kRemotePartSize;
+  }
+  if (!explain) return h;
   std::string why;
   if (concurrency != 0 && part_size != 0) {
     why = "as set";
   } else {
-    const bool here = !local_peer.empty() && remote_peer.empty();
-    if (h.concurrency == 0) h.concurrency = here ? kLocalConcurrency : kRemoteConcurrency;
-    if (h.read_size == 0) h.read_size = here ? kLocalPartSize : kRemotePartSize;
-    if (here) {
+    if (!local_peer.empty() && remote_peer.empty()) {
       why = "the store is on this host (" + local_peer +
             "): fewer, larger GETs spare the CPUs it shares with the loader";
     } else if (!remote_peer.empty()) {

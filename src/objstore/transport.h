@@ -29,8 +29,10 @@ bool IsAddressOfThisHost(const std::string& address);
 // The hints for a source whose options say `concurrency` and `part_size` (0: automatic), given the
 // first peer address on this host (`local_peer`) and the first elsewhere (`remote_peer`) among the
 // objects opened so far ("" for none): the local choice only when objects were opened and all came
-// from this host. `reason` says what was chosen and why, naming the address.
+// from this host. `reason` says what was chosen and why, naming the address (left empty without
+// `explain`: the per-read lookup of the part size).
 SourceReadHints ChooseTransport(unsigned concurrency, uint64_t part_size,
-                                const std::string& local_peer, const std::string& remote_peer);
+                                const std::string& local_peer, const std::string& remote_peer,
+                                bool explain = true);
 
 }  // namespace tensorferry::objstore

@@ -76,6 +76,12 @@ TEST(TransportTest, AutomaticChoiceFollowsWhereTheObjectsCameFrom) {
   EXPECT_EQ(mixed.concurrency, kRemoteConcurrency);
   EXPECT_EQ(mixed.read_size, kRemotePartSize);
 
+  // Without the explanation (the per-read lookup): the same values, no text.
+  const SourceReadHints quiet = ChooseTransport(0, 0, "127.0.0.1", "", /*explain=*/false);
+  EXPECT_EQ(quiet.concurrency, here.concurrency);
+  EXPECT_EQ(quiet.read_size, here.read_size);
+  EXPECT_TRUE(quiet.reason.empty());
+
   // Nothing opened yet (no peer known): the remote choice, which never starves a remote link.
   const SourceReadHints none = ChooseTransport(0, 0, "", "");
   EXPECT_EQ(none.concurrency, kRemoteConcurrency);

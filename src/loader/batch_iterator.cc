@@ -253,7 +253,7 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
     } else if (mapped) {
       s->sinks.push_back(sink::MakeMappedSink(s->host, group.plan));
     } else {
-      s->sinks.push_back(sink::MakeHostSink(s->host, group.plan, group.batch_budget));
+      s->sinks.push_back(sink::MakeHostSink(s->host, group.plan));
     }
     for (size_t b = 0; b < group.plan.batches.size(); ++b) s->order.emplace_back(g, b);
   }

@@ -70,9 +70,9 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
     Group g;
     g.device = dev;
     const uint64_t limit = dev.is_cpu() ? options_.budget : options_.device_budget;
-    g.batch_budget = BatchBudget(idx, limit, dev.is_cuda());
-    PlanOptions p = MakePlanOptions(g.batch_budget, cached);
-    if (g.batch_budget < limit && !dev.is_cuda()) p.alone_budget = limit;
+    const uint64_t batch_budget = BatchBudget(idx, limit, dev.is_cuda());
+    PlanOptions p = MakePlanOptions(batch_budget, cached);
+    if (batch_budget < limit && !dev.is_cuda()) p.alone_budget = limit;
     // Device buffers are sized exactly (no pool): ranges keep their file offset modulo 4 KiB
     // only when GDS may read them (aligned cuFile reads), else 64-byte alignment suffices.
     if (dev.is_cuda() && options_.gds == GdsMode::kOff) p.io_alignment = 0;
@@ -117,7 +117,7 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
         }
       }
     }
-    if (dev.is_cuda() && limit > 0 && g.batch_budget < limit) {
+    if (dev.is_cuda() && limit > 0 && batch_budget < limit) {
       // The device budget counts whole buffers, padding included: when padding pushes a batch
       // past half the budget, plan again with the batch budget lowered by the overshoot, so two
       // batches still fit (double buffering).
@@ -127,9 +127,9 @@ Result<std::vector<Group>> GroupPlanner::MakeGroups(const std::vector<uint32_t>&
       }
       for (uint32_t i : idx)
         largest_tensor = std::max(largest_tensor, LocalSize(checkpoint_.tensors()[i]));
-      const uint64_t over = largest_buffer > g.batch_budget ? largest_buffer - g.batch_budget : 0;
-      if (over > 0 && g.batch_budget - largest_tensor > over) {
-        p.budget = g.batch_budget - over;
+      const uint64_t over = largest_buffer > batch_budget ? largest_buffer - batch_budget : 0;
+      if (over > 0 && batch_budget - largest_tensor > over) {
+        p.budget = batch_budget - over;
         TF_RETURN_IF_ERROR(plan());
       }
     }

@@ -18,7 +18,6 @@ namespace tensorferry {
 struct Group {
   Device device;
   Plan plan;
-  uint64_t batch_budget = 0;
   // Tensor-parallel device groups: per batch, the strided reads besides the batch's contiguous
   // tasks (gathered from the page cache, StridedRead::gather, for files mostly cached under
   // exact_when_cached).

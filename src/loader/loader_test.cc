@@ -827,27 +827,26 @@ TEST(LoaderFaults, ReadAheadWaitsForTheCallerToDropTheBatchBefore) {
   }
 }
 
-// Under a budget smaller than twice the largest tensor, batches hold at most the budget less the
-// largest tensor and a tensor over that goes alone, so a loop that holds batch k - 1 while it asks
-// for batch k still fits (before, every batch took the whole budget and such a loop got
-// kBudgetExceeded at batch 2), the same few buffers serve the whole load, and each engine
-// delivers the exact bytes.
-TEST(Loader, BatchesBesideATensorOverHalfTheBudgetStillFitTwoAtOnce) {
-  Fixture f(8, 1u << 20, 200);  // embedding 92,400 bytes; layers 80,400 bytes each
-  uint64_t largest = 0;
-  std::string largest_name;
+// The largest tensor of `f`, and its name.
+std::pair<uint64_t, std::string> LargestTensor(const Fixture& f) {
+  std::pair<uint64_t, std::string> largest{0, ""};
   for (const auto& t : f.tensors) {
-    if (f.Full(t.name).size() > largest) {
-      largest = f.Full(t.name).size();
-      largest_name = t.name;
-    }
+    if (f.Full(t.name).size() > largest.first) largest = {f.Full(t.name).size(), t.name};
   }
+  return largest;
+}
+
+// Every engine, a loop that holds batch k - 1 while it asks for batch k, under a budget of 1.6x
+// the largest tensor (read in tasks of `chunk_size`).
+void ExpectALoopHoldingTheBatchBeforeFits(const Fixture& f, uint64_t chunk_size) {
+  const auto [largest, largest_name] = LargestTensor(f);
   const uint64_t budget = largest * 16 / 10;  // the largest is 5/8 of it
   for (Engine engine : {Engine::kPread, Engine::kIoUring, Engine::kMmap}) {
     SCOPED_TRACE(EngineName(engine));
     LoadOptions o;
     o.engine = engine;
     o.budget = budget;
+    o.chunk_size = chunk_size;
     auto loader = Loader::Open(f.dir.path(), o);
     ASSERT_TRUE(loader.ok()) << loader.status().ToString();
     BatchIterator batches = (*loader)->Iterate(Selection::All()).value();
@@ -881,6 +880,18 @@ TEST(Loader, BatchesBesideATensorOverHalfTheBudgetStillFitTwoAtOnce) {
       EXPECT_LE(st.buffers_allocated, 3u);
     }
   }
+}
+
+// Under a budget smaller than twice the largest tensor, batches hold at most the budget less the
+// largest tensor and a tensor over that goes alone, so a loop that holds batch k - 1 while it asks
+// for batch k still fits (before, every batch took the whole budget and such a loop got
+// kBudgetExceeded at batch 2), the same few buffers serve the whole load, and each engine
+// delivers the exact bytes.
+TEST(Loader, BatchesBesideATensorOverHalfTheBudgetStillFitTwoAtOnce) {
+  Fixture f(8, 1u << 20, 200);  // embedding 92,400 bytes; layers 80,400 bytes each
+  ExpectALoopHoldingTheBatchBeforeFits(f, LoadOptions{}.chunk_size);
+  ExpectALoopHoldingTheBatchBeforeFits(f, 16u << 10);  // several tasks per tensor
+  const uint64_t largest = LargestTensor(f).first;
   // Batches of less than a quarter of the budget would leave too few reads in flight: with the
   // largest tensor at 9/10 of the budget, batches take the whole budget again (as before).
   LoadOptions o;
@@ -899,6 +910,15 @@ TEST(Loader, BatchesBesideATensorOverHalfTheBudgetStillFitTwoAtOnce) {
                   .ok());
   EXPECT_GT(most, o.budget - largest);
   EXPECT_LE(most, o.budget);
+}
+
+// The same at sizes past the huge page (and past the task size, with 1 MiB tasks): buffers of
+// megabytes, which the pool trims when a smaller batch reuses the buffer of the tensor that went
+// alone.
+TEST(Loader, BatchesBesideATensorOverHalfTheBudgetStillFitTwoAtOnceInLargeBuffers) {
+  Fixture f(8, 64u << 20, 6000);  // embedding 2.77 MB; layers 2.41 MB each
+  ExpectALoopHoldingTheBatchBeforeFits(f, LoadOptions{}.chunk_size);
+  ExpectALoopHoldingTheBatchBeforeFits(f, 1u << 20);
 }
 
 TEST(LoaderFaults, TruncatedMidLoad) {

@@ -319,8 +319,9 @@ Result<HttpResponse> ObjectSource::Send(const Target& target, const HttpRequest&
 }
 
 void ObjectSource::NotePeer(const std::string& peer) const {
-  if (peer.empty()) return;
   std::lock_guard<std::mutex> lock(peers_mu_);
+  // Each new address is looked up once (IsAddressOfThisHost lists the host's interfaces).
+  if (peer.empty() || peer == local_peer_ || peer == remote_peer_) return;
   std::string& slot = IsAddressOfThisHost(peer) ? local_peer_ : remote_peer_;
   if (slot.empty()) slot = peer;
 }

@@ -18,8 +18,8 @@ struct BatchMemory {
 
 class HostSink final : public BatchSink {
  public:
-  HostSink(const SinkContext& context, const Plan& plan, uint64_t batch_budget)
-      : c_(context), plan_(plan), batch_budget_(batch_budget), uniform_(UniformSize()) {}
+  HostSink(const SinkContext& context, const Plan& plan)
+      : c_(context), plan_(plan), uniform_(UniformSize(plan, context.budget->limit())) {}
 
   Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
     return ReserveHost(*c_.budget, batch);
@@ -73,12 +73,11 @@ class HostSink final : public BatchSink {
   // batch and the load reuses the same few buffers; each holds only what its batch uses (the pool
   // trims what a larger batch left). Batches over the budget (allow_oversized) get buffers of
   // their own size.
-  uint64_t UniformSize() const {
-    if (batch_budget_ == 0) return 0;
-    const uint64_t limit = c_.budget->limit();
+  static uint64_t UniformSize(const Plan& plan, uint64_t limit) {
     uint64_t uniform = 0;
-    for (const PlanBatch& b : plan_.batches) {
-      if (limit == 0 || b.tensor_bytes <= limit) uniform = std::max(uniform, b.buffer_size);
+    if (limit == 0) return uniform;
+    for (const PlanBatch& b : plan.batches) {
+      if (b.tensor_bytes <= limit) uniform = std::max(uniform, b.buffer_size);
     }
     return uniform;
   }
@@ -106,15 +105,13 @@ class HostSink final : public BatchSink {
 
   const SinkContext& c_;
   const Plan& plan_;
-  const uint64_t batch_budget_;
   const uint64_t uniform_;  // UniformSize(): the capacity buffers are mapped for (0: their size)
 };
 
 }  // namespace
 
-std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan,
-                                        uint64_t batch_budget) {
-  return std::make_unique<HostSink>(context, plan, batch_budget);
+std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan) {
+  return std::make_unique<HostSink>(context, plan);
 }
 
 std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& batch) {

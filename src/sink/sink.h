@@ -97,8 +97,7 @@ class BatchSink {
 };
 
 // `plan`, `strided` (per batch, for the device sink) and `slot` are borrowed.
-std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan,
-                                        uint64_t batch_budget);
+std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan);
 std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan);
 // The loader's mapping of file `f` (context.maps[f], made on first use; the mapped sink's views
 // and the device sink's gathered rows share it). Errors: those of FileSet::Get and MappedFile::Map.

@@ -41,6 +41,24 @@ std::string TensorLabel(std::string_view name) {
   return "tensor " + json::Quote(name);
 }
 
+// Runs a tensor's generator for the bytes at `offset`, `out.size()` of them. The generator is the
+// caller's code: an exception from it must not escape the library; an error names the tensor and
+// the byte range (`why` is appended to the range).
+Status Generate(const TensorToWrite& t, uint64_t offset, std::span<std::byte> out,
+                std::string_view why) {
+  Status s;
+  try {
+    s = t.generate(offset, out);
+  } catch (const std::exception& e) {
+    s = Status(Code::kInternal, std::string("generate threw an exception: ") + e.what());
+  } catch (...) {
+    s = Status(Code::kInternal, "generate threw an exception");
+  }
+  if (s.ok()) return s;
+  return s.WithPrefix(TensorLabel(t.name) + ": generating bytes [" + std::to_string(offset) + ", " +
+                      std::to_string(offset + out.size()) + ")" + std::string(why));
+}
+
 std::string JsonShape(std::span<const uint64_t> shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -225,19 +243,7 @@ class FileSink {
       if (used_ == capacity_) TF_RETURN_IF_ERROR(Flush());
       const size_t n = static_cast<size_t>(std::min<uint64_t>(size - done, capacity_ - used_));
       std::span<std::byte> out(buffer_.get() + used_, n);
-      Status s;
-      // The generator is the caller's code: an exception from it must not escape the library.
-      try {
-        s = t.generate(done, out);
-      } catch (const std::exception& e) {
-        s = Status(Code::kInternal, std::string("generate threw an exception: ") + e.what());
-      } catch (...) {
-        s = Status(Code::kInternal, "generate threw an exception");
-      }
-      if (!s.ok()) {
-        return s.WithPrefix(TensorLabel(t.name) + ": generating bytes [" + std::to_string(done) +
-                            ", " + std::to_string(done + n) + ")");
-      }
+      TF_RETURN_IF_ERROR(Generate(t, done, out, ""));
       if (builder != nullptr) builder->Update(out);
       used_ += n;
       done += n;
@@ -477,18 +483,7 @@ Status HashGenerated(const TensorToWrite& t, uint64_t size, size_t buffer_size, 
   for (uint64_t done = 0; done < size;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(size - done, scratch.size()));
     std::span<std::byte> piece(scratch.data(), n);
-    Status s;
-    try {
-      s = t.generate(done, piece);
-    } catch (const std::exception& e) {
-      s = Status(Code::kInternal, std::string("generate threw an exception: ") + e.what());
-    } catch (...) {
-      s = Status(Code::kInternal, "generate threw an exception");
-    }
-    if (!s.ok()) {
-      return s.WithPrefix(TensorLabel(t.name) + ": generating bytes [" + std::to_string(done) +
-                          ", " + std::to_string(done + n) + ") to hash them");
-    }
+    TF_RETURN_IF_ERROR(Generate(t, done, piece, " to hash them"));
     builder.Update(piece);
     done += n;
   }

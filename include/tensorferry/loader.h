@@ -15,7 +15,9 @@
 // the caller drops the last Tensor of that batch. Batches hold at most half the budget; when a
 // selected tensor is larger than half, host batches hold at most the budget less the largest
 // tensor and a tensor over that has a batch of its own (the whole budget when that would leave
-// batches under a quarter of it, and on a CUDA device), so that while the caller handles batch b,
+// batches under a quarter of it, and on a CUDA device; two such tensors that would pass the budget
+// together get the next smaller batch delivered between them, ahead of its file order, while one
+// is left: PlanOptions::alone_budget), so that while the caller handles batch b,
 // batch b + 1 is read on a helper thread (double buffering) whenever its bytes fit at that moment;
 // when the caller still holds batch b - 1 then (a loop holds it while asking for batch b), a host
 // batch b + 1 is read as soon as the caller drops it.

@@ -25,7 +25,7 @@
 namespace tensorferry {
 
 enum class DeliveryOrder : uint8_t {
-  kFile,   // batches follow (file, offset) order: the fastest
+  kFile,   // batches follow (file, offset) order: the fastest (one exception: alone_budget)
   kLayer,  // batches never mix transformer layers; tensors without a layer come first, then
            // layer 0, 1, ... (progressive layer-by-layer delivery)
 };
@@ -40,7 +40,10 @@ struct PlanOptions {
   bool allow_oversized = false;
   // A tensor larger than `budget` but at most `alone_budget` gets a batch of its own rather than
   // kBudgetExceeded (0: none): the loader's batches under a budget stay small enough for one to be
-  // read while the caller holds another, and a tensor too large for that goes alone.
+  // read while the caller holds another, and a tensor too large for that goes alone. Two such
+  // batches that would follow each other and together pass `alone_budget` get the next batch
+  // within `budget` of the same group between them (delivered before its file order), so that
+  // every two consecutive batches fit `alone_budget` together wherever such a batch is left.
   uint64_t alone_budget = 0;
   DeliveryOrder order = DeliveryOrder::kFile;
   // Destination offset alignment of each coalesced range within its batch buffer (power of two),

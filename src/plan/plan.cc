@@ -344,6 +344,51 @@ std::vector<Span> CutIntoSpans(const std::vector<Item>& items, const PlanOptions
   return spans;
 }
 
+// Pass 2b, with PlanOptions::alone_budget: a caller that holds one batch while it asks for the
+// next (a plain Python loop) needs every two consecutive batches to fit the alone budget
+// together. A batch within `budget` fits beside any tensor up to the alone budget, but two
+// tensors that went alone one after the other may not: then the next batch within `budget` of
+// the same group (the same layer under DeliveryOrder::kLayer) is delivered between them, read
+// earlier than its file order. Batches within `budget` keep their order among themselves, and so
+// do the alone ones; where no such batch is left, the order stays (the caller must drop a batch
+// before asking for the next, as documented).
+std::vector<Span> SeparateAloneSpans(const std::vector<Item>& items, std::vector<Span> spans,
+                                     const PlanOptions& options) {
+  const uint64_t limit = options.alone_budget;
+  if (options.budget == 0 || limit <= options.budget || spans.size() < 3) return spans;
+  std::vector<uint64_t> cost(spans.size(), 0);
+  bool adjacent = false;  // two alone spans over the limit together, one after the other
+  for (size_t i = 0; i < spans.size(); ++i) {
+    for (size_t k = spans[i].begin; k < spans[i].end; ++k) cost[i] += items[k].cost;
+    adjacent = adjacent || (i > 0 && cost[i - 1] > options.budget && cost[i] > options.budget &&
+                            cost[i - 1] + cost[i] > limit);
+  }
+  if (!adjacent) return spans;
+  const auto alone = [&](size_t i) { return cost[i] > options.budget; };
+  std::vector<bool> used(spans.size(), false);
+  std::vector<Span> out;
+  std::vector<uint64_t> out_cost;
+  out.reserve(spans.size());
+  size_t next = 0;    // the first span not yet delivered, in order
+  size_t normal = 0;  // the first span within `budget` not yet delivered
+  while (out.size() < spans.size()) {
+    while (used[next]) ++next;
+    size_t pick = next;
+    if (!out.empty() && out_cost.back() > options.budget && alone(next) &&
+        out_cost.back() + cost[next] > limit) {
+      while (normal < spans.size() && (used[normal] || alone(normal))) ++normal;
+      if (normal < spans.size() && spans[normal].group == spans[next].group &&
+          spans[normal].group == out.back().group) {
+        pick = normal;
+      }
+    }
+    used[pick] = true;
+    out.push_back(spans[pick]);
+    out_cost.push_back(cost[pick]);
+  }
+  return out;
+}
+
 // Pass 3: lays out each span as one batch of the plan and sums the plan's totals.
 Plan LayOutPlan(const std::vector<Item>& items, const std::vector<Span>& spans,
                 const std::vector<ShardLayout>& layouts, const PlanOptions& options) {
@@ -408,7 +453,7 @@ Result<Plan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> te
   std::vector<ShardLayout> layouts;
   TF_RETURN_IF_ERROR(CollectItems(checkpoint, tensors, options, items, layouts));
   std::sort(items.begin(), items.end());
-  const std::vector<Span> spans = CutIntoSpans(items, options);
+  const std::vector<Span> spans = SeparateAloneSpans(items, CutIntoSpans(items, options), options);
   return LayOutPlan(items, spans, layouts, options);
 }
 

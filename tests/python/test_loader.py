@@ -11,6 +11,7 @@ import torch
 from conftest import live_buffers
 
 import tensorferry
+import tensorferry.torch
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,38 @@ def test_a_plain_loop_under_less_than_twice_the_largest_tensor(tiny_checkpoint, 
         for name, tensor in loader.iter_tensors():
             got[name] = tensor.clone()
         assert_equal_dicts(got, reference)
+    del tensor
+    assert live_buffers() == (0, 0)
+
+
+def test_a_plain_loop_over_two_big_tensors_one_after_the_other(tmp_path):
+    """An untied lm_head beside the embedding (a single-file Llama): both go alone under 1.5x
+    the largest tensor and would pass the budget together; a smaller batch comes between them,
+    so a plain loop that keeps nothing needs no `del batch`."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {"lm_head.weight": torch.randn(512, 64, generator=g),
+               "model.embed_tokens.weight": torch.randn(512, 64, generator=g)}
+    for layer in range(4):
+        tensors[f"model.layers.{layer}.mlp.up_proj.weight"] = torch.randn(96, 64, generator=g)
+        tensors[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(64, generator=g)
+    path = str(tmp_path / "model.safetensors")
+    tensorferry.torch.save_file(tensors, path)
+    largest = 512 * 64 * 4
+    budget = largest * 3 // 2
+    with tensorferry.Loader(path, budget=budget) as loader:
+        got, order = {}, []
+        for batch in loader.iter_batches():  # holds the batch before while it asks for the next
+            order.append(sorted(batch.tensors))
+            got.update({n: t.clone() for n, t in batch.tensors.items()})
+        assert_equal_dicts(got, tensors)
+        assert 0 < loader.stats.peak_budget_bytes <= budget
+        assert order[0] == ["lm_head.weight"]
+        assert order[1] != ["model.embed_tokens.weight"]  # a smaller batch in between
+        del batch
+        got = {}
+        for name, tensor in loader.iter_tensors():
+            got[name] = tensor.clone()
+        assert_equal_dicts(got, tensors)
     del tensor
     assert live_buffers() == (0, 0)
 

@@ -684,9 +684,11 @@ def test_loader_io_uring_queue_depth_and_threads(small, queue_depth, threads):
 
 
 def _iterate_and_check(loader, want, budget, what):
-    """iter_batches under `budget`: every tensor equals the reference, in file order, and no batch
-    is larger than the plan allows (half the budget, or all of it when a tensor exceeds half)."""
-    names = []
+    """iter_batches under `budget`: every tensor equals the reference, once, in file order but for
+    a smaller batch delivered between two tensors that went alone and would pass the budget
+    together, and no batch is larger than the plan allows (half the budget, or all of it when a
+    tensor exceeds half)."""
+    names, batches = [], []
     largest = max(t.numel() * t.element_size() for t in want.values())
     limit = budget // 2 if largest <= budget // 2 else budget
     for batch in loader.iter_batches():
@@ -699,8 +701,21 @@ def _iterate_and_check(loader, want, budget, what):
         for name, t in batch.tensors.items():
             assert_same(t, want[name], f"{what}/{name}")
             names.append(name)
+        batches.append((list(batch.tensors), batch.bytes))
         del batch, t
-    assert names == list(want), what
+    order = {n: i for i, n in enumerate(want)}
+    assert sorted(names, key=order.__getitem__) == list(want), what
+    alone = budget - largest  # a batch over this holds one tensor that went alone
+    for i in range(1, len(batches)):
+        (prev, _), (cur, cur_bytes) = batches[i - 1], batches[i]
+        if order[cur[0]] > order[prev[-1]]:
+            continue
+        # `cur` went alone and comes after the batch that was put before it, itself after
+        # another tensor that went alone: the two would have passed the budget together.
+        assert i >= 2 and len(cur) == 1 and cur_bytes > alone, (what, i, cur)
+        first, first_bytes = batches[i - 2]
+        assert len(first) == 1 and first_bytes > alone and first_bytes + cur_bytes > budget, \
+            (what, i, first, cur)
     return names
 
 

@@ -64,19 +64,21 @@ def child(args):
     with init_empty_weights():
         model = LlamaForCausalLM(config)
     dtype = getattr(torch, args.dtype)
+    device = DeviceMemory(args)
     rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     start = time.perf_counter()
-    if args.child == "tensorferry":
-        import tensorferry.torch
-        model = tensorferry.torch.load_checkpoint_and_dispatch(
-            model, args.path, device_map=args.device_map, dtype=dtype,
-            no_split_module_classes=["LlamaDecoderLayer"])
-    else:
-        import accelerate
-        model = accelerate.load_checkpoint_and_dispatch(
-            model, args.path, device_map=args.device_map, dtype=dtype,
-            no_split_module_classes=["LlamaDecoderLayer"])
-    report(model, start, rss0)
+    with device:
+        if args.child == "tensorferry":  # (its import timed, as it always was)
+            import tensorferry.torch
+            load = tensorferry.torch.load_checkpoint_and_dispatch
+        else:
+            import accelerate
+            load = accelerate.load_checkpoint_and_dispatch
+        model = load(model, args.path, device_map=args.device_map, dtype=dtype,
+                     no_split_module_classes=["LlamaDecoderLayer"])
+        if device.sampler is not None:
+            torch.cuda.synchronize()
+    report(model, start, rss0, device.used)
 
 
 def child_from_pretrained(args):
@@ -89,17 +91,58 @@ def child_from_pretrained(args):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
+    # On a GPU, both load straight to it (device_map); on the CPU the call stays as users write it.
+    kwargs = {} if args.device_map == {"": "cpu"} else {"device_map": args.device_map}
+    device = DeviceMemory(args)
     rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     start = time.perf_counter()
-    if args.child == "tensorferry":
-        with tensorferry.transformers.loading():
-            model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype)
-    report(model, start, rss0)
+    with device:
+        if args.child == "tensorferry":
+            with tensorferry.transformers.loading():
+                model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **kwargs)
+        if device.sampler is not None:
+            torch.cuda.synchronize()
+    report(model, start, rss0, device.used)
 
 
-def report(model, start, rss0):
+def on_gpu(args):
+    """True when the device map sends the model to a GPU (then the child samples its memory)."""
+    where = args.device_map.get("", "") if isinstance(args.device_map, dict) else args.device_map
+    return str(where).startswith("cuda") or where in ("auto", "balanced", "balanced_low_0",
+                                                      "sequential")
+
+
+class DeviceMemory:
+    """Around the timed call on a GPU: the most device memory in use beyond what was in use
+    before (cudaMemGetInfo sampled every millisecond by gpu_bench.MinFree, which sees every
+    allocation, torch's and the loader's own), so the model's bytes plus what the loader held
+    beside them. A no-op on the CPU."""
+
+    def __init__(self, args):
+        self.used = 0
+        self.sampler = None
+        if on_gpu(args):
+            import torch
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from gpu_bench import MinFree
+            torch.cuda.init()  # the context before the clock starts, as the host side's imports
+            self.free0 = torch.cuda.mem_get_info()[0]
+            self.sampler = MinFree(torch)
+
+    def __enter__(self):
+        if self.sampler is not None:
+            self.sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sampler is not None:
+            self.sampler.__exit__(*exc)
+            self.used = max(0, self.free0 - self.sampler.lowest)
+
+
+def report(model, start, rss0, device_used=0):
     import torch
     seconds = time.perf_counter() - start
     # Ready means in memory: touch one byte of every page of every tensor (a loader may hand out
@@ -109,13 +152,16 @@ def report(model, start, rss0):
             int(p.reshape(-1).view(torch.uint8)[::4096].sum())
     touched = time.perf_counter() - start
     peak = _hwm()  # before the checksum below allocates anything
+    device_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values()
+                       if p.device.type == "cuda")
     nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     checksum = 0
     for name, p in sorted(model.state_dict().items()):
         checksum = (checksum * 1_000_003 + int(p.reshape(-1).view(torch.uint8)
                                               .sum(dtype=torch.int64))) % (1 << 61)
     print(json.dumps({"seconds": touched, "call_seconds": seconds, "bytes": nbytes, "checksum": checksum,
-                      "rss_before": rss0, "peak_rss": peak}))
+                      "rss_before": rss0, "peak_rss": peak, "device_bytes": device_bytes,
+                      "peak_device_used": device_used}))
 
 
 def _hwm():
@@ -134,7 +180,9 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device-map", default="cpu",
-                   help="a device ('cpu') or a strategy ('auto', 'sequential')")
+                   help="a device ('cpu', 'cuda') or a strategy ('auto', 'sequential'); with "
+                        "--flow from_pretrained, passed as from_pretrained's device_map unless "
+                        "'cpu'")
     p.add_argument("--modes", default="warm,cold",
                    help="warm: files read through first; cold: evicted (posix_fadvise) first")
     p.add_argument("--flow", choices=("dispatch", "from_pretrained"), default="dispatch")
@@ -186,9 +234,14 @@ def measure(args, mode, files, evict, warm):
             # mix them), taken from /proc by the child before the call and wait4 after.
             t = run_child_rss(args, name)
             runs[name].append(t)
+            device = ""
+            if t.get("device_bytes"):
+                device = (f"  on the GPU {t['device_bytes'] / 2**20:.0f} MiB, peak device memory"
+                          f" beside it +{max(0, t['peak_device_used'] - t['device_bytes']) / 2**20:.0f}"
+                          " MiB")
             print(f"  {mode} round {r + 1} {name:12s} (cached {left:.0%}) {t['seconds']:7.2f} s (call {t['call_seconds']:.2f} s)  "
                   f"{t['bytes'] / t['seconds'] / 1e9:5.2f} GB/s  peak RSS +"
-                  f"{(t['maxrss'] - t['rss_before']) / 2**20:7.0f} MiB", flush=True)
+                  f"{(t['maxrss'] - t['rss_before']) / 2**20:7.0f} MiB{device}", flush=True)
     print(f"{mode}: {'contender':14s} {'s':>7s} {'GB/s':>6s} {'peak RSS over start':>20s}  "
           "model bytes")
     for name, ts in runs.items():

@@ -2,7 +2,7 @@
 # The GPU check (docs/gpu.md, "Running the GPU check"), in phases so that each fits one command
 # of a time-limited machine:
 #
-#   scripts/gpu_check.sh [PHASE...]     PHASE: build | cpu-tests | gpu-tests | bench | all
+#   scripts/gpu_check.sh [PHASE...]     PHASE: build | cpu-tests | gpu-tests | bench | models | all
 #                                       (default: all = build gpu-tests bench)
 #
 #   build      what this machine has (compiler, CMake, Python, torch, CUDA), the release build
@@ -14,11 +14,13 @@
 #              device load checksum against the host load (GDS off and auto), what checksums
 #              cost the CLI's device load (VERIFY_PAIRS alternating pairs, default 5; 0: none),
 #              bench/gpu_bench.py
+#   models     bench/model_bench.py with device_map="cuda": load_checkpoint_and_dispatch against
+#              accelerate's, from_pretrained through tensorferry against plain transformers
 #
 # Every phase builds first when the build is missing or stale (incrementally), so a phase can run
-# alone on a fresh machine. Outputs go to GPU_CHECK_OUT (default build/gpu_check), at most seven
+# alone on a fresh machine. Outputs go to GPU_CHECK_OUT (default build/gpu_check), at most ten
 # files: build.log, cpu_tests.log, gpu_tests.log, doctor.json, load_cuda.json, bench.log,
-# gpu_bench.json.
+# gpu_bench.json; `models` adds models.log, models_dispatch.json and models_from_pretrained.json.
 #
 # Offline machines (the GPU machine has no package registry): GPU_KIT=<dir> (default .gpukit when
 # present; scripts/gpu_kit.sh makes it) supplies the Debian packages and the peers' wheels, and its
@@ -48,8 +50,8 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(all)
 for p in "${phases[@]}"; do
   case "$p" in
-    build | cpu-tests | gpu-tests | bench | all) ;;
-    *) echo "gpu_check: unknown phase '$p' (build, cpu-tests, gpu-tests, bench, all)" >&2; exit 2 ;;
+    build | cpu-tests | gpu-tests | bench | models | all) ;;
+    *) echo "gpu_check: unknown phase '$p' (build, cpu-tests, gpu-tests, bench, models, all)" >&2; exit 2 ;;
   esac
 done
 
@@ -192,6 +194,15 @@ phase_gpu_tests() {
   tail -n 3 "$out/$log"
 }
 
+# The Python packages the machine lacks (the peers) or holds at another version than ours
+# (transformers), from the kit's wheels into .venv (nothing fetched).
+install_kit_wheels() {
+  if [ -n "${TENSORFERRY_KIT:-}" ] && ls "$TENSORFERRY_KIT"/wheels/*.whl >/dev/null 2>&1; then
+    logged "$1" "$py" -m pip install -q --no-index --no-deps --no-compile \
+      "$TENSORFERRY_KIT"/wheels/*.whl
+  fi
+}
+
 phase_bench() {
   phase_build
   local log=bench.log
@@ -208,11 +219,7 @@ phase_bench() {
   du -sh "$data" | tee -a "$out/$log"
   ls "$data"/*.safetensors | wc -l | sed 's/$/ shards/' | tee -a "$out/$log"
 
-  # The peers the machine lacks, from the kit's wheels (nothing fetched: PIP_NO_INDEX).
-  if [ -n "${TENSORFERRY_KIT:-}" ] && ls "$TENSORFERRY_KIT"/wheels/*.whl >/dev/null 2>&1; then
-    logged $log "$py" -m pip install -q --no-index --no-deps --no-compile \
-      "$TENSORFERRY_KIT"/wheels/*.whl
-  fi
+  install_kit_wheels $log
 
   echo "== CLI: the device load's checksum equals the host load's" | tee -a "$out/$log"
   local host dev gds args
@@ -296,6 +303,26 @@ PY
     tee -a "$out/$log"
 }
 
+# Models on the GPU (issue 14): bench/model_bench.py with device_map="cuda", both flows:
+# tensorferry.torch.load_checkpoint_and_dispatch against accelerate's, and from_pretrained inside
+# tensorferry.transformers.loading() against plain transformers (the kit's transformers, our pin),
+# on MODEL_DATA (default data/default: the default preset with format=pt metadata, made by the
+# bench when absent), MODEL_MODES (default warm) and MODEL_REPEATS (default 3).
+phase_models() {
+  phase_build
+  local log=models.log
+  echo "== models on the GPU (log: $out/$log)"
+  require_cuda $log
+  install_kit_wheels $log
+  local flow
+  for flow in dispatch from_pretrained; do
+    echo "== bench/model_bench.py --flow $flow --device-map cuda" | tee -a "$out/$log"
+    PYTHONUNBUFFERED=1 "$py" bench/model_bench.py "${MODEL_DATA:-data/default}" --flow "$flow" \
+      --device-map cuda --modes "${MODEL_MODES:-warm}" --repeats "${MODEL_REPEATS:-3}" \
+      --json "$out/models_$flow.json" 2>&1 | tee -a "$out/$log"
+  done
+}
+
 # KEEP_GOING=1: a failing test or bench phase does not stop the phases after it (a lent machine's
 # minutes are better spent measuring than stopping); the exit status still says it failed. A
 # failed build stops everything either way.
@@ -316,6 +343,7 @@ for p in "${phases[@]}"; do
     cpu-tests) phase phase_cpu_tests ;;
     gpu-tests) phase phase_gpu_tests ;;
     bench) phase phase_bench ;;
+    models) phase phase_models ;;
     all) phase phase_build; phase phase_gpu_tests; phase phase_bench ;;
   esac
 done

@@ -5,7 +5,8 @@
 #                   libraries), downloaded with apt-get download and unpacked with dpkg -x;
 #                   pkg-config files rewritten to be relocatable (${pcfiledir}), docs dropped
 #   <kit>/wheels/   cp312 manylinux wheels of the peers bench/gpu_bench.py compares against that the
-#                   GPU machine lacks (versions from requirements.txt)
+#                   GPU machine lacks, and transformers at our pin for bench/model_bench.py
+#                   (versions from requirements.txt)
 #   <kit>/bin/pkg-config   pkgconf from the kit (the GPU machine may have none)
 #   <kit>/env.sh    sourced by gpu_check.sh: CMAKE_PREFIX_PATH, PKG_CONFIG, PKG_CONFIG_PATH,
 #                   LD_LIBRARY_PATH, PIP_NO_INDEX/PIP_FIND_LINKS; the one place the kit is configured
@@ -41,9 +42,11 @@ KIT_DEBS=(libsimdjson-dev libsimdjson14
           libcurl4-openssl-dev
           libgtest-dev
           pkgconf-bin libpkgconf3)
-# Peers that the GPU machine does not have (its Python packages: /work/.library/device/KINDS.md);
-# their other requirements (torch, numpy, typer, humanize) are there.
-KIT_WHEELS=(fastsafetensors runai-model-streamer)
+# Peers that the GPU machine does not have (its Python packages: /work/.library/device/KINDS.md),
+# and transformers at our pin (the machine has 5.17; bench/model_bench.py and
+# tensorferry.transformers are tested with requirements.txt's); their other requirements (torch,
+# numpy, typer, humanize, huggingface-hub, tokenizers, regex, accelerate 1.15) are there.
+KIT_WHEELS=(fastsafetensors runai-model-streamer transformers)
 KIT_PYTHON_VERSION=3.12
 
 kit=${GPU_KIT:-.gpukit}

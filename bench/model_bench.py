@@ -123,8 +123,8 @@ class DeviceMemory:
     def __init__(self, args):
         self.used = 0
         self.sampler = None
-        if on_gpu(args):
-            import torch
+        import torch
+        if on_gpu(args) and torch.cuda.is_available():
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             from gpu_bench import MinFree
             torch.cuda.init()  # the context before the clock starts, as the host side's imports

@@ -139,12 +139,18 @@ inline constexpr unsigned kMaxThreads = 256;     // more threads start 256
 inline constexpr unsigned kMaxQueueDepth = 4096;
 // Reads kAuto keeps in flight on a network or user-space file system (Engine::kAuto).
 inline constexpr unsigned kSlowFsInFlight = 64;  // io_uring's own bound on a ring's entries
+// The pread engine's workers when `threads` is 0: one per online CPU, at least this many. Its
+// reads block, one in flight per worker: with a worker per core, a worker that checks what it
+// just read (verify) leaves the disk one read short (docs/benchmarks.md, "The pread engine's
+// workers").
+inline constexpr unsigned kPreadMinThreads = 8;
 // LoadOptions::tensor_parallel->rank after Set("tp_size") alone: not a rank (Validated refuses it).
 inline constexpr uint32_t kUnsetTpRank = UINT32_MAX;
 
 struct LoadOptions {
-  Engine engine = Engine::kAuto;      // TENSORFERRY_ENGINE
-  unsigned threads = 0;               // I/O workers; 0 = one per online CPU (TENSORFERRY_THREADS)
+  Engine engine = Engine::kAuto;  // TENSORFERRY_ENGINE
+  // I/O workers; 0 = one per online CPU (pread: at least kPreadMinThreads) (TENSORFERRY_THREADS)
+  unsigned threads = 0;
   uint64_t chunk_size = 8ull << 20;   // bytes per read task (TENSORFERRY_CHUNK_SIZE)
   DirectIO direct = DirectIO::kAuto;  // TENSORFERRY_DIRECT_IO
   unsigned queue_depth = 8;  // io_uring reads in flight per worker (TENSORFERRY_QUEUE_DEPTH)

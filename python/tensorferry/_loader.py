@@ -146,7 +146,7 @@ class Loader:
             at most half the budget (at most the budget less the largest tensor, with a larger
             tensor alone, when a tensor is over half), so the tensor the consumer still holds when
             it asks for the next one does not block the next batch.
-        threads: I/O threads (None: one per CPU).
+        threads: I/O threads (None: one per CPU; the pread engine keeps at least 8).
         engine: "auto", "pread", "io_uring" or "mmap". Default: "auto" (io_uring where the
             kernel allows, else pread), which with no budget prefers "mmap" with populate, as
             load_file, for files on local file systems (prefer_mmap); files on network or FUSE

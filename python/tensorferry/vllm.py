@@ -29,7 +29,7 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   loaders cut each rank's shard themselves. No effect when the group has one rank.
     device        "auto" (default): where the model's parameters are; "cpu": host memory, the
                   model's weight loaders copy to the device.
-    threads       I/O threads (positive int; default one per CPU).
+    threads       I/O threads (positive int; default one per CPU, the pread engine at least 8).
     engine        "auto", "pread", "io_uring" or "mmap" (tensorferry.Loader's engines).
     gds           GPUDirect Storage: "auto" (default), "on" or "off".
     enable_weights_track

@@ -341,7 +341,7 @@ Command AddLoadCommand(CLI::App& parent) {
   };
   option("engine", "auto, pread, io_uring or mmap (default auto)");
   option("direct", "O_DIRECT: auto (when the files are not cached), on or off (default auto)");
-  option("threads", "I/O threads (default: one per CPU)");
+  option("threads", "I/O threads (default: one per CPU; pread: at least 8)");
   option("queue_depth", "io_uring reads in flight per thread");
   option("chunk_size", "Bytes per read task (default 8MiB)");
   option("budget",

@@ -152,6 +152,12 @@ struct Description {
 Result<Description> DescribeSelection(const Checkpoint& checkpoint, const Selection& selection,
                                       const TensorParallelOptions* tensor_parallel);
 
+// Whether this process can read with `engine` here (tensorferry doctor reports it): io_uring needs
+// a build with liburing and a kernel and seccomp policy that allow a ring (containers often refuse
+// io_uring_setup; the error says how it failed), and Engine::kAuto then reads local files with
+// pread; the other engines are always available. Checked once per process; thread-safe.
+Status EngineAvailable(Engine engine);
+
 // Which tensors to load.
 class Selection {
  public:

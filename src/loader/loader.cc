@@ -301,6 +301,10 @@ void Loader::Impl::CollectDeviceStats(const std::map<int, device::DevicePipeline
   stats.gds_reason = std::move(reasons);
 }
 
+Status EngineAvailable(Engine engine) {
+  return engine == Engine::kIoUring ? io::IoUringAvailable() : Status::Ok();
+}
+
 Loader::Loader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Loader::~Loader() = default;
 

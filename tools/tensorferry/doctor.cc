@@ -1,7 +1,9 @@
 // tensorferry doctor: can this process load to a GPU, and if not, why not. Prints the CUDA runtime
 // found (or every candidate tried), the devices, and whether GPUDirect Storage (cuFile) is usable
-// with the reason; and the host memory this process may use (memory_limit.h: the memory cgroup's
-// limit, MemAvailable), which bounds loads without a budget. Exits 0 whatever it finds: the report
+// with the reason; the host memory this process may use (memory_limit.h: the memory cgroup's
+// limit, MemAvailable), which bounds loads without a budget; and whether io_uring is allowed here
+// (loader.h, EngineAvailable: a container's seccomp profile often refuses it, and auto then reads
+// with pread). Exits 0 whatever it finds: the report
 // is the result (scripts read "cuda_available" from --json).
 #include <memory>
 #include <string>
@@ -9,7 +11,9 @@
 #include "commands.h"
 #include "json_out.h"
 #include "tensorferry/cuda.h"
+#include "tensorferry/loader.h"
 #include "tensorferry/memory_limit.h"
+#include "tensorferry/options.h"
 #include "tensorferry/size.h"
 
 namespace tensorferry::cli {
@@ -29,9 +33,24 @@ std::string ComputeCapability(const CudaDeviceInfo& d) {
   return std::to_string(d.compute_major) + "." + std::to_string(d.compute_minor);
 }
 
-std::string Json(const CudaReport& r, const MemoryLimit& m) {
+// How `auto` reads local files in this process: io_uring where the kernel and seccomp allow it.
+struct Engines {
+  Status io_uring = EngineAvailable(Engine::kIoUring);
+  std::string Describe() const {
+    if (io_uring.ok()) return "io_uring available: local files are read with io_uring (auto)";
+    return "io_uring unavailable (" + io_uring.message() +
+           "): local files are read with pread, one read in flight per worker, at least " +
+           std::to_string(kPreadMinThreads) + " workers (auto)";
+  }
+};
+
+std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
   JsonOut j;
   j.BeginObject();
+  j.Key("io_uring").BeginObject();
+  j.Field("available", e.io_uring.ok());
+  j.Field("error", e.io_uring.ok() ? std::string() : e.io_uring.message());
+  j.EndObject();
   j.Key("memory").BeginObject();
   j.Field("cgroup_version", m.cgroup_version);
   j.Field("cgroup_limit", m.cgroup_limit);
@@ -80,8 +99,9 @@ std::string Json(const CudaReport& r, const MemoryLimit& m) {
   return j.str();
 }
 
-std::string Text(const CudaReport& r, const MemoryLimit& m) {
+std::string Text(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
   std::string out = "host memory: " + m.Describe() + "\n";
+  out += "reads: " + e.Describe() + "\n";
   if (r.runtime_loaded) {
     out += "CUDA runtime: " + r.runtime_path + " (runtime " + Version(r.runtime_version) +
            ", driver " + Version(r.driver_version) + ")\n";
@@ -120,7 +140,8 @@ int RunDoctor(const DoctorArgs& args) {
   options.open_cufile_driver = !args.quick;
   const CudaReport report = DiagnoseDevices(options);
   const MemoryLimit memory = ReadMemoryLimit();
-  return PrintReport(args.json ? Json(report, memory) : Text(report, memory));
+  const Engines engines;
+  return PrintReport(args.json ? Json(report, memory, engines) : Text(report, memory, engines));
 }
 
 }  // namespace
@@ -129,8 +150,8 @@ Command AddDoctorCommand(CLI::App& parent) {
   auto args = std::make_shared<DoctorArgs>();
   CLI::App* app = parent.add_subcommand(
       "doctor",
-      "Report the host memory this process may use, the CUDA runtime, devices and GPUDirect "
-      "Storage support, and why not");
+      "Report the host memory this process may use, how local files are read (io_uring or "
+      "pread), the CUDA runtime, devices and GPUDirect Storage support, and why not");
   app->add_flag("--json", args->json, "One JSON document");
   app->add_flag("--quick", args->quick,
                 "Skip what needs a CUDA context: free memory, opening the cuFile driver");

@@ -1,9 +1,16 @@
 // `tensorferry doctor` and `tensorferry load --device` end to end: the CLI runs as a child process
 // with the fake CUDA runtime and cuFile selected through the environment variables users would set.
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
 
 #include <map>
 #include <optional>
@@ -13,6 +20,7 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "tensorferry/loader.h"
 #include "testing/test_util.h"
 
 extern char** environ;
@@ -89,6 +97,13 @@ TEST(DoctorCliTest, ReportsTheFakeDeviceAndGdsAsJson) {
   EXPECT_EQ(devices.at(0)["total_memory"].get_uint64().value(), 1ull << 30);
   EXPECT_TRUE(doc["cufile"]["driver_opened"].get_bool().value());
   EXPECT_TRUE(doc["gds"]["usable"].get_bool().value());
+  // How auto reads local files here: the same answer as the library's, with its reason if not.
+  const Status io_uring = EngineAvailable(Engine::kIoUring);
+  EXPECT_EQ(doc["io_uring"]["available"].get_bool().value(), io_uring.ok());
+  EXPECT_EQ(std::string(doc["io_uring"]["error"].get_string().value()),
+            io_uring.ok() ? "" : io_uring.message());
+  EXPECT_TRUE(EngineAvailable(Engine::kPread).ok());
+  EXPECT_TRUE(EngineAvailable(Engine::kMmap).ok());
 }
 
 TEST(DoctorCliTest, SaysWhichRuntimeItTriedWhenNoneLoads) {
@@ -120,6 +135,87 @@ TEST(DoctorCliTest, TextReportNamesDevicesAndCufile) {
       << r.out;
   EXPECT_NE(r.out.find("GPUDirect Storage: not usable: cuFile is not installed"), std::string::npos)
       << r.out;
+  EXPECT_NE(r.out.find(EngineAvailable(Engine::kIoUring).ok()
+                           ? "reads: io_uring available: local files are read with io_uring"
+                           : "reads: io_uring unavailable ("),
+            std::string::npos)
+      << r.out;
+}
+
+// Runs the CLI with `args` under a seccomp filter that fails io_uring_setup with EPERM, as a
+// container's profile does (Docker's default refuses io_uring): fork, the filter, exec.
+RunResult RunCliWithoutIoUring(const std::vector<std::string>& args) {
+  testing::TempDir io;
+  const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
+  std::vector<std::string> argv_storage = {TENSORFERRY_CLI_PATH};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog program{static_cast<unsigned short>(sizeof filter / sizeof filter[0]), filter};
+  const int out_fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  RunResult result;
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // the child: async-signal-safe calls only
+    if (::dup2(out_fd, 1) < 0 || ::dup2(err_fd, 2) < 0) ::_exit(126);
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) != 0) {
+      ::_exit(125);
+    }
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(out_fd);
+  ::close(err_fd);
+  if (pid < 0) {
+    ADD_FAILURE() << "fork failed: " << errno;
+    return result;
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  result.out = testing::ReadBytes(out_path);
+  result.err = testing::ReadBytes(err_path);
+  return result;
+}
+
+// Where io_uring is refused, doctor says so and why, and a load reads with pread (engine_reason
+// says why) and gets the same bytes.
+TEST(DoctorCliTest, WithoutIoUringDoctorSaysWhyAndLoadsUsePread) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.Join("c");
+  ASSERT_EQ(RunCli({"gen", ckpt, "--preset", "tiny", "--no-sync"}, {}).exit_code, 0);
+  const RunResult doctor = RunCliWithoutIoUring({"doctor", "--json", "--quick"});
+  ASSERT_EQ(doctor.exit_code, 0) << doctor.out << doctor.err;
+  simdjson::dom::parser parser;
+  simdjson::dom::element d = parser.parse(doctor.out).value();
+  EXPECT_FALSE(d["io_uring"]["available"].get_bool().value());
+  const std::string why(d["io_uring"]["error"].get_string().value());
+  EXPECT_NE(why.find("Operation not permitted"), std::string::npos) << why;
+  const RunResult text = RunCliWithoutIoUring({"doctor", "--quick"});
+  EXPECT_NE(text.out.find("reads: io_uring unavailable (" + why +
+                          "): local files are read with pread, one read in flight per worker, "
+                          "at least 8 workers (auto)"),
+            std::string::npos)
+      << text.out;
+
+  const RunResult plain = RunCli({"load", ckpt, "--json"}, {});
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const std::string plain_sum(parser.parse(plain.out).value()["checksum"].get_string().value());
+  const RunResult load = RunCliWithoutIoUring({"load", ckpt, "--json"});
+  ASSERT_EQ(load.exit_code, 0) << load.out << load.err;
+  simdjson::dom::element l = parser.parse(load.out).value();
+  EXPECT_EQ(std::string(l["engine"].get_string().value()), "pread");
+  const std::string reason(l["engine_reason"].get_string().value());
+  EXPECT_EQ(reason, "io_uring unavailable: " + why) << reason;
+  EXPECT_EQ(std::string(l["checksum"].get_string().value()), plain_sum);
 }
 
 std::map<std::string, std::optional<std::string>> FakeEnv() {

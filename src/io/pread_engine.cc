@@ -3,11 +3,13 @@
 // ones).
 #include <unistd.h>
 
+#include <algorithm>
 #include <system_error>
 #include <thread>
 #include <vector>
 
 #include "io/engine_common.h"
+#include "tensorferry/options.h"
 
 namespace tensorferry::io {
 namespace {
@@ -59,7 +61,7 @@ class PreadEngine final : public ReadEngine {
 }  // namespace
 
 Result<std::unique_ptr<ReadEngine>> MakePreadEngine(unsigned threads) {
-  if (threads == 0) threads = OnlineCpus();
+  if (threads == 0) threads = std::max(OnlineCpus(), kPreadMinThreads);
   auto engine = std::make_unique<PreadEngine>();
   const Status status = engine->Start(threads);
   if (!status.ok()) return status;

@@ -114,7 +114,8 @@ class ReadEngine {
   virtual std::string_view name() const = 0;
 };
 
-// A pool of `threads` workers (0: the number of online CPUs) each calling RandomAccessFile::Read
+// A pool of `threads` workers (0: the number of online CPUs, at least kPreadMinThreads: reads
+// block, one in flight per worker, options.h) each calling RandomAccessFile::Read
 // (pread for the default Env; preadv2 on the O_DIRECT descriptor for direct pieces). Workers are
 // started once and reused across Execute calls.
 Result<std::unique_ptr<ReadEngine>> MakePreadEngine(unsigned threads);

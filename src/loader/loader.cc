@@ -378,12 +378,8 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     TF_ASSIGN_OR_RETURN(impl->engine,
                         io::MakeIoUringEngine(impl->options.threads, impl->options.queue_depth));
   } else if (kind == Engine::kPread) {
-    // Blocking reads, one in flight per worker: at least kPreadMinThreads of them, so that the
-    // workers checking or copying what they read still leave reads in flight (options.h).
-    const unsigned workers = impl->options.threads > 0
-                                 ? impl->options.threads
-                                 : std::max(DefaultThreads(), kPreadMinThreads);
-    TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(workers));
+    // threads 0: at least kPreadMinThreads workers (read_engine.h), as for CopyEngine's pool.
+    TF_ASSIGN_OR_RETURN(impl->engine, io::MakePreadEngine(impl->options.threads));
   }  // kMmap copies nothing: no read engine
   // No budget, host tensors in memory the copying engines fill: a selection larger than the
   // memory this process may use is loaded under a budget of that much (LoadOptions::memory_limit).

@@ -5,12 +5,20 @@
 #   tsan     ThreadSanitizer, tests
 #   fuzz     clang, libFuzzer targets with ASan + UBSan
 # WERROR=OFF keeps the strict warnings but not as errors (a compiler newer than Debian 12's).
+# UNITY=ON/OFF: each CLI and each folder's tests as one translation unit, or file by file
+# (default: ON below 8 jobs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour=${1:-release}
 jobs=${JOBS:-$(nproc)}
+# Each CLI, and the tests of each folder, as one translation unit (CMakeLists.txt,
+# TENSORFERRY_UNITY_TOOLS and _TESTS) saves parsing and compiling the same headers many times where
+# cores are few; with many, the files compile side by side as soon, and each is built on its own.
+unity=ON
+[ "$jobs" -ge 8 ] && unity=OFF
 common=(-G Ninja -DTENSORFERRY_DEVELOPER_MODE=ON -DTENSORFERRY_WERROR="${WERROR:-ON}"
-        -DTENSORFERRY_PYTHON="$PWD/.venv/bin/python")
+        -DTENSORFERRY_PYTHON="$PWD/.venv/bin/python"
+        -DTENSORFERRY_UNITY_TOOLS="${UNITY:-$unity}" -DTENSORFERRY_UNITY_TESTS="${UNITY:-$unity}")
 case "$flavour" in
   release) args=(-DCMAKE_BUILD_TYPE=Release) ;;
   asan) args=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ -DTENSORFERRY_SANITIZE=address,undefined) ;;

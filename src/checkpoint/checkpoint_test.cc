@@ -18,10 +18,7 @@ using testing::MemoryEnv;
 using testing::TempDir;
 using testing::WriteBytes;
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 size_t Count(const std::string& haystack, std::string_view needle) {
   size_t n = 0;

@@ -9,11 +9,7 @@
 namespace tensorferry {
 namespace {
 
-// True when `haystack` contains `needle`; prints both otherwise.
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 Status ParseError(std::string_view json, const IndexLimits& limits = {}) {
   auto r = ParseIndexJson(json, "dir/model.safetensors.index.json", limits);

@@ -10,6 +10,7 @@
 
 #include "cuda/cufile_api.h"
 #include "testing/fake_cuda.h"
+#include "testing/test_util.h"
 
 namespace tensorferry::cuda {
 namespace {
@@ -17,10 +18,7 @@ namespace {
 using testing::FakeCudaTest;
 using testing::ScopedEnv;
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 std::string DirOf(const std::string& path) {
   return path.substr(0, path.rfind('/'));

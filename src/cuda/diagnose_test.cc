@@ -5,14 +5,12 @@
 #include <string>
 
 #include "testing/fake_cuda.h"
+#include "testing/test_util.h"
 
 namespace tensorferry::cuda {
 namespace {
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 class CudaDiagnoseTest : public testing::FakeCudaTest {};
 

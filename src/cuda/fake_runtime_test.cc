@@ -10,6 +10,7 @@
 
 #include "cuda/resources.h"
 #include "testing/fake_cuda.h"
+#include "testing/test_util.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define TF_UNDER_TSAN 1
@@ -22,10 +23,7 @@
 namespace tensorferry::cuda {
 namespace {
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 class FakeCudaRuntimeTest : public testing::FakeCudaTest {
  protected:

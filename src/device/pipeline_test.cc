@@ -25,10 +25,7 @@ using testing::TempDir;
 
 constexpr unsigned char kUntouched = 0xCD;  // the fake's fresh device memory
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 // Bytes that differ per file and position, so a chunk from the wrong place shows.
 std::string Pattern(size_t size, unsigned seed) {

@@ -9,14 +9,12 @@
 #include <vector>
 
 #include "testing/fake_cuda.h"
+#include "testing/test_util.h"
 
 namespace tensorferry::device {
 namespace {
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 class StagingRingTest : public testing::FakeCudaTest {
  protected:

@@ -1,4 +1,5 @@
 #include "tensorferry/collective.h"
+#include "testing/test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -21,11 +22,7 @@ void RunGroup(uint32_t world, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
-std::vector<std::byte> Pattern(size_t n, unsigned seed) {
-  std::vector<std::byte> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed * 7) & 0xff);
-  return v;
-}
+using ::tensorferry::testing::Pattern;
 
 TEST(InProcessCollective, RefusesEmptyGroup) {
   EXPECT_EQ(MakeInProcessGroup(0).status().code(), Code::kInvalidArgument);

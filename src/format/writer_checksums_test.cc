@@ -18,11 +18,7 @@ namespace {
 using ::tensorferry::testing::ReadBytes;
 using ::tensorferry::testing::TempDir;
 
-std::vector<std::byte> Pattern(size_t n, unsigned seed) {
-  std::vector<std::byte> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed * 17 + 5) & 0xff);
-  return v;
-}
+using ::tensorferry::testing::Pattern;
 
 // A generator over `bytes` (borrowed).
 std::function<Status(uint64_t, std::span<std::byte>)> Generator(const std::vector<std::byte>& b) {

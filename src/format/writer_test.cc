@@ -41,11 +41,7 @@ std::vector<std::byte> FloatBytes(std::initializer_list<float> values) {
 }
 
 // `n` bytes of a pattern that depends on `seed`, so tensors differ.
-std::vector<std::byte> Pattern(size_t n, unsigned seed) {
-  std::vector<std::byte> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed * 17 + 5) & 0xff);
-  return v;
-}
+using ::tensorferry::testing::Pattern;
 
 std::string Le64(uint64_t n) {
   std::string out(8, '\0');
@@ -662,11 +658,11 @@ std::string ExpectedShard(const std::vector<TensorToWrite>& all, const std::vect
 TEST(WriterShard, SplitPoints) {
   const ShardInput in = MakeShardInput({4, 4, 4, 4, 12, 4, 0});
   const Metadata metadata = {{"format", "pt"}};
-  struct Case {
+  struct SplitCase {
     uint64_t max;
     std::vector<std::vector<size_t>> shards;
   };
-  const std::vector<Case> cases = {
+  const std::vector<SplitCase> cases = {
       {8, {{0, 1}, {2, 3}, {4}, {5, 6}}},     {12, {{0, 1, 2}, {3}, {4}, {5, 6}}},
       {11, {{0, 1}, {2, 3}, {4}, {5, 6}}},    {16, {{0, 1, 2, 3}, {4, 5, 6}}},
       {4, {{0}, {1}, {2}, {3}, {4}, {5, 6}}}, {0, {{0}, {1}, {2}, {3}, {4}, {5}, {6}}},

@@ -19,10 +19,7 @@ namespace {
 
 using testing::MemoryEnv;
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 // Bytes that differ per file and per position, so a read from the wrong place shows.
 std::string Pattern(size_t size, unsigned seed) {

@@ -32,15 +32,12 @@ using testing::TempDir;
 
 constexpr char kUntouched = static_cast<char>(0xCD);  // the fake's fresh device memory
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 // A sharded checkpoint of `layers` layers of odd-sized tensors, each filled with a pattern from
 // its name.
-struct Checkpoint : testing::TestCheckpoint {
-  Checkpoint(int layers, uint64_t rows, uint64_t shard)
+struct LayeredCheckpoint : testing::TestCheckpoint {
+  LayeredCheckpoint(int layers, uint64_t rows, uint64_t shard)
       : TestCheckpoint([](uint64_t i, size_t h) {
           return static_cast<char>((i * 131 + h + (i >> 12)) & 0xff);
         }) {
@@ -95,7 +92,7 @@ class LoaderDeviceTest : public testing::FakeCudaProcessTest {
 };
 
 TEST_F(LoaderDeviceTest, ByteExactForEveryEngineDirectAndGdsMode) {
-  Checkpoint c(4, 700, 64 << 10);  // ~250 KB over several shards
+  LayeredCheckpoint c(4, 700, 64 << 10);  // ~250 KB over several shards
   for (const ReadPath& path : EveryReadPath()) {
     SCOPED_TRACE(path.what);
     const GdsMode gds = path.options.gds;
@@ -128,7 +125,7 @@ TEST_F(LoaderDeviceTest, ByteExactForEveryEngineDirectAndGdsMode) {
 }
 
 TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
-  Checkpoint c(4, 200, 16 << 10);
+  LayeredCheckpoint c(4, 200, 16 << 10);
   auto loader = Loader::Open(c.dir.path(), DeviceOptions());
   ASSERT_TRUE(loader.ok()) << loader.status().ToString();
   // Made at Open, before any load.
@@ -150,7 +147,7 @@ TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
 // The device budget bounds the peak device memory of a streamed load whatever the shard size:
 // the fake counts every cudaMalloc byte.
 TEST_F(LoaderDeviceTest, DeviceBudgetBoundsPeakDeviceMemoryIndependentOfShardSize) {
-  Checkpoint c(16, 100, 1 << 20);  // one shard of ~690 KB, no tensor above 46 KB
+  LayeredCheckpoint c(16, 100, 1 << 20);  // one shard of ~690 KB, no tensor above 46 KB
   ASSERT_GT(c.total, 600u << 10);
   const uint64_t budget = 96 << 10;
   LoadOptions o = DeviceOptions();
@@ -200,7 +197,7 @@ TEST_F(LoaderDeviceTest, DeviceBudgetBoundsPeakDeviceMemoryIndependentOfShardSiz
 // A read-ahead that finds the device full is not an error: the batch is read after the caller
 // dropped the previous one.
 TEST_F(LoaderDeviceTest, ReadAheadThatFindsTheDeviceFullWaitsForTheCaller) {
-  Checkpoint c(4, 100, 1 << 20);  // layer batches of ~40 KB, the first (no layer) ~46 KB
+  LayeredCheckpoint c(4, 100, 1 << 20);  // layer batches of ~40 KB, the first (no layer) ~46 KB
   auto config = DefaultConfig();
   config.device_memory = 64 << 10;  // one batch fits, two do not
   Configure(config);
@@ -228,7 +225,7 @@ TEST_F(LoaderDeviceTest, ReadAheadThatFindsTheDeviceFullWaitsForTheCaller) {
 }
 
 TEST_F(LoaderDeviceTest, HoldingDeviceBatchesIsAClearBudgetError) {
-  Checkpoint c(16, 100, 1 << 20);
+  LayeredCheckpoint c(16, 100, 1 << 20);
   LoadOptions o = DeviceOptions();
   o.device_budget = 96 << 10;
   auto loader = Loader::Open(c.dir.path(), o);
@@ -249,7 +246,7 @@ TEST_F(LoaderDeviceTest, HoldingDeviceBatchesIsAClearBudgetError) {
 }
 
 TEST_F(LoaderDeviceTest, TensorsCoOwnTheDeviceBufferAfterTheLoaderIsGone) {
-  Checkpoint c(2, 100, 1 << 20);
+  LayeredCheckpoint c(2, 100, 1 << 20);
   std::vector<Tensor> tensors;
   {
     auto loader = Loader::Open(c.dir.path(), DeviceOptions());
@@ -269,7 +266,7 @@ TEST_F(LoaderDeviceTest, TensorsCoOwnTheDeviceBufferAfterTheLoaderIsGone) {
 }
 
 TEST_F(LoaderDeviceTest, PlacementPutsEachTensorWhereTheMapSaysAndNeverMixesBatches) {
-  Checkpoint c(4, 100, 8 << 10);
+  LayeredCheckpoint c(4, 100, 8 << 10);
   LoadOptions o = DeviceOptions();
   o.device = Device::CPU();
   o.placement = Placement({{"model.layers.1", Device::CUDA(0)},
@@ -340,7 +337,7 @@ TEST(LoaderPlacement, LongestPrefixOnComponentBoundaries) {
 }
 
 TEST_F(LoaderDeviceTest, LoadIntoCallerDestinationsHostAndDevice) {
-  Checkpoint c(2, 300, 1 << 20);
+  LayeredCheckpoint c(2, 300, 1 << 20);
   auto loader = Loader::Open(c.dir.path(), DeviceOptions());
   ASSERT_TRUE(loader.ok());
   const std::string a = "model.layers.0.mlp.up_proj.weight";
@@ -506,7 +503,7 @@ TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
 }
 
 TEST_F(LoaderDeviceTest, CopyFailureIsReportedAndLeavesNothingBehind) {
-  Checkpoint c(4, 300, 16 << 10);
+  LayeredCheckpoint c(4, 300, 16 << 10);
   auto config = DefaultConfig();
   config.fail_copy_execute_at = 5;
   Configure(config);
@@ -522,7 +519,7 @@ TEST_F(LoaderDeviceTest, CopyFailureIsReportedAndLeavesNothingBehind) {
 }
 
 TEST_F(LoaderDeviceTest, MissingDeviceIsAClearErrorAtOpen) {
-  Checkpoint c(1, 10, 1 << 20);
+  LayeredCheckpoint c(1, 10, 1 << 20);
   LoadOptions o = DeviceOptions();
   o.device = Device::CUDA(2);
   auto loader = Loader::Open(c.dir.path(), o);

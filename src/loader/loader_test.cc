@@ -40,9 +40,7 @@ struct Fixture : testing::TestCheckpoint {
   }
 };
 
-std::string Bytes(const Tensor& t) {
-  return std::string(reinterpret_cast<const char*>(t.data()), t.size());
-}
+using testing::HostBytes;
 
 // LoadOptions::cancel: a load that starts cancelled reads nothing; one cancelled from a callback
 // delivers no further batch; both return kCancelled. Tiny chunk sizes are clamped, threads too.
@@ -96,7 +94,7 @@ TEST(Loader, LoadsEveryTensorByteExact) {
       ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
       ASSERT_EQ(tensors->size(), f.tensors.size());
       for (const Tensor& t : *tensors) {
-        EXPECT_EQ(Bytes(t), f.Full(t.name())) << t.name() << " chunk " << chunk;
+        EXPECT_EQ(HostBytes(t), f.Full(t.name())) << t.name() << " chunk " << chunk;
         const TensorInfo* info = (*loader)->checkpoint()->Find(t.name());
         EXPECT_EQ(t.dtype(), info->dtype);
         EXPECT_EQ(t.shape(), info->shape);
@@ -129,7 +127,7 @@ TEST(Loader, MemoryLimitBoundsLoadsWithoutABudget) {
     size_t tensors = 0;
     const Status s = loader->Stream(Selection::All(), [&](Batch b) {
       for (const Tensor& t : b.tensors) {
-        EXPECT_EQ(Bytes(t), f.Full(t.name())) << t.name();
+        EXPECT_EQ(HostBytes(t), f.Full(t.name())) << t.name();
         ++tensors;
       }
       return Status::Ok();
@@ -172,7 +170,7 @@ TEST(Loader, DropCacheEvictsTheFilesRead) {
   auto loader = Loader::Open(f.dir.path(), o).value();
   auto tensors = loader->Load();
   ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-  for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), f.Full(t.name()));
+  for (const Tensor& t : *tensors) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
   EXPECT_LT(*CachedFraction(path), 0.1);
 }
 
@@ -187,7 +185,7 @@ TEST(Loader, TensorsOutliveLoaderAndCheckpoint) {
     kept = std::move(*tensors);
   }  // loader and checkpoint gone
   ASSERT_EQ(kept.size(), 2u);
-  for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Full(t.name()));
+  for (const Tensor& t : kept) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
 }
 
 TEST(Loader, SelectionByNameMissingIsNotFound) {
@@ -212,7 +210,7 @@ TEST(Loader, StreamUnderBudgetNeverExceedsIt) {
     ++batches;
     for (const Tensor& t : b.tensors) {
       ++seen[t.name()];
-      EXPECT_EQ(Bytes(t), f.Full(t.name()));
+      EXPECT_EQ(HostBytes(t), f.Full(t.name()));
     }
     return Status::Ok();  // tensors dropped here: budget returns
   });
@@ -256,7 +254,7 @@ TEST(Loader, IterateDeliversStreamsBatchesOnePerNext) {
       ASSERT_EQ(b.tensors.size(), streamed[k].size());
       for (size_t i = 0; i < b.tensors.size(); ++i) {
         EXPECT_EQ(b.tensors[i].name(), streamed[k][i]);
-        EXPECT_EQ(Bytes(b.tensors[i]), f.Full(b.tensors[i].name()));
+        EXPECT_EQ(HostBytes(b.tensors[i]), f.Full(b.tensors[i].name()));
       }
       ++k;
     }
@@ -290,7 +288,7 @@ TEST(Loader, HoldingEarlierBatchesIsAClearBudgetError) {
   EXPECT_EQ(s.code(), Code::kBudgetExceeded) << s.ToString();
   EXPECT_NE(s.message().find("held by tensors of earlier batches"), std::string::npos);
   // What was delivered is intact.
-  for (const Tensor& t : hoard) EXPECT_EQ(Bytes(t), f.Full(t.name()));
+  for (const Tensor& t : hoard) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
   // Load of more than the budget is refused up front.
   EXPECT_EQ((*loader)->Load().status().code(), Code::kBudgetExceeded);
 }
@@ -416,7 +414,7 @@ TEST(LoaderEngines, ByteExactForEveryEngine) {
           ASSERT_TRUE(tensors.ok()) << CaseName(c) << ": " << tensors.status().ToString();
           ASSERT_EQ(tensors->size(), f->tensors.size());
           for (const Tensor& t : *tensors) {
-            ASSERT_EQ(Bytes(t), f->Full(t.name()))
+            ASSERT_EQ(HostBytes(t), f->Full(t.name()))
                 << CaseName(c) << " " << t.name() << " threads " << threads << " chunk " << chunk;
           }
           const LoadStats s = (*loader)->stats();
@@ -474,7 +472,7 @@ TEST(LoaderEngines, MmapTensorsOutliveTheLoaderAndAreViews) {
     EXPECT_EQ((*loader)->stats().buffers_allocated, 0u);  // nothing copied
     kept = std::move(*tensors);
   }
-  for (const Tensor& t : kept) EXPECT_EQ(Bytes(t), f.Full(t.name()));
+  for (const Tensor& t : kept) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
 }
 
 // Turns mapping leases off for one test (the loud-failure guard alone), and back on after it.
@@ -740,7 +738,7 @@ TEST(LoaderFaults, ShortReadsStillLoadExactly) {
   ASSERT_TRUE(loader.ok()) << loader.status().ToString();
   auto tensors = (*loader)->Load();
   ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
-  for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), m.f.Full(t.name()));
+  for (const Tensor& t : *tensors) EXPECT_EQ(HostBytes(t), m.f.Full(t.name()));
 }
 
 TEST(LoaderFaults, EioNamesFileAndOffset) {
@@ -798,7 +796,7 @@ TEST(LoaderFaults, ReadAheadWaitsForTheCallerToDropTheBatchBefore) {
     EXPECT_TRUE(wait_for_reads_above(reads)) << "the waiting read-ahead did not read";
     size_t k = 1;
     for (;;) {
-      for (const Tensor& t : current->tensors) EXPECT_EQ(Bytes(t), m.f.Full(t.name()));
+      for (const Tensor& t : current->tensors) EXPECT_EQ(HostBytes(t), m.f.Full(t.name()));
       EXPECT_EQ(current->index, k);
       Result<std::optional<Batch>> got = batches.Next();  // batch k held during the call
       ASSERT_TRUE(got.ok()) << got.status().ToString();
@@ -823,7 +821,7 @@ TEST(LoaderFaults, ReadAheadWaitsForTheCallerToDropTheBatchBefore) {
   while ((got = batches.Next()).ok() && got->has_value()) hoard.push_back(std::move(**got));
   EXPECT_EQ(got.status().code(), Code::kBudgetExceeded) << got.status().ToString();
   for (const Batch& b : hoard) {
-    for (const Tensor& t : b.tensors) EXPECT_EQ(Bytes(t), m.f.Full(t.name()));
+    for (const Tensor& t : b.tensors) EXPECT_EQ(HostBytes(t), m.f.Full(t.name()));
   }
 }
 
@@ -861,7 +859,7 @@ void ExpectALoopHoldingTheBatchBeforeFits(const testing::TestCheckpoint& f, uint
       const Batch& b = **got;
       uint64_t bytes = 0;
       for (const Tensor& t : b.tensors) {
-        EXPECT_EQ(Bytes(t), f.Full(t.name()));
+        EXPECT_EQ(HostBytes(t), f.Full(t.name()));
         bytes += t.size();
       }
       if (bytes > budget - largest) {
@@ -991,7 +989,7 @@ TEST(Loader, SeveralLoadersAtOnce) {
       for (int rep = 0; rep < 3; ++rep) {
         Status s = (*loader)->Stream(Selection::All(), [&](Batch b) {
           for (const Tensor& t : b.tensors) {
-            if (Bytes(t) != f.Full(t.name())) ++failures;
+            if (HostBytes(t) != f.Full(t.name())) ++failures;
           }
           return Status::Ok();
         });

@@ -11,6 +11,7 @@
 #include "tensorferry/integrity.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/writer.h"
+#include "testing/shard_fixture.h"
 #include "testing/test_util.h"
 #include "util/macros.h"
 
@@ -21,7 +22,7 @@ using ::tensorferry::testing::ReadBytes;
 using ::tensorferry::testing::TempDir;
 using ::tensorferry::testing::WriteBytes;
 
-struct Fixture {
+struct VerifyFixture {
   TempDir dir;
   std::vector<std::byte> a = Bytes(20'000, 1), b = Bytes(64 * 32, 2), c = Bytes(10, 3);
   std::string path = dir.Join("m.safetensors");
@@ -66,14 +67,12 @@ Result<LoadStats> LoadWith(const std::string& path, Engine engine, VerifyMode ve
   return loader->stats();
 }
 
-std::vector<Engine> Engines() {
-  return {Engine::kPread, Engine::kIoUring, Engine::kMmap};
-}
+using testing::AvailableEngines;
 
 TEST(LoaderVerify, EveryEngineChecksWholeTensors) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(true);
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     auto stats = LoadWith(f.path, engine, VerifyMode::kAuto);
     if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;  // no io_uring
     ASSERT_TRUE(stats.ok()) << stats.status().ToString();
@@ -98,10 +97,10 @@ TEST(LoaderVerify, EveryEngineChecksWholeTensors) {
 }
 
 TEST(LoaderVerify, MismatchFailsTheBatchNamingFileTensorChunkAndRange) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(true);
   f.Corrupt(9000);  // chunk 2 of tensor a: bytes [8192, 12288)
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     for (uint64_t budget : {uint64_t{0}, uint64_t{41'000}}) {
       if (engine == Engine::kMmap && budget > 0) continue;
       auto stats = LoadWith(f.path, engine, VerifyMode::kAuto, budget);
@@ -133,7 +132,7 @@ TEST(LoaderVerify, MismatchFailsTheBatchNamingFileTensorChunkAndRange) {
 }
 
 TEST(LoaderVerify, OnRequiresChecksumsAutoLoadsFilesWithout) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(false);
   auto on = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
   ASSERT_FALSE(on.ok());
@@ -155,7 +154,7 @@ TEST(LoaderVerify, OnRequiresChecksumsAutoLoadsFilesWithout) {
 }
 
 TEST(LoaderVerify, UnknownAlgorithmIgnoredInAutoRefusedWhenOn) {
-  Fixture f;
+  VerifyFixture f;
   std::vector<TensorToWrite> tensors = {{"c", DType::kU8, {10}, f.c, nullptr}};
   WriteOptions plain;
   plain.checksums = false;
@@ -176,7 +175,7 @@ TEST(LoaderVerify, UnknownAlgorithmIgnoredInAutoRefusedWhenOn) {
 }
 
 TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(true);
   LoadOptions options;
   options.engine = Engine::kPread;
@@ -197,7 +196,7 @@ TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {
 // reads: chunk_size below its size), on every copying engine; a flipped byte is the same error as
 // a load's; slices are skipped and counted; verify=off reads without checking.
 TEST(LoaderVerify, LoadIntoChecksHostDestinations) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(true);
   auto load_into = [&](Engine engine, VerifyMode verify,
                        std::optional<TensorParallelOptions> tp) -> Result<LoadStats> {
@@ -261,7 +260,7 @@ TEST(LoaderVerify, LoadIntoChecksHostDestinations) {
 // one). A flipped byte in a chunk a rank holds fails that rank's load only; one in chunk 2 (cut
 // between the ranks) is in neither's check. b's dim-1 halves hold no whole chunk: skipped.
 TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(true);
   auto load = [&](Engine engine, uint32_t rank, bool into) -> Result<LoadStats> {
     LoadOptions options;
@@ -290,7 +289,7 @@ TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
     }
     return loader->stats();
   };
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     for (bool into : {false, true}) {
       if (into && engine == Engine::kMmap) continue;  // LoadInto copies: pread or io_uring
       SCOPED_TRACE(std::string(EngineName(engine)) + (into ? " LoadInto" : " Load"));
@@ -308,7 +307,7 @@ TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
     }
   }
   f.Corrupt(8192 + 100);  // chunk 2: held whole by neither rank
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     auto zero = load(engine, 0, false);
     if (!zero.ok() && zero.status().code() == Code::kUnsupported) continue;
     EXPECT_TRUE(zero.ok()) << zero.status().ToString();
@@ -316,7 +315,7 @@ TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
   }
   f.Corrupt(8192 + 100);  // undone
   f.Corrupt(20'000 - 1);  // chunk 4: rank 1's
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     for (bool into : {false, true}) {
       if (into && engine == Engine::kMmap) continue;
       SCOPED_TRACE(std::string(EngineName(engine)) + (into ? " LoadInto" : " Load"));
@@ -337,7 +336,7 @@ TEST(LoaderVerify, SlicesAreCheckedOverTheChunksTheyHoldWhole) {
 // chunks its blocks hold whole, on every engine: a's parts of 10,000 bytes halved, rank 0 holds
 // [0, 5000) and [10000, 15000): chunk 0 whole, nothing else. A flipped byte in chunk 0 fails it.
 TEST(LoaderVerify, FusedSlicesAreCheckedOverTheChunksTheirBlocksHold) {
-  Fixture f;
+  VerifyFixture f;
   f.Write(true);
   auto load = [&](Engine engine) -> Result<LoadStats> {
     LoadOptions options;
@@ -362,7 +361,7 @@ TEST(LoaderVerify, FusedSlicesAreCheckedOverTheChunksTheirBlocksHold) {
     }
     return loader->stats();
   };
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     SCOPED_TRACE(std::string(EngineName(engine)));
     auto stats = load(engine);
     if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;
@@ -372,7 +371,7 @@ TEST(LoaderVerify, FusedSlicesAreCheckedOverTheChunksTheirBlocksHold) {
     EXPECT_EQ(stats->verified_bytes, 4096u + 64 * 32 + 10);
   }
   f.Corrupt(4000);  // chunk 0
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     SCOPED_TRACE(std::string(EngineName(engine)));
     auto stats = load(engine);
     if (!stats.ok() && stats.status().code() == Code::kUnsupported) continue;

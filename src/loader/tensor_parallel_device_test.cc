@@ -35,8 +35,8 @@ using testing::TempDir;
 // (strided 2D copies), fused dim-0 parts (one contiguous task per part), fused dim-1 equal parts
 // (one 2D copy per part), rows longer than a staging slot, replicated, scalar and empty tensors,
 // uneven sizes everywhere, over several files.
-struct TpFixture : testing::TestCheckpoint {
-  TpFixture() {
+struct DeviceTpFixture : testing::TestCheckpoint {
+  DeviceTpFixture() {
     Add("embed.weight", DType::kBF16, {539, 24}, ShardRule::Split(0));
     Add("layers.0.q.weight", DType::kF32, {323, 17}, ShardRule::Split(0));
     Add("layers.0.o.weight", DType::kBF16, {24, 331}, ShardRule::Split(1));
@@ -78,7 +78,7 @@ class TensorParallelDeviceTest : public testing::FakeCudaProcessTest {
     return out;
   }
 
-  static LoadOptions DeviceOptions(const TpFixture& f, uint32_t rank, uint32_t world) {
+  static LoadOptions DeviceOptions(const DeviceTpFixture& f, uint32_t rank, uint32_t world) {
     LoadOptions o;
     o.device = Device::CUDA(0);
     o.threads = 3;
@@ -91,7 +91,7 @@ class TensorParallelDeviceTest : public testing::FakeCudaProcessTest {
 };
 
 TEST_F(TensorParallelDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTensor) {
-  TpFixture f;
+  DeviceTpFixture f;
   for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
     for (uint32_t rank = 0; rank < world; ++rank) {
       // The host sliced load of this rank: the reference the device must equal.
@@ -171,7 +171,7 @@ TEST_F(TensorParallelDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTen
 }
 
 TEST_F(TensorParallelDeviceTest, StreamedUnderADeviceBudget) {
-  TpFixture f;
+  DeviceTpFixture f;
   for (uint32_t world : {2u, 3u}) {
     for (uint32_t rank = 0; rank < world; ++rank) {
       LoadOptions o = DeviceOptions(f, rank, world);
@@ -201,7 +201,7 @@ TEST_F(TensorParallelDeviceTest, StreamedUnderADeviceBudget) {
 
 // A placement sends some slices to the host, some to the device; both sides slice alike.
 TEST_F(TensorParallelDeviceTest, PlacementSplitsSlicesBetweenHostAndDevice) {
-  TpFixture f;
+  DeviceTpFixture f;
   LoadOptions o = DeviceOptions(f, 1, 3);
   o.placement = Placement({{"layers.0", Device::CUDA(0)}}, Device::CPU());
   auto loader = Loader::Open(f.dir.path(), o).value();
@@ -220,7 +220,7 @@ TEST_F(TensorParallelDeviceTest, PlacementSplitsSlicesBetweenHostAndDevice) {
 
 // A tied alias absent from the files comes back on the device sharing its target's slice.
 TEST_F(TensorParallelDeviceTest, TiedAliasSharesTheDeviceSlice) {
-  TpFixture f;
+  DeviceTpFixture f;
   f.spec.Tie("lm_head.weight", "embed.weight");
   LoadOptions o = DeviceOptions(f, 2, 4);
   auto loader = Loader::Open(f.dir.path(), o).value();
@@ -244,7 +244,7 @@ TEST_F(TensorParallelDeviceTest, TiedAliasSharesTheDeviceSlice) {
 // LoadInto with tensor parallelism reads each tensor's slice into the caller's memory, host or
 // device.
 TEST_F(TensorParallelDeviceTest, LoadIntoReadsSlicesIntoCallerMemory) {
-  TpFixture f;
+  DeviceTpFixture f;
   for (uint32_t world : {1u, 3u, 8u}) {
     const uint32_t rank = world - 1;
     LoadOptions o = DeviceOptions(f, rank, world);

@@ -47,15 +47,9 @@ struct TpFixture : testing::TestCheckpoint {
   }
 };
 
-std::string Bytes(const Tensor& t) {
-  return std::string(reinterpret_cast<const char*>(t.data()), t.size());
-}
+using testing::HostBytes;
 
-std::vector<Engine> Engines() {
-  std::vector<Engine> e = {Engine::kPread, Engine::kMmap};
-  if (io::IoUringAvailable().ok()) e.push_back(Engine::kIoUring);
-  return e;
-}
+using testing::AvailableEngines;
 
 // Loads rank `rank` of `world` and checks every tensor against the naive slice; returns the
 // stats.
@@ -73,8 +67,8 @@ LoadStats CheckRank(const TpFixture& f, LoadOptions o, uint32_t rank, uint32_t w
     const TensorInfo& info = *ckpt.Find(t.name());
     const ShardRule rule = f.spec.RuleFor(t.name());
     const std::string want = NaiveSlice(info, rule, rank, world, f.Full(t.name()));
-    EXPECT_EQ(Bytes(t), want) << t.name() << " rank " << rank << "/" << world << " engine "
-                              << EngineName(o.engine);
+    EXPECT_EQ(HostBytes(t), want) << t.name() << " rank " << rank << "/" << world << " engine "
+                                  << EngineName(o.engine);
     const TensorSlice slice = SliceOf(info, rule, rank, world).value();
     EXPECT_EQ(t.shape(), slice.shape) << t.name();
   }
@@ -83,7 +77,7 @@ LoadStats CheckRank(const TpFixture& f, LoadOptions o, uint32_t rank, uint32_t w
 
 TEST(TensorParallelLoad, EveryRankEqualsSlicingTheFullTensor) {
   TpFixture f;
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     for (uint64_t max_gap : {uint64_t{0}, uint64_t{64}, uint64_t{1} << 30}) {
       for (uint32_t world : {1u, 2u, 3u, 4u, 8u}) {
         for (uint32_t rank = 0; rank < world; ++rank) {
@@ -116,7 +110,7 @@ TEST(TensorParallelLoad, EveryRankEqualsSlicingTheFullTensor) {
 
 TEST(TensorParallelLoad, DirectIoAndBudget) {
   TpFixture f(64);  // tensors of tens of KB: O_DIRECT middles and several batches
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     if (engine == Engine::kMmap) continue;
     for (DirectIO d : {DirectIO::kOn, DirectIO::kOff}) {
       for (uint32_t world : {2u, 3u, 8u}) {
@@ -143,7 +137,7 @@ TEST(TensorParallelLoad, DirectIoAndBudget) {
     Status s = loader->Stream(Selection::All(), [&](Batch batch) {
       for (const Tensor& t : batch.tensors) {
         const TensorInfo& info = *loader->checkpoint()->Find(t.name());
-        EXPECT_EQ(Bytes(t),
+        EXPECT_EQ(HostBytes(t),
                   NaiveSlice(info, f.spec.RuleFor(t.name()), world - 1, world, f.Full(t.name())))
             << t.name();
         ++seen;
@@ -221,7 +215,7 @@ TEST(TensorParallelLoad, MmapDimZeroSlicesAreViews) {
 
 TEST(TensorParallelLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
   TpFixture f(4, /*twin=*/true);
-  for (Engine engine : Engines()) {
+  for (Engine engine : AvailableEngines()) {
     // An alias the files lack (tie_word_embeddings) and one present as a duplicate of another
     // tensor (embed_twin.weight tied to embed.weight: its own bytes are not read).
     ShardSpec spec = f.spec;
@@ -241,7 +235,8 @@ TEST(TensorParallelLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     EXPECT_EQ(by["lm_head.weight"].shape(), embed.shape());
     EXPECT_EQ(tensors.size(), f.tensors.size() + 1);
     const TensorInfo& info = *loader->checkpoint()->Find("embed.weight");
-    EXPECT_EQ(Bytes(embed), NaiveSlice(info, ShardRule::Split(0), 1, 2, f.Full("embed.weight")));
+    EXPECT_EQ(HostBytes(embed),
+              NaiveSlice(info, ShardRule::Split(0), 1, 2, f.Full("embed.weight")));
     // The alias right after its target in Load's order.
     EXPECT_EQ(tensors[0].name(), "embed.weight");
     if (engine != Engine::kMmap) {
@@ -256,7 +251,7 @@ TEST(TensorParallelLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     auto named = loader->Load(Selection::Names({"lm_head.weight"})).value();
     ASSERT_EQ(named.size(), 1u);
     EXPECT_EQ(named[0].name(), "lm_head.weight");
-    EXPECT_EQ(Bytes(named[0]), Bytes(embed));
+    EXPECT_EQ(HostBytes(named[0]), HostBytes(embed));
   }
 }
 
@@ -426,7 +421,7 @@ TEST(TensorParallelLoad, ExactStridesWhenCachedCoveringWhenCold) {
   auto got = loader->Load(one).value();
   ASSERT_EQ(got.size(), 1u);
   const TensorInfo& info = *loader->checkpoint()->Find("layers.0.o.weight");
-  EXPECT_EQ(Bytes(got[0]),
+  EXPECT_EQ(HostBytes(got[0]),
             NaiveSlice(info, ShardRule::Split(1), 1, 4, f.Full("layers.0.o.weight")));
 }
 

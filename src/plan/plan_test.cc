@@ -87,10 +87,7 @@ std::vector<std::string> Names(const Checkpoint& c, const PlanBatch& b) {
   return out;
 }
 
-::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
-  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
-}
+using ::tensorferry::testing::Contains;
 
 // Checks every invariant a plan promises, recomputing ranges independently from the placed
 // tensors. Reports failures through gtest (callers add SCOPED_TRACE for context).

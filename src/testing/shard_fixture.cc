@@ -4,9 +4,20 @@
 #include <span>
 #include <stdexcept>
 
+#include "io/read_engine.h"
 #include "tensorferry/writer.h"
 
 namespace tensorferry::testing {
+
+std::string HostBytes(const Tensor& t) {
+  return std::string(reinterpret_cast<const char*>(t.data()), t.size());
+}
+
+std::vector<Engine> AvailableEngines() {
+  std::vector<Engine> e = {Engine::kPread, Engine::kMmap};
+  if (io::IoUringAvailable().ok()) e.push_back(Engine::kIoUring);
+  return e;
+}
 
 Status WriteShardFixture(const std::string& dir, uint64_t shard_size) {
   TestTensors t(

@@ -8,12 +8,19 @@
 #include <string>
 #include <vector>
 
+#include "tensorferry/loader.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/status.h"
 #include "tensorferry/writer.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::testing {
+
+// The bytes of a host tensor.
+std::string HostBytes(const Tensor& t);
+
+// The read engines this machine has: pread and mmap, and io_uring where the kernel allows it.
+std::vector<Engine> AvailableEngines();
 
 // Writes the checkpoint into `dir` (several shards of at most `shard_size` bytes). Tensors: 1-D
 // and 2-D of several dtypes with uneven sizes (every split part has at least 8 indices, so any

@@ -9,7 +9,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "tensorferry/env.h"
 
@@ -28,6 +31,15 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// Passes when `haystack` contains `needle`; the failure prints both.
+inline ::testing::AssertionResult Contains(const std::string& haystack, std::string_view needle) {
+  if (haystack.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << haystack << "\" lacks \"" << needle << "\"";
+}
+
+// `n` bytes of a pattern that differs with `seed`: byte i is (31 i + 17 seed + 5) mod 256.
+std::vector<std::byte> Pattern(size_t n, unsigned seed);
 
 void WriteBytes(const std::string& path, const std::string& bytes);
 std::string ReadBytes(const std::string& path);

@@ -23,13 +23,12 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "cli_testing.h"
 #include "tensorferry/integrity.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/writer.h"
 #include "testing/test_util.h"
-
-extern char** environ;
 
 namespace tensorferry {
 namespace {
@@ -39,65 +38,9 @@ using testing::ReadBytes;
 using testing::TempDir;
 using testing::WriteBytes;
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs the CLI with `args`, capturing stdout and stderr through files (no pipe deadlocks).
-RunResult RunCli(const std::vector<std::string>& args) {
-  TempDir io;
-  const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  std::vector<std::string> argv_storage = {TENSORFERRY_CLI_PATH};
-  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_storage) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  RunResult result;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    ADD_FAILURE() << "posix_spawn " << argv[0] << ": " << std::strerror(rc);
-    return result;
-  }
-  // The CLI must never hang: a run over the deadline is killed and fails the test.
-  int status = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  for (;;) {
-    const pid_t done = waitpid(pid, &status, WNOHANG);
-    if (done == pid || (done < 0 && errno != EINTR)) break;
-    if (std::chrono::steady_clock::now() > deadline) {
-      ADD_FAILURE() << "CLI still running after 60 s; killed";
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  if (WIFEXITED(status)) {
-    result.exit_code = WEXITSTATUS(status);
-  } else {
-    ADD_FAILURE() << "CLI died with signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
-    result.exit_code = 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
-  }
-  result.out = ReadBytes(out_path);
-  result.err = ReadBytes(err_path);
-  return result;
-}
-
-std::string Describe(const RunResult& r) {
-  return "exit " + std::to_string(r.exit_code) + "\n--- stdout:\n" + r.out + "\n--- stderr:\n" +
-         r.err;
-}
+using testing::Describe;
+using testing::RunCli;
+using testing::RunResult;
 
 // Generates the tiny preset into `dir` (no fsync: scratch files).
 void GenTiny(const std::string& dir, std::vector<std::string> extra = {}) {

@@ -20,64 +20,15 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "cli_testing.h"
 #include "tensorferry/loader.h"
 #include "testing/test_util.h"
-
-extern char** environ;
 
 namespace tensorferry {
 namespace {
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs the CLI with `args` and the current environment changed by `env` (nullopt: unset).
-RunResult RunCli(const std::vector<std::string>& args,
-                 const std::map<std::string, std::optional<std::string>>& env) {
-  testing::TempDir io;
-  const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
-  std::vector<std::string> env_storage;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry = *e;
-    if (!env.contains(entry.substr(0, entry.find('=')))) env_storage.push_back(entry);
-  }
-  for (const auto& [name, value] : env) {
-    if (value) env_storage.push_back(name + "=" + *value);
-  }
-  std::vector<char*> envp;
-  for (auto& e : env_storage) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> argv_storage = {TENSORFERRY_CLI_PATH};
-  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_storage) argv.push_back(a.data());
-  argv.push_back(nullptr);
-
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  pid_t pid = 0;
-  RunResult result;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    ADD_FAILURE() << "posix_spawn failed: " << rc;
-    return result;
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  result.out = testing::ReadBytes(out_path);
-  result.err = testing::ReadBytes(err_path);
-  return result;
-}
+using testing::RunCli;
+using testing::RunResult;
 
 TEST(DoctorCliTest, ReportsTheFakeDeviceAndGdsAsJson) {
   const RunResult r =

@@ -1,11 +1,16 @@
 // libFuzzer target: the bytes are a model.safetensors.index.json. ParseIndexJson must never crash,
 // hang or read outside the input; whatever it accepts must satisfy the documented invariants.
+// The file names it accepts also go through the listing rule of numbered shard series
+// (CheckShardSeries), which must hold the same way: no crash, an error only of its own code.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <string_view>
+#include <vector>
 
+#include "checkpoint/shard_series.h"
 #include "tensorferry/checkpoint.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -29,6 +34,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (file.size() >= 3 && file.compare(file.size() - 3, 3, "/..") == 0)) {
       std::abort();
     }
+  }
+  std::vector<std::string> files;
+  for (const auto& entry : map) files.push_back(entry.second);
+  const tensorferry::Status series = tensorferry::CheckShardSeries(files, "fuzz");
+  if (!series.ok() && (series.code() != tensorferry::Code::kCheckpointIncomplete ||
+                       series.message().rfind("fuzz: ", 0) != 0)) {
+    std::abort();
   }
   const auto& meta = doc->metadata;
   for (size_t i = 1; i < meta.size(); ++i) {

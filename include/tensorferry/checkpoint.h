@@ -5,7 +5,10 @@
 // every tensor named in its weight_map must exist in the file it names, every tensor of those
 // files must be in the map, no tensor may live in two files, and no path may leave the directory
 // (no "..", no absolute path, no symlink resolving outside). A directory without an index holds
-// the union of its *.safetensors files (names must be unique across them).
+// the union of its *.safetensors files (names must be unique across them); since nothing else
+// says which files make it, a numbered series "<prefix>-<i>-of-<n>.safetensors" among them must
+// be whole, and an entry that is a link to nothing is a missing file, not one to skip
+// (kCheckpointIncomplete; the same for an object-store prefix listed without an index).
 //
 // Opening reads and validates every header (format.h) but no tensor data.
 //
@@ -135,7 +138,9 @@ class Checkpoint {
   // Errors: kNotFound, kIoError, kUnexpectedEof, every header error of ParseHeader and every
   // index error of ParseIndexJson (messages prefixed with the file), kIndexMissingFile,
   // kIndexMissingTensor, kIndexUnlistedTensor, kIndexDuplicateTensor, kIndexPathEscape,
-  // kInvalidArgument (a directory with no safetensors file).
+  // kCheckpointIncomplete (a directory or prefix without an index: a shard of a numbered series
+  // absent, numbered twice or beyond the series, two series sizes of one prefix, or a dangling
+  // link), kInvalidArgument (a directory with no safetensors file).
   static Result<std::shared_ptr<const Checkpoint>> Open(const std::string& path,
                                                         const OpenOptions& options = {});
 

@@ -99,6 +99,10 @@ enum class Code : uint16_t {
   kIndexDuplicateTensor = 206,  // one tensor name in two files
   kIndexMissingFile = 207,      // weight_map names a file that does not exist
   kIndexTooLarge = 208,         // index file above the size limit
+  // A directory or prefix read without an index lacks a shard of a "<prefix>-<i>-of-<n>"
+  // series, numbers one twice or beyond n, holds series of two sizes, or lists a *.safetensors
+  // entry that is a dangling symbolic link.
+  kCheckpointIncomplete = 209,
 
   // --- writer (category kInvalidArgument) ------------------------------------------------------
   kBadTensorName = 300,  // a name the format cannot hold (e.g. "__metadata__", duplicate)

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/shard_series.h"
 #include "io/file_set.h"
 #include "objstore/url.h"
 #include "tensorferry/checkpoint.h"
@@ -161,13 +162,33 @@ class CheckpointBuilder {
     if (ec) return Status(Code::kIoError, dir + ": cannot list: " + ec.message());
     for (; it != fs::directory_iterator(); it.increment(ec)) {
       const auto& entry = *it;
+      if (entry.path().extension() != ".safetensors") continue;
+      // Followed through symlinks. Directories and other special files are not checkpoint
+      // files; a link to nothing is one that is missing (a hub snapshot whose blob is gone).
       std::error_code type_ec;
-      if (entry.path().extension() == ".safetensors" && entry.is_regular_file(type_ec)) {
-        paths.push_back(entry.path().string());
+      const fs::file_status st = entry.status(type_ec);
+      if (st.type() == fs::file_type::not_found) {
+        std::error_code link_ec;
+        const fs::path target = fs::read_symlink(entry.path(), link_ec);
+        if (link_ec) {
+          return Status(Code::kNotFound, entry.path().string() +
+                                             ": listed, then gone (removed while the "
+                                             "checkpoint was being opened?)");
+        }
+        return Status(Code::kCheckpointIncomplete,
+                      entry.path().string() + ": a symbolic link to " +
+                          json::Quote(target.string()) +
+                          ", which does not exist (an incomplete download or copy?)");
       }
+      if (type_ec) {
+        return Status(Code::kIoError,
+                      entry.path().string() + ": cannot stat: " + type_ec.message());
+      }
+      if (fs::is_regular_file(st)) paths.push_back(entry.path().string());
     }
     if (ec) return Status(Code::kIoError, dir + ": cannot list: " + ec.message());
     if (paths.empty()) return Status(Code::kInvalidArgument, dir + ": no .safetensors files");
+    TF_RETURN_IF_ERROR(CheckShardSeries(paths, dir));
     // The index's path rule applies to the files found by listing too: a symlink that leaves the
     // directory (other than a hub snapshot's into its blobs/) is refused.
     TF_ASSIGN_OR_RETURN(const fs::path canonical_dir, CanonicalDirectory(dir, dir));
@@ -336,6 +357,7 @@ Result<std::shared_ptr<const Checkpoint>> OpenUrl(const std::string& path,
     return Status(Code::kNotFound, url.ToString() + ": no " + std::string(kIndexFileName) +
                                        " and no *.safetensors object directly under this prefix");
   }
+  TF_RETURN_IF_ERROR(CheckShardSeries(*listed, url.ToString()));
   return builder.FromFiles(std::move(listed).value());
 }
 

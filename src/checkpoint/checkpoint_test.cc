@@ -284,6 +284,51 @@ TEST(CheckpointTest, DirectoryWithoutIndexDuplicate) {
   EXPECT_TRUE(Contains(s.message(), dir.Join("b.safetensors")));
 }
 
+// Without an index, a listed directory's numbered shards must all be there (shard_series.h).
+TEST(CheckpointTest, DirectoryWithoutIndexMissingShard) {
+  TempDir dir;
+  WriteBytes(dir.Join("model-00001-of-00003.safetensors"), Shard({{"a", 1}}));
+  WriteBytes(dir.Join("model-00003-of-00003.safetensors"), Shard({{"c", 1}}));
+  Status s = OpenError(dir.path());
+  EXPECT_EQ(s.code(), Code::kCheckpointIncomplete);
+  EXPECT_EQ(s.category(), Category::kCorrupt);
+  EXPECT_EQ(s.message(), dir.path() +
+                             ": incomplete checkpoint: 1 of the 3 shards "
+                             "\"model-*-of-00003.safetensors\" is missing: "
+                             "\"model-00002-of-00003.safetensors\"");
+  // The files given one by one are what the caller asked for: no series rule.
+  const std::vector<std::string> files = {dir.Join("model-00001-of-00003.safetensors")};
+  auto r = Checkpoint::OpenFiles(files);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ((*r)->tensors().size(), 1u);
+  // With the index, the index decides (and names the missing file itself).
+  WriteBytes(dir.Join(std::string(kIndexFileName)),
+             Index({{"a", "model-00001-of-00003.safetensors"},
+                    {"b", "model-00002-of-00003.safetensors"},
+                    {"c", "model-00003-of-00003.safetensors"}}));
+  EXPECT_EQ(OpenError(dir.path()).code(), Code::kIndexMissingFile);
+}
+
+// A *.safetensors entry that is a link to nothing (a hub snapshot whose blob is gone) is a
+// missing file, not one to skip.
+TEST(CheckpointTest, DirectoryWithoutIndexDanglingLink) {
+  TempDir dir;
+  WriteBytes(dir.Join("a.safetensors"), Shard({{"a", 1}}));
+  fs::create_symlink(dir.Join("blobs/gone"), dir.Join("b.safetensors"));
+  Status s = OpenError(dir.path());
+  EXPECT_EQ(s.code(), Code::kCheckpointIncomplete);
+  EXPECT_EQ(s.message(), dir.Join("b.safetensors") + ": a symbolic link to \"" +
+                             dir.Join("blobs/gone") +
+                             "\", which does not exist (an incomplete download or copy?)");
+  // A link that cannot be resolved at all is an I/O error naming it.
+  fs::remove(dir.Join("b.safetensors"));
+  fs::create_symlink("loop.safetensors", dir.Join("loop.safetensors"));
+  s = OpenError(dir.path());
+  EXPECT_EQ(s.code(), Code::kIoError);
+  EXPECT_TRUE(Contains(s.message(), dir.Join("loop.safetensors") + ": cannot stat: "))
+      << s.message();
+}
+
 TEST(CheckpointTest, EmptyDirectory) {
   TempDir dir;
   WriteBytes(dir.Join("readme.md"), "x");

@@ -87,6 +87,7 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kIndexDuplicateTensor: return "index_duplicate_tensor";
     case Code::kIndexMissingFile: return "index_missing_file";
     case Code::kIndexTooLarge: return "index_too_large";
+    case Code::kCheckpointIncomplete: return "checkpoint_incomplete";
     case Code::kBadTensorName: return "bad_tensor_name";
     case Code::kBadTensorData: return "bad_tensor_data";
     case Code::kPickleTruncated: return "pickle_truncated";

@@ -319,6 +319,30 @@ def test_a_directory_without_index_refuses_symlinks_that_leave_it(tmp_path):
     assert r.returncode == 1 and "outside the checkpoint directory" in r.stderr
 
 
+def test_a_directory_without_index_must_hold_every_numbered_shard(tmp_path):
+    """Nothing but the names says which files make a checkpoint without an index: a lost shard,
+    or a hub snapshot's link whose blob is gone, is an error naming it, not a smaller model."""
+    for i in (1, 2, 3):
+        safetensors.torch.save_file({f"w{i}": torch.ones(2)},
+                                    str(tmp_path / f"model-0000{i}-of-00003.safetensors"))
+    assert set(load_file_names(tmp_path)) == {"w1", "w2", "w3"}
+    os.remove(tmp_path / "model-00002-of-00003.safetensors")
+    with pytest.raises(tensorferry.SafetensorError, match='missing: "model-00002-of-00003') as e:
+        tensorferry.Loader(str(tmp_path))
+    assert e.value.code == "checkpoint_incomplete"
+    r = subprocess.run([CLI, "load", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "incomplete checkpoint" in r.stderr, (r.returncode, r.stderr)
+    os.symlink(str(tmp_path / "blobs" / "gone"), str(tmp_path / "model-00002-of-00003.safetensors"))
+    with pytest.raises(tensorferry.SafetensorError, match="which does not exist") as e:
+        tensorferry.Loader(str(tmp_path))
+    assert e.value.code == "checkpoint_incomplete"
+
+
+def load_file_names(path):
+    with tensorferry.Loader(str(path)) as loader:
+        return list(loader.load())
+
+
 def test_cli_layer_ranges_and_repeat(tmp_path):
     path = str(tmp_path / "m.safetensors")
     safetensors.torch.save_file({"model.layers.4294967296.w": torch.ones(2),

@@ -347,6 +347,20 @@ def test_s3_prefix_with_nothing_under_it_is_not_found(stores):
     assert url in str(e.value)
 
 
+def test_s3_listing_missing_a_shard_names_it(stores):
+    """Without an index, a listing whose numbered shards lack one is refused (not loaded
+    without that shard's tensors), naming the missing key."""
+    assert len(stores.shards) >= 2 and "-of-" in stores.shards[0], stores.shards
+    for shard in stores.shards[1:]:
+        stores.seaweed.upload(stores.seaweed.BUCKET, f"{PREFIX}/tiny-partial/{shard}",
+                              os.path.join(stores.tiny, shard))
+    url, opts = stores.url("s3", "tiny-partial")
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        tensorferry.Loader(url, storage_options=opts)
+    assert e.value.code == "checkpoint_incomplete"
+    assert url in str(e.value) and f'missing: "{stores.shards[0]}"' in str(e.value)
+
+
 @pytest.mark.parametrize("store", ["s3", "http"])
 @pytest.mark.parametrize("target", ["../other/x.safetensors", "/abs.safetensors",
                                     "sub/../../x.safetensors"])

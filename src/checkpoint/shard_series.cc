@@ -1,0 +1,136 @@
+#include "checkpoint/shard_series.h"
+
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "util/json_writer.h"
+
+namespace tensorferry {
+namespace {
+
+constexpr std::string_view kSuffix = ".safetensors";
+constexpr std::string_view kOf = "-of-";
+constexpr size_t kMaxDigits = 9;  // below 2^32
+constexpr size_t kMaxNamed = 5;   // missing files named in a message
+
+// The number written in `digits` (1 to kMaxDigits ASCII digits only), or nullopt.
+std::optional<uint32_t> Number(std::string_view digits) {
+  if (digits.empty() || digits.size() > kMaxDigits) return std::nullopt;
+  uint32_t value = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return std::nullopt;
+    value = value * 10 + static_cast<uint32_t>(c - '0');
+  }
+  return value;
+}
+
+std::string_view BaseName(std::string_view path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string_view::npos ? path : path.substr(slash + 1);
+}
+
+// One file of a series, as found.
+struct Member {
+  uint32_t index;
+  std::string_view name;  // the file name
+  size_t index_digits;    // how the number was written (for the names of missing ones)
+  std::string_view count_text;
+};
+
+std::string SeriesPattern(std::string_view prefix, std::string_view count_text) {
+  return std::string(prefix) + "-*-of-" + std::string(count_text) + std::string(kSuffix);
+}
+
+std::string Padded(uint32_t value, size_t width) {
+  std::string text = std::to_string(value);
+  if (text.size() < width) text.insert(0, width - text.size(), '0');
+  return text;
+}
+
+}  // namespace
+
+std::optional<ShardName> ParseShardName(std::string_view name) {
+  if (!name.ends_with(kSuffix)) return std::nullopt;
+  name.remove_suffix(kSuffix.size());
+  const size_t of = name.rfind(kOf);
+  if (of == std::string_view::npos) return std::nullopt;
+  const std::optional<uint32_t> count = Number(name.substr(of + kOf.size()));
+  if (!count || *count == 0) return std::nullopt;
+  const std::string_view head = name.substr(0, of);  // "<prefix>-<index>"
+  const size_t dash = head.rfind('-');
+  if (dash == std::string_view::npos) return std::nullopt;
+  const std::optional<uint32_t> index = Number(head.substr(dash + 1));
+  if (!index) return std::nullopt;
+  return ShardName{head.substr(0, dash), *index, *count};
+}
+
+Status CheckShardSeries(std::span<const std::string> paths, std::string_view where) {
+  // prefix -> count -> members
+  std::map<std::string_view, std::map<uint32_t, std::vector<Member>>> series;
+  for (const std::string& path : paths) {
+    const std::string_view name = BaseName(path);
+    const std::optional<ShardName> shard = ParseShardName(name);
+    if (!shard) continue;
+    const std::string_view stem = name.substr(0, name.size() - kSuffix.size());
+    const size_t of = stem.rfind(kOf);
+    const std::string_view count_text = stem.substr(of + kOf.size());
+    const size_t index_digits = of - (shard->prefix.size() + 1);
+    series[shard->prefix][shard->count].push_back(
+        Member{shard->index, name, index_digits, count_text});
+  }
+  const std::string at(where);
+  for (auto& [prefix, by_count] : series) {
+    if (by_count.size() > 1) {
+      const Member& a = by_count.begin()->second.front();
+      const Member& b = std::next(by_count.begin())->second.front();
+      return Status(Code::kCheckpointIncomplete,
+                    at + ": files of two shard series: " + json::Quote(a.name) + " is one of " +
+                        std::to_string(by_count.begin()->first) + ", " + json::Quote(b.name) +
+                        " one of " + std::to_string(std::next(by_count.begin())->first) +
+                        " (left over from another download or copy?); without " +
+                        "model.safetensors.index.json nothing says which is the checkpoint: " +
+                        "remove the other, or give the files to load");
+    }
+    const auto& [count, members] = *by_count.begin();
+    std::vector<const Member*> by_index(static_cast<size_t>(count) + 1, nullptr);
+    for (const Member& m : members) {
+      if (m.index == 0 || m.index > count) {
+        return Status(Code::kCheckpointIncomplete,
+                      at + ": " + json::Quote(m.name) + " is numbered " + std::to_string(m.index) +
+                          " in a series of " + std::to_string(count) +
+                          " shards, whose numbers run from 1 to " + std::to_string(count));
+      }
+      if (const Member* other = by_index[m.index]) {
+        return Status(Code::kCheckpointIncomplete, at + ": " + json::Quote(other->name) + " and " +
+                                                       json::Quote(m.name) + " are both shard " +
+                                                       std::to_string(m.index) + " of " +
+                                                       std::to_string(count));
+      }
+      by_index[m.index] = &m;
+    }
+    if (members.size() == count) continue;
+    const Member& first = members.front();
+    // Missing names written as the first one found writes its number: zero-padded to the
+    // width it has when that is the count's width (transformers' "00001-of-00007"), else plain.
+    const size_t width = first.index_digits == first.count_text.size() ? first.index_digits : 0;
+    std::string missing;
+    size_t named = 0;
+    for (uint32_t i = 1; i <= count && named < kMaxNamed; ++i) {
+      if (by_index[i] != nullptr) continue;
+      missing += (named++ == 0 ? "" : ", ") +
+                 json::Quote(std::string(prefix) + "-" + Padded(i, width) + "-of-" +
+                             std::string(first.count_text) + std::string(kSuffix));
+    }
+    const size_t absent = count - members.size();
+    if (absent > named) missing += " and " + std::to_string(absent - named) + " more";
+    return Status(Code::kCheckpointIncomplete,
+                  at + ": incomplete checkpoint: " + std::to_string(absent) + " of the " +
+                      std::to_string(count) + " shards " +
+                      json::Quote(SeriesPattern(prefix, first.count_text)) +
+                      (absent == 1 ? " is" : " are") + " missing: " + missing);
+  }
+  return Status::Ok();
+}
+
+}  // namespace tensorferry

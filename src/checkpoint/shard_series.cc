@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "util/decimal.h"
 #include "util/json_writer.h"
 
 namespace tensorferry {
@@ -11,18 +12,12 @@ namespace {
 
 constexpr std::string_view kSuffix = ".safetensors";
 constexpr std::string_view kOf = "-of-";
-constexpr size_t kMaxDigits = 9;  // below 2^32
-constexpr size_t kMaxNamed = 5;   // missing files named in a message
+constexpr size_t kMaxNamed = 5;  // missing files named in a message
 
-// The number written in `digits` (1 to kMaxDigits ASCII digits only), or nullopt.
 std::optional<uint32_t> Number(std::string_view digits) {
-  if (digits.empty() || digits.size() > kMaxDigits) return std::nullopt;
-  uint32_t value = 0;
-  for (char c : digits) {
-    if (c < '0' || c > '9') return std::nullopt;
-    value = value * 10 + static_cast<uint32_t>(c - '0');
-  }
-  return value;
+  const std::optional<uint64_t> value = ParseDecimal(digits, UINT32_MAX);
+  if (!value) return std::nullopt;
+  return static_cast<uint32_t>(*value);
 }
 
 std::string_view BaseName(std::string_view path) {

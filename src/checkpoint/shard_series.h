@@ -28,8 +28,8 @@ struct ShardName {
   uint32_t count = 0;       // never 0
 };
 
-// The series name of `file_name`, or nullopt when it is not one (numbers of 1 to 9 digits; a
-// count of 0 is not a series).
+// The series name of `file_name`, or nullopt when it is not one (numbers of ASCII digits that
+// fit 32 bits; a count of 0 is not a series).
 std::optional<ShardName> ParseShardName(std::string_view file_name);
 
 // `paths`: every *.safetensors file (or object URL) the listing of `where` found; names are their

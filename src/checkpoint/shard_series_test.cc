@@ -38,7 +38,7 @@ TEST(ShardSeries, OtherNamesAreNotSeries) {
        {"model.safetensors", "model-00001-of-00002.safetensors.bak", "model-of-00002.safetensors",
         "model-00001-of-.safetensors", "model-00001-of-00000.safetensors",
         "model-x1-of-2.safetensors", "model-1-of-2x.safetensors", "model00001-of-00002.safetensors",
-        "model-1234567890-of-2.safetensors", "model-1-of-1234567890.safetensors",
+        "model-4294967296-of-2.safetensors", "model-1-of-4294967296.safetensors",
         "model--of-2.safetensors", "consolidated.00.safetensors", "-of-.safetensors", ""}) {
     EXPECT_FALSE(ParseShardName(name).has_value()) << name;
   }

@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_api.h"
 #include "tensorferry/size.h"
+#include "util/decimal.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -31,12 +32,9 @@ Result<Device> ParseDevice(std::string_view text) {
   }
   if (rest.empty()) return Device::CUDA(0);
   if (rest[0] != ':' || rest.size() < 2 || rest.size() > 6) return bad("expected cuda:N");
-  int index = 0;
-  for (char c : rest.substr(1)) {
-    if (c < '0' || c > '9') return bad("the index is not a number");
-    index = index * 10 + (c - '0');
-  }
-  return Device::CUDA(index);
+  const std::optional<uint64_t> index = ParseDecimal(rest.substr(1));
+  if (!index) return bad("the index is not a number");
+  return Device::CUDA(static_cast<int>(*index));  // at most 5 digits
 }
 
 std::string_view GdsModeName(GdsMode mode) noexcept {

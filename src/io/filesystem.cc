@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "util/decimal.h"
+
 namespace tensorferry::io {
 namespace {
 
@@ -99,14 +101,9 @@ std::vector<std::string_view> Fields(std::string_view line) {
 }
 
 std::optional<uint32_t> ParseU32(std::string_view s) {
-  if (s.empty() || s.size() > 10) return std::nullopt;
-  uint64_t v = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return std::nullopt;
-    v = v * 10 + static_cast<uint64_t>(c - '0');
-  }
-  if (v > UINT32_MAX) return std::nullopt;
-  return static_cast<uint32_t>(v);
+  const std::optional<uint64_t> v = ParseDecimal(s, UINT32_MAX);
+  if (!v) return std::nullopt;
+  return static_cast<uint32_t>(*v);
 }
 
 // The mountinfo entry of device `dev`; the last one listed wins (a later mount over the same

@@ -2,7 +2,6 @@
 #include "tensorferry/memory_limit.h"
 
 #include <algorithm>
-#include <charconv>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -11,6 +10,7 @@
 
 #include "io/filesystem.h"
 #include "tensorferry/size.h"
+#include "util/decimal.h"
 
 namespace tensorferry {
 namespace {
@@ -47,9 +47,9 @@ std::string_view Trim(std::string_view s) {
 }
 
 bool ParseU64(std::string_view s, uint64_t* out) {
-  s = Trim(s);
-  const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
-  return ec == std::errc() && p == s.data() + s.size() && !s.empty();
+  const std::optional<uint64_t> value = ParseDecimal(Trim(s));
+  if (value) *out = *value;
+  return value.has_value();
 }
 
 // A value file: a number, or "max" (v2's no limit: returned as UINT64_MAX).

@@ -10,21 +10,12 @@
 
 #include "io/read_engine.h"
 #include "objstore/curl_api.h"
+#include "util/decimal.h"
 #include "util/macros.h"
 
 namespace tensorferry::objstore {
 
 namespace {
-
-std::optional<uint64_t> ParseDigits(std::string_view s) {
-  if (s.empty() || s.size() > 19) return std::nullopt;
-  uint64_t v = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return std::nullopt;
-    v = v * 10 + static_cast<uint64_t>(c - '0');
-  }
-  return v;
-}
 
 std::string_view Trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
@@ -142,7 +133,7 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
 std::optional<uint64_t> HttpResponse::TotalSize() const {
   const size_t slash = content_range.rfind('/');
   if (slash == std::string::npos) return std::nullopt;
-  return ParseDigits(Trim(std::string_view(content_range).substr(slash + 1)));
+  return ParseDecimal(Trim(std::string_view(content_range).substr(slash + 1)));
 }
 
 std::optional<uint64_t> HttpResponse::RangeStart() const {
@@ -151,7 +142,7 @@ std::optional<uint64_t> HttpResponse::RangeStart() const {
   s.remove_prefix(6);
   const size_t dash = s.find('-');
   if (dash == std::string_view::npos) return std::nullopt;
-  return ParseDigits(Trim(s.substr(0, dash)));
+  return ParseDecimal(Trim(s.substr(0, dash)));
 }
 
 Result<std::unique_ptr<HttpClient>> HttpClient::Make(HttpSettings settings) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "util/decimal.h"
+
 namespace tensorferry::objstore {
 namespace {
 
@@ -166,16 +168,7 @@ bool Scanner::Content(Element& e, int depth) {
 }
 
 std::optional<uint64_t> ParseU64(std::string_view s) {
-  s = Trim(s);
-  if (s.empty() || s.size() > 20) return std::nullopt;
-  uint64_t value = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return std::nullopt;
-    const auto digit = static_cast<uint64_t>(c - '0');
-    if (value > (UINT64_MAX - digit) / 10) return std::nullopt;
-    value = value * 10 + digit;
-  }
-  return value;
+  return ParseDecimal(Trim(s));
 }
 
 Status ListError(std::string_view problem) {

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "util/decimal.h"
+
 namespace tensorferry::objstore {
 namespace {
 
@@ -92,13 +94,8 @@ std::optional<std::string> AuthorityProblem(std::string_view authority) {
   }
   if (host.empty()) return "empty host";
   if (port.has_value()) {
-    if (port->empty() || port->size() > 5) return "the port is not a number from 1 to 65535";
-    uint32_t value = 0;
-    for (char c : *port) {
-      if (c < '0' || c > '9') return "the port is not a number from 1 to 65535";
-      value = value * 10 + static_cast<uint32_t>(c - '0');
-    }
-    if (value == 0 || value > 65535) return "the port is not a number from 1 to 65535";
+    const std::optional<uint64_t> value = ParseDecimal(*port, 65535);
+    if (!value || *value == 0) return "the port is not a number from 1 to 65535";
   }
   return std::nullopt;
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tensorferry/size.h"
+#include "util/decimal.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -422,21 +423,7 @@ std::optional<uint64_t> LayerOf(std::string_view name) {
     const std::string_view component = name.substr(0, dot);
     if (have_previous &&
         std::find(std::begin(kMarkers), std::end(kMarkers), previous) != std::end(kMarkers)) {
-      uint64_t value = 0;
-      bool valid = !component.empty();
-      for (const char c : component) {
-        if (c < '0' || c > '9') {
-          valid = false;
-          break;
-        }
-        const auto digit = static_cast<uint64_t>(c - '0');
-        if (value > (std::numeric_limits<uint64_t>::max() - digit) / 10) {
-          valid = false;
-          break;
-        }
-        value = value * 10 + digit;
-      }
-      if (valid) return value;
+      if (const std::optional<uint64_t> value = ParseDecimal(component)) return value;
       // Not a layer number ("h.99999999999", "layers.norm"): keep looking further on.
     }
     if (dot == std::string_view::npos) return std::nullopt;

@@ -1,5 +1,6 @@
 #include "checkpoint/shard_series.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 #include <vector>
@@ -88,13 +89,20 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
                         "remove the other, or give the files to load");
     }
     const auto& [count, members] = *by_count.begin();
+    // Numbered from 1 (transformers, huggingface_hub) or, when one file is numbered 0, from 0.
+    const uint32_t first_number =
+        std::any_of(members.begin(), members.end(), [](const Member& m) { return m.index == 0; })
+            ? 0
+            : 1;
+    const uint32_t last_number = count - 1 + first_number;
     std::vector<const Member*> by_index(static_cast<size_t>(count) + 1, nullptr);
     for (const Member& m : members) {
-      if (m.index == 0 || m.index > count) {
+      if (m.index > last_number) {
         return Status(Code::kCheckpointIncomplete,
                       at + ": " + json::Quote(m.name) + " is numbered " + std::to_string(m.index) +
                           " in a series of " + std::to_string(count) +
-                          " shards, whose numbers run from 1 to " + std::to_string(count));
+                          " shards, whose numbers run from " + std::to_string(first_number) +
+                          " to " + std::to_string(last_number));
       }
       if (const Member* other = by_index[m.index]) {
         return Status(Code::kCheckpointIncomplete, at + ": " + json::Quote(other->name) + " and " +
@@ -111,7 +119,7 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
     const size_t width = first.index_digits == first.count_text.size() ? first.index_digits : 0;
     std::string missing;
     size_t named = 0;
-    for (uint32_t i = 1; i <= count && named < kMaxNamed; ++i) {
+    for (uint32_t i = first_number; i <= last_number && named < kMaxNamed; ++i) {
       if (by_index[i] != nullptr) continue;
       missing += (named++ == 0 ? "" : ", ") +
                  json::Quote(std::string(prefix) + "-" + Padded(i, width) + "-of-" +

@@ -2,7 +2,8 @@
 // prefix without model.safetensors.index.json) must all be there.
 //
 // transformers, huggingface_hub and our writer name the shards of a sharded checkpoint
-// "<prefix>-<i>-of-<n>.safetensors" (i from 1 to n, both zero-padded to 5 digits by them). Without
+// "<prefix>-<i>-of-<n>.safetensors" (i from 1 to n, both zero-padded to 5 digits by them; a
+// series with a file numbered 0 is taken as numbered from 0 to n - 1). Without
 // an index nothing else says which files make the checkpoint, so a shard lost in a copy or a
 // download would silently leave its tensors out of the load. CheckShardSeries refuses a listing
 // in which a series is incomplete, has a number outside 1..n or twice, or where one prefix has
@@ -24,7 +25,7 @@ namespace tensorferry {
 // "<prefix>-<index>-of-<count>.safetensors", parsed from a file name (no directory part).
 struct ShardName {
   std::string_view prefix;  // may be empty ("-00001-of-00002.safetensors")
-  uint32_t index = 0;       // as written: CheckShardSeries refuses 0 and above count
+  uint32_t index = 0;       // as written (CheckShardSeries: 1..count, or 0..count-1)
   uint32_t count = 0;       // never 0
 };
 

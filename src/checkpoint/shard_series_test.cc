@@ -27,7 +27,7 @@ TEST(ShardSeries, ParsesTransformersNames) {
   s = ParseShardName("-1-of-2.safetensors");
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->prefix, "");
-  // Numbered 0 or beyond the count: parsed, refused by CheckShardSeries.
+  // Numbered 0 or beyond the count: parsed; CheckShardSeries decides.
   s = ParseShardName("model-00000-of-00002.safetensors");
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->index, 0u);
@@ -94,8 +94,20 @@ TEST(ShardSeries, NumbersOutsideTheSeries) {
                        "\"model-00003-of-00002.safetensors\" is numbered 3 in a "
                        "series of 2 shards"))
       << s.message();
-  s = CheckShardSeries(std::vector<std::string>{"/m/model-0-of-1.safetensors"}, "/m");
+  // Numbered from 0 when one file is numbered 0: complete as 0..n-1, and n is outside it.
+  EXPECT_TRUE(CheckShardSeries(std::vector<std::string>{"/m/model-0-of-2.safetensors",
+                                                        "/m/model-1-of-2.safetensors"},
+                               "/m")
+                  .ok());
+  s = CheckShardSeries(
+      std::vector<std::string>{"/m/model-0-of-2.safetensors", "/m/model-2-of-2.safetensors"}, "/m");
   EXPECT_EQ(s.code(), Code::kCheckpointIncomplete);
+  EXPECT_TRUE(Contains(s.message(), "whose numbers run from 0 to 1")) << s.message();
+  s = CheckShardSeries(std::vector<std::string>{"/m/model-00000-of-00003.safetensors",
+                                                "/m/model-00002-of-00003.safetensors"},
+                       "/m");
+  EXPECT_TRUE(Contains(s.message(), "missing: \"model-00001-of-00003.safetensors\""))
+      << s.message();
   // The same number written twice.
   s = CheckShardSeries(
       std::vector<std::string>{"/m/model-1-of-2.safetensors", "/m/model-00001-of-00002.safetensors",

@@ -21,6 +21,7 @@
 #include "io/file_set.h"
 #include "objstore/url.h"
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/hub.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/path.h"
@@ -367,6 +368,10 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& pa
                                                            const OpenOptions& options) {
   TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
   if (IsObjectUrl(path)) return OpenUrl(path, options);
+  if (IsHubPath(path)) {
+    TF_ASSIGN_OR_RETURN(const std::string local, ResolveHubPath(path));
+    return Open(local, options);
+  }
   CheckpointBuilder builder(options);
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -395,21 +400,28 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& pa
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const std::string> paths,
                                                                 const OpenOptions& options) {
   size_t urls = 0;
+  std::vector<std::string> resolved;  // hf:// paths as their files in the hub cache
   for (const std::string& path : paths) {
     TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
     urls += IsObjectUrl(path) ? 1 : 0;
+    if (IsHubPath(path)) {
+      TF_ASSIGN_OR_RETURN(std::string local, ResolveHubPath(path));
+      resolved.push_back(std::move(local));
+    } else {
+      resolved.push_back(path);
+    }
   }
-  if (urls > 0 && urls < paths.size()) {
+  if (urls > 0 && urls < resolved.size()) {
     return Status(Code::kInvalidArgument,
                   "a checkpoint's files are all local or all URLs, not a mix of both");
   }
   if (urls > 0 && !options.source) {
     TF_ASSIGN_OR_RETURN(const OpenOptions with_source, WithObjectSource(options));
     CheckpointBuilder builder(with_source);
-    return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
+    return builder.FromFiles(std::move(resolved));
   }
   CheckpointBuilder builder(options);
-  return builder.FromFiles(std::vector<std::string>(paths.begin(), paths.end()));
+  return builder.FromFiles(std::move(resolved));
 }
 
 Result<std::shared_ptr<const SourceFile>> Checkpoint::File(uint32_t f) const {

@@ -12,22 +12,9 @@
 #include "cuda/cuda_api.h"
 #include "cuda/cufile_api.h"
 #include "fake_cuda/fake_cuda_control.h"
+#include "testing/test_util.h"
 
 namespace tensorferry::testing {
-
-// Sets (or, with nullopt, unsets) an environment variable and restores the old value on
-// destruction.
-class ScopedEnv {
- public:
-  ScopedEnv(std::string name, std::optional<std::string> value);
-  ~ScopedEnv();
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
 
 class FakeCuda {
  public:

@@ -1,0 +1,304 @@
+// ResolveHubPath: hf:// paths to snapshot folders of the local Hugging Face hub cache (hub.h).
+//
+// The cache layout is huggingface_hub's: <cache>/<type>s--<owner>--<name>/ holding refs/<revision>
+// (a file with the commit a branch or tag points to), snapshots/<commit>/ (the files, as links
+// into blobs/) and blobs/. tests/python/test_hub.py checks the resolution against
+// huggingface_hub's own (snapshot_download with local_files_only).
+#include "tensorferry/hub.h"
+
+#include <cctype>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include "util/json_writer.h"
+#include "util/macros.h"
+
+namespace tensorferry {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::string_view kScheme = "hf://";
+
+std::optional<std::string> Getenv(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+// Python's os.path.expanduser for "~" and "~/..." (not "~user").
+std::string ExpandUser(const std::string& path) {
+  if (path.empty() || path[0] != '~' || (path.size() > 1 && path[1] != '/')) return path;
+  const std::optional<std::string> home = Getenv("HOME");
+  return home ? *home + path.substr(1) : path;
+}
+
+// Python's os.path.expandvars: $NAME and ${NAME} replaced when NAME is set, else left as written.
+std::string ExpandVars(const std::string& path) {
+  std::string out;
+  size_t i = 0;
+  while (i < path.size()) {
+    if (path[i] != '$') {
+      out.push_back(path[i++]);
+      continue;
+    }
+    const bool braced = i + 1 < path.size() && path[i + 1] == '{';
+    size_t begin = i + (braced ? 2 : 1);
+    size_t end = begin;
+    if (braced) {
+      end = path.find('}', begin);
+      if (end == std::string::npos) {
+        out += path.substr(i);
+        break;
+      }
+    } else {
+      while (end < path.size() &&
+             (std::isalnum(static_cast<unsigned char>(path[end])) || path[end] == '_')) {
+        ++end;
+      }
+    }
+    const std::string name = path.substr(begin, end - begin);
+    const size_t next = end + (braced ? 1 : 0);
+    const std::optional<std::string> value = name.empty() ? std::nullopt : Getenv(name.c_str());
+    out += value ? *value : path.substr(i, next - i);
+    i = next;
+  }
+  return out;
+}
+
+std::string Expand(const std::string& path) {
+  return ExpandVars(ExpandUser(path));
+}
+
+Status Invalid(std::string_view hub_path, const std::string& why) {
+  return Status(Code::kInvalidArgument, std::string(hub_path) + ": " + why +
+                                            " (the form is hf://[datasets/|spaces/]OWNER/NAME"
+                                            "[@REVISION][/PATH])");
+}
+
+// A part of a repository id: what the hub accepts ([A-Za-z0-9._-], no "--" or ".."), which also
+// keeps it one folder name.
+bool ValidIdPart(std::string_view s) {
+  if (s.empty() || s.size() > 96) return false;
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return false;
+    }
+  }
+  return s.find("--") == std::string_view::npos && s.find("..") == std::string_view::npos &&
+         s.front() != '-' && s.front() != '.';
+}
+
+bool IsCommit(std::string_view s) {
+  return s.size() == 40 && s.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+
+std::vector<std::string_view> SplitPath(std::string_view s) {
+  std::vector<std::string_view> parts;
+  size_t begin = 0;
+  while (true) {
+    const size_t slash = s.find('/', begin);
+    parts.push_back(s.substr(begin, slash == std::string_view::npos ? slash : slash - begin));
+    if (slash == std::string_view::npos) return parts;
+    begin = slash + 1;
+  }
+}
+
+// "%2F" (either case) as '/', the way HfFileSystem writes a revision such as refs/pr/1.
+std::string DecodeRevision(std::string_view s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && s[i + 1] == '2' &&
+        (s[i + 2] == 'F' || s[i + 2] == 'f')) {
+      out.push_back('/');
+      i += 2;
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+// No empty, "." or ".." component, not absolute.
+bool SafeRelative(std::string_view s) {
+  for (std::string_view part : SplitPath(s)) {
+    if (part.empty() || part == "." || part == "..") return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool IsHubPath(std::string_view path) {
+  if (path.size() < kScheme.size()) return false;
+  for (size_t i = 0; i < kScheme.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(path[i])) != kScheme[i]) return false;
+  }
+  return true;
+}
+
+std::string HubCacheDir() {
+  if (std::optional<std::string> v = Getenv("HF_HUB_CACHE")) return Expand(*v);
+  if (std::optional<std::string> v = Getenv("HUGGINGFACE_HUB_CACHE")) return Expand(*v);
+  std::string home;
+  if (std::optional<std::string> v = Getenv("HF_HOME")) {
+    home = Expand(*v);
+  } else {
+    const std::optional<std::string> xdg = Getenv("XDG_CACHE_HOME");
+    home = Expand((xdg ? *xdg : ExpandUser("~") + "/.cache") + "/huggingface");
+  }
+  return (fs::path(home) / "hub").string();
+}
+
+Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string& cache_dir) {
+  if (!IsHubPath(hub_path)) return Invalid(hub_path, "not an hf:// path");
+  const std::string cache = cache_dir.empty() ? HubCacheDir() : cache_dir;
+  std::string_view rest = hub_path.substr(kScheme.size());
+  while (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
+  std::string type = "models";
+  for (std::string_view t : {"datasets", "spaces", "models"}) {
+    if (rest.size() > t.size() && rest.substr(0, t.size()) == t && rest[t.size()] == '/') {
+      type = std::string(t);
+      rest.remove_prefix(t.size() + 1);
+      break;
+    }
+  }
+  if (rest.empty()) return Invalid(hub_path, "no repository");
+  std::vector<std::string_view> parts = SplitPath(rest);
+  for (std::string_view p : parts) {
+    if (p.empty()) return Invalid(hub_path, "an empty path component");
+  }
+
+  // The repository: "owner/name" when the cache has it (or the name carries the revision),
+  // else the owner-less "name".
+  struct Candidate {
+    std::string id;         // "owner/name" or "name"
+    std::string folder;     // <type>--owner--name
+    std::string revision;   // as written, "" for main
+    size_t path_begin = 0;  // first component of PATH
+  };
+  auto candidate = [&](size_t n) -> Result<Candidate> {
+    Candidate c;
+    std::string_view last = parts[n - 1];
+    const size_t at = last.find('@');
+    if (at != std::string_view::npos) {
+      c.revision = DecodeRevision(last.substr(at + 1));
+      if (c.revision.empty()) return Invalid(hub_path, "an empty revision after '@'");
+      last = last.substr(0, at);
+    }
+    c.folder = type;
+    for (size_t i = 0; i < n; ++i) {
+      const std::string_view part = i + 1 == n ? last : parts[i];
+      if (!ValidIdPart(part)) {
+        return Invalid(hub_path, "the repository id part " + json::Quote(std::string(part)) +
+                                     " is not one the hub allows ([A-Za-z0-9._-], no '--' or "
+                                     "'..')");
+      }
+      if (i > 0) c.id += '/';
+      c.id += part;
+      c.folder += "--";
+      c.folder += part;
+    }
+    c.path_begin = n;
+    return c;
+  };
+  std::optional<Candidate> chosen;
+  std::string tried;
+  const bool owner_has_revision = parts[0].find('@') != std::string_view::npos;
+  if (parts.size() >= 2 && !owner_has_revision) {
+    TF_ASSIGN_OR_RETURN(Candidate two, candidate(2));
+    std::error_code ec;
+    if (fs::is_directory(fs::path(cache) / two.folder, ec)) chosen = two;
+    tried = two.folder;
+  }
+  if (!chosen) {
+    TF_ASSIGN_OR_RETURN(Candidate one, candidate(1));
+    std::error_code ec;
+    if (fs::is_directory(fs::path(cache) / one.folder, ec)) {
+      chosen = one;
+    } else {
+      tried = tried.empty() ? one.folder : tried + " nor " + one.folder;
+    }
+  }
+  if (!chosen) {
+    const std::string type_flag =
+        type == "models" ? "" : " --repo-type " + type.substr(0, type.size() - 1);
+    const std::string id =
+        parts.size() >= 2 && !owner_has_revision
+            ? std::string(parts[0]) + "/" + std::string(parts[1].substr(0, parts[1].find('@')))
+            : std::string(parts[0].substr(0, parts[0].find('@')));
+    return Status(Code::kNotFound,
+                  std::string(hub_path) + ": not in the Hugging Face hub cache " +
+                      json::Quote(cache) + " (no " + tried +
+                      "); tensorferry reads the cache and downloads nothing: fetch it first, "
+                      "e.g. `hf download " +
+                      id + type_flag + " --include '*.safetensors' '*.json'`");
+  }
+  const fs::path repo = fs::path(cache) / chosen->folder;
+
+  // The commit.
+  std::string commit;
+  const std::string revision = chosen->revision.empty() ? "main" : chosen->revision;
+  if (IsCommit(revision)) {
+    commit = revision;
+  } else {
+    if (!SafeRelative(revision)) {
+      return Invalid(hub_path, "the revision " + json::Quote(revision) +
+                                   " has an empty, '.' or '..' component");
+    }
+    const fs::path ref = repo / "refs" / revision;
+    std::ifstream in(ref);
+    if (!in) {
+      std::error_code ec;
+      if (!fs::exists(ref, ec)) {
+        return Status(Code::kNotFound,
+                      std::string(hub_path) + ": revision " + json::Quote(revision) + " of " +
+                          chosen->id + " is not in the hub cache (no " + json::Quote(ref.string()) +
+                          "); fetch it with `hf download " + chosen->id + " --revision " +
+                          revision + "`, or name a commit the cache holds (" +
+                          json::Quote((repo / "snapshots").string()) + ")");
+      }
+      return Status(Code::kIoError, ref.string() + ": cannot read");
+    }
+    std::stringstream text;
+    text << in.rdbuf();
+    commit = text.str();
+    while (!commit.empty() && std::isspace(static_cast<unsigned char>(commit.back()))) {
+      commit.pop_back();
+    }
+    if (!IsCommit(commit)) {
+      return Status(Code::kNotFound,
+                    ref.string() + ": does not hold a commit hash (40 hex digits)");
+    }
+  }
+  fs::path local = repo / "snapshots" / commit;
+  std::error_code ec;
+  if (!fs::is_directory(local, ec)) {
+    return Status(Code::kNotFound, std::string(hub_path) + ": commit " + commit + " of " +
+                                       chosen->id + " is not in the hub cache (no " +
+                                       json::Quote(local.string()) + ")");
+  }
+  std::string inside;
+  for (size_t i = chosen->path_begin; i < parts.size(); ++i) {
+    if (!inside.empty()) inside += '/';
+    inside += parts[i];
+  }
+  if (!inside.empty()) {
+    if (!SafeRelative(inside)) {
+      return Invalid(hub_path, "the path " + json::Quote(inside) + " has a '.' or '..' component");
+    }
+    local /= inside;
+    if (!fs::exists(local, ec)) {
+      return Status(Code::kNotFound, std::string(hub_path) + ": " + json::Quote(inside) +
+                                         " is not in the cached snapshot " + commit + " of " +
+                                         chosen->id + " (" + json::Quote(local.string()) + ")");
+    }
+  }
+  return local.string();
+}
+
+}  // namespace tensorferry

@@ -122,7 +122,8 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
   return app
       .add_option(name, path,
                   "A .safetensors file, a checkpoint directory or a model.safetensors.index.json, "
-                  "local or as an s3:// or http(s):// URL")
+                  "local or as an s3:// or http(s):// URL; or hf://OWNER/NAME[@REVISION][/PATH], "
+                  "a repository in the local Hugging Face hub cache")
       ->required();
 }
 

@@ -224,9 +224,10 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
       tried = tried.empty() ? one.folder : tried + " nor " + one.folder;
     }
   }
+  // `hf download` arguments besides the repository, for the messages of what is not cached.
+  const std::string type_flag =
+      type == "models" ? "" : " --repo-type " + type.substr(0, type.size() - 1);
   if (!chosen) {
-    const std::string type_flag =
-        type == "models" ? "" : " --repo-type " + type.substr(0, type.size() - 1);
     const std::string id =
         parts.size() >= 2 && !owner_has_revision
             ? std::string(parts[0]) + "/" + std::string(parts[1].substr(0, parts[1].find('@')))
@@ -258,8 +259,8 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
         return Status(Code::kNotFound,
                       std::string(hub_path) + ": revision " + json::Quote(revision) + " of " +
                           chosen->id + " is not in the hub cache (no " + json::Quote(ref.string()) +
-                          "); fetch it with `hf download " + chosen->id + " --revision " +
-                          revision + "`, or name a commit the cache holds (" +
+                          "); fetch it with `hf download " + chosen->id + type_flag +
+                          " --revision " + revision + "`, or name a commit the cache holds (" +
                           json::Quote((repo / "snapshots").string()) + ")");
       }
       return Status(Code::kIoError, ref.string() + ": cannot read");

@@ -88,7 +88,11 @@ TEST_F(HubCacheTest, WhatIsNotCachedIsNotFoundSayingHowToFetchIt) {
   EXPECT_TRUE(
       Contains(r.status().message(), "revision \"v2\" of org/llama is not in the hub cache"))
       << r.status().message();
-  EXPECT_TRUE(Contains(r.status().message(), "--revision v2"));
+  EXPECT_TRUE(Contains(r.status().message(), "`hf download org/llama --revision v2`"));
+  r = Resolve("hf://datasets/org/data@v3");
+  EXPECT_TRUE(
+      Contains(r.status().message(), "`hf download org/data --repo-type dataset --revision v3`"))
+      << r.status().message();
   r = Resolve("hf://org/llama@" + std::string(40, 'c'));
   EXPECT_EQ(r.status().code(), Code::kNotFound);
   EXPECT_TRUE(Contains(r.status().message(), "commit " + std::string(40, 'c') + " of org/llama"));

@@ -95,8 +95,15 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
             ? 0
             : 1;
     const uint32_t last_number = count - 1 + first_number;
-    std::vector<const Member*> by_index(static_cast<size_t>(count) + 1, nullptr);
-    for (const Member& m : members) {
+    // Sorted by number. Nothing here is sized by the count, which comes from a name (a key of a
+    // listing the store's owner chose: "-of-999999999" must not cost memory).
+    std::vector<const Member*> sorted;
+    sorted.reserve(members.size());
+    for (const Member& m : members) sorted.push_back(&m);
+    std::sort(sorted.begin(), sorted.end(),
+              [](const Member* a, const Member* b) { return a->index < b->index; });
+    for (size_t k = 0; k < sorted.size(); ++k) {
+      const Member& m = *sorted[k];
       if (m.index > last_number) {
         return Status(Code::kCheckpointIncomplete,
                       at + ": " + json::Quote(m.name) + " is numbered " + std::to_string(m.index) +
@@ -104,13 +111,12 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
                           " shards, whose numbers run from " + std::to_string(first_number) +
                           " to " + std::to_string(last_number));
       }
-      if (const Member* other = by_index[m.index]) {
-        return Status(Code::kCheckpointIncomplete, at + ": " + json::Quote(other->name) + " and " +
-                                                       json::Quote(m.name) + " are both shard " +
-                                                       std::to_string(m.index) + " of " +
-                                                       std::to_string(count));
+      if (k > 0 && sorted[k - 1]->index == m.index) {
+        return Status(Code::kCheckpointIncomplete,
+                      at + ": " + json::Quote(sorted[k - 1]->name) + " and " + json::Quote(m.name) +
+                          " are both shard " + std::to_string(m.index) + " of " +
+                          std::to_string(count));
       }
-      by_index[m.index] = &m;
     }
     if (members.size() == count) continue;
     const Member& first = members.front();
@@ -119,12 +125,21 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
     const size_t width = first.index_digits == first.count_text.size() ? first.index_digits : 0;
     std::string missing;
     size_t named = 0;
-    for (uint32_t i = first_number; i <= last_number && named < kMaxNamed; ++i) {
-      if (by_index[i] != nullptr) continue;
-      missing += (named++ == 0 ? "" : ", ") +
-                 json::Quote(std::string(prefix) + "-" + Padded(i, width) + "-of-" +
-                             std::string(first.count_text) + std::string(kSuffix));
+    // The first few gaps: numbers before each present one, then after the last.
+    uint64_t next = first_number;
+    const std::string head = std::string(prefix) + "-";  // (a structured binding: not captured)
+    auto name_up_to = [&](uint64_t end) {  // names next..end-1, at most kMaxNamed in all
+      for (; next < end && named < kMaxNamed; ++next) {
+        missing += (named++ == 0 ? "" : ", ") +
+                   json::Quote(head + Padded(static_cast<uint32_t>(next), width) + "-of-" +
+                               std::string(first.count_text) + std::string(kSuffix));
+      }
+    };
+    for (const Member* m : sorted) {
+      name_up_to(m->index);
+      next = uint64_t{m->index} + 1;
     }
+    name_up_to(uint64_t{last_number} + 1);
     const size_t absent = count - members.size();
     if (absent > named) missing += " and " + std::to_string(absent - named) + " more";
     return Status(Code::kCheckpointIncomplete,

@@ -28,10 +28,8 @@ std::string_view BaseName(std::string_view path) {
 
 // One file of a series, as found.
 struct Member {
-  uint32_t index;
+  ShardName shard;
   std::string_view name;  // the file name
-  size_t index_digits;    // how the number was written (for the names of missing ones)
-  std::string_view count_text;
 };
 
 std::string SeriesPattern(std::string_view prefix, std::string_view count_text) {
@@ -51,14 +49,16 @@ std::optional<ShardName> ParseShardName(std::string_view name) {
   name.remove_suffix(kSuffix.size());
   const size_t of = name.rfind(kOf);
   if (of == std::string_view::npos) return std::nullopt;
-  const std::optional<uint32_t> count = Number(name.substr(of + kOf.size()));
+  const std::string_view count_text = name.substr(of + kOf.size());
+  const std::optional<uint32_t> count = Number(count_text);
   if (!count || *count == 0) return std::nullopt;
   const std::string_view head = name.substr(0, of);  // "<prefix>-<index>"
   const size_t dash = head.rfind('-');
   if (dash == std::string_view::npos) return std::nullopt;
-  const std::optional<uint32_t> index = Number(head.substr(dash + 1));
+  const std::string_view index_text = head.substr(dash + 1);
+  const std::optional<uint32_t> index = Number(index_text);
   if (!index) return std::nullopt;
-  return ShardName{head.substr(0, dash), *index, *count};
+  return ShardName{head.substr(0, dash), *index, *count, index_text, count_text};
 }
 
 Status CheckShardSeries(std::span<const std::string> paths, std::string_view where) {
@@ -67,13 +67,7 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
   for (const std::string& path : paths) {
     const std::string_view name = BaseName(path);
     const std::optional<ShardName> shard = ParseShardName(name);
-    if (!shard) continue;
-    const std::string_view stem = name.substr(0, name.size() - kSuffix.size());
-    const size_t of = stem.rfind(kOf);
-    const std::string_view count_text = stem.substr(of + kOf.size());
-    const size_t index_digits = of - (shard->prefix.size() + 1);
-    series[shard->prefix][shard->count].push_back(
-        Member{shard->index, name, index_digits, count_text});
+    if (shard) series[shard->prefix][shard->count].push_back(Member{*shard, name});
   }
   const std::string at(where);
   for (auto& [prefix, by_count] : series) {
@@ -90,10 +84,10 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
     }
     const auto& [count, members] = *by_count.begin();
     // Numbered from 1 (transformers, huggingface_hub) or, when one file is numbered 0, from 0.
-    const uint32_t first_number =
-        std::any_of(members.begin(), members.end(), [](const Member& m) { return m.index == 0; })
-            ? 0
-            : 1;
+    const uint32_t first_number = std::any_of(members.begin(), members.end(),
+                                              [](const Member& m) { return m.shard.index == 0; })
+                                      ? 0
+                                      : 1;
     const uint32_t last_number = count - 1 + first_number;
     // Sorted by number. Nothing here is sized by the count, which comes from a name (a key of a
     // listing the store's owner chose: "-of-999999999" must not cost memory).
@@ -101,28 +95,29 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
     sorted.reserve(members.size());
     for (const Member& m : members) sorted.push_back(&m);
     std::sort(sorted.begin(), sorted.end(),
-              [](const Member* a, const Member* b) { return a->index < b->index; });
+              [](const Member* a, const Member* b) { return a->shard.index < b->shard.index; });
     for (size_t k = 0; k < sorted.size(); ++k) {
       const Member& m = *sorted[k];
-      if (m.index > last_number) {
+      if (m.shard.index > last_number) {
         return Status(Code::kCheckpointIncomplete,
-                      at + ": " + json::Quote(m.name) + " is numbered " + std::to_string(m.index) +
-                          " in a series of " + std::to_string(count) +
-                          " shards, whose numbers run from " + std::to_string(first_number) +
-                          " to " + std::to_string(last_number));
+                      at + ": " + json::Quote(m.name) + " is numbered " +
+                          std::to_string(m.shard.index) + " in a series of " +
+                          std::to_string(count) + " shards, whose numbers run from " +
+                          std::to_string(first_number) + " to " + std::to_string(last_number));
       }
-      if (k > 0 && sorted[k - 1]->index == m.index) {
+      if (k > 0 && sorted[k - 1]->shard.index == m.shard.index) {
         return Status(Code::kCheckpointIncomplete,
                       at + ": " + json::Quote(sorted[k - 1]->name) + " and " + json::Quote(m.name) +
-                          " are both shard " + std::to_string(m.index) + " of " +
+                          " are both shard " + std::to_string(m.shard.index) + " of " +
                           std::to_string(count));
       }
     }
     if (members.size() == count) continue;
-    const Member& first = members.front();
+    const ShardName& first = members.front().shard;
     // Missing names written as the first one found writes its number: zero-padded to the
     // width it has when that is the count's width (transformers' "00001-of-00007"), else plain.
-    const size_t width = first.index_digits == first.count_text.size() ? first.index_digits : 0;
+    const size_t width =
+        first.index_text.size() == first.count_text.size() ? first.index_text.size() : 0;
     std::string missing;
     size_t named = 0;
     // The first few gaps: numbers before each present one, then after the last.
@@ -136,8 +131,8 @@ Status CheckShardSeries(std::span<const std::string> paths, std::string_view whe
       }
     };
     for (const Member* m : sorted) {
-      name_up_to(m->index);
-      next = uint64_t{m->index} + 1;
+      name_up_to(m->shard.index);
+      next = uint64_t{m->shard.index} + 1;
     }
     name_up_to(uint64_t{last_number} + 1);
     const size_t absent = count - members.size();

@@ -23,10 +23,13 @@
 namespace tensorferry {
 
 // "<prefix>-<index>-of-<count>.safetensors", parsed from a file name (no directory part).
+// The views point into the name parsed.
 struct ShardName {
-  std::string_view prefix;  // may be empty ("-00001-of-00002.safetensors")
-  uint32_t index = 0;       // as written (CheckShardSeries: 1..count, or 0..count-1)
-  uint32_t count = 0;       // never 0
+  std::string_view prefix;      // may be empty ("-00001-of-00002.safetensors")
+  uint32_t index = 0;           // as written (CheckShardSeries: 1..count, or 0..count-1)
+  uint32_t count = 0;           // never 0
+  std::string_view index_text;  // the digits as written ("00002"), for names of missing shards
+  std::string_view count_text;  // ("00007")
 };
 
 // The series name of `file_name`, or nullopt when it is not one (numbers of ASCII digits that

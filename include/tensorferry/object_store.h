@@ -41,6 +41,12 @@
 // AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_NO_SIGN_REQUEST. No credentials
 // anywhere means unsigned (anonymous) requests. docs/object_storage.md lists every setting.
 //
+// Local cache (cache_dir below): opening a file whose copy is in the cache reads the copy; opening
+// one whose copy is missing downloads it whole into the cache first (the open then takes as long
+// as the download). A cache that fails (a full disk, a directory that cannot be written) never
+// fails a load: the file is read from the store and the failure shows in the source's stats and
+// the load's engine_reason.
+//
 // Thread-safety: options are values; the Source is safe to use from several threads.
 #pragma once
 
@@ -80,6 +86,17 @@ struct ObjectStoreOptions {
   uint32_t backoff_ms = 100;  // first retry delay, doubled per attempt, capped at 10 s, jittered
   bool verify_tls = true;     // object_verify_tls: verify the server's certificate
   std::string ca_bundle;      // object_ca_bundle: a CA file instead of the system's
+  // --- local cache (S3 and HTTP) ---
+  // object_cache_dir: keep a whole copy of each file opened in this directory (created when
+  // missing; several processes may share it) and read the copy; "" = no cache. An object is
+  // downloaded once per version (URL, strong ETag, size): later opens, by this process or
+  // another, cost one ranged GET (the open's, which checks the ETag) and read local disk. Objects
+  // without a strong ETag, and those the open's first GET already holds whole, are not cached.
+  // docs/object_storage.md ("Local cache") has the layout and the guarantees.
+  std::string cache_dir;
+  // object_cache_max: the most bytes the cache's entries may hold (least recently used entries
+  // are removed to make room); 0 = unbounded.
+  uint64_t cache_max = 0;
 };
 
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").

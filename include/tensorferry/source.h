@@ -89,6 +89,10 @@ struct SourceStats {
   uint64_t requests = 0;  // requests sent (reads, listings), retries included
   uint64_t retries = 0;   // requests that repeated a failed one
   uint64_t bytes = 0;     // bytes received
+  // The local cache of object-store files (ObjectStoreOptions::cache_dir); zero without one:
+  // opens served by a copy in the cache, objects downloaded into it and their bytes (counted in
+  // `bytes` too), and opens that read the store because the cache failed.
+  uint64_t cache_hits = 0, cache_fills = 0, cache_fill_bytes = 0, cache_errors = 0;
 };
 
 // Requests counted for one reader of a Source (SourceStatsScope). Thread-safe.

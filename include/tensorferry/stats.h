@@ -43,6 +43,13 @@ struct LoadStats {
   uint64_t remote_requests = 0;
   uint64_t remote_retries = 0;
   uint64_t remote_bytes = 0;
+  // The local cache of object-store files (ObjectStoreOptions::cache_dir), as the checkpoint's
+  // source counted them since the checkpoint was opened (its files are opened, and downloaded
+  // into the cache when missing, by Checkpoint::Open, before any load): files read from a copy
+  // in the cache, files downloaded into it, and their bytes. Zero without a cache.
+  uint64_t cache_hits = 0;
+  uint64_t cache_fills = 0;
+  uint64_t cache_fill_bytes = 0;
 
   // Device loading (zero for host-only loads).
   std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
@@ -99,6 +106,9 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("remote_requests", s.remote_requests);
   visit("remote_retries", s.remote_retries);
   visit("remote_bytes", s.remote_bytes);
+  visit("cache_hits", s.cache_hits);
+  visit("cache_fills", s.cache_fills);
+  visit("cache_fill_bytes", s.cache_fill_bytes);
   visit("device", s.device);
   visit("device_tensors", s.device_tensors);
   visit("device_bytes", s.device_bytes);

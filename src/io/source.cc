@@ -123,8 +123,11 @@ thread_local SourceCounters* current_source_counters = nullptr;
 }  // namespace
 
 SourceStats SourceCounters::Snapshot() const {
-  return {requests.load(std::memory_order_relaxed), retries.load(std::memory_order_relaxed),
-          bytes.load(std::memory_order_relaxed)};
+  SourceStats s;
+  s.requests = requests.load(std::memory_order_relaxed);
+  s.retries = retries.load(std::memory_order_relaxed);
+  s.bytes = bytes.load(std::memory_order_relaxed);
+  return s;
 }
 
 SourceStatsScope::SourceStatsScope(SourceCounters* counters) noexcept

@@ -150,6 +150,12 @@ struct Loader::Impl {
     stats.remote_requests = now.requests - before.requests;
     stats.remote_retries = now.retries - before.retries;
     stats.remote_bytes = now.bytes - before.bytes;
+    // The cache's counts are the checkpoint's source's since it was made (its opens happened
+    // before any load).
+    const SourceStats source = checkpoint->file_set()->source()->stats();
+    stats.cache_hits = source.cache_hits;
+    stats.cache_fills = source.cache_fills;
+    stats.cache_fill_bytes = source.cache_fill_bytes;
   }
 };
 

@@ -15,6 +15,7 @@
 #include "objstore/aws_config.h"
 #include "objstore/curl_api.h"
 #include "objstore/http.h"
+#include "objstore/object_cache.h"
 #include "objstore/s3_xml.h"
 #include "objstore/transport.h"
 #include "objstore/url.h"
@@ -156,12 +157,16 @@ class ObjectFile final : public SourceFile {
 
 class ObjectSource final : public Source, public std::enable_shared_from_this<ObjectSource> {
  public:
-  explicit ObjectSource(ObjectStoreOptions options) : options_(std::move(options)) {}
+  explicit ObjectSource(ObjectStoreOptions options) : options_(std::move(options)) {
+    if (!options_.cache_dir.empty()) {
+      cache_ = std::make_unique<ObjectCache>(options_.cache_dir, options_.cache_max);
+    }
+  }
 
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
-  SourceStats stats() const override { return counters_.Snapshot(); }
+  SourceStats stats() const override;
   SourceReadHints hints() const override;
   // hints().read_size, without the reason's text (every read asks for it).
   uint64_t PartSize() const;
@@ -185,6 +190,7 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
                 unsigned attempts) const;
 
   const ObjectStoreOptions options_;
+  std::unique_ptr<ObjectCache> cache_;  // options_.cache_dir; null without one
   // Every request, and (CountRequest, CountBytes) the reader's scope's too (SourceStatsScope).
   mutable SourceCounters counters_;
   void CountRequest(unsigned attempt) const {
@@ -327,8 +333,34 @@ void ObjectSource::NotePeer(const std::string& peer) const {
 }
 
 SourceReadHints ObjectSource::hints() const {
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  return ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_);
+  SourceReadHints hints;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    hints = ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_);
+  }
+  if (cache_) {
+    const ObjectCacheStats c = cache_->stats();
+    hints.reason += "; object cache " + cache_->dir() + ": " + std::to_string(c.hits) +
+                    (c.hits == 1 ? " file" : " files") + " read from it, " +
+                    std::to_string(c.fills) + " downloaded into it";
+    if (c.errors > 0) {
+      hints.reason += ", " + std::to_string(c.errors) + (c.errors == 1 ? " file" : " files") +
+                      " read from the store because " + c.last_error;
+    }
+  }
+  return hints;
+}
+
+SourceStats ObjectSource::stats() const {
+  SourceStats s = counters_.Snapshot();
+  if (cache_) {
+    const ObjectCacheStats c = cache_->stats();
+    s.cache_hits = c.hits;
+    s.cache_fills = c.fills;
+    s.cache_fill_bytes = c.fill_bytes;
+    s.cache_errors = c.errors;
+  }
+  return s;
 }
 
 uint64_t ObjectSource::PartSize() const {
@@ -382,6 +414,18 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
                                            ? std::to_string(expected->size) + " bytes then, " +
                                                  std::to_string(id.size) + " now"
                                            : "ETag now " + r.etag));
+  }
+  // The local cache: objects with a strong ETag that the first GET did not hold whole.
+  if (cache_ && !r.etag.empty() && r.etag.rfind("W/", 0) != 0 && id.size > prefix.size()) {
+    const CachedObject object{target.name, target.request_url, r.etag, id.size};
+    const FetchRange fetch = [this, &target, &r, &id](uint64_t offset, std::span<std::byte> dst) {
+      return ReadRange(target, r.etag, id.size, offset, dst);
+    };
+    const SourceReadHints transport = hints();
+    TF_ASSIGN_OR_RETURN(
+        std::unique_ptr<SourceFile> cached,
+        cache_->Open(object, id, prefix, fetch, transport.concurrency, transport.read_size));
+    if (cached) return cached;
   }
   return std::unique_ptr<SourceFile>(
       new ObjectFile(shared_from_this(), std::move(target), id, r.etag, std::move(prefix)));

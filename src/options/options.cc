@@ -228,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 44> kKeys = {{
+const std::array<Key, 46> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -303,6 +303,9 @@ const std::array<Key, 44> kKeys = {{
      SetObjectNumber<&ObjectStoreOptions::header_bytes, 8, (256ull << 20)>},
     {"object_verify_tls", "TENSORFERRY_OBJECT_VERIFY_TLS", SetVerifyTls},
     {"object_ca_bundle", "TENSORFERRY_OBJECT_CA_BUNDLE", SetText<&ObjectStoreOptions::ca_bundle>},
+    {"object_cache_dir", "TENSORFERRY_OBJECT_CACHE_DIR", SetText<&ObjectStoreOptions::cache_dir>},
+    {"object_cache_max", "TENSORFERRY_OBJECT_CACHE_MAX",
+     SetObjectNumber<&ObjectStoreOptions::cache_max, 0, UINT64_MAX>},
     {"verify", "TENSORFERRY_VERIFY",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseVerifyMode(v), o.verify); }},
     {"coop_exchange", "TENSORFERRY_COOP_EXCHANGE",

@@ -247,6 +247,11 @@ std::string TextReport(const Report& r) {
             (stats.remote_retries == 1 ? " retry), " : " retries), ") +
             FormatBytes(stats.remote_bytes) + " received";
   }
+  if (stats.cache_hits + stats.cache_fills > 0) {
+    text += "; object cache: " + Plural(stats.cache_hits, "file") + " read from it, " +
+            Plural(stats.cache_fills, "file") + " (" + FormatBytes(stats.cache_fill_bytes) +
+            ") downloaded into it";
+  }
   if (stats.verified_tensors > 0 || stats.verify_partial_tensors > 0 ||
       stats.verify_skipped_tensors > 0) {
     text += "; checksums verified: " + Plural(stats.verified_tensors, "tensor");
@@ -377,6 +382,12 @@ Command AddLoadCommand(CLI::App& parent) {
          "Bytes per ranged GET (default: 32MiB when the store is on this host, else 8MiB)");
   option("object_retries", "Retries per request after the first (default 6)");
   option("object_timeout_ms", "A request receiving nothing this long is retried (default 30000)");
+  option("object_cache_dir",
+         "Keep a copy of each remote file in this directory and read it there on later loads "
+         "(default: none)");
+  option("object_cache_max",
+         "Most bytes the cache directory may hold; least recently used files go first "
+         "(default 0: unbounded)");
   app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");
   app->add_flag("--prefer-mmap", args->prefer_mmap,
                 "--engine auto: map the files when they are on local file systems");

@@ -1,0 +1,413 @@
+// The local disk cache of object-store files (object_cache.h).
+#include "objstore/object_cache.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "util/json_writer.h"
+#include "util/macros.h"
+
+namespace tensorferry::objstore {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kFillBuffers = 128u << 20;  // the download's buffers, all threads together
+
+std::string Errno(int error) {
+  return std::strerror(error);
+}
+
+// A descriptor, closed at scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) noexcept : fd_(fd) {}
+  ~Fd() { Reset(); }
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  Fd& operator=(Fd&&) = delete;
+  Fd(const Fd&) = delete;
+  int get() const noexcept { return fd_; }
+  int release() noexcept { return std::exchange(fd_, -1); }
+  void Reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// Writes all of `data` at `offset`; the errno of the failure, or 0.
+int PwriteFully(int fd, std::span<const std::byte> data, uint64_t offset) {
+  while (!data.empty()) {
+    const ssize_t n = ::pwrite(fd, data.data(), data.size(), static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;
+    data = data.subspan(static_cast<size_t>(n));
+    offset += static_cast<uint64_t>(n);
+  }
+  return 0;
+}
+
+// Flock that retries on EINTR; 0 or errno.
+int Flock(int fd, int how) {
+  while (::flock(fd, how) != 0) {
+    if (errno != EINTR) return errno;
+  }
+  return 0;
+}
+
+void FsyncDir(const std::string& dir) {
+  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.get() >= 0) ::fsync(d.get());
+}
+
+bool IsKey(std::string_view name) {
+  if (name.size() != 64) return false;
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// The copy of an object in the cache: positional reads of a local descriptor, named by the
+// object's URL.
+class CachedFile final : public SourceFile {
+ public:
+  CachedFile(Fd fd, std::string name, std::string blob, FileIdentity identity)
+      : fd_(fd.release()), name_(std::move(name)), blob_(std::move(blob)), identity_(identity) {}
+  ~CachedFile() override { ::close(fd_); }
+
+  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    if (offset >= identity_.size || dst.empty()) return size_t{0};
+    dst = dst.first(static_cast<size_t>(std::min<uint64_t>(dst.size(), identity_.size - offset)));
+    size_t done = 0;
+    while (done < dst.size()) {
+      const ssize_t n =
+          ::pread(fd_, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Status(Code::kIoError, name_ + ": read of its cached copy " + blob_ + " at offset " +
+                                          std::to_string(offset + done) +
+                                          " failed: " + Errno(errno));
+      }
+      if (n == 0) break;  // the copy was cut short outside tensorferry: the reader says where
+      done += static_cast<size_t>(n);
+    }
+    return done;
+  }
+  Result<uint64_t> Size() const override { return identity_.size; }
+  const std::string& path() const noexcept override { return name_; }
+  const FileIdentity& identity() const noexcept override { return identity_; }
+  // Entries are never written after they appear: only a copy damaged outside tensorferry changes.
+  Status CheckUnchanged() const override {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      return Status(Code::kIoError,
+                    name_ + ": fstat of its cached copy " + blob_ + " failed: " + Errno(errno));
+    }
+    if (static_cast<uint64_t>(st.st_size) != identity_.size) {
+      return Status(Code::kIoError, name_ + ": its cached copy " + blob_ +
+                                        " changed: " + std::to_string(identity_.size) +
+                                        " bytes then, " + std::to_string(st.st_size) + " now");
+    }
+    return Status::Ok();
+  }
+
+ private:
+  const int fd_;
+  const std::string name_, blob_;
+  const FileIdentity identity_;
+};
+
+}  // namespace
+
+ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes)
+    : dir_(std::move(dir)), max_bytes_(max_bytes) {}
+
+std::string ObjectCache::Key(const CachedObject& object) {
+  const std::string text =
+      object.request_url + "\n" + object.etag + "\n" + std::to_string(object.size);
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_Digest(text.data(), text.size(), digest, &length, EVP_sha256(), nullptr);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned i = 0; i < length; ++i) {
+    out += kHex[digest[i] >> 4];
+    out += kHex[digest[i] & 15];
+  }
+  return out;
+}
+
+ObjectCacheStats ObjectCache::stats() const {
+  ObjectCacheStats s;
+  s.hits = hits_.load();
+  s.fills = fills_.load();
+  s.fill_bytes = fill_bytes_.load();
+  s.evicted = evicted_.load();
+  s.errors = errors_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  s.last_error = last_error_;
+  return s;
+}
+
+void ObjectCache::NoteError(const std::string& why) {
+  errors_.fetch_add(1);
+  std::lock_guard<std::mutex> lock(mu_);
+  last_error_ = why;
+}
+
+Result<std::unique_ptr<SourceFile>> ObjectCache::Find(const CachedObject& object,
+                                                      const std::string& key,
+                                                      const FileIdentity& identity) {
+  const std::string blob = dir_ + "/blobs/" + key;
+  Fd fd(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return std::unique_ptr<SourceFile>();
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<uint64_t>(st.st_size) != object.size) {
+    ::unlink(blob.c_str());  // damaged: filled again
+    return std::unique_ptr<SourceFile>();
+  }
+  // Recently used, for eviction (a read-only cache shared by others keeps its times).
+  ::utimensat(AT_FDCWD, blob.c_str(), nullptr, 0);
+  return std::unique_ptr<SourceFile>(new CachedFile(std::move(fd), object.name, blob, identity));
+}
+
+Result<std::unique_ptr<SourceFile>> ObjectCache::Open(const CachedObject& object,
+                                                      const FileIdentity& identity,
+                                                      std::span<const std::byte> prefix,
+                                                      const FetchRange& fetch, unsigned concurrency,
+                                                      uint64_t part_size) {
+  const std::string key = Key(object);
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> found, Find(object, key, identity));
+  if (found) {
+    hits_.fetch_add(1);
+    return found;
+  }
+  const std::string where = "object cache " + dir_ + ": ";
+  std::error_code ec;
+  for (const char* sub : {"blobs", "locks", "tmp"}) {
+    fs::create_directories(dir_ + "/" + sub, ec);
+    if (ec) {
+      NoteError(where + "cannot create " + dir_ + "/" + sub + ": " + ec.message());
+      return std::unique_ptr<SourceFile>();
+    }
+  }
+  // One filler per key, across threads and processes: the others wait here, then find its copy.
+  const std::string lock_path = dir_ + "/locks/" + key + ".lock";
+  Fd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (lock.get() < 0 || Flock(lock.get(), LOCK_EX) != 0) {
+    NoteError(where + "cannot lock " + lock_path + ": " + Errno(errno));
+    return std::unique_ptr<SourceFile>();
+  }
+  TF_ASSIGN_OR_RETURN(found, Find(object, key, identity));
+  if (found) {
+    hits_.fetch_add(1);
+    return found;
+  }
+  std::string why;
+  if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {
+    NoteError(where + object.name + " not cached: " + why);
+    return std::unique_ptr<SourceFile>();
+  }
+  TF_ASSIGN_OR_RETURN(const bool filled,
+                      Fill(object, key, prefix, fetch, concurrency, part_size, why));
+  if (!filled) {
+    NoteError(where + object.name + " not cached: " + why);
+    return std::unique_ptr<SourceFile>();
+  }
+  fills_.fetch_add(1);
+  fill_bytes_.fetch_add(object.size);
+  TF_ASSIGN_OR_RETURN(found, Find(object, key, identity));
+  if (!found) {
+    NoteError(where + object.name + ": the entry just written is gone");
+  }
+  return found;
+}
+
+Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& key,
+                               std::span<const std::byte> prefix, const FetchRange& fetch,
+                               unsigned concurrency, uint64_t part_size, std::string& why) {
+  // Downloads of this key left by a process that died (we hold the key's lock).
+  if (DIR* d = ::opendir((dir_ + "/tmp").c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view name = e->d_name;
+      if (name.size() > key.size() && name.compare(0, key.size(), key) == 0 &&
+          name[key.size()] == '.') {
+        ::unlinkat(::dirfd(d), e->d_name, 0);
+      }
+    }
+    ::closedir(d);
+  }
+  static std::atomic<uint64_t> serial{0};
+  const std::string tmp = dir_ + "/tmp/" + key + "." + std::to_string(::getpid()) + "." +
+                          std::to_string(serial.fetch_add(1));
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  if (fd.get() < 0) {
+    why = "cannot create " + tmp + ": " + Errno(errno);
+    return false;
+  }
+  struct Cleanup {
+    const std::string& path;
+    bool armed = true;
+    ~Cleanup() {
+      if (armed) ::unlink(path.c_str());
+    }
+  } cleanup{tmp};
+  // Reserve the space first: a full disk is found before any byte is downloaded. (fallocate(2),
+  // not posix_fallocate: where the file system cannot reserve, glibc's fallback would write the
+  // whole file once more in zeros.)
+  if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(object.size)) != 0 && errno != EOPNOTSUPP &&
+      errno != ENOSYS && errno != EINVAL) {
+    why =
+        "cannot reserve " + std::to_string(object.size) + " bytes for " + tmp + ": " + Errno(errno);
+    return false;
+  }
+  const size_t head = static_cast<size_t>(std::min<uint64_t>(prefix.size(), object.size));
+  if (const int e = PwriteFully(fd.get(), prefix.first(head), 0); e != 0) {
+    why = "cannot write " + tmp + ": " + Errno(e);
+    return false;
+  }
+  // The rest in parts, `threads` downloads at a time, each into its own buffer.
+  const unsigned threads = std::max(1u, concurrency);
+  const uint64_t part = std::clamp<uint64_t>(std::min<uint64_t>(part_size, kFillBuffers / threads),
+                                             64u << 10, kFillBuffers);
+  const uint64_t rest = object.size - head;
+  const uint64_t parts = (rest + part - 1) / part;
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  Status fetch_error;
+  std::string write_error;
+  const auto worker = [&] {
+    std::vector<std::byte> buffer;
+    for (uint64_t i; !stop.load() && (i = next.fetch_add(1)) < parts;) {
+      const uint64_t offset = head + i * part;
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(part, object.size - offset));
+      buffer.resize(n);
+      Status s = fetch(offset, std::span<std::byte>(buffer.data(), n));
+      int e = s.ok() ? PwriteFully(fd.get(), buffer, offset) : 0;
+      if (!s.ok() || e != 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!s.ok() && fetch_error.ok()) fetch_error = std::move(s);
+        if (e != 0 && write_error.empty()) write_error = "cannot write " + tmp + ": " + Errno(e);
+        stop = true;
+      }
+    }
+  };
+  const unsigned spawned = static_cast<unsigned>(std::min<uint64_t>(threads, parts));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < spawned; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  if (!fetch_error.ok()) return fetch_error;
+  if (!write_error.empty()) {
+    why = write_error;
+    return false;
+  }
+  if (::fsync(fd.get()) != 0) {
+    why = "cannot write " + tmp + " to disk (fsync): " + Errno(errno);
+    return false;
+  }
+  fd.Reset();
+  // What the entry is, beside it; then the entry itself, whole.
+  std::string meta = "{\"url\":";
+  json::AppendString(meta, object.name);
+  meta += ",\"request_url\":";
+  json::AppendString(meta, object.request_url);
+  meta += ",\"etag\":";
+  json::AppendString(meta, object.etag);
+  meta += ",\"size\":";
+  json::AppendUint(meta, object.size);
+  meta += ",\"created\":";
+  json::AppendUint(meta, static_cast<uint64_t>(std::time(nullptr)));
+  meta += "}\n";
+  const std::string meta_tmp = tmp + ".json";
+  {
+    Fd m(::open(meta_tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    const int e =
+        m.get() < 0 ? errno : PwriteFully(m.get(), std::as_bytes(std::span<const char>(meta)), 0);
+    if (e != 0 || ::rename(meta_tmp.c_str(), (dir_ + "/blobs/" + key + ".json").c_str()) != 0) {
+      why = "cannot write " + meta_tmp + ": " + Errno(e != 0 ? e : errno);
+      ::unlink(meta_tmp.c_str());
+      return false;
+    }
+  }
+  const std::string blob = dir_ + "/blobs/" + key;
+  if (::rename(tmp.c_str(), blob.c_str()) != 0) {
+    why = "cannot rename " + tmp + " to " + blob + ": " + Errno(errno);
+    return false;
+  }
+  cleanup.armed = false;
+  FsyncDir(dir_ + "/blobs");
+  return true;
+}
+
+bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::string& why) {
+  if (incoming > max_bytes_) {
+    why = std::to_string(incoming) + " bytes, more than object_cache_max (" +
+          std::to_string(max_bytes_) + ")";
+    return false;
+  }
+  struct Entry {
+    std::string key;
+    uint64_t size;
+    struct timespec used;
+  };
+  std::vector<Entry> entries;
+  uint64_t total = 0;
+  const std::string blobs = dir_ + "/blobs/";
+  if (DIR* d = ::opendir(blobs.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      struct stat st {};
+      if (!IsKey(e->d_name) || ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0) continue;
+      entries.push_back({e->d_name, static_cast<uint64_t>(st.st_size), st.st_mtim});
+      total += static_cast<uint64_t>(st.st_size);
+    }
+    ::closedir(d);
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.used.tv_sec != b.used.tv_sec ? a.used.tv_sec < b.used.tv_sec
+                                          : a.used.tv_nsec < b.used.tv_nsec;
+  });
+  for (const Entry& e : entries) {
+    if (total + incoming <= max_bytes_) break;
+    if (e.key == keep) continue;
+    // Never under a filler (or anyone holding the key): try, don't wait.
+    Fd lock(
+        ::open((dir_ + "/locks/" + e.key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    if (lock.get() < 0 || ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    // Readers that opened it keep reading: an unlinked file lives while it is open.
+    if (::unlink((blobs + e.key).c_str()) == 0) {
+      ::unlink((blobs + e.key + ".json").c_str());
+      total -= e.size;
+      evicted_.fetch_add(1);
+    }
+  }
+  if (total + incoming > max_bytes_) {
+    why = "object_cache_max (" + std::to_string(max_bytes_) + " bytes) holds " +
+          std::to_string(total) + " bytes of entries in use; " + std::to_string(incoming) +
+          " more do not fit";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace tensorferry::objstore

@@ -1,0 +1,236 @@
+"""The local disk cache of object-store checkpoints (object_cache_dir, docs/object_storage.md
+"Local cache") against the real servers of test_object_store.py (SeaweedFS for s3://, nginx for
+http://) and the fault proxy: a file is downloaded once per version, later loads (and other
+processes on the host) read the copy, a failed download leaves nothing behind, a cache that cannot
+be used never fails a load, and every load is byte-exact."""
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import CLI
+from fault_proxy import Rule
+from test_object_store import PREFIX, assert_same, load_all
+# The fixtures of test_object_store.py: no ambient AWS settings, and its uploaded checkpoints.
+from test_object_store import _no_ambient_aws, stores  # noqa: F401
+
+import tensorferry
+import tensorferry.torch
+from tensorferry import safe_open
+
+# The tiny preset's shards are ~64 KB: a first GET of 4 KiB leaves them most of their bytes to
+# fetch, so they are cached (an object the open's GET holds whole is not).
+SMALL_OPEN = {"object_header_bytes": 4096, "object_timeout_ms": 3000}
+
+
+def tiny(stores, store, cache_dir, **more):
+    """(URL, storage_options) of the tiny sharded checkpoint (by prefix) with `cache_dir`."""
+    url, opts = stores.url(store, "tiny")
+    opts = dict(opts, **SMALL_OPEN, object_cache_dir=str(cache_dir), **more)
+    return url, opts
+
+
+def blobs(cache_dir):
+    d = os.path.join(cache_dir, "blobs")
+    if not os.path.isdir(d):
+        return []
+    return sorted(f for f in os.listdir(d) if not f.endswith(".json"))
+
+
+def shard_bytes(stores):
+    return {open(os.path.join(stores.tiny, s), "rb").read() for s in stores.shards}
+
+
+def load_with_stats(url, **kw):
+    with tensorferry.Loader(url, **kw) as loader:
+        return loader.load(), loader.stats
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_second_load_reads_the_cache_not_the_store(stores, store, tmp_path):
+    cache = tmp_path / "cache"
+    url, opts = tiny(stores, store, cache)
+    want = load_all(stores.tiny)
+    got, first = load_with_stats(url, storage_options=opts)
+    assert_same(got, want)
+    sizes = sum(os.path.getsize(os.path.join(stores.tiny, s)) for s in stores.shards)
+    assert (first.cache_fills, first.cache_hits) == (len(stores.shards), 0)
+    assert first.cache_fill_bytes == sizes
+    # Each entry is the object's bytes, exactly, and says what it is.
+    entries = blobs(cache)
+    assert len(entries) == len(stores.shards)
+    assert {open(cache / "blobs" / e, "rb").read() for e in entries} == shard_bytes(stores)
+    for e in entries:
+        meta = json.loads((cache / "blobs" / f"{e}.json").read_text())
+        assert meta["url"].startswith(url) and meta["etag"] and meta["size"] > 4096
+    assert os.listdir(cache / "tmp") == []
+
+    got, second = load_with_stats(url, storage_options=opts)
+    assert_same(got, want)
+    assert (second.cache_fills, second.cache_hits) == (0, len(stores.shards))
+    # The load's reads were all local: no request, no byte from the store.
+    assert second.remote_requests == 0 and second.remote_bytes == 0
+    assert f"object cache {cache}: {len(stores.shards)} files read from it" in second.engine_reason
+
+
+def test_new_version_of_an_object_is_downloaded_again(stores, tmp_path):
+    a, b = (os.path.join(stores.tiny, s) for s in stores.shards[:2])
+    key = f"{PREFIX}/cache-version/model.safetensors"
+    bucket = stores.seaweed.BUCKET
+    url = stores.seaweed.url(key)
+    opts = stores.s3_options(**SMALL_OPEN, object_cache_dir=str(tmp_path / "c"))
+    stores.seaweed.upload(bucket, key, a)
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert_same(got, load_all(a))
+    assert stats.cache_fills == 1
+    stores.seaweed.overwrite(bucket, key, b)  # same key, new content: a new ETag
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert_same(got, load_all(b))
+    assert (stats.cache_fills, stats.cache_hits) == (1, 0)
+    assert len(blobs(tmp_path / "c")) == 2  # the old version stays until evicted
+
+
+def test_objects_the_open_holds_whole_are_not_cached(stores, tmp_path):
+    # Default first GET (256 KiB): every ~64 KB shard arrives whole with the open.
+    url, opts = stores.url("s3", "tiny")
+    got, stats = load_with_stats(url, storage_options=dict(opts, object_cache_dir=str(tmp_path)))
+    assert_same(got, load_all(stores.tiny))
+    assert (stats.cache_fills, stats.cache_hits) == (0, 0)
+    assert blobs(tmp_path) == []
+
+
+def test_safe_open_reads_through_the_cache(stores, tmp_path):
+    shard = stores.shards[0]
+    url, opts = stores.url("s3", f"tiny/{shard}")
+    opts = dict(opts, **SMALL_OPEN, object_cache_dir=str(tmp_path))
+    want = tensorferry.torch.load_file(os.path.join(stores.tiny, shard))
+    for _ in range(2):
+        with safe_open(url, framework="pt", storage_options=opts) as f:
+            assert_same({k: f.get_tensor(k) for k in f.keys()}, want)
+    assert len(blobs(tmp_path)) == 1
+
+
+def cli_load(url, *args, env=None, check=True):
+    full = dict(os.environ)
+    full.update(env or {})
+    r = subprocess.run([CLI, "load", url, *args], capture_output=True, text=True, timeout=120,
+                       env=full)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_cli_reports_fills_then_hits(stores, tmp_path):
+    env = stores.seaweed.env()
+    env["TENSORFERRY_OBJECT_HEADER_BYTES"] = "4096"
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    want = json.loads(cli_load(stores.tiny, "--json").stdout)["checksum"]
+    n = len(stores.shards)
+    first = json.loads(cli_load(url, "--json", "--object-cache-dir", str(tmp_path),
+                                env=env).stdout)
+    assert first["checksum"] == want
+    assert (first["cache_fills"], first["cache_hits"]) == (n, 0)
+    # The variable sets it too; the text report says where the files came from.
+    env["TENSORFERRY_OBJECT_CACHE_DIR"] = str(tmp_path)
+    text = cli_load(url, env=env).stdout
+    assert f"object cache: {n} files read from it, 0 files (0 B) downloaded into it" in text, text
+    second = json.loads(cli_load(url, "--json", env=env).stdout)
+    assert second["checksum"] == want
+    assert (second["cache_fills"], second["cache_hits"], second["remote_bytes"]) == (0, n, 0)
+
+
+def test_ranks_in_separate_processes_share_one_download(stores, tmp_path):
+    """Two tensor-parallel ranks started together with one cache directory: each object is
+    downloaded by one of them; both loads match their local counterparts."""
+    env = stores.seaweed.env()
+    env["TENSORFERRY_OBJECT_HEADER_BYTES"] = "4096"
+    env["TENSORFERRY_OBJECT_CACHE_DIR"] = str(tmp_path)
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    full = dict(os.environ, **env)
+    procs = [subprocess.Popen([CLI, "load", url, "--json", "--tp-rank", str(r), "--tp-size", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    got = [json.loads(out) for out, _ in outs]
+    for rank in range(2):
+        want = json.loads(cli_load(stores.tiny, "--json", "--tp-rank", str(rank), "--tp-size",
+                                   "2").stdout)["checksum"]
+        assert got[rank]["checksum"] == want
+    n = len(stores.shards)
+    assert got[0]["cache_fills"] + got[1]["cache_fills"] == n
+    assert got[0]["cache_hits"] + got[1]["cache_hits"] == n
+    assert len(blobs(tmp_path)) == n
+
+
+def test_bounded_cache_evicts_and_still_loads_byte_exact(stores, tmp_path):
+    sizes = sorted(os.path.getsize(os.path.join(stores.tiny, s)) for s in stores.shards)
+    room = sizes[-1] + sizes[-2]  # any two shards fit, never three
+    url, opts = tiny(stores, "s3", tmp_path, object_cache_max=str(room))
+    got, stats = load_with_stats(url, storage_options=opts)
+    # Entries evicted while this checkpoint holds them open are still read (unlinked files live).
+    assert_same(got, load_all(stores.tiny))
+    assert stats.cache_fills == len(stores.shards)
+    kept = blobs(tmp_path)
+    assert 1 <= len(kept) <= 2
+    assert sum(os.path.getsize(tmp_path / "blobs" / b) for b in kept) <= room
+
+
+def test_unusable_cache_reads_the_store_and_says_why(stores, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    url, opts = tiny(stores, "s3", not_a_dir)
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert_same(got, load_all(stores.tiny))
+    assert (stats.cache_fills, stats.cache_hits) == (0, 0)
+    assert stats.remote_bytes > 0
+    assert f"{len(stores.shards)} files read from the store because object cache {not_a_dir}: " \
+           f"cannot create {not_a_dir}/blobs" in stats.engine_reason, stats.engine_reason
+
+
+def test_download_through_resets_is_byte_exact(stores, s3_proxy, tmp_path):
+    opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_part_size=16 << 10,
+                             object_cache_dir=str(tmp_path))
+    s3_proxy.set_rules([Rule("reset_mid_body", probability=0.3, seed=7, only_ranged=True,
+                             match=lambda r: not r.headers.get("range", "").startswith("bytes=0-"))])
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert_same(got, load_all(stores.tiny))
+    assert s3_proxy.stats()["faults"]["reset_mid_body"] > 0
+    assert stats.cache_fills == len(stores.shards)
+    assert {open(tmp_path / "blobs" / b, "rb").read() for b in blobs(tmp_path)} == \
+        shard_bytes(stores)
+
+
+def test_failed_download_leaves_no_entry(stores, s3_proxy, tmp_path):
+    opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_retries=1,
+                             object_cache_dir=str(tmp_path))
+    s3_proxy.set_rules([Rule("status_503_slowdown", every=1, only_ranged=True,
+                             match=lambda r: not r.headers.get("range", "").startswith("bytes=0-"))])
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    with pytest.raises(OSError, match="gave up after 2 attempts") as e:
+        load_all(url, storage_options=opts)
+    assert f"{PREFIX}/tiny/" in str(e.value) and "SlowDown" in str(e.value)
+    assert blobs(tmp_path) == [] and os.listdir(tmp_path / "tmp") == []
+    s3_proxy.set_rules([])
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert_same(got, load_all(stores.tiny))
+    assert stats.cache_fills == len(stores.shards)
+
+
+def test_damaged_copy_is_caught_by_the_checksums(stores, tmp_path):
+    url, opts = tiny(stores, "s3", tmp_path)
+    load_all(url, storage_options=opts)
+    # One byte of tensor data changed in every entry, outside tensorferry: same size, so the
+    # cache serves it; the per-tensor checksums `tensorferry gen` embedded catch it.
+    for b in blobs(tmp_path):
+        path = tmp_path / "blobs" / b
+        raw = bytearray(path.read_bytes())
+        header = int.from_bytes(raw[:8], "little")
+        raw[8 + header + 1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        load_all(url, storage_options=opts)
+    assert e.value.code == "checksum_mismatch"
+    assert "checksum mismatch in chunk 0" in str(e.value)

@@ -21,7 +21,9 @@ What it does, in order:
      transferred (from `tensorferry load --json`) against its exact share (a local load of the same
      rank with --max-gap 0), and the same world cooperatively (tensorferry-mpi --mode cooperative
      under mpirun, the ranks splitting the reads); then a load through tests/python/fault_proxy.py resetting 1 response
-     in 20 mid-body, whose checksum must match a clean load's;
+     in 20 mid-body, whose checksum must match a clean load's; then the local cache
+     (--object-cache-dir): first start, later starts with the copies in the page cache and on
+     cold disk, against a streaming load and a cold load of the local checkpoint;
   6. a table, a JSON file (--json), machine load again.
 
 Every contender runs in a subprocess of its own; its peak RSS is the child's ru_maxrss (os.wait4).
@@ -514,6 +516,75 @@ class Bench:
                   f"exact share {row['exact']} (x{row['cooperative']['ratio'] or 0:.3f})",
                   flush=True)
 
+    def cache(self):
+        """The local cache (--object-cache-dir): per round, alternating with a streaming load
+        (no cache), the first start (download into an empty cache, then load), a second start
+        with the copies in the page cache, a second start with them evicted from it (cold local
+        disk), and, as the disk's reference, a cold load of the local checkpoint itself. Each
+        run's checksum must be the streaming load's."""
+        import shutil
+        cache_dir = os.path.join(self.args.data, "object-cache")
+        rows = {}
+
+        def evict(paths):
+            for path in paths:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+        def blob_paths():
+            d = os.path.join(cache_dir, "blobs")
+            return [os.path.join(d, f) for f in os.listdir(d) if not f.endswith(".json")]
+
+        def run(name, *extra):
+            r = self.run_cli(*extra)
+            if r["rc"] != 0:
+                print(f"  cache {name}: FAILED ({last_line(r['stderr'])})", flush=True)
+                return None
+            st = r["stats"]
+            gbps = self.tensor_bytes / 1e9 / r["wall"]
+            row = {"wall": r["wall"], "gb_per_s": gbps, "checksum": st.get("checksum"),
+                   "cache_hits": st.get("cache_hits"), "cache_fills": st.get("cache_fills"),
+                   "remote_bytes": st.get("remote_bytes"), "peak_rss": r["peak_rss"]}
+            rows.setdefault(name, []).append(row)
+            print(f"  cache {name:34s} {r['wall']:7.2f} s (process)  {gbps:6.2f} GB/s  "
+                  f"fills {row['cache_fills']} hits {row['cache_hits']} remote bytes "
+                  f"{row['remote_bytes']}", flush=True)
+            return row
+
+        local_files = [os.path.join(self.ckpt, f) for f in os.listdir(self.ckpt)]
+        for i in range(self.args.repeats):
+            print(f"cache round {i + 1}/{self.args.repeats}", flush=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            stream = run("streaming (no cache)")
+            fill = run("first start (download + load)", "--object-cache-dir", cache_dir)
+            warm = run("later start, copies in page cache", "--object-cache-dir", cache_dir)
+            evict(blob_paths())
+            cold = run("later start, cold local disk", "--object-cache-dir", cache_dir)
+            evict(local_files)
+            r = run_measured([self.cli, "load", self.ckpt, "--json"])
+            if r["rc"] == 0:
+                st = json.loads(r["stdout"])
+                rows.setdefault("local checkpoint, cold (reference)", []).append(
+                    {"wall": r["wall"], "gb_per_s": self.tensor_bytes / 1e9 / r["wall"],
+                     "checksum": st.get("checksum"), "peak_rss": r["peak_rss"]})
+                print(f"  cache {'local checkpoint, cold (reference)':34s} {r['wall']:7.2f} s",
+                      flush=True)
+            want = stream and stream["checksum"]
+            for row in (fill, warm, cold):
+                if row is not None and row["checksum"] != want:
+                    print(f"  cache: CHECKSUM MISMATCH {row['checksum']} != {want}", flush=True)
+                    row["mismatch"] = True
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        return {name: {"runs": len(rs), "seconds": statistics.median(x["wall"] for x in rs),
+                       "gb_per_s": statistics.median(x["gb_per_s"] for x in rs),
+                       "seconds_all": [round(x["wall"], 2) for x in rs],
+                       "byte_exact": not any(x.get("mismatch") for x in rs)}
+                for name, rs in rows.items()}
+
     def faults(self):
         """tensorferry CLI through the fault proxy, a reset mid-body in 1 of 20 responses: the
         load must complete with the checksum of a load without faults."""
@@ -628,6 +699,7 @@ def run_bench(args):
         bench.rounds(best_raw)
         tp = bench.tensor_parallel() if "tp" in args.contenders and cli else []
         faults = bench.faults() if "faults" in args.contenders and cli else None
+        cache = bench.cache() if "cache" in args.contenders and cli else None
     summary = {name: median_row(rows) for name, rows in bench.results.items()}
     raw_medians = [summary[n]["gb_per_s"] for n in ("raw curl", "raw python") if n in summary]
     best_raw_gbps = max(raw_medians) if raw_medians else None
@@ -635,10 +707,15 @@ def run_bench(args):
                    "seaweedfs_start_seconds": server.start_seconds, "raw_sweep": sweep,
                    "best_raw_setting": best_raw, "best_raw_gb_per_s": best_raw_gbps,
                    "summary": summary, "runs": bench.results, "failed": bench.disabled,
-                   "tensor_parallel": tp, "faults": faults,
+                   "tensor_parallel": tp, "faults": faults, "cache": cache,
                    "targets": targets(summary, best_raw_gbps, tp, faults),
                    "uptime_after": uptime()})
     print_table(summary, best_raw_gbps)
+    if cache:
+        print("\nlocal cache (--object-cache-dir), process wall time, median:")
+        for name, row in cache.items():
+            print(f"  {name:40s} {row['seconds']:7.2f} s  {row['gb_per_s']:6.2f} GB/s  "
+                  f"runs {row['seconds_all']}  byte-exact {row['byte_exact']}")
     for name, why in bench.disabled.items():
         print(f"FAILED {name}: {last_line(why)}")
     for name, ok in report["targets"].items():
@@ -652,7 +729,7 @@ def run_bench(args):
 
 
 ALL = ["raw", "boto3+safetensors", "runai-model-streamer", "tensorferry CLI",
-       "tensorferry Loader.load", "tensorferry load_file", "tp", "faults"]
+       "tensorferry Loader.load", "tensorferry load_file", "tp", "faults", "cache"]
 
 
 def main():

@@ -304,6 +304,12 @@ Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& ke
       buffer.resize(n);
       Status s = fetch(offset, std::span<std::byte>(buffer.data(), n));
       int e = s.ok() ? PwriteFully(fd.get(), buffer, offset) : 0;
+      // Start writing the part to disk now (asynchronously), so that the fsync at the end waits
+      // for the last parts only, not for the whole file.
+      if (e == 0 && s.ok()) {
+        ::sync_file_range(fd.get(), static_cast<off_t>(offset), static_cast<off_t>(n),
+                          SYNC_FILE_RANGE_WRITE);
+      }
       if (!s.ok() || e != 0) {
         std::lock_guard<std::mutex> lock(mu);
         if (!s.ok() && fetch_error.ok()) fetch_error = std::move(s);

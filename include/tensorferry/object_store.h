@@ -54,6 +54,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
@@ -98,6 +99,29 @@ struct ObjectStoreOptions {
   // are removed to make room); 0 = unbounded.
   uint64_t cache_max = 0;
 };
+
+// --- the local cache, for tools (`tensorferry cache`) ---
+
+// One file kept in a cache directory (ObjectStoreOptions::cache_dir).
+struct ObjectCacheEntry {
+  std::string key;        // its name under <dir>/blobs/ (64 hex digits)
+  std::string url;        // the object it is a copy of ("s3://bucket/key", "https://host/path")
+  std::string etag;       // the version (strong ETag) it is a copy of
+  uint64_t size = 0;      // bytes
+  int64_t last_used = 0;  // seconds since the epoch: when it was written or last opened
+};
+
+// The whole entries of the cache in `dir`, most recently used first (url and etag "" for an entry
+// whose description <key>.json is missing or unreadable). Errors: kNotFound when `dir` holds no
+// cache (no blobs/ directory), kIoError naming the directory.
+Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir);
+
+// Removes the least recently used entries of the cache in `dir` until the others hold at most
+// `max_bytes` (0: removes every entry), skipping entries another process holds locked (filling
+// or evicting them); also removes what downloads that ended without finishing left in tmp/. Safe
+// while other processes load from the cache: an entry they opened stays readable to them. Returns
+// the entries removed. Errors: those of ListObjectCache.
+Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, uint64_t max_bytes);
 
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").
 bool IsObjectUrl(std::string_view path);

@@ -18,10 +18,14 @@
 #include <utility>
 #include <vector>
 
+#include <simdjson.h>
+
+#include "tensorferry/object_store.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 
-namespace tensorferry::objstore {
+namespace tensorferry {
+namespace objstore {
 namespace {
 
 namespace fs = std::filesystem;
@@ -134,6 +138,112 @@ class CachedFile final : public SourceFile {
   const std::string name_, blob_;
   const FileIdentity identity_;
 };
+
+// The description <key>.json of an entry: its url and etag ("" when unreadable).
+void ReadDescription(const std::string& path, ObjectCacheEntry& entry) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  if (parser.load(path).get(doc) != simdjson::SUCCESS) return;
+  std::string_view text;
+  if (doc["url"].get(text) == simdjson::SUCCESS) entry.url = text;
+  if (doc["etag"].get(text) == simdjson::SUCCESS) entry.etag = text;
+}
+
+// The lock of `key`, held, if nobody else holds it (never waits); an empty Fd when another does.
+Fd TryLockKey(const std::string& dir, const std::string& key) {
+  Fd fd(::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (fd.get() >= 0 && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) fd.Reset();
+  return fd;
+}
+
+// An entry found in blobs/, with its time of last use to the nanosecond.
+struct Scanned {
+  ObjectCacheEntry entry;
+  struct timespec used;
+};
+
+// The entries of `dir`, least recently used first.
+Result<std::vector<Scanned>> ScanEntries(const std::string& dir) {
+  const std::string blobs = dir + "/blobs";
+  DIR* d = ::opendir(blobs.c_str());
+  if (d == nullptr) {
+    const int e = errno;
+    return Status(e == ENOENT || e == ENOTDIR ? Code::kNotFound : Code::kIoError,
+                  dir + ": " +
+                      (e == ENOENT || e == ENOTDIR ? "not an object cache (no blobs/)"
+                                                   : "cannot list blobs/: " + Errno(e)));
+  }
+  std::vector<Scanned> out;
+  while (const dirent* e = ::readdir(d)) {
+    struct stat st {};
+    if (!IsKey(e->d_name) || ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0 || !S_ISREG(st.st_mode))
+      continue;
+    Scanned s;
+    s.entry.key = e->d_name;
+    s.entry.size = static_cast<uint64_t>(st.st_size);
+    s.entry.last_used = st.st_mtim.tv_sec;
+    s.used = st.st_mtim;
+    out.push_back(std::move(s));
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end(), [](const Scanned& a, const Scanned& b) {
+    return a.used.tv_sec != b.used.tv_sec ? a.used.tv_sec < b.used.tv_sec
+                                          : a.used.tv_nsec < b.used.tv_nsec;
+  });
+  for (Scanned& s : out) ReadDescription(blobs + "/" + s.entry.key + ".json", s.entry);
+  return out;
+}
+
+uint64_t EvictUntil(const std::string& dir, uint64_t budget, const std::string& keep,
+                    std::vector<ObjectCacheEntry>& removed) {
+  Result<std::vector<Scanned>> scanned = ScanEntries(dir);
+  if (!scanned.ok()) return 0;
+  uint64_t total = 0;
+  for (const Scanned& s : *scanned) total += s.entry.size;
+  const std::string blobs = dir + "/blobs/";
+  for (const Scanned& s : *scanned) {
+    if (total <= budget) break;
+    if (s.entry.key == keep) continue;
+    // Never under a filler (or anyone holding the key): try, don't wait.
+    const Fd lock = TryLockKey(dir, s.entry.key);
+    if (lock.get() < 0) continue;
+    // Readers that opened it keep reading: an unlinked file lives while it is open.
+    if (::unlink((blobs + s.entry.key).c_str()) == 0) {
+      ::unlink((blobs + s.entry.key + ".json").c_str());
+      total -= s.entry.size;
+      removed.push_back(s.entry);
+    }
+  }
+  return total;
+}
+
+void RemoveLeftovers(const std::string& dir) {
+  // Downloads whose key nobody holds are over (their process died): tmp/<key>.<pid>.<n>[.json].
+  if (DIR* d = ::opendir((dir + "/tmp").c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view name = e->d_name;
+      if (name.size() <= 64 || name[64] != '.' || !IsKey(name.substr(0, 64))) continue;
+      const Fd lock = TryLockKey(dir, std::string(name.substr(0, 64)));
+      if (lock.get() >= 0) ::unlinkat(::dirfd(d), e->d_name, 0);
+    }
+    ::closedir(d);
+  }
+  // Descriptions without their entry (a download that failed between the two renames).
+  if (DIR* d = ::opendir((dir + "/blobs").c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view name = e->d_name;
+      if (name.size() != 69 || name.substr(64) != ".json" || !IsKey(name.substr(0, 64))) continue;
+      const std::string key(name.substr(0, 64));
+      struct stat st {};
+      if (::fstatat(::dirfd(d), key.c_str(), &st, 0) == 0) continue;
+      const Fd lock = TryLockKey(dir, key);
+      if (lock.get() >= 0 && ::fstatat(::dirfd(d), key.c_str(), &st, 0) != 0) {
+        ::unlinkat(::dirfd(d), e->d_name, 0);
+      }
+    }
+    ::closedir(d);
+  }
+}
 
 }  // namespace
 
@@ -372,41 +482,9 @@ bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::stri
           std::to_string(max_bytes_) + ")";
     return false;
   }
-  struct Entry {
-    std::string key;
-    uint64_t size;
-    struct timespec used;
-  };
-  std::vector<Entry> entries;
-  uint64_t total = 0;
-  const std::string blobs = dir_ + "/blobs/";
-  if (DIR* d = ::opendir(blobs.c_str())) {
-    while (const dirent* e = ::readdir(d)) {
-      struct stat st {};
-      if (!IsKey(e->d_name) || ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0) continue;
-      entries.push_back({e->d_name, static_cast<uint64_t>(st.st_size), st.st_mtim});
-      total += static_cast<uint64_t>(st.st_size);
-    }
-    ::closedir(d);
-  }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-    return a.used.tv_sec != b.used.tv_sec ? a.used.tv_sec < b.used.tv_sec
-                                          : a.used.tv_nsec < b.used.tv_nsec;
-  });
-  for (const Entry& e : entries) {
-    if (total + incoming <= max_bytes_) break;
-    if (e.key == keep) continue;
-    // Never under a filler (or anyone holding the key): try, don't wait.
-    Fd lock(
-        ::open((dir_ + "/locks/" + e.key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-    if (lock.get() < 0 || ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    // Readers that opened it keep reading: an unlinked file lives while it is open.
-    if (::unlink((blobs + e.key).c_str()) == 0) {
-      ::unlink((blobs + e.key + ".json").c_str());
-      total -= e.size;
-      evicted_.fetch_add(1);
-    }
-  }
+  std::vector<ObjectCacheEntry> removed;
+  const uint64_t total = EvictUntil(dir_, max_bytes_ - incoming, keep, removed);
+  evicted_.fetch_add(removed.size());
   if (total + incoming > max_bytes_) {
     why = "object_cache_max (" + std::to_string(max_bytes_) + " bytes) holds " +
           std::to_string(total) + " bytes of entries in use; " + std::to_string(incoming) +
@@ -416,4 +494,22 @@ bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::stri
   return true;
 }
 
-}  // namespace tensorferry::objstore
+}  // namespace objstore
+
+Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir) {
+  TF_ASSIGN_OR_RETURN(std::vector<objstore::Scanned> scanned, objstore::ScanEntries(dir));
+  std::vector<ObjectCacheEntry> out;
+  for (objstore::Scanned& e : scanned) out.push_back(std::move(e.entry));
+  std::reverse(out.begin(), out.end());  // most recently used first
+  return out;
+}
+
+Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, uint64_t max_bytes) {
+  TF_RETURN_IF_ERROR(objstore::ScanEntries(dir).status());
+  std::vector<ObjectCacheEntry> removed;
+  objstore::EvictUntil(dir, max_bytes, "", removed);
+  objstore::RemoveLeftovers(dir);
+  return removed;
+}
+
+}  // namespace tensorferry

@@ -17,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tensorferry/object_store.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::objstore {
@@ -279,6 +280,75 @@ TEST(ObjectCache, EntriesInUseByAFillerAreNotEvicted) {
   EXPECT_EQ(*file, nullptr);
   EXPECT_TRUE(Contains(cache.stats().last_error, "holds 100000 bytes of entries in use"));
   ::close(held);
+}
+
+TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
+  testing::TempDir tmp;
+  const std::string dir = tmp.Join("c");
+  EXPECT_EQ(ListObjectCache(dir).status().code(), Code::kNotFound);
+  ObjectCache cache(dir, 0);
+  Remote a(100'000, 1), b(100'000, 2), c(100'000, 3);
+  const std::vector<std::pair<Remote*, std::string>> objects = {{&a, "s3://bucket/a.safetensors"},
+                                                                {&b, "s3://bucket/b.safetensors"},
+                                                                {&c, "s3://bucket/c.safetensors"}};
+  time_t when = 1'000'000'000;
+  for (const auto& [remote, url] : objects) {
+    ASSERT_TRUE(
+        cache.Open(remote->Object(url), remote->Identity(), {}, remote->Fetch(), 1, 1 << 20).ok());
+    const std::string blob = dir + "/blobs/" + ObjectCache::Key(remote->Object(url));
+    const struct timespec times[2] = {{when, 0}, {when, 0}};
+    ASSERT_EQ(::utimensat(AT_FDCWD, blob.c_str(), times, 0), 0);
+    when += 10;
+  }
+  Result<std::vector<ObjectCacheEntry>> listed = ListObjectCache(dir);
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  ASSERT_EQ(listed->size(), 3u);
+  EXPECT_EQ((*listed)[0].url, "s3://bucket/c.safetensors");  // used last
+  EXPECT_EQ((*listed)[2].url, "s3://bucket/a.safetensors");
+  EXPECT_EQ((*listed)[0].etag, "\"v1\"");
+  EXPECT_EQ((*listed)[0].size, 100'000u);
+  EXPECT_EQ((*listed)[0].last_used, 1'000'000'020);
+  EXPECT_EQ((*listed)[0].key, ObjectCache::Key(c.Object("s3://bucket/c.safetensors")));
+
+  // What interrupted downloads left: a download whose key nobody holds is over; one whose key
+  // is held is running; a description without its entry.
+  const std::string dead = ObjectCache::Key(a.Object("s3://bucket/dead"));
+  const std::string running = ObjectCache::Key(a.Object("s3://bucket/running"));
+  testing::WriteBytes(dir + "/tmp/" + dead + ".4242.0", "partial");
+  testing::WriteBytes(dir + "/tmp/" + running + ".4243.0", "partial");
+  testing::WriteBytes(dir + "/blobs/" + dead + ".json", "{}");
+  const int held = ::open((dir + "/locks/" + running + ".lock").c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+
+  // Down to 150 kB: the two least recently used go.
+  Result<std::vector<ObjectCacheEntry>> removed = PruneObjectCache(dir, 150'000);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  ASSERT_EQ(removed->size(), 2u);
+  EXPECT_EQ((*removed)[0].url, "s3://bucket/a.safetensors");
+  EXPECT_EQ((*removed)[1].url, "s3://bucket/b.safetensors");
+  listed = ListObjectCache(dir);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].url, "s3://bucket/c.safetensors");
+  EXPECT_FALSE(fs::exists(dir + "/tmp/" + dead + ".4242.0"));
+  EXPECT_TRUE(fs::exists(dir + "/tmp/" + running + ".4243.0"));
+  EXPECT_FALSE(fs::exists(dir + "/blobs/" + dead + ".json"));
+  ::close(held);
+
+  // An entry another process holds is kept even by a prune to 0; the rest go.
+  const std::string c_key = ObjectCache::Key(c.Object("s3://bucket/c.safetensors"));
+  const int c_lock = ::open((dir + "/locks/" + c_key + ".lock").c_str(), O_RDWR);
+  ASSERT_GE(c_lock, 0);
+  ASSERT_EQ(::flock(c_lock, LOCK_EX), 0);
+  removed = PruneObjectCache(dir, 0);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_TRUE(removed->empty());
+  ::close(c_lock);
+  removed = PruneObjectCache(dir, 0);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(removed->size(), 1u);
+  EXPECT_TRUE(ListObjectCache(dir)->empty());
 }
 
 }  // namespace

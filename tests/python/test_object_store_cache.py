@@ -234,3 +234,40 @@ def test_damaged_copy_is_caught_by_the_checksums(stores, tmp_path):
         load_all(url, storage_options=opts)
     assert e.value.code == "checksum_mismatch"
     assert "checksum mismatch in chunk 0" in str(e.value)
+
+
+def test_cache_command_lists_and_prunes(stores, tmp_path):
+    url, opts = tiny(stores, "s3", tmp_path)
+    load_all(url, storage_options=opts)
+    n = len(stores.shards)
+    sizes = {os.path.getsize(os.path.join(stores.tiny, s)) for s in stores.shards}
+
+    def cache_cmd(*args):
+        r = subprocess.run([CLI, "cache", str(tmp_path), *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    listed = json.loads(cache_cmd("--json"))
+    assert listed["files"] == n and len(listed["entries"]) == n
+    assert sorted(e["url"] for e in listed["entries"]) == \
+        sorted(f"{url}/{s}" for s in stores.shards)
+    assert {e["size"] for e in listed["entries"]} == sizes
+    assert all(e["etag"] and len(e["key"]) == 64 for e in listed["entries"])
+    used = [e["last_used"] for e in listed["entries"]]
+    assert used == sorted(used, reverse=True)  # most recently used first
+    assert f"{tmp_path}: {n} files" in cache_cmd()
+    # Pruned down to the most recently used file's size: the others go, oldest first.
+    keep = listed["entries"][0]
+    pruned = json.loads(cache_cmd("--prune", str(keep["size"]), "--json"))
+    assert [e["url"] for e in pruned["entries"]] == [keep["url"]]
+    assert [e["url"] for e in pruned["removed"]] == [e["url"] for e in listed["entries"][:0:-1]]
+    assert "removed 1 file" in cache_cmd("--prune", "0")
+    assert json.loads(cache_cmd("--json"))["files"] == 0
+    # The next load downloads them again.
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert_same(got, load_all(stores.tiny))
+    assert stats.cache_fills == n
+    r = subprocess.run([CLI, "cache", str(tmp_path / "nothing")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "not an object cache (no blobs/)" in r.stderr

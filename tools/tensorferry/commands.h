@@ -44,6 +44,7 @@ Command AddConvertCommand(CLI::App& parent);
 Command AddDoctorCommand(CLI::App& parent);
 Command AddReshardCommand(CLI::App& parent);
 Command AddChecksumCommand(CLI::App& parent);
+Command AddCacheCommand(CLI::App& parent);
 
 // --- helpers (util.cc) ------------------------------------------------------------------------
 

@@ -60,10 +60,10 @@ int main(int argc, char** argv) {
     app.name("tensorferry");
     app.set_version_flag("--version", std::string("tensorferry ") + TENSORFERRY_VERSION_STRING);
     app.require_subcommand(1);
-    std::vector<Command> commands = {AddInspectCommand(app), AddVerifyCommand(app),
-                                     AddGenCommand(app),     AddLoadCommand(app),
-                                     AddBenchCommand(app),   AddDoctorCommand(app),
-                                     AddReshardCommand(app), AddChecksumCommand(app)};
+    std::vector<Command> commands = {
+        AddInspectCommand(app), AddVerifyCommand(app),   AddGenCommand(app),
+        AddLoadCommand(app),    AddBenchCommand(app),    AddDoctorCommand(app),
+        AddReshardCommand(app), AddChecksumCommand(app), AddCacheCommand(app)};
 #ifdef TENSORFERRY_WITH_CONVERT  // the convert component (libzip) was built
     commands.push_back(AddConvertCommand(app));
 #endif

@@ -18,7 +18,8 @@
 // GET written straight into the caller's buffer; `concurrency` GETs are in flight per load (the
 // loader's read workers), each of at most `part_size` bytes. Opening a file costs one ranged GET
 // of its first `header_bytes` bytes, which gives its size, its ETag and (for headers up to that
-// size) its whole safetensors header: one round trip per file.
+// size) its whole safetensors header: one round trip per file; Checkpoint::Open opens a
+// checkpoint's objects 16 at a time.
 //
 // Consistency: every GET carries If-Match with the ETag seen when the file was opened (and the
 // response's ETag and total size are compared with it), so an object overwritten during a load is

@@ -24,6 +24,7 @@
 #include "tensorferry/hub.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/parallel.h"
 #include "util/path.h"
 
 namespace tensorferry {
@@ -70,7 +71,8 @@ class CheckpointBuilder {
         return Status(Code::kInvalidArgument, paths[i] + ": file given more than once");
       }
     }
-    for (const auto& path : paths) TF_RETURN_IF_ERROR(AddFile(path));
+    size_t failed = 0;
+    TF_RETURN_IF_ERROR(AddFiles(paths, failed));
     TF_RETURN_IF_ERROR(CheckNoDuplicateTensors());
     return Build();
   }
@@ -101,17 +103,20 @@ class CheckpointBuilder {
                           objstore::ParseObjectUrl(index_path));
       url_dir = objstore::Parent(index_url);
     }
-    std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
+    std::vector<std::string> paths;
     for (const IndexedFile& f : indexed) {
-      const std::string& rel = f.rel;
-      Status s = AddFile(url_dir ? objstore::Join(*url_dir, rel).ToString() : f.path);
-      if (s.code() == Code::kNotFound) {
-        return Status(Code::kIndexMissingFile, index_path + ": file " + json::Quote(rel) +
-                                                   " (of tensor " + json::Quote(f.tensor) +
-                                                   ") does not exist: " + s.message());
-      }
-      TF_RETURN_IF_ERROR(s);
-      file_index[rel] = static_cast<uint32_t>(files_.size() - 1);
+      paths.push_back(url_dir ? objstore::Join(*url_dir, f.rel).ToString() : f.path);
+    }
+    size_t failed = 0;
+    if (Status s = AddFiles(paths, failed); !s.ok()) {
+      if (s.code() != Code::kNotFound) return s;
+      return Status(Code::kIndexMissingFile,
+                    index_path + ": file " + json::Quote(indexed[failed].rel) + " (of tensor " +
+                        json::Quote(indexed[failed].tensor) + ") does not exist: " + s.message());
+    }
+    std::map<std::string, uint32_t> file_index;  // normalized relative path -> files_ index
+    for (size_t i = 0; i < indexed.size(); ++i) {
+      file_index[indexed[i].rel] = static_cast<uint32_t>(i);
     }
 
     TF_RETURN_IF_ERROR(CheckNoDuplicateTensors());
@@ -216,9 +221,13 @@ class CheckpointBuilder {
     return ParseIndexJson(text, index_path, options_.index_limits);
   }
 
-  // Opens `path`, validates its header and appends it to the tables; the file stays open (up to
-  // max_open_ files) for the file table.
-  Status AddFile(const std::string& path) {
+  // A file opened, its header read and validated: the first step of adding it.
+  struct Opened {
+    std::shared_ptr<const SourceFile> file;
+    Header header;
+  };
+
+  Result<Opened> OpenFile(const std::string& path) const {
     TF_ASSIGN_OR_RETURN(std::shared_ptr<const SourceFile> file, source_->Open(path));
     TF_ASSIGN_OR_RETURN(Header header, ReadHeader(*file, options_.parse_limits));
     if (file->identity().size != header.data_offset() + header.data_size) {
@@ -229,6 +238,46 @@ class CheckpointBuilder {
       later.size = now;
       return FileChangedError(path, then, later);
     }
+    return Opened{std::move(file), std::move(header)};
+  }
+
+  // Opens `paths` and appends them to the tables, in order. A local file's open costs a few
+  // system calls, so local files are opened one at a time; an object's costs at least a round
+  // trip to the store (and, with a local cache, possibly its download), so objects are opened
+  // kRemoteOpens at a time, each window appended in order before the next is opened (the limits
+  // on the totals stop the open at the same file either way). On error, `failed` is the index of
+  // the file whose error it is.
+  Status AddFiles(const std::vector<std::string>& paths, size_t& failed) {
+    constexpr size_t kRemoteOpens = 16;
+    const size_t window = source_->hints().concurrency > 0 ? kRemoteOpens : 1;
+    for (size_t begin = 0; begin < paths.size(); begin += window) {
+      const size_t n = std::min(window, paths.size() - begin);
+      std::vector<std::optional<Opened>> opened(n);
+      std::vector<Status> status(n);
+      // Each file's status is kept in `status`: the loop below reports the first in file order.
+      static_cast<void>(ParallelForUntilError(n, static_cast<unsigned>(n), [&](size_t i) -> Status {
+        Result<Opened> r = OpenFile(paths[begin + i]);
+        if (!r.ok()) {
+          status[i] = r.status();
+          return r.status();
+        }
+        opened[i] = std::move(r).value();
+        return Status::Ok();
+      }));
+      for (size_t i = 0; i < n; ++i) {
+        failed = begin + i;
+        TF_RETURN_IF_ERROR(status[i]);
+        TF_RETURN_IF_ERROR(Append(paths[begin + i], std::move(*opened[i])));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Appends an opened file to the tables; the file stays open (up to max_open_ files) for the
+  // file table.
+  Status Append(const std::string& path, Opened opened) {
+    std::shared_ptr<const SourceFile> file = std::move(opened.file);
+    Header header = std::move(opened.header);
     io::FileSet::FileSpec spec{path, file->identity(), nullptr};
     if (specs_.size() < max_open_) spec.open = std::move(file);
     total_tensors_ += header.tensors.size();

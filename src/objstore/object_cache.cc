@@ -14,7 +14,6 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -23,6 +22,7 @@
 #include "tensorferry/object_store.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
+#include "util/parallel.h"
 
 namespace tensorferry {
 namespace objstore {
@@ -332,6 +332,10 @@ Result<std::unique_ptr<SourceFile>> ObjectCache::Open(const CachedObject& object
     hits_.fetch_add(1);
     return found;
   }
+  // One download at a time per cache object: opens run in parallel (Checkpoint::Open opens an
+  // object checkpoint's files several at a time), and each download already keeps `concurrency`
+  // GETs in flight.
+  std::lock_guard<std::mutex> filling(fill_mu_);
   std::string why;
   if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {
     NoteError(where + object.name + " not cached: " + why);
@@ -395,49 +399,49 @@ Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& ke
     why = "cannot write " + tmp + ": " + Errno(e);
     return false;
   }
-  // The rest in parts, `threads` downloads at a time, each into its own buffer.
+  // The rest in parts, `concurrency` downloads at a time, each into a buffer of its own (taken
+  // from a pool: at most one per thread, reused part after part).
   const unsigned threads = std::max(1u, concurrency);
   const uint64_t part = std::clamp<uint64_t>(std::min<uint64_t>(part_size, kFillBuffers / threads),
                                              64u << 10, kFillBuffers);
   const uint64_t rest = object.size - head;
   const uint64_t parts = (rest + part - 1) / part;
-  std::atomic<uint64_t> next{0};
-  std::atomic<bool> stop{false};
   std::mutex mu;
-  Status fetch_error;
+  std::vector<std::vector<std::byte>> buffers;  // free ones
   std::string write_error;
-  const auto worker = [&] {
-    std::vector<std::byte> buffer;
-    for (uint64_t i; !stop.load() && (i = next.fetch_add(1)) < parts;) {
-      const uint64_t offset = head + i * part;
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(part, object.size - offset));
-      buffer.resize(n);
-      Status s = fetch(offset, std::span<std::byte>(buffer.data(), n));
-      int e = s.ok() ? PwriteFully(fd.get(), buffer, offset) : 0;
-      // Start writing the part to disk now (asynchronously), so that the fsync at the end waits
-      // for the last parts only, not for the whole file.
-      if (e == 0 && s.ok()) {
+  const Status fetched = ParallelForUntilError(
+      static_cast<size_t>(parts), static_cast<unsigned>(std::min<uint64_t>(threads, parts)),
+      [&](size_t i) -> Status {
+        const uint64_t offset = head + i * part;
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(part, object.size - offset));
+        std::vector<std::byte> buffer;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!buffers.empty()) {
+            buffer = std::move(buffers.back());
+            buffers.pop_back();
+          }
+        }
+        buffer.resize(n);
+        TF_RETURN_IF_ERROR(fetch(offset, std::span<std::byte>(buffer.data(), n)));
+        if (const int e = PwriteFully(fd.get(), buffer, offset); e != 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          write_error = "cannot write " + tmp + ": " + Errno(e);
+          return Status(Code::kIoError, write_error);
+        }
+        // Start writing the part to disk now (asynchronously), so that the fsync at the end
+        // waits for the last parts only, not for the whole file.
         ::sync_file_range(fd.get(), static_cast<off_t>(offset), static_cast<off_t>(n),
                           SYNC_FILE_RANGE_WRITE);
-      }
-      if (!s.ok() || e != 0) {
         std::lock_guard<std::mutex> lock(mu);
-        if (!s.ok() && fetch_error.ok()) fetch_error = std::move(s);
-        if (e != 0 && write_error.empty()) write_error = "cannot write " + tmp + ": " + Errno(e);
-        stop = true;
-      }
-    }
-  };
-  const unsigned spawned = static_cast<unsigned>(std::min<uint64_t>(threads, parts));
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < spawned; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
-  if (!fetch_error.ok()) return fetch_error;
+        buffers.push_back(std::move(buffer));
+        return Status::Ok();
+      });
   if (!write_error.empty()) {
     why = write_error;
     return false;
   }
+  if (!fetched.ok()) return fetched;
   if (::fsync(fd.get()) != 0) {
     why = "cannot write " + tmp + " to disk (fsync): " + Errno(errno);
     return false;

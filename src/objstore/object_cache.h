@@ -34,8 +34,8 @@
 // the store during a fill (the ranged GETs' errors, an object changed under the download) are
 // Open's errors, as they would be a load's.
 //
-// Thread-safety: an ObjectCache may be used from several threads; several processes may share
-// one directory.
+// Thread-safety: an ObjectCache may be used from several threads (its downloads run one at a time:
+// each keeps `concurrency` GETs in flight); several processes may share one directory.
 #pragma once
 
 #include <atomic>
@@ -109,6 +109,7 @@ class ObjectCache {
   const std::string dir_;
   const uint64_t max_bytes_;
   std::atomic<uint64_t> hits_{0}, fills_{0}, fill_bytes_{0}, evicted_{0}, errors_{0};
+  std::mutex fill_mu_;  // held by the one download in progress
   mutable std::mutex mu_;
   std::string last_error_;
 };

@@ -13,7 +13,9 @@ Faults, chosen per response by the first matching `Rule` (see Rule):
   status_503_slowdown  503 with an S3 <Error><Code>SlowDown</Code> body; the server is not contacted
   status_500           500 with an S3 <Error><Code>InternalError</Code> body; idem
   truncate             fewer body bytes than Content-Length, then a clean close (FIN)
-Besides, overwrite_after(n, callback) calls callback() once, after the n-th response has been sent
+Besides, latency_s (constructor) delays every request that reaches the server by that long before
+it is forwarded (the time to first byte of a distant store), and overwrite_after(n, callback) calls
+callback() once, after the n-th response has been sent
 and before any later request is forwarded (the test overwrites an object there).
 
 Counters (requests, responses, faults by kind, connections) are read with stats(); rules can be
@@ -223,8 +225,9 @@ class FaultProxy:
     """The proxy: FaultProxy(upstream_host, upstream_port).start(); .url / .port; stop()."""
 
     def __init__(self, upstream_host, upstream_port, rules=(), listen_host="127.0.0.1",
-                 upstream_timeout_s=60.0):
+                 upstream_timeout_s=60.0, latency_s=0.0):
         self.upstream = (upstream_host, upstream_port)
+        self.latency_s = latency_s
         self.listen_host = listen_host
         self.upstream_timeout_s = upstream_timeout_s
         self._lock = threading.Lock()
@@ -342,6 +345,8 @@ class FaultProxy:
                     continue
                 if up is None:
                     up = self._connect_upstream()
+                if self.latency_s > 0:
+                    time.sleep(self.latency_s)
                 keep = self._forward(req, rule, client, up)
                 if not keep:
                     return

@@ -362,6 +362,29 @@ def test_s3_listing_missing_a_shard_names_it(stores):
 
 
 @pytest.mark.parametrize("store", ["s3", "http"])
+def test_missing_shards_of_an_index_name_the_first_in_file_order(stores, store):
+    """The files of an index are opened several at a time; the error is still the first missing
+    file in order, named with the tensor the index maps to it."""
+    assert len(stores.shards) >= 4, stores.shards
+    present = [s for i, s in enumerate(stores.shards) if i not in (1, 3)]
+    index = os.path.join(stores.tiny, "model.safetensors.index.json")
+    for name in present + ["model.safetensors.index.json"]:
+        src = os.path.join(stores.tiny, name)
+        if store == "s3":
+            stores.seaweed.upload(stores.seaweed.BUCKET, f"{PREFIX}/tiny-gaps/{name}", src)
+        else:
+            stores.nginx.put(f"{PREFIX}/tiny-gaps/{name}", open(src, "rb").read())
+    url, opts = stores.url(store, "tiny-gaps/model.safetensors.index.json")
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        tensorferry.Loader(url, storage_options=opts)
+    weight_map = json.load(open(index))["weight_map"]
+    first = sorted(t for t, f in weight_map.items() if f == stores.shards[1])
+    assert e.value.code == "index_missing_file", str(e.value)
+    assert f'file "{stores.shards[1]}" (of tensor "' in str(e.value)
+    assert any(f'(of tensor "{t}")' in str(e.value) for t in first), str(e.value)
+
+
+@pytest.mark.parametrize("store", ["s3", "http"])
 @pytest.mark.parametrize("target", ["../other/x.safetensors", "/abs.safetensors",
                                     "sub/../../x.safetensors"])
 def test_index_may_not_leave_its_prefix(stores, store, target):

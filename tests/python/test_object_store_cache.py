@@ -110,6 +110,15 @@ def test_safe_open_reads_through_the_cache(stores, tmp_path):
     assert len(blobs(tmp_path)) == 1
 
 
+def test_environment_variable_sets_the_cache_for_python(stores, tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CACHE_DIR", str(tmp_path))
+    url, opts = stores.url("s3", "tiny")
+    got, stats = load_with_stats(url, storage_options=dict(opts, **SMALL_OPEN))
+    assert_same(got, load_all(stores.tiny))
+    assert stats.cache_fills == len(stores.shards)
+    assert len(blobs(tmp_path)) == len(stores.shards)
+
+
 def cli_load(url, *args, env=None, check=True):
     full = dict(os.environ)
     full.update(env or {})

@@ -523,17 +523,10 @@ class Bench:
         disk), and, as the disk's reference, a cold load of the local checkpoint itself. Each
         run's checksum must be the streaming load's."""
         import shutil
+
+        from _pagecache import evict
         cache_dir = os.path.join(self.args.data, "object-cache")
         rows = {}
-
-        def evict(paths):
-            for path in paths:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
 
         def blob_paths():
             d = os.path.join(cache_dir, "blobs")

@@ -253,20 +253,16 @@ class CheckpointBuilder {
     for (size_t begin = 0; begin < paths.size(); begin += window) {
       const size_t n = std::min(window, paths.size() - begin);
       std::vector<std::optional<Opened>> opened(n);
-      std::vector<Status> status(n);
-      // Each file's status is kept in `status`: the loop below reports the first in file order.
-      static_cast<void>(ParallelForUntilError(n, static_cast<unsigned>(n), [&](size_t i) -> Status {
-        Result<Opened> r = OpenFile(paths[begin + i]);
-        if (!r.ok()) {
-          status[i] = r.status();
-          return r.status();
-        }
-        opened[i] = std::move(r).value();
+      // The error of the first file in order that failed; every file before it was opened, so
+      // the first one without an entry in `opened` is that file.
+      const Status error = ParallelForUntilError(n, static_cast<unsigned>(n), [&](size_t i) {
+        TF_ASSIGN_OR_RETURN(Opened o, OpenFile(paths[begin + i]));
+        opened[i] = std::move(o);
         return Status::Ok();
-      }));
+      });
       for (size_t i = 0; i < n; ++i) {
         failed = begin + i;
-        TF_RETURN_IF_ERROR(status[i]);
+        if (!opened[i]) return error;
         TF_RETURN_IF_ERROR(Append(paths[begin + i], std::move(*opened[i])));
       }
     }

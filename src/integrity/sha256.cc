@@ -11,16 +11,10 @@
 #include <vector>
 
 #include "tensorferry/integrity.h"
+#include "util/unique_fd.h"
 
 namespace tensorferry {
 namespace {
-
-struct FdCloser {
-  int fd;
-  ~FdCloser() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 struct MdCtxDeleter {
   void operator()(EVP_MD_CTX* ctx) const noexcept { EVP_MD_CTX_free(ctx); }
@@ -36,13 +30,13 @@ bool IsLowerHex(std::string_view s) {
 }  // namespace
 
 Result<std::string> Sha256OfFile(const std::string& path) {
-  FdCloser file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (file.fd < 0) {
+  const UniqueFd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (file.get() < 0) {
     const int err = errno;
     return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
                   path + ": open: " + std::strerror(err));
   }
-  ::posix_fadvise(file.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  ::posix_fadvise(file.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   std::unique_ptr<EVP_MD_CTX, MdCtxDeleter> ctx(EVP_MD_CTX_new());
   if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
     return Status(Code::kInternal, path + ": OpenSSL could not start a SHA-256 digest");
@@ -50,7 +44,7 @@ Result<std::string> Sha256OfFile(const std::string& path) {
   std::vector<unsigned char> buffer(4u << 20);
   uint64_t offset = 0;
   for (;;) {
-    const ssize_t n = ::pread(file.fd, buffer.data(), buffer.size(), static_cast<off_t>(offset));
+    const ssize_t n = ::pread(file.get(), buffer.data(), buffer.size(), static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
       return Status(Code::kIoError, path + ": read at offset " + std::to_string(offset) + ": " +

@@ -18,24 +18,10 @@
 
 #include "io/engine_common.h"
 #include "tensorferry/residency.h"
+#include "util/unique_fd.h"
 
 namespace tensorferry::io {
 namespace {
-
-// Owns a file descriptor.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 // Owns a mapping.
 class Mapping {
@@ -62,7 +48,7 @@ Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t
     return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
                   path + ": cannot open: " + ErrnoText(err));
   }
-  const Fd fd(raw_fd);
+  const UniqueFd fd(raw_fd);
   return CachedFraction(fd.get(), path, offset, length);
 }
 

@@ -19,10 +19,12 @@
 
 #include <simdjson.h>
 
+#include "tensorferry/env.h"
 #include "tensorferry/object_store.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/parallel.h"
+#include "util/unique_fd.h"
 
 namespace tensorferry {
 namespace objstore {
@@ -35,25 +37,6 @@ constexpr uint64_t kFillBuffers = 128u << 20;  // the download's buffers, all th
 std::string Errno(int error) {
   return std::strerror(error);
 }
-
-// A descriptor, closed at scope exit.
-class Fd {
- public:
-  explicit Fd(int fd = -1) noexcept : fd_(fd) {}
-  ~Fd() { Reset(); }
-  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Fd& operator=(Fd&&) = delete;
-  Fd(const Fd&) = delete;
-  int get() const noexcept { return fd_; }
-  int release() noexcept { return std::exchange(fd_, -1); }
-  void Reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_;
-};
 
 // Writes all of `data` at `offset`; the errno of the failure, or 0.
 int PwriteFully(int fd, std::span<const std::byte> data, uint64_t offset) {
@@ -78,11 +61,6 @@ int Flock(int fd, int how) {
   return 0;
 }
 
-void FsyncDir(const std::string& dir) {
-  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (d.get() >= 0) ::fsync(d.get());
-}
-
 bool IsKey(std::string_view name) {
   if (name.size() != 64) return false;
   return std::all_of(name.begin(), name.end(),
@@ -93,7 +71,7 @@ bool IsKey(std::string_view name) {
 // object's URL.
 class CachedFile final : public SourceFile {
  public:
-  CachedFile(Fd fd, std::string name, std::string blob, FileIdentity identity)
+  CachedFile(UniqueFd fd, std::string name, std::string blob, FileIdentity identity)
       : fd_(fd.release()), name_(std::move(name)), blob_(std::move(blob)), identity_(identity) {}
   ~CachedFile() override { ::close(fd_); }
 
@@ -149,9 +127,11 @@ void ReadDescription(const std::string& path, ObjectCacheEntry& entry) {
   if (doc["etag"].get(text) == simdjson::SUCCESS) entry.etag = text;
 }
 
-// The lock of `key`, held, if nobody else holds it (never waits); an empty Fd when another does.
-Fd TryLockKey(const std::string& dir, const std::string& key) {
-  Fd fd(::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+// The lock of `key`, held, if nobody else holds it (never waits); an empty UniqueFd when another
+// does.
+UniqueFd TryLockKey(const std::string& dir, const std::string& key) {
+  UniqueFd fd(
+      ::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (fd.get() >= 0 && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) fd.Reset();
   return fd;
 }
@@ -205,7 +185,7 @@ uint64_t EvictUntil(const std::string& dir, uint64_t budget, const std::string& 
     if (total <= budget) break;
     if (s.entry.key == keep) continue;
     // Never under a filler (or anyone holding the key): try, don't wait.
-    const Fd lock = TryLockKey(dir, s.entry.key);
+    const UniqueFd lock = TryLockKey(dir, s.entry.key);
     if (lock.get() < 0) continue;
     // Readers that opened it keep reading: an unlinked file lives while it is open.
     if (::unlink((blobs + s.entry.key).c_str()) == 0) {
@@ -223,7 +203,7 @@ void RemoveLeftovers(const std::string& dir) {
     while (const dirent* e = ::readdir(d)) {
       const std::string_view name = e->d_name;
       if (name.size() <= 64 || name[64] != '.' || !IsKey(name.substr(0, 64))) continue;
-      const Fd lock = TryLockKey(dir, std::string(name.substr(0, 64)));
+      const UniqueFd lock = TryLockKey(dir, std::string(name.substr(0, 64)));
       if (lock.get() >= 0) ::unlinkat(::dirfd(d), e->d_name, 0);
     }
     ::closedir(d);
@@ -236,7 +216,7 @@ void RemoveLeftovers(const std::string& dir) {
       const std::string key(name.substr(0, 64));
       struct stat st {};
       if (::fstatat(::dirfd(d), key.c_str(), &st, 0) == 0) continue;
-      const Fd lock = TryLockKey(dir, key);
+      const UniqueFd lock = TryLockKey(dir, key);
       if (lock.get() >= 0 && ::fstatat(::dirfd(d), key.c_str(), &st, 0) != 0) {
         ::unlinkat(::dirfd(d), e->d_name, 0);
       }
@@ -287,7 +267,7 @@ Result<std::unique_ptr<SourceFile>> ObjectCache::Find(const CachedObject& object
                                                       const std::string& key,
                                                       const FileIdentity& identity) {
   const std::string blob = dir_ + "/blobs/" + key;
-  Fd fd(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd fd(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return std::unique_ptr<SourceFile>();
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
@@ -322,7 +302,7 @@ Result<std::unique_ptr<SourceFile>> ObjectCache::Open(const CachedObject& object
   }
   // One filler per key, across threads and processes: the others wait here, then find its copy.
   const std::string lock_path = dir_ + "/locks/" + key + ".lock";
-  Fd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (lock.get() < 0 || Flock(lock.get(), LOCK_EX) != 0) {
     NoteError(where + "cannot lock " + lock_path + ": " + Errno(errno));
     return std::unique_ptr<SourceFile>();
@@ -373,7 +353,7 @@ Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& ke
   static std::atomic<uint64_t> serial{0};
   const std::string tmp = dir_ + "/tmp/" + key + "." + std::to_string(::getpid()) + "." +
                           std::to_string(serial.fetch_add(1));
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   if (fd.get() < 0) {
     why = "cannot create " + tmp + ": " + Errno(errno);
     return false;
@@ -461,7 +441,7 @@ Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& ke
   meta += "}\n";
   const std::string meta_tmp = tmp + ".json";
   {
-    Fd m(::open(meta_tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    UniqueFd m(::open(meta_tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     const int e =
         m.get() < 0 ? errno : PwriteFully(m.get(), std::as_bytes(std::span<const char>(meta)), 0);
     if (e != 0 || ::rename(meta_tmp.c_str(), (dir_ + "/blobs/" + key + ".json").c_str()) != 0) {
@@ -471,12 +451,12 @@ Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& ke
     }
   }
   const std::string blob = dir_ + "/blobs/" + key;
-  if (::rename(tmp.c_str(), blob.c_str()) != 0) {
-    why = "cannot rename " + tmp + " to " + blob + ": " + Errno(errno);
+  if (Status renamed = Env::Default()->RenameFile(tmp, blob); !renamed.ok()) {
+    why = renamed.message();
     return false;
   }
   cleanup.armed = false;
-  FsyncDir(dir_ + "/blobs");
+  static_cast<void>(Env::Default()->SyncDirectory(dir_ + "/blobs"));  // a cache: best effort
   return true;
 }
 

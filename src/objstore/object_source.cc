@@ -168,8 +168,9 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
   SourceStats stats() const override;
   SourceReadHints hints() const override;
-  // hints().read_size, without the reason's text (every read asks for it).
-  uint64_t PartSize() const;
+  // hints() without the reason's text (every read and every cache download asks for it).
+  SourceReadHints Transport() const;
+  uint64_t PartSize() const { return Transport().read_size; }
 
   // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
   // and resuming.
@@ -363,11 +364,10 @@ SourceStats ObjectSource::stats() const {
   return s;
 }
 
-uint64_t ObjectSource::PartSize() const {
-  if (options_.part_size != 0) return options_.part_size;
+SourceReadHints ObjectSource::Transport() const {
   std::lock_guard<std::mutex> lock(peers_mu_);
-  return ChooseTransport(options_.concurrency, 0, local_peer_, remote_peer_, /*explain=*/false)
-      .read_size;
+  return ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_,
+                         /*explain=*/false);
 }
 
 Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
@@ -421,7 +421,7 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
     const FetchRange fetch = [this, &target, &r, &id](uint64_t offset, std::span<std::byte> dst) {
       return ReadRange(target, r.etag, id.size, offset, dst);
     };
-    const SourceReadHints transport = hints();
+    const SourceReadHints transport = Transport();
     TF_ASSIGN_OR_RETURN(
         std::unique_ptr<SourceFile> cached,
         cache_->Open(object, id, prefix, fetch, transport.concurrency, transport.read_size));

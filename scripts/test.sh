@@ -49,9 +49,9 @@ stage "ThreadSanitizer build"
 scripts/build.sh tsan
 stage "ThreadSanitizer tests"
 # the concurrent parts: engine, memory, loader, device pipeline, tensor-parallel loads, in-process
-# collectives, checks as bytes land
+# collectives, checks as bytes land, the object cache's downloads beside its readers
 TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/scripts/tsan.supp" ctest --test-dir build/tsan --output-on-failure -j 2 -LE 'python|mpi' \
-  -R 'Loader|Engine|Pread|Buffer|Budget|Residen|Device|Cuda|Staging|Collective|Cooperative|TensorParallelLoad|LandingCheck'
+  -R 'Loader|Engine|Pread|Buffer|Budget|Residen|Device|Cuda|Staging|Collective|Cooperative|TensorParallelLoad|LandingCheck|ObjectCache'
 
 stage "fuzz build"
 scripts/build.sh fuzz

@@ -42,11 +42,12 @@
 // AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_NO_SIGN_REQUEST. No credentials
 // anywhere means unsigned (anonymous) requests. docs/object_storage.md lists every setting.
 //
-// Local cache (cache_dir below): opening a file whose copy is in the cache reads the copy; opening
-// one whose copy is missing downloads it whole into the cache first (the open then takes as long
-// as the download). A cache that fails (a full disk, a directory that cannot be written) never
-// fails a load: the file is read from the store and the failure shows in the source's stats and
-// the load's engine_reason.
+// Local cache (cache_dir below): opening a file whose copy is in the cache reads the copy; a file
+// whose copy is missing is downloaded whole into the cache beside the load that first reads it
+// beyond its header (the load reads through the download as it arrives), and the download ends
+// before the Source is destroyed. A cache that fails (a full disk, a directory that cannot be
+// written, a download the store breaks off) never fails a load: the file is read from the store
+// and the failure shows in the source's stats and the load's engine_reason.
 //
 // Thread-safety: options are values; the Source is safe to use from several threads.
 #pragma once
@@ -89,7 +90,7 @@ struct ObjectStoreOptions {
   bool verify_tls = true;     // object_verify_tls: verify the server's certificate
   std::string ca_bundle;      // object_ca_bundle: a CA file instead of the system's
   // --- local cache (S3 and HTTP) ---
-  // object_cache_dir: keep a whole copy of each file opened in this directory (created when
+  // object_cache_dir: keep a whole copy of each file read in this directory (created when
   // missing; several processes may share it) and read the copy; "" = no cache. An object is
   // downloaded once per version (URL, strong ETag, size): later opens, by this process or
   // another, cost one ranged GET (the open's, which checks the ETag) and read local disk. Objects

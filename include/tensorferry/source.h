@@ -90,9 +90,11 @@ struct SourceStats {
   uint64_t retries = 0;   // requests that repeated a failed one
   uint64_t bytes = 0;     // bytes received
   // The local cache of object-store files (ObjectStoreOptions::cache_dir); zero without one:
-  // opens served by a copy in the cache, objects downloaded into it and their bytes (counted in
-  // `bytes` too), and opens that read the store because the cache failed.
+  // files served by a copy in the cache, downloads into it begun and their objects' bytes (the
+  // bytes received count in `bytes` too), and files that read the store because the cache
+  // failed; and all of that in words, with the latest failure ("" without a cache).
   uint64_t cache_hits = 0, cache_fills = 0, cache_fill_bytes = 0, cache_errors = 0;
+  std::string cache_summary;
 };
 
 // Requests counted for one reader of a Source (SourceStatsScope). Thread-safe.

@@ -44,9 +44,11 @@ struct LoadStats {
   uint64_t remote_retries = 0;
   uint64_t remote_bytes = 0;
   // The local cache of object-store files (ObjectStoreOptions::cache_dir), as the checkpoint's
-  // source counted them since the checkpoint was opened (its files are opened, and downloaded
-  // into the cache when missing, by Checkpoint::Open, before any load): files read from a copy
-  // in the cache, files downloaded into it, and their bytes. Zero without a cache.
+  // source counted them since the checkpoint was opened (a missing file's download into the
+  // cache begins at its first read beyond the header, and runs beside the loads): files read
+  // from a copy in the cache, downloads into it begun, and their objects' bytes. Zero without a
+  // cache. engine_reason ends with the same in words, and why files read the store if the cache
+  // failed.
   uint64_t cache_hits = 0;
   uint64_t cache_fills = 0;
   uint64_t cache_fill_bytes = 0;

@@ -150,12 +150,14 @@ struct Loader::Impl {
     stats.remote_requests = now.requests - before.requests;
     stats.remote_retries = now.retries - before.retries;
     stats.remote_bytes = now.bytes - before.bytes;
-    // The cache's counts are the checkpoint's source's since it was made (its opens happened
-    // before any load).
+    // The cache's counts are the checkpoint's source's since it was made (a file's download
+    // begins at its first read beyond the header, in whichever load reads it first).
     const SourceStats source = checkpoint->file_set()->source()->stats();
     stats.cache_hits = source.cache_hits;
     stats.cache_fills = source.cache_fills;
     stats.cache_fill_bytes = source.cache_fill_bytes;
+    if (!source.cache_summary.empty())
+      stats.engine_reason = engine_reason + "; " + source.cache_summary;
   }
 };
 

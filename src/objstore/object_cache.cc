@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -48,6 +50,21 @@ int PwriteFully(int fd, std::span<const std::byte> data, uint64_t offset) {
     }
     if (n == 0) return EIO;
     data = data.subspan(static_cast<size_t>(n));
+    offset += static_cast<uint64_t>(n);
+  }
+  return 0;
+}
+
+// Reads all of `dst` at `offset`; the errno of the failure, EIO when the file ends first, or 0.
+int PreadFully(int fd, std::span<std::byte> dst, uint64_t offset) {
+  while (!dst.empty()) {
+    const ssize_t n = ::pread(fd, dst.data(), dst.size(), static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;
+    dst = dst.subspan(static_cast<size_t>(n));
     offset += static_cast<uint64_t>(n);
   }
   return 0;
@@ -227,8 +244,237 @@ void RemoveLeftovers(const std::string& dir) {
 
 }  // namespace
 
+// One download into the cache, shared by the file reading through it and the filler thread.
+// The bytes below `head` (the open's prefix) are written when it starts; the rest, [head, size),
+// is claimed range by range: a reader claims exactly the bytes it needs and nobody has claimed
+// (fetched straight into its buffer, then written to the copy), the filler claims what is left
+// from the end of the object down (so that it meets a load reading forward rather than racing
+// it for the same bytes).
+struct ObjectCache::Fill {
+  CachedObject object;
+  std::string key, tmp;
+  UniqueFd fd;    // tmp, read and written
+  UniqueFd lock;  // locks/<key>.lock, held until Finish
+  FetchRange fetch;
+  unsigned threads = 1;
+  uint64_t head = 0, part = 0;
+
+  struct Claimed {
+    uint64_t end;
+    bool done;  // written to the copy (else being fetched)
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, Claimed> claimed;  // mu: by first byte; never overlapping
+  uint64_t done_bytes = 0;              // mu
+  uint64_t top = 0;                     // mu: the filler claims below this
+  size_t busy = 0;                      // mu: claims being fetched
+  bool failed = false;                  // mu: given up (unclaimed bytes read the store)
+  std::string why;                      // mu: why
+
+  bool Whole() const { return done_bytes == object.size - head; }
+
+  enum class Kind { kDone, kMine, kStore };
+  struct Span {
+    Kind kind;
+    uint64_t end;
+  };
+  // What to do with the bytes from `at` (at < limit): read [at, end) from the copy, fetch it (now
+  // the caller's claim), or read it from the store (the download was given up). Waits while
+  // another thread fetches the bytes at `at`.
+  Span Next(uint64_t at, uint64_t limit) {
+    std::unique_lock<std::mutex> lk(mu);
+    for (;;) {
+      auto it = claimed.upper_bound(at);
+      const uint64_t next = it == claimed.end() ? limit : std::min(limit, it->first);
+      if (it != claimed.begin() && std::prev(it)->second.end > at) {
+        const Claimed& c = std::prev(it)->second;
+        if (c.done) return {Kind::kDone, std::min(limit, c.end)};
+        cv.wait(lk);  // someone else's, in flight
+        continue;
+      }
+      if (failed) return {Kind::kStore, next};
+      claimed.emplace(at, Claimed{next, false});
+      ++busy;
+      return {Kind::kMine, next};
+    }
+  }
+  // The filler's next claim: at most `part` bytes of the highest range nobody claimed; false
+  // when there is none left (or the download was given up).
+  bool NextFromTop(uint64_t& begin, uint64_t& end) {
+    std::lock_guard<std::mutex> lk(mu);
+    while (!failed && top > head) {
+      auto it = claimed.lower_bound(top);  // the first claim at or after top
+      if (it != claimed.begin() && std::prev(it)->second.end >= top) {
+        top = std::prev(it)->first;  // top lies inside (or at the end of) a claim: skip it
+        continue;
+      }
+      const uint64_t floor =
+          it == claimed.begin() ? head : std::max(head, std::prev(it)->second.end);
+      end = top;
+      begin = std::max(floor, top > part ? top - part : 0);
+      claimed.emplace(begin, Claimed{end, false});
+      ++busy;
+      top = begin;
+      return true;
+    }
+    return false;
+  }
+  // Ends the claim that starts at `begin`: written, or not (`error` says why: the download is
+  // given up).
+  void Release(uint64_t begin, const std::string& error) {
+    std::lock_guard<std::mutex> lk(mu);
+    --busy;
+    auto it = claimed.find(begin);
+    if (error.empty()) {
+      it->second.done = true;
+      done_bytes += it->second.end - begin;
+    } else {
+      claimed.erase(it);
+      if (!failed) why = error;
+      failed = true;
+    }
+    cv.notify_all();
+  }
+  // Fetches [begin, begin + buffer.size()) (claimed) into `buffer` and writes it to the copy;
+  // releases the claim. The store's error, or OK (a failed write gives the download up, not the
+  // read).
+  Status FetchClaim(uint64_t begin, std::span<std::byte> buffer) {
+    if (Status st = fetch(begin, buffer); !st.ok()) {
+      Release(begin, st.message());
+      return st;
+    }
+    if (const int e = PwriteFully(fd.get(), buffer, begin); e != 0) {
+      Release(begin, "cannot write " + tmp + ": " + Errno(e));
+      return Status::Ok();
+    }
+    // Start writing the range to disk now (asynchronously), so that the fsync at the end waits
+    // for the last ranges only, not for the whole file.
+    ::sync_file_range(fd.get(), static_cast<off_t>(begin), static_cast<off_t>(buffer.size()),
+                      SYNC_FILE_RANGE_WRITE);
+    Release(begin, "");
+    return Status::Ok();
+  }
+};
+
+// An object whose copy is not in the cache (yet): header reads from the open's prefix, then reads
+// through the download the first read beyond it starts (ObjectCache::Start), or from the store
+// when the cache cannot hold it.
+class FillingFile final : public SourceFile {
+ public:
+  FillingFile(ObjectCache* cache, CachedObject object, FileIdentity identity,
+              std::vector<std::byte> prefix, FetchRange fetch, unsigned concurrency,
+              uint64_t part_size, std::shared_ptr<const void> owner)
+      : cache_(cache),
+        object_(std::move(object)),
+        identity_(identity),
+        prefix_(std::move(prefix)),
+        fetch_(std::move(fetch)),
+        concurrency_(concurrency),
+        part_size_(part_size),
+        owner_(std::move(owner)) {}
+
+  Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    if (offset >= identity_.size || dst.empty()) return size_t{0};
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(dst.size(), identity_.size - offset));
+    dst = dst.first(n);
+    ObjectCache::Fill* fill = nullptr;
+    const SourceFile* entry = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!started_) {
+        if (offset + n <= prefix_.size()) {
+          std::memcpy(dst.data(), prefix_.data() + offset, n);
+          return n;
+        }
+        started_ = true;
+        fill_ =
+            cache_->Start(object_, identity_, prefix_, fetch_, concurrency_, part_size_, entry_);
+        std::vector<std::byte>().swap(prefix_);
+      }
+      fill = fill_.get();
+      entry = entry_.get();
+    }
+    if (entry != nullptr) return entry->Read(offset, dst);
+    if (fill == nullptr) {
+      TF_RETURN_IF_ERROR(FromStore(offset, dst));
+    } else {
+      TF_RETURN_IF_ERROR(ReadThrough(*fill, offset, dst));
+    }
+    return n;
+  }
+  Result<uint64_t> Size() const override { return identity_.size; }
+  const std::string& path() const noexcept override { return object_.name; }
+  const FileIdentity& identity() const noexcept override { return identity_; }
+  // Every fetch is pinned to the ETag, and the copy is written by this process only.
+  Status CheckUnchanged() const override { return Status::Ok(); }
+
+ private:
+  // dst from the store, in parts (as the object's own files read it).
+  Status FromStore(uint64_t offset, std::span<std::byte> dst) const {
+    const uint64_t part = std::max<uint64_t>(part_size_, 1u << 20);
+    for (uint64_t at = 0; at < dst.size(); at += part) {
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(part, dst.size() - at));
+      TF_RETURN_IF_ERROR(fetch_(offset + at, dst.subspan(static_cast<size_t>(at), len)));
+    }
+    return Status::Ok();
+  }
+  Status FromCopy(const ObjectCache::Fill& fill, uint64_t offset, std::span<std::byte> dst) const {
+    if (const int e = PreadFully(fill.fd.get(), dst, offset); e != 0) {
+      return Status(Code::kIoError, object_.name + ": read of its copy in progress " + fill.tmp +
+                                        " at offset " + std::to_string(offset) +
+                                        " failed: " + Errno(e));
+    }
+    return Status::Ok();
+  }
+  Status ReadThrough(ObjectCache::Fill& fill, uint64_t offset, std::span<std::byte> dst) const {
+    using Kind = ObjectCache::Fill::Kind;
+    const uint64_t limit = offset + dst.size();
+    uint64_t at = offset;
+    if (at < fill.head) {  // the prefix, written when the download began
+      const uint64_t end = std::min(limit, fill.head);
+      TF_RETURN_IF_ERROR(FromCopy(fill, at, dst.first(static_cast<size_t>(end - at))));
+      at = end;
+    }
+    while (at < limit) {
+      const ObjectCache::Fill::Span span = fill.Next(at, limit);
+      const std::span<std::byte> out =
+          dst.subspan(static_cast<size_t>(at - offset), static_cast<size_t>(span.end - at));
+      switch (span.kind) {
+        case Kind::kDone: TF_RETURN_IF_ERROR(FromCopy(fill, at, out)); break;
+        case Kind::kStore: TF_RETURN_IF_ERROR(FromStore(at, out)); break;
+        case Kind::kMine: TF_RETURN_IF_ERROR(fill.FetchClaim(at, out)); break;
+      }
+      at = span.end;
+    }
+    return Status::Ok();
+  }
+
+  ObjectCache* const cache_;
+  const CachedObject object_;
+  const FileIdentity identity_;
+  mutable std::mutex mu_;
+  mutable std::vector<std::byte> prefix_;            // mu_; released when the download starts
+  mutable bool started_ = false;                     // mu_
+  mutable std::shared_ptr<ObjectCache::Fill> fill_;  // set once (mu_), then read only
+  mutable std::unique_ptr<SourceFile> entry_;        // set once (mu_), then read only
+  const FetchRange fetch_;
+  const unsigned concurrency_;
+  const uint64_t part_size_;
+  const std::shared_ptr<const void> owner_;
+};
+
 ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes)
     : dir_(std::move(dir)), max_bytes_(max_bytes) {}
+
+ObjectCache::~ObjectCache() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  if (filler_.joinable()) filler_.join();
+}
 
 std::string ObjectCache::Key(const CachedObject& object) {
   const std::string text =
@@ -263,82 +509,75 @@ void ObjectCache::NoteError(const std::string& why) {
   last_error_ = why;
 }
 
-Result<std::unique_ptr<SourceFile>> ObjectCache::Find(const CachedObject& object,
-                                                      const std::string& key,
-                                                      const FileIdentity& identity) {
+std::unique_ptr<SourceFile> ObjectCache::Find(const CachedObject& object, const std::string& key,
+                                              const FileIdentity& identity) {
   const std::string blob = dir_ + "/blobs/" + key;
   UniqueFd fd(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return std::unique_ptr<SourceFile>();
+  if (fd.get() < 0) return nullptr;
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<uint64_t>(st.st_size) != object.size) {
     ::unlink(blob.c_str());  // damaged: filled again
-    return std::unique_ptr<SourceFile>();
+    return nullptr;
   }
   // Recently used, for eviction (a read-only cache shared by others keeps its times).
   ::utimensat(AT_FDCWD, blob.c_str(), nullptr, 0);
-  return std::unique_ptr<SourceFile>(new CachedFile(std::move(fd), object.name, blob, identity));
+  return std::make_unique<CachedFile>(std::move(fd), object.name, blob, identity);
 }
 
-Result<std::unique_ptr<SourceFile>> ObjectCache::Open(const CachedObject& object,
-                                                      const FileIdentity& identity,
-                                                      std::span<const std::byte> prefix,
-                                                      const FetchRange& fetch, unsigned concurrency,
-                                                      uint64_t part_size) {
-  const std::string key = Key(object);
-  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> found, Find(object, key, identity));
-  if (found) {
+Result<std::unique_ptr<SourceFile>> ObjectCache::Open(
+    const CachedObject& object, const FileIdentity& identity, std::vector<std::byte> prefix,
+    FetchRange fetch, unsigned concurrency, uint64_t part_size, std::shared_ptr<const void> owner) {
+  if (std::unique_ptr<SourceFile> found = Find(object, Key(object), identity)) {
     hits_.fetch_add(1);
     return found;
   }
+  return std::unique_ptr<SourceFile>(new FillingFile(this, object, identity, std::move(prefix),
+                                                     std::move(fetch), concurrency, part_size,
+                                                     std::move(owner)));
+}
+
+std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object,
+                                                      const FileIdentity& identity,
+                                                      std::span<const std::byte> prefix,
+                                                      const FetchRange& fetch, unsigned concurrency,
+                                                      uint64_t part_size,
+                                                      std::unique_ptr<SourceFile>& found) {
+  const std::string key = Key(object);
   const std::string where = "object cache " + dir_ + ": ";
   std::error_code ec;
   for (const char* sub : {"blobs", "locks", "tmp"}) {
     fs::create_directories(dir_ + "/" + sub, ec);
     if (ec) {
       NoteError(where + "cannot create " + dir_ + "/" + sub + ": " + ec.message());
-      return std::unique_ptr<SourceFile>();
+      return nullptr;
     }
   }
-  // One filler per key, across threads and processes: the others wait here, then find its copy.
+  // One filler per key, across threads and processes: the others wait here (for the whole
+  // download: the holder's filler thread runs it to the end), then find its copy.
   const std::string lock_path = dir_ + "/locks/" + key + ".lock";
   UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (lock.get() < 0 || Flock(lock.get(), LOCK_EX) != 0) {
     NoteError(where + "cannot lock " + lock_path + ": " + Errno(errno));
-    return std::unique_ptr<SourceFile>();
+    return nullptr;
   }
-  TF_ASSIGN_OR_RETURN(found, Find(object, key, identity));
-  if (found) {
+  if ((found = Find(object, key, identity))) {
     hits_.fetch_add(1);
-    return found;
+    return nullptr;
   }
-  // One download at a time per cache object: opens run in parallel (Checkpoint::Open opens an
-  // object checkpoint's files several at a time), and each download already keeps `concurrency`
-  // GETs in flight.
-  std::lock_guard<std::mutex> filling(fill_mu_);
   std::string why;
-  if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {
-    NoteError(where + object.name + " not cached: " + why);
-    return std::unique_ptr<SourceFile>();
+  {
+    std::lock_guard<std::mutex> room(room_mu_);
+    if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {
+      NoteError(where + object.name + " not cached: " + why);
+      return nullptr;
+    }
+    reserved_ += object.size;
   }
-  TF_ASSIGN_OR_RETURN(const bool filled,
-                      Fill(object, key, prefix, fetch, concurrency, part_size, why));
-  if (!filled) {
-    NoteError(where + object.name + " not cached: " + why);
-    return std::unique_ptr<SourceFile>();
-  }
-  fills_.fetch_add(1);
-  fill_bytes_.fetch_add(object.size);
-  TF_ASSIGN_OR_RETURN(found, Find(object, key, identity));
-  if (!found) {
-    NoteError(where + object.name + ": the entry just written is gone");
-  }
-  return found;
-}
-
-Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& key,
-                               std::span<const std::byte> prefix, const FetchRange& fetch,
-                               unsigned concurrency, uint64_t part_size, std::string& why) {
+  const auto unreserve = [this, &object] {
+    std::lock_guard<std::mutex> room(room_mu_);
+    reserved_ -= object.size;
+  };
   // Downloads of this key left by a process that died (we hold the key's lock).
   if (DIR* d = ::opendir((dir_ + "/tmp").c_str())) {
     while (const dirent* e = ::readdir(d)) {
@@ -351,125 +590,164 @@ Result<bool> ObjectCache::Fill(const CachedObject& object, const std::string& ke
     ::closedir(d);
   }
   static std::atomic<uint64_t> serial{0};
-  const std::string tmp = dir_ + "/tmp/" + key + "." + std::to_string(::getpid()) + "." +
-                          std::to_string(serial.fetch_add(1));
-  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-  if (fd.get() < 0) {
-    why = "cannot create " + tmp + ": " + Errno(errno);
-    return false;
+  auto fill = std::make_shared<Fill>();
+  fill->tmp = dir_ + "/tmp/" + key + "." + std::to_string(::getpid()) + "." +
+              std::to_string(serial.fetch_add(1));
+  fill->fd = UniqueFd(::open(fill->tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  if (fill->fd.get() < 0) {
+    unreserve();
+    NoteError(where + object.name + " not cached: cannot create " + fill->tmp + ": " +
+              Errno(errno));
+    return nullptr;
   }
-  struct Cleanup {
-    const std::string& path;
-    bool armed = true;
-    ~Cleanup() {
-      if (armed) ::unlink(path.c_str());
-    }
-  } cleanup{tmp};
   // Reserve the space first: a full disk is found before any byte is downloaded. (fallocate(2),
   // not posix_fallocate: where the file system cannot reserve, glibc's fallback would write the
   // whole file once more in zeros.)
-  if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(object.size)) != 0 && errno != EOPNOTSUPP &&
-      errno != ENOSYS && errno != EINVAL) {
-    why =
-        "cannot reserve " + std::to_string(object.size) + " bytes for " + tmp + ": " + Errno(errno);
-    return false;
-  }
   const size_t head = static_cast<size_t>(std::min<uint64_t>(prefix.size(), object.size));
-  if (const int e = PwriteFully(fd.get(), prefix.first(head), 0); e != 0) {
-    why = "cannot write " + tmp + ": " + Errno(e);
-    return false;
+  int e = 0;
+  if (::fallocate(fill->fd.get(), 0, 0, static_cast<off_t>(object.size)) != 0 &&
+      errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL) {
+    why = "cannot reserve " + std::to_string(object.size) + " bytes for " + fill->tmp + ": " +
+          Errno(errno);
+  } else if ((e = PwriteFully(fill->fd.get(), prefix.first(head), 0)) != 0) {
+    why = "cannot write " + fill->tmp + ": " + Errno(e);
   }
-  // The rest in parts, `concurrency` downloads at a time, each into a buffer of its own (taken
-  // from a pool: at most one per thread, reused part after part).
-  const unsigned threads = std::max(1u, concurrency);
-  const uint64_t part = std::clamp<uint64_t>(std::min<uint64_t>(part_size, kFillBuffers / threads),
-                                             64u << 10, kFillBuffers);
-  const uint64_t rest = object.size - head;
-  const uint64_t parts = (rest + part - 1) / part;
-  std::mutex mu;
-  std::vector<std::vector<std::byte>> buffers;  // free ones
-  std::string write_error;
-  const Status fetched = ParallelForUntilError(
-      static_cast<size_t>(parts), static_cast<unsigned>(std::min<uint64_t>(threads, parts)),
-      [&](size_t i) -> Status {
-        const uint64_t offset = head + i * part;
-        const size_t n = static_cast<size_t>(std::min<uint64_t>(part, object.size - offset));
-        std::vector<std::byte> buffer;
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          if (!buffers.empty()) {
-            buffer = std::move(buffers.back());
-            buffers.pop_back();
-          }
-        }
-        buffer.resize(n);
-        TF_RETURN_IF_ERROR(fetch(offset, std::span<std::byte>(buffer.data(), n)));
-        if (const int e = PwriteFully(fd.get(), buffer, offset); e != 0) {
-          std::lock_guard<std::mutex> lock(mu);
-          write_error = "cannot write " + tmp + ": " + Errno(e);
-          return Status(Code::kIoError, write_error);
-        }
-        // Start writing the part to disk now (asynchronously), so that the fsync at the end
-        // waits for the last parts only, not for the whole file.
-        ::sync_file_range(fd.get(), static_cast<off_t>(offset), static_cast<off_t>(n),
-                          SYNC_FILE_RANGE_WRITE);
-        std::lock_guard<std::mutex> lock(mu);
-        buffers.push_back(std::move(buffer));
-        return Status::Ok();
-      });
-  if (!write_error.empty()) {
-    why = write_error;
-    return false;
+  if (!why.empty()) {
+    unreserve();
+    ::unlink(fill->tmp.c_str());
+    NoteError(where + object.name + " not cached: " + why);
+    return nullptr;
   }
-  if (!fetched.ok()) return fetched;
-  if (::fsync(fd.get()) != 0) {
-    why = "cannot write " + tmp + " to disk (fsync): " + Errno(errno);
-    return false;
-  }
-  fd.Reset();
-  // What the entry is, beside it; then the entry itself, whole.
-  std::string meta = "{\"url\":";
-  json::AppendString(meta, object.name);
-  meta += ",\"request_url\":";
-  json::AppendString(meta, object.request_url);
-  meta += ",\"etag\":";
-  json::AppendString(meta, object.etag);
-  meta += ",\"size\":";
-  json::AppendUint(meta, object.size);
-  meta += ",\"created\":";
-  json::AppendUint(meta, static_cast<uint64_t>(std::time(nullptr)));
-  meta += "}\n";
-  const std::string meta_tmp = tmp + ".json";
+  fill->object = object;
+  fill->key = key;
+  fill->lock = std::move(lock);
+  fill->fetch = fetch;
+  fill->threads = std::max(1u, concurrency);
+  fill->head = head;
+  // Parts small enough for `threads` buffers to fit kFillBuffers together.
+  fill->part = std::clamp<uint64_t>(std::min<uint64_t>(part_size, kFillBuffers / fill->threads),
+                                    64u << 10, kFillBuffers);
+  fill->top = object.size;
+  fills_.fetch_add(1);
+  fill_bytes_.fetch_add(object.size);
   {
+    std::lock_guard<std::mutex> lk(mu_);
+    queue_.push_back(fill);
+    ++active_;
+    if (!filler_.joinable()) filler_ = std::thread([this] { FillerLoop(); });
+  }
+  queue_cv_.notify_one();
+  return fill;
+}
+
+void ObjectCache::FillerLoop() {
+  for (;;) {
+    std::shared_ptr<Fill> fill;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      queue_cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left to download
+      fill = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    RunFill(*fill);
+    fill.reset();  // its copy's descriptor closes with the last reader
+    std::lock_guard<std::mutex> lk(mu_);
+    if (--active_ == 0) idle_cv_.notify_all();
+  }
+}
+
+void ObjectCache::Drain() {
+  std::unique_lock<std::mutex> lk(mu_);
+  idle_cv_.wait(lk, [this] { return active_ == 0; });
+}
+
+void ObjectCache::RunFill(Fill& fill) {
+  // What no reader claims, from the top down, `threads` ranges at a time, each into a buffer of
+  // its own (at most `part` bytes, reused range after range).
+  ParallelFor(fill.threads, fill.threads, [&](size_t) {
+    std::vector<std::byte> buffer;
+    uint64_t begin = 0, end = 0;
+    while (fill.NextFromTop(begin, end)) {
+      buffer.resize(static_cast<size_t>(end - begin));
+      static_cast<void>(fill.FetchClaim(begin, buffer));  // a failure gives the download up
+    }
+  });
+  Finish(fill);
+}
+
+void ObjectCache::Finish(Fill& fill) {
+  const std::string where = "object cache " + dir_ + ": ";
+  {
+    // Parts readers are still fetching.
+    std::unique_lock<std::mutex> lk(fill.mu);
+    fill.cv.wait(lk, [&] { return fill.busy == 0; });
+    if (!fill.failed && !fill.Whole()) {
+      fill.failed = true;
+      fill.why = "download incomplete";
+    }
+  }
+  std::string why;
+  if (fill.failed) {
+    why = "download failed: " + fill.why;
+  } else if (::fsync(fill.fd.get()) != 0) {
+    why = "cannot write " + fill.tmp + " to disk (fsync): " + Errno(errno);
+  } else {
+    // What the entry is, beside it; then the entry itself, whole.
+    const CachedObject& object = fill.object;
+    std::string meta = "{\"url\":";
+    json::AppendString(meta, object.name);
+    meta += ",\"request_url\":";
+    json::AppendString(meta, object.request_url);
+    meta += ",\"etag\":";
+    json::AppendString(meta, object.etag);
+    meta += ",\"size\":";
+    json::AppendUint(meta, object.size);
+    meta += ",\"created\":";
+    json::AppendUint(meta, static_cast<uint64_t>(std::time(nullptr)));
+    meta += "}\n";
+    const std::string meta_tmp = fill.tmp + ".json";
     UniqueFd m(::open(meta_tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     const int e =
         m.get() < 0 ? errno : PwriteFully(m.get(), std::as_bytes(std::span<const char>(meta)), 0);
-    if (e != 0 || ::rename(meta_tmp.c_str(), (dir_ + "/blobs/" + key + ".json").c_str()) != 0) {
+    if (e != 0 ||
+        ::rename(meta_tmp.c_str(), (dir_ + "/blobs/" + fill.key + ".json").c_str()) != 0) {
       why = "cannot write " + meta_tmp + ": " + Errno(e != 0 ? e : errno);
       ::unlink(meta_tmp.c_str());
-      return false;
+    } else if (Status renamed = Env::Default()->RenameFile(fill.tmp, dir_ + "/blobs/" + fill.key);
+               !renamed.ok()) {
+      why = renamed.message();
+    } else {
+      static_cast<void>(Env::Default()->SyncDirectory(dir_ + "/blobs"));  // a cache: best effort
     }
   }
-  const std::string blob = dir_ + "/blobs/" + key;
-  if (Status renamed = Env::Default()->RenameFile(tmp, blob); !renamed.ok()) {
-    why = renamed.message();
-    return false;
+  if (!why.empty()) {
+    ::unlink(fill.tmp.c_str());
+    NoteError(where + fill.object.name + " not cached: " + why);
   }
-  cleanup.armed = false;
-  static_cast<void>(Env::Default()->SyncDirectory(dir_ + "/blobs"));  // a cache: best effort
-  return true;
+  {
+    std::lock_guard<std::mutex> room(room_mu_);
+    reserved_ -= fill.object.size;
+  }
+  fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
 }
 
 bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::string& why) {
-  if (incoming > max_bytes_) {
+  if (incoming > max_bytes_ || reserved_ + incoming > max_bytes_) {
+    if (incoming <= max_bytes_) {
+      why = std::to_string(incoming) + " bytes do not fit object_cache_max (" +
+            std::to_string(max_bytes_) + ") beside the " + std::to_string(reserved_) +
+            " bytes of downloads in progress";
+      return false;
+    }
     why = std::to_string(incoming) + " bytes, more than object_cache_max (" +
           std::to_string(max_bytes_) + ")";
     return false;
   }
   std::vector<ObjectCacheEntry> removed;
-  const uint64_t total = EvictUntil(dir_, max_bytes_ - incoming, keep, removed);
+  const uint64_t total = EvictUntil(dir_, max_bytes_ - incoming - reserved_, keep, removed);
   evicted_.fetch_add(removed.size());
-  if (total + incoming > max_bytes_) {
+  if (total + reserved_ + incoming > max_bytes_) {
     why = "object_cache_max (" + std::to_string(max_bytes_) + " bytes) holds " +
           std::to_string(total) + " bytes of entries in use; " + std::to_string(incoming) +
           " more do not fit";

@@ -2,18 +2,32 @@
 //
 // A server restarted, or a second tensor-parallel rank on the same host, should not pull the same
 // gigabytes over the network again. With a cache directory, the object Source keeps a whole copy
-// of each file it opens on local disk, keyed by what identifies one version of an object: the URL
+// of each file it reads on local disk, keyed by what identifies one version of an object: the URL
 // it is fetched from (endpoint, bucket and key), its strong ETag and its size. Opening a file
-// whose copy exists reads the copy (a SourceFile over a local descriptor); opening one whose copy
-// is missing first downloads it into the cache (ranged GETs pinned to the ETag, `concurrency` in
-// flight), then reads the copy. A new version of an object (another ETag or size) is another key:
-// an entry is never updated in place.
+// whose copy exists reads the copy (a SourceFile over a local descriptor). A new version of an
+// object (another ETag or size) is another key: an entry is never updated in place.
+//
+// Filling, overlapped with the load: opening a file whose copy is missing fetches nothing more
+// (header reads are served by the open's first GET, so `inspect` downloads nothing). The first
+// read beyond those bytes starts the file's download into the cache, and from then on the
+// object's bytes are claimed range by range, each fetched once (ranged GETs pinned to the ETag)
+// and written into the copy in progress: a read fetches the bytes it needs that nobody claimed
+// straight into its buffer (then writes them to the copy), reads the bytes already written from
+// the copy (the page cache, just written), and waits for bytes another thread is fetching; the
+// cache's filler thread claims the rest, `part_size` at a time with `concurrency` in flight, from
+// the end of the object down (so that it meets a load reading forward instead of racing it), one
+// file after the other in the order their downloads began. A load that reads the whole file (the
+// common case) thus streams it as it would without a cache, plus one write of each byte to
+// local disk; one that reads part of a file (a tensor-parallel rank's slices, a lazy safe_open)
+// still leaves a whole copy: the filler fetches the rest. Downloads that began finish before the
+// cache is destroyed (the Source's last checkpoint closed): ~ObjectCache waits.
 //
 // Layout under the directory:
 //   blobs/<key>        one complete object (key: 64 hex digits, SHA-256 of URL, ETag and size)
 //   blobs/<key>.json   what it is: {"url", "etag", "size", "created"} (for people and tools)
-//   locks/<key>.lock   flock(2) target: one process (or thread) fills a key at a time; the others
-//                      wait for it and then read its copy
+//   locks/<key>.lock   flock(2) target, held by the one process (or thread) filling the key from
+//                      the start of its download to its end; another that starts reading the same
+//                      object waits for that download, then reads its copy
 //   tmp/               downloads in progress (<key>.<pid>.<n>), renamed into blobs/ when whole
 //
 // Consistency: a blob appears (rename) only after all of its bytes were written and fsync'd, so a
@@ -28,23 +42,27 @@
 // another process is filling or has locked are left alone. An object larger than max_bytes is not
 // cached.
 //
-// Errors: failures of the cache itself (a directory that cannot be created or written, a full
-// disk, max_bytes too small) never fail a load: Open returns nullptr and the caller reads the
-// store; the failure is counted (stats().errors) and described (stats().last_error). Failures of
-// the store during a fill (the ranged GETs' errors, an object changed under the download) are
-// Open's errors, as they would be a load's.
+// Errors: failures of the cache never fail a load. A cache that cannot be used (a directory that
+// cannot be created or written, a full disk, max_bytes too small) or a download that fails (the
+// store's errors after its retries) leaves the file reading the store for the parts not yet in
+// its copy; the failure is counted (stats().errors) and described (stats().last_error). A read
+// whose own fetch from the store fails reports the store's error, as without a cache.
 //
-// Thread-safety: an ObjectCache may be used from several threads (its downloads run one at a time:
-// each keeps `concurrency` GETs in flight); several processes may share one directory.
+// Thread-safety: an ObjectCache and its files may be used from several threads; several processes
+// may share one directory.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
@@ -63,28 +81,37 @@ struct CachedObject {
 using FetchRange = std::function<Status(uint64_t offset, std::span<std::byte> dst)>;
 
 struct ObjectCacheStats {
-  uint64_t hits = 0;        // opens served by an entry that existed
-  uint64_t fills = 0;       // objects downloaded into the cache
-  uint64_t fill_bytes = 0;  // their bytes
+  uint64_t hits = 0;        // files served by an entry that existed
+  uint64_t fills = 0;       // downloads into the cache begun (a failed one counts in errors too)
+  uint64_t fill_bytes = 0;  // the sizes of their objects
   uint64_t evicted = 0;     // entries removed to make room
-  uint64_t errors = 0;      // opens that read the store because the cache failed
+  uint64_t errors = 0;      // files that read the store because the cache failed
   std::string last_error;   // the latest of those failures, in words
 };
 
 class ObjectCache {
  public:
-  // `dir` is created (with its parents) at the first Open; max_bytes 0: unbounded.
+  // `dir` is created (with its parents) at the first download; max_bytes 0: unbounded.
   ObjectCache(std::string dir, uint64_t max_bytes);
+  // Waits for the downloads that began (and those queued behind them) to end.
+  ~ObjectCache();
+  ObjectCache(const ObjectCache&) = delete;
+  ObjectCache& operator=(const ObjectCache&) = delete;
 
-  // The entry of `object` as a SourceFile whose path() is object.name and identity `identity`,
-  // downloaded first when missing: `prefix` (its first bytes, already fetched) is written as is
-  // and the rest fetched by `fetch` in parts of at most `part_size` bytes, `concurrency` at a
-  // time (buffers: at most 128 MiB together). nullptr when the cache cannot hold it (counted in
-  // stats()). Errors: `fetch`'s.
+  // `object` as a SourceFile whose path() is object.name and identity `identity`: its entry when
+  // one exists, else a file that serves reads within `prefix` (its first bytes, already fetched)
+  // from memory and, from its first read beyond them, downloads the object into the cache as
+  // described above (the filler's ranges: at most `part_size` bytes, `concurrency` at a time,
+  // buffers at most 128 MiB together), fetched by `fetch`. `fetch` must stay callable until the
+  // cache is destroyed; `owner` (may be null) is kept alive by the file. Never fails for a missing
+  // entry.
   Result<std::unique_ptr<SourceFile>> Open(const CachedObject& object, const FileIdentity& identity,
-                                           std::span<const std::byte> prefix,
-                                           const FetchRange& fetch, unsigned concurrency,
-                                           uint64_t part_size);
+                                           std::vector<std::byte> prefix, FetchRange fetch,
+                                           unsigned concurrency, uint64_t part_size,
+                                           std::shared_ptr<const void> owner = nullptr);
+
+  // Blocks until the downloads begun so far (and those queued) have ended, in the cache or not.
+  void Drain();
 
   const std::string& dir() const noexcept { return dir_; }
   ObjectCacheStats stats() const;
@@ -93,25 +120,42 @@ class ObjectCache {
   static std::string Key(const CachedObject& object);
 
  private:
+  friend class FillingFile;
+  struct Fill;
+
   // The entry if it is whole (nullptr if absent; a blob of the wrong size is removed).
-  Result<std::unique_ptr<SourceFile>> Find(const CachedObject& object, const std::string& key,
-                                           const FileIdentity& identity);
-  // Downloads `object` into tmp/ and renames it into blobs/; false (with `why`) when the cache
-  // failed; errors are fetch's.
-  Result<bool> Fill(const CachedObject& object, const std::string& key,
-                    std::span<const std::byte> prefix, const FetchRange& fetch,
-                    unsigned concurrency, uint64_t part_size, std::string& why);
+  std::unique_ptr<SourceFile> Find(const CachedObject& object, const std::string& key,
+                                   const FileIdentity& identity);
+  // The start of a download of `object` (the first read beyond its prefix): its entry when one
+  // appeared meanwhile (another process filled it: set in `found`), else a Fill queued for the
+  // filler thread; nullptr for both when the cache cannot hold it (counted in stats()).
+  std::shared_ptr<Fill> Start(const CachedObject& object, const FileIdentity& identity,
+                              std::span<const std::byte> prefix, const FetchRange& fetch,
+                              unsigned concurrency, uint64_t part_size,
+                              std::unique_ptr<SourceFile>& found);
+  // The filler thread: runs the queued downloads one after the other.
+  void FillerLoop();
+  void RunFill(Fill& fill);
+  // After the last part: the copy's fsync and renames, or its removal when the download failed.
+  void Finish(Fill& fill);
   // Removes least recently used entries until `incoming` more bytes fit under max_bytes_; false
   // (with `why`) when they cannot.
+  // The downloads in progress count as entries (reserved_): make room and reserve under room_mu_.
   bool MakeRoom(const std::string& keep, uint64_t incoming, std::string& why);
   void NoteError(const std::string& why);
 
   const std::string dir_;
   const uint64_t max_bytes_;
   std::atomic<uint64_t> hits_{0}, fills_{0}, fill_bytes_{0}, evicted_{0}, errors_{0};
-  std::mutex fill_mu_;  // held by the one download in progress
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // last_error_, queue_, active_, stop_, filler_
   std::string last_error_;
+  std::condition_variable queue_cv_, idle_cv_;
+  std::deque<std::shared_ptr<Fill>> queue_;
+  size_t active_ = 0;  // downloads queued or running
+  std::mutex room_mu_;
+  uint64_t reserved_ = 0;  // room_mu_: the sizes of this cache's downloads in progress
+  bool stop_ = false;
+  std::thread filler_;  // started by the first download
 };
 
 }  // namespace tensorferry::objstore

@@ -1,5 +1,6 @@
-// The local cache of object-store files (object_cache.h) with an in-memory object: fills, hits,
-// versions, damage, failures of the store and of the cache, concurrent fillers, eviction.
+// The local cache of object-store files (object_cache.h) with an in-memory object: fills
+// overlapped with reads, hits, versions, damage, failures of the store and of the cache,
+// concurrent fillers, eviction.
 // src/objstore/object_source_live_test.cc and tests/python/test_object_store_cache.py drive it
 // through a real S3 server.
 #include "objstore/object_cache.h"
@@ -9,7 +10,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <thread>
@@ -31,7 +34,10 @@ struct Remote {
   std::vector<std::byte> bytes;
   std::string etag = "\"v1\"";
   std::atomic<uint64_t> fetched{0}, calls{0};
-  std::atomic<int> fail_at_call{-1};  // the call (0-based) that fails, -1: none
+  std::atomic<int> fail_from_call{-1};   // every call from this one (0-based) on fails; -1: none
+  std::atomic<int64_t> fail_offset{-1};  // the first fetch at this offset fails; -1: none
+  std::atomic<int64_t> hold_offset{-1};  // a fetch at this offset waits for `released`
+  std::atomic<bool> released{false};
 
   explicit Remote(size_t size, unsigned seed = 1) : bytes(testing::Pattern(size, seed)) {}
 
@@ -46,8 +52,14 @@ struct Remote {
   }
   FetchRange Fetch() {
     return [this](uint64_t offset, std::span<std::byte> dst) -> Status {
-      if (static_cast<int>(calls.fetch_add(1)) == fail_at_call.load()) {
+      const int call = static_cast<int>(calls.fetch_add(1));
+      const int from = fail_from_call.load();
+      int64_t at = static_cast<int64_t>(offset);
+      if ((from >= 0 && call >= from) || fail_offset.compare_exchange_strong(at, -1)) {
         return Status(Code::kIoError, "GET failed: HTTP 403 AccessDenied");
+      }
+      if (hold_offset.load() == static_cast<int64_t>(offset)) {
+        while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       EXPECT_LE(offset + dst.size(), bytes.size());
       std::memcpy(dst.data(), bytes.data() + offset, dst.size());
@@ -57,8 +69,11 @@ struct Remote {
   }
   // Opens through `cache` with the first `head` bytes as the open's prefix.
   Result<std::unique_ptr<SourceFile>> Open(ObjectCache& cache, size_t head = 4096,
-                                           unsigned concurrency = 4, uint64_t part = 64u << 10) {
-    return cache.Open(Object(), Identity(), std::span<const std::byte>(bytes).first(head), Fetch(),
+                                           unsigned concurrency = 4, uint64_t part = 64u << 10,
+                                           const std::string& url = "") {
+    const CachedObject object = url.empty() ? Object() : Object(url);
+    return cache.Open(object, Identity(),
+                      std::vector<std::byte>(bytes.begin(), bytes.begin() + head), Fetch(),
                       concurrency, part);
   }
 };
@@ -71,6 +86,14 @@ std::vector<std::byte> ReadAll(const SourceFile& file) {
     EXPECT_EQ(*n, out.size());
   }
   return out;
+}
+
+// Opens `remote` through `cache`, reads it whole and waits for its download: a filled entry.
+void Fill(ObjectCache& cache, Remote& remote, const std::string& url = "") {
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10, url);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ(ReadAll(**file), remote.bytes);
+  cache.Drain();
 }
 
 size_t CountFiles(const std::string& dir) {
@@ -93,20 +116,26 @@ TEST(ObjectCache, FillsOnceThenReadsTheCopy) {
     EXPECT_EQ((*file)->path(), remote.Object().name);  // messages name the URL
     EXPECT_EQ((*file)->identity(), remote.Identity());
     EXPECT_TRUE((*file)->CheckUnchanged().ok());
+    cache.Drain();
     // The prefix is not fetched again; every other byte exactly once.
     EXPECT_EQ(remote.fetched.load(), remote.bytes.size() - 4096);
     const ObjectCacheStats s = cache.stats();
     EXPECT_EQ(s.fills, 1u);
     EXPECT_EQ(s.fill_bytes, remote.bytes.size());
     EXPECT_EQ(s.hits, 0u);
-    EXPECT_EQ(s.errors, 0u);
+    EXPECT_EQ(s.errors, 0u) << s.last_error;
     const std::string key = ObjectCache::Key(remote.Object());
-    EXPECT_EQ(fs::file_size(tmp.Join("cache/blobs/" + key)), remote.bytes.size());
+    EXPECT_EQ(testing::ReadBytes(tmp.Join("cache/blobs/" + key)),
+              std::string(reinterpret_cast<const char*>(remote.bytes.data()), remote.bytes.size()));
     const std::string meta = testing::ReadBytes(tmp.Join("cache/blobs/" + key + ".json"));
     EXPECT_TRUE(Contains(meta, "\"url\":\"http://127.0.0.1:9/b/model.safetensors\""));
     EXPECT_TRUE(Contains(meta, "\"etag\":\"\\\"v1\\\"\""));
     EXPECT_TRUE(Contains(meta, "\"size\":1000000"));
     EXPECT_EQ(CountFiles(tmp.Join("cache/tmp")), 0u);
+    // The file keeps reading (its copy, now the entry).
+    std::vector<std::byte> some(1000);
+    ASSERT_TRUE((*file)->Read(500'000, some).ok());
+    EXPECT_TRUE(std::equal(some.begin(), some.end(), remote.bytes.begin() + 500'000));
   }
   // Another process (another cache object on the directory): a hit, nothing fetched.
   remote.fetched = 0;
@@ -124,17 +153,78 @@ TEST(ObjectCache, FillsOnceThenReadsTheCopy) {
   EXPECT_EQ(*n, 10u);
 }
 
+TEST(ObjectCache, HeaderReadsWithinThePrefixDownloadNothing) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  {
+    ObjectCache cache(tmp.Join("c"), 0);
+    Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
+    ASSERT_TRUE(file.ok() && *file != nullptr);
+    std::vector<std::byte> header(4096);
+    Result<size_t> n = (*file)->Read(0, header);
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 4096u);
+    EXPECT_TRUE(std::equal(header.begin(), header.end(), remote.bytes.begin()));
+    EXPECT_EQ(cache.stats().fills, 0u);
+  }
+  // An inspection of a checkpoint fetches nor writes anything more.
+  EXPECT_EQ(remote.calls.load(), 0u);
+  EXPECT_FALSE(fs::exists(tmp.Join("c")));
+}
+
+TEST(ObjectCache, ReadsFetchWhatTheFillerHasNotClaimed) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  // The filler downloads from the end down, 64 KiB at a time: its first range is held until
+  // the end.
+  remote.hold_offset = static_cast<int64_t>(remote.bytes.size() - (64u << 10));
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  // Bytes after the header, while the filler is stuck: served at once (this read fetches
+  // exactly its bytes, into its buffer and the copy).
+  std::vector<std::byte> some(100'000);
+  Result<size_t> n = (*file)->Read(5000, some);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_TRUE(std::equal(some.begin(), some.end(), remote.bytes.begin() + 5000));
+  remote.released = true;
+  EXPECT_EQ(ReadAll(**file), remote.bytes);
+  cache.Drain();
+  // Every byte fetched once, by whoever came first; the copy whole.
+  EXPECT_EQ(remote.fetched.load(), remote.bytes.size() - 4096);
+  const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+  EXPECT_EQ(testing::ReadBytes(blob),
+            std::string(reinterpret_cast<const char*>(remote.bytes.data()), remote.bytes.size()));
+  EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+}
+
+TEST(ObjectCache, APartialReadStillLeavesAWholeCopy) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  {
+    ObjectCache cache(tmp.Join("c"), 0);
+    Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 3, 64u << 10);
+    ASSERT_TRUE(file.ok() && *file != nullptr);
+    std::vector<std::byte> slice(1000);  // a tensor-parallel rank's slice, say
+    ASSERT_TRUE((*file)->Read(300'000, slice).ok());
+    EXPECT_TRUE(std::equal(slice.begin(), slice.end(), remote.bytes.begin() + 300'000));
+  }  // the cache's end waits for the rest of the download
+  const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+  EXPECT_EQ(testing::ReadBytes(blob),
+            std::string(reinterpret_cast<const char*>(remote.bytes.data()), remote.bytes.size()));
+  EXPECT_EQ(remote.fetched.load(), remote.bytes.size() - 4096);
+}
+
 TEST(ObjectCache, AnotherVersionIsAnotherEntry) {
   testing::TempDir tmp;
   ObjectCache cache(tmp.Join("c"), 0);
   Remote v1(300'000, 1);
-  ASSERT_TRUE(v1.Open(cache).ok());
+  Fill(cache, v1);
   Remote v2(300'000, 2);  // same URL and size, overwritten: a new ETag
   v2.etag = "\"v2\"";
-  Result<std::unique_ptr<SourceFile>> file = v2.Open(cache);
-  ASSERT_TRUE(file.ok() && *file != nullptr);
-  EXPECT_EQ(ReadAll(**file), v2.bytes);
+  Fill(cache, v2);
   EXPECT_EQ(cache.stats().fills, 2u);
+  EXPECT_EQ(CountFiles(tmp.Join("c/blobs")), 4u);
   EXPECT_NE(ObjectCache::Key(v1.Object()), ObjectCache::Key(v2.Object()));
   // Another endpoint serving the same bucket and key is another object too.
   EXPECT_NE(ObjectCache::Key(v1.Object("http://a:9000/b/k")),
@@ -145,37 +235,62 @@ TEST(ObjectCache, DamagedCopyIsReplaced) {
   testing::TempDir tmp;
   Remote remote(200'000);
   ObjectCache cache(tmp.Join("c"), 0);
+  Fill(cache, remote);
   Result<std::unique_ptr<SourceFile>> first = remote.Open(cache);
   ASSERT_TRUE(first.ok() && *first != nullptr);
+  EXPECT_EQ(cache.stats().hits, 1u);
   const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
   ASSERT_EQ(::truncate(blob.c_str(), 1000), 0);
   // A reader holding the damaged copy is told, naming the URL and the copy.
   const Status changed = (*first)->CheckUnchanged();
   EXPECT_EQ(changed.code(), Code::kIoError);
   EXPECT_TRUE(Contains(changed.message(), "model.safetensors: its cached copy " + blob));
-  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
-  ASSERT_TRUE(file.ok() && *file != nullptr);
-  EXPECT_EQ(ReadAll(**file), remote.bytes);
+  Fill(cache, remote);
   EXPECT_EQ(cache.stats().fills, 2u);
+  EXPECT_EQ(fs::file_size(blob), remote.bytes.size());
 }
 
-TEST(ObjectCache, StoreErrorFailsTheOpenAndLeavesNothing) {
+TEST(ObjectCache, StoreErrorFailsTheReadAndLeavesNothing) {
   testing::TempDir tmp;
   Remote remote(1'000'000);
-  remote.fail_at_call = 5;
+  remote.fail_from_call = 0;  // the store stops answering
   ObjectCache cache(tmp.Join("c"), 0);
   Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
-  ASSERT_FALSE(file.ok());
-  EXPECT_EQ(file.status().code(), Code::kIoError);
-  EXPECT_TRUE(Contains(file.status().message(), "AccessDenied"));
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  std::vector<std::byte> all(remote.bytes.size());
+  Result<size_t> n = (*file)->Read(0, all);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), Code::kIoError);
+  EXPECT_TRUE(Contains(n.status().message(), "AccessDenied"));
+  cache.Drain();
   EXPECT_EQ(CountFiles(tmp.Join("c/blobs")), 0u);
   EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
-  EXPECT_EQ(cache.stats().fills, 0u);
+  const ObjectCacheStats s = cache.stats();
+  EXPECT_EQ(s.errors, 1u);
+  EXPECT_TRUE(Contains(s.last_error, "model.safetensors not cached: download failed: "));
+  EXPECT_TRUE(Contains(s.last_error, "AccessDenied"));
   // The next open downloads it whole.
-  remote.fail_at_call = -1;
-  file = remote.Open(cache);
+  remote.fail_from_call = -1;
+  Fill(cache, remote);
+  EXPECT_EQ(CountFiles(tmp.Join("c/blobs")), 2u);
+}
+
+TEST(ObjectCache, FailedDownloadLeavesTheReadsOnTheStore) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  remote.fail_offset = 4096;  // the filler's last range (it goes from the end down) fails once
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
   ASSERT_TRUE(file.ok() && *file != nullptr);
+  std::vector<std::byte> last(10);
+  ASSERT_TRUE((*file)->Read(remote.bytes.size() - 10, last).ok());  // starts the download
+  cache.Drain();
+  EXPECT_EQ(cache.stats().errors, 1u);
+  EXPECT_TRUE(Contains(cache.stats().last_error, "download failed: GET failed"));
+  // The parts the download wrote are read from its copy; the others from the store.
   EXPECT_EQ(ReadAll(**file), remote.bytes);
+  EXPECT_EQ(CountFiles(tmp.Join("c/blobs")), 0u);
+  EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
 }
 
 TEST(ObjectCache, UnusableDirectoryReadsTheStoreAndSaysWhy) {
@@ -184,11 +299,12 @@ TEST(ObjectCache, UnusableDirectoryReadsTheStoreAndSaysWhy) {
   Remote remote(100'000);
   ObjectCache cache(tmp.Join("not-a-dir"), 0);
   Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
-  ASSERT_TRUE(file.ok()) << file.status().ToString();
-  EXPECT_EQ(*file, nullptr);  // the caller reads the store
-  EXPECT_EQ(remote.fetched.load(), 0u);
+  ASSERT_TRUE(file.ok() && *file != nullptr) << file.status().ToString();
+  EXPECT_EQ(ReadAll(**file), remote.bytes);  // from the store
+  EXPECT_EQ(remote.fetched.load(), remote.bytes.size());
   const ObjectCacheStats s = cache.stats();
   EXPECT_EQ(s.errors, 1u);
+  EXPECT_EQ(s.fills, 0u);
   EXPECT_TRUE(Contains(s.last_error, "object cache " + tmp.Join("not-a-dir") + ": cannot create"));
 }
 
@@ -200,13 +316,12 @@ TEST(ObjectCache, LeftoversOfADeadFillerAreRemoved) {
   testing::WriteBytes(tmp.Join("c/tmp/" + key + ".999999.0"), "half a download");
   testing::WriteBytes(tmp.Join("c/tmp/other.1.0"), "another key's");
   ObjectCache cache(tmp.Join("c"), 0);
-  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
-  ASSERT_TRUE(file.ok() && *file != nullptr);
+  Fill(cache, remote);
   EXPECT_FALSE(fs::exists(tmp.Join("c/tmp/" + key + ".999999.0")));
   EXPECT_TRUE(fs::exists(tmp.Join("c/tmp/other.1.0")));
 }
 
-TEST(ObjectCache, ConcurrentOpenersDownloadOnce) {
+TEST(ObjectCache, ConcurrentReadersDownloadOnce) {
   testing::TempDir tmp;
   Remote remote(2'000'000);
   constexpr int kOpeners = 6;
@@ -231,11 +346,8 @@ TEST(ObjectCache, EvictsTheLeastRecentlyUsed) {
   ObjectCache cache(dir, 250'000);  // room for two of the 100 kB objects below
   Remote a(100'000, 1), b(100'000, 2), c(100'000, 3);
   const auto url = [](const char* name) { return std::string("http://h:1/") + name; };
-  const auto open = [&](Remote& r, const char* name) {
-    return cache.Open(r.Object(url(name)), r.Identity(), {}, r.Fetch(), 2, 64u << 10);
-  };
-  ASSERT_TRUE(open(a, "a").ok());
-  ASSERT_TRUE(open(b, "b").ok());
+  Fill(cache, a, url("a"));
+  Fill(cache, b, url("b"));
   // Times set by hand (a file system may keep whole seconds): a used last, b before it.
   const auto age = [&](Remote& r, const char* name, time_t seconds) {
     const std::string blob = dir + "/blobs/" + ObjectCache::Key(r.Object(url(name)));
@@ -244,21 +356,18 @@ TEST(ObjectCache, EvictsTheLeastRecentlyUsed) {
   };
   age(a, "a", 2'000'000'000);
   age(b, "b", 1'000'000'000);
-  Result<std::unique_ptr<SourceFile>> file = open(c, "c");
-  ASSERT_TRUE(file.ok() && *file != nullptr);
-  EXPECT_EQ(ReadAll(**file), c.bytes);
+  Fill(cache, c, url("c"));
   EXPECT_EQ(cache.stats().evicted, 1u);
   EXPECT_TRUE(fs::exists(dir + "/blobs/" + ObjectCache::Key(a.Object(url("a")))));
   EXPECT_FALSE(fs::exists(dir + "/blobs/" + ObjectCache::Key(b.Object(url("b")))));
   EXPECT_FALSE(fs::exists(dir + "/blobs/" + ObjectCache::Key(b.Object(url("b"))) + ".json"));
+  EXPECT_TRUE(fs::exists(dir + "/blobs/" + ObjectCache::Key(c.Object(url("c")))));
 
-  // Larger than the whole cache: read from the store, and said so; nothing fetched for it.
+  // Larger than the whole cache: read from the store, and said so.
   Remote big(300'000, 4);
-  Result<std::unique_ptr<SourceFile>> none =
-      cache.Open(big.Object(url("big")), big.Identity(), {}, big.Fetch(), 2, 64u << 10);
-  ASSERT_TRUE(none.ok());
-  EXPECT_EQ(*none, nullptr);
-  EXPECT_EQ(big.fetched.load(), 0u);
+  Fill(cache, big, url("big"));
+  EXPECT_EQ(big.fetched.load(), big.bytes.size());
+  EXPECT_FALSE(fs::exists(dir + "/blobs/" + ObjectCache::Key(big.Object(url("big")))));
   EXPECT_TRUE(Contains(cache.stats().last_error, "300000 bytes, more than object_cache_max"));
 }
 
@@ -267,17 +376,15 @@ TEST(ObjectCache, EntriesInUseByAFillerAreNotEvicted) {
   const std::string dir = tmp.Join("c");
   ObjectCache cache(dir, 150'000);
   Remote a(100'000, 1), b(100'000, 2);
-  ASSERT_TRUE(cache.Open(a.Object("http://h:1/a"), a.Identity(), {}, a.Fetch(), 1, 1 << 20).ok());
+  Fill(cache, a, "http://h:1/a");
   // Another process holds a's lock (filling or evicting it): b cannot make room.
   const std::string lock_path =
       dir + "/locks/" + ObjectCache::Key(a.Object("http://h:1/a")) + ".lock";
   const int held = ::open(lock_path.c_str(), O_RDWR);
   ASSERT_GE(held, 0);
   ASSERT_EQ(::flock(held, LOCK_EX), 0);
-  Result<std::unique_ptr<SourceFile>> file =
-      cache.Open(b.Object("http://h:1/b"), b.Identity(), {}, b.Fetch(), 1, 1 << 20);
-  ASSERT_TRUE(file.ok());
-  EXPECT_EQ(*file, nullptr);
+  Fill(cache, b, "http://h:1/b");  // read from the store
+  EXPECT_EQ(b.fetched.load(), b.bytes.size());
   EXPECT_TRUE(Contains(cache.stats().last_error, "holds 100000 bytes of entries in use"));
   ::close(held);
 }
@@ -293,8 +400,7 @@ TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
                                                                 {&c, "s3://bucket/c.safetensors"}};
   time_t when = 1'000'000'000;
   for (const auto& [remote, url] : objects) {
-    ASSERT_TRUE(
-        cache.Open(remote->Object(url), remote->Identity(), {}, remote->Fetch(), 1, 1 << 20).ok());
+    Fill(cache, *remote, url);
     const std::string blob = dir + "/blobs/" + ObjectCache::Key(remote->Object(url));
     const struct timespec times[2] = {{when, 0}, {when, 0}};
     ASSERT_EQ(::utimensat(AT_FDCWD, blob.c_str(), times, 0), 0);

@@ -162,6 +162,8 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
       cache_ = std::make_unique<ObjectCache>(options_.cache_dir, options_.cache_max);
     }
   }
+  // The cache's downloads still running use this source: they end first.
+  ~ObjectSource() override { cache_.reset(); }
 
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
@@ -339,16 +341,6 @@ SourceReadHints ObjectSource::hints() const {
     std::lock_guard<std::mutex> lock(peers_mu_);
     hints = ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_);
   }
-  if (cache_) {
-    const ObjectCacheStats c = cache_->stats();
-    hints.reason += "; object cache " + cache_->dir() + ": " + std::to_string(c.hits) +
-                    (c.hits == 1 ? " file" : " files") + " read from it, " +
-                    std::to_string(c.fills) + " downloaded into it";
-    if (c.errors > 0) {
-      hints.reason += ", " + std::to_string(c.errors) + (c.errors == 1 ? " file" : " files") +
-                      " read from the store because " + c.last_error;
-    }
-  }
   return hints;
 }
 
@@ -360,6 +352,13 @@ SourceStats ObjectSource::stats() const {
     s.cache_fills = c.fills;
     s.cache_fill_bytes = c.fill_bytes;
     s.cache_errors = c.errors;
+    s.cache_summary = "object cache " + cache_->dir() + ": " + std::to_string(c.hits) +
+                      (c.hits == 1 ? " file" : " files") + " read from it, " +
+                      std::to_string(c.fills) + " downloaded into it";
+    if (c.errors > 0) {
+      s.cache_summary += ", " + std::to_string(c.errors) + (c.errors == 1 ? " file" : " files") +
+                         " read from the store because " + c.last_error;
+    }
   }
   return s;
 }
@@ -415,17 +414,18 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
                                                  std::to_string(id.size) + " now"
                                            : "ETag now " + r.etag));
   }
-  // The local cache: objects with a strong ETag that the first GET did not hold whole.
+  // The local cache: objects with a strong ETag that the first GET did not hold whole. Its
+  // downloads run on the cache's thread, which the source's destructor joins first: they may
+  // call this source as long as it lives.
   if (cache_ && !r.etag.empty() && r.etag.rfind("W/", 0) != 0 && id.size > prefix.size()) {
     const CachedObject object{target.name, target.request_url, r.etag, id.size};
-    const FetchRange fetch = [this, &target, &r, &id](uint64_t offset, std::span<std::byte> dst) {
-      return ReadRange(target, r.etag, id.size, offset, dst);
+    FetchRange fetch = [this, target, etag = r.etag, size = id.size](uint64_t offset,
+                                                                     std::span<std::byte> dst) {
+      return ReadRange(target, etag, size, offset, dst);
     };
     const SourceReadHints transport = Transport();
-    TF_ASSIGN_OR_RETURN(
-        std::unique_ptr<SourceFile> cached,
-        cache_->Open(object, id, prefix, fetch, transport.concurrency, transport.read_size));
-    if (cached) return cached;
+    return cache_->Open(object, id, std::move(prefix), std::move(fetch), transport.concurrency,
+                        transport.read_size, shared_from_this());
   }
   return std::unique_ptr<SourceFile>(
       new ObjectFile(shared_from_this(), std::move(target), id, r.etag, std::move(prefix)));

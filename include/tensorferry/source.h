@@ -81,6 +81,13 @@ class SourceFile : public RandomAccessFile {
   // Ok while the file, and what its path names now, are the file opened (same identity); else
   // FileChangedError. Cheap enough to call before every load (no data is read).
   virtual Status CheckUnchanged() const = 0;
+
+  // Bytes read from this file failed their checksums (a load's per-tensor check). A file served
+  // from a copy the source keeps (the object cache's) drops that copy, so that the next open
+  // fetches the file again, and returns what it did in words for the error ("its copy in the
+  // object cache, DIR/blobs/KEY, is removed: ..."); the default, "", does nothing. Idempotent,
+  // thread-safe; never fails (a copy that cannot be removed says so).
+  virtual std::string Distrust() const { return ""; }
 };
 
 // Counters of a Source's requests since it was made, every reader's together (a Loader reports

@@ -84,6 +84,23 @@ bool IsKey(std::string_view name) {
                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
 }
 
+// Removes the entry `blob` (and its description) if it is still the file open as `fd` (not a
+// copy filled again since); says so, for a checksum error.
+std::string DropCopy(const std::string& blob, int fd) {
+  struct stat mine {
+  }, now{};
+  if (::fstat(fd, &mine) == 0 && ::stat(blob.c_str(), &now) == 0 && mine.st_dev == now.st_dev &&
+      mine.st_ino == now.st_ino) {
+    if (::unlink(blob.c_str()) != 0 && errno != ENOENT) {
+      return "it was read from its copy in the object cache, " + blob +
+             ", which could not be removed (" + Errno(errno) + "): remove it by hand";
+    }
+    ::unlink((blob + ".json").c_str());
+  }
+  return "it was read from its copy in the object cache, " + blob +
+         ", which is now removed: the next open downloads the file again";
+}
+
 // The copy of an object in the cache: positional reads of a local descriptor, named by the
 // object's URL.
 class CachedFile final : public SourceFile {
@@ -113,6 +130,7 @@ class CachedFile final : public SourceFile {
   Result<uint64_t> Size() const override { return identity_.size; }
   const std::string& path() const noexcept override { return name_; }
   const FileIdentity& identity() const noexcept override { return identity_; }
+  std::string Distrust() const override { return DropCopy(blob_, fd_); }
   // Entries are never written after they appear: only a copy damaged outside tensorferry changes.
   Status CheckUnchanged() const override {
     struct stat st {};
@@ -270,6 +288,7 @@ struct ObjectCache::Fill {
   uint64_t top = 0;                     // mu: the filler claims below this
   size_t busy = 0;                      // mu: claims being fetched
   bool failed = false;                  // mu: given up (unclaimed bytes read the store)
+  bool finished = false;                // mu: Finish is over (committed unless failed)
   std::string why;                      // mu: why
 
   bool Whole() const { return done_bytes == object.size - head; }
@@ -408,6 +427,25 @@ class FillingFile final : public SourceFile {
   const FileIdentity& identity() const noexcept override { return identity_; }
   // Every fetch is pinned to the ETag, and the copy is written by this process only.
   Status CheckUnchanged() const override { return Status::Ok(); }
+  std::string Distrust() const override {
+    ObjectCache::Fill* fill = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (entry_) return entry_->Distrust();
+      fill = fill_.get();
+    }
+    if (fill == nullptr) return "";
+    {
+      std::lock_guard<std::mutex> lk(fill->mu);
+      if (!fill->finished) {  // not committed: it never will be
+        if (!fill->failed) fill->why = "bytes read from it failed their checksums";
+        fill->failed = true;
+        return "its download into the object cache is given up";
+      }
+      if (fill->failed) return "";
+    }
+    return DropCopy(cache_->dir() + "/blobs/" + fill->key, fill->fd.get());
+  }
 
  private:
   // dst from the store, in parts (as the object's own files read it).
@@ -678,6 +716,7 @@ void ObjectCache::RunFill(Fill& fill) {
 
 void ObjectCache::Finish(Fill& fill) {
   const std::string where = "object cache " + dir_ + ": ";
+  std::string why;
   {
     // Parts readers are still fetching.
     std::unique_lock<std::mutex> lk(fill.mu);
@@ -686,13 +725,36 @@ void ObjectCache::Finish(Fill& fill) {
       fill.failed = true;
       fill.why = "download incomplete";
     }
+    if (fill.failed) why = "download failed: " + fill.why;
   }
-  std::string why;
-  if (fill.failed) {
-    why = "download failed: " + fill.why;
-  } else if (::fsync(fill.fd.get()) != 0) {
-    why = "cannot write " + fill.tmp + " to disk (fsync): " + Errno(errno);
-  } else {
+  if (why.empty()) why = Commit(fill);
+  if (!why.empty()) {
+    ::unlink(fill.tmp.c_str());
+    NoteError(where + fill.object.name + " not cached: " + why);
+  }
+  {
+    std::lock_guard<std::mutex> room(room_mu_);
+    reserved_ -= fill.object.size;
+  }
+  bool distrusted = false;
+  {
+    std::lock_guard<std::mutex> lk(fill.mu);
+    fill.finished = true;
+    if (!why.empty()) {
+      fill.failed = true;
+    } else if (fill.failed) {
+      distrusted = true;  // Distrust() came while the copy was being committed
+    }
+  }
+  if (distrusted) static_cast<void>(DropCopy(dir_ + "/blobs/" + fill.key, fill.fd.get()));
+  fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
+}
+
+std::string ObjectCache::Commit(Fill& fill) {
+  if (::fsync(fill.fd.get()) != 0) {
+    return "cannot write " + fill.tmp + " to disk (fsync): " + Errno(errno);
+  }
+  {
     // What the entry is, beside it; then the entry itself, whole.
     const CachedObject& object = fill.object;
     std::string meta = "{\"url\":";
@@ -712,24 +774,17 @@ void ObjectCache::Finish(Fill& fill) {
         m.get() < 0 ? errno : PwriteFully(m.get(), std::as_bytes(std::span<const char>(meta)), 0);
     if (e != 0 ||
         ::rename(meta_tmp.c_str(), (dir_ + "/blobs/" + fill.key + ".json").c_str()) != 0) {
-      why = "cannot write " + meta_tmp + ": " + Errno(e != 0 ? e : errno);
+      const std::string why = "cannot write " + meta_tmp + ": " + Errno(e != 0 ? e : errno);
       ::unlink(meta_tmp.c_str());
-    } else if (Status renamed = Env::Default()->RenameFile(fill.tmp, dir_ + "/blobs/" + fill.key);
-               !renamed.ok()) {
-      why = renamed.message();
-    } else {
-      static_cast<void>(Env::Default()->SyncDirectory(dir_ + "/blobs"));  // a cache: best effort
+      return why;
     }
   }
-  if (!why.empty()) {
-    ::unlink(fill.tmp.c_str());
-    NoteError(where + fill.object.name + " not cached: " + why);
+  if (Status renamed = Env::Default()->RenameFile(fill.tmp, dir_ + "/blobs/" + fill.key);
+      !renamed.ok()) {
+    return renamed.message();
   }
-  {
-    std::lock_guard<std::mutex> room(room_mu_);
-    reserved_ -= fill.object.size;
-  }
-  fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
+  static_cast<void>(Env::Default()->SyncDirectory(dir_ + "/blobs"));  // a cache: best effort
+  return "";
 }
 
 bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::string& why) {

@@ -136,8 +136,10 @@ class ObjectCache {
   // The filler thread: runs the queued downloads one after the other.
   void FillerLoop();
   void RunFill(Fill& fill);
-  // After the last part: the copy's fsync and renames, or its removal when the download failed.
+  // After the last range: the copy committed, or removed when the download failed.
   void Finish(Fill& fill);
+  // The copy's fsync, its description, and its rename into blobs/; why not ("" when done).
+  std::string Commit(Fill& fill);
   // Removes least recently used entries until `incoming` more bytes fit under max_bytes_; false
   // (with `why`) when they cannot.
   // The downloads in progress count as entries (reserved_): make room and reserve under room_mu_.

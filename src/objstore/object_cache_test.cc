@@ -250,6 +250,48 @@ TEST(ObjectCache, DamagedCopyIsReplaced) {
   EXPECT_EQ(fs::file_size(blob), remote.bytes.size());
 }
 
+TEST(ObjectCache, DistrustedCopyIsRemovedAndFilledAgain) {
+  testing::TempDir tmp;
+  Remote remote(200'000);
+  ObjectCache cache(tmp.Join("c"), 0);
+  Fill(cache, remote);
+  const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+  Result<std::unique_ptr<SourceFile>> hit = remote.Open(cache);
+  ASSERT_TRUE(hit.ok() && *hit != nullptr);
+  // A load's checksums failed on bytes of the copy: the copy goes, and the error says so.
+  const std::string words = (*hit)->Distrust();
+  EXPECT_EQ(words, "it was read from its copy in the object cache, " + blob +
+                       ", which is now removed: the next open downloads the file again");
+  EXPECT_FALSE(fs::exists(blob));
+  EXPECT_FALSE(fs::exists(blob + ".json"));
+  EXPECT_EQ((*hit)->Distrust(), words);  // idempotent
+  // The next open downloads it again; the old file's Distrust leaves the new copy alone.
+  remote.fetched = 0;
+  Fill(cache, remote);
+  EXPECT_EQ(remote.fetched.load(), remote.bytes.size() - 4096);
+  EXPECT_TRUE(fs::exists(blob));
+  static_cast<void>((*hit)->Distrust());
+  EXPECT_TRUE(fs::exists(blob));
+}
+
+TEST(ObjectCache, DistrustedDownloadIsNotCommitted) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  std::vector<std::byte> some(1000);
+  ASSERT_TRUE((*file)->Read(10'000, some).ok());  // the download begins
+  const std::string words = (*file)->Distrust();
+  EXPECT_TRUE(words == "its download into the object cache is given up" ||
+              Contains(words, "which is now removed"))  // the download won the race
+      << words;
+  EXPECT_EQ(ReadAll(**file), remote.bytes);  // the reads go on (what the copy lacks: the store)
+  cache.Drain();
+  EXPECT_EQ(CountFiles(tmp.Join("c/blobs")), 0u);
+  EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
+}
+
 TEST(ObjectCache, StoreErrorFailsTheReadAndLeavesNothing) {
   testing::TempDir tmp;
   Remote remote(1'000'000);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "io/file_set.h"
 #include "util/macros.h"
 #include "util/parallel.h"
 
@@ -133,8 +134,19 @@ uint64_t LandingCheck::HashWhole(const Chunk& c, const std::byte* data) {
 }
 
 Status LandingCheck::Compare(const Chunk& c, uint64_t got) const {
-  return CheckChunkDigest(*c.expected, c.chunk_size, c.info->size, c.index, c.end - c.begin, got,
-                          checkpoint_.files()[c.info->file].path, c.info->name, c.info->offset);
+  Status st =
+      CheckChunkDigest(*c.expected, c.chunk_size, c.info->size, c.index, c.end - c.begin, got,
+                       checkpoint_.files()[c.info->file].path, c.info->name, c.info->offset);
+  if (st.code() == Code::kChecksumMismatch) {
+    // A copy the source keeps of the file (the object cache's) is dropped: the next open fetches
+    // the file again instead of failing the same way.
+    if (Result<io::FileSet::Pin> pin = checkpoint_.file_set()->Get(c.info->file); pin.ok()) {
+      if (const std::string dropped = pin->file->Distrust(); !dropped.empty()) {
+        st = Status(st.code(), st.message() + "; " + dropped);
+      }
+    }
+  }
+  return st;
 }
 
 Status LandingCheck::Landed(uint64_t begin, uint64_t end) {

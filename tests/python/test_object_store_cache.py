@@ -241,7 +241,7 @@ def test_failed_download_leaves_no_entry(stores, s3_proxy, tmp_path):
     assert stats.cache_fills == len(stores.shards)
 
 
-def test_damaged_copy_is_caught_by_the_checksums(stores, tmp_path):
+def test_damaged_copy_is_caught_by_the_checksums_and_replaced(stores, tmp_path):
     url, opts = tiny(stores, "s3", tmp_path)
     load_all(url, storage_options=opts)
     # One byte of tensor data changed in every entry, outside tensorferry: same size, so the
@@ -252,10 +252,26 @@ def test_damaged_copy_is_caught_by_the_checksums(stores, tmp_path):
         header = int.from_bytes(raw[:8], "little")
         raw[8 + header + 1] ^= 0xFF
         path.write_bytes(bytes(raw))
-    with pytest.raises(tensorferry.SafetensorError) as e:
-        load_all(url, storage_options=opts)
-    assert e.value.code == "checksum_mismatch"
-    assert "checksum mismatch in chunk 0" in str(e.value)
+    # Each failed load names the damaged copy and removes it; the next downloads that file again.
+    healed = set()
+    for _ in range(len(stores.shards) + 1):
+        try:
+            got = load_all(url, storage_options=opts)
+            break
+        except tensorferry.SafetensorError as e:
+            assert e.code == "checksum_mismatch"
+            assert "checksum mismatch in chunk 0" in str(e)
+            m = re.search(r"its copy in the object cache, (\S+), which is now removed: the next "
+                          r"open downloads the file again", str(e))
+            assert m, str(e)
+            assert not os.path.exists(m.group(1))
+            healed.add(m.group(1))
+    else:
+        pytest.fail("the damaged copies were never all replaced")
+    assert_same(got, load_all(stores.tiny))
+    assert 1 <= len(healed) <= len(stores.shards)
+    assert {open(tmp_path / "blobs" / b, "rb").read() for b in blobs(tmp_path)} == \
+        shard_bytes(stores)
 
 
 def test_cache_command_lists_and_prunes(stores, tmp_path):

@@ -142,7 +142,9 @@ class Part:
 def plan_parts(folder, files, is_unused_weight=None):
     """The Loaders that read exactly `files` (paths inside `folder`, as vLLM's file selection
     leaves them): the folder's index with a `select` of the tensors those files hold when the
-    index names them all (one Loader for a sharded checkpoint), else one Loader per file.
+    index names them all (one Loader for a sharded checkpoint); without an index, the folder
+    when they are all of its safetensors files (one Loader, which checks numbered series); else
+    one Loader per file.
     is_unused_weight(name) -> True drops single tensors the model says it does not load."""
     index = os.path.join(folder, INDEX_NAME)
     parts = []
@@ -159,9 +161,17 @@ def plan_parts(folder, files, is_unused_weight=None):
                          and not (is_unused_weight is not None and is_unused_weight(n))]
             parts.append(Part(index, names))
             return parts
+    keep = None if is_unused_weight is None else (lambda n, _f=is_unused_weight: not _f(n))
+    # Every safetensors file of a folder without an index (vLLM's selection when nothing is
+    # filtered): the folder itself, one Loader, which refuses an incomplete numbered series
+    # (model-00002-of-00003.safetensors missing) naming the missing files, instead of loading
+    # the others and leaving the model's weights half initialized.
+    if not os.path.isfile(index):
+        listed = {os.path.normpath(p) for p in glob.glob(os.path.join(folder, "*.safetensors"))}
+        if listed and {os.path.normpath(p) for p in files} == listed:
+            return [Part(folder, keep)]
     for path in sorted(files):
-        parts.append(Part(path, None if is_unused_weight is None else
-                          (lambda n, _f=is_unused_weight: not _f(n))))
+        parts.append(Part(path, keep))
     return parts
 
 

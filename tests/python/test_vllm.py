@@ -116,18 +116,31 @@ def test_plan_parts_uses_the_index_and_selects_the_kept_files(tmp_path):
         assert loader.keys() == ["z"]
 
 
-def test_plan_parts_without_an_index_is_one_part_per_file(tmp_path):
+def test_plan_parts_without_an_index_reads_the_folder(tmp_path):
     from tensorferry.vllm import plan_parts
     _save(tmp_path / "m1.safetensors", ["x"])
     _save(tmp_path / "m0.safetensors", ["y"])
     files = [str(tmp_path / "m1.safetensors"), str(tmp_path / "m0.safetensors")]
+    # All of the folder's files: the folder, one Loader.
     parts = plan_parts(str(tmp_path), files, lambda n: n == "y")
-    assert [p.checkpoint for p in parts] == sorted(files)
-    keys = []
-    for p in parts:
-        with tensorferry.Loader(p.checkpoint, select=p.select) as loader:
-            keys.append(loader.keys())
-    assert keys == [[], ["x"]]
+    assert [p.checkpoint for p in parts] == [str(tmp_path)]
+    with tensorferry.Loader(parts[0].checkpoint, select=parts[0].select) as loader:
+        assert loader.keys() == ["x"]
+    # Some of them (vLLM filtered the others out): one part per file.
+    parts = plan_parts(str(tmp_path), files[:1])
+    assert [(p.checkpoint, p.select) for p in parts] == [(files[0], None)]
+
+
+def test_plan_parts_refuses_an_incomplete_shard_series(tmp_path):
+    from tensorferry.vllm import plan_parts
+    _save(tmp_path / "model-00001-of-00003.safetensors", ["x"])
+    _save(tmp_path / "model-00003-of-00003.safetensors", ["z"])
+    files = sorted(str(p) for p in tmp_path.glob("*.safetensors"))
+    parts = plan_parts(str(tmp_path), files)
+    assert [p.checkpoint for p in parts] == [str(tmp_path)]
+    with pytest.raises(tensorferry.SafetensorError, match="model-00002-of-00003.safetensors") as e:
+        tensorferry.Loader(parts[0].checkpoint)
+    assert e.value.code == "checkpoint_incomplete"
 
 
 # --- with the real vLLM (in .venv-vllm) -----------------------------------------------------------

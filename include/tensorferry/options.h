@@ -179,6 +179,8 @@ struct LoadOptions {
   // After each load, ask the kernel to drop the files it read from the page cache
   // (posix_fadvise DONTNEED; TENSORFERRY_DROP_CACHE), for servers that want that memory back.
   // Not with the mmap engine, whose tensors are those pages (a mapped page is not dropped).
+  // Through SourceFile::DropFromPageCache: an object-store file drops its copy in the object
+  // cache (a download in progress: when committed).
   bool drop_cache = false;
   Env* env = nullptr;  // nullptr: Env::Default(). Not owned. Direct I/O and mmap need the default.
   // Cancellation: a flag the caller may set from any thread while a load runs. Host reads not yet

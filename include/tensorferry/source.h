@@ -88,6 +88,13 @@ class SourceFile : public RandomAccessFile {
   // object cache, DIR/blobs/KEY, is removed: ..."); the default, "", does nothing. Idempotent,
   // thread-safe; never fails (a copy that cannot be removed says so).
   virtual std::string Distrust() const { return ""; }
+
+  // Asks the kernel to drop this file's pages from the page cache (LoadOptions::drop_cache):
+  // posix_fadvise(POSIX_FADV_DONTNEED) on native_handle(), dirty pages written first; nothing
+  // for a file without a descriptor. A file served from a local copy (the object cache's) drops
+  // the copy's pages, at once, or when its download in progress is committed. Errors: kIoError
+  // naming the path. Thread-safe.
+  virtual Status DropFromPageCache() const;
 };
 
 // Counters of a Source's requests since it was made, every reader's together (a Loader reports

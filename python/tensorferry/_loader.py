@@ -163,7 +163,7 @@ class Loader:
             the process being OOM-killed. The mmap engine is exempt (page-cache pages).
         drop_cache: after each load, drop the files read from the page cache (posix_fadvise
             DONTNEED), for servers that want that memory back; not with the mmap engine, whose
-            tensors are those pages.
+            tensors are those pages. Object storage: the copies in object_cache_dir.
         direct, chunk_size, queue_depth, order, populate, prefer_mmap, allow_oversized,
             pool_bytes: the other
             fields of tensorferry::LoadOptions (None: the default, or its TENSORFERRY_*

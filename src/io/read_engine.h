@@ -179,4 +179,9 @@ Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t
 Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, uint64_t length,
                               const ResidencySampling& sampling = {});
 
+// Asks the kernel to drop the clean pages of the open file `fd` from the page cache
+// (posix_fadvise POSIX_FADV_DONTNEED), its dirty pages written first (fdatasync); `path` names it
+// in the error (kIoError). Pages mapped by a process stay.
+Status DropPages(int fd, const std::string& path);
+
 }  // namespace tensorferry::io

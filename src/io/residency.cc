@@ -120,6 +120,14 @@ Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, 
   return total == 0 ? 1.0 : static_cast<double>(resident) / static_cast<double>(total);
 }
 
+Status DropPages(int fd, const std::string& path) {
+  ::fdatasync(fd);  // dirty pages are not dropped: write them first
+  if (const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED); rc != 0) {
+    return Status(Code::kIoError, path + ": posix_fadvise(DONTNEED) failed: " + ErrnoText(rc));
+  }
+  return Status::Ok();
+}
+
 }  // namespace tensorferry::io
 
 namespace tensorferry {
@@ -138,13 +146,9 @@ Status DropFromPageCache(const std::string& path) {
     return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
                   path + ": cannot open: " + io::ErrnoText(err));
   }
-  ::fdatasync(fd);
-  const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  Status st = io::DropPages(fd, path);
   ::close(fd);
-  if (rc != 0) {
-    return Status(Code::kIoError, path + ": posix_fadvise(DONTNEED) failed: " + io::ErrnoText(rc));
-  }
-  return Status::Ok();
+  return st;
 }
 
 }  // namespace tensorferry

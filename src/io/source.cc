@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "io/read_engine.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -146,6 +147,10 @@ SourceCounters* SourceStatsScope::Current() noexcept {
 Status SourceFile::ReadMany(std::span<const SourceRead> reads) const {
   for (const SourceRead& r : reads) TF_RETURN_IF_ERROR(ReadFully(*this, r.offset, r.dst));
   return Status::Ok();
+}
+
+Status SourceFile::DropFromPageCache() const {
+  return native_handle() < 0 ? Status::Ok() : io::DropPages(native_handle(), path());
 }
 
 Result<std::vector<std::string>> Source::List(const std::string& dir, std::string_view) {

@@ -9,7 +9,6 @@
 
 #include "loader/loader_impl.h"
 #include "tensorferry/mapping.h"
-#include "tensorferry/residency.h"
 #include "util/macros.h"
 
 namespace tensorferry {
@@ -163,9 +162,8 @@ struct BatchIterator::State {
     m->CollectVerifyStats(verified);
     m->CollectDeviceStats(pipeline0);
     m->CollectSourceStats(source0);
-    if (!m->options.drop_cache || m->engine_kind == Engine::kMmap ||
-        m->checkpoint->file_set()->source()->hints().concurrency > 0) {
-      return Status::Ok();  // mapped pages are the tensors; object storage has no page cache
+    if (!m->options.drop_cache || m->engine_kind == Engine::kMmap) {
+      return Status::Ok();  // mapped pages are the tensors
     }
     std::vector<bool> read(m->checkpoint->files().size(), false);
     for (const Group& g : groups) {
@@ -174,7 +172,11 @@ struct BatchIterator::State {
       }
     }
     for (size_t f = 0; f < read.size(); ++f) {
-      if (read[f]) TF_RETURN_IF_ERROR(DropFromPageCache(m->checkpoint->files()[f].path));
+      if (!read[f]) continue;
+      // Through the file the load read (object storage: its copy in the cache, if any).
+      TF_ASSIGN_OR_RETURN(const io::FileSet::Pin pin,
+                          m->checkpoint->file_set()->Get(static_cast<uint32_t>(f)));
+      TF_RETURN_IF_ERROR(pin.file->DropFromPageCache());
     }
     return Status::Ok();
   }

@@ -21,6 +21,7 @@
 
 #include <simdjson.h>
 
+#include "io/read_engine.h"
 #include "tensorferry/env.h"
 #include "tensorferry/object_store.h"
 #include "util/json_writer.h"
@@ -131,6 +132,7 @@ class CachedFile final : public SourceFile {
   const std::string& path() const noexcept override { return name_; }
   const FileIdentity& identity() const noexcept override { return identity_; }
   std::string Distrust() const override { return DropCopy(blob_, fd_); }
+  Status DropFromPageCache() const override { return io::DropPages(fd_, blob_); }
   // Entries are never written after they appear: only a copy damaged outside tensorferry changes.
   Status CheckUnchanged() const override {
     struct stat st {};
@@ -289,6 +291,7 @@ struct ObjectCache::Fill {
   size_t busy = 0;                      // mu: claims being fetched
   bool failed = false;                  // mu: given up (unclaimed bytes read the store)
   bool finished = false;                // mu: Finish is over (committed unless failed)
+  bool drop_pages = false;              // mu: drop the copy's pages once committed (drop_cache)
   std::string why;                      // mu: why
 
   bool Whole() const { return done_bytes == object.size - head; }
@@ -445,6 +448,27 @@ class FillingFile final : public SourceFile {
       if (fill->failed) return "";
     }
     return DropCopy(cache_->dir() + "/blobs/" + fill->key, fill->fd.get());
+  }
+  // A download in progress drops its pages when committed (its last ranges are still being
+  // written); a given-up one has no pages to keep (its copy is removed); bytes read from the
+  // store have none.
+  Status DropFromPageCache() const override {
+    ObjectCache::Fill* fill = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (entry_) return entry_->DropFromPageCache();
+      fill = fill_.get();
+    }
+    if (fill == nullptr) return Status::Ok();
+    {
+      std::lock_guard<std::mutex> lk(fill->mu);
+      if (fill->failed) return Status::Ok();
+      if (!fill->finished) {
+        fill->drop_pages = true;
+        return Status::Ok();
+      }
+    }
+    return io::DropPages(fill->fd.get(), cache_->dir() + "/blobs/" + fill->key);
   }
 
  private:
@@ -736,7 +760,7 @@ void ObjectCache::Finish(Fill& fill) {
     std::lock_guard<std::mutex> room(room_mu_);
     reserved_ -= fill.object.size;
   }
-  bool distrusted = false;
+  bool distrusted = false, drop_pages = false;
   {
     std::lock_guard<std::mutex> lk(fill.mu);
     fill.finished = true;
@@ -745,8 +769,12 @@ void ObjectCache::Finish(Fill& fill) {
     } else if (fill.failed) {
       distrusted = true;  // Distrust() came while the copy was being committed
     }
+    drop_pages = fill.drop_pages && !fill.failed;
   }
   if (distrusted) static_cast<void>(DropCopy(dir_ + "/blobs/" + fill.key, fill.fd.get()));
+  if (drop_pages) {  // asked for while downloading (drop_cache); a cache: best effort
+    static_cast<void>(io::DropPages(fill.fd.get(), dir_ + "/blobs/" + fill.key));
+  }
   fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
 }
 

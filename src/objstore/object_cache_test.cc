@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "tensorferry/object_store.h"
+#include "tensorferry/residency.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::objstore {
@@ -290,6 +291,53 @@ TEST(ObjectCache, DistrustedDownloadIsNotCommitted) {
   cache.Drain();
   EXPECT_EQ(CountFiles(tmp.Join("c/blobs")), 0u);
   EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
+}
+
+// drop_cache: a copy drops its pages at once; a download in progress when it commits.
+TEST(ObjectCache, DropFromPageCacheDropsTheCopysPages) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  ObjectCache cache(tmp.Join("c"), 0);
+  Fill(cache, remote);
+  const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+  Result<std::unique_ptr<SourceFile>> hit = remote.Open(cache);
+  ASSERT_TRUE(hit.ok() && *hit != nullptr);
+  EXPECT_EQ(ReadAll(**hit), remote.bytes);
+  ASSERT_GT(*CachedFraction(blob), 0.9);  // written and read: in the page cache
+  Status dropped = (*hit)->DropFromPageCache();
+  ASSERT_TRUE(dropped.ok()) << dropped.ToString();
+  EXPECT_LT(*CachedFraction(blob), 0.1);
+
+  // Two downloads held before their last range: one asked to drop its pages, one not.
+  Remote held(1'000'000, 2), kept(1'000'000, 3);
+  const uint64_t top_part = held.bytes.size() - (64u << 10);  // the filler's first range
+  held.hold_offset = static_cast<int64_t>(top_part);
+  kept.hold_offset = static_cast<int64_t>(top_part);
+  const std::string held_url = "http://127.0.0.1:9/b/held.safetensors";
+  const std::string kept_url = "http://127.0.0.1:9/b/kept.safetensors";
+  Result<std::unique_ptr<SourceFile>> a = held.Open(cache, 4096, 2, 64u << 10, held_url);
+  Result<std::unique_ptr<SourceFile>> b = kept.Open(cache, 4096, 2, 64u << 10, kept_url);
+  ASSERT_TRUE(a.ok() && *a != nullptr && b.ok() && *b != nullptr);
+  // Every byte below the held range, read through (the held one would wait for it).
+  for (auto [file, object] : {std::pair{a->get(), &held}, std::pair{b->get(), &kept}}) {
+    std::vector<std::byte> below(static_cast<size_t>(top_part));
+    ASSERT_TRUE(file->Read(0, below).ok());
+    EXPECT_TRUE(std::equal(below.begin(), below.end(), object->bytes.begin()));
+  }
+  dropped = (*a)->DropFromPageCache();  // not committed yet: dropped when it is
+  ASSERT_TRUE(dropped.ok()) << dropped.ToString();
+  held.released = true;
+  kept.released = true;
+  cache.Drain();
+  const std::string held_blob = tmp.Join("c/blobs/" + ObjectCache::Key(held.Object(held_url)));
+  const std::string kept_blob = tmp.Join("c/blobs/" + ObjectCache::Key(kept.Object(kept_url)));
+  ASSERT_TRUE(fs::exists(held_blob) && fs::exists(kept_blob));
+  EXPECT_LT(*CachedFraction(held_blob), 0.1);
+  EXPECT_GT(*CachedFraction(kept_blob), 0.9);
+  EXPECT_EQ(ReadAll(**a), held.bytes);  // the copy, read from disk
+  dropped = (*a)->DropFromPageCache();  // committed: at once
+  ASSERT_TRUE(dropped.ok()) << dropped.ToString();
+  EXPECT_LT(*CachedFraction(held_blob), 0.1);
 }
 
 TEST(ObjectCache, StoreErrorFailsTheReadAndLeavesNothing) {

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import CLI
@@ -118,6 +119,27 @@ def test_environment_variable_sets_the_cache_for_python(stores, tmp_path, monkey
     assert_same(got, load_all(stores.tiny))
     assert stats.cache_fills == len(stores.shards)
     assert len(blobs(tmp_path)) == len(stores.shards)
+
+
+def test_drop_cache_drops_the_copies_pages(stores, tmp_path):
+    # drop_cache on an object-store checkpoint: the bytes that stay in the page cache are those of
+    # the local copies; the first load (downloads) and a later one (hits) both leave them out.
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from _pagecache import cached_fraction
+    want = load_all(stores.tiny)
+    kept, dropped = tmp_path / "kept", tmp_path / "dropped"
+    for cache, drop in ((kept, False), (dropped, True)):
+        url, opts = tiny(stores, "s3", cache)
+        for _ in range(2):  # downloads, then hits
+            got, stats = load_with_stats(url, storage_options=opts, drop_cache=drop)
+            assert_same(got, want)
+            paths = [str(cache / "blobs" / e) for e in blobs(cache)]
+            assert len(paths) == len(stores.shards)
+            if drop:
+                assert cached_fraction(paths) < 0.1
+            else:
+                assert cached_fraction(paths) > 0.9
+        assert stats.cache_hits == len(stores.shards)
 
 
 def cli_load(url, *args, env=None, check=True):

@@ -35,9 +35,21 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
     enable_weights_track
                   bool, as for vLLM's default loader: check that every parameter was loaded
                   (default: on for unquantized models whose load_weights reports what it loaded).
+    weights       where the model's weights are read from instead of the model's own files: an
+                  s3:// or http(s):// URL (a prefix, an index or a .safetensors file, read
+                  straight from object storage: docs/object_storage.md) or a local folder or
+                  file. vLLM reads the configuration (and tokenizer) from --model as usual (a
+                  local folder or a hub id), so a model whose weights live in a bucket is served
+                  with --model naming its configuration. (vLLM itself refuses load formats other
+                  than its Run:ai ones for an s3:// --model.)
+    storage_options
+                  dict of object-storage settings for `weights` (s3_endpoint, s3_region,
+                  object_cache_dir, ...; as tensorferry.Loader's storage_options); the AWS_* and
+                  TENSORFERRY_OBJECT_* environment variables apply as well.
 """
 import dataclasses
 import difflib
+import fnmatch
 import glob
 import json
 import os
@@ -63,6 +75,8 @@ class Options:
     engine: str = None
     gds: str = None
     enable_weights_track: bool = None
+    weights: str = None
+    storage_options: dict = None
 
 
 _KEYS = tuple(f.name for f in dataclasses.fields(Options))
@@ -125,7 +139,35 @@ def parse_options(extra):
             if value not in choices:
                 raise _bad(key, f"{value!r} is not one of {', '.join(map(repr, choices))}")
             values[key] = value
+    if "weights" in extra:
+        values["weights"] = _check_weights(extra["weights"])
+    if "storage_options" in extra:
+        storage = extra["storage_options"]
+        if storage is not None:
+            from . import _safe_open
+            try:
+                _safe_open.storage_load_options(storage)
+            except ValueError as e:
+                raise _bad("storage_options", str(e)) from None
+        values["storage_options"] = storage
     return Options(**values)
+
+
+def _check_weights(weights):
+    """The `weights` option: None, or a URL tensorferry reads, or a local path (str)."""
+    if weights is None:
+        return None
+    if isinstance(weights, os.PathLike):
+        weights = os.fspath(weights)
+    if not isinstance(weights, str) or not weights:
+        raise _bad("weights", f"{weights!r} is not a URL or a path")
+    from . import _safe_open
+    if "://" in weights and not _safe_open.is_url(weights):
+        scheme = weights.split("://", 1)[0]
+        raise _bad("weights", f"{weights!r}: tensorferry reads s3://, http:// and https:// URLs, "
+                   f"not {scheme}:// (a store with an S3-compatible endpoint is read as s3:// with "
+                   f"storage_options {{\"s3_endpoint\": ...}})")
+    return weights
 
 
 # --- which files ------------------------------------------------------------------------------
@@ -175,6 +217,27 @@ def plan_parts(folder, files, is_unused_weight=None):
     return parts
 
 
+def plan_remote(url, files, allow_patterns=None, is_unused_weight=None):
+    """The Loaders that read an object-storage checkpoint `url` (whose files are `files`, as
+    tensorferry.Loader lists them): the URL itself, one Loader, unless the model's
+    allow_patterns_overrides leave out some of its files (then one per kept file). Files are
+    matched by name as vLLM matches local ones (the first pattern that matches any file wins)."""
+    keep = None if is_unused_weight is None else (lambda n, _f=is_unused_weight: not _f(n))
+    if allow_patterns is None:
+        return [Part(url, keep)]
+    chosen = []
+    for pattern in allow_patterns:
+        chosen = [f for f in files if fnmatch.fnmatch(f.rsplit("/", 1)[-1], pattern)]
+        if chosen:
+            break
+    if not chosen:
+        raise RuntimeError(f"Cannot find any safetensors weights in {url!r} matching the model's "
+                           f"allow_patterns_overrides {list(allow_patterns)}")
+    if sorted(chosen) == sorted(files):
+        return [Part(url, keep)]
+    return [Part(f, keep) for f in sorted(chosen)]
+
+
 # --- registration ------------------------------------------------------------------------------
 
 _CLASS = None
@@ -207,6 +270,11 @@ def __getattr__(name):
     if name == "TensorferryModelLoader":
         return loader_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_url(path):
+    from . import _safe_open
+    return _safe_open.is_url(path)
 
 
 def _make_class():
@@ -270,11 +338,19 @@ def _make_class():
                     f"and .pt)")
             return folder, files
 
+        def _primary(self, model_config):
+            """Where the model's own weights are: the `weights` option, else vLLM's
+            model_weights (set for object-storage models), else the model."""
+            return self.options.weights or getattr(model_config, "model_weights", "") or \
+                model_config.model
+
         def download_model(self, model_config):
-            self._files(model_config.model, model_config.revision)
+            primary = self._primary(model_config)
+            if not _is_url(primary):  # object storage is read in place
+                self._files(primary, model_config.revision)
 
         def _sources(self, model, model_config):
-            yield (model_config.model, model_config.revision, None, "",
+            yield (self._primary(model_config), model_config.revision, None, "",
                    getattr(model, "allow_patterns_overrides", None),
                    getattr(model, "is_unused_checkpoint_weight", None))
             for s in getattr(model, "secondary_weights", ()):
@@ -330,7 +406,16 @@ def _make_class():
         def _common(self):
             o = self.options
             return {k: v for k, v in (("threads", o.threads), ("engine", o.engine),
-                                      ("gds", o.gds)) if v is not None}
+                                      ("gds", o.gds), ("storage_options", o.storage_options))
+                    if v is not None}
+
+        def _remote_parts(self, url, patterns, unused):
+            """The Parts of an object-storage weight source (plan_remote)."""
+            files = None
+            if patterns is not None:
+                with tensorferry.Loader(url, **self._common()) as probe:
+                    files = probe.files
+            return plan_remote(url, files, patterns, unused)
 
         def _stream(self, part, prefix, device):
             """(name, tensor) of one Part through Loader.iter_tensors under the budget."""
@@ -409,10 +494,17 @@ def _make_class():
             tp = self._tp()
             for model_or_path, revision, subfolder, prefix, patterns, unused in \
                     self._sources(model, model_config):
-                folder, files = self._files(model_or_path, revision, subfolder, patterns)
-                if unused is not None:
-                    files = weight_utils.filter_safetensors_files_by_weight_name(files, unused)
-                for part in plan_parts(folder, files, unused):
+                if _is_url(model_or_path):
+                    parts = self._remote_parts(model_or_path, patterns, unused)
+                elif os.path.isfile(model_or_path):  # the `weights` option: one file
+                    keep = None if unused is None else (lambda n, _f=unused: not _f(n))
+                    parts = [Part(model_or_path, keep)]
+                else:
+                    folder, files = self._files(model_or_path, revision, subfolder, patterns)
+                    if unused is not None:
+                        files = weight_utils.filter_safetensors_files_by_weight_name(files, unused)
+                    parts = plan_parts(folder, files, unused)
+                for part in parts:
                     if tp is None:
                         yield from self._stream(part, prefix, device)
                     else:

@@ -343,3 +343,58 @@ def test_cooperative_ranks_read_every_byte_once(tp2, case):
         assert all(s["rounds"] > 1 for s in stats)
     plain = [r["loads"]["plain"]["stats"]["bytes_read"] for r in tp2]
     assert plain == [total, total]
+
+
+# --- weights in object storage (the `weights` option), against SeaweedFS ------------------------
+
+
+@pytest.fixture(scope="session")
+def remote(vllm_env, single, seaweed):  # after `single`: it writes the checkpoints
+    sharded = os.path.join(vllm_env["work"], "llama-sharded")
+    prefix = "vllm-tests/llama-sharded"
+    seaweed.upload_dir(seaweed.BUCKET, prefix, sharded)
+    env = _env(vllm_env["path"])
+    env.update(seaweed.env())
+    env["TF_TEST_PORT"] = str(_free_port())
+    r = subprocess.run([VLLM_PYTHON, SCENARIOS, "remote", vllm_env["work"],
+                        seaweed.url(prefix)], env=env, capture_output=True, text=True,
+                       timeout=900)
+    return _result(r.stdout + r.stderr, "vllm_scenarios.py remote")
+
+
+@pytest.mark.parametrize("case", ["prefix", "index", "cached"])
+def test_weights_read_from_object_storage_are_vllms_weights(remote, case):
+    # vLLM's --model holds only config.json: every weight came from the bucket.
+    load = remote["loads"][case]
+    assert load["compared"] == 24
+    assert load["differences"] == []
+    assert load["stats"]["tensors"] == 21
+    assert load["stats"]["bytes_read"] == load["stats"]["bytes"]
+    if case == "prefix":
+        assert load["stats"]["rounds"] > 1 and load["stats"]["peak_held_bytes"] <= 65536
+
+
+def test_weights_from_object_storage_fill_the_object_cache(remote):
+    assert len(remote["cached_files"]) >= 2  # the shards the open's first GET did not hold whole
+
+
+def test_weights_option_errors_name_what_is_wrong(remote):
+    e = remote["errors"]
+    assert e["missing"]["type"] in ("NotFoundError", "FileNotFoundError")
+    assert "vllm-tests/llama-sharded-nothing-here" in e["missing"]["message"]
+    assert e["gs"]["type"] == "ValueError"
+    assert "['weights']" in e["gs"]["message"] and "not gs://" in e["gs"]["message"]
+    assert e["bad_storage_option"]["type"] == "ValueError"
+    assert "unknown setting 'endpoint'" in e["bad_storage_option"]["message"]
+
+
+def test_plan_remote_keeps_the_url_unless_patterns_leave_files_out():
+    from tensorferry.vllm import Part, plan_remote
+    url = "s3://b/m"
+    files = [f"{url}/model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert plan_remote(url, files) == [Part(url, None)]
+    assert plan_remote(url, files, ["*.safetensors"]) == [Part(url, None)]
+    assert plan_remote(url, files, ["model-00002-*.safetensors", "*.safetensors"]) == \
+        [Part(files[1], None)]
+    with pytest.raises(RuntimeError, match="matching the model's allow_patterns_overrides"):
+        plan_remote(url, files, ["consolidated*.safetensors"])

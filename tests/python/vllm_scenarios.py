@@ -4,6 +4,7 @@ point). Prints one JSON object of findings on its last line; test_vllm.py assert
 
     python vllm_scenarios.py single WORKDIR         registration, load, budget, errors (world 1)
     python vllm_scenarios.py tp WORKDIR WORLD PORT  tensor parallelism, one process per rank
+    python vllm_scenarios.py remote WORKDIR URL     weights read from object storage (`weights`)
 
 vLLM runs on its CPU platform (VLLM_TARGET_DEVICE=cpu, set by the caller): its PyPI wheel is
 built for CUDA and has no compiled CPU kernels (vllm._C_AVX2/_C_AVX512 are missing), which
@@ -204,6 +205,48 @@ def single(workdir):
     return out
 
 
+def remote(workdir, url):
+    """Weights read straight from object storage (the `weights` option): `url` is the sharded
+    checkpoint's S3 prefix (uploaded by the test; AWS_* variables name the server), vLLM's
+    --model a folder holding only config.json."""
+    import shutil
+    sharded, _ = make_checkpoints(workdir)
+    config_only = os.path.join(workdir, "llama-config-only")
+    if not os.path.exists(config_only):
+        os.makedirs(config_only)
+        shutil.copy(os.path.join(sharded, "config.json"), config_only)
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    init_distributed(sharded, 0, 1, int(os.environ.get("TF_TEST_PORT", "29532")))
+    reference, _ = build(sharded, "safetensors")
+    out = {"loads": {}}
+    cache = os.path.join(workdir, "object-cache")
+    cases = {
+        "prefix": {"weights": url, "budget": 65536},
+        "index": {"weights": url + "/model.safetensors.index.json", "budget": "auto"},
+        "cached": {"weights": url, "storage_options": {"object_cache_dir": cache,
+                                                       "object_header_bytes": 4096}},
+    }
+    for key, extra in cases.items():
+        model, ldr = build(config_only, "tensorferry", extra)
+        diff, count = differences(model, reference)
+        out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
+        del model
+    blobs = os.path.join(cache, "blobs")
+    out["cached_files"] = sorted(f for f in os.listdir(blobs) if not f.endswith(".json")) \
+        if os.path.isdir(blobs) else []
+    out["errors"] = {
+        "missing": error_of(lambda: build(config_only, "tensorferry",
+                                          {"weights": url + "-nothing-here/"})),
+        "gs": error_of(lambda: build(config_only, "tensorferry",
+                                     {"weights": "gs://bucket/model/"})),
+        "bad_storage_option": error_of(lambda: build(config_only, "tensorferry",
+                                                     {"weights": url,
+                                                      "storage_options": {"endpoint": "x"}})),
+    }
+    return out
+
+
 def tp(workdir, world, port):
     rank = int(os.environ["TF_TEST_RANK"])
     sharded, _ = make_checkpoints(workdir)
@@ -231,6 +274,8 @@ def main():
     try:
         if what == "single":
             result = single(workdir)
+        elif what == "remote":
+            result = remote(workdir, sys.argv[3])
         else:
             result = tp(workdir, int(sys.argv[3]), int(sys.argv[4]))
     except Exception:  # noqa: BLE001 - reported to the test

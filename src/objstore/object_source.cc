@@ -170,8 +170,9 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
   SourceStats stats() const override;
   SourceReadHints hints() const override;
-  // hints() without the reason's text (every read and every cache download asks for it).
-  SourceReadHints Transport() const;
+  // hints(), with the reason's text only when `explain` (every read and every cache download
+  // asks for the rest).
+  SourceReadHints Transport(bool explain = false) const;
   uint64_t PartSize() const { return Transport().read_size; }
 
   // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
@@ -336,12 +337,7 @@ void ObjectSource::NotePeer(const std::string& peer) const {
 }
 
 SourceReadHints ObjectSource::hints() const {
-  SourceReadHints hints;
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    hints = ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_);
-  }
-  return hints;
+  return Transport(/*explain=*/true);
 }
 
 SourceStats ObjectSource::stats() const {
@@ -363,10 +359,10 @@ SourceStats ObjectSource::stats() const {
   return s;
 }
 
-SourceReadHints ObjectSource::Transport() const {
+SourceReadHints ObjectSource::Transport(bool explain) const {
   std::lock_guard<std::mutex> lock(peers_mu_);
   return ChooseTransport(options_.concurrency, options_.part_size, local_peer_, remote_peer_,
-                         /*explain=*/false);
+                         explain);
 }
 
 Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,

@@ -217,15 +217,17 @@ def single(vllm_env):
     return _result(r.stdout + r.stderr, "vllm_scenarios.py single")
 
 
-@pytest.fixture(scope="session")
-def tp2(vllm_env, single):  # after `single`: it writes the checkpoints
-    world, port = 2, _free_port()
+def _tensor_parallel(vllm_env, world, url=None, more_env=None):
+    """The `tp` scenario in `world` processes; their results by rank."""
+    port = _free_port()
     procs = []
     for rank in range(world):
         env = _env(vllm_env["path"])
+        env.update(more_env or {})
         env["TF_TEST_RANK"] = str(rank)
         procs.append(subprocess.Popen(
-            [VLLM_PYTHON, SCENARIOS, "tp", vllm_env["work"], str(world), str(port)], env=env,
+            [VLLM_PYTHON, SCENARIOS, "tp", vllm_env["work"], str(world), str(port)]
+            + ([url] if url else []), env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     for rank, p in enumerate(procs):
@@ -237,6 +239,11 @@ def tp2(vllm_env, single):  # after `single`: it writes the checkpoints
             pytest.fail(f"tensor-parallel rank {rank} did not finish in 900 s")
         results.append(_result(out, f"vllm_scenarios.py tp rank {rank}"))
     return results
+
+
+@pytest.fixture(scope="session")
+def tp2(vllm_env, single):  # after `single`: it writes the checkpoints
+    return _tensor_parallel(vllm_env, 2)
 
 
 def test_vllm_finds_the_plugin_through_its_entry_point(single, vllm_env):
@@ -348,18 +355,25 @@ def test_cooperative_ranks_read_every_byte_once(tp2, case):
 # --- weights in object storage (the `weights` option), against SeaweedFS ------------------------
 
 
+REMOTE_PREFIX = "vllm-tests/llama-sharded"
+
+
 @pytest.fixture(scope="session")
 def remote(vllm_env, single, seaweed):  # after `single`: it writes the checkpoints
     sharded = os.path.join(vllm_env["work"], "llama-sharded")
-    prefix = "vllm-tests/llama-sharded"
-    seaweed.upload_dir(seaweed.BUCKET, prefix, sharded)
+    seaweed.upload_dir(seaweed.BUCKET, REMOTE_PREFIX, sharded)
     env = _env(vllm_env["path"])
     env.update(seaweed.env())
     env["TF_TEST_PORT"] = str(_free_port())
     r = subprocess.run([VLLM_PYTHON, SCENARIOS, "remote", vllm_env["work"],
-                        seaweed.url(prefix)], env=env, capture_output=True, text=True,
+                        seaweed.url(REMOTE_PREFIX)], env=env, capture_output=True, text=True,
                        timeout=900)
     return _result(r.stdout + r.stderr, "vllm_scenarios.py remote")
+
+
+@pytest.fixture(scope="session")
+def remote_tp2(vllm_env, remote, seaweed):  # after `remote`: the upload, the config-only folder
+    return _tensor_parallel(vllm_env, 2, seaweed.url(REMOTE_PREFIX), seaweed.env())
 
 
 @pytest.mark.parametrize("case", ["prefix", "index", "cached"])
@@ -376,6 +390,20 @@ def test_weights_read_from_object_storage_are_vllms_weights(remote, case):
 
 def test_weights_from_object_storage_fill_the_object_cache(remote):
     assert len(remote["cached_files"]) >= 2  # the shards the open's first GET did not hold whole
+
+
+@pytest.mark.parametrize("case", ["cooperative", "plain"])
+def test_tensor_parallel_ranks_get_vllms_shards_from_object_storage(remote_tp2, case):
+    for rank, result in enumerate(remote_tp2):
+        load = result["loads"][case]
+        assert load["differences"] == [], f"rank {rank}"
+        assert load["compared"] == 24 and load["stats"]["tensors"] == 21
+    read = [r["loads"][case]["stats"]["bytes_read"] for r in remote_tp2]
+    total = remote_tp2[0]["loads"][case]["stats"]["bytes"]
+    if case == "cooperative":  # the group fetched each byte from the bucket once
+        assert sum(read) == total and all(0 < r < total for r in read)
+    else:
+        assert read == [total, total]
 
 
 def test_weights_option_errors_name_what_is_wrong(remote):

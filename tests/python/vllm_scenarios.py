@@ -3,7 +3,9 @@ requirements-vllm.txt), tensorferry on PYTHONPATH (with its dist-info, so vLLM f
 point). Prints one JSON object of findings on its last line; test_vllm.py asserts on them.
 
     python vllm_scenarios.py single WORKDIR         registration, load, budget, errors (world 1)
-    python vllm_scenarios.py tp WORKDIR WORLD PORT  tensor parallelism, one process per rank
+    python vllm_scenarios.py tp WORKDIR WORLD PORT [URL]
+                                                    tensor parallelism, one process per rank
+                                                    (URL: weights from object storage)
     python vllm_scenarios.py remote WORKDIR URL     weights read from object storage (`weights`)
 
 vLLM runs on its CPU platform (VLLM_TARGET_DEVICE=cpu, set by the caller): its PyPI wheel is
@@ -247,7 +249,9 @@ def remote(workdir, url):
     return out
 
 
-def tp(workdir, world, port):
+def tp(workdir, world, port, url=None):
+    """With `url` (the sharded checkpoint's S3 prefix): the weights read from there (the
+    `weights` option), vLLM's --model the folder holding only config.json."""
     rank = int(os.environ["TF_TEST_RANK"])
     sharded, _ = make_checkpoints(workdir)
     from vllm.plugins import load_general_plugins
@@ -259,10 +263,14 @@ def tp(workdir, world, port):
     reference, _ = build(sharded, "safetensors", tp=world)
     out["local_bytes"] = sum(p.numel() * p.element_size() for p in reference.parameters())
     out["loads"] = {}
+    model_path, where = sharded, {}
+    if url is not None:
+        model_path = os.path.join(workdir, "llama-config-only")  # written by remote()
+        where = {"weights": url}
     for key, extra in (("cooperative", {"cooperative": True, "budget": 65536}),
                        ("cooperative_unbounded", {"cooperative": True, "budget": 0}),
                        ("plain", {"budget": 65536})):
-        model, ldr = build(sharded, "tensorferry", extra, tp=world)
+        model, ldr = build(model_path, "tensorferry", dict(extra, **where), tp=world)
         diff, count = differences(model, reference)
         out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
         del model
@@ -277,7 +285,8 @@ def main():
         elif what == "remote":
             result = remote(workdir, sys.argv[3])
         else:
-            result = tp(workdir, int(sys.argv[3]), int(sys.argv[4]))
+            result = tp(workdir, int(sys.argv[3]), int(sys.argv[4]),
+                        sys.argv[5] if len(sys.argv) > 5 else None)
     except Exception:  # noqa: BLE001 - reported to the test
         result = {"crash": traceback.format_exc()}
     sys.stdout.flush()

@@ -37,8 +37,8 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   (default: on for unquantized models whose load_weights reports what it loaded).
     weights       where the model's weights are read from instead of the model's own files: an
                   s3:// or http(s):// URL (a prefix, an index or a .safetensors file, read
-                  straight from object storage: docs/object_storage.md) or a local folder or
-                  file. vLLM reads the configuration (and tokenizer) from --model as usual (a
+                  straight from object storage: docs/object_storage.md), a local folder or
+                  file (a missing one is a FileNotFoundError), or a hub id. vLLM reads the configuration (and tokenizer) from --model as usual (a
                   local folder or a hub id), so a model whose weights live in a bucket is served
                   with --model naming its configuration. (vLLM itself refuses load formats other
                   than its Run:ai ones for an s3:// --model.)
@@ -341,8 +341,10 @@ def _make_class():
         def _primary(self, model_config):
             """Where the model's own weights are: the `weights` option, else vLLM's
             model_weights (set for object-storage models), else the model."""
-            return self.options.weights or getattr(model_config, "model_weights", "") or \
-                model_config.model
+            weights = self.options.weights
+            if weights is not None:
+                return weights if _is_url(weights) else os.path.expanduser(weights)
+            return getattr(model_config, "model_weights", "") or model_config.model
 
         def download_model(self, model_config):
             primary = self._primary(model_config)
@@ -492,10 +494,16 @@ def _make_class():
             them."""
             device = self._device(model)
             tp = self._tp()
-            for model_or_path, revision, subfolder, prefix, patterns, unused in \
-                    self._sources(model, model_config):
+            for k, (model_or_path, revision, subfolder, prefix, patterns, unused) in \
+                    enumerate(self._sources(model, model_config)):
                 if _is_url(model_or_path):
                     parts = self._remote_parts(model_or_path, patterns, unused)
+                elif k == 0 and self.options.weights is not None and \
+                        model_or_path.startswith(("/", ".")) and not os.path.exists(model_or_path):
+                    # (a name that is not a path is a hub id, downloaded as --model would be)
+                    raise FileNotFoundError(
+                        f"model_loader_extra_config['weights'] for load format "
+                        f"{LOAD_FORMAT!r}: {self.options.weights!r} does not exist")
                 elif os.path.isfile(model_or_path):  # the `weights` option: one file
                     keep = None if unused is None else (lambda n, _f=unused: not _f(n))
                     parts = [Part(model_or_path, keep)]

@@ -410,6 +410,9 @@ def test_weights_option_errors_name_what_is_wrong(remote):
     e = remote["errors"]
     assert e["missing"]["type"] in ("NotFoundError", "FileNotFoundError")
     assert "vllm-tests/llama-sharded-nothing-here" in e["missing"]["message"]
+    assert e["missing_local"]["type"] == "FileNotFoundError"
+    assert "['weights']" in e["missing_local"]["message"]
+    assert "'/nonexistent/llama' does not exist" in e["missing_local"]["message"]
     assert e["gs"]["type"] == "ValueError"
     assert "['weights']" in e["gs"]["message"] and "not gs://" in e["gs"]["message"]
     assert e["bad_storage_option"]["type"] == "ValueError"

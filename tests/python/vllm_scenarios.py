@@ -242,6 +242,8 @@ def remote(workdir, url):
                                           {"weights": url + "-nothing-here/"})),
         "gs": error_of(lambda: build(config_only, "tensorferry",
                                      {"weights": "gs://bucket/model/"})),
+        "missing_local": error_of(lambda: build(config_only, "tensorferry",
+                                                {"weights": "/nonexistent/llama"})),
         "bad_storage_option": error_of(lambda: build(config_only, "tensorferry",
                                                      {"weights": url,
                                                       "storage_options": {"endpoint": "x"}})),

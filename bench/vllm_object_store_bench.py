@@ -12,7 +12,8 @@ What it does:
      --data) and a config.json matching it (bench/model_bench.py's config_of), in a folder of its
      own (the tensorferry plugin's --model) and beside the weights in the bucket (what vLLM pulls
      for an s3:// --model);
-  2. SeaweedFS (tests/python/objstore_servers.py), the checkpoint uploaded to s3://tensorferry/<name>/;
+  2. SeaweedFS (tests/python/objstore_servers.py), the checkpoint uploaded to
+     s3://tensorferry/<name>/;
   3. --repeats rounds, the contenders alternating (the order rotates every round), each in a fresh
      process of .venv-vllm's Python (the real vLLM of requirements-vllm.txt, its CPU platform, the
      tensorferry package of .venv on PYTHONPATH as in tests/python/test_vllm.py): vLLM's

@@ -38,9 +38,10 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
     weights       where the model's weights are read from instead of the model's own files: an
                   s3:// or http(s):// URL (a prefix, an index or a .safetensors file, read
                   straight from object storage: docs/object_storage.md), a local folder or
-                  file (a missing one is a FileNotFoundError), or a hub id. vLLM reads the configuration (and tokenizer) from --model as usual (a
-                  local folder or a hub id), so a model whose weights live in a bucket is served
-                  with --model naming its configuration. (vLLM itself refuses load formats other
+                  file (a missing one is a FileNotFoundError), or a hub id. vLLM reads the
+                  configuration (and tokenizer) from --model as usual (a local folder or a hub
+                  id), so a model whose weights live in a bucket is served with --model naming
+                  its configuration. (vLLM itself refuses load formats other
                   than its Run:ai ones for an s3:// --model.)
     storage_options
                   dict of object-storage settings for `weights` (s3_endpoint, s3_region,
@@ -161,8 +162,7 @@ def _check_weights(weights):
         weights = os.fspath(weights)
     if not isinstance(weights, str) or not weights:
         raise _bad("weights", f"{weights!r} is not a URL or a path")
-    from . import _safe_open
-    if "://" in weights and not _safe_open.is_url(weights):
+    if "://" in weights and not _is_url(weights):
         scheme = weights.split("://", 1)[0]
         raise _bad("weights", f"{weights!r}: tensorferry reads s3://, http:// and https:// URLs, "
                    f"not {scheme}:// (a store with an S3-compatible endpoint is read as s3:// with "
@@ -171,6 +171,11 @@ def _check_weights(weights):
 
 
 # --- which files ------------------------------------------------------------------------------
+
+
+def _keep(is_unused_weight):
+    """Loader's `select` keeping what is_unused_weight(name) does not drop (None: everything)."""
+    return None if is_unused_weight is None else (lambda n, _f=is_unused_weight: not _f(n))
 
 
 @dataclasses.dataclass
@@ -203,7 +208,7 @@ def plan_parts(folder, files, is_unused_weight=None):
                          and not (is_unused_weight is not None and is_unused_weight(n))]
             parts.append(Part(index, names))
             return parts
-    keep = None if is_unused_weight is None else (lambda n, _f=is_unused_weight: not _f(n))
+    keep = _keep(is_unused_weight)
     # Every safetensors file of a folder without an index (vLLM's selection when nothing is
     # filtered): the folder itself, one Loader, which refuses an incomplete numbered series
     # (model-00002-of-00003.safetensors missing) naming the missing files, instead of loading
@@ -222,7 +227,7 @@ def plan_remote(url, files, allow_patterns=None, is_unused_weight=None):
     tensorferry.Loader lists them): the URL itself, one Loader, unless the model's
     allow_patterns_overrides leave out some of its files (then one per kept file). Files are
     matched by name as vLLM matches local ones (the first pattern that matches any file wins)."""
-    keep = None if is_unused_weight is None else (lambda n, _f=is_unused_weight: not _f(n))
+    keep = _keep(is_unused_weight)
     if allow_patterns is None:
         return [Part(url, keep)]
     chosen = []
@@ -505,8 +510,7 @@ def _make_class():
                         f"model_loader_extra_config['weights'] for load format "
                         f"{LOAD_FORMAT!r}: {self.options.weights!r} does not exist")
                 elif os.path.isfile(model_or_path):  # the `weights` option: one file
-                    keep = None if unused is None else (lambda n, _f=unused: not _f(n))
-                    parts = [Part(model_or_path, keep)]
+                    parts = [Part(model_or_path, _keep(unused))]
                 else:
                     folder, files = self._files(model_or_path, revision, subfolder, patterns)
                     if unused is not None:

@@ -7,7 +7,9 @@ tensorferry.torch.load_checkpoint_and_dispatch and by accelerate.load_checkpoint
 the same device map and dtype.
 
 --flow from_pretrained: transformers' AutoModelForCausalLM.from_pretrained(path, dtype=...) as is
-("transformers") and inside tensorferry.transformers.loading() ("tensorferry"); the config.json
+("transformers") and inside tensorferry.transformers.loading() ("tensorferry"); with --to-device
+also inside loading(to_device=True) ("tf-to-device", a device map onto one GPU: the checkpoint read
+straight into tensors on it; its child reports the seconds of that read, "read"); the config.json
 (matching the checkpoint) is written beside the files when absent. transformers' modules are
 imported before the clock starts (both pay the same import time).
 
@@ -93,18 +95,30 @@ def child_from_pretrained(args):
     dtype = getattr(torch, args.dtype)
     # On a GPU, both load straight to it (device_map); on the CPU the call stays as users write it.
     kwargs = {} if args.device_map == {"": "cpu"} else {"device_map": args.device_map}
+    read = []  # tf-to-device: the seconds of the read onto the device
+    if args.child == "tf-to-device":
+        original = tensorferry.transformers._DeviceRead._read
+
+        def timed(self):
+            t0 = time.perf_counter()
+            try:
+                return original(self)
+            finally:
+                read.append(time.perf_counter() - t0)
+
+        tensorferry.transformers._DeviceRead._read = timed
     device = DeviceMemory(args)
     rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     start = time.perf_counter()
     with device:
-        if args.child == "tensorferry":
-            with tensorferry.transformers.loading():
+        if args.child in ("tensorferry", "tf-to-device"):
+            with tensorferry.transformers.loading(to_device=args.child == "tf-to-device"):
                 model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **kwargs)
         if device.sampler is not None:
             torch.cuda.synchronize()
-    report(model, start, rss0, device.used)
+    report(model, start, rss0, device.used, {"read_seconds": sum(read)} if read else {})
 
 
 def on_gpu(args):
@@ -142,7 +156,7 @@ class DeviceMemory:
             self.used = max(0, self.free0 - self.sampler.lowest)
 
 
-def report(model, start, rss0, device_used=0):
+def report(model, start, rss0, device_used=0, extra=None):
     import torch
     seconds = time.perf_counter() - start
     # Ready means in memory: touch one byte of every page of every tensor (a loader may hand out
@@ -161,7 +175,7 @@ def report(model, start, rss0, device_used=0):
                                               .sum(dtype=torch.int64))) % (1 << 61)
     print(json.dumps({"seconds": touched, "call_seconds": seconds, "bytes": nbytes, "checksum": checksum,
                       "rss_before": rss0, "peak_rss": peak, "device_bytes": device_bytes,
-                      "peak_device_used": device_used}))
+                      "peak_device_used": device_used, **(extra or {})}))
 
 
 def _hwm():
@@ -186,6 +200,8 @@ def main():
     p.add_argument("--modes", default="warm,cold",
                    help="warm: files read through first; cold: evicted (posix_fadvise) first")
     p.add_argument("--flow", choices=("dispatch", "from_pretrained"), default="dispatch")
+    p.add_argument("--to-device", action="store_true",
+                   help="--flow from_pretrained: also loading(to_device=True) (tf-to-device)")
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -225,9 +241,12 @@ def main():
 
 def measure(args, mode, files, evict, warm):
     other = "transformers" if args.flow == "from_pretrained" else "accelerate"
-    runs = {"tensorferry": [], other: []}
+    names = ["tensorferry", other]
+    if args.to_device and args.flow == "from_pretrained":
+        names.insert(1, "tf-to-device")
+    runs = {n: [] for n in names}
     for r in range(args.repeats):
-        order = ["tensorferry", other] if r % 2 == 0 else [other, "tensorferry"]
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
             left = evict(files, empty=0.0) if mode == "cold" else warm(files, empty=0.0)
             # Fresh children: the peak RSS of each is its own (resource.RUSAGE_CHILDREN would
@@ -239,6 +258,8 @@ def measure(args, mode, files, evict, warm):
                 device = (f"  on the GPU {t['device_bytes'] / 2**20:.0f} MiB, peak device memory"
                           f" beside it +{max(0, t['peak_device_used'] - t['device_bytes']) / 2**20:.0f}"
                           " MiB")
+            if "read_seconds" in t:
+                device += f"  (read onto the device {t['read_seconds']:.2f} s)"
             print(f"  {mode} round {r + 1} {name:12s} (cached {left:.0%}) {t['seconds']:7.2f} s (call {t['call_seconds']:.2f} s)  "
                   f"{t['bytes'] / t['seconds'] / 1e9:5.2f} GB/s  peak RSS +"
                   f"{(t['maxrss'] - t['rss_before']) / 2**20:7.0f} MiB{device}", flush=True)
@@ -249,11 +270,14 @@ def measure(args, mode, files, evict, warm):
         rss = statistics.median(t["maxrss"] - t["rss_before"] for t in ts)
         print(f"{mode}: {name:14s} {s:7.2f} {ts[0]['bytes'] / s / 1e9:6.2f} {rss / 2**20:16.0f} MiB"
               f"  {ts[0]['bytes'] / 2**20:.0f} MiB")
-    ratio = (statistics.median(t["seconds"] for t in runs[other]) /
-             statistics.median(t["seconds"] for t in runs["tensorferry"]))
     same = len({t["checksum"] for ts in runs.values() for t in ts}) == 1
-    print(f"{mode}: tensorferry is {ratio:.2f}x {other}; parameters "
-          f"{'identical' if same else 'DIFFER'}; load {os.getloadavg()[0]:.2f}", flush=True)
+    for name in names:
+        if name == other:
+            continue
+        ratio = (statistics.median(t["seconds"] for t in runs[other]) /
+                 statistics.median(t["seconds"] for t in runs[name]))
+        print(f"{mode}: {name} is {ratio:.2f}x {other}; parameters "
+              f"{'identical' if same else 'DIFFER'}; load {os.getloadavg()[0]:.2f}", flush=True)
     return runs
 
 

@@ -307,19 +307,24 @@ PY
 # tensorferry.torch.load_checkpoint_and_dispatch against accelerate's, and from_pretrained inside
 # tensorferry.transformers.loading() against plain transformers (the kit's transformers, our pin),
 # on MODEL_DATA (default data/default: the default preset with format=pt metadata, made by the
-# bench when absent), MODEL_MODES (default warm) and MODEL_REPEATS (default 3).
+# bench when absent), MODEL_MODES (default warm), MODEL_REPEATS (default 3) and MODEL_FLOWS
+# (default "dispatch from_pretrained").
 phase_models() {
   phase_build
   local log=models.log
   echo "== models on the GPU (log: $out/$log)"
   require_cuda $log
   install_kit_wheels $log
-  local flow
-  for flow in dispatch from_pretrained; do
-    echo "== bench/model_bench.py --flow $flow --device-map cuda" | tee -a "$out/$log"
+  local flow extra
+  for flow in ${MODEL_FLOWS:-dispatch from_pretrained}; do
+    # from_pretrained: also loading(to_device=True) (tf-to-device), off by default until measured
+    # ahead here (docs/models.md).
+    extra=()
+    [ "$flow" = from_pretrained ] && extra=(--to-device)
+    echo "== bench/model_bench.py --flow $flow --device-map cuda ${extra[*]}" | tee -a "$out/$log"
     PYTHONUNBUFFERED=1 "$py" bench/model_bench.py "${MODEL_DATA:-data/default}" --flow "$flow" \
       --device-map cuda --modes "${MODEL_MODES:-warm}" --repeats "${MODEL_REPEATS:-3}" \
-      --json "$out/models_$flow.json" 2>&1 | tee -a "$out/$log"
+      "${extra[@]}" --json "$out/models_$flow.json" 2>&1 | tee -a "$out/$log"
   done
 }
 

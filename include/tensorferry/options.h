@@ -223,7 +223,8 @@ struct LoadOptions {
   // Host tensors take the host path, device tensors the device pipeline; batches never mix devices.
   std::function<Device(const TensorInfo&)> placement;
   // Pinned host memory of the staging ring, per device used (TENSORFERRY_STAGING_BYTES): at least
-  // two slots' worth. Allocated once per Loader and device, reused by every load.
+  // two slots' worth. Pinned a slot at a time as the first load needs them (one slot when the
+  // Loader opens), kept per Loader and device and reused by every load.
   uint64_t staging_bytes = 64ull << 20;
   // Bytes per staging slot: per read and per host-to-device copy (TENSORFERRY_STAGING_SLOT).
   uint64_t staging_slot = 8ull << 20;

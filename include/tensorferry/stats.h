@@ -66,7 +66,7 @@ struct LoadStats {
   uint64_t gathered_bytes = 0;
   uint64_t gds_bytes = 0;     // bytes read by cuFile straight into device memory
   std::string gds_reason;     // why GDS was not used (for some or all bytes); "" if it was
-  uint64_t pinned_bytes = 0;  // pinned staging memory the loader holds (all devices)
+  uint64_t pinned_bytes = 0;  // pinned staging memory the loader holds now (all devices)
   // Highest bytes of device batch buffers live at once during the load (summed over devices;
   // buffers still held from earlier loads included): what device_budget bounds.
   uint64_t peak_device_bytes = 0;

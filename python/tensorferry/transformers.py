@@ -20,6 +20,22 @@ network or FUSE file system (NFS, SMB, Lustre, sshfs, s3fs, ...), where each pag
 mapping waits for a round trip, is not mapped: a whole-tensor first request reads the whole file
 with many large reads in flight (the io_uring engine), a part first reads each slice's bytes.
 
+`loading(to_device=True)` (or `enable(to_device=True)`), with a device map that puts every
+parameter on one CUDA device (`device_map="cuda"`, `"cuda:1"`, `"auto"` on a model that fits one
+GPU): the first time from_pretrained opens one of its safetensors files (on the calling thread,
+after transformers' allocator warm-up), every tensor of every checkpoint file is allocated on that
+device (`torch.empty`, from the memory the warm-up reserved) and the checkpoint is read straight
+into them through tensorferry's pinned staging ring (`Loader.load_into`, one Loader for the
+index's shards, checksums checked); transformers then finds each parameter on its device and its
+`.to(device)` copies nothing, instead of a pageable host-to-device copy of each parameter from the
+mapping. Each tensor is handed out once (a second request reads the file again); when the device
+memory cannot be allocated, or a dtype has no torch equivalent, the files are mapped as above.
+Device maps that split the model (several devices, "cpu", "disk"), quantized models and
+tensor-parallel device meshes keep the mapping. Off by default until it is measured ahead of the
+mapping on a GPU (docs/models.md: a first version, reading file by file from transformers' loading
+threads, held 183 MiB of host memory instead of the model's 3971 on an H200 but was slower in a
+fresh process, for a reason not found yet).
+
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
 missing-key initialisation) runs as it does without tensorferry: only the reads are replaced.
@@ -30,12 +46,15 @@ Thread-safety: enable/disable/loading may be called from any thread; the patch i
 (as transformers' own module attributes are), and nested loading() blocks keep it until the
 outermost one ends.
 """
+import functools
 import importlib
+import json
+import os
 import sys
 import threading
 from contextlib import contextmanager
 
-from . import _core
+from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._loader import Loader
 from ._safe_open import _Slice, is_url
@@ -50,7 +69,98 @@ _LOADING_MODULES = ("transformers.modeling_utils", "transformers.integrations.ac
 
 _lock = threading.Lock()
 _depth = 0
-_patched = []  # (module, attribute, original)
+_to_device = []  # the to_device= of each enable() in force, innermost last
+_patched = []  # (module or class, attribute, original, replacement)
+
+# The _DeviceRead of the from_pretrained call running on this thread (transformers opens the files
+# on it; its loading threads materialize the tensors later).
+_target = threading.local()
+
+
+def _direct_device(load_config):
+    """The one CUDA device `load_config`'s device map puts every parameter on, or None: no map,
+    several devices, "cpu", "disk" or "meta" entries, a quantizer, a device mesh."""
+    device_map = getattr(load_config, "device_map", None)
+    if not device_map or getattr(load_config, "hf_quantizer", None) is not None or \
+            getattr(load_config, "device_mesh", None) is not None:
+        return None
+    import torch
+    devices = set()
+    for value in device_map.values():
+        try:
+            device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+        except (RuntimeError, TypeError, ValueError):
+            return None  # "disk" and anything else torch does not know
+        if device.type != "cuda":
+            return None
+        if device.index is None:  # "cuda": the current device, as .to("cuda") takes it
+            try:
+                device = torch.device("cuda", torch.cuda.current_device())
+            except (AssertionError, RuntimeError):  # a torch without CUDA
+                return None
+        devices.add(device)
+    return devices.pop() if len(devices) == 1 else None
+
+
+class _DeviceRead:
+    """The checkpoint files of one from_pretrained call, read onto `device` when the first of them
+    is opened: each file's tensors (name -> tensor on the device) are handed to the safe_open of
+    that file, once."""
+
+    def __init__(self, device, files):
+        self.device = device
+        self.files = [os.path.realpath(f) for f in files]
+        self._lock = threading.Lock()
+        self._tensors = None  # realpath -> {name: tensor}
+
+    def take(self, filename):
+        """The tensors of `filename` on the device, or None (not one of the call's files, handed
+        out already, or the read fell back to the mapping)."""
+        key = os.path.realpath(filename)
+        if key not in self.files:
+            return None
+        with self._lock:
+            if self._tensors is None:
+                self._tensors = self._read()
+            return self._tensors.pop(key, None)
+
+    def _read(self):
+        fw = _frameworks.get("pt")
+        torch = fw.torch
+        per_file = {}
+        try:
+            for path in self.files:
+                with Loader(path) as probe:
+                    per_file[path] = {o.name: torch.empty(tuple(o.shape),
+                                                          dtype=fw.dtype(o.dtype, o.name),
+                                                          device=self.device)
+                                      for o in probe._describe()}
+        except (UnsupportedDTypeError, torch.cuda.OutOfMemoryError):
+            return {}  # every file mapped
+        index = self._index()
+        if index is not None:  # one Loader (one pipeline) for every shard
+            with Loader(index) as loader:
+                loader.load_into({n: t for tensors in per_file.values()
+                                  for n, t in tensors.items()})
+        else:
+            for path, tensors in per_file.items():
+                with Loader(path) as loader:
+                    loader.load_into(tensors)
+        return per_file
+
+    def _index(self):
+        """The model.safetensors.index.json beside the files when it names exactly them."""
+        if len(self.files) < 2:
+            return None
+        folder = os.path.dirname(self.files[0])
+        index = os.path.join(folder, "model.safetensors.index.json")
+        try:
+            with open(index, encoding="utf-8") as f:
+                named = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        shards = {os.path.realpath(os.path.join(folder, n)) for n in named}
+        return index if shards == set(self.files) else None
 
 
 class safe_open(_safe_open):
@@ -68,6 +178,11 @@ class safe_open(_safe_open):
         self._views = None  # name -> view of the mapping; {} when the file cannot be mapped
         self._mappable = (self._fw.name == "torch" and str(self._device) == "cpu"
                           and backend in (None, "mmap") and not is_url(filename))
+        self._on_device = False  # the views are tensors on a device, each handed out once
+        call = getattr(_target, "call", None)
+        if call is not None and self._mappable:
+            self._views = call.take(filename)
+            self._on_device = self._views is not None
 
     def close(self):
         super().close()
@@ -97,6 +212,10 @@ class safe_open(_safe_open):
                     except UnsupportedDTypeError:
                         self._views = {}  # per tensor, each with its own error if it has one
                 views = self._views
+        if self._on_device and whole:
+            # Handed out once: the parameter owns its memory from now on (converted to another
+            # dtype, the original is freed as soon as transformers drops it).
+            return views.pop(name, None)
         return views.get(name)
 
     def get_tensor(self, name):
@@ -125,14 +244,17 @@ def _original_safe_open():
     return safetensors.safe_open
 
 
-def enable():
+def enable(to_device=False):
     """Routes transformers' safetensors reads through tensorferry until disable() (idempotent
-    while enabled). ImportError when transformers is not installed."""
+    while enabled). `to_device`: a device map onto one CUDA device reads the checkpoint straight
+    into tensors on it (see the module's docstring). ImportError when transformers is not
+    installed."""
     global _depth
     with _lock:
         if _depth == 0:
             _apply()
         _depth += 1
+        _to_device.append(bool(to_device))
 
 
 def disable():
@@ -142,6 +264,7 @@ def disable():
         if _depth == 0:
             return
         _depth -= 1
+        _to_device.pop()
         if _depth == 0:
             _restore()
 
@@ -152,14 +275,37 @@ def enabled():
 
 
 @contextmanager
-def loading():
+def loading(to_device=False):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
-    opens safetensors files) reads through tensorferry."""
-    enable()
+    opens safetensors files) reads through tensorferry; `to_device` as in enable()."""
+    enable(to_device)
     try:
         yield
     finally:
         disable()
+
+
+def _with_target(original):
+    """transformers' PreTrainedModel._load_pretrained_model (a staticmethod), noting on the calling
+    thread, under enable(to_device=True), the files to read onto the one CUDA device its
+    load_config puts every parameter on."""
+    function = original.__func__
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        files = kwargs.get("checkpoint_files", args[2] if len(args) > 2 else None)
+        load_config = kwargs.get("load_config", args[3] if len(args) > 3 else None)
+        device = _direct_device(load_config) if _to_device and _to_device[-1] else None
+        local = bool(files) and all(isinstance(f, (str, os.PathLike)) and not is_url(f) and
+                                    os.fspath(f).endswith(".safetensors") for f in files)
+        previous = getattr(_target, "call", None)
+        _target.call = _DeviceRead(device, files) if device is not None and local else None
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _target.call = previous
+
+    return staticmethod(wrapper)
 
 
 def _apply():
@@ -170,8 +316,16 @@ def _apply():
         if module is None or not (name == "transformers" or name.startswith("transformers.")):
             continue
         if getattr(module, "safe_open", None) is original:
-            _patched.append((module, "safe_open", original))
+            _patched.append((module, "safe_open", original, safe_open))
             module.safe_open = safe_open
+    # For enable(to_device=True): the device map and the files of each from_pretrained. A
+    # transformers without this method still reads through tensorferry, through the mapping.
+    model_class = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    load = vars(model_class).get("_load_pretrained_model")
+    if isinstance(load, staticmethod):
+        wrapped = _with_target(load)
+        _patched.append((model_class, "_load_pretrained_model", load, wrapped))
+        model_class._load_pretrained_model = wrapped
     missing = [n for n in _LOADING_MODULES
                if getattr(sys.modules[n], "safe_open", None) is not safe_open]
     if missing:
@@ -184,6 +338,6 @@ def _apply():
 
 def _restore():
     while _patched:
-        module, attr, original = _patched.pop()
-        if getattr(module, attr, None) is safe_open:
-            setattr(module, attr, original)
+        owner, attr, original, replacement = _patched.pop()
+        if vars(owner).get(attr) is replacement:
+            setattr(owner, attr, original)

@@ -430,6 +430,7 @@ Status DevicePipeline::Run(std::span<const DeviceTask> tasks, io::ReadEngine& en
     stats_.gds_tasks += run.gds_tasks;
     stats_.staged_tasks += run.staged_tasks;
     stats_.peak_slots_in_use = ring_->peak_in_use();
+    stats_.pinned_bytes = ring_->pinned_bytes();  // slots are pinned as the runs need them
     std::string reason;
     for (const std::string& r : run.reasons) reason += (reason.empty() ? "" : "; ") + r;
     stats_.gds_reason = std::move(reason);

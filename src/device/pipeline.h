@@ -29,8 +29,9 @@
 //          unaligned contiguous tasks use cuFile too (cuFile handles them, more slowly). Strided
 //          tasks always use the ring.
 //
-// Memory: pinned host memory is exactly the ring (slot_count x slot_size, both from the options,
-// allocated once at Create). The pipeline allocates no device memory: destinations are the
+// Memory: pinned host memory is the ring: at most slot_count x slot_size (both from the options),
+// one slot pinned at Create and the others by the runs that first need them, kept until the
+// pipeline goes. The pipeline allocates no device memory: destinations are the
 // caller's (see device_memory.h for the budgeted allocator).
 //
 // Errors name the file and offset: the engine's read errors as they are (kIoError,
@@ -131,7 +132,7 @@ struct DevicePipelineStats {
   uint64_t copies_2d = 0;       // cudaMemcpy2DAsync calls
   unsigned slots = 0;
   uint64_t slot_size = 0;
-  uint64_t pinned_bytes = 0;  // the ring's pinned memory
+  uint64_t pinned_bytes = 0;  // the ring's pinned memory (its slots pinned so far)
   unsigned peak_slots_in_use = 0;
   unsigned producers = 0;
   bool gds_enabled = false;   // the driver opened (kAuto/kOn)

@@ -21,14 +21,37 @@ Result<std::unique_ptr<StagingRing>> StagingRing::Create(
     return Status(Code::kInvalidArgument, "staging ring: slot count times slot size overflows");
   }
   std::unique_ptr<StagingRing> ring(new StagingRing(runtime, rounded));
-  TF_ASSIGN_OR_RETURN(ring->memory_,
-                      cuda::PinnedHostBuffer::Allocate(runtime, rounded * slot_count));
   ring->slots_.resize(slot_count);
   for (unsigned i = 0; i < slot_count; ++i) {
     TF_ASSIGN_OR_RETURN(ring->slots_[i].event, cuda::UniqueEvent::Create(runtime));
-    ring->free_.push_back(i);
   }
+  // The first slot now: a ring that cannot pin even one slot fails here, at creation.
+  TF_ASSIGN_OR_RETURN(ring->slots_[0].memory, cuda::PinnedHostBuffer::Allocate(runtime, rounded));
+  ring->grown_ = 1;
+  ring->pinned_bytes_ = rounded;
+  ring->free_.push_back(0);
   return ring;
+}
+
+uint64_t StagingRing::pinned_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pinned_bytes_;
+}
+
+std::optional<unsigned> StagingRing::Grow(std::unique_lock<std::mutex>& lock) {
+  const unsigned index = grown_++;  // in no list: no one else sees it while it is pinned
+  lock.unlock();
+  auto memory = cuda::PinnedHostBuffer::Allocate(runtime_, slot_size_);
+  lock.lock();
+  if (!memory.ok()) {
+    // The pinned-memory limit (or a failing driver): the ring keeps the slots it has, and never
+    // hands this one out. At least the first slot exists, so loads go on, with less overlap.
+    growth_failed_ = true;
+    return std::nullopt;
+  }
+  slots_[index].memory = std::move(memory).value();
+  pinned_bytes_ += slot_size_;
+  return Take(index);
 }
 
 StagingRing::~StagingRing() {
@@ -79,6 +102,12 @@ Result<unsigned> StagingRing::Acquire() {
       if (error == cuda::kErrorNotReady) continue;
       submitted_.erase(it);
       return Reuse(index, error);
+    }
+    // Rather than wait for a copy, pin the next slot: the ring reaches its size while the first
+    // reads and copies run (each slot's pinning is paid once).
+    if (grown_ < slots_.size() && !growth_failed_) {
+      if (const std::optional<unsigned> index = Grow(lock)) return *index;
+      continue;  // another slot may have come free meanwhile
     }
     if (!submitted_.empty()) {
       // Wait for the oldest, outside the lock so other producers can submit and release.

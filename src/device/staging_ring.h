@@ -1,11 +1,16 @@
 // Internal: a ring of reusable pinned staging buffers ("slots") for host-to-device copies.
 //
-// All slots live in one cudaHostAlloc made at creation (pinning is expensive: it is paid once, not
-// per chunk) and each has an event. A producer Acquires a free slot, reads file bytes into it,
+// Each slot is its own cudaHostAlloc, made once and kept for the ring's life (pinning is expensive:
+// it is paid once per slot, never per chunk). Only the first slot is pinned at creation; the others
+// are pinned by the Acquire that first needs them, so the first reads start after one slot's
+// pinning rather than the whole ring's, the rest is pinned while earlier slots are read and
+// copied, and a load smaller than the ring pins only what it uses. A slot that cannot be pinned
+// (the pinned-memory limit) is not an error: the ring stops growing and works with the slots it
+// has. Each slot has an event. A producer Acquires a free slot, reads file bytes into it,
 // queues the copy to the device on its stream and Submits the slot, which records the slot's event
 // behind the copy. The slot is handed out again only after that event has completed, i.e. after
 // the device has finished reading it: a slot is never overwritten under a pending copy. Slot count
-// times slot size is all the pinned memory a load uses.
+// times slot size bounds the pinned memory a load uses.
 //
 // Acquire prefers a never-used or already-completed slot; otherwise it waits for the oldest
 // submitted one. An asynchronous copy failure surfaces from the Acquire or Drain that observes the
@@ -21,6 +26,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -34,9 +40,9 @@ namespace tensorferry::device {
 
 class StagingRing {
  public:
-  // `slot_count` slots of `slot_size` bytes each, rounded up to 4 KiB so every slot is page
-  // aligned (as O_DIRECT reads need). Errors: kInvalidArgument (no slots, size 0),
-  // kDeviceOutOfMemory (the pinned allocation), kCudaError (event creation).
+  // At most `slot_count` slots of `slot_size` bytes each, rounded up to 4 KiB so every slot is page
+  // aligned (as O_DIRECT reads need); the first is pinned now. Errors: kInvalidArgument (no slots,
+  // size 0), kDeviceOutOfMemory (the first slot's pinned allocation), kCudaError (event creation).
   static Result<std::unique_ptr<StagingRing>> Create(std::shared_ptr<const cuda::Runtime> runtime,
                                                      unsigned slot_count, uint64_t slot_size);
   // Waits for every submitted slot, then frees events and memory.
@@ -46,12 +52,16 @@ class StagingRing {
 
   unsigned slot_count() const noexcept { return static_cast<unsigned>(slots_.size()); }
   uint64_t slot_size() const noexcept { return slot_size_; }
-  uint64_t pinned_bytes() const noexcept { return memory_->size(); }
+  // The pinned memory the ring holds now (slots pinned so far).
+  uint64_t pinned_bytes() const;
+  // REQUIRES: the caller owns slot `index` (from Acquire).
   std::span<std::byte> slot(unsigned index) const noexcept {
-    return {memory_->data() + index * slot_size_, static_cast<size_t>(slot_size_)};
+    return {slots_[index].memory->data(), static_cast<size_t>(slot_size_)};
   }
 
   // Blocks until a slot is free and returns its index; the caller owns it until Submit/Release.
+  // Prefers, in order: a free pinned slot, a submitted slot whose copy has completed, a slot not
+  // pinned yet (pinned by this call, outside the lock), the oldest submitted slot (waited for).
   // Errors: the asynchronous failure of the copy that last used the slot waited for (kCudaError,
   // "<what given to Submit>: <CUDA error>"); that slot is free again afterwards.
   Result<unsigned> Acquire();
@@ -69,6 +79,7 @@ class StagingRing {
  private:
   enum class SlotState : uint8_t { kFree, kFilling, kSubmitted, kWaiting };
   struct Slot {
+    std::unique_ptr<cuda::PinnedHostBuffer> memory;  // null until pinned
     cuda::UniqueEvent event;
     SlotState state = SlotState::kFree;
     std::string what;  // the copy it was submitted for
@@ -85,15 +96,20 @@ class StagingRing {
   std::pair<unsigned, cuda::Error> WaitOldest(std::unique_lock<std::mutex>& lock);
   // REQUIRES: mu_ held. Back to the free list.
   void MakeFree(unsigned index);
+  // REQUIRES: `lock` holds mu_ and grown_ < slots_.size(). Pins the next slot with the lock
+  // released; the slot, now the caller's, or nothing when pinning failed (the ring stops growing).
+  std::optional<unsigned> Grow(std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<const cuda::Runtime> runtime_;
   uint64_t slot_size_;
-  std::unique_ptr<cuda::PinnedHostBuffer> memory_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Slot> slots_;
   std::deque<unsigned> free_;       // never used, or known complete
   std::deque<unsigned> submitted_;  // in submission order
+  unsigned grown_ = 0;              // slots [0, grown_) are pinned or being pinned
+  bool growth_failed_ = false;      // a pinning failed: no more slots are tried
+  uint64_t pinned_bytes_ = 0;
   unsigned in_use_ = 0;
   unsigned peak_in_use_ = 0;
 };

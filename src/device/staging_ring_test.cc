@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -25,22 +26,46 @@ class StagingRingTest : public testing::FakeCudaTest {
   }
 };
 
-TEST_F(StagingRingTest, OnePinnedAllocationOfPageAlignedSlots) {
+TEST_F(StagingRingTest, SlotsArePinnedPageAlignedAsTheyAreFirstNeeded) {
   EXPECT_EQ(StagingRing::Create(runtime_, 0, 4096).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(StagingRing::Create(runtime_, 2, 0).status().code(), Code::kInvalidArgument);
   auto ring = StagingRing::Create(runtime_, 3, 5000);
   ASSERT_TRUE(ring.ok()) << ring.status().ToString();
-  EXPECT_EQ((*ring)->slot_count(), 3u);
-  EXPECT_EQ((*ring)->slot_size(), 8192u);
-  EXPECT_EQ((*ring)->pinned_bytes(), 3u * 8192);
-  for (unsigned i = 0; i < 3; ++i) {
-    EXPECT_EQ(reinterpret_cast<uintptr_t>((*ring)->slot(i).data()) % 4096, 0u);
-    EXPECT_EQ((*ring)->slot(i).size(), 8192u);
+  StagingRing& r = **ring;
+  EXPECT_EQ(r.slot_count(), 3u);
+  EXPECT_EQ(r.slot_size(), 8192u);
+  // Creation pins the first slot only.
+  EXPECT_EQ(r.pinned_bytes(), 8192u);
+  EXPECT_EQ(fake_->Stats().pinned_bytes_in_use, 8192u);
+  EXPECT_EQ(fake_->Stats().events_live, 3u);
+  // A free pinned slot is handed out again rather than pinning another.
+  auto first = r.Acquire();
+  ASSERT_TRUE(first.ok());
+  r.Release(*first);
+  auto again = r.Acquire();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *first);
+  EXPECT_EQ(r.pinned_bytes(), 8192u);
+  // Held slots: the next Acquires pin the others, each page aligned and distinct.
+  auto second = r.Acquire();
+  auto third = r.Acquire();
+  ASSERT_TRUE(second.ok() && third.ok());
+  std::vector<std::byte*> seen;
+  for (const unsigned i : {*again, *second, *third}) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(r.slot(i).data()) % 4096, 0u);
+    EXPECT_EQ(r.slot(i).size(), 8192u);
+    std::memset(r.slot(i).data(), 'x', 8192);
+    seen.push_back(r.slot(i).data());
   }
+  EXPECT_NE(seen[0], seen[1]);
+  EXPECT_NE(seen[1], seen[2]);
+  EXPECT_NE(seen[0], seen[2]);
   const TfFakeCudaStats s = fake_->Stats();
-  EXPECT_EQ(s.pinned_allocations_live, 1u);
+  EXPECT_EQ(s.pinned_allocations_live, 3u);
   EXPECT_EQ(s.pinned_bytes_in_use, 3u * 8192);
-  EXPECT_EQ(s.events_live, 3u);
+  EXPECT_EQ(r.pinned_bytes(), 3u * 8192);
+  EXPECT_EQ(r.in_use(), 3u);
+  for (const unsigned i : {*again, *second, *third}) r.Release(i);
 }
 
 TEST_F(StagingRingTest, PinnedAllocationFailureIsReported) {
@@ -50,8 +75,45 @@ TEST_F(StagingRingTest, PinnedAllocationFailureIsReported) {
   auto ring = StagingRing::Create(runtime_, 4, 1 << 20);
   ASSERT_FALSE(ring.ok());
   EXPECT_EQ(ring.status().code(), Code::kDeviceOutOfMemory);
-  EXPECT_TRUE(Contains(ring.status().message(), "cudaHostAlloc(4.19 MB of pinned memory)"));
+  EXPECT_TRUE(Contains(ring.status().message(), "cudaHostAlloc(1.05 MB of pinned memory)"))
+      << ring.status().ToString();
   EXPECT_TRUE(Contains(ring.status().message(), "cudaErrorMemoryAllocation"));
+}
+
+// A slot that cannot be pinned later (the pinned-memory limit) stops the ring's growth, not the
+// load: the Acquire that tried waits for a slot that exists, and no pinning is tried again.
+TEST_F(StagingRingTest, APinningFailureStopsGrowthAndTheRingGoesOnWithItsSlots) {
+  auto config = DefaultConfig();
+  config.fail_host_alloc_at = 2;
+  Configure(config);
+  auto ring = StagingRing::Create(runtime_, 3, 4096);
+  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+  StagingRing& r = **ring;
+  auto held = r.Acquire();
+  ASSERT_TRUE(held.ok());
+  std::atomic<bool> got{false};
+  unsigned other = 99;
+  std::thread waiter([&] {
+    auto slot = r.Acquire();  // pinning fails: waits for the held slot
+    ASSERT_TRUE(slot.ok()) << slot.status().ToString();
+    other = *slot;
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(got.load()) << "handed out a slot that was never pinned";
+  r.Release(*held);
+  waiter.join();
+  EXPECT_EQ(other, *held);
+  r.Release(other);
+  EXPECT_EQ(r.pinned_bytes(), 4096u);
+  EXPECT_EQ(r.in_use(), 0u);
+  // Two slots held in turn: the ring does not try to pin again.
+  auto a = r.Acquire();
+  ASSERT_TRUE(a.ok());
+  r.Release(*a);
+  const TfFakeCudaStats s = fake_->Stats();
+  EXPECT_EQ(s.pinned_allocations_live, 1u);
+  EXPECT_EQ(s.pinned_bytes_in_use, 4096u);
 }
 
 // With every slot submitted behind slow copies, Acquire hands a slot out only once the copy that

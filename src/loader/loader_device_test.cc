@@ -128,18 +128,23 @@ TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
   LayeredCheckpoint c(4, 200, 16 << 10);
   auto loader = Loader::Open(c.dir.path(), DeviceOptions());
   ASSERT_TRUE(loader.ok()) << loader.status().ToString();
-  // Made at Open, before any load.
+  // Made at Open, before any load, with the ring's first slot pinned.
   EXPECT_EQ(fake_->Stats().pinned_allocations_live, 1u);
   const uint64_t streams = fake_->Stats().streams_live;
   EXPECT_GT(streams, 0u);
+  uint64_t pinned_after_first = 0;
   for (int run = 0; run < 3; ++run) {
     auto tensors = (*loader)->Load();
     ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
     for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name()));
+    if (run == 0) pinned_after_first = fake_->Stats().pinned_allocations_live;
   }
   const TfFakeCudaStats s = fake_->Stats();
-  EXPECT_EQ(s.pinned_allocations_live, 1u) << "one ring for every load";
-  EXPECT_EQ(s.peak_pinned_bytes, 64u << 10);
+  // The slots the first load pinned serve every later load.
+  EXPECT_EQ(s.pinned_allocations_live, pinned_after_first) << "one ring for every load";
+  EXPECT_LE(s.pinned_allocations_live, 4u);  // 64 KiB of 16 KiB slots
+  EXPECT_LE(s.peak_pinned_bytes, 64u << 10);
+  EXPECT_EQ(s.pinned_bytes_in_use, (*loader)->stats().pinned_bytes);
   EXPECT_EQ(s.streams_live, streams);
   EXPECT_EQ(s.pageable_copies, 0u);
 }

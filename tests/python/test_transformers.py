@@ -6,6 +6,7 @@ import contextlib
 import sys
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import safetensors
@@ -254,3 +255,128 @@ def test_whole_first_reads_the_file_and_a_part_first_only_its_pages(tmp_path):
     with tft.safe_open(path, framework="pt") as f:  # from_pretrained: whole tensors first
         assert torch.equal(f.get_slice("a")[...], torch.ones(4096, 4096))
         assert cached_fraction([path]) > 0.95  # the whole file, read at once
+
+
+def test_the_one_device_of_a_device_map():
+    from types import SimpleNamespace as Config
+    one = torch.device("cuda", 0)
+    assert tft._direct_device(Config(device_map={"": one})) == one
+    assert tft._direct_device(Config(device_map={"model.a": 0, "lm_head": "cuda:0"})) == one
+    assert tft._direct_device(Config(device_map={"a": 0, "b": 1})) is None  # split over two
+    assert tft._direct_device(Config(device_map={"a": 0, "b": "cpu"})) is None
+    assert tft._direct_device(Config(device_map={"a": 0, "b": "disk"})) is None
+    assert tft._direct_device(Config(device_map={"": "cpu"})) is None
+    assert tft._direct_device(Config(device_map=None)) is None
+    assert tft._direct_device(Config(device_map={"": one}, hf_quantizer=object())) is None
+    assert tft._direct_device(Config(device_map={"": one}, device_mesh=object())) is None
+    if not torch.cuda.is_available():
+        assert tft._direct_device(Config(device_map={"": "cuda"})) is None  # no current device
+
+
+
+@pytest.fixture
+def to_device_route(monkeypatch):
+    """loading(to_device=True) as for a device map onto one CUDA device, with the CPU standing in
+    for it (the route is the same code whatever the device: torch.empty there, then
+    Loader.load_into), counting the tensors read into destinations that way and the Loaders that
+    read them."""
+    stand_in = torch.device("cpu")
+    monkeypatch.setattr(tft, "_direct_device",
+                        lambda config: stand_in if getattr(config, "device_map", None) else None)
+    seen = SimpleNamespace(device=stand_in, read=[], loaders=[])
+    load_into = tensorferry.Loader.load_into
+
+    def counting(self, destinations):
+        seen.read.extend(destinations)
+        seen.loaders.append(self)
+        return load_into(self, destinations)
+
+    monkeypatch.setattr(tensorferry.Loader, "load_into", counting)
+    return seen
+
+
+def _names(directory, files):
+    names = []
+    for f in files:
+        with safetensors.safe_open(str(directory / f), framework="pt") as s:
+            names.extend(s.keys())
+    return sorted(names)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["same", "converted"])
+@pytest.mark.parametrize("shard", [None, "60KB"], ids=["single-file", "sharded"])
+def test_to_device_reads_the_checkpoint_into_tensors_on_the_device(tmp_path, to_device_route,
+                                                                   dtype, shard):
+    files = _save(_tiny_llama(), tmp_path, shard)
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=dtype, device_map="cpu")
+    with tft.loading(to_device=True):
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map="cpu")
+    _assert_same_parameters(ref, got)
+    assert sorted(to_device_route.read) == _names(tmp_path, files)  # every tensor, once
+    assert len(to_device_route.loaders) == 1  # sharded: one Loader over the index
+    # Off by default; and without a device map the files are mapped.
+    to_device_route.read.clear()
+    _assert_same_parameters(ref, _load(AutoModelForCausalLM, tmp_path, True, dtype=dtype,
+                                       device_map="cpu"))
+    with tft.loading(to_device=True):
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    _assert_same_parameters(_load(AutoModelForCausalLM, tmp_path, False, dtype=dtype), plain)
+    assert to_device_route.read == []
+
+
+def test_to_device_hands_each_tensor_out_once_and_reads_it_again_after(tmp_path,
+                                                                       to_device_route):
+    path = str(tmp_path / "w.safetensors")
+    tensorferry.torch.save_file({"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}, path)
+    other = str(tmp_path / "other.safetensors")
+    tensorferry.torch.save_file({"c": torch.zeros(2)}, other)
+    tft._target.call = tft._DeviceRead(to_device_route.device, [path])
+    try:
+        f = tft.safe_open(path, framework="pt")
+        g = tft.safe_open(other, framework="pt")  # not one of the call's files: mapped
+    finally:
+        tft._target.call = None
+    assert sorted(to_device_route.read) == ["a", "b"]
+    with f, g:
+        first = f.get_slice("a")[...]
+        part = f.get_slice("b")[1:3]  # a part: a copy; b stays for its whole request
+        assert torch.equal(part, torch.ones(2))
+        assert torch.equal(f.get_tensor("b"), torch.ones(5))
+        again = f.get_slice("a")[...]  # handed out already: read from the file again
+        assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
+        assert torch.equal(g.get_tensor("c"), torch.zeros(2))
+    assert sorted(to_device_route.read) == ["a", "b"]
+
+
+def test_to_device_without_the_device_memory_maps_the_files(tmp_path, to_device_route,
+                                                            monkeypatch):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16)
+    empty = torch.empty
+    calls = []
+
+    def out_of_memory(*args, **kwargs):
+        if kwargs.get("device") is to_device_route.device:
+            calls.append(args)
+            if len(calls) == 20:  # part of the way through: what was allocated is let go
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", out_of_memory)
+    with tft.loading(to_device=True):
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                   device_map="cpu")
+    _assert_same_parameters(ref, got)
+    assert len(calls) == 20 and to_device_route.read == [] and len(files) > 1
+
+
+def test_restoring_undoes_the_device_map_hook():
+    import transformers.modeling_utils as mu
+    original = vars(mu.PreTrainedModel)["_load_pretrained_model"]
+    with tft.loading(to_device=True):
+        assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is not original
+        with tft.loading():
+            assert tft._to_device == [True, False]
+        assert tft._to_device == [True]
+    assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is original
+    assert tft._to_device == []

@@ -39,12 +39,13 @@ import time
 from _pagecache import evict, warm
 
 LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (gds off, verify off)",
-           "tensorferry (device budget 1GB)",
+           "tensorferry (load_file)", "tensorferry (device budget 1GB)",
            "tensorferry (load_into)", "tensorferry (tp 0/2)", "tensorferry (tp 1/2)",
            "tensorferry (tp 0/8)", "tensorferry (tp 7/8)", "tensorferry (tp 0/8 covering)",
            "safetensors", "fastsafetensors",
            "fastsafetensors (nogds)", "runai-model-streamer"]
-# Variants: "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
+# Variants: "load_file" is tensorferry.torch.load_file(f, device="cuda") per shard, the drop-in
+# beside safetensors' own row; "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
 # each batch on the GPU and keeping nothing; "load_into" reads into destinations allocated before
 # the timer starts (a model's parameters); "tp R/W" loads rank R's slices of world W (builtin
 # rules), one rank per process in turn: its bytes are the rank's local bytes and its checksum is
@@ -159,6 +160,14 @@ def child(args):
                     record(loader)
                 torch.cuda.synchronize()
                 return dests, time.perf_counter() - t0, True
+        elif "load_file" in name:
+            import tensorferry.torch
+
+            def load():  # the drop-in API, per shard as safetensors' row (a Loader per call)
+                out = {}
+                for f in files:
+                    out.update(tensorferry.torch.load_file(f, device="cuda"))
+                return out
         elif "device budget" in name:
             def load():
                 total, checksum = 0, 0

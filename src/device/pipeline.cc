@@ -46,6 +46,7 @@ struct DevicePipeline::Chunk {
   // A gathered chunk: its first row in the task's source; the slot holds the rows packed
   // (length = rows * row_bytes) and offset is the first row's file offset.
   const std::byte* gather = nullptr;
+  const io::MappedFile* gather_map = nullptr;  // DeviceTask::source_map
   // DeviceTask::passed (contiguous staged chunks only).
   const std::function<Status(const std::byte*, std::span<const std::byte>)>* passed = nullptr;
 
@@ -331,6 +332,7 @@ void DevicePipeline::ChunkGathered(size_t index, const DeviceTask& t, uint64_t s
     c.dst_pitch = t.dst_pitch;
     c.cancel = t.cancel;
     c.gather = t.source + c.offset;
+    c.gather_map = t.source_map;
     chunks.push_back(c);
   }
 }
@@ -472,6 +474,10 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
     const auto row = static_cast<size_t>(chunk.row_bytes);
     for (uint64_t r = 0; r < chunk.rows; ++r) {
       std::memcpy(buffer.data() + r * row, chunk.gather + r * chunk.src_pitch, row);
+    }
+    // Copied: the rows' pages leave the process (a transient mapping's only).
+    if (chunk.gather_map != nullptr && chunk.rows > 0) {
+      chunk.gather_map->DropPages(chunk.offset, (chunk.rows - 1) * chunk.src_pitch + row);
     }
   } else {
     io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};

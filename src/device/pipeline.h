@@ -59,6 +59,7 @@
 #include "cuda/resources.h"
 #include "device/device_memory.h"
 #include "device/staging_ring.h"
+#include "io/mapped_file.h"
 #include "io/read_engine.h"
 #include "tensorferry/device.h"
 #include "tensorferry/env.h"
@@ -99,6 +100,10 @@ struct DeviceTask {
   // tasks and rows longer than a slot ignore it.
   const std::byte* source = nullptr;
   uint64_t source_size = 0;
+  // The mapping `source` belongs to, when it is a transient one (io::MappedFile::Use::kTransient):
+  // each chunk drops the pages it gathered from the process once they are in its slot, so the
+  // process does not hold the rows it has copied (RSS stays about the slots' worth).
+  const io::MappedFile* source_map = nullptr;
   // Contiguous staged tasks only: called with each piece of the task's bytes while it is in its
   // staging slot, before the slot's copy to the device (as the engine lands it: a piece at a time
   // where the engine hands them out, io::ReadRequest::landed), with the piece's destination

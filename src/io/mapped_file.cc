@@ -9,6 +9,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <condition_variable>
@@ -282,7 +283,8 @@ class LeaseKeeper {
 
 }  // namespace
 
-Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file, uint64_t size) {
+Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file, uint64_t size,
+                                                    Use use) {
   const int fd = file.native_handle();
   if (fd < 0) {
     return Status(Code::kUnsupported, file.path() + ": no file descriptor to map");
@@ -290,7 +292,9 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
   std::call_once(g_install_once, InstallHandler);
   void* addr = nullptr;
   if (size > 0) {
-    addr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    addr = use == Use::kTransient
+               ? ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0)
+               : ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
     if (addr == MAP_FAILED) {
       const int err = errno;
       return Status(Code::kIoError, file.path() + ": mmap of " + std::to_string(size) +
@@ -326,11 +330,14 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
       g_high_water.store(slot + 1, std::memory_order_release);
     }
   }
-  const int lease_fd = LeaseKeeper::Get().Acquire(fd, static_cast<std::byte*>(addr), size);
-  if (lease_fd < 0 && size > 0) g_unleasable.fetch_add(1, std::memory_order_relaxed);
+  int lease_fd = -1;
+  if (use == Use::kViews) {
+    lease_fd = LeaseKeeper::Get().Acquire(fd, static_cast<std::byte*>(addr), size);
+    if (lease_fd < 0 && size > 0) g_unleasable.fetch_add(1, std::memory_order_relaxed);
+  }
   g_live.fetch_add(1, std::memory_order_relaxed);
   return std::shared_ptr<MappedFile>(
-      new MappedFile(file.path(), static_cast<std::byte*>(addr), size, slot, lease_fd));
+      new MappedFile(file.path(), static_cast<std::byte*>(addr), size, slot, lease_fd, use));
 }
 
 MappedFile::~MappedFile() {
@@ -343,6 +350,17 @@ MappedFile::~MappedFile() {
     Table()[slot_].begin.store(0, std::memory_order_release);
   }
   ::munmap(data_, size_);
+}
+
+void MappedFile::DropPages(uint64_t offset, uint64_t length) const {
+  if (use_ != Use::kTransient || offset >= size_) return;
+  const uint64_t page = static_cast<uint64_t>(g_page_size);
+  const uint64_t end = offset + std::min(length, size_ - offset);
+  // Whole pages inside the range only: a page it shares with a neighbour's rows stays mapped
+  // for the neighbour (dropping it would be correct too, at the cost of a fault back).
+  const uint64_t begin = (offset + page - 1) / page * page;
+  const uint64_t stop = end / page * page;
+  if (stop > begin) (void)::madvise(data_ + begin, stop - begin, MADV_DONTNEED);
 }
 
 Status MappedFile::Populate(uint64_t offset, uint64_t length) const {

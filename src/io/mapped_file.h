@@ -24,6 +24,11 @@
 // (or the default action). Populate() does not even fault: it uses MADV_POPULATE_READ, which
 // reports a vanished page as an error.
 //
+// Transient mappings (Use::kTransient), for bytes this library copies out at once (tensor-parallel
+// rows gathered for a device): PROT_READ, MAP_SHARED, no read lease (nothing handed out outlives
+// the copy, and a concurrent writer is the same hazard as for a pread), and DropPages takes the
+// pages already copied out of the process again. The SIGBUS guard is the same.
+//
 // Limits: the table holds kMaxMappings live mappings (Map returns kUnsupported beyond that, and the
 // loader reports it).
 //
@@ -46,10 +51,16 @@ class MappedFile {
   static constexpr size_t kMaxMappings = 65536;
   static constexpr size_t kMaxLeases = 256;
 
+  enum class Use : uint8_t {
+    kViews,      // copy-on-write views handed out, guarded by a read lease
+    kTransient,  // read-only, copied from by this library and dropped (DropPages), no lease
+  };
+
   // Maps all `size` bytes of `file` (which must have a native handle; the descriptor may be closed
-  // afterwards) and takes a read lease on it where it can. Errors: kUnsupported (no descriptor,
-  // table full), kIoError (mmap failed).
-  static Result<std::shared_ptr<MappedFile>> Map(const RandomAccessFile& file, uint64_t size);
+  // afterwards); for kViews, takes a read lease on it where it can. Errors: kUnsupported (no
+  // descriptor, table full), kIoError (mmap failed).
+  static Result<std::shared_ptr<MappedFile>> Map(const RandomAccessFile& file, uint64_t size,
+                                                 Use use = Use::kViews);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -63,6 +74,11 @@ class MappedFile {
   // the file no longer covers the range, kIoError otherwise.
   Status Populate(uint64_t offset, uint64_t length) const;
 
+  // kTransient only (a no-op otherwise): unmaps the whole pages inside [offset, offset + length)
+  // from this process (MADV_DONTNEED; the page cache keeps them, and a later touch maps them
+  // again), so the process does not hold what it has already copied out.
+  void DropPages(uint64_t offset, uint64_t length) const;
+
   // Pages replaced with zeros by the SIGBUS handler so far (0 unless the file shrank).
   uint64_t faults() const noexcept;
   // The file offset of the first such page, if any.
@@ -71,13 +87,19 @@ class MappedFile {
   bool leased() const noexcept;
 
  private:
-  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot, int lease_fd)
-      : path_(std::move(path)), data_(data), size_(size), slot_(slot), lease_fd_(lease_fd) {}
+  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot, int lease_fd, Use use)
+      : path_(std::move(path)),
+        data_(data),
+        size_(size),
+        slot_(slot),
+        lease_fd_(lease_fd),
+        use_(use) {}
   std::string path_;
   std::byte* data_;
   uint64_t size_;
   size_t slot_;
   int lease_fd_;  // the read lease's descriptor, -1 without one
+  Use use_;
 };
 
 }  // namespace tensorferry::io

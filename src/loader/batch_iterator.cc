@@ -162,6 +162,7 @@ struct BatchIterator::State {
     m->CollectVerifyStats(verified);
     m->CollectDeviceStats(pipeline0);
     m->CollectSourceStats(source0);
+    sink::ReleaseGatherMappings(m->gather_maps);
     if (!m->options.drop_cache || m->engine_kind == Engine::kMmap) {
       return Status::Ok();  // mapped pages are the tensors
     }

@@ -115,6 +115,8 @@ Status Loader::Impl::OpenFiles() {
     files = checkpoint->file_set();
     maps.clear();
     maps.resize(checkpoint->files().size());
+    gather_maps.clear();
+    gather_maps.resize(checkpoint->files().size());
   }
   return checkpoint->CheckUnchanged();
 }
@@ -273,6 +275,7 @@ sink::SinkContext Loader::Impl::Context(std::vector<bool> want_direct, io::ReadE
   c.budget = budget.get();
   c.files = files.get();
   c.maps = &maps;
+  c.gather_maps = &gather_maps;
   return c;
 }
 

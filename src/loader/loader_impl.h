@@ -40,8 +40,13 @@ struct Loader::Impl {
   std::shared_ptr<memory::Budget> budget;
   // The checkpoint's files (Checkpoint::file_set(): opened once, shared by its loaders).
   std::shared_ptr<io::FileSet> files;
-  // Per file, for the mmap engine: the mapping, created on first use and kept for the loader.
+  // Per file, for the mmap engine's views: the mapping, created on first use and kept for the
+  // loader.
   std::vector<std::shared_ptr<io::MappedFile>> maps;
+  // Per file: the transient mapping tensor-parallel rows are gathered from for a device, created
+  // on first use and released at the end of each load that reaches it
+  // (sink::ReleaseGatherMappings; else when the loader goes).
+  std::vector<std::shared_ptr<io::MappedFile>> gather_maps;
   LoadStats stats;
   // Device loading: the runtime (loaded on first use), one sink per CUDA device used, and the
   // engine device batches read through (the loader's engine; a pread engine for kMmap, which has

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <string>
@@ -168,6 +169,41 @@ TEST_F(TensorParallelDeviceTest, EveryRankEqualsTheHostSliceAndSlicingTheFullTen
       }
     }
   }
+}
+
+// Mappings of this process whose path lies under `dir` (/proc/self/maps).
+size_t MappingsUnder(const std::string& dir) {
+  std::ifstream maps("/proc/self/maps");
+  size_t n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(dir) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// Rows gathered for the device need their file's mapping only while they are copied: it is gone
+// when the load ends (no pages left in the process, no read lease on the file), and the next load
+// maps the file again. A host mmap load's views keep theirs.
+TEST_F(TensorParallelDeviceTest, GatherMappingsAreReleasedWhenTheLoadEnds) {
+  DeviceTpFixture f;
+  auto loader = Loader::Open(f.dir.path(), DeviceOptions(f, 1, 4)).value();
+  for (int run = 0; run < 2; ++run) {
+    auto tensors = loader->Load();
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+    EXPECT_GT(loader->stats().gathered_bytes, 0u) << "the files are cached: rows gathered";
+    EXPECT_EQ(MappingsUnder(f.dir.path()), 0u) << "run " << run;
+    const Checkpoint& ckpt = *loader->checkpoint();
+    for (const Tensor& t : *tensors) {
+      EXPECT_EQ(Bytes(t),
+                NaiveSlice(*ckpt.Find(t.name()), f.spec.RuleFor(t.name()), 1, 4, f.Full(t.name())))
+          << t.name();
+    }
+  }
+  LoadOptions host;
+  host.engine = Engine::kMmap;
+  auto mapped = Loader::Open(f.dir.path(), host).value();
+  const std::vector<Tensor> views = mapped->Load().value();
+  EXPECT_GT(MappingsUnder(f.dir.path()), 0u) << "the views are the mapping";
 }
 
 TEST_F(TensorParallelDeviceTest, StreamedUnderADeviceBudget) {

@@ -71,10 +71,11 @@ class DeviceSink final : public BatchSink {
         if (r.gather) {
           // A file that cannot be mapped (the mapping table full, mmap refused) is read as
           // covering ranges instead: slower, not wrong; errors of the file itself surface there.
-          Result<const io::MappedFile*> map = MappingOf(c_, r.file);
+          Result<const io::MappedFile*> map = GatherMappingOf(c_, r.file);
           if (map.ok()) {
             task.source = (*map)->data();
             task.source_size = (*map)->size();
+            task.source_map = *map;
             if (std::find(gathered.begin(), gathered.end(), *map) == gathered.end()) {
               gathered.push_back(*map);
             }

@@ -109,18 +109,44 @@ class MappedSink final : public BatchSink {
 
 }  // namespace
 
-Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f) {
-  // The mapped and device sinks of one load may complete batches on different threads (a
-  // placement mixing host and device, read ahead): the loader's mapping table is shared.
+namespace {
+
+// The mapped and device sinks of one load may complete batches on different threads (a placement
+// mixing host and device, read ahead): the loader's mapping tables are shared.
+std::mutex& MapsMutex() {
   static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  std::vector<std::shared_ptr<io::MappedFile>>& maps = *context.maps;
+  return mu;
+}
+
+}  // namespace
+
+namespace {
+
+Result<const io::MappedFile*> MappingIn(const SinkContext& context,
+                                        std::vector<std::shared_ptr<io::MappedFile>>& maps,
+                                        uint32_t f, io::MappedFile::Use use) {
+  std::lock_guard<std::mutex> lock(MapsMutex());
   if (!maps[f]) {
     TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, context.files->Get(f));
-    TF_ASSIGN_OR_RETURN(maps[f],
-                        io::MappedFile::Map(*pin.file, context.checkpoint->files()[f].file_size));
+    TF_ASSIGN_OR_RETURN(
+        maps[f], io::MappedFile::Map(*pin.file, context.checkpoint->files()[f].file_size, use));
   }
   return maps[f].get();
+}
+
+}  // namespace
+
+Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f) {
+  return MappingIn(context, *context.maps, f, io::MappedFile::Use::kViews);
+}
+
+Result<const io::MappedFile*> GatherMappingOf(const SinkContext& context, uint32_t f) {
+  return MappingIn(context, *context.gather_maps, f, io::MappedFile::Use::kTransient);
+}
+
+void ReleaseGatherMappings(std::vector<std::shared_ptr<io::MappedFile>>& gather_maps) {
+  std::lock_guard<std::mutex> lock(MapsMutex());
+  for (std::shared_ptr<io::MappedFile>& map : gather_maps) map.reset();
 }
 
 std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan) {

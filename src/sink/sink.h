@@ -62,6 +62,8 @@ struct SinkContext {
   memory::Budget* budget = nullptr;
   io::FileSet* files = nullptr;                                  // mapped sink
   std::vector<std::shared_ptr<io::MappedFile>>* maps = nullptr;  // mapped sink, per file
+  // Device sink, per file: transient mappings rows are gathered from (GatherMappingOf).
+  std::vector<std::shared_ptr<io::MappedFile>>* gather_maps = nullptr;
   // Host and device sinks: per file, the checksums to check as bytes land (none: nullptr or
   // empty), and where the checks are counted (LoadOptions::verify, landing_check.h).
   const std::vector<std::optional<FileChecksums>>* checksums = nullptr;
@@ -99,9 +101,16 @@ class BatchSink {
 // `plan`, `strided` (per batch, for the device sink) and `slot` are borrowed.
 std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan);
 std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan);
-// The loader's mapping of file `f` (context.maps[f], made on first use; the mapped sink's views
-// and the device sink's gathered rows share it). Errors: those of FileSet::Get and MappedFile::Map.
+// The loader's mapping of file `f` for the mapped sink's views (context.maps[f], made on first use
+// and kept for the loader's later loads). Errors: those of FileSet::Get and MappedFile::Map.
 Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f);
+// The transient mapping the device sink gathers rows of file `f` from (context.gather_maps[f],
+// io::MappedFile::Use::kTransient: read-only, no read lease, pages dropped as they are copied).
+// Errors: those of FileSet::Get and MappedFile::Map.
+Result<const io::MappedFile*> GatherMappingOf(const SinkContext& context, uint32_t f);
+// At the end of a load, with no batch in flight: unmaps the gather mappings (they are needed only
+// while rows are copied; the next load maps again).
+void ReleaseGatherMappings(std::vector<std::shared_ptr<io::MappedFile>>& gather_maps);
 std::unique_ptr<BatchSink> MakeDeviceSink(const SinkContext& context, const Plan& plan,
                                           const std::vector<std::vector<StridedRead>>& strided,
                                           Device device, DeviceSlot& slot);

@@ -249,4 +249,22 @@ ScopedEnv::~ScopedEnv() {
   }
 }
 
+uint64_t MappedRss(const void* start) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::ostringstream head;
+  head << std::hex << reinterpret_cast<uintptr_t>(start) << "-";
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    if (line.rfind(head.str(), 0) == 0) {
+      inside = true;
+    } else if (inside && line.rfind("Rss:", 0) == 0) {
+      std::istringstream in(line.substr(4));
+      uint64_t kb = 0;
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return UINT64_MAX;
+}
+
 }  // namespace tensorferry::testing

@@ -58,6 +58,9 @@ std::vector<std::byte> Pattern(size_t n, unsigned seed);
 
 void WriteBytes(const std::string& path, const std::string& bytes);
 std::string ReadBytes(const std::string& path);
+// The resident bytes ("Rss:" in /proc/self/smaps) of this process's mapping that starts at
+// `start`; UINT64_MAX when there is none (so that no expectation on it passes by accident).
+uint64_t MappedRss(const void* start);
 std::vector<std::byte> ToBytes(const std::string& s);
 
 // Builds the bytes of a safetensors file from a raw header JSON and a data buffer of `data_size`

@@ -108,7 +108,8 @@ def test_core_exports_cuda_dlpack_arrays_with_the_file_bytes(tiny_checkpoint, gd
     assert st["device"] == "cuda:0"
     assert st["device_bytes"] == sum(len(v) // 2 for v in want.values())
     assert st["staged_bytes"] + st["gds_bytes"] == st["device_bytes"]
-    assert st["pinned_bytes"] == 1 << 20
+    # Slots of 256 KiB pinned as the load needs them: at least one, at most the 1 MiB ring.
+    assert 1 << 18 <= st["pinned_bytes"] <= 1 << 20 and st["pinned_bytes"] % (1 << 18) == 0
     assert out["held"] >= st["device_bytes"]
     # The arrays co-own the device buffer: closing the reader frees nothing, dropping them all
     # frees it.

@@ -49,7 +49,8 @@ def config_of(path):
     layers = 1 + max(int(n.split(".")[2]) for n in shapes if n.startswith("model.layers."))
     q = shapes["model.layers.0.self_attn.q_proj.weight"][0]
     kv = shapes["model.layers.0.self_attn.k_proj.weight"][0]
-    head_dim = 128 if hidden % 128 == 0 and q % 128 == 0 else 64
+    # The largest usual head size that divides the projections (small presets have narrow ones).
+    head_dim = next((d for d in (128, 64, 32, 16, 8, 4, 2) if q % d == 0 and kv % d == 0), 1)
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                        num_hidden_layers=layers, num_attention_heads=q // head_dim,
                        num_key_value_heads=kv // head_dim, head_dim=head_dim,
@@ -108,8 +109,14 @@ def child_from_pretrained(args):
 
         tensorferry.transformers._DeviceRead._read = timed
     device = DeviceMemory(args)
+    profile = None
+    if args.profile:
+        import cProfile
+        profile = cProfile.Profile()
     rss0 = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
     with device:
         if args.child in ("tensorferry", "tf-to-device"):
             with tensorferry.transformers.loading(to_device=args.child == "tf-to-device"):
@@ -118,6 +125,10 @@ def child_from_pretrained(args):
             model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype, **kwargs)
         if device.sampler is not None:
             torch.cuda.synchronize()
+    if profile is not None:
+        profile.disable()
+        import pstats
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
     report(model, start, rss0, device.used, {"read_seconds": sum(read)} if read else {})
 
 
@@ -203,7 +214,11 @@ def main():
     p.add_argument("--to-device", action="store_true",
                    help="--flow from_pretrained: also loading(to_device=True) (tf-to-device)")
     p.add_argument("--json")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child", help="run one contender in this process and print its JSON line "
+                   "(tensorferry, tf-to-device, transformers; accelerate with --flow dispatch)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --child and --flow from_pretrained: cProfile the call, the top N "
+                        "functions by cumulative time on stderr")
     args = p.parse_args()
     if args.child:
         if args.device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):

@@ -109,7 +109,8 @@ class _DeviceRead:
 
     def __init__(self, device, files):
         self.device = device
-        self.files = [os.path.realpath(f) for f in files]
+        self.given = [os.fspath(f) for f in files]  # as transformers names them (links kept)
+        self.files = [os.path.realpath(f) for f in self.given]
         self._lock = threading.Lock()
         self._tensors = None  # realpath -> {name: tensor}
 
@@ -149,10 +150,11 @@ class _DeviceRead:
         return per_file
 
     def _index(self):
-        """The model.safetensors.index.json beside the files when it names exactly them."""
+        """The model.safetensors.index.json beside the files when it names exactly them (beside
+        the names transformers gave: in a Hugging Face cache they are links into blobs/)."""
         if len(self.files) < 2:
             return None
-        folder = os.path.dirname(self.files[0])
+        folder = os.path.dirname(self.given[0])
         index = os.path.join(folder, "model.safetensors.index.json")
         try:
             with open(index, encoding="utf-8") as f:

@@ -380,3 +380,22 @@ def test_restoring_undoes_the_device_map_hook():
         assert tft._to_device == [True]
     assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is original
     assert tft._to_device == []
+
+
+def test_to_device_reads_a_linked_cache_layout_with_one_loader(tmp_path, to_device_route):
+    """A Hugging Face cache: snapshots/<rev>/ holds links into blobs/ (the index too)."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    saved = tmp_path / "saved"
+    files = _save(_tiny_llama(), saved, "60KB")
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(saved))):
+        (saved / name).rename(blobs / f"blob{i}")
+        (snapshot / name).symlink_to(blobs / f"blob{i}")
+    ref = _load(AutoModelForCausalLM, snapshot, False, dtype=torch.bfloat16, device_map="cpu")
+    with tft.loading(to_device=True):
+        got = AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.bfloat16,
+                                                   device_map="cpu")
+    _assert_same_parameters(ref, got)
+    assert sorted(to_device_route.read) == _names(snapshot, files)
+    assert len(to_device_route.loaders) == 1  # one Loader over the snapshot's index

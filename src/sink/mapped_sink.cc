@@ -118,10 +118,6 @@ std::mutex& MapsMutex() {
   return mu;
 }
 
-}  // namespace
-
-namespace {
-
 Result<const io::MappedFile*> MappingIn(const SinkContext& context,
                                         std::vector<std::shared_ptr<io::MappedFile>>& maps,
                                         uint32_t f, io::MappedFile::Use use) {

@@ -399,3 +399,14 @@ def test_to_device_reads_a_linked_cache_layout_with_one_loader(tmp_path, to_devi
     _assert_same_parameters(ref, got)
     assert sorted(to_device_route.read) == _names(snapshot, files)
     assert len(to_device_route.loaders) == 1  # one Loader over the snapshot's index
+
+
+def test_to_device_a_damaged_shard_is_an_error_naming_the_file(tmp_path, to_device_route):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    victim = tmp_path / files[1]
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(Exception) as raised:
+        with tft.loading(to_device=True):
+            AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu")
+    assert files[1] in str(raised.value)

@@ -39,13 +39,15 @@ import time
 from _pagecache import evict, warm
 
 LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (gds off, verify off)",
-           "tensorferry (load_file)", "tensorferry (device budget 1GB)",
+           "tensorferry (load_file)", "tensorferry (load_file, keep_staging off)",
+           "tensorferry (device budget 1GB)",
            "tensorferry (load_into)", "tensorferry (tp 0/2)", "tensorferry (tp 1/2)",
            "tensorferry (tp 0/8)", "tensorferry (tp 7/8)", "tensorferry (tp 0/8 covering)",
            "safetensors", "fastsafetensors",
            "fastsafetensors (nogds)", "runai-model-streamer"]
 # Variants: "load_file" is tensorferry.torch.load_file(f, device="cuda") per shard, the drop-in
-# beside safetensors' own row; "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
+# beside safetensors' own row ("keep_staging off": each call pins and frees its own staging ring,
+# TENSORFERRY_KEEP_STAGING=0, as before rings were kept for the next Loader); "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
 # each batch on the GPU and keeping nothing; "load_into" reads into destinations allocated before
 # the timer starts (a model's parameters); "tp R/W" loads rank R's slices of world W (builtin
 # rules), one rank per process in turn: its bytes are the rank's local bytes and its checksum is
@@ -163,10 +165,23 @@ def child(args):
         elif "load_file" in name:
             import tensorferry.torch
 
+            keep = "keep_staging off" not in name
+
             def load():  # the drop-in API, per shard as safetensors' row (a Loader per call)
                 out = {}
-                for f in files:
-                    out.update(tensorferry.torch.load_file(f, device="cuda"))
+                before = os.environ.get("TENSORFERRY_KEEP_STAGING")
+                if not keep:
+                    tensorferry.release_idle_staging()
+                    os.environ["TENSORFERRY_KEEP_STAGING"] = "0"
+                try:
+                    for f in files:
+                        out.update(tensorferry.torch.load_file(f, device="cuda"))
+                finally:
+                    if not keep:
+                        if before is None:
+                            del os.environ["TENSORFERRY_KEEP_STAGING"]
+                        else:
+                            os.environ["TENSORFERRY_KEEP_STAGING"] = before
                 return out
         elif "device budget" in name:
             def load():

@@ -58,4 +58,11 @@ Result<GdsMode> ParseGdsMode(std::string_view name);  // errors: kInvalidArgumen
 // kCudaNoDevice, kCudaError naming the address and size.
 Status CopyToHost(Device device, const void* src, std::span<std::byte> dst);
 
+// Frees the device pipelines Loaders left for reuse (LoadOptions::keep_staging): their pinned
+// staging memory, CUDA streams and cuFile driver references. Returns how many were freed. Loaders
+// open now keep theirs. Thread-safe; never fails.
+size_t ReleaseIdleStaging();
+// The pinned bytes those idle pipelines hold now.
+uint64_t IdleStagingBytes();
+
 }  // namespace tensorferry

@@ -230,6 +230,12 @@ struct LoadOptions {
   uint64_t staging_slot = 8ull << 20;
   // Producer threads of the pipeline, each with its own CUDA stream; 0: min(8, slots).
   unsigned device_producers = 0;
+  // Keep the device pipeline (pinned staging ring, streams, cuFile driver) when the Loader goes,
+  // for the next Loader in this process with the same device and staging options
+  // (TENSORFERRY_KEEP_STAGING): a Loader per file then pins its ring once, not once per file. At
+  // most one is kept per configuration and 8 in all, each holding at most staging_bytes pinned,
+  // until ReleaseIdleStaging() (device.h) or the process ends.
+  bool keep_staging = true;
   // Bytes of device batch buffers (tensors plus padding) live at once per device; 0 = unbounded
   // (TENSORFERRY_DEVICE_BUDGET). See "Device memory, precisely" in loader.h's file comment.
   uint64_t device_budget = 0;
@@ -252,13 +258,13 @@ struct LoadOptions {
   // staging_bytes, staging_slot, device_budget, shard_max_gap, coop_probe_bytes, and the rates
   // coop_storage_rate and coop_network_rate in bytes per second) as ParseSize reads them ("256MB",
   // "1GiB", "4096"); memory_limit as a size or "off"; booleans (allow_oversized, populate,
-  // prefer_mmap, drop_cache) as 1/0, on/off, true/false, yes/no; shard_rules as "builtin", "none"
-  // or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin rules) when unset;
-  // tp_rank and tp_size must both be set (Validated checks). shard_max_gap also turns
-  // exact_when_cached off (an explicit gap applies to every file). An empty value is an error.
-  // Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of the
-  // field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds its
-  // own spelling of the key as context (SetContext). On error the options are unchanged.
+  // prefer_mmap, drop_cache, keep_staging) as 1/0, on/off, true/false, yes/no; shard_rules as
+  // "builtin", "none" or ShardSpec JSON. A tp_* or shard_* key creates `tensor_parallel` (builtin
+  // rules) when unset; tp_rank and tp_size must both be set (Validated checks). shard_max_gap also
+  // turns exact_when_cached off (an explicit gap applies to every file). An empty value is an
+  // error. Errors: kInvalidArgument "<key> = <value> <why>" (unknown key, bad value, a value out of
+  // the field's range, 0 for chunk_size, queue_depth, staging_bytes, staging_slot); the edge adds
+  // its own spelling of the key as context (SetContext). On error the options are unchanged.
   Status Set(std::string_view key, std::string_view value);
   // For typed edges: the shard spec itself (creates `tensor_parallel` as the tp_* keys do).
   void SetShardSpec(ShardSpec spec);

@@ -54,6 +54,13 @@ NB_MODULE(_core, m) {
   RegisterOptions(m);
   m.def("format_bytes", &FormatBytes);
   m.def("cuda_available", [] { return CudaAvailable(); });
+  m.def(
+      "release_idle_staging", [] { return ReleaseIdleStaging(); },
+      "Frees the pinned staging rings (and CUDA streams) closed loaders left for the next one "
+      "(keep_staging, docs/gpu.md); returns how many.");
+  m.def(
+      "idle_staging_bytes", [] { return IdleStagingBytes(); },
+      "Pinned bytes the staging rings kept for reuse hold now.");
   m.def("mapping_stats", [] {
     const MappingStats s = GetMappingStats();
     nb::dict d;

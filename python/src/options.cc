@@ -80,6 +80,7 @@ nb::dict OptionsDict(const LoadOptions& o) {
   d["staging_bytes"] = o.staging_bytes;
   d["staging_slot"] = o.staging_slot;
   d["device_budget"] = o.device_budget;
+  d["keep_staging"] = o.keep_staging;
   if (o.tensor_parallel) {
     d["tp_rank"] = o.tensor_parallel->rank;
     d["tp_size"] = o.tensor_parallel->world;

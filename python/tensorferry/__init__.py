@@ -26,7 +26,9 @@ from ._core import (  # noqa: F401
     __version__,
     check_mapped_files,
     cuda_available,
+    idle_staging_bytes,
     mapping_stats,
+    release_idle_staging,
     set_mapping_leases,
 )
 from ._frameworks import UnsupportedDTypeError  # noqa: F401
@@ -40,6 +42,8 @@ __all__ = [
     "mapping_stats",
     "check_mapped_files",
     "set_mapping_leases",
+    "release_idle_staging",
+    "idle_staging_bytes",
     "SafetensorError",
     "InvalidArgumentError",
     "UnsupportedError",

@@ -117,6 +117,7 @@ class safe_open:
         self._device = self._fw.device(device)
         options = default_load_options(backend)
         core_device = self._fw.core_device(self._device)
+        self._core_device = core_device  # "cuda:N" (torch on a GPU), else None
         if core_device is not None:
             options = device_load_options(backend)
             options["device"] = core_device
@@ -168,7 +169,31 @@ class safe_open:
         """Every tensor, as a dict in file order (one load for the whole file)."""
         reader = self._open_reader()
         self._fw.check(reader)
+        if self._core_device is not None:
+            tensors = self._read_into_torch(reader)
+            if tensors is not None:
+                return tensors
         return dict(self._fw.finish_all(reader.load(None, self._fw.code), self._device))
+
+    def _read_into_torch(self, reader):
+        """get_tensors on a CUDA device: every tensor allocated by torch on the device (its
+        caching allocator, as safetensors' tensors are: torch.cuda's memory statistics count them,
+        each is freed on its own and its memory stays in torch's cache for the model), then read
+        into in one load through the device pipeline (Reader.load_into). None when a dtype has
+        no torch storage of its own (sub-byte types): the core's buffers then."""
+        fw = self._fw
+        torch = fw.torch
+        if not torch.cuda.is_available() or any(odd for odd in reader.dtypes(None).values()):
+            return None
+        tensors = {}
+        entries = []
+        for o in reader.describe(None):
+            t = torch.empty(tuple(o.shape), dtype=fw.dtype(o.dtype, o.name), device=self._device)
+            tensors[o.name] = t
+            entries.append((o.name, self._core_device, t.data_ptr(),
+                            t.numel() * t.element_size()))
+        reader.load_into(entries)
+        return tensors
 
     def get_slice(self, name):
         """A lazy view of tensor `name`: index it (framework rules) to read only what is needed."""

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cuda/cuda_api.h"
+#include "device/pipeline_shelf.h"
 #include "tensorferry/size.h"
 #include "util/decimal.h"
 #include "util/macros.h"
@@ -75,6 +76,14 @@ Status CopyToHost(Device device, const void* src, std::span<std::byte> dst) {
                                      DeviceName(device) + " address " + where + " to the host");
   }
   return Status::Ok();
+}
+
+size_t ReleaseIdleStaging() {
+  return device::ReleaseIdlePipelines();
+}
+
+uint64_t IdleStagingBytes() {
+  return device::IdlePinnedBytes();
 }
 
 }  // namespace tensorferry

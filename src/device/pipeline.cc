@@ -560,4 +560,26 @@ DevicePipelineStats DevicePipeline::stats() const {
   return stats_;
 }
 
+void DevicePipeline::ResetCounters() {
+  ring_->ResetPeak();
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  DevicePipelineStats fresh;
+  fresh.slots = stats_.slots;
+  fresh.slot_size = stats_.slot_size;
+  fresh.pinned_bytes = ring_->pinned_bytes();
+  fresh.producers = stats_.producers;
+  fresh.gds_enabled = stats_.gds_enabled;
+  fresh.gds_reason = gds_off_reason_;
+  stats_ = std::move(fresh);
+}
+
+bool DevicePipeline::Matches(const cuda::Runtime& runtime,
+                             const DevicePipelineOptions& options) const {
+  const uint64_t slot_size = (options.slot_size + kFileAlign - 1) / kFileAlign * kFileAlign;
+  return &runtime == runtime_.get() && options.device == options_.device &&
+         slot_size == options_.slot_size && options.staging_bytes == options_.staging_bytes &&
+         options.producers == options_.producers && options.gds == options_.gds &&
+         options.gds_alignment == options_.gds_alignment;
+}
+
 }  // namespace tensorferry::device

@@ -168,8 +168,18 @@ class DevicePipeline {
   Status Run(std::span<const DeviceTask> tasks, io::ReadEngine& engine,
              DeviceBuffer* destination = nullptr);
 
-  // Totals since creation (gds_reason: as of the last Run).
+  // Totals since creation or the last ResetCounters (gds_reason: as of the last Run).
   DevicePipelineStats stats() const;
+  // Zeroes the counters of stats() (tasks, chunks, bytes, copies, peak slots in use); what
+  // describes the pipeline (slots, slot size, pinned bytes, producers, GDS) stays. For a pipeline
+  // handed to a new owner (pipeline_shelf.h). REQUIRES: no Run in progress.
+  void ResetCounters();
+  // Whether this pipeline was made for `runtime` with `options` (the slot size as Create rounds
+  // it; every other field equal), and whether two pipelines were made alike.
+  bool Matches(const cuda::Runtime& runtime, const DevicePipelineOptions& options) const;
+  bool SameConfiguration(const DevicePipeline& other) const {
+    return Matches(*other.runtime_, other.options_);
+  }
   const DevicePipelineOptions& options() const noexcept { return options_; }
   // Staging slots not free (0 whenever no Run is in progress).
   unsigned slots_in_use() const { return ring_->in_use(); }

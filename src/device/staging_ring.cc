@@ -174,4 +174,9 @@ unsigned StagingRing::peak_in_use() const {
   return peak_in_use_;
 }
 
+void StagingRing::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_in_use_ = in_use_;
+}
+
 }  // namespace tensorferry::device

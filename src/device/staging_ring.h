@@ -74,7 +74,8 @@ class StagingRing {
   Status Drain();
 
   unsigned in_use() const;       // slots acquired or submitted and not yet known complete
-  unsigned peak_in_use() const;  // highest in_use() seen
+  unsigned peak_in_use() const;  // highest in_use() seen since creation or ResetPeak
+  void ResetPeak();              // peak_in_use() = in_use()
 
  private:
   enum class SlotState : uint8_t { kFree, kFilling, kSubmitted, kWaiting };

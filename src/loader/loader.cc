@@ -13,6 +13,7 @@
 #include "cuda/cuda_api.h"
 #include "device/device_memory.h"
 #include "device/pipeline.h"
+#include "device/pipeline_shelf.h"
 #include "io/engine_common.h"
 #include "io/file_set.h"
 #include "io/filesystem.h"
@@ -75,6 +76,11 @@ FileSystems DetectFileSystems(const Checkpoint& checkpoint) {
 
 }  // namespace
 
+Loader::Impl::~Impl() {
+  if (!options.keep_staging) return;
+  for (auto& [index, slot] : slots) device::KeepIdlePipeline(std::move(slot.pipeline));
+}
+
 Result<sink::DeviceSlot*> Loader::Impl::Slot(int index) {
   auto it = slots.find(index);
   if (it != slots.end()) return &it->second;
@@ -91,8 +97,11 @@ Result<sink::DeviceSlot*> Loader::Impl::Slot(int index) {
   p.staging_bytes = options.staging_bytes;
   p.producers = options.device_producers;
   p.gds = options.gds;
-  TF_ASSIGN_OR_RETURN(std::unique_ptr<device::DevicePipeline> pipeline,
-                      device::DevicePipeline::Create(runtime, p));
+  std::unique_ptr<device::DevicePipeline> pipeline;
+  if (options.keep_staging) pipeline = device::TakeIdlePipeline(runtime, p);
+  if (!pipeline) {
+    TF_ASSIGN_OR_RETURN(pipeline, device::DevicePipeline::Create(runtime, p));
+  }
   sink::DeviceSlot slot{device::DeviceAllocator::Create(runtime, index, options.device_budget),
                         std::move(pipeline)};
   return &slots.emplace(index, std::move(slot)).first->second;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -152,6 +153,88 @@ TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
   EXPECT_EQ(s.pageable_copies, 0u);
 }
 
+// A Loader per file (load_file per shard) makes its pipeline once: the next Loader takes the one
+// the last left (LoadOptions::keep_staging), its ring still pinned as that load grew it, its
+// counters its own.
+TEST_F(LoaderDeviceTest, ALoaderPerFileTakesThePipelineTheLastOneLeft) {
+  LayeredCheckpoint c(4, 700, 64 << 10);  // ~250 KB over several shards
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(c.dir.path())) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  ASSERT_GE(files.size(), 3u);
+  uint64_t pinned_slots = 0;
+  uint64_t streams = 0;
+  uint64_t loaded = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    SCOPED_TRACE(files[i]);
+    auto loader = Loader::Open(files[i], DeviceOptions());
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    EXPECT_EQ(IdleStagingBytes(), 0u) << "taken off the shelf";
+    if (i > 0) {
+      // The ring as the first load grew it, not a new one with its first slot pinned.
+      EXPECT_EQ(fake_->Stats().pinned_allocations_live, pinned_slots);
+      EXPECT_EQ(fake_->Stats().streams_live, streams);
+    }
+    auto tensors = (*loader)->Load();
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+    uint64_t bytes = 0;
+    for (const Tensor& t : *tensors) {
+      EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
+      bytes += t.size();
+    }
+    loaded += bytes;
+    const LoadStats s = (*loader)->stats();
+    EXPECT_EQ(s.staged_bytes, bytes) << "this Loader's bytes only";
+    EXPECT_EQ(s.pinned_bytes, fake_->Stats().pinned_bytes_in_use);
+    if (i == 0) {
+      pinned_slots = fake_->Stats().pinned_allocations_live;
+      streams = fake_->Stats().streams_live;
+      ASSERT_GT(pinned_slots, 1u) << "the first load grew the ring";
+    }
+    tensors->clear();
+    loader->reset();
+    EXPECT_EQ(IdleStagingBytes(), fake_->Stats().pinned_bytes_in_use) << "kept after the Loader";
+  }
+  EXPECT_EQ(loaded, c.total);
+  EXPECT_EQ(ReleaseIdleStaging(), 1u);
+  const TfFakeCudaStats s = fake_->Stats();
+  EXPECT_EQ(s.pinned_allocations_live, 0u);
+  EXPECT_EQ(s.streams_live, 0u);
+  EXPECT_EQ(IdleStagingBytes(), 0u);
+}
+
+TEST_F(LoaderDeviceTest, WithoutKeepStagingTheLoaderFreesItsPipeline) {
+  LayeredCheckpoint c(2, 200, 1 << 20);
+  LoadOptions options = DeviceOptions();
+  ASSERT_TRUE(options.Set("keep_staging", "off").ok());
+  {
+    auto loader = Loader::Open(c.dir.path(), options);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    auto tensors = (*loader)->Load();
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+  }
+  EXPECT_EQ(IdleStagingBytes(), 0u);
+  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 0u);
+  EXPECT_EQ(fake_->Stats().streams_live, 0u);
+  // A pipeline of another configuration is not taken: a Loader with other staging options makes
+  // its own.
+  {
+    auto loader = Loader::Open(c.dir.path(), DeviceOptions());
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  }
+  ASSERT_EQ(fake_->Stats().pinned_allocations_live, 1u);  // kept: one slot, as Open pinned it
+  LoadOptions bigger = DeviceOptions();
+  bigger.staging_slot = 32 << 10;
+  {
+    auto loader = Loader::Open(c.dir.path(), bigger);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    EXPECT_EQ(fake_->Stats().pinned_allocations_live, 2u) << "its own ring beside the kept one";
+  }
+  EXPECT_EQ(ReleaseIdleStaging(), 2u);
+}
+
 // The device budget bounds the peak device memory of a streamed load whatever the shard size:
 // the fake counts every cudaMalloc byte.
 TEST_F(LoaderDeviceTest, DeviceBudgetBoundsPeakDeviceMemoryIndependentOfShardSize) {
@@ -263,7 +346,10 @@ TEST_F(LoaderDeviceTest, TensorsCoOwnTheDeviceBufferAfterTheLoaderIsGone) {
     ASSERT_TRUE(got.ok());
     tensors = std::move(got).value();
   }
-  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 0u) << "the loader's ring went with it";
+  // The loader's ring is kept for the next Loader (keep_staging), and freed on request.
+  EXPECT_GT(fake_->Stats().pinned_allocations_live, 0u);
+  EXPECT_EQ(ReleaseIdleStaging(), 1u);
+  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 0u) << "the loader's ring went";
   EXPECT_EQ(fake_->Stats().device_allocations_live, 1u) << "one buffer for the one batch";
   Tensor keep = tensors[3];
   tensors.clear();

@@ -27,6 +27,8 @@ namespace tensorferry {
 using Clock = std::chrono::steady_clock;
 
 struct Loader::Impl {
+  // Puts the device pipelines on the process's shelf (LoadOptions::keep_staging).
+  ~Impl();
   std::shared_ptr<const Checkpoint> checkpoint;
   LoadOptions options;
   // Set when options.budget came from the memory this process may use (LoadOptions::memory_limit):

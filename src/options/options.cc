@@ -228,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 46> kKeys = {{
+const std::array<Key, 47> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -261,6 +261,7 @@ const std::array<Key, 46> kKeys = {{
     {"device_producers", "TENSORFERRY_DEVICE_PRODUCERS",
      SetCount<&LoadOptions::device_producers, kU32, true>},
     {"device_budget", "TENSORFERRY_DEVICE_BUDGET", SetSize<&LoadOptions::device_budget, true>},
+    {"keep_staging", "TENSORFERRY_KEEP_STAGING", SetBool<&LoadOptions::keep_staging>},
     {"tp_rank", "",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(uint64_t rank, Count(v, kU32 - 1));

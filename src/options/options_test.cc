@@ -44,6 +44,7 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"staging_slot", "4MiB"},
                                  {"device_producers", "2"},
                                  {"device_budget", "1GiB"},
+                                 {"keep_staging", "no"},
                                  {"tp_rank", "1"},
                                  {"tp_size", "4"},
                                  {"shard_rules", "none"},
@@ -92,6 +93,7 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(o.staging_slot, 4u << 20);
   EXPECT_EQ(o.device_producers, 2u);
   EXPECT_EQ(o.device_budget, 1u << 30);
+  EXPECT_FALSE(o.keep_staging);
   ASSERT_TRUE(o.tensor_parallel.has_value());
   EXPECT_EQ(o.tensor_parallel->rank, 1u);
   EXPECT_EQ(o.tensor_parallel->world, 4u);
@@ -125,7 +127,7 @@ TEST(LoadOptionsSet, EveryKey) {
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 46u);
+  EXPECT_EQ(keys.size(), 47u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

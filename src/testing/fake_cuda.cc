@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "device/pipeline_shelf.h"
+
 namespace tensorferry::testing {
 
 Result<FakeCuda> FakeCuda::Load() {
@@ -99,6 +101,9 @@ void FakeCudaProcessTest::SetUp() {
 
 void FakeCudaTest::TearDown() {
   if (!fake_) return;
+  // Pipelines Loaders kept for reuse (LoadOptions::keep_staging) hold fake pinned memory, streams
+  // and events: a test's objects end with the test.
+  device::ReleaseIdlePipelines();
   EXPECT_EQ(fake_->ViolationCount(), 0u) << fake_->Violations();
   const TfFakeCudaStats s = fake_->Stats();
   EXPECT_EQ(s.device_allocations_live, 0u) << "device memory leaked";

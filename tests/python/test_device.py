@@ -119,6 +119,45 @@ def test_core_exports_cuda_dlpack_arrays_with_the_file_bytes(tiny_checkpoint, gd
 
 
 @needs_fake
+def test_closed_loaders_leave_their_staging_ring_for_the_next(tiny_checkpoint):
+    out = _run(f"""
+        import ctypes, glob, os
+        import tensorferry
+        import tensorferry._core as core
+        fake = ctypes.CDLL({FAKE!r})
+        stats = (ctypes.c_uint64 * 32)()
+        def pinned_live():
+            fake.tf_fake_cuda_stats(stats)
+            return stats[6]  # pinned_allocations_live
+        opts = {{"device": "cuda:0", "gds": "off", "staging_bytes": 1 << 20,
+                 "staging_slot": 1 << 18}}
+        files = sorted(glob.glob(os.path.join({tiny_checkpoint!r}, "*.safetensors")))
+        seen = []
+        for f in files:  # a Reader per file, as load_file per shard
+            r = core.Reader(f, True, opts)
+            seen.append((pinned_live(), tensorferry.idle_staging_bytes()))
+            r.load(None, 2)
+            r.close()
+        idle = tensorferry.idle_staging_bytes()
+        released = tensorferry.release_idle_staging()
+        r = core.Reader(files[0], True, dict(opts, keep_staging=False))
+        r.load(None, 2)
+        r.close()
+        emit({{"seen": seen, "idle": idle, "released": released,
+              "after": pinned_live(), "idle_after": tensorferry.idle_staging_bytes()}})
+    """, _fake_env())
+    seen = out["seen"]
+    assert len(seen) >= 2
+    # After the first Reader, each one takes the ring the last one left: nothing is idle while
+    # it is open, and the ring keeps the slots the first load pinned.
+    assert all(idle == 0 for _, idle in seen)
+    assert all(live == seen[1][0] for live, _ in seen[1:])
+    assert out["idle"] >= 1 << 18 and out["released"] == 1
+    # keep_staging=False: the Reader frees its ring when it closes.
+    assert out["after"] == 0 and out["idle_after"] == 0
+
+
+@needs_fake
 def test_loader_device_map_and_budget_against_the_fake(tiny_checkpoint):
     out = _run(f"""
         import json
@@ -219,6 +258,27 @@ def test_gpu_load_file_matches_safetensors(tiny_checkpoint, gds):
                 assert torch.equal(got[k], want[k]), k
     finally:
         del os.environ["TENSORFERRY_GDS"]
+
+
+@gpu
+def test_gpu_load_file_tensors_are_torchs_and_the_staging_ring_is_kept(tiny_checkpoint):
+    import glob
+    import torch
+    import tensorferry
+    from tensorferry.torch import load_file
+    f = sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors")))[0]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    got = load_file(f, device="cuda:0")
+    nbytes = sum(t.numel() * t.element_size() for t in got.values())
+    # Allocated by torch (its caching allocator counts them), as safetensors' tensors are.
+    assert torch.cuda.memory_allocated() - before >= nbytes > 0
+    # The Loader's staging ring stays pinned for the next call (keep_staging).
+    assert tensorferry.idle_staging_bytes() > 0
+    del got
+    assert torch.cuda.memory_allocated() == before
+    assert tensorferry.release_idle_staging() >= 1
+    assert tensorferry.idle_staging_bytes() == 0
 
 
 @gpu

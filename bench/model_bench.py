@@ -7,9 +7,10 @@ tensorferry.torch.load_checkpoint_and_dispatch and by accelerate.load_checkpoint
 the same device map and dtype.
 
 --flow from_pretrained: transformers' AutoModelForCausalLM.from_pretrained(path, dtype=...) as is
-("transformers") and inside tensorferry.transformers.loading() ("tensorferry"); with --to-device
-also inside loading(to_device=True) ("tf-to-device", a device map onto one GPU: the checkpoint read
-straight into tensors on it; its child reports the seconds of that read, "read"); the config.json
+("transformers") and inside tensorferry.transformers.loading(to_device=False) ("tensorferry": the
+files mapped); with --to-device also inside loading(to_device=True) ("tf-to-device", a device map
+onto one GPU: the checkpoint read straight into tensors on it, as loading() does by default when
+it fits; its child reports the seconds of that read, "read"); the config.json
 (matching the checkpoint) is written beside the files when absent. transformers' modules are
 imported before the clock starts (both pay the same import time).
 

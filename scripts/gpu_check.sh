@@ -317,8 +317,8 @@ phase_models() {
   install_kit_wheels $log
   local flow extra
   for flow in ${MODEL_FLOWS:-dispatch from_pretrained}; do
-    # from_pretrained: also loading(to_device=True) (tf-to-device), off by default until measured
-    # ahead here (docs/models.md).
+    # from_pretrained: also loading(to_device=True) (tf-to-device: loading()'s default on one GPU
+    # when the checkpoint fits) beside the mapping (docs/models.md).
     extra=()
     [ "$flow" = from_pretrained ] && extra=(--to-device)
     echo "== bench/model_bench.py --flow $flow --device-map cuda ${extra[*]}" | tee -a "$out/$log"

@@ -20,21 +20,23 @@ network or FUSE file system (NFS, SMB, Lustre, sshfs, s3fs, ...), where each pag
 mapping waits for a round trip, is not mapped: a whole-tensor first request reads the whole file
 with many large reads in flight (the io_uring engine), a part first reads each slice's bytes.
 
-`loading(to_device=True)` (or `enable(to_device=True)`), with a device map that puts every
-parameter on one CUDA device (`device_map="cuda"`, `"cuda:1"`, `"auto"` on a model that fits one
-GPU): the first time from_pretrained opens one of its safetensors files (on the calling thread,
+With a device map that puts every parameter on one CUDA device (`device_map="cuda"`,
+`"cuda:1"`, `"auto"` on a model that fits one GPU), the checkpoint is read straight onto that
+device: the first time from_pretrained opens one of its safetensors files (on the calling thread,
 after transformers' allocator warm-up), every tensor of every checkpoint file is allocated on that
-device (`torch.empty`, from the memory the warm-up reserved) and the checkpoint is read straight
-into them through tensorferry's pinned staging ring (`Loader.load_into`, one Loader for the
-index's shards, checksums checked); transformers then finds each parameter on its device and its
-`.to(device)` copies nothing, instead of a pageable host-to-device copy of each parameter from the
-mapping. Each tensor is handed out once (a second request reads the file again); when the device
-memory cannot be allocated, or a dtype has no torch equivalent, the files are mapped as above.
-Device maps that split the model (several devices, "cpu", "disk"), quantized models and
-tensor-parallel device meshes keep the mapping. Off by default until it is measured ahead of the
-mapping on a GPU (docs/models.md: a first version, reading file by file from transformers' loading
-threads, held 183 MiB of host memory instead of the model's 3971 on an H200 but was slower in a
-fresh process, for a reason not found yet).
+device (`torch.empty`, from the memory the warm-up reserved) and the checkpoint is read into them
+through tensorferry's pinned staging ring (`Loader.load_into`, one Loader for the index's shards,
+checksums checked); transformers then finds each parameter on its device and its `.to(device)`
+copies nothing, instead of a pageable host-to-device copy of each parameter from the mapping, and
+host memory holds none of the model (measured on an H200: 1.43x plain transformers, 74 MiB of
+host memory against the model's 3972; docs/benchmarks.md, "Sixth GPU session"). Each tensor is
+handed out once (a second request reads the file again). `to_device` (of loading() and enable())
+chooses: None (the default) takes this route when the checkpoint, in its files' dtypes, fits the
+device's free memory (what the driver has free plus what torch's allocator holds unused) with room
+to spare (twice its largest tensor and 256 MiB, for dtype conversions); True takes it whenever the
+map allows; False never. When the device memory cannot be allocated after all, or a dtype has no
+torch equivalent, the files are mapped as above. Device maps that split the model (several devices,
+"cpu", "disk"), quantized models and tensor-parallel device meshes keep the mapping.
 
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
@@ -49,6 +51,7 @@ outermost one ends.
 import functools
 import importlib
 import json
+import math
 import os
 import sys
 import threading
@@ -69,7 +72,7 @@ _LOADING_MODULES = ("transformers.modeling_utils", "transformers.integrations.ac
 
 _lock = threading.Lock()
 _depth = 0
-_to_device = []  # the to_device= of each enable() in force, innermost last
+_to_device = []  # the to_device= of each enable() in force (None, True, False), innermost last
 _patched = []  # (module or class, attribute, original, replacement)
 
 # The _DeviceRead of the from_pretrained call running on this thread (transformers opens the files
@@ -102,13 +105,25 @@ def _direct_device(load_config):
     return devices.pop() if len(devices) == 1 else None
 
 
+def _device_room(device):
+    """Bytes that tensors on `device` can have now: the driver's free memory plus what torch's
+    caching allocator holds unused (transformers' warm-up reserves the model's size there); None
+    when not a CUDA device."""
+    if device.type != "cuda":
+        return None
+    import torch
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 class _DeviceRead:
     """The checkpoint files of one from_pretrained call, read onto `device` when the first of them
     is opened: each file's tensors (name -> tensor on the device) are handed to the safe_open of
     that file, once."""
 
-    def __init__(self, device, files):
+    def __init__(self, device, files, check_room=False):
         self.device = device
+        self.check_room = check_room  # to_device=None: only when the checkpoint fits the device
         self.given = [os.fspath(f) for f in files]  # as transformers names them (links kept)
         self.files = [os.path.realpath(f) for f in self.given]
         self._lock = threading.Lock()
@@ -130,12 +145,23 @@ class _DeviceRead:
         torch = fw.torch
         per_file = {}
         try:
+            wanted = {}  # path -> [(name, shape, torch dtype)]
+            total = largest = 0
             for path in self.files:
                 with Loader(path) as probe:
-                    per_file[path] = {o.name: torch.empty(tuple(o.shape),
-                                                          dtype=fw.dtype(o.dtype, o.name),
-                                                          device=self.device)
-                                      for o in probe._describe()}
+                    wanted[path] = [(o.name, tuple(o.shape), fw.dtype(o.dtype, o.name))
+                                    for o in probe._describe()]
+                for _, shape, dtype in wanted[path]:
+                    nbytes = math.prod(shape) * dtype.itemsize
+                    total += nbytes
+                    largest = max(largest, nbytes)
+            if self.check_room:
+                room = _device_room(self.device)
+                if room is not None and total + 2 * largest + (256 << 20) > room:
+                    return {}  # would not fit beside what the model needs: mapped
+            for path, tensors in wanted.items():
+                per_file[path] = {name: torch.empty(shape, dtype=dtype, device=self.device)
+                                  for name, shape, dtype in tensors}
         except (UnsupportedDTypeError, torch.cuda.OutOfMemoryError):
             return {}  # every file mapped
         index = self._index()
@@ -246,17 +272,21 @@ def _original_safe_open():
     return safetensors.safe_open
 
 
-def enable(to_device=False):
+def enable(to_device=None):
     """Routes transformers' safetensors reads through tensorferry until disable() (idempotent
-    while enabled). `to_device`: a device map onto one CUDA device reads the checkpoint straight
-    into tensors on it (see the module's docstring). ImportError when transformers is not
-    installed."""
+    while enabled). `to_device`: whether a device map onto one CUDA device reads the checkpoint
+    straight into tensors on it: None (default) when it fits the device, True always, False never
+    (see the module's docstring). ImportError when transformers is not installed."""
     global _depth
+    if to_device not in (None, True, False):
+        raise _core.InvalidArgumentError(
+            f"to_device must be None, True or False, not {to_device!r}")
+    mode = None if to_device is None else bool(to_device)
     with _lock:
         if _depth == 0:
             _apply()
         _depth += 1
-        _to_device.append(bool(to_device))
+        _to_device.append(mode)
 
 
 def disable():
@@ -277,7 +307,7 @@ def enabled():
 
 
 @contextmanager
-def loading(to_device=False):
+def loading(to_device=None):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
     opens safetensors files) reads through tensorferry; `to_device` as in enable()."""
     enable(to_device)
@@ -297,11 +327,13 @@ def _with_target(original):
     def wrapper(*args, **kwargs):
         files = kwargs.get("checkpoint_files", args[2] if len(args) > 2 else None)
         load_config = kwargs.get("load_config", args[3] if len(args) > 3 else None)
-        device = _direct_device(load_config) if _to_device and _to_device[-1] else None
+        mode = _to_device[-1] if _to_device else False
+        device = _direct_device(load_config) if mode is not False else None
         local = bool(files) and all(isinstance(f, (str, os.PathLike)) and not is_url(f) and
                                     os.fspath(f).endswith(".safetensors") for f in files)
         previous = getattr(_target, "call", None)
-        _target.call = _DeviceRead(device, files) if device is not None and local else None
+        _target.call = _DeviceRead(device, files, check_room=mode is None) \
+            if device is not None and local else None
         try:
             return function(*args, **kwargs)
         finally:

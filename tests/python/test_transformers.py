@@ -314,14 +314,54 @@ def test_to_device_reads_the_checkpoint_into_tensors_on_the_device(tmp_path, to_
     _assert_same_parameters(ref, got)
     assert sorted(to_device_route.read) == _names(tmp_path, files)  # every tensor, once
     assert len(to_device_route.loaders) == 1  # sharded: one Loader over the index
-    # Off by default; and without a device map the files are mapped.
+    # to_device=False, or no device map: the files are mapped.
     to_device_route.read.clear()
-    _assert_same_parameters(ref, _load(AutoModelForCausalLM, tmp_path, True, dtype=dtype,
-                                       device_map="cpu"))
+    with tft.loading(to_device=False):
+        mapped = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map="cpu")
+    _assert_same_parameters(ref, mapped)
     with tft.loading(to_device=True):
         plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
     _assert_same_parameters(_load(AutoModelForCausalLM, tmp_path, False, dtype=dtype), plain)
     assert to_device_route.read == []
+
+
+@pytest.mark.parametrize("to_device", [None, True])
+@pytest.mark.parametrize("room", ["ample", "short"])
+def test_by_default_the_device_route_is_taken_when_the_checkpoint_fits(
+        tmp_path, to_device_route, monkeypatch, to_device, room):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    sizes = []
+    for f in files:
+        with safetensors.safe_open(str(tmp_path / f), framework="pt") as h:
+            sizes.extend(h.get_tensor(k).numel() * h.get_tensor(k).element_size()
+                         for k in h.keys())
+    # What the check asks for: the checkpoint, twice its largest tensor and 256 MiB.
+    need = sum(sizes) + 2 * max(sizes) + (256 << 20)
+    asked = []
+
+    def device_room(device):
+        asked.append(device)
+        return need if room == "ample" else need - 1
+
+    monkeypatch.setattr(tft, "_device_room", device_room)
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16, device_map="cpu")
+    with tft.loading(to_device=to_device):
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                   device_map="cpu")
+    _assert_same_parameters(ref, got)
+    if to_device is None:
+        assert asked == [to_device_route.device]
+        taken = room == "ample"
+    else:  # True: whatever the room (a failed allocation still falls back to the mapping)
+        assert asked == []
+        taken = True
+    assert sorted(to_device_route.read) == (_names(tmp_path, files) if taken else [])
+
+
+def test_to_device_takes_none_true_or_false():
+    with pytest.raises(tensorferry.InvalidArgumentError, match="to_device"):
+        tft.enable(to_device="yes")
+    assert not tft.enabled()
 
 
 def test_to_device_hands_each_tensor_out_once_and_reads_it_again_after(tmp_path,
@@ -376,7 +416,9 @@ def test_restoring_undoes_the_device_map_hook():
     with tft.loading(to_device=True):
         assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is not original
         with tft.loading():
-            assert tft._to_device == [True, False]
+            assert tft._to_device == [True, None]
+            with tft.loading(to_device=0):
+                assert tft._to_device == [True, None, False]
         assert tft._to_device == [True]
     assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is original
     assert tft._to_device == []

@@ -426,7 +426,9 @@ def _make_class():
 
         def _stream(self, part, prefix, device):
             """(name, tensor) of one Part through Loader.iter_tensors under the budget."""
-            with tensorferry.Loader(part.checkpoint, device=device, select=part.select,
+            # The probe only describes (sizes are the same wherever the tensors go): on the host,
+            # so it makes no device pipeline.
+            with tensorferry.Loader(part.checkpoint, select=part.select,
                                     **self._common()) as probe:
                 budget = self._budget(probe, part.checkpoint)
             loader = tensorferry.Loader(part.checkpoint, device=device, budget=budget,

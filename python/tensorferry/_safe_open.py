@@ -162,6 +162,10 @@ class safe_open:
         st_dtype, st_shape = info.dtype, info.shape
         fw.dtype(st_dtype, name)
         fw.shape(st_dtype, st_shape, name)
+        if self._core_device is not None:
+            tensors = self._read_into_torch(reader, [name])
+            if tensors is not None:
+                return tensors[name]
         tensor = fw.finish(reader.get_tensor(name, fw.code), st_dtype)
         return fw.to_device(tensor, self._device)
 
@@ -175,19 +179,21 @@ class safe_open:
                 return tensors
         return dict(self._fw.finish_all(reader.load(None, self._fw.code), self._device))
 
-    def _read_into_torch(self, reader):
-        """get_tensors on a CUDA device: every tensor allocated by torch on the device (its
-        caching allocator, as safetensors' tensors are: torch.cuda's memory statistics count them,
-        each is freed on its own and its memory stays in torch's cache for the model), then read
-        into in one load through the device pipeline (Reader.load_into). None when a dtype has
-        no torch storage of its own (sub-byte types): the core's buffers then."""
+    def _read_into_torch(self, reader, names=None):
+        """get_tensor(s) on a CUDA device: the tensors `names` (all when None), each allocated by
+        torch on the device (its caching allocator, as safetensors' tensors are: torch.cuda's
+        memory statistics count them, each is freed on its own and its memory stays in torch's
+        cache for the model; no cudaFree, which waits for the device, when one goes), then read
+        into in one load through the device pipeline (Reader.load_into), as {name: tensor} in
+        file order. None when a dtype has no torch storage of its own (sub-byte types): the
+        core's buffers then."""
         fw = self._fw
         torch = fw.torch
-        if not torch.cuda.is_available() or any(odd for odd in reader.dtypes(None).values()):
+        if not torch.cuda.is_available() or any(odd for odd in reader.dtypes(names).values()):
             return None
         tensors = {}
         entries = []
-        for o in reader.describe(None):
+        for o in reader.describe(names):
             t = torch.empty(tuple(o.shape), dtype=fw.dtype(o.dtype, o.name), device=self._device)
             tensors[o.name] = t
             entries.append((o.name, self._core_device, t.data_ptr(),

@@ -277,6 +277,12 @@ def test_gpu_load_file_tensors_are_torchs_and_the_staging_ring_is_kept(tiny_chec
     assert tensorferry.idle_staging_bytes() > 0
     del got
     assert torch.cuda.memory_allocated() == before
+    with tensorferry.safe_open(f, "pt", device="cuda:0") as h:  # one tensor: the same
+        name = max(h.keys(), key=lambda k: h.get_slice(k).get_shape())
+        one = h.get_tensor(name)
+        assert one.is_cuda and torch.cuda.memory_allocated() - before >= one.numel() > 0
+    del one
+    assert torch.cuda.memory_allocated() == before
     assert tensorferry.release_idle_staging() >= 1
     assert tensorferry.idle_staging_bytes() == 0
 

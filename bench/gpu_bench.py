@@ -43,11 +43,13 @@ LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (gds off, verify
            "tensorferry (device budget 1GB)",
            "tensorferry (load_into)", "tensorferry (tp 0/2)", "tensorferry (tp 1/2)",
            "tensorferry (tp 0/8)", "tensorferry (tp 7/8)", "tensorferry (tp 0/8 covering)",
-           "safetensors", "fastsafetensors",
+           "tensorferry (get_tensor)", "safetensors", "safetensors (get_tensor)", "fastsafetensors",
            "fastsafetensors (nogds)", "runai-model-streamer"]
 # Variants: "load_file" is tensorferry.torch.load_file(f, device="cuda") per shard, the drop-in
 # beside safetensors' own row ("keep_staging off": each call pins and frees its own staging ring,
-# TENSORFERRY_KEEP_STAGING=0, as before rings were kept for the next Loader); "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
+# TENSORFERRY_KEEP_STAGING=0, as before rings were kept for the next Loader); "get_tensor" (both
+# libraries) is safe_open(f, "pt", device="cuda") asked for each tensor in turn, the loop many
+# users write; "device budget 1GB" streams batches (iter_batches) under device_budget=1GB, summing
 # each batch on the GPU and keeping nothing; "load_into" reads into destinations allocated before
 # the timer starts (a model's parameters); "tp R/W" loads rank R's slices of world W (builtin
 # rules), one rank per process in turn: its bytes are the rank's local bytes and its checksum is
@@ -162,6 +164,14 @@ def child(args):
                     record(loader)
                 torch.cuda.synchronize()
                 return dests, time.perf_counter() - t0, True
+        elif "get_tensor" in name:
+            def load():  # safe_open on the device, one tensor at a time
+                out = {}
+                for f in files:
+                    with tensorferry.safe_open(f, "pt", device="cuda") as h:
+                        for k in h.keys():
+                            out[k] = h.get_tensor(k)
+                return out
         elif "load_file" in name:
             import tensorferry.torch
 
@@ -219,6 +229,16 @@ def child(args):
             out = {}
             for f in files:
                 out.update(safetensors.torch.load_file(f, device="cuda"))
+            return out
+    elif name == "safetensors (get_tensor)":
+        import safetensors
+
+        def load():
+            out = {}
+            for f in files:
+                with safetensors.safe_open(f, "pt", device="cuda") as h:
+                    for k in h.keys():
+                        out[k] = h.get_tensor(k)
             return out
     elif name.startswith("fastsafetensors"):
         import fastsafetensors

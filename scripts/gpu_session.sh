@@ -39,6 +39,7 @@ done
 default_loaders="tensorferry (gds off),safetensors,tensorferry (load_file),tensorferry (load_into)"
 default_loaders+=",tensorferry (device budget 1GB),runai-model-streamer,fastsafetensors"
 default_loaders+=",tensorferry (tp 0/2),tensorferry (tp 0/8),tensorferry (gds off, verify off)"
+default_loaders+=",tensorferry (get_tensor),safetensors (get_tensor)"
 loaders=${LOADERS:-$default_loaders}
 work=${TMPDIR:-/tmp}/gpu_session
 rm -rf "$work"

@@ -6,15 +6,17 @@
 # kit (.gpukit) carried; two calls fit a 15-minute session:
 #
 #   PHASES=check OUT=... scripts/gpu_session.sh                  # fresh machine: timeout_s 510
-#   PHASES="models verify profile" OUT=... scripts/gpu_session.sh  # at once, warm: timeout_s 300
+#   PHASES="models verify probe profile" OUT=... scripts/gpu_session.sh  # at once: timeout_s 310
 #
-# PHASES (default: all four in that order):
+# PHASES (default: all five in that order):
 #   check    build, GPU tests and the warm benchmark (CHECK_SECONDS, default 480)
 #   models   from_pretrained (plain, loading(to_device=False), loading(to_device=True)), then
-#            load_checkpoint_and_dispatch (MODELS_SECONDS, default 200)
+#            load_checkpoint_and_dispatch (MODELS_SECONDS, default 180)
 #   verify   what checksums cost a host load on this machine's cores, warm and cold
 #            (bench/verify_bench.py on one ~1 GB shard; issue 15's targets, which 2-core VMs
 #            cannot show; VERIFY_SECONDS, default 50)
+#   probe    whether copying straight from registered page-cache pages could beat the staging
+#            ring (bench/register_probe.py on one ~1 GB shard; PROBE_SECONDS, default 30)
 #   profile  one from_pretrained in loading(to_device=True), in a fresh process, under cProfile
 #            (the top 30 by cumulative time; PROFILE_SECONDS, default 25)
 # Also: LOADERS (bench/gpu_bench.py's loaders; default below, the ones that matter first),
@@ -25,15 +27,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 : "${OUT:?OUT: the folder whose files come back}"
-phases=${PHASES:-check models verify profile}
+phases=${PHASES:-check models verify probe profile}
 check_seconds=${CHECK_SECONDS:-480}
-models_seconds=${MODELS_SECONDS:-200}
+models_seconds=${MODELS_SECONDS:-180}
 verify_seconds=${VERIFY_SECONDS:-50}
+probe_seconds=${PROBE_SECONDS:-30}
 profile_seconds=${PROFILE_SECONDS:-25}
 for phase in $phases; do
   case "$phase" in
-    check | models | verify | profile) ;;
-    *) echo "gpu_session: unknown phase '$phase' (check, models, verify, profile)" >&2; exit 2 ;;
+    check | models | verify | probe | profile) ;;
+    *) echo "gpu_session: unknown phase '$phase' (check, models, verify, probe, profile)" >&2
+       exit 2 ;;
   esac
 done
 default_loaders="tensorferry (gds off),safetensors,tensorferry (load_file),tensorferry (load_into)"
@@ -84,6 +88,13 @@ for phase in $phases; do
         echo "shard: $shard" && PYTHONUNBUFFERED=1 .venv/bin/python bench/verify_bench.py \
           "$shard" --cli build/release/bin/tensorferry --rounds 3 --engine io_uring' _ "$work/verify"
       ;;
+    probe)
+      # shellcheck disable=SC1091,SC2016
+      run_phase probe "$probe_seconds" bash -c '. .gpukit/env.sh && \
+        shard=$(find data/gpu_check data/default data/verify -maxdepth 1 -name "*.safetensors" \
+                2>/dev/null | sort | head -1) && echo "shard: $shard" && [ -n "$shard" ] && \
+        PYTHONUNBUFFERED=1 .venv/bin/python bench/register_probe.py "$shard" --repeats 3'
+      ;;
     profile)
       # The kit's environment (the module links its libraries); the inner shell expands the rest.
       # shellcheck disable=SC1091,SC2016
@@ -94,7 +105,8 @@ for phase in $phases; do
   esac
 done
 # The summary lines, for the reply's tail.
-summary='^(pinned|pageable|tensorferry|safetensors|runai|fastsafetensors) .* GB/s|^warm: '
+summary='^(pinned|pageable|tensorferry|safetensors|runai|fastsafetensors|staged|register|chunked)'
+summary+=' .* GB/s|^warm: |^  (floor|warm|cold)'
 summary+='|checksum|GB/s;|exit [0-9]+ after|passed|failed'
 grep -E "$summary" \
-  "$log" | grep -v '^  ' | tail -60
+  "$log" | grep -vE '^  ((warm|cold) round|data/)' | tail -70

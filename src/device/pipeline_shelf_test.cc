@@ -104,7 +104,7 @@ TEST_F(PipelineShelfTest, ATakenPipelineCountsOnlyItsNewOwnersWork) {
   ASSERT_TRUE(pipeline->Run({&task, 1}, **engine).ok());
   const DevicePipelineStats first = pipeline->stats();
   EXPECT_EQ(first.staged_bytes, 100u << 10);
-  ASSERT_GT(first.pinned_bytes, 16u << 10) << "the run grew the ring";
+  EXPECT_GE(first.pinned_bytes, 16u << 10);  // grown as far as the run's reads overlapped
   KeepIdlePipeline(std::move(pipeline));
   EXPECT_EQ(IdlePinnedBytes(), first.pinned_bytes);
 

@@ -171,9 +171,10 @@ TEST_F(LoaderDeviceTest, ALoaderPerFileTakesThePipelineTheLastOneLeft) {
     SCOPED_TRACE(files[i]);
     auto loader = Loader::Open(files[i], DeviceOptions());
     ASSERT_TRUE(loader.ok()) << loader.status().ToString();
-    EXPECT_EQ(IdleStagingBytes(), 0u) << "taken off the shelf";
+    // Taken off the shelf (a new pipeline would leave the kept one there).
+    EXPECT_EQ(IdleStagingBytes(), 0u);
     if (i > 0) {
-      // The ring as the first load grew it, not a new one with its first slot pinned.
+      // The ring as the last load left it, not a new one beside it.
       EXPECT_EQ(fake_->Stats().pinned_allocations_live, pinned_slots);
       EXPECT_EQ(fake_->Stats().streams_live, streams);
     }
@@ -188,11 +189,9 @@ TEST_F(LoaderDeviceTest, ALoaderPerFileTakesThePipelineTheLastOneLeft) {
     const LoadStats s = (*loader)->stats();
     EXPECT_EQ(s.staged_bytes, bytes) << "this Loader's bytes only";
     EXPECT_EQ(s.pinned_bytes, fake_->Stats().pinned_bytes_in_use);
-    if (i == 0) {
-      pinned_slots = fake_->Stats().pinned_allocations_live;
-      streams = fake_->Stats().streams_live;
-      ASSERT_GT(pinned_slots, 1u) << "the first load grew the ring";
-    }
+    // The ring as this load left it (grown as far as its reads overlapped), for the next Loader.
+    pinned_slots = fake_->Stats().pinned_allocations_live;
+    if (i == 0) streams = fake_->Stats().streams_live;
     tensors->clear();
     loader->reset();
     EXPECT_EQ(IdleStagingBytes(), fake_->Stats().pinned_bytes_in_use) << "kept after the Loader";

@@ -393,7 +393,7 @@ TEST(Header, Tiling) {
 TEST(Header, MessagesNameTensorAndValues) {
   auto r = ParseJson(R"({"layers.0.w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4);
   ASSERT_FALSE(r.ok());
-  const auto& m = r.status().message();
+  const std::string m = r.status().message();
   EXPECT_NE(m.find("m.safetensors"), std::string::npos) << m;
   EXPECT_NE(m.find("\"layers.0.w\""), std::string::npos) << m;
   EXPECT_NE(m.find("[0, 4]"), std::string::npos) << m;

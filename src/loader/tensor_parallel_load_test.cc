@@ -344,7 +344,7 @@ TEST(TensorParallelLoad, TiesThatDoNotFitTheCheckpointAreErrors) {
         auto got = loader->Load(selection);
         ASSERT_FALSE(got.ok()) << alias << " -> " << target;
         EXPECT_EQ(got.status().code(), code) << got.status().ToString();
-        const std::string& message = got.status().message();
+        const std::string message = got.status().message();
         EXPECT_NE(message.find("\"" + alias + "\" -> \"" + target + "\""), std::string::npos)
             << message;
         EXPECT_NE(message.find(words), std::string::npos) << message;

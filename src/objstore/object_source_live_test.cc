@@ -183,7 +183,7 @@ TEST(ObjectSourceLive, WrongSecretNamesTheS3ErrorAndTheCredentials) {
   o.object_store.retries = 0;
   auto opened = Checkpoint::Open(live->url, o);
   ASSERT_FALSE(opened.ok());
-  const std::string& m = opened.status().message();
+  const std::string m = opened.status().message();
   EXPECT_NE(m.find("HTTP 403 SignatureDoesNotMatch"), std::string::npos) << m;
   EXPECT_NE(m.find("credentials: options"), std::string::npos) << m;
   EXPECT_NE(m.find(live->url), std::string::npos) << m;

@@ -33,8 +33,10 @@
 // a pinned staging ring (O_DIRECT when the loader's direct policy chooses it for the file), and a
 // cudaMemcpyAsync moves it to the tensor's final place; or, with GPUDirect Storage, cuFile reads
 // straight into the buffer. The tensors are views co-owning the buffer: cudaFree runs when the last
-// of them goes. The pipeline (its pinned ring, streams and cuFile driver) is created once per
-// Loader and device and reused by every later batch and load. Batches never mix devices: a placed
+// of them goes. The pipeline (its pinned ring, streams and cuFile driver) is made once per
+// Loader and device and reused by every later batch and load, and when the Loader goes it is kept
+// for the next Loader of the same configuration in the process (LoadOptions::keep_staging;
+// ReleaseIdleStaging in device.h frees what is kept). Batches never mix devices: a placed
 // load delivers the host batches first, then each device's in device order.
 //
 // Device memory, precisely: the device memory a load uses is its live batch buffers, nothing else

@@ -23,10 +23,13 @@ with many large reads in flight (the io_uring engine), a part first reads each s
 With a device map that puts every parameter on one CUDA device (`device_map="cuda"`,
 `"cuda:1"`, `"auto"` on a model that fits one GPU), the checkpoint is read straight onto that
 device: the first time from_pretrained opens one of its safetensors files (on the calling thread,
-after transformers' allocator warm-up), every tensor of every checkpoint file is allocated on that
-device (`torch.empty`, from the memory the warm-up reserved) and the checkpoint is read into them
-through tensorferry's pinned staging ring (`Loader.load_into`, one Loader for the index's shards,
-checksums checked); transformers then finds each parameter on its device and its `.to(device)`
+after transformers' allocator warm-up), a background thread allocates every tensor of every
+checkpoint file on that device (`torch.empty`, from the memory the warm-up reserved) and reads the
+checkpoint into them through tensorferry's pinned staging ring (`Loader.load_into`, one Loader for
+the index's shards, checksums checked), while transformers goes on with its keys (renaming,
+conversion plans); a file's first request waits for the read (and raises what it raised), and
+from_pretrained does not return before it ended. Transformers then finds each parameter on its
+device and its `.to(device)`
 copies nothing, instead of a pageable host-to-device copy of each parameter from the mapping, and
 host memory holds none of the model (measured on an H200: 1.43x plain transformers, 74 MiB of
 host memory against the model's 3972; docs/benchmarks.md, "Sixth GPU session"). Each tensor is
@@ -117,9 +120,10 @@ def _device_room(device):
 
 
 class _DeviceRead:
-    """The checkpoint files of one from_pretrained call, read onto `device` when the first of them
-    is opened: each file's tensors (name -> tensor on the device) are handed to the safe_open of
-    that file, once."""
+    """The checkpoint files of one from_pretrained call, read onto `device` in the background from
+    the moment the first of them is opened: each file's tensors (name -> tensor on the device) are
+    handed to the safe_open of that file, once, when it is first asked for a tensor (waiting for
+    the read, which overlaps transformers' own work on its keys meanwhile)."""
 
     def __init__(self, device, files, check_room=False):
         self.device = device
@@ -127,18 +131,49 @@ class _DeviceRead:
         self.given = [os.fspath(f) for f in files]  # as transformers names them (links kept)
         self.files = [os.path.realpath(f) for f in self.given]
         self._lock = threading.Lock()
-        self._tensors = None  # realpath -> {name: tensor}
+        self._thread = None
+        self._done = threading.Event()
+        self._tensors = None  # realpath -> {name: tensor}; {} when the files are mapped instead
+        self._error = None  # what the read raised (a damaged file, ...): raised to every taker
 
     def take(self, filename):
-        """The tensors of `filename` on the device, or None (not one of the call's files, handed
-        out already, or the read fell back to the mapping)."""
+        """A _Pending for the tensors of `filename` on the device (the read starts with the first
+        call), or None when it is not one of the call's files."""
         key = os.path.realpath(filename)
         if key not in self.files:
             return None
         with self._lock:
-            if self._tensors is None:
-                self._tensors = self._read()
-            return self._tensors.pop(key, None)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tensorferry-to-device",
+                                                daemon=True)
+                self._thread.start()
+        return _Pending(self, key)
+
+    def tensors(self, key):
+        """Waits for the read; the tensors of file `key` (once), or None (handed out already, or
+        the read fell back to the mapping). Raises what the read raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            return None if self._tensors is None else self._tensors.pop(key, None)
+
+    def finish(self):
+        """Waits for a read still running (from_pretrained is returning) and lets go of the
+        tensors nobody asked for."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self._tensors = None
+
+    def _run(self):
+        try:
+            self._tensors = self._read()
+        except BaseException as e:  # handed to the threads that wait for it
+            self._error = e
+        finally:
+            self._done.set()
 
     def _read(self):
         fw = _frameworks.get("pt")
@@ -191,6 +226,18 @@ class _DeviceRead:
         return index if shards == set(self.files) else None
 
 
+class _Pending:
+    """What a safe_open of one of the call's files holds until its first request:
+    _DeviceRead.tensors for that file."""
+
+    def __init__(self, read, key):
+        self.read = read
+        self.key = key
+
+    def get(self):
+        return self.read.tensors(self.key)
+
+
 class safe_open(_safe_open):
     """tensorferry's drop-in safe_open (same arguments and results), answering whole-tensor
     requests from one copy-on-write mapping of the file (see the module's docstring). Files that
@@ -207,14 +254,15 @@ class safe_open(_safe_open):
         self._mappable = (self._fw.name == "torch" and str(self._device) == "cpu"
                           and backend in (None, "mmap") and not is_url(filename))
         self._on_device = False  # the views are tensors on a device, each handed out once
+        self._pending = None  # a _Pending until the first request: the tensors on the device
         call = getattr(_target, "call", None)
         if call is not None and self._mappable:
-            self._views = call.take(filename)
-            self._on_device = self._views is not None
+            self._pending = call.take(filename)
 
     def close(self):
         super().close()
         self._views = None
+        self._pending = None
 
     def _view(self, name, whole=True):
         """The mapped view of tensor `name`, or None when this file is read the default way.
@@ -226,6 +274,10 @@ class safe_open(_safe_open):
         views = self._views
         if views is None:
             with self._map_lock:
+                if self._pending is not None:  # the read onto the device: wait for it once
+                    self._views = self._pending.get()  # what the read raised, every time
+                    self._pending = None
+                    self._on_device = self._views is not None
                 if self._views is None:
                     try:
                         # backend="mmap" maps whatever the file system; else the mapping
@@ -332,12 +384,15 @@ def _with_target(original):
         local = bool(files) and all(isinstance(f, (str, os.PathLike)) and not is_url(f) and
                                     os.fspath(f).endswith(".safetensors") for f in files)
         previous = getattr(_target, "call", None)
-        _target.call = _DeviceRead(device, files, check_room=mode is None) \
+        call = _DeviceRead(device, files, check_room=mode is None) \
             if device is not None and local else None
+        _target.call = call
         try:
             return function(*args, **kwargs)
         finally:
             _target.call = previous
+            if call is not None:
+                call.finish()
 
     return staticmethod(wrapper)
 

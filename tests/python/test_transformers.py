@@ -6,6 +6,7 @@ import contextlib
 import sys
 import json
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -370,15 +371,16 @@ def test_to_device_hands_each_tensor_out_once_and_reads_it_again_after(tmp_path,
     tensorferry.torch.save_file({"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}, path)
     other = str(tmp_path / "other.safetensors")
     tensorferry.torch.save_file({"c": torch.zeros(2)}, other)
-    tft._target.call = tft._DeviceRead(to_device_route.device, [path])
+    call = tft._DeviceRead(to_device_route.device, [path])
+    tft._target.call = call
     try:
         f = tft.safe_open(path, framework="pt")
         g = tft.safe_open(other, framework="pt")  # not one of the call's files: mapped
     finally:
         tft._target.call = None
-    assert sorted(to_device_route.read) == ["a", "b"]
     with f, g:
         first = f.get_slice("a")[...]
+        assert sorted(to_device_route.read) == ["a", "b"]  # the whole file, at once
         part = f.get_slice("b")[1:3]  # a part: a copy; b stays for its whole request
         assert torch.equal(part, torch.ones(2))
         assert torch.equal(f.get_tensor("b"), torch.ones(5))
@@ -386,6 +388,58 @@ def test_to_device_hands_each_tensor_out_once_and_reads_it_again_after(tmp_path,
         assert torch.equal(first, again) and first.data_ptr() != again.data_ptr()
         assert torch.equal(g.get_tensor("c"), torch.zeros(2))
     assert sorted(to_device_route.read) == ["a", "b"]
+    call.finish()
+
+
+def test_to_device_reads_in_the_background_from_the_first_open(tmp_path, to_device_route,
+                                                                monkeypatch):
+    """Opening a file starts the read and returns; the first request waits for it; a read that
+    fails raises at every file's first request (and finish() waits for a read still running)."""
+    path = str(tmp_path / "w.safetensors")
+    tensorferry.torch.save_file({"a": torch.arange(12.0), "b": torch.ones(5)}, path)
+    counting = tensorferry.Loader.load_into
+    started, release = threading.Event(), threading.Event()
+
+    def held(self, destinations):
+        started.set()
+        assert release.wait(30), "the test never released the read"
+        return counting(self, destinations)
+
+    monkeypatch.setattr(tensorferry.Loader, "load_into", held)
+    call = tft._DeviceRead(to_device_route.device, [path])
+    tft._target.call = call
+    try:
+        f = tft.safe_open(path, framework="pt")  # returns while the read is held
+    finally:
+        tft._target.call = None
+    assert started.wait(30) and to_device_route.read == []
+    got = {}
+    asker = threading.Thread(target=lambda: got.update(a=f.get_tensor("a")))
+    asker.start()
+    asker.join(0.2)
+    assert asker.is_alive() and not got  # waiting for the read
+    release.set()
+    asker.join(30)
+    assert torch.equal(got["a"], torch.arange(12.0)) and sorted(to_device_route.read) == ["a", "b"]
+    f.close()
+    call.finish()
+
+    # A read that fails: its error at the first request of each file, and again after.
+    def broken(self, destinations):
+        raise tensorferry.SafetensorError("read failed (test)")
+
+    monkeypatch.setattr(tensorferry.Loader, "load_into", broken)
+    call = tft._DeviceRead(to_device_route.device, [path])
+    tft._target.call = call
+    try:
+        f = tft.safe_open(path, framework="pt")
+    finally:
+        tft._target.call = None
+    for _ in range(2):
+        with pytest.raises(tensorferry.SafetensorError, match="read failed"):
+            f.get_tensor("a")
+    f.close()
+    call.finish()
 
 
 def test_to_device_without_the_device_memory_maps_the_files(tmp_path, to_device_route,

@@ -79,6 +79,17 @@ def loader_names(text):
     return names
 
 
+def get_tensors_one_by_one(safe_open, files):
+    """The "get_tensor" rows: each file opened on the device with `safe_open` (either library's)
+    and asked for each tensor in turn, the loop many users write."""
+    out = {}
+    for f in files:
+        with safe_open(f, "pt", device="cuda") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
 def shards(path):
     if os.path.isfile(path):
         return [path]
@@ -165,13 +176,8 @@ def child(args):
                 torch.cuda.synchronize()
                 return dests, time.perf_counter() - t0, True
         elif "get_tensor" in name:
-            def load():  # safe_open on the device, one tensor at a time
-                out = {}
-                for f in files:
-                    with tensorferry.safe_open(f, "pt", device="cuda") as h:
-                        for k in h.keys():
-                            out[k] = h.get_tensor(k)
-                return out
+            def load():
+                return get_tensors_one_by_one(tensorferry.safe_open, files)
         elif "load_file" in name:
             import tensorferry.torch
 
@@ -234,12 +240,7 @@ def child(args):
         import safetensors
 
         def load():
-            out = {}
-            for f in files:
-                with safetensors.safe_open(f, "pt", device="cuda") as h:
-                    for k in h.keys():
-                        out[k] = h.get_tensor(k)
-            return out
+            return get_tensors_one_by_one(safetensors.safe_open, files)
     elif name.startswith("fastsafetensors"):
         import fastsafetensors
         nogds = "nogds" in name

@@ -177,6 +177,14 @@ class _Torch(_Framework):
     def empty(self, shape, st_dtype):
         return self.torch.empty(shape, dtype=self.dtype(st_dtype))
 
+    def empty_for(self, outputs, device):
+        """{name: uninitialised tensor on `device`} for the core's Output descriptions (a
+        Reader's or Loader's describe()), in their order: destinations for load_into, allocated
+        by torch (its caching allocator on a GPU). UnsupportedDTypeError naming the tensor."""
+        torch = self.torch
+        return {o.name: torch.empty(tuple(o.shape), dtype=self.dtype(o.dtype, o.name),
+                                    device=device) for o in outputs}
+
     def own(self, result, base):
         """`result` (base[index]) as a contiguous tensor that does not keep more than its own
         bytes alive."""

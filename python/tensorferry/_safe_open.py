@@ -191,14 +191,9 @@ class safe_open:
         torch = fw.torch
         if not torch.cuda.is_available() or any(odd for odd in reader.dtypes(names).values()):
             return None
-        tensors = {}
-        entries = []
-        for o in reader.describe(names):
-            t = torch.empty(tuple(o.shape), dtype=fw.dtype(o.dtype, o.name), device=self._device)
-            tensors[o.name] = t
-            entries.append((o.name, self._core_device, t.data_ptr(),
-                            t.numel() * t.element_size()))
-        reader.load_into(entries)
+        tensors = fw.empty_for(reader.describe(names), self._device)
+        reader.load_into([(name, self._core_device, t.data_ptr(), t.numel() * t.element_size())
+                          for name, t in tensors.items()])
         return tensors
 
     def get_slice(self, name):

@@ -54,7 +54,6 @@ outermost one ends.
 import functools
 import importlib
 import json
-import math
 import os
 import sys
 import threading
@@ -180,23 +179,17 @@ class _DeviceRead:
         torch = fw.torch
         per_file = {}
         try:
-            wanted = {}  # path -> [(name, shape, torch dtype)]
-            total = largest = 0
+            described = {}  # path -> the core's Output descriptions of its tensors
             for path in self.files:
                 with Loader(path) as probe:
-                    wanted[path] = [(o.name, tuple(o.shape), fw.dtype(o.dtype, o.name))
-                                    for o in probe._describe()]
-                for _, shape, dtype in wanted[path]:
-                    nbytes = math.prod(shape) * dtype.itemsize
-                    total += nbytes
-                    largest = max(largest, nbytes)
-            if self.check_room:
+                    described[path] = probe._describe()
+            sizes = [o.bytes for outputs in described.values() for o in outputs]
+            if self.check_room and sizes:
                 room = _device_room(self.device)
-                if room is not None and total + 2 * largest + (256 << 20) > room:
+                if room is not None and sum(sizes) + 2 * max(sizes) + (256 << 20) > room:
                     return {}  # would not fit beside what the model needs: mapped
-            for path, tensors in wanted.items():
-                per_file[path] = {name: torch.empty(shape, dtype=dtype, device=self.device)
-                                  for name, shape, dtype in tensors}
+            for path, outputs in described.items():
+                per_file[path] = fw.empty_for(outputs, self.device)
         except (UnsupportedDTypeError, torch.cuda.OutOfMemoryError):
             return {}  # every file mapped
         index = self._index()

@@ -16,6 +16,12 @@ namespace {
 
 constexpr uint64_t kFileAlign = io::kDirectAlignment;  // chunk boundaries, slot congruence
 
+// A staging slot's size as the ring is made: `requested` rounded up to kFileAlign (wraps past
+// UINT64_MAX to a value below `requested`, which Create refuses).
+uint64_t SlotSize(uint64_t requested) {
+  return (requested + kFileAlign - 1) / kFileAlign * kFileAlign;
+}
+
 std::string Hex(const void* p) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "0x%llx",
@@ -114,7 +120,7 @@ Result<std::unique_ptr<DevicePipeline>> DevicePipeline::Create(
   if (options.gds_alignment == 0) {
     return Status(Code::kInvalidArgument, "device pipeline: gds_alignment must be positive");
   }
-  const uint64_t slot_size = (options.slot_size + kFileAlign - 1) / kFileAlign * kFileAlign;
+  const uint64_t slot_size = SlotSize(options.slot_size);
   const uint64_t slots = slot_size < options.slot_size ? 0 : options.staging_bytes / slot_size;
   if (slots < 2) {
     return Status(Code::kInvalidArgument,
@@ -575,9 +581,9 @@ void DevicePipeline::ResetCounters() {
 
 bool DevicePipeline::Matches(const cuda::Runtime& runtime,
                              const DevicePipelineOptions& options) const {
-  const uint64_t slot_size = (options.slot_size + kFileAlign - 1) / kFileAlign * kFileAlign;
   return &runtime == runtime_.get() && options.device == options_.device &&
-         slot_size == options_.slot_size && options.staging_bytes == options_.staging_bytes &&
+         SlotSize(options.slot_size) == options_.slot_size &&
+         options.staging_bytes == options_.staging_bytes &&
          options.producers == options_.producers && options.gds == options_.gds &&
          options.gds_alignment == options_.gds_alignment;
 }

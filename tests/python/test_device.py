@@ -241,11 +241,15 @@ def test_without_a_gpu_device_cuda_raises_cuda_not_found(tiny_checkpoint):
 
 @gpu
 @pytest.mark.parametrize("gds", ["off", "auto"])
-def test_gpu_load_file_matches_safetensors(tiny_checkpoint, gds):
+@pytest.mark.parametrize("staging", ["default", "4KiB slots"])
+def test_gpu_load_file_matches_safetensors(tiny_checkpoint, gds, staging, monkeypatch):
     import glob
     import torch
     from safetensors.torch import load_file as st_load
     from tensorferry.torch import load_file
+    if staging != "default":  # tensors larger than a slot, a ring that wraps many times per file
+        monkeypatch.setenv("TENSORFERRY_STAGING_SLOT", "4KiB")
+        monkeypatch.setenv("TENSORFERRY_STAGING_BYTES", "16KiB")
     os.environ["TENSORFERRY_GDS"] = gds
     try:
         for f in sorted(glob.glob(os.path.join(tiny_checkpoint, "*.safetensors"))):

@@ -24,7 +24,12 @@ What it does, in order:
      in 20 mid-body, whose checksum must match a clean load's; then the local cache
      (--object-cache-dir): first start, later starts with the copies in the page cache and on
      cold disk, against a streaming load and a cold load of the local checkpoint;
-  6. a table, a JSON file (--json), machine load again.
+  6. with the contender "from_pretrained": transformers' from_pretrained of the checkpoint (a
+     config.json matching it is written beside it) as a user does it today (boto3 downloads every
+     object, then from_pretrained of the folder) and from the bucket's URL inside
+     tensorferry.transformers.loading(); both touch every parameter page and report a CRC32 of
+     the parameters, which must agree;
+  7. a table, a JSON file (--json), machine load again.
 
 Every contender runs in a subprocess of its own; its peak RSS is the child's ru_maxrss (os.wait4).
 GB/s is checkpoint bytes (1e9) over the load time measured inside the child (imports and process
@@ -32,6 +37,7 @@ start excluded; curl: the process's wall time). The tensorferry contenders run o
 a failure is reported (its stderr tail) and the other contenders go on.
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -264,9 +270,83 @@ def child_tf_load_file(spec):
     return {"seconds": time.perf_counter() - start, "tensor_bytes": nbytes}
 
 
+def _from_pretrained(path, **kwargs):
+    """transformers' AutoModelForCausalLM.from_pretrained(path, dtype=bfloat16) (its modules
+    imported before), one byte of every page of every parameter touched (a model that maps its
+    files is read at first use); (model, the parameters' bytes, CRC32 of all their bytes)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+    nbytes = 0
+    for p in model.parameters():
+        if p.numel():
+            int(p.detach().reshape(-1).view(torch.uint8)[::4096].sum())
+        nbytes += p.numel() * p.element_size()
+    return model, nbytes
+
+
+def _parameters_crc(model):
+    import zlib
+
+    import torch
+    crc = 0
+    for _, p in sorted(model.state_dict().items()):
+        crc = zlib.crc32(p.detach().reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def _import_transformers():
+    import torch  # noqa: F401
+    import transformers
+    import transformers.core_model_loading  # noqa: F401  imported before the clock starts
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def child_fp_download(spec):
+    """What a transformers user does today: boto3 download_file of every object of the model
+    (weights, index, config.json) into a temp dir on --data's disk, then from_pretrained of it."""
+    import shutil
+
+    import boto3
+    from botocore.config import Config
+    _import_transformers()
+    s3 = boto3.client("s3", endpoint_url=spec["endpoint"], region_name=spec["region"],
+                      aws_access_key_id=spec["access_key"],
+                      aws_secret_access_key=spec["secret_key"],
+                      config=Config(s3={"addressing_style": "path"}, max_pool_connections=32))
+    tmp = tempfile.mkdtemp(prefix="tf-os-fp-", dir=spec["scratch"])
+    try:
+        start = time.perf_counter()
+        for key, _ in spec["objects"]:
+            s3.download_file(spec["bucket"], key, os.path.join(tmp, os.path.basename(key)))
+        downloaded = time.perf_counter()
+        model, nbytes = _from_pretrained(tmp)
+        seconds = time.perf_counter() - start
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"seconds": seconds, "download_seconds": downloaded - start, "tensor_bytes": nbytes,
+            "crc32": _parameters_crc(model)}
+
+
+def child_fp_tensorferry(spec):
+    """from_pretrained("s3://bucket/prefix/") inside tensorferry.transformers.loading()."""
+    _import_transformers()
+    import tensorferry.transformers
+    start = time.perf_counter()
+    with tensorferry.transformers.loading():
+        model, nbytes = _from_pretrained(spec["url"])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tensor_bytes": nbytes, "crc32": _parameters_crc(model)}
+
+
 CHILDREN = {"raw-python": child_raw_python, "boto3+safetensors": child_boto3,
             "runai-model-streamer": child_runai, "tensorferry Loader.load": child_tf_loader,
-            "tensorferry load_file": child_tf_load_file}
+            "tensorferry load_file": child_tf_load_file,
+            "from_pretrained: boto3 download + transformers": child_fp_download,
+            "from_pretrained: tensorferry s3://": child_fp_tensorferry}
+FROM_PRETRAINED = [n for n in CHILDREN if n.startswith("from_pretrained")]
 
 
 def child_main(name, spec_json):
@@ -371,7 +451,7 @@ class Bench:
         gbps = (nbytes or self.total) / 1e9 / r["seconds"]
         row = {"seconds": r["seconds"], "gb_per_s": gbps, "peak_rss": r["peak_rss"],
                "wall": r["wall"]}
-        row.update({k: r[k] for k in ("stats", "download_seconds") if k in r})
+        row.update({k: r[k] for k in ("stats", "download_seconds", "crc32") if k in r})
         self.results.setdefault(name, []).append(row)
         print(f"  {name:28s} {gbps:6.2f} GB/s  {r['seconds']:7.2f} s  "
               f"peak RSS {r['peak_rss'] / MiB:7.0f} MiB", flush=True)
@@ -435,9 +515,12 @@ class Bench:
                 *matched,
                 ("tensorferry Loader.load", lambda: self.run_child("tensorferry Loader.load")),
                 ("tensorferry load_file", lambda: self.run_child("tensorferry load_file"))]
+        if "from_pretrained" in self.args.contenders:
+            out += [(name, functools.partial(self.run_child, name)) for name in FROM_PRETRAINED]
         return [c for c in out if c[0] in self.args.contenders or
                 c[0].split(" --")[0] in self.args.contenders or
-                (c[0].startswith("raw") and "raw" in self.args.contenders)]
+                (c[0].startswith("raw") and "raw" in self.args.contenders) or
+                (c[0] in FROM_PRETRAINED and "from_pretrained" in self.args.contenders)]
 
     def rounds(self, best_raw):
         order = self.contenders(best_raw)
@@ -626,7 +709,9 @@ def transferred(stats):
 
 
 def median_row(rows):
+    crcs = {r["crc32"] for r in rows if "crc32" in r}
     return {"runs": len(rows), "gb_per_s": statistics.median(r["gb_per_s"] for r in rows),
+            **({"crc32": sorted(crcs)} if crcs else {}),
             "seconds": statistics.median(r["seconds"] for r in rows),
             "peak_rss": max(r["peak_rss"] for r in rows),
             "gb_per_s_all": [round(r["gb_per_s"], 3) for r in rows]}
@@ -681,6 +766,10 @@ def run_bench(args):
     cli = find_cli(args.cli)
     ckpt = make_checkpoint(cli, args.size, args.data)
     prefix = os.path.basename(ckpt)
+    if "from_pretrained" in args.contenders and \
+            not os.path.exists(os.path.join(ckpt, "config.json")):
+        from model_bench import config_of  # a LlamaConfig matching the checkpoint's tensors
+        config_of(ckpt).save_pretrained(ckpt)
     with SeaweedS3(parent_dir=args.data) as server:
         print(f"SeaweedFS at {server.endpoint} (start {server.start_seconds:.2f} s)", flush=True)
         t0 = time.perf_counter()
@@ -707,6 +796,11 @@ def run_bench(args):
                    "targets": targets(summary, best_raw_gbps, tp, faults),
                    "uptime_after": uptime()})
     print_table(summary, best_raw_gbps)
+    crcs = {n: summary[n]["crc32"] for n in FROM_PRETRAINED if n in summary}
+    if crcs:
+        same = len({c for v in crcs.values() for c in v}) == 1
+        report["from_pretrained_identical"] = same
+        print(f"from_pretrained: parameters identical in every run: {same} {crcs}")
     if cache:
         print("\nlocal cache (--object-cache-dir), process wall time, median:")
         for name, row in cache.items():
@@ -725,7 +819,8 @@ def run_bench(args):
 
 
 ALL = ["raw", "boto3+safetensors", "runai-model-streamer", "tensorferry CLI",
-       "tensorferry Loader.load", "tensorferry load_file", "tp", "faults", "cache"]
+       "tensorferry Loader.load", "tensorferry load_file", "tp", "faults", "cache",
+       "from_pretrained"]
 
 
 def main():

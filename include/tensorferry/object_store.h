@@ -52,6 +52,7 @@
 // Thread-safety: options are values; the Source is safe to use from several threads.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -127,6 +128,22 @@ Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, u
 
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").
 bool IsObjectUrl(std::string_view path);
+
+// --- whole objects: the files beside a checkpoint (config.json, tokenizer files) ---
+
+// The size in bytes of the object at `url`: one ranged GET, as opening a checkpoint file costs
+// (its first ObjectStoreOptions::header_bytes). Errors: kInvalidArgument when `url` is not a URL
+// (IsObjectUrl) or a setting is bad; kNotFound for a missing object or bucket; otherwise those of
+// a load's reads (kIoError naming the URL, HTTP status, S3 error code and attempts).
+Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options);
+
+// The whole object at `url`, read with the settings above (retries, ETag pinning: an object
+// replaced between its first GET and the last is an error, never a mix of two versions). An
+// object no larger than header_bytes costs one GET. Errors: those of ObjectSize, and
+// kInvalidArgument naming the object's size when it is larger than `max_bytes` (nothing more is
+// read).
+Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
+                                          uint64_t max_bytes);
 
 // The Source reading URLs with these options. libcurl is loaded and the S3 settings resolved when
 // the first URL is opened; their errors (kUnsupported: libcurl could not be loaded, naming what was

@@ -31,6 +31,7 @@
 #include "tensorferry/format.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/mapping.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/plan.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/size.h"
@@ -61,6 +62,49 @@ NB_MODULE(_core, m) {
   m.def(
       "idle_staging_bytes", [] { return IdleStagingBytes(); },
       "Pinned bytes the staging rings kept for reuse hold now.");
+  m.def(
+      "object_size",
+      [](const std::string& url, const nb::dict& options) {
+        const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
+        Result<uint64_t> size = Status(Code::kInternal, "unread");
+        {
+          WithoutGil release;
+          size = ObjectSize(url, store);
+        }
+        return Unwrap(std::move(size));
+      },
+      nb::arg("url"), nb::arg("options"),
+      "The size of the object at `url` (one ranged GET); `options`: load options (s3_*, object_*)");
+  m.def(
+      "read_object",
+      [](const std::string& url, const nb::dict& options, uint64_t max_bytes) {
+        const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
+        Result<std::vector<std::byte>> bytes = Status(Code::kInternal, "unread");
+        {
+          WithoutGil release;
+          bytes = ReadObject(url, store, max_bytes);
+        }
+        const std::vector<std::byte> data = Unwrap(std::move(bytes));
+        return nb::bytes(reinterpret_cast<const char*>(data.data()), data.size());
+      },
+      nb::arg("url"), nb::arg("options"), nb::arg("max_bytes"),
+      "The whole object at `url` as bytes (tensorferry::ReadObject); InvalidArgumentError when it "
+      "is larger than `max_bytes`");
+  m.def(
+      "list_objects",
+      [](const std::string& dir, const std::string& suffix, const nb::dict& options) {
+        const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
+        Result<std::vector<std::string>> names = Status(Code::kInternal, "unlisted");
+        {
+          WithoutGil release;
+          Result<std::shared_ptr<Source>> source = MakeObjectSource(store);
+          names = source.ok() ? (*source)->List(dir, suffix) : source.status();
+        }
+        return Unwrap(std::move(names));
+      },
+      nb::arg("dir"), nb::arg("suffix"), nb::arg("options"),
+      "The URLs of the objects directly under the s3:// prefix `dir` whose names end with "
+      "`suffix`, sorted (FileNotFoundError for an HTTP URL: a server cannot be listed)");
   m.def("mapping_stats", [] {
     const MappingStats s = GetMappingStats();
     nb::dict d;

@@ -41,6 +41,16 @@ map allows; False never. When the device memory cannot be allocated after all, o
 torch equivalent, the files are mapped as above. Device maps that split the model (several devices,
 "cpu", "disk"), quantized models and tensor-parallel device meshes keep the mapping.
 
+Models in object storage: inside loading() (or after enable()), from_pretrained (and AutoTokenizer,
+AutoConfig: everything that finds files through transformers.utils.hub.cached_files) takes an
+s3://bucket/prefix or http(s):// URL. Its safetensors files are named by their URLs and streamed
+(parameters in host memory: one Loader over the index reads the whole checkpoint in the
+background from the first open, as the device route does; a device map onto one GPU: the device
+route); every other file (config.json, the index, tokenizer files) is read whole with one GET into
+a folder of this process's (removed at exit). `storage_options` of loading()/enable() are the
+object-storage settings (docs/object_storage.md); revisions other than "main" are an error, and
+weights in other formats (.bin, ...) are not read from a bucket.
+
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
 missing-key initialisation) runs as it does without tensorferry: only the reads are replaced.
@@ -51,18 +61,23 @@ Thread-safety: enable/disable/loading may be called from any thread; the patch i
 (as transformers' own module attributes are), and nested loading() blocks keep it until the
 outermost one ends.
 """
+import atexit
 import functools
+import hashlib
 import importlib
 import json
 import os
+import posixpath
+import shutil
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 
 from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._loader import Loader
-from ._safe_open import _Slice, is_url
+from ._safe_open import _Slice, is_url, storage_load_options
 from ._safe_open import safe_open as _safe_open
 
 __all__ = ["enable", "disable", "enabled", "loading", "safe_open"]
@@ -75,6 +90,7 @@ _LOADING_MODULES = ("transformers.modeling_utils", "transformers.integrations.ac
 _lock = threading.Lock()
 _depth = 0
 _to_device = []  # the to_device= of each enable() in force (None, True, False), innermost last
+_storage = []  # the storage_options= of each enable() in force (checked dicts), innermost last
 _patched = []  # (module or class, attribute, original, replacement)
 
 # The _DeviceRead of the from_pretrained call running on this thread (transformers opens the files
@@ -124,11 +140,12 @@ class _DeviceRead:
     handed to the safe_open of that file, once, when it is first asked for a tensor (waiting for
     the read, which overlaps transformers' own work on its keys meanwhile)."""
 
-    def __init__(self, device, files, check_room=False):
+    def __init__(self, device, files, check_room=False, storage_options=None):
         self.device = device
         self.check_room = check_room  # to_device=None: only when the checkpoint fits the device
+        self.storage_options = storage_options  # for URLs
         self.given = [os.fspath(f) for f in files]  # as transformers names them (links kept)
-        self.files = [os.path.realpath(f) for f in self.given]
+        self.files = [_file_key(f) for f in self.given]
         self._lock = threading.Lock()
         self._thread = None
         self._done = threading.Event()
@@ -138,7 +155,7 @@ class _DeviceRead:
     def take(self, filename):
         """A _Pending for the tensors of `filename` on the device (the read starts with the first
         call), or None when it is not one of the call's files."""
-        key = os.path.realpath(filename)
+        key = _file_key(filename)
         if key not in self.files:
             return None
         with self._lock:
@@ -181,7 +198,7 @@ class _DeviceRead:
         try:
             described = {}  # path -> the core's Output descriptions of its tensors
             for path in self.files:
-                with Loader(path) as probe:
+                with Loader(path, storage_options=self.storage_options) as probe:
                     described[path] = probe._describe()
             sizes = [o.bytes for outputs in described.values() for o in outputs]
             if self.check_room and sizes:
@@ -194,29 +211,43 @@ class _DeviceRead:
             return {}  # every file mapped
         index = self._index()
         if index is not None:  # one Loader (one pipeline) for every shard
-            with Loader(index) as loader:
+            with Loader(index, storage_options=self.storage_options) as loader:
                 loader.load_into({n: t for tensors in per_file.values()
                                   for n, t in tensors.items()})
         else:
             for path, tensors in per_file.items():
-                with Loader(path) as loader:
+                with Loader(path, storage_options=self.storage_options) as loader:
                     loader.load_into(tensors)
         return per_file
 
     def _index(self):
         """The model.safetensors.index.json beside the files when it names exactly them (beside
-        the names transformers gave: in a Hugging Face cache they are links into blobs/)."""
+        the names transformers gave: in a Hugging Face cache they are links into blobs/; for
+        URLs, the object beside them)."""
         if len(self.files) < 2:
             return None
-        folder = os.path.dirname(self.given[0])
-        index = os.path.join(folder, "model.safetensors.index.json")
+        remote = is_url(self.given[0])
+        path = posixpath if remote else os.path
+        folder = path.dirname(self.given[0])
+        index = path.join(folder, "model.safetensors.index.json")
         try:
-            with open(index, encoding="utf-8") as f:
-                named = set(json.load(f)["weight_map"].values())
+            if remote:
+                text = _core.read_object(index, storage_load_options(self.storage_options),
+                                         _MAX_SIDE_FILE)
+            else:
+                with open(index, "rb") as f:
+                    text = f.read()
+            named = set(json.loads(text)["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        shards = {os.path.realpath(os.path.join(folder, n)) for n in named}
+        shards = {_file_key(path.join(folder, n)) for n in named}
         return index if shards == set(self.files) else None
+
+
+def _file_key(filename):
+    """How a checkpoint file is known to _DeviceRead: its real path, or its URL."""
+    filename = os.fspath(filename)
+    return filename if is_url(filename) else os.path.realpath(filename)
 
 
 class _Pending:
@@ -238,14 +269,19 @@ class safe_open(_safe_open):
     """
 
     def __init__(self, filename, framework, device="cpu", *, backend=None, storage_options=None):
+        if storage_options is None and _storage and is_url(filename):
+            storage_options = _storage[-1]  # loading(storage_options=...)
         super().__init__(filename, framework, device, backend=backend,
                          storage_options=storage_options)
         self._filename = filename
         self._backend = backend
+        self._storage_options = storage_options
         self._map_lock = threading.Lock()
         self._views = None  # name -> view of the mapping; {} when the file cannot be mapped
+        # A URL is not mapped: a whole-tensor first request reads the whole object (many ranged
+        # GETs in flight) and the requests are answered from those tensors.
         self._mappable = (self._fw.name == "torch" and str(self._device) == "cpu"
-                          and backend in (None, "mmap") and not is_url(filename))
+                          and backend in (None, "mmap"))
         self._on_device = False  # the views are tensors on a device, each handed out once
         self._pending = None  # a _Pending until the first request: the tensors on the device
         call = getattr(_target, "call", None)
@@ -277,7 +313,8 @@ class safe_open(_safe_open):
                         # is for local file systems (Loader's prefer_mmap).
                         engine = "mmap" if self._backend == "mmap" else "auto"
                         with Loader(self._filename, engine=engine, prefer_mmap=True,
-                                    populate=whole) as loader:
+                                    populate=whole,
+                                    storage_options=self._storage_options) as loader:
                             if whole or loader.engine_info["engine"] == "mmap":
                                 self._views = loader.load()
                             else:  # a part first, files not mapped: each slice reads its bytes
@@ -312,26 +349,139 @@ class _MappedSlice(_Slice):
         return self._owner._fw.own(view[index], view)
 
 
+# --- models named by a URL ------------------------------------------------------------------------
+
+# The largest file beside the weights that is read whole (configuration, tokenizer, index).
+_MAX_SIDE_FILE = 1 << 30
+# Weights in other formats: transformers asks for them when it finds no safetensors files; they
+# are not read from object storage (reported missing, so that transformers says what it looked for).
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx",
+                  ".bin.index.json")
+
+_side_lock = threading.Lock()
+_side_root = []  # the process's folder of files read from URLs (made on first use)
+
+
+def _side_folder(base):
+    """The local folder holding the files read from the model at URL `base` (this process's)."""
+    with _side_lock:
+        if not _side_root:
+            root = tempfile.mkdtemp(prefix="tensorferry-transformers-")
+            atexit.register(shutil.rmtree, root, True)
+            _side_root.append(root)
+    return os.path.join(_side_root[0], hashlib.sha256(base.encode()).hexdigest()[:16])
+
+
+def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
+               raise_connection=True):
+    """transformers' cached_files for a model named by a URL: each .safetensors file as its URL
+    (read later through safe_open), each other file read whole into this process's folder for the
+    model (a fresh copy every call: they are small) and named by its local path. Missing files,
+    and on request unreachable ones, are left out (None when none is left), or an OSError naming
+    the URL as transformers raises for a local folder."""
+    if revision not in (None, "main"):
+        raise OSError(f"{url}: revision={revision!r}: a model in object storage has no revisions "
+                      f"(name the prefix that holds the version instead)")
+    base = url.rstrip("/")
+    storage = storage_load_options(_storage[-1] if _storage else None)
+    found = []
+    for name in filenames:
+        rel = posixpath.normpath(posixpath.join(subfolder or "", name))
+        if rel.startswith(("/", "../")) or rel == "..":
+            raise OSError(f"{url}: {name!r} is outside the model's prefix")
+        target = f"{base}/{rel}"
+        try:
+            if rel.endswith(_OTHER_WEIGHTS):
+                raise FileNotFoundError(
+                    f"{target}: tensorferry reads only safetensors weights from object storage")
+            if rel.endswith(".safetensors"):
+                if not raise_missing:  # a probe (model.safetensors or the index?): ask the store
+                    _core.object_size(target, storage)
+                found.append(target)  # a missing shard is reported by its read, naming its URL
+                continue
+            data = _core.read_object(target, storage, _MAX_SIDE_FILE)
+        except FileNotFoundError as e:
+            if raise_missing and rel != "config.json":  # config.json: as transformers does
+                raise OSError(f"{url} does not appear to have a file named {rel} ({e})") from e
+            continue
+        except OSError:
+            if raise_connection:
+                raise
+            continue
+        local = os.path.join(_side_folder(base), *rel.split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(local), prefix=".part-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(temporary, local)  # whole or not at all, whichever thread wrote it
+        except BaseException:
+            os.unlink(temporary)
+            raise
+        found.append(local)
+    return found or None
+
+
+def _templates(original):
+    """transformers.utils.hub.list_repo_templates (the chat templates under a model's
+    additional_chat_templates/), listing an s3:// prefix; an HTTP server cannot be listed (none
+    found there)."""
+
+    @functools.wraps(original)
+    def wrapper(repo_id, *args, **kwargs):
+        if not is_url(repo_id if isinstance(repo_id, str) else None):
+            return original(repo_id, *args, **kwargs)
+        folder = f"{repo_id.rstrip('/')}/additional_chat_templates"
+        storage = storage_load_options(_storage[-1] if _storage else None)
+        try:
+            urls = _core.list_objects(folder, ".jinja", storage)
+        except FileNotFoundError:
+            return []
+        return [u.rsplit("/", 1)[-1] for u in urls]
+
+    return wrapper
+
+
+def _resolving(original):
+    """transformers.utils.hub.cached_files, taking s3:// and http(s):// URLs (_url_files)."""
+
+    @functools.wraps(original)
+    def wrapper(path_or_repo_id, filenames, *args, **kwargs):
+        if not is_url(path_or_repo_id if isinstance(path_or_repo_id, str) else None):
+            return original(path_or_repo_id, filenames, *args, **kwargs)
+        return _url_files(
+            path_or_repo_id, list(filenames), subfolder=kwargs.get("subfolder") or "",
+            revision=kwargs.get("revision"),
+            raise_missing=kwargs.get("_raise_exceptions_for_missing_entries", True),
+            raise_connection=kwargs.get("_raise_exceptions_for_connection_errors", True))
+
+    return wrapper
+
+
 def _original_safe_open():
     import safetensors
     return safetensors.safe_open
 
 
-def enable(to_device=None):
+def enable(to_device=None, storage_options=None):
     """Routes transformers' safetensors reads through tensorferry until disable() (idempotent
     while enabled). `to_device`: whether a device map onto one CUDA device reads the checkpoint
     straight into tensors on it: None (default) when it fits the device, True always, False never
-    (see the module's docstring). ImportError when transformers is not installed."""
+    (see the module's docstring). `storage_options`: object-storage settings (s3_*, object_*:
+    docs/object_storage.md) for models named by an s3:// or http(s):// URL (the AWS_* variables
+    and ~/.aws files apply without them). ImportError when transformers is not installed."""
     global _depth
     if to_device not in (None, True, False):
         raise _core.InvalidArgumentError(
             f"to_device must be None, True or False, not {to_device!r}")
     mode = None if to_device is None else bool(to_device)
+    storage = storage_load_options(storage_options)  # names checked here, values at first use
     with _lock:
         if _depth == 0:
             _apply()
         _depth += 1
         _to_device.append(mode)
+        _storage.append(storage or None)
 
 
 def disable():
@@ -342,6 +492,7 @@ def disable():
             return
         _depth -= 1
         _to_device.pop()
+        _storage.pop()
         if _depth == 0:
             _restore()
 
@@ -352,20 +503,34 @@ def enabled():
 
 
 @contextmanager
-def loading(to_device=None):
+def loading(to_device=None, storage_options=None):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
-    opens safetensors files) reads through tensorferry; `to_device` as in enable()."""
-    enable(to_device)
+    opens safetensors files) reads through tensorferry, and takes s3:// and http(s):// URLs for
+    models; `to_device` and `storage_options` as in enable()."""
+    enable(to_device, storage_options)
     try:
         yield
     finally:
         disable()
 
 
+def _host_only(load_config):
+    """Whether `load_config` keeps every parameter in host memory: no device map or one of "cpu"
+    entries only, no quantizer, no device mesh."""
+    device_map = getattr(load_config, "device_map", None)
+    if getattr(load_config, "hf_quantizer", None) is not None or \
+            getattr(load_config, "device_mesh", None) is not None:
+        return False
+    return not device_map or all(str(v) == "cpu" for v in device_map.values())
+
+
 def _with_target(original):
     """transformers' PreTrainedModel._load_pretrained_model (a staticmethod), noting on the calling
-    thread, under enable(to_device=True), the files to read onto the one CUDA device its
-    load_config puts every parameter on."""
+    thread the files to read whole in the background from their first open: onto the one CUDA
+    device the load_config puts every parameter on (to_device), or, for a checkpoint in object
+    storage whose parameters stay in host memory, into host memory (one Loader over the index:
+    every file's ranged GETs in flight together, instead of each file read when transformers
+    first asks for one of its tensors)."""
     function = original.__func__
 
     @functools.wraps(function)
@@ -374,11 +539,17 @@ def _with_target(original):
         load_config = kwargs.get("load_config", args[3] if len(args) > 3 else None)
         mode = _to_device[-1] if _to_device else False
         device = _direct_device(load_config) if mode is not False else None
-        local = bool(files) and all(isinstance(f, (str, os.PathLike)) and not is_url(f) and
-                                    os.fspath(f).endswith(".safetensors") for f in files)
+        readable = bool(files) and all(isinstance(f, (str, os.PathLike)) and
+                                       os.fspath(f).endswith(".safetensors") for f in files)
+        check_room = mode is None
+        if device is None and readable and all(is_url(os.fspath(f)) for f in files) and \
+                _host_only(load_config):
+            import torch
+            device, check_room = torch.device("cpu"), False
         previous = getattr(_target, "call", None)
-        call = _DeviceRead(device, files, check_room=mode is None) \
-            if device is not None and local else None
+        storage = _storage[-1] if _storage else None
+        call = _DeviceRead(device, files, check_room=check_room, storage_options=storage) \
+            if device is not None and readable else None
         _target.call = call
         try:
             return function(*args, **kwargs)
@@ -408,6 +579,21 @@ def _apply():
         wrapped = _with_target(load)
         _patched.append((model_class, "_load_pretrained_model", load, wrapped))
         model_class._load_pretrained_model = wrapped
+    # Models named by a URL: the files transformers looks for, found in the bucket.
+    hub = importlib.import_module("transformers.utils.hub")
+    files = getattr(hub, "cached_files", None)
+    if files is not None:
+        wrapped = _resolving(files)
+        _patched.append((hub, "cached_files", files, wrapped))
+        hub.cached_files = wrapped
+    templates = getattr(hub, "list_repo_templates", None)
+    if templates is not None:
+        wrapped = _templates(templates)
+        for name, module in list(sys.modules.items()):
+            if module is not None and (name == "transformers" or name.startswith("transformers.")) \
+                    and getattr(module, "list_repo_templates", None) is templates:
+                _patched.append((module, "list_repo_templates", templates, wrapped))
+                module.list_repo_templates = wrapped
     missing = [n for n in _LOADING_MODULES
                if getattr(sys.modules[n], "safe_open", None) is not safe_open]
     if missing:

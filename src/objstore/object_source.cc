@@ -563,4 +563,38 @@ Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& optio
   return std::shared_ptr<Source>(std::make_shared<objstore::ObjectSource>(options));
 }
 
+namespace {
+
+Result<std::unique_ptr<SourceFile>> OpenObject(const std::string& url,
+                                               const ObjectStoreOptions& options) {
+  if (!IsObjectUrl(url)) {
+    return Status(Code::kInvalidArgument,
+                  "\"" + url + "\" is not an s3://, http:// or https:// URL");
+  }
+  TF_ASSIGN_OR_RETURN(std::shared_ptr<Source> source, MakeObjectSource(options));
+  // The file keeps its source alive (ObjectFile holds it).
+  return source->Open(url);
+}
+
+}  // namespace
+
+Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options) {
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, OpenObject(url, options));
+  return file->Size();
+}
+
+Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
+                                          uint64_t max_bytes) {
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, OpenObject(url, options));
+  TF_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
+  if (size > max_bytes) {
+    return Status(Code::kInvalidArgument, url + ": the object is " + std::to_string(size) +
+                                              " bytes, more than the " + std::to_string(max_bytes) +
+                                              " this read allows");
+  }
+  std::vector<std::byte> bytes(static_cast<size_t>(size));
+  TF_RETURN_IF_ERROR(ReadFully(*file, 0, bytes));
+  return bytes;
+}
+
 }  // namespace tensorferry

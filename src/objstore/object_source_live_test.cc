@@ -8,6 +8,7 @@
 // Without them every test here skips (the Python suite is what runs them, in CI too).
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -187,6 +188,57 @@ TEST(ObjectSourceLive, WrongSecretNamesTheS3ErrorAndTheCredentials) {
   EXPECT_NE(m.find("HTTP 403 SignatureDoesNotMatch"), std::string::npos) << m;
   EXPECT_NE(m.find("credentials: options"), std::string::npos) << m;
   EXPECT_NE(m.find(live->url), std::string::npos) << m;
+}
+
+// Whole objects (the files beside a checkpoint): ReadObject and ObjectSize, byte-exact against the
+// local copy, read in one GET or in several (an object larger than the open's first GET), and
+// what each refusal says.
+TEST(ObjectSourceLive, ReadObjectReadsAWholeObjectOrSaysWhy) {
+  REQUIRE_LIVE(live);
+  auto local = Checkpoint::Open(live->local);
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  const std::string shard_path = (*local)->files()[0].path;
+  const std::string shard = shard_path.substr(shard_path.rfind('/') + 1);
+  std::string want;
+  {
+    std::FILE* f = std::fopen(shard_path.c_str(), "rb");
+    ASSERT_NE(f, nullptr) << shard_path;
+    char buf[65536];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) want.append(buf, n);
+    std::fclose(f);
+  }
+  ASSERT_GT(want.size(), 8192u);
+  const std::string url = live->url + "/" + shard;
+  for (const uint64_t first_get : {uint64_t{256} << 10, uint64_t{4096}}) {
+    ObjectStoreOptions o;
+    o.header_bytes = first_get;  // 4 KiB: the rest in further ranged GETs
+    auto size = ObjectSize(url, o);
+    ASSERT_TRUE(size.ok()) << size.status().ToString();
+    EXPECT_EQ(*size, want.size());
+    auto bytes = ReadObject(url, o, want.size());
+    ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+    EXPECT_TRUE(std::string(reinterpret_cast<const char*>(bytes->data()), bytes->size()) == want)
+        << "first GET " << first_get;
+  }
+  auto large = ReadObject(url, ObjectStoreOptions{}, want.size() - 1);
+  ASSERT_FALSE(large.ok());
+  EXPECT_EQ(large.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(
+      large.status().message().find(url + ": the object is " + std::to_string(want.size()) +
+                                    " bytes, more than the " + std::to_string(want.size() - 1)),
+      std::string::npos)
+      << large.status().message();
+  auto missing = ReadObject(live->url + "/config.json", ObjectStoreOptions{}, 1u << 20);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), Code::kNotFound);
+  EXPECT_NE(missing.status().message().find(live->url + "/config.json"), std::string::npos)
+      << missing.status().message();
+  auto path = ObjectSize(live->local, ObjectStoreOptions{});
+  ASSERT_FALSE(path.ok());
+  EXPECT_EQ(path.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(path.status().message().find("is not an s3://, http:// or https:// URL"),
+            std::string::npos)
+      << path.status().message();
 }
 
 }  // namespace

@@ -506,3 +506,126 @@ def test_to_device_a_damaged_shard_is_an_error_naming_the_file(tmp_path, to_devi
         with tft.loading(to_device=True):
             AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu")
     assert files[1] in str(raised.value)
+
+
+# --- models named by a URL (s3://, http://) ---------------------------------------------------
+
+
+@pytest.fixture
+def bucket_env(seaweed, monkeypatch):
+    """The AWS_* variables of the `seaweed` server, for this test's process."""
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    return seaweed
+
+
+@pytest.mark.parametrize("shard", [None, "60KB"], ids=["single-file", "sharded"])
+def test_from_pretrained_of_a_bucket_equals_the_local_model(tmp_path, bucket_env, opened, shard,
+                                                           monkeypatch):
+    files = _save(_tiny_llama(), tmp_path, shard)
+    prefix = f"fp-llama-{'sharded' if shard else 'single'}"
+    bucket_env.upload_dir(bucket_env.BUCKET, prefix, tmp_path)
+    url = bucket_env.url(prefix)
+    read, load_into = [], tensorferry.Loader.load_into
+    monkeypatch.setattr(tensorferry.Loader, "load_into",
+                        lambda self, d: read.append(sorted(d)) or load_into(self, d))
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16)
+    got = _load(AutoModelForCausalLM, url, True, dtype=torch.bfloat16)
+    # Every weight file read from the bucket through tensorferry, by its URL: the whole checkpoint
+    # by one Loader (over the index) in the background from the first open, each tensor once.
+    assert sorted(opened) == [f"{url}/{f}" for f in files]
+    assert read == [_names(tmp_path, files)]
+    _assert_same_parameters(ref, got)
+    assert got.config.to_dict() | {"_name_or_path": ""} == \
+        ref.config.to_dict() | {"_name_or_path": ""}
+    assert got.generation_config.to_dict() == ref.generation_config.to_dict()
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 4]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
+    # Outside loading() a URL is transformers' own business again (a hub id it refuses).
+    with pytest.raises(Exception) as refused:
+        AutoModelForCausalLM.from_pretrained(url)
+    assert not isinstance(refused.value, FileNotFoundError)
+
+
+def test_from_pretrained_of_a_bucket_model_and_its_tokenizer(tmp_path, bucket_env):
+    """The real all-MiniLM-L6-v2 (weights, configuration, tokenizer files) from a bucket."""
+    path = _minilm_path()
+    bucket_env.upload_dir(bucket_env.BUCKET, "fp-minilm", path)
+    url = bucket_env.url("fp-minilm")
+    ref, ref_tokenizer = _load(AutoModel, path, False), AutoTokenizer.from_pretrained(path)
+    with tft.loading():
+        got = AutoModel.from_pretrained(url).eval()
+        tokenizer = AutoTokenizer.from_pretrained(url)
+    _assert_same_parameters(ref, got)
+    sentences = ["tensorferry moves weights", "a second, longer sentence to embed here"]
+    a = ref_tokenizer(sentences, padding=True, return_tensors="pt")
+    b = tokenizer(sentences, padding=True, return_tensors="pt")
+    assert type(tokenizer) is type(ref_tokenizer) and list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(ref(**a).last_hidden_state, got(**b).last_hidden_state)
+
+
+def test_from_pretrained_of_an_http_server(tmp_path, nginx_http, opened):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    nginx_http.copy_dir(tmp_path, "fp-llama")
+    url = nginx_http.url("fp-llama")
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16)
+    got = _load(AutoModelForCausalLM, url, True, dtype=torch.bfloat16)
+    assert sorted(opened) == [f"{url}/{f}" for f in files]
+    _assert_same_parameters(ref, got)
+
+
+def test_from_pretrained_of_a_bucket_to_the_device_reads_with_one_loader(tmp_path, bucket_env,
+                                                                         to_device_route):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    bucket_env.upload_dir(bucket_env.BUCKET, "fp-device", tmp_path)
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16, device_map="cpu")
+    with tft.loading(to_device=True):
+        got = AutoModelForCausalLM.from_pretrained(bucket_env.url("fp-device"),
+                                                   dtype=torch.bfloat16, device_map="cpu")
+    _assert_same_parameters(ref, got)
+    assert sorted(to_device_route.read) == _names(tmp_path, files)  # every tensor, once
+    assert len(to_device_route.loaders) == 1  # one Loader over the index in the bucket
+
+
+def test_from_pretrained_of_a_bucket_errors_name_the_url(tmp_path, bucket_env):
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    with open(tmp_path / "config.json", "rb") as f:
+        bucket_env.upload(bucket_env.BUCKET, "fp-config-only/config.json", f.read())
+    bucket_env.upload_dir(bucket_env.BUCKET, "fp-errors", tmp_path)
+    no_weights = bucket_env.url("fp-config-only")
+    with tft.loading(), pytest.raises(OSError) as raised:
+        AutoModelForCausalLM.from_pretrained(no_weights)
+    assert no_weights in str(raised.value) and "model.safetensors" in str(raised.value)
+    # Wrong credentials: the store's own error code, the endpoint and where the keys came from.
+    wrong = {"s3_access_key_id": "nobody", "s3_secret_access_key": "wrong"}
+    with tft.loading(storage_options=wrong), pytest.raises(OSError) as raised:
+        AutoModelForCausalLM.from_pretrained(bucket_env.url("fp-errors"))
+    message = str(raised.value)
+    assert bucket_env.url("fp-errors/config.json") in message and "403" in message
+    assert "InvalidAccessKeyId" in message and "credentials: options" in message
+    # Revisions belong to the hub; a bucket names versions by prefix.
+    with tft.loading(), pytest.raises(OSError, match="has no revisions"):
+        AutoModelForCausalLM.from_pretrained(bucket_env.url("fp-errors"), revision="v2")
+    # A setting that is not an object-storage one is refused when given.
+    with pytest.raises(tensorferry.InvalidArgumentError, match="unknown setting"):
+        with tft.loading(storage_options={"budget": "1G"}):
+            pass
+    assert not tft.enabled()
+    # A shard the index names but the bucket lacks: the read's error names its URL.
+    bucket_env.client().delete_object(Bucket=bucket_env.BUCKET, Key=f"fp-errors/{files[1]}")
+    with tft.loading(), pytest.raises(FileNotFoundError) as raised:
+        AutoModelForCausalLM.from_pretrained(bucket_env.url("fp-errors"))
+    assert bucket_env.url(f"fp-errors/{files[1]}") in str(raised.value)
+
+
+def test_restoring_undoes_the_url_hooks():
+    import transformers.utils.hub as hub
+    files, templates = hub.cached_files, hub.list_repo_templates
+    with tft.loading(storage_options={"s3_region": "eu-west-1"}):
+        assert hub.cached_files is not files and hub.list_repo_templates is not templates
+        assert tft._storage == [{"s3_region": "eu-west-1"}]
+    assert hub.cached_files is files and hub.list_repo_templates is templates
+    assert tft._storage == []

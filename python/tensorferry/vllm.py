@@ -529,7 +529,12 @@ def _make_class():
                           "rounds": 0, "budget": None, "seconds": 0.0,
                           "cooperative": self._tp() is not None}
             start = time.perf_counter()
-            loaded = model.load_weights(self.weights(model, model_config))
+            try:
+                loaded = model.load_weights(self.weights(model, model_config))
+            finally:
+                # A worker loads its weights once: the pinned staging rings its loads left for a
+                # next one (keep_staging) go back now rather than stay pinned while it serves.
+                self.stats["staging_released"] = _core.release_idle_staging()
             self.stats["seconds"] = time.perf_counter() - start
             s = self.stats
             logger.info("tensorferry: %d tensors, %s (%s read by this rank) in %.2f s, peak "

@@ -568,6 +568,7 @@ DevicePipelineStats DevicePipeline::stats() const {
 
 void DevicePipeline::ResetCounters() {
   ring_->ResetPeak();
+  ring_->RetryGrowth();  // a new load: pinned memory may have been freed since growth stopped
   std::lock_guard<std::mutex> lock(stats_mu_);
   DevicePipelineStats fresh;
   fresh.slots = stats_.slots;

@@ -171,8 +171,9 @@ class DevicePipeline {
   // Totals since creation or the last ResetCounters (gds_reason: as of the last Run).
   DevicePipelineStats stats() const;
   // Zeroes the counters of stats() (tasks, chunks, bytes, copies, peak slots in use); what
-  // describes the pipeline (slots, slot size, pinned bytes, producers, GDS) stays. For a pipeline
-  // handed to a new owner (pipeline_shelf.h). REQUIRES: no Run in progress.
+  // describes the pipeline (slots, slot size, pinned bytes, producers, GDS) stays, and a ring
+  // whose growth a pinning failure stopped may try again (StagingRing::RetryGrowth). For a
+  // pipeline handed to a new owner (pipeline_shelf.h). REQUIRES: no Run in progress.
   void ResetCounters();
   // Whether this pipeline was made for `runtime` with `options` (the slot size as Create rounds
   // it; every other field equal), and whether two pipelines were made alike.

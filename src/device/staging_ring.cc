@@ -39,19 +39,32 @@ uint64_t StagingRing::pinned_bytes() const {
 }
 
 std::optional<unsigned> StagingRing::Grow(std::unique_lock<std::mutex>& lock) {
-  const unsigned index = grown_++;  // in no list: no one else sees it while it is pinned
+  // In no list while it is pinned: no one else sees it.
+  unsigned index;
+  if (!unpinned_.empty()) {
+    index = unpinned_.back();
+    unpinned_.pop_back();
+  } else {
+    index = grown_++;
+  }
   lock.unlock();
   auto memory = cuda::PinnedHostBuffer::Allocate(runtime_, slot_size_);
   lock.lock();
   if (!memory.ok()) {
-    // The pinned-memory limit (or a failing driver): the ring keeps the slots it has, and never
-    // hands this one out. At least the first slot exists, so loads go on, with less overlap.
+    // The pinned-memory limit (or a failing driver): the ring keeps the slots it has, and does
+    // not hand this one out. At least the first slot exists, so loads go on, with less overlap.
+    unpinned_.push_back(index);
     growth_failed_ = true;
     return std::nullopt;
   }
   slots_[index].memory = std::move(memory).value();
   pinned_bytes_ += slot_size_;
   return Take(index);
+}
+
+void StagingRing::RetryGrowth() {
+  std::lock_guard<std::mutex> lock(mu_);
+  growth_failed_ = false;
 }
 
 StagingRing::~StagingRing() {
@@ -105,7 +118,7 @@ Result<unsigned> StagingRing::Acquire() {
     }
     // Rather than wait for a copy, pin the next slot: the ring reaches its size while the first
     // reads and copies run (each slot's pinning is paid once).
-    if (grown_ < slots_.size() && !growth_failed_) {
+    if (CanGrow()) {
       if (const std::optional<unsigned> index = Grow(lock)) return *index;
       continue;  // another slot may have come free meanwhile
     }

@@ -73,6 +73,11 @@ class StagingRing {
   // Waits until every submitted slot's copy has completed; the first asynchronous error, if any.
   Status Drain();
 
+  // After a pinning failure stopped the ring's growth, lets the next Acquire that finds no free
+  // slot try to pin one again (pinned memory may have been freed since): called when a new load
+  // takes a kept ring (the pipeline shelf). A failure stops growth again, as before.
+  void RetryGrowth();
+
   unsigned in_use() const;       // slots acquired or submitted and not yet known complete
   unsigned peak_in_use() const;  // highest in_use() seen since creation or ResetPeak
   void ResetPeak();              // peak_in_use() = in_use()
@@ -97,8 +102,12 @@ class StagingRing {
   std::pair<unsigned, cuda::Error> WaitOldest(std::unique_lock<std::mutex>& lock);
   // REQUIRES: mu_ held. Back to the free list.
   void MakeFree(unsigned index);
-  // REQUIRES: `lock` holds mu_ and grown_ < slots_.size(). Pins the next slot with the lock
-  // released; the slot, now the caller's, or nothing when pinning failed (the ring stops growing).
+  // REQUIRES: mu_ held. Whether a slot is left to pin and growth has not stopped.
+  bool CanGrow() const noexcept {
+    return !growth_failed_ && (grown_ < slots_.size() || !unpinned_.empty());
+  }
+  // REQUIRES: `lock` holds mu_ and CanGrow(). Pins a slot not pinned yet with the lock released;
+  // the slot, now the caller's, or nothing when pinning failed (the ring stops growing).
   std::optional<unsigned> Grow(std::unique_lock<std::mutex>& lock);
 
   std::shared_ptr<const cuda::Runtime> runtime_;
@@ -108,8 +117,9 @@ class StagingRing {
   std::vector<Slot> slots_;
   std::deque<unsigned> free_;       // never used, or known complete
   std::deque<unsigned> submitted_;  // in submission order
-  unsigned grown_ = 0;              // slots [0, grown_) are pinned or being pinned
-  bool growth_failed_ = false;      // a pinning failed: no more slots are tried
+  unsigned grown_ = 0;              // slots [0, grown_) are pinned, being pinned or unpinned_
+  std::vector<unsigned> unpinned_;  // slots below grown_ whose pinning failed
+  bool growth_failed_ = false;      // a pinning failed: no more slots are tried (RetryGrowth)
   uint64_t pinned_bytes_ = 0;
   unsigned in_use_ = 0;
   unsigned peak_in_use_ = 0;

@@ -116,6 +116,39 @@ TEST_F(StagingRingTest, APinningFailureStopsGrowthAndTheRingGoesOnWithItsSlots) 
   EXPECT_EQ(s.pinned_bytes_in_use, 4096u);
 }
 
+// A ring whose growth stopped tries again after RetryGrowth (a new load took it): the slot whose
+// pinning failed is pinned now, and a second failure stops growth again.
+TEST_F(StagingRingTest, AfterRetryGrowthTheSlotThatFailedIsPinned) {
+  auto config = DefaultConfig();
+  config.fail_host_alloc_at = 2;  // the second cudaHostAlloc only
+  Configure(config);
+  auto ring = StagingRing::Create(runtime_, 3, 4096);
+  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+  StagingRing& r = **ring;
+  auto held = r.Acquire();
+  ASSERT_TRUE(held.ok());
+  std::thread waiter([&] {  // pinning fails: waits for the held slot
+    auto slot = r.Acquire();
+    ASSERT_TRUE(slot.ok()) << slot.status().ToString();
+    r.Release(*slot);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  r.Release(*held);
+  waiter.join();
+  EXPECT_EQ(r.pinned_bytes(), 4096u);
+  r.RetryGrowth();
+  auto a = r.Acquire();
+  auto b = r.Acquire();  // none free: pins the slot that failed
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+  auto c = r.Acquire();  // and the third, never tried
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(r.pinned_bytes(), 3u * 4096u);
+  EXPECT_EQ(fake_->Stats().pinned_allocations_live, 3u);
+  for (const auto& slot : {a, b, c}) r.Release(*slot);
+  EXPECT_EQ(r.in_use(), 0u);
+}
+
 // With every slot submitted behind slow copies, Acquire hands a slot out only once the copy that
 // used it has run.
 TEST_F(StagingRingTest, ASlotIsReusedOnlyAfterItsCopyCompleted) {

@@ -281,6 +281,12 @@ def test_the_budget_bounds_what_is_held(single, case):
     assert load["stats"]["rounds"] > 1
 
 
+def test_each_load_hands_the_kept_staging_rings_back(single):
+    # Once per load (the CPU platform keeps none: nothing to free, but it was asked).
+    assert single["staging_releases"] == len(single["loads"])
+    assert all(load["stats"]["staging_released"] == 0 for load in single["loads"].values())
+
+
 def test_budget_auto_holds_the_whole_small_model_in_one_batch(single):
     stats = single["loads"]["sharded_default"]["stats"]
     assert stats["budget"] == 1 << 30

@@ -194,38 +194,47 @@ class _DeviceRead:
     def _read(self):
         fw = _frameworks.get("pt")
         torch = fw.torch
-        per_file = {}
+        storage = self.storage_options
+        index, owner = self._index()
+        loader = None  # with an index: one Loader (one pipeline, one open of every shard)
         try:
-            described = {}  # path -> the core's Output descriptions of its tensors
-            for path in self.files:
-                with Loader(path, storage_options=self.storage_options) as probe:
-                    described[path] = probe._describe()
-            sizes = [o.bytes for outputs in described.values() for o in outputs]
-            if self.check_room and sizes:
-                room = _device_room(self.device)
-                if room is not None and sum(sizes) + 2 * max(sizes) + (256 << 20) > room:
-                    return {}  # would not fit beside what the model needs: mapped
-            for path, outputs in described.items():
-                per_file[path] = fw.empty_for(outputs, self.device)
-        except (UnsupportedDTypeError, torch.cuda.OutOfMemoryError):
-            return {}  # every file mapped
-        index = self._index()
-        if index is not None:  # one Loader (one pipeline) for every shard
-            with Loader(index, storage_options=self.storage_options) as loader:
+            described = {key: [] for key in self.files}  # file -> Output descriptions
+            try:
+                if index is not None:
+                    loader = Loader(index, storage_options=storage)
+                    for o in loader._describe():
+                        described[owner[o.name]].append(o)
+                else:
+                    for path in self.files:  # one at a time: each would hold a pipeline
+                        with Loader(path, storage_options=storage) as probe:
+                            described[path] = probe._describe()
+                sizes = [o.bytes for outputs in described.values() for o in outputs]
+                if self.check_room and sizes:
+                    room = _device_room(self.device)
+                    if room is not None and sum(sizes) + 2 * max(sizes) + (256 << 20) > room:
+                        return {}  # would not fit beside what the model needs: mapped
+                per_file = {key: fw.empty_for(outputs, self.device)
+                            for key, outputs in described.items()}
+            except (UnsupportedDTypeError, torch.cuda.OutOfMemoryError):
+                return {}  # every file mapped
+            if loader is not None:
                 loader.load_into({n: t for tensors in per_file.values()
                                   for n, t in tensors.items()})
-        else:
-            for path, tensors in per_file.items():
-                with Loader(path, storage_options=self.storage_options) as loader:
-                    loader.load_into(tensors)
-        return per_file
+            else:
+                for path, tensors in per_file.items():
+                    with Loader(path, storage_options=storage) as one:
+                        one.load_into(tensors)
+            return per_file
+        finally:
+            if loader is not None:
+                loader.close()
 
     def _index(self):
-        """The model.safetensors.index.json beside the files when it names exactly them (beside
-        the names transformers gave: in a Hugging Face cache they are links into blobs/; for
-        URLs, the object beside them)."""
+        """(the model.safetensors.index.json beside the files, {tensor name: file}) when that
+        index names exactly them (beside the names transformers gave: in a Hugging Face cache
+        they are links into blobs/; for URLs, the object beside them), else (None, None)."""
         if len(self.files) < 2:
-            return None
+            return None, None
         remote = is_url(self.given[0])
         path = posixpath if remote else os.path
         folder = path.dirname(self.given[0])
@@ -237,11 +246,11 @@ class _DeviceRead:
             else:
                 with open(index, "rb") as f:
                     text = f.read()
-            named = set(json.loads(text)["weight_map"].values())
+            owner = {name: _file_key(path.join(folder, shard))
+                     for name, shard in json.loads(text)["weight_map"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None
-        shards = {_file_key(path.join(folder, n)) for n in named}
-        return index if shards == set(self.files) else None
+            return None, None
+        return (index, owner) if set(owner.values()) == set(self.files) else (None, None)
 
 
 def _file_key(filename):

@@ -582,12 +582,22 @@ def test_from_pretrained_of_a_bucket_to_the_device_reads_with_one_loader(tmp_pat
     files = _save(_tiny_llama(), tmp_path, "60KB")
     bucket_env.upload_dir(bucket_env.BUCKET, "fp-device", tmp_path)
     ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16, device_map="cpu")
-    with tft.loading(to_device=True):
+    opened, init = [], tensorferry.Loader.__init__
+
+    def counting(self, checkpoint, *args, **kwargs):
+        opened.append(checkpoint)
+        init(self, checkpoint, *args, **kwargs)
+
+    with tft.loading(to_device=True), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tensorferry.Loader, "__init__", counting)
         got = AutoModelForCausalLM.from_pretrained(bucket_env.url("fp-device"),
                                                    dtype=torch.bfloat16, device_map="cpu")
     _assert_same_parameters(ref, got)
     assert sorted(to_device_route.read) == _names(tmp_path, files)  # every tensor, once
-    assert len(to_device_route.loaders) == 1  # one Loader over the index in the bucket
+    # One Loader over the index in the bucket, which also described the tensors (no Loader per
+    # shard to learn their shapes: each would open its object with a GET of its own).
+    assert len(to_device_route.loaders) == 1
+    assert opened == [bucket_env.url("fp-device/model.safetensors.index.json")]
 
 
 def test_from_pretrained_of_a_bucket_errors_name_the_url(tmp_path, bucket_env):

@@ -552,11 +552,16 @@ def test_from_pretrained_of_a_bucket_model_and_its_tokenizer(tmp_path, bucket_en
     """The real all-MiniLM-L6-v2 (weights, configuration, tokenizer files) from a bucket."""
     path = _minilm_path()
     bucket_env.upload_dir(bucket_env.BUCKET, "fp-minilm", path)
+    # A chat template beside it (transformers lists additional_chat_templates/ of a repository).
+    template = "{{ messages[0]['content'] }}"
+    bucket_env.upload(bucket_env.BUCKET, "fp-minilm/additional_chat_templates/tool.jinja",
+                      template.encode())
     url = bucket_env.url("fp-minilm")
     ref, ref_tokenizer = _load(AutoModel, path, False), AutoTokenizer.from_pretrained(path)
     with tft.loading():
         got = AutoModel.from_pretrained(url).eval()
         tokenizer = AutoTokenizer.from_pretrained(url)
+    assert tokenizer.chat_template == {"tool": template}
     _assert_same_parameters(ref, got)
     sentences = ["tensorferry moves weights", "a second, longer sentence to embed here"]
     a = ref_tokenizer(sentences, padding=True, return_tensors="pt")

@@ -193,25 +193,35 @@ def child_raw_python(spec):
     return {"seconds": seconds, "bytes": done[0]}
 
 
+def _boto3_client(spec):
+    """A boto3 S3 client of the bench's server (path-style, 32 pooled connections)."""
+    import boto3
+    from botocore.config import Config
+    return boto3.client("s3", endpoint_url=spec["endpoint"], region_name=spec["region"],
+                        aws_access_key_id=spec["access_key"],
+                        aws_secret_access_key=spec["secret_key"],
+                        config=Config(s3={"addressing_style": "path"}, max_pool_connections=32))
+
+
+def _download_all(s3, spec, folder):
+    """boto3 download_file of every object of the checkpoint into `folder` (by base name)."""
+    for key, _ in spec["objects"]:
+        s3.download_file(spec["bucket"], key, os.path.join(folder, os.path.basename(key)))
+
+
 def child_boto3(spec):
     """boto3 download_file of every object to a temp dir (on --data's disk), then
     safetensors.torch.load_file of each shard, one byte of every page touched (its tensors map
     the file: without that, nothing would be in memory yet)."""
     import shutil
 
-    import boto3
     import safetensors.torch
     import torch
-    from botocore.config import Config
-    s3 = boto3.client("s3", endpoint_url=spec["endpoint"], region_name=spec["region"],
-                      aws_access_key_id=spec["access_key"],
-                      aws_secret_access_key=spec["secret_key"],
-                      config=Config(s3={"addressing_style": "path"}, max_pool_connections=32))
+    s3 = _boto3_client(spec)
     tmp = tempfile.mkdtemp(prefix="tf-os-boto3-", dir=spec["scratch"])
     try:
         start = time.perf_counter()
-        for key, _ in spec["objects"]:
-            s3.download_file(spec["bucket"], key, os.path.join(tmp, os.path.basename(key)))
+        _download_all(s3, spec, tmp)
         downloaded = time.perf_counter()
         nbytes = 0
         tensors = []
@@ -309,18 +319,12 @@ def child_fp_download(spec):
     (weights, index, config.json) into a temp dir on --data's disk, then from_pretrained of it."""
     import shutil
 
-    import boto3
-    from botocore.config import Config
     _import_transformers()
-    s3 = boto3.client("s3", endpoint_url=spec["endpoint"], region_name=spec["region"],
-                      aws_access_key_id=spec["access_key"],
-                      aws_secret_access_key=spec["secret_key"],
-                      config=Config(s3={"addressing_style": "path"}, max_pool_connections=32))
+    s3 = _boto3_client(spec)
     tmp = tempfile.mkdtemp(prefix="tf-os-fp-", dir=spec["scratch"])
     try:
         start = time.perf_counter()
-        for key, _ in spec["objects"]:
-            s3.download_file(spec["bucket"], key, os.path.join(tmp, os.path.basename(key)))
+        _download_all(s3, spec, tmp)
         downloaded = time.perf_counter()
         model, nbytes = _from_pretrained(tmp)
         seconds = time.perf_counter() - start

@@ -278,8 +278,8 @@ class safe_open(_safe_open):
     """
 
     def __init__(self, filename, framework, device="cpu", *, backend=None, storage_options=None):
-        if storage_options is None and _storage and is_url(filename):
-            storage_options = _storage[-1]  # loading(storage_options=...)
+        if storage_options is None and is_url(filename):
+            storage_options = _storage_in_force()  # loading(storage_options=...)
         super().__init__(filename, framework, device, backend=backend,
                          storage_options=storage_options)
         self._filename = filename
@@ -367,6 +367,11 @@ _MAX_SIDE_FILE = 1 << 30
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx",
                   ".bin.index.json")
 
+def _storage_in_force():
+    """The storage_options of the innermost enable() in force, or None."""
+    return _storage[-1] if _storage else None
+
+
 _side_lock = threading.Lock()
 _side_root = []  # the process's folder of files read from URLs (made on first use)
 
@@ -392,7 +397,7 @@ def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
         raise OSError(f"{url}: revision={revision!r}: a model in object storage has no revisions "
                       f"(name the prefix that holds the version instead)")
     base = url.rstrip("/")
-    storage = storage_load_options(_storage[-1] if _storage else None)
+    storage = storage_load_options(_storage_in_force())
     found = []
     for name in filenames:
         rel = posixpath.normpath(posixpath.join(subfolder or "", name))
@@ -441,7 +446,7 @@ def _templates(original):
         if not is_url(repo_id if isinstance(repo_id, str) else None):
             return original(repo_id, *args, **kwargs)
         folder = f"{repo_id.rstrip('/')}/additional_chat_templates"
-        storage = storage_load_options(_storage[-1] if _storage else None)
+        storage = storage_load_options(_storage_in_force())
         try:
             urls = _core.list_objects(folder, ".jinja", storage)
         except FileNotFoundError:
@@ -556,7 +561,7 @@ def _with_target(original):
             import torch
             device, check_room = torch.device("cpu"), False
         previous = getattr(_target, "call", None)
-        storage = _storage[-1] if _storage else None
+        storage = _storage_in_force()
         call = _DeviceRead(device, files, check_room=check_room, storage_options=storage) \
             if device is not None and readable else None
         _target.call = call

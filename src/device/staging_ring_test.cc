@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,16 @@ using ::tensorferry::testing::Contains;
 
 class StagingRingTest : public testing::FakeCudaTest {
  protected:
+  // Three 4 KiB slots whose second pinning (the first Grow) fails; null after a failed ASSERT.
+  std::unique_ptr<StagingRing> RingWhoseSecondPinningFails() {
+    auto config = DefaultConfig();
+    config.fail_host_alloc_at = 2;  // the second cudaHostAlloc only
+    Configure(config);
+    auto ring = StagingRing::Create(runtime_, 3, 4096);
+    EXPECT_TRUE(ring.ok()) << ring.status().ToString();
+    return ring.ok() ? std::move(ring).value() : nullptr;
+  }
+
   void* Malloc(size_t size) {
     void* p = nullptr;
     EXPECT_EQ(runtime_->api().cudaMalloc(&p, size), cuda::kSuccess);
@@ -83,12 +94,9 @@ TEST_F(StagingRingTest, PinnedAllocationFailureIsReported) {
 // A slot that cannot be pinned later (the pinned-memory limit) stops the ring's growth, not the
 // load: the Acquire that tried waits for a slot that exists, and no pinning is tried again.
 TEST_F(StagingRingTest, APinningFailureStopsGrowthAndTheRingGoesOnWithItsSlots) {
-  auto config = DefaultConfig();
-  config.fail_host_alloc_at = 2;
-  Configure(config);
-  auto ring = StagingRing::Create(runtime_, 3, 4096);
-  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
-  StagingRing& r = **ring;
+  std::unique_ptr<StagingRing> ring = RingWhoseSecondPinningFails();
+  ASSERT_NE(ring, nullptr);
+  StagingRing& r = *ring;
   auto held = r.Acquire();
   ASSERT_TRUE(held.ok());
   std::atomic<bool> got{false};
@@ -117,14 +125,11 @@ TEST_F(StagingRingTest, APinningFailureStopsGrowthAndTheRingGoesOnWithItsSlots) 
 }
 
 // A ring whose growth stopped tries again after RetryGrowth (a new load took it): the slot whose
-// pinning failed is pinned now, and a second failure stops growth again.
+// pinning failed is pinned now, then the one never tried.
 TEST_F(StagingRingTest, AfterRetryGrowthTheSlotThatFailedIsPinned) {
-  auto config = DefaultConfig();
-  config.fail_host_alloc_at = 2;  // the second cudaHostAlloc only
-  Configure(config);
-  auto ring = StagingRing::Create(runtime_, 3, 4096);
-  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
-  StagingRing& r = **ring;
+  std::unique_ptr<StagingRing> ring = RingWhoseSecondPinningFails();
+  ASSERT_NE(ring, nullptr);
+  StagingRing& r = *ring;
   auto held = r.Acquire();
   ASSERT_TRUE(held.ok());
   std::thread waiter([&] {  // pinning fails: waits for the held slot

@@ -1,6 +1,7 @@
-// tensorferry/object_store.h: checkpoints in object storage (S3-compatible) and on HTTP servers.
+// tensorferry/object_store.h: checkpoints in object storage (S3-compatible, Google Cloud Storage)
+// and on HTTP servers.
 //
-// A path that starts with "s3://", "http://" or "https://" is a URL: Checkpoint::Open,
+// A path that starts with "s3://", "gs://", "http://" or "https://" is a URL: Checkpoint::Open,
 // Loader::Open, every CLI command that reads and the Python API read it through an object Source
 // (source.h) instead of the file system. What a URL names is decided by its key, as for local
 // paths:
@@ -9,9 +10,9 @@
 //       "..") is kIndexPathEscape, as for local files;
 //   ".../x.safetensors": one file;
 //   anything else is a prefix ("directory"): "<prefix>/model.safetensors.index.json" when that
-//       object exists, else (S3 only) every "<prefix>/*.safetensors" object directly under it,
-//       listed with ListObjectsV2. An HTTP server cannot be listed: a prefix URL without an index
-//       is kNotFound saying so.
+//       object exists, else (S3 and GCS only) every "<prefix>/*.safetensors" object directly under
+//       it, listed with ListObjectsV2. An HTTP server cannot be listed: a prefix URL without an
+//       index is kNotFound saying so.
 //
 // Transport: libcurl, loaded at run time (libcurl.so.4; TENSORFERRY_CURL_LIBRARY names another
 // file): connection reuse, HTTP/1.1 and HTTP/2 over TLS, AWS Signature V4. Every read is a ranged
@@ -41,6 +42,15 @@
 // ~/.aws/credentials and ~/.aws/config (AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE), AWS_REGION /
 // AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_NO_SIGN_REQUEST. No credentials
 // anywhere means unsigned (anonymous) requests. docs/object_storage.md lists every setting.
+//
+// Google Cloud Storage (gs://bucket/key) is read through its S3-compatible XML API (endpoint
+// https://storage.googleapis.com, or `endpoint`; path-style), with credentials as Google's client
+// libraries find them: HMAC keys (access_key_id + secret_access_key: Signature V4), an OAuth 2
+// token (gcs_token, GOOGLE_OAUTH_ACCESS_TOKEN), GOOGLE_APPLICATION_CREDENTIALS or gcloud's
+// application_default_credentials.json (authorized_user or service_account: tokens fetched and
+// refreshed), the metadata server of a Google Cloud VM or GKE pod (GCE_METADATA_HOST), else
+// anonymous. The AWS variables and files do not apply to gs:// URLs; profile, session_token and
+// path_style are not used for them, and region (signed with HMAC keys) defaults to "auto".
 //
 // Local cache (cache_dir below): opening a file whose copy is in the cache reads the copy; a file
 // whose copy is missing is downloaded whole into the cache beside the load that first reads it
@@ -73,6 +83,9 @@ struct ObjectStoreOptions {
   int anonymous = -1;   // s3_anonymous: 1 = never sign (public buckets)
   int path_style = -1;  // s3_path_style: 1 path-style, 0 virtual-hosted, -1 auto (path-style
                         // for endpoints other than AWS's)
+  // --- Google Cloud Storage (gs://): endpoint, access_key_id/secret_access_key (HMAC keys) and
+  // anonymous above apply too ---
+  std::string gcs_token;  // gcs_token: an OAuth 2 access token, sent as "Authorization: Bearer"
   // --- transport (S3 and HTTP) ---
   // Ranged GETs in flight (object_concurrency) and bytes per GET (object_part_size); 0 = auto:
   // 8 GETs of 32 MiB while every object opened so far came from this host (the connection's

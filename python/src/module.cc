@@ -103,7 +103,7 @@ NB_MODULE(_core, m) {
         return Unwrap(std::move(names));
       },
       nb::arg("dir"), nb::arg("suffix"), nb::arg("options"),
-      "The URLs of the objects directly under the s3:// prefix `dir` whose names end with "
+      "The URLs of the objects directly under the s3:// or gs:// prefix `dir` whose names end with "
       "`suffix`, sorted (FileNotFoundError for an HTTP URL: a server cannot be listed)");
   m.def("mapping_stats", [] {
     const MappingStats s = GetMappingStats();

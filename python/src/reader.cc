@@ -34,7 +34,7 @@ Reader::Reader(const std::string& path, bool single_file, const nb::dict& option
   // the descriptor every later read uses, and a file replaced meanwhile is reported at the next
   // load.
   OpenOptions open;
-  open.object_store = options_.object_store;  // s3:// and http(s):// paths (object_store.h)
+  open.object_store = options_.object_store;  // s3://, gs://, http(s):// paths (object_store.h)
   if (single_file) {
     const std::vector<std::string> paths{path};
     checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths, open));

@@ -174,7 +174,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                                  init_missing=None, budget=None, progress=False,
                                  storage_options=None):
     """Fills `model` (on the meta device or materialized) from `checkpoint` (a file, a directory
-    or index of a sharded checkpoint, or an s3:// or http(s):// URL) and returns it, like
+    or index of a sharded checkpoint, or an s3://, gs:// or http(s):// URL) and returns it, like
     accelerate.load_checkpoint_and_dispatch; see docs/models.md for the differences.
 
     device_map: None (tensors stay on their device; meta ones go to the CPU), a device ("cpu",

@@ -196,9 +196,9 @@ class Loader:
         coop_probe_bytes: with process_group, coop_exchange "auto", no coop_network_rate and
             ranks on more than one host, the bytes each rank sends to the other hosts' ranks to
             measure the network rate before planning (default "16MiB"; 0: no probe).
-        storage_options: for s3:// and http(s):// checkpoints, a dict of object-storage
+        storage_options: for s3://, gs:// and http(s):// checkpoints, a dict of object-storage
             settings (s3_endpoint, s3_region, s3_profile, s3_access_key_id,
-            s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style,
+            s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style, gcs_token,
             object_concurrency, object_part_size, object_retries, object_timeout_ms, ...;
             docs/object_storage.md). Without it the AWS_* variables and ~/.aws files apply.
 

@@ -52,12 +52,12 @@ def device_load_options(backend=None):
     return {}
 
 
-_STORAGE_PREFIXES = ("s3_", "object_")
+_STORAGE_PREFIXES = ("s3_", "gcs_", "object_")
 
 
 def storage_load_options(storage_options):
-    """The load options of `storage_options` (a dict of object-storage settings, keys s3_* and
-    object_* as docs/object_storage.md lists them), checked by name here and by value in the core.
+    """The load options of `storage_options` (a dict of object-storage settings, keys s3_*, gcs_*
+    and object_* as docs/object_storage.md lists them), checked by name here and by value in the core.
     """
     if storage_options is None:
         return {}
@@ -68,16 +68,17 @@ def storage_load_options(storage_options):
     for key, value in storage_options.items():
         if not isinstance(key, str) or not key.startswith(_STORAGE_PREFIXES):
             raise _core.InvalidArgumentError(
-                f"storage_options: unknown setting {key!r} (settings start with s3_ or object_; "
-                f"see docs/object_storage.md)")
+                f"storage_options: unknown setting {key!r} (settings start with s3_, gcs_ or "
+                f"object_; see docs/object_storage.md)")
         if value is not None:
             out[key] = value
     return out
 
 
 def is_url(path):
-    """True for the s3:// and http(s):// paths the core reads through an object source."""
-    return isinstance(path, str) and path.split("://", 1)[0].lower() in ("s3", "http", "https") \
+    """True for the s3://, gs:// and http(s):// paths the core reads through an object source."""
+    return isinstance(path, str) and \
+        path.split("://", 1)[0].lower() in ("s3", "gs", "http", "https") \
         and "://" in path
 
 
@@ -105,7 +106,7 @@ class safe_open:
             (docs/gpu.md); CudaNotFoundError says why when CUDA is not usable here.
         backend (str, keyword-only): "mmap" or "pread" as in safetensors (also "io_uring",
             "auto"); default: tensorferry's choice (see docs/python.md).
-        storage_options (dict, keyword-only): object-storage settings for s3:// and http(s)://
+        storage_options (dict, keyword-only): object-storage settings for s3://, gs:// and http(s)://
             filenames (s3_endpoint, s3_region, object_concurrency, ...: docs/object_storage.md);
             the AWS_* environment variables and ~/.aws files apply without them.
 

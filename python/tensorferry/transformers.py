@@ -438,7 +438,7 @@ def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
 
 def _templates(original):
     """transformers.utils.hub.list_repo_templates (the chat templates under a model's
-    additional_chat_templates/), listing an s3:// prefix; an HTTP server cannot be listed (none
+    additional_chat_templates/), listing an s3:// or gs:// prefix; an HTTP server cannot be listed (none
     found there)."""
 
     @functools.wraps(original)
@@ -457,7 +457,7 @@ def _templates(original):
 
 
 def _resolving(original):
-    """transformers.utils.hub.cached_files, taking s3:// and http(s):// URLs (_url_files)."""
+    """transformers.utils.hub.cached_files, taking s3://, gs:// and http(s):// URLs (_url_files)."""
 
     @functools.wraps(original)
     def wrapper(path_or_repo_id, filenames, *args, **kwargs):
@@ -482,7 +482,7 @@ def enable(to_device=None, storage_options=None):
     while enabled). `to_device`: whether a device map onto one CUDA device reads the checkpoint
     straight into tensors on it: None (default) when it fits the device, True always, False never
     (see the module's docstring). `storage_options`: object-storage settings (s3_*, object_*:
-    docs/object_storage.md) for models named by an s3:// or http(s):// URL (the AWS_* variables
+    docs/object_storage.md) for models named by an s3://, gs:// or http(s):// URL (the AWS_* variables
     and ~/.aws files apply without them). ImportError when transformers is not installed."""
     global _depth
     if to_device not in (None, True, False):
@@ -519,7 +519,7 @@ def enabled():
 @contextmanager
 def loading(to_device=None, storage_options=None):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
-    opens safetensors files) reads through tensorferry, and takes s3:// and http(s):// URLs for
+    opens safetensors files) reads through tensorferry, and takes s3://, gs:// and http(s):// URLs for
     models; `to_device` and `storage_options` as in enable()."""
     enable(to_device, storage_options)
     try:

@@ -36,7 +36,7 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   bool, as for vLLM's default loader: check that every parameter was loaded
                   (default: on for unquantized models whose load_weights reports what it loaded).
     weights       where the model's weights are read from instead of the model's own files: an
-                  s3:// or http(s):// URL (a prefix, an index or a .safetensors file, read
+                  s3://, gs:// or http(s):// URL (a prefix, an index or a .safetensors file, read
                   straight from object storage: docs/object_storage.md), a local folder or
                   file (a missing one is a FileNotFoundError), or a hub id. vLLM reads the
                   configuration (and tokenizer) from --model as usual (a local folder or a hub
@@ -164,9 +164,9 @@ def _check_weights(weights):
         raise _bad("weights", f"{weights!r} is not a URL or a path")
     if "://" in weights and not _is_url(weights):
         scheme = weights.split("://", 1)[0]
-        raise _bad("weights", f"{weights!r}: tensorferry reads s3://, http:// and https:// URLs, "
-                   f"not {scheme}:// (a store with an S3-compatible endpoint is read as s3:// with "
-                   f"storage_options {{\"s3_endpoint\": ...}})")
+        raise _bad("weights", f"{weights!r}: tensorferry reads s3://, gs://, http:// and "
+                   f"https:// URLs, not {scheme}:// (a store with an S3-compatible endpoint is "
+                   f"read as s3:// with storage_options {{\"s3_endpoint\": ...}})")
     return weights
 
 

@@ -373,22 +373,27 @@ Status ResolveRegion(S3Config& c, const S3Request& r, const GetEnv& env, const P
   return Status::Ok();
 }
 
+}  // namespace
+
 // `value` as "scheme://host[:port]", or an error naming `from`.
-Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from) {
+Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from,
+                                      std::string_view store) {
   const auto problem = [&](std::string_view what) {
-    return Status(Code::kInvalidArgument,
-                  "S3 endpoint \"" + value + "\" from " + from + ": " + std::string(what));
+    return Status(Code::kInvalidArgument, std::string(store) + " endpoint \"" + value + "\" from " +
+                                              from + ": " + std::string(what));
   };
   std::string_view v = value;
   if (v.ends_with('/')) v.remove_suffix(1);
   auto url = ParseObjectUrl(v);
   if (!url.ok()) return problem(url.status().message());
-  if (url->scheme == Scheme::kS3) return problem("must be an http:// or https:// URL");
+  if (IsBucketScheme(url->scheme)) return problem("must be an http:// or https:// URL");
   if (!url->key.empty() || v.ends_with('/')) {
     return problem("must be scheme://host[:port] with no path");
   }
   return url->origin;
 }
+
+namespace {
 
 Status ResolveEndpoint(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p) {
   std::string value;
@@ -415,7 +420,7 @@ Status ResolveEndpoint(S3Config& c, const S3Request& r, const GetEnv& env, const
     value = "https://s3." + c.region + (china ? ".amazonaws.com.cn" : ".amazonaws.com");
     c.endpoint_from = "AWS default";
   }
-  TF_ASSIGN_OR_RETURN(c.endpoint, NormalizeEndpoint(value, c.endpoint_from));
+  TF_ASSIGN_OR_RETURN(c.endpoint, NormalizeEndpoint(value, c.endpoint_from, "S3"));
   return Status::Ok();
 }
 
@@ -496,7 +501,7 @@ bool S3Config::UsesPathStyle(const ObjectUrl& url) const {
 
 std::string S3Config::ObjectRequestUrl(const ObjectUrl& url, std::string_view query) const {
   std::string out;
-  if (url.scheme != Scheme::kS3) {
+  if (!IsBucketScheme(url.scheme)) {
     out = url.ToString();
   } else if (UsesPathStyle(url)) {
     out = endpoint + "/" + url.bucket;

@@ -71,6 +71,11 @@ struct S3Config {
 std::string ListObjectsV2Query(std::string_view prefix, std::string_view continuation_token = "",
                                std::string_view delimiter = "");
 
+// `value` ("http(s)://host[:port]", an optional trailing '/' stripped) as "scheme://host[:port]";
+// else kInvalidArgument "<store> endpoint \"<value>\" from <from>: <problem>".
+Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from,
+                                      std::string_view store);
+
 using GetEnv = std::function<std::optional<std::string>(const char* name)>;  // empty value = unset
 GetEnv ProcessEnv();                                                         // std::getenv
 

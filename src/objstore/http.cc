@@ -10,6 +10,7 @@
 
 #include "io/read_engine.h"
 #include "objstore/curl_api.h"
+#include "objstore/gcs_auth.h"
 #include "util/decimal.h"
 #include "util/macros.h"
 
@@ -223,6 +224,25 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
             std::to_string(request.range->second);
     headers = c.slist_append(headers, range.c_str());
   }
+  std::string bearer;
+  if (s.bearer != nullptr) {
+    Result<std::string> token = s.bearer->Get();
+    if (!token.ok()) {
+      c.slist_free_all(headers);
+      Give(h);
+      response.no_token = true;
+      response.curl_code = CURLE_LOGIN_DENIED;
+      response.curl_error = token.status().message();
+      return response;
+    }
+    bearer = *std::move(token);
+    headers = c.slist_append(headers, ("Authorization: Bearer " + bearer).c_str());
+  }
+  if (request.post_body) {
+    c.easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE,
+                  static_cast<curl_off_t>(request.post_body->size()));
+    c.easy_setopt(h, CURLOPT_POSTFIELDS, request.post_body->c_str());
+  }
   const std::string aws = "aws:amz:" + s.region + ":s3";
   if (!s.access_key_id.empty()) {
     headers = c.slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
@@ -241,6 +261,9 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   long status = 0;
   if (c.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status != 0) {
     response.status = status;
+  }
+  if (response.status == 401 && s.bearer != nullptr) {
+    response.token_replaced = s.bearer->Refuse(bearer);
   }
   char* peer = nullptr;
   if (c.easy_getinfo(h, CURLINFO_PRIMARY_IP, &peer) == CURLE_OK && peer != nullptr) {

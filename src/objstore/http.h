@@ -1,14 +1,16 @@
 // Internal: one HTTP request at a time per call, over a pool of reusable libcurl handles.
 //
-// HttpClient::Perform sends one GET and returns what happened: the status, the headers the object
-// layer needs (ETag, Content-Range, Last-Modified), and the body, written either straight into a
-// caller buffer (a ranged GET's destination: only when the response is a 206 starting at the
-// requested byte, or a 200 when the request started at 0; anything else goes to `text`) or into
-// `text` (bounded). It never retries: object_source.cc decides what to repeat.
+// HttpClient::Get sends one GET (or a POST with a form body: OAuth token requests) and returns what
+// happened: the status, the headers the object layer needs (ETag, Content-Range, Last-Modified),
+// and the body, written either straight into a caller buffer (a ranged GET's destination: only when
+// the response is a 206 starting at the requested byte, or a 200 when the request started at 0;
+// anything else goes to `text`) or into `text` (bounded). It never retries: object_source.cc
+// decides what to repeat.
 //
 // Signing: with S3 credentials, requests carry AWS Signature V4 (libcurl's CURLOPT_AWS_SIGV4 over
 // every header we send, plus x-amz-content-sha256: UNSIGNED-PAYLOAD and x-amz-security-token for
-// session credentials); without, they go unsigned.
+// session credentials); with a BearerTokens source (Google Cloud Storage's OAuth tokens) they carry
+// "Authorization: Bearer <token>"; without either, they go unsigned.
 //
 // Connections: each handle keeps its connections alive; a handle is used by one request at a
 // time and returned to the pool after it, so N concurrent callers reuse N connections.
@@ -29,6 +31,7 @@
 namespace tensorferry::objstore {
 
 struct CurlApi;
+class BearerTokens;
 
 struct HttpSettings {
   // AWS Signature V4 when access_key_id is set.
@@ -37,6 +40,8 @@ struct HttpSettings {
   bool verify_tls = true;
   std::string ca_bundle;
   bool follow_redirects = false;  // plain HTTP(S) sources follow redirects (a hub to its CDN)
+  // OAuth 2 tokens (gcs_auth.h) sent as "Authorization: Bearer"; null for none.
+  std::shared_ptr<BearerTokens> bearer;
 };
 
 struct HttpRequest {
@@ -46,6 +51,8 @@ struct HttpRequest {
   std::optional<std::pair<uint64_t, uint64_t>> range;
   std::span<std::byte> body;    // where a matching 2xx body goes (empty: into `text`)
   size_t text_limit = 1 << 20;  // bytes of other bodies kept
+  // Sent as a POST with this body when set (headers name its Content-Type).
+  std::optional<std::string> post_body;
 };
 
 struct HttpResponse {
@@ -59,6 +66,10 @@ struct HttpResponse {
   std::string text;         // a body not written into request.body (error documents, listings)
   std::string rejected;     // why a 2xx body was not accepted into request.body, if it was not
   std::string peer;  // the address the connection went to ("127.0.0.1", "::1"); "" if none was made
+  // Bearer tokens only: no token could be had (curl_error says why; nothing was sent), or the
+  // server answered 401 and another token will be fetched for the next attempt.
+  bool no_token = false;
+  bool token_replaced = false;
   // Total size from Content-Range ("bytes a-b/TOTAL", "bytes */TOTAL"); nullopt without one.
   std::optional<uint64_t> TotalSize() const;
   // First byte of a "bytes a-b/total" Content-Range; nullopt without one.

@@ -1,5 +1,5 @@
-// The object-store Source (tensorferry/object_store.h): S3 and HTTP(S) URLs read by ranged GETs
-// with retries, resume and ETag pinning.
+// The object-store Source (tensorferry/object_store.h): S3, GCS and HTTP(S) URLs read by ranged
+// GETs with retries, resume and ETag pinning.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -14,6 +14,7 @@
 
 #include "objstore/aws_config.h"
 #include "objstore/curl_api.h"
+#include "objstore/gcs_auth.h"
 #include "objstore/http.h"
 #include "objstore/object_cache.h"
 #include "objstore/s3_xml.h"
@@ -36,7 +37,7 @@ struct Target {
   ObjectUrl url;
   std::string name;         // url.ToString(): what messages call it
   std::string request_url;  // the URL to GET
-  bool s3 = false;
+  Scheme scheme = Scheme::kHttps;
 };
 
 uint64_t Fnv1a(std::string_view s) {
@@ -94,6 +95,10 @@ struct Verdict {
 Verdict Judge(const HttpResponse& r) {
   Verdict v;
   std::string s3code;
+  if (r.no_token) {  // no OAuth token could be had: BearerTokens already retried
+    v.why = r.curl_error;
+    return v;
+  }
   if (r.status == 0) {
     // Connections that failed (refused, reset, timed out) may work next time; a certificate
     // that does not verify, or a URL libcurl cannot use, will not: retrying only delays the
@@ -122,7 +127,7 @@ Verdict Judge(const HttpResponse& r) {
   if (r.status == 404 || s3code == "NoSuchKey" || s3code == "NoSuchBucket")
     v.code = Code::kNotFound;
   v.retryable = r.status == 429 || r.status == 500 || r.status == 502 || r.status == 503 ||
-                r.status == 504 || RetryableS3Code(s3code);
+                r.status == 504 || RetryableS3Code(s3code) || r.token_replaced;
   return v;
 }
 
@@ -182,7 +187,11 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
 
  private:
   Result<Target> Resolve(const std::string& path) const;
-  Result<const HttpClient*> Client(bool s3) const;
+  Result<const HttpClient*> Client(Scheme scheme) const;
+  // The bucket store's settings for s3:// or gs:// (after Client(scheme) succeeded).
+  const S3Config& BucketConfig(Scheme scheme) const {
+    return scheme == Scheme::kGs ? gcs_config_->s3 : *s3_config_;
+  }
   // Sends `request` until it succeeds, fails for good or runs out of attempts. `accept` says
   // whether a response is the answer (then returned, whatever its status).
   template <class Accept>
@@ -215,16 +224,50 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   mutable std::mutex peers_mu_;
   mutable std::string local_peer_, remote_peer_;
 
-  mutable std::once_flag s3_once_, http_once_;
+  mutable std::once_flag s3_once_, gcs_once_, http_once_;
   mutable Result<S3Config> s3_config_ = Status(Code::kInternal, "unresolved");
   mutable Result<std::unique_ptr<HttpClient>> s3_client_ = Status(Code::kInternal, "unmade");
+  mutable Result<GcsConfig> gcs_config_ = Status(Code::kInternal, "unresolved");
+  mutable Result<std::unique_ptr<HttpClient>> gcs_client_ = Status(Code::kInternal, "unmade");
   mutable Result<std::unique_ptr<HttpClient>> http_client_ = Status(Code::kInternal, "unmade");
 };
 
 // --- ObjectSource ------------------------------------------------------------------------------
 
-Result<const HttpClient*> ObjectSource::Client(bool s3) const {
-  if (s3) {
+Result<const HttpClient*> ObjectSource::Client(Scheme scheme) const {
+  if (scheme == Scheme::kGs) {
+    std::call_once(gcs_once_, [this] {
+      GcsRequest req;
+      req.endpoint = options_.endpoint;
+      req.region = options_.region;
+      req.access_key_id = options_.access_key_id;
+      req.secret_access_key = options_.secret_access_key;
+      req.token = options_.gcs_token;
+      req.anonymous = options_.anonymous;
+      gcs_config_ = ResolveGcsConfig(req);
+      if (!gcs_config_.ok()) {
+        gcs_client_ = gcs_config_.status();
+        return;
+      }
+      HttpSettings hs;
+      hs.access_key_id = gcs_config_->s3.access_key_id;  // HMAC keys, when given
+      hs.secret_access_key = gcs_config_->s3.secret_access_key;
+      hs.region = gcs_config_->s3.region;
+      hs.timeout_ms = options_.timeout_ms;
+      hs.verify_tls = options_.verify_tls;
+      hs.ca_bundle = options_.ca_bundle;
+      Result<std::shared_ptr<BearerTokens>> bearer = BearerTokens::Make(*gcs_config_, hs);
+      if (!bearer.ok()) {
+        gcs_client_ = bearer.status();
+        return;
+      }
+      hs.bearer = *std::move(bearer);
+      gcs_client_ = HttpClient::Make(std::move(hs));
+    });
+    if (!gcs_client_.ok()) return gcs_client_.status();
+    return gcs_client_->get();
+  }
+  if (scheme == Scheme::kS3) {
     std::call_once(s3_once_, [this] {
       S3Request req;
       req.endpoint = options_.endpoint;
@@ -270,15 +313,15 @@ Result<const HttpClient*> ObjectSource::Client(bool s3) const {
 Result<Target> ObjectSource::Resolve(const std::string& path) const {
   TF_ASSIGN_OR_RETURN(ObjectUrl url, ParseObjectUrl(path));
   Target t;
-  t.s3 = url.scheme == Scheme::kS3;
+  t.scheme = url.scheme;
   t.name = url.ToString();
-  if (t.s3) {
-    TF_RETURN_IF_ERROR(Client(true).status());
+  if (IsBucketScheme(t.scheme)) {
+    TF_RETURN_IF_ERROR(Client(t.scheme).status());
     if (url.key.empty() || url.key.back() == '/') {
       return Status(Code::kInvalidArgument,
                     t.name + ": names no object (the key is empty or ends with '/')");
     }
-    t.request_url = s3_config_->ObjectRequestUrl(url);
+    t.request_url = BucketConfig(t.scheme).ObjectRequestUrl(url);
   } else {
     t.request_url = url.origin + "/" + url.key;
   }
@@ -287,7 +330,12 @@ Result<Target> ObjectSource::Resolve(const std::string& path) const {
 }
 
 std::string ObjectSource::Context(const Target& target) const {
-  if (!target.s3 || !s3_config_.ok()) return "";
+  if (target.scheme == Scheme::kGs && gcs_config_.ok()) {
+    const S3Config& c = gcs_config_->s3;
+    return " [endpoint " + c.endpoint + " (" + c.endpoint_from +
+           "), credentials: " + c.credentials_from + "]";
+  }
+  if (target.scheme != Scheme::kS3 || !s3_config_.ok()) return "";
   const S3Config& c = *s3_config_;
   return " [endpoint " + c.endpoint + " (" + c.endpoint_from + "), region " + c.region +
          ", credentials: " + c.credentials_from + "]";
@@ -316,7 +364,7 @@ Status ObjectSource::Failed(const Target& target, const std::string& what, const
 template <class Accept>
 Result<HttpResponse> ObjectSource::Send(const Target& target, const HttpRequest& request,
                                         const std::string& what, Accept accept) const {
-  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.s3));
+  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.scheme));
   for (unsigned attempt = 0;; ++attempt) {
     CountRequest(attempt);
     HttpResponse r = client->Get(request);
@@ -429,7 +477,7 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
 
 Status ObjectSource::ReadRange(const Target& target, const std::string& etag, uint64_t size,
                                uint64_t first, std::span<std::byte> dst) const {
-  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.s3));
+  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.scheme));
   const uint64_t last = first + dst.size() - 1;
   const std::string what = "GET " + RangeText(first, last);
   uint64_t received = 0;
@@ -478,17 +526,17 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
 Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
                                                     std::string_view suffix) {
   TF_ASSIGN_OR_RETURN(ObjectUrl url, ParseObjectUrl(dir));
-  if (url.scheme != Scheme::kS3) {
+  if (!IsBucketScheme(url.scheme)) {
     return Status(Code::kNotFound, url.ToString() +
                                        ": an HTTP server cannot be listed: give the URL of its "
                                        "model.safetensors.index.json or of a .safetensors file");
   }
-  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(true));
+  TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(url.scheme));
   (void)client;
   std::string prefix = url.key;
   if (!prefix.empty() && prefix.back() != '/') prefix += '/';
   Target target;
-  target.s3 = true;
+  target.scheme = url.scheme;
   target.url = url;
   target.name = url.ToString();
   std::vector<std::string> out;
@@ -499,7 +547,7 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
     ObjectUrl bucket = url;
     bucket.key.clear();
     HttpRequest req;
-    req.url = s3_config_->ObjectRequestUrl(bucket, query);
+    req.url = BucketConfig(url.scheme).ObjectRequestUrl(bucket, query);
     req.text_limit = 64u << 20;
     TF_ASSIGN_OR_RETURN(
         HttpResponse r,
@@ -515,7 +563,9 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
       if (rest.find('/') != std::string_view::npos || rest.size() < suffix.size() ||
           rest.substr(rest.size() - suffix.size()) != suffix)
         continue;
-      out.push_back("s3://" + url.bucket + "/" + o.key);
+      ObjectUrl found = url;
+      found.key = o.key;
+      out.push_back(found.ToString());
     }
     if (!listed->truncated || listed->next_token.empty()) break;
     token = listed->next_token;
@@ -569,7 +619,7 @@ Result<std::unique_ptr<SourceFile>> OpenObject(const std::string& url,
                                                const ObjectStoreOptions& options) {
   if (!IsObjectUrl(url)) {
     return Status(Code::kInvalidArgument,
-                  "\"" + url + "\" is not an s3://, http:// or https:// URL");
+                  "\"" + url + "\" is not an s3://, gs://, http:// or https:// URL");
   }
   TF_ASSIGN_OR_RETURN(std::shared_ptr<Source> source, MakeObjectSource(options));
   // The file keeps its source alive (ObjectFile holds it).

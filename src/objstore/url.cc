@@ -44,10 +44,11 @@ std::optional<std::string> ControlProblem(std::string_view s) {
   return std::nullopt;
 }
 
-Result<ObjectUrl> ParseS3(std::string_view url, std::string_view rest) {
+// s3://bucket/key and gs://bucket/key (Google Cloud Storage's bucket names are a subset).
+Result<ObjectUrl> ParseBucketUrl(std::string_view url, Scheme scheme, std::string_view rest) {
   const size_t slash = rest.find('/');
   ObjectUrl out;
-  out.scheme = Scheme::kS3;
+  out.scheme = scheme;
   out.bucket = std::string(rest.substr(0, slash));
   if (slash != std::string_view::npos) out.key = std::string(rest.substr(slash + 1));
   if (out.bucket.empty()) return Bad(url, "empty bucket name");
@@ -123,28 +124,34 @@ Result<ObjectUrl> ParseHttp(std::string_view url, Scheme scheme, std::string_vie
 
 }  // namespace
 
+bool IsBucketScheme(Scheme scheme) {
+  return scheme == Scheme::kS3 || scheme == Scheme::kGs;
+}
+
 std::string ObjectUrl::ToString() const {
   if (scheme == Scheme::kS3) return "s3://" + bucket + "/" + key;
+  if (scheme == Scheme::kGs) return "gs://" + bucket + "/" + key;
   return origin + "/" + key;
 }
 
 bool IsObjectUrl(std::string_view path) {
-  return StartsWithNoCase(path, "s3://") || StartsWithNoCase(path, "http://") ||
-         StartsWithNoCase(path, "https://");
+  return StartsWithNoCase(path, "s3://") || StartsWithNoCase(path, "gs://") ||
+         StartsWithNoCase(path, "http://") || StartsWithNoCase(path, "https://");
 }
 
 Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
   if (auto problem = ControlProblem(url)) return Bad(url, *problem);
-  if (StartsWithNoCase(url, "s3://")) return ParseS3(url, url.substr(5));
+  if (StartsWithNoCase(url, "s3://")) return ParseBucketUrl(url, Scheme::kS3, url.substr(5));
+  if (StartsWithNoCase(url, "gs://")) return ParseBucketUrl(url, Scheme::kGs, url.substr(5));
   if (StartsWithNoCase(url, "http://")) return ParseHttp(url, Scheme::kHttp, url.substr(7));
   if (StartsWithNoCase(url, "https://")) return ParseHttp(url, Scheme::kHttps, url.substr(8));
-  return Bad(url, "not an s3://, http:// or https:// URL");
+  return Bad(url, "not an s3://, gs://, http:// or https:// URL");
 }
 
 ObjectUrl Join(const ObjectUrl& dir, std::string_view relative) {
   ObjectUrl out = dir;
   const std::string rel =
-      dir.scheme == Scheme::kS3 ? std::string(relative) : PercentEncode(relative, true);
+      IsBucketScheme(dir.scheme) ? std::string(relative) : PercentEncode(relative, true);
   if (!out.key.empty() && out.key.back() != '/') out.key += '/';
   out.key += rel;
   return out;

@@ -1,12 +1,12 @@
-// Internal: object-store URLs (s3://bucket/key, http(s)://host[:port]/path), the form every
-// object-store path takes between the user and the transport.
+// Internal: object-store URLs (s3://bucket/key, gs://bucket/key, http(s)://host[:port]/path), the
+// form every object-store path takes between the user and the transport.
 //
 // Contract:
 //   * Pure functions over strings: no I/O, no globals, safe from any thread.
 //   * ParseObjectUrl is strict: what it accepts can be put in a request line as is (no control
 //     characters, no whitespace, no credentials, no query or fragment for http(s)); everything it
 //     refuses is kInvalidArgument with a message naming the URL and the problem.
-//   * An s3 key is kept raw (as S3 stores it; requests encode it with PercentEncode); an http(s)
+//   * An s3/gs key is kept raw (as S3 stores it; requests encode it with PercentEncode); an http(s)
 //     key is the URL path as given, still percent-encoded.
 #pragma once
 
@@ -17,25 +17,30 @@
 
 namespace tensorferry::objstore {
 
-enum class Scheme { kS3, kHttp, kHttps };
+// kGs: Google Cloud Storage, read through its S3-compatible XML API (gcs_auth.h).
+enum class Scheme { kS3, kGs, kHttp, kHttps };
+
+// True for the schemes whose URLs name a bucket and a key (s3, gs).
+bool IsBucketScheme(Scheme scheme);
 
 struct ObjectUrl {
   Scheme scheme = Scheme::kS3;
-  std::string bucket;  // s3 only: the bucket
+  std::string bucket;  // s3/gs only: the bucket
   std::string origin;  // http(s) only: "http://host[:port]" (scheme lower-cased, no trailing '/')
-  std::string key;     // s3: the object key or prefix (no leading '/'); http(s): the path without
-                       // its leading '/' (still percent-encoded exactly as given)
-  // "s3://bucket/key" or origin + "/" + key.
+  std::string key;  // s3/gs: the object key or prefix (no leading '/'); http(s): the path without
+                    // its leading '/' (still percent-encoded exactly as given)
+  // "s3://bucket/key", "gs://bucket/key" or origin + "/" + key.
   std::string ToString() const;
   bool operator==(const ObjectUrl&) const = default;
 };
 
-// True when `path` starts with "s3://", "http://" or "https://" (scheme case-insensitive).
+// True when `path` starts with "s3://", "gs://", "http://" or "https://" (scheme
+// case-insensitive).
 bool IsObjectUrl(std::string_view path);
 
 // Errors (kInvalidArgument, "object URL \"<url>\": <problem>"):
 //   * not one of the schemes above;
-//   * s3: empty bucket, a bucket with characters outside [a-z0-9.-_] or longer than 255, a key
+//   * s3/gs: empty bucket, a bucket with characters outside [a-z0-9.-_] or longer than 255, a key
 //     starting with '/' ("s3://b//k": S3 would store "/k", which no tool writes on purpose);
 //   * http(s): empty host, userinfo ("user@host": credentials never go in URLs), a '#fragment' or
 //     '?query' (a query would change what a ranged GET means), a port that is not 1..65535, a host

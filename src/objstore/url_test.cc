@@ -104,9 +104,26 @@ TEST(ObjectUrl, RefusesControlCharactersAndWhitespace) {
 }
 
 TEST(ObjectUrl, RefusesOtherSchemes) {
-  for (const char* bad : {"", "/tmp/model.safetensors", "ftp://h/x", "s3:/b/k", "gs://b/k"}) {
-    EXPECT_NE(Problem(bad).find("not an s3://, http:// or https:// URL"), std::string::npos);
+  for (const char* bad : {"", "/tmp/model.safetensors", "ftp://h/x", "s3:/b/k", "az://b/k"}) {
+    EXPECT_NE(Problem(bad).find("not an s3://, gs://, http:// or https:// URL"), std::string::npos);
   }
+}
+
+TEST(ObjectUrl, GoogleCloudStorageUrlsNameABucketAndAKey) {
+  const ObjectUrl u = MustParse("GS://weights/llama/model.safetensors");
+  EXPECT_EQ(u.scheme, Scheme::kGs);
+  EXPECT_TRUE(IsBucketScheme(u.scheme));
+  EXPECT_FALSE(IsBucketScheme(Scheme::kHttps));
+  EXPECT_EQ(u.bucket, "weights");
+  EXPECT_EQ(u.key, "llama/model.safetensors");
+  EXPECT_EQ(u.ToString(), "gs://weights/llama/model.safetensors");
+  EXPECT_TRUE(IsObjectUrl("gs://b/k"));
+  // Same bucket and key rules as s3://; keys stay raw when joined.
+  EXPECT_NE(Problem("gs://Bucket/k").find("lower-case"), std::string::npos);
+  EXPECT_NE(Problem("gs:///k").find("empty bucket"), std::string::npos);
+  EXPECT_NE(Problem("gs://b//k").find("starts with '/'"), std::string::npos);
+  EXPECT_EQ(Join(MustParse("gs://b/m"), "x y.safetensors").ToString(), "gs://b/m/x y.safetensors");
+  EXPECT_EQ(Parent(u).ToString(), "gs://weights/llama");
 }
 
 TEST(ObjectUrl, JoinPutsExactlyOneSlash) {

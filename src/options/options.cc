@@ -228,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 47> kKeys = {{
+const std::array<Key, 48> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -292,6 +292,9 @@ const std::array<Key, 47> kKeys = {{
     {"s3_session_token", "", SetText<&ObjectStoreOptions::session_token>},
     {"s3_anonymous", "", SetTriState<&ObjectStoreOptions::anonymous>},
     {"s3_path_style", "", SetTriState<&ObjectStoreOptions::path_style>},
+    // gs:// URLs: an OAuth 2 access token (else GOOGLE_OAUTH_ACCESS_TOKEN, then Google's
+    // application default credentials; gcs_auth.h).
+    {"gcs_token", "", SetText<&ObjectStoreOptions::gcs_token>},
     {"object_concurrency", "TENSORFERRY_OBJECT_CONCURRENCY",
      SetObjectNumber<&ObjectStoreOptions::concurrency, 1, kMaxThreads>},
     {"object_part_size", "TENSORFERRY_OBJECT_PART_SIZE",
@@ -310,9 +313,8 @@ const std::array<Key, 47> kKeys = {{
     {"verify", "TENSORFERRY_VERIFY",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseVerifyMode(v), o.verify); }},
     {"coop_exchange", "TENSORFERRY_COOP_EXCHANGE",
-     [](LoadOptions& o, std::string_view v) {
-       return Assign(ParseExchangeChoice(v), o.cooperative.exchange);
-     }},
+     [](LoadOptions& o,
+        std::string_view v) { return Assign(ParseExchangeChoice(v), o.cooperative.exchange); }},
     {"coop_storage_rate", "TENSORFERRY_COOP_STORAGE_RATE",
      [](LoadOptions& o, std::string_view v) -> Status {
        TF_ASSIGN_OR_RETURN(o.cooperative.storage_rate, Size(v, true));

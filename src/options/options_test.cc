@@ -57,6 +57,7 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"s3_session_token", "ST"},
                                  {"s3_anonymous", "0"},
                                  {"s3_path_style", "1"},
+                                 {"gcs_token", "ya29.x"},
                                  {"object_concurrency", "8"},
                                  {"object_part_size", "16MiB"},
                                  {"object_retries", "2"},
@@ -108,6 +109,7 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(os.session_token, "ST");
   EXPECT_EQ(os.anonymous, 0);
   EXPECT_EQ(os.path_style, 1);
+  EXPECT_EQ(os.gcs_token, "ya29.x");
   EXPECT_EQ(os.concurrency, 8u);
   EXPECT_EQ(os.part_size, 16u << 20);
   EXPECT_EQ(os.retries, 2u);
@@ -127,7 +129,7 @@ TEST(LoadOptionsSet, EveryKey) {
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 47u);
+  EXPECT_EQ(keys.size(), 48u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

@@ -13,6 +13,11 @@ Faults, chosen per response by the first matching `Rule` (see Rule):
   status_503_slowdown  503 with an S3 <Error><Code>SlowDown</Code> body; the server is not contacted
   status_500           500 with an S3 <Error><Code>InternalError</Code> body; idem
   truncate             fewer body bytes than Content-Length, then a clean close (FIN)
+A bearer gate (constructor `bearer=callable`) stands in for an OAuth-checking store (Google Cloud
+Storage's XML API, which the tests cannot reach): a request whose `Authorization: Bearer TOKEN`
+header is missing or for which bearer(TOKEN) is false is answered 401 with an XML <Error> (code
+AuthenticationRequired) without reaching the server; an accepted one is forwarded without its
+Authorization header (the server behind it serves the bucket anonymously).
 Besides, latency_s (constructor) delays every request that reaches the server by that long before
 it is forwarded (the time to first byte of a distant store), and overwrite_after(n, callback) calls
 callback() once, after the n-th response has been sent
@@ -102,6 +107,13 @@ class Request:
                 kept.append(line)
         self.body = body
         self.raw = ("\r\n".join(kept) + "\r\n\r\n").encode("latin-1") + body
+
+    def without(self, name):
+        """This request without the header `name` (case-insensitive)."""
+        head, _, body = self.raw.partition(b"\r\n\r\n")
+        lines = [ln for ln in head.split(b"\r\n")
+                 if ln.partition(b":")[0].strip().lower() != name.lower().encode()]
+        return Request(b"\r\n".join(lines) + b"\r\n\r\n", body)
 
     @property
     def wants_close(self):
@@ -225,8 +237,9 @@ class FaultProxy:
     """The proxy: FaultProxy(upstream_host, upstream_port).start(); .url / .port; stop()."""
 
     def __init__(self, upstream_host, upstream_port, rules=(), listen_host="127.0.0.1",
-                 upstream_timeout_s=60.0, latency_s=0.0):
+                 upstream_timeout_s=60.0, latency_s=0.0, bearer=None):
         self.upstream = (upstream_host, upstream_port)
+        self.bearer = bearer
         self.latency_s = latency_s
         self.listen_host = listen_host
         self.upstream_timeout_s = upstream_timeout_s
@@ -256,12 +269,13 @@ class FaultProxy:
     def reset_stats(self):
         with self._lock:
             self._stats = {"connections": 0, "requests": 0, "responses": 0, "forwarded": 0,
-                           "ranged_requests": 0, "overwrites": 0,
+                           "ranged_requests": 0, "overwrites": 0, "unauthorized": 0,
                            "faults": {k: 0 for k in KINDS}}
 
     def stats(self):
         """A snapshot: connections, requests, responses (incl. faulted), forwarded (reached the
-        server), ranged_requests, overwrites, faults {kind: count}."""
+        server), ranged_requests, overwrites, unauthorized (401s of the bearer gate), faults
+        {kind: count}."""
         with self._lock:
             snap = dict(self._stats)
             snap["faults"] = dict(self._stats["faults"])
@@ -338,6 +352,16 @@ class FaultProxy:
                 req = self._read_request(conn, client)
                 if req is None:
                     return
+                if self.bearer is not None:
+                    given = req.headers.get("authorization", "")
+                    if not (given.startswith("Bearer ") and self.bearer(given[7:])):
+                        with self._lock:
+                            self._stats["unauthorized"] += 1
+                        self._response_started()
+                        client.sendall(_s3_error(401, "Unauthorized", "AuthenticationRequired",
+                                                 "Invalid Credentials"))
+                        continue
+                    req = req.without("authorization")
                 rule = self._before_response(req)
                 if rule is not None and rule.kind in _CANNED:
                     self._response_started()

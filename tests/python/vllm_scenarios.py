@@ -250,8 +250,8 @@ def remote(workdir, url):
     out["errors"] = {
         "missing": error_of(lambda: build(config_only, "tensorferry",
                                           {"weights": url + "-nothing-here/"})),
-        "gs": error_of(lambda: build(config_only, "tensorferry",
-                                     {"weights": "gs://bucket/model/"})),
+        "az": error_of(lambda: build(config_only, "tensorferry",
+                                     {"weights": "az://container/model/"})),
         "missing_local": error_of(lambda: build(config_only, "tensorferry",
                                                 {"weights": "/nonexistent/llama"})),
         "bad_storage_option": error_of(lambda: build(config_only, "tensorferry",

@@ -368,9 +368,10 @@ Command AddLoadCommand(CLI::App& parent) {
          "present), on (required) or off (default auto)");
   option("tp_rank", "Tensor parallelism: this rank (with --tp-size)");
   option("tp_size", "Tensor parallelism: number of ranks");
-  // Object storage (s3:// and http(s):// paths): docs/object_storage.md.
+  // Object storage (s3://, gs:// and http(s):// paths): docs/object_storage.md.
   option("s3_endpoint",
-         "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, profile, AWS)");
+         "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, profile, AWS; for "
+         "gs:// URLs https://storage.googleapis.com)");
   option("s3_region", "S3 region (default: AWS_REGION, profile, us-east-1)");
   option("s3_profile",
          "AWS profile of ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE)");

@@ -120,10 +120,11 @@ void JsonError(JsonOut& j, std::string_view path, const Status& status) {
 
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name) {
   return app
-      .add_option(name, path,
-                  "A .safetensors file, a checkpoint directory or a model.safetensors.index.json, "
-                  "local or as an s3:// or http(s):// URL; or hf://OWNER/NAME[@REVISION][/PATH], "
-                  "a repository in the local Hugging Face hub cache")
+      .add_option(
+          name, path,
+          "A .safetensors file, a checkpoint directory or a model.safetensors.index.json, "
+          "local or as an s3://, gs:// or http(s):// URL; or hf://OWNER/NAME[@REVISION][/PATH], "
+          "a repository in the local Hugging Face hub cache")
       ->required();
 }
 

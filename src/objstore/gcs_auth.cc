@@ -1,0 +1,499 @@
+// Google Cloud Storage settings and OAuth 2 tokens (gcs_auth.h).
+#include "objstore/gcs_auth.h"
+
+#include <openssl/bio.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <simdjson.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "util/json_dom.h"
+#include "util/json_writer.h"
+#include "util/macros.h"
+
+namespace tensorferry::objstore {
+namespace {
+
+constexpr uintmax_t kMaxCredentialsFile = 1 << 20;
+constexpr size_t kMaxTokenResponse = 64 << 10;
+
+std::optional<std::string> Env(const GetEnv& env, const char* name) {
+  if (!env) return std::nullopt;
+  std::optional<std::string> value = env(name);
+  if (value && value->empty()) return std::nullopt;
+  return value;
+}
+
+// The whole (small) file at `path`; kNotFound when there is none.
+Result<std::string> ReadSmallFile(const std::string& path, const char* what) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (status.type() == std::filesystem::file_type::not_found) {
+    return Status(Code::kNotFound, path + ": no such " + std::string(what));
+  }
+  if (ec) return Status(Code::kIoError, path + ": cannot read the " + what + ": " + ec.message());
+  if (!std::filesystem::is_regular_file(status)) {
+    return Status(Code::kIoError, path + ": the " + std::string(what) + " is not a regular file");
+  }
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return Status(Code::kIoError, path + ": cannot open the " + what + ": " + std::strerror(errno));
+  }
+  std::string text(kMaxCredentialsFile + 1, '\0');
+  const size_t n = std::fread(text.data(), 1, text.size(), f);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return Status(Code::kIoError, path + ": cannot read the " + std::string(what));
+  if (n > kMaxCredentialsFile) {
+    return Status(Code::kInvalidArgument,
+                  path + ": the " + std::string(what) + " is larger than 1 MiB");
+  }
+  text.resize(n);
+  return text;
+}
+
+// Parses `text` with `parser`, allocated for exactly this document first (as the index parser
+// does), nesting at most 64 levels (credentials and token answers are flat objects).
+simdjson::error_code ParseJson(simdjson::dom::parser& parser, std::string_view text,
+                               simdjson::dom::element& root) {
+  if (auto err = parser.allocate(std::max<size_t>(text.size(), 64), 64); err != simdjson::SUCCESS) {
+    return err;
+  }
+  const simdjson::padded_string padded(text.data(), text.size());
+  return parser.parse(padded).get(root);
+}
+
+// The string members of a flat JSON object (other members are skipped). Errors name `source`.
+Result<std::map<std::string, std::string>> StringMembers(std::string_view text,
+                                                         const std::string& source) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element root;
+  if (auto err = ParseJson(parser, text, root); err != simdjson::SUCCESS) {
+    return Status(Code::kInvalidArgument,
+                  source + ": not valid JSON (" + simdjson::error_message(err) + ")");
+  }
+  simdjson::dom::object object;
+  if (root.get(object) != simdjson::SUCCESS) {
+    return Status(Code::kInvalidArgument,
+                  source + ": the JSON is " + json::TypeName(root.type()) + ", not an object");
+  }
+  std::map<std::string, std::string> out;
+  for (auto field : object) {
+    std::string_view value;
+    if (field.value.get(value) == simdjson::SUCCESS) out[std::string(field.key)] = value;
+  }
+  return out;
+}
+
+Result<std::string> Required(const std::map<std::string, std::string>& fields, const char* name,
+                             const std::string& source, const std::string& type) {
+  auto it = fields.find(name);
+  if (it == fields.end() || it->second.empty()) {
+    return Status(Code::kInvalidArgument,
+                  source + ": a \"" + type + "\" credentials file needs \"" + name + "\"");
+  }
+  return it->second;
+}
+
+std::string Optional(const std::map<std::string, std::string>& fields, const char* name,
+                     const std::string& fallback = "") {
+  auto it = fields.find(name);
+  return it == fields.end() || it->second.empty() ? fallback : it->second;
+}
+
+}  // namespace
+
+Status ParseGcsCredentials(std::string_view text, const std::string& source, GcsConfig& c) {
+  TF_ASSIGN_OR_RETURN(const auto fields, StringMembers(text, source));
+  const std::string type = Optional(fields, "type");
+  c.token_uri = Optional(fields, "token_uri", kGoogleTokenUri);
+  if (type == "authorized_user") {
+    TF_ASSIGN_OR_RETURN(c.client_id, Required(fields, "client_id", source, type));
+    TF_ASSIGN_OR_RETURN(c.client_secret, Required(fields, "client_secret", source, type));
+    TF_ASSIGN_OR_RETURN(c.refresh_token, Required(fields, "refresh_token", source, type));
+    c.token_kind = GcsTokenKind::kAuthorizedUser;
+  } else if (type == "service_account") {
+    TF_ASSIGN_OR_RETURN(c.client_email, Required(fields, "client_email", source, type));
+    TF_ASSIGN_OR_RETURN(c.private_key, Required(fields, "private_key", source, type));
+    c.private_key_id = Optional(fields, "private_key_id");
+    c.token_kind = GcsTokenKind::kServiceAccount;
+  } else if (type.empty()) {
+    return Status(Code::kInvalidArgument, source +
+                                              ": no \"type\" (a Google credentials file says "
+                                              "\"authorized_user\" or \"service_account\")");
+  } else {
+    return Status(Code::kUnsupported,
+                  source + ": credentials of type \"" + type +
+                      "\" are not read (authorized_user and service_account are; or give a "
+                      "token: the gcs_token option or GOOGLE_OAUTH_ACCESS_TOKEN)");
+  }
+  if (c.token_kind != GcsTokenKind::kNone) {
+    Result<ObjectUrl> uri = ParseObjectUrl(c.token_uri);
+    if (!uri.ok() || IsBucketScheme(uri->scheme)) {
+      c.token_kind = GcsTokenKind::kNone;
+      return Status(Code::kInvalidArgument,
+                    source + ": token_uri \"" + c.token_uri + "\" is not an http(s) URL");
+    }
+    c.token_uri = uri->ToString();  // the scheme lower-cased
+  }
+  c.s3.credentials_from = type + " " + source;
+  return Status::Ok();
+}
+
+namespace {
+
+// Reads an Application Default Credentials file into `c`.
+Status ReadCredentialsFile(GcsConfig& c, const std::string& path, const std::string& named_by) {
+  TF_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(path, "credentials file"));
+  c.credentials_file = path;
+  return ParseGcsCredentials(text, path + " (" + named_by + ")", c);
+}
+
+bool SaysGoogleVm(const std::string& dmi_product_file) {
+  if (dmi_product_file.empty()) return false;
+  Result<std::string> text = ReadSmallFile(dmi_product_file, "DMI product name");
+  return text.ok() && text->find("Google") != std::string::npos;
+}
+
+Status ResolveCredentials(GcsConfig& c, const GcsRequest& r, const GetEnv& env,
+                          const std::string& dmi_product_file) {
+  if (r.anonymous == 1) {
+    c.s3.anonymous = true;
+    c.s3.credentials_from = "options: anonymous";
+    return Status::Ok();
+  }
+  if (!r.access_key_id.empty() || !r.secret_access_key.empty()) {
+    if (r.access_key_id.empty() || r.secret_access_key.empty()) {
+      return Status(Code::kInvalidArgument,
+                    "GCS HMAC key from options: give both the access key id and the secret");
+    }
+    c.s3.access_key_id = r.access_key_id;
+    c.s3.secret_access_key = r.secret_access_key;
+    c.s3.credentials_from = "options (HMAC key)";
+    return Status::Ok();
+  }
+  c.s3.anonymous = true;  // no SigV4: a bearer token, or nothing
+  if (!r.token.empty()) {
+    c.token_kind = GcsTokenKind::kStatic;
+    c.token = r.token;
+    c.s3.credentials_from = "options (token)";
+    return Status::Ok();
+  }
+  if (auto token = Env(env, "GOOGLE_OAUTH_ACCESS_TOKEN")) {
+    c.token_kind = GcsTokenKind::kStatic;
+    c.token = *token;
+    c.s3.credentials_from = "environment (GOOGLE_OAUTH_ACCESS_TOKEN)";
+    return Status::Ok();
+  }
+  if (auto path = Env(env, "GOOGLE_APPLICATION_CREDENTIALS")) {
+    Status s = ReadCredentialsFile(c, *path, "GOOGLE_APPLICATION_CREDENTIALS");
+    if (s.code() == Code::kNotFound) {
+      return Status(Code::kNotFound,
+                    "GOOGLE_APPLICATION_CREDENTIALS names " + *path + ", which does not exist");
+    }
+    return s;
+  }
+  std::string gcloud_dir;
+  if (auto dir = Env(env, "CLOUDSDK_CONFIG")) {
+    gcloud_dir = *dir;
+  } else if (auto home = Env(env, "HOME")) {
+    gcloud_dir = *home + "/.config/gcloud";
+  }
+  if (!gcloud_dir.empty()) {
+    const std::string adc = gcloud_dir + "/application_default_credentials.json";
+    Status s = ReadCredentialsFile(c, adc, "gcloud's application default credentials");
+    if (s.ok() || s.code() != Code::kNotFound) return s;
+  }
+  std::optional<std::string> metadata = Env(env, "GCE_METADATA_HOST");
+  if (metadata || SaysGoogleVm(dmi_product_file)) {
+    c.token_kind = GcsTokenKind::kMetadata;
+    c.metadata_host = metadata.value_or("metadata.google.internal");
+    c.s3.credentials_from = "metadata server " + c.metadata_host +
+                            (metadata ? " (GCE_METADATA_HOST)" : " (a Google Compute Engine VM)");
+    return Status::Ok();
+  }
+  if (r.anonymous == 0) {
+    return Status(Code::kInvalidArgument,
+                  "no GCS credentials found (options, GOOGLE_OAUTH_ACCESS_TOKEN, "
+                  "GOOGLE_APPLICATION_CREDENTIALS, gcloud's application default credentials, a "
+                  "metadata server) and anonymous access was turned off");
+  }
+  c.s3.credentials_from = "none found: anonymous";
+  return Status::Ok();
+}
+
+// The error a token endpoint sent, as text: OAuth's {"error", "error_description"} or Google's
+// {"error": {"message"}}, else an excerpt.
+std::string TokenError(const HttpResponse& r) {
+  std::string out = "HTTP " + std::to_string(r.status);
+  simdjson::dom::parser parser;
+  simdjson::dom::element root;
+  if (ParseJson(parser, r.text, root) == simdjson::SUCCESS) {
+    std::string_view error, description, message;
+    if (root["error"].get(error) == simdjson::SUCCESS) {
+      out += " " + std::string(error);
+      if (root["error_description"].get(description) == simdjson::SUCCESS) {
+        out += ": " + std::string(description);
+      }
+      return out;
+    }
+    if (root["error"]["message"].get(message) == simdjson::SUCCESS) {
+      return out + ": " + std::string(message);
+    }
+  }
+  std::string excerpt;
+  for (char ch : std::string_view(r.text).substr(0, 160)) {
+    excerpt += (ch >= 32 && ch < 127) ? ch : ' ';
+  }
+  return excerpt.empty() ? out : out + ": " + excerpt;
+}
+
+std::string Form(std::initializer_list<std::pair<const char*, std::string_view>> fields) {
+  std::string out;
+  for (const auto& [name, value] : fields) {
+    if (!out.empty()) out += '&';
+    out += name;
+    out += '=';
+    out += PercentEncode(value, false);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<GcsConfig> ResolveGcsConfig(const GcsRequest& request, const GetEnv& env,
+                                   const std::string& dmi_product_file) {
+  GcsConfig c;
+  if (!request.endpoint.empty()) {
+    TF_ASSIGN_OR_RETURN(c.s3.endpoint, NormalizeEndpoint(request.endpoint, "options", "GCS"));
+    c.s3.endpoint_from = "options";
+  } else {
+    c.s3.endpoint = kGcsDefaultEndpoint;
+    c.s3.endpoint_from = "GCS default";
+  }
+  c.s3.region = request.region.empty() ? "auto" : request.region;
+  c.s3.region_from = request.region.empty() ? "GCS" : "options";
+  c.s3.path_style = true;
+  c.s3.path_style_auto = false;
+  TF_RETURN_IF_ERROR(ResolveCredentials(c, request, env, dmi_product_file));
+  return c;
+}
+
+// --- tokens --------------------------------------------------------------------------------------
+
+Result<std::shared_ptr<BearerTokens>> BearerTokens::Make(const GcsConfig& config,
+                                                         const HttpSettings& transport) {
+  if (config.token_kind == GcsTokenKind::kNone) return std::shared_ptr<BearerTokens>();
+  // One per credential and transport in the process: every source opened with the same
+  // credentials (each file beside a model, each load) shares its token instead of asking again.
+  // Kept for the life of the process (a handful of entries at most).
+  static std::mutex* shared_mu = new std::mutex;
+  static auto* shared = new std::map<std::string, std::shared_ptr<BearerTokens>>;
+  std::string key;
+  for (const std::string* field :
+       {&config.token, &config.token_uri, &config.client_id, &config.client_secret,
+        &config.refresh_token, &config.client_email, &config.private_key, &config.private_key_id,
+        &config.metadata_host, &transport.ca_bundle}) {
+    key += std::to_string(field->size()) + ":" + *field;
+  }
+  key += std::to_string(static_cast<int>(config.token_kind)) + "/" +
+         std::to_string(transport.timeout_ms) + "/" + (transport.verify_tls ? "1" : "0");
+  std::lock_guard<std::mutex> lock(*shared_mu);
+  if (auto it = shared->find(key); it != shared->end()) return it->second;
+  std::unique_ptr<HttpClient> client;
+  if (config.token_kind != GcsTokenKind::kStatic) {
+    HttpSettings hs;
+    hs.timeout_ms = transport.timeout_ms;
+    hs.verify_tls = transport.verify_tls;
+    hs.ca_bundle = transport.ca_bundle;
+    TF_ASSIGN_OR_RETURN(client, HttpClient::Make(std::move(hs)));
+  }
+  auto tokens = std::shared_ptr<BearerTokens>(new BearerTokens(config, std::move(client)));
+  shared->emplace(std::move(key), tokens);
+  return tokens;
+}
+
+BearerTokens::BearerTokens(GcsConfig config, std::unique_ptr<HttpClient> client)
+    : config_(std::move(config)), client_(std::move(client)) {}
+
+BearerTokens::~BearerTokens() = default;
+
+Result<std::string> BearerTokens::Get() {
+  if (config_.token_kind == GcsTokenKind::kStatic) return config_.token;
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (!token_.empty() && now < refresh_at_) return token_;
+  TF_ASSIGN_OR_RETURN(auto fetched, Fetch());
+  ++fetches_;
+  token_ = std::move(fetched.first);
+  const std::chrono::seconds life = fetched.second;
+  // Refresh 5 minutes before expiry (at half-life for tokens shorter than 10 minutes).
+  refresh_at_ = now + std::max(life - std::chrono::seconds(300), life / 2);
+  return token_;
+}
+
+bool BearerTokens::Refuse(const std::string& token) {
+  if (config_.token_kind == GcsTokenKind::kStatic) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (token_ == token) token_.clear();
+  return true;
+}
+
+uint64_t BearerTokens::fetches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fetches_;
+}
+
+Result<std::pair<std::string, std::chrono::seconds>> BearerTokens::Fetch() const {
+  HttpRequest req;
+  req.text_limit = kMaxTokenResponse;
+  const std::string& uri =
+      config_.token_kind == GcsTokenKind::kMetadata ? config_.metadata_host : config_.token_uri;
+  if (config_.token_kind == GcsTokenKind::kMetadata) {
+    req.url = "http://" + config_.metadata_host +
+              "/computeMetadata/v1/instance/service-accounts/default/token";
+    req.headers.push_back("Metadata-Flavor: Google");
+  } else {
+    req.url = uri;
+    req.headers.push_back("Content-Type: application/x-www-form-urlencoded");
+    if (config_.token_kind == GcsTokenKind::kAuthorizedUser) {
+      req.post_body = Form({{"grant_type", "refresh_token"},
+                            {"client_id", config_.client_id},
+                            {"client_secret", config_.client_secret},
+                            {"refresh_token", config_.refresh_token}});
+    } else {
+      const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+      TF_ASSIGN_OR_RETURN(const std::string assertion, ServiceAccountAssertion(config_, now));
+      req.post_body = Form({{"grant_type", "urn:ietf:params:oauth:grant-type:jwt-bearer"},
+                            {"assertion", assertion}});
+    }
+  }
+  const std::string where =
+      "GCS credentials (" + config_.s3.credentials_from + "): token request to " + req.url;
+  HttpResponse r;
+  for (int attempt = 0;; ++attempt) {
+    r = client_->Get(req);
+    const bool transient = r.status == 0 || r.status == 429 || r.status >= 500;
+    if (!transient || attempt >= 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200 << attempt));
+  }
+  if (r.status == 0) {
+    return Status(Code::kIoError, where + ": no response (" + r.curl_error + ")");
+  }
+  if (r.status != 200) {
+    return Status(Code::kIoError, where + ": " + TokenError(r));
+  }
+  return ParseTokenAnswer(r.text, where);
+}
+
+Result<std::pair<std::string, std::chrono::seconds>> ParseTokenAnswer(std::string_view text,
+                                                                      const std::string& where) {
+  simdjson::dom::parser parser;
+  simdjson::dom::element root;
+  std::string_view token;
+  if (ParseJson(parser, text, root) != simdjson::SUCCESS ||
+      root["access_token"].get(token) != simdjson::SUCCESS || token.empty()) {
+    return Status(Code::kIoError, where + ": the answer has no \"access_token\"");
+  }
+  for (char ch : token) {
+    if (ch <= ' ' || ch >= 127) {
+      return Status(Code::kIoError, where +
+                                        ": the access token has a character not allowed in "
+                                        "an HTTP header");
+    }
+  }
+  int64_t expires_in = 3600;
+  if (root["expires_in"].get(expires_in) != simdjson::SUCCESS || expires_in <= 0) {
+    expires_in = 3600;
+  }
+  return std::pair(std::string(token), std::chrono::seconds(std::min<int64_t>(expires_in, 86400)));
+}
+
+// --- JWT -----------------------------------------------------------------------------------------
+
+std::string Base64Url(std::string_view bytes) {
+  static constexpr char kAlphabet[] =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 3 <= bytes.size(); i += 3) {
+    const uint32_t v = (uint32_t{static_cast<uint8_t>(bytes[i])} << 16) |
+                       (uint32_t{static_cast<uint8_t>(bytes[i + 1])} << 8) |
+                       uint32_t{static_cast<uint8_t>(bytes[i + 2])};
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    out += kAlphabet[(v >> 6) & 63];
+    out += kAlphabet[v & 63];
+  }
+  const size_t rest = bytes.size() - i;
+  if (rest > 0) {
+    uint32_t v = uint32_t{static_cast<uint8_t>(bytes[i])} << 16;
+    if (rest == 2) v |= uint32_t{static_cast<uint8_t>(bytes[i + 1])} << 8;
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    if (rest == 2) out += kAlphabet[(v >> 6) & 63];
+  }
+  return out;
+}
+
+Result<std::string> SignRs256(std::string_view pem, std::string_view signing_input) {
+  const auto bad = [](std::string what) {
+    return Status(Code::kInvalidArgument, "the service account's private_key: " + what);
+  };
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(
+      BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free);
+  if (bio == nullptr) return bad("out of memory");
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr), &EVP_PKEY_free);
+  if (key == nullptr) return bad("not a PEM private key");
+  if (EVP_PKEY_get_base_id(key.get()) != EVP_PKEY_RSA) return bad("not an RSA key");
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
+  size_t length = 0;
+  const auto* data = reinterpret_cast<const unsigned char*>(signing_input.data());
+  if (ctx == nullptr ||
+      EVP_DigestSignInit(ctx.get(), nullptr, EVP_sha256(), nullptr, key.get()) != 1 ||
+      EVP_DigestSign(ctx.get(), nullptr, &length, data, signing_input.size()) != 1) {
+    return bad("signing failed");
+  }
+  std::string signature(length, '\0');
+  if (EVP_DigestSign(ctx.get(), reinterpret_cast<unsigned char*>(signature.data()), &length, data,
+                     signing_input.size()) != 1) {
+    return bad("signing failed");
+  }
+  signature.resize(length);
+  return Base64Url(signature);
+}
+
+Result<std::string> ServiceAccountAssertion(const GcsConfig& config, int64_t now_seconds) {
+  std::string header = R"({"alg":"RS256","typ":"JWT")";
+  if (!config.private_key_id.empty()) header += ",\"kid\":" + json::Quote(config.private_key_id);
+  header += "}";
+  std::string claims = "{\"iss\":" + json::Quote(config.client_email) +
+                       ",\"scope\":" + json::Quote(kGcsReadScope) +
+                       ",\"aud\":" + json::Quote(config.token_uri) + ",\"iat\":";
+  json::AppendUint(claims, static_cast<uint64_t>(now_seconds));
+  claims += ",\"exp\":";
+  json::AppendUint(claims, static_cast<uint64_t>(now_seconds + 3600));
+  claims += "}";
+  const std::string signing_input = Base64Url(header) + "." + Base64Url(claims);
+  Result<std::string> signature = SignRs256(config.private_key, signing_input);
+  if (!signature.ok()) {
+    return signature.status().WithPrefix(
+        config.credentials_file.empty() ? std::string("GCS credentials") : config.credentials_file);
+  }
+  return signing_input + "." + *signature;
+}
+
+}  // namespace tensorferry::objstore

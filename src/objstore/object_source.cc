@@ -234,6 +234,31 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
 
 // --- ObjectSource ------------------------------------------------------------------------------
 
+namespace {
+
+// Timeouts and TLS, the same for every store.
+HttpSettings TransportSettings(const ObjectStoreOptions& o) {
+  HttpSettings hs;
+  hs.timeout_ms = o.timeout_ms;
+  hs.verify_tls = o.verify_tls;
+  hs.ca_bundle = o.ca_bundle;
+  return hs;
+}
+
+// A bucket store's: Signature V4 with its keys unless it is anonymous (no keys, or a bearer token).
+HttpSettings BucketSettings(const S3Config& c, const ObjectStoreOptions& o) {
+  HttpSettings hs = TransportSettings(o);
+  if (!c.anonymous) {
+    hs.access_key_id = c.access_key_id;
+    hs.secret_access_key = c.secret_access_key;
+    hs.session_token = c.session_token;
+  }
+  hs.region = c.region;
+  return hs;
+}
+
+}  // namespace
+
 Result<const HttpClient*> ObjectSource::Client(Scheme scheme) const {
   if (scheme == Scheme::kGs) {
     std::call_once(gcs_once_, [this] {
@@ -249,13 +274,7 @@ Result<const HttpClient*> ObjectSource::Client(Scheme scheme) const {
         gcs_client_ = gcs_config_.status();
         return;
       }
-      HttpSettings hs;
-      hs.access_key_id = gcs_config_->s3.access_key_id;  // HMAC keys, when given
-      hs.secret_access_key = gcs_config_->s3.secret_access_key;
-      hs.region = gcs_config_->s3.region;
-      hs.timeout_ms = options_.timeout_ms;
-      hs.verify_tls = options_.verify_tls;
-      hs.ca_bundle = options_.ca_bundle;
+      HttpSettings hs = BucketSettings(gcs_config_->s3, options_);  // HMAC keys, when given
       Result<std::shared_ptr<BearerTokens>> bearer = BearerTokens::Make(*gcs_config_, hs);
       if (!bearer.ok()) {
         gcs_client_ = bearer.status();
@@ -283,26 +302,13 @@ Result<const HttpClient*> ObjectSource::Client(Scheme scheme) const {
         s3_client_ = s3_config_.status();
         return;
       }
-      HttpSettings hs;
-      if (!s3_config_->anonymous) {
-        hs.access_key_id = s3_config_->access_key_id;
-        hs.secret_access_key = s3_config_->secret_access_key;
-        hs.session_token = s3_config_->session_token;
-      }
-      hs.region = s3_config_->region;
-      hs.timeout_ms = options_.timeout_ms;
-      hs.verify_tls = options_.verify_tls;
-      hs.ca_bundle = options_.ca_bundle;
-      s3_client_ = HttpClient::Make(std::move(hs));
+      s3_client_ = HttpClient::Make(BucketSettings(*s3_config_, options_));
     });
     if (!s3_client_.ok()) return s3_client_.status();
     return s3_client_->get();
   }
   std::call_once(http_once_, [this] {
-    HttpSettings hs;
-    hs.timeout_ms = options_.timeout_ms;
-    hs.verify_tls = options_.verify_tls;
-    hs.ca_bundle = options_.ca_bundle;
+    HttpSettings hs = TransportSettings(options_);
     hs.follow_redirects = true;
     http_client_ = HttpClient::Make(std::move(hs));
   });

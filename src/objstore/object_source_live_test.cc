@@ -236,7 +236,7 @@ TEST(ObjectSourceLive, ReadObjectReadsAWholeObjectOrSaysWhy) {
   auto path = ObjectSize(live->local, ObjectStoreOptions{});
   ASSERT_FALSE(path.ok());
   EXPECT_EQ(path.status().code(), Code::kInvalidArgument);
-  EXPECT_NE(path.status().message().find("is not an s3://, http:// or https:// URL"),
+  EXPECT_NE(path.status().message().find("is not an s3://, gs://, http:// or https:// URL"),
             std::string::npos)
       << path.status().message();
 }

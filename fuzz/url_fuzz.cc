@@ -1,9 +1,9 @@
-// libFuzzer target: the bytes are an object-store URL (ParseObjectUrl: every s3:// and http(s)://
-// path a user or an index gives), and the same bytes as an HTTP Content-Range header value
-// (HttpResponse::TotalSize / RangeStart: what a server sends back). Neither may crash, hang or
-// read outside the input. ParseObjectUrl errors name the URL; what it accepts can go in a request
-// line as is (no control characters or whitespace), reads back the same from its ToString, and
-// Join/Parent/PercentEncode keep their documented shapes.
+// libFuzzer target: the bytes are an object-store URL (ParseObjectUrl: every s3://, gs:// and
+// http(s):// path a user or an index gives), and the same bytes as an HTTP Content-Range header
+// value (HttpResponse::TotalSize / RangeStart: what a server sends back). Neither may crash, hang
+// or read outside the input. ParseObjectUrl errors name the URL; what it accepts can go in a
+// request line as is (no control characters or whitespace), reads back the same from its ToString,
+// and Join/Parent/PercentEncode keep their documented shapes.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -65,7 +65,9 @@ void CheckUrl(std::string_view text) {
   if (!tensorferry::objstore::IsObjectUrl(text)) std::abort();
   const std::string s = url->ToString();
   if (!RequestLineSafe(s)) std::abort();
-  if (url->scheme == Scheme::kS3) {
+  if (tensorferry::objstore::IsBucketScheme(url->scheme)) {
+    const std::string_view prefix = url->scheme == Scheme::kS3 ? "s3://" : "gs://";
+    if (s.rfind(prefix, 0) != 0) std::abort();
     if (url->bucket.empty() || url->bucket.size() > 255 || !url->origin.empty()) std::abort();
     if (!url->key.empty() && url->key[0] == '/') std::abort();
   } else {
@@ -93,9 +95,11 @@ void CheckUrl(std::string_view text) {
   if (joined.key != want || !tensorferry::objstore::KeyEndsWith(joined, ".safetensors")) {
     std::abort();
   }
-  // A joined name is encoded for http(s) (so it stays a request-line-safe URL), raw for s3.
+  // A joined name is encoded for http(s) (so it stays a request-line-safe URL), raw for s3/gs.
   const ObjectUrl named = tensorferry::objstore::Join(*url, url->key);
-  if (url->scheme != Scheme::kS3 && !RequestLineSafe(named.ToString())) std::abort();
+  if (!tensorferry::objstore::IsBucketScheme(url->scheme) && !RequestLineSafe(named.ToString())) {
+    std::abort();
+  }
 }
 
 void CheckContentRange(std::string_view text) {

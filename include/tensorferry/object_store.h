@@ -29,8 +29,9 @@
 // strong comparison); without an ETag (some HTTP servers), the size alone is pinned.
 //
 // Faults: connection errors (reset, refused, truncated body), stalls (no byte for `timeout_ms`),
-// HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown, InternalError, RequestTimeout are retried
-// up to `retries` times with exponential backoff and full jitter; a retry resumes the range from
+// HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown, InternalError, RequestTimeout (and a 401
+// to a GCS token that could be renewed: it is, first) are retried up to `retries` times with
+// exponential backoff and full jitter; a retry resumes the range from
 // the last byte received. Other statuses, and TLS failures (a certificate that does not verify),
 // end the read at once. Errors name the URL, the byte range,
 // the HTTP status, the S3 error code and message from the body, the attempts made, and where the

@@ -15,7 +15,6 @@ namespace tensorferry::objstore {
 namespace {
 
 // An AWS file larger than this is refused rather than read (they are a few KiB in practice).
-constexpr uintmax_t kMaxAwsFileSize = 1 << 20;
 
 bool IsSpace(char c) {
   return c == ' ' || c == '\t' || c == '\r' || c == '\f' || c == '\v';
@@ -167,32 +166,10 @@ std::string AwsFilePath(const GetEnv& env, const char* var, const char* home_rel
 // The parsed file at `path`; empty when `path` is "" or no file is there.
 Result<AwsIni> LoadAwsFile(const std::string& path) {
   if (path.empty()) return AwsIni{};
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (status.type() == std::filesystem::file_type::not_found) return AwsIni{};
-  if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
-  // AWS_CONFIG_FILE=/dev/null is the usual way to turn a file off (the AWS CLI and boto3 read it
-  // as empty): a character device is an empty file, never read (a terminal would block).
-  if (status.type() == std::filesystem::file_type::character) return AwsIni{};
-  if (!std::filesystem::is_regular_file(status)) {
-    return Status(Code::kIoError, path + ": the AWS file is not a regular file");
-  }
-  const uintmax_t size = std::filesystem::file_size(path, ec);
-  if (ec) return Status(Code::kIoError, path + ": cannot read the AWS file: " + ec.message());
-  if (size > kMaxAwsFileSize) {
-    return Status(Code::kInvalidArgument, path + ": the AWS file is larger than 1 MiB");
-  }
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    return Status(Code::kIoError, path + ": cannot open the AWS file: " + std::strerror(errno));
-  }
-  std::string text(kMaxAwsFileSize + 1, '\0');
-  const size_t n = std::fread(text.data(), 1, text.size(), f);
-  const bool failed = std::ferror(f) != 0;
-  std::fclose(f);
-  if (failed) return Status(Code::kIoError, path + ": cannot read the AWS file");
-  text.resize(n);
-  return ParseAwsIni(text, path);
+  Result<std::string> text = ReadSmallFile(path, "AWS file");
+  if (text.status().code() == Code::kNotFound) return AwsIni{};
+  if (!text.ok()) return text.status();
+  return ParseAwsIni(*text, path);
 }
 
 // The selected profile: its sections in both files.
@@ -374,6 +351,39 @@ Status ResolveRegion(S3Config& c, const S3Request& r, const GetEnv& env, const P
 }
 
 }  // namespace
+
+Result<std::string> ReadSmallFile(const std::string& path, std::string_view what) {
+  constexpr uintmax_t kMax = 1 << 20;
+  const std::string the = "the " + std::string(what);
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (status.type() == std::filesystem::file_type::not_found) {
+    return Status(Code::kNotFound, path + ": no such " + std::string(what));
+  }
+  if (ec) return Status(Code::kIoError, path + ": cannot read " + the + ": " + ec.message());
+  // /dev/null is the usual way to turn a file off (the AWS CLI and boto3 read it as empty): a
+  // character device is an empty file, never read (a terminal would block).
+  if (status.type() == std::filesystem::file_type::character) return std::string();
+  if (!std::filesystem::is_regular_file(status)) {
+    return Status(Code::kIoError, path + ": " + the + " is not a regular file");
+  }
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return Status(Code::kIoError, path + ": cannot read " + the + ": " + ec.message());
+  if (size > kMax)
+    return Status(Code::kInvalidArgument, path + ": " + the + " is larger than 1 MiB");
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return Status(Code::kIoError, path + ": cannot open " + the + ": " + std::strerror(errno));
+  }
+  std::string text(kMax + 1, '\0');
+  const size_t n = std::fread(text.data(), 1, text.size(), f);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return Status(Code::kIoError, path + ": cannot read " + the);
+  if (n > kMax) return Status(Code::kInvalidArgument, path + ": " + the + " is larger than 1 MiB");
+  text.resize(n);
+  return text;
+}
 
 // `value` as "scheme://host[:port]", or an error naming `from`.
 Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from,

@@ -71,6 +71,12 @@ struct S3Config {
 std::string ListObjectsV2Query(std::string_view prefix, std::string_view continuation_token = "",
                                std::string_view delimiter = "");
 
+// The whole file at `path`, at most 1 MiB (the AWS and Google credentials files, small system
+// files); a character device (/dev/null: a file turned off) reads as empty. Errors name the path
+// and `what` ("AWS file"): kNotFound when there is no file, kInvalidArgument over 1 MiB, kIoError
+// for one that is not a regular file or cannot be read.
+Result<std::string> ReadSmallFile(const std::string& path, std::string_view what);
+
 // `value` ("http(s)://host[:port]", an optional trailing '/' stripped) as "scheme://host[:port]";
 // else kInvalidArgument "<store> endpoint \"<value>\" from <from>: <problem>".
 Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from,

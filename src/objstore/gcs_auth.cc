@@ -7,10 +7,6 @@
 #include <simdjson.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <map>
 #include <optional>
 #include <thread>
@@ -23,7 +19,6 @@
 namespace tensorferry::objstore {
 namespace {
 
-constexpr uintmax_t kMaxCredentialsFile = 1 << 20;
 constexpr size_t kMaxTokenResponse = 64 << 10;
 
 std::optional<std::string> Env(const GetEnv& env, const char* name) {
@@ -31,34 +26,6 @@ std::optional<std::string> Env(const GetEnv& env, const char* name) {
   std::optional<std::string> value = env(name);
   if (value && value->empty()) return std::nullopt;
   return value;
-}
-
-// The whole (small) file at `path`; kNotFound when there is none.
-Result<std::string> ReadSmallFile(const std::string& path, const char* what) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (status.type() == std::filesystem::file_type::not_found) {
-    return Status(Code::kNotFound, path + ": no such " + std::string(what));
-  }
-  if (ec) return Status(Code::kIoError, path + ": cannot read the " + what + ": " + ec.message());
-  if (!std::filesystem::is_regular_file(status)) {
-    return Status(Code::kIoError, path + ": the " + std::string(what) + " is not a regular file");
-  }
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    return Status(Code::kIoError, path + ": cannot open the " + what + ": " + std::strerror(errno));
-  }
-  std::string text(kMaxCredentialsFile + 1, '\0');
-  const size_t n = std::fread(text.data(), 1, text.size(), f);
-  const bool failed = std::ferror(f) != 0;
-  std::fclose(f);
-  if (failed) return Status(Code::kIoError, path + ": cannot read the " + std::string(what));
-  if (n > kMaxCredentialsFile) {
-    return Status(Code::kInvalidArgument,
-                  path + ": the " + std::string(what) + " is larger than 1 MiB");
-  }
-  text.resize(n);
-  return text;
 }
 
 // Parses `text` with `parser`, allocated for exactly this document first (as the index parser

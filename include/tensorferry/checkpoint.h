@@ -63,6 +63,8 @@ class FileSet;  // internal: src/io/file_set.h
 }
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+// The single file of an unsharded model folder (what an HTTP prefix without an index names).
+inline constexpr std::string_view kSingleFileName = "model.safetensors";
 
 // The parsed content of a model.safetensors.index.json, before any file is opened.
 struct IndexDocument {

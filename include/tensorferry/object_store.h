@@ -11,8 +11,15 @@
 //   ".../x.safetensors": one file;
 //   anything else is a prefix ("directory"): "<prefix>/model.safetensors.index.json" when that
 //       object exists, else (S3 and GCS only) every "<prefix>/*.safetensors" object directly under
-//       it, listed with ListObjectsV2. An HTTP server cannot be listed: a prefix URL without an
-//       index is kNotFound saying so.
+//       it, listed with ListObjectsV2. An HTTP server cannot be listed: there the prefix's
+//       "model.safetensors" is the checkpoint when it has no index, else kNotFound naming both.
+//
+// HTTP(S) servers and model hubs (https://huggingface.co/<org>/<model>/resolve/main/ is a prefix):
+// redirects are followed (to http:// or https://; from https:// to https:// only) and remembered
+// per URL, so a file's later GETs go straight to the signed link its first GET was sent to; a
+// link that stops answering (401, 403, 404, 410: expired) is replaced by asking the URL again,
+// at once. An access token (http_token, else HF_TOKEN for the Hugging Face hub's origins) goes to
+// the origin only, never to where it redirects.
 //
 // Transport: libcurl, loaded at run time (libcurl.so.4; TENSORFERRY_CURL_LIBRARY names another
 // file): connection reuse, HTTP/1.1 and HTTP/2 over TLS, AWS Signature V4. Every read is a ranged
@@ -87,6 +94,11 @@ struct ObjectStoreOptions {
   // --- Google Cloud Storage (gs://): endpoint, access_key_id/secret_access_key (HMAC keys) and
   // anonymous above apply too ---
   std::string gcs_token;  // gcs_token: an OAuth 2 access token, sent as "Authorization: Bearer"
+  // --- plain HTTP(S) origins (a model hub) ---
+  // http_token: an access token sent as "Authorization: Bearer" to every http(s):// origin of the
+  // load (never to where they redirect: a CDN's signed links). Else HF_TOKEN or huggingface_hub's
+  // token file, sent to the Hugging Face hub's origins only (huggingface.co, hf.co, HF_ENDPOINT).
+  std::string http_token;
   // --- transport (S3 and HTTP) ---
   // Ranged GETs in flight (object_concurrency) and bytes per GET (object_part_size); 0 = auto:
   // 8 GETs of 32 MiB while every object opened so far came from this host (the connection's

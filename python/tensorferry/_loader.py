@@ -199,7 +199,8 @@ class Loader:
         storage_options: for s3://, gs:// and http(s):// checkpoints, a dict of object-storage
             settings (s3_endpoint, s3_region, s3_profile, s3_access_key_id,
             s3_secret_access_key, s3_session_token, s3_anonymous, s3_path_style, gcs_token,
-            object_concurrency, object_part_size, object_retries, object_timeout_ms, ...;
+            http_token, object_concurrency, object_part_size, object_retries,
+            object_timeout_ms, ...;
             docs/object_storage.md). Without it the AWS_* variables and ~/.aws files apply.
 
     Tensors stay valid after the loader is closed; memory is freed when the last tensor of a

@@ -52,7 +52,7 @@ def device_load_options(backend=None):
     return {}
 
 
-_STORAGE_PREFIXES = ("s3_", "gcs_", "object_")
+_STORAGE_PREFIXES = ("s3_", "gcs_", "http_", "object_")
 
 
 def storage_load_options(storage_options):
@@ -68,8 +68,8 @@ def storage_load_options(storage_options):
     for key, value in storage_options.items():
         if not isinstance(key, str) or not key.startswith(_STORAGE_PREFIXES):
             raise _core.InvalidArgumentError(
-                f"storage_options: unknown setting {key!r} (settings start with s3_, gcs_ or "
-                f"object_; see docs/object_storage.md)")
+                f"storage_options: unknown setting {key!r} (settings start with s3_, gcs_, "
+                f"http_ or object_; see docs/object_storage.md)")
         if value is not None:
             out[key] = value
     return out

@@ -78,9 +78,11 @@ class CheckpointBuilder {
   }
 
   // A sharded checkpoint described by the index file at `index_path`.
-  Result<std::shared_ptr<const Checkpoint>> FromIndex(const std::string& index_path) {
+  // `opened`: the index, when the caller already opened it (a URL's probe), else null.
+  Result<std::shared_ptr<const Checkpoint>> FromIndex(
+      const std::string& index_path, std::unique_ptr<SourceFile> opened = nullptr) {
     IndexDocument index;
-    TF_ASSIGN_OR_RETURN(index, ReadIndex(index_path));
+    TF_ASSIGN_OR_RETURN(index, ReadIndex(index_path, std::move(opened)));
     // Every tensor with its file's normalized relative path ("./a" and "a" are one file).
     std::vector<std::pair<std::string, std::string>> tensor_file;  // (tensor, normalized path)
     tensor_file.reserve(index.weight_map.size());
@@ -206,8 +208,10 @@ class CheckpointBuilder {
   }
 
  private:
-  Result<IndexDocument> ReadIndex(const std::string& index_path) {
-    TF_ASSIGN_OR_RETURN(auto file, source_->Open(index_path));
+  Result<IndexDocument> ReadIndex(const std::string& index_path, std::unique_ptr<SourceFile> file) {
+    if (file == nullptr) {
+      TF_ASSIGN_OR_RETURN(file, source_->Open(index_path));
+    }
     const uint64_t size = file->identity().size;
     // Checked before reading, so a huge file is never loaded into memory.
     if (size > options_.index_limits.max_index_size) {
@@ -391,8 +395,20 @@ Result<std::shared_ptr<const Checkpoint>> OpenUrl(const std::string& path,
   }
   const std::string index = objstore::Join(url, kIndexFileName).ToString();
   Result<std::unique_ptr<SourceFile>> probe = options.source->Open(index);
-  if (probe.ok()) return builder.FromIndex(index);
+  if (probe.ok()) return builder.FromIndex(index, std::move(probe).value());
   if (probe.status().code() != Code::kNotFound) return probe.status();
+  if (!objstore::IsBucketScheme(url.scheme)) {
+    // An HTTP server cannot be listed: without an index, the prefix is a model folder's single
+    // file (a Hugging Face model's model.safetensors), if it has one.
+    const std::string single = objstore::Join(url, kSingleFileName).ToString();
+    Result<std::unique_ptr<SourceFile>> file = options.source->Open(single);
+    if (file.ok()) return builder.FromFiles(std::vector<std::string>{single});
+    if (file.status().code() != Code::kNotFound) return file.status();
+    return Status(Code::kNotFound, url.ToString() + ": neither " + std::string(kIndexFileName) +
+                                       " nor " + std::string(kSingleFileName) +
+                                       " under this prefix (an HTTP server cannot be listed: give "
+                                       "the URL of the index or of a .safetensors file)");
+  }
   Result<std::vector<std::string>> listed = options.source->List(url.ToString(), ".safetensors");
   if (!listed.ok()) {
     return Status(listed.status().code(), url.ToString() + ": no " + std::string(kIndexFileName) +

@@ -215,7 +215,7 @@ std::string OutputPath(const std::string& dst) {
   std::error_code ec;
   if (!fs::is_directory(dst, ec)) return dst;
   if (fs::exists(fs::path(dst) / kIndexFileName, ec)) return dst;
-  return (fs::path(dst) / "model.safetensors").string();
+  return (fs::path(dst) / kSingleFileName).string();
 }
 
 // The report's fields known before writing: the source's bytes and what the plan decided.
@@ -305,7 +305,7 @@ Status WriteSingleOutput(const TorchCheckpoint& ckpt, const std::string& dst,
                          std::vector<std::string>& outputs) {
   std::error_code ec;
   const bool into_dir = fs::is_directory(dst, ec);
-  const std::string path = into_dir ? (fs::path(dst) / "model.safetensors").string() : dst;
+  const std::string path = into_dir ? (fs::path(dst) / kSingleFileName).string() : dst;
   for (const TorchFileInfo& f : ckpt.files()) {
     if (SameFile(path, f.path)) {
       return Status(Code::kInvalidArgument,

@@ -215,6 +215,14 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   if (s.follow_redirects) {
     c.easy_setopt(h, CURLOPT_FOLLOWLOCATION, 1L);
     c.easy_setopt(h, CURLOPT_MAXREDIRS, 8L);
+    // Where a redirect may lead: the web's two schemes (libcurl's default also allows FTP), and
+    // from an https:// URL only https:// (a downgrade would hand the bytes to anyone on the path).
+    const bool tls = request.url.rfind("https://", 0) == 0;
+    if (c.easy_setopt(h, CURLOPT_REDIR_PROTOCOLS_STR, tls ? "https" : "http,https") != CURLE_OK) {
+      // libcurl before 7.85 knows only the bitmask.
+      const long mask = tls ? CURLPROTO_HTTPS : (CURLPROTO_HTTP | CURLPROTO_HTTPS);
+      c.easy_setopt(h, static_cast<CURLoption>(182), mask);  // CURLOPT_REDIR_PROTOCOLS
+    }
   }
   curl_slist* headers = nullptr;
   for (const std::string& hdr : request.headers) headers = c.slist_append(headers, hdr.c_str());
@@ -269,11 +277,32 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   if (c.easy_getinfo(h, CURLINFO_PRIMARY_IP, &peer) == CURLE_OK && peer != nullptr) {
     response.peer = peer;
   }
+  long redirects = 0;
+  char* effective = nullptr;
+  if (s.follow_redirects && c.easy_getinfo(h, CURLINFO_REDIRECT_COUNT, &redirects) == CURLE_OK &&
+      redirects > 0 && c.easy_getinfo(h, CURLINFO_EFFECTIVE_URL, &effective) == CURLE_OK &&
+      effective != nullptr) {
+    response.redirected_to = effective;
+  }
   if (code != CURLE_OK) {
     response.curl_code = code;
     response.curl_error = error[0] != '\0' ? error : c.easy_strerror(code);
     if (t.stalled) {
       response.curl_error = "stalled: no byte received for " + std::to_string(t.timeout_ms) + " ms";
+    }
+    char* next = nullptr;
+    if (code == CURLE_UNSUPPORTED_PROTOCOL && s.follow_redirects &&
+        (!response.redirected_to.empty() ||
+         (c.easy_getinfo(h, CURLINFO_REDIRECT_URL, &next) == CURLE_OK && next != nullptr))) {
+      // A redirect to a scheme not allowed above. Named without its query: a signed link's
+      // signature is a credential.
+      const std::string to =
+          response.redirected_to.empty() ? std::string(next) : response.redirected_to;
+      response.redirected_to.clear();  // nothing answered there
+      response.curl_error =
+          "refused to follow the redirect to " + to.substr(0, to.find_first_of("?#")) +
+          (request.url.rfind("https://", 0) == 0 ? " (from https:// only to https://)"
+                                                 : " (only to http:// and https://)");
     }
   }
   c.easy_setopt(h, CURLOPT_ERRORBUFFER, static_cast<char*>(nullptr));

@@ -39,7 +39,9 @@ struct HttpSettings {
   uint32_t timeout_ms = 30'000;  // connect timeout, and the longest time without a byte received
   bool verify_tls = true;
   std::string ca_bundle;
-  bool follow_redirects = false;  // plain HTTP(S) sources follow redirects (a hub to its CDN)
+  // Plain HTTP(S) sources follow redirects (a hub to its CDN), at most 8, to http:// or https://
+  // only, and from an https:// URL to https:// only (never a downgrade to plain text).
+  bool follow_redirects = false;
   // OAuth 2 tokens (gcs_auth.h) sent as "Authorization: Bearer"; null for none.
   std::shared_ptr<BearerTokens> bearer;
 };
@@ -66,6 +68,8 @@ struct HttpResponse {
   std::string text;         // a body not written into request.body (error documents, listings)
   std::string rejected;     // why a 2xx body was not accepted into request.body, if it was not
   std::string peer;  // the address the connection went to ("127.0.0.1", "::1"); "" if none was made
+  // The URL that answered when the request was redirected (follow_redirects), else "".
+  std::string redirected_to;
   // Bearer tokens only: no token could be had (curl_error says why; nothing was sent), or the
   // server answered 401 and another token will be fetched for the next attempt.
   bool no_token = false;

@@ -9,6 +9,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "objstore/curl_api.h"
 #include "objstore/gcs_auth.h"
 #include "objstore/http.h"
+#include "objstore/http_auth.h"
 #include "objstore/object_cache.h"
 #include "objstore/s3_xml.h"
 #include "objstore/transport.h"
@@ -88,6 +90,7 @@ class ObjectSource;
 // What went wrong with one response, and whether trying again may help.
 struct Verdict {
   bool retryable = false;
+  long status = 0;  // the response's HTTP status; 0 without one
   Code code = Code::kIoError;
   std::string why;  // "HTTP 503 SlowDown: Please reduce your request rate." or a curl error
 };
@@ -107,6 +110,7 @@ Verdict Judge(const HttpResponse& r) {
     v.why = "no response (" + r.curl_error + ")";
     return v;
   }
+  v.status = r.status;
   v.why = "HTTP " + std::to_string(r.status);
   if (std::optional<S3ErrorBody> e = ParseS3Error(r.text)) {
     s3code = e->code;
@@ -118,6 +122,11 @@ Verdict Judge(const HttpResponse& r) {
   }
   if (!r.rejected.empty()) v.why += " (" + r.rejected + ")";
   if (r.curl_code != 0) v.why += " (" + r.curl_error + ")";
+  // Where a redirect led, without its query (a signed link's signature is a credential).
+  if (!r.redirected_to.empty()) {
+    v.why +=
+        " (redirected to " + r.redirected_to.substr(0, r.redirected_to.find_first_of("?#")) + ")";
+  }
   if (r.status >= 200 && r.status <= 299) {
     // A good status whose body broke off (reset, truncated, stalled) or was not the range asked.
     v.retryable = r.rejected.empty() || r.rejected.find("more than") == std::string::npos;
@@ -195,8 +204,15 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   // Sends `request` until it succeeds, fails for good or runs out of attempts. `accept` says
   // whether a response is the answer (then returned, whatever its status).
   template <class Accept>
-  Result<HttpResponse> Send(const Target& target, const HttpRequest& request,
-                            const std::string& what, Accept accept) const;
+  Result<HttpResponse> Send(const Target& target, HttpRequest request, const std::string& what,
+                            Accept accept) const;
+  // One GET of `request` (to request.url) for `target`. A plain HTTP(S) URL that was
+  // redirected before (a model hub's resolver sending each GET to a signed CDN link) is asked at
+  // the URL it was redirected to: one request instead of two, and the hub's resolver (often
+  // rate-limited) is asked once per object rather than once per part. When that URL stops
+  // answering (401, 403, 404, 410: the link expired or was withdrawn), the original URL is asked
+  // again at once and its new redirect remembered; the pinned ETag (If-Match) holds throughout.
+  HttpResponse Fetch(const HttpClient& client, const Target& target, HttpRequest& request) const;
   std::string Context(const Target& target) const;
   void Backoff(unsigned attempt) const;
   Status Failed(const Target& target, const std::string& what, const Verdict& v,
@@ -223,6 +239,9 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   void NotePeer(const std::string& peer) const;
   mutable std::mutex peers_mu_;
   mutable std::string local_peer_, remote_peer_;
+  // Fetch's memory: a URL -> where its last successful GET was redirected to.
+  mutable std::mutex direct_mu_;
+  mutable std::unordered_map<std::string, std::string> direct_;
 
   mutable std::once_flag s3_once_, gcs_once_, http_once_;
   mutable Result<S3Config> s3_config_ = Status(Code::kInternal, "unresolved");
@@ -230,6 +249,7 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   mutable Result<GcsConfig> gcs_config_ = Status(Code::kInternal, "unresolved");
   mutable Result<std::unique_ptr<HttpClient>> gcs_client_ = Status(Code::kInternal, "unmade");
   mutable Result<std::unique_ptr<HttpClient>> http_client_ = Status(Code::kInternal, "unmade");
+  mutable HttpToken http_token_;  // plain HTTP(S) origins' token (with http_client_)
 };
 
 // --- ObjectSource ------------------------------------------------------------------------------
@@ -308,6 +328,12 @@ Result<const HttpClient*> ObjectSource::Client(Scheme scheme) const {
     return s3_client_->get();
   }
   std::call_once(http_once_, [this] {
+    Result<HttpToken> token = ResolveHttpToken(options_.http_token);
+    if (!token.ok()) {
+      http_client_ = token.status();
+      return;
+    }
+    http_token_ = *std::move(token);
     HttpSettings hs = TransportSettings(options_);
     hs.follow_redirects = true;
     http_client_ = HttpClient::Make(std::move(hs));
@@ -363,23 +389,76 @@ Status ObjectSource::Failed(const Target& target, const std::string& what, const
   if (attempts > 1) {
     message += "; gave up after " + std::to_string(attempts) + " attempts";
   }
+  if (!IsBucketScheme(target.scheme) && (v.status == 401 || v.status == 403)) {
+    // A gated or private model on a hub: say which token went, never the token.
+    const bool sent = !http_token_.For(target.url.origin).empty();
+    message += sent ? "; the access token from " + http_token_.from + " was sent"
+                    : "; no access token was sent (the http_token option, or HF_TOKEN for the "
+                      "Hugging Face hub)";
+  }
   message += Context(target);
   return Status(v.code, std::move(message));
 }
 
 template <class Accept>
-Result<HttpResponse> ObjectSource::Send(const Target& target, const HttpRequest& request,
+Result<HttpResponse> ObjectSource::Send(const Target& target, HttpRequest request,
                                         const std::string& what, Accept accept) const {
   TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.scheme));
   for (unsigned attempt = 0;; ++attempt) {
     CountRequest(attempt);
-    HttpResponse r = client->Get(request);
+    HttpResponse r = Fetch(*client, target, request);
     CountBytes(r.body_bytes + r.text.size());
     if (accept(r)) return r;
     const Verdict v = Judge(r);
     if (!v.retryable || attempt >= options_.retries) return Failed(target, what, v, attempt + 1);
     Backoff(attempt);
   }
+}
+
+HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
+                                 HttpRequest& request) const {
+  const std::string origin = request.url;
+  std::string direct;
+  if (!IsBucketScheme(target.scheme)) {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    const auto it = direct_.find(origin);
+    if (it != direct_.end()) direct = it->second;
+  }
+  // The origin's token (http_auth.h), to the origin only: libcurl drops it on a redirect to
+  // another host, and a remembered redirect target is asked without it.
+  const std::string token =
+      IsBucketScheme(target.scheme) ? std::string() : http_token_.For(target.url.origin);
+  const size_t headers = request.headers.size();
+  const auto ask_origin = [&] {
+    request.url = origin;
+    if (!token.empty()) request.headers.push_back("Authorization: Bearer " + token);
+    HttpResponse answer = client.Get(request);
+    request.headers.resize(headers);
+    return answer;
+  };
+  HttpResponse r;
+  if (direct.empty()) {
+    r = ask_origin();
+  } else {
+    request.url = direct;
+    r = client.Get(request);
+    if (r.status == 401 || r.status == 403 || r.status == 404 || r.status == 410) {
+      {
+        std::lock_guard<std::mutex> lock(direct_mu_);
+        const auto it = direct_.find(origin);
+        if (it != direct_.end() && it->second == direct) direct_.erase(it);
+      }
+      CountBytes(r.text.size());  // the refusal's body; its request was counted by the caller
+      CountRequest(0);
+      r = ask_origin();
+    }
+  }
+  request.url = origin;
+  if (!r.redirected_to.empty() && r.status >= 200 && r.status <= 299) {
+    std::lock_guard<std::mutex> lock(direct_mu_);
+    direct_[origin] = r.redirected_to;
+  }
+  return r;
 }
 
 void ObjectSource::NotePeer(const std::string& peer) const {
@@ -496,7 +575,7 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
     // If-Match compares strongly: a weak ETag (W/"...") would never match, so it is only
     // compared with each response's below.
     if (!etag.empty() && etag.rfind("W/", 0) != 0) req.headers.push_back("If-Match: " + etag);
-    HttpResponse r = client->Get(req);
+    HttpResponse r = Fetch(*client, target, req);
     CountBytes(r.body_bytes);
     // Pinned: the object answering must be the one opened.
     if (r.status == 412 || (!etag.empty() && !r.etag.empty() && r.etag != etag) ||

@@ -228,7 +228,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 48> kKeys = {{
+const std::array<Key, 49> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -295,6 +295,9 @@ const std::array<Key, 48> kKeys = {{
     // gs:// URLs: an OAuth 2 access token (else GOOGLE_OAUTH_ACCESS_TOKEN, then Google's
     // application default credentials; gcs_auth.h).
     {"gcs_token", "", SetText<&ObjectStoreOptions::gcs_token>},
+    // http(s):// URLs: a bearer token for the origin (else HF_TOKEN for the Hugging Face hub's
+    // hosts; http_auth.h).
+    {"http_token", "", SetText<&ObjectStoreOptions::http_token>},
     {"object_concurrency", "TENSORFERRY_OBJECT_CONCURRENCY",
      SetObjectNumber<&ObjectStoreOptions::concurrency, 1, kMaxThreads>},
     {"object_part_size", "TENSORFERRY_OBJECT_PART_SIZE",

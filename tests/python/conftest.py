@@ -32,12 +32,16 @@ def pytest_configure(config):
 # are the tests that need a missing server skipped instead, saying which. (test_vllm.py's
 # vllm_env does the same for .venv-vllm.)
 _SERVER_FIXTURES = {"seaweed": "weed", "s3_proxy": "weed", "nginx_http": "nginx",
-                    "nginx_proxy": "nginx"}
+                    "nginx_proxy": "nginx", "hub": "nginx"}
 
 
 # Tests that start a server of their own rather than through a fixture: the binary each needs.
 _STARTS_SERVERS_ITSELF = {"test_a_server_that_cannot_start_reports_its_log": "weed",
-                          "test_servers_leave_no_process_behind": "nginx"}
+                          "test_servers_leave_no_process_behind": "nginx",
+                          "test_links_that_expire_during_a_load_are_resolved_again": "nginx",
+                          "test_an_https_hub_is_never_followed_to_plain_http": "nginx",
+                          "test_a_gated_model_loads_with_its_token_sent_to_the_hub_only": "nginx",
+                          "test_from_pretrained_of_a_hub_prefix_equals_the_local_model": "nginx"}
 
 
 def _server_missing(binary):

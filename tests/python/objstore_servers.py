@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -414,11 +415,12 @@ class NginxHttp:
     """nginx serving `root` (default: a fresh temp dir) on a free loopback port: static files,
     range requests, ETag on, no directory listing. url(relpath) gives a file's URL."""
 
-    def __init__(self, root=None, workers=1, start_timeout_s=20.0):
+    def __init__(self, root=None, workers=1, start_timeout_s=20.0, extra_conf=""):
         self.work = tempfile.mkdtemp(prefix="tf-nginx-")
         self.root = root or os.path.join(self.work, "www")
         os.makedirs(self.root, exist_ok=True)
         self.workers = workers
+        self.extra_conf = extra_conf  # more of the server block (locations), as nginx.conf text
         self.start_timeout_s = start_timeout_s
         self.port = None
         self.start_seconds = None
@@ -512,6 +514,7 @@ http {{
         root {self.root};
         autoindex off;
         location / {{ }}
+{self.extra_conf}
     }}
 }}
 """
@@ -531,3 +534,61 @@ http {{
             time.sleep(0.05)
         raise self._proc.error(f"nginx not answering on port {self.port} after "
                                f"{self.start_timeout_s:.0f} s")
+
+
+class TlsFront:
+    """TLS on loopback in front of a plain HTTP server (nginx): each connection is decrypted and
+    relayed byte for byte, in both directions. The certificate is self-signed for 127.0.0.1."""
+
+    def __init__(self, upstream_port, workdir):
+        import ssl
+        self.cert = os.path.join(workdir, "cert.pem")
+        key = os.path.join(workdir, "key.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", key, "-out", self.cert], check=True, capture_output=True)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.cert, key)
+        ctx.set_alpn_protocols(["http/1.1"])
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port = upstream_port
+        self.ctx = ctx
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw):
+        try:
+            tls = self.ctx.wrap_socket(raw, server_side=True)
+        except OSError:  # a client that refused the certificate
+            raw.close()
+            return
+        up = socket.create_connection(("127.0.0.1", self.upstream_port))
+
+        def pump(src, dst):
+            try:
+                while data := src.recv(1 << 16):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        threading.Thread(target=pump, args=(up, tls), daemon=True).start()
+        pump(tls, up)
+
+    def url(self, rel):
+        return f"https://127.0.0.1:{self.port}/{rel}"
+
+    def close(self):
+        self.listener.close()

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from conftest import CLI, ROOT, raw_bytes
+from objstore_servers import TlsFront
 
 import tensorferry
 import tensorferry.numpy
@@ -563,66 +564,6 @@ def test_cli_error_names_the_s3_code(stores):
     r = cli("load", url, "--json", env=stores.seaweed.env())
     assert r.returncode == 1
     assert "NoSuchKey" in r.stdout + r.stderr and url in r.stdout + r.stderr
-
-
-class TlsFront:
-    """TLS on loopback in front of a plain HTTP server (nginx): each connection is decrypted and
-    relayed byte for byte, in both directions. The certificate is self-signed for 127.0.0.1."""
-
-    def __init__(self, upstream_port, workdir):
-        import socket
-        import ssl
-        import threading
-        self.cert = os.path.join(workdir, "cert.pem")
-        key = os.path.join(workdir, "key.pem")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", key, "-out", self.cert], check=True, capture_output=True)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(self.cert, key)
-        ctx.set_alpn_protocols(["http/1.1"])
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.upstream_port = upstream_port
-        self.ctx, self.socket, self.threading = ctx, socket, threading
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                raw, _ = self.listener.accept()
-            except OSError:
-                return
-            self.threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
-
-    def _serve(self, raw):
-        try:
-            tls = self.ctx.wrap_socket(raw, server_side=True)
-        except OSError:  # a client that refused the certificate
-            raw.close()
-            return
-        up = self.socket.create_connection(("127.0.0.1", self.upstream_port))
-
-        def pump(src, dst):
-            try:
-                while data := src.recv(1 << 16):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            for s in (src, dst):
-                try:
-                    s.shutdown(self.socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-        self.threading.Thread(target=pump, args=(up, tls), daemon=True).start()
-        pump(tls, up)
-
-    def url(self, rel):
-        return f"https://127.0.0.1:{self.port}/{rel}"
-
-    def close(self):
-        self.listener.close()
 
 
 def test_https_verifies_the_certificate(stores, tmp_path):

@@ -1,0 +1,214 @@
+"""A model hub on loopback, shaped like the Hugging Face Hub's file endpoints, for the tests and the
+benchmark of loading straight from an HTTP model hub.
+
+Two servers, as the real hub has:
+  - the hub (a Python HTTP server here): `GET|HEAD /<org>/<name>/resolve/<revision>/<path>`.
+    Small files (JSON, tokenizer files) are served from it directly (200, or 206 for a Range).
+    Large files (`*.safetensors`, like the hub's LFS/Xet files) are answered with a 302 to a
+    signed, expiring link on the CDN, with the hub's headers (`X-Repo-Commit`, `X-Linked-Etag`,
+    `X-Linked-Size`, `ETag`), so that huggingface_hub's own `hf_hub_download` accepts it. A
+    missing file is a 404 with `X-Error-Code: EntryNotFound`, and a gated repo's files a 401
+    (`GatedRepo`) without its token (add_repo's `token`). Every request to a path is counted
+    (`resolves`), and each may be delayed (`delay_s`: a resolver far away, or busy).
+  - the CDN (nginx, objstore_servers.NginxHttp): blobs named by their SHA-256 under /blobs/,
+    range requests and ETags as for every nginx test, links checked by nginx's secure_link
+    module: an expired or forged link is a 403, as S3 presigned and CloudFront links are, and a
+    request that also carries an Authorization header is a 400, as S3 refuses two authorizations.
+    `link_ttl_s` sets how long the hub's links live; `cdn_rate` limits each CDN response's rate
+    (nginx limit_rate), to make a load outlast its links.
+
+`repo_url(repo)` is the prefix `http://127.0.0.1:<port>/<repo>/resolve/main` that tensorferry
+loads (it holds model.safetensors.index.json, or model.safetensors); `endpoint` is what
+huggingface_hub's HF_ENDPOINT takes.
+"""
+import base64
+import hashlib
+import http.server
+import os
+import shutil
+import threading
+import time
+import urllib.parse
+
+from objstore_servers import LOOPBACK, NginxHttp
+
+_SECRET = "tensorferry-test-hub"
+
+
+class ModelHub:
+    def __init__(self, link_ttl_s=3600, cdn_rate=None, delay_s=0.0):
+        self.link_ttl_s = link_ttl_s
+        self.delay_s = delay_s
+        self.commit = hashlib.sha1(b"tensorferry").hexdigest()
+        self._files = {}  # (repo, path) -> ("small", bytes, etag) | ("blob", sha256, size)
+        self._tokens = {}  # gated repo -> its token
+        self._lock = threading.Lock()
+        self.resolves = {}  # "<repo>/<path>" -> requests to the hub for it
+        rate = f"limit_rate {cdn_rate}; sendfile_max_chunk 64k;" if cdn_rate else ""
+        # secure_link: md5 (base64url) of "<expires><uri> <secret>"; "" = forged, "0" = expired.
+        self.cdn = NginxHttp(extra_conf=f"""
+        location /blobs/ {{
+            secure_link $arg_md5,$arg_expires;
+            secure_link_md5 "$secure_link_expires$uri {_SECRET}";
+            if ($secure_link = "") {{ return 403; }}
+            if ($secure_link = "0") {{ return 403; }}
+            if ($http_authorization) {{ return 400; }}
+            {rate}
+        }}""")
+        self._http = None
+        self.cdn_base = None  # where links point instead of the CDN (a TLS front of it)
+
+    # --- content ---------------------------------------------------------------------------
+
+    def add_repo(self, repo, local_dir, token=None):
+        """Publishes every file under local_dir as <repo> at revision main; with `token`, the
+        repo is gated: the hub answers 401 unless a request carries "Authorization: Bearer
+        <token>" (the CDN's links need none)."""
+        if token:
+            self._tokens[repo] = token
+        for dirpath, _, files in os.walk(local_dir):
+            for name in sorted(files):
+                src = os.path.join(dirpath, name)
+                rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
+                self.add_file(repo, rel, src)
+
+    def add_file(self, repo, rel, src):
+        with open(src, "rb") as f:
+            data = f.read()
+        if rel.endswith(".safetensors"):
+            sha = hashlib.sha256(data).hexdigest()
+            blob = os.path.join(self.cdn.root, "blobs", sha)
+            if not os.path.exists(blob):
+                os.makedirs(os.path.dirname(blob), exist_ok=True)
+                shutil.copyfile(src, blob)
+            self._files[(repo, rel)] = ("blob", sha, len(data))
+        else:
+            etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+            self._files[(repo, rel)] = ("small", data, etag)
+
+    def repo_url(self, repo, path=""):
+        url = f"{self.endpoint}/{repo}/resolve/main"
+        return url + ("/" + path if path else "")
+
+    @property
+    def endpoint(self):
+        return f"http://{LOOPBACK}:{self._http.server_address[1]}"
+
+    def resolve_count(self, repo, path):
+        with self._lock:
+            return self.resolves.get(f"{repo}/{path}", 0)
+
+    def reset_counts(self):
+        with self._lock:
+            self.resolves.clear()
+
+    def link(self, sha):
+        """A signed CDN link to blob `sha`, valid for link_ttl_s from now."""
+        uri = f"/blobs/{sha}"
+        expires = int(time.time()) + int(self.link_ttl_s)
+        digest = hashlib.md5(f"{expires}{uri} {_SECRET}".encode()).digest()
+        md5 = base64.urlsafe_b64encode(digest).decode().rstrip("=")
+        base = self.cdn_base or self.cdn.url("").rstrip("/")
+        return f"{base}{uri}?md5={md5}&expires={expires}"
+
+    # --- servers ---------------------------------------------------------------------------
+
+    def start(self):
+        self.cdn.start()
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self._answer(head=True)
+
+            def do_GET(self):
+                self._answer(head=False)
+
+            def _answer(self, head):
+                path = urllib.parse.urlsplit(self.path).path
+                parts = path.lstrip("/").split("/")
+                # <org>/<name>/resolve/<revision>/<path...>
+                if len(parts) < 5 or parts[2] != "resolve" or parts[3] != "main":
+                    return self._error(404, "RevisionNotFound", "no such revision or route")
+                repo, rel = "/".join(parts[:2]), "/".join(parts[4:])
+                with hub._lock:
+                    key = f"{repo}/{rel}"
+                    hub.resolves[key] = hub.resolves.get(key, 0) + 1
+                if hub.delay_s:
+                    time.sleep(hub.delay_s)
+                want = hub._tokens.get(repo)
+                if want and self.headers.get("Authorization") != f"Bearer {want}":
+                    return self._error(401, "GatedRepo", f"access to {repo} is restricted")
+                entry = hub._files.get((repo, rel))
+                if entry is None:
+                    return self._error(404, "EntryNotFound", f"{rel} not found in {repo}")
+                if entry[0] == "blob":
+                    _, sha, size = entry
+                    self.send_response(302)
+                    self.send_header("Location", hub.link(sha))
+                    self.send_header("ETag", f'"{sha}"')
+                    self.send_header("X-Linked-Etag", f'"{sha}"')
+                    self.send_header("X-Linked-Size", str(size))
+                    self.send_header("X-Repo-Commit", hub.commit)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
+                _, data, etag = entry
+                first, last, status = 0, len(data) - 1, 200
+                rng = self.headers.get("Range")
+                if rng and rng.startswith("bytes=") and data:
+                    a, _, b = rng[6:].partition("-")
+                    first = int(a)
+                    last = min(int(b), len(data) - 1) if b else len(data) - 1
+                    if first >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return None
+                    status = 206
+                body = data[first:last + 1]
+                self.send_response(status)
+                self.send_header("ETag", etag)
+                self.send_header("X-Repo-Commit", hub.commit)
+                self.send_header("Accept-Ranges", "bytes")
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+                return None
+
+            def _error(self, status, code, message):
+                body = message.encode()
+                self.send_response(status)
+                self.send_header("X-Error-Code", code)
+                self.send_header("X-Error-Message", message)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+        self._http = http.server.ThreadingHTTPServer((LOOPBACK, 0), Handler)
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self):
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self.cdn.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

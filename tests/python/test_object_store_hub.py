@@ -1,0 +1,223 @@
+"""Loading straight from an HTTP model hub (issue 13's "HTTP model hub"): a hub on loopback shaped
+like the Hugging Face Hub's file endpoints (hub_server.ModelHub: a resolver that answers each
+weight file with a 302 to a signed, expiring CDN link, and nginx as the CDN checking the links).
+
+What is checked: the prefix `<hub>/<org>/<name>/resolve/main` loads like a model folder (its index,
+or its single model.safetensors) through Python and the CLI, byte for byte; the resolver is asked
+once per file however many ranged GETs the load makes (the later ones go to the CDN link); links
+that expire during a load are resolved again and the load completes byte-exact; a hub without the
+model is a FileNotFoundError naming what was looked for; a gated model loads with its token, which
+goes to the hub and never to its CDN; an https:// hub is never followed to a plain-text link;
+transformers' from_pretrained of the hub prefix equals the local model."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from conftest import CLI, raw_bytes
+from hub_server import ModelHub
+from objstore_servers import TlsFront
+
+import tensorferry
+import tensorferry.torch
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_checkpoint):
+    """Local folders: a sharded checkpoint (the CLI's tiny preset, with its index) and a
+    single-file one (a 4 MiB model.safetensors)."""
+    single = str(tmp_path_factory.mktemp("single"))
+    torch.manual_seed(0)
+    tensorferry.torch.save_file({"w": torch.randn(1024, 1024), "b": torch.arange(7.0)},
+                                os.path.join(single, "model.safetensors"))
+    return {"org/sharded": tiny_checkpoint, "org/single": single}
+
+
+@pytest.fixture(scope="module")
+def hub(models):
+    with ModelHub() as h:
+        for repo, local in models.items():
+            h.add_repo(repo, local)
+        yield h
+
+
+def load_all(path, **kw):
+    with tensorferry.Loader(path, **kw) as loader:
+        return loader.load(), loader.stats
+
+
+def assert_same(got, want):
+    assert list(got) == list(want)
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and tuple(got[name].shape) == tuple(w.shape), name
+        assert raw_bytes(got[name]) == raw_bytes(w), name
+
+
+def weight_files(local):
+    return sorted(f for f in os.listdir(local) if f.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("repo", ["org/sharded", "org/single"])
+def test_a_hub_prefix_loads_like_a_model_folder(hub, models, repo):
+    local = models[repo]
+    want, _ = load_all(local)
+    hub.reset_counts()
+    # Small parts, one at a time: many ranged GETs per file.
+    opts = {"object_part_size": "1MiB", "object_concurrency": 1}
+    got, stats = load_all(hub.repo_url(repo), storage_options=opts)
+    assert_same(got, want)
+    files = weight_files(local)
+    for f in files:  # every GET after the first went to the CDN link
+        assert hub.resolve_count(repo, f) == 1, (f, hub.resolves)
+    if repo == "org/single":
+        assert stats.remote_requests >= 5  # 4 MiB in 1 MiB parts, and the header's GET
+    # The CLI, the same checksum as the local folder's load.
+    local_json = json.loads(subprocess.run([CLI, "load", local, "--json"], capture_output=True,
+                                           text=True, check=True).stdout)
+    r = subprocess.run([CLI, "load", hub.repo_url(repo), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    remote_json = json.loads(r.stdout)
+    assert remote_json["checksum"] == local_json["checksum"]
+    assert remote_json["tensors"] == local_json["tensors"]
+
+
+def test_a_hub_without_the_model_names_what_was_looked_for(hub):
+    url = hub.repo_url("org/none")
+    with pytest.raises(FileNotFoundError) as e:
+        tensorferry.Loader(url)
+    message = str(e.value)
+    assert url in message
+    assert "model.safetensors.index.json" in message and "nor model.safetensors" in message
+
+
+@pytest.fixture
+def no_hf_token(monkeypatch, tmp_path):
+    """No Hugging Face token or endpoint of the caller's: each test says what it uses."""
+    for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
+
+
+def test_a_gated_model_loads_with_its_token_sent_to_the_hub_only(models, no_hf_token,
+                                                                  monkeypatch):
+    """The hub wants the token; its CDN refuses a request with one (as S3 refuses a presigned
+    link with an Authorization header): the token goes to the origin only, through redirects
+    too. HF_TOKEN reaches the Hugging Face hub's origins (here HF_ENDPOINT's) and no other."""
+    local = models["org/sharded"]
+    want, _ = load_all(local)
+    with ModelHub() as h:
+        h.add_repo("org/gated", local, token="hf_secret_1")
+        url = h.repo_url("org/gated")
+        with pytest.raises(OSError) as e:
+            tensorferry.Loader(url)
+        message = str(e.value)
+        assert "HTTP 401" in message and "restricted" in message, message
+        assert "no access token was sent" in message and "HF_TOKEN" in message
+        got, _ = load_all(url, storage_options={"http_token": "hf_secret_1"})
+        assert_same(got, want)
+        with pytest.raises(OSError) as e:
+            tensorferry.Loader(url, storage_options={"http_token": "hf_wrong"})
+        assert "the access token from the http_token option was sent" in str(e.value)
+        assert "hf_wrong" not in str(e.value)
+        # HF_TOKEN: only to the hub's origins; HF_ENDPOINT makes this hub one.
+        monkeypatch.setenv("HF_TOKEN", "hf_secret_1")
+        with pytest.raises(OSError, match="no access token was sent"):
+            tensorferry.Loader(url)
+        monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+        got, _ = load_all(url)
+        assert_same(got, want)
+        # The CLI, from the environment.
+        r = subprocess.run([CLI, "load", url, "--json"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        local_json = json.loads(subprocess.run([CLI, "load", local, "--json"],
+                                               capture_output=True, text=True).stdout)
+        assert json.loads(r.stdout)["checksum"] == local_json["checksum"]
+        # huggingface_hub's token file, when HF_TOKEN is unset.
+        monkeypatch.delenv("HF_TOKEN")
+        token_file = os.environ["HF_TOKEN_PATH"]
+        with open(token_file, "w") as f:
+            f.write("hf_secret_1\n")
+        got, _ = load_all(url)
+        assert_same(got, want)
+
+
+def test_links_that_expire_during_a_load_are_resolved_again(models, tmp_path):
+    """Links live 1 s and the CDN sends each part at 1 MiB/s: every part after the first finds
+    its link expired (403), asks the resolver again and completes; the load is byte-exact."""
+    local = models["org/single"]
+    want, _ = load_all(local)
+    with ModelHub(link_ttl_s=1, cdn_rate="1m") as h:
+        h.add_repo("org/single", local)
+        opts = {"object_part_size": "1MiB", "object_concurrency": 1}
+        got, stats = load_all(h.repo_url("org/single"), storage_options=opts)
+        assert_same(got, want)
+        resolves = h.resolve_count("org/single", "model.safetensors")
+        parts = -(-os.path.getsize(os.path.join(local, "model.safetensors")) // (1 << 20))
+        assert 2 <= resolves <= parts + 1, (resolves, parts)
+        assert stats.remote_retries == 0  # an expired link is not a failed attempt
+
+
+def test_an_https_hub_is_never_followed_to_plain_http(models, tmp_path):
+    local = models["org/single"]
+    want, _ = load_all(local)
+    with ModelHub() as h:
+        h.add_repo("org/single", local)
+        os.makedirs(tmp_path / "hub")
+        os.makedirs(tmp_path / "cdn")
+        hub_tls = TlsFront(h._http.server_address[1], str(tmp_path / "hub"))
+        cdn_tls = TlsFront(h.cdn.port, str(tmp_path / "cdn"))
+        try:
+            bundle = str(tmp_path / "bundle.pem")
+            with open(bundle, "w") as out:
+                for front in (hub_tls, cdn_tls):
+                    with open(front.cert) as f:
+                        out.write(f.read())
+            opts = {"object_ca_bundle": bundle}
+            url = f"https://127.0.0.1:{hub_tls.port}/org/single/resolve/main"
+            # Links to http://: refused at once, naming the link without its signature.
+            with pytest.raises(OSError) as e:
+                tensorferry.Loader(url, storage_options=opts)
+            message = str(e.value)
+            assert "refused to follow the redirect to http://" in message, message
+            assert "from https:// only to https://" in message and "md5=" not in message
+            assert "attempts" not in message
+            # Links to https://: followed.
+            h.cdn_base = f"https://127.0.0.1:{cdn_tls.port}"
+            got, _ = load_all(url, storage_options=opts)
+            assert_same(got, want)
+        finally:
+            hub_tls.close()
+            cdn_tls.close()
+
+
+def test_from_pretrained_of_a_hub_prefix_equals_the_local_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import tensorferry.transformers as tft
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16)
+    for shard in (None, "60KB"):
+        folder = tmp_path / f"llama-{shard}"
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        if shard:
+            model.save_pretrained(folder, max_shard_size=shard)
+        else:
+            model.save_pretrained(folder)
+        with ModelHub() as h:
+            h.add_repo("org/llama", str(folder))
+            ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+            with tft.loading():
+                got = transformers.AutoModelForCausalLM.from_pretrained(
+                    h.repo_url("org/llama"), dtype=torch.bfloat16)
+            for f in weight_files(folder):
+                assert h.resolve_count("org/llama", f) >= 1
+        sa, sb = ref.state_dict(), got.state_dict()
+        assert list(sa) == list(sb)
+        for name in sa:
+            assert torch.equal(sa[name].reshape(-1).view(torch.uint8),
+                               sb[name].reshape(-1).view(torch.uint8)), name
+        shutil.rmtree(folder)

@@ -9,6 +9,9 @@ endpoints: a resolver (`/<org>/<name>/resolve/main/<file>`, each answer delayed 
 --resolver-delay seconds: a resolver across the internet) that sends each weight file to a
 signed CDN link (nginx). The checkpoint is bench/object_store_bench.py's (generated once under
 --data). Contenders, each run in a fresh process, the order rotating every round:
+  raw curl (CDN links)         the limit: one curl, 8 ranged GETs of 32 MiB in flight, of every
+                               file's CDN link straight to /dev/null (wall time; its RSS is
+                               ru_maxrss, which includes the parent's at fork)
   hf_hub_download + load_file  what a user does today: huggingface_hub's hf_hub_download of the
                                index and every shard into a fresh cache folder (HF_ENDPOINT at the
                                hub; its Xet path off: the hub serves plain HTTP), then
@@ -18,7 +21,8 @@ signed CDN link (nginx). The checkpoint is bench/object_store_bench.py's (genera
   tensorferry CLI --budget     `tensorferry load URL --budget 256M --json` (streaming, bounded)
   CLI before                   (with --cli-before PATH) another build of the CLI, the same way
 Timed inside each child (imports and process start excluded; the CLIs: their own `seconds`);
-peak RSS is the child's; "resolver" is the requests the hub's resolver answered during the run.
+peak RSS is the child's VmHWM (the CLIs' own `peak_rss_bytes`); "resolver" is the requests the
+hub's resolver answered during the run.
 Every load's tensors are compared (CRC32 of each tensor's bytes; the CLIs: their checksum against
 each other) with the first run's.
 """
@@ -66,7 +70,18 @@ def child(spec):
         with tensorferry.Loader(spec["url"]) as loader:
             tensors = loader.load()
         seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "crc": crcs(tensors)}))
+    print(json.dumps({"seconds": seconds, "crc": crcs(tensors), "peak_rss_bytes": vm_hwm()}))
+
+
+def vm_hwm():
+    """This process's peak RSS since its exec (VmHWM). Not ru_maxrss: that keeps the peak of the
+    process before exec, i.e. of the parent it was forked from (here a Python that imported
+    torch), which would hide the child's own figure."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def main():
@@ -102,6 +117,23 @@ def main():
             ("tensorferry Loader", me + [json.dumps({"kind": "tf", "url": url})]),
             ("tensorferry CLI --budget 256M", [cli, "load", url, "--budget", "256M", "--json"]),
         ]
+        # The raw limit: the CDN links themselves, 8 ranged GETs of 32 MiB in flight (the
+        # transport the CLI chooses for a store on this host), to /dev/null, by one curl.
+        config = os.path.join(work, "curl.cfg")
+        transfers = []
+        for name in sorted(os.listdir(ckpt)):
+            if not name.endswith(".safetensors"):
+                continue
+            size = os.path.getsize(os.path.join(ckpt, name))
+            link = hub.link(hub._files[(repo, name)][1])
+            for first in range(0, size, 32 << 20):
+                last = min(size, first + (32 << 20)) - 1
+                transfers.append(f'url = "{link}"\nrange = "{first}-{last}"\n'
+                                 'output = "/dev/null"\nfail\n')
+        with open(config, "w") as f:
+            f.write("next\n".join(transfers))  # "next" between transfers, not after the last
+        contenders.insert(0, ("raw curl (CDN links, 8 x 32 MiB)",
+                              ["curl", "-sS", "--fail", "-Z", "--parallel-max", "8", "-K", config]))
         if args.cli_before:
             contenders.append(("CLI before --budget 256M",
                                [args.cli_before, "load", url, "--budget", "256M", "--json"]))
@@ -116,8 +148,13 @@ def main():
                 shutil.rmtree(os.path.join(work, "hf-cache"), ignore_errors=True)
                 if r["rc"] != 0:
                     sys.exit(f"{label}: exit {r['rc']}: {r['stderr'][-2000:]}")
-                out = json.loads([ln for ln in r["stdout"].splitlines() if ln.strip()][-1])
-                if "crc" in out:
+                if argv[0] == "curl":
+                    out = {"seconds": r["wall"], "peak_rss_bytes": r["peak_rss"]}
+                else:
+                    out = json.loads([ln for ln in r["stdout"].splitlines() if ln.strip()][-1])
+                if argv[0] == "curl":
+                    pass  # bytes to nowhere: nothing to compare
+                elif "crc" in out:
                     want_crc = out["crc"] if want_crc is None else want_crc
                     if out["crc"] != want_crc:
                         sys.exit(f"{label}: tensors differ from the first load's")
@@ -127,7 +164,7 @@ def main():
                         sys.exit(f"{label}: checksum {out['checksum']} != {want_checksum}")
                 resolver = sum(hub.resolves.values())
                 row = {"seconds": out["seconds"], "gb_per_s": total / out["seconds"] / 1e9,
-                       "peak_rss_mib": r["peak_rss"] / (1 << 20), "resolver": resolver,
+                       "peak_rss_mib": out["peak_rss_bytes"] / (1 << 20), "resolver": resolver,
                        "requests": out.get("remote_requests")}
                 results[label].append(row)
                 print(f"round {i + 1} {label:30s} {row['seconds']:7.2f} s {row['gb_per_s']:6.2f} "

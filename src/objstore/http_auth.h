@@ -9,9 +9,10 @@
 //      ~/.cache/huggingface); sent only to the hub's origins: https://huggingface.co,
 //      https://hf.co and the origin of HF_ENDPOINT (a mirror) when it is set. Other servers never
 //      see it.
-// The token goes as "Authorization: Bearer <token>" to the origin only: never to where the origin
-// redirects (a CDN's signed link carries its own authorization; libcurl drops the header on a
-// redirect to another host, and a remembered redirect target is asked without it).
+// The token goes as "Authorization: Bearer <token>" to the origin only (its scheme, host and
+// port): never to another host it redirects to (a CDN's signed link carries its own
+// authorization; libcurl drops the header on a redirect to another host, and a remembered
+// redirect target elsewhere is asked without it).
 //
 // Contract: ResolveHttpToken reads the environment only through the GetEnv given (tests inject
 // one) and files only through ReadSmallFile; thread-safe when that GetEnv is. Errors: a token

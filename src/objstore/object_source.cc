@@ -2,6 +2,7 @@
 // GETs with retries, resume and ETag pinning.
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -60,6 +61,19 @@ std::string Excerpt(std::string_view text) {
   std::string out;
   for (char c : text.substr(0, 160)) out += (c >= 32 && c < 127) ? c : ' ';
   return out;
+}
+
+// True when `url` is on `origin` ("scheme://host[:port]"): the same scheme, host and port,
+// compared case-insensitively (a hub's redirect to a path of its own, such as a cache of small
+// files, stays on the origin; a CDN does not).
+bool SameOrigin(std::string_view url, std::string_view origin) {
+  if (url.size() < origin.size()) return false;
+  for (size_t i = 0; i < origin.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(url[i])) !=
+        std::tolower(static_cast<unsigned char>(origin[i])))
+      return false;
+  }
+  return url.size() == origin.size() || url[origin.size()] == '/' || url[origin.size()] == '?';
 }
 
 bool RetryableS3Code(std::string_view code) {
@@ -424,24 +438,25 @@ HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
     const auto it = direct_.find(origin);
     if (it != direct_.end()) direct = it->second;
   }
-  // The origin's token (http_auth.h), to the origin only: libcurl drops it on a redirect to
-  // another host, and a remembered redirect target is asked without it.
+  // The origin's token (http_auth.h), to the origin's scheme, host and port only: libcurl drops
+  // it on a redirect elsewhere, and a remembered redirect target elsewhere is asked without it.
   const std::string token =
       IsBucketScheme(target.scheme) ? std::string() : http_token_.For(target.url.origin);
   const size_t headers = request.headers.size();
-  const auto ask_origin = [&] {
-    request.url = origin;
-    if (!token.empty()) request.headers.push_back("Authorization: Bearer " + token);
+  const auto ask = [&](const std::string& url) {
+    request.url = url;
+    if (!token.empty() && SameOrigin(url, target.url.origin)) {
+      request.headers.push_back("Authorization: Bearer " + token);
+    }
     HttpResponse answer = client.Get(request);
     request.headers.resize(headers);
     return answer;
   };
   HttpResponse r;
   if (direct.empty()) {
-    r = ask_origin();
+    r = ask(origin);
   } else {
-    request.url = direct;
-    r = client.Get(request);
+    r = ask(direct);
     if (r.status == 401 || r.status == 403 || r.status == 404 || r.status == 410) {
       {
         std::lock_guard<std::mutex> lock(direct_mu_);
@@ -450,7 +465,7 @@ HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
       }
       CountBytes(r.text.size());  // the refusal's body; its request was counted by the caller
       CountRequest(0);
-      r = ask_origin();
+      r = ask(origin);
     }
   }
   request.url = origin;

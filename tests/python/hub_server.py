@@ -3,7 +3,9 @@ benchmark of loading straight from an HTTP model hub.
 
 Two servers, as the real hub has:
   - the hub (a Python HTTP server here): `GET|HEAD /<org>/<name>/resolve/<revision>/<path>`.
-    Small files (JSON, tokenizer files) are served from it directly (200, or 206 for a Range).
+    Small files (JSON, tokenizer files) are answered with a relative redirect to the hub's own
+    cache of them (`/api/resolve-cache/models/...`, the same origin, as huggingface.co does),
+    which serves them (200, or 206 for a Range; gated as the repo is).
     Large files (`*.safetensors`, like the hub's LFS/Xet files) are answered with a 302 to a
     signed, expiring link on the CDN, with the hub's headers (`X-Repo-Commit`, `X-Linked-Etag`,
     `X-Linked-Size`, `ETag`), so that huggingface_hub's own `hf_hub_download` accepts it. A
@@ -132,6 +134,15 @@ class ModelHub:
             def _answer(self, head):
                 path = urllib.parse.urlsplit(self.path).path
                 parts = path.lstrip("/").split("/")
+                if parts[:3] == ["api", "resolve-cache", "models"] and len(parts) >= 7:
+                    # /api/resolve-cache/models/<org>/<name>/<commit>/<path>: small files.
+                    repo, rel = "/".join(parts[3:5]), "/".join(parts[6:])
+                    entry = hub._files.get((repo, rel))
+                    if parts[5] != hub.commit or entry is None or entry[0] != "small":
+                        return self._error(404, "EntryNotFound", f"{rel} not found in {repo}")
+                    if not self._authorized(repo):
+                        return self._error(401, "GatedRepo", f"access to {repo} is restricted")
+                    return self._small(entry, head)
                 # <org>/<name>/resolve/<revision>/<path...>
                 if len(parts) < 5 or parts[2] != "resolve" or parts[3] != "main":
                     return self._error(404, "RevisionNotFound", "no such revision or route")
@@ -141,8 +152,7 @@ class ModelHub:
                     hub.resolves[key] = hub.resolves.get(key, 0) + 1
                 if hub.delay_s:
                     time.sleep(hub.delay_s)
-                want = hub._tokens.get(repo)
-                if want and self.headers.get("Authorization") != f"Bearer {want}":
+                if not self._authorized(repo):
                     return self._error(401, "GatedRepo", f"access to {repo} is restricted")
                 entry = hub._files.get((repo, rel))
                 if entry is None:
@@ -158,6 +168,23 @@ class ModelHub:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return None
+                # Small files: a relative redirect to the hub's own cache of them, on the same
+                # origin (as huggingface.co answers since 2025).
+                _, data, etag = entry
+                self.send_response(307)
+                self.send_header("Location", f"/api/resolve-cache/models/{repo}/{hub.commit}/"
+                                             f"{rel}?etag={urllib.parse.quote(etag)}")
+                self.send_header("ETag", etag)
+                self.send_header("X-Repo-Commit", hub.commit)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+
+            def _authorized(self, repo):
+                want = hub._tokens.get(repo)
+                return not want or self.headers.get("Authorization") == f"Bearer {want}"
+
+            def _small(self, entry, head):
                 _, data, etag = entry
                 first, last, status = 0, len(data) - 1, 200
                 rng = self.headers.get("Range")

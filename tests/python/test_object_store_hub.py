@@ -117,6 +117,14 @@ def test_a_gated_model_loads_with_its_token_sent_to_the_hub_only(models, no_hf_t
         assert "no access token was sent" in message and "HF_TOKEN" in message
         got, _ = load_all(url, storage_options={"http_token": "hf_secret_1"})
         assert_same(got, want)
+        # First GETs of 512 bytes: the index and every header take more GETs, which go straight
+        # to where the first was redirected: the CDN's links without the token, the hub's own
+        # cache of small files (the same origin) with it.
+        h.reset_counts()
+        got, _ = load_all(url, storage_options={"http_token": "hf_secret_1",
+                                                "object_header_bytes": 512})
+        assert_same(got, want)
+        assert h.resolve_count("org/gated", "model.safetensors.index.json") == 1, h.resolves
         with pytest.raises(OSError) as e:
             tensorferry.Loader(url, storage_options={"http_token": "hf_wrong"})
         assert "the access token from the http_token option was sent" in str(e.value)

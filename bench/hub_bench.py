@@ -70,18 +70,10 @@ def child(spec):
         with tensorferry.Loader(spec["url"]) as loader:
             tensors = loader.load()
         seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "crc": crcs(tensors), "peak_rss_bytes": vm_hwm()}))
-
-
-def vm_hwm():
-    """This process's peak RSS since its exec (VmHWM). Not ru_maxrss: that keeps the peak of the
-    process before exec, i.e. of the parent it was forked from (here a Python that imported
-    torch), which would hide the child's own figure."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    # VmHWM, not ru_maxrss: that keeps the peak of the process before exec, i.e. of the parent
+    # it was forked from (a Python that imported torch), which would hide the child's figure.
+    from model_bench import _hwm
+    print(json.dumps({"seconds": seconds, "crc": crcs(tensors), "peak_rss_bytes": _hwm()}))
 
 
 def main():

@@ -19,10 +19,13 @@ signed CDN link (nginx). The checkpoint is bench/object_store_bench.py's (genera
   tensorferry Loader           tensorferry.Loader(<hub>/<repo>/resolve/main).load(): straight
                                from the hub into memory, nothing written to disk
   tensorferry CLI --budget     `tensorferry load URL --budget 256M --json` (streaming, bounded)
+  tensorferry CLI hf://        the same for `hf://<repo>` with HF_ENDPOINT at the hub and an empty
+                               hub cache: the branch pinned to its commit (one API request), then
+                               the same reads
   CLI before                   (with --cli-before PATH) another build of the CLI, the same way
 Timed inside each child (imports and process start excluded; the CLIs: their own `seconds`);
 peak RSS is the child's VmHWM (the CLIs' own `peak_rss_bytes`); "resolver" is the requests the
-hub's resolver answered during the run.
+hub's resolver (and its API) answered during the run.
 Every load's tensors are compared (CRC32 of each tensor's bytes; the CLIs: their checksum against
 each other) with the first run's.
 """
@@ -108,7 +111,11 @@ def main():
                                "cache": os.path.join(work, "hf-cache")})]),
             ("tensorferry Loader", me + [json.dumps({"kind": "tf", "url": url})]),
             ("tensorferry CLI --budget 256M", [cli, "load", url, "--budget", "256M", "--json"]),
+            ("tensorferry CLI hf:// --budget 256M",
+             [cli, "load", f"hf://{repo}", "--budget", "256M", "--json"]),
         ]
+        # hf:// contenders: the hub as HF_ENDPOINT, an empty hub cache.
+        hf_env = {"HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": os.path.join(work, "empty-cache")}
         # The raw limit: the CDN links themselves, 8 ranged GETs of 32 MiB in flight (the
         # transport the CLI chooses for a store on this host), to /dev/null, by one curl.
         config = os.path.join(work, "curl.cfg")
@@ -117,7 +124,7 @@ def main():
             if not name.endswith(".safetensors"):
                 continue
             size = os.path.getsize(os.path.join(ckpt, name))
-            link = hub.link(hub._files[(repo, name)][1])
+            link = hub.link(hub._files[(repo, hub.commit, name)][1])
             for first in range(0, size, 32 << 20):
                 last = min(size, first + (32 << 20)) - 1
                 transfers.append(f'url = "{link}"\nrange = "{first}-{last}"\n'
@@ -136,7 +143,9 @@ def main():
             shift = i % len(contenders)
             for label, argv in contenders[shift:] + contenders[:shift]:
                 hub.reset_counts()
-                r = osb.run_measured(argv, env=env, timeout=1800)
+                hf_path = any(a.startswith("hf://") for a in argv)
+                r = osb.run_measured(argv, env=dict(env, **hf_env) if hf_path else env,
+                                     timeout=1800)
                 shutil.rmtree(os.path.join(work, "hf-cache"), ignore_errors=True)
                 if r["rc"] != 0:
                     sys.exit(f"{label}: exit {r['rc']}: {r['stderr'][-2000:]}")
@@ -154,7 +163,7 @@ def main():
                     want_checksum = out["checksum"] if want_checksum is None else want_checksum
                     if out["checksum"] != want_checksum:
                         sys.exit(f"{label}: checksum {out['checksum']} != {want_checksum}")
-                resolver = sum(hub.resolves.values())
+                resolver = sum(hub.resolves.values()) + hub.api_count()
                 row = {"seconds": out["seconds"], "gb_per_s": total / out["seconds"] / 1e9,
                        "peak_rss_mib": out["peak_rss_bytes"] / (1 << 20), "resolver": resolver,
                        "requests": out.get("remote_requests")}

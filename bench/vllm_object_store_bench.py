@@ -58,6 +58,7 @@ def child(spec):
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
     load_general_plugins()
+    vs.without_missing_cpu_kernels()
     vs.init_distributed(spec["config_dir"], 0, 1, spec["port"])
     config = vs.vllm_config(spec["model"], spec["load_format"], spec.get("extra"))
     with set_current_vllm_config(config):

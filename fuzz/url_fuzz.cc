@@ -3,7 +3,8 @@
 // value (HttpResponse::TotalSize / RangeStart: what a server sends back). Neither may crash, hang
 // or read outside the input. ParseObjectUrl errors name the URL; what it accepts can go in a
 // request line as is (no control characters or whitespace), reads back the same from its ToString,
-// and Join/Parent/PercentEncode keep their documented shapes.
+// and Join/Parent/PercentEncode keep their documented shapes. And the same bytes as an hf:// path
+// (ResolveHubPath against a cache that does not exist).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 
 #include "objstore/http.h"
 #include "objstore/url.h"
+#include "tensorferry/hub.h"
 
 namespace {
 
@@ -117,6 +119,19 @@ void CheckContentRange(std::string_view text) {
   }
 }
 
+// The bytes after "hf://": a hub path (hub.h). With no cache there, nothing resolves: the error is
+// kInvalidArgument (malformed) or kNotFound (not cached), its message starting with the path.
+void CheckHubPath(std::string_view text) {
+  const std::string path = "hf://" + std::string(text);
+  const auto r = tensorferry::ResolveHubPath(path, "/nonexistent/tensorferry-fuzz-hub-cache");
+  if (r.ok()) std::abort();
+  const tensorferry::Code code = r.status().code();
+  if (code != tensorferry::Code::kInvalidArgument && code != tensorferry::Code::kNotFound) {
+    std::abort();
+  }
+  if (r.status().message().rfind(path + ": ", 0) != 0) std::abort();
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -125,5 +140,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   CheckPercentEncode(text, true);
   CheckPercentEncode(text, false);
   CheckContentRange(text);
+  CheckHubPath(text);
   return 0;
 }

@@ -131,8 +131,9 @@ class Checkpoint {
  public:
   // Opens a .safetensors file, a model.safetensors.index.json file, or a directory; or the same
   // in object storage or on an HTTP server, by URL (object_store.h says how a URL is decided);
-  // or, by an hf:// path, in the local Hugging Face hub cache (hub.h: resolved first, then opened
-  // as the local path it names; ResolveHubPath's errors).
+  // or, by an hf:// path, in the local Hugging Face hub cache, else on the hub itself (hub.h:
+  // the cached snapshot opened as a local path, else the hub's URL pinned to a commit opened as a
+  // URL; ResolveHubPath's and HubUrl's errors).
   // What `path` is comes from the real file system: a directory is read through its index when
   // kIndexFileName is inside, else as every regular "*.safetensors" file directly inside (sorted
   // by name); any other path ending in ".json" is an index; anything else a safetensors file.

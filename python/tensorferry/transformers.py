@@ -51,6 +51,12 @@ a folder of this process's (removed at exit). `storage_options` of loading()/ena
 object-storage settings (docs/object_storage.md); revisions other than "main" are an error, and
 weights in other formats (.bin, ...) are not read from a bucket.
 
+Models named by an hf://OWNER/NAME[@REVISION] path: read from the local hub cache's snapshot when
+it holds the checkpoint (as transformers reads a local folder), else streamed from the hub
+(HF_ENDPOINT; HF_TOKEN) as the URL of its resolve/<commit> prefix, above; which one is decided
+once per path while loading() is in force, so everything one from_pretrained reads comes from one
+commit (include/tensorferry/hub.h).
+
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
 missing-key initialisation) runs as it does without tensorferry: only the reads are replaced.
@@ -68,6 +74,7 @@ import importlib
 import json
 import os
 import posixpath
+import re
 import shutil
 import sys
 import tempfile
@@ -436,6 +443,51 @@ def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
     return found or None
 
 
+# --- models named by an hf:// path ----------------------------------------------------------------
+
+_hub_lock = threading.Lock()
+_hub_roots = {}  # (hf:// path, storage options) -> where it is read from, while loading() is in force
+# The root of a checkpoint file's path: a snapshot in the hub cache, or a resolve/<commit> URL.
+_HUB_ROOT = re.compile(r"^(.*/(?:snapshots|resolve)/[0-9a-f]{40})(?:/|$)")
+
+
+def _is_hub(path):
+    return isinstance(path, str) and path[:5].lower() == "hf://"
+
+
+def _hub_root(path, revision=None):
+    """Where the model at hf:// `path` (a repository, OWNER/NAME[@REVISION]) is read from: its
+    snapshot folder in the local hub cache when that holds the checkpoint, else its
+    https://.../resolve/<commit> prefix on the hub (include/tensorferry/hub.h; tensorferry's
+    Checkpoint decides). Decided once per path while loading() is in force, so that the
+    configuration, tokenizer and weights of one from_pretrained come from one commit."""
+    if revision not in (None, "main"):
+        raise OSError(f"{path}: revision={revision!r}: name the revision in the path "
+                      f"(hf://OWNER/NAME@REVISION)")
+    repo = path[5:].strip("/").split("/")
+    if len(repo) > 2 or (len(repo) == 2 and "@" in repo[0]) or \
+            repo[0] in ("datasets", "spaces"):
+        raise OSError(f"{path}: from_pretrained takes a model repository, hf://OWNER/NAME"
+                      f"[@REVISION] (a folder inside it: subfolder=...)")
+    storage = _storage_in_force()
+    key = (path.rstrip("/"), json.dumps(storage, sort_keys=True, default=str))
+    with _hub_lock:
+        if key in _hub_roots:
+            return _hub_roots[key]
+    try:
+        with Loader(path, storage_options=storage) as loader:
+            first = loader.files[0]
+    except FileNotFoundError as e:
+        raise OSError(f"{path} is not a model tensorferry can read: {e}") from e
+    match = _HUB_ROOT.match(first)
+    if match is None:  # not a hub-cache snapshot or a hub URL: the checkpoint decides otherwise
+        raise OSError(f"{path}: its files are not in a snapshot of the hub cache or on the hub "
+                      f"({first})")
+    root = match.group(1)
+    with _hub_lock:
+        return _hub_roots.setdefault(key, root)
+
+
 def _templates(original):
     """transformers.utils.hub.list_repo_templates (the chat templates under a model's
     additional_chat_templates/), listing an s3:// or gs:// prefix; an HTTP server cannot be listed (none
@@ -443,6 +495,12 @@ def _templates(original):
 
     @functools.wraps(original)
     def wrapper(repo_id, *args, **kwargs):
+        if _is_hub(repo_id):
+            repo_id = _hub_root(repo_id, kwargs.get("revision"))
+            if not is_url(repo_id):
+                kwargs.pop("revision", None)
+                return original(repo_id, *args, **kwargs)
+            return []  # an HTTP server cannot be listed
         if not is_url(repo_id if isinstance(repo_id, str) else None):
             return original(repo_id, *args, **kwargs)
         folder = f"{repo_id.rstrip('/')}/additional_chat_templates"
@@ -461,6 +519,10 @@ def _resolving(original):
 
     @functools.wraps(original)
     def wrapper(path_or_repo_id, filenames, *args, **kwargs):
+        if _is_hub(path_or_repo_id):
+            path_or_repo_id = _hub_root(path_or_repo_id, kwargs.pop("revision", None))
+            if not is_url(path_or_repo_id):  # a snapshot in the hub cache: a local folder
+                return original(path_or_repo_id, filenames, *args, **kwargs)
         if not is_url(path_or_repo_id if isinstance(path_or_repo_id, str) else None):
             return original(path_or_repo_id, filenames, *args, **kwargs)
         return _url_files(
@@ -509,6 +571,8 @@ def disable():
         _storage.pop()
         if _depth == 0:
             _restore()
+            with _hub_lock:
+                _hub_roots.clear()
 
 
 def enabled():
@@ -519,8 +583,9 @@ def enabled():
 @contextmanager
 def loading(to_device=None, storage_options=None):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
-    opens safetensors files) reads through tensorferry, and takes s3://, gs:// and http(s):// URLs for
-    models; `to_device` and `storage_options` as in enable()."""
+    opens safetensors files) reads through tensorferry, and takes s3://, gs:// and http(s):// URLs and
+    hf://OWNER/NAME[@REVISION] paths (the local hub cache, else streamed from the hub) for models;
+    `to_device` and `storage_options` as in enable()."""
     enable(to_device, storage_options)
     try:
         yield

@@ -423,16 +423,65 @@ Result<std::shared_ptr<const Checkpoint>> OpenUrl(const std::string& path,
   return builder.FromFiles(std::move(listed).value());
 }
 
+// A not-cached hf:// path's error, with why the hub was not asked or what it answered.
+Status NotOnHub(const Status& cached, const Status& hub) {
+  if (hub.ok()) {
+    return Status(cached.code(), cached.message() + "; HF_HUB_OFFLINE is set, so the hub " +
+                                     HubEndpoint() + " was not asked");
+  }
+  return Status(hub.code(),
+                cached.message() + "; and from the hub " + HubEndpoint() + ": " + hub.message());
+}
+
+// An hf:// path (hub.h): its snapshot in the local hub cache, else (unless HF_HUB_OFFLINE) the
+// hub's URL for it, pinned to a commit.
+Result<std::shared_ptr<const Checkpoint>> OpenHub(const std::string& path,
+                                                  const OpenOptions& options) {
+  Result<std::string> local = ResolveHubPath(path);
+  Status cached = local.status();
+  if (local.ok()) {
+    // A snapshot holding some of the repository's files but not the checkpoint's (a cache that
+    // only config.json was fetched into, a shard missing): read the hub instead.
+    const auto incomplete = [&](const std::string& why) {
+      return Status(Code::kNotFound, path + ": the cached snapshot " + json::Quote(*local) +
+                                         " is incomplete: " + why);
+    };
+    std::error_code ec;
+    bool holds = !fs::is_directory(*local, ec);
+    for (fs::directory_iterator it(*local, ec), end; !holds && !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      holds = name == kIndexFileName || EndsWith(name, ".safetensors");
+    }
+    if (!holds) {
+      cached = incomplete("no " + std::string(kIndexFileName) + " or .safetensors file in it");
+    } else {
+      Result<std::shared_ptr<const Checkpoint>> opened = Checkpoint::Open(*local, options);
+      const Code code = opened.status().code();
+      if (opened.ok() || (code != Code::kNotFound && code != Code::kCheckpointIncomplete &&
+                          code != Code::kIndexMissingFile)) {
+        return opened;
+      }
+      cached = incomplete(opened.status().message());
+    }
+  }
+  if (cached.code() != Code::kNotFound) return cached;
+  if (HubOffline()) return NotOnHub(cached, Status());
+  Result<std::string> url = HubUrl(path, options.object_store);
+  if (!url.ok()) return NotOnHub(cached, url.status());
+  Result<std::shared_ptr<const Checkpoint>> remote = OpenUrl(*url, options);
+  if (!remote.ok() && remote.status().code() == Code::kNotFound) {
+    return NotOnHub(cached, remote.status());
+  }
+  return remote;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& path,
                                                            const OpenOptions& options) {
   TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
   if (IsObjectUrl(path)) return OpenUrl(path, options);
-  if (IsHubPath(path)) {
-    TF_ASSIGN_OR_RETURN(const std::string local, ResolveHubPath(path));
-    return Open(local, options);
-  }
+  if (IsHubPath(path)) return OpenHub(path, options);
   CheckpointBuilder builder(options);
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -460,18 +509,32 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& pa
 
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const std::string> paths,
                                                                 const OpenOptions& options) {
-  size_t urls = 0;
-  std::vector<std::string> resolved;  // hf:// paths as their files in the hub cache
+  // hf:// paths as their files in the hub cache; else, when one is not cached, every hf:// path
+  // as its URL on the hub (a checkpoint's files come from one place).
+  std::vector<std::string> resolved;
+  Status not_cached;
   for (const std::string& path : paths) {
     TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
-    urls += IsObjectUrl(path) ? 1 : 0;
-    if (IsHubPath(path)) {
-      TF_ASSIGN_OR_RETURN(std::string local, ResolveHubPath(path));
-      resolved.push_back(std::move(local));
-    } else {
+    if (!IsHubPath(path)) {
       resolved.push_back(path);
+      continue;
+    }
+    Result<std::string> local = ResolveHubPath(path);
+    if (!local.ok() && local.status().code() != Code::kNotFound) return local.status();
+    if (!local.ok() && not_cached.ok()) not_cached = local.status();
+    resolved.push_back(local.ok() ? *local : path);
+  }
+  if (!not_cached.ok()) {
+    if (HubOffline()) return NotOnHub(not_cached, Status());
+    for (size_t i = 0; i < paths.size(); ++i) {
+      if (!IsHubPath(paths[i])) continue;
+      Result<std::string> url = HubUrl(paths[i], options.object_store);
+      if (!url.ok()) return NotOnHub(not_cached, url.status());
+      resolved[i] = std::move(url).value();
     }
   }
+  size_t urls = 0;
+  for (const std::string& path : resolved) urls += IsObjectUrl(path) ? 1 : 0;
   if (urls > 0 && urls < resolved.size()) {
     return Status(Code::kInvalidArgument,
                   "a checkpoint's files are all local or all URLs, not a mix of both");

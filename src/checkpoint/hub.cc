@@ -14,6 +14,10 @@
 #include <sstream>
 #include <vector>
 
+#include <simdjson.h>
+
+#include "objstore/url.h"
+#include "tensorferry/object_store.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 
@@ -131,6 +135,100 @@ bool SafeRelative(std::string_view s) {
   return true;
 }
 
+// The parts of an hf:// path: its repository type and its '/'-separated components.
+struct Parsed {
+  std::string type = "models";  // "models", "datasets" or "spaces"
+  std::vector<std::string_view> parts;
+};
+
+Result<Parsed> Parse(std::string_view hub_path) {
+  if (!IsHubPath(hub_path)) return Invalid(hub_path, "not an hf:// path");
+  Parsed p;
+  std::string_view rest = hub_path.substr(kScheme.size());
+  while (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
+  for (std::string_view t : {"datasets", "spaces", "models"}) {
+    if (rest.size() > t.size() && rest.substr(0, t.size()) == t && rest[t.size()] == '/') {
+      p.type = std::string(t);
+      rest.remove_prefix(t.size() + 1);
+      break;
+    }
+  }
+  if (rest.empty()) return Invalid(hub_path, "no repository");
+  p.parts = SplitPath(rest);
+  for (std::string_view part : p.parts) {
+    if (part.empty()) return Invalid(hub_path, "an empty path component");
+  }
+  return p;
+}
+
+// The repository of an hf:// path read as its first `n` (1 or 2) components.
+struct Candidate {
+  std::string id;         // "owner/name" or "name"
+  std::string folder;     // <type>--owner--name
+  std::string revision;   // as written, "" for main
+  size_t path_begin = 0;  // first component of PATH
+};
+
+Result<Candidate> MakeCandidate(std::string_view hub_path, const Parsed& p, size_t n) {
+  Candidate c;
+  std::string_view last = p.parts[n - 1];
+  const size_t at = last.find('@');
+  if (at != std::string_view::npos) {
+    c.revision = DecodeRevision(last.substr(at + 1));
+    if (c.revision.empty()) return Invalid(hub_path, "an empty revision after '@'");
+    last = last.substr(0, at);
+  }
+  c.folder = p.type;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string_view part = i + 1 == n ? last : p.parts[i];
+    if (!ValidIdPart(part)) {
+      return Invalid(hub_path, "the repository id part " + json::Quote(std::string(part)) +
+                                   " is not one the hub allows ([A-Za-z0-9._-], no '--' or "
+                                   "'..')");
+    }
+    if (i > 0) c.id += '/';
+    c.id += part;
+    c.folder += "--";
+    c.folder += part;
+  }
+  c.path_begin = n;
+  return c;
+}
+
+// PATH: the components after the repository, '/'-joined ("" for none).
+std::string Inside(const Parsed& p, size_t begin) {
+  std::string inside;
+  for (size_t i = begin; i < p.parts.size(); ++i) {
+    if (!inside.empty()) inside += '/';
+    inside += p.parts[i];
+  }
+  return inside;
+}
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// The commit `revision` of repository `id` points to now, from the hub's API (`api`: its URL).
+Result<std::string> AskCommit(const std::string& api, const std::string& what,
+                              const ObjectStoreOptions& options) {
+  Result<std::vector<std::byte>> answer = ReadObject(api, options, 16u << 20);
+  if (!answer.ok()) {
+    return Status(answer.status().code(), what + ": " + answer.status().message());
+  }
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  std::string_view sha;
+  if (parser.parse(reinterpret_cast<const char*>(answer->data()), answer->size()).get(doc) !=
+          simdjson::SUCCESS ||
+      doc["sha"].get(sha) != simdjson::SUCCESS || !IsCommit(sha)) {
+    return Status(Code::kIoError, what + ": " + api +
+                                      " did not answer a JSON object with the commit (\"sha\": 40 "
+                                      "hex digits) as the hub's API does");
+  }
+  return std::string(sha);
+}
+
 }  // namespace
 
 bool IsHubPath(std::string_view path) {
@@ -155,57 +253,14 @@ std::string HubCacheDir() {
 }
 
 Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string& cache_dir) {
-  if (!IsHubPath(hub_path)) return Invalid(hub_path, "not an hf:// path");
+  TF_ASSIGN_OR_RETURN(const Parsed parsed, Parse(hub_path));
   const std::string cache = cache_dir.empty() ? HubCacheDir() : cache_dir;
-  std::string_view rest = hub_path.substr(kScheme.size());
-  while (!rest.empty() && rest.back() == '/') rest.remove_suffix(1);
-  std::string type = "models";
-  for (std::string_view t : {"datasets", "spaces", "models"}) {
-    if (rest.size() > t.size() && rest.substr(0, t.size()) == t && rest[t.size()] == '/') {
-      type = std::string(t);
-      rest.remove_prefix(t.size() + 1);
-      break;
-    }
-  }
-  if (rest.empty()) return Invalid(hub_path, "no repository");
-  std::vector<std::string_view> parts = SplitPath(rest);
-  for (std::string_view p : parts) {
-    if (p.empty()) return Invalid(hub_path, "an empty path component");
-  }
+  const std::string& type = parsed.type;
+  const std::vector<std::string_view>& parts = parsed.parts;
+  const auto candidate = [&](size_t n) { return MakeCandidate(hub_path, parsed, n); };
 
   // The repository: "owner/name" when the cache has it (or the name carries the revision),
   // else the owner-less "name".
-  struct Candidate {
-    std::string id;         // "owner/name" or "name"
-    std::string folder;     // <type>--owner--name
-    std::string revision;   // as written, "" for main
-    size_t path_begin = 0;  // first component of PATH
-  };
-  auto candidate = [&](size_t n) -> Result<Candidate> {
-    Candidate c;
-    std::string_view last = parts[n - 1];
-    const size_t at = last.find('@');
-    if (at != std::string_view::npos) {
-      c.revision = DecodeRevision(last.substr(at + 1));
-      if (c.revision.empty()) return Invalid(hub_path, "an empty revision after '@'");
-      last = last.substr(0, at);
-    }
-    c.folder = type;
-    for (size_t i = 0; i < n; ++i) {
-      const std::string_view part = i + 1 == n ? last : parts[i];
-      if (!ValidIdPart(part)) {
-        return Invalid(hub_path, "the repository id part " + json::Quote(std::string(part)) +
-                                     " is not one the hub allows ([A-Za-z0-9._-], no '--' or "
-                                     "'..')");
-      }
-      if (i > 0) c.id += '/';
-      c.id += part;
-      c.folder += "--";
-      c.folder += part;
-    }
-    c.path_begin = n;
-    return c;
-  };
   std::optional<Candidate> chosen;
   std::string tried;
   const bool owner_has_revision = parts[0].find('@') != std::string_view::npos;
@@ -283,11 +338,7 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
                                        chosen->id + " is not in the hub cache (no " +
                                        json::Quote(local.string()) + ")");
   }
-  std::string inside;
-  for (size_t i = chosen->path_begin; i < parts.size(); ++i) {
-    if (!inside.empty()) inside += '/';
-    inside += parts[i];
-  }
+  const std::string inside = Inside(parsed, chosen->path_begin);
   if (!inside.empty()) {
     if (!SafeRelative(inside)) {
       return Invalid(hub_path, "the path " + json::Quote(inside) + " has a '.' or '..' component");
@@ -300,6 +351,62 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
     }
   }
   return local.string();
+}
+
+std::string HubEndpoint() {
+  std::string endpoint = Getenv("HF_ENDPOINT").value_or("");
+  while (!endpoint.empty() && endpoint.back() == '/') endpoint.pop_back();
+  return endpoint.empty() ? "https://huggingface.co" : endpoint;
+}
+
+bool HubOffline() {
+  // huggingface_hub.constants: HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE, true when its upper-case
+  // value is one of 1, ON, YES, TRUE.
+  std::optional<std::string> v = Getenv("HF_HUB_OFFLINE");
+  if (!v || v->empty()) v = Getenv("TRANSFORMERS_OFFLINE");
+  if (!v) return false;
+  std::string upper;
+  for (char c : *v) upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+  return upper == "1" || upper == "ON" || upper == "YES" || upper == "TRUE";
+}
+
+Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& options) {
+  TF_ASSIGN_OR_RETURN(const Parsed parsed, Parse(hub_path));
+  const std::string endpoint = HubEndpoint();
+  if (endpoint.rfind("https://", 0) != 0 && endpoint.rfind("http://", 0) != 0) {
+    return Status(Code::kInvalidArgument,
+                  "HF_ENDPOINT " + json::Quote(endpoint) + ": not an http:// or https:// URL");
+  }
+  // The repository: "owner/name", unless there is one component, the first carries the revision,
+  // or the second names a file (then the owner-less "name", like gpt2).
+  const std::vector<std::string_view>& parts = parsed.parts;
+  const bool one = parts.size() == 1 || parts[0].find('@') != std::string_view::npos ||
+                   EndsWith(parts[1], ".safetensors") || EndsWith(parts[1], ".json");
+  const size_t n = one ? 1 : 2;
+  TF_ASSIGN_OR_RETURN(const Candidate repo, MakeCandidate(hub_path, parsed, n));
+  const std::string inside = Inside(parsed, n);
+  if (!inside.empty() && !SafeRelative(inside)) {
+    return Invalid(hub_path, "the path " + json::Quote(inside) + " has a '.' or '..' component");
+  }
+  const std::string revision = repo.revision.empty() ? "main" : repo.revision;
+  if (!SafeRelative(revision)) {
+    return Invalid(
+        hub_path, "the revision " + json::Quote(revision) + " has an empty, '.' or '..' component");
+  }
+  const std::string type_path = parsed.type == "models" ? "" : parsed.type + "/";
+  std::string commit = revision;
+  if (!IsCommit(revision)) {
+    // Pinned to the commit the branch or tag points to now: every file of the checkpoint comes
+    // from it, even if the branch moves during the load.
+    const std::string api = endpoint + "/api/" + parsed.type + "/" + repo.id + "/revision/" +
+                            objstore::PercentEncode(revision, false);
+    TF_ASSIGN_OR_RETURN(commit, AskCommit(api,
+                                          "the commit of " + repo.id + " at revision " +
+                                              json::Quote(revision) + " on the hub " + endpoint,
+                                          options));
+  }
+  return endpoint + "/" + type_path + repo.id + "/resolve/" + commit +
+         (inside.empty() ? "" : "/" + objstore::PercentEncode(inside, true));
 }
 
 }  // namespace tensorferry

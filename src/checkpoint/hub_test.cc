@@ -133,7 +133,74 @@ TEST_F(HubCacheTest, CheckpointOpenReadsTheSnapshot) {
   cp = Checkpoint::OpenFiles(files);
   ASSERT_TRUE(cp.ok()) << cp.status().ToString();
   EXPECT_EQ((*cp)->tensors().size(), 1u);
-  EXPECT_EQ(Checkpoint::Open("hf://org/nothing").status().code(), Code::kNotFound);
+  // Not cached, and offline: the hub is not asked, and the error says so.
+  ScopedEnv offline("HF_HUB_OFFLINE", "1");
+  const Status missing = Checkpoint::Open("hf://org/nothing").status();
+  EXPECT_EQ(missing.code(), Code::kNotFound);
+  EXPECT_TRUE(Contains(missing.message(), "not in the Hugging Face hub cache"))
+      << missing.ToString();
+  EXPECT_TRUE(Contains(missing.message(), "HF_HUB_OFFLINE is set, so the hub"))
+      << missing.ToString();
+  const std::vector<std::string> two = {"hf://org/llama/model.safetensors",
+                                        "hf://org/nothing/model.safetensors"};
+  const Status mixed = Checkpoint::OpenFiles(two).status();
+  EXPECT_EQ(mixed.code(), Code::kNotFound);
+  EXPECT_TRUE(Contains(mixed.message(), "HF_HUB_OFFLINE")) << mixed.ToString();
+  // A cached snapshot without the checkpoint's files (only a config) is not the checkpoint.
+  WriteBytes(Snapshot("models--org--llama", kPr) + "/config.json", "{}");
+  const Status incomplete = Checkpoint::Open("hf://org/llama@refs%2Fpr%2F1").status();
+  EXPECT_EQ(incomplete.code(), Code::kNotFound);
+  EXPECT_TRUE(Contains(incomplete.message(), "is incomplete")) << incomplete.ToString();
+}
+
+TEST(HubRemote, UrlsPinnedToTheCommitAsTheHubNamesFiles) {
+  ScopedEnv endpoint("HF_ENDPOINT", std::nullopt);
+  const ObjectStoreOptions options;
+  const auto url = [&](const std::string& path) {
+    Result<std::string> r = HubUrl(path, options);
+    return r.ok() ? *r : r.status().ToString();
+  };
+  EXPECT_EQ(HubEndpoint(), "https://huggingface.co");
+  EXPECT_EQ(url("hf://org/llama@" + kOld), "https://huggingface.co/org/llama/resolve/" + kOld);
+  EXPECT_EQ(url("hf://org/llama@" + kOld + "/sub/a b+c.safetensors"),
+            "https://huggingface.co/org/llama/resolve/" + kOld + "/sub/a%20b%2Bc.safetensors");
+  EXPECT_EQ(url("hf://datasets/org/data@" + kOld + "/x.safetensors"),
+            "https://huggingface.co/datasets/org/data/resolve/" + kOld + "/x.safetensors");
+  // Owner-less: one component, or the revision on the first.
+  EXPECT_EQ(url("hf://gpt2@" + kOld), "https://huggingface.co/gpt2/resolve/" + kOld);
+  EXPECT_EQ(url("hf://gpt2@" + kOld + "/model.safetensors"),
+            "https://huggingface.co/gpt2/resolve/" + kOld + "/model.safetensors");
+  {
+    ScopedEnv custom("HF_ENDPOINT", "http://127.0.0.1:9/mirror//");
+    EXPECT_EQ(HubEndpoint(), "http://127.0.0.1:9/mirror");
+    EXPECT_EQ(url("hf://org/llama@" + kOld), "http://127.0.0.1:9/mirror/org/llama/resolve/" + kOld);
+  }
+  {
+    ScopedEnv bad("HF_ENDPOINT", "ftp://mirror");
+    const Status s = HubUrl("hf://org/llama@" + kOld, options).status();
+    EXPECT_EQ(s.code(), Code::kInvalidArgument);
+    EXPECT_TRUE(Contains(s.message(), "HF_ENDPOINT \"ftp://mirror\"")) << s.ToString();
+  }
+  for (const char* bad : {"hf://org/llama/../x", "hf://org/llama@..%2Fx", "hf://org//x",
+                          "hf://org/ll--ama", "s3://b/k"}) {
+    EXPECT_EQ(HubUrl(bad, options).status().code(), Code::kInvalidArgument) << bad;
+  }
+}
+
+TEST(HubRemote, OfflineAsHuggingfaceHubReadsIt) {
+  ScopedEnv hub("HF_HUB_OFFLINE", std::nullopt);
+  ScopedEnv transformers("TRANSFORMERS_OFFLINE", std::nullopt);
+  EXPECT_FALSE(HubOffline());
+  for (const char* yes : {"1", "on", "YES", "True"}) {
+    ScopedEnv v("HF_HUB_OFFLINE", yes);
+    EXPECT_TRUE(HubOffline()) << yes;
+  }
+  for (const char* no : {"0", "off", "", "2"}) {
+    ScopedEnv v("HF_HUB_OFFLINE", no);
+    EXPECT_FALSE(HubOffline()) << no;
+  }
+  ScopedEnv t("TRANSFORMERS_OFFLINE", "1");
+  EXPECT_TRUE(HubOffline());
 }
 
 TEST(HubCacheDir, FromTheEnvironmentAsHuggingfaceHubDecides) {

@@ -71,6 +71,8 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
     r.etag.clear();
     r.content_range.clear();
     r.last_modified.clear();
+    r.error_code.clear();
+    r.error_message.clear();
     return n;
   }
   const size_t colon = line.find(':');
@@ -80,6 +82,8 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
   if (HeaderIs(name, "etag")) t->response->etag = value;
   if (HeaderIs(name, "content-range")) t->response->content_range = value;
   if (HeaderIs(name, "last-modified")) t->response->last_modified = value;
+  if (HeaderIs(name, "x-error-code")) t->response->error_code = value;
+  if (HeaderIs(name, "x-error-message")) t->response->error_message = value;
   return n;
 }
 

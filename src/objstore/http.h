@@ -64,6 +64,9 @@ struct HttpResponse {
   std::string etag;           // the ETag header as sent (quotes included)
   std::string content_range;  // "bytes 0-99/1234"
   std::string last_modified;
+  // The Hugging Face hub's error headers (X-Error-Code "RepositoryNotFound", "GatedRepo", ...;
+  // X-Error-Message), "" without them.
+  std::string error_code, error_message;
   uint64_t body_bytes = 0;  // bytes written into request.body
   std::string text;         // a body not written into request.body (error documents, listings)
   std::string rejected;     // why a 2xx body was not accepted into request.body, if it was not

@@ -131,6 +131,12 @@ Verdict Judge(const HttpResponse& r) {
     v.why += " " + e->code;
     if (!e->message.empty()) v.why += ": " + e->message;
     if (!e->request_id.empty()) v.why += " (request id " + e->request_id + ")";
+  } else if (!r.error_code.empty()) {
+    // A model hub's error headers: "HTTP 401 RepositoryNotFound: Repository not found".
+    s3code = Excerpt(r.error_code);
+    v.why += " " + s3code;
+    const std::string message = Excerpt(r.error_message.empty() ? r.text : r.error_message);
+    if (!message.empty()) v.why += ": " + message;
   } else if (r.status >= 300 && !r.text.empty()) {
     v.why += ": " + Excerpt(r.text);
   }
@@ -147,8 +153,12 @@ Verdict Judge(const HttpResponse& r) {
     if (r.rejected.find("ignored the Range") != std::string::npos) v.retryable = false;
     return v;
   }
-  if (r.status == 404 || s3code == "NoSuchKey" || s3code == "NoSuchBucket")
+  // Missing: S3's codes, and the hub's (which answers 401 RepositoryNotFound for a repository
+  // that does not exist, or is private and the request had no token for it).
+  if (r.status == 404 || s3code == "NoSuchKey" || s3code == "NoSuchBucket" ||
+      s3code == "RepositoryNotFound" || s3code == "RevisionNotFound" || s3code == "EntryNotFound") {
     v.code = Code::kNotFound;
+  }
   v.retryable = r.status == 429 || r.status == 500 || r.status == 502 || r.status == 503 ||
                 r.status == 504 || RetryableS3Code(s3code) || r.token_replaced;
   return v;

@@ -19,6 +19,15 @@ Two servers, as the real hub has:
     `link_ttl_s` sets how long the hub's links live; `cdn_rate` limits each CDN response's rate
     (nginx limit_rate), to make a load outlast its links.
 
+Repositories have commits and branches: each `add_repo` publishes a new commit of the repo and
+points a branch (`revision`, default main) at it; `/resolve/<revision>/` takes a branch or a commit
+(`%2F` for a '/' in a branch name), and the hub's API answers
+`GET /api/models/<repo>/revision/<revision>` with the commit a branch points to now (`"sha"`, as
+huggingface_hub's model_info reads it; 401 RepositoryNotFound for a repository it does not have, 404
+RevisionNotFound for a revision) and `GET /api/models/<repo>/tree/<revision>` with its files (as
+snapshot_download lists them). `on_api`, when set, is called after each API answer (a branch
+moved while a load runs). `log` lists every request as (kind, repo, revision, path).
+
 `repo_url(repo)` is the prefix `http://127.0.0.1:<port>/<repo>/resolve/main` that tensorferry
 loads (it holds model.safetensors.index.json, or model.safetensors); `endpoint` is what
 huggingface_hub's HF_ENDPOINT takes.
@@ -26,6 +35,7 @@ huggingface_hub's HF_ENDPOINT takes.
 import base64
 import hashlib
 import http.server
+import json
 import os
 import shutil
 import threading
@@ -41,11 +51,14 @@ class ModelHub:
     def __init__(self, link_ttl_s=3600, cdn_rate=None, delay_s=0.0):
         self.link_ttl_s = link_ttl_s
         self.delay_s = delay_s
-        self.commit = hashlib.sha1(b"tensorferry").hexdigest()
-        self._files = {}  # (repo, path) -> ("small", bytes, etag) | ("blob", sha256, size)
+        self.commit = None  # the commit the last add_repo published
+        self._files = {}  # (repo, commit, path) -> ("small", bytes, etag) | ("blob", sha256, size)
+        self._refs = {}  # (repo, branch) -> commit
         self._tokens = {}  # gated repo -> its token
         self._lock = threading.Lock()
         self.resolves = {}  # "<repo>/<path>" -> requests to the hub for it
+        self.log = []  # (kind "api"|"resolve", repo, revision, path) of every request
+        self.on_api = None
         rate = f"limit_rate {cdn_rate}; sendfile_max_chunk 64k;" if cdn_rate else ""
         # secure_link: md5 (base64url) of "<expires><uri> <secret>"; "" = forged, "0" = expired.
         self.cdn = NginxHttp(extra_conf=f"""
@@ -62,19 +75,34 @@ class ModelHub:
 
     # --- content ---------------------------------------------------------------------------
 
-    def add_repo(self, repo, local_dir, token=None):
-        """Publishes every file under local_dir as <repo> at revision main; with `token`, the
-        repo is gated: the hub answers 401 unless a request carries "Authorization: Bearer
-        <token>" (the CDN's links need none)."""
+    def add_repo(self, repo, local_dir, token=None, revision="main"):
+        """Publishes every file under local_dir as a new commit of <repo>, and points branch
+        `revision` at it; returns the commit. With `token`, the repo is gated: its files are a 401
+        unless a request carries "Authorization: Bearer <token>" (the CDN's links need none; the
+        API answers without it, as the hub's does for gated models)."""
         if token:
             self._tokens[repo] = token
+        with self._lock:
+            commit = hashlib.sha1(f"{repo}@{revision}#{len(self._files)}".encode()).hexdigest()
         for dirpath, _, files in os.walk(local_dir):
             for name in sorted(files):
                 src = os.path.join(dirpath, name)
                 rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
-                self.add_file(repo, rel, src)
+                self.add_file(repo, rel, src, commit)
+        with self._lock:
+            self._refs[(repo, revision)] = commit
+            self.commit = commit
+        return commit
 
-    def add_file(self, repo, rel, src):
+    def _commit(self, repo, revision):
+        """The commit `revision` (a branch, or a commit of `repo`) names; None if none."""
+        with self._lock:
+            if (repo, revision) in self._refs:
+                return self._refs[(repo, revision)]
+            known = any(r == repo and c == revision for r, c, _ in self._files)
+            return revision if known else None
+
+    def add_file(self, repo, rel, src, commit):
         with open(src, "rb") as f:
             data = f.read()
         if rel.endswith(".safetensors"):
@@ -83,10 +111,10 @@ class ModelHub:
             if not os.path.exists(blob):
                 os.makedirs(os.path.dirname(blob), exist_ok=True)
                 shutil.copyfile(src, blob)
-            self._files[(repo, rel)] = ("blob", sha, len(data))
+            self._files[(repo, commit, rel)] = ("blob", sha, len(data))
         else:
             etag = '"' + hashlib.sha1(data).hexdigest() + '"'
-            self._files[(repo, rel)] = ("small", data, etag)
+            self._files[(repo, commit, rel)] = ("small", data, etag)
 
     def repo_url(self, repo, path=""):
         url = f"{self.endpoint}/{repo}/resolve/main"
@@ -103,6 +131,11 @@ class ModelHub:
     def reset_counts(self):
         with self._lock:
             self.resolves.clear()
+            self.log.clear()
+
+    def api_count(self):
+        with self._lock:
+            return sum(1 for x in self.log if x[0] == "api")
 
     def link(self, sha):
         """A signed CDN link to blob `sha`, valid for link_ttl_s from now."""
@@ -134,27 +167,51 @@ class ModelHub:
             def _answer(self, head):
                 path = urllib.parse.urlsplit(self.path).path
                 parts = path.lstrip("/").split("/")
-                if parts[:3] == ["api", "resolve-cache", "models"] and len(parts) >= 7:
-                    # /api/resolve-cache/models/<org>/<name>/<commit>/<path>: small files.
-                    repo, rel = "/".join(parts[3:5]), "/".join(parts[6:])
-                    entry = hub._files.get((repo, rel))
-                    if parts[5] != hub.commit or entry is None or entry[0] != "small":
+                if parts[:3] == ["api", "resolve-cache", "models"]:
+                    # /api/resolve-cache/models/<repo>/<commit>/<path>: small files.
+                    at = next((i for i in range(4, len(parts) - 1) if len(parts[i]) == 40), None)
+                    if at is None:
+                        return self._error(404, "EntryNotFound", "no such route")
+                    repo, commit, rel = "/".join(parts[3:at]), parts[at], "/".join(parts[at + 1:])
+                    entry = hub._files.get((repo, commit, rel))
+                    if entry is None or entry[0] != "small":
                         return self._error(404, "EntryNotFound", f"{rel} not found in {repo}")
                     if not self._authorized(repo):
                         return self._error(401, "GatedRepo", f"access to {repo} is restricted")
-                    return self._small(entry, head)
-                # <org>/<name>/resolve/<revision>/<path...>
-                if len(parts) < 5 or parts[2] != "resolve" or parts[3] != "main":
-                    return self._error(404, "RevisionNotFound", "no such revision or route")
-                repo, rel = "/".join(parts[:2]), "/".join(parts[4:])
+                    return self._small(entry, head, commit)
+                if parts[:2] == ["api", "models"] and "tree" in parts[3:5]:
+                    # /api/models/<repo>/tree/<revision>: the files (snapshot_download lists).
+                    at = parts.index("tree", 3)
+                    repo = "/".join(parts[2:at])
+                    revision = urllib.parse.unquote("/".join(parts[at + 1:]))
+                    return self._tree(repo, revision, head)
+                if parts[:2] == ["api", "models"] and "revision" in parts[3:5]:
+                    # /api/models/<repo>/revision/<revision>: the commit a branch points to.
+                    at = parts.index("revision", 3)
+                    repo = "/".join(parts[2:at])
+                    revision = urllib.parse.unquote("/".join(parts[at + 1:]))
+                    return self._api(repo, revision, head)
+                # <repo>/resolve/<revision>/<path...>, repo "org/name" or "name"
+                at = next((i for i in (1, 2) if len(parts) > i + 2 and parts[i] == "resolve"),
+                          None)
+                if at is None:
+                    return self._error(404, "EntryNotFound", "no such route")
+                repo, rel = "/".join(parts[:at]), "/".join(parts[at + 2:])
+                revision = urllib.parse.unquote(parts[at + 1])
                 with hub._lock:
                     key = f"{repo}/{rel}"
                     hub.resolves[key] = hub.resolves.get(key, 0) + 1
+                    hub.log.append(("resolve", repo, revision, rel))
                 if hub.delay_s:
                     time.sleep(hub.delay_s)
+                if not any(r == repo for r, _ in hub._refs):
+                    return self._error(401, "RepositoryNotFound", "Repository not found")
                 if not self._authorized(repo):
                     return self._error(401, "GatedRepo", f"access to {repo} is restricted")
-                entry = hub._files.get((repo, rel))
+                commit = hub._commit(repo, revision)
+                if commit is None:
+                    return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+                entry = hub._files.get((repo, commit, rel))
                 if entry is None:
                     return self._error(404, "EntryNotFound", f"{rel} not found in {repo}")
                 if entry[0] == "blob":
@@ -164,7 +221,7 @@ class ModelHub:
                     self.send_header("ETag", f'"{sha}"')
                     self.send_header("X-Linked-Etag", f'"{sha}"')
                     self.send_header("X-Linked-Size", str(size))
-                    self.send_header("X-Repo-Commit", hub.commit)
+                    self.send_header("X-Repo-Commit", commit)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return None
@@ -172,19 +229,68 @@ class ModelHub:
                 # origin (as huggingface.co answers since 2025).
                 _, data, etag = entry
                 self.send_response(307)
-                self.send_header("Location", f"/api/resolve-cache/models/{repo}/{hub.commit}/"
+                self.send_header("Location", f"/api/resolve-cache/models/{repo}/{commit}/"
                                              f"{rel}?etag={urllib.parse.quote(etag)}")
                 self.send_header("ETag", etag)
-                self.send_header("X-Repo-Commit", hub.commit)
+                self.send_header("X-Repo-Commit", commit)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return None
+
+            def _tree(self, repo, revision, head):
+                commit = hub._commit(repo, revision)
+                if commit is None:
+                    return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+                items = []
+                for (r, c, rel), entry in sorted(hub._files.items()):
+                    if r != repo or c != commit:
+                        continue
+                    if entry[0] == "blob":
+                        _, sha, size = entry
+                        items.append({"type": "file", "path": rel, "size": size,
+                                      "oid": hashlib.sha1(sha.encode()).hexdigest(),
+                                      "lfs": {"oid": sha, "size": size, "pointerSize": 134}})
+                    else:
+                        _, data, etag = entry
+                        items.append({"type": "file", "path": rel, "size": len(data),
+                                      "oid": etag.strip('"')})
+                return self._json(items, head)
+
+            def _json(self, value, head):
+                return self._send(200, {"Content-Type": "application/json"},
+                                  json.dumps(value).encode(), head)
+
+            def _send(self, status, headers, body, head):
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+                return None
+
+            def _api(self, repo, revision, head):
+                with hub._lock:
+                    hub.log.append(("api", repo, revision, ""))
+                if not any(r == repo for r, _ in hub._refs):
+                    return self._error(401, "RepositoryNotFound", "Repository not found")
+                commit = hub._commit(repo, revision)
+                if commit is None:
+                    return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+                siblings = sorted(rel for r, c, rel in hub._files if r == repo and c == commit)
+                info = {"id": repo, "sha": commit, "private": False,
+                        "gated": "manual" if repo in hub._tokens else False,
+                        "siblings": [{"rfilename": f} for f in siblings]}
+                if hub.on_api is not None:
+                    hub.on_api()  # before the answer: the branch has moved when it arrives
+                return self._json(info, head)
 
             def _authorized(self, repo):
                 want = hub._tokens.get(repo)
                 return not want or self.headers.get("Authorization") == f"Bearer {want}"
 
-            def _small(self, entry, head):
+            def _small(self, entry, head, commit):
                 _, data, etag = entry
                 first, last, status = 0, len(data) - 1, 200
                 rng = self.headers.get("Range")
@@ -199,18 +305,10 @@ class ModelHub:
                         self.end_headers()
                         return None
                     status = 206
-                body = data[first:last + 1]
-                self.send_response(status)
-                self.send_header("ETag", etag)
-                self.send_header("X-Repo-Commit", hub.commit)
-                self.send_header("Accept-Ranges", "bytes")
+                headers = {"ETag": etag, "X-Repo-Commit": commit, "Accept-Ranges": "bytes"}
                 if status == 206:
-                    self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if not head:
-                    self.wfile.write(body)
-                return None
+                    headers["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+                return self._send(status, headers, data[first:last + 1], head)
 
             def _error(self, status, code, message):
                 body = message.encode()

@@ -62,6 +62,8 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "hub"
     files = make_cache(root)
     monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    # The cache only: what it lacks is not looked for on the hub (test_object_store_hub.py).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return root, files
 
 

@@ -8,7 +8,10 @@ once per file however many ranged GETs the load makes (the later ones go to the 
 that expire during a load are resolved again and the load completes byte-exact; a hub without the
 model is a FileNotFoundError naming what was looked for; a gated model loads with its token, which
 goes to the hub and never to its CDN; an https:// hub is never followed to a plain-text link;
-transformers' from_pretrained of the hub prefix equals the local model."""
+transformers' from_pretrained of the hub prefix equals the local model. And hf:// paths that the
+local hub cache lacks (HF_ENDPOINT naming this hub): streamed from the hub at the one commit a branch
+named when the load opened, the cache preferred when it holds the checkpoint, errors naming both
+places, HF_HUB_OFFLINE honoured."""
 import json
 import os
 import shutil
@@ -151,6 +154,153 @@ def test_a_gated_model_loads_with_its_token_sent_to_the_hub_only(models, no_hf_t
         assert_same(got, want)
 
 
+# --- hf:// paths not in the local hub cache: streamed from the hub -------------------------------
+
+
+@pytest.fixture
+def hf_hub(no_hf_token, monkeypatch, tmp_path):
+    """A hub of its own as HF_ENDPOINT, and an empty local hub cache."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    with ModelHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+        yield h
+
+
+def resolved_revisions(h, repo):
+    return {rev for kind, r, rev, _ in h.log if kind == "resolve" and r == repo}
+
+
+@pytest.mark.parametrize("repo", ["org/sharded", "org/single"])
+def test_an_hf_path_not_cached_is_streamed_from_the_hub_at_one_commit(hf_hub, models, repo):
+    local = models[repo]
+    want, _ = load_all(local)
+    commit = hf_hub.add_repo(repo, local)
+    got, stats = load_all(f"hf://{repo}")
+    assert_same(got, want)
+    assert stats.remote_requests > 0
+    # The branch was asked once through the API; every file was read at the commit it named.
+    assert [x for x in hf_hub.log if x[0] == "api"] == [("api", repo, "main", "")]
+    assert resolved_revisions(hf_hub, repo) == {commit}
+    # One file of the repository, and the drop-in APIs.
+    name = weight_files(local)[0]
+    with tensorferry.safe_open(f"hf://{repo}/{name}", "pt") as f:
+        key = next(iter(f.keys()))
+        assert raw_bytes(f.get_tensor(key)) == raw_bytes(want[key])
+    # The CLI, from the same environment: the local folder's checksum.
+    local_json = json.loads(subprocess.run([CLI, "load", local, "--json"], capture_output=True,
+                                           text=True, check=True).stdout)
+    r = subprocess.run([CLI, "load", f"hf://{repo}", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["checksum"] == local_json["checksum"]
+
+
+def _single_model(folder, seed):
+    os.makedirs(folder)
+    torch.manual_seed(seed)
+    tensorferry.torch.save_file({"w": torch.randn(256, 256), "b": torch.randn(256)},
+                                os.path.join(folder, "model.safetensors"))
+    return load_all(folder)[0]
+
+
+def test_a_branch_that_moves_during_a_load_is_read_at_the_commit_it_named(hf_hub, tmp_path):
+    """The branch moves to a new commit just as the hub answers which commit it names: the load
+    reads that commit's bytes throughout, and the next load the new commit's. A commit and a
+    branch with a '/' (refs/pr/1, written %2F) are revisions too."""
+    v1 = _single_model(str(tmp_path / "v1"), 1)
+    v2 = _single_model(str(tmp_path / "v2"), 2)
+    first = hf_hub.add_repo("org/moving", str(tmp_path / "v1"))
+    moved = []
+
+    def move():
+        if not moved:
+            moved.append(hf_hub.add_repo("org/moving", str(tmp_path / "v2")))
+
+    hf_hub.on_api = move
+    got, _ = load_all("hf://org/moving")
+    assert_same(got, v1)
+    assert resolved_revisions(hf_hub, "org/moving") == {first}
+    got, _ = load_all("hf://org/moving")
+    assert_same(got, v2)
+    # A commit is read as written, without asking the API.
+    hf_hub.log.clear()
+    got, _ = load_all(f"hf://org/moving@{first}")
+    assert_same(got, v1)
+    assert [x for x in hf_hub.log if x[0] == "api"] == []
+    pr = hf_hub.add_repo("org/moving", str(tmp_path / "v1"), revision="refs/pr/1")
+    hf_hub.log.clear()
+    got, _ = load_all("hf://org/moving@refs%2Fpr%2F1/model.safetensors")
+    assert_same(got, v1)
+    assert [x for x in hf_hub.log if x[0] == "api"] == [("api", "org/moving", "refs/pr/1", "")]
+    assert resolved_revisions(hf_hub, "org/moving") == {pr}
+
+
+def test_the_cache_wins_and_an_incomplete_snapshot_reads_the_hub(hf_hub, models, tmp_path):
+    """huggingface_hub's own snapshot_download from this hub fills the cache: then nothing is
+    asked of the hub. A snapshot holding only config.json (what AutoConfig fetches) is not the
+    checkpoint: the hub is read."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    local = models["org/sharded"]
+    want, _ = load_all(local)
+    hf_hub.add_repo("org/sharded", local)
+    cache = os.environ["HF_HUB_CACHE"]
+    # endpoint= as well: huggingface_hub reads HF_ENDPOINT once, when first imported.
+    snapshot = huggingface_hub.snapshot_download("org/sharded", cache_dir=cache,
+                                                 endpoint=hf_hub.endpoint)
+    hf_hub.log.clear()
+    with tensorferry.Loader("hf://org/sharded") as loader:
+        assert all(f.startswith(snapshot) for f in loader.files), loader.files
+        assert_same(loader.load(), want)
+    assert hf_hub.log == []
+    # Only a config in the cache's snapshot of another repository.
+    with_config = str(tmp_path / "single-with-config")
+    shutil.copytree(models["org/single"], with_config)
+    with open(os.path.join(with_config, "config.json"), "w") as f:
+        f.write('{"model_type": "llama"}')
+    want_single, _ = load_all(models["org/single"])
+    hf_hub.add_repo("org/single", with_config)
+    huggingface_hub.hf_hub_download("org/single", "config.json", cache_dir=cache,
+                                    endpoint=hf_hub.endpoint)
+    got, _ = load_all("hf://org/single")
+    assert_same(got, want_single)
+    assert any(x[0] == "resolve" and x[3] == "model.safetensors" for x in hf_hub.log)
+
+
+def test_what_neither_the_cache_nor_the_hub_has_names_both(hf_hub, models, monkeypatch):
+    hf_hub.add_repo("org/single", models["org/single"])
+    cache = os.environ["HF_HUB_CACHE"]
+    with pytest.raises(FileNotFoundError) as e:
+        tensorferry.Loader("hf://org/none")
+    message = str(e.value)
+    assert "not in the Hugging Face hub cache" in message and cache in message, message
+    assert hf_hub.endpoint in message and "RepositoryNotFound" in message, message
+    with pytest.raises(FileNotFoundError, match="RevisionNotFound"):
+        tensorferry.Loader("hf://org/single@v9")
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        tensorferry.Loader("hf://org/single/nope.safetensors")
+    # Offline: the hub is not asked.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf_hub.log.clear()
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set, so the hub"):
+        tensorferry.Loader("hf://org/single")
+    assert hf_hub.log == []
+    r = subprocess.run([CLI, "inspect", "hf://org/single"], capture_output=True, text=True)
+    assert r.returncode == 1 and "HF_HUB_OFFLINE" in r.stderr, r.stderr
+
+
+def test_a_gated_hf_path_takes_hf_token(hf_hub, models, monkeypatch):
+    local = models["org/single"]
+    want, _ = load_all(local)
+    hf_hub.add_repo("org/gated", local, token="hf_secret_2")
+    with pytest.raises(OSError) as e:
+        tensorferry.Loader("hf://org/gated")
+    assert "GatedRepo" in str(e.value) and "no access token was sent" in str(e.value)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_2")
+    got, _ = load_all("hf://org/gated")
+    assert_same(got, want)
+
+
 def test_links_that_expire_during_a_load_are_resolved_again(models, tmp_path):
     """Links live 1 s and the CDN sends each part at 1 MiB/s: every part after the first finds
     its link expired (403), asks the resolver again and completes; the load is byte-exact."""
@@ -200,14 +350,26 @@ def test_an_https_hub_is_never_followed_to_plain_http(models, tmp_path):
             cdn_tls.close()
 
 
+def tiny_llama_config(transformers):
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16)
+
+
+def assert_same_parameters(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert torch.equal(sa[name].reshape(-1).view(torch.uint8),
+                           sb[name].reshape(-1).view(torch.uint8)), name
+
+
 def test_from_pretrained_of_a_hub_prefix_equals_the_local_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     import tensorferry.transformers as tft
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16)
+    config = tiny_llama_config(transformers)
     for shard in (None, "60KB"):
         folder = tmp_path / f"llama-{shard}"
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
@@ -223,9 +385,36 @@ def test_from_pretrained_of_a_hub_prefix_equals_the_local_model(tmp_path):
                     h.repo_url("org/llama"), dtype=torch.bfloat16)
             for f in weight_files(folder):
                 assert h.resolve_count("org/llama", f) >= 1
-        sa, sb = ref.state_dict(), got.state_dict()
-        assert list(sa) == list(sb)
-        for name in sa:
-            assert torch.equal(sa[name].reshape(-1).view(torch.uint8),
-                               sb[name].reshape(-1).view(torch.uint8)), name
+        assert_same_parameters(ref, got)
         shutil.rmtree(folder)
+
+
+def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_path):
+    """Inside tensorferry.transformers.loading(), from_pretrained("hf://org/llama"): streamed from
+    the hub when the cache lacks it (the configuration and the weights from the one commit the
+    branch named), read from the cache's snapshot once huggingface_hub has downloaded it."""
+    transformers = pytest.importorskip("transformers")
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    import tensorferry.transformers as tft
+    config = tiny_llama_config(transformers)
+    folder = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
+        folder, max_shard_size="60KB")
+    commit = hf_hub.add_repo("org/llama", str(folder))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+
+    with tft.loading():
+        assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
+            "hf://org/llama", dtype=torch.bfloat16))
+        with pytest.raises(OSError, match="name the revision in the path"):
+            transformers.AutoModelForCausalLM.from_pretrained("hf://org/llama", revision="v2")
+    assert len([x for x in hf_hub.log if x[0] == "api"]) == 1, hf_hub.log
+    assert resolved_revisions(hf_hub, "org/llama") == {commit}
+    assert any(x[3] == "config.json" for x in hf_hub.log)
+    huggingface_hub.snapshot_download("org/llama", cache_dir=os.environ["HF_HUB_CACHE"],
+                                      endpoint=hf_hub.endpoint)
+    hf_hub.log.clear()
+    with tft.loading():
+        assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
+            "hf://org/llama", dtype=torch.bfloat16))
+    assert hf_hub.log == []

@@ -17,6 +17,25 @@ import sys
 import traceback
 
 
+def without_missing_cpu_kernels():
+    """vLLM's CPU platform packs small BF16/FP16 weights for AMX after loading them
+    (layers/utils.py check_cpu_sgl_kernel, on CPUs with AMX tiles) with
+    torch.ops._C.convert_weight_packed, a kernel its PyPI wheel (built for CUDA) does not have: on
+    such a CPU, building any model fails after its weights are loaded, whatever loader filled
+    them. Where the kernel is missing, vLLM is told not to pack (its path for CPUs without AMX)."""
+    import torch
+    import vllm.model_executor.layers.utils as layer_utils
+    original = layer_utils.check_cpu_sgl_kernel
+    if getattr(original, "kernel_checked", False):
+        return
+
+    def check(n, k, dtype):
+        return hasattr(torch.ops._C, "convert_weight_packed") and original(n, k, dtype)
+
+    check.kernel_checked = True
+    layer_utils.check_cpu_sgl_kernel = check
+
+
 def make_checkpoints(workdir):
     """A tiny Llama (transformers' LlamaForCausalLM, BF16) saved twice: sharded with an index,
     and as one model.safetensors. Same weights."""
@@ -62,6 +81,7 @@ def build(path, load_format, extra=None, tp=1):
     """(model, loader) built and filled by vLLM's own get_model path, as a worker does."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
+    without_missing_cpu_kernels()
     config = vllm_config(path, load_format, extra, tp)
     with set_current_vllm_config(config):
         loader = get_model_loader(config.load_config)

@@ -124,7 +124,7 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
           name, path,
           "A .safetensors file, a checkpoint directory or a model.safetensors.index.json, "
           "local or as an s3://, gs:// or http(s):// URL; or hf://OWNER/NAME[@REVISION][/PATH], "
-          "a repository in the local Hugging Face hub cache")
+          "a repository in the local Hugging Face hub cache, else on the hub (HF_ENDPOINT)")
       ->required();
 }
 

@@ -37,8 +37,11 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   (default: on for unquantized models whose load_weights reports what it loaded).
     weights       where the model's weights are read from instead of the model's own files: an
                   s3://, gs:// or http(s):// URL (a prefix, an index or a .safetensors file, read
-                  straight from object storage: docs/object_storage.md), a local folder or
-                  file (a missing one is a FileNotFoundError), or a hub id. vLLM reads the
+                  straight from object storage: docs/object_storage.md), an
+                  hf://OWNER/NAME[@REVISION] path (the local hub cache's snapshot, else streamed
+                  from the hub at HF_ENDPOINT with HF_TOKEN, pinned to one commit, nothing
+                  written to disk: where vLLM would download the whole model first), a local
+                  folder or file (a missing one is a FileNotFoundError), or a hub id. vLLM reads the
                   configuration (and tokenizer) from --model as usual (a local folder or a hub
                   id), so a model whose weights live in a bucket is served with --model naming
                   its configuration. (vLLM itself refuses load formats other
@@ -165,8 +168,9 @@ def _check_weights(weights):
     if "://" in weights and not _is_url(weights):
         scheme = weights.split("://", 1)[0]
         raise _bad("weights", f"{weights!r}: tensorferry reads s3://, gs://, http:// and "
-                   f"https:// URLs, not {scheme}:// (a store with an S3-compatible endpoint is "
-                   f"read as s3:// with storage_options {{\"s3_endpoint\": ...}})")
+                   f"https:// URLs and hf:// paths, not {scheme}:// (a store with an "
+                   f"S3-compatible endpoint is read as s3:// with storage_options "
+                   f"{{\"s3_endpoint\": ...}})")
     return weights
 
 
@@ -278,8 +282,11 @@ def __getattr__(name):
 
 
 def _is_url(path):
+    """True for what tensorferry reads in place rather than through vLLM's download: s3://,
+    gs:// and http(s):// URLs, and hf:// paths (the local hub cache, else streamed from the hub:
+    include/tensorferry/hub.h)."""
     from . import _safe_open
-    return _safe_open.is_url(path)
+    return _safe_open.is_url(path) or (isinstance(path, str) and path[:5].lower() == "hf://")
 
 
 def _make_class():

@@ -287,12 +287,10 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
         parts.size() >= 2 && !owner_has_revision
             ? std::string(parts[0]) + "/" + std::string(parts[1].substr(0, parts[1].find('@')))
             : std::string(parts[0].substr(0, parts[0].find('@')));
-    return Status(Code::kNotFound,
-                  std::string(hub_path) + ": not in the Hugging Face hub cache " +
-                      json::Quote(cache) + " (no " + tried +
-                      "); tensorferry reads the cache and downloads nothing: fetch it first, "
-                      "e.g. `hf download " +
-                      id + type_flag + " --include '*.safetensors' '*.json'`");
+    return Status(Code::kNotFound, std::string(hub_path) + ": not in the Hugging Face hub cache " +
+                                       json::Quote(cache) + " (no " + tried +
+                                       "); fetch it with `hf download " + id + type_flag +
+                                       " --include '*.safetensors' '*.json'`");
   }
   const fs::path repo = fs::path(cache) / chosen->folder;
 

@@ -32,7 +32,8 @@ def pytest_configure(config):
 # are the tests that need a missing server skipped instead, saying which. (test_vllm.py's
 # vllm_env does the same for .venv-vllm.)
 _SERVER_FIXTURES = {"seaweed": "weed", "s3_proxy": "weed", "nginx_http": "nginx",
-                    "nginx_proxy": "nginx", "hub": "nginx"}
+                    "nginx_proxy": "nginx", "hub": "nginx", "hf_hub": "nginx",
+                    "remote": "nginx"}
 
 
 # Tests that start a server of their own rather than through a fixture: the binary each needs.

@@ -366,15 +366,28 @@ REMOTE_PREFIX = "vllm-tests/llama-sharded"
 
 @pytest.fixture(scope="session")
 def remote(vllm_env, single, seaweed):  # after `single`: it writes the checkpoints
+    """The remote scenario: weights from SeaweedFS, and (the "hub" case) from a model hub on
+    loopback by an hf:// path that the (empty) local hub cache lacks."""
+    from hub_server import ModelHub
     sharded = os.path.join(vllm_env["work"], "llama-sharded")
     seaweed.upload_dir(seaweed.BUCKET, REMOTE_PREFIX, sharded)
     env = _env(vllm_env["path"])
     env.update(seaweed.env())
     env["TF_TEST_PORT"] = str(_free_port())
-    r = subprocess.run([VLLM_PYTHON, SCENARIOS, "remote", vllm_env["work"],
-                        seaweed.url(REMOTE_PREFIX)], env=env, capture_output=True, text=True,
-                       timeout=900)
-    return _result(r.stdout + r.stderr, "vllm_scenarios.py remote")
+    with ModelHub() as hub:
+        hub.add_repo("org/llama", sharded)
+        # Online, with the hub on loopback as HF_ENDPOINT: nothing leaves the machine.
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            env.pop(name)
+        env.update(HF_ENDPOINT=hub.endpoint, TF_TEST_HF_PATH="hf://org/llama",
+                   HF_HUB_CACHE=os.path.join(vllm_env["work"], "empty-hf-cache"))
+        r = subprocess.run([VLLM_PYTHON, SCENARIOS, "remote", vllm_env["work"],
+                            seaweed.url(REMOTE_PREFIX)], env=env, capture_output=True, text=True,
+                           timeout=900)
+        hub_files = sorted({x[3] for x in hub.log if x[0] == "resolve"})
+    result = _result(r.stdout + r.stderr, "vllm_scenarios.py remote")
+    result["hub_files"] = hub_files
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -382,16 +395,19 @@ def remote_tp2(vllm_env, remote, seaweed):  # after `remote`: the upload, the co
     return _tensor_parallel(vllm_env, 2, seaweed.url(REMOTE_PREFIX), seaweed.env())
 
 
-@pytest.mark.parametrize("case", ["prefix", "index", "cached"])
+@pytest.mark.parametrize("case", ["prefix", "index", "cached", "hub"])
 def test_weights_read_from_object_storage_are_vllms_weights(remote, case):
-    # vLLM's --model holds only config.json: every weight came from the bucket.
+    # vLLM's --model holds only config.json: every weight came from the bucket (or the hub).
     load = remote["loads"][case]
     assert load["compared"] == 24
     assert load["differences"] == []
     assert load["stats"]["tensors"] == 21
     assert load["stats"]["bytes_read"] == load["stats"]["bytes"]
-    if case == "prefix":
+    if case in ("prefix", "hub"):
         assert load["stats"]["rounds"] > 1 and load["stats"]["peak_held_bytes"] <= 65536
+    if case == "hub":  # streamed from the hub: the index and every shard asked of it
+        assert "model.safetensors.index.json" in remote["hub_files"]
+        assert sum(f.endswith(".safetensors") for f in remote["hub_files"]) >= 2
 
 
 def test_weights_from_object_storage_fill_the_object_cache(remote):

@@ -259,6 +259,8 @@ def remote(workdir, url):
         "cached": {"weights": url, "storage_options": {"object_cache_dir": cache,
                                                        "object_header_bytes": 4096}},
     }
+    if os.environ.get("TF_TEST_HF_PATH"):  # a hub at HF_ENDPOINT, not in the local hub cache
+        cases["hub"] = {"weights": os.environ["TF_TEST_HF_PATH"], "budget": 65536}
     for key, extra in cases.items():
         model, ldr = build(config_only, "tensorferry", extra)
         diff, count = differences(model, reference)

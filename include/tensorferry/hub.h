@@ -75,4 +75,9 @@ bool HubOffline();
 // without a commit) and ReadObject's errors, each naming the repository, revision and hub.
 Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& options);
 
+// The same, the API's GET through `source` (a Source from MakeObjectSource; Checkpoint::Open
+// passes the one the checkpoint's files are then read through, so that the API's request and the
+// reads share their connections to the hub: one TLS handshake, not two).
+Result<std::string> HubUrl(std::string_view hub_path, Source& source);
+
 }  // namespace tensorferry

@@ -171,6 +171,11 @@ Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& op
 Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
                                           uint64_t max_bytes);
 
+// The same through `source` (a Source from MakeObjectSource) and its connections: a request to
+// an origin the source talks to reuses a connection to it.
+Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url,
+                                          uint64_t max_bytes);
+
 // The Source reading URLs with these options. libcurl is loaded and the S3 settings resolved when
 // the first URL is opened; their errors (kUnsupported: libcurl could not be loaded, naming what was
 // tried; kInvalidArgument: a bad setting, naming it and where it came from) are that Open's.

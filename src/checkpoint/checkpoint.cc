@@ -466,9 +466,11 @@ Result<std::shared_ptr<const Checkpoint>> OpenHub(const std::string& path,
   }
   if (cached.code() != Code::kNotFound) return cached;
   if (HubOffline()) return NotOnHub(cached, Status());
-  Result<std::string> url = HubUrl(path, options.object_store);
+  // One source for the API's request and the reads: their connections to the hub are shared.
+  TF_ASSIGN_OR_RETURN(const OpenOptions with_source, WithObjectSource(options));
+  Result<std::string> url = HubUrl(path, *with_source.source);
   if (!url.ok()) return NotOnHub(cached, url.status());
-  Result<std::shared_ptr<const Checkpoint>> remote = OpenUrl(*url, options);
+  Result<std::shared_ptr<const Checkpoint>> remote = OpenUrl(*url, with_source);
   if (!remote.ok() && remote.status().code() == Code::kNotFound) {
     return NotOnHub(cached, remote.status());
   }
@@ -524,11 +526,13 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const 
     if (!local.ok() && not_cached.ok()) not_cached = local.status();
     resolved.push_back(local.ok() ? *local : path);
   }
+  OpenOptions with_source = options;
   if (!not_cached.ok()) {
     if (HubOffline()) return NotOnHub(not_cached, Status());
+    TF_ASSIGN_OR_RETURN(with_source, WithObjectSource(options));
     for (size_t i = 0; i < paths.size(); ++i) {
       if (!IsHubPath(paths[i])) continue;
-      Result<std::string> url = HubUrl(paths[i], options.object_store);
+      Result<std::string> url = HubUrl(paths[i], *with_source.source);
       if (!url.ok()) return NotOnHub(not_cached, url.status());
       resolved[i] = std::move(url).value();
     }
@@ -539,12 +543,10 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const 
     return Status(Code::kInvalidArgument,
                   "a checkpoint's files are all local or all URLs, not a mix of both");
   }
-  if (urls > 0 && !options.source) {
-    TF_ASSIGN_OR_RETURN(const OpenOptions with_source, WithObjectSource(options));
-    CheckpointBuilder builder(with_source);
-    return builder.FromFiles(std::move(resolved));
+  if (urls > 0 && !with_source.source) {
+    TF_ASSIGN_OR_RETURN(with_source, WithObjectSource(options));
   }
-  CheckpointBuilder builder(options);
+  CheckpointBuilder builder(with_source);
   return builder.FromFiles(std::move(resolved));
 }
 

@@ -210,9 +210,8 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
 }
 
 // The commit `revision` of repository `id` points to now, from the hub's API (`api`: its URL).
-Result<std::string> AskCommit(const std::string& api, const std::string& what,
-                              const ObjectStoreOptions& options) {
-  Result<std::vector<std::byte>> answer = ReadObject(api, options, 16u << 20);
+Result<std::string> AskCommit(const std::string& api, const std::string& what, Source& source) {
+  Result<std::vector<std::byte>> answer = ReadObject(source, api, 16u << 20);
   if (!answer.ok()) {
     return Status(answer.status().code(), what + ": " + answer.status().message());
   }
@@ -369,6 +368,11 @@ bool HubOffline() {
 }
 
 Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& options) {
+  TF_ASSIGN_OR_RETURN(const std::shared_ptr<Source> source, MakeObjectSource(options));
+  return HubUrl(hub_path, *source);
+}
+
+Result<std::string> HubUrl(std::string_view hub_path, Source& source) {
   TF_ASSIGN_OR_RETURN(const Parsed parsed, Parse(hub_path));
   const std::string endpoint = HubEndpoint();
   if (endpoint.rfind("https://", 0) != 0 && endpoint.rfind("http://", 0) != 0) {
@@ -401,7 +405,7 @@ Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& 
     TF_ASSIGN_OR_RETURN(commit, AskCommit(api,
                                           "the commit of " + repo.id + " at revision " +
                                               json::Quote(revision) + " on the hub " + endpoint,
-                                          options));
+                                          source));
   }
   return endpoint + "/" + type_path + repo.id + "/resolve/" + commit +
          (inside.empty() ? "" : "/" + objstore::PercentEncode(inside, true));

@@ -745,7 +745,14 @@ Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& op
 
 Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
                                           uint64_t max_bytes) {
-  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, OpenObject(url, options));
+  if (!IsObjectUrl(url)) return OpenObject(url, options).status();  // its kInvalidArgument
+  TF_ASSIGN_OR_RETURN(std::shared_ptr<Source> source, MakeObjectSource(options));
+  return ReadObject(*source, url, max_bytes);
+}
+
+Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url,
+                                          uint64_t max_bytes) {
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, source.Open(url));
   TF_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
   if (size > max_bytes) {
     return Status(Code::kInvalidArgument, url + ": the object is " + std::to_string(size) +

@@ -26,7 +26,8 @@ points a branch (`revision`, default main) at it; `/resolve/<revision>/` takes a
 huggingface_hub's model_info reads it; 401 RepositoryNotFound for a repository it does not have, 404
 RevisionNotFound for a revision) and `GET /api/models/<repo>/tree/<revision>` with its files (as
 snapshot_download lists them). `on_api`, when set, is called after each API answer (a branch
-moved while a load runs). `log` lists every request as (kind, repo, revision, path).
+moved while a load runs). `log` lists every request as (kind, repo, revision, path), `connections`
+counts the connections the hub accepted.
 
 `repo_url(repo)` is the prefix `http://127.0.0.1:<port>/<repo>/resolve/main` that tensorferry
 loads (it holds model.safetensors.index.json, or model.safetensors); `endpoint` is what
@@ -58,6 +59,7 @@ class ModelHub:
         self._lock = threading.Lock()
         self.resolves = {}  # "<repo>/<path>" -> requests to the hub for it
         self.log = []  # (kind "api"|"resolve", repo, revision, path) of every request
+        self.connections = 0  # connections the hub (not its CDN) accepted
         self.on_api = None
         rate = f"limit_rate {cdn_rate}; sendfile_max_chunk 64k;" if cdn_rate else ""
         # secure_link: md5 (base64url) of "<expires><uri> <secret>"; "" = forged, "0" = expired.
@@ -132,6 +134,7 @@ class ModelHub:
         with self._lock:
             self.resolves.clear()
             self.log.clear()
+            self.connections = 0
 
     def api_count(self):
         with self._lock:
@@ -320,7 +323,13 @@ class ModelHub:
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
-        self._http = http.server.ThreadingHTTPServer((LOOPBACK, 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def process_request(self, request, client_address):
+                with hub._lock:
+                    hub.connections += 1
+                return super().process_request(request, client_address)
+
+        self._http = Server((LOOPBACK, 0), Handler)
         self._http.daemon_threads = True
         threading.Thread(target=self._http.serve_forever, daemon=True).start()
         return self

@@ -183,6 +183,18 @@ def test_an_hf_path_not_cached_is_streamed_from_the_hub_at_one_commit(hf_hub, mo
     # The branch was asked once through the API; every file was read at the commit it named.
     assert [x for x in hf_hub.log if x[0] == "api"] == [("api", repo, "main", "")]
     assert resolved_revisions(hf_hub, repo) == {commit}
+    # The API's request and the reads share their connection to the hub (one GET at a time).
+    hf_hub.reset_counts()
+    got, _ = load_all(f"hf://{repo}", storage_options={"object_concurrency": 1})
+    assert_same(got, want)
+    if repo == "org/single":  # (a sharded checkpoint's files are opened 16 at a time)
+        assert hf_hub.connections == 1, hf_hub.log
+    # A commit is read as written: no API request.
+    hf_hub.reset_counts()
+    got, _ = load_all(f"hf://{repo}@{commit}")
+    assert_same(got, want)
+    assert [x for x in hf_hub.log if x[0] == "api"] == []
+    assert resolved_revisions(hf_hub, repo) == {commit}
     # One file of the repository, and the drop-in APIs.
     name = weight_files(local)[0]
     with tensorferry.safe_open(f"hf://{repo}/{name}", "pt") as f:

@@ -28,8 +28,10 @@
 // answer; thread-safe.
 #pragma once
 
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tensorferry/object_store.h"
 #include "tensorferry/status.h"
@@ -79,5 +81,9 @@ Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& 
 // passes the one the checkpoint's files are then read through, so that the API's request and the
 // reads share their connections to the hub: one TLS handshake, not two).
 Result<std::string> HubUrl(std::string_view hub_path, Source& source);
+
+// HubUrl of each of `hub_paths`, in order, the hub's API asked once per repository and revision:
+// files of one repository named by a branch all come from the one commit it named.
+Result<std::vector<std::string>> HubUrls(std::span<const std::string> hub_paths, Source& source);
 
 }  // namespace tensorferry

@@ -82,6 +82,11 @@ def is_url(path):
         and "://" in path
 
 
+def is_hub_path(path):
+    """True for hf:// paths (a hub repository: the local hub cache, else the hub itself)."""
+    return isinstance(path, str) and path[:5].lower() == "hf://"
+
+
 def open_file(filename, options):
     path = os.fspath(filename)
     if not isinstance(path, str):

@@ -84,7 +84,7 @@ from contextlib import contextmanager
 from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._loader import Loader
-from ._safe_open import _Slice, is_url, storage_load_options
+from ._safe_open import _Slice, is_hub_path, is_url, storage_load_options
 from ._safe_open import safe_open as _safe_open
 
 __all__ = ["enable", "disable", "enabled", "loading", "safe_open"]
@@ -451,10 +451,6 @@ _hub_roots = {}  # (hf:// path, storage options) -> where it is read from, while
 _HUB_ROOT = re.compile(r"^(.*/(?:snapshots|resolve)/[0-9a-f]{40})(?:/|$)")
 
 
-def _is_hub(path):
-    return isinstance(path, str) and path[:5].lower() == "hf://"
-
-
 def _hub_root(path, revision=None):
     """Where the model at hf:// `path` (a repository, OWNER/NAME[@REVISION]) is read from: its
     snapshot folder in the local hub cache when that holds the checkpoint, else its
@@ -495,7 +491,7 @@ def _templates(original):
 
     @functools.wraps(original)
     def wrapper(repo_id, *args, **kwargs):
-        if _is_hub(repo_id):
+        if is_hub_path(repo_id):
             repo_id = _hub_root(repo_id, kwargs.get("revision"))
             if not is_url(repo_id):
                 kwargs.pop("revision", None)
@@ -519,7 +515,7 @@ def _resolving(original):
 
     @functools.wraps(original)
     def wrapper(path_or_repo_id, filenames, *args, **kwargs):
-        if _is_hub(path_or_repo_id):
+        if is_hub_path(path_or_repo_id):
             path_or_repo_id = _hub_root(path_or_repo_id, kwargs.pop("revision", None))
             if not is_url(path_or_repo_id):  # a snapshot in the hub cache: a local folder
                 return original(path_or_repo_id, filenames, *args, **kwargs)

@@ -286,7 +286,7 @@ def _is_url(path):
     gs:// and http(s):// URLs, and hf:// paths (the local hub cache, else streamed from the hub:
     include/tensorferry/hub.h)."""
     from . import _safe_open
-    return _safe_open.is_url(path) or (isinstance(path, str) and path[:5].lower() == "hf://")
+    return _safe_open.is_url(path) or _safe_open.is_hub_path(path)
 
 
 def _make_class():

@@ -530,11 +530,15 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const 
   if (!not_cached.ok()) {
     if (HubOffline()) return NotOnHub(not_cached, Status());
     TF_ASSIGN_OR_RETURN(with_source, WithObjectSource(options));
+    std::vector<std::string> hub_paths;
+    for (const std::string& path : paths) {
+      if (IsHubPath(path)) hub_paths.push_back(path);
+    }
+    Result<std::vector<std::string>> urls = HubUrls(hub_paths, *with_source.source);
+    if (!urls.ok()) return NotOnHub(not_cached, urls.status());
+    size_t next = 0;
     for (size_t i = 0; i < paths.size(); ++i) {
-      if (!IsHubPath(paths[i])) continue;
-      Result<std::string> url = HubUrl(paths[i], *with_source.source);
-      if (!url.ok()) return NotOnHub(not_cached, url.status());
-      resolved[i] = std::move(url).value();
+      if (IsHubPath(paths[i])) resolved[i] = std::move((*urls)[next++]);
     }
   }
   size_t urls = 0;

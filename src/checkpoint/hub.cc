@@ -10,7 +10,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <vector>
 
@@ -205,10 +207,6 @@ std::string Inside(const Parsed& p, size_t begin) {
   return inside;
 }
 
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 // The commit `revision` of repository `id` points to now, from the hub's API (`api`: its URL).
 Result<std::string> AskCommit(const std::string& api, const std::string& what, Source& source) {
   Result<std::vector<std::byte>> answer = ReadObject(source, api, 16u << 20);
@@ -367,12 +365,10 @@ bool HubOffline() {
   return upper == "1" || upper == "ON" || upper == "YES" || upper == "TRUE";
 }
 
-Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& options) {
-  TF_ASSIGN_OR_RETURN(const std::shared_ptr<Source> source, MakeObjectSource(options));
-  return HubUrl(hub_path, *source);
-}
+namespace {
 
-Result<std::string> HubUrl(std::string_view hub_path, Source& source) {
+Result<std::string> PinnedUrl(std::string_view hub_path, Source& source,
+                              std::map<std::string, std::string>& commits) {
   TF_ASSIGN_OR_RETURN(const Parsed parsed, Parse(hub_path));
   const std::string endpoint = HubEndpoint();
   if (endpoint.rfind("https://", 0) != 0 && endpoint.rfind("http://", 0) != 0) {
@@ -383,7 +379,7 @@ Result<std::string> HubUrl(std::string_view hub_path, Source& source) {
   // or the second names a file (then the owner-less "name", like gpt2).
   const std::vector<std::string_view>& parts = parsed.parts;
   const bool one = parts.size() == 1 || parts[0].find('@') != std::string_view::npos ||
-                   EndsWith(parts[1], ".safetensors") || EndsWith(parts[1], ".json");
+                   parts[1].ends_with(".safetensors") || parts[1].ends_with(".json");
   const size_t n = one ? 1 : 2;
   TF_ASSIGN_OR_RETURN(const Candidate repo, MakeCandidate(hub_path, parsed, n));
   const std::string inside = Inside(parsed, n);
@@ -399,16 +395,46 @@ Result<std::string> HubUrl(std::string_view hub_path, Source& source) {
   std::string commit = revision;
   if (!IsCommit(revision)) {
     // Pinned to the commit the branch or tag points to now: every file of the checkpoint comes
-    // from it, even if the branch moves during the load.
+    // from it, even if the branch moves during the load. Asked once per repository and revision
+    // however many of its files are named.
     const std::string api = endpoint + "/api/" + parsed.type + "/" + repo.id + "/revision/" +
                             objstore::PercentEncode(revision, false);
-    TF_ASSIGN_OR_RETURN(commit, AskCommit(api,
-                                          "the commit of " + repo.id + " at revision " +
-                                              json::Quote(revision) + " on the hub " + endpoint,
-                                          source));
+    const auto known = commits.find(api);
+    if (known != commits.end()) {
+      commit = known->second;
+    } else {
+      TF_ASSIGN_OR_RETURN(commit, AskCommit(api,
+                                            "the commit of " + repo.id + " at revision " +
+                                                json::Quote(revision) + " on the hub " + endpoint,
+                                            source));
+      commits.emplace(api, commit);
+    }
   }
   return endpoint + "/" + type_path + repo.id + "/resolve/" + commit +
          (inside.empty() ? "" : "/" + objstore::PercentEncode(inside, true));
+}
+
+}  // namespace
+
+Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& options) {
+  TF_ASSIGN_OR_RETURN(const std::shared_ptr<Source> source, MakeObjectSource(options));
+  return HubUrl(hub_path, *source);
+}
+
+Result<std::string> HubUrl(std::string_view hub_path, Source& source) {
+  const std::string path(hub_path);
+  TF_ASSIGN_OR_RETURN(std::vector<std::string> urls, HubUrls(std::span(&path, 1), source));
+  return std::move(urls.front());
+}
+
+Result<std::vector<std::string>> HubUrls(std::span<const std::string> hub_paths, Source& source) {
+  std::map<std::string, std::string> commits;  // the API's URL -> the commit it answered
+  std::vector<std::string> urls;
+  for (const std::string& hub_path : hub_paths) {
+    TF_ASSIGN_OR_RETURN(std::string url, PinnedUrl(hub_path, source, commits));
+    urls.push_back(std::move(url));
+  }
+  return urls;
 }
 
 }  // namespace tensorferry

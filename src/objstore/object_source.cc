@@ -736,6 +736,20 @@ Result<std::unique_ptr<SourceFile>> OpenObject(const std::string& url,
   return source->Open(url);
 }
 
+// The whole of an opened object, unless it is larger than `max_bytes`.
+Result<std::vector<std::byte>> ReadWhole(const SourceFile& file, const std::string& url,
+                                         uint64_t max_bytes) {
+  TF_ASSIGN_OR_RETURN(const uint64_t size, file.Size());
+  if (size > max_bytes) {
+    return Status(Code::kInvalidArgument, url + ": the object is " + std::to_string(size) +
+                                              " bytes, more than the " + std::to_string(max_bytes) +
+                                              " this read allows");
+  }
+  std::vector<std::byte> bytes(static_cast<size_t>(size));
+  TF_RETURN_IF_ERROR(ReadFully(file, 0, bytes));
+  return bytes;
+}
+
 }  // namespace
 
 Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options) {
@@ -745,23 +759,14 @@ Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& op
 
 Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
                                           uint64_t max_bytes) {
-  if (!IsObjectUrl(url)) return OpenObject(url, options).status();  // its kInvalidArgument
-  TF_ASSIGN_OR_RETURN(std::shared_ptr<Source> source, MakeObjectSource(options));
-  return ReadObject(*source, url, max_bytes);
+  TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, OpenObject(url, options));
+  return ReadWhole(*file, url, max_bytes);
 }
 
 Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url,
                                           uint64_t max_bytes) {
   TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, source.Open(url));
-  TF_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
-  if (size > max_bytes) {
-    return Status(Code::kInvalidArgument, url + ": the object is " + std::to_string(size) +
-                                              " bytes, more than the " + std::to_string(max_bytes) +
-                                              " this read allows");
-  }
-  std::vector<std::byte> bytes(static_cast<size_t>(size));
-  TF_RETURN_IF_ERROR(ReadFully(*file, 0, bytes));
-  return bytes;
+  return ReadWhole(*file, url, max_bytes);
 }
 
 }  // namespace tensorferry

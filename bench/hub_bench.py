@@ -21,7 +21,10 @@ signed CDN link (nginx). The checkpoint is bench/object_store_bench.py's (genera
   tensorferry CLI --budget     `tensorferry load URL --budget 256M --json` (streaming, bounded)
   tensorferry CLI hf://        the same for `hf://<repo>` with HF_ENDPOINT at the hub and an empty
                                hub cache: the branch pinned to its commit (one API request), then
-                               the same reads
+                               the same reads, the files kept in the hub cache as they stream
+                               (object_hub_cache, the default); then "next start": the same
+                               command again, reading that cache (the cache is emptied after)
+  ... --object-hub-cache 0     the same streamed, nothing kept
   CLI before                   (with --cli-before PATH) another build of the CLI, the same way
 Timed inside each child (imports and process start excluded; the CLIs: their own `seconds`);
 peak RSS is the child's VmHWM (the CLIs' own `peak_rss_bytes`); "resolver" is the requests the
@@ -113,7 +116,11 @@ def main():
             ("tensorferry CLI --budget 256M", [cli, "load", url, "--budget", "256M", "--json"]),
             ("tensorferry CLI hf:// --budget 256M",
              [cli, "load", f"hf://{repo}", "--budget", "256M", "--json"]),
+            ("... --object-hub-cache 0",
+             [cli, "load", f"hf://{repo}", "--budget", "256M", "--object-hub-cache", "0",
+              "--json"]),
         ]
+        next_start = "  next start (hub cache)"
         # hf:// contenders: the hub as HF_ENDPOINT, an empty hub cache.
         hf_env = {"HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": os.path.join(work, "empty-cache")}
         # The raw limit: the CDN links themselves, 8 ranged GETs of 32 MiB in flight (the
@@ -137,16 +144,23 @@ def main():
             contenders.append(("CLI before --budget 256M",
                                [args.cli_before, "load", url, "--budget", "256M", "--json"]))
         results = {label: [] for label, _ in contenders}
+        results[next_start] = []
         want_crc, want_checksum = None, None
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         for i in range(args.repeats):
             shift = i % len(contenders)
-            for label, argv in contenders[shift:] + contenders[:shift]:
+            order = contenders[shift:] + contenders[:shift]
+            # The hub cache the kept hf:// load filled, read by the same command next.
+            at = [label for label, _ in order].index("tensorferry CLI hf:// --budget 256M")
+            order.insert(at + 1, (next_start, order[at][1]))
+            for label, argv in order:
                 hub.reset_counts()
                 hf_path = any(a.startswith("hf://") for a in argv)
                 r = osb.run_measured(argv, env=dict(env, **hf_env) if hf_path else env,
                                      timeout=1800)
                 shutil.rmtree(os.path.join(work, "hf-cache"), ignore_errors=True)
+                if label != "tensorferry CLI hf:// --budget 256M":
+                    shutil.rmtree(hf_env["HF_HUB_CACHE"], ignore_errors=True)
                 if r["rc"] != 0:
                     sys.exit(f"{label}: exit {r['rc']}: {r['stderr'][-2000:]}")
                 if argv[0] == "curl":

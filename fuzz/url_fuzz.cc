@@ -4,7 +4,9 @@
 // or read outside the input. ParseObjectUrl errors name the URL; what it accepts can go in a
 // request line as is (no control characters or whitespace), reads back the same from its ToString,
 // and Join/Parent/PercentEncode keep their documented shapes. And the same bytes as an hf:// path
-// (ResolveHubPath against a cache that does not exist).
+// (ResolveHubPath against a cache that does not exist), and after the hub's address as a resolve
+// URL (HubFileOfUrl, whose answer names places in the hub cache: a folder and paths that cannot
+// leave it), and as an ETag (HubBlobName: a plain file name or nothing).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -12,6 +14,7 @@
 #include <string_view>
 
 #include "objstore/http.h"
+#include "objstore/hub_cache.h"
 #include "objstore/url.h"
 #include "tensorferry/hub.h"
 
@@ -132,6 +135,28 @@ void CheckHubPath(std::string_view text) {
   if (r.status().message().rfind(path + ": ", 0) != 0) std::abort();
 }
 
+// The bytes after "https://huggingface.co/" (HF_ENDPOINT is not set by the fuzzer) as a resolve
+// URL: what HubFileOfUrl accepts stays inside the hub cache.
+void CheckHubUrl(std::string_view text) {
+  namespace o = tensorferry::objstore;
+  const auto f = o::HubFileOfUrl("https://huggingface.co/" + std::string(text));
+  if (f) {
+    if (f->folder.find('/') != std::string::npos || f->folder.rfind("models--", 0) != 0 &&
+                                                        f->folder.rfind("datasets--", 0) != 0 &&
+                                                        f->folder.rfind("spaces--", 0) != 0) {
+      std::abort();
+    }
+    if (!o::IsSafeRelative(f->path) || !o::IsSafeRelative(f->revision)) std::abort();
+    for (const std::string* s : {&f->path, &f->revision}) {
+      for (char c : *s) {
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) std::abort();
+      }
+    }
+  }
+  const std::string blob = o::HubBlobName("", text);
+  if (!blob.empty() && (blob.find('/') != std::string::npos || blob[0] == '.')) std::abort();
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -141,5 +166,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   CheckPercentEncode(text, false);
   CheckContentRange(text);
   CheckHubPath(text);
+  CheckHubUrl(text);
   return 0;
 }

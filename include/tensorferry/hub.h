@@ -19,8 +19,11 @@
 //      files (only config.json was fetched, or a shard is missing) counts as not cached;
 //   2. unless HubOffline(), the hub at HubEndpoint(), streamed like any https:// prefix
 //      (object_store.h: redirects to the CDN remembered, HF_TOKEN sent to the hub only, ranged
-//      GETs into the load's buffers, nothing written to disk): HubUrl pins a branch or tag to the
-//      commit it names when the load opens, so every file comes from that one commit.
+//      GETs into the load's buffers): HubUrl pins a branch or tag to the commit it names when the
+//      load opens, so every file comes from that one commit. Unless ObjectStoreOptions::hub_cache
+//      is off, the files read are also kept in the local hub cache as huggingface_hub keeps them
+//      (written beside the load, each linked into the commit's snapshot once whole, the branch's
+//      refs/ file written), so that the next start finds them in step 1.
 // A path found in neither is kNotFound naming both places (and the `hf download` command that
 // would fill the cache); with HF_HUB_OFFLINE set, it says the hub was not asked.
 //
@@ -79,11 +82,17 @@ Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& 
 
 // The same, the API's GET through `source` (a Source from MakeObjectSource; Checkpoint::Open
 // passes the one the checkpoint's files are then read through, so that the API's request and the
-// reads share their connections to the hub: one TLS handshake, not two).
-Result<std::string> HubUrl(std::string_view hub_path, Source& source);
+// reads share their connections to the hub: one TLS handshake, not two). With `ref_cache` (a hub
+// cache folder: Checkpoint::Open passes HubCacheDir() when ObjectStoreOptions::hub_cache is on),
+// the commit a branch or tag was pinned to is also written to its refs/<REVISION> there, so that
+// the snapshot the load fills is found by the revision next time (a failure to write it is
+// ignored: a cache never fails a load).
+Result<std::string> HubUrl(std::string_view hub_path, Source& source,
+                           const std::string& ref_cache = "");
 
 // HubUrl of each of `hub_paths`, in order, the hub's API asked once per repository and revision:
 // files of one repository named by a branch all come from the one commit it named.
-Result<std::vector<std::string>> HubUrls(std::span<const std::string> hub_paths, Source& source);
+Result<std::vector<std::string>> HubUrls(std::span<const std::string> hub_paths, Source& source,
+                                         const std::string& ref_cache = "");
 
 }  // namespace tensorferry

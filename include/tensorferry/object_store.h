@@ -127,6 +127,14 @@ struct ObjectStoreOptions {
   // object_cache_max: the most bytes the cache's entries may hold (least recently used entries
   // are removed to make room); 0 = unbounded.
   uint64_t cache_max = 0;
+  // object_hub_cache: a file of the Hugging Face hub read at its resolve URL pinned to a commit
+  // (<HF_ENDPOINT>/REPO/resolve/<commit>/PATH: how hf:// paths not in the local hub cache are
+  // streamed, hub.h), or at a branch the hub names the commit of (X-Repo-Commit), is also kept
+  // in the hub cache (HubCacheDir()) where huggingface_hub would put it: its blob, written beside
+  // the load as cache_dir's copies are (below), then its snapshot link; so the next start, of
+  // tensorferry or of any tool reading that cache (transformers, vLLM, `hf`), reads local disk.
+  // Nothing is evicted there. Takes precedence over cache_dir for those files.
+  bool hub_cache = true;
 };
 
 // --- the local cache, for tools (`tensorferry cache`) ---

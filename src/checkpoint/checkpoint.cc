@@ -433,6 +433,11 @@ Status NotOnHub(const Status& cached, const Status& hub) {
                 cached.message() + "; and from the hub " + HubEndpoint() + ": " + hub.message());
 }
 
+// Where HubUrl writes the refs of the branches it pins: the hub cache the source fills.
+std::string RefCache(const OpenOptions& options) {
+  return options.object_store.hub_cache ? HubCacheDir() : std::string();
+}
+
 // An hf:// path (hub.h): its snapshot in the local hub cache, else (unless HF_HUB_OFFLINE) the
 // hub's URL for it, pinned to a commit.
 Result<std::shared_ptr<const Checkpoint>> OpenHub(const std::string& path,
@@ -468,7 +473,7 @@ Result<std::shared_ptr<const Checkpoint>> OpenHub(const std::string& path,
   if (HubOffline()) return NotOnHub(cached, Status());
   // One source for the API's request and the reads: their connections to the hub are shared.
   TF_ASSIGN_OR_RETURN(const OpenOptions with_source, WithObjectSource(options));
-  Result<std::string> url = HubUrl(path, *with_source.source);
+  Result<std::string> url = HubUrl(path, *with_source.source, RefCache(with_source));
   if (!url.ok()) return NotOnHub(cached, url.status());
   Result<std::shared_ptr<const Checkpoint>> remote = OpenUrl(*url, with_source);
   if (!remote.ok() && remote.status().code() == Code::kNotFound) {
@@ -534,7 +539,8 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const 
     for (const std::string& path : paths) {
       if (IsHubPath(path)) hub_paths.push_back(path);
     }
-    Result<std::vector<std::string>> urls = HubUrls(hub_paths, *with_source.source);
+    Result<std::vector<std::string>> urls =
+        HubUrls(hub_paths, *with_source.source, RefCache(with_source));
     if (!urls.ok()) return NotOnHub(not_cached, urls.status());
     size_t next = 0;
     for (size_t i = 0; i < paths.size(); ++i) {

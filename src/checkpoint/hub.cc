@@ -18,6 +18,7 @@
 
 #include <simdjson.h>
 
+#include "objstore/hub_cache.h"
 #include "objstore/url.h"
 #include "tensorferry/object_store.h"
 #include "util/json_writer.h"
@@ -30,88 +31,10 @@ namespace fs = std::filesystem;
 
 constexpr std::string_view kScheme = "hf://";
 
-std::optional<std::string> Getenv(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return std::nullopt;
-  return std::string(v);
-}
-
-// Python's os.path.expanduser for "~" and "~/..." (not "~user").
-std::string ExpandUser(const std::string& path) {
-  if (path.empty() || path[0] != '~' || (path.size() > 1 && path[1] != '/')) return path;
-  const std::optional<std::string> home = Getenv("HOME");
-  return home ? *home + path.substr(1) : path;
-}
-
-// Python's os.path.expandvars: $NAME and ${NAME} replaced when NAME is set, else left as written.
-std::string ExpandVars(const std::string& path) {
-  std::string out;
-  size_t i = 0;
-  while (i < path.size()) {
-    if (path[i] != '$') {
-      out.push_back(path[i++]);
-      continue;
-    }
-    const bool braced = i + 1 < path.size() && path[i + 1] == '{';
-    size_t begin = i + (braced ? 2 : 1);
-    size_t end = begin;
-    if (braced) {
-      end = path.find('}', begin);
-      if (end == std::string::npos) {
-        out += path.substr(i);
-        break;
-      }
-    } else {
-      while (end < path.size() &&
-             (std::isalnum(static_cast<unsigned char>(path[end])) || path[end] == '_')) {
-        ++end;
-      }
-    }
-    const std::string name = path.substr(begin, end - begin);
-    const size_t next = end + (braced ? 1 : 0);
-    const std::optional<std::string> value = name.empty() ? std::nullopt : Getenv(name.c_str());
-    out += value ? *value : path.substr(i, next - i);
-    i = next;
-  }
-  return out;
-}
-
-std::string Expand(const std::string& path) {
-  return ExpandVars(ExpandUser(path));
-}
-
 Status Invalid(std::string_view hub_path, const std::string& why) {
   return Status(Code::kInvalidArgument, std::string(hub_path) + ": " + why +
                                             " (the form is hf://[datasets/|spaces/]OWNER/NAME"
                                             "[@REVISION][/PATH])");
-}
-
-// A part of a repository id: what the hub accepts ([A-Za-z0-9._-], no "--" or ".."), which also
-// keeps it one folder name.
-bool ValidIdPart(std::string_view s) {
-  if (s.empty() || s.size() > 96) return false;
-  for (char c : s) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return s.find("--") == std::string_view::npos && s.find("..") == std::string_view::npos &&
-         s.front() != '-' && s.front() != '.';
-}
-
-bool IsCommit(std::string_view s) {
-  return s.size() == 40 && s.find_first_not_of("0123456789abcdef") == std::string_view::npos;
-}
-
-std::vector<std::string_view> SplitPath(std::string_view s) {
-  std::vector<std::string_view> parts;
-  size_t begin = 0;
-  while (true) {
-    const size_t slash = s.find('/', begin);
-    parts.push_back(s.substr(begin, slash == std::string_view::npos ? slash : slash - begin));
-    if (slash == std::string_view::npos) return parts;
-    begin = slash + 1;
-  }
 }
 
 // "%2F" (either case) as '/', the way HfFileSystem writes a revision such as refs/pr/1.
@@ -127,14 +50,6 @@ std::string DecodeRevision(std::string_view s) {
     }
   }
   return out;
-}
-
-// No empty, "." or ".." component, not absolute.
-bool SafeRelative(std::string_view s) {
-  for (std::string_view part : SplitPath(s)) {
-    if (part.empty() || part == "." || part == "..") return false;
-  }
-  return true;
 }
 
 // The parts of an hf:// path: its repository type and its '/'-separated components.
@@ -156,7 +71,7 @@ Result<Parsed> Parse(std::string_view hub_path) {
     }
   }
   if (rest.empty()) return Invalid(hub_path, "no repository");
-  p.parts = SplitPath(rest);
+  p.parts = objstore::SplitHubPath(rest);
   for (std::string_view part : p.parts) {
     if (part.empty()) return Invalid(hub_path, "an empty path component");
   }
@@ -183,7 +98,7 @@ Result<Candidate> MakeCandidate(std::string_view hub_path, const Parsed& p, size
   c.folder = p.type;
   for (size_t i = 0; i < n; ++i) {
     const std::string_view part = i + 1 == n ? last : p.parts[i];
-    if (!ValidIdPart(part)) {
+    if (!objstore::IsHubIdPart(part)) {
       return Invalid(hub_path, "the repository id part " + json::Quote(std::string(part)) +
                                    " is not one the hub allows ([A-Za-z0-9._-], no '--' or "
                                    "'..')");
@@ -218,7 +133,7 @@ Result<std::string> AskCommit(const std::string& api, const std::string& what, S
   std::string_view sha;
   if (parser.parse(reinterpret_cast<const char*>(answer->data()), answer->size()).get(doc) !=
           simdjson::SUCCESS ||
-      doc["sha"].get(sha) != simdjson::SUCCESS || !IsCommit(sha)) {
+      doc["sha"].get(sha) != simdjson::SUCCESS || !objstore::IsHubCommit(sha)) {
     return Status(Code::kIoError, what + ": " + api +
                                       " did not answer a JSON object with the commit (\"sha\": 40 "
                                       "hex digits) as the hub's API does");
@@ -234,19 +149,6 @@ bool IsHubPath(std::string_view path) {
     if (std::tolower(static_cast<unsigned char>(path[i])) != kScheme[i]) return false;
   }
   return true;
-}
-
-std::string HubCacheDir() {
-  if (std::optional<std::string> v = Getenv("HF_HUB_CACHE")) return Expand(*v);
-  if (std::optional<std::string> v = Getenv("HUGGINGFACE_HUB_CACHE")) return Expand(*v);
-  std::string home;
-  if (std::optional<std::string> v = Getenv("HF_HOME")) {
-    home = Expand(*v);
-  } else {
-    const std::optional<std::string> xdg = Getenv("XDG_CACHE_HOME");
-    home = Expand((xdg ? *xdg : ExpandUser("~") + "/.cache") + "/huggingface");
-  }
-  return (fs::path(home) / "hub").string();
 }
 
 Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string& cache_dir) {
@@ -294,10 +196,10 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
   // The commit.
   std::string commit;
   const std::string revision = chosen->revision.empty() ? "main" : chosen->revision;
-  if (IsCommit(revision)) {
+  if (objstore::IsHubCommit(revision)) {
     commit = revision;
   } else {
-    if (!SafeRelative(revision)) {
+    if (!objstore::IsSafeRelative(revision)) {
       return Invalid(hub_path, "the revision " + json::Quote(revision) +
                                    " has an empty, '.' or '..' component");
     }
@@ -321,7 +223,7 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
     while (!commit.empty() && std::isspace(static_cast<unsigned char>(commit.back()))) {
       commit.pop_back();
     }
-    if (!IsCommit(commit)) {
+    if (!objstore::IsHubCommit(commit)) {
       return Status(Code::kNotFound,
                     ref.string() + ": does not hold a commit hash (40 hex digits)");
     }
@@ -335,7 +237,7 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
   }
   const std::string inside = Inside(parsed, chosen->path_begin);
   if (!inside.empty()) {
-    if (!SafeRelative(inside)) {
+    if (!objstore::IsSafeRelative(inside)) {
       return Invalid(hub_path, "the path " + json::Quote(inside) + " has a '.' or '..' component");
     }
     local /= inside;
@@ -348,27 +250,11 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
   return local.string();
 }
 
-std::string HubEndpoint() {
-  std::string endpoint = Getenv("HF_ENDPOINT").value_or("");
-  while (!endpoint.empty() && endpoint.back() == '/') endpoint.pop_back();
-  return endpoint.empty() ? "https://huggingface.co" : endpoint;
-}
-
-bool HubOffline() {
-  // huggingface_hub.constants: HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE, true when its upper-case
-  // value is one of 1, ON, YES, TRUE.
-  std::optional<std::string> v = Getenv("HF_HUB_OFFLINE");
-  if (!v || v->empty()) v = Getenv("TRANSFORMERS_OFFLINE");
-  if (!v) return false;
-  std::string upper;
-  for (char c : *v) upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
-  return upper == "1" || upper == "ON" || upper == "YES" || upper == "TRUE";
-}
-
 namespace {
 
 Result<std::string> PinnedUrl(std::string_view hub_path, Source& source,
-                              std::map<std::string, std::string>& commits) {
+                              std::map<std::string, std::string>& commits,
+                              const std::string& ref_cache) {
   TF_ASSIGN_OR_RETURN(const Parsed parsed, Parse(hub_path));
   const std::string endpoint = HubEndpoint();
   if (endpoint.rfind("https://", 0) != 0 && endpoint.rfind("http://", 0) != 0) {
@@ -383,17 +269,17 @@ Result<std::string> PinnedUrl(std::string_view hub_path, Source& source,
   const size_t n = one ? 1 : 2;
   TF_ASSIGN_OR_RETURN(const Candidate repo, MakeCandidate(hub_path, parsed, n));
   const std::string inside = Inside(parsed, n);
-  if (!inside.empty() && !SafeRelative(inside)) {
+  if (!inside.empty() && !objstore::IsSafeRelative(inside)) {
     return Invalid(hub_path, "the path " + json::Quote(inside) + " has a '.' or '..' component");
   }
   const std::string revision = repo.revision.empty() ? "main" : repo.revision;
-  if (!SafeRelative(revision)) {
+  if (!objstore::IsSafeRelative(revision)) {
     return Invalid(
         hub_path, "the revision " + json::Quote(revision) + " has an empty, '.' or '..' component");
   }
   const std::string type_path = parsed.type == "models" ? "" : parsed.type + "/";
   std::string commit = revision;
-  if (!IsCommit(revision)) {
+  if (!objstore::IsHubCommit(revision)) {
     // Pinned to the commit the branch or tag points to now: every file of the checkpoint comes
     // from it, even if the branch moves during the load. Asked once per repository and revision
     // however many of its files are named.
@@ -408,6 +294,9 @@ Result<std::string> PinnedUrl(std::string_view hub_path, Source& source,
                                                 json::Quote(revision) + " on the hub " + endpoint,
                                             source));
       commits.emplace(api, commit);
+      if (!ref_cache.empty()) {  // a cache: best effort
+        static_cast<void>(objstore::WriteHubRef(ref_cache, repo.folder, revision, commit));
+      }
     }
   }
   return endpoint + "/" + type_path + repo.id + "/resolve/" + commit +
@@ -421,17 +310,20 @@ Result<std::string> HubUrl(std::string_view hub_path, const ObjectStoreOptions& 
   return HubUrl(hub_path, *source);
 }
 
-Result<std::string> HubUrl(std::string_view hub_path, Source& source) {
+Result<std::string> HubUrl(std::string_view hub_path, Source& source,
+                           const std::string& ref_cache) {
   const std::string path(hub_path);
-  TF_ASSIGN_OR_RETURN(std::vector<std::string> urls, HubUrls(std::span(&path, 1), source));
+  TF_ASSIGN_OR_RETURN(std::vector<std::string> urls,
+                      HubUrls(std::span(&path, 1), source, ref_cache));
   return std::move(urls.front());
 }
 
-Result<std::vector<std::string>> HubUrls(std::span<const std::string> hub_paths, Source& source) {
+Result<std::vector<std::string>> HubUrls(std::span<const std::string> hub_paths, Source& source,
+                                         const std::string& ref_cache) {
   std::map<std::string, std::string> commits;  // the API's URL -> the commit it answered
   std::vector<std::string> urls;
   for (const std::string& hub_path : hub_paths) {
-    TF_ASSIGN_OR_RETURN(std::string url, PinnedUrl(hub_path, source, commits));
+    TF_ASSIGN_OR_RETURN(std::string url, PinnedUrl(hub_path, source, commits, ref_cache));
     urls.push_back(std::move(url));
   }
   return urls;

@@ -67,6 +67,9 @@ struct HttpResponse {
   // The Hugging Face hub's error headers (X-Error-Code "RepositoryNotFound", "GatedRepo", ...;
   // X-Error-Message), "" without them.
   std::string error_code, error_message;
+  // The Hugging Face hub's X-Linked-Etag (a weight file's SHA-256) and X-Repo-Commit, from the
+  // first response of a redirected request that sent them (the hub's, not its CDN's); "" if none.
+  std::string linked_etag, repo_commit;
   uint64_t body_bytes = 0;  // bytes written into request.body
   std::string text;         // a body not written into request.body (error documents, listings)
   std::string rejected;     // why a 2xx body was not accepted into request.body, if it was not

@@ -22,6 +22,7 @@
 #include <simdjson.h>
 
 #include "io/read_engine.h"
+#include "objstore/hub_cache.h"
 #include "tensorferry/env.h"
 #include "tensorferry/object_store.h"
 #include "util/json_writer.h"
@@ -272,9 +273,9 @@ void RemoveLeftovers(const std::string& dir) {
 // it for the same bytes).
 struct ObjectCache::Fill {
   CachedObject object;
-  std::string key, tmp;
-  UniqueFd fd;    // tmp, read and written
-  UniqueFd lock;  // locks/<key>.lock, held until Finish
+  std::string key, tmp, blob;  // blob: where the copy goes when whole
+  UniqueFd fd;                 // tmp, read and written
+  UniqueFd lock;               // locks/<key>.lock, held until Finish
   FetchRange fetch;
   unsigned threads = 1;
   uint64_t head = 0, part = 0;
@@ -447,7 +448,7 @@ class FillingFile final : public SourceFile {
       }
       if (fill->failed) return "";
     }
-    return DropCopy(cache_->dir() + "/blobs/" + fill->key, fill->fd.get());
+    return DropCopy(fill->blob, fill->fd.get());
   }
   // A download in progress drops its pages when committed (its last ranges are still being
   // written); a given-up one has no pages to keep (its copy is removed); bytes read from the
@@ -468,7 +469,7 @@ class FillingFile final : public SourceFile {
         return Status::Ok();
       }
     }
-    return io::DropPages(fill->fd.get(), cache_->dir() + "/blobs/" + fill->key);
+    return io::DropPages(fill->fd.get(), fill->blob);
   }
 
  private:
@@ -526,8 +527,102 @@ class FillingFile final : public SourceFile {
   const std::shared_ptr<const void> owner_;
 };
 
-ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes)
-    : dir_(std::move(dir)), max_bytes_(max_bytes) {}
+ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout)
+    : dir_(std::move(dir)), max_bytes_(layout == Layout::kHub ? 0 : max_bytes), layout_(layout) {}
+
+ObjectCache::Place ObjectCache::PlaceOf(const CachedObject& object) const {
+  Place p;
+  if (layout_ == Layout::kObjects) {
+    p.key = Key(object);
+    p.blob = dir_ + "/blobs/" + p.key;
+    p.lock = dir_ + "/locks/" + p.key + ".lock";
+    p.tmp_dir = dir_ + "/tmp";
+    p.tmp_stem = p.key + ".";
+    p.dirs = {dir_ + "/blobs", dir_ + "/locks", p.tmp_dir};
+    return p;
+  }
+  // huggingface_hub's places (hub_cache.h); downloads beside the blob under a name it ignores
+  // (not <blob>.incomplete: it would resume from one, and ours are written out of order).
+  const std::string repo = dir_ + "/" + object.hub_folder;
+  p.key = object.hub_blob;
+  p.blob = repo + "/blobs/" + p.key;
+  p.lock = dir_ + "/.locks/" + object.hub_folder + "/" + p.key + ".lock";
+  p.tmp_dir = repo + "/blobs";
+  p.tmp_stem = p.key + ".tensorferry.";
+  p.dirs = {p.tmp_dir, dir_ + "/.locks/" + object.hub_folder};
+  return p;
+}
+
+std::string ObjectCache::Where() const {
+  return (layout_ == Layout::kHub ? "hub cache " : "object cache ") + dir_ + ": ";
+}
+
+UniqueFd ObjectCache::Lock(const Place& place) {
+  std::error_code ec;
+  for (const std::string& sub : place.dirs) {
+    fs::create_directories(sub, ec);
+    if (ec) {
+      NoteError(Where() + "cannot create " + sub + ": " + ec.message());
+      return UniqueFd();
+    }
+  }
+  UniqueFd lock(::open(place.lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (lock.get() < 0 || Flock(lock.get(), LOCK_EX) != 0) {
+    NoteError(Where() + "cannot lock " + place.lock + ": " + Errno(errno));
+    return UniqueFd();
+  }
+  return lock;
+}
+
+void ObjectCache::Keep(const CachedObject& object, std::span<const std::byte> bytes) {
+  if (layout_ != Layout::kHub || bytes.size() != object.size) return;
+  const Place place = PlaceOf(object);
+  const std::string where = Where();
+  const UniqueFd lock = Lock(place);
+  if (lock.get() < 0) return;
+  if (Find(object, place, FileIdentity{})) {  // there already (and linked)
+    hits_.fetch_add(1);
+    return;
+  }
+  static std::atomic<uint64_t> serial{0};
+  const std::string tmp = place.tmp_dir + "/" + place.tmp_stem + std::to_string(::getpid()) + ".k" +
+                          std::to_string(serial.fetch_add(1));
+  std::string why;
+  {
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    int e = 0;
+    if (fd.get() < 0) {
+      why = "cannot create " + tmp + ": " + Errno(errno);
+    } else if ((e = PwriteFully(fd.get(), bytes, 0)) != 0) {
+      why = "cannot write " + tmp + ": " + Errno(e);
+    } else if (::fsync(fd.get()) != 0) {
+      why = "cannot write " + tmp + " to disk (fsync): " + Errno(errno);
+    }
+  }
+  if (why.empty()) {
+    if (Status renamed = Env::Default()->RenameFile(tmp, place.blob); !renamed.ok()) {
+      why = renamed.message();
+    }
+  }
+  if (!why.empty()) {
+    ::unlink(tmp.c_str());
+    NoteError(where + object.name + " not cached: " + why);
+    return;
+  }
+  static_cast<void>(Env::Default()->SyncDirectory(place.tmp_dir));
+  fills_.fetch_add(1);
+  fill_bytes_.fetch_add(object.size);
+  Link(object);
+}
+
+void ObjectCache::Link(const CachedObject& object) {
+  if (layout_ != Layout::kHub) return;
+  if (Status linked = LinkHubSnapshot(dir_, object.hub_folder, object.hub_commit, object.hub_path,
+                                      object.hub_blob);
+      !linked.ok()) {
+    NoteError("hub cache " + dir_ + ": " + object.name + " not linked: " + linked.message());
+  }
+}
 
 ObjectCache::~ObjectCache() {
   {
@@ -571,17 +666,19 @@ void ObjectCache::NoteError(const std::string& why) {
   last_error_ = why;
 }
 
-std::unique_ptr<SourceFile> ObjectCache::Find(const CachedObject& object, const std::string& key,
+std::unique_ptr<SourceFile> ObjectCache::Find(const CachedObject& object, const Place& place,
                                               const FileIdentity& identity) {
-  const std::string blob = dir_ + "/blobs/" + key;
+  const std::string& blob = place.blob;
   UniqueFd fd(::open(blob.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return nullptr;
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<uint64_t>(st.st_size) != object.size) {
-    ::unlink(blob.c_str());  // damaged: filled again
+    // Damaged: filled again (in the hub cache, renamed over: the blob may not be ours).
+    if (layout_ == Layout::kObjects) ::unlink(blob.c_str());
     return nullptr;
   }
+  Link(object);  // kHub: this commit's link to a blob another commit (or tool) wrote
   // Recently used, for eviction (a read-only cache shared by others keeps its times).
   ::utimensat(AT_FDCWD, blob.c_str(), nullptr, 0);
   return std::make_unique<CachedFile>(std::move(fd), object.name, blob, identity);
@@ -590,7 +687,7 @@ std::unique_ptr<SourceFile> ObjectCache::Find(const CachedObject& object, const 
 Result<std::unique_ptr<SourceFile>> ObjectCache::Open(
     const CachedObject& object, const FileIdentity& identity, std::vector<std::byte> prefix,
     FetchRange fetch, unsigned concurrency, uint64_t part_size, std::shared_ptr<const void> owner) {
-  if (std::unique_ptr<SourceFile> found = Find(object, Key(object), identity)) {
+  if (std::unique_ptr<SourceFile> found = Find(object, PlaceOf(object), identity)) {
     hits_.fetch_add(1);
     return found;
   }
@@ -605,32 +702,21 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
                                                       const FetchRange& fetch, unsigned concurrency,
                                                       uint64_t part_size,
                                                       std::unique_ptr<SourceFile>& found) {
-  const std::string key = Key(object);
-  const std::string where = "object cache " + dir_ + ": ";
-  std::error_code ec;
-  for (const char* sub : {"blobs", "locks", "tmp"}) {
-    fs::create_directories(dir_ + "/" + sub, ec);
-    if (ec) {
-      NoteError(where + "cannot create " + dir_ + "/" + sub + ": " + ec.message());
-      return nullptr;
-    }
-  }
+  const Place place = PlaceOf(object);
+  const std::string& key = place.key;
+  const std::string where = Where();
   // One filler per key, across threads and processes: the others wait here (for the whole
   // download: the holder's filler thread runs it to the end), then find its copy.
-  const std::string lock_path = dir_ + "/locks/" + key + ".lock";
-  UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  if (lock.get() < 0 || Flock(lock.get(), LOCK_EX) != 0) {
-    NoteError(where + "cannot lock " + lock_path + ": " + Errno(errno));
-    return nullptr;
-  }
-  if ((found = Find(object, key, identity))) {
+  UniqueFd lock = Lock(place);
+  if (lock.get() < 0) return nullptr;
+  if ((found = Find(object, place, identity))) {
     hits_.fetch_add(1);
     return nullptr;
   }
   std::string why;
   {
     std::lock_guard<std::mutex> room(room_mu_);
-    if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {
+    if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {  // kObjects only
       NoteError(where + object.name + " not cached: " + why);
       return nullptr;
     }
@@ -641,11 +727,11 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
     reserved_ -= object.size;
   };
   // Downloads of this key left by a process that died (we hold the key's lock).
-  if (DIR* d = ::opendir((dir_ + "/tmp").c_str())) {
+  if (DIR* d = ::opendir(place.tmp_dir.c_str())) {
+    const std::string& stem = place.tmp_stem;
     while (const dirent* e = ::readdir(d)) {
       const std::string_view name = e->d_name;
-      if (name.size() > key.size() && name.compare(0, key.size(), key) == 0 &&
-          name[key.size()] == '.') {
+      if (name.size() > stem.size() && name.compare(0, stem.size(), stem) == 0) {
         ::unlinkat(::dirfd(d), e->d_name, 0);
       }
     }
@@ -653,8 +739,9 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   }
   static std::atomic<uint64_t> serial{0};
   auto fill = std::make_shared<Fill>();
-  fill->tmp = dir_ + "/tmp/" + key + "." + std::to_string(::getpid()) + "." +
+  fill->tmp = place.tmp_dir + "/" + place.tmp_stem + std::to_string(::getpid()) + "." +
               std::to_string(serial.fetch_add(1));
+  fill->blob = place.blob;
   fill->fd = UniqueFd(::open(fill->tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   if (fill->fd.get() < 0) {
     unreserve();
@@ -739,7 +826,7 @@ void ObjectCache::RunFill(Fill& fill) {
 }
 
 void ObjectCache::Finish(Fill& fill) {
-  const std::string where = "object cache " + dir_ + ": ";
+  const std::string where = Where();
   std::string why;
   {
     // Parts readers are still fetching.
@@ -771,9 +858,9 @@ void ObjectCache::Finish(Fill& fill) {
     }
     drop_pages = fill.drop_pages && !fill.failed;
   }
-  if (distrusted) static_cast<void>(DropCopy(dir_ + "/blobs/" + fill.key, fill.fd.get()));
+  if (distrusted) static_cast<void>(DropCopy(fill.blob, fill.fd.get()));
   if (drop_pages) {  // asked for while downloading (drop_cache); a cache: best effort
-    static_cast<void>(io::DropPages(fill.fd.get(), dir_ + "/blobs/" + fill.key));
+    static_cast<void>(io::DropPages(fill.fd.get(), fill.blob));
   }
   fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
 }
@@ -782,7 +869,7 @@ std::string ObjectCache::Commit(Fill& fill) {
   if (::fsync(fill.fd.get()) != 0) {
     return "cannot write " + fill.tmp + " to disk (fsync): " + Errno(errno);
   }
-  {
+  if (layout_ == Layout::kObjects) {
     // What the entry is, beside it; then the entry itself, whole.
     const CachedObject& object = fill.object;
     std::string meta = "{\"url\":";
@@ -800,18 +887,18 @@ std::string ObjectCache::Commit(Fill& fill) {
     UniqueFd m(::open(meta_tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     const int e =
         m.get() < 0 ? errno : PwriteFully(m.get(), std::as_bytes(std::span<const char>(meta)), 0);
-    if (e != 0 ||
-        ::rename(meta_tmp.c_str(), (dir_ + "/blobs/" + fill.key + ".json").c_str()) != 0) {
+    if (e != 0 || ::rename(meta_tmp.c_str(), (fill.blob + ".json").c_str()) != 0) {
       const std::string why = "cannot write " + meta_tmp + ": " + Errno(e != 0 ? e : errno);
       ::unlink(meta_tmp.c_str());
       return why;
     }
   }
-  if (Status renamed = Env::Default()->RenameFile(fill.tmp, dir_ + "/blobs/" + fill.key);
-      !renamed.ok()) {
+  if (Status renamed = Env::Default()->RenameFile(fill.tmp, fill.blob); !renamed.ok()) {
     return renamed.message();
   }
-  static_cast<void>(Env::Default()->SyncDirectory(dir_ + "/blobs"));  // a cache: best effort
+  // A cache: best effort.
+  static_cast<void>(Env::Default()->SyncDirectory(fs::path(fill.blob).parent_path().string()));
+  Link(fill.object);
   return "";
 }
 

@@ -66,6 +66,7 @@
 
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
+#include "util/unique_fd.h"
 
 namespace tensorferry::objstore {
 
@@ -75,6 +76,9 @@ struct CachedObject {
   std::string request_url;  // the URL it is fetched from (the endpoint included)
   std::string etag;         // strong, never empty
   uint64_t size = 0;
+  // ObjectCache::Layout::kHub only: where the copy goes in the hub cache (hub_cache.h): the
+  // repository's folder, the commit and path of its snapshot link, the blob's name.
+  std::string hub_folder, hub_commit, hub_path, hub_blob;
 };
 
 // Reads [offset, offset + dst.size()) of the object into dst completely.
@@ -91,8 +95,13 @@ struct ObjectCacheStats {
 
 class ObjectCache {
  public:
+  // kObjects: the layout above (ObjectStoreOptions::cache_dir). kHub: `dir` is a Hugging Face hub
+  // cache and each copy goes where huggingface_hub keeps that file (hub_cache.h: blobs/<blob>,
+  // its snapshot link made when it is whole, the lock huggingface_hub takes); nothing is
+  // evicted there (max_bytes is ignored), and a whole object may also be kept at once (Keep).
+  enum class Layout { kObjects, kHub };
   // `dir` is created (with its parents) at the first download; max_bytes 0: unbounded.
-  ObjectCache(std::string dir, uint64_t max_bytes);
+  ObjectCache(std::string dir, uint64_t max_bytes, Layout layout = Layout::kObjects);
   // Waits for the downloads that began (and those queued behind them) to end.
   ~ObjectCache();
   ObjectCache(const ObjectCache&) = delete;
@@ -110,22 +119,44 @@ class ObjectCache {
                                            unsigned concurrency, uint64_t part_size,
                                            std::shared_ptr<const void> owner = nullptr);
 
+  // kHub: `object` whole in `bytes` (an object the open's first GET held whole: an index, a
+  // config) written as its entry and linked, unless it is there already. A failure is counted in
+  // stats() and changes nothing else.
+  void Keep(const CachedObject& object, std::span<const std::byte> bytes);
+
   // Blocks until the downloads begun so far (and those queued) have ended, in the cache or not.
   void Drain();
 
   const std::string& dir() const noexcept { return dir_; }
   ObjectCacheStats stats() const;
 
-  // The entry name of `object` (64 lower-case hex digits).
+  // The entry name of `object` (64 lower-case hex digits) in the kObjects layout.
   static std::string Key(const CachedObject& object);
 
  private:
   friend class FillingFile;
   struct Fill;
+  // Where one object's copy goes, by layout.
+  struct Place {
+    std::string key;                // names the download (kObjects: Key(); kHub: the blob's name)
+    std::string blob;               // the whole copy
+    std::string lock;               // its flock(2) target
+    std::string tmp_dir;            // where downloads are written (the blob's file system)
+    std::string tmp_stem;           // the start of their names ("<key>." then pid and serial)
+    std::vector<std::string> dirs;  // created first
+  };
+  Place PlaceOf(const CachedObject& object) const;
+  // The place's folders made and its lock held (blocking); an invalid descriptor when either
+  // fails (counted in stats()).
+  UniqueFd Lock(const Place& place);
 
   // The entry if it is whole (nullptr if absent; a blob of the wrong size is removed).
-  std::unique_ptr<SourceFile> Find(const CachedObject& object, const std::string& key,
+  std::unique_ptr<SourceFile> Find(const CachedObject& object, const Place& place,
                                    const FileIdentity& identity);
+  // kHub: the snapshot link of a whole entry (a failure counted, nothing else).
+  void Link(const CachedObject& object);
+  // "object cache <dir>: " or "hub cache <dir>: ", for messages.
+  std::string Where() const;
   // The start of a download of `object` (the first read beyond its prefix): its entry when one
   // appeared meanwhile (another process filled it: set in `found`), else a Fill queued for the
   // filler thread; nullptr for both when the cache cannot hold it (counted in stats()).
@@ -148,6 +179,7 @@ class ObjectCache {
 
   const std::string dir_;
   const uint64_t max_bytes_;
+  const Layout layout_;
   std::atomic<uint64_t> hits_{0}, fills_{0}, fill_bytes_{0}, evicted_{0}, errors_{0};
   mutable std::mutex mu_;  // last_error_, queue_, active_, stop_, filler_
   std::string last_error_;

@@ -43,7 +43,21 @@ struct Remote {
   explicit Remote(size_t size, unsigned seed = 1) : bytes(testing::Pattern(size, seed)) {}
 
   CachedObject Object(const std::string& url = "http://127.0.0.1:9/b/model.safetensors") const {
-    return {url, url, etag, bytes.size()};
+    CachedObject o;
+    o.name = o.request_url = url;
+    o.etag = etag;
+    o.size = bytes.size();
+    return o;
+  }
+  // The same object as a file of the hub (ObjectCache::Layout::kHub).
+  CachedObject HubObject(const std::string& path = "model.safetensors",
+                         const std::string& commit = std::string(40, 'a')) const {
+    CachedObject o = Object();
+    o.hub_folder = "models--org--tiny";
+    o.hub_commit = commit;
+    o.hub_path = path;
+    o.hub_blob = std::string(64, 'b');
+    return o;
   }
   FileIdentity Identity() const {
     FileIdentity id;
@@ -72,7 +86,11 @@ struct Remote {
   Result<std::unique_ptr<SourceFile>> Open(ObjectCache& cache, size_t head = 4096,
                                            unsigned concurrency = 4, uint64_t part = 64u << 10,
                                            const std::string& url = "") {
-    const CachedObject object = url.empty() ? Object() : Object(url);
+    return OpenAs(cache, url.empty() ? Object() : Object(url), head, concurrency, part);
+  }
+  Result<std::unique_ptr<SourceFile>> OpenAs(ObjectCache& cache, const CachedObject& object,
+                                             size_t head = 4096, unsigned concurrency = 4,
+                                             uint64_t part = 64u << 10) {
     return cache.Open(object, Identity(),
                       std::vector<std::byte>(bytes.begin(), bytes.begin() + head), Fetch(),
                       concurrency, part);
@@ -477,6 +495,97 @@ TEST(ObjectCache, EntriesInUseByAFillerAreNotEvicted) {
   EXPECT_EQ(b.fetched.load(), b.bytes.size());
   EXPECT_TRUE(Contains(cache.stats().last_error, "holds 100000 bytes of entries in use"));
   ::close(held);
+}
+
+// The hub layout: huggingface_hub's blob, snapshot link and lock; tests/python (hf_hub tests)
+// check the result with huggingface_hub itself.
+TEST(HubLayout, FillsTheBlobThenLinksTheSnapshot) {
+  testing::TempDir tmp;
+  Remote remote(300'000);
+  const std::string root = tmp.Join("hub");
+  const CachedObject object = remote.HubObject("sub/dir/model.safetensors");
+  const std::string repo = root + "/models--org--tiny";
+  const std::string blob = repo + "/blobs/" + object.hub_blob;
+  const std::string link = repo + "/snapshots/" + object.hub_commit + "/sub/dir/model.safetensors";
+  {
+    ObjectCache cache(root, 1, ObjectCache::Layout::kHub);  // max_bytes is not for the hub
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, object);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+    cache.Drain();
+    EXPECT_EQ(cache.stats().fills, 1u);
+    EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+  }
+  ASSERT_TRUE(fs::is_regular_file(blob));
+  EXPECT_EQ(fs::file_size(blob), remote.bytes.size());
+  ASSERT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(fs::read_symlink(link), fs::path("../../../../blobs/" + object.hub_blob));
+  EXPECT_EQ(fs::canonical(link), fs::canonical(blob));
+  EXPECT_TRUE(fs::exists(root + "/.locks/models--org--tiny/" + object.hub_blob + ".lock"));
+  EXPECT_FALSE(fs::exists(root + "/blobs"));   // nothing of the objects layout
+  EXPECT_EQ(CountFiles(repo + "/blobs"), 1u);  // no download left beside the blob
+
+  // Another commit with the same file: read from the blob, linked for that commit too.
+  const CachedObject again = remote.HubObject("model.safetensors", std::string(40, 'c'));
+  const uint64_t fetched = remote.fetched.load();
+  {
+    ObjectCache cache(root, 0, ObjectCache::Layout::kHub);
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, again);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+    EXPECT_EQ(cache.stats().hits, 1u);
+  }
+  EXPECT_EQ(remote.fetched.load(), fetched);
+  EXPECT_EQ(fs::read_symlink(repo + "/snapshots/" + again.hub_commit + "/model.safetensors"),
+            fs::path("../../blobs/" + object.hub_blob));
+}
+
+TEST(HubLayout, KeepsWholeObjectsAtOnce) {
+  testing::TempDir tmp;
+  Remote remote(1'000);
+  const std::string root = tmp.Join("hub");
+  const CachedObject object = remote.HubObject("model.safetensors.index.json");
+  ObjectCache cache(root, 0, ObjectCache::Layout::kHub);
+  cache.Keep(object, remote.bytes);
+  EXPECT_EQ(cache.stats().fills, 1u);
+  const std::string link =
+      root + "/models--org--tiny/snapshots/" + object.hub_commit + "/model.safetensors.index.json";
+  ASSERT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(testing::ToBytes(testing::ReadBytes(link)), remote.bytes);
+  cache.Keep(object, remote.bytes);  // there already
+  EXPECT_EQ(cache.stats().fills, 1u);
+  EXPECT_EQ(cache.stats().hits, 1u);
+  cache.Keep(object, std::span(remote.bytes).first(10));  // not the whole object: nothing
+  EXPECT_EQ(testing::ToBytes(testing::ReadBytes(link)), remote.bytes);
+}
+
+TEST(HubLayout, ABlobOfTheWrongSizeIsReplacedAndAnUnwritableCacheFailsNothing) {
+  testing::TempDir tmp;
+  Remote remote(200'000);
+  const std::string root = tmp.Join("hub");
+  const CachedObject object = remote.HubObject();
+  const std::string blob = root + "/models--org--tiny/blobs/" + object.hub_blob;
+  fs::create_directories(fs::path(blob).parent_path());
+  testing::WriteBytes(blob, "short");
+  {
+    ObjectCache cache(root, 0, ObjectCache::Layout::kHub);
+    Fill(cache, remote);  // through Remote::Open: the objects layout's object, not linked
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, object);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+    cache.Drain();
+  }
+  EXPECT_EQ(fs::file_size(blob), remote.bytes.size());
+
+  testing::WriteBytes(tmp.Join("file"), "x");
+  ObjectCache broken(tmp.Join("file") + "/hub", 0, ObjectCache::Layout::kHub);
+  Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(broken, object);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ(ReadAll(**file), remote.bytes);  // from the store
+  broken.Keep(object, remote.bytes);
+  EXPECT_EQ(broken.stats().errors, 2u);
+  EXPECT_TRUE(Contains(broken.stats().last_error, "hub cache " + tmp.Join("file") + "/hub: "))
+      << broken.stats().last_error;
 }
 
 TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {

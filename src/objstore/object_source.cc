@@ -19,10 +19,12 @@
 #include "objstore/gcs_auth.h"
 #include "objstore/http.h"
 #include "objstore/http_auth.h"
+#include "objstore/hub_cache.h"
 #include "objstore/object_cache.h"
 #include "objstore/s3_xml.h"
 #include "objstore/transport.h"
 #include "objstore/url.h"
+#include "tensorferry/hub.h"
 #include "tensorferry/object_store.h"
 #include "util/macros.h"
 
@@ -199,9 +201,15 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
     if (!options_.cache_dir.empty()) {
       cache_ = std::make_unique<ObjectCache>(options_.cache_dir, options_.cache_max);
     }
+    if (options_.hub_cache) {  // its folder is made at its first download
+      hub_cache_ = std::make_unique<ObjectCache>(HubCacheDir(), 0, ObjectCache::Layout::kHub);
+    }
   }
-  // The cache's downloads still running use this source: they end first.
-  ~ObjectSource() override { cache_.reset(); }
+  // The caches' downloads still running use this source: they end first.
+  ~ObjectSource() override {
+    cache_.reset();
+    hub_cache_.reset();
+  }
 
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
@@ -243,7 +251,8 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
                 unsigned attempts) const;
 
   const ObjectStoreOptions options_;
-  std::unique_ptr<ObjectCache> cache_;  // options_.cache_dir; null without one
+  std::unique_ptr<ObjectCache> cache_;      // options_.cache_dir; null without one
+  std::unique_ptr<ObjectCache> hub_cache_;  // options_.hub_cache: HubCacheDir(); null without
   // Every request, and (CountRequest, CountBytes) the reader's scope's too (SourceStatsScope).
   mutable SourceCounters counters_;
   void CountRequest(unsigned attempt) const {
@@ -263,9 +272,14 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   void NotePeer(const std::string& peer) const;
   mutable std::mutex peers_mu_;
   mutable std::string local_peer_, remote_peer_;
-  // Fetch's memory: a URL -> where its last successful GET was redirected to.
+  // Fetch's memory: a URL -> where its last successful GET was redirected to, and the hub's
+  // headers on the way (HttpResponse::linked_etag, repo_commit: a GET sent straight to the
+  // link does not see them).
+  struct Direct {
+    std::string url, linked_etag, repo_commit;
+  };
   mutable std::mutex direct_mu_;
-  mutable std::unordered_map<std::string, std::string> direct_;
+  mutable std::unordered_map<std::string, Direct> direct_;
 
   mutable std::once_flag s3_once_, gcs_once_, http_once_;
   mutable Result<S3Config> s3_config_ = Status(Code::kInternal, "unresolved");
@@ -442,12 +456,13 @@ Result<HttpResponse> ObjectSource::Send(const Target& target, HttpRequest reques
 HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
                                  HttpRequest& request) const {
   const std::string origin = request.url;
-  std::string direct;
+  Direct known;
   if (!IsBucketScheme(target.scheme)) {
     std::lock_guard<std::mutex> lock(direct_mu_);
     const auto it = direct_.find(origin);
-    if (it != direct_.end()) direct = it->second;
+    if (it != direct_.end()) known = it->second;
   }
+  const std::string& direct = known.url;
   // The origin's token (http_auth.h), to the origin's scheme, host and port only: libcurl drops
   // it on a redirect elsewhere, and a remembered redirect target elsewhere is asked without it.
   const std::string token =
@@ -471,7 +486,7 @@ HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
       {
         std::lock_guard<std::mutex> lock(direct_mu_);
         const auto it = direct_.find(origin);
-        if (it != direct_.end() && it->second == direct) direct_.erase(it);
+        if (it != direct_.end() && it->second.url == direct) direct_.erase(it);
       }
       CountBytes(r.text.size());  // the refusal's body; its request was counted by the caller
       CountRequest(0);
@@ -481,7 +496,10 @@ HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
   request.url = origin;
   if (!r.redirected_to.empty() && r.status >= 200 && r.status <= 299) {
     std::lock_guard<std::mutex> lock(direct_mu_);
-    direct_[origin] = r.redirected_to;
+    direct_[origin] = Direct{r.redirected_to, r.linked_etag, r.repo_commit};
+  } else if (r.redirected_to.empty() && !direct.empty()) {
+    if (r.linked_etag.empty()) r.linked_etag = known.linked_etag;
+    if (r.repo_commit.empty()) r.repo_commit = known.repo_commit;
   }
   return r;
 }
@@ -500,15 +518,19 @@ SourceReadHints ObjectSource::hints() const {
 
 SourceStats ObjectSource::stats() const {
   SourceStats s = counters_.Snapshot();
-  if (cache_) {
-    const ObjectCacheStats c = cache_->stats();
-    s.cache_hits = c.hits;
-    s.cache_fills = c.fills;
-    s.cache_fill_bytes = c.fill_bytes;
-    s.cache_errors = c.errors;
-    s.cache_summary = "object cache " + cache_->dir() + ": " + std::to_string(c.hits) +
-                      (c.hits == 1 ? " file" : " files") + " read from it, " +
-                      std::to_string(c.fills) + " downloaded into it";
+  for (const ObjectCache* cache : {cache_.get(), hub_cache_.get()}) {
+    if (cache == nullptr) continue;
+    const ObjectCacheStats c = cache->stats();
+    const bool hub = cache == hub_cache_.get();
+    if (hub && c.hits + c.fills + c.errors == 0) continue;  // no hub file was read
+    s.cache_hits += c.hits;
+    s.cache_fills += c.fills;
+    s.cache_fill_bytes += c.fill_bytes;
+    s.cache_errors += c.errors;
+    if (!s.cache_summary.empty()) s.cache_summary += "; ";
+    s.cache_summary += (hub ? "hub cache " : "object cache ") + cache->dir() + ": " +
+                       std::to_string(c.hits) + (c.hits == 1 ? " file" : " files") +
+                       " read from it, " + std::to_string(c.fills) + " downloaded into it";
     if (c.errors > 0) {
       s.cache_summary += ", " + std::to_string(c.errors) + (c.errors == 1 ? " file" : " files") +
                          " read from the store because " + c.last_error;
@@ -568,18 +590,37 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
                                                  std::to_string(id.size) + " now"
                                            : "ETag now " + r.etag));
   }
-  // The local cache: objects with a strong ETag that the first GET did not hold whole. Its
-  // downloads run on the cache's thread, which the source's destructor joins first: they may
-  // call this source as long as it lives.
-  if (cache_ && !r.etag.empty() && r.etag.rfind("W/", 0) != 0 && id.size > prefix.size()) {
-    const CachedObject object{target.name, target.request_url, r.etag, id.size};
+  // The local caches: objects with a strong ETag (the hub's files also when the first GET held
+  // them whole: the snapshot needs its index and configs). Their downloads run on the cache's
+  // thread, which the source's destructor joins first: they may call this source as long as it
+  // lives.
+  const bool strong = !r.etag.empty() && r.etag.rfind("W/", 0) != 0;
+  CachedObject object;
+  object.name = target.name;
+  object.request_url = target.request_url;
+  object.etag = r.etag;
+  object.size = id.size;
+  ObjectCache* cache = cache_.get();
+  if (hub_cache_ && strong && !IsBucketScheme(target.scheme)) {
+    if (std::optional<HubFile> hub = HubFileOfUrl(target.request_url)) {
+      object.hub_folder = std::move(hub->folder);
+      object.hub_path = std::move(hub->path);
+      object.hub_commit = IsHubCommit(hub->revision) ? hub->revision : r.repo_commit;
+      object.hub_blob = HubBlobName(r.linked_etag, r.etag);
+      if (IsHubCommit(object.hub_commit) && !object.hub_blob.empty()) {
+        cache = hub_cache_.get();
+        if (id.size <= prefix.size()) cache->Keep(object, prefix);
+      }
+    }
+  }
+  if (cache != nullptr && strong && id.size > prefix.size()) {
     FetchRange fetch = [this, target, etag = r.etag, size = id.size](uint64_t offset,
                                                                      std::span<std::byte> dst) {
       return ReadRange(target, etag, size, offset, dst);
     };
     const SourceReadHints transport = Transport();
-    return cache_->Open(object, id, std::move(prefix), std::move(fetch), transport.concurrency,
-                        transport.read_size, shared_from_this());
+    return cache->Open(object, id, std::move(prefix), std::move(fetch), transport.concurrency,
+                       transport.read_size, shared_from_this());
   }
   return std::unique_ptr<SourceFile>(
       new ObjectFile(shared_from_this(), std::move(target), id, r.etag, std::move(prefix)));

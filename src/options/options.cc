@@ -215,8 +215,9 @@ Status SetObjectNumber(LoadOptions& o, std::string_view value) {
   return Status::Ok();
 }
 
-Status SetVerifyTls(LoadOptions& o, std::string_view value) {
-  TF_ASSIGN_OR_RETURN(o.object_store.verify_tls, ParseBool(value));
+template <bool ObjectStoreOptions::*Field>
+Status SetObjectBool(LoadOptions& o, std::string_view value) {
+  TF_ASSIGN_OR_RETURN(o.object_store.*Field, ParseBool(value));
   return Status::Ok();
 }
 
@@ -228,7 +229,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 49> kKeys = {{
+const std::array<Key, 50> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -308,11 +309,14 @@ const std::array<Key, 49> kKeys = {{
      SetObjectNumber<&ObjectStoreOptions::timeout_ms, 100, 3'600'000>},
     {"object_header_bytes", "TENSORFERRY_OBJECT_HEADER_BYTES",
      SetObjectNumber<&ObjectStoreOptions::header_bytes, 8, (256ull << 20)>},
-    {"object_verify_tls", "TENSORFERRY_OBJECT_VERIFY_TLS", SetVerifyTls},
+    {"object_verify_tls", "TENSORFERRY_OBJECT_VERIFY_TLS",
+     SetObjectBool<&ObjectStoreOptions::verify_tls>},
     {"object_ca_bundle", "TENSORFERRY_OBJECT_CA_BUNDLE", SetText<&ObjectStoreOptions::ca_bundle>},
     {"object_cache_dir", "TENSORFERRY_OBJECT_CACHE_DIR", SetText<&ObjectStoreOptions::cache_dir>},
     {"object_cache_max", "TENSORFERRY_OBJECT_CACHE_MAX",
      SetObjectNumber<&ObjectStoreOptions::cache_max, 0, UINT64_MAX>},
+    {"object_hub_cache", "TENSORFERRY_OBJECT_HUB_CACHE",
+     SetObjectBool<&ObjectStoreOptions::hub_cache>},
     {"verify", "TENSORFERRY_VERIFY",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseVerifyMode(v), o.verify); }},
     {"coop_exchange", "TENSORFERRY_COOP_EXCHANGE",

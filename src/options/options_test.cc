@@ -67,6 +67,7 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"object_ca_bundle", "/etc/ssl/ca.pem"},
                                  {"object_cache_dir", "/var/cache/tf"},
                                  {"object_cache_max", "100GiB"},
+                                 {"object_hub_cache", "off"},
                                  {"coop_exchange", "none"},
                                  {"coop_storage_rate", "500MB"},
                                  {"coop_network_rate", "125MB"},
@@ -119,6 +120,7 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(os.ca_bundle, "/etc/ssl/ca.pem");
   EXPECT_EQ(os.cache_dir, "/var/cache/tf");
   EXPECT_EQ(os.cache_max, 100ull << 30);
+  EXPECT_FALSE(os.hub_cache);
   EXPECT_EQ(o.cooperative.exchange, ExchangeChoice::kNone);
   EXPECT_EQ(o.cooperative.storage_rate, 500'000'000u);
   EXPECT_EQ(o.cooperative.network_rate, 125'000'000u);
@@ -129,7 +131,7 @@ TEST(LoadOptionsSet, EveryKey) {
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 49u);
+  EXPECT_EQ(keys.size(), 50u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

@@ -1,12 +1,15 @@
 """Shared fixtures of the Python suite, and a guard: the tests must exercise the tensorferry
 package built from the sources in this checkout (scripts/install_python.sh installs it; a CMake
 build with TENSORFERRY_BUILD_PYTHON=ON gives one under <build>/python for PYTHONPATH)."""
+import atexit
 import gc
 import importlib.util
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -15,6 +18,12 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 def pytest_configure(config):
+    # The suite never writes the user's Hugging Face hub cache (hf:// loads keep what they stream
+    # in it, object_hub_cache): the session has one of its own; tests that need another set
+    # theirs. (Here, not at import: child processes that import a test module keep their own.)
+    hub_cache = tempfile.mkdtemp(prefix="tensorferry-tests-hub-cache-")
+    os.environ["HF_HUB_CACHE"] = hub_cache
+    atexit.register(shutil.rmtree, hub_cache, True)
     if importlib.util.find_spec("tensorferry") is None:
         pytest.exit("tensorferry is not installed: run scripts/install_python.sh", returncode=3)
     import tensorferry._core as core

@@ -165,7 +165,7 @@ def test_cli_reports_fills_then_hits(stores, tmp_path):
     # The variable sets it too; the text report says where the files came from.
     env["TENSORFERRY_OBJECT_CACHE_DIR"] = str(tmp_path)
     text = cli_load(url, env=env).stdout
-    assert f"object cache: {n} files read from it, 0 files (0 B) downloaded into it" in text, text
+    assert f"; cache: {n} files read from it, 0 files (0 B) downloaded into it" in text, text
     second = json.loads(cli_load(url, "--json", env=env).stdout)
     assert second["checksum"] == want
     assert (second["cache_fills"], second["cache_hits"], second["remote_bytes"]) == (0, n, 0)

@@ -12,6 +12,7 @@ transformers' from_pretrained of the hub prefix equals the local model. And hf:/
 local hub cache lacks (HF_ENDPOINT naming this hub): streamed from the hub at the one commit a branch
 named when the load opened, the cache preferred when it holds the checkpoint, errors naming both
 places, HF_HUB_OFFLINE honoured."""
+import hashlib
 import json
 import os
 import shutil
@@ -159,10 +160,13 @@ def test_a_gated_model_loads_with_its_token_sent_to_the_hub_only(models, no_hf_t
 
 @pytest.fixture
 def hf_hub(no_hf_token, monkeypatch, tmp_path):
-    """A hub of its own as HF_ENDPOINT, and an empty local hub cache."""
+    """A hub of its own as HF_ENDPOINT, and an empty local hub cache that loads leave empty
+    (TENSORFERRY_OBJECT_HUB_CACHE=0: every load asks the hub; the tests of the hub cache's filling
+    remove it)."""
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_HUB_CACHE", "0")
     with ModelHub() as h:
         monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
         yield h
@@ -206,6 +210,99 @@ def test_an_hf_path_not_cached_is_streamed_from_the_hub_at_one_commit(hf_hub, mo
     r = subprocess.run([CLI, "load", f"hf://{repo}", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["checksum"] == local_json["checksum"]
+
+
+def published_to_fill(h, repo, local, monkeypatch):
+    """`local` published as `repo` on the hub `h`, with the hub cache's filling on (the default):
+    the tensors of `local`, the commit, the hub cache and the repository's folder there."""
+    monkeypatch.delenv("TENSORFERRY_OBJECT_HUB_CACHE")
+    want, _ = load_all(local)
+    commit = h.add_repo(repo, local)
+    cache = os.environ["HF_HUB_CACHE"]
+    return want, commit, cache, os.path.join(cache, "models--" + repo.replace("/", "--"))
+
+
+def cached_repo(h, cache, repo):
+    """scan_cache_dir's view of `repo` in the hub cache `cache`: (its one revision, no warnings)."""
+    import huggingface_hub
+    info = huggingface_hub.scan_cache_dir(cache)
+    assert not info.warnings, info.warnings
+    (found,) = [r for r in info.repos if r.repo_id == repo]
+    (revision,) = found.revisions
+    return revision
+
+
+def test_an_hf_path_streamed_is_kept_in_the_hub_cache_as_huggingface_hub_keeps_it(
+        hf_hub, models, monkeypatch):
+    """object_hub_cache (on by default): what a load streams from the hub is kept in the local hub
+    cache where huggingface_hub keeps it (blobs named by the hub's X-Linked-Etag, the SHA-256, or
+    its ETag; links in the commit's snapshot; refs/main), written beside the load. huggingface_hub
+    reads it as its own download, offline; the next load reads it and asks the hub nothing."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    local = models["org/sharded"]
+    want, commit, cache, repo_dir = published_to_fill(hf_hub, "org/sharded", local, monkeypatch)
+    names = sorted(os.listdir(local))
+    got, stats = load_all("hf://org/sharded")
+    assert_same(got, want)
+    assert f"hub cache {cache}: 0 files read from it, {len(names)} downloaded into it" \
+        in stats.engine_reason, stats.engine_reason
+    with open(os.path.join(repo_dir, "refs", "main")) as f:
+        assert f.read() == commit
+    for name in names:
+        path = huggingface_hub.try_to_load_from_cache("org/sharded", name, cache_dir=cache)
+        assert path == os.path.join(repo_dir, "snapshots", commit, name)
+        with open(path, "rb") as f, open(os.path.join(local, name), "rb") as g:
+            data = f.read()
+            assert data == g.read(), name
+        blob = os.path.basename(os.path.realpath(path))
+        digest = hashlib.sha256 if name.endswith(".safetensors") else hashlib.sha1
+        assert blob == digest(data).hexdigest(), name
+    revision = cached_repo(hf_hub, cache, "org/sharded")
+    assert revision.commit_hash == commit and revision.refs == {"main"}
+    assert sorted(f.file_name for f in revision.files) == names
+    assert sorted(os.listdir(os.path.join(repo_dir, "blobs"))) == \
+        sorted(os.path.basename(os.path.realpath(f.file_path)) for f in revision.files)
+    assert huggingface_hub.snapshot_download("org/sharded", cache_dir=cache,
+                                             local_files_only=True) == \
+        os.path.join(repo_dir, "snapshots", commit)
+    # The next load, from Python and from the CLI: the snapshot, nothing asked of the hub.
+    hf_hub.reset_counts()
+    with tensorferry.Loader("hf://org/sharded") as loader:
+        assert all(f.startswith(os.path.join(repo_dir, "snapshots", commit)) for f in loader.files)
+        assert_same(loader.load(), want)
+    r = subprocess.run([CLI, "load", "hf://org/sharded", "--json"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["remote_requests"] == 0
+    assert hf_hub.log == []
+
+
+def test_a_single_file_is_kept_and_nothing_when_the_hub_cache_is_off(
+        hf_hub, models, monkeypatch, tmp_path):
+    """A file read through safe_open is kept; named by a commit, it writes no ref.
+    object_hub_cache=False (storage_options, the CLI's --object-hub-cache 0,
+    TENSORFERRY_OBJECT_HUB_CACHE=0) writes nothing."""
+    pytest.importorskip("huggingface_hub")
+    local = models["org/single"]
+    want, commit, cache, repo_dir = published_to_fill(hf_hub, "org/single", local, monkeypatch)
+    got, _ = load_all("hf://org/single", storage_options={"object_hub_cache": False})
+    assert_same(got, want)
+    r = subprocess.run([CLI, "load", "hf://org/single", "--object-hub-cache", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("TENSORFERRY_OBJECT_HUB_CACHE", "0")
+    got, _ = load_all("hf://org/single")
+    assert not os.path.exists(repo_dir), os.listdir(repo_dir)
+    monkeypatch.delenv("TENSORFERRY_OBJECT_HUB_CACHE")
+    with tensorferry.safe_open(f"hf://org/single@{commit}/model.safetensors", "pt") as f:
+        assert raw_bytes(f.get_tensor("w")) == raw_bytes(want["w"])
+    assert not os.path.exists(os.path.join(repo_dir, "refs"))
+    revision = cached_repo(hf_hub, cache, "org/single")
+    assert revision.commit_hash == commit
+    assert [f.file_name for f in revision.files] == ["model.safetensors"]
+    (kept,) = revision.files
+    with open(kept.file_path, "rb") as f, open(os.path.join(local, "model.safetensors"), "rb") as g:
+        assert f.read() == g.read()
 
 
 def _single_model(folder, seed):
@@ -401,13 +498,16 @@ def test_from_pretrained_of_a_hub_prefix_equals_the_local_model(tmp_path):
         shutil.rmtree(folder)
 
 
-def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_path):
+def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_path,
+                                                                    monkeypatch):
     """Inside tensorferry.transformers.loading(), from_pretrained("hf://org/llama"): streamed from
     the hub when the cache lacks it (the configuration and the weights from the one commit the
-    branch named), read from the cache's snapshot once huggingface_hub has downloaded it."""
+    branch named), and kept in the hub cache as it streams: then transformers alone loads it
+    offline from there, and the next from_pretrained("hf://...") reads the cache's snapshot."""
     transformers = pytest.importorskip("transformers")
-    huggingface_hub = pytest.importorskip("huggingface_hub")
+    pytest.importorskip("huggingface_hub")
     import tensorferry.transformers as tft
+    monkeypatch.delenv("TENSORFERRY_OBJECT_HUB_CACHE")
     config = tiny_llama_config(transformers)
     folder = tmp_path / "llama"
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
@@ -423,9 +523,11 @@ def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_
     assert len([x for x in hf_hub.log if x[0] == "api"]) == 1, hf_hub.log
     assert resolved_revisions(hf_hub, "org/llama") == {commit}
     assert any(x[3] == "config.json" for x in hf_hub.log)
-    huggingface_hub.snapshot_download("org/llama", cache_dir=os.environ["HF_HUB_CACHE"],
-                                      endpoint=hf_hub.endpoint)
     hf_hub.log.clear()
+    # transformers alone, offline (cache_dir given: it reads HF_HUB_CACHE when first imported).
+    assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
+        "org/llama", dtype=torch.bfloat16, cache_dir=os.environ["HF_HUB_CACHE"],
+        local_files_only=True))
     with tft.loading():
         assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
             "hf://org/llama", dtype=torch.bfloat16))

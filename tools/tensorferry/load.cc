@@ -248,7 +248,7 @@ std::string TextReport(const Report& r) {
             FormatBytes(stats.remote_bytes) + " received";
   }
   if (stats.cache_hits + stats.cache_fills > 0) {
-    text += "; object cache: " + Plural(stats.cache_hits, "file") + " read from it, " +
+    text += "; cache: " + Plural(stats.cache_hits, "file") + " read from it, " +
             Plural(stats.cache_fills, "file") + " (" + FormatBytes(stats.cache_fill_bytes) +
             ") downloaded into it";
   }
@@ -389,6 +389,9 @@ Command AddLoadCommand(CLI::App& parent) {
   option("object_cache_max",
          "Most bytes the cache directory may hold; least recently used files go first "
          "(default 0: unbounded)");
+  option("object_hub_cache",
+         "Keep the files of hf:// paths streamed from the hub in the Hugging Face hub cache, "
+         "as `hf download` would: 1/0 (default 1)");
   app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");
   app->add_flag("--prefer-mmap", args->prefer_mmap,
                 "--engine auto: map the files when they are on local file systems");

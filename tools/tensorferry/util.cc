@@ -124,7 +124,8 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
           name, path,
           "A .safetensors file, a checkpoint directory or a model.safetensors.index.json, "
           "local or as an s3://, gs:// or http(s):// URL; or hf://OWNER/NAME[@REVISION][/PATH], "
-          "a repository in the local Hugging Face hub cache, else on the hub (HF_ENDPOINT)")
+          "a repository in the local Hugging Face hub cache, else on the hub (HF_ENDPOINT; what "
+          "is read is kept in the hub cache unless TENSORFERRY_OBJECT_HUB_CACHE=0)")
       ->required();
 }
 

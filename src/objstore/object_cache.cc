@@ -36,7 +36,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr uint64_t kFillBuffers = 128u << 20;  // the download's buffers, all threads together
+constexpr uint64_t kFillBuffers = 16u << 20;  // the download's buffers, all threads together
+constexpr uint64_t kMinFillPart = 2u << 20;   // the smallest range it fetches (unless part_size)
 
 std::string Errno(int error) {
   return std::strerror(error);
@@ -773,9 +774,16 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   fill->fetch = fetch;
   fill->threads = std::max(1u, concurrency);
   fill->head = head;
-  // Parts small enough for `threads` buffers to fit kFillBuffers together.
+  // Parts small enough for `threads` buffers to fit kFillBuffers together, but not below 2 MiB
+  // (or part_size): fewer threads then. Small parts, few bytes in flight: the filler supplements
+  // the load's own reads rather than competing with them for the network, the disk and the copy's
+  // inode lock (16 MiB against 128 MiB: the first start 2.6 s against 5.0 s, 296 against 410 MiB
+  // peak, docs/benchmarks.md "`hf://` streamed and kept in the hub cache").
   fill->part = std::clamp<uint64_t>(std::min<uint64_t>(part_size, kFillBuffers / fill->threads),
-                                    64u << 10, kFillBuffers);
+                                    std::min<uint64_t>(part_size, kMinFillPart), kFillBuffers);
+  fill->part = std::max<uint64_t>(fill->part, 64u << 10);
+  fill->threads =
+      static_cast<unsigned>(std::clamp<uint64_t>(kFillBuffers / fill->part, 1, fill->threads));
   fill->top = object.size;
   fills_.fetch_add(1);
   fill_bytes_.fetch_add(object.size);

@@ -111,9 +111,9 @@ class ObjectCache {
   // one exists, else a file that serves reads within `prefix` (its first bytes, already fetched)
   // from memory and, from its first read beyond them, downloads the object into the cache as
   // described above (the filler's ranges: at most `part_size` bytes, `concurrency` at a time,
-  // buffers at most 128 MiB together), fetched by `fetch`. `fetch` must stay callable until the
-  // cache is destroyed; `owner` (may be null) is kept alive by the file. Never fails for a missing
-  // entry.
+  // buffers at most 16 MiB together, parts of at least 2 MiB), fetched by `fetch`. `fetch` must
+  // stay callable until the cache is destroyed; `owner` (may be null) is kept alive by the file.
+  // Never fails for a missing entry.
   Result<std::unique_ptr<SourceFile>> Open(const CachedObject& object, const FileIdentity& identity,
                                            std::vector<std::byte> prefix, FetchRange fetch,
                                            unsigned concurrency, uint64_t part_size,

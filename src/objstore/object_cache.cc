@@ -589,31 +589,22 @@ void ObjectCache::Keep(const CachedObject& object, std::span<const std::byte> by
   const std::string tmp = place.tmp_dir + "/" + place.tmp_stem + std::to_string(::getpid()) + ".k" +
                           std::to_string(serial.fetch_add(1));
   std::string why;
-  {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-    int e = 0;
-    if (fd.get() < 0) {
-      why = "cannot create " + tmp + ": " + Errno(errno);
-    } else if ((e = PwriteFully(fd.get(), bytes, 0)) != 0) {
-      why = "cannot write " + tmp + ": " + Errno(e);
-    } else if (::fsync(fd.get()) != 0) {
-      why = "cannot write " + tmp + " to disk (fsync): " + Errno(errno);
-    }
-  }
-  if (why.empty()) {
-    if (Status renamed = Env::Default()->RenameFile(tmp, place.blob); !renamed.ok()) {
-      why = renamed.message();
-    }
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  int e = 0;
+  if (fd.get() < 0) {
+    why = "cannot create " + tmp + ": " + Errno(errno);
+  } else if ((e = PwriteFully(fd.get(), bytes, 0)) != 0) {
+    why = "cannot write " + tmp + ": " + Errno(e);
+  } else {
+    why = Commit(object, fd.get(), tmp, place.blob);
   }
   if (!why.empty()) {
     ::unlink(tmp.c_str());
     NoteError(where + object.name + " not cached: " + why);
     return;
   }
-  static_cast<void>(Env::Default()->SyncDirectory(place.tmp_dir));
   fills_.fetch_add(1);
   fill_bytes_.fetch_add(object.size);
-  Link(object);
 }
 
 void ObjectCache::Link(const CachedObject& object) {
@@ -846,7 +837,7 @@ void ObjectCache::Finish(Fill& fill) {
     }
     if (fill.failed) why = "download failed: " + fill.why;
   }
-  if (why.empty()) why = Commit(fill);
+  if (why.empty()) why = Commit(fill.object, fill.fd.get(), fill.tmp, fill.blob);
   if (!why.empty()) {
     ::unlink(fill.tmp.c_str());
     NoteError(where + fill.object.name + " not cached: " + why);
@@ -873,13 +864,13 @@ void ObjectCache::Finish(Fill& fill) {
   fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
 }
 
-std::string ObjectCache::Commit(Fill& fill) {
-  if (::fsync(fill.fd.get()) != 0) {
-    return "cannot write " + fill.tmp + " to disk (fsync): " + Errno(errno);
+std::string ObjectCache::Commit(const CachedObject& object, int fd, const std::string& tmp,
+                                const std::string& blob) {
+  if (::fsync(fd) != 0) {
+    return "cannot write " + tmp + " to disk (fsync): " + Errno(errno);
   }
   if (layout_ == Layout::kObjects) {
     // What the entry is, beside it; then the entry itself, whole.
-    const CachedObject& object = fill.object;
     std::string meta = "{\"url\":";
     json::AppendString(meta, object.name);
     meta += ",\"request_url\":";
@@ -891,22 +882,22 @@ std::string ObjectCache::Commit(Fill& fill) {
     meta += ",\"created\":";
     json::AppendUint(meta, static_cast<uint64_t>(std::time(nullptr)));
     meta += "}\n";
-    const std::string meta_tmp = fill.tmp + ".json";
+    const std::string meta_tmp = tmp + ".json";
     UniqueFd m(::open(meta_tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     const int e =
         m.get() < 0 ? errno : PwriteFully(m.get(), std::as_bytes(std::span<const char>(meta)), 0);
-    if (e != 0 || ::rename(meta_tmp.c_str(), (fill.blob + ".json").c_str()) != 0) {
+    if (e != 0 || ::rename(meta_tmp.c_str(), (blob + ".json").c_str()) != 0) {
       const std::string why = "cannot write " + meta_tmp + ": " + Errno(e != 0 ? e : errno);
       ::unlink(meta_tmp.c_str());
       return why;
     }
   }
-  if (Status renamed = Env::Default()->RenameFile(fill.tmp, fill.blob); !renamed.ok()) {
+  if (Status renamed = Env::Default()->RenameFile(tmp, blob); !renamed.ok()) {
     return renamed.message();
   }
   // A cache: best effort.
-  static_cast<void>(Env::Default()->SyncDirectory(fs::path(fill.blob).parent_path().string()));
-  Link(fill.object);
+  static_cast<void>(Env::Default()->SyncDirectory(fs::path(blob).parent_path().string()));
+  Link(object);
   return "";
 }
 

@@ -169,8 +169,10 @@ class ObjectCache {
   void RunFill(Fill& fill);
   // After the last range: the copy committed, or removed when the download failed.
   void Finish(Fill& fill);
-  // The copy's fsync, its description, and its rename into blobs/; why not ("" when done).
-  std::string Commit(Fill& fill);
+  // The copy `tmp` (open as `fd`) made the entry `blob`: its fsync, its description (kObjects),
+  // its rename, its snapshot link (kHub); why not ("" when done). Downloads and Keep.
+  std::string Commit(const CachedObject& object, int fd, const std::string& tmp,
+                     const std::string& blob);
   // Removes least recently used entries until `incoming` more bytes fit under max_bytes_; false
   // (with `why`) when they cannot.
   // The downloads in progress count as entries (reserved_): make room and reserve under room_mu_.

@@ -48,6 +48,12 @@ from objstore_servers import LOOPBACK, NginxHttp
 _SECRET = "tensorferry-test-hub"
 
 
+def git_blob_id(data):
+    """git's id of a file's bytes (sha1 of "blob <size>\\0" + bytes): the hub's ETag and tree oid
+    of a file stored in git, which huggingface_hub names the file's blob by and checks it with."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 class ModelHub:
     def __init__(self, link_ttl_s=3600, cdn_rate=None, delay_s=0.0):
         self.link_ttl_s = link_ttl_s
@@ -115,7 +121,7 @@ class ModelHub:
                 shutil.copyfile(src, blob)
             self._files[(repo, commit, rel)] = ("blob", sha, len(data))
         else:
-            etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+            etag = '"' + git_blob_id(data) + '"'  # the hub's ETag of a git-stored file
             self._files[(repo, commit, rel)] = ("small", data, etag)
 
     def repo_url(self, repo, path=""):
@@ -250,9 +256,12 @@ class ModelHub:
                         continue
                     if entry[0] == "blob":
                         _, sha, size = entry
+                        pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\n"
+                                   f"size {size}\n").encode()
                         items.append({"type": "file", "path": rel, "size": size,
-                                      "oid": hashlib.sha1(sha.encode()).hexdigest(),
-                                      "lfs": {"oid": sha, "size": size, "pointerSize": 134}})
+                                      "oid": git_blob_id(pointer),
+                                      "lfs": {"oid": sha, "size": size,
+                                              "pointerSize": len(pointer)}})
                     else:
                         _, data, etag = entry
                         items.append({"type": "file", "path": rel, "size": len(data),

@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 from conftest import CLI, raw_bytes
-from hub_server import ModelHub
+from hub_server import ModelHub, git_blob_id
 from objstore_servers import TlsFront
 
 import tensorferry
@@ -255,8 +255,9 @@ def test_an_hf_path_streamed_is_kept_in_the_hub_cache_as_huggingface_hub_keeps_i
             data = f.read()
             assert data == g.read(), name
         blob = os.path.basename(os.path.realpath(path))
-        digest = hashlib.sha256 if name.endswith(".safetensors") else hashlib.sha1
-        assert blob == digest(data).hexdigest(), name
+        want_blob = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") \
+            else git_blob_id(data)
+        assert blob == want_blob, name
     revision = cached_repo(hf_hub, cache, "org/sharded")
     assert revision.commit_hash == commit and revision.refs == {"main"}
     assert sorted(f.file_name for f in revision.files) == names
@@ -265,6 +266,12 @@ def test_an_hf_path_streamed_is_kept_in_the_hub_cache_as_huggingface_hub_keeps_i
     assert huggingface_hub.snapshot_download("org/sharded", cache_dir=cache,
                                              local_files_only=True) == \
         os.path.join(repo_dir, "snapshots", commit)
+    # huggingface_hub's own check of the cache against the hub (`hf cache verify`): every file's
+    # SHA-256 (weights) or git blob id (the rest) as the hub lists them; a changed byte is found.
+    api = huggingface_hub.HfApi(endpoint=hf_hub.endpoint)
+    checked = api.verify_repo_checksums("org/sharded", cache_dir=cache)
+    assert checked.mismatches == [] and checked.missing_paths == [], checked
+    assert checked.checked_count == len(names) and checked.revision == commit, checked
     # The next load, from Python and from the CLI: the snapshot, nothing asked of the hub.
     hf_hub.reset_counts()
     with tensorferry.Loader("hf://org/sharded") as loader:
@@ -275,6 +282,15 @@ def test_an_hf_path_streamed_is_kept_in_the_hub_cache_as_huggingface_hub_keeps_i
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["remote_requests"] == 0
     assert hf_hub.log == []
+    # A changed byte in a kept file is what that check reports.
+    weights = os.path.realpath(os.path.join(repo_dir, "snapshots", commit, weight_files(local)[0]))
+    with open(weights, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    checked = api.verify_repo_checksums("org/sharded", cache_dir=cache)
+    assert [m["path"] for m in checked.mismatches] == [weight_files(local)[0]], checked
 
 
 def test_a_single_file_is_kept_and_nothing_when_the_hub_cache_is_off(

@@ -38,6 +38,9 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kFillBuffers = 16u << 20;  // the download's buffers, all threads together
 constexpr uint64_t kMinFillPart = 2u << 20;   // the smallest range it fetches (unless part_size)
+// The load's reads hand what they fetched to the cache's writer thread through a ring of this
+// many bytes, and go on (WriteBehind below).
+constexpr size_t kWriteBehind = 32u << 20;
 
 std::string Errno(int error) {
   return std::strerror(error);
@@ -360,25 +363,131 @@ struct ObjectCache::Fill {
     }
     cv.notify_all();
   }
-  // Fetches [begin, begin + buffer.size()) (claimed) into `buffer` and writes it to the copy;
-  // releases the claim. The store's error, or OK (a failed write gives the download up, not the
-  // read).
+  // Fetches [begin, begin + buffer.size()) (claimed) into `buffer`; the store's error (the claim
+  // released) or OK (then the caller writes it: Write, or the writer thread).
   Status FetchClaim(uint64_t begin, std::span<std::byte> buffer) {
-    if (Status st = fetch(begin, buffer); !st.ok()) {
-      Release(begin, st.message());
-      return st;
-    }
-    if (const int e = PwriteFully(fd.get(), buffer, begin); e != 0) {
+    Status st = fetch(begin, buffer);
+    if (!st.ok()) Release(begin, st.message());
+    return st;
+  }
+  // Writes the claim at `begin` (its bytes in `bytes`) to the copy and releases it (a failed
+  // write gives the download up, not the read).
+  void Write(uint64_t begin, std::span<const std::byte> bytes) {
+    if (const int e = PwriteFully(fd.get(), bytes, begin); e != 0) {
       Release(begin, "cannot write " + tmp + ": " + Errno(e));
-      return Status::Ok();
+      return;
     }
     // Start writing the range to disk now (asynchronously), so that the fsync at the end waits
     // for the last ranges only, not for the whole file.
-    ::sync_file_range(fd.get(), static_cast<off_t>(begin), static_cast<off_t>(buffer.size()),
+    ::sync_file_range(fd.get(), static_cast<off_t>(begin), static_cast<off_t>(bytes.size()),
                       SYNC_FILE_RANGE_WRITE);
     Release(begin, "");
-    return Status::Ok();
   }
+};
+
+// The cache's writer thread, for the bytes the load's reads fetch. A read that fetched a range of
+// a download in progress into its own buffer copies it into a ring of kWriteBehind bytes and
+// returns; this thread writes the ranges to their copies in the order they came and releases their
+// claims (until then, another read of those bytes waits for them, as for bytes being fetched). So
+// the load waits for the local disk only when the ring is full, that is when the disk is slower
+// than the network, instead of at every range (each read's pwrite, which also serialized the
+// reads on the copy's inode lock and stalled them in the kernel's dirty-page throttling). One
+// writer per cache: writes into one file do not run in parallel anyway. A range larger than the
+// ring is written by the read itself, as before.
+class ObjectCache::WriteBehind {
+ public:
+  explicit WriteBehind(size_t capacity) : capacity_(capacity) {}
+  ~WriteBehind() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    if (thread_.joinable()) thread_.join();  // after what is queued is written
+  }
+  WriteBehind(const WriteBehind&) = delete;
+  WriteBehind& operator=(const WriteBehind&) = delete;
+
+  // Copies `bytes` (the claim of `fill` at `begin`) into the ring and queues their write; waits
+  // while the ring has no room for them. False, doing nothing, when they are larger than the ring.
+  bool Queue(std::shared_ptr<Fill> fill, uint64_t begin, std::span<const std::byte> bytes) {
+    const size_t n = bytes.size();
+    if (n == 0 || n > capacity_) return false;
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!ring_) ring_ = std::make_unique<std::byte[]>(capacity_);
+    size_t at = 0, skip = 0;
+    room_cv_.wait(lk, [&] { return Allocate(n, at, skip); });
+    // Queued in the order of allocation (the ring is freed in that order), written once copied.
+    Item& item = items_.emplace_back(Item{std::move(fill), begin, at, n, skip, false});
+    if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+    lk.unlock();
+    std::memcpy(ring_.get() + at, bytes.data(), n);  // outside the lock: reads copy in parallel
+    lk.lock();
+    item.copied = true;  // (a deque's elements stay in place while others are added and popped)
+    lk.unlock();
+    work_cv_.notify_all();
+    return true;
+  }
+
+ private:
+  struct Item {
+    std::shared_ptr<Fill> fill;
+    uint64_t begin;
+    size_t at, size, skip;  // skip: the ring's end left unused before `at` (= 0)
+    bool copied;            // mu_: its bytes are in the ring
+  };
+  // Room for n contiguous bytes after those in use (start_, used_ bytes, wrapping at capacity_),
+  // in allocation order. mu_ held.
+  bool Allocate(size_t n, size_t& at, size_t& skip) {
+    skip = 0;
+    if (used_ == 0) {
+      start_ = 0;
+      at = 0;
+    } else if (const size_t end = start_ + used_; end < capacity_) {  // not wrapped
+      if (n <= capacity_ - end) {
+        at = end;
+      } else if (n <= start_) {
+        skip = capacity_ - end;
+        at = 0;
+      } else {
+        return false;
+      }
+    } else if (n <= start_ - (end - capacity_)) {  // wrapped: room between its end and start_
+      at = end - capacity_;
+    } else {
+      return false;
+    }
+    used_ += skip + n;
+    return true;
+  }
+  void Loop() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      work_cv_.wait(lk, [&] {
+        return (stop_ && items_.empty()) || (!items_.empty() && items_.front().copied);
+      });
+      if (items_.empty()) return;
+      Item& item = items_.front();  // stays in place: only this thread pops
+      lk.unlock();
+      item.fill->Write(item.begin, std::span<const std::byte>(ring_.get() + item.at, item.size));
+      lk.lock();
+      // Items are allocated and freed in the same order: the oldest starts at start_ (after its
+      // skip).
+      start_ = (item.at + item.size) % capacity_;
+      used_ -= item.skip + item.size;
+      items_.pop_front();
+      room_cv_.notify_all();
+    }
+  }
+
+  const size_t capacity_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, room_cv_;
+  std::unique_ptr<std::byte[]> ring_;  // mu_: allocated at the first Queue
+  size_t start_ = 0, used_ = 0;        // mu_
+  std::deque<Item> items_;             // mu_
+  bool stop_ = false;                  // mu_
+  std::thread thread_;                 // started by the first Queue
 };
 
 // An object whose copy is not in the cache (yet): header reads from the open's prefix, then reads
@@ -402,7 +511,7 @@ class FillingFile final : public SourceFile {
     if (offset >= identity_.size || dst.empty()) return size_t{0};
     const size_t n = static_cast<size_t>(std::min<uint64_t>(dst.size(), identity_.size - offset));
     dst = dst.first(n);
-    ObjectCache::Fill* fill = nullptr;
+    std::shared_ptr<ObjectCache::Fill> fill;
     const SourceFile* entry = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -416,14 +525,14 @@ class FillingFile final : public SourceFile {
             cache_->Start(object_, identity_, prefix_, fetch_, concurrency_, part_size_, entry_);
         std::vector<std::byte>().swap(prefix_);
       }
-      fill = fill_.get();
+      fill = fill_;
       entry = entry_.get();
     }
     if (entry != nullptr) return entry->Read(offset, dst);
     if (fill == nullptr) {
       TF_RETURN_IF_ERROR(FromStore(offset, dst));
     } else {
-      TF_RETURN_IF_ERROR(ReadThrough(*fill, offset, dst));
+      TF_RETURN_IF_ERROR(ReadThrough(fill, offset, dst));
     }
     return n;
   }
@@ -491,8 +600,10 @@ class FillingFile final : public SourceFile {
     }
     return Status::Ok();
   }
-  Status ReadThrough(ObjectCache::Fill& fill, uint64_t offset, std::span<std::byte> dst) const {
+  Status ReadThrough(const std::shared_ptr<ObjectCache::Fill>& shared, uint64_t offset,
+                     std::span<std::byte> dst) const {
     using Kind = ObjectCache::Fill::Kind;
+    ObjectCache::Fill& fill = *shared;
     const uint64_t limit = offset + dst.size();
     uint64_t at = offset;
     if (at < fill.head) {  // the prefix, written when the download began
@@ -507,7 +618,10 @@ class FillingFile final : public SourceFile {
       switch (span.kind) {
         case Kind::kDone: TF_RETURN_IF_ERROR(FromCopy(fill, at, out)); break;
         case Kind::kStore: TF_RETURN_IF_ERROR(FromStore(at, out)); break;
-        case Kind::kMine: TF_RETURN_IF_ERROR(fill.FetchClaim(at, out)); break;
+        case Kind::kMine:
+          TF_RETURN_IF_ERROR(fill.FetchClaim(at, out));
+          if (!cache_->writer_->Queue(shared, at, out)) fill.Write(at, out);
+          break;
       }
       at = span.end;
     }
@@ -529,7 +643,10 @@ class FillingFile final : public SourceFile {
 };
 
 ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout)
-    : dir_(std::move(dir)), max_bytes_(layout == Layout::kHub ? 0 : max_bytes), layout_(layout) {}
+    : dir_(std::move(dir)),
+      max_bytes_(layout == Layout::kHub ? 0 : max_bytes),
+      layout_(layout),
+      writer_(std::make_unique<WriteBehind>(kWriteBehind)) {}
 
 ObjectCache::Place ObjectCache::PlaceOf(const CachedObject& object) const {
   Place p;
@@ -622,7 +739,7 @@ ObjectCache::~ObjectCache() {
     stop_ = true;
   }
   queue_cv_.notify_all();
-  if (filler_.joinable()) filler_.join();
+  if (filler_.joinable()) filler_.join();  // each download's Finish waited for its writes
 }
 
 std::string ObjectCache::Key(const CachedObject& object) {
@@ -818,7 +935,7 @@ void ObjectCache::RunFill(Fill& fill) {
     uint64_t begin = 0, end = 0;
     while (fill.NextFromTop(begin, end)) {
       buffer.resize(static_cast<size_t>(end - begin));
-      static_cast<void>(fill.FetchClaim(begin, buffer));  // a failure gives the download up
+      if (fill.FetchClaim(begin, buffer).ok()) fill.Write(begin, buffer);  // else given up
     }
   });
   Finish(fill);

@@ -12,15 +12,17 @@
 // read beyond those bytes starts the file's download into the cache, and from then on the
 // object's bytes are claimed range by range, each fetched once (ranged GETs pinned to the ETag)
 // and written into the copy in progress: a read fetches the bytes it needs that nobody claimed
-// straight into its buffer (then writes them to the copy), reads the bytes already written from
-// the copy (the page cache, just written), and waits for bytes another thread is fetching; the
-// cache's filler thread claims the rest, `part_size` at a time with `concurrency` in flight, from
-// the end of the object down (so that it meets a load reading forward instead of racing it), one
-// file after the other in the order their downloads began. A load that reads the whole file (the
-// common case) thus streams it as it would without a cache, plus one write of each byte to
-// local disk; one that reads part of a file (a tensor-parallel rank's slices, a lazy safe_open)
-// still leaves a whole copy: the filler fetches the rest. Downloads that began finish before the
-// cache is destroyed (the Source's last checkpoint closed): ~ObjectCache waits.
+// straight into its buffer (then hands them to the cache's writer thread through a ring of 32 MiB
+// and goes on: it waits for the local disk only when the disk falls behind), reads the bytes
+// already written from the copy (the page cache, just written), and waits for bytes another
+// thread is fetching or writing; the cache's filler thread claims the rest, `part_size` at a time
+// with `concurrency` in flight, from the end of the object down (so that it meets a load reading
+// forward instead of racing it), one file after the other in the order their downloads began. A
+// load that reads the whole file (the common case) thus streams it as it would without a cache,
+// plus one write of each byte to local disk; one that reads part of a file (a tensor-parallel
+// rank's slices, a lazy safe_open) still leaves a whole copy: the filler fetches the rest.
+// Downloads that began finish before the cache is destroyed (the Source's last checkpoint closed):
+// ~ObjectCache waits.
 //
 // Layout under the directory:
 //   blobs/<key>        one complete object (key: 64 hex digits, SHA-256 of URL, ETag and size)
@@ -136,6 +138,7 @@ class ObjectCache {
  private:
   friend class FillingFile;
   struct Fill;
+  class WriteBehind;  // the writer thread of the load's reads (object_cache.cc)
   // Where one object's copy goes, by layout.
   struct Place {
     std::string key;                // names the download (kObjects: Key(); kHub: the blob's name)
@@ -192,6 +195,7 @@ class ObjectCache {
   uint64_t reserved_ = 0;  // room_mu_: the sizes of this cache's downloads in progress
   bool stop_ = false;
   std::thread filler_;  // started by the first download
+  std::unique_ptr<WriteBehind> writer_;
 };
 
 }  // namespace tensorferry::objstore

@@ -217,6 +217,58 @@ TEST(ObjectCache, ReadsFetchWhatTheFillerHasNotClaimed) {
   EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
 }
 
+// Reads hand what they fetched to the cache's writer thread through its ring (32 MiB): ranges of
+// many sizes from several threads, around the ring many times, one range larger than the ring
+// (written by its read), and reads of bytes still queued for writing: every read byte-exact, every
+// byte fetched once, the copy whole.
+TEST(ObjectCache, ReadsHandTheirBytesToTheWriterThroughItsRing) {
+  testing::TempDir tmp;
+  constexpr size_t kSize = 72u << 20;
+  Remote remote(kSize);
+  remote.hold_offset = static_cast<int64_t>(kSize - (64u << 10));  // the filler's first range
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  // Range sizes cycled through by the readers: odd sizes, a few MiB, and one of 33 MiB.
+  const std::vector<size_t> sizes = {1000,           (5u << 20) + 7, 3u << 20, 123'457,
+                                     (9u << 20) - 1, 33u << 20,      700'001,  (2u << 20) + 3};
+  std::atomic<uint64_t> next{4096};
+  std::atomic<size_t> turn{0};
+  std::atomic<int> wrong{0}, failed{0};
+  const auto check = [&](uint64_t at, size_t n) {
+    std::vector<std::byte> got(n);
+    Result<size_t> r = (*file)->Read(at, got);
+    if (!r.ok() || *r != n) {
+      ++failed;
+    } else if (!std::equal(got.begin(), got.end(), remote.bytes.begin() + at)) {
+      ++wrong;
+    }
+  };
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 4; ++t) {
+    readers.emplace_back([&] {
+      for (;;) {
+        const size_t n = sizes[turn.fetch_add(1) % sizes.size()];
+        const uint64_t at = next.fetch_add(n);
+        if (at >= kSize - (64u << 10)) return;
+        const size_t len = static_cast<size_t>(std::min<uint64_t>(n, kSize - (64u << 10) - at));
+        check(at, len);
+        check(at + len / 2, len - len / 2);  // again, from the copy or the writer's queue
+      }
+    });
+  }
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  remote.released = true;
+  cache.Drain();
+  EXPECT_EQ(remote.fetched.load(), kSize - 4096);  // each byte fetched once
+  const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+  EXPECT_TRUE(testing::ReadBytes(blob) ==
+              std::string(reinterpret_cast<const char*>(remote.bytes.data()), kSize));
+  EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+}
+
 TEST(ObjectCache, APartialReadStillLeavesAWholeCopy) {
   testing::TempDir tmp;
   Remote remote(1'000'000);

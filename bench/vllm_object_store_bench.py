@@ -27,6 +27,14 @@ The contenders: "vLLM runai_streamer (s3)", "tensorferry plugin (s3)" (its defau
 embedded by `tensorferry gen` are checked), "tensorferry plugin (s3; verify off)", and the
 reference "vLLM default loader (local; warm)". vLLM's model is never run (its PyPI wheel has no
 CPU kernels: docs/models.md).
+
+With --hub, the model is served by its hub id from a model hub on loopback instead
+(tests/python/hub_server.py as HF_ENDPOINT, --resolver-delay per answer), each run with an empty
+hub cache (what a server's first start does when the model is not cached yet): "vLLM default
+loader (hub id)" (vLLM's download of the weights into the hub cache, then its load),
+"tensorferry plugin (hub id)" (the `hub` option's default: streamed as hf://<id> while kept in
+the hub cache) and "tensorferry plugin (hub id; hub=download)" (vLLM's download, then
+tensorferry's load). The timed part includes each loader's download.
 """
 import argparse
 import json
@@ -44,6 +52,9 @@ VLLM_PYTHON = os.environ.get("TENSORFERRY_VLLM_PYTHON") or os.path.join(ROOT, ".
                                                                          "python")
 CONTENDERS = ["vLLM runai_streamer (s3)", "tensorferry plugin (s3)",
               "tensorferry plugin (s3; verify off)", "vLLM default loader (local; warm)"]
+HUB_CONTENDERS = ["vLLM default loader (hub id)", "tensorferry plugin (hub id)",
+                  "tensorferry plugin (hub id; hub=download)"]
+HUB_REPO = "bench/model"
 
 
 # --- the child: one load in .venv-vllm ------------------------------------------------------------
@@ -123,8 +134,13 @@ def main():
                     help="where the checkpoint and the server's data live")
     ap.add_argument("--cli", default=None, help="the tensorferry CLI (default: build/release)")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS),
-                    help="comma-separated subset of: " + ", ".join(CONTENDERS))
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated subset of: " + ", ".join(CONTENDERS) + " (with --hub: "
+                    + ", ".join(HUB_CONTENDERS) + ")")
+    ap.add_argument("--hub", action="store_true",
+                    help="serve the model by its hub id from a model hub on loopback")
+    ap.add_argument("--resolver-delay", type=float, default=0.03,
+                    help="with --hub: seconds the hub waits before each answer (default 0.03)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -134,15 +150,16 @@ def main():
 
     from model_bench import config_of
     from object_store_bench import find_cli, make_checkpoint, parse_size, uptime
-    from objstore_servers import SeaweedS3, free_port
+    from objstore_servers import SeaweedS3
     from test_vllm import _env
 
     if not os.path.exists(VLLM_PYTHON):
         sys.exit(f"{VLLM_PYTHON} is missing: run scripts/install_vllm.sh")
-    chosen = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in CONTENDERS]
+    known = HUB_CONTENDERS if args.hub else CONTENDERS
+    chosen = [c.strip() for c in (args.contenders or ",".join(known)).split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in known]
     if unknown:
-        sys.exit(f"unknown contenders {unknown}; known: {CONTENDERS}")
+        sys.exit(f"unknown contenders {unknown}; known: {known}")
     load_before = uptime()
     size = parse_size(args.size)
     ckpt = make_checkpoint(find_cli(args.cli), size, args.data)
@@ -158,6 +175,13 @@ def main():
                        if f.endswith(".safetensors"))
     name = os.path.basename(ckpt)
     print(f"# {ckpt}: {tensor_bytes / 1e9:.2f} GB of safetensors; load {load_before}", flush=True)
+
+    # The reference and the hub read the local files: config.json beside them.
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        os.link(os.path.join(config_dir, "config.json"), os.path.join(ckpt, "config.json"))
+    if args.hub:
+        rows, digests = run_hub(args, ckpt, config_dir, path, work, chosen, tensor_bytes)
+        return report(args, ckpt, tensor_bytes, rows, digests, load_before)
 
     with SeaweedS3(parent_dir=args.data) as server:
         bucket = server.BUCKET
@@ -178,34 +202,75 @@ def main():
                                                         extra={"weights": url}, verify="off"),
             "vLLM default loader (local; warm)": dict(model=ckpt, load_format="safetensors"),
         }
-        # The reference reads the local files: config.json beside them.
-        if not os.path.exists(os.path.join(ckpt, "config.json")):
-            os.link(os.path.join(config_dir, "config.json"), os.path.join(ckpt, "config.json"))
-        rows = {c: [] for c in chosen}
-        digests = {}
-        for r in range(args.repeats):
-            order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-            for c in order:
-                spec = dict(specs[c], config_dir=config_dir, port=free_port())
-                child_env = dict(env)
-                if spec.pop("verify", None) == "off":
-                    child_env["TENSORFERRY_VERIFY"] = "off"
-                argv = [VLLM_PYTHON, os.path.abspath(__file__), "--child", json.dumps(spec)]
-                m = measured(argv, child_env)
-                lines = [ln for ln in m["stdout"].splitlines() if ln.startswith("RESULT ")]
-                if m["rc"] != 0 or not lines:
-                    print(f"round {r + 1}: {c}: FAILED (exit {m['rc']})\n{m['stderr'][-2000:]}"
-                          f"\n{m['stdout'][-2000:]}", flush=True)
-                    continue
-                res = json.loads(lines[-1][len("RESULT "):])
-                res["peak_rss"] = m["peak_rss"]
-                rows[c].append(res)
-                digests.setdefault(res["digest"], []).append(c)
-                print(f"round {r + 1}: {c}: load_weights {res['seconds']:.2f} s "
-                      f"({tensor_bytes / 1e9 / res['seconds']:.2f} GB/s), load_model "
-                      f"{res['load_model_seconds']:.2f} s, peak RSS "
-                      f"{res['peak_rss'] / 2**20:.0f} MiB", flush=True)
+        rows, digests = rounds(args, chosen, specs, config_dir, tensor_bytes,
+                               lambda c: dict(env))
+    return report(args, ckpt, tensor_bytes, rows, digests, load_before)
 
+
+def rounds(args, chosen, specs, config_dir, tensor_bytes, env_of):
+    """--repeats rounds of `chosen`, alternating, each in a child process: (rows, digests)."""
+    from objstore_servers import free_port
+    rows = {c: [] for c in chosen}
+    digests = {}
+    for r in range(args.repeats):
+        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+        for c in order:
+            spec = dict(specs[c], config_dir=config_dir, port=free_port())
+            child_env = env_of(c)
+            if spec.pop("verify", None) == "off":
+                child_env["TENSORFERRY_VERIFY"] = "off"
+            argv = [VLLM_PYTHON, os.path.abspath(__file__), "--child", json.dumps(spec)]
+            m = measured(argv, child_env)
+            lines = [ln for ln in m["stdout"].splitlines() if ln.startswith("RESULT ")]
+            if m["rc"] != 0 or not lines:
+                print(f"round {r + 1}: {c}: FAILED (exit {m['rc']})\n{m['stderr'][-2000:]}"
+                      f"\n{m['stdout'][-2000:]}", flush=True)
+                continue
+            res = json.loads(lines[-1][len("RESULT "):])
+            res["peak_rss"] = m["peak_rss"]
+            rows[c].append(res)
+            digests.setdefault(res["digest"], []).append(c)
+            print(f"round {r + 1}: {c}: load_weights {res['seconds']:.2f} s "
+                  f"({tensor_bytes / 1e9 / res['seconds']:.2f} GB/s), load_model "
+                  f"{res['load_model_seconds']:.2f} s, peak RSS "
+                  f"{res['peak_rss'] / 2**20:.0f} MiB", flush=True)
+    return rows, digests
+
+
+def run_hub(args, ckpt, config_dir, path, work, chosen, tensor_bytes):
+    """The --hub contenders: the checkpoint (and its config.json) published as HUB_REPO on a
+    model hub on loopback; each run with an empty hub cache."""
+    import shutil
+
+    from hub_server import ModelHub
+    from test_vllm import _env
+    specs = {
+        "vLLM default loader (hub id)": dict(model=HUB_REPO, load_format="safetensors"),
+        "tensorferry plugin (hub id)": dict(model=HUB_REPO, load_format="tensorferry"),
+        "tensorferry plugin (hub id; hub=download)": dict(model=HUB_REPO,
+                                                          load_format="tensorferry",
+                                                          extra={"hub": "download"}),
+    }
+    cache = os.path.join(work, "hub-cache")
+    with ModelHub(delay_s=args.resolver_delay) as hub:
+        hub.add_repo(HUB_REPO, ckpt)
+        env = _env(path)
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TENSORFERRY_VERIFY"):
+            env.pop(name, None)
+        env.update(HF_ENDPOINT=hub.endpoint, HF_HUB_CACHE=cache, VLLM_LOGGING_LEVEL="ERROR",
+                   HF_HUB_DISABLE_XET="1")
+
+        def env_of(contender):
+            shutil.rmtree(cache, ignore_errors=True)
+            os.sync()
+            return dict(env)
+        rows, digests = rounds(args, chosen, specs, config_dir, tensor_bytes, env_of)
+    shutil.rmtree(cache, ignore_errors=True)
+    return rows, digests
+
+
+def report(args, ckpt, tensor_bytes, rows, digests, load_before):
+    from object_store_bench import uptime
     same = len(digests) == 1
     summary = {}
     for c, rs in rows.items():
@@ -217,12 +282,13 @@ def main():
                                                               for x in rs),
                       "gbps": tensor_bytes / 1e9 / secs,
                       "peak_rss_mib": statistics.median(x["peak_rss"] for x in rs) / 2**20}
-    base = summary.get("vLLM runai_streamer (s3)", {}).get("seconds")
-    print(f"\n{'contender':40} {'load_weights s':>14} {'GB/s':>6} {'vs runai':>9} "
+    base_name = "vLLM default loader (hub id)" if args.hub else "vLLM runai_streamer (s3)"
+    base = summary.get(base_name, {}).get("seconds")
+    print(f"\n{'contender':42} {'load_weights s':>14} {'GB/s':>6} {'vs ' + base_name[:6]:>9} "
           f"{'load_model s':>12} {'peak RSS':>10}")
     for c, s in summary.items():
         ratio = f"{base / s['seconds']:.2f}x" if base else ""
-        print(f"{c:40} {s['seconds']:14.2f} {s['gbps']:6.2f} {ratio:>9} "
+        print(f"{c:42} {s['seconds']:14.2f} {s['gbps']:6.2f} {ratio:>9} "
               f"{s['load_model_seconds']:12.2f} {s['peak_rss_mib']:8.0f} MiB")
     print(f"\nparameters identical across contenders: {same}"
           + ("" if same else f" ({digests})"))

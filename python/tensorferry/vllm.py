@@ -50,6 +50,17 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   dict of object-storage settings for `weights` (s3_endpoint, s3_region,
                   object_cache_dir, ...; as tensorferry.Loader's storage_options); the AWS_* and
                   TENSORFERRY_OBJECT_* environment variables apply as well.
+    hub           how the weights of a model named by its Hugging Face hub id (--model
+                  OWNER/NAME, not a local folder) are read: "stream" (default) reads them as
+                  hf://OWNER/NAME[@REVISION]: from the local hub cache when it holds them, else
+                  streamed from the hub into the model while they are kept in the hub cache as
+                  huggingface_hub keeps them (unless storage_options' object_hub_cache is off),
+                  instead of vLLM downloading every file before the load; "download": vLLM's own
+                  download first, as its default loader. vLLM's download also applies with
+                  --download-dir, with ModelScope (VLLM_USE_MODELSCOPE), with ignore_patterns
+                  other than vLLM's default, and to a repository whose weights are neither in
+                  model.safetensors.index.json nor in model.safetensors (the hub cannot be
+                  listed file by file): logged at info level.
 """
 import dataclasses
 import difflib
@@ -57,6 +68,7 @@ import fnmatch
 import glob
 import json
 import os
+import re
 import time
 
 LOAD_FORMAT = "tensorferry"
@@ -66,6 +78,9 @@ DEFAULT_BUDGET = 1 << 30
 _ENGINES = ("auto", "pread", "io_uring", "mmap")
 _GDS = ("auto", "on", "off")
 _DEVICES = ("auto", "cpu")
+_HUBS = ("stream", "download")
+# A Hugging Face hub id: NAME or OWNER/NAME (letters, digits, '-', '_', '.'; no '..').
+_HUB_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +96,7 @@ class Options:
     enable_weights_track: bool = None
     weights: str = None
     storage_options: dict = None
+    hub: str = "stream"
 
 
 _KEYS = tuple(f.name for f in dataclasses.fields(Options))
@@ -134,10 +150,11 @@ def parse_options(extra):
                                     or threads <= 0):
             raise _bad("threads", f"{threads!r} is not a positive integer")
         values["threads"] = threads
-    for key, choices in (("device", _DEVICES), ("engine", _ENGINES), ("gds", _GDS)):
+    for key, choices in (("device", _DEVICES), ("engine", _ENGINES), ("gds", _GDS),
+                         ("hub", _HUBS)):
         if key in extra:
             value = extra[key]
-            if value is None and key != "device":
+            if value is None and key not in ("device", "hub"):
                 values[key] = None
                 continue
             if value not in choices:
@@ -245,6 +262,27 @@ def plan_remote(url, files, allow_patterns=None, is_unused_weight=None):
     if sorted(chosen) == sorted(files):
         return [Part(url, keep)]
     return [Part(f, keep) for f in sorted(chosen)]
+
+
+def hub_path(model_or_path, revision, subfolder, options, download_dir=None,
+             ignore_patterns=None):
+    """The hf:// path that the weights of `model_or_path`, a Hugging Face hub id, are read from
+    (the `hub` option, "stream"), or None where vLLM's download applies: a local path or a URL,
+    hub="download", a --download-dir, ModelScope (VLLM_USE_MODELSCOPE), ignore_patterns other
+    than vLLM's default. A revision's '/' is written %2F (hub.h)."""
+    if options.hub != "stream" or download_dir is not None \
+            or os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true") \
+            or not isinstance(model_or_path, str) or not _HUB_ID.fullmatch(model_or_path) \
+            or os.path.exists(model_or_path):
+        return None
+    if ignore_patterns not in (None, [], ["original/**/*"]):
+        return None
+    path = "hf://" + model_or_path
+    if revision and revision != "main":
+        path += "@" + revision.replace("/", "%2F")
+    if subfolder:
+        path += "/" + subfolder.strip("/")
+    return path
 
 
 # --- registration ------------------------------------------------------------------------------
@@ -360,8 +398,31 @@ def _make_class():
 
         def download_model(self, model_config):
             primary = self._primary(model_config)
-            if not _is_url(primary):  # object storage is read in place
+            # Object storage is read in place; a hub id is streamed (the `hub` option).
+            if not _is_url(primary) and self._hub_path(primary, model_config.revision) is None:
                 self._files(primary, model_config.revision)
+
+        def _hub_path(self, model_or_path, revision, subfolder=None):
+            return hub_path(model_or_path, revision, subfolder, self.options,
+                            self.load_config.download_dir, self.load_config.ignore_patterns)
+
+        def _hub_parts(self, model_or_path, revision, subfolder, patterns, unused):
+            """The Parts of a hub id's weights read as its hf:// path (_hub_path), or None: not
+            a hub id streamed, or weights neither in an index nor in a model.safetensors there
+            (then vLLM downloads them)."""
+            if _is_url(model_or_path):
+                return None
+            hub_path = self._hub_path(model_or_path, revision, subfolder)
+            if hub_path is None:
+                return None
+            try:
+                with tensorferry.Loader(hub_path, **self._common()) as probe:
+                    files = probe.files
+            except FileNotFoundError as e:
+                logger.info("tensorferry: %s: not streamed (%s); vLLM's download instead",
+                            hub_path, e)
+                return None
+            return plan_remote(hub_path, files, patterns, unused)
 
         def _sources(self, model, model_config):
             yield (self._primary(model_config), model_config.revision, None, "",
@@ -510,7 +571,10 @@ def _make_class():
             tp = self._tp()
             for k, (model_or_path, revision, subfolder, prefix, patterns, unused) in \
                     enumerate(self._sources(model, model_config)):
-                if _is_url(model_or_path):
+                streamed = self._hub_parts(model_or_path, revision, subfolder, patterns, unused)
+                if streamed is not None:  # a hub id read as hf:// (the `hub` option)
+                    parts = streamed
+                elif _is_url(model_or_path):
                     parts = self._remote_parts(model_or_path, patterns, unused)
                 elif k == 0 and self.options.weights is not None and \
                         model_or_path.startswith(("/", ".")) and not os.path.exists(model_or_path):

@@ -380,13 +380,16 @@ def remote(vllm_env, single, seaweed):  # after `single`: it writes the checkpoi
         for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             env.pop(name)
         env.update(HF_ENDPOINT=hub.endpoint, TF_TEST_HF_PATH="hf://org/llama",
+                   TF_TEST_HF_ID="org/llama",
                    HF_HUB_CACHE=os.path.join(vllm_env["work"], "empty-hf-cache"))
         r = subprocess.run([VLLM_PYTHON, SCENARIOS, "remote", vllm_env["work"],
                             seaweed.url(REMOTE_PREFIX)], env=env, capture_output=True, text=True,
                            timeout=900)
         hub_files = sorted({x[3] for x in hub.log if x[0] == "resolve"})
+        weights = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))
     result = _result(r.stdout + r.stderr, "vllm_scenarios.py remote")
     result["hub_files"] = hub_files
+    result["weights"] = weights
     return result
 
 
@@ -395,7 +398,8 @@ def remote_tp2(vllm_env, remote, seaweed):  # after `remote`: the upload, the co
     return _tensor_parallel(vllm_env, 2, seaweed.url(REMOTE_PREFIX), seaweed.env())
 
 
-@pytest.mark.parametrize("case", ["prefix", "index", "cached", "hub"])
+@pytest.mark.parametrize("case", ["prefix", "index", "cached", "hub", "hub_id", "hub_id_offline",
+                                  "hub_id_download"])
 def test_weights_read_from_object_storage_are_vllms_weights(remote, case):
     # vLLM's --model holds only config.json: every weight came from the bucket (or the hub).
     load = remote["loads"][case]
@@ -403,11 +407,21 @@ def test_weights_read_from_object_storage_are_vllms_weights(remote, case):
     assert load["differences"] == []
     assert load["stats"]["tensors"] == 21
     assert load["stats"]["bytes_read"] == load["stats"]["bytes"]
-    if case in ("prefix", "hub"):
+    if case in ("prefix", "hub", "hub_id", "hub_id_offline", "hub_id_download"):
         assert load["stats"]["rounds"] > 1 and load["stats"]["peak_held_bytes"] <= 65536
     if case == "hub":  # streamed from the hub: the index and every shard asked of it
         assert "model.safetensors.index.json" in remote["hub_files"]
         assert sum(f.endswith(".safetensors") for f in remote["hub_files"]) >= 2
+
+
+def test_a_hub_id_is_streamed_into_the_hub_cache_then_read_from_it_offline(remote):
+    """--model org/llama, not in the local hub cache: the weights streamed from the hub (the
+    `hub` option's default) and kept in the hub cache, where the next start finds them with the
+    hub offline; hub="download" leaves what vLLM's own download leaves."""
+    want = ["config.json", "model.safetensors.index.json"] + remote["weights"]
+    for case in ("hub_id", "hub_id_offline", "hub_id_download"):
+        snapshot = remote["loads"][case]["snapshot"]
+        assert [f for f in snapshot if f in want] == sorted(want), (case, snapshot)
 
 
 def test_weights_from_object_storage_fill_the_object_cache(remote):
@@ -439,6 +453,34 @@ def test_weights_option_errors_name_what_is_wrong(remote):
     assert "['weights']" in e["az"]["message"] and "not az://" in e["az"]["message"]
     assert e["bad_storage_option"]["type"] == "ValueError"
     assert "unknown setting 'endpoint'" in e["bad_storage_option"]["message"]
+
+
+def test_a_hub_id_is_streamed_as_its_hf_path_unless_vllms_download_applies(tmp_path,
+                                                                         monkeypatch):
+    from tensorferry.vllm import hub_path, parse_options
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    stream = parse_options({})
+    assert stream.hub == "stream"
+    assert hub_path("org/llama", None, None, stream) == "hf://org/llama"
+    assert hub_path("gpt2", "main", None, stream, None, ["original/**/*"]) == "hf://gpt2"
+    assert hub_path("org/llama", "refs/pr/1", "sub/", stream) == "hf://org/llama@refs%2Fpr%2F1/sub"
+    assert hub_path("org/llama", "0" * 40, None, stream) == "hf://org/llama@" + "0" * 40
+    # vLLM's download: asked for, a download folder, other ignore patterns, ModelScope.
+    assert hub_path("org/llama", None, None, parse_options({"hub": "download"})) is None
+    assert hub_path("org/llama", None, None, stream, str(tmp_path)) is None
+    assert hub_path("org/llama", None, None, stream, None, ["*.pt"]) is None
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "True")
+    assert hub_path("org/llama", None, None, stream) is None
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE")
+    # Not hub ids: paths, URLs, a folder that exists under the name.
+    for name in ("/models/llama", "./llama", "a/b/c", "org/../x", "s3://b/k", "hf://org/llama",
+                 "org/ llama", "orgé/llama", ""):
+        assert hub_path(name, None, None, stream) is None, name
+    (tmp_path / "org" / "llama").mkdir(parents=True)
+    assert hub_path("org/llama", None, None, stream) is None
+    with pytest.raises(ValueError, match="'hub'.*'upload' is not one of 'stream', 'download'"):
+        parse_options({"hub": "upload"})
 
 
 def test_plan_remote_keeps_the_url_unless_patterns_leave_files_out():

@@ -266,6 +266,31 @@ def remote(workdir, url):
         diff, count = differences(model, reference)
         out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
         del model
+    hub_id = os.environ.get("TF_TEST_HF_ID")
+    if hub_id:
+        # --model a hub id (its configuration too from the hub at HF_ENDPOINT): the weights
+        # streamed as hf://<id> and kept in the hub cache (the `hub` option's default), then read
+        # from that cache with the hub offline; and with hub="download", vLLM's download first.
+        repo_dir = os.path.join(os.environ["HF_HUB_CACHE"], "models--" + hub_id.replace("/", "--"))
+        for key, extra, offline in (("hub_id", {"budget": 65536}, False),
+                                    ("hub_id_offline", {"budget": 65536}, True),
+                                    ("hub_id_download", {"budget": 65536, "hub": "download"},
+                                     False)):
+            if key != "hub_id_offline":
+                shutil.rmtree(repo_dir, ignore_errors=True)  # (the "hub" case above filled it)
+            if offline:
+                os.environ["HF_HUB_OFFLINE"] = "1"
+            try:
+                model, ldr = build(hub_id, "tensorferry", extra)
+            finally:
+                os.environ.pop("HF_HUB_OFFLINE", None)
+            diff, count = differences(model, reference)
+            out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
+            del model
+            snapshots = os.path.join(repo_dir, "snapshots")
+            out["loads"][key]["snapshot"] = sorted(
+                f for d in (os.listdir(snapshots) if os.path.isdir(snapshots) else [])
+                for f in os.listdir(os.path.join(snapshots, d)))
     blobs = os.path.join(cache, "blobs")
     out["cached_files"] = sorted(f for f in os.listdir(blobs) if not f.endswith(".json")) \
         if os.path.isdir(blobs) else []

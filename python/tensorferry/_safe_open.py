@@ -1,6 +1,7 @@
 """safe_open: the safetensors file API (same names, signatures and results as safetensors 0.8)."""
 import errno
 import os
+import re
 
 from . import _core, _frameworks, _slicing
 from ._core import SafetensorError
@@ -85,6 +86,19 @@ def is_url(path):
 def is_hub_path(path):
     """True for hf:// paths (a hub repository: the local hub cache, else the hub itself)."""
     return isinstance(path, str) and path[:5].lower() == "hf://"
+
+
+# A file of an hf:// checkpoint as Loader.files lists it lies in a snapshot of the hub cache or
+# under the hub's resolve/<commit> prefix (include/tensorferry/hub.h).
+_HUB_ROOT = re.compile(r"^(.*/(?:snapshots|resolve)/[0-9a-f]{40})(?:/|$)")
+
+
+def hub_root(first_file):
+    """The snapshot folder or https://.../resolve/<commit> prefix that `first_file`, a file of an
+    hf:// checkpoint as Loader.files lists it, lies in (the one commit the load was pinned to);
+    None for any other path."""
+    match = _HUB_ROOT.match(first_file) if isinstance(first_file, str) else None
+    return match.group(1) if match else None
 
 
 def open_file(filename, options):

@@ -74,7 +74,6 @@ import importlib
 import json
 import os
 import posixpath
-import re
 import shutil
 import sys
 import tempfile
@@ -84,7 +83,7 @@ from contextlib import contextmanager
 from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._loader import Loader
-from ._safe_open import _Slice, is_hub_path, is_url, storage_load_options
+from ._safe_open import _Slice, hub_root, is_hub_path, is_url, storage_load_options
 from ._safe_open import safe_open as _safe_open
 
 __all__ = ["enable", "disable", "enabled", "loading", "safe_open"]
@@ -447,8 +446,6 @@ def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
 
 _hub_lock = threading.Lock()
 _hub_roots = {}  # (hf:// path, storage options) -> where it is read from, while loading() is in force
-# The root of a checkpoint file's path: a snapshot in the hub cache, or a resolve/<commit> URL.
-_HUB_ROOT = re.compile(r"^(.*/(?:snapshots|resolve)/[0-9a-f]{40})(?:/|$)")
 
 
 def _hub_root(path, revision=None):
@@ -475,11 +472,10 @@ def _hub_root(path, revision=None):
             first = loader.files[0]
     except FileNotFoundError as e:
         raise OSError(f"{path} is not a model tensorferry can read: {e}") from e
-    match = _HUB_ROOT.match(first)
-    if match is None:  # not a hub-cache snapshot or a hub URL: the checkpoint decides otherwise
+    root = hub_root(first)
+    if root is None:  # not a hub-cache snapshot or a hub URL: the checkpoint decides otherwise
         raise OSError(f"{path}: its files are not in a snapshot of the hub cache or on the hub "
                       f"({first})")
-    root = match.group(1)
     with _hub_lock:
         return _hub_roots.setdefault(key, root)
 

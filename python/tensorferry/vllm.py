@@ -335,7 +335,7 @@ def _make_class():
     from vllm.model_executor.model_loader import weight_utils
 
     import tensorferry
-    from . import _core, _loader
+    from . import _core, _loader, _safe_open
 
     logger = init_logger("vllm.tensorferry")
 
@@ -422,6 +422,11 @@ def _make_class():
                 logger.info("tensorferry: %s: not streamed (%s); vLLM's download instead",
                             hub_path, e)
                 return None
+            # Later opens read where this one did (the snapshot, or the hub at the commit the
+            # branch named now), not the branch again: one commit, and no more API requests.
+            root = _safe_open.hub_root(files[0]) if files else None
+            if root is not None:
+                hub_path = root + ("/" + subfolder.strip("/") if subfolder else "")
             return plan_remote(hub_path, files, patterns, unused)
 
         def _sources(self, model, model_config):

@@ -33,8 +33,9 @@ With --hub, the model is served by its hub id from a model hub on loopback inste
 hub cache (what a server's first start does when the model is not cached yet): "vLLM default
 loader (hub id)" (vLLM's download of the weights into the hub cache, then its load),
 "tensorferry plugin (hub id)" (the `hub` option's default: streamed as hf://<id> while kept in
-the hub cache) and "tensorferry plugin (hub id; hub=download)" (vLLM's download, then
-tensorferry's load). The timed part includes each loader's download.
+the hub cache), "tensorferry plugin (hub id; nothing kept)" (streamed, object_hub_cache off),
+"tensorferry plugin (hub id; hub=download)" (vLLM's download, then tensorferry's load), and the
+reference "vLLM default loader (local; warm)". The timed part includes each loader's download.
 """
 import argparse
 import json
@@ -53,7 +54,8 @@ VLLM_PYTHON = os.environ.get("TENSORFERRY_VLLM_PYTHON") or os.path.join(ROOT, ".
 CONTENDERS = ["vLLM runai_streamer (s3)", "tensorferry plugin (s3)",
               "tensorferry plugin (s3; verify off)", "vLLM default loader (local; warm)"]
 HUB_CONTENDERS = ["vLLM default loader (hub id)", "tensorferry plugin (hub id)",
-                  "tensorferry plugin (hub id; hub=download)"]
+                  "tensorferry plugin (hub id; nothing kept)",
+                  "tensorferry plugin (hub id; hub=download)", "vLLM default loader (local; warm)"]
 HUB_REPO = "bench/model"
 
 
@@ -247,9 +249,13 @@ def run_hub(args, ckpt, config_dir, path, work, chosen, tensor_bytes):
     specs = {
         "vLLM default loader (hub id)": dict(model=HUB_REPO, load_format="safetensors"),
         "tensorferry plugin (hub id)": dict(model=HUB_REPO, load_format="tensorferry"),
+        "tensorferry plugin (hub id; nothing kept)": dict(
+            model=HUB_REPO, load_format="tensorferry",
+            extra={"storage_options": {"object_hub_cache": False}}),
         "tensorferry plugin (hub id; hub=download)": dict(model=HUB_REPO,
                                                           load_format="tensorferry",
                                                           extra={"hub": "download"}),
+        "vLLM default loader (local; warm)": dict(model=ckpt, load_format="safetensors"),
     }
     cache = os.path.join(work, "hub-cache")
     with ModelHub(delay_s=args.resolver_delay) as hub:

@@ -58,9 +58,10 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   instead of vLLM downloading every file before the load; "download": vLLM's own
                   download first, as its default loader. vLLM's download also applies with
                   --download-dir, with ModelScope (VLLM_USE_MODELSCOPE), with ignore_patterns
-                  other than vLLM's default, and to a repository whose weights are neither in
+                  other than vLLM's default, to a repository whose weights are neither in
                   model.safetensors.index.json nor in model.safetensors (the hub cannot be
-                  listed file by file): logged at info level.
+                  listed file by file), and to a model whose allow_patterns_overrides match
+                  none of those files: logged at info level.
 """
 import dataclasses
 import difflib
@@ -243,6 +244,16 @@ def plan_parts(folder, files, is_unused_weight=None):
     return parts
 
 
+def matching_files(files, patterns):
+    """The files (URLs or paths) the first of `patterns` that matches any of them picks, by file
+    name, as vLLM picks local files; [] when none matches."""
+    for pattern in patterns:
+        chosen = [f for f in files if fnmatch.fnmatch(f.rsplit("/", 1)[-1], pattern)]
+        if chosen:
+            return chosen
+    return []
+
+
 def plan_remote(url, files, allow_patterns=None, is_unused_weight=None):
     """The Loaders that read an object-storage checkpoint `url` (whose files are `files`, as
     tensorferry.Loader lists them): the URL itself, one Loader, unless the model's
@@ -251,11 +262,7 @@ def plan_remote(url, files, allow_patterns=None, is_unused_weight=None):
     keep = _keep(is_unused_weight)
     if allow_patterns is None:
         return [Part(url, keep)]
-    chosen = []
-    for pattern in allow_patterns:
-        chosen = [f for f in files if fnmatch.fnmatch(f.rsplit("/", 1)[-1], pattern)]
-        if chosen:
-            break
+    chosen = matching_files(files, allow_patterns)
     if not chosen:
         raise RuntimeError(f"Cannot find any safetensors weights in {url!r} matching the model's "
                            f"allow_patterns_overrides {list(allow_patterns)}")
@@ -409,7 +416,8 @@ def _make_class():
         def _hub_parts(self, model_or_path, revision, subfolder, patterns, unused):
             """The Parts of a hub id's weights read as its hf:// path (_hub_path), or None: not
             a hub id streamed, or weights neither in an index nor in a model.safetensors there
-            (then vLLM downloads them)."""
+            (then vLLM downloads them), or none of them matching the model's allow_patterns_overrides
+            (the same)."""
             if _is_url(model_or_path):
                 return None
             hub_path = self._hub_path(model_or_path, revision, subfolder)
@@ -424,6 +432,13 @@ def _make_class():
                 return None
             # Later opens read where this one did (the snapshot, or the hub at the commit the
             # branch named now), not the branch again: one commit, and no more API requests.
+            if patterns is not None and not matching_files(files, patterns):
+                # (a model whose allow_patterns_overrides name files the index does not, such
+                # as consolidated*.safetensors beside the shards: vLLM's download finds them)
+                logger.info("tensorferry: %s: none of its files match the model's "
+                            "allow_patterns_overrides %s; vLLM's download instead", hub_path,
+                            list(patterns))
+                return None
             root = _safe_open.hub_root(files[0]) if files else None
             if root is not None:
                 hub_path = root + ("/" + subfolder.strip("/") if subfolder else "")

@@ -483,6 +483,15 @@ def test_a_hub_id_is_streamed_as_its_hf_path_unless_vllms_download_applies(tmp_p
         parse_options({"hub": "upload"})
 
 
+def test_matching_files_takes_the_first_pattern_that_matches():
+    from tensorferry.vllm import matching_files
+    shards = ["https://h/o/n/resolve/" + "a" * 40 + f"/model-0000{i}-of-00002.safetensors"
+              for i in (1, 2)]
+    assert matching_files(shards, ["consolidated*.safetensors"]) == []  # vLLM's download, then
+    assert matching_files(shards, ["consolidated*.safetensors", "*.safetensors"]) == shards
+    assert matching_files(shards, ["model-00002*"]) == shards[1:]
+
+
 def test_plan_remote_keeps_the_url_unless_patterns_leave_files_out():
     from tensorferry.vllm import Part, plan_remote
     url = "s3://b/m"

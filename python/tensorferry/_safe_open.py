@@ -88,6 +88,27 @@ def is_hub_path(path):
     return isinstance(path, str) and path[:5].lower() == "hf://"
 
 
+# A Hugging Face hub id: NAME or OWNER/NAME (letters, digits, '-', '_', '.'; no '..').
+_HUB_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?", re.ASCII)
+
+
+def is_hub_id(name):
+    """True for a string shaped like a hub repository id (OWNER/NAME or NAME), whether or not a
+    local path of that name exists."""
+    return isinstance(name, str) and _HUB_ID.fullmatch(name) is not None
+
+
+def hub_id_path(repo_id, revision=None, subfolder=None):
+    """The hf:// path of hub repository `repo_id` at `revision` (None or "main": the default
+    branch; a '/' in it written %2F, hub.h), optionally a `subfolder` of it."""
+    path = "hf://" + repo_id
+    if revision and revision != "main":
+        path += "@" + revision.replace("/", "%2F")
+    if subfolder and subfolder.strip("/"):
+        path += "/" + subfolder.strip("/")
+    return path
+
+
 # A file of an hf:// checkpoint as Loader.files lists it lies in a snapshot of the hub cache or
 # under the hub's resolve/<commit> prefix (include/tensorferry/hub.h).
 _HUB_ROOT = re.compile(r"^(.*/(?:snapshots|resolve)/[0-9a-f]{40})(?:/|$)")

@@ -83,7 +83,8 @@ from contextlib import contextmanager
 from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._loader import Loader
-from ._safe_open import _Slice, hub_root, is_hub_path, is_url, storage_load_options
+from ._safe_open import (_Slice, hub_id_path, hub_root, is_hub_id, is_hub_path, is_url,
+                         storage_load_options)
 from ._safe_open import safe_open as _safe_open
 
 __all__ = ["enable", "disable", "enabled", "loading", "safe_open"]
@@ -97,6 +98,7 @@ _lock = threading.Lock()
 _depth = 0
 _to_device = []  # the to_device= of each enable() in force (None, True, False), innermost last
 _storage = []  # the storage_options= of each enable() in force (checked dicts), innermost last
+_hub = []  # the hub= of each enable() in force ("stream" or "download"), innermost last
 _patched = []  # (module or class, attribute, original, replacement)
 
 # The _DeviceRead of the from_pretrained call running on this thread (transformers opens the files
@@ -506,13 +508,61 @@ def _templates(original):
     return wrapper
 
 
+def _streamed_id(repo_id, args, kwargs):
+    """The hf:// path a plain hub id given to cached_files is read as (enable()'s hub="stream"),
+    its revision taken out of `kwargs`; None where transformers' own download applies: hub=
+    "download", a name that is not a hub id or is a local path, positional arguments, any of
+    cache_dir=, token= (other than True), local_files_only=, force_download=, proxies=, a
+    repo_type other than model, or huggingface_hub offline."""
+    if not _hub or _hub[-1] != "stream" or args or not is_hub_id(repo_id) \
+            or os.path.exists(repo_id):
+        return None
+    if kwargs.get("cache_dir") is not None or kwargs.get("token") not in (None, True) \
+            or kwargs.get("local_files_only") or kwargs.get("force_download") \
+            or kwargs.get("proxies") or kwargs.get("repo_type") not in (None, "model"):
+        return None
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return None
+    return hub_id_path(repo_id, kwargs.get("revision"))
+
+
+_not_streamed = set()  # hf:// paths of plain hub ids tensorferry cannot read, while enabled
+
+
+def _streamed_root(repo_id, args, kwargs):
+    """_hub_root of a plain hub id's hf:// path (_streamed_id), its revision then taken out of
+    `kwargs`; None where transformers' own download applies, including a repository that holds
+    no safetensors checkpoint tensorferry can read (a tokenizer's, a .bin-only model's) or a hub
+    that cannot be reached (transformers' own rules then decide)."""
+    path = _streamed_id(repo_id, args, kwargs)
+    if path is None:
+        return None
+    key = (path, json.dumps(_storage_in_force(), sort_keys=True, default=str))
+    with _hub_lock:
+        if key in _not_streamed:
+            return None
+    try:
+        root = _hub_root(path)
+    except OSError:
+        with _hub_lock:
+            _not_streamed.add(key)
+        return None
+    kwargs.pop("revision", None)
+    return root
+
+
 def _resolving(original):
-    """transformers.utils.hub.cached_files, taking s3://, gs:// and http(s):// URLs (_url_files)."""
+    """transformers.utils.hub.cached_files, taking s3://, gs:// and http(s):// URLs (_url_files)
+    and hf:// paths (_hub_root), and plain hub ids as their hf:// paths (_streamed_id)."""
 
     @functools.wraps(original)
     def wrapper(path_or_repo_id, filenames, *args, **kwargs):
-        if is_hub_path(path_or_repo_id):
-            path_or_repo_id = _hub_root(path_or_repo_id, kwargs.pop("revision", None))
+        root = _streamed_root(path_or_repo_id, args, kwargs)
+        if root is None and is_hub_path(path_or_repo_id):
+            root = _hub_root(path_or_repo_id, kwargs.pop("revision", None))
+        if root is not None:
+            path_or_repo_id = root
             if not is_url(path_or_repo_id):  # a snapshot in the hub cache: a local folder
                 return original(path_or_repo_id, filenames, *args, **kwargs)
         if not is_url(path_or_repo_id if isinstance(path_or_repo_id, str) else None):
@@ -531,17 +581,23 @@ def _original_safe_open():
     return safetensors.safe_open
 
 
-def enable(to_device=None, storage_options=None):
+def enable(to_device=None, storage_options=None, hub="stream"):
     """Routes transformers' safetensors reads through tensorferry until disable() (idempotent
     while enabled). `to_device`: whether a device map onto one CUDA device reads the checkpoint
     straight into tensors on it: None (default) when it fits the device, True always, False never
     (see the module's docstring). `storage_options`: object-storage settings (s3_*, object_*:
     docs/object_storage.md) for models named by an s3://, gs:// or http(s):// URL (the AWS_* variables
-    and ~/.aws files apply without them). ImportError when transformers is not installed."""
+    and ~/.aws files apply without them). `hub`: how a model named by its hub id ("OWNER/NAME",
+    not a local folder) is read: "stream" (default) as its hf:// path (the local hub cache, else
+    streamed from the hub while kept in the hub cache), except where transformers' own download
+    applies (cache_dir=, token=, local_files_only=, force_download=, proxies=, offline);
+    "download": transformers' download first. ImportError when transformers is not installed."""
     global _depth
     if to_device not in (None, True, False):
         raise _core.InvalidArgumentError(
             f"to_device must be None, True or False, not {to_device!r}")
+    if hub not in ("stream", "download"):
+        raise _core.InvalidArgumentError(f"hub must be 'stream' or 'download', not {hub!r}")
     mode = None if to_device is None else bool(to_device)
     storage = storage_load_options(storage_options)  # names checked here, values at first use
     with _lock:
@@ -550,6 +606,7 @@ def enable(to_device=None, storage_options=None):
         _depth += 1
         _to_device.append(mode)
         _storage.append(storage or None)
+        _hub.append(hub)
 
 
 def disable():
@@ -561,10 +618,12 @@ def disable():
         _depth -= 1
         _to_device.pop()
         _storage.pop()
+        _hub.pop()
         if _depth == 0:
             _restore()
             with _hub_lock:
                 _hub_roots.clear()
+                _not_streamed.clear()
 
 
 def enabled():
@@ -573,12 +632,12 @@ def enabled():
 
 
 @contextmanager
-def loading(to_device=None, storage_options=None):
+def loading(to_device=None, storage_options=None, hub="stream"):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
     opens safetensors files) reads through tensorferry, and takes s3://, gs:// and http(s):// URLs and
-    hf://OWNER/NAME[@REVISION] paths (the local hub cache, else streamed from the hub) for models;
-    `to_device` and `storage_options` as in enable()."""
-    enable(to_device, storage_options)
+    hf://OWNER/NAME[@REVISION] paths (the local hub cache, else streamed from the hub) for models,
+    a plain hub id as its hf:// path; `to_device`, `storage_options` and `hub` as in enable()."""
+    enable(to_device, storage_options, hub)
     try:
         yield
     finally:

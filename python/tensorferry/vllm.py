@@ -69,7 +69,6 @@ import fnmatch
 import glob
 import json
 import os
-import re
 import time
 
 LOAD_FORMAT = "tensorferry"
@@ -80,8 +79,6 @@ _ENGINES = ("auto", "pread", "io_uring", "mmap")
 _GDS = ("auto", "on", "off")
 _DEVICES = ("auto", "cpu")
 _HUBS = ("stream", "download")
-# A Hugging Face hub id: NAME or OWNER/NAME (letters, digits, '-', '_', '.'; no '..').
-_HUB_ID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,19 +274,14 @@ def hub_path(model_or_path, revision, subfolder, options, download_dir=None,
     (the `hub` option, "stream"), or None where vLLM's download applies: a local path or a URL,
     hub="download", a --download-dir, ModelScope (VLLM_USE_MODELSCOPE), ignore_patterns other
     than vLLM's default. A revision's '/' is written %2F (hub.h)."""
+    from . import _safe_open
     if options.hub != "stream" or download_dir is not None \
             or os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true") \
-            or not isinstance(model_or_path, str) or not _HUB_ID.fullmatch(model_or_path) \
-            or os.path.exists(model_or_path):
+            or not _safe_open.is_hub_id(model_or_path) or os.path.exists(model_or_path):
         return None
     if ignore_patterns not in (None, [], ["original/**/*"]):
         return None
-    path = "hf://" + model_or_path
-    if revision and revision != "main":
-        path += "@" + revision.replace("/", "%2F")
-    if subfolder:
-        path += "/" + subfolder.strip("/")
-    return path
+    return _safe_open.hub_id_path(model_or_path, revision, subfolder)
 
 
 # --- registration ------------------------------------------------------------------------------

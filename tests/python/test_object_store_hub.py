@@ -514,12 +514,10 @@ def test_from_pretrained_of_a_hub_prefix_equals_the_local_model(tmp_path):
         shutil.rmtree(folder)
 
 
-def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_path,
-                                                                    monkeypatch):
-    """Inside tensorferry.transformers.loading(), from_pretrained("hf://org/llama"): streamed from
-    the hub when the cache lacks it (the configuration and the weights from the one commit the
-    branch named), and kept in the hub cache as it streams: then transformers alone loads it
-    offline from there, and the next from_pretrained("hf://...") reads the cache's snapshot."""
+def published_llama(hub, tmp_path, monkeypatch):
+    """A tiny Llama saved in 4 shards and published as org/llama on `hub`, with the hub cache's
+    filling on: (transformers, tensorferry.transformers, its config, its folder, the commit, the
+    model as transformers loads the folder)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("huggingface_hub")
     import tensorferry.transformers as tft
@@ -528,8 +526,19 @@ def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_
     folder = tmp_path / "llama"
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
         folder, max_shard_size="60KB")
-    commit = hf_hub.add_repo("org/llama", str(folder))
+    commit = hub.add_repo("org/llama", str(folder))
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    return transformers, tft, config, folder, commit, ref
+
+
+def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_path,
+                                                                    monkeypatch):
+    """Inside tensorferry.transformers.loading(), from_pretrained("hf://org/llama"): streamed from
+    the hub when the cache lacks it (the configuration and the weights from the one commit the
+    branch named), and kept in the hub cache as it streams: then transformers alone loads it
+    offline from there, and the next from_pretrained("hf://...") reads the cache's snapshot."""
+    transformers, tft, config, folder, commit, ref = published_llama(hf_hub, tmp_path,
+                                                                     monkeypatch)
 
     with tft.loading():
         assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
@@ -548,3 +557,55 @@ def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_
         assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
             "hf://org/llama", dtype=torch.bfloat16))
     assert hf_hub.log == []
+
+
+def test_from_pretrained_of_a_plain_hub_id_streams_inside_loading(hf_hub, tmp_path, monkeypatch):
+    """Inside loading() (hub="stream", the default), from_pretrained("org/llama") reads the model
+    as hf://org/llama: the branch pinned by one API request, the weights streamed and kept in the
+    hub cache (which transformers alone then reads offline). A repository tensorferry cannot read
+    (no safetensors: a tokenizer's, a configuration's) is left to transformers' own download, and
+    so is every model with hub="download"."""
+    transformers, tft, config, folder, commit, ref = published_llama(hf_hub, tmp_path,
+                                                                     monkeypatch)
+    only_config = tmp_path / "only-config"
+    only_config.mkdir()
+    shutil.copy(folder / "config.json", only_config / "config.json")
+    hf_hub.add_repo("org/config-only", str(only_config))
+    cache = os.environ["HF_HUB_CACHE"]
+    # transformers' own downloads below ask the hub huggingface_hub was imported with: this one.
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "ENDPOINT", hf_hub.endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        hf_hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+    with tft.loading():
+        assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
+            "org/llama", dtype=torch.bfloat16))
+        # Nothing for tensorferry to read there: transformers resolves it as always.
+        got = transformers.AutoConfig.from_pretrained("org/config-only")
+        assert got.hidden_size == config.hidden_size
+    assert [x for x in hf_hub.log if x[0] == "api" and x[1] == "org/llama"] == \
+        [("api", "org/llama", "main", "")], hf_hub.log  # tensorferry's pinning, once
+    assert resolved_revisions(hf_hub, "org/llama") == {commit}
+    repo_dir = os.path.join(cache, "models--org--llama")
+    kept = sorted(os.listdir(os.path.join(repo_dir, "snapshots", commit)))
+    assert set(weight_files(folder)) | {"config.json", "model.safetensors.index.json"} <= \
+        set(kept), kept
+    hf_hub.log.clear()
+    assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
+        "org/llama", dtype=torch.bfloat16, cache_dir=cache, local_files_only=True))
+    assert hf_hub.log == []
+    # hub="download", and the arguments that keep transformers' own download.
+    with tft.loading(hub="download"):
+        assert tft._streamed_id("org/llama", (), {}) is None
+        assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
+            "org/llama", dtype=torch.bfloat16))
+    with tft.loading():
+        assert tft._streamed_id("org/llama", (), {"revision": "refs/pr/1"}) == \
+            "hf://org/llama@refs%2Fpr%2F1"
+        for kwargs in ({"cache_dir": cache}, {"token": "hf_x"}, {"local_files_only": True},
+                       {"force_download": True}, {"repo_type": "dataset"}):
+            assert tft._streamed_id("org/llama", (), kwargs) is None, kwargs
+        assert tft._streamed_id(str(folder), (), {}) is None
+    with pytest.raises(tensorferry.InvalidArgumentError, match="hub must be"):
+        tft.enable(hub="upload")

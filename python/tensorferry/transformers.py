@@ -450,6 +450,12 @@ _hub_lock = threading.Lock()
 _hub_roots = {}  # (hf:// path, storage options) -> where it is read from, while loading() is in force
 
 
+def _hub_key(path):
+    """What a decision about hf:// `path` is remembered by while loading() is in force: the path
+    and the storage options in force."""
+    return (path.rstrip("/"), json.dumps(_storage_in_force(), sort_keys=True, default=str))
+
+
 def _hub_root(path, revision=None):
     """Where the model at hf:// `path` (a repository, OWNER/NAME[@REVISION]) is read from: its
     snapshot folder in the local hub cache when that holds the checkpoint, else its
@@ -465,7 +471,7 @@ def _hub_root(path, revision=None):
         raise OSError(f"{path}: from_pretrained takes a model repository, hf://OWNER/NAME"
                       f"[@REVISION] (a folder inside it: subfolder=...)")
     storage = _storage_in_force()
-    key = (path.rstrip("/"), json.dumps(storage, sort_keys=True, default=str))
+    key = _hub_key(path)
     with _hub_lock:
         if key in _hub_roots:
             return _hub_roots[key]
@@ -509,8 +515,8 @@ def _templates(original):
 
 
 def _streamed_id(repo_id, args, kwargs):
-    """The hf:// path a plain hub id given to cached_files is read as (enable()'s hub="stream"),
-    its revision taken out of `kwargs`; None where transformers' own download applies: hub=
+    """The hf:// path a plain hub id given to cached_files is read as (enable()'s hub="stream",
+    `kwargs`' revision in it); None where transformers' own download applies: hub=
     "download", a name that is not a hub id or is a local path, positional arguments, any of
     cache_dir=, token= (other than True), local_files_only=, force_download=, proxies=, a
     repo_type other than model, or huggingface_hub offline."""
@@ -538,7 +544,7 @@ def _streamed_root(repo_id, args, kwargs):
     path = _streamed_id(repo_id, args, kwargs)
     if path is None:
         return None
-    key = (path, json.dumps(_storage_in_force(), sort_keys=True, default=str))
+    key = _hub_key(path)
     with _hub_lock:
         if key in _not_streamed:
             return None

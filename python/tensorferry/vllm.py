@@ -407,34 +407,34 @@ def _make_class():
 
         def _hub_parts(self, model_or_path, revision, subfolder, patterns, unused):
             """The Parts of a hub id's weights read as its hf:// path (_hub_path), or None: not
-            a hub id streamed, or weights neither in an index nor in a model.safetensors there
-            (then vLLM downloads them), or none of them matching the model's allow_patterns_overrides
-            (the same)."""
+            a hub id streamed, or weights neither in an index nor in a model.safetensors there,
+            or none of them matching the model's allow_patterns_overrides (then vLLM downloads
+            them)."""
             if _is_url(model_or_path):
                 return None
-            hub_path = self._hub_path(model_or_path, revision, subfolder)
-            if hub_path is None:
+            path = self._hub_path(model_or_path, revision, subfolder)
+            if path is None:
                 return None
             try:
-                with tensorferry.Loader(hub_path, **self._common()) as probe:
+                with tensorferry.Loader(path, **self._common()) as probe:
                     files = probe.files
             except FileNotFoundError as e:
                 logger.info("tensorferry: %s: not streamed (%s); vLLM's download instead",
-                            hub_path, e)
+                            path, e)
                 return None
-            # Later opens read where this one did (the snapshot, or the hub at the commit the
-            # branch named now), not the branch again: one commit, and no more API requests.
             if patterns is not None and not matching_files(files, patterns):
                 # (a model whose allow_patterns_overrides name files the index does not, such
                 # as consolidated*.safetensors beside the shards: vLLM's download finds them)
                 logger.info("tensorferry: %s: none of its files match the model's "
-                            "allow_patterns_overrides %s; vLLM's download instead", hub_path,
+                            "allow_patterns_overrides %s; vLLM's download instead", path,
                             list(patterns))
                 return None
+            # Later opens read where this one did (the snapshot, or the hub at the commit the
+            # branch named now), not the branch again: one commit, and no more API requests.
             root = _safe_open.hub_root(files[0]) if files else None
             if root is not None:
-                hub_path = root + ("/" + subfolder.strip("/") if subfolder else "")
-            return plan_remote(hub_path, files, patterns, unused)
+                path = root + ("/" + subfolder.strip("/") if subfolder else "")
+            return plan_remote(path, files, patterns, unused)
 
         def _sources(self, model, model_config):
             yield (self._primary(model_config), model_config.revision, None, "",

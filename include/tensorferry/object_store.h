@@ -62,10 +62,13 @@
 //
 // Local cache (cache_dir below): opening a file whose copy is in the cache reads the copy; a file
 // whose copy is missing is downloaded whole into the cache beside the load that first reads it
-// beyond its header (the load reads through the download as it arrives), and the download ends
-// before the Source is destroyed. A cache that fails (a full disk, a directory that cannot be
-// written, a download the store breaks off) never fails a load: the file is read from the store
-// and the failure shows in the source's stats and the load's engine_reason.
+// beyond its header (the load reads through the download as it arrives). The load never waits for
+// the local disk: what a disk slower than the network cannot take in time is fetched again for
+// the copy after the load, and copies still in progress when the Source's last owner (a closed
+// checkpoint or file) lets go are finished in the background: WaitForObjectCaches() waits for
+// them, and so does the process's normal exit. A cache that fails (a full disk, a directory that
+// cannot be written, a download the store breaks off) never fails a load: the file is read from
+// the store and the failure shows in the source's stats and the load's engine_reason.
 //
 // Thread-safety: options are values; the Source is safe to use from several threads.
 #pragma once
@@ -189,5 +192,14 @@ Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url
 // tried; kInvalidArgument: a bad setting, naming it and where it came from) are that Open's.
 // Errors here: kInvalidArgument for a part_size other than 0 below 4096.
 Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options);
+
+// Blocks until the copies into caches (cache_dir, hub_cache) that were still in progress when
+// their Source's last owner let go are whole in their caches (or given up: a cache never fails a
+// load). A process that exits normally (exit(), returning from main) waits for them too; one
+// killed or ended with _exit() leaves only temporary files, which the next download of the same
+// object removes. Safe from any thread; returns at once when nothing is being copied.
+void WaitForObjectCaches();
+// True while such copies are in progress.
+bool ObjectCachesCopying();
 
 }  // namespace tensorferry

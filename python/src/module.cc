@@ -63,6 +63,15 @@ NB_MODULE(_core, m) {
       "idle_staging_bytes", [] { return IdleStagingBytes(); },
       "Pinned bytes the staging rings kept for reuse hold now.");
   m.def(
+      "wait_for_caches",
+      [] {
+        WithoutGil unlocked;
+        WaitForObjectCaches();
+      },
+      "Waits until the copies into object caches (object_cache_dir, the hub cache) that closed "
+      "loaders and files left in progress are whole (docs/object_storage.md); the interpreter's "
+      "exit waits for them too.");
+  m.def(
       "object_size",
       [](const std::string& url, const nb::dict& options) {
         const ObjectStoreOptions store = MakeLoadOptions(options).object_store;

@@ -15,6 +15,8 @@ and a streaming loader for serving engines:
 Tensors are the caller's: they stay valid after files and loaders are closed and are freed when
 the last reference goes. docs/python.md has the details.
 """
+import atexit
+
 from ._core import (  # noqa: F401
     BudgetExceededError,
     CudaError,
@@ -30,11 +32,16 @@ from ._core import (  # noqa: F401
     mapping_stats,
     release_idle_staging,
     set_mapping_leases,
+    wait_for_caches,
 )
 from ._frameworks import UnsupportedDTypeError  # noqa: F401
 from ._loader import Batch, Loader, LoadStats, layers, parse_size  # noqa: F401
 from ._safe_open import safe_open  # noqa: F401
 from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F401
+
+# Copies into caches that outlive their loaders finish before the interpreter goes (the C++
+# library's own exit handler would run after the interpreter is gone).
+atexit.register(wait_for_caches)
 
 __all__ = [
     "safe_open",
@@ -44,6 +51,7 @@ __all__ = [
     "set_mapping_leases",
     "release_idle_staging",
     "idle_staging_bytes",
+    "wait_for_caches",
     "SafetensorError",
     "InvalidArgumentError",
     "UnsupportedError",

@@ -38,9 +38,12 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kFillBuffers = 16u << 20;  // the download's buffers, all threads together
 constexpr uint64_t kMinFillPart = 2u << 20;   // the smallest range it fetches (unless part_size)
-// The load's reads hand what they fetched to the cache's writer thread through a ring of this
-// many bytes, and go on (WriteBehind below).
-constexpr size_t kWriteBehind = 32u << 20;
+// The load's reads hand what they fetched to the cache's writer thread in pieces of at most this
+// many bytes (WriteBehind below).
+constexpr size_t kWritePiece = 4u << 20;
+// The filler downloads what the load's reads leave of a file once the file is closed, or once
+// reads through the cache have paused this long (Fill::AwaitTurn).
+constexpr auto kQuiet = std::chrono::seconds(1);
 
 std::string Errno(int error) {
   return std::strerror(error);
@@ -296,6 +299,8 @@ struct ObjectCache::Fill {
   size_t busy = 0;                      // mu: claims being fetched
   bool failed = false;                  // mu: given up (unclaimed bytes read the store)
   bool finished = false;                // mu: Finish is over (committed unless failed)
+  bool gave_back = false;               // mu: a reader gave a claim back since the filler's scan
+  bool closed = false;                  // mu: the file reading through this download is closed
   bool drop_pages = false;              // mu: drop the copy's pages once committed (drop_cache)
   std::string why;                      // mu: why
 
@@ -328,9 +333,15 @@ struct ObjectCache::Fill {
   }
   // The filler's next claim: at most `part` bytes of the highest range nobody claimed; false
   // when there is none left (or the download was given up).
+  // Ranges readers gave back (GiveBack) are claimed by a new scan from the top.
   bool NextFromTop(uint64_t& begin, uint64_t& end) {
     std::lock_guard<std::mutex> lk(mu);
-    while (!failed && top > head) {
+    while (!failed) {
+      if (top <= head) {
+        if (!gave_back) return false;
+        gave_back = false;
+        top = object.size;
+      }
       auto it = claimed.lower_bound(top);  // the first claim at or after top
       if (it != claimed.begin() && std::prev(it)->second.end >= top) {
         top = std::prev(it)->first;  // top lies inside (or at the end of) a claim: skip it
@@ -363,6 +374,38 @@ struct ObjectCache::Fill {
     }
     cv.notify_all();
   }
+  // Returns when it is the filler's turn: the file reading through this download is closed, or
+  // no read has run through `cache` for kQuiet (a file kept open, read in part). Until then the
+  // filler neither competes with the load for the network nor makes its reads wait for ranges it
+  // is writing to a slow disk.
+  void AwaitTurn(const ObjectCache& cache) {
+    std::unique_lock<std::mutex> lk(mu);
+    for (;;) {
+      if (closed || failed) return;
+      const std::chrono::nanoseconds idle = cache.ReadsIdleFor();
+      if (idle >= kQuiet) return;
+      cv.wait_for(lk, idle.count() < 0 ? kQuiet / 4 : kQuiet - idle);
+    }
+  }
+  // Gives the claim at `begin` back unwritten (its reader's bytes found no room in the writer's
+  // ring): the filler fetches it again.
+  void GiveBack(uint64_t begin) {
+    std::lock_guard<std::mutex> lk(mu);
+    --busy;
+    claimed.erase(begin);
+    gave_back = true;
+    cv.notify_all();
+  }
+  // Splits the claim at `begin` (not written yet) at `mid` (inside it): two claims, released or
+  // given back apart.
+  void Split(uint64_t begin, uint64_t mid) {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = claimed.find(begin);
+    const uint64_t end = it->second.end;
+    it->second.end = mid;
+    claimed.emplace(mid, Claimed{end, false});
+    ++busy;
+  }
   // Fetches [begin, begin + buffer.size()) (claimed) into `buffer`; the store's error (the claim
   // released) or OK (then the caller writes it: Write, or the writer thread).
   Status FetchClaim(uint64_t begin, std::span<std::byte> buffer) {
@@ -386,14 +429,15 @@ struct ObjectCache::Fill {
 };
 
 // The cache's writer thread, for the bytes the load's reads fetch. A read that fetched a range of
-// a download in progress into its own buffer copies it into a ring of kWriteBehind bytes and
-// returns; this thread writes the ranges to their copies in the order they came and releases their
-// claims (until then, another read of those bytes waits for them, as for bytes being fetched). So
-// the load waits for the local disk only when the ring is full, that is when the disk is slower
-// than the network, instead of at every range (each read's pwrite, which also serialized the
-// reads on the copy's inode lock and stalled them in the kernel's dirty-page throttling). One
-// writer per cache: writes into one file do not run in parallel anyway. A range larger than the
-// ring is written by the read itself, as before.
+// a download in progress into its own buffer copies it into a ring (ObjectCache::kWriteBehind
+// bytes), in pieces of at most kWritePiece, and returns; this thread writes the pieces to their
+// copies in the order they came and releases their claims (until then, another read of those
+// bytes waits for them, as for bytes being fetched). The pieces the ring has no room for (the
+// local disk is slower than the network) are given back: the filler fetches them again, later.
+// So the load never waits for the local disk (a pwrite at every range used to serialize the reads
+// on the copy's inode lock and stall them in the kernel's dirty-page throttling); a slow disk
+// costs a second fetch of what it could not take, after the load. One writer per cache: writes
+// into one file do not run in parallel anyway.
 class ObjectCache::WriteBehind {
  public:
   explicit WriteBehind(size_t capacity) : capacity_(capacity) {}
@@ -408,15 +452,15 @@ class ObjectCache::WriteBehind {
   WriteBehind(const WriteBehind&) = delete;
   WriteBehind& operator=(const WriteBehind&) = delete;
 
-  // Copies `bytes` (the claim of `fill` at `begin`) into the ring and queues their write; waits
-  // while the ring has no room for them. False, doing nothing, when they are larger than the ring.
-  bool Queue(std::shared_ptr<Fill> fill, uint64_t begin, std::span<const std::byte> bytes) {
+  // Copies `bytes` (the claim of `fill` at `begin`) into the ring and queues their write. False,
+  // doing nothing, when the ring has no room for them now.
+  bool TryQueue(std::shared_ptr<Fill> fill, uint64_t begin, std::span<const std::byte> bytes) {
     const size_t n = bytes.size();
     if (n == 0 || n > capacity_) return false;
     std::unique_lock<std::mutex> lk(mu_);
-    if (!ring_) ring_ = std::make_unique<std::byte[]>(capacity_);
     size_t at = 0, skip = 0;
-    room_cv_.wait(lk, [&] { return Allocate(n, at, skip); });
+    if (!Allocate(n, at, skip)) return false;
+    if (!ring_) ring_ = std::make_unique<std::byte[]>(capacity_);
     // Queued in the order of allocation (the ring is freed in that order), written once copied.
     Item& item = items_.emplace_back(Item{std::move(fill), begin, at, n, skip, false});
     if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
@@ -476,18 +520,17 @@ class ObjectCache::WriteBehind {
       start_ = (item.at + item.size) % capacity_;
       used_ -= item.skip + item.size;
       items_.pop_front();
-      room_cv_.notify_all();
     }
   }
 
   const size_t capacity_;
   std::mutex mu_;
-  std::condition_variable work_cv_, room_cv_;
-  std::unique_ptr<std::byte[]> ring_;  // mu_: allocated at the first Queue
+  std::condition_variable work_cv_;
+  std::unique_ptr<std::byte[]> ring_;  // mu_: allocated at the first TryQueue
   size_t start_ = 0, used_ = 0;        // mu_
   std::deque<Item> items_;             // mu_
   bool stop_ = false;                  // mu_
-  std::thread thread_;                 // started by the first Queue
+  std::thread thread_;                 // started by the first TryQueue
 };
 
 // An object whose copy is not in the cache (yet): header reads from the open's prefix, then reads
@@ -506,6 +549,15 @@ class FillingFile final : public SourceFile {
         concurrency_(concurrency),
         part_size_(part_size),
         owner_(std::move(owner)) {}
+  // The filler's turn for what the reads left (Fill::AwaitTurn).
+  ~FillingFile() override {
+    if (fill_ == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lk(fill_->mu);
+      fill_->closed = true;
+    }
+    fill_->cv.notify_all();
+  }
 
   Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
     if (offset >= identity_.size || dst.empty()) return size_t{0};
@@ -604,6 +656,7 @@ class FillingFile final : public SourceFile {
                      std::span<std::byte> dst) const {
     using Kind = ObjectCache::Fill::Kind;
     ObjectCache::Fill& fill = *shared;
+    const ObjectCache::Reading reading(*cache_);
     const uint64_t limit = offset + dst.size();
     uint64_t at = offset;
     if (at < fill.head) {  // the prefix, written when the download began
@@ -620,7 +673,7 @@ class FillingFile final : public SourceFile {
         case Kind::kStore: TF_RETURN_IF_ERROR(FromStore(at, out)); break;
         case Kind::kMine:
           TF_RETURN_IF_ERROR(fill.FetchClaim(at, out));
-          if (!cache_->writer_->Queue(shared, at, out)) fill.Write(at, out);
+          cache_->WriteLater(shared, at, out);
           break;
       }
       at = span.end;
@@ -642,11 +695,27 @@ class FillingFile final : public SourceFile {
   const std::shared_ptr<const void> owner_;
 };
 
-ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout)
+ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout, size_t write_behind)
     : dir_(std::move(dir)),
       max_bytes_(layout == Layout::kHub ? 0 : max_bytes),
       layout_(layout),
-      writer_(std::make_unique<WriteBehind>(kWriteBehind)) {}
+      writer_(std::make_unique<WriteBehind>(write_behind)) {}
+
+void ObjectCache::WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
+                             std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    const size_t n = std::min(bytes.size(), kWritePiece);
+    if (n < bytes.size()) fill->Split(begin, begin + n);
+    if (!writer_->TryQueue(fill, begin, bytes.first(n))) {
+      fill->GiveBack(begin);
+      if (n < bytes.size()) fill->GiveBack(begin + n);
+      given_back_.fetch_add(bytes.size(), std::memory_order_relaxed);
+      return;
+    }
+    begin += n;
+    bytes = bytes.subspan(n);
+  }
+}
 
 ObjectCache::Place ObjectCache::PlaceOf(const CachedObject& object) const {
   Place p;
@@ -764,6 +833,7 @@ ObjectCacheStats ObjectCache::stats() const {
   s.fill_bytes = fill_bytes_.load();
   s.evicted = evicted_.load();
   s.errors = errors_.load();
+  s.given_back = given_back_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.last_error = last_error_;
   return s;
@@ -927,17 +997,45 @@ void ObjectCache::Drain() {
   idle_cv_.wait(lk, [this] { return active_ == 0; });
 }
 
+ObjectCache::Reading::Reading(ObjectCache& cache) : cache_(cache) {
+  cache_.reading_.fetch_add(1, std::memory_order_relaxed);
+}
+
+ObjectCache::Reading::~Reading() {
+  cache_.last_read_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                             std::memory_order_relaxed);
+  cache_.reading_.fetch_sub(1, std::memory_order_release);
+}
+
+std::chrono::nanoseconds ObjectCache::ReadsIdleFor() const {
+  if (reading_.load(std::memory_order_acquire) != 0) return std::chrono::nanoseconds(-1);
+  using Clock = std::chrono::steady_clock;
+  return Clock::now() -
+         Clock::time_point(Clock::duration(last_read_ns_.load(std::memory_order_relaxed)));
+}
+
+bool ObjectCache::Busy() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return active_ != 0;
+}
+
 void ObjectCache::RunFill(Fill& fill) {
   // What no reader claims, from the top down, `threads` ranges at a time, each into a buffer of
-  // its own (at most `part` bytes, reused range after range).
-  ParallelFor(fill.threads, fill.threads, [&](size_t) {
-    std::vector<std::byte> buffer;
-    uint64_t begin = 0, end = 0;
-    while (fill.NextFromTop(begin, end)) {
-      buffer.resize(static_cast<size_t>(end - begin));
-      if (fill.FetchClaim(begin, buffer).ok()) fill.Write(begin, buffer);  // else given up
-    }
-  });
+  // its own (at most `part` bytes, reused range after range); then what readers gave back after
+  // the last scan, until nothing is left.
+  for (;;) {
+    ParallelFor(fill.threads, fill.threads, [&](size_t) {
+      std::vector<std::byte> buffer;
+      uint64_t begin = 0, end = 0;
+      while (fill.AwaitTurn(*this), fill.NextFromTop(begin, end)) {
+        buffer.resize(static_cast<size_t>(end - begin));
+        if (fill.FetchClaim(begin, buffer).ok()) fill.Write(begin, buffer);  // else given up
+      }
+    });
+    std::unique_lock<std::mutex> lk(fill.mu);
+    fill.cv.wait(lk, [&] { return fill.busy == 0; });  // the readers' claims, written or not
+    if (fill.failed || fill.Whole() || !fill.gave_back) break;
+  }
   Finish(fill);
 }
 

@@ -13,16 +13,21 @@
 // object's bytes are claimed range by range, each fetched once (ranged GETs pinned to the ETag)
 // and written into the copy in progress: a read fetches the bytes it needs that nobody claimed
 // straight into its buffer (then hands them to the cache's writer thread through a ring of 32 MiB
-// and goes on: it waits for the local disk only when the disk falls behind), reads the bytes
-// already written from the copy (the page cache, just written), and waits for bytes another
-// thread is fetching or writing; the cache's filler thread claims the rest, `part_size` at a time
-// with `concurrency` in flight, from the end of the object down (so that it meets a load reading
-// forward instead of racing it), one file after the other in the order their downloads began. A
-// load that reads the whole file (the common case) thus streams it as it would without a cache,
-// plus one write of each byte to local disk; one that reads part of a file (a tensor-parallel
-// rank's slices, a lazy safe_open) still leaves a whole copy: the filler fetches the rest.
-// Downloads that began finish before the cache is destroyed (the Source's last checkpoint closed):
-// ~ObjectCache waits.
+// and goes on), reads the bytes already written from the copy (the page cache, just written), and
+// waits for bytes another thread is fetching or writing; the cache's filler thread claims the
+// rest, `part_size` at a time with `concurrency` in flight, from the end of the object down (so
+// that it meets a load reading forward instead of racing it), one file after the other in the
+// order their downloads began, once the load is done with the file (closed it, or paused its
+// reads through the cache for a second): it neither competes with a load for the network nor
+// makes the load's reads wait for ranges it is writing to a slow disk. A load that reads the whole
+// file (the common case) thus streams it as it would without a cache, plus one write of each byte
+// to local disk; one that reads part of a file (a tensor-parallel rank's slices, a lazy safe_open)
+// still leaves a whole copy: the filler fetches the rest. A load never waits for the local disk:
+// when the disk is slower than the network, the bytes the ring has no room for are given back
+// (stats().given_back) and the filler fetches them again, so the load goes at the network's speed
+// and the copy is completed at the disk's, after it. Downloads that began finish before the cache
+// is destroyed: ~ObjectCache waits (object_source.cc lets a closed checkpoint's caches finish in
+// the background).
 //
 // Layout under the directory:
 //   blobs/<key>        one complete object (key: 64 hex digits, SHA-256 of URL, ETag and size)
@@ -55,6 +60,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -92,6 +98,7 @@ struct ObjectCacheStats {
   uint64_t fill_bytes = 0;  // the sizes of their objects
   uint64_t evicted = 0;     // entries removed to make room
   uint64_t errors = 0;      // files that read the store because the cache failed
+  uint64_t given_back = 0;  // bytes the load fetched that the disk had no room for (fetched again)
   std::string last_error;   // the latest of those failures, in words
 };
 
@@ -102,8 +109,12 @@ class ObjectCache {
   // its snapshot link made when it is whole, the lock huggingface_hub takes); nothing is
   // evicted there (max_bytes is ignored), and a whole object may also be kept at once (Keep).
   enum class Layout { kObjects, kHub };
+  // The writer thread's ring (bytes).
+  static constexpr size_t kWriteBehind = 32u << 20;
   // `dir` is created (with its parents) at the first download; max_bytes 0: unbounded.
-  ObjectCache(std::string dir, uint64_t max_bytes, Layout layout = Layout::kObjects);
+  // `write_behind`: the writer's ring (tests make it small).
+  ObjectCache(std::string dir, uint64_t max_bytes, Layout layout = Layout::kObjects,
+              size_t write_behind = kWriteBehind);
   // Waits for the downloads that began (and those queued behind them) to end.
   ~ObjectCache();
   ObjectCache(const ObjectCache&) = delete;
@@ -128,6 +139,8 @@ class ObjectCache {
 
   // Blocks until the downloads begun so far (and those queued) have ended, in the cache or not.
   void Drain();
+  // True while downloads are queued or running.
+  bool Busy() const;
 
   const std::string& dir() const noexcept { return dir_; }
   ObjectCacheStats stats() const;
@@ -181,12 +194,32 @@ class ObjectCache {
   // The downloads in progress count as entries (reserved_): make room and reserve under room_mu_.
   bool MakeRoom(const std::string& keep, uint64_t incoming, std::string& why);
   void NoteError(const std::string& why);
+  // A reader's fetched claim (`bytes` at `begin`) into the writer's ring, piece by piece; what
+  // finds no room is given back to the filler.
+  void WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
+                  std::span<const std::byte> bytes);
+  // A read through a download in progress, for ReadsIdleFor (RAII).
+  class Reading {
+   public:
+    explicit Reading(ObjectCache& cache);
+    ~Reading();
+    Reading(const Reading&) = delete;
+    Reading& operator=(const Reading&) = delete;
+
+   private:
+    ObjectCache& cache_;
+  };
+  // How long since the last read through this cache's downloads ended; negative while one runs.
+  std::chrono::nanoseconds ReadsIdleFor() const;
 
   const std::string dir_;
   const uint64_t max_bytes_;
   const Layout layout_;
   std::atomic<uint64_t> hits_{0}, fills_{0}, fill_bytes_{0}, evicted_{0}, errors_{0};
-  mutable std::mutex mu_;  // last_error_, queue_, active_, stop_, filler_
+  std::atomic<uint64_t> given_back_{0};
+  std::atomic<int> reading_{0};           // Reading: reads in progress
+  std::atomic<int64_t> last_read_ns_{0};  // Reading: when the last one ended (steady clock)
+  mutable std::mutex mu_;                 // last_error_, queue_, active_, stop_, filler_
   std::string last_error_;
   std::condition_variable queue_cv_, idle_cv_;
   std::deque<std::shared_ptr<Fill>> queue_;

@@ -219,8 +219,9 @@ TEST(ObjectCache, ReadsFetchWhatTheFillerHasNotClaimed) {
 
 // Reads hand what they fetched to the cache's writer thread through its ring (32 MiB): ranges of
 // many sizes from several threads, around the ring many times, one range larger than the ring
-// (written by its read), and reads of bytes still queued for writing: every read byte-exact, every
-// byte fetched once, the copy whole.
+// (handed over in pieces), and reads of bytes still queued for writing: every read byte-exact,
+// every byte fetched once unless the disk had no room for it (then once more, by the filler), the
+// copy whole.
 TEST(ObjectCache, ReadsHandTheirBytesToTheWriterThroughItsRing) {
   testing::TempDir tmp;
   constexpr size_t kSize = 72u << 20;
@@ -262,11 +263,65 @@ TEST(ObjectCache, ReadsHandTheirBytesToTheWriterThroughItsRing) {
   EXPECT_EQ(wrong.load(), 0);
   remote.released = true;
   cache.Drain();
-  EXPECT_EQ(remote.fetched.load(), kSize - 4096);  // each byte fetched once
+  EXPECT_EQ(remote.fetched.load(), kSize - 4096 + cache.stats().given_back);
+  EXPECT_LT(cache.stats().given_back, kSize / 2);  // most of it through the ring
   const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
   EXPECT_TRUE(testing::ReadBytes(blob) ==
               std::string(reinterpret_cast<const char*>(remote.bytes.data()), kSize));
   EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+}
+
+// A disk that cannot keep up (here: a ring with no room at all, then one that holds one piece):
+// the load's reads never wait for it; what they fetched and the ring could not take is given back
+// and fetched again by the filler, which scans again for what was given back after it passed (its
+// first range is held until the readers are done); the reads byte-exact, the copy whole.
+TEST(ObjectCache, WhatTheDiskCannotTakeIsFetchedAgainAfterTheLoad) {
+  for (const size_t ring : {size_t{0}, size_t{1u << 20}}) {
+    SCOPED_TRACE(ring);
+    testing::TempDir tmp;
+    constexpr size_t kSize = 6u << 20;
+    Remote remote(kSize);
+    remote.hold_offset = static_cast<int64_t>(kSize - (64u << 10));  // the filler's first range
+    ObjectCache cache(tmp.Join("c"), 0, ObjectCache::Layout::kObjects, ring);
+    Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+    ASSERT_TRUE(file.ok() && *file != nullptr);
+    // Ranges of 700 KB from three threads (the ring of 1 MiB takes one at a time), then reads of
+    // what they read again.
+    std::atomic<uint64_t> next{4096};
+    std::atomic<int> wrong{0};
+    const uint64_t below = kSize - (64u << 10);
+    std::vector<std::thread> readers;
+    for (int t = 0; t < 3; ++t) {
+      readers.emplace_back([&] {
+        for (uint64_t at; (at = next.fetch_add(700'000)) < below;) {
+          std::vector<std::byte> got(static_cast<size_t>(std::min<uint64_t>(700'000, below - at)));
+          for (int again = 0; again < 2; ++again) {
+            Result<size_t> r = (*file)->Read(at, got);
+            if (!r.ok() || *r != got.size() ||
+                !std::equal(got.begin(), got.end(), remote.bytes.begin() + at)) {
+              ++wrong;
+            }
+          }
+        }
+      });
+    }
+    for (std::thread& t : readers) t.join();
+    EXPECT_EQ(wrong.load(), 0);
+    const uint64_t given_back = cache.stats().given_back;
+    if (ring == 0) {
+      EXPECT_GE(given_back, below - 4096);  // nothing went through the ring (read again: again)
+    } else {
+      EXPECT_GT(given_back, 0u);
+    }
+    remote.released = true;
+    cache.Drain();
+    EXPECT_EQ(remote.fetched.load(), kSize - 4096 + given_back);
+    const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+    EXPECT_TRUE(testing::ReadBytes(blob) ==
+                std::string(reinterpret_cast<const char*>(remote.bytes.data()), kSize));
+    EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+    EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
+  }
 }
 
 TEST(ObjectCache, APartialReadStillLeavesAWholeCopy) {

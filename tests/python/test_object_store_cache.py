@@ -33,6 +33,8 @@ def tiny(stores, store, cache_dir, **more):
 
 
 def blobs(cache_dir):
+    # Copies finish after their loader closes (in the background): wait for them first.
+    tensorferry.wait_for_caches()
     d = os.path.join(cache_dir, "blobs")
     if not os.path.isdir(d):
         return []
@@ -247,6 +249,57 @@ def test_download_through_resets_is_byte_exact(stores, s3_proxy, tmp_path):
         shard_bytes(stores)
 
 
+def test_closing_does_not_wait_for_the_copy_and_the_exit_does(stores, s3_proxy, tmp_path):
+    """A file read in part (the first layer of two) leaves the rest of its copy to the cache's
+    filler, which the proxy stalls (its first range, the object's top, waits out a timeout and
+    is fetched again): closing the file returns without waiting for the copy, and
+    wait_for_caches() returns when it is whole; the CLI's load (--layers 0) exits only once its
+    copy is whole."""
+    import time
+
+    import torch
+    a, b = "model.layers.0.w", "model.layers.1.w"  # one dtype: in the file in name order
+    big = {a: torch.arange(1 << 20, dtype=torch.int32),
+           b: torch.arange(2 << 20, dtype=torch.int32) * 3}
+    local = tmp_path / "two.safetensors"
+    tensorferry.torch.save_file(big, str(local))
+    size = os.path.getsize(local)
+    key = f"{PREFIX}/cache-background/two.safetensors"
+    stores.seaweed.upload(stores.seaweed.BUCKET, key, str(local))
+    url = stores.seaweed.url(key)
+    def the_top(request):
+        return request.headers.get("range", "").endswith(f"-{size - 1}")
+
+    for form in ("python", "cli"):
+        cache = tmp_path / form
+        s3_proxy.reset_stats()
+        s3_proxy.set_rules([Rule("stall", every=1, times=1, stall_s=10, after_bytes=0,
+                                 match=the_top)])
+        if form == "python":
+            opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_part_size=1 << 20,
+                                     object_cache_dir=str(cache))
+            with safe_open(url, framework="pt", storage_options=opts) as f:
+                assert torch.equal(f.get_tensor(a), big[a])
+            # The filler's turn comes when the file is closed; its first range is stalled:
+            # nothing is in the cache yet.
+            deadline = time.monotonic() + 10
+            while s3_proxy.stats()["faults"]["stall"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert s3_proxy.stats()["faults"]["stall"] == 1
+            assert not os.listdir(cache / "blobs")
+            tensorferry.wait_for_caches()
+        else:
+            env = stores.seaweed.env(endpoint=s3_proxy.url)
+            env["TENSORFERRY_OBJECT_HEADER_BYTES"] = "4096"
+            env["TENSORFERRY_OBJECT_TIMEOUT_MS"] = "3000"
+            env["TENSORFERRY_OBJECT_PART_SIZE"] = "1M"
+            cli_load(url, "--layers", "0", "--object-cache-dir", str(cache), env=env)
+            assert s3_proxy.stats()["faults"]["stall"] == 1
+        (entry,) = [e for e in os.listdir(cache / "blobs") if not e.endswith(".json")]
+        assert (cache / "blobs" / entry).read_bytes() == local.read_bytes(), form
+        assert os.listdir(cache / "tmp") == []
+
+
 def test_failed_download_leaves_no_entry(stores, s3_proxy, tmp_path):
     opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_retries=1,
                              object_cache_dir=str(tmp_path))
@@ -299,6 +352,7 @@ def test_damaged_copy_is_caught_by_the_checksums_and_replaced(stores, tmp_path):
 def test_cache_command_lists_and_prunes(stores, tmp_path):
     url, opts = tiny(stores, "s3", tmp_path)
     load_all(url, storage_options=opts)
+    tensorferry.wait_for_caches()  # the copies finish after the load
     n = len(stores.shards)
     sizes = {os.path.getsize(os.path.join(stores.tiny, s)) for s in stores.shards}
 

@@ -48,8 +48,11 @@ def hub(models):
 
 
 def load_all(path, **kw):
+    """The load, then its copies into the hub cache (they finish after the loader closes)."""
     with tensorferry.Loader(path, **kw) as loader:
-        return loader.load(), loader.stats
+        got = loader.load(), loader.stats
+    tensorferry.wait_for_caches()
+    return got
 
 
 def assert_same(got, want):
@@ -225,6 +228,7 @@ def published_to_fill(h, repo, local, monkeypatch):
 def cached_repo(h, cache, repo):
     """scan_cache_dir's view of `repo` in the hub cache `cache`: (its one revision, no warnings)."""
     import huggingface_hub
+    tensorferry.wait_for_caches()
     info = huggingface_hub.scan_cache_dir(cache)
     assert not info.warnings, info.warnings
     (found,) = [r for r in info.repos if r.repo_id == repo]
@@ -549,6 +553,7 @@ def test_from_pretrained_of_an_hf_path_streams_then_reads_the_cache(hf_hub, tmp_
     assert resolved_revisions(hf_hub, "org/llama") == {commit}
     assert any(x[3] == "config.json" for x in hf_hub.log)
     hf_hub.log.clear()
+    tensorferry.wait_for_caches()  # the copies finish after the load
     # transformers alone, offline (cache_dir given: it reads HF_HUB_CACHE when first imported).
     assert_same_parameters(ref, transformers.AutoModelForCausalLM.from_pretrained(
         "org/llama", dtype=torch.bfloat16, cache_dir=os.environ["HF_HUB_CACHE"],
@@ -587,6 +592,7 @@ def test_from_pretrained_of_a_plain_hub_id_streams_inside_loading(hf_hub, tmp_pa
     assert [x for x in hf_hub.log if x[0] == "api" and x[1] == "org/llama"] == \
         [("api", "org/llama", "main", "")], hf_hub.log  # tensorferry's pinning, once
     assert resolved_revisions(hf_hub, "org/llama") == {commit}
+    tensorferry.wait_for_caches()  # the copies finish after the load
     repo_dir = os.path.join(cache, "models--org--llama")
     kept = sorted(os.listdir(os.path.join(repo_dir, "snapshots", commit)))
     assert set(weight_files(folder)) | {"config.json", "model.safetensors.index.json"} <= \

@@ -242,6 +242,9 @@ def remote(workdir, url):
     checkpoint's S3 prefix (uploaded by the test; AWS_* variables name the server), vLLM's
     --model a folder holding only config.json."""
     import shutil
+
+    import tensorferry
+
     sharded, _ = make_checkpoints(workdir)
     config_only = os.path.join(workdir, "llama-config-only")
     if not os.path.exists(config_only):
@@ -287,10 +290,12 @@ def remote(workdir, url):
             diff, count = differences(model, reference)
             out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
             del model
+            tensorferry.wait_for_caches()  # the copies into the hub cache finish after the load
             snapshots = os.path.join(repo_dir, "snapshots")
             out["loads"][key]["snapshot"] = sorted(
                 f for d in (os.listdir(snapshots) if os.path.isdir(snapshots) else [])
                 for f in os.listdir(os.path.join(snapshots, d)))
+    tensorferry.wait_for_caches()
     blobs = os.path.join(cache, "blobs")
     out["cached_files"] = sorted(f for f in os.listdir(blobs) if not f.endswith(".json")) \
         if os.path.isdir(blobs) else []

@@ -8,8 +8,11 @@
 //
 // Exit codes: 0 success, 1 I/O error or invalid input, 2 usage error. Ended by SIGINT, SIGTERM
 // or SIGHUP, it first removes the temporary files of writes in progress (and undoes a sharded
-// write not yet committed), then dies of the signal as it would without a handler.
+// write not yet committed), then dies of the signal as it would without a handler. Before it
+// exits, copies into object caches still in progress (a load from object storage is done before
+// its cache's copy is) are finished.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <exception>
@@ -20,6 +23,7 @@
 
 #include "commands.h"
 #include "tensorferry/mapping.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/writer.h"
 
 #ifndef TENSORFERRY_VERSION_STRING
@@ -82,6 +86,12 @@ int main(int argc, char** argv) {
       if (const tensorferry::Status mapped = tensorferry::CheckMappedFiles(); !mapped.ok()) {
         PrintError(mapped.ToString());
         if (rc == kExitOk) rc = kExitError;
+      }
+      if (tensorferry::ObjectCachesCopying()) {
+        if (::isatty(STDERR_FILENO) != 0) {
+          std::fputs("tensorferry: finishing the copies into the cache...\n", stderr);
+        }
+        tensorferry::WaitForObjectCaches();
       }
       return rc;
     }

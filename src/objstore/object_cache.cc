@@ -5,7 +5,9 @@
 #include <fcntl.h>
 #include <openssl/evp.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +49,18 @@ constexpr auto kQuiet = std::chrono::seconds(1);
 
 std::string Errno(int error) {
   return std::strerror(error);
+}
+
+// The calling thread (the cache's writer, filler and its fetchers: work in the background of a
+// load) yields the CPUs and the disk to the load and to what consumes it: a lower CPU priority
+// (nice +10, this thread only) and the best-effort I/O class's lowest priority. Best effort:
+// failures change nothing.
+void RunInBackground() {
+  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+  static_cast<void>(::setpriority(PRIO_PROCESS, tid, 10));
+  constexpr int kClassBestEffort = 2, kClassShift = 13, kLowest = 7, kWhoProcess = 1;
+  static_cast<void>(::syscall(SYS_ioprio_set, kWhoProcess, static_cast<int>(tid),
+                              (kClassBestEffort << kClassShift) | kLowest));
 }
 
 // Writes all of `data` at `offset`; the errno of the failure, or 0.
@@ -505,6 +519,7 @@ class ObjectCache::WriteBehind {
     return true;
   }
   void Loop() {
+    RunInBackground();
     std::unique_lock<std::mutex> lk(mu_);
     for (;;) {
       work_cv_.wait(lk, [&] {
@@ -976,6 +991,7 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
 }
 
 void ObjectCache::FillerLoop() {
+  RunInBackground();
   for (;;) {
     std::shared_ptr<Fill> fill;
     {
@@ -1025,6 +1041,7 @@ void ObjectCache::RunFill(Fill& fill) {
   // the last scan, until nothing is left.
   for (;;) {
     ParallelFor(fill.threads, fill.threads, [&](size_t) {
+      RunInBackground();
       std::vector<std::byte> buffer;
       uint64_t begin = 0, end = 0;
       while (fill.AwaitTurn(*this), fill.NextFromTop(begin, end)) {

@@ -45,7 +45,7 @@ constexpr uint64_t kMinFillPart = 2u << 20;   // the smallest range it fetches (
 constexpr size_t kWritePiece = 4u << 20;
 // The filler downloads what the load's reads leave of a file once the file is closed, or once
 // reads through the cache have paused this long (Fill::AwaitTurn).
-constexpr auto kQuiet = std::chrono::seconds(1);
+constexpr std::chrono::milliseconds kQuiet{1000};
 
 std::string Errno(int error) {
   return std::strerror(error);

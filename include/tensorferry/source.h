@@ -106,8 +106,11 @@ struct SourceStats {
   // The local cache of object-store files (ObjectStoreOptions::cache_dir); zero without one:
   // files served by a copy in the cache, downloads into it begun and their objects' bytes (the
   // bytes received count in `bytes` too), and files that read the store because the cache
-  // failed; and all of that in words, with the latest failure ("" without a cache).
+  // failed; the bytes received for copies that the local disk could not take in time (fetched
+  // again by the cache after the load: ObjectStoreOptions::cache_write_behind); and all of that
+  // in words, with the latest failure ("" without a cache).
   uint64_t cache_hits = 0, cache_fills = 0, cache_fill_bytes = 0, cache_errors = 0;
+  uint64_t cache_refetch_bytes = 0;
   std::string cache_summary;
 };
 

@@ -52,6 +52,10 @@ struct LoadStats {
   uint64_t cache_hits = 0;
   uint64_t cache_fills = 0;
   uint64_t cache_fill_bytes = 0;
+  // Of the bytes received for those downloads, those the local disk could not take in time: the
+  // cache fetches them again after the load (ObjectStoreOptions::cache_write_behind; 0 with
+  // cache_fetch_once, which makes the load wait for the disk instead).
+  uint64_t cache_refetch_bytes = 0;
 
   // Device loading (zero for host-only loads).
   std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
@@ -111,6 +115,7 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("cache_hits", s.cache_hits);
   visit("cache_fills", s.cache_fills);
   visit("cache_fill_bytes", s.cache_fill_bytes);
+  visit("cache_refetch_bytes", s.cache_refetch_bytes);
   visit("device", s.device);
   visit("device_tensors", s.device_tensors);
   visit("device_bytes", s.device_bytes);

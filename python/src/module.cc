@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <optional>
 #include <span>
 #include <string>
@@ -65,12 +66,25 @@ NB_MODULE(_core, m) {
   m.def(
       "wait_for_caches",
       [] {
-        WithoutGil unlocked;
-        WaitForObjectCaches();
+        // In steps, so that Ctrl-C reaches Python: it gives up the copies (AbandonObjectCaches)
+        // and raises KeyboardInterrupt.
+        for (;;) {
+          bool done = false;
+          {
+            WithoutGil unlocked;
+            done = WaitForObjectCaches(std::chrono::milliseconds(100));
+          }
+          if (done) return;
+          if (PyErr_CheckSignals() != 0) {
+            AbandonObjectCaches();
+            throw nb::python_error();
+          }
+        }
       },
       "Waits until the copies into object caches (object_cache_dir, the hub cache) that closed "
       "loaders and files left in progress are whole (docs/object_storage.md); the interpreter's "
-      "exit waits for them too.");
+      "exit waits for them too. Ctrl-C meanwhile gives them up (each is removed; the next load "
+      "of its file downloads it again) and raises KeyboardInterrupt.");
   m.def(
       "object_size",
       [](const std::string& url, const nb::dict& options) {

@@ -39,9 +39,20 @@ from ._loader import Batch, Loader, LoadStats, layers, parse_size  # noqa: F401
 from ._safe_open import safe_open  # noqa: F401
 from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F401
 
-# Copies into caches that outlive their loaders finish before the interpreter goes (the C++
-# library's own exit handler would run after the interpreter is gone).
-atexit.register(wait_for_caches)
+
+
+def _wait_for_caches_at_exit():
+    # Copies into caches that outlive their loaders finish before the interpreter goes (the C++
+    # library's own exit handler would run after the interpreter is gone); Ctrl-C gives them up.
+    try:
+        wait_for_caches()
+    except KeyboardInterrupt:
+        import sys
+        print("tensorferry: copies into the cache given up (interrupted); the next load of "
+              "those files downloads them again", file=sys.stderr)
+
+
+atexit.register(_wait_for_caches_at_exit)
 
 __all__ = [
     "safe_open",

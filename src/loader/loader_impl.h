@@ -163,6 +163,7 @@ struct Loader::Impl {
     stats.cache_hits = source.cache_hits;
     stats.cache_fills = source.cache_fills;
     stats.cache_fill_bytes = source.cache_fill_bytes;
+    stats.cache_refetch_bytes = source.cache_refetch_bytes;
     if (!source.cache_summary.empty())
       stats.engine_reason = engine_reason + "; " + source.cache_summary;
   }

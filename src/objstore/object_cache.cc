@@ -18,6 +18,7 @@
 #include <ctime>
 #include <filesystem>
 #include <map>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -53,11 +54,15 @@ std::string Errno(int error) {
 
 // The calling thread (the cache's writer, filler and its fetchers: work in the background of a
 // load) yields the CPUs and the disk to the load and to what consumes it: a lower CPU priority
-// (nice +10, this thread only) and the best-effort I/O class's lowest priority. Best effort:
-// failures change nothing.
+// (10 above the nice value it inherited, at most 19; this thread only) and the best-effort I/O
+// class's lowest priority. Best effort: failures change nothing.
 void RunInBackground() {
   const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
-  static_cast<void>(::setpriority(PRIO_PROCESS, tid, 10));
+  errno = 0;
+  const int nice = ::getpriority(PRIO_PROCESS, tid);  // the creator's, inherited
+  if (errno == 0 && nice < 19) {
+    static_cast<void>(::setpriority(PRIO_PROCESS, tid, std::min(19, nice + 10)));
+  }
   constexpr int kClassBestEffort = 2, kClassShift = 13, kLowest = 7, kWhoProcess = 1;
   static_cast<void>(::syscall(SYS_ioprio_set, kWhoProcess, static_cast<int>(tid),
                               (kClassBestEffort << kClassShift) | kLowest));
@@ -99,6 +104,21 @@ int Flock(int fd, int how) {
     if (errno != EINTR) return errno;
   }
   return 0;
+}
+
+// AbandonDownloads: each call begins a new generation; a download of an earlier one is given up.
+std::atomic<uint64_t> abandoned_generation{0};
+
+// Beside a key's lock: the file on which those waiting for the lock hold a shared lock.
+std::string WantPath(const std::string& lock) {
+  return lock + ".want";
+}
+
+// True while someone waits for the lock whose WantPath is `want` (ObjectCache::Lock).
+bool Wanted(const std::string& want) {
+  const UniqueFd fd(::open(want.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return false;                            // nobody ever waited
+  return Flock(fd.get(), LOCK_EX | LOCK_NB) == EWOULDBLOCK;  // (closing unlocks)
 }
 
 bool IsKey(std::string_view name) {
@@ -286,6 +306,10 @@ void RemoveLeftovers(const std::string& dir) {
 
 }  // namespace
 
+void AbandonDownloads() {
+  abandoned_generation.fetch_add(1, std::memory_order_relaxed);
+}
+
 // One download into the cache, shared by the file reading through it and the filler thread.
 // The bytes below `head` (the open's prefix) are written when it starts; the rest, [head, size),
 // is claimed range by range: a reader claims exactly the bytes it needs and nobody has claimed
@@ -295,6 +319,8 @@ void RemoveLeftovers(const std::string& dir) {
 struct ObjectCache::Fill {
   CachedObject object;
   std::string key, tmp, blob;  // blob: where the copy goes when whole
+  std::string want;            // WantPath of the key's lock
+  uint64_t generation = 0;     // abandoned_generation when it began
   UniqueFd fd;                 // tmp, read and written
   UniqueFd lock;               // locks/<key>.lock, held until Finish
   FetchRange fetch;
@@ -319,6 +345,15 @@ struct ObjectCache::Fill {
   std::string why;                      // mu: why
 
   bool Whole() const { return done_bytes == object.size - head; }
+  // Given up by AbandonDownloads: marked failed (mu held); true when it is.
+  bool Abandoned() {
+    if (!failed && abandoned_generation.load(std::memory_order_relaxed) != generation) {
+      failed = true;
+      why = "given up: the process is ending (AbandonObjectCaches)";
+      cv.notify_all();
+    }
+    return failed;
+  }
 
   enum class Kind { kDone, kMine, kStore };
   struct Span {
@@ -350,7 +385,7 @@ struct ObjectCache::Fill {
   // Ranges readers gave back (GiveBack) are claimed by a new scan from the top.
   bool NextFromTop(uint64_t& begin, uint64_t& end) {
     std::lock_guard<std::mutex> lk(mu);
-    while (!failed) {
+    while (!Abandoned()) {
       if (top <= head) {
         if (!gave_back) return false;
         gave_back = false;
@@ -388,16 +423,17 @@ struct ObjectCache::Fill {
     }
     cv.notify_all();
   }
-  // Returns when it is the filler's turn: the file reading through this download is closed, or
-  // no read has run through `cache` for kQuiet (a file kept open, read in part). Until then the
-  // filler neither competes with the load for the network nor makes its reads wait for ranges it
-  // is writing to a slow disk.
+  // Returns when it is the filler's turn: the file reading through this download is closed, no
+  // read has run through `cache` for kQuiet (a file kept open, read in part), or another thread
+  // or process waits for the copy (for the key's lock: a second rank on this host). Until then
+  // the filler neither competes with the load for the network nor makes its reads wait for
+  // ranges it is writing to a slow disk.
   void AwaitTurn(const ObjectCache& cache) {
     std::unique_lock<std::mutex> lk(mu);
     for (;;) {
-      if (closed || failed) return;
+      if (closed || Abandoned()) return;
       const std::chrono::nanoseconds idle = cache.ReadsIdleFor();
-      if (idle >= kQuiet) return;
+      if (idle >= kQuiet || Wanted(want)) return;
       cv.wait_for(lk, idle.count() < 0 ? kQuiet / 4 : kQuiet - idle);
     }
   }
@@ -443,15 +479,17 @@ struct ObjectCache::Fill {
 };
 
 // The cache's writer thread, for the bytes the load's reads fetch. A read that fetched a range of
-// a download in progress into its own buffer copies it into a ring (ObjectCache::kWriteBehind
-// bytes), in pieces of at most kWritePiece, and returns; this thread writes the pieces to their
-// copies in the order they came and releases their claims (until then, another read of those
-// bytes waits for them, as for bytes being fetched). The pieces the ring has no room for (the
-// local disk is slower than the network) are given back: the filler fetches them again, later.
+// a download in progress into its own buffer copies it into a ring (ObjectStoreOptions::
+// cache_write_behind bytes), in pieces of at most kWritePiece, and returns; this thread writes the
+// pieces to their copies in the order they came and releases their claims (until then, another read
+// of those bytes waits for them, as for bytes being fetched). The pieces the ring has no room for
+// (the local disk is slower than the network) are given back: the filler fetches them again, later.
 // So the load never waits for the local disk (a pwrite at every range used to serialize the reads
 // on the copy's inode lock and stall them in the kernel's dirty-page throttling); a slow disk
-// costs a second fetch of what it could not take, after the load. One writer per cache: writes
-// into one file do not run in parallel anyway.
+// costs a second fetch of what it could not take, after the load. With fetch_once (for stores
+// billed by the byte served), a read waits for room instead, and one whose piece could never fit
+// the ring writes it itself: each byte is fetched once and the load goes at the disk's pace. One
+// writer per cache: writes into one file do not run in parallel anyway.
 class ObjectCache::WriteBehind {
  public:
   explicit WriteBehind(size_t capacity) : capacity_(capacity) {}
@@ -466,18 +504,27 @@ class ObjectCache::WriteBehind {
   WriteBehind(const WriteBehind&) = delete;
   WriteBehind& operator=(const WriteBehind&) = delete;
 
-  // Copies `bytes` (the claim of `fill` at `begin`) into the ring and queues their write. False,
-  // doing nothing, when the ring has no room for them now.
-  bool TryQueue(std::shared_ptr<Fill> fill, uint64_t begin, std::span<const std::byte> bytes) {
+  // Copies `bytes` (the claim of `fill` at `begin`) into the ring and queues their write. When
+  // the ring has no room for them now: with `wait`, waits until the writer has freed enough;
+  // else returns false, doing nothing. False too when they could never fit it.
+  bool Queue(std::shared_ptr<Fill> fill, uint64_t begin, std::span<const std::byte> bytes,
+             bool wait) {
     const size_t n = bytes.size();
     if (n == 0 || n > capacity_) return false;
     std::unique_lock<std::mutex> lk(mu_);
+    try {  // the thread and the ring at the first write; without them the ring has no room
+      if (!ring_) ring_ = std::make_unique<std::byte[]>(capacity_);
+      if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+    } catch (const std::exception&) {  // std::bad_alloc, std::system_error
+      return false;
+    }
     size_t at = 0, skip = 0;
-    if (!Allocate(n, at, skip)) return false;
-    if (!ring_) ring_ = std::make_unique<std::byte[]>(capacity_);
+    while (!Allocate(n, at, skip)) {
+      if (!wait) return false;
+      room_cv_.wait(lk);  // the ring is in use (used_ > 0): the writer frees it
+    }
     // Queued in the order of allocation (the ring is freed in that order), written once copied.
     Item& item = items_.emplace_back(Item{std::move(fill), begin, at, n, skip, false});
-    if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
     lk.unlock();
     std::memcpy(ring_.get() + at, bytes.data(), n);  // outside the lock: reads copy in parallel
     lk.lock();
@@ -535,17 +582,18 @@ class ObjectCache::WriteBehind {
       start_ = (item.at + item.size) % capacity_;
       used_ -= item.skip + item.size;
       items_.pop_front();
+      room_cv_.notify_all();
     }
   }
 
   const size_t capacity_;
   std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::unique_ptr<std::byte[]> ring_;  // mu_: allocated at the first TryQueue
+  std::condition_variable work_cv_, room_cv_;
+  std::unique_ptr<std::byte[]> ring_;  // mu_: allocated at the first Queue
   size_t start_ = 0, used_ = 0;        // mu_
   std::deque<Item> items_;             // mu_
   bool stop_ = false;                  // mu_
-  std::thread thread_;                 // started by the first TryQueue
+  std::thread thread_;                 // mu_: started by the first Queue
 };
 
 // An object whose copy is not in the cache (yet): header reads from the open's prefix, then reads
@@ -710,10 +758,12 @@ class FillingFile final : public SourceFile {
   const std::shared_ptr<const void> owner_;
 };
 
-ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout, size_t write_behind)
+ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout, size_t write_behind,
+                         bool fetch_once)
     : dir_(std::move(dir)),
       max_bytes_(layout == Layout::kHub ? 0 : max_bytes),
       layout_(layout),
+      fetch_once_(fetch_once),
       writer_(std::make_unique<WriteBehind>(write_behind)) {}
 
 void ObjectCache::WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
@@ -721,7 +771,13 @@ void ObjectCache::WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
   while (!bytes.empty()) {
     const size_t n = std::min(bytes.size(), kWritePiece);
     if (n < bytes.size()) fill->Split(begin, begin + n);
-    if (!writer_->TryQueue(fill, begin, bytes.first(n))) {
+    if (!writer_->Queue(fill, begin, bytes.first(n), fetch_once_)) {
+      if (fetch_once_) {  // a piece larger than the ring: written by its read
+        fill->Write(begin, bytes.first(n));
+        begin += n;
+        bytes = bytes.subspan(n);
+        continue;
+      }
       fill->GiveBack(begin);
       if (n < bytes.size()) fill->GiveBack(begin + n);
       given_back_.fetch_add(bytes.size(), std::memory_order_relaxed);
@@ -769,8 +825,21 @@ UniqueFd ObjectCache::Lock(const Place& place) {
     }
   }
   UniqueFd lock(::open(place.lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  if (lock.get() < 0 || Flock(lock.get(), LOCK_EX) != 0) {
-    NoteError(Where() + "cannot lock " + place.lock + ": " + Errno(errno));
+  if (lock.get() < 0) {
+    NoteError(Where() + "cannot open " + place.lock + ": " + Errno(errno));
+    return UniqueFd();
+  }
+  int e = Flock(lock.get(), LOCK_EX | LOCK_NB);
+  if (e == EWOULDBLOCK) {
+    // Another thread or process is filling this key: say that we wait (a shared lock on
+    // <lock>.want, held while waiting), so that its filler runs now rather than once its load is
+    // done with the file (Fill::AwaitTurn). Best effort: without it we only wait longer.
+    const UniqueFd want(::open(WantPath(place.lock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    if (want.get() >= 0) static_cast<void>(Flock(want.get(), LOCK_SH));
+    e = Flock(lock.get(), LOCK_EX);
+  }
+  if (e != 0) {
+    NoteError(Where() + "cannot lock " + place.lock + ": " + Errno(e));
     return UniqueFd();
   }
   return lock;
@@ -936,6 +1005,8 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   fill->tmp = place.tmp_dir + "/" + place.tmp_stem + std::to_string(::getpid()) + "." +
               std::to_string(serial.fetch_add(1));
   fill->blob = place.blob;
+  fill->want = WantPath(place.lock);
+  fill->generation = abandoned_generation.load(std::memory_order_relaxed);
   fill->fd = UniqueFd(::open(fill->tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   if (fill->fd.get() < 0) {
     unreserve();
@@ -980,11 +1051,29 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   fill->top = object.size;
   fills_.fetch_add(1);
   fill_bytes_.fetch_add(object.size);
+  // The read that started this download is one (its Reading begins after this returns): the
+  // filler's turn is not before kQuiet from now.
+  last_read_ns_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                      std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    queue_.push_back(fill);
-    ++active_;
-    if (!filler_.joinable()) filler_ = std::thread([this] { FillerLoop(); });
+    if (!filler_.joinable()) {
+      try {
+        filler_ = std::thread([this] { FillerLoop(); });
+      } catch (const std::system_error& error) {  // no thread to be had (a process at its limit)
+        why = std::string("cannot start the filler thread: ") + error.what();
+      }
+    }
+    if (why.empty()) {
+      queue_.push_back(fill);
+      ++active_;
+    }
+  }
+  if (!why.empty()) {
+    unreserve();
+    ::unlink(fill->tmp.c_str());
+    NoteError(where + object.name + " not cached: " + why);
+    return nullptr;
   }
   queue_cv_.notify_one();
   return fill;

@@ -25,7 +25,8 @@
 // still leaves a whole copy: the filler fetches the rest. A load never waits for the local disk:
 // when the disk is slower than the network, the bytes the ring has no room for are given back
 // (stats().given_back) and the filler fetches them again, so the load goes at the network's speed
-// and the copy is completed at the disk's, after it. Downloads that began finish before the cache
+// and the copy is completed at the disk's, after it (with `fetch_once`, the read waits for the
+// disk instead, and each byte is fetched once). Downloads that began finish before the cache
 // is destroyed: ~ObjectCache waits (object_source.cc lets a closed checkpoint's caches finish in
 // the background).
 //
@@ -72,11 +73,17 @@
 #include <thread>
 #include <vector>
 
+#include "tensorferry/object_store.h"
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
 #include "util/unique_fd.h"
 
 namespace tensorferry::objstore {
+
+// Gives up every download in progress or queued in this process's caches (they end as failed
+// downloads do: their copies removed) without waiting; downloads begun later are not affected.
+// For AbandonObjectCaches (object_store.h).
+void AbandonDownloads();
 
 // One version of one object.
 struct CachedObject {
@@ -109,12 +116,13 @@ class ObjectCache {
   // its snapshot link made when it is whole, the lock huggingface_hub takes); nothing is
   // evicted there (max_bytes is ignored), and a whole object may also be kept at once (Keep).
   enum class Layout { kObjects, kHub };
-  // The writer thread's ring (bytes).
-  static constexpr size_t kWriteBehind = 32u << 20;
   // `dir` is created (with its parents) at the first download; max_bytes 0: unbounded.
-  // `write_behind`: the writer's ring (tests make it small).
+  // `write_behind`: the writer's ring in bytes (ObjectStoreOptions::cache_write_behind);
+  // `fetch_once`: a read whose bytes find no room in it waits for room (or, when a piece cannot
+  // fit it at all, writes them itself) instead of giving them back (cache_fetch_once).
   ObjectCache(std::string dir, uint64_t max_bytes, Layout layout = Layout::kObjects,
-              size_t write_behind = kWriteBehind);
+              size_t write_behind = ObjectStoreOptions().cache_write_behind,
+              bool fetch_once = false);
   // Waits for the downloads that began (and those queued behind them) to end.
   ~ObjectCache();
   ObjectCache(const ObjectCache&) = delete;
@@ -195,7 +203,7 @@ class ObjectCache {
   bool MakeRoom(const std::string& keep, uint64_t incoming, std::string& why);
   void NoteError(const std::string& why);
   // A reader's fetched claim (`bytes` at `begin`) into the writer's ring, piece by piece; what
-  // finds no room is given back to the filler.
+  // finds no room is given back to the filler (fetch_once_: waited for, or written here).
   void WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
                   std::span<const std::byte> bytes);
   // A read through a download in progress, for ReadsIdleFor (RAII).
@@ -215,6 +223,7 @@ class ObjectCache {
   const std::string dir_;
   const uint64_t max_bytes_;
   const Layout layout_;
+  const bool fetch_once_;
   std::atomic<uint64_t> hits_{0}, fills_{0}, fill_bytes_{0}, evicted_{0}, errors_{0};
   std::atomic<uint64_t> given_back_{0};
   std::atomic<int> reading_{0};           // Reading: reads in progress

@@ -39,6 +39,8 @@ struct Remote {
   std::atomic<int64_t> fail_offset{-1};  // the first fetch at this offset fails; -1: none
   std::atomic<int64_t> hold_offset{-1};  // a fetch at this offset waits for `released`
   std::atomic<bool> released{false};
+  std::atomic<int64_t> watch_from{-1};  // fetches reaching this offset or beyond are counted
+  std::atomic<int> watched{0};
 
   explicit Remote(size_t size, unsigned seed = 1) : bytes(testing::Pattern(size, seed)) {}
 
@@ -75,6 +77,9 @@ struct Remote {
       }
       if (hold_offset.load() == static_cast<int64_t>(offset)) {
         while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (const int64_t w = watch_from.load(); w >= 0 && offset + dst.size() > uint64_t(w)) {
+        ++watched;
       }
       EXPECT_LE(offset + dst.size(), bytes.size());
       std::memcpy(dst.data(), bytes.data() + offset, dst.size());
@@ -275,53 +280,139 @@ TEST(ObjectCache, ReadsHandTheirBytesToTheWriterThroughItsRing) {
 // the load's reads never wait for it; what they fetched and the ring could not take is given back
 // and fetched again by the filler, which scans again for what was given back after it passed (its
 // first range is held until the readers are done); the reads byte-exact, the copy whole.
-TEST(ObjectCache, WhatTheDiskCannotTakeIsFetchedAgainAfterTheLoad) {
-  for (const size_t ring : {size_t{0}, size_t{1u << 20}}) {
-    SCOPED_TRACE(ring);
-    testing::TempDir tmp;
-    constexpr size_t kSize = 6u << 20;
-    Remote remote(kSize);
-    remote.hold_offset = static_cast<int64_t>(kSize - (64u << 10));  // the filler's first range
-    ObjectCache cache(tmp.Join("c"), 0, ObjectCache::Layout::kObjects, ring);
-    Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
-    ASSERT_TRUE(file.ok() && *file != nullptr);
-    // Ranges of 700 KB from three threads (the ring of 1 MiB takes one at a time), then reads of
-    // what they read again.
-    std::atomic<uint64_t> next{4096};
-    std::atomic<int> wrong{0};
-    const uint64_t below = kSize - (64u << 10);
-    std::vector<std::thread> readers;
-    for (int t = 0; t < 3; ++t) {
-      readers.emplace_back([&] {
-        for (uint64_t at; (at = next.fetch_add(700'000)) < below;) {
-          std::vector<std::byte> got(static_cast<size_t>(std::min<uint64_t>(700'000, below - at)));
-          for (int again = 0; again < 2; ++again) {
-            Result<size_t> r = (*file)->Read(at, got);
-            if (!r.ok() || *r != got.size() ||
-                !std::equal(got.begin(), got.end(), remote.bytes.begin() + at)) {
-              ++wrong;
+// A ring of 0 or of 1 MiB (smaller than the reads' ranges together): the bytes it has no room
+// for are given back and fetched again after the load; with fetch_once the reads wait for room
+// (or, with no ring, write their bytes themselves) and each byte is fetched once.
+TEST(ObjectCache, WhatTheDiskCannotTakeIsFetchedAgainAfterTheLoadOrWaitedFor) {
+  for (const bool fetch_once : {false, true})
+    for (const size_t ring : {size_t{0}, size_t{1u << 20}}) {
+      SCOPED_TRACE(std::to_string(ring) + (fetch_once ? " fetch_once" : ""));
+      testing::TempDir tmp;
+      constexpr size_t kSize = 12u << 20;
+      Remote remote(kSize);
+      remote.hold_offset = static_cast<int64_t>(kSize - (64u << 10));  // the filler's first range
+      ObjectCache cache(tmp.Join("c"), 0, ObjectCache::Layout::kObjects, ring, fetch_once);
+      Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+      ASSERT_TRUE(file.ok() && *file != nullptr);
+      // Ranges of 700 KB from three threads (the ring of 1 MiB takes one at a time) below 3 MiB,
+      // and one read of the next 9 MiB less 64 KiB (split into pieces of 4 MiB, none of which fits
+      // either ring); then reads of what they read again.
+      std::atomic<uint64_t> next{4096};
+      std::atomic<int> wrong{0};
+      const uint64_t below = kSize - (64u << 10), split = 3u << 20;
+      std::vector<std::thread> readers;
+      for (int t = 0; t < 4; ++t) {
+        readers.emplace_back([&, t] {
+          if (t == 3) {
+            std::vector<std::byte> got(static_cast<size_t>(below - split));
+            for (int again = 0; again < 2; ++again) {
+              Result<size_t> r = (*file)->Read(split, got);
+              if (!r.ok() || *r != got.size() ||
+                  !std::equal(got.begin(), got.end(), remote.bytes.begin() + split)) {
+                ++wrong;
+              }
+            }
+            return;
+          }
+          for (uint64_t at; (at = next.fetch_add(700'000)) < split;) {
+            std::vector<std::byte> got(
+                static_cast<size_t>(std::min<uint64_t>(700'000, split - at)));
+            for (int again = 0; again < 2; ++again) {
+              Result<size_t> r = (*file)->Read(at, got);
+              if (!r.ok() || *r != got.size() ||
+                  !std::equal(got.begin(), got.end(), remote.bytes.begin() + at)) {
+                ++wrong;
+              }
             }
           }
-        }
-      });
+        });
+      }
+      for (std::thread& t : readers) t.join();
+      EXPECT_EQ(wrong.load(), 0);
+      const uint64_t given_back = cache.stats().given_back;
+      if (fetch_once) {
+        EXPECT_EQ(given_back, 0u);
+      } else if (ring == 0) {
+        EXPECT_GE(given_back, below - 4096);  // nothing went through the ring (read again: again)
+      } else {
+        EXPECT_GE(given_back, below - split);  // the large read's pieces fit no ring
+      }
+      remote.released = true;
+      cache.Drain();
+      EXPECT_EQ(remote.fetched.load(), kSize - 4096 + given_back);
+      const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
+      EXPECT_TRUE(testing::ReadBytes(blob) ==
+                  std::string(reinterpret_cast<const char*>(remote.bytes.data()), kSize));
+      EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+      EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
     }
-    for (std::thread& t : readers) t.join();
-    EXPECT_EQ(wrong.load(), 0);
-    const uint64_t given_back = cache.stats().given_back;
-    if (ring == 0) {
-      EXPECT_GE(given_back, below - 4096);  // nothing went through the ring (read again: again)
-    } else {
-      EXPECT_GT(given_back, 0u);
+}
+
+// The filler leaves the network to the load: nothing above what the load reads is fetched while
+// it reads (the file open, reads one after the other); once its reads pause for a second, the
+// filler fetches the rest though the file is still open.
+TEST(ObjectCache, TheFillerWaitsWhileTheLoadReads) {
+  testing::TempDir tmp;
+  Remote remote(4u << 20);
+  remote.watch_from = 1 << 20;
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  std::vector<std::byte> got(16u << 10);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+  for (int round = 0; std::chrono::steady_clock::now() < until; ++round) {
+    for (uint64_t at = 4096; at + got.size() <= (1u << 20); at += got.size()) {
+      ASSERT_TRUE((*file)->Read(at, got).ok());
     }
-    remote.released = true;
-    cache.Drain();
-    EXPECT_EQ(remote.fetched.load(), kSize - 4096 + given_back);
-    const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
-    EXPECT_TRUE(testing::ReadBytes(blob) ==
-                std::string(reinterpret_cast<const char*>(remote.bytes.data()), kSize));
-    EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
-    EXPECT_EQ(CountFiles(tmp.Join("c/tmp")), 0u);
   }
+  EXPECT_EQ(remote.watched.load(), 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (remote.watched.load() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GT(remote.watched.load(), 0);  // the file still open
+  cache.Drain();
+  EXPECT_EQ(testing::ReadBytes(tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()))),
+            std::string(reinterpret_cast<const char*>(remote.bytes.data()), remote.bytes.size()));
+  EXPECT_EQ(remote.fetched.load(), remote.bytes.size() - 4096);
+}
+
+// A second reader of the same object through another cache of the directory (another process,
+// say: a second rank on the host) waits for the first one's download; its wait starts that
+// download's filler at once, not when the first one's load is done with the file.
+TEST(ObjectCache, AWaiterForTheDownloadStartsItsFiller) {
+  testing::TempDir tmp;
+  Remote remote(4u << 20);
+  ObjectCache first(tmp.Join("c"), 0), second(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> a = remote.Open(first, 4096, 2, 64u << 10);
+  Result<std::unique_ptr<SourceFile>> b = remote.Open(second, 4096, 2, 64u << 10);
+  ASSERT_TRUE(a.ok() && *a != nullptr && b.ok() && *b != nullptr);
+  std::vector<std::byte> head(16u << 10);
+  ASSERT_TRUE((*a)->Read(4096, head).ok());  // the first one's download begins
+  std::atomic<bool> waited{false}, ok{false};
+  std::thread waiter([&] {
+    std::vector<std::byte> got(64u << 10);
+    Result<size_t> r = (*b)->Read(2u << 20, got);
+    ok = r.ok() && std::equal(got.begin(), got.end(), remote.bytes.begin() + (2u << 20));
+    waited = true;
+  });
+  // The first one reads on (up to 30 s) until the second one has its bytes.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  bool while_reading = false;
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (uint64_t at = 4096; at + head.size() <= (1u << 20); at += head.size()) {
+      ASSERT_TRUE((*a)->Read(at, head).ok());
+    }
+    if (waited.load()) {
+      while_reading = true;
+      break;
+    }
+  }
+  waiter.join();
+  EXPECT_TRUE(while_reading);
+  EXPECT_TRUE(ok.load());
+  EXPECT_EQ(second.stats().hits, 1u);  // it read the first one's copy
+  EXPECT_EQ(second.stats().fills, 0u);
 }
 
 TEST(ObjectCache, APartialReadStillLeavesAWholeCopy) {

@@ -11,6 +11,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -203,10 +204,14 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
  public:
   explicit ObjectSource(ObjectStoreOptions options) : options_(std::move(options)) {
     if (!options_.cache_dir.empty()) {
-      cache_ = std::make_unique<ObjectCache>(options_.cache_dir, options_.cache_max);
+      cache_ = std::make_unique<ObjectCache>(
+          options_.cache_dir, options_.cache_max, ObjectCache::Layout::kObjects,
+          static_cast<size_t>(options_.cache_write_behind), options_.cache_fetch_once);
     }
     if (options_.hub_cache) {  // its folder is made at its first download
-      hub_cache_ = std::make_unique<ObjectCache>(HubCacheDir(), 0, ObjectCache::Layout::kHub);
+      hub_cache_ = std::make_unique<ObjectCache>(HubCacheDir(), 0, ObjectCache::Layout::kHub,
+                                                 static_cast<size_t>(options_.cache_write_behind),
+                                                 options_.cache_fetch_once);
     }
   }
   // The caches' downloads still running use this source: they end first.
@@ -214,6 +219,8 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
     cache_.reset();
     hub_cache_.reset();
   }
+  // True in a process forked from the one that made this source (which has its threads).
+  bool Inherited() const { return made_by_ != ::getpid(); }
   // True while a cache's downloads are queued or running (they call this source).
   bool Copying() const { return (cache_ && cache_->Busy()) || (hub_cache_ && hub_cache_->Busy()); }
 
@@ -257,6 +264,7 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
                 unsigned attempts) const;
 
   const ObjectStoreOptions options_;
+  const pid_t made_by_ = ::getpid();
   std::unique_ptr<ObjectCache> cache_;      // options_.cache_dir; null without one
   std::unique_ptr<ObjectCache> hub_cache_;  // options_.hub_cache: HubCacheDir(); null without
   // Every request, and (CountRequest, CountBytes) the reader's scope's too (SourceStatsScope).
@@ -532,11 +540,17 @@ SourceStats ObjectSource::stats() const {
     s.cache_hits += c.hits;
     s.cache_fills += c.fills;
     s.cache_fill_bytes += c.fill_bytes;
+    s.cache_refetch_bytes += c.given_back;
     s.cache_errors += c.errors;
     if (!s.cache_summary.empty()) s.cache_summary += "; ";
     s.cache_summary += (hub ? "hub cache " : "object cache ") + cache->dir() + ": " +
                        std::to_string(c.hits) + (c.hits == 1 ? " file" : " files") +
                        " read from it, " + std::to_string(c.fills) + " downloaded into it";
+    if (c.given_back > 0) {
+      s.cache_summary += " (" + std::to_string(c.given_back) +
+                         " bytes the local disk could not take in time fetched again after the "
+                         "load; object_cache_fetch_once waits for the disk instead)";
+    }
     if (c.errors > 0) {
       s.cache_summary += ", " + std::to_string(c.errors) + (c.errors == 1 ? " file" : " files") +
                          " read from the store because " + c.last_error;
@@ -767,8 +781,11 @@ namespace {
 // does not wait for the local disk. WaitForObjectCaches waits for them; so does the process's
 // exit (atexit, registered at the first source handed over: after libcurl's and OpenSSL's, whose
 // handlers thus run after it), in the process that handed them over only (not in a forked
-// child, which has none of its threads). Never destroyed: a thread may still be returning from
-// its work when the process exits.
+// child, which has none of its threads). A source let go once that exit handler has run is
+// destroyed at once (waiting for its copies: nothing waits for a later thread). A source made by
+// another process (inherited through fork) is left alone: its caches' threads and locks are that
+// process's. Never destroyed: a thread may still be returning from its work when the process
+// exits.
 class Finisher {
  public:
   static Finisher& Get() {
@@ -777,31 +794,56 @@ class Finisher {
   }
   // Destroys `source` now when its caches are idle, else in the background.
   void Release(ObjectSource* source) {
+    if (source->Inherited()) return;  // never used here: its memory is all it costs
     if (!source->Copying()) {
       delete source;
       return;
     }
+    bool exiting = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (pid_ != ::getpid()) {  // the first, or the first in a forked child
         pid_ = ::getpid();
         pending_ = 0;
-        if (!registered_) std::atexit([] { Get().Wait(); });
+        exiting_ = false;
+        if (!registered_) {
+          std::atexit([] {
+            Finisher& f = Get();
+            {
+              std::lock_guard<std::mutex> held(f.mu_);
+              f.exiting_ = f.pid_ == ::getpid();
+            }
+            f.Wait();
+          });
+        }
         registered_ = true;
       }
-      ++pending_;
+      exiting = exiting_;
+      if (!exiting) ++pending_;
     }
-    std::thread([this, source] {
+    if (exiting) {
       delete source;
-      std::lock_guard<std::mutex> lock(mu_);
-      --pending_;
-      done_.notify_all();
-    }).detach();
+      return;
+    }
+    try {
+      std::thread([this, source] {
+        delete source;
+        Done();
+      }).detach();
+    } catch (const std::system_error&) {  // no thread to be had (a process at its limit)
+      delete source;
+      Done();
+    }
   }
   void Wait() {
     std::unique_lock<std::mutex> lock(mu_);
     if (pid_ != ::getpid()) return;
     done_.wait(lock, [this] { return pending_ == 0; });
+  }
+  bool WaitFor(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (pid_ != ::getpid()) return true;
+    return done_.wait_for(lock, timeout, [this] { return pending_ == 0; });
   }
   bool Pending() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -809,11 +851,18 @@ class Finisher {
   }
 
  private:
+  void Done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    --pending_;
+    done_.notify_all();
+  }
+
   std::mutex mu_;
   std::condition_variable done_;
   pid_t pid_ = 0;
   size_t pending_ = 0;  // sources being destroyed
   bool registered_ = false;
+  bool exiting_ = false;  // the exit handler has run (in pid_)
 };
 
 }  // namespace
@@ -833,6 +882,14 @@ Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& optio
 
 void WaitForObjectCaches() {
   objstore::Finisher::Get().Wait();
+}
+
+bool WaitForObjectCaches(std::chrono::milliseconds timeout) {
+  return objstore::Finisher::Get().WaitFor(timeout);
+}
+
+void AbandonObjectCaches() {
+  objstore::AbandonDownloads();
 }
 
 bool ObjectCachesCopying() {

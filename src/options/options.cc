@@ -229,7 +229,7 @@ struct Key {
 
 constexpr uint64_t kU32 = UINT32_MAX;
 
-const std::array<Key, 50> kKeys = {{
+const std::array<Key, 52> kKeys = {{
     {"engine", "TENSORFERRY_ENGINE",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseEngine(v), o.engine); }},
     {"threads", "TENSORFERRY_THREADS", SetCount<&LoadOptions::threads, kU32, true>},
@@ -317,6 +317,10 @@ const std::array<Key, 50> kKeys = {{
      SetObjectNumber<&ObjectStoreOptions::cache_max, 0, UINT64_MAX>},
     {"object_hub_cache", "TENSORFERRY_OBJECT_HUB_CACHE",
      SetObjectBool<&ObjectStoreOptions::hub_cache>},
+    {"object_cache_write_behind", "TENSORFERRY_OBJECT_CACHE_WRITE_BEHIND",
+     SetObjectNumber<&ObjectStoreOptions::cache_write_behind, 0, (16ull << 30)>},
+    {"object_cache_fetch_once", "TENSORFERRY_OBJECT_CACHE_FETCH_ONCE",
+     SetObjectBool<&ObjectStoreOptions::cache_fetch_once>},
     {"verify", "TENSORFERRY_VERIFY",
      [](LoadOptions& o, std::string_view v) { return Assign(ParseVerifyMode(v), o.verify); }},
     {"coop_exchange", "TENSORFERRY_COOP_EXCHANGE",

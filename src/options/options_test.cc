@@ -68,6 +68,8 @@ TEST(LoadOptionsSet, EveryKey) {
                                  {"object_cache_dir", "/var/cache/tf"},
                                  {"object_cache_max", "100GiB"},
                                  {"object_hub_cache", "off"},
+                                 {"object_cache_write_behind", "8MiB"},
+                                 {"object_cache_fetch_once", "1"},
                                  {"coop_exchange", "none"},
                                  {"coop_storage_rate", "500MB"},
                                  {"coop_network_rate", "125MB"},
@@ -121,6 +123,8 @@ TEST(LoadOptionsSet, EveryKey) {
   EXPECT_EQ(os.cache_dir, "/var/cache/tf");
   EXPECT_EQ(os.cache_max, 100ull << 30);
   EXPECT_FALSE(os.hub_cache);
+  EXPECT_EQ(os.cache_write_behind, 8u << 20);
+  EXPECT_TRUE(os.cache_fetch_once);
   EXPECT_EQ(o.cooperative.exchange, ExchangeChoice::kNone);
   EXPECT_EQ(o.cooperative.storage_rate, 500'000'000u);
   EXPECT_EQ(o.cooperative.network_rate, 125'000'000u);
@@ -131,7 +135,7 @@ TEST(LoadOptionsSet, EveryKey) {
   // LoadOptionKeys lists exactly the keys Set accepts, each once.
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
-  EXPECT_EQ(keys.size(), 50u);
+  EXPECT_EQ(keys.size(), 52u);
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

@@ -36,12 +36,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def _copies_into_caches_end_with_their_test():
+def _copies_into_caches_end_with_their_test(request):
     """Copies into object and hub caches finish after their loader closes (in the background):
     each test's end waits for its own, so that none writes into the next test's folders or asks
-    a server its fixture has stopped."""
+    a server its fixture has stopped. A test with a server first collects the loaders a
+    reference cycle would keep (and their copies) past its end."""
     yield
+    import gc
+
     import tensorferry
+    if {"seaweed", "nginx_http", "hub", "hf_hub"} & set(request.fixturenames):
+        gc.collect()
     tensorferry.wait_for_caches()
 
 

@@ -270,11 +270,12 @@ class FaultProxy:
         with self._lock:
             self._stats = {"connections": 0, "requests": 0, "responses": 0, "forwarded": 0,
                            "ranged_requests": 0, "overwrites": 0, "unauthorized": 0,
-                           "faults": {k: 0 for k in KINDS}}
+                           "body_bytes": 0, "faults": {k: 0 for k in KINDS}}
 
     def stats(self):
         """A snapshot: connections, requests, responses (incl. faulted), forwarded (reached the
-        server), ranged_requests, overwrites, unauthorized (401s of the bearer gate), faults
+        server), ranged_requests, overwrites, unauthorized (401s of the bearer gate), body_bytes
+        (bytes of response bodies relayed to clients, as sent: chunked framing included), faults
         {kind: count}."""
         with self._lock:
             snap = dict(self._stats)
@@ -438,6 +439,10 @@ class FaultProxy:
                     return rule
         return None
 
+    def _relayed(self, n):
+        with self._lock:
+            self._stats["body_bytes"] += n
+
     def _response_started(self):
         """Counts a response when its head goes out (so a client that has read it sees it
         counted)."""
@@ -464,6 +469,7 @@ class FaultProxy:
             client.sendall(head)
             for piece in body:
                 client.sendall(piece)
+                self._relayed(len(piece))
             return reusable and h.get("connection", "").lower() != "close"
         self._inject(rule, client, head, body, length)
         return False
@@ -488,6 +494,7 @@ class FaultProxy:
             if left <= 0:
                 break
             client.sendall(piece[:left])
+            self._relayed(len(piece[:left]))
             left -= len(piece[:left])
         if rule.kind == "truncate":
             client.shutdown(socket.SHUT_WR)  # FIN after fewer bytes than announced

@@ -249,6 +249,20 @@ def test_download_through_resets_is_byte_exact(stores, s3_proxy, tmp_path):
         shard_bytes(stores)
 
 
+def two_layers(stores, tmp_path, folder):
+    """(name a, name b, {name: tensor}, local path, s3:// URL) of a file of two layers (4 and 8
+    MiB, one dtype: in the file in name order) uploaded under PREFIX/folder."""
+    import torch
+    a, b = "model.layers.0.w", "model.layers.1.w"
+    big = {a: torch.arange(1 << 20, dtype=torch.int32),
+           b: torch.arange(2 << 20, dtype=torch.int32) * 3}
+    local = tmp_path / "two.safetensors"
+    tensorferry.torch.save_file(big, str(local))
+    key = f"{PREFIX}/{folder}/two.safetensors"
+    stores.seaweed.upload(stores.seaweed.BUCKET, key, str(local))
+    return a, b, big, local, stores.seaweed.url(key)
+
+
 def test_closing_does_not_wait_for_the_copy_and_the_exit_does(stores, s3_proxy, tmp_path):
     """A file read in part (the first layer of two) leaves the rest of its copy to the cache's
     filler, which the proxy stalls (its first range, the object's top, waits out a timeout and
@@ -258,15 +272,9 @@ def test_closing_does_not_wait_for_the_copy_and_the_exit_does(stores, s3_proxy, 
     import time
 
     import torch
-    a, b = "model.layers.0.w", "model.layers.1.w"  # one dtype: in the file in name order
-    big = {a: torch.arange(1 << 20, dtype=torch.int32),
-           b: torch.arange(2 << 20, dtype=torch.int32) * 3}
-    local = tmp_path / "two.safetensors"
-    tensorferry.torch.save_file(big, str(local))
+    a, b, big, local, url = two_layers(stores, tmp_path, "cache-background")
     size = os.path.getsize(local)
-    key = f"{PREFIX}/cache-background/two.safetensors"
-    stores.seaweed.upload(stores.seaweed.BUCKET, key, str(local))
-    url = stores.seaweed.url(key)
+
     def the_top(request):
         return request.headers.get("range", "").endswith(f"-{size - 1}")
 
@@ -298,6 +306,81 @@ def test_closing_does_not_wait_for_the_copy_and_the_exit_does(stores, s3_proxy, 
         (entry,) = [e for e in os.listdir(cache / "blobs") if not e.endswith(".json")]
         assert (cache / "blobs" / entry).read_bytes() == local.read_bytes(), form
         assert os.listdir(cache / "tmp") == []
+
+
+def test_ctrl_c_in_wait_for_caches_gives_the_copies_up(stores, s3_proxy, tmp_path):
+    """Ctrl-C while wait_for_caches() waits for a copy (its filler stalled by the proxy) raises
+    KeyboardInterrupt and gives the copy up: it is removed once its request in flight ends, and
+    the next load of the file makes a whole copy (copies begun later are not given up)."""
+    import signal
+    import threading
+
+    import torch
+    a, b, big, local, url = two_layers(stores, tmp_path, "cache-abandon")
+    size = os.path.getsize(local)
+    cache = tmp_path / "cache"
+    opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_part_size=1 << 20,
+                             object_cache_dir=str(cache))
+    s3_proxy.set_rules([Rule("stall", every=1, times=1, stall_s=10, after_bytes=0,
+                             match=lambda r: r.headers.get("range", "").endswith(f"-{size - 1}"))])
+    with safe_open(url, framework="pt", storage_options=opts) as f:
+        assert torch.equal(f.get_tensor(a), big[a])
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tensorferry.wait_for_caches()
+    finally:
+        timer.cancel()
+    tensorferry.wait_for_caches()  # the stalled request's retry ends the given-up copy
+    assert blobs(cache) == [] and os.listdir(cache / "tmp") == []
+    s3_proxy.set_rules([])
+    got, stats = load_with_stats(url, storage_options=opts)
+    assert torch.equal(got[b], big[b]) and stats.cache_fills == 1
+    (entry,) = blobs(cache)
+    assert (cache / "blobs" / entry).read_bytes() == local.read_bytes()
+
+
+def test_what_the_disk_cannot_take_is_fetched_again_unless_fetch_once(stores, s3_proxy, tmp_path):
+    """With no memory for bytes on their way to the local disk (object_cache_write_behind 0: a
+    disk that never keeps up), every byte a load fetches for the copies is fetched again after
+    the load, and cache_refetch_bytes says how many; with object_cache_fetch_once the load writes
+    them itself and each byte crosses the network once. Both leave byte-exact copies, and the
+    store served exactly cache_refetch_bytes more in the first case."""
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    want = load_all(stores.tiny)
+    sizes = [os.path.getsize(os.path.join(stores.tiny, s)) for s in stores.shards]
+    served = {}
+    for fetch_once in (False, True):
+        cache = tmp_path / f"once-{fetch_once}"
+        opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_cache_dir=str(cache),
+                                 object_cache_write_behind=0, object_cache_fetch_once=fetch_once)
+        s3_proxy.reset_stats()
+        got, stats = load_with_stats(url, storage_options=opts)
+        assert_same(got, want)
+        assert stats.cache_fills == len(stores.shards)
+        # Every tensor is read: each shard's bytes past the open's first 4096.
+        expected = 0 if fetch_once else sum(n - 4096 for n in sizes)
+        assert stats.cache_refetch_bytes == expected, fetch_once
+        assert ("fetched again after the load" in stats.engine_reason) == (not fetch_once)
+        assert {open(cache / "blobs" / b, "rb").read() for b in blobs(cache)} == \
+            shard_bytes(stores)
+        assert os.listdir(cache / "tmp") == []
+        served[fetch_once] = s3_proxy.stats()["body_bytes"]
+    assert served[False] - served[True] == sum(n - 4096 for n in sizes)
+
+    # The CLI: the setting as a flag and a variable; --json and the text report say it.
+    env = stores.seaweed.env()
+    env["TENSORFERRY_OBJECT_HEADER_BYTES"] = "4096"
+    env["TENSORFERRY_OBJECT_CACHE_WRITE_BEHIND"] = "0"
+    report = json.loads(cli_load(url, "--json", "--object-cache-dir", str(tmp_path / "cli"),
+                                 env=env).stdout)
+    assert report["cache_refetch_bytes"] == sum(n - 4096 for n in sizes)
+    text = cli_load(url, "--object-cache-dir", str(tmp_path / "cli2"), env=env).stdout
+    assert "to fetch again after the load: the local disk could not take them in time" in text
+    report = json.loads(cli_load(url, "--json", "--object-cache-dir", str(tmp_path / "cli3"),
+                                 "--object-cache-fetch-once", "1", env=env).stdout)
+    assert (report["cache_fills"], report["cache_refetch_bytes"]) == (len(sizes), 0)
 
 
 def test_failed_download_leaves_no_entry(stores, s3_proxy, tmp_path):

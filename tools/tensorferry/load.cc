@@ -251,6 +251,10 @@ std::string TextReport(const Report& r) {
     text += "; cache: " + Plural(stats.cache_hits, "file") + " read from it, " +
             Plural(stats.cache_fills, "file") + " (" + FormatBytes(stats.cache_fill_bytes) +
             ") downloaded into it";
+    if (stats.cache_refetch_bytes > 0) {
+      text += " (" + FormatBytes(stats.cache_refetch_bytes) +
+              " to fetch again after the load: the local disk could not take them in time)";
+    }
   }
   if (stats.verified_tensors > 0 || stats.verify_partial_tensors > 0 ||
       stats.verify_skipped_tensors > 0) {
@@ -389,6 +393,12 @@ Command AddLoadCommand(CLI::App& parent) {
   option("object_cache_max",
          "Most bytes the cache directory may hold; least recently used files go first "
          "(default 0: unbounded)");
+  option("object_cache_write_behind",
+         "Memory holding fetched bytes until the cache's writer writes them; what it has no room "
+         "for is fetched again after the load (default 32MiB)");
+  option("object_cache_fetch_once",
+         "Wait for the local disk rather than fetch again what the cache's writer could not "
+         "take: 1/0 (default 0)");
   option("object_hub_cache",
          "Keep the files of hf:// paths streamed from the hub in the Hugging Face hub cache, "
          "as `hf download` would: 1/0 (default 1)");

@@ -40,7 +40,6 @@ from ._safe_open import safe_open  # noqa: F401
 from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F401
 
 
-
 def _wait_for_caches_at_exit():
     # Copies into caches that outlive their loaders finish before the interpreter goes (the C++
     # library's own exit handler would run after the interpreter is gone); Ctrl-C gives them up.

@@ -127,7 +127,9 @@ class Loader:
     into host memory, batch by batch under a byte budget, as tensors the caller owns.
 
     Args:
-        checkpoint: path of the file, directory or index.
+        checkpoint: path of the file, directory or index; or an open Loader, whose checkpoint
+            the new one reads with its own options (nothing is opened or parsed again: for a
+            checkpoint in object storage, no request; storage_options are the first one's).
         device: where tensors go: "cpu", or (framework "pt") "cuda" / "cuda:N" / a torch.device:
             tensors are read straight into GPU memory through the device pipeline (a pinned
             staging ring, or GPUDirect Storage) and returned as CUDA tensors sharing one device
@@ -295,8 +297,11 @@ class Loader:
                 options["prefer_mmap"] = True
             if populate is None and not os.environ.get("TENSORFERRY_POPULATE"):
                 options["populate"] = True
-        path = os.fspath(checkpoint)
-        self._reader = _core.Reader(path, False, {k: v for k, v in options.items() if v is not None})
+        given = {k: v for k, v in options.items() if v is not None}
+        if isinstance(checkpoint, Loader):
+            self._reader = _core.Reader(checkpoint._reader, given)
+        else:
+            self._reader = _core.Reader(os.fspath(checkpoint), False, given)
         self._cooperative = None if process_group is None else _distributed.Cooperative(
             self._reader, process_group, options, self._fw, requested)
         self._names = self._resolve(select)

@@ -507,14 +507,14 @@ def _make_class():
         def _stream(self, part, prefix, device):
             """(name, tensor) of one Part through Loader.iter_tensors under the budget."""
             # The probe only describes (sizes are the same wherever the tensors go): on the host,
-            # so it makes no device pipeline.
+            # so it makes no device pipeline. The load reads the checkpoint the probe opened.
             with tensorferry.Loader(part.checkpoint, select=part.select,
                                     **self._common()) as probe:
                 budget = self._budget(probe, part.checkpoint)
-            loader = tensorferry.Loader(part.checkpoint, device=device, budget=budget,
-                                        select=part.select,
-                                        progress=self._progress(),
-                                        **self._common())
+                loader = tensorferry.Loader(probe, device=device, budget=budget,
+                                            select=part.select,
+                                            progress=self._progress(),
+                                            **self._common())
             with loader:
                 try:
                     for name, tensor in loader.iter_tensors():

@@ -205,6 +205,24 @@ def test_tiny_checkpoint_is_byte_exact_through_python(stores, store, form):
             assert torch.equal(b.get_slice(name)[1:3], a.get_slice(name)[1:3])
 
 
+def test_a_loader_of_an_open_loader_asks_the_store_nothing_more(stores, s3_proxy):
+    """Loader(open_loader, ...) reads the first loader's checkpoint with its own options (here a
+    budget): making it sends no request (no listing, index or header read again), its load is
+    byte-exact, and a closed loader cannot be read so."""
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    opts = stores.s3_options(endpoint=s3_proxy.url)
+    with tensorferry.Loader(url, storage_options=opts) as first:
+        before = s3_proxy.stats()["requests"]
+        with tensorferry.Loader(first, budget="48KB", allow_oversized=True) as loader:
+            assert s3_proxy.stats()["requests"] == before
+            assert loader.keys() == first.keys()
+            got = {name: t.clone() for name, t in loader.iter_tensors()}
+            assert loader.stats.batches > 1
+    assert_same(got, load_all(stores.tiny))
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        tensorferry.Loader(first)
+
+
 @pytest.mark.parametrize("store,form", TINY_FORMS)
 def test_tiny_checkpoint_through_the_cli(stores, store, form):
     url, _, local = stores.tiny_form(store, form)

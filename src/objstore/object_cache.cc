@@ -54,15 +54,16 @@ std::string Errno(int error) {
 
 // The calling thread (the cache's writer, filler and its fetchers: work in the background of a
 // load) yields the CPUs and the disk to the load and to what consumes it: a lower CPU priority
-// (10 above the nice value it inherited, at most 19; this thread only) and the best-effort I/O
-// class's lowest priority. Best effort: failures change nothing.
+// (a nice value 10 above the process's, at most 19; this thread only, and never raised: a thread
+// a background thread made inherits its value, and calling this again changes nothing) and the
+// best-effort I/O class's lowest priority. Best effort: failures change nothing.
 void RunInBackground() {
   const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
   errno = 0;
-  const int nice = ::getpriority(PRIO_PROCESS, tid);  // the creator's, inherited
-  if (errno == 0 && nice < 19) {
-    static_cast<void>(::setpriority(PRIO_PROCESS, tid, std::min(19, nice + 10)));
-  }
+  const int process = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::getpid()));  // main thread
+  const int target = std::min(19, process + 10);
+  const int now = errno == 0 ? ::getpriority(PRIO_PROCESS, tid) : target;
+  if (errno == 0 && now < target) static_cast<void>(::setpriority(PRIO_PROCESS, tid, target));
   constexpr int kClassBestEffort = 2, kClassShift = 13, kLowest = 7, kWhoProcess = 1;
   static_cast<void>(::syscall(SYS_ioprio_set, kWhoProcess, static_cast<int>(tid),
                               (kClassBestEffort << kClassShift) | kLowest));

@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "tensorferry/loader.h"
 #include "tensorferry/object_store.h"
 #include "tensorferry/options.h"
+#include "testing/test_util.h"
 
 namespace tensorferry {
 namespace {
@@ -127,6 +130,42 @@ TEST(ObjectSourceLive, ConcurrentLoadersOfOneCheckpointCountTheirOwnRequests) {
   // Together they are every request the source made meanwhile.
   EXPECT_EQ(stats[0].remote_bytes + stats[1].remote_bytes, after.bytes - before.bytes);
   EXPECT_EQ(stats[0].remote_requests + stats[1].remote_requests, after.requests - before.requests);
+}
+
+// The bytes of every file in `dir` that is not a description (.json): a cache's copies, or a
+// checkpoint's shards.
+std::set<std::string> Contents(const std::string& dir, const std::string& suffix) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() >= suffix.size() && name.ends_with(suffix) && !name.ends_with(".json")) {
+      out.insert(testing::ReadBytes(e.path().string()));
+    }
+  }
+  return out;
+}
+
+// With a local cache (object_cache_dir): a rank that reads only its slices leaves each file's
+// copy to the cache's filler, which finishes it after the checkpoint is closed (the close does
+// not wait); WaitForObjectCaches waits for it, and every copy then holds the file's bytes. A
+// copy given up before (AbandonObjectCaches) does not affect those begun after it.
+TEST(ObjectSourceLive, CopiesOfAClosedCheckpointFinishInTheBackground) {
+  REQUIRE_LIVE(live);
+  AbandonObjectCaches();  // nothing in progress: copies begun later are not affected
+  testing::TempDir tmp;
+  LoadOptions o;
+  ASSERT_TRUE(o.Set("object_cache_dir", tmp.Join("cache")).ok());
+  ASSERT_TRUE(o.Set("object_header_bytes", "4096").ok());  // the open's GET leaves bytes to copy
+  ASSERT_TRUE(o.Set("tp_rank", "0").ok());
+  ASSERT_TRUE(o.Set("tp_size", "2").ok());
+  LoadStats stats;
+  ASSERT_FALSE(LoadAll(live->url, o, &stats).empty());  // the loader and checkpoint closed
+  EXPECT_GT(stats.cache_fills, 0u);
+  EXPECT_TRUE(WaitForObjectCaches(std::chrono::seconds(60)));
+  EXPECT_FALSE(ObjectCachesCopying());
+  EXPECT_EQ(Contents(tmp.Join("cache/blobs"), ""), Contents(live->local, ".safetensors"));
+  EXPECT_TRUE(std::filesystem::is_empty(tmp.Join("cache/tmp")));
 }
 
 // The server runs on loopback: the automatic transport takes the local choice (transport.h), the

@@ -215,6 +215,14 @@ void WaitForObjectCaches();
 bool WaitForObjectCaches(std::chrono::milliseconds timeout);
 // True while such copies are in progress.
 bool ObjectCachesCopying();
+// The copies finished in the background (above) that failed since the last call, oldest first,
+// each in words naming the cache, the object and why ("object cache DIR: s3://bucket/key not
+// cached: download failed: ..."); given-up copies (AbandonObjectCaches) among them. Such a
+// failure cost no load anything: the next load of that file downloads it again. Call it after
+// WaitForObjectCaches() for all of them (the CLI and Python's wait_for_caches() report them).
+// At most the latest 256 are kept (then a first line says how many earlier ones were not).
+// Safe from any thread.
+std::vector<std::string> TakeObjectCacheFailures();
 // Gives up every copy into a cache that this process has in progress or queued, those of open
 // checkpoints included (each is removed, as a failed download is, and the next load of its file
 // downloads it again; loads still running read the store for what a copy lacks), and returns at

@@ -74,7 +74,7 @@ NB_MODULE(_core, m) {
             WithoutGil unlocked;
             done = WaitForObjectCaches(std::chrono::milliseconds(100));
           }
-          if (done) return;
+          if (done) return TakeObjectCacheFailures();
           if (PyErr_CheckSignals() != 0) {
             AbandonObjectCaches();
             throw nb::python_error();
@@ -84,7 +84,9 @@ NB_MODULE(_core, m) {
       "Waits until the copies into object caches (object_cache_dir, the hub cache) that closed "
       "loaders and files left in progress are whole (docs/object_storage.md); the interpreter's "
       "exit waits for them too. Ctrl-C meanwhile gives them up (each is removed; the next load "
-      "of its file downloads it again) and raises KeyboardInterrupt.");
+      "of its file downloads it again) and raises KeyboardInterrupt. Returns the copies that "
+      "failed since the last call, each a line naming the cache, the object and why (such a "
+      "failure cost no load anything: the next load of that file downloads it again).");
   m.def(
       "object_size",
       [](const std::string& url, const nb::dict& options) {

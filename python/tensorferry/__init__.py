@@ -43,12 +43,16 @@ from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F
 def _wait_for_caches_at_exit():
     # Copies into caches that outlive their loaders finish before the interpreter goes (the C++
     # library's own exit handler would run after the interpreter is gone); Ctrl-C gives them up.
+    import sys
     try:
-        wait_for_caches()
+        failures = wait_for_caches()
     except KeyboardInterrupt:
-        import sys
         print("tensorferry: copies into the cache given up (interrupted); the next load of "
               "those files downloads them again", file=sys.stderr)
+        return
+    for failure in failures:
+        print(f"tensorferry: warning: {failure} (the next load downloads it again)",
+              file=sys.stderr)
 
 
 atexit.register(_wait_for_caches_at_exit)

@@ -924,10 +924,24 @@ ObjectCacheStats ObjectCache::stats() const {
   return s;
 }
 
-void ObjectCache::NoteError(const std::string& why) {
-  errors_.fetch_add(1);
+std::vector<std::string> ObjectCache::ErrorsSince(uint64_t first) const {
   std::lock_guard<std::mutex> lock(mu_);
+  // errors_ grows under mu_ (NoteError), so the log's last entry is failure errors_ - 1.
+  const uint64_t count = errors_.load();
+  const uint64_t logged_from = count - error_log_.size();
+  std::vector<std::string> out;
+  for (uint64_t i = std::max(first, logged_from); i < count; ++i) {
+    out.push_back(error_log_[static_cast<size_t>(i - logged_from)]);
+  }
+  return out;
+}
+
+void ObjectCache::NoteError(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  errors_.fetch_add(1);
   last_error_ = why;
+  error_log_.push_back(why);
+  if (error_log_.size() > kErrorLog) error_log_.pop_front();
 }
 
 std::unique_ptr<SourceFile> ObjectCache::Find(const CachedObject& object, const Place& place,

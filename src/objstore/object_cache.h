@@ -152,6 +152,10 @@ class ObjectCache {
 
   const std::string& dir() const noexcept { return dir_; }
   ObjectCacheStats stats() const;
+  // The failures counted in stats().errors from the `first`-th on (0: the first), each in words
+  // as last_error; at most the latest kErrorLog of them.
+  std::vector<std::string> ErrorsSince(uint64_t first) const;
+  static constexpr size_t kErrorLog = 64;
 
   // The entry name of `object` (64 lower-case hex digits) in the kObjects layout.
   static std::string Key(const CachedObject& object);
@@ -228,8 +232,9 @@ class ObjectCache {
   std::atomic<uint64_t> given_back_{0};
   std::atomic<int> reading_{0};           // Reading: reads in progress
   std::atomic<int64_t> last_read_ns_{0};  // Reading: when the last one ended (steady clock)
-  mutable std::mutex mu_;                 // last_error_, queue_, active_, stop_, filler_
+  mutable std::mutex mu_;  // last_error_, error_log_, queue_, active_, stop_, filler_
   std::string last_error_;
+  std::deque<std::string> error_log_;  // the latest kErrorLog failures (the last is errors_ - 1)
   std::condition_variable queue_cv_, idle_cv_;
   std::deque<std::shared_ptr<Fill>> queue_;
   size_t active_ = 0;  // downloads queued or running

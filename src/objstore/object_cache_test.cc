@@ -614,6 +614,28 @@ TEST(ObjectCache, UnusableDirectoryReadsTheStoreAndSaysWhy) {
   EXPECT_TRUE(Contains(s.last_error, "object cache " + tmp.Join("not-a-dir") + ": cannot create"));
 }
 
+TEST(ObjectCache, EachFailureIsKeptInWordsTheLatestFirst) {
+  testing::TempDir tmp;
+  testing::WriteBytes(tmp.Join("not-a-dir"), "x");
+  Remote remote(10'000);
+  ObjectCache cache(tmp.Join("not-a-dir"), 0);
+  const uint64_t n = ObjectCache::kErrorLog + 3;
+  for (uint64_t i = 0; i < n; ++i) {
+    Result<std::unique_ptr<SourceFile>> file = remote.Open(cache);
+    ASSERT_TRUE(file.ok() && *file != nullptr) << file.status().ToString();
+    ASSERT_EQ(ReadAll(**file), remote.bytes);
+  }
+  ASSERT_EQ(cache.stats().errors, n);
+  EXPECT_EQ(cache.ErrorsSince(0).size(), ObjectCache::kErrorLog);  // the oldest 3 not kept
+  EXPECT_EQ(cache.ErrorsSince(5).size(), n - 5);
+  const std::vector<std::string> last = cache.ErrorsSince(n - 1);
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_EQ(last[0], cache.stats().last_error);
+  EXPECT_TRUE(Contains(last[0], "object cache " + tmp.Join("not-a-dir") + ": cannot create"));
+  EXPECT_TRUE(cache.ErrorsSince(n).empty());
+  EXPECT_TRUE(cache.ErrorsSince(n + 10).empty());
+}
+
 TEST(ObjectCache, LeftoversOfADeadFillerAreRemoved) {
   testing::TempDir tmp;
   Remote remote(100'000);

@@ -1,12 +1,14 @@
 // The object-store Source (tensorferry/object_store.h): S3, GCS and HTTP(S) URLs read by ranged
 // GETs with retries, resume and ETag pinning.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -223,6 +225,23 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   bool Inherited() const { return made_by_ != ::getpid(); }
   // True while a cache's downloads are queued or running (they call this source).
   bool Copying() const { return (cache_ && cache_->Busy()) || (hub_cache_ && hub_cache_->Busy()); }
+  // The failures each cache has counted so far (stats().errors; cache_, then hub_cache_).
+  std::array<uint64_t, 2> CacheErrors() const {
+    return {cache_ ? cache_->stats().errors : 0, hub_cache_ ? hub_cache_->stats().errors : 0};
+  }
+  // Waits for the caches' downloads, then describes the failures counted after `before`.
+  std::vector<std::string> FinishCopies(const std::array<uint64_t, 2>& before) const {
+    std::vector<std::string> failures;
+    size_t i = 0;
+    for (ObjectCache* cache : {cache_.get(), hub_cache_.get()}) {
+      if (cache != nullptr) {
+        cache->Drain();
+        for (std::string& why : cache->ErrorsSince(before[i])) failures.push_back(std::move(why));
+      }
+      ++i;
+    }
+    return failures;
+  }
 
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
@@ -821,19 +840,34 @@ class Finisher {
       exiting = exiting_;
       if (!exiting) ++pending_;
     }
+    const std::array<uint64_t, 2> before = source->CacheErrors();
     if (exiting) {
-      delete source;
+      Finish(source, before);
       return;
     }
     try {
-      std::thread([this, source] {
-        delete source;
+      std::thread([this, source, before] {
+        Finish(source, before);
         Done();
       }).detach();
     } catch (const std::system_error&) {  // no thread to be had (a process at its limit)
-      delete source;
+      Finish(source, before);
       Done();
     }
+  }
+  // The failures recorded since the last call (TakeObjectCacheFailures).
+  std::vector<std::string> TakeFailures() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> out;
+    if (failures_dropped_ > 0) {
+      std::string note = std::to_string(failures_dropped_);
+      note.append(" earlier failures not kept");
+      out.push_back(std::move(note));
+      failures_dropped_ = 0;
+    }
+    out.insert(out.end(), failures_.begin(), failures_.end());
+    failures_.clear();
+    return out;
   }
   void Wait() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -851,6 +885,21 @@ class Finisher {
   }
 
  private:
+  static constexpr size_t kMaxFailures = 256;
+  // Lets `source`'s copies end, records how they failed, destroys it.
+  void Finish(ObjectSource* source, const std::array<uint64_t, 2>& before) {
+    std::vector<std::string> failures = source->FinishCopies(before);
+    delete source;
+    if (failures.empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (std::string& why : failures) {
+      if (failures_.size() == kMaxFailures) {
+        failures_.pop_front();
+        ++failures_dropped_;
+      }
+      failures_.push_back(std::move(why));
+    }
+  }
   void Done() {
     std::lock_guard<std::mutex> lock(mu_);
     --pending_;
@@ -862,7 +911,9 @@ class Finisher {
   pid_t pid_ = 0;
   size_t pending_ = 0;  // sources being destroyed
   bool registered_ = false;
-  bool exiting_ = false;  // the exit handler has run (in pid_)
+  bool exiting_ = false;              // the exit handler has run (in pid_)
+  std::deque<std::string> failures_;  // copies that failed in the background, not yet taken
+  uint64_t failures_dropped_ = 0;     // the oldest of them, not kept (over kMaxFailures)
 };
 
 }  // namespace
@@ -890,6 +941,10 @@ bool WaitForObjectCaches(std::chrono::milliseconds timeout) {
 
 void AbandonObjectCaches() {
   objstore::AbandonDownloads();
+}
+
+std::vector<std::string> TakeObjectCacheFailures() {
+  return objstore::Finisher::Get().TakeFailures();
 }
 
 bool ObjectCachesCopying() {

@@ -166,6 +166,8 @@ TEST(ObjectSourceLive, CopiesOfAClosedCheckpointFinishInTheBackground) {
   EXPECT_FALSE(ObjectCachesCopying());
   EXPECT_EQ(Contents(tmp.Join("cache/blobs"), ""), Contents(live->local, ".safetensors"));
   EXPECT_TRUE(std::filesystem::is_empty(tmp.Join("cache/tmp")));
+  const std::vector<std::string> failures = TakeObjectCacheFailures();  // none: all whole
+  EXPECT_TRUE(failures.empty()) << failures.front();
 }
 
 // The server runs on loopback: the automatic transport takes the local choice (transport.h), the

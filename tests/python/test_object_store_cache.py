@@ -332,13 +332,97 @@ def test_ctrl_c_in_wait_for_caches_gives_the_copies_up(stores, s3_proxy, tmp_pat
             tensorferry.wait_for_caches()
     finally:
         timer.cancel()
-    tensorferry.wait_for_caches()  # the stalled request's retry ends the given-up copy
+    # The stalled request's retry ends the given-up copy, reported as such.
+    (failure,) = tensorferry.wait_for_caches()
+    assert url in failure and "given up" in failure, failure
     assert blobs(cache) == [] and os.listdir(cache / "tmp") == []
     s3_proxy.set_rules([])
     got, stats = load_with_stats(url, storage_options=opts)
     assert torch.equal(got[b], big[b]) and stats.cache_fills == 1
     (entry,) = blobs(cache)
     assert (cache / "blobs" / entry).read_bytes() == local.read_bytes()
+
+
+def test_ctrl_c_while_the_cli_finishes_its_copies_gives_them_up(stores, s3_proxy, tmp_path):
+    """The CLI's load is done and its copy is being finished (the filler's first range stalled
+    by the proxy for 30 s): Ctrl-C gives the copy up: the CLI says so, removes the copy in
+    progress (its request in flight ends at the 3 s timeout) and dies of SIGINT, long before the
+    stall ends."""
+    import signal
+    import time
+    a, b, big, local, url = two_layers(stores, tmp_path, "cache-cli-abandon")
+    size = os.path.getsize(local)
+    cache = tmp_path / "cache"
+    s3_proxy.reset_stats()
+    s3_proxy.set_rules([Rule("stall", every=1, times=1, stall_s=30, after_bytes=0,
+                             match=lambda r: r.headers.get("range", "").endswith(f"-{size - 1}"))])
+    env = dict(os.environ, **stores.seaweed.env(endpoint=s3_proxy.url))
+    env.update(TENSORFERRY_OBJECT_HEADER_BYTES="4096", TENSORFERRY_OBJECT_PART_SIZE="1M",
+               TENSORFERRY_OBJECT_TIMEOUT_MS="3000")
+    proc = subprocess.Popen([CLI, "load", url, "--layers", "0", "--object-cache-dir", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while s3_proxy.stats()["faults"]["stall"] == 0 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        assert s3_proxy.stats()["faults"]["stall"] == 1
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=25)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGINT, err
+    assert took < 20, took
+    assert "the copies into the cache were given up" in err, err
+    assert out.startswith("loaded 1 tensor in 1 batch"), out  # the load itself had ended
+    assert blobs(cache) == [] and os.listdir(cache / "tmp") == []
+
+
+def test_a_copy_that_fails_after_the_load_is_reported(stores, s3_proxy, tmp_path):
+    """The rest of a file read in part is copied after its loader closed; when the store fails
+    that copy (every request for the object's top answered 500, past the retries), the load
+    that read the first layer is unaffected, nothing is left in the cache, and the failure is
+    reported: by wait_for_caches() (naming the cache, the URL and the status, once), by the
+    CLI (a warning line; exit status 0), and at the interpreter's exit."""
+    import torch
+    a, b, big, local, url = two_layers(stores, tmp_path, "cache-failure")
+    size = os.path.getsize(local)
+    s3_proxy.set_rules([Rule("status_500", every=1, match=lambda r: r.headers.get(
+        "range", "").endswith(f"-{size - 1}"))])
+    for form in ("python", "cli", "exit"):
+        cache = tmp_path / form
+        if form == "python":
+            opts = stores.s3_options(endpoint=s3_proxy.url, **SMALL_OPEN, object_retries=1,
+                                     object_part_size=1 << 20, object_cache_dir=str(cache))
+            with safe_open(url, framework="pt", storage_options=opts) as f:
+                assert torch.equal(f.get_tensor(a), big[a])
+            (failure,) = tensorferry.wait_for_caches()
+            assert tensorferry.wait_for_caches() == []  # taken once
+            text = failure
+        else:
+            env = stores.seaweed.env(endpoint=s3_proxy.url)
+            env.update(TENSORFERRY_OBJECT_HEADER_BYTES="4096", TENSORFERRY_OBJECT_RETRIES="1",
+                       TENSORFERRY_OBJECT_PART_SIZE="1M", TENSORFERRY_OBJECT_TIMEOUT_MS="3000")
+            if form == "cli":
+                r = cli_load(url, "--layers", "0", "--object-cache-dir", str(cache), env=env)
+            else:
+                code = ("import sys, tensorferry\n"
+                        "with tensorferry.safe_open(sys.argv[1], 'pt', storage_options="
+                        "{'object_cache_dir': sys.argv[2]}) as f:\n"
+                        f"    f.get_tensor({a!r})\n")
+                r = subprocess.run([sys.executable, "-c", code, url, str(cache)],
+                                   capture_output=True, text=True, timeout=120,
+                                   env=dict(os.environ, **env))
+                assert r.returncode == 0, r.stderr
+            (text,) = [line for line in r.stderr.splitlines() if "warning" in line]
+            assert text.startswith("tensorferry: warning: "), r.stderr
+            assert text.endswith("(the next load downloads it again)"), r.stderr
+        assert f"object cache {cache}" in text and url in text and "500" in text, text
+        assert blobs(cache) == [] and os.listdir(cache / "tmp") == [], form
 
 
 def test_what_the_disk_cannot_take_is_fetched_again_unless_fetch_once(stores, s3_proxy, tmp_path):

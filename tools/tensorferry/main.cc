@@ -10,13 +10,15 @@
 // or SIGHUP, it first removes the temporary files of writes in progress (and undoes a sharded
 // write not yet committed), then dies of the signal as it would without a handler. Before it
 // exits, copies into object caches still in progress (a load from object storage is done before
-// its cache's copy is) are finished.
+// its cache's copy is) are finished (a signal then gives them up; FinishObjectCacheCopies).
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -41,9 +43,11 @@ extern "C" void OnTerminatingSignal(int sig) {
   ::raise(sig);
 }
 
-void InstallSignalHandlers() {
+// `handler` for SIGINT, SIGTERM and SIGHUP, once each (SA_RESETHAND: a second signal finds the
+// default disposition).
+void InstallSignalHandlers(void (*handler)(int)) {
   struct sigaction action {};
-  action.sa_handler = OnTerminatingSignal;
+  action.sa_handler = handler;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESETHAND;
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
@@ -54,11 +58,49 @@ void InstallSignalHandlers() {
   }
 }
 
+// The copies into object caches still in progress when the command ended (a load from object
+// storage is done before its cache's copy is): waited for, in steps so that a signal is seen. The
+// first SIGINT, SIGTERM or SIGHUP gives them up (each removed; the next load of its file
+// downloads it again), waits up to 10 s for their requests in flight, and the process dies of
+// the signal; a second one ends it at once. Copies that failed are reported, one line each.
+volatile sig_atomic_t g_exit_signal = 0;
+
+extern "C" void OnSignalWhileCopying(int sig) {
+  g_exit_signal = sig;
+}
+
+void FinishObjectCacheCopies() {
+  if (tensorferry::ObjectCachesCopying()) {
+    if (::isatty(STDERR_FILENO) != 0) {
+      std::fputs("tensorferry: finishing the copies into the cache (Ctrl-C gives them up)...\n",
+                 stderr);
+    }
+    InstallSignalHandlers(OnSignalWhileCopying);
+    while (!tensorferry::WaitForObjectCaches(std::chrono::milliseconds(100))) {
+      const int sig = g_exit_signal;
+      if (sig == 0) continue;
+      tensorferry::AbandonObjectCaches();
+      std::fputs(
+          "tensorferry: the copies into the cache were given up; the next load downloads "
+          "them again\n",
+          stderr);
+      tensorferry::WaitForObjectCaches(std::chrono::seconds(10));
+      ::signal(sig, SIG_DFL);
+      ::raise(sig);
+    }
+  }
+  for (const std::string& failure : tensorferry::TakeObjectCacheFailures()) {
+    const std::string line =
+        "tensorferry: warning: " + failure + " (the next load downloads it again)\n";
+    std::fwrite(line.data(), 1, line.size(), stderr);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace tensorferry::cli;
-  InstallSignalHandlers();
+  InstallSignalHandlers(OnTerminatingSignal);
   try {
     CLI::App app{"tensorferry: inspect, verify and generate safetensors checkpoints"};
     app.name("tensorferry");
@@ -87,12 +129,7 @@ int main(int argc, char** argv) {
         PrintError(mapped.ToString());
         if (rc == kExitOk) rc = kExitError;
       }
-      if (tensorferry::ObjectCachesCopying()) {
-        if (::isatty(STDERR_FILENO) != 0) {
-          std::fputs("tensorferry: finishing the copies into the cache...\n", stderr);
-        }
-        tensorferry::WaitForObjectCaches();
-      }
+      FinishObjectCacheCopies();
       return rc;
     }
     return kExitUsage;  // unreachable: require_subcommand(1)

@@ -172,15 +172,21 @@ class LeaseKeeper {
     return lease_fd;
   }
 
-  // Ends the lease (if the thread has not already) before the mapping goes.
-  void Release(int lease_fd) {
+  // Ends the lease of the mapping at `addr` (if the thread has not already) before the mapping
+  // goes. A broken lease's descriptor was closed, and its number may since name another
+  // mapping's lease: only an entry for this mapping's address is this mapping's.
+  void Release(int lease_fd, const std::byte* addr) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (leases_.erase(lease_fd) != 0) ::close(lease_fd);
+    auto it = leases_.find(lease_fd);
+    if (it == leases_.end() || it->second.addr != addr) return;
+    leases_.erase(it);
+    ::close(lease_fd);
   }
 
-  bool Held(int lease_fd) {
+  bool Held(int lease_fd, const std::byte* addr) {
     std::lock_guard<std::mutex> lock(mu_);
-    return leases_.count(lease_fd) != 0;
+    auto it = leases_.find(lease_fd);
+    return it != leases_.end() && it->second.addr == addr;
   }
 
   uint64_t count() {
@@ -342,7 +348,7 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
 
 MappedFile::~MappedFile() {
   g_live.fetch_sub(1, std::memory_order_relaxed);
-  if (lease_fd_ >= 0) LeaseKeeper::Get().Release(lease_fd_);
+  if (lease_fd_ >= 0) LeaseKeeper::Get().Release(lease_fd_, data_);
   if (data_ == nullptr) return;
   {
     // Unregister first: once unmapped, the range may be reused by someone else's mapping.
@@ -408,7 +414,7 @@ uint64_t MappedFile::first_fault_offset() const noexcept {
 }
 
 bool MappedFile::leased() const noexcept {
-  return lease_fd_ >= 0 && LeaseKeeper::Get().Held(lease_fd_);
+  return lease_fd_ >= 0 && LeaseKeeper::Get().Held(lease_fd_, data_);
 }
 
 }  // namespace tensorferry::io

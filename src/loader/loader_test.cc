@@ -606,6 +606,40 @@ TEST(LoaderEngines, MmapPopulateReportsAFileThatShrankUnderneath) {
   EXPECT_EQ(CheckMappedFiles().code(), Code::kUnexpectedEof);
 }
 
+// A broken lease's descriptor is closed, and the next lease often gets its number: the first
+// mapping's end must not end the second one's lease (it did: leases were known by number only).
+TEST(LoaderEngines, MmapABrokenLeasesNumberIsNotAnotherMappingsLease) {
+  Fixture fa(2, 1u << 30, 100), fb(3, 1u << 30, 100);
+  const std::string pa = fa.dir.Join("model.safetensors"), pb = fb.dir.Join("model.safetensors");
+  auto file_a = Env::Default()->OpenRandomAccess(pa);
+  auto file_b = Env::Default()->OpenRandomAccess(pb);
+  ASSERT_TRUE(file_a.ok() && file_b.ok());
+  const uint64_t size_a = *(*file_a)->Size(), size_b = *(*file_b)->Size();
+  auto a = io::MappedFile::Map(**file_a, size_a);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_TRUE((*a)->leased()) << "no read lease taken (filesystem without leases?)";
+  const uint64_t copied0 = GetMappingStats().copied;
+  // Opening A for writing breaks its lease: the open returns once A was copied and let go.
+  const int writer = ::open(pa.c_str(), O_WRONLY);
+  ASSERT_GE(writer, 0);
+  ::close(writer);
+  EXPECT_EQ(GetMappingStats().copied, copied0 + 1);
+  EXPECT_FALSE((*a)->leased());
+  auto b = io::MappedFile::Map(**file_b, size_b);  // likely the number A's lease had
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_TRUE((*b)->leased());
+  EXPECT_FALSE((*a)->leased());
+  const uint64_t leased = GetMappingStats().leased;
+  a->reset();  // A's mapping goes
+  EXPECT_TRUE((*b)->leased());
+  EXPECT_EQ(GetMappingStats().leased, leased);
+  const std::string before(reinterpret_cast<const char*>((*b)->data()), size_b);
+  ASSERT_EQ(::truncate(pb.c_str(), 0), 0);  // B is copied first, as its lease promises
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>((*b)->data()), size_b), before);
+  EXPECT_EQ(GetMappingStats().copied, copied0 + 2);
+  EXPECT_TRUE(CheckMappedFiles().ok());
+}
+
 // Leases are bounded (one descriptor each): mappings beyond kMaxLeases fall back on the loud
 // guard, and a mapping's lease ends with it.
 TEST(LoaderEngines, MmapLeasesAreBoundedAndReleased) {

@@ -107,6 +107,7 @@ class _Group:
         self.source = None        # the checkpoint name read into it
         self.target = None        # the allocated tensor
         self.file_dtype = None
+        self.in_place = False     # read into the model's own tensor (kept as it is)
 
 
 def _model_groups(model):
@@ -132,11 +133,14 @@ def _model_groups(model):
 
 
 def _target_dtype(model_dtype, file_dtype, dtype):
-    """accelerate's rule: floating-point values take `dtype` when given, else the model's dtype;
-    integer and boolean values keep the file's."""
-    if not file_dtype.is_floating_point:
+    """accelerate's rule (set_module_tensor_to_device): without `dtype` every value takes the
+    model tensor's dtype, as torch's load_state_dict does; with it, values stored as integers or
+    booleans keep the file's dtype and all others take `dtype`."""
+    if dtype is None:
+        return model_dtype
+    if str(file_dtype).startswith(("torch.uint", "torch.int", "torch.bool")):
         return file_dtype
-    return dtype if dtype is not None else model_dtype
+    return dtype
 
 
 def _init_missing(model, groups, init_missing):
@@ -177,11 +181,13 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     or index of a sharded checkpoint, or an s3://, gs:// or http(s):// URL) and returns it, like
     accelerate.load_checkpoint_and_dispatch; see docs/models.md for the differences.
 
-    device_map: None (tensors stay on their device; meta ones go to the CPU), a device ("cpu",
+    device_map: None (tensors stay on their device, a materialized one filled in place when its
+    dtype and shape are kept; meta ones go to the CPU), a device ("cpu",
     "cuda:1", 0, torch.device), a dict of module-name prefixes to devices, or "auto", "balanced",
     "balanced_low_0", "sequential" (computed by accelerate with max_memory and
-    no_split_module_classes). dtype: floating-point tensors are converted to it (default: the
-    model's dtype of each parameter), integers keep the file's. Tied parameters are read once and
+    no_split_module_classes). dtype: tensors are converted to it, except those stored as
+    integers or booleans, which keep the file's dtype; without it, every tensor takes the dtype
+    of the model's tensor (accelerate's rule). Tied parameters are read once and
     stay tied. strict: unexpected checkpoint tensors are an error (else a warning); tensors the
     model has and the files lack are an error naming them unless init_missing initialises them (a
     callable(name, tensor) filling the tensor in place, or "init_fn"/"reset_parameters": that
@@ -206,6 +212,10 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     with Loader(checkpoint, **loader_kw) as probe:
         described = {o.name: o for o in probe._describe()}
         fw = probe._fw
+        # The stored tensors' shapes: with tensor parallelism, the model may hold the full shape
+        # (built from its config) or already the rank-local one (described).
+        full_shapes = {o.name: tuple(probe._reader.info(o.stored).shape)
+                       for o in described.values()} if tp else {}
 
     # The model's own tie declarations (transformers' tie_weights; init_empty_weights unties
     # what a constructor tied), before tensors are grouped by identity.
@@ -252,7 +262,18 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             raise _core.InvalidArgumentError(
                 f"size mismatch for {g.source}: the checkpoint has shape {list(shape)}, the model "
                 f"{list(g.tensor.shape)}")
+        if tp and tuple(g.tensor.shape) not in (full_shapes[g.source], shape):
+            raise _core.InvalidArgumentError(
+                f"size mismatch for {g.source}: the checkpoint has shape "
+                f"{list(full_shapes[g.source])} (rank {tp_rank}'s slice {list(shape)}), the model "
+                f"{list(g.tensor.shape)}")
         want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
+        if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
+                and tuple(g.tensor.shape) == shape and g.tensor.is_contiguous()):
+            # A materialized model and no device map: read into its own tensors, as torch's
+            # load_state_dict copies into them (references held elsewhere stay the model's).
+            g.target, g.in_place = g.tensor.detach(), True
+            continue
         if mappable and want == g.file_dtype and device_of(g) == cpu:
             mapped.append(g)
             continue
@@ -261,10 +282,20 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         want = dtype if (dtype is not None and g.tensor.dtype.is_floating_point) else g.tensor.dtype
         g.target = torch.empty(tuple(g.tensor.shape), dtype=want, device=device_of(g))
 
-    # Into the model: every name of a group gets the same object.
+    # Into the model: every name of a group gets the same object; a parameter keeps its class
+    # (a subclass of torch.nn.Parameter), as accelerate keeps it.
     def put(g):
-        value = torch.nn.Parameter(g.target, requires_grad=g.tensor.requires_grad) \
-            if g.is_param else g.target
+        if g.in_place:
+            return
+        value = g.target
+        if g.is_param:
+            cls = type(g.tensor) if isinstance(g.tensor, torch.nn.Parameter) else None
+            try:
+                value = cls(g.target, requires_grad=g.tensor.requires_grad) if cls else None
+            except TypeError:  # a subclass whose constructor takes other arguments
+                value = None
+            if value is None:
+                value = torch.nn.Parameter(g.target, requires_grad=g.tensor.requires_grad)
         for name in g.names:
             module, leaf = _owner(model, name)
             if g.is_param:

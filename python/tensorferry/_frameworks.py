@@ -197,6 +197,8 @@ class _Torch(_Framework):
 
     def device(self, device):
         torch = self.torch
+        if device is None:  # as safetensors: the CPU
+            device = "cpu"
         if not isinstance(device, torch.device):
             try:
                 device = torch.device(device)

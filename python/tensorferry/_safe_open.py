@@ -2,6 +2,7 @@
 import errno
 import os
 import re
+import weakref
 
 from . import _core, _frameworks, _slicing
 from ._core import SafetensorError
@@ -165,6 +166,7 @@ class safe_open:
         options.update(storage_load_options(storage_options))
         self._reader = open_file(filename, options)
         self._closed = False
+        self._slices = weakref.WeakSet()  # live get_slice results: they keep the file open
 
     def __enter__(self):
         return self
@@ -173,10 +175,12 @@ class safe_open:
         self.close()
 
     def close(self):
-        """Closes the file. Tensors already returned stay valid."""
+        """Closes the file. Tensors already returned stay valid, and so do slices (get_slice):
+        the file is closed when the last of them goes, as safetensors keeps it."""
         if not self._closed:
             self._closed = True
-            self._reader.close()
+            if not self._slices:
+                self._reader.close()
 
     def _open_reader(self):
         if self._closed:
@@ -240,24 +244,30 @@ class safe_open:
     def get_slice(self, name):
         """A lazy view of tensor `name`: index it (framework rules) to read only what is needed."""
         reader = self._open_reader()
-        reader.info(name)  # SafetensorError for a missing name, as the reference
-        return _Slice(self, name)
+        info = reader.info(name)  # SafetensorError for a missing name, as the reference
+        piece = _Slice(self, name, info)
+        self._slices.add(piece)
+        return piece
 
 
 class _Slice:
-    """What safe_open.get_slice returns: get_shape(), get_dtype() and indexing."""
+    """What safe_open.get_slice returns: get_shape(), get_dtype() and indexing. It keeps its file's
+    reader (and so the file) open after the safe_open is closed, as safetensors' slices do; the
+    reader closes when the last reference to it goes."""
 
-    def __init__(self, owner, name):
+    def __init__(self, owner, name, info):
         self._owner = owner
+        self._reader = owner._reader
         self._name = name
+        self._shape, self._dtype = list(info.shape), info.dtype
 
     def get_shape(self):
-        return list(self._owner._open_reader().info(self._name).shape)
+        return list(self._shape)
 
     def get_dtype(self):
-        return self._owner._open_reader().info(self._name).dtype
+        return self._dtype
 
     def __getitem__(self, index):
         owner = self._owner
-        result = _slicing.get_slice(owner._open_reader(), owner._fw, self._name, index)
+        result = _slicing.get_slice(self._reader, owner._fw, self._name, index)
         return owner._fw.to_device(result, owner._device)

@@ -68,6 +68,7 @@ Thread-safety: enable/disable/loading may be called from any thread; the patch i
 outermost one ends.
 """
 import atexit
+import contextvars
 import functools
 import hashlib
 import importlib
@@ -95,11 +96,30 @@ __all__ = ["enable", "disable", "enabled", "loading", "safe_open"]
 _LOADING_MODULES = ("transformers.modeling_utils", "transformers.integrations.accelerate")
 
 _lock = threading.Lock()
-_depth = 0
-_to_device = []  # the to_device= of each enable() in force (None, True, False), innermost last
-_storage = []  # the storage_options= of each enable() in force (checked dicts), innermost last
-_hub = []  # the hub= of each enable() in force ("stream" or "download"), innermost last
+_depth = 0  # enable()s and loading() blocks in force: the patches stay while any is
+# The settings of each enable() in force, innermost last, and of the innermost loading() block of
+# this thread (context), which come first there: blocks in two threads do not see each other's.
+# Each is a _Settings.
+_enabled = []
+_block = contextvars.ContextVar("tensorferry_transformers_loading", default=None)
 _patched = []  # (module or class, attribute, original, replacement)
+
+
+class _Settings:
+    def __init__(self, to_device, storage, hub):
+        self.to_device = to_device  # None, True, False
+        self.storage = storage      # checked storage options, or None
+        self.hub = hub              # "stream" or "download"
+
+
+def _settings():
+    """The settings in force on this thread: its innermost loading() block, else the innermost
+    enable(), else None."""
+    block = _block.get()
+    if block is not None:
+        return block
+    enabled = _enabled[-1:]  # one read of the list: another thread may change it
+    return enabled[0] if enabled else None
 
 # The _DeviceRead of the from_pretrained call running on this thread (transformers opens the files
 # on it; its loading threads materialize the tensors later).
@@ -347,18 +367,35 @@ class safe_open(_safe_open):
 
     def get_tensor(self, name):
         view = self._view(name)
-        return super().get_tensor(name) if view is None else view
+        if view is None:
+            return super().get_tensor(name)
+        # A tensor object of its own on each call (as safetensors returns), over the same bytes:
+        # requires_grad_() or resize_() on one does not reach the next.
+        return view if self._on_device else view[...]
 
     def get_slice(self, name):
         reader = self._open_reader()
-        reader.info(name)  # SafetensorError for a missing name, as the reference
-        return _MappedSlice(self, name)
+        info = reader.info(name)  # SafetensorError for a missing name, as the reference
+        piece = _MappedSlice(self, name, info)
+        self._slices.add(piece)
+        return piece
+
+
+def _whole(index):
+    """True for the indexes that select a whole tensor: ..., :, (...,), (:,)."""
+    if type(index) is tuple and len(index) == 1:
+        index = index[0]
+    if index is Ellipsis:
+        return True
+    return type(index) is slice and index.start is None and index.stop is None and \
+        index.step is None
 
 
 class _MappedSlice(_Slice):
     def __getitem__(self, index):
-        whole = index is Ellipsis or (isinstance(index, slice) and index == slice(None)) or \
-            (isinstance(index, tuple) and index == (Ellipsis,))
+        if self._owner._closed:  # the slice outlives its file handle: read through its reader
+            return super().__getitem__(index)
+        whole = _whole(index)
         view = self._owner._view(self._name, whole)
         if view is None:
             return super().__getitem__(index)
@@ -376,8 +413,9 @@ _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".
                   ".bin.index.json")
 
 def _storage_in_force():
-    """The storage_options of the innermost enable() in force, or None."""
-    return _storage[-1] if _storage else None
+    """The storage_options of the loading() block or enable() in force here, or None."""
+    settings = _settings()
+    return settings.storage if settings is not None else None
 
 
 _side_lock = threading.Lock()
@@ -520,7 +558,8 @@ def _streamed_id(repo_id, args, kwargs):
     "download", a name that is not a hub id or is a local path, positional arguments, any of
     cache_dir=, token= (other than True), local_files_only=, force_download=, proxies=, a
     repo_type other than model, or huggingface_hub offline."""
-    if not _hub or _hub[-1] != "stream" or args or not is_hub_id(repo_id) \
+    settings = _settings()
+    if settings is None or settings.hub != "stream" or args or not is_hub_id(repo_id) \
             or os.path.exists(repo_id):
         return None
     if kwargs.get("cache_dir") is not None or kwargs.get("token") not in (None, True) \
@@ -598,7 +637,23 @@ def enable(to_device=None, storage_options=None, hub="stream"):
     streamed from the hub while kept in the hub cache), except where transformers' own download
     applies (cache_dir=, token=, local_files_only=, force_download=, proxies=, offline);
     "download": transformers' download first. ImportError when transformers is not installed."""
-    global _depth
+    settings = _checked(to_device, storage_options, hub)
+    with _lock:
+        _acquire()
+        _enabled.append(settings)
+
+
+def disable():
+    """Undoes the latest enable() (loading() blocks undo themselves): once neither is in force,
+    transformers reads with safetensors again."""
+    with _lock:
+        if not _enabled:
+            return
+        _enabled.pop()
+        _release()
+
+
+def _checked(to_device, storage_options, hub):
     if to_device not in (None, True, False):
         raise _core.InvalidArgumentError(
             f"to_device must be None, True or False, not {to_device!r}")
@@ -606,30 +661,27 @@ def enable(to_device=None, storage_options=None, hub="stream"):
         raise _core.InvalidArgumentError(f"hub must be 'stream' or 'download', not {hub!r}")
     mode = None if to_device is None else bool(to_device)
     storage = storage_load_options(storage_options)  # names checked here, values at first use
-    with _lock:
-        if _depth == 0:
-            _apply()
-        _depth += 1
-        _to_device.append(mode)
-        _storage.append(storage or None)
-        _hub.append(hub)
+    return _Settings(mode, storage or None, hub)
 
 
-def disable():
-    """Undoes enable(): transformers reads with safetensors again."""
+def _acquire():
+    """One more enable() or loading() in force (_lock held): the patches are applied by the
+    first."""
     global _depth
-    with _lock:
-        if _depth == 0:
-            return
-        _depth -= 1
-        _to_device.pop()
-        _storage.pop()
-        _hub.pop()
-        if _depth == 0:
-            _restore()
-            with _hub_lock:
-                _hub_roots.clear()
-                _not_streamed.clear()
+    if _depth == 0:
+        _apply()
+    _depth += 1
+
+
+def _release():
+    """One fewer (_lock held): the last one restores transformers."""
+    global _depth
+    _depth -= 1
+    if _depth == 0:
+        _restore()
+        with _hub_lock:
+            _hub_roots.clear()
+            _not_streamed.clear()
 
 
 def enabled():
@@ -642,12 +694,19 @@ def loading(to_device=None, storage_options=None, hub="stream"):
     """Within the block, transformers' from_pretrained (and everything else in transformers that
     opens safetensors files) reads through tensorferry, and takes s3://, gs:// and http(s):// URLs and
     hf://OWNER/NAME[@REVISION] paths (the local hub cache, else streamed from the hub) for models,
-    a plain hub id as its hf:// path; `to_device`, `storage_options` and `hub` as in enable()."""
-    enable(to_device, storage_options, hub)
+    a plain hub id as its hf:// path; `to_device`, `storage_options` and `hub` as in enable().
+    The settings are this thread's (its context's): blocks in other threads, and enable(), keep
+    theirs."""
+    settings = _checked(to_device, storage_options, hub)
+    with _lock:
+        _acquire()
+    token = _block.set(settings)
     try:
         yield
     finally:
-        disable()
+        _block.reset(token)
+        with _lock:
+            _release()
 
 
 def _host_only(load_config):
@@ -673,7 +732,8 @@ def _with_target(original):
     def wrapper(*args, **kwargs):
         files = kwargs.get("checkpoint_files", args[2] if len(args) > 2 else None)
         load_config = kwargs.get("load_config", args[3] if len(args) > 3 else None)
-        mode = _to_device[-1] if _to_device else False
+        settings = _settings()
+        mode = settings.to_device if settings is not None else False
         device = _direct_device(load_config) if mode is not False else None
         readable = bool(files) and all(isinstance(f, (str, os.PathLike)) and
                                        os.fspath(f).endswith(".safetensors") for f in files)

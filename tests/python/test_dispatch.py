@@ -209,6 +209,61 @@ def test_reset_parameters_initialises_before_the_reads(checkpoint, tmp_path):
     assert torch.equal(m.layers[0].norm.bias, checkpoint["ref"].layers[0].norm.bias)
 
 
+def test_dtype_rule_is_accelerates_for_integers_and_booleans(tmp_path):
+    """accelerate's set_module_tensor_to_device: without dtype, every value takes the model
+    tensor's dtype (a U8 mask into a bool buffer, I32 counts into an int64 one); with dtype,
+    values stored as integers or booleans keep the file's and the others take dtype."""
+    from safetensors.torch import save_file
+
+    class Masks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4))
+            self.register_buffer("flags", torch.zeros(2, dtype=torch.bool))
+            self.register_buffer("counts", torch.zeros(2, dtype=torch.int64))
+
+    path = str(tmp_path / "masks.safetensors")
+    save_file({"w": torch.arange(4, dtype=torch.bfloat16),
+               "flags": torch.tensor([0, 1], dtype=torch.uint8),
+               "counts": torch.tensor([7, 2**31 - 1], dtype=torch.int32)}, path,
+              metadata={"format": "pt"})
+    for dtype in (None, torch.float16):
+        def meta():
+            with init_empty_weights():
+                return Masks()
+        ours = tft.load_checkpoint_and_dispatch(meta(), path, device_map="cpu", dtype=dtype)
+        theirs = accelerate.load_checkpoint_and_dispatch(meta(), path, device_map={"": "cpu"},
+                                                         dtype=dtype)
+        for name in ("w", "flags", "counts"):
+            a, b = getattr(ours, name), getattr(theirs, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (dtype, name, a, b)
+        if dtype is None:
+            assert ours.flags.dtype == torch.bool and torch.equal(~ours.flags,
+                                                                 torch.tensor([True, False]))
+
+
+def test_parameters_keep_their_class_and_a_materialized_model_its_objects(checkpoint):
+    """A torch.nn.Parameter subclass stays one (as accelerate keeps it); with no device map, a
+    materialized model's parameters are filled in place: references held elsewhere (an
+    optimizer's) see the loaded values."""
+    class Tagged(nn.Parameter):
+        pass
+
+    m = _meta_model()
+    m.layers[0].mlp.up_proj.weight = Tagged(m.layers[0].mlp.up_proj.weight)
+    ours = tft.load_checkpoint_and_dispatch(m, checkpoint["single"], device_map="cpu")
+    assert type(ours.layers[0].mlp.up_proj.weight) is Tagged
+    _assert_same_model(ours, checkpoint["ref"])
+
+    torch.manual_seed(5)
+    model = Tiny()
+    held = dict(model.named_parameters())
+    tft.load_checkpoint_and_dispatch(model, checkpoint["sharded"])
+    for name, p in model.named_parameters():
+        assert p is held[name], name
+    _assert_same_model(model, checkpoint["ref"])
+
+
 def test_unexpected_and_mismatched_tensors(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
     sd = load_file(checkpoint["single"])
@@ -228,6 +283,12 @@ def test_unexpected_and_mismatched_tensors(checkpoint, tmp_path):
     with pytest.raises(tensorferry.InvalidArgumentError,
                        match=r"size mismatch for layers.0.mlp.down_proj.weight.*\[32, 49\]"):
         tft.load_checkpoint_and_dispatch(_meta_model(), path)
+    # With tensor parallelism too: the model's full shape against the stored one (the rank's
+    # slice would otherwise be cut from the wrong tensor).
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match=r"size mismatch for layers.0.mlp.down_proj.weight.*\[32, 49\]"
+                             r".*rank 1's slice"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), path, tp_rank=1, tp_size=2)
 
 
 def test_disk_offload_is_refused_naming_it(checkpoint, tmp_path):

@@ -343,9 +343,62 @@ def test_missing_tensor_and_closed_file(tmp_path):
     s = f.get_slice("a")
     with f:
         pass
-    for call in (f.keys, f.metadata, lambda: f.get_tensor("a"), lambda: s[0]):
+    for call in (f.keys, f.metadata, lambda: f.get_tensor("a"), lambda: f.get_slice("a")):
         with pytest.raises(tensorferry.SafetensorError, match="File is closed"):
             call()
+    # A slice taken before keeps the file open, as the reference's does.
+    assert torch.equal(s[0], torch.ones(2)[0]) and s.get_shape() == [2]
+
+
+@pytest.mark.parametrize("module", ["safe_open", "transformers"])
+def test_each_get_tensor_is_a_tensor_of_its_own_and_odd_arguments(tmp_path, module):
+    """As safetensors: each get_tensor returns a new tensor object (requires_grad_ or resize_ on
+    one does not reach the next); device=None is the CPU; a NumPy index inside a one-element
+    tuple indexes as torch does."""
+    import tensorferry.transformers
+    path = str(tmp_path / "f.safetensors")
+    full = torch.arange(6.0).reshape(3, 2)
+    ref_pt.save_file({"a": full}, path)
+    opener = tensorferry.safe_open if module == "safe_open" else tensorferry.transformers.safe_open
+    with opener(path, "pt", device=None) as f:
+        first = f.get_tensor("a")
+        first.requires_grad_()
+        second = f.get_tensor("a")
+        assert second is not first and not second.requires_grad
+        assert torch.equal(second, full) and second.device.type == "cpu"
+        first.detach().resize_(1)
+        assert f.get_tensor("a").shape == (3, 2)
+        index = (np.array([0, 2]),)
+        assert torch.equal(f.get_slice("a")[index], full[index])
+    with safetensors.safe_open(path, "pt", device=None) as r:
+        assert torch.equal(r.get_slice("a")[index], full[index])
+
+
+@pytest.mark.parametrize("module", ["safe_open", "transformers"])
+def test_slices_outlive_their_file_handle(tmp_path, module):
+    """safetensors' slices stay usable after their safe_open is closed (the file stays open
+    until the last one goes): code that collects get_slice results in a with-block and indexes
+    them after it works with both drop-ins; the file is closed when the slices go."""
+    import gc
+
+    import tensorferry.transformers
+    path = str(tmp_path / "f.safetensors")
+    full = {"a": torch.arange(6.0).reshape(3, 2), "b": torch.arange(4, dtype=torch.int32)}
+    ref_pt.save_file(full, path)
+    opener = tensorferry.safe_open if module == "safe_open" else tensorferry.transformers.safe_open
+    fds = len(os.listdir("/proc/self/fd"))
+    with opener(path, "pt") as f:
+        slices = {k: f.get_slice(k) for k in f.keys()}
+    for k, want in full.items():
+        assert slices[k].get_shape() == list(want.shape)
+        assert torch.equal(slices[k][...], want) and torch.equal(slices[k][1:], want[1:])
+    with safetensors.safe_open(path, "pt") as r:
+        ref_slices = {k: r.get_slice(k) for k in r.keys()}
+    assert {k: s.get_dtype() for k, s in slices.items()} == \
+        {k: s.get_dtype() for k, s in ref_slices.items()}
+    del slices, ref_slices, f
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds  # closed with its last slice
 
 
 def test_reading_the_cli_checkpoint_shards(tiny_checkpoint):

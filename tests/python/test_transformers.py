@@ -470,12 +470,61 @@ def test_restoring_undoes_the_device_map_hook():
     with tft.loading(to_device=True):
         assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is not original
         with tft.loading():
-            assert tft._to_device == [True, None]
+            assert tft._settings().to_device is None
             with tft.loading(to_device=0):
-                assert tft._to_device == [True, None, False]
-        assert tft._to_device == [True]
+                assert tft._settings().to_device is False
+        assert tft._settings().to_device is True
     assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is original
-    assert tft._to_device == []
+    assert tft._settings() is None and not tft.enabled()
+
+
+def test_blocks_in_two_threads_keep_their_own_settings():
+    """Overlapping loading() blocks in two threads: each sees its own settings the whole time,
+    whichever ends first, and enable() applies where no block is in force; transformers is
+    restored when the last one ends."""
+    import threading
+
+    import transformers.modeling_utils as mu
+    original = vars(mu.PreTrainedModel)["_load_pretrained_model"]
+    seen = {}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with tft.loading(storage_options={"s3_endpoint": "http://127.0.0.1:1111"}):
+            a_in.set()
+            b_in.wait(10)
+            seen["a during b"] = tft._storage_in_force()["s3_endpoint"]
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with tft.loading(storage_options={"s3_endpoint": "http://127.0.0.1:2222"}):
+            b_in.set()
+            a_out.wait(10)
+            seen["b after a"] = tft._storage_in_force()["s3_endpoint"]
+            seen["patched"] = vars(mu.PreTrainedModel)["_load_pretrained_model"] is not original
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {"a during b": "http://127.0.0.1:1111", "b after a": "http://127.0.0.1:2222",
+                    "patched": True}
+    assert vars(mu.PreTrainedModel)["_load_pretrained_model"] is original
+    tft.enable(storage_options={"s3_endpoint": "http://127.0.0.1:3333"})
+    try:
+        assert tft._storage_in_force()["s3_endpoint"] == "http://127.0.0.1:3333"
+        with tft.loading():
+            assert tft._storage_in_force() is None
+        seen.clear()
+        worker = threading.Thread(target=lambda: seen.update(s=tft._storage_in_force()))
+        worker.start()
+        worker.join(10)
+        assert seen["s"]["s3_endpoint"] == "http://127.0.0.1:3333"
+    finally:
+        tft.disable()
+    assert not tft.enabled() and tft._settings() is None
 
 
 def test_to_device_reads_a_linked_cache_layout_with_one_loader(tmp_path, to_device_route):
@@ -641,6 +690,6 @@ def test_restoring_undoes_the_url_hooks():
     files, templates = hub.cached_files, hub.list_repo_templates
     with tft.loading(storage_options={"s3_region": "eu-west-1"}):
         assert hub.cached_files is not files and hub.list_repo_templates is not templates
-        assert tft._storage == [{"s3_region": "eu-west-1"}]
+        assert tft._storage_in_force() == {"s3_region": "eu-west-1"}
     assert hub.cached_files is files and hub.list_repo_templates is templates
-    assert tft._storage == []
+    assert tft._storage_in_force() is None

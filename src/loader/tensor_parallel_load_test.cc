@@ -151,6 +151,42 @@ TEST(TensorParallelLoad, DirectIoAndBudget) {
   }
 }
 
+// The budget counts what a batch's reads occupy: a strided slice read whole with its gaps holds
+// the gaps too. A caller holding every batch is refused the next one before the buffers it holds
+// pass the budget (they reached twice the budget when only the slices' bytes were counted).
+TEST(TensorParallelLoad, BudgetCountsTheCoveredGaps) {
+  TpFixture f(64);
+  LoadOptions o;
+  o.engine = Engine::kPread;
+  o.budget = 400 << 10;
+  o.tensor_parallel = TensorParallelOptions{f.spec, 1, 2, 1 << 20, false};
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  auto plan = loader->MakePlan(Selection::All());
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  uint64_t gaps = 0;
+  for (const PlanBatch& b : plan->batches)
+    gaps += b.read_bytes - std::min(b.read_bytes, b.tensor_bytes);
+  ASSERT_GT(gaps, 0u) << "no covered gaps: the test needs strided slices read whole";
+  auto it = loader->Iterate(Selection::All());
+  ASSERT_TRUE(it.ok()) << it.status().ToString();
+  std::vector<Batch> held;
+  uint64_t occupied = 0;
+  for (;;) {
+    auto next = it->Next();
+    if (!next.ok()) {
+      EXPECT_EQ(next.status().code(), Code::kBudgetExceeded) << next.status().ToString();
+      break;
+    }
+    if (!*next) break;
+    const PlanBatch& b = plan->batches[(*next)->index];
+    occupied += std::max(b.read_bytes, b.tensor_bytes);
+    EXPECT_LE(occupied, o.budget) << "holding " << held.size() + 1 << " batches";
+    held.push_back(std::move(**next));
+  }
+  EXPECT_FALSE(held.empty());
+  EXPECT_LE(loader->stats().peak_budget_bytes, o.budget);
+}
+
 TEST(TensorParallelLoad, BytesReadPerRankFollowTheSplit) {
   TpFixture f(32);
   uint64_t replicated = 0, split = 0;

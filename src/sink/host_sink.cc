@@ -1,4 +1,5 @@
 // The host sink: pooled host buffers under the host budget, read by the loader's engine.
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -29,7 +30,8 @@ class HostSink final : public BatchSink {
 
   Result<std::optional<Reservation>> ReserveWhenFree(const PlanBatch& batch,
                                                      const std::atomic<bool>& stop) override {
-    std::optional<memory::BudgetLease> lease = c_.budget->AcquireUnless(batch.tensor_bytes, stop);
+    std::optional<memory::BudgetLease> lease =
+        c_.budget->AcquireUnless(HostLeaseBytes(batch), stop);
     if (!lease) return std::optional<Reservation>();
     return std::optional<Reservation>(Reservation{std::move(*lease), nullptr});
   }
@@ -77,7 +79,7 @@ class HostSink final : public BatchSink {
     uint64_t uniform = 0;
     if (limit == 0) return uniform;
     for (const PlanBatch& b : plan.batches) {
-      if (b.tensor_bytes <= limit) uniform = std::max(uniform, b.buffer_size);
+      if (HostLeaseBytes(b) <= limit) uniform = std::max(uniform, b.buffer_size);
     }
     return uniform;
   }
@@ -114,8 +116,12 @@ std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& 
   return std::make_unique<HostSink>(context, plan);
 }
 
+uint64_t HostLeaseBytes(const PlanBatch& batch) {
+  return std::max(batch.tensor_bytes, batch.read_bytes);
+}
+
 std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& batch) {
-  std::optional<memory::BudgetLease> lease = budget.TryAcquire(batch.tensor_bytes);
+  std::optional<memory::BudgetLease> lease = budget.TryAcquire(HostLeaseBytes(batch));
   if (!lease) return std::nullopt;
   return Reservation{std::move(*lease), nullptr};
 }
@@ -123,7 +129,7 @@ std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& 
 Status HostBudgetError(const memory::Budget& budget, const PlanBatch& batch, size_t k, size_t n) {
   return Status(Code::kBudgetExceeded,
                 "batch " + std::to_string(k + 1) + " of " + std::to_string(n) + " needs " +
-                    std::to_string(batch.tensor_bytes) + " bytes but " +
+                    std::to_string(HostLeaseBytes(batch)) + " bytes but " +
                     std::to_string(budget.in_use()) + " of the " + std::to_string(budget.limit()) +
                     "-byte budget are still held by tensors of earlier batches: drop them before "
                     "the next batch, or raise the budget");

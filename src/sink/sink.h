@@ -115,6 +115,11 @@ std::unique_ptr<BatchSink> MakeDeviceSink(const SinkContext& context, const Plan
                                           const std::vector<std::vector<StridedRead>>& strided,
                                           Device device, DeviceSlot& slot);
 
+// The bytes of the host budget `batch` takes: what its reads occupy (its tensors' bytes, or the
+// covering reads' when larger: a tensor-parallel slice read with its gaps), as the planner counts
+// them when it cuts batches (PlanOptions::budget). Alignment padding between a batch's separate
+// ranges (under io_alignment each) is not counted.
+uint64_t HostLeaseBytes(const PlanBatch& batch);
 // The host budget's share of `batch` (host and mapped sinks), nullopt when it does not fit now, and
 // the kBudgetExceeded error for that case.
 std::optional<Reservation> ReserveHost(memory::Budget& budget, const PlanBatch& batch);

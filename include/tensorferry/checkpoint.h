@@ -89,7 +89,8 @@ Result<IndexDocument> ParseIndexJson(std::string_view json, std::string_view sou
                                      const IndexLimits& limits = {});
 
 struct FileInfo {
-  std::string path;  // as opened (the directory joined with the index's relative path)
+  std::string path;  // as opened (the directory joined with the index's relative path); a
+                     // relative local path is made absolute when the checkpoint is opened
   uint64_t file_size = 0;
   uint64_t header_size = 0;                                   // N
   uint64_t data_offset = 0;                                   // 8 + N

@@ -484,10 +484,12 @@ TEST_F(CheckpointTraversalTest, IndexOpenedByRelativePath) {
   WriteBytes(Dir() + "/" + std::string(kIndexFileName), Index({{"t", "sub/model.safetensors"}}));
   const fs::path cwd = fs::current_path();
   fs::current_path(Dir());
+  const fs::path here = fs::current_path();  // Dir(), its symbolic links resolved
   auto r = Checkpoint::Open(std::string(kIndexFileName));
   fs::current_path(cwd);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ((*r)->files()[0].path, "sub/model.safetensors");
+  // Made absolute when opened: a later chdir does not redirect the file's path.
+  EXPECT_EQ((*r)->files()[0].path, (here / "sub/model.safetensors").string());
 }
 
 TEST_F(CheckpointTraversalTest, MissingShardOfIndexOpenedByBareRelativeName) {

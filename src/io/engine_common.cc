@@ -294,10 +294,18 @@ Result<std::unique_ptr<DirectFile>> DirectFile::Open(const RandomAccessFile& fil
   if (buffered < 0) {
     return Status(Code::kUnsupported, file.path() + ": no file descriptor for O_DIRECT");
   }
+  // The open file itself, through its descriptor's /proc link (not its path, which may name
+  // another file by now, or none); its path where /proc is not mounted.
+  const std::string self = "/proc/self/fd/" + std::to_string(buffered);
   int fd;
   do {
-    fd = ::open(file.path().c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    fd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
   } while (fd < 0 && errno == EINTR);
+  if (fd < 0 && errno == ENOENT) {
+    do {
+      fd = ::open(file.path().c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    } while (fd < 0 && errno == EINTR);
+  }
   if (fd < 0) {
     const int err = errno;
     if (err == EINVAL) {

@@ -129,10 +129,11 @@ Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned
 // OK when an io_uring can be created here; otherwise the reason (kUnsupported).
 Status IoUringAvailable();
 
-// An O_DIRECT descriptor for a file already open buffered. Open checks that the path still names
-// the same inode as `file` (a file replaced since it was opened is kIoError naming it) and
-// returns kUnsupported when the file system refuses O_DIRECT (tmpfs, some FUSE) or the file has no
-// native handle. RAII: closes the descriptor.
+// An O_DIRECT descriptor for a file already open buffered: the same file, opened again through
+// its descriptor's /proc/self/fd link (whatever its path names now; through the path where /proc
+// is not mounted, then checked to be the same inode: kIoError naming a file replaced since).
+// kUnsupported when the file system refuses O_DIRECT (tmpfs, some FUSE) or the file has no native
+// handle. RAII: closes the descriptor.
 class DirectFile {
  public:
   static Result<std::unique_ptr<DirectFile>> Open(const RandomAccessFile& file);

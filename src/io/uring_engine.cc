@@ -75,6 +75,7 @@ struct RequestState {
   // time and each part is handed to the hook as it completes (read_engine.h).
   bool piecewise = false;
   Status status;
+  uint64_t eof_at = UINT64_MAX;  // where the file ended, when status says so (the lowest piece's)
 };
 
 class UringEngine final : public ReadEngine {
@@ -192,11 +193,16 @@ class UringEngine final : public ReadEngine {
       if (n > p.remaining) {
         return fail(Status(Code::kInternal, q.file->path() + ": read returned too many bytes"));
       }
-      return fail(Status(Code::kUnexpectedEof, q.file->path() +
-                                                   ": unexpected end of file at offset " +
-                                                   std::to_string(p.offset + n) + ": wanted " +
-                                                   std::to_string(q.dst.size()) +
-                                                   " bytes at offset " + std::to_string(q.offset)));
+      // The request's pieces end in any order: the file's end is where the lowest one ended.
+      const uint64_t at = p.offset + n;
+      if (r.status.ok() || (r.status.code() == Code::kUnexpectedEof && at < r.eof_at)) {
+        r.eof_at = at;
+        r.status = Status(Code::kUnexpectedEof,
+                          q.file->path() + ": unexpected end of file at offset " +
+                              std::to_string(at) + ": wanted " + std::to_string(q.dst.size()) +
+                              " bytes at offset " + std::to_string(q.offset));
+      }
+      return true;
     }
     counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
     if (p.direct) counters_.direct_bytes.fetch_add(n, std::memory_order_relaxed);

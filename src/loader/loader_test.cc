@@ -475,6 +475,29 @@ TEST(LoaderEngines, MmapTensorsOutliveTheLoaderAndAreViews) {
   for (const Tensor& t : kept) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
 }
 
+// A checkpoint opened by a relative path is found again by path later (O_DIRECT descriptors, the
+// check that the path still names the file): a chdir in between changes nothing.
+TEST(LoaderEngines, ARelativePathStillNamesItsFileAfterAChdir) {
+  Fixture f(2, 1u << 30, 100);
+  char before[4096];
+  ASSERT_NE(::getcwd(before, sizeof before), nullptr);
+  ASSERT_EQ(::chdir(f.dir.path().c_str()), 0);
+  for (Engine engine : testing::AvailableEngines()) {
+    LoadOptions o;
+    o.engine = engine;
+    o.direct = engine == Engine::kMmap ? DirectIO::kOff : DirectIO::kOn;
+    ASSERT_EQ(::chdir(f.dir.path().c_str()), 0);
+    auto loader = Loader::Open("./model.safetensors", o);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    EXPECT_EQ((*loader)->checkpoint()->files()[0].path, f.dir.Join("model.safetensors"));
+    ASSERT_EQ(::chdir("/"), 0);
+    auto tensors = (*loader)->Load();
+    ASSERT_TRUE(tensors.ok()) << EngineName(engine) << ": " << tensors.status().ToString();
+    for (const Tensor& t : *tensors) EXPECT_EQ(HostBytes(t), f.Full(t.name())) << t.name();
+  }
+  ASSERT_EQ(::chdir(before), 0);
+}
+
 // Turns mapping leases off for one test (the loud-failure guard alone), and back on after it.
 struct WithoutLeases {
   WithoutLeases() { SetMappingLeases(false); }

@@ -124,7 +124,7 @@ def parse_options(extra):
         budget = extra["budget"]
         if budget == "auto":
             values["budget"] = "auto"
-        elif budget is None or budget == 0 or budget == "0":
+        elif budget is None or (type(budget) is int and budget == 0) or budget == "0":
             values["budget"] = None
         else:
             if isinstance(budget, bool) or not isinstance(budget, (int, str)):
@@ -397,9 +397,22 @@ def _make_class():
 
         def download_model(self, model_config):
             primary = self._primary(model_config)
+            self._check_weights(primary)
             # Object storage is read in place; a hub id is streamed (the `hub` option).
             if not _is_url(primary) and self._hub_path(primary, model_config.revision) is None:
                 self._files(primary, model_config.revision)
+
+        def _check_weights(self, path):
+            """FileNotFoundError for a `weights` option naming a local path that does not exist
+            (anything neither a URL nor shaped like a hub id is a path; a hub id is downloaded
+            as --model would be)."""
+            from . import _safe_open
+            if self.options.weights is None or _is_url(path) or os.path.exists(path):
+                return
+            if path.startswith(("/", ".")) or not _safe_open.is_hub_id(path):
+                raise FileNotFoundError(
+                    f"model_loader_extra_config['weights'] for load format "
+                    f"{LOAD_FORMAT!r}: {self.options.weights!r} does not exist")
 
         def _hub_path(self, model_or_path, revision, subfolder=None):
             return hub_path(model_or_path, revision, subfolder, self.options,
@@ -588,12 +601,8 @@ def _make_class():
                     parts = streamed
                 elif _is_url(model_or_path):
                     parts = self._remote_parts(model_or_path, patterns, unused)
-                elif k == 0 and self.options.weights is not None and \
-                        model_or_path.startswith(("/", ".")) and not os.path.exists(model_or_path):
-                    # (a name that is not a path is a hub id, downloaded as --model would be)
-                    raise FileNotFoundError(
-                        f"model_loader_extra_config['weights'] for load format "
-                        f"{LOAD_FORMAT!r}: {self.options.weights!r} does not exist")
+                elif k == 0 and self._check_weights(model_or_path):
+                    pass  # (raises for a missing path)
                 elif os.path.isfile(model_or_path):  # the `weights` option: one file
                     parts = [Part(model_or_path, _keep(unused))]
                 else:

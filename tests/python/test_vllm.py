@@ -73,6 +73,8 @@ def test_options_defaults_and_values():
     ({"budget": "lots"}, ["['budget']", "not a size"]),
     ({"budget": -1}, ["['budget']"]),
     ({"budget": True}, ["['budget']", "True is not a size"]),
+    ({"budget": False}, ["['budget']", "False is not a size"]),
+    ({"budget": 0.0}, ["['budget']", "0.0 is not a size"]),
     ({"cooperative": "yes"}, ["['cooperative']", "'yes' is not true or false"]),
     ({"threads": 0}, ["['threads']", "0 is not a positive integer"]),
     ({"engine": "dma"}, ["['engine']", "'dma' is not one of 'auto', 'pread', 'io_uring', 'mmap'"]),
@@ -449,6 +451,9 @@ def test_weights_option_errors_name_what_is_wrong(remote):
     assert e["missing_local"]["type"] == "FileNotFoundError"
     assert "['weights']" in e["missing_local"]["message"]
     assert "'/nonexistent/llama' does not exist" in e["missing_local"]["message"]
+    # A relative path that is not shaped like a hub id is a path too.
+    assert e["missing_relative"]["type"] == "FileNotFoundError"
+    assert "'ckpts/llama/' does not exist" in e["missing_relative"]["message"]
     assert e["az"]["type"] == "ValueError"  # gs:// is read (test_object_store_gcs.py); az:// not
     assert "['weights']" in e["az"]["message"] and "not az://" in e["az"]["message"]
     assert e["bad_storage_option"]["type"] == "ValueError"

@@ -306,6 +306,8 @@ def remote(workdir, url):
                                      {"weights": "az://container/model/"})),
         "missing_local": error_of(lambda: build(config_only, "tensorferry",
                                                 {"weights": "/nonexistent/llama"})),
+        "missing_relative": error_of(lambda: build(config_only, "tensorferry",
+                                                   {"weights": "ckpts/llama/"})),
         "bad_storage_option": error_of(lambda: build(config_only, "tensorferry",
                                                      {"weights": url,
                                                       "storage_options": {"endpoint": "x"}})),

@@ -32,11 +32,14 @@ int RunChecksum(const ChecksumArgs& args) {
     chunk_size = *size;
   }
   const int64_t start = NowNs();
-  std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(args.path);
-  if (!ckpt) return kExitError;
+  std::shared_ptr<const Checkpoint> ckpt;
   std::string manifest_path;
   uint64_t tensors = 0;
   Status status = [&]() -> Status {
+    // Opened here: with --json, its failure is the error document too.
+    Result<std::shared_ptr<const Checkpoint>> opened = OpenCheckpoint(args.path);
+    if (!opened.ok()) return opened.status();
+    ckpt = *std::move(opened);
     if (ckpt->files().empty() || ckpt->files()[0].path.find("://") != std::string::npos) {
       return Status(Code::kUnsupported, "a manifest is written beside local files only");
     }

@@ -1006,6 +1006,29 @@ TEST(CliChecksums, ManifestForThirdPartyFiles) {
   EXPECT_EQ(resized.exit_code, 1) << Describe(resized);
 }
 
+// Errors about a checkpoint given by a relative path name it once (the library names its files
+// by absolute path); checksum --json answers a checkpoint it cannot open with its error document.
+TEST(CliChecksums, RelativePathsAndJsonErrors) {
+  TempDir t;
+  fs::create_directory(t.Join("sub"));
+  WriteBytes(t.Join("sub/model.safetensors.index.json"),
+             R"({"weight_map": {"a": "model-00001-of-00001.safetensors"}})");
+  char before[4096];
+  ASSERT_NE(::getcwd(before, sizeof before), nullptr);
+  ASSERT_EQ(::chdir(t.path().c_str()), 0);
+  const RunResult missing = RunCli({"inspect", "sub"});
+  const RunResult json = RunCli({"checksum", "nothing-here", "--json"});
+  ASSERT_EQ(::chdir(before), 0);
+  ExpectOneLineError(missing);
+  EXPECT_EQ(missing.err.find("sub: /"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("model-00001-of-00001.safetensors"), std::string::npos) << missing.err;
+  EXPECT_EQ(json.exit_code, 1) << Describe(json);
+  EXPECT_NE(json.out.find("\"ok\":false"), std::string::npos) << json.out;
+  EXPECT_NE(json.out.find("\"code\":\"not_found\""), std::string::npos) << json.out;
+  EXPECT_NE(json.out.find("nothing-here: no such file or directory"), std::string::npos)
+      << json.out;
+}
+
 TEST(CliChecksums, HubCacheBlobsAreCheckedBySha256) {
   TempDir t;
   const std::string repo = t.Join("models--x--y");

@@ -88,7 +88,9 @@ void JsonError(JsonOut& j, std::string_view path, const Status& status);
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name = "path");
 
 // Checkpoint::Open with the object-store settings of the environment (TENSORFERRY_OBJECT_*, and
-// the AWS_* variables the source reads itself); prints the error and returns null on failure.
+// the AWS_* variables the source reads itself).
+Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path);
+// The same; prints the error and returns null on failure.
 std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path);
 
 // Progress on stderr when it is a terminal (nothing otherwise): "\r[####....] 3/17 warm io_uring"

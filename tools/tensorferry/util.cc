@@ -7,9 +7,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "commands.h"
@@ -66,11 +68,21 @@ std::string ErrorText(std::string_view path, const Status& status) {
   // Library messages start with the file they are about: the path given, a file inside that
   // directory, or (for an index or a file given) a sibling in the same directory. Those already
   // have the "<path>: <reason>" shape.
-  if (NamesPathUnder(message, path)) return std::string(message);
-  const size_t slash = path.rfind('/');
-  if (slash != std::string_view::npos && NamesPathUnder(message, path.substr(0, slash + 1))) {
-    return std::string(message);
+  const auto names = [&](std::string_view p) {
+    if (NamesPathUnder(message, p)) return true;
+    const size_t slash = p.rfind('/');
+    return slash != std::string_view::npos && NamesPathUnder(message, p.substr(0, slash + 1));
+  };
+  if (names(path)) return std::string(message);
+  // A relative local path is named by its absolute form (the library anchors it at open).
+  if (!path.empty() && path.front() != '/' && path.find("://") == std::string_view::npos) {
+    std::string_view rest = path;
+    while (rest.size() > 2 && rest.starts_with("./")) rest.remove_prefix(2);
+    std::error_code ec;
+    const std::filesystem::path cwd = std::filesystem::current_path(ec);
+    if (!ec && names((cwd / std::filesystem::path(rest)).string())) return std::string(message);
   }
+  const size_t slash = path.rfind('/');
   if (slash == std::string_view::npos) {
     // A relative file name in the current directory: is the message about a sibling file?
     const size_t colon = message.find(": ");
@@ -129,15 +141,16 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
       ->required();
 }
 
-std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path) {
+Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path) {
   Result<LoadOptions> env = LoadOptions::FromEnvironment();
-  if (!env.ok()) {
-    PrintError(env.status().message());
-    return nullptr;
-  }
+  if (!env.ok()) return env.status();
   OpenOptions open;
   open.object_store = env->object_store;
-  Result<std::shared_ptr<const Checkpoint>> opened = Checkpoint::Open(path, open);
+  return Checkpoint::Open(path, open);
+}
+
+std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path) {
+  Result<std::shared_ptr<const Checkpoint>> opened = OpenCheckpoint(path);
   if (opened.ok()) return *std::move(opened);
   PrintError(path, opened.status());
   return nullptr;

@@ -572,6 +572,29 @@ std::string IndexJson(std::span<const TensorToWrite> tensors,
   return out;
 }
 
+// True when `dir` holds a checksum manifest (integrity.h) that records one of `names` (files in
+// `dir`). A manifest that cannot be read or parsed records nothing.
+bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::string>& names) {
+  namespace fs = std::filesystem;
+  const std::string name(kChecksumManifestName);
+  const std::string path = dir.empty() ? name : (fs::path(dir) / name).string();
+  auto file = env->OpenRandomAccess(path);
+  if (!file.ok()) return false;
+  auto size = (*file)->Size();
+  if (!size.ok() || *size > (uint64_t{256} << 20)) return false;
+  std::string text(static_cast<size_t>(*size), '\0');
+  if (!ReadFully(**file, 0, std::as_writable_bytes(std::span<char>(text.data(), text.size())))
+           .ok()) {
+    return false;
+  }
+  auto manifest = ParseChecksumManifest(text, path);
+  if (!manifest.ok()) return false;
+  for (const std::string& n : names) {
+    if (manifest->files.count(n) != 0) return true;
+  }
+  return false;
+}
+
 // The file names (in `dir`) of the layout with this prefix already there: the single-file name,
 // the index, and the files the index names (plain names ending in ".safetensors" only: never a
 // path elsewhere, never a file of another kind). An index that cannot be read or parsed names
@@ -964,6 +987,11 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
 
   // The files of the layout already there that the new one replaces or makes obsolete.
   std::vector<std::string> old_names = OldLayout(env, dir, options.prefix);
+  if (ManifestNamesAny(env, dir, old_names)) {
+    // A sidecar checksum manifest of the checkpoint replaced describes files that go: it goes
+    // with them (all or nothing, as they do).
+    old_names.emplace_back(kChecksumManifestName);
+  }
   ShardedCommit commit(env, dir, options.write.sync);
   TF_RETURN_IF_ERROR(commit.Run(temps, old_names));
   remove_dir.armed = false;

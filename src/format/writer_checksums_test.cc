@@ -136,6 +136,50 @@ TEST(WriterChecksums, EveryShardCarriesItsOwnTensors) {
   }
 }
 
+// A sidecar manifest (`tensorferry checksum`) of the checkpoint a sharded write replaces describes
+// files that go: it goes with them. One that records none of them (another checkpoint's) stays.
+TEST(WriterChecksums, AManifestOfTheReplacedCheckpointGoesWithIt) {
+  namespace fs = std::filesystem;
+  TempDir dir;
+  const auto a = Pattern(5000, 1), b = Pattern(5000, 2), c = Pattern(5000, 3);
+  std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr},
+                                        {"b", DType::kU8, {5000}, b, nullptr},
+                                        {"c", DType::kU8, {5000}, c, nullptr}};
+  ShardOptions options;
+  options.max_shard_size = 6000;  // three shards
+  options.write.checksums = false;
+  ASSERT_TRUE(WriteSharded(dir.path(), tensors, {}, options).ok());
+  auto ckpt = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  auto manifest = ComputeChecksumManifest(**ckpt, 2048, 2);
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  ASSERT_TRUE(WriteChecksumManifest(**ckpt, *manifest).ok());
+  const std::string sidecar = dir.Join(std::string(kChecksumManifestName));
+  ASSERT_TRUE(fs::exists(sidecar));
+  ckpt->reset();
+
+  options.max_shard_size = 20000;  // one file now, unchecked: no stale record may apply to it
+  auto written = WriteSharded(dir.path(), tensors, {}, options);
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  EXPECT_FALSE(fs::exists(sidecar));
+  auto again = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  auto none = ReadChecksumManifest(**again);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_FALSE(none->has_value());
+
+  // Another checkpoint's manifest in the same folder (its files are not the ones replaced).
+  ChecksumManifest other;
+  other.chunk_size = 2048;
+  ManifestFile entry;
+  entry.size = 1;
+  entry.checksums.chunk_size = 2048;
+  other.files.emplace("other.safetensors", entry);
+  testing::WriteBytes(sidecar, SerializeChecksumManifest(other));
+  ASSERT_TRUE(WriteSharded(dir.path(), tensors, {}, options).ok());
+  EXPECT_TRUE(fs::exists(sidecar));
+}
+
 TEST(WriterChecksums, BadChunkSizeRefusedBeforeWriting) {
   TempDir dir;
   WriteOptions options;

@@ -96,6 +96,7 @@ void RollbackEntry::Reset() noexcept {
 void RunRegisteredRollbacks() noexcept {
   for (RollbackNode* n = g_head.load(std::memory_order_acquire); n != nullptr; n = n->next) {
     if (n->state.load(std::memory_order_seq_cst) != kActive) continue;
+    if (n->kind == static_cast<int>(RollbackEntry::Kind::kDirectory)) continue;  // below
     const bool committed =
         n->group != nullptr && n->group->committed.load(std::memory_order_seq_cst);
     switch (static_cast<RollbackEntry::Kind>(n->kind)) {
@@ -110,7 +111,14 @@ void RunRegisteredRollbacks() noexcept {
       case RollbackEntry::Kind::kCreated:
         if (!committed) ::unlink(n->path);
         break;
+      case RollbackEntry::Kind::kDirectory: break;
     }
+  }
+  // Directories last, once the files in them are gone; one still holding files (a committed
+  // write's, or someone else's) stays: rmdir(2) removes only empty ones.
+  for (RollbackNode* n = g_head.load(std::memory_order_acquire); n != nullptr; n = n->next) {
+    if (n->state.load(std::memory_order_seq_cst) != kActive) continue;
+    if (n->kind == static_cast<int>(RollbackEntry::Kind::kDirectory)) ::rmdir(n->path);
   }
 }
 

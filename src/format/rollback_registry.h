@@ -4,7 +4,8 @@
 // (a backup of a file it replaces or makes obsolete) and each new name it created. Writers undo
 // their own work on errors in ordinary code; this list exists for the one case ordinary code
 // cannot handle: a signal handler (the CLI's, on SIGINT/SIGTERM) calling RunRegisteredRollbacks(),
-// which only uses unlink(2) and rename(2) and lock-free atomics, so it is async-signal-safe.
+// which only uses unlink(2), rename(2), rmdir(2) and lock-free atomics, so it is
+// async-signal-safe.
 //
 // Nodes are allocated on first need and never freed (they are reused), so a handler may walk the
 // list while another thread registers or unregisters entries. Memory is bounded by the largest
@@ -41,6 +42,7 @@ class RollbackEntry {
     kTemporary = 1,  // a temporary file: removed
     kBackup = 2,     // `path` is a backup of `original`: renamed back (removed once committed)
     kCreated = 3,    // a name the write created: removed unless committed
+    kDirectory = 4,  // a directory the write created: removed if empty, after every file entry
   };
 
   RollbackEntry() = default;

@@ -975,6 +975,10 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   // A directory this call creates is removed again if the write fails.
   TF_ASSIGN_OR_RETURN(const bool dir_existed, CreateDirectoryIfMissing(dir));
   RemoveCreatedDir remove_dir{&dir, !dir_existed};
+  // The same for a signal that ends the process (the CLI's handler): removed once emptied.
+  internal::RollbackEntry created_dir;
+  if (!dir_existed)
+    created_dir = internal::RollbackEntry(internal::RollbackEntry::Kind::kDirectory, dir);
 
   // Every file goes to a temporary name first; nothing visible changes until all are complete.
   TF_ASSIGN_OR_RETURN(
@@ -995,6 +999,7 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   ShardedCommit commit(env, dir, options.write.sync);
   TF_RETURN_IF_ERROR(commit.Run(temps, old_names));
   remove_dir.armed = false;
+  created_dir.Reset();
   std::vector<std::string> written;
   written.reserve(temps.size());
   for (const TempFile& t : temps) written.push_back(t.target());

@@ -883,6 +883,30 @@ TEST(CliGen, InterruptedWriteRemovesItsFilesAndDiesOfTheSignal) {
   }
 }
 
+// A folder the interrupted write created goes with its files (reshard --tp's hidden
+// .rank-*.partial folders too).
+TEST(CliGen, InterruptedWriteIntoANewFolderRemovesIt) {
+  TempDir dir;
+  const std::string out = dir.Join("new");
+  const pid_t pid = SpawnCli({"gen", out, "--preset", "small", "--shard-size", "100MB"});
+  ASSERT_GT(pid, 0);
+  bool seen = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!seen && std::chrono::steady_clock::now() < deadline) {
+    std::error_code ec;
+    for (fs::directory_iterator it(out, ec), end; !ec && it != end; it.increment(ec)) {
+      seen = seen || it->path().filename().string().find(".tmp-") != std::string::npos;
+    }
+    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(seen) << "no temporary file appeared";
+  ASSERT_EQ(kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exited with " << WEXITSTATUS(status);
+  EXPECT_FALSE(fs::exists(out)) << DirContents(out).size() << " entries left";
+}
+
 TEST(CliLoad, TensorParallelRankReportsBytesRead) {
   TempDir dir;
   GenTiny(dir.Join("c"));

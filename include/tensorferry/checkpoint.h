@@ -128,6 +128,12 @@ struct OpenOptions {
   uint64_t max_total_header_bytes = 512ull << 20;
 };
 
+// The path Checkpoint::Open names a local checkpoint by: a relative path made absolute against
+// the working directory of now (its files are found again by path later, which a chdir in
+// between must not redirect; a leading "./" dropped, nothing else rewritten: a ".." may cross a
+// symbolic link). URLs, hf:// paths and absolute paths are returned as given.
+std::string AnchoredPath(const std::string& path);
+
 class Checkpoint {
  public:
   // Opens a .safetensors file, a model.safetensors.index.json file, or a directory; or the same

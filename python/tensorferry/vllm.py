@@ -596,13 +596,13 @@ def _make_class():
             tp = self._tp()
             for k, (model_or_path, revision, subfolder, prefix, patterns, unused) in \
                     enumerate(self._sources(model, model_config)):
+                if k == 0:
+                    self._check_weights(model_or_path)  # a missing local path: raises
                 streamed = self._hub_parts(model_or_path, revision, subfolder, patterns, unused)
                 if streamed is not None:  # a hub id read as hf:// (the `hub` option)
                     parts = streamed
                 elif _is_url(model_or_path):
                     parts = self._remote_parts(model_or_path, patterns, unused)
-                elif k == 0 and self._check_weights(model_or_path):
-                    pass  # (raises for a missing path)
                 elif os.path.isfile(model_or_path):  # the `weights` option: one file
                     parts = [Part(model_or_path, _keep(unused))]
                 else:

@@ -484,21 +484,21 @@ Result<std::shared_ptr<const Checkpoint>> OpenHub(const std::string& path,
 
 }  // namespace
 
-namespace {
-
-// A relative local path made absolute against the working directory of now: the checkpoint's files
-// are found again by path later (O_DIRECT descriptors, files reopened after their window closed,
-// the check that a path still names its file), which a chdir in between must not redirect. A
-// leading "./" is dropped; nothing else is rewritten (a ".." may cross a symbolic link). Paths of
-// a custom Env are its own names and stay as they are.
-std::string Anchored(const std::string& path, const OpenOptions& options) {
-  if (options.env != nullptr || path.empty() || path.front() == '/') return path;
+std::string AnchoredPath(const std::string& path) {
+  if (path.empty() || path.front() == '/' || IsObjectUrl(path) || IsHubPath(path)) return path;
   std::string_view rest = path;
   while (rest.size() > 2 && rest.substr(0, 2) == "./") rest.remove_prefix(2);
   std::error_code ec;
   const fs::path cwd = fs::current_path(ec);
   if (ec) return path;  // no working directory to anchor to: as given
   return (cwd / fs::path(rest)).string();
+}
+
+namespace {
+
+// Paths of a custom Env are its own names and stay as they are.
+std::string Anchored(const std::string& path, const OpenOptions& options) {
+  return options.env != nullptr ? path : AnchoredPath(path);
 }
 
 }  // namespace
@@ -543,7 +543,7 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const 
   for (const std::string& path : paths) {
     TF_RETURN_IF_ERROR(CheckPathString(path, "checkpoint path"));
     if (!IsHubPath(path)) {
-      resolved.push_back(IsObjectUrl(path) ? path : Anchored(path, options));
+      resolved.push_back(Anchored(path, options));
       continue;
     }
     Result<std::string> local = ResolveHubPath(path);

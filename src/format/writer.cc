@@ -20,6 +20,7 @@
 #include <memory>
 #include <new>
 #include <numeric>
+#include <optional>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
@@ -572,22 +573,30 @@ std::string IndexJson(std::span<const TensorToWrite> tensors,
   return out;
 }
 
-// True when `dir` holds a checksum manifest (integrity.h) that records one of `names` (files in
-// `dir`). A manifest that cannot be read or parsed records nothing.
-bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::string>& names) {
-  namespace fs = std::filesystem;
-  const std::string name(kChecksumManifestName);
-  const std::string path = dir.empty() ? name : (fs::path(dir) / name).string();
+// The whole text of the file `name` in `dir`, unless it is missing, unreadable or larger than
+// `limit` bytes.
+std::optional<std::string> ReadSmallFile(Env* env, const std::string& dir, const std::string& name,
+                                         uint64_t limit) {
+  const std::string path = dir.empty() ? name : (std::filesystem::path(dir) / name).string();
   auto file = env->OpenRandomAccess(path);
-  if (!file.ok()) return false;
+  if (!file.ok()) return std::nullopt;
   auto size = (*file)->Size();
-  if (!size.ok() || *size > (uint64_t{256} << 20)) return false;
+  if (!size.ok() || *size > limit) return std::nullopt;
   std::string text(static_cast<size_t>(*size), '\0');
   if (!ReadFully(**file, 0, std::as_writable_bytes(std::span<char>(text.data(), text.size())))
            .ok()) {
-    return false;
+    return std::nullopt;
   }
-  auto manifest = ParseChecksumManifest(text, path);
+  return text;
+}
+
+// True when `dir` holds a checksum manifest (integrity.h) that records one of `names` (files in
+// `dir`). A manifest that cannot be read or parsed records nothing.
+bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::string>& names) {
+  const std::optional<std::string> text =
+      ReadSmallFile(env, dir, std::string(kChecksumManifestName), uint64_t{256} << 20);
+  if (!text) return false;
+  auto manifest = ParseChecksumManifest(*text, kChecksumManifestName);
   if (!manifest.ok()) return false;
   for (const std::string& n : names) {
     if (manifest->files.count(n) != 0) return true;
@@ -600,21 +609,13 @@ bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::s
 // path elsewhere, never a file of another kind). An index that cannot be read or parsed names
 // nothing; it is itself still listed.
 std::vector<std::string> OldLayout(Env* env, const std::string& dir, const std::string& prefix) {
-  namespace fs = std::filesystem;
   const std::string index_name = prefix + ".safetensors.index.json";
   std::vector<std::string> names = {prefix + ".safetensors", index_name};
-  const std::string index_path = dir.empty() ? index_name : (fs::path(dir) / index_name).string();
-  auto file = env->OpenRandomAccess(index_path);
-  if (!file.ok()) return names;
   const IndexLimits limits;
-  auto size = (*file)->Size();
-  if (!size.ok() || *size > limits.max_index_size) return names;
-  std::string text(static_cast<size_t>(*size), '\0');
-  if (!ReadFully(**file, 0, std::as_writable_bytes(std::span<char>(text.data(), text.size())))
-           .ok()) {
-    return names;
-  }
-  auto doc = ParseIndexJson(text, index_path, limits);
+  const std::optional<std::string> text =
+      ReadSmallFile(env, dir, index_name, limits.max_index_size);
+  if (!text) return names;
+  auto doc = ParseIndexJson(*text, index_name, limits);
   if (!doc.ok()) return names;
   for (const auto& [tensor, file_name] : doc->weight_map) {
     if (file_name.find('/') != std::string::npos || !file_name.ends_with(".safetensors") ||

@@ -855,29 +855,36 @@ pid_t SpawnCli(const std::vector<std::string>& args) {
   return rc == 0 ? pid : -1;
 }
 
+// Runs `gen` of ~0.5 GB in 100 MB shards into `out`, sends `sig` as soon as its first temporary
+// file appears there, and checks it died of that signal.
+void InterruptGenAtItsFirstTemporary(const std::string& out, int sig) {
+  const pid_t pid = SpawnCli({"gen", out, "--preset", "small", "--shard-size", "100MB"});
+  ASSERT_GT(pid, 0);
+  bool seen = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!seen && std::chrono::steady_clock::now() < deadline) {
+    std::error_code ec;  // `out` may not exist yet
+    for (fs::directory_iterator it(out, ec), end; !ec && it != end; it.increment(ec)) {
+      seen = seen || it->path().filename().string().find(".tmp-") != std::string::npos;
+    }
+    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(seen) << "no temporary file appeared";
+  ASSERT_EQ(kill(pid, sig), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exited with " << WEXITSTATUS(status);
+  EXPECT_EQ(WTERMSIG(status), sig);
+}
+
 TEST(CliGen, InterruptedWriteRemovesItsFilesAndDiesOfTheSignal) {
   for (int sig : {SIGINT, SIGTERM}) {
     TempDir dir;
     const std::string out = dir.Join("m");
     GenTiny(out, {"--shard-size", "40KB"});  // an older checkpoint that must survive
     const auto before = DirContents(out);
-    // ~0.5 GB in 100 MB shards: interrupted as soon as its first temporary file appears.
-    const pid_t pid = SpawnCli({"gen", out, "--preset", "small", "--shard-size", "100MB"});
-    ASSERT_GT(pid, 0);
-    bool seen = false;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (!seen && std::chrono::steady_clock::now() < deadline) {
-      for (const auto& e : fs::directory_iterator(out)) {
-        seen = seen || e.path().filename().string().find(".tmp-") != std::string::npos;
-      }
-      if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    ASSERT_TRUE(seen) << "no temporary file appeared";
-    ASSERT_EQ(kill(pid, sig), 0);
-    int status = 0;
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "exited with " << WEXITSTATUS(status);
-    EXPECT_EQ(WTERMSIG(status), sig);
+    InterruptGenAtItsFirstTemporary(out, sig);
+    if (::testing::Test::HasFatalFailure()) return;
     // No temporary, no new shard, no backup: exactly the older checkpoint.
     EXPECT_EQ(DirContents(out), before) << strsignal(sig);
   }
@@ -888,22 +895,7 @@ TEST(CliGen, InterruptedWriteRemovesItsFilesAndDiesOfTheSignal) {
 TEST(CliGen, InterruptedWriteIntoANewFolderRemovesIt) {
   TempDir dir;
   const std::string out = dir.Join("new");
-  const pid_t pid = SpawnCli({"gen", out, "--preset", "small", "--shard-size", "100MB"});
-  ASSERT_GT(pid, 0);
-  bool seen = false;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!seen && std::chrono::steady_clock::now() < deadline) {
-    std::error_code ec;
-    for (fs::directory_iterator it(out, ec), end; !ec && it != end; it.increment(ec)) {
-      seen = seen || it->path().filename().string().find(".tmp-") != std::string::npos;
-    }
-    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_TRUE(seen) << "no temporary file appeared";
-  ASSERT_EQ(kill(pid, SIGINT), 0);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFSIGNALED(status)) << "exited with " << WEXITSTATUS(status);
+  InterruptGenAtItsFirstTemporary(out, SIGINT);
   EXPECT_FALSE(fs::exists(out)) << DirContents(out).size() << " entries left";
 }
 

@@ -7,11 +7,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <system_error>
 #include <utility>
 
 #include "commands.h"
@@ -75,12 +73,9 @@ std::string ErrorText(std::string_view path, const Status& status) {
   };
   if (names(path)) return std::string(message);
   // A relative local path is named by its absolute form (the library anchors it at open).
-  if (!path.empty() && path.front() != '/' && path.find("://") == std::string_view::npos) {
-    std::string_view rest = path;
-    while (rest.size() > 2 && rest.starts_with("./")) rest.remove_prefix(2);
-    std::error_code ec;
-    const std::filesystem::path cwd = std::filesystem::current_path(ec);
-    if (!ec && names((cwd / std::filesystem::path(rest)).string())) return std::string(message);
+  if (const std::string anchored = AnchoredPath(std::string(path));
+      anchored != path && names(anchored)) {
+    return std::string(message);
   }
   const size_t slash = path.rfind('/');
   if (slash == std::string_view::npos) {

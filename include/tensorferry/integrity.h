@@ -155,7 +155,9 @@ Result<ChecksumManifest> ParseChecksumManifest(std::string_view text, std::strin
 class Checkpoint;
 
 // Where a checkpoint's sidecar manifest lives: kChecksumManifestName in the directory of its
-// first file ("" for a checkpoint of no file). Manifest file names are relative to it.
+// index (of its file, for a single file; "" for a checkpoint of no file). Manifest file names
+// are relative to that directory ("a/model-00001-of-00002.safetensors" for a shard the index
+// keeps in a subfolder).
 std::string ChecksumManifestPath(const Checkpoint& ckpt);
 // The manifest beside `ckpt`, nullopt when there is none. Errors: those of
 // ParseChecksumManifest; kIoError when it exists but cannot be read.
@@ -166,7 +168,11 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
                                                  uint64_t chunk_size = kDefaultChecksumChunkSize,
                                                  unsigned threads = 1);
 // Writes `manifest` to ChecksumManifestPath(ckpt) atomically (temporary file, fsync, rename,
-// fsync of the directory) through `env` (nullptr: Env::Default()). Errors: kIoError.
+// fsync of the directory) through `env` (nullptr: Env::Default()). A manifest already there keeps
+// its entries of files that are not `ckpt`'s (several single-file checkpoints in one folder share
+// it); `ckpt`'s are replaced. Errors: kIoError; kInvalidArgument when the manifest there holds
+// other files' entries in another chunk size; those of ReadChecksumManifest for one that cannot
+// be read or parsed (nothing is written: remove it to start anew).
 Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& manifest,
                              Env* env = nullptr);
 

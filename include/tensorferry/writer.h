@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -125,6 +126,34 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               std::span<const TensorToWrite> tensors,
                                               const Metadata& metadata = {},
                                               const ShardOptions& options = {});
+
+// Directories written as one unit: the rank folders of `tensorferry reshard --tp`, each
+// complete on its own (WriteSharded) but meaningful only together. Create() makes `root` and its
+// missing parents; Add() hands over a complete directory and the files in it. Until Commit(), the
+// destructor, and a signal handled by AbandonWritesInProgress(), remove every added file, every
+// added directory and the directories Create() made, directories only once empty (so nothing the
+// transaction did not write is ever removed): an interrupted or failed write of N folders leaves
+// none of them. After Commit() nothing is removed.
+// Errors: kIoError naming the directory that could not be created.
+// Thread-compatible (one thread at a time); the signal path is async-signal-safe.
+class DirectoryTransaction {
+ public:
+  static Result<DirectoryTransaction> Create(const std::string& root);
+  DirectoryTransaction(DirectoryTransaction&&) noexcept;
+  DirectoryTransaction& operator=(DirectoryTransaction&&) noexcept;
+  DirectoryTransaction(const DirectoryTransaction&) = delete;
+  DirectoryTransaction& operator=(const DirectoryTransaction&) = delete;
+  ~DirectoryTransaction();
+
+  // `dir` (complete, in place) and `files`, the paths of what was written in it.
+  void Add(const std::string& dir, const std::vector<std::string>& files);
+  void Commit() noexcept;
+
+ private:
+  struct Rep;
+  explicit DirectoryTransaction(std::unique_ptr<Rep> rep);
+  std::unique_ptr<Rep> rep_;
+};
 
 // For a SIGINT/SIGTERM handler that is about to end the process: removes the temporary files of
 // every write in progress in this process and undoes the renames of sharded writes not yet

@@ -115,10 +115,15 @@ void RunRegisteredRollbacks() noexcept {
     }
   }
   // Directories last, once the files in them are gone; one still holding files (a committed
-  // write's, or someone else's) stays: rmdir(2) removes only empty ones.
-  for (RollbackNode* n = g_head.load(std::memory_order_acquire); n != nullptr; n = n->next) {
-    if (n->state.load(std::memory_order_seq_cst) != kActive) continue;
-    if (n->kind == static_cast<int>(RollbackEntry::Kind::kDirectory)) ::rmdir(n->path);
+  // write's, or someone else's) stays: rmdir(2) removes only empty ones. Nested ones empty in
+  // turn, innermost first: passes repeat while one removes something.
+  for (bool removed = true; removed;) {
+    removed = false;
+    for (RollbackNode* n = g_head.load(std::memory_order_acquire); n != nullptr; n = n->next) {
+      if (n->state.load(std::memory_order_seq_cst) != kActive) continue;
+      if (n->kind != static_cast<int>(RollbackEntry::Kind::kDirectory)) continue;
+      if (::rmdir(n->path) == 0) removed = true;
+    }
   }
 }
 

@@ -847,30 +847,6 @@ std::vector<std::string> ShardNames(const std::string& prefix, size_t n) {
   return names;
 }
 
-// Creates `dir` (and its parents) unless it exists; the value says whether it existed already.
-Result<bool> CreateDirectoryIfMissing(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const bool dir_existed = dir.empty() || fs::exists(dir, ec);
-  if (!dir_existed) {
-    fs::create_directories(dir, ec);
-    if (ec) {
-      return Status(Code::kIoError, dir + ": cannot create directory: " + ec.message());
-    }
-  }
-  return dir_existed;
-}
-
-// Removes `dir` on destruction while armed, and only if it is empty: never anything but the
-// directory this call created.
-struct RemoveCreatedDir {
-  const std::string* dir;
-  bool armed;
-  ~RemoveCreatedDir() {
-    if (armed) ::rmdir(dir->c_str());
-  }
-};
-
 // `name` inside `dir` ("" being the current directory).
 std::string JoinDir(const std::string& dir, const std::string& name) {
   return dir.empty() ? name : (std::filesystem::path(dir) / name).string();
@@ -913,6 +889,63 @@ Result<TempFile> WriteIndexTemp(const std::string& dir, std::span<const TensorTo
 }
 
 }  // namespace
+
+struct DirectoryTransaction::Rep {
+  std::vector<std::string> created;  // by Create(), outermost first
+  std::vector<std::string> dirs;     // added
+  std::vector<std::string> files;    // added
+  std::vector<internal::RollbackEntry> entries;
+  bool committed = false;
+};
+
+DirectoryTransaction::DirectoryTransaction(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
+DirectoryTransaction::DirectoryTransaction(DirectoryTransaction&&) noexcept = default;
+DirectoryTransaction& DirectoryTransaction::operator=(DirectoryTransaction&&) noexcept = default;
+
+Result<DirectoryTransaction> DirectoryTransaction::Create(const std::string& root) {
+  namespace fs = std::filesystem;
+  auto rep = std::make_unique<Rep>();
+  // The path as given, not lexically normalized: "link/../x" is x beside the link's target.
+  fs::path p(root);
+  if (!p.empty() && !p.has_filename()) p = p.parent_path();  // "a/b/" is "a/b"
+  std::error_code ec;
+  for (fs::path q = p; !q.empty() && !fs::exists(q, ec); q = q.parent_path()) {
+    rep->created.insert(rep->created.begin(), q.string());
+    if (q == q.parent_path()) break;
+  }
+  // Registered before they exist, so a signal in between removes what was made.
+  for (const std::string& d : rep->created) {
+    rep->entries.emplace_back(internal::RollbackEntry::Kind::kDirectory, d);
+  }
+  DirectoryTransaction t(std::move(rep));
+  if (!t.rep_->created.empty()) {
+    fs::create_directories(p, ec);
+    if (ec) return Status(Code::kIoError, root + ": cannot create directory: " + ec.message());
+  }
+  return t;
+}
+
+void DirectoryTransaction::Add(const std::string& dir, const std::vector<std::string>& files) {
+  for (const std::string& f : files) {
+    rep_->entries.emplace_back(internal::RollbackEntry::Kind::kTemporary, f);
+    rep_->files.push_back(f);
+  }
+  rep_->entries.emplace_back(internal::RollbackEntry::Kind::kDirectory, dir);
+  rep_->dirs.push_back(dir);
+}
+
+void DirectoryTransaction::Commit() noexcept {
+  if (rep_ == nullptr) return;
+  rep_->committed = true;
+  rep_->entries.clear();
+}
+
+DirectoryTransaction::~DirectoryTransaction() {
+  if (rep_ == nullptr || rep_->committed) return;
+  for (const std::string& f : rep_->files) ::unlink(f.c_str());
+  for (auto d = rep_->dirs.rbegin(); d != rep_->dirs.rend(); ++d) ::rmdir(d->c_str());
+  for (auto d = rep_->created.rbegin(); d != rep_->created.rend(); ++d) ::rmdir(d->c_str());
+}
 
 void AbandonWritesInProgress() noexcept {
   internal::RunRegisteredRollbacks();
@@ -973,13 +1006,9 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   const std::vector<std::string> names = ShardNames(options.prefix, cut.shards.size());
 
   Env* env = EnvOf(options.write);
-  // A directory this call creates is removed again if the write fails.
-  TF_ASSIGN_OR_RETURN(const bool dir_existed, CreateDirectoryIfMissing(dir));
-  RemoveCreatedDir remove_dir{&dir, !dir_existed};
-  // The same for a signal that ends the process (the CLI's handler): removed once emptied.
-  internal::RollbackEntry created_dir;
-  if (!dir_existed)
-    created_dir = internal::RollbackEntry(internal::RollbackEntry::Kind::kDirectory, dir);
+  // The directories this call creates are removed again if the write fails or a signal ends it
+  // (the CLI's handler), once the temporaries in them are gone.
+  TF_ASSIGN_OR_RETURN(DirectoryTransaction created_dirs, DirectoryTransaction::Create(dir));
 
   // Every file goes to a temporary name first; nothing visible changes until all are complete.
   TF_ASSIGN_OR_RETURN(
@@ -999,8 +1028,7 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   }
   ShardedCommit commit(env, dir, options.write.sync);
   TF_RETURN_IF_ERROR(commit.Run(temps, old_names));
-  remove_dir.armed = false;
-  created_dir.Reset();
+  created_dirs.Commit();
   std::vector<std::string> written;
   written.reserve(temps.size());
   for (const TempFile& t : temps) written.push_back(t.target());

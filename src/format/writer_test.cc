@@ -955,6 +955,76 @@ TEST(WriterShardAtomic, FailureRemovesTheDirectoryItCreated) {
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{});
 }
 
+TEST(WriterShardAtomic, FailureRemovesEveryFolderLevelItCreated) {
+  TempDir dir;
+  const ShardInput in = MakeShardInput({4, 4});
+  testing::FaultInjectionEnv env({.fail_append = 2});
+  auto r = WriteSharded(dir.Join("a/b/c/"), in.tensors, {}, TwoShards(&env));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{});
+}
+
+// Two folders written as one unit, each complete: until Commit() they go together, by the
+// destructor or by the signal path, with the levels of the root the transaction made; a folder
+// that existed, and files the transaction was not given, stay.
+TEST(DirectoryTransaction, UncommittedFoldersGoWithTheLevelsItCreated) {
+  for (const bool by_signal : {false, true}) {
+    TempDir dir;
+    const std::string root = dir.Join("x/y");
+    {
+      auto t = DirectoryTransaction::Create(root);
+      ASSERT_TRUE(t.ok()) << t.status().ToString();
+      ASSERT_TRUE(std::filesystem::is_directory(root));
+      for (const std::string rank : {"r0", "r1"}) {
+        std::filesystem::create_directories(root + "/" + rank);
+        WriteBytes(root + "/" + rank + "/m.safetensors", "bytes");
+        t->Add(root + "/" + rank, {root + "/" + rank + "/m.safetensors"});
+      }
+      if (by_signal) {
+        AbandonWritesInProgress();
+        EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{}) << "by the signal path";
+      }
+    }
+    EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{}) << by_signal;
+  }
+  // Committed: kept. In a folder that existed: the folder stays, and so does a foreign file.
+  TempDir dir;
+  {
+    auto t = DirectoryTransaction::Create(dir.path());
+    ASSERT_TRUE(t.ok());
+    std::filesystem::create_directories(dir.Join("r0"));
+    WriteBytes(dir.Join("r0/m.safetensors"), "bytes");
+    WriteBytes(dir.Join("r0/notes.txt"), "mine");
+    t->Add(dir.Join("r0"), {dir.Join("r0/m.safetensors")});
+  }
+  EXPECT_EQ(ListDir(dir.Join("r0")), std::vector<std::string>{"notes.txt"});
+  {
+    auto t = DirectoryTransaction::Create(dir.Join("k"));
+    ASSERT_TRUE(t.ok());
+    WriteBytes(dir.Join("k/m.safetensors"), "bytes");
+    t->Add(dir.Join("k"), {dir.Join("k/m.safetensors")});
+    t->Commit();
+  }
+  EXPECT_EQ(ReadBytes(dir.Join("k/m.safetensors")), "bytes");
+  // The path as the write will use it: "link/../x" is x beside the link's target.
+  std::filesystem::create_directories(dir.Join("real/sub"));
+  std::filesystem::create_directory_symlink("real/sub", dir.Join("link"));
+  {
+    auto t = DirectoryTransaction::Create(dir.Join("link/../x"));
+    ASSERT_TRUE(t.ok());
+    EXPECT_TRUE(std::filesystem::is_directory(dir.Join("real/x")));
+    EXPECT_FALSE(std::filesystem::exists(dir.Join("x")));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.Join("real/x")));
+  // A level that cannot be made is an error naming the root.
+  WriteBytes(dir.Join("file"), "x");
+  auto bad = DirectoryTransaction::Create(dir.Join("file/sub"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), Code::kIoError);
+  EXPECT_NE(bad.status().message().find(dir.Join("file/sub")), std::string::npos)
+      << bad.status().ToString();
+}
+
 TEST(WriterShardAtomic, AbandonWritesInProgressRemovesTemporaries) {
   // What the CLI's signal handler does, called from inside the write: the first shard's complete
   // temporary and the second's partial one disappear at once; the old layout is untouched.

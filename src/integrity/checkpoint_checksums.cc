@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <set>
 
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
@@ -71,7 +72,10 @@ std::string RelativeName(const std::string& dir, const std::string& path) {
 
 std::string ChecksumManifestPath(const Checkpoint& ckpt) {
   if (ckpt.files().empty()) return std::string();
-  const std::string dir = DirectoryOf(ckpt.files()[0].path);
+  // Beside the index, which names its shards relative to its folder (subfolders included); a
+  // single file's folder otherwise.
+  const std::string dir =
+      DirectoryOf(ckpt.index_path().empty() ? ckpt.files()[0].path : ckpt.index_path());
   return dir.empty() ? std::string(kChecksumManifestName)
                      : dir + "/" + std::string(kChecksumManifestName);
 }
@@ -125,7 +129,12 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_
                        return Status::Ok();
                      }));
     for (auto& [name, sum] : entry.checksums.tensors) sum.digest = CombineChunkDigests(sum.chunks);
-    manifest.files.emplace(RelativeName(dir, ckpt.files()[f].path), std::move(entry));
+    const std::string name = RelativeName(dir, ckpt.files()[f].path);
+    if (!manifest.files.emplace(name, std::move(entry)).second) {
+      return Status(Code::kInvalidArgument,
+                    ckpt.files()[f].path + ": has the same name in the checksum manifest (" +
+                        json::Quote(name) + ") as another file of the checkpoint");
+    }
   }
   return manifest;
 }
@@ -136,7 +145,32 @@ Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& man
   if (path.empty())
     return Status(Code::kInvalidArgument, "a checkpoint of no file has no manifest");
   const std::string dir = DirectoryOf(path);
-  const std::string text = SerializeChecksumManifest(manifest);
+  // The entries of other files in the manifest already there (a folder of single-file
+  // checkpoints shares one) are kept; this checkpoint's are replaced.
+  Result<std::optional<ChecksumManifest>> existing = ReadChecksumManifest(ckpt);
+  if (!existing.ok()) {
+    return Status(existing.status().code(), existing.status().message() +
+                                                " (the manifest there cannot be updated; " +
+                                                "remove it to write a new one)");
+  }
+  ChecksumManifest merged = manifest;
+  if (*existing) {
+    std::set<std::string> ours;
+    for (const FileInfo& f : ckpt.files()) ours.insert(RelativeName(dir, f.path));
+    size_t others = 0;
+    for (const auto& [name, file] : (*existing)->files) others += ours.count(name) == 0 ? 1 : 0;
+    if (others > 0 && (*existing)->chunk_size != manifest.chunk_size) {
+      return Status(Code::kInvalidArgument,
+                    path + ": holds the checksums of " + std::to_string(others) +
+                        " other file(s) in chunks of " + std::to_string((*existing)->chunk_size) +
+                        " bytes, not " + std::to_string(manifest.chunk_size) +
+                        "; write with that chunk size to keep them, or remove the manifest");
+    }
+    for (const auto& [name, file] : (*existing)->files) {
+      if (ours.count(name) == 0) merged.files.emplace(name, file);
+    }
+  }
+  const std::string text = SerializeChecksumManifest(merged);
   std::string temp_path;
   TF_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
                       env->NewTempFile(dir, "." + std::string(kChecksumManifestName) + ".tmp-",

@@ -43,6 +43,12 @@ int RunChecksum(const ChecksumArgs& args) {
     if (ckpt->files().empty() || ckpt->files()[0].path.find("://") != std::string::npos) {
       return Status(Code::kUnsupported, "a manifest is written beside local files only");
     }
+    // Without --chunk-size, the chunk size of a manifest already there, whose other files'
+    // entries are kept (WriteChecksumManifest).
+    if (args.chunk_size.empty()) {
+      Result<std::optional<ChecksumManifest>> existing = ReadChecksumManifest(*ckpt);
+      if (existing.ok() && *existing) chunk_size = (*existing)->chunk_size;
+    }
     const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
     auto manifest = ComputeChecksumManifest(*ckpt, chunk_size, threads);
     if (!manifest.ok()) return manifest.status();

@@ -899,6 +899,31 @@ TEST(CliGen, InterruptedWriteIntoANewFolderRemovesIt) {
   EXPECT_FALSE(fs::exists(out)) << DirContents(out).size() << " entries left";
 }
 
+// The rank folders of reshard --tp are one unit: interrupted after the first is complete, none
+// stays, nor the folders the command created for them; a rerun starts clean.
+TEST(CliReshard, InterruptedAfterARankRemovesEveryRankAndTheFoldersItMade) {
+  TempDir dir;
+  const std::string src = dir.Join("src");
+  const RunResult g = RunCli({"gen", src, "--preset", "small", "--no-sync"});
+  ASSERT_EQ(g.exit_code, 0) << Describe(g);
+  const std::string dst = dir.Join("out/tp4");
+  const pid_t pid = SpawnCli({"reshard", src, dst, "--tp", "4", "--no-sync"});
+  ASSERT_GT(pid, 0);
+  const std::string first = dst + "/rank-00000-of-00004";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(first) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(fs::exists(first)) << "the first rank never appeared";
+  ASSERT_EQ(kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exited with " << WEXITSTATUS(status);
+  EXPECT_FALSE(fs::exists(dir.Join("out"))) << DirContents(dir.Join("out")).size();
+  const RunResult r = RunCli({"reshard", src, dst, "--tp", "2", "--no-sync"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+}
+
 TEST(CliLoad, TensorParallelRankReportsBytesRead) {
   TempDir dir;
   GenTiny(dir.Join("c"));
@@ -1020,6 +1045,64 @@ TEST(CliChecksums, ManifestForThirdPartyFiles) {
   WriteBytes(file, bytes + std::string(8, ' '));
   const RunResult resized = RunCli({"load", file});
   EXPECT_EQ(resized.exit_code, 1) << Describe(resized);
+}
+
+// One folder of single-file checkpoints shares one manifest: each `checksum` keeps the others'
+// entries (in their chunk size). An index keeping its shards in subfolders gets its manifest
+// beside the index, its names relative to it, two shards of one base name apart.
+TEST(CliChecksums, AFolderSharesItsManifestAndSubfolderShardsKeepTheirNames) {
+  TempDir t;
+  std::vector<std::byte> bytes(3000);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::byte(static_cast<uint8_t>(i * 5));
+  WriteOptions plain;
+  plain.checksums = false;
+  const auto write = [&](const std::string& path, size_t n) {
+    const std::vector<TensorToWrite> tensors = {
+        {"w", DType::kU8, {n}, std::span<const std::byte>(bytes.data(), n), nullptr}};
+    ASSERT_TRUE(WriteFile(path, tensors, {}, plain).ok());
+  };
+  write(t.Join("a.safetensors"), 3000);
+  write(t.Join("b.safetensors"), 2000);
+  RunResult r = RunCli({"checksum", t.Join("a.safetensors"), "--chunk-size", "1KiB"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  r = RunCli({"checksum", t.Join("b.safetensors")});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  auto manifest = ParseChecksumManifest(ReadBytes(t.Join(std::string(kChecksumManifestName))));
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  EXPECT_EQ(manifest->chunk_size, 1024u);
+  EXPECT_EQ(manifest->files.size(), 2u);
+  for (const char* f : {"a.safetensors", "b.safetensors"}) {
+    r = RunCli({"load", t.Join(f), "--verify", "on"});
+    EXPECT_EQ(r.exit_code, 0) << f << ": " << Describe(r);
+  }
+  r = RunCli({"checksum", t.Join("b.safetensors"), "--chunk-size", "2KiB"});
+  ExpectOneLineError(r);
+  EXPECT_NE(r.err.find("1 other file(s) in chunks of 1024 bytes"), std::string::npos) << r.err;
+  EXPECT_EQ(RunCli({"load", t.Join("a.safetensors"), "--verify", "on"}).exit_code, 0);
+
+  const std::string c = t.Join("c");
+  fs::create_directories(c + "/a");
+  fs::create_directories(c + "/b");
+  write(c + "/a/x.safetensors", 1000);
+  write(c + "/b/x.safetensors", 2500);
+  WriteBytes(c + "/model.safetensors.index.json", R"({"weight_map": {"w": "a/x.safetensors"}})");
+  // Two tensors named alike cannot share an index: the second file holds another name.
+  const std::vector<TensorToWrite> v = {
+      {"v", DType::kU8, {2500}, std::span<const std::byte>(bytes.data(), 2500), nullptr}};
+  ASSERT_TRUE(WriteFile(c + "/b/x.safetensors", v, {}, plain).ok());
+  WriteBytes(c + "/model.safetensors.index.json",
+             R"({"weight_map": {"w": "a/x.safetensors", "v": "b/x.safetensors"}})");
+  r = RunCli({"checksum", c});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  manifest = ParseChecksumManifest(ReadBytes(c + "/" + std::string(kChecksumManifestName)));
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  std::vector<std::string> names;
+  for (const auto& [name, file] : manifest->files) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"a/x.safetensors", "b/x.safetensors"}));
+  r = RunCli({"verify", c});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("2 from the manifest"), std::string::npos) << r.out;
+  EXPECT_EQ(RunCli({"load", c, "--verify", "on"}).exit_code, 0);
 }
 
 // Errors about a checkpoint given by a relative path name it once (the library names its files

@@ -7,7 +7,9 @@
 // sized pieces (TensorToWrite::generate), which are read from the source's slice ranges with
 // positional reads; memory stays at the writer's buffer. Nothing is half-written: each rank is
 // written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
-// complete; a failure removes the partial directory (ranks completed before it stay, each whole).
+// complete. The ranks are one unit (DirectoryTransaction): a failure, or a signal, removes every
+// rank written and the folders the command created, so a rerun starts clean (only a signal in
+// the microseconds between a rank's commit and its registration can leave that rank's folder).
 // An existing rank directory is refused before anything is written. Without --tp, DST may not be
 // the source's own directory (compared by device and inode), which would replace the source; any
 // other existing checkpoint in DST is replaced all or nothing (WriteSharded).
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -184,24 +187,25 @@ bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt) {
   return true;
 }
 
-// Creates DST and refuses existing rank directories; prints the error and returns false.
-bool PrepareDestination(const ReshardArgs& a, uint32_t world) {
-  std::error_code ec;
-  fs::create_directories(a.dst, ec);
-  if (ec) {
-    PrintError(a.dst, Status(Code::kIoError, "cannot create the directory: " + ec.message()));
-    return false;
-  }
+// Refuses existing rank directories, then creates DST (and its missing parents), as a
+// transaction: the rank directories written and the directories created go again unless it is
+// committed. Prints the error and returns nullopt.
+std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uint32_t world) {
   // Refused before anything is written: no rank directory is ever overwritten.
   for (uint32_t rank = 0; a.tp > 0 && rank < world; ++rank) {
     const fs::path final_dir = fs::path(a.dst) / RankDirName(rank, world);
     if (fs::exists(final_dir)) {
       PrintError(final_dir.string(),
                  Status(Code::kInvalidArgument, "already exists; not overwritten"));
-      return false;
+      return std::nullopt;
     }
   }
-  return true;
+  Result<DirectoryTransaction> t = DirectoryTransaction::Create(a.dst);
+  if (!t.ok()) {
+    PrintError(a.dst, t.status());
+    return std::nullopt;
+  }
+  return std::move(t).value();
 }
 
 // Writes one rank (or the whole re-split checkpoint without --tp) and adds the bytes of its
@@ -209,7 +213,7 @@ bool PrepareDestination(const ReshardArgs& a, uint32_t world) {
 bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
                   const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
                   const ShardSpec& spec, const ShardOptions& so, const Metadata& base,
-                  uint32_t rank, uint32_t world, uint64_t& written) {
+                  uint32_t rank, uint32_t world, DirectoryTransaction& dst, uint64_t& written) {
   std::error_code ec;
   Metadata metadata = base;
   if (a.tp > 0) {
@@ -229,7 +233,17 @@ bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
     PrintError(a.src, paths.status());
     return false;
   }
+  std::vector<std::string> placed;
   if (a.tp > 0) {
+    // A rank folder is complete, but the ranks are one unit: it goes if a later one fails or a
+    // signal ends the command. Registered under both names before the rename.
+    std::vector<std::string> temporary;
+    for (const std::string& p : *paths) {
+      temporary.push_back((fs::path(partial) / fs::path(p).filename()).string());
+      placed.push_back((fs::path(final_dir) / fs::path(p).filename()).string());
+    }
+    dst.Add(partial, temporary);
+    dst.Add(final_dir, placed);
     fs::rename(partial, final_dir, ec);
     if (ec) {
       fs::remove_all(partial, ec);
@@ -261,11 +275,15 @@ int RunReshard(const ReshardArgs& a) {
   if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
   if (a.tp == 0 && !CheckDstIsNotSource(a, *ckpt)) return kExitError;
   const uint32_t world = a.tp == 0 ? 1 : a.tp;
-  if (!PrepareDestination(a, world)) return kExitError;
+  std::optional<DirectoryTransaction> dst = PrepareDestination(a, world);
+  if (!dst) return kExitError;
   uint64_t written = 0;
   for (uint32_t rank = 0; rank < world; ++rank) {
-    if (!WriteOneRank(a, *ckpt, files, spec, so, base, rank, world, written)) return kExitError;
+    if (!WriteOneRank(a, *ckpt, files, spec, so, base, rank, world, *dst, written)) {
+      return kExitError;
+    }
   }
+  dst->Commit();
   const std::string line = "resharded " + Plural(ckpt->tensors().size(), "tensor") + " of " +
                            a.src + " into " + (a.tp > 0 ? Plural(world, "rank") + " under " : "") +
                            a.dst + ": " + FormatBytes(written) + " written";

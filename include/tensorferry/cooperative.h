@@ -13,8 +13,12 @@
 //      LoadOptions::cooperative.exchange: all, none, or auto, a cost model of each host's
 //      storage and network time (the plan's comment); the exchanged tensors get their reader
 //      (AssignReaders) and round (AssignRounds, budget-bounded). Every rank's TensorSlice of
-//      every selected tensor is computed first (SliceOf): a rule error fails every rank the same
-//      way before any I/O.
+//      every selected tensor is computed first (SliceOf), and the ranks agree on them before any
+//      I/O or other collective (one AllGather of a fingerprint of every tensor read, every rank's
+//      slices and the options the plan depends on; again for the final plan): a rank whose
+//      planning failed, or that planned something else (another checkpoint, selection, rules or
+//      options), fails every rank at once with an error that says so, rather than leaving the
+//      others waiting in a collective or taking another rank's bytes for their own.
 //   3. The local tensors are read by each rank with a sliced Loader (LoadOptions::tensor_parallel)
 //      on a helper thread: those that no exchange could save reads of
 //      (CooperativeTensorPlan::SavesReads) while the network probe runs, when it runs; the others
@@ -281,7 +285,8 @@ struct CooperativeStats {
 // share at once); options.cooperative chooses what is exchanged (PlanCooperative, with the hosts
 // of HostsOfRanks); options.tensor_parallel gives only max_gap, for the local tensors' reads and
 // the cost model (the spec and the collective decide the rest). Errors:
-// those of DescribeSelection (SliceOf included) (identical on every rank), kUnsupported for a CUDA
+// those of DescribeSelection (SliceOf included) on the failing rank (kIoError naming it on the
+// others), kInvalidArgument on every rank when the ranks' plans differ, kUnsupported for a CUDA
 // target in `options` (device or placement: the exchange moves host memory; for slices on a GPU use
 // LoadOptions::tensor_parallel per rank, docs/gpu.md), of the Loader on any rank (the failing rank
 // returns its own error, the others kIoError naming the failed rank), of the collective.

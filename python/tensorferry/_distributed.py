@@ -27,6 +27,7 @@ the process group is unusable afterwards, as after any failed collective).
 import datetime
 import errno
 import functools
+import hashlib
 import json
 import time
 
@@ -417,11 +418,20 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     try:
         # With a network probe ahead (auto, no rate given, several hosts), the tensors that no
         # exchange saves reads of are local whatever it measures: read while it runs.
-        nbytes = _core.network_probe_bytes(hosts, options)
-        preread = set()
-        if nbytes:
+        # Every rank's slices and per-tensor figures first, before any I/O or other
+        # collective: the ranks agree on them and on the options, or every rank fails at once.
+        error = fingerprint = None
+        try:
+            nbytes = _core.network_probe_bytes(hosts, options)
             raw, _ = base.cooperative_plan(names, shard_spec, hosts,
                                            dict(options, coop_exchange="none"))
+            fingerprint = _fingerprint(raw, names, sorted(options.items()))
+        except Exception as e:  # re-raised by _agree_plan, after the others know
+            error = e
+        _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint,
+                    "the plan's inputs", "planning (slices and options)")
+        preread = set()
+        if nbytes:
             first = [e.name for e in map(_Entry, raw) if not e.saves_reads]
             preread = set(first)
             start_local(first)
@@ -429,46 +439,53 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                                                         timeout, hosts, nbytes)
         if measured:
             options["coop_network_rate"] = measured
-        raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options,
-                                                  probe_seconds)
-        plan = [_Entry(t) for t in raw_plan]
-        if any(e.exchanged for e in plan if e.name in preread):
-            raise _core.SafetensorError(
-                "cooperative load: the plan exchanges a tensor read during the network probe")
-        figures.update({"tensors": len(outputs),
-                        "exchanged_tensors": sum(1 for e in plan if e.exchanged),
-                        "local_tensors": sum(1 for e in plan if not e.exchanged),
-                        "measured_network_rate": measured, "probe_seconds": probe_seconds})
-        for e in plan:
-            if not e.exchanged:
-                continue
-            if not e.piece_rows:
-                units.append(_Unit(e, e.reader, e.round))
-            else:
-                units.extend(_Unit(e, p, e.piece_rounds[p], row0, rows)
-                             for p, (row0, rows) in enumerate(e.piece_rows))
-        rounds = max((u.round for u in units), default=-1) + 1
-        if order is not None:
-            order.extend(name for name, _ in outputs)
-        # Outputs by the tensor read for them (a tied alias shares its target's).
-        outputs_of = {}
-        for name, source in outputs:
-            outputs_of.setdefault(source, []).append(name)
-        # The rounds are the budget: the readers under them have none of their own. Whole
-        # tensors, row pieces (every split tensor by rows over the ranks), and the local tensors
-        # (this rank's own slices, as the independent sliced load reads them): those not read
-        # during the probe once this rank's reads of the first round are done.
-        reader = _core.Reader(base, base_options)
-        pieced = [e.name for e in plan if e.exchanged and e.piece_rows]
-        local = [e.name for e in plan if not e.exchanged and e.name not in preread]
-        if stats is not None:
-            stats.update(figures)
-        fw.check(reader, [e.name for e in plan])
-        if pieced:
-            spec = json.dumps({"base": "none",
-                               "overrides": {n: {"split": 0} for n in pieced}})
-            piece_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
-                                                   shard_rules=spec))
+        error = fingerprint = None
+        try:
+            raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options,
+                                                      probe_seconds)
+            fingerprint = _fingerprint(raw_plan, outputs)
+            plan = [_Entry(t) for t in raw_plan]
+            if any(e.exchanged for e in plan if e.name in preread):
+                raise _core.SafetensorError(
+                    "cooperative load: the plan exchanges a tensor read during the network probe")
+            figures.update({"tensors": len(outputs),
+                            "exchanged_tensors": sum(1 for e in plan if e.exchanged),
+                            "local_tensors": sum(1 for e in plan if not e.exchanged),
+                            "measured_network_rate": measured, "probe_seconds": probe_seconds})
+            for e in plan:
+                if not e.exchanged:
+                    continue
+                if not e.piece_rows:
+                    units.append(_Unit(e, e.reader, e.round))
+                else:
+                    units.extend(_Unit(e, p, e.piece_rounds[p], row0, rows)
+                                 for p, (row0, rows) in enumerate(e.piece_rows))
+            rounds = max((u.round for u in units), default=-1) + 1
+            if order is not None:
+                order.extend(name for name, _ in outputs)
+            # Outputs by the tensor read for them (a tied alias shares its target's).
+            outputs_of = {}
+            for name, source in outputs:
+                outputs_of.setdefault(source, []).append(name)
+            # The rounds are the budget: the readers under them have none of their own. Whole
+            # tensors, row pieces (every split tensor by rows over the ranks), and the local tensors
+            # (this rank's own slices, as the independent sliced load reads them): those not read
+            # during the probe once this rank's reads of the first round are done.
+            reader = _core.Reader(base, base_options)
+            pieced = [e.name for e in plan if e.exchanged and e.piece_rows]
+            local = [e.name for e in plan if not e.exchanged and e.name not in preread]
+            if stats is not None:
+                stats.update(figures)
+            fw.check(reader, [e.name for e in plan])
+            if pieced:
+                spec = json.dumps({"base": "none",
+                                   "overrides": {n: {"split": 0} for n in pieced}})
+                piece_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
+                                                       shard_rules=spec))
+        except Exception as e:  # re-raised by _agree_plan, after the others know
+            error = e
+        _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint,
+                    "the plan", "the plan")
         if not rounds:
             start_local(local)
         mine_parts = {}  # tensors split among the readers: this rank's part, filled piece by piece
@@ -578,6 +595,38 @@ def _agree(torch, dist, group, rank, world, comm_device, timeout, error, step, w
     if failed:
         raise _core.SafetensorError(
             f"cooperative load: rank {failed[0]} failed {what}; see its error")
+
+
+def _fingerprint(*parts):
+    """63 bits of a hash of `parts` (plain values, lists and tuples): equal on ranks that planned
+    alike."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint, step,
+                what):
+    """Every rank's planning outcome to every rank: raises this rank's own error, or names a rank
+    that failed, or two ranks whose fingerprints differ (another checkpoint, selection, shard
+    rules or options), instead of a wait in the next collective or, when the byte counts happen
+    to agree, another rank's bytes taken for this rank's."""
+    table = torch.zeros((world, 2), dtype=torch.int64, device=comm_device)
+    table[rank, 0] = 1 if error is not None else 0
+    table[rank, 1] = 0 if error is not None else fingerprint
+    _collective(step, rank, timeout,
+                lambda: dist.all_reduce(table, group=group, async_op=True))
+    if error is not None:
+        raise error
+    rows = table.cpu().tolist()
+    failed = [q for q in range(world) if rows[q][0]]
+    if failed:
+        raise _core.SafetensorError(
+            f"cooperative load: rank {failed[0]} failed {what}; see its error")
+    other = [q for q in range(world) if rows[q][1] != fingerprint]
+    if other:
+        raise _core.InvalidArgumentError(
+            f"cooperative load: rank {other[0]} and rank {rank} disagree on {what}: every rank "
+            "needs the same checkpoint, selection, shard rules and cooperative options")
 
 
 def _blocks(e, full, q):

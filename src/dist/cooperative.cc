@@ -975,6 +975,90 @@ std::vector<Tensor> Deliver(const Description& described, size_t tensor_count,
 
 // Every rank's `status` to every rank: an error unless every rank's is ok (this rank's own
 // error first; else kIoError naming the first failed rank and `what` it failed at).
+// FNV-1a over what the ranks must agree on (not adversarial: it tells honest ranks apart).
+class Fingerprint {
+ public:
+  void Add(uint64_t v) {
+    for (int i = 0; i < 8; ++i) Byte(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  void Add(std::string_view s) {
+    Add(s.size());
+    for (char c : s) Byte(static_cast<uint8_t>(c));
+  }
+  uint64_t value() const noexcept { return h_; }
+
+ private:
+  void Byte(uint8_t b) { h_ = (h_ ^ b) * 0x100000001b3ull; }
+  uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
+// What a plan stands on, the same on every rank when they agree: each tensor read (name, dtype,
+// shape, place in its file), every rank's slice of it, and the plan's choices per tensor.
+uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& items) {
+  Fingerprint f;
+  f.Add(plan.world);
+  f.Add(static_cast<uint64_t>(plan.choice));
+  f.Add(plan.storage_rate);
+  f.Add(plan.network_rate);
+  f.Add(plan.rounds);
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const CooperativeTensorPlan& t = plan.tensors[i];
+    const TensorInfo& info = *items[i].info;
+    f.Add(info.name);
+    f.Add(static_cast<uint64_t>(info.dtype));
+    for (uint64_t d : info.shape) f.Add(d);
+    f.Add(info.file);
+    f.Add(info.offset);
+    f.Add(info.size);
+    f.Add(items[i].whole);
+    for (const TensorSlice& slice : items[i].slices) {
+      f.Add(slice.rule.dim);
+      for (const auto& [start, length] : slice.blocks) {
+        f.Add(start);
+        f.Add(length);
+      }
+      f.Add(slice.bytes);
+    }
+    f.Add(t.exchanged);
+    f.Add(t.reader);
+    f.Add(t.round);
+    f.Add(t.readers);
+    for (uint32_t r : t.piece_rounds) f.Add(r);
+  }
+  return f.value();
+}
+
+// One exchange of every rank's planning outcome: this rank's error; or, when another rank failed
+// or planned something else (another checkpoint, selection, shard rules or cooperative options),
+// an error naming it, on every rank, instead of a wait in the next collective until the timeout,
+// or, when the byte counts happen to agree, another rank's bytes taken for this rank's.
+Status AgreeOnPlan(Collective& collective, const Result<uint64_t>& fingerprint, const char* what) {
+  constexpr uint64_t kFailed = uint64_t{1} << 63;
+  const uint64_t mine = fingerprint.ok()
+                            ? *fingerprint & ~kFailed
+                            : kFailed | static_cast<uint64_t>(fingerprint.status().code());
+  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> all, collective.AllGather(mine));
+  if (!fingerprint.ok()) return fingerprint.status();
+  for (uint32_t q = 0; q < all.size(); ++q) {
+    if ((all[q] & kFailed) != 0) {
+      return Status(Code::kIoError,
+                    "cooperative load: rank " + std::to_string(q) + " failed " + what + " (" +
+                        std::string(CodeName(static_cast<Code>(all[q] & ~kFailed))) +
+                        "); see that rank's error");
+    }
+  }
+  for (uint32_t q = 0; q < all.size(); ++q) {
+    if (all[q] != mine) {
+      return Status(Code::kInvalidArgument,
+                    "cooperative load: rank " + std::to_string(q) + " and rank " +
+                        std::to_string(collective.rank()) + " disagree on " + what +
+                        ": every rank needs the same checkpoint, selection, shard rules and "
+                        "cooperative options");
+    }
+  }
+  return Status::Ok();
+}
+
 Status AgreeOnStatus(Collective& collective, const Status& status, const char* what) {
   TF_ASSIGN_OR_RETURN(
       const std::vector<uint64_t> codes,
@@ -1302,8 +1386,30 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   TF_ASSIGN_OR_RETURN(const std::vector<uint32_t> hosts,
                       watchdog.Watch("the start (learning every rank's host)",
                                      [&] { return HostsOfRanks(collective); }));
-  TF_ASSIGN_OR_RETURN(const Description described,
-                      DescribeForRank(*checkpoint, selection, spec, me, world));
+  // Every rank's slices and per-tensor figures, before any I/O or other collective: the ranks
+  // agree on them (and on the options the probe and the plan depend on), or every rank fails.
+  Description described;
+  CooperativePlan figures;
+  std::vector<Item> figure_items;
+  const Result<uint64_t> inputs = [&]() -> Result<uint64_t> {
+    TF_ASSIGN_OR_RETURN(described, DescribeForRank(*checkpoint, selection, spec, me, world));
+    LoadOptions o = options;
+    o.cooperative.exchange = ExchangeChoice::kNone;  // only the per-tensor figures are needed
+    TF_ASSIGN_OR_RETURN(figures,
+                        MakePlan(*checkpoint, described.read, spec, o, hosts, me, &figure_items));
+    Fingerprint f;
+    f.Add(PlanFingerprint(figures, figure_items));
+    f.Add(static_cast<uint64_t>(options.cooperative.exchange));
+    f.Add(options.cooperative.storage_rate);
+    f.Add(options.cooperative.network_rate);
+    f.Add(options.cooperative.probe_bytes);
+    f.Add(options.budget);
+    f.Add(options.tensor_parallel ? options.tensor_parallel->max_gap : 0);
+    return f.value();
+  }();
+  TF_RETURN_IF_ERROR(watchdog.Watch("the plan's inputs", [&] {
+    return AgreeOnPlan(collective, inputs, "planning (slices and options)");
+  }));
   const std::vector<TensorInfo>& infos = checkpoint->tensors();
   // With a network probe ahead (auto, no rate given, several hosts), the tensors that no
   // exchange saves reads of (exact dim-0 slices) are local whatever it measures: they are read
@@ -1311,10 +1417,6 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   LocalReadTask preread;
   std::unordered_set<std::string_view> preread_names;
   if (NetworkProbeBytes(options, hosts) > 0) {
-    LoadOptions o = options;
-    o.cooperative.exchange = ExchangeChoice::kNone;  // only the per-tensor figures are needed
-    TF_ASSIGN_OR_RETURN(const CooperativePlan figures,
-                        MakePlan(*checkpoint, described.read, spec, o, hosts, me, nullptr));
     std::vector<std::string> names;
     for (const CooperativeTensorPlan& t : figures.tensors) {
       if (!t.SavesReads()) {
@@ -1333,9 +1435,14 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   local.measured_network_rate = measured.rate;
   local.probe_seconds = measured.seconds;
   std::vector<Item> items;
-  TF_ASSIGN_OR_RETURN(
-      const CooperativePlan plan,
-      MakePlan(*checkpoint, described.read, spec, planned, hosts, me, &items, measured.seconds));
+  CooperativePlan plan;
+  const Result<uint64_t> planned_fingerprint = [&]() -> Result<uint64_t> {
+    TF_ASSIGN_OR_RETURN(plan, MakePlan(*checkpoint, described.read, spec, planned, hosts, me,
+                                       &items, measured.seconds));
+    return PlanFingerprint(plan, items);
+  }();
+  TF_RETURN_IF_ERROR(watchdog.Watch(
+      "the plan", [&] { return AgreeOnPlan(collective, planned_fingerprint, "the plan"); }));
   local.hosts = plan.hosts;
 
   // The other local tensors, read on a helper thread once this rank's reads of the first round

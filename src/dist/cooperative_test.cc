@@ -662,11 +662,57 @@ TEST(Cooperative, ARankThatStopsEndsTheOthersAfterTheTimeout) {
   for (auto& t : threads) t.join();
   for (uint32_t r = 0; r < 2; ++r) {
     EXPECT_EQ(statuses[r].code(), Code::kIoError) << statuses[r].ToString();
-    EXPECT_NE(statuses[r].message().find("waited 0.3 s in round 0 of"), std::string::npos)
+    EXPECT_NE(statuses[r].message().find("waited 0.3 s in the plan's inputs"), std::string::npos)
         << statuses[r].ToString();
     EXPECT_NE(statuses[r].message().find("a rank died or hangs"), std::string::npos);
     EXPECT_LT(seconds[r], 10.0);
   }
+}
+
+// Ranks that plan differently never exchange: rules that split the same square tensors along
+// another dimension give the same byte counts (an exchange would hand each rank another's bytes),
+// and a rule only one rank cannot apply would leave the others waiting in a collective. Every
+// rank fails at once with an error that says which.
+TEST(Cooperative, RanksThatPlanDifferentlyFailAtOnceAndSaySo) {
+  TempDir dir;
+  testing::TestTensors tensors;
+  for (const char* name : {"a.w", "b.w", "c.w", "d.w"}) tensors.Add(name, DType::kF32, {8, 8});
+  ASSERT_TRUE(tensors.WriteTo(dir.path(), 1ull << 30).ok());
+  auto checkpoint = Checkpoint::Open(dir.path()).ValueOrThrow();
+  LoadOptions options;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  options.cooperative.timeout_ms = 60'000;
+  const auto run = [&](const std::vector<ShardSpec>& specs) {
+    auto group = MakeInProcessGroup(2).ValueOrThrow();
+    std::vector<Status> statuses(2);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        statuses[r] =
+            LoadCooperative(checkpoint, Selection::All(), specs[r], options, *group[r]).status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return statuses;
+  };
+  ShardSpec rows = ShardSpec::None(), columns = ShardSpec::None(), thirds = ShardSpec::None();
+  rows.Add("*", ShardRule::Split(0));
+  columns.Add("*", ShardRule::Split(1));
+  thirds.Add("*", ShardRule::Split(2));  // a dimension the 2-D tensors lack
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Status> s = run({rows, columns});
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(s[r].code(), Code::kInvalidArgument) << s[r].ToString();
+    EXPECT_NE(s[r].message().find("disagree on planning"), std::string::npos) << s[r].ToString();
+  }
+  s = run({rows, thirds});
+  EXPECT_EQ(s[1].code(), Code::kInvalidArgument) << s[1].ToString();
+  EXPECT_EQ(s[0].code(), Code::kIoError) << s[0].ToString();
+  EXPECT_NE(s[0].message().find("rank 1 failed planning"), std::string::npos) << s[0].ToString();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+  // Agreeing ranks load as before.
+  s = run({columns, columns});
+  EXPECT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << " / " << s[1].ToString();
 }
 
 // The cost model's local reads are the covering reads of each rank's slice: every slice range

@@ -316,3 +316,54 @@ def test_cooperative_gloo_corrupt_tensor_in_a_later_round(tmp_path, world):
         if r != culprit:
             assert o["type"] == "SafetensorError", (r, o)
             assert f"cooperative load: rank {culprit} failed reading its share" in o["error"], o
+
+
+def _disagreeing_main(rank, path, init, specs, results):
+    import time
+
+    import tensorferry
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    start = time.monotonic()
+    try:
+        loader = tensorferry.Loader(path, tp_rank=rank, tp_size=2, shard_rules=specs[rank],
+                                    process_group=dist.group.WORLD, coop_exchange="all",
+                                    coop_timeout_ms=60000)
+        loader.load()
+        outcome = {"error": None}
+    except Exception as e:  # the test checks the type and message
+        outcome = {"error": str(e), "type": type(e).__name__}
+    outcome["seconds"] = time.monotonic() - start
+    with open(f"{results}.{rank}", "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("case", ["rows_vs_columns", "one_rank_cannot_plan"])
+def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
+    """Rules that split square tensors along another dimension on each rank give equal byte
+    counts (an exchange would hand each rank another's bytes); a rule only one rank cannot apply
+    would leave the other waiting in a collective. Both ranks fail at once, saying which."""
+    import tensorferry.torch
+    path = str(tmp_path / "m.safetensors")
+    g = torch.Generator().manual_seed(3)
+    tensorferry.torch.save_file({n: torch.randn(8, 8, generator=g) for n in "abcd"}, path)
+    rows = json.dumps({"rules": [{"pattern": "*", "split": 0}]})
+    other = json.dumps({"rules": [{"pattern": "*", "split": 1 if case == "rows_vs_columns"
+                                   else 2}]})
+    results = str(tmp_path / "outcome")
+    mp.spawn(_disagreeing_main, args=(path, f"file://{tmp_path}/init", [rows, other], results),
+             nprocs=2, join=True)
+    outcomes = []
+    for r in range(2):
+        with open(f"{results}.{r}") as f:
+            outcomes.append(json.load(f))
+    for r, o in enumerate(outcomes):
+        assert o["error"] is not None, (r, o)
+        assert o["seconds"] < 30, (r, o)
+    if case == "rows_vs_columns":
+        for o in outcomes:
+            assert o["type"] == "InvalidArgumentError", o
+            assert "disagree on planning (slices and options)" in o["error"], o
+    else:
+        assert outcomes[1]["type"] == "InvalidArgumentError", outcomes[1]
+        assert "cooperative load: rank 1 failed planning" in outcomes[0]["error"], outcomes[0]

@@ -178,6 +178,10 @@ struct Profile {
   std::string named_by;  // "options", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", or "" (default)
   std::string credentials_path, config_path;
   std::map<std::string, std::string> credentials, config;
+  // The "[services NAME]" section of the config file the profile names (services = NAME): where
+  // the AWS CLI and SDKs read a service's endpoint ("s3 =\n  endpoint_url = ...").
+  std::string services_name;
+  std::map<std::string, std::string> services;
 
   // The value of `key`, credentials file first, and the file it came from.
   std::optional<std::pair<std::string, std::string>> Get(const std::string& key) const {
@@ -220,6 +224,17 @@ Result<Profile> LoadProfile(const S3Request& request, const GetEnv& env) {
       for (const auto& [k, v] : it->second) p.config[k] = v;
       found = true;
     }
+  }
+  if (auto it = p.config.find("services"); it != p.config.end()) {
+    p.services_name = it->second;
+    auto section = config.find("services " + it->second);
+    if (section == config.end()) {
+      return Status(Code::kInvalidArgument, "AWS profile \"" + p.name + "\" in " + p.config_path +
+                                                " names services \"" + it->second +
+                                                "\", but there is no [services " + it->second +
+                                                "] section in that file");
+    }
+    p.services = section->second;
   }
   if (!found && !p.named_by.empty()) {
     return Status(Code::kInvalidArgument, "AWS profile \"" + p.name + "\" (from " + p.named_by +
@@ -297,8 +312,11 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
     return SetKeys(c, r.access_key_id, r.secret_access_key, r.session_token, "options",
                    "access_key_id", "secret_access_key");
   }
+  // A profile named in the options wins over keys in the environment, as for botocore's
+  // Session(profile_name=...) and `aws --profile`; AWS_PROFILE does not (the environment's keys
+  // come first then, as there).
   const auto id = Env(env, "AWS_ACCESS_KEY_ID"), secret = Env(env, "AWS_SECRET_ACCESS_KEY");
-  if (id || secret) {
+  if ((id || secret) && r.profile.empty()) {
     return SetKeys(c, id.value_or(""), secret.value_or(""),
                    Env(env, "AWS_SESSION_TOKEN").value_or(""), "environment (AWS_ACCESS_KEY_ID)",
                    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
@@ -418,6 +436,10 @@ Status ResolveEndpoint(S3Config& c, const S3Request& r, const GetEnv& env, const
     value = *s3, c.endpoint_from = "AWS_ENDPOINT_URL_S3";
   } else if (auto all = Env(env, "AWS_ENDPOINT_URL")) {
     value = *all, c.endpoint_from = "AWS_ENDPOINT_URL";
+  } else if (auto service = p.services.find("s3.endpoint_url"); service != p.services.end()) {
+    value = service->second;
+    c.endpoint_from = "[services " + p.services_name + "] (s3.endpoint_url) in " + p.config_path +
+                      ", named by profile \"" + p.name + "\"";
   } else if (auto ps3 = p.Get("s3.endpoint_url")) {
     value = ps3->first;
     c.endpoint_from = "profile \"" + p.name + "\" (s3.endpoint_url) in " + ps3->second;

@@ -183,10 +183,20 @@ TEST(AwsConfig, CredentialSourcesWeDoNotImplementAreNamed) {
   // Static keys in the profile are used as they are.
   request.profile = "both";
   EXPECT_EQ(aws.MustResolve(request).access_key_id, "K");
-  // Keys from elsewhere make the profile's source irrelevant.
+  // Keys in the options make the profile's source irrelevant.
   request.profile = "sso";
+  request.access_key_id = "O";
+  request.secret_access_key = "OS";
+  EXPECT_EQ(aws.MustResolve(request).access_key_id, "O");
+  // A profile named in the options wins over the environment's keys (botocore: an explicit
+  // profile drops the environment provider); one named by AWS_PROFILE does not.
+  request = S3Request();
+  request.profile = "both";
   aws.Set("AWS_ACCESS_KEY_ID", "E");
   aws.Set("AWS_SECRET_ACCESS_KEY", "ES");
+  EXPECT_EQ(aws.MustResolve(request).access_key_id, "K");
+  request.profile.clear();
+  aws.Set("AWS_PROFILE", "both");
   EXPECT_EQ(aws.MustResolve(request).access_key_id, "E");
   // Web identity (EKS) in the environment: anonymous, and the message says why.
   FakeAws pod;
@@ -299,6 +309,21 @@ TEST(AwsConfig, EndpointPrecedence) {
   c = aws.MustResolve();
   EXPECT_EQ(c.endpoint, "http://s3-profile:2");
   EXPECT_EQ(c.endpoint_from, "profile \"default\" (s3.endpoint_url) in " + aws.Path(".aws/config"));
+  // The AWS way: the profile names a [services NAME] section holding the service's endpoint.
+  aws.Config(
+      "[default]\nendpoint_url = http://all-profile:1\ns3 =\n  endpoint_url = "
+      "http://s3-profile:2/\nservices = local\n[services local]\ns3 =\n  endpoint_url = "
+      "http://services-s3:5\n");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.endpoint, "http://services-s3:5");
+  EXPECT_EQ(c.endpoint_from, "[services local] (s3.endpoint_url) in " + aws.Path(".aws/config") +
+                                 ", named by profile \"default\"");
+  aws.Config("[default]\nservices = missing\n");
+  EXPECT_NE(aws.Error().find("there is no [services missing] section"), std::string::npos)
+      << aws.Error();
+  aws.Config(
+      "[default]\nservices = local\n[services local]\ns3 =\n  endpoint_url = "
+      "http://services-s3:5\n");
   aws.Set("AWS_ENDPOINT_URL", "http://all-env:3");
   EXPECT_EQ(aws.MustResolve().endpoint, "http://all-env:3");
   aws.Set("AWS_ENDPOINT_URL_S3", "https://s3-env:4");

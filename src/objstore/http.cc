@@ -125,7 +125,10 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
     const std::span<std::byte> dst = t->request->body;
     if (r.body_bytes + n > dst.size()) {
       r.rejected =
-          "the server sent more than the " + std::to_string(dst.size()) + " bytes asked for";
+          r.status == 200 && t->request->range
+              ? "the server ignored the Range header (HTTP 200 with more than the " +
+                    std::to_string(dst.size()) + " bytes asked for)"
+              : "the server sent more than the " + std::to_string(dst.size()) + " bytes asked for";
       return 0;  // aborts the transfer (CURLE_WRITE_ERROR)
     }
     std::memcpy(dst.data() + r.body_bytes, data, n);
@@ -205,6 +208,7 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   char error[CURL_ERROR_SIZE] = {0};
   const HttpSettings& s = settings_;
   c.easy_setopt(h, CURLOPT_URL, request.url.c_str());
+  if (s.path_as_is) c.easy_setopt(h, CURLOPT_PATH_AS_IS, 1L);
   c.easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
   c.easy_setopt(h, CURLOPT_ERRORBUFFER, error);
   c.easy_setopt(h, CURLOPT_HEADERFUNCTION, &OnHeader);

@@ -44,6 +44,9 @@ struct HttpSettings {
   bool follow_redirects = false;
   // OAuth 2 tokens (gcs_auth.h) sent as "Authorization: Bearer"; null for none.
   std::shared_ptr<BearerTokens> bearer;
+  // The path is sent (and signed) as given, "." and ".." segments included: a bucket store's
+  // keys are opaque, and "a/../b" is another key than "b" (libcurl would resolve it).
+  bool path_as_is = false;
 };
 
 struct HttpRequest {

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -345,6 +346,7 @@ HttpSettings BucketSettings(const S3Config& c, const ObjectStoreOptions& o) {
     hs.session_token = c.session_token;
   }
   hs.region = c.region;
+  hs.path_as_is = true;
   return hs;
 }
 
@@ -682,7 +684,16 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
     if (!etag.empty() && etag.rfind("W/", 0) != 0) req.headers.push_back("If-Match: " + etag);
     HttpResponse r = Fetch(*client, target, req);
     CountBytes(r.body_bytes);
-    // Pinned: the object answering must be the one opened.
+    // Pinned: the object answering must be the one opened. A 2xx without an ETag cannot be
+    // confirmed to be it (a server or proxy ignoring If-Match could serve another version of
+    // the same size): never taken.
+    if (!etag.empty() && r.etag.empty() && r.status >= 200 && r.status <= 299) {
+      return Status(Code::kIoError,
+                    target.name + ": HTTP " + std::to_string(r.status) +
+                        " without an ETag: the bytes cannot be confirmed to be those of the "
+                        "object opened (ETag " +
+                        etag + "), so they are not used (" + what + ")");
+    }
     if (r.status == 412 || (!etag.empty() && !r.etag.empty() && r.etag != etag) ||
         (r.status == 206 && r.TotalSize() && *r.TotalSize() != size)) {
       std::string detail = r.status == 412 ? "If-Match " + etag + " failed (HTTP 412)"
@@ -731,7 +742,12 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
   target.name = url.ToString();
   std::vector<std::string> out;
   std::string token;
-  for (int page = 0; page < 100000; ++page) {
+  std::set<std::string> tokens;  // a token given twice would list the same pages forever
+  for (int page = 0;; ++page) {
+    if (page == 100000) {
+      return Status(Code::kIoError,
+                    target.name + ": listing \"" + prefix + "\" did not end after 100000 pages");
+    }
     // SigV4 signs the query as sent: parameters in byte order, values encoded.
     const std::string query = ListObjectsV2Query(prefix, token, "/");
     ObjectUrl bucket = url;
@@ -758,6 +774,11 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
       out.push_back(found.ToString());
     }
     if (!listed->truncated || listed->next_token.empty()) break;
+    if (!tokens.insert(listed->next_token).second) {
+      return Status(Code::kIoError, target.name + ": listing \"" + prefix + "\": the store gave " +
+                                        "the same continuation token twice (page " +
+                                        std::to_string(page + 1) + "); the listing would not end");
+    }
     token = listed->next_token;
   }
   std::sort(out.begin(), out.end());

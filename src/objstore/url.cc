@@ -31,12 +31,13 @@ bool IsAlnum(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
 }
 
-// A description of the first NUL, control or whitespace byte in `s`, or nullopt.
-std::optional<std::string> ControlProblem(std::string_view s) {
+// A description of the first NUL or control byte in `s` (or space, unless `space_ok`: a bucket
+// key may hold spaces, percent-encoded in the request), or nullopt.
+std::optional<std::string> ControlProblem(std::string_view s, bool space_ok) {
   for (size_t i = 0; i < s.size(); ++i) {
     const auto c = static_cast<unsigned char>(s[i]);
     if (c == 0) return "contains a NUL byte at offset " + std::to_string(i);
-    if (c == ' ') return "contains a space at offset " + std::to_string(i);
+    if (c == ' ' && !space_ok) return "contains a space at offset " + std::to_string(i);
     if (c < 0x20 || c == 0x7f) {
       return "contains a control character or whitespace at offset " + std::to_string(i);
     }
@@ -62,6 +63,19 @@ Result<ObjectUrl> ParseBucketUrl(std::string_view url, Scheme scheme, std::strin
     }
   }
   if (!out.key.empty() && out.key[0] == '/') return Bad(url, "the key starts with '/'");
+  // Keys are opaque to the store ("a/../b" is a key of its own), but programs that build URLs
+  // from a prefix and a name, and some servers, resolve such steps: refused, so no URL reads
+  // another key than it appears to.
+  for (size_t start = 0; start <= out.key.size();) {
+    size_t end = out.key.find('/', start);
+    if (end == std::string::npos) end = out.key.size();
+    const std::string_view part = std::string_view(out.key).substr(start, end - start);
+    if (part == "." || part == "..") {
+      return Bad(url, "the key has a \"" + std::string(part) +
+                          "\" segment (a path step, not a name); name the key without it");
+    }
+    start = end + 1;
+  }
   return out;
 }
 
@@ -140,7 +154,8 @@ bool IsObjectUrl(std::string_view path) {
 }
 
 Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
-  if (auto problem = ControlProblem(url)) return Bad(url, *problem);
+  const bool bucket = StartsWithNoCase(url, "s3://") || StartsWithNoCase(url, "gs://");
+  if (auto problem = ControlProblem(url, bucket)) return Bad(url, *problem);
   if (StartsWithNoCase(url, "s3://")) return ParseBucketUrl(url, Scheme::kS3, url.substr(5));
   if (StartsWithNoCase(url, "gs://")) return ParseBucketUrl(url, Scheme::kGs, url.substr(5));
   if (StartsWithNoCase(url, "http://")) return ParseHttp(url, Scheme::kHttp, url.substr(7));
@@ -150,8 +165,22 @@ Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
 
 ObjectUrl Join(const ObjectUrl& dir, std::string_view relative) {
   ObjectUrl out = dir;
-  const std::string rel =
-      IsBucketScheme(dir.scheme) ? std::string(relative) : PercentEncode(relative, true);
+  std::string rel;
+  if (IsBucketScheme(dir.scheme)) {
+    // "./x" in an index means x, as for local files; the request sends the key as is.
+    for (size_t start = 0; start <= relative.size();) {
+      size_t end = relative.find('/', start);
+      if (end == std::string_view::npos) end = relative.size();
+      const std::string_view part = relative.substr(start, end - start);
+      if (part != ".") {
+        if (!rel.empty()) rel += '/';
+        rel += part;
+      }
+      start = end + 1;
+    }
+  } else {
+    rel = PercentEncode(relative, true);
+  }
   if (!out.key.empty() && out.key.back() != '/') out.key += '/';
   out.key += rel;
   return out;

@@ -41,16 +41,21 @@ bool IsObjectUrl(std::string_view path);
 // Errors (kInvalidArgument, "object URL \"<url>\": <problem>"):
 //   * not one of the schemes above;
 //   * s3/gs: empty bucket, a bucket with characters outside [a-z0-9.-_] or longer than 255, a key
-//     starting with '/' ("s3://b//k": S3 would store "/k", which no tool writes on purpose);
+//     starting with '/' ("s3://b//k": S3 would store "/k", which no tool writes on purpose), a
+//     key with a "." or ".." segment (opaque to the store, but resolved as a path step by
+//     programs that join a prefix and a name, and by some servers: never another key than the
+//     URL appears to name; the request sends keys as they are, HttpSettings::path_as_is);
 //   * http(s): empty host, userinfo ("user@host": credentials never go in URLs), a '#fragment' or
 //     '?query' (a query would change what a ranged GET means), a port that is not 1..65535, a host
 //     with characters outside [A-Za-z0-9.-_~%] (or a bracketed IPv6 literal);
-//   * any URL with a NUL, control character (including DEL) or whitespace.
+//   * any URL with a NUL or control character (including DEL); an http(s) URL with a space (a
+//     bucket key may hold spaces: they are percent-encoded in the request).
 Result<ObjectUrl> ParseObjectUrl(std::string_view url);
 
 // The URL of `relative` (an index's file entry, already checked for "..", absolute paths, etc. by
 // ParseIndexJson) inside the "directory" `dir`: dir.key + "/" + relative, with exactly one '/'
-// between them (dir.key may be empty or end with '/'). For http(s), `relative` (a file name, not
+// between them (dir.key may be empty or end with '/'); for s3/gs, "." segments of `relative` are
+// dropped ("./x" is x, as for local files). For http(s), `relative` (a file name, not
 // a URL) is percent-encoded with PercentEncode(relative, true) first, so that a name with a space
 // or '#' still names that file; names of [A-Za-z0-9-_.~/] are unchanged.
 ObjectUrl Join(const ObjectUrl& dir, std::string_view relative);

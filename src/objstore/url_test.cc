@@ -97,10 +97,29 @@ TEST(ObjectUrl, RefusesBadHttp) {
 
 TEST(ObjectUrl, RefusesControlCharactersAndWhitespace) {
   EXPECT_NE(Problem(std::string("s3://b/k\0x", 10)).find("NUL"), std::string::npos);
-  EXPECT_NE(Problem("s3://b/a b").find("space"), std::string::npos);
+  // A bucket key may hold spaces (percent-encoded in the request); an http(s) URL may not.
+  EXPECT_EQ(MustParse("s3://b/a b/m.safetensors").key, "a b/m.safetensors");
+  EXPECT_EQ(MustParse("gs://b/a b").key, "a b");
+  EXPECT_NE(Problem("http://h/a b").find("space"), std::string::npos);
   for (const char* bad : {"s3://b/a\tb", "http://h/a\nb", "http://h/a\rb", "s3://b/\x7f"}) {
     EXPECT_NE(Problem(bad).find("control"), std::string::npos) << bad;
   }
+}
+
+// A key's "." or ".." segment would be resolved as a path step by programs and servers (so
+// "s3://b/p/../../other/x" could read another bucket's key): refused; "..." or ".x" are names.
+TEST(ObjectUrl, BucketKeysWithDotSegmentsAreRefused) {
+  for (const char* bad : {"s3://b/p/../../other/x", "s3://b/a/./m.safetensors", "s3://b/..",
+                          "gs://b/./x", "s3://b/a/.", "s3://b/a/../"}) {
+    EXPECT_NE(Problem(bad).find("segment (a path step, not a name)"), std::string::npos) << bad;
+  }
+  for (const char* ok :
+       {"s3://b/.../x", "s3://b/.hidden/x", "s3://b/a..b", "s3://b/a/", "s3://b"}) {
+    EXPECT_TRUE(ParseObjectUrl(ok).ok()) << ok;
+  }
+  // An index's "./x" means x, as for local files.
+  EXPECT_EQ(Join(MustParse("s3://b/m"), "./x.safetensors").key, "m/x.safetensors");
+  EXPECT_EQ(Join(MustParse("s3://b/m/"), "sub/./x").key, "m/sub/x");
 }
 
 TEST(ObjectUrl, RefusesOtherSchemes) {

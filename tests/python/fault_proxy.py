@@ -13,6 +13,9 @@ Faults, chosen per response by the first matching `Rule` (see Rule):
   status_503_slowdown  503 with an S3 <Error><Code>SlowDown</Code> body; the server is not contacted
   status_500           500 with an S3 <Error><Code>InternalError</Code> body; idem
   truncate             fewer body bytes than Content-Length, then a clean close (FIN)
+  no_etag              the request goes without its If-Match header (unless it is signed: that
+                       would break the signature) and the whole response comes back without its
+                       ETag header (a proxy that ignores and drops both)
 A bearer gate (constructor `bearer=callable`) stands in for an OAuth-checking store (Google Cloud
 Storage's XML API, which the tests cannot reach): a request whose `Authorization: Bearer TOKEN`
 header is missing or for which bearer(TOKEN) is false is answered 401 with an XML <Error> (code
@@ -32,7 +35,9 @@ import struct
 import threading
 import time
 
+# The faults a retry gets past, and the others.
 KINDS = ("reset_mid_body", "stall", "status_503_slowdown", "status_500", "truncate")
+ALL_KINDS = KINDS + ("no_etag",)
 _CHUNK = 256 * 1024
 _MAX_HEAD = 64 * 1024
 
@@ -49,8 +54,8 @@ class Rule:
     def __init__(self, kind, every=None, probability=None, seed=0, only_ranged=False,
                  methods=("GET",), match=None, skip=0, times=None, fraction=0.5,
                  after_bytes=None, stall_s=5.0):
-        if kind not in KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; one of {KINDS}")
+        if kind not in ALL_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; one of {ALL_KINDS}")
         if (every is None) == (probability is None):
             raise ValueError("give exactly one of every= and probability=")
         self.kind, self.every, self.probability = kind, every, probability
@@ -270,7 +275,7 @@ class FaultProxy:
         with self._lock:
             self._stats = {"connections": 0, "requests": 0, "responses": 0, "forwarded": 0,
                            "ranged_requests": 0, "overwrites": 0, "unauthorized": 0,
-                           "body_bytes": 0, "faults": {k: 0 for k in KINDS}}
+                           "body_bytes": 0, "faults": {k: 0 for k in ALL_KINDS}}
 
     def stats(self):
         """A snapshot: connections, requests, responses (incl. faulted), forwarded (reached the
@@ -372,6 +377,9 @@ class FaultProxy:
                     up = self._connect_upstream()
                 if self.latency_s > 0:
                     time.sleep(self.latency_s)
+                if rule is not None and rule.kind == "no_etag" and \
+                        "authorization" not in req.headers:
+                    req = req.without("if-match")
                 keep = self._forward(req, rule, client, up)
                 if not keep:
                     return
@@ -465,6 +473,10 @@ class FaultProxy:
         status = int(head.split(b" ", 2)[1])
         body, length, reusable = self._body_of(req, status, h, conn)
         self._response_started()
+        if rule is not None and rule.kind == "no_etag":
+            head = b"\r\n".join(line for line in head.split(b"\r\n")
+                                 if line.partition(b":")[0].strip().lower() != b"etag")
+            rule = None
         if rule is None:
             client.sendall(head)
             for piece in body:

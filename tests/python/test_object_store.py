@@ -296,7 +296,7 @@ def test_keys_with_utf8_and_reserved_characters(stores, store):
     encode them: they are part of the name)."""
     local = os.path.join(REF_DIR, "all_dtypes.safetensors")
     tiny_shard = os.path.join(stores.tiny, stores.shards[0])
-    odd_dir, shard_name = "ödd+dir=1,@%41", "shärd(1)+[x]#?%41.safetensors"
+    odd_dir, shard_name = "ödd dir+=1,@%41", "shärd(1)+[x]#?%41.safetensors"
     index = json.dumps({"metadata": {}, "weight_map": {
         k: shard_name for k in tensorferry.torch.load_file(tiny_shard)}}).encode()
     if store == "s3":
@@ -314,6 +314,24 @@ def test_keys_with_utf8_and_reserved_characters(stores, store):
     assert_same(tensorferry.torch.load_file(f"{base}/all.safetensors", storage_options=opts),
                 tensorferry.torch.load_file(local))
     assert_same(load_all(base, storage_options=opts), load_all(tiny_shard))
+
+
+def test_dot_segments_never_read_another_key(stores):
+    """A key's "." or ".." segment is a path step to libcurl and some servers: a URL that holds
+    one is refused (it could read another bucket's key); an index's "./name" means name."""
+    b = stores.seaweed.BUCKET
+    for key in (f"{PREFIX}/x/../tiny/{stores.shards[0]}", f"{PREFIX}/./tiny/{stores.shards[0]}",
+                f"{PREFIX}/tiny/.."):
+        with pytest.raises(tensorferry.InvalidArgumentError) as e:
+            tensorferry.Loader(stores.seaweed.url(key), storage_options=stores.s3_options())
+        assert "segment (a path step, not a name)" in str(e.value), str(e.value)
+    tiny_shard = os.path.join(stores.tiny, stores.shards[0])
+    names = tensorferry.torch.load_file(tiny_shard)
+    stores.seaweed.upload(b, f"{PREFIX}/dotted/{stores.shards[0]}", open(tiny_shard, "rb").read())
+    stores.seaweed.upload(b, f"{PREFIX}/dotted/model.safetensors.index.json", json.dumps(
+        {"metadata": {}, "weight_map": {k: f"./{stores.shards[0]}" for k in names}}).encode())
+    assert_same(load_all(stores.seaweed.url(f"{PREFIX}/dotted"),
+                         storage_options=stores.s3_options()), load_all(tiny_shard))
 
 
 @pytest.mark.parametrize("part_size", ["8MiB", "1MiB"])

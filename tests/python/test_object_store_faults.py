@@ -215,6 +215,35 @@ def test_object_overwritten_mid_load_is_reported_never_wrong_bytes(stores, reque
     assert len(delivered) < len(want)
 
 
+@pytest.mark.parametrize("store", ["s3", "http"])
+def test_a_response_without_its_etag_is_never_used(stores, request, store, big_checkpoint):
+    """A proxy that drops If-Match and the ETag could serve another version of the object of the
+    same size: such bytes cannot be confirmed, so the load fails naming the object, and no batch
+    of the other version is handed out (over S3 the signed If-Match stays, so the server answers
+    the original's bytes, without their ETag: refused all the same)."""
+    shard = sorted(f for f in os.listdir(big_checkpoint) if f.endswith(".safetensors"))[0]
+    local = os.path.join(big_checkpoint, shard)
+    rel = f"no-etag-{store}/{shard}"
+    if store == "s3":
+        stores.seaweed.upload(stores.seaweed.BUCKET, f"{PREFIX}/{rel}", open(local, "rb").read())
+
+        overwrite = None
+    else:
+        stores.nginx.put(f"{PREFIX}/{rel}", open(local, "rb").read())
+
+        def overwrite():
+            stores.nginx.put(f"{PREFIX}/{rel}", changed_copy(local, False))
+    proxy, url, opts = through_proxy(stores, request, store, rel, object_part_size=256 << 10)
+    proxy.set_rules([Rule("no_etag", every=1, only_ranged=True, match=not_the_open)])
+    want = tensorferry.torch.load_file(local)
+    loader = tensorferry.Loader(url, budget="2MiB", storage_options=opts)
+    if overwrite is not None:
+        proxy.overwrite_after(1, overwrite)  # after the open: every data GET sees the new one
+    delivered = deliver_until_error(loader, want, url, "without an ETag")
+    assert delivered == []
+    assert proxy.stats()["faults"]["no_etag"] >= 1
+
+
 def deliver_until_error(loader, want, url, error):
     """Iterates the loader's batches until the OSError matching `error` and naming `url` (or one
     of its files); every batch handed out before it must be byte-exact: the bytes of the objects
@@ -300,3 +329,66 @@ def test_selected_tensors_transfer_their_bytes_only(stores):
     # Coalescing may read small gaps between the selected tensors, never the whole checkpoint.
     assert stats.remote_bytes < sum(os.path.getsize(os.path.join(stores.tiny, f))
                                     for f in stores.shards) / 2
+
+
+def test_a_listing_that_repeats_its_token_ends_with_an_error():
+    """A store whose ListObjectsV2 answers the same continuation token again would be asked for
+    the same page forever: the second time it is an error naming the listing."""
+    import http.server
+    import threading
+
+    page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
+            b'<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>true</IsTruncated>'
+            b'<NextContinuationToken>again</NextContinuationToken><Contents>'
+            b'<Key>p/a.safetensors</Key><Size>16</Size></Contents></ListBucketResult>')
+    missing = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+               b'<Message>no</Message></Error>')
+    lists = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body, status = (page, 200) if "list-type=2" in self.path else (missing, 404)
+            if status == 200:
+                lists.append(self.path)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        opts = {"s3_endpoint": f"http://127.0.0.1:{server.server_address[1]}",
+                "s3_anonymous": "1", "object_retries": 0}
+        with pytest.raises(OSError, match="the same continuation token twice"):
+            tensorferry.Loader("s3://b/p", storage_options=opts)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(lists) == 2, lists
+
+
+def test_a_server_that_ignores_ranges_is_named_so(tmp_path):
+    """Python's http.server answers every GET with the whole file (HTTP 200): the error says the
+    Range header was ignored, not only that more bytes came than asked for."""
+    import functools
+    import http.server
+    import threading
+
+    tensorferry.torch.save_file({"w": torch.zeros(300_000)}, str(tmp_path / "m.safetensors"))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/m.safetensors"
+        with pytest.raises(OSError, match="ignored the Range header"):
+            tensorferry.Loader(url, storage_options={"object_header_bytes": 4096,
+                                                     "object_retries": 0})
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -89,8 +89,9 @@ Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors
                  const Metadata& metadata = {}, const WriteOptions& options = {});
 
 struct ShardOptions {
-  // Largest data buffer of one shard. A tensor larger than this gets a shard of its own.
-  uint64_t max_shard_size = 5ull << 30;
+  // Largest data buffer of one shard. A tensor larger than this gets a shard of its own. The
+  // default is transformers' "5GB" (decimal, as it parses sizes).
+  uint64_t max_shard_size = 5'000'000'000;
   // Shards are named "<prefix>-00001-of-00003.safetensors" (one shard: "<prefix>.safetensors");
   // the index is "<prefix>.safetensors.index.json" (written only for several shards unless
   // always_write_index).

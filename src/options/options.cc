@@ -135,8 +135,16 @@ Result<uint64_t> Count(std::string_view value, uint64_t max) {
 Result<uint64_t> Size(std::string_view value, bool allow_zero) {
   const std::optional<uint64_t> v = ParseSize(value);
   if (!v) {
-    if (!value.empty() && value.find_first_not_of("0123456789") == std::string_view::npos) {
-      return Why("is out of range (at most 18446744073709551615 bytes)");
+    // A number with a valid unit that does not fit 64 bits is out of range, not malformed.
+    const size_t unit = value.find_first_not_of("0123456789.");
+    const std::string_view number = value.substr(0, unit);
+    const std::optional<uint64_t> factor =
+        ParseSize("1" + std::string(unit == std::string_view::npos ? "" : value.substr(unit)));
+    if (factor && !number.empty() && number != "." && number.find('.') == number.rfind('.')) {
+      const double bytes =
+          std::strtod(std::string(number).c_str(), nullptr) * static_cast<double>(*factor);
+      if (bytes >= 1) return Why("is out of range (at most 18446744073709551615 bytes, 16 EiB)");
+      if (bytes > 0) return Why("is less than one byte");
     }
     return Why("is not a size (e.g. 8MB, 1GiB, 4096)");
   }

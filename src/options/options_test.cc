@@ -154,6 +154,9 @@ TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {
         Case{"budget", "18446744073709551616",
              "budget = 18446744073709551616 "
              "is out of range"},
+        Case{"budget", "99999999999999999999G", "budget = 99999999999999999999G is out of range"},
+        Case{"budget", "18.5E", "budget = 18.5E is out of range"},
+        Case{"budget", "0.4", "budget = 0.4 is less than one byte"},
         Case{"direct", "maybe", "unknown O_DIRECT mode"},
         Case{"queue_depth", "0", "queue_depth = 0 must be > 0"},
         Case{"allow_oversized", "sure", "is not a boolean"},

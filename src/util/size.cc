@@ -62,8 +62,11 @@ std::optional<uint64_t> ParseSize(std::string_view text) {
   // A fractional one ("1.5GB") is rounded.
   const double value = std::strtod(number.c_str(), nullptr) *
                        std::pow(static_cast<double>(base), static_cast<double>(power));
-  if (!std::isfinite(value) || value < 0 || value >= 18446744073709551616.0) return std::nullopt;
-  return static_cast<uint64_t>(std::llround(value));
+  const double rounded = std::round(value);
+  if (!std::isfinite(value) || value < 0 || rounded >= 18446744073709551616.0) return std::nullopt;
+  // A size that is not zero does not round to nothing ("0.4" bytes is a mistake, not 0).
+  if (value > 0 && rounded == 0) return std::nullopt;
+  return static_cast<uint64_t>(rounded);
 }
 
 }  // namespace tensorferry

@@ -20,11 +20,16 @@ TEST(ParseSize, UnitsAndForms) {
   EXPECT_EQ(ParseSize("12B"), 12u);
   EXPECT_EQ(ParseSize("1E"), 1000000000000000000u);
   EXPECT_EQ(ParseSize("18446744073709551615"), UINT64_MAX - 0);
+  // Fractions round to the nearest byte, above 2^63 too (no signed overflow).
+  EXPECT_EQ(ParseSize("9.5E"), 9500000000000000000u);
+  EXPECT_EQ(ParseSize("17.5E"), 17500000000000000000u);
+  EXPECT_EQ(ParseSize("0.6"), 1u);
+  EXPECT_EQ(ParseSize("0.0"), 0u);
 }
 
 TEST(ParseSize, RefusesWhatIsNotASize) {
   for (const char* bad : {"", "lots", "MB", ".", "1.2.3", "1XB", "1KiBB", "-1", "1 K B x",
-                          "18446744073709551616", "16EiB", "1e3"}) {
+                          "18446744073709551616", "16EiB", "1e3", "18.5E", "19E", "0.4"}) {
     EXPECT_FALSE(ParseSize(bad).has_value()) << bad;
   }
 }

@@ -507,6 +507,7 @@ std::string BenchJson(const BenchContext& c, const BenchResults& out) {
   JsonOut j;
   j.BeginObject()
       .Field("path", c.path)
+      .Field("ok", true)
       .Field("bytes", c.total)
       .Field("files", c.files)
       .Field("tensors", c.tensors)
@@ -558,9 +559,9 @@ int RunBench(const BenchArgs& args) {
                "use `tensorferry load URL --repeat N --json` or bench/object_store_bench.py");
     return kExitUsage;
   }
-  const std::shared_ptr<const Checkpoint> checkpoint = OpenOrPrintError(args.path);
-  if (!checkpoint) return kExitError;
-  const Checkpoint& ckpt = *checkpoint;
+  Result<std::shared_ptr<const Checkpoint>> checkpoint = OpenCheckpoint(args.path);
+  if (!checkpoint.ok()) return Failed(args.json, args.path, checkpoint.status());
+  const Checkpoint& ckpt = **checkpoint;
   std::vector<std::string> files;
   std::vector<Region> regions;
   uint64_t total = 0;

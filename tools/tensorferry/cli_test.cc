@@ -388,6 +388,64 @@ TEST(CliVerify, OkOnGenerated) {
   EXPECT_EQ(uint64_t(doc["bytes"]), total);
 }
 
+// Every --json command answers on stdout with one document, an error included ({"ok": false,
+// "error": {...}}), with nothing else there: --explain goes into the document.
+TEST(CliJson, EveryCommandAnswersItsErrorsAsOneDocument) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir);
+  const std::string missing = t.Join("missing");
+  // Runs `args`, expects `exit_code` and one JSON document on stdout whose "ok" is `ok`.
+  const auto document = [](const std::vector<std::string>& args, int exit_code, bool ok) {
+    const RunResult r = RunCli(args);
+    EXPECT_EQ(r.exit_code, exit_code) << Describe(r);
+    simdjson::dom::parser parser;
+    simdjson::dom::element doc;
+    if (parser.parse(simdjson::padded_string(r.out)).get(doc) != simdjson::SUCCESS) {
+      ADD_FAILURE() << args[0] << ": not one JSON document: " << r.out;
+      return std::string();
+    }
+    EXPECT_EQ(bool(doc["ok"]), ok) << args[0];
+    std::string_view text;
+    if (!ok) {
+      EXPECT_FALSE(std::string_view(doc["error"]["message"]).empty()) << args[0];
+    }
+    if (doc["explain"].get(text) == simdjson::SUCCESS) return std::string(text);
+    return std::string();
+  };
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"inspect", missing, "--json"},
+           {"load", missing, "--json"},
+           {"bench", missing, "--json"},
+           {"verify", missing, "--json"},
+           {"checksum", missing, "--json"},
+           {"gen", "/proc/no-such/x", "--preset", "tiny", "--json", "--no-sync"}}) {
+    document(args, 1, false);
+  }
+  document({"inspect", dir, "--json"}, 0, true);
+  EXPECT_NE(document({"load", dir, "--json", "--explain"}, 0, true).find("plan: "),
+            std::string::npos);
+}
+
+// An option given an empty value ("--budget \"$UNSET\"") is a usage error, not the default.
+TEST(CliFlags, AnEmptyValueIsAUsageError) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir);
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"load", dir, "--budget", ""},
+                                             {"load", dir, "--engine", ""},
+                                             {"checksum", dir, "--chunk-size", ""},
+                                             {"load", dir, "--tp-size", "", "--tp-rank", "0"}}) {
+    const RunResult r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 2) << Describe(r);
+    EXPECT_NE(r.err.find("an empty value is not allowed"), std::string::npos) << r.err;
+  }
+  const RunResult big = RunCli({"load", dir, "--budget", "99999999999999999999G"});
+  EXPECT_EQ(big.exit_code, 2) << Describe(big);
+  EXPECT_NE(big.err.find("is out of range"), std::string::npos) << big.err;
+}
+
 class CliVerifyCorrupt : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -83,6 +83,10 @@ class JsonOut;
 // Writes the "error" member of a command's --json document: {"code", "category", "message"},
 // the message as ErrorText(path, status) gives it.
 void JsonError(JsonOut& j, std::string_view path, const Status& status);
+// A command's failure about `path`: with --json (`json`), the document {"path", "ok": false,
+// "error"} on stdout (as every --json command answers an error); else the error line on stderr.
+// Returns kExitError.
+int Failed(bool json, std::string_view path, const Status& status);
 
 // The positional checkpoint argument (required) of every command that reads a checkpoint.
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name = "path");

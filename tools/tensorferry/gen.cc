@@ -401,7 +401,7 @@ std::vector<uint64_t> FileSizes(const std::vector<std::string>& written) {
 std::string JsonReport(const GenArgs& args, const ModelConfig& c, DType dtype, uint64_t shard_size,
                        const Metadata& metadata, const GenResult& r) {
   JsonOut j;
-  j.BeginObject().Field("path", args.out);
+  j.BeginObject().Field("path", args.out).Field("ok", true);
   j.Key("files").BeginArray();
   for (size_t i = 0; i < r.written.size(); ++i) {
     j.BeginObject().Field("path", r.written[i]).Field("size", r.sizes[i]).EndObject();
@@ -470,10 +470,7 @@ int RunGen(const GenArgs& args) {
   const int64_t start = NowNs();
   auto written = WriteSharded(args.out, tensors, metadata, options);
   r.seconds = SecondsSince(start);
-  if (!written.ok()) {
-    PrintError(args.out, written.status());
-    return kExitError;
-  }
+  if (!written.ok()) return Failed(args.json, args.out, written.status());
   r.gbps = r.seconds > 0 ? static_cast<double>(r.total_bytes) / r.seconds / 1e9 : 0.0;
   r.written = std::move(written).value();
   r.sizes = FileSizes(r.written);

@@ -193,7 +193,7 @@ std::string JsonReport(const InspectArgs& args, const Checkpoint& ckpt,
   const auto& files = ckpt.files();
   JsonOut j;
   j.BeginObject();
-  j.Field("path", args.path);
+  j.Field("path", args.path).Field("ok", true);
   j.Key("index");
   if (ckpt.index_path().empty()) {
     j.Raw("null");
@@ -257,9 +257,9 @@ std::string JsonReport(const InspectArgs& args, const Checkpoint& ckpt,
 }
 
 int RunInspect(const InspectArgs& args) {
-  const std::shared_ptr<const Checkpoint> opened = OpenOrPrintError(args.path);
-  if (!opened) return kExitError;
-  const Checkpoint& ckpt = *opened;
+  Result<std::shared_ptr<const Checkpoint>> opened = OpenCheckpoint(args.path);
+  if (!opened.ok()) return Failed(args.json, args.path, opened.status());
+  const Checkpoint& ckpt = **opened;
   std::array<DTypeStats, kNumDTypes> dtypes{};
   for (const TensorInfo& t : ckpt.tensors()) {
     const auto d = static_cast<size_t>(t.dtype);

@@ -192,6 +192,7 @@ struct Report {
   uint64_t total_tensor_bytes = 0;
   uint64_t rss_before = 0;
   uint64_t peak_rss = 0;
+  std::string explain;  // --explain with --json: the plan's text, a member of the document
   double Gbps() const {
     return stats.seconds > 0 ? static_cast<double>(stats.bytes) / stats.seconds / 1e9 : 0;
   }
@@ -201,8 +202,9 @@ struct Report {
 std::string JsonReport(const Report& r) {
   const LoadOptions& o = r.options;
   JsonOut j;
-  j.BeginObject().Field("path", r.args.path);
+  j.BeginObject().Field("path", r.args.path).Field("ok", true);
   VisitLoadStats(r.stats, [&j](std::string_view name, const auto& value) { j.Field(name, value); });
+  if (!r.explain.empty()) j.Field("explain", r.explain);
   j.Field("wall_seconds", r.runs.wall_seconds)
       .Field("gb_per_s", r.Gbps())
       .Field("budget", o.budget)
@@ -301,25 +303,21 @@ int RunLoad(const LoadArgs& args) {
     return kExitUsage;
   }
   auto loader = Loader::Open(args.path, *options);
-  if (!loader.ok()) {
-    PrintError(args.path, loader.status());
-    return kExitError;
-  }
+  if (!loader.ok()) return Failed(args.json, args.path, loader.status());
+  std::string explain;
   if (args.explain) {
     auto plan = (*loader)->MakePlan(*selection);
-    if (!plan.ok()) {
-      PrintError(args.path, plan.status());
-      return kExitError;
-    }
+    if (!plan.ok()) return Failed(args.json, args.path, plan.status());
     const LoadStats chosen = (*loader)->stats();  // what Open decided
     std::string head = "engine " + chosen.engine + ": " + chosen.engine_reason;
     if (!chosen.filesystem.empty()) head += "; file system: " + chosen.filesystem;
-    if (!WriteStdout(head + "\n" + plan->Explain(*(*loader)->checkpoint()))) return kExitError;
+    explain = head + "\n" + plan->Explain(*(*loader)->checkpoint());
+    // With --json, stdout holds the one document only: the plan goes into it.
+    if (!args.json && !WriteStdout(explain)) return kExitError;
   }
   Runs runs;
   if (const Status s = LoadRepeatedly(**loader, *selection, args, runs); !s.ok()) {
-    PrintError(args.path, s);
-    return kExitError;
+    return Failed(args.json, args.path, s);
   }
   const LoadStats stats = (*loader)->stats();
   const Report report{args,
@@ -329,7 +327,8 @@ int RunLoad(const LoadArgs& args) {
                       args.no_checksum ? std::string() : CombinedChecksum(runs.sums),
                       (*loader)->checkpoint()->total_tensor_bytes(),
                       rss_before,
-                      PeakRss()};
+                      PeakRss(),
+                      args.json ? explain : std::string()};
   return PrintReport(args.json ? JsonReport(report) : TextReport(report));
 }
 
@@ -415,7 +414,8 @@ Command AddLoadCommand(CLI::App& parent) {
   app->add_option("--layers", args->layers, "Only layers N or A-B");
   app->add_flag("--allow-oversized", args->allow_oversized,
                 "Load a tensor larger than the budget in a batch of its own");
-  app->add_flag("--explain", args->explain, "Print the read plan first");
+  app->add_flag("--explain", args->explain,
+                "Print the read plan first (with --json: as the document's \"explain\" text)");
   app->add_flag("--no-checksum", args->no_checksum, "Skip the checksum");
   app->add_flag("--json", args->json, "Print one JSON document");
   app->add_option("--rules", args->rules,

@@ -113,6 +113,18 @@ int main(int argc, char** argv) {
 #ifdef TENSORFERRY_WITH_CONVERT  // the convert component (libzip) was built
     commands.push_back(AddConvertCommand(app));
 #endif
+    // An option given an empty value ("--budget \"$UNSET\"") is a usage error, never taken as
+    // "not given" (the default) nor as a value.
+    const CLI::Validator non_empty(
+        [](std::string& value) {
+          return value.empty() ? std::string("an empty value is not allowed") : std::string();
+        },
+        "", "NON_EMPTY");
+    for (const Command& command : commands) {
+      for (CLI::Option* option : command.app->get_options()) {
+        if (option->get_expected_min() > 0) option->check(non_empty);
+      }
+    }
     try {
       app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

@@ -125,6 +125,18 @@ void JsonError(JsonOut& j, std::string_view path, const Status& status) {
       .EndObject();
 }
 
+int Failed(bool json, std::string_view path, const Status& status) {
+  if (!json) {
+    PrintError(path, status);
+    return kExitError;
+  }
+  JsonOut j;
+  j.BeginObject().Field("path", path).Field("ok", false);
+  JsonError(j, path, status);
+  j.EndObject();
+  return PrintReport(j.str(), status);
+}
+
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name) {
   return app
       .add_option(

@@ -225,6 +225,15 @@ class _Torch(_Framework):
             return tensor
         return tensor.to(device)
 
+    def after_queued_work(self, tensors):
+        """Waits for the work queued on the current stream of each CUDA device among `tensors`
+        before tensorferry writes into them on its own streams: a block torch's caching
+        allocator handed out may still be read or written by kernels queued on that stream (as
+        torch's own copy_ would be ordered after them)."""
+        torch = self.torch
+        for device in {t.device for t in tensors if t.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
+
 
 class _Numpy(_Framework):
     code = NUMPY

@@ -443,14 +443,20 @@ class Loader:
         (InvalidArgumentError naming the tensor and both sizes), destinations that overlap.
         Bytes past a tensor in a larger destination are left untouched. With tp_rank/tp_size,
         each destination receives this rank's slice (local row-major bytes: room for the slice
-        is enough)."""
+        is enough). CUDA destinations are written after the work already queued on their
+        device's current stream (as torch's copy_ into them would be), and are complete when this
+        returns."""
         self._check_open()
         # SafetensorError for a name that is neither a tensor nor a tied alias of one.
         described = {o.name: o for o in self._reader.describe(list(destinations))}
         entries = []
+        on_cuda = []
         for name, dst in destinations.items():
             st_dtype = described[name].dtype
-            want = self._fw.dtype(st_dtype, name)
+            # The destination's own kind decides the dtype to compare with, whatever framework
+            # the Loader hands out tensors in.
+            kind = _frameworks.get("pt" if hasattr(dst, "data_ptr") else "np")
+            want = kind.dtype(st_dtype, name)
             if hasattr(dst, "data_ptr"):  # torch
                 if not dst.is_contiguous():
                     raise _core.InvalidArgumentError(f"load_into: {name!r}: not contiguous")
@@ -459,11 +465,13 @@ class Loader:
                         f"load_into: {name!r} is {st_dtype} in the file, the destination is "
                         f"{dst.dtype}")
                 device = "cpu" if dst.device.type == "cpu" else \
-                    self._fw.core_device(self._fw.device(dst.device))
+                    kind.core_device(kind.device(dst.device))
                 if device is None:
                     raise _core.InvalidArgumentError(
                         f"load_into: {name!r}: destinations live on cpu or cuda, not {dst.device}")
                 entries.append((name, device, dst.data_ptr(), dst.numel() * dst.element_size()))
+                if device != "cpu":
+                    on_cuda.append(dst)
             else:  # numpy
                 if not dst.flags.c_contiguous or not dst.flags.writeable:
                     raise _core.InvalidArgumentError(
@@ -473,6 +481,8 @@ class Loader:
                         f"load_into: {name!r} is {st_dtype} in the file, the destination is "
                         f"{dst.dtype}")
                 entries.append((name, "cpu", dst.ctypes.data, dst.nbytes))
+        if on_cuda:
+            _frameworks.get("pt").after_queued_work(on_cuda)
         stats = LoadStats()
         self._reader.load_into(entries)
         stats._add(self._reader.stats())

@@ -237,6 +237,7 @@ class safe_open:
         if not torch.cuda.is_available() or any(odd for odd in reader.dtypes(names).values()):
             return None
         tensors = fw.empty_for(reader.describe(names), self._device)
+        fw.after_queued_work(tensors.values())
         reader.load_into([(name, self._core_device, t.data_ptr(), t.numel() * t.element_size())
                           for name, t in tensors.items()])
         return tensors

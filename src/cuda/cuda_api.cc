@@ -1,5 +1,7 @@
 #include "cuda/cuda_api.h"
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <mutex>
 
@@ -75,10 +77,24 @@ ScopedDevice::ScopedDevice(const Runtime& runtime, int device) : runtime_(runtim
                            "cudaSetDevice(" + std::to_string(device) + ")");
 }
 
+std::optional<bool> Runtime::PrimaryContextActive(int device) const {
+  if (api_.cuDeviceGet == nullptr || api_.cuDevicePrimaryCtxGetState == nullptr) {
+    return std::nullopt;
+  }
+  int handle = 0;
+  unsigned flags = 0;
+  int active = 0;
+  if (api_.cuDeviceGet(&handle, device) != 0 ||
+      api_.cuDevicePrimaryCtxGetState(handle, &flags, &active) != 0) {
+    return std::nullopt;
+  }
+  return active != 0;
+}
+
 ScopedDevice::~ScopedDevice() {
   int current = -1;
   if (previous_ >= 0 && runtime_.api().cudaGetDevice(&current) == kSuccess &&
-      current != previous_) {
+      current != previous_ && runtime_.PrimaryContextActive(previous_).value_or(true)) {
     runtime_.api().cudaSetDevice(previous_);
   }
 }
@@ -144,6 +160,17 @@ Status ResolveAll(const LoadedLibrary& library, RuntimeApi& api) {
   ResolveOptional(library, "cudaGetDeviceProperties_v2", api.cudaGetDeviceProperties);
   if (api.cudaGetDeviceProperties == nullptr) {
     ResolveOptional(library, "cudaGetDeviceProperties", api.cudaGetDeviceProperties);
+  }
+  // The driver's context query: in the runtime library for a fake, else in libcuda.so.1 (which
+  // the runtime loads anyway; absent without a driver).
+  ResolveOptional(library, "cuDeviceGet", api.cuDeviceGet);
+  ResolveOptional(library, "cuDevicePrimaryCtxGetState", api.cuDevicePrimaryCtxGetState);
+  if (api.cuDeviceGet == nullptr || api.cuDevicePrimaryCtxGetState == nullptr) {
+    if (void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL); driver != nullptr) {
+      api.cuDeviceGet = reinterpret_cast<decltype(api.cuDeviceGet)>(::dlsym(driver, "cuDeviceGet"));
+      api.cuDevicePrimaryCtxGetState = reinterpret_cast<decltype(api.cuDevicePrimaryCtxGetState)>(
+          ::dlsym(driver, "cuDevicePrimaryCtxGetState"));
+    }
   }
   return Status::Ok();
 }

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -107,6 +108,10 @@ struct RuntimeApi {
   Error (*cudaDeviceGetPCIBusId)(char* pci_bus_id, int length, int device) = nullptr;
   // Optional (nullptr when absent): cudaGetDeviceProperties_v2, else cudaGetDeviceProperties.
   Error (*cudaGetDeviceProperties)(void* prop, int device) = nullptr;
+  // Optional, from the driver (libcuda.so.1; the runtime library itself for a fake): whether a
+  // device's primary context exists, without creating it (CUdevice is an int, CUresult too).
+  int (*cuDeviceGet)(int* device, int ordinal) = nullptr;
+  int (*cuDevicePrimaryCtxGetState)(int device, unsigned* flags, int* active) = nullptr;
 };
 
 class Runtime {
@@ -130,6 +135,9 @@ class Runtime {
   // cudaRuntimeGetVersion / cudaDriverGetVersion: 13000 means 13.0; 0 when unknown (no driver).
   int RuntimeVersion() const;
   int DriverVersion() const;
+  // Whether `device`'s primary context exists (cuDevicePrimaryCtxGetState); nullopt when the
+  // driver cannot be asked.
+  std::optional<bool> PrimaryContextActive(int device) const;
 
  private:
   std::string path_;
@@ -140,7 +148,10 @@ class Runtime {
 std::string VersionText(int version);
 
 // Makes `device` the calling thread's current device and restores the previous one on
-// destruction (the caller's CUDA state is not ours to change).
+// destruction (the caller's CUDA state is not ours to change), but only when the previous
+// device's primary context exists: since CUDA 12, cudaSetDevice creates it, and a thread that
+// never chose a device reads device 0 as its current one, so "restoring" it would put a context
+// (hundreds of MiB) on GPU 0 in every process that loads onto another GPU (a rank of torchrun).
 class ScopedDevice {
  public:
   ScopedDevice(const Runtime& runtime, int device);

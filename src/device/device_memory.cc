@@ -21,7 +21,12 @@ DeviceBuffer::~DeviceBuffer() {
     if (cufile_driver_) cufile_driver_->cufile().api().cuFileBufDeregister(data_);
     cufile_driver_.reset();
   }
-  if (data_ != nullptr) runtime_->api().cudaFree(data_);
+  if (data_ != nullptr) {
+    // On its own device: a thread that never chose one (the last owner of a tensor, say) would
+    // otherwise have the runtime create a context on device 0 for the call.
+    cuda::ScopedDevice scoped(*runtime_, device_);
+    runtime_->api().cudaFree(data_);
+  }
   std::lock_guard<std::mutex> lock(accounting_->mu);
   accounting_->in_use -= size_;
 }

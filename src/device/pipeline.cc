@@ -536,6 +536,10 @@ Status DevicePipeline::ReadGds(const Chunk& chunk, RunState& run) {
   }
   uint64_t done = 0;
   while (done < chunk.length) {
+    // Cancelled: stop within this chunk, as the staged reads do (loader.h, LoadOptions::cancel).
+    if (chunk.cancel != nullptr && chunk.cancel->load(std::memory_order_acquire)) {
+      return Status(Code::kCancelled, "the load was cancelled");
+    }
     errno = 0;
     const ssize_t n = file.cufile->api().cuFileRead(
         file.handle, base, static_cast<size_t>(chunk.length - done),

@@ -633,6 +633,15 @@ TEST_F(DevicePipelineGdsTest, ForcedOnReadsUnalignedTasksWithCufileToo) {
   EXPECT_EQ((*pipeline)->stats().gds_tasks, aligned + unaligned);
   EXPECT_EQ((*pipeline)->stats().staged_bytes, 0u);
   EXPECT_EQ((*pipeline)->stats().gds_reason, "");
+  // A set cancel flag stops cuFile reads as it stops staged ones: nothing more is read.
+  std::atomic<bool> cancel{true};
+  std::vector<DeviceTask> cancelled = w.tasks;
+  for (DeviceTask& t : cancelled) t.cancel = &cancel;
+  const uint64_t read_before = fake_->Stats().cufile_bytes_read;
+  const Status stopped = (*pipeline)->Run(cancelled, *engine_, w.buffer.get());
+  EXPECT_EQ(stopped.code(), Code::kCancelled) << stopped.ToString();
+  EXPECT_EQ(fake_->Stats().cufile_bytes_read, read_before);
+  w.buffer.reset();
 }
 
 TEST_F(DevicePipelineGdsTest, OffAndInMemoryFilesUseTheRingAndSayWhy) {

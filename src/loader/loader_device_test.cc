@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/cuda_api.h"
@@ -335,6 +336,39 @@ TEST_F(LoaderDeviceTest, HoldingDeviceBatchesIsAClearBudgetError) {
   auto all = (*loader)->Load();
   EXPECT_EQ(all.status().code(), Code::kBudgetExceeded);
   EXPECT_TRUE(Contains(all.status().message(), "device budget")) << all.status().message();
+}
+
+// A load onto cuda:1 never creates a context on GPU 0: not on the producer threads (which
+// never chose a device: "restoring" their device 0 would create one), not when the last tensor
+// is dropped on a thread that never used CUDA (cudaFree on its own device).
+TEST_F(LoaderDeviceTest, ALoadOntoAnotherGpuLeavesGpu0Alone) {
+  auto config = DefaultConfig();
+  config.device_count = 2;
+  Configure(config);
+  LayeredCheckpoint c(4, 700, 64 << 10);
+  ASSERT_EQ(runtime_->api().cudaSetDevice(1), cuda::kSuccess);  // as torch.cuda.set_device(1)
+  Configure(config);                                            // the counters from here on
+  std::vector<Tensor> tensors;
+  for (GdsMode gds : {GdsMode::kOff, GdsMode::kAuto}) {
+    LoadOptions o = DeviceOptions();
+    o.device = Device::CUDA(1);
+    o.gds = gds;
+    o.device_producers = 4;
+    auto loader = Loader::Open(c.dir.path(), o);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    auto got = (*loader)->Load();
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    for (const Tensor& t : *got) EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
+    tensors = std::move(got).value();
+  }
+  std::thread([&tensors] { tensors.clear(); }).join();  // freed by a thread new to CUDA
+  EXPECT_GE(ReleaseIdleStaging(), 1u);
+  EXPECT_EQ(fake_->Stats().device_allocations_live, 0u);
+  EXPECT_EQ(fake_->Stats().contexts_active_mask, 0b10u) << "a context was created on GPU 0";
+  int current = -1;
+  ASSERT_EQ(runtime_->api().cudaGetDevice(&current), cuda::kSuccess);
+  EXPECT_EQ(current, 1);
+  ASSERT_EQ(runtime_->api().cudaSetDevice(0), cuda::kSuccess);
 }
 
 TEST_F(LoaderDeviceTest, TensorsCoOwnTheDeviceBufferAfterTheLoaderIsGone) {

@@ -232,6 +232,11 @@ Error Fail(Error e) {
   return e;
 }
 
+// The calling thread's current device's primary context now exists. REQUIRES: S().mu held.
+void TouchContext(int device) {
+  if (device >= 0 && device < 64) S().stats.contexts_active_mask |= uint64_t{1} << device;
+}
+
 // REQUIRES: S().mu held.
 void Violation(const std::string& what) {
   State& s = S();
@@ -527,7 +532,24 @@ TF_FAKE_EXPORT Error cudaSetDevice(int device) {
   std::lock_guard<std::mutex> lock(S().mu);
   if (!ValidDevice(device)) return Fail(kInvalidDevice);
   Self().current_device = device;
+  TouchContext(device);  // CUDA 12: cudaSetDevice creates the primary context
   return kSuccess;
+}
+
+// The driver's view of a primary context (libcuda's cuDeviceGet, cuDevicePrimaryCtxGetState).
+TF_FAKE_EXPORT int cuDeviceGet(int* device, int ordinal) {
+  std::lock_guard<std::mutex> lock(S().mu);
+  if (!ValidDevice(ordinal)) return 101;  // CUDA_ERROR_INVALID_DEVICE
+  *device = ordinal;
+  return 0;
+}
+
+TF_FAKE_EXPORT int cuDevicePrimaryCtxGetState(int device, unsigned* flags, int* active) {
+  std::lock_guard<std::mutex> lock(S().mu);
+  if (!ValidDevice(device)) return 101;
+  *flags = 0;
+  *active = device < 64 && (S().stats.contexts_active_mask >> device & 1) != 0 ? 1 : 0;
+  return 0;
 }
 
 TF_FAKE_EXPORT Error cudaGetDevice(int* device) {
@@ -654,6 +676,7 @@ TF_FAKE_EXPORT Error cudaMalloc(void** ptr, size_t size) {
       return Fail(kMemoryAllocation);
     }
     s.device_in_use[static_cast<size_t>(device)] += size;  // reserved; undone below on failure
+    TouchContext(device);
   }
   auto a = std::make_shared<DeviceAlloc>();
   a->size = size;
@@ -684,6 +707,7 @@ TF_FAKE_EXPORT Error cudaFree(void* ptr) {
   if (ptr == nullptr) return kSuccess;
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
+  TouchContext(Self().current_device);  // the runtime initializes the current device's context
   auto it = s.device.find(Addr(ptr));
   if (it == s.device.end()) {
     Violation("cudaFree(" + Hex(Addr(ptr)) + "): not a pointer returned by cudaMalloc");
@@ -844,6 +868,7 @@ TF_FAKE_EXPORT Error cudaStreamCreateWithFlags(CUstream_st** stream, unsigned fl
   std::shared_ptr<StreamState> st = StartStream();
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
+  TouchContext(Self().current_device);
   s.streams[st.get()] = st;
   ++s.stats.streams_live;
   *stream = reinterpret_cast<CUstream_st*>(st.get());
@@ -882,6 +907,7 @@ TF_FAKE_EXPORT Error cudaEventCreateWithFlags(CUevent_st** event, unsigned flags
   auto e = std::make_shared<EventState>();
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
+  TouchContext(Self().current_device);
   s.events[e.get()] = e;
   ++s.stats.events_live;
   *event = reinterpret_cast<CUevent_st*>(e.get());

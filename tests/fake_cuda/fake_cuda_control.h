@@ -60,6 +60,10 @@ typedef struct TfFakeCudaStats {
   uint64_t cufile_buf_register_calls;
   uint64_t cufile_reads;
   uint64_t cufile_bytes_read;
+  /* Bit d: device d's primary context was created since the reset, as CUDA 12 creates it:
+   * cudaSetDevice(d), or a call that needs the current device's context (cudaMalloc, cudaFree,
+   * stream and event creation) with d current. cuDevicePrimaryCtxGetState reports it. */
+  uint64_t contexts_active_mask;
 } TfFakeCudaStats;
 
 /* Fills `config` with the defaults: 1 device, 1 GiB, no delay, no bandwidth limit, pageable copies

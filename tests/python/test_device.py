@@ -359,6 +359,23 @@ def test_load_into_caller_arrays_checks_capacity_and_dtype(tiny_checkpoint):
             loader.load_into({"no.such.tensor": small})
 
 
+
+def test_load_into_takes_arrays_and_tensors_whatever_the_framework(tmp_path):
+    """A destination's own kind decides its dtype: NumPy arrays into a torch Loader, torch
+    tensors into a NumPy one."""
+    import tensorferry
+    import tensorferry.numpy
+    import torch
+    path = str(tmp_path / "m.safetensors")
+    want = np.arange(24, dtype=np.float32).reshape(4, 6)
+    tensorferry.numpy.save_file({"w": want}, path)
+    for framework, dst in (("pt", np.zeros((4, 6), np.float32)),
+                           ("np", torch.zeros((4, 6), dtype=torch.float32))):
+        with tensorferry.Loader(path, framework=framework) as loader:
+            loader.load_into({"w": dst})
+        assert np.array_equal(np.asarray(dst), want), framework
+
+
 @needs_fake
 def test_loader_budget_is_the_device_budget_for_a_gpu_loader(tiny_checkpoint):
     out = _run(f"""

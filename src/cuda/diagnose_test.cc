@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
 
 #include "testing/fake_cuda.h"
 #include "testing/test_util.h"
@@ -19,6 +20,7 @@ TEST_F(CudaDiagnoseTest, ReportsDevicesAndUsableGds) {
   config.device_count = 2;
   config.device_memory = 3ull << 30;
   Configure(config);
+  ASSERT_EQ(runtime_->api().cudaSetDevice(0), kSuccess);  // the caller's device, with a context
   const CudaReport report = Diagnose(runtime_, fake_->cufile(), DiagnoseOptions{});
   EXPECT_TRUE(report.runtime_loaded);
   EXPECT_EQ(report.runtime_path, TENSORFERRY_FAKE_CUDA_PATH);
@@ -41,9 +43,25 @@ TEST_F(CudaDiagnoseTest, ReportsDevicesAndUsableGds) {
   EXPECT_TRUE(report.gds_usable);
   EXPECT_TRUE(Contains(report.gds_reason, "cuFile driver opened"));
   EXPECT_EQ(fake_->Stats().cufile_drivers_open, 0u) << "the diagnosis left the driver open";
+  // The caller's device is restored.
   int current = -1;
   runtime_->api().cudaGetDevice(&current);
   EXPECT_EQ(current, 0);
+}
+
+// A thread that never used a device reads device 0 as current; "restoring" it would create a
+// context there (CUDA 12): it is left on the last device queried instead, GPU 0 untouched.
+TEST_F(CudaDiagnoseTest, AThreadWithoutAContextGetsNoneOnGpu0) {
+  auto config = DefaultConfig();
+  config.device_count = 2;
+  Configure(config);
+  std::thread([&] {
+    DiagnoseOptions options;
+    options.open_cufile_driver = false;  // the driver's own context is on device 0, on purpose
+    const CudaReport report = Diagnose(runtime_, fake_->cufile(), options);
+    EXPECT_EQ(report.devices.size(), 2u);
+  }).join();
+  EXPECT_EQ(fake_->Stats().contexts_active_mask, 0b10u);
 }
 
 TEST_F(CudaDiagnoseTest, SaysWhyThereIsNoDevice) {

@@ -66,10 +66,12 @@ void PlanAliases(const TorchCheckpoint& checkpoint, ConversionPlan& plan) {
     });
     for (size_t m : members) {
       if (m == kept) continue;
-      if (tensors[m].name == kFormatKey) {
-        plan.copied_views.emplace_back(tensors[m].name,
-                                       "same view as " + json::Quote(tensors[kept].name) +
-                                           ", but the metadata key \"format\" is taken");
+      // An alias is a metadata entry: not under a key the output's metadata holds already.
+      if (tensors[m].name == kFormatKey || tensors[m].name == kChecksumsMetadataKey) {
+        plan.copied_views.emplace_back(
+            tensors[m].name, "same view as " + json::Quote(tensors[kept].name) +
+                                 ", but the metadata key " + json::Quote(tensors[m].name) +
+                                 " is taken");
         continue;
       }
       is_alias[m] = true;

@@ -154,21 +154,26 @@ std::string BigIntToDecimal(std::string_view le_bytes) {
       carry = x >> 8;
     }
   }
-  std::string digits;
-  // Repeated division by 10 of the big-endian magnitude.
-  std::vector<uint8_t> be(mag.rbegin(), mag.rend());
-  while (!be.empty()) {
-    unsigned rem = 0;
-    std::vector<uint8_t> q;
-    q.reserve(be.size());
-    for (uint8_t b : be) {
-      const unsigned cur = rem * 256 + b;
-      const auto d = static_cast<uint8_t>(cur / 10);
-      rem = cur % 10;
-      if (!q.empty() || d != 0) q.push_back(d);
+  // The magnitude in 32-bit limbs, most significant first, divided in place by 10^9 per pass:
+  // nine digits a pass, no allocation (a crafted pickle names thousands of keys by such numbers).
+  std::vector<uint32_t> limbs((mag.size() + 3) / 4, 0);
+  for (size_t i = 0; i < mag.size(); ++i) {
+    limbs[limbs.size() - 1 - i / 4] |= static_cast<uint32_t>(mag[i]) << (8 * (i % 4));
+  }
+  size_t first = 0;    // limbs before it are zero
+  std::string digits;  // least significant first
+  while (first < limbs.size()) {
+    uint64_t rem = 0;
+    for (size_t k = first; k < limbs.size(); ++k) {
+      const uint64_t cur = (rem << 32) | limbs[k];
+      limbs[k] = static_cast<uint32_t>(cur / 1000000000u);
+      rem = cur % 1000000000u;
     }
-    digits.push_back(static_cast<char>('0' + rem));
-    be = std::move(q);
+    while (first < limbs.size() && limbs[first] == 0) ++first;
+    for (int d = 0; d < 9 && (first < limbs.size() || rem != 0); ++d) {
+      digits.push_back(static_cast<char>('0' + rem % 10));
+      rem /= 10;
+    }
   }
   if (digits.empty()) digits = "0";
   if (negative) digits.push_back('-');

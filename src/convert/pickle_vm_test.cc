@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -525,6 +527,49 @@ TEST(PickleVm, EveryLimitIsEnforced) {
   PickleLimits exact;
   exact.max_pickle_size = big.size();
   EXPECT_TRUE(RunP(big, exact).ok());
+}
+
+// The decimal text of two's complement little-endian bytes, digit by digit (the reference).
+std::string SlowDecimal(std::string_view le) {
+  std::vector<uint8_t> mag(le.begin(), le.end());
+  const bool negative = !mag.empty() && (mag.back() & 0x80) != 0;
+  if (negative) {
+    unsigned carry = 1;
+    for (auto& b : mag) {
+      const unsigned x = static_cast<uint8_t>(~b) + carry;
+      b = static_cast<uint8_t>(x);
+      carry = x >> 8;
+    }
+  }
+  std::vector<uint8_t> be(mag.rbegin(), mag.rend());
+  std::string digits;
+  while (!be.empty()) {
+    unsigned rem = 0;
+    std::vector<uint8_t> q;
+    for (uint8_t b : be) {
+      const unsigned cur = rem * 256 + b;
+      rem = cur % 10;
+      if (!q.empty() || cur / 10 != 0) q.push_back(static_cast<uint8_t>(cur / 10));
+    }
+    digits.push_back(static_cast<char>('0' + rem));
+    be = std::move(q);
+  }
+  if (digits.empty()) digits = "0";
+  if (negative) digits.push_back('-');
+  return std::string(digits.rbegin(), digits.rend());
+}
+
+TEST(PickleVm, BigIntegersPrintAsTheReferenceDoes) {
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 400; ++i) {
+    std::string le(1 + rng() % (i < 200 ? 24 : 1786), '\0');
+    for (char& c : le) c = static_cast<char>(rng());
+    if (i % 5 == 0) le.back() = 0;                              // leading zero bytes
+    if (i % 7 == 0) std::fill(le.begin(), le.end() - 1, '\0');  // a power of 256
+    EXPECT_EQ(BigIntToDecimal(le), SlowDecimal(le)) << i;
+  }
+  EXPECT_EQ(BigIntToDecimal(std::string("\0\0\0\0\0\0\0\0\0", 9)), "0");
+  EXPECT_EQ(BigIntToDecimal(std::string("\x00\xca\x9a\x3b", 4)), "1000000000");
 }
 
 TEST(PickleVm, HugeIntegersAreRefusedBeforeAnyWork) {

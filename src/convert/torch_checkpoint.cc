@@ -2,6 +2,8 @@
 // the restricted unpickler (pickle_vm.h); the object tree is flattened into dotted names.
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -9,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -584,7 +587,9 @@ class TorchCheckpointOpener {
              first_storage,
              std::vector<uint8_t>(r.objects.size(), 0),
              convert::HoldersOfTensorsOrDicts(r),
-             budget};
+             budget,
+             0,
+             {}};
     return w.Walk(r.root, "", 0);
   }
 
@@ -598,6 +603,48 @@ class TorchCheckpointOpener {
     std::vector<uint8_t> holds;  // HoldersOfTensorsOrDicts
     uint64_t budget;             // TorchLimits::flatten_base + flatten_per_pickle_byte x size
     uint64_t cost = 0;           // charged so far: name length + 64 per visit
+    // The decimal text of each big integer used as a key, made once per object (a key fetched
+    // from the memo thousands of times is one object).
+    std::unordered_map<uint32_t, std::string> big_keys;
+
+    // The name a dict key gives its value (PyKeyText), nullopt when it has none.
+    std::optional<std::string> KeyText(const Value& key) {
+      if (key.tag == Tag::kRef && r.objects[key.ref].kind == Kind::kBigInt) {
+        auto [it, added] = big_keys.try_emplace(key.ref);
+        if (added) it->second = convert::BigIntToDecimal(r.objects[key.ref].str);
+        return it->second;
+      }
+      return convert::PyKeyText(r, key);
+    }
+
+    // What Python compares dict keys by: 1, True, 1.0 and a big integer of value 1 are one key,
+    // 0.0 and -0.0 too; strings by content. nullopt for keys never merged here (NaN, tuples...).
+    std::optional<std::string> KeyIdentity(const Value& key) {
+      const auto tagged = [](char kind, std::string_view text) {
+        std::string out(1, kind);
+        out += text;
+        return out;
+      };
+      switch (key.tag) {
+        case Tag::kNone: return std::string("none");
+        case Tag::kBool: return std::string(key.b ? "n1" : "n0");
+        case Tag::kInt: return tagged('n', std::to_string(key.i));
+        case Tag::kFloat: {
+          const double f = key.f;
+          if (std::isnan(f)) return std::nullopt;  // NaN equals nothing, itself included
+          if (f == 0) return std::string("n0");
+          if (std::isinf(f) || f != std::trunc(f)) return tagged('f', convert::PythonFloatRepr(f));
+          char exact[400];  // an integral double's exact decimal value (glibc prints it exactly)
+          std::snprintf(exact, sizeof exact, "%.0f", f);
+          return tagged('n', exact);
+        }
+        case Tag::kRef: break;
+      }
+      const Object& obj = r.objects[key.ref];
+      if (obj.kind == Kind::kStr) return tagged('s', obj.str);
+      if (obj.kind == Kind::kBigInt) return tagged('n', *KeyText(key));
+      return std::nullopt;
+    }
 
     static std::string Join(const std::string& prefix, std::string_view key) {
       if (prefix.empty()) return std::string(key);
@@ -645,8 +692,24 @@ class TorchCheckpointOpener {
           }
           on_path[v.ref] = 1;
           if (dict) {
+            // Keys that compare equal are one key in Python: the first one given, holding the
+            // last value given (torch.load's dict). value_of[i]: the item whose value key i
+            // holds; items whose key came earlier are skipped.
+            std::unordered_map<std::string, size_t> first;
+            std::vector<size_t> value_of(obj.items.size(), 0);
             for (size_t i = 0; i + 1 < obj.items.size(); i += 2) {
-              auto key = convert::PyKeyText(r, obj.items[i]);
+              value_of[i] = i + 1;
+              if (auto id = KeyIdentity(obj.items[i])) {
+                auto [it, added] = first.try_emplace(*std::move(id), i);
+                if (!added) {
+                  value_of[it->second] = i + 1;
+                  value_of[i] = 0;
+                }
+              }
+            }
+            for (size_t i = 0; i + 1 < obj.items.size(); i += 2) {
+              if (value_of[i] == 0) continue;
+              auto key = KeyText(obj.items[i]);
               if (!key) {
                 const std::string key_type = convert::PyTypeName(r, obj.items[i]);
                 std::string label = "<";
@@ -655,11 +718,11 @@ class TorchCheckpointOpener {
                 std::string why = "its key is a ";
                 why += key_type;
                 why += ", which has no name";
-                o.AddValue(Join(name, label), convert::PyTypeName(r, obj.items[i + 1]), "",
+                o.AddValue(Join(name, label), convert::PyTypeName(r, obj.items[value_of[i]]), "",
                            std::move(why), file_index);
                 continue;
               }
-              TF_RETURN_IF_ERROR(Walk(obj.items[i + 1], Join(name, *key), depth + 1));
+              TF_RETURN_IF_ERROR(Walk(obj.items[value_of[i]], Join(name, *key), depth + 1));
             }
           } else {
             for (size_t i = 0; i < obj.items.size(); ++i) {

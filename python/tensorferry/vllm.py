@@ -318,6 +318,19 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _is_draft(model_config):
+    """Whether `model_config` is the speculative-decoding draft of the vLLM config being built
+    (vLLM builds it with the served model's load config unless draft_load_config is given)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return False
+    config = get_current_vllm_config_or_none()
+    speculative = getattr(config, "speculative_config", None) if config is not None else None
+    draft = getattr(speculative, "draft_model_config", None)
+    return draft is not None and model_config is draft
+
+
 def _is_url(path):
     """True for what tensorferry reads in place rather than through vLLM's download: s3://,
     gs:// and http(s):// URLs, and hf:// paths (the local hub cache, else streamed from the hub:
@@ -343,6 +356,8 @@ def _make_class():
         of tensorferry.vllm). load_weights(model, model_config) fills an initialized model;
         stats (a dict) describes the last load: tensors, bytes (delivered), bytes_read (read
         by this process), peak_held_bytes, budget, rounds, seconds, cooperative."""
+
+        _unbounded = False  # the automatic budget given up for this load (load_weights)
 
         def __init__(self, load_config):
             super().__init__(load_config)
@@ -388,16 +403,19 @@ def _make_class():
             return folder, files
 
         def _primary(self, model_config):
-            """Where the model's own weights are: the `weights` option, else vLLM's
-            model_weights (set for object-storage models), else the model."""
+            """Where the model's own weights are: the `weights` option (for the served model
+            only: a speculative-decoding draft built with the same load config reads its own),
+            else vLLM's model_weights (set for object-storage models), else the model."""
             weights = self.options.weights
-            if weights is not None:
+            if weights is not None and not _is_draft(model_config):
                 return weights if _is_url(weights) else os.path.expanduser(weights)
             return getattr(model_config, "model_weights", "") or model_config.model
 
         def download_model(self, model_config):
             primary = self._primary(model_config)
             self._check_weights(primary)
+            if os.path.isfile(primary):  # the `weights` option naming one file or an index
+                return
             # Object storage is read in place; a hub id is streamed (the `hub` option).
             if not _is_url(primary) and self._hub_path(primary, model_config.revision) is None:
                 self._files(primary, model_config.revision)
@@ -407,12 +425,17 @@ def _make_class():
             (anything neither a URL nor shaped like a hub id is a path; a hub id is downloaded
             as --model would be)."""
             from . import _safe_open
-            if self.options.weights is None or _is_url(path) or os.path.exists(path):
+            if self.options.weights is None or _is_url(path) or os.path.exists(path) or \
+                    path != self._primary_option():
                 return
             if path.startswith(("/", ".")) or not _safe_open.is_hub_id(path):
                 raise FileNotFoundError(
                     f"model_loader_extra_config['weights'] for load format "
                     f"{LOAD_FORMAT!r}: {self.options.weights!r} does not exist")
+
+        def _primary_option(self):
+            weights = self.options.weights
+            return weights if weights is None or _is_url(weights) else os.path.expanduser(weights)
 
         def _hub_path(self, model_or_path, revision, subfolder=None):
             return hub_path(model_or_path, revision, subfolder, self.options,
@@ -484,7 +507,9 @@ def _make_class():
             size = largest.bytes if largest is not None else 0
             budget = self.options.budget
             if budget == "auto":
-                return max(DEFAULT_BUDGET, 2 * size)
+                # After a model's load_weights held every weight (list(weights): BERT-style
+                # models), the load is retried unbounded (load_weights).
+                return 0 if self._unbounded else max(DEFAULT_BUDGET, 2 * size)
             if budget is not None and budget < 2 * size:
                 fmt = _core.format_bytes
                 raise ValueError(
@@ -534,12 +559,14 @@ def _make_class():
                         yield prefix + name, tensor
                         del tensor  # before the next batch is asked for
                 except _core.BudgetExceededError as e:
-                    raise _core.BudgetExceededError(
+                    error = _core.BudgetExceededError(
                         f"load format {LOAD_FORMAT!r}: the model's load_weights kept more "
                         f"weights alive than the budget ({_core.format_bytes(budget)}) allows "
                         f"(it should hold only the tensor it is given): raise "
                         f"model_loader_extra_config['budget'] or set it to 0 (unbounded). "
-                        f"{e}") from None
+                        f"{e}")
+                    error.held_by_the_model = True
+                    raise error from None
                 s = loader.stats
                 self._account(s.tensors, s.bytes, s.bytes_read or s.bytes,
                               max(s.peak_budget_bytes, s.peak_device_bytes), s.batches, budget)
@@ -616,13 +643,37 @@ def _make_class():
                     else:
                         yield from self._cooperative(part, prefix, device, tp)
 
-        def load_weights(self, model, model_config):
+        def _reset_stats(self):
             self.stats = {"tensors": 0, "bytes": 0, "bytes_read": 0, "peak_held_bytes": 0,
                           "rounds": 0, "budget": None, "seconds": 0.0,
                           "cooperative": self._tp() is not None}
+
+        def get_all_weights(self, model_config, model):
+            """Every (name, tensor) of the model's weight sources, as vLLM's default loader
+            gives them (its in-place weight reload asks for this)."""
+            self._reset_stats()
+            yield from self.weights(model, model_config)
+
+        def load_weights(self, model, model_config):
+            self._reset_stats()
             start = time.perf_counter()
+            self._unbounded = False
             try:
-                loaded = model.load_weights(self.weights(model, model_config))
+                try:
+                    loaded = model.load_weights(self.weights(model, model_config))
+                except _core.BudgetExceededError as e:
+                    # Some models' load_weights hold every weight (list(weights)) before using
+                    # one: with the default budget the load is done again without one (the
+                    # memory limit still applies); the weights go in again, as a reload would.
+                    if self.options.budget != "auto" or \
+                            not getattr(e, "held_by_the_model", False):
+                        raise
+                    logger.warning("tensorferry: %s's load_weights holds every weight at "
+                                   "once; loading it again without a budget",
+                                   type(model).__name__)
+                    self._unbounded = True
+                    self._reset_stats()
+                    loaded = model.load_weights(self.weights(model, model_config))
             finally:
                 # A worker loads its weights once: the pinned staging rings its loads left for a
                 # next one (keep_staging) go back now rather than stay pinned while it serves.

@@ -319,6 +319,19 @@ def test_a_model_keeping_its_weights_exceeds_the_budget_with_an_error_saying_so(
     assert "set it to 0 (unbounded)" in e["message"]
 
 
+def test_a_model_holding_every_weight_is_loaded_again_without_the_automatic_budget(single):
+    # (BERT-style models call list(weights); a budget given explicitly still fails, above.)
+    assert single["hoarding_auto"] == {"differences": [], "budget": 0}, single["hoarding_auto"]
+
+
+def test_download_get_all_weights_and_a_draft_model(single):
+    assert single["download_file_weights"] is None, single["download_file_weights"]
+    assert len(single["all_weights"]) == 21 and "lm_head.weight" in single["all_weights"]
+    primary = single["primary"]
+    assert primary["served"].endswith("llama-single/model.safetensors"), primary
+    assert primary["draft"].endswith("llama-single") and primary["draft"] != primary["served"]
+
+
 def test_a_missing_tensor_is_refused_as_vllm_refuses_it(single):
     ours, theirs = single["errors"]["missing_tensor"], single["errors"]["missing_tensor_vllm"]
     assert ours == theirs

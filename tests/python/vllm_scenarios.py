@@ -234,6 +234,46 @@ def single(workdir):
         os.makedirs(empty)
         shutil.copy(os.path.join(single_file, "config.json"), empty)
     out["errors"]["no_safetensors"] = error_of(lambda: build(empty, "tensorferry"))
+
+    # A model whose load_weights holds every weight (BERT-style list(weights)) under the
+    # automatic budget (made 2 x the largest tensor here, as for a model of 512 MiB tensors):
+    # loaded again without a budget, the same weights as vLLM's.
+    saved_default = tfv.DEFAULT_BUDGET
+    tfv.DEFAULT_BUDGET = 2 * largest
+    cls_model.load_weights = hoarding
+    try:
+        model, ldr = build(sharded, "tensorferry")
+        out["hoarding_auto"] = {"differences": differences(model, reference)[0],
+                                "budget": ldr.stats["budget"]}
+        del model
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out["hoarding_auto"] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        cls_model.load_weights = original
+        tfv.DEFAULT_BUDGET = saved_default
+
+    # The loader's other entry points: download_model with `weights` naming one file (nothing
+    # to download), get_all_weights (vLLM's in-place reload asks for it).
+    file_weights = os.path.join(single_file, "model.safetensors")
+    config = vllm_config(sharded, "tensorferry", {"weights": file_weights})
+    ldr = get_model_loader(config.load_config)
+    out["download_file_weights"] = error_of(lambda: ldr.download_model(config.model_config))
+    out["all_weights"] = sorted(name for name, _ in ldr.get_all_weights(config.model_config,
+                                                                         reference))
+    # A speculative-decoding draft built with the served model's load config reads its own
+    # weights, not the `weights` option's.
+    import types
+
+    import vllm.config as vc
+    draft_config = vllm_config(single_file, "tensorferry").model_config
+    current = vc.get_current_vllm_config_or_none
+    vc.get_current_vllm_config_or_none = lambda: types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(draft_model_config=draft_config))
+    try:
+        out["primary"] = {"draft": ldr._primary(draft_config),
+                          "served": ldr._primary(config.model_config)}
+    finally:
+        vc.get_current_vllm_config_or_none = current
     return out
 
 

@@ -275,6 +275,11 @@ class Loader {
   // Loads every selected tensor and returns them all (in checkpoint order). With a budget, the
   // total must fit it (kBudgetExceeded otherwise: use Stream).
   Result<std::vector<Tensor>> Load(const Selection& selection = Selection::All());
+  // The check Load makes before any read: every device's total of `selection` fits its budget
+  // (the host's: `budget`, or the memory limit's when that set it). Errors: kBudgetExceeded
+  // naming the totals and the limit, those of MakePlan. For callers that load a selection in
+  // parts but promise it whole (the Python Loader's load() with a progress bar, file by file).
+  Status CheckFitsAtOnce(const Selection& selection = Selection::All()) const;
 
   // Reads the named tensors into caller-provided memory, host or device, each destination at least
   // as large as its tensor (the bytes past the tensor are left untouched). Host destinations are

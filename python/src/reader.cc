@@ -198,6 +198,21 @@ nb::list Reader::Load(const std::optional<std::vector<std::string>>& names, int 
   return ExportTensors(fw, tensors);
 }
 
+void Reader::CheckFitsAtOnce(const std::optional<std::vector<std::string>>& names) {
+  if (names) DescribeNames(*Open(), names);
+  std::optional<Lock> lock;
+  {
+    WithoutGil release;
+    lock.emplace(*this);
+  }
+  Status fits;
+  {
+    WithoutGil release;
+    fits = EnsureLoader().CheckFitsAtOnce(names ? Selection::Names(*names) : Selection::All());
+  }
+  Check(fits);
+}
+
 nb::object Reader::GetTensor(const std::string& name, int framework) {
   Check(CheckMappedFiles());
   const Framework fw = ToFramework(framework);
@@ -478,6 +493,9 @@ void RegisterReader(nb::module_& m) {
       .def("index_metadata", &Reader::IndexMetadata)
       .def("describe", &Reader::Describe, nb::arg("names").none())
       .def("load", &Reader::Load, nb::arg("names").none(), nb::arg("framework"))
+      .def("check_fits_at_once", &Reader::CheckFitsAtOnce, nb::arg("names").none(),
+           "Loader::CheckFitsAtOnce: BudgetExceededError when the selection cannot be held at "
+           "once")
       .def("get_tensor", &Reader::GetTensor)
       .def("read_range", &Reader::ReadRange, nb::arg("name"), nb::arg("begin"), nb::arg("end"),
            nb::arg("framework"), nb::arg("shape").none() = nb::none())

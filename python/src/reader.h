@@ -92,6 +92,9 @@ class Reader {
   // Every selected tensor (all when `names` is None), through the Loader: one buffer per batch.
   // (name, dtype name, array) triples in output order.
   nanobind::list Load(const std::optional<std::vector<std::string>>& names, int framework);
+  // Loader::CheckFitsAtOnce: BudgetExceededError when `names` (all when empty) cannot be held at
+  // once, before anything is read.
+  void CheckFitsAtOnce(const std::optional<std::vector<std::string>>& names);
 
   // One tensor. Large tensors go through the Loader (parallel chunked reads into a pooled
   // buffer); small ones are read with one positional read on this thread into a heap block.

@@ -403,6 +403,10 @@ class Loader:
             return out
         stats = LoadStats()
         start = time.perf_counter()
+        if self._progress:
+            # Read file by file below (for the bar), but promised whole: the budget and memory
+            # limit are checked for the whole selection first, as the one-call load does.
+            self._reader.check_fits_at_once(self._names)
         outputs = self._describe() if self._progress else None
         progress = _Progress(self._progress, sum({o.stored: o.bytes for o in outputs}.values()),
                              "tensorferry") if self._progress else None

@@ -463,6 +463,29 @@ Result<Plan> Loader::MakePlan(const Selection& selection) const {
 }
 
 Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
+  TF_RETURN_IF_ERROR(CheckFitsAtOnce(selection));
+  const Impl& m = *impl_;
+  // Output order (Describe); batches deliver tensors in plan order.
+  TF_ASSIGN_OR_RETURN(const Description description, m.Describe(selection));
+  std::unordered_map<std::string_view, size_t> position;
+  for (size_t i = 0; i < description.outputs.size(); ++i) {
+    position.emplace(description.outputs[i].name, i);
+  }
+  std::vector<Tensor> out(description.outputs.size());
+  TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
+    for (Tensor& t : batch.tensors) {
+      auto it = position.find(t.name());
+      if (it == position.end()) {
+        return Status(Code::kInternal, "tensor \"" + t.name() + "\" delivered but not selected");
+      }
+      out[it->second] = std::move(t);
+    }
+    return Status::Ok();
+  }));
+  return out;
+}
+
+Status Loader::CheckFitsAtOnce(const Selection& selection) const {
   const Impl& m = *impl_;
   const bool host_budget = m.options.budget > 0 && m.engine_kind != Engine::kMmap;
   if (host_budget || m.options.device_budget > 0) {
@@ -495,24 +518,7 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
       }
     }
   }
-  // Output order (Describe); batches deliver tensors in plan order.
-  TF_ASSIGN_OR_RETURN(const Description description, m.Describe(selection));
-  std::unordered_map<std::string_view, size_t> position;
-  for (size_t i = 0; i < description.outputs.size(); ++i) {
-    position.emplace(description.outputs[i].name, i);
-  }
-  std::vector<Tensor> out(description.outputs.size());
-  TF_RETURN_IF_ERROR(Stream(selection, [&](Batch batch) {
-    for (Tensor& t : batch.tensors) {
-      auto it = position.find(t.name());
-      if (it == position.end()) {
-        return Status(Code::kInternal, "tensor \"" + t.name() + "\" delivered but not selected");
-      }
-      out[it->second] = std::move(t);
-    }
-    return Status::Ok();
-  }));
-  return out;
+  return Status::Ok();
 }
 
 LoadStats Loader::stats() const {

@@ -277,6 +277,14 @@ def test_progress_callable_and_tqdm(tiny_checkpoint, sizes, monkeypatch):
     loaded = tensorferry.Loader(tiny_checkpoint, progress=True).load()
     assert len(loaded) == len(sizes)
     assert len(bars) == 1 and bars[0].total == total and bars[0].n == total and bars[0].closed
+    # With a bar, load() reads file by file, but the selection must fit whole first, as without:
+    # the same error before any read.
+    for progress in (False, True):
+        loader = tensorferry.Loader(tiny_checkpoint, memory_limit=total // 2, engine="pread",
+                                    progress=progress)
+        with pytest.raises(tensorferry.BudgetExceededError, match="every tensor at once"):
+            loader.load()
+        assert loader.stats.bytes_read == 0, progress
 
 
 def test_numpy_framework(tmp_path):

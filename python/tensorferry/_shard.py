@@ -31,7 +31,8 @@ def _rule(value, where):
 def shard_spec(rules=None):
     """A ShardSpec from any of the shapes `shard_rules=` accepts (docs/python.md):
 
-    - None or "none": everything replicated; "builtin": ShardSpec.builtin();
+    - None or "builtin": ShardSpec.builtin() (what a Loader with tp_size and no shard_rules
+      uses); "none": everything replicated;
     - a ShardSpec (returned as is);
     - a JSON string of the documented schema, or a path (str or os.PathLike) to such a file;
     - a dict of that schema ({"base", "rules", "overrides", "ties"}), or a dict {pattern: rule};
@@ -40,7 +41,7 @@ def shard_spec(rules=None):
     A rule is None/"replicate", an int (split on that dim) or a dict of the schema. Errors:
     InvalidArgumentError naming the entry."""
     if rules is None:
-        return ShardSpec.none()
+        return ShardSpec.builtin()
     if isinstance(rules, ShardSpec):
         return rules
     if isinstance(rules, str) and rules in ("none", "builtin"):
@@ -91,7 +92,8 @@ class TensorSlice:
 
 def tensor_slice(name, dtype, shape, rank, world, rules=None, *, ranges=False):
     """The slice of tensor `name` (a safetensors dtype name such as "BF16", and its full shape)
-    that rank `rank` of `world` holds under `rules` (any shard_spec() form, or a ShardSpec).
+    that rank `rank` of `world` holds under `rules` (any shard_spec() form, or a ShardSpec; None:
+    the built-in rules, as a Loader's).
     Uneven sizes follow torch.tensor_split / numpy.array_split. Errors: InvalidArgumentError
     (rank >= world, world 0, a split dim beyond the tensor, parts not summing to the dim, a part
     smaller than world)."""

@@ -99,11 +99,13 @@ Status ParseTopObject(simdjson::dom::parser& parser, std::string_view json, std:
   return CheckNoDuplicateKeys(top, "index top level", source);
 }
 
-// Reads "metadata" (optional; any JSON values) into `out` as (key, minified JSON text), sorted.
+// Reads "metadata" (optional, null as absent; any JSON values) into `out` as (key, minified JSON
+// text), sorted.
 Status ParseMetadata(simdjson::dom::object top, std::string_view source,
                      std::vector<std::pair<std::string, std::string>>& out) {
   simdjson::dom::element metadata_element;
   if (top.at_key("metadata").get(metadata_element) != simdjson::SUCCESS) return Status::Ok();
+  if (metadata_element.is_null()) return Status::Ok();  // as absent (the header's rule too)
   simdjson::dom::object metadata;
   if (metadata_element.get(metadata) != simdjson::SUCCESS) {
     return IndexError(Code::kIndexInvalidJson, source,

@@ -563,7 +563,7 @@ Result<TensorSlice> SliceOf(const TensorInfo& tensor, const ShardRule& rule, uin
   uint64_t start = 0, local = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const uint64_t p = parts[i];
-    if (p < world) {
+    if (p < world && world > 1) {  // alone, a rank holds even an empty dimension whole
       return SliceError(tensor, rule, rank, world,
                         (parts.size() > 1 ? "part " + std::to_string(i) + " has " : "it has ") +
                             std::to_string(p) + " indices along dim " + std::to_string(rule.dim) +

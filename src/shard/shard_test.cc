@@ -179,6 +179,12 @@ TEST(ShardTest, ZeroSizedTensor) {
   EXPECT_EQ(s.shape, (std::vector<uint64_t>{0, 2}));
   EXPECT_TRUE(SliceByteRanges(t, s).empty());
   EXPECT_EQ(SliceRangeCount(t, s), 0u);
+  // Split along its empty dimension: a rank alone holds it (empty); among several, refused.
+  auto alone = SliceOf(t, ShardRule::Split(0), 0, 1);
+  ASSERT_TRUE(alone.ok()) << alone.status().ToString();
+  EXPECT_EQ(alone->shape, (std::vector<uint64_t>{0, 8}));
+  EXPECT_EQ(alone->bytes, 0u);
+  EXPECT_FALSE(SliceOf(t, ShardRule::Split(0), 0, 2).ok());
 }
 
 TEST(ShardTest, GlobMatch) {

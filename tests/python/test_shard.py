@@ -64,7 +64,9 @@ def test_slices_equal_tensor_split(shape, rule, world):
 def test_spec_shapes():
     builtin = ShardSpec.builtin()
     assert shard_spec("builtin") == builtin
-    assert shard_spec(None) == ShardSpec.none()
+    assert shard_spec(None) == builtin  # what a Loader with tp_size and no shard_rules uses
+    assert tensor_slice("model.layers.0.self_attn.o_proj.weight", "F32", (8, 8), 1, 2).shape \
+        == (8, 4)
     assert shard_spec("none") == ShardSpec.none()
     assert shard_spec(builtin) is builtin
     assert shard_spec(builtin.to_json()) == builtin

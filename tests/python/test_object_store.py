@@ -497,7 +497,8 @@ def test_profile_with_credentials_and_config_files(stores, tmp_path, monkeypatch
     r = subprocess.run([CLI, "load", url, "--json", "--s3-endpoint", stores.seaweed.endpoint],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
-    assert "InvalidAccessKeyId" in r.stderr and "default" in r.stderr, r.stderr
+    error = json.loads(r.stdout)["error"]["message"]  # --json: the error document
+    assert "InvalidAccessKeyId" in error and "default" in error, error
     # In Python, the profile chosen by storage_options (s3_profile) over AWS_PROFILE.
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE")

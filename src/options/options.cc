@@ -420,6 +420,14 @@ Result<LoadOptions> LoadOptions::Validated() const {
   if (queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
   // Clamped, not refused: a tiny chunk only multiplies per-read costs (and plan memory: one task
   // per chunk), and threads beyond kMaxThreads only cost memory and start-up time.
+  // Settings that contradict each other are refused rather than ignored (direct, populate and gds
+  // are per-engine or per-device settings: what does not use one ignores it, so that a variable
+  // set for a process does not fail its other loads).
+  if (drop_cache && engine == Engine::kMmap) {
+    return Status(Code::kInvalidArgument,
+                  "drop_cache does not go with engine mmap: the tensors are the page cache's "
+                  "pages (use a copying engine, pread or io_uring)");
+  }
   LoadOptions o = *this;
   o.chunk_size = std::max(o.chunk_size, kMinChunkSize);
   o.threads = std::min(o.threads, kMaxThreads);
@@ -427,9 +435,12 @@ Result<LoadOptions> LoadOptions::Validated() const {
   if (o.tensor_parallel) {
     const TensorParallelOptions& tp = *o.tensor_parallel;
     if (tp.rank == kUnsetTpRank || tp.world == 0) {
-      std::string given;
-      if (tp.rank != kUnsetTpRank) given = " (tp_rank " + std::to_string(tp.rank) + " alone)";
-      if (tp.world != 0) given = " (tp_size " + std::to_string(tp.world) + " alone)";
+      // What was given, in the words of the keys the caller set.
+      std::string given = " (shard_rules or shard_max_gap given without them)";
+      if (tp.rank != kUnsetTpRank) {
+        given = " (tp_rank " + std::to_string(tp.rank) + " without tp_size, or tp_size 0)";
+      }
+      if (tp.world != 0) given = " (tp_size " + std::to_string(tp.world) + " without tp_rank)";
       return Status(Code::kInvalidArgument,
                     "tp_rank and tp_size go together, tp_size at least 1" + given);
     }

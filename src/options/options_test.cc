@@ -211,8 +211,14 @@ TEST(LoadOptionsValidated, ClampsAndRefusals) {
                        "tp_rank and tp_size go together"));
   EXPECT_TRUE(Contains(MustSet({{"tp_rank", "0"}}).Validate().message(),
                        "tp_rank and tp_size go together"));
-  EXPECT_TRUE(Contains(MustSet({{"shard_max_gap", "1MB"}}).Validate().message(),
-                       "tp_rank and tp_size go together"));
+  EXPECT_TRUE(Contains(
+      MustSet({{"shard_max_gap", "1MB"}}).Validate().message(),
+      "tp_rank and tp_size go together, tp_size at least 1 (shard_rules or shard_max_gap given"));
+  EXPECT_TRUE(Contains(MustSet({{"tp_rank", "0"}, {"tp_size", "0"}}).Validate().message(),
+                       "(tp_rank 0 without tp_size, or tp_size 0)"));
+  // Settings that contradict each other.
+  EXPECT_TRUE(Contains(MustSet({{"engine", "mmap"}, {"drop_cache", "1"}}).Validate().message(),
+                       "drop_cache does not go with engine mmap"));
   EXPECT_TRUE(Contains(MustSet({{"tp_rank", "2"}, {"tp_size", "2"}}).Validate().message(),
                        "tp_rank 2 is not below tp_size 2"));
   EXPECT_TRUE(MustSet({{"tp_size", "2"}, {"tp_rank", "1"}}).Validate().ok());

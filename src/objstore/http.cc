@@ -84,6 +84,7 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
   if (HeaderIs(name, "last-modified")) t->response->last_modified = value;
   if (HeaderIs(name, "x-error-code")) t->response->error_code = value;
   if (HeaderIs(name, "x-error-message")) t->response->error_message = value;
+  if (HeaderIs(name, "x-amz-bucket-region")) t->response->bucket_region = value;
   // Kept across redirects: the hub sends them, the CDN it redirects to does not.
   if (HeaderIs(name, "x-linked-etag") && t->response->linked_etag.empty()) {
     t->response->linked_etag = value;

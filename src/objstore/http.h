@@ -70,6 +70,7 @@ struct HttpResponse {
   // The Hugging Face hub's error headers (X-Error-Code "RepositoryNotFound", "GatedRepo", ...;
   // X-Error-Message), "" without them.
   std::string error_code, error_message;
+  std::string bucket_region;  // S3's x-amz-bucket-region (a wrong-region answer names the right)
   // The Hugging Face hub's X-Linked-Etag (a weight file's SHA-256) and X-Repo-Commit, from the
   // first response of a redirected request that sent them (the hub's, not its CDN's); "" if none.
   std::string linked_etag, repo_commit;

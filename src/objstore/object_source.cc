@@ -141,6 +141,13 @@ Verdict Judge(const HttpResponse& r) {
     v.why += " " + e->code;
     if (!e->message.empty()) v.why += ": " + e->message;
     if (!e->request_id.empty()) v.why += " (request id " + e->request_id + ")";
+    // A bucket asked for in another region than its own: where it is, and how to say so.
+    const std::string region = !r.bucket_region.empty() ? r.bucket_region : e->region;
+    if (!region.empty() && (e->code == "PermanentRedirect" ||
+                            e->code == "AuthorizationHeaderMalformed" || r.status == 301)) {
+      v.why += " (the bucket is in region " + Excerpt(region) +
+               ": set AWS_REGION or the s3_region option to it)";
+    }
   } else if (!r.error_code.empty()) {
     // A model hub's error headers: "HTTP 401 RepositoryNotFound: Repository not found".
     s3code = Excerpt(r.error_code);

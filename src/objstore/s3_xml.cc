@@ -315,6 +315,7 @@ std::optional<S3ErrorBody> ParseS3Error(std::string_view body) {
     out.message = std::string(Trim(message->text));
   }
   if (const Element* id = error->Child("RequestId")) out.request_id = std::string(Trim(id->text));
+  if (const Element* region = error->Child("Region")) out.region = std::string(Trim(region->text));
   return out;
 }
 

@@ -31,6 +31,7 @@ inline constexpr size_t kMaxXmlElements = 200000;
 
 struct S3ErrorBody {
   std::string code, message, request_id;
+  std::string region;  // <Region> (AuthorizationHeaderMalformed names the bucket's region)
 };
 // <Error><Code>NoSuchKey</Code><Message>..</Message><RequestId>..</RequestId>...</Error> (also
 // wrapped in <ErrorResponse>, as some S3-compatible servers send it); nullopt when the body is not

@@ -32,6 +32,12 @@ TEST(S3Xml, ParsesAnErrorBody) {
   ASSERT_TRUE(wrapped.has_value());
   EXPECT_EQ(wrapped->code, "SignatureDoesNotMatch");
   EXPECT_EQ(wrapped->message, "a <b>");
+  // A request signed for the wrong region names the bucket's.
+  auto region = ParseS3Error(
+      "<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region 'us-east-1' is "
+      "wrong; expecting 'eu-west-1'</Message><Region>eu-west-1</Region></Error>");
+  ASSERT_TRUE(region.has_value());
+  EXPECT_EQ(region->region, "eu-west-1");
 }
 
 TEST(S3Xml, NotAnErrorBodyIsNullopt) {

@@ -392,3 +392,38 @@ def test_a_server_that_ignores_ranges_is_named_so(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_bucket_in_another_region_is_named_with_its_region():
+    """S3 answers a request for a bucket of another region with 301 PermanentRedirect and the
+    x-amz-bucket-region header: the error says where the bucket is and how to ask there."""
+    import http.server
+    import threading
+
+    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code>'
+            b'<Message>The bucket you are attempting to access must be addressed using the '
+            b'specified endpoint.</Message><Endpoint>b.s3.eu-west-1.amazonaws.com</Endpoint>'
+            b'</Error>')
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(301)
+            self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        opts = {"s3_endpoint": f"http://127.0.0.1:{server.server_address[1]}",
+                "s3_anonymous": "1", "object_retries": 0}
+        with pytest.raises(OSError, match="the bucket is in region eu-west-1: set AWS_REGION"):
+            tensorferry.Loader("s3://b/m.safetensors", storage_options=opts)
+    finally:
+        server.shutdown()
+        server.server_close()

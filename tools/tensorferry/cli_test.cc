@@ -441,6 +441,11 @@ TEST(CliFlags, AnEmptyValueIsAUsageError) {
     EXPECT_EQ(r.exit_code, 2) << Describe(r);
     EXPECT_NE(r.err.find("an empty value is not allowed"), std::string::npos) << r.err;
   }
+  // A layer range beyond the model selects nothing: an error, not "loaded 0 tensors".
+  const RunResult none = RunCli({"load", dir, "--layers", "50"});
+  EXPECT_EQ(none.exit_code, 1) << Describe(none);
+  EXPECT_NE(none.err.find("--layers 50 selects no tensor"), std::string::npos) << none.err;
+  EXPECT_EQ(RunCli({"load", dir, "--repeat", "0"}).exit_code, 2);
   const RunResult big = RunCli({"load", dir, "--budget", "99999999999999999999G"});
   EXPECT_EQ(big.exit_code, 2) << Describe(big);
   EXPECT_NE(big.err.find("is out of range"), std::string::npos) << big.err;

@@ -304,6 +304,16 @@ int RunLoad(const LoadArgs& args) {
   }
   auto loader = Loader::Open(args.path, *options);
   if (!loader.ok()) return Failed(args.json, args.path, loader.status());
+  if (!args.layers.empty()) {
+    // A layer range that selects nothing is a mistake (a model of fewer layers), not a load.
+    auto described = (*loader)->Describe(*selection);
+    if (!described.ok()) return Failed(args.json, args.path, described.status());
+    if (described->outputs.empty()) {
+      return Failed(args.json, args.path,
+                    Status(Code::kInvalidArgument,
+                           "--layers " + args.layers + " selects no tensor of the checkpoint"));
+    }
+  }
   std::string explain;
   if (args.explain) {
     auto plan = (*loader)->MakePlan(*selection);
@@ -410,7 +420,7 @@ Command AddLoadCommand(CLI::App& parent) {
                 "Read one byte per page of every tensor; GB/s then counts that time too");
   app->add_option("--repeat", args->repeat,
                   "Load N times with the same loader (later runs reuse its buffers)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1u, 1000000u));
   app->add_option("--layers", args->layers, "Only layers N or A-B");
   app->add_flag("--allow-oversized", args->allow_oversized,
                 "Load a tensor larger than the budget in a batch of its own");

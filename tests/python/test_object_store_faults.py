@@ -5,6 +5,7 @@ s3://, nginx for http://): resets mid-body, stalls, 503 SlowDown, 500 InternalEr
 bodies, and objects overwritten mid-load. Every load ends byte-exact or with a clear error; a batch
 of a failed load is never handed out. Timeouts are short (object_timeout_ms 1500) so that stalls
 cost seconds, not minutes."""
+import contextlib
 import json
 import os
 import subprocess
@@ -331,27 +332,19 @@ def test_selected_tensors_transfer_their_bytes_only(stores):
                                     for f in stores.shards) / 2
 
 
-def test_a_listing_that_repeats_its_token_ends_with_an_error():
-    """A store whose ListObjectsV2 answers the same continuation token again would be asked for
-    the same page forever: the second time it is an error naming the listing."""
+@contextlib.contextmanager
+def answering(respond):
+    """An HTTP server on loopback whose every GET is answered by respond(path) -> (status,
+    {header: value}, body); yields its URL."""
     import http.server
     import threading
 
-    page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
-            b'<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>true</IsTruncated>'
-            b'<NextContinuationToken>again</NextContinuationToken><Contents>'
-            b'<Key>p/a.safetensors</Key><Size>16</Size></Contents></ListBucketResult>')
-    missing = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
-               b'<Message>no</Message></Error>')
-    lists = []
-
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body, status = (page, 200) if "list-type=2" in self.path else (missing, 404)
-            if status == 200:
-                lists.append(self.path)
+            status, headers, body = respond(self.path)
             self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -362,15 +355,34 @@ def test_a_listing_that_repeats_its_token_ends_with_an_error():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        opts = {"s3_endpoint": f"http://127.0.0.1:{server.server_address[1]}",
-                "s3_anonymous": "1", "object_retries": 0}
-        with pytest.raises(OSError, match="the same continuation token twice"):
-            tensorferry.Loader("s3://b/p", storage_options=opts)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
-    assert len(lists) == 2, lists
 
+
+def test_a_listing_that_repeats_its_token_ends_with_an_error():
+    """A store whose ListObjectsV2 answers the same continuation token again would be asked for
+    the same page forever: the second time it is an error naming the listing."""
+    page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
+            b'<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>true</IsTruncated>'
+            b'<NextContinuationToken>again</NextContinuationToken><Contents>'
+            b'<Key>p/a.safetensors</Key><Size>16</Size></Contents></ListBucketResult>')
+    missing = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+               b'<Message>no</Message></Error>')
+    lists = []
+
+    def respond(path):
+        if "list-type=2" not in path:
+            return 404, {"Content-Type": "application/xml"}, missing
+        lists.append(path)
+        return 200, {"Content-Type": "application/xml"}, page
+
+    with answering(respond) as url:
+        opts = {"s3_endpoint": url, "s3_anonymous": "1", "object_retries": 0}
+        with pytest.raises(OSError, match="the same continuation token twice"):
+            tensorferry.Loader("s3://b/p", storage_options=opts)
+    assert len(lists) == 2, lists
 
 def test_a_server_that_ignores_ranges_is_named_so(tmp_path):
     """Python's http.server answers every GET with the whole file (HTTP 200): the error says the
@@ -397,33 +409,12 @@ def test_a_server_that_ignores_ranges_is_named_so(tmp_path):
 def test_a_bucket_in_another_region_is_named_with_its_region():
     """S3 answers a request for a bucket of another region with 301 PermanentRedirect and the
     x-amz-bucket-region header: the error says where the bucket is and how to ask there."""
-    import http.server
-    import threading
-
     body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code>'
             b'<Message>The bucket you are attempting to access must be addressed using the '
             b'specified endpoint.</Message><Endpoint>b.s3.eu-west-1.amazonaws.com</Endpoint>'
             b'</Error>')
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(301)
-            self.send_header("x-amz-bucket-region", "eu-west-1")
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        opts = {"s3_endpoint": f"http://127.0.0.1:{server.server_address[1]}",
-                "s3_anonymous": "1", "object_retries": 0}
+    headers = {"x-amz-bucket-region": "eu-west-1", "Content-Type": "application/xml"}
+    with answering(lambda path: (301, headers, body)) as url:
+        opts = {"s3_endpoint": url, "s3_anonymous": "1", "object_retries": 0}
         with pytest.raises(OSError, match="the bucket is in region eu-west-1: set AWS_REGION"):
             tensorferry.Loader("s3://b/m.safetensors", storage_options=opts)
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -595,9 +595,19 @@ class Loader:
         if self._closed:
             return
         self._closed = True
-        for stream in list(self._streams):
-            stream.close()
-        self._reader.close()
+        # From another thread, an iteration may be starting: its stream exists a moment before
+        # it is listed here, and the reader refuses to close while it runs. Close what is listed
+        # and try again until the newcomer is listed too (it then stops at its next batch).
+        for attempt in range(1000):
+            for stream in list(self._streams):
+                stream.close()
+            try:
+                self._reader.close()
+                return
+            except InvalidArgumentError as e:
+                if "busy" not in str(e) or attempt == 999:
+                    raise
+                time.sleep(0.001)
 
     def __enter__(self):
         return self

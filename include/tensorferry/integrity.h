@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -193,6 +194,13 @@ Result<std::optional<FileChecksums>> ChecksumsForFile(const Checkpoint& ckpt, ui
 // file, tensor, chunk and byte ranges; the read errors of the file.
 Status VerifyFileChecksums(const Checkpoint& ckpt, uint32_t f, const FileChecksums& checksums,
                            unsigned threads = 1, uint64_t* bytes_verified = nullptr);
+// VerifyFileChecksums for every file of `ckpt` that has checksums (embedded, or in the sidecar
+// manifest beside a local checkpoint); a file without passes. `on_file` (optional) is told, per
+// file in order, where its checksums came from and the tensor bytes it verified. Errors: those of
+// ReadChecksumManifest, ChecksumsForFile and VerifyFileChecksums (the first file at fault).
+Status VerifyCheckpointChecksums(
+    const Checkpoint& ckpt, unsigned threads = 1,
+    const std::function<void(uint32_t f, ChecksumSource source, uint64_t bytes)>& on_file = {});
 
 // --- Hugging Face hub caches ------------------------------------------------------------------
 // SHA-256 of a whole file, as 64 lowercase hex digits (OpenSSL's EVP). Errors: kNotFound,

@@ -6,8 +6,10 @@
 // controller), where its hierarchy is mounted (/proc/self/mountinfo), and reads the limit of that
 // cgroup and of every ancestor up to the mount (v2 memory.max, v1 memory.limit_in_bytes; the
 // smallest applies) with what each uses (memory.current / memory.usage_in_bytes) and how much of
-// that is reclaimable file cache (memory.stat "file" / "total_cache"). With the machine's
-// MemAvailable (/proc/meminfo) that gives Available(): the bytes a load may still allocate.
+// that is reclaimable file cache (memory.stat "file" / "total_cache", less "shmem" /
+// "total_shmem": tmpfs pages, a checkpoint in /dev/shm, are charged as cache but stay). With the
+// machine's MemAvailable (/proc/meminfo) that gives Available(): the bytes a load may still
+// allocate.
 //
 // Used by the loader (a whole load of more tensor bytes than Available() fails before reading,
 // naming the limit; a streaming load with no budget gets one from it: loader.h), and by
@@ -28,7 +30,7 @@ struct MemoryLimit {
   // ancestors); 0 when no cgroup limits memory (or none could be read: `cgroup_error` says why).
   uint64_t cgroup_limit = 0;
   uint64_t cgroup_usage = 0;        // bytes charged to that cgroup now, page cache included
-  uint64_t cgroup_reclaimable = 0;  // of them, file cache the kernel can drop
+  uint64_t cgroup_reclaimable = 0;  // of them, file cache the kernel can drop (not shmem)
   std::string cgroup_file;          // the limit's file ("/sys/fs/cgroup/.../memory.max")
   std::string cgroup_version;       // "v2", "v1" or "" when no memory cgroup was found
   std::string cgroup_error;         // why the cgroup could not be read ("" when it could)

@@ -55,12 +55,14 @@ struct WriteOptions {
   // Env::Default(). Borrowed for the duration of the call.
   Env* env = nullptr;
   // Per-tensor checksums (integrity.h, docs/integrity.md) stored in each file's "__metadata__"
-  // under kChecksumsMetadataKey (replacing a value the caller passed under that key). The only
-  // difference from the reference's bytes is that metadata entry; turn off for byte-identical
-  // output. Spans are hashed before writing, their chunks on up to `checksum_threads` threads (0:
-  // the hardware's count, at most 8); generated tensors are hashed as they stream, and the header
-  // (same length, placeholder digests) is rewritten at the end with WritableFile::WriteAt, or,
-  // where the Env's files cannot, the generators are run twice (once to hash).
+  // under kChecksumsMetadataKey (replacing a value the caller passed under that key; off, such a
+  // value is dropped: a record the writer did not compute would describe other bytes, e.g. a
+  // file's metadata copied to a rewrite of its tensors). The only difference from the reference's
+  // bytes is that metadata entry; turn off for byte-identical output. Spans are hashed before
+  // writing, their chunks on up to `checksum_threads` threads (0: the hardware's count, at most 8);
+  // generated tensors are hashed as they stream, and the header (same length, placeholder digests)
+  // is rewritten at the end with WritableFile::WriteAt, or, where the Env's files cannot, the
+  // generators are run twice (once to hash).
   bool checksums = true;
   uint64_t checksum_chunk_size = 4u << 20;  // kDefaultChecksumChunkSize; >= 1024 and <= 1 GiB
   unsigned checksum_threads = 0;

@@ -960,8 +960,25 @@ Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
   return BuildHeader(tensors, sizes, all, sorted_metadata);
 }
 
+namespace {
+
+// The caller's metadata without a kChecksumsMetadataKey entry: the writer's own record replaces
+// it, and without checksums a record it did not compute would describe other bytes (a file's
+// metadata copied to a rewrite of its tensors), failing every later load.
+Metadata WithoutChecksumRecord(const Metadata& metadata) {
+  Metadata out;
+  out.reserve(metadata.size());
+  for (const auto& entry : metadata) {
+    if (entry.first != kChecksumsMetadataKey) out.push_back(entry);
+  }
+  return out;
+}
+
+}  // namespace
+
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
-                 const Metadata& metadata, const WriteOptions& options) {
+                 const Metadata& caller_metadata, const WriteOptions& options) {
+  const Metadata metadata = WithoutChecksumRecord(caller_metadata);
   TF_RETURN_IF_ERROR(CheckPathString(path, "output path"));
   TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));
   TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(metadata));
@@ -983,8 +1000,9 @@ Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors
 
 Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               std::span<const TensorToWrite> tensors,
-                                              const Metadata& metadata,
+                                              const Metadata& caller_metadata,
                                               const ShardOptions& options) {
+  const Metadata metadata = WithoutChecksumRecord(caller_metadata);
   TF_RETURN_IF_ERROR(CheckPathString(dir, "output directory"));
   TF_RETURN_IF_ERROR(CheckShardPrefix(options.prefix));
   TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));

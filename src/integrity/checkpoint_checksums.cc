@@ -187,6 +187,25 @@ Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& man
   return env->SyncDirectory(dir);
 }
 
+Status VerifyCheckpointChecksums(
+    const Checkpoint& ckpt, unsigned threads,
+    const std::function<void(uint32_t f, ChecksumSource source, uint64_t bytes)>& on_file) {
+  // A sidecar manifest applies to local checkpoints (an object store has no "beside").
+  std::optional<ChecksumManifest> manifest;
+  if (!ckpt.files().empty() && ckpt.files()[0].path.find("://") == std::string::npos) {
+    TF_ASSIGN_OR_RETURN(manifest, ReadChecksumManifest(ckpt));
+  }
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    ChecksumSource source = ChecksumSource::kNone;
+    TF_ASSIGN_OR_RETURN(const std::optional<FileChecksums> sums,
+                        ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source));
+    uint64_t bytes = 0;
+    if (sums) TF_RETURN_IF_ERROR(VerifyFileChecksums(ckpt, f, *sums, threads, &bytes));
+    if (on_file) on_file(f, source, bytes);
+  }
+  return Status::Ok();
+}
+
 std::string_view ChecksumSourceName(ChecksumSource source) noexcept {
   switch (source) {
     case ChecksumSource::kNone: return "none";

@@ -197,11 +197,19 @@ MemoryLimit ReadMemoryLimit(const std::string& root) {
       ReadValue(base + "/" + usage_name, &usage);
       std::string stat;
       if (ReadText(base + "/memory.stat", &stat)) {
+        // The page cache, less its shared-memory pages (tmpfs, /dev/shm, a memory-backed
+        // emptyDir holding a checkpoint): those are charged as cache but cannot be dropped.
+        uint64_t shmem = 0;
         if (v2) {
           ReadKey(stat, "file", &reclaimable);
-        } else if (!ReadKey(stat, "total_cache", &reclaimable)) {
+          ReadKey(stat, "shmem", &shmem);
+        } else if (ReadKey(stat, "total_cache", &reclaimable)) {
+          ReadKey(stat, "total_shmem", &shmem);
+        } else {
           ReadKey(stat, "cache", &reclaimable);
+          ReadKey(stat, "shmem", &shmem);
         }
+        reclaimable -= std::min(shmem, reclaimable);
       }
       reclaimable = std::min(reclaimable, usage);
       const uint64_t pinned = usage - reclaimable;

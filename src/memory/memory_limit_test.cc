@@ -74,6 +74,35 @@ TEST(MemoryLimit, CgroupV2TheTightestAncestorBinds) {
   EXPECT_EQ(m.Available(), 536870912u - 52428800u);
 }
 
+// Shared-memory pages (a checkpoint in /dev/shm or a memory-backed emptyDir) are charged as page
+// cache but cannot be dropped: not counted as reclaimable, v2 and v1.
+TEST(MemoryLimit, ShmemIsNotReclaimable) {
+  for (const bool v2 : {true, false}) {
+    FakeRoot r;
+    r.Write("/proc/meminfo", kMeminfo);
+    if (v2) {
+      r.Write("/proc/self/cgroup", "0::/pod\n");
+      r.Write("/proc/self/mountinfo", "40 30 0:40 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+      r.Write("/sys/fs/cgroup/pod/memory.max", "8589934592\n");
+      r.Write("/sys/fs/cgroup/pod/memory.current", "7516192768\n");
+      r.Write("/sys/fs/cgroup/pod/memory.stat",
+              "anon 536870912\nfile 6979321856\nshmem 6442450944\n");
+    } else {
+      r.Write("/proc/self/cgroup", "4:memory:/pod\n");
+      r.Write("/proc/self/mountinfo",
+              "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n");
+      r.Write("/sys/fs/cgroup/memory/pod/memory.limit_in_bytes", "8589934592\n");
+      r.Write("/sys/fs/cgroup/memory/pod/memory.usage_in_bytes", "7516192768\n");
+      r.Write("/sys/fs/cgroup/memory/pod/memory.stat",
+              "total_cache 6979321856\ntotal_rss 536870912\ntotal_shmem 6442450944\n");
+    }
+    const MemoryLimit m = ReadMemoryLimit(r.path());
+    EXPECT_EQ(m.cgroup_reclaimable, 6979321856u - 6442450944u) << v2;
+    // 8 GiB less the anonymous and shared pages: 1.5 GiB, not the 7.5 GB it once reported.
+    EXPECT_EQ(m.Available(), 8589934592u - (7516192768u - (6979321856u - 6442450944u))) << v2;
+  }
+}
+
 TEST(MemoryLimit, CgroupV2NamespacedContainerSeesItsCgroupAsTheRoot) {
   FakeRoot r;
   r.Write("/proc/meminfo", "MemAvailable: 1000 kB\n");  // the machine is tighter than the cgroup

@@ -1069,6 +1069,29 @@ TEST(CliChecksums, WritersEmbedThemAndVerifyAndLoadCheckThem) {
   EXPECT_EQ(off.exit_code, 0) << Describe(off);
 }
 
+// reshard writes new checksums over what it reads: a corrupt source is refused first (its own
+// checksums checked), never turned into a checkpoint that verifies.
+TEST(CliChecksums, ReshardRefusesACorruptSource) {
+  TempDir t;
+  const std::string src = t.Join("m");
+  GenTiny(src);
+  const std::string bad = CorruptLargestTensor(src);
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"reshard", src, t.Join("split"), "--max-shard-size", "100KB", "--no-sync"},
+           {"reshard", src, t.Join("tp"), "--tp", "2", "--no-sync"}}) {
+    const RunResult r = RunCli(args);
+    ExpectOneLineError(r);
+    EXPECT_NE(r.err.find("checksum mismatch"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(bad), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(args[2])) << args[2];
+  }
+  // Asked to, it copies what it reads.
+  EXPECT_EQ(RunCli({"reshard", src, t.Join("as-is"), "--max-shard-size", "100KB", "--no-sync",
+                    "--no-verify"})
+                .exit_code,
+            0);
+}
+
 TEST(CliChecksums, ManifestForThirdPartyFiles) {
   TempDir t;
   std::vector<std::byte> a(5000), b(300);

@@ -21,11 +21,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "commands.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
+#include "tensorferry/integrity.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/writer.h"
 
@@ -41,6 +43,7 @@ struct ReshardArgs {
   std::string rules;
   std::string max_shard_size;
   bool no_sync = false;
+  bool no_verify = false;
 };
 
 // The bytes of one tensor's slice, read on demand: `pieces` are (offset in the file, length), and
@@ -271,6 +274,15 @@ int RunReshard(const ReshardArgs& a) {
   if (!ckpt) return kExitError;
   std::vector<std::shared_ptr<const RandomAccessFile>> files;
   if (!OpenSourceFiles(*ckpt, files)) return kExitError;
+  // The writer computes new checksums over what it reads: a corrupt source would come out
+  // "verified". The source's own checksums (embedded, or its manifest) are checked first.
+  if (!a.no_verify) {
+    const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
+    if (Status s = VerifyCheckpointChecksums(*ckpt, threads); !s.ok()) {
+      PrintError(a.src, s);
+      return kExitError;
+    }
+  }
   Metadata base;
   if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
   if (a.tp == 0 && !CheckDstIsNotSource(a, *ckpt)) return kExitError;
@@ -306,6 +318,9 @@ Command AddReshardCommand(CLI::App& parent) {
   app->add_option("--max-shard-size", args->max_shard_size,
                   "Largest data size of one output file (default 5GB)");
   app->add_flag("--no-sync", args->no_sync, "Skip fsync (scratch output)");
+  app->add_flag("--no-verify", args->no_verify,
+                "Skip checking the source's checksums first (the output gets checksums of what "
+                "was read, whatever it is)");
   return {app, [args] { return RunReshard(*args); }};
 }
 

@@ -144,30 +144,21 @@ Status Verify(const std::string& path, VerifyResult& result) {
   result.tensor_bytes = ckpt.total_tensor_bytes();
   result.per_file.resize(ckpt.files().size());
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) result.per_file[f].path = ckpt.files()[f].path;
-  // A sidecar manifest applies to local checkpoints (an object store has no "beside").
-  std::optional<ChecksumManifest> manifest;
-  if (!ckpt.files().empty() && ckpt.files()[0].path.find("://") == std::string::npos) {
-    auto read = ReadChecksumManifest(ckpt);
-    if (!read.ok()) return read.status();
-    manifest = std::move(*read);
-  }
   std::vector<bool> hashed(ckpt.files().size(), false);
   if (Status s = CheckHubBlobs(ckpt, result.per_file, hashed); !s.ok()) return s;
+  if (Status s = VerifyCheckpointChecksums(ckpt, Threads(),
+                                           [&](uint32_t f, ChecksumSource source, uint64_t bytes) {
+                                             FileResult& r = result.per_file[f];
+                                             r.checksums = std::string(ChecksumSourceName(source));
+                                             r.checksum_bytes = bytes;
+                                             result.checksum_bytes += bytes;
+                                           });
+      !s.ok()) {
+    return s;
+  }
   std::vector<std::byte> buffer(kChunkSize);
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
     const FileInfo& info = ckpt.files()[f];
-    FileResult& file_result = result.per_file[f];
-    ChecksumSource source = ChecksumSource::kNone;
-    auto sums = ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source);
-    if (!sums.ok()) return sums.status();
-    file_result.checksums = std::string(ChecksumSourceName(source));
-    if (sums->has_value()) {
-      if (Status s = VerifyFileChecksums(ckpt, f, **sums, Threads(), &file_result.checksum_bytes);
-          !s.ok()) {
-        return s;
-      }
-      result.checksum_bytes += file_result.checksum_bytes;
-    }
     // The whole file is still read once (headers, padding, the size checks), unless its SHA-256
     // just did.
     if (!hashed[f]) {

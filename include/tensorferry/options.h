@@ -179,7 +179,8 @@ struct LoadOptions {
   uint64_t memory_limit = 0;
   // After each load, ask the kernel to drop the files it read from the page cache
   // (posix_fadvise DONTNEED; TENSORFERRY_DROP_CACHE), for servers that want that memory back.
-  // Not with the mmap engine, whose tensors are those pages (a mapped page is not dropped).
+  // Not with the mmap engine, whose tensors are those pages (a mapped page is not dropped): refused
+  // with Engine::kMmap; Engine::kAuto then reads (never maps, whatever prefer_mmap says).
   // Through SourceFile::DropFromPageCache: an object-store file drops its copy in the object
   // cache (a download in progress: when committed).
   bool drop_cache = false;

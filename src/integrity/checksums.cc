@@ -389,7 +389,9 @@ Result<std::optional<FileChecksums>> EmbeddedChecksums(
     std::span<const std::pair<std::string, std::string>> metadata, std::string_view source) {
   for (const auto& [key, value] : metadata) {
     if (key != kChecksumsMetadataKey) continue;
-    TF_ASSIGN_OR_RETURN(FileChecksums sums, ParseFileChecksums(value, source));
+    // Named as the metadata entry it is, so that it does not read like a broken header.
+    const std::string where = std::string(source) + ": __metadata__[" + json::Quote(key) + "]";
+    TF_ASSIGN_OR_RETURN(FileChecksums sums, ParseFileChecksums(value, where));
     return std::optional<FileChecksums>(std::move(sums));
   }
   return std::optional<FileChecksums>();

@@ -374,7 +374,8 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     impl->engine_reason = fs.slow + ": mmap page faults would wait for a round trip each; " +
                           std::string(EngineName(kind)) + " with " + std::to_string(in_flight) +
                           " reads of up to " + FormatBytes(impl->options.chunk_size) + " in flight";
-  } else if (options.prefer_mmap) {
+  } else if (options.prefer_mmap && !options.drop_cache) {
+    // (drop_cache wants the pages back after the load: mapped tensors are those pages.)
     kind = Engine::kMmap;
     impl->engine_reason = "local file system (prefer_mmap): the files are mapped";
   } else {
@@ -384,6 +385,9 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     kind = uring.ok() ? Engine::kIoUring : Engine::kPread;
     impl->engine_reason =
         uring.ok() ? "io_uring available" : "io_uring unavailable: " + uring.message();
+    if (options.prefer_mmap && options.drop_cache) {
+      impl->engine_reason += " (drop_cache: not mapped, so the pages can go after the load)";
+    }
   }
   impl->engine_kind = kind;
   if (kind == Engine::kIoUring) {

@@ -172,6 +172,18 @@ TEST(Loader, DropCacheEvictsTheFilesRead) {
   ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
   for (const Tensor& t : *tensors) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
   EXPECT_LT(*CachedFraction(path), 0.1);
+  // Automatic engine with prefer_mmap (the Python package's default): not mapped when the pages
+  // are to go, so they do go; an explicit mmap engine is refused.
+  ASSERT_TRUE(Loader::Open(f.dir.path(), LoadOptions{}).value()->Load().ok());  // cached again
+  LoadOptions automatic;
+  automatic.prefer_mmap = true;
+  automatic.drop_cache = true;
+  auto read = Loader::Open(f.dir.path(), automatic).value();
+  EXPECT_NE(read->stats().engine, "mmap") << read->stats().engine_reason;
+  ASSERT_TRUE(read->Load().ok());
+  EXPECT_LT(*CachedFraction(path), 0.1);
+  automatic.engine = Engine::kMmap;
+  EXPECT_EQ(Loader::Open(f.dir.path(), automatic).status().code(), Code::kInvalidArgument);
 }
 
 TEST(Loader, TensorsOutliveLoaderAndCheckpoint) {

@@ -153,25 +153,39 @@ TEST(LoaderVerify, OnRequiresChecksumsAutoLoadsFilesWithout) {
   EXPECT_EQ(with->verified_tensors, 3u);
 }
 
+// A file of `tensors` (their spans) whose metadata carries `record` as the checksum entry, as
+// another writer could make it (our writers put their own there).
+void WriteWithRecord(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                     const std::string& record) {
+  auto header = SerializeHeader(tensors, {{std::string(kChecksumsMetadataKey), record}});
+  ASSERT_TRUE(header.ok()) << header.status().ToString();
+  std::string bytes(8, '\0');
+  const uint64_t n = header->json.size();
+  std::memcpy(bytes.data(), &n, 8);
+  bytes += header->json;
+  for (size_t i : header->order) {
+    bytes.append(reinterpret_cast<const char*>(tensors[i].data.data()), tensors[i].data.size());
+  }
+  testing::WriteBytes(path, bytes);
+}
+
 TEST(LoaderVerify, UnknownAlgorithmIgnoredInAutoRefusedWhenOn) {
   VerifyFixture f;
   std::vector<TensorToWrite> tensors = {{"c", DType::kU8, {10}, f.c, nullptr}};
-  WriteOptions plain;
-  plain.checksums = false;
-  ASSERT_TRUE(WriteFile(f.path, tensors,
-                        {{std::string(kChecksumsMetadataKey),
-                          "{\"algorithm\":\"blake3\",\"chunk_size\":4096,\"tensors\":{}}"}},
-                        plain)
-                  .ok());
+  WriteWithRecord(f.path, tensors, "{\"algorithm\":\"blake3\",\"chunk_size\":4096,\"tensors\":{}}");
   auto autod = LoadWith(f.path, Engine::kPread, VerifyMode::kAuto);
   ASSERT_TRUE(autod.ok()) << autod.status().ToString();
   EXPECT_EQ(autod->verified_tensors, 0u);
   auto on = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
   EXPECT_EQ(on.status().code(), Code::kUnsupported);
   // A malformed record is an error even in auto mode (the header itself is damaged).
-  ASSERT_TRUE(WriteFile(f.path, tensors, {{std::string(kChecksumsMetadataKey), "{"}}, plain).ok());
-  EXPECT_EQ(LoadWith(f.path, Engine::kPread, VerifyMode::kAuto).status().code(),
-            Code::kChecksumsInvalid);
+  WriteWithRecord(f.path, tensors, "{");
+  const auto malformed = LoadWith(f.path, Engine::kPread, VerifyMode::kAuto);
+  EXPECT_EQ(malformed.status().code(), Code::kChecksumsInvalid);
+  // Named as the metadata entry it is, not as a broken header.
+  EXPECT_NE(malformed.status().message().find("__metadata__[\"tensorferry.checksums\"]"),
+            std::string::npos)
+      << malformed.status().ToString();
 }
 
 TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {

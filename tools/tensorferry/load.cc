@@ -266,8 +266,13 @@ std::string TextReport(const Report& r) {
     }
     text += ", " + FormatBytes(stats.verified_bytes);
     if (stats.verify_skipped_tensors > 0) {
-      text += " (" + Plural(stats.verify_skipped_tensors, "tensor") +
-              " not checkable: slices holding no whole chunk, or read to a device with GDS)";
+      // Why, as far as the load's settings tell: lazily mapped tensors (mmap without populate,
+      // verify auto), or slices holding no whole chunk and tensors read to a device with GDS.
+      const bool lazy = stats.engine == "mmap" && !o.populate;
+      text += " (" + Plural(stats.verify_skipped_tensors, "tensor") + " not checked: " +
+              (lazy ? "mapped lazily (mmap without --populate; --verify on checks them)"
+                    : "slices holding no whole chunk, or read to a device with GDS") +
+              ")";
     }
   }
   if (o.tensor_parallel) {

@@ -300,7 +300,7 @@ void PrintRunText(const Args& args, unsigned run, double wall, uint64_t total_re
   for (uint32_t r = 0; r < world; ++r) {
     std::printf(
         "  rank %u: %.3f s (reads %.3f s, exchange %.3f s), slices %s, read %s, sent %s, "
-        "received %s%s\n",
+        "received %s%s%s\n",
         r, static_cast<double>(columns[0][r]) / 1e6, static_cast<double>(columns[5][r]) / 1e6,
         static_cast<double>(columns[6][r]) / 1e6, FormatBytes(columns[1][r]).c_str(),
         FormatBytes(columns[2][r]).c_str(), FormatBytes(columns[3][r]).c_str(),
@@ -309,6 +309,9 @@ void PrintRunText(const Args& args, unsigned run, double wall, uint64_t total_re
             ? (", " + std::to_string(columns[10][r]) + " tensors exchanged, " +
                std::to_string(columns[11][r]) + " local")
                   .c_str()
+            : "",
+        args.checksum && args.mode != "full"
+            ? (", checksum " + cli::ChecksumHex(columns[9][r])).c_str()
             : "");
   }
 }

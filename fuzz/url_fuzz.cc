@@ -2,7 +2,9 @@
 // http(s):// path a user or an index gives), and the same bytes as an HTTP Content-Range header
 // value (HttpResponse::TotalSize / RangeStart: what a server sends back). Neither may crash, hang
 // or read outside the input. ParseObjectUrl errors name the URL; what it accepts can go in a
-// request line as is (no control characters or whitespace), reads back the same from its ToString,
+// request line as is (http(s): no control characters or whitespace; s3/gs: no control
+// characters and no "." or ".." key segment, the key being encoded), reads back the same from its
+// ToString,
 // and Join/Parent/PercentEncode keep their documented shapes. And the same bytes as an hf:// path
 // (ResolveHubPath against a cache that does not exist), and after the hub's address as a resolve
 // URL (HubFileOfUrl, whose answer names places in the hub cache: a folder and paths that cannot
@@ -69,13 +71,26 @@ void CheckUrl(std::string_view text) {
   }
   if (!tensorferry::objstore::IsObjectUrl(text)) std::abort();
   const std::string s = url->ToString();
-  if (!RequestLineSafe(s)) std::abort();
   if (tensorferry::objstore::IsBucketScheme(url->scheme)) {
+    // A bucket key may hold spaces (percent-encoded in the request), never a control character,
+    // nor a "." or ".." segment (a path step to libcurl and some servers).
+    for (char c : s) {
+      const auto b = static_cast<unsigned char>(c);
+      if (b < 0x20 || b == 0x7f) std::abort();
+    }
+    for (size_t start = 0; start <= url->key.size();) {
+      size_t end = url->key.find('/', start);
+      if (end == std::string::npos) end = url->key.size();
+      const std::string_view part = std::string_view(url->key).substr(start, end - start);
+      if (part == "." || part == "..") std::abort();
+      start = end + 1;
+    }
     const std::string_view prefix = url->scheme == Scheme::kS3 ? "s3://" : "gs://";
     if (s.rfind(prefix, 0) != 0) std::abort();
     if (url->bucket.empty() || url->bucket.size() > 255 || !url->origin.empty()) std::abort();
     if (!url->key.empty() && url->key[0] == '/') std::abort();
   } else {
+    if (!RequestLineSafe(s)) std::abort();
     const std::string_view prefix = url->scheme == Scheme::kHttp ? "http://" : "https://";
     if (url->origin.rfind(prefix, 0) != 0 || url->origin.size() == prefix.size() ||
         url->origin.back() == '/' || !url->bucket.empty()) {

@@ -883,6 +883,13 @@ TEST(CliReshard, RefusesToWriteOverItsOwnSource) {
     EXPECT_NE(r.err.find("source"), std::string::npos) << Describe(r);
     EXPECT_EQ(DirContents(src), before) << from << " -> " << to;
   }
+  // An error about the output names the output, not the source.
+  fs::create_directories(dir.Join("out/model.safetensors"));
+  const RunResult r =
+      RunCli({"reshard", src, dir.Join("out"), "--max-shard-size", "100KB", "--no-sync"});
+  ExpectOneLineError(r);
+  EXPECT_EQ(r.err.rfind("error: " + dir.Join("out/model.safetensors") + ": is a directory", 0), 0u)
+      << r.err;
 }
 
 TEST(CliGen, RewritingADirectoryRemovesTheOlderLayout) {

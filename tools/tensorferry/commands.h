@@ -68,6 +68,10 @@ Result<ShardSpec> ReadShardRules(const std::string& path);
 
 // Prints "error: <path>: <reason>" as exactly one line on stderr.
 void PrintError(std::string_view path, const Status& status);
+// Which of a command's source and output an error is about: the output when its message already
+// names it (or a file in or beside it: a temporary, a shard) and not the source, else the source.
+const std::string& SubjectOf(const Status& status, const std::string& source,
+                             const std::string& output);
 void PrintError(std::string_view text);
 
 // Writes `text` plus a newline to stdout and flushes; when stdout failed (e.g. EPIPE, a full

@@ -67,7 +67,7 @@ int RunConvert(const ConvertArgs& args) {
     status = verified.status();
   }
   // Errors about the output name the destination; the rest the source.
-  const std::string& error_path = report.ok() ? args.dst : args.src;
+  const std::string& error_path = report.ok() ? args.dst : SubjectOf(status, args.src, args.dst);
   const double gbps =
       report.ok() && seconds > 0 ? static_cast<double>(report->source_bytes) / seconds / 1e9 : 0;
 

@@ -233,7 +233,7 @@ bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
   auto paths = WriteRank(ckpt, files, spec, rank, world, partial, so, metadata);
   if (!paths.ok()) {
     if (a.tp > 0) fs::remove_all(partial, ec);
-    PrintError(a.src, paths.status());
+    PrintError(SubjectOf(paths.status(), a.src, a.dst), paths.status());
     return false;
   }
   std::vector<std::string> placed;

@@ -100,6 +100,13 @@ void PrintError(std::string_view text) {
   std::fflush(stderr);
 }
 
+const std::string& SubjectOf(const Status& status, const std::string& source,
+                             const std::string& output) {
+  const std::string message(status.message());
+  return ErrorText(output, status) == message && ErrorText(source, status) != message ? output
+                                                                                      : source;
+}
+
 void PrintError(std::string_view path, const Status& status) {
   PrintError(ErrorText(path, status));
 }

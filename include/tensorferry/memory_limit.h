@@ -43,6 +43,9 @@ struct MemoryLimit {
   // One line: "memory cgroup v1 limit 1.00 GiB (/sys/fs/cgroup/memory/x/memory.limit_in_bytes),
   // 210 MiB used; MemAvailable 20.1 GiB: 814 MiB available".
   std::string Describe() const;
+  // The host memory a load may fill when LoadOptions::memory_limit is 0 (the default): 3/4 of
+  // Available(); 0 (no check) when that is unknown.
+  uint64_t DefaultLoadLimit() const noexcept;
 };
 
 // Reads the limits as the file comment says. `root` prefixes every path read ("" for this

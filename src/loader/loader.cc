@@ -405,8 +405,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     std::string where = "the memory_limit option";
     if (limit == 0) {
       const MemoryLimit m = ReadMemoryLimit();
-      const uint64_t available = m.Available();
-      limit = available == UINT64_MAX ? 0 : available / 4 * 3;
+      limit = m.DefaultLoadLimit();
       where = "3/4 of what this process may use: " + m.Describe();
     }
     if (limit > 0 && impl->checkpoint->total_tensor_bytes() > limit) {

@@ -112,6 +112,11 @@ std::string Parent(const std::string& dir) {
 
 }  // namespace
 
+uint64_t MemoryLimit::DefaultLoadLimit() const noexcept {
+  const uint64_t available = Available();
+  return available == UINT64_MAX ? 0 : available / 4 * 3;
+}
+
 uint64_t MemoryLimit::Available() const noexcept {
   uint64_t available = mem_available > 0 ? mem_available : UINT64_MAX;
   if (cgroup_limit > 0) {

@@ -44,6 +44,21 @@ struct Engines {
   }
 };
 
+// The host memory a load without a budget may fill, as Loader::Open decides it: the
+// memory_limit setting (TENSORFERRY_MEMORY_LIMIT), else 3/4 of what this process may use.
+struct LoadLimit {
+  uint64_t bytes = 0;  // 0: no check (unknown, or "off")
+  std::string from;
+};
+LoadLimit LoadLimitOf(const MemoryLimit& m) {
+  const Result<LoadOptions> env = LoadOptions::FromEnvironment();
+  const uint64_t set = env.ok() ? env->memory_limit : 0;
+  if (set == UINT64_MAX) return {0, "TENSORFERRY_MEMORY_LIMIT=off"};
+  if (set > 0) return {set, "TENSORFERRY_MEMORY_LIMIT"};
+  const uint64_t bytes = m.DefaultLoadLimit();
+  return {bytes, bytes == 0 ? "unknown (no check)" : "3/4 of what this process may use"};
+}
+
 std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
   JsonOut j;
   j.BeginObject();
@@ -60,7 +75,16 @@ std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
   j.Field("cgroup_error", m.cgroup_error);
   j.Field("mem_total", m.mem_total);
   j.Field("mem_available", m.mem_available);
-  j.Field("available", m.Available() == UINT64_MAX ? uint64_t{0} : m.Available());
+  j.Key("available");  // null: neither the cgroup nor MemAvailable is known
+  if (m.Available() == UINT64_MAX) {
+    j.Raw("null");
+  } else {
+    j.Uint(m.Available());
+  }
+  // What a load without a budget may fill (LoadOptions::memory_limit), and from where.
+  const LoadLimit load = LoadLimitOf(m);
+  j.Field("load_memory_limit", load.bytes);
+  j.Field("load_memory_limit_from", load.from);
   j.EndObject();
   j.Field("cuda_available", r.cuda_usable());
   j.Key("runtime").BeginObject();
@@ -101,6 +125,10 @@ std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
 
 std::string Text(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
   std::string out = "host memory: " + m.Describe() + "\n";
+  const LoadLimit load = LoadLimitOf(m);
+  out += "loads without a budget may fill: " +
+         (load.bytes == 0 ? std::string("no limit") : FormatBytes(load.bytes)) + " (" + load.from +
+         ")\n";
   out += "reads: " + e.Describe() + "\n";
   if (r.runtime_loaded) {
     out += "CUDA runtime: " + r.runtime_path + " (runtime " + Version(r.runtime_version) +

@@ -22,6 +22,7 @@
 
 #include "cli_testing.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/memory_limit.h"
 #include "testing/test_util.h"
 
 namespace tensorferry {
@@ -55,6 +56,20 @@ TEST(DoctorCliTest, ReportsTheFakeDeviceAndGdsAsJson) {
             io_uring.ok() ? "" : io_uring.message());
   EXPECT_TRUE(EngineAvailable(Engine::kPread).ok());
   EXPECT_TRUE(EngineAvailable(Engine::kMmap).ok());
+  // What a load without a budget may fill: 3/4 of what this process may use, as Loader::Open.
+  const MemoryLimit m = ReadMemoryLimit();
+  EXPECT_EQ(doc["memory"]["load_memory_limit"].get_uint64().value(), m.DefaultLoadLimit());
+}
+
+TEST(DoctorCliTest, ReportsTheLoadMemoryLimitTheEnvironmentSets) {
+  const RunResult r = RunCli({"doctor", "--json"}, {{"TENSORFERRY_MEMORY_LIMIT", "100KB"}});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(r.out).get(doc), simdjson::SUCCESS) << r.out;
+  EXPECT_EQ(doc["memory"]["load_memory_limit"].get_uint64().value(), 100000u);
+  EXPECT_EQ(std::string(doc["memory"]["load_memory_limit_from"].get_string().value()),
+            "TENSORFERRY_MEMORY_LIMIT");
 }
 
 TEST(DoctorCliTest, SaysWhichRuntimeItTriedWhenNoneLoads) {

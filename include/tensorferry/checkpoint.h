@@ -17,8 +17,9 @@
 // backslash) always apply. The symlink check (each file's std::filesystem::weakly_canonical path
 // must lie inside the canonical directory of the index) needs the real file system, so it runs
 // only when OpenOptions::env is nullptr (the default Env). One exception keeps the Hugging Face hub
-// cache working: when the checkpoint directory is <repo>/snapshots/<rev>, a symlink resolving into
-// <repo>/blobs/ (that repository's own blobs, where the hub cache keeps the bytes) is accepted.
+// cache working: when the checkpoint directory is <repo>/snapshots/<rev> or a folder inside it
+// (diffusers' transformer/, hf://OWNER/NAME/SUBFOLDER), a symlink resolving into <repo>/blobs/
+// (that repository's own blobs, where the hub cache keeps the bytes) is accepted.
 //
 // Files: Open opens each file once, through OpenOptions::source (source.h), reads its header
 // through that open file, and keeps it: the Checkpoint owns its files, and every Loader made from

@@ -163,17 +163,29 @@ Result<std::string> ResolveHubPath(std::string_view hub_path, const std::string&
   std::optional<Candidate> chosen;
   std::string tried;
   const bool owner_has_revision = parts[0].find('@') != std::string_view::npos;
+  // A second part the hub would not allow in a repository id ("my model.safetensors" under an
+  // owner-less repository) is a file path when the cache holds that owner-less repository; else
+  // the id is refused as the hub would refuse it.
+  Status two_problem;
   if (parts.size() >= 2 && !owner_has_revision) {
-    TF_ASSIGN_OR_RETURN(Candidate two, candidate(2));
-    std::error_code ec;
-    if (fs::is_directory(fs::path(cache) / two.folder, ec)) chosen = two;
-    tried = two.folder;
+    Result<Candidate> two = candidate(2);
+    if (two.ok()) {
+      std::error_code ec;
+      if (fs::is_directory(fs::path(cache) / two->folder, ec)) chosen = *two;
+      tried = two->folder;
+    } else {
+      two_problem = two.status();
+    }
   }
   if (!chosen) {
-    TF_ASSIGN_OR_RETURN(Candidate one, candidate(1));
+    Result<Candidate> one_or = candidate(1);
+    if (!one_or.ok()) return two_problem.ok() ? one_or.status() : two_problem;
+    const Candidate& one = *one_or;
     std::error_code ec;
     if (fs::is_directory(fs::path(cache) / one.folder, ec)) {
       chosen = one;
+    } else if (!two_problem.ok()) {
+      return two_problem;  // not an owner-less repository in the cache either: the id is wrong
     } else {
       tried = tried.empty() ? one.folder : tried + " nor " + one.folder;
     }

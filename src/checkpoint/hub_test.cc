@@ -107,6 +107,16 @@ TEST_F(HubCacheTest, WhatIsNotCachedIsNotFoundSayingHowToFetchIt) {
   EXPECT_TRUE(Contains(r.status().message(), "does not hold a commit hash"));
 }
 
+// An owner-less repository's files may have names no repository id may (spaces, '+', "--").
+TEST_F(HubCacheTest, OwnerlessRepositoryFilesWithAnyName) {
+  for (const std::string name : {"my model+v2.safetensors", "model--v2.safetensors"}) {
+    WriteBytes(Snapshot("models--gpt2", kOld) + "/" + name, "x");
+    const Result<std::string> r = Resolve("hf://gpt2/" + name);
+    ASSERT_TRUE(r.ok()) << name << ": " << r.status().ToString();
+    EXPECT_EQ(*r, Snapshot("models--gpt2", kOld) + "/" + name);
+  }
+}
+
 TEST_F(HubCacheTest, MalformedPathsAreInvalid) {
   for (const char* bad :
        {"hf://", "hf:///", "hf://org//llama", "hf://org/ll--ama", "hf://org/..", "hf://org/llama@",
@@ -129,6 +139,13 @@ TEST_F(HubCacheTest, CheckpointOpenReadsTheSnapshot) {
   ASSERT_EQ((*cp)->files().size(), 1u);
   EXPECT_EQ((*cp)->files()[0].path, Snapshot("models--org--llama", kMain) + "/model.safetensors");
   EXPECT_NE((*cp)->Find("w"), nullptr);
+  // A checkpoint in a subfolder of the snapshot (diffusers' transformer/): its links reach the
+  // repository's blobs/ from one level deeper.
+  fs::create_symlink("../../../blobs/b1",
+                     Snapshot("models--org--llama", kMain) + "/sub/model.safetensors");
+  auto sub = Checkpoint::Open("hf://org/llama/sub");
+  ASSERT_TRUE(sub.ok()) << sub.status().ToString();
+  EXPECT_NE((*sub)->Find("w"), nullptr);
   const std::vector<std::string> files = {"hf://org/llama/model.safetensors"};
   cp = Checkpoint::OpenFiles(files);
   ASSERT_TRUE(cp.ok()) << cp.status().ToString();

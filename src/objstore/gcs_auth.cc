@@ -2,6 +2,7 @@
 #include "objstore/gcs_auth.h"
 
 #include <openssl/bio.h>
+#include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <simdjson.h>
@@ -149,17 +150,29 @@ Status ResolveCredentials(GcsConfig& c, const GcsRequest& r, const GetEnv& env,
     return Status::Ok();
   }
   c.s3.anonymous = true;  // no SigV4: a bearer token, or nothing
-  if (!r.token.empty()) {
+  // A given token goes into a header as is: trailing whitespace (a file read whole) is dropped,
+  // any other byte a header cannot hold is refused, naming where it came from (never the token).
+  const auto given = [&c](std::string token, const std::string& from) -> Status {
+    while (!token.empty() && (token.back() == '\n' || token.back() == '\r' || token.back() == ' ' ||
+                              token.back() == '\t')) {
+      token.pop_back();
+    }
+    for (char ch : token) {
+      if (static_cast<unsigned char>(ch) <= ' ' || static_cast<unsigned char>(ch) >= 127) {
+        return Status(Code::kInvalidArgument,
+                      "GCS token from " + from +
+                          ": it has a character not allowed in an HTTP header (a line break or "
+                          "space inside it?)");
+      }
+    }
     c.token_kind = GcsTokenKind::kStatic;
-    c.token = r.token;
-    c.s3.credentials_from = "options (token)";
+    c.token = std::move(token);
+    c.s3.credentials_from = from;
     return Status::Ok();
-  }
+  };
+  if (!r.token.empty()) return given(r.token, "options (token)");
   if (auto token = Env(env, "GOOGLE_OAUTH_ACCESS_TOKEN")) {
-    c.token_kind = GcsTokenKind::kStatic;
-    c.token = *token;
-    c.s3.credentials_from = "environment (GOOGLE_OAUTH_ACCESS_TOKEN)";
-    return Status::Ok();
+    return given(*token, "environment (GOOGLE_OAUTH_ACCESS_TOKEN)");
   }
   if (auto path = Env(env, "GOOGLE_APPLICATION_CREDENTIALS")) {
     Status s = ReadCredentialsFile(c, *path, "GOOGLE_APPLICATION_CREDENTIALS");
@@ -422,9 +435,20 @@ Result<std::string> SignRs256(std::string_view pem, std::string_view signing_inp
   std::unique_ptr<BIO, decltype(&BIO_free)> bio(
       BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free);
   if (bio == nullptr) return bad("out of memory");
+  // No passphrase is ever asked for: without a callback OpenSSL prompts on the terminal (a load
+  // would hang on "Enter PEM pass phrase:"); Google's key files are never encrypted.
+  pem_password_cb* no_passphrase = [](char*, int, int, void*) { return -1; };
   std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
-      PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr), &EVP_PKEY_free);
-  if (key == nullptr) return bad("not a PEM private key");
+      PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr), &EVP_PKEY_free);
+  if (key == nullptr) {
+    ERR_clear_error();  // the failure's queue is ours to empty, not the next OpenSSL user's
+    if (pem.find("ENCRYPTED") != std::string_view::npos) {
+      return bad(
+          "an encrypted (passphrase-protected) PEM key, which tensorferry does not "
+          "decrypt; Google's service-account key files hold a plain one");
+    }
+    return bad("not a PEM private key");
+  }
   if (EVP_PKEY_get_base_id(key.get()) != EVP_PKEY_RSA) return bad("not an RSA key");
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
   size_t length = 0;

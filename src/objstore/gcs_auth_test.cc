@@ -125,6 +125,17 @@ TEST_F(GcsConfigTest, ExplicitSettingsComeFirst) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->token, "env-token");
   EXPECT_EQ(c->s3.credentials_from, "environment (GOOGLE_OAUTH_ACCESS_TOKEN)");
+  // A token read from a file keeps its newline: dropped; a break inside it would add a header.
+  env_["GOOGLE_OAUTH_ACCESS_TOKEN"] = "ya29.file-token\n";
+  c = Resolve(r);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->token, "ya29.file-token");
+  env_["GOOGLE_OAUTH_ACCESS_TOKEN"] = "ya29.secret\nX-Injected: yes";
+  c = Resolve(r);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("GOOGLE_OAUTH_ACCESS_TOKEN"), std::string::npos);
+  EXPECT_EQ(c.status().message().find("secret"), std::string::npos) << "the token was printed";
 }
 
 TEST_F(GcsConfigTest, ApplicationDefaultCredentialsFiles) {
@@ -323,6 +334,20 @@ TEST(GcsJwt, KeysThatCannotSignAreNamed) {
   jwt = ServiceAccountAssertion(c, 1);
   ASSERT_FALSE(jwt.ok());
   EXPECT_NE(jwt.status().message().find("not an RSA key"), std::string::npos);
+  // An encrypted key: refused at once, never a passphrase prompt on the terminal.
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> rsa(EVP_RSA_gen(2048), &EVP_PKEY_free);
+  std::unique_ptr<BIO, decltype(&BIO_free)> enc(BIO_new(BIO_s_mem()), &BIO_free);
+  char pass[] = "secret";
+  ASSERT_EQ(PEM_write_bio_PrivateKey(enc.get(), rsa.get(), EVP_aes_256_cbc(),
+                                     reinterpret_cast<unsigned char*>(pass), 6, nullptr, nullptr),
+            1);
+  const long m = BIO_get_mem_data(enc.get(), &data);
+  c.private_key.assign(data, static_cast<size_t>(m));
+  jwt = ServiceAccountAssertion(c, 1);
+  ASSERT_FALSE(jwt.ok());
+  EXPECT_NE(jwt.status().message().find("an encrypted (passphrase-protected) PEM key"),
+            std::string::npos)
+      << jwt.status().ToString();
 }
 
 TEST(GcsTokens, TokenAnswersAreCheckedBeforeTheyGoIntoAHeader) {

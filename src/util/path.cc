@@ -23,12 +23,20 @@ bool IsInside(const fs::path& dir, const fs::path& child) {
   return c != child.end();
 }
 
-// The hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, each file a symlink to
-// <repo>/blobs/<hash>: a target inside that repository's own blobs/ is accepted.
+// The hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, or in a subfolder of
+// the snapshot (<revision>/transformer/<file>: diffusers' layout, hf://OWNER/NAME/SUBFOLDER), each
+// file a symlink to <repo>/blobs/<hash>: a target inside that repository's own blobs/ is
+// accepted, for a checkpoint folder at any depth below a revision.
 bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
-  const fs::path snapshots = canonical_dir.parent_path();
-  if (snapshots.filename() != "snapshots") return false;
-  return IsInside(snapshots.parent_path() / "blobs", target);
+  for (fs::path revision = canonical_dir; revision.has_relative_path();
+       revision = revision.parent_path()) {
+    const fs::path snapshots = revision.parent_path();
+    if (snapshots.filename() == "snapshots") {
+      return IsInside(snapshots.parent_path() / "blobs", target);
+    }
+    if (snapshots == revision) break;  // the root
+  }
+  return false;
 }
 
 }  // namespace

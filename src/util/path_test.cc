@@ -78,6 +78,18 @@ TEST(PathSafety, SymlinksStayInsideOrInTheRepositorysBlobs) {
   EXPECT_EQ(
       CheckContained(*notsnap, (repo / "notsnap" / "rev" / "hub").string(), "index", "f").code(),
       Code::kIndexPathEscape);
+
+  // A checkpoint in a subfolder of a snapshot (diffusers' transformer/, hf://OWNER/NAME/SUB):
+  // its links reach the same blobs/ from deeper; another repository's stay outside.
+  const fs::path sub = snapshot / "transformer" / "deeper";
+  fs::create_directories(sub);
+  fs::create_symlink("../../../../blobs/sha", sub / "hub");
+  fs::create_symlink("../../../../../models--c--d/blobs/sha", sub / "other_repo");
+  auto subdir = CanonicalDirectory(sub, "index");
+  ASSERT_TRUE(subdir.ok());
+  EXPECT_TRUE(CheckContained(*subdir, (sub / "hub").string(), "index", "file").ok());
+  EXPECT_EQ(CheckContained(*subdir, (sub / "other_repo").string(), "index", "f").code(),
+            Code::kIndexPathEscape);
 }
 
 }  // namespace

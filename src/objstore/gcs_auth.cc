@@ -312,12 +312,23 @@ Result<std::string> BearerTokens::Get() {
   std::lock_guard<std::mutex> lock(mu_);
   const auto now = std::chrono::steady_clock::now();
   if (!token_.empty() && now < refresh_at_) return token_;
-  TF_ASSIGN_OR_RETURN(auto fetched, Fetch());
+  Result<std::pair<std::string, std::chrono::seconds>> fetched = Fetch();
+  if (!fetched.ok()) {
+    // The refresh is early: while the token it would replace is still good, a token endpoint
+    // or metadata server that hiccups costs nothing (asked again in 10 s).
+    if (!token_.empty() && now < expires_at_) {
+      refresh_at_ = std::min(expires_at_, now + std::chrono::seconds(10));
+      return token_;
+    }
+    return fetched.status();
+  }
   ++fetches_;
-  token_ = std::move(fetched.first);
-  const std::chrono::seconds life = fetched.second;
-  // Refresh 5 minutes before expiry (at half-life for tokens shorter than 10 minutes).
+  token_ = std::move(fetched->first);
+  const std::chrono::seconds life = fetched->second;
+  // Refresh 5 minutes before expiry (at half-life for tokens shorter than 10 minutes); used
+  // until 30 s (a quarter of a shorter life) before its end if refreshing fails.
   refresh_at_ = now + std::max(life - std::chrono::seconds(300), life / 2);
+  expires_at_ = now + life - std::min<std::chrono::seconds>(std::chrono::seconds(30), life / 4);
   return token_;
 }
 

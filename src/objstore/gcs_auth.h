@@ -101,6 +101,7 @@ class BearerTokens {
   mutable std::mutex mu_;
   std::string token_;
   std::chrono::steady_clock::time_point refresh_at_{};
+  std::chrono::steady_clock::time_point expires_at_{};  // the token's own end (less a margin)
   uint64_t fetches_ = 0;
 };
 

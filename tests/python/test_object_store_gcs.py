@@ -61,6 +61,7 @@ class OAuthServer:
         self.expires_in = expires_in
         self.lock = threading.Lock()
         self.issued, self.revoked = [], set()
+        self.failing = False  # the metadata server answers 500 (an outage) while set
         self.grants = []  # (kind, ok) per token request
         key = os.path.join(workdir, "sa-key.pem")
         subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt",
@@ -90,6 +91,10 @@ class OAuthServer:
                     return self._answer(404, {"error": "not_found"})
                 if self.headers.get("Metadata-Flavor") != "Google":
                     return self._answer(403, {"error": "Missing Metadata-Flavor:Google header"})
+                if server.failing:
+                    with server.lock:
+                        server.grants.append(("metadata", False))
+                    return self._answer(500, {"error": "internal", "error_description": "down"})
                 self._answer(200, server.issue("metadata"))
 
             def do_POST(self):
@@ -340,6 +345,20 @@ def test_metadata_server(gate, oauth, seaweed, uploaded, monkeypatch):
     got = load(public_url(seaweed), s3_endpoint=gate.url)
     assert_same(got, local_tensors(uploaded))
     assert oauth.grants == [("metadata", True)]
+
+
+def test_a_failed_early_refresh_keeps_the_token_that_is_still_good(gate, oauth, seaweed,
+                                                                     uploaded, monkeypatch):
+    """Tokens are refreshed before they expire (here: 8 s tokens, refreshed from 4 s); a metadata
+    server that fails then costs nothing while the token in hand is still good."""
+    import time
+    oauth.expires_in = 8
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{oauth.port}")
+    assert_same(load(public_url(seaweed), s3_endpoint=gate.url), local_tensors(uploaded))
+    oauth.failing = True
+    time.sleep(4.5)
+    assert_same(load(public_url(seaweed), s3_endpoint=gate.url), local_tensors(uploaded))
+    assert oauth.grants[0] == ("metadata", True) and ("metadata", False) in oauth.grants
 
 
 def test_a_refused_token_is_replaced_mid_load(gate, oauth, seaweed, uploaded, monkeypatch):

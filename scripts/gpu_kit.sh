@@ -41,6 +41,7 @@ KIT_DEBS=(libsimdjson-dev libsimdjson14
           libcli11-dev
           libcurl4-openssl-dev
           libgtest-dev
+          libfuse3-dev libfuse3-3
           pkgconf-bin libpkgconf3)
 # Peers that the GPU machine does not have (its Python packages: /work/.library/device/KINDS.md),
 # and transformers at our pin (the machine has 5.17; bench/model_bench.py and

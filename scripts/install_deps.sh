@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(cmake ninja-build g++ clang libclang-rt-14-dev clang-format
               libsimdjson-dev libzip-dev pkg-config time libcli11-dev libgtest-dev googletest liburing-dev
               libxxhash-dev libssl-dev  # integrity checksums: XXH3 (header-only), SHA-256 of hub-cache blobs
-              python3-venv fio openssl  # openssl: keys and JWT checks of the GCS credential tests
+              python3-venv python3-dev fio openssl  # python3-dev: Python.h, for the package's module;
+                                                    # openssl: keys and JWT checks of the GCS tests
               libcurl4-openssl-dev nginx-light  # object storage: libcurl (loaded at run time), the HTTP test server
               openmpi-bin libopenmpi-dev  # MPI: tensorferry::mpi, tensorferry-mpi, the mpi tests
               fuse3 libfuse3-dev)  # tf_slowfs: the slow file system of the file-system tests and benchmark

@@ -11,8 +11,13 @@ scripts/build.sh release
 scripts/install_python.sh   # the tensorferry Python package into .venv (skipped when current)
 tf=build/release/bin/tensorferry
 out=${1:-data/default}
-if [ -f "$out/model.safetensors.index.json" ] && "$tf" verify "$out" >/dev/null 2>&1; then
+if [ -e "$out" ] && "$tf" verify "$out" >/dev/null 2>&1; then
   echo "[run] $out already holds a valid checkpoint; not regenerating"
+elif [ -e "$out" ] && [ "$out" != data/default ]; then
+  # Only the default folder is ours to replace: a directory the caller named is never deleted.
+  echo "[run] $out exists but is not a checkpoint that verifies; give a new directory (gen writes" \
+       "the default checkpoint there) or a valid checkpoint" >&2
+  exit 1
 else
   rm -rf "$out"
   "$tf" gen "$out"

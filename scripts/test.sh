@@ -36,21 +36,21 @@ scripts/format.sh --check
 stage "release build"
 scripts/build.sh release
 stage "release tests"
-ctest --test-dir build/release --output-on-failure -j 2
+ctest --test-dir build/release --output-on-failure -j 2 --timeout 300
 
 stage "ASan+UBSan build"
 scripts/build.sh asan
 stage "ASan+UBSan tests"
 # (the mpi tests run Open MPI, whose own allocations LeakSanitizer would report: release build only)
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --test-dir build/asan --output-on-failure -j 2 -LE 'python|mpi'
+  ctest --test-dir build/asan --output-on-failure -j 2 --timeout 300 -LE 'python|mpi'
 
 stage "ThreadSanitizer build"
 scripts/build.sh tsan
 stage "ThreadSanitizer tests"
 # the concurrent parts: engine, memory, loader, device pipeline, tensor-parallel loads, in-process
 # collectives, checks as bytes land, the object cache's downloads beside its readers
-TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/scripts/tsan.supp" ctest --test-dir build/tsan --output-on-failure -j 2 -LE 'python|mpi' \
+TSAN_OPTIONS="halt_on_error=1 suppressions='$PWD/scripts/tsan.supp'" ctest --test-dir build/tsan --output-on-failure -j 2 --timeout 300 -LE 'python|mpi' \
   -R 'Loader|Engine|Pread|Buffer|Budget|Residen|Device|Cuda|Staging|Collective|Cooperative|TensorParallelLoad|LandingCheck|ObjectCache'
 
 stage "fuzz build"

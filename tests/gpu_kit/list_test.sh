@@ -6,9 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 listing=$(scripts/gpu_kit.sh --list)
-# The -dev packages named in install_deps.sh's APT_PACKAGES array.
-deps=$(sed -n '/^APT_PACKAGES=(/,/)/p' scripts/install_deps.sh | sed 's/#.*//' | tr ' ()' '\n\n\n' |
-       grep -E -- '-dev$' | grep -v -E '^(libopenmpi-dev|libclang-rt-.*)$' || true)
+# The -dev packages named in install_deps.sh's APT_PACKAGES array (read whole: comments dropped
+# before the array's closing parenthesis is looked for); python3-dev is the GPU machine's own.
+deps=$(sed 's/#.*//' scripts/install_deps.sh | sed -n '/^APT_PACKAGES=(/,/)/p' |
+       tr ' ()' '\n\n\n' | grep -E -- '-dev$' |
+       grep -v -E '^(libopenmpi-dev|libclang-rt-.*|python3-dev)$' || true)
 [ -n "$deps" ] || { echo "FAIL: no -dev packages found in scripts/install_deps.sh"; exit 1; }
 failed=0
 for p in $deps; do

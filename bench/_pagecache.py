@@ -1,8 +1,10 @@
 """The page cache of the Python benchmarks: how much of some files is cached (mincore), evicting
-them (posix_fadvise(POSIX_FADV_DONTNEED), and as root drop_caches when that left more than 1%
-cached), warming them (reading them through)."""
+them (fdatasync, then posix_fadvise(POSIX_FADV_DONTNEED), and as root drop_caches when that left
+more than 1% cached), warming them (reading them through), and whether they are on a file system
+whose pages cannot be evicted (tmpfs, ramfs: the pages are the files)."""
 import ctypes
 import os
+import re
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -38,10 +40,17 @@ def cached_fraction(paths, empty=1.0):
 
 
 def evict(paths, empty=1.0):
-    """Evicts the files from the page cache; returns the fraction still cached."""
+    """Evicts the files from the page cache; returns the fraction still cached (check it: pages
+    of a file on tmpfs cannot be evicted)."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            # Dirty pages (a checkpoint just written, `gen --no-sync`) are not dropped by
+            # DONTNEED: written back first, they are.
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                pass  # a file system without fsync (some FUSE ones): nothing to write back
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -63,3 +72,37 @@ def warm(paths, empty=1.0, unless_cached=False):
                 while f.read(16 << 20):
                     pass
     return cached_fraction(paths, empty)
+
+
+UNEVICTABLE = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path):
+    """The type of the file system holding `path` ("ext4", "tmpfs", ...; "" when unknown), from
+    /proc/self/mounts: the mount point that is the longest prefix of its real path."""
+    real = os.path.realpath(path)
+    best, kind = -1, ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                # Spaces and the like are octal escapes in /proc/self/mounts ("\040").
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= best:  # the later of equal ones is on top
+                    best, kind = len(point), fields[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def unevictable(paths):
+    """The first of `paths` on a file system whose pages cannot be evicted (tmpfs, ramfs), with
+    its type, as (path, type); None when there is none."""
+    for path in paths:
+        kind = filesystem_type(path)
+        if kind in UNEVICTABLE:
+            return path, kind
+    return None

@@ -9,7 +9,12 @@ alternate within each round; the median, min and max over --runs rounds are repo
   .venv/bin/python bench/host_bench.py data/default --runs 5 [--cold] [--json out.json]
 
 Peers: safetensors.torch.load_file, fastsafetensors (CPU, nogds), runai-model-streamer (CPU).
-tensorferry: the CLI's `load` (engine auto and mmap) with --touch.
+tensorferry: the CLI's `load` (engine auto and mmap) with --touch, timed as its `open_seconds +
+wall_seconds` (Loader::Open, i.e. the index and every shard header, included, as every peer's clock
+includes its own open).
+--cold evicts the files (bench/_pagecache.py: fdatasync, POSIX_FADV_DONTNEED) before every load
+and checks with mincore what is left: a row whose loads found more than 1% still cached is marked
+with a warning (the table and the JSON); on tmpfs nothing can be evicted, which it says.
 """
 import argparse
 import json
@@ -17,9 +22,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _pagecache  # noqa: E402
 CLI = os.environ.get("TENSORFERRY_CLI", os.path.join(ROOT, "build/release/bin/tensorferry"))
 
 # Each peer: code run in a subprocess with FILES (list of paths) defined; it sets N (tensors) and
@@ -92,16 +98,6 @@ def shard_files(path):
     return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
 
 
-def evict(files):
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def warm(files):
     for f in files:
         with open(f, "rb") as fh:
@@ -126,14 +122,23 @@ def run_tensorferry(path, engine):
     if r.returncode != 0:
         return {"error": r.stderr.strip()}
     d = json.loads(r.stdout)
-    return {"seconds": d["wall_seconds"], "tensors": d["tensors"], "bytes": d["bytes"],
+    # The whole load, open included (a CLI without open_seconds: wall_seconds alone).
+    seconds = d.get("open_seconds", 0.0) + d["wall_seconds"]
+    return {"seconds": seconds, "tensors": d["tensors"], "bytes": d["bytes"],
             "peak_rss_bytes": d["peak_rss_bytes"] - d["rss_before_bytes"]}
+
+
+def positive_int(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=positive_int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the files before every load")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of the peers")
     ap.add_argument("--json", help="also write the results here")
@@ -146,22 +151,39 @@ def main():
             loaders.append((p, lambda p=p: run_peer(p, files)))
     results = {name: [] for name, _ in loaders}
     errors = {}
+    left = {name: [] for name, _ in loaders}  # cold: the fraction cached after each eviction
+    # tmpfs (ramfs): the pages are the files, nothing can be evicted.
+    stuck = _pagecache.unevictable(files) if args.cold else None
     if not args.cold:
         warm(files)
     for _ in range(args.runs):
         for name, fn in loaders:
             if args.cold:
-                evict(files)
+                # evict() as root would drop every cache of the machine, in vain, on tmpfs
+                left[name].append(_pagecache.cached_fraction(files, 0.0) if stuck else
+                                  _pagecache.evict(files, empty=0.0))
             r = fn()
             if "error" in r:
                 errors[name] = r["error"]
                 continue
             results[name].append(r)
     mode = "cold" if args.cold else "warm"
+    warnings = {}
+    if stuck:
+        print(f"warning: --cold, but {stuck[0]} is on {stuck[1]}: eviction is impossible there "
+              "(the pages are the file), every load below read from memory, not storage")
+    for name, fractions in left.items():
+        if fractions and max(fractions) > 0.01:
+            warnings[name] = (f"{max(fractions):.0%} of the files still cached after eviction "
+                              f"({sum(f > 0.01 for f in fractions)} of {len(fractions)} loads "
+                              "over 1%): not a cold read" +
+                              (f" ({stuck[1]}: eviction is impossible there)" if stuck else ""))
     rows = []
-    print(f"| loader ({mode}, {len(files)} files) | GB/s median (min-max) | tensors/s median | peak RSS added |")
+    print(f"| loader ({mode}, {len(files)} files) | GB/s median (min-max) | tensors/s median | "
+          "peak RSS added |")
     print("|---|---|---|---|")
     for name, rs in results.items():
+        mark = " (warning: not cold, see below)" if name in warnings else ""
         if not rs:
             print(f"| {name} | could not run: {errors.get(name, '?')} | | |")
             rows.append({"loader": name, "error": errors.get(name)})
@@ -169,10 +191,17 @@ def main():
         gbps = [r["bytes"] / r["seconds"] / 1e9 for r in rs]
         tps = [r["tensors"] / r["seconds"] for r in rs]
         rss = max(r["peak_rss_bytes"] for r in rs)
-        print(f"| {name} | {statistics.median(gbps):.2f} ({min(gbps):.2f}-{max(gbps):.2f}) | "
+        print(f"| {name}{mark} | {statistics.median(gbps):.2f} ({min(gbps):.2f}-{max(gbps):.2f}) | "
               f"{statistics.median(tps):,.0f} | {rss / 1e9:.2f} GB |")
-        rows.append({"loader": name, "mode": mode, "gb_per_s": gbps, "tensors_per_s": tps,
-                     "peak_rss_bytes": rss, "tensors": rs[0]["tensors"], "bytes": rs[0]["bytes"]})
+        row = {"loader": name, "mode": mode, "gb_per_s": gbps, "tensors_per_s": tps,
+               "peak_rss_bytes": rss, "tensors": rs[0]["tensors"], "bytes": rs[0]["bytes"]}
+        if args.cold:
+            row["cached_after_evict"] = left[name]
+        if name in warnings:
+            row["warning"] = warnings[name]
+        rows.append(row)
+    for name, why in warnings.items():
+        print(f"warning: {name}: {why}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

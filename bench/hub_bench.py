@@ -26,7 +26,10 @@ signed CDN link (nginx). The checkpoint is bench/object_store_bench.py's (genera
                                command again, reading that cache (the cache is emptied after)
   ... --object-hub-cache 0     the same streamed, nothing kept
   CLI before                   (with --cli-before PATH) another build of the CLI, the same way
-Timed inside each child (imports and process start excluded; the CLIs: their own `seconds`);
+Timed inside each child, opening included (imports and process start excluded; the CLIs:
+open_seconds + wall_seconds - checksum_seconds, i.e. Loader::Open's index and shard-header reads
+included as the Loader's and hf_hub_download's clocks include them, and the CRC32C pass its
+checksum comparison needs left out as the others' CRCs are; curl: its process's wall time);
 peak RSS is the child's VmHWM (the CLIs' own `peak_rss_bytes`); "resolver" is the requests the
 hub's resolver (and its API) answered during the run.
 Every load's tensors are compared (CRC32 of each tensor's bytes; the CLIs: their checksum against
@@ -167,6 +170,8 @@ def main():
                     out = {"seconds": r["wall"], "peak_rss_bytes": r["peak_rss"]}
                 else:
                     out = json.loads([ln for ln in r["stdout"].splitlines() if ln.strip()][-1])
+                    if "wall_seconds" in out:  # a CLI's `load --json`: its whole load, open too
+                        out["seconds"] = osb.cli_seconds(out)
                 if argv[0] == "curl":
                     pass  # bytes to nowhere: nothing to compare
                 elif "crc" in out:

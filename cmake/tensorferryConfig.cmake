@@ -14,3 +14,11 @@ if(EXISTS "${CMAKE_CURRENT_LIST_DIR}/tensorferryConvertTargets.cmake")
     include("${CMAKE_CURRENT_LIST_DIR}/tensorferryConvertTargets.cmake")
   endif()
 endif()
+# tensorferry::mpi (the cooperative loader's collective over MPI), when it was built and
+# installed: it needs an MPI, which consumers of the core library alone do not.
+if(EXISTS "${CMAKE_CURRENT_LIST_DIR}/tensorferryMpiTargets.cmake")
+  find_package(MPI QUIET COMPONENTS CXX)
+  if(MPI_CXX_FOUND)
+    include("${CMAKE_CURRENT_LIST_DIR}/tensorferryMpiTargets.cmake")
+  endif()
+endif()

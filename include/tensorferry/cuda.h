@@ -8,7 +8,8 @@
 // process; the outcome of that first attempt, failure included, is kept.
 //
 // Nothing here mentions a CUDA type, and neither call changes the calling thread's current CUDA
-// device.
+// device (other calls of the library leave it changed only where restoring it would create a
+// context on a GPU that has none: docs/gpu.md, "Which GPUs get a context").
 //
 // Thread-safety: both functions may be called from several threads at once.
 #pragma once

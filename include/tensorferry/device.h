@@ -53,7 +53,10 @@ std::string_view GdsModeName(GdsMode mode) noexcept;  // "auto", "on", "off"
 Result<GdsMode> ParseGdsMode(std::string_view name);  // errors: kInvalidArgument
 
 // Copies `dst.size()` bytes from `src` on `device` to host memory `dst` (a synchronous
-// cudaMemcpy through the process's CUDA runtime; the caller's current device is left unchanged).
+// cudaMemcpy through the process's CUDA runtime; the caller's current device is left unchanged,
+// unless it is one whose primary context does not exist yet, e.g. device 0 of a thread that never
+// chose one: then `device` stays current rather than a context being made on the other GPU;
+// docs/gpu.md, "Which GPUs get a context").
 // For a kCPU device it is a memcpy. Errors: those of loading the runtime (kCudaNotFound, ...),
 // kCudaNoDevice, kCudaError naming the address and size.
 Status CopyToHost(Device device, const void* src, std::span<std::byte> dst);

@@ -51,8 +51,9 @@
 // padding alone, and the peak device memory of a streamed load is at most device_budget whatever
 // the size of the shard files. LoadStats::peak_device_bytes is that peak for the last load.
 //
-// Errors name file, tensor and byte offset. A failed batch releases its memory and hands no tensor
-// of it to the caller.
+// Errors name the file and byte offset, and the tensor where one is at fault (checksums, shapes;
+// a failed read names the file range, not the tensors it held). A failed batch releases its
+// memory and hands no tensor of it to the caller.
 //
 // Thread-safety: a Loader may be used from one thread at a time (an open BatchIterator counts as
 // a use); different Loaders may run concurrently. Describe and MakePlan are const and pure.
@@ -211,8 +212,10 @@ class Loader;
 // with the same budgets, errors and statistics. While the caller handles the batch Next returned,
 // the next batch is read ahead on a helper thread when its memory fits its budget then, or for
 // host batches as soon as the caller drops earlier batches (double buffering, as Stream).
-// Lifetime: borrows its Loader, which must outlive it; destroying it (or moving from it) waits for
-// the read ahead in flight and abandons the rest of the load (tensors handed out stay valid).
+// Lifetime: borrows its Loader, which must outlive it; destroying it waits for the read ahead in
+// flight and abandons the rest of the load (tensors handed out stay valid). Moving hands the load
+// to the target (assigning onto an iterator first abandons that one's load); a moved-from
+// iterator's Next returns std::nullopt.
 // Thread-safety: one thread at a time; while it exists, the Loader may not start another load
 // (Stream, Load, LoadInto, Iterate) and must not be used from another thread except to set
 // LoadOptions::cancel (the batch being read stops within a chunk per worker; Next returns

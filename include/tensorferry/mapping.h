@@ -39,7 +39,8 @@ struct MappingStats {
 MappingStats GetMappingStats();
 
 // Ok, or kUnexpectedEof naming the file and the first vanished offset if a mapped file shrank
-// under its tensors since the last call that reported it (each fault event is reported once).
+// under its tensors since the last call that reported it (each fault event is reported once);
+// kIoError when the file still covers the page that could not be read (an I/O error).
 Status CheckMappedFiles();
 
 // Whether mappings made from now on take read leases (default: on). Off, only the loud-failure

@@ -172,7 +172,9 @@ Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir);
 // `max_bytes` (0: removes every entry), skipping entries another process holds locked (filling
 // or evicting them); also removes what downloads that ended without finishing left in tmp/. Safe
 // while other processes load from the cache: an entry they opened stays readable to them. Returns
-// the entries removed. Errors: those of ListObjectCache.
+// the entries removed. Errors: those of ListObjectCache; kIoError when more than `max_bytes` is
+// left because an entry could not be removed (its lock or file refused: no permission, no locks/
+// folder), naming the file and the reason (entries removed before stay removed).
 Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, uint64_t max_bytes);
 
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").

@@ -93,10 +93,12 @@ struct CooperativeOptions {
 };
 
 // How bytes get from the files into memory.
-//   kAuto:    kIoUring where the kernel allows it, else kPread; kMmap instead when
-//             LoadOptions::prefer_mmap and every file is on a local file system. Files on a
-//             network (NFS, SMB, Lustre, GPFS, Ceph, 9p, ...) or user-space (FUSE, virtiofs)
-//             file system, or on an overlay of one, are never mapped by kAuto: a page-cache miss
+//   kAuto:    kIoUring where the kernel allows it and its rings can be made (one per worker:
+//             a low descriptor limit may refuse them), else kPread (engine_reason says why);
+//             kMmap instead when LoadOptions::prefer_mmap and every file is on a local file
+//             system (each file's own, through symbolic links). Files on a network (NFS, SMB,
+//             Lustre, GPFS, Ceph, 9p, ...) or user-space (FUSE, virtiofs) file system, or on an
+//             overlay of one, are never mapped by kAuto: a page-cache miss
 //             there is a synchronous round trip per readahead window, and large reads with many
 //             in flight are several times faster (docs/benchmarks.md, "Slow file systems"). On
 //             those file systems kAuto also keeps more reads in flight (kSlowFsInFlight: io_uring

@@ -81,6 +81,11 @@ struct BufferMove {
   uint64_t from = 0;
   uint64_t to = 0;
   uint64_t length = 0;
+  // `count` moves of `length` bytes, the i-th from `from + i * from_stride` to `to + i *
+  // to_stride`, in order (the rows of a strided slice: one entry, not one per row).
+  uint64_t count = 1;
+  uint64_t from_stride = 0;
+  uint64_t to_stride = 0;
 };
 
 // Read `length` bytes of file `file` at `file_offset` into the batch buffer at `buffer_offset`.
@@ -98,7 +103,7 @@ struct PlanBatch {
   uint64_t tensor_bytes = 0;           // sum of the tensors' (local) sizes: bytes delivered
   uint64_t read_bytes = 0;             // bytes the tasks read (tensor_bytes plus covered gaps)
   uint64_t buffer_size = 0;       // bytes of the destination buffer (alignment padding included)
-  std::optional<uint32_t> layer;  // with DeliveryOrder::kLayer: the batch's layer, if any
+  std::optional<uint64_t> layer;  // with DeliveryOrder::kLayer: the batch's layer, if any
 };
 
 struct Plan {

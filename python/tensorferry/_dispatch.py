@@ -3,6 +3,8 @@ parameter and buffer allocated once on its target device in its target dtype and
 read straight into it (docs/models.md).
 
 The order of the work:
+  0. the model's own tie declarations (tie_weights), so that the placement below sees tied
+     tensors as one;
   1. the device map: accelerate's own placement (get_balanced_memory, infer_auto_device_map) for
      "auto", "balanced", "balanced_low_0" and "sequential"; a dict as given; one device for all;
   2. the model's tensors grouped by identity (tied parameters are one group, read once), matched
@@ -25,6 +27,7 @@ import torch
 from . import _core
 from ._loader import Loader
 from ._safe_open import is_url
+from ._shard import shard_spec, tensor_slice
 
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -132,6 +135,16 @@ def _model_groups(model):
     return groups, transient
 
 
+def _local_shape(fw, name, torch_dtype, shape, rank, world, spec):
+    """The torch shape rank `rank` of `world` holds of a model tensor `name` of full torch
+    shape `shape` under `spec` (tensor_slice, the loader's rules)."""
+    st_dtype = fw.st_dtype(torch_dtype)
+    if st_dtype is None:  # no safetensors type: sliced as bytes of its size (same shape)
+        st_dtype = {1: "U8", 2: "U16", 4: "U32", 8: "U64"}.get(torch_dtype.itemsize, "U8")
+    piece = tensor_slice(name, st_dtype, fw.file_shape(st_dtype, shape), rank, world, spec)
+    return tuple(fw.shape(st_dtype, piece.shape, name))
+
+
 def _target_dtype(model_dtype, file_dtype, dtype):
     """accelerate's rule (set_module_tensor_to_device): without `dtype` every value takes the
     model tensor's dtype, as torch's load_state_dict does; with it, values stored as integers or
@@ -192,7 +205,8 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     model has and the files lack are an error naming them unless init_missing initialises them (a
     callable(name, tensor) filling the tensor in place, or "init_fn"/"reset_parameters": that
     method of the owning module, called before the reads). tp_rank/tp_size/shard_rules: every
-    tensor is allocated at the rank-local shape of its slice and only this rank's bytes are read.
+    tensor is allocated at the rank-local shape of its slice (init_missing's too, unless the
+    model holds rank-local shapes already) and only this rank's bytes are read.
     budget: bytes of batch buffers held at once by the converting reads (the reads into the model
     need none). offload_folder: disk offload is not supported (an error names it)."""
     if offload_folder is not None:
@@ -200,6 +214,14 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             "offload_folder: disk offload is not supported by "
             "tensorferry.torch.load_checkpoint_and_dispatch yet")
     dtype = _as_dtype(dtype)
+    # The model's own tie declarations (transformers' tie_weights; init_empty_weights unties
+    # what a constructor tied), before the device map and before tensors are grouped by
+    # identity: accelerate's placement counts a tied tensor once and puts its names on one
+    # device only when they are one object (its infer_auto_device_map warns "Please use the
+    # `tie_weights` method before"; transformers' from_pretrained maps a model already tied).
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
     resolved, dispatch_map = _resolve_device_map(model, device_map, max_memory,
                                                  no_split_module_classes, dtype)
     tp = tp_rank is not None or tp_size is not None
@@ -212,16 +234,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     with Loader(checkpoint, **loader_kw) as probe:
         described = {o.name: o for o in probe._describe()}
         fw = probe._fw
-        # The stored tensors' shapes: with tensor parallelism, the model may hold the full shape
-        # (built from its config) or already the rank-local one (described).
-        full_shapes = {o.name: tuple(probe._reader.info(o.stored).shape)
+        # The stored tensors' header shapes: with tensor parallelism, the model may hold the full
+        # shape (built from its config) or already the rank-local one (described).
+        full_shapes = {o.name: probe._reader.info(o.stored).shape
                        for o in described.values()} if tp else {}
 
-    # The model's own tie declarations (transformers' tie_weights; init_empty_weights unties
-    # what a constructor tied), before tensors are grouped by identity.
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):
-        tie()
     groups, transient = _model_groups(model)
     model_names = {n for g in groups for n in g.names}
     missing, present = [], []
@@ -251,22 +268,29 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     # Allocate, checking shapes (the rank-local ones with tensor parallelism). Host tensors that
     # keep the file's dtype are not allocated: they become views of the file's mapping below
     # (copy-on-write, so they stay writable), as safetensors' and accelerate's are.
+    # Shapes are torch's (fw.shape): a header's F4 shape counts 4-bit values, torch's
+    # float4_e2m1fn_x2 packed pairs.
     cpu = torch.device("cpu")
     mappable = not tp and not is_url(os.fspath(checkpoint))
     mapped = []
+    held_full = held_local = False  # with tensor parallelism: which shapes the model holds
     for g in present:
         o = described[g.source]
         g.file_dtype = fw.dtype(o.dtype, g.source)
-        shape = tuple(o.shape)
+        shape = tuple(fw.shape(o.dtype, o.shape, g.source))
         if not tp and tuple(g.tensor.shape) != shape:
             raise _core.InvalidArgumentError(
                 f"size mismatch for {g.source}: the checkpoint has shape {list(shape)}, the model "
                 f"{list(g.tensor.shape)}")
-        if tp and tuple(g.tensor.shape) not in (full_shapes[g.source], shape):
-            raise _core.InvalidArgumentError(
-                f"size mismatch for {g.source}: the checkpoint has shape "
-                f"{list(full_shapes[g.source])} (rank {tp_rank}'s slice {list(shape)}), the model "
-                f"{list(g.tensor.shape)}")
+        if tp:
+            full = tuple(fw.shape(o.dtype, full_shapes[g.source], g.source))
+            if tuple(g.tensor.shape) not in (full, shape):
+                raise _core.InvalidArgumentError(
+                    f"size mismatch for {g.source}: the checkpoint has shape {list(full)} "
+                    f"(rank {tp_rank}'s slice {list(shape)}), the model {list(g.tensor.shape)}")
+            if full != shape:
+                held_full = held_full or tuple(g.tensor.shape) == full
+                held_local = held_local or tuple(g.tensor.shape) == shape
         want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
         if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
                 and tuple(g.tensor.shape) == shape and g.tensor.is_contiguous()):
@@ -278,9 +302,17 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             mapped.append(g)
             continue
         g.target = torch.empty(shape, dtype=want, device=device_of(g))
+    # The tensors the files lack, at the model's shape; with tensor parallelism, at the
+    # rank-local shape of their slice under the shard rules (as a stored tensor of that name
+    # would be read), unless the model already holds the rank-local shapes of the tensors read.
+    slice_missing = tp and missing and not (held_local and not held_full)
+    spec = shard_spec(shard_rules) if slice_missing else None
     for g in missing:
         want = dtype if (dtype is not None and g.tensor.dtype.is_floating_point) else g.tensor.dtype
-        g.target = torch.empty(tuple(g.tensor.shape), dtype=want, device=device_of(g))
+        shape = tuple(g.tensor.shape)
+        if slice_missing:
+            shape = _local_shape(fw, g.names[0], g.tensor.dtype, shape, tp_rank, tp_size, spec)
+        g.target = torch.empty(shape, dtype=want, device=device_of(g))
 
     # Into the model: every name of a group gets the same object; a parameter keeps its class
     # (a subclass of torch.nn.Parameter), as accelerate keeps it.

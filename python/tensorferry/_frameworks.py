@@ -180,10 +180,20 @@ class _Torch(_Framework):
     def empty_for(self, outputs, device):
         """{name: uninitialised tensor on `device`} for the core's Output descriptions (a
         Reader's or Loader's describe()), in their order: destinations for load_into, allocated
-        by torch (its caching allocator on a GPU). UnsupportedDTypeError naming the tensor."""
+        by torch (its caching allocator on a GPU), at torch's shape of each (shape(): an F4
+        header counts 4-bit values, float4_e2m1fn_x2 packed pairs). UnsupportedDTypeError naming
+        the tensor."""
         torch = self.torch
-        return {o.name: torch.empty(tuple(o.shape), dtype=self.dtype(o.dtype, o.name),
-                                    device=device) for o in outputs}
+        return {o.name: torch.empty(tuple(self.shape(o.dtype, o.shape, o.name)),
+                                    dtype=self.dtype(o.dtype, o.name), device=device)
+                for o in outputs}
+
+    def st_dtype(self, dtype):
+        """The safetensors dtype name of a torch dtype, or None when none has it."""
+        for st_dtype, attr in _TORCH_NAMES.items():
+            if getattr(self.torch, attr, None) == dtype:
+                return st_dtype
+        return None
 
     def own(self, result, base):
         """`result` (base[index]) as a contiguous tensor that does not keep more than its own

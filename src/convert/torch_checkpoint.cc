@@ -850,18 +850,51 @@ Status TorchCheckpoint::Impl::ReadStorage(uint32_t storage, uint64_t offset,
   return ReadFully(*f.file, locations[storage].offset + offset, out);
 }
 
-// Gathers a strided (or byte-swapped) view from a cached copy of the storage bytes it spans.
+// Gathers a strided (or byte-swapped) view. A view whose storage span is at most twice its bytes
+// plus kDenseSlack (transposes, permutes, every other column) is gathered from a copy of that
+// span held while the tensor is written; a sparser one (a diagonal, or two elements at the ends
+// of a huge storage) element by element through a window of at most kSparseWindow bytes, so
+// memory never follows the span.
 Status TorchCheckpoint::Impl::ReadStrided(size_t index, uint64_t offset,
                                           std::span<std::byte> out) const {
+  constexpr uint64_t kDenseSlack = uint64_t{64} << 20;
+  constexpr uint64_t kSparseWindow = uint64_t{64} << 10;
   const TorchTensor& t = tensors[index];
   const uint64_t elem = DTypeBits(t.dtype) / 8;
   const size_t rank = t.shape.size();
-  if (span_tensor != index) {
-    // Byte range of the storage the view touches: [offset, last element + 1).
-    uint64_t last = t.storage_offset;
-    for (size_t i = 0; i < rank; ++i) last += (t.shape[i] - 1) * t.stride[i];
-    const uint64_t begin = t.storage_offset * elem;
-    const uint64_t end = (last + 1) * elem;
+  // Byte range of the storage the view touches: [begin, last element + 1).
+  uint64_t last = t.storage_offset;
+  for (size_t i = 0; i < rank; ++i) last += (t.shape[i] - 1) * t.stride[i];
+  const uint64_t begin = t.storage_offset * elem;
+  const uint64_t end = (last + 1) * elem;
+  const bool dense = end - begin <= 2 * t.byte_size + kDenseSlack;
+  if (!dense && span_tensor != index) {
+    // Element by element, a compressed entry is inflated again from its start whenever the walk
+    // moves backwards: refused unless the walk only moves forwards (strides in row-major order).
+    const OpenFile& f = open_files[storages[t.storage].file];
+    const StorageLocation& loc = locations[t.storage];
+    if (f.zip && f.zip->entries()[loc.zip_entry].method != 0) {
+      uint64_t after = 1;  // elements spanned by the dimensions after i
+      for (size_t i = rank; i-- > 0;) {
+        if (t.shape[i] == 1) continue;
+        if (t.stride[i] < after) {
+          return Status(Code::kTorchBadTensor,
+                        files[storages[t.storage].file].path + ": tensor " + json::Quote(t.name) +
+                            ": a sparse view (" + std::to_string(t.byte_size) + " bytes over " +
+                            std::to_string(end - begin) +
+                            " bytes of its storage) whose elements are not in storage order, "
+                            "of a compressed zip entry; save the checkpoint uncompressed "
+                            "(torch.save does) or save a contiguous copy of the tensor");
+        }
+        after += (t.shape[i] - 1) * t.stride[i];
+      }
+    }
+    span_tensor = index;  // the window: [span_begin, + span.size())
+    span_begin = begin;
+    span.clear();
+    span.shrink_to_fit();
+  }
+  if (dense && span_tensor != index) {
     span_tensor = SIZE_MAX;
     span.clear();
     span.shrink_to_fit();
@@ -870,6 +903,19 @@ Status TorchCheckpoint::Impl::ReadStrided(size_t index, uint64_t offset,
     span_begin = begin;
     span_tensor = index;
   }
+  // The bytes of the element at storage byte `pos`, in the span or in a refilled window.
+  auto element = [&](uint64_t pos) -> Result<const std::byte*> {
+    if (pos < span_begin || pos + elem > span_begin + span.size()) {
+      span.resize(static_cast<size_t>(std::min(kSparseWindow, end - pos)));
+      span_begin = pos;
+      if (Status s = ReadStorage(t.storage, pos, span); !s.ok()) {
+        span_tensor = SIZE_MAX;
+        span.clear();
+        return s;
+      }
+    }
+    return span.data() + (pos - span_begin);
+  };
   const bool swap = open_files[storages[t.storage].file].big_endian;
   const uint64_t unit = t.dtype == DType::kC64 ? 4 : elem;  // complex: two floats
   // Walk elements from the one holding `offset`, with a row-major multi-index.
@@ -888,7 +934,7 @@ Status TorchCheckpoint::Impl::ReadStrided(size_t index, uint64_t offset,
   while (done < out.size()) {
     uint64_t pos = t.storage_offset;
     for (size_t i = 0; i < rank; ++i) pos += idx[i] * t.stride[i];
-    const std::byte* src = span.data() + (pos * elem - span_begin);
+    TF_ASSIGN_OR_RETURN(const std::byte* src, element(pos * elem));
     std::memcpy(tmp, src, elem);
     if (swap) {
       for (uint64_t u = 0; u < elem; u += unit) std::reverse(tmp + u, tmp + u + unit);

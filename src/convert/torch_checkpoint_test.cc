@@ -125,6 +125,61 @@ TEST(TorchCheckpoint, ZipArchive) {
   EXPECT_EQ(f.pickle_size, ModelPickle(false).size());
 }
 
+// Views using a small part of a large storage are gathered through a small window, not a copy
+// of the span (a 2-element view of a huge storage must not allocate the storage); a compressed
+// entry is read so only when the view's walk moves forwards.
+TEST(TorchCheckpoint, SparseViewsReadThroughAWindow) {
+  constexpr int64_t kNumel = 20 << 20;  // 80 MiB of floats: more than the 64 MiB dense slack
+  // Zeros (quick to deflate) but for the elements the views read, which hold their position.
+  std::vector<float> values(kNumel);
+  for (int64_t i : std::vector<int64_t>{1, 5, 8, 11, 18000005, 18000008, 18000011, kNumel - 1}) {
+    values[i] = static_cast<float>(i);
+  }
+  const std::string storage = F32Bytes(values);
+  auto expect = [&](std::initializer_list<int64_t> positions) {
+    std::vector<float> v;
+    for (int64_t p : positions) v.push_back(static_cast<float>(p));
+    return F32Bytes(v);
+  };
+  PickleBuilder p;
+  p.Proto(2).EmptyDict().Mark();
+  p.Str("ends").Tensor("FloatStorage", "0", kNumel, 1, {2}, {kNumel - 2});
+  p.Str("grid").Tensor("FloatStorage", "0", kNumel, 5, {2, 3}, {18000000, 3});
+  p.Str("grid_t").Tensor("FloatStorage", "0", kNumel, 5, {3, 2}, {3, 18000000});
+  p.SetItems().Stop();
+  const std::string want_ends = expect({1, kNumel - 1});
+  const std::string want_grid = expect({5, 8, 11, 18000005, 18000008, 18000011});
+  const std::string want_grid_t = expect({5, 18000005, 8, 18000008, 11, 18000011});
+
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(p.bytes(), {{"0", storage}}));
+  auto c = OpenIn(env, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(ReadAllOf(**c, "ends"), want_ends);
+  EXPECT_EQ(ReadAllOf(**c, "grid"), want_grid);
+  EXPECT_EQ(ReadAllOf(**c, "grid_t"), want_grid_t);
+  EXPECT_EQ(ReadAllOf(**c, "grid_t", 1000), want_grid_t);
+
+  testing::TempDir tmp;
+  testing::WriteDeflatedZip(tmp.Join("d.pt"), {{"archive/data.pkl", p.bytes()},
+                                               {"archive/byteorder", "little"},
+                                               {"archive/data/0", storage},
+                                               {"archive/version", "3\n"}});
+  TorchOpenOptions options;
+  auto d = TorchCheckpoint::Open(tmp.Join("d.pt"), options);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(ReadAllOf(**d, "ends", 1000), want_ends);
+  EXPECT_EQ(ReadAllOf(**d, "grid", 1000), want_grid);
+  const TorchTensor* t = (*d)->Find("grid_t");
+  ASSERT_NE(t, nullptr);
+  std::string out(static_cast<size_t>(t->byte_size), '\0');
+  const Status s =
+      (*d)->ReadTensor(static_cast<size_t>(t - (*d)->tensors().data()), 0,
+                       std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+  EXPECT_TRUE(Fails(s, Code::kTorchBadTensor, "d.pt: tensor \"grid_t\": a sparse view (24 bytes"));
+  EXPECT_TRUE(Fails(s, Code::kTorchBadTensor, "not in storage order, of a compressed zip entry"));
+}
+
 TEST(TorchCheckpoint, LegacyFile) {
   MemoryEnv env;
   env.AddFile("m.pt", MakeLegacy(ModelPickle(true).bytes(), {{"1", 3, kB}, {"0", 6, kW}}));

@@ -28,6 +28,10 @@ std::string Runtime::ErrorText(Error error) const {
 
 Status Runtime::Check(Error error, std::string_view what, Code code) const {
   if (error == kSuccess) return Status::Ok();
+  // The failed call also left its error in the calling thread's last-error slot, which the
+  // caller's own next check (torch's after every kernel launch) would blame on its own work:
+  // the error is reported here, so clear it (a sticky error stays, as it must).
+  api_.cudaGetLastError();
   return Status(code, std::string(what) + ": " + ErrorText(error));
 }
 

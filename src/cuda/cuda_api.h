@@ -124,7 +124,8 @@ class Runtime {
 
   // "cudaErrorMemoryAllocation: out of memory" (name and description from the runtime).
   std::string ErrorText(Error error) const;
-  // OK for kSuccess; otherwise Status(code, "<what>: <ErrorText(error)>").
+  // OK for kSuccess; otherwise Status(code, "<what>: <ErrorText(error)>"), and the calling
+  // thread's last error (cudaGetLastError) is cleared: call it on the thread that made the call.
   Status Check(Error error, std::string_view what, Code code = Code::kCudaError) const;
 
   // Number of devices. Errors: kCudaNoDevice with the reason (the cudaGetDeviceCount error, e.g.

@@ -230,6 +230,10 @@ TEST_F(FakeCudaRuntimeTest, InjectedFaultsAndAccounting) {
             kSuccess);
   EXPECT_EQ(api().cudaMemcpyAsync(dev, pinned->data(), 4096, kMemcpyHostToDevice, stream->get()),
             999);
+  // A failure reported through Runtime::Check leaves no last error behind for the caller's own
+  // next check to trip over.
+  EXPECT_FALSE(runtime_->Check(999, "copy").ok());
+  EXPECT_EQ(api().cudaGetLastError(), kSuccess);
   ASSERT_EQ(api().cudaEventRecord(event->get(), stream->get()), kSuccess);
   EXPECT_EQ(api().cudaEventSynchronize(event->get()), 700);
   EXPECT_EQ(api().cudaStreamSynchronize(stream->get()), 700);

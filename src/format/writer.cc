@@ -383,12 +383,15 @@ Result<TempFile> WriteTemp(const std::string& path, uint64_t size, const WriteOp
   return temp;
 }
 
+Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options);
+
 // Writes `path` atomically: WriteTemp, then a rename over `path` and an fsync of its directory.
 template <typename Body>
 Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& options,
                    Body&& body) {
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));
   Env* env = EnvOf(options);
+  TF_RETURN_IF_ERROR(ForgetInManifest(env, path, options));
   TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), path).WithPrefix(path));
   temp.Release();
   // After the rename the new file is in place; a failure here only means its directory entry may
@@ -440,11 +443,7 @@ struct ChecksummedFile {
 
 // The file's header with `sums` as the kChecksumsMetadataKey entry (replacing the caller's).
 Result<SerializedHeader> HeaderWithChecksums(const ChecksummedFile& file) {
-  Metadata metadata;
-  metadata.reserve(file.metadata->size() + 1);
-  for (const auto& entry : *file.metadata) {
-    if (entry.first != kChecksumsMetadataKey) metadata.push_back(entry);
-  }
+  Metadata metadata = *file.metadata;  // without a record of its own (WithoutChecksumRecord)
   metadata.emplace_back(std::string(kChecksumsMetadataKey), SerializeFileChecksums(file.sums));
   TF_ASSIGN_OR_RETURN(const auto sorted, SortedMetadata(metadata));
   return BuildHeader(file.tensors, file.sizes, file.members, sorted);
@@ -573,11 +572,16 @@ std::string IndexJson(std::span<const TensorToWrite> tensors,
   return out;
 }
 
+// `name` inside `dir` ("" being the current directory).
+std::string JoinDir(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : (std::filesystem::path(dir) / name).string();
+}
+
 // The whole text of the file `name` in `dir`, unless it is missing, unreadable or larger than
 // `limit` bytes.
 std::optional<std::string> ReadSmallFile(Env* env, const std::string& dir, const std::string& name,
                                          uint64_t limit) {
-  const std::string path = dir.empty() ? name : (std::filesystem::path(dir) / name).string();
+  const std::string path = JoinDir(dir, name);
   auto file = env->OpenRandomAccess(path);
   if (!file.ok()) return std::nullopt;
   auto size = (*file)->Size();
@@ -602,6 +606,35 @@ bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::s
     if (manifest->files.count(n) != 0) return true;
   }
   return false;
+}
+
+// A sidecar checksum manifest beside `path` (integrity.h) that records the file about to be
+// replaced loses that entry first (the manifest goes when it was the only one): a digest of the
+// old bytes would fail every later check of the new file that carries no checksums of its own.
+// Done before the rename, so that a crash between the two leaves the old file without an entry,
+// never the new one with the old file's. A manifest that cannot be read or parsed is left as is.
+Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options) {
+  const std::filesystem::path target(path);
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
+  const std::string name = target.filename().string();
+  const std::optional<std::string> text =
+      ReadSmallFile(env, dir, std::string(kChecksumManifestName), uint64_t{256} << 20);
+  if (!text) return Status::Ok();
+  auto manifest = ParseChecksumManifest(*text, kChecksumManifestName);
+  if (!manifest.ok() || manifest->files.erase(name) == 0) return Status::Ok();
+  const std::string manifest_path = JoinDir(dir, std::string(kChecksumManifestName));
+  if (manifest->files.empty()) {
+    return env->RemoveFile(manifest_path).WithPrefix(manifest_path);
+  }
+  const std::string rewritten = SerializeChecksumManifest(*manifest);
+  TF_ASSIGN_OR_RETURN(
+      TempFile temp, WriteTemp(manifest_path, rewritten.size(), options, [&](FileSink& sink) {
+        return sink.Append(
+            std::as_bytes(std::span<const char>(rewritten.data(), rewritten.size())));
+      }));
+  TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), manifest_path).WithPrefix(manifest_path));
+  temp.Release();
+  return Status::Ok();
 }
 
 // The file names (in `dir`) of the layout with this prefix already there: the single-file name,
@@ -845,11 +878,6 @@ std::vector<std::string> ShardNames(const std::string& prefix, size_t n) {
     names[s] = prefix + "-" + index + "-of-" + count + ".safetensors";
   }
   return names;
-}
-
-// `name` inside `dir` ("" being the current directory).
-std::string JoinDir(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : (std::filesystem::path(dir) / name).string();
 }
 
 // Writes every shard to a temporary file beside its name in `dir`; room is kept for the index.

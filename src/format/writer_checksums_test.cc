@@ -2,6 +2,7 @@
 // the reference's bytes except that one metadata entry, and streamed (generated) tensors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -190,6 +191,51 @@ TEST(WriterChecksums, AManifestOfTheReplacedCheckpointGoesWithIt) {
   testing::WriteBytes(sidecar, SerializeChecksumManifest(other));
   ASSERT_TRUE(WriteSharded(dir.path(), tensors, {}, options).ok());
   EXPECT_TRUE(fs::exists(sidecar));
+}
+
+// A single file written over one a shared manifest records: that entry goes (before the file
+// is replaced), the other files' stay; the last entry takes the manifest with it.
+TEST(WriterChecksums, ASingleFileRewriteDropsItsManifestEntry) {
+  namespace fs = std::filesystem;
+  TempDir dir;
+  const auto a = Pattern(5000, 1);
+  const std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr}};
+  WriteOptions options;
+  options.checksums = false;
+  ChecksumManifest shared;
+  shared.chunk_size = 2048;
+  for (const char* name : {"one.safetensors", "two.safetensors"}) {
+    ASSERT_TRUE(WriteFile(dir.Join(name), tensors, {}, options).ok());
+    auto ckpt = Checkpoint::Open(dir.Join(name));
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    auto manifest = ComputeChecksumManifest(**ckpt, 2048, 1);
+    ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+    shared.files.merge(manifest->files);
+  }
+  ASSERT_EQ(shared.files.size(), 2u);
+  const auto b = Pattern(5000, 2);  // the rewrites hold other bytes: the digests are stale
+  const std::vector<TensorToWrite> rewrite = {{"a", DType::kU8, {5000}, b, nullptr}};
+  const std::string sidecar = dir.Join(std::string(kChecksumManifestName));
+  testing::WriteBytes(sidecar, SerializeChecksumManifest(shared));
+
+  ASSERT_TRUE(WriteFile(dir.Join("one.safetensors"), rewrite, {}, options).ok());
+  auto left = ParseChecksumManifest(ReadBytes(sidecar));
+  ASSERT_TRUE(left.ok()) << left.status().ToString();
+  EXPECT_EQ(left->files.count("one.safetensors"), 0u);
+  EXPECT_EQ(left->files.count("two.safetensors"), 1u);
+  EXPECT_EQ(left->chunk_size, 2048u);
+  auto one = Checkpoint::Open(dir.Join("one.safetensors"));
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_TRUE(VerifyCheckpointChecksums(**one, 1).ok());
+
+  ASSERT_TRUE(WriteFile(dir.Join("two.safetensors"), rewrite, {}, options).ok());
+  EXPECT_FALSE(fs::exists(sidecar));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"one.safetensors", "two.safetensors"}));
 }
 
 TEST(WriterChecksums, BadChunkSizeRefusedBeforeWriting) {

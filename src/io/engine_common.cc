@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "util/macros.h"
 
@@ -15,6 +16,22 @@ namespace tensorferry::io {
 
 std::string ErrnoText(int err) {
   return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
+
+bool TransientRetry::Again(int err) {
+  if (err == EINTR) {
+    if (intr_ >= kMaxIntr) return false;
+    ++intr_;
+    return true;
+  }
+  if (err != EAGAIN) return false;  // EWOULDBLOCK is EAGAIN on Linux
+  if (again_ >= kMaxAgain) return false;
+  std::this_thread::sleep_for(AgainBackoff(++again_));
+  return true;
+}
+
+std::chrono::microseconds TransientRetry::AgainBackoff(unsigned retry) noexcept {
+  return std::chrono::microseconds(std::min<uint64_t>(uint64_t{100} * retry, 10'000));
 }
 
 unsigned OnlineCpus() {
@@ -135,13 +152,14 @@ Status ReadBuffered(const RandomAccessFile& file, uint64_t offset, std::span<std
 Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<std::byte> dst,
                   EngineCounters& counters) {
   size_t done = 0;
+  TransientRetry retry;
   while (done < dst.size()) {
     const ssize_t n =
         ::pread(fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
     counters.read_calls.fetch_add(1, std::memory_order_relaxed);
     if (n < 0) {
       const int err = errno;
-      if (err == EINTR) continue;
+      if (retry.Again(err)) continue;
       if (err == EINVAL && done == 0) {
         return Status(Code::kUnsupported, path + ": O_DIRECT read refused (EINVAL)");
       }
@@ -156,6 +174,7 @@ Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<st
                                               std::to_string(offset) + ")");
     }
     done += static_cast<size_t>(n);
+    retry.Progress();
     counters.bytes_read.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
     counters.direct_bytes.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
     // A short direct read mid-file ends on a block boundary only at EOF; continuing with an

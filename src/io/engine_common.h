@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -87,6 +88,32 @@ Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<st
 Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters);
 
 std::string ErrnoText(int err);
+
+// How a read answers EINTR and EAGAIN (a FUSE daemon may answer EAGAIN; an io_uring read may
+// complete with -EINTR or -EAGAIN): it is issued again, but not forever. One object per read;
+// both engines use it, so a file system that keeps answering EAGAIN fails a load the same way
+// with either (kIoError naming file, offset, length and errno) instead of hanging it.
+class TransientRetry {
+ public:
+  // EAGAINs in a row before the read fails; Again sleeps AgainBackoff(n) before the n-th retry
+  // (n x 100 us, at most 10 ms: about 0.5 s over all of them).
+  static constexpr unsigned kMaxAgain = 100;
+  // EINTRs in a row before the read fails (retried at once: a signal, not a busy server).
+  static constexpr unsigned kMaxIntr = 1000;
+
+  // True when a read that failed with `err` should be issued again: EINTR or EAGAIN
+  // with retries left. For EAGAIN it first sleeps the backoff. False for any other errno and
+  // once the retries are spent: the read then fails with `err`.
+  bool Again(int err);
+  // The read made progress: the counts start over.
+  void Progress() noexcept { again_ = intr_ = 0; }
+
+  static std::chrono::microseconds AgainBackoff(unsigned retry) noexcept;
+
+ private:
+  unsigned again_ = 0;
+  unsigned intr_ = 0;
+};
 
 // Online CPUs (at least 1): the default worker count of every engine.
 unsigned OnlineCpus();

@@ -6,6 +6,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -15,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "io/engine_common.h"
 #include "io/read_engine.h"
 #include "testing/test_util.h"
 
@@ -353,6 +357,134 @@ TEST(DirectSplitTest, DirectFileOpensTheFileNotItsPath) {
   ASSERT_EQ(::fstat((*d)->fd(), &direct), 0);
   EXPECT_EQ(direct.st_ino, opened.st_ino);
   EXPECT_EQ(direct.st_dev, opened.st_dev);
+}
+
+// --- EINTR and EAGAIN: retried, but not forever (TransientRetry, engine_common.h) -------------
+
+TEST(TransientRetryTest, BoundedRetriesThatStartOverOnProgress) {
+  TransientRetry retry;
+  EXPECT_FALSE(retry.Again(EIO));
+  EXPECT_FALSE(retry.Again(EINVAL));
+  for (unsigned i = 0; i < TransientRetry::kMaxIntr; ++i) ASSERT_TRUE(retry.Again(EINTR)) << i;
+  EXPECT_FALSE(retry.Again(EINTR));
+  retry.Progress();
+  EXPECT_TRUE(retry.Again(EINTR));
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned i = 0; i < TransientRetry::kMaxAgain; ++i) ASSERT_TRUE(retry.Again(EAGAIN)) << i;
+  EXPECT_FALSE(retry.Again(EAGAIN));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  // 100 us, 200 us, ... at most 10 ms each: 0.505 s in all; never a hang.
+  EXPECT_GE(waited, std::chrono::milliseconds(500));
+  EXPECT_LT(waited, std::chrono::seconds(10));
+  EXPECT_EQ(TransientRetry::AgainBackoff(1), std::chrono::microseconds(100));
+  EXPECT_EQ(TransientRetry::AgainBackoff(250), std::chrono::milliseconds(10));
+  retry.Progress();
+  EXPECT_TRUE(retry.Again(EAGAIN));
+}
+
+// A file system that answers EAGAIN (a FUSE daemon) or EINTR: the io_uring engine submits the
+// read again a bounded number of times, then fails as the pread engine does (kIoError naming
+// file, length, offset and errno); a cancelled load stops retrying. The engine's completions go
+// through a filter that rewrites their results (the read itself happened).
+struct UringFaultFixture {
+  testing::TempDir dir;
+  std::string path = dir.Join("eagain.safetensors");
+  std::string content = Bytes(64 << 10, 5);
+  std::unique_ptr<RandomAccessFile> file;
+  std::vector<std::byte> dst = std::vector<std::byte>(4096);
+  std::atomic<bool> cancel{false};
+  std::atomic<unsigned> calls{0};
+
+  UringFaultFixture() {
+    testing::WriteBytes(path, content);
+    file = Env::Default()->OpenRandomAccess(path).value();
+  }
+  ReadRequest Request() {
+    ReadRequest r{file.get(), 8192, {dst.data(), dst.size()}, -1};
+    r.cancel = &cancel;
+    return r;
+  }
+  // An engine whose completions get `answer(call number from 1, real result)`.
+  std::unique_ptr<ReadEngine> Engine(std::function<int(unsigned call, int res)> answer) {
+    auto e = MakeIoUringEngineForTesting(
+        1, 4, [this, answer](int res) { return answer(calls.fetch_add(1) + 1, res); });
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(e).value();
+  }
+};
+
+TEST(UringEngineFaults, PersistentEagainFailsLikeAPreadInsteadOfHanging) {
+  if (!IoUringAvailable().ok()) GTEST_SKIP() << IoUringAvailable().ToString();
+  UringFaultFixture f;
+  auto engine = f.Engine([](unsigned, int) { return -EAGAIN; });
+  const ReadRequest r = f.Request();
+  const auto start = std::chrono::steady_clock::now();
+  const Status s = engine->Execute({&r, 1});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
+  EXPECT_EQ(s.message(), f.path +
+                             ": read of 4096 bytes at offset 8192 failed: Resource temporarily "
+                             "unavailable (errno 11)");
+  EXPECT_EQ(f.calls.load(), TransientRetry::kMaxAgain + 1);
+  EXPECT_EQ(engine->stats().read_calls, TransientRetry::kMaxAgain + 1);
+}
+
+TEST(UringEngineFaults, TransientEagainAndEintrAreRetried) {
+  if (!IoUringAvailable().ok()) GTEST_SKIP() << IoUringAvailable().ToString();
+  UringFaultFixture f;
+  auto engine = f.Engine([](unsigned call, int res) {
+    return call <= 3 ? -EAGAIN : call <= 6 ? -EINTR : res;
+  });
+  const ReadRequest r = f.Request();
+  ASSERT_TRUE(engine->Execute({&r, 1}).ok());
+  EXPECT_EQ(std::memcmp(f.dst.data(), f.content.data() + 8192, f.dst.size()), 0);
+  EXPECT_EQ(f.calls.load(), 7u);
+}
+
+TEST(UringEngineFaults, PersistentEintrFailsToo) {
+  if (!IoUringAvailable().ok()) GTEST_SKIP() << IoUringAvailable().ToString();
+  UringFaultFixture f;
+  auto engine = f.Engine([](unsigned, int) { return -EINTR; });
+  const ReadRequest r = f.Request();
+  const Status s = engine->Execute({&r, 1});
+  EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
+  EXPECT_EQ(s.message(), f.path +
+                             ": read of 4096 bytes at offset 8192 failed: Interrupted system "
+                             "call (errno 4)");
+  EXPECT_EQ(f.calls.load(), TransientRetry::kMaxIntr + 1);
+}
+
+TEST(UringEngineFaults, CancelStopsTheRetries) {
+  if (!IoUringAvailable().ok()) GTEST_SKIP() << IoUringAvailable().ToString();
+  UringFaultFixture f;
+  auto engine = f.Engine([&f](unsigned call, int) {
+    if (call == 3) f.cancel.store(true);
+    return -EAGAIN;
+  });
+  const ReadRequest r = f.Request();
+  const Status s = engine->Execute({&r, 1});
+  EXPECT_EQ(s.code(), Code::kCancelled) << s.ToString();
+  EXPECT_EQ(f.calls.load(), 3u);
+}
+
+// Kernels 5.1-5.5 set up rings but have no IORING_OP_READ (nor the probe that lists operations):
+// io_uring is reported unavailable there, with the reason, and auto reads with pread.
+TEST(UringEngineFaults, AKernelWithoutIoringOpReadIsUnavailable) {
+  EXPECT_TRUE(CheckIoUringOps({.listed = true, .read = true}).ok());
+  const Status old = CheckIoUringOps({.listed = false, .read = false});
+  EXPECT_EQ(old.code(), Code::kUnsupported);
+  EXPECT_NE(old.message().find("IORING_REGISTER_PROBE"), std::string::npos) << old.ToString();
+  EXPECT_NE(old.message().find("IORING_OP_READ (Linux 5.6+)"), std::string::npos) << old.ToString();
+  const Status no_read = CheckIoUringOps({.listed = true, .read = false});
+  EXPECT_EQ(no_read.code(), Code::kUnsupported);
+  EXPECT_EQ(no_read.message(),
+            "io_uring: the kernel does not support IORING_OP_READ (Linux 5.6+), which every read "
+            "needs");
+  // This kernel: where io_uring is available, the probe found IORING_OP_READ.
+  const Status here = IoUringAvailable();
+  if (here.ok()) {
+    EXPECT_TRUE(MakeIoUringEngine(1, 4).ok());
+  }
 }
 
 }  // namespace

@@ -1,9 +1,15 @@
 #include "io/filesystem.h"
 
 #include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <string>
+#include <system_error>
 #include <vector>
+
+#include "testing/test_util.h"
 
 namespace tensorferry::io {
 namespace {
@@ -85,6 +91,28 @@ TEST(FileSystem, DetectsRealFileSystems) {
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("/nonexistent/dir/x: statfs"), std::string::npos)
       << missing.status().ToString();
+}
+
+// A path that is a symbolic link is the file it leads to: its file system, not the link's
+// directory's (statfs and stat follow the link; the mount found for FUSE is the target's device).
+TEST(FileSystem, DetectsTheFileASymlinkLeadsTo) {
+  testing::ShmTempDir shm;
+  testing::TempDir dir;
+  if (shm.path().empty()) GTEST_SKIP() << "no /dev/shm here";
+  const auto target_fs = DetectFileSystem(shm.path());
+  const auto link_fs = DetectFileSystem(dir.path());
+  ASSERT_TRUE(target_fs.ok() && link_fs.ok());
+  if (target_fs->type == link_fs->type) {
+    GTEST_SKIP() << "$TMPDIR and /dev/shm are both " << link_fs->type;
+  }
+  const std::string target = shm.path() + "/model.safetensors";
+  testing::WriteBytes(target, "bytes");
+  const std::string link = dir.Join("model.safetensors");
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  auto found = DetectFileSystem(link);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_EQ(found->type, target_fs->type);
+  EXPECT_EQ(found->cls, target_fs->cls);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "io/engine_common.h"
@@ -28,6 +30,16 @@
 namespace tensorferry::io {
 namespace {
 
+// Why a mapped page could not be read (SIGBUS, or MADV_POPULATE_READ's EFAULT). A page wholly
+// past the end of a file that shrank faults; so does one the kernel could not read (EIO from the
+// disk, an NFS or FUSE error), and the file still covers that one. What the file says at the
+// fault tells them apart, when its path still names it.
+enum FaultCause : int {
+  kCauseUnknown = 0,  // the path no longer names the mapped file (or was cut): either
+  kCauseShrank = 1,   // the file ends before the page
+  kCauseIoError = 2,  // the file still covers the page: it could not be read
+};
+
 // One registered mapping. begin == 0 means free. Written by Map/~MappedFile under g_table_mu,
 // read by the signal handler without locks (hence atomics).
 struct Slot {
@@ -35,8 +47,15 @@ struct Slot {
   std::atomic<uintptr_t> end{0};
   std::atomic<uint64_t> faults{0};
   std::atomic<uint64_t> first_fault{UINT64_MAX};
-  // The file's path for the handler's stderr line (cut to fit), written before begin is published.
+  // What the first fault was (FaultCause) and the file's size then (if known).
+  std::atomic<int> first_cause{kCauseUnknown};
+  std::atomic<uint64_t> size_at_fault{0};
+  // The file's path for the handler's stderr line (cut to fit) and its identity when mapped (to
+  // know that the path still names it), written before begin is published.
   char path[240] = {};
+  bool path_whole = false;  // path is not cut, and identity is known
+  dev_t dev = 0;
+  ino_t ino = 0;
 };
 
 // Process-wide fault accounting for CheckMappedFiles: every fault bumps g_fault_events; the first
@@ -45,14 +64,24 @@ std::atomic<uint64_t> g_fault_events{0};
 std::atomic<uint64_t> g_fault_events_reported{0};
 std::atomic<size_t> g_last_fault_slot{SIZE_MAX};
 std::atomic<uint64_t> g_last_fault_offset{0};
+std::atomic<int> g_last_fault_cause{kCauseUnknown};
+std::atomic<uint64_t> g_last_fault_size{0};
 std::atomic<uint64_t> g_live{0};
 std::atomic<uint64_t> g_unleasable{0};
 std::atomic<uint64_t> g_copied{0};
 std::atomic<bool> g_leases_enabled{true};
 
-std::array<Slot, MappedFile::kMaxMappings>& Table() {
-  static auto* table = new std::array<Slot, MappedFile::kMaxMappings>();  // never destroyed
-  return *table;
+// Room for kMaxMappings slots (~20 MiB) reserved with mmap and never unmapped: untouched pages cost
+// no memory, and a slot is constructed when first claimed (Map: the lowest free slot, so slots
+// [0, g_high_water) are the constructed ones), so a process that maps a few files pays for a few
+// slots, not for the whole table.
+Slot* Table() {
+  static Slot* table = [] {
+    void* p = ::mmap(nullptr, sizeof(Slot) * MappedFile::kMaxMappings, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? nullptr : static_cast<Slot*>(p);
+  }();
+  return table;
 }
 std::atomic<size_t> g_high_water{0};  // slots [0, high water) may be in use
 std::mutex g_table_mu;
@@ -72,29 +101,75 @@ size_t FormatUnsigned(uint64_t v, char* buf) {
   return n;
 }
 
-// Async-signal-safe: "tensorferry: error: <path>: file shrank while mapped: bytes from offset N
-// read as zeros\n" on stderr.
-void ReportFaultOnStderr(const Slot& s, uint64_t offset) {
-  char line[400];
+// Async-signal-safe (stat is): why a page of the mapping in `s` could not be read, from what its
+// file says now: an I/O error when the file still has at least `covered` bytes (it reaches into
+// the page that faulted), else it shrank. *size is the file's size when known.
+FaultCause CauseOf(const Slot& s, uint64_t covered, uint64_t* size) {
+  if (!s.path_whole) return kCauseUnknown;
+  struct stat st;
+  if (::stat(s.path, &st) != 0 || st.st_dev != s.dev || st.st_ino != s.ino) return kCauseUnknown;
+  *size = static_cast<uint64_t>(st.st_size);
+  return *size >= covered ? kCauseIoError : kCauseShrank;
+}
+
+// Async-signal-safe: the text after "<path>: " saying why mapped bytes from `offset` read as
+// zeros, for the handler's line and CheckMappedFiles ("now read" / "read").
+template <typename Put>
+void PutFaultText(Put&& put, FaultCause cause, uint64_t offset, uint64_t size, const char* read) {
+  char number[24];
+  auto put_number = [&](uint64_t v) {
+    number[FormatUnsigned(v, number)] = '\0';
+    put(number);
+  };
+  if (cause == kCauseShrank) {
+    put("file shrank while its tensors were mapped: bytes from offset ");
+    put_number(offset);
+    put(" ");
+    put(read);
+    put(" as zeros (the file has ");
+    put_number(size);
+    put(" bytes now)");
+    return;
+  }
+  put("mapped bytes from offset ");
+  put_number(offset);
+  if (cause == kCauseIoError) {
+    put(" could not be read (an I/O error; the file still has ");
+    put_number(size);
+    put(" bytes) and ");
+  } else {
+    put(" could not be read (the file shrank, or an I/O error) and ");
+  }
+  put(read);
+  put(" as zeros");
+}
+
+// Async-signal-safe: "tensorferry: error: <path>: <PutFaultText>\n" on stderr.
+void ReportFaultOnStderr(const Slot& s, uint64_t offset, FaultCause cause, uint64_t size) {
+  char line[512];
   size_t n = 0;
   auto put = [&](const char* text) {
     for (; *text != '\0' && n < sizeof line - 1; ++text) line[n++] = *text;
   };
   put("tensorferry: error: ");
   put(s.path);
-  put(": file shrank while its tensors were mapped: bytes from offset ");
-  char number[24];
-  const size_t digits = FormatUnsigned(offset, number);
-  number[digits] = '\0';
-  put(number);
-  put(" now read as zeros\n");
+  put(": ");
+  PutFaultText(put, cause, offset, size, "now read");
+  put("\n");
   ssize_t ignored = ::write(STDERR_FILENO, line, n);
   (void)ignored;
 }
 
+// The text of a fault for a Status (outside the handler).
+std::string FaultText(FaultCause cause, uint64_t offset, uint64_t size) {
+  std::string out;
+  PutFaultText([&](const char* text) { out += text; }, cause, offset, size, "read");
+  return out;
+}
+
 void OnSigbus(int sig, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  auto& table = Table();
+  Slot* table = Table();
   const size_t n = g_high_water.load(std::memory_order_acquire);
   for (size_t i = 0; i < n; ++i) {
     Slot& s = table[i];
@@ -109,9 +184,17 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
       s.first_fault.store(page - begin, std::memory_order_relaxed);
     }
     if (first) {
-      ReportFaultOnStderr(s, page - begin);
+      // A page past a shorter end faults only when it lies wholly past it: a file that still
+      // has a byte of the page could not read it.
+      uint64_t size = 0;
+      const FaultCause cause = CauseOf(s, page - begin + 1, &size);
+      s.first_cause.store(cause, std::memory_order_relaxed);
+      s.size_at_fault.store(size, std::memory_order_relaxed);
+      ReportFaultOnStderr(s, page - begin, cause, size);
       g_last_fault_slot.store(i, std::memory_order_relaxed);
       g_last_fault_offset.store(page - begin, std::memory_order_relaxed);
+      g_last_fault_cause.store(cause, std::memory_order_relaxed);
+      g_last_fault_size.store(size, std::memory_order_relaxed);
       g_fault_events.fetch_add(1, std::memory_order_release);
     }
     return;  // the faulting access is retried and reads zeros
@@ -310,26 +393,37 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
   size_t slot = kMaxMappings;
   if (addr != nullptr) {
     std::lock_guard<std::mutex> lock(g_table_mu);
-    auto& table = Table();
-    for (size_t i = 0; i < kMaxMappings; ++i) {
+    Slot* table = Table();
+    const size_t constructed = g_high_water.load(std::memory_order_relaxed);
+    for (size_t i = 0; table != nullptr && i < constructed; ++i) {
       if (table[i].begin.load(std::memory_order_relaxed) == 0) {
         slot = i;
         break;
       }
     }
+    if (slot == kMaxMappings && table != nullptr && constructed < kMaxMappings) {
+      slot = constructed;
+      new (&table[slot]) Slot();  // published by g_high_water below
+    }
     if (slot == kMaxMappings) {
       ::munmap(addr, size);
-      return Status(Code::kUnsupported, file.path() + ": more than " +
-                                            std::to_string(kMaxMappings) +
-                                            " files mapped at once; use a copying engine");
+      return Status(Code::kUnsupported,
+                    file.path() + ": more than " + std::to_string(kMaxMappings) +
+                        " files mapped at once (or no room for their table); use a copying engine");
     }
     Slot& s = table[slot];
     const std::string& path = file.path();
     const size_t keep = std::min(path.size(), sizeof s.path - 1);
     std::memcpy(s.path, path.data(), keep);
     s.path[keep] = '\0';
+    struct stat st;
+    s.path_whole = keep == path.size() && ::fstat(fd, &st) == 0;
+    s.dev = s.path_whole ? st.st_dev : 0;
+    s.ino = s.path_whole ? st.st_ino : 0;
     s.faults.store(0, std::memory_order_relaxed);
     s.first_fault.store(UINT64_MAX, std::memory_order_relaxed);
+    s.first_cause.store(kCauseUnknown, std::memory_order_relaxed);
+    s.size_at_fault.store(0, std::memory_order_relaxed);
     s.end.store(reinterpret_cast<uintptr_t>(addr) + size, std::memory_order_release);
     s.begin.store(reinterpret_cast<uintptr_t>(addr), std::memory_order_release);
     if (slot + 1 > g_high_water.load(std::memory_order_relaxed)) {
@@ -383,25 +477,46 @@ Status MappedFile::Populate(uint64_t offset, uint64_t length) const {
   if (::madvise(data_ + begin, end - begin, MADV_POPULATE_READ) == 0) return Status::Ok();
   const int err = errno;
   if (err == EINVAL) {
-    // Kernel older than 5.14: touch one byte per page; a vanished page is repaired by the SIGBUS
-    // handler and shows up in faults().
+    // Kernel older than 5.14: touch one byte per page; a page that cannot be read is repaired
+    // by the SIGBUS handler and shows up in faults().
     const uint64_t before = faults();
     volatile const std::byte* p = data_;
     for (uint64_t at = begin; at < end; at += page) (void)p[at];
-    if (faults() != before) {
-      return Status(Code::kUnexpectedEof, path_ + ": file shrank while mapped: page at offset " +
-                                              std::to_string(first_fault_offset()) +
-                                              " is past its end");
-    }
-    return Status::Ok();
+    return faults() != before ? FaultError() : Status::Ok();
   }
+  std::string range = "[";  // (appended: GCC 12 warns falsely about "[" + std::string)
+  range += std::to_string(begin) + ", " + std::to_string(end) + ")";
   if (err == EFAULT) {
-    return Status(Code::kUnexpectedEof, path_ + ": file shrank while mapped: bytes in [" +
-                                            std::to_string(begin) + ", " + std::to_string(end) +
-                                            ") are past its end");
+    // A page could not be read: past the end of a file that shrank, or an I/O error (the disk,
+    // an NFS or FUSE error) where the file is still long enough. What the file says now tells.
+    // (A shorter file explains it only when a page of the range lies wholly past its end.)
+    uint64_t size = 0;
+    switch (CauseOf(Table()[slot_], (end - 1) / page * page + 1, &size)) {
+      case kCauseIoError:
+        return Status(Code::kIoError, path_ + ": could not read mapped bytes " + range +
+                                          " (an I/O error; the file still has " +
+                                          std::to_string(size) + " bytes)");
+      case kCauseShrank:
+        return Status(Code::kUnexpectedEof, path_ + ": file shrank while mapped: mapped bytes " +
+                                                range + " reach past its end (it has " +
+                                                std::to_string(size) + " bytes now)");
+      case kCauseUnknown: break;
+    }
+    return Status(Code::kUnexpectedEof, path_ + ": could not read mapped bytes " + range +
+                                            " (the file shrank, or an I/O error)");
   }
-  return Status(Code::kIoError, path_ + ": reading mapped bytes [" + std::to_string(begin) + ", " +
-                                    std::to_string(end) + ") failed: " + ErrnoText(err));
+  return Status(Code::kIoError,
+                path_ + ": reading mapped bytes " + range + " failed: " + ErrnoText(err));
+}
+
+Status MappedFile::FaultError() const {
+  if (faults() == 0) return Status::Ok();
+  const Slot& s = Table()[slot_];
+  const auto cause = static_cast<FaultCause>(s.first_cause.load(std::memory_order_relaxed));
+  return Status(cause == kCauseIoError ? Code::kIoError : Code::kUnexpectedEof,
+                path_ + ": " +
+                    FaultText(cause, s.first_fault.load(std::memory_order_relaxed),
+                              s.size_at_fault.load(std::memory_order_relaxed)));
 }
 
 uint64_t MappedFile::faults() const noexcept {
@@ -444,10 +559,13 @@ Status CheckMappedFiles() {
   }
   const size_t slot = io::g_last_fault_slot.load(std::memory_order_relaxed);
   std::string path = slot < io::MappedFile::kMaxMappings ? io::Table()[slot].path : "a mapped file";
-  return Status(Code::kUnexpectedEof,
-                path + ": file shrank while its tensors were mapped: bytes from offset " +
-                    std::to_string(io::g_last_fault_offset.load(std::memory_order_relaxed)) +
-                    " read as zeros (" + std::to_string(events - reported) +
+  const auto cause =
+      static_cast<io::FaultCause>(io::g_last_fault_cause.load(std::memory_order_relaxed));
+  return Status(cause == io::kCauseIoError ? Code::kIoError : Code::kUnexpectedEof,
+                path + ": " +
+                    io::FaultText(cause, io::g_last_fault_offset.load(std::memory_order_relaxed),
+                                  io::g_last_fault_size.load(std::memory_order_relaxed)) +
+                    " (" + std::to_string(events - reported) +
                     " mapping(s) affected); reload the tensors");
 }
 

@@ -15,7 +15,10 @@
 // at most kMaxLeases mappings at once (one descriptor each; at most a quarter of RLIMIT_NOFILE).
 //
 // SIGBUS (no lease, or the copy was too late): touching a page of a mapping whose file has shrunk
-// raises SIGBUS. Each MappedFile registers its address range in a fixed, lock-free table read by a
+// raises SIGBUS, and so does a page the kernel could not read (EIO: a bad sector, an NFS or FUSE
+// error); the handler tells them apart by the file's size then (stat of its path, when the path
+// still names the mapped inode), and says "could not be read (the file shrank, or an I/O error)"
+// when it cannot. Each MappedFile registers its address range in a fixed, lock-free table read by a
 // process-wide SIGBUS handler, installed on first use with sigaction (SA_SIGINFO | SA_ONSTACK,
 // keeping the previous handler). For a fault inside a registered range the handler maps an
 // anonymous zero page over the faulting page, counts the fault, writes one line naming the file and
@@ -70,16 +73,25 @@ class MappedFile {
   const std::string& path() const noexcept { return path_; }
 
   // Reads every page of [offset, offset + length) into the page cache and maps it (parallel
-  // callers may populate disjoint ranges). Errors: kUnexpectedEof naming the file and offset when
-  // the file no longer covers the range, kIoError otherwise.
+  // callers may populate disjoint ranges). Errors: kUnexpectedEof naming the file and range when
+  // the file no longer covers the range (or when it cannot be asked: "the file shrank, or an I/O
+  // error"), kIoError when a page could not be read although the file covers it ("an I/O error;
+  // the file still has N bytes") and for any other failure.
   Status Populate(uint64_t offset, uint64_t length) const;
+
+  // OK without faults(); else the first fault as an error naming the file and offset:
+  // kUnexpectedEof where the file had shrunk past the page, kIoError where it still covered it
+  // (the page could not be read), kUnexpectedEof saying "the file shrank, or an I/O error" where
+  // the file could not be asked.
+  Status FaultError() const;
 
   // kTransient only (a no-op otherwise): unmaps the whole pages inside [offset, offset + length)
   // from this process (MADV_DONTNEED; the page cache keeps them, and a later touch maps them
   // again), so the process does not hold what it has already copied out.
   void DropPages(uint64_t offset, uint64_t length) const;
 
-  // Pages replaced with zeros by the SIGBUS handler so far (0 unless the file shrank).
+  // Pages replaced with zeros by the SIGBUS handler so far (0 unless the file shrank or a page
+  // could not be read).
   uint64_t faults() const noexcept;
   // The file offset of the first such page, if any.
   uint64_t first_fault_offset() const noexcept;

@@ -11,6 +11,7 @@
 
 #include "util/random.h"
 
+#include "io/engine_common.h"
 #include "tensorferry/env.h"
 #include "util/macros.h"
 #include "util/path.h"
@@ -30,11 +31,15 @@ class PosixFile final : public RandomAccessFile {
   PosixFile& operator=(const PosixFile&) = delete;
 
   Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+    // EINTR and EAGAIN (a FUSE daemon's) are retried, a bounded number of times, as the
+    // io_uring engine does (engine_common.h): a file system that keeps answering EAGAIN fails
+    // the read instead of hanging it.
+    io::TransientRetry retry;
     for (;;) {
       ssize_t n = ::pread(fd_, dst.data(), dst.size(), static_cast<off_t>(offset));
       if (n >= 0) return static_cast<size_t>(n);
-      if (errno == EINTR) continue;
       const int err = errno;
+      if (retry.Again(err)) continue;
       return Status(Code::kIoError, path_ + ": read of " + std::to_string(dst.size()) +
                                         " bytes at offset " + std::to_string(offset) +
                                         " failed: " + ErrnoText(err));

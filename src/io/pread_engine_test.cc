@@ -1,8 +1,10 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "io/read_engine.h"
+#include "tensorferry/residency.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::io {
@@ -527,6 +530,30 @@ TEST(ResidencyTest, EdgeCasesAndErrors) {
   auto missing = CachedFraction(dir.Join("missing.bin"), 0, 10);
   EXPECT_EQ(missing.status().code(), Code::kNotFound);
   EXPECT_TRUE(Contains(missing.status().message(), "missing.bin"));
+}
+
+// The public calls take any path: a FIFO (or a directory) is refused at once, not waited on for a
+// writer that never comes.
+TEST(ResidencyTest, AFifoOrADirectoryIsRefusedWithoutWaiting) {
+  testing::TempDir dir;
+  const std::string fifo = dir.Join("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  const Result<double> cached = ::tensorferry::CachedFraction(fifo);
+  EXPECT_EQ(cached.status().code(), Code::kInvalidArgument) << cached.status().ToString();
+  EXPECT_EQ(cached.status().message(), fifo + ": not a regular file");
+  const Status dropped = DropFromPageCache(fifo);
+  EXPECT_EQ(dropped.code(), Code::kInvalidArgument) << dropped.ToString();
+  EXPECT_EQ(dropped.message(), fifo + ": not a regular file");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  const Status directory = DropFromPageCache(dir.path());
+  EXPECT_EQ(directory.code(), Code::kInvalidArgument) << directory.ToString();
+  EXPECT_EQ(directory.message(), dir.path() + ": is a directory");
+  EXPECT_EQ(DropFromPageCache(dir.Join("missing")).code(), Code::kNotFound);
+  const std::string file = dir.Join("file.bin");
+  testing::WriteBytes(file, Pattern(5000, 3));
+  EXPECT_TRUE(DropFromPageCache(file).ok());
+  EXPECT_TRUE(::tensorferry::CachedFraction(file).ok());
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include "tensorferry/env.h"
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
+#include "util/unique_fd.h"
 
 namespace tensorferry::io {
 
@@ -122,12 +123,32 @@ Result<std::unique_ptr<ReadEngine>> MakePreadEngine(unsigned threads);
 
 // `threads` workers (0: online CPUs), each owning an io_uring of `queue_depth` entries and keeping
 // up to queue_depth reads in flight. Requests whose file has no native_handle() are read with
-// RandomAccessFile::Read on the worker. Errors: kUnsupported when this build has no liburing or the
-// kernel refuses io_uring (the message says which, e.g. io_uring_setup's errno).
+// RandomAccessFile::Read on the worker. Errors: kUnsupported when this build has no liburing, the
+// kernel refuses io_uring or lacks IORING_OP_READ (IoUringAvailable), or a ring cannot be set up
+// (the message says which, e.g. io_uring_queue_init's errno: EMFILE with one ring per worker).
 Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned queue_depth);
 
-// OK when an io_uring can be created here; otherwise the reason (kUnsupported).
+// Testing: the io_uring engine with `filter` applied to every completion's result before the
+// engine handles it (fault injection: -EAGAIN, -EINTR, -EIO as a file system would answer; the
+// read itself happened). Errors as MakeIoUringEngine.
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngineForTesting(unsigned threads,
+                                                                unsigned queue_depth,
+                                                                std::function<int(int res)> filter);
+
+// OK when an io_uring can be created here and its kernel has IORING_OP_READ (Linux 5.6+: older
+// kernels have rings but no plain read, and would fail every read with EINVAL); otherwise the
+// reason (kUnsupported). The answer is kept for the process, except a failure for want of
+// descriptors or memory (EMFILE, ENFILE, ENOMEM), asked again next time. MakeIoUringEngine checks
+// it first.
 Status IoUringAvailable();
+
+// What IoUringAvailable asks of the kernel beyond a ring, and its verdict on the answers: OK, or
+// kUnsupported saying what is missing.
+struct IoUringOps {
+  bool listed = false;  // the kernel listed its operations (IORING_REGISTER_PROBE, Linux 5.6+)
+  bool read = false;    // IORING_OP_READ is among them
+};
+Status CheckIoUringOps(const IoUringOps& ops);
 
 // An O_DIRECT descriptor for a file already open buffered: the same file, opened again through
 // its descriptor's /proc/self/fd link (whatever its path names now; through the path where /proc
@@ -174,11 +195,16 @@ struct ResidencySampling {
 
 // Page-cache residency of [offset, offset + length) of the file at `path`, as a fraction in [0, 1],
 // measured with mmap + mincore (no data is read), sampled for large ranges (ResidencySampling).
-// Errors: kIoError, kNotFound.
+// Errors: kIoError, kNotFound, kInvalidArgument (not a regular file: OpenRegularFile).
 Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t length);
 // The same for an open file descriptor.
 Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, uint64_t length,
                               const ResidencySampling& sampling = {});
+
+// Opens `path` for reading without waiting (O_NONBLOCK: a FIFO would wait for a writer) and
+// refuses anything but a regular file. Errors: kNotFound, kIoError, kInvalidArgument ("is a
+// directory", "not a regular file"), each naming the path.
+Result<UniqueFd> OpenRegularFile(const std::string& path);
 
 // Asks the kernel to drop the clean pages of the open file `fd` from the page cache
 // (posix_fadvise POSIX_FADV_DONTNEED), its dirty pages written first (fdatasync); `path` names it

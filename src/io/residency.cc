@@ -38,18 +38,35 @@ class Mapping {
 
 }  // namespace
 
-Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t length) {
+Result<UniqueFd> OpenRegularFile(const std::string& path) {
   int raw_fd;
   do {
-    raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (forever, for
+    // these calls); such files are refused below. It changes nothing for a regular file.
+    raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   } while (raw_fd < 0 && errno == EINTR);
   if (raw_fd < 0) {
     const int err = errno;
     return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
                   path + ": cannot open: " + ErrnoText(err));
   }
-  const UniqueFd fd(raw_fd);
-  return CachedFraction(fd.get(), path, offset, length);
+  UniqueFd fd(raw_fd);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) {
+    const int err = errno;
+    return Status(Code::kIoError, path + ": fstat failed: " + ErrnoText(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return Status(Code::kInvalidArgument,
+                  path + (S_ISDIR(st.st_mode) ? ": is a directory" : ": not a regular file"));
+  }
+  return fd;
+}
+
+Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t length) {
+  Result<UniqueFd> fd = OpenRegularFile(path);
+  if (!fd.ok()) return fd.status();
+  return CachedFraction(fd->get(), path, offset, length);
 }
 
 Result<double> CachedFraction(int fd, const std::string& path, uint64_t offset, uint64_t length,
@@ -137,18 +154,9 @@ Result<double> CachedFraction(const std::string& path, uint64_t offset, uint64_t
 }
 
 Status DropFromPageCache(const std::string& path) {
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int err = errno;
-    return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,
-                  path + ": cannot open: " + io::ErrnoText(err));
-  }
-  Status st = io::DropPages(fd, path);
-  ::close(fd);
-  return st;
+  Result<UniqueFd> fd = io::OpenRegularFile(path);
+  if (!fd.ok()) return fd.status();
+  return io::DropPages(fd->get(), path);
 }
 
 }  // namespace tensorferry

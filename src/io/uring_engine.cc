@@ -2,15 +2,19 @@
 // flight. Requests come from the same JobQueue as the pread engine's. A request becomes one to
 // three pieces (buffered head, O_DIRECT middle, buffered tail; or one buffered piece); each piece
 // is one read SQE, resubmitted for the rest after a short read (a buffered request with a landed
-// hook: kLandedPieceBytes per SQE, each handed to the hook as it completes). A request is
-// Finish()ed only when none of its pieces is in the kernel any more, so its destination is never
-// written after Execute returns, even when a sibling piece failed.
+// hook: kLandedPieceBytes per SQE, each handed to the hook as it completes). A piece that
+// completes with -EINTR or -EAGAIN is submitted again a bounded number of times
+// (TransientRetry, engine_common.h: the pread engine's rule), unless its request was cancelled.
+// A request is Finish()ed only when none of its pieces is in the kernel any more, so its
+// destination is never written after Execute returns, even when a sibling piece failed.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -32,10 +36,12 @@ constexpr uint64_t kMaxSqeBytes = uint64_t{1} << 30;
 
 class Ring {
  public:
-  static Result<std::unique_ptr<Ring>> Create(unsigned entries) {
+  // On failure, *err (when given) is the errno.
+  static Result<std::unique_ptr<Ring>> Create(unsigned entries, int* err = nullptr) {
     auto ring = std::unique_ptr<Ring>(new Ring());
     const int rc = io_uring_queue_init(entries, &ring->ring_, 0);
     if (rc < 0) {
+      if (err != nullptr) *err = -rc;
       return Status(Code::kUnsupported, "io_uring_queue_init(" + std::to_string(entries) +
                                             ") failed: " + ErrnoText(-rc));
     }
@@ -65,6 +71,7 @@ struct Piece {
   uint64_t offset = 0;  // next file offset to read
   std::byte* dst = nullptr;
   uint64_t remaining = 0;
+  TransientRetry retry;  // EINTR/EAGAIN completions since the piece last made progress
 };
 
 struct RequestState {
@@ -80,8 +87,10 @@ struct RequestState {
 
 class UringEngine final : public ReadEngine {
  public:
-  // At least 3 entries: one request (up to 3 pieces) must always fit.
-  explicit UringEngine(unsigned queue_depth) : queue_depth_(std::max(queue_depth, 3u)) {}
+  // At least 3 entries: one request (up to 3 pieces) must always fit. `filter` (tests only, may
+  // be empty) rewrites each completion's result before it is handled.
+  UringEngine(unsigned queue_depth, std::function<int(int)> filter)
+      : queue_depth_(std::max(queue_depth, 3u)), filter_(std::move(filter)) {}
   ~UringEngine() override {
     queue_.Stop();
     for (std::thread& t : workers_) t.join();
@@ -124,7 +133,7 @@ class UringEngine final : public ReadEngine {
     r.status = Status::Ok();
     auto add = [&](int fd, bool direct, uint64_t offset, std::byte* dst, uint64_t length) {
       if (length == 0) return;
-      r.pieces[r.pending++] = Piece{&r, fd, direct, offset, dst, length};
+      r.pieces[r.pending++] = Piece{&r, fd, direct, offset, dst, length, TransientRetry{}};
     };
     const int fd = q.file->native_handle();
     const DirectSplit split = SplitForDirect(q);
@@ -167,9 +176,22 @@ class UringEngine final : public ReadEngine {
     RequestState& r = *p.request;
     const ReadRequest& q = *r.claim.request;
     counters_.read_calls.fetch_add(1, std::memory_order_relaxed);
+    if (filter_) res = filter_(res);
+    auto fail = [&](Status s) {
+      if (r.status.ok()) r.status = std::move(s);
+      return true;
+    };
     if (res == -EINTR || res == -EAGAIN) {
-      Submit(ring, p);
-      return false;
+      if (q.cancel != nullptr && q.cancel->load(std::memory_order_relaxed)) {
+        return fail(Status(Code::kCancelled, "the load was cancelled"));
+      }
+      // Again() sleeps before an EAGAIN retry (at most 10 ms), holding up this worker's other
+      // completions meanwhile: rare, and a server that answers EAGAIN wants fewer requests.
+      if (p.retry.Again(-res)) {
+        Submit(ring, p);
+        return false;
+      }
+      // Retries spent: the read fails with this errno, as a pread would (below).
     }
     if (res == -EINVAL && p.direct) {
       // The file system refused O_DIRECT here: read this piece through the page cache instead.
@@ -178,10 +200,6 @@ class UringEngine final : public ReadEngine {
       Submit(ring, p);
       return false;
     }
-    auto fail = [&](Status s) {
-      if (r.status.ok()) r.status = std::move(s);
-      return true;
-    };
     if (res < 0) {
       return fail(Status(Code::kIoError, q.file->path() + ": read of " +
                                              std::to_string(p.remaining) + " bytes at offset " +
@@ -213,6 +231,7 @@ class UringEngine final : public ReadEngine {
     p.offset += n;
     p.dst += n;
     p.remaining -= n;
+    p.retry.Progress();
     if (p.remaining == 0) return true;
     Submit(ring, p);  // short read: the rest
     return false;
@@ -303,28 +322,58 @@ class UringEngine final : public ReadEngine {
   }
 
   const unsigned queue_depth_;
+  const std::function<int(int)> filter_;
   JobQueue queue_;
   std::vector<std::thread> workers_;
   EngineCounters counters_;
 };
 
-}  // namespace
-
-Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned queue_depth) {
+Result<std::unique_ptr<ReadEngine>> MakeEngine(unsigned threads, unsigned queue_depth,
+                                               std::function<int(int)> filter) {
   if (queue_depth == 0) return Status(Code::kInvalidArgument, "io_uring: queue_depth must be > 0");
+  // A kernel whose io_uring lacks IORING_OP_READ would fail every read: refuse it here.
+  if (Status available = IoUringAvailable(); !available.ok()) return available;
   if (threads == 0) threads = OnlineCpus();
-  auto engine = std::make_unique<UringEngine>(queue_depth);
+  auto engine = std::make_unique<UringEngine>(queue_depth, std::move(filter));
   const Status status = engine->Start(threads);
   if (!status.ok()) return status;
   return std::unique_ptr<ReadEngine>(std::move(engine));
 }
 
+}  // namespace
+
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned threads, unsigned queue_depth) {
+  return MakeEngine(threads, queue_depth, nullptr);
+}
+
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngineForTesting(
+    unsigned threads, unsigned queue_depth, std::function<int(int res)> filter) {
+  return MakeEngine(threads, queue_depth, std::move(filter));
+}
+
 Status IoUringAvailable() {
-  static const Status status = [] {
-    auto ring = Ring::Create(2);
-    return ring.ok() ? Status::Ok() : ring.status();
-  }();
-  return status;
+  // The answer is kept, unless the ring failed for want of a resource this process may have
+  // again later (descriptors, memory): then the next call asks again.
+  static std::mutex mu;
+  static std::optional<Status> kept;
+  std::lock_guard<std::mutex> lock(mu);
+  if (kept) return *kept;
+  int err = 0;
+  auto ring = Ring::Create(2, &err);
+  if (!ring.ok()) {
+    if (err != EMFILE && err != ENFILE && err != ENOMEM) kept = ring.status();
+    return ring.status();
+  }
+  // Setting up a ring is not enough: IORING_OP_READ came with Linux 5.6 (5.1-5.5 have rings and
+  // only the vectored IORING_OP_READV), and so did the probe that lists the operations.
+  IoUringOps ops;
+  if (io_uring_probe* probe = io_uring_get_probe_ring((*ring)->get()); probe != nullptr) {
+    ops.listed = true;
+    ops.read = io_uring_opcode_supported(probe, IORING_OP_READ) != 0;
+    io_uring_free_probe(probe);
+  }
+  kept = CheckIoUringOps(ops);
+  return *kept;
 }
 
 #else  // !TENSORFERRY_HAVE_LIBURING
@@ -333,10 +382,30 @@ Result<std::unique_ptr<ReadEngine>> MakeIoUringEngine(unsigned, unsigned) {
   return IoUringAvailable();
 }
 
+Result<std::unique_ptr<ReadEngine>> MakeIoUringEngineForTesting(unsigned, unsigned,
+                                                                std::function<int(int res)>) {
+  return IoUringAvailable();
+}
+
 Status IoUringAvailable() {
   return Status(Code::kUnsupported, "io_uring: this build has no liburing");
 }
 
 #endif
+
+Status CheckIoUringOps(const IoUringOps& ops) {
+  if (!ops.listed) {
+    return Status(Code::kUnsupported,
+                  "io_uring: the kernel cannot list its operations (IORING_REGISTER_PROBE, Linux "
+                  "5.6+), so IORING_OP_READ (Linux 5.6+), which every read needs, is taken as "
+                  "missing");
+  }
+  if (!ops.read) {
+    return Status(Code::kUnsupported,
+                  "io_uring: the kernel does not support IORING_OP_READ (Linux 5.6+), which every "
+                  "read needs");
+  }
+  return Status::Ok();
+}
 
 }  // namespace tensorferry::io

@@ -189,6 +189,7 @@ BatchIterator& BatchIterator::operator=(BatchIterator&&) noexcept = default;
 BatchIterator::~BatchIterator() = default;
 
 Result<std::optional<Batch>> BatchIterator::Next() {
+  if (!state_) return std::optional<Batch>();  // moved from: the load went with the move
   State& s = *state_;
   if (s.over) return std::optional<Batch>();
   // Time the caller held a batch while nothing was read: no read-ahead, or one that waited for

@@ -4,6 +4,8 @@
 // batch loop is batch_iterator.cc, LoadInto load_into.cc.
 #include "tensorferry/loader.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <map>
 #include <thread>
@@ -50,13 +52,16 @@ struct FileSystems {
 
 FileSystems DetectFileSystems(const Checkpoint& checkpoint) {
   FileSystems out;
-  std::map<std::string, io::FileSystemInfo> by_dir;  // a sharded checkpoint: one statfs
+  // Each file itself, not its directory: a symbolic link (a model cache's blobs, a single file
+  // linked from elsewhere) may lead onto another file system; stat and statfs follow it. One
+  // detection per device: the shards of a checkpoint usually share one.
+  std::map<dev_t, io::FileSystemInfo> by_device;
   for (const auto& file : checkpoint.files()) {
-    const size_t slash = file.path.rfind('/');
-    const std::string dir = slash == std::string::npos ? "." : file.path.substr(0, slash + 1);
-    if (by_dir.count(dir)) continue;
-    Result<io::FileSystemInfo> info = io::DetectFileSystem(dir);
-    if (!info.ok()) continue;  // an injected Env's files: nothing to say
+    struct stat st {};
+    if (::stat(file.path.c_str(), &st) != 0) continue;  // an injected Env's files: nothing to say
+    if (by_device.count(st.st_dev)) continue;
+    Result<io::FileSystemInfo> info = io::DetectFileSystem(file.path);
+    if (!info.ok()) continue;
     const auto known = [](const std::string& list, const std::string& item) {
       return ("," + list + ",").find("," + item + ",") != std::string::npos;
     };
@@ -69,9 +74,21 @@ FileSystems DetectFileSystems(const Checkpoint& checkpoint) {
         out.slow += (out.slow.empty() ? "files on " : ", ") + what;
       }
     }
-    by_dir.emplace(dir, *std::move(info));
+    by_device.emplace(st.st_dev, *std::move(info));
   }
   return out;
+}
+
+// Engine::kAuto's io_uring: made into `engine` where it can be, else the reason it cannot (and
+// auto reads with pread). Not only whether the kernel allows io_uring (IoUringAvailable's probe
+// ring): the engine's one ring per worker may still fail (EMFILE under a low `ulimit -n` with
+// many threads, ENOMEM), where pread, which needs no descriptors, reads.
+Status MakeAutoIoUring(unsigned threads, unsigned queue_depth,
+                       std::unique_ptr<io::ReadEngine>& engine) {
+  Result<std::unique_ptr<io::ReadEngine>> made = io::MakeIoUringEngine(threads, queue_depth);
+  if (!made.ok()) return made.status();
+  engine = std::move(made).value();
+  return Status::Ok();
 }
 
 }  // namespace
@@ -358,22 +375,27 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   } else if (!fs.slow.empty()) {
     // Large reads with many in flight, never page faults: each miss of a mapping would wait for
     // one round trip of at most the readahead window.
-    kind = io::IoUringAvailable().ok() ? Engine::kIoUring : Engine::kPread;
+    const unsigned workers = options.threads > 0 ? options.threads : DefaultThreads();
     const LoadOptions defaults;
-    if (kind == Engine::kIoUring && options.queue_depth == defaults.queue_depth) {
-      const unsigned workers = options.threads > 0 ? options.threads : DefaultThreads();
-      impl->options.queue_depth =
-          std::max(options.queue_depth, (kSlowFsInFlight + workers - 1) / workers);
-    } else if (kind == Engine::kPread && options.threads == 0) {
+    const unsigned depth =
+        options.queue_depth == defaults.queue_depth
+            ? std::max(options.queue_depth, (kSlowFsInFlight + workers - 1) / workers)
+            : options.queue_depth;
+    const Status uring = MakeAutoIoUring(impl->options.threads, depth, impl->engine);
+    kind = uring.ok() ? Engine::kIoUring : Engine::kPread;
+    if (kind == Engine::kIoUring) {
+      impl->options.queue_depth = depth;
+    } else if (options.threads == 0) {
       impl->options.threads = kSlowFsInFlight;
     }
     const unsigned in_flight =
         kind == Engine::kIoUring
-            ? impl->options.queue_depth * (options.threads > 0 ? options.threads : DefaultThreads())
+            ? impl->options.queue_depth * workers
             : (impl->options.threads > 0 ? impl->options.threads : DefaultThreads());
     impl->engine_reason = fs.slow + ": mmap page faults would wait for a round trip each; " +
                           std::string(EngineName(kind)) + " with " + std::to_string(in_flight) +
                           " reads of up to " + FormatBytes(impl->options.chunk_size) + " in flight";
+    if (!uring.ok()) impl->engine_reason += " (io_uring unavailable: " + uring.message() + ")";
   } else if (options.prefer_mmap && !options.drop_cache) {
     // (drop_cache wants the pages back after the load: mapped tensors are those pages.)
     kind = Engine::kMmap;
@@ -381,7 +403,8 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
   } else {
     // io_uring where the kernel allows it: the same copies as pread for cached data, and deep
     // queues with few threads for cold and direct reads.
-    const Status uring = io::IoUringAvailable();
+    const Status uring =
+        MakeAutoIoUring(impl->options.threads, impl->options.queue_depth, impl->engine);
     kind = uring.ok() ? Engine::kIoUring : Engine::kPread;
     impl->engine_reason =
         uring.ok() ? "io_uring available" : "io_uring unavailable: " + uring.message();
@@ -390,7 +413,7 @@ Result<std::unique_ptr<Loader>> Loader::Open(std::shared_ptr<const Checkpoint> c
     }
   }
   impl->engine_kind = kind;
-  if (kind == Engine::kIoUring) {
+  if (kind == Engine::kIoUring && !impl->engine) {  // (auto's was made above)
     TF_ASSIGN_OR_RETURN(impl->engine,
                         io::MakeIoUringEngine(impl->options.threads, impl->options.queue_depth));
   } else if (kind == Engine::kPread) {

@@ -283,6 +283,16 @@ TEST(Loader, IterateDeliversStreamsBatchesOnePerNext) {
     BatchIterator abandoned = loader->Iterate(Selection::All()).value();
     ASSERT_TRUE(abandoned.Next().value().has_value());  // the next one is being read ahead
   }
+  {
+    // A move hands the load on; the moved-from iterator has nothing left to give.
+    BatchIterator first = loader->Iterate(Selection::All()).value();
+    ASSERT_TRUE(first.Next().value().has_value());
+    BatchIterator second = std::move(first);
+    EXPECT_FALSE(first.Next().value().has_value());  // NOLINT(bugprone-use-after-move)
+    size_t rest = 0;
+    while (second.Next().value().has_value()) ++rest;
+    EXPECT_EQ(rest + 1, streamed.size());
+  }
   EXPECT_EQ(loader->Load(Selection::Names({f.tensors.front().name})).value().size(), 1u);
 }
 

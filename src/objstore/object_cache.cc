@@ -208,11 +208,19 @@ void ReadDescription(const std::string& path, ObjectCacheEntry& entry) {
 }
 
 // The lock of `key`, held, if nobody else holds it (never waits); an empty UniqueFd when another
-// does.
-UniqueFd TryLockKey(const std::string& dir, const std::string& key) {
-  UniqueFd fd(
-      ::open((dir + "/locks/" + key + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  if (fd.get() >= 0 && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) fd.Reset();
+// does, or when the lock file cannot be opened (then `*error`, if given, says why).
+UniqueFd TryLockKey(const std::string& dir, const std::string& key, std::string* error = nullptr) {
+  const std::string path = dir + "/locks/" + key + ".lock";
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (fd.get() < 0) {
+    if (error != nullptr) *error = path + ": " + Errno(errno);
+    return fd;
+  }
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    if (e != EWOULDBLOCK && error != nullptr) *error = path + ": flock: " + Errno(e);
+    fd.Reset();
+  }
   return fd;
 }
 
@@ -255,7 +263,7 @@ Result<std::vector<Scanned>> ScanEntries(const std::string& dir) {
 }
 
 uint64_t EvictUntil(const std::string& dir, uint64_t budget, const std::string& keep,
-                    std::vector<ObjectCacheEntry>& removed) {
+                    std::vector<ObjectCacheEntry>& removed, std::string* first_error) {
   Result<std::vector<Scanned>> scanned = ScanEntries(dir);
   if (!scanned.ok()) return 0;
   uint64_t total = 0;
@@ -265,13 +273,19 @@ uint64_t EvictUntil(const std::string& dir, uint64_t budget, const std::string& 
     if (total <= budget) break;
     if (s.entry.key == keep) continue;
     // Never under a filler (or anyone holding the key): try, don't wait.
-    const UniqueFd lock = TryLockKey(dir, s.entry.key);
-    if (lock.get() < 0) continue;
+    std::string error;
+    const UniqueFd lock = TryLockKey(dir, s.entry.key, &error);
+    if (lock.get() < 0) {  // held by another process (kept, as promised), or an error
+      if (first_error != nullptr && first_error->empty()) *first_error = error;
+      continue;
+    }
     // Readers that opened it keep reading: an unlinked file lives while it is open.
     if (::unlink((blobs + s.entry.key).c_str()) == 0) {
       ::unlink((blobs + s.entry.key + ".json").c_str());
       total -= s.entry.size;
       removed.push_back(s.entry);
+    } else if (first_error != nullptr && first_error->empty()) {
+      *first_error = blobs + s.entry.key + ": " + Errno(errno);
     }
   }
   return total;
@@ -1250,7 +1264,8 @@ bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::stri
     return false;
   }
   std::vector<ObjectCacheEntry> removed;
-  const uint64_t total = EvictUntil(dir_, max_bytes_ - incoming - reserved_, keep, removed);
+  const uint64_t total =
+      EvictUntil(dir_, max_bytes_ - incoming - reserved_, keep, removed, nullptr);
   evicted_.fetch_add(removed.size());
   if (total + reserved_ + incoming > max_bytes_) {
     why = "object_cache_max (" + std::to_string(max_bytes_) + " bytes) holds " +
@@ -1274,8 +1289,15 @@ Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir) {
 Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, uint64_t max_bytes) {
   TF_RETURN_IF_ERROR(objstore::ScanEntries(dir).status());
   std::vector<ObjectCacheEntry> removed;
-  objstore::EvictUntil(dir, max_bytes, "", removed);
+  std::string error;
+  const uint64_t left = objstore::EvictUntil(dir, max_bytes, "", removed, &error);
   objstore::RemoveLeftovers(dir);
+  if (left > max_bytes && !error.empty()) {
+    return Status(Code::kIoError, dir + ": " + std::to_string(left) + " bytes left, more than " +
+                                      std::to_string(max_bytes) + ", after removing " +
+                                      std::to_string(removed.size()) +
+                                      " entries: an entry could not be removed: " + error);
+  }
   return removed;
 }
 

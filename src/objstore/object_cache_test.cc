@@ -870,6 +870,16 @@ TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
   ASSERT_TRUE(removed.ok());
   EXPECT_TRUE(removed->empty());
   ::close(c_lock);
+  // An entry whose lock cannot be taken for another reason (no locks/ folder, no permission) is
+  // an error naming it, not a prune that quietly removed nothing.
+  fs::rename(dir + "/locks", dir + "/locks.gone");
+  removed = PruneObjectCache(dir, 0);
+  EXPECT_EQ(removed.status().code(), Code::kIoError);
+  EXPECT_NE(removed.status().message().find("an entry could not be removed: " + dir + "/locks/" +
+                                            c_key + ".lock: "),
+            std::string::npos)
+      << removed.status().ToString();
+  fs::rename(dir + "/locks.gone", dir + "/locks");
   removed = PruneObjectCache(dir, 0);
   ASSERT_TRUE(removed.ok());
   EXPECT_EQ(removed->size(), 1u);

@@ -38,12 +38,13 @@ bool IsPowerOfTwo(uint64_t v) {
   return v != 0 && (v & (v - 1)) == 0;
 }
 
-// The sort key of a selected tensor. `group` is 0 for every tensor with DeliveryOrder::kFile; with
-// kLayer it is 0 for tensors without a layer and layer + 1 otherwise, so the no-layer group comes
-// first. The tensor index breaks ties (zero-size tensors may share an offset with a neighbour) so
-// the plan is deterministic whatever order the caller listed the tensors in.
+// The sort key of a selected tensor. `group` is empty for every tensor with DeliveryOrder::kFile;
+// with kLayer it is empty for tensors without a layer and the layer otherwise, so the no-layer
+// group comes first (an empty optional orders before every value). The tensor index breaks ties
+// (zero-size tensors may share an offset with a neighbour) so the plan is deterministic whatever
+// order the caller listed the tensors in.
 struct Item {
-  uint64_t group = 0;
+  std::optional<uint64_t> group;
   uint32_t file = 0;
   uint64_t offset = 0;
   uint32_t tensor = 0;
@@ -90,8 +91,8 @@ constexpr uint64_t kAlignSegmentsFrom = 256u << 10;
 
 ShardLayout MakeLayout(const TensorInfo& t, TensorSlice slice, uint64_t max_gap) {
   ShardLayout l;
-  for (const auto& [off, len] : SliceByteRanges(t, slice))
-    l.pieces.emplace_back(t.offset + off, len);
+  l.pieces = SliceByteRanges(t, slice);
+  for (auto& piece : l.pieces) piece.first += t.offset;
   l.slice = std::move(slice);
   for (size_t i = 0; i < l.pieces.size(); ++i) {
     const auto [off, len] = l.pieces[i];
@@ -142,6 +143,35 @@ void AddContiguousTensor(const Item& item, const ShardLayout* layout,
   pos = r.buffer_offset + r.length;
 }
 
+// Appends `mv` (one move) to `moves`, extending the last entry when `mv` continues its arithmetic
+// progression: a strided slice's rows make one entry, whatever their number.
+void AppendMove(std::vector<BufferMove>& moves, const BufferMove& mv) {
+  if (!moves.empty()) {
+    BufferMove& last = moves.back();
+    if (last.length == mv.length && mv.from > last.from && mv.to > last.to) {
+      if (last.count == 1) {
+        last.from_stride = mv.from - last.from;
+        last.to_stride = mv.to - last.to;
+        last.count = 2;
+        return;
+      }
+      if (mv.from == last.from + last.count * last.from_stride &&
+          mv.to == last.to + last.count * last.to_stride) {
+        ++last.count;
+        return;
+      }
+    }
+  }
+  moves.push_back(mv);
+}
+
+// The moves `moves` describes (an entry's `count` each).
+uint64_t MoveCount(const std::vector<BufferMove>& moves) {
+  uint64_t n = 0;
+  for (const BufferMove& mv : moves) n += mv.count;
+  return n;
+}
+
 // Adds a tensor read in several pieces (sealed segment ranges plus packing moves) to `batch`.
 void AddPiecedTensor(const Item& item, const ShardLayout& layout, std::optional<TensorSlice> slice,
                      const PlanOptions& options, std::vector<Range>& ranges, uint64_t& pos,
@@ -160,7 +190,7 @@ void AddPiecedTensor(const Item& item, const ShardLayout& layout, std::optional<
     for (size_t i = seg.first_piece; i < seg.end_piece; ++i) {
       const auto [off, len] = layout.pieces[i];
       const uint64_t from = at + (off - seg.file_offset), to = dest + packed;
-      if (from != to) batch.moves.push_back({from, to, len});
+      if (from != to) AppendMove(batch.moves, {from, to, len});
       packed += len;
     }
     batch.read_bytes += seg.length;
@@ -282,11 +312,8 @@ Result<Item> MakeItem(const TensorInfo& t, uint32_t index, const PlanOptions& op
                       " bytes, more than the budget of " + std::to_string(limit) +
                       " bytes (allow_oversized gives it a batch of its own)");
   }
-  uint64_t group = 0;
-  if (options.order == DeliveryOrder::kLayer) {
-    const std::optional<uint64_t> layer = LayerOf(t.name);
-    group = layer ? uint64_t{*layer} + 1 : 0;
-  }
+  std::optional<uint64_t> group;
+  if (options.order == DeliveryOrder::kLayer) group = LayerOf(t.name);
   return Item{group, t.file, t.offset, index, size, cost, layout};
 }
 
@@ -319,7 +346,7 @@ Status CollectItems(const Checkpoint& checkpoint, std::span<const uint32_t> tens
 // A batch before layout: the [begin, end) span of the sorted items it holds, and their group.
 struct Span {
   size_t begin, end;
-  uint64_t group;
+  std::optional<uint64_t> group;
 };
 
 // Pass 2: greedy batching over the sorted list. Greedy keeps (file, offset) order across batches,
@@ -398,14 +425,12 @@ Plan LayOutPlan(const std::vector<Item>& items, const std::vector<Span>& spans,
   for (size_t b = 0; b < spans.size(); ++b) {
     PlanBatch& batch = plan.batches[b];
     const Span& s = spans[b];
-    if (options.order == DeliveryOrder::kLayer && s.group != 0) {
-      batch.layer = static_cast<uint32_t>(s.group - 1);
-    }
+    if (options.order == DeliveryOrder::kLayer) batch.layer = s.group;
     plan.num_ranges += LayOutBatch(std::span<const Item>(items).subspan(s.begin, s.end - s.begin),
                                    layouts, options, batch);
     plan.tensor_bytes += batch.tensor_bytes;
     plan.read_bytes += batch.read_bytes;
-    plan.num_moves += batch.moves.size();
+    plan.num_moves += MoveCount(batch.moves);
     plan.num_tensors += batch.tensors.size();
     plan.num_tasks += batch.tasks.size();
   }
@@ -511,7 +536,7 @@ std::string ExplainBatchHeader(size_t b, const PlanBatch& batch, size_t num_rang
   if (batch.layer) out += std::string(", layer ") + std::to_string(*batch.layer);
   if (batch.read_bytes != batch.tensor_bytes || !batch.moves.empty()) {
     out += std::string(", reads ") + std::to_string(batch.read_bytes) + " bytes, " +
-           std::to_string(batch.moves.size()) + " moves";
+           std::to_string(MoveCount(batch.moves)) + " moves";
   }
   out += "\n";
   return out;

@@ -96,7 +96,7 @@ void CheckInvariants(const Checkpoint& c, std::span<const uint32_t> selection,
   const auto& all = c.tensors();
   std::multiset<uint32_t> planned;
   uint64_t total_bytes = 0, total_tensors = 0, total_ranges = 0, total_tasks = 0;
-  std::optional<uint64_t> previous_group;  // kLayer: 0 = no layer, else layer + 1
+  std::optional<uint64_t> previous_group;  // kLayer: the previous batch's layer
 
   for (size_t b = 0; b < plan.batches.size(); ++b) {
     SCOPED_TRACE(std::string("batch ") + std::to_string(b));
@@ -125,14 +125,13 @@ void CheckInvariants(const Checkpoint& c, std::span<const uint32_t> selection,
 
     // Layer grouping.
     if (options.order == DeliveryOrder::kLayer) {
-      const std::optional<uint32_t> layer = LayerOf(all[batch.tensors[0].tensor].name);
+      const std::optional<uint64_t> layer = LayerOf(all[batch.tensors[0].tensor].name);
       EXPECT_EQ(batch.layer, layer);
       for (const PlannedTensor& t : batch.tensors) EXPECT_EQ(LayerOf(all[t.tensor].name), layer);
-      const uint64_t group = layer ? uint64_t{*layer} + 1 : 0;
-      if (previous_group) {
-        EXPECT_LE(*previous_group, group);
+      if (b > 0) {
+        EXPECT_LE(previous_group, layer);  // no layer first, then layers in order
       }
-      previous_group = group;
+      previous_group = layer;
     } else {
       EXPECT_FALSE(batch.layer.has_value());
     }
@@ -688,6 +687,30 @@ TEST(PlanLayer, GroupsLlamaByLayer) {
   // kFile ignores layers: one batch.
   options = {};
   EXPECT_EQ(MustPlan(c, All(c), options).batches.size(), 1u);
+}
+
+// Layer numbers are 64-bit: 2^32 is not layer 0, and 2^64 - 1 is a layer, not "no layer".
+TEST(PlanLayer, LayerNumbersBeyond32Bits) {
+  TempDir dir;
+  const std::vector<std::byte> zeros(256);
+  const std::vector<Spec> specs = {{"model.layers.0.w", 16},
+                                   {"model.layers.4294967296.w", 16},
+                                   {"model.layers.18446744073709551615.w", 16},
+                                   {"model.norm.weight", 16}};
+  const std::string path = dir.Join("m.safetensors");
+  ASSERT_TRUE(WriteFile(path, ToWrite(specs, zeros), {}).ok());
+  auto opened = Checkpoint::Open(path);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  PlanOptions options = Legacy();
+  options.order = DeliveryOrder::kLayer;
+  const Plan plan = MustPlan(**opened, All(**opened), options);
+  ASSERT_EQ(plan.batches.size(), 4u);
+  EXPECT_FALSE(plan.batches[0].layer.has_value());
+  EXPECT_EQ(Names(**opened, plan.batches[0]), std::vector<std::string>{"model.norm.weight"});
+  EXPECT_EQ(plan.batches[1].layer, uint64_t{0});
+  EXPECT_EQ(plan.batches[2].layer, uint64_t{4294967296});
+  EXPECT_EQ(plan.batches[3].layer, uint64_t{18446744073709551615u});
+  EXPECT_NE(plan.Explain(**opened).find("layer 18446744073709551615"), std::string::npos);
 }
 
 TEST(PlanLayer, LayerOf) {

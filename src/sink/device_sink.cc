@@ -92,12 +92,8 @@ class DeviceSink final : public BatchSink {
     for (size_t i = 0; i < gathered.size(); ++i) {
       const io::MappedFile& map = *gathered[i];
       if (map.faults() != faults[i]) {
-        // The file shrank under the mapping: the gathered rows past its end read as zeros.
-        return Status(Code::kUnexpectedEof,
-                      map.path() +
-                          ": file shrank while its rows were copied to the device (from "
-                          "offset " +
-                          std::to_string(map.first_fault_offset()) + "); reload");
+        // Rows read as zeros (the file shrank under the mapping, or an I/O error): not handed out.
+        return map.FaultError();
       }
     }
     return BatchInBuffer(*c_.checkpoint, batch, buffer->data(), buffer, device_);

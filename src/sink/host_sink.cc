@@ -58,7 +58,10 @@ class HostSink final : public BatchSink {
     TF_RETURN_IF_ERROR(Read(batch, *buffer, on_landing ? check.get() : nullptr));
     // Pack the pieces of covering reads (tensor-parallel plans); each moves left, in plan order.
     for (const BufferMove& mv : batch.moves) {
-      std::memmove(buffer->data() + mv.to, buffer->data() + mv.from, mv.length);
+      for (uint64_t i = 0; i < mv.count; ++i) {
+        std::memmove(buffer->data() + mv.to + i * mv.to_stride,
+                     buffer->data() + mv.from + i * mv.from_stride, mv.length);
+      }
     }
     if (check) {
       if (!on_landing) TF_RETURN_IF_ERROR(check->VerifyAll(c_.verify_threads));

@@ -92,12 +92,8 @@ class MappedSink final : public BatchSink {
         data = map->data() + info.offset + off;
         owner = std::shared_ptr<const void>(map, data);
       }
-      // A file that shrank while mapped (faults repaired with zeros) must not pass as loaded.
-      if (map->faults() != 0) {
-        return Status(Code::kUnexpectedEof,
-                      map->path() + ": file shrank while mapped: page at offset " +
-                          std::to_string(map->first_fault_offset()) + " is past its end");
-      }
+      // A page that read as zeros (its file shrank, or an I/O error) must not pass as loaded.
+      if (map->faults() != 0) return map->FaultError();
       out.tensors.push_back(PlannedTensorAt(info, pt, data, std::move(owner)));
     }
     return out;

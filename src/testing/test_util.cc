@@ -29,6 +29,16 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+ShmTempDir::ShmTempDir() {
+  char name[] = "/dev/shm/tensorferry-test-XXXXXX";
+  if (::mkdtemp(name) != nullptr) path_ = name;
+}
+
+ShmTempDir::~ShmTempDir() {
+  std::error_code ec;
+  if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+}
+
 std::vector<std::byte> Pattern(size_t n, unsigned seed) {
   std::vector<std::byte> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed * 17 + 5) & 0xff);

@@ -33,6 +33,20 @@ class TempDir {
   std::string path_;
 };
 
+// A directory under /dev/shm (tmpfs where it exists), removed with its contents; path() is empty
+// when none could be made (no /dev/shm): tests skip then.
+class ShmTempDir {
+ public:
+  ShmTempDir();
+  ~ShmTempDir();
+  ShmTempDir(const ShmTempDir&) = delete;
+  ShmTempDir& operator=(const ShmTempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 // Sets (or, with nullopt, unsets) an environment variable and restores the old value on
 // destruction.
 class ScopedEnv {

@@ -350,3 +350,111 @@ def test_host_parameters_are_writable_without_touching_the_file(checkpoint):
         assert f.read() == before
     again = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"])
     _assert_same_model(again, checkpoint["ref"])
+
+
+@pytest.mark.parametrize("device_map", ["sequential", "auto", "balanced"])
+def test_device_map_strategies_place_the_tied_model(checkpoint, device_map):
+    """The model's tie_weights() comes before accelerate's placement: a model whose tie was undone
+    by init_empty_weights is placed as the tied model it is (the tied tensor counted once, its
+    names on one device). max_memory fits the tied model and not the untied one, whose map would
+    spill to 'disk'."""
+    from accelerate.utils import compute_module_sizes
+    untied = compute_module_sizes(_meta_model(tie=False))[""]
+    tied = compute_module_sizes(_meta_model(tie=True))[""]
+    assert tied < untied
+    max_memory = {"cpu": (tied + untied) // 2}
+    m = _meta_model(tie=False)
+    ours = tft.load_checkpoint_and_dispatch(m, checkpoint["single"], device_map=device_map,
+                                            max_memory=max_memory)
+    assert ours.hf_device_map == {"": "cpu"}
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+    _assert_same_model(ours, checkpoint["ref"])
+
+
+def test_tensor_parallel_missing_tensors_get_the_rank_local_shape(checkpoint, tmp_path):
+    """init_missing's tensors are allocated at the rank-local shape of their slice under the shard
+    rules, as the loaded ones; a model built at rank-local shapes keeps its own shape for them."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.0.self_attn.q_proj.weight"]  # column parallel: split on dim 0
+    del sd["layers.0.self_attn.o_proj.weight"]  # row parallel: split on dim 1
+    path = str(tmp_path / "noq.safetensors")
+    save_file(sd, path, metadata={"format": "pt"})
+    seen = {}
+
+    def fill(name, tensor):
+        seen[name] = tuple(tensor.shape)
+        tensor.fill_(0.5)
+
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), path, tp_rank=1, tp_size=2,
+                                         init_missing=fill)
+    attn = m.layers[0].self_attn
+    assert seen == {"layers.0.self_attn.q_proj.weight": (HIDDEN // 2, HIDDEN),
+                    "layers.0.self_attn.o_proj.weight": (HIDDEN, HIDDEN // 2)}
+    assert attn.q_proj.weight.shape == m.layers[1].self_attn.q_proj.weight.shape
+    assert attn.o_proj.weight.shape == m.layers[1].self_attn.o_proj.weight.shape
+    assert torch.all(attn.q_proj.weight == 0.5) and torch.all(attn.o_proj.weight == 0.5)
+    assert torch.equal(attn.k_proj.weight,
+                       torch.tensor_split(checkpoint["ref"].layers[0].self_attn.k_proj.weight,
+                                          2, 0)[1])
+
+    # A model already at the rank-local shapes: its missing tensors are not cut again.
+    local = _meta_model()
+    for layer in local.layers:
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            getattr(layer.self_attn, proj).weight = nn.Parameter(
+                torch.empty(HIDDEN // 2, HIDDEN, device="meta"))
+        layer.self_attn.o_proj.weight = nn.Parameter(torch.empty(HIDDEN, HIDDEN // 2,
+                                                                 device="meta"))
+        for proj, shape in (("gate_proj", (INTER // 2, HIDDEN)), ("up_proj", (INTER // 2, HIDDEN)),
+                            ("down_proj", (HIDDEN, INTER // 2))):
+            getattr(layer.mlp, proj).weight = nn.Parameter(torch.empty(shape, device="meta"))
+    local.embed_tokens.weight = nn.Parameter(torch.empty(VOCAB // 2, HIDDEN, device="meta"))
+    local.tie_weights()
+    seen.clear()
+    m = tft.load_checkpoint_and_dispatch(local, path, tp_rank=1, tp_size=2, init_missing=fill)
+    assert seen == {"layers.0.self_attn.q_proj.weight": (HIDDEN // 2, HIDDEN),
+                    "layers.0.self_attn.o_proj.weight": (HIDDEN, HIDDEN // 2)}
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"),
+                    reason="this torch has no float4_e2m1fn_x2 (F4 tensors)")
+def test_float4_tensors_have_torchs_packed_shape(tmp_path):
+    """An F4 header counts 4-bit values ([2, 8]); torch's float4_e2m1fn_x2 counts packed pairs
+    ([2, 4]): the shape checks and allocations use torch's, and the bytes are the file's. With
+    tensor parallelism too, for loaded and init_missing tensors."""
+    f4 = torch.float4_e2m1fn_x2
+    packed = torch.arange(8, dtype=torch.uint8).view(f4).reshape(2, 4)
+    path = str(tmp_path / "f4.safetensors")
+    tensorferry.torch.save_file({"w": packed, "x": torch.arange(4.0)}, path)
+    with tensorferry.safe_open(path, "pt") as f:
+        assert f.get_slice("w").get_shape() == [2, 8]
+
+    class M(nn.Module):
+        def __init__(self, missing=False):
+            super().__init__()
+            self.register_buffer("w", torch.zeros(8, dtype=torch.uint8).view(f4).reshape(2, 4))
+            if missing:
+                self.register_buffer("v",
+                                     torch.zeros(8, dtype=torch.uint8).view(f4).reshape(2, 4))
+            self.x = nn.Parameter(torch.zeros(4))
+
+    for device_map in (None, "cpu", {"": "cpu"}):
+        for model in (M(), _on_meta(M)):
+            m = tft.load_checkpoint_and_dispatch(model, path, device_map=device_map)
+            assert m.w.dtype == f4 and tuple(m.w.shape) == (2, 4), device_map
+            assert torch.equal(m.w.view(torch.uint8), packed.view(torch.uint8)), device_map
+            assert torch.equal(m.x, torch.arange(4.0))
+
+    # The model's full torch shape (2, 4) is the file's [2, 8]; rank 1 holds the second row.
+    m = tft.load_checkpoint_and_dispatch(_on_meta(M, missing=True), path, tp_rank=1, tp_size=2,
+                                         shard_rules={"w": 0, "v": 0},
+                                         init_missing=lambda name, t: t.view(torch.uint8).fill_(9))
+    assert tuple(m.w.shape) == (1, 4) and tuple(m.v.shape) == (1, 4)
+    assert torch.equal(m.w.view(torch.uint8), packed.view(torch.uint8)[1:])
+    assert torch.all(m.v.view(torch.uint8) == 9)
+
+
+def _on_meta(cls, *args, **kwargs):
+    with init_empty_weights(include_buffers=True):
+        return cls(*args, **kwargs)

@@ -126,6 +126,16 @@ def test_minilm_real_weights_identical_embeddings(tmp_path, opened, shard):
     assert not torch.isnan(b).any() and not torch.equal(b[0, 0], b[1, 0])
 
 
+def _open_on_route(route, path):
+    """(the device-read call, safe_open(path)) with `path` read through the to-device route."""
+    call = tft._DeviceRead(route.device, [path])
+    tft._target.call = call
+    try:
+        return call, tft.safe_open(path, framework="pt")
+    finally:
+        tft._target.call = None
+
+
 def _reference_open(path):
     return safetensors.safe_open(str(path), framework="pt")
 
@@ -391,6 +401,29 @@ def test_to_device_hands_each_tensor_out_once_and_reads_it_again_after(tmp_path,
     call.finish()
 
 
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"),
+                    reason="this torch has no float4_e2m1fn_x2 (F4 tensors)")
+def test_to_device_reads_float4_at_torchs_packed_shape(tmp_path, to_device_route):
+    """An F4 header counts 4-bit values ([2, 8]); torch's float4_e2m1fn_x2 counts packed pairs
+    ([2, 4]): the device route allocates torch's shape and gives the file's bytes, as the mapped
+    route does."""
+    f4 = torch.float4_e2m1fn_x2
+    packed = torch.arange(8, dtype=torch.uint8).view(f4).reshape(2, 4)
+    path = str(tmp_path / "f4.safetensors")
+    tensorferry.torch.save_file({"w": packed, "x": torch.ones(4)}, path)
+    with tft.safe_open(path, framework="pt") as f:
+        assert f.get_slice("w").get_shape() == [2, 8]
+        mapped = f.get_slice("w")[...]
+    call, f = _open_on_route(to_device_route, path)
+    with f:
+        got = f.get_slice("w")[...]
+    call.finish()
+    assert sorted(to_device_route.read) == ["w", "x"]  # the device route, not the mapping
+    for t in (mapped, got):
+        assert t.dtype == f4 and tuple(t.shape) == (2, 4)
+        assert torch.equal(t.view(torch.uint8), packed.view(torch.uint8))
+
 def test_to_device_reads_in_the_background_from_the_first_open(tmp_path, to_device_route,
                                                                 monkeypatch):
     """Opening a file starts the read and returns; the first request waits for it; a read that
@@ -406,12 +439,7 @@ def test_to_device_reads_in_the_background_from_the_first_open(tmp_path, to_devi
         return counting(self, destinations)
 
     monkeypatch.setattr(tensorferry.Loader, "load_into", held)
-    call = tft._DeviceRead(to_device_route.device, [path])
-    tft._target.call = call
-    try:
-        f = tft.safe_open(path, framework="pt")  # returns while the read is held
-    finally:
-        tft._target.call = None
+    call, f = _open_on_route(to_device_route, path)  # returns while the read is held
     assert started.wait(30) and to_device_route.read == []
     got = {}
     asker = threading.Thread(target=lambda: got.update(a=f.get_tensor("a")))
@@ -429,12 +457,7 @@ def test_to_device_reads_in_the_background_from_the_first_open(tmp_path, to_devi
         raise tensorferry.SafetensorError("read failed (test)")
 
     monkeypatch.setattr(tensorferry.Loader, "load_into", broken)
-    call = tft._DeviceRead(to_device_route.device, [path])
-    tft._target.call = call
-    try:
-        f = tft.safe_open(path, framework="pt")
-    finally:
-        tft._target.call = None
+    call, f = _open_on_route(to_device_route, path)
     for _ in range(2):
         with pytest.raises(tensorferry.SafetensorError, match="read failed"):
             f.get_tensor("a")

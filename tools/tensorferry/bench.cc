@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -225,10 +226,12 @@ struct Mapping {
   uint64_t size;
 };
 
-// fio over the evicted files, O_DIRECT, 8 MiB blocks, the better of two shapes: one job with queue
-// depth 32 reading the files in turn, and one job per file (queue depth 8 each, reported as a
-// group), which is what a parallel loader does. GB/s, or -1 when fio is missing or fails.
-double FioRead(const std::vector<std::string>& files) {
+// fio over the evicted files, O_DIRECT, 8 MiB blocks (less when a file is smaller: fio refuses a
+// block larger than a file), the better of two shapes: one job with queue depth 32 reading the
+// files in turn, and one job per file (queue depth 8 each, reported as a group), which is what a
+// parallel loader does. GB/s, or -1 when fio is missing or both shapes fail (`*why` says which,
+// with fio's exit status).
+double FioRead(const std::vector<std::string>& files, std::string* why) {
   auto escape = [](const std::string& f) {
     std::string escaped;
     for (char c : f) {
@@ -237,20 +240,37 @@ double FioRead(const std::vector<std::string>& files) {
     }
     return escaped;
   };
-  auto bandwidth = [](const std::vector<std::string>& argv) {
+  auto bandwidth = [why](const std::vector<std::string>& argv) {
     int rc = 0;
     const std::string out = RunCapture(argv, &rc);
-    if (rc != 0) return -1.0;
+    if (rc != 0) {
+      *why = rc == -1 ? "fio not found" : "fio failed (exit " + std::to_string(rc) + ")";
+      return -1.0;
+    }
     const size_t read = out.find("\"read\"");
-    if (read == std::string::npos) return -1.0;
-    const double bw = JsonNumber(out, "bw_bytes", read);
+    const double bw = read == std::string::npos ? 0 : JsonNumber(out, "bw_bytes", read);
+    if (bw <= 0) *why = "fio reported no read bandwidth";
     return bw > 0 ? bw / 1e9 : -1.0;
   };
+  uint64_t smallest = UINT64_MAX;
+  for (const std::string& f : files) {
+    struct stat st {};
+    if (::stat(f.c_str(), &st) == 0) smallest = std::min(smallest, uint64_t(st.st_size));
+  }
+  const uint64_t block = std::min<uint64_t>(8u << 20, smallest & ~uint64_t{4095});
+  if (block == 0) {
+    *why = "files too small for fio";
+    return -1.0;
+  }
   // --readonly: fio must never write the files (given a --size larger than a file, fio would
   // "lay it out", overwriting it). No --size: each file is read whole, as it is.
-  const std::vector<std::string> common = {
-      "fio",        "--readonly",          "--rw=read", "--bs=8M", "--ioengine=io_uring",
-      "--direct=1", "--output-format=json"};
+  const std::vector<std::string> common = {"fio",
+                                           "--readonly",
+                                           "--rw=read",
+                                           "--bs=" + std::to_string(block),
+                                           "--ioengine=io_uring",
+                                           "--direct=1",
+                                           "--output-format=json"};
   std::string names;
   for (const std::string& f : files) names += (names.empty() ? "" : ":") + escape(f);
   std::vector<std::string> one = common;
@@ -344,8 +364,16 @@ bool CheckLoadFlags(const BenchArgs& args, std::vector<std::string>& engines) {
     }
     at = comma + 1;
   }
+  if (engines.empty()) {
+    PrintError("--engines " + args.engines + ": names no engine (e.g. pread,io_uring,mmap)");
+    return false;
+  }
   if (const Status s = SetContext(checked, "budget", args.budget, "--budget"); !s.ok()) {
     PrintError(s.message());
+    return false;
+  }
+  if (checked.budget == 0) {  // 0 is "unbounded": the budgeted run would compare nothing
+    PrintError("--budget " + args.budget + ": the budgeted run needs a budget above 0");
     return false;
   }
   return true;
@@ -443,21 +471,28 @@ void RunWarm(const BenchArgs& args, const std::string& self,
 }
 
 // Budget (warm, auto engine): bytes held and throughput against unbudgeted in the same run.
-void RunBudget(const BenchArgs& args, const std::string& self, Progress& progress,
+void RunBudget(const BenchArgs& args, const std::string& self, unsigned runs, Progress& progress,
                BenchResults& out) {
-  const std::string unbounded = LoadJson(args, self, "auto", {}, out);
-  const std::string budgeted = LoadJson(args, self, "auto", {"--budget", args.budget}, out);
-  const std::vector<double> u = JsonNumbers(unbounded, "runs_gb_per_s");
-  const std::vector<double> b = JsonNumbers(budgeted, "runs_gb_per_s");
-  if (!u.empty() && !b.empty()) {
-    out.results["warm, unbounded: auto"].values.push_back(u[0]);
-    out.results["warm, budget " + args.budget + ": auto"].values.push_back(b[0]);
-    out.memory["peak RSS over start, budget " + args.budget] = static_cast<uint64_t>(
-        JsonNumber(budgeted, "peak_rss_bytes") - JsonNumber(budgeted, "rss_before_bytes"));
-    out.memory["peak RSS over start, unbounded"] = static_cast<uint64_t>(
-        JsonNumber(unbounded, "peak_rss_bytes") - JsonNumber(unbounded, "rss_before_bytes"));
+  for (unsigned r = 0; r < runs; ++r) {  // alternated, as every other pair of contenders
+    const std::string unbounded = LoadJson(args, self, "auto", {}, out);
+    const std::string budgeted = LoadJson(args, self, "auto", {"--budget", args.budget}, out);
+    const std::vector<double> u = JsonNumbers(unbounded, "runs_gb_per_s");
+    const std::vector<double> b = JsonNumbers(budgeted, "runs_gb_per_s");
+    if (!u.empty() && !b.empty()) {
+      out.results["warm, unbounded: auto"].values.push_back(u[0]);
+      out.results["warm, budget " + args.budget + ": auto"].values.push_back(b[0]);
+      // The most any run held over its start.
+      uint64_t& held_budget = out.memory["peak RSS over start, budget " + args.budget];
+      uint64_t& held_unbounded = out.memory["peak RSS over start, unbounded"];
+      held_budget =
+          std::max(held_budget, static_cast<uint64_t>(JsonNumber(budgeted, "peak_rss_bytes") -
+                                                      JsonNumber(budgeted, "rss_before_bytes")));
+      held_unbounded = std::max(held_unbounded,
+                                static_cast<uint64_t>(JsonNumber(unbounded, "peak_rss_bytes") -
+                                                      JsonNumber(unbounded, "rss_before_bytes")));
+    }
+    progress.Step("budget");
   }
-  progress.Step("budget");
 }
 
 // Cold: each engine after evicting the files, then the storage limit (fio, or the internal
@@ -478,10 +513,10 @@ void RunCold(const BenchArgs& args, const std::string& self,
   }
   for (unsigned r = 0; r < runs; ++r) {
     (void)Evict(files);
-    double fio = FioRead(files);
+    std::string why;
+    double fio = FioRead(files, &why);
     if (fio < 0) {
-      if (r == 0)
-        out.notes.push_back("fio not found: storage limit from the internal O_DIRECT reader");
+      if (r == 0) out.notes.push_back(why + ": storage limit from the internal O_DIRECT reader");
       fio = DirectRead(files);
       out.results["ref: storage limit (O_DIRECT reader)"].values.push_back(fio);
     } else {
@@ -570,6 +605,13 @@ int RunBench(const BenchArgs& args) {
     regions.push_back({f.path, f.data_offset, f.file_size - f.data_offset});
     total += f.file_size - f.data_offset;
   }
+  if (total == 0) {
+    return Failed(args.json, args.path,
+                  Status(Code::kInvalidArgument, "the checkpoint holds no tensor data (" +
+                                                     Plural(ckpt.tensors().size(), "tensor") +
+                                                     " of 0 bytes): nothing to "
+                                                     "measure"));
+  }
   std::vector<std::string> engines;
   if (!CheckLoadFlags(args, engines)) return kExitUsage;
   const unsigned runs = std::max(args.runs, 1u);
@@ -577,11 +619,11 @@ int RunBench(const BenchArgs& args) {
   const std::string self = SelfExe();
 
   Progress progress(4 * runs + engines.size() * (runs + (args.no_cold ? 0 : runs)) +
-                    (args.no_cold ? 0 : 1) + 2);
+                    (args.no_cold ? 0 : 1) + runs + 1);
   BenchResults out;
   if (!RunReferences(regions, total, runs, cores, progress, out)) return kExitError;
   RunWarm(args, self, engines, runs, progress, out);
-  RunBudget(args, self, progress, out);
+  RunBudget(args, self, runs, progress, out);
   if (!args.no_cold) RunCold(args, self, engines, files, runs, progress, out);
   progress.Step("done");
 

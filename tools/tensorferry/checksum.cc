@@ -2,10 +2,8 @@
 // (docs/integrity.md) and writes them, atomically, as the sidecar manifest
 // tensorferry.checksums.json beside it; for third-party checkpoints written without them. `verify`
 // and loads with verify=auto|on use it for files that carry no embedded checksums.
-#include <algorithm>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "commands.h"
 #include "json_out.h"
@@ -40,7 +38,10 @@ int RunChecksum(const ChecksumArgs& args) {
     Result<std::shared_ptr<const Checkpoint>> opened = OpenCheckpoint(args.path);
     if (!opened.ok()) return opened.status();
     ckpt = *std::move(opened);
-    if (ckpt->files().empty() || ckpt->files()[0].path.find("://") != std::string::npos) {
+    if (ckpt->files().empty()) {
+      return Status(Code::kInvalidArgument, "the checkpoint has no file (its index names none)");
+    }
+    if (ckpt->files()[0].path.find("://") != std::string::npos) {
       return Status(Code::kUnsupported, "a manifest is written beside local files only");
     }
     // Without --chunk-size, the chunk size of a manifest already there, whose other files'
@@ -49,8 +50,7 @@ int RunChecksum(const ChecksumArgs& args) {
       Result<std::optional<ChecksumManifest>> existing = ReadChecksumManifest(*ckpt);
       if (existing.ok() && *existing) chunk_size = (*existing)->chunk_size;
     }
-    const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
-    auto manifest = ComputeChecksumManifest(*ckpt, chunk_size, threads);
+    auto manifest = ComputeChecksumManifest(*ckpt, chunk_size, HashThreads());
     if (!manifest.ok()) return manifest.status();
     for (const auto& [name, file] : manifest->files) tensors += file.checksums.tensors.size();
     manifest_path = ChecksumManifestPath(*ckpt);

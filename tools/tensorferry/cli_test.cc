@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -146,6 +147,28 @@ TEST(CliGen, OptionsAndJsonSummary) {
   EXPECT_EQ(uint64_t(doc["config"]["hidden"]), 64u);
   EXPECT_EQ(std::string_view(doc["metadata"]["k"]), "v");
   EXPECT_EQ(std::string_view(doc["metadata"]["format"]), "pt");
+}
+
+// Dtype names are taken in any case (the file gets the canonical name); the writer's checksum
+// record is not a key --metadata may set.
+TEST(CliGen, LowercaseDtypeAndReservedMetadataKey) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  RunResult r = RunCli({"gen", dir, "--preset", "tiny", "--no-sync", "--dtype", "bf16", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_NE(r.out.find("\"dtype\":\"BF16\""), std::string::npos) << r.out;
+  r = RunCli({"verify", dir});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  r = RunCli({"inspect", dir, "--json"});
+  EXPECT_NE(r.out.find("\"BF16\""), std::string::npos) << r.out;
+  r = RunCli({"gen", t.Join("n"), "--preset", "tiny", "--no-sync", "--dtype", "f8_e4m3"});
+  EXPECT_EQ(r.exit_code, 0) << Describe(r);
+  r = RunCli({"gen", t.Join("o"), "--preset", "tiny", "--dtype", "bf17"});
+  EXPECT_EQ(r.exit_code, 2) << Describe(r);
+  r = RunCli({"gen", t.Join("o"), "--preset", "tiny", "--metadata", "tensorferry.checksums=x"});
+  EXPECT_EQ(r.exit_code, 2) << Describe(r);
+  EXPECT_NE(r.err.find("the writer's own checksum record"), std::string::npos) << Describe(r);
+  EXPECT_FALSE(std::filesystem::exists(t.Join("o")));
 }
 
 // Float values are small and finite; norms are near 1.
@@ -524,6 +547,23 @@ TEST_F(CliVerifyCorrupt, EmptyAndTinyFiles) {
   ExpectVerifyFails(dir_);
 }
 
+// A write past the file-size limit (ulimit -f) is an error that removes what was written, not
+// a SIGXFSZ that kills the process and leaves a temporary file.
+TEST(CliGen, FileSizeLimitIsAnErrorThatLeavesNothing) {
+  TempDir t;
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  struct rlimit small = old;
+  small.rlim_cur = 64 * 1024;  // tiny's one shard is ~200 KB
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const RunResult r = RunCli({"gen", t.Join("m"), "--preset", "tiny", "--no-sync"});
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_NE(r.err.find("File too large"), std::string::npos) << Describe(r);
+  EXPECT_FALSE(fs::exists(t.Join("m")));
+  EXPECT_TRUE(fs::is_empty(t.path()));
+}
+
 TEST(CliVerify, GarbageFileAndEmptyDirectory) {
   TempDir t;
   WriteBytes(t.Join("x.safetensors"), std::string(100, '\xAB'));
@@ -546,7 +586,11 @@ TEST(CliVerify, FifoIsRefusedWithoutHanging) {
 
 TEST(CliUsage, ErrorsExitTwo) {
   EXPECT_EQ(RunCli({}).exit_code, 2);
-  EXPECT_EQ(RunCli({"frobnicate"}).exit_code, 2);
+  const RunResult unknown = RunCli({"verfy", "x"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_NE(unknown.err.find("unknown command 'verfy' (commands: inspect, verify,"),
+            std::string::npos)
+      << unknown.err;
   EXPECT_EQ(RunCli({"inspect"}).exit_code, 2);
   EXPECT_EQ(RunCli({"inspect", "x", "--bogus"}).exit_code, 2);
   TempDir t;

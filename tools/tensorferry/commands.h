@@ -98,6 +98,9 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
 // Checkpoint::Open with the object-store settings of the environment (TENSORFERRY_OBJECT_*, and
 // the AWS_* variables the source reads itself).
 Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path);
+// The options OpenCheckpoint opens `path` with: for a URL, the object-store settings of the
+// environment (an invalid TENSORFERRY_* variable is an error then); for a local path, defaults.
+Result<OpenOptions> OpenOptionsFor(const std::string& path);
 // The same; prints the error and returns null on failure.
 std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path);
 
@@ -129,6 +132,10 @@ Status AppendTensorSums(std::span<const Tensor> tensors, TensorSums& sums,
 uint64_t CombineTensorSums(TensorSums sums);    // the combination as a number
 std::string ChecksumHex(uint64_t checksum);     // as 16 hex digits
 std::string CombinedChecksum(TensorSums sums);  // ChecksumHex(CombineTensorSums(sums))
+
+// Threads for hashing a checkpoint's files (checksum, verify, reshard's source check): one per
+// CPU, at most 16.
+unsigned HashThreads();
 
 // Seconds since `start` on a steady clock.
 double SecondsSince(int64_t start_ns);

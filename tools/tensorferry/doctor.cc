@@ -52,7 +52,10 @@ struct LoadLimit {
 };
 LoadLimit LoadLimitOf(const MemoryLimit& m) {
   const Result<LoadOptions> env = LoadOptions::FromEnvironment();
-  const uint64_t set = env.ok() ? env->memory_limit : 0;
+  if (!env.ok()) {  // loads fail until it is fixed: say so, rather than a limit they never use
+    return {0, "loads fail: " + std::string(env.status().message())};
+  }
+  const uint64_t set = env->memory_limit;
   if (set == UINT64_MAX) return {0, "TENSORFERRY_MEMORY_LIMIT=off"};
   if (set > 0) return {set, "TENSORFERRY_MEMORY_LIMIT"};
   const uint64_t bytes = m.DefaultLoadLimit();

@@ -17,6 +17,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -25,6 +26,7 @@
 #include "commands.h"
 #include "json_out.h"
 #include "tensorferry/format.h"
+#include "tensorferry/integrity.h"
 #include "tensorferry/writer.h"
 
 namespace tensorferry::cli {
@@ -453,7 +455,9 @@ std::string TextReport(const GenArgs& args, DType dtype, const GenResult& r) {
 int RunGen(const GenArgs& args) {
   ModelConfig c;
   if (std::string err = ResolveConfig(args, c); !err.empty()) return UsageError(err);
-  const DType dtype = *DTypeFromName(args.dtype);  // checked by the option's validator
+  const std::optional<DType> named = DTypeFromName(args.dtype);  // upper-cased by --dtype
+  if (!named) return UsageError("unknown dtype '" + args.dtype + "'");
+  const DType dtype = *named;
   const uint64_t shard_size = *ParseSize(args.shard_size);
   const Metadata metadata = BuildMetadata(args);
   const std::vector<TensorSpec> specs = LlamaLayout(c, args.tie_embeddings);
@@ -502,7 +506,9 @@ Command AddGenCommand(CLI::App& parent) {
   args->vocab = app->add_option("--vocab", args->config.vocab, "Vocabulary size (default 32000)");
   app->add_option("--dtype", args->dtype, "Element type: BF16, F16, F32, F8_E4M3, I8, ...")
       ->capture_default_str()
-      ->check(CLI::Validator(
+      // A transform, not a check: CLI11 discards what a check's validator writes back, and the
+      // upper-cased name is what RunGen needs.
+      ->transform(CLI::Validator(
           [](std::string& s) -> std::string {
             if (DTypeFromName(s)) return "";
             std::string upper = s;
@@ -534,6 +540,10 @@ Command AddGenCommand(CLI::App& parent) {
           [](std::string& s) -> std::string {
             const size_t eq = s.find('=');
             if (eq == std::string::npos || eq == 0) return "expected KEY=VALUE, got '" + s + "'";
+            if (std::string_view(s).substr(0, eq) == kChecksumsMetadataKey) {
+              return "'" + std::string(kChecksumsMetadataKey) +
+                     "' is the writer's own checksum record, not a key to set";
+            }
             return "";
           },
           "KEY=VALUE"))

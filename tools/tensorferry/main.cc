@@ -101,6 +101,9 @@ void FinishObjectCacheCopies() {
 int main(int argc, char** argv) {
   using namespace tensorferry::cli;
   InstallSignalHandlers(OnTerminatingSignal);
+  // An output past the file-size limit (ulimit -f) fails its write with EFBIG, so the writers'
+  // rollback removes what they wrote; SIGXFSZ's default would kill the process mid-write.
+  ::signal(SIGXFSZ, SIG_IGN);
   try {
     CLI::App app{"tensorferry: inspect, verify and generate safetensors checkpoints"};
     app.name("tensorferry");
@@ -123,6 +126,21 @@ int main(int argc, char** argv) {
     for (const Command& command : commands) {
       for (CLI::Option* option : command.app->get_options()) {
         if (option->get_expected_min() > 0) option->check(non_empty);
+      }
+    }
+    // A first word that is neither an option nor a command: name it and the commands (CLI11
+    // would only say that a subcommand is required).
+    if (argc > 1 && argv[1][0] != '-') {
+      std::string names;
+      bool known = false;
+      for (const Command& command : commands) {
+        known = known || command.app->check_name(argv[1]);
+        names += (names.empty() ? "" : ", ") + command.app->get_name();
+      }
+      if (!known) {
+        PrintError(std::string("unknown command '") + argv[1] + "' (commands: " + names +
+                   "; --help explains them)");
+        return kExitUsage;
       }
     }
     try {

@@ -21,7 +21,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "commands.h"
@@ -197,7 +196,13 @@ std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uin
   // Refused before anything is written: no rank directory is ever overwritten.
   for (uint32_t rank = 0; a.tp > 0 && rank < world; ++rank) {
     const fs::path final_dir = fs::path(a.dst) / RankDirName(rank, world);
-    if (fs::exists(final_dir)) {
+    std::error_code ec;
+    const bool exists = fs::exists(final_dir, ec);
+    if (ec) {
+      PrintError(final_dir.string(), Status(Code::kIoError, "cannot be checked: " + ec.message()));
+      return std::nullopt;
+    }
+    if (exists) {
       PrintError(final_dir.string(),
                  Status(Code::kInvalidArgument, "already exists; not overwritten"));
       return std::nullopt;
@@ -274,21 +279,22 @@ int RunReshard(const ReshardArgs& a) {
   if (!ckpt) return kExitError;
   std::vector<std::shared_ptr<const RandomAccessFile>> files;
   if (!OpenSourceFiles(*ckpt, files)) return kExitError;
-  // The writer computes new checksums over what it reads: a corrupt source would come out
-  // "verified". The source's own checksums (embedded, or its manifest) are checked first.
-  if (!a.no_verify) {
-    const unsigned threads = std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
-    if (Status s = VerifyCheckpointChecksums(*ckpt, threads); !s.ok()) {
-      PrintError(a.src, s);
-      return kExitError;
-    }
-  }
   Metadata base;
   if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
+  // The destination first: refusing it must not wait for the whole source to be read.
   if (a.tp == 0 && !CheckDstIsNotSource(a, *ckpt)) return kExitError;
   const uint32_t world = a.tp == 0 ? 1 : a.tp;
   std::optional<DirectoryTransaction> dst = PrepareDestination(a, world);
   if (!dst) return kExitError;
+  // The writer computes new checksums over what it reads: a corrupt source would come out
+  // "verified". The source's own checksums (embedded, or its manifest) are checked before any
+  // byte is written (folders the transaction created go again).
+  if (!a.no_verify) {
+    if (Status s = VerifyCheckpointChecksums(*ckpt, HashThreads()); !s.ok()) {
+      PrintError(a.src, s);
+      return kExitError;
+    }
+  }
   uint64_t written = 0;
   for (uint32_t rank = 0; rank < world; ++rank) {
     if (!WriteOneRank(a, *ckpt, files, spec, so, base, rank, world, *dst, written)) {

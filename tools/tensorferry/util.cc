@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "commands.h"
@@ -63,6 +64,8 @@ Result<ShardSpec> ReadShardRules(const std::string& path) {
 std::string ErrorText(std::string_view path, const Status& status) {
   std::string_view message = status.message();
   if (message.empty()) message = CodeName(status.code());
+  // A bad environment variable (LoadOptions::FromEnvironment names it) is not about the path.
+  if (message.starts_with("TENSORFERRY_")) return std::string(message);
   // Library messages start with the file they are about: the path given, a file inside that
   // directory, or (for an index or a file given) a sibling in the same directory. Those already
   // have the "<path>: <reason>" shape.
@@ -155,12 +158,21 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
       ->required();
 }
 
-Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path) {
+Result<OpenOptions> OpenOptionsFor(const std::string& path) {
+  OpenOptions open;
+  // The environment's settings (TENSORFERRY_OBJECT_*, S3 and HTTP ones) apply to URLs only: a
+  // local checkpoint opens whatever the loading variables say.
+  if (path.find("://") == std::string::npos) return open;
   Result<LoadOptions> env = LoadOptions::FromEnvironment();
   if (!env.ok()) return env.status();
-  OpenOptions open;
   open.object_store = env->object_store;
-  return Checkpoint::Open(path, open);
+  return open;
+}
+
+Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path) {
+  Result<OpenOptions> open = OpenOptionsFor(path);
+  if (!open.ok()) return open.status();
+  return Checkpoint::Open(path, *open);
 }
 
 std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path) {
@@ -201,6 +213,10 @@ int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+unsigned HashThreads() {
+  return std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
 }
 
 double SecondsSince(int64_t start_ns) {

@@ -47,10 +47,6 @@ struct VerifyResult {
   std::vector<FileResult> per_file;
 };
 
-unsigned Threads() {
-  return std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
-}
-
 // Checks the SHA-256 of every file that is a hub-cache blob, files in parallel. `done[f]` is set
 // for those checked (their every byte has been read).
 Status CheckHubBlobs(const Checkpoint& ckpt, std::vector<FileResult>& results,
@@ -76,7 +72,7 @@ Status CheckHubBlobs(const Checkpoint& ckpt, std::vector<FileResult>& results,
     }
   };
   std::vector<std::thread> pool;
-  const size_t workers = std::min<size_t>(Threads(), blobs.size());
+  const size_t workers = std::min<size_t>(HashThreads(), blobs.size());
   for (size_t w = 1; w < workers; ++w) pool.emplace_back(work);
   if (workers > 0) work();
   for (std::thread& t : pool) t.join();
@@ -132,11 +128,7 @@ Status ReadWholeFile(const Checkpoint& ckpt, uint32_t f, std::vector<std::byte>&
 }
 
 Status Verify(const std::string& path, VerifyResult& result) {
-  Result<LoadOptions> env = LoadOptions::FromEnvironment();  // TENSORFERRY_OBJECT_* for URLs
-  if (!env.ok()) return env.status();
-  OpenOptions open;
-  open.object_store = env->object_store;
-  auto opened = Checkpoint::Open(path, open);
+  auto opened = OpenCheckpoint(path);
   if (!opened.ok()) return opened.status();
   const Checkpoint& ckpt = **opened;
   result.tensors = ckpt.tensors().size();
@@ -146,7 +138,7 @@ Status Verify(const std::string& path, VerifyResult& result) {
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) result.per_file[f].path = ckpt.files()[f].path;
   std::vector<bool> hashed(ckpt.files().size(), false);
   if (Status s = CheckHubBlobs(ckpt, result.per_file, hashed); !s.ok()) return s;
-  if (Status s = VerifyCheckpointChecksums(ckpt, Threads(),
+  if (Status s = VerifyCheckpointChecksums(ckpt, HashThreads(),
                                            [&](uint32_t f, ChecksumSource source, uint64_t bytes) {
                                              FileResult& r = result.per_file[f];
                                              r.checksums = std::string(ChecksumSourceName(source));

@@ -21,6 +21,8 @@
 // --checksum: each rank's checksum of its tensors, the one `tensorferry load` prints (CRC32C per
 // tensor, combined in name order), so that sliced and cooperative can be compared rank by rank
 // (computed after the rank's own clock, inside the wall time; not for full, which keeps nothing).
+#include <signal.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -437,6 +439,9 @@ int Main(int argc, char** argv) {
 }  // namespace tensorferry
 
 int main(int argc, char** argv) {
+  // A file past the file-size limit (an object cache's copy) fails its write with EFBIG, and
+  // is removed, instead of SIGXFSZ killing the rank.
+  ::signal(SIGXFSZ, SIG_IGN);
   MPI_Init(&argc, &argv);
   const int rc = tensorferry::Main(argc, argv);
   MPI_Finalize();

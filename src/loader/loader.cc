@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <thread>
 #include <unordered_map>
@@ -52,15 +53,22 @@ struct FileSystems {
 
 FileSystems DetectFileSystems(const Checkpoint& checkpoint) {
   FileSystems out;
-  // Each file itself, not its directory: a symbolic link (a model cache's blobs, a single file
-  // linked from elsewhere) may lead onto another file system; stat and statfs follow it. One
-  // detection per device: the shards of a checkpoint usually share one.
+  // The directory each file really is in: a symbolic link (a model cache's blobs, a single file
+  // linked from elsewhere) may lead onto another file system, so the link is resolved first; the
+  // directory, not the file, because overlayfs gives the files of an overlay over layers on
+  // several file systems a private device number no mount lists (its directories keep the
+  // overlay's, whose layers io::DetectFileSystem examines). One detection per device: the shards
+  // of a checkpoint usually share one.
   std::map<dev_t, io::FileSystemInfo> by_device;
   for (const auto& file : checkpoint.files()) {
+    std::error_code ec;
+    const std::filesystem::path real = std::filesystem::canonical(file.path, ec);
+    if (ec) continue;  // an injected Env's files: nothing to say
+    const std::string dir = real.parent_path().string();
     struct stat st {};
-    if (::stat(file.path.c_str(), &st) != 0) continue;  // an injected Env's files: nothing to say
+    if (::stat(dir.c_str(), &st) != 0) continue;
     if (by_device.count(st.st_dev)) continue;
-    Result<io::FileSystemInfo> info = io::DetectFileSystem(file.path);
+    Result<io::FileSystemInfo> info = io::DetectFileSystem(dir);
     if (!info.ok()) continue;
     const auto known = [](const std::string& list, const std::string& item) {
       return ("," + list + ",").find("," + item + ",") != std::string::npos;

@@ -11,8 +11,8 @@ scratch=$(mktemp -d "${TMPDIR:-/tmp}/tensorferry-install-XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
 cmake --install "$build" --prefix "$scratch/prefix" > "$scratch/install.log" ||
   { cat "$scratch/install.log"; echo "FAIL: cmake --install"; exit 1; }
-with_mpi=0
-[ -f "$scratch/prefix/lib/cmake/tensorferry/tensorferryMpiTargets.cmake" ] && with_mpi=1
+with_mpi=0  # lib/ or lib64/ (CMAKE_INSTALL_LIBDIR), wherever the package's config went
+[ -n "$(find "$scratch/prefix" -name tensorferryMpiTargets.cmake -print -quit)" ] && with_mpi=1
 mkdir -p "$scratch/consumer"
 cat > "$scratch/consumer/CMakeLists.txt" <<CMAKE
 cmake_minimum_required(VERSION 3.25)

@@ -189,16 +189,17 @@ struct TensorParallelOptions {
   // Strided slices (splits of dim > 0, fused parts): consecutive byte ranges of one tensor whose
   // gap is at most max_gap bytes are read as one covering read into the batch buffer (the gap
   // bytes are read, then the wanted pieces moved together in place); larger gaps end the read
-  // (exact strides). 0: exact strides only (every range its own read, nothing discarded).
+  // (exact strides). 0: exact strides only (every range its own read, nothing discarded). A slice
+  // of more than 65,536 pieces (rows of a few bytes) covers gaps under 4 KiB whatever max_gap and
+  // exact_when_cached say: a read per row would cost more than the plan is worth.
   // Default 64 KiB; docs/benchmarks.md ("Tensor parallel") measures the trade-off.
   uint64_t max_gap = 64u << 10;
   // When true, a file at least half of whose tensor bytes are in the page cache (mincore) is read
-  // with exact strides whatever max_gap says (gaps under 4 KiB still covered, when max_gap is at
-  // least that: a request costs more than copying a page): copies from the page cache cost little
-  // per request, so covered gaps are pure extra copying there, while from storage every strided
-  // piece would be its own read (measured in docs/benchmarks.md). Files that cannot be checked use
-  // max_gap. On a CUDA device the same files have their strided rows gathered from a mapping into
-  // the staging ring (docs/gpu.md). Setting max_gap through the options' text form turns this off.
+  // with exact strides whatever max_gap says: copies from the page cache cost little per request,
+  // so covered gaps are pure extra copying there, while from storage every strided piece would be
+  // its own read (measured in docs/benchmarks.md). Files that cannot be checked use max_gap. On a
+  // CUDA device the same files have their strided rows gathered from a mapping into the staging
+  // ring (docs/gpu.md). Setting max_gap through the options' text form turns this off.
   bool exact_when_cached = true;
 };
 

@@ -164,13 +164,7 @@ PlanOptions GroupPlanner::MakePlanOptions(uint64_t batch_budget,
   p.allow_oversized = options_.allow_oversized;
   p.order = options_.order;
   p.tensor_parallel = options_.tensor_parallel;
-  // Exact strides from the page cache still cover gaps under a page: a request costs more than
-  // copying that much, and a slice of tiny rows would otherwise make a read per row.
-  constexpr uint64_t kCachedGap = 4096;
-  for (bool c : cached) {
-    p.file_max_gap.push_back(c ? std::min(kCachedGap, options_.tensor_parallel->max_gap)
-                               : options_.tensor_parallel->max_gap);
-  }
+  for (bool c : cached) p.file_max_gap.push_back(c ? 0 : options_.tensor_parallel->max_gap);
   return p;
 }
 

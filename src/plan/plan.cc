@@ -89,10 +89,17 @@ struct ShardLayout {
 // io_alignment bytes each, for reads too small to gain from O_DIRECT anyway.
 constexpr uint64_t kAlignSegmentsFrom = 256u << 10;
 
+// A slice of more pieces than this (rows of a few bytes: a [4M, 2] tensor split on dim 1) covers
+// gaps under kManyPiecesGap whatever max_gap says: exact strides would make a range, a read task
+// and a request per row (gigabytes of plan, millions of tiny reads for a tensor of megabytes).
+constexpr size_t kManyPieces = 65536;
+constexpr uint64_t kManyPiecesGap = 4096;
+
 ShardLayout MakeLayout(const TensorInfo& t, TensorSlice slice, uint64_t max_gap) {
   ShardLayout l;
   l.pieces = SliceByteRanges(t, slice);
   for (auto& piece : l.pieces) piece.first += t.offset;
+  if (l.pieces.size() > kManyPieces) max_gap = std::max(max_gap, kManyPiecesGap);
   l.slice = std::move(slice);
   for (size_t i = 0; i < l.pieces.size(); ++i) {
     const auto [off, len] = l.pieces[i];

@@ -55,6 +55,7 @@ struct DevicePipeline::Chunk {
   const io::MappedFile* gather_map = nullptr;  // DeviceTask::source_map
   // DeviceTask::passed (contiguous staged chunks only).
   const std::function<Status(const std::byte*, std::span<const std::byte>)>* passed = nullptr;
+  const std::function<std::string(const io::ReadRequest&)>* about = nullptr;  // DeviceTask::about
 
   std::string Describe() const {
     if (gather != nullptr) {
@@ -285,6 +286,7 @@ void DevicePipeline::ChunkRanges(size_t index, const DeviceTask& t, uint64_t slo
       if (c.slot_offset + c.length > slot) c.slot_offset = 0;
       c.direct_fd = t.direct_fd;
       c.cancel = t.cancel;
+      c.about = t.about;
       c.gds = gds;
       if (t.rows == 0 && !gds) c.passed = t.passed;
       chunks.push_back(c);
@@ -316,6 +318,7 @@ void DevicePipeline::ChunkRows(size_t index, const DeviceTask& t, uint64_t slot,
     c.slot_offset = lead;
     c.direct_fd = t.direct_fd;
     c.cancel = t.cancel;
+    c.about = t.about;
     chunks.push_back(c);
     r += n;
   }
@@ -337,6 +340,7 @@ void DevicePipeline::ChunkGathered(size_t index, const DeviceTask& t, uint64_t s
     c.src_pitch = t.src_pitch;
     c.dst_pitch = t.dst_pitch;
     c.cancel = t.cancel;
+    c.about = t.about;
     c.gather = t.source + c.offset;
     c.gather_map = t.source_map;
     chunks.push_back(c);
@@ -487,6 +491,7 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
     }
   } else {
     io::ReadRequest request{chunk.file, chunk.offset, buffer, chunk.direct_fd, chunk.cancel};
+    request.about = chunk.about;
     // Each piece handed to DeviceTask::passed as it lands in the slot, with its device address.
     const std::function<Status(const io::ReadRequest&)> on_piece =
         [&](const io::ReadRequest& piece) {
@@ -544,20 +549,33 @@ Status DevicePipeline::ReadGds(const Chunk& chunk, RunState& run) {
     const ssize_t n = file.cufile->api().cuFileRead(
         file.handle, base, static_cast<size_t>(chunk.length - done),
         static_cast<off_t>(chunk.offset + done), static_cast<off_t>(base_offset + done));
+    // What the failed read's bytes hold (device addresses: only their count is used).
+    const io::ReadRequest failed{
+        chunk.file,
+        chunk.offset + done,
+        std::span<std::byte>(chunk.dst + done, static_cast<size_t>(chunk.length - done)),
+        -1,
+        nullptr,
+        nullptr,
+        chunk.about};
     if (n < 0) {
       const int saved = errno;
-      return Status(Code::kCufileError, chunk.file->path() + ": cuFileRead at offset " +
-                                            std::to_string(chunk.offset + done) + " (" +
-                                            std::to_string(chunk.length - done) +
-                                            " bytes to device " + Hex(chunk.dst + done) +
-                                            "): " + cuda::CufileReadErrorText(n, saved));
+      return io::LabelReadError(
+          failed, failed.offset,
+          Status(Code::kCufileError, chunk.file->path() + ": cuFileRead at offset " +
+                                         std::to_string(chunk.offset + done) + " (" +
+                                         std::to_string(chunk.length - done) + " bytes to device " +
+                                         Hex(chunk.dst + done) +
+                                         "): " + cuda::CufileReadErrorText(n, saved)));
     }
     if (n == 0) {
-      return Status(Code::kUnexpectedEof,
-                    chunk.file->path() + ": unexpected end of file at offset " +
-                        std::to_string(chunk.offset + done) + ": wanted " +
-                        std::to_string(chunk.length) + " bytes at offset " +
-                        std::to_string(chunk.offset) + ", got " + std::to_string(done));
+      return io::LabelReadError(
+          failed, failed.offset,
+          Status(Code::kUnexpectedEof, chunk.file->path() + ": unexpected end of file at offset " +
+                                           std::to_string(chunk.offset + done) + ": wanted " +
+                                           std::to_string(chunk.length) + " bytes at offset " +
+                                           std::to_string(chunk.offset) + ", got " +
+                                           std::to_string(done)));
     }
     done += static_cast<uint64_t>(n);
   }

@@ -111,6 +111,9 @@ struct DeviceTask {
   // like a read error (the copy is not queued). Checksums use it (sink/landing_check.h).
   const std::function<Status(const std::byte* dst, std::span<const std::byte> bytes)>* passed =
       nullptr;
+  // Names what the task's bytes hold for a failed read of them (io::ReadRequest::about): staged
+  // reads pass it to the engine; a failed GDS read is labelled with it too (io::LabelReadError).
+  const std::function<std::string(const io::ReadRequest&)>* about = nullptr;
 };
 
 struct DevicePipelineOptions {

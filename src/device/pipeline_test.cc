@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -431,9 +433,30 @@ TEST_F(DevicePipelineTest, AReadErrorNamesFileAndOffsetAndLeavesNothingBehind) {
   ASSERT_FALSE(status.ok());
   EXPECT_EQ(status.code(), Code::kIoError);
   EXPECT_TRUE(Contains(status.message(), "/mem/shard1.safetensors")) << status.ToString();
+  EXPECT_FALSE(Contains(status.message(), "the read held")) << "no DeviceTask::about: no label";
   EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
   EXPECT_EQ(fake_->Stats().copies_executed, fake_->Stats().copies_enqueued)
       << "Run returned with copies still in flight";
+
+  // With DeviceTask::about, the error says what the failed read held, from the failing offset
+  // on (the bytes before the bad sector were read).
+  std::vector<uint64_t> asked;
+  std::mutex asked_mu;
+  const std::function<std::string(const io::ReadRequest&)> about = [&](const io::ReadRequest& r) {
+    const std::lock_guard<std::mutex> lock(asked_mu);
+    asked.push_back(r.offset);
+    return std::string("tensor \"x\"");
+  };
+  for (DeviceTask& t : w.tasks) t.about = &about;
+  const Status labelled = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
+  ASSERT_FALSE(labelled.ok());
+  EXPECT_TRUE(
+      Contains(labelled.message(), "injected EIO at offset 50000; the read held tensor \"x\""))
+      << labelled.ToString();
+  ASSERT_FALSE(asked.empty());
+  for (uint64_t at : asked) EXPECT_EQ(at, 50'000u) << "the failing read's offset";
+  for (DeviceTask& t : w.tasks) t.about = nullptr;
+  EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
 
   // The same pipeline still works once the fault is gone.
   memory_env_.SetFaults("/mem/shard1.safetensors", MemoryEnv::Faults{});

@@ -111,6 +111,28 @@ void JobQueue::Finish(const Claim& claim, Status status) {
   if (!job->queued && job->running == 0) job->done_cv.notify_all();
 }
 
+Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status status) {
+  if (status.ok() || request.about == nullptr || status.code() == Code::kCancelled ||
+      status.code() == Code::kChecksumMismatch) {
+    return status;
+  }
+  const uint64_t end = request.offset + request.dst.size();
+  failed_at = std::clamp(failed_at, request.offset, end);
+  ReadRequest rest = request;
+  rest.offset = failed_at;
+  rest.dst = request.dst.subspan(static_cast<size_t>(failed_at - request.offset));
+  if (rest.dst.empty()) rest = request;  // failed after its last byte (its hook): all of it
+  return WithReadHeld(std::move(status), (*request.about)(rest));
+}
+
+Status WithReadHeld(Status status, std::string_view about) {
+  if (status.ok() || about.empty()) return status;
+  std::string message = status.message();
+  message += "; the read held ";
+  message += about;
+  return Status(status.code(), std::move(message));
+}
+
 void JobQueue::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -122,10 +144,12 @@ void JobQueue::Stop() {
 // --- reads -------------------------------------------------------------------------------------
 
 Status ReadBuffered(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst,
-                    uint64_t request_offset, uint64_t request_size, EngineCounters& counters) {
+                    uint64_t request_offset, uint64_t request_size, EngineCounters& counters,
+                    uint64_t* failed_at) {
   const size_t wanted = dst.size();
   size_t done = 0;
   while (done < wanted) {
+    if (failed_at != nullptr) *failed_at = offset + done;
     auto n = file.Read(offset + done, dst.subspan(done));
     counters.read_calls.fetch_add(1, std::memory_order_relaxed);
     if (!n.ok()) return n.status();
@@ -150,10 +174,11 @@ Status ReadBuffered(const RandomAccessFile& file, uint64_t offset, std::span<std
 }
 
 Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<std::byte> dst,
-                  EngineCounters& counters) {
+                  EngineCounters& counters, uint64_t* failed_at) {
   size_t done = 0;
   TransientRetry retry;
   while (done < dst.size()) {
+    if (failed_at != nullptr) *failed_at = offset + done;
     const ssize_t n =
         ::pread(fd, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
     counters.read_calls.fetch_add(1, std::memory_order_relaxed);
@@ -208,28 +233,59 @@ namespace {
 
 // Reads `part`, a piece of `request` (its whole, or one piece for the landed hook), buffered or
 // split for O_DIRECT; EOF messages name the whole request.
-Status ReadPart(const ReadRequest& request, const ReadRequest& part, EngineCounters& counters) {
+// Sets *failed_at to the file offset of the read that failed (on error).
+Status ReadPart(const ReadRequest& request, const ReadRequest& part, EngineCounters& counters,
+                uint64_t* failed_at) {
   const RandomAccessFile& file = *request.file;
   const uint64_t size = request.dst.size();
   const DirectSplit split = SplitForDirect(part);
   if (!split.direct) {
-    return ReadBuffered(file, part.offset, part.dst, request.offset, size, counters);
+    return ReadBuffered(file, part.offset, part.dst, request.offset, size, counters, failed_at);
   }
   if (split.head > 0) {
-    Status s =
-        ReadBuffered(file, part.offset, part.dst.first(split.head), request.offset, size, counters);
+    Status s = ReadBuffered(file, part.offset, part.dst.first(split.head), request.offset, size,
+                            counters, failed_at);
     if (!s.ok()) return s;
   }
   const auto middle = part.dst.subspan(split.head, split.middle);
-  Status s = ReadDirect(part.direct_fd, file.path(), part.offset + split.head, middle, counters);
+  Status s = ReadDirect(part.direct_fd, file.path(), part.offset + split.head, middle, counters,
+                        failed_at);
   if (s.code() == Code::kUnsupported) {
-    s = ReadBuffered(file, part.offset + split.head, middle, request.offset, size, counters);
+    s = ReadBuffered(file, part.offset + split.head, middle, request.offset, size, counters,
+                     failed_at);
   }
   if (!s.ok()) return s;
   const uint64_t tail_at = split.head + split.middle;
   if (tail_at < part.dst.size()) {
     return ReadBuffered(file, part.offset + tail_at, part.dst.subspan(tail_at), request.offset,
-                        size, counters);
+                        size, counters, failed_at);
+  }
+  return Status::Ok();
+}
+
+// ReadRequestSync without the label.
+Status ReadWhole(const ReadRequest& request, EngineCounters& counters, uint64_t* failed_at) {
+  if (request.landed == nullptr) return ReadPart(request, request, counters, failed_at);
+  if (SplitForDirect(request).direct) {
+    // O_DIRECT reads stay whole (the device's transfer size matters more than the cache; the
+    // bytes come from the device, not from the CPU's copy): the hook runs once, at the end.
+    TF_RETURN_IF_ERROR(ReadPart(request, request, counters, failed_at));
+    return (*request.landed)(request);
+  }
+  if (request.file->native_handle() < 0) {
+    // Files without a descriptor (an object store's: each Read is ranged GETs of its part size,
+    // which 512 KiB pieces would multiply) stay whole; a file that writes its bytes as they
+    // arrive hands them over on the way (LandingScope), the rest goes at the end.
+    LandingScope landing(request);
+    TF_RETURN_IF_ERROR(ReadPart(request, request, counters, failed_at));
+    return landing.Finish();
+  }
+  // Buffered: piece by piece, each handed to the hook right after the copy that brought it in.
+  for (uint64_t at = 0; at < request.dst.size(); at += kLandedPieceBytes) {
+    const ReadRequest piece =
+        PieceOf(request, at, std::min<uint64_t>(kLandedPieceBytes, request.dst.size() - at));
+    TF_RETURN_IF_ERROR(ReadPart(request, piece, counters, failed_at));
+    TF_RETURN_IF_ERROR((*request.landed)(piece));
   }
   return Status::Ok();
 }
@@ -245,29 +301,10 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
     return Status(Code::kInvalidArgument,
                   "read request at offset " + std::to_string(request.offset) + " has no file");
   }
-  if (request.landed == nullptr) return ReadPart(request, request, counters);
-  if (SplitForDirect(request).direct) {
-    // O_DIRECT reads stay whole (the device's transfer size matters more than the cache; the
-    // bytes come from the device, not from the CPU's copy): the hook runs once, at the end.
-    TF_RETURN_IF_ERROR(ReadPart(request, request, counters));
-    return (*request.landed)(request);
-  }
-  if (request.file->native_handle() < 0) {
-    // Files without a descriptor (an object store's: each Read is ranged GETs of its part size,
-    // which 512 KiB pieces would multiply) stay whole; a file that writes its bytes as they
-    // arrive hands them over on the way (LandingScope), the rest goes at the end.
-    LandingScope landing(request);
-    TF_RETURN_IF_ERROR(ReadPart(request, request, counters));
-    return landing.Finish();
-  }
-  // Buffered: piece by piece, each handed to the hook right after the copy that brought it in.
-  for (uint64_t at = 0; at < request.dst.size(); at += kLandedPieceBytes) {
-    const ReadRequest piece =
-        PieceOf(request, at, std::min<uint64_t>(kLandedPieceBytes, request.dst.size() - at));
-    TF_RETURN_IF_ERROR(ReadPart(request, piece, counters));
-    TF_RETURN_IF_ERROR((*request.landed)(piece));
-  }
-  return Status::Ok();
+  uint64_t failed_at = request.offset;
+  Status status = ReadWhole(request, counters, &failed_at);
+  if (status.ok()) return status;
+  return LabelReadError(request, failed_at, std::move(status));
 }
 
 // --- LandingScope ------------------------------------------------------------------------------

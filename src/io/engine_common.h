@@ -74,17 +74,20 @@ class JobQueue {
 
 // Reads all of dst from `file` at `offset` through RandomAccessFile::Read, continuing short reads.
 // `request_offset`/`request_size` describe the whole request for the EOF message.
+// On failure, *failed_at (when given) is the file offset the failed read started at.
 Status ReadBuffered(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst,
-                    uint64_t request_offset, uint64_t request_size, EngineCounters& counters);
+                    uint64_t request_offset, uint64_t request_size, EngineCounters& counters,
+                    uint64_t* failed_at = nullptr);
 
 // Reads all of dst at `offset` with pread on the O_DIRECT descriptor `fd` (offset, dst.data() and
 // dst.size() must be multiples of kDirectAlignment). Returns kUnsupported for EINVAL (the caller
 // falls back to buffered reads).
 Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<std::byte> dst,
-                  EngineCounters& counters);
+                  EngineCounters& counters, uint64_t* failed_at = nullptr);
 
 // One whole request, synchronously: buffered, or split for O_DIRECT (SplitForDirect) with a
 // buffered fallback of the middle when the file system refuses the direct read.
+// Errors are labelled with what the request held from the failed read on (LabelReadError).
 Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters);
 
 std::string ErrnoText(int err);

@@ -56,7 +56,21 @@ struct ReadRequest {
   // An error it returns is the request's. Integrity checks hash the bytes here, while they are
   // still in the worker's cache. Borrowed; must be thread-safe.
   const std::function<Status(const ReadRequest&)>* landed = nullptr;
+  // When set, names what the request's bytes hold (the loader: the tensors, TensorsIn in
+  // sink/sink.h) for its error: a request that fails (but for kCancelled and kChecksumMismatch,
+  // which say what they are about) fails with "<error>; the read held <about(rest)>", `rest` the
+  // request from the file offset of the read that failed to its end (LabelReadError), so the
+  // first thing named holds the failing byte. Called only on failure. Borrowed; thread-safe.
+  const std::function<std::string(const ReadRequest&)>* about = nullptr;
 };
+
+// `status` of `request`, whose read starting at file offset `failed_at` failed, labelled by
+// request.about as that comment says (failed_at clamped into the request); as it is when OK,
+// kCancelled, kChecksumMismatch or without `about`. Engines apply it to every request's error.
+Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status status);
+// `status` with "; the read held <about>" appended to its message (as it is when OK or `about` is
+// empty): the one form of those labels.
+Status WithReadHeld(Status status, std::string_view about);
 
 // The pieces of a request with a `landed` hook: small enough to be in the core's cache (L2) when
 // the hook hashes them, large enough that the extra system calls cost little (docs/benchmarks.md,
@@ -70,6 +84,7 @@ inline ReadRequest PieceOf(const ReadRequest& request, uint64_t at, uint64_t len
   piece.offset = request.offset + at;
   piece.dst = request.dst.subspan(at, length);
   piece.landed = nullptr;
+  piece.about = nullptr;
   return piece;
 }
 

@@ -178,7 +178,7 @@ class UringEngine final : public ReadEngine {
     counters_.read_calls.fetch_add(1, std::memory_order_relaxed);
     if (filter_) res = filter_(res);
     auto fail = [&](Status s) {
-      if (r.status.ok()) r.status = std::move(s);
+      if (r.status.ok()) r.status = LabelReadError(q, p.offset, std::move(s));
       return true;
     };
     if (res == -EINTR || res == -EAGAIN) {
@@ -215,10 +215,12 @@ class UringEngine final : public ReadEngine {
       const uint64_t at = p.offset + n;
       if (r.status.ok() || (r.status.code() == Code::kUnexpectedEof && at < r.eof_at)) {
         r.eof_at = at;
-        r.status = Status(Code::kUnexpectedEof,
-                          q.file->path() + ": unexpected end of file at offset " +
-                              std::to_string(at) + ": wanted " + std::to_string(q.dst.size()) +
-                              " bytes at offset " + std::to_string(q.offset));
+        r.status = LabelReadError(
+            q, at,
+            Status(Code::kUnexpectedEof, q.file->path() + ": unexpected end of file at offset " +
+                                             std::to_string(at) + ": wanted " +
+                                             std::to_string(q.dst.size()) + " bytes at offset " +
+                                             std::to_string(q.offset)));
       }
       return true;
     }

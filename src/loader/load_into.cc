@@ -211,11 +211,13 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   }
   const sink::SinkContext context = m.Context(std::move(want_direct), engine);
   if (!reads.host.empty()) {
-    TF_RETURN_IF_ERROR(
-        context.windows(sink::DistinctFiles(reads.host_file, ckpt.files().size()),
-                        context.want_direct, [&](const std::vector<io::FileSet::Pin>& pins) {
-                          return engine->Execute(sink::WindowOf(reads.host, reads.host_file, pins));
-                        }));
+    TF_RETURN_IF_ERROR(context.windows(
+        sink::DistinctFiles(reads.host_file, ckpt.files().size()), context.want_direct,
+        [&](const std::vector<io::FileSet::Pin>& pins) {
+          const std::function<std::string(const io::ReadRequest&)> about =
+              sink::AboutTensors(ckpt, pins);
+          return engine->Execute(sink::WindowOf(reads.host, reads.host_file, pins, &about));
+        }));
   }
   if (check) {
     TF_RETURN_IF_ERROR(check->VerifyAll(m.VerifyThreads()));  // none left unless a read had no hook

@@ -835,6 +835,47 @@ TEST(LoaderFaults, EioNamesFileAndOffset) {
   EXPECT_NE(r.status().message().find(std::to_string(t->offset + 3)), std::string::npos);
 }
 
+// A bad sector inside a tensor: the error names that tensor first (what the failed read held from
+// the failing offset on), with either engine, whole loads and LoadInto alike.
+TEST(LoaderFaults, EioNamesTheTensorItHit) {
+  for (Engine engine : {Engine::kPread, Engine::kIoUring}) {
+    SCOPED_TRACE(EngineName(engine));
+    MemoryFixture m;
+    LoadOptions o;
+    o.engine = engine;
+    auto loader = m.Open(o);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    for (const char* name : {"model.layers.1.mlp.up_proj.weight", "lm_head.weight"}) {
+      SCOPED_TRACE(name);
+      const TensorInfo* t = (*loader)->checkpoint()->Find(name);
+      ASSERT_NE(t, nullptr);
+      MemoryEnv::Faults faults;
+      faults.eio_at = static_cast<int64_t>(t->offset + t->size / 2);
+      m.env.SetFaults(m.path, faults);
+      // The tensor first (alone, or before those after it in the same read).
+      auto names_it = [&](const std::string& message) {
+        const std::string quoted = "\"" + std::string(name) + "\"";
+        return message.find("; the read held tensor " + quoted) != std::string::npos ||
+               message.find("; the read held tensors " + quoted) != std::string::npos;
+      };
+      auto r = (*loader)->Load();
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.status().code(), Code::kIoError);
+      EXPECT_NE(
+          r.status().message().find("injected EIO at offset " + std::to_string(faults.eio_at)),
+          std::string::npos)
+          << r.status().message();
+      EXPECT_TRUE(names_it(r.status().message())) << r.status().message();
+
+      std::string into(t->size, '\0');
+      const Destination d{name, Device::CPU(), into.data(), into.size()};
+      const Status s = (*loader)->LoadInto({&d, 1});
+      ASSERT_FALSE(s.ok());
+      EXPECT_TRUE(names_it(s.message())) << s.message();
+    }
+  }
+}
+
 // A caller iterating in a loop holds batch k - 1 while it asks for batch k, so batch k + 1's
 // memory is not free when it would be read ahead: the helper waits for the caller to drop batch
 // k - 1 and reads then, not when the caller asks for batch k + 1. An iterator destroyed while its

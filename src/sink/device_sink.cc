@@ -65,6 +65,7 @@ class DeviceSink final : public BatchSink {
       task_file.push_back(t.file);
     }
     std::vector<const io::MappedFile*> gathered;  // the mappings rows are gathered from
+    std::vector<uint32_t> gathered_file;          // and their files
     if (b < strided_.size()) {
       for (const StridedRead& r : strided_[b]) {
         device::DeviceTask task = DeviceTaskOf(r, buffer->data(), cancel);
@@ -78,6 +79,7 @@ class DeviceSink final : public BatchSink {
             task.source_map = *map;
             if (std::find(gathered.begin(), gathered.end(), *map) == gathered.end()) {
               gathered.push_back(*map);
+              gathered_file.push_back(r.file);
             }
           }
         }
@@ -93,7 +95,7 @@ class DeviceSink final : public BatchSink {
       const io::MappedFile& map = *gathered[i];
       if (map.faults() != faults[i]) {
         // Rows read as zeros (the file shrank under the mapping, or an I/O error): not handed out.
-        return map.FaultError();
+        return MappedFaultError(*c_.checkpoint, gathered_file[i], map);
       }
     }
     return BatchInBuffer(*c_.checkpoint, batch, buffer->data(), buffer, device_);
@@ -137,7 +139,9 @@ Status RunDeviceTasks(const SinkContext& context, const DeviceSlot& slot,
   return context.windows(
       DistinctFiles(task_file, context.checkpoint->files().size()), context.want_direct,
       [&](const std::vector<io::FileSet::Pin>& pins) {
-        const std::vector<device::DeviceTask> window = WindowOf(tasks, task_file, pins);
+        const std::function<std::string(const io::ReadRequest&)> about =
+            AboutTensors(*context.checkpoint, pins);
+        const std::vector<device::DeviceTask> window = WindowOf(tasks, task_file, pins, &about);
         return buffer != nullptr ? slot.pipeline->Run(window, *context.engine, buffer)
                                  : slot.pipeline->Run(window, *context.engine);
       });

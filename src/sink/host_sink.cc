@@ -94,6 +94,8 @@ class HostSink final : public BatchSink {
     return c_.windows(
         DistinctFiles(task_files, c_.checkpoint->files().size()), c_.want_direct,
         [&](const std::vector<io::FileSet::Pin>& pins) {
+          const std::function<std::string(const io::ReadRequest&)> about =
+              AboutTensors(*c_.checkpoint, pins);
           std::vector<io::ReadRequest> requests;
           requests.reserve(batch.tasks.size());
           for (const ReadTask& t : batch.tasks) {
@@ -102,7 +104,7 @@ class HostSink final : public BatchSink {
             requests.push_back({pin.file.get(), t.file_offset,
                                 std::span<std::byte>(buffer.data() + t.buffer_offset, t.length),
                                 pin.direct_fd(), c_.options->cancel.get(),
-                                check != nullptr ? check->hook() : nullptr});
+                                check != nullptr ? check->hook() : nullptr, &about});
           }
           return c_.engine->Execute(requests);
         });

@@ -46,7 +46,8 @@ class MappedSink final : public BatchSink {
     const unsigned threads = c_.options->threads ? c_.options->threads : io::OnlineCpus();
     return ParallelForUntilError(batch.tasks.size(), threads, [&](size_t i) {
       const ReadTask& t = batch.tasks[i];
-      return (*c_.maps)[t.file]->Populate(t.file_offset, t.length);
+      return LabelTensors((*c_.maps)[t.file]->Populate(t.file_offset, t.length), *c_.checkpoint,
+                          t.file, t.file_offset, t.length);
     });
   }
 
@@ -93,7 +94,7 @@ class MappedSink final : public BatchSink {
         owner = std::shared_ptr<const void>(map, data);
       }
       // A page that read as zeros (its file shrank, or an I/O error) must not pass as loaded.
-      if (map->faults() != 0) return map->FaultError();
+      if (map->faults() != 0) return MappedFaultError(*c_.checkpoint, info.file, *map);
       out.tensors.push_back(PlannedTensorAt(info, pt, data, std::move(owner)));
     }
     return out;

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "device/device_memory.h"
@@ -145,11 +146,33 @@ Status RunDeviceTasks(const SinkContext& context, const DeviceSlot& slot,
                       const std::vector<device::DeviceTask>& tasks,
                       const std::vector<uint32_t>& task_file, device::DeviceBuffer* buffer);
 
+// What the bytes [offset, offset + length) of file `file` of `checkpoint` hold, for a read error:
+// 'tensor "a"', 'tensors "a" and "b"', 'tensors "a", "b", "c" and 4 more' (names quoted as JSON
+// strings, in file order); empty when no tensor's bytes are in the range.
+std::string TensorsIn(const Checkpoint& checkpoint, uint32_t file, uint64_t offset,
+                      uint64_t length);
+
+// The io::ReadRequest::about hook of the reads of one window of files (`pins` as FileWindows gives
+// them): TensorsIn of the failed request's file (found among the pins) and range. Borrows both.
+std::function<std::string(const io::ReadRequest&)> AboutTensors(
+    const Checkpoint& checkpoint, const std::vector<io::FileSet::Pin>& pins);
+
+// `status` (a failed read of [offset, offset + length) of file `file`) naming the tensors those
+// bytes hold (io::WithReadHeld of TensorsIn); as it is when OK or kCancelled.
+Status LabelTensors(Status status, const Checkpoint& checkpoint, uint32_t file, uint64_t offset,
+                    uint64_t length);
+
+// io::MappedFile::FaultError of file `file`'s mapping, naming the tensors of the first faulted page
+// (LabelTensors); OK without faults.
+Status MappedFaultError(const Checkpoint& checkpoint, uint32_t file, const io::MappedFile& map);
+
 // The tasks (io::ReadRequest or device::DeviceTask; task i reads file task_file[i]) whose files
-// are pinned in this window, with their file and O_DIRECT descriptor filled in.
+// are pinned in this window, with their file and O_DIRECT descriptor filled in, and `about` (the
+// window's AboutTensors) to name what a failed one held.
 template <typename Task>
 std::vector<Task> WindowOf(const std::vector<Task>& tasks, const std::vector<uint32_t>& task_file,
-                           const std::vector<io::FileSet::Pin>& pins) {
+                           const std::vector<io::FileSet::Pin>& pins,
+                           const std::function<std::string(const io::ReadRequest&)>* about) {
   std::vector<Task> window;
   for (size_t i = 0; i < tasks.size(); ++i) {
     const io::FileSet::Pin& pin = pins[task_file[i]];
@@ -157,6 +180,7 @@ std::vector<Task> WindowOf(const std::vector<Task>& tasks, const std::vector<uin
     Task t = tasks[i];
     t.file = pin.file.get();
     t.direct_fd = pin.direct_fd();
+    t.about = about;
     window.push_back(t);
   }
   return window;

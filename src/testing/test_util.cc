@@ -99,7 +99,13 @@ class MemoryFile final : public RandomAccessFile {
     if (f.max_read > 0) want = std::min(want, f.max_read);
     if (f.eio_at >= 0 && static_cast<uint64_t>(f.eio_at) >= offset &&
         static_cast<uint64_t>(f.eio_at) < offset + std::max<size_t>(want, 1)) {
-      return Status(Code::kIoError, path_ + ": injected EIO at offset " + std::to_string(f.eio_at));
+      // As a disk with a bad sector answers: the bytes before it, then an error for a read that
+      // starts at it.
+      if (static_cast<uint64_t>(f.eio_at) == offset) {
+        return Status(Code::kIoError,
+                      path_ + ": injected EIO at offset " + std::to_string(f.eio_at));
+      }
+      want = static_cast<size_t>(static_cast<uint64_t>(f.eio_at) - offset);
     }
     if (offset >= e.bytes.size()) return size_t{0};
     size_t n = std::min<uint64_t>(want, e.bytes.size() - offset);

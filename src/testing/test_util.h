@@ -86,7 +86,9 @@ class MemoryEnv : public Env {
  public:
   struct Faults {
     size_t max_read = 0;  // >0: every read returns at most this many bytes
-    int64_t eio_at = -1;  // >=0: a read covering this offset fails with kIoError
+    // >=0: a bad sector: a read that starts there fails with kIoError ("injected EIO at offset
+    // N"), one that starts before it returns only the bytes before it (a short read).
+    int64_t eio_at = -1;
     int64_t truncate_after_reads =
         -1;  // >=0: after this many reads, the file shrinks to `truncate_to`
     uint64_t truncate_to = 0;

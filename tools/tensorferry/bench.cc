@@ -349,34 +349,28 @@ struct BenchResults {
 };
 
 // Checks --engines and --budget as `tensorferry load` will read them (LoadOptions::Set) and
-// collects the engines; prints the error and returns false if one is invalid.
-bool CheckLoadFlags(const BenchArgs& args, std::vector<std::string>& engines) {
+// collects the engines; the error of the first invalid one.
+Status CheckLoadFlags(const BenchArgs& args, std::vector<std::string>& engines) {
   LoadOptions checked;
   for (size_t at = 0; at <= args.engines.size();) {
     const size_t comma = std::min(args.engines.find(',', at), args.engines.size());
     const std::string e = args.engines.substr(at, comma - at);
     if (!e.empty()) {
-      if (const Status s = SetContext(checked, "engine", e, "--engines"); !s.ok()) {
-        PrintError(s.message());
-        return false;
-      }
+      if (Status s = SetContext(checked, "engine", e, "--engines"); !s.ok()) return s;
       engines.push_back(e);
     }
     at = comma + 1;
   }
   if (engines.empty()) {
-    PrintError("--engines " + args.engines + ": names no engine (e.g. pread,io_uring,mmap)");
-    return false;
+    return Status(Code::kInvalidArgument,
+                  "--engines " + args.engines + ": names no engine (e.g. pread,io_uring,mmap)");
   }
-  if (const Status s = SetContext(checked, "budget", args.budget, "--budget"); !s.ok()) {
-    PrintError(s.message());
-    return false;
-  }
+  if (Status s = SetContext(checked, "budget", args.budget, "--budget"); !s.ok()) return s;
   if (checked.budget == 0) {  // 0 is "unbounded": the budgeted run would compare nothing
-    PrintError("--budget " + args.budget + ": the budgeted run needs a budget above 0");
-    return false;
+    return Status(Code::kInvalidArgument,
+                  "--budget " + args.budget + ": the budgeted run needs a budget above 0");
   }
-  return true;
+  return Status::Ok();
 }
 
 // The hardware references: page-cache copy limit (after warming the files), first touch of
@@ -589,10 +583,19 @@ std::string BenchText(const BenchContext& c, const BenchResults& out) {
 int RunBench(const BenchArgs& args) {
   if (IsObjectUrl(args.path)) {
     // Engines, the page cache and fio are about local storage.
-    PrintError(args.path +
-               ": bench measures local storage (engines, page cache, fio); for a URL "
-               "use `tensorferry load URL --repeat N --json` or bench/object_store_bench.py");
-    return kExitUsage;
+    return UsageError(
+        args.path +
+        ": bench measures local storage (engines, page cache, fio); for a URL "
+        "use `tensorferry load URL --repeat N --json` or bench/object_store_bench.py");
+  }
+  std::vector<std::string> engines;
+  if (const Status s = CheckLoadFlags(args, engines); !s.ok()) {
+    return InvalidSetting(Origin::kCommandLine, args.json, args.path, s);
+  }
+  // Every load it runs starts from the environment's settings (LoadOptions::FromEnvironment): an
+  // invalid variable would fail them all, leaving a report of references only.
+  if (const Result<LoadOptions> env = LoadOptions::FromEnvironment(); !env.ok()) {
+    return InvalidSetting(Origin::kEnvironment, args.json, args.path, env.status());
   }
   Result<std::shared_ptr<const Checkpoint>> checkpoint = OpenCheckpoint(args.path);
   if (!checkpoint.ok()) return Failed(args.json, args.path, checkpoint.status());
@@ -612,8 +615,6 @@ int RunBench(const BenchArgs& args) {
                                                      " of 0 bytes): nothing to "
                                                      "measure"));
   }
-  std::vector<std::string> engines;
-  if (!CheckLoadFlags(args, engines)) return kExitUsage;
   const unsigned runs = std::max(args.runs, 1u);
   const unsigned cores = std::thread::hardware_concurrency();
   const std::string self = SelfExe();

@@ -66,8 +66,7 @@ int RunCache(const CacheArgs& args) {
   if (!args.prune.empty()) {
     prune = ParseSize(args.prune);
     if (!prune) {
-      PrintError("--prune: not a size: " + args.prune);
-      return kExitUsage;
+      return UsageError("--prune: not a size: " + args.prune);
     }
   }
   std::vector<ObjectCacheEntry> removed;

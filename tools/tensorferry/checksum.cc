@@ -24,8 +24,7 @@ int RunChecksum(const ChecksumArgs& args) {
   if (!args.chunk_size.empty()) {
     auto size = ParseSize(args.chunk_size);
     if (!size || *size < kMinChecksumChunkSize || *size > kMaxChecksumChunkSize) {
-      PrintError("--chunk-size: not a size between 1KiB and 1GiB: " + args.chunk_size);
-      return kExitUsage;
+      return UsageError("--chunk-size: not a size between 1KiB and 1GiB: " + args.chunk_size);
     }
     chunk_size = *size;
   }

@@ -442,6 +442,7 @@ TEST(CliJson, EveryCommandAnswersItsErrorsAsOneDocument) {
            {"bench", missing, "--json"},
            {"verify", missing, "--json"},
            {"checksum", missing, "--json"},
+           {"reshard", missing, t.Join("out"), "--tp", "2", "--json"},
            {"gen", "/proc/no-such/x", "--preset", "tiny", "--json", "--no-sync"}}) {
     document(args, 1, false);
   }
@@ -830,13 +831,95 @@ TEST(CliLoad, OptionErrorsNameTheFlagAndTheValue) {
     EXPECT_EQ(r.exit_code, 2) << words;
     EXPECT_NE(r.err.find(words), std::string::npos) << r.err;
   }
-  ::setenv("TENSORFERRY_THREADS", "x", 1);  // the child inherits the environment
-  const RunResult env = RunCli({"load", dir.Join("c")});
-  ::unsetenv("TENSORFERRY_THREADS");
-  EXPECT_EQ(env.exit_code, 2);
+  // The environment's value is not the command line's: exit 1 (CliExitCodes below).
+  const RunResult env = RunCli({"load", dir.Join("c")}, {{"TENSORFERRY_THREADS", "x"}});
+  EXPECT_EQ(env.exit_code, 1) << Describe(env);
   EXPECT_NE(env.err.find("TENSORFERRY_THREADS=\"x\": threads = x is not a count"),
             std::string::npos)
       << env.err;
+}
+
+// --- exit codes: one rule for every command (commands.h, README "The CLI") ---------------------
+
+// An invalid TENSORFERRY_* variable exits 1 in every command that reads it, with the same one
+// line (the variable and its value, no path in front) or, with --json, the error document; the
+// same invalid value given as a flag is a usage error (2, stderr only).
+TEST(CliExitCodes, AnInvalidEnvironmentVariableExitsOneInEveryCommand) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir);
+  // A URL makes inspect, verify, checksum and reshard read the environment; it fails before any
+  // request is sent (nothing listens on port 9 of this host anyway).
+  const std::string url = "http://127.0.0.1:9/m/model.safetensors";
+  for (const auto& [variable, value] : std::vector<std::pair<std::string, std::string>>{
+           {"TENSORFERRY_BUDGET", "lots"}, {"TENSORFERRY_OBJECT_CONCURRENCY", "many"}}) {
+    const std::string words = variable + "=\"" + value + "\": ";
+    const std::map<std::string, std::optional<std::string>> env = {{variable, value}};
+    for (const auto& args : std::vector<std::vector<std::string>>{
+             {"load", dir},
+             {"bench", dir, "--runs", "1", "--no-cold"},
+             {"inspect", url},
+             {"verify", url},
+             {"checksum", url},
+             {"reshard", url, t.Join("out"), "--tp", "2", "--no-sync"}}) {
+      const RunResult r = RunCli(args, env);
+      ExpectOneLineError(r);
+      EXPECT_TRUE(r.err.starts_with("error: " + words)) << args[0] << ": " << r.err;
+      std::vector<std::string> json = args;
+      json.push_back("--json");
+      const RunResult j = RunCli(json, env);
+      EXPECT_EQ(j.exit_code, 1) << Describe(j);
+      EXPECT_EQ(j.err, "") << Describe(j);
+      simdjson::dom::parser parser;
+      simdjson::dom::element doc;
+      ASSERT_EQ(parser.parse(simdjson::padded_string(j.out)).get(doc), simdjson::SUCCESS)
+          << args[0] << ": " << j.out;
+      EXPECT_FALSE(bool(doc["ok"])) << args[0];
+      EXPECT_EQ(std::string_view(doc["error"]["code"]), "invalid_argument") << j.out;
+      EXPECT_TRUE(std::string_view(doc["error"]["message"]).starts_with(words)) << j.out;
+    }
+    EXPECT_FALSE(fs::exists(t.Join("out")));
+    // doctor reports it as what loads would fail on, and exits 0: its report is the result.
+    const RunResult doctor = RunCli({"doctor", "--quick"}, env);
+    EXPECT_EQ(doctor.exit_code, 0) << Describe(doctor);
+    EXPECT_NE(doctor.out.find("loads fail: " + words), std::string::npos) << doctor.out;
+  }
+  // The same value as a flag: the command line is wrong.
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"load", dir, "--budget", "lots", "--json"},
+           {"bench", dir, "--budget", "lots", "--json"},
+           {"load", url, "--object-concurrency", "many", "--json"}}) {
+    const RunResult r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 2) << Describe(r);
+    EXPECT_EQ(r.out, "") << Describe(r);
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << Describe(r);
+  }
+}
+
+// Settings that contradict each other: the environment's when the variables alone do (1), the
+// command line's when a flag makes them (2); a flag overrides the variable it names.
+TEST(CliExitCodes, ContradictionsAreTheirSourcesFault) {
+  TempDir t;
+  const std::string dir = t.Join("m");
+  GenTiny(dir);
+  const std::map<std::string, std::optional<std::string>> env = {{"TENSORFERRY_ENGINE", "mmap"},
+                                                                 {"TENSORFERRY_DROP_CACHE", "1"}};
+  const RunResult alone = RunCli({"load", dir}, env);
+  ExpectOneLineError(alone);
+  EXPECT_TRUE(alone.err.starts_with(
+      "error: TENSORFERRY_* environment variables: drop_cache does not go with engine mmap"))
+      << alone.err;
+  const RunResult overridden = RunCli({"load", dir, "--engine", "pread"}, env);
+  EXPECT_EQ(overridden.exit_code, 0) << Describe(overridden);
+  // Overridden, but the flags contradict each other: theirs.
+  const RunResult flags =
+      RunCli({"load", dir, "--engine", "pread", "--tp-rank", "2", "--tp-size", "2"}, env);
+  EXPECT_EQ(flags.exit_code, 2) << Describe(flags);
+  EXPECT_NE(flags.err.find("tp_rank 2 is not below tp_size 2"), std::string::npos) << flags.err;
+  const RunResult flag = RunCli({"load", dir, "--drop-cache"}, {{"TENSORFERRY_ENGINE", "mmap"}});
+  EXPECT_EQ(flag.exit_code, 2) << Describe(flag);
+  EXPECT_NE(flag.err.find("drop_cache does not go with engine mmap"), std::string::npos)
+      << flag.err;
 }
 
 // --- tensor parallelism: load --tp-*, reshard
@@ -905,6 +988,131 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
             Checkpoint::Open(dir.Join("src")).value()->files().size());
   EXPECT_TRUE(LoadAll(split) == LoadAll(dir.Join("src")));
   EXPECT_EQ(RunCli({"reshard", dir.Join("src"), dir.Join("x")}).exit_code, 2);
+}
+
+// The .safetensors files of `dir` by name, with their sizes.
+std::vector<std::pair<std::string, uint64_t>> ShardSizes(const std::string& dir) {
+  std::vector<std::pair<std::string, uint64_t>> out;
+  for (const std::string& path : Shards(dir)) {
+    out.emplace_back(fs::path(path).filename().string(), fs::file_size(path));
+  }
+  return out;
+}
+
+// Checks reshard's --json document against what is on disk.
+void ExpectReshardReport(const RunResult& r, const std::string& src, const std::string& dst,
+                         uint64_t tp_size, uint64_t max_shard_size) {
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  EXPECT_EQ(r.err, "") << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(r.out)).get(doc), simdjson::SUCCESS) << r.out;
+  EXPECT_TRUE(bool(doc["ok"]));
+  EXPECT_EQ(std::string_view(doc["src"]), src);
+  EXPECT_EQ(std::string_view(doc["dst"]), dst);
+  EXPECT_EQ(uint64_t(doc["tp_size"]), tp_size);
+  EXPECT_EQ(uint64_t(doc["tensors"]), kTinyTensors);
+  EXPECT_EQ(uint64_t(doc["max_shard_size"]), max_shard_size);
+  EXPECT_TRUE(bool(doc["source_checksums_checked"]));
+  EXPECT_GE(double(doc["seconds"]), 0.0);
+  simdjson::dom::array ranks = doc["ranks"];
+  ASSERT_EQ(ranks.size(), tp_size);
+  uint64_t rank = 0, total = 0;
+  for (simdjson::dom::element entry : ranks) {
+    const std::string rank_dir{std::string_view(entry["dir"])};
+    EXPECT_EQ(uint64_t(entry["rank"]), rank);
+    EXPECT_EQ(rank_dir, tp_size > 1 ? dst + "/rank-0000" + std::to_string(rank) + "-of-0000" +
+                                          std::to_string(tp_size)
+                                    : dst);
+    std::vector<std::pair<std::string, uint64_t>> files;
+    uint64_t bytes = 0;
+    for (simdjson::dom::element f : entry["files"].get_array()) {
+      files.emplace_back(std::string_view(f["name"]), uint64_t(f["bytes"]));
+      bytes += files.back().second;
+    }
+    std::sort(files.begin(), files.end());
+    EXPECT_EQ(files, ShardSizes(rank_dir)) << rank_dir;
+    EXPECT_EQ(uint64_t(entry["bytes"]), bytes);
+    EXPECT_TRUE(fs::is_regular_file(rank_dir + "/" + std::string(std::string_view(entry["index"]))))
+        << rank_dir;
+    EXPECT_EQ(uint64_t(entry["tensors"]), Checkpoint::Open(rank_dir).value()->tensors().size());
+    EXPECT_EQ(RunCli({"verify", rank_dir}).exit_code, 0) << rank_dir;
+    total += bytes;
+    ++rank;
+  }
+  EXPECT_EQ(uint64_t(doc["bytes"]), total);
+}
+
+TEST(CliReshard, JsonReportsWhatIsOnDisk) {
+  TempDir t;
+  const std::string src = t.Join("src");
+  GenTiny(src);
+  const std::string tp = t.Join("tp2");
+  const RunResult r =
+      RunCli({"reshard", src, tp, "--tp", "2", "--max-shard-size", "40KB", "--no-sync", "--json"});
+  ExpectReshardReport(r, src, tp, 2, 40'000);
+  // Without --tp: the one re-split checkpoint is rank 0, in DST itself.
+  const std::string split = t.Join("split");
+  const RunResult s =
+      RunCli({"reshard", src, split, "--max-shard-size", "16KB", "--no-sync", "--json"});
+  ExpectReshardReport(s, src, split, 1, 16'000);
+  EXPECT_GT(Shards(split).size(), 1u);
+  // Without --json: the one line, as before.
+  const RunResult text =
+      RunCli({"reshard", src, t.Join("text"), "--max-shard-size", "16KB", "--no-sync"});
+  ASSERT_EQ(text.exit_code, 0) << Describe(text);
+  EXPECT_TRUE(text.out.starts_with("resharded " + std::to_string(kTinyTensors) + " tensors of " +
+                                   src + " into " + t.Join("text") + ": "))
+      << text.out;
+}
+
+// A failure is the document every --json command answers with (convert's, naming src and dst);
+// nothing is left behind. A usage error stays on stderr.
+TEST(CliReshard, JsonErrors) {
+  TempDir t;
+  const std::string src = t.Join("src");
+  GenTiny(src);
+  fs::create_directories(t.Join("out/rank-00001-of-00002"));
+  const RunResult r = RunCli({"reshard", src, t.Join("out"), "--tp", "2", "--no-sync", "--json"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_EQ(r.err, "") << Describe(r);
+  simdjson::dom::parser parser;
+  simdjson::dom::element doc;
+  ASSERT_EQ(parser.parse(simdjson::padded_string(r.out)).get(doc), simdjson::SUCCESS) << r.out;
+  EXPECT_FALSE(bool(doc["ok"]));
+  EXPECT_EQ(std::string_view(doc["src"]), src);
+  EXPECT_EQ(std::string_view(doc["dst"]), t.Join("out"));
+  EXPECT_EQ(std::string_view(doc["error"]["code"]), "invalid_argument");
+  EXPECT_EQ(std::string_view(doc["error"]["message"]),
+            t.Join("out/rank-00001-of-00002") + ": already exists; not overwritten");
+  EXPECT_FALSE(fs::exists(t.Join("out/rank-00000-of-00002")));
+  // The same failure without --json: the same message as one line.
+  const RunResult line = RunCli({"reshard", src, t.Join("out"), "--tp", "2", "--no-sync"});
+  ExpectOneLineError(line);
+  EXPECT_EQ(line.err,
+            "error: " + t.Join("out/rank-00001-of-00002") + ": already exists; not overwritten\n");
+  // A missing source: not_found, about the source.
+  const RunResult missing =
+      RunCli({"reshard", t.Join("missing"), t.Join("x"), "--tp", "2", "--no-sync", "--json"});
+  EXPECT_EQ(missing.exit_code, 1) << Describe(missing);
+  ASSERT_EQ(parser.parse(simdjson::padded_string(missing.out)).get(doc), simdjson::SUCCESS)
+      << missing.out;
+  EXPECT_EQ(std::string_view(doc["error"]["category"]), "not_found") << missing.out;
+  EXPECT_TRUE(std::string_view(doc["error"]["message"]).starts_with(t.Join("missing")))
+      << missing.out;
+  EXPECT_FALSE(fs::exists(t.Join("x")));
+  // Usage errors: exit 2, stderr only.
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"reshard", src, t.Join("y"), "--json"},
+           {"reshard", src, t.Join("y"), "--max-shard-size", "big", "--json"},
+           {"reshard", src, t.Join("y"), "--tp", "2", "--rules", t.Join("no-rules.json"),
+            "--json"}}) {
+    const RunResult u = RunCli(args);
+    EXPECT_EQ(u.exit_code, 2) << Describe(u);
+    EXPECT_EQ(u.out, "") << Describe(u);
+    EXPECT_TRUE(u.err.starts_with("error: ")) << Describe(u);
+  }
+  EXPECT_FALSE(fs::exists(t.Join("y")));
 }
 
 TEST(CliReshard, RefusesToWriteOverItsOwnSource) {

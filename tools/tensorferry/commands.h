@@ -1,8 +1,15 @@
 // The tensorferry command-line tool: one subcommand per file (inspect.cc, verify.cc, gen.cc),
 // shared helpers in util.cc. Uses the public API only.
 //
-// Exit codes: 0 success, 1 an I/O error or invalid input (one line "error: ..." on stderr),
-// 2 a usage error (bad option or value).
+// Exit codes, one rule for every command (README, "The CLI"):
+//   0 (kExitOk)    done (doctor: whatever it found; its report is the result);
+//   1 (kExitError) failed: an I/O error, invalid input, or an invalid setting of the environment
+//                  (a TENSORFERRY_* variable): one line "error: ..." on stderr, or with --json
+//                  the command's document with "ok": false (Failed);
+//   2 (kExitUsage) the command line is wrong: an unknown command or option, a missing argument, an
+//                  option's invalid value, options that contradict each other or the environment:
+//                  one line on stderr, also with --json (UsageError). InvalidSetting applies the
+//                  rule to a setting by where it came from.
 #pragma once
 
 #include <cstdint>
@@ -91,6 +98,26 @@ void JsonError(JsonOut& j, std::string_view path, const Status& status);
 // "error"} on stdout (as every --json command answers an error); else the error line on stderr.
 // Returns kExitError.
 int Failed(bool json, std::string_view path, const Status& status);
+// The same for a command that reads `src` and writes `dst` (reshard): the document names both,
+// {"src", "dst", "ok": false, "error"}, as convert's does; the error is about `subject`.
+int Failed(bool json, std::string_view src, std::string_view dst, std::string_view subject,
+           const Status& status);
+
+// A usage error: prints "error: <text>" (one line on stderr, nothing on stdout, also with --json)
+// and returns kExitUsage.
+int UsageError(std::string_view text);
+
+// Where a setting came from.
+enum class Origin {
+  kCommandLine,  // a flag's value, or flags that contradict each other or the environment
+  kEnvironment,  // a TENSORFERRY_* variable (LoadOptions::FromEnvironment), or several that
+                 // contradict each other
+};
+// Reports an invalid setting and returns the exit code, by the rule of every command: the command
+// line's is a usage error (UsageError: kExitUsage); the environment's is a failure of the command
+// like an unreadable input (Failed(json, path, status): kExitError, with --json the error
+// document), since the command line was right. The CLI's only place that decides between them.
+int InvalidSetting(Origin origin, bool json, std::string_view path, const Status& status);
 
 // The positional checkpoint argument (required) of every command that reads a checkpoint.
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name = "path");
@@ -99,10 +126,9 @@ CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::stri
 // the AWS_* variables the source reads itself).
 Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path);
 // The options OpenCheckpoint opens `path` with: for a URL, the object-store settings of the
-// environment (an invalid TENSORFERRY_* variable is an error then); for a local path, defaults.
+// environment (an invalid TENSORFERRY_* variable is an error then, which its callers report with
+// Failed: InvalidSetting's rule for the environment); for a local path, defaults.
 Result<OpenOptions> OpenOptionsFor(const std::string& path);
-// The same; prints the error and returns null on failure.
-std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path);
 
 // Progress on stderr when it is a terminal (nothing otherwise): "\r[####....] 3/17 warm io_uring"
 // by steps, or "\r[####....] 1.2 GB of 4.0 GB, 0.85 GB/s" by bytes. The line is cleared at the end.

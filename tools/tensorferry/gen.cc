@@ -302,11 +302,6 @@ struct GenArgs {
   CLI::Option* vocab = nullptr;
 };
 
-int UsageError(const std::string& text) {
-  PrintError(text);
-  return kExitUsage;
-}
-
 // The preset with explicit options on top, checked; returns the usage error text, or "" if valid.
 std::string ResolveConfig(const GenArgs& args, ModelConfig& c) {
   c = Presets().at(args.preset);

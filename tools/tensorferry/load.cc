@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,11 +66,18 @@ uint64_t PeakRss() {
   return ProcStatusBytes("VmHWM:");
 }
 
-// Every flag goes through LoadOptions::Set (the checks of options.h), then Validate.
-Result<LoadOptions> MakeOptions(const LoadArgs& a) {
-  Result<LoadOptions> seeded = LoadOptions::FromEnvironment();
-  if (!seeded.ok()) return seeded.status();
-  LoadOptions o = std::move(seeded).value();
+// The load options: the environment's (LoadOptions::FromEnvironment), every flag set over them
+// (LoadOptions::Set, the checks of options.h), then Validate. A failure is reported by
+// InvalidSetting as the environment's when the variables are invalid on their own (a value, or a
+// contradiction they have without any flag), else as the command line's; returns the exit code
+// then, nullopt when the options are valid.
+std::optional<int> MakeOptions(const LoadArgs& a, LoadOptions& out) {
+  const auto invalid = [&a](Origin origin, const Status& s) {
+    return InvalidSetting(origin, a.json, a.path, s);
+  };
+  Result<LoadOptions> env = LoadOptions::FromEnvironment();
+  if (!env.ok()) return invalid(Origin::kEnvironment, env.status());
+  LoadOptions o = *env;
   Status s;
   for (const auto& [key, flag] : a.options) {
     if (s.ok() && !flag.value.empty()) s = SetContext(o, key, flag.value, flag.flag);
@@ -80,12 +88,20 @@ Result<LoadOptions> MakeOptions(const LoadArgs& a) {
   if (s.ok() && a.allow_oversized) s = o.Set("allow_oversized", "1");
   if (s.ok() && !a.rules.empty()) {
     Result<ShardSpec> spec = ReadShardRules(a.rules);
-    if (!spec.ok()) return spec.status();
+    if (!spec.ok()) return invalid(Origin::kCommandLine, spec.status());
     o.SetShardSpec(std::move(spec).value());
   }
-  if (s.ok()) s = o.Validate();
-  if (!s.ok()) return s;
-  return o;
+  if (!s.ok()) return invalid(Origin::kCommandLine, s);
+  if (s = o.Validate(); !s.ok()) {
+    // The variables' own contradiction, which no flag changed: e.g. TENSORFERRY_DROP_CACHE=1 with
+    // TENSORFERRY_ENGINE=mmap (and no --engine to override it).
+    if (const Status alone = env->Validate(); !alone.ok() && alone.message() == s.message()) {
+      return invalid(Origin::kEnvironment, alone.WithPrefix("TENSORFERRY_* environment variables"));
+    }
+    return invalid(Origin::kCommandLine, s);
+  }
+  out = std::move(o);
+  return std::nullopt;
 }
 
 // --layers N or A-B, A <= B (layer numbers as LayerOf reads them: any 64-bit number).
@@ -303,19 +319,14 @@ std::string TextReport(const Report& r) {
 
 int RunLoad(const LoadArgs& args) {
   const uint64_t rss_before = ProcStatusBytes("VmRSS:");
-  auto options = MakeOptions(args);
-  if (!options.ok()) {
-    PrintError(options.status().message());
-    return kExitUsage;
-  }
+  LoadOptions options;
+  if (const std::optional<int> invalid = MakeOptions(args, options)) return *invalid;
   auto selection = MakeSelection(args);
-  if (!selection.ok()) {
-    PrintError(selection.status().message());
-    return kExitUsage;
-  }
+  if (!selection.ok())
+    return InvalidSetting(Origin::kCommandLine, args.json, args.path, selection.status());
   Runs runs;
   const int64_t open0 = NowNs();
-  auto loader = Loader::Open(args.path, *options);
+  auto loader = Loader::Open(args.path, options);
   if (!loader.ok()) return Failed(args.json, args.path, loader.status());
   runs.open_seconds = SecondsSince(open0);
   if (!args.layers.empty()) {
@@ -344,7 +355,7 @@ int RunLoad(const LoadArgs& args) {
   }
   const LoadStats stats = (*loader)->stats();
   const Report report{args,
-                      *options,
+                      options,
                       stats,
                       runs,
                       args.no_checksum ? std::string() : CombinedChecksum(runs.sums),

@@ -6,7 +6,8 @@
 //   tensorferry convert SRC DST [--max-shard-size SIZE] [--verify] [--json]
 //   tensorferry doctor [--json] [--quick]
 //
-// Exit codes: 0 success, 1 I/O error or invalid input, 2 usage error. Ended by SIGINT, SIGTERM
+// Exit codes (commands.h): 0 success; 1 an I/O error, invalid input or an invalid TENSORFERRY_*
+// variable; 2 a usage error (the command line's). Ended by SIGINT, SIGTERM
 // or SIGHUP, it first removes the temporary files of writes in progress (and undoes a sharded
 // write not yet committed), then dies of the signal as it would without a handler. Before it
 // exits, copies into object caches still in progress (a load from object storage is done before
@@ -138,9 +139,8 @@ int main(int argc, char** argv) {
         names += (names.empty() ? "" : ", ") + command.app->get_name();
       }
       if (!known) {
-        PrintError(std::string("unknown command '") + argv[1] + "' (commands: " + names +
-                   "; --help explains them)");
-        return kExitUsage;
+        return UsageError(std::string("unknown command '") + argv[1] + "' (commands: " + names +
+                          "; --help explains them)");
       }
     }
     try {

@@ -13,6 +13,10 @@
 // An existing rank directory is refused before anything is written. Without --tp, DST may not be
 // the source's own directory (compared by device and inode), which would replace the source; any
 // other existing checkpoint in DST is replaced all or nothing (WriteSharded).
+//
+// Prints one line, or with --json one document: src, dst, tp_size, tensors, max_shard_size,
+// bytes (of the .safetensors files written), seconds, and per rank its dir, tensors, bytes, index
+// and files (name, bytes); a failure is {"src", "dst", "ok": false, "error"} (Failed).
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -24,6 +28,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "json_out.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
 #include "tensorferry/integrity.h"
@@ -43,6 +48,7 @@ struct ReshardArgs {
   std::string max_shard_size;
   bool no_sync = false;
   bool no_verify = false;
+  bool json = false;
 };
 
 // The bytes of one tensor's slice, read on demand: `pieces` are (offset in the file, length), and
@@ -118,39 +124,68 @@ std::string RankDirName(uint32_t rank, uint32_t world) {
   return name;
 }
 
-// Parses --max-shard-size, --no-sync and --rules; prints the error and returns false if invalid.
-bool ParseReshardOptions(const ReshardArgs& a, ShardOptions& so, ShardSpec& spec) {
+// A failure of the command: the path it is about ("error: <path>: <reason>", or the error of the
+// --json document) and why.
+struct Failure {
+  std::string path;
+  Status status;
+};
+
+// Records `status` about `path` in `failure` and returns false.
+bool Fail(Failure& failure, std::string path, Status status) {
+  failure = {std::move(path), std::move(status)};
+  return false;
+}
+
+// What one rank (or, without --tp, the re-split checkpoint) was written as.
+struct RankOutput {
+  uint32_t rank = 0;
+  std::string dir;
+  std::vector<std::pair<std::string, uint64_t>> files;  // .safetensors files in `dir`, bytes
+  std::string index;                                    // the index file's name in `dir`
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;  // of `files`
+};
+
+// What the command wrote, for its report.
+struct ReshardOutput {
+  uint64_t tensors = 0;  // of the source (each rank holds a slice of every one)
+  uint32_t world = 1;
+  uint64_t max_shard_size = 0;
+  std::vector<RankOutput> ranks;
+  uint64_t Bytes() const {
+    uint64_t total = 0;
+    for (const RankOutput& r : ranks) total += r.bytes;
+    return total;
+  }
+};
+
+// Parses --max-shard-size, --no-sync and --rules; the usage error's text on failure.
+std::optional<std::string> ParseReshardOptions(const ReshardArgs& a, ShardOptions& so,
+                                               ShardSpec& spec) {
   if (!a.max_shard_size.empty()) {
     auto size = ParseSize(a.max_shard_size);
-    if (!size || *size == 0) {
-      PrintError("--max-shard-size: not a size: " + a.max_shard_size);
-      return false;
-    }
+    if (!size || *size == 0) return "--max-shard-size: not a size: " + a.max_shard_size;
     so.max_shard_size = *size;
   }
   so.write.sync = !a.no_sync;
   spec = ShardSpec::Builtin();
   if (!a.rules.empty()) {
     auto r = ReadShardRules(a.rules);
-    if (!r.ok()) {
-      PrintError(a.rules, r.status());
-      return false;
-    }
+    if (!r.ok()) return ErrorText(a.rules, r.status());
     spec = std::move(r).value();
   }
-  return true;
+  return std::nullopt;
 }
 
 // The checkpoint's own files (opened and identified at Checkpoint::Open; local or remote), for
-// positional reads; prints the error and returns false.
+// positional reads.
 bool OpenSourceFiles(const Checkpoint& ckpt,
-                     std::vector<std::shared_ptr<const RandomAccessFile>>& files) {
+                     std::vector<std::shared_ptr<const RandomAccessFile>>& files,
+                     Failure& failure) {
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
     auto file = ckpt.File(f);
-    if (!file.ok()) {
-      PrintError(ckpt.files()[f].path, file.status());
-      return false;
-    }
+    if (!file.ok()) return Fail(failure, ckpt.files()[f].path, file.status());
     files.push_back(std::move(file).value());
   }
   return true;
@@ -167,11 +202,10 @@ void SetMetadata(Metadata& m, const std::string& k, const std::string& v) {
   m.emplace_back(k, v);
 }
 
-// Returns false (with the error printed) if DST is the directory of a source file.
-// Re-splitting into the source's own directory would replace (and obsolete) the files being
-// read. The same directory is recognized by device and inode, whatever path leads there
-// (symlinks, "..", bind mounts).
-bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt) {
+// Fails if DST is the directory of a source file. Re-splitting into the source's own directory
+// would replace (and obsolete) the files being read. The same directory is recognized by device
+// and inode, whatever path leads there (symlinks, "..", bind mounts).
+bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt, Failure& failure) {
   struct stat dst_st;
   if (::stat(a.dst.c_str(), &dst_st) != 0) return true;
   for (const FileInfo& f : ckpt.files()) {
@@ -179,11 +213,11 @@ bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt) {
     struct stat src_st;
     if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
         src_st.st_dev == dst_st.st_dev && src_st.st_ino == dst_st.st_ino) {
-      PrintError(a.dst, Status(Code::kInvalidArgument,
-                               "is the directory of the source file " + f.path +
-                                   "; writing there would replace the checkpoint being "
-                                   "read (choose another output directory)"));
-      return false;
+      return Fail(failure, a.dst,
+                  Status(Code::kInvalidArgument,
+                         "is the directory of the source file " + f.path +
+                             "; writing there would replace the checkpoint being read (choose "
+                             "another output directory)"));
     }
   }
   return true;
@@ -191,37 +225,39 @@ bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt) {
 
 // Refuses existing rank directories, then creates DST (and its missing parents), as a
 // transaction: the rank directories written and the directories created go again unless it is
-// committed. Prints the error and returns nullopt.
-std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uint32_t world) {
+// committed. nullopt on failure.
+std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uint32_t world,
+                                                       Failure& failure) {
   // Refused before anything is written: no rank directory is ever overwritten.
   for (uint32_t rank = 0; a.tp > 0 && rank < world; ++rank) {
     const fs::path final_dir = fs::path(a.dst) / RankDirName(rank, world);
     std::error_code ec;
     const bool exists = fs::exists(final_dir, ec);
     if (ec) {
-      PrintError(final_dir.string(), Status(Code::kIoError, "cannot be checked: " + ec.message()));
+      Fail(failure, final_dir.string(),
+           Status(Code::kIoError, "cannot be checked: " + ec.message()));
       return std::nullopt;
     }
     if (exists) {
-      PrintError(final_dir.string(),
-                 Status(Code::kInvalidArgument, "already exists; not overwritten"));
+      Fail(failure, final_dir.string(),
+           Status(Code::kInvalidArgument, "already exists; not overwritten"));
       return std::nullopt;
     }
   }
   Result<DirectoryTransaction> t = DirectoryTransaction::Create(a.dst);
   if (!t.ok()) {
-    PrintError(a.dst, t.status());
+    Fail(failure, a.dst, t.status());
     return std::nullopt;
   }
   return std::move(t).value();
 }
 
-// Writes one rank (or the whole re-split checkpoint without --tp) and adds the bytes of its
-// .safetensors files to `written`; prints the error and returns false on failure.
+// Writes one rank (or the whole re-split checkpoint without --tp) and describes it in `out`.
 bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
                   const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
                   const ShardSpec& spec, const ShardOptions& so, const Metadata& base,
-                  uint32_t rank, uint32_t world, DirectoryTransaction& dst, uint64_t& written) {
+                  uint32_t rank, uint32_t world, DirectoryTransaction& dst, RankOutput& out,
+                  Failure& failure) {
   std::error_code ec;
   Metadata metadata = base;
   if (a.tp > 0) {
@@ -238,8 +274,7 @@ bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
   auto paths = WriteRank(ckpt, files, spec, rank, world, partial, so, metadata);
   if (!paths.ok()) {
     if (a.tp > 0) fs::remove_all(partial, ec);
-    PrintError(SubjectOf(paths.status(), a.src, a.dst), paths.status());
-    return false;
+    return Fail(failure, SubjectOf(paths.status(), a.src, a.dst), paths.status());
   }
   std::vector<std::string> placed;
   if (a.tp > 0) {
@@ -255,56 +290,116 @@ bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
     fs::rename(partial, final_dir, ec);
     if (ec) {
       fs::remove_all(partial, ec);
-      PrintError(final_dir, Status(Code::kIoError, "rename failed: " + ec.message()));
-      return false;
+      return Fail(failure, final_dir, Status(Code::kIoError, "rename failed: " + ec.message()));
     }
   }
+  out = RankOutput{rank, final_dir, {}, {}, ckpt.tensors().size(), 0};
   for (const std::string& p : *paths) {
-    if (p.ends_with(".safetensors")) {
-      written += fs::file_size(fs::path(final_dir) / fs::path(p).filename(), ec);
+    const std::string name = fs::path(p).filename().string();
+    if (!name.ends_with(".safetensors")) {
+      out.index = name;
+      continue;
     }
+    const std::string placed_path = (fs::path(final_dir) / name).string();
+    const uintmax_t size = fs::file_size(placed_path, ec);
+    if (ec) {
+      return Fail(failure, placed_path,
+                  Status(Code::kIoError, "cannot be read back: " + ec.message()));
+    }
+    out.files.emplace_back(name, size);
+    out.bytes += size;
   }
   return true;
 }
 
-int RunReshard(const ReshardArgs& a) {
-  if (a.tp == 0 && a.max_shard_size.empty()) {
-    PrintError("reshard: give --tp N, --max-shard-size SIZE, or both");
-    return kExitUsage;
-  }
-  ShardOptions so;
-  ShardSpec spec = ShardSpec::Builtin();
-  if (!ParseReshardOptions(a, so, spec)) return kExitUsage;
-  const std::shared_ptr<const Checkpoint> ckpt = OpenOrPrintError(a.src);
-  if (!ckpt) return kExitError;
+// Opens the source, checks it and the destination, and writes every rank as one unit.
+bool Reshard(const ReshardArgs& a, const ShardOptions& so, const ShardSpec& spec,
+             ReshardOutput& out, Failure& failure) {
+  Result<std::shared_ptr<const Checkpoint>> opened = OpenCheckpoint(a.src);
+  if (!opened.ok()) return Fail(failure, a.src, opened.status());
+  const Checkpoint& ckpt = **opened;
   std::vector<std::shared_ptr<const RandomAccessFile>> files;
-  if (!OpenSourceFiles(*ckpt, files)) return kExitError;
+  if (!OpenSourceFiles(ckpt, files, failure)) return false;
   Metadata base;
-  if (!ckpt->files().empty()) base = ckpt->files()[0].metadata;
+  if (!ckpt.files().empty()) base = ckpt.files()[0].metadata;
   // The destination first: refusing it must not wait for the whole source to be read.
-  if (a.tp == 0 && !CheckDstIsNotSource(a, *ckpt)) return kExitError;
-  const uint32_t world = a.tp == 0 ? 1 : a.tp;
-  std::optional<DirectoryTransaction> dst = PrepareDestination(a, world);
-  if (!dst) return kExitError;
+  if (a.tp == 0 && !CheckDstIsNotSource(a, ckpt, failure)) return false;
+  out.tensors = ckpt.tensors().size();
+  out.world = a.tp == 0 ? 1 : a.tp;
+  out.max_shard_size = so.max_shard_size;
+  std::optional<DirectoryTransaction> dst = PrepareDestination(a, out.world, failure);
+  if (!dst) return false;
   // The writer computes new checksums over what it reads: a corrupt source would come out
   // "verified". The source's own checksums (embedded, or its manifest) are checked before any
   // byte is written (folders the transaction created go again).
   if (!a.no_verify) {
-    if (Status s = VerifyCheckpointChecksums(*ckpt, HashThreads()); !s.ok()) {
-      PrintError(a.src, s);
-      return kExitError;
+    if (Status s = VerifyCheckpointChecksums(ckpt, HashThreads()); !s.ok()) {
+      return Fail(failure, a.src, s);
     }
   }
-  uint64_t written = 0;
-  for (uint32_t rank = 0; rank < world; ++rank) {
-    if (!WriteOneRank(a, *ckpt, files, spec, so, base, rank, world, *dst, written)) {
-      return kExitError;
+  out.ranks.resize(out.world);
+  for (uint32_t rank = 0; rank < out.world; ++rank) {
+    if (!WriteOneRank(a, ckpt, files, spec, so, base, rank, out.world, *dst, out.ranks[rank],
+                      failure)) {
+      return false;
     }
   }
   dst->Commit();
-  const std::string line = "resharded " + Plural(ckpt->tensors().size(), "tensor") + " of " +
-                           a.src + " into " + (a.tp > 0 ? Plural(world, "rank") + " under " : "") +
-                           a.dst + ": " + FormatBytes(written) + " written";
+  return true;
+}
+
+// The --json report: what was written, rank by rank.
+std::string JsonReport(const ReshardArgs& a, const ReshardOutput& out, double seconds) {
+  JsonOut j;
+  j.BeginObject()
+      .Field("src", a.src)
+      .Field("dst", a.dst)
+      .Field("ok", true)
+      .Field("tp_size", uint64_t{out.world})
+      .Field("tensors", out.tensors)
+      .Field("max_shard_size", out.max_shard_size)
+      .Field("source_checksums_checked", !a.no_verify)
+      .Field("bytes", out.Bytes())
+      .Field("seconds", seconds)
+      .Key("ranks")
+      .BeginArray();
+  for (const RankOutput& r : out.ranks) {
+    j.BeginObject()
+        .Field("rank", uint64_t{r.rank})
+        .Field("dir", r.dir)
+        .Field("tensors", r.tensors)
+        .Field("bytes", r.bytes)
+        .Field("index", r.index)
+        .Key("files")
+        .BeginArray();
+    for (const auto& [name, bytes] : r.files) {
+      j.BeginObject().Field("name", name).Field("bytes", bytes).EndObject();
+    }
+    j.EndArray().EndObject();
+  }
+  j.EndArray().EndObject();
+  return j.str();
+}
+
+int RunReshard(const ReshardArgs& a) {
+  if (a.tp == 0 && a.max_shard_size.empty()) {
+    return UsageError("reshard: give --tp N, --max-shard-size SIZE, or both");
+  }
+  ShardOptions so;
+  ShardSpec spec = ShardSpec::Builtin();
+  if (std::optional<std::string> usage = ParseReshardOptions(a, so, spec)) {
+    return UsageError(*usage);
+  }
+  const int64_t start = NowNs();
+  ReshardOutput out;
+  Failure failure;
+  if (!Reshard(a, so, spec, out, failure)) {
+    return Failed(a.json, a.src, a.dst, failure.path, failure.status);
+  }
+  if (a.json) return PrintReport(JsonReport(a, out, SecondsSince(start)));
+  const std::string line = "resharded " + Plural(out.tensors, "tensor") + " of " + a.src +
+                           " into " + (a.tp > 0 ? Plural(out.world, "rank") + " under " : "") +
+                           a.dst + ": " + FormatBytes(out.Bytes()) + " written";
   return PrintReport(line);
 }
 
@@ -324,6 +419,8 @@ Command AddReshardCommand(CLI::App& parent) {
   app->add_option("--max-shard-size", args->max_shard_size,
                   "Largest data size of one output file (default 5GB)");
   app->add_flag("--no-sync", args->no_sync, "Skip fsync (scratch output)");
+  app->add_flag("--json", args->json,
+                "Print one JSON document: what was written, rank by rank (files, tensors, bytes)");
   app->add_flag("--no-verify", args->no_verify,
                 "Skip checking the source's checksums first (the output gets checksums of what "
                 "was read, whatever it is)");

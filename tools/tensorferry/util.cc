@@ -135,16 +135,44 @@ void JsonError(JsonOut& j, std::string_view path, const Status& status) {
       .EndObject();
 }
 
-int Failed(bool json, std::string_view path, const Status& status) {
+namespace {
+
+// Failed's body: `names` writes the members that say what the document is about.
+template <typename Names>
+int FailedAbout(bool json, std::string_view subject, const Status& status, const Names& names) {
   if (!json) {
-    PrintError(path, status);
+    PrintError(subject, status);
     return kExitError;
   }
   JsonOut j;
-  j.BeginObject().Field("path", path).Field("ok", false);
-  JsonError(j, path, status);
+  j.BeginObject();
+  names(j);
+  j.Field("ok", false);
+  JsonError(j, subject, status);
   j.EndObject();
   return PrintReport(j.str(), status);
+}
+
+}  // namespace
+
+int Failed(bool json, std::string_view path, const Status& status) {
+  return FailedAbout(json, path, status, [&](JsonOut& j) { j.Field("path", path); });
+}
+
+int Failed(bool json, std::string_view src, std::string_view dst, std::string_view subject,
+           const Status& status) {
+  return FailedAbout(json, subject, status,
+                     [&](JsonOut& j) { j.Field("src", src).Field("dst", dst); });
+}
+
+int UsageError(std::string_view text) {
+  PrintError(text);
+  return kExitUsage;
+}
+
+int InvalidSetting(Origin origin, bool json, std::string_view path, const Status& status) {
+  if (origin == Origin::kCommandLine) return UsageError(status.message());
+  return Failed(json, path, status);
 }
 
 CLI::Option* AddCheckpointPath(CLI::App& app, std::string& path, const std::string& name) {
@@ -173,13 +201,6 @@ Result<std::shared_ptr<const Checkpoint>> OpenCheckpoint(const std::string& path
   Result<OpenOptions> open = OpenOptionsFor(path);
   if (!open.ok()) return open.status();
   return Checkpoint::Open(path, *open);
-}
-
-std::shared_ptr<const Checkpoint> OpenOrPrintError(const std::string& path) {
-  Result<std::shared_ptr<const Checkpoint>> opened = OpenCheckpoint(path);
-  if (opened.ok()) return *std::move(opened);
-  PrintError(path, opened.status());
-  return nullptr;
 }
 
 Progress::Progress(size_t total) : total_(total), tty_(::isatty(STDERR_FILENO) == 1) {}

@@ -90,6 +90,30 @@ struct DevicePipeline::RunState {
   uint64_t strided = 0, unaligned = 0, refused = 0;  // staged with GDS on, by cause (Plan)
   std::vector<std::string> reasons;
 
+  // GdsMode::kAuto: files whose cuFileRead failed in this run (the first failure's message, and
+  // the chunks read through the ring since): their chunks are staged from then on.
+  struct GdsFailure {
+    std::string first;
+    uint64_t chunks = 0;
+  };
+  std::mutex gds_failed_mu;
+  std::map<const RandomAccessFile*, GdsFailure> gds_failed;
+
+  // Whether `file` had a failed cuFileRead in this run; counts `chunk` as staged for it if so.
+  bool GdsFailedFor(const RandomAccessFile* file) {
+    std::lock_guard<std::mutex> lock(gds_failed_mu);
+    auto it = gds_failed.find(file);
+    if (it == gds_failed.end()) return false;
+    ++it->second.chunks;
+    return true;
+  }
+  void NoteGdsFailure(const RandomAccessFile* file, std::string message) {
+    std::lock_guard<std::mutex> lock(gds_failed_mu);
+    GdsFailure& f = gds_failed[file];
+    if (f.first.empty()) f.first = std::move(message);
+    ++f.chunks;
+  }
+
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> staged_bytes{0}, gathered_bytes{0}, gds_bytes{0}, copies{0}, copies_2d{0};
@@ -429,6 +453,10 @@ Status DevicePipeline::Run(std::span<const DeviceTask> tasks, io::ReadEngine& en
   }
   // Every copy in flight completes before the caller may touch (or free) the destinations.
   Status drained = ring_->Drain();
+  for (const auto& [file, failure] : run.gds_failed) {
+    run.reasons.push_back(failure.first + " (GDS given up for the file in this load: " +
+                          Plural(failure.chunks, "chunk") + " read through the staging ring)");
+  }
 
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
@@ -462,7 +490,8 @@ void DevicePipeline::Produce(unsigned producer, io::ReadEngine& engine, RunState
     const size_t k = run.next.fetch_add(1);
     if (k >= run.chunks.size()) break;
     const Chunk& chunk = run.chunks[k];
-    Status status = chunk.gds ? ReadGds(chunk, run) : Stage(chunk, stream, engine, run);
+    Status status =
+        chunk.gds ? ReadGds(chunk, stream, engine, run) : Stage(chunk, stream, engine, run);
     if (!status.ok()) {
       run.Fail(std::move(status));
       break;
@@ -529,7 +558,21 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
   return ring_->Submit(slot, stream, std::move(what));
 }
 
-Status DevicePipeline::ReadGds(const Chunk& chunk, RunState& run) {
+Status DevicePipeline::ReadGds(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine,
+                               RunState& run) {
+  // The chunk's bytes from `done` on, staged through the ring as a chunk planned so would be.
+  auto staged_from = [&](uint64_t done) {
+    Chunk rest = chunk;
+    rest.gds = false;
+    rest.offset += done;
+    rest.length -= done;
+    rest.dst += done;
+    rest.slot_offset = rest.offset % kFileAlign;
+    if (rest.slot_offset + rest.length > ring_->slot_size()) rest.slot_offset = 0;
+    return Stage(rest, stream, engine, run);
+  };
+  const bool fall_back = options_.gds == GdsMode::kAuto;
+  if (fall_back && run.GdsFailedFor(chunk.file)) return staged_from(0);
   const GdsFile& file = *run.gds_files.at(chunk.file);
   void* base = chunk.dst;
   uint64_t base_offset = 0;
@@ -560,13 +603,17 @@ Status DevicePipeline::ReadGds(const Chunk& chunk, RunState& run) {
         chunk.about};
     if (n < 0) {
       const int saved = errno;
-      return io::LabelReadError(
+      Status error = io::LabelReadError(
           failed, failed.offset,
           Status(Code::kCufileError, chunk.file->path() + ": cuFileRead at offset " +
                                          std::to_string(chunk.offset + done) + " (" +
                                          std::to_string(chunk.length - done) + " bytes to device " +
                                          Hex(chunk.dst + done) +
                                          "): " + cuda::CufileReadErrorText(n, saved)));
+      if (!fall_back) return error;
+      run.NoteGdsFailure(chunk.file, error.message());
+      run.gds_bytes.fetch_add(done, std::memory_order_relaxed);
+      return staged_from(done);
     }
     if (n == 0) {
       return io::LabelReadError(

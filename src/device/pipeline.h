@@ -213,7 +213,10 @@ class DevicePipeline {
   void ExplainStaging(RunState& run) const;
   void Produce(unsigned producer, io::ReadEngine& engine, RunState& run);
   Status Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
-  Status ReadGds(const Chunk& chunk, RunState& run);
+  // A GDS chunk. Under GdsMode::kAuto a failed cuFileRead is not the load's end: the rest of the
+  // chunk, and the file's later chunks of the run, are staged through the ring instead (the
+  // failure named in stats().gds_reason); under kOn it fails the run.
+  Status ReadGds(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
   // Errors: kGdsUnavailable naming the file and the reason (no descriptor, replaced file, cuFile
   // refusal).
   Result<std::unique_ptr<GdsFile>> OpenGdsFile(const RandomAccessFile& file);

@@ -803,6 +803,34 @@ TEST_F(DevicePipelineGdsTest, ACufileReadErrorNamesFileAndOffset) {
   w.buffer.reset();
 }
 
+// Under auto, a cuFileRead that fails once the file was accepted does not end the load: that
+// chunk's rest and the file's later chunks go through the staging ring, byte-exact, and the reason
+// says what failed.
+TEST_F(DevicePipelineGdsTest, ACufileReadErrorUnderAutoFallsBackToTheRing) {
+  auto config = DefaultConfig();
+  config.cufile_fail_read_at = 2;
+  Configure(config);
+  Workload w;
+  size_t aligned = 0, unaligned = 0;
+  AddMixedTasks(w, &aligned, &unaligned);
+  auto pipeline = MakePipeline(Options(GdsMode::kAuto));
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status().ToString();
+  const Status status = (*pipeline)->Run(w.tasks, *engine_, w.buffer.get());
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  EXPECT_TRUE(DeviceMatches(w));
+  const DevicePipelineStats stats = (*pipeline)->stats();
+  EXPECT_EQ(stats.gds_bytes + stats.staged_bytes, 50'000u + 4096 + 70'000 + 777 + 3000 + 4096);
+  EXPECT_GT(stats.staged_bytes, 3000u + 4096) << "the failed chunk's bytes were staged";
+  EXPECT_LT(stats.gds_bytes, 50'000u + 4096 + 70'000 + 777);
+  EXPECT_EQ(fake_->Stats().cufile_bytes_read, stats.gds_bytes);
+  EXPECT_TRUE(Contains(stats.gds_reason, "shard0.safetensors: cuFileRead at offset "))
+      << stats.gds_reason;
+  EXPECT_TRUE(Contains(stats.gds_reason, "GDS given up for the file in this load"))
+      << stats.gds_reason;
+  EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
+  w.buffer.reset();
+}
+
 TEST_F(DevicePipelineGdsTest, AShortFileIsUnexpectedEofUnderGdsToo) {
   Workload w;
   AddFiles(w, 1, 10'000, &dir_);

@@ -21,7 +21,8 @@
 // reader may ignore checksums of a newer version, with that reason). Every digest is checked
 // against its chunks when parsed (corrupt metadata is reported as such, not as corrupt data).
 //
-// Thread-safety: every function is reentrant; values are plain data.
+// Thread-safety: every function is reentrant; values are plain data. WriteChecksumManifest
+// serializes with every other change of the same manifest, in this process and others.
 #pragma once
 
 #include <cstddef>
@@ -171,9 +172,15 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
 // Writes `manifest` to ChecksumManifestPath(ckpt) atomically (temporary file, fsync, rename,
 // fsync of the directory) through `env` (nullptr: Env::Default()). A manifest already there keeps
 // its entries of files that are not `ckpt`'s (several single-file checkpoints in one folder share
-// it); `ckpt`'s are replaced. Errors: kIoError; kInvalidArgument when the manifest there holds
-// other files' entries in another chunk size; those of ReadChecksumManifest for one that cannot
-// be read or parsed (nothing is written: remove it to start anew).
+// it); `ckpt`'s are replaced. The read, merge and rename hold an exclusive lock on the directory
+// (flock(2) on the directory itself, waited for; nothing is created), which every change of the
+// manifest by this library takes (this call, and the writers of writer.h dropping the entries of
+// files they replace): threads and processes writing different files into one folder at once
+// keep each other's entries. Across machines on NFS the lock is per machine (docs/integrity.md,
+// "Concurrent writers"). Errors: kIoError (the directory cannot be opened to lock it, or the
+// write fails); kInvalidArgument when the manifest there holds other files' entries in another
+// chunk size; those of ReadChecksumManifest for one that cannot be read or parsed (nothing is
+// written: remove it to start anew).
 Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& manifest,
                              Env* env = nullptr);
 

@@ -14,7 +14,10 @@
 // before anything is written.
 //
 // Ownership: the writer borrows TensorToWrite::data for the duration of the call only.
-// Thread-safety: reentrant; concurrent calls writing to different paths are safe.
+// Thread-safety: reentrant; concurrent calls writing to different paths are safe, also in one
+// folder whose sidecar checksum manifest (integrity.h) they change: every change of a manifest
+// holds its directory's lock (WriteChecksumManifest). Concurrent sharded writes of one prefix into
+// one folder are not serialized (last one wins, but may mix); DirectoryTransaction is.
 #pragma once
 
 #include <cstddef>
@@ -23,6 +26,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -87,6 +91,9 @@ Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
 // callback, prefixed with the tensor's name (kInternal if it throws). The temporary file is
 // "." + file name + ".tmp-<pid>-<random>" in the destination's directory. If only the final fsync
 // of the directory fails, the new file is already in place and kIoError is still returned.
+// A sidecar checksum manifest beside `path` (integrity.h) that records the file being replaced
+// loses that entry first (under the manifest's lock; the manifest goes with its last entry): its
+// digests are of the old bytes. kIoError when that update fails (nothing is replaced then).
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
                  const Metadata& metadata = {}, const WriteOptions& options = {});
 
@@ -118,7 +125,10 @@ struct ShardOptions {
 // the backups put back: the directory is exactly as before (a directory this call created is
 // removed again). "The layout already there" is the files "<prefix>.safetensors",
 // "<prefix>.safetensors.index.json" and the "*.safetensors" files that index names in `dir`; no
-// other file is ever touched. Only a crash (power loss, SIGKILL) during the renames can leave the
+// other file is touched, except a sidecar checksum manifest (integrity.h) that records one of the
+// files replaced or written: those entries describe other bytes and go, as part of the same
+// commit (the manifest rewritten with the other files' entries, or removed when none is left),
+// under the manifest's lock. Only a crash (power loss, SIGKILL) during the renames can leave the
 // hidden backups behind, from which the old files can be restored by hand.
 // Errors: those of WriteFile; kInvalidArgument for a prefix that is empty, ".", "..", or holds '/',
 // NUL or invalid UTF-8, or when a file to replace is a directory; kOverflow when the total size
@@ -130,6 +140,16 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               const Metadata& metadata = {},
                                               const ShardOptions& options = {});
 
+// Whether DirectoryTransaction::Create takes its root's write lock.
+enum class DirectoryLock : uint8_t {
+  kExclusive,  // the lock file kDirectoryLockName in the root, held until Commit() or destruction
+  kNone,       // no lock (a caller that holds it already, or writes where no one else can)
+};
+
+// The lock file of a directory being written as one unit (DirectoryTransaction): hidden, it exists
+// only while a transaction holds it (or after a crash, when the next transaction takes it over).
+inline constexpr std::string_view kDirectoryLockName = ".tensorferry.lock";
+
 // Directories written as one unit: the rank folders of `tensorferry reshard --tp`, each
 // complete on its own (WriteSharded) but meaningful only together. Create() makes `root` and its
 // missing parents; Add() hands over a complete directory and the files in it. Until Commit(), the
@@ -137,11 +157,25 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
 // added directory and the directories Create() made, directories only once empty (so nothing the
 // transaction did not write is ever removed): an interrupted or failed write of N folders leaves
 // none of them. After Commit() nothing is removed.
-// Errors: kIoError naming the directory that could not be created.
+//
+// One writer at a time: with DirectoryLock::kExclusive (the default), Create() takes an exclusive
+// lock on `root` (flock(2) on "<root>/.tensorferry.lock", in which it writes its pid, program and
+// host) and fails at once if another transaction, in this process or another, holds it. Two
+// `tensorferry reshard` runs into one destination would otherwise write the same hidden
+// ".rank-...partial" folders, remove each other's as leftovers of an interrupted run, and undo
+// each other's ranks. The lock is released (its file removed) by Commit() or the destructor, and
+// the signal path removes the file too; the kernel releases it if the process dies, so a crash
+// leaves no stale lock. Where it holds (local filesystems; NFS with a lock manager), what it
+// does not: docs/integrity.md, "Concurrent writers". A caller that checks the state of `root`
+// (e.g. that no rank folder exists) should do so after Create(), under the lock.
+// Errors: kIoError naming the directory that could not be created; kIoError "<root>: another
+// writer is writing this directory (<root>/.tensorferry.lock is held by pid N (program) on host:
+// ...)" when the lock is held, or naming the lock file and the OS error when it cannot be made.
 // Thread-compatible (one thread at a time); the signal path is async-signal-safe.
 class DirectoryTransaction {
  public:
-  static Result<DirectoryTransaction> Create(const std::string& root);
+  static Result<DirectoryTransaction> Create(const std::string& root,
+                                             DirectoryLock lock = DirectoryLock::kExclusive);
   DirectoryTransaction(DirectoryTransaction&&) noexcept;
   DirectoryTransaction& operator=(DirectoryTransaction&&) noexcept;
   DirectoryTransaction(const DirectoryTransaction&) = delete;
@@ -150,6 +184,7 @@ class DirectoryTransaction {
 
   // `dir` (complete, in place) and `files`, the paths of what was written in it.
   void Add(const std::string& dir, const std::vector<std::string>& files);
+  // Keeps everything added, and releases the lock.
   void Commit() noexcept;
 
  private:

@@ -26,8 +26,10 @@
 #include <unordered_map>
 
 #include "format/rollback_registry.h"
+#include "integrity/manifest_update.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
+#include "util/file_lock.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/path.h"
@@ -595,17 +597,13 @@ std::optional<std::string> ReadSmallFile(Env* env, const std::string& dir, const
 }
 
 // True when `dir` holds a checksum manifest (integrity.h) that records one of `names` (files in
-// `dir`). A manifest that cannot be read or parsed records nothing.
+// `dir`). A manifest that cannot be read or parsed records nothing. Unlocked: a hint whether to
+// take the manifest's lock and look again.
 bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::string>& names) {
-  const std::optional<std::string> text =
-      ReadSmallFile(env, dir, std::string(kChecksumManifestName), uint64_t{256} << 20);
-  if (!text) return false;
-  auto manifest = ParseChecksumManifest(*text, kChecksumManifestName);
-  if (!manifest.ok()) return false;
-  for (const std::string& n : names) {
-    if (manifest->files.count(n) != 0) return true;
-  }
-  return false;
+  const auto manifest = internal::ReadManifestIn(env, dir);
+  if (!manifest.ok() || !*manifest) return false;
+  return std::any_of(names.begin(), names.end(),
+                     [&](const std::string& n) { return (*manifest)->files.count(n) != 0; });
 }
 
 // A sidecar checksum manifest beside `path` (integrity.h) that records the file about to be
@@ -613,28 +611,26 @@ bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::s
 // old bytes would fail every later check of the new file that carries no checksums of its own.
 // Done before the rename, so that a crash between the two leaves the old file without an entry,
 // never the new one with the old file's. A manifest that cannot be read or parsed is left as is.
+// The change is made under the manifest's lock (manifest_update.h), so entries other writers add
+// meanwhile stay; a folder whose manifest does not record the file (every write of a checkpoint
+// tensorferry wrote) takes no lock.
 Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options) {
   const std::filesystem::path target(path);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
   const std::string name = target.filename().string();
-  const std::optional<std::string> text =
-      ReadSmallFile(env, dir, std::string(kChecksumManifestName), uint64_t{256} << 20);
-  if (!text) return Status::Ok();
-  auto manifest = ParseChecksumManifest(*text, kChecksumManifestName);
-  if (!manifest.ok() || manifest->files.erase(name) == 0) return Status::Ok();
-  const std::string manifest_path = JoinDir(dir, std::string(kChecksumManifestName));
-  if (manifest->files.empty()) {
-    return env->RemoveFile(manifest_path).WithPrefix(manifest_path);
-  }
-  const std::string rewritten = SerializeChecksumManifest(*manifest);
-  TF_ASSIGN_OR_RETURN(
-      TempFile temp, WriteTemp(manifest_path, rewritten.size(), options, [&](FileSink& sink) {
-        return sink.Append(
-            std::as_bytes(std::span<const char>(rewritten.data(), rewritten.size())));
-      }));
-  TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), manifest_path).WithPrefix(manifest_path));
-  temp.Release();
-  return Status::Ok();
+  if (!ManifestNamesAny(env, dir, {name})) return Status::Ok();
+  using internal::ManifestEdit;
+  return internal::UpdateManifest(
+      env, dir, options.sync,
+      [&](const Result<std::optional<ChecksumManifest>>& now) -> Result<ManifestEdit> {
+        ManifestEdit edit;  // kKeep
+        if (!now.ok() || !*now) return edit;
+        edit.manifest = **now;
+        if (edit.manifest.files.erase(name) == 0) return edit;
+        edit.action = edit.manifest.files.empty() ? ManifestEdit::Action::kRemove
+                                                  : ManifestEdit::Action::kWrite;
+        return edit;
+      });
 }
 
 // The file names (in `dir`) of the layout with this prefix already there: the single-file name,
@@ -916,6 +912,47 @@ Result<TempFile> WriteIndexTemp(const std::string& dir, std::span<const TensorTo
   });
 }
 
+// What a sharded write does to a sidecar checksum manifest in its directory (integrity.h).
+struct ManifestChange {
+  std::optional<FileLock> lock;       // the manifest's, held until the commit is done
+  std::optional<TempFile> rewritten;  // the manifest without the stale entries
+  bool remove = false;                // no other file's entry left: the manifest goes
+};
+
+// The entries of a manifest in `dir` that record files the write replaces or makes obsolete
+// (`stale`) describe bytes that go: they go with them, all or nothing as the files do, as part of
+// the commit (a rewritten manifest among its files, or the manifest among the old ones). Other
+// files' entries stay. Decided under the manifest's lock (manifest_update.h), kept until the
+// commit is done, so entries other writers add meanwhile are neither lost nor kept stale. A
+// manifest that cannot be read or parsed is left as is.
+Result<ManifestChange> DropManifestEntries(Env* env, const std::string& dir,
+                                           const std::vector<std::string>& stale,
+                                           const WriteOptions& options) {
+  ManifestChange change;
+  if (!ManifestNamesAny(env, dir, stale)) return change;
+  TF_ASSIGN_OR_RETURN(FileLock lock, internal::LockManifest(dir));
+  change.lock.emplace(std::move(lock));
+  auto current = internal::ReadManifestIn(env, dir);
+  if (!current.ok() || !*current) return change;
+  ChecksumManifest kept = std::move(**current);
+  size_t dropped = 0;
+  for (const std::string& name : stale) dropped += kept.files.erase(name);
+  if (dropped == 0) return change;
+  if (kept.files.empty()) {
+    change.remove = true;
+    return change;
+  }
+  const std::string text = SerializeChecksumManifest(kept);
+  TF_ASSIGN_OR_RETURN(TempFile temp,
+                      WriteTemp(JoinDir(dir, std::string(kChecksumManifestName)), text.size(),
+                                options, [&](FileSink& sink) {
+                                  return sink.Append(std::as_bytes(
+                                      std::span<const char>(text.data(), text.size())));
+                                }));
+  change.rewritten.emplace(std::move(temp));
+  return change;
+}
+
 }  // namespace
 
 struct DirectoryTransaction::Rep {
@@ -923,14 +960,24 @@ struct DirectoryTransaction::Rep {
   std::vector<std::string> dirs;     // added
   std::vector<std::string> files;    // added
   std::vector<internal::RollbackEntry> entries;
+  std::optional<FileLock> lock;        // kDirectoryLockName in the root
+  internal::RollbackEntry lock_entry;  // its file, for the signal path
   bool committed = false;
+
+  // The lock file goes first (unregistered before it is removed, so the signal path never
+  // removes a file another transaction may have made by then).
+  void ReleaseLock() noexcept {
+    lock_entry.Reset();
+    lock.reset();
+  }
 };
 
 DirectoryTransaction::DirectoryTransaction(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
 DirectoryTransaction::DirectoryTransaction(DirectoryTransaction&&) noexcept = default;
 DirectoryTransaction& DirectoryTransaction::operator=(DirectoryTransaction&&) noexcept = default;
 
-Result<DirectoryTransaction> DirectoryTransaction::Create(const std::string& root) {
+Result<DirectoryTransaction> DirectoryTransaction::Create(const std::string& root,
+                                                          DirectoryLock lock) {
   namespace fs = std::filesystem;
   auto rep = std::make_unique<Rep>();
   // The path as given, not lexically normalized: "link/../x" is x beside the link's target.
@@ -950,6 +997,27 @@ Result<DirectoryTransaction> DirectoryTransaction::Create(const std::string& roo
     fs::create_directories(p, ec);
     if (ec) return Status(Code::kIoError, root + ": cannot create directory: " + ec.message());
   }
+  if (lock == DirectoryLock::kExclusive) {
+    // Failing, `t` removes the directories it made (none, when another holds the lock: its file
+    // is in the root).
+    const std::string lock_path = (p / kDirectoryLockName).string();
+    bool busy = false;
+    auto held =
+        FileLock::LockFile(lock_path, FileLock::Wait::kFail,
+                           "writing " + root + " as one unit (DirectoryTransaction)", &busy);
+    if (!held.ok()) {
+      if (!busy) return held.status().WithPrefix(root);
+      return Status(held.status().code(),
+                    root + ": another writer is writing this directory (" +
+                        held.status().message() +
+                        "); nothing was written: wait for it to finish, or choose another "
+                        "destination");
+    }
+    t.rep_->lock.emplace(std::move(held).value());
+    // The signal path removes the file; the kernel releases the lock with the process.
+    t.rep_->lock_entry =
+        internal::RollbackEntry(internal::RollbackEntry::Kind::kTemporary, lock_path);
+  }
   return t;
 }
 
@@ -966,12 +1034,15 @@ void DirectoryTransaction::Commit() noexcept {
   if (rep_ == nullptr) return;
   rep_->committed = true;
   rep_->entries.clear();
+  rep_->ReleaseLock();
 }
 
 DirectoryTransaction::~DirectoryTransaction() {
   if (rep_ == nullptr || rep_->committed) return;
   for (const std::string& f : rep_->files) ::unlink(f.c_str());
   for (auto d = rep_->dirs.rbegin(); d != rep_->dirs.rend(); ++d) ::rmdir(d->c_str());
+  // Before the levels Create() made, the root among them: its lock file is in it.
+  rep_->ReleaseLock();
   for (auto d = rep_->created.rbegin(); d != rep_->created.rend(); ++d) ::rmdir(d->c_str());
 }
 
@@ -1054,7 +1125,9 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   Env* env = EnvOf(options.write);
   // The directories this call creates are removed again if the write fails or a signal ends it
   // (the CLI's handler), once the temporaries in them are gone.
-  TF_ASSIGN_OR_RETURN(DirectoryTransaction created_dirs, DirectoryTransaction::Create(dir));
+  // No lock: a caller writing a whole folder as one unit (reshard) holds it already.
+  TF_ASSIGN_OR_RETURN(DirectoryTransaction created_dirs,
+                      DirectoryTransaction::Create(dir, DirectoryLock::kNone));
 
   // Every file goes to a temporary name first; nothing visible changes until all are complete.
   TF_ASSIGN_OR_RETURN(
@@ -1067,17 +1140,26 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
 
   // The files of the layout already there that the new one replaces or makes obsolete.
   std::vector<std::string> old_names = OldLayout(env, dir, options.prefix);
-  if (ManifestNamesAny(env, dir, old_names)) {
-    // A sidecar checksum manifest of the checkpoint replaced describes files that go: it goes
-    // with them (all or nothing, as they do).
-    old_names.emplace_back(kChecksumManifestName);
-  }
+  std::vector<std::string> stale = old_names;
+  stale.insert(stale.end(), names.begin(), names.end());
+  TF_ASSIGN_OR_RETURN(ManifestChange manifest, DropManifestEntries(env, dir, stale, options.write));
+  if (manifest.remove) old_names.emplace_back(kChecksumManifestName);
+  std::vector<TempFile> commit_files;
+  commit_files.reserve(temps.size() + 1);
+  // The manifest first: a crash part way leaves files without entries, never entries that
+  // describe the files that replaced theirs.
+  const bool with_manifest = manifest.rewritten.has_value();
+  if (with_manifest) commit_files.push_back(std::move(*manifest.rewritten));
+  for (TempFile& t : temps) commit_files.push_back(std::move(t));
   ShardedCommit commit(env, dir, options.write.sync);
-  TF_RETURN_IF_ERROR(commit.Run(temps, old_names));
+  TF_RETURN_IF_ERROR(commit.Run(commit_files, old_names));
+  manifest.lock.reset();
   created_dirs.Commit();
   std::vector<std::string> written;
   written.reserve(temps.size());
-  for (const TempFile& t : temps) written.push_back(t.target());
+  for (size_t i = with_manifest ? 1 : 0; i < commit_files.size(); ++i) {
+    written.push_back(commit_files[i].target());
+  }
   // Only the backups' removal can fail now; the new checkpoint is complete either way.
   TF_RETURN_IF_ERROR(commit.RemoveBackups());
   return written;

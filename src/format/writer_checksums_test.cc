@@ -1,17 +1,22 @@
 // The writers' checksums (WriteOptions::checksums, integrity.h): what they store, that files stay
 // the reference's bytes except that one metadata entry, and streamed (generated) tensors.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
 #include "tensorferry/writer.h"
 #include "testing/test_util.h"
+#include "util/macros.h"
 
 namespace tensorferry {
 namespace {
@@ -193,6 +198,56 @@ TEST(WriterChecksums, AManifestOfTheReplacedCheckpointGoesWithIt) {
   EXPECT_TRUE(fs::exists(sidecar));
 }
 
+// A manifest shared with another checkpoint of the folder: a sharded write drops the entries of
+// the files it replaces and keeps the other file's (as part of its commit: a failed write leaves
+// the manifest as it was).
+TEST(WriterChecksums, AShardedWriteKeepsTheOtherFilesEntries) {
+  TempDir dir;
+  const auto a = Pattern(5000, 1), b = Pattern(5000, 2);
+  const std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr},
+                                              {"b", DType::kU8, {5000}, b, nullptr}};
+  ShardOptions options;
+  options.max_shard_size = 6000;  // two shards
+  options.write.checksums = false;
+  ASSERT_TRUE(WriteSharded(dir.path(), tensors, {}, options).ok());
+  ASSERT_TRUE(
+      WriteFile(dir.Join("other.safetensors"), std::span(tensors).first(1), {}, options.write)
+          .ok());
+  for (const std::string& path : {dir.path(), dir.Join("other.safetensors")}) {
+    auto ckpt = Checkpoint::Open(path);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    auto manifest = ComputeChecksumManifest(**ckpt, 2048, 1);
+    ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+    ASSERT_TRUE(WriteChecksumManifest(**ckpt, *manifest).ok());
+  }
+  const std::string sidecar = dir.Join(std::string(kChecksumManifestName));
+  const std::string before = ReadBytes(sidecar);
+  ASSERT_EQ(ParseChecksumManifest(before)->files.size(), 3u);
+
+  options.max_shard_size = 20000;  // one file now
+  testing::FaultInjectionEnv failing({.fail_rename = 2});
+  options.write.env = &failing;
+  ASSERT_FALSE(WriteSharded(dir.path(), tensors, {}, options).ok());
+  EXPECT_EQ(ReadBytes(sidecar), before) << "a failed write leaves the manifest as it was";
+
+  options.write.env = nullptr;
+  ASSERT_TRUE(WriteSharded(dir.path(), tensors, {}, options).ok());
+  auto left = ParseChecksumManifest(ReadBytes(sidecar));
+  ASSERT_TRUE(left.ok()) << left.status().ToString();
+  ASSERT_EQ(left->files.size(), 1u);
+  EXPECT_EQ(left->files.count("other.safetensors"), 1u);
+  auto other = Checkpoint::Open(dir.Join("other.safetensors"));
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ChecksumSource source = ChecksumSource::kNone;
+  EXPECT_TRUE(VerifyCheckpointChecksums(**other, 1, [&](uint32_t, ChecksumSource s, uint64_t) {
+                source = s;
+              }).ok());
+  EXPECT_EQ(source, ChecksumSource::kManifest);
+  auto model = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  EXPECT_TRUE(VerifyCheckpointChecksums(**model, 1).ok());
+}
+
 // A single file written over one a shared manifest records: that entry goes (before the file
 // is replaced), the other files' stay; the last entry takes the manifest with it.
 TEST(WriterChecksums, ASingleFileRewriteDropsItsManifestEntry) {
@@ -236,6 +291,89 @@ TEST(WriterChecksums, ASingleFileRewriteDropsItsManifestEntry) {
   }
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"one.safetensors", "two.safetensors"}));
+}
+
+// One writer's share of a folder of single-file checkpoints: files "<tag>-<i>.safetensors", each
+// written without embedded checksums and recorded in the folder's shared manifest; then file 0
+// rewritten with other bytes (its stale entry goes, WriteFile) and recorded again.
+Status WriteAndRecordEach(const std::string& dir, const std::string& tag, unsigned seed,
+                          int files) {
+  WriteOptions options;
+  options.checksums = false;
+  options.sync = false;
+  for (int round = 0; round <= files; ++round) {
+    const int i = round < files ? round : 0;
+    const std::string path = dir + "/" + tag + "-" + std::to_string(i) + ".safetensors";
+    const auto bytes = Pattern(3000 + 7 * static_cast<size_t>(round), seed + unsigned(round));
+    const std::vector<TensorToWrite> tensors = {{"t", DType::kU8, {bytes.size()}, bytes, nullptr}};
+    TF_RETURN_IF_ERROR(WriteFile(path, tensors, {}, options));
+    TF_ASSIGN_OR_RETURN(const std::shared_ptr<const Checkpoint> ckpt, Checkpoint::Open(path));
+    TF_ASSIGN_OR_RETURN(const ChecksumManifest manifest, ComputeChecksumManifest(*ckpt, 1024, 1));
+    TF_RETURN_IF_ERROR(WriteChecksumManifest(*ckpt, manifest));
+  }
+  return Status::Ok();
+}
+
+// Several threads and two other processes write different files into one folder at once, each
+// recording them in the one manifest there (and dropping and re-adding an entry on a rewrite):
+// the read-modify-write of the manifest is serialized, so no writer loses another's entries.
+TEST(WriterChecksums, ConcurrentWritersKeepEveryManifestEntry) {
+  TempDir dir;
+  constexpr int kFiles = 6, kThreads = 4, kProcesses = 2;
+  // The processes first, before this test starts a thread; they wait for the threads to run.
+  int start[2];
+  ASSERT_EQ(::pipe(start), 0);
+  std::vector<pid_t> children;
+  for (int p = 0; p < kProcesses; ++p) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      ::close(start[1]);
+      char go;
+      (void)!::read(start[0], &go, 1);  // returns at EOF: the parent's threads are running
+      const Status s = WriteAndRecordEach(dir.path(), "proc" + std::to_string(p), 100 * p, kFiles);
+      if (!s.ok()) std::fprintf(stderr, "child %d: %s\n", p, s.ToString().c_str());
+      ::_exit(s.ok() ? 0 : 1);
+    }
+    children.push_back(child);
+  }
+  ::close(start[0]);
+  std::vector<Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      results[t] =
+          WriteAndRecordEach(dir.path(), "thread" + std::to_string(t), 1000 + 100 * t, kFiles);
+    });
+  }
+  ::close(start[1]);  // the processes start
+  for (std::thread& t : threads) t.join();
+  for (const pid_t child : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child " << child;
+  }
+  for (const Status& s : results) EXPECT_TRUE(s.ok()) << s.ToString();
+
+  auto manifest = ParseChecksumManifest(ReadBytes(dir.Join(std::string(kChecksumManifestName))));
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  EXPECT_EQ(manifest->files.size(), size_t{(kThreads + kProcesses) * kFiles});
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    const std::string name = entry.path().filename().string();
+    if (!name.ends_with(".safetensors")) {
+      EXPECT_EQ(name, kChecksumManifestName) << "left behind";
+      continue;
+    }
+    EXPECT_EQ(manifest->files.count(name), 1u) << name << " lost its entry";
+    auto ckpt = Checkpoint::Open(entry.path().string());
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    ChecksumSource source = ChecksumSource::kNone;
+    EXPECT_TRUE(VerifyCheckpointChecksums(**ckpt, 1,
+                                          [&](uint32_t, ChecksumSource s, uint64_t) { source = s; })
+                    .ok())
+        << name;
+    EXPECT_EQ(source, ChecksumSource::kManifest) << name;
+  }
 }
 
 TEST(WriterChecksums, BadChunkSizeRefusedBeforeWriting) {

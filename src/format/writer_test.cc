@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -1023,6 +1025,91 @@ TEST(DirectoryTransaction, UncommittedFoldersGoWithTheLevelsItCreated) {
   EXPECT_EQ(bad.status().code(), Code::kIoError);
   EXPECT_NE(bad.status().message().find(dir.Join("file/sub")), std::string::npos)
       << bad.status().ToString();
+}
+
+// One writer of a root at a time (two `reshard --tp` into one destination would write the same
+// hidden partial folders and remove each other's): a second transaction is refused at once,
+// naming the root and the holder, and touches nothing; the lock goes with Commit().
+TEST(DirectoryTransaction, ASecondWriterOfTheRootIsRefusedAtOnce) {
+  TempDir dir;
+  const std::string root = dir.Join("out");
+  const std::string lock_file = root + "/" + std::string(kDirectoryLockName);
+  auto first = DirectoryTransaction::Create(root);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_TRUE(std::filesystem::exists(lock_file));
+  std::filesystem::create_directories(root + "/.rank-00000-of-00002.partial");
+  WriteBytes(root + "/.rank-00000-of-00002.partial/m.safetensors", "bytes");
+
+  auto second = DirectoryTransaction::Create(root);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), Code::kIoError);
+  EXPECT_EQ(second.status().message(),
+            root + ": another writer is writing this directory (" + lock_file +
+                " is held by another thread of this process (pid " + std::to_string(::getpid()) +
+                ")); nothing was written: wait for it to finish, or choose another destination");
+  EXPECT_EQ(ReadBytes(root + "/.rank-00000-of-00002.partial/m.safetensors"), "bytes");
+  // Another thread is refused the same way.
+  Status from_thread;
+  std::thread([&] { from_thread = DirectoryTransaction::Create(root).status(); }).join();
+  EXPECT_EQ(from_thread.message(), second.status().message());
+  // A sharded write inside the locked root (reshard without --tp) takes no lock of its own.
+  const std::vector<std::byte> bytes(16, std::byte{1});
+  const std::vector<TensorToWrite> tensors = {{"w", DType::kU8, {16}, bytes, nullptr}};
+  ASSERT_TRUE(WriteSharded(root, tensors).ok());
+
+  first->Commit();
+  EXPECT_FALSE(std::filesystem::exists(lock_file));
+  EXPECT_EQ(ListDir(root),
+            (std::vector<std::string>{".rank-00000-of-00002.partial", "model.safetensors",
+                                      "model.safetensors.index.json"}));
+  auto third = DirectoryTransaction::Create(root);
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+}
+
+// Another process's transaction is refused with its pid; when that process dies holding it (its
+// lock file stays), the next transaction takes the root over, and leaves no lock file behind.
+TEST(DirectoryTransaction, AnotherProcessIsNamedAndItsCrashLeavesNoStaleLock) {
+  TempDir dir;
+  const std::string root = dir.Join("out");
+  int ready[2], done[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(done), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    ::close(done[1]);
+    auto t = DirectoryTransaction::Create(root);
+    const char c = t.ok() ? 'y' : 'n';
+    (void)!::write(ready[1], &c, 1);
+    char go;
+    (void)!::read(done[0], &go, 1);
+    ::_exit(0);  // no destructor runs: as a crash
+  }
+  ::close(ready[1]);
+  ::close(done[0]);
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  ASSERT_EQ(c, 'y');
+  auto refused = DirectoryTransaction::Create(root);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(testing::Contains(refused.status().message(),
+                                root + ": another writer is writing this directory (" + root + "/" +
+                                    std::string(kDirectoryLockName) + " is held by pid " +
+                                    std::to_string(child) + " ("));
+  EXPECT_TRUE(testing::Contains(refused.status().message(),
+                                ": writing " + root + " as one unit (DirectoryTransaction))"));
+  EXPECT_TRUE(std::filesystem::is_directory(root)) << "the holder's folder stays";
+  ::close(done[1]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ::close(ready[0]);
+  EXPECT_EQ(ListDir(root), std::vector<std::string>{std::string(kDirectoryLockName)});
+  {
+    auto t = DirectoryTransaction::Create(root);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+  }
+  EXPECT_EQ(ListDir(root), std::vector<std::string>{});
 }
 
 TEST(WriterShardAtomic, AbandonWritesInProgressRemovesTemporaries) {

@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <set>
+#include <string>
 
+#include "format/rollback_registry.h"
+#include "integrity/manifest_update.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
 #include "util/json_writer.h"
@@ -68,22 +73,14 @@ std::string RelativeName(const std::string& dir, const std::string& path) {
   return std::filesystem::path(path).filename().string();
 }
 
-}  // namespace
-
-std::string ChecksumManifestPath(const Checkpoint& ckpt) {
-  if (ckpt.files().empty()) return std::string();
-  // Beside the index, which names its shards relative to its folder (subfolders included); a
-  // single file's folder otherwise.
-  const std::string dir =
-      DirectoryOf(ckpt.index_path().empty() ? ckpt.files()[0].path : ckpt.index_path());
+std::string ManifestPathIn(const std::string& dir) {
   return dir.empty() ? std::string(kChecksumManifestName)
                      : dir + "/" + std::string(kChecksumManifestName);
 }
 
-Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& ckpt) {
-  const std::string path = ChecksumManifestPath(ckpt);
-  if (path.empty()) return std::optional<ChecksumManifest>();
-  auto file = Env::Default()->OpenRandomAccess(path);
+// The manifest at `path`, nullopt when there is none.
+Result<std::optional<ChecksumManifest>> ReadManifestFile(Env* env, const std::string& path) {
+  auto file = env->OpenRandomAccess(path);
   if (!file.ok()) {
     if (file.status().code() == Code::kNotFound) return std::optional<ChecksumManifest>();
     return file.status();
@@ -98,6 +95,76 @@ Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& c
       ReadFully(**file, 0, std::as_writable_bytes(std::span<char>(text.data(), text.size()))));
   TF_ASSIGN_OR_RETURN(ChecksumManifest manifest, ParseChecksumManifest(text, path));
   return std::optional<ChecksumManifest>(std::move(manifest));
+}
+
+// Writes `text` to `path` atomically: a temporary file beside it (registered for removal on a
+// signal), fsynced when `sync`, renamed over it.
+Status ReplaceFile(Env* env, const std::string& dir, const std::string& path,
+                   const std::string& text, bool sync) {
+  using internal::RollbackEntry;
+  RollbackEntry registered;
+  const auto reserve = [&registered](const std::string& name) {
+    // Registered before the file exists, so no signal can leave it behind unregistered.
+    registered =
+        name.empty() ? RollbackEntry() : RollbackEntry(RollbackEntry::Kind::kTemporary, name);
+  };
+  TF_ASSIGN_OR_RETURN(
+      std::unique_ptr<WritableFile> file,
+      env->NewTempFile(dir, "." + std::string(kChecksumManifestName) + ".tmp-", reserve));
+  Status s = file->Append(std::as_bytes(std::span<const char>(text.data(), text.size())));
+  if (s.ok() && sync) s = file->Sync();
+  const Status closed = file->Close();
+  if (s.ok()) s = closed;
+  if (s.ok()) s = env->RenameFile(file->path(), path);
+  if (!s.ok()) (void)env->RemoveFile(file->path());
+  return s;
+}
+
+}  // namespace
+
+namespace internal {
+
+Result<std::optional<ChecksumManifest>> ReadManifestIn(Env* env, const std::string& dir) {
+  return ReadManifestFile(env, ManifestPathIn(dir));
+}
+
+Result<FileLock> LockManifest(const std::string& dir) {
+  return FileLock::LockDirectory(dir, FileLock::Wait::kBlock,
+                                 "updating " + std::string(kChecksumManifestName));
+}
+
+Status UpdateManifest(
+    Env* env, const std::string& dir, bool sync,
+    const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
+        edit) {
+  TF_ASSIGN_OR_RETURN(const FileLock lock, LockManifest(dir));
+  const std::string path = ManifestPathIn(dir);
+  TF_ASSIGN_OR_RETURN(const ManifestEdit change, edit(ReadManifestFile(env, path)));
+  switch (change.action) {
+    case ManifestEdit::Action::kKeep: return Status::Ok();
+    case ManifestEdit::Action::kWrite:
+      TF_RETURN_IF_ERROR(
+          ReplaceFile(env, dir, path, SerializeChecksumManifest(change.manifest), sync));
+      break;
+    case ManifestEdit::Action::kRemove: TF_RETURN_IF_ERROR(env->RemoveFile(path)); break;
+  }
+  return sync ? env->SyncDirectory(dir) : Status::Ok();
+}
+
+}  // namespace internal
+
+std::string ChecksumManifestPath(const Checkpoint& ckpt) {
+  if (ckpt.files().empty()) return std::string();
+  // Beside the index, which names its shards relative to its folder (subfolders included); a
+  // single file's folder otherwise.
+  return ManifestPathIn(
+      DirectoryOf(ckpt.index_path().empty() ? ckpt.files()[0].path : ckpt.index_path()));
+}
+
+Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& ckpt) {
+  const std::string path = ChecksumManifestPath(ckpt);
+  if (path.empty()) return std::optional<ChecksumManifest>();
+  return ReadManifestFile(Env::Default(), path);
 }
 
 Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_t chunk_size,
@@ -145,46 +212,37 @@ Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& man
   if (path.empty())
     return Status(Code::kInvalidArgument, "a checkpoint of no file has no manifest");
   const std::string dir = DirectoryOf(path);
+  std::set<std::string> ours;
+  for (const FileInfo& f : ckpt.files()) ours.insert(RelativeName(dir, f.path));
   // The entries of other files in the manifest already there (a folder of single-file
-  // checkpoints shares one) are kept; this checkpoint's are replaced.
-  Result<std::optional<ChecksumManifest>> existing = ReadChecksumManifest(ckpt);
-  if (!existing.ok()) {
-    return Status(existing.status().code(), existing.status().message() +
-                                                " (the manifest there cannot be updated; " +
-                                                "remove it to write a new one)");
-  }
-  ChecksumManifest merged = manifest;
-  if (*existing) {
-    std::set<std::string> ours;
-    for (const FileInfo& f : ckpt.files()) ours.insert(RelativeName(dir, f.path));
-    size_t others = 0;
-    for (const auto& [name, file] : (*existing)->files) others += ours.count(name) == 0 ? 1 : 0;
-    if (others > 0 && (*existing)->chunk_size != manifest.chunk_size) {
-      return Status(Code::kInvalidArgument,
-                    path + ": holds the checksums of " + std::to_string(others) +
-                        " other file(s) in chunks of " + std::to_string((*existing)->chunk_size) +
-                        " bytes, not " + std::to_string(manifest.chunk_size) +
-                        "; write with that chunk size to keep them, or remove the manifest");
-    }
-    for (const auto& [name, file] : (*existing)->files) {
-      if (ours.count(name) == 0) merged.files.emplace(name, file);
-    }
-  }
-  const std::string text = SerializeChecksumManifest(merged);
-  std::string temp_path;
-  TF_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
-                      env->NewTempFile(dir, "." + std::string(kChecksumManifestName) + ".tmp-",
-                                       [&](const std::string& name) { temp_path = name; }));
-  Status s = file->Append(std::as_bytes(std::span<const char>(text.data(), text.size())));
-  if (s.ok()) s = file->Sync();
-  const Status closed = file->Close();
-  if (s.ok()) s = closed;
-  if (s.ok()) s = env->RenameFile(file->path(), path);
-  if (!s.ok()) {
-    (void)env->RemoveFile(file->path());
-    return s;
-  }
-  return env->SyncDirectory(dir);
+  // checkpoints shares one) are kept; this checkpoint's are replaced. Read, merged and written
+  // back under the manifest's lock: another writer's entries written meanwhile are kept too.
+  using internal::ManifestEdit;
+  return internal::UpdateManifest(
+      env, dir, /*sync=*/true,
+      [&](const Result<std::optional<ChecksumManifest>>& existing) -> Result<ManifestEdit> {
+        if (!existing.ok()) {
+          return Status(existing.status().code(), existing.status().message() +
+                                                      " (the manifest there cannot be updated; " +
+                                                      "remove it to write a new one)");
+        }
+        ManifestEdit edit{ManifestEdit::Action::kWrite, manifest};
+        if (!*existing) return edit;
+        size_t others = 0;
+        for (const auto& [name, file] : (*existing)->files) others += ours.count(name) == 0;
+        if (others > 0 && (*existing)->chunk_size != manifest.chunk_size) {
+          return Status(Code::kInvalidArgument,
+                        path + ": holds the checksums of " + std::to_string(others) +
+                            " other file(s) in chunks of " +
+                            std::to_string((*existing)->chunk_size) + " bytes, not " +
+                            std::to_string(manifest.chunk_size) +
+                            "; write with that chunk size to keep them, or remove the manifest");
+        }
+        for (const auto& [name, file] : (*existing)->files) {
+          if (ours.count(name) == 0) edit.manifest.files.emplace(name, file);
+        }
+        return edit;
+      });
 }
 
 Status VerifyCheckpointChecksums(

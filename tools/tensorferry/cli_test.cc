@@ -1066,6 +1066,44 @@ TEST(CliReshard, JsonReportsWhatIsOnDisk) {
       << text.out;
 }
 
+// Reshards into one destination at once: one writes it, the others are refused (the destination
+// is held, or its ranks exist once the first is done) without touching what the first wrote.
+TEST(CliReshard, ConcurrentReshardsIntoOneDestination) {
+  TempDir t;
+  const std::string src = t.Join("src");
+  GenTiny(src);
+  const std::string dst = t.Join("out");
+  constexpr int kRuns = 3;
+  std::vector<RunResult> runs(kRuns);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRuns; ++i) {
+    threads.emplace_back([&, i] {
+      runs[i] = RunCli({"reshard", src, dst, "--tp", "2", "--max-shard-size", "16KB", "--no-sync"});
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  int ok = 0;
+  for (const RunResult& r : runs) {
+    if (r.exit_code == 0) {
+      ++ok;
+      continue;
+    }
+    EXPECT_EQ(r.exit_code, 1) << Describe(r);
+    EXPECT_TRUE(r.err.find("is held by pid") != std::string::npos ||
+                r.err.find("already exists; not overwritten") != std::string::npos)
+        << Describe(r);
+  }
+  EXPECT_EQ(ok, 1);
+  std::vector<std::string> entries;
+  for (const auto& e : fs::directory_iterator(dst)) entries.push_back(e.path().filename());
+  std::sort(entries.begin(), entries.end());
+  EXPECT_EQ(entries, (std::vector<std::string>{"rank-00000-of-00002", "rank-00001-of-00002"}));
+  for (const std::string& rank : entries) {
+    const RunResult v = RunCli({"verify", dst + "/" + rank});
+    EXPECT_EQ(v.exit_code, 0) << Describe(v);
+  }
+}
+
 // A failure is the document every --json command answers with (convert's, naming src and dst);
 // nothing is left behind. A usage error stays on stderr.
 TEST(CliReshard, JsonErrors) {

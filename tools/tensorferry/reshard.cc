@@ -223,12 +223,20 @@ bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt, Failure& 
   return true;
 }
 
-// Refuses existing rank directories, then creates DST (and its missing parents), as a
-// transaction: the rank directories written and the directories created go again unless it is
-// committed. nullopt on failure.
+// Creates DST (and its missing parents) as a transaction, holding its write lock (a second
+// reshard into DST is refused at once), then refuses existing rank directories, under the lock:
+// the rank directories written and the directories created go again unless it is committed.
+// nullopt on failure.
 std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uint32_t world,
                                                        Failure& failure) {
-  // Refused before anything is written: no rank directory is ever overwritten.
+  Result<DirectoryTransaction> t = DirectoryTransaction::Create(a.dst);
+  if (!t.ok()) {
+    Fail(failure, a.dst, t.status());
+    return std::nullopt;
+  }
+  // Refused before anything is written: no rank directory is ever overwritten. (Checked under the
+  // lock: a reshard that finished just before is seen, so its ranks are neither overwritten nor
+  // removed by this one's cleanup.)
   for (uint32_t rank = 0; a.tp > 0 && rank < world; ++rank) {
     const fs::path final_dir = fs::path(a.dst) / RankDirName(rank, world);
     std::error_code ec;
@@ -243,11 +251,6 @@ std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uin
            Status(Code::kInvalidArgument, "already exists; not overwritten"));
       return std::nullopt;
     }
-  }
-  Result<DirectoryTransaction> t = DirectoryTransaction::Create(a.dst);
-  if (!t.ok()) {
-    Fail(failure, a.dst, t.status());
-    return std::nullopt;
   }
   return std::move(t).value();
 }

@@ -31,10 +31,21 @@ fi
 # builds (plus pip's temporary files). Failing here names what is missing instead of pip's ENOSPC
 # half-way through an install.
 need_gb=0
-want=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
+PY=${PYTHON:-python3}
+# A virtual environment is current when its interpreter still runs and it was installed from the
+# same requirements by the same Python version (compiled wheels and our module are per version):
+# the stamp holds both. One whose interpreter is gone (a Python removed or upgraded under it) is
+# made again from scratch.
+if [ -e .venv ] && ! .venv/bin/python -c '' 2>/dev/null; then
+  echo "[deps] .venv's interpreter no longer runs: making .venv again"
+  rm -rf .venv
+fi
+venv_py=.venv/bin/python
+[ -x "$venv_py" ] || venv_py=$PY
+want=$( (cat requirements.txt requirements-nodeps.txt; "$venv_py" -c 'import sys; print(sys.version)') |
+  sha256sum | cut -d' ' -f1)
 [ "$(cat .venv/.requirements.sha256 2>/dev/null)" = "$want" ] || need_gb=$((need_gb + 8))
-[ "$(cat .venv-vllm/.requirements.sha256 2>/dev/null)" = "$(sha256sum requirements-vllm.txt | cut -d' ' -f1)" ] ||
-  need_gb=$((need_gb + 12))
+scripts/install_vllm.sh --current || need_gb=$((need_gb + 12))
 [ -d build/asan ] || need_gb=$((need_gb + 3))
 free_gb=$(($(df -Pk . | awk 'NR == 2 {print $4}') / 1048576))
 if ((free_gb < need_gb)); then
@@ -43,7 +54,6 @@ if ((free_gb < need_gb)); then
   exit 1
 fi
 
-PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "[deps] creating .venv"
   "$PY" -m venv .venv

@@ -165,7 +165,10 @@ std::string ChecksumManifestPath(const Checkpoint& ckpt);
 // ParseChecksumManifest; kIoError when it exists but cannot be read.
 Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& ckpt);
 // Reads every tensor of every file of `ckpt` and computes its checksums (chunks hashed on up to
-// `threads` threads). Errors: the read errors of the checkpoint's files.
+// `threads` threads). A file with embedded checksums is verified against them first (read twice):
+// kChecksumMismatch when its bytes differ, so damaged bytes are never recorded as the truth.
+// Errors: the read errors of the checkpoint's files, those of EmbeddedChecksums and of
+// ChecksumsForFile for embedded records.
 Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
                                                  uint64_t chunk_size = kDefaultChecksumChunkSize,
                                                  unsigned threads = 1);

@@ -376,6 +376,53 @@ TEST(WriterChecksums, ConcurrentWritersKeepEveryManifestEntry) {
   }
 }
 
+// `tensorferry checksum` over a file that carries its own checksums checks them first: digests of
+// damaged bytes are never recorded (the manifest would bless them for every later check).
+TEST(WriterChecksums, AManifestIsNotComputedOverBytesTheirEmbeddedChecksumsRefuse) {
+  TempDir dir;
+  const auto a = Pattern(10'000, 1), b = Pattern(3000, 2);
+  const std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {10'000}, a, nullptr},
+                                              {"b", DType::kU8, {3000}, b, nullptr}};
+  WriteOptions with;
+  with.checksum_chunk_size = 4096;
+  const std::string path = dir.Join("model.safetensors");
+  ASSERT_TRUE(WriteFile(path, tensors, {}, with).ok());
+  {
+    auto ckpt = Checkpoint::Open(path);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    // Intact: computed, in this chunk size or another.
+    for (uint64_t chunk : {uint64_t{4096}, uint64_t{1024}}) {
+      auto manifest = ComputeChecksumManifest(**ckpt, chunk, 2);
+      ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+      EXPECT_EQ(manifest->files.at("model.safetensors").checksums.tensors.at("b"),
+                ComputeTensorChecksum(b, chunk));
+    }
+  }
+  // One byte of "b" changed in place (same size, same header).
+  std::string bytes = ReadBytes(path);
+  auto ckpt = Checkpoint::Open(path);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  const TensorInfo* t = (*ckpt)->Find("b");
+  ASSERT_NE(t, nullptr);
+  ckpt->reset();
+  bytes[t->offset + 2500] = static_cast<char>(bytes[t->offset + 2500] ^ 0x5a);
+  testing::WriteBytes(path, bytes);
+  auto damaged = Checkpoint::Open(path);
+  ASSERT_TRUE(damaged.ok()) << damaged.status().ToString();
+  for (uint64_t chunk : {uint64_t{4096}, uint64_t{1024}}) {
+    auto manifest = ComputeChecksumManifest(**damaged, chunk, 2);
+    ASSERT_FALSE(manifest.ok());
+    EXPECT_EQ(manifest.status().code(), Code::kChecksumMismatch);
+    EXPECT_NE(manifest.status().message().find(path + ": tensor \"b\": checksum mismatch"),
+              std::string::npos)
+        << manifest.status().ToString();
+    EXPECT_NE(manifest.status().message().find("against the checksums embedded in the file"),
+              std::string::npos)
+        << manifest.status().ToString();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.Join(std::string(kChecksumManifestName))));
+}
+
 TEST(WriterChecksums, BadChunkSizeRefusedBeforeWriting) {
   TempDir dir;
   WriteOptions options;

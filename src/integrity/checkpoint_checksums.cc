@@ -179,6 +179,20 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_
   manifest.chunk_size = chunk_size;
   const std::string dir = DirectoryOf(ChecksumManifestPath(ckpt));
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    // A file that carries its own checksums (written by tensorferry) is checked against them
+    // first: digests of damaged bytes must not be recorded as the truth about the file.
+    ChecksumSource source = ChecksumSource::kNone;
+    TF_ASSIGN_OR_RETURN(std::optional<FileChecksums> embedded,
+                        ChecksumsForFile(ckpt, f, nullptr, &source));
+    if (embedded) {
+      Status checked = VerifyFileChecksums(ckpt, f, *embedded, threads);
+      if (checked.code() == Code::kChecksumMismatch) {
+        return Status(checked.code(), checked.message() +
+                                          " (against the checksums embedded in the file: no "
+                                          "checksum is recorded for damaged bytes)");
+      }
+      TF_RETURN_IF_ERROR(checked);
+    }
     ManifestFile entry;
     entry.size = ckpt.files()[f].file_size;
     entry.checksums.chunk_size = chunk_size;

@@ -1,7 +1,8 @@
 // tf_slowfs: a read-only FUSE passthrough of a directory that waits a fixed time in each request,
 // to model a network file system on one machine (docs/benchmarks.md, "Slow file systems").
 //
-//   tf_slowfs SOURCE_DIR MOUNT_POINT [--latency-us=N] [FUSE options, e.g. -f -o max_threads=128]
+//   tf_slowfs SOURCE_DIR MOUNT_POINT [--latency-us=N] [--eio-file=NAME --eio-at=OFFSET]
+//             [FUSE options, e.g. -f -o max_threads=128]
 //
 // Every FUSE request that touches data or metadata (getattr, open, read, readdir) sleeps N
 // microseconds (default 500: a round trip to a file server in the same region) before it is
@@ -9,6 +10,11 @@
 // waits, as on a real share: a reader that keeps many large reads in flight gets far more than
 // one that waits for each (an mmap page fault, a single-threaded read loop). The file system
 // type is "fuse.tf_slowfs". Unmount with `fusermount3 -u MOUNT_POINT` (or umount as root).
+//
+// A bad sector, for the tests of read errors on a real file system: with --eio-file and --eio-at,
+// every read of the file NAME (a path under SOURCE_DIR, e.g. "single.safetensors") whose range
+// holds byte OFFSET fails with EIO, as a disk's unreadable sector does; the kernel hands a reader
+// the bytes before the failed request, then the error (a mapping's page fault: SIGBUS).
 #define FUSE_USE_VERSION 31
 
 #include <dirent.h>
@@ -32,6 +38,8 @@ namespace {
 struct Config {
   char* source = nullptr;
   unsigned latency_us = 500;
+  char* eio_file = nullptr;  // relative to SOURCE_DIR
+  unsigned long long eio_at = ~0ull;
 };
 
 Config g_config;
@@ -88,8 +96,14 @@ int Open(const char* path, fuse_file_info* fi) {
   return 0;
 }
 
-int Read(const char* /*path*/, char* buf, size_t size, off_t offset, fuse_file_info* fi) {
+int Read(const char* path, char* buf, size_t size, off_t offset, fuse_file_info* fi) {
   Wait();
+  if (g_config.eio_file != nullptr && path[0] == '/' &&
+      std::strcmp(path + 1, g_config.eio_file) == 0 &&
+      static_cast<unsigned long long>(offset) <= g_config.eio_at &&
+      g_config.eio_at - static_cast<unsigned long long>(offset) < size) {
+    return -EIO;
+  }
   size_t done = 0;
   while (done < size) {
     const ssize_t n =
@@ -120,6 +134,8 @@ int Access(const char* path, int mask) {
 
 constexpr fuse_opt kOptions[] = {
     {"--latency-us=%u", offsetof(Config, latency_us), 0},
+    {"--eio-file=%s", offsetof(Config, eio_file), 0},
+    {"--eio-at=%llu", offsetof(Config, eio_at), 0},
     FUSE_OPT_END,
 };
 
@@ -137,8 +153,14 @@ int main(int argc, char** argv) {
   fuse_args args = FUSE_ARGS_INIT(argc, argv);
   if (fuse_opt_parse(&args, &g_config, kOptions, KeepOption) != 0) return 2;
   if (g_config.source == nullptr) {
-    std::fprintf(stderr, "usage: %s SOURCE_DIR MOUNT_POINT [--latency-us=N] [FUSE options]\n",
+    std::fprintf(stderr,
+                 "usage: %s SOURCE_DIR MOUNT_POINT [--latency-us=N] [--eio-file=NAME "
+                 "--eio-at=OFFSET] [FUSE options]\n",
                  argv[0]);
+    return 2;
+  }
+  if ((g_config.eio_file != nullptr) != (g_config.eio_at != ~0ull)) {
+    std::fprintf(stderr, "%s: --eio-file and --eio-at go together\n", argv[0]);
     return 2;
   }
   char* real = realpath(g_config.source, nullptr);

@@ -7,8 +7,10 @@ An overlay whose lower layer is that mount counts as the mount's file system.
 
 Needs /dev/fuse, root (mounting) and build/release/bin/tf_slowfs (libfuse3-dev).
 """
+import contextlib
 import json
 import os
+import struct
 import shutil
 import subprocess
 import time
@@ -60,11 +62,10 @@ def source(tmp_path_factory):
     return root, tensors
 
 
-@pytest.fixture(scope="module")
-def mount(source, tmp_path_factory):
-    root, _ = source
-    mnt = str(tmp_path_factory.mktemp("slowfs-mnt"))
-    proc = subprocess.Popen([SLOWFS, str(root), mnt, "--latency-us=200", "-f",
+@contextlib.contextmanager
+def _slowfs(root, mnt, *options):
+    """tf_slowfs of `root` mounted at `mnt` while the block runs."""
+    proc = subprocess.Popen([SLOWFS, str(root), mnt, "--latency-us=200", *options, "-f",
                              "-o", "max_threads=32"], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while not _mounted(mnt):
@@ -72,12 +73,21 @@ def mount(source, tmp_path_factory):
             proc.kill()
             pytest.fail(f"tf_slowfs did not mount: {proc.stderr.read().decode()}")
         time.sleep(0.05)
-    yield mnt
-    subprocess.run(["fusermount3", "-u", mnt], check=False)
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield mnt
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], check=False)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def mount(source, tmp_path_factory):
+    root, _ = source
+    with _slowfs(root, str(tmp_path_factory.mktemp("slowfs-mnt"))) as mnt:
+        yield mnt
 
 
 def _same(loaded, want):
@@ -179,3 +189,37 @@ def test_transformers_route_reads_instead_of_mapping(source, mount):
         assert np.array_equal(f.get_slice("layers.0.w")[2:5].numpy(), want["layers.0.w"][2:5])
         assert f._views == {}  # not mapped, nothing read ahead
         assert np.array_equal(f.get_slice("embed")[...].numpy(), want["embed"])
+
+
+def _data_offset(path, name):
+    """The file offset of tensor `name`'s first byte (its header read here, as the format says)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return 8 + n + header[name]["data_offsets"][0]
+
+
+def test_a_bad_sector_names_the_tensor_it_hit(source, tmp_path):
+    """A real file system answering EIO for the bytes of one tensor (tf_slowfs --eio-at, as a disk
+    with an unreadable sector): every engine fails the load with the OS error, the file and offset
+    and the tensor the failed read held; the tensors before it still read byte-exact."""
+    root, want = source
+    bad = _data_offset(str(root / "single.safetensors"), "big") + (10 << 20)
+    mnt = str(tmp_path / "bad")
+    os.mkdir(mnt)
+    with _slowfs(root, mnt, "--eio-file=single.safetensors", f"--eio-at={bad}"):
+        path = os.path.join(mnt, "single.safetensors")
+        for args in ([], ["--engine", "pread"], ["--engine", "io_uring"],
+                     ["--engine", "mmap", "--populate"]):
+            r = subprocess.run([CLI, "load", path, *args], capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 1, (args, r.returncode, r.stdout, r.stderr)
+            assert f"error: {path}: " in r.stderr, (args, r.stderr)
+            assert "Input/output error" in r.stderr or "an I/O error" in r.stderr, \
+                (args, r.stderr)
+            assert '; the read held tensor "big"' in r.stderr, (args, r.stderr)
+        with tensorferry.safe_open(path, framework="np") as f:
+            for name in ("embed", "layers.0.w"):
+                assert np.array_equal(f.get_tensor(name), want[name]), name
+            with pytest.raises(OSError, match='the read held tensor "big"'):
+                f.get_tensor("big")

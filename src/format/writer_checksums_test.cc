@@ -423,6 +423,35 @@ TEST(WriterChecksums, AManifestIsNotComputedOverBytesTheirEmbeddedChecksumsRefus
   EXPECT_FALSE(std::filesystem::exists(dir.Join(std::string(kChecksumManifestName))));
 }
 
+// A read that fails while verifying (or computing) checksums names the tensor it was reading.
+TEST(WriterChecksums, AReadErrorWhileVerifyingNamesTheTensor) {
+  TempDir dir;
+  const auto a = Pattern(10'000, 1), b = Pattern(3000, 2);
+  const std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {10'000}, a, nullptr},
+                                              {"b", DType::kU8, {3000}, b, nullptr}};
+  const std::string path = dir.Join("model.safetensors");
+  ASSERT_TRUE(WriteFile(path, tensors, {}, {}).ok());
+  testing::MemoryEnv env;
+  env.AddFile(path, ReadBytes(path));
+  OpenOptions open;
+  open.env = &env;
+  auto ckpt = Checkpoint::Open(path, open);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  const TensorInfo* t = (*ckpt)->Find("b");
+  ASSERT_NE(t, nullptr);
+  testing::MemoryEnv::Faults faults;
+  faults.eio_at = static_cast<int64_t>(t->offset + 100);
+  env.SetFaults(path, faults);
+  const Status verified = VerifyCheckpointChecksums(**ckpt, 2);
+  EXPECT_EQ(verified.code(), Code::kIoError) << verified.ToString();
+  EXPECT_NE(verified.message().find("; the read held tensor \"b\""), std::string::npos)
+      << verified.ToString();
+  auto manifest = ComputeChecksumManifest(**ckpt, 4096, 2);
+  ASSERT_FALSE(manifest.ok());
+  EXPECT_NE(manifest.status().message().find("; the read held tensor \"b\""), std::string::npos)
+      << manifest.status().ToString();
+}
+
 TEST(WriterChecksums, BadChunkSizeRefusedBeforeWriting) {
   TempDir dir;
   WriteOptions options;

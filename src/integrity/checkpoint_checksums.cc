@@ -10,6 +10,7 @@
 
 #include "format/rollback_registry.h"
 #include "integrity/manifest_update.h"
+#include "io/read_engine.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
 #include "util/json_writer.h"
@@ -52,7 +53,9 @@ Status ForEachPiece(
       const size_t n = static_cast<size_t>(std::min<uint64_t>(piece, t->size - done));
       if (buffer.size() < n) buffer.resize(n);
       std::span<std::byte> bytes(buffer.data(), n);
-      TF_RETURN_IF_ERROR(ReadFully(*file, t->offset + done, bytes));
+      if (Status read = ReadFully(*file, t->offset + done, bytes); !read.ok()) {
+        return io::WithReadHeld(std::move(read), "tensor " + json::Quote(t->name));
+      }
       TF_RETURN_IF_ERROR(fn(*t, done / chunk_size, bytes));
     }
   }

@@ -33,8 +33,8 @@ fi
 need_gb=0
 PY=${PYTHON:-python3}
 # A virtual environment is current when its interpreter still runs and it was installed from the
-# same requirements by the same Python version (compiled wheels and our module are per version):
-# the stamp holds both. One whose interpreter is gone (a Python removed or upgraded under it) is
+# same requirements by the same Python ABI (sys.implementation.cache_tag, e.g. cpython-311:
+# compiled wheels and our module are per ABI, not per patch release): the stamp holds both. One whose interpreter is gone (a Python removed or upgraded under it) is
 # made again from scratch.
 if [ -e .venv ] && ! .venv/bin/python -c '' 2>/dev/null; then
   echo "[deps] .venv's interpreter no longer runs: making .venv again"
@@ -42,8 +42,8 @@ if [ -e .venv ] && ! .venv/bin/python -c '' 2>/dev/null; then
 fi
 venv_py=.venv/bin/python
 [ -x "$venv_py" ] || venv_py=$PY
-want=$( (cat requirements.txt requirements-nodeps.txt; "$venv_py" -c 'import sys; print(sys.version)') |
-  sha256sum | cut -d' ' -f1)
+want=$( (cat requirements.txt requirements-nodeps.txt
+         "$venv_py" -c 'import sys; print(sys.implementation.cache_tag)') | sha256sum | cut -d' ' -f1)
 [ "$(cat .venv/.requirements.sha256 2>/dev/null)" = "$want" ] || need_gb=$((need_gb + 8))
 scripts/install_vllm.sh --current || need_gb=$((need_gb + 12))
 [ -d build/asan ] || need_gb=$((need_gb + 3))

@@ -17,8 +17,12 @@ if [ -x .venv/bin/python ]; then
 else
   base=${PYTHON:-python3}
 fi
-version() { "$1" -c 'import sys; print(sys.version)' 2>/dev/null; }
-base_version=$(version "$base")
+# The interpreter's ABI (e.g. cpython-311): what compiled wheels and our module are built for.
+version() { "$1" -c 'import sys; print(sys.implementation.cache_tag)' 2>/dev/null; }
+base_version=$(version "$base") || {
+  echo "[vllm] the Python to make $venv with ($base) does not run" >&2
+  exit 1
+}
 stamp=$venv/.requirements.sha256
 want=$( (cat requirements-vllm.txt; echo "$base_version") | sha256sum | cut -d' ' -f1)
 fresh=0
@@ -29,7 +33,7 @@ if [ "${1:-}" = --current ]; then
 fi
 if [ "$fresh" = 1 ]; then
   if [ -e "$venv" ]; then
-    echo "[vllm] $venv is not Python ${base_version%% *}'s (or does not run): making it again"
+    echo "[vllm] $venv is not $base_version's (or does not run): making it again"
     rm -rf "$venv"
   fi
   echo "[vllm] creating $venv with $base"

@@ -7,9 +7,9 @@
 //
 // GdsMode chooses GPUDirect Storage (cuFile reads straight into device memory, no staging) for
 // device loads: kAuto where it really works (library, driver, file, alignment), else the pinned
-// staging path, which also takes over a file's reads for the rest of a load once a cuFileRead of it
-// fails; kOn makes an unusable GDS an error (kGdsUnavailable) and a failed cuFileRead the load's
-// (kCufileError); kOff never uses it (docs/gpu.md, "GDS selection").
+// staging path, which also takes over a file's reads once a cuFileRead of it fails (for the
+// device's pipeline's later loads too); kOn makes an unusable GDS an error (kGdsUnavailable) and a
+// failed cuFileRead the load's (kCufileError); kOff never uses it (docs/gpu.md, "GDS selection").
 //
 // No CUDA type appears here: CUDA is loaded at run time (cuda.h).
 //

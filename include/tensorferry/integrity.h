@@ -167,8 +167,8 @@ Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& c
 // Reads every tensor of every file of `ckpt` and computes its checksums (chunks hashed on up to
 // `threads` threads). A file with embedded checksums is verified against them first (read twice):
 // kChecksumMismatch when its bytes differ, so damaged bytes are never recorded as the truth.
-// Errors: the read errors of the checkpoint's files, those of EmbeddedChecksums and of
-// ChecksumsForFile for embedded records.
+// (A record of an unknown algorithm is not checked.) Errors: the read errors of the checkpoint's
+// files, those of EmbeddedChecksums and of ChecksumsForFile for embedded records but kUnsupported.
 Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
                                                  uint64_t chunk_size = kDefaultChecksumChunkSize,
                                                  unsigned threads = 1);
@@ -180,7 +180,8 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
 // manifest by this library takes (this call, and the writers of writer.h dropping the entries of
 // files they replace): threads and processes writing different files into one folder at once
 // keep each other's entries. Across machines on NFS the lock is per machine (docs/integrity.md,
-// "Concurrent writers"). Errors: kIoError (the directory cannot be opened to lock it, or the
+// "Concurrent writers"; a directory only `env` has, in memory, is not locked). Errors: kIoError
+// (the directory cannot be opened to lock it, or the
 // write fails); kInvalidArgument when the manifest there holds other files' entries in another
 // chunk size; those of ReadChecksumManifest for one that cannot be read or parsed (nothing is
 // written: remove it to start anew).

@@ -87,32 +87,9 @@ struct DevicePipeline::RunState {
   DeviceBuffer* destination = nullptr;
   bool destination_registered = false;
   uint64_t tasks = 0, gds_tasks = 0, staged_tasks = 0;
-  uint64_t strided = 0, unaligned = 0, refused = 0;  // staged with GDS on, by cause (Plan)
+  // Staged with GDS on, by cause (Plan); failed_before: files whose cuFileRead failed earlier.
+  uint64_t strided = 0, unaligned = 0, refused = 0, failed_before = 0;
   std::vector<std::string> reasons;
-
-  // GdsMode::kAuto: files whose cuFileRead failed in this run (the first failure's message, and
-  // the chunks read through the ring since): their chunks are staged from then on.
-  struct GdsFailure {
-    std::string first;
-    uint64_t chunks = 0;
-  };
-  std::mutex gds_failed_mu;
-  std::map<const RandomAccessFile*, GdsFailure> gds_failed;
-
-  // Whether `file` had a failed cuFileRead in this run; counts `chunk` as staged for it if so.
-  bool GdsFailedFor(const RandomAccessFile* file) {
-    std::lock_guard<std::mutex> lock(gds_failed_mu);
-    auto it = gds_failed.find(file);
-    if (it == gds_failed.end()) return false;
-    ++it->second.chunks;
-    return true;
-  }
-  void NoteGdsFailure(const RandomAccessFile* file, std::string message) {
-    std::lock_guard<std::mutex> lock(gds_failed_mu);
-    GdsFailure& f = gds_failed[file];
-    if (f.first.empty()) f.first = std::move(message);
-    ++f.chunks;
-  }
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -268,6 +245,10 @@ Result<bool> DevicePipeline::ChooseGds(const DeviceTask& t, RunState& run) {
     return false;
   }
   const bool forced = options_.gds == GdsMode::kOn;
+  if (!forced && GdsFailedFor(*t.file, /*count=*/false)) {  // staged since a cuFileRead failed
+    ++run.failed_before;
+    return false;
+  }
   if (!run.gds_files.contains(t.file) && !run.gds_refused.contains(t.file)) {
     auto opened = OpenGdsFile(*t.file);
     if (opened.ok()) {
@@ -390,6 +371,25 @@ void DevicePipeline::ExplainStaging(RunState& run) const {
     run.reasons.push_back(Plural(run.strided, "strided task") +
                           " used the staging ring (GDS reads contiguous ranges only)");
   }
+  if (run.failed_before > 0) {
+    run.reasons.push_back(Plural(run.failed_before, "task") +
+                          " of files whose cuFileRead failed before used the staging ring");
+  }
+}
+
+bool DevicePipeline::GdsFailedFor(const RandomAccessFile& file, bool count) {
+  std::lock_guard<std::mutex> lock(gds_failed_mu_);
+  auto it = gds_failed_.find(file.path());
+  if (it == gds_failed_.end()) return false;
+  if (count) ++it->second.chunks;
+  return true;
+}
+
+void DevicePipeline::NoteGdsFailure(const RandomAccessFile& file, std::string message) {
+  std::lock_guard<std::mutex> lock(gds_failed_mu_);
+  GdsFailure& f = gds_failed_[file.path()];
+  if (f.first.empty()) f.first = std::move(message);
+  ++f.chunks;
 }
 
 Result<std::unique_ptr<DevicePipeline::GdsFile>> DevicePipeline::OpenGdsFile(
@@ -453,9 +453,16 @@ Status DevicePipeline::Run(std::span<const DeviceTask> tasks, io::ReadEngine& en
   }
   // Every copy in flight completes before the caller may touch (or free) the destinations.
   Status drained = ring_->Drain();
-  for (const auto& [file, failure] : run.gds_failed) {
-    run.reasons.push_back(failure.first + " (GDS given up for the file in this load: " +
-                          Plural(failure.chunks, "chunk") + " read through the staging ring)");
+  {
+    // Every failure since this pipeline was made (or handed over), in every run's reasons: a
+    // load's later batches stage those files from the start.
+    std::lock_guard<std::mutex> lock(gds_failed_mu_);
+    for (const auto& [path, failure] : gds_failed_) {
+      run.reasons.push_back(failure.first +
+                            " (GDS given up for the file: " + Plural(failure.chunks, "GDS chunk") +
+                            " read through the staging ring instead, its later tasks staged "
+                            "from the start)");
+    }
   }
 
   {
@@ -572,7 +579,7 @@ Status DevicePipeline::ReadGds(const Chunk& chunk, cuda::Stream stream, io::Read
     return Stage(rest, stream, engine, run);
   };
   const bool fall_back = options_.gds == GdsMode::kAuto;
-  if (fall_back && run.GdsFailedFor(chunk.file)) return staged_from(0);
+  if (fall_back && GdsFailedFor(*chunk.file, /*count=*/true)) return staged_from(0);
   const GdsFile& file = *run.gds_files.at(chunk.file);
   void* base = chunk.dst;
   uint64_t base_offset = 0;
@@ -611,7 +618,7 @@ Status DevicePipeline::ReadGds(const Chunk& chunk, cuda::Stream stream, io::Read
                                          Hex(chunk.dst + done) +
                                          "): " + cuda::CufileReadErrorText(n, saved)));
       if (!fall_back) return error;
-      run.NoteGdsFailure(chunk.file, error.message());
+      NoteGdsFailure(*chunk.file, error.message());
       run.gds_bytes.fetch_add(done, std::memory_order_relaxed);
       return staged_from(done);
     }
@@ -647,6 +654,8 @@ void DevicePipeline::ResetCounters() {
   fresh.gds_enabled = stats_.gds_enabled;
   fresh.gds_reason = gds_off_reason_;
   stats_ = std::move(fresh);
+  std::lock_guard<std::mutex> failed(gds_failed_mu_);
+  gds_failed_.clear();  // a new owner's loads ask cuFile again
 }
 
 bool DevicePipeline::Matches(const cuda::Runtime& runtime,

@@ -47,6 +47,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -171,7 +172,8 @@ class DevicePipeline {
   Status Run(std::span<const DeviceTask> tasks, io::ReadEngine& engine,
              DeviceBuffer* destination = nullptr);
 
-  // Totals since creation or the last ResetCounters (gds_reason: as of the last Run).
+  // Totals since creation or the last ResetCounters (gds_reason: as of the last Run, with every
+  // failed cuFileRead since creation or the last ResetCounters).
   DevicePipelineStats stats() const;
   // Zeroes the counters of stats() (tasks, chunks, bytes, copies, peak slots in use); what
   // describes the pipeline (slots, slot size, pinned bytes, producers, GDS) stays, and a ring
@@ -214,9 +216,13 @@ class DevicePipeline {
   void Produce(unsigned producer, io::ReadEngine& engine, RunState& run);
   Status Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
   // A GDS chunk. Under GdsMode::kAuto a failed cuFileRead is not the load's end: the rest of the
-  // chunk, and the file's later chunks of the run, are staged through the ring instead (the
-  // failure named in stats().gds_reason); under kOn it fails the run.
+  // chunk, the file's other GDS chunks of the run and its tasks of later runs (until
+  // ResetCounters) are staged through the ring instead (the failure named in every run's
+  // stats().gds_reason); under kOn it fails the run.
   Status ReadGds(const Chunk& chunk, cuda::Stream stream, io::ReadEngine& engine, RunState& run);
+  // Whether a cuFileRead of `file` (by path) failed under kAuto; `count`: one more chunk staged.
+  bool GdsFailedFor(const RandomAccessFile& file, bool count);
+  void NoteGdsFailure(const RandomAccessFile& file, std::string message);
   // Errors: kGdsUnavailable naming the file and the reason (no descriptor, replaced file, cuFile
   // refusal).
   Result<std::unique_ptr<GdsFile>> OpenGdsFile(const RandomAccessFile& file);
@@ -227,6 +233,15 @@ class DevicePipeline {
   std::vector<cuda::UniqueStream> streams_;
   std::shared_ptr<cuda::CufileDriver> gds_driver_;  // null: GDS off or unusable
   std::string gds_off_reason_;                      // why gds_driver_ is null
+
+  // Files (by path) whose cuFileRead failed under GdsMode::kAuto: the first failure, and the
+  // chunks of a failed read staged since. Kept until ResetCounters.
+  struct GdsFailure {
+    std::string first;
+    uint64_t chunks = 0;
+  };
+  std::mutex gds_failed_mu_;
+  std::map<std::string, GdsFailure> gds_failed_;
 
   std::mutex run_mu_;  // one Run at a time
   mutable std::mutex stats_mu_;

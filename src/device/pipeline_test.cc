@@ -825,9 +825,28 @@ TEST_F(DevicePipelineGdsTest, ACufileReadErrorUnderAutoFallsBackToTheRing) {
   EXPECT_EQ(fake_->Stats().cufile_bytes_read, stats.gds_bytes);
   EXPECT_TRUE(Contains(stats.gds_reason, "shard0.safetensors: cuFileRead at offset "))
       << stats.gds_reason;
-  EXPECT_TRUE(Contains(stats.gds_reason, "GDS given up for the file in this load"))
-      << stats.gds_reason;
+  EXPECT_TRUE(Contains(stats.gds_reason, "GDS given up for the file")) << stats.gds_reason;
   EXPECT_EQ((*pipeline)->slots_in_use(), 0u);
+
+  // The load's next batch (another Run): the file's tasks are staged from the start, and the
+  // reason still names the failure.
+  const uint64_t cufile_before = fake_->Stats().cufile_bytes_read;
+  ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
+  EXPECT_TRUE(DeviceMatches(w));
+  const DevicePipelineStats next = (*pipeline)->stats();
+  EXPECT_EQ(next.gds_bytes, stats.gds_bytes) << "no GDS read of that file any more";
+  EXPECT_EQ(fake_->Stats().cufile_bytes_read, cufile_before);
+  EXPECT_TRUE(Contains(next.gds_reason, "6 tasks of files whose cuFileRead failed before"))
+      << next.gds_reason;
+  EXPECT_TRUE(Contains(next.gds_reason, "shard0.safetensors: cuFileRead at offset "))
+      << next.gds_reason;
+
+  // Handed to a new owner (ResetCounters): cuFile is asked again.
+  (*pipeline)->ResetCounters();
+  ASSERT_TRUE((*pipeline)->Run(w.tasks, *engine_, w.buffer.get()).ok());
+  EXPECT_TRUE(DeviceMatches(w));
+  EXPECT_EQ((*pipeline)->stats().gds_bytes, 50'000u + 4096 + 70'000 + 777);
+  EXPECT_FALSE(Contains((*pipeline)->stats().gds_reason, "cuFileRead"));
   w.buffer.reset();
 }
 

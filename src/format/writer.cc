@@ -930,8 +930,8 @@ Result<ManifestChange> DropManifestEntries(Env* env, const std::string& dir,
                                            const WriteOptions& options) {
   ManifestChange change;
   if (!ManifestNamesAny(env, dir, stale)) return change;
-  TF_ASSIGN_OR_RETURN(FileLock lock, internal::LockManifest(dir));
-  change.lock.emplace(std::move(lock));
+  TF_ASSIGN_OR_RETURN(std::optional<FileLock> lock, internal::LockManifest(dir));
+  if (lock) change.lock.emplace(std::move(*lock));
   auto current = internal::ReadManifestIn(env, dir);
   if (!current.ok() || !*current) return change;
   ChecksumManifest kept = std::move(**current);

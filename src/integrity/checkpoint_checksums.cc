@@ -131,16 +131,21 @@ Result<std::optional<ChecksumManifest>> ReadManifestIn(Env* env, const std::stri
   return ReadManifestFile(env, ManifestPathIn(dir));
 }
 
-Result<FileLock> LockManifest(const std::string& dir) {
-  return FileLock::LockDirectory(dir, FileLock::Wait::kBlock,
-                                 "updating " + std::string(kChecksumManifestName));
+Result<std::optional<FileLock>> LockManifest(const std::string& dir) {
+  Result<FileLock> lock = FileLock::LockDirectory(dir, FileLock::Wait::kBlock,
+                                                  "updating " + std::string(kChecksumManifestName));
+  if (lock.ok()) return std::optional<FileLock>(std::move(lock).value());
+  // No such directory on the real file system: an Env of its own (in memory) holds the manifest,
+  // and no other process can reach it through this file system.
+  if (lock.status().code() == Code::kNotFound) return std::optional<FileLock>();
+  return lock.status();
 }
 
 Status UpdateManifest(
     Env* env, const std::string& dir, bool sync,
     const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
         edit) {
-  TF_ASSIGN_OR_RETURN(const FileLock lock, LockManifest(dir));
+  TF_ASSIGN_OR_RETURN(const std::optional<FileLock> lock, LockManifest(dir));
   const std::string path = ManifestPathIn(dir);
   TF_ASSIGN_OR_RETURN(const ManifestEdit change, edit(ReadManifestFile(env, path)));
   switch (change.action) {
@@ -184,9 +189,12 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
     // A file that carries its own checksums (written by tensorferry) is checked against them
     // first: digests of damaged bytes must not be recorded as the truth about the file.
+    // (A record of an algorithm this version does not know, a newer writer's, cannot be checked:
+    // the file is hashed as one without.)
     ChecksumSource source = ChecksumSource::kNone;
-    TF_ASSIGN_OR_RETURN(std::optional<FileChecksums> embedded,
-                        ChecksumsForFile(ckpt, f, nullptr, &source));
+    Result<std::optional<FileChecksums>> own = ChecksumsForFile(ckpt, f, nullptr, &source);
+    if (!own.ok() && own.status().code() != Code::kUnsupported) return own.status();
+    const std::optional<FileChecksums> embedded = own.ok() ? *own : std::nullopt;
     if (embedded) {
       Status checked = VerifyFileChecksums(ckpt, f, *embedded, threads);
       if (checked.code() == Code::kChecksumMismatch) {

@@ -24,8 +24,10 @@ namespace tensorferry::internal {
 Result<std::optional<ChecksumManifest>> ReadManifestIn(Env* env, const std::string& dir);
 
 // The lock every change of the manifest in `dir` holds: FileLock::LockDirectory(dir, kBlock) on
-// the directory itself (no file is created). Errors: those of LockDirectory.
-Result<FileLock> LockManifest(const std::string& dir);
+// the directory itself (no file is created); nullopt when the real file system has no such
+// directory (the manifest lives in an Env of its own, which no other process reaches through it).
+// Errors: those of LockDirectory but kNotFound.
+Result<std::optional<FileLock>> LockManifest(const std::string& dir);
 
 // What UpdateManifest does with the manifest it read.
 struct ManifestEdit {

@@ -114,7 +114,7 @@ void JobQueue::Finish(const Claim& claim, Status status) {
 Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status status) {
   if (status.ok() || request.about == nullptr || status.code() == Code::kCancelled ||
       status.code() == Code::kChecksumMismatch) {
-    return status;
+    return status;  // (WithReadHeld's rule, checked before `about` is asked)
   }
   const uint64_t end = request.offset + request.dst.size();
   failed_at = std::clamp(failed_at, request.offset, end);
@@ -126,7 +126,10 @@ Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status sta
 }
 
 Status WithReadHeld(Status status, std::string_view about) {
-  if (status.ok() || about.empty()) return status;
+  if (status.ok() || about.empty() || status.code() == Code::kCancelled ||
+      status.code() == Code::kChecksumMismatch) {
+    return status;
+  }
   std::string message = status.message();
   message += "; the read held ";
   message += about;
@@ -205,6 +208,7 @@ Status ReadDirect(int fd, const std::string& path, uint64_t offset, std::span<st
     // A short direct read mid-file ends on a block boundary only at EOF; continuing with an
     // unaligned remainder would be EINVAL, so a non-block-multiple short read means EOF next.
     if (done < dst.size() && done % kDirectAlignment != 0) {
+      if (failed_at != nullptr) *failed_at = offset + done;
       return Status(Code::kUnexpectedEof, path + ": unexpected end of file at offset " +
                                               std::to_string(offset + done) + " (direct read of " +
                                               std::to_string(dst.size()) + " bytes at offset " +

@@ -68,8 +68,9 @@ struct ReadRequest {
 // request.about as that comment says (failed_at clamped into the request); as it is when OK,
 // kCancelled, kChecksumMismatch or without `about`. Engines apply it to every request's error.
 Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status status);
-// `status` with "; the read held <about>" appended to its message (as it is when OK or `about` is
-// empty): the one form of those labels.
+// `status` with "; the read held <about>" appended to its message: the one form of those labels.
+// As it is when OK, kCancelled or kChecksumMismatch (which say what they are about), or when
+// `about` is empty.
 Status WithReadHeld(Status status, std::string_view about);
 
 // The pieces of a request with a `landed` hook: small enough to be in the core's cache (L2) when

@@ -60,7 +60,7 @@ Status MappedFaultError(const Checkpoint& checkpoint, uint32_t file, const io::M
 
 Status LabelTensors(Status status, const Checkpoint& checkpoint, uint32_t file, uint64_t offset,
                     uint64_t length) {
-  if (status.ok() || status.code() == Code::kCancelled) return status;
+  if (status.ok()) return status;
   return io::WithReadHeld(std::move(status), TensorsIn(checkpoint, file, offset, length));
 }
 

@@ -92,7 +92,8 @@ TEST(ReadLabels, MappedFaultsNameWhatThePageHeld) {
   EXPECT_EQ(fault.code(), Code::kUnexpectedEof) << fault.ToString();
   EXPECT_NE(fault.message().find(path), std::string::npos) << fault.ToString();
   // The tensors of the faulted page (a page of this small file holds several).
-  const std::string held = TensorsIn(**ckpt, 0, (*map)->first_fault_offset(), 4096);
+  const std::string held = TensorsIn(**ckpt, 0, (*map)->first_fault_offset(),
+                                     static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
   ASSERT_NE(held.find('"'), std::string::npos) << held;
   EXPECT_NE(fault.message().find("; the read held " + held), std::string::npos) << fault.ToString();
   (void)CheckMappedFiles();  // this test's fault is reported here, not in a later test

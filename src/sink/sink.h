@@ -158,7 +158,7 @@ std::function<std::string(const io::ReadRequest&)> AboutTensors(
     const Checkpoint& checkpoint, const std::vector<io::FileSet::Pin>& pins);
 
 // `status` (a failed read of [offset, offset + length) of file `file`) naming the tensors those
-// bytes hold (io::WithReadHeld of TensorsIn); as it is when OK or kCancelled.
+// bytes hold (io::WithReadHeld of TensorsIn; as it is when that leaves it so).
 Status LabelTensors(Status status, const Checkpoint& checkpoint, uint32_t file, uint64_t offset,
                     uint64_t length);
 

@@ -5,8 +5,10 @@
 //  - it is released by the kernel when the holder's last descriptor closes: a crash, SIGKILL or
 //    power loss leaves no stale lock (a lock file left behind is reused, not believed);
 //  - separate open(2)s exclude each other, so threads of one process are excluded too; an
-//    in-process table makes that hold where flock is emulated per process (NFS, with POSIX locks)
-//    and lets a thread that would have to wait on its own process say so;
+//    in-process table lets a thread that would wait on its own process say so (kFail). Where
+//    flock is emulated with per-process POSIX locks (NFS), another thread's open and close of a
+//    held lock file can drop the process's lock: one process should not lock a file on NFS from
+//    two threads at once;
 //  - it works on every local filesystem (ext4, xfs, btrfs, tmpfs, overlayfs). On NFS, a lock on a
 //    directory excludes the writers of one machine only (the client keeps directory locks
 //    locally); a lock file is shared with the other clients through the NFS lock manager where the
@@ -16,6 +18,8 @@
 //
 // Thread-safety: Acquire may be called from any thread; one FileLock object is thread-compatible.
 // A FileLock inherited through fork() is not the child's: its release there only closes the copy.
+// But while the child keeps that copy open (it has not exec'd, and has not released it), the lock
+// stays held: a child that asks for the same lock waits on its own copy (kBlock) or is refused.
 #pragma once
 
 #include <sys/types.h>

@@ -596,6 +596,10 @@ int RunBench(const BenchArgs& args) {
   // invalid variable would fail them all, leaving a report of references only.
   if (const Result<LoadOptions> env = LoadOptions::FromEnvironment(); !env.ok()) {
     return InvalidSetting(Origin::kEnvironment, args.json, args.path, env.status());
+  } else if (const Status valid = env->Validate(); !valid.ok()) {
+    // Variables that contradict each other (as load reports them).
+    return InvalidSetting(Origin::kEnvironment, args.json, args.path,
+                          valid.WithPrefix("TENSORFERRY_* environment variables"));
   }
   Result<std::shared_ptr<const Checkpoint>> checkpoint = OpenCheckpoint(args.path);
   if (!checkpoint.ok()) return Failed(args.json, args.path, checkpoint.status());

@@ -404,8 +404,9 @@ TEST(WriterChecksums, AManifestIsNotComputedOverBytesTheirEmbeddedChecksumsRefus
   ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
   const TensorInfo* t = (*ckpt)->Find("b");
   ASSERT_NE(t, nullptr);
+  const uint64_t at = t->offset + 2500;  // (t goes with the checkpoint)
   ckpt->reset();
-  bytes[t->offset + 2500] = static_cast<char>(bytes[t->offset + 2500] ^ 0x5a);
+  bytes[at] = static_cast<char>(bytes[at] ^ 0x5a);
   testing::WriteBytes(path, bytes);
   auto damaged = Checkpoint::Open(path);
   ASSERT_TRUE(damaged.ok()) << damaged.status().ToString();

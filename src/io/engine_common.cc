@@ -111,11 +111,18 @@ void JobQueue::Finish(const Claim& claim, Status status) {
   if (!job->queued && job->running == 0) job->done_cv.notify_all();
 }
 
+namespace {
+
+// WithReadHeld's rule: a failure to label (not one that says what it is about already).
+bool Labelled(const Status& status) {
+  return !status.ok() && status.code() != Code::kCancelled &&
+         status.code() != Code::kChecksumMismatch;
+}
+
+}  // namespace
+
 Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status status) {
-  if (status.ok() || request.about == nullptr || status.code() == Code::kCancelled ||
-      status.code() == Code::kChecksumMismatch) {
-    return status;  // (WithReadHeld's rule, checked before `about` is asked)
-  }
+  if (request.about == nullptr || !Labelled(status)) return status;  // before `about` is asked
   const uint64_t end = request.offset + request.dst.size();
   failed_at = std::clamp(failed_at, request.offset, end);
   ReadRequest rest = request;
@@ -126,10 +133,7 @@ Status LabelReadError(const ReadRequest& request, uint64_t failed_at, Status sta
 }
 
 Status WithReadHeld(Status status, std::string_view about) {
-  if (status.ok() || about.empty() || status.code() == Code::kCancelled ||
-      status.code() == Code::kChecksumMismatch) {
-    return status;
-  }
+  if (about.empty() || !Labelled(status)) return status;
   std::string message = status.message();
   message += "; the read held ";
   message += about;

@@ -40,7 +40,10 @@ MappingStats GetMappingStats();
 
 // Ok, or kUnexpectedEof naming the file and the first vanished offset if a mapped file shrank
 // under its tensors since the last call that reported it (each fault event is reported once);
-// kIoError when the file still covers the page that could not be read (an I/O error).
+// kIoError when the file still covers the page that could not be read (an I/O error). While the
+// Loader that mapped the file (or its Checkpoint) lives, the message also names the tensors of
+// that page ("; the read held tensor ..."). Reports the last fault recorded; the count says how
+// many mappings faulted since the last report.
 Status CheckMappedFiles();
 
 // Whether mappings made from now on take read leases (default: on). Off, only the loud-failure

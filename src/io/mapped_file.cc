@@ -18,6 +18,7 @@
 #include <mutex>
 #include <new>
 #include <thread>
+#include <vector>
 
 #include "io/engine_common.h"
 #include "tensorferry/mapping.h"
@@ -49,6 +50,9 @@ struct Slot {
   // What the first fault was (FaultCause) and the file's size then (if known).
   std::atomic<int> first_cause{kCauseUnknown};
   std::atomic<uint64_t> size_at_fault{0};
+  // Bumped each time the slot is claimed: tells CheckMappedFiles whether the mapping that faulted
+  // is the one in the slot now.
+  std::atomic<uint64_t> generation{0};
   // The file's path for the handler's stderr line (cut to fit) and its identity when mapped (to
   // know that the path still names it), written before begin is published.
   char path[240] = {};
@@ -57,14 +61,80 @@ struct Slot {
   ino_t ino = 0;
 };
 
-// Process-wide fault accounting for CheckMappedFiles: every fault bumps g_fault_events; the first
-// unreported one leaves its file and offset in g_report_* (under g_report_mu, outside the handler).
+// Process-wide fault accounting for CheckMappedFiles: every mapping's first fault bumps
+// g_fault_events and leaves its file, offset and cause in g_last_fault, written by the handler
+// (lock-free atomics only) and read by CheckMappedFiles.
 std::atomic<uint64_t> g_fault_events{0};
 std::atomic<uint64_t> g_fault_events_reported{0};
-std::atomic<size_t> g_last_fault_slot{SIZE_MAX};
-std::atomic<uint64_t> g_last_fault_offset{0};
-std::atomic<int> g_last_fault_cause{kCauseUnknown};
-std::atomic<uint64_t> g_last_fault_size{0};
+
+// The last recorded fault. A sequence lock: the handler claims it by making `seq` odd (and skips
+// recording when another handler holds it: it never waits), writes, and makes it even again;
+// readers retry until they copy it between two equal even values. The path is copied (not read
+// from the slot later), since the slot may be reused by another file's mapping before the report.
+struct FaultRecord {
+  std::atomic<uint64_t> seq{0};
+  std::atomic<size_t> slot{SIZE_MAX};
+  std::atomic<uint64_t> generation{0};
+  std::atomic<uint64_t> offset{0};
+  std::atomic<int> cause{kCauseUnknown};
+  std::atomic<uint64_t> size{0};
+  std::atomic<char> path[240] = {};
+};
+FaultRecord g_last_fault;
+
+// Async-signal-safe: records a mapping's first fault (slot i of `s`) unless another is being
+// recorded at this moment.
+void RecordFault(const Slot& s, size_t i, uint64_t offset, FaultCause cause, uint64_t size) {
+  uint64_t seq = g_last_fault.seq.load(std::memory_order_relaxed);
+  if ((seq & 1) != 0 ||
+      !g_last_fault.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_acquire)) {
+    return;
+  }
+  g_last_fault.slot.store(i, std::memory_order_relaxed);
+  g_last_fault.generation.store(s.generation.load(std::memory_order_relaxed),
+                                std::memory_order_relaxed);
+  g_last_fault.offset.store(offset, std::memory_order_relaxed);
+  g_last_fault.cause.store(cause, std::memory_order_relaxed);
+  g_last_fault.size.store(size, std::memory_order_relaxed);
+  for (size_t k = 0; k < sizeof s.path; ++k) {
+    g_last_fault.path[k].store(s.path[k], std::memory_order_relaxed);
+    if (s.path[k] == '\0') break;
+  }
+  g_last_fault.seq.store(seq + 2, std::memory_order_release);
+}
+
+// A consistent copy of g_last_fault (outside the handler).
+struct FaultCopy {
+  size_t slot = SIZE_MAX;
+  uint64_t generation = 0;
+  uint64_t offset = 0;
+  FaultCause cause = kCauseUnknown;
+  uint64_t size = 0;
+  std::string path;
+};
+FaultCopy CopyLastFault() {
+  FaultCopy copy;
+  for (;;) {
+    const uint64_t before = g_last_fault.seq.load(std::memory_order_acquire);
+    if ((before & 1) != 0) {
+      std::this_thread::yield();  // a handler on another thread is writing it
+      continue;
+    }
+    copy.slot = g_last_fault.slot.load(std::memory_order_relaxed);
+    copy.generation = g_last_fault.generation.load(std::memory_order_relaxed);
+    copy.offset = g_last_fault.offset.load(std::memory_order_relaxed);
+    copy.cause = static_cast<FaultCause>(g_last_fault.cause.load(std::memory_order_relaxed));
+    copy.size = g_last_fault.size.load(std::memory_order_relaxed);
+    copy.path.clear();
+    for (const std::atomic<char>& c : g_last_fault.path) {
+      const char ch = c.load(std::memory_order_relaxed);
+      if (ch == '\0') break;
+      copy.path += ch;
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (g_last_fault.seq.load(std::memory_order_relaxed) == before) return copy;
+  }
+}
 std::atomic<uint64_t> g_live{0};
 std::atomic<uint64_t> g_unleasable{0};
 std::atomic<uint64_t> g_copied{0};
@@ -84,6 +154,11 @@ Slot* Table() {
 }
 std::atomic<size_t> g_high_water{0};  // slots [0, high water) may be in use
 std::mutex g_table_mu;
+// The live MappedFile of each slot (for its About), under g_table_mu; never read by the handler.
+std::vector<const MappedFile*>& Owners() {
+  static auto* owners = new std::vector<const MappedFile*>();  // never destroyed (as the table)
+  return *owners;
+}
 struct sigaction g_previous;
 std::once_flag g_install_once;
 long g_page_size = 4096;
@@ -190,10 +265,7 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
       s.first_cause.store(cause, std::memory_order_relaxed);
       s.size_at_fault.store(size, std::memory_order_relaxed);
       ReportFaultOnStderr(s, page - begin, cause, size);
-      g_last_fault_slot.store(i, std::memory_order_relaxed);
-      g_last_fault_offset.store(page - begin, std::memory_order_relaxed);
-      g_last_fault_cause.store(cause, std::memory_order_relaxed);
-      g_last_fault_size.store(size, std::memory_order_relaxed);
+      RecordFault(s, i, page - begin, cause, size);
       g_fault_events.fetch_add(1, std::memory_order_release);
     }
     return;  // the faulting access is retried and reads zeros
@@ -372,7 +444,7 @@ class LeaseKeeper {
 }  // namespace
 
 Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file, uint64_t size,
-                                                    Use use) {
+                                                    Use use, About about) {
   const int fd = file.native_handle();
   if (fd < 0) {
     return Status(Code::kUnsupported, file.path() + ": no file descriptor to map");
@@ -423,6 +495,7 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
     s.first_fault.store(UINT64_MAX, std::memory_order_relaxed);
     s.first_cause.store(kCauseUnknown, std::memory_order_relaxed);
     s.size_at_fault.store(0, std::memory_order_relaxed);
+    s.generation.fetch_add(1, std::memory_order_relaxed);
     s.end.store(reinterpret_cast<uintptr_t>(addr) + size, std::memory_order_release);
     s.begin.store(reinterpret_cast<uintptr_t>(addr), std::memory_order_release);
     if (slot + 1 > g_high_water.load(std::memory_order_relaxed)) {
@@ -435,8 +508,15 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
     if (lease_fd < 0 && size > 0) g_unleasable.fetch_add(1, std::memory_order_relaxed);
   }
   g_live.fetch_add(1, std::memory_order_relaxed);
-  return std::shared_ptr<MappedFile>(
-      new MappedFile(file.path(), static_cast<std::byte*>(addr), size, slot, lease_fd, use));
+  std::shared_ptr<MappedFile> map(new MappedFile(file.path(), static_cast<std::byte*>(addr), size,
+                                                 slot, lease_fd, use, std::move(about)));
+  if (slot < kMaxMappings) {
+    std::lock_guard<std::mutex> lock(g_table_mu);
+    std::vector<const MappedFile*>& owners = Owners();
+    if (owners.size() <= slot) owners.resize(slot + 1, nullptr);
+    owners[slot] = map.get();
+  }
+  return map;
 }
 
 MappedFile::~MappedFile() {
@@ -447,6 +527,7 @@ MappedFile::~MappedFile() {
     // Unregister first: once unmapped, the range may be reused by someone else's mapping.
     std::lock_guard<std::mutex> lock(g_table_mu);
     Table()[slot_].begin.store(0, std::memory_order_release);
+    if (slot_ < Owners().size()) Owners()[slot_] = nullptr;
   }
   ::munmap(data_, size_);
 }
@@ -556,16 +637,26 @@ Status CheckMappedFiles() {
   if (!io::g_fault_events_reported.compare_exchange_strong(reported, events)) {
     return Status::Ok();  // another caller reports these
   }
-  const size_t slot = io::g_last_fault_slot.load(std::memory_order_relaxed);
-  std::string path = slot < io::MappedFile::kMaxMappings ? io::Table()[slot].path : "a mapped file";
-  const auto cause =
-      static_cast<io::FaultCause>(io::g_last_fault_cause.load(std::memory_order_relaxed));
-  return Status(cause == io::kCauseIoError ? Code::kIoError : Code::kUnexpectedEof,
-                path + ": " +
-                    io::FaultText(cause, io::g_last_fault_offset.load(std::memory_order_relaxed),
-                                  io::g_last_fault_size.load(std::memory_order_relaxed)) +
-                    " (" + std::to_string(events - reported) +
+  const io::FaultCopy fault = io::CopyLastFault();
+  // What the faulted page held, asked of the mapping when it is still the one in its slot (its
+  // tensors are gone with it otherwise); called outside the lock.
+  io::MappedFile::About about;
+  {
+    std::lock_guard<std::mutex> lock(io::g_table_mu);
+    const std::vector<const io::MappedFile*>& owners = io::Owners();
+    if (fault.slot < owners.size() && owners[fault.slot] != nullptr &&
+        io::Table()[fault.slot].generation.load(std::memory_order_relaxed) == fault.generation) {
+      about = owners[fault.slot]->about();
+    }
+  }
+  Status status(fault.cause == io::kCauseIoError ? Code::kIoError : Code::kUnexpectedEof,
+                (fault.path.empty() ? std::string("a mapped file") : fault.path) + ": " +
+                    io::FaultText(fault.cause, fault.offset, fault.size) + " (" +
+                    std::to_string(events - reported) +
                     " mapping(s) affected); reload the tensors");
+  if (!about) return status;
+  return io::WithReadHeld(std::move(status),
+                          about(fault.offset, static_cast<uint64_t>(io::g_page_size)));
 }
 
 }  // namespace tensorferry

@@ -23,9 +23,12 @@
 // keeping the previous handler). For a fault inside a registered range the handler maps an
 // anonymous zero page over the faulting page, counts the fault, writes one line naming the file and
 // offset to stderr (the first fault of each mapping), and returns: the access is retried and reads
-// zeros, and CheckMappedFiles() reports it. Faults at other addresses go to the previous handler
-// (or the default action). Populate() does not even fault: it uses MADV_POPULATE_READ, which
-// reports a vanished page as an error.
+// zeros, and CheckMappedFiles() reports it: the handler copies the file's path, the offset and the
+// mapping's generation into a process-wide record (a sequence lock the handler never waits on), so
+// the report names the right file after the mapping is gone and its slot reused, and names what
+// the page held (About) while the mapping lives. Faults at other addresses go to the previous
+// handler (or the default action). Populate() does not even fault: it uses MADV_POPULATE_READ,
+// which reports a vanished page as an error.
 //
 // Transient mappings (Use::kTransient), for bytes this library copies out at once (tensor-parallel
 // rows gathered for a device): PROT_READ, MAP_SHARED, no read lease (nothing handed out outlives
@@ -41,6 +44,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -59,11 +63,17 @@ class MappedFile {
     kTransient,  // read-only, copied from by this library and dropped (DropPages), no lease
   };
 
+  // What the bytes [offset, offset + length) of the file hold (the tensors, for an error), or
+  // empty. Called by CheckMappedFiles outside the handler, on any thread, possibly after the
+  // MappedFile is gone (a copy of it is taken while it is alive): it must own what it reads.
+  using About = std::function<std::string(uint64_t offset, uint64_t length)>;
+
   // Maps all `size` bytes of `file` (which must have a native handle; the descriptor may be closed
-  // afterwards); for kViews, takes a read lease on it where it can. Errors: kUnsupported (no
-  // descriptor, table full), kIoError (mmap failed).
+  // afterwards); for kViews, takes a read lease on it where it can. `about`, when set, names what
+  // a faulted page held in CheckMappedFiles' report while this mapping lives. Errors:
+  // kUnsupported (no descriptor, table full), kIoError (mmap failed).
   static Result<std::shared_ptr<MappedFile>> Map(const RandomAccessFile& file, uint64_t size,
-                                                 Use use = Use::kViews);
+                                                 Use use = Use::kViews, About about = {});
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -97,16 +107,21 @@ class MappedFile {
   uint64_t first_fault_offset() const noexcept;
   // Whether a read lease guards the mapping now.
   bool leased() const noexcept;
+  // The `about` given to Map (may be empty).
+  const About& about() const noexcept { return about_; }
 
  private:
-  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot, int lease_fd, Use use)
+  MappedFile(std::string path, std::byte* data, uint64_t size, size_t slot, int lease_fd, Use use,
+             About about)
       : path_(std::move(path)),
+        about_(std::move(about)),
         data_(data),
         size_(size),
         slot_(slot),
         lease_fd_(lease_fd),
         use_(use) {}
   std::string path_;
+  About about_;
   std::byte* data_;
   uint64_t size_;
   size_t slot_;

@@ -274,5 +274,73 @@ TEST(MappedFileFaults, SigbusPastAShorterEndSaysShrankAndAnUnaskableFileSaysEith
       << s.ToString();
 }
 
+// CheckMappedFiles names the file that faulted even when its mapping is gone and its slot holds
+// another file's mapping by the time of the report; while the faulted mapping lives, it names
+// what the page held (the mapping's About, asked for the faulted page).
+TEST(MappedFileFaults, TheReportNamesTheFaultedFileAfterItsSlotIsReusedAndWhatThePageHeld) {
+  (void)CheckMappedFiles();
+  TmpfsFile a(8);
+  TmpfsFile b(8);
+  if (!a.file || !b.file) GTEST_SKIP() << "no /dev/shm here";
+  uint64_t asked_offset = UINT64_MAX;
+  uint64_t asked_length = 0;
+  auto about = [&](uint64_t offset, uint64_t length) {
+    asked_offset = offset;
+    asked_length = length;
+    return std::string("tensor \"w\"");
+  };
+  {
+    auto map = MappedFile::Map(*a.file, 8 * kPage, MappedFile::Use::kTransient, about);
+    ASSERT_TRUE(map.ok()) << map.status().ToString();
+    ASSERT_EQ(::truncate(a.path.c_str(), 2 * kPage), 0);
+    const volatile std::byte* p = (*map)->data();
+    ::testing::internal::CaptureStderr();
+    const std::byte first = p[5 * kPage + 1];
+    EXPECT_EQ(first, std::byte{0});
+    ::testing::internal::GetCapturedStderr();
+    // While the mapping lives: its file, and what the page held.
+    const Status live = CheckMappedFiles();
+    EXPECT_EQ(live.code(), Code::kUnexpectedEof);
+    EXPECT_EQ(live.message(),
+              a.path +
+                  ": file shrank while its tensors were mapped: bytes from offset 20480 read as "
+                  "zeros (the file has 8192 bytes now) (1 mapping(s) affected); reload the "
+                  "tensors; the read held tensor \"w\"");
+    EXPECT_EQ(asked_offset, 5 * kPage);
+    EXPECT_EQ(asked_length, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+    // A second fault in the same mapping is not a new event.
+    ::testing::internal::CaptureStderr();
+    const std::byte second = p[6 * kPage];
+    EXPECT_EQ(second, std::byte{0});
+    ::testing::internal::GetCapturedStderr();
+    EXPECT_TRUE(CheckMappedFiles().ok());
+  }
+  // A fault in a new mapping of a (in the slot the first one left: the lowest free one), then that
+  // mapping dropped and b mapped in the same slot before the report: the report names a.
+  asked_offset = UINT64_MAX;
+  ASSERT_EQ(::truncate(a.path.c_str(), 8 * kPage), 0);
+  {
+    auto map = MappedFile::Map(*a.file, 8 * kPage, MappedFile::Use::kTransient, about);
+    ASSERT_TRUE(map.ok()) << map.status().ToString();
+    ASSERT_EQ(::truncate(a.path.c_str(), kPage), 0);
+    const volatile std::byte* p = (*map)->data();
+    ::testing::internal::CaptureStderr();
+    const std::byte faulted = p[3 * kPage];
+    EXPECT_EQ(faulted, std::byte{0});
+    ::testing::internal::GetCapturedStderr();
+  }
+  auto reused = MappedFile::Map(*b.file, 8 * kPage, MappedFile::Use::kTransient,
+                                [](uint64_t, uint64_t) { return std::string("tensor \"b\""); });
+  ASSERT_TRUE(reused.ok()) << reused.status().ToString();
+  const Status later = CheckMappedFiles();
+  EXPECT_EQ(later.code(), Code::kUnexpectedEof);
+  EXPECT_EQ(later.message(),
+            a.path +
+                ": file shrank while its tensors were mapped: bytes from offset 12288 read as "
+                "zeros (the file has 4096 bytes now) (1 mapping(s) affected); reload the tensors")
+      << "b's path or b's tensors: the slot's present owner is not the one that faulted";
+  EXPECT_EQ(asked_offset, UINT64_MAX) << "a gone mapping's About is not asked";
+}
+
 }  // namespace
 }  // namespace tensorferry::io

@@ -298,6 +298,7 @@ const io::ReadEngine* Loader::Impl::Counted() const {
 sink::SinkContext Loader::Impl::Context(std::vector<bool> want_direct, io::ReadEngine* reader) {
   sink::SinkContext c;
   c.checkpoint = checkpoint.get();
+  c.checkpoint_ref = checkpoint;
   c.options = &options;
   c.want_direct = std::move(want_direct);
   c.windows = [this](const std::vector<uint32_t>& used, const std::vector<bool>& direct,

@@ -618,6 +618,14 @@ TEST(LoaderEngines, MmapWithoutLeaseFailsLoudlyAfterTruncation) {
   EXPECT_EQ(refused.status().code(), Code::kUnexpectedEof);
   EXPECT_NE(refused.status().message().find(path), std::string::npos)
       << refused.status().ToString();
+  // What the first vanished page held (the loader and its checkpoint still live).
+  const std::string& refusal = refused.status().message();
+  const size_t held = refusal.find("; the read held tensor");
+  ASSERT_NE(held, std::string::npos) << refusal;
+  size_t named = 0;
+  for (const Tensor& t : *tensors)
+    named += refusal.find('"' + t.name() + '"', held) != std::string::npos;
+  EXPECT_GE(named, 1u) << refusal;
   EXPECT_TRUE(CheckMappedFiles().ok());  // reported once
   o.populate = true;
   auto again = (*loader)->Load();

@@ -121,8 +121,14 @@ Result<const io::MappedFile*> MappingIn(const SinkContext& context,
   std::lock_guard<std::mutex> lock(MapsMutex());
   if (!maps[f]) {
     TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, context.files->Get(f));
+    io::MappedFile::About about = [checkpoint = context.checkpoint_ref, f](uint64_t offset,
+                                                                           uint64_t length) {
+      const std::shared_ptr<const Checkpoint> alive = checkpoint.lock();
+      return alive ? TensorsIn(*alive, f, offset, length) : std::string();
+    };
     TF_ASSIGN_OR_RETURN(
-        maps[f], io::MappedFile::Map(*pin.file, context.checkpoint->files()[f].file_size, use));
+        maps[f], io::MappedFile::Map(*pin.file, context.checkpoint->files()[f].file_size, use,
+                                     std::move(about)));
   }
   return maps[f].get();
 }

@@ -55,6 +55,9 @@ using FileWindows =
 // What a sink borrows from its Loader for one load. Every pointer outlives the sink.
 struct SinkContext {
   const Checkpoint* checkpoint = nullptr;
+  // The same checkpoint, for what outlives the load: the mapped sink's mappings name the tensors
+  // of a faulted page in CheckMappedFiles while it lives (empty: they name none).
+  std::weak_ptr<const Checkpoint> checkpoint_ref;
   const LoadOptions* options = nullptr;
   std::vector<bool> want_direct;  // per file: read with O_DIRECT
   FileWindows windows;

@@ -82,6 +82,8 @@ struct SerializedHeader {
   std::vector<size_t> order;  // order[i] = index into the input of the i-th tensor written
   uint64_t data_size = 0;
 };
+// A kChecksumsMetadataKey entry in `metadata` is left out (as WriteFile leaves it out): a record the
+// writer did not compute for these bytes would fail every later load that checks it.
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
                                          const Metadata& metadata);
 

@@ -1050,15 +1050,6 @@ void AbandonWritesInProgress() noexcept {
   internal::RunRegisteredRollbacks();
 }
 
-Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
-                                         const Metadata& metadata) {
-  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));
-  TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(metadata));
-  std::vector<size_t> all(tensors.size());
-  std::iota(all.begin(), all.end(), size_t{0});
-  return BuildHeader(tensors, sizes, all, sorted_metadata);
-}
-
 namespace {
 
 // The caller's metadata without a kChecksumsMetadataKey entry: the writer's own record replaces
@@ -1074,6 +1065,16 @@ Metadata WithoutChecksumRecord(const Metadata& metadata) {
 }
 
 }  // namespace
+
+Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
+                                         const Metadata& metadata) {
+  TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));
+  const Metadata kept = WithoutChecksumRecord(metadata);  // sorted_metadata points into it
+  TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(kept));
+  std::vector<size_t> all(tensors.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  return BuildHeader(tensors, sizes, all, sorted_metadata);
+}
 
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
                  const Metadata& caller_metadata, const WriteOptions& options) {

@@ -5,7 +5,7 @@ note), warm and cold, with the pinned host-to-device bandwidth of this machine m
 same run as the reference.
 
     .venv/bin/python bench/gpu_bench.py data/default                 # --repeats 3 --modes warm,cold
-    .venv/bin/python bench/gpu_bench.py data/default --json gpu.json
+    .venv/bin/python bench/gpu_bench.py data/default --json gpu.json --child-timeout 90
 
 Each loader runs in a child process of its own (CUDA context creation and imports are not timed;
 a 1-byte allocation initializes the context first). A run is timed from the call that starts the
@@ -17,6 +17,9 @@ load until every tensor is in device memory (torch.cuda.synchronize()). For each
     tensorferry, LoadStats.peak_device_bytes (its batch buffers) is printed too.
   - a checksum (sum of every tensor's bytes, computed on the GPU after timing) that must agree
     between loaders.
+--json is rewritten (atomically) after every row, so a benchmark cut off keeps the rows it
+measured; --child-timeout kills a loader's child that runs longer (its row says "timed out") and
+goes on with the next.
 Cold runs evict every file with posix_fadvise(POSIX_FADV_DONTNEED) (and, as root, drop_caches when
 that left more than 1% cached) and report what stayed cached.
 
@@ -55,8 +58,9 @@ LOADERS = ["tensorferry", "tensorferry (gds off)", "tensorferry (gds off, verify
 # rules), one rank per process in turn: its bytes are the rank's local bytes and its checksum is
 # not compared with the others'; "covering" stages strided slices as covering ranges (an explicit
 # shard_max_gap) instead of gathering the rows of cached files; "verify off" skips the checksums
-# (checked by default in the staging slots when the checkpoint carries them, as `tensorferry gen`'s do). TENSORFERRY_* settings in the environment apply to every
-# tensorferry variant (e.g. TENSORFERRY_DEVICE_PRODUCERS, TENSORFERRY_STAGING_BYTES).
+# (checked by default in the staging slots when the checkpoint carries them, as `tensorferry
+# gen`'s do). TENSORFERRY_* settings in the environment apply to every tensorferry variant (e.g.
+# TENSORFERRY_DEVICE_PRODUCERS, TENSORFERRY_STAGING_BYTES).
 
 
 def loader_names(text):
@@ -334,15 +338,32 @@ def child(args):
 
 # --- the parent ----------------------------------------------------------------------------------
 
+# The module each loader row imports, by the name before its variant in parentheses
+# ("tensorferry (tp 0/8)" -> tensorferry, "safetensors (get_tensor)" -> safetensors).
+MODULES = {"tensorferry": "tensorferry", "safetensors": "safetensors",
+           "fastsafetensors": "fastsafetensors", "runai-model-streamer": "runai_model_streamer"}
+
+
+def module_of(name):
+    """The module a loader row needs; KeyError names the row when MODULES lacks its library."""
+    base = name.split(" (", 1)[0]
+    if base not in MODULES:
+        raise KeyError(f"gpu_bench: no module known for loader {name!r} (MODULES)")
+    return MODULES[base]
+
+
 def available(name):
-    if name.startswith("tensorferry"):
-        name = "tensorferry"
-    module = {"tensorferry": "tensorferry",
-              "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
-              "fastsafetensors (nogds)": "fastsafetensors",
-              "runai-model-streamer": "runai_model_streamer"}[name]
     import importlib.util
-    return importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(module_of(name)) is not None
+
+
+def write_json(path, results):
+    """Writes the results so far: to a temporary file, then renamed over `path`, so a process
+    killed while writing leaves the previous complete file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main():
@@ -352,7 +373,10 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="warm,cold")
     p.add_argument("--loaders", default=",".join(LOADERS))
-    p.add_argument("--json", help="write the results here too")
+    p.add_argument("--json", help="write the results here too (rewritten after every row)")
+    p.add_argument("--child-timeout", type=float, default=0,
+                   help="seconds one loader's child may run (0: no limit); a child over it is "
+                        "killed and its row recorded as timed out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -375,19 +399,36 @@ def main():
                "torch": torch.__version__, "repeats": args.repeats, "loaders": {}, "skipped": {}}
     del torch
     names = ["pinned h2d", "pageable h2d"] + loader_names(args.loaders)
+    try:
+        present = {n: n.endswith(" h2d") or available(n) for n in names}
+    except KeyError as e:  # a row of LOADERS without its module in MODULES: before measuring
+        sys.exit(e.args[0])
+    if args.json:
+        write_json(args.json, results)
     checksums = {}
     for name in names:
-        if not name.endswith(" h2d") and not available(name):
+        if args.json:  # what was measured so far survives a kill of this process
+            write_json(args.json, results)
+        if not present[name]:
             results["skipped"][name] = "not installed"
-            print(f"{name:26s} skipped: not installed (pip install it to compare)")
+            print(f"{name:26s} skipped: not installed (pip install it to compare)", flush=True)
             continue
         cmd = [sys.executable, os.path.abspath(__file__), args.path, "--child", name,
                "--repeats", str(args.repeats), "--modes", args.modes]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True,
+                               timeout=args.child_timeout or None)
+        except subprocess.TimeoutExpired:  # the child is killed; the next row still runs
+            why = f"timed out after {time.perf_counter() - t0:.0f} s (--child-timeout)"
+            results["skipped"][name] = why
+            results.setdefault("timed_out", []).append(name)
+            print(f"{name:26s} {why}", flush=True)
+            continue
         if r.returncode != 0:
             why = (r.stderr.strip().splitlines() or ["failed"])[-1]
             results["skipped"][name] = why
-            print(f"{name:26s} failed: {why}")
+            print(f"{name:26s} failed: {why}", flush=True)
             continue
         got = json.loads(r.stdout.strip().splitlines()[-1])
         results["loaders"][name] = got
@@ -397,7 +438,8 @@ def main():
             if "peak_extra_device_bytes" in runs[0]:
                 extra = statistics.median(x["peak_extra_device_bytes"] for x in runs)
                 line += f"  peak extra device {extra / 1e6:8.1f} MB"
-                line += f"  peak RSS {statistics.median(x['peak_rss_bytes'] for x in runs) / 1e6:7.0f} MB"
+                rss = statistics.median(x["peak_rss_bytes"] for x in runs)
+                line += f"  peak RSS {rss / 1e6:7.0f} MB"
                 sums = {x["checksum"] for x in runs}
                 if "(tp " not in name:  # a rank's slices have their own sum
                     checksums.setdefault(next(iter(sums)), []).append(name)
@@ -421,8 +463,7 @@ def main():
         print(f"checksums disagree: {checksums}")
         results["checksum_mismatch"] = {str(k): v for k, v in checksums.items()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     if len(checksums) > 1:
         sys.exit(1)
 

@@ -266,7 +266,7 @@ def measure(args, mode, files, evict, warm):
         for name in order:
             left = evict(files, empty=0.0) if mode == "cold" else warm(files, empty=0.0)
             # Fresh children: the peak RSS of each is its own (resource.RUSAGE_CHILDREN would
-            # mix them), taken from /proc by the child before the call and wait4 after.
+            # mix them), taken from /proc by the child itself before and after the call.
             t = run_child_rss(args, name)
             runs[name].append(t)
             device = ""
@@ -300,14 +300,14 @@ def measure(args, mode, files, evict, warm):
 def run_child_rss(args, name):
     cmd = [sys.executable, os.path.abspath(__file__), args.path, "--child", name,
            "--dtype", args.dtype, "--device-map", args.device_map, "--flow", args.flow]
+    # communicate() drains stdout and stderr together: a child that fills one pipe while the
+    # other is read cannot block.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
+    out, err = proc.communicate()
+    if proc.returncode != 0:
         sys.exit(f"{name} failed: {err.strip().splitlines()[-1] if err.strip() else '?'}")
     got = json.loads(out.strip().splitlines()[-1])
-    got["maxrss"] = got["peak_rss"]  # VmHWM when the call returned (wait4's includes the check)
+    got["maxrss"] = got["peak_rss"]  # VmHWM when the call returned (not the check after it)
     return got
 
 

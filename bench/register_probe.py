@@ -13,7 +13,8 @@ This measures, on one warm file, before anything is built on it:
   chunked       per chunk: register chunk k+1 while chunk k's copy runs, unregister at the end
 
 and checks that the device bytes equal the file's (a sample of slices). Alternating, medians of
---repeats. Needs torch with CUDA (torch.cuda.cudart() for cudaHostRegister).
+--repeats; each round's figures are printed as it ends (a run cut off keeps them). Needs torch
+with CUDA (torch.cuda.cudart() for cudaHostRegister).
 
     python bench/register_probe.py data/gpu_check/model-00001-of-00009.safetensors
 """
@@ -55,7 +56,7 @@ def main():
     pinned.copy_(host_t)
     chunk = args.chunk * MiB
     print(f"# {args.file}: {n / 1e9:.2f} GB, {torch.cuda.get_device_name()}, chunks of "
-          f"{args.chunk} MiB, repeats {args.repeats}")
+          f"{args.chunk} MiB, repeats {args.repeats}", flush=True)
 
     def check(what):
         torch.cuda.synchronize()
@@ -136,14 +137,19 @@ def main():
                   "chunked": run_chunked}
     runs = {k: [] for k in contenders}
     for r in range(args.repeats + 1):  # the first round warms up; not counted
+        parts = []
         for name, fn in contenders.items():
             try:
                 got = fn()
             except RuntimeError as e:
-                print(f"{name}: {e}")
+                print(f"{name}: {e}", flush=True)
                 got = None
-            if r > 0 and got is not None:
-                runs[name].append(got)
+            if got is not None:
+                parts.append(f"{name} {n / got['total'] / 1e9:.2f}")
+                if r > 0:
+                    runs[name].append(got)
+        print(f"round {r}{' (warm-up, not counted)' if r == 0 else ''}, GB/s: "
+              f"{', '.join(parts) or 'none'}", flush=True)
     for name, rs in runs.items():
         if not rs:
             print(f"{name:9s} no result")

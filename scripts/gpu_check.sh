@@ -235,21 +235,27 @@ print(f"{label}: checksum {dev['checksum']} == host; {dev['gb_per_s']:.2f} GB/s;
       f"({dev['gds_reason'] or 'every read'}); peak device {dev['peak_device_bytes']/1e9:.2f} GB")
 PY
   }
-  host=$("$tf" load "$data" --json --engine pread)
+  # Each check fails the phase explicitly (errexit alone does not hold where a caller tests the
+  # phase's status).
+  host=$("$tf" load "$data" --json --engine pread) ||
+    { echo "gpu_check: the host load of $data failed" >&2; return 1; }
   echo "{\"host\": $host" > "$out/load_cuda.json"
   for gds in off auto; do
-    dev=$("$tf" load "$data" --json --device cuda:0 --gds "$gds")
+    dev=$("$tf" load "$data" --json --device cuda:0 --gds "$gds") ||
+      { echo "gpu_check: the device load of $data (--gds $gds) failed" >&2; return 1; }
     echo ", \"cuda_gds_$gds\": $dev" >> "$out/load_cuda.json"
-    same_as_host "$host" "$dev" "gds $gds"
+    same_as_host "$host" "$dev" "gds $gds" || return 1
   done
   # Tensor-parallel rank 0 of 8, the files warm from the loads above: strided rows gathered from
   # the page cache, and (an explicit --max-gap) staged as covering ranges.
-  host=$("$tf" load "$data" --json --engine pread --tp-rank 0 --tp-size 8)
+  host=$("$tf" load "$data" --json --engine pread --tp-rank 0 --tp-size 8) ||
+    { echo "gpu_check: the host load of $data (tp 0/8) failed" >&2; return 1; }
   for args in "" "--max-gap 64KiB"; do
     # shellcheck disable=SC2086  # args is a list of options
-    dev=$("$tf" load "$data" --json --device cuda:0 --gds off --tp-rank 0 --tp-size 8 $args)
+    dev=$("$tf" load "$data" --json --device cuda:0 --gds off --tp-rank 0 --tp-size 8 $args) ||
+      { echo "gpu_check: the device load of $data (tp 0/8 $args) failed" >&2; return 1; }
     echo ", \"cuda_tp_0_of_8${args:+_covering}\": $dev" >> "$out/load_cuda.json"
-    same_as_host "$host" "$dev" "tp 0/8${args:+ $args}"
+    same_as_host "$host" "$dev" "tp 0/8${args:+ $args}" || return 1
   done
   echo "}" >> "$out/load_cuda.json"
 
@@ -315,17 +321,22 @@ phase_models() {
   echo "== models on the GPU (log: $out/$log)"
   require_cuda $log
   install_kit_wheels $log
-  local flow extra
+  local flow extra bad=()
   for flow in ${MODEL_FLOWS:-dispatch from_pretrained}; do
     # from_pretrained: also loading(to_device=True) (tf-to-device: loading()'s default on one GPU
     # when the checkpoint fits) beside the mapping (docs/models.md).
     extra=()
     [ "$flow" = from_pretrained ] && extra=(--to-device)
     echo "== bench/model_bench.py --flow $flow --device-map cuda ${extra[*]}" | tee -a "$out/$log"
+    # A failed flow fails the phase, after the other flows ran.
     PYTHONUNBUFFERED=1 "$py" bench/model_bench.py "${MODEL_DATA:-data/default}" --flow "$flow" \
       --device-map cuda --modes "${MODEL_MODES:-warm}" --repeats "${MODEL_REPEATS:-3}" \
-      "${extra[@]}" --json "$out/models_$flow.json" 2>&1 | tee -a "$out/$log"
+      "${extra[@]}" --json "$out/models_$flow.json" 2>&1 | tee -a "$out/$log" || bad+=("$flow")
   done
+  if [ ${#bad[@]} -gt 0 ]; then
+    echo "gpu_check: model flow(s) failed: ${bad[*]} (log: $out/$log)" >&2
+    return 1
+  fi
 }
 
 # KEEP_GOING=1: a failing test or bench phase does not stop the phases after it (a lent machine's
@@ -334,8 +345,19 @@ phase_models() {
 failed=()
 phase() {
   if [ "${KEEP_GOING:-0}" = 1 ] && [ "$1" != phase_build ]; then
-    # In a subshell, so that its exit on failure ends only the phase.
-    ("$1") || { failed+=("${1#phase_}"); echo "gpu_check: phase ${1#phase_} failed; going on (KEEP_GOING=1)" >&2; }
+    # In a subshell, so that its exit on failure ends only the phase. Not tested with `||` or
+    # `if`: bash ignores errexit in the whole of a command so tested, even where the subshell sets
+    # it again, and a failed assert or load would not end the phase.
+    local rc=0
+    phase_build  # here, so that the next phases' subshells see it built (a failure stops all)
+    set +e
+    (set -e; "$1")
+    rc=$?
+    set -e
+    if [ "$rc" != 0 ]; then
+      failed+=("${1#phase_}")
+      echo "gpu_check: phase ${1#phase_} failed (exit $rc); going on (KEEP_GOING=1)" >&2
+    fi
   else
     "$1"
   fi

@@ -108,12 +108,21 @@ echo "[rehearse] stand-in Python ready ($((SECONDS - t0)) s)"
 
 # --- 3. the kit, and the project as the device tool sends it -----------------------------------
 scripts/gpu_kit.sh > "$logs/gpu_kit.log" 2>&1 || { tail -n 20 "$logs/gpu_kit.log"; exit 1; }
+# What the device tool sends: tracked and untracked, not ignored, files that exist (a tracked file
+# deleted from the working tree is listed by git but not sent).
+sent_files() {
+  local f
+  git ls-files -z -co --exclude-standard --deduplicate |
+    while IFS= read -r -d '' f; do
+      if [ -e "$f" ] || [ -L "$f" ]; then printf '%s\0' "$f"; fi
+    done
+}
 kit_bytes=$(du -sb .gpukit | cut -f1)
-tree_bytes=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -n 1 | cut -f1)
+tree_bytes=$(sent_files | du -cb --files0-from=- | tail -n 1 | cut -f1)
 work=$root/work/tensorferry
 rm -rf "$root/work"
 mkdir -p "$work" "$root/work/out"
-git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work"
+sent_files | tar --null -T - -cf - | tar -xf - -C "$work"
 cp -a .gpukit "$work/.gpukit"
 
 # --- 4. offline: build, module, CPU tests ------------------------------------------------------

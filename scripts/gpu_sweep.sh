@@ -7,17 +7,24 @@
 # device buffers, later runs reuse them); configurations alternate in rounds (SWEEP_ROUNDS, default
 # 2), so drift of the machine spreads over all of them.
 #
-# Outputs: $GPU_CHECK_OUT/sweep.log (a line per run and the table), and $SWEEP_BEST (default
-# build/gpu_sweep_best.env): the best configuration as shell assignments, for a later
-# `set -a; . build/gpu_sweep_best.env; set +a` before scripts/gpu_check.sh bench. Builds and
-# generates the checkpoint first (as scripts/gpu_check.sh does) when missing.
+# Outputs: $GPU_CHECK_OUT/sweep.log (a line per run and the table), and $SWEEP_BEST: the best
+# configuration as shell assignments, for a later `set -a; . <that file>; set +a` before
+# scripts/gpu_check.sh bench. With OUT set (the device tool's folder whose files come back), both
+# default to it ($OUT/sweep.log, $OUT/gpu_sweep_best.env); without, to build/gpu_check/sweep.log
+# and build/gpu_sweep_best.env. Builds and generates the checkpoint first (as
+# scripts/gpu_check.sh does) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${GPU_CHECK_OUT:-build/gpu_check}
-mkdir -p "$out"
+if [ -n "${OUT:-}" ]; then
+  out=${GPU_CHECK_OUT:-$OUT}
+  best_file=${SWEEP_BEST:-$OUT/gpu_sweep_best.env}
+else
+  out=${GPU_CHECK_OUT:-build/gpu_check}
+  best_file=${SWEEP_BEST:-build/gpu_sweep_best.env}
+fi
+mkdir -p "$out" "$(dirname "$best_file")"
 data=${DATA:-data/gpu_check}
-best_file=${SWEEP_BEST:-build/gpu_sweep_best.env}
-scripts/gpu_check.sh build > /dev/null
+GPU_CHECK_OUT=$out scripts/gpu_check.sh build > /dev/null
 kit=${GPU_KIT:-.gpukit}
 # shellcheck source=/dev/null
 [ -f "$kit/env.sh" ] && . "$kit/env.sh"

@@ -112,6 +112,7 @@ struct SourceStats {
   uint64_t cache_hits = 0, cache_fills = 0, cache_fill_bytes = 0, cache_errors = 0;
   uint64_t cache_refetch_bytes = 0;
   std::string cache_summary;
+  std::string cache_last_error;  // the latest failure behind cache_errors, in words ("" if none)
 };
 
 // Requests counted for one reader of a Source (SourceStatsScope). Thread-safe.

@@ -56,6 +56,10 @@ struct LoadStats {
   // cache fetches them again after the load (ObjectStoreOptions::cache_write_behind; 0 with
   // cache_fetch_once, which makes the load wait for the disk instead).
   uint64_t cache_refetch_bytes = 0;
+  // Files that read the store because the cache failed them (a full disk, an unwritable
+  // directory, a download by another process that made no progress), and the latest reason.
+  uint64_t cache_errors = 0;
+  std::string cache_error;
 
   // Device loading (zero for host-only loads).
   std::string device;                // "cpu", "cuda:0", or "mixed" (a placement used several)
@@ -116,6 +120,8 @@ void VisitLoadStats(const LoadStats& s, Visit&& visit) {
   visit("cache_fills", s.cache_fills);
   visit("cache_fill_bytes", s.cache_fill_bytes);
   visit("cache_refetch_bytes", s.cache_refetch_bytes);
+  visit("cache_errors", s.cache_errors);
+  visit("cache_error", s.cache_error);
   visit("device", s.device);
   visit("device_tensors", s.device_tensors);
   visit("device_bytes", s.device_bytes);

@@ -164,6 +164,8 @@ struct Loader::Impl {
     stats.cache_fills = source.cache_fills;
     stats.cache_fill_bytes = source.cache_fill_bytes;
     stats.cache_refetch_bytes = source.cache_refetch_bytes;
+    stats.cache_errors = source.cache_errors;
+    stats.cache_error = source.cache_last_error;
     if (!source.cache_summary.empty())
       stats.engine_reason = engine_reason + "; " + source.cache_summary;
   }

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <map>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -774,11 +775,12 @@ class FillingFile final : public SourceFile {
 };
 
 ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout, size_t write_behind,
-                         bool fetch_once)
+                         bool fetch_once, std::chrono::milliseconds lock_wait)
     : dir_(std::move(dir)),
       max_bytes_(layout == Layout::kHub ? 0 : max_bytes),
       layout_(layout),
       fetch_once_(fetch_once),
+      lock_wait_(std::max(lock_wait, std::chrono::milliseconds(1))),
       writer_(std::make_unique<WriteBehind>(write_behind)) {}
 
 void ObjectCache::WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
@@ -830,7 +832,64 @@ std::string ObjectCache::Where() const {
   return (layout_ == Layout::kHub ? "hub cache " : "object cache ") + dir_ + ": ";
 }
 
-UniqueFd ObjectCache::Lock(const Place& place) {
+namespace {
+
+// What shows a download of `place` in progress (by any process): the names, sizes and times of
+// change of its files in tmp_dir (ours, and huggingface_hub's <blob>.incomplete in the hub
+// cache), and who holds the lock. Compared between polls: a change is progress.
+std::string FillProgress(const std::string& tmp_dir, const std::string& stem,
+                         const std::string& incomplete, int lock_fd) {
+  std::string out;
+  if (DIR* d = ::opendir(tmp_dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string_view name = e->d_name;
+      struct stat st {};
+      if ((name.substr(0, stem.size()) != stem && name != incomplete) ||
+          ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0) {
+        continue;
+      }
+      out.append(name).append(" ").append(std::to_string(st.st_size)).append(" ");
+      out.append(std::to_string(st.st_mtim.tv_sec)).append(".");
+      out.append(std::to_string(st.st_mtim.tv_nsec)).append("\n");
+    }
+    ::closedir(d);
+  }
+  char holder[256];
+  const ssize_t n = ::pread(lock_fd, holder, sizeof holder, 0);
+  if (n > 0) out.append(holder, static_cast<size_t>(n));
+  return out;
+}
+
+// "pid N on host H", as the holder of the lock open as `fd` wrote it ("another process" when
+// it wrote nothing: huggingface_hub, or a holder that has just taken it).
+std::string LockHolder(int fd) {
+  char text[256];
+  const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+  std::string holder(text, static_cast<size_t>(std::max<ssize_t>(n, 0)));
+  while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
+  const size_t space = holder.find(' ');
+  if (holder.empty() || space == std::string::npos) return "another process";
+  return "pid " + holder.substr(0, space) + " on host " + holder.substr(space + 1);
+}
+
+// "<pid> <host>\n" into the held lock open as `fd`, for those who wait for it. Best effort.
+void WriteLockHolder(int fd) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "?");
+  const std::string text = std::to_string(::getpid()) + " " + host + "\n";
+  if (::ftruncate(fd, 0) == 0)
+    static_cast<void>(PwriteFully(fd, std::as_bytes(std::span(text)), 0));
+}
+
+std::string Seconds(std::chrono::milliseconds t) {
+  const auto ms = t.count();
+  return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s"
+                        : std::to_string(ms / 1000) + "." + std::to_string(ms % 1000 / 100) + " s";
+}
+
+}  // namespace
+
+UniqueFd ObjectCache::Lock(const Place& place, const CachedObject& object) {
   std::error_code ec;
   for (const std::string& sub : place.dirs) {
     fs::create_directories(sub, ec);
@@ -851,12 +910,34 @@ UniqueFd ObjectCache::Lock(const Place& place) {
     // done with the file (Fill::AwaitTurn). Best effort: without it we only wait longer.
     const UniqueFd want(::open(WantPath(place.lock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
     if (want.get() >= 0) static_cast<void>(Flock(want.get(), LOCK_SH));
-    e = Flock(lock.get(), LOCK_EX);
+    // Polled, not a blocking flock: a holder that stopped (SIGSTOP, a frozen cgroup, a debugger)
+    // keeps its lock forever, and a cache never makes a load wait for ever. A download that goes
+    // on is waited for however long it takes; one that shows no progress for lock_wait_ is not.
+    using Clock = std::chrono::steady_clock;
+    const std::string incomplete = place.key + ".incomplete";
+    std::string seen = FillProgress(place.tmp_dir, place.tmp_stem, incomplete, lock.get());
+    Clock::time_point changed = Clock::now();
+    std::chrono::milliseconds pause{1};
+    while ((e = Flock(lock.get(), LOCK_EX | LOCK_NB)) == EWOULDBLOCK) {
+      std::string now = FillProgress(place.tmp_dir, place.tmp_stem, incomplete, lock.get());
+      if (now != seen) {
+        seen = std::move(now);
+        changed = Clock::now();
+      } else if (Clock::now() - changed >= lock_wait_) {
+        NoteError(Where() + object.name + " not cached: its entry is held by " +
+                  LockHolder(lock.get()) + " (" + place.lock +
+                  "), whose download made no progress for " + Seconds(lock_wait_));
+        return UniqueFd();
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
   }
   if (e != 0) {
     NoteError(Where() + "cannot lock " + place.lock + ": " + Errno(e));
     return UniqueFd();
   }
+  WriteLockHolder(lock.get());
   return lock;
 }
 
@@ -864,7 +945,7 @@ void ObjectCache::Keep(const CachedObject& object, std::span<const std::byte> by
   if (layout_ != Layout::kHub || bytes.size() != object.size) return;
   const Place place = PlaceOf(object);
   const std::string where = Where();
-  const UniqueFd lock = Lock(place);
+  const UniqueFd lock = Lock(place, object);
   if (lock.get() < 0) return;
   if (Find(object, place, FileIdentity{})) {  // there already (and linked)
     hits_.fetch_add(1);
@@ -897,7 +978,16 @@ void ObjectCache::Link(const CachedObject& object) {
   if (Status linked = LinkHubSnapshot(dir_, object.hub_folder, object.hub_commit, object.hub_path,
                                       object.hub_blob);
       !linked.ok()) {
-    NoteError("hub cache " + dir_ + ": " + object.name + " not linked: " + linked.message());
+    NoteUnlinked(object, Where() + object.name + " not linked: " + linked.message());
+  }
+}
+
+void ObjectCache::NoteUnlinked(const CachedObject& object, const std::string& why) {
+  const std::string link = object.hub_commit + "/" + object.hub_path;
+  std::lock_guard<std::mutex> lock(mu_);
+  last_unlinked_ = why;
+  if (std::find(unlinked_.begin(), unlinked_.end(), link) == unlinked_.end()) {
+    unlinked_.push_back(link);
   }
 }
 
@@ -935,6 +1025,8 @@ ObjectCacheStats ObjectCache::stats() const {
   s.given_back = given_back_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.last_error = last_error_;
+  s.unlinked = unlinked_.size();
+  s.last_unlinked = last_unlinked_;
   return s;
 }
 
@@ -999,7 +1091,7 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   const std::string where = Where();
   // One filler per key, across threads and processes: the others wait here (for the whole
   // download: the holder's filler thread runs it to the end), then find its copy.
-  UniqueFd lock = Lock(place);
+  UniqueFd lock = Lock(place, object);
   if (lock.get() < 0) return nullptr;
   if ((found = Find(object, place, identity))) {
     hits_.fetch_add(1);

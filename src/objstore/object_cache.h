@@ -34,8 +34,13 @@
 //   blobs/<key>        one complete object (key: 64 hex digits, SHA-256 of URL, ETag and size)
 //   blobs/<key>.json   what it is: {"url", "etag", "size", "created"} (for people and tools)
 //   locks/<key>.lock   flock(2) target, held by the one process (or thread) filling the key from
-//                      the start of its download to its end; another that starts reading the same
-//                      object waits for that download, then reads its copy
+//                      the start of its download to its end (it writes "<pid> <host>" in it);
+//                      another that starts reading the same object waits for that download, then
+//                      reads its copy. It waits while the download goes on (its file in tmp/
+//                      changes) and at most `lock_wait` without a change: a holder stopped
+//                      (SIGSTOP, a frozen cgroup, a debugger) or stuck leaves the waiter reading
+//                      the store for this load, the failure counted and described ("held by pid
+//                      N on host H, whose download made no progress for T s")
 //   tmp/               downloads in progress (<key>.<pid>.<n>), renamed into blobs/ when whole
 //
 // Consistency: a blob appears (rename) only after all of its bytes were written and fsync'd, so a
@@ -107,6 +112,10 @@ struct ObjectCacheStats {
   uint64_t errors = 0;      // files that read the store because the cache failed
   uint64_t given_back = 0;  // bytes the load fetched that the disk had no room for (fetched again)
   std::string last_error;   // the latest of those failures, in words
+  // kHub: files read from their whole blob (or written into it) whose snapshot link could not be
+  // made (a read-only cache): not read from the store, so not in `errors`; each file counted once.
+  uint64_t unlinked = 0;
+  std::string last_unlinked;  // the latest of those, in words
 };
 
 class ObjectCache {
@@ -120,9 +129,14 @@ class ObjectCache {
   // `write_behind`: the writer's ring in bytes (ObjectStoreOptions::cache_write_behind);
   // `fetch_once`: a read whose bytes find no room in it waits for room (or, when a piece cannot
   // fit it at all, writes them itself) instead of giving them back (cache_fetch_once).
+  // `lock_wait`: how long a download of the same object by another thread or process (the key's
+  // lock) is waited for while it makes no progress, before reading the store (kLockWait; > 0).
   ObjectCache(std::string dir, uint64_t max_bytes, Layout layout = Layout::kObjects,
               size_t write_behind = ObjectStoreOptions().cache_write_behind,
-              bool fetch_once = false);
+              bool fetch_once = false, std::chrono::milliseconds lock_wait = kLockWait);
+  // The default lock_wait: long enough for a live filler's slowest step (a part's retries, an
+  // fsync of a large copy), short enough that a stopped one costs a load little.
+  static constexpr std::chrono::milliseconds kLockWait{30'000};
   // Waits for the downloads that began (and those queued behind them) to end.
   ~ObjectCache();
   ObjectCache(const ObjectCache&) = delete;
@@ -174,9 +188,10 @@ class ObjectCache {
     std::vector<std::string> dirs;  // created first
   };
   Place PlaceOf(const CachedObject& object) const;
-  // The place's folders made and its lock held (blocking); an invalid descriptor when either
-  // fails (counted in stats()).
-  UniqueFd Lock(const Place& place);
+  // The place's folders made and its lock held, "<pid> <host>" written in it; waits for another
+  // holder while its download progresses and at most lock_wait_ without progress. An invalid
+  // descriptor when any of that fails (counted in stats(), naming `object` and the holder).
+  UniqueFd Lock(const Place& place, const CachedObject& object);
 
   // The entry if it is whole (nullptr if absent; a blob of the wrong size is removed).
   std::unique_ptr<SourceFile> Find(const CachedObject& object, const Place& place,
@@ -206,6 +221,8 @@ class ObjectCache {
   // The downloads in progress count as entries (reserved_): make room and reserve under room_mu_.
   bool MakeRoom(const std::string& keep, uint64_t incoming, std::string& why);
   void NoteError(const std::string& why);
+  // kHub: the snapshot link of `object` not made (stats().unlinked, once per link).
+  void NoteUnlinked(const CachedObject& object, const std::string& why);
   // A reader's fetched claim (`bytes` at `begin`) into the writer's ring, piece by piece; what
   // finds no room is given back to the filler (fetch_once_: waited for, or written here).
   void WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
@@ -228,6 +245,7 @@ class ObjectCache {
   const uint64_t max_bytes_;
   const Layout layout_;
   const bool fetch_once_;
+  const std::chrono::milliseconds lock_wait_;
   std::atomic<uint64_t> hits_{0}, fills_{0}, fill_bytes_{0}, evicted_{0}, errors_{0};
   std::atomic<uint64_t> given_back_{0};
   std::atomic<int> reading_{0};           // Reading: reads in progress
@@ -235,6 +253,8 @@ class ObjectCache {
   mutable std::mutex mu_;  // last_error_, error_log_, queue_, active_, stop_, filler_
   std::string last_error_;
   std::deque<std::string> error_log_;  // the latest kErrorLog failures (the last is errors_ - 1)
+  std::vector<std::string> unlinked_;  // mu_: the links NoteUnlinked counted (commit/path)
+  std::string last_unlinked_;          // mu_
   std::condition_variable queue_cv_, idle_cv_;
   std::deque<std::shared_ptr<Fill>> queue_;
   size_t active_ = 0;  // downloads queued or running

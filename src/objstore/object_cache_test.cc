@@ -420,6 +420,50 @@ TEST(ObjectCache, AWaiterForTheDownloadStartsItsFiller) {
   EXPECT_EQ(second.stats().fills, 0u);
 }
 
+// A filler that stops (SIGSTOP, a frozen cgroup: here, a fetch that never returns) keeps the
+// key's lock: another cache waits for its download only while it progresses, then reads the store.
+TEST(ObjectCache, AFillerThatStopsIsWaitedForAtMostLockWait) {
+  testing::TempDir tmp;
+  Remote remote(1u << 20);
+  remote.hold_offset = 4096;  // the first one's read past the header never returns (until released)
+  ObjectCache stopped(tmp.Join("c"), 0);
+  ObjectCache waiter(tmp.Join("c"), 0, ObjectCache::Layout::kObjects, 32u << 20, false,
+                     std::chrono::milliseconds(200));
+  Result<std::unique_ptr<SourceFile>> a = remote.Open(stopped, 4096, 2, 64u << 10);
+  Result<std::unique_ptr<SourceFile>> b = remote.Open(waiter, 4096, 2, 64u << 10);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::thread holder([&] {
+    std::vector<std::byte> got(4096);
+    EXPECT_TRUE((*a)->Read(4096, got).ok());
+  });
+  // Until the first one holds the key's lock (its download began).
+  const std::string lock = tmp.Join("c") + "/locks/" + ObjectCache::Key(remote.Object()) + ".lock";
+  for (;;) {
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+    const bool held = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+    if (fd >= 0) ::close(fd);
+    if (held) break;
+    std::this_thread::yield();
+  }
+  std::vector<std::byte> got(64u << 10);
+  Result<size_t> n = (*b)->Read(512u << 10, got);  // returns (the store's bytes)
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), remote.bytes.begin() + (512u << 10)));
+  const ObjectCacheStats s = waiter.stats();
+  EXPECT_EQ(s.errors, 1u);
+  EXPECT_EQ(s.fills, 0u);
+  EXPECT_TRUE(Contains(s.last_error, "model.safetensors not cached: its entry is held by pid " +
+                                         std::to_string(::getpid()) + " on host "))
+      << s.last_error;
+  EXPECT_TRUE(Contains(s.last_error, "whose download made no progress for 0.2 s")) << s.last_error;
+  remote.released = true;  // the first one goes on and completes its copy
+  holder.join();
+  a->reset();
+  stopped.Drain();
+  EXPECT_EQ(stopped.stats().errors, 0u) << stopped.stats().last_error;
+  EXPECT_TRUE(fs::is_regular_file(tmp.Join("c") + "/blobs/" + ObjectCache::Key(remote.Object())));
+}
+
 TEST(ObjectCache, APartialReadStillLeavesAWholeCopy) {
   testing::TempDir tmp;
   Remote remote(1'000'000);
@@ -763,6 +807,35 @@ TEST(HubLayout, FillsTheBlobThenLinksTheSnapshot) {
   EXPECT_EQ(remote.fetched.load(), fetched);
   EXPECT_EQ(fs::read_symlink(repo + "/snapshots/" + again.hub_commit + "/model.safetensors"),
             fs::path("../../blobs/" + object.hub_blob));
+}
+
+// A read-only hub cache holding the blob but not this commit's link: the file is read from the
+// blob, and the link's failure is told as such, not as a read from the store.
+TEST(HubLayout, ALinkThatCannotBeMadeIsNoReadFromTheStore) {
+  testing::TempDir tmp;
+  Remote remote(100'000);
+  const std::string root = tmp.Join("hub");
+  const CachedObject object = remote.HubObject();
+  const std::string repo = root + "/models--org--tiny";
+  fs::create_directories(repo + "/blobs");
+  testing::WriteBytes(
+      repo + "/blobs/" + object.hub_blob,
+      std::string(reinterpret_cast<const char*>(remote.bytes.data()), remote.bytes.size()));
+  fs::create_directories(repo + "/snapshots");
+  testing::WriteBytes(repo + "/snapshots/" + object.hub_commit, "not a folder");  // no link
+  ObjectCache cache(root, 0, ObjectCache::Layout::kHub);
+  for (int i = 0; i < 2; ++i) {
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, object);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+  }
+  EXPECT_EQ(remote.fetched.load(), 0u);
+  const ObjectCacheStats s = cache.stats();
+  EXPECT_EQ(s.hits, 2u);
+  EXPECT_EQ(s.errors, 0u) << s.last_error;
+  EXPECT_EQ(s.unlinked, 1u);  // one link, however often it was tried
+  EXPECT_TRUE(Contains(s.last_unlinked, "hub cache " + root + ": " + object.name + " not linked: "))
+      << s.last_unlinked;
 }
 
 TEST(HubLayout, KeepsWholeObjectsAtOnce) {

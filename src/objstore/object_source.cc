@@ -564,12 +564,13 @@ SourceStats ObjectSource::stats() const {
     if (cache == nullptr) continue;
     const ObjectCacheStats c = cache->stats();
     const bool hub = cache == hub_cache_.get();
-    if (hub && c.hits + c.fills + c.errors == 0) continue;  // no hub file was read
+    if (hub && c.hits + c.fills + c.errors + c.unlinked == 0) continue;  // no hub file was read
     s.cache_hits += c.hits;
     s.cache_fills += c.fills;
     s.cache_fill_bytes += c.fill_bytes;
     s.cache_refetch_bytes += c.given_back;
     s.cache_errors += c.errors;
+    if (c.errors > 0 && s.cache_last_error.empty()) s.cache_last_error = c.last_error;
     if (!s.cache_summary.empty()) s.cache_summary += "; ";
     s.cache_summary += (hub ? "hub cache " : "object cache ") + cache->dir() + ": " +
                        std::to_string(c.hits) + (c.hits == 1 ? " file" : " files") +
@@ -582,6 +583,11 @@ SourceStats ObjectSource::stats() const {
     if (c.errors > 0) {
       s.cache_summary += ", " + std::to_string(c.errors) + (c.errors == 1 ? " file" : " files") +
                          " read from the store because " + c.last_error;
+    }
+    if (c.unlinked > 0) {  // read from the cache all the same
+      s.cache_summary += ", " + std::to_string(c.unlinked) +
+                         (c.unlinked == 1 ? " file" : " files") +
+                         " not linked into their snapshot because " + c.last_unlinked;
     }
   }
   return s;

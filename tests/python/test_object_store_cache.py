@@ -233,6 +233,24 @@ def test_unusable_cache_reads_the_store_and_says_why(stores, tmp_path):
     assert stats.remote_bytes > 0
     assert f"{len(stores.shards)} files read from the store because object cache {not_a_dir}: " \
            f"cannot create {not_a_dir}/blobs" in stats.engine_reason, stats.engine_reason
+    # The same as fields: how many, and the latest reason.
+    assert stats.cache_errors == len(stores.shards), stats
+    assert stats.cache_error.startswith(f"object cache {not_a_dir}: cannot create "
+                                        f"{not_a_dir}/blobs"), stats.cache_error
+
+
+def test_cli_line_says_which_files_the_cache_failed(stores, tmp_path):
+    # Not only --json's engine_reason: the text report counts them and says why.
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    url = stores.seaweed.url(f"{PREFIX}/tiny")
+    env = stores.seaweed.env()
+    env["TENSORFERRY_OBJECT_HEADER_BYTES"] = "4096"  # (files the open holds whole are not cached)
+    r = cli_load(url, "--object-cache-dir", str(not_a_dir), env=env)
+    n = len(stores.shards)
+    assert (f"; cache: 0 files read from it, 0 files (0 B) downloaded into it, {n} files not "
+            f"cached (read from the store): object cache {not_a_dir}: cannot create "
+            f"{not_a_dir}/blobs") in r.stdout, r.stdout
 
 
 def test_download_through_resets_is_byte_exact(stores, s3_proxy, tmp_path):

@@ -271,13 +271,19 @@ std::string TextReport(const Report& r) {
             (stats.remote_retries == 1 ? " retry), " : " retries), ") +
             FormatBytes(stats.remote_bytes) + " received";
   }
-  if (stats.cache_hits + stats.cache_fills > 0) {
+  if (stats.cache_hits + stats.cache_fills + stats.cache_errors > 0) {
     text += "; cache: " + Plural(stats.cache_hits, "file") + " read from it, " +
             Plural(stats.cache_fills, "file") + " (" + FormatBytes(stats.cache_fill_bytes) +
             ") downloaded into it";
     if (stats.cache_refetch_bytes > 0) {
       text += " (" + FormatBytes(stats.cache_refetch_bytes) +
               " to fetch again after the load: the local disk could not take them in time)";
+    }
+    // The cache failed them (a full disk, an unwritable directory, a stopped filler): said
+    // here, not only in --json's engine_reason.
+    if (stats.cache_errors > 0) {
+      text += ", " + Plural(stats.cache_errors, "file") +
+              " not cached (read from the store): " + stats.cache_error;
     }
   }
   if (stats.verified_tensors > 0 || stats.verify_partial_tensors > 0 ||

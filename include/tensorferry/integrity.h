@@ -184,7 +184,14 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
 // (the directory cannot be opened to lock it, or the
 // write fails); kInvalidArgument when the manifest there holds other files' entries in another
 // chunk size; those of ReadChecksumManifest for one that cannot be read or parsed (nothing is
-// written: remove it to start anew).
+// written: remove it to start anew); kIoError "<path>: file changed since the checkpoint was
+// opened: <what>; it changed while its checksums were computed ...: nothing was written (the
+// manifest is as it was); run the checksum again" when, checked under the lock, a file of `ckpt`
+// is no longer the one it opened (SourceFile::CheckUnchanged: device, inode, size, mtime in ns,
+// and that its path still names it): `manifest` (REQUIRES: computed from `ckpt`) would record the
+// digests of its old bytes under the new file's name (a `save_file` racing `tensorferry
+// checksum`). Nothing is recorded then, for any file: a manifest that covers only part of what
+// was asked would look complete.
 Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& manifest,
                              Env* env = nullptr);
 

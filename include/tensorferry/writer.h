@@ -82,8 +82,8 @@ struct SerializedHeader {
   std::vector<size_t> order;  // order[i] = index into the input of the i-th tensor written
   uint64_t data_size = 0;
 };
-// A kChecksumsMetadataKey entry in `metadata` is left out (as WriteFile leaves it out): a record the
-// writer did not compute for these bytes would fail every later load that checks it.
+// A kChecksumsMetadataKey entry in `metadata` is left out (as WriteFile leaves it out): a record
+// the writer did not compute for these bytes would fail every later load that checks it.
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
                                          const Metadata& metadata);
 
@@ -91,11 +91,18 @@ Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
 // `path` names no file (empty, ends in '/'); kIoError naming the path, the byte offset and errno;
 // kBudgetExceeded when the write buffer cannot be allocated; any status returned by a generate
 // callback, prefixed with the tensor's name (kInternal if it throws). The temporary file is
-// "." + file name + ".tmp-<pid>-<random>" in the destination's directory. If only the final fsync
-// of the directory fails, the new file is already in place and kIoError is still returned.
-// A sidecar checksum manifest beside `path` (integrity.h) that records the file being replaced
-// loses that entry first (under the manifest's lock; the manifest goes with its last entry): its
-// digests are of the old bytes. kIoError when that update fails (nothing is replaced then).
+// "." + file name + ".tmp-<pid>@<host>-<random>" in the destination's directory (<host>: 8 hex
+// digits, a hash of the machine's name and pid namespace). Leftovers of a writer killed where no
+// handler ran (SIGKILL, OOM, power loss) are removed by the next write of the same file on the
+// same machine: before writing, the dead writer's temporaries of `path`; once the new file is in
+// place, its backups (WriteSharded's) of `path`. "Dead" means kill(pid, 0) fails with ESRCH and
+// the name's <host> is this machine's and namespace's: a live writer's names, and another
+// machine's on a shared filesystem, are never touched (src/util/writer_temporaries.h). If only the
+// final fsync of the directory fails, the new file is already in place and kIoError is still
+// returned. A sidecar checksum manifest beside `path` (integrity.h) that records the file being
+// replaced loses that entry first (under the manifest's lock; the manifest goes with its last
+// entry): its digests are of the old bytes. kIoError when that update fails (nothing is replaced
+// then).
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
                  const Metadata& metadata = {}, const WriteOptions& options = {});
 
@@ -121,17 +128,22 @@ struct ShardOptions {
 //
 // All or nothing: every shard and the index are written to temporary names first. Only when all
 // are complete (and fsynced) are the files they replace, and the files of the layout already there
-// that the new one does not have, moved aside to hidden backups (".<name>.bak-<pid>-<random>");
-// then the new files are renamed in, the directory is fsynced and the backups removed. On any
-// failure, and on a signal handled by AbandonWritesInProgress(), the temporaries are removed and
-// the backups put back: the directory is exactly as before (a directory this call created is
-// removed again). "The layout already there" is the files "<prefix>.safetensors",
+// that the new one does not have, moved aside to hidden backups
+// (".<name>.bak-<pid>@<host>-<random>"); then the new files are renamed in, the directory is
+// fsynced and the backups removed. On any failure, and on a signal handled by
+// AbandonWritesInProgress(), the temporaries are removed and the backups put back: the directory is
+// exactly as before (a directory this call created is removed again). "The layout already there" is
+// the files "<prefix>.safetensors",
 // "<prefix>.safetensors.index.json" and the "*.safetensors" files that index names in `dir`; no
 // other file is touched, except a sidecar checksum manifest (integrity.h) that records one of the
 // files replaced or written: those entries describe other bytes and go, as part of the same
 // commit (the manifest rewritten with the other files' entries, or removed when none is left),
 // under the manifest's lock. Only a crash (power loss, SIGKILL) during the renames can leave the
-// hidden backups behind, from which the old files can be restored by hand.
+// hidden backups behind, from which the old files can be restored by hand until the next
+// successful write of that layout on this machine removes them (as WriteFile: the dead writer's
+// temporaries of "<prefix>.safetensors", "<prefix>-NNNNN-of-MMMMM.safetensors" of any count, the
+// index, the files the old index names and the checksum manifest go before writing, its backups
+// of them after the commit; a failed write keeps them).
 // Errors: those of WriteFile; kInvalidArgument for a prefix that is empty, ".", "..", or holds '/',
 // NUL or invalid UTF-8, or when a file to replace is a directory; kOverflow when the total size
 // exceeds 64 bits; kIoError naming a backup that could not be removed after the new files are in

@@ -34,6 +34,7 @@
 #include "util/macros.h"
 #include "util/path.h"
 #include "util/random.h"
+#include "util/writer_temporaries.h"
 
 namespace tensorferry {
 namespace {
@@ -283,17 +284,7 @@ class FileSink {
   uint64_t flushed_ = 0;  // bytes handed to the file so far
 };
 
-// "." + the first 200 bytes of `base` + `tag` + "<pid>-": the start of a hidden name beside a
-// file, within NAME_MAX (255) with the 16 random hex digits that follow. (Appended piece by piece:
-// GCC 12 warns falsely, -Wrestrict, on "literal" + string.)
-std::string HiddenSibling(std::string_view base, std::string_view tag) {
-  std::string out(".");
-  out += base.substr(0, 200);
-  out += tag;
-  out += std::to_string(::getpid());
-  out += '-';
-  return out;
-}
+using util::HiddenSibling;
 
 // A complete temporary file beside its destination, not yet renamed into place. Owns the name:
 // the file is removed on destruction unless Release()d, and it is registered for removal if the
@@ -318,15 +309,16 @@ class TempFile {
   const std::string& path() const { return path_; }
   const std::string& target() const { return target_; }
 
-  // Creates the file: "." + file name + ".tmp-<pid>-<random>" in the target's directory, so the
-  // final rename stays within one filesystem. The target's name is cut so the temporary name
+  // Creates the file: "." + file name + ".tmp-<pid>@<host>-<random>" (util/writer_temporaries.h)
+  // in the target's directory, so the final rename stays within one filesystem. The target's
+  // name is cut so the temporary name
   // stays within NAME_MAX (255) even for a long target name.
   Result<std::unique_ptr<WritableFile>> Create() {
     namespace fs = std::filesystem;
     const fs::path target(target_);
     const std::string base = target.filename().string();
     const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
-    const std::string stem = HiddenSibling(base, ".tmp-");
+    const std::string stem = HiddenSibling(base, util::kTemporaryKind);
     auto file = env_->NewTempFile(dir, stem, [this](const std::string& p) {
       // Registered before the file exists, so no signal can leave it behind unregistered.
       entry_ = p.empty() ? internal::RollbackEntry()
@@ -387,15 +379,27 @@ Result<TempFile> WriteTemp(const std::string& path, uint64_t size, const WriteOp
 
 Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options);
 
+// The directory of `path` ("" for a plain name) and its file name.
+std::pair<std::string, std::string> SplitPath(const std::string& path) {
+  const std::filesystem::path p(path);
+  return {p.has_parent_path() ? p.parent_path().string() : std::string(), p.filename().string()};
+}
+
 // Writes `path` atomically: WriteTemp, then a rename over `path` and an fsync of its directory.
+// The hidden temporaries a dead writer of this machine left beside `path` go first (their room
+// may be needed), its backups once the new file is in place (until then a backup may be the only
+// copy of an older file): util/writer_temporaries.h.
 template <typename Body>
 Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& options,
                    Body&& body) {
+  const auto [dir, name] = SplitPath(path);
+  (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));
   Env* env = EnvOf(options);
   TF_RETURN_IF_ERROR(ForgetInManifest(env, path, options));
   TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), path).WithPrefix(path));
   temp.Release();
+  (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kBackupKind});
   // After the rename the new file is in place; a failure here only means its directory entry may
   // not survive a crash, which the caller should still hear about.
   if (options.sync) {
@@ -742,7 +746,7 @@ class ShardedCommit {
       const std::string base = fs::path(target).filename().string();
       Moved m;
       m.original = target;
-      m.backup = Join(HiddenSibling(base, ".bak-") + util::RandomHex(moved_.size()));
+      m.backup = Join(HiddenSibling(base, util::kBackupKind) + util::RandomHex(moved_.size()));
       m.entry = internal::RollbackEntry(internal::RollbackEntry::Kind::kBackup, m.backup,
                                         m.original, &group_);
       Status s = env_->RenameFile(target, m.backup);
@@ -874,6 +878,26 @@ std::vector<std::string> ShardNames(const std::string& prefix, size_t n) {
     names[s] = prefix + "-" + index + "-of-" + count + ".safetensors";
   }
   return names;
+}
+
+// Whether `base` (a file name, possibly cut to util::kHiddenBaseBytes) is one of the layout of
+// `prefix` for some shard count: "<prefix>.safetensors", its index, or
+// "<prefix>-NNNNN-of-MMMMM.safetensors".
+bool InShardFamily(std::string_view base, const std::string& prefix) {
+  const auto cut = [](const std::string& n) {
+    return n.substr(0, std::min(n.size(), util::kHiddenBaseBytes));
+  };
+  if (base == cut(prefix + ".safetensors") || base == cut(prefix + ".safetensors.index.json")) {
+    return true;
+  }
+  constexpr std::string_view kShape = "-00000-of-00000.safetensors";
+  if (base.size() != prefix.size() + kShape.size() || !base.starts_with(prefix)) return false;
+  const std::string_view rest = base.substr(prefix.size());
+  for (size_t i = 0; i < kShape.size(); ++i) {
+    const bool digit = rest[i] >= '0' && rest[i] <= '9';
+    if (kShape[i] == '0' ? !digit : rest[i] != kShape[i]) return false;
+  }
+  return true;
 }
 
 // Writes every shard to a temporary file beside its name in `dir`; room is kept for the index.
@@ -1130,6 +1154,17 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   TF_ASSIGN_OR_RETURN(DirectoryTransaction created_dirs,
                       DirectoryTransaction::Create(dir, DirectoryLock::kNone));
 
+  // The hidden temporaries that dead writers of this machine left for this layout (any shard
+  // count) or the manifest go first; their backups once the new files are in place.
+  const std::vector<std::string> layout_names = OldLayout(env, dir, options.prefix);
+  const auto ours = [&](std::string_view base) {
+    return InShardFamily(base, options.prefix) || base == kChecksumManifestName ||
+           std::any_of(layout_names.begin(), layout_names.end(), [&](const std::string& n) {
+             return std::string_view(n).substr(0, util::kHiddenBaseBytes) == base;
+           });
+  };
+  (void)util::RemoveDeadWritersFiles(dir, {util::kTemporaryKind}, ours);
+
   // Every file goes to a temporary name first; nothing visible changes until all are complete.
   TF_ASSIGN_OR_RETURN(
       std::vector<TempFile> temps,
@@ -1163,6 +1198,7 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   }
   // Only the backups' removal can fail now; the new checkpoint is complete either way.
   TF_RETURN_IF_ERROR(commit.RemoveBackups());
+  (void)util::RemoveDeadWritersFiles(dir, {util::kBackupKind}, ours);
   return written;
 }
 

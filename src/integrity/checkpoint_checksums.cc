@@ -16,6 +16,7 @@
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/parallel.h"
+#include "util/writer_temporaries.h"
 
 namespace tensorferry {
 namespace {
@@ -113,7 +114,8 @@ Status ReplaceFile(Env* env, const std::string& dir, const std::string& path,
   };
   TF_ASSIGN_OR_RETURN(
       std::unique_ptr<WritableFile> file,
-      env->NewTempFile(dir, "." + std::string(kChecksumManifestName) + ".tmp-", reserve));
+      env->NewTempFile(dir, util::HiddenSibling(kChecksumManifestName, util::kTemporaryKind),
+                       reserve));
   Status s = file->Append(std::as_bytes(std::span<const char>(text.data(), text.size())));
   if (s.ok() && sync) s = file->Sync();
   const Status closed = file->Close();
@@ -121,6 +123,23 @@ Status ReplaceFile(Env* env, const std::string& dir, const std::string& path,
   if (s.ok()) s = env->RenameFile(file->path(), path);
   if (!s.ok()) (void)env->RemoveFile(file->path());
   return s;
+}
+
+// Ok when every file of `ckpt` is still the one it opened (SourceFile::CheckUnchanged: same
+// device, inode, size and mtime, and its path still names it); else the change, and that nothing
+// is recorded for it.
+Status CheckHashedFilesUnchanged(const Checkpoint& ckpt) {
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    Result<std::shared_ptr<const SourceFile>> file = ckpt.File(f);
+    Status s = file.ok() ? (*file)->CheckUnchanged() : file.status();
+    if (!s.ok()) {
+      return Status(s.code(), s.message() +
+                                  "; it changed while its checksums were computed, which would "
+                                  "describe the old bytes: nothing was written (the manifest is "
+                                  "as it was); run the checksum again (tensorferry checksum)");
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -146,6 +165,9 @@ Status UpdateManifest(
     const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
         edit) {
   TF_ASSIGN_OR_RETURN(const std::optional<FileLock> lock, LockManifest(dir));
+  // Temporaries of the manifest that dead writers of this machine left (util/writer_temporaries.h).
+  (void)util::RemoveDeadWritersFiles(dir, {std::string(kChecksumManifestName)},
+                                     {util::kTemporaryKind});
   const std::string path = ManifestPathIn(dir);
   TF_ASSIGN_OR_RETURN(const ManifestEdit change, edit(ReadManifestFile(env, path)));
   switch (change.action) {
@@ -251,6 +273,11 @@ Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& man
                                                       " (the manifest there cannot be updated; " +
                                                       "remove it to write a new one)");
         }
+        // The checksums were computed from the files as the checkpoint opened them; a file that
+        // its name no longer names (replaced by a writer meanwhile, or rewritten in place) would
+        // get digests of other bytes, failing every later check of the good new file. Checked
+        // here, under the lock that writers take to drop a replaced file's entry.
+        TF_RETURN_IF_ERROR(CheckHashedFilesUnchanged(ckpt));
         ManifestEdit edit{ManifestEdit::Action::kWrite, manifest};
         if (!*existing) return edit;
         size_t others = 0;

@@ -38,7 +38,8 @@ struct ManifestEdit {
 
 // Holding LockManifest(dir): reads the manifest (ReadManifestIn; its errors are handed to
 // `edit`, which decides), then does what `edit` returns. kWrite: a temporary file
-// "." + kChecksumManifestName + ".tmp-<16 hex digits>" beside it (registered for removal if a
+// util::HiddenSibling(kChecksumManifestName, kTemporaryKind) + 16 hex digits beside it (a dead
+// writer's of this machine removed first, util/writer_temporaries.h) (registered for removal if a
 // signal ends the process, writer.h's AbandonWritesInProgress), fsynced when `sync`, renamed over
 // the manifest, the directory fsynced when `sync`; kRemove: the manifest removed. Errors: those of
 // LockManifest; `edit`'s; kIoError of the write, rename or removal (the temporary file is removed;

@@ -1291,6 +1291,41 @@ TEST(CliReshard, InterruptedAfterARankRemovesEveryRankAndTheFoldersItMade) {
   EXPECT_EQ(r.exit_code, 0) << Describe(r);
 }
 
+// A reshard --tp killed where no handler runs (SIGKILL) after rank 0's folder was renamed into
+// place leaves rank 0, the unfinished ".rank-00001-of-00002.partial" and the lock file: the rerun
+// refuses to overwrite rank 0, says that the set is incomplete and which folders to remove, and
+// runs once they are gone.
+TEST(CliReshard, ARerunAfterAKilledRunNamesTheIncompleteSet) {
+  TempDir dir;
+  GenTiny(dir.Join("src"));
+  const std::string dst = dir.Join("out");
+  const RunResult done = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--no-sync"});
+  ASSERT_EQ(done.exit_code, 0) << Describe(done);
+  // What the killed run leaves (kill_reshard.sh): rank 1 still in its hidden folder, half written.
+  fs::remove_all(dst + "/rank-00001-of-00002");
+  fs::create_directories(dst + "/.rank-00001-of-00002.partial");
+  WriteBytes(dst + "/.rank-00001-of-00002.partial/.model.safetensors.tmp-1", "half");
+  WriteBytes(dst + "/.tensorferry.lock", "pid 1 (tensorferry) on elsewhere: writing");
+  const RunResult refused = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--no-sync"});
+  ExpectOneLineError(refused);
+  EXPECT_NE(refused.err.find("rank-00000-of-00002: already exists; not overwritten; an "
+                             "interrupted reshard (killed before it finished) left an incomplete "
+                             "set: 1 of the 2 rank folders, and 1 unfinished; remove them (rm -r " +
+                             dst + "/rank-00000-of-00002 " + dst +
+                             "/.rank-00001-of-00002.partial) and run again"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_TRUE(fs::exists(dst + "/rank-00000-of-00002"));  // refused: nothing removed
+  fs::remove_all(dst + "/rank-00000-of-00002");
+  fs::remove_all(dst + "/.rank-00001-of-00002.partial");
+  const RunResult rerun = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--no-sync"});
+  EXPECT_EQ(rerun.exit_code, 0) << Describe(rerun);
+  // A complete set is refused as before, without that advice.
+  const RunResult complete = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--no-sync"});
+  ExpectOneLineError(complete);
+  EXPECT_EQ(complete.err.find("incomplete"), std::string::npos) << complete.err;
+}
+
 TEST(CliLoad, TensorParallelRankReportsBytesRead) {
   TempDir dir;
   GenTiny(dir.Join("c"));

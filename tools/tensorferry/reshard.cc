@@ -7,12 +7,16 @@
 // sized pieces (TensorToWrite::generate), which are read from the source's slice ranges with
 // positional reads; memory stays at the writer's buffer. Nothing is half-written: each rank is
 // written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
-// complete. The ranks are one unit (DirectoryTransaction): a failure, or a signal, removes every
-// rank written and the folders the command created, so a rerun starts clean (only a signal in
-// the microseconds between a rank's commit and its registration can leave that rank's folder).
-// An existing rank directory is refused before anything is written. Without --tp, DST may not be
-// the source's own directory (compared by device and inode), which would replace the source; any
-// other existing checkpoint in DST is replaced all or nothing (WriteSharded).
+// complete. The ranks are one unit (DirectoryTransaction): a failure, or SIGINT/SIGTERM/SIGHUP
+// (handled), removes every rank written and the folders the command created, so a rerun starts
+// clean. A death no handler sees (SIGKILL, the OOM killer, a power loss) at any moment after the
+// first rank's folder was renamed into place leaves the ranks completed so far, the
+// ".rank-...partial" folder of the one in progress and DST/.tensorferry.lock (taken over by the
+// next run): an incomplete set. An existing rank directory is refused before anything is written;
+// when the set it belongs to is incomplete the refusal says so and names the folders to remove.
+// Without --tp, DST may not be the source's own directory (compared by device and inode), which
+// would replace the source; any other existing checkpoint in DST is replaced all or nothing
+// (WriteSharded).
 //
 // Prints one line, or with --json one document: src, dst, tp_size, tensors, max_shard_size,
 // bytes (of the .safetensors files written), seconds, and per rank its dir, tensors, bytes, index
@@ -223,6 +227,33 @@ bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt, Failure& 
   return true;
 }
 
+// When DST holds a hidden ".rank-R-of-N.partial" folder of the set of `world` ranks (a run killed
+// where no handler could clean up: an incomplete set), what to do about it, starting with "; ";
+// "" otherwise (rank folders a user made are not taken for an interrupted run's).
+std::string IncompleteSetAdvice(const std::string& dst, uint32_t world) {
+  std::vector<std::string> present, partial;
+  for (uint32_t rank = 0; rank < world; ++rank) {
+    const std::string name = RankDirName(rank, world);
+    std::error_code ec;
+    if (fs::exists(fs::path(dst) / name, ec)) present.push_back(name);
+    if (fs::exists(fs::path(dst) / ("." + name + ".partial"), ec)) {
+      partial.push_back("." + name + ".partial");
+    }
+  }
+  if (partial.empty()) return "";
+  std::string folders;
+  for (const auto* names : {&present, &partial}) {
+    for (const std::string& n : *names) {
+      folders += folders.empty() ? "" : " ";
+      folders += (fs::path(dst) / n).string();
+    }
+  }
+  return "; an interrupted reshard (killed before it finished) left an incomplete set: " +
+         std::to_string(present.size()) + " of the " + std::to_string(world) +
+         " rank folders, and " + std::to_string(partial.size()) +
+         " unfinished; remove them (rm -r " + folders + ") and run again";
+}
+
 // Creates DST (and its missing parents) as a transaction, holding its write lock (a second
 // reshard into DST is refused at once), then refuses existing rank directories, under the lock:
 // the rank directories written and the directories created go again unless it is committed.
@@ -248,7 +279,8 @@ std::optional<DirectoryTransaction> PrepareDestination(const ReshardArgs& a, uin
     }
     if (exists) {
       Fail(failure, final_dir.string(),
-           Status(Code::kInvalidArgument, "already exists; not overwritten"));
+           Status(Code::kInvalidArgument,
+                  "already exists; not overwritten" + IncompleteSetAdvice(a.dst, world)));
       return std::nullopt;
     }
   }

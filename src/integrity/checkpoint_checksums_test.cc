@@ -1,0 +1,91 @@
+// The sidecar manifest against files replaced while their checksums are computed
+// (checkpoint_checksums.cc, WriteChecksumManifest).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tensorferry/checkpoint.h"
+#include "tensorferry/integrity.h"
+#include "tensorferry/writer.h"
+#include "testing/test_util.h"
+
+namespace tensorferry {
+namespace {
+
+using ::tensorferry::testing::Contains;
+using ::tensorferry::testing::Pattern;
+using ::tensorferry::testing::ReadBytes;
+using ::tensorferry::testing::TempDir;
+
+Status WriteOne(const std::string& path, size_t bytes, unsigned seed) {
+  const auto data = Pattern(bytes, seed);
+  const std::vector<TensorToWrite> tensors = {{"w", DType::kU8, {bytes}, data, nullptr}};
+  WriteOptions options;
+  options.checksums = false;  // a third-party file: only the manifest can describe it
+  options.sync = false;
+  return WriteFile(path, tensors, {}, options);
+}
+
+// A save replaces a file between `checksum`'s hashing and its merge into the manifest (the race
+// of `tensorferry checksum` with `save_file`): the digests of the old bytes are not recorded under
+// the new file's name; the manifest stays as it was and the new file verifies and loads.
+TEST(ChecksumManifestRace, AFileReplacedAfterHashingIsNotRecorded) {
+  for (const size_t new_size : {size_t{3000}, size_t{6000}}) {  // same size, and another size
+    SCOPED_TRACE(new_size);
+    TempDir dir;
+    const std::string other = dir.Join("other.safetensors");
+    const std::string path = dir.Join("part1.safetensors");
+    ASSERT_TRUE(WriteOne(other, 2000, 7).ok());
+    ASSERT_TRUE(WriteOne(path, 3000, 1).ok());
+    {  // the folder's manifest records both
+      for (const std::string& p : {other, path}) {
+        auto ckpt = Checkpoint::Open(p);
+        ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+        auto m = ComputeChecksumManifest(**ckpt, 1024, 1);
+        ASSERT_TRUE(m.ok()) << m.status().ToString();
+        ASSERT_TRUE(WriteChecksumManifest(**ckpt, *m).ok());
+      }
+    }
+    const std::string sidecar = dir.Join(std::string(kChecksumManifestName));
+
+    auto ckpt = Checkpoint::Open(path);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    auto hashed = ComputeChecksumManifest(**ckpt, 1024, 1);
+    ASSERT_TRUE(hashed.ok()) << hashed.status().ToString();
+    // The save lands now: it drops the old file's entry (under the manifest's lock) and renames.
+    ASSERT_TRUE(WriteOne(path, new_size, 2).ok());
+    const std::string before = ReadBytes(sidecar);
+
+    const Status written = WriteChecksumManifest(**ckpt, *hashed);
+    ASSERT_FALSE(written.ok());
+    EXPECT_EQ(written.code(), Code::kIoError);
+    EXPECT_TRUE(Contains(written.message(), path + ": file changed"));
+    EXPECT_TRUE(Contains(written.message(), "nothing was written"));
+    EXPECT_TRUE(Contains(written.message(), "run the checksum again"));
+    EXPECT_EQ(ReadBytes(sidecar), before);
+
+    // The new file is good: without an entry it verifies (unchecked) and the other file's stays.
+    ckpt->reset();
+    auto fresh = Checkpoint::Open(path);
+    ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+    EXPECT_TRUE(VerifyCheckpointChecksums(**fresh).ok());
+    auto manifest = ReadChecksumManifest(**fresh);
+    ASSERT_TRUE(manifest.ok() && manifest->has_value());
+    EXPECT_EQ((*manifest)->files.count("part1.safetensors"), 0u);
+    EXPECT_EQ((*manifest)->files.count("other.safetensors"), 1u);
+
+    // Run again, it records the new file.
+    auto again = ComputeChecksumManifest(**fresh, 1024, 1);
+    ASSERT_TRUE(again.ok());
+    ASSERT_TRUE(WriteChecksumManifest(**fresh, *again).ok());
+    ASSERT_TRUE(VerifyCheckpointChecksums(**fresh).ok());
+    manifest = ReadChecksumManifest(**fresh);
+    ASSERT_TRUE(manifest.ok() && manifest->has_value());
+    EXPECT_EQ((*manifest)->files.at("part1.safetensors").size, std::filesystem::file_size(path));
+  }
+}
+
+}  // namespace
+}  // namespace tensorferry

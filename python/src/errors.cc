@@ -1,5 +1,6 @@
 #include "errors.h"
 
+#include <array>
 #include <cerrno>
 
 namespace nb = nanobind;
@@ -13,6 +14,31 @@ PyObject* g_unsupported_error = nullptr;
 PyObject* g_budget_error = nullptr;
 PyObject* g_cuda_error = nullptr;
 PyObject* g_cuda_not_found_error = nullptr;
+
+// The OSError subclasses OSError(errno, ...) picks among (PEP 3151), each paired with the class
+// that is both it and SafetensorError (created by RegisterErrors).
+struct OsErrorClass {
+  PyObject* builtin;
+  PyObject* combined;
+};
+std::array<OsErrorClass, 16> g_os_errors{{
+    {PyExc_OSError, nullptr},
+    {PyExc_BlockingIOError, nullptr},
+    {PyExc_ChildProcessError, nullptr},
+    {PyExc_ConnectionError, nullptr},
+    {PyExc_BrokenPipeError, nullptr},
+    {PyExc_ConnectionAbortedError, nullptr},
+    {PyExc_ConnectionRefusedError, nullptr},
+    {PyExc_ConnectionResetError, nullptr},
+    {PyExc_FileExistsError, nullptr},
+    {PyExc_FileNotFoundError, nullptr},
+    {PyExc_InterruptedError, nullptr},
+    {PyExc_IsADirectoryError, nullptr},
+    {PyExc_NotADirectoryError, nullptr},
+    {PyExc_PermissionError, nullptr},
+    {PyExc_ProcessLookupError, nullptr},
+    {PyExc_TimeoutError, nullptr},
+}};
 
 PyObject* NewClass(nb::module_& m, const char* name, const char* doc, PyObject* bases) {
   const std::string qualified = std::string("tensorferry.") + name;
@@ -35,20 +61,31 @@ int OsErrno(const std::string& message) {
   return i < message.size() && message[i] == ')' && value > 0 ? value : EIO;
 }
 
+// The message as a str: UTF-8, with \xNN for bytes that are not (a file name's).
+nb::object MessageText(const std::string& message) {
+  return nb::steal(PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()),
+                                        "backslashreplace"));
+}
+
 // Builds the exception instance for `status` and sets it as the current Python error.
 void SetError(const Status& status) {
   const std::string& message = status.message();
+  const nb::object text = MessageText(message);
+  if (!text.is_valid()) return;  // its error stands
   PyObject* cls = g_safetensor_error;
   nb::object exc;
   switch (status.category()) {
     case Category::kNotFound:
-      exc =
-          nb::steal(PyObject_CallFunction(PyExc_FileNotFoundError, "is", ENOENT, message.c_str()));
+    case Category::kIo: {
+      const int err = status.category() == Category::kNotFound ? ENOENT : OsErrno(message);
+      try {
+        exc = OsError(err, text, nb::none());
+      } catch (nb::python_error& e) {
+        e.restore();
+        return;
+      }
       break;
-    case Category::kIo:
-      exc =
-          nb::steal(PyObject_CallFunction(PyExc_OSError, "is", OsErrno(message), message.c_str()));
-      break;
+    }
     case Category::kInvalidArgument: cls = g_invalid_argument_error; break;
     case Category::kUnsupported:
       cls = status.code() == Code::kCudaNotFound || status.code() == Code::kCudaSymbolMissing ||
@@ -62,7 +99,7 @@ void SetError(const Status& status) {
   }
   if (!exc.is_valid()) {
     if (PyErr_Occurred() != nullptr) return;
-    exc = nb::steal(PyObject_CallFunction(cls, "s", message.c_str()));
+    exc = nb::steal(PyObject_CallOneArg(cls, text.ptr()));
   }
   if (!exc.is_valid()) return;  // the constructor failed: its error stands
   const std::string_view code = CodeName(status.code());
@@ -98,6 +135,26 @@ void RegisterErrors(nb::module_& m) {
   g_cuda_error =
       NewClass(m, "CudaError", "The CUDA runtime or cuFile failed (e.g. out of device memory).",
                cuda_bases.ptr());
+  // File-system errors: each OSError subclass, made a SafetensorError too. The names stay the
+  // builtins' (type(e).__name__ == "FileNotFoundError"); they live in tensorferry._core, which
+  // is where pickle finds them.
+  for (OsErrorClass& c : g_os_errors) {
+    const char* name = reinterpret_cast<PyTypeObject*>(c.builtin)->tp_name;
+    const std::string qualified = std::string("tensorferry._core.") + name;
+    nb::object bases = nb::make_tuple(nb::handle(g_safetensor_error), nb::handle(c.builtin));
+    c.combined = PyErr_NewExceptionWithDoc(
+        qualified.c_str(),
+        "A file-system error: the builtin OSError subclass of its errno, and a SafetensorError.",
+        bases.ptr(), nullptr);
+    if (c.combined == nullptr) throw nb::python_error();
+    m.attr(name) = nb::handle(c.combined);
+  }
+  m.def(
+      "os_error",
+      [](int err, nb::str message, nb::object filename) { return OsError(err, message, filename); },
+      nb::arg("errno"), nb::arg("message"), nb::arg("filename").none() = nb::none(),
+      "The exception OSError(errno, message[, filename]) would be, as a SafetensorError too.");
+
   // UnsupportedError is a NotImplementedError, hence a RuntimeError too.
   g_cuda_not_found_error = NewClass(
       m, "CudaNotFoundError",
@@ -117,6 +174,22 @@ void RegisterErrors(nb::module_& m) {
 
 nb::handle SafetensorErrorType() {
   return nb::handle(g_safetensor_error);
+}
+
+nb::object OsError(int err, nb::handle message, nb::handle filename) {
+  // OSError(err, message) is the builtin subclass Python gives err; its class picks ours.
+  nb::object plain = nb::steal(PyObject_CallFunction(PyExc_OSError, "iO", err, message.ptr()));
+  if (!plain.is_valid()) throw nb::python_error();
+  PyObject* cls = g_os_errors[0].combined;
+  for (const OsErrorClass& c : g_os_errors) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(plain.ptr())) == c.builtin) cls = c.combined;
+  }
+  nb::object exc =
+      filename.is_none()
+          ? nb::steal(PyObject_CallFunction(cls, "iO", err, message.ptr()))
+          : nb::steal(PyObject_CallFunction(cls, "iOO", err, message.ptr(), filename.ptr()));
+  if (!exc.is_valid()) throw nb::python_error();
+  return exc;
 }
 
 void RaiseMissingTensor(const std::string& name) {
@@ -166,6 +239,41 @@ std::string ToText(nb::handle value, const std::string& what) {
                what + " " + Repr(value) + " cannot be encoded as UTF-8 (a lone surrogate?)"));
   }
   return std::string(utf8, static_cast<size_t>(size));
+}
+
+std::string ToPath(nb::handle value, const std::string& what) {
+  nb::object path = nb::steal(PyOS_FSPath(value.ptr()));
+  if (!path.is_valid()) {
+    PyErr_Clear();
+    throw StatusError(
+        Status(Code::kInvalidArgument,
+               what + " must be a str, bytes or os.PathLike, not " + TypeName(value)));
+  }
+  nb::object bytes;
+  if (PyUnicode_Check(path.ptr())) {
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(path.ptr(), &size);
+    if (utf8 != nullptr) return std::string(utf8, static_cast<size_t>(size));
+    PyErr_Clear();
+    // Not UTF-8 (surrogate escapes of a name's undecodable bytes): the bytes os.fsencode gives.
+    bytes = nb::steal(PyUnicode_EncodeFSDefault(path.ptr()));
+    if (!bytes.is_valid()) {
+      PyErr_Clear();
+      throw StatusError(Status(Code::kInvalidArgument,
+                               what + " " + Repr(value) + " cannot be encoded as a file name"));
+    }
+  } else {
+    bytes = path;  // PyOS_FSPath returns a str or bytes
+  }
+  return std::string(PyBytes_AS_STRING(bytes.ptr()),
+                     static_cast<size_t>(PyBytes_GET_SIZE(bytes.ptr())));
+}
+
+nb::object FromPath(const std::string& path) {
+  nb::object out = nb::steal(
+      PyUnicode_DecodeFSDefaultAndSize(path.data(), static_cast<Py_ssize_t>(path.size())));
+  if (!out.is_valid()) throw nb::python_error();
+  return out;
 }
 
 uint64_t ToUnsigned(nb::handle value, const std::string& what, uint64_t max) {

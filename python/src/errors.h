@@ -6,12 +6,19 @@
 //   kCorrupt, kCuda, kInternal  -> tensorferry.SafetensorError
 //   kInvalidArgument            -> tensorferry.InvalidArgumentError (SafetensorError, ValueError)
 //   kUnsupported                -> tensorferry.UnsupportedError (SafetensorError,
-//   NotImplementedError) kBudget                     -> tensorferry.BudgetExceededError
-//   (SafetensorError) kNotFound                   -> FileNotFoundError (errno ENOENT) kIo ->
-//   OSError (errno EIO)
+//                                  NotImplementedError)
+//   kBudget                     -> tensorferry.BudgetExceededError (SafetensorError)
+//   kNotFound                   -> a FileNotFoundError (errno ENOENT) that is a SafetensorError
+//   kIo                         -> an OSError that is a SafetensorError: the OSError subclass
+//                                  Python gives the errno the message reports (IsADirectoryError,
+//                                  PermissionError, ...; EIO when it names none)
 //
-// Every raised exception carries `code` (e.g. "duplicate_key") and `category` (e.g. "corrupt")
-// attributes; str(exception) is the status message (file, tensor, offset and values at fault).
+// File-system errors are instances of both the builtin OSError subclass and SafetensorError
+// (classes tensorferry._core.<builtin name>, see OsError), so that `except FileNotFoundError` and
+// `except SafetensorError` both catch them. Every raised exception carries `code` (e.g.
+// "duplicate_key") and `category` (e.g. "corrupt") attributes; str(exception) is the status
+// message (file, tensor, offset and values at fault; bytes that are not UTF-8, as in a file name,
+// are shown as \xNN escapes).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -52,6 +59,13 @@ T Unwrap(Result<T>&& result) {
 // Errors: InvalidArgumentError.
 std::string ToText(nanobind::handle value, const std::string& what);
 uint64_t ToUnsigned(nanobind::handle value, const std::string& what, uint64_t max);
+// A file name or URL as the bytes the system call takes: a str (os.fsencode's bytes when it is
+// not UTF-8, e.g. a name decoded with surrogateescape), bytes, or an os.PathLike of either.
+// Errors: InvalidArgumentError naming `what`.
+std::string ToPath(nanobind::handle value, const std::string& what);
+// A path from the C++ side as Python names it: a str, decoded as os.fsdecode does (bytes that
+// are not UTF-8 become surrogate escapes, so that the str opens the same file again).
+nanobind::object FromPath(const std::string& path);
 template <typename T>
 T ToUnsigned(nanobind::handle value, const std::string& what) {
   return static_cast<T>(ToUnsigned(value, what, std::numeric_limits<T>::max()));
@@ -62,6 +76,11 @@ void RegisterErrors(nanobind::module_& m);
 
 // The tensorferry.SafetensorError class (valid after RegisterErrors).
 nanobind::handle SafetensorErrorType();
+
+// A new exception for the system error `err`: an instance of the OSError subclass Python gives
+// `err` (OSError(err, ...) decides) and of SafetensorError, with errno, strerror = `message` and
+// filename = `filename` (unless None), as OSError(err, message[, filename]) sets them.
+nanobind::object OsError(int err, nanobind::handle message, nanobind::handle filename);
 
 // Raises the reference's SafetensorError "File does not contain tensor <name>" (code and category
 // "not_found") for a name the checkpoint does not hold.

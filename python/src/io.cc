@@ -82,7 +82,8 @@ nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& meta
 }
 
 void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metadata,
-                   const std::string& path, bool checksums) {
+                   nb::handle path_object, bool checksums) {
+  const std::string path = ToPath(path_object, "path");
   Check(CheckMappedFiles());  // the tensors to write may be views of a file that shrank
   const std::vector<TensorToWrite> tensors = ToWrite(entries);
   const Metadata meta = ToMetadata(metadata);

@@ -474,8 +474,14 @@ void RegisterReader(nb::module_& m) {
       });
 
   nb::class_<Reader>(m, "Reader")
-      .def(nb::init<const std::string&, bool, const nb::dict&>(), nb::arg("path"),
-           nb::arg("single_file"), nb::arg("options"))
+      .def(
+          "__init__",
+          [](Reader* self, nb::handle path, bool single_file, const nb::dict& options) {
+            new (self) Reader(ToPath(path, "path"), single_file, options);
+          },
+          nb::arg("path"), nb::arg("single_file"), nb::arg("options"),
+          "path: a str, bytes or os.PathLike (a name that is not UTF-8 opens as os.fsencode "
+          "gives it).")
       .def(nb::init<const Reader&, const nb::dict&>(), nb::arg("other"), nb::arg("options"),
            "A Reader of other's checkpoint (its open files) with its own options.")
       .def("cooperative_plan", &Reader::CooperativePlan, nb::arg("names").none(), nb::arg("spec"),
@@ -483,7 +489,14 @@ void RegisterReader(nb::module_& m) {
            "The schedule of a cooperative load of this checkpoint: (entries, outputs), see "
            "distributed.h.")
       .def("names", &Reader::Names, nb::arg("by_offset"))
-      .def("files", &Reader::Files)
+      .def(
+          "files",
+          [](const Reader& r) {
+            nb::list out;
+            for (const std::string& path : r.Files()) out.append(FromPath(path));
+            return out;
+          },
+          "The files' paths (str, as os.fsdecode gives them), in file index order.")
       .def("total_bytes", &Reader::TotalBytes)
       .def("__len__", &Reader::Size)
       .def("__contains__", &Reader::Contains)

@@ -140,10 +140,6 @@ class _Framework:
             return array.view(self.dtype(st_dtype))
         return array
 
-    def from_bytes(self, u8, st_dtype, shape):
-        """A one-dimensional uint8 array viewed as `shape` elements of `st_dtype` (no copy)."""
-        return u8.view(self.dtype(st_dtype)).reshape(shape)
-
     def _unsupported_message(self, st_dtype, tensor):
         what = f"tensor {tensor!r} has dtype {st_dtype}" if tensor is not None else f"dtype {st_dtype}"
         return f"{what}, which {self.name} does not support"

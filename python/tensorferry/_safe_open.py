@@ -124,11 +124,14 @@ def hub_root(first_file):
 
 
 def open_file(filename, options):
+    """A _core.Reader of one file. `filename`: str, bytes or os.PathLike; a name that is not
+    UTF-8 (a str from os.fsdecode, with surrogate escapes) opens the file os.fsencode names."""
     path = os.fspath(filename)
     if not isinstance(path, str):
         path = os.fsdecode(path)
     if not is_url(path) and os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, f"Is a directory: {path}", path)
+        # As the core's file-system errors: an IsADirectoryError that is a SafetensorError too.
+        raise _core.os_error(errno.EISDIR, f"Is a directory: {path}", path)
     options = dict(options)
     options.setdefault("device", "cpu")  # the Python default, whatever TENSORFERRY_DEVICE says
     return _core.Reader(path, True, options)

@@ -11,9 +11,15 @@ broadcast), so every error is the framework's own. Then:
   and indexes it.
 
 The result owns its memory: a view that would keep a larger block alive is copied.
+
+F4 (two 4-bit values per byte; torch's float4_e2m1fn_x2 counts packed pairs) is indexed in the
+file's units, as get_shape() gives them: the last dimension counts 4-bit values. A selection of
+it must keep whole bytes (a slice with step 1 and even bounds; packed_index); it is then applied to
+the packed tensor, whose last dimension is half as long.
 """
 import operator
 
+from ._core import InvalidArgumentError
 from ._frameworks import prod
 
 
@@ -26,6 +32,66 @@ def _is_int(item):
     kind = getattr(getattr(item, "dtype", None), "kind", None)
     return kind in ("i", "u") and getattr(item, "ndim", None) == 0 and \
         type(item).__module__ == "numpy"
+
+
+def _is_int_tensor(item):
+    """A 0-d integer torch tensor: torch takes it as an int (a 0-d bool tensor is a mask)."""
+    dtype = getattr(item, "dtype", None)
+    return type(item).__module__ == "torch" and getattr(item, "ndim", None) == 0 and \
+        not dtype.is_floating_point and not dtype.is_complex and str(dtype) != "torch.bool"
+
+
+def _slice_text(item):
+    parts = [item.start, item.stop] + ([item.step] if item.step is not None else [])
+    return ":".join("" if v is None else str(v) for v in parts)
+
+
+def packed_index(fw, name, st_dtype, st_shape, index):
+    """`index` into an F4 tensor of header shape `st_shape` (4-bit values) as the same selection
+    of the packed tensor (two values per element): the last dimension's slice halved. The
+    framework's own errors for an index that breaks its rules, in the file's units (an int out of
+    range, a zero or negative step, too many indices); InvalidArgumentError (a SafetensorError)
+    for one that cannot be packed: an index that is not an int, slice, None or Ellipsis (torch
+    cannot gather float4 values), or a selection of the last dimension that splits a byte (an
+    int, a step other than 1, an odd start or stop)."""
+    items = index if isinstance(index, tuple) else (index,)
+    where = f"tensor {name!r} ({st_dtype}, shape {list(st_shape)})"
+    normalized = []
+    for item in items:
+        if item is None or item is Ellipsis or isinstance(item, slice):
+            normalized.append(item)
+        elif _is_int(item) or _is_int_tensor(item):
+            normalized.append(operator.index(item))
+        else:
+            raise InvalidArgumentError(
+                f"{where}: index {item!r} is not an int, slice, None or Ellipsis; "
+                f"{st_dtype} packs two 4-bit values per byte and can only be sliced")
+    fw.probe(st_shape)[tuple(normalized)]  # the framework's errors, in the file's units
+    last = len(st_shape) - 1
+    consuming = [k for k, item in enumerate(normalized)
+                 if item is not None and item is not Ellipsis]
+    ellipsis = next((k for k, item in enumerate(normalized) if item is Ellipsis), None)
+    if not consuming or (len(consuming) <= last and
+                         (ellipsis is None or consuming[-1] < ellipsis)):
+        return tuple(normalized)  # the last dimension is taken whole
+    k = consuming[-1]
+    item, n = normalized[k], st_shape[-1]
+    if isinstance(item, int):
+        raise InvalidArgumentError(
+            f"{where}: index {item} into dimension {last} selects one 4-bit value, half a byte "
+            f"({st_dtype} packs two values per byte): select whole bytes with a slice of step 1 "
+            f"and even start and stop, e.g. {item - item % 2}:{item - item % 2 + 2}")
+    start, stop, step = item.indices(n)
+    if len(range(start, stop, step)) == 0:
+        normalized[k] = slice(0, 0)
+    elif step == 1 and start % 2 == 0 and stop % 2 == 0:
+        normalized[k] = slice(start // 2, stop // 2)
+    else:
+        raise InvalidArgumentError(
+            f"{where}: index {_slice_text(item)} into dimension {last} (values {start} to "
+            f"{stop} step {step}) splits a byte ({st_dtype} packs two 4-bit values per byte): "
+            f"a slice of the last dimension needs step 1 and even start and stop")
+    return tuple(normalized)
 
 
 PROBE = "probe"  # plan(): let the framework judge this index (it raises, or it is unusual)
@@ -126,6 +192,8 @@ def get_slice(reader, fw, name, index):
     st_dtype, st_shape, nbytes = info.dtype, info.shape, info.bytes
     fw.dtype(st_dtype, name)
     shape = fw.shape(st_dtype, st_shape, name)
+    if st_dtype == "F4":
+        index = packed_index(fw, name, st_dtype, st_shape, index)
     p = plan(index, shape, fw.negative_steps)
     if p is PROBE:
         fw.probe(shape)[index]  # raises exactly what full[index] would
@@ -138,12 +206,9 @@ def get_slice(reader, fw, name, index):
         return fw.empty(fw.probe(shape)[index].shape, st_dtype)
     itemsize = nbytes // prod(shape)
     begin, end = first * itemsize, (first + count) * itemsize
-    if st_dtype == "F4" and not block:
-        # One packed pair: the header's terms cannot say "0-d", so read bytes and view them.
-        sub = fw.from_bytes(reader.read_range(name, begin, end, fw.code), st_dtype, block)
-    else:
-        sub = fw.finish(reader.read_range(name, begin, end, fw.code,
-                                          fw.file_shape(st_dtype, block)), st_dtype)
+    # An F4 block keeps its last dimension (packed_index refuses an int there).
+    sub = fw.finish(reader.read_range(name, begin, end, fw.code,
+                                      fw.file_shape(st_dtype, block)), st_dtype)
     if whole:
         return sub  # a block of its own, exactly the result
     return fw.own(sub[adjusted], sub)

@@ -91,5 +91,5 @@ def save_file(tensor_dict: Dict[str, np.ndarray], filename: Union[str, os.PathLi
     "tensorferry.checksums" (per-tensor checksums, docs/integrity.md); checksums=False leaves it
     out: then byte-identical to the reference."""
     entries, keep = _entries(tensor_dict, metadata)
-    _core.serialize_file(entries, metadata, os.fsdecode(os.fspath(filename)), checksums)
+    _core.serialize_file(entries, metadata, os.fspath(filename), checksums)
     del keep

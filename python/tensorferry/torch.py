@@ -131,6 +131,11 @@ def _entries(tensors, metadata):
             t = t.to("cpu")
         shape = list(t.shape)
         if st == "F4":
+            if not shape:
+                raise _core.InvalidArgumentError(
+                    f"tensor {name!r}: a 0-d {t.dtype} tensor holds two 4-bit values, which an F4 "
+                    f"header cannot describe (its shape counts values: [] is one): save "
+                    f"t.reshape(1) (F4 shape [2]) instead")
             shape[-1] *= 2  # the file counts 4-bit values; torch counts packed pairs
         keep.append(t)
         entries.append((name, st, shape, t.data_ptr() if t.numel() else 0,
@@ -163,7 +168,7 @@ def save_file(tensors: Dict[str, torch.Tensor], filename: Union[str, os.PathLike
     "tensorferry.checksums" (per-tensor checksums, docs/integrity.md; every safetensors reader
     reads the file); checksums=False leaves it out: then byte-identical to the reference."""
     entries, keep = _entries(tensors, metadata)
-    _core.serialize_file(entries, metadata, os.fsdecode(os.fspath(filename)), checksums)
+    _core.serialize_file(entries, metadata, os.fspath(filename), checksums)
     del keep
 
 

@@ -412,3 +412,78 @@ def test_reading_the_cli_checkpoint_shards(tiny_checkpoint):
         assert list(ours) == list(ref)
         for name in ref:
             assert_same(ours[name], ref[name])
+
+
+@pytest.mark.parametrize("module", [tf_pt, tf_np])
+def test_file_system_errors_are_safetensor_errors_too(tmp_path, module):
+    # safetensors raises SafetensorError for these: `except SafetensorError` must catch them,
+    # and so must `except IsADirectoryError` / `except FileNotFoundError` (the errno's class).
+    data = {"a": torch.ones(2)} if module is tf_pt else {"a": np.ones(2)}
+    (tmp_path / "sub").mkdir()
+    cases = [(str(tmp_path / "sub"), IsADirectoryError, 21),
+             (str(tmp_path / "nope" / "f.safetensors"), FileNotFoundError, 2)]
+    for path, cls, err in cases:
+        with pytest.raises(tensorferry.SafetensorError) as e:
+            module.save_file(data, path)
+        assert isinstance(e.value, cls) and e.value.errno == err, e.value
+        assert type(e.value).__name__ == cls.__name__ and path in str(e.value)
+        assert e.value.category in ("io", "not_found")
+    framework = "pt" if module is tf_pt else "np"
+    for path, cls in [(str(tmp_path / "sub"), IsADirectoryError),
+                      (str(tmp_path / "missing.safetensors"), FileNotFoundError)]:
+        for call in (lambda: module.load_file(path),
+                     lambda: tensorferry.safe_open(path, framework)):
+            with pytest.raises(tensorferry.SafetensorError) as e:
+                call()
+            assert isinstance(e.value, cls) and e.value.filename in (None, path), e.value
+
+
+def test_undecodable_file_names(tmp_path):
+    # A file name that is not UTF-8 (valid on Linux) comes to Python as a str with surrogate
+    # escapes (os.fsdecode) or as bytes: it is written and read as that very file.
+    path = os.fsdecode(os.fsencode(str(tmp_path)) + b"/w\xff.safetensors")
+    tf_pt.save_file({"a": torch.arange(4.0)}, path, metadata={"k": "v"})
+    assert os.listdir(os.fsencode(str(tmp_path))) == [b"w\xff.safetensors"]
+    assert torch.equal(tf_pt.load_file(path)["a"], torch.arange(4.0))
+    with open(path, "rb") as f:
+        assert torch.equal(ref_pt.load(f.read())["a"], torch.arange(4.0))
+    for name in (path, os.fsencode(path)):
+        with tensorferry.safe_open(name, "np") as f:
+            assert f.metadata()["k"] == "v" and f.keys() == ["a"]
+            np.testing.assert_array_equal(f.get_slice("a")[1:3], np.array([1.0, 2.0], np.float32))
+    tf_np.save_file({"b": np.ones(2)}, os.fsencode(path), checksums=False)
+    assert list(tf_np.load_file(path)) == ["b"]
+    with tensorferry.Loader(path) as loader:
+        assert loader._reader.files() == [path]
+    # Errors name such a file with \xff escapes.
+    missing = os.fsdecode(os.fsencode(str(tmp_path)) + b"/missing\xfe.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"missing\\xfe\.safetensors"):
+        tf_pt.load_file(missing)
+
+
+def test_saving_a_0_d_f4_tensor_is_a_clear_error():
+    # A 0-d float4_e2m1fn_x2 holds two values; an F4 header with shape [] means one.
+    with pytest.raises(tensorferry.SafetensorError, match="'w': a 0-d torch.float4_e2m1fn_x2"):
+        tf_pt.save({"w": torch.empty((), dtype=torch.float4_e2m1fn_x2)})
+    assert tf_pt.load(tf_pt.save({"w": torch.empty(1, dtype=torch.float4_e2m1fn_x2)}))["w"].shape \
+        == (1,)
+
+
+@pytest.mark.parametrize("module", [tf_pt, tf_np])
+def test_save_bytes_drops_a_copied_checksums_entry(tmp_path, module):
+    # save() writes no checksums: a "tensorferry.checksums" entry copied from another file's
+    # metadata would describe other bytes, so it is left out (the rest of the metadata stays).
+    zeros, ones = (torch.zeros(4), torch.ones(4)) if module is tf_pt else (np.zeros(4),
+                                                                            np.ones(4))
+    original = str(tmp_path / "original.safetensors")
+    module.save_file({"b": zeros}, original, metadata={"note": "x"})
+    with tensorferry.safe_open(original, "np") as f:
+        metadata = f.metadata()
+    assert "tensorferry.checksums" in metadata
+    edited = str(tmp_path / "edited.safetensors")
+    with open(edited, "wb") as f:
+        f.write(module.save({"b": ones}, metadata=metadata))
+    with safetensors.safe_open(edited, "np") as f:
+        assert f.metadata() == {"note": "x"}
+    loaded = module.load_file(edited)["b"]
+    assert (loaded == 1).all() and loaded.shape == (4,)

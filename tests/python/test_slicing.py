@@ -172,24 +172,106 @@ def test_tensor_parallel_shards_like_vllm(tmp_path):
             assert torch.equal(torch.cat(parts, 1), w)
 
 
-def test_packed_and_8_bit_float_types(tmp_path):
-    # float8 and float4 (two values per byte) come out of the file as bytes and are viewed as
-    # torch's types; slices of them follow the same rules.
+def test_8_bit_float_types(tmp_path):
+    # float8 comes out of the file as bytes viewed as torch's types; slices follow the same rules.
     path = str(tmp_path / "f.safetensors")
-    raw = torch.arange(6 * 8, dtype=torch.uint8).reshape(6, 8)
-    tensors = {"f8": raw.view(torch.float8_e4m3fn), "f4": raw.clone().view(torch.float4_e2m1fn_x2)}
-    ref_pt.save_file(tensors, path)
+    full = torch.arange(6 * 8, dtype=torch.uint8).reshape(6, 8).view(torch.float8_e4m3fn)
+    ref_pt.save_file({"f8": full}, path)
     rng = random.Random(5)
     with tensorferry.safe_open(path, "pt") as f:
-        assert f.get_slice("f4").get_shape() == [6, 16]  # the file counts 4-bit values
-        for name, full in tensors.items():
-            assert torch.equal(f.get_tensor(name).view(torch.uint8), full.view(torch.uint8))
-            for _ in range(100):
-                index = random_index(rng, (6, 8), negative_steps=False)
-                want, want_error = outcome(lambda: full[index])
-                got, got_error = outcome(lambda: f.get_slice(name)[index])
+        assert torch.equal(f.get_tensor("f8").view(torch.uint8), full.view(torch.uint8))
+        for _ in range(100):
+            index = random_index(rng, (6, 8), negative_steps=False)
+            want, want_error = outcome(lambda: full[index])
+            got, got_error = outcome(lambda: f.get_slice("f8")[index])
+            assert got_error == want_error, index
+            if want_error is None:
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert torch.equal(got.contiguous().view(torch.uint8),
+                                   want.contiguous().view(torch.uint8))
+
+
+def unpack_f4(packed, dim):
+    """The 4-bit values of a float4_e2m1fn_x2 tensor as uint8, dimension `dim` doubled."""
+    u8 = packed.contiguous().view(torch.uint8).movedim(dim, -1)
+    values = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).reshape(*u8.shape[:-1], 2 * u8.shape[-1])
+    return values.movedim(-1, dim)
+
+
+def file_last_dim(index, ndim):
+    """Where the file's last dimension lands in full[index] counted from the end (-1, -2, ...),
+    or None when an int drops it."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    consuming = [i for i in items if i is not None and i is not Ellipsis]
+    if Ellipsis not in items and len(consuming) < ndim:
+        return -1  # the dimensions not indexed come last
+    if len(consuming) == ndim and isinstance(consuming[-1], int):
+        return None
+    trailing = 0
+    while items and items[-1] is None:
+        items.pop()
+        trailing += 1
+    return -1 - trailing
+
+
+def test_f4_slices_count_4_bit_values_as_get_shape(tmp_path):
+    # F4 packs two values per byte (torch: float4_e2m1fn_x2 counts pairs); get_shape() counts
+    # values, and so do indexes: the last dimension's selection must keep whole bytes.
+    path = str(tmp_path / "f.safetensors")
+    packed = torch.randint(0, 256, (6, 8), dtype=torch.uint8, generator=torch.Generator()
+                           .manual_seed(3))
+    ref_pt.save_file({"f4": packed.view(torch.float4_e2m1fn_x2)}, path)
+    values = unpack_f4(packed, -1)  # (6, 16): the file's view
+    with tensorferry.safe_open(path, "pt") as f:
+        sl = f.get_slice("f4")
+        rows, cols = sl.get_shape()
+        assert [rows, cols] == [6, 16]
+        # Tensor-parallel splits by get_shape() give the halves.
+        halves = [sl[:, r * cols // 2:(r + 1) * cols // 2] for r in range(2)]
+        assert [tuple(h.shape) for h in halves] == [(6, 4), (6, 4)]
+        assert all(h.dtype == torch.float4_e2m1fn_x2 for h in halves)
+        assert torch.equal(torch.cat([h.view(torch.uint8) for h in halves], 1), packed)
+        assert torch.equal(sl[:, 0:6].view(torch.uint8), packed[:, 0:3])
+        assert torch.equal(sl[1:3, cols - 4:].view(torch.uint8), packed[1:3, 6:])
+        assert torch.equal(sl[4].view(torch.uint8), packed[4])
+        assert torch.equal(sl[..., 2:4, None].view(torch.uint8), packed[:, 1:2, None])
+        assert tuple(sl[:, 5:5].shape) == (6, 0) and tuple(sl[2:2, 0:4].shape) == (0, 2)
+        # Selections that split a byte are refused, naming tensor, dimension and index.
+        for index, text in [((slice(None), cols - 1), "index 15 into dimension 1"),
+                            ((slice(None), slice(1, 3)), "index 1:3 into dimension 1"),
+                            ((2, slice(0, 5)), "index 0:5 into dimension 1"),
+                            ((Ellipsis, slice(0, 16, 2)), "index 0:16:2 into dimension 1"),
+                            ((slice(None), torch.tensor(3)), "index 3 into dimension 1"),
+                            ((1, 2), "index 2 into dimension 1")]:
+            with pytest.raises(tensorferry.SafetensorError, match="'f4'.*" + text) as e:
+                sl[index]
+            assert isinstance(e.value, tensorferry.InvalidArgumentError)
+        with pytest.raises(tensorferry.InvalidArgumentError, match="can only be sliced"):
+            sl[[0, 2]]
+        # Out-of-range indexes fail as torch fails on a tensor of the file's shape.
+        with pytest.raises(IndexError, match="index 16 is out of bounds for dimension 1 with "
+                                             "size 16"):
+            sl[:, 16]
+        # Random indexes: every result holds exactly the values the index selects.
+        rng = random.Random(7)
+        counts = {"ok": 0, "refused": 0}
+        for _ in range(400):
+            index = random_index(rng, (6, 16), negative_steps=False)
+            want, want_error = outcome(lambda: values[index])
+            got, got_error = outcome(lambda: sl[index])
+            if want_error is not None and got_error is not None and \
+                    got_error[0] is not tensorferry.InvalidArgumentError:
                 assert got_error == want_error, index
-                if want_error is None:
-                    assert got.dtype == want.dtype and got.shape == want.shape
-                    assert torch.equal(got.contiguous().view(torch.uint8),
-                                       want.contiguous().view(torch.uint8))
+                continue
+            if got_error is not None:
+                assert got_error[0] is tensorferry.InvalidArgumentError, (index, got_error)
+                assert "splits a byte" in got_error[1] or "half a byte" in got_error[1]
+                counts["refused"] += 1
+                continue
+            assert want_error is None, (index, want_error)
+            dim = file_last_dim(index, 2)
+            assert dim is not None, index
+            assert got.dtype == torch.float4_e2m1fn_x2 and got.is_contiguous()
+            assert torch.equal(unpack_f4(got, dim), want), index
+            counts["ok"] += 1
+        assert counts["ok"] > 50 and counts["refused"] > 50, counts

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "integrity/xxh3_isa.h"
 #include "tensorferry/integrity.h"
@@ -416,6 +417,28 @@ Status VerifyChunk(const TensorChecksum& expected, uint64_t chunk_size, uint64_t
                           ChecksumChunk(bytes), file, tensor, file_offset);
 }
 
+namespace {
+
+// For a mismatch in `file` that is a link into a Hugging Face hub cache (snapshots/<commit>/...
+// -> blobs/<digest>): which blob holds the damaged bytes and how to get it again (the cache's
+// copy is not replaced by a later load: it is read as it is). "" for other files.
+std::string HubBlobAdvice(std::string_view file) {
+  std::error_code ec;
+  const std::filesystem::path link(file);
+  if (!std::filesystem::is_symlink(link, ec)) return "";
+  const std::filesystem::path blob = std::filesystem::canonical(link, ec);
+  if (ec || blob.parent_path().filename() != "blobs") return "";
+  const std::string name = blob.filename().string();
+  if (name.size() != 64 || name.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return "";
+  }
+  return "; the file is the hub cache's blob " + blob.string() +
+         ": remove it and the link to download it again (tensorferry verify of the snapshot "
+         "checks every blob against its name)";
+}
+
+}  // namespace
+
 Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
                         uint64_t index, uint64_t length, uint64_t got, std::string_view file,
                         std::string_view tensor, uint64_t file_offset) {
@@ -435,7 +458,7 @@ Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uin
                     std::to_string(count) + " (tensor bytes [" + std::to_string(begin) + ", " +
                     std::to_string(end) + "), file bytes [" + std::to_string(file_offset + begin) +
                     ", " + std::to_string(file_offset + end) + ")): xxh3 " + DigestHex(got) +
-                    ", expected " + DigestHex(expected.chunks[index]));
+                    ", expected " + DigestHex(expected.chunks[index]) + HubBlobAdvice(file));
 }
 
 Status VerifyTensor(const TensorChecksum& expected, uint64_t chunk_size,

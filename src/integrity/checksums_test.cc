@@ -1,11 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "integrity/xxh3_isa.h"
 #include "tensorferry/integrity.h"
+#include "testing/test_util.h"
 
 namespace tensorferry {
 namespace {
@@ -256,6 +258,37 @@ TEST(Checksums, VerifyNamesFileTensorChunkAndRange) {
             Code::kChecksumsInvalid);
   EXPECT_EQ(VerifyChunk(sum, 1024, 5000, 4, std::span(data).first(1024), "f", "w", 0).code(),
             Code::kChecksumsInvalid);  // the last chunk is 904 bytes
+}
+
+// A mismatch in a file of a Hugging Face hub cache's snapshot (a link into blobs/) names the blob
+// and how to get it again; another link, or a blob-like name that is not one, adds nothing.
+TEST(Checksums, AMismatchInAHubCacheSnapshotNamesTheBlob) {
+  testing::TempDir dir;
+  const std::string digest(64, 'a');
+  std::filesystem::create_directories(dir.Join("blobs"));
+  std::filesystem::create_directories(dir.Join("snapshots/c0ffee"));
+  testing::WriteBytes(dir.Join("blobs/" + digest), "x");
+  std::filesystem::create_symlink("../../blobs/" + digest,
+                                  dir.Join("snapshots/c0ffee/m.safetensors"));
+  const std::string link = dir.Join("snapshots/c0ffee/m.safetensors");
+  auto data = Bytes(100);
+  const TensorChecksum sum = ComputeTensorChecksum(data, 1024);
+  data[5] ^= std::byte{1};
+  const Status s = VerifyTensor(sum, 1024, data, link, "w", 8, 1);
+  ASSERT_EQ(s.code(), Code::kChecksumMismatch);
+  const std::string blob = std::filesystem::canonical(link).string();
+  EXPECT_NE(s.message().find("; the file is the hub cache's blob " + blob +
+                             ": remove it and the link to download it again"),
+            std::string::npos)
+      << s.message();
+  // A plain file, and a link to a file outside a blobs/ folder: no advice.
+  testing::WriteBytes(dir.Join("plain"), "x");
+  std::filesystem::create_symlink("plain", dir.Join("other-link"));
+  for (const std::string& f : {dir.Join("plain"), dir.Join("other-link")}) {
+    const Status other = VerifyTensor(sum, 1024, data, f, "w", 8, 1);
+    ASSERT_EQ(other.code(), Code::kChecksumMismatch);
+    EXPECT_EQ(other.message().find("hub cache"), std::string::npos) << other.message();
+  }
 }
 
 TEST(Checksums, ManifestRoundTripAndHostileNames) {

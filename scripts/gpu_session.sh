@@ -7,7 +7,7 @@
 # carried. Two calls, the second at once, fit a 15-minute session with room for a short rerun:
 #
 #   PHASES=check OUT=... scripts/gpu_session.sh                          # timeout_s 400
-#   PHASES="models verify probe profile" OUT=... scripts/gpu_session.sh  # timeout_s 255
+#   PHASES="models verify probe profile" OUT=... scripts/gpu_session.sh  # timeout_s 280
 #
 # PHASES (default: all five in that order, which is refused: their limits exceed one call):
 #   check    build, GPU tests, the CLI's device checksums against the host load, then the warm
@@ -83,7 +83,8 @@ build_quietly() {
   if ! env GPU_CHECK_OUT="$dir" GPU_KIT="$kit" JOBS="${JOBS:-16}" WERROR=OFF \
       scripts/gpu_check.sh build > "$dir/build_console.log" 2>&1; then
     tail -n 30 "$dir/build_console.log"
-    echo "gpu_session: the build failed (its logs: verify.tgz)" >&2
+    echo "gpu_session: the build failed (its output's end above; whole in $dir, archived for" \
+      "verify only)" >&2
     return 1
   fi
 }
@@ -152,7 +153,7 @@ if [ "$total" -gt "$max_total" ]; then
 gpu_session: the phases '$phases' may take $total s, more than $max_total s of one call (the
 device tool stops a command at 600 s). Run two calls, the second at once (docs/gpu.md):
   PHASES=check OUT=\$OUT scripts/gpu_session.sh                          # timeout_s 400
-  PHASES="models verify probe profile" OUT=\$OUT scripts/gpu_session.sh  # timeout_s 255
+  PHASES="models verify probe profile" OUT=\$OUT scripts/gpu_session.sh  # timeout_s 280
 EOF
   exit 2
 fi

@@ -131,7 +131,9 @@ def open_file(filename, options):
         path = os.fsdecode(path)
     if not is_url(path) and os.path.isdir(path):
         # As the core's file-system errors: an IsADirectoryError that is a SafetensorError too.
-        raise _core.os_error(errno.EISDIR, f"Is a directory: {path}", path)
+        error = _core.os_error(errno.EISDIR, f"Is a directory: {path}", path)
+        error.code, error.category = "io_error", "io"  # as every raised error carries them
+        raise error
     options = dict(options)
     options.setdefault("device", "cpu")  # the Python default, whatever TENSORFERRY_DEVICE says
     return _core.Reader(path, True, options)

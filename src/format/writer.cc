@@ -378,6 +378,7 @@ Result<TempFile> WriteTemp(const std::string& path, uint64_t size, const WriteOp
 }
 
 Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options);
+std::optional<FileLock> LockManifestIfPossible(const std::string& dir);
 
 // The directory of `path` ("" for a plain name) and its file name.
 std::pair<std::string, std::string> SplitPath(const std::string& path) {
@@ -396,8 +397,14 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));
   Env* env = EnvOf(options);
-  TF_RETURN_IF_ERROR(ForgetInManifest(env, path, options));
-  TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), path).WithPrefix(path));
+  {
+    // The entry dropped and the file renamed under the manifest's lock: a `checksum` of the old
+    // file merging meanwhile sees the new file (and refuses) or finishes before it is renamed
+    // (and its entry is dropped here).
+    const std::optional<FileLock> lock = LockManifestIfPossible(dir);
+    TF_RETURN_IF_ERROR(ForgetInManifest(env, path, options));
+    TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), path).WithPrefix(path));
+  }
   temp.Release();
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kBackupKind});
   // After the rename the new file is in place; a failure here only means its directory entry may
@@ -615,16 +622,16 @@ bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::s
 // old bytes would fail every later check of the new file that carries no checksums of its own.
 // Done before the rename, so that a crash between the two leaves the old file without an entry,
 // never the new one with the old file's. A manifest that cannot be read or parsed is left as is.
-// The change is made under the manifest's lock (manifest_update.h), so entries other writers add
-// meanwhile stay; a folder whose manifest does not record the file (every write of a checkpoint
-// tensorferry wrote) takes no lock.
+// The caller holds the manifest's lock (manifest_update.h) from before this to after its rename, so
+// entries other writers add meanwhile stay and a `checksum` cannot merge the old file's digests
+// in between.
 Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options) {
   const std::filesystem::path target(path);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
   const std::string name = target.filename().string();
   if (!ManifestNamesAny(env, dir, {name})) return Status::Ok();
   using internal::ManifestEdit;
-  return internal::UpdateManifest(
+  return internal::UpdateManifestLocked(
       env, dir, options.sync,
       [&](const Result<std::optional<ChecksumManifest>>& now) -> Result<ManifestEdit> {
         ManifestEdit edit;  // kKeep
@@ -943,6 +950,15 @@ struct ManifestChange {
   bool remove = false;                // no other file's entry left: the manifest goes
 };
 
+// The manifest's lock of `dir` (manifest_update.h), or nullopt where it cannot be had (an Env of
+// its own; a directory that cannot be opened or locked): the writers hold it over their renames,
+// a serialization with `checksum` that is worth waiting for but not worth failing a write for.
+std::optional<FileLock> LockManifestIfPossible(const std::string& dir) {
+  Result<std::optional<FileLock>> lock = internal::LockManifest(dir);
+  if (!lock.ok() || !*lock) return std::nullopt;
+  return std::move(**lock);
+}
+
 // The entries of a manifest in `dir` that record files the write replaces or makes obsolete
 // (`stale`) describe bytes that go: they go with them, all or nothing as the files do, as part of
 // the commit (a rewritten manifest among its files, or the manifest among the old ones). Other
@@ -953,9 +969,11 @@ Result<ManifestChange> DropManifestEntries(Env* env, const std::string& dir,
                                            const std::vector<std::string>& stale,
                                            const WriteOptions& options) {
   ManifestChange change;
+  // Held even when the manifest names none of the files (or there is none yet): a `checksum` of
+  // the old files merging its digests meanwhile would record them under the new files' names
+  // (WriteChecksumManifest checks under this lock that the files it hashed are still there).
+  change.lock = LockManifestIfPossible(dir);
   if (!ManifestNamesAny(env, dir, stale)) return change;
-  TF_ASSIGN_OR_RETURN(std::optional<FileLock> lock, internal::LockManifest(dir));
-  if (lock) change.lock.emplace(std::move(*lock));
   auto current = internal::ReadManifestIn(env, dir);
   if (!current.ok() || !*current) return change;
   ChecksumManifest kept = std::move(**current);

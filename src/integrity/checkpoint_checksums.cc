@@ -165,6 +165,13 @@ Status UpdateManifest(
     const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
         edit) {
   TF_ASSIGN_OR_RETURN(const std::optional<FileLock> lock, LockManifest(dir));
+  return UpdateManifestLocked(env, dir, sync, edit);
+}
+
+Status UpdateManifestLocked(
+    Env* env, const std::string& dir, bool sync,
+    const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
+        edit) {
   // Temporaries of the manifest that dead writers of this machine left (util/writer_temporaries.h).
   (void)util::RemoveDeadWritersFiles(dir, {std::string(kChecksumManifestName)},
                                      {util::kTemporaryKind});

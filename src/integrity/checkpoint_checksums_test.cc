@@ -2,10 +2,14 @@
 // (checkpoint_checksums.cc, WriteChecksumManifest).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "integrity/manifest_update.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
 #include "tensorferry/writer.h"
@@ -85,6 +89,48 @@ TEST(ChecksumManifestRace, AFileReplacedAfterHashingIsNotRecorded) {
     ASSERT_TRUE(manifest.ok() && manifest->has_value());
     EXPECT_EQ((*manifest)->files.at("part1.safetensors").size, std::filesystem::file_size(path));
   }
+}
+
+// The writer's side of the same race, where no manifest names the file yet (a first `checksum`
+// of a folder): the save renames only under the manifest's lock, so a `checksum` that merges its
+// digests of the old file (under that lock) either finishes before the rename, whose entry the
+// save then drops, or sees the new file and refuses. Here the lock is held while a save runs: the
+// save writes its temporary but leaves the old file in place until the lock is let go.
+TEST(ChecksumManifestRace, ASaveRenamesOnlyUnderTheManifestLock) {
+  TempDir dir;
+  const std::string path = dir.Join("part1.safetensors");
+  ASSERT_TRUE(WriteOne(path, 3000, 1).ok());
+  const std::string old_bytes = ReadBytes(path);
+  auto held = internal::LockManifest(dir.path());
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  ASSERT_TRUE(held->has_value()) << "a real directory has the lock";
+  std::atomic<bool> done{false};
+  Status saved;
+  std::thread saver([&] {
+    saved = WriteOne(path, 3000, 2);
+    done = true;
+  });
+  // Until the save's temporary is complete (its size), or the save is over (without the lock).
+  const auto temporary_written = [&] {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path(), ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.starts_with(".part1.safetensors.tmp-") && e.file_size(ec) == old_bytes.size()) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (int i = 0; i < 20000 && !done && !temporary_written(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  for (int i = 0; i < 200 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_FALSE(done) << "the save finished while the manifest's lock was held";
+  EXPECT_EQ(ReadBytes(path), old_bytes) << "renamed while the manifest's lock was held";
+  held->reset();  // let go
+  saver.join();
+  ASSERT_TRUE(saved.ok()) << saved.ToString();
+  EXPECT_NE(ReadBytes(path), old_bytes);
 }
 
 }  // namespace

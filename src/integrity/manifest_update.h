@@ -48,5 +48,11 @@ Status UpdateManifest(
     Env* env, const std::string& dir, bool sync,
     const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
         edit);
+// The same where the caller already holds LockManifest(dir) (or could not have it): the writers,
+// which hold it over their renames too.
+Status UpdateManifestLocked(
+    Env* env, const std::string& dir, bool sync,
+    const std::function<Result<ManifestEdit>(const Result<std::optional<ChecksumManifest>>&)>&
+        edit);
 
 }  // namespace tensorferry::internal

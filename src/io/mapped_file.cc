@@ -90,6 +90,9 @@ void RecordFault(const Slot& s, size_t i, uint64_t offset, FaultCause cause, uin
       !g_last_fault.seq.compare_exchange_strong(seq, seq + 1, std::memory_order_acquire)) {
     return;
   }
+  // The odd value is visible before any field written below (a reader that sees a new field
+  // sees the odd sequence, or a later one, on its second load).
+  std::atomic_thread_fence(std::memory_order_release);
   g_last_fault.slot.store(i, std::memory_order_relaxed);
   g_last_fault.generation.store(s.generation.load(std::memory_order_relaxed),
                                 std::memory_order_relaxed);

@@ -5,10 +5,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <map>
+#include <mutex>
 
 namespace tensorferry::util {
 namespace {
@@ -23,7 +27,9 @@ uint32_t Fnv1a(std::string_view text) {
   return h;
 }
 
-// 8 lowercase hex digits of a hash of the host name and the pid namespace ("pid:[4026531836]").
+// 8 lowercase hex digits of a hash of the host name, the machine's identity (/etc/machine-id,
+// made at installation: machines of one host name differ by it) and the pid namespace
+// ("pid:[4026531836]", the same number on every machine's root namespace, hence the others).
 const std::string& MachineToken() {
   static const std::string token = [] {
     char host[256] = {};
@@ -31,6 +37,12 @@ const std::string& MachineToken() {
     char ns[64] = {};
     const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
     std::string key(host);
+    key += '\n';
+    if (std::FILE* f = std::fopen("/etc/machine-id", "re")) {
+      char id[64] = {};
+      if (std::fgets(id, sizeof id, f) != nullptr) key += id;
+      std::fclose(f);
+    }
     key += '\n';
     if (n > 0) key.append(ns, static_cast<size_t>(n));
     char hex[9];
@@ -88,23 +100,64 @@ std::string DeadWritersBase(std::string_view name, std::string_view kind) {
   return std::string(before.substr(1, before.size() - 1 - kind.size()));
 }
 
-std::vector<std::string> RemoveDeadWritersFiles(
-    const std::string& dir, const std::vector<std::string_view>& kinds,
-    const std::function<bool(std::string_view base)>& is_target) {
-  std::vector<std::string> removed;
+namespace {
+
+// A dead writer's name found in a directory: the name, its kind and its (cut) base.
+struct DeadName {
+  std::string name;
+  std::string_view kind;
+  std::string base;
+};
+
+// The dead writers' names of each directory this process has looked in, listed once (a write of
+// many files into one folder would otherwise list it once per file), kept until removed.
+// Names that dead writers leave after that listing are left for the next process.
+std::mutex g_dead_mu;
+std::map<std::string, std::vector<DeadName>>& DeadNames() {
+  static auto* names = new std::map<std::string, std::vector<DeadName>>();  // never destroyed
+  return *names;
+}
+
+std::vector<DeadName> ListDeadNames(const std::string& dir) {
+  std::vector<DeadName> out;
   DIR* d = ::opendir(dir.empty() ? "." : dir.c_str());
-  if (d == nullptr) return removed;
+  if (d == nullptr) return out;
   while (const dirent* e = ::readdir(d)) {
     const std::string_view name = e->d_name;
     if (name.empty() || name[0] != '.') continue;
-    for (const std::string_view kind : kinds) {
-      const std::string base = DeadWritersBase(name, kind);
-      if (base.empty() || !is_target(base)) continue;
-      if (::unlinkat(::dirfd(d), e->d_name, 0) == 0) removed.emplace_back(name);
+    for (const std::string_view kind : {kTemporaryKind, kBackupKind}) {
+      std::string base = DeadWritersBase(name, kind);
+      if (base.empty()) continue;
+      out.push_back({std::string(name), kind, std::move(base)});
       break;
     }
   }
   ::closedir(d);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> RemoveDeadWritersFiles(
+    const std::string& dir, const std::vector<std::string_view>& kinds,
+    const std::function<bool(std::string_view base)>& is_target) {
+  std::vector<std::string> removed;
+  std::lock_guard<std::mutex> lock(g_dead_mu);
+  auto [it, listed_now] = DeadNames().try_emplace(dir);
+  if (listed_now) it->second = ListDeadNames(dir);
+  std::vector<DeadName>& names = it->second;
+  const std::string prefix = dir.empty() ? std::string() : dir + "/";
+  for (size_t i = 0; i < names.size();) {
+    const DeadName& n = names[i];
+    if (std::find(kinds.begin(), kinds.end(), n.kind) == kinds.end() || !is_target(n.base)) {
+      ++i;
+      continue;
+    }
+    const std::string path = prefix + n.name;
+    if (::unlink(path.c_str()) == 0) removed.push_back(n.name);
+    // Removed, gone already, or not removable (kept on disk; not tried again in this process).
+    names.erase(names.begin() + static_cast<std::ptrdiff_t>(i));
+  }
   return removed;
 }
 

@@ -436,6 +436,7 @@ def test_file_system_errors_are_safetensor_errors_too(tmp_path, module):
             with pytest.raises(tensorferry.SafetensorError) as e:
                 call()
             assert isinstance(e.value, cls) and e.value.filename in (None, path), e.value
+            assert e.value.category in ("io", "not_found") and e.value.code, vars(e.value)
 
 
 def test_undecodable_file_names(tmp_path):

@@ -1298,7 +1298,7 @@ TEST(CliReshard, InterruptedAfterARankRemovesEveryRankAndTheFoldersItMade) {
 TEST(CliReshard, ARerunAfterAKilledRunNamesTheIncompleteSet) {
   TempDir dir;
   GenTiny(dir.Join("src"));
-  const std::string dst = dir.Join("out");
+  const std::string dst = dir.Join("old out's");  // pasted into a shell, the advice must quote it
   const RunResult done = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--no-sync"});
   ASSERT_EQ(done.exit_code, 0) << Describe(done);
   // What the killed run leaves (kill_reshard.sh): rank 1 still in its hidden folder, half written.
@@ -1308,12 +1308,13 @@ TEST(CliReshard, ARerunAfterAKilledRunNamesTheIncompleteSet) {
   WriteBytes(dst + "/.tensorferry.lock", "pid 1 (tensorferry) on elsewhere: writing");
   const RunResult refused = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--no-sync"});
   ExpectOneLineError(refused);
-  EXPECT_NE(refused.err.find("rank-00000-of-00002: already exists; not overwritten; an "
-                             "interrupted reshard (killed before it finished) left an incomplete "
-                             "set: 1 of the 2 rank folders, and 1 unfinished; remove them (rm -r " +
-                             dst + "/rank-00000-of-00002 " + dst +
-                             "/.rank-00001-of-00002.partial) and run again"),
-            std::string::npos)
+  EXPECT_NE(
+      refused.err.find("rank-00000-of-00002: already exists; not overwritten; an "
+                       "interrupted reshard (killed before it finished) left an incomplete "
+                       "set: 1 of the 2 rank folders, and 1 unfinished; remove them (rm -r '" +
+                       dir.path() + "/old out'\\''s/rank-00000-of-00002' '" + dir.path() +
+                       "/old out'\\''s/.rank-00001-of-00002.partial') and run again"),
+      std::string::npos)
       << refused.err;
   EXPECT_TRUE(fs::exists(dst + "/rank-00000-of-00002"));  // refused: nothing removed
   fs::remove_all(dst + "/rank-00000-of-00002");

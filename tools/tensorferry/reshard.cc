@@ -227,6 +227,18 @@ bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt, Failure& 
   return true;
 }
 
+// `text` as one word of a POSIX shell command: as it is when it holds only safe characters, else
+// in single quotes (a quote inside as '\''), so that the advice below can be pasted as it is.
+std::string ShellWord(const std::string& text) {
+  const bool plain = !text.empty() && text.find_first_not_of(
+                                          "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                          "0123456789_-./+,:@%") == std::string::npos;
+  if (plain) return text;
+  std::string out = "'";
+  for (const char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
 // When DST holds a hidden ".rank-R-of-N.partial" folder of the set of `world` ranks (a run killed
 // where no handler could clean up: an incomplete set), what to do about it, starting with "; ";
 // "" otherwise (rank folders a user made are not taken for an interrupted run's).
@@ -245,7 +257,7 @@ std::string IncompleteSetAdvice(const std::string& dst, uint32_t world) {
   for (const auto* names : {&present, &partial}) {
     for (const std::string& n : *names) {
       folders += folders.empty() ? "" : " ";
-      folders += (fs::path(dst) / n).string();
+      folders += ShellWord((fs::path(dst) / n).string());
     }
   }
   return "; an interrupted reshard (killed before it finished) left an incomplete set: " +

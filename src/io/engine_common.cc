@@ -310,9 +310,30 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters) {
                   "read request at offset " + std::to_string(request.offset) + " has no file");
   }
   uint64_t failed_at = request.offset;
+  const CancelScope cancel(request.cancel);  // an object store's GETs stop when it is set
   Status status = ReadWhole(request, counters, &failed_at);
   if (status.ok()) return status;
   return LabelReadError(request, failed_at, std::move(status));
+}
+
+// --- CancelScope -------------------------------------------------------------------------------
+
+namespace {
+thread_local const std::atomic<bool>* g_cancel_scope = nullptr;
+}  // namespace
+
+CancelScope::CancelScope(const std::atomic<bool>* cancel) noexcept
+    : cancel_(cancel), previous_(g_cancel_scope) {
+  g_cancel_scope = cancel_;
+}
+
+CancelScope::~CancelScope() {
+  g_cancel_scope = previous_;
+}
+
+bool CancelScope::Requested() noexcept {
+  const std::atomic<bool>* cancel = g_cancel_scope;
+  return cancel != nullptr && cancel->load(std::memory_order_relaxed);
 }
 
 // --- LandingScope ------------------------------------------------------------------------------

@@ -94,6 +94,23 @@ inline ReadRequest PieceOf(const ReadRequest& request, uint64_t at, uint64_t len
 // on that thread calls Landed(end) with the end of the bytes written so far, and the scope hands
 // them to the request's landed hook in order, at least kLandedPieceBytes at a time, while they
 // are still in the core's cache. Internal; the innermost scope on a thread gets the reports.
+// The cancel flag of the request the calling thread is reading (ReadRequestSync sets it around
+// each read), for files whose reads block in code of their own and can stop early: an object
+// store's ranged GETs (abandoned, and their retries' waits cut short, once the flag is set).
+class CancelScope {
+ public:
+  explicit CancelScope(const std::atomic<bool>* cancel) noexcept;
+  ~CancelScope();
+  CancelScope(const CancelScope&) = delete;
+  CancelScope& operator=(const CancelScope&) = delete;
+  // Whether the innermost scope's flag on this thread is set (false without one).
+  static bool Requested() noexcept;
+
+ private:
+  const std::atomic<bool>* cancel_;
+  const std::atomic<bool>* previous_;
+};
+
 class LandingScope {
  public:
   explicit LandingScope(const ReadRequest& request) noexcept;  // request.landed must be set

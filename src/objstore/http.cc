@@ -40,27 +40,54 @@ struct Transfer {
   HttpResponse* response = nullptr;
   bool body_checked = false;  // the first body byte decided where the body goes
   bool into_body = false;
-  // The stall watchdog (OnProgress): when the last header or body byte arrived.
+  // The stall watchdog (OnProgress): when the last header or body byte arrived, and the bytes
+  // (headers and body) received since `window_start`.
   Clock::time_point last_byte = Clock::now();
+  Clock::time_point window_start = last_byte;
+  uint64_t window_bytes = 0;
   uint32_t timeout_ms = 0;
   bool stalled = false;
+  bool too_slow = false;
 };
 
-// Aborts a transfer that has received nothing for timeout_ms. (libcurl's LOW_SPEED_LIMIT/TIME
-// average the speed over a window of several seconds, so after a burst of bytes a stall went
-// unnoticed for up to ~6 s more than asked: 8 s for a 1.5 s timeout.) libcurl calls this at
-// least once a second while a transfer runs, and more often while bytes flow.
+// The slowest transfer kept: fewer bytes than this a second, over a whole timeout_ms, abandon it
+// (and the caller retries, resuming). A server that sends a byte now and then would otherwise
+// hold a load for ever, each byte resetting the stall watchdog.
+constexpr uint64_t kMinBytesPerSecond = 4096;
+
+// Aborts a transfer that has received nothing for timeout_ms, or less than kMinBytesPerSecond
+// over a timeout_ms, or whose reading thread's load was cancelled (io::CancelScope). (libcurl's
+// LOW_SPEED_LIMIT/TIME average the speed over a window of several seconds, so after a burst of
+// bytes a stall went unnoticed for up to ~6 s more than asked: 8 s for a 1.5 s timeout.) libcurl
+// calls this at least once a second while a transfer runs, and more often while bytes flow.
 int OnProgress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
   auto* t = static_cast<Transfer*>(user);
-  if (Clock::now() - t->last_byte < std::chrono::milliseconds(t->timeout_ms)) return 0;
-  t->stalled = true;
-  return 1;  // CURLE_ABORTED_BY_CALLBACK
+  if (io::CancelScope::Requested()) {
+    t->response->cancelled = true;
+    return 1;  // CURLE_ABORTED_BY_CALLBACK
+  }
+  const Clock::time_point now = Clock::now();
+  const std::chrono::milliseconds timeout(t->timeout_ms);
+  if (now - t->last_byte >= timeout) {
+    t->stalled = true;
+    return 1;
+  }
+  if (now - t->window_start >= timeout) {
+    if (t->window_bytes * 1000 < kMinBytesPerSecond * t->timeout_ms) {
+      t->too_slow = true;
+      return 1;
+    }
+    t->window_start = now;
+    t->window_bytes = 0;
+  }
+  return 0;
 }
 
 size_t OnHeader(char* data, size_t size, size_t count, void* user) {
   auto* t = static_cast<Transfer*>(user);
   const size_t n = size * count;
   t->last_byte = Clock::now();
+  t->window_bytes += n;
   std::string_view line(data, n);
   if (line.rfind("HTTP/", 0) == 0) {
     // A new response (after a redirect or a 100 Continue): forget the previous one's headers.
@@ -71,6 +98,7 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
     r.etag.clear();
     r.content_range.clear();
     r.last_modified.clear();
+    r.content_encoding.clear();
     r.error_code.clear();
     r.error_message.clear();
     return n;
@@ -82,6 +110,7 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
   if (HeaderIs(name, "etag")) t->response->etag = value;
   if (HeaderIs(name, "content-range")) t->response->content_range = value;
   if (HeaderIs(name, "last-modified")) t->response->last_modified = value;
+  if (HeaderIs(name, "content-encoding")) t->response->content_encoding = value;
   if (HeaderIs(name, "x-error-code")) t->response->error_code = value;
   if (HeaderIs(name, "x-error-message")) t->response->error_message = value;
   if (HeaderIs(name, "x-amz-bucket-region")) t->response->bucket_region = value;
@@ -101,6 +130,12 @@ void CheckBody(Transfer& t) {
   HttpResponse& r = *t.response;
   const HttpRequest& q = *t.request;
   if (q.body.empty() || r.status < 200 || r.status > 299) return;
+  if (!r.content_encoding.empty() && !HeaderIs(r.content_encoding, "identity")) {
+    // Not the stored bytes (none was asked for: libcurl sends no Accept-Encoding here).
+    r.rejected = "the server encoded the body (Content-Encoding: " + r.content_encoding +
+                 "), not the object's bytes as stored";
+    return;
+  }
   const uint64_t first = q.range ? q.range->first : 0;
   if (r.status == 206) {
     const std::optional<uint64_t> start = r.RangeStart();
@@ -120,6 +155,7 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
   auto* t = static_cast<Transfer*>(user);
   const size_t n = size * count;
   t->last_byte = Clock::now();
+  t->window_bytes += n;
   if (!t->body_checked) CheckBody(*t);
   HttpResponse& r = *t->response;
   if (t->into_body) {
@@ -306,6 +342,11 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
     if (t.stalled) {
       response.curl_error = "stalled: no byte received for " + std::to_string(t.timeout_ms) + " ms";
     }
+    if (t.too_slow) {
+      response.curl_error = "too slow: fewer than " + std::to_string(kMinBytesPerSecond) +
+                            " bytes a second received over " + std::to_string(t.timeout_ms) + " ms";
+    }
+    if (response.cancelled) response.curl_error = "cancelled";
     char* next = nullptr;
     if (code == CURLE_UNSUPPORTED_PROTOCOL && s.follow_redirects &&
         (!response.redirected_to.empty() ||

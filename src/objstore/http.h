@@ -67,6 +67,9 @@ struct HttpResponse {
   std::string etag;           // the ETag header as sent (quotes included)
   std::string content_range;  // "bytes 0-99/1234"
   std::string last_modified;
+  std::string content_encoding;  // as sent ("" without one)
+  // The transfer was abandoned because the reading thread's load was cancelled (io::CancelScope).
+  bool cancelled = false;
   // The Hugging Face hub's error headers (X-Error-Code "RepositoryNotFound", "GatedRepo", ...;
   // X-Error-Message), "" without them.
   std::string error_code, error_message;

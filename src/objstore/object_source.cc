@@ -22,6 +22,7 @@
 
 #include <unistd.h>
 
+#include "io/read_engine.h"
 #include "objstore/aws_config.h"
 #include "objstore/curl_api.h"
 #include "objstore/gcs_auth.h"
@@ -167,7 +168,10 @@ Verdict Judge(const HttpResponse& r) {
   if (r.status >= 200 && r.status <= 299) {
     // A good status whose body broke off (reset, truncated, stalled) or was not the range asked.
     v.retryable = r.rejected.empty() || r.rejected.find("more than") == std::string::npos;
-    if (r.rejected.find("ignored the Range") != std::string::npos) v.retryable = false;
+    if (r.rejected.find("ignored the Range") != std::string::npos ||
+        r.rejected.find("Content-Encoding") != std::string::npos) {
+      v.retryable = false;
+    }
     return v;
   }
   // Missing: S3's codes, and the hub's (which answers 401 RepositoryNotFound for a repository
@@ -286,7 +290,9 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   // again at once and its new redirect remembered; the pinned ETag (If-Match) holds throughout.
   HttpResponse Fetch(const HttpClient& client, const Target& target, HttpRequest& request) const;
   std::string Context(const Target& target) const;
-  void Backoff(unsigned attempt) const;
+  // Waits before a retry; false when the reading thread's load was cancelled meanwhile (the wait
+  // is cut short: io::CancelScope).
+  bool Backoff(unsigned attempt) const;
   Status Failed(const Target& target, const std::string& what, const Verdict& v,
                 unsigned attempts) const;
 
@@ -453,15 +459,27 @@ std::string ObjectSource::Context(const Target& target) const {
          ", credentials: " + c.credentials_from + "]";
 }
 
-void ObjectSource::Backoff(unsigned attempt) const {
+bool ObjectSource::Backoff(unsigned attempt) const {
   // Exponential with "equal jitter": half the delay fixed, half random, capped at 10 s.
   const uint64_t cap = 10'000;
   const uint64_t base = std::max<uint32_t>(1, options_.backoff_ms);
   const uint64_t delay = std::min<uint64_t>(cap, base << std::min(attempt, 16u));
   thread_local std::minstd_rand rng(std::random_device{}());
-  const uint64_t ms = delay / 2 + std::uniform_int_distribution<uint64_t>(0, delay / 2)(rng);
-  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  uint64_t ms = delay / 2 + std::uniform_int_distribution<uint64_t>(0, delay / 2)(rng);
+  for (; ms > 0; ms -= std::min<uint64_t>(ms, 20)) {  // a cancel is seen within 20 ms
+    if (io::CancelScope::Requested()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min<uint64_t>(ms, 20)));
+  }
+  return !io::CancelScope::Requested();
 }
+
+namespace {
+
+Status CancelledRead(const std::string& name, const std::string& what) {
+  return Status(Code::kCancelled, name + ": " + what + ": the load was cancelled");
+}
+
+}  // namespace
 
 Status ObjectSource::Failed(const Target& target, const std::string& what, const Verdict& v,
                             unsigned attempts) const {
@@ -489,9 +507,10 @@ Result<HttpResponse> ObjectSource::Send(const Target& target, HttpRequest reques
     HttpResponse r = Fetch(*client, target, request);
     CountBytes(r.body_bytes + r.text.size());
     if (accept(r)) return r;
+    if (r.cancelled) return CancelledRead(target.name, what);
     const Verdict v = Judge(r);
     if (!v.retryable || attempt >= options_.retries) return Failed(target, what, v, attempt + 1);
-    Backoff(attempt);
+    if (!Backoff(attempt)) return CancelledRead(target.name, what);
   }
 }
 
@@ -625,7 +644,13 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
     }
     id.size = *total;
   } else if (r.status == 416) {
-    id.size = r.TotalSize().value_or(0);  // an empty object has no byte 0
+    // An empty object has no byte 0: "bytes */0". Without a Content-Range the size is unknown.
+    if (!r.TotalSize()) {
+      return Status(Code::kIoError,
+                    target.name + ": HTTP 416 for bytes 0-" + std::to_string(prefix.size() - 1) +
+                        " without a Content-Range (the object's size unknown)" + Context(target));
+    }
+    id.size = *r.TotalSize();
     if (id.size != 0) {
       return Status(Code::kIoError, target.name + ": HTTP 416 for bytes 0-" +
                                         std::to_string(prefix.size() - 1) + " of a " +
@@ -686,8 +711,11 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
   const uint64_t last = first + dst.size() - 1;
   const std::string what = "GET " + RangeText(first, last);
   uint64_t received = 0;
-  for (unsigned attempt = 0;; ++attempt) {
-    CountRequest(attempt);
+  unsigned attempt = 0;  // failures retried so far
+  bool retry = false;    // this request repeats a failed one
+  for (;;) {
+    CountRequest(retry ? 1 : 0);
+    retry = false;
     HttpRequest req;
     req.url = target.request_url;
     req.range = std::make_pair(first + received, last);  // resume after the bytes received
@@ -720,6 +748,13 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
     }
     received += r.body_bytes;
     if (received == dst.size() && r.curl_code == 0 && r.rejected.empty()) return Status::Ok();
+    if (r.cancelled) return CancelledRead(target.name, what);
+    if (r.status == 206 && r.curl_code == 0 && r.rejected.empty() && r.body_bytes > 0) {
+      // A well-formed 206 for the start of the range asked (a server or gateway that caps its
+      // responses): not a failure; the rest is asked for at once, as no retry. Each such
+      // response brings bytes, so this ends.
+      continue;
+    }
     Verdict v = Judge(r);
     if (r.status >= 200 && r.status <= 299 && r.curl_code == 0 && r.rejected.empty()) {
       v.retryable = true;  // a complete response with fewer bytes than asked
@@ -733,7 +768,9 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
       }
       return Failed(target, what, v, attempt + 1);
     }
-    Backoff(attempt);
+    if (!Backoff(attempt)) return CancelledRead(target.name, what);
+    ++attempt;
+    retry = true;
   }
 }
 

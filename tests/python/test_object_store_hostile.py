@@ -1,0 +1,160 @@
+"""Object-storage reads from servers that misbehave without failing outright: a server that drips
+bytes, one that caps its ranged responses, one that encodes bodies, a 416 without a size, and a
+load cancelled (Ctrl-C) while its GETs hang. A small range-serving HTTP server of our own on
+loopback plays each part (docs/object_storage.md, "Slow and odd servers", "Cancelling")."""
+import contextlib
+import http.server
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensorferry
+import tensorferry.numpy
+
+ETAG = '"v1"'
+
+
+@contextlib.contextmanager
+def serving(data, mode, release):
+    """Serves `data` at /<anything> with ranges, answering as `mode` says:
+    normal, capped (206s of at most 64 KiB), gzip (a Content-Encoding header), drip (data ranges
+    500 bytes a second), hang (data ranges: the headers, then nothing until `release`),
+    no_size_416 (416 without a Content-Range). The first 4096 bytes (the open) come normally."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            m = re.match(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+            first, last = (int(m.group(1)), int(m.group(2))) if m else (0, len(data) - 1)
+            last = min(last, len(data) - 1)
+            opening = first == 0
+            if mode == "no_size_416":
+                self.send_response(416)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if mode == "capped":
+                last = min(last, first + (64 << 10) - 1)
+            body = data[first:last + 1]
+            self.send_response(206)
+            self.send_header("ETag", ETAG)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+            self.send_header("Content-Length", str(len(body)))
+            if mode == "gzip":
+                self.send_header("Content-Encoding", "gzip")
+            self.end_headers()
+            try:
+                if opening or mode in ("normal", "capped", "gzip"):
+                    self.wfile.write(body)
+                elif mode == "drip":
+                    for at in range(0, len(body), 100):
+                        self.wfile.write(body[at:at + 100])
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                elif mode == "hang":
+                    release.wait(60)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/m.safetensors"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    tensors = {f"w{i}": rng.standard_normal((128, 1024), dtype=np.float32) for i in range(3)}
+    path = tmp_path_factory.mktemp("hostile") / "m.safetensors"
+    tensorferry.numpy.save_file(tensors, str(path))
+    return path.read_bytes(), tensors
+
+
+OPTS = {"object_header_bytes": 4096}
+
+
+def test_capped_ranged_responses_load_byte_exact_without_retries(checkpoint):
+    data, tensors = checkpoint
+    with serving(data, "capped", threading.Event()) as url:
+        loader = tensorferry.Loader(url, storage_options={**OPTS, "object_retries": 0})
+        got = {k: v.numpy() for k, v in loader.load().items()}
+        assert loader.stats.remote_retries == 0, loader.stats
+    assert got.keys() == tensors.keys()
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_an_encoded_body_is_refused_at_once(checkpoint):
+    data, _ = checkpoint
+    with serving(data, "gzip", threading.Event()) as url:
+        with pytest.raises(OSError, match=r"Content-Encoding: gzip") as e:
+            tensorferry.Loader(url, storage_options={**OPTS, "object_retries": 3})
+    assert "gave up after" not in str(e.value), e.value  # not retried
+
+
+def test_a_dripping_server_is_abandoned_as_too_slow(checkpoint):
+    data, _ = checkpoint
+    with serving(data, "drip", threading.Event()) as url:
+        loader = tensorferry.Loader(url, storage_options={**OPTS, "object_retries": 0,
+                                                          "object_timeout_ms": 1000})
+        start = time.monotonic()
+        with pytest.raises(OSError, match=r"too slow: fewer than 4096 bytes a second"):
+            loader.load()
+        assert time.monotonic() - start < 60  # bounded (each 100 bytes reset the stall timer)
+
+
+def test_a_416_without_a_size_is_an_error_not_an_empty_file(checkpoint):
+    data, _ = checkpoint
+    with serving(data, "no_size_416", threading.Event()) as url:
+        with pytest.raises(OSError, match=r"HTTP 416 .*without a Content-Range"):
+            tensorferry.Loader(url, storage_options={**OPTS, "object_retries": 0})
+
+
+CHILD = r"""
+import sys, tensorferry
+loader = tensorferry.Loader(sys.argv[1], storage_options={"object_header_bytes": 4096,
+                                                         "object_timeout_ms": 60000})
+print("loading", flush=True)
+try:
+    loader.load()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_ctrl_c_ends_a_load_whose_gets_hang(checkpoint):
+    """The GETs of the load hang (headers, then nothing) and the stall timeout is a minute:
+    only the cancel can end them, and SIGINT does within seconds."""
+    data, _ = checkpoint
+    with serving(data, "hang", threading.Event()) as url:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, url], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        try:
+            assert child.stdout.readline().strip() == "loading"
+            time.sleep(1.0)  # the load's GETs are in flight (waiting for bytes)
+            sent = time.monotonic()
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode == 3, (child.returncode, out, err)
+        assert "interrupted" in out
+        assert time.monotonic() - sent < 15, "the cancel waited for the hanging GETs"

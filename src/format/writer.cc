@@ -607,16 +607,6 @@ std::optional<std::string> ReadSmallFile(Env* env, const std::string& dir, const
   return text;
 }
 
-// True when `dir` holds a checksum manifest (integrity.h) that records one of `names` (files in
-// `dir`). A manifest that cannot be read or parsed records nothing. Unlocked: a hint whether to
-// take the manifest's lock and look again.
-bool ManifestNamesAny(Env* env, const std::string& dir, const std::vector<std::string>& names) {
-  const auto manifest = internal::ReadManifestIn(env, dir);
-  if (!manifest.ok() || !*manifest) return false;
-  return std::any_of(names.begin(), names.end(),
-                     [&](const std::string& n) { return (*manifest)->files.count(n) != 0; });
-}
-
 // A sidecar checksum manifest beside `path` (integrity.h) that records the file about to be
 // replaced loses that entry first (the manifest goes when it was the only one): a digest of the
 // old bytes would fail every later check of the new file that carries no checksums of its own.
@@ -629,7 +619,6 @@ Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& o
   const std::filesystem::path target(path);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
   const std::string name = target.filename().string();
-  if (!ManifestNamesAny(env, dir, {name})) return Status::Ok();
   using internal::ManifestEdit;
   return internal::UpdateManifestLocked(
       env, dir, options.sync,
@@ -973,7 +962,6 @@ Result<ManifestChange> DropManifestEntries(Env* env, const std::string& dir,
   // the old files merging its digests meanwhile would record them under the new files' names
   // (WriteChecksumManifest checks under this lock that the files it hashed are still there).
   change.lock = LockManifestIfPossible(dir);
-  if (!ManifestNamesAny(env, dir, stale)) return change;
   auto current = internal::ReadManifestIn(env, dir);
   if (!current.ok() || !*current) return change;
   ChecksumManifest kept = std::move(**current);

@@ -1,6 +1,7 @@
-// libFuzzer target: the bytes are an S3 response body (an error document or a ListObjectsV2
-// page, or anything a proxy or a truncated transfer can produce). The parsers must never crash,
-// hang or read outside the input; what they accept must satisfy the documented invariants.
+// libFuzzer target: the bytes are an S3 or STS response body (an error document, a ListObjectsV2
+// page, STS credentials, or anything a proxy or a truncated transfer can produce). The parsers must
+// never crash, hang or read outside the input; what they accept must satisfy the documented
+// invariants.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -28,6 +29,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto error = ParseS3Error(body)) {
     if (error->code.empty() || !Trimmed(error->code) || !Trimmed(error->message)) std::abort();
     if (error->code.size() + error->message.size() + error->request_id.size() > size) std::abort();
+  }
+
+  auto sts = ParseStsCredentials(body);
+  if (!sts.ok()) {
+    if (sts.status().message().rfind("STS response: ", 0) != 0) std::abort();
+  } else {
+    if (sts->access_key_id.empty() || sts->secret_access_key.empty()) std::abort();
+    if (!Trimmed(sts->access_key_id) || !Trimmed(sts->session_token)) std::abort();
+    if (sts->access_key_id.size() + sts->secret_access_key.size() + sts->session_token.size() +
+            sts->expiration.size() >
+        size) {
+      std::abort();
+    }
   }
 
   auto page = ParseListObjectsV2(body);

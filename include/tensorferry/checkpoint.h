@@ -43,6 +43,7 @@
 // table synchronizes internally).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -127,6 +128,11 @@ struct OpenOptions {
   // (kCheckpointTooLarge).
   uint64_t max_total_tensors = 2'000'000;
   uint64_t max_total_header_bytes = 512ull << 20;
+  // Once *cancel is true, the open's object-store requests (header GETs, listings, hub lookups,
+  // credential fetches) are abandoned and their retries' waits cut short, and the open fails
+  // with kCancelled; local files are read to the end of the step they are in. nullptr: never.
+  // Not owned; must outlive the call.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // The path Checkpoint::Open names a local checkpoint by: a relative path made absolute against

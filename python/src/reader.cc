@@ -29,18 +29,22 @@ Reader::Reader(const std::string& path, bool single_file, const nb::dict& option
     : options_(MakeLoadOptions(options)) {
   Check(CheckMappedFiles());  // tensors handed out earlier lost bytes: say so at the next call
   options_.cancel = cancel_;
-  WithoutGil release;
   // The checkpoint opens each file once and owns it (checkpoint.h): the header is read through
   // the descriptor every later read uses, and a file replaced meanwhile is reported at the next
-  // load.
+  // load. Opening a remote checkpoint waits on the network (a header GET per file, a listing,
+  // credentials): Ctrl-C abandons it.
   OpenOptions open;
   open.object_store = options_.object_store;  // s3://, gs://, http(s):// paths (object_store.h)
-  if (single_file) {
-    const std::vector<std::string> paths{path};
-    checkpoint_ = Unwrap(Checkpoint::OpenFiles(paths, open));
-  } else {
-    checkpoint_ = Unwrap(Checkpoint::Open(path, open));
-  }
+  open.cancel = cancel_.get();
+  checkpoint_ = Unwrap(Interruptible(*cancel_, [&] {
+    if (single_file) {
+      const std::vector<std::string> paths{path};
+      return Checkpoint::OpenFiles(paths, open);
+    }
+    return Checkpoint::Open(path, open);
+  }));
+  cancel_->store(false);
+  WithoutGil release;
   Init();
 }
 

@@ -19,6 +19,7 @@
 
 #include "checkpoint/shard_series.h"
 #include "io/file_set.h"
+#include "io/read_engine.h"
 #include "objstore/url.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/hub.h"
@@ -260,6 +261,7 @@ class CheckpointBuilder {
       // The error of the first file in order that failed; every file before it was opened, so
       // the first one without an entry in `opened` is that file.
       const Status error = ParallelForUntilError(n, static_cast<unsigned>(n), [&](size_t i) {
+        const io::CancelScope cancel(options_.cancel);  // on each helper thread too
         TF_ASSIGN_OR_RETURN(Opened o, OpenFile(paths[begin + i]));
         opened[i] = std::move(o);
         return Status::Ok();
@@ -506,6 +508,7 @@ std::string Anchored(const std::string& path, const OpenOptions& options) {
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& given,
                                                            const OpenOptions& options) {
   TF_RETURN_IF_ERROR(CheckPathString(given, "checkpoint path"));
+  const io::CancelScope cancel(options.cancel);  // the object store's requests on this thread
   if (IsObjectUrl(given)) return OpenUrl(given, options);
   if (IsHubPath(given)) return OpenHub(given, options);
   const std::string path = Anchored(given, options);
@@ -536,6 +539,7 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& gi
 
 Result<std::shared_ptr<const Checkpoint>> Checkpoint::OpenFiles(std::span<const std::string> paths,
                                                                 const OpenOptions& options) {
+  const io::CancelScope cancel(options.cancel);
   // hf:// paths as their files in the hub cache; else, when one is not cached, every hf:// path
   // as its URL on the hub (a checkpoint's files come from one place).
   std::vector<std::string> resolved;

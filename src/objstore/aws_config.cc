@@ -6,8 +6,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "util/macros.h"
 
@@ -140,19 +143,6 @@ Status IniLine(IniState& state, std::string_view raw, std::string_view file, siz
 
 // ---- environment and files ----------------------------------------------------------------------
 
-// GetEnv with empty values read as unset.
-std::optional<std::string> Env(const GetEnv& env, const char* name) {
-  if (!env) return std::nullopt;
-  std::optional<std::string> value = env(name);
-  if (value && value->empty()) return std::nullopt;
-  return value;
-}
-
-bool EnvTrue(const GetEnv& env, const char* name) {
-  const auto value = Env(env, name);
-  return value && (Lower(*value) == "true" || *value == "1");
-}
-
 // The path of one AWS file: the variable `var`, else $HOME/<home_relative>; "" when neither.
 std::string AwsFilePath(const GetEnv& env, const char* var, const char* home_relative) {
   const auto home = Env(env, "HOME");
@@ -262,41 +252,179 @@ Status SetKeys(S3Config& c, std::string id, std::string secret, std::string toke
   return Status::Ok();
 }
 
-// From the profile's credentials file section, else its config file section; false when neither
-// has keys.
-Result<bool> ProfileKeys(S3Config& c, const Profile& p) {
-  for (const auto* section : {&p.credentials, &p.config}) {
-    auto value = [&](const char* key) {
-      auto it = section->find(key);
-      return it == section->end() ? std::string() : it->second;
-    };
-    std::string id = value("aws_access_key_id"), secret = value("aws_secret_access_key");
-    if (id.empty() && secret.empty()) continue;
-    const std::string& file = section == &p.credentials ? p.credentials_path : p.config_path;
-    TF_RETURN_IF_ERROR(SetKeys(c, std::move(id), std::move(secret), value("aws_session_token"),
-                               p.Where(file), "aws_access_key_id", "aws_secret_access_key"));
-    return true;
-  }
-  return false;
+// The keys of the profile's section in one file (p.credentials or p.config); false without.
+Result<bool> ProfileKeys(S3Config& c, const Profile& p,
+                         const std::map<std::string, std::string>& section) {
+  auto value = [&](const char* key) {
+    auto it = section.find(key);
+    return it == section.end() ? std::string() : it->second;
+  };
+  std::string id = value("aws_access_key_id"), secret = value("aws_secret_access_key");
+  if (id.empty() && secret.empty()) return false;
+  const std::string& file = &section == &p.credentials ? p.credentials_path : p.config_path;
+  TF_RETURN_IF_ERROR(SetKeys(c, std::move(id), std::move(secret), value("aws_session_token"),
+                             p.Where(file), "aws_access_key_id", "aws_secret_access_key"));
+  return true;
 }
 
-// A profile whose credentials come from a process, a role or SSO names a source tensorferry does
-// not implement: an error, rather than unsigned requests that fail with AccessDenied later.
+// A profile whose credentials come from a role assumed with other credentials or from SSO names
+// a source tensorferry does not implement: an error, rather than unsigned requests that fail
+// with AccessDenied later.
 Status RefuseUnsupportedProfileSource(const Profile& p) {
-  for (const char* key : {"credential_process", "role_arn", "sso_session", "sso_start_url",
-                          "web_identity_token_file", "credential_source"}) {
+  for (const char* key :
+       {"role_arn", "source_profile", "credential_source", "sso_session", "sso_start_url"}) {
     if (auto value = p.Get(key)) {
       return Status(Code::kUnsupported,
                     p.Where(value->second) + " gets its credentials through " + key +
-                        ", which tensorferry does not support: give static keys (options, "
-                        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or aws_access_key_id/"
-                        "aws_secret_access_key in the profile)");
+                        ", which tensorferry does not support: give keys (options, "
+                        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, aws_access_key_id/"
+                        "aws_secret_access_key in the profile), web_identity_token_file with "
+                        "role_arn, or credential_process");
     }
   }
   return Status::Ok();
 }
 
-Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p) {
+// Web identity from the environment, else from the profile; false when neither names it.
+Result<bool> WebIdentity(S3Config& c, const GetEnv& env, const Profile& p) {
+  const auto file = Env(env, "AWS_WEB_IDENTITY_TOKEN_FILE");
+  const auto role = Env(env, "AWS_ROLE_ARN");
+  if (file || role) {
+    if (!file || !role) {
+      return Status(Code::kInvalidArgument,
+                    std::string("S3 credentials from the environment: ") +
+                        (file ? "AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN"
+                              : "AWS_ROLE_ARN is set without AWS_WEB_IDENTITY_TOKEN_FILE"));
+    }
+    c.web_identity_token_file = *file;
+    c.role_arn = *role;
+    c.role_session_name = Env(env, "AWS_ROLE_SESSION_NAME").value_or("");
+    c.credentials_from = "web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role " + *role + ")";
+  } else {
+    const auto pfile = p.Get("web_identity_token_file");
+    if (!pfile) return false;
+    const auto prole = p.Get("role_arn");
+    if (!prole) {
+      return Status(Code::kInvalidArgument,
+                    p.Where(pfile->second) + ": web_identity_token_file is set without role_arn");
+    }
+    c.web_identity_token_file = pfile->first;
+    c.role_arn = prole->first;
+    if (auto name = p.Get("role_session_name")) c.role_session_name = name->first;
+    c.credentials_from = "web identity (" + p.Where(pfile->second) + ", role " + prole->first + ")";
+  }
+  if (c.role_session_name.empty()) {
+    c.role_session_name = "tensorferry-" + std::to_string(static_cast<long long>(::getpid()));
+  }
+  if (c.role_session_name.size() < 2 || c.role_session_name.size() > 64) {
+    return Status(Code::kInvalidArgument, "S3 credentials from " + c.credentials_from +
+                                              ": the role session name \"" + c.role_session_name +
+                                              "\" is not 2 to 64 characters long");
+  }
+  c.credential_source = S3Config::CredentialSource::kWebIdentity;
+  return true;
+}
+
+// Whether `host` (of an http:// container credentials URI) may be asked over plain HTTP: a
+// loopback address or the link-local addresses ECS and EKS serve credentials on.
+bool ContainerHostAllowedOverHttp(std::string_view host) {
+  if (host == "localhost" || host == "[::1]" || host == "169.254.170.2" ||
+      host == "169.254.170.23" || host == "[fd00:ec2::23]") {
+    return true;
+  }
+  if (!host.starts_with("127.")) return false;
+  int dots = 0;
+  for (char ch : host) {
+    if (ch == '.') {
+      ++dots;
+    } else if (ch < '0' || ch > '9') {
+      return false;
+    }
+  }
+  return dots == 3;
+}
+
+// Container credentials from the environment; false when it names none.
+Result<bool> ContainerCredentials(S3Config& c, const GetEnv& env) {
+  std::string uri;
+  if (auto full = Env(env, "AWS_CONTAINER_CREDENTIALS_FULL_URI")) {
+    uri = *full;
+    const auto invalid = [&](std::string_view why) {
+      return Status(Code::kInvalidArgument,
+                    "AWS_CONTAINER_CREDENTIALS_FULL_URI \"" + uri + "\": " + std::string(why));
+    };
+    const bool http = uri.starts_with("http://");
+    if (!http && !uri.starts_with("https://")) return invalid("must be an http(s):// URL");
+    std::string_view rest = std::string_view(uri).substr(http ? 7 : 8);
+    rest = rest.substr(0, rest.find_first_of("/?#"));
+    if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
+      return invalid("must not carry a user name or password");
+    }
+    std::string_view host = rest;
+    if (host.starts_with('[')) {
+      host = host.substr(0, host.find(']') + 1);
+    } else {
+      host = host.substr(0, host.find(':'));
+    }
+    if (host.empty()) return invalid("has no host");
+    if (http && !ContainerHostAllowedOverHttp(Lower(host))) {
+      return invalid(
+          "plain http:// is allowed only to a loopback address, 169.254.170.2, 169.254.170.23 "
+          "or [fd00:ec2::23] (as the AWS SDKs allow); use https://");
+    }
+    c.credentials_from = "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI " + uri + ")";
+  } else if (auto relative = Env(env, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")) {
+    uri = "http://169.254.170.2" + (relative->starts_with('/') ? *relative : "/" + *relative);
+    c.credentials_from =
+        "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI: " + uri + ")";
+  } else {
+    return false;
+  }
+  c.container_uri = std::move(uri);
+  c.container_token_file = Env(env, "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE").value_or("");
+  if (c.container_token_file.empty()) {
+    c.container_token = Env(env, "AWS_CONTAINER_AUTHORIZATION_TOKEN").value_or("");
+  }
+  c.credential_source = S3Config::CredentialSource::kContainer;
+  return true;
+}
+
+// Whether the DMI files in `dir` say this machine is an EC2 instance.
+bool LooksLikeEc2(const std::string& dir) {
+  if (dir.empty()) return false;
+  const auto read = [&](const char* name) {
+    Result<std::string> text = ReadSmallFile(dir + "/" + name, "DMI file");
+    std::string_view t = text.ok() ? std::string_view(*text) : std::string_view();
+    while (!t.empty() && (t.back() == '\n' || IsSpace(t.back()))) t.remove_suffix(1);
+    return Lower(Trim(t));
+  };
+  return read("sys_vendor") == "amazon ec2" || read("bios_vendor") == "amazon ec2" ||
+         read("bios_version").ends_with("amazon");
+}
+
+// The instance metadata service, when it may be asked; false when not.
+Result<bool> InstanceMetadata(S3Config& c, const GetEnv& env, const Profile& p,
+                              const std::string& ec2_probe_dir) {
+  if (EnvTrue(env, "AWS_EC2_METADATA_DISABLED")) return false;
+  std::string endpoint, from;
+  if (auto e = Env(env, "AWS_EC2_METADATA_SERVICE_ENDPOINT")) {
+    endpoint = *e, from = "AWS_EC2_METADATA_SERVICE_ENDPOINT";
+  } else if (auto pe = p.Get("ec2_metadata_service_endpoint")) {
+    endpoint = pe->first, from = p.Where(pe->second) + " (ec2_metadata_service_endpoint)";
+  } else if (LooksLikeEc2(ec2_probe_dir)) {
+    endpoint = "http://169.254.169.254", from = "an EC2 instance";
+  } else {
+    return false;
+  }
+  TF_ASSIGN_OR_RETURN(c.imds_endpoint,
+                      NormalizeEndpoint(endpoint, from, "EC2 instance metadata service"));
+  c.credentials_from = "EC2 instance metadata service (" + c.imds_endpoint + ", " + from + ")";
+  c.credential_source = S3Config::CredentialSource::kInstanceMetadata;
+  return true;
+}
+
+Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p,
+                          const std::string& ec2_probe_dir) {
   if (r.anonymous == 1 || (r.anonymous == -1 && EnvTrue(env, "AWS_NO_SIGN_REQUEST"))) {
     c.anonymous = true;
     c.credentials_from =
@@ -312,7 +440,7 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
     return SetKeys(c, r.access_key_id, r.secret_access_key, r.session_token, "options",
                    "access_key_id", "secret_access_key");
   }
-  // A profile named in the options wins over keys in the environment, as for botocore's
+  // A profile named in the options wins over the environment's credentials, as for botocore's
   // Session(profile_name=...) and `aws --profile`; AWS_PROFILE does not (the environment's keys
   // come first then, as there).
   const auto id = Env(env, "AWS_ACCESS_KEY_ID"), secret = Env(env, "AWS_SECRET_ACCESS_KEY");
@@ -321,27 +449,34 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
                    Env(env, "AWS_SESSION_TOKEN").value_or(""), "environment (AWS_ACCESS_KEY_ID)",
                    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
   }
-  TF_ASSIGN_OR_RETURN(const bool from_profile, ProfileKeys(c, p));
-  if (from_profile) return Status::Ok();
+  TF_ASSIGN_OR_RETURN(bool found, WebIdentity(c, env, p));
+  if (found) return Status::Ok();
+  TF_ASSIGN_OR_RETURN(found, ProfileKeys(c, p, p.credentials));
+  if (found) return Status::Ok();
+  if (auto process = p.Get("credential_process")) {
+    c.credential_process = process->first;
+    c.credentials_from = "credential_process of " + p.Where(process->second);
+    c.credential_source = S3Config::CredentialSource::kProcess;
+    return Status::Ok();
+  }
+  TF_ASSIGN_OR_RETURN(found, ProfileKeys(c, p, p.config));
+  if (found) return Status::Ok();
   TF_RETURN_IF_ERROR(RefuseUnsupportedProfileSource(p));
+  TF_ASSIGN_OR_RETURN(found, ContainerCredentials(c, env));
+  if (found) return Status::Ok();
+  TF_ASSIGN_OR_RETURN(found, InstanceMetadata(c, env, p, ec2_probe_dir));
+  if (found) return Status::Ok();
   if (r.anonymous == 0) {
     return Status(Code::kInvalidArgument,
                   "no S3 credentials found (options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                  "profile \"" +
+                  "web identity, profile \"" +
                       p.name + "\" in " + ShownPath(p.credentials_path, "credentials") + " or " +
-                      ShownPath(p.config_path, "config") + ") and anonymous access is turned off");
+                      ShownPath(p.config_path, "config") +
+                      ", container or EC2 instance credentials) and anonymous access is turned "
+                      "off");
   }
   c.anonymous = true;
   c.credentials_from = "none found: anonymous";
-  for (const char* var : {"AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                          "AWS_CONTAINER_CREDENTIALS_FULL_URI"}) {
-    if (Env(env, var)) {
-      c.credentials_from += std::string(" (") + var +
-                            " is set, but tensorferry reads only static keys: export "
-                            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)";
-      break;
-    }
-  }
   return Status::Ok();
 }
 
@@ -456,6 +591,36 @@ Status ResolveEndpoint(S3Config& c, const S3Request& r, const GetEnv& env, const
   return Status::Ok();
 }
 
+// The STS endpoint web identity credentials are asked at: as ResolveEndpoint's, for "sts".
+Status ResolveStsEndpoint(S3Config& c, const GetEnv& env, const Profile& p) {
+  std::string value, from;
+  const auto ignore = p.Get("ignore_configured_endpoint_urls");
+  const bool ignore_configured = EnvTrue(env, "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS") ||
+                                 (ignore && Lower(ignore->first) == "true");
+  if (ignore_configured) {
+    // Only the default.
+  } else if (auto sts = Env(env, "AWS_ENDPOINT_URL_STS")) {
+    value = *sts, from = "AWS_ENDPOINT_URL_STS";
+  } else if (auto all = Env(env, "AWS_ENDPOINT_URL")) {
+    value = *all, from = "AWS_ENDPOINT_URL";
+  } else if (auto service = p.services.find("sts.endpoint_url"); service != p.services.end()) {
+    value = service->second;
+    from = "[services " + p.services_name + "] (sts.endpoint_url) in " + p.config_path;
+  } else if (auto psts = p.Get("sts.endpoint_url")) {
+    value = psts->first, from = p.Where(psts->second) + " (sts.endpoint_url)";
+  } else if (auto pall = p.Get("endpoint_url")) {
+    value = pall->first, from = p.Where(pall->second) + " (endpoint_url)";
+  }
+  if (value.empty()) {
+    const bool china = c.region.rfind("cn-", 0) == 0;
+    value = "https://sts." + c.region + (china ? ".amazonaws.com.cn" : ".amazonaws.com");
+    from = "AWS default";
+  }
+  TF_ASSIGN_OR_RETURN(c.sts_endpoint, NormalizeEndpoint(value, from, "STS"));
+  c.credentials_from += " via STS " + c.sts_endpoint;
+  return Status::Ok();
+}
+
 // The host of "scheme://host[:port]", lower-cased.
 std::string EndpointHost(const std::string& endpoint) {
   std::string_view rest = endpoint;
@@ -507,21 +672,17 @@ Result<AwsIni> ParseAwsIni(std::string_view text, std::string_view file) {
   return std::move(state.ini);
 }
 
-GetEnv ProcessEnv() {
-  return [](const char* name) -> std::optional<std::string> {
-    const char* value = std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read-only use
-    if (value == nullptr || *value == '\0') return std::nullopt;
-    return std::string(value);
-  };
-}
-
-Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env) {
+Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env,
+                                 const std::string& ec2_probe_dir) {
   TF_ASSIGN_OR_RETURN(const Profile profile, LoadProfile(request, env));
   S3Config config;
-  TF_RETURN_IF_ERROR(ResolveCredentials(config, request, env, profile));
+  TF_RETURN_IF_ERROR(ResolveCredentials(config, request, env, profile, ec2_probe_dir));
   TF_RETURN_IF_ERROR(ResolveRegion(config, request, env, profile));
   TF_RETURN_IF_ERROR(ResolveEndpoint(config, request, env, profile));
   TF_RETURN_IF_ERROR(ResolvePathStyle(config, request, profile));
+  if (config.credential_source == S3Config::CredentialSource::kWebIdentity) {
+    TF_RETURN_IF_ERROR(ResolveStsEndpoint(config, env, profile));
+  }
   return config;
 }
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 
+#include "objstore/credentials_common.h"
 #include "objstore/url.h"
 #include "tensorferry/status.h"
 
@@ -48,6 +49,18 @@ struct S3Config {
                          // /root/.aws/credentials", or "none found: anonymous" (no credentials
                          // anywhere -> unsigned requests, not an error); "options: anonymous" /
                          // "environment (AWS_NO_SIGN_REQUEST)" when asked for.
+  // Where temporary keys are fetched from when none are given (aws_credentials.h fetches them,
+  // and again before they expire): kKeys means the keys above (or anonymous).
+  enum class CredentialSource { kKeys, kWebIdentity, kProcess, kContainer, kInstanceMetadata };
+  CredentialSource credential_source = CredentialSource::kKeys;
+  // kWebIdentity: STS AssumeRoleWithWebIdentity at sts_endpoint ("scheme://host[:port]") with the
+  // token in web_identity_token_file (read at each fetch), for role_arn, as role_session_name.
+  std::string web_identity_token_file, role_arn, role_session_name, sts_endpoint;
+  std::string credential_process;  // kProcess: the command, run by /bin/sh -c
+  // kContainer: GET container_uri with "Authorization: " + the contents of container_token_file
+  // (read at each fetch) when set, else container_token (when set).
+  std::string container_uri, container_token, container_token_file;
+  std::string imds_endpoint;  // kInstanceMetadata: "scheme://host[:port]" of IMDSv2
   std::string endpoint_from;  // likewise: "options", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL",
                               // "profile \"x\" (s3.endpoint_url) in <file>", "profile \"x\"
                               // (endpoint_url) in <file>", "AWS default"
@@ -82,23 +95,35 @@ Result<std::string> ReadSmallFile(const std::string& path, std::string_view what
 Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from,
                                       std::string_view store);
 
-using GetEnv = std::function<std::optional<std::string>(const char* name)>;  // empty value = unset
-GetEnv ProcessEnv();                                                         // std::getenv
-
 // Precedence for every setting: explicit request, then environment, then the profile (config file
 // `[profile NAME]` / `[default]` and credentials file `[NAME]`; for a key in both, the
 // credentials file wins, as in the AWS CLI), then the default.
-// - credentials: request keys; else AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (+
-// AWS_SESSION_TOKEN);
-//   else profile aws_access_key_id/aws_secret_access_key/aws_session_token (credentials file first,
-//   then config file); else anonymous. anonymous=1 (request, or AWS_NO_SIGN_REQUEST=true/1 when
-//   the request leaves it unset) wins; anonymous=0 with no credentials found is an error. A key id
-//   without its secret (or the reverse), in any one place, is an error. Only static keys are
-//   read: a profile without keys that names another source (credential_process, role_arn,
-//   sso_session, sso_start_url, web_identity_token_file, credential_source) is kUnsupported;
-//   web-identity or container credentials in the environment (AWS_WEB_IDENTITY_TOKEN_FILE,
-//   AWS_CONTAINER_CREDENTIALS_*) are not fetched, and credentials_from says so; the EC2 instance
-//   metadata service is not asked.
+// - credentials, first found wins (botocore's order, less the sources not implemented):
+//   1. anonymous=1 (request, or AWS_NO_SIGN_REQUEST=true/1 when the request leaves it unset).
+//   2. Request keys. (A profile named in the request then wins over the environment's keys.)
+//   3. AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN).
+//   4. Web identity (EKS IRSA): AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN (+
+//      AWS_ROLE_SESSION_NAME), else the profile's web_identity_token_file + role_arn (+
+//      role_session_name); one without the other is an error. STS endpoint: AWS_ENDPOINT_URL_STS,
+//      AWS_ENDPOINT_URL, the profile's sts.endpoint_url / endpoint_url ([services] too), else
+//      https://sts.<region>.amazonaws.com (".amazonaws.com.cn" for cn-*).
+//   5. The profile's aws_access_key_id/aws_secret_access_key/aws_session_token in the
+//      credentials file; 6. its credential_process; 7. its keys in the config file.
+//   8. Container credentials (EKS Pod Identity, ECS): AWS_CONTAINER_CREDENTIALS_FULL_URI (http://
+//      only to a loopback address or 169.254.170.2, 169.254.170.23, [fd00:ec2::23]; else
+//      kInvalidArgument), else http://169.254.170.2 + AWS_CONTAINER_CREDENTIALS_RELATIVE_URI;
+//      Authorization from AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE, else
+//      AWS_CONTAINER_AUTHORIZATION_TOKEN.
+//   9. The EC2 instance metadata service (IMDSv2), unless AWS_EC2_METADATA_DISABLED=true/1, when
+//      AWS_EC2_METADATA_SERVICE_ENDPOINT or the profile's ec2_metadata_service_endpoint names
+//      it, or the machine says it is an EC2 instance (ec2_probe_dir: DMI sys_vendor or
+//      bios_vendor "Amazon EC2", bios_version "*amazon"); else http://169.254.169.254.
+//   10. Nothing: anonymous (unsigned requests), and credentials_from says so; anonymous=0 then
+//      is an error.
+//   A key id without its secret (or the reverse), in any one place, is an error. A profile that
+//   names only a source not implemented (role_arn with source_profile or credential_source,
+//   sso_session, sso_start_url) is kUnsupported. Sources 4, 6, 8 and 9 are fetched later, by
+//   AwsCredentials (aws_credentials.h): credential_source says which, keys stay empty.
 // - profile: request, AWS_PROFILE, AWS_DEFAULT_PROFILE, "default". A profile named explicitly
 // (request or
 //   env) that exists in neither file is an error (kInvalidArgument naming the profile and both
@@ -121,7 +146,8 @@ GetEnv ProcessEnv();                                                         // 
 // - path_style: request; profile s3.addressing_style; else auto = path-style when the endpoint is
 //   not an amazonaws.com host (custom endpoints: SeaweedFS, MinIO, GCS interop...) or the bucket
 //   has a '.' (TLS wildcard certificates), virtual-hosted otherwise. ObjectRequestUrl takes it.
-Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env = ProcessEnv());
+Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env = ProcessEnv(),
+                                 const std::string& ec2_probe_dir = "/sys/class/dmi/id");
 
 // One parsed AWS INI file: section name (as written between the brackets, whitespace-trimmed and
 // inner runs of whitespace collapsed to one space: "profile x") -> key -> value. Keys are

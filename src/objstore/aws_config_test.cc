@@ -32,7 +32,7 @@ class FakeAws {
     };
   }
   Result<S3Config> Resolve(const S3Request& request = {}) const {
-    return ResolveS3Config(request, Env());
+    return ResolveS3Config(request, Env(), home_.Join("dmi"));
   }
   S3Config MustResolve(const S3Request& request = {}) const {
     auto config = Resolve(request);
@@ -198,13 +198,147 @@ TEST(AwsConfig, CredentialSourcesWeDoNotImplementAreNamed) {
   request.profile.clear();
   aws.Set("AWS_PROFILE", "both");
   EXPECT_EQ(aws.MustResolve(request).access_key_id, "E");
-  // Web identity (EKS) in the environment: anonymous, and the message says why.
+  // Half of web identity (EKS) in the environment: an error naming what is missing.
   FakeAws pod;
   pod.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/token");
-  const S3Config c = pod.MustResolve();
-  EXPECT_TRUE(c.anonymous);
-  EXPECT_NE(c.credentials_from.find("AWS_WEB_IDENTITY_TOKEN_FILE is set"), std::string::npos)
+  EXPECT_NE(pod.Error().find("AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN"),
+            std::string::npos);
+  // A role assumed with other credentials is not implemented.
+  FakeAws role;
+  role.Config("[profile r]\nrole_arn = arn:aws:iam::1:role/x\nsource_profile = base\n");
+  request = S3Request();
+  request.profile = "r";
+  auto assumed = role.Resolve(request);
+  ASSERT_FALSE(assumed.ok());
+  EXPECT_EQ(assumed.status().code(), Code::kUnsupported);
+  EXPECT_NE(assumed.status().message().find("through role_arn"), std::string::npos)
+      << assumed.status().ToString();
+}
+
+TEST(AwsConfig, WebIdentityFromTheEnvironmentAndTheProfile) {
+  using Source = S3Config::CredentialSource;
+  FakeAws pod;
+  pod.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/eks/token");
+  pod.Set("AWS_ROLE_ARN", "arn:aws:iam::123:role/reader");
+  pod.Set("AWS_REGION", "eu-west-3");
+  S3Config c = pod.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kWebIdentity);
+  EXPECT_FALSE(c.anonymous);
+  EXPECT_TRUE(c.access_key_id.empty());
+  EXPECT_EQ(c.web_identity_token_file, "/var/run/secrets/eks/token");
+  EXPECT_EQ(c.role_arn, "arn:aws:iam::123:role/reader");
+  EXPECT_EQ(c.role_session_name.rfind("tensorferry-", 0), 0u) << c.role_session_name;
+  EXPECT_EQ(c.sts_endpoint, "https://sts.eu-west-3.amazonaws.com");
+  EXPECT_NE(c.credentials_from.find("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role "
+                                    "arn:aws:iam::123:role/reader) via STS "
+                                    "https://sts.eu-west-3.amazonaws.com"),
+            std::string::npos)
       << c.credentials_from;
+  // The STS endpoint: AWS_ENDPOINT_URL_STS, else AWS_ENDPOINT_URL (a local S3 server's STS).
+  pod.Set("AWS_ENDPOINT_URL", "http://127.0.0.1:8333/");
+  EXPECT_EQ(pod.MustResolve().sts_endpoint, "http://127.0.0.1:8333");
+  pod.Set("AWS_ENDPOINT_URL_STS", "https://sts.example.com");
+  EXPECT_EQ(pod.MustResolve().sts_endpoint, "https://sts.example.com");
+  pod.Set("AWS_ROLE_SESSION_NAME", "x");
+  EXPECT_NE(pod.Error().find("is not 2 to 64 characters long"), std::string::npos);
+  pod.Set("AWS_ROLE_SESSION_NAME", "loader-7");
+  EXPECT_EQ(pod.MustResolve().role_session_name, "loader-7");
+  // Keys in the environment come first.
+  pod.Set("AWS_ACCESS_KEY_ID", "E");
+  pod.Set("AWS_SECRET_ACCESS_KEY", "ES");
+  c = pod.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kKeys);
+  EXPECT_EQ(c.access_key_id, "E");
+  // From a profile, ahead of the profile's own keys (botocore's order).
+  FakeAws profile;
+  profile.Config(
+      "[default]\nweb_identity_token_file = /t\nrole_arn = arn:r\nrole_session_name = sess\n"
+      "aws_access_key_id = K\naws_secret_access_key = S\n"
+      "[profile half]\nweb_identity_token_file = /t\n");
+  c = profile.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kWebIdentity);
+  EXPECT_EQ(c.role_session_name, "sess");
+  EXPECT_NE(c.credentials_from.find("profile \"default\" in " + profile.Path(".aws/config")),
+            std::string::npos)
+      << c.credentials_from;
+  S3Request half;
+  half.profile = "half";
+  EXPECT_NE(profile.Error(half).find("web_identity_token_file is set without role_arn"),
+            std::string::npos);
+}
+
+TEST(AwsConfig, CredentialProcessSitsBetweenTheTwoFilesKeys) {
+  using Source = S3Config::CredentialSource;
+  FakeAws aws;
+  aws.Config(
+      "[default]\ncredential_process = /usr/bin/creds --json\n"
+      "aws_access_key_id = CK\naws_secret_access_key = CS\n");
+  S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kProcess);
+  EXPECT_EQ(c.credential_process, "/usr/bin/creds --json");
+  EXPECT_EQ(c.credentials_from,
+            "credential_process of profile \"default\" in " + aws.Path(".aws/config"));
+  aws.Credentials("[default]\naws_access_key_id = FK\naws_secret_access_key = FS\n");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kKeys);
+  EXPECT_EQ(c.access_key_id, "FK");
+}
+
+TEST(AwsConfig, ContainerCredentials) {
+  using Source = S3Config::CredentialSource;
+  FakeAws aws;
+  aws.Set("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "/v2/credentials/abc");
+  aws.Set("AWS_CONTAINER_AUTHORIZATION_TOKEN", "secret-token");
+  S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kContainer);
+  EXPECT_EQ(c.container_uri, "http://169.254.170.2/v2/credentials/abc");
+  EXPECT_EQ(c.container_token, "secret-token");
+  EXPECT_EQ(c.credentials_from.find("secret-token"), std::string::npos);
+  // FULL_URI wins; plain http only to loopback and the ECS/EKS link-local addresses.
+  for (const char* ok :
+       {"http://127.0.0.1:9911/creds", "http://localhost/c", "http://169.254.170.23/v1/credentials",
+        "http://[fd00:ec2::23]/c", "http://[::1]:80/c", "https://creds.example.com/c"}) {
+    aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", ok);
+    c = aws.MustResolve();
+    EXPECT_EQ(c.container_uri, ok);
+  }
+  for (const char* bad : {"http://10.1.2.3/creds", "http://127.0.0.1.evil.com/c",
+                          "http://user@127.0.0.1/c", "ftp://127.0.0.1/c", "http:///c"}) {
+    aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", bad);
+    const std::string message = aws.Error();
+    EXPECT_NE(message.find(std::string("AWS_CONTAINER_CREDENTIALS_FULL_URI \"") + bad),
+              std::string::npos)
+        << message;
+  }
+  // The token file wins over the token.
+  aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://127.0.0.1/c");
+  aws.Set("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "/var/run/token");
+  c = aws.MustResolve();
+  EXPECT_EQ(c.container_token_file, "/var/run/token");
+  EXPECT_TRUE(c.container_token.empty());
+}
+
+TEST(AwsConfig, InstanceMetadataWhenNamedOrOnEc2) {
+  using Source = S3Config::CredentialSource;
+  FakeAws aws;
+  EXPECT_TRUE(aws.MustResolve().anonymous);  // not EC2, nothing named: not asked
+  aws.Write("dmi/sys_vendor", "Amazon EC2\n");
+  S3Config c = aws.MustResolve();
+  EXPECT_EQ(c.credential_source, Source::kInstanceMetadata);
+  EXPECT_EQ(c.imds_endpoint, "http://169.254.169.254");
+  EXPECT_FALSE(c.anonymous);
+  aws.Set("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:1338/");
+  EXPECT_EQ(aws.MustResolve().imds_endpoint, "http://127.0.0.1:1338");
+  aws.Set("AWS_EC2_METADATA_DISABLED", "true");
+  c = aws.MustResolve();
+  EXPECT_TRUE(c.anonymous);
+  EXPECT_EQ(c.credential_source, Source::kKeys);
+  // Xen-era instances say so in the BIOS version; container credentials come first.
+  FakeAws xen;
+  xen.Write("dmi/bios_version", "4.11.amazon\n");
+  EXPECT_EQ(xen.MustResolve().credential_source, Source::kInstanceMetadata);
+  xen.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://127.0.0.1/c");
+  EXPECT_EQ(xen.MustResolve().credential_source, Source::kContainer);
 }
 
 TEST(AwsConfig, ProfileSelectionAndSections) {

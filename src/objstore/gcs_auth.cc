@@ -13,6 +13,7 @@
 #include <thread>
 #include <utility>
 
+#include "objstore/credentials_common.h"
 #include "util/json_dom.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
@@ -21,46 +22,6 @@ namespace tensorferry::objstore {
 namespace {
 
 constexpr size_t kMaxTokenResponse = 64 << 10;
-
-std::optional<std::string> Env(const GetEnv& env, const char* name) {
-  if (!env) return std::nullopt;
-  std::optional<std::string> value = env(name);
-  if (value && value->empty()) return std::nullopt;
-  return value;
-}
-
-// Parses `text` with `parser`, allocated for exactly this document first (as the index parser
-// does), nesting at most 64 levels (credentials and token answers are flat objects).
-simdjson::error_code ParseJson(simdjson::dom::parser& parser, std::string_view text,
-                               simdjson::dom::element& root) {
-  if (auto err = parser.allocate(std::max<size_t>(text.size(), 64), 64); err != simdjson::SUCCESS) {
-    return err;
-  }
-  const simdjson::padded_string padded(text.data(), text.size());
-  return parser.parse(padded).get(root);
-}
-
-// The string members of a flat JSON object (other members are skipped). Errors name `source`.
-Result<std::map<std::string, std::string>> StringMembers(std::string_view text,
-                                                         const std::string& source) {
-  simdjson::dom::parser parser;
-  simdjson::dom::element root;
-  if (auto err = ParseJson(parser, text, root); err != simdjson::SUCCESS) {
-    return Status(Code::kInvalidArgument,
-                  source + ": not valid JSON (" + simdjson::error_message(err) + ")");
-  }
-  simdjson::dom::object object;
-  if (root.get(object) != simdjson::SUCCESS) {
-    return Status(Code::kInvalidArgument,
-                  source + ": the JSON is " + json::TypeName(root.type()) + ", not an object");
-  }
-  std::map<std::string, std::string> out;
-  for (auto field : object) {
-    std::string_view value;
-    if (field.value.get(value) == simdjson::SUCCESS) out[std::string(field.key)] = value;
-  }
-  return out;
-}
 
 Result<std::string> Required(const std::map<std::string, std::string>& fields, const char* name,
                              const std::string& source, const std::string& type) {
@@ -230,22 +191,8 @@ std::string TokenError(const HttpResponse& r) {
       return out + ": " + std::string(message);
     }
   }
-  std::string excerpt;
-  for (char ch : std::string_view(r.text).substr(0, 160)) {
-    excerpt += (ch >= 32 && ch < 127) ? ch : ' ';
-  }
+  const std::string excerpt = PrintableExcerpt(r.text);
   return excerpt.empty() ? out : out + ": " + excerpt;
-}
-
-std::string Form(std::initializer_list<std::pair<const char*, std::string_view>> fields) {
-  std::string out;
-  for (const auto& [name, value] : fields) {
-    if (!out.empty()) out += '&';
-    out += name;
-    out += '=';
-    out += PercentEncode(value, false);
-  }
-  return out;
 }
 
 }  // namespace
@@ -275,31 +222,18 @@ Result<std::shared_ptr<BearerTokens>> BearerTokens::Make(const GcsConfig& config
   if (config.token_kind == GcsTokenKind::kNone) return std::shared_ptr<BearerTokens>();
   // One per credential and transport in the process: every source opened with the same
   // credentials (each file beside a model, each load) shares its token instead of asking again.
-  // Kept for the life of the process (a handful of entries at most).
-  static std::mutex* shared_mu = new std::mutex;
-  static auto* shared = new std::map<std::string, std::shared_ptr<BearerTokens>>;
-  std::string key;
-  for (const std::string* field :
-       {&config.token, &config.token_uri, &config.client_id, &config.client_secret,
-        &config.refresh_token, &config.client_email, &config.private_key, &config.private_key_id,
-        &config.metadata_host, &transport.ca_bundle}) {
-    key += std::to_string(field->size()) + ":" + *field;
-  }
-  key += std::to_string(static_cast<int>(config.token_kind)) + "/" +
-         std::to_string(transport.timeout_ms) + "/" + (transport.verify_tls ? "1" : "0");
-  std::lock_guard<std::mutex> lock(*shared_mu);
-  if (auto it = shared->find(key); it != shared->end()) return it->second;
-  std::unique_ptr<HttpClient> client;
-  if (config.token_kind != GcsTokenKind::kStatic) {
-    HttpSettings hs;
-    hs.timeout_ms = transport.timeout_ms;
-    hs.verify_tls = transport.verify_tls;
-    hs.ca_bundle = transport.ca_bundle;
-    TF_ASSIGN_OR_RETURN(client, HttpClient::Make(std::move(hs)));
-  }
-  auto tokens = std::shared_ptr<BearerTokens>(new BearerTokens(config, std::move(client)));
-  shared->emplace(std::move(key), tokens);
-  return tokens;
+  return SharedPerProcess<BearerTokens>(
+      {&config.token, &config.token_uri, &config.client_id, &config.client_secret,
+       &config.refresh_token, &config.client_email, &config.private_key, &config.private_key_id,
+       &config.metadata_host},
+      static_cast<int>(config.token_kind), transport,
+      [&]() -> Result<std::shared_ptr<BearerTokens>> {
+        std::unique_ptr<HttpClient> client;
+        if (config.token_kind != GcsTokenKind::kStatic) {
+          TF_ASSIGN_OR_RETURN(client, CredentialsClient(transport));
+        }
+        return std::shared_ptr<BearerTokens>(new BearerTokens(config, std::move(client)));
+      });
 }
 
 BearerTokens::BearerTokens(GcsConfig config, std::unique_ptr<HttpClient> client)
@@ -309,39 +243,20 @@ BearerTokens::~BearerTokens() = default;
 
 Result<std::string> BearerTokens::Get() {
   if (config_.token_kind == GcsTokenKind::kStatic) return config_.token;
-  std::lock_guard<std::mutex> lock(mu_);
-  const auto now = std::chrono::steady_clock::now();
-  if (!token_.empty() && now < refresh_at_) return token_;
-  Result<std::pair<std::string, std::chrono::seconds>> fetched = Fetch();
-  if (!fetched.ok()) {
-    // The refresh is early: while the token it would replace is still good, a token endpoint
-    // or metadata server that hiccups costs nothing (asked again in 10 s).
-    if (!token_.empty() && now < expires_at_) {
-      refresh_at_ = std::min(expires_at_, now + std::chrono::seconds(10));
-      return token_;
-    }
-    return fetched.status();
-  }
-  ++fetches_;
-  token_ = std::move(fetched->first);
-  const std::chrono::seconds life = fetched->second;
-  // Refresh 5 minutes before expiry (at half-life for tokens shorter than 10 minutes); used
-  // until 30 s (a quarter of a shorter life) before its end if refreshing fails.
-  refresh_at_ = now + std::max(life - std::chrono::seconds(300), life / 2);
-  expires_at_ = now + life - std::min<std::chrono::seconds>(std::chrono::seconds(30), life / 4);
-  return token_;
+  return tokens_.Get([this]() -> Result<Refreshing<std::string>::Fetched> {
+    TF_ASSIGN_OR_RETURN(auto fetched, Fetch());
+    return Refreshing<std::string>::Fetched{std::move(fetched.first), fetched.second};
+  });
 }
 
 bool BearerTokens::Refuse(const std::string& token) {
   if (config_.token_kind == GcsTokenKind::kStatic) return false;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (token_ == token) token_.clear();
+  tokens_.ForgetIf([&](const std::string& held) { return held == token; });
   return true;
 }
 
 uint64_t BearerTokens::fetches() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return fetches_;
+  return tokens_.fetches();
 }
 
 Result<std::pair<std::string, std::chrono::seconds>> BearerTokens::Fetch() const {
@@ -357,28 +272,22 @@ Result<std::pair<std::string, std::chrono::seconds>> BearerTokens::Fetch() const
     req.url = uri;
     req.headers.push_back("Content-Type: application/x-www-form-urlencoded");
     if (config_.token_kind == GcsTokenKind::kAuthorizedUser) {
-      req.post_body = Form({{"grant_type", "refresh_token"},
-                            {"client_id", config_.client_id},
-                            {"client_secret", config_.client_secret},
-                            {"refresh_token", config_.refresh_token}});
+      req.post_body = FormEncode({{"grant_type", "refresh_token"},
+                                  {"client_id", config_.client_id},
+                                  {"client_secret", config_.client_secret},
+                                  {"refresh_token", config_.refresh_token}});
     } else {
       const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
       TF_ASSIGN_OR_RETURN(const std::string assertion, ServiceAccountAssertion(config_, now));
-      req.post_body = Form({{"grant_type", "urn:ietf:params:oauth:grant-type:jwt-bearer"},
-                            {"assertion", assertion}});
+      req.post_body = FormEncode({{"grant_type", "urn:ietf:params:oauth:grant-type:jwt-bearer"},
+                                  {"assertion", assertion}});
     }
   }
   const std::string where =
       "GCS credentials (" + config_.s3.credentials_from + "): token request to " + req.url;
-  HttpResponse r;
-  for (int attempt = 0;; ++attempt) {
-    r = client_->Get(req);
-    const bool transient = r.status == 0 || r.status == 429 || r.status >= 500;
-    if (!transient || attempt >= 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200 << attempt));
-  }
+  const HttpResponse r = AskCredentialsEndpoint(*client_, req);
   if (r.status == 0) {
     return Status(Code::kIoError, where + ": no response (" + r.curl_error + ")");
   }

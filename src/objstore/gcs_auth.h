@@ -37,6 +37,7 @@
 #include <string_view>
 
 #include "objstore/aws_config.h"
+#include "objstore/credentials_common.h"
 #include "objstore/http.h"
 #include "tensorferry/status.h"
 
@@ -98,11 +99,7 @@ class BearerTokens {
 
   const GcsConfig config_;
   const std::unique_ptr<HttpClient> client_;  // null for kStatic
-  mutable std::mutex mu_;
-  std::string token_;
-  std::chrono::steady_clock::time_point refresh_at_{};
-  std::chrono::steady_clock::time_point expires_at_{};  // the token's own end (less a margin)
-  uint64_t fetches_ = 0;
+  Refreshing<std::string> tokens_;
 };
 
 // Reads one Application Default Credentials JSON document (`source` names it in errors) into

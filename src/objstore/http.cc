@@ -9,8 +9,10 @@
 #include <utility>
 
 #include "io/read_engine.h"
+#include "objstore/aws_credentials.h"
 #include "objstore/curl_api.h"
 #include "objstore/gcs_auth.h"
+#include "objstore/s3_xml.h"
 #include "util/decimal.h"
 #include "util/macros.h"
 
@@ -199,7 +201,7 @@ std::optional<uint64_t> HttpResponse::RangeStart() const {
 
 Result<std::unique_ptr<HttpClient>> HttpClient::Make(HttpSettings settings) {
   TF_ASSIGN_OR_RETURN(const CurlApi* api, Curl());
-  if (!settings.access_key_id.empty() && !api->has_sigv4) {
+  if ((!settings.access_key_id.empty() || settings.aws_credentials != nullptr) && !api->has_sigv4) {
     return Status(Code::kUnsupported, api->path + " is libcurl " + api->version +
                                           ": signed S3 requests need libcurl 7.75 or later");
   }
@@ -298,22 +300,38 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
     bearer = *std::move(token);
     headers = c.slist_append(headers, ("Authorization: Bearer " + bearer).c_str());
   }
-  if (request.post_body) {
-    c.easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE,
-                  static_cast<curl_off_t>(request.post_body->size()));
-    c.easy_setopt(h, CURLOPT_POSTFIELDS, request.post_body->c_str());
+  static const std::string kNoBody;
+  if (request.post_body || request.method == "PUT") {
+    const std::string& body = request.post_body ? *request.post_body : kNoBody;
+    c.easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
+    c.easy_setopt(h, CURLOPT_POSTFIELDS, body.c_str());
+  }
+  if (request.method == "PUT") c.easy_setopt(h, CURLOPT_CUSTOMREQUEST, "PUT");
+  AwsKeys keys{s.access_key_id, s.secret_access_key, s.session_token};
+  if (s.aws_credentials != nullptr) {
+    Result<AwsKeys> fetched = s.aws_credentials->Get();
+    if (!fetched.ok()) {
+      c.slist_free_all(headers);
+      Give(h);
+      response.no_token = true;
+      response.cancelled = fetched.status().code() == Code::kCancelled;
+      response.curl_code = CURLE_LOGIN_DENIED;
+      response.curl_error = fetched.status().message();
+      return response;
+    }
+    keys = *std::move(fetched);
   }
   const std::string aws = "aws:amz:" + s.region + ":s3";
-  if (!s.access_key_id.empty()) {
+  std::string security_token;
+  if (!keys.access_key_id.empty()) {
     headers = c.slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
-    std::string token;
-    if (!s.session_token.empty()) {
-      token = "x-amz-security-token: " + s.session_token;
-      headers = c.slist_append(headers, token.c_str());
+    if (!keys.session_token.empty()) {
+      security_token = "x-amz-security-token: " + keys.session_token;
+      headers = c.slist_append(headers, security_token.c_str());
     }
     c.easy_setopt(h, CURLOPT_AWS_SIGV4, aws.c_str());
-    c.easy_setopt(h, CURLOPT_USERNAME, s.access_key_id.c_str());
-    c.easy_setopt(h, CURLOPT_PASSWORD, s.secret_access_key.c_str());
+    c.easy_setopt(h, CURLOPT_USERNAME, keys.access_key_id.c_str());
+    c.easy_setopt(h, CURLOPT_PASSWORD, keys.secret_access_key.c_str());
   }
   c.easy_setopt(h, CURLOPT_HTTPHEADER, headers);
   const CURLcode code = c.easy_perform(h);
@@ -324,6 +342,16 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
   }
   if (response.status == 401 && s.bearer != nullptr) {
     response.token_replaced = s.bearer->Refuse(bearer);
+  }
+  if ((response.status == 400 || response.status == 403) && s.aws_credentials != nullptr &&
+      !keys.access_key_id.empty()) {
+    // Keys that expired early (revoked, a clock skewed) or were never valid here: fetch again.
+    const std::optional<S3ErrorBody> e = ParseS3Error(response.text);
+    if (e && (e->code == "ExpiredToken" || e->code == "InvalidToken" ||
+              e->code == "InvalidAccessKeyId" || e->code == "TokenRefreshRequired")) {
+      s.aws_credentials->Refuse(keys);
+      response.token_replaced = true;
+    }
   }
   char* peer = nullptr;
   if (c.easy_getinfo(h, CURLINFO_PRIMARY_IP, &peer) == CURLE_OK && peer != nullptr) {

@@ -31,6 +31,7 @@
 namespace tensorferry::objstore {
 
 struct CurlApi;
+class AwsCredentials;
 class BearerTokens;
 
 struct HttpSettings {
@@ -42,6 +43,11 @@ struct HttpSettings {
   // Plain HTTP(S) sources follow redirects (a hub to its CDN), at most 8, to http:// or https://
   // only, and from an https:// URL to https:// only (never a downgrade to plain text).
   bool follow_redirects = false;
+  // AWS keys fetched rather than given (aws_credentials.h): asked for before each request and
+  // used as access_key_id/secret_access_key/session_token are (which must then be empty); an
+  // answer refusing them as expired or unknown makes the next request fetch new ones. Null for
+  // none.
+  std::shared_ptr<AwsCredentials> aws_credentials;
   // OAuth 2 tokens (gcs_auth.h) sent as "Authorization: Bearer"; null for none.
   std::shared_ptr<BearerTokens> bearer;
   // The path is sent (and signed) as given, "." and ".." segments included: a bucket store's
@@ -58,6 +64,8 @@ struct HttpRequest {
   size_t text_limit = 1 << 20;  // bytes of other bodies kept
   // Sent as a POST with this body when set (headers name its Content-Type).
   std::optional<std::string> post_body;
+  // "PUT": sent as a PUT with post_body (or nothing) as its body. "": GET, or POST with post_body.
+  std::string method;
 };
 
 struct HttpResponse {
@@ -83,8 +91,9 @@ struct HttpResponse {
   std::string peer;  // the address the connection went to ("127.0.0.1", "::1"); "" if none was made
   // The URL that answered when the request was redirected (follow_redirects), else "".
   std::string redirected_to;
-  // Bearer tokens only: no token could be had (curl_error says why; nothing was sent), or the
-  // server answered 401 and another token will be fetched for the next attempt.
+  // Bearer tokens and fetched AWS keys only: none could be had (curl_error says why; nothing was
+  // sent), or the server refused them (401; for AWS keys an ExpiredToken, InvalidToken or
+  // InvalidAccessKeyId answer) and others will be fetched for the next attempt.
   bool no_token = false;
   bool token_replaced = false;
   // Total size from Content-Range ("bytes a-b/TOTAL", "bytes */TOTAL"); nullopt without one.

@@ -24,6 +24,7 @@
 
 #include "io/read_engine.h"
 #include "objstore/aws_config.h"
+#include "objstore/aws_credentials.h"
 #include "objstore/curl_api.h"
 #include "objstore/gcs_auth.h"
 #include "objstore/http.h"
@@ -408,7 +409,15 @@ Result<const HttpClient*> ObjectSource::Client(Scheme scheme) const {
         s3_client_ = s3_config_.status();
         return;
       }
-      s3_client_ = HttpClient::Make(BucketSettings(*s3_config_, options_));
+      HttpSettings hs = BucketSettings(*s3_config_, options_);
+      // Keys fetched from STS, a process, a container endpoint or the instance metadata service.
+      Result<std::shared_ptr<AwsCredentials>> fetched = AwsCredentials::Make(*s3_config_, hs);
+      if (!fetched.ok()) {
+        s3_client_ = fetched.status();
+        return;
+      }
+      hs.aws_credentials = *std::move(fetched);
+      s3_client_ = HttpClient::Make(std::move(hs));
     });
     if (!s3_client_.ok()) return s3_client_.status();
     return s3_client_->get();

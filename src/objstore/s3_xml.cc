@@ -335,4 +335,36 @@ Result<ListPage> ParseListObjectsV2(std::string_view body) {
   return page;
 }
 
+Result<StsCredentials> ParseStsCredentials(std::string_view body) {
+  const auto error = [](const std::string& what) {
+    return Status(Code::kInvalidArgument, "STS response: " + what);
+  };
+  Scanner scanner(body);
+  const std::optional<Element> root = scanner.Document();
+  if (!root) return error("not a well-formed XML document: " + scanner.error());
+  const std::string_view name = root->name;
+  if (!name.starts_with("AssumeRole") || !name.ends_with("Response")) {
+    return error("the root element is <" + root->name.substr(0, 64) +
+                 ">, not <AssumeRoleWithWebIdentityResponse>");
+  }
+  const std::string result_name =
+      std::string(name.substr(0, name.size() - std::string_view("Response").size())) + "Result";
+  const Element* result = root->Child(result_name);
+  const Element* credentials = result != nullptr ? result->Child("Credentials") : nullptr;
+  if (credentials == nullptr) return error("no <" + result_name + "><Credentials>");
+  StsCredentials out;
+  const auto text = [&](const char* child) {
+    const Element* e = credentials->Child(child);
+    return e == nullptr ? std::string() : std::string(Trim(e->text));
+  };
+  out.access_key_id = text("AccessKeyId");
+  out.secret_access_key = text("SecretAccessKey");
+  out.session_token = text("SessionToken");
+  out.expiration = text("Expiration");
+  if (out.access_key_id.empty() || out.secret_access_key.empty()) {
+    return error("<Credentials> lacks <AccessKeyId> or <SecretAccessKey>");
+  }
+  return out;
+}
+
 }  // namespace tensorferry::objstore

@@ -1,4 +1,5 @@
-// Internal: the two XML documents tensorferry reads from S3, parsed strictly and boundedly.
+// Internal: the XML documents tensorferry reads from S3 (errors, listings) and from STS (web
+// identity credentials), parsed strictly and boundedly.
 //
 // Contract:
 //   * Pure functions over the bytes of a response body: no I/O, no globals, safe from any thread.
@@ -53,6 +54,16 @@ struct ListPage {
 // that is not a well-formed ListBucketResult, a <Contents> without a <Key> or without a numeric
 // <Size> (digits only, fitting 64 bits), or an <IsTruncated> other than true/false.
 Result<ListPage> ParseListObjectsV2(std::string_view body);
+
+// The credentials of an STS AssumeRoleWithWebIdentityResponse (or AssumeRoleResponse):
+// <...Response><...Result><Credentials><AccessKeyId/><SecretAccessKey/><SessionToken/>
+// <Expiration/></Credentials>. Values kept exactly (trimmed of white space). Errors:
+// kInvalidArgument ("STS response: ...") for a body that is not such a document or lacks the
+// key id or the secret.
+struct StsCredentials {
+  std::string access_key_id, secret_access_key, session_token, expiration;  // ISO 8601
+};
+Result<StsCredentials> ParseStsCredentials(std::string_view body);
 
 // "&amp;" "&lt;" "&gt;" "&quot;" "&apos;" "&#NN;" "&#xNN;" (as UTF-8) decoded; others kept as
 // written (an unknown entity, a character reference to NUL, a surrogate or past U+10FFFF). The

@@ -146,20 +146,25 @@ def reference_slice(full, rule, rank, world):
     return torch.cat([torch.tensor_split(p, world, dim)[rank] for p in parts], dim)
 
 
+def running(server, name):
+    """A fixture's body for a server of objstore_servers: started (a failed start fails the test
+    with the server's log tail), yielded, stopped."""
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(f"{name} did not start: {e}", pytrace=False)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def seaweed():
     """A SeaweedFS S3 endpoint on loopback (objstore_servers.SeaweedS3), started on first use and
     stopped at the end of the session. Fails when `weed` is missing (skipped instead only under
     TENSORFERRY_TESTS_OFFLINE=1: pytest_collection_modifyitems)."""
     from objstore_servers import SeaweedS3
-    server = SeaweedS3()
-    try:
-        server.start()
-    except RuntimeError as e:
-        server.stop()
-        pytest.fail(f"SeaweedFS did not start: {e}", pytrace=False)
-    yield server
-    server.stop()
+    yield from running(SeaweedS3(), "SeaweedFS")
 
 
 @pytest.fixture(scope="session")
@@ -168,14 +173,7 @@ def nginx_http():
     use. Fails when nginx is missing: apt-get install nginx-light (skipped instead only under
     TENSORFERRY_TESTS_OFFLINE=1)."""
     from objstore_servers import NginxHttp
-    server = NginxHttp()
-    try:
-        server.start()
-    except RuntimeError as e:
-        server.stop()
-        pytest.fail(f"nginx did not start: {e}", pytrace=False)
-    yield server
-    server.stop()
+    yield from running(NginxHttp(), "nginx")
 
 
 @pytest.fixture

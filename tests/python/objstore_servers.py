@@ -17,9 +17,18 @@ What SeaweedFS 4.48 does, as checked by test_objstore_infra.py:
     a known identity without rights on the bucket -> 403 AccessDenied;
   - missing key -> 404 NoSuchKey; missing bucket -> 404 NoSuchBucket;
   - GET with a stale If-Match -> 412 PreconditionFailed (ranged GETs too);
-  - anonymous reads are allowed where the "anonymous" identity has Read:<bucket> (PUBLIC_BUCKET).
+  - anonymous reads are allowed where the "anonymous" identity has Read:<bucket> (PUBLIC_BUCKET);
+  - with SeaweedS3(sts=issuer) (an -s3.iam.config file): POST /?Action=AssumeRoleWithWebIdentity on
+    the S3 port (unsigned; the AWS STS form and XML) exchanges a JWT of the issuer (checked against
+    its JWKS: signature, iss, aud = its client_id, exp) for session credentials (an ASIA... key id
+    and a SessionToken) of ROLE_ARN. S3 requests signed with them (x-amz-security-token) may do
+    what the role's policy allows; a bogus session token is 403 InvalidAccessKeyId. A refused JWT
+    is 400 InvalidParameterValue (signature, audience) or ExpiredTokenException (exp); an unknown
+    role is 403 AccessDenied. Static identities and anonymous reads are as without it.
 """
 import atexit
+import base64
+import datetime
 import grp
 import json
 import os
@@ -218,7 +227,10 @@ class SeaweedS3:
     Identities (from an -s3.config file written at start):
       ADMIN: every right on every bucket;  OTHER: reads OTHER_BUCKET only (AccessDenied elsewhere);
       anonymous: reads PUBLIC_BUCKET only.
-    Buckets BUCKET, PUBLIC_BUCKET and OTHER_BUCKET exist after start()."""
+    Buckets BUCKET, PUBLIC_BUCKET and OTHER_BUCKET exist after start().
+
+    STS (opt-in, sts=issuer): AssumeRoleWithWebIdentity of ROLE_ARN with a JWT of that OIDC issuer
+    gives session credentials that read BUCKET only (GetObject, ListBucket)."""
 
     ADMIN_KEY = ("tfadmin", "tfadmin-secret-key-0123456789")
     OTHER_KEY = ("tfother", "tfother-secret-key-0123456789")
@@ -227,13 +239,19 @@ class SeaweedS3:
     OTHER_BUCKET = "tensorferry-other"
     REGION = "us-east-1"
     SERVICES = ("master", "volume", "filer", "s3", "admin", "webdav", "debug", "s3debug")
+    ROLE_ARN = "arn:aws:iam::role/TensorferryReader"  # the STS role (sts=issuer only)
+    OIDC_PROVIDER = "tensorferry-oidc"
 
-    def __init__(self, parent_dir=None, start_timeout_s=60.0, extra_args=()):
+    def __init__(self, parent_dir=None, start_timeout_s=60.0, extra_args=(), sts=None):
         """Data, config and log go to a fresh directory under parent_dir (default: the system
-        temp dir; the benchmark uses /var/tmp), removed by stop()."""
+        temp dir; the benchmark uses /var/tmp), removed by stop(). `sts`: an OIDC issuer (an
+        object with .issuer, .jwks_uri, .client_id and token(): aws_credential_servers'
+        OidcIssuer) whose JWTs the STS API exchanges for session credentials of ROLE_ARN; None
+        (the default): no STS configuration, the server as before."""
         self.root = tempfile.mkdtemp(prefix="tf-seaweed-", dir=parent_dir)
         self.start_timeout_s = start_timeout_s
         self.extra_args = list(extra_args)
+        self.sts = sts
         self.ports = {}
         self.endpoint = None
         self.start_seconds = None
@@ -294,6 +312,33 @@ class SeaweedS3:
             json.dump({"identities": identities}, f, indent=1)
         return path
 
+    def _iam_config_path(self):
+        """The -s3.iam.config file of sts=issuer: the STS signing key (random per server), the
+        OIDC provider, ROLE_ARN trusting it, and the role's policy (read BUCKET)."""
+        path = os.path.join(self.root, "iam.json")
+        trust = {"Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": {"Federated": self.OIDC_PROVIDER},
+            "Action": ["sts:AssumeRoleWithWebIdentity"]}]}
+        read = {"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
+             "Resource": [f"arn:aws:s3:::{self.BUCKET}", f"arn:aws:s3:::{self.BUCKET}/*"]},
+            {"Effect": "Allow", "Action": ["sts:ValidateSession"], "Resource": ["*"]}]}
+        config = {
+            "sts": {"tokenDuration": "1h", "maxSessionLength": "12h",
+                    "issuer": "tensorferry-tests-sts",
+                    "signingKey": base64.b64encode(os.urandom(32)).decode()},
+            "providers": [{"name": self.OIDC_PROVIDER, "type": "oidc", "enabled": True,
+                           "config": {"issuer": self.sts.issuer, "clientId": self.sts.client_id,
+                                      "jwksUri": self.sts.jwks_uri}}],
+            "policy": {"defaultEffect": "Deny", "storeType": "memory"},
+            "roles": [{"roleName": self.ROLE_ARN.rsplit("/", 1)[1], "roleArn": self.ROLE_ARN,
+                       "trustPolicy": trust, "attachedPolicies": ["TensorferryRead"]}],
+            "policies": [{"name": "TensorferryRead", "document": read}],
+        }
+        with open(path, "w") as f:
+            json.dump(config, f, indent=1)
+        return path
+
     def _argv(self, weed):
         p = self.ports
         data = os.path.join(self.root, "data")
@@ -306,6 +351,8 @@ class SeaweedS3:
                 f"-debug.port={p['debug']}", f"-s3.debug.port={p['s3debug']}",
                 f"-filer.localSocket={os.path.join(self.root, 'filer.sock')}",
                 f"-s3.localSocket={os.path.join(self.root, 's3.sock')}"]
+        if self.sts is not None:
+            args += [f"-s3.iam.config={self._iam_config_path()}"]
         for svc in ("master", "volume", "filer", "s3", "admin", "webdav"):
             args += [f"-{svc}.port={p[svc]}"]
             if svc != "webdav":
@@ -356,14 +403,38 @@ class SeaweedS3:
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
-        keys = keys or self.ADMIN_KEY
+        keys = keys or self.ADMIN_KEY  # (id, secret) or (id, secret, session token)
         cfg = Config(s3={"addressing_style": "path"},
                      retries={"max_attempts": max_attempts, "mode": "standard"},
                      signature_version=UNSIGNED if anonymous else "s3v4",
                      **({} if timeout_s is None else {"connect_timeout": timeout_s,
                                                      "read_timeout": timeout_s}))
         return boto3.client("s3", endpoint_url=endpoint or self.endpoint, region_name=self.REGION,
-                            aws_access_key_id=keys[0], aws_secret_access_key=keys[1], config=cfg)
+                            aws_access_key_id=keys[0], aws_secret_access_key=keys[1],
+                            aws_session_token=keys[2] if len(keys) > 2 else None, config=cfg)
+
+    def sts_client(self):
+        """A boto3 STS client on this server's S3 port, unsigned (AssumeRoleWithWebIdentity)."""
+        import boto3
+        from botocore import UNSIGNED
+        from botocore.config import Config
+        return boto3.client("sts", endpoint_url=self.endpoint, region_name=self.REGION,
+                            config=Config(signature_version=UNSIGNED,
+                                          retries={"max_attempts": 1, "mode": "standard"}))
+
+    def session_credentials(self, token=None, session_name="tensorferry-tests"):
+        """Session credentials of ROLE_ARN from this server's STS for `token` (default: a fresh
+        JWT of the sts issuer): {AccessKeyId, SecretAccessKey, SessionToken, Expiration (ISO
+        8601 UTC with a Z)}. Needs sts=issuer."""
+        if self.sts is None:
+            raise RuntimeError("this SeaweedS3 was made without sts=issuer")
+        r = self.sts_client().assume_role_with_web_identity(
+            RoleArn=self.ROLE_ARN, RoleSessionName=session_name,
+            WebIdentityToken=token or self.sts.token())
+        c = r["Credentials"]
+        when = c["Expiration"].astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {"AccessKeyId": c["AccessKeyId"], "SecretAccessKey": c["SecretAccessKey"],
+                "SessionToken": c["SessionToken"], "Expiration": when}
 
     def env(self, keys=None, endpoint=None):
         """AWS_* variables for a subprocess that should reach this server (or `endpoint`) as

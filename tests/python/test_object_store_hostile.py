@@ -1,6 +1,6 @@
 """Object-storage reads from servers that misbehave without failing outright: a server that drips
 bytes, one that caps its ranged responses, one that encodes bodies, a 416 without a size, and a
-load cancelled (Ctrl-C) while its GETs hang. A small range-serving HTTP server of our own on
+load or an open cancelled (Ctrl-C) while its GETs hang. A small range-serving HTTP server of our own on
 loopback plays each part (docs/object_storage.md, "Slow and odd servers", "Cancelling")."""
 import contextlib
 import http.server
@@ -26,7 +26,8 @@ def serving(data, mode, release):
     """Serves `data` at /<anything> with ranges, answering as `mode` says:
     normal, capped (206s of at most 64 KiB), gzip (a Content-Encoding header), drip (data ranges
     500 bytes a second), hang (data ranges: the headers, then nothing until `release`),
-    no_size_416 (416 without a Content-Range). The first 4096 bytes (the open) come normally."""
+    no_size_416 (416 without a Content-Range), hang_open (every GET hangs, the open's too). The
+    first 4096 bytes (the open) come normally in the other modes."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -50,7 +51,9 @@ def serving(data, mode, release):
                 self.send_header("Content-Encoding", "gzip")
             self.end_headers()
             try:
-                if opening or mode in ("normal", "capped", "gzip"):
+                if mode == "hang_open":
+                    release.wait(60)
+                elif opening or mode in ("normal", "capped", "gzip"):
                     self.wfile.write(body)
                 elif mode == "drip":
                     for at in range(0, len(body), 100):
@@ -125,6 +128,17 @@ def test_a_416_without_a_size_is_an_error_not_an_empty_file(checkpoint):
             tensorferry.Loader(url, storage_options={**OPTS, "object_retries": 0})
 
 
+OPEN_CHILD = r"""
+import sys, tensorferry
+print("opening", flush=True)
+try:
+    tensorferry.Loader(sys.argv[1], storage_options={"object_header_bytes": 4096,
+                                                    "object_timeout_ms": 60000})
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
 CHILD = r"""
 import sys, tensorferry
 loader = tensorferry.Loader(sys.argv[1], storage_options={"object_header_bytes": 4096,
@@ -138,23 +152,41 @@ except KeyboardInterrupt:
 """
 
 
+def interrupted(child_code, url, ready_line, wait_s):
+    """Runs `child_code` on `url`, waits for its `ready_line` and `wait_s` more (its GETs in
+    flight), sends SIGINT; returns (returncode, stdout, stderr, seconds from the signal)."""
+    child = subprocess.Popen([sys.executable, "-c", child_code, url], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert child.stdout.readline().strip() == ready_line
+        time.sleep(wait_s)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+        return child.returncode, out, err, time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_ctrl_c_ends_an_open_whose_header_get_hangs(checkpoint):
+    """The open's header GET hangs (headers, then nothing) with a minute's stall timeout: SIGINT
+    ends the open within seconds, as it ends a load."""
+    data, _ = checkpoint
+    with serving(data, "hang_open", threading.Event()) as url:
+        code, out, err, took = interrupted(OPEN_CHILD, url, "opening", 1.5)
+    assert code == 3, (code, out, err)
+    assert "interrupted" in out
+    assert took < 15, "the cancel waited for the hanging header GET"
+
+
 def test_ctrl_c_ends_a_load_whose_gets_hang(checkpoint):
     """The GETs of the load hang (headers, then nothing) and the stall timeout is a minute:
     only the cancel can end them, and SIGINT does within seconds."""
     data, _ = checkpoint
     with serving(data, "hang", threading.Event()) as url:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, url], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        try:
-            assert child.stdout.readline().strip() == "loading"
-            time.sleep(1.0)  # the load's GETs are in flight (waiting for bytes)
-            sent = time.monotonic()
-            child.send_signal(signal.SIGINT)
-            out, err = child.communicate(timeout=30)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-        assert child.returncode == 3, (child.returncode, out, err)
-        assert "interrupted" in out
-        assert time.monotonic() - sent < 15, "the cancel waited for the hanging GETs"
+        code, out, err, took = interrupted(CHILD, url, "loading", 1.0)
+    assert code == 3, (code, out, err)
+    assert "interrupted" in out
+    assert took < 15, "the cancel waited for the hanging GETs"

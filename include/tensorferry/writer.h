@@ -70,6 +70,9 @@ struct WriteOptions {
   bool checksums = true;
   uint64_t checksum_chunk_size = 4u << 20;  // kDefaultChecksumChunkSize; >= 1024 and <= 1 GiB
   unsigned checksum_threads = 0;
+  // WriteFile writes "__metadata__":{} when `metadata` is empty (and there are no checksums), as
+  // the reference does for metadata={} (none without: its metadata=None).
+  bool metadata_table = false;
 };
 
 // The header bytes (JSON plus padding, without the 8-byte length prefix) that WriteFile would
@@ -84,8 +87,10 @@ struct SerializedHeader {
 };
 // A kChecksumsMetadataKey entry in `metadata` is left out (as WriteFile leaves it out): a record
 // the writer did not compute for these bytes would fail every later load that checks it.
+// With `metadata_table`, "__metadata__":{} is written when `metadata` is empty
+// (WriteOptions::metadata_table).
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
-                                         const Metadata& metadata);
+                                         const Metadata& metadata, bool metadata_table = false);
 
 // Writes one safetensors file at `path`. Errors: those of SerializeHeader; kInvalidArgument when
 // `path` names no file (empty, ends in '/'); kIoError naming the path, the byte offset and errno;

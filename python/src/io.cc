@@ -60,7 +60,8 @@ Metadata ToMetadata(const std::optional<nb::dict>& metadata) {
 nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& metadata) {
   const std::vector<TensorToWrite> tensors = ToWrite(entries);
   const Metadata meta = ToMetadata(metadata);
-  const SerializedHeader header = Unwrap(SerializeHeader(tensors, meta));
+  // metadata={} gives "__metadata__":{} (as the reference writes it); None gives none.
+  const SerializedHeader header = Unwrap(SerializeHeader(tensors, meta, metadata.has_value()));
   const uint64_t total = 8 + header.json.size() + header.data_size;
   PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total));
   if (raw == nullptr) throw nb::python_error();
@@ -92,6 +93,7 @@ void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metad
     WithoutGil release;
     WriteOptions options;
     options.checksums = checksums;  // per-tensor checksums in the metadata (docs/integrity.md)
+    options.metadata_table = metadata.has_value();
     s = WriteFile(path, tensors, meta, options);
   }
   Check(s);

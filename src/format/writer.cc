@@ -153,7 +153,8 @@ Result<std::vector<uint64_t>> CheckTensors(std::span<const TensorToWrite> tensor
 Result<SerializedHeader> BuildHeader(
     std::span<const TensorToWrite> tensors, std::span<const uint64_t> sizes,
     std::span<const size_t> subset,
-    const std::vector<const std::pair<std::string, std::string>*>& metadata) {
+    const std::vector<const std::pair<std::string, std::string>*>& metadata,
+    bool metadata_table = false) {
   SerializedHeader out;
   out.order.assign(subset.begin(), subset.end());
   // The reference's order: dtype descending, then name ascending. Names are unique, so the order
@@ -166,8 +167,9 @@ Result<SerializedHeader> BuildHeader(
   std::string& json = out.json;
   json.push_back('{');
   bool first = true;
-  // Matches the reference: "__metadata__" is written only when there is metadata.
-  if (!metadata.empty()) {
+  // Matches the reference: "__metadata__" is written only when there is metadata, or an empty
+  // table was asked for (the reference's metadata={}).
+  if (!metadata.empty() || metadata_table) {
     json += "\"__metadata__\":{";
     for (size_t i = 0; i < metadata.size(); ++i) {
       if (i > 0) json.push_back(',');
@@ -1097,13 +1099,13 @@ Metadata WithoutChecksumRecord(const Metadata& metadata) {
 }  // namespace
 
 Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
-                                         const Metadata& metadata) {
+                                         const Metadata& metadata, bool metadata_table) {
   TF_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, CheckTensors(tensors));
   const Metadata kept = WithoutChecksumRecord(metadata);  // sorted_metadata points into it
   TF_ASSIGN_OR_RETURN(const auto sorted_metadata, SortedMetadata(kept));
   std::vector<size_t> all(tensors.size());
   std::iota(all.begin(), all.end(), size_t{0});
-  return BuildHeader(tensors, sizes, all, sorted_metadata);
+  return BuildHeader(tensors, sizes, all, sorted_metadata, metadata_table);
 }
 
 Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors,
@@ -1123,7 +1125,7 @@ Status WriteFile(const std::string& path, std::span<const TensorToWrite> tensors
                        [&](FileSink& sink) { return WriteChecksummedBody(sink, file, options); });
   }
   TF_ASSIGN_OR_RETURN(const SerializedHeader header,
-                      BuildHeader(tensors, sizes, all, sorted_metadata));
+                      BuildHeader(tensors, sizes, all, sorted_metadata, options.metadata_table));
   return AtomicWrite(path, FileSize(header), options,
                      [&](FileSink& sink) { return WriteBody(sink, tensors, sizes, header); });
 }

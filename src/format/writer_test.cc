@@ -155,6 +155,22 @@ TEST(WriterVectors, EmptyDict) {
   EXPECT_EQ(ReadBytes(path), std::string("\x08\0\0\0\0\0\0\0{}      ", 16));
 }
 
+TEST(WriterVectors, AnEmptyMetadataTableWhenAskedFor) {
+  // The reference's metadata={}: "__metadata__":{}; with checksums the table has their entry.
+  auto h = SerializeHeader({}, {}, /*metadata_table=*/true);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->json, R"({"__metadata__":{}})" + std::string(5, ' '));
+  TempDir dir;
+  const std::string path = dir.Join("t.safetensors");
+  WriteOptions options = NoSync();
+  options.metadata_table = true;
+  ASSERT_TRUE(WriteFile(path, {}, {}, options).ok());
+  EXPECT_EQ(ReadBytes(path), Le64(24) + h->json);
+  options.metadata_table = false;
+  ASSERT_TRUE(WriteFile(path, {}, {}, options).ok());
+  EXPECT_EQ(ReadBytes(path), std::string("\x08\0\0\0\0\0\0\0{}      ", 16));
+}
+
 TEST(WriterVectors, EmptyDictWithMetadata) {
   const Metadata metadata = {{"framework", "pt"}};
   auto h = SerializeHeader({}, metadata);

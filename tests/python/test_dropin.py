@@ -196,7 +196,8 @@ def test_save_is_byte_identical_to_reference(tmp_path, seed):
     tensors = random_mixed_dict(rng, pyrng)
     # One key at most: the reference writes several metadata keys in an order that changes from
     # process to process (a Rust HashMap); test_metadata_order covers several.
-    metadata = None if seed % 3 == 0 else {"k%d" % seed: "é" * seed}
+    # metadata={} writes an empty "__metadata__" table, None writes none (as the reference does).
+    metadata = [None, {}, {"k%d" % seed: "é" * seed}][seed % 3]
     ours_path, ref_path = str(tmp_path / "ours.safetensors"), str(tmp_path / "ref.safetensors")
     # checksums=False: without the "tensorferry.checksums" entry (test_integrity.py), the bytes
     # are the reference's.
@@ -240,6 +241,7 @@ def test_numpy_save_is_byte_identical_to_reference(tmp_path, seed):
     if seed % 2:
         arrays["big_endian"] = np.arange(6, dtype=">f4").reshape(2, 3)
     assert tf_np.save(arrays, {"s": str(seed)}) == ref_np.save(arrays, {"s": str(seed)})
+    assert tf_np.save(arrays, {}) == ref_np.save(arrays, {})
     path = str(tmp_path / "ours.safetensors")
     tf_np.save_file(arrays, path)
     for name, value in ref_np.load_file(path).items():

@@ -267,55 +267,57 @@ Result<bool> ProfileKeys(S3Config& c, const Profile& p,
   return true;
 }
 
-// A profile whose credentials come from a role assumed with other credentials or from SSO names
-// a source tensorferry does not implement: an error, rather than unsigned requests that fail
-// with AccessDenied later.
-Status RefuseUnsupportedProfileSource(const Profile& p) {
-  for (const char* key :
-       {"role_arn", "source_profile", "credential_source", "sso_session", "sso_start_url"}) {
-    if (auto value = p.Get(key)) {
-      return Status(Code::kUnsupported,
-                    p.Where(value->second) + " gets its credentials through " + key +
-                        ", which tensorferry does not support: give keys (options, "
-                        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, aws_access_key_id/"
-                        "aws_secret_access_key in the profile), web_identity_token_file with "
-                        "role_arn, or credential_process");
-    }
+// A profile whose credentials come from a role assumed with other credentials (role_arn with
+// source_profile or credential_source) or from SSO names a source tensorferry does not
+// implement: an error, rather than other keys or unsigned requests that fail with AccessDenied
+// later. With `bare_role`, a role_arn without a web identity token file counts too (a profile
+// with nothing else: there is nothing to assume it with).
+Status RefuseUnsupportedProfileSource(const Profile& p, bool bare_role) {
+  const bool assumed =
+      p.Get("role_arn") && (p.Get("source_profile") || p.Get("credential_source") ||
+                            (bare_role && !p.Get("web_identity_token_file")));
+  for (const char* key : {"role_arn", "sso_session", "sso_start_url"}) {
+    auto value = p.Get(key);
+    if (!value || (std::string_view(key) == "role_arn" && !assumed)) continue;
+    return Status(Code::kUnsupported,
+                  p.Where(value->second) + " gets its credentials through " + key +
+                      ", which tensorferry does not support: give keys (options, "
+                      "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, aws_access_key_id/"
+                      "aws_secret_access_key in the profile), web_identity_token_file with "
+                      "role_arn, or credential_process");
   }
   return Status::Ok();
 }
 
-// Web identity from the environment, else from the profile; false when neither names it.
+// Web identity: each of the token file, the role and the session name from the environment,
+// else from the profile (botocore's rule, key by key); false without a token file.
 Result<bool> WebIdentity(S3Config& c, const GetEnv& env, const Profile& p) {
-  const auto file = Env(env, "AWS_WEB_IDENTITY_TOKEN_FILE");
-  const auto role = Env(env, "AWS_ROLE_ARN");
-  if (file || role) {
-    if (!file || !role) {
-      return Status(Code::kInvalidArgument,
-                    std::string("S3 credentials from the environment: ") +
-                        (file ? "AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN"
-                              : "AWS_ROLE_ARN is set without AWS_WEB_IDENTITY_TOKEN_FILE"));
-    }
-    c.web_identity_token_file = *file;
-    c.role_arn = *role;
-    c.role_session_name = Env(env, "AWS_ROLE_SESSION_NAME").value_or("");
-    c.credentials_from = "web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role " + *role + ")";
-  } else {
-    const auto pfile = p.Get("web_identity_token_file");
-    if (!pfile) return false;
-    const auto prole = p.Get("role_arn");
-    if (!prole) {
-      return Status(Code::kInvalidArgument,
-                    p.Where(pfile->second) + ": web_identity_token_file is set without role_arn");
-    }
-    c.web_identity_token_file = pfile->first;
-    c.role_arn = prole->first;
-    if (auto name = p.Get("role_session_name")) c.role_session_name = name->first;
-    c.credentials_from = "web identity (" + p.Where(pfile->second) + ", role " + prole->first + ")";
+  struct Setting {
+    std::string value, from;
+  };
+  const auto get = [&](const char* var, const char* key) -> std::optional<Setting> {
+    if (auto v = Env(env, var)) return Setting{*v, var};
+    if (auto pv = p.Get(key)) return Setting{pv->first, p.Where(pv->second) + " (" + key + ")"};
+    return std::nullopt;
+  };
+  const auto file = get("AWS_WEB_IDENTITY_TOKEN_FILE", "web_identity_token_file");
+  if (!file) return false;
+  const auto role = get("AWS_ROLE_ARN", "role_arn");
+  if (!role) {
+    return Status(Code::kInvalidArgument, "S3 credentials: a web identity token file is set (" +
+                                              file->from +
+                                              ") without a role (AWS_ROLE_ARN, or role_arn in "
+                                              "profile \"" +
+                                              p.name + "\")");
   }
-  if (c.role_session_name.empty()) {
+  c.web_identity_token_file = file->value;
+  c.role_arn = role->value;
+  if (auto name = get("AWS_ROLE_SESSION_NAME", "role_session_name")) {
+    c.role_session_name = name->value;
+  } else {
     c.role_session_name = "tensorferry-" + std::to_string(static_cast<long long>(::getpid()));
   }
+  c.credentials_from = "web identity (" + file->from + ", role " + role->value + ")";
   if (c.role_session_name.size() < 2 || c.role_session_name.size() > 64) {
     return Status(Code::kInvalidArgument, "S3 credentials from " + c.credentials_from +
                                               ": the role session name \"" + c.role_session_name +
@@ -347,19 +349,31 @@ bool ContainerHostAllowedOverHttp(std::string_view host) {
 // Container credentials from the environment; false when it names none.
 Result<bool> ContainerCredentials(S3Config& c, const GetEnv& env) {
   std::string uri;
-  if (auto full = Env(env, "AWS_CONTAINER_CREDENTIALS_FULL_URI")) {
+  // RELATIVE first, as botocore reads them.
+  if (auto relative = Env(env, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")) {
+    uri = "http://169.254.170.2" + (relative->starts_with('/') ? *relative : "/" + *relative);
+    c.credentials_from =
+        "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI: " + uri + ")";
+  } else if (auto full = Env(env, "AWS_CONTAINER_CREDENTIALS_FULL_URI")) {
     uri = *full;
+    const bool http = uri.starts_with("http://");
+    std::string_view rest = std::string_view(uri).substr(http                          ? 7
+                                                         : uri.starts_with("https://") ? 8
+                                                                                       : 0);
+    rest = rest.substr(0, rest.find_first_of("/?#"));
+    const size_t at = rest.rfind('@');
+    // Shown without a user name and password (a secret).
+    const std::string shown =
+        at == std::string_view::npos
+            ? uri
+            : uri.substr(0, static_cast<size_t>(rest.data() - uri.data())) + "***@" +
+                  uri.substr(static_cast<size_t>(rest.data() - uri.data()) + at + 1);
     const auto invalid = [&](std::string_view why) {
       return Status(Code::kInvalidArgument,
-                    "AWS_CONTAINER_CREDENTIALS_FULL_URI \"" + uri + "\": " + std::string(why));
+                    "AWS_CONTAINER_CREDENTIALS_FULL_URI \"" + shown + "\": " + std::string(why));
     };
-    const bool http = uri.starts_with("http://");
     if (!http && !uri.starts_with("https://")) return invalid("must be an http(s):// URL");
-    std::string_view rest = std::string_view(uri).substr(http ? 7 : 8);
-    rest = rest.substr(0, rest.find_first_of("/?#"));
-    if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
-      return invalid("must not carry a user name or password");
-    }
+    if (at != std::string_view::npos) return invalid("must not carry a user name or password");
     std::string_view host = rest;
     if (host.starts_with('[')) {
       host = host.substr(0, host.find(']') + 1);
@@ -373,10 +387,6 @@ Result<bool> ContainerCredentials(S3Config& c, const GetEnv& env) {
           "or [fd00:ec2::23] (as the AWS SDKs allow); use https://");
     }
     c.credentials_from = "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI " + uri + ")";
-  } else if (auto relative = Env(env, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")) {
-    uri = "http://169.254.170.2" + (relative->starts_with('/') ? *relative : "/" + *relative);
-    c.credentials_from =
-        "container credentials (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI: " + uri + ")";
   } else {
     return false;
   }
@@ -425,6 +435,7 @@ Result<bool> InstanceMetadata(S3Config& c, const GetEnv& env, const Profile& p,
 
 Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p,
                           const std::string& ec2_probe_dir) {
+  c.unsigned_allowed = r.anonymous != 0;
   if (r.anonymous == 1 || (r.anonymous == -1 && EnvTrue(env, "AWS_NO_SIGN_REQUEST"))) {
     c.anonymous = true;
     c.credentials_from =
@@ -449,7 +460,10 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
                    Env(env, "AWS_SESSION_TOKEN").value_or(""), "environment (AWS_ACCESS_KEY_ID)",
                    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
   }
-  TF_ASSIGN_OR_RETURN(bool found, WebIdentity(c, env, p));
+  // botocore's order: a role assumed with the profile's source, web identity (the environment's
+  // settings not read when a profile was named in the options), the profile's keys and process.
+  TF_RETURN_IF_ERROR(RefuseUnsupportedProfileSource(p, /*bare_role=*/false));
+  TF_ASSIGN_OR_RETURN(bool found, WebIdentity(c, r.profile.empty() ? env : GetEnv(), p));
   if (found) return Status::Ok();
   TF_ASSIGN_OR_RETURN(found, ProfileKeys(c, p, p.credentials));
   if (found) return Status::Ok();
@@ -461,7 +475,7 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
   }
   TF_ASSIGN_OR_RETURN(found, ProfileKeys(c, p, p.config));
   if (found) return Status::Ok();
-  TF_RETURN_IF_ERROR(RefuseUnsupportedProfileSource(p));
+  TF_RETURN_IF_ERROR(RefuseUnsupportedProfileSource(p, /*bare_role=*/true));
   TF_ASSIGN_OR_RETURN(found, ContainerCredentials(c, env));
   if (found) return Status::Ok();
   TF_ASSIGN_OR_RETURN(found, InstanceMetadata(c, env, p, ec2_probe_dir));

@@ -42,6 +42,9 @@ struct S3Config {
   bool path_style = false;
   bool path_style_auto = true;
   bool anonymous = false;  // requests are sent unsigned
+  // False when unsigned requests are refused (anonymous = 0): fetched keys that turn out to be
+  // none (an instance without a role) are then an error.
+  bool unsigned_allowed = true;
   std::string access_key_id, secret_access_key, session_token;
   std::string
       credentials_from;  // where the keys came from, for messages: "options",

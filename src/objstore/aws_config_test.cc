@@ -17,6 +17,7 @@ class FakeAws {
  public:
   FakeAws() { vars_["HOME"] = home_.path(); }
   void Set(const std::string& name, const std::string& value) { vars_[name] = value; }
+  void Unset(const std::string& name) { vars_.erase(name); }
   void Credentials(const std::string& text) { Write(".aws/credentials", text); }
   void Config(const std::string& text) { Write(".aws/config", text); }
   void Write(const std::string& relative, const std::string& text) {
@@ -201,11 +202,20 @@ TEST(AwsConfig, CredentialSourcesWeDoNotImplementAreNamed) {
   // Half of web identity (EKS) in the environment: an error naming what is missing.
   FakeAws pod;
   pod.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/token");
-  EXPECT_NE(pod.Error().find("AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN"),
-            std::string::npos);
-  // A role assumed with other credentials is not implemented.
+  EXPECT_NE(pod.Error().find("a web identity token file is set (AWS_WEB_IDENTITY_TOKEN_FILE) "
+                             "without a role (AWS_ROLE_ARN, or role_arn in profile \"default\")"),
+            std::string::npos)
+      << pod.Error();
+  // A role alone is no web identity (botocore skips it too).
+  FakeAws role_only;
+  role_only.Set("AWS_ROLE_ARN", "arn:aws:iam::1:role/x");
+  EXPECT_TRUE(role_only.MustResolve().anonymous);
+  // A role assumed with other credentials is not implemented, even where the profile has keys
+  // (botocore would assume the role rather than use them).
   FakeAws role;
-  role.Config("[profile r]\nrole_arn = arn:aws:iam::1:role/x\nsource_profile = base\n");
+  role.Config(
+      "[profile r]\nrole_arn = arn:aws:iam::1:role/x\nsource_profile = base\n"
+      "aws_access_key_id = BASE\naws_secret_access_key = BS\n");
   request = S3Request();
   request.profile = "r";
   auto assumed = role.Resolve(request);
@@ -263,8 +273,27 @@ TEST(AwsConfig, WebIdentityFromTheEnvironmentAndTheProfile) {
       << c.credentials_from;
   S3Request half;
   half.profile = "half";
-  EXPECT_NE(profile.Error(half).find("web_identity_token_file is set without role_arn"),
-            std::string::npos);
+  EXPECT_NE(profile.Error(half).find("(web_identity_token_file)) without a role"),
+            std::string::npos)
+      << profile.Error(half);
+  // Key by key: the environment's token file with the profile's role (botocore's rule).
+  FakeAws mixed;
+  mixed.Config("[default]\nrole_arn = arn:profile-role\n");
+  mixed.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/env/token");
+  c = mixed.MustResolve();
+  EXPECT_EQ(c.web_identity_token_file, "/env/token");
+  EXPECT_EQ(c.role_arn, "arn:profile-role");
+  // A profile named in the options: the environment's web identity is not read (botocore drops
+  // the environment's providers), so every IRSA pod's variables do not override it.
+  FakeAws irsa;
+  irsa.Credentials("[dev]\naws_access_key_id = DEV\naws_secret_access_key = DS\n");
+  irsa.Set("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/eks/token");
+  irsa.Set("AWS_ROLE_ARN", "arn:aws:iam::123:role/reader");
+  S3Request dev;
+  dev.profile = "dev";
+  c = irsa.MustResolve(dev);
+  EXPECT_EQ(c.credential_source, Source::kKeys);
+  EXPECT_EQ(c.access_key_id, "DEV");
 }
 
 TEST(AwsConfig, CredentialProcessSitsBetweenTheTwoFilesKeys) {
@@ -294,7 +323,11 @@ TEST(AwsConfig, ContainerCredentials) {
   EXPECT_EQ(c.container_uri, "http://169.254.170.2/v2/credentials/abc");
   EXPECT_EQ(c.container_token, "secret-token");
   EXPECT_EQ(c.credentials_from.find("secret-token"), std::string::npos);
-  // FULL_URI wins; plain http only to loopback and the ECS/EKS link-local addresses.
+  // RELATIVE wins over FULL (botocore's order).
+  aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://127.0.0.1:9911/full");
+  EXPECT_EQ(aws.MustResolve().container_uri, "http://169.254.170.2/v2/credentials/abc");
+  aws.Unset("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI");
+  // Plain http only to loopback and the ECS/EKS link-local addresses.
   for (const char* ok :
        {"http://127.0.0.1:9911/creds", "http://localhost/c", "http://169.254.170.23/v1/credentials",
         "http://[fd00:ec2::23]/c", "http://[::1]:80/c", "https://creds.example.com/c"}) {
@@ -302,14 +335,21 @@ TEST(AwsConfig, ContainerCredentials) {
     c = aws.MustResolve();
     EXPECT_EQ(c.container_uri, ok);
   }
-  for (const char* bad : {"http://10.1.2.3/creds", "http://127.0.0.1.evil.com/c",
-                          "http://user@127.0.0.1/c", "ftp://127.0.0.1/c", "http:///c"}) {
+  for (const char* bad :
+       {"http://10.1.2.3/creds", "http://127.0.0.1.evil.com/c", "ftp://127.0.0.1/c", "http:///c"}) {
     aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", bad);
     const std::string message = aws.Error();
     EXPECT_NE(message.find(std::string("AWS_CONTAINER_CREDENTIALS_FULL_URI \"") + bad),
               std::string::npos)
         << message;
   }
+  // A user name and password in the URI are refused, and not shown.
+  aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://user:hunter2@127.0.0.1/c");
+  const std::string userinfo = aws.Error();
+  EXPECT_NE(userinfo.find("\"http://***@127.0.0.1/c\": must not carry a user name or password"),
+            std::string::npos)
+      << userinfo;
+  EXPECT_EQ(userinfo.find("hunter2"), std::string::npos);
   // The token file wins over the token.
   aws.Set("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://127.0.0.1/c");
   aws.Set("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "/var/run/token");

@@ -28,10 +28,11 @@ extern char** environ;
 namespace tensorferry::objstore {
 namespace {
 
-constexpr size_t kMaxAnswer = 64 << 10;         // a credentials endpoint's answer
-constexpr size_t kMaxProcessOutput = 1 << 20;   // a credential_process's stdout
-constexpr size_t kStderrKept = 2048;            // the end of its stderr, for messages
-constexpr uint32_t kMetadataTimeoutMs = 2'000;  // IMDS answers at once or not at all
+constexpr size_t kMaxAnswer = 64 << 10;          // a credentials endpoint's answer
+constexpr size_t kMaxProcessOutput = 1 << 20;    // a credential_process's stdout
+constexpr size_t kStderrKept = 2048;             // the end of its stderr, for messages
+constexpr uint32_t kMetadataTimeoutMs = 1'000;   // IMDS answers at once or not at all
+constexpr uint32_t kContainerTimeoutMs = 5'000;  // a node-local agent (EKS Pod Identity, ECS)
 
 using Clock = std::chrono::system_clock;
 
@@ -194,24 +195,24 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
     ::close(out_pipe[0]), ::close(out_pipe[1]);
     return Status(Code::kIoError, where + ": cannot make a pipe: " + std::strerror(e));
   }
+  // As the AWS SDKs run it: stdin and the process group are the caller's (a helper may ask for
+  // an MFA code on the terminal), stdout and stderr are read.
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_adddup2(&actions, out_pipe[1], 1);
   posix_spawn_file_actions_adddup2(&actions, err_pipe[1], 2);
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
+  posix_spawn_file_actions_addclosefrom_np(&actions, 3);  // no descriptor of ours leaks into it
+#endif
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
-  posix_spawnattr_setpgroup(&attr, 0);  // its own group: a timeout kills what it started too
-  sigset_t defaults;
-  sigemptyset(&defaults);
-  sigaddset(&defaults, SIGPIPE);
-  sigaddset(&defaults, SIGINT);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
+  sigset_t all;
+  sigfillset(&all);
+  posix_spawnattr_setsigdefault(&attr, &all);  // handlers and ignored signals reset
   sigset_t none;
   sigemptyset(&none);
   posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr,
-                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
   const char* argv[] = {"/bin/sh", "-c", command.c_str(), nullptr};
   pid_t pid = -1;
   const int spawned =
@@ -230,29 +231,66 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
   int open_fds = 2;
+  int status = 0;
+  bool exited = false;
+  bool status_lost = false;  // SIGCHLD ignored here: the kernel reaped it, its status is gone
   char buf[16384];
-  while (open_fds > 0 && problem.empty()) {
-    const int ready = ::poll(fds, 2, 100);
-    if (ready < 0 && errno != EINTR) {
-      problem = std::string("cannot wait for its output: ") + std::strerror(errno);
-      break;
-    }
-    for (pollfd& p : fds) {
-      if (p.fd < 0 || (p.revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-      const ssize_t n = ::read(p.fd, buf, sizeof buf);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n <= 0) {
-        ::close(p.fd);
-        p.fd = -1;
-        --open_fds;
-        continue;
+  // Until it has exited and both pipes are closed (a process may close them and go on, or exit
+  // leaving a child that holds them), the output is too long, the time is up, or the load is
+  // cancelled.
+  while (problem.empty() && !(exited && open_fds == 0)) {
+    if (open_fds > 0) {
+      const int ready = ::poll(fds, 2, 50);
+      if (ready < 0 && errno != EINTR) {
+        problem = std::string("cannot wait for its output: ") + std::strerror(errno);
+        break;
       }
-      if (p.fd == out_pipe[0]) {
-        out.append(buf, static_cast<size_t>(n));
-        if (out.size() > kMaxProcessOutput) problem = "it wrote more than 1 MiB to stdout";
-      } else {
-        err.append(buf, static_cast<size_t>(n));
-        if (err.size() > 2 * kStderrKept) err.erase(0, err.size() - kStderrKept);
+      for (pollfd& p : fds) {
+        if (p.fd < 0 || (p.revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+        const ssize_t n = ::read(p.fd, buf, sizeof buf);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (n <= 0) {
+          ::close(p.fd);
+          p.fd = -1;
+          --open_fds;
+          continue;
+        }
+        if (p.fd == out_pipe[0]) {
+          out.append(buf, static_cast<size_t>(n));
+          if (out.size() > kMaxProcessOutput) problem = "it wrote more than 1 MiB to stdout";
+        } else {
+          err.append(buf, static_cast<size_t>(n));
+          if (err.size() > 2 * kStderrKept) err.erase(0, err.size() - kStderrKept);
+        }
+      }
+    } else {
+      ::usleep(20'000);
+    }
+    if (!exited) {
+      const pid_t r = ::waitpid(pid, &status, WNOHANG);
+      if (r == pid) {
+        exited = true;
+        // Its output is whole once it exited and nothing else holds the pipes; what a child it
+        // left behind holds them for is not waited for.
+        if (open_fds > 0) {
+          for (pollfd& p : fds) {
+            if (p.fd < 0) continue;
+            for (;;) {  // what is there now, without waiting for a writer that lives on
+              pollfd q = {p.fd, POLLIN, 0};
+              if (::poll(&q, 1, 0) <= 0) break;
+              const ssize_t n = ::read(p.fd, buf, sizeof buf);
+              if (n <= 0) break;
+              (p.fd == out_pipe[0] ? out : err).append(buf, static_cast<size_t>(n));
+              if (out.size() > kMaxProcessOutput) break;
+            }
+            ::close(p.fd);
+            p.fd = -1;
+            --open_fds;
+          }
+          if (out.size() > kMaxProcessOutput) problem = "it wrote more than 1 MiB to stdout";
+        }
+      } else if (r < 0 && errno == ECHILD) {
+        exited = true, status_lost = true;
       }
     }
     if (problem.empty() && std::chrono::steady_clock::now() >= deadline) {
@@ -268,12 +306,18 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
   for (pollfd& p : fds) {
     if (p.fd >= 0) ::close(p.fd);
   }
-  if (!problem.empty()) ::kill(-pid, SIGKILL);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  if (!exited) {
+    ::kill(pid, SIGKILL);
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
   }
   if (cancelled) return Status(Code::kCancelled, where + ": the load was cancelled");
   if (!problem.empty()) return Status(Code::kIoError, where + ": killed: " + problem);
+  if (status_lost) {
+    return Status(Code::kIoError, where +
+                                      ": its exit status is lost (SIGCHLD is ignored in this "
+                                      "process), so its output cannot be trusted");
+  }
   if (err.size() > kStderrKept) err.erase(0, err.size() - kStderrKept);
   std::string_view tail = err;
   while (!tail.empty() && (tail.back() == '\n' || tail.back() == ' ')) tail.remove_suffix(1);
@@ -304,9 +348,11 @@ Result<std::shared_ptr<AwsCredentials>> AwsCredentials::Make(const S3Config& con
       [&]() -> Result<std::shared_ptr<AwsCredentials>> {
         std::unique_ptr<HttpClient> client;
         if (config.credential_source != Source::kProcess) {
-          const bool imds = config.credential_source == Source::kInstanceMetadata;
-          TF_ASSIGN_OR_RETURN(client,
-                              CredentialsClient(transport, imds ? kMetadataTimeoutMs : UINT32_MAX));
+          const uint32_t cap =
+              config.credential_source == Source::kInstanceMetadata ? kMetadataTimeoutMs
+              : config.credential_source == Source::kContainer      ? kContainerTimeoutMs
+                                                                    : UINT32_MAX;
+          TF_ASSIGN_OR_RETURN(client, CredentialsClient(transport, cap));
         }
         return std::shared_ptr<AwsCredentials>(new AwsCredentials(config, std::move(client)));
       });
@@ -321,14 +367,27 @@ Result<AwsKeys> AwsCredentials::Get() {
   return keys_.Get([this]() -> Result<Refreshing<AwsKeys>::Fetched> {
     TF_ASSIGN_OR_RETURN(TimedAwsKeys fetched, Fetch());
     std::optional<std::chrono::seconds> life = LifeOf(fetched);
+    if (life && life->count() <= 0) {
+      // Used, they would be refused, fetched again and refused again at every request.
+      return Status(Code::kIoError, "S3 credentials from " + config_.credentials_from +
+                                        ": the keys it gave " + "expired " +
+                                        std::to_string(-life->count()) +
+                                        " s ago (is this machine's clock right?)");
+    }
     return Refreshing<AwsKeys>::Fetched{std::move(fetched.keys), life};
   });
 }
 
-void AwsCredentials::Refuse(const AwsKeys& keys) {
-  keys_.ForgetIf([&](const AwsKeys& held) {
-    return held.access_key_id == keys.access_key_id && held.session_token == keys.session_token;
-  });
+bool AwsCredentials::Refuse(const AwsKeys& keys) {
+  const auto same = [&](const AwsKeys& a) {
+    return a.access_key_id == keys.access_key_id && a.session_token == keys.session_token;
+  };
+  std::lock_guard<std::mutex> lock(refused_mu_);
+  // Keys refused once, fetched again and refused again: the source keeps giving them (a cache
+  // of its own, keys for another store), so fetching again cannot help.
+  if (same(refused_)) return false;
+  if (keys_.ForgetIf(same)) refused_ = keys;
+  return true;
 }
 
 uint64_t AwsCredentials::fetches() const {
@@ -425,13 +484,23 @@ Result<TimedAwsKeys> AwsCredentials::FetchInstanceMetadata() const {
   put.method = "PUT";
   put.text_limit = 4096;
   put.headers.push_back("X-aws-ec2-metadata-token-ttl-seconds: 21600");
-  const HttpResponse t = AskCredentialsEndpoint(*client_, put);
+  // One attempt each, 1 s at most (botocore's): off EC2, or in a container the token's answer
+  // does not reach (a hop limit of 1), nothing waits long.
+  const HttpResponse t = AskCredentialsEndpoint(*client_, put, 1);
   if (t.cancelled) return NoAnswer(where, t);
-  TimedAwsKeys none;  // no credentials here: unsigned requests, asked again in 5 minutes
-  none.expiration =
-      std::chrono::time_point_cast<std::chrono::seconds>(Clock::now()) + std::chrono::seconds(600);
-  if (t.status == 0) return none;  // no metadata service answers: not an instance with a role
-  std::vector<std::string> headers;
+  // No credentials here: unsigned requests, asked again in 5 minutes; an error when unsigned
+  // requests are not allowed (anonymous = 0).
+  const auto none = [&](const std::string& why) -> Result<TimedAwsKeys> {
+    if (!config_.unsigned_allowed) {
+      return Status(Code::kIoError,
+                    where + ": " + why + ", and unsigned requests are turned off (anonymous = 0)");
+    }
+    TimedAwsKeys keys;
+    keys.expiration = std::chrono::time_point_cast<std::chrono::seconds>(Clock::now()) +
+                      std::chrono::seconds(600);
+    return keys;
+  };
+  std::vector<std::string> headers;  // IMDSv1 (no session token) when the PUT got no answer
   if (t.status == 200) {
     std::string_view session = t.text;
     while (!session.empty() && (session.back() == '\n' || session.back() == '\r')) {
@@ -441,20 +510,21 @@ Result<TimedAwsKeys> AwsCredentials::FetchInstanceMetadata() const {
       return Status(Code::kIoError, where + ": the IMDSv2 session token it answered is not usable");
     }
     headers.push_back("X-aws-ec2-metadata-token: " + std::string(session));
-  } else if (t.status != 403 && t.status != 404 && t.status != 405) {
+  } else if (t.status != 0 && t.status != 403 && t.status != 404 && t.status != 405) {
     return Refused(where + ": PUT " + put.url, t);
   }
   HttpRequest list;
   list.url = config_.imds_endpoint + "/latest/meta-data/iam/security-credentials/";
   list.text_limit = 4096;
   list.headers = headers;
-  const HttpResponse roles = AskCredentialsEndpoint(*client_, list);
-  if (roles.status == 0) return NoAnswer(where + ": GET " + list.url, roles);
-  if (roles.status == 404) return none;  // no role attached to this instance
+  const HttpResponse roles = AskCredentialsEndpoint(*client_, list, 1);
+  if (roles.cancelled) return NoAnswer(where, roles);
+  if (roles.status == 0) return none("no instance metadata service answered");
+  if (roles.status == 404) return none("no IAM role is attached to this instance");
   if (roles.status != 200) return Refused(where + ": GET " + list.url, roles);
   std::string_view role = roles.text;
   role = role.substr(0, role.find_first_of("\r\n"));
-  if (role.empty()) return none;
+  if (role.empty()) return none("no IAM role is attached to this instance");
   if (role.find_first_of("/?#% ") != std::string_view::npos || !HeaderSafe(role)) {
     return Status(Code::kIoError, where + ": the role name it answered (\"" +
                                       PrintableExcerpt(role, 64) + "\") is not usable");

@@ -5,10 +5,13 @@
 // first needed and again before they expire, for every request of every source that shares them.
 //
 // Contract:
-//   * AwsCredentials is thread-safe; one fetch at a time, other callers wait for it. Fetches go
-//     through an HttpClient of its own (unsigned; the transport's TLS settings) or a child
-//     process (credential_process: /bin/sh -c, its stdout read, at most 1 MiB; it is killed after
-//     kProcessTimeout or when the calling thread's load is cancelled, io::CancelScope).
+//   * AwsCredentials is thread-safe; one fetch at a time (Refreshing: others go on with the keys
+//     it replaces while they are good). Fetches go through an HttpClient of its own (unsigned;
+//     the transport's TLS settings; 1 s and one attempt per request for the instance metadata
+//     service, 5 s for container endpoints) or a child process (credential_process: /bin/sh -c
+//     with the caller's stdin and process group, its stdout read, at most 1 MiB; done when it
+//     exits; killed after kProcessTimeout or when the calling thread's load is cancelled,
+//     io::CancelScope).
 //   * The web identity token file and the container authorization token file are read at each
 //     fetch (Kubernetes rotates them).
 //   * Errors are values: kIoError naming where the keys were
@@ -21,6 +24,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -59,8 +63,9 @@ class AwsCredentials {
   // this machine (requests then go unsigned, as with no credentials anywhere).
   Result<AwsKeys> Get();
   // The store refused `keys` as expired or unknown (ExpiredToken, InvalidAccessKeyId, ...):
-  // forget them so that the next Get fetches new ones.
-  void Refuse(const AwsKeys& keys);
+  // forget them so that the next Get fetches new ones. False when that cannot help: the same
+  // keys were refused before, fetched again, and came back.
+  bool Refuse(const AwsKeys& keys);
   uint64_t fetches() const;  // how many times keys were fetched (tests, stats)
 
  private:
@@ -74,6 +79,8 @@ class AwsCredentials {
   const S3Config config_;
   const std::unique_ptr<HttpClient> client_;  // null for kProcess
   Refreshing<AwsKeys> keys_;
+  std::mutex refused_mu_;
+  AwsKeys refused_;  // the keys last refused and forgotten
 };
 
 // "2026-11-30T20:14:49Z", with optional fractional seconds and a "+HH:MM"/"-HH:MM" offset in
@@ -89,10 +96,12 @@ std::optional<std::chrono::sys_seconds> ParseIso8601(std::string_view text);
 Result<TimedAwsKeys> ParseAwsCredentialsJson(std::string_view text, const std::string& where,
                                              bool process);
 
-// Runs `command` with /bin/sh -c (stdin /dev/null) and returns its stdout; kIoError "<where>:
-// ..." when it cannot be started, exits other than 0 (its status and the end of its stderr),
-// writes more than 1 MiB, or runs past `timeout` (killed, with its process group); kCancelled
-// when the calling thread's load is cancelled. Exposed for tests.
+// Runs `command` with /bin/sh -c (the caller's stdin; signals at their defaults; no other
+// descriptor of ours) and returns its stdout once it has exited (what a child it left behind
+// writes later is not waited for); kIoError "<where>: ..." when it cannot be started, exits other
+// than 0 (its status and the end of its stderr), writes more than 1 MiB, runs past `timeout`
+// (killed), or its exit status is lost (SIGCHLD ignored); kCancelled when the calling thread's
+// load is cancelled. Exposed for tests.
 Result<std::string> RunCredentialProcess(const std::string& command, const std::string& where,
                                          std::chrono::milliseconds timeout);
 

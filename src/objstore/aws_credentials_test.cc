@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <string>
 #include <thread>
 
@@ -137,8 +138,23 @@ TEST(AwsCredentialsProcess, FailuresNameTheStatusAndTheEndOfStderr) {
       << r.status().ToString();
 }
 
+TEST(AwsCredentialsProcess, ACommandIsDoneWhenItExitsNotWhenItsPipesClose) {
+  // A child left behind holding stdout does not hold the answer back.
+  const auto start = std::chrono::steady_clock::now();
+  auto r = RunCredentialProcess("(sleep 30 &); printf done", "proc", kLong);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, "done");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  // One that closes its output and goes on is waited for up to the timeout, then killed.
+  r = RunCredentialProcess("exec >&- 2>&-; sleep 30", "proc", std::chrono::milliseconds(300));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("killed: it ran longer than"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(40));
+}
+
 TEST(AwsCredentialsProcess, RunawayCommandsAreKilled) {
-  // A command (and what it started) that never ends is killed at the timeout.
+  // A command that never ends is killed at the timeout.
   const auto start = std::chrono::steady_clock::now();
   auto r = RunCredentialProcess("sleep 30 & sleep 30", "proc", std::chrono::milliseconds(300));
   ASSERT_FALSE(r.ok());
@@ -198,6 +214,36 @@ TEST(AwsCredentials, AProcessIsRunOnceWhileItsKeysLastAndSharedByEqualConfigs) {
   EXPECT_EQ(credentials->Get()->access_key_id, "ID2");
 }
 
+TEST(AwsCredentials, KeysRefusedAgainAfterAFetchAreNotFetchedAgain) {
+  // A source that keeps giving the same keys: one fetch after the first refusal, then no more.
+  S3Config config;
+  config.credential_source = S3Config::CredentialSource::kProcess;
+  config.credentials_from = "credential_process of profile \"same\"";
+  config.credential_process =
+      R"(printf '{"Version": 1, "AccessKeyId": "SAME", "SecretAccessKey": "S"}')";
+  std::shared_ptr<AwsCredentials> credentials = *AwsCredentials::Make(config, HttpSettings{});
+  const AwsKeys keys = *credentials->Get();
+  EXPECT_TRUE(credentials->Refuse(keys));
+  EXPECT_EQ(credentials->Get()->access_key_id, "SAME");
+  EXPECT_EQ(credentials->fetches(), 2u);
+  EXPECT_FALSE(credentials->Refuse(keys));
+  EXPECT_EQ(credentials->Get()->access_key_id, "SAME");
+  EXPECT_EQ(credentials->fetches(), 2u);
+}
+
+TEST(AwsCredentials, KeysThatExpiredAlreadyAreAnError) {
+  S3Config config;
+  config.credential_source = S3Config::CredentialSource::kProcess;
+  config.credentials_from = "credential_process of profile \"stale\"";
+  config.credential_process = R"(printf '{"Version": 1, "AccessKeyId": "OLD", )"
+                              R"("SecretAccessKey": "S", "Expiration": "2001-01-01T00:00:00Z"}')";
+  std::shared_ptr<AwsCredentials> credentials = *AwsCredentials::Make(config, HttpSettings{});
+  const auto keys = credentials->Get();
+  ASSERT_FALSE(keys.ok());
+  EXPECT_NE(keys.status().message().find("the keys it gave expired"), std::string::npos)
+      << keys.status().ToString();
+}
+
 TEST(AwsCredentials, ShortLivedKeysAreFetchedAgainAfterHalfTheirLife) {
   // Keys living 4 s: fetched again after 2 s; a failing fetch then keeps them until 1 s (a
   // quarter of their life) before their end, and the next fetch after that replaces them.
@@ -213,7 +259,28 @@ TEST(AwsCredentials, ShortLivedKeysAreFetchedAgainAfterHalfTheirLife) {
   EXPECT_EQ(*value.Get(fetch), 1);
   EXPECT_EQ(*value.Get(failing), 1);  // not asked before half its life
   std::this_thread::sleep_for(std::chrono::milliseconds(2100));
-  auto kept = value.Get(failing);  // asked, failed, still good
+  {
+    // While one caller fetches (slowly), the others go on with the value it replaces.
+    std::promise<void> started, release;
+    std::shared_future<void> go = release.get_future().share();
+    std::thread slow([&] {
+      auto got = value.Get([&]() -> Result<Refreshing<int>::Fetched> {
+        started.set_value();
+        go.wait();
+        return Status(Code::kIoError, "slow and down");
+      });
+      EXPECT_EQ(*got, 1);  // failed, still good: the old value
+    });
+    started.get_future().wait();
+    const auto never = []() -> Result<Refreshing<int>::Fetched> {
+      ADD_FAILURE() << "a second fetch while one runs";
+      return Status(Code::kIoError, "no");
+    };
+    EXPECT_EQ(*value.Get(never), 1);
+    release.set_value();
+    slow.join();
+  }
+  auto kept = value.Get(failing);  // the failed fetch is tried again in 10 s: not asked
   ASSERT_TRUE(kept.ok());
   EXPECT_EQ(*kept, 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "objstore/s3_xml.h"
 #include "objstore/url.h"
 #include "util/json_dom.h"
 
@@ -92,13 +93,18 @@ Result<std::unique_ptr<HttpClient>> CredentialsClient(const HttpSettings& transp
   return HttpClient::Make(std::move(hs));
 }
 
-HttpResponse AskCredentialsEndpoint(const HttpClient& client, const HttpRequest& request) {
+HttpResponse AskCredentialsEndpoint(const HttpClient& client, const HttpRequest& request,
+                                    int attempts) {
   HttpResponse r;
-  for (int attempt = 0;; ++attempt) {
+  for (int attempt = 1;; ++attempt) {
     r = client.Get(request);
-    const bool transient = r.status == 0 || r.status == 429 || r.status >= 500;
-    if (!transient || attempt >= 2 || r.cancelled) return r;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200 << attempt));
+    bool transient = r.status == 0 || r.status == 429 || r.status >= 500;
+    if (r.status == 400) {
+      const std::optional<S3ErrorBody> e = ParseS3Error(r.text);
+      transient = e && (e->code == "Throttling" || e->code == "IDPCommunicationError");
+    }
+    if (!transient || attempt >= attempts || r.cancelled) return r;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 << std::min(attempt, 5)));
   }
 }
 

@@ -5,7 +5,7 @@
 //
 // Contract:
 //   * Nothing here reads the process environment except ProcessEnv's function.
-//   * Refreshing<T> is thread-safe: one fetch at a time; other callers wait for it.
+//   * Refreshing<T> is thread-safe: one fetch at a time, outside its lock.
 //   * Errors are values naming the source (file, URL) given; secrets are never quoted.
 #pragma once
 
@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -53,9 +54,11 @@ std::string FormEncode(std::initializer_list<std::pair<const char*, std::string_
 // messages).
 std::string PrintableExcerpt(std::string_view text, size_t limit = 160);
 
-// `request` sent by `client`, again (after 200 and 400 ms) while the answer is no answer, 429 or
-// a 5xx: three attempts in all. Credentials endpoints answer small documents quickly.
-HttpResponse AskCredentialsEndpoint(const HttpClient& client, const HttpRequest& request);
+// `request` sent by `client`, again (after 200, 400, ... ms) while the answer is no answer, 429,
+// a 5xx, or an AWS error document whose code is Throttling or IDPCommunicationError (STS):
+// `attempts` in all. Credentials endpoints answer small documents quickly.
+HttpResponse AskCredentialsEndpoint(const HttpClient& client, const HttpRequest& request,
+                                    int attempts = 3);
 
 // An unsigned client for a credentials endpoint: the transport's TLS settings, its timeout capped
 // at max_timeout_ms. Errors: those of HttpClient::Make.
@@ -83,9 +86,11 @@ Result<std::shared_ptr<T>> SharedPerProcess(std::initializer_list<const std::str
 }
 
 // A secret fetched when first needed and again before it expires: 5 minutes before its end (at
-// half-life for one that lives under 10 minutes). A fetch that fails while the one it would
-// replace is still good (until 30 s, or a quarter of a shorter life, before its end) keeps the
-// old one and is tried again in 10 s; without a good one its error is returned.
+// half-life for one that lives under 10 minutes). One caller fetches at a time, without holding
+// the lock: while it does, the others go on with the value it replaces as long as that is still
+// good (until 30 s, or a quarter of a shorter life, before its end), and wait for the fetch only
+// without one. A fetch that fails while the old value is still good keeps it and is tried again
+// in 10 s; without a good one its error is returned (to that caller and to those that waited).
 template <typename T>
 class Refreshing {
  public:
@@ -98,25 +103,42 @@ class Refreshing {
   // The value, fetched by fetch() (a Result<Fetched>) when there is none or its time has come.
   template <typename Fetch>
   Result<T> Get(Fetch&& fetch) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const auto now = std::chrono::steady_clock::now();
-    if (have_ && now < refresh_at_) return value_;
+    using Clock = std::chrono::steady_clock;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      const auto now = Clock::now();
+      if (have_ && now < refresh_at_) return value_;
+      if (!fetching_) break;
+      if (have_ && now < expires_at_) return value_;  // another caller is fetching its successor
+      const uint64_t attempt = attempts_;
+      done_.wait(lock, [&] { return !fetching_; });
+      if (attempts_ != attempt && !have_) return last_error_;  // that fetch failed: its error
+    }
+    fetching_ = true;
+    ++attempts_;
+    lock.unlock();
     Result<Fetched> fetched = fetch();
+    lock.lock();
+    fetching_ = false;
+    done_.notify_all();
+    const auto now = Clock::now();
     if (!fetched.ok()) {
       if (have_ && now < expires_at_) {
         refresh_at_ = std::min(expires_at_, now + std::chrono::seconds(10));
         return value_;
       }
+      have_ = false;
+      last_error_ = fetched.status();
       return fetched.status();
     }
     ++fetches_;
     value_ = std::move(fetched->value);
     have_ = true;
     if (!fetched->life) {
-      refresh_at_ = expires_at_ = std::chrono::steady_clock::time_point::max();
+      refresh_at_ = expires_at_ = Clock::time_point::max();
       return value_;
     }
-    // At least a second (keys handed out already expired are used once), at most 30 days.
+    // At least a second, at most 30 days.
     const std::chrono::seconds life =
         std::clamp(*fetched->life, std::chrono::seconds(1), std::chrono::seconds(30 * 86400));
     refresh_at_ = now + std::max(life - std::chrono::seconds(300), life / 2);
@@ -125,11 +147,13 @@ class Refreshing {
   }
 
   // Forgets the value when `refused(value)` (the server refused it), so that the next Get
-  // fetches another.
+  // fetches another. Returns whether it was forgotten.
   template <typename Pred>
-  void ForgetIf(Pred&& refused) {
+  bool ForgetIf(Pred&& refused) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (have_ && refused(value_)) have_ = false;
+    if (!have_ || !refused(value_)) return false;
+    have_ = false;
+    return true;
   }
 
   uint64_t fetches() const {
@@ -139,11 +163,15 @@ class Refreshing {
 
  private:
   mutable std::mutex mu_;
+  std::condition_variable done_;  // a fetch ended
+  bool fetching_ = false;
+  uint64_t attempts_ = 0;  // fetches begun
   bool have_ = false;
   T value_{};
+  Status last_error_;
   std::chrono::steady_clock::time_point refresh_at_{};
   std::chrono::steady_clock::time_point expires_at_{};
-  uint64_t fetches_ = 0;
+  uint64_t fetches_ = 0;  // fetches that succeeded
 };
 
 }  // namespace tensorferry::objstore

@@ -349,8 +349,7 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
     const std::optional<S3ErrorBody> e = ParseS3Error(response.text);
     if (e && (e->code == "ExpiredToken" || e->code == "InvalidToken" ||
               e->code == "InvalidAccessKeyId" || e->code == "TokenRefreshRequired")) {
-      s.aws_credentials->Refuse(keys);
-      response.token_replaced = true;
+      response.token_replaced = s.aws_credentials->Refuse(keys);
     }
   }
   char* peer = nullptr;

@@ -201,6 +201,38 @@ Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectSt
 Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url,
                                           uint64_t max_bytes);
 
+// --- diagnosis: what a URL resolves to and whether its store answers (tensorferry doctor URL) ---
+
+struct ObjectStoreReport {
+  std::string url;
+  std::string store;  // "s3", "gs" or "http"
+  // Resolving the settings (libcurl, endpoint, region, the credentials' source): Ok or why not.
+  // Nothing below `settings` is filled without it.
+  Status settings;
+  // Bucket stores: where each setting came from ("AWS_ENDPOINT_URL", "profile \"x\" in <file>",
+  // "AWS default"...), as errors name them. Empty for http(s) URLs.
+  std::string endpoint, endpoint_from, region, region_from;
+  std::string addressing;        // "path-style" or "virtual-hosted" for this bucket
+  std::string credentials_from;  // never a secret: where keys or tokens come from
+  // Keys or tokens that are fetched (web identity, credential_process, container, instance
+  // metadata, Google tokens): fetched once now, and what came back ("key ****WXYZ with a session
+  // token", "no role: unsigned requests", "an OAuth token"); never a secret. Empty, with an Ok
+  // status, when the keys are given or there are none.
+  std::string credentials;
+  Status credentials_status;
+  double credentials_seconds = 0;
+  // One request as a load makes it: the object's first bytes (its size and version), or, for a
+  // URL ending in '/', the listing of its *.safetensors objects. In words, and timed.
+  std::string request_url;  // what is asked (no query: a signed link's is a credential)
+  std::string probe;        // "object of 1234 bytes, ETag \"...\"", "3 *.safetensors objects"
+  Status probe_status;
+  double probe_seconds = 0;
+};
+
+// Resolves `url`'s settings with `options` and asks its store once (see ObjectStoreReport).
+// Never fails: every problem is in the report's statuses, with the messages a load would give.
+ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreOptions& options);
+
 // The Source reading URLs with these options. libcurl is loaded and the S3 settings resolved when
 // the first URL is opened; their errors (kUnsupported: libcurl could not be loaded, naming what was
 // tried; kInvalidArgument: a bad setting, naming it and where it came from) are that Open's.

@@ -200,6 +200,7 @@ class ObjectFile final : public SourceFile {
   Result<uint64_t> Size() const override { return identity_.size; }
   const std::string& path() const noexcept override { return target_.name; }
   const FileIdentity& identity() const noexcept override { return identity_; }
+  const std::string& etag() const noexcept { return etag_; }
   // Every read is pinned to the ETag seen at open (If-Match): nothing to check up front.
   Status CheckUnchanged() const override { return Status::Ok(); }
 
@@ -259,6 +260,8 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
                                            const FileIdentity* expected) override;
   Result<std::vector<std::string>> List(const std::string& dir, std::string_view suffix) override;
+  // DescribeObjectStore's report for `url` (object_store.h).
+  ObjectStoreReport Describe(const std::string& url);
   SourceStats stats() const override;
   SourceReadHints hints() const override;
   // hints(), with the reason's text only when `explain` (every read and every cache download
@@ -999,6 +1002,118 @@ class Finisher {
 }  // namespace
 
 }  // namespace objstore
+
+// --- diagnosis ---------------------------------------------------------------------------------
+
+namespace objstore {
+
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+ObjectStoreReport ObjectSource::Describe(const std::string& url) {
+  ObjectStoreReport report;
+  report.url = url;
+  Result<ObjectUrl> parsed = ParseObjectUrl(url);
+  if (!parsed.ok()) {
+    report.settings = parsed.status();
+    return report;
+  }
+  const Scheme scheme = parsed->scheme;
+  report.store = scheme == Scheme::kS3 ? "s3" : scheme == Scheme::kGs ? "gs" : "http";
+  Result<const HttpClient*> client = Client(scheme);
+  if (!client.ok()) {
+    report.settings = client.status();
+    return report;
+  }
+  const bool listing = parsed->key.empty() || parsed->key.back() == '/';
+  if (IsBucketScheme(scheme)) {
+    const S3Config& c = BucketConfig(scheme);
+    report.endpoint = c.endpoint;
+    report.endpoint_from = c.endpoint_from;
+    report.region = c.region;
+    report.region_from = c.region_from;
+    report.addressing = c.UsesPathStyle(*parsed) ? "path-style" : "virtual-hosted";
+    report.credentials_from = c.credentials_from;
+    ObjectUrl bucket = *parsed;
+    if (listing) bucket.key.clear();
+    report.request_url = c.ObjectRequestUrl(bucket);
+  } else {
+    report.request_url = parsed->origin + "/" + parsed->key;
+    report.credentials_from = http_token_.For(parsed->origin).empty()
+                                  ? "none"
+                                  : "a bearer token from " + http_token_.from;
+  }
+  // Keys or tokens that are fetched: once now, timed.
+  const HttpSettings& hs = (*client)->settings();
+  const auto start = std::chrono::steady_clock::now();
+  if (hs.aws_credentials != nullptr) {
+    Result<AwsKeys> keys = hs.aws_credentials->Get();
+    report.credentials_seconds = SecondsSince(start);
+    if (!keys.ok()) {
+      report.credentials_status = keys.status();
+    } else if (keys->access_key_id.empty()) {
+      report.credentials = "none (no role for this instance): unsigned requests";
+    } else {
+      const std::string& id = keys->access_key_id;
+      report.credentials = "key ****" + id.substr(id.size() > 4 ? id.size() - 4 : 0) +
+                           (keys->session_token.empty() ? "" : " with a session token");
+    }
+  } else if (hs.bearer != nullptr) {
+    Result<std::string> token = hs.bearer->Get();
+    report.credentials_seconds = SecondsSince(start);
+    if (!token.ok()) {
+      report.credentials_status = token.status();
+    } else {
+      report.credentials = "an OAuth 2 access token";
+    }
+  }
+  if (!report.credentials_status.ok()) return report;  // the probe would fail the same way
+  const auto asked = std::chrono::steady_clock::now();
+  if (listing && IsBucketScheme(scheme)) {
+    Result<std::vector<std::string>> names = List(url, ".safetensors");
+    report.probe_seconds = SecondsSince(asked);
+    if (!names.ok()) {
+      report.probe_status = names.status();
+    } else {
+      report.probe = std::to_string(names->size()) + " *.safetensors object" +
+                     (names->size() == 1 ? "" : "s") + " under the prefix (ListObjectsV2)";
+    }
+    return report;
+  }
+  Result<std::unique_ptr<SourceFile>> file = Open(url, nullptr);
+  report.probe_seconds = SecondsSince(asked);
+  if (!file.ok()) {
+    report.probe_status = file.status();
+    return report;
+  }
+  report.probe = "object of " + std::to_string((*file)->identity().size) + " bytes";
+  if (const auto* object = dynamic_cast<const ObjectFile*>(file->get())) {
+    report.probe += object->etag().empty() ? ", no ETag (a change during a load goes unnoticed)"
+                                           : ", ETag " + object->etag();
+  }
+  return report;
+}
+
+}  // namespace objstore
+
+ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreOptions& options) {
+  ObjectStoreOptions direct = options;  // the store itself is asked, never a local copy
+  direct.cache_dir.clear();
+  direct.hub_cache = false;
+  Result<std::shared_ptr<Source>> source = MakeObjectSource(direct);
+  if (!source.ok()) {
+    ObjectStoreReport report;
+    report.url = url;
+    report.settings = source.status();
+    return report;
+  }
+  return static_cast<objstore::ObjectSource&>(**source).Describe(url);
+}
 
 Result<std::shared_ptr<Source>> MakeObjectSource(const ObjectStoreOptions& options) {
   if (options.part_size != 0 && options.part_size < 4096) {

@@ -669,3 +669,42 @@ def test_cooperative_ranks_split_the_objects_and_exchange(stores, tmp_path, worl
     for s in stats:
         assert s["remote_bytes"] >= s["bytes_read"], s
     assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats)
+
+
+def doctor(url, env):
+    r = cli("doctor", "--quick", "--json", url, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr  # the report is the result
+    return json.loads(r.stdout)["object_store"], r.stdout
+
+
+def test_doctor_says_where_each_setting_came_from_and_asks_once(stores, tmp_path):
+    s = stores.seaweed
+    env = dict(s.env())
+    rel = f"{PREFIX}/tiny/{stores.shards[0]}"
+    report, _ = doctor(s.url(rel), env)
+    assert report["settings"]["ok"] and report["store"] == "s3", report
+    assert (report["endpoint"], report["endpoint_from"]) == (s.endpoint, "AWS_ENDPOINT_URL")
+    assert (report["region"], report["region_from"]) == (s.REGION, "AWS_REGION")
+    assert report["addressing"] == "path-style"
+    assert report["credentials_from"] == "environment (AWS_ACCESS_KEY_ID)"
+    assert report["credentials"] == "" and report["credentials_status"]["ok"]  # given, not fetched
+    assert report["request_url"] == f"{s.endpoint}/{s.BUCKET}/{rel}"
+    size = os.path.getsize(os.path.join(stores.tiny, stores.shards[0]))
+    assert report["probe_status"]["ok"] and report["probe"].startswith(f"object of {size} bytes")
+    # A prefix: its listing.
+    report, _ = doctor(s.url(f"{PREFIX}/tiny-noindex/"), env)
+    assert report["probe"] == (f"{len(stores.shards)} *.safetensors objects under the prefix "
+                               "(ListObjectsV2)"), report
+    # What a load would say: the missing key, the wrong secret (never shown).
+    report, _ = doctor(s.url(f"{PREFIX}/tiny/missing.safetensors"), env)
+    assert report["probe_status"]["category"] == "not_found", report
+    assert "NoSuchKey" in report["probe_status"]["message"]
+    env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret-at-all"
+    report, text = doctor(s.url(rel), env)
+    assert "SignatureDoesNotMatch" in report["probe_status"]["message"], report
+    assert "not-the-secret-at-all" not in text
+    # A setting that does not resolve: the settings' error, nothing asked.
+    env = dict(s.env(), AWS_ENDPOINT_URL="ftp://example.com")
+    report, _ = doctor(s.url(rel), env)
+    assert not report["settings"]["ok"] and "AWS_ENDPOINT_URL" in report["settings"]["message"]
+    assert report["probe"] == "" and report["request_url"] == ""

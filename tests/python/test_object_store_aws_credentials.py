@@ -499,3 +499,35 @@ def test_an_instance_without_a_role_reads_anonymously(seaweed, ckpt, tmp_path):
     assert paths[:2] == [("PUT", Imds.TOKEN_PATH), ("GET", Imds.CREDS_PATH)], paths
     assert ("GET", Imds.CREDS_PATH) in paths and all(p[1] in (Imds.TOKEN_PATH, Imds.CREDS_PATH)
                                                      for p in paths), paths
+
+
+# -- tensorferry doctor URL ------------------------------------------------------------------------
+def run_doctor(url, env):
+    r = subprocess.run([CLI, "doctor", "--quick", "--json", url], capture_output=True, text=True,
+                       timeout=120, env=child_env(env))
+    assert r.returncode == 0, r.stdout + r.stderr  # the report is the result
+    return json.loads(r.stdout)["object_store"], r.stdout
+
+
+def test_doctor_reports_fetched_keys_without_showing_them(seaweed, ckpt, issuer, sts_proxy,
+                                                           tmp_path):
+    token = issuer.token()
+    env = web_identity_env(seaweed, tmp_path, token, sts_proxy.url)
+    report, text = run_doctor(ckpt.url, env)
+    assert report["settings"]["ok"] and report["store"] == "s3"
+    assert report["endpoint"] == seaweed.endpoint and report["endpoint_from"] == "AWS_ENDPOINT_URL"
+    assert report["credentials_from"].startswith("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role ")
+    assert report["credentials_from"].endswith("via STS " + sts_proxy.url)
+    assert report["credentials_status"]["ok"], report
+    assert re.fullmatch(r"key \*\*\*\*\w{4} with a session token", report["credentials"]), report
+    assert report["probe_status"]["ok"], report
+    assert report["probe"].startswith(f"object of {os.path.getsize(ckpt.local)} bytes, ETag "), \
+        report
+    assert len(sts_proxy.requests) == 1
+    assert token not in text
+    # A refused identity token: the fetch's error, and no request to the store.
+    env = web_identity_env(seaweed, tmp_path, issuer.token(forged=True), sts_proxy.url)
+    report, text = run_doctor(ckpt.url, env)
+    assert not report["credentials_status"]["ok"]
+    assert "AssumeRoleWithWebIdentity" in report["credentials_status"]["message"]
+    assert report["probe"] == "" and report["probe_seconds"] == 0

@@ -3,9 +3,13 @@
 // with the reason; the host memory this process may use (memory_limit.h: the memory cgroup's
 // limit, MemAvailable), which bounds loads without a budget; and whether io_uring is allowed here
 // (loader.h, EngineAvailable: a container's seccomp profile often refuses it, and auto then reads
-// with pread). Exits 0 whatever it finds: the report
-// is the result (scripts read "cuda_available" from --json).
+// with pread). With a URL (s3://, gs://, http(s)://), also how its store is reached: the
+// settings as resolved and where each came from, the credentials fetched (never a secret), and
+// one request as a load makes it (object_store.h, DescribeObjectStore). Exits 0 whatever it
+// finds: the report is the result (scripts read "cuda_available", "object_store" from --json).
+#include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "commands.h"
@@ -13,6 +17,7 @@
 #include "tensorferry/cuda.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/memory_limit.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/options.h"
 #include "tensorferry/size.h"
 
@@ -22,6 +27,7 @@ namespace {
 struct DoctorArgs {
   bool json = false;
   bool quick = false;
+  std::string url;  // "": no object store section
 };
 
 std::string Version(int v) {
@@ -62,9 +68,66 @@ LoadLimit LoadLimitOf(const MemoryLimit& m) {
   return {bytes, bytes == 0 ? "unknown (no check)" : "3/4 of what this process may use"};
 }
 
-std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
+void StatusFields(JsonOut& j, std::string_view key, const Status& s) {
+  j.Key(key).BeginObject();
+  j.Field("ok", s.ok());
+  j.Field("code", s.ok() ? std::string_view() : CodeName(s.code()));
+  j.Field("category", s.ok() ? std::string_view() : CategoryName(s.category()));
+  j.Field("message", s.ok() ? std::string_view() : s.message());
+  j.EndObject();
+}
+
+void StoreJson(JsonOut& j, const ObjectStoreReport& o) {
+  j.Key("object_store").BeginObject();
+  j.Field("url", o.url);
+  j.Field("store", o.store);
+  StatusFields(j, "settings", o.settings);
+  j.Field("endpoint", o.endpoint);
+  j.Field("endpoint_from", o.endpoint_from);
+  j.Field("region", o.region);
+  j.Field("region_from", o.region_from);
+  j.Field("addressing", o.addressing);
+  j.Field("credentials_from", o.credentials_from);
+  j.Field("credentials", o.credentials);
+  StatusFields(j, "credentials_status", o.credentials_status);
+  j.Field("credentials_seconds", o.credentials_seconds);
+  j.Field("request_url", o.request_url);
+  j.Field("probe", o.probe);
+  StatusFields(j, "probe_status", o.probe_status);
+  j.Field("probe_seconds", o.probe_seconds);
+  j.EndObject();
+}
+
+std::string StoreText(const ObjectStoreReport& o) {
+  std::string out = "object store: " + o.url + "\n";
+  if (!o.settings.ok()) return out + "  settings: " + std::string(o.settings.message()) + "\n";
+  if (!o.endpoint.empty()) {
+    out += "  endpoint: " + o.endpoint + " (" + o.endpoint_from + "), " + o.addressing + "\n";
+    out += "  region: " + o.region + " (" + o.region_from + ")\n";
+  }
+  out += "  credentials: " + o.credentials_from + "\n";
+  char seconds[32];
+  if (!o.credentials_status.ok()) {
+    return out + "  credentials fetched: failed: " + std::string(o.credentials_status.message()) +
+           "\n";
+  }
+  if (!o.credentials.empty()) {
+    std::snprintf(seconds, sizeof seconds, "%.3f", o.credentials_seconds);
+    out += "  credentials fetched: " + o.credentials + " (" + seconds + " s)\n";
+  }
+  std::snprintf(seconds, sizeof seconds, "%.3f", o.probe_seconds);
+  out += "  request: " + o.request_url + "\n";
+  out += "  answer: " +
+         (o.probe_status.ok() ? o.probe : "failed: " + std::string(o.probe_status.message())) +
+         " (" + seconds + " s)\n";
+  return out;
+}
+
+std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e,
+                 const ObjectStoreReport* store) {
   JsonOut j;
   j.BeginObject();
+  if (store != nullptr) StoreJson(j, *store);
   j.Key("io_uring").BeginObject();
   j.Field("available", e.io_uring.ok());
   j.Field("error", e.io_uring.ok() ? std::string() : e.io_uring.message());
@@ -126,8 +189,10 @@ std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
   return j.str();
 }
 
-std::string Text(const CudaReport& r, const MemoryLimit& m, const Engines& e) {
-  std::string out = "host memory: " + m.Describe() + "\n";
+std::string Text(const CudaReport& r, const MemoryLimit& m, const Engines& e,
+                 const ObjectStoreReport* store) {
+  std::string out = store != nullptr ? StoreText(*store) : std::string();
+  out += "host memory: " + m.Describe() + "\n";
   const LoadLimit load = LoadLimitOf(m);
   out += "loads without a budget may fill: " +
          (load.bytes == 0 ? std::string("no limit") : FormatBytes(load.bytes)) + " (" + load.from +
@@ -172,7 +237,20 @@ int RunDoctor(const DoctorArgs& args) {
   const CudaReport report = DiagnoseDevices(options);
   const MemoryLimit memory = ReadMemoryLimit();
   const Engines engines;
-  return PrintReport(args.json ? Json(report, memory, engines) : Text(report, memory, engines));
+  std::optional<ObjectStoreReport> store;
+  if (!args.url.empty()) {
+    Result<OpenOptions> open = OpenOptionsFor(args.url);  // TENSORFERRY_OBJECT_* and AWS_*
+    if (open.ok()) {
+      store = DescribeObjectStore(args.url, open->object_store);
+    } else {
+      store.emplace();
+      store->url = args.url;
+      store->settings = open.status();
+    }
+  }
+  const ObjectStoreReport* s = store ? &*store : nullptr;
+  return PrintReport(args.json ? Json(report, memory, engines, s)
+                               : Text(report, memory, engines, s));
 }
 
 }  // namespace
@@ -186,6 +264,10 @@ Command AddDoctorCommand(CLI::App& parent) {
   app->add_flag("--json", args->json, "One JSON document");
   app->add_flag("--quick", args->quick,
                 "Skip what needs a CUDA context: free memory, opening the cuFile driver");
+  app->add_option("url", args->url,
+                  "An s3://, gs:// or http(s):// URL (an object, or a prefix ending in '/'): "
+                  "also report how its store is reached, where each setting came from, the "
+                  "credentials fetched, and one request as a load makes it");
   return Command{app, [args] { return RunDoctor(*args); }};
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -172,6 +173,8 @@ struct Profile {
   // the AWS CLI and SDKs read a service's endpoint ("s3 =\n  endpoint_url = ...").
   std::string services_name;
   std::map<std::string, std::string> services;
+  // Both files, for the profiles this one names (source_profile).
+  std::shared_ptr<const AwsIni> credentials_file, config_file;
 
   // The value of `key`, credentials file first, and the file it came from.
   std::optional<std::pair<std::string, std::string>> Get(const std::string& key) const {
@@ -182,6 +185,26 @@ struct Profile {
     return std::nullopt;
   }
   std::string Where(const std::string& file) const { return "profile \"" + name + "\" in " + file; }
+
+  // Fills `credentials` and `config` with profile `profile_name`'s sections; false when neither
+  // file has it.
+  bool Select(const std::string& profile_name) {
+    name = profile_name;
+    credentials.clear(), config.clear();
+    bool found = false;
+    if (auto it = credentials_file->find(name); it != credentials_file->end()) {
+      credentials = it->second, found = true;
+    }
+    std::vector<std::string> names = {"profile " + name};
+    if (name == "default") names.insert(names.begin(), "default");
+    for (const std::string& section : names) {
+      if (auto it = config_file->find(section); it != config_file->end()) {
+        for (const auto& [k, v] : it->second) config[k] = v;
+        found = true;
+      }
+    }
+    return found;
+  }
 };
 
 std::string ShownPath(const std::string& path, const char* what) {
@@ -201,20 +224,12 @@ Result<Profile> LoadProfile(const S3Request& request, const GetEnv& env) {
   }
   p.credentials_path = AwsFilePath(env, "AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials");
   p.config_path = AwsFilePath(env, "AWS_CONFIG_FILE", ".aws/config");
-  TF_ASSIGN_OR_RETURN(AwsIni credentials, LoadAwsFile(p.credentials_path));
-  TF_ASSIGN_OR_RETURN(AwsIni config, LoadAwsFile(p.config_path));
-  bool found = false;
-  if (auto it = credentials.find(p.name); it != credentials.end()) {
-    p.credentials = it->second, found = true;
-  }
-  std::vector<std::string> names = {"profile " + p.name};
-  if (p.name == "default") names.insert(names.begin(), "default");
-  for (const std::string& section : names) {
-    if (auto it = config.find(section); it != config.end()) {
-      for (const auto& [k, v] : it->second) p.config[k] = v;
-      found = true;
-    }
-  }
+  TF_ASSIGN_OR_RETURN(AwsIni credentials_file, LoadAwsFile(p.credentials_path));
+  TF_ASSIGN_OR_RETURN(AwsIni config_file, LoadAwsFile(p.config_path));
+  p.credentials_file = std::make_shared<const AwsIni>(std::move(credentials_file));
+  p.config_file = std::make_shared<const AwsIni>(std::move(config_file));
+  const AwsIni& config = *p.config_file;
+  const bool found = p.Select(p.name);
   if (auto it = p.config.find("services"); it != p.config.end()) {
     p.services_name = it->second;
     auto section = config.find("services " + it->second);
@@ -433,6 +448,101 @@ Result<bool> InstanceMetadata(S3Config& c, const GetEnv& env, const Profile& p,
   return true;
 }
 
+// A role the profile assumes with another profile's keys (source_profile) or the environment's
+// (credential_source = Environment); false when it names none.
+Result<bool> AssumeRole(S3Config& c, const GetEnv& env, const Profile& p) {
+  const auto role = p.Get("role_arn");
+  const auto source = p.Get("source_profile");
+  const auto credential_source = p.Get("credential_source");
+  if (!role || (!source && !credential_source)) return false;
+  const std::string where = p.Where(role->second);
+  const auto unsupported = [](const std::string& what) {
+    return Status(Code::kUnsupported,
+                  what +
+                      "; export the role's keys instead (aws configure export-credentials "
+                      "--profile NAME --format env)");
+  };
+  if (auto mfa = p.Get("mfa_serial")) {
+    return unsupported(p.Where(mfa->second) +
+                       " sets mfa_serial: assuming its role needs an MFA code, which tensorferry "
+                       "cannot ask for");
+  }
+  if (source && credential_source) {
+    return Status(Code::kInvalidArgument,
+                  where + " sets both source_profile and credential_source (one only)");
+  }
+  S3Config keys;
+  std::string keys_from;
+  if (source) {
+    Profile base = p;  // shares the files
+    if (!base.Select(source->first)) {
+      return Status(Code::kInvalidArgument, p.Where(source->second) + ": source_profile \"" +
+                                                source->first + "\" is in neither " +
+                                                ShownPath(p.credentials_path, "credentials") +
+                                                " nor " + ShownPath(p.config_path, "config"));
+    }
+    if (base.Get("role_arn")) {
+      return unsupported(p.Where(source->second) + ": source_profile \"" + source->first +
+                         "\" assumes a role itself (a chain of roles is not supported)");
+    }
+    TF_ASSIGN_OR_RETURN(bool found, ProfileKeys(keys, base, base.credentials));
+    if (!found) {
+      TF_ASSIGN_OR_RETURN(found, ProfileKeys(keys, base, base.config));
+    }
+    if (!found) {
+      return unsupported(p.Where(source->second) + ": source_profile \"" + source->first +
+                         "\" has no aws_access_key_id/aws_secret_access_key: a source profile "
+                         "whose keys come otherwise (credential_process, web identity, SSO) is "
+                         "not supported");
+    }
+    keys_from = "the keys of " + keys.credentials_from;
+  } else if (credential_source->first == "Environment") {
+    const auto id = Env(env, "AWS_ACCESS_KEY_ID"), secret = Env(env, "AWS_SECRET_ACCESS_KEY");
+    if (!id || !secret) {
+      return Status(Code::kInvalidArgument,
+                    p.Where(credential_source->second) +
+                        ": credential_source = Environment, but AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY are not both set");
+    }
+    keys.access_key_id = *id;
+    keys.secret_access_key = *secret;
+    keys.session_token = Env(env, "AWS_SESSION_TOKEN").value_or("");
+    keys_from = "the environment's keys (credential_source = Environment)";
+  } else {
+    return unsupported(p.Where(credential_source->second) + ": credential_source = " +
+                       credential_source->first + " is not supported (Environment is)");
+  }
+  c.role_arn = role->first;
+  if (auto name = p.Get("role_session_name")) {
+    c.role_session_name = name->first;
+  } else {
+    c.role_session_name = "tensorferry-" + std::to_string(static_cast<long long>(::getpid()));
+  }
+  if (c.role_session_name.size() < 2 || c.role_session_name.size() > 64) {
+    return Status(Code::kInvalidArgument, where + ": the role session name \"" +
+                                              c.role_session_name +
+                                              "\" is not 2 to 64 characters long");
+  }
+  if (auto external = p.Get("external_id")) c.external_id = external->first;
+  if (auto duration = p.Get("duration_seconds")) {
+    const std::string& d = duration->first;
+    const bool digits = !d.empty() && d.size() <= 5 && std::all_of(d.begin(), d.end(), [](char ch) {
+      return ch >= '0' && ch <= '9';
+    });
+    if (!digits || std::stoi(d) < 900 || std::stoi(d) > 43200) {
+      return Status(Code::kInvalidArgument, p.Where(duration->second) + ": duration_seconds \"" +
+                                                d + "\" is not 900 to 43200");
+    }
+    c.duration_seconds = d;
+  }
+  c.source_access_key_id = std::move(keys.access_key_id);
+  c.source_secret_access_key = std::move(keys.secret_access_key);
+  c.source_session_token = std::move(keys.session_token);
+  c.credentials_from = "role " + role->first + " assumed with " + keys_from + " (" + where + ")";
+  c.credential_source = S3Config::CredentialSource::kAssumeRole;
+  return true;
+}
+
 Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, const Profile& p,
                           const std::string& ec2_probe_dir) {
   c.unsigned_allowed = r.anonymous != 0;
@@ -462,8 +572,10 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
   }
   // botocore's order: a role assumed with the profile's source, web identity (the environment's
   // settings not read when a profile was named in the options), the profile's keys and process.
+  TF_ASSIGN_OR_RETURN(bool found, AssumeRole(c, env, p));
+  if (found) return Status::Ok();
   TF_RETURN_IF_ERROR(RefuseUnsupportedProfileSource(p, /*bare_role=*/false));
-  TF_ASSIGN_OR_RETURN(bool found, WebIdentity(c, r.profile.empty() ? env : GetEnv(), p));
+  TF_ASSIGN_OR_RETURN(found, WebIdentity(c, r.profile.empty() ? env : GetEnv(), p));
   if (found) return Status::Ok();
   TF_ASSIGN_OR_RETURN(found, ProfileKeys(c, p, p.credentials));
   if (found) return Status::Ok();
@@ -694,7 +806,8 @@ Result<S3Config> ResolveS3Config(const S3Request& request, const GetEnv& env,
   TF_RETURN_IF_ERROR(ResolveRegion(config, request, env, profile));
   TF_RETURN_IF_ERROR(ResolveEndpoint(config, request, env, profile));
   TF_RETURN_IF_ERROR(ResolvePathStyle(config, request, profile));
-  if (config.credential_source == S3Config::CredentialSource::kWebIdentity) {
+  if (config.credential_source == S3Config::CredentialSource::kWebIdentity ||
+      config.credential_source == S3Config::CredentialSource::kAssumeRole) {
     TF_RETURN_IF_ERROR(ResolveStsEndpoint(config, env, profile));
   }
   return config;

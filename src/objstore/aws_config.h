@@ -54,11 +54,23 @@ struct S3Config {
                          // "environment (AWS_NO_SIGN_REQUEST)" when asked for.
   // Where temporary keys are fetched from when none are given (aws_credentials.h fetches them,
   // and again before they expire): kKeys means the keys above (or anonymous).
-  enum class CredentialSource { kKeys, kWebIdentity, kProcess, kContainer, kInstanceMetadata };
+  enum class CredentialSource {
+    kKeys,
+    kWebIdentity,
+    kAssumeRole,
+    kProcess,
+    kContainer,
+    kInstanceMetadata
+  };
   CredentialSource credential_source = CredentialSource::kKeys;
   // kWebIdentity: STS AssumeRoleWithWebIdentity at sts_endpoint ("scheme://host[:port]") with the
   // token in web_identity_token_file (read at each fetch), for role_arn, as role_session_name.
   std::string web_identity_token_file, role_arn, role_session_name, sts_endpoint;
+  // kAssumeRole: STS AssumeRole at sts_endpoint for role_arn as role_session_name, signed with
+  // the source keys (the source_profile's, or the environment's for credential_source =
+  // Environment); external_id and duration_seconds ("" when unset) sent when set.
+  std::string source_access_key_id, source_secret_access_key, source_session_token;
+  std::string external_id, duration_seconds;
   std::string credential_process;  // kProcess: the command, run by /bin/sh -c
   // kContainer: GET container_uri with "Authorization: " + the contents of container_token_file
   // (read at each fetch) when set, else container_token (when set).
@@ -105,6 +117,10 @@ Result<std::string> NormalizeEndpoint(const std::string& value, const std::strin
 //   1. anonymous=1 (request, or AWS_NO_SIGN_REQUEST=true/1 when the request leaves it unset).
 //   2. Request keys. (A profile named in the request then wins over the environment's keys.)
 //   3. AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN).
+//   3b. A role the profile assumes (role_arn with source_profile, whose static keys sign STS
+//      AssumeRole, or with credential_source = Environment: the environment's keys); mfa_serial,
+//      a source that assumes a role itself or has no static keys, and other credential_sources
+//      are kUnsupported. STS endpoint as for web identity.
 //   4. Web identity (EKS IRSA): AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN (+
 //      AWS_ROLE_SESSION_NAME), else the profile's web_identity_token_file + role_arn (+
 //      role_session_name); one without the other is an error. STS endpoint: AWS_ENDPOINT_URL_STS,
@@ -124,8 +140,8 @@ Result<std::string> NormalizeEndpoint(const std::string& value, const std::strin
 //   10. Nothing: anonymous (unsigned requests), and credentials_from says so; anonymous=0 then
 //      is an error.
 //   A key id without its secret (or the reverse), in any one place, is an error. A profile that
-//   names only a source not implemented (role_arn with source_profile or credential_source,
-//   sso_session, sso_start_url) is kUnsupported. Sources 4, 6, 8 and 9 are fetched later, by
+//   names only a source not implemented (sso_session, sso_start_url; role_arn with nothing to
+//   assume it with) is kUnsupported. Sources 3b, 4, 6, 8 and 9 are fetched later, by
 //   AwsCredentials (aws_credentials.h): credential_source says which, keys stay empty.
 // - profile: request, AWS_PROFILE, AWS_DEFAULT_PROFILE, "default". A profile named explicitly
 // (request or

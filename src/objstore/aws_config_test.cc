@@ -210,19 +210,76 @@ TEST(AwsConfig, CredentialSourcesWeDoNotImplementAreNamed) {
   FakeAws role_only;
   role_only.Set("AWS_ROLE_ARN", "arn:aws:iam::1:role/x");
   EXPECT_TRUE(role_only.MustResolve().anonymous);
-  // A role assumed with other credentials is not implemented, even where the profile has keys
-  // (botocore would assume the role rather than use them).
-  FakeAws role;
-  role.Config(
+}
+
+TEST(AwsConfig, ARoleAssumedWithAnotherProfilesKeysOrTheEnvironments) {
+  using Source = S3Config::CredentialSource;
+  FakeAws aws;
+  aws.Credentials("[base]\naws_access_key_id = BASE\naws_secret_access_key = BS\n");
+  aws.Config(
       "[profile r]\nrole_arn = arn:aws:iam::1:role/x\nsource_profile = base\n"
-      "aws_access_key_id = BASE\naws_secret_access_key = BS\n");
-  request = S3Request();
-  request.profile = "r";
-  auto assumed = role.Resolve(request);
-  ASSERT_FALSE(assumed.ok());
-  EXPECT_EQ(assumed.status().code(), Code::kUnsupported);
-  EXPECT_NE(assumed.status().message().find("through role_arn"), std::string::npos)
-      << assumed.status().ToString();
+      "role_session_name = loader\nexternal_id = ext-7\nduration_seconds = 1800\n"
+      // Keys of its own do not matter: the role is assumed (botocore's order).
+      "aws_access_key_id = OWN\naws_secret_access_key = OS\n"
+      "[profile env]\nrole_arn = arn:aws:iam::1:role/y\ncredential_source = Environment\n"
+      "[profile mfa]\nrole_arn = arn:r\nsource_profile = base\nmfa_serial = arn:mfa\n"
+      "[profile chain]\nrole_arn = arn:r2\nsource_profile = r\n"
+      "[profile nokeys]\nrole_arn = arn:r3\nsource_profile = plain\n"
+      "[profile plain]\nregion = eu-west-1\n"
+      "[profile gone]\nrole_arn = arn:r4\nsource_profile = nowhere\n"
+      "[profile ec2]\nrole_arn = arn:r5\ncredential_source = Ec2InstanceMetadata\n"
+      "[profile both]\nrole_arn = arn:r6\nsource_profile = base\n"
+      "credential_source = Environment\n"
+      "[profile long]\nrole_arn = arn:r7\nsource_profile = base\nduration_seconds = 99\n");
+  S3Request r;
+  r.profile = "r";
+  S3Config c = aws.MustResolve(r);
+  EXPECT_EQ(c.credential_source, Source::kAssumeRole);
+  EXPECT_TRUE(c.access_key_id.empty());
+  EXPECT_EQ(c.role_arn, "arn:aws:iam::1:role/x");
+  EXPECT_EQ(c.role_session_name, "loader");
+  EXPECT_EQ(c.external_id, "ext-7");
+  EXPECT_EQ(c.duration_seconds, "1800");
+  EXPECT_EQ(c.source_access_key_id, "BASE");
+  EXPECT_EQ(c.source_secret_access_key, "BS");
+  EXPECT_EQ(c.sts_endpoint, "https://sts.us-east-1.amazonaws.com");
+  EXPECT_EQ(c.credentials_from,
+            "role arn:aws:iam::1:role/x assumed with the keys of profile "
+            "\"base\" in " +
+                aws.Path(".aws/credentials") + " (profile \"r\" in " + aws.Path(".aws/config") +
+                ") via STS https://sts.us-east-1.amazonaws.com");
+  // credential_source = Environment: the environment's keys sign the request.
+  r.profile = "env";
+  EXPECT_NE(aws.Error(r).find("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not both set"),
+            std::string::npos);
+  aws.Set("AWS_ACCESS_KEY_ID", "ENVK");
+  aws.Set("AWS_SECRET_ACCESS_KEY", "ENVS");
+  c = aws.MustResolve(r);
+  EXPECT_EQ(c.credential_source, Source::kAssumeRole);
+  EXPECT_EQ(c.source_access_key_id, "ENVK");
+  EXPECT_EQ(c.role_session_name.rfind("tensorferry-", 0), 0u);
+  // What is not supported says so, naming the setting.
+  for (const auto& [profile, says] : std::vector<std::pair<std::string, std::string>>{
+           {"mfa", "sets mfa_serial"},
+           {"chain", "source_profile \"r\" assumes a role itself"},
+           {"nokeys", "source_profile \"plain\" has no aws_access_key_id"},
+           {"ec2", "credential_source = Ec2InstanceMetadata is not supported"}}) {
+    r.profile = profile;
+    auto config = aws.Resolve(r);
+    ASSERT_FALSE(config.ok()) << profile;
+    EXPECT_EQ(config.status().code(), Code::kUnsupported) << profile;
+    EXPECT_NE(config.status().message().find(says), std::string::npos)
+        << config.status().ToString();
+  }
+  r.profile = "gone";
+  EXPECT_NE(aws.Error(r).find("source_profile \"nowhere\" is in neither"), std::string::npos);
+  r.profile = "both";
+  EXPECT_NE(aws.Error(r).find("sets both source_profile and credential_source"), std::string::npos);
+  r.profile = "long";
+  EXPECT_NE(aws.Error(r).find("duration_seconds \"99\" is not 900 to 43200"), std::string::npos);
+  // The environment's keys come first when the profile is not named in the options.
+  aws.Set("AWS_PROFILE", "r");
+  EXPECT_EQ(aws.MustResolve().access_key_id, "ENVK");
 }
 
 TEST(AwsConfig, WebIdentityFromTheEnvironmentAndTheProfile) {

@@ -342,12 +342,23 @@ Result<std::shared_ptr<AwsCredentials>> AwsCredentials::Make(const S3Config& con
   if (config.credential_source == Source::kKeys) return std::shared_ptr<AwsCredentials>();
   return SharedPerProcess<AwsCredentials>(
       {&config.web_identity_token_file, &config.role_arn, &config.role_session_name,
-       &config.sts_endpoint, &config.credential_process, &config.container_uri,
-       &config.container_token, &config.container_token_file, &config.imds_endpoint},
+       &config.sts_endpoint, &config.source_access_key_id, &config.source_secret_access_key,
+       &config.source_session_token, &config.external_id, &config.duration_seconds, &config.region,
+       &config.credential_process, &config.container_uri, &config.container_token,
+       &config.container_token_file, &config.imds_endpoint},
       static_cast<int>(config.credential_source), transport,
       [&]() -> Result<std::shared_ptr<AwsCredentials>> {
         std::unique_ptr<HttpClient> client;
-        if (config.credential_source != Source::kProcess) {
+        if (config.credential_source == Source::kAssumeRole) {
+          // Signed with the source keys, for STS in the configured region.
+          HttpSettings hs = CredentialsSettings(transport);
+          hs.access_key_id = config.source_access_key_id;
+          hs.secret_access_key = config.source_secret_access_key;
+          hs.session_token = config.source_session_token;
+          hs.region = config.region;
+          hs.sign_service = "sts";
+          TF_ASSIGN_OR_RETURN(client, HttpClient::Make(std::move(hs)));
+        } else if (config.credential_source != Source::kProcess) {
           const uint32_t cap =
               config.credential_source == Source::kInstanceMetadata ? kMetadataTimeoutMs
               : config.credential_source == Source::kContainer      ? kContainerTimeoutMs
@@ -397,6 +408,7 @@ uint64_t AwsCredentials::fetches() const {
 Result<TimedAwsKeys> AwsCredentials::Fetch() const {
   switch (config_.credential_source) {
     case S3Config::CredentialSource::kWebIdentity: return FetchWebIdentity();
+    case S3Config::CredentialSource::kAssumeRole: return FetchAssumeRole();
     case S3Config::CredentialSource::kProcess: return FetchProcess();
     case S3Config::CredentialSource::kContainer: return FetchContainer();
     case S3Config::CredentialSource::kInstanceMetadata: return FetchInstanceMetadata();
@@ -405,21 +417,15 @@ Result<TimedAwsKeys> AwsCredentials::Fetch() const {
   return Status(Code::kInternal, "S3 credentials: nothing to fetch");
 }
 
-Result<TimedAwsKeys> AwsCredentials::FetchWebIdentity() const {
-  const std::string prefix = "S3 credentials from " + config_.credentials_from;
-  TF_ASSIGN_OR_RETURN(const std::string token, ReadTokenFile(config_.web_identity_token_file,
-                                                             prefix, "web identity token file"));
+Result<TimedAwsKeys> AwsCredentials::AskSts(const std::string& action, std::string form) const {
   HttpRequest req;
   req.url = config_.sts_endpoint + "/";
   req.text_limit = kMaxAnswer;
   req.headers.push_back("Content-Type: application/x-www-form-urlencoded");
   req.headers.push_back("Accept: application/xml");
-  req.post_body = FormEncode({{"Action", "AssumeRoleWithWebIdentity"},
-                              {"RoleArn", config_.role_arn},
-                              {"RoleSessionName", config_.role_session_name},
-                              {"Version", "2011-06-15"},
-                              {"WebIdentityToken", token}});
-  const std::string where = prefix + ": AssumeRoleWithWebIdentity at " + config_.sts_endpoint;
+  req.post_body = std::move(form);
+  const std::string where = "S3 credentials from " + config_.credentials_from + ": " + action +
+                            " at " + config_.sts_endpoint;
   const HttpResponse r = AskCredentialsEndpoint(*client_, req);
   if (r.status == 0) return NoAnswer(where, r);
   if (r.status != 200) return Refused(where, r);
@@ -441,6 +447,35 @@ Result<TimedAwsKeys> AwsCredentials::FetchWebIdentity() const {
     }
   }
   return out;
+}
+
+Result<TimedAwsKeys> AwsCredentials::FetchWebIdentity() const {
+  TF_ASSIGN_OR_RETURN(
+      const std::string token,
+      ReadTokenFile(config_.web_identity_token_file,
+                    "S3 credentials from " + config_.credentials_from, "web identity token file"));
+  // Unsigned: the token is the proof.
+  return AskSts("AssumeRoleWithWebIdentity",
+                FormEncode({{"Action", "AssumeRoleWithWebIdentity"},
+                            {"RoleArn", config_.role_arn},
+                            {"RoleSessionName", config_.role_session_name},
+                            {"Version", "2011-06-15"},
+                            {"WebIdentityToken", token}}));
+}
+
+Result<TimedAwsKeys> AwsCredentials::FetchAssumeRole() const {
+  // Signed with the source keys (the client's settings).
+  std::string form = FormEncode({{"Action", "AssumeRole"},
+                                 {"Version", "2011-06-15"},
+                                 {"RoleArn", config_.role_arn},
+                                 {"RoleSessionName", config_.role_session_name}});
+  if (!config_.external_id.empty()) {
+    form += "&" + FormEncode({{"ExternalId", config_.external_id}});
+  }
+  if (!config_.duration_seconds.empty()) {
+    form += "&" + FormEncode({{"DurationSeconds", config_.duration_seconds}});
+  }
+  return AskSts("AssumeRole", std::move(form));
 }
 
 Result<TimedAwsKeys> AwsCredentials::FetchProcess() const {

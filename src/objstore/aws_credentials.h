@@ -1,5 +1,6 @@
 // Internal: AWS credentials that are fetched rather than given, as the AWS SDKs fetch them: web
-// identity (STS AssumeRoleWithWebIdentity: EKS IRSA), a profile's credential_process, container
+// identity (STS AssumeRoleWithWebIdentity: EKS IRSA), a role a profile assumes with static keys
+// (STS AssumeRole, signed), a profile's credential_process, container
 // credentials (EKS Pod Identity, ECS) and the EC2 instance metadata service (IMDSv2).
 // ResolveS3Config (aws_config.h) decides which, without I/O; AwsCredentials fetches the keys when
 // first needed and again before they expire, for every request of every source that shares them.
@@ -15,10 +16,10 @@
 //   * The web identity token file and the container authorization token file are read at each
 //     fetch (Kubernetes rotates them).
 //   * Errors are values: kIoError naming where the keys were
-//     asked for (the STS endpoint and "AssumeRoleWithWebIdentity", the container URI, the
-//     command's exit status and the end of its stderr, the metadata endpoint), the HTTP status and
-//     the service's error code; keys, session tokens and identity or authorization tokens never
-//     appear in messages.
+//     asked for (the STS endpoint and "AssumeRoleWithWebIdentity" or "AssumeRole", the container
+//     URI, the command's exit status and the end of its stderr, the metadata endpoint), the HTTP
+//     status and the service's error code; keys, session tokens and identity or authorization
+//     tokens never appear in messages.
 #pragma once
 
 #include <chrono>
@@ -71,7 +72,10 @@ class AwsCredentials {
  private:
   AwsCredentials(S3Config config, std::unique_ptr<HttpClient> client);
   Result<TimedAwsKeys> Fetch() const;
+  // POSTs `form` to the STS endpoint (the client signs it or not) and reads the credentials.
+  Result<TimedAwsKeys> AskSts(const std::string& action, std::string form) const;
   Result<TimedAwsKeys> FetchWebIdentity() const;
+  Result<TimedAwsKeys> FetchAssumeRole() const;
   Result<TimedAwsKeys> FetchProcess() const;
   Result<TimedAwsKeys> FetchContainer() const;
   Result<TimedAwsKeys> FetchInstanceMetadata() const;

@@ -84,13 +84,17 @@ std::string PrintableExcerpt(std::string_view text, size_t limit) {
   return out;
 }
 
-Result<std::unique_ptr<HttpClient>> CredentialsClient(const HttpSettings& transport,
-                                                      uint32_t max_timeout_ms) {
+HttpSettings CredentialsSettings(const HttpSettings& transport, uint32_t max_timeout_ms) {
   HttpSettings hs;  // unsigned
   hs.timeout_ms = std::min(transport.timeout_ms, max_timeout_ms);
   hs.verify_tls = transport.verify_tls;
   hs.ca_bundle = transport.ca_bundle;
-  return HttpClient::Make(std::move(hs));
+  return hs;
+}
+
+Result<std::unique_ptr<HttpClient>> CredentialsClient(const HttpSettings& transport,
+                                                      uint32_t max_timeout_ms) {
+  return HttpClient::Make(CredentialsSettings(transport, max_timeout_ms));
 }
 
 HttpResponse AskCredentialsEndpoint(const HttpClient& client, const HttpRequest& request,

@@ -60,8 +60,11 @@ std::string PrintableExcerpt(std::string_view text, size_t limit = 160);
 HttpResponse AskCredentialsEndpoint(const HttpClient& client, const HttpRequest& request,
                                     int attempts = 3);
 
-// An unsigned client for a credentials endpoint: the transport's TLS settings, its timeout capped
-// at max_timeout_ms. Errors: those of HttpClient::Make.
+// The settings of a client for a credentials endpoint: unsigned, the transport's TLS settings,
+// its timeout capped at max_timeout_ms.
+HttpSettings CredentialsSettings(const HttpSettings& transport,
+                                 uint32_t max_timeout_ms = UINT32_MAX);
+// A client with those settings. Errors: those of HttpClient::Make.
 Result<std::unique_ptr<HttpClient>> CredentialsClient(const HttpSettings& transport,
                                                       uint32_t max_timeout_ms = UINT32_MAX);
 

@@ -321,10 +321,14 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
     }
     keys = *std::move(fetched);
   }
-  const std::string aws = "aws:amz:" + s.region + ":s3";
+  const std::string aws = "aws:amz:" + s.region + ":" + s.sign_service;
   std::string security_token;
   if (!keys.access_key_id.empty()) {
-    headers = c.slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    // S3 takes an unsigned payload; other services get the body's SHA-256 (libcurl's, of the
+    // POST fields).
+    if (s.sign_service == "s3") {
+      headers = c.slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    }
     if (!keys.session_token.empty()) {
       security_token = "x-amz-security-token: " + keys.session_token;
       headers = c.slist_append(headers, security_token.c_str());

@@ -35,8 +35,10 @@ class AwsCredentials;
 class BearerTokens;
 
 struct HttpSettings {
-  // AWS Signature V4 when access_key_id is set.
+  // AWS Signature V4 when access_key_id is set, for `sign_service` ("s3": with
+  // x-amz-content-sha256: UNSIGNED-PAYLOAD; others, such as "sts", sign the body's hash).
   std::string access_key_id, secret_access_key, session_token, region;
+  std::string sign_service = "s3";
   uint32_t timeout_ms = 30'000;  // connect timeout, and the longest time without a byte received
   bool verify_tls = true;
   std::string ca_bundle;

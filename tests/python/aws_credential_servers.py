@@ -352,11 +352,15 @@ class Imds(_RecordingServer):
 class RecordingProxy(_RecordingServer):
     """Forwards each request to http://upstream_host:upstream_port (one connection per request)
     and answers what it answered. With expiration_s set, an <Expiration>...</Expiration> in the
-    answer is replaced by now + expiration_s (STS credentials that expire soon)."""
+    answer is replaced by now + expiration_s (STS credentials that expire soon). The Host header
+    becomes the upstream's, unless keep_host: then it is the client's, as a SigV4-signed request
+    (AssumeRole) needs, its Host being part of what the signature covers."""
 
-    def __init__(self, upstream_host, upstream_port, expiration_s=None, host=LOOPBACK):
+    def __init__(self, upstream_host, upstream_port, expiration_s=None, host=LOOPBACK,
+                 keep_host=False):
         self.upstream = (upstream_host, upstream_port)
         self.expiration_s = expiration_s
+        self.keep_host = keep_host
         super().__init__(host)
 
     def respond(self, req):
@@ -364,7 +368,8 @@ class RecordingProxy(_RecordingServer):
         try:
             headers = {k: v for k, v in req.headers.items()
                        if k not in ("host", "connection", "content-length")}
-            headers["Host"] = f"{self.upstream[0]}:{self.upstream[1]}"
+            headers["Host"] = (req.headers.get("host") if self.keep_host else None) or \
+                f"{self.upstream[0]}:{self.upstream[1]}"
             conn.request(req.method, req.path, body=req.body or None, headers=headers)
             resp = conn.getresponse()
             body = resp.read()

@@ -25,6 +25,11 @@ What SeaweedFS 4.48 does, as checked by test_objstore_infra.py:
     what the role's policy allows; a bogus session token is 403 InvalidAccessKeyId. A refused JWT
     is 400 InvalidParameterValue (signature, audience) or ExpiredTokenException (exp); an unknown
     role is 403 AccessDenied. Static identities and anonymous reads are as without it.
+    POST /?Action=AssumeRole, SigV4-signed (service sts) with ADMIN's keys, gives session
+    credentials of ASSUMED_ROLE_ARN, whose trust policy names ADMIN's principal
+    (arn:aws:iam::000000000000:user/admin, what GetCallerIdentity says); any other caller (OTHER)
+    is 403 AccessDenied ("user other is not authorized to assume role ..."). Its sessions read
+    BUCKET like ROLE_ARN's. (The STS cases: test_object_store_aws_credentials.py's boto3 tests.)
 """
 import atexit
 import base64
@@ -230,7 +235,9 @@ class SeaweedS3:
     Buckets BUCKET, PUBLIC_BUCKET and OTHER_BUCKET exist after start().
 
     STS (opt-in, sts=issuer): AssumeRoleWithWebIdentity of ROLE_ARN with a JWT of that OIDC issuer
-    gives session credentials that read BUCKET only (GetObject, ListBucket)."""
+    gives session credentials that read BUCKET only (GetObject, ListBucket); AssumeRole of
+    ASSUMED_ROLE_ARN, signed with ADMIN's keys (OTHER's are refused), gives session credentials
+    with the same policy."""
 
     ADMIN_KEY = ("tfadmin", "tfadmin-secret-key-0123456789")
     OTHER_KEY = ("tfother", "tfother-secret-key-0123456789")
@@ -240,6 +247,10 @@ class SeaweedS3:
     REGION = "us-east-1"
     SERVICES = ("master", "volume", "filer", "s3", "admin", "webdav", "debug", "s3debug")
     ROLE_ARN = "arn:aws:iam::role/TensorferryReader"  # the STS role (sts=issuer only)
+    # The AssumeRole role (sts=issuer only): trusts ADMIN, as SeaweedFS names a static identity.
+    ACCOUNT_ID = "000000000000"  # SeaweedFS's account id when its STS config sets none
+    ASSUMED_ROLE_ARN = f"arn:aws:iam::{ACCOUNT_ID}:role/TensorferryAssumed"
+    ADMIN_PRINCIPAL_ARN = f"arn:aws:iam::{ACCOUNT_ID}:user/admin"
     OIDC_PROVIDER = "tensorferry-oidc"
 
     def __init__(self, parent_dir=None, start_timeout_s=60.0, extra_args=(), sts=None):
@@ -314,11 +325,15 @@ class SeaweedS3:
 
     def _iam_config_path(self):
         """The -s3.iam.config file of sts=issuer: the STS signing key (random per server), the
-        OIDC provider, ROLE_ARN trusting it, and the role's policy (read BUCKET)."""
+        OIDC provider, ROLE_ARN trusting it, ASSUMED_ROLE_ARN trusting ADMIN (sts:AssumeRole),
+        and the roles' policy (read BUCKET)."""
         path = os.path.join(self.root, "iam.json")
         trust = {"Version": "2012-10-17", "Statement": [{
             "Effect": "Allow", "Principal": {"Federated": self.OIDC_PROVIDER},
             "Action": ["sts:AssumeRoleWithWebIdentity"]}]}
+        trust_admin = {"Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": {"AWS": self.ADMIN_PRINCIPAL_ARN},
+            "Action": ["sts:AssumeRole"]}]}
         read = {"Version": "2012-10-17", "Statement": [
             {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
              "Resource": [f"arn:aws:s3:::{self.BUCKET}", f"arn:aws:s3:::{self.BUCKET}/*"]},
@@ -332,7 +347,10 @@ class SeaweedS3:
                                       "jwksUri": self.sts.jwks_uri}}],
             "policy": {"defaultEffect": "Deny", "storeType": "memory"},
             "roles": [{"roleName": self.ROLE_ARN.rsplit("/", 1)[1], "roleArn": self.ROLE_ARN,
-                       "trustPolicy": trust, "attachedPolicies": ["TensorferryRead"]}],
+                       "trustPolicy": trust, "attachedPolicies": ["TensorferryRead"]},
+                      {"roleName": self.ASSUMED_ROLE_ARN.rsplit("/", 1)[1],
+                       "roleArn": self.ASSUMED_ROLE_ARN, "trustPolicy": trust_admin,
+                       "attachedPolicies": ["TensorferryRead"]}],
             "policies": [{"name": "TensorferryRead", "document": read}],
         }
         with open(path, "w") as f:
@@ -413,14 +431,19 @@ class SeaweedS3:
                             aws_access_key_id=keys[0], aws_secret_access_key=keys[1],
                             aws_session_token=keys[2] if len(keys) > 2 else None, config=cfg)
 
-    def sts_client(self):
-        """A boto3 STS client on this server's S3 port, unsigned (AssumeRoleWithWebIdentity)."""
+    def sts_client(self, keys=None):
+        """A boto3 STS client on this server's S3 port: unsigned (AssumeRoleWithWebIdentity), or
+        SigV4-signed with `keys` (AssumeRole, GetCallerIdentity)."""
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
+        retries = {"max_attempts": 1, "mode": "standard"}
+        if keys is None:
+            return boto3.client("sts", endpoint_url=self.endpoint, region_name=self.REGION,
+                                config=Config(signature_version=UNSIGNED, retries=retries))
         return boto3.client("sts", endpoint_url=self.endpoint, region_name=self.REGION,
-                            config=Config(signature_version=UNSIGNED,
-                                          retries={"max_attempts": 1, "mode": "standard"}))
+                            aws_access_key_id=keys[0], aws_secret_access_key=keys[1],
+                            config=Config(retries=retries))
 
     def session_credentials(self, token=None, session_name="tensorferry-tests"):
         """Session credentials of ROLE_ARN from this server's STS for `token` (default: a fresh
@@ -431,10 +454,17 @@ class SeaweedS3:
         r = self.sts_client().assume_role_with_web_identity(
             RoleArn=self.ROLE_ARN, RoleSessionName=session_name,
             WebIdentityToken=token or self.sts.token())
-        c = r["Credentials"]
-        when = c["Expiration"].astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return {"AccessKeyId": c["AccessKeyId"], "SecretAccessKey": c["SecretAccessKey"],
-                "SessionToken": c["SessionToken"], "Expiration": when}
+        return _session_of(r)
+
+    def assumed_role_credentials(self, keys=None, session_name="tensorferry-tests", **kwargs):
+        """Session credentials of ASSUMED_ROLE_ARN from this server's STS (AssumeRole signed with
+        `keys`, default ADMIN_KEY; kwargs: more AssumeRole parameters, e.g. DurationSeconds), in
+        session_credentials()'s form. Needs sts=issuer; a refusal raises botocore's ClientError."""
+        if self.sts is None:
+            raise RuntimeError("this SeaweedS3 was made without sts=issuer")
+        r = self.sts_client(keys or self.ADMIN_KEY).assume_role(
+            RoleArn=self.ASSUMED_ROLE_ARN, RoleSessionName=session_name, **kwargs)
+        return _session_of(r)
 
     def env(self, keys=None, endpoint=None):
         """AWS_* variables for a subprocess that should reach this server (or `endpoint`) as
@@ -480,6 +510,15 @@ class SeaweedS3:
         """Replaces bucket/key with `src` (path or bytes); returns the new ETag, which differs from
         the old one when the content does."""
         return self.upload(bucket, key, src)
+
+
+def _session_of(response):
+    """{AccessKeyId, SecretAccessKey, SessionToken, Expiration (ISO 8601 UTC with a Z)} of a boto3
+    STS AssumeRole* response."""
+    c = response["Credentials"]
+    when = c["Expiration"].astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"AccessKeyId": c["AccessKeyId"], "SecretAccessKey": c["SecretAccessKey"],
+            "SessionToken": c["SessionToken"], "Expiration": when}
 
 
 class NginxHttp:

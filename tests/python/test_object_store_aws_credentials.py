@@ -7,11 +7,15 @@ credentials, EC2 instance metadata) against real servers on loopback:
   The role reads BUCKET only; no static key of the checkpoint's reader is in any environment.
 * the container credentials endpoint and IMDSv2: aws_credential_servers (loopback), handing out
   session credentials of that same STS, so that a load succeeds only with what they gave.
+* a profile that assumes a role (role_arn with source_profile or credential_source =
+  Environment): AssumeRole of SeaweedFS's ASSUMED_ROLE_ARN, SigV4-signed with ADMIN's keys (the
+  role trusts ADMIN only), seen on its way by a recording proxy (AWS_ENDPOINT_URL_STS).
 
 Each provider is exercised through the CLI (`load URL --json`) and Python (tensorferry.numpy in a
 child process: the variables are the child's, never this process's), both compared byte for byte
 with the local file, and through boto3, which implements every one of these providers: a boto3
 failure says the servers or the environment are wrong, not tensorferry."""
+import hashlib
 import json
 import os
 import re
@@ -34,15 +38,18 @@ SESSION_NAME = "tensorferry-env-session"
 # A child process loading the URL in argv[1] with tensorferry.numpy and printing, as JSON, a list
 # with one entry per load: {"tensors": [[name, dtype, shape, sha256]...]} or {"error", "message"},
 # each with its start and end (time.time()). With more arguments (seconds, path, text): after the
-# first load it writes text to path, sleeps that long and loads again.
+# first load it writes text to path, sleeps that long and loads again. CHILD_STORAGE_OPTIONS in
+# its environment (JSON), when set: the loads' storage_options.
 CHILD = r"""
-import hashlib, json, sys, time
+import hashlib, json, os, sys, time
 import tensorferry.numpy
+
+OPTIONS = json.loads(os.environ.get("CHILD_STORAGE_OPTIONS") or "null")
 
 def load(url):
     start = time.time()
     try:
-        arrays = tensorferry.numpy.load_file(url)
+        arrays = tensorferry.numpy.load_file(url, storage_options=OPTIONS)
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e), "start": start, "end": time.time()}
     tensors = [[n, str(a.dtype), list(a.shape), hashlib.sha256(a.tobytes()).hexdigest()]
@@ -193,9 +200,18 @@ def imds_env(seaweed, tmp_path, endpoint):
 
 
 # -- running loads ---------------------------------------------------------------------------------
-def run_cli(url, env):
-    return subprocess.run([CLI, "load", url, "--json"], capture_output=True, text=True,
+def run_cli(url, env, *args):
+    return subprocess.run([CLI, "load", url, "--json", *args], capture_output=True, text=True,
                           timeout=180, env=child_env(env))
+
+
+def named(profile, env):
+    """The CLI's arguments and the environment (CHILD's storage_options) of loads under `env`
+    that name `profile` in their options (--s3-profile, s3_profile); none when it is None."""
+    if profile is None:
+        return [], env
+    return ["--s3-profile", profile], dict(env, CHILD_STORAGE_OPTIONS=json.dumps(
+        {"s3_profile": profile}))
 
 
 def run_child(url, env, *then):
@@ -206,9 +222,11 @@ def run_child(url, env, *then):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def assert_loads(ckpt, url, env):
-    """The CLI and Python both load `url` under `env`, equal to the local file."""
-    r = run_cli(url, env)
+def assert_loads(ckpt, url, env, profile=None):
+    """The CLI and Python both load `url` under `env` (with `profile` named in their options),
+    equal to the local file."""
+    args, env = named(profile, env)
+    r = run_cli(url, env, *args)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout)
     for field in ("checksum", "tensors", "bytes"):
@@ -217,12 +235,25 @@ def assert_loads(ckpt, url, env):
     assert py.get("tensors") == ckpt.tensors, py
 
 
-def failed_loads(url, env):
-    """The messages of the CLI's and Python's failed loads of `url` under `env`."""
-    r = run_cli(url, env)
+def failed_loads(url, env, profile=None):
+    """The messages of the CLI's and Python's failed loads of `url` under `env` (with `profile`
+    named in their options)."""
+    args, env = named(profile, env)
+    r = run_cli(url, env, *args)
     assert r.returncode == 1, r.stdout + r.stderr
     (py,) = run_child(url, env)
     assert "error" in py, py
+    return [r.stdout + r.stderr, py["message"]]
+
+
+def unsupported_loads(url, env):
+    """The messages of the CLI's and Python's loads of `url` under `env`, refused as unsupported
+    (the CLI's error code "unsupported", Python's UnsupportedError)."""
+    r = run_cli(url, env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert json.loads(r.stdout)["error"]["code"] == "unsupported", r.stdout
+    (py,) = run_child(url, env)
+    assert py.get("error") == "UnsupportedError", py
     return [r.stdout + r.stderr, py["message"]]
 
 
@@ -501,6 +532,200 @@ def test_an_instance_without_a_role_reads_anonymously(seaweed, ckpt, tmp_path):
                                                      for p in paths), paths
 
 
+# -- a role a profile assumes with static keys (AssumeRole) ----------------------------------------
+ASSUMER_SESSION = "tensorferry-assumer-session"
+EXTERNAL_ID = "tensorferry-external-id-0042"
+DURATION = "3600"  # botocore fetches a session of under 15 minutes again at each use
+
+
+@pytest.fixture
+def signed_sts_proxy(seaweed):
+    """A recording proxy in front of SeaweedFS's STS that passes the client's Host header on
+    (a signed AssumeRole's signature covers it)."""
+    host, port = seaweed.endpoint[len("http://"):].rsplit(":", 1)
+    server = RecordingProxy(host, int(port), keep_host=True)
+    yield server
+    server.stop()
+
+
+def static_keys(keys):
+    return f"aws_access_key_id = {keys[0]}\naws_secret_access_key = {keys[1]}\n"
+
+
+def assume_role_env(seaweed, tmp_path, sts_url=None, source_keys=None, keys_in="credentials",
+                    more=""):
+    """AWS_PROFILE=assumer, a profile assuming ASSUMED_ROLE_ARN with source_profile = base, whose
+    static keys (`source_keys`, default ADMIN_KEY) are [base] in the credentials file, or
+    [profile base] in the config file (keys_in="config"); `more`: more lines of [profile
+    assumer]. STS: `sts_url` (AWS_ENDPOINT_URL_STS), else AWS_ENDPOINT_URL (SeaweedFS)."""
+    base = static_keys(source_keys or seaweed.ADMIN_KEY)
+    config = (f"[profile assumer]\nrole_arn = {seaweed.ASSUMED_ROLE_ARN}\nsource_profile = base\n"
+              + more)
+    credentials = ""
+    if keys_in == "credentials":
+        credentials = "[base]\n" + base
+    else:
+        config += "\n[profile base]\n" + base
+    env = dict(base_env(seaweed, tmp_path, config=config, credentials=credentials),
+               AWS_PROFILE="assumer")
+    if sts_url:
+        env["AWS_ENDPOINT_URL_STS"] = sts_url
+    return env
+
+
+def environment_source_env(seaweed, tmp_path, sts_url):
+    """[profile assumer] assuming ASSUMED_ROLE_ARN with credential_source = Environment, and
+    ADMIN's keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. No AWS_PROFILE: the profile is
+    named in the options (a profile named by AWS_PROFILE comes after the environment's keys)."""
+    env = base_env(seaweed, tmp_path, config=(
+        f"[profile assumer]\nrole_arn = {seaweed.ASSUMED_ROLE_ARN}\n"
+        f"credential_source = Environment\nrole_session_name = {ASSUMER_SESSION}\n"))
+    env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = seaweed.ADMIN_KEY
+    env["AWS_ENDPOINT_URL_STS"] = sts_url
+    return env
+
+
+def assert_signed_assume_role(req, key_id, region, fields):
+    """`req` is a POST of the AssumeRole form `fields` (exactly), SigV4-signed for STS with the
+    static key `key_id` (no session token): a computed payload hash, never UNSIGNED-PAYLOAD."""
+    assert req.method == "POST" and req.path.split("?")[0] == "/", req
+    auth = req.headers.get("authorization", "")
+    assert auth.startswith(f"AWS4-HMAC-SHA256 Credential={key_id}/"), auth
+    assert f"/{region}/sts/aws4_request" in auth, auth
+    assert "x-amz-date" in req.headers, req.headers
+    assert req.headers.get("x-amz-content-sha256") in (None, hashlib.sha256(req.body).hexdigest())
+    assert "x-amz-security-token" not in req.headers, req.headers
+    assert req.headers["content-type"].startswith("application/x-www-form-urlencoded")
+    assert form(req) == dict(fields, Action="AssumeRole", Version="2011-06-15"), form(req)
+
+
+ASSUMERS = ["source-profile", "environment"]
+
+
+@pytest.mark.parametrize("name", ASSUMERS)
+def test_boto3_assumes_the_role_of_a_profile(name, seaweed, ckpt, signed_sts_proxy, tmp_path,
+                                             monkeypatch):
+    """What the tests below expect of SeaweedFS's STS and of these environments, seen by boto3
+    (botocore's AssumeRoleProvider): AssumeRole signed with ADMIN's keys, through the proxy, and
+    a session that reads BUCKET; a profile named by AWS_PROFILE leaves the environment's keys
+    first, one named explicitly does not."""
+    import boto3
+    from botocore.config import Config
+    if name == "source-profile":
+        env = assume_role_env(seaweed, tmp_path, signed_sts_proxy.url, more=(
+            f"role_session_name = {ASSUMER_SESSION}\nexternal_id = {EXTERNAL_ID}\n"
+            f"duration_seconds = {DURATION}\n"))
+    else:
+        env = environment_source_env(seaweed, tmp_path, signed_sts_proxy.url)
+    for var in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    if name == "environment":  # AWS_PROFILE naming it: the environment's keys, no STS
+        monkeypatch.setenv("AWS_PROFILE", "assumer")
+        assert boto3.Session().get_credentials().method == "env"
+        monkeypatch.delenv("AWS_PROFILE")
+    session = boto3.Session(profile_name="assumer" if name == "environment" else None)
+    creds = session.get_credentials()
+    assert creds.method == "assume-role"
+    s3 = session.client("s3", config=Config(s3={"addressing_style": "path"}))
+    assert s3.get_object(Bucket=seaweed.BUCKET, Key=KEY)["Body"].read() == ckpt.data
+    frozen = creds.get_frozen_credentials()
+    assert frozen.access_key.startswith("ASIA") and frozen.token
+    with pytest.raises(ClientError) as e:  # the role reads BUCKET only
+        s3.get_object(Bucket=seaweed.PUBLIC_BUCKET, Key=KEY)
+    assert e.value.response["Error"]["Code"] == "AccessDenied"
+    (req,) = signed_sts_proxy.requests
+    fields = {"RoleArn": seaweed.ASSUMED_ROLE_ARN, "RoleSessionName": ASSUMER_SESSION}
+    if name == "source-profile":
+        fields.update(ExternalId=EXTERNAL_ID, DurationSeconds=DURATION)
+    assert_signed_assume_role(req, seaweed.ADMIN_KEY[0], seaweed.REGION, fields)
+
+
+def test_boto3_sees_assume_role_refused_to_another_identity(seaweed):
+    """The role trusts ADMIN only: OTHER (a valid identity) is refused, 403 AccessDenied."""
+    c = seaweed.assumed_role_credentials(session_name="tf-boto3")
+    assert c["AccessKeyId"].startswith("ASIA") and c["SessionToken"]
+    with pytest.raises(ClientError) as e:
+        seaweed.assumed_role_credentials(keys=seaweed.OTHER_KEY, session_name="tf-boto3")
+    status = e.value.response["ResponseMetadata"]["HTTPStatusCode"]
+    assert (status, e.value.response["Error"]["Code"]) == (403, "AccessDenied")
+    assert "is not authorized to assume role" in e.value.response["Error"]["Message"]
+
+
+@pytest.mark.parametrize("keys_in", ["credentials", "config"])
+def test_a_role_assumed_with_a_source_profile(seaweed, ckpt, signed_sts_proxy, tmp_path, keys_in):
+    # From the credentials file: with every optional setting. From the config file: with none
+    # but role_session_name (no ExternalId, no DurationSeconds in the form).
+    more = f"role_session_name = {ASSUMER_SESSION}\n"
+    fields = {"RoleArn": seaweed.ASSUMED_ROLE_ARN, "RoleSessionName": ASSUMER_SESSION}
+    if keys_in == "credentials":
+        more += f"external_id = {EXTERNAL_ID}\nduration_seconds = {DURATION}\n"
+        fields.update(ExternalId=EXTERNAL_ID, DurationSeconds=DURATION)
+    env = assume_role_env(seaweed, tmp_path, signed_sts_proxy.url, keys_in=keys_in, more=more)
+    assert_loads(ckpt, ckpt.url, env)
+    reqs = signed_sts_proxy.requests
+    assert len(reqs) == 2, reqs  # one per process: the session is kept while it is valid
+    for req in reqs:
+        assert_signed_assume_role(req, seaweed.ADMIN_KEY[0], seaweed.REGION, fields)
+
+
+def test_a_role_assumed_with_the_environments_keys(seaweed, ckpt, signed_sts_proxy, tmp_path):
+    env = environment_source_env(seaweed, tmp_path, signed_sts_proxy.url)
+    assert_loads(ckpt, ckpt.url, env, profile="assumer")
+    reqs = signed_sts_proxy.requests
+    assert len(reqs) == 2, reqs
+    for req in reqs:
+        assert_signed_assume_role(req, seaweed.ADMIN_KEY[0], seaweed.REGION, {
+            "RoleArn": seaweed.ASSUMED_ROLE_ARN, "RoleSessionName": ASSUMER_SESSION})
+    # Named by AWS_PROFILE instead, the profile comes after the environment's keys (as in
+    # botocore): they are used as they are, and STS is never asked.
+    signed_sts_proxy.reset()
+    assert_loads(ckpt, ckpt.url, dict(env, AWS_PROFILE="assumer"))
+    assert signed_sts_proxy.count == 0
+
+
+def test_a_role_the_source_keys_may_not_assume_names_sts_and_its_answer(seaweed, ckpt,
+                                                                         tmp_path):
+    # OTHER's keys are valid, but the role does not trust OTHER. STS: AWS_ENDPOINT_URL's.
+    env = assume_role_env(seaweed, tmp_path, source_keys=seaweed.OTHER_KEY)
+    for msg in failed_loads(ckpt.url, env):
+        assert "AssumeRole" in msg and "AccessDenied" in msg and "403" in msg, msg
+        assert seaweed.endpoint in msg, msg  # where the credentials were asked for
+        assert seaweed.OTHER_KEY[1] not in msg, msg
+
+
+def test_an_assumed_role_that_needs_an_mfa_code_is_refused_before_sts(seaweed, ckpt,
+                                                                      signed_sts_proxy, tmp_path):
+    env = assume_role_env(seaweed, tmp_path, signed_sts_proxy.url,
+                          more="mfa_serial = arn:aws:iam::000000000000:mfa/admin\n")
+    for msg in unsupported_loads(ckpt.url, env):
+        assert "mfa_serial" in msg, msg
+        assert seaweed.ADMIN_KEY[1] not in msg, msg
+    assert signed_sts_proxy.count == 0
+
+
+@pytest.mark.parametrize("source", ["chain", "process"])
+def test_a_source_profile_without_static_keys_is_refused_before_sts(seaweed, ckpt,
+                                                                    signed_sts_proxy, tmp_path,
+                                                                    source):
+    """source_profile = middle, where middle assumes a role itself (a chain of roles) or gets
+    its keys from a credential_process: unsupported, STS never asked, the process never run."""
+    script = credential_process_script(tmp_path, f'echo run >> "{tmp_path}/process-runs"\n'
+                                                 "exit 1\n")
+    middle = (f"role_arn = {seaweed.ASSUMED_ROLE_ARN}\nsource_profile = base\n"
+              if source == "chain" else f"credential_process = {script}\n")
+    env = assume_role_env(seaweed, tmp_path, signed_sts_proxy.url, keys_in="config")
+    config = (tmp_path / "aws-config").read_text().replace("source_profile = base\n",
+                                                            "source_profile = middle\n", 1)
+    (tmp_path / "aws-config").write_text(config + "\n[profile middle]\n" + middle)
+    for msg in unsupported_loads(ckpt.url, env):
+        assert "middle" in msg and "source_profile" in msg, msg
+        assert seaweed.ADMIN_KEY[1] not in msg, msg
+    assert signed_sts_proxy.count == 0
+    assert not (tmp_path / "process-runs").exists()
+
+
 # -- tensorferry doctor URL ------------------------------------------------------------------------
 def run_doctor(url, env):
     r = subprocess.run([CLI, "doctor", "--quick", "--json", url], capture_output=True, text=True,
@@ -531,3 +756,22 @@ def test_doctor_reports_fetched_keys_without_showing_them(seaweed, ckpt, issuer,
     assert not report["credentials_status"]["ok"]
     assert "AssumeRoleWithWebIdentity" in report["credentials_status"]["message"]
     assert report["probe"] == "" and report["probe_seconds"] == 0
+
+
+def test_doctor_reports_the_keys_of_an_assumed_role_without_showing_them(seaweed, ckpt,
+                                                                         signed_sts_proxy,
+                                                                         tmp_path):
+    env = assume_role_env(seaweed, tmp_path, signed_sts_proxy.url,
+                          more=f"role_session_name = {ASSUMER_SESSION}\n")
+    report, text = run_doctor(ckpt.url, env)
+    assert report["settings"]["ok"] and report["store"] == "s3"
+    assert seaweed.ASSUMED_ROLE_ARN in report["credentials_from"], report
+    assert report["credentials_status"]["ok"], report
+    assert re.fullmatch(r"key \*\*\*\*\w{4} with a session token", report["credentials"]), report
+    assert report["probe_status"]["ok"], report
+    assert report["probe"].startswith(f"object of {os.path.getsize(ckpt.local)} bytes, ETag "), \
+        report
+    (req,) = signed_sts_proxy.requests
+    assert_signed_assume_role(req, seaweed.ADMIN_KEY[0], seaweed.REGION, {
+        "RoleArn": seaweed.ASSUMED_ROLE_ARN, "RoleSessionName": ASSUMER_SESSION})
+    assert seaweed.ADMIN_KEY[1] not in text

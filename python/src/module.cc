@@ -116,6 +116,45 @@ NB_MODULE(_core, m) {
       "The whole object at `url` as bytes (tensorferry::ReadObject); InvalidArgumentError when it "
       "is larger than `max_bytes`");
   m.def(
+      "describe_object_store",
+      [](const std::string& url, const nb::dict& options) {
+        const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
+        ObjectStoreReport r;
+        {
+          WithoutGil release;
+          r = DescribeObjectStore(url, store);
+        }
+        const auto status = [](const Status& s) {
+          nb::dict d;
+          d["ok"] = s.ok();
+          d["code"] = s.ok() ? std::string() : std::string(CodeName(s.code()));
+          d["category"] = s.ok() ? std::string() : std::string(CategoryName(s.category()));
+          d["message"] = s.ok() ? std::string() : std::string(s.message());
+          return d;
+        };
+        nb::dict d;
+        d["url"] = r.url;
+        d["store"] = r.store;
+        d["settings"] = status(r.settings);
+        d["endpoint"] = r.endpoint;
+        d["endpoint_from"] = r.endpoint_from;
+        d["region"] = r.region;
+        d["region_from"] = r.region_from;
+        d["addressing"] = r.addressing;
+        d["credentials_from"] = r.credentials_from;
+        d["credentials"] = r.credentials;
+        d["credentials_status"] = status(r.credentials_status);
+        d["credentials_seconds"] = r.credentials_seconds;
+        d["request_url"] = r.request_url;
+        d["probe"] = r.probe;
+        d["probe_status"] = status(r.probe_status);
+        d["probe_seconds"] = r.probe_seconds;
+        return d;
+      },
+      nb::arg("url"), nb::arg("options"),
+      "How the store of `url` is reached and whether it answers (tensorferry::DescribeObjectStore; "
+      "the fields of `tensorferry doctor URL --json`'s object_store)");
+  m.def(
       "list_objects",
       [](const std::string& dir, const std::string& suffix, const nb::dict& options) {
         const ObjectStoreOptions store = MakeLoadOptions(options).object_store;

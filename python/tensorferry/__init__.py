@@ -57,6 +57,17 @@ def _wait_for_caches_at_exit():
 
 atexit.register(_wait_for_caches_at_exit)
 
+
+def describe_object_store(url, storage_options=None):
+    """How the store of `url` (s3://, gs://, http(s)://; a prefix ends with '/') is reached, as
+    a dict: the endpoint, region and addressing with where each came from, where the credentials
+    come from, the keys fetched when they are fetched (never a secret), and one request as a load
+    makes it, timed ("settings", "credentials_status", "probe_status": {ok, code, category,
+    message}). Never raises for what it finds: `tensorferry doctor URL --json`'s object_store.
+    `storage_options` as Loader's."""
+    from . import _core
+    return _core.describe_object_store(url, dict(storage_options or {}))
+
 __all__ = [
     "safe_open",
     "cuda_available",
@@ -66,6 +77,7 @@ __all__ = [
     "release_idle_staging",
     "idle_staging_bytes",
     "wait_for_caches",
+    "describe_object_store",
     "SafetensorError",
     "InvalidArgumentError",
     "UnsupportedError",

@@ -708,3 +708,19 @@ def test_doctor_says_where_each_setting_came_from_and_asks_once(stores, tmp_path
     report, _ = doctor(s.url(rel), env)
     assert not report["settings"]["ok"] and "AWS_ENDPOINT_URL" in report["settings"]["message"]
     assert report["probe"] == "" and report["request_url"] == ""
+
+
+def test_describe_object_store_from_python(stores):
+    s = stores.seaweed
+    rel = f"{PREFIX}/tiny/{stores.shards[0]}"
+    report = tensorferry.describe_object_store(s.url(rel), stores.s3_options())
+    assert report["settings"]["ok"] and report["probe_status"]["ok"], report
+    assert report["credentials_from"] == "options" and report["endpoint_from"] == "options"
+    assert report["probe"].startswith("object of "), report
+    report = tensorferry.describe_object_store(
+        s.url(rel), stores.s3_options(keys=(s.ADMIN_KEY[0], "not-the-secret-at-all")))
+    assert not report["probe_status"]["ok"]
+    assert "SignatureDoesNotMatch" in report["probe_status"]["message"]
+    assert "not-the-secret-at-all" not in repr(report)
+    report = tensorferry.describe_object_store("/not/a/url", {})
+    assert not report["settings"]["ok"] and report["settings"]["category"] == "invalid_argument"

@@ -288,9 +288,8 @@ Result<bool> ProfileKeys(S3Config& c, const Profile& p,
 // later. With `bare_role`, a role_arn without a web identity token file counts too (a profile
 // with nothing else: there is nothing to assume it with).
 Status RefuseUnsupportedProfileSource(const Profile& p, bool bare_role) {
-  const bool assumed =
-      p.Get("role_arn") && (p.Get("source_profile") || p.Get("credential_source") ||
-                            (bare_role && !p.Get("web_identity_token_file")));
+  const bool assumed = p.Get("role_arn") && !p.Get("web_identity_token_file") &&
+                       (p.Get("source_profile") || p.Get("credential_source") || bare_role);
   for (const char* key : {"role_arn", "sso_session", "sso_start_url"}) {
     auto value = p.Get(key);
     if (!value || (std::string_view(key) == "role_arn" && !assumed)) continue;
@@ -454,7 +453,8 @@ Result<bool> AssumeRole(S3Config& c, const GetEnv& env, const Profile& p) {
   const auto role = p.Get("role_arn");
   const auto source = p.Get("source_profile");
   const auto credential_source = p.Get("credential_source");
-  if (!role || (!source && !credential_source)) return false;
+  // A web identity token file makes it web identity (botocore skips AssumeRole then).
+  if (!role || (!source && !credential_source) || p.Get("web_identity_token_file")) return false;
   const std::string where = p.Where(role->second);
   const auto unsupported = [](const std::string& what) {
     return Status(Code::kUnsupported,
@@ -481,13 +481,16 @@ Result<bool> AssumeRole(S3Config& c, const GetEnv& env, const Profile& p) {
                                                 ShownPath(p.credentials_path, "credentials") +
                                                 " nor " + ShownPath(p.config_path, "config"));
     }
-    if (base.Get("role_arn")) {
-      return unsupported(p.Where(source->second) + ": source_profile \"" + source->first +
-                         "\" assumes a role itself (a chain of roles is not supported)");
-    }
+    // The source's static keys when it has them (itself included: a profile whose role is
+    // assumed with its own keys), as botocore takes them; else it would have to assume a role
+    // itself.
     TF_ASSIGN_OR_RETURN(bool found, ProfileKeys(keys, base, base.credentials));
     if (!found) {
       TF_ASSIGN_OR_RETURN(found, ProfileKeys(keys, base, base.config));
+    }
+    if (!found && base.Get("role_arn")) {
+      return unsupported(p.Where(source->second) + ": source_profile \"" + source->first +
+                         "\" assumes a role itself (a chain of roles is not supported)");
     }
     if (!found) {
       return unsupported(p.Where(source->second) + ": source_profile \"" + source->first +
@@ -506,7 +509,8 @@ Result<bool> AssumeRole(S3Config& c, const GetEnv& env, const Profile& p) {
     }
     keys.access_key_id = *id;
     keys.secret_access_key = *secret;
-    keys.session_token = Env(env, "AWS_SESSION_TOKEN").value_or("");
+    keys.session_token =
+        Env(env, "AWS_SESSION_TOKEN").value_or(Env(env, "AWS_SECURITY_TOKEN").value_or(""));
     keys_from = "the environment's keys (credential_source = Environment)";
   } else {
     return unsupported(p.Where(credential_source->second) + ": credential_source = " +

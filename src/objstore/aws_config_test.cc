@@ -223,7 +223,12 @@ TEST(AwsConfig, ARoleAssumedWithAnotherProfilesKeysOrTheEnvironments) {
       "aws_access_key_id = OWN\naws_secret_access_key = OS\n"
       "[profile env]\nrole_arn = arn:aws:iam::1:role/y\ncredential_source = Environment\n"
       "[profile mfa]\nrole_arn = arn:r\nsource_profile = base\nmfa_serial = arn:mfa\n"
-      "[profile chain]\nrole_arn = arn:r2\nsource_profile = r\n"
+      "[profile chain]\nrole_arn = arn:r2\nsource_profile = env\n"
+      "[profile keyed]\nrole_arn = arn:r8\nsource_profile = r\n"
+      "[profile self]\nrole_arn = arn:r9\nsource_profile = self\n"
+      "aws_access_key_id = SELF\naws_secret_access_key = SS\n"
+      "[profile webid]\nrole_arn = arn:r10\nsource_profile = base\n"
+      "web_identity_token_file = /t\n"
       "[profile nokeys]\nrole_arn = arn:r3\nsource_profile = plain\n"
       "[profile plain]\nregion = eu-west-1\n"
       "[profile gone]\nrole_arn = arn:r4\nsource_profile = nowhere\n"
@@ -261,7 +266,7 @@ TEST(AwsConfig, ARoleAssumedWithAnotherProfilesKeysOrTheEnvironments) {
   // What is not supported says so, naming the setting.
   for (const auto& [profile, says] : std::vector<std::pair<std::string, std::string>>{
            {"mfa", "sets mfa_serial"},
-           {"chain", "source_profile \"r\" assumes a role itself"},
+           {"chain", "source_profile \"env\" assumes a role itself"},
            {"nokeys", "source_profile \"plain\" has no aws_access_key_id"},
            {"ec2", "credential_source = Ec2InstanceMetadata is not supported"}}) {
     r.profile = profile;
@@ -271,6 +276,15 @@ TEST(AwsConfig, ARoleAssumedWithAnotherProfilesKeysOrTheEnvironments) {
     EXPECT_NE(config.status().message().find(says), std::string::npos)
         << config.status().ToString();
   }
+  // A source with static keys gives them, even one that assumes a role itself (botocore's
+  // rule), and a profile may assume its role with its own keys.
+  r.profile = "keyed";
+  EXPECT_EQ(aws.MustResolve(r).source_access_key_id, "OWN");
+  r.profile = "self";
+  EXPECT_EQ(aws.MustResolve(r).source_access_key_id, "SELF");
+  // A web identity token file makes it web identity.
+  r.profile = "webid";
+  EXPECT_EQ(aws.MustResolve(r).credential_source, Source::kWebIdentity);
   r.profile = "gone";
   EXPECT_NE(aws.Error(r).find("source_profile \"nowhere\" is in neither"), std::string::npos);
   r.profile = "both";

@@ -212,7 +212,16 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
   sigset_t none;
   sigemptyset(&none);
   posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+  // With a terminal, the caller's process group (a helper may prompt on /dev/tty, which needs
+  // the foreground group); without one, a group of its own, so that a timeout or a cancel kills
+  // what it started too.
+  const bool own_group = ::isatty(STDIN_FILENO) == 0;
+  short flags = POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK;
+  if (own_group) {
+    posix_spawnattr_setpgroup(&attr, 0);
+    flags |= POSIX_SPAWN_SETPGROUP;
+  }
+  posix_spawnattr_setflags(&attr, flags);
   const char* argv[] = {"/bin/sh", "-c", command.c_str(), nullptr};
   pid_t pid = -1;
   const int spawned =
@@ -275,12 +284,16 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
         if (open_fds > 0) {
           for (pollfd& p : fds) {
             if (p.fd < 0) continue;
-            for (;;) {  // what is there now, without waiting for a writer that lives on
+            // What is there now, without waiting for a writer that lives on, and at most a
+            // pipe's worth more than the limits (such a writer may never stop).
+            for (size_t drained = 0; drained <= kMaxProcessOutput;) {
               pollfd q = {p.fd, POLLIN, 0};
               if (::poll(&q, 1, 0) <= 0) break;
               const ssize_t n = ::read(p.fd, buf, sizeof buf);
               if (n <= 0) break;
+              drained += static_cast<size_t>(n);
               (p.fd == out_pipe[0] ? out : err).append(buf, static_cast<size_t>(n));
+              if (err.size() > 2 * kStderrKept) err.erase(0, err.size() - kStderrKept);
               if (out.size() > kMaxProcessOutput) break;
             }
             ::close(p.fd);
@@ -307,7 +320,7 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
     if (p.fd >= 0) ::close(p.fd);
   }
   if (!exited) {
-    ::kill(pid, SIGKILL);
+    ::kill(own_group ? -pid : pid, SIGKILL);
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
   }
@@ -345,8 +358,8 @@ Result<std::shared_ptr<AwsCredentials>> AwsCredentials::Make(const S3Config& con
        &config.sts_endpoint, &config.source_access_key_id, &config.source_secret_access_key,
        &config.source_session_token, &config.external_id, &config.duration_seconds, &config.region,
        &config.credential_process, &config.container_uri, &config.container_token,
-       &config.container_token_file, &config.imds_endpoint},
-      static_cast<int>(config.credential_source), transport,
+       &config.container_token_file, &config.imds_endpoint, &config.credentials_from},
+      static_cast<int>(config.credential_source) * 2 + (config.unsigned_allowed ? 1 : 0), transport,
       [&]() -> Result<std::shared_ptr<AwsCredentials>> {
         std::unique_ptr<HttpClient> client;
         if (config.credential_source == Source::kAssumeRole) {
@@ -394,10 +407,12 @@ bool AwsCredentials::Refuse(const AwsKeys& keys) {
     return a.access_key_id == keys.access_key_id && a.session_token == keys.session_token;
   };
   std::lock_guard<std::mutex> lock(refused_mu_);
-  // Keys refused once, fetched again and refused again: the source keeps giving them (a cache
-  // of its own, keys for another store), so fetching again cannot help.
-  if (same(refused_)) return false;
-  if (keys_.ForgetIf(same)) refused_ = keys;
+  // Keys refused, fetched again and refused again within a minute: the source keeps giving them
+  // (a cache of its own, keys for another store), so fetching again at once cannot help; a
+  // minute later it may (keys rotated meanwhile).
+  const auto now = std::chrono::steady_clock::now();
+  if (same(refused_) && now - refused_at_ < std::chrono::seconds(60)) return false;
+  if (keys_.ForgetIf(same)) refused_ = keys, refused_at_ = now;
   return true;
 }
 
@@ -427,7 +442,7 @@ Result<TimedAwsKeys> AwsCredentials::AskSts(const std::string& action, std::stri
   const std::string where = "S3 credentials from " + config_.credentials_from + ": " + action +
                             " at " + config_.sts_endpoint;
   const HttpResponse r = AskCredentialsEndpoint(*client_, req);
-  if (r.status == 0) return NoAnswer(where, r);
+  if (r.status == 0 || r.cancelled) return NoAnswer(where, r);
   if (r.status != 200) return Refused(where, r);
   Result<StsCredentials> sts = ParseStsCredentials(r.text);
   if (!sts.ok()) return Status(Code::kIoError, where + ": " + sts.status().message());
@@ -506,7 +521,7 @@ Result<TimedAwsKeys> AwsCredentials::FetchContainer() const {
     req.headers.push_back("Authorization: " + token);
   }
   const HttpResponse r = AskCredentialsEndpoint(*client_, req);
-  if (r.status == 0) return NoAnswer(where, r);
+  if (r.status == 0 || r.cancelled) return NoAnswer(where, r);
   if (r.status != 200) return Refused(where, r);
   return ParseAwsCredentialsJson(r.text, where, /*process=*/false);
 }

@@ -10,7 +10,8 @@
 //     it replaces while they are good). Fetches go through an HttpClient of its own (unsigned;
 //     the transport's TLS settings; 1 s and one attempt per request for the instance metadata
 //     service, 5 s for container endpoints) or a child process (credential_process: /bin/sh -c
-//     with the caller's stdin and process group, its stdout read, at most 1 MiB; done when it
+//     with the caller's stdin (and its process group when stdin is a terminal, else one of its
+//     own), its stdout read, at most 1 MiB; done when it
 //     exits; killed after kProcessTimeout or when the calling thread's load is cancelled,
 //     io::CancelScope).
 //   * The web identity token file and the container authorization token file are read at each
@@ -84,7 +85,8 @@ class AwsCredentials {
   const std::unique_ptr<HttpClient> client_;  // null for kProcess
   Refreshing<AwsKeys> keys_;
   std::mutex refused_mu_;
-  AwsKeys refused_;  // the keys last refused and forgotten
+  AwsKeys refused_;  // the keys last refused and forgotten, and when
+  std::chrono::steady_clock::time_point refused_at_{};
 };
 
 // "2026-11-30T20:14:49Z", with optional fractional seconds and a "+HH:MM"/"-HH:MM" offset in

@@ -7,6 +7,7 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "io/read_engine.h"
 #include "objstore/s3_xml.h"
@@ -229,6 +230,44 @@ TEST(AwsCredentials, KeysRefusedAgainAfterAFetchAreNotFetchedAgain) {
   EXPECT_FALSE(credentials->Refuse(keys));
   EXPECT_EQ(credentials->Get()->access_key_id, "SAME");
   EXPECT_EQ(credentials->fetches(), 2u);
+}
+
+TEST(AwsCredentials, WaitersGetTheErrorOfTheFetchTheyWaitedForWithoutFetchingAgain) {
+  Refreshing<int> value;
+  std::atomic<int> fetches{0};
+  std::promise<void> started, release;
+  std::shared_future<void> go = release.get_future().share();
+  const auto failing = [&]() -> Result<Refreshing<int>::Fetched> {
+    if (fetches.fetch_add(1) == 0) started.set_value();
+    go.wait();
+    return Status(Code::kIoError, "down");
+  };
+  std::vector<std::thread> threads;
+  std::vector<Status> got(4);
+  threads.emplace_back([&] { got[0] = value.Get(failing).status(); });
+  started.get_future().wait();
+  for (int i = 1; i < 4; ++i)
+    threads.emplace_back([&, i] { got[i] = value.Get(failing).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let them wait (not required)
+  EXPECT_EQ(fetches.load(), 1);                                 // nobody fetches while a fetch runs
+  release.set_value();
+  for (std::thread& t : threads) t.join();
+  // Each caller either waited for the one fetch or came after it and fetched for itself; none
+  // fetched while a fetch ran, and every one got the error.
+  for (const Status& status : got) EXPECT_EQ(status.message(), "down");
+  EXPECT_LE(fetches.load(), 4);
+  EXPECT_EQ(value.fetches(), 0u);
+}
+
+TEST(AwsCredentials, AFetchThatThrowsReleasesTheWaiters) {
+  Refreshing<int> value;
+  EXPECT_THROW(value.Get([]() -> Result<Refreshing<int>::Fetched> { throw std::bad_alloc(); }),
+               std::bad_alloc);
+  // Not stuck: the next caller fetches.
+  EXPECT_EQ(*value.Get([]() -> Result<Refreshing<int>::Fetched> {
+    return Refreshing<int>::Fetched{7, std::nullopt};
+  }),
+            7);
 }
 
 TEST(AwsCredentials, KeysThatExpiredAlreadyAreAnError) {

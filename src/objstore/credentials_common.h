@@ -24,6 +24,7 @@
 #include <string_view>
 #include <utility>
 
+#include "io/read_engine.h"
 #include "objstore/http.h"
 #include "tensorferry/status.h"
 
@@ -104,6 +105,8 @@ class Refreshing {
   };
 
   // The value, fetched by fetch() (a Result<Fetched>) when there is none or its time has come.
+  // A caller waiting for another's fetch stops waiting when its own load is cancelled
+  // (io::CancelScope: kCancelled).
   template <typename Fetch>
   Result<T> Get(Fetch&& fetch) {
     using Clock = std::chrono::steady_clock;
@@ -113,17 +116,41 @@ class Refreshing {
       if (have_ && now < refresh_at_) return value_;
       if (!fetching_) break;
       if (have_ && now < expires_at_) return value_;  // another caller is fetching its successor
-      const uint64_t attempt = attempts_;
-      done_.wait(lock, [&] { return !fetching_; });
-      if (attempts_ != attempt && !have_) return last_error_;  // that fetch failed: its error
+      const uint64_t ended = ended_;
+      while (fetching_ && ended_ == ended) {
+        done_.wait_for(lock, std::chrono::milliseconds(50));
+        if (io::CancelScope::Requested()) {
+          return Status(Code::kCancelled, "the load was cancelled while credentials were fetched");
+        }
+      }
+      // That fetch failed and left nothing good: its error, unless it failed because its own
+      // caller's load was cancelled (then this caller fetches for itself).
+      if (ended_ != ended && !have_ && last_error_.code() != Code::kCancelled) return last_error_;
     }
     fetching_ = true;
-    ++attempts_;
     lock.unlock();
-    Result<Fetched> fetched = fetch();
-    lock.lock();
-    fetching_ = false;
-    done_.notify_all();
+    Result<Fetched> fetched = Status(Code::kInternal, "credentials fetch threw an exception");
+    {
+      struct Ended {  // whatever fetch() does (an exception too), the waiters are woken
+        Refreshing& r;
+        std::unique_lock<std::mutex>& lock;
+        ~Ended() {
+          if (!lock.owns_lock()) lock.lock();
+          r.fetching_ = false;
+          ++r.ended_;
+          r.done_.notify_all();
+        }
+      } ended{*this, lock};
+      try {
+        fetched = fetch();
+      } catch (...) {
+        lock.lock();
+        have_ = false;
+        last_error_ = Status(Code::kInternal, "credentials fetch threw an exception");
+        throw;
+      }
+      lock.lock();
+    }
     const auto now = Clock::now();
     if (!fetched.ok()) {
       if (have_ && now < expires_at_) {
@@ -168,7 +195,7 @@ class Refreshing {
   mutable std::mutex mu_;
   std::condition_variable done_;  // a fetch ended
   bool fetching_ = false;
-  uint64_t attempts_ = 0;  // fetches begun
+  uint64_t ended_ = 0;  // fetches that ended (failed ones too)
   bool have_ = false;
   T value_{};
   Status last_error_;

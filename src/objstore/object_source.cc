@@ -1017,10 +1017,11 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 ObjectStoreReport ObjectSource::Describe(const std::string& url) {
   ObjectStoreReport report;
-  report.url = url;
+  // Shown without its query: a signed link's signature is a credential.
+  report.url = url.substr(0, url.find_first_of("?#"));
   Result<ObjectUrl> parsed = ParseObjectUrl(url);
   if (!parsed.ok()) {
-    report.settings = parsed.status();
+    report.settings = Status(parsed.status().code(), report.url + ": not a URL tensorferry reads");
     return report;
   }
   const Scheme scheme = parsed->scheme;
@@ -1044,6 +1045,7 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
     report.request_url = c.ObjectRequestUrl(bucket);
   } else {
     report.request_url = parsed->origin + "/" + parsed->key;
+    report.request_url = report.request_url.substr(0, report.request_url.find_first_of("?#"));
     report.credentials_from = http_token_.For(parsed->origin).empty()
                                   ? "none"
                                   : "a bearer token from " + http_token_.from;
@@ -1108,7 +1110,7 @@ ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreO
   Result<std::shared_ptr<Source>> source = MakeObjectSource(direct);
   if (!source.ok()) {
     ObjectStoreReport report;
-    report.url = url;
+    report.url = url.substr(0, url.find_first_of("?#"));
     report.settings = source.status();
     return report;
   }

@@ -244,7 +244,7 @@ int RunDoctor(const DoctorArgs& args) {
       store = DescribeObjectStore(args.url, open->object_store);
     } else {
       store.emplace();
-      store->url = args.url;
+      store->url = args.url.substr(0, args.url.find_first_of("?#"));  // a signed link's query
       store->settings = open.status();
     }
   }

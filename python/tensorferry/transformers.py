@@ -308,6 +308,11 @@ class safe_open(_safe_open):
     def __init__(self, filename, framework, device="cpu", *, backend=None, storage_options=None):
         if storage_options is None and is_url(filename):
             storage_options = _storage_in_force()  # loading(storage_options=...)
+        if backend == "mmap":
+            # transformers passes backend="mmap" on every Linux machine: its platform default,
+            # not a choice, so tensorferry still decides (files on network or FUSE file systems
+            # are read, not mapped). TENSORFERRY_ENGINE=mmap maps whatever the file system.
+            backend = None
         super().__init__(filename, framework, device, backend=backend,
                          storage_options=storage_options)
         self._filename = filename

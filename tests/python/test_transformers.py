@@ -716,3 +716,22 @@ def test_restoring_undoes_the_url_hooks():
         assert tft._storage_in_force() == {"s3_region": "eu-west-1"}
     assert hub.cached_files is files and hub.list_repo_templates is templates
     assert tft._storage_in_force() is None
+
+
+def test_transformers_backend_mmap_leaves_the_choice_to_tensorferry(tmp_path, monkeypatch):
+    # transformers 5 passes backend="mmap" on every Linux machine; taken literally it would map
+    # files on NFS or FUSE too, where tensorferry reads them instead (prefer_mmap).
+    _save(_tiny_llama(), str(tmp_path), None)
+    asked = []
+    original = tft.Loader
+
+    class Spy(original):
+        def __init__(self, *args, **kwargs):
+            asked.append((kwargs.get("engine"), kwargs.get("prefer_mmap")))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tft, "Loader", Spy)
+    with tft.loading():
+        model = LlamaForCausalLM.from_pretrained(str(tmp_path))
+    assert asked and set(asked) == {("auto", True)}, asked
+    _assert_same_parameters(model, LlamaForCausalLM.from_pretrained(str(tmp_path)))

@@ -258,7 +258,8 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         raise _core.InvalidArgumentError(
             f"Missing key(s) in state_dict: {type(model).__name__}: {len(names)} tensor(s) are not "
             f"in {checkpoint}: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
-            "(init_missing= initialises them)")
+            "(init_missing= initialises them; a materialized model's tensors keep their values "
+            "with init_missing=lambda name, tensor: None)")
 
     def device_of(g):
         if resolved is not None:
@@ -312,6 +313,15 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         shape = tuple(g.tensor.shape)
         if slice_missing:
             shape = _local_shape(fw, g.names[0], g.tensor.dtype, shape, tp_rank, tp_size, spec)
+        if g.tensor.device.type != "meta" and tuple(g.tensor.shape) == shape:
+            # A materialized model's tensor the files lack starts from its own values (as
+            # accelerate keeps them), never from uninitialised memory; init_missing may change
+            # them.
+            if resolved is None and want == g.tensor.dtype:
+                g.target, g.in_place = g.tensor.detach(), True
+            else:
+                g.target = g.tensor.detach().to(device=device_of(g), dtype=want, copy=True)
+            continue
         g.target = torch.empty(shape, dtype=want, device=device_of(g))
 
     # Into the model: every name of a group gets the same object; a parameter keeps its class

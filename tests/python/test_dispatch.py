@@ -458,3 +458,26 @@ def test_float4_tensors_have_torchs_packed_shape(tmp_path):
 def _on_meta(cls, *args, **kwargs):
     with init_empty_weights(include_buffers=True):
         return cls(*args, **kwargs)
+
+
+def test_a_materialized_models_missing_tensors_keep_their_values(checkpoint, tmp_path):
+    """A tensor the files lack starts from the model's own values (accelerate keeps them), not
+    from uninitialised memory, whatever init_missing then does to it."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.1.mlp.up_proj.weight"]
+    path = str(tmp_path / "missing.safetensors")
+    save_file(sd, path)
+    for device_map, dtype in [(None, None), ("cpu", None), (None, torch.float64)]:
+        torch.manual_seed(5)
+        model = Tiny()
+        before = model.layers[1].mlp.up_proj.weight.detach().clone()
+        with pytest.raises(tensorferry.InvalidArgumentError, match="keep their values"):
+            tft.load_checkpoint_and_dispatch(model, path, device_map=device_map, dtype=dtype)
+        m = tft.load_checkpoint_and_dispatch(model, path, device_map=device_map, dtype=dtype,
+                                             init_missing=lambda name, tensor: None)
+        kept = m.layers[1].mlp.up_proj.weight
+        assert torch.equal(kept.to(before.dtype), before), (device_map, dtype)
+        got = m.layers[1].mlp.gate_proj.weight
+        want = checkpoint["ref"].layers[1].mlp.gate_proj.weight
+        assert torch.equal(got.to(want.dtype), want), (device_map, dtype)

@@ -83,7 +83,17 @@ void CheckSlices(const ShardRule& rule, const TensorInfo& t, uint32_t world) {
 }
 
 // GlobMatch by dynamic programming over (pattern prefix, name prefix): slow, obviously right.
+// '?' and '*' take whole UTF-8 characters (they start and end at character boundaries); other
+// pattern bytes match name bytes.
 bool ReferenceGlob(std::string_view pattern, std::string_view name) {
+  const auto boundary = [&](size_t j) {
+    return j == 0 || j == name.size() || (static_cast<unsigned char>(name[j]) & 0xC0) != 0x80;
+  };
+  const auto char_start = [&](size_t j) {  // the start of the character ending at j
+    size_t i = j - 1;
+    while (i > 0 && (static_cast<unsigned char>(name[i]) & 0xC0) == 0x80) --i;
+    return i;
+  };
   std::vector<char> row(name.size() + 1, 0), next(name.size() + 1, 0);
   row[0] = 1;
   for (size_t j = 1; j <= name.size(); ++j) row[j] = 0;
@@ -91,9 +101,11 @@ bool ReferenceGlob(std::string_view pattern, std::string_view name) {
     next[0] = pc == '*' && row[0];
     for (size_t j = 1; j <= name.size(); ++j) {
       if (pc == '*') {
-        next[j] = row[j] || next[j - 1];
+        next[j] = boundary(j) && (row[j] || next[char_start(j)]);
+      } else if (pc == '?') {
+        next[j] = boundary(j) && row[char_start(j)];
       } else {
-        next[j] = row[j - 1] && (pc == '?' || pc == name[j - 1]);
+        next[j] = row[j - 1] && pc == name[j - 1];
       }
     }
     std::swap(row, next);

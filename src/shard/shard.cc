@@ -61,7 +61,13 @@ std::string ShardRule::ToString() const {
 
 bool GlobMatch(std::string_view pattern, std::string_view name) noexcept {
   // Iterative matcher with one backtrack point (the last '*'): linear in practice, never
-  // exponential, no recursion.
+  // exponential, no recursion. '?' and '*' count characters (UTF-8 sequences: a name is UTF-8),
+  // not bytes: "?" matches "é".
+  const auto next_char = [&](size_t i) {
+    ++i;
+    while (i < name.size() && (static_cast<unsigned char>(name[i]) & 0xC0) == 0x80) ++i;
+    return i;
+  };
   size_t p = 0, n = 0;
   size_t star = std::string_view::npos, star_n = 0;
   while (n < name.size()) {
@@ -70,12 +76,15 @@ bool GlobMatch(std::string_view pattern, std::string_view name) noexcept {
     if (p < pattern.size() && pattern[p] == '*') {
       star = p++;
       star_n = n;
-    } else if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
+    } else if (p < pattern.size() && pattern[p] == '?') {
+      ++p;
+      n = next_char(n);
+    } else if (p < pattern.size() && pattern[p] == name[n]) {
       ++p;
       ++n;
     } else if (star != std::string_view::npos) {
       p = star + 1;
-      n = ++star_n;
+      n = star_n = next_char(star_n);
     } else {
       return false;
     }
@@ -594,7 +603,9 @@ std::vector<std::pair<uint64_t, uint64_t>> SliceByteRanges(const TensorInfo& ten
   const uint64_t outer = Product(tensor.shape, 0, dim);
   const uint64_t row = RowBytes(tensor, dim);
   const uint64_t stride = tensor.shape[dim] * row;  // bytes per index of the leading dimensions
-  if (row == 0 || outer == 0) return out;
+  // Nothing to read (a size-0 dimension, split or not): no loop over the leading indices, which
+  // may number 2^60 when a later dimension is 0.
+  if (row == 0 || outer == 0 || slice.bytes == 0 || tensor.shape[dim] == 0) return out;
   for (uint64_t o = 0; o < outer; ++o) {
     for (const auto& [start, len] : slice.blocks) {
       const uint64_t off = o * stride + start * row;
@@ -615,7 +626,10 @@ uint64_t SliceRangeCount(const TensorInfo& tensor, const TensorSlice& slice) {
   const uint32_t dim = slice.rule.dim;
   const uint64_t outer = Product(tensor.shape, 0, dim);
   const uint64_t row = RowBytes(tensor, dim);
-  if (row == 0 || outer == 0 || slice.blocks.empty()) return 0;
+  if (row == 0 || outer == 0 || slice.blocks.empty() || slice.bytes == 0 ||
+      tensor.shape[dim] == 0) {
+    return 0;
+  }
   // Blocks adjacent to each other within one leading index merge; so do the last block of index
   // o and the first of o + 1 when together they cover everything (world 1).
   uint64_t per = 1;

@@ -187,6 +187,32 @@ TEST(ShardTest, ZeroSizedTensor) {
   EXPECT_FALSE(SliceOf(t, ShardRule::Split(0), 0, 2).ok());
 }
 
+TEST(ShardTest, GlobMatchCountsCharactersNotBytes) {
+  // Found by a review: '?' matched one byte of a UTF-8 name, so "?" missed "é" and "??" hit it.
+  EXPECT_TRUE(GlobMatch("?", "\xC3\xA9"));  // é
+  EXPECT_FALSE(GlobMatch("??", "\xC3\xA9"));
+  EXPECT_TRUE(GlobMatch("a?c",
+                        "a\xE2\x82\xAC"
+                        "c"));                       // a€c
+  EXPECT_TRUE(GlobMatch("*?", "\xF0\x9F\x99\x82"));  // one 4-byte character
+  EXPECT_TRUE(GlobMatch("*\xC3\xA9", "x\xC3\xA9"));
+  EXPECT_FALSE(GlobMatch("*?\xA9", "\xC3\xA9"));  // '*' and '?' never split a character
+}
+
+TEST(ShardTest, ASplitOfAnEmptyTensorWithHugeDimensionsIsCheap) {
+  // Found by a review: [3^30, 0, 3^30] split along its empty dimension (world 1) looped over
+  // 3^30 leading indices.
+  const uint64_t big = 205891132094649ull;  // 3^30
+  const TensorInfo t = Info("z", DType::kU8, {big, 0, big});
+  auto s = SliceOf(t, ShardRule::Split(1), 0, 1).ValueOrThrow();
+  EXPECT_EQ(s.bytes, 0u);
+  EXPECT_TRUE(SliceByteRanges(t, s).empty());
+  EXPECT_EQ(SliceRangeCount(t, s), 0u);
+  auto last = SliceOf(t, ShardRule::Split(2), 0, 4).ValueOrThrow();
+  EXPECT_TRUE(SliceByteRanges(t, last).empty());
+  EXPECT_EQ(SliceRangeCount(t, last), 0u);
+}
+
 TEST(ShardTest, GlobMatch) {
   EXPECT_TRUE(GlobMatch("*", ""));
   EXPECT_TRUE(GlobMatch("*.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"));

@@ -997,6 +997,44 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
   EXPECT_EQ(RunCli({"reshard", dir.Join("src"), dir.Join("x")}).exit_code, 2);
 }
 
+// Found by a review: reshard sliced each tensor by its own rule and ignored the rules' ties, so a
+// rank folder's tied alias held other bytes than a sliced load gives, and ties the loader refuses
+// were written anyway.
+TEST(CliReshard, TiesAreResolvedAsTheLoaderResolvesThem) {
+  TempDir dir;
+  std::vector<std::byte> emb(8 * 4 * 4), head(8 * 4 * 4), other(6 * 4 * 4);
+  for (size_t i = 0; i < emb.size(); ++i) emb[i] = std::byte(static_cast<uint8_t>(i * 3 + 1));
+  for (size_t i = 0; i < head.size(); ++i) head[i] = std::byte(static_cast<uint8_t>(i * 5 + 2));
+  for (size_t i = 0; i < other.size(); ++i) other[i] = std::byte(static_cast<uint8_t>(i + 9));
+  WriteOptions plain;
+  plain.checksums = false;
+  const std::vector<TensorToWrite> tensors = {{"emb", DType::kF32, {8, 4}, emb, nullptr},
+                                              {"head", DType::kF32, {8, 4}, head, nullptr},
+                                              {"other", DType::kF32, {6, 4}, other, nullptr}};
+  fs::create_directories(dir.Join("src"));
+  ASSERT_TRUE(WriteFile(dir.Join("src/model.safetensors"), tensors, {}, plain).ok());
+  const std::string json = R"({"overrides":{"emb":{"split":0}},"ties":{"head":"emb"}})";
+  testing::WriteBytes(dir.Join("rules.json"), json);
+  const std::string dst = dir.Join("tp2");
+  RunResult r = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--rules",
+                        dir.Join("rules.json"), "--no-sync"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  const ShardSpec spec = ShardSpec::FromJson(json).value();
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    const auto resharded = LoadAll(dst + "/rank-0000" + std::to_string(rank) + "-of-00002");
+    const auto sliced = LoadAll(dir.Join("src"), TensorParallelOptions{spec, rank, 2, 0});
+    ASSERT_EQ(resharded.size(), 3u);
+    EXPECT_TRUE(resharded == sliced) << "rank " << rank;
+    EXPECT_TRUE(resharded.at("head") == resharded.at("emb")) << "rank " << rank;
+  }
+  // A tie the loader refuses (its target is not in the checkpoint): refused here too.
+  testing::WriteBytes(dir.Join("bad.json"), R"({"ties":{"head":"missing"}})");
+  r = RunCli({"reshard", dir.Join("src"), dir.Join("bad"), "--tp", "2", "--rules",
+              dir.Join("bad.json"), "--no-sync"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_NE(r.err.find("missing"), std::string::npos) << Describe(r);
+}
+
 // The .safetensors files of `dir` by name, with their sizes.
 std::vector<std::pair<std::string, uint64_t>> ShardSizes(const std::string& dir) {
   std::vector<std::pair<std::string, uint64_t>> out;

@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "commands.h"
@@ -36,6 +37,7 @@
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/env.h"
 #include "tensorferry/integrity.h"
+#include "tensorferry/loader.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/writer.h"
 
@@ -94,28 +96,46 @@ Result<std::vector<std::string>> WriteRank(
     const Checkpoint& ckpt, const std::vector<std::shared_ptr<const RandomAccessFile>>& files,
     const ShardSpec& spec, uint32_t rank, uint32_t world, const std::string& dir,
     const ShardOptions& so, const Metadata& metadata) {
+  // What rank `rank` of `world` loads from the source with these rules (DescribeSelection, the
+  // one resolution of slices and ties every load uses): a tied alias the files hold gets its
+  // target's bytes, as a load of the source gives it; one the files lack is not written (a load
+  // of the rank folder with the same rules gives it, as from the source); a tie the loader
+  // refuses fails here too.
+  TensorParallelOptions tp;
+  tp.spec = world > 1 ? spec : ShardSpec::None();  // one rank: every tensor as it is
+  tp.rank = rank;
+  tp.world = world;
+  Result<Description> description = DescribeSelection(ckpt, Selection::All(), &tp);
+  if (!description.ok()) return description.status();
+  const Description& described = *description;
+  std::unordered_set<std::string> in_files;
+  in_files.reserve(ckpt.tensors().size());
+  for (const TensorInfo& t : ckpt.tensors()) in_files.insert(t.name);
   std::vector<TensorToWrite> tensors;
-  tensors.reserve(ckpt.tensors().size());
+  tensors.reserve(described.outputs.size());
   // Source order is file order, so layer 0 stays in the first shard as the source had it.
-  for (const TensorInfo& t : ckpt.tensors()) {
-    const ShardRule rule = world > 1 ? spec.RuleFor(t.name) : ShardRule::Replicate();
-    Result<TensorSlice> sliced = SliceOf(t, rule, rank, world);
-    if (!sliced.ok()) return sliced.status();
-    const TensorSlice& slice = *sliced;
+  for (const OutputInfo& out : described.outputs) {
+    if (out.alias && !in_files.contains(out.name)) continue;
+    const TensorInfo& t = ckpt.tensors()[out.tensor];
     auto source = std::make_shared<SliceSource>();
     source->file = files[t.file];
     uint64_t at = 0;
-    for (const auto& [off, len] : SliceByteRanges(t, slice)) {
+    const auto add = [&](uint64_t off, uint64_t len) {
       source->pieces.emplace_back(t.offset + off, len);
       source->starts.push_back(at);
       at += len;
+    };
+    if (out.slice) {
+      for (const auto& [off, len] : SliceByteRanges(t, *out.slice)) add(off, len);
+    } else if (t.size > 0) {
+      add(0, t.size);
     }
     TensorToWrite w;
-    w.name = t.name;
-    w.dtype = t.dtype;
-    w.shape = slice.shape;
-    w.generate = [source](uint64_t offset, std::span<std::byte> out) {
-      return source->Fill(offset, out);
+    w.name = out.name;
+    w.dtype = out.dtype;
+    w.shape = out.shape;
+    w.generate = [source](uint64_t offset, std::span<std::byte> bytes) {
+      return source->Fill(offset, bytes);
     };
     tensors.push_back(std::move(w));
   }

@@ -63,8 +63,9 @@ struct ShardRule {
 //   2. an exact-name override (Set);
 //   3. the first added pattern (Add) whose glob matches the whole name;
 //   4. replicate.
-// Globs: '*' matches any run of characters (dots included, possibly empty), '?' exactly one;
-// every other character matches itself. No escapes, no character classes.
+// Globs: '*' matches any run of characters (dots included, possibly empty), '?' exactly one (a
+// UTF-8 character, not a byte); every other character matches itself. No escapes, no character
+// classes.
 //
 // JSON schema (FromJson / ToJson), every key optional, unknown keys refused:
 //   {

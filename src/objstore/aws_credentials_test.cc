@@ -261,8 +261,9 @@ TEST(AwsCredentials, WaitersGetTheErrorOfTheFetchTheyWaitedForWithoutFetchingAga
 
 TEST(AwsCredentials, AFetchThatThrowsReleasesTheWaiters) {
   Refreshing<int> value;
-  EXPECT_THROW(value.Get([]() -> Result<Refreshing<int>::Fetched> { throw std::bad_alloc(); }),
-               std::bad_alloc);
+  EXPECT_THROW(
+      (void)value.Get([]() -> Result<Refreshing<int>::Fetched> { throw std::bad_alloc(); }),
+      std::bad_alloc);
   // Not stuck: the next caller fetches.
   EXPECT_EQ(*value.Get([]() -> Result<Refreshing<int>::Fetched> {
     return Refreshing<int>::Fetched{7, std::nullopt};

@@ -7,20 +7,20 @@
 # carried. Two calls, the second at once, fit a 15-minute session with room for a short rerun:
 #
 #   PHASES=check OUT=... scripts/gpu_session.sh                          # timeout_s 400
-#   PHASES="models verify probe profile" OUT=... scripts/gpu_session.sh  # timeout_s 280
+#   PHASES="models verify probe profile" OUT=... scripts/gpu_session.sh  # timeout_s 300
 #
 # PHASES (default: all five in that order, which is refused: their limits exceed one call):
 #   check    build, GPU tests, the CLI's device checksums against the host load, then the warm
 #            benchmark, the rows that matter most first (CHECK_SECONDS, default 370)
 #   models   from_pretrained (plain, loading(to_device=False), loading(to_device=True)), then
-#            load_checkpoint_and_dispatch (MODELS_SECONDS, default 135)
+#            load_checkpoint_and_dispatch (MODELS_SECONDS, default 200)
 #   verify   what checksums cost a host load on this machine's cores, warm and cold
 #            (bench/verify_bench.py on one ~1 GB shard; issue 15's targets, which 2-core VMs
-#            cannot show; VERIFY_SECONDS, default 40)
+#            cannot show; VERIFY_SECONDS, default 30)
 #   probe    whether copying straight from registered page-cache pages could beat the staging
-#            ring (bench/register_probe.py on one ~1 GB shard; PROBE_SECONDS, default 25)
+#            ring (bench/register_probe.py on one ~1 GB shard; PROBE_SECONDS, default 15)
 #   profile  one from_pretrained in loading(to_device=True), in a fresh process, under cProfile
-#            (the top 30 by cumulative time; PROFILE_SECONDS, default 30)
+#            (the top 30 by cumulative time; PROFILE_SECONDS, default 25)
 # The chosen phases' limits must sum to at most MAX_SECONDS (570: one call may run 600 s); more
 # is refused (exit 2) before anything runs, as is a missing kit. Each phase runs as a bash process
 # of its own (errexit holds inside it) under `timeout -k 10`; a phase that fails or runs out of
@@ -136,9 +136,9 @@ fi
 # --- the session ---------------------------------------------------------------------------------
 : "${OUT:?OUT: the folder whose files come back}"
 phases=${PHASES:-check models verify probe profile}
-declare -A limit=([check]=${CHECK_SECONDS:-370} [models]=${MODELS_SECONDS:-135}
-                  [verify]=${VERIFY_SECONDS:-40} [probe]=${PROBE_SECONDS:-25}
-                  [profile]=${PROFILE_SECONDS:-30})
+declare -A limit=([check]=${CHECK_SECONDS:-370} [models]=${MODELS_SECONDS:-200}
+                  [verify]=${VERIFY_SECONDS:-30} [probe]=${PROBE_SECONDS:-15}
+                  [profile]=${PROFILE_SECONDS:-25})
 total=0
 for phase in $phases; do
   case "$phase" in
@@ -153,7 +153,7 @@ if [ "$total" -gt "$max_total" ]; then
 gpu_session: the phases '$phases' may take $total s, more than $max_total s of one call (the
 device tool stops a command at 600 s). Run two calls, the second at once (docs/gpu.md):
   PHASES=check OUT=\$OUT scripts/gpu_session.sh                          # timeout_s 400
-  PHASES="models verify probe profile" OUT=\$OUT scripts/gpu_session.sh  # timeout_s 280
+  PHASES="models verify probe profile" OUT=\$OUT scripts/gpu_session.sh  # timeout_s 300
 EOF
   exit 2
 fi

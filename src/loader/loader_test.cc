@@ -619,7 +619,7 @@ TEST(LoaderEngines, MmapWithoutLeaseFailsLoudlyAfterTruncation) {
   EXPECT_NE(refused.status().message().find(path), std::string::npos)
       << refused.status().ToString();
   // What the first vanished page held (the loader and its checkpoint still live).
-  const std::string& refusal = refused.status().message();
+  const std::string refusal = refused.status().message();
   const size_t held = refusal.find("; the read held tensor");
   ASSERT_NE(held, std::string::npos) << refusal;
   size_t named = 0;

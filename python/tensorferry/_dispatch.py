@@ -85,16 +85,46 @@ def _resolve_device_map(model, device_map, max_memory, no_split_module_classes, 
     return resolved, dict(device_map)
 
 
-def _device_for(name, resolved):
-    """The device of the longest prefix of `name` (whole dotted components) in the map."""
+def _device_for(name, resolved, required=True):
+    """The device of the longest prefix of `name` (whole dotted components) in the map; None
+    when no prefix matches and not `required` (else an error)."""
     best, best_len = None, -1
     for prefix, device in resolved.items():
         if prefix == "" or name == prefix or name.startswith(prefix + "."):
             if len(prefix) > best_len:
                 best, best_len = device, len(prefix)
-    if best is None:
+    if best is None and required:
         raise _core.InvalidArgumentError(f"device_map places no prefix of {name!r}")
     return best
+
+
+def _checkpoint_file(checkpoint):
+    """What a local folder means, as accelerate's load_checkpoint_in_model (and transformers)
+    decide: its model.safetensors when there is one, else its one *.index.json; otherwise the
+    folder as given (tensorferry's own rule: its index, or all its .safetensors files)."""
+    if is_url(os.fspath(checkpoint)) or not os.path.isdir(checkpoint):
+        return checkpoint
+    single = os.path.join(checkpoint, "model.safetensors")
+    if os.path.isfile(single):
+        return single
+    indexes = [f for f in os.listdir(checkpoint) if f.endswith(".index.json")]
+    return os.path.join(checkpoint, indexes[0]) if len(indexes) == 1 else checkpoint
+
+
+def _local_values(fw, name, tensor, rank, world, spec):
+    """Rank `rank`'s slice under `spec` of a materialized model tensor of the full shape (what
+    the loader would read of a stored tensor of that name)."""
+    st_dtype = fw.st_dtype(tensor.dtype)
+    shape = tuple(tensor.shape)
+    if st_dtype is None or tuple(fw.file_shape(st_dtype, shape)) != shape:
+        raise _core.InvalidArgumentError(
+            f"{name}: missing from the checkpoint, and its {tensor.dtype} values cannot be cut "
+            f"to rank {rank}'s slice (init_missing= can fill the rank-local tensor)")
+    piece = tensor_slice(name, st_dtype, shape, rank, world, spec)
+    if piece.dim is None:
+        return tensor
+    return torch.cat([tensor.narrow(piece.dim, start, length) for start, length in piece.blocks],
+                     piece.dim)
 
 
 def _owner(model, name):
@@ -145,6 +175,50 @@ def _local_shape(fw, name, torch_dtype, shape, rank, world, spec):
     return tuple(fw.shape(st_dtype, piece.shape, name))
 
 
+# Stored tensors whose split dimension runs over attention heads, under the names the builtin
+# shard rules split (Llama-family q/k/v/o_proj, GPT-2's attention): (name suffix, dimension,
+# True for the key/value heads).
+_HEAD_SPLITS = (("q_proj.weight", 0, False), ("q_proj.bias", 0, False),
+                ("k_proj.weight", 0, True), ("k_proj.bias", 0, True),
+                ("v_proj.weight", 0, True), ("v_proj.bias", 0, True),
+                ("o_proj.weight", 1, False),
+                ("attn.c_attn.weight", 1, False), ("attn.c_attn.bias", 0, False),
+                ("attn.c_proj.weight", 0, False))
+
+
+def _check_head_splits(model, names, world, spec):
+    """Raises InvalidArgumentError when `spec` would cut an attention head of `model` (its config's
+    num_attention_heads / num_key_value_heads) between ranks: a contiguous split of a projection
+    gives each rank whole heads only when `world` divides their count, and the rules cannot
+    replicate a head over several ranks (as vLLM does with key/value heads when tp_size exceeds
+    their count). Models without such a config are not checked."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        config = text()
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0 or world <= 1:
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads
+    for name in sorted(names):
+        for suffix, dim, kv in _HEAD_SPLITS:
+            if name != suffix and not name.endswith("." + suffix):
+                continue
+            count = kv_heads if kv else heads
+            if spec.rule_for(name).get("split") == dim and count % world:
+                what = "key/value heads (num_key_value_heads)" if kv else \
+                    "attention heads (num_attention_heads)"
+                raise _core.InvalidArgumentError(
+                    f"tp_size={world}: {name} holds {count} {what} of {type(model).__name__}, "
+                    f"which {world} ranks cannot share as whole heads (the shard rules split "
+                    f"dimension {dim} into {world} contiguous blocks; they do not replicate "
+                    f"heads, as vLLM does with key/value heads when tp_size exceeds their "
+                    f"count): use a tp_size that divides {count}, or shard_rules that replicate "
+                    f"{suffix.rsplit('.', 1)[0]}")
+            break
+
+
 def _target_dtype(model_dtype, file_dtype, dtype):
     """accelerate's rule (set_module_tensor_to_device): without `dtype` every value takes the
     model tensor's dtype, as torch's load_state_dict does; with it, values stored as integers or
@@ -156,8 +230,12 @@ def _target_dtype(model_dtype, file_dtype, dtype):
     return dtype
 
 
+def _KEEP(name, tensor):
+    """init_missing for strict=False: the model's values, as they are."""
+
+
 def _init_missing(model, groups, init_missing):
-    if init_missing is None:
+    if init_missing is None or init_missing is _KEEP:
         return
     if callable(init_missing):
         with torch.no_grad():
@@ -208,11 +286,12 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     tensor is allocated at the rank-local shape of its slice (init_missing's too, unless the
     model holds rank-local shapes already) and only this rank's bytes are read.
     budget: bytes of batch buffers held at once by the converting reads (the reads into the model
-    need none). offload_folder: disk offload is not supported (an error names it)."""
-    if offload_folder is not None:
-        raise _core.InvalidArgumentError(
-            "offload_folder: disk offload is not supported by "
-            "tensorferry.torch.load_checkpoint_and_dispatch yet")
+    need none). offload_folder: unused, as accelerate's is without "disk" entries in the map
+    (disk offload is not supported: a "disk" entry is an error naming it). A local folder means
+    its model.safetensors when it has one, else its one *.index.json (accelerate's rule), else
+    all its .safetensors files."""
+    # offload_folder is only used for "disk" entries of the map, which are refused (_as_device).
+    checkpoint = _checkpoint_file(checkpoint)
     dtype = _as_dtype(dtype)
     # The model's own tie declarations (transformers' tie_weights; init_empty_weights unties
     # what a constructor tied), before the device map and before tensors are grouped by
@@ -238,6 +317,9 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         # shape (built from its config) or already the rank-local one (described).
         full_shapes = {o.name: probe._reader.info(o.stored).shape
                        for o in described.values()} if tp else {}
+    if tp:
+        _check_head_splits(model, [o.stored for o in described.values()], tp_size,
+                           shard_spec(shard_rules))
 
     groups, transient = _model_groups(model)
     model_names = {n for g in groups for n in g.names}
@@ -253,13 +335,26 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         if strict:
             raise _core.InvalidArgumentError("Unexpected key(s) in state_dict: " + text)
         warnings.warn(text, stacklevel=2)
+    if missing and init_missing is None and not strict:
+        # As torch's load_state_dict(strict=False) and accelerate: a materialized model's tensors
+        # the files lack keep their values (a warning names them); meta ones have none to keep.
+        kept = sorted(n for g in missing if g.tensor.device.type != "meta" for n in g.names)
+        if kept:
+            warnings.warn(f"{type(model).__name__}: {len(kept)} tensor(s) are not in "
+                          f"{checkpoint} and keep the model's values: "
+                          f"{', '.join(kept[:20])}{' ...' if len(kept) > 20 else ''}",
+                          stacklevel=2)
+        if len(kept) == sum(len(g.names) for g in missing):
+            init_missing = _KEEP
     if missing and init_missing is None:
-        names = sorted(n for g in missing for n in g.names)
+        names = sorted(n for g in missing for n in g.names
+                       if strict or g.tensor.device.type == "meta")
         raise _core.InvalidArgumentError(
             f"Missing key(s) in state_dict: {type(model).__name__}: {len(names)} tensor(s) are not "
-            f"in {checkpoint}: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
+            f"in {checkpoint}{'' if strict else ' and are on the meta device'}: "
+            f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
             "(init_missing= initialises them; a materialized model's tensors keep their values "
-            "with init_missing=lambda name, tensor: None)")
+            "with init_missing=lambda name, tensor: None or strict=False)")
 
     def device_of(g):
         if resolved is not None:
@@ -322,6 +417,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             else:
                 g.target = g.tensor.detach().to(device=device_of(g), dtype=want, copy=True)
             continue
+        if g.tensor.device.type != "meta" and slice_missing:
+            # Materialized at the full shape: the rank's slice of its own values.
+            values = _local_values(fw, g.names[0], g.tensor.detach(), tp_rank, tp_size, spec)
+            g.target = values.to(device=device_of(g), dtype=want, copy=True).contiguous()
+            continue
         g.target = torch.empty(shape, dtype=want, device=device_of(g))
 
     # Into the model: every name of a group gets the same object; a parameter keeps its class
@@ -355,8 +455,9 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             raise _core.InvalidArgumentError(
                 f"{name}: a non-persistent buffer on the meta device (no file holds it): build the "
                 "model with its buffers materialized (accelerate's init_empty_weights does)")
-        if resolved is not None:
-            module._buffers[leaf] = b.to(_device_for(name, resolved))
+        device = _device_for(name, resolved, required=False) if resolved is not None else None
+        if device is not None:  # not in state dicts: a map need not place it (as accelerate)
+            module._buffers[leaf] = b.to(device)
 
     _init_missing(model, missing, init_missing)
 

@@ -294,10 +294,93 @@ def test_unexpected_and_mismatched_tensors(checkpoint, tmp_path):
 def test_disk_offload_is_refused_naming_it(checkpoint, tmp_path):
     with pytest.raises(tensorferry.InvalidArgumentError, match="disk"):
         tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"],
-                                         device_map={"": "disk"})
-    with pytest.raises(tensorferry.InvalidArgumentError, match="offload_folder"):
-        tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"],
+                                         device_map={"": "disk"}, offload_folder=str(tmp_path))
+    # Without "disk" in the map, offload_folder is unused, as accelerate's is.
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], device_map="auto",
                                          offload_folder=str(tmp_path))
+    _assert_same_model(m, checkpoint["ref"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_means_its_model_safetensors_first(checkpoint, tmp_path):
+    """As accelerate and transformers: a folder's model.safetensors wins over a stale index and
+    the shards beside it; without it, the folder's one index."""
+    from safetensors.torch import save_file
+    folder = tmp_path / "m"
+    folder.mkdir()
+    with open(checkpoint["single"], "rb") as f:
+        (folder / "model.safetensors").write_bytes(f.read())
+    stale = {n: torch.zeros_like(t) for n, t in checkpoint["ref"].state_dict().items()
+             if n != "lm_head.weight"}
+    save_file(stale, str(folder / "old-1.safetensors"), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {%s}}' % ", ".join(f'"{n}": "old-1.safetensors"'
+                                                          for n in stale))
+    _assert_same_model(tft.load_checkpoint_and_dispatch(_meta_model(), str(folder)),
+                       checkpoint["ref"])
+    (folder / "model.safetensors").unlink()
+    got = tft.load_checkpoint_and_dispatch(_meta_model(), str(folder))
+    assert torch.all(got.layers[0].mlp.up_proj.weight == 0)  # what the index names
+    _assert_same_model(tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["sharded"]),
+                       checkpoint["ref"])
+
+
+def test_strict_false_keeps_the_values_of_a_materialized_model(checkpoint, tmp_path):
+    """strict=False: tensors the files lack keep a materialized model's values, with a warning
+    naming them (torch's and accelerate's behaviour); on the meta device they stay an error."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.1.norm.weight"]
+    path = str(tmp_path / "nonorm.safetensors")
+    save_file(sd, path, metadata={"format": "pt"})
+    model = _reference(seed=5)
+    own = model.layers[1].norm.weight.detach().clone()
+    for device_map in (None, {"": "cpu"}):
+        with pytest.warns(UserWarning, match=r"1 tensor\(s\) .* keep the model's values: "
+                                             r"layers.1.norm.weight"):
+            got = tft.load_checkpoint_and_dispatch(model, path, device_map=device_map,
+                                                   strict=False)
+        assert torch.equal(got.layers[1].norm.weight, own)
+        assert torch.equal(got.layers[0].norm.weight, checkpoint["ref"].layers[0].norm.weight)
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match=r"1 tensor\(s\) are not in .* on the meta device: "
+                             r"layers.1.norm.weight"):
+        tft.load_checkpoint_and_dispatch(_meta_model(), path, strict=False)
+    with pytest.raises(tensorferry.InvalidArgumentError, match="Missing key"):
+        tft.load_checkpoint_and_dispatch(_reference(seed=5), path)  # strict=True
+
+
+def test_a_dict_map_need_not_place_non_persistent_buffers(checkpoint):
+    """Buffers outside state dicts (no file holds them) stay where they are when a dict device
+    map names no prefix of them, as accelerate leaves them."""
+    device_map = {"embed_tokens": "cpu", "lm_head": "cpu", "steps": "cpu"}
+    device_map.update({f"layers.{i}.{part}": "cpu" for i in range(LAYERS)
+                       for part in ("self_attn", "mlp", "norm")})  # not layers.i.scale
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"],
+                                         device_map=device_map)
+    _assert_same_model(m, checkpoint["ref"])
+
+
+def test_tensor_parallel_strict_false_slices_the_models_own_values(checkpoint, tmp_path):
+    """A materialized model at the full shapes, strict=False and tensor parallelism: a tensor the
+    files lack becomes the rank's slice of the model's own values, never uninitialised memory."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.0.self_attn.q_proj.weight"]  # column parallel: dim 0
+    del sd["layers.0.self_attn.o_proj.weight"]  # row parallel: dim 1
+    path = str(tmp_path / "noq.safetensors")
+    save_file(sd, path, metadata={"format": "pt"})
+    model = _reference(seed=9)
+    q = model.layers[0].self_attn.q_proj.weight.detach().clone()
+    o = model.layers[0].self_attn.o_proj.weight.detach().clone()
+    with pytest.warns(UserWarning, match="keep the model's values"):
+        got = tft.load_checkpoint_and_dispatch(model, path, tp_rank=1, tp_size=2, strict=False)
+    attn = got.layers[0].self_attn
+    assert torch.equal(attn.q_proj.weight, torch.tensor_split(q, 2, 0)[1])
+    assert torch.equal(attn.o_proj.weight, torch.tensor_split(o, 2, 1)[1])
+    assert torch.equal(attn.k_proj.weight,
+                       torch.tensor_split(checkpoint["ref"].layers[0].self_attn.k_proj.weight,
+                                          2, 0)[1])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -481,3 +564,44 @@ def test_a_materialized_models_missing_tensors_keep_their_values(checkpoint, tmp
         got = m.layers[1].mlp.gate_proj.weight
         want = checkpoint["ref"].layers[1].mlp.gate_proj.weight
         assert torch.equal(got.to(want.dtype), want), (device_map, dtype)
+
+
+def test_tensor_parallel_refuses_to_cut_attention_heads(tmp_path):
+    """With a transformers model, a tp_size that does not divide its attention or key/value head
+    count is refused before anything is read, naming the tensor and the count: a contiguous
+    split would hand a rank part of a head (vLLM replicates key/value heads there instead).
+    shard_rules that replicate those projections, or a tp_size dividing the counts, load."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(config)
+    path = str(tmp_path / "llama.safetensors")
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, path,
+              metadata={"format": "pt"})
+
+    def meta():
+        with init_empty_weights():
+            return LlamaForCausalLM(config)
+
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    for world in (3, 4):  # 2 key/value heads: neither splits them whole
+        with pytest.raises(tensorferry.InvalidArgumentError) as refused:
+            tft.load_checkpoint_and_dispatch(meta(), path, tp_rank=0, tp_size=world)
+        text = str(refused.value)
+        assert f"tp_size={world}: {k_proj} holds 2 key/value heads" in text, text
+        assert "LlamaForCausalLM" in text and "replicate k_proj" in text, text
+    # Two ranks: one key/value head and two attention heads each.
+    m = tft.load_checkpoint_and_dispatch(meta(), path, tp_rank=1, tp_size=2)
+    head_dim = 64 // 4
+    assert m.get_parameter(k_proj).shape == (head_dim, 64)
+    assert torch.equal(m.get_parameter(k_proj), full.get_parameter(k_proj)[head_dim:])
+    # Four ranks with the key/value projections replicated: every rank holds both kv heads and
+    # one attention head.
+    rules = {"base": "builtin", "rules": [{"pattern": "*.k_proj.weight", "replicate": True},
+                                          {"pattern": "*.v_proj.weight", "replicate": True}]}
+    m = tft.load_checkpoint_and_dispatch(meta(), path, tp_rank=3, tp_size=4, shard_rules=rules)
+    assert torch.equal(m.get_parameter(k_proj), full.get_parameter(k_proj))
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(m.get_parameter(q_proj), full.get_parameter(q_proj)[3 * head_dim:])

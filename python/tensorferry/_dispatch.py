@@ -267,7 +267,9 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                                  no_split_module_classes=None, dtype=None, offload_folder=None,
                                  strict=True, tp_rank=None, tp_size=None, shard_rules=None,
                                  init_missing=None, budget=None, progress=False,
-                                 storage_options=None):
+                                 storage_options=None, offload_buffers=False,
+                                 offload_state_dict=None, skip_keys=None,
+                                 preload_module_classes=None, force_hooks=False):
     """Fills `model` (on the meta device or materialized) from `checkpoint` (a file, a directory
     or index of a sharded checkpoint, or an s3://, gs:// or http(s):// URL) and returns it, like
     accelerate.load_checkpoint_and_dispatch; see docs/models.md for the differences.
@@ -286,7 +288,10 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     tensor is allocated at the rank-local shape of its slice (init_missing's too, unless the
     model holds rank-local shapes already) and only this rank's bytes are read.
     budget: bytes of batch buffers held at once by the converting reads (the reads into the model
-    need none). offload_folder: unused, as accelerate's is without "disk" entries in the map
+    need none). offload_buffers, skip_keys, preload_module_classes, force_hooks: passed to
+    accelerate's dispatch_model, as accelerate's function does (a device_map given);
+    offload_state_dict: accepted and unused (nothing is offloaded while loading).
+    offload_folder: unused, as accelerate's is without "disk" entries in the map
     (disk offload is not supported: a "disk" entry is an error naming it). A local folder means
     its model.safetensors when it has one, else its one *.index.json (accelerate's rule), else
     all its .safetensors files."""
@@ -438,6 +443,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 value = None
             if value is None:
                 value = torch.nn.Parameter(g.target, requires_grad=g.tensor.requires_grad)
+            # Attributes set on the model's parameter (transformers' _is_hf_initialized, a
+            # serving engine's weight_loader, ...) stay on the one that replaces it.
+            for key, attr in getattr(g.tensor, "__dict__", {}).items():
+                if key not in value.__dict__:
+                    setattr(value, key, attr)
         for name in g.names:
             module, leaf = _owner(model, name)
             if g.is_param:
@@ -501,5 +511,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
 
     if dispatch_map is not None:
         from accelerate import dispatch_model
-        model = dispatch_model(model, device_map=dispatch_map)
+        model = dispatch_model(model, device_map=dispatch_map, offload_buffers=offload_buffers,
+                               skip_keys=skip_keys, preload_module_classes=preload_module_classes,
+                               force_hooks=force_hooks)
     return model

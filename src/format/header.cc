@@ -442,6 +442,33 @@ class Parser {
 
 }  // namespace
 
+namespace {
+
+// What a file whose first 8 bytes are no plausible header length most likely is, for the error
+// (empty when nothing is recognised): the usual ways a path names something else.
+std::string WhatTheFileLooksLike(std::span<const std::byte> prefix) {
+  const std::string_view head(reinterpret_cast<const char*>(prefix.data()),
+                              std::min<size_t>(prefix.size(), 8));
+  const auto byte = [&](size_t i) { return static_cast<uint8_t>(head[i]); };
+  if (head.starts_with("PK\x03\x04")) {
+    return " (the file starts like a zip archive, as torch.save writes: a PyTorch checkpoint? "
+           "`tensorferry convert` converts it to safetensors)";
+  }
+  if (byte(0) == 0x80 && byte(1) >= 2 && byte(1) <= 5) {
+    return " (the file starts like a Python pickle: a PyTorch checkpoint? `tensorferry convert` "
+           "converts it to safetensors)";
+  }
+  if (head.starts_with("GGUF")) return " (the file is GGUF, not safetensors)";
+  if (head.starts_with("version ")) {
+    return " (the file starts like a Git LFS pointer: the weights were not fetched; `git lfs "
+           "pull` fetches them)";
+  }
+  if (head.starts_with("<")) return " (the file starts with '<': an HTML or XML page?)";
+  return {};
+}
+
+}  // namespace
+
 Result<uint64_t> ParseHeaderLength(std::span<const std::byte> prefix, uint64_t file_size,
                                    const ParseLimits& limits, std::string_view source) {
   Parser p(limits, source);
@@ -458,12 +485,14 @@ Result<uint64_t> ParseHeaderLength(std::span<const std::byte> prefix, uint64_t f
   if (n > limits.max_header_size) {
     return p.Fail(Code::kHeaderTooLarge, "header length " + std::to_string(n) +
                                              " (file bytes 0-7) exceeds the limit of " +
-                                             std::to_string(limits.max_header_size) + " bytes");
+                                             std::to_string(limits.max_header_size) + " bytes" +
+                                             WhatTheFileLooksLike(prefix));
   }
   if (n > file_size - 8) {
     return p.Fail(Code::kHeaderOutOfBounds, "header length " + std::to_string(n) +
                                                 " (file bytes 0-7) runs past the end of the " +
-                                                std::to_string(file_size) + "-byte file");
+                                                std::to_string(file_size) + "-byte file" +
+                                                WhatTheFileLooksLike(prefix));
   }
   return n;
 }

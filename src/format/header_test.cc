@@ -175,6 +175,35 @@ TEST(HeaderLength, TooLarge) {
   EXPECT_CODE(ParseBytes(h, unlimited), Code::kHeaderOutOfBounds);
 }
 
+TEST(HeaderLength, NamesWhatTheFileLooksLike) {
+  // The usual ways a path names something other than safetensors, each named in the error.
+  const struct {
+    std::string start;
+    const char* said;
+  } cases[] = {
+      {std::string("PK\x03\x04\x00\x00\x08\x00", 8), "zip archive"},
+      {std::string("\x80\x02\x8a\x0al\xfc\x9c"
+                   "F",
+                   8),
+       "Python pickle"},
+      {"GGUF\x03\x00\x00\x00", "GGUF"},
+      {"version https://git-lfs.github.com/spec/v1\noid sha256:", "Git LFS pointer"},
+      {"<!DOCTYPE html><html>", "HTML"},
+  };
+  for (const auto& c : cases) {
+    const std::string file = c.start + std::string(64, ' ');
+    auto r = ParseBytes(file);
+    ASSERT_FALSE(r.ok()) << c.said;
+    EXPECT_NE(r.status().message().find(c.said), std::string::npos) << r.status().message();
+  }
+  // A plain out-of-bounds length says nothing more.
+  std::string f = MakeFile(kOne, 16);
+  f[0] = static_cast<char>(f.size() - 7);
+  auto r = ParseBytes(f);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message().find(" (the file "), std::string::npos) << r.status().message();
+}
+
 TEST(HeaderLength, OutOfBounds) {
   std::string f = MakeFile(kOne, 16);
   f[0] = static_cast<char>(f.size() - 7);  // one byte past the end

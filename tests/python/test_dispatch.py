@@ -605,3 +605,24 @@ def test_tensor_parallel_refuses_to_cut_attention_heads(tmp_path):
     assert torch.equal(m.get_parameter(k_proj), full.get_parameter(k_proj))
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(m.get_parameter(q_proj), full.get_parameter(q_proj)[3 * head_dim:])
+
+
+def test_dispatch_arguments_reach_dispatch_model_and_parameter_attributes_stay(checkpoint):
+    """accelerate's dispatch-only arguments are passed to its dispatch_model (force_hooks puts
+    hooks on a one-device map, as accelerate's function does); attributes set on the model's
+    parameters (transformers' _is_hf_initialized, an engine's weight_loader) survive the
+    replacement of the parameter."""
+    import accelerate
+    for load in (tft.load_checkpoint_and_dispatch, accelerate.load_checkpoint_and_dispatch):
+        m = _meta_model()
+        m.layers[0].mlp.up_proj.weight._is_hf_initialized = True
+        m.layers[0].mlp.up_proj.weight.weight_loader = print
+        got = load(m, checkpoint["single"], device_map={"": "cpu"}, force_hooks=True,
+                   skip_keys=["steps"], preload_module_classes=["MLP"], offload_buffers=False,
+                   offload_state_dict=False)
+        assert hasattr(got, "_hf_hook"), load
+        weight = got.layers[0].mlp.up_proj.weight
+        assert getattr(weight, "_is_hf_initialized", None) is True, load
+        if load is tft.load_checkpoint_and_dispatch:
+            assert weight.weight_loader is print
+        _assert_same_model(got, checkpoint["ref"])

@@ -74,6 +74,7 @@
 // Thread-safety: options are values; the Source is safe to use from several threads.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -180,21 +181,33 @@ Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, u
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").
 bool IsObjectUrl(std::string_view path);
 
+// `url` as it may be shown (reports, errors, logs): a "user:password@" replaced by "***@", and
+// except for s3:// and gs:// URLs (whose keys may hold '?' and '#': part of the object's name)
+// a query or fragment by "?***" or "#***" (a signed link's query is a credential). Text that is
+// not "scheme://..." is returned as is. Every message of this library that names a URL a user
+// gave or a server redirected to names it so.
+std::string RedactUrl(std::string_view url);
+
 // --- whole objects: the files beside a checkpoint (config.json, tokenizer files) ---
 
 // The size in bytes of the object at `url`: one ranged GET, as opening a checkpoint file costs
 // (its first ObjectStoreOptions::header_bytes). Errors: kInvalidArgument when `url` is not a URL
-// (IsObjectUrl) or a setting is bad; kNotFound for a missing object or bucket; otherwise those of
-// a load's reads (kIoError naming the URL, HTTP status, S3 error code and attempts).
-Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options);
+// (IsObjectUrl) or a setting is bad; kNotFound for a missing object or bucket; kCancelled once
+// *cancel is true (as OpenOptions::cancel: the requests in flight, credential fetches included,
+// are abandoned and the retries' waits cut short; nullptr: never; not owned, must outlive the
+// call); otherwise those of a load's reads (kIoError naming the URL, HTTP status, S3 error code
+// and attempts).
+Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options,
+                            const std::atomic<bool>* cancel = nullptr);
 
 // The whole object at `url`, read with the settings above (retries, ETag pinning: an object
 // replaced between its first GET and the last is an error, never a mix of two versions). An
 // object no larger than header_bytes costs one GET. Errors: those of ObjectSize, and
 // kInvalidArgument naming the object's size when it is larger than `max_bytes` (nothing more is
-// read).
+// read). `cancel` as ObjectSize's.
 Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
-                                          uint64_t max_bytes);
+                                          uint64_t max_bytes,
+                                          const std::atomic<bool>* cancel = nullptr);
 
 // The same through `source` (a Source from MakeObjectSource) and its connections: a request to
 // an origin the source talks to reuses a connection to it.
@@ -204,10 +217,12 @@ Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url
 // --- diagnosis: what a URL resolves to and whether its store answers (tensorferry doctor URL) ---
 
 struct ObjectStoreReport {
-  std::string url;
-  std::string store;  // "s3", "gs" or "http"
-  // Resolving the settings (libcurl, endpoint, region, the credentials' source): Ok or why not.
-  // Nothing below `settings` is filled without it.
+  std::string url;    // as given, redacted (RedactUrl)
+  std::string store;  // "s3", "gs" or "http"; "" when `settings` refused the URL
+  // Reading the URL (ParseObjectUrl's precise reason it is refused, naming it redacted; an hf://
+  // path: kUnsupported, doctor does not probe hub paths) and resolving the settings (libcurl,
+  // endpoint, region, the credentials' source): Ok or why not. Nothing below `settings` is filled
+  // without it.
   Status settings;
   // Bucket stores: where each setting came from ("AWS_ENDPOINT_URL", "profile \"x\" in <file>",
   // "AWS default"...), as errors name them. Empty for http(s) URLs.
@@ -221,17 +236,27 @@ struct ObjectStoreReport {
   std::string credentials;
   Status credentials_status;
   double credentials_seconds = 0;
-  // One request as a load makes it: the object's first bytes (its size and version), or, for a
-  // URL ending in '/', the listing of its *.safetensors objects. In words, and timed.
-  std::string request_url;  // what is asked (no query: a signed link's is a credential)
-  std::string probe;        // "object of 1234 bytes, ETag \"...\"", "3 *.safetensors objects"
+  // The requests a load makes first, as it makes them (the rules at the top of this header): an
+  // index's or a file's first bytes (its size and version); for a prefix (a key not ending in
+  // ".json" or ".safetensors"), "<prefix>/model.safetensors.index.json", and when that is not
+  // found, the listing of the *.safetensors objects directly under the prefix (S3, GCS) or
+  // "<prefix>/model.safetensors" (HTTP). In words, and timed.
+  std::string request_url;  // the requests sent, in order, joined by " then "
+  // The last request's answer, after what the earlier ones did not find: "object of 1234 bytes,
+  // ETag \"...\"", "no s3://b/p/model.safetensors.index.json; 3 *.safetensors objects directly
+  // under the prefix (ListObjectsV2)". "" when probe_status is an error (the load's error).
+  std::string probe;
   Status probe_status;
   double probe_seconds = 0;
 };
 
-// Resolves `url`'s settings with `options` and asks its store once (see ObjectStoreReport).
-// Never fails: every problem is in the report's statuses, with the messages a load would give.
-ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreOptions& options);
+// Resolves `url`'s settings with `options` and asks its store what a load of `url` asks first
+// (see ObjectStoreReport). Never fails: every problem is in the report's statuses, with the
+// messages a load would give.
+// Once *cancel is true, the credential fetch and the probe in progress are abandoned (as
+// ObjectSize's) and the status of the step cut short is kCancelled. nullptr: never.
+ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreOptions& options,
+                                      const std::atomic<bool>* cancel = nullptr);
 
 // The Source reading URLs with these options. libcurl is loaded and the S3 settings resolved when
 // the first URL is opened; their errors (kUnsupported: libcurl could not be loaded, naming what was

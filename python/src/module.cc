@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <span>
@@ -91,39 +92,32 @@ NB_MODULE(_core, m) {
       "object_size",
       [](const std::string& url, const nb::dict& options) {
         const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
-        Result<uint64_t> size = Status(Code::kInternal, "unread");
-        {
-          WithoutGil release;
-          size = ObjectSize(url, store);
-        }
-        return Unwrap(std::move(size));
+        std::atomic<bool> cancel{false};
+        return Unwrap(Interruptible(cancel, [&] { return ObjectSize(url, store, &cancel); }));
       },
       nb::arg("url"), nb::arg("options"),
-      "The size of the object at `url` (one ranged GET); `options`: load options (s3_*, object_*)");
+      "The size of the object at `url` (one ranged GET); `options`: load options (s3_*, object_*). "
+      "Ctrl-C abandons the GET and raises KeyboardInterrupt.");
   m.def(
       "read_object",
       [](const std::string& url, const nb::dict& options, uint64_t max_bytes) {
         const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
-        Result<std::vector<std::byte>> bytes = Status(Code::kInternal, "unread");
-        {
-          WithoutGil release;
-          bytes = ReadObject(url, store, max_bytes);
-        }
-        const std::vector<std::byte> data = Unwrap(std::move(bytes));
+        std::atomic<bool> cancel{false};
+        const std::vector<std::byte> data = Unwrap(
+            Interruptible(cancel, [&] { return ReadObject(url, store, max_bytes, &cancel); }));
         return nb::bytes(reinterpret_cast<const char*>(data.data()), data.size());
       },
       nb::arg("url"), nb::arg("options"), nb::arg("max_bytes"),
       "The whole object at `url` as bytes (tensorferry::ReadObject); InvalidArgumentError when it "
-      "is larger than `max_bytes`");
+      "is larger than `max_bytes`. Ctrl-C abandons the GETs and raises KeyboardInterrupt.");
   m.def(
       "describe_object_store",
       [](const std::string& url, const nb::dict& options) {
         const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
-        ObjectStoreReport r;
-        {
-          WithoutGil release;
-          r = DescribeObjectStore(url, store);
-        }
+        // Ctrl-C abandons a hanging probe or credential fetch (KeyboardInterrupt).
+        std::atomic<bool> cancel{false};
+        const ObjectStoreReport r =
+            Interruptible(cancel, [&] { return DescribeObjectStore(url, store, &cancel); });
         const auto status = [](const Status& s) {
           nb::dict d;
           d["ok"] = s.ok();
@@ -153,7 +147,8 @@ NB_MODULE(_core, m) {
       },
       nb::arg("url"), nb::arg("options"),
       "How the store of `url` is reached and whether it answers (tensorferry::DescribeObjectStore; "
-      "the fields of `tensorferry doctor URL --json`'s object_store)");
+      "the fields of `tensorferry doctor URL --json`'s object_store). Ctrl-C abandons its requests "
+      "and raises KeyboardInterrupt.");
   m.def(
       "list_objects",
       [](const std::string& dir, const std::string& suffix, const nb::dict& options) {

@@ -64,7 +64,7 @@ def describe_object_store(url, storage_options=None):
     come from, the keys fetched when they are fetched (never a secret), and one request as a load
     makes it, timed ("settings", "credentials_status", "probe_status": {ok, code, category,
     message}). Never raises for what it finds: `tensorferry doctor URL --json`'s object_store.
-    `storage_options` as Loader's."""
+    `storage_options` as Loader's. Ctrl-C ends it (KeyboardInterrupt)."""
     from . import _core
     return _core.describe_object_store(url, dict(storage_options or {}))
 

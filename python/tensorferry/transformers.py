@@ -303,16 +303,15 @@ class safe_open(_safe_open):
     """tensorferry's drop-in safe_open (same arguments and results), answering whole-tensor
     requests from one copy-on-write mapping of the file (see the module's docstring). Files that
     cannot be mapped here (URLs, a CUDA device, backend="pread") behave as tensorferry.safe_open.
+    backend=None maps files on local file systems and reads those on network or FUSE file systems
+    (as tensorferry.safe_open); an explicit backend="mmap" maps whatever the file system. (The
+    subclass loading()/enable() put in transformers' modules, _TransformersSafeOpen, takes the
+    backend="mmap" transformers passes, its platform default, as None.)
     """
 
     def __init__(self, filename, framework, device="cpu", *, backend=None, storage_options=None):
         if storage_options is None and is_url(filename):
             storage_options = _storage_in_force()  # loading(storage_options=...)
-        if backend == "mmap":
-            # transformers passes backend="mmap" on every Linux machine: its platform default,
-            # not a choice, so tensorferry still decides (files on network or FUSE file systems
-            # are read, not mapped). TENSORFERRY_ENGINE=mmap maps whatever the file system.
-            backend = None
         super().__init__(filename, framework, device, backend=backend,
                          storage_options=storage_options)
         self._filename = filename
@@ -384,6 +383,21 @@ class safe_open(_safe_open):
         piece = _MappedSlice(self, name, info)
         self._slices.add(piece)
         return piece
+
+
+class _TransformersSafeOpen(safe_open):
+    """safe_open as transformers' modules call it while loading()/enable() is in force (_apply
+    puts this class in place of their safetensors.safe_open). transformers passes backend="mmap"
+    on every Linux machine (backend="pread" for MPS and on Windows): its platform default, not
+    the user's choice, so it is taken as None and tensorferry still decides (files on network or
+    FUSE file systems are read, not mapped; TENSORFERRY_ENGINE=mmap maps whatever the file
+    system). Other backends are kept."""
+
+    def __init__(self, filename, framework, device="cpu", *, backend=None, storage_options=None):
+        if backend == "mmap":
+            backend = None
+        super().__init__(filename, framework, device, backend=backend,
+                         storage_options=storage_options)
 
 
 def _whole(index):
@@ -770,8 +784,8 @@ def _apply():
         if module is None or not (name == "transformers" or name.startswith("transformers.")):
             continue
         if getattr(module, "safe_open", None) is original:
-            _patched.append((module, "safe_open", original, safe_open))
-            module.safe_open = safe_open
+            _patched.append((module, "safe_open", original, _TransformersSafeOpen))
+            module.safe_open = _TransformersSafeOpen
     # For enable(to_device=True): the device map and the files of each from_pretrained. A
     # transformers without this method still reads through tensorferry, through the mapping.
     model_class = sys.modules["transformers.modeling_utils"].PreTrainedModel
@@ -796,7 +810,7 @@ def _apply():
                 _patched.append((module, "list_repo_templates", templates, wrapped))
                 module.list_repo_templates = wrapped
     missing = [n for n in _LOADING_MODULES
-               if getattr(sys.modules[n], "safe_open", None) is not safe_open]
+               if getattr(sys.modules[n], "safe_open", None) is not _TransformersSafeOpen]
     if missing:
         _restore()
         raise _core.InvalidArgumentError(

@@ -20,6 +20,7 @@
 #include "checkpoint/shard_series.h"
 #include "io/file_set.h"
 #include "io/read_engine.h"
+#include "objstore/checkpoint_objects.h"
 #include "objstore/url.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/hub.h"
@@ -384,45 +385,19 @@ Result<OpenOptions> WithObjectSource(const OpenOptions& given) {
   return options;
 }
 
-// A URL: an index (".json"), a file (".safetensors"), or a prefix holding an index, else (S3) the
-// *.safetensors objects directly under it.
+// A URL: an index (".json"), a file (".safetensors"), or a prefix holding an index, else (S3, GCS)
+// the *.safetensors objects directly under it, else (HTTP) its model.safetensors: resolved by
+// objstore::FindCheckpointObjects, which `tensorferry doctor` asks through too.
 Result<std::shared_ptr<const Checkpoint>> OpenUrl(const std::string& path,
                                                   const OpenOptions& given) {
   TF_ASSIGN_OR_RETURN(const objstore::ObjectUrl url, objstore::ParseObjectUrl(path));
   TF_ASSIGN_OR_RETURN(const OpenOptions options, WithObjectSource(given));
+  TF_ASSIGN_OR_RETURN(objstore::CheckpointObjects found,
+                      objstore::FindCheckpointObjects(*options.source, url));
   CheckpointBuilder builder(options);
-  if (objstore::KeyEndsWith(url, ".json")) return builder.FromIndex(url.ToString());
-  if (objstore::KeyEndsWith(url, ".safetensors")) {
-    return builder.FromFiles(std::vector<std::string>{url.ToString()});
-  }
-  const std::string index = objstore::Join(url, kIndexFileName).ToString();
-  Result<std::unique_ptr<SourceFile>> probe = options.source->Open(index);
-  if (probe.ok()) return builder.FromIndex(index, std::move(probe).value());
-  if (probe.status().code() != Code::kNotFound) return probe.status();
-  if (!objstore::IsBucketScheme(url.scheme)) {
-    // An HTTP server cannot be listed: without an index, the prefix is a model folder's single
-    // file (a Hugging Face model's model.safetensors), if it has one.
-    const std::string single = objstore::Join(url, kSingleFileName).ToString();
-    Result<std::unique_ptr<SourceFile>> file = options.source->Open(single);
-    if (file.ok()) return builder.FromFiles(std::vector<std::string>{single});
-    if (file.status().code() != Code::kNotFound) return file.status();
-    return Status(Code::kNotFound, url.ToString() + ": neither " + std::string(kIndexFileName) +
-                                       " nor " + std::string(kSingleFileName) +
-                                       " under this prefix (an HTTP server cannot be listed: give "
-                                       "the URL of the index or of a .safetensors file)");
-  }
-  Result<std::vector<std::string>> listed = options.source->List(url.ToString(), ".safetensors");
-  if (!listed.ok()) {
-    return Status(listed.status().code(), url.ToString() + ": no " + std::string(kIndexFileName) +
-                                              " under this prefix, and " +
-                                              listed.status().message());
-  }
-  if (listed->empty()) {
-    return Status(Code::kNotFound, url.ToString() + ": no " + std::string(kIndexFileName) +
-                                       " and no *.safetensors object directly under this prefix");
-  }
-  TF_RETURN_IF_ERROR(CheckShardSeries(*listed, url.ToString()));
-  return builder.FromFiles(std::move(listed).value());
+  if (!found.index.empty()) return builder.FromIndex(found.index, std::move(found.opened));
+  if (found.listed) TF_RETURN_IF_ERROR(CheckShardSeries(found.files, url.ToString()));
+  return builder.FromFiles(std::move(found.files));
 }
 
 // A not-cached hf:// path's error, with why the hub was not asked or what it answered.

@@ -13,6 +13,7 @@
 
 #include <unistd.h>
 
+#include "objstore/url.h"
 #include "util/macros.h"
 
 namespace tensorferry::objstore {
@@ -376,12 +377,7 @@ Result<bool> ContainerCredentials(S3Config& c, const GetEnv& env) {
                                                                                        : 0);
     rest = rest.substr(0, rest.find_first_of("/?#"));
     const size_t at = rest.rfind('@');
-    // Shown without a user name and password (a secret).
-    const std::string shown =
-        at == std::string_view::npos
-            ? uri
-            : uri.substr(0, static_cast<size_t>(rest.data() - uri.data())) + "***@" +
-                  uri.substr(static_cast<size_t>(rest.data() - uri.data()) + at + 1);
+    const std::string shown = RedactUrl(uri);  // no user name and password (a secret)
     const auto invalid = [&](std::string_view why) {
       return Status(Code::kInvalidArgument,
                     "AWS_CONTAINER_CREDENTIALS_FULL_URI \"" + shown + "\": " + std::string(why));

@@ -13,6 +13,7 @@
 #include "objstore/curl_api.h"
 #include "objstore/gcs_auth.h"
 #include "objstore/s3_xml.h"
+#include "objstore/url.h"
 #include "util/decimal.h"
 #include "util/macros.h"
 
@@ -388,7 +389,7 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
           response.redirected_to.empty() ? std::string(next) : response.redirected_to;
       response.redirected_to.clear();  // nothing answered there
       response.curl_error =
-          "refused to follow the redirect to " + to.substr(0, to.find_first_of("?#")) +
+          "refused to follow the redirect to " + RedactUrl(to) +
           (request.url.rfind("https://", 0) == 0 ? " (from https:// only to https://)"
                                                  : " (only to http:// and https://)");
     }

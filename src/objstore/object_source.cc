@@ -25,6 +25,7 @@
 #include "io/read_engine.h"
 #include "objstore/aws_config.h"
 #include "objstore/aws_credentials.h"
+#include "objstore/checkpoint_objects.h"
 #include "objstore/curl_api.h"
 #include "objstore/gcs_auth.h"
 #include "objstore/http.h"
@@ -42,6 +43,10 @@ namespace tensorferry {
 
 bool IsObjectUrl(std::string_view path) {
   return objstore::IsObjectUrl(path);
+}
+
+std::string RedactUrl(std::string_view url) {
+  return objstore::RedactUrl(url);
 }
 
 namespace objstore {
@@ -161,11 +166,8 @@ Verdict Judge(const HttpResponse& r) {
   }
   if (!r.rejected.empty()) v.why += " (" + r.rejected + ")";
   if (r.curl_code != 0) v.why += " (" + r.curl_error + ")";
-  // Where a redirect led, without its query (a signed link's signature is a credential).
-  if (!r.redirected_to.empty()) {
-    v.why +=
-        " (redirected to " + r.redirected_to.substr(0, r.redirected_to.find_first_of("?#")) + ")";
-  }
+  // Where a redirect led, redacted (a signed link's signature is a credential).
+  if (!r.redirected_to.empty()) v.why += " (redirected to " + RedactUrl(r.redirected_to) + ")";
   if (r.status >= 200 && r.status <= 299) {
     // A good status whose body broke off (reset, truncated, stalled) or was not the range asked.
     v.retryable = r.rejected.empty() || r.rejected.find("more than") == std::string::npos;
@@ -1017,11 +1019,20 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 ObjectStoreReport ObjectSource::Describe(const std::string& url) {
   ObjectStoreReport report;
-  // Shown without its query: a signed link's signature is a credential.
-  report.url = url.substr(0, url.find_first_of("?#"));
-  Result<ObjectUrl> parsed = ParseObjectUrl(url);
+  report.url = RedactUrl(url);  // no password, no signed link's query
+  if (IsHubPath(url)) {
+    report.settings =
+        Status(Code::kUnsupported,
+               report.url +
+                   ": a Hugging Face hub path: doctor does not probe hub paths (a load reads it "
+                   "from the local hub cache " +
+                   HubCacheDir() + ", else from the hub " + HubEndpoint() +
+                   " at <repo>/resolve/<commit>/<path>: give that https:// URL to probe the hub)");
+    return report;
+  }
+  Result<ObjectUrl> parsed = ParseObjectUrl(url);  // its message names the URL redacted
   if (!parsed.ok()) {
-    report.settings = Status(parsed.status().code(), report.url + ": not a URL tensorferry reads");
+    report.settings = parsed.status();
     return report;
   }
   const Scheme scheme = parsed->scheme;
@@ -1031,7 +1042,14 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
     report.settings = client.status();
     return report;
   }
-  const bool listing = parsed->key.empty() || parsed->key.back() == '/';
+  // The request a load sends for `asked` (a listing: the bucket's, its query naming the prefix).
+  const auto request_url = [&](const ObjectRequest& asked) -> std::string {
+    Result<ObjectUrl> object = ParseObjectUrl(asked.url);
+    if (!object.ok()) return RedactUrl(asked.url);
+    if (!IsBucketScheme(scheme)) return object->ToString();
+    if (asked.list) object->key.clear();
+    return BucketConfig(scheme).ObjectRequestUrl(*object);
+  };
   if (IsBucketScheme(scheme)) {
     const S3Config& c = BucketConfig(scheme);
     report.endpoint = c.endpoint;
@@ -1040,12 +1058,7 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
     report.region_from = c.region_from;
     report.addressing = c.UsesPathStyle(*parsed) ? "path-style" : "virtual-hosted";
     report.credentials_from = c.credentials_from;
-    ObjectUrl bucket = *parsed;
-    if (listing) bucket.key.clear();
-    report.request_url = c.ObjectRequestUrl(bucket);
   } else {
-    report.request_url = parsed->origin + "/" + parsed->key;
-    report.request_url = report.request_url.substr(0, report.request_url.find_first_of("?#"));
     report.credentials_from = http_token_.For(parsed->origin).empty()
                                   ? "none"
                                   : "a bearer token from " + http_token_.from;
@@ -1075,26 +1088,45 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
     }
   }
   if (!report.credentials_status.ok()) return report;  // the probe would fail the same way
-  const auto asked = std::chrono::steady_clock::now();
-  if (listing && IsBucketScheme(scheme)) {
-    Result<std::vector<std::string>> names = List(url, ".safetensors");
-    report.probe_seconds = SecondsSince(asked);
-    if (!names.ok()) {
-      report.probe_status = names.status();
+  // The requests a load makes first (FindCheckpointObjects: one resolution for both), then, for
+  // an index or a file named by the URL, its first GET as a load's open makes it.
+  const auto asked_at = std::chrono::steady_clock::now();
+  std::vector<ObjectRequest> asked;
+  Result<CheckpointObjects> found = FindCheckpointObjects(*this, *parsed, &asked);
+  std::unique_ptr<SourceFile> file;
+  if (found.ok() && !found->listed && found->opened == nullptr) {
+    const std::string& object = found->index.empty() ? found->files.front() : found->index;
+    asked.push_back(ObjectRequest{object, false});
+    Result<std::unique_ptr<SourceFile>> opened = Open(object, nullptr);
+    if (opened.ok()) {
+      file = std::move(opened).value();
     } else {
-      report.probe = std::to_string(names->size()) + " *.safetensors object" +
-                     (names->size() == 1 ? "" : "s") + " under the prefix (ListObjectsV2)";
+      found = opened.status();
     }
+  } else if (found.ok()) {
+    file = std::move(found->opened);
+  }
+  report.probe_seconds = SecondsSince(asked_at);
+  // Each request in order; the answer is that of the last. What the earlier ones did not find
+  // (a prefix's index) is said first.
+  for (size_t i = 0; i < asked.size(); ++i) {
+    if (i > 0) report.request_url += " then ";
+    report.request_url += request_url(asked[i]);
+    if (i + 1 < asked.size()) report.probe += "no " + asked[i].url + "; ";
+  }
+  if (!found.ok()) {
+    report.probe_status = found.status();
+    report.probe.clear();
     return report;
   }
-  Result<std::unique_ptr<SourceFile>> file = Open(url, nullptr);
-  report.probe_seconds = SecondsSince(asked);
-  if (!file.ok()) {
-    report.probe_status = file.status();
+  if (found->listed) {
+    report.probe += std::to_string(found->files.size()) + " *.safetensors object" +
+                    (found->files.size() == 1 ? "" : "s") +
+                    " directly under the prefix (ListObjectsV2)";
     return report;
   }
-  report.probe = "object of " + std::to_string((*file)->identity().size) + " bytes";
-  if (const auto* object = dynamic_cast<const ObjectFile*>(file->get())) {
+  report.probe += "object of " + std::to_string(file->identity().size) + " bytes";
+  if (const auto* object = dynamic_cast<const ObjectFile*>(file.get())) {
     report.probe += object->etag().empty() ? ", no ETag (a change during a load goes unnoticed)"
                                            : ", ETag " + object->etag();
   }
@@ -1103,14 +1135,17 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
 
 }  // namespace objstore
 
-ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreOptions& options) {
+ObjectStoreReport DescribeObjectStore(const std::string& url, const ObjectStoreOptions& options,
+                                      const std::atomic<bool>* cancel) {
+  // Its requests and credential fetches run on this thread.
+  const io::CancelScope cancelled(cancel);
   ObjectStoreOptions direct = options;  // the store itself is asked, never a local copy
   direct.cache_dir.clear();
   direct.hub_cache = false;
   Result<std::shared_ptr<Source>> source = MakeObjectSource(direct);
   if (!source.ok()) {
     ObjectStoreReport report;
-    report.url = url.substr(0, url.find_first_of("?#"));
+    report.url = objstore::RedactUrl(url);
     report.settings = source.status();
     return report;
   }
@@ -1177,13 +1212,16 @@ Result<std::vector<std::byte>> ReadWhole(const SourceFile& file, const std::stri
 
 }  // namespace
 
-Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options) {
+Result<uint64_t> ObjectSize(const std::string& url, const ObjectStoreOptions& options,
+                            const std::atomic<bool>* cancel) {
+  const io::CancelScope cancelled(cancel);
   TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, OpenObject(url, options));
   return file->Size();
 }
 
 Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectStoreOptions& options,
-                                          uint64_t max_bytes) {
+                                          uint64_t max_bytes, const std::atomic<bool>* cancel) {
+  const io::CancelScope cancelled(cancel);
   TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, OpenObject(url, options));
   return ReadWhole(*file, url, max_bytes);
 }

@@ -153,7 +153,10 @@ bool IsObjectUrl(std::string_view path) {
          StartsWithNoCase(path, "http://") || StartsWithNoCase(path, "https://");
 }
 
-Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
+namespace {
+
+// ParseObjectUrl, its messages naming `url` as given.
+Result<ObjectUrl> ParseShown(std::string_view url) {
   const bool bucket = StartsWithNoCase(url, "s3://") || StartsWithNoCase(url, "gs://");
   if (auto problem = ControlProblem(url, bucket)) return Bad(url, *problem);
   if (StartsWithNoCase(url, "s3://")) return ParseBucketUrl(url, Scheme::kS3, url.substr(5));
@@ -161,6 +164,51 @@ Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
   if (StartsWithNoCase(url, "http://")) return ParseHttp(url, Scheme::kHttp, url.substr(7));
   if (StartsWithNoCase(url, "https://")) return ParseHttp(url, Scheme::kHttps, url.substr(8));
   return Bad(url, "not an s3://, gs://, http:// or https:// URL");
+}
+
+}  // namespace
+
+std::string RedactUrl(std::string_view url) {
+  const size_t sep = url.find("://");
+  if (sep == std::string_view::npos || sep == 0) return std::string(url);
+  const size_t start = sep + 3;
+  const bool bucket = StartsWithNoCase(url, "s3://") || StartsWithNoCase(url, "gs://");
+  // The authority ends at the path, or (not for buckets) at the query or fragment.
+  size_t end = url.find_first_of(bucket ? "/" : "/?#", start);
+  if (end == std::string_view::npos) end = url.size();
+  std::string out(url.substr(0, start));
+  const std::string_view authority = url.substr(start, end - start);
+  const size_t at = authority.rfind('@');
+  if (at == std::string_view::npos) {
+    out += authority;
+  } else {
+    out += "***";
+    out += authority.substr(at);
+  }
+  const std::string_view rest = url.substr(end);
+  if (!bucket) {
+    const size_t q = rest.find_first_of("?#");
+    if (q != std::string_view::npos) {
+      out += rest.substr(0, q + 1);
+      out += "***";
+      return out;
+    }
+  }
+  out += rest;
+  return out;
+}
+
+Result<ObjectUrl> ParseObjectUrl(std::string_view url) {
+  Result<ObjectUrl> parsed = ParseShown(url);
+  if (parsed.ok()) return parsed;
+  const std::string shown = RedactUrl(url);
+  if (shown == url) return parsed;
+  // A problem found in the part redaction hides (a control character in the password) would
+  // name what is not shown: the redacted URL's problem is named instead. Redaction only replaces
+  // userinfo, queries and fragments, which ParseShown refuses, so the shown URL is refused too.
+  Result<ObjectUrl> again = ParseShown(shown);
+  if (!again.ok()) return again.status();
+  return Bad(shown, "not a URL tensorferry reads");
 }
 
 ObjectUrl Join(const ObjectUrl& dir, std::string_view relative) {

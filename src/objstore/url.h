@@ -50,7 +50,18 @@ bool IsObjectUrl(std::string_view path);
 //     with characters outside [A-Za-z0-9.-_~%] (or a bracketed IPv6 literal);
 //   * any URL with a NUL or control character (including DEL); an http(s) URL with a space (a
 //     bucket key may hold spaces: they are percent-encoded in the request).
+// The message names RedactUrl(url), never a password or a signed link's query (when redaction
+// hid the first problem, the problem named is the one the redacted part still shows: its
+// userinfo, query or fragment).
 Result<ObjectUrl> ParseObjectUrl(std::string_view url);
+
+// `url` as it may be shown (errors, reports, logs): userinfo ("user:password@") replaced by
+// "***@" for any "scheme://" URL, and for every scheme but s3 and gs (whose keys may hold '?' and
+// '#': they are the object's name, sent percent-encoded) the query and fragment replaced by
+// "?***" or "#***" (a signed link's query is a credential). Anything else, and text that is not
+// "scheme://...", is returned as is. The one redaction of URLs: every place that shows one a
+// user typed or a server sent uses it.
+std::string RedactUrl(std::string_view url);
 
 // The URL of `relative` (an index's file entry, already checked for "..", absolute paths, etc. by
 // ParseIndexJson) inside the "directory" `dir`: dir.key + "/" + relative, with exactly one '/'

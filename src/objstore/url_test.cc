@@ -13,13 +13,14 @@ ObjectUrl MustParse(std::string_view url) {
   return parsed.ok() ? *parsed : ObjectUrl{};
 }
 
-// The problem ParseObjectUrl reports for `url` (it must fail with kInvalidArgument naming it).
+// The problem ParseObjectUrl reports for `url` (it must fail with kInvalidArgument naming it as
+// RedactUrl shows it).
 std::string Problem(std::string_view url) {
   auto parsed = ParseObjectUrl(url);
   EXPECT_FALSE(parsed.ok()) << url << " was accepted";
   if (parsed.ok()) return "";
   EXPECT_EQ(parsed.status().code(), Code::kInvalidArgument);
-  EXPECT_NE(parsed.status().message().find(std::string(url)), std::string::npos)
+  EXPECT_NE(parsed.status().message().find("\"" + RedactUrl(url) + "\""), std::string::npos)
       << parsed.status().ToString();
   return parsed.status().message();
 }
@@ -93,6 +94,57 @@ TEST(ObjectUrl, RefusesBadHttp) {
   EXPECT_NE(Problem("http://[::1/x").find("IPv6"), std::string::npos);
   EXPECT_NE(Problem("http://[::1]x/x").find("IPv6"), std::string::npos);
   EXPECT_NE(Problem("http://ho\\st/x").find("host"), std::string::npos);
+}
+
+// Found by a review: the refusal of a URL with a password or a signed link's query named the
+// URL as given (`tensorferry doctor` printed the password twice). Every message names the URL as
+// RedactUrl shows it, with the precise problem.
+TEST(ObjectUrl, RefusalsNeverShowPasswordsOrQueries) {
+  const std::string userinfo = Problem("https://user:hunter2@example.invalid/x.safetensors");
+  EXPECT_EQ(userinfo.find("hunter2"), std::string::npos) << userinfo;
+  EXPECT_NE(userinfo.find("\"https://***@example.invalid/x.safetensors\": credentials (user@host)"),
+            std::string::npos)
+      << userinfo;
+  const std::string query = Problem("https://h/x.safetensors?X-Amz-Signature=s3cr3t");
+  EXPECT_EQ(query.find("s3cr3t"), std::string::npos) << query;
+  EXPECT_NE(query.find("\"https://h/x.safetensors?***\": a '?query' is not allowed"),
+            std::string::npos)
+      << query;
+  // Both: neither is shown (the first problem of what is shown is named).
+  const std::string both = Problem("http://u:pw@h:8080/x?token=t0k");
+  EXPECT_EQ(both.find("pw"), std::string::npos) << both;
+  EXPECT_EQ(both.find("t0k"), std::string::npos) << both;
+  EXPECT_NE(both.find("\"http://***@h:8080/x?***\""), std::string::npos) << both;
+  // A control character in the password: the message names what is shown, not the offset of a
+  // hidden byte.
+  const std::string hidden = Problem(std::string("https://u:p\x01w@h/x"));
+  EXPECT_NE(hidden.find("credentials"), std::string::npos) << hidden;
+  // A bad port is named as such, the URL as given (nothing to hide).
+  EXPECT_NE(Problem("https://h:99999/x").find("\"https://h:99999/x\": the port"),
+            std::string::npos);
+  // Userinfo in a bucket URL is hidden too; the rest of the bucket is named.
+  const std::string s3 = Problem("s3://AKIA:wJalr@bucket/k");
+  EXPECT_EQ(s3.find("wJalr"), std::string::npos) << s3;
+  EXPECT_NE(s3.find("s3://***@bucket/k"), std::string::npos) << s3;
+}
+
+TEST(ObjectUrl, RedactUrl) {
+  EXPECT_EQ(RedactUrl("https://u:p@h/x?a=b#c"), "https://***@h/x?***");
+  EXPECT_EQ(RedactUrl("https://h/x#tok"), "https://h/x#***");
+  EXPECT_EQ(RedactUrl("http://h?q=a@b"), "http://h?***");  // '@' in the query is not userinfo
+  EXPECT_EQ(RedactUrl("https://h/a@b"), "https://h/a@b");  // nor in the path
+  EXPECT_EQ(RedactUrl("https://u:p@ss@h:1/x"), "https://***@h:1/x");
+  // s3 and gs keys may hold '?' and '#': part of the object's name, kept.
+  EXPECT_EQ(RedactUrl("s3://bucket/a?b.safetensors"), "s3://bucket/a?b.safetensors");
+  EXPECT_EQ(RedactUrl("gs://bucket/a#b"), "gs://bucket/a#b");
+  EXPECT_EQ(RedactUrl("ftp://u:p@h/x?y"), "ftp://***@h/x?***");
+  EXPECT_EQ(RedactUrl("/local/path?x"), "/local/path?x");
+  EXPECT_EQ(RedactUrl("hf://org/model"), "hf://org/model");
+  // What ParseObjectUrl accepts is shown as it is.
+  for (const char* ok : {"s3://b/k?v", "https://h:443/a/b.safetensors", "gs://b/"}) {
+    ASSERT_TRUE(ParseObjectUrl(ok).ok()) << ok;
+    EXPECT_EQ(RedactUrl(ok), ok);
+  }
 }
 
 TEST(ObjectUrl, RefusesControlCharactersAndWhitespace) {

@@ -691,10 +691,15 @@ def test_doctor_says_where_each_setting_came_from_and_asks_once(stores, tmp_path
     assert report["request_url"] == f"{s.endpoint}/{s.BUCKET}/{rel}"
     size = os.path.getsize(os.path.join(stores.tiny, stores.shards[0]))
     assert report["probe_status"]["ok"] and report["probe"].startswith(f"object of {size} bytes")
-    # A prefix: its listing.
-    report, _ = doctor(s.url(f"{PREFIX}/tiny-noindex/"), env)
-    assert report["probe"] == (f"{len(stores.shards)} *.safetensors objects under the prefix "
-                               "(ListObjectsV2)"), report
+    # A prefix, with or without '/': its index first, as a load asks, then its listing.
+    for prefix in (f"{PREFIX}/tiny-noindex/", f"{PREFIX}/tiny-noindex"):
+        report, _ = doctor(s.url(prefix), env)
+        index = s.url(f"{PREFIX}/tiny-noindex/model.safetensors.index.json")
+        assert report["probe"] == (f"no {index}; {len(stores.shards)} *.safetensors objects "
+                                   "directly under the prefix (ListObjectsV2)"), report
+        assert report["request_url"] == (f"{s.endpoint}/{s.BUCKET}/{PREFIX}/tiny-noindex/"
+                                         f"model.safetensors.index.json then "
+                                         f"{s.endpoint}/{s.BUCKET}"), report
     # What a load would say: the missing key, the wrong secret (never shown).
     report, _ = doctor(s.url(f"{PREFIX}/tiny/missing.safetensors"), env)
     assert report["probe_status"]["category"] == "not_found", report
@@ -708,6 +713,99 @@ def test_doctor_says_where_each_setting_came_from_and_asks_once(stores, tmp_path
     report, _ = doctor(s.url(rel), env)
     assert not report["settings"]["ok"] and "AWS_ENDPOINT_URL" in report["settings"]["message"]
     assert report["probe"] == "" and report["request_url"] == ""
+
+
+def test_doctor_asks_for_a_prefix_what_a_load_asks(stores, tmp_path):
+    """Found by a review: doctor GET the prefix itself (an HTTP server's directory page was
+    reported as an object); it asks what a load asks: the index, then (HTTP) model.safetensors."""
+    s = stores.seaweed
+    # An S3 prefix holding an index, without its trailing '/': the index, found.
+    report, _ = doctor(s.url(f"{PREFIX}/tiny"), dict(s.env()))
+    assert report["probe_status"]["ok"], report
+    assert report["request_url"] == (f"{s.endpoint}/{s.BUCKET}/{PREFIX}/tiny/"
+                                     "model.safetensors.index.json"), report
+    assert report["probe"].startswith("object of "), report
+    # nginx: a prefix holding an index, and one holding only model.safetensors.
+    index = os.path.join(stores.tiny, "model.safetensors.index.json")
+    for prefix in (f"{PREFIX}/tiny/", f"{PREFIX}/tiny"):
+        report, _ = doctor(stores.nginx.url(prefix), {})
+        assert report["probe_status"]["ok"], report
+        assert report["request_url"] == stores.nginx.url(f"{PREFIX}/tiny/{os.path.basename(index)}")
+        assert report["probe"].startswith(f"object of {os.path.getsize(index)} bytes"), report
+    single = os.path.join(REF_DIR, REF_FILES[0])
+    with open(single, "rb") as f:
+        stores.nginx.put(f"{PREFIX}/single/model.safetensors", f.read())
+    report, _ = doctor(stores.nginx.url(f"{PREFIX}/single/"), {})
+    missing = stores.nginx.url(f"{PREFIX}/single/model.safetensors.index.json")
+    assert report["probe_status"]["ok"], report
+    assert report["request_url"] == (f"{missing} then "
+                                     f"{stores.nginx.url(f'{PREFIX}/single/model.safetensors')}")
+    assert report["probe"].startswith(f"no {missing}; object of {os.path.getsize(single)} bytes")
+    # Neither: the load's error, naming both.
+    report, _ = doctor(stores.nginx.url(f"{PREFIX}/nothing-here/"), {})
+    assert report["probe_status"]["category"] == "not_found", report
+    assert "neither model.safetensors.index.json nor model.safetensors" in (
+        report["probe_status"]["message"])
+
+
+def test_doctor_on_a_plain_http_server_prefix_is_not_its_directory_page(tmp_path):
+    """The reviewer's case: python's http.server (which answers a folder with an HTML listing)
+    serving model/model.safetensors; doctor on http://.../model/ probes the file, as a load."""
+    import functools
+    import http.server
+    import threading
+    os.makedirs(tmp_path / "model")
+    single = os.path.join(REF_DIR, REF_FILES[0])
+    shutil.copyfile(single, tmp_path / "model" / "model.safetensors")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            base = f"http://127.0.0.1:{server.server_address[1]}/model/"
+            report, _ = doctor(base, {"TENSORFERRY_OBJECT_RETRIES": "0"})
+        finally:
+            server.shutdown()
+            thread.join()
+    assert report["request_url"] == (f"{base}model.safetensors.index.json then "
+                                     f"{base}model.safetensors"), report
+    # What answered is the file (whole: smaller than the first GET), not the folder's HTML page.
+    assert report["probe_status"]["ok"], report
+    assert report["probe"].startswith(
+        f"no {base}model.safetensors.index.json; object of {os.path.getsize(single)} bytes")
+
+
+def test_doctor_shows_a_bucket_key_with_a_question_mark_whole(stores):
+    """Found by a review: s3://bucket/a?b was shown as s3://bucket/a (a query is stripped only for
+    http(s)); the key asked for is the whole key, percent-encoded."""
+    s = stores.seaweed
+    key = f"{PREFIX}/q/a?b.safetensors"
+    single = os.path.join(REF_DIR, REF_FILES[0])
+    s.upload(s.BUCKET, key, single)
+    report, _ = doctor(s.url(key), dict(s.env()))
+    assert report["url"] == s.url(key), report
+    assert report["request_url"] == f"{s.endpoint}/{s.BUCKET}/{PREFIX}/q/a%3Fb.safetensors"
+    assert report["probe_status"]["ok"], report
+    assert report["probe"].startswith(f"object of {os.path.getsize(single)} bytes"), report
+
+
+def test_doctor_never_shows_a_password_or_a_signed_query():
+    """Found by a review: the password was printed twice, and the refusal's reason was lost."""
+    r = cli("doctor", "--quick", "https://user:hunter2@example.invalid/x.safetensors")
+    assert r.returncode == 0, r.stderr
+    assert "hunter2" not in r.stdout + r.stderr
+    assert "credentials (user@host) are not allowed" in r.stdout
+    report, text = doctor("https://example.invalid/x.safetensors?X-Amz-Signature=s3cr3t", {})
+    assert "s3cr3t" not in text
+    assert report["url"] == "https://example.invalid/x.safetensors?***"
+    assert "a '?query' is not allowed" in report["settings"]["message"], report
+    report, _ = doctor("hf://org/model", {})
+    assert "doctor does not probe hub paths" in report["settings"]["message"], report
 
 
 def test_describe_object_store_from_python(stores):

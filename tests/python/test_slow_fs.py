@@ -191,6 +191,25 @@ def test_transformers_route_reads_instead_of_mapping(source, mount):
         assert np.array_equal(f.get_slice("embed")[...].numpy(), want["embed"])
 
 
+def test_transformers_backend_mmap_reads_from_transformers_and_maps_when_asked(source, mount):
+    """backend="mmap" on the mount: passed by transformers (its platform default on Linux), the
+    file is read, not mapped; passed to tensorferry.transformers.safe_open by the user's own
+    code, it maps, as an explicit backend="mmap" does everywhere."""
+    pytest.importorskip("transformers")
+    import transformers.modeling_utils as mu
+    import tensorferry.transformers as tft
+    _, want = source
+    path = os.path.join(mount, "single.safetensors")
+    live = tensorferry._core.mapping_stats()["live"]
+    with tft.loading():
+        with mu.safe_open(path, framework="pt", device="cpu", backend="mmap") as f:
+            assert np.array_equal(f.get_slice("embed")[...].numpy(), want["embed"])
+            assert tensorferry._core.mapping_stats()["live"] == live  # read, not mapped
+    with tft.safe_open(path, framework="pt", backend="mmap") as f:
+        assert np.array_equal(f.get_slice("embed")[...].numpy(), want["embed"])
+        assert tensorferry._core.mapping_stats()["live"] > live  # mapped
+
+
 def _data_offset(path, name):
     """The file offset of tensor `name`'s first byte (its header read here, as the format says)."""
     with open(path, "rb") as f:

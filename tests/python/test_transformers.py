@@ -210,19 +210,21 @@ def test_safe_open_slices_equal_safetensors(tmp_path):
 def test_enable_disable_nesting_and_restoring():
     import transformers.modeling_utils as mu
     original = safetensors.safe_open
+    ours = tft._TransformersSafeOpen  # tensorferry.transformers.safe_open, as transformers calls it
+    assert issubclass(ours, tft.safe_open)
     assert mu.safe_open is original and not tft.enabled()
     with tft.loading():
-        assert mu.safe_open is tft.safe_open and tft.enabled()
+        assert mu.safe_open is ours and tft.enabled()
         with tft.loading():
-            assert mu.safe_open is tft.safe_open
-        assert mu.safe_open is tft.safe_open  # the outer block still holds it
+            assert mu.safe_open is ours
+        assert mu.safe_open is ours  # the outer block still holds it
         import transformers.integrations.accelerate as ia
-        assert ia.safe_open is tft.safe_open
+        assert ia.safe_open is ours
     assert mu.safe_open is original and not tft.enabled()
     tft.enable()
     tft.enable()
     tft.disable()
-    assert mu.safe_open is tft.safe_open
+    assert mu.safe_open is ours
     tft.disable()
     tft.disable()  # more disables than enables: nothing to undo
     assert mu.safe_open is original
@@ -735,3 +737,36 @@ def test_transformers_backend_mmap_leaves_the_choice_to_tensorferry(tmp_path, mo
         model = LlamaForCausalLM.from_pretrained(str(tmp_path))
     assert asked and set(asked) == {("auto", True)}, asked
     _assert_same_parameters(model, LlamaForCausalLM.from_pretrained(str(tmp_path)))
+
+
+def test_backend_mmap_is_transformers_default_there_and_a_choice_elsewhere(tmp_path, monkeypatch):
+    """backend="mmap" from transformers (the safe_open loading() puts in its modules) leaves the
+    engine to tensorferry (prefer_mmap: files on NFS or FUSE are read); the same argument given
+    to tensorferry.transformers.safe_open by the user's own code maps, as tensorferry.safe_open's
+    does (test_slow_fs.py checks both on a FUSE mount)."""
+    import transformers.modeling_utils as mu
+    path = str(tmp_path / "m.safetensors")
+    want = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    tensorferry.torch.save_file(want, path)
+    asked = []
+    original = tft.Loader
+
+    class Spy(original):
+        def __init__(self, *args, **kwargs):
+            asked.append((kwargs.get("engine"), kwargs.get("prefer_mmap")))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tft, "Loader", Spy)
+    with tft.loading():
+        with mu.safe_open(path, framework="pt", device="cpu", backend="mmap") as f:
+            assert torch.equal(f.get_slice("w")[...], want["w"])
+    assert asked == [("auto", True)]
+    asked.clear()
+    with tft.safe_open(path, framework="pt", backend="mmap") as f:
+        assert torch.equal(f.get_slice("w")[...], want["w"])
+        assert torch.equal(f.get_tensor("w"), want["w"])
+    assert asked == [("mmap", True)]
+    asked.clear()
+    with tft.safe_open(path, framework="pt") as f:  # no backend: tensorferry decides
+        assert torch.equal(f.get_tensor("w"), want["w"])
+    assert asked == [("auto", True)]

@@ -1035,6 +1035,47 @@ TEST(CliReshard, TiesAreResolvedAsTheLoaderResolvesThem) {
   EXPECT_NE(r.err.find("missing"), std::string::npos) << Describe(r);
 }
 
+// Found by a review: --tp 1 wrote each tensor as it is, ignoring the rules' ties (a tied alias
+// kept its own bytes, and a tie to a missing tensor was written anyway), while --tp 2 applied
+// them. One rank is still tensor parallelism: the rules apply; only a plain re-split (no --tp)
+// ignores them.
+TEST(CliReshard, OneRankAppliesTheRulesTies) {
+  TempDir dir;
+  std::vector<std::byte> emb(8 * 4 * 4), head(8 * 4 * 4);
+  for (size_t i = 0; i < emb.size(); ++i) emb[i] = std::byte(static_cast<uint8_t>(i * 3 + 1));
+  for (size_t i = 0; i < head.size(); ++i) head[i] = std::byte(static_cast<uint8_t>(i * 5 + 2));
+  WriteOptions plain;
+  plain.checksums = false;
+  const std::vector<TensorToWrite> tensors = {{"emb", DType::kF32, {8, 4}, emb, nullptr},
+                                              {"head", DType::kF32, {8, 4}, head, nullptr}};
+  fs::create_directories(dir.Join("src"));
+  ASSERT_TRUE(WriteFile(dir.Join("src/model.safetensors"), tensors, {}, plain).ok());
+  const std::string json = R"({"ties":{"head":"emb"}})";
+  testing::WriteBytes(dir.Join("rules.json"), json);
+  RunResult r = RunCli({"reshard", dir.Join("src"), dir.Join("tp1"), "--tp", "1", "--rules",
+                        dir.Join("rules.json"), "--no-sync"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  const ShardSpec spec = ShardSpec::FromJson(json).value();
+  const auto resharded = LoadAll(dir.Join("tp1/rank-00000-of-00001"));
+  ASSERT_EQ(resharded.size(), 2u);
+  EXPECT_TRUE(resharded == LoadAll(dir.Join("src"), TensorParallelOptions{spec, 0, 1, 0}));
+  EXPECT_TRUE(resharded.at("head") == resharded.at("emb"));
+  // A plain re-split (no --tp) writes every tensor as it is: head keeps its own bytes.
+  r = RunCli({"reshard", dir.Join("src"), dir.Join("split"), "--max-shard-size", "1MB", "--rules",
+              dir.Join("rules.json"), "--no-sync"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  const auto split = LoadAll(dir.Join("split"));
+  EXPECT_TRUE(split == LoadAll(dir.Join("src")));
+  EXPECT_FALSE(split.at("head") == split.at("emb"));
+  // A tie the loader refuses is refused with one rank too.
+  testing::WriteBytes(dir.Join("bad.json"), R"({"ties":{"head":"missing"}})");
+  r = RunCli({"reshard", dir.Join("src"), dir.Join("bad"), "--tp", "1", "--rules",
+              dir.Join("bad.json"), "--no-sync"});
+  EXPECT_EQ(r.exit_code, 1) << Describe(r);
+  EXPECT_NE(r.err.find("missing"), std::string::npos) << Describe(r);
+  EXPECT_FALSE(fs::exists(dir.Join("bad/rank-00000-of-00001")));
+}
+
 // The .safetensors files of `dir` by name, with their sizes.
 std::vector<std::pair<std::string, uint64_t>> ShardSizes(const std::string& dir) {
   std::vector<std::pair<std::string, uint64_t>> out;

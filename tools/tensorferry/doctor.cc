@@ -5,7 +5,8 @@
 // (loader.h, EngineAvailable: a container's seccomp profile often refuses it, and auto then reads
 // with pread). With a URL (s3://, gs://, http(s)://), also how its store is reached: the
 // settings as resolved and where each came from, the credentials fetched (never a secret), and
-// one request as a load makes it (object_store.h, DescribeObjectStore). Exits 0 whatever it
+// the requests a load makes first (object_store.h, DescribeObjectStore: a prefix's index, then
+// its listing or model.safetensors); URLs are shown redacted (RedactUrl). Exits 0 whatever it
 // finds: the report is the result (scripts read "cuda_available", "object_store" from --json).
 #include <cstdio>
 #include <memory>
@@ -244,7 +245,7 @@ int RunDoctor(const DoctorArgs& args) {
       store = DescribeObjectStore(args.url, open->object_store);
     } else {
       store.emplace();
-      store->url = args.url.substr(0, args.url.find_first_of("?#"));  // a signed link's query
+      store->url = RedactUrl(args.url);  // no password, no signed link's query
       store->settings = open.status();
     }
   }
@@ -265,9 +266,9 @@ Command AddDoctorCommand(CLI::App& parent) {
   app->add_flag("--quick", args->quick,
                 "Skip what needs a CUDA context: free memory, opening the cuFile driver");
   app->add_option("url", args->url,
-                  "An s3://, gs:// or http(s):// URL (an object, or a prefix ending in '/'): "
+                  "An s3://, gs:// or http(s):// URL (an object, an index, or a prefix): "
                   "also report how its store is reached, where each setting came from, the "
-                  "credentials fetched, and one request as a load makes it");
+                  "credentials fetched, and the requests a load of it makes first");
   return Command{app, [args] { return RunDoctor(*args); }};
 }
 

@@ -100,9 +100,10 @@ Result<std::vector<std::string>> WriteRank(
   // one resolution of slices and ties every load uses): a tied alias the files hold gets its
   // target's bytes, as a load of the source gives it; one the files lack is not written (a load
   // of the rank folder with the same rules gives it, as from the source); a tie the loader
-  // refuses fails here too.
+  // refuses fails here too. `spec` is ShardSpec::None() for a plain re-split (no --tp): every
+  // tensor as it is, no ties; with --tp, even --tp 1, the rules apply (their ties included).
   TensorParallelOptions tp;
-  tp.spec = world > 1 ? spec : ShardSpec::None();  // one rank: every tensor as it is
+  tp.spec = spec;
   tp.rank = rank;
   tp.world = world;
   Result<Description> description = DescribeSelection(ckpt, Selection::All(), &tp);
@@ -338,7 +339,9 @@ bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
   const std::string partial =
       a.tp > 0 ? (fs::path(a.dst) / ("." + RankDirName(rank, world) + ".partial")).string() : a.dst;
   if (a.tp > 0) fs::remove_all(partial, ec);  // left by an interrupted run
-  auto paths = WriteRank(ckpt, files, spec, rank, world, partial, so, metadata);
+  // Without --tp, a plain re-split: no rules apply. With --tp (1 included), the rules do.
+  const ShardSpec rules = a.tp > 0 ? spec : ShardSpec::None();
+  auto paths = WriteRank(ckpt, files, rules, rank, world, partial, so, metadata);
   if (!paths.ok()) {
     if (a.tp > 0) fs::remove_all(partial, ec);
     return Fail(failure, SubjectOf(paths.status(), a.src, a.dst), paths.status());

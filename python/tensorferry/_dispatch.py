@@ -44,7 +44,10 @@ def _as_dtype(dtype):
 
 def _as_device(where):
     if isinstance(where, int):
-        return torch.device("cuda", where)
+        # An index of this machine's accelerator (CUDA, XPU, NPU, ...), as accelerate reads one.
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator is not None else None
+        return torch.device(current.type if current is not None else "cuda", where)
     if isinstance(where, str) and where == "disk":
         raise _core.InvalidArgumentError(
             "device_map: 'disk' (offload to offload_folder) is not supported by "

@@ -302,6 +302,9 @@ _FRAMEWORKS = {}
 
 def get(framework):
     """The framework adapter for "pt"/"torch"/"pytorch" or "np"/"numpy"."""
+    if not isinstance(framework, str):  # as safetensors: a TypeError, not a SafetensorError
+        raise TypeError(f"framework must be a str such as \"pt\" or \"np\", not "
+                        f"{type(framework).__name__}")
     key = {"pt": "pt", "torch": "pt", "pytorch": "pt", "np": "np", "numpy": "np"}.get(framework)
     if key is None:
         if framework in ("tf", "tensorflow", "flax", "jax", "mlx", "paddle", "paddlepaddle"):

@@ -116,6 +116,10 @@ def _entries(tensors, metadata):
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, not {type(name).__name__}")
+        if isinstance(t, torch.Tensor) and (t.is_conj() or t.is_neg()):
+            # A lazy conjugate or negative view: its memory holds the values before the
+            # conjugation or negation (saving that memory would write them unchanged).
+            t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             raise ValueError(
                 f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. "

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -188,6 +189,13 @@ class Parser {
         return FailTensor(Code::kInvalidShape, name,
                           "shape " + Render(value) + ": dimension " + std::to_string(rank - 1) +
                               " is " + Render(d) + ", not a non-negative 64-bit integer");
+      }
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        // Only an empty tensor can have one (any other would not fit in memory); no framework
+        // can describe it (torch's and NumPy's dimensions are signed 64-bit integers).
+        return FailTensor(Code::kInvalidShape, name,
+                          "shape " + Render(value) + ": dimension " + std::to_string(rank - 1) +
+                              " is " + std::to_string(v) + ", more than 2^63-1");
       }
       t.shape.push_back(v);
     }

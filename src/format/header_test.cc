@@ -175,6 +175,21 @@ TEST(HeaderLength, TooLarge) {
   EXPECT_CODE(ParseBytes(h, unlimited), Code::kHeaderOutOfBounds);
 }
 
+TEST(HeaderShape, DimensionsBeyondSignedSixtyFourBitsAreRefused) {
+  // An empty tensor may have any dimension the bytes allow; none beyond 2^63-1, which no
+  // framework can describe.
+  const std::string ok = R"({"a":{"dtype":"F32","shape":[0,9223372036854775807],)"
+                         R"("data_offsets":[0,0]}})";
+  EXPECT_TRUE(ParseBytes(MakeFile(ok, 0)).ok());
+  const std::string big = R"({"a":{"dtype":"F32","shape":[0,9223372036854775808],)"
+                          R"("data_offsets":[0,0]}})";
+  auto r = ParseBytes(MakeFile(big, 0));
+  EXPECT_CODE(r, Code::kInvalidShape);
+  EXPECT_NE(r.status().message().find("dimension 1 is 9223372036854775808, more than 2^63-1"),
+            std::string::npos)
+      << r.status().message();
+}
+
 TEST(HeaderLength, NamesWhatTheFileLooksLike) {
   // The usual ways a path names something other than safetensors, each named in the error.
   const struct {

@@ -437,6 +437,15 @@ std::string HubBlobAdvice(std::string_view file) {
          "checks every blob against its name)";
 }
 
+// What a mismatch may mean beyond damage: a hub blob to fetch again, or bytes rewritten after
+// the record was made (a tool that copies a file's metadata copies tensorferry's record with it).
+std::string MismatchAdvice(std::string_view file) {
+  std::string hub = HubBlobAdvice(file);
+  if (!hub.empty()) return hub;
+  return "; the bytes are damaged, or were rewritten after the checksums were recorded (a tool "
+         "that copies a file's metadata copies the record too): verify=off loads them unchecked";
+}
+
 }  // namespace
 
 Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
@@ -458,7 +467,7 @@ Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uin
                     std::to_string(count) + " (tensor bytes [" + std::to_string(begin) + ", " +
                     std::to_string(end) + "), file bytes [" + std::to_string(file_offset + begin) +
                     ", " + std::to_string(file_offset + end) + ")): xxh3 " + DigestHex(got) +
-                    ", expected " + DigestHex(expected.chunks[index]) + HubBlobAdvice(file));
+                    ", expected " + DigestHex(expected.chunks[index]) + MismatchAdvice(file));
 }
 
 Status VerifyTensor(const TensorChecksum& expected, uint64_t chunk_size,

@@ -284,6 +284,19 @@ def test_save_refuses_what_the_reference_refuses():
     assert tf_pt.save({"a": x[:2], "b": x[2:]}) == ref_pt.save({"a": x[:2], "b": x[2:]})
 
 
+def test_save_writes_the_values_of_conjugate_and_negative_views():
+    """A lazy conjugate or negative view keeps the values before the conjugation or negation in
+    its memory; saving writes the view's values (the reference writes the memory)."""
+    z = torch.tensor([1 + 2j, -3 - 4j], dtype=torch.complex64)
+    x = torch.tensor([1.0, -2.0])
+    views = {"conj": z.conj(), "neg": x._neg_view()}
+    assert views["conj"].is_conj() and views["neg"].is_neg()
+    back = tf_pt.load(tf_pt.save(views))
+    assert torch.equal(back["conj"], torch.tensor([1 - 2j, -3 + 4j], dtype=torch.complex64))
+    assert torch.equal(back["neg"], torch.tensor([-1.0, 2.0]))
+    assert views["conj"].is_conj()  # the caller's tensor is left as it was
+
+
 def test_save_refuses_a_tensor_named_metadata():
     # The reference writes it, making a file it cannot read back; tensorferry refuses it.
     with pytest.raises(ValueError, match="__metadata__"):
@@ -314,6 +327,11 @@ def test_framework_and_device_arguments(tmp_path):
             assert isinstance(f.get_tensor("a"), np.ndarray)
     with pytest.raises(tensorferry.SafetensorError, match="framework tf2 is invalid"):
         tensorferry.safe_open(path, "tf2")
+    for framework in (None, 1):  # as the reference: not a str is a TypeError
+        with pytest.raises(TypeError):
+            ref_pt.safe_open(path, framework)
+        with pytest.raises(TypeError, match="framework must be a str"):
+            tensorferry.safe_open(path, framework)
     with pytest.raises(tensorferry.SafetensorError, match="device foo is invalid"):
         tensorferry.safe_open(path, "pt", device="foo")
     with pytest.raises(tensorferry.SafetensorError, match='backend "foo" is invalid'):

@@ -171,7 +171,7 @@ class safe_open:
         options.update(storage_load_options(storage_options))
         self._reader = open_file(filename, options)
         self._closed = False
-        self._slices = weakref.WeakSet()  # live get_slice results: they keep the file open
+        self._slices = 0  # live get_slice results (_track): they keep the file open
 
     def __enter__(self):
         return self
@@ -186,6 +186,18 @@ class safe_open:
             self._closed = True
             if not self._slices:
                 self._reader.close()
+
+    def _track(self, piece):
+        """Counts `piece` (a get_slice result) as holding the file open until it goes: the file
+        (its descriptor) is closed when the handle is closed and its last slice has gone."""
+        self._slices += 1
+        weakref.finalize(piece, self._slice_gone)
+        return piece
+
+    def _slice_gone(self):
+        self._slices -= 1
+        if self._closed and not self._slices:
+            self._reader.close()
 
     def _open_reader(self):
         if self._closed:
@@ -251,9 +263,7 @@ class safe_open:
         """A lazy view of tensor `name`: index it (framework rules) to read only what is needed."""
         reader = self._open_reader()
         info = reader.info(name)  # SafetensorError for a missing name, as the reference
-        piece = _Slice(self, name, info)
-        self._slices.add(piece)
-        return piece
+        return self._track(_Slice(self, name, info))
 
 
 class _Slice:

@@ -380,9 +380,7 @@ class safe_open(_safe_open):
     def get_slice(self, name):
         reader = self._open_reader()
         info = reader.info(name)  # SafetensorError for a missing name, as the reference
-        piece = _MappedSlice(self, name, info)
-        self._slices.add(piece)
-        return piece
+        return self._track(_MappedSlice(self, name, info))
 
 
 class _TransformersSafeOpen(safe_open):

@@ -370,6 +370,46 @@ def test_missing_tensor_and_closed_file(tmp_path):
     assert torch.equal(s[0], torch.ones(2)[0]) and s.get_shape() == [2]
 
 
+def _descriptors_of(path):
+    real = os.path.realpath(path)
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == real:
+                fds.append(fd)
+        except OSError:
+            pass
+    return fds
+
+
+@pytest.mark.parametrize("module", ["safe_open", "transformers"])
+def test_the_file_is_closed_when_its_last_slice_goes(tmp_path, module):
+    """A closed handle keeps its file descriptor only while slices taken from it live: the last
+    one to go closes it, though the handle object itself is still referenced."""
+    import gc
+    import tensorferry.transformers
+    opener = tensorferry.safe_open if module == "safe_open" else tensorferry.transformers.safe_open
+    path = str(tmp_path / "f.safetensors")
+    ref_pt.save_file({"a": torch.ones(2), "b": torch.zeros(3)}, path)
+    f = opener(path, "pt")
+    assert _descriptors_of(path)
+    first, second = f.get_slice("a"), f.get_slice("b")
+    f.close()
+    del first
+    gc.collect()
+    assert _descriptors_of(path), "a slice still lives"
+    assert torch.equal(second[:], torch.zeros(3))
+    del second
+    gc.collect()
+    assert _descriptors_of(path) == []
+    with pytest.raises(tensorferry.SafetensorError, match="File is closed"):
+        f.keys()
+    # Closed with no slice: at once.
+    with opener(path, "pt") as g:
+        assert g.keys() == ["a", "b"]
+    assert _descriptors_of(path) == []
+
+
 @pytest.mark.parametrize("module", ["safe_open", "transformers"])
 def test_each_get_tensor_is_a_tensor_of_its_own_and_odd_arguments(tmp_path, module):
     """As safetensors: each get_tensor returns a new tensor object (requires_grad_ or resize_ on

@@ -209,6 +209,13 @@ Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectSt
                                           uint64_t max_bytes,
                                           const std::atomic<bool>* cancel = nullptr);
 
+// The URLs of the objects directly under the s3:// or gs:// prefix `dir` whose names end with
+// `suffix`, sorted (ListObjectsV2, every page). Errors: kNotFound for an http(s):// URL (a server
+// cannot be listed) or a missing bucket; the others and `cancel` as ObjectSize's.
+Result<std::vector<std::string>> ListObjects(const std::string& dir, std::string_view suffix,
+                                             const ObjectStoreOptions& options,
+                                             const std::atomic<bool>* cancel = nullptr);
+
 // The same through `source` (a Source from MakeObjectSource) and its connections: a request to
 // an origin the source talks to reuses a connection to it.
 Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url,

@@ -153,17 +153,14 @@ NB_MODULE(_core, m) {
       "list_objects",
       [](const std::string& dir, const std::string& suffix, const nb::dict& options) {
         const ObjectStoreOptions store = MakeLoadOptions(options).object_store;
-        Result<std::vector<std::string>> names = Status(Code::kInternal, "unlisted");
-        {
-          WithoutGil release;
-          Result<std::shared_ptr<Source>> source = MakeObjectSource(store);
-          names = source.ok() ? (*source)->List(dir, suffix) : source.status();
-        }
-        return Unwrap(std::move(names));
+        std::atomic<bool> cancel{false};
+        return Unwrap(
+            Interruptible(cancel, [&] { return ListObjects(dir, suffix, store, &cancel); }));
       },
       nb::arg("dir"), nb::arg("suffix"), nb::arg("options"),
       "The URLs of the objects directly under the s3:// or gs:// prefix `dir` whose names end with "
-      "`suffix`, sorted (FileNotFoundError for an HTTP URL: a server cannot be listed)");
+      "`suffix`, sorted (FileNotFoundError for an HTTP URL: a server cannot be listed). Ctrl-C "
+      "abandons the listing and raises KeyboardInterrupt.");
   m.def("mapping_stats", [] {
     const MappingStats s = GetMappingStats();
     nb::dict d;

@@ -18,10 +18,17 @@ Options come from `--model-loader-extra-config` (LoadConfig.model_loader_extra_c
 by parse_options(); an unknown key or a bad value is a ValueError naming it:
 
     budget        bytes of tensor data held at once: an int, a size string ("2GB", "1.5GiB"),
-                  0 or None (unbounded), or "auto" (default: 1 GiB, raised to twice the largest
-                  tensor). vLLM's load_weights holds one tensor while it asks for the next, so a
-                  budget must hold two of the largest tensor: a smaller explicit one is an error
-                  naming that tensor. On a GPU it bounds the GPU memory of the batches.
+                  0 or None (unbounded), or "auto" (default: 1 GiB, raised to four times the
+                  largest tensor). vLLM's load_weights may keep up to two earlier tensors alive
+                  while it asks for the next (Llama's stacked q/k/v and gate/up parameters), and
+                  batches are at most half the budget, so a budget must hold the two largest
+                  tensors and one batch: four of the largest tensor; a smaller explicit one is
+                  an error naming that tensor. A model that keeps more (a whole layer, with online
+                  quantization or an in-place reload; every weight, with list(weights)) grows
+                  the automatic budget (doubled, with a warning, reading on from the next
+                  tensor: no weight is given twice); an explicit budget is never exceeded (an
+                  error naming the last tensor given). On a GPU it bounds the GPU memory of
+                  the batches.
     cooperative   false (default) or true: with tensor parallelism, each rank of vLLM's
                   tensor-parallel group reads 1/N of the checkpoint's bytes and receives the rest
                   through that group's collectives (NCCL on GPUs, gloo on CPUs), round by round
@@ -45,7 +52,9 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   configuration (and tokenizer) from --model as usual (a local folder or a hub
                   id), so a model whose weights live in a bucket is served with --model naming
                   its configuration. (vLLM itself refuses load formats other
-                  than its Run:ai ones for an s3:// --model.)
+                  than its Run:ai ones for an s3:// --model.) The option is for the model it was
+                  given with: vLLM's in-place reload from another path (model_config.model set
+                  to it) reads that path.
     storage_options
                   dict of object-storage settings for `weights` (s3_endpoint, s3_region,
                   object_cache_dir, ...; as tensorferry.Loader's storage_options); the AWS_* and
@@ -62,6 +71,10 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   model.safetensors.index.json nor in model.safetensors (the hub cannot be
                   listed file by file), and to a model whose allow_patterns_overrides match
                   none of those files: logged at info level.
+
+torchao-serialized checkpoints (--quantization torchao, or the load config's
+safetensors_load_strategy "torchao") are refused with a ValueError naming the setting: use
+vLLM's default load format for them.
 """
 import dataclasses
 import difflib
@@ -74,6 +87,9 @@ import time
 LOAD_FORMAT = "tensorferry"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_BUDGET = 1 << 30
+# A budget holds this many of the largest tensor: the two earlier ones load_weights may keep
+# and one batch (at most half the budget) for the next (the `budget` option).
+BUDGET_FACTOR = 4
 
 _ENGINES = ("auto", "pread", "io_uring", "mmap")
 _GDS = ("auto", "on", "off")
@@ -331,6 +347,33 @@ def _is_draft(model_config):
     return draft is not None and model_config is draft
 
 
+_GIVEN_FOR = "_tensorferry_weights_for"  # the ModelConfig attribute (TensorferryModelLoader)
+
+
+def _same_model(a, b):
+    """Whether two --model values name the same model (paths compared resolved)."""
+    if a == b:
+        return True
+    if _is_url(a) or _is_url(b):
+        return False
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def refuse_torchao(model_config, load_config):
+    """ValueError for a torchao-serialized checkpoint (--quantization torchao, or the load
+    config's safetensors_load_strategy "torchao"): its tensors are torchao tensor subclasses
+    that only vLLM's own safetensors loading rebuilds."""
+    if getattr(model_config, "quantization", None) == "torchao":
+        setting = "quantization='torchao'"
+    elif getattr(load_config, "safetensors_load_strategy", None) == "torchao":
+        setting = "safetensors_load_strategy='torchao'"
+    else:
+        return
+    raise ValueError(f"load format {LOAD_FORMAT!r} does not read torchao-serialized checkpoints "
+                     f"({setting}): their tensors are torchao tensor subclasses rebuilt by "
+                     f"vLLM's own loader; use --load-format auto or safetensors")
+
+
 def _is_url(path):
     """True for what tensorferry reads in place rather than through vLLM's download: s3://,
     gs:// and http(s):// URLs, and hf:// paths (the local hub cache, else streamed from the hub:
@@ -357,7 +400,7 @@ def _make_class():
         stats (a dict) describes the last load: tensors, bytes (delivered), bytes_read (read
         by this process), peak_held_bytes, budget, rounds, seconds, cooperative."""
 
-        _unbounded = False  # the automatic budget given up for this load (load_weights)
+        _reloading = False  # in get_all_weights (vLLM's in-place reload)
 
         def __init__(self, load_config):
             super().__init__(load_config)
@@ -406,12 +449,47 @@ def _make_class():
             """Where the model's own weights are: the `weights` option (for the served model
             only: a speculative-decoding draft built with the same load config reads its own),
             else vLLM's model_weights (set for object-storage models), else the model."""
-            weights = self.options.weights
-            if weights is not None and not _is_draft(model_config):
-                return weights if _is_url(weights) else os.path.expanduser(weights)
+            if self.options.weights is not None and not _is_draft(model_config) \
+                    and self._weights_apply(model_config):
+                return self._primary_option()
             return getattr(model_config, "model_weights", "") or model_config.model
 
+        def _remember(self, model_config):
+            """Records on model_config the model the `weights` option is given for (the model
+            of its first load: vLLM's in-place reload from another path changes it)."""
+            if self.options.weights is None or getattr(model_config, _GIVEN_FOR, None):
+                return
+            try:
+                setattr(model_config, _GIVEN_FOR, model_config.model)
+            except (AttributeError, TypeError, ValueError):  # a config refusing attributes
+                pass
+
+        def _weights_apply(self, model_config):
+            """Whether the `weights` option is for model_config.model: the model recorded at
+            the first load, else the one vLLM read the configuration from (hf_config's
+            name_or_path, which a reload to another path leaves as it was)."""
+            given = getattr(model_config, _GIVEN_FOR, None)
+            if not given:
+                hf = getattr(model_config, "hf_config", None)
+                given = getattr(hf, "name_or_path", None) or None
+            if given is None:
+                if not self._reloading:
+                    return True  # the first load: the option is for this model
+                raise ValueError(
+                    f"model_loader_extra_config['weights'] for load format {LOAD_FORMAT!r}: "
+                    f"cannot tell whether {self.options.weights!r} is for "
+                    f"{model_config.model!r} (the model vLLM reloads from): reload with "
+                    f"weights_path naming the weights, or without the option")
+            if _same_model(given, model_config.model):
+                return True
+            logger.info("tensorferry: %s is reloaded from %s: the weights option (%s, for %s) "
+                        "does not apply", given, model_config.model, self.options.weights,
+                        given)
+            return False
+
         def download_model(self, model_config):
+            refuse_torchao(model_config, self.load_config)
+            self._remember(model_config)
             primary = self._primary(model_config)
             self._check_weights(primary)
             if os.path.isfile(primary):  # the `weights` option naming one file or an index
@@ -501,23 +579,25 @@ def _make_class():
             return (tp, tp.rank_in_group, tp.world_size) if tp.world_size > 1 else None
 
         def _budget(self, loader, checkpoint):
-            """The byte budget for this Loader: checked against its largest tensor."""
+            """The byte budget for this Loader: checked against its largest tensor (vLLM's
+            load_weights may keep two earlier tensors alive while it asks for the next, Llama's
+            stacked parameters, and a batch is at most half the budget: BUDGET_FACTOR)."""
             outputs = loader._describe()
             largest = max(outputs, key=lambda o: o.bytes, default=None)
             size = largest.bytes if largest is not None else 0
             budget = self.options.budget
             if budget == "auto":
-                # After a model's load_weights held every weight (list(weights): BERT-style
-                # models), the load is retried unbounded (load_weights).
-                return 0 if self._unbounded else max(DEFAULT_BUDGET, 2 * size)
-            if budget is not None and budget < 2 * size:
+                return max(DEFAULT_BUDGET, BUDGET_FACTOR * size)
+            if budget is not None and budget < BUDGET_FACTOR * size:
                 fmt = _core.format_bytes
                 raise ValueError(
                     f"model_loader_extra_config['budget'] for load format {LOAD_FORMAT!r}: "
-                    f"{fmt(budget)} is less than twice the largest tensor, "
+                    f"{fmt(budget)} is less than four times the largest tensor, "
                     f"{largest.name!r} ({fmt(size)}, of {checkpoint!r}): vLLM's load_weights "
-                    f"holds one tensor while it asks for the next, so the budget must hold "
-                    f"two; use at least {2 * size} bytes, \"auto\", or 0 (unbounded)")
+                    f"may keep two earlier tensors alive while it asks for the next, and a "
+                    f"batch is at most half the budget, so the budget must hold two tensors "
+                    f"and a batch; use at least {BUDGET_FACTOR * size} bytes, "
+                    f"\"auto\", or 0 (unbounded)")
             return budget
 
         def _progress(self):
@@ -543,33 +623,66 @@ def _make_class():
             return plan_remote(url, files, patterns, unused)
 
         def _stream(self, part, prefix, device):
-            """(name, tensor) of one Part through Loader.iter_tensors under the budget."""
+            """(name, tensor) of one Part through Loader.iter_tensors under the budget. A model
+            keeping more alive than the automatic budget holds (a whole layer, with online
+            quantization or vLLM's layerwise reload; every weight, with list(weights)) makes
+            it grow: doubled, with a warning, reading on from the first tensor not yet given
+            (a restart would give the model weights it has already processed). An explicit
+            budget is never exceeded: BudgetExceededError naming the last tensor given."""
             # The probe only describes (sizes are the same wherever the tensors go): on the host,
             # so it makes no device pipeline. The load reads the checkpoint the probe opened.
             with tensorferry.Loader(part.checkpoint, select=part.select,
                                     **self._common()) as probe:
                 budget = self._budget(probe, part.checkpoint)
+                names = [o.name for o in probe._describe()]
                 loader = tensorferry.Loader(probe, device=device, budget=budget,
                                             select=part.select,
                                             progress=self._progress(),
                                             **self._common())
-            with loader:
-                try:
-                    for name, tensor in loader.iter_tensors():
-                        yield prefix + name, tensor
-                        del tensor  # before the next batch is asked for
-                except _core.BudgetExceededError as e:
-                    error = _core.BudgetExceededError(
-                        f"load format {LOAD_FORMAT!r}: the model's load_weights kept more "
-                        f"weights alive than the budget ({_core.format_bytes(budget)}) allows "
-                        f"(it should hold only the tensor it is given): raise "
-                        f"model_loader_extra_config['budget'] or set it to 0 (unbounded). "
-                        f"{e}")
-                    error.held_by_the_model = True
-                    raise error from None
-                s = loader.stats
-                self._account(s.tensors, s.bytes, s.bytes_read or s.bytes,
-                              max(s.peak_budget_bytes, s.peak_device_bytes), s.batches, budget)
+            given = set()
+            last = None
+            while loader is not None:
+                with loader as current:
+                    loader = None
+                    try:
+                        for name, tensor in current.iter_tensors():
+                            given.add(name)
+                            last = name
+                            yield prefix + name, tensor
+                            del tensor  # before the next batch is asked for
+                        exceeded = None
+                    except _core.BudgetExceededError as e:
+                        exceeded = e
+                    s = current.stats
+                    self._account(s.tensors, s.bytes, s.bytes_read or s.bytes,
+                                  max(s.peak_budget_bytes, s.peak_device_bytes), s.batches,
+                                  budget)
+                    if exceeded is None:
+                        return
+                    fmt = _core.format_bytes
+                    after = f"after {prefix + last!r}" if last is not None else \
+                        "before any tensor"
+                    if self.options.budget != "auto":
+                        raise _core.BudgetExceededError(
+                            f"load format {LOAD_FORMAT!r}: the model's load_weights keeps more "
+                            f"weights alive than model_loader_extra_config['budget'] "
+                            f"({fmt(budget)}) allows: the next tensors of {part.checkpoint!r} "
+                            f"do not fit {after} (a model that keeps a whole layer, or every "
+                            f"weight, before using them): raise the budget, or use \"auto\" or "
+                            f"0 (unbounded). {exceeded}") from None
+                    rest = [n for n in names if n not in given]
+                    if not rest:
+                        return
+                    logger.warning("tensorferry: %s's load_weights keeps more weights alive "
+                                   "than the automatic budget (%s) holds %s; reading the "
+                                   "remaining %d tensors of %s under %s", self._model_name,
+                                   fmt(budget), after, len(rest), part.checkpoint,
+                                   fmt(2 * budget))
+                    budget *= 2
+                    # From the checkpoint this load opened (an object changed since is not
+                    # read: its ETag is the one seen at open).
+                    loader = tensorferry.Loader(current, device=device, budget=budget,
+                                                select=rest, **self._common())
 
         def _cooperative(self, part, prefix, device, tp):
             """(name, tensor) of one Part, read cooperatively by the tensor-parallel group in
@@ -621,6 +734,7 @@ def _make_class():
             them."""
             device = self._device(model)
             tp = self._tp()
+            self._model_name = type(model).__name__
             for k, (model_or_path, revision, subfolder, prefix, patterns, unused) in \
                     enumerate(self._sources(model, model_config)):
                 if k == 0:
@@ -650,30 +764,27 @@ def _make_class():
 
         def get_all_weights(self, model_config, model):
             """Every (name, tensor) of the model's weight sources, as vLLM's default loader
-            gives them (its in-place weight reload asks for this)."""
+            gives them (its in-place weight reload asks for this, after setting
+            model_config.model to the path reloaded from: the `weights` option applies to the
+            model it was given for only)."""
+            refuse_torchao(model_config, self.load_config)
             self._reset_stats()
-            yield from self.weights(model, model_config)
+            self._reloading = True
+            try:
+                yield from self.weights(model, model_config)
+            finally:
+                # As after load_weights: the staging rings the reads kept go back.
+                self.stats["staging_released"] = _core.release_idle_staging()
 
         def load_weights(self, model, model_config):
+            refuse_torchao(model_config, self.load_config)
+            self._remember(model_config)
             self._reset_stats()
             start = time.perf_counter()
-            self._unbounded = False
             try:
-                try:
-                    loaded = model.load_weights(self.weights(model, model_config))
-                except _core.BudgetExceededError as e:
-                    # Some models' load_weights hold every weight (list(weights)) before using
-                    # one: with the default budget the load is done again without one (the
-                    # memory limit still applies); the weights go in again, as a reload would.
-                    if self.options.budget != "auto" or \
-                            not getattr(e, "held_by_the_model", False):
-                        raise
-                    logger.warning("tensorferry: %s's load_weights holds every weight at "
-                                   "once; loading it again without a budget",
-                                   type(model).__name__)
-                    self._unbounded = True
-                    self._reset_stats()
-                    loaded = model.load_weights(self.weights(model, model_config))
+                # No restart: a weight given to load_weights is never given again (a budget
+                # the model outgrows grows instead, _stream).
+                loaded = model.load_weights(self.weights(model, model_config))
             finally:
                 # A worker loads its weights once: the pinned staging rings its loads left for a
                 # next one (keep_staging) go back now rather than stay pinned while it serves.

@@ -1226,6 +1226,14 @@ Result<std::vector<std::byte>> ReadObject(const std::string& url, const ObjectSt
   return ReadWhole(*file, url, max_bytes);
 }
 
+Result<std::vector<std::string>> ListObjects(const std::string& dir, std::string_view suffix,
+                                             const ObjectStoreOptions& options,
+                                             const std::atomic<bool>* cancel) {
+  const io::CancelScope cancelled(cancel);
+  TF_ASSIGN_OR_RETURN(std::shared_ptr<Source> source, MakeObjectSource(options));
+  return source->List(dir, suffix);
+}
+
 Result<std::vector<std::byte>> ReadObject(Source& source, const std::string& url,
                                           uint64_t max_bytes) {
   TF_ASSIGN_OR_RETURN(std::unique_ptr<SourceFile> file, source.Open(url));

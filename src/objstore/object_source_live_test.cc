@@ -8,6 +8,8 @@
 // Without them every test here skips (the Python suite is what runs them, in CI too).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -280,6 +282,42 @@ TEST(ObjectSourceLive, ReadObjectReadsAWholeObjectOrSaysWhy) {
   EXPECT_NE(path.status().message().find("is not an s3://, gs://, http:// or https:// URL"),
             std::string::npos)
       << path.status().message();
+}
+
+// ListObjects: the objects directly under a prefix with a suffix, sorted, as full URLs; a
+// cancelled listing ends with kCancelled naming the URL, and an HTTP URL cannot be listed.
+TEST(ObjectSourceLive, ListObjectsListsAPrefixOrSaysWhy) {
+  REQUIRE_LIVE(live);
+  auto local = Checkpoint::Open(live->local);
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  std::vector<std::string> want;
+  for (const auto& f : (*local)->files()) {
+    want.push_back(live->url + "/" + f.path.substr(f.path.rfind('/') + 1));
+  }
+  std::sort(want.begin(), want.end());
+  ASSERT_GT(want.size(), 1u);
+  auto listed = ListObjects(live->url, ".safetensors", ObjectStoreOptions{});
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_EQ(*listed, want);
+  auto slash = ListObjects(live->url + "/", ".safetensors", ObjectStoreOptions{});
+  ASSERT_TRUE(slash.ok()) << slash.status().ToString();
+  EXPECT_EQ(*slash, want);
+  auto none = ListObjects(live->url, ".jinja", ObjectStoreOptions{});
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->empty());
+
+  const std::atomic<bool> cancel{true};
+  auto cancelled = ListObjects(live->url, ".safetensors", ObjectStoreOptions{}, &cancel);
+  ASSERT_FALSE(cancelled.ok());
+  EXPECT_EQ(cancelled.status().code(), Code::kCancelled) << cancelled.status().ToString();
+  EXPECT_NE(cancelled.status().message().find(live->url), std::string::npos)
+      << cancelled.status().message();
+
+  auto http = ListObjects("http://127.0.0.1:9/models/m", ".safetensors", ObjectStoreOptions{});
+  ASSERT_FALSE(http.ok());
+  EXPECT_EQ(http.status().code(), Code::kNotFound);
+  EXPECT_NE(http.status().message().find("an HTTP server cannot be listed"), std::string::npos)
+      << http.status().message();
 }
 
 }  // namespace

@@ -285,7 +285,7 @@ def test_cpp_live_tests_run_against_seaweed(stores):
                        capture_output=True, text=True, timeout=120, env=full)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert "[  PASSED  ] 8 tests." in out, out
+    assert "[  PASSED  ] 9 tests." in out, out
     assert "SKIPPED" not in out, out
 
 

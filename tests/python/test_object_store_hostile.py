@@ -170,6 +170,10 @@ CALLS = {
     "describe_object_store": "tensorferry.describe_object_store(url, options)",
     "object_size": "tensorferry._core.object_size(url, options)",
     "read_object": "tensorferry._core.read_object(url, options, 1 << 20)",
+    # (the listing tensorferry.transformers asks for a bucket's chat templates)
+    "list_objects": "tensorferry._core.list_objects('s3://bucket/model', '.jinja', "
+                    "dict(options, s3_endpoint=url.rsplit('/', 1)[0], s3_anonymous=True, "
+                    "s3_region='us-east-1'))",
 }
 
 CALL_CHILD = r"""
@@ -231,8 +235,8 @@ def test_ctrl_c_ends_a_load_whose_gets_hang(checkpoint):
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_ctrl_c_ends_an_object_call_whose_server_never_answers(checkpoint, call):
     """The server takes the connection and the request and never answers (a hung probe): SIGINT
-    ends describe_object_store, object_size and read_object with KeyboardInterrupt instead of
-    waiting out the stall timeout and its retries."""
+    ends describe_object_store, object_size, read_object and list_objects with KeyboardInterrupt
+    instead of waiting out the stall timeout and its retries."""
     data, _ = checkpoint
     arrived = threading.Event()
     with serving(data, "silent", threading.Event(), arrived) as url:

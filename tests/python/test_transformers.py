@@ -720,10 +720,8 @@ def test_restoring_undoes_the_url_hooks():
     assert tft._storage_in_force() is None
 
 
-def test_transformers_backend_mmap_leaves_the_choice_to_tensorferry(tmp_path, monkeypatch):
-    # transformers 5 passes backend="mmap" on every Linux machine; taken literally it would map
-    # files on NFS or FUSE too, where tensorferry reads them instead (prefer_mmap).
-    _save(_tiny_llama(), str(tmp_path), None)
+def _spy_on_engines(monkeypatch):
+    """A list that gets (engine, prefer_mmap) of every tensorferry.transformers Loader made."""
     asked = []
     original = tft.Loader
 
@@ -733,6 +731,14 @@ def test_transformers_backend_mmap_leaves_the_choice_to_tensorferry(tmp_path, mo
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(tft, "Loader", Spy)
+    return asked
+
+
+def test_transformers_backend_mmap_leaves_the_choice_to_tensorferry(tmp_path, monkeypatch):
+    # transformers 5 passes backend="mmap" on every Linux machine; taken literally it would map
+    # files on NFS or FUSE too, where tensorferry reads them instead (prefer_mmap).
+    _save(_tiny_llama(), str(tmp_path), None)
+    asked = _spy_on_engines(monkeypatch)
     with tft.loading():
         model = LlamaForCausalLM.from_pretrained(str(tmp_path))
     assert asked and set(asked) == {("auto", True)}, asked
@@ -748,15 +754,7 @@ def test_backend_mmap_is_transformers_default_there_and_a_choice_elsewhere(tmp_p
     path = str(tmp_path / "m.safetensors")
     want = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
     tensorferry.torch.save_file(want, path)
-    asked = []
-    original = tft.Loader
-
-    class Spy(original):
-        def __init__(self, *args, **kwargs):
-            asked.append((kwargs.get("engine"), kwargs.get("prefer_mmap")))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(tft, "Loader", Spy)
+    asked = _spy_on_engines(monkeypatch)
     with tft.loading():
         with mu.safe_open(path, framework="pt", device="cpu", backend="mmap") as f:
             assert torch.equal(f.get_slice("w")[...], want["w"])

@@ -36,26 +36,59 @@ def without_missing_cpu_kernels():
     layer_utils.check_cpu_sgl_kernel = check
 
 
+def random_llama(seed, **config):
+    """transformers' LlamaForCausalLM (hidden size 64, 2 layers, 4 heads; `config` sets the
+    rest) in BF16 with every tensor random (norms are ones at init: every tensor distinct)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=128, tie_word_embeddings=False, **config)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    return model
+
+
 def make_checkpoints(workdir):
     """A tiny Llama (transformers' LlamaForCausalLM, BF16) saved twice: sharded with an index,
     and as one model.safetensors. Same weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     sharded = os.path.join(workdir, "llama-sharded")
     single = os.path.join(workdir, "llama-single")
     if os.path.exists(os.path.join(single, "config.json")):
         return sharded, single
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                      max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():  # norms are ones at init: make every tensor distinct
-            p.copy_(torch.randn_like(p))
+    model = random_llama(0, intermediate_size=128, num_key_value_heads=2, vocab_size=256)
     model.save_pretrained(sharded, max_shard_size="60KB")
     model.save_pretrained(single, max_shard_size="100MB")
     return sharded, single
+
+
+def make_kv_checkpoint(workdir):
+    """A tiny Llama whose q, k, v, o, embedding and lm_head tensors are all the largest (64x64
+    BF16, 8 KiB): vLLM's Llama keeps two of them alive while it asks for the next, and a
+    layerwise load (online quantization, in-place reload) keeps the whole q/k/v layer."""
+    path = os.path.join(workdir, "llama-kv")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    model = random_llama(1, intermediate_size=32, num_key_value_heads=4, vocab_size=64)
+    model.save_pretrained(path, max_shard_size="100MB")
+    return path
+
+
+def make_newer(workdir, single):
+    """A copy of the single-file checkpoint with every weight changed (+1): what an in-place
+    reload from another path reads."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    newer = os.path.join(workdir, "llama-newer")
+    if not os.path.exists(os.path.join(newer, "model.safetensors")):
+        shutil.copytree(single, newer, dirs_exist_ok=True)
+        tensors = {k: v + 1 for k, v in load_file(os.path.join(single,
+                                                               "model.safetensors")).items()}
+        save_file(tensors, os.path.join(newer, "model.safetensors"), metadata={"format": "pt"})
+    return newer
 
 
 def vllm_config(path, load_format, extra=None, tp=1):
@@ -167,8 +200,8 @@ def single(workdir):
 
     cases = {
         "sharded_default": (sharded, {}),
-        "sharded_budget": (sharded, {"budget": 65536, "threads": 2, "engine": "pread"}),
-        "single_budget": (single_file, {"budget": "64KiB"}),
+        "sharded_budget": (sharded, {"budget": 131072, "threads": 2, "engine": "pread"}),
+        "single_budget": (single_file, {"budget": "128KiB"}),
         "sharded_unbounded": (sharded, {"budget": 0}),
         "sharded_cpu_mmap": (sharded, {"device": "cpu", "engine": "mmap", "budget": None}),
     }
@@ -206,8 +239,8 @@ def single(workdir):
             LoadConfig(load_format="tensorferry", model_loader_extra_config={"budget": "lots"}))),
         "bad_engine": error_of(lambda: get_model_loader(
             LoadConfig(load_format="tensorferry", model_loader_extra_config={"engine": "dma"}))),
-        "budget_below_two_tensors": error_of(
-            lambda: build(sharded, "tensorferry", {"budget": largest + largest // 2})),
+        "budget_below_four_tensors": error_of(
+            lambda: build(sharded, "tensorferry", {"budget": 3 * largest})),
     }
     # A model whose load_weights keeps every tensor it is given: over the budget, an error.
     def hoarding(self, weights):
@@ -215,7 +248,7 @@ def single(workdir):
     cls_model.load_weights = hoarding
     try:
         out["errors"]["hoarding_model"] = error_of(
-            lambda: build(sharded, "tensorferry", {"budget": 2 * largest}))
+            lambda: build(sharded, "tensorferry", {"budget": 4 * largest}))
     finally:
         cls_model.load_weights = original
     # A checkpoint lacking one tensor: both loaders must refuse it, with vLLM's message.
@@ -236,21 +269,29 @@ def single(workdir):
     out["errors"]["no_safetensors"] = error_of(lambda: build(empty, "tensorferry"))
 
     # A model whose load_weights holds every weight (BERT-style list(weights)) under the
-    # automatic budget (made 2 x the largest tensor here, as for a model of 512 MiB tensors):
-    # loaded again without a budget, the same weights as vLLM's.
+    # automatic budget (4 x the largest tensor here, as for a model of 256 MiB tensors): the
+    # budget grows, and load_weights is called once (each weight given once).
     saved_default = tfv.DEFAULT_BUDGET
-    tfv.DEFAULT_BUDGET = 2 * largest
-    cls_model.load_weights = hoarding
+    tfv.DEFAULT_BUDGET = 0
+    calls = [0]
+
+    def hoarding_counted(self, weights):
+        calls[0] += 1
+        return original(self, list(weights))
+
+    cls_model.load_weights = hoarding_counted
     try:
         model, ldr = build(sharded, "tensorferry")
         out["hoarding_auto"] = {"differences": differences(model, reference)[0],
-                                "budget": ldr.stats["budget"]}
+                                "budget": ldr.stats["budget"], "calls": calls[0],
+                                "tensors": ldr.stats["tensors"]}
         del model
     except Exception as e:  # noqa: BLE001 - the test reads it
         out["hoarding_auto"] = {"error": f"{type(e).__name__}: {e}"}
     finally:
         cls_model.load_weights = original
         tfv.DEFAULT_BUDGET = saved_default
+    out.update(layerwise(workdir, single_file, tfv, releases))
 
     # The loader's other entry points: download_model with `weights` naming one file (nothing
     # to download), get_all_weights (vLLM's in-place reload asks for it).
@@ -277,6 +318,123 @@ def single(workdir):
     return out
 
 
+def zero(model):
+    import torch
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0)
+
+
+def outcome(fn):
+    """fn()'s dict, or {"error": "Type: message"}."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def layerwise(workdir, single_file, tfv, releases):
+    """The automatic budget against a model keeping several of its largest tensors (vLLM's
+    Llama) and whole layers (vLLM's layerwise loading: online quantization, in-place reload),
+    in-place reloads with the `weights` option, torchao-serialized checkpoints. `releases`: the
+    count of release_idle_staging calls (single())."""
+    from vllm.config import set_current_vllm_config
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    out = {}
+    kv = make_kv_checkpoint(workdir)
+    kv_reference, _ = build(kv, "safetensors")
+    cls_model = type(kv_reference)
+    original = cls_model.load_weights
+    calls = [0]
+
+    def counted(self, weights):
+        calls[0] += 1
+        return original(self, weights)
+
+    saved = tfv.DEFAULT_BUDGET
+    tfv.DEFAULT_BUDGET = 0  # "auto": its multiple of the largest tensor, as for big tensors
+    cls_model.load_weights = counted
+    try:
+        def auto():
+            model, ldr = build(kv, "tensorferry")
+            return {"differences": differences(model, kv_reference)[0], "calls": calls[0],
+                    "budget": ldr.stats["budget"], "tensors": ldr.stats["tensors"]}
+        out["kv_auto"] = outcome(auto)
+
+        def layerwise_load():  # what online quantization does at the first load
+            model, ldr = build(kv, "safetensors")
+            zero(model)
+            config = vllm_config(kv, "tensorferry")
+            ldr = get_model_loader(config.load_config)
+            calls[0] = 0
+            with set_current_vllm_config(config):
+                initialize_layerwise_reload(model)
+                ldr.load_weights(model, config.model_config)
+                finalize_layerwise_reload(model, config.model_config)
+            return {"differences": differences(model, kv_reference)[0], "calls": calls[0],
+                    "budget": ldr.stats["budget"], "tensors": ldr.stats["tensors"]}
+        out["layerwise_load"] = outcome(layerwise_load)
+
+        def layerwise_reload():  # vLLM's in-place reload: get_all_weights, layer by layer
+            model, _ = build(kv, "tensorferry")
+            zero(model)
+            config = vllm_config(kv, "tensorferry")
+            calls[0] = 0
+            before = releases[0]
+            with set_current_vllm_config(config):
+                reload_weights(config, model, None, None, True)
+            return {"differences": differences(model, kv_reference)[0], "calls": calls[0],
+                    "staging_releases": releases[0] - before}
+        out["layerwise_reload"] = outcome(layerwise_reload)
+    finally:
+        cls_model.load_weights = original
+        tfv.DEFAULT_BUDGET = saved
+
+    # In-place reloads of a model served with --model SHARDED and the `weights` option naming
+    # the single-file copy (same weights): from another path, that path's weights; from the
+    # model's own, the option's.
+    sharded, _ = make_checkpoints(workdir)
+    newer = make_newer(workdir, single_file)
+    old_reference, _ = build(sharded, "safetensors")
+    new_reference, _ = build(newer, "safetensors")
+    extra = {"weights": single_file}
+
+    def reload(path, same_config):
+        config = vllm_config(sharded, "tensorferry", extra)
+        with set_current_vllm_config(config):  # as a worker: load, then reload, one config
+            ldr = get_model_loader(config.load_config)
+            model = ldr.load_model(vllm_config=config, model_config=config.model_config)
+        if not same_config:
+            config = vllm_config(sharded, "tensorferry", extra)
+        zero(model)
+        with set_current_vllm_config(config):
+            reload_weights(config, model, None, path, True)
+        return {"new": differences(model, new_reference)[0],
+                "old": differences(model, old_reference)[0]}
+    out["reload_new_path"] = outcome(lambda: reload(newer, True))
+    out["reload_new_path_fresh_config"] = outcome(lambda: reload(newer, False))
+    out["reload_same"] = outcome(lambda: reload(None, True))
+
+    # torchao-serialized checkpoints: refused, naming the setting.
+    config = vllm_config(kv, "tensorferry")
+    config.model_config.quantization = "torchao"
+    ldr = get_model_loader(config.load_config)
+    strategy = get_model_loader(LoadConfig(load_format="tensorferry",
+                                           safetensors_load_strategy="torchao"))
+    plain = vllm_config(kv, "tensorferry").model_config
+    out["torchao"] = {
+        "quantization": error_of(lambda: ldr.download_model(config.model_config)),
+        "strategy": error_of(lambda: strategy.load_weights(kv_reference, plain)),
+        "strategy_reload": error_of(lambda: list(strategy.get_all_weights(plain,
+                                                                          kv_reference))),
+    }
+    return out
+
+
 def remote(workdir, url):
     """Weights read straight from object storage (the `weights` option): `url` is the sharded
     checkpoint's S3 prefix (uploaded by the test; AWS_* variables name the server), vLLM's
@@ -297,13 +455,13 @@ def remote(workdir, url):
     out = {"loads": {}}
     cache = os.path.join(workdir, "object-cache")
     cases = {
-        "prefix": {"weights": url, "budget": 65536},
+        "prefix": {"weights": url, "budget": 131072},
         "index": {"weights": url + "/model.safetensors.index.json", "budget": "auto"},
         "cached": {"weights": url, "storage_options": {"object_cache_dir": cache,
                                                        "object_header_bytes": 4096}},
     }
     if os.environ.get("TF_TEST_HF_PATH"):  # a hub at HF_ENDPOINT, not in the local hub cache
-        cases["hub"] = {"weights": os.environ["TF_TEST_HF_PATH"], "budget": 65536}
+        cases["hub"] = {"weights": os.environ["TF_TEST_HF_PATH"], "budget": 131072}
     for key, extra in cases.items():
         model, ldr = build(config_only, "tensorferry", extra)
         diff, count = differences(model, reference)
@@ -315,9 +473,9 @@ def remote(workdir, url):
         # streamed as hf://<id> and kept in the hub cache (the `hub` option's default), then read
         # from that cache with the hub offline; and with hub="download", vLLM's download first.
         repo_dir = os.path.join(os.environ["HF_HUB_CACHE"], "models--" + hub_id.replace("/", "--"))
-        for key, extra, offline in (("hub_id", {"budget": 65536}, False),
-                                    ("hub_id_offline", {"budget": 65536}, True),
-                                    ("hub_id_download", {"budget": 65536, "hub": "download"},
+        for key, extra, offline in (("hub_id", {"budget": 131072}, False),
+                                    ("hub_id_offline", {"budget": 131072}, True),
+                                    ("hub_id_download", {"budget": 131072, "hub": "download"},
                                      False)):
             if key != "hub_id_offline":
                 shutil.rmtree(repo_dir, ignore_errors=True)  # (the "hub" case above filled it)
@@ -373,9 +531,9 @@ def tp(workdir, world, port, url=None):
     if url is not None:
         model_path = os.path.join(workdir, "llama-config-only")  # written by remote()
         where = {"weights": url}
-    for key, extra in (("cooperative", {"cooperative": True, "budget": 65536}),
+    for key, extra in (("cooperative", {"cooperative": True, "budget": 131072}),
                        ("cooperative_unbounded", {"cooperative": True, "budget": 0}),
-                       ("plain", {"budget": 65536})):
+                       ("plain", {"budget": 131072})):
         model, ldr = build(model_path, "tensorferry", dict(extra, **where), tp=world)
         diff, count = differences(model, reference)
         out["loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}

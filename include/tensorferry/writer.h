@@ -73,6 +73,12 @@ struct WriteOptions {
   // WriteFile writes "__metadata__":{} when `metadata` is empty (and there are no checksums), as
   // the reference does for metadata={} (none without: its metadata=None).
   bool metadata_table = false;
+  // Called once every byte is written (and synced), before anything is put in place: an error
+  // abandons the write as any other does (the temporaries removed, the destination untouched),
+  // with the path as prefix. For what only the caller can tell, e.g. that the tensors written
+  // were views of a mapped file that shrank meanwhile (mapping.h: CheckMappedFiles), whose pages
+  // read as zeros. Empty: none. Called on the writing thread.
+  std::function<Status()> before_commit;
 };
 
 // The header bytes (JSON plus padding, without the 8-byte length prefix) that WriteFile would

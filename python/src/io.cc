@@ -79,6 +79,7 @@ nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& meta
       p += d.size();
     }
   }
+  Check(CheckMappedFiles());  // (as SerializeFile: views of a file that shrank read as zeros)
   return out;
 }
 
@@ -94,6 +95,9 @@ void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metad
     WriteOptions options;
     options.checksums = checksums;  // per-tensor checksums in the metadata (docs/integrity.md)
     options.metadata_table = metadata.has_value();
+    // Checked again once the bytes are written, before the file is put in place: a mapped file
+    // that shrank while they were copied left zeros in them (which the checksums would vouch for).
+    options.before_commit = [] { return CheckMappedFiles(); };
     s = WriteFile(path, tensors, meta, options);
   }
   Check(s);

@@ -51,13 +51,55 @@ _NUMPY_NAMES = {k: v for k, v in _TORCH_NAMES.items()
 _BYTES_PER_FRAMEWORK_ELEMENT = {"F4": 1}  # packed pairs
 
 
+def metadata_to_write(metadata, checksums):
+    """The metadata save_file writes: `metadata` as given, except that a file saved without any
+    (None) but with its checksums record gets {"format": "pt"} beside the record. Loaders read a
+    file without metadata as PyTorch's format and refuse a metadata table without "format"
+    (accelerate's load_checkpoint_in_model, transformers 4's from_pretrained): with only the
+    record, a file the reference would have written without metadata would be refused there."""
+    if metadata is None and checksums:
+        return {"format": "pt"}
+    return metadata
+
+
 def prod(shape):
     return math.prod(shape) if shape else 1
+
+
+class SliceIndexError(SafetensorError, IndexError):
+    """A bad get_slice index (NumPy): NumPy's IndexError, and a SafetensorError as the
+    reference raises."""
+
+
+class SliceValueError(SafetensorError, ValueError):
+    """A bad get_slice index (NumPy): NumPy's ValueError, and a SafetensorError."""
+
+
+class SliceTypeError(SafetensorError, TypeError):
+    """A bad get_slice index (NumPy): NumPy's TypeError, and a SafetensorError."""
+
+
+_AS_SAFETENSOR_ERRORS = {IndexError: SliceIndexError, ValueError: SliceValueError,
+                         TypeError: SliceTypeError}
+
+
+def as_safetensor_error(error):
+    """`error` (an IndexError, ValueError or TypeError of an index, or a subclass) as the
+    Slice*Error of its kind, which is also a SafetensorError: where the reference raises
+    SafetensorError for it, an `except SafetensorError` written for the reference catches it,
+    and so does one for the framework's own type. Its message is the framework's."""
+    for base, both in _AS_SAFETENSOR_ERRORS.items():
+        if isinstance(error, base):
+            return both(*error.args)
+    return error
 
 
 class _Framework:
     code = None
     name = None
+    # Whether the reference raises SafetensorError for a bad get_slice index (numpy) rather
+    # than the framework's own error (torch).
+    slice_errors_are_safetensor_errors = False
 
     def __init__(self):
         self._dtypes = {}
@@ -245,6 +287,7 @@ class _Numpy(_Framework):
     code = NUMPY
     name = "numpy"
     negative_steps = True
+    slice_errors_are_safetensor_errors = True
 
     def __init__(self):
         super().__init__()

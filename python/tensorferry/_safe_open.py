@@ -285,5 +285,11 @@ class _Slice:
 
     def __getitem__(self, index):
         owner = self._owner
-        result = _slicing.get_slice(self._reader, owner._fw, self._name, index)
+        try:
+            result = _slicing.get_slice(self._reader, owner._fw, self._name, index)
+        except (IndexError, ValueError, TypeError) as e:
+            if not owner._fw.slice_errors_are_safetensor_errors or \
+                    isinstance(e, SafetensorError):
+                raise
+            raise _frameworks.as_safetensor_error(e).with_traceback(e.__traceback__) from None
         return owner._fw.to_device(result, owner._device)

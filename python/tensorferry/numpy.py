@@ -88,8 +88,11 @@ def save_file(tensor_dict: Dict[str, np.ndarray], filename: Union[str, os.PathLi
               metadata: Optional[Dict[str, str]] = None, *, checksums: bool = True) -> None:
     """Writes `tensor_dict` to `filename`, atomically: a temporary file is written, fsynced and
     renamed over `filename`. The bytes are safetensors.numpy.save_file's plus one metadata entry,
-    "tensorferry.checksums" (per-tensor checksums, docs/integrity.md); checksums=False leaves it
-    out: then byte-identical to the reference."""
+    "tensorferry.checksums" (per-tensor checksums, docs/integrity.md), and, when `metadata` is
+    None, {"format": "pt"} (what loaders take a file without metadata for: accelerate refuses a
+    metadata table without "format"); checksums=False leaves both out: then byte-identical to
+    the reference."""
     entries, keep = _entries(tensor_dict, metadata)
-    _core.serialize_file(entries, metadata, os.fspath(filename), checksums)
+    _core.serialize_file(entries, _frameworks.metadata_to_write(metadata, checksums),
+                         os.fspath(filename), checksums)
     del keep

@@ -11,7 +11,7 @@ from ._safe_open import safe_open, default_load_options, open_file
 from ._dispatch import load_checkpoint_and_dispatch
 
 __all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model",
-           "load_checkpoint_and_dispatch"]
+           "load_checkpoint_and_dispatch", "storage_ptr", "storage_size"]
 
 _ST_NAMES = {}
 for _st, _attr in _frameworks._TORCH_NAMES.items():
@@ -170,10 +170,36 @@ def save_file(tensors: Dict[str, torch.Tensor], filename: Union[str, os.PathLike
     """Writes `tensors` to `filename`, atomically: a temporary file is written, fsynced and
     renamed over `filename`. The bytes are safetensors.torch.save_file's plus one metadata entry,
     "tensorferry.checksums" (per-tensor checksums, docs/integrity.md; every safetensors reader
-    reads the file); checksums=False leaves it out: then byte-identical to the reference."""
+    reads the file), and, when `metadata` is None, {"format": "pt"} (what loaders take a file
+    without metadata for: accelerate refuses a metadata table without "format");
+    checksums=False leaves both out: then byte-identical to the reference."""
     entries, keep = _entries(tensors, metadata)
-    _core.serialize_file(entries, metadata, os.fspath(filename), checksums)
+    _core.serialize_file(entries, _frameworks.metadata_to_write(metadata, checksums),
+                         os.fspath(filename), checksums)
     del keep
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """The address of the storage `tensor` views (0 for one without: meta, or freed), as
+    safetensors.torch.storage_ptr: what tied parameters share (transformers imports it)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - e.g. a tensor subclass without storage
+        try:
+            return tensor.storage().data_ptr()
+        except NotImplementedError:
+            return 0
+
+
+def storage_size(tensor: torch.Tensor) -> int:
+    """The size in bytes of the storage `tensor` views, as safetensors.torch.storage_size."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except AttributeError:
+        try:
+            return tensor.storage().size() * tensor.element_size()
+        except NotImplementedError:
+            return tensor.nelement() * tensor.element_size()
 
 
 def _shared_names(state_dict):
@@ -182,16 +208,15 @@ def _shared_names(state_dict):
     for name, t in state_dict.items():
         if t.device.type == "meta" or t.numel() == 0:
             continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() == 0:
+        ptr = storage_ptr(t)
+        if ptr == 0:
             continue
-        groups.setdefault((t.device, storage.data_ptr(), storage.nbytes()), set()).add(name)
+        groups.setdefault((t.device, ptr, storage_size(t)), set()).add(name)
     return [g for g in groups.values() if len(g) > 1]
 
 
 def _is_complete(t):
-    return t.data_ptr() == t.untyped_storage().data_ptr() and \
-        t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    return t.data_ptr() == storage_ptr(t) and t.numel() * t.element_size() == storage_size(t)
 
 
 def _names_to_drop(state_dict, preferred=()):

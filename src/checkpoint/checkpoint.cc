@@ -7,6 +7,7 @@
 // files opened here.
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -173,8 +174,9 @@ class CheckpointBuilder {
     for (; it != fs::directory_iterator(); it.increment(ec)) {
       const auto& entry = *it;
       if (entry.path().extension() != ".safetensors") continue;
-      // Followed through symlinks. Directories and other special files are not checkpoint
-      // files; a link to nothing is one that is missing (a hub snapshot whose blob is gone).
+      // Followed through symlinks. Directories are not checkpoint files, other special files
+      // are refused; a link to nothing is one that is missing (a hub snapshot whose blob is
+      // gone).
       std::error_code type_ec;
       const fs::file_status st = entry.status(type_ec);
       if (st.type() == fs::file_type::not_found) {
@@ -194,7 +196,21 @@ class CheckpointBuilder {
         return Status(Code::kIoError,
                       entry.path().string() + ": cannot stat: " + type_ec.message());
       }
-      if (fs::is_regular_file(st)) paths.push_back(entry.path().string());
+      if (fs::is_regular_file(st)) {
+        paths.push_back(entry.path().string());
+      } else if (!fs::is_directory(st)) {
+        // A FIFO, socket or device named like a shard (or a link to one): not silently left
+        // out, which would load the others without it (or call a present shard missing).
+        const char* what = fs::is_fifo(st)             ? "a FIFO"
+                           : fs::is_socket(st)         ? "a socket"
+                           : fs::is_character_file(st) ? "a character device"
+                           : fs::is_block_file(st)     ? "a block device"
+                                                       : "not a regular file";
+        return Status(Code::kInvalidArgument,
+                      entry.path().string() + ": " + what +
+                          (entry.is_symlink() ? " (through a symbolic link)" : "") +
+                          ", not a regular file: a checkpoint's .safetensors files must be");
+      }
     }
     if (ec) return Status(Code::kIoError, dir + ": cannot list: " + ec.message());
     if (paths.empty()) return Status(Code::kInvalidArgument, dir + ": no .safetensors files");
@@ -491,6 +507,22 @@ Result<std::shared_ptr<const Checkpoint>> Checkpoint::Open(const std::string& gi
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (fs::is_directory(st)) return builder.FromDirectory(path);
+  if (!fs::exists(st) && options.env == nullptr) {
+    // "file:///x", "az://...", "ftp://...": a URL of a scheme not read here, rather than a
+    // relative path that happens to be missing.
+    const size_t colon = given.find("://");
+    const std::string_view scheme = std::string_view(given).substr(0, colon);
+    if (colon != std::string::npos && colon > 0 &&
+        std::all_of(scheme.begin(), scheme.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '+' || c == '-' ||
+                 c == '.';
+        })) {
+      return Status(
+          Code::kInvalidArgument,
+          given + ": not a URL tensorferry reads (s3://, gs://, http://, https:// or " + "hf://)" +
+              (scheme == "file" ? ": give the local path without \"file://\"" : std::string()));
+    }
+  }
   if (fs::exists(st) || options.env != nullptr) {
     // A custom Env may hold files the real file system does not: decide by name, and let a
     // missing non-.json path stand for a directory holding an index.

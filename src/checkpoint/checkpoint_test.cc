@@ -1,7 +1,10 @@
 #include "tensorferry/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -128,6 +131,39 @@ TEST(CheckpointTest, NotFound) {
   EXPECT_TRUE(Contains(s.message(), dir.Join("nope.safetensors")));
   EXPECT_EQ(OpenError(dir.Join("nope/model.safetensors")).code(), Code::kNotFound);
   EXPECT_EQ(OpenError(dir.Join("nope.json")).code(), Code::kNotFound);
+}
+
+// A URL of a scheme not read here is said to be one, not taken for a missing relative path.
+TEST(CheckpointTest, AnUnreadUrlSchemeIsNamed) {
+  for (const std::string url :
+       {"file:///tmp/m.safetensors", "az://container/m", "ftp://h/m", "gcs://bucket/m"}) {
+    const Status s = OpenError(url);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+    EXPECT_TRUE(Contains(s.message(), url + ": not a URL tensorferry reads")) << s.ToString();
+  }
+  EXPECT_TRUE(Contains(OpenError("file:///tmp/m.safetensors").message(), "without \"file://\""));
+  // A relative path that merely holds "://" later on stays a path.
+  EXPECT_EQ(OpenError("dir/a://b.safetensors").code(), Code::kNotFound);
+}
+
+// A directory without an index: a FIFO or a link to a device named like a shard is refused,
+// naming it, not left out of the checkpoint.
+TEST(CheckpointTest, ASpecialFileNamedLikeAShardIsRefused) {
+  for (const bool fifo : {true, false}) {
+    TempDir dir;
+    WriteBytes(dir.Join("a.safetensors"),
+               MakeFile("{\"x\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]}}", 4));
+    const std::string odd = dir.Join("z.safetensors");
+    if (fifo) {
+      ASSERT_EQ(::mkfifo(odd.c_str(), 0600), 0) << std::strerror(errno);
+    } else {
+      std::filesystem::create_symlink("/dev/zero", odd);
+    }
+    const Status s = OpenError(dir.path());
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+    EXPECT_TRUE(Contains(s.message(), odd + ": " + (fifo ? "a FIFO" : "a character device")))
+        << s.ToString();
+  }
 }
 
 TEST(CheckpointTest, ShardedDirectory) {

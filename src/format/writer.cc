@@ -11,6 +11,7 @@
 // each name is registered in the rollback registry so a signal handler can do the same.
 #include "tensorferry/writer.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -180,9 +181,16 @@ Result<SerializedHeader> BuildHeader(
     json.push_back('}');
     first = false;
   }
+  const ParseLimits limits;  // a file no reader opens is not written
   uint64_t offset = 0;
   for (size_t index : out.order) {
     const TensorToWrite& t = tensors[index];
+    if (t.shape.size() > limits.max_rank) {
+      return Status(Code::kRankTooLarge,
+                    TensorLabel(t.name) + ": " + std::to_string(t.shape.size()) +
+                        " dimensions, more than the " + std::to_string(limits.max_rank) +
+                        " a reader accepts (ParseLimits::max_rank)");
+    }
     uint64_t end;
     if (__builtin_add_overflow(offset, sizes[index], &end)) {
       return Status(Code::kOverflow,
@@ -206,6 +214,29 @@ Result<SerializedHeader> BuildHeader(
   // Spaces, as the reference pads, so the data buffer starts 8-byte aligned.
   json.append((8 - json.size() % 8) % 8, ' ');
   out.data_size = offset;
+  // The parser's default limits (the reference's header size among them) are refused here,
+  // before any file exists.
+  if (json.size() > limits.max_header_size) {
+    return Status(
+        Code::kHeaderTooLarge,
+        "the header would be " + std::to_string(json.size()) + " bytes, more than the " +
+            std::to_string(limits.max_header_size) +
+            " any reader accepts (the reference's limit): " + std::to_string(subset.size()) +
+            " tensors, " + std::to_string(metadata.size()) +
+            " metadata entries; split the tensors " + "into shards, or shorten the metadata");
+  }
+  if (metadata.size() > limits.max_metadata_entries) {
+    return Status(Code::kTooManyMetadataEntries,
+                  "\"__metadata__\" would hold " + std::to_string(metadata.size()) +
+                      " entries, more than the " + std::to_string(limits.max_metadata_entries) +
+                      " a reader accepts (ParseLimits::max_metadata_entries)");
+  }
+  if (subset.size() > limits.max_tensors) {
+    return Status(Code::kTooManyTensors,
+                  "the file would hold " + std::to_string(subset.size()) +
+                      " tensors, more than the " + std::to_string(limits.max_tensors) +
+                      " a reader accepts (ParseLimits::max_tensors); split them into shards");
+  }
   return out;
 }
 
@@ -328,6 +359,13 @@ class TempFile {
     });
     if (!file.ok()) return file.status().WithPrefix(target_);
     path_ = (*file)->path();
+    // A file replaced keeps its permissions (a private 0600 file does not become readable by
+    // all with the umask's 0644); a new one gets 0666 & ~umask. Best effort: a temporary this
+    // process cannot chmod (none it created) keeps the umask's.
+    struct stat old {};
+    if (::stat(target_.c_str(), &old) == 0 && S_ISREG(old.st_mode)) {
+      (void)::chmod(path_.c_str(), old.st_mode & 07777 & ~mode_t{S_ISUID | S_ISGID});
+    }
     return file;
   }
 
@@ -379,7 +417,10 @@ Result<TempFile> WriteTemp(const std::string& path, uint64_t size, const WriteOp
   return temp;
 }
 
-Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options);
+Result<std::optional<ChecksumManifest>> ForgetInManifest(Env* env, const std::string& path,
+                                                         const WriteOptions& options);
+Status RestoreInManifest(Env* env, const std::string& path, const WriteOptions& options,
+                         const ChecksumManifest& forgotten);
 std::optional<FileLock> LockManifestIfPossible(const std::string& dir);
 
 // The directory of `path` ("" for a plain name) and its file name.
@@ -398,14 +439,21 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   const auto [dir, name] = SplitPath(path);
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));
+  if (options.before_commit) TF_RETURN_IF_ERROR(options.before_commit().WithPrefix(path));
   Env* env = EnvOf(options);
   {
     // The entry dropped and the file renamed under the manifest's lock: a `checksum` of the old
     // file merging meanwhile sees the new file (and refuses) or finishes before it is renamed
     // (and its entry is dropped here).
     const std::optional<FileLock> lock = LockManifestIfPossible(dir);
-    TF_RETURN_IF_ERROR(ForgetInManifest(env, path, options));
-    TF_RETURN_IF_ERROR(env->RenameFile(temp.path(), path).WithPrefix(path));
+    TF_ASSIGN_OR_RETURN(const std::optional<ChecksumManifest> forgotten,
+                        ForgetInManifest(env, path, options));
+    const Status renamed = env->RenameFile(temp.path(), path).WithPrefix(path);
+    if (!renamed.ok()) {
+      // The old file stays: so does its entry (its digests still describe it).
+      if (forgotten) (void)RestoreInManifest(env, path, options, *forgotten);
+      return renamed;
+    }
   }
   temp.Release();
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kBackupKind});
@@ -617,20 +665,55 @@ std::optional<std::string> ReadSmallFile(Env* env, const std::string& dir, const
 // The caller holds the manifest's lock (manifest_update.h) from before this to after its rename, so
 // entries other writers add meanwhile stay and a `checksum` cannot merge the old file's digests
 // in between.
-Status ForgetInManifest(Env* env, const std::string& path, const WriteOptions& options) {
+// Returns the entry removed (in a manifest of its own, with the chunk size), for
+// RestoreInManifest.
+Result<std::optional<ChecksumManifest>> ForgetInManifest(Env* env, const std::string& path,
+                                                         const WriteOptions& options) {
   const std::filesystem::path target(path);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
   const std::string name = target.filename().string();
   using internal::ManifestEdit;
-  return internal::UpdateManifestLocked(
+  std::optional<ChecksumManifest> forgotten;
+  TF_RETURN_IF_ERROR(internal::UpdateManifestLocked(
       env, dir, options.sync,
       [&](const Result<std::optional<ChecksumManifest>>& now) -> Result<ManifestEdit> {
         ManifestEdit edit;  // kKeep
         if (!now.ok() || !*now) return edit;
         edit.manifest = **now;
-        if (edit.manifest.files.erase(name) == 0) return edit;
+        const auto it = edit.manifest.files.find(name);
+        if (it == edit.manifest.files.end()) return edit;
+        forgotten.emplace();
+        forgotten->chunk_size = edit.manifest.chunk_size;
+        forgotten->files.emplace(name, it->second);
+        edit.manifest.files.erase(it);
         edit.action = edit.manifest.files.empty() ? ManifestEdit::Action::kRemove
                                                   : ManifestEdit::Action::kWrite;
+        return edit;
+      }));
+  return forgotten;
+}
+
+// Puts back the entry ForgetInManifest removed when the rename it preceded failed (the old file
+// is still there, and the entry still describes it); the caller still holds the manifest's lock.
+// A manifest of another chunk size there meanwhile (none can be: the lock) is kept as it is.
+Status RestoreInManifest(Env* env, const std::string& path, const WriteOptions& options,
+                         const ChecksumManifest& forgotten) {
+  const std::filesystem::path target(path);
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : "";
+  const std::string name = target.filename().string();
+  if (forgotten.files.count(name) == 0) return Status::Ok();
+  using internal::ManifestEdit;
+  return internal::UpdateManifestLocked(
+      env, dir, options.sync,
+      [&](const Result<std::optional<ChecksumManifest>>& now) -> Result<ManifestEdit> {
+        ManifestEdit edit;  // kKeep
+        if (!now.ok()) return edit;
+        edit.manifest = *now ? **now : forgotten;
+        if (*now && (edit.manifest.chunk_size != forgotten.chunk_size ||
+                     !edit.manifest.files.emplace(name, forgotten.files.at(name)).second)) {
+          return edit;
+        }
+        edit.action = ManifestEdit::Action::kWrite;
         return edit;
       });
 }
@@ -1183,6 +1266,9 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   }
 
   // The files of the layout already there that the new one replaces or makes obsolete.
+  if (options.write.before_commit) {
+    TF_RETURN_IF_ERROR(options.write.before_commit().WithPrefix(dir.empty() ? "." : dir));
+  }
   std::vector<std::string> old_names = OldLayout(env, dir, options.prefix);
   std::vector<std::string> stale = old_names;
   stale.insert(stale.end(), names.begin(), names.end());

@@ -213,6 +213,18 @@ TEST(WriterChecksums, AManifestOfTheReplacedCheckpointGoesWithIt) {
 // A manifest shared with another checkpoint of the folder: a sharded write drops the entries of
 // the files it replaces and keeps the other file's (as part of its commit: a failed write leaves
 // the manifest as it was).
+// Verifies the single file `path` (every check must pass) and says where its checksums came from.
+ChecksumSource VerifiedFrom(const std::string& path) {
+  ChecksumSource source = ChecksumSource::kNone;
+  auto ckpt = Checkpoint::Open(path);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  if (!ckpt.ok()) return source;
+  const Status s = VerifyCheckpointChecksums(
+      **ckpt, 1, [&](uint32_t, ChecksumSource got, uint64_t) { source = got; });
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return source;
+}
+
 TEST(WriterChecksums, AShardedWriteKeepsTheOtherFilesEntries) {
   TempDir dir;
   const auto a = Pattern(5000, 1), b = Pattern(5000, 2);
@@ -248,16 +260,67 @@ TEST(WriterChecksums, AShardedWriteKeepsTheOtherFilesEntries) {
   ASSERT_TRUE(left.ok()) << left.status().ToString();
   ASSERT_EQ(left->files.size(), 1u);
   EXPECT_EQ(left->files.count("other.safetensors"), 1u);
-  auto other = Checkpoint::Open(dir.Join("other.safetensors"));
-  ASSERT_TRUE(other.ok()) << other.status().ToString();
-  ChecksumSource source = ChecksumSource::kNone;
-  EXPECT_TRUE(VerifyCheckpointChecksums(**other, 1, [&](uint32_t, ChecksumSource s, uint64_t) {
-                source = s;
-              }).ok());
-  EXPECT_EQ(source, ChecksumSource::kManifest);
+  EXPECT_EQ(VerifiedFrom(dir.Join("other.safetensors")), ChecksumSource::kManifest);
   auto model = Checkpoint::Open(dir.path());
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   EXPECT_TRUE(VerifyCheckpointChecksums(**model, 1).ok());
+}
+
+// Writes `names` (in `dir`, each holding `tensors`) without checksums and returns a manifest of
+// them all (chunks of 2048 bytes), as `tensorferry checksum` records them.
+ChecksumManifest WriteAndRecord(const TempDir& dir, const std::vector<std::string>& names,
+                                const std::vector<TensorToWrite>& tensors) {
+  WriteOptions options;
+  options.checksums = false;
+  ChecksumManifest shared;
+  shared.chunk_size = 2048;
+  for (const std::string& name : names) {
+    EXPECT_TRUE(WriteFile(dir.Join(name), tensors, {}, options).ok());
+    auto ckpt = Checkpoint::Open(dir.Join(name));
+    EXPECT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    if (!ckpt.ok()) continue;
+    auto manifest = ComputeChecksumManifest(**ckpt, 2048, 1);
+    EXPECT_TRUE(manifest.ok()) << manifest.status().ToString();
+    if (manifest.ok()) shared.files.merge(manifest->files);
+  }
+  return shared;
+}
+
+// A rewrite whose rename fails leaves the old file, and its manifest entry with it (the entry is
+// dropped before the rename): whether the manifest holds other entries or only that one.
+TEST(WriterChecksums, ARewriteWhoseRenameFailsKeepsTheOldFilesEntry) {
+  for (const bool alone : {false, true}) {
+    SCOPED_TRACE(alone ? "the only entry" : "beside another");
+    TempDir dir;
+    const auto a = Pattern(5000, 1);
+    const std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr}};
+    WriteOptions options;
+    options.checksums = false;
+    const ChecksumManifest shared =
+        alone ? WriteAndRecord(dir, {"one.safetensors"}, tensors)
+              : WriteAndRecord(dir, {"one.safetensors", "two.safetensors"}, tensors);
+    ASSERT_EQ(shared.files.size(), alone ? 1u : 2u);
+    const std::string sidecar = dir.Join(std::string(kChecksumManifestName));
+    const std::string before = SerializeChecksumManifest(shared);
+    testing::WriteBytes(sidecar, before);
+    const std::string old_bytes = ReadBytes(dir.Join("one.safetensors"));
+
+    const auto b = Pattern(5000, 2);
+    const std::vector<TensorToWrite> rewrite = {{"a", DType::kU8, {5000}, b, nullptr}};
+    // The file's rename: after the manifest's (its rewrite without the entry) when it keeps
+    // another entry; the first when it goes.
+    testing::FaultInjectionEnv failing({.fail_rename = alone ? 1u : 2u});
+    WriteOptions faulty = options;
+    faulty.env = &failing;
+    const Status s = WriteFile(dir.Join("one.safetensors"), rewrite, {}, faulty);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(dir.Join("one.safetensors")), std::string::npos) << s.ToString();
+    EXPECT_EQ(ReadBytes(dir.Join("one.safetensors")), old_bytes);
+    auto left = ParseChecksumManifest(ReadBytes(sidecar));
+    ASSERT_TRUE(left.ok()) << left.status().ToString();
+    EXPECT_EQ(*left, shared);
+    EXPECT_EQ(VerifiedFrom(dir.Join("one.safetensors")), ChecksumSource::kManifest);
+  }
 }
 
 // A single file written over one a shared manifest records: that entry goes (before the file
@@ -269,16 +332,8 @@ TEST(WriterChecksums, ASingleFileRewriteDropsItsManifestEntry) {
   const std::vector<TensorToWrite> tensors = {{"a", DType::kU8, {5000}, a, nullptr}};
   WriteOptions options;
   options.checksums = false;
-  ChecksumManifest shared;
-  shared.chunk_size = 2048;
-  for (const char* name : {"one.safetensors", "two.safetensors"}) {
-    ASSERT_TRUE(WriteFile(dir.Join(name), tensors, {}, options).ok());
-    auto ckpt = Checkpoint::Open(dir.Join(name));
-    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
-    auto manifest = ComputeChecksumManifest(**ckpt, 2048, 1);
-    ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
-    shared.files.merge(manifest->files);
-  }
+  const ChecksumManifest shared =
+      WriteAndRecord(dir, {"one.safetensors", "two.safetensors"}, tensors);
   ASSERT_EQ(shared.files.size(), 2u);
   const auto b = Pattern(5000, 2);  // the rewrites hold other bytes: the digests are stale
   const std::vector<TensorToWrite> rewrite = {{"a", DType::kU8, {5000}, b, nullptr}};

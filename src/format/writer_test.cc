@@ -389,6 +389,24 @@ std::vector<InvalidCase> InvalidCases(const std::vector<std::byte>& four) {
                    {{"k", "1"}, {"j", "2"}, {"k", "1"}},
                    Code::kInvalidArgument,
                    {"\"k\"", "more than once"}});
+  // Files no reader would open (ParseLimits' defaults): not written.
+  Metadata many;
+  for (int i = 0; i <= 65536; ++i) many.emplace_back("k" + std::to_string(i), "v");
+  cases.push_back({"too many metadata entries",
+                   {Tensor("w", DType::kU8, {4}, d)},
+                   many,
+                   Code::kTooManyMetadataEntries,
+                   {"65537 entries", "65536"}});
+  cases.push_back({"header too large",
+                   {Tensor("w", DType::kU8, {4}, d)},
+                   {{"big", std::string(100'000'000, 'x')}},
+                   Code::kHeaderTooLarge,
+                   {"100000", "bytes, more than the 100000000", "1 tensors, 1 metadata entries"}});
+  cases.push_back({"rank 65",
+                   {Tensor("w", DType::kU8, std::vector<uint64_t>(65, 1), d.first(1))},
+                   {},
+                   Code::kRankTooLarge,
+                   {"\"w\"", "65 dimensions", "64"}});
   cases.push_back(
       {"metadata key not utf8", {}, {{"k\xc0\x80", "v"}}, Code::kInvalidArgument, {"UTF-8"}});
   cases.push_back({"metadata value not utf8",
@@ -551,6 +569,29 @@ TEST(WriterFile, ExistingDestinationUntouchedOnFailure) {
   EXPECT_EQ(WriteFile(path, std::span(&bad, 1)).code(), Code::kBadTensorData);
   EXPECT_EQ(ReadBytes(path), "original contents");
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{"model.safetensors"});
+}
+
+// A file replaced keeps its permission bits (a private one stays private); a new one gets
+// 0666 & ~umask.
+TEST(WriterFile, AReplacedFileKeepsItsMode) {
+  TempDir dir;
+  const auto d = Pattern(4, 0);
+  const TensorToWrite t = Tensor("w", DType::kU8, {4}, d);
+  const mode_t mask = ::umask(022);
+  const std::string fresh = dir.Join("new.safetensors");
+  ASSERT_TRUE(WriteFile(fresh, std::span(&t, 1)).ok());
+  struct stat st {};
+  ASSERT_EQ(::stat(fresh.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
+  for (const mode_t mode : {mode_t{0600}, mode_t{0640}, mode_t{0664}}) {
+    const std::string path = dir.Join("old.safetensors");
+    WriteBytes(path, "old");
+    ASSERT_EQ(::chmod(path.c_str(), mode), 0);
+    ASSERT_TRUE(WriteFile(path, std::span(&t, 1)).ok());
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, mode) << std::oct << mode;
+  }
+  ::umask(mask);
 }
 
 TEST(WriterFile, ReplacesExistingDestination) {

@@ -149,6 +149,8 @@ Status Loader::Impl::OpenFiles() {
     files = checkpoint->file_set();
     maps.clear();
     maps.resize(checkpoint->files().size());
+    viewed.clear();
+    viewed.resize(checkpoint->files().size());
     gather_maps.clear();
     gather_maps.resize(checkpoint->files().size());
   }
@@ -310,6 +312,7 @@ sink::SinkContext Loader::Impl::Context(std::vector<bool> want_direct, io::ReadE
   c.budget = budget.get();
   c.files = files.get();
   c.maps = &maps;
+  c.viewed = &viewed;
   c.gather_maps = &gather_maps;
   return c;
 }

@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "cuda/cuda_api.h"
@@ -43,8 +44,10 @@ struct Loader::Impl {
   // The checkpoint's files (Checkpoint::file_set(): opened once, shared by its loaders).
   std::shared_ptr<io::FileSet> files;
   // Per file, for the mmap engine's views: the mapping, created on first use and kept for the
-  // loader.
+  // loader's later loads until one of them asks again for a tensor it has given a view of
+  // (sink::MapForViews); and the tensors (indices into checkpoint->tensors()) it has.
   std::vector<std::shared_ptr<io::MappedFile>> maps;
+  std::vector<std::unordered_set<uint32_t>> viewed;
   // Per file: the transient mapping tensor-parallel rows are gathered from for a device, created
   // on first use and released at the end of each load that reaches it
   // (sink::ReleaseGatherMappings; else when the loader goes).

@@ -200,6 +200,38 @@ TEST(Loader, TensorsOutliveLoaderAndCheckpoint) {
   for (const Tensor& t : kept) EXPECT_EQ(HostBytes(t), f.Full(t.name()));
 }
 
+// The mmap engine's tensors are private copy-on-write views (the Python package hands them out
+// writable): what a caller writes to one load's tensors is not what the next load of the same
+// Loader hands out, whole or by name, and the first load's tensors keep the caller's bytes.
+TEST(Loader, MappedTensorsWrittenByTheCallerDoNotReachTheNextLoad) {
+  Fixture f;
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  auto loader = Loader::Open(f.dir.path(), o);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  auto first = (*loader)->Load();
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ((*loader)->stats().engine, "mmap");
+  for (const Tensor& t : *first) {
+    if (t.size() > 0) const_cast<std::byte*>(t.data())[0] ^= std::byte{0xFF};
+  }
+  for (int round = 0; round < 2; ++round) {
+    auto again =
+        round == 0 ? (*loader)->Load() : (*loader)->Load(Selection::Names({"lm_head.weight"}));
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    for (const Tensor& t : *again) EXPECT_EQ(HostBytes(t), f.Full(t.name())) << t.name();
+    for (const Tensor& t : *again) {
+      if (t.size() > 0) const_cast<std::byte*>(t.data())[0] ^= std::byte{0x0F};
+    }
+  }
+  for (const Tensor& t : *first) {
+    if (t.size() == 0) continue;
+    std::string want = f.Full(t.name());
+    want[0] = static_cast<char>(want[0] ^ 0xFF);
+    EXPECT_EQ(HostBytes(t), want) << t.name();
+  }
+}
+
 TEST(Loader, SelectionByNameMissingIsNotFound) {
   Fixture f;
   auto loader = Loader::Open(f.dir.path());

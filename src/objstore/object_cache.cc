@@ -213,6 +213,11 @@ void ReadDescription(const std::string& path, ObjectCacheEntry& entry) {
 UniqueFd TryLockKey(const std::string& dir, const std::string& key, std::string* error = nullptr) {
   const std::string path = dir + "/locks/" + key + ".lock";
   UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (fd.get() < 0 && errno == ENOENT) {
+    // locks/ removed (or a cache copied without it): made again, as the cache's open makes it.
+    (void)::mkdir((dir + "/locks").c_str(), 0755);
+    fd = UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  }
   if (fd.get() < 0) {
     if (error != nullptr) *error = path + ": " + Errno(errno);
     return fd;

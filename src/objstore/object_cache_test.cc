@@ -948,20 +948,25 @@ TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
   ASSERT_TRUE(removed.ok());
   EXPECT_TRUE(removed->empty());
   ::close(c_lock);
-  // An entry whose lock cannot be taken for another reason (no locks/ folder, no permission) is
-  // an error naming it, not a prune that quietly removed nothing.
+  // An entry whose lock cannot be taken for another reason (locks/ not a folder, no
+  // permission) is an error naming it, not a prune that quietly removed nothing.
   fs::rename(dir + "/locks", dir + "/locks.gone");
+  testing::WriteBytes(dir + "/locks", "not a folder");
   removed = PruneObjectCache(dir, 0);
   EXPECT_EQ(removed.status().code(), Code::kIoError);
   EXPECT_NE(removed.status().message().find("an entry could not be removed: " + dir + "/locks/" +
                                             c_key + ".lock: "),
             std::string::npos)
       << removed.status().ToString();
-  fs::rename(dir + "/locks.gone", dir + "/locks");
+  fs::remove(dir + "/locks");
+  // A cache whose locks/ was removed (removing what a cache holds is always safe) gets it
+  // again: the prune goes on.
   removed = PruneObjectCache(dir, 0);
-  ASSERT_TRUE(removed.ok());
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
   EXPECT_EQ(removed->size(), 1u);
   EXPECT_TRUE(ListObjectCache(dir)->empty());
+  EXPECT_TRUE(fs::is_directory(dir + "/locks"));
+  fs::remove_all(dir + "/locks.gone");
 }
 
 }  // namespace

@@ -28,19 +28,12 @@ class MappedSink final : public BatchSink {
 
   Result<Batch> Complete(size_t b, Reservation) override {
     const PlanBatch& batch = plan_.batches[b];
-    TF_RETURN_IF_ERROR(MapFiles(batch));
+    TF_RETURN_IF_ERROR(MapForViews(c_, batch));
     if (c_.options->populate && !batch.tasks.empty()) TF_RETURN_IF_ERROR(Populate(batch));
     return MakeTensors(batch);
   }
 
  private:
-  Status MapFiles(const PlanBatch& batch) {
-    for (const PlannedTensor& pt : batch.tensors) {
-      TF_RETURN_IF_ERROR(MappingOf(c_, c_.checkpoint->tensors()[pt.tensor].file).status());
-    }
-    return Status::Ok();
-  }
-
   // Every page of the batch's tasks read, in parallel over the tasks.
   Status Populate(const PlanBatch& batch) {
     const unsigned threads = c_.options->threads ? c_.options->threads : io::OnlineCpus();
@@ -115,10 +108,10 @@ std::mutex& MapsMutex() {
   return mu;
 }
 
-Result<const io::MappedFile*> MappingIn(const SinkContext& context,
-                                        std::vector<std::shared_ptr<io::MappedFile>>& maps,
-                                        uint32_t f, io::MappedFile::Use use) {
-  std::lock_guard<std::mutex> lock(MapsMutex());
+// maps[f], mapped now if it is not yet; MapsMutex() held.
+Result<const io::MappedFile*> MappingLocked(const SinkContext& context,
+                                            std::vector<std::shared_ptr<io::MappedFile>>& maps,
+                                            uint32_t f, io::MappedFile::Use use) {
   if (!maps[f]) {
     TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, context.files->Get(f));
     io::MappedFile::About about = [checkpoint = context.checkpoint_ref, f](uint64_t offset,
@@ -135,12 +128,29 @@ Result<const io::MappedFile*> MappingIn(const SinkContext& context,
 
 }  // namespace
 
-Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f) {
-  return MappingIn(context, *context.maps, f, io::MappedFile::Use::kViews);
+Status MapForViews(const SinkContext& context, const PlanBatch& batch) {
+  std::lock_guard<std::mutex> lock(MapsMutex());
+  std::vector<std::shared_ptr<io::MappedFile>>& maps = *context.maps;
+  std::vector<std::unordered_set<uint32_t>>& viewed = *context.viewed;
+  const std::vector<TensorInfo>& infos = context.checkpoint->tensors();
+  for (const PlannedTensor& pt : batch.tensors) {
+    const uint32_t f = infos[pt.tensor].file;
+    if (maps[f] && viewed[f].count(pt.tensor) != 0) {
+      maps[f].reset();  // the tensors of earlier loads keep it
+      viewed[f].clear();
+    }
+  }
+  for (const PlannedTensor& pt : batch.tensors) {
+    const uint32_t f = infos[pt.tensor].file;
+    TF_RETURN_IF_ERROR(MappingLocked(context, maps, f, io::MappedFile::Use::kViews).status());
+    viewed[f].insert(pt.tensor);
+  }
+  return Status::Ok();
 }
 
 Result<const io::MappedFile*> GatherMappingOf(const SinkContext& context, uint32_t f) {
-  return MappingIn(context, *context.gather_maps, f, io::MappedFile::Use::kTransient);
+  std::lock_guard<std::mutex> lock(MapsMutex());
+  return MappingLocked(context, *context.gather_maps, f, io::MappedFile::Use::kTransient);
 }
 
 void ReleaseGatherMappings(std::vector<std::shared_ptr<io::MappedFile>>& gather_maps) {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "device/device_memory.h"
@@ -66,6 +67,8 @@ struct SinkContext {
   memory::Budget* budget = nullptr;
   io::FileSet* files = nullptr;                                  // mapped sink
   std::vector<std::shared_ptr<io::MappedFile>>* maps = nullptr;  // mapped sink, per file
+  // Mapped sink, per file: the tensors maps[f] has given views of (MapForViews).
+  std::vector<std::unordered_set<uint32_t>>* viewed = nullptr;
   // Device sink, per file: transient mappings rows are gathered from (GatherMappingOf).
   std::vector<std::shared_ptr<io::MappedFile>>* gather_maps = nullptr;
   // Host and device sinks: per file, the checksums to check as bytes land (none: nullptr or
@@ -105,9 +108,14 @@ class BatchSink {
 // `plan`, `strided` (per batch, for the device sink) and `slot` are borrowed.
 std::unique_ptr<BatchSink> MakeHostSink(const SinkContext& context, const Plan& plan);
 std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan& plan);
-// The loader's mapping of file `f` for the mapped sink's views (context.maps[f], made on first use
-// and kept for the loader's later loads). Errors: those of FileSet::Get and MappedFile::Map.
-Result<const io::MappedFile*> MappingOf(const SinkContext& context, uint32_t f);
+// The loader's mappings of the files of `batch`'s tensors for the mapped sink's views
+// (context.maps, made on first use and kept for the loader's later loads). A mapping gives a view
+// of each tensor once: a batch asking again for a tensor the mapping of its file has given (an
+// earlier load of the same Loader, whose caller may have written to the copy-on-write pages of
+// its tensor) gets a new mapping of that file, so that every load hands out the file's bytes,
+// never what the caller made of an earlier load's (the old mapping lives on with the tensors
+// that view it). Errors: those of FileSet::Get and MappedFile::Map.
+Status MapForViews(const SinkContext& context, const PlanBatch& batch);
 // The transient mapping the device sink gathers rows of file `f` from (context.gather_maps[f],
 // io::MappedFile::Use::kTransient: read-only, no read lease, pages dropped as they are copied).
 // Errors: those of FileSet::Get and MappedFile::Map.

@@ -548,3 +548,49 @@ def test_save_bytes_drops_a_copied_checksums_entry(tmp_path, module):
         assert f.metadata() == {"note": "x"}
     loaded = module.load_file(edited)["b"]
     assert (loaded == 1).all() and loaded.shape == (4,)
+
+
+@pytest.mark.parametrize("index,own", [(5, IndexError), ((0, 0, 0), IndexError),
+                                       (slice(None, None, 0), ValueError),
+                                       ((Ellipsis, Ellipsis), IndexError)])
+def test_numpy_slice_errors_are_safetensor_errors_as_in_the_reference(tmp_path, index, own):
+    # The reference's NumPy get_slice raises SafetensorError for a bad index: code catching it
+    # catches ours, which is also NumPy's own type (the message NumPy's). With torch the
+    # reference raises torch's own errors, and so does tensorferry.
+    path = str(tmp_path / "w.safetensors")
+    ref_np.save_file({"w": np.zeros((3, 4), dtype=np.float32)}, path)
+    with safetensors.safe_open(path, framework="np") as ref:
+        with pytest.raises(safetensors.SafetensorError):
+            ref.get_slice("w")[index]
+    with tensorferry.safe_open(path, framework="np") as f:
+        with pytest.raises(tensorferry.SafetensorError) as e:
+            f.get_slice("w")[index]
+        assert isinstance(e.value, own), type(e.value).__mro__
+    with tensorferry.safe_open(path, framework="pt") as f:
+        if index == (Ellipsis, Ellipsis):
+            return  # torch allows two
+        with pytest.raises(own) as e:
+            f.get_slice("w")[index]
+        assert not isinstance(e.value, tensorferry.SafetensorError)
+
+
+def test_storage_ptr_and_storage_size_as_the_reference():
+    # transformers imports them from safetensors.torch (pytorch_utils.id_tensor_storage).
+    base = torch.arange(12, dtype=torch.float32)
+    for t in (base, base[3:], base.view(3, 4).t(), torch.empty(0), torch.ones(2, device="meta")):
+        assert tf_pt.storage_ptr(t) == ref_pt.storage_ptr(t)
+        assert tf_pt.storage_size(t) == ref_pt.storage_size(t)
+    assert tf_pt.storage_ptr(base[3:]) == tf_pt.storage_ptr(base)
+
+
+def test_numpy_slice_errors_survive_pickling(tmp_path):
+    # (multiprocessing hands exceptions between processes pickled)
+    import pickle
+    path = str(tmp_path / "w.safetensors")
+    ref_np.save_file({"w": np.zeros((3, 4), dtype=np.float32)}, path)
+    with tensorferry.safe_open(path, framework="np") as f:
+        with pytest.raises(IndexError) as e:
+            f.get_slice("w")[5]
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is type(e.value) and str(again) == str(e.value)
+    assert isinstance(again, tensorferry.SafetensorError)

@@ -90,6 +90,34 @@ def test_without_a_lease_a_shrunk_file_fails_loudly(tmp_path):
     assert "raised:" in r.stdout and path in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("call", ["save_file", "save"])
+def test_saving_mapped_tensors_whose_file_shrank_writes_nothing(tmp_path, call):
+    # Leases off (NFS, most FUSE mounts): the loaded tensors view the file, which shrinks before
+    # they are saved; its pages read as zeros while they are copied. The save must fail (the
+    # checksums would vouch for the zeros), leaving no file.
+    src, dst = str(tmp_path / "src.safetensors"), str(tmp_path / "dst.safetensors")
+    r = run_python(f"""
+        import os, torch, tensorferry, tensorferry.torch as tf_pt
+        tensorferry.set_mapping_leases(False)
+        tf_pt.save_file({{"w": torch.arange(1_000_000, dtype=torch.float32) + 1}}, {src!r})
+        loaded = tf_pt.load_file({src!r})
+        os.truncate({src!r}, 4096)
+        try:
+            if {call!r} == "save_file":
+                tf_pt.save_file(loaded, {dst!r})
+            else:
+                tf_pt.save(loaded)
+        except OSError as e:
+            print("raised:", e)
+        else:
+            print("no error")
+        print("left:", sorted(os.listdir({str(tmp_path)!r})))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "raised:" in r.stdout and src in r.stdout and "file shrank" in r.stdout, r.stdout
+    assert "left: ['src.safetensors']" in r.stdout, r.stdout
+
+
 def test_cli_mmap_load_never_prints_a_wrong_checksum(tmp_path):
     # The file shrinks while `load --engine mmap --repeat` runs: the CLI either prints the right
     # checksum (the lease kept the bytes; a later repeat saw the change) or exits 1 naming the file.
@@ -109,9 +137,11 @@ def test_cli_mmap_load_never_prints_a_wrong_checksum(tmp_path):
     if proc.returncode == 0:
         assert json.loads(out)["checksum"] == want, err
     else:
-        # With --json the error is the document on stdout (or, for a shrink found after the
-        # report, a line on stderr).
-        assert proc.returncode == 1 and path in err + out, (proc.returncode, err, out)
+        # With --json the error is the document on stdout ("ok": false, naming the file), never
+        # a report of "ok": true with a checksum of zeros.
+        assert proc.returncode == 1, (proc.returncode, err, out)
+        doc = json.loads(out)
+        assert doc["ok"] is False and path in doc["error"]["message"], doc
 
 
 # --- 11. more files than the descriptor limit --------------------------------------------------------
@@ -246,7 +276,9 @@ def test_ctrl_c_interrupts_a_long_load_quickly(tmp_path):
         out, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
         assert out.startswith("interrupted"), (how, out, err)
-        assert took < 2.0, (how, took)  # within ~50 ms plus the interpreter's exit, on a noisy VM
+        # Within ~50 ms plus the interpreter's exit; 10 s on a VM loaded by builds (2.9 s seen
+        # beside a CI rehearsal), far below the minutes the read of 4 GB would take.
+        assert took < 10.0, (how, took)
 
 
 # --- error quality ------------------------------------------------------------------------------------

@@ -57,6 +57,31 @@ def test_save_file_records_checksums_readable_by_the_reference(tmp_path):
         assert KEY in f.metadata()
 
 
+@pytest.mark.parametrize("flavour", ["torch", "numpy"])
+def test_a_file_saved_without_metadata_is_read_as_pytorchs_by_accelerate(tmp_path, flavour):
+    # The reference writes no metadata table for metadata=None, which accelerate (and
+    # transformers 4) read as format "pt"; a table holding only the checksums record would be
+    # refused there ("does not contain the valid metadata"), so "format": "pt" goes beside it.
+    from accelerate.utils.modeling import load_state_dict
+    path = str(tmp_path / "m.safetensors")
+    if flavour == "torch":
+        tensorferry.torch.save_file(tensors(), path)
+    else:
+        tensorferry.numpy.save_file({k: v.numpy() for k, v in tensors().items()}, path)
+    with ref_safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt" and sorted(meta) == ["format", KEY], meta
+    got = load_state_dict(path)
+    assert sorted(got) == ["a", "b"] and torch.equal(got["a"], tensors()["a"])
+    # Metadata given is written as given (no "format" added), and without checksums None stays.
+    tensorferry.torch.save_file(tensors(), path, metadata={"note": "x"})
+    with ref_safe_open(path, framework="pt") as f:
+        assert sorted(f.metadata()) == ["note", KEY]
+    tensorferry.torch.save_file(tensors(), path, checksums=False)
+    with ref_safe_open(path, framework="pt") as f:
+        assert f.metadata() is None
+
+
 def test_loads_verify_and_report(tmp_path):
     path = str(tmp_path / "m.safetensors")
     tensorferry.torch.save_file(tensors(), path)

@@ -183,3 +183,32 @@ def test_numpy_arrays_and_dlpack_hand_off(weights):
     gc.collect()
     np.testing.assert_array_equal(view, np_weights["big"].numpy()[::2, 5])
     del view
+
+
+@pytest.mark.parametrize("framework", ["pt", "np"])
+def test_what_the_caller_writes_to_loaded_tensors_never_reaches_a_later_load(tmp_path,
+                                                                             framework):
+    # Mapped tensors are private copy-on-write views: a second load of the same Loader or
+    # safe_open handle gets the file's bytes, not the caller's edits of the first one's (which it
+    # keeps), whether small or large (a large get_tensor is a load).
+    import numpy as np
+    import tensorferry.numpy
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.numpy.save_file({"big": np.zeros((4096, 1024), np.float32),
+                                 "small": np.ones(5, np.float32)}, path)
+    with tensorferry.safe_open(path, framework) as f:
+        first = f.get_tensors()
+        first["big"][0, 0] = 66
+        first["small"][0] = 55
+        again = f.get_tensors()
+        assert float(again["big"][0, 0]) == 0 and float(again["small"][0]) == 1
+        big = f.get_tensor("big")
+        big[1, 1] = 7
+        assert float(f.get_tensor("big")[1, 1]) == 0
+        assert float(first["big"][0, 0]) == 66 and float(big[1, 1]) == 7
+    loader = tensorferry.Loader(path, framework=framework, engine="mmap")
+    one = loader.load()
+    one["big"][2, 2] = 9
+    two = loader.load()
+    assert float(two["big"][2, 2]) == 0 and float(one["big"][2, 2]) == 9
+    loader.close()

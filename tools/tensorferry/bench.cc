@@ -646,7 +646,8 @@ Command AddBenchCommand(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "bench", "Every engine cold and warm, against same-run hardware references");
   AddCheckpointPath(*app, args->path);
-  app->add_option("--runs", args->runs, "Runs per configuration (median reported; default 3)");
+  app->add_option("--runs", args->runs, "Runs per configuration (median reported; default 3)")
+      ->check(CLI::Range(1u, 1000000u));
   app->add_option("--engines", args->engines,
                   "Comma-separated engines (default pread,io_uring,mmap)");
   app->add_option("--budget", args->budget, "Budget of the budgeted run (default 256MB)");

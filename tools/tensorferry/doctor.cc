@@ -128,6 +128,9 @@ std::string Json(const CudaReport& r, const MemoryLimit& m, const Engines& e,
                  const ObjectStoreReport* store) {
   JsonOut j;
   j.BeginObject();
+  // As every --json document: the command did its work (what it found is in the fields; the
+  // probe of a URL has its own "ok").
+  j.Field("ok", true);
   if (store != nullptr) StoreJson(j, *store);
   j.Key("io_uring").BeginObject();
   j.Field("available", e.io_uring.ok());

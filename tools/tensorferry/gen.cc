@@ -527,7 +527,14 @@ Command AddGenCommand(CLI::App& parent) {
             return "";
           },
           "SIZE"));
-  app->add_option("--seed", args->seed, "Seed of the values")->capture_default_str();
+  app->add_option("--seed", args->seed, "Seed of the values (0 to 2^64-1)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& value) {
+            return !value.empty() && value.front() == '-' ? std::string("not negative")
+                                                          : std::string();
+          },
+          "", "NON_NEGATIVE"));
   app->add_flag("--tie-embeddings", args->tie_embeddings, "No lm_head.weight");
   app->add_option("--metadata", args->metadata,
                   "KEY=VALUE for __metadata__ (repeatable; default format=pt)")

@@ -21,6 +21,7 @@
 #include "json_out.h"
 #include "tensorferry/device.h"
 #include "tensorferry/loader.h"
+#include "tensorferry/mapping.h"
 #include "tensorferry/options.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/stats.h"
@@ -358,6 +359,11 @@ int RunLoad(const LoadArgs& args) {
   }
   if (const Status s = LoadRepeatedly(**loader, *selection, args, runs); !s.ok()) {
     return Failed(args.json, args.path, s);
+  }
+  // A mapped file that shrank under the tensors (no lease could guard it) left zeros in what was
+  // summed: the report would be wrong, so it is the error ("ok": false) instead.
+  if (const Status mapped = CheckMappedFiles(); !mapped.ok()) {
+    return Failed(args.json, args.path, mapped);
   }
   const LoadStats stats = (*loader)->stats();
   const Report report{args,

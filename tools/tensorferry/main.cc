@@ -15,6 +15,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <exception>
@@ -35,22 +36,41 @@
 
 namespace {
 
-// Async-signal-safe: AbandonWritesInProgress uses only unlink, rename and atomics. SA_RESETHAND
-// has already restored the default disposition, so raise() ends the process with this signal (at
-// once, or as soon as the handler returns if the signal is blocked meanwhile): the exit status
-// says which signal it was.
+// The signal being handled by OnTerminatingSignal (0: none yet).
+std::atomic<int> g_terminating{0};
+
+// Async-signal-safe: AbandonWritesInProgress uses only unlink, rename and atomics; the rest is
+// sigaction, sigprocmask, raise and pause. The first SIGINT, SIGTERM or SIGHUP runs the cleanup;
+// one arriving meanwhile (`timeout` signals the child, then its process group; or on another
+// thread: reshard, load and checksum work on several) waits for it instead of ending the process
+// half way through. Then the default disposition is restored and the signal raised and unblocked:
+// the process dies of it, and the exit status says which signal it was.
 extern "C" void OnTerminatingSignal(int sig) {
+  int none = 0;
+  if (!g_terminating.compare_exchange_strong(none, sig)) {
+    for (;;) ::pause();  // the first handler ends the process
+  }
   tensorferry::AbandonWritesInProgress();
-  ::raise(sig);
+  struct sigaction defaults {};
+  defaults.sa_handler = SIG_DFL;
+  sigemptyset(&defaults.sa_mask);
+  ::sigaction(sig, &defaults, nullptr);
+  ::raise(sig);  // pending while this handler blocks it
+  sigset_t unblock;
+  sigemptyset(&unblock);
+  sigaddset(&unblock, sig);
+  ::sigprocmask(SIG_UNBLOCK, &unblock, nullptr);
+  ::_exit(128 + sig);  // (not reached: the signal's default ends the process)
 }
 
-// `handler` for SIGINT, SIGTERM and SIGHUP, once each (SA_RESETHAND: a second signal finds the
-// default disposition).
-void InstallSignalHandlers(void (*handler)(int)) {
+// `handler` for SIGINT, SIGTERM and SIGHUP, the three blocked while it runs; with `once`
+// (SA_RESETHAND), a second signal finds the default disposition.
+void InstallSignalHandlers(void (*handler)(int), bool once) {
   struct sigaction action {};
   action.sa_handler = handler;
   sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESETHAND;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&action.sa_mask, sig);
+  action.sa_flags = once ? SA_RESETHAND : 0;
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
     struct sigaction old {};
     // A signal the parent ignores (nohup, a shell's background job) stays ignored.
@@ -76,7 +96,7 @@ void FinishObjectCacheCopies() {
       std::fputs("tensorferry: finishing the copies into the cache (Ctrl-C gives them up)...\n",
                  stderr);
     }
-    InstallSignalHandlers(OnSignalWhileCopying);
+    InstallSignalHandlers(OnSignalWhileCopying, /*once=*/true);
     while (!tensorferry::WaitForObjectCaches(std::chrono::milliseconds(100))) {
       const int sig = g_exit_signal;
       if (sig == 0) continue;
@@ -101,7 +121,7 @@ void FinishObjectCacheCopies() {
 
 int main(int argc, char** argv) {
   using namespace tensorferry::cli;
-  InstallSignalHandlers(OnTerminatingSignal);
+  InstallSignalHandlers(OnTerminatingSignal, /*once=*/false);
   // An output past the file-size limit (ulimit -f) fails its write with EFBIG, so the writers'
   // rollback removes what they wrote; SIGXFSZ's default would kill the process mid-write.
   ::signal(SIGXFSZ, SIG_IGN);

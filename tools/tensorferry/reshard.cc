@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -58,35 +59,67 @@ struct ReshardArgs {
 };
 
 // The bytes of one tensor's slice, read on demand: `pieces` are (offset in the file, length), and
-// `starts` their offsets in the local tensor.
+// `starts` their offsets in the local tensor. Pieces the same request needs whose gaps are at
+// most kMaxGap are read with one read and scattered (a strided slice has a piece per row: one
+// read each would be a ranged GET each from an object store).
 struct SliceSource {
+  static constexpr uint64_t kMaxGap = 64u << 10;  // as the loader's default max_gap
+
   std::shared_ptr<const RandomAccessFile> file;
   std::vector<std::pair<uint64_t, uint64_t>> pieces;
   std::vector<uint64_t> starts;
+
+  Status ReadAll(uint64_t at, std::span<std::byte> out) const {
+    for (uint64_t got = 0; got < out.size();) {
+      auto r = file->Read(at + got, out.subspan(got));
+      if (!r.ok()) return r.status();
+      if (*r == 0) {
+        return Status(Code::kUnexpectedEof,
+                      file->path() + ": ends before offset " + std::to_string(at + got));
+      }
+      got += *r;
+    }
+    return Status::Ok();
+  }
 
   Status Fill(uint64_t offset, std::span<std::byte> out) const {
     size_t i = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), offset) -
                                    starts.begin()) -
                1;
     uint64_t done = 0;
+    std::vector<std::byte> cover;
     while (done < out.size()) {
       if (i >= pieces.size()) {
         return Status(Code::kInternal, "reshard: read past the end of a slice");
       }
-      const auto [poff, plen] = pieces[i];
       const uint64_t within = offset + done - starts[i];
-      const uint64_t n = std::min<uint64_t>(plen - within, out.size() - done);
-      for (uint64_t got = 0; got < n;) {
-        auto r = file->Read(poff + within + got, out.subspan(done + got, n - got));
-        if (!r.ok()) return r.status();
-        if (*r == 0) {
-          return Status(Code::kUnexpectedEof, file->path() + ": ends before offset " +
-                                                  std::to_string(poff + within + got));
-        }
-        got += *r;
+      const uint64_t begin = pieces[i].first + within;
+      uint64_t end = begin + std::min<uint64_t>(pieces[i].second - within, out.size() - done);
+      uint64_t total = end - begin;
+      size_t j = i + 1;  // pieces [i, j) in one read
+      for (; j < pieces.size() && done + total < out.size(); ++j) {
+        const auto [poff, plen] = pieces[j];
+        if (poff < end || poff - end > kMaxGap) break;
+        const uint64_t take = std::min<uint64_t>(plen, out.size() - done - total);
+        end = poff + take;
+        total += take;
       }
-      done += n;
-      ++i;
+      if (j == i + 1) {
+        if (Status s = ReadAll(begin, out.subspan(done, total)); !s.ok()) return s;
+      } else {
+        cover.resize(end - begin);
+        if (Status s = ReadAll(begin, cover); !s.ok()) return s;
+        uint64_t at = done;
+        for (size_t k = i; k < j; ++k) {
+          const uint64_t from = k == i ? begin : pieces[k].first;
+          const uint64_t n = std::min<uint64_t>(
+              k == i ? pieces[i].second - within : pieces[k].second, done + total - at);
+          std::memcpy(out.data() + at, cover.data() + (from - begin), n);
+          at += n;
+        }
+      }
+      done += total;
+      i = j;
     }
     return Status::Ok();
   }
@@ -412,6 +445,14 @@ bool Reshard(const ReshardArgs& a, const ShardOptions& so, const ShardSpec& spec
     if (!WriteOneRank(a, ckpt, files, spec, so, base, rank, out.world, *dst, out.ranks[rank],
                       failure)) {
       return false;
+    }
+  }
+  // The rank folders' renames (and a destination folder the command made) made durable before
+  // the set counts as written.
+  if (a.tp > 0 && !a.no_sync) {
+    const std::string parent = fs::path(a.dst).parent_path().string();
+    for (const std::string& dir : {a.dst, parent.empty() ? std::string(".") : parent}) {
+      if (Status s = Env::Default()->SyncDirectory(dir); !s.ok()) return Fail(failure, dir, s);
     }
   }
   dst->Commit();

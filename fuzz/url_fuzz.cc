@@ -63,8 +63,10 @@ void CheckPercentEncode(std::string_view s, bool keep_slash) {
 void CheckUrl(std::string_view text) {
   auto url = tensorferry::objstore::ParseObjectUrl(text);
   if (!url.ok()) {
+    // The message names the URL as shown (RedactUrl: no user name, password or query).
+    const std::string shown = tensorferry::objstore::RedactUrl(text);
     if (url.status().code() != tensorferry::Code::kInvalidArgument ||
-        url.status().message().rfind("object URL \"" + std::string(text) + "\": ", 0) != 0) {
+        url.status().message().rfind("object URL \"" + shown + "\": ", 0) != 0) {
       std::abort();
     }
     return;

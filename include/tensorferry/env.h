@@ -15,6 +15,7 @@
 // positional and const). Env::Default() lives for the whole process.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -104,9 +105,13 @@ class Env {
   static Env* Default();
 };
 
-// Reads exactly dst.size() bytes at `offset`, looping over short reads.
-// Errors: those of Read, and kUnexpectedEof ("<path>: unexpected end of file at offset X: wanted
-// N bytes, got M") when the file ends first.
-Status ReadFully(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst);
+// Reads exactly dst.size() bytes at `offset`, looping over short reads. Once *cancel (when given)
+// is true, a file whose reads wait in code of their own (an object store's ranged GETs and their
+// retries) gives its read up, and ReadFully returns kCancelled ("<path>: read cancelled"); a
+// local file's read in progress finishes first.
+// Errors: those of Read, kCancelled, and kUnexpectedEof ("<path>: unexpected end of file at
+// offset X: wanted N bytes, got M") when the file ends first.
+Status ReadFully(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst,
+                 const std::atomic<bool>* cancel = nullptr);
 
 }  // namespace tensorferry

@@ -112,7 +112,8 @@ Result<std::optional<FileChecksums>> EmbeddedChecksums(
     std::span<const std::pair<std::string, std::string>> metadata, std::string_view source = {});
 
 // Checks that `expected` fits a tensor of `size` bytes (its chunk count). Errors: kChecksumsInvalid
-// "<file>: tensor '<name>': checksum has C chunks, the tensor's N bytes make K".
+// "<file>: tensor '<name>': checksum has C chunks, the tensor's N bytes make K", and for a
+// chunk_size of 0 (here and in the three below).
 Status CheckChecksumShape(const TensorChecksum& expected, uint64_t chunk_size, uint64_t size,
                           std::string_view file, std::string_view tensor);
 

@@ -16,7 +16,8 @@
 //     instead of killing the process, and then: a line naming the file and offset is written to
 //     stderr at once, every later batch from that mapping is refused, CheckMappedFiles() (called
 //     by every Loader entry point, every Python call and the CLI at exit) reports it as an error,
-//     and the CLI exits 1.
+//     and the CLI exits 1. A file rewritten in place without shrinking (no page vanishes; the new
+//     bytes show through) is seen by its size or mtime: CheckMappedFiles reports it once.
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once
@@ -40,7 +41,10 @@ MappingStats GetMappingStats();
 
 // Ok, or kUnexpectedEof naming the file and the first vanished offset if a mapped file shrank
 // under its tensors since the last call that reported it (each fault event is reported once);
-// kIoError when the file still covers the page that could not be read (an I/O error). While the
+// kIoError when the file still covers the page that could not be read (an I/O error), and
+// kIoError "<path>: file rewritten in place while its tensors were mapped without a read lease"
+// for a file mapped without a lease whose size or mtime changed (the same inode; looked at most
+// every 200 ms, a stat per such mapping; each reported once). While the
 // Loader that mapped the file (or its Checkpoint) lives, the message also names the tensors of
 // that page ("; the read held tensor ..."). Reports the last fault recorded; the count says how
 // many mappings faulted since the last report.

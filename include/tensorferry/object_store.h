@@ -33,14 +33,18 @@
 // response's ETag and total size are compared with it), so an object overwritten during a load is
 // reported as a local file replaced under a load is: kIoError "<url>: file changed since the
 // checkpoint was opened: ...". A weak ETag (W/"...") is compared but not sent (If-Match is a
-// strong comparison); without an ETag (some HTTP servers), the size alone is pinned.
+// strong comparison); without an ETag (some HTTP servers), its Last-Modified is (If-Unmodified-
+// Since, and each response's compared: one second's resolution), and without either the size
+// alone. The server must answer Range requests (206): one that ignores them is refused for any
+// object larger than the first GET's `header_bytes`.
 //
-// Faults: connection errors (reset, refused, truncated body), stalls (no byte for `timeout_ms`),
-// HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown, InternalError, RequestTimeout (and a 401
-// to a GCS token that could be renewed: it is, first) are retried up to `retries` times with
-// exponential backoff and full jitter; a retry resumes the range from
-// the last byte received. Other statuses, and TLS failures (a certificate that does not verify),
-// end the read at once. Errors name the URL, the byte range,
+// Faults: connection errors (reset, refused, truncated body), stalls (no byte for `timeout_ms`,
+// or fewer than 4 KiB a second over it), HTTP 429, 500, 502, 503, 504 and the S3 codes SlowDown,
+// InternalError, RequestTimeout, ServiceUnavailable, Throttling (and a 401 to a GCS token that
+// could be renewed: it is, first) are retried up to `retries` times with exponential backoff and
+// equal jitter (half of each delay random, at most 10 s); a retry resumes the range from the last
+// byte received. Other statuses, and TLS failures (a certificate that does not verify), end the
+// read at once. Errors name the URL, the byte range,
 // the HTTP status, the S3 error code and message from the body, the attempts made, and where the
 // credentials and endpoint came from (kNotFound for 404/NoSuchKey/NoSuchBucket, kIoError
 // otherwise). A load that fails hands out no batch it could not complete.

@@ -276,7 +276,9 @@ struct LoadOptions {
   // These options checked and clamped, as Loader::Open uses them. Clamped, not refused:
   // chunk_size below kMinChunkSize reads kMinChunkSize; threads above kMaxThreads, queue_depth
   // above kMaxQueueDepth start that many. Errors: kInvalidArgument for chunk_size 0, queue_depth 0,
-  // a `tensor_parallel` without both tp_rank and tp_size (Set leaves rank at kUnsetTpRank and world
+  // staging_bytes 0, staging_slot 0, an enumeration (engine, direct, order, gds, verify,
+  // cooperative.exchange) holding no value of its type, drop_cache with engine mmap, a
+  // `tensor_parallel` without both tp_rank and tp_size (Set leaves rank at kUnsetTpRank and world
   // at 0 until both are given), tp_rank not below tp_size, an invalid shard spec
   // (ShardSpec::Validate).
   Result<LoadOptions> Validated() const;

@@ -56,6 +56,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
   const uint32_t world = static_cast<uint32_t>(hosts.size());
   const LoadOptions load_options = MakeLoadOptions(options);
   std::vector<Output> outputs;
+  uint64_t checksums_digest = 0;
   std::vector<PlanEntry> entries;
   {
     nb::gil_scoped_release release;
@@ -70,6 +71,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
     }
     const tensorferry::CooperativePlan plan =
         Unwrap(PlanCooperative(*checkpoint, selection, spec, load_options, hosts, probe_seconds));
+    checksums_digest = plan.checksums_digest;
     const std::vector<TensorInfo>& infos = checkpoint->tensors();
     entries.reserve(plan.tensors.size());
     for (const CooperativeTensorPlan& t : plan.tensors) {
@@ -97,7 +99,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
                            t.SavesReads());
     }
   }
-  return nb::cast(std::make_pair(std::move(entries), std::move(outputs)));
+  return nb::cast(std::make_tuple(std::move(entries), std::move(outputs), checksums_digest));
 }
 
 void RegisterDistributed(nb::module_& m) {

@@ -227,11 +227,7 @@ nb::object Reader::GetTensor(const std::string& name, int framework) {
     nb::list got = Load(one, framework);
     return nb::borrow<nb::tuple>(got[0])[kExportedArray];
   }
-  std::shared_ptr<std::byte> block;
-  {
-    WithoutGil release;
-    block = ReadBytes(*checkpoint, t, 0, t.size);
-  }
+  const std::shared_ptr<std::byte> block = ReadBytes(*checkpoint, t, 0, t.size);
   auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), t.size);
   return Export(fw, keeper, block.get(), t.size, t.dtype, t.shape);
 }
@@ -255,11 +251,7 @@ nb::object Reader::ReadRange(const std::string& name, uint64_t begin, uint64_t e
                                "shape does not match the byte range of tensor \"" + name + "\""));
     }
   }
-  std::shared_ptr<std::byte> block;
-  {
-    WithoutGil release;
-    block = ReadBytes(*checkpoint, t, begin, end - begin);
-  }
+  const std::shared_ptr<std::byte> block = ReadBytes(*checkpoint, t, begin, end - begin);
   auto keeper = std::make_shared<Keeper>(std::shared_ptr<const void>(block), end - begin);
   if (shape) return Export(fw, keeper, block.get(), end - begin, t.dtype, *shape);
   const std::vector<uint64_t> flat{end - begin};
@@ -441,13 +433,18 @@ Loader& Reader::EnsureLoader() {
 
 std::shared_ptr<std::byte> Reader::ReadBytes(const Checkpoint& checkpoint, const TensorInfo& t,
                                              uint64_t begin, uint64_t length) {
-  std::shared_ptr<std::byte> block = AllocateBytes(length);
-  if (length == 0) return block;
   // Positional reads on one file are safe concurrently; the caller's checkpoint reference keeps
-  // the file open even if the Reader is closed meanwhile.
-  const std::shared_ptr<const SourceFile> file = Unwrap(checkpoint.File(t.file));
-  Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length)));
-  return block;
+  // the file open even if the Reader is closed meanwhile. Ctrl-C gives up a remote file's read
+  // (its GETs, its retries' waits): a flag of this read's own, not the loads' cancel_, which
+  // another thread's load of this Reader may be using.
+  std::atomic<bool> cancel{false};
+  return Interruptible(cancel, [&] {
+    std::shared_ptr<std::byte> block = AllocateBytes(length);
+    if (length == 0) return block;
+    const std::shared_ptr<const SourceFile> file = Unwrap(checkpoint.File(t.file));
+    Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length), &cancel));
+    return block;
+  });
 }
 
 void RegisterReader(nb::module_& m) {

@@ -169,8 +169,8 @@ class Reader {
   // REQUIRES: the lock is held.
   Loader& EnsureLoader();
 
-  // Reads `length` bytes of `t` from `begin` into a new block. Takes the lock. REQUIRES: the GIL
-  // is released.
+  // Reads `length` bytes of `t` from `begin` into a new block, on Interruptible's helper thread
+  // (Ctrl-C gives a remote file's read up). REQUIRES: the GIL is held (Interruptible's rule).
   std::shared_ptr<std::byte> ReadBytes(const Checkpoint& checkpoint, const TensorInfo& t,
                                        uint64_t begin, uint64_t length);
 

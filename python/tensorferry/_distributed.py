@@ -183,12 +183,17 @@ def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, rec
             ops.append(dist.P2POp(dist.isend, send[send_at[to]:send_at[to] + send_splits[to]],
                                   _global_rank(dist, group, to), group))
         if ops:
+            # The peers this rank waits on, named in its error: the rank that died or hangs.
+            peers = " and ".join(
+                ([f"sending to rank {to}"] if send_splits[to] else [])
+                + ([f"receiving from rank {source}"] if recv_splits[source] else []))
+            paired = f"{step}, {peers}"
             try:
                 works = dist.batch_isend_irecv(ops)
             except Exception as e:
-                raise _gave_up(step, rank, e) from e
+                raise _gave_up(paired, rank, e) from e
             for work in works:
-                _collective(step, rank, timeout, lambda work=work: work)
+                _collective(paired, rank, timeout, lambda work=work: work)
 
 
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
@@ -423,9 +428,12 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         error = fingerprint = None
         try:
             nbytes = _core.network_probe_bytes(hosts, options)
-            raw, _ = base.cooperative_plan(names, shard_spec, hosts,
-                                           dict(options, coop_exchange="none"))
-            fingerprint = _fingerprint(raw, names, sorted(options.items()))
+            raw, _, digest = base.cooperative_plan(names, shard_spec, hosts,
+                                                   dict(options, coop_exchange="none"))
+            # The checksum records tell two copies of one layout with other bytes apart; the
+            # names as a set (the load's order is the files' whatever the order given).
+            fingerprint = _fingerprint(raw, sorted(names) if names else names,
+                                       sorted(options.items()), digest)
         except Exception as e:  # re-raised by _agree_plan, after the others know
             error = e
         _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint,
@@ -441,8 +449,8 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             options["coop_network_rate"] = measured
         error = fingerprint = None
         try:
-            raw_plan, outputs = base.cooperative_plan(names, shard_spec, hosts, options,
-                                                      probe_seconds)
+            raw_plan, outputs, _ = base.cooperative_plan(names, shard_spec, hosts, options,
+                                                         probe_seconds)
             fingerprint = _fingerprint(raw_plan, outputs)
             plan = [_Entry(t) for t in raw_plan]
             if any(e.exchanged for e in plan if e.name in preread):
@@ -549,8 +557,14 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                     batch[output] = t
             del got
             if on_gpu and device != comm_device:
-                batch = {n: t.to(device) for n, t in batch.items()}
-            figures["bytes"] += sum(t.nbytes for t in batch.values())
+                moved = {}  # a tied alias stays its target's tensor on the device too
+                for n, t in batch.items():
+                    if id(t) not in moved:
+                        moved[id(t)] = t.to(device)
+                    batch[n] = moved[id(t)]
+                del moved
+            # Each stored tensor once: a tied alias shares its target's bytes (LoadStats::bytes).
+            figures["bytes"] += sum({id(t): t.nbytes for t in batch.values()}.values())
             figures["seconds"] = time.perf_counter() - start
             if stats is not None:
                 stats.update(figures)
@@ -626,7 +640,8 @@ def _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fi
     if other:
         raise _core.InvalidArgumentError(
             f"cooperative load: rank {other[0]} and rank {rank} disagree on {what}: every rank "
-            "needs the same checkpoint, selection, shard rules and cooperative options")
+            "needs the same checkpoint (the same bytes, where checksum records tell), selection, "
+            "shard rules and cooperative options")
 
 
 def _blocks(e, full, q):

@@ -26,7 +26,8 @@ device: the first time from_pretrained opens one of its safetensors files (on th
 after transformers' allocator warm-up), a background thread allocates every tensor of every
 checkpoint file on that device (`torch.empty`, from the memory the warm-up reserved) and reads the
 checkpoint into them through tensorferry's pinned staging ring (`Loader.load_into`, one Loader for
-the index's shards, checksums checked), while transformers goes on with its keys (renaming,
+the index's shards, checksums checked; a Loader per file when the index disagrees with the shards,
+whose own tensors transformers reads), while transformers goes on with its keys (renaming,
 conversion plans); a file's first request waits for the read (and raises what it raised), and
 from_pretrained does not return before it ended. Transformers then finds each parameter on its
 device and its `.to(device)`
@@ -49,13 +50,18 @@ background from the first open, as the device route does; a device map onto one 
 route); every other file (config.json, the index, tokenizer files) is read whole with one GET into
 a folder of this process's (removed at exit). `storage_options` of loading()/enable() are the
 object-storage settings (docs/object_storage.md); revisions other than "main" are an error, and
-weights in other formats (.bin, ...) are not read from a bucket.
+weights in other formats (.bin, ...) are not read from a bucket. A URL where none of config.json,
+the weights and tokenizer_config.json is (a mistyped one) is an OSError naming it.
 
 Models named by an hf://OWNER/NAME[@REVISION] path: read from the local hub cache's snapshot when
 it holds the checkpoint (as transformers reads a local folder), else streamed from the hub
-(HF_ENDPOINT; HF_TOKEN) as the URL of its resolve/<commit> prefix, above; which one is decided
-once per path while loading() is in force, so everything one from_pretrained reads comes from one
-commit (include/tensorferry/hub.h).
+(HF_ENDPOINT; HF_TOKEN) as the URL of its resolve/<commit> prefix, above (include/tensorferry/
+hub.h); a subfolder= is where the checkpoint is looked for. Which one is decided once per load
+(the revision transformers resolves once per from_pretrained, AutoTokenizer.from_pretrained, ...
+carries the decision: _HubLoad), so everything one from_pretrained reads comes from one commit,
+and the next load decides again. Where tensorferry finds no safetensors checkpoint (a
+configuration's or tokenizer's repository or folder), transformers' own lookup reads the
+repository (at that load's commit when it read one already).
 
 What does not change: everything transformers does after reading (key renaming, weight
 conversions such as fused MoE experts, quantizers, dtype and device handling, tied weights,
@@ -75,6 +81,7 @@ import importlib
 import json
 import os
 import posixpath
+import re
 import shutil
 import sys
 import tempfile
@@ -224,12 +231,14 @@ class _DeviceRead:
         torch = fw.torch
         storage = self.storage_options
         index, owner = self._index()
-        loader = None  # with an index: one Loader (one pipeline, one open of every shard)
+        loader = None  # with an index that agrees with its shards: one Loader (one pipeline, one
+        # open of every shard)
         try:
             described = {key: [] for key in self.files}  # file -> Output descriptions
             try:
                 if index is not None:
-                    loader = Loader(index, storage_options=storage)
+                    loader = _index_loader(index, storage)
+                if loader is not None:
                     for o in loader._describe():
                         described[owner[o.name]].append(o)
                 else:
@@ -279,6 +288,19 @@ class _DeviceRead:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None, None
         return (index, owner) if set(owner.values()) == set(self.files) else (None, None)
+
+
+def _index_loader(index, storage):
+    """One Loader over the shards `index` names, or None when the index disagrees with them (it
+    maps a tensor to a shard that lacks it, or leaves out one a shard holds). transformers uses the
+    index only to list the files and reads each shard's own tensors, so such a checkpoint loads
+    there; here its files are then read as the index-less route reads them, a Loader per file."""
+    try:
+        return Loader(index, storage_options=storage)
+    except _core.SafetensorError as e:
+        if getattr(e, "code", None) in ("index_missing_tensor", "index_unlisted_tensor"):
+            return None
+        raise
 
 
 def _file_key(filename):
@@ -449,6 +471,24 @@ def _side_folder(base):
     return os.path.join(_side_root[0], hashlib.sha256(base.encode()).hexdigest()[:16])
 
 
+# What a model's prefix holds beside config.json when it holds anything of a model (_url_files).
+_MODEL_FILES = ("model.safetensors.index.json", "model.safetensors", "tokenizer_config.json")
+
+
+def _holds_model(prefix, storage):
+    """Whether any of _MODEL_FILES is at the URL `prefix` (a ranged GET each, until one is);
+    True when the store cannot tell (an error other than not found)."""
+    for name in _MODEL_FILES:
+        try:
+            _core.object_size(f"{prefix}/{name}", storage)
+            return True
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
 def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
                raise_connection=True):
     """transformers' cached_files for a model named by a URL: each .safetensors file as its URL
@@ -478,8 +518,16 @@ def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
                 continue
             data = _core.read_object(target, storage, _MAX_SIDE_FILE)
         except FileNotFoundError as e:
-            if raise_missing and rel != "config.json":  # config.json: as transformers does
+            if not raise_missing:
+                continue
+            if name != "config.json":
                 raise OSError(f"{url} does not appear to have a file named {rel} ({e})") from e
+            # A folder without config.json is left to transformers (as it does for a local one),
+            # a model that is not there at all (a mistyped URL) is an error naming it.
+            where = posixpath.dirname(target)
+            if not _holds_model(where, storage):
+                raise OSError(f"{where} is not a model: none of config.json, "
+                              f"{', '.join(_MODEL_FILES)} is there ({e})") from e
             continue
         except OSError:
             if raise_connection:
@@ -501,46 +549,176 @@ def _url_files(url, filenames, subfolder="", revision=None, raise_missing=True,
 
 # --- models named by an hf:// path ----------------------------------------------------------------
 
-_hub_lock = threading.Lock()
-_hub_roots = {}  # (hf:// path, storage options) -> where it is read from, while loading() is in force
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit, as the hub names it
 
 
-def _hub_key(path):
-    """What a decision about hf:// `path` is remembered by while loading() is in force: the path
-    and the storage options in force."""
-    return (path.rstrip("/"), json.dumps(_storage_in_force(), sort_keys=True, default=str))
+class _HubLoad(str):
+    """Where one transformers load reads a model named by an hf:// path (or by a plain hub id read
+    as one: _streamed_id) from, passed around as that load's `revision`. Each public entry point of
+    transformers (from_pretrained, AutoTokenizer.from_pretrained, ...) resolves the revision once
+    (transformers.utils.hub.resolve_revision, which _pinning wraps) and hands the result to every
+    file lookup of its call, so the decisions kept here last exactly one load: its configuration,
+    tokenizer and weights come from one commit, the next load decides again (a branch moved since
+    is followed), and a failure (a hub that did not answer) is never remembered past it. A lookup
+    made outside such an entry point gets one of its own, for itself alone.
+
+    Its text is the revision's, as huggingface_hub's ResolvedRevision's is; a copy is the object
+    itself (transformers deep-copies the keyword arguments that carry it), a pickle plain text."""
+
+    def __new__(cls, name, path, requested, upstream=None, streamed=False):
+        text = upstream if isinstance(upstream, str) else (requested or "main")
+        self = super().__new__(cls, text)
+        self.name = name            # what transformers was given: the hf:// path or the hub id
+        self.path = path            # the hf:// path, hf://OWNER/NAME[@REVISION]
+        self.requested = requested  # the caller's revision= (None: the path's own, or main)
+        # transformers' own resolution of a plain hub id (a ResolvedRevision, or what it returned
+        # when that failed): what its own lookups of this load are given.
+        self.upstream = upstream
+        self.streamed = streamed    # a plain hub id: what tensorferry cannot read is transformers'
+        self.storage = _storage_in_force()
+        self._lock = threading.Lock()
+        self._roots = {}  # subfolder -> root, or None: transformers' own lookup reads it
+        self._why = {}  # subfolder -> why an hf:// path's root is None (tensorferry's error)
+        resolved = getattr(upstream, "resolved", None)  # the commit transformers pinned, if any
+        self._commit = resolved if isinstance(resolved, str) and _COMMIT.fullmatch(resolved) \
+            else None
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return str, (str(self),)
+
+    def repo(self):
+        """(OWNER/NAME, the revision the path names or None). OSError for what from_pretrained
+        does not take: a revision= beside an hf:// path, a folder inside the repository, a dataset
+        or a space."""
+        path = self.path
+        if not self.streamed and self.requested not in (None, "main"):
+            raise OSError(f"{path}: revision={self.requested!r}: name the revision in the path "
+                          f"(hf://OWNER/NAME@REVISION)")
+        parts = path[5:].strip("/").split("/")
+        if len(parts) > 2 or (len(parts) == 2 and "@" in parts[0]) or \
+                parts[0] in ("datasets", "spaces"):
+            raise OSError(f"{path}: from_pretrained takes a model repository, hf://OWNER/NAME"
+                          f"[@REVISION] (a folder inside it: subfolder=...)")
+        name, _, revision = parts[-1].partition("@")
+        repo = "/".join(parts[:-1] + [name])
+        return repo, revision.replace("%2F", "/").replace("%2f", "/") or None
+
+    def root(self, subfolder=None):
+        """The snapshot folder in the local hub cache or the https://.../resolve/<commit> prefix on
+        the hub (include/tensorferry/hub.h; tensorferry's Checkpoint decides) that this load reads
+        the files under `subfolder` from, or None where transformers' own lookup reads them: no
+        safetensors checkpoint there that tensorferry can read (a configuration's or tokenizer's
+        repository or folder, a .bin-only model), or, for a plain hub id, a hub that did not
+        answer. Decided at the first lookup of each subfolder; the first commit found is the one
+        every later decision of the load reads."""
+        repo, _ = self.repo()
+        sub = (subfolder or "").strip("/")
+        with self._lock:  # one decision per subfolder, whichever thread asks first
+            if sub not in self._roots:
+                self._roots[sub] = self._find(repo, sub)
+            return self._roots[sub]
+
+    def _find(self, repo, sub):
+        probe = self.path if self._commit is None else f"hf://{repo}@{self._commit}"
+        if sub:
+            probe += "/" + sub
+        try:
+            with Loader(probe, storage_options=self.storage) as loader:
+                first = loader.files[0]
+        except OSError as e:
+            if self.streamed:
+                return None
+            if isinstance(e, FileNotFoundError):
+                self._why[sub] = e
+                return None
+            raise
+        root = hub_root(first)
+        if root is None:  # not a hub-cache snapshot or a hub URL: the checkpoint decides otherwise
+            raise OSError(f"{probe}: its files are not in a snapshot of the hub cache or on the "
+                          f"hub ({first})")
+        self._commit = root[-40:]
+        return root
+
+    def own(self, lookup, subfolder=None):
+        """transformers' own lookup, `lookup(repository id, revision)`, where root() is None: at
+        the commit this load read already when it read one, else at transformers' own resolution
+        of a hub id, else at the revision asked for. For an hf:// path, its plain OSError (the
+        repository is nowhere) names the path and what tensorferry found too."""
+        repo, revision = self.repo()
+        if self._commit is not None:
+            revision = self._commit
+        elif self.streamed:
+            repo, revision = self.name, \
+                self.upstream if self.upstream is not None else self.requested
+        try:
+            return lookup(repo, revision)
+        except OSError as e:
+            why = self._why.get((subfolder or "").strip("/"))
+            if self.streamed or why is None or type(e) is not OSError:
+                raise
+            raise OSError(f"{why}; nor did transformers' own lookup of {repo} find it: {e}") from e
 
 
-def _hub_root(path, revision=None):
-    """Where the model at hf:// `path` (a repository, OWNER/NAME[@REVISION]) is read from: its
-    snapshot folder in the local hub cache when that holds the checkpoint, else its
-    https://.../resolve/<commit> prefix on the hub (include/tensorferry/hub.h; tensorferry's
-    Checkpoint decides). Decided once per path while loading() is in force, so that the
-    configuration, tokenizer and weights of one from_pretrained come from one commit."""
-    if revision not in (None, "main"):
-        raise OSError(f"{path}: revision={revision!r}: name the revision in the path "
-                      f"(hf://OWNER/NAME@REVISION)")
-    repo = path[5:].strip("/").split("/")
-    if len(repo) > 2 or (len(repo) == 2 and "@" in repo[0]) or \
-            repo[0] in ("datasets", "spaces"):
-        raise OSError(f"{path}: from_pretrained takes a model repository, hf://OWNER/NAME"
-                      f"[@REVISION] (a folder inside it: subfolder=...)")
-    storage = _storage_in_force()
-    key = _hub_key(path)
-    with _hub_lock:
-        if key in _hub_roots:
-            return _hub_roots[key]
-    try:
-        with Loader(path, storage_options=storage) as loader:
-            first = loader.files[0]
-    except FileNotFoundError as e:
-        raise OSError(f"{path} is not a model tensorferry can read: {e}") from e
-    root = hub_root(first)
-    if root is None:  # not a hub-cache snapshot or a hub URL: the checkpoint decides otherwise
-        raise OSError(f"{path}: its files are not in a snapshot of the hub cache or on the hub "
-                      f"({first})")
-    with _hub_lock:
-        return _hub_roots.setdefault(key, root)
+def _hub_load(path_or_repo_id, args, kwargs):
+    """The _HubLoad that reads `path_or_repo_id` in a file lookup with `args` and `kwargs`: the one
+    its load's revision carries, else one for this lookup alone; None where tensorferry does not
+    read it (not an hf:// path, and not a hub id read as one: _streamed_id)."""
+    revision = kwargs.get("revision")
+    carried = isinstance(revision, _HubLoad)
+    if carried and revision.name == path_or_repo_id:
+        load, requested = revision, revision.requested
+    else:
+        load, requested = None, revision.requested if carried else revision
+    if is_hub_path(path_or_repo_id):
+        return load or _HubLoad(path_or_repo_id, path_or_repo_id, requested)
+    path = _streamed_id(path_or_repo_id, args, dict(kwargs, revision=requested))
+    if path is None:
+        return None
+    return load or _HubLoad(path_or_repo_id, path, requested, streamed=True)
+
+
+def _own_revision(name, kwargs):
+    """`kwargs` for transformers' own lookup of `name`: a _HubLoad revision replaced by the one
+    transformers' own rules take (its own resolution of this hub id, else the caller's)."""
+    revision = kwargs.get("revision")
+    if isinstance(revision, _HubLoad):
+        mine = revision.streamed and revision.name == name
+        kwargs["revision"] = revision.upstream if mine else revision.requested
+    return kwargs
+
+
+def _pinning(original):
+    """transformers.utils.hub.resolve_revision (each public entry point's one resolution of the
+    revision, passed to every file lookup of its call): for a model named by an hf:// path, or by
+    a hub id read as one, a _HubLoad that keeps this call's decisions (transformers' own
+    resolution of a hub id inside it)."""
+
+    @functools.wraps(original)
+    def wrapper(path_or_repo_id, revision=None, **kwargs):
+        if not enabled():  # left in a module imported while enabled: transformers' own
+            return original(path_or_repo_id, revision, **kwargs)
+        if isinstance(revision, _HubLoad):
+            if revision.name == path_or_repo_id:
+                return revision  # resolved once per load: nested entry points keep it
+            revision = revision.requested  # another repository (an adapter's base model)
+        if is_hub_path(path_or_repo_id):
+            return _HubLoad(path_or_repo_id, path_or_repo_id, revision)
+        upstream = original(path_or_repo_id, revision, **kwargs)
+        lookup = {k: kwargs[k] for k in ("token", "local_files_only", "cache_dir", "repo_type")
+                  if k in kwargs}
+        path = _streamed_id(path_or_repo_id, (), dict(lookup, revision=revision))
+        if path is None:
+            return upstream
+        return _HubLoad(path_or_repo_id, path, revision, upstream=upstream, streamed=True)
+
+    return wrapper
 
 
 def _templates(original):
@@ -550,12 +728,19 @@ def _templates(original):
 
     @functools.wraps(original)
     def wrapper(repo_id, *args, **kwargs):
+        if not enabled():  # left in a module imported while enabled: transformers' own
+            return original(repo_id, *args, **kwargs)
         if is_hub_path(repo_id):
-            repo_id = _hub_root(repo_id, kwargs.get("revision"))
-            if not is_url(repo_id):
-                kwargs.pop("revision", None)
-                return original(repo_id, *args, **kwargs)
+            load = _hub_load(repo_id, (), kwargs)
+            kwargs.pop("revision", None)
+            root = load.root()
+            if root is None:  # nothing tensorferry reads there: transformers lists the repository
+                return load.own(lambda repo, revision: original(repo, *args, revision=revision,
+                                                                **kwargs))
+            if not is_url(root):
+                return original(root, *args, **kwargs)
             return []  # an HTTP server cannot be listed
+        _own_revision(repo_id, kwargs)
         if not is_url(repo_id if isinstance(repo_id, str) else None):
             return original(repo_id, *args, **kwargs)
         folder = f"{repo_id.rstrip('/')}/additional_chat_templates"
@@ -589,44 +774,26 @@ def _streamed_id(repo_id, args, kwargs):
     return hub_id_path(repo_id, kwargs.get("revision"))
 
 
-_not_streamed = set()  # hf:// paths of plain hub ids tensorferry cannot read, while enabled
-
-
-def _streamed_root(repo_id, args, kwargs):
-    """_hub_root of a plain hub id's hf:// path (_streamed_id), its revision then taken out of
-    `kwargs`; None where transformers' own download applies, including a repository that holds
-    no safetensors checkpoint tensorferry can read (a tokenizer's, a .bin-only model's) or a hub
-    that cannot be reached (transformers' own rules then decide)."""
-    path = _streamed_id(repo_id, args, kwargs)
-    if path is None:
-        return None
-    key = _hub_key(path)
-    with _hub_lock:
-        if key in _not_streamed:
-            return None
-    try:
-        root = _hub_root(path)
-    except OSError:
-        with _hub_lock:
-            _not_streamed.add(key)
-        return None
-    kwargs.pop("revision", None)
-    return root
-
-
 def _resolving(original):
     """transformers.utils.hub.cached_files, taking s3://, gs:// and http(s):// URLs (_url_files)
-    and hf:// paths (_hub_root), and plain hub ids as their hf:// paths (_streamed_id)."""
+    and hf:// paths and plain hub ids read as their hf:// paths (_HubLoad)."""
 
     @functools.wraps(original)
     def wrapper(path_or_repo_id, filenames, *args, **kwargs):
-        root = _streamed_root(path_or_repo_id, args, kwargs)
-        if root is None and is_hub_path(path_or_repo_id):
-            root = _hub_root(path_or_repo_id, kwargs.pop("revision", None))
-        if root is not None:
+        if not enabled():  # left in a module imported while enabled: transformers' own
+            return original(path_or_repo_id, filenames, *args, **kwargs)
+        load = _hub_load(path_or_repo_id, args, kwargs)
+        if load is not None:
+            root = load.root(kwargs.get("subfolder"))
+            kwargs.pop("revision", None)
+            if root is None:  # transformers' own lookup, of the repository at this load's commit
+                return load.own(lambda repo, revision: original(
+                    repo, filenames, *args, revision=revision, **kwargs), kwargs.get("subfolder"))
             path_or_repo_id = root
             if not is_url(path_or_repo_id):  # a snapshot in the hub cache: a local folder
                 return original(path_or_repo_id, filenames, *args, **kwargs)
+        else:
+            _own_revision(path_or_repo_id, kwargs)
         if not is_url(path_or_repo_id if isinstance(path_or_repo_id, str) else None):
             return original(path_or_repo_id, filenames, *args, **kwargs)
         return _url_files(
@@ -696,9 +863,6 @@ def _release():
     _depth -= 1
     if _depth == 0:
         _restore()
-        with _hub_lock:
-            _hub_roots.clear()
-            _not_streamed.clear()
 
 
 def enabled():
@@ -792,21 +956,15 @@ def _apply():
         wrapped = _with_target(load)
         _patched.append((model_class, "_load_pretrained_model", load, wrapped))
         model_class._load_pretrained_model = wrapped
-    # Models named by a URL: the files transformers looks for, found in the bucket.
+    # Models named by a URL or an hf:// path: the files transformers looks for, found in the
+    # bucket, the hub cache or on the hub; the revision each load resolves once, carrying where
+    # that load reads an hf:// path from (_HubLoad).
     hub = importlib.import_module("transformers.utils.hub")
-    files = getattr(hub, "cached_files", None)
-    if files is not None:
-        wrapped = _resolving(files)
-        _patched.append((hub, "cached_files", files, wrapped))
-        hub.cached_files = wrapped
-    templates = getattr(hub, "list_repo_templates", None)
-    if templates is not None:
-        wrapped = _templates(templates)
-        for name, module in list(sys.modules.items()):
-            if module is not None and (name == "transformers" or name.startswith("transformers.")) \
-                    and getattr(module, "list_repo_templates", None) is templates:
-                _patched.append((module, "list_repo_templates", templates, wrapped))
-                module.list_repo_templates = wrapped
+    for attr, wrap in (("cached_files", _resolving), ("list_repo_templates", _templates),
+                       ("resolve_revision", _pinning)):
+        original_function = vars(hub).get(attr)
+        if original_function is not None:
+            _patch_modules(attr, original_function, wrap(original_function))
     missing = [n for n in _LOADING_MODULES
                if getattr(sys.modules[n], "safe_open", None) is not _TransformersSafeOpen]
     if missing:
@@ -817,8 +975,32 @@ def _apply():
             f"the version pinned in requirements.txt)")
 
 
+def _transformers_modules():
+    """The transformers modules imported now, with their namespaces (vars: no lazy import)."""
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "transformers" or name.startswith("transformers.")):
+            yield module, getattr(module, "__dict__", {})
+
+
+def _patch_modules(attr, original, replacement):
+    """`replacement` in place of `original` wherever a transformers module holds it as `attr`
+    (modules import these functions by name: from .utils.hub import cached_files)."""
+    for module, namespace in _transformers_modules():
+        if namespace.get(attr) is original:
+            _patched.append((module, attr, original, replacement))
+            setattr(module, attr, replacement)
+
+
 def _restore():
+    undone = {}  # (attribute, id of the replacement) -> (attribute, original, replacement)
     while _patched:
         owner, attr, original, replacement = _patched.pop()
         if vars(owner).get(attr) is replacement:
             setattr(owner, attr, original)
+        undone[attr, id(replacement)] = (attr, original, replacement)
+    # A module first imported while the patches were in force took a replacement by name from a
+    # patched one (from .utils.hub import cached_files): it gets the original back too.
+    for module, namespace in _transformers_modules():
+        for attr, original, replacement in undone.values():
+            if namespace.get(attr) is replacement:
+                setattr(module, attr, original)

@@ -69,9 +69,16 @@ class CheckpointBuilder {
   Result<std::shared_ptr<const Checkpoint>> FromFiles(std::vector<std::string> paths) {
     if (paths.empty()) return Status(Code::kInvalidArgument, "no safetensors files given");
     std::sort(paths.begin(), paths.end());
-    for (size_t i = 1; i < paths.size(); ++i) {
-      if (paths[i] == paths[i - 1]) {
-        return Status(Code::kInvalidArgument, paths[i] + ": file given more than once");
+    // One file under two spellings ("/m/a" and "/m/./a") too; keys of a store are names as they
+    // are.
+    std::map<std::string, const std::string*> spelled;
+    for (const std::string& p : paths) {
+      const std::string key = IsObjectUrl(p) ? p : fs::path(p).lexically_normal().string();
+      const auto [it, added] = spelled.emplace(key, &p);
+      if (!added) {
+        return Status(Code::kInvalidArgument,
+                      p + ": file given more than once" +
+                          (*it->second == p ? "" : " (also as " + *it->second + ")"));
       }
     }
     size_t failed = 0;
@@ -107,6 +114,17 @@ class CheckpointBuilder {
       TF_ASSIGN_OR_RETURN(const objstore::ObjectUrl index_url,
                           objstore::ParseObjectUrl(index_path));
       url_dir = objstore::Parent(index_url);
+      // The names are joined as normalized paths ("sub//x" as "sub/x"), which on a store is
+      // another key: such a name is refused rather than read as another object.
+      for (const auto& [tensor, file] : index.weight_map) {
+        if (file.find("//") != std::string::npos || file.ends_with('/')) {
+          return Status(Code::kIndexPathEscape,
+                        RedactUrl(index_path) + ": weight_map[" + json::Quote(tensor) + "]: file " +
+                            json::Quote(file) +
+                            " has an empty path segment: in an object store that names another "
+                            "key than the one without it");
+        }
+      }
     }
     std::vector<std::string> paths;
     for (const IndexedFile& f : indexed) {
@@ -420,10 +438,10 @@ Result<std::shared_ptr<const Checkpoint>> OpenUrl(const std::string& path,
 Status NotOnHub(const Status& cached, const Status& hub) {
   if (hub.ok()) {
     return Status(cached.code(), cached.message() + "; HF_HUB_OFFLINE is set, so the hub " +
-                                     HubEndpoint() + " was not asked");
+                                     RedactUrl(HubEndpoint()) + " was not asked");
   }
-  return Status(hub.code(),
-                cached.message() + "; and from the hub " + HubEndpoint() + ": " + hub.message());
+  return Status(hub.code(), cached.message() + "; and from the hub " + RedactUrl(HubEndpoint()) +
+                                ": " + hub.message());
 }
 
 // Where HubUrl writes the refs of the branches it pins: the hub cache the source fills.
@@ -479,8 +497,12 @@ Result<std::shared_ptr<const Checkpoint>> OpenHub(const std::string& path,
 
 std::string AnchoredPath(const std::string& path) {
   if (path.empty() || path.front() == '/' || IsObjectUrl(path) || IsHubPath(path)) return path;
+  // "./", ".//", "././": what follows is relative ("./" + "/tmp/x" is not "/tmp/x").
   std::string_view rest = path;
-  while (rest.size() > 2 && rest.substr(0, 2) == "./") rest.remove_prefix(2);
+  while (rest.size() > 2 && rest.substr(0, 2) == "./") {
+    rest.remove_prefix(2);
+    while (!rest.empty() && rest.front() == '/') rest.remove_prefix(1);
+  }
   std::error_code ec;
   const fs::path cwd = fs::current_path(ec);
   if (ec) return path;  // no working directory to anchor to: as given

@@ -394,6 +394,11 @@ TEST(CheckpointTest, OpenFiles) {
 
   paths = {dir.Join("a.safetensors"), dir.Join("a.safetensors")};
   EXPECT_EQ(Checkpoint::OpenFiles(paths).status().code(), Code::kInvalidArgument);
+  // One file under two spellings: given twice, not two files holding the same tensors.
+  paths = {dir.Join("a.safetensors"), dir.path() + "/./a.safetensors"};
+  r = Checkpoint::OpenFiles(paths);
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << r.status().ToString();
+  EXPECT_TRUE(Contains(r.status().message(), "given more than once")) << r.status().ToString();
   EXPECT_EQ(Checkpoint::OpenFiles({}).status().code(), Code::kInvalidArgument);
   paths = {dir.Join("missing.safetensors")};
   EXPECT_EQ(Checkpoint::OpenFiles(paths).status().code(), Code::kNotFound);
@@ -526,6 +531,20 @@ TEST_F(CheckpointTraversalTest, IndexOpenedByRelativePath) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   // Made absolute when opened: a later chdir does not redirect the file's path.
   EXPECT_EQ((*r)->files()[0].path, (here / "sub/model.safetensors").string());
+}
+
+// ".//x" is "./x": the slashes after "./" do not make the rest absolute (a shell's "$DIR/x" with
+// DIR=./ opened /x instead).
+TEST_F(CheckpointTraversalTest, DotSlashSlashStaysRelative) {
+  const fs::path cwd = fs::current_path();
+  fs::current_path(Dir());
+  const fs::path here = fs::current_path();
+  EXPECT_EQ(AnchoredPath(".//x.safetensors"), (here / "x.safetensors").string());
+  EXPECT_EQ(AnchoredPath(".///.//x.safetensors"), (here / "x.safetensors").string());
+  EXPECT_EQ(AnchoredPath(".//tmp/x"), (here / "tmp/x").string());
+  EXPECT_EQ(AnchoredPath("./x"), (here / "x").string());
+  fs::current_path(cwd);
+  EXPECT_EQ(AnchoredPath("/tmp/x"), "/tmp/x");
 }
 
 TEST_F(CheckpointTraversalTest, MissingShardOfIndexOpenedByBareRelativeName) {

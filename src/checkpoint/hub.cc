@@ -301,10 +301,11 @@ Result<std::string> PinnedUrl(std::string_view hub_path, Source& source,
     if (known != commits.end()) {
       commit = known->second;
     } else {
-      TF_ASSIGN_OR_RETURN(commit, AskCommit(api,
-                                            "the commit of " + repo.id + " at revision " +
-                                                json::Quote(revision) + " on the hub " + endpoint,
-                                            source));
+      TF_ASSIGN_OR_RETURN(
+          commit, AskCommit(api,
+                            "the commit of " + repo.id + " at revision " + json::Quote(revision) +
+                                " on the hub " + RedactUrl(endpoint),
+                            source));
       commits.emplace(api, commit);
       if (!ref_cache.empty()) {  // a cache: best effort
         static_cast<void>(objstore::WriteHubRef(ref_cache, repo.folder, revision, commit));

@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "tensorferry/integrity.h"
 #include "tensorferry/size.h"
 #include "util/macros.h"
 
@@ -237,6 +238,59 @@ std::pair<uint64_t, uint64_t> PieceRange(const TensorInfo& info, uint32_t p, uin
 bool CanSplit(const TensorInfo& info, uint32_t world) {
   return world > 1 && !info.shape.empty() && info.shape[0] >= world && info.size > 0 &&
          info.size % info.shape[0] == 0;
+}
+
+// The checksum records of the files a load checks (LoadOptions::verify on, or auto with a
+// record): each file's chunk size (0 without a record), and the records of `indices` combined.
+// A row piece's reader checks the chunks the piece holds whole: a tensor is split only where
+// every piece starts on a chunk, so that no chunk goes unchecked (a piece smaller than a chunk
+// would check nothing). Errors are the loads' to report.
+struct CheckedFiles {
+  std::vector<uint64_t> chunk_size;  // per file
+  uint64_t digest = 0;
+};
+
+CheckedFiles Checked(const Checkpoint& ckpt, std::span<const uint32_t> indices,
+                     const LoadOptions& options) {
+  CheckedFiles out;
+  out.chunk_size.assign(ckpt.files().size(), 0);
+  if (options.verify == VerifyMode::kOff || ckpt.files().empty()) return out;
+  std::optional<ChecksumManifest> manifest;
+  if (ckpt.files()[0].path.find("://") == std::string::npos) {  // beside local files only
+    Result<std::optional<ChecksumManifest>> read = ReadChecksumManifest(ckpt);
+    if (read.ok() && *read) manifest = std::move(**read);
+  }
+  std::vector<std::optional<FileChecksums>> sums(ckpt.files().size());
+  for (uint32_t f = 0; f < sums.size(); ++f) {
+    ChecksumSource source = ChecksumSource::kNone;
+    Result<std::optional<FileChecksums>> got =
+        ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source);
+    if (got.ok() && *got) {
+      out.chunk_size[f] = (*got)->chunk_size;
+      sums[f] = std::move(**got);
+    }
+  }
+  std::vector<uint64_t> digests;
+  for (const uint32_t index : indices) {
+    const TensorInfo& info = ckpt.tensors()[index];
+    if (!sums[info.file]) continue;
+    const auto it = sums[info.file]->tensors.find(info.name);
+    if (it == sums[info.file]->tensors.end()) continue;
+    digests.push_back(index);
+    digests.push_back(CombineChunkDigests(it->second.chunks));
+  }
+  if (!digests.empty()) out.digest = CombineChunkDigests(digests) | 1;  // never 0
+  return out;
+}
+
+// Whether every row piece of `info` among `world` readers starts on a multiple of `chunk` (0: no
+// checksums to keep whole).
+bool PiecesKeepChunksWhole(const TensorInfo& info, uint32_t world, uint64_t chunk) {
+  if (chunk == 0) return true;
+  for (uint32_t p = 0; p < world; ++p) {
+    if (PieceRange(info, p, world).first % chunk != 0) return false;
+  }
+  return true;
 }
 
 // Which exchanged tensors are split among every rank by rows (CooperativeTensorPlan::readers):
@@ -455,12 +509,16 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
 
   // Every rank's slice of every tensor, before any I/O: a rule error stops every rank here.
   const std::vector<TensorInfo>& infos = checkpoint.tensors();
+  const CheckedFiles checked = Checked(checkpoint, indices, options);
+  plan.checksums_digest = checked.digest;
   std::vector<Costed> costed;
   costed.reserve(indices.size());
   for (const uint32_t index : indices) {
     Costed c;
     TF_ASSIGN_OR_RETURN(c.item, MakeItem(infos[index], spec, me, world));
-    c.splittable = CanSplit(infos[index], world);
+    c.splittable =
+        CanSplit(infos[index], world) &&
+        PiecesKeepChunksWhole(infos[index], world, checked.chunk_size[infos[index].file]);
     c.local_read.assign(hosts, 0);
     c.received.assign(hosts, 0);
     const uint64_t size = infos[index].size;
@@ -1001,6 +1059,7 @@ uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& i
   f.Add(plan.storage_rate);
   f.Add(plan.network_rate);
   f.Add(plan.rounds);
+  f.Add(plan.checksums_digest);
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const CooperativeTensorPlan& t = plan.tensors[i];
     const TensorInfo& info = *items[i].info;
@@ -1052,8 +1111,8 @@ Status AgreeOnPlan(Collective& collective, const Result<uint64_t>& fingerprint, 
       return Status(Code::kInvalidArgument,
                     "cooperative load: rank " + std::to_string(q) + " and rank " +
                         std::to_string(collective.rank()) + " disagree on " + what +
-                        ": every rank needs the same checkpoint, selection, shard rules and "
-                        "cooperative options");
+                        ": every rank needs the same checkpoint (the same bytes, where checksum "
+                        "records tell), selection, shard rules and cooperative options");
     }
   }
   return Status::Ok();
@@ -1524,7 +1583,10 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
     local.local_seconds = std::chrono::duration<double>(*local_end - *local_start).count();
 
   std::vector<Tensor> out = Deliver(described, checkpoint->tensors().size(), exchanged);
-  for (const Tensor& t : out) local.bytes += t.size();
+  std::unordered_set<const void*> counted;  // a tied alias shares its target's bytes: once
+  for (const Tensor& t : out) {
+    if (t.size() == 0 || counted.insert(t.data()).second) local.bytes += t.size();
+  }
   local.tensors = out.size();
   local.seconds = SecondsSince(start);
   if (stats != nullptr) *stats = std::move(local);

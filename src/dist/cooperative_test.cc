@@ -214,6 +214,9 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
           options.budget = budget;
           options.cooperative.exchange = choice;
           options.threads = 2;
+          // The splitting rules alone: the fixture's checksum records would keep tensors whose
+          // pieces cut a chunk whole (ChecksumRecordsGuardTheExchangedBytes).
+          options.verify = VerifyMode::kOff;
           // Per-rank slicing options of the caller are ignored (the cooperative loader reads whole
           // tensors and slices by the spec it is given).
           if (budget > 0) options.tensor_parallel = TensorParallelOptions{ShardSpec::None(), 0, 1};
@@ -253,6 +256,9 @@ TEST(Cooperative, HugeTensorsAreSplitAmongTheReadersByRows) {
       options.threads = 2;
       options.budget = budget;
       options.cooperative.exchange = ExchangeChoice::kAll;
+      // The splitting rules alone: the fixtures' checksum records would keep tensors whose pieces
+      // cut a chunk whole (ChecksumRecordsGuardTheExchangedBytes).
+      options.verify = VerifyMode::kOff;
       const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
                                                    std::vector<uint32_t>(world, 0))
                                        .ValueOrThrow();
@@ -314,6 +320,7 @@ TEST(Cooperative, HugeTensorsAreSplitAmongTheReadersByRows) {
   // Across hosts, the busiest host reads about its share of the embedding, not all of it.
   LoadOptions options;
   options.cooperative.exchange = ExchangeChoice::kAll;
+  options.verify = VerifyMode::kOff;  // as above
   const std::vector<uint32_t> two_hosts = {0, 0, 1, 1};
   const CooperativePlan plan =
       PlanCooperative(*checkpoint, Selection::All(), t.spec, options, two_hosts).ValueOrThrow();
@@ -342,6 +349,9 @@ TEST(Cooperative, ReadersAreBalancedWithinTheSplitThreshold) {
     SCOPED_TRACE("world " + std::to_string(world));
     LoadOptions options;
     options.cooperative.exchange = ExchangeChoice::kAll;
+    // The splitting rules alone: the fixture's checksum records would keep tensors whose pieces
+    // cut a chunk whole (ChecksumRecordsGuardTheExchangedBytes).
+    options.verify = VerifyMode::kOff;
     const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
                                                  std::vector<uint32_t>(world, 0))
                                      .ValueOrThrow();
@@ -554,10 +564,10 @@ TEST(Cooperative, TiedAliasesShareTheirTargetLikeTheIndependentPath) {
         const std::vector<Tensor>& mine = *results[r];
         LoadOptions independent_options;
         independent_options.tensor_parallel = TensorParallelOptions{spec, r, world};
-        const std::vector<Tensor> theirs = Loader::Open(checkpoint, independent_options)
-                                               .ValueOrThrow()
-                                               ->Load(selection)
-                                               .ValueOrThrow();
+        auto independent = Loader::Open(checkpoint, independent_options).ValueOrThrow();
+        const std::vector<Tensor> theirs = independent->Load(selection).ValueOrThrow();
+        // The bytes delivered as the independent load counts them: an alias's once.
+        EXPECT_EQ(stats[r].bytes, independent->stats().bytes);
         ASSERT_EQ(mine.size(), theirs.size());
         for (size_t i = 0; i < mine.size(); ++i) {
           EXPECT_EQ(mine[i].name(), theirs[i].name());
@@ -713,6 +723,73 @@ TEST(Cooperative, RanksThatPlanDifferentlyFailAtOnceAndSaySo) {
   // Agreeing ranks load as before.
   s = run({columns, columns});
   EXPECT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << " / " << s[1].ToString();
+}
+
+// Checksum records guard the exchange. Two copies of one layout with other bytes (a stale copy on
+// one rank's host) plan alike, but their records differ: every rank fails before any exchange
+// instead of mixing the two. A corrupt byte in a tensor split among the readers is found by its
+// reader: a piece checks the chunks it holds whole, so a tensor is split only where every piece
+// starts on a chunk (world 2: pieces of 512 KiB on 64 KiB chunks, split; world 3: pieces that
+// start mid-chunk, read whole).
+TEST(Cooperative, ChecksumRecordsGuardTheExchangedBytes) {
+  TempDir a, b;
+  testing::TestTensors mine(
+      [](uint64_t i, size_t h) { return static_cast<char>((i * 7 + h) & 0xff); });
+  testing::TestTensors stale(
+      [](uint64_t i, size_t h) { return static_cast<char>((i * 7 + h + 1) & 0xff); });
+  for (testing::TestTensors* t : {&mine, &stale}) {
+    t->checksum_chunk_size = 64 << 10;
+    t->Add("big.w", DType::kF32, {256, 1024});
+    t->Add("small.w", DType::kF32, {64, 16});
+  }
+  ASSERT_TRUE(mine.WriteTo(a.path(), 1ull << 30).ok());
+  ASSERT_TRUE(stale.WriteTo(b.path(), 1ull << 30).ok());
+  LoadOptions options;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  options.cooperative.timeout_ms = 60'000;
+  options.verify = VerifyMode::kOn;
+  const auto run = [&](const std::vector<std::shared_ptr<const Checkpoint>>& ckpts) {
+    const uint32_t world = static_cast<uint32_t>(ckpts.size());
+    auto group = MakeInProcessGroup(world).ValueOrThrow();
+    std::vector<Status> statuses(world);
+    std::vector<std::thread> threads;
+    ShardSpec rows = ShardSpec::None();
+    rows.Add("*", ShardRule::Split(0));
+    for (uint32_t r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        statuses[r] =
+            LoadCooperative(ckpts[r], Selection::All(), rows, options, *group[r]).status();
+      });
+    }
+    for (auto& t : threads) t.join();
+    return statuses;
+  };
+  auto ours = Checkpoint::Open(a.path()).ValueOrThrow();
+  auto theirs = Checkpoint::Open(b.path()).ValueOrThrow();
+  std::vector<Status> s = run({ours, theirs});
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(s[r].code(), Code::kInvalidArgument) << s[r].ToString();
+    EXPECT_NE(s[r].message().find("disagree on planning"), std::string::npos) << s[r].ToString();
+  }
+  s = run({ours, ours});
+  EXPECT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << " / " << s[1].ToString();
+  // One byte of big.w's row 200 flipped (rank 1's piece in world 2, mid-piece in world 3).
+  const std::string path = ours->files()[0].path;
+  const TensorInfo& big = *ours->Find("big.w");
+  std::string bytes = testing::ReadBytes(path);
+  bytes[big.offset + 200 * 4096 + 5] ^= 1;
+  testing::WriteBytes(path, bytes);
+  for (uint32_t world : {2u, 3u}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    auto corrupt = Checkpoint::Open(a.path()).ValueOrThrow();
+    s = run(std::vector<std::shared_ptr<const Checkpoint>>(world, corrupt));
+    bool mismatch = false;
+    for (uint32_t r = 0; r < world; ++r) {
+      EXPECT_FALSE(s[r].ok()) << "rank " << r;
+      mismatch = mismatch || s[r].code() == Code::kChecksumMismatch;
+    }
+    EXPECT_TRUE(mismatch) << s[0].ToString();
+  }
 }
 
 // The cost model's local reads are the covering reads of each rank's slice: every slice range

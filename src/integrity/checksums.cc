@@ -398,8 +398,19 @@ Result<std::optional<FileChecksums>> EmbeddedChecksums(
   return std::optional<FileChecksums>();
 }
 
+namespace {
+
+// A chunk size no record holds (ParseFileChecksums refuses it): a caller's mistake, not a crash.
+Status ZeroChunkSize(std::string_view file, std::string_view tensor) {
+  return Status(Code::kChecksumsInvalid,
+                std::string(file) + ": tensor " + json::Quote(tensor) + ": checksum chunk size 0");
+}
+
+}  // namespace
+
 Status CheckChecksumShape(const TensorChecksum& expected, uint64_t chunk_size, uint64_t size,
                           std::string_view file, std::string_view tensor) {
+  if (chunk_size == 0) return ZeroChunkSize(file, tensor);
   const uint64_t want = ChecksumChunkCount(size, chunk_size);
   if (expected.chunks.size() != want) {
     return Status(Code::kChecksumsInvalid,
@@ -451,6 +462,7 @@ std::string MismatchAdvice(std::string_view file) {
 Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uint64_t tensor_size,
                         uint64_t index, uint64_t length, uint64_t got, std::string_view file,
                         std::string_view tensor, uint64_t file_offset) {
+  if (chunk_size == 0) return ZeroChunkSize(file, tensor);
   const uint64_t count = ChecksumChunkCount(tensor_size, chunk_size);
   const uint64_t begin = index * chunk_size;
   if (index >= count || index >= expected.chunks.size() ||

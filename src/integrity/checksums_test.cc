@@ -258,6 +258,13 @@ TEST(Checksums, VerifyNamesFileTensorChunkAndRange) {
             Code::kChecksumsInvalid);
   EXPECT_EQ(VerifyChunk(sum, 1024, 5000, 4, std::span(data).first(1024), "f", "w", 0).code(),
             Code::kChecksumsInvalid);  // the last chunk is 904 bytes
+  // A chunk size of 0 (no record holds one) is refused, not divided by.
+  EXPECT_EQ(CheckChecksumShape(sum, 0, 5000, "f", "w").code(), Code::kChecksumsInvalid);
+  EXPECT_EQ(VerifyTensor(sum, 0, data, "f", "w", 0).code(), Code::kChecksumsInvalid);
+  EXPECT_EQ(VerifyChunk(sum, 0, 5000, 0, std::span(data).first(1024), "f", "w", 0).code(),
+            Code::kChecksumsInvalid);
+  EXPECT_EQ(CheckChunkDigest(sum, 0, 5000, 0, 1024, 0, "f", "w", 0).code(),
+            Code::kChecksumsInvalid);
 }
 
 // A mismatch in a file of a Hugging Face hub cache's snapshot (a link into blobs/) names the blob

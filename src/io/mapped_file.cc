@@ -12,16 +12,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "io/engine_common.h"
 #include "tensorferry/mapping.h"
+#include "util/macros.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -59,6 +62,13 @@ struct Slot {
   bool path_whole = false;  // path is not cut, and identity is known
   dev_t dev = 0;
   ino_t ino = 0;
+  // Views mapped without a read lease (the loud-failure guard): the file's size and mtime when
+  // mapped, for CheckMappedFiles to see an in-place rewrite (which no fault shows: the new bytes
+  // show through). Under g_table_mu; never read by the handler.
+  bool watch = false;
+  bool rewrite_reported = false;
+  off_t size_at_map = 0;
+  struct timespec mtime_at_map {};
 };
 
 // Process-wide fault accounting for CheckMappedFiles: every mapping's first fault bumps
@@ -494,6 +504,10 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
     s.path_whole = keep == path.size() && ::fstat(fd, &st) == 0;
     s.dev = s.path_whole ? st.st_dev : 0;
     s.ino = s.path_whole ? st.st_ino : 0;
+    s.watch = false;  // set below when no lease guards the views
+    s.rewrite_reported = false;
+    s.size_at_map = s.path_whole ? st.st_size : 0;
+    s.mtime_at_map = s.path_whole ? st.st_mtim : timespec{};
     s.faults.store(0, std::memory_order_relaxed);
     s.first_fault.store(UINT64_MAX, std::memory_order_relaxed);
     s.first_cause.store(kCauseUnknown, std::memory_order_relaxed);
@@ -518,6 +532,7 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
     std::vector<const MappedFile*>& owners = Owners();
     if (owners.size() <= slot) owners.resize(slot + 1, nullptr);
     owners[slot] = map.get();
+    Table()[slot].watch = use == Use::kViews && lease_fd < 0 && Table()[slot].path_whole;
   }
   return map;
 }
@@ -633,10 +648,82 @@ void SetMappingLeases(bool enabled) noexcept {
   io::g_leases_enabled.store(enabled, std::memory_order_relaxed);
 }
 
+namespace io {
+namespace {
+
+// A view mapping without a lease whose file was rewritten in place since it was mapped (the same
+// inode, another size or mtime): its new bytes show through the tensors (MAP_PRIVATE keeps only
+// pages written by this process). Each such mapping is reported once. At most every 200 ms: a
+// stat per unleased mapping (a network file system's are the usual ones) per library call.
+Status CheckRewrites() {
+  static std::atomic<int64_t> last_ns{0};
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  int64_t before = last_ns.load(std::memory_order_relaxed);
+  if (now - before < 200'000'000 || !last_ns.compare_exchange_strong(before, now)) {
+    return Status::Ok();
+  }
+  struct Watched {
+    size_t slot;
+    uint64_t generation;
+    std::string path;
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    timespec mtime;
+  };
+  std::vector<Watched> watched;
+  {
+    std::lock_guard<std::mutex> lock(g_table_mu);
+    const size_t high = g_high_water.load(std::memory_order_acquire);
+    Slot* table = Table();
+    for (size_t i = 0; table != nullptr && i < high; ++i) {
+      const Slot& s = table[i];
+      // A mapping that faulted (the file shrank under it) is reported as such.
+      if (s.begin.load(std::memory_order_acquire) == 0 || !s.watch || s.rewrite_reported ||
+          s.faults.load(std::memory_order_relaxed) > 0) {
+        continue;
+      }
+      watched.push_back({i, s.generation.load(std::memory_order_relaxed), s.path, s.dev, s.ino,
+                         s.size_at_map, s.mtime_at_map});
+    }
+  }
+  for (const Watched& w : watched) {
+    struct stat st;
+    if (::stat(w.path.c_str(), &st) != 0 || st.st_dev != w.dev || st.st_ino != w.ino) {
+      continue;  // gone or renamed over: the mapping keeps the inode it mapped
+    }
+    if (st.st_size == w.size && st.st_mtim.tv_sec == w.mtime.tv_sec &&
+        st.st_mtim.tv_nsec == w.mtime.tv_nsec) {
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(g_table_mu);
+      Slot& s = Table()[w.slot];
+      if (s.generation.load(std::memory_order_relaxed) != w.generation || s.rewrite_reported) {
+        continue;
+      }
+      s.rewrite_reported = true;
+    }
+    return Status(Code::kIoError,
+                  w.path +
+                      ": file rewritten in place while its tensors were mapped without a read "
+                      "lease (more than " +
+                      std::to_string(MappedFile::kMaxLeases) +
+                      " files mapped, leases off, or a file system without them): those tensors "
+                      "may show the new bytes; reload them");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace io
+
 Status CheckMappedFiles() {
   const uint64_t events = io::g_fault_events.load(std::memory_order_acquire);
   uint64_t reported = io::g_fault_events_reported.load(std::memory_order_relaxed);
-  if (events == reported) return Status::Ok();
+  if (events == reported) return io::CheckRewrites();
   if (!io::g_fault_events_reported.compare_exchange_strong(reported, events)) {
     return Status::Ok();  // another caller reports these
   }

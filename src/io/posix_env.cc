@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "util/random.h"
@@ -248,11 +249,24 @@ Env* Env::Default() {
   return env;
 }
 
-Status ReadFully(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst) {
+Status ReadFully(const RandomAccessFile& file, uint64_t offset, std::span<std::byte> dst,
+                 const std::atomic<bool>* cancel) {
+  std::optional<io::CancelScope>
+      scope;  // with no flag, the caller's scope (if any) stays innermost
+  if (cancel != nullptr) scope.emplace(cancel);
+  const auto cancelled = [&] {
+    return Status(Code::kCancelled, file.path() + ": read cancelled at offset " +
+                                        std::to_string(offset) + " (" + std::to_string(dst.size()) +
+                                        " bytes)");
+  };
   size_t done = 0;
   while (done < dst.size()) {
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) return cancelled();
     auto n = file.Read(offset + done, dst.subspan(done));
-    if (!n.ok()) return n.status();
+    if (!n.ok()) {
+      if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) return cancelled();
+      return n.status();
+    }
     if (*n == 0) {
       return Status(Code::kUnexpectedEof, file.path() + ": unexpected end of file at offset " +
                                               std::to_string(offset + done) + ": wanted " +

@@ -62,6 +62,14 @@ struct BatchIterator::State {
       return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
     }
     Result<Batch> got = sinks[g]->Complete(b, std::move(memory));
+    if (got.ok()) {
+      // A file rewritten while the batch was read: the batch is dropped, not handed out mixed.
+      if (Status s = m->CheckFilesAfterReads(); !s.ok()) return Result<Batch>(std::move(s));
+      // Cancelled while the batch was read (the mapped engine's populate runs to its end).
+      if (m->options.cancel && m->options.cancel->load(std::memory_order_relaxed)) {
+        return Result<Batch>(Status(Code::kCancelled, "the load was cancelled"));
+      }
+    }
     // Checksums before anyone sees the batch: a mismatch fails it (the batch is dropped here).
     if (got.ok() && !m->checksums.empty() && !groups[g].device.is_cuda() &&
         m->engine_kind == Engine::kMmap) {
@@ -79,10 +87,15 @@ struct BatchIterator::State {
 
   // Batch k: read ahead, or read now when its memory fits (kBudgetExceeded otherwise).
   Result<Batch> Take() {
+    const auto cancelled = [&] {
+      return m->options.cancel && m->options.cancel->load(std::memory_order_relaxed);
+    };
     if (next.valid()) {
       StopWaiting();  // the caller asks for the batch now: it is read here if its wait is not over
       std::shared_ptr<Waiting> waited = std::move(waiting);
       Result<Batch> got = next.get();
+      // A batch read ahead before the load was cancelled is not handed out after it.
+      if (got.ok() && cancelled()) return Status(Code::kCancelled, "the load was cancelled");
       if (!waited || waited->reserved.load()) return got;  // else: it ended without memory
     }
     sink::BatchSink& s = *sinks[order[k].first];
@@ -163,23 +176,14 @@ struct BatchIterator::State {
     m->CollectDeviceStats(pipeline0);
     m->CollectSourceStats(source0);
     sink::ReleaseGatherMappings(m->gather_maps);
-    if (!m->options.drop_cache || m->engine_kind == Engine::kMmap) {
-      return Status::Ok();  // mapped pages are the tensors
-    }
+    if (!m->options.drop_cache) return Status::Ok();
     std::vector<bool> read(m->checkpoint->files().size(), false);
     for (const Group& g : groups) {
       for (const PlanBatch& b : g.plan.batches) {
         for (const ReadTask& t : b.tasks) read[t.file] = true;
       }
     }
-    for (size_t f = 0; f < read.size(); ++f) {
-      if (!read[f]) continue;
-      // Through the file the load read (object storage: its copy in the cache, if any).
-      TF_ASSIGN_OR_RETURN(const io::FileSet::Pin pin,
-                          m->checkpoint->file_set()->Get(static_cast<uint32_t>(f)));
-      TF_RETURN_IF_ERROR(pin.file->DropFromPageCache());
-    }
-    return Status::Ok();
+    return m->DropReadFiles(read);
   }
 };
 

@@ -201,9 +201,10 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
       }
     }
   }
+  std::set<uint32_t> counted;  // a tied alias and its target are one stored tensor's bytes
   for (const OutputInfo* o : outputs) {
     m.stats.tensors += 1;
-    m.stats.bytes += o->bytes;
+    if (counted.insert(o->tensor).second) m.stats.bytes += o->bytes;
   }
   for (const auto& [index, tasks] : reads.device_tasks) {
     m.stats.device_tensors += reads.device_tensors.at(index);
@@ -228,6 +229,8 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
                                             reads.device_task_file.at(index), nullptr));
   }
   if (device_check) device_check->Count();
+  // A file rewritten during the reads: the destinations may hold both versions' bytes.
+  TF_RETURN_IF_ERROR(m.CheckFilesAfterReads());
   m.CollectVerifyStats(verified);
   m.stats.batches = (reads.host.empty() ? 0 : 1) + reads.device_tasks.size();
   m.stats.device_batches = reads.device_tasks.size();
@@ -239,7 +242,9 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
   m.CollectDeviceStats(pipeline0);
   m.CollectSourceStats(source0);
   m.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  return Status::Ok();
+  std::vector<bool> read(ckpt.files().size(), false);
+  for (const OutputInfo* o : outputs) read[ckpt.tensors()[o->tensor].file] = true;
+  return m.DropReadFiles(read);
 }
 
 }  // namespace tensorferry

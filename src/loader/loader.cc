@@ -157,6 +157,17 @@ Status Loader::Impl::OpenFiles() {
   return checkpoint->CheckUnchanged();
 }
 
+Status Loader::Impl::DropReadFiles(const std::vector<bool>& read) {
+  if (!options.drop_cache || engine_kind == Engine::kMmap) return Status::Ok();
+  for (size_t f = 0; f < read.size(); ++f) {
+    if (!read[f]) continue;
+    TF_ASSIGN_OR_RETURN(const io::FileSet::Pin pin,
+                        checkpoint->file_set()->Get(static_cast<uint32_t>(f)));
+    TF_RETURN_IF_ERROR(pin.file->DropFromPageCache());
+  }
+  return Status::Ok();
+}
+
 Status Loader::Impl::InFileWindows(
     const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
     const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run) {

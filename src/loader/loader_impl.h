@@ -75,6 +75,15 @@ struct Loader::Impl {
   // still those seen at Checkpoint::Open (the others are checked when opened again): a file
   // replaced or rewritten since then is reported before a read of it.
   Status OpenFiles();
+  // After reads, before their bytes are handed out: the files held open still those Open saw
+  // (an in-place rewrite during a load, such as `cp` over a shard, changes the mtime; the bytes
+  // read may then mix both versions). The mapped engine's leased pages need no check, but it
+  // costs two system calls per held file and is made for every engine.
+  Status CheckFilesAfterReads() const { return checkpoint->CheckUnchanged(); }
+  // LoadOptions::drop_cache: the files marked in `read` dropped from the page cache (through
+  // the file the load read: an object-store file's copy in the cache, if any). Nothing with the
+  // mmap engine, whose tensors are those pages.
+  Status DropReadFiles(const std::vector<bool>& read);
 
   // Runs `run` over windows of the files in `used` (distinct file indices), each window at most
   // half the file set's descriptor bound, with the window's files pinned: pins[f].file is set for

@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <thread>
 
@@ -184,6 +186,66 @@ TEST(Loader, DropCacheEvictsTheFilesRead) {
   EXPECT_LT(*CachedFraction(path), 0.1);
   automatic.engine = Engine::kMmap;
   EXPECT_EQ(Loader::Open(f.dir.path(), automatic).status().code(), Code::kInvalidArgument);
+  // LoadInto too: the destinations are the caller's, the pages go.
+  LoadOptions keep = o;
+  keep.drop_cache = false;
+  ASSERT_TRUE(Loader::Open(f.dir.path(), keep).value()->Load().ok());  // cached again
+  ASSERT_GT(*CachedFraction(path), 0.9);
+  auto into = Loader::Open(f.dir.path(), o).value();
+  const Description all = into->Describe(Selection::All()).value();
+  std::vector<std::vector<std::byte>> buffers;
+  std::vector<Destination> destinations;
+  for (const OutputInfo& out : all.outputs) {
+    buffers.emplace_back(out.bytes);
+    destinations.push_back({out.name, Device::CPU(), buffers.back().data(), out.bytes});
+  }
+  const Status s = into->LoadInto(destinations);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_LT(*CachedFraction(path), 0.1);
+}
+
+// Rewrites `path` in place (the same inode, as cp does) with the bytes of its second half
+// inverted, its mtime moved 5 s on (a coarse clock must not hide the change).
+void RewriteSecondHalfInPlace(const std::string& path) {
+  std::string other = ReadBytes(path);
+  for (size_t i = other.size() / 2; i < other.size(); ++i) other[i] = static_cast<char>(~other[i]);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::pwrite(fd, other.data(), other.size(), 0), static_cast<ssize_t>(other.size()));
+  const struct timespec later[2] = {{0, UTIME_OMIT}, {::time(nullptr) + 5, 0}};
+  EXPECT_EQ(::futimens(fd, later), 0);
+  ::close(fd);
+}
+
+// A file rewritten in place while a load reads it (`cp` over a shard: same size, other bytes):
+// the batch read across the change is not handed out; the load fails naming the file. Copying
+// engines (the mapped one's pages are leased).
+TEST(Loader, AFileRewrittenDuringAStreamFailsItsNextBatch) {
+  Fixture f(8, 1u << 30, 200);
+  const std::string path = f.dir.Join("model.safetensors");
+  const std::string original = ReadBytes(path);
+  for (Engine engine : {Engine::kPread, Engine::kIoUring}) {
+    SCOPED_TRACE(EngineName(engine));
+    testing::WriteBytes(path, original);
+    LoadOptions o;
+    o.engine = engine;
+    o.budget = 64 << 10;  // many batches
+    o.allow_oversized = true;
+    auto loader = Loader::Open(f.dir.path(), o).value();
+    size_t batches = 0;
+    const Status s = loader->Stream(Selection::All(), [&](Batch b) {
+      for (const Tensor& t : b.tensors) EXPECT_EQ(HostBytes(t), f.Full(t.name())) << t.name();
+      if (++batches == 1) {
+        RewriteSecondHalfInPlace(path);
+      }
+      return Status::Ok();
+    });
+    ASSERT_FALSE(s.ok()) << "no error after " << batches << " batches";
+    EXPECT_NE(s.message().find("changed since the checkpoint was opened"), std::string::npos)
+        << s.ToString();
+    EXPECT_NE(s.message().find(path), std::string::npos) << s.ToString();
+  }
+  testing::WriteBytes(path, original);
 }
 
 TEST(Loader, TensorsOutliveLoaderAndCheckpoint) {
@@ -663,6 +725,29 @@ TEST(LoaderEngines, MmapWithoutLeaseFailsLoudlyAfterTruncation) {
   auto again = (*loader)->Load();
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find(path), std::string::npos) << again.status().ToString();
+}
+
+// Without a lease, a file rewritten in place (the same size, other bytes: no page vanishes, no
+// fault) shows through the mapped tensors; CheckMappedFiles says so, once, naming the file.
+TEST(LoaderEngines, MmapWithoutLeaseReportsAnInPlaceRewrite) {
+  WithoutLeases no_leases;
+  Fixture f(2, 1u << 30, 100);
+  const std::string path = f.dir.Join("model.safetensors");
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  auto loader = Loader::Open(path, o).value();
+  auto tensors = loader->Load();
+  ASSERT_TRUE(tensors.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // its checks are 200 ms apart
+  EXPECT_TRUE(CheckMappedFiles().ok());
+  RewriteSecondHalfInPlace(path);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  const Status s = CheckMappedFiles();
+  EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
+  EXPECT_NE(s.message().find(path + ": file rewritten in place"), std::string::npos)
+      << s.ToString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  EXPECT_TRUE(CheckMappedFiles().ok());  // once
 }
 
 TEST(LoaderEngines, MmapPopulateReportsAFileThatShrankUnderneath) {

@@ -288,6 +288,23 @@ TEST(TensorParallelLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
     ASSERT_EQ(named.size(), 1u);
     EXPECT_EQ(named[0].name(), "lm_head.weight");
     EXPECT_EQ(HostBytes(named[0]), HostBytes(embed));
+    // LoadInto of a target and its alias: each destination filled, the bytes counted once (as
+    // Load counts them).
+    const uint64_t load_bytes = [&] {
+      auto pair = loader->Load(Selection::Names({"embed.weight", "lm_head.weight"}));
+      EXPECT_TRUE(pair.ok()) << pair.status().ToString();
+      return loader->stats().bytes;
+    }();
+    std::vector<std::byte> a(embed.size()), b(embed.size());
+    const std::vector<Destination> into = {{"embed.weight", Device::CPU(), a.data(), a.size()},
+                                           {"lm_head.weight", Device::CPU(), b.data(), b.size()}};
+    const Status s = loader->LoadInto(into);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(a.data()), a.size()), HostBytes(embed));
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(loader->stats().tensors, 2u);
+    EXPECT_EQ(loader->stats().bytes, embed.size());
+    EXPECT_EQ(loader->stats().bytes, load_bytes);
   }
 }
 

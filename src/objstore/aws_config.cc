@@ -668,8 +668,8 @@ Result<std::string> ReadSmallFile(const std::string& path, std::string_view what
 Result<std::string> NormalizeEndpoint(const std::string& value, const std::string& from,
                                       std::string_view store) {
   const auto problem = [&](std::string_view what) {
-    return Status(Code::kInvalidArgument, std::string(store) + " endpoint \"" + value + "\" from " +
-                                              from + ": " + std::string(what));
+    return Status(Code::kInvalidArgument, std::string(store) + " endpoint \"" + RedactUrl(value) +
+                                              "\" from " + from + ": " + std::string(what));
   };
   std::string_view v = value;
   if (v.ends_with('/')) v.remove_suffix(1);

@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "objstore/url.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::objstore {
@@ -595,9 +596,12 @@ TEST(AwsConfig, EndpointValidation) {
                           "http://h?x=1", "http://user:pw@h", "http://h:99999", "s3://b"}) {
     request.endpoint = bad;
     const std::string message = aws.Error(request);
-    EXPECT_NE(message.find(std::string("S3 endpoint \"") + bad + "\" from options"),
+    // Named as shown: no password, no query (RedactUrl).
+    EXPECT_NE(message.find(std::string("S3 endpoint \"") + RedactUrl(bad) + "\" from options"),
               std::string::npos)
         << message;
+    EXPECT_EQ(message.find("pw"), std::string::npos) << message;
+    EXPECT_EQ(message.find("x=1"), std::string::npos) << message;
   }
   aws.Set("AWS_ENDPOINT_URL", "localhost:9000");
   EXPECT_NE(aws.Error().find("from AWS_ENDPOINT_URL"), std::string::npos);

@@ -21,6 +21,7 @@
 
 #include "io/read_engine.h"
 #include "objstore/s3_xml.h"
+#include "objstore/url.h"
 #include "util/macros.h"
 
 extern char** environ;
@@ -50,7 +51,7 @@ std::string HttpProblem(const HttpResponse& r) {
     if (!error->message.empty()) out += ": " + error->message;
     return out;
   }
-  const std::string excerpt = PrintableExcerpt(r.text);
+  const std::string excerpt = Excerpt(r.text);
   return excerpt.empty() ? out : out + ": " + excerpt;
 }
 
@@ -155,8 +156,8 @@ Result<TimedAwsKeys> ParseAwsCredentialsJson(std::string_view text, const std::s
       return Status(Code::kIoError, where + ": the output has no \"Version\": 1");
     }
   } else if (const std::string code = get("Code"); !code.empty() && code != "Success") {
-    return Status(Code::kIoError, where + ": the answer's Code is \"" + PrintableExcerpt(code, 64) +
-                                      "\", not \"Success\"");
+    return Status(Code::kIoError,
+                  where + ": the answer's Code is \"" + Excerpt(code, 64) + "\", not \"Success\"");
   }
   TimedAwsKeys out;
   out.keys.access_key_id = get("AccessKeyId");
@@ -174,8 +175,7 @@ Result<TimedAwsKeys> ParseAwsCredentialsJson(std::string_view text, const std::s
   if (const std::string expiration = get("Expiration"); !expiration.empty()) {
     out.expiration = ParseIso8601(expiration);
     if (!out.expiration) {
-      return Status(Code::kIoError, where + ": \"Expiration\" \"" +
-                                        PrintableExcerpt(expiration, 64) +
+      return Status(Code::kIoError, where + ": \"Expiration\" \"" + Excerpt(expiration, 64) +
                                         "\" is not an ISO 8601 time");
     }
   }
@@ -335,7 +335,7 @@ Result<std::string> RunCredentialProcess(const std::string& command, const std::
   std::string_view tail = err;
   while (!tail.empty() && (tail.back() == '\n' || tail.back() == ' ')) tail.remove_suffix(1);
   const std::string said =
-      tail.empty() ? std::string() : "; its stderr ends: " + PrintableExcerpt(tail, kStderrKept);
+      tail.empty() ? std::string() : "; its stderr ends: " + Excerpt(tail, kStderrKept);
   if (WIFSIGNALED(status)) {
     return Status(Code::kIoError,
                   where + ": killed by signal " + std::to_string(WTERMSIG(status)) + said);
@@ -456,8 +456,7 @@ Result<TimedAwsKeys> AwsCredentials::AskSts(const std::string& action, std::stri
   if (!sts->expiration.empty()) {
     out.expiration = ParseIso8601(sts->expiration);
     if (!out.expiration) {
-      return Status(Code::kIoError, where + ": <Expiration> \"" +
-                                        PrintableExcerpt(sts->expiration, 64) +
+      return Status(Code::kIoError, where + ": <Expiration> \"" + Excerpt(sts->expiration, 64) +
                                         "\" is not an ISO 8601 time");
     }
   }
@@ -576,8 +575,8 @@ Result<TimedAwsKeys> AwsCredentials::FetchInstanceMetadata() const {
   role = role.substr(0, role.find_first_of("\r\n"));
   if (role.empty()) return none("no IAM role is attached to this instance");
   if (role.find_first_of("/?#% ") != std::string_view::npos || !HeaderSafe(role)) {
-    return Status(Code::kIoError, where + ": the role name it answered (\"" +
-                                      PrintableExcerpt(role, 64) + "\") is not usable");
+    return Status(Code::kIoError, where + ": the role name it answered (\"" + Excerpt(role, 64) +
+                                      "\") is not usable");
   }
   HttpRequest get;
   get.url = list.url + std::string(role);

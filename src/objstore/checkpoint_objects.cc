@@ -28,10 +28,14 @@ Result<CheckpointObjects> FindCheckpointObjects(Source& source, const ObjectUrl&
     out.opened = std::move(probe).value();
     return out;
   }
-  if (probe.status().code() != Code::kNotFound) return probe.status();
+  const Code missing = probe.status().code();
+  if (missing == Code::kCancelled) return probe.status();
   if (!IsBucketScheme(url.scheme)) {
     // An HTTP server cannot be listed: without an index, the prefix is a model folder's single
-    // file (a Hugging Face model's model.safetensors), if it has one.
+    // file (a Hugging Face model's model.safetensors), if it has one. Asked also when the index
+    // was refused rather than missing: a bucket served over HTTP (S3's website or REST endpoint,
+    // CloudFront) answers 403 AccessDenied for a key it does not have when listing is not
+    // granted.
     const std::string single = Join(url, kSingleFileName).ToString();
     ask(single, false);
     Result<std::unique_ptr<SourceFile>> file = source.Open(single);
@@ -40,12 +44,16 @@ Result<CheckpointObjects> FindCheckpointObjects(Source& source, const ObjectUrl&
       out.opened = std::move(file).value();
       return out;
     }
+    if (missing != Code::kNotFound) {  // both answers: the index's first
+      return Status(missing, probe.status().message() + "; and " + file.status().message());
+    }
     if (file.status().code() != Code::kNotFound) return file.status();
     return Status(Code::kNotFound, url.ToString() + ": neither " + std::string(kIndexFileName) +
                                        " nor " + std::string(kSingleFileName) +
                                        " under this prefix (an HTTP server cannot be listed: give "
                                        "the URL of the index or of a .safetensors file)");
   }
+  if (missing != Code::kNotFound) return probe.status();
   ask(url.ToString(), true);
   Result<std::vector<std::string>> listed = source.List(url.ToString(), ".safetensors");
   if (!listed.ok()) {

@@ -40,7 +40,9 @@ struct CheckpointObjects {
 
 // Resolves `url` through `source`. `asked`, when given, receives each request made, in order
 // (also when the call fails: the last one is the one that failed).
-// Errors: `source`'s Open errors other than kNotFound for the prefix's index and single file;
+// Errors: `source`'s Open errors other than kNotFound for the prefix's index and single file (an
+// HTTP prefix asks for its single file also when the index was refused, 403 as some buckets
+// answer for a missing key, and when both fail names both: "<index error>; and <single error>");
 // kNotFound "<url>: neither <index> nor <single> under this prefix (...)" for an HTTP prefix
 // with neither; for an S3/GCS prefix without an index, the listing's error prefixed with
 // "<url>: no <index> under this prefix, and ", or kNotFound when nothing is listed.

@@ -78,12 +78,6 @@ std::string FormEncode(std::initializer_list<std::pair<const char*, std::string_
   return out;
 }
 
-std::string PrintableExcerpt(std::string_view text, size_t limit) {
-  std::string out;
-  for (char ch : text.substr(0, limit)) out += (ch >= 32 && ch < 127) ? ch : ' ';
-  return out;
-}
-
 HttpSettings CredentialsSettings(const HttpSettings& transport, uint32_t max_timeout_ms) {
   HttpSettings hs;  // unsigned
   hs.timeout_ms = std::min(transport.timeout_ms, max_timeout_ms);

@@ -51,10 +51,6 @@ Result<std::map<std::string, std::string>> StringMembers(std::string_view text,
 // "a=v1&b=v2" with the values percent-encoded (application/x-www-form-urlencoded).
 std::string FormEncode(std::initializer_list<std::pair<const char*, std::string_view>> fields);
 
-// The first `limit` bytes of `text` with control and non-ASCII bytes as spaces (error bodies in
-// messages).
-std::string PrintableExcerpt(std::string_view text, size_t limit = 160);
-
 // `request` sent by `client`, again (after 200, 400, ... ms) while the answer is no answer, 429,
 // a 5xx, or an AWS error document whose code is Throttling or IDPCommunicationError (STS):
 // `attempts` in all. Credentials endpoints answer small documents quickly.

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "objstore/credentials_common.h"
+#include "objstore/url.h"
 #include "util/json_dom.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
@@ -191,7 +192,7 @@ std::string TokenError(const HttpResponse& r) {
       return out + ": " + std::string(message);
     }
   }
-  const std::string excerpt = PrintableExcerpt(r.text);
+  const std::string excerpt = Excerpt(r.text);
   return excerpt.empty() ? out : out + ": " + excerpt;
 }
 

@@ -75,7 +75,8 @@ int OnProgress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
     t->stalled = true;
     return 1;
   }
-  if (now - t->window_start >= timeout) {
+  // Too slow, unless nothing came for half a timeout: then a stall, said so within that half.
+  if (now - t->window_start >= timeout && now - t->last_byte < timeout / 2) {
     if (t->window_bytes * 1000 < kMinBytesPerSecond * t->timeout_ms) {
       t->too_slow = true;
       return 1;

@@ -1047,6 +1047,10 @@ std::vector<std::string> ObjectCache::ErrorsSince(uint64_t first) const {
   return out;
 }
 
+void ObjectCache::Skip(const std::string& name, const std::string& why) {
+  NoteError(Where() + name + " not cached: " + why);
+}
+
 void ObjectCache::NoteError(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   errors_.fetch_add(1);

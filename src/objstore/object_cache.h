@@ -159,6 +159,10 @@ class ObjectCache {
   // stats() and changes nothing else.
   void Keep(const CachedObject& object, std::span<const std::byte> bytes);
 
+  // An object read past the cache, for `why` (it has no strong ETag: a copy could not be told
+  // from a changed object): counted in stats() as a failure, "<where>: <name> not cached: <why>".
+  void Skip(const std::string& name, const std::string& why);
+
   // Blocks until the downloads begun so far (and those queued) have ended, in the cache or not.
   void Drain();
   // True while downloads are queued or running.

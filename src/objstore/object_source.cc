@@ -74,12 +74,6 @@ std::string RangeText(uint64_t first, uint64_t last) {
 }
 
 // A short, printable excerpt of a body that is not an S3 error document.
-std::string Excerpt(std::string_view text) {
-  std::string out;
-  for (char c : text.substr(0, 160)) out += (c >= 32 && c < 127) ? c : ' ';
-  return out;
-}
-
 // True when `url` is on `origin` ("scheme://host[:port]"): the same scheme, host and port,
 // compared case-insensitively (a hub's redirect to a path of its own, such as a cache of small
 // files, stays on the origin; a CDN does not).
@@ -95,7 +89,7 @@ bool SameOrigin(std::string_view url, std::string_view origin) {
 
 bool RetryableS3Code(std::string_view code) {
   return code == "SlowDown" || code == "InternalError" || code == "RequestTimeout" ||
-         code == "ServiceUnavailable" || code == "Throttling" || code == "RequestTimeTooSkewed";
+         code == "ServiceUnavailable" || code == "Throttling";
 }
 
 // libcurl errors that another attempt cannot fix: TLS verification and setup, unusable URLs.
@@ -137,7 +131,11 @@ Verdict Judge(const HttpResponse& r) {
     // Connections that failed (refused, reset, timed out) may work next time; a certificate
     // that does not verify, or a URL libcurl cannot use, will not: retrying only delays the
     // error (by ~6 s with the default retries).
-    v.retryable = !PermanentTransportError(r.curl_code);
+    // A response that begins with no status line on a reused connection (the rest of an earlier
+    // body a server sent past its Content-Length: "Received HTTP/0.9 when not allowed") is
+    // the connection's fault; libcurl closes it, so asking again is a fresh start.
+    v.retryable =
+        !PermanentTransportError(r.curl_code) || r.curl_error.find("HTTP/0.9") != std::string::npos;
     v.why = "no response (" + r.curl_error + ")";
     return v;
   }
@@ -148,6 +146,9 @@ Verdict Judge(const HttpResponse& r) {
     v.why += " " + e->code;
     if (!e->message.empty()) v.why += ": " + e->message;
     if (!e->request_id.empty()) v.why += " (request id " + e->request_id + ")";
+    if (e->code == "RequestTimeTooSkewed") {  // signed with this machine's clock: not retried
+      v.why += " (this machine's clock is more than 15 minutes off the store's: set it right)";
+    }
     // A bucket asked for in another region than its own: where it is, and how to say so.
     const std::string region = !r.bucket_region.empty() ? r.bucket_region : e->region;
     if (!region.empty() && (e->code == "PermanentRedirect" ||
@@ -165,7 +166,9 @@ Verdict Judge(const HttpResponse& r) {
     v.why += ": " + Excerpt(r.text);
   }
   if (!r.rejected.empty()) v.why += " (" + r.rejected + ")";
-  if (r.curl_code != 0) v.why += " (" + r.curl_error + ")";
+  // The transfer broken off because the body was refused: libcurl's "Failure writing output to
+  // destination" would read like a local disk's failure.
+  if (r.curl_code != 0 && r.rejected.empty()) v.why += " (" + r.curl_error + ")";
   // Where a redirect led, redacted (a signed link's signature is a credential).
   if (!r.redirected_to.empty()) v.why += " (redirected to " + RedactUrl(r.redirected_to) + ")";
   if (r.status >= 200 && r.status <= 299) {
@@ -188,22 +191,41 @@ Verdict Judge(const HttpResponse& r) {
   return v;
 }
 
+// The version of an object a file reads, seen at open: every ranged GET is pinned to it. Its
+// ETag when the server sent one (If-Match; a weak one compared with each response's); else its
+// Last-Modified (If-Unmodified-Since, and each response's compared: a change within the same
+// second of the same size goes unnoticed); with neither, nothing but the size.
+struct Version {
+  std::string etag;
+  std::string last_modified;  // only when there is no ETag
+
+  static Version Of(const HttpResponse& r) {
+    return r.etag.empty() ? Version{"", r.last_modified} : Version{r.etag, ""};
+  }
+  // What the doctor says of it.
+  std::string Text() const {
+    if (!etag.empty()) return "ETag " + etag;
+    if (!last_modified.empty()) return "no ETag: pinned to Last-Modified " + last_modified;
+    return "no ETag nor Last-Modified (a change of the same size during a load goes unnoticed)";
+  }
+};
+
 class ObjectFile final : public SourceFile {
  public:
   ObjectFile(std::shared_ptr<const ObjectSource> source, Target target, FileIdentity identity,
-             std::string etag, std::vector<std::byte> prefix)
+             Version version, std::vector<std::byte> prefix)
       : source_(source),
         target_(std::move(target)),
         identity_(identity),
-        etag_(std::move(etag)),
+        version_(std::move(version)),
         prefix_(std::move(prefix)) {}
 
   Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override;
   Result<uint64_t> Size() const override { return identity_.size; }
   const std::string& path() const noexcept override { return target_.name; }
   const FileIdentity& identity() const noexcept override { return identity_; }
-  const std::string& etag() const noexcept { return etag_; }
-  // Every read is pinned to the ETag seen at open (If-Match): nothing to check up front.
+  const Version& version() const noexcept { return version_; }
+  // Every read is pinned to the version seen at open (If-Match): nothing to check up front.
   Status CheckUnchanged() const override { return Status::Ok(); }
 
  private:
@@ -212,7 +234,7 @@ class ObjectFile final : public SourceFile {
   const std::shared_ptr<const ObjectSource> source_;  // a file may outlive its checkpoint
   const Target target_;
   const FileIdentity identity_;
-  const std::string etag_;  // "" when the server sent none
+  const Version version_;
   mutable std::mutex mu_;
   // The first bytes, fetched at open: they serve the header reads, then are released.
   mutable std::vector<std::byte> prefix_;
@@ -271,9 +293,9 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   SourceReadHints Transport(bool explain = false) const;
   uint64_t PartSize() const { return Transport().read_size; }
 
-  // Reads [first, first + dst.size()) of `target` into dst, pinned to `etag` and `size`, retrying
-  // and resuming.
-  Status ReadRange(const Target& target, const std::string& etag, uint64_t size, uint64_t first,
+  // Reads [first, first + dst.size()) of `target` into dst, pinned to `version` and `size`,
+  // retrying and resuming.
+  Status ReadRange(const Target& target, const Version& version, uint64_t size, uint64_t first,
                    std::span<std::byte> dst) const;
 
  private:
@@ -675,13 +697,16 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
   }
   prefix.resize(static_cast<size_t>(std::min<uint64_t>(r.body_bytes, id.size)));
   NotePeer(r.peer);
-  id.inode = Fnv1a(r.etag);
+  const Version version = Version::Of(r);
+  id.inode = Fnv1a(version.etag.empty() ? version.last_modified : version.etag);
   if (expected != nullptr && id != *expected) {
-    return Status(Code::kIoError, target.name + ": file changed since the checkpoint was opened: " +
-                                      (id.size != expected->size
-                                           ? std::to_string(expected->size) + " bytes then, " +
-                                                 std::to_string(id.size) + " now"
-                                           : "ETag now " + r.etag));
+    return Status(Code::kIoError,
+                  target.name + ": file changed since the checkpoint was opened: " +
+                      (id.size != expected->size
+                           ? std::to_string(expected->size) + " bytes then, " +
+                                 std::to_string(id.size) + " now"
+                           : (version.etag.empty() ? "Last-Modified now " + version.last_modified
+                                                   : "ETag now " + version.etag)));
   }
   // The local caches: objects with a strong ETag (the hub's files also when the first GET held
   // them whole: the snapshot needs its index and configs). Their downloads run on the cache's
@@ -707,20 +732,29 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
     }
   }
   if (cache != nullptr && strong && id.size > prefix.size()) {
-    FetchRange fetch = [this, target, etag = r.etag, size = id.size](uint64_t offset,
-                                                                     std::span<std::byte> dst) {
-      return ReadRange(target, etag, size, offset, dst);
+    FetchRange fetch = [this, target, version, size = id.size](uint64_t offset,
+                                                               std::span<std::byte> dst) {
+      return ReadRange(target, version, size, offset, dst);
     };
     const SourceReadHints transport = Transport();
     return cache->Open(object, id, std::move(prefix), std::move(fetch), transport.concurrency,
                        transport.read_size, shared_from_this());
   }
+  if (cache != nullptr && !strong && id.size > prefix.size()) {
+    cache->Skip(target.name, r.etag.empty() ? "the server sent no ETag (a copy could not be told "
+                                              "from a changed object)"
+                                            : "its ETag " + Excerpt(r.etag, 80) +
+                                                  " is weak (a copy could not be told from a "
+                                                  "changed object)");
+  }
   return std::unique_ptr<SourceFile>(
-      new ObjectFile(shared_from_this(), std::move(target), id, r.etag, std::move(prefix)));
+      new ObjectFile(shared_from_this(), std::move(target), id, version, std::move(prefix)));
 }
 
-Status ObjectSource::ReadRange(const Target& target, const std::string& etag, uint64_t size,
+Status ObjectSource::ReadRange(const Target& target, const Version& version, uint64_t size,
                                uint64_t first, std::span<std::byte> dst) const {
+  const std::string& etag = version.etag;
+  const std::string& modified = version.last_modified;
   TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.scheme));
   const uint64_t last = first + dst.size() - 1;
   const std::string what = "GET " + RangeText(first, last);
@@ -737,6 +771,7 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
     // If-Match compares strongly: a weak ETag (W/"...") would never match, so it is only
     // compared with each response's below.
     if (!etag.empty() && etag.rfind("W/", 0) != 0) req.headers.push_back("If-Match: " + etag);
+    if (!modified.empty()) req.headers.push_back("If-Unmodified-Since: " + modified);
     HttpResponse r = Fetch(*client, target, req);
     CountBytes(r.body_bytes);
     // Pinned: the object answering must be the one opened. A 2xx without an ETag cannot be
@@ -749,10 +784,24 @@ Status ObjectSource::ReadRange(const Target& target, const std::string& etag, ui
                         "object opened (ETag " +
                         etag + "), so they are not used (" + what + ")");
     }
-    if (r.status == 412 || (!etag.empty() && !r.etag.empty() && r.etag != etag) ||
+    if (!modified.empty() && r.last_modified.empty() && r.status >= 200 && r.status <= 299) {
+      return Status(Code::kIoError,
+                    target.name + ": HTTP " + std::to_string(r.status) +
+                        " without a Last-Modified: the bytes cannot be confirmed to be those of "
+                        "the object opened (Last-Modified " +
+                        modified + ", no ETag), so they are not used (" + what + ")");
+    }
+    const bool other_etag = !etag.empty() && !r.etag.empty() && r.etag != etag;
+    const bool other_time = !modified.empty() && !r.last_modified.empty() &&
+                            r.last_modified != modified && r.status != 412;
+    if (r.status == 412 || other_etag || other_time ||
         (r.status == 206 && r.TotalSize() && *r.TotalSize() != size)) {
-      std::string detail = r.status == 412 ? "If-Match " + etag + " failed (HTTP 412)"
-                                           : "ETag " + etag + " then, " + r.etag + " now";
+      std::string detail =
+          r.status == 412
+              ? (etag.empty() ? "If-Unmodified-Since " + modified : "If-Match " + etag) +
+                    " failed (HTTP 412)"
+          : other_time ? "Last-Modified " + modified + " then, " + r.last_modified + " now"
+                       : "ETag " + etag + " then, " + r.etag + " now";
       if (r.status == 206 && r.TotalSize() && *r.TotalSize() != size) {
         detail = std::to_string(size) + " bytes then, " + std::to_string(*r.TotalSize()) + " now";
       }
@@ -872,7 +921,7 @@ Result<size_t> ObjectFile::Read(uint64_t offset, std::span<std::byte> dst) const
   const uint64_t part = std::max<uint64_t>(source_->PartSize(), 1u << 20);
   for (uint64_t at = 0; at < n; at += part) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(part, n - at));
-    TF_RETURN_IF_ERROR(source_->ReadRange(target_, etag_, identity_.size, offset + at,
+    TF_RETURN_IF_ERROR(source_->ReadRange(target_, version_, identity_.size, offset + at,
                                           dst.subspan(static_cast<size_t>(at), len)));
   }
   return n;
@@ -1026,7 +1075,7 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
                report.url +
                    ": a Hugging Face hub path: doctor does not probe hub paths (a load reads it "
                    "from the local hub cache " +
-                   HubCacheDir() + ", else from the hub " + HubEndpoint() +
+                   HubCacheDir() + ", else from the hub " + RedactUrl(HubEndpoint()) +
                    " at <repo>/resolve/<commit>/<path>: give that https:// URL to probe the hub)");
     return report;
   }
@@ -1127,8 +1176,7 @@ ObjectStoreReport ObjectSource::Describe(const std::string& url) {
   }
   report.probe += "object of " + std::to_string(file->identity().size) + " bytes";
   if (const auto* object = dynamic_cast<const ObjectFile*>(file.get())) {
-    report.probe += object->etag().empty() ? ", no ETag (a change during a load goes unnoticed)"
-                                           : ", ETag " + object->etag();
+    report.probe += ", " + object->version().Text();
   }
   return report;
 }

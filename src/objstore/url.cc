@@ -176,6 +176,20 @@ std::string RedactUrl(std::string_view url) {
   // The authority ends at the path, or (not for buckets) at the query or fragment.
   size_t end = url.find_first_of(bucket ? "/" : "/?#", start);
   if (end == std::string_view::npos) end = url.size();
+  if (url.substr(start, end - start).find('@') == std::string_view::npos) {
+    // "user:pa/ss@host": a password holding an unescaped '/' (not a URL: refused when parsed,
+    // but shown in that refusal) reads as the host "user" with the port "pa"; a port is digits,
+    // so a non-digit after the ':' and an '@' before the query are userinfo.
+    const std::string_view head = url.substr(start, end - start);
+    const size_t colon = head.find(':');
+    const size_t stop = url.find_first_of(bucket ? "" : "?#", end);
+    const size_t at = url.substr(0, stop == std::string_view::npos ? url.size() : stop).rfind('@');
+    if (colon != std::string_view::npos && at != std::string_view::npos && at > end &&
+        head.substr(colon + 1).find_first_not_of("0123456789") != std::string_view::npos) {
+      end = url.find_first_of(bucket ? "/" : "/?#", at);
+      if (end == std::string_view::npos) end = url.size();
+    }
+  }
   std::string out(url.substr(0, start));
   const std::string_view authority = url.substr(start, end - start);
   const size_t at = authority.rfind('@');
@@ -195,6 +209,25 @@ std::string RedactUrl(std::string_view url) {
     }
   }
   out += rest;
+  return out;
+}
+
+std::string Excerpt(std::string_view text, size_t limit) {
+  std::string out;
+  bool query = false;   // inside a word's query (after its '?')
+  bool hidden = false;  // and "***" written for it
+  for (char c : text.substr(0, limit)) {
+    if (c < 32 || c >= 127) c = ' ';
+    const bool ends_word = c == ' ' || c == '"' || c == '\'' || c == '<' || c == '>';
+    if (query && !ends_word) {
+      if (!hidden) out += "***";
+      hidden = true;
+      continue;
+    }
+    query = c == '?';
+    hidden = false;
+    out += c;
+  }
   return out;
 }
 

@@ -63,6 +63,12 @@ Result<ObjectUrl> ParseObjectUrl(std::string_view url);
 // user typed or a server sent uses it.
 std::string RedactUrl(std::string_view url);
 
+// A server's text (an error body, a header's value) as a message may quote it: the first `limit`
+// bytes, control and non-ASCII bytes as spaces, and the query of any word holding a '?' hidden
+// ("m.safetensors?X-Amz-Signature=..." as "m.safetensors?***": a body that echoes the signed link
+// asked for must not print its signature).
+std::string Excerpt(std::string_view text, size_t limit = 160);
+
 // The URL of `relative` (an index's file entry, already checked for "..", absolute paths, etc. by
 // ParseIndexJson) inside the "directory" `dir`: dir.key + "/" + relative, with exactly one '/'
 // between them (dir.key may be empty or end with '/'); for s3/gs, "." segments of `relative` are

@@ -128,12 +128,29 @@ TEST(ObjectUrl, RefusalsNeverShowPasswordsOrQueries) {
   EXPECT_NE(s3.find("s3://***@bucket/k"), std::string::npos) << s3;
 }
 
+TEST(ObjectUrl, ExcerptHidesQueriesAndControlBytes) {
+  EXPECT_EQ(Excerpt("missing m.safetensors?X-Amz-Signature=SECRET&t=1 (try again)"),
+            "missing m.safetensors?*** (try again)");
+  EXPECT_EQ(Excerpt("<a href=\"https://h/x?sig=S\">x</a>"), "<a href=\"https://h/x?***\">x</a>");
+  EXPECT_EQ(Excerpt("Not found? Sorry"), "Not found? Sorry");  // a question, nothing hidden
+  EXPECT_EQ(Excerpt("a\nb\x01"
+                    "c\xff"),
+            "a b c ");
+  EXPECT_EQ(Excerpt(std::string(300, 'x')).size(), 160u);
+  EXPECT_EQ(Excerpt("abcdef", 3), "abc");
+}
+
 TEST(ObjectUrl, RedactUrl) {
   EXPECT_EQ(RedactUrl("https://u:p@h/x?a=b#c"), "https://***@h/x?***");
   EXPECT_EQ(RedactUrl("https://h/x#tok"), "https://h/x#***");
   EXPECT_EQ(RedactUrl("http://h?q=a@b"), "http://h?***");  // '@' in the query is not userinfo
   EXPECT_EQ(RedactUrl("https://h/a@b"), "https://h/a@b");  // nor in the path
   EXPECT_EQ(RedactUrl("https://u:p@ss@h:1/x"), "https://***@h:1/x");
+  // A password with an unescaped '/' (no URL, but shown in its refusal): all of it hidden.
+  EXPECT_EQ(RedactUrl("http://user:pa/ssWORD@h/m.safetensors"), "http://***@h/m.safetensors");
+  EXPECT_EQ(RedactUrl("http://u:p/q@h"), "http://***@h");
+  EXPECT_EQ(RedactUrl("https://h:8080/a@b"), "https://h:8080/a@b");  // a port, then a path
+  EXPECT_EQ(RedactUrl("https://h:8080/a?x=u:p/q@z"), "https://h:8080/a?***");
   // s3 and gs keys may hold '?' and '#': part of the object's name, kept.
   EXPECT_EQ(RedactUrl("s3://bucket/a?b.safetensors"), "s3://bucket/a?b.safetensors");
   EXPECT_EQ(RedactUrl("gs://bucket/a#b"), "gs://bucket/a#b");

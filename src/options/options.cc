@@ -418,6 +418,36 @@ Status SetContext(LoadOptions& options, std::string_view key, std::string_view v
 Result<LoadOptions> LoadOptions::Validated() const {
   if (chunk_size == 0) return Status(Code::kInvalidArgument, "chunk_size must be > 0");
   if (queue_depth == 0) return Status(Code::kInvalidArgument, "queue_depth must be > 0");
+  if (staging_bytes == 0) return Status(Code::kInvalidArgument, "staging_bytes must be > 0");
+  if (staging_slot == 0) return Status(Code::kInvalidArgument, "staging_slot must be > 0");
+  // Enumerations set by a cast from a number (the Set path parses names): one past the last value
+  // is no engine to run.
+  if (static_cast<unsigned>(engine) > static_cast<unsigned>(Engine::kMmap)) {
+    return Status(Code::kInvalidArgument,
+                  "engine " + std::to_string(static_cast<unsigned>(engine)) + " is not an Engine");
+  }
+  if (static_cast<unsigned>(direct) > static_cast<unsigned>(DirectIO::kOff)) {
+    return Status(Code::kInvalidArgument,
+                  "direct " + std::to_string(static_cast<unsigned>(direct)) + " is not a DirectIO");
+  }
+  if (static_cast<unsigned>(order) > static_cast<unsigned>(DeliveryOrder::kLayer)) {
+    return Status(Code::kInvalidArgument, "order " + std::to_string(static_cast<unsigned>(order)) +
+                                              " is not a DeliveryOrder");
+  }
+  if (static_cast<unsigned>(gds) > static_cast<unsigned>(GdsMode::kOff)) {
+    return Status(Code::kInvalidArgument,
+                  "gds " + std::to_string(static_cast<unsigned>(gds)) + " is not a GdsMode");
+  }
+  if (static_cast<unsigned>(verify) > static_cast<unsigned>(VerifyMode::kOff)) {
+    return Status(
+        Code::kInvalidArgument,
+        "verify " + std::to_string(static_cast<unsigned>(verify)) + " is not a VerifyMode");
+  }
+  if (static_cast<unsigned>(cooperative.exchange) > static_cast<unsigned>(ExchangeChoice::kNone)) {
+    return Status(Code::kInvalidArgument,
+                  "coop_exchange " + std::to_string(static_cast<unsigned>(cooperative.exchange)) +
+                      " is not an ExchangeChoice");
+  }
   // Clamped, not refused: a tiny chunk only multiplies per-read costs (and plan memory: one task
   // per chunk), and threads beyond kMaxThreads only cost memory and start-up time.
   // Settings that contradict each other are refused rather than ignored (direct, populate and gds

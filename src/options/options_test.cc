@@ -205,6 +205,31 @@ TEST(LoadOptionsValidated, ClampsAndRefusals) {
   o = LoadOptions();
   o.queue_depth = 0;
   EXPECT_TRUE(Contains(o.Validate().message(), "queue_depth must be > 0"));
+  o = LoadOptions();
+  o.staging_slot = 0;
+  EXPECT_TRUE(Contains(o.Validate().message(), "staging_slot must be > 0"));
+  o = LoadOptions();
+  o.staging_bytes = 0;
+  EXPECT_TRUE(Contains(o.Validate().message(), "staging_bytes must be > 0"));
+  // An enumeration set from a number that names none of its values (a typed edge's cast).
+  o = LoadOptions();
+  o.engine = static_cast<Engine>(9);
+  EXPECT_TRUE(Contains(o.Validate().message(), "engine 9 is not an Engine"));
+  o = LoadOptions();
+  o.direct = static_cast<DirectIO>(3);
+  EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
+  o = LoadOptions();
+  o.order = static_cast<DeliveryOrder>(2);
+  EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
+  o = LoadOptions();
+  o.gds = static_cast<GdsMode>(3);
+  EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
+  o = LoadOptions();
+  o.verify = static_cast<VerifyMode>(3);
+  EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
+  o = LoadOptions();
+  o.cooperative.exchange = static_cast<ExchangeChoice>(3);
+  EXPECT_EQ(o.Validate().code(), Code::kInvalidArgument);
 
   // Tensor parallelism: both keys, rank below size, a valid spec.
   EXPECT_TRUE(Contains(MustSet({{"tp_size", "2"}}).Validate().message(),

@@ -1,5 +1,7 @@
 // The mapped sink (Engine::kMmap): tensors are views into per-file mappings kept for the Loader;
 // with populate every page is read first; strided slices are gathered into one pooled buffer.
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -34,13 +36,23 @@ class MappedSink final : public BatchSink {
   }
 
  private:
-  // Every page of the batch's tasks read, in parallel over the tasks.
+  // Every page of the batch's tasks read, in parallel over the tasks, 64 MiB at a time so that a
+  // cancelled load (LoadOptions::cancel) stops within that much per thread.
   Status Populate(const PlanBatch& batch) {
+    constexpr uint64_t kPiece = uint64_t{64} << 20;
     const unsigned threads = c_.options->threads ? c_.options->threads : io::OnlineCpus();
-    return ParallelForUntilError(batch.tasks.size(), threads, [&](size_t i) {
+    const std::atomic<bool>* cancel = c_.options->cancel.get();
+    return ParallelForUntilError(batch.tasks.size(), threads, [&](size_t i) -> Status {
       const ReadTask& t = batch.tasks[i];
-      return LabelTensors((*c_.maps)[t.file]->Populate(t.file_offset, t.length), *c_.checkpoint,
-                          t.file, t.file_offset, t.length);
+      for (uint64_t at = 0; at < t.length; at += kPiece) {
+        if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+          return Status(Code::kCancelled, "the load was cancelled");
+        }
+        const uint64_t n = std::min(kPiece, t.length - at);
+        TF_RETURN_IF_ERROR(LabelTensors((*c_.maps)[t.file]->Populate(t.file_offset + at, n),
+                                        *c_.checkpoint, t.file, t.file_offset + at, n));
+      }
+      return Status::Ok();
     });
   }
 

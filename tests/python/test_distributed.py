@@ -318,14 +318,14 @@ def test_cooperative_gloo_corrupt_tensor_in_a_later_round(tmp_path, world):
             assert f"cooperative load: rank {culprit} failed reading its share" in o["error"], o
 
 
-def _disagreeing_main(rank, path, init, specs, results):
+def _disagreeing_main(rank, paths, init, specs, results):
     import time
 
     import tensorferry
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     start = time.monotonic()
     try:
-        loader = tensorferry.Loader(path, tp_rank=rank, tp_size=2, shard_rules=specs[rank],
+        loader = tensorferry.Loader(paths[rank], tp_rank=rank, tp_size=2, shard_rules=specs[rank],
                                     process_group=dist.group.WORLD, coop_exchange="all",
                                     coop_timeout_ms=60000)
         loader.load()
@@ -338,20 +338,28 @@ def _disagreeing_main(rank, path, init, specs, results):
     os._exit(0)
 
 
-@pytest.mark.parametrize("case", ["rows_vs_columns", "one_rank_cannot_plan"])
+@pytest.mark.parametrize("case", ["rows_vs_columns", "one_rank_cannot_plan", "stale_copy"])
 def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
     """Rules that split square tensors along another dimension on each rank give equal byte
     counts (an exchange would hand each rank another's bytes); a rule only one rank cannot apply
-    would leave the other waiting in a collective. Both ranks fail at once, saying which."""
+    would leave the other waiting in a collective; a copy of the checkpoint with the same layout
+    and other bytes on one rank (a stale copy) plans alike, and only the checksum records tell it
+    apart. Both ranks fail at once, saying which."""
     import tensorferry.torch
     path = str(tmp_path / "m.safetensors")
     g = torch.Generator().manual_seed(3)
     tensorferry.torch.save_file({n: torch.randn(8, 8, generator=g) for n in "abcd"}, path)
+    paths = [path, path]
     rows = json.dumps({"rules": [{"pattern": "*", "split": 0}]})
     other = json.dumps({"rules": [{"pattern": "*", "split": 1 if case == "rows_vs_columns"
                                    else 2}]})
+    if case == "stale_copy":
+        paths[1] = str(tmp_path / "stale.safetensors")
+        tensorferry.torch.save_file({n: torch.randn(8, 8, generator=g) for n in "abcd"},
+                                    paths[1])
+        other = rows
     results = str(tmp_path / "outcome")
-    mp.spawn(_disagreeing_main, args=(path, f"file://{tmp_path}/init", [rows, other], results),
+    mp.spawn(_disagreeing_main, args=(paths, f"file://{tmp_path}/init", [rows, other], results),
              nprocs=2, join=True)
     outcomes = []
     for r in range(2):
@@ -360,10 +368,50 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
     for r, o in enumerate(outcomes):
         assert o["error"] is not None, (r, o)
         assert o["seconds"] < 30, (r, o)
-    if case == "rows_vs_columns":
+    if case in ("rows_vs_columns", "stale_copy"):
         for o in outcomes:
             assert o["type"] == "InvalidArgumentError", o
             assert "disagree on planning (slices and options)" in o["error"], o
     else:
         assert outcomes[1]["type"] == "InvalidArgumentError", outcomes[1]
         assert "cooperative load: rank 1 failed planning" in outcomes[0]["error"], outcomes[0]
+
+
+def _split_corrupt_main(rank, world, path, init, results):
+    import tensorferry
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="none",
+                           process_group=dist.group.WORLD, coop_exchange="all",
+                           coop_timeout_ms=60000).load()
+        outcome = {"error": None}
+    except Exception as e:  # the test checks the message
+        outcome = {"error": str(e), "type": type(e).__name__}
+    with open(f"{results}.{rank}", "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cooperative_gloo_checks_a_tensor_split_among_the_readers(tmp_path, world):
+    """A replicated tensor over half the exchanged bytes is split among the readers by rows, and
+    a piece's reader checks the checksum chunks the piece holds whole: pieces that would cut the
+    tensor's one chunk are not made (it is read whole), so a corrupt byte is found, not handed
+    out (it was, silently, with pieces smaller than a chunk)."""
+    import tensorferry.torch
+    from test_integrity import corrupt
+
+    path = str(tmp_path / "m.safetensors")
+    g = torch.Generator().manual_seed(5)
+    tensorferry.torch.save_file({"norm.weight": torch.randn(16384, generator=g),
+                                 "bias": torch.randn(16, generator=g)}, path)  # checksums
+    corrupt(path, "norm.weight")
+    results = str(tmp_path / "outcome")
+    mp.spawn(_split_corrupt_main, args=(world, path, f"file://{tmp_path}/init", results),
+             nprocs=world, join=True)
+    outcomes = []
+    for r in range(world):
+        with open(f"{results}.{r}") as f:
+            outcomes.append(json.load(f))
+    assert all(o["error"] is not None for o in outcomes), outcomes
+    assert any("checksum" in o["error"] and "norm.weight" in o["error"] for o in outcomes), outcomes

@@ -232,6 +232,33 @@ def test_ctrl_c_ends_a_load_whose_gets_hang(checkpoint):
     assert "interrupted" in out
 
 
+# safe_open's reads of a tensor or a slice smaller than a load's chunks (a read of their own,
+# outside the loads).
+SMALL_READ_CHILD = r"""
+import sys, tensorferry
+f = tensorferry.safe_open(sys.argv[1], framework="numpy", storage_options=%s)
+try:
+    print("reading", flush=True)
+    READ
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+""" % STALL
+
+
+@pytest.mark.parametrize("read", ["f.get_tensor('w1')", "f.get_slice('w1')[0:2]"])
+def test_ctrl_c_ends_a_small_safe_open_read_whose_get_hangs(checkpoint, read):
+    """safe_open's get_tensor of a small tensor and get_slice read the bytes themselves (no
+    load): their GET hangs with a 10 minutes' stall timeout, and SIGINT ends them."""
+    data, _ = checkpoint
+    arrived = threading.Event()
+    with serving(data, "hang", threading.Event(), arrived) as url:
+        code, out, err = interrupted(SMALL_READ_CHILD.replace("READ", read), url, "reading",
+                                     arrived)
+    assert code == 3, (code, out, err)
+    assert "interrupted" in out
+
+
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_ctrl_c_ends_an_object_call_whose_server_never_answers(checkpoint, call):
     """The server takes the connection and the request and never answers (a hung probe): SIGINT
@@ -244,3 +271,30 @@ def test_ctrl_c_ends_an_object_call_whose_server_never_answers(checkpoint, call)
                                      arrived)
     assert code == 3, (code, out, err)
     assert "interrupted" in out and "returned" not in out, out
+
+
+@pytest.mark.parametrize("command", ["load", "inspect", "verify", "checksum"])
+def test_the_cli_never_prints_a_password_or_a_signed_query(checkpoint, command):
+    """A password in a URL, a signed link's query, or a password in an endpoint setting: the
+    CLI's error line and its --json document show them redacted (the library's messages were,
+    and the CLI put the URL as given in front of them)."""
+    from conftest import CLI
+    data, _ = checkpoint
+    with serving(data, "normal", threading.Event()) as url:
+        host = url.split("/")[2]
+        cases = [
+            ([f"http://user:SECRETPW@{host}/m.safetensors"], {}),
+            ([f"http://user:pa/SECRETPW@{host}/m.safetensors"], {}),
+            ([f"{url}?X-Amz-Signature=SECRETSIG&X-Amz-Credential=AKIA"], {}),
+            (["s3://bucket/m.safetensors"],
+             {"AWS_ENDPOINT_URL": f"http://usr:SECRETPW@{host}", "AWS_ACCESS_KEY_ID": "a",
+              "AWS_SECRET_ACCESS_KEY": "b"}),
+        ]
+        for args, env in cases:
+            for json_flag in ([], ["--json"]):
+                r = subprocess.run([CLI, command, *args, *json_flag], capture_output=True,
+                                   text=True, timeout=60, env={**os.environ, **env})
+                said = r.stdout + r.stderr
+                assert r.returncode != 0, said
+                assert "SECRET" not in said and "AKIA" not in said, said
+                assert "***" in said, said

@@ -19,6 +19,8 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, LlamaC
 import tensorferry
 import tensorferry.torch
 import tensorferry.transformers as tft
+# A hub on loopback as HF_ENDPOINT, with an empty hub cache of its own: test_object_store_hub.py's.
+from test_object_store_hub import hf_hub, no_hf_token  # noqa: F401 (fixtures)
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -582,6 +584,40 @@ def test_to_device_a_damaged_shard_is_an_error_naming_the_file(tmp_path, to_devi
     assert files[1] in str(raised.value)
 
 
+def _disagreeing_index(directory, disagreement):
+    """Rewrites the index of the sharded checkpoint in `directory` so that it disagrees with its
+    shards: "extra" maps a tensor no shard holds to the first shard; "unlisted" leaves out a
+    tensor of a shard that its other tensors keep listed."""
+    path = directory / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    weight_map = index["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    if disagreement == "extra":
+        weight_map["model.layers.0.mlp.extra.weight"] = shards[0]
+    else:  # a random weight (a norm's would equal its initialisation were it not read)
+        listed = sorted(n for n, shard in weight_map.items() if shard == shards[-1])
+        left_out = [n for n in listed if n.endswith("proj.weight")]
+        assert len(listed) > 1 and left_out, listed
+        del weight_map[left_out[0]]
+    path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("disagreement", ["extra", "unlisted"])
+def test_to_device_reads_an_index_that_disagrees_with_its_shards(tmp_path, to_device_route,
+                                                                 disagreement):
+    """transformers uses the index only to list the shards and reads each shard's own tensors, so
+    a checkpoint whose index disagrees with its shards loads there: on the device route too, each
+    file read by a Loader of its own instead of one Loader over the index (which refuses it)."""
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    _disagreeing_index(tmp_path, disagreement)
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16, device_map="cpu")
+    with tft.loading(to_device=True):
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu")
+    _assert_same_parameters(ref, got)
+    assert sorted(to_device_route.read) == _names(tmp_path, files)  # every tensor, once
+    assert len(to_device_route.loaders) == len(files)  # a Loader per file
+
+
 # --- models named by a URL (s3://, http://) ---------------------------------------------------
 
 
@@ -656,6 +692,44 @@ def test_from_pretrained_of_an_http_server(tmp_path, nginx_http, opened):
     _assert_same_parameters(ref, got)
 
 
+def test_from_pretrained_of_an_http_server_whose_index_disagrees_with_its_shards(
+        tmp_path, nginx_http, opened, monkeypatch):
+    """The background read of a model in object storage (host memory) reads, as transformers
+    does, each shard's own tensors when the index disagrees with them (a Loader per file)."""
+    files = _save(_tiny_llama(), tmp_path, "60KB")
+    _disagreeing_index(tmp_path, "extra")
+    nginx_http.copy_dir(tmp_path, "fp-disagreeing")
+    url = nginx_http.url("fp-disagreeing")
+    read, load_into = [], tensorferry.Loader.load_into
+    monkeypatch.setattr(tensorferry.Loader, "load_into",
+                        lambda self, d: read.extend(d) or load_into(self, d))
+    ref = _load(AutoModelForCausalLM, tmp_path, False, dtype=torch.bfloat16)
+    got = _load(AutoModelForCausalLM, url, True, dtype=torch.bfloat16)
+    assert sorted(opened) == [f"{url}/{f}" for f in files]
+    assert sorted(read) == _names(tmp_path, files)  # the background read, every tensor once
+    _assert_same_parameters(ref, got)
+
+
+def test_from_pretrained_of_a_url_where_no_model_is_names_it(tmp_path, nginx_http):
+    """A mistyped URL (nothing there: config.json, the weights, tokenizer_config.json all 404) is
+    an OSError naming it, as transformers raises for a folder that does not exist; a prefix that
+    holds weights but no config.json is transformers' case of such a local folder (its
+    ValueError)."""
+    url = nginx_http.url("fp-nothing-here")
+    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoConfig.from_pretrained):
+        with tft.loading(), pytest.raises(OSError) as raised:
+            load(url)
+        assert f"{url} is not a model" in str(raised.value)
+        assert f"{url}/config.json" in str(raised.value)  # the request that found nothing
+    _save(_tiny_llama(), tmp_path, None)
+    os.remove(tmp_path / "config.json")
+    nginx_http.copy_dir(tmp_path, "fp-no-config")
+    with pytest.raises(ValueError, match="model_type"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with tft.loading(), pytest.raises(ValueError, match="model_type"):
+        AutoModelForCausalLM.from_pretrained(nginx_http.url("fp-no-config"))
+
+
 def test_from_pretrained_of_a_bucket_to_the_device_reads_with_one_loader(tmp_path, bucket_env,
                                                                          to_device_route):
     files = _save(_tiny_llama(), tmp_path, "60KB")
@@ -720,6 +794,37 @@ def test_restoring_undoes_the_url_hooks():
     assert tft._storage_in_force() is None
 
 
+def test_modules_imported_inside_loading_get_transformers_functions_back(monkeypatch):
+    """A transformers module first imported inside loading() takes the hooks by name from the
+    modules loading() patched (from ..utils.hub import cached_files, as transformers.exporters
+    does): when the block ends it gets transformers' own functions back, and a hook someone kept
+    does transformers' own lookup while nothing is enabled (no hf:// path resolved)."""
+    import types
+
+    import transformers.utils.hub as hub
+    names = ("cached_files", "list_repo_templates", "resolve_revision")
+    originals = {name: getattr(hub, name) for name in names}
+    late = types.ModuleType("transformers._tensorferry_test_imported_late")
+    try:
+        with tft.loading():
+            sys.modules[late.__name__] = late
+            exec(f"from transformers.utils.hub import {', '.join(names)}", vars(late))
+            kept = {name: getattr(late, name) for name in names}
+            assert all(kept[name] is not originals[name] for name in names)  # the hooks
+        assert {name: getattr(late, name) for name in names} == originals
+    finally:
+        sys.modules.pop(late.__name__, None)
+    resolved = []
+    monkeypatch.setattr(tft, "_hub_load", lambda *args: resolved.append(args))
+    assert not tft.enabled()
+    assert kept["resolve_revision"]("hf://org/llama", None) is None  # transformers': fails open
+    with pytest.raises(OSError, match="Repo id must be"):  # transformers' own refusal
+        kept["cached_files"]("hf://org/llama", ["config.json"])
+    with pytest.raises(ValueError, match="Repo id must be"):
+        kept["list_repo_templates"]("hf://org/llama", local_files_only=True)
+    assert resolved == []
+
+
 def _spy_on_engines(monkeypatch):
     """A list that gets (engine, prefer_mmap) of every tensorferry.transformers Loader made."""
     asked = []
@@ -768,3 +873,96 @@ def test_backend_mmap_is_transformers_default_there_and_a_choice_elsewhere(tmp_p
     with tft.safe_open(path, framework="pt") as f:  # no backend: tensorferry decides
         assert torch.equal(f.get_tensor("w"), want["w"])
     assert asked == [("auto", True)]
+
+
+# --- models named by an hf:// path or a hub id (a hub on loopback) ----------------------------
+
+
+def _transformers_downloads_from(hub, monkeypatch):
+    """transformers' own downloads ask `hub` (huggingface_hub read HF_ENDPOINT when imported)."""
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+
+def test_after_enable_each_load_decides_where_a_hub_model_is_read_from(hf_hub, tmp_path, opened,
+                                                                       monkeypatch):
+    """enable() lasts the process, where an hf:// path or a hub id is read from lasts one load:
+    a branch that moved between two from_pretrained calls is followed (each load pins its commit
+    once: one request to the hub's API each), and a hub that failed one load (read by
+    transformers' own download then) is asked again by the next."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    _save(_tiny_llama(), old, "60KB")
+    newer = _tiny_llama()
+    with torch.no_grad():
+        newer.lm_head.weight.neg_()
+    _save(newer, new, None)
+    ref_old = _load(AutoModelForCausalLM, old, False, dtype=torch.bfloat16)
+    ref_new = _load(AutoModelForCausalLM, new, False, dtype=torch.bfloat16)
+    hf_hub.add_repo("org/llama", str(old))
+    _transformers_downloads_from(hf_hub, monkeypatch)
+
+    def api_requests():
+        return [x for x in hf_hub.log if x[0] == "api" and x[1] == "org/llama"]
+
+    tft.enable()
+    try:
+        _assert_same_parameters(ref_old, AutoModelForCausalLM.from_pretrained(
+            "hf://org/llama", dtype=torch.bfloat16))
+        assert len(api_requests()) == 1
+        commit = hf_hub.add_repo("org/llama", str(new))  # the branch moves
+        opened.clear()
+        _assert_same_parameters(ref_new, AutoModelForCausalLM.from_pretrained(
+            "hf://org/llama", dtype=torch.bfloat16))
+        assert len(api_requests()) == 2
+        assert opened == [f"{hf_hub.endpoint}/org/llama/resolve/{commit}/model.safetensors"]
+
+        # A plain hub id, its hub unreachable for one load.
+        failed, loader = [], tft.Loader
+
+        class Flaky(loader):
+            def __init__(self, checkpoint, *args, **kwargs):
+                if str(checkpoint).startswith("hf://") and not failed:
+                    failed.append(checkpoint)
+                    raise ConnectionError(f"{checkpoint}: the hub did not answer (test)")
+                super().__init__(checkpoint, *args, **kwargs)
+
+        monkeypatch.setattr(tft, "Loader", Flaky)
+        opened.clear()
+        _assert_same_parameters(ref_new, AutoModelForCausalLM.from_pretrained(
+            "org/llama", dtype=torch.bfloat16))
+        assert failed == ["hf://org/llama"]
+        assert opened and not any(f.startswith("http") for f in opened)  # transformers' download
+        opened.clear()
+        _assert_same_parameters(ref_new, AutoModelForCausalLM.from_pretrained(
+            "org/llama", dtype=torch.bfloat16))
+        assert opened == [f"{hf_hub.endpoint}/org/llama/resolve/{commit}/model.safetensors"]
+    finally:
+        tft.disable()
+
+
+def test_an_hf_path_with_a_subfolder_or_without_weights(hf_hub, tmp_path, opened, monkeypatch):
+    """hf:// and subfolder=: the checkpoint is looked for in the subfolder (the repository's root
+    holds none). An hf:// repository without safetensors weights (a configuration's) is read by
+    transformers' own lookup; one that is nowhere is an OSError naming the path."""
+    repo = tmp_path / "repo"
+    files = _save(_tiny_llama(), repo / "llama", "60KB")
+    only_config = tmp_path / "only-config"
+    only_config.mkdir()
+    (only_config / "config.json").write_bytes((repo / "llama" / "config.json").read_bytes())
+    commit = hf_hub.add_repo("org/nested", str(repo))
+    hf_hub.add_repo("org/config-only", str(only_config))
+    _transformers_downloads_from(hf_hub, monkeypatch)
+    ref = _load(AutoModelForCausalLM, repo / "llama", False, dtype=torch.bfloat16)
+    with tft.loading():
+        got = AutoModelForCausalLM.from_pretrained("hf://org/nested", subfolder="llama",
+                                                   dtype=torch.bfloat16)
+        config = transformers.AutoConfig.from_pretrained("hf://org/config-only")
+        with pytest.raises(OSError) as raised:
+            transformers.AutoConfig.from_pretrained("hf://org/nothere")
+    _assert_same_parameters(ref, got)
+    assert sorted(opened) == [f"{hf_hub.endpoint}/org/nested/resolve/{commit}/llama/{f}"
+                              for f in files]
+    assert config.to_dict() | {"_name_or_path": ""} == ref.config.to_dict() | {"_name_or_path": ""}
+    assert "hf://org/nothere" in str(raised.value)

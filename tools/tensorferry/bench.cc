@@ -535,7 +535,7 @@ struct BenchContext {
 std::string BenchJson(const BenchContext& c, const BenchResults& out) {
   JsonOut j;
   j.BeginObject()
-      .Field("path", c.path)
+      .Field("path", Shown(c.path))
       .Field("ok", true)
       .Field("bytes", c.total)
       .Field("files", c.files)
@@ -584,7 +584,7 @@ int RunBench(const BenchArgs& args) {
   if (IsObjectUrl(args.path)) {
     // Engines, the page cache and fio are about local storage.
     return UsageError(
-        args.path +
+        Shown(args.path) +
         ": bench measures local storage (engines, page cache, fio); for a URL "
         "use `tensorferry load URL --repeat N --json` or bench/object_store_bench.py");
   }

@@ -58,7 +58,7 @@ int RunChecksum(const ChecksumArgs& args) {
   const double seconds = SecondsSince(start);
   if (args.json) {
     JsonOut j;
-    j.BeginObject().Field("path", args.path).Field("ok", status.ok());
+    j.BeginObject().Field("path", Shown(args.path)).Field("ok", status.ok());
     if (status.ok()) {
       j.Field("manifest", manifest_path)
           .Field("files", static_cast<uint64_t>(ckpt->files().size()))

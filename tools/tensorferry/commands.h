@@ -66,8 +66,12 @@ inline std::string Plural(uint64_t n, std::string_view noun) {
 // Makes text safe for one terminal line: control characters become \xNN.
 std::string OneLine(std::string_view text);
 
-// The "<path>: <reason>" of an error line: the status message, with `path: ` put in front unless
-// the message already starts with that path (library messages usually name the file).
+// `path` as the CLI shows it (error lines, --json documents): a URL redacted (RedactUrl: no
+// password, no signed link's query), a local path as given.
+std::string Shown(std::string_view path);
+
+// The "<path>: <reason>" of an error line: the status message, with `path: ` (Shown) put in front
+// unless the message already starts with that path (library messages usually name the file).
 std::string ErrorText(std::string_view path, const Status& status);
 
 // A shard spec from a JSON file (shard.h schema); "builtin" and "none" name the built-in specs.

@@ -73,7 +73,10 @@ int RunConvert(const ConvertArgs& args) {
 
   if (args.json) {
     JsonOut j;
-    j.BeginObject().Field("src", args.src).Field("dst", args.dst).Field("ok", status.ok());
+    j.BeginObject()
+        .Field("src", Shown(args.src))
+        .Field("dst", Shown(args.dst))
+        .Field("ok", status.ok());
     if (report.ok()) {
       const ConvertReport& r = *report;
       j.Key("outputs").BeginArray();

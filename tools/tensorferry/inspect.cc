@@ -31,13 +31,13 @@ struct DTypeStats {
 
 // Length of the longest prefix, ending with '/', shared by every file path: the checkpoint
 // directory, stripped when file names are shown in tables.
-size_t CommonDirLength(const std::vector<FileInfo>& files) {
-  if (files.empty()) return 0;
-  std::string_view prefix = files[0].path;
+size_t CommonDirLength(const std::vector<std::string>& paths) {
+  if (paths.empty()) return 0;
+  std::string_view prefix = paths[0];
   const size_t slash = prefix.rfind('/');
   prefix = slash == std::string_view::npos ? std::string_view() : prefix.substr(0, slash + 1);
-  for (const FileInfo& f : files) {
-    while (!prefix.empty() && !std::string_view(f.path).starts_with(prefix)) {
+  for (const std::string& p : paths) {
+    while (!prefix.empty() && !std::string_view(p).starts_with(prefix)) {
       const size_t s = prefix.substr(0, prefix.size() - 1).rfind('/');
       prefix = s == std::string_view::npos ? std::string_view() : prefix.substr(0, s + 1);
     }
@@ -111,15 +111,19 @@ std::string HumanReport(const InspectArgs& args, const Checkpoint& ckpt,
                         const std::array<DTypeStats, kNumDTypes>& dtypes, uint64_t file_bytes) {
   const auto& files = ckpt.files();
   const auto& tensors = ckpt.tensors();
-  const size_t dir_len = CommonDirLength(files);
+  std::vector<std::string> paths;  // the files' paths as shown (a URL redacted)
+  paths.reserve(files.size());
+  for (const FileInfo& f : files) paths.push_back(Shown(f.path));
+  const size_t dir_len = CommonDirLength(paths);
   const auto short_name = [&](const FileInfo& f) {
-    return f.path.size() > dir_len ? f.path.substr(dir_len) : f.path;
+    const std::string& p = paths[static_cast<size_t>(&f - files.data())];
+    return p.size() > dir_len ? p.substr(dir_len) : p;
   };
 
   std::string out;
-  out += OneLine(args.path) + ": " + Plural(tensors.size(), "tensor") + ", " +
+  out += OneLine(Shown(args.path)) + ": " + Plural(tensors.size(), "tensor") + ", " +
          FormatBytes(ckpt.total_tensor_bytes()) + " in " + Plural(files.size(), "file");
-  if (!ckpt.index_path().empty()) out += " (index " + OneLine(ckpt.index_path()) + ")";
+  if (!ckpt.index_path().empty()) out += " (index " + OneLine(Shown(ckpt.index_path())) + ")";
   out += "\n\n";
 
   Table file_table({false, true, true, true});
@@ -193,17 +197,17 @@ std::string JsonReport(const InspectArgs& args, const Checkpoint& ckpt,
   const auto& files = ckpt.files();
   JsonOut j;
   j.BeginObject();
-  j.Field("path", args.path).Field("ok", true);
+  j.Field("path", Shown(args.path)).Field("ok", true);
   j.Key("index");
   if (ckpt.index_path().empty()) {
     j.Raw("null");
   } else {
-    j.String(ckpt.index_path());
+    j.String(Shown(ckpt.index_path()));
   }
   j.Key("files").BeginArray();
   for (const FileInfo& f : files) {
     j.BeginObject()
-        .Field("path", f.path)
+        .Field("path", Shown(f.path))
         .Field("size", f.file_size)
         .Field("header_size", f.header_size)
         .Field("data_offset", f.data_offset)

@@ -224,7 +224,7 @@ struct Report {
 std::string JsonReport(const Report& r) {
   const LoadOptions& o = r.options;
   JsonOut j;
-  j.BeginObject().Field("path", r.args.path).Field("ok", true);
+  j.BeginObject().Field("path", Shown(r.args.path)).Field("ok", true);
   VisitLoadStats(r.stats, [&j](std::string_view name, const auto& value) { j.Field(name, value); });
   if (!r.explain.empty()) j.Field("explain", r.explain);
   j.Field("wall_seconds", r.runs.wall_seconds)

@@ -463,8 +463,8 @@ bool Reshard(const ReshardArgs& a, const ShardOptions& so, const ShardSpec& spec
 std::string JsonReport(const ReshardArgs& a, const ReshardOutput& out, double seconds) {
   JsonOut j;
   j.BeginObject()
-      .Field("src", a.src)
-      .Field("dst", a.dst)
+      .Field("src", Shown(a.src))
+      .Field("dst", Shown(a.dst))
       .Field("ok", true)
       .Field("tp_size", uint64_t{out.world})
       .Field("tensors", out.tensors)

@@ -61,7 +61,13 @@ Result<ShardSpec> ReadShardRules(const std::string& path) {
   return spec;
 }
 
-std::string ErrorText(std::string_view path, const Status& status) {
+std::string Shown(std::string_view path) {
+  return IsObjectUrl(path) ? RedactUrl(path) : std::string(path);
+}
+
+std::string ErrorText(std::string_view given, const Status& status) {
+  const std::string shown = Shown(given);
+  const std::string_view path = shown;
   std::string_view message = status.message();
   if (message.empty()) message = CodeName(status.code());
   // A bad environment variable (LoadOptions::FromEnvironment names it) is not about the path.
@@ -156,13 +162,13 @@ int FailedAbout(bool json, std::string_view subject, const Status& status, const
 }  // namespace
 
 int Failed(bool json, std::string_view path, const Status& status) {
-  return FailedAbout(json, path, status, [&](JsonOut& j) { j.Field("path", path); });
+  return FailedAbout(json, path, status, [&](JsonOut& j) { j.Field("path", Shown(path)); });
 }
 
 int Failed(bool json, std::string_view src, std::string_view dst, std::string_view subject,
            const Status& status) {
   return FailedAbout(json, subject, status,
-                     [&](JsonOut& j) { j.Field("src", src).Field("dst", dst); });
+                     [&](JsonOut& j) { j.Field("src", Shown(src)).Field("dst", Shown(dst)); });
 }
 
 int UsageError(std::string_view text) {

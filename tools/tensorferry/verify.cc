@@ -88,7 +88,7 @@ Status CheckSize(const RandomAccessFile& file, uint64_t expected, const char* wh
   auto size = file.Size();
   if (!size.ok()) return size.status();
   if (*size != expected) {
-    return Status(Code::kIoError, file.path() + ": file changed " + when + ": size was " +
+    return Status(Code::kIoError, Shown(file.path()) + ": file changed " + when + ": size was " +
                                       std::to_string(expected) + " bytes when validated, now " +
                                       std::to_string(*size));
   }
@@ -116,7 +116,7 @@ Status ReadWholeFile(const Checkpoint& ckpt, uint32_t f, std::vector<std::byte>&
   auto past_end = file.Read(info.file_size, std::span<std::byte>(&extra, 1));
   if (!past_end.ok()) return past_end.status();
   if (*past_end != 0) {
-    return Status(Code::kIoError, info.path +
+    return Status(Code::kIoError, Shown(info.path) +
                                       ": file changed while being verified: it has bytes "
                                       "past the validated size " +
                                       std::to_string(info.file_size));
@@ -170,7 +170,7 @@ int RunVerify(const VerifyArgs& args) {
 
   if (args.json) {
     JsonOut j;
-    j.BeginObject().Field("path", args.path).Field("ok", status.ok());
+    j.BeginObject().Field("path", Shown(args.path)).Field("ok", status.ok());
     if (status.ok()) {
       j.Field("tensors", result.tensors)
           .Field("files", result.files)
@@ -182,7 +182,7 @@ int RunVerify(const VerifyArgs& args) {
       j.Key("per_file").BeginArray();
       for (const FileResult& f : result.per_file) {
         j.BeginObject()
-            .Field("path", f.path)
+            .Field("path", Shown(f.path))
             .Field("checksums", f.checksums)
             .Field("checksum_bytes", f.checksum_bytes)
             .Field("hub_sha256", f.hub_sha256)

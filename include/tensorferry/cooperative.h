@@ -142,6 +142,12 @@ Result<NetworkMeasurement> MeasureNetworkRate(Collective& collective,
 // are on more than one host; else 0 (no probe).
 uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t> host_of_rank);
 
+// A digest of the options the ranks of a cooperative load must agree on, as parsed (so "2GB" and
+// 2000000000 agree): cooperative.exchange, storage_rate, network_rate and probe_bytes, budget and
+// the shard rules' max_gap. LoadCooperative and Python's cooperative load compare it across ranks
+// before any I/O, with the plan's per-tensor figures.
+uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept;
+
 // The options the cooperative plan is made with: `options`, with cooperative.network_rate
 // measured by MeasureNetworkRate(collective, host_of_rank, cooperative.probe_bytes) when the plan
 // may choose (exchange kAuto), no rate was given, probe_bytes > 0 and the ranks are on more than

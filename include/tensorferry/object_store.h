@@ -182,6 +182,19 @@ Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir);
 // folder), naming the file and the reason (entries removed before stay removed).
 Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, uint64_t max_bytes);
 
+// The downloads in the tmp/ folder of the cache in `dir`: those in progress (their file's key is
+// locked by the process downloading it) and those left by downloads that ended without finishing
+// (a process killed: PruneObjectCache removes them, as does the next download of the same file).
+// Bytes are the local disk each takes (allocated blocks: a download reserves its file's size when
+// it starts).
+struct ObjectCacheDownloads {
+  uint64_t running = 0, running_bytes = 0;
+  uint64_t left_over = 0, left_over_bytes = 0;
+};
+// Reads only (no lock file is made). Errors: kNotFound when `dir` holds no cache (no blobs/
+// directory), kIoError naming tmp/ when it cannot be listed (a missing tmp/: no downloads).
+Result<ObjectCacheDownloads> ObjectCacheDownloadsIn(const std::string& dir);
+
 // True when `path` is an object-store or HTTP URL ("s3://", "http://", "https://").
 bool IsObjectUrl(std::string_view path);
 

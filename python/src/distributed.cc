@@ -106,6 +106,11 @@ void RegisterDistributed(nb::module_& m) {
   // The network probe of a cooperative plan (tensorferry::NetworkProbe), for the ranks that run it
   // over torch.distributed.
   m.def(
+      "cooperative_options_digest",
+      [](const nb::dict& options) { return CooperativeOptionsDigest(MakeLoadOptions(options)); },
+      nb::arg("options"),
+      "What the ranks' options must agree on, as parsed: tensorferry::CooperativeOptionsDigest");
+  m.def(
       "network_probe_bytes",
       [](const std::vector<uint32_t>& hosts, const nb::dict& options) {
         return NetworkProbeBytes(MakeLoadOptions(options), hosts);

@@ -431,9 +431,10 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             raw, _, digest = base.cooperative_plan(names, shard_spec, hosts,
                                                    dict(options, coop_exchange="none"))
             # The checksum records tell two copies of one layout with other bytes apart; the
-            # names as a set (the load's order is the files' whatever the order given).
+            # names as a set (the load's order is the files' whatever the order given); the
+            # options as parsed ("64MB" and 64000000 agree).
             fingerprint = _fingerprint(raw, sorted(names) if names else names,
-                                       sorted(options.items()), digest)
+                                       _core.cooperative_options_digest(options), digest)
         except Exception as e:  # re-raised by _agree_plan, after the others know
             error = e
         _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint,

@@ -1087,6 +1087,21 @@ uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& i
   return f.value();
 }
 
+}  // namespace
+
+uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept {
+  Fingerprint f;
+  f.Add(static_cast<uint64_t>(options.cooperative.exchange));
+  f.Add(options.cooperative.storage_rate);
+  f.Add(options.cooperative.network_rate);
+  f.Add(options.cooperative.probe_bytes);
+  f.Add(options.budget);
+  f.Add(options.tensor_parallel ? options.tensor_parallel->max_gap : 0);
+  return f.value();
+}
+
+namespace {
+
 // One exchange of every rank's planning outcome: this rank's error; or, when another rank failed
 // or planned something else (another checkpoint, selection, shard rules or cooperative options),
 // an error naming it, on every rank, instead of a wait in the next collective until the timeout,
@@ -1458,12 +1473,7 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
                         MakePlan(*checkpoint, described.read, spec, o, hosts, me, &figure_items));
     Fingerprint f;
     f.Add(PlanFingerprint(figures, figure_items));
-    f.Add(static_cast<uint64_t>(options.cooperative.exchange));
-    f.Add(options.cooperative.storage_rate);
-    f.Add(options.cooperative.network_rate);
-    f.Add(options.cooperative.probe_bytes);
-    f.Add(options.budget);
-    f.Add(options.tensor_parallel ? options.tensor_parallel->max_gap : 0);
+    f.Add(CooperativeOptionsDigest(options));
     return f.value();
   }();
   TF_RETURN_IF_ERROR(watchdog.Watch("the plan's inputs", [&] {

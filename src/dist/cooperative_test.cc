@@ -198,6 +198,34 @@ void CheckCooperative(const std::string& path, uint32_t world, const LoadOptions
   }
 }
 
+// The ranks compare their options as parsed: two spellings of one value agree, another value of
+// any option the plan depends on does not, and an option the plan ignores is no part of it.
+TEST(CooperativeOptionsDigest, ComparesValuesNotSpellings) {
+  const auto digest = [](std::vector<std::pair<std::string, std::string>> settings) {
+    LoadOptions o;
+    for (const auto& [key, value] : settings) {
+      const Status s = o.Set(key, value);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+    return CooperativeOptionsDigest(o);
+  };
+  const uint64_t base = digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}});
+  EXPECT_EQ(base, digest({{"budget", "64000000"}, {"coop_storage_rate", "2000000000"}}));
+  EXPECT_EQ(base, digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"threads", "3"}}));
+  EXPECT_NE(base, digest({{"budget", "32MB"}, {"coop_storage_rate", "2GB"}}));
+  EXPECT_NE(base, digest({{"budget", "64MB"}, {"coop_storage_rate", "1GB"}}));
+  EXPECT_NE(base,
+            digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"coop_exchange", "all"}}));
+  EXPECT_NE(
+      base,
+      digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"coop_network_rate", "1GB"}}));
+  EXPECT_NE(
+      base,
+      digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"coop_probe_bytes", "1MB"}}));
+  EXPECT_NE(base,
+            digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"shard_max_gap", "1MB"}}));
+}
+
 TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
   TempDir dir;
   ASSERT_TRUE(testing::WriteShardFixture(dir.path()).ok());

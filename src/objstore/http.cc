@@ -175,6 +175,7 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
     std::memcpy(dst.data() + r.body_bytes, data, n);
     r.body_bytes += n;
     io::LandingScope::Landed(dst.data() + r.body_bytes);  // checks as bytes land (read_engine.h)
+    if (t->request->on_body != nullptr) (*t->request->on_body)(n);
     return n;
   }
   if (!r.rejected.empty() && r.status >= 200 && r.status <= 299) return 0;  // not our bytes

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -57,13 +58,18 @@ struct HttpSettings {
   bool path_as_is = false;
 };
 
+// Told of the bytes of a body as they land in HttpRequest::body (on the thread of HttpClient::Get,
+// a piece at a time): must be cheap and must not throw.
+using BodyProgress = std::function<void(size_t bytes)>;
+
 struct HttpRequest {
   std::string url;                   // fully encoded
   std::vector<std::string> headers;  // "Name: value"
   // Bytes [first, last] of the object (a Range header), or the whole object when unset.
   std::optional<std::pair<uint64_t, uint64_t>> range;
-  std::span<std::byte> body;    // where a matching 2xx body goes (empty: into `text`)
-  size_t text_limit = 1 << 20;  // bytes of other bodies kept
+  std::span<std::byte> body;              // where a matching 2xx body goes (empty: into `text`)
+  const BodyProgress* on_body = nullptr;  // told of the bytes landing in `body`; borrowed
+  size_t text_limit = 1 << 20;            // bytes of other bodies kept
   // Sent as a POST with this body when set (headers name its Content-Type).
   std::optional<std::string> post_body;
   // "PUT": sent as a PUT with post_body (or nothing) as its body. "": GET, or POST with post_body.

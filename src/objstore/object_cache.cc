@@ -48,6 +48,8 @@ constexpr size_t kWritePiece = 4u << 20;
 // The filler downloads what the load's reads leave of a file once the file is closed, or once
 // reads through the cache have paused this long (Fill::AwaitTurn).
 constexpr std::chrono::milliseconds kQuiet{1000};
+// How often a download that receives bytes touches its copy in progress, at most (Fill::progress).
+constexpr std::chrono::milliseconds kProgressEvery{250};
 
 std::string Errno(int error) {
   return std::strerror(error);
@@ -347,6 +349,19 @@ struct ObjectCache::Fill {
   FetchRange fetch;
   unsigned threads = 1;
   uint64_t head = 0, part = 0;
+  // Told of the bytes of its GETs as they land: touches the copy in progress (its modification
+  // time) at most every kProgressEvery, which is what another process waiting for the key's lock
+  // sees of a download that goes on between its writes (a part of 32 MiB from a server sending
+  // less than 1 MB/s takes longer than the lock wait).
+  std::atomic<int64_t> touched{0};  // steady_clock nanoseconds of the last touch
+  BodyProgress progress = [this](size_t) {
+    const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+    int64_t last = touched.load(std::memory_order_relaxed);
+    if (now - last >= std::chrono::nanoseconds(kProgressEvery).count() &&
+        touched.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+      static_cast<void>(::futimens(fd.get(), nullptr));  // best effort
+    }
+  };
 
   struct Claimed {
     uint64_t end;
@@ -480,7 +495,7 @@ struct ObjectCache::Fill {
   // Fetches [begin, begin + buffer.size()) (claimed) into `buffer`; the store's error (the claim
   // released) or OK (then the caller writes it: Write, or the writer thread).
   Status FetchClaim(uint64_t begin, std::span<std::byte> buffer) {
-    Status st = fetch(begin, buffer);
+    Status st = fetch(begin, buffer, &progress);
     if (!st.ok()) Release(begin, st.message());
     return st;
   }
@@ -724,7 +739,7 @@ class FillingFile final : public SourceFile {
     const uint64_t part = std::max<uint64_t>(part_size_, 1u << 20);
     for (uint64_t at = 0; at < dst.size(); at += part) {
       const size_t len = static_cast<size_t>(std::min<uint64_t>(part, dst.size() - at));
-      TF_RETURN_IF_ERROR(fetch_(offset + at, dst.subspan(static_cast<size_t>(at), len)));
+      TF_RETURN_IF_ERROR(fetch_(offset + at, dst.subspan(static_cast<size_t>(at), len), nullptr));
     }
     return Status::Ok();
   }
@@ -1384,6 +1399,37 @@ Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir) {
   std::vector<ObjectCacheEntry> out;
   for (objstore::Scanned& e : scanned) out.push_back(std::move(e.entry));
   std::reverse(out.begin(), out.end());  // most recently used first
+  return out;
+}
+
+Result<ObjectCacheDownloads> ObjectCacheDownloadsIn(const std::string& dir) {
+  TF_RETURN_IF_ERROR(objstore::ScanEntries(dir).status());
+  ObjectCacheDownloads out;
+  const std::string tmp = dir + "/tmp";
+  DIR* d = ::opendir(tmp.c_str());
+  if (d == nullptr) {
+    if (errno == ENOENT) return out;
+    return Status(Code::kIoError, tmp + ": cannot list: " + objstore::Errno(errno));
+  }
+  while (const dirent* e = ::readdir(d)) {
+    // tmp/<key>.<pid>.<n>[.json], as RemoveLeftovers reads them.
+    const std::string_view name = e->d_name;
+    struct stat st {};
+    if (name.size() <= 64 || name[64] != '.' || !objstore::IsKey(name.substr(0, 64)) ||
+        ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0 || !S_ISREG(st.st_mode)) {
+      continue;
+    }
+    // Held: a shared lock is refused while the downloading process holds the key (a lock file
+    // that does not exist is held by nobody). Taken for a moment when free: a download of the
+    // key starting now waits for it, as for any holder.
+    const std::string lock = dir + "/locks/" + std::string(name.substr(0, 64)) + ".lock";
+    const UniqueFd fd(::open(lock.c_str(), O_RDONLY | O_CLOEXEC));
+    const bool running = fd.get() >= 0 && ::flock(fd.get(), LOCK_SH | LOCK_NB) != 0;
+    const uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+    (running ? out.running : out.left_over) += 1;
+    (running ? out.running_bytes : out.left_over_bytes) += bytes;
+  }
+  ::closedir(d);
   return out;
 }
 

@@ -37,7 +37,8 @@
 //                      the start of its download to its end (it writes "<pid> <host>" in it);
 //                      another that starts reading the same object waits for that download, then
 //                      reads its copy. It waits while the download goes on (its file in tmp/
-//                      changes) and at most `lock_wait` without a change: a holder stopped
+//                      changes: written, or touched while bytes arrive between two writes) and
+//                      at most `lock_wait` without a change: a holder stopped
 //                      (SIGSTOP, a frozen cgroup, a debugger) or stuck leaves the waiter reading
 //                      the store for this load, the failure counted and described ("held by pid
 //                      N on host H, whose download made no progress for T s")
@@ -78,6 +79,7 @@
 #include <thread>
 #include <vector>
 
+#include "objstore/http.h"
 #include "tensorferry/object_store.h"
 #include "tensorferry/source.h"
 #include "tensorferry/status.h"
@@ -101,8 +103,10 @@ struct CachedObject {
   std::string hub_folder, hub_commit, hub_path, hub_blob;
 };
 
-// Reads [offset, offset + dst.size()) of the object into dst completely.
-using FetchRange = std::function<Status(uint64_t offset, std::span<std::byte> dst)>;
+// Reads [offset, offset + dst.size()) of the object into dst completely; `on_body`, when not null,
+// is told of the bytes as they land (a download's waiters see it progress between its writes).
+using FetchRange =
+    std::function<Status(uint64_t offset, std::span<std::byte> dst, const BodyProgress* on_body)>;
 
 struct ObjectCacheStats {
   uint64_t hits = 0;        // files served by an entry that existed

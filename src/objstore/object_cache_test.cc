@@ -40,6 +40,10 @@ struct Remote {
   std::atomic<int64_t> hold_offset{-1};  // a fetch at this offset waits for `released`
   std::atomic<bool> released{false};
   std::atomic<int64_t> watch_from{-1};  // fetches reaching this offset or beyond are counted
+  // A fetch at this offset trickles: its bytes arrive over `trickle_ms`, a few at a time (told
+  // to its on_body every 20 ms), as from a server sending less than 1 MB/s.
+  std::atomic<int64_t> trickle_offset{-1};
+  int trickle_ms = 0;
   std::atomic<int> watched{0};
 
   explicit Remote(size_t size, unsigned seed = 1) : bytes(testing::Pattern(size, seed)) {}
@@ -68,24 +72,31 @@ struct Remote {
     return id;
   }
   FetchRange Fetch() {
-    return [this](uint64_t offset, std::span<std::byte> dst) -> Status {
-      const int call = static_cast<int>(calls.fetch_add(1));
-      const int from = fail_from_call.load();
-      int64_t at = static_cast<int64_t>(offset);
-      if ((from >= 0 && call >= from) || fail_offset.compare_exchange_strong(at, -1)) {
-        return Status(Code::kIoError, "GET failed: HTTP 403 AccessDenied");
-      }
-      if (hold_offset.load() == static_cast<int64_t>(offset)) {
-        while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      if (const int64_t w = watch_from.load(); w >= 0 && offset + dst.size() > uint64_t(w)) {
-        ++watched;
-      }
-      EXPECT_LE(offset + dst.size(), bytes.size());
-      std::memcpy(dst.data(), bytes.data() + offset, dst.size());
-      fetched += dst.size();
-      return Status::Ok();
-    };
+    return
+        [this](uint64_t offset, std::span<std::byte> dst, const BodyProgress* on_body) -> Status {
+          const int call = static_cast<int>(calls.fetch_add(1));
+          const int from = fail_from_call.load();
+          int64_t at = static_cast<int64_t>(offset);
+          if ((from >= 0 && call >= from) || fail_offset.compare_exchange_strong(at, -1)) {
+            return Status(Code::kIoError, "GET failed: HTTP 403 AccessDenied");
+          }
+          if (hold_offset.load() == static_cast<int64_t>(offset)) {
+            while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          if (trickle_offset.load() == static_cast<int64_t>(offset)) {
+            for (int ms = 0; ms < trickle_ms; ms += 20) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+              if (on_body != nullptr) (*on_body)(1);
+            }
+          }
+          if (const int64_t w = watch_from.load(); w >= 0 && offset + dst.size() > uint64_t(w)) {
+            ++watched;
+          }
+          EXPECT_LE(offset + dst.size(), bytes.size());
+          std::memcpy(dst.data(), bytes.data() + offset, dst.size());
+          fetched += dst.size();
+          return Status::Ok();
+        };
   }
   // Opens through `cache` with the first `head` bytes as the open's prefix.
   Result<std::unique_ptr<SourceFile>> Open(ObjectCache& cache, size_t head = 4096,
@@ -118,6 +129,19 @@ void Fill(ObjectCache& cache, Remote& remote, const std::string& url = "") {
   ASSERT_TRUE(file.ok()) << file.status().ToString();
   EXPECT_EQ(ReadAll(**file), remote.bytes);
   cache.Drain();
+}
+
+// Returns once another ObjectCache holds the lock of `object`'s key in the cache `dir` (its
+// download began).
+void AwaitLocked(const std::string& dir, const CachedObject& object) {
+  const std::string lock = dir + "/locks/" + ObjectCache::Key(object) + ".lock";
+  for (;;) {
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+    const bool held = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+    if (fd >= 0) ::close(fd);
+    if (held) return;
+    std::this_thread::yield();
+  }
 }
 
 size_t CountFiles(const std::string& dir) {
@@ -436,15 +460,7 @@ TEST(ObjectCache, AFillerThatStopsIsWaitedForAtMostLockWait) {
     std::vector<std::byte> got(4096);
     EXPECT_TRUE((*a)->Read(4096, got).ok());
   });
-  // Until the first one holds the key's lock (its download began).
-  const std::string lock = tmp.Join("c") + "/locks/" + ObjectCache::Key(remote.Object()) + ".lock";
-  for (;;) {
-    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
-    const bool held = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0;
-    if (fd >= 0) ::close(fd);
-    if (held) break;
-    std::this_thread::yield();
-  }
+  AwaitLocked(tmp.Join("c"), remote.Object());  // the first one's download began
   std::vector<std::byte> got(64u << 10);
   Result<size_t> n = (*b)->Read(512u << 10, got);  // returns (the store's bytes)
   ASSERT_TRUE(n.ok()) << n.status().ToString();
@@ -462,6 +478,41 @@ TEST(ObjectCache, AFillerThatStopsIsWaitedForAtMostLockWait) {
   stopped.Drain();
   EXPECT_EQ(stopped.stats().errors, 0u) << stopped.stats().last_error;
   EXPECT_TRUE(fs::is_regular_file(tmp.Join("c") + "/blobs/" + ObjectCache::Key(remote.Object())));
+}
+
+// A download whose GET receives bytes slowly, for longer than the waiter's lock_wait without a
+// write to its copy (a part of 32 MiB from a server sending less than 1 MB/s), is still waited for:
+// its copy is touched as the bytes arrive, and the waiter reads the finished copy instead of
+// giving up and downloading the object a second time.
+TEST(ObjectCache, ASlowDownloadThatGoesOnIsWaitedFor) {
+  testing::TempDir tmp;
+  Remote remote(1u << 20);
+  remote.trickle_offset = 4096;  // the first one's read past the header takes 2 s
+  remote.trickle_ms = 2000;
+  ObjectCache filler(tmp.Join("c"), 0);
+  ObjectCache waiter(tmp.Join("c"), 0, ObjectCache::Layout::kObjects, 32u << 20, false,
+                     std::chrono::milliseconds(700));
+  Result<std::unique_ptr<SourceFile>> a = remote.Open(filler, 4096, 2, 64u << 10);
+  Result<std::unique_ptr<SourceFile>> b = remote.Open(waiter, 4096, 2, 64u << 10);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::thread holder([&] {
+    std::vector<std::byte> got(4096);
+    EXPECT_TRUE((*a)->Read(4096, got).ok());
+  });
+  AwaitLocked(tmp.Join("c"), remote.Object());  // the first one's download began
+  std::vector<std::byte> got(64u << 10);
+  Result<size_t> n = (*b)->Read(512u << 10, got);  // waits for the copy, then reads it
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), remote.bytes.begin() + (512u << 10)));
+  holder.join();
+  const ObjectCacheStats s = waiter.stats();
+  EXPECT_EQ(s.errors, 0u) << s.last_error;
+  EXPECT_EQ(s.fills, 0u);
+  EXPECT_EQ(s.hits, 1u);
+  a->reset();
+  filler.Drain();
+  EXPECT_EQ(filler.stats().errors, 0u) << filler.stats().last_error;
+  EXPECT_EQ(remote.fetched.load(), remote.bytes.size() - 4096);  // once, by the first one
 }
 
 TEST(ObjectCache, APartialReadStillLeavesAWholeCopy) {
@@ -923,6 +974,13 @@ TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
   const int held = ::open((dir + "/locks/" + running + ".lock").c_str(), O_RDWR | O_CREAT, 0644);
   ASSERT_GE(held, 0);
   ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  Result<ObjectCacheDownloads> downloads = ObjectCacheDownloadsIn(dir);
+  ASSERT_TRUE(downloads.ok()) << downloads.status().ToString();
+  EXPECT_EQ(downloads->running, 1u);
+  EXPECT_EQ(downloads->left_over, 1u);
+  EXPECT_GT(downloads->running_bytes, 0u);
+  EXPECT_GT(downloads->left_over_bytes, 0u);
+  EXPECT_FALSE(fs::exists(dir + "/locks/" + dead + ".lock"));  // the count made no lock file
 
   // Down to 150 kB: the two least recently used go.
   Result<std::vector<ObjectCacheEntry>> removed = PruneObjectCache(dir, 150'000);
@@ -937,6 +995,10 @@ TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
   EXPECT_FALSE(fs::exists(dir + "/tmp/" + dead + ".4242.0"));
   EXPECT_TRUE(fs::exists(dir + "/tmp/" + running + ".4243.0"));
   EXPECT_FALSE(fs::exists(dir + "/blobs/" + dead + ".json"));
+  downloads = ObjectCacheDownloadsIn(dir);
+  ASSERT_TRUE(downloads.ok());
+  EXPECT_EQ(downloads->running, 1u);
+  EXPECT_EQ(downloads->left_over, 0u);
   ::close(held);
 
   // An entry another process holds is kept even by a prune to 0; the rest go.

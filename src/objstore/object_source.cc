@@ -294,9 +294,9 @@ class ObjectSource final : public Source, public std::enable_shared_from_this<Ob
   uint64_t PartSize() const { return Transport().read_size; }
 
   // Reads [first, first + dst.size()) of `target` into dst, pinned to `version` and `size`,
-  // retrying and resuming.
+  // retrying and resuming; `on_body` (when set) is told of the bytes as they land.
   Status ReadRange(const Target& target, const Version& version, uint64_t size, uint64_t first,
-                   std::span<std::byte> dst) const;
+                   std::span<std::byte> dst, const BodyProgress* on_body = nullptr) const;
 
  private:
   Result<Target> Resolve(const std::string& path) const;
@@ -732,9 +732,9 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
     }
   }
   if (cache != nullptr && strong && id.size > prefix.size()) {
-    FetchRange fetch = [this, target, version, size = id.size](uint64_t offset,
-                                                               std::span<std::byte> dst) {
-      return ReadRange(target, version, size, offset, dst);
+    FetchRange fetch = [this, target, version, size = id.size](
+                           uint64_t offset, std::span<std::byte> dst, const BodyProgress* on_body) {
+      return ReadRange(target, version, size, offset, dst, on_body);
     };
     const SourceReadHints transport = Transport();
     return cache->Open(object, id, std::move(prefix), std::move(fetch), transport.concurrency,
@@ -752,7 +752,8 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
 }
 
 Status ObjectSource::ReadRange(const Target& target, const Version& version, uint64_t size,
-                               uint64_t first, std::span<std::byte> dst) const {
+                               uint64_t first, std::span<std::byte> dst,
+                               const BodyProgress* on_body) const {
   const std::string& etag = version.etag;
   const std::string& modified = version.last_modified;
   TF_ASSIGN_OR_RETURN(const HttpClient* client, Client(target.scheme));
@@ -768,6 +769,7 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
     req.url = target.request_url;
     req.range = std::make_pair(first + received, last);  // resume after the bytes received
     req.body = dst.subspan(static_cast<size_t>(received));
+    req.on_body = on_body;
     // If-Match compares strongly: a weak ETag (W/"...") would never match, so it is only
     // compared with each response's below.
     if (!etag.empty() && etag.rfind("W/", 0) != 0) req.headers.push_back("If-Match: " + etag);

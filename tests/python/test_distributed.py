@@ -280,6 +280,15 @@ def _corrupt_round_main(rank, world, path, init, results):
         dist.destroy_process_group()
 
 
+def _outcomes(results, world):
+    """What each rank of a spawned test wrote to `results`.<rank> (JSON), in rank order."""
+    outcomes = []
+    for r in range(world):
+        with open(f"{results}.{r}") as f:
+            outcomes.append(json.load(f))
+    return outcomes
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_cooperative_gloo_corrupt_tensor_in_a_later_round(tmp_path, world):
     """Rounds are read ahead (round k + 1 while round k is exchanged): a corrupt tensor in the
@@ -300,10 +309,7 @@ def test_cooperative_gloo_corrupt_tensor_in_a_later_round(tmp_path, world):
     results = str(tmp_path / "outcome")
     mp.spawn(_corrupt_round_main,
              args=(world, path, f"file://{tmp_path}/init", results), nprocs=world, join=True)
-    outcomes = []
-    for r in range(world):
-        with open(f"{results}.{r}") as f:
-            outcomes.append(json.load(f))
+    outcomes = _outcomes(results, world)
     failing = [r for r, o in enumerate(outcomes) if bad in (o["error"] or "")]
     assert len(failing) == 1, outcomes
     culprit = failing[0]
@@ -318,7 +324,7 @@ def test_cooperative_gloo_corrupt_tensor_in_a_later_round(tmp_path, world):
             assert f"cooperative load: rank {culprit} failed reading its share" in o["error"], o
 
 
-def _disagreeing_main(rank, paths, init, specs, results):
+def _disagreeing_main(rank, paths, init, specs, results, options=({}, {})):
     import time
 
     import tensorferry
@@ -327,9 +333,9 @@ def _disagreeing_main(rank, paths, init, specs, results):
     try:
         loader = tensorferry.Loader(paths[rank], tp_rank=rank, tp_size=2, shard_rules=specs[rank],
                                     process_group=dist.group.WORLD, coop_exchange="all",
-                                    coop_timeout_ms=60000)
-        loader.load()
-        outcome = {"error": None}
+                                    coop_timeout_ms=60000, **options[rank])
+        got = loader.load()
+        outcome = {"error": None, "sums": {n: float(t.sum()) for n, t in got.items()}}
     except Exception as e:  # the test checks the type and message
         outcome = {"error": str(e), "type": type(e).__name__}
     outcome["seconds"] = time.monotonic() - start
@@ -361,10 +367,7 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
     results = str(tmp_path / "outcome")
     mp.spawn(_disagreeing_main, args=(paths, f"file://{tmp_path}/init", [rows, other], results),
              nprocs=2, join=True)
-    outcomes = []
-    for r in range(2):
-        with open(f"{results}.{r}") as f:
-            outcomes.append(json.load(f))
+    outcomes = _outcomes(results, 2)
     for r, o in enumerate(outcomes):
         assert o["error"] is not None, (r, o)
         assert o["seconds"] < 30, (r, o)
@@ -375,6 +378,36 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
     else:
         assert outcomes[1]["type"] == "InvalidArgumentError", outcomes[1]
         assert "cooperative load: rank 1 failed planning" in outcomes[0]["error"], outcomes[0]
+
+
+@pytest.mark.parametrize("case", ["spelled_differently", "other_budget"])
+def test_ranks_compare_their_options_as_parsed(tmp_path, case):
+    """The ranks compare the options they plan with as parsed, not as written: "64MB" on one
+    rank and 64000000 on the other are one budget, and the load goes on (each rank's own
+    slice); two budgets that differ (rounds planned apart) fail at once on both ranks."""
+    import tensorferry.torch
+    path = str(tmp_path / "m.safetensors")
+    g = torch.Generator().manual_seed(5)
+    tensors = {n: torch.randn(8, 8, generator=g) for n in "abcd"}
+    tensorferry.torch.save_file(tensors, path)
+    rows = json.dumps({"rules": [{"pattern": "*", "split": 0}]})
+    options = [{"budget": "64MB", "coop_storage_rate": "2GB"},
+               {"budget": 64000000 if case == "spelled_differently" else 32000000,
+                "coop_storage_rate": 2000000000}]
+    results = str(tmp_path / "outcome")
+    mp.spawn(_disagreeing_main,
+             args=([path, path], f"file://{tmp_path}/init", [rows, rows], results, options),
+             nprocs=2, join=True)
+    outcomes = _outcomes(results, 2)
+    for r, o in enumerate(outcomes):
+        assert o["seconds"] < 30, (r, o)
+        if case == "spelled_differently":
+            assert o["error"] is None, (r, o)
+            want = {n: float(t[4 * r:4 * r + 4].sum()) for n, t in tensors.items()}
+            assert o["sums"] == pytest.approx(want), (r, o)
+        else:
+            assert o["type"] == "InvalidArgumentError", (r, o)
+            assert "disagree on planning (slices and options)" in o["error"], (r, o)
 
 
 def _split_corrupt_main(rank, world, path, init, results):
@@ -409,9 +442,6 @@ def test_cooperative_gloo_checks_a_tensor_split_among_the_readers(tmp_path, worl
     results = str(tmp_path / "outcome")
     mp.spawn(_split_corrupt_main, args=(world, path, f"file://{tmp_path}/init", results),
              nprocs=world, join=True)
-    outcomes = []
-    for r in range(world):
-        with open(f"{results}.{r}") as f:
-            outcomes.append(json.load(f))
+    outcomes = _outcomes(results, world)
     assert all(o["error"] is not None for o in outcomes), outcomes
     assert any("checksum" in o["error"] and "norm.weight" in o["error"] for o in outcomes), outcomes

@@ -562,7 +562,19 @@ def test_cache_command_lists_and_prunes(stores, tmp_path):
     assert [e["url"] for e in pruned["entries"]] == [keep["url"]]
     assert [e["url"] for e in pruned["removed"]] == [e["url"] for e in listed["entries"][:0:-1]]
     assert "removed 1 file" in cache_cmd("--prune", "0")
-    assert json.loads(cache_cmd("--json"))["files"] == 0
+    listed = json.loads(cache_cmd("--json"))
+    assert listed["files"] == 0
+    assert listed["downloads"] == {"running": 0, "running_bytes": 0, "left_over": 0,
+                                   "left_over_bytes": 0}
+    # What a download killed half-way (SIGKILL) leaves in tmp/ is counted apart, and a prune
+    # removes it.
+    (tmp_path / "tmp" / ("ab" * 32 + ".999.0")).write_bytes(b"x" * 100_000)
+    listed = json.loads(cache_cmd("--json"))
+    assert listed["downloads"]["left_over"] == 1, listed
+    assert listed["downloads"]["left_over_bytes"] >= 100_000, listed
+    assert "1 file left in tmp/ by interrupted downloads" in cache_cmd()
+    assert json.loads(cache_cmd("--prune", "1G", "--json"))["downloads"]["left_over"] == 0
+    assert os.listdir(tmp_path / "tmp") == []
     # The next load downloads them again.
     got, stats = load_with_stats(url, storage_options=opts)
     assert_same(got, load_all(stores.tiny))

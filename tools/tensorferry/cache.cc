@@ -88,12 +88,28 @@ int RunCache(const CacheArgs& args) {
       status = r.status();
     }
   }
+  ObjectCacheDownloads downloads;
+  if (status.ok()) {
+    Result<ObjectCacheDownloads> r = ObjectCacheDownloadsIn(args.dir);
+    if (r.ok()) {
+      downloads = *r;
+    } else {
+      status = r.status();
+    }
+  }
   if (args.json) {
     JsonOut j;
     j.BeginObject().Field("dir", args.dir).Field("ok", status.ok());
     if (status.ok()) {
       j.Field("files", static_cast<uint64_t>(entries.size())).Field("bytes", TotalBytes(entries));
       EntriesJson(j, "entries", entries);
+      j.Key("downloads")
+          .BeginObject()
+          .Field("running", downloads.running)
+          .Field("running_bytes", downloads.running_bytes)
+          .Field("left_over", downloads.left_over)
+          .Field("left_over_bytes", downloads.left_over_bytes)
+          .EndObject();
       if (prune) {
         j.Field("removed_bytes", TotalBytes(removed));
         EntriesJson(j, "removed", removed);
@@ -115,6 +131,16 @@ int RunCache(const CacheArgs& args) {
   }
   text += args.dir + ": " + Plural(entries.size(), "file") + ", " +
           FormatBytes(TotalBytes(entries)) + " (most recently used first)" + EntriesText(entries);
+  // tmp/: what downloads in progress, and interrupted ones, take of the local disk besides.
+  if (downloads.running > 0) {
+    text += "\n" + Plural(downloads.running, "download") + " in progress in tmp/ (" +
+            FormatBytes(downloads.running_bytes) + " reserved)";
+  }
+  if (downloads.left_over > 0) {
+    text += "\n" + Plural(downloads.left_over, "file") +
+            " left in tmp/ by interrupted downloads (" + FormatBytes(downloads.left_over_bytes) +
+            "; --prune removes them)";
+  }
   return PrintReport(text, status);
 }
 

@@ -143,8 +143,9 @@ Result<NetworkMeasurement> MeasureNetworkRate(Collective& collective,
 uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t> host_of_rank);
 
 // A digest of the options the ranks of a cooperative load must agree on, as parsed (so "2GB" and
-// 2000000000 agree): cooperative.exchange, storage_rate, network_rate and probe_bytes, budget and
-// the shard rules' max_gap. LoadCooperative and Python's cooperative load compare it across ranks
+// 2000000000 agree, as do a default left unset and the same value given): cooperative.exchange,
+// storage_rate, network_rate (0, measured, is a value of its own) and probe_bytes, budget and the
+// shard rules' max_gap. LoadCooperative and Python's cooperative load compare it across ranks
 // before any I/O, with the plan's per-tensor figures.
 uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept;
 

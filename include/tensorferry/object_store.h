@@ -185,8 +185,9 @@ Result<std::vector<ObjectCacheEntry>> PruneObjectCache(const std::string& dir, u
 // The downloads in the tmp/ folder of the cache in `dir`: those in progress (their file's key is
 // locked by the process downloading it) and those left by downloads that ended without finishing
 // (a process killed: PruneObjectCache removes them, as does the next download of the same file).
-// Bytes are the local disk each takes (allocated blocks: a download reserves its file's size when
-// it starts).
+// Counts are downloads (a copy in progress, not the description written beside it as it commits);
+// bytes are the local disk they take (allocated blocks: a download reserves its file's size when it
+// starts).
 struct ObjectCacheDownloads {
   uint64_t running = 0, running_bytes = 0;
   uint64_t left_over = 0, left_over_bytes = 0;

@@ -362,6 +362,9 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     hosts = _hosts(torch, dist, group, rank, world, comm_device, timeout)
     options = {k: v for k, v in (plan_options or {}).items() if v is not None}
     options["budget"] = budget or 0
+    # shard_max_gap is an option of tensor parallelism, which needs a rank and a world: without
+    # them the core refused the options (the plan reads only the gap of them).
+    options.update(tp_rank=rank, tp_size=world)
     base_options = dict(reader_options or {})
     figures = {"tensors": 0, "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,

@@ -1090,13 +1090,17 @@ uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& i
 }  // namespace
 
 uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept {
+  // The values the plan uses (a default given explicitly is the default), but for network_rate,
+  // whose 0 means "measured by the probe".
   Fingerprint f;
   f.Add(static_cast<uint64_t>(options.cooperative.exchange));
-  f.Add(options.cooperative.storage_rate);
+  f.Add(options.cooperative.storage_rate != 0 ? options.cooperative.storage_rate
+                                              : kDefaultStorageRate);
   f.Add(options.cooperative.network_rate);
   f.Add(options.cooperative.probe_bytes);
   f.Add(options.budget);
-  f.Add(options.tensor_parallel ? options.tensor_parallel->max_gap : 0);
+  f.Add(options.tensor_parallel ? options.tensor_parallel->max_gap
+                                : TensorParallelOptions{}.max_gap);
   return f.value();
 }
 

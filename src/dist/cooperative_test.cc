@@ -224,6 +224,12 @@ TEST(CooperativeOptionsDigest, ComparesValuesNotSpellings) {
       digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"coop_probe_bytes", "1MB"}}));
   EXPECT_NE(base,
             digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"shard_max_gap", "1MB"}}));
+  // A default given explicitly is the default: the storage rate, and the gap of the shard rules
+  // (set, or left to tensor parallelism's default).
+  EXPECT_EQ(digest({}), digest({{"coop_storage_rate", std::to_string(kDefaultStorageRate)}}));
+  EXPECT_EQ(digest({}),
+            digest({{"shard_max_gap", std::to_string(TensorParallelOptions{}.max_gap)}}));
+  EXPECT_EQ(digest({}), digest({{"tp_rank", "1"}, {"tp_size", "2"}}));
 }
 
 TEST(Cooperative, EveryRankGetsItsSliceByteExact) {

@@ -1403,7 +1403,10 @@ Result<std::vector<ObjectCacheEntry>> ListObjectCache(const std::string& dir) {
 }
 
 Result<ObjectCacheDownloads> ObjectCacheDownloadsIn(const std::string& dir) {
-  TF_RETURN_IF_ERROR(objstore::ScanEntries(dir).status());
+  struct stat blobs {};
+  if (::stat((dir + "/blobs").c_str(), &blobs) != 0 || !S_ISDIR(blobs.st_mode)) {
+    return Status(Code::kNotFound, dir + ": not an object cache (no blobs/)");
+  }
   ObjectCacheDownloads out;
   const std::string tmp = dir + "/tmp";
   DIR* d = ::opendir(tmp.c_str());
@@ -1426,7 +1429,9 @@ Result<ObjectCacheDownloads> ObjectCacheDownloadsIn(const std::string& dir) {
     const UniqueFd fd(::open(lock.c_str(), O_RDONLY | O_CLOEXEC));
     const bool running = fd.get() >= 0 && ::flock(fd.get(), LOCK_SH | LOCK_NB) != 0;
     const uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
-    (running ? out.running : out.left_over) += 1;
+    // A download's description (<tmp>.json, written as it commits) is no download of its own.
+    const bool description = name.size() > 5 && name.substr(name.size() - 5) == ".json";
+    if (!description) (running ? out.running : out.left_over) += 1;
     (running ? out.running_bytes : out.left_over_bytes) += bytes;
   }
   ::closedir(d);

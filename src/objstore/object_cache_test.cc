@@ -970,6 +970,7 @@ TEST(ObjectCacheTools, ListsMostRecentFirstAndPrunesTheLeastRecent) {
   const std::string running = ObjectCache::Key(a.Object("s3://bucket/running"));
   testing::WriteBytes(dir + "/tmp/" + dead + ".4242.0", "partial");
   testing::WriteBytes(dir + "/tmp/" + running + ".4243.0", "partial");
+  testing::WriteBytes(dir + "/tmp/" + running + ".4243.0.json", "{}");  // committing: no 2nd one
   testing::WriteBytes(dir + "/blobs/" + dead + ".json", "{}");
   const int held = ::open((dir + "/locks/" + running + ".lock").c_str(), O_RDWR | O_CREAT, 0644);
   ASSERT_GE(held, 0);

@@ -382,18 +382,20 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
 
 @pytest.mark.parametrize("case", ["spelled_differently", "other_budget"])
 def test_ranks_compare_their_options_as_parsed(tmp_path, case):
-    """The ranks compare the options they plan with as parsed, not as written: "64MB" on one
-    rank and 64000000 on the other are one budget, and the load goes on (each rank's own
-    slice); two budgets that differ (rounds planned apart) fail at once on both ranks."""
+    """The ranks compare the options they plan with as parsed, not as written: a storage rate of
+    "2GB" on one rank and 2000000000 on the other is one rate, "64KiB" and 65536 one shard_max_gap
+    (which a cooperative load refused before: the core wanted tp_rank and tp_size beside it), and
+    the load goes on (each rank's own slice); two budgets that differ (rounds planned apart) fail
+    at once on both ranks."""
     import tensorferry.torch
     path = str(tmp_path / "m.safetensors")
     g = torch.Generator().manual_seed(5)
     tensors = {n: torch.randn(8, 8, generator=g) for n in "abcd"}
     tensorferry.torch.save_file(tensors, path)
     rows = json.dumps({"rules": [{"pattern": "*", "split": 0}]})
-    options = [{"budget": "64MB", "coop_storage_rate": "2GB"},
+    options = [{"budget": "64MB", "coop_storage_rate": "2GB", "shard_max_gap": "64KiB"},
                {"budget": 64000000 if case == "spelled_differently" else 32000000,
-                "coop_storage_rate": 2000000000}]
+                "coop_storage_rate": 2000000000, "shard_max_gap": 65536}]
     results = str(tmp_path / "outcome")
     mp.spawn(_disagreeing_main,
              args=([path, path], f"file://{tmp_path}/init", [rows, rows], results, options),

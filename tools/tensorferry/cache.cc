@@ -88,13 +88,16 @@ int RunCache(const CacheArgs& args) {
       status = r.status();
     }
   }
+  // What tmp/ holds besides: a tmp/ that cannot be read costs the report that line, not the
+  // listing (nor what a prune removed).
   ObjectCacheDownloads downloads;
+  Status downloads_status;
   if (status.ok()) {
     Result<ObjectCacheDownloads> r = ObjectCacheDownloadsIn(args.dir);
     if (r.ok()) {
       downloads = *r;
     } else {
-      status = r.status();
+      downloads_status = r.status();
     }
   }
   if (args.json) {
@@ -103,13 +106,17 @@ int RunCache(const CacheArgs& args) {
     if (status.ok()) {
       j.Field("files", static_cast<uint64_t>(entries.size())).Field("bytes", TotalBytes(entries));
       EntriesJson(j, "entries", entries);
-      j.Key("downloads")
-          .BeginObject()
-          .Field("running", downloads.running)
-          .Field("running_bytes", downloads.running_bytes)
-          .Field("left_over", downloads.left_over)
-          .Field("left_over_bytes", downloads.left_over_bytes)
-          .EndObject();
+      if (downloads_status.ok()) {
+        j.Key("downloads")
+            .BeginObject()
+            .Field("running", downloads.running)
+            .Field("running_bytes", downloads.running_bytes)
+            .Field("left_over", downloads.left_over)
+            .Field("left_over_bytes", downloads.left_over_bytes)
+            .EndObject();
+      } else {
+        j.Field("downloads_error", downloads_status.message());
+      }
       if (prune) {
         j.Field("removed_bytes", TotalBytes(removed));
         EntriesJson(j, "removed", removed);
@@ -132,6 +139,8 @@ int RunCache(const CacheArgs& args) {
   text += args.dir + ": " + Plural(entries.size(), "file") + ", " +
           FormatBytes(TotalBytes(entries)) + " (most recently used first)" + EntriesText(entries);
   // tmp/: what downloads in progress, and interrupted ones, take of the local disk besides.
+  if (!downloads_status.ok())
+    text += "\nwarning: downloads in tmp/ not counted: " + downloads_status.message();
   if (downloads.running > 0) {
     text += "\n" + Plural(downloads.running, "download") + " in progress in tmp/ (" +
             FormatBytes(downloads.running_bytes) + " reserved)";

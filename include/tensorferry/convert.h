@@ -186,6 +186,14 @@ class TorchCheckpoint {
   // kTorchMissingStorage (the storage's bytes are shorter than its tensors need).
   Status ReadTensor(size_t index, uint64_t offset, std::span<std::byte> out) const;
 
+  // Checks the CRC-32 of every zip entry (storage) ReadTensor read that no read checked: a read
+  // checks an entry's CRC only when it read the entry whole, in order, so a tensor viewing part
+  // of its storage, or views read out of order, leave it unchecked; each such entry is read once
+  // more whole. Call it before handing out what was read (ConvertTorchCheckpoint does, before its
+  // output is put in place). Errors: kZipBadEntry (a CRC mismatch: the bytes read may be wrong),
+  // kIoError.
+  Status CheckStoragesRead() const;
+
  private:
   friend class TorchCheckpointOpener;
   struct Impl;

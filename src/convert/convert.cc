@@ -343,11 +343,18 @@ Result<ConvertReport> ConvertTorchCheckpoint(const std::string& src, const std::
   std::vector<uint64_t> file_bytes(ckpt->files().size(), 0);
   const std::vector<TensorToWrite> to_write = TensorsToWrite(*ckpt, plan, report, file_bytes);
   report.sharded = options.max_shard_size > 0 || !ckpt->index_path().empty();
+  // Nothing is put in place before every storage read was checked against its CRC-32 (a tensor
+  // viewing part of its storage reads no whole entry), besides what the caller checks.
+  ConvertOptions checked = options;
+  checked.write.before_commit = [&ckpt, &options]() -> Status {
+    TF_RETURN_IF_ERROR(ckpt->CheckStoragesRead());
+    return options.write.before_commit ? options.write.before_commit() : Status::Ok();
+  };
   if (report.sharded) {
     TF_RETURN_IF_ERROR(
-        WriteShardedOutput(*ckpt, dst, to_write, plan, options, file_bytes, report.outputs));
+        WriteShardedOutput(*ckpt, dst, to_write, plan, checked, file_bytes, report.outputs));
   } else {
-    TF_RETURN_IF_ERROR(WriteSingleOutput(*ckpt, dst, to_write, plan, options, report.outputs));
+    TF_RETURN_IF_ERROR(WriteSingleOutput(*ckpt, dst, to_write, plan, checked, report.outputs));
   }
   return report;
 }
@@ -436,6 +443,7 @@ Result<VerifyConversionReport> VerifyConversion(const std::string& src, const st
                       " of the output is not in the source");
     }
   }
+  TF_RETURN_IF_ERROR(source->CheckStoragesRead());  // the source's bytes compared were its own
   if (options.keep_values) {
     for (const TorchValue& v : source->values()) {
       // Skipped as PlanMetadata skips them: those keys hold the format and the checksums.

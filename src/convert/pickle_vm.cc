@@ -1135,6 +1135,14 @@ class Vm {
     if (key == nullptr || key->str.empty() || location == nullptr) {
       return BadPid("key and location must be non-empty str");
     }
+    // torch.save numbers its storages ("0", "1", ...; the legacy format uses ids): a key is
+    // short. Bounded, since every reference to a storage looks its key up (a long key memoized
+    // once and referenced by every tensor would cost its length each time).
+    constexpr size_t kMaxStorageKey = 1024;
+    if (key->str.size() > kMaxStorageKey) {
+      return BadPid("storage key of " + std::to_string(key->str.size()) + " bytes, more than " +
+                    std::to_string(kMaxStorageKey));
+    }
     if (f[4].tag != Tag::kInt || f[4].i < 0) return BadPid("numel must be a non-negative int");
     if (want == 6 && f[5].tag != Tag::kNone) {
       return BadPid("has view metadata (storage views of torch < 0.4 are not supported)");

@@ -700,6 +700,20 @@ class TorchCheckpointOpener {
             for (size_t i = 0; i + 1 < obj.items.size(); i += 2) {
               value_of[i] = i + 1;
               if (auto id = KeyIdentity(obj.items[i])) {
+                // Each key's text is held and hashed: charged as a name is, so that one long
+                // key given as every key of a dict costs the budget, not time squared.
+                cost += id->size();
+                if (cost > budget) {
+                  return Status(Code::kPickleLimitExceeded,
+                                info.path + ": flattening the " + std::to_string(info.pickle_size) +
+                                    "-byte pickle makes more "
+                                    "than " +
+                                    std::to_string(budget) +
+                                    " bytes of names and keys (TorchLimits::flatten_base + "
+                                    "flatten_per_pickle_byte x the pickle's size), at the keys "
+                                    "of " +
+                                    json::Quote(name.substr(0, 200)));
+                }
                 auto [it, added] = first.try_emplace(*std::move(id), i);
                 if (!added) {
                   value_of[it->second] = i + 1;
@@ -977,6 +991,14 @@ Status TorchCheckpoint::ReadTensor(size_t index, uint64_t offset, std::span<std:
     return impl_->ReadStorage(t.storage, t.storage_offset * elem + offset, out);
   }
   return impl_->ReadStrided(index, offset, out);
+}
+
+Status TorchCheckpoint::CheckStoragesRead() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  for (const auto& f : impl_->open_files) {
+    if (f.zip) TF_RETURN_IF_ERROR(f.zip->CheckEntriesRead());
+  }
+  return Status::Ok();
 }
 
 }  // namespace tensorferry

@@ -418,6 +418,32 @@ TEST(TorchCheckpoint, FlatteningASharedDagIsBoundedByThePicklesSize) {
   EXPECT_TRUE(OpenIn(env2, "m.pt").ok());
 }
 
+// A long string memoized once and referenced over and over costs its length at each reference
+// where it is looked up or held: as a storage key (bounded to 1 KiB) and as a dict key (charged
+// to the flatten budget), so that a small pickle cannot make the work grow with its square.
+TEST(TorchCheckpoint, ALongStringReferencedOverAndOverIsBounded) {
+  const std::string long_key(2000, 'k');
+  PickleBuilder storage;
+  storage.Proto(2).EmptyDict().Mark();
+  storage.Str("w").Tensor("FloatStorage", long_key, 1, 0, {1}, {1});
+  storage.SetItems().Stop();
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(storage.bytes(), {{long_key, F32Bytes({1})}}));
+  EXPECT_TRUE(Fails(OpenIn(env, "m.pt").status(), Code::kPickleBadPersistentId,
+                    "storage key of 2000 bytes, more than 1024"));
+
+  // One 64 KiB key, then 10,000 more references to it as keys of one dict (the last value
+  // wins, as in Python): 640 MB of key text to hold and hash from a pickle of ~110 KB.
+  PickleBuilder keys;
+  keys.Proto(2).EmptyDict().Mark().Str(std::string(64u << 10, 'n')).Put(1).Int(0);
+  for (int i = 0; i < 10000; ++i) keys.Get(1).Int(i);
+  keys.SetItems().Stop();
+  MemoryEnv env2;
+  env2.AddFile("k.pt", MakeTorchZip(keys.bytes(), {}));
+  EXPECT_TRUE(
+      Fails(OpenIn(env2, "k.pt").status(), Code::kPickleLimitExceeded, "bytes of names and keys"));
+}
+
 TEST(TorchCheckpoint, ShardedIndex) {
   PickleBuilder a, b;
   a.Proto(2)

@@ -80,6 +80,7 @@ struct ZipReader::Cursor {
   zip_file_t* file = nullptr;
   uint64_t pos = 0;
   bool seekable = false;
+  bool in_order = true;  // read from the start without a seek: libzip checks the CRC at the end
 
   ~Cursor() {
     if (file != nullptr) zip_fclose(file);
@@ -177,8 +178,29 @@ Result<std::unique_ptr<ZipReader>> ZipReader::Open(const RandomAccessFile& file,
     e.compressed_size = (st.valid & ZIP_STAT_COMP_SIZE) ? st.comp_size : 0;
     e.method = (st.valid & ZIP_STAT_COMP_METHOD) ? st.comp_method : 0;
     e.encrypted = (st.valid & ZIP_STAT_ENCRYPTION_METHOD) && st.encryption_method != ZIP_EM_NONE;
+    // The sizes an entry records are what the converter's bounds (the output's size, the buffers
+    // of strided views) stand on: a few hundred bytes claiming terabytes are refused here, not
+    // found out after terabytes were written. Bytes beyond the archive cannot be in it; a stored
+    // entry holds exactly its bytes; deflate expands at most 1032 times.
+    const std::string where =
+        file.path() + ": zip entry " + json::Quote(e.name.substr(0, 200)) + " records ";
+    if (e.compressed_size > src.size) {
+      return Status(Code::kZipInvalid, where + std::to_string(e.compressed_size) +
+                                           " bytes in an archive of " + std::to_string(src.size));
+    }
+    if (e.method == ZIP_CM_STORE && !e.encrypted && e.size != e.compressed_size) {
+      return Status(Code::kZipInvalid, where + std::to_string(e.size) + " bytes, stored (not " +
+                                           "compressed) in " + std::to_string(e.compressed_size));
+    }
+    constexpr uint64_t kMaxDeflateRatio = 1032;
+    if (e.method != ZIP_CM_STORE && e.size / kMaxDeflateRatio > e.compressed_size) {
+      return Status(Code::kZipInvalid, where + std::to_string(e.size) + " bytes compressed into " +
+                                           std::to_string(e.compressed_size) +
+                                           ", more than deflate's largest " + "ratio (1032:1)");
+    }
     reader->entries_.push_back(std::move(e));
   }
+  reader->checked_.assign(reader->entries_.size(), 0);
   reader->by_name_.reserve(reader->entries_.size());
   for (size_t i = 0; i < reader->entries_.size(); ++i) {
     reader->by_name_.emplace_back(reader->entries_[i].name, i);
@@ -263,7 +285,44 @@ Result<std::string> ZipReader::ReadAll(size_t index, uint64_t max_size) {
   }
   zip_fclose(zf);
   if (!status.ok()) return status;
+  checked_[index] = 2;
   return out;
+}
+
+Status ZipReader::CheckEntriesRead() {
+  std::vector<std::byte> buffer;
+  for (size_t index = 0; index < entries_.size(); ++index) {
+    if (checked_[index] != 1) continue;
+    const ZipEntry& e = entries_[index];
+    zip_file_t* zf = zip_fopen_index(Archive(archive_), index, 0);
+    if (zf == nullptr)
+      return EntryError(index, "cannot be opened", zip_strerror(Archive(archive_)));
+    buffer.resize(static_cast<size_t>(std::min<uint64_t>(e.size + 1, uint64_t{1} << 20)));
+    uint64_t done = 0;
+    Status status;
+    for (;;) {  // to libzip's end of the entry, where it compares the CRC
+      const zip_int64_t got = zip_fread(zf, buffer.data(), buffer.size());
+      if (got < 0) {
+        status = EntryError(index,
+                            "read failed (checking its CRC-32 after a read in part or "
+                            "out of order)",
+                            zip_error_strerror(zip_file_get_error(zf)));
+        break;
+      }
+      if (got == 0) break;
+      done += static_cast<uint64_t>(got);
+    }
+    zip_fclose(zf);
+    TF_RETURN_IF_ERROR(status);
+    if (done != e.size) {
+      return EntryError(
+          index,
+          "holds " + std::to_string(done) + " bytes, not its recorded " + std::to_string(e.size),
+          nullptr);
+    }
+    checked_[index] = 2;
+  }
+  return Status::Ok();
 }
 
 Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out) {
@@ -275,6 +334,7 @@ Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out
                                               std::to_string(e.size) + " bytes");
   }
   if (out.empty()) return Status::Ok();
+  if (checked_[index] == 0) checked_[index] = 1;
   const bool reuse =
       cursor_ && cursor_->index == index && (cursor_->seekable || cursor_->pos <= offset);
   if (!reuse) {
@@ -290,6 +350,7 @@ Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out
   }
   Cursor& c = *cursor_;
   if (c.seekable && c.pos != offset) {
+    c.in_order = false;
     if (zip_fseek(c.file, static_cast<zip_int64_t>(offset), SEEK_SET) != 0) {
       Status s = EntryError(index, "seek to " + std::to_string(offset) + " failed",
                             zip_error_strerror(zip_file_get_error(c.file)));
@@ -332,6 +393,7 @@ Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out
       cursor_.reset();
       return s;
     }
+    if (c.in_order) checked_[index] = 2;
   }
   return Status::Ok();
 }

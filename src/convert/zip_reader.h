@@ -51,10 +51,16 @@ class ZipReader {
 
   // Bytes [offset, offset + out.size()) of the entry. When an entry has been read from its start
   // to its end in order (the usual way, chunk after chunk), the read that reaches the end also
-  // checks the entry's CRC-32.
+  // checks the entry's CRC-32; CheckEntriesRead checks the others.
   // Errors: kInvalidArgument (range outside the entry), kZipBadEntry (CRC mismatch included),
   // kIoError.
   Status ReadAt(size_t index, uint64_t offset, std::span<std::byte> out);
+
+  // Checks the CRC-32 of every entry ReadAt read that no read checked (read in part, or out of
+  // order: after a seek libzip has no CRC to compare), by reading each such entry once more from
+  // its start to its end. For callers that hand out bytes only once this returned ok (a
+  // conversion, before its output is put in place). Errors: as ReadAt's.
+  Status CheckEntriesRead();
 
   const std::string& path() const;
 
@@ -69,6 +75,8 @@ class ZipReader {
   std::vector<ZipEntry> entries_;
   std::vector<std::pair<std::string_view, size_t>> by_name_;  // sorted by name
   std::unique_ptr<Cursor> cursor_;
+  // Per entry: 0 not read by ReadAt, 1 read but its CRC not checked, 2 checked.
+  std::vector<uint8_t> checked_;
 };
 
 }  // namespace tensorferry::convert

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -151,6 +152,85 @@ TEST(ZipReader, CrcIsCheckedWhenAnEntryIsReadInOrder) {
       EXPECT_NE(last.message().find("zip entry \"a/bad\""), std::string::npos);
     }
   }
+}
+
+// Entries read in part, or out of order (after a seek libzip has no CRC to compare), are checked
+// by CheckEntriesRead, which reads each once more whole; an entry read whole in order needs none.
+TEST(ZipReader, EntriesReadInPartOrOutOfOrderAreCheckedOnRequest) {
+  const std::string data = Pattern(10000);
+  for (const bool bad : {false, true}) {
+    for (const std::string how : {"first half", "halves reversed", "whole in order"}) {
+      MemoryEnv env;
+      std::unique_ptr<RandomAccessFile> file;
+      auto zip = OpenBytes(env, MakeZip({{"a/x", data, bad}}), file);
+      ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+      ZipReader& z = **zip;
+      std::vector<std::byte> half(5000);
+      Status read;
+      if (how == "first half") {
+        read = z.ReadAt(0, 0, half);
+      } else if (how == "halves reversed") {
+        read = z.ReadAt(0, 5000, half);
+        if (read.ok()) read = z.ReadAt(0, 0, half);
+      } else {
+        read = z.ReadAt(0, 0, half);
+        if (read.ok()) read = z.ReadAt(0, 5000, half);
+      }
+      const Status checked = read.ok() ? z.CheckEntriesRead() : read;
+      if (!bad) {
+        EXPECT_TRUE(checked.ok()) << how << ": " << checked.ToString();
+        continue;
+      }
+      // Whole and in order: the read reaching the end says so; else the check does.
+      EXPECT_EQ(read.ok(), how != "whole in order") << how << ": " << read.ToString();
+      EXPECT_EQ(checked.code(), Code::kZipBadEntry) << how << ": " << checked.ToString();
+      EXPECT_NE(checked.message().find("zip entry \"a/x\""), std::string::npos)
+          << checked.message();
+    }
+  }
+}
+
+// Sizes an archive records that its bytes cannot hold are refused at open: a stored entry
+// claiming more (or fewer) bytes than it holds, and a compressed one claiming more than deflate
+// can expand to.
+TEST(ZipReader, RefusesEntrySizesTheArchiveCannotHold) {
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  ZipSpec lying{"a/data/0", "sixteen bytes!!!"};
+  lying.claimed_size = uint64_t{64} << 20;
+  auto zip = OpenBytes(env, MakeZip({{"a/data.pkl", "p"}, lying}), file);
+  ASSERT_FALSE(zip.ok());
+  EXPECT_EQ(zip.status().code(), Code::kZipInvalid);
+  EXPECT_NE(zip.status().message().find(file->path() + ": zip entry \"a/data/0\" records " +
+                                        std::to_string(uint64_t{64} << 20) +
+                                        " bytes, stored (not compressed) in 16"),
+            std::string::npos)
+      << zip.status().message();
+
+  // A deflated entry whose recorded size is patched to 2000 times its compressed bytes, in both
+  // of its headers (so that libzip's consistency check passes).
+  TempDir dir;
+  testing::WriteDeflatedZip(dir.Join("d.zip"), {{"x/data/0", std::string(100000, 'a')}});
+  std::string bytes = testing::ReadBytes(dir.Join("d.zip"));
+  uint32_t compressed = 0;
+  for (const std::string_view sig :
+       {std::string_view("PK\x01\x02", 4), std::string_view("PK\x03\x04", 4)}) {
+    const size_t at = bytes.find(sig);
+    ASSERT_NE(at, std::string::npos);
+    const size_t sizes = at + (sig[2] == 1 ? 20 : 18);  // compressed, then uncompressed size
+    std::memcpy(&compressed, bytes.data() + sizes, 4);
+    const uint32_t claimed = compressed * 2000;
+    std::memcpy(bytes.data() + sizes + 4, &claimed, 4);
+  }
+  MemoryEnv env2;
+  std::unique_ptr<RandomAccessFile> file2;
+  auto deflated = OpenBytes(env2, bytes, file2);
+  ASSERT_FALSE(deflated.ok());
+  EXPECT_EQ(deflated.status().code(), Code::kZipInvalid);
+  EXPECT_NE(deflated.status().message().find("bytes compressed into " + std::to_string(compressed) +
+                                             ", more than deflate's largest ratio (1032:1)"),
+            std::string::npos)
+      << deflated.status().message();
 }
 
 TEST(ZipReader, IoErrorsComeBackAsIoErrors) {

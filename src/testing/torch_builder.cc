@@ -181,9 +181,10 @@ std::string MakeZip(const std::vector<ZipSpec>& entries) {
     Le(out, 0, 2);     // stored
     Le(out, 0, 2);     // time
     Le(out, 0x21, 2);  // date
+    const uint64_t size = e.claimed_size != 0 ? e.claimed_size : e.data.size();
     Le(out, crc, 4);
     Le(out, e.data.size(), 4);
-    Le(out, e.data.size(), 4);
+    Le(out, size, 4);
     Le(out, e.name.size(), 2);
     Le(out, 0, 2);
     out += e.name;
@@ -198,7 +199,7 @@ std::string MakeZip(const std::vector<ZipSpec>& entries) {
     Le(central, 0x21, 2);
     Le(central, crc, 4);
     Le(central, e.data.size(), 4);
-    Le(central, e.data.size(), 4);
+    Le(central, size, 4);
     Le(central, e.name.size(), 2);
     Le(central, 0, 2);  // extra
     Le(central, 0, 2);  // comment

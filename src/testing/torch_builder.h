@@ -73,7 +73,8 @@ uint32_t Crc32(std::string_view data);
 struct ZipSpec {
   std::string name;
   std::string data;
-  bool bad_crc = false;  // record a wrong CRC-32
+  bool bad_crc = false;       // record a wrong CRC-32
+  uint64_t claimed_size = 0;  // record this uncompressed size instead of the data's (0: the data's)
 };
 
 // A zip archive of stored (uncompressed) entries: local headers, data, central directory, end

@@ -315,9 +315,17 @@ def test_max_shard_size(tmp_path, gen):
     assert_same(sd, tensors, meta)
 
 
-def test_corrupted_storage_bytes_fail_the_crc(tmp_path):
+@pytest.mark.parametrize("views", ["whole", "first_half", "halves"])
+def test_corrupted_storage_bytes_fail_the_crc(tmp_path, views):
+    """A flipped byte in a storage fails the conversion on its CRC-32 and writes nothing, also
+    where no tensor reads the storage whole in order (a view of its first half; its two halves,
+    read in the output's order), whose entry is read once more whole before the output is put in
+    place."""
     src = tmp_path / "m.pt"
-    torch.save({"w": torch.arange(1000, dtype=torch.float32)}, src)
+    x = torch.arange(1000, dtype=torch.float32)
+    tensors = {"whole": {"w": x}, "first_half": {"w": x[:500]},
+               "halves": {"b_first": x[:500], "a_second": x[500:]}}[views]
+    torch.save(tensors, src)
     with zipfile.ZipFile(src) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
     raw = bytearray(src.read_bytes())

@@ -322,9 +322,9 @@ def test_corrupted_storage_bytes_fail_the_crc(tmp_path, views):
     read in the output's order), whose entry is read once more whole before the output is put in
     place."""
     src = tmp_path / "m.pt"
-    x = torch.arange(1000, dtype=torch.float32)
-    tensors = {"whole": {"w": x}, "first_half": {"w": x[:500]},
-               "halves": {"b_first": x[:500], "a_second": x[500:]}}[views]
+    x = torch.arange(600_000, dtype=torch.float32)  # 2.4 MB: the re-read crosses its 1 MiB reads
+    tensors = {"whole": {"w": x}, "first_half": {"w": x[:300_000]},
+               "halves": {"b_first": x[:300_000], "a_second": x[300_000:]}}[views]
     torch.save(tensors, src)
     with zipfile.ZipFile(src) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))

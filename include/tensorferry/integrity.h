@@ -165,14 +165,29 @@ std::string ChecksumManifestPath(const Checkpoint& ckpt);
 // The manifest beside `ckpt`, nullopt when there is none. Errors: those of
 // ParseChecksumManifest; kIoError when it exists but cannot be read.
 Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& ckpt);
+// What ComputeChecksumManifest does with the manifest already beside a checkpoint.
+enum class RecordedChecksums : uint8_t {
+  // A file it records is checked against its entry (kChecksumMismatch when they differ).
+  kCheck,
+  // Its entries are not read: the files are recorded as they are (a file changed on purpose).
+  kReplace,
+};
 // Reads every tensor of every file of `ckpt` and computes its checksums (chunks hashed on up to
-// `threads` threads). A file with embedded checksums is verified against them first (read twice):
-// kChecksumMismatch when its bytes differ, so damaged bytes are never recorded as the truth.
-// (A record of an unknown algorithm is not checked.) Errors: the read errors of the checkpoint's
-// files, those of EmbeddedChecksums and of ChecksumsForFile for embedded records but kUnsupported.
-Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt,
-                                                 uint64_t chunk_size = kDefaultChecksumChunkSize,
-                                                 unsigned threads = 1);
+// `threads` threads). Digests of damaged bytes are never recorded as the truth about a file: one
+// with embedded checksums is checked against them, and with kCheck one that the manifest beside a
+// local `ckpt` records (a file saved without embedded checksums, which only the manifest protects)
+// against its entry. A record in `chunk_size` is compared with the digests as they are computed;
+// one in another chunk size is checked in a pass of its own (the file is read twice). (A record of
+// an unknown algorithm is not checked.) Errors: kChecksumMismatch naming file, tensor and chunk
+// ("... (against the checksums embedded in the file ...)" or "... (against the checksums the
+// manifest records for it: the file is not what the manifest recorded (damaged, or changed on
+// purpose: then ask to replace its entry ...))"), also for a file whose size differs from its
+// entry's; kChecksumsInvalid for an entry whose tensors are not the file's; those of
+// ReadChecksumManifest (with kCheck), of EmbeddedChecksums but kUnsupported, and the read errors
+// of the checkpoint's files.
+Result<ChecksumManifest> ComputeChecksumManifest(
+    const Checkpoint& ckpt, uint64_t chunk_size = kDefaultChecksumChunkSize, unsigned threads = 1,
+    RecordedChecksums recorded = RecordedChecksums::kCheck);
 // Writes `manifest` to ChecksumManifestPath(ckpt) atomically (temporary file, fsync, rename,
 // fsync of the directory) through `env` (nullptr: Env::Default()). A manifest already there keeps
 // its entries of files that are not `ckpt`'s (several single-file checkpoints in one folder share

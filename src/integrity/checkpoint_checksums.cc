@@ -205,56 +205,104 @@ Result<std::optional<ChecksumManifest>> ReadChecksumManifest(const Checkpoint& c
 }
 
 Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_t chunk_size,
-                                                 unsigned threads) {
+                                                 unsigned threads, RecordedChecksums recorded) {
   if (chunk_size < kMinChecksumChunkSize || chunk_size > kMaxChecksumChunkSize) {
     return Status(Code::kInvalidArgument, "checksum chunk size " + std::to_string(chunk_size) +
                                               " is outside [" +
                                               std::to_string(kMinChecksumChunkSize) + ", " +
                                               std::to_string(kMaxChecksumChunkSize) + "]");
   }
+  // The manifest already there: a file it records (one saved without embedded checksums, whose
+  // only protection it is) is checked against its entry, as one that carries its own checksums
+  // is against those; recording its bytes anew would make damage since then pass every check.
+  std::optional<ChecksumManifest> manifest_there;
+  if (recorded == RecordedChecksums::kCheck && !ckpt.files().empty() &&
+      ckpt.files()[0].path.find("://") == std::string::npos) {
+    Result<std::optional<ChecksumManifest>> read = ReadChecksumManifest(ckpt);
+    if (!read.ok()) {
+      return Status(read.status().code(),
+                    read.status().message() +
+                        " (the files it records cannot be checked against it; remove it to "
+                        "record the files as they are)");
+    }
+    manifest_there = *std::move(read);
+  }
+  constexpr std::string_view kReplaceAdvice =
+      ": the file is not what the manifest recorded (damaged, or changed on purpose: then ask to "
+      "replace its entry, tensorferry checksum --replace)";
   ChecksumManifest manifest;
   manifest.chunk_size = chunk_size;
   const std::string dir = DirectoryOf(ChecksumManifestPath(ckpt));
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
-    // A file that carries its own checksums (written by tensorferry) is checked against them
-    // first: digests of damaged bytes must not be recorded as the truth about the file.
-    // (A record of an algorithm this version does not know, a newer writer's, cannot be checked:
-    // the file is hashed as one without.)
+    // What the file must hold: its own checksums (written by tensorferry), else the manifest's
+    // entry. Digests of damaged bytes must not be recorded as the truth about the file. (A record
+    // of an algorithm this version does not know, a newer writer's, cannot be checked: the file
+    // is hashed as one without.)
     ChecksumSource source = ChecksumSource::kNone;
     Result<std::optional<FileChecksums>> own = ChecksumsForFile(ckpt, f, nullptr, &source);
     if (!own.ok() && own.status().code() != Code::kUnsupported) return own.status();
-    const std::optional<FileChecksums> embedded = own.ok() ? *own : std::nullopt;
-    if (embedded) {
-      Status checked = VerifyFileChecksums(ckpt, f, *embedded, threads);
+    std::optional<FileChecksums> expected = own.ok() ? *own : std::nullopt;
+    if (!expected && own.ok() && manifest_there) {
+      Result<std::optional<FileChecksums>> entry =
+          ChecksumsForFile(ckpt, f, &*manifest_there, &source);
+      if (!entry.ok()) {
+        return Status(entry.status().code(),
+                      entry.status().message() + std::string(kReplaceAdvice));
+      }
+      expected = *std::move(entry);
+    }
+    const std::string against =
+        source == ChecksumSource::kEmbedded
+            ? " (against the checksums embedded in the file: no checksum is recorded for damaged "
+              "bytes)"
+            : std::string(" (against the checksums the manifest records for it") +
+                  std::string(kReplaceAdvice) + ")";
+    // A record in another chunk size is checked in a pass of its own (the file is read twice);
+    // one in this chunk size is compared with the digests as they are computed.
+    if (expected && expected->chunk_size != chunk_size) {
+      Status checked = VerifyFileChecksums(ckpt, f, *expected, threads);
       if (checked.code() == Code::kChecksumMismatch) {
-        return Status(checked.code(), checked.message() +
-                                          " (against the checksums embedded in the file: no "
-                                          "checksum is recorded for damaged bytes)");
+        return Status(checked.code(), checked.message() + against);
       }
       TF_RETURN_IF_ERROR(checked);
+      expected.reset();
     }
+    const std::string& path = ckpt.files()[f].path;
     ManifestFile entry;
     entry.size = ckpt.files()[f].file_size;
     entry.checksums.chunk_size = chunk_size;
-    TF_RETURN_IF_ERROR(
-        ForEachPiece(ckpt, f, chunk_size,
-                     [&](const TensorInfo& t, uint64_t first, std::span<const std::byte> bytes) {
-                       TensorChecksum& sum = entry.checksums.tensors[t.name];
-                       sum.chunks.resize(ChecksumChunkCount(t.size, chunk_size));
-                       const uint64_t n = ChecksumChunkCount(bytes.size(), chunk_size);
-                       ParallelFor(n, threads, [&](size_t i) {
-                         const uint64_t begin = i * chunk_size;
-                         sum.chunks[first + i] = ChecksumChunk(bytes.subspan(
-                             begin, std::min<uint64_t>(chunk_size, bytes.size() - begin)));
-                       });
-                       return Status::Ok();
-                     }));
+    TF_RETURN_IF_ERROR(ForEachPiece(
+        ckpt, f, chunk_size,
+        [&](const TensorInfo& t, uint64_t first, std::span<const std::byte> bytes) -> Status {
+          TensorChecksum& sum = entry.checksums.tensors[t.name];
+          sum.chunks.resize(ChecksumChunkCount(t.size, chunk_size));
+          const uint64_t n = ChecksumChunkCount(bytes.size(), chunk_size);
+          ParallelFor(n, threads, [&](size_t i) {
+            const uint64_t begin = i * chunk_size;
+            sum.chunks[first + i] = ChecksumChunk(
+                bytes.subspan(begin, std::min<uint64_t>(chunk_size, bytes.size() - begin)));
+          });
+          if (!expected) return Status::Ok();
+          // ChecksumsForFile made sure the record covers every tensor, in its chunk count.
+          const TensorChecksum& want = expected->tensors.at(t.name);
+          for (uint64_t i = 0; i < n; ++i) {
+            const uint64_t begin = i * chunk_size;
+            Status checked = CheckChunkDigest(want, chunk_size, t.size, first + i,
+                                              std::min<uint64_t>(chunk_size, bytes.size() - begin),
+                                              sum.chunks[first + i], path, t.name, t.offset);
+            if (checked.code() == Code::kChecksumMismatch) {
+              return Status(checked.code(), checked.message() + against);
+            }
+            if (!checked.ok()) return checked;
+          }
+          return Status::Ok();
+        }));
     for (auto& [name, sum] : entry.checksums.tensors) sum.digest = CombineChunkDigests(sum.chunks);
-    const std::string name = RelativeName(dir, ckpt.files()[f].path);
+    const std::string name = RelativeName(dir, path);
     if (!manifest.files.emplace(name, std::move(entry)).second) {
       return Status(Code::kInvalidArgument,
-                    ckpt.files()[f].path + ": has the same name in the checksum manifest (" +
-                        json::Quote(name) + ") as another file of the checkpoint");
+                    path + ": has the same name in the checksum manifest (" + json::Quote(name) +
+                        ") as another file of the checkpoint");
     }
   }
   return manifest;

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "tensorferry/integrity.h"
 #include "tensorferry/writer.h"
 #include "testing/test_util.h"
+#include "util/macros.h"
 
 namespace tensorferry {
 namespace {
@@ -131,6 +133,96 @@ TEST(ChecksumManifestRace, ASaveRenamesOnlyUnderTheManifestLock) {
   saver.join();
   ASSERT_TRUE(saved.ok()) << saved.ToString();
   EXPECT_NE(ReadBytes(path), old_bytes);
+}
+
+// A file saved without embedded checksums is protected by its manifest entry only: a `checksum`
+// run after its bytes were damaged must not record the damaged bytes over that entry (which made
+// `verify` pass again). The file is checked against its entry, in the manifest's chunk size (as
+// the digests are computed) or in another (a pass of its own); RecordedChecksums::kReplace
+// records a file changed on purpose.
+TEST(ChecksumManifestCheck, AFileTheManifestRecordsIsCheckedAgainstItsEntry) {
+  TempDir dir;
+  const std::string path = dir.Join("model.safetensors");
+  const std::string sidecar = dir.Join(std::string(kChecksumManifestName));
+  ASSERT_TRUE(WriteOne(path, 5000, 3).ok());
+  const auto record = [&](RecordedChecksums recorded, uint64_t chunk) -> Status {
+    TF_ASSIGN_OR_RETURN(const std::shared_ptr<const Checkpoint> ckpt, Checkpoint::Open(path));
+    TF_ASSIGN_OR_RETURN(const ChecksumManifest m,
+                        ComputeChecksumManifest(*ckpt, chunk, 2, recorded));
+    return WriteChecksumManifest(*ckpt, m);
+  };
+  const auto verify = [&]() -> Status {
+    TF_ASSIGN_OR_RETURN(const std::shared_ptr<const Checkpoint> ckpt, Checkpoint::Open(path));
+    return VerifyCheckpointChecksums(*ckpt);
+  };
+  ASSERT_TRUE(record(RecordedChecksums::kCheck, 1024).ok());
+  ASSERT_TRUE(record(RecordedChecksums::kCheck, 1024).ok()) << "a good file is recorded again";
+  const std::string good = ReadBytes(path);
+  const std::string recorded = ReadBytes(sidecar);
+
+  std::string bad = good;
+  bad[bad.size() - 1500] ^= 0x10;  // chunk 3 of the tensor's 5 (its last 5000 bytes)
+  testing::WriteBytes(path, bad);
+  ASSERT_EQ(verify().code(), Code::kChecksumMismatch);
+  for (const uint64_t chunk : {uint64_t{1024}, uint64_t{2048}}) {
+    SCOPED_TRACE(chunk);
+    const Status again = record(RecordedChecksums::kCheck, chunk);
+    EXPECT_EQ(again.code(), Code::kChecksumMismatch) << again.ToString();
+    EXPECT_TRUE(
+        Contains(again.message(), path + ": tensor \"w\": checksum mismatch in chunk 3 of 5"))
+        << again.ToString();
+    EXPECT_TRUE(Contains(again.message(), "against the checksums the manifest records for it"))
+        << again.ToString();
+    EXPECT_TRUE(Contains(again.message(), "--replace")) << again.ToString();
+    EXPECT_EQ(ReadBytes(sidecar), recorded);
+    EXPECT_EQ(verify().code(), Code::kChecksumMismatch);
+  }
+  // Changed on purpose: replaced, it verifies.
+  ASSERT_TRUE(record(RecordedChecksums::kReplace, 1024).ok());
+  EXPECT_TRUE(verify().ok());
+  EXPECT_NE(ReadBytes(sidecar), recorded);
+
+  // Another file put in its place by a tool that does not know the manifest (not a tensorferry
+  // writer, which drops the entry): of another size, or of other tensors.
+  ASSERT_TRUE(WriteOne(dir.Join("bigger.safetensors"), 6000, 4).ok());
+  testing::WriteBytes(path, ReadBytes(dir.Join("bigger.safetensors")));
+  Status replaced = record(RecordedChecksums::kCheck, 1024);
+  EXPECT_EQ(replaced.code(), Code::kChecksumMismatch) << replaced.ToString();
+  EXPECT_TRUE(Contains(replaced.message(),
+                       "the checksum manifest records " + std::to_string(bad.size()) + " bytes"))
+      << replaced.ToString();
+  EXPECT_TRUE(Contains(replaced.message(), "not what the manifest recorded"))
+      << replaced.ToString();
+  ASSERT_TRUE(record(RecordedChecksums::kReplace, 1024).ok());
+  std::string renamed = ReadBytes(path);
+  const size_t at = renamed.find("\"w\"");
+  ASSERT_NE(at, std::string::npos);
+  renamed[at + 1] = 'v';  // same size, another tensor name
+  testing::WriteBytes(path, renamed);
+  replaced = record(RecordedChecksums::kCheck, 1024);
+  EXPECT_EQ(replaced.code(), Code::kChecksumsInvalid) << replaced.ToString();
+  EXPECT_TRUE(Contains(replaced.message(), "not what the manifest recorded"))
+      << replaced.ToString();
+  EXPECT_TRUE(record(RecordedChecksums::kReplace, 1024).ok());
+  EXPECT_TRUE(verify().ok());
+}
+
+// A manifest that cannot be parsed cannot say what the files should hold: the checksum refuses
+// (remove it to record the files anew), unless asked to replace (then the write refuses it).
+TEST(ChecksumManifestCheck, AManifestThatCannotBeReadIsNotSkipped) {
+  TempDir dir;
+  const std::string path = dir.Join("model.safetensors");
+  ASSERT_TRUE(WriteOne(path, 3000, 5).ok());
+  testing::WriteBytes(dir.Join(std::string(kChecksumManifestName)), "{not json");
+  auto ckpt = Checkpoint::Open(path);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  auto m = ComputeChecksumManifest(**ckpt, 1024, 1);
+  ASSERT_FALSE(m.ok());
+  EXPECT_TRUE(Contains(m.status().message(), "remove it to record the files as they are"))
+      << m.status().ToString();
+  m = ComputeChecksumManifest(**ckpt, 1024, 1, RecordedChecksums::kReplace);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_FALSE(WriteChecksumManifest(**ckpt, *m).ok());
 }
 
 }  // namespace

@@ -16,6 +16,7 @@ namespace {
 struct ChecksumArgs {
   std::string path;
   std::string chunk_size;
+  bool replace = false;
   bool json = false;
 };
 
@@ -49,7 +50,10 @@ int RunChecksum(const ChecksumArgs& args) {
       Result<std::optional<ChecksumManifest>> existing = ReadChecksumManifest(*ckpt);
       if (existing.ok() && *existing) chunk_size = (*existing)->chunk_size;
     }
-    auto manifest = ComputeChecksumManifest(*ckpt, chunk_size, HashThreads());
+    // A file the manifest records is checked against its entry unless --replace.
+    auto manifest = ComputeChecksumManifest(
+        *ckpt, chunk_size, HashThreads(),
+        args.replace ? RecordedChecksums::kReplace : RecordedChecksums::kCheck);
     if (!manifest.ok()) return manifest.status();
     for (const auto& [name, file] : manifest->files) tensors += file.checksums.tensors.size();
     manifest_path = ChecksumManifestPath(*ckpt);
@@ -90,6 +94,9 @@ Command AddChecksumCommand(CLI::App& parent) {
       "Write per-tensor checksums of every file as tensorferry.checksums.json beside a checkpoint");
   AddCheckpointPath(*app, args->path);
   app->add_option("--chunk-size", args->chunk_size, "Bytes per hashed chunk (default 4MiB)");
+  app->add_flag("--replace", args->replace,
+                "Record the files as they are, also those the manifest records otherwise "
+                "(changed on purpose; without it, such a file is refused as damaged)");
   app->add_flag("--json", args->json, "Print the result as one JSON document");
   return {app, [args] { return RunChecksum(*args); }};
 }

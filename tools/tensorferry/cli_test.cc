@@ -1578,6 +1578,17 @@ TEST(CliChecksums, ManifestForThirdPartyFiles) {
   const RunResult bad = RunCli({"verify", file});
   ExpectOneLineError(bad);
   EXPECT_NE(bad.err.find("checksum mismatch in chunk"), std::string::npos) << bad.err;
+  // `checksum` again does not record the damaged bytes over the entry that protects them...
+  const RunResult rehashed = RunCli({"checksum", file});
+  ExpectOneLineError(rehashed);
+  EXPECT_NE(rehashed.err.find("against the checksums the manifest records for it"),
+            std::string::npos)
+      << rehashed.err;
+  EXPECT_EQ(RunCli({"verify", file}).exit_code, 1);
+  // ...unless the file was changed on purpose.
+  const RunResult replaced = RunCli({"checksum", file, "--replace"});
+  ASSERT_EQ(replaced.exit_code, 0) << Describe(replaced);
+  EXPECT_EQ(RunCli({"verify", file}).exit_code, 0);
   // A file of another size than recorded is refused before hashing.
   WriteBytes(file, bytes + std::string(8, ' '));
   const RunResult resized = RunCli({"load", file});

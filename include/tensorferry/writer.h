@@ -99,7 +99,8 @@ Result<SerializedHeader> SerializeHeader(std::span<const TensorToWrite> tensors,
                                          const Metadata& metadata, bool metadata_table = false);
 
 // Writes one safetensors file at `path`. Errors: those of SerializeHeader; kInvalidArgument when
-// `path` names no file (empty, ends in '/'); kIoError naming the path, the byte offset and errno;
+// `path` names no file (empty, ends in '/'); kIoError "<path>: is a directory" before anything is
+// written (through Env::Default()); kIoError naming the path, the byte offset and errno;
 // kBudgetExceeded when the write buffer cannot be allocated; any status returned by a generate
 // callback, prefixed with the tensor's name (kInternal if it throws). The temporary file is
 // "." + file name + ".tmp-<pid>@<host>-<random>" in the destination's directory (<host>: 8 hex
@@ -149,17 +150,19 @@ struct ShardOptions {
 // other file is touched, except a sidecar checksum manifest (integrity.h) that records one of the
 // files replaced or written: those entries describe other bytes and go, as part of the same
 // commit (the manifest rewritten with the other files' entries, or removed when none is left),
-// under the manifest's lock. Only a crash (power loss, SIGKILL) during the renames can leave the
-// hidden backups behind, from which the old files can be restored by hand until the next
-// successful write of that layout on this machine removes them (as WriteFile: the dead writer's
-// temporaries of "<prefix>.safetensors", "<prefix>-NNNNN-of-MMMMM.safetensors" of any count, the
-// index, the files the old index names and the checksum manifest go before writing, its backups
-// of them after the commit; a failed write keeps them).
-// Errors: those of WriteFile; kInvalidArgument for a prefix that is empty, ".", "..", or holds '/',
-// NUL or invalid UTF-8, or when a file to replace is a directory; kOverflow when the total size
-// exceeds 64 bits; kIoError naming a backup that could not be removed after the new files are in
-// place, or one that could not be put back after a failure.
-// Returns the paths written (shards then index).
+// under the manifest's lock. The layout already there is read under that lock too, held to the
+// commit: of two writers of one layout in one directory at once (on one machine), the later
+// commit replaces the earlier's files whole, whatever their shard count. Only a crash (power loss,
+// SIGKILL) during the renames can leave the hidden backups behind, from which the old files can be
+// restored by hand until the next successful write of that layout on this machine removes them (as
+// WriteFile: the dead writer's temporaries of "<prefix>.safetensors",
+// "<prefix>-NNNNN-of-MMMMM.safetensors" of any count, the index, the files the old index names and
+// the checksum manifest go before writing, its backups of them after the commit; a failed write
+// keeps them). Errors: those of WriteFile; kInvalidArgument for a prefix that is empty, ".", "..",
+// or holds '/', NUL or invalid UTF-8, or when a file to replace is a directory; kOverflow when the
+// total size exceeds 64 bits; kIoError naming a backup that could not be removed after the new
+// files are in place, or one that could not be put back after a failure. Returns the paths written
+// (shards then index).
 Result<std::vector<std::string>> WriteSharded(const std::string& dir,
                                               std::span<const TensorToWrite> tensors,
                                               const Metadata& metadata = {},

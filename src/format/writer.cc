@@ -437,10 +437,20 @@ template <typename Body>
 Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& options,
                    Body&& body) {
   const auto [dir, name] = SplitPath(path);
+  Env* env = EnvOf(options);
+  // The rename over a directory would fail only after the whole file was written. (A path
+  // without a file name, "a/", is refused as such by WriteTemp.)
+  std::error_code ec;
+  if (env == Env::Default() && !name.empty() &&
+      std::filesystem::symlink_status(path, ec).type() == std::filesystem::file_type::directory) {
+    return Status(Code::kIoError,
+                  path +
+                      ": is a directory; a file is written to a file's path (a sharded "
+                      "checkpoint goes into a directory: WriteSharded)");
+  }
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));
   if (options.before_commit) TF_RETURN_IF_ERROR(options.before_commit().WithPrefix(path));
-  Env* env = EnvOf(options);
   {
     // The entry dropped and the file renamed under the manifest's lock: a `checksum` of the old
     // file merging meanwhile sees the new file (and refuses) or finishes before it is renamed
@@ -1041,12 +1051,14 @@ std::optional<FileLock> LockManifestIfPossible(const std::string& dir) {
 // manifest that cannot be read or parsed is left as is.
 Result<ManifestChange> DropManifestEntries(Env* env, const std::string& dir,
                                            const std::vector<std::string>& stale,
-                                           const WriteOptions& options) {
+                                           const WriteOptions& options,
+                                           std::optional<FileLock> lock) {
   ManifestChange change;
-  // Held even when the manifest names none of the files (or there is none yet): a `checksum` of
-  // the old files merging its digests meanwhile would record them under the new files' names
+  // `lock` (LockManifestIfPossible(dir), taken by the caller before it listed `stale`) is held
+  // even when the manifest names none of the files (or there is none yet): a `checksum` of the
+  // old files merging its digests meanwhile would record them under the new files' names
   // (WriteChecksumManifest checks under this lock that the files it hashed are still there).
-  change.lock = LockManifestIfPossible(dir);
+  change.lock = std::move(lock);
   auto current = internal::ReadManifestIn(env, dir);
   if (!current.ok() || !*current) return change;
   ChecksumManifest kept = std::move(**current);
@@ -1269,10 +1281,15 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   if (options.write.before_commit) {
     TF_RETURN_IF_ERROR(options.write.before_commit().WithPrefix(dir.empty() ? "." : dir));
   }
+  // Read under the manifest's lock, which every writer of this directory holds from here to its
+  // commit: read before it, a layout another writer put in place meanwhile (another shard count)
+  // would be left behind beside this one, its shards orphans.
+  std::optional<FileLock> lock = LockManifestIfPossible(dir);
   std::vector<std::string> old_names = OldLayout(env, dir, options.prefix);
   std::vector<std::string> stale = old_names;
   stale.insert(stale.end(), names.begin(), names.end());
-  TF_ASSIGN_OR_RETURN(ManifestChange manifest, DropManifestEntries(env, dir, stale, options.write));
+  TF_ASSIGN_OR_RETURN(ManifestChange manifest,
+                      DropManifestEntries(env, dir, stale, options.write, std::move(lock)));
   if (manifest.remove) old_names.emplace_back(kChecksumManifestName);
   std::vector<TempFile> commit_files;
   commit_files.reserve(temps.size() + 1);

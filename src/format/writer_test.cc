@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +23,7 @@
 #include <gtest/gtest.h>
 #include <simdjson.h>
 
+#include "integrity/manifest_update.h"
 #include "tensorferry/format.h"
 #include "tensorferry/integrity.h"
 #include "testing/test_util.h"
@@ -639,9 +642,18 @@ TEST(WriterFile, DestinationIsADirectory) {
   TempDir dir;
   const std::string path = dir.Join("sub");
   std::filesystem::create_directory(path);
-  const Status s = WriteFile(path, {});
+  // Refused before a byte is produced (the rename over it would fail after the whole file).
+  bool generated = false;
+  const std::vector<TensorToWrite> tensors = {
+      {"w", DType::kU8, {1000}, {}, [&](uint64_t, std::span<std::byte> out) {
+         generated = true;
+         std::fill(out.begin(), out.end(), std::byte{1});
+         return Status::Ok();
+       }}};
+  const Status s = WriteFile(path, tensors);
   EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
-  ExpectMessageHas(s, {path}, "dir");
+  ExpectMessageHas(s, {path, ": is a directory"}, "dir");
+  EXPECT_FALSE(generated);
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{"sub"});
   EXPECT_EQ(ListDir(path), std::vector<std::string>{});
 }
@@ -815,6 +827,45 @@ TEST(WriterShard, OneShardNaming) {
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, std::vector<std::string>{dir2.Join("adapter_model.safetensors")});
   EXPECT_EQ(ListDir(dir2.path()), std::vector<std::string>{"adapter_model.safetensors"});
+}
+
+// Two writers of one layout at once: the one that commits second replaces the layout the first
+// put in place, whole. It reads which files that layout has under the manifest's lock, which every
+// writer holds to its commit: read before (as it was), the other writer's five shards, committed
+// meanwhile, stayed beside this one's two (orphans its index does not name).
+TEST(WriterShard, ALayoutCommittedMeanwhileByAnotherWriterIsReplacedWhole) {
+  TempDir dir;
+  TempDir other;
+  ShardOptions options;
+  options.max_shard_size = 4;
+  options.write = NoSync();
+  const ShardInput five = MakeShardInput({4, 4, 4, 4, 4});
+  ASSERT_TRUE(WriteSharded(other.path(), five.tensors, {}, options).ok());
+  const ShardInput two = MakeShardInput({4, 4});
+  auto held = internal::LockManifest(dir.path());
+  ASSERT_TRUE(held.ok() && held->has_value()) << "a real directory has the lock";
+  std::atomic<bool> at_commit{false};
+  ShardOptions mine = options;
+  mine.write.before_commit = [&] {
+    at_commit = true;
+    return Status::Ok();
+  };
+  Result<std::vector<std::string>> written = Status(Code::kInternal, "not run");
+  std::thread writer([&] { written = WriteSharded(dir.path(), two.tensors, {}, mine); });
+  for (int i = 0; i < 20000 && !at_commit; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the writer waits for the lock
+  // The other writer's commit, made under the lock this test holds.
+  for (const std::string& name : ListDir(other.path())) {
+    WriteBytes(dir.Join(name), ReadBytes(other.Join(name)));
+  }
+  held->reset();
+  writer.join();
+  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  EXPECT_EQ(ListDir(dir.path()), (std::vector<std::string>{"model-00001-of-00002.safetensors",
+                                                           "model-00002-of-00002.safetensors",
+                                                           "model.safetensors.index.json"}));
 }
 
 TEST(WriterShard, SeveralShardsWriteIndexEvenWhenNotAlways) {

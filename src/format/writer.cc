@@ -443,10 +443,7 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   std::error_code ec;
   if (env == Env::Default() && !name.empty() &&
       std::filesystem::symlink_status(path, ec).type() == std::filesystem::file_type::directory) {
-    return Status(Code::kIoError,
-                  path +
-                      ": is a directory; a file is written to a file's path (a sharded "
-                      "checkpoint goes into a directory: WriteSharded)");
+    return Status(Code::kIoError, path + ": is a directory, not a file's path");
   }
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));

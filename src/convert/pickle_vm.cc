@@ -783,6 +783,12 @@ class Vm {
       return Resolved{GlobalId::kStorageType, kUint8Index, true};
     }
     if (module == "_codecs" && name == "encode") return Resolved{GlobalId::kCodecsEncode};
+    if (module == "builtins" || module == "__builtin__") {
+      if (name == "set") return Resolved{GlobalId::kBuiltinSet};
+      if (name == "frozenset") return Resolved{GlobalId::kBuiltinFrozenSet};
+      if (name == "bytes") return Resolved{GlobalId::kBuiltinBytes};
+      if (name == "bytearray") return Resolved{GlobalId::kBuiltinByteArray};
+    }
     return Status(Code::kPickleRefusedGlobal, "");
   }
 
@@ -839,6 +845,10 @@ class Vm {
         return RebuildParameter(how, callable, g->global, args);
       case GlobalId::kTorchSize: return MakeTorchSize(how, callable, args);
       case GlobalId::kCodecsEncode: return CodecsEncode(how, callable, args);
+      case GlobalId::kBuiltinSet:
+      case GlobalId::kBuiltinFrozenSet: return MakeSet(how, callable, g->global, args);
+      case GlobalId::kBuiltinBytes:
+      case GlobalId::kBuiltinByteArray: return MakeBytes(how, callable, g->global, args);
       case GlobalId::kStorageType:
       case GlobalId::kTorchDtype:
         return RefuseCall(how, callable, "storage classes and dtypes are values, never called");
@@ -887,20 +897,27 @@ class Vm {
   // _codecs.encode(str, 'latin1'): pushes the bytes of a str whose characters are all <= U+00FF.
   Status CodecsEncode(std::string_view how, const Value& callable, const std::vector<Value>& args) {
     if (args.size() != 2) return RefuseCall(how, callable, "expects (str, 'latin1')");
-    const Object* text = Obj(args[0], Kind::kStr);
-    const Object* enc = Obj(args[1], Kind::kStr);
+    std::string bytes;
+    TF_RETURN_IF_ERROR(Latin1(how, callable, args[0], args[1], bytes));
+    return PushString(Kind::kBytes, bytes);
+  }
+
+  // The bytes of `text` encoded as latin1 (`encoding` naming it), for encode(str, 'latin1').
+  Status Latin1(std::string_view how, const Value& callable, const Value& text_value,
+                const Value& encoding, std::string& bytes) {
+    const Object* text = Obj(text_value, Kind::kStr);
+    const Object* enc = Obj(encoding, Kind::kStr);
     if (text == nullptr || enc == nullptr || (enc->str != "latin1" && enc->str != "latin-1")) {
       return RefuseCall(how, callable, "only encode(str, 'latin1') is emulated");
     }
     TF_RETURN_IF_ERROR(CountCopied(text->str.size()));
-    std::string bytes;
     const std::string& s = text->str;  // valid UTF-8 (checked when read)
     for (size_t i = 0; i < s.size();) {
       const auto c = static_cast<uint8_t>(s[i]);
       if (c < 0x80) {
         bytes.push_back(static_cast<char>(c));
         i += 1;
-      } else if ((c & 0xE0) == 0xC0) {
+      } else if (c == 0xC2 || c == 0xC3) {  // U+0080..U+00FF (C4..DF lead U+0100..U+07FF)
         bytes.push_back(
             static_cast<char>(((c & 0x1F) << 6) | (static_cast<uint8_t>(s[i + 1]) & 0x3F)));
         i += 2;
@@ -908,7 +925,48 @@ class Vm {
         return RefuseCall(how, callable, "a character above U+00FF is not latin1");
       }
     }
-    return PushString(Kind::kBytes, bytes);
+    return Status::Ok();
+  }
+
+  // set(items) and frozenset(items) of a list, tuple, set or frozenset; set() and frozenset().
+  Status MakeSet(std::string_view how, const Value& callable, GlobalId id,
+                 const std::vector<Value>& args) {
+    std::vector<Value> items;
+    if (args.size() > 1) return RefuseCall(how, callable, "expects at most one argument");
+    if (args.size() == 1) {
+      const Object* from = nullptr;
+      for (const Kind k : {Kind::kList, Kind::kTuple, Kind::kSet, Kind::kFrozenSet}) {
+        if (from == nullptr) from = Obj(args[0], k);
+      }
+      if (from == nullptr) {
+        return RefuseCall(how, callable,
+                          "expects a list, tuple, set or frozenset, not " + Type(args[0]));
+      }
+      TF_RETURN_IF_ERROR(CountCopied(from->items.size()));
+      items = from->items;
+    }
+    return PushObject(id == GlobalId::kBuiltinSet ? Kind::kSet : Kind::kFrozenSet,
+                      std::move(items));
+  }
+
+  // bytes() and bytearray() of nothing, of bytes, or of (str, 'latin1') as protocol 2 pickles
+  // them; bytearray's keep that they are one (their repr).
+  Status MakeBytes(std::string_view how, const Value& callable, GlobalId id,
+                   const std::vector<Value>& args) {
+    std::string bytes;
+    if (args.size() == 1) {
+      const Object* from = Obj(args[0], Kind::kBytes);
+      if (from == nullptr) return RefuseCall(how, callable, "expects bytes, not " + Type(args[0]));
+      TF_RETURN_IF_ERROR(CountCopied(from->str.size()));
+      bytes = from->str;
+    } else if (args.size() == 2) {
+      TF_RETURN_IF_ERROR(Latin1(how, callable, args[0], args[1], bytes));
+    } else if (!args.empty()) {
+      return RefuseCall(how, callable, "expects (), (bytes,) or (str, 'latin1')");
+    }
+    TF_RETURN_IF_ERROR(PushString(Kind::kBytes, bytes));
+    r_.objects[stack_.back().ref].bytearray = id == GlobalId::kBuiltinByteArray;
+    return Status::Ok();
   }
 
   Status MakeOrderedDict(std::string_view how, const Value& callable,
@@ -1207,7 +1265,7 @@ std::string PyTypeName(const PickleResult& r, const Value& v) {
   const Object& o = r.objects[v.ref];
   switch (o.kind) {
     case Kind::kStr: return "str";
-    case Kind::kBytes: return "bytes";
+    case Kind::kBytes: return o.bytearray ? "bytearray" : "bytes";
     case Kind::kBigInt: return "int beyond 64 bits";  // "must be an int, not int" otherwise
     case Kind::kTuple: return o.torch_size ? "Size" : "tuple";
     case Kind::kList: return "list";
@@ -1216,10 +1274,13 @@ std::string PyTypeName(const PickleResult& r, const Value& v) {
     case Kind::kFrozenSet: return "frozenset";
     case Kind::kGlobal:
       if (o.global == GlobalId::kTorchDtype) return "dtype";
-      return o.global == GlobalId::kStorageType || o.global == GlobalId::kOrderedDict ||
-                     o.global == GlobalId::kTorchSize
-                 ? "type"
-                 : "function";
+      return o.global == GlobalId::kCodecsEncode || o.global == GlobalId::kRebuildTensor ||
+                     o.global == GlobalId::kRebuildTensorV2 ||
+                     o.global == GlobalId::kRebuildTensorV3 ||
+                     o.global == GlobalId::kRebuildParameter ||
+                     o.global == GlobalId::kRebuildParameterWithState
+                 ? "function"
+                 : "type";
     case Kind::kStorage: return "storage";
     case Kind::kTensor: return "Tensor";
   }

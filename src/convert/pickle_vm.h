@@ -110,6 +110,12 @@ enum class GlobalId : uint8_t {
   kStorageType,                // torch.FloatStorage, ..., torch.storage.UntypedStorage
   kTorchDtype,                 // torch.float32, ...
   kCodecsEncode,               // _codecs.encode (bytes in protocol 2)
+  // builtins (__builtin__ in protocol 2): set, frozenset, bytes and bytearray called on what
+  // protocols below 4 pickle them from (set([...]), bytes() for b'', bytearray(b'...')).
+  kBuiltinSet,
+  kBuiltinFrozenSet,
+  kBuiltinBytes,
+  kBuiltinByteArray,
 };
 
 struct Object {
@@ -118,6 +124,7 @@ struct Object {
   bool ordered = false;      // kDict made by OrderedDict
   bool torch_size = false;   // kTuple made by torch.Size
   bool untyped = false;      // kGlobal kStorageType: UntypedStorage
+  bool bytearray = false;    // kBytes made by bytearray
   uint8_t dtype = 0;         // kGlobal kStorageType/kTorchDtype: index into TorchDtypes()
   uint32_t index = 0;        // kStorage/kTensor: index into PickleResult storages/tensors
   std::string str;           // kStr (UTF-8), kBytes, kBigInt; kGlobal: "module.name"

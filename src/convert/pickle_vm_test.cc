@@ -277,7 +277,7 @@ TEST(PickleVm, RefusesCallsOutsideTheAllowlist) {
     PickleBuilder p;
     std::string needle;
   };
-  std::vector<Case> cases(7);
+  std::vector<Case> cases(11);
   cases[0].p.Proto(2).Global("torch", "FloatStorage").EmptyTuple().Reduce().Stop();
   cases[0].needle = "refused REDUCE of torch.FloatStorage";
   cases[1].p.Proto(2).EmptyTuple().EmptyTuple().Reduce().Stop();
@@ -292,6 +292,18 @@ TEST(PickleVm, RefusesCallsOutsideTheAllowlist) {
   cases[5].needle = "refused BUILD on OrderedDict with a int state";
   cases[6].p.Proto(2).Global("_codecs", "encode").Str("x").Str("rot13").Tuple(2).Reduce().Stop();
   cases[6].needle = "only encode(str, 'latin1')";
+  // The builtins protocol 2 pickles sets and bytes with take only what it pickles them from.
+  cases[7].p.Proto(2).Global("__builtin__", "set").Str("abc").Tuple(1).Reduce().Stop();
+  cases[7].needle = "expects a list, tuple, set or frozenset, not str";
+  cases[8].p.Proto(2).Global("builtins", "bytearray").Int(10).Tuple(1).Reduce().Stop();
+  cases[8].needle = "refused REDUCE of builtins.bytearray: expects bytes, not int";
+  cases[9].p.Proto(2).Global("builtins", "bytes").Str("\xc4\x80").Str("latin1").Tuple(2);
+  cases[9].p.Reduce().Stop();
+  cases[9].needle = "a character above U+00FF is not latin1";
+  // U+07FF: two bytes of UTF-8 too (lead DF), but not latin1 (was taken as its low byte).
+  cases[10].p.Proto(2).Global("_codecs", "encode").Str("a\xdf\xbf").Str("latin1").Tuple(2);
+  cases[10].p.Reduce().Stop();
+  cases[10].needle = "a character above U+00FF is not latin1";
   for (const Case& c : cases) EXPECT_TRUE(Fails(RunP(c.p), Code::kPickleRefusedCall, c.needle));
 }
 

@@ -127,7 +127,13 @@ class Printer {
     const Object& o = r_.objects[v.ref];
     switch (o.kind) {
       case Kind::kStr: out += PyStringRepr(o.str); return true;
-      case Kind::kBytes: out += BytesRepr(o.str); return true;
+      case Kind::kBytes:
+        if (o.bytearray) {
+          out += "bytearray(" + BytesRepr(o.str) + ")";
+        } else {
+          out += BytesRepr(o.str);
+        }
+        return true;
       case Kind::kBigInt: out += BigIntToDecimal(o.str); return true;
       case Kind::kGlobal: out += GlobalText(o); return true;
       case Kind::kStorage: why_ = "a storage outside any tensor is not converted"; return false;
@@ -194,6 +200,11 @@ class Printer {
       case GlobalId::kStorageType:
       case GlobalId::kOrderedDict:
       case GlobalId::kTorchSize: return "<class '" + o.str + "'>";
+      case GlobalId::kBuiltinSet:
+      case GlobalId::kBuiltinFrozenSet:
+      case GlobalId::kBuiltinBytes:
+      case GlobalId::kBuiltinByteArray:  // "builtins.set" or "__builtin__.set": <class 'set'>
+        return "<class '" + o.str.substr(o.str.find('.') + 1) + "'>";
       default: return "<function " + o.str + ">";
     }
   }

@@ -240,6 +240,23 @@ def test_nested_state_dict_and_optimizer(tmp_path):
     assert meta == {"format": "pt"}
 
 
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_sets_bytes_and_bytearrays_as_values(tmp_path, protocol):
+    # torch.save's default protocol 2 pickles a set as __builtin__.set([...]), b'' as
+    # __builtin__.bytes() and a bytearray as __builtin__.bytearray(_codecs.encode(...)); 4 has
+    # opcodes for sets and bytes, and builtins.bytearray(b'...').
+    values = {"tags": {3}, "frozen": frozenset([7]), "none": set(), "nofrozen": frozenset(),
+              "empty": b"", "raw": b"\x00ab\xff", "buf": bytearray(b"x\xfey"), "nobuf": bytearray(),
+              "nested": [{5}, (b"", bytearray(b"z"))]}
+    torch.save({"w": torch.arange(4.0), **values}, tmp_path / "ckpt.pt", pickle_protocol=protocol)
+    doc = convert(tmp_path / "ckpt.pt", tmp_path / "ckpt.safetensors", "--verify")
+    assert doc["ok"], doc
+    tensors, meta = read_safetensors(tmp_path / "ckpt.safetensors")
+    assert sorted(tensors) == ["w"]
+    for name, value in values.items():
+        assert meta[name] == str(value), name
+
+
 def test_sharded_bin_with_index(tmp_path, gen):
     src = tmp_path / "src"
     src.mkdir()

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -443,7 +444,8 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   std::error_code ec;
   if (env == Env::Default() && !name.empty() &&
       std::filesystem::symlink_status(path, ec).type() == std::filesystem::file_type::directory) {
-    return Status(Code::kIoError, path + ": is a directory, not a file's path");
+    return Status(Code::kIoError, path + ": is a directory, not a file's path (errno " +
+                                      std::to_string(EISDIR) + ")");
   }
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));

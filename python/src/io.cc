@@ -23,14 +23,39 @@ namespace nb = nanobind;
 namespace tensorferry::python {
 namespace {
 
-// entries: [(name, dtype name, shape, data address, byte length)]; the caller keeps the memory
-// alive and unchanged for the duration of the call.
-std::vector<TensorToWrite> ToWrite(const nb::list& entries) {
+// Buffers (Py_buffer) held while their bytes are written; released on destruction.
+class HeldBuffers {
+ public:
+  HeldBuffers() = default;
+  HeldBuffers(const HeldBuffers&) = delete;
+  HeldBuffers& operator=(const HeldBuffers&) = delete;
+  ~HeldBuffers() {
+    for (Py_buffer& v : views_) PyBuffer_Release(&v);
+  }
+  // The bytes of `object` (any object with the buffer protocol, C-contiguous).
+  std::span<const std::byte> Hold(nb::handle object) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(object.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+      throw nb::python_error();
+    }
+    views_.push_back(view);
+    return std::span<const std::byte>(static_cast<const std::byte*>(view.buf),
+                                      static_cast<size_t>(view.len));
+  }
+
+ private:
+  std::vector<Py_buffer> views_;
+};
+
+// entries: [(name, dtype name, shape, data, byte length)] where data is an address (an int:
+// the caller keeps the memory alive and unchanged for the duration of the call) or an object
+// with the buffer protocol (held by `held` meanwhile; its length must be the byte length).
+std::vector<TensorToWrite> ToWrite(const nb::list& entries, HeldBuffers& held) {
   std::vector<TensorToWrite> out;
   out.reserve(entries.size());
   for (nb::handle h : entries) {
     nb::tuple e = nb::cast<nb::tuple>(h);
-    if (e.size() != 5) throw nb::value_error("entries are (name, dtype, shape, address, length)");
+    if (e.size() != 5) throw nb::value_error("entries are (name, dtype, shape, data, length)");
     TensorToWrite t;
     t.name = ToText(e[0], "tensor name");
     const std::string dtype = ToText(e[1], "dtype");
@@ -41,9 +66,24 @@ std::vector<TensorToWrite> ToWrite(const nb::list& entries) {
     }
     t.dtype = *d;
     t.shape = nb::cast<std::vector<uint64_t>>(e[2]);
-    const auto address = nb::cast<uintptr_t>(e[3]);
     const auto length = nb::cast<size_t>(e[4]);
-    t.data = std::span<const std::byte>(reinterpret_cast<const std::byte*>(address), length);
+    if (nb::isinstance<nb::int_>(e[3])) {
+      const auto address = nb::cast<uintptr_t>(e[3]);
+      if (address == 0 && length != 0) {
+        throw StatusError(Status(Code::kInvalidArgument, "tensor \"" + t.name +
+                                                             "\": data_ptr is 0 (NULL) for " +
+                                                             std::to_string(length) + " bytes"));
+      }
+      t.data = std::span<const std::byte>(reinterpret_cast<const std::byte*>(address), length);
+    } else {
+      t.data = held.Hold(e[3]);
+      if (t.data.size() != length) {
+        throw StatusError(
+            Status(Code::kInvalidArgument, "tensor \"" + t.name + "\": its data holds " +
+                                               std::to_string(t.data.size()) + " bytes, not " +
+                                               std::to_string(length)));
+      }
+    }
     out.push_back(std::move(t));
   }
   return out;
@@ -58,7 +98,8 @@ Metadata ToMetadata(const std::optional<nb::dict>& metadata) {
 }
 
 nb::bytes Serialize(const nb::list& entries, const std::optional<nb::dict>& metadata) {
-  const std::vector<TensorToWrite> tensors = ToWrite(entries);
+  HeldBuffers held;
+  const std::vector<TensorToWrite> tensors = ToWrite(entries, held);
   const Metadata meta = ToMetadata(metadata);
   // metadata={} gives "__metadata__":{} (as the reference writes it); None gives none.
   const SerializedHeader header = Unwrap(SerializeHeader(tensors, meta, metadata.has_value()));
@@ -87,7 +128,8 @@ void SerializeFile(const nb::list& entries, const std::optional<nb::dict>& metad
                    nb::handle path_object, bool checksums) {
   const std::string path = ToPath(path_object, "path");
   Check(CheckMappedFiles());  // the tensors to write may be views of a file that shrank
-  const std::vector<TensorToWrite> tensors = ToWrite(entries);
+  HeldBuffers held;
+  const std::vector<TensorToWrite> tensors = ToWrite(entries, held);
   const Metadata meta = ToMetadata(metadata);
   Status s;
   {
@@ -141,6 +183,34 @@ nb::list Deserialize(nb::handle data, int framework) {
   return out;
 }
 
+// The tensors of a whole safetensors file held in `data` (any object with the buffer protocol),
+// as (name, dtype name, shape, bytearray of its bytes) in the order of their bytes in the file
+// (safetensors.deserialize's).
+nb::list DeserializeRaw(nb::handle data) {
+  HeldBuffers held;
+  const std::span<const std::byte> bytes = held.Hold(data);
+  Header header;
+  {
+    WithoutGil release;
+    header = Unwrap(ParseHeader(bytes, bytes.size(), {}, "<bytes>"));
+  }
+  std::vector<const TensorEntry*> entries;
+  for (const TensorEntry& t : header.tensors) entries.push_back(&t);
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const TensorEntry* a, const TensorEntry* b) { return a->begin < b->begin; });
+  nb::list out;
+  for (const TensorEntry* t : entries) {
+    const std::string_view dtype = DTypeName(t->dtype);
+    PyObject* copy = PyByteArray_FromStringAndSize(
+        reinterpret_cast<const char*>(bytes.data() + header.data_offset() + t->begin),
+        static_cast<Py_ssize_t>(t->byte_size()));
+    if (copy == nullptr) throw nb::python_error();
+    out.append(nb::make_tuple(t->name, nb::str(dtype.data(), dtype.size()), ShapeList(t->shape),
+                              nb::steal(copy)));
+  }
+  return out;
+}
+
 }  // namespace
 
 void RegisterIo(nb::module_& m) {
@@ -148,6 +218,7 @@ void RegisterIo(nb::module_& m) {
   m.def("serialize_file", &SerializeFile, nb::arg("entries"), nb::arg("metadata").none(),
         nb::arg("path"), nb::arg("checksums") = true);
   m.def("deserialize", &Deserialize, nb::arg("data"), nb::arg("framework"));
+  m.def("deserialize_raw", &DeserializeRaw, nb::arg("data"));
 }
 
 }  // namespace tensorferry::python

@@ -3,6 +3,7 @@
 Drop-in for the safetensors package (change the import, keep the code):
 
     from tensorferry import safe_open                 # instead of: from safetensors import safe_open
+    from tensorferry import serialize, deserialize    # the raw API (TensorSpec, serialize_file)
     from tensorferry.torch import load_file, save_file
     from tensorferry.numpy import load_file, save_file
 
@@ -37,6 +38,7 @@ from ._core import (  # noqa: F401
 from ._frameworks import UnsupportedDTypeError  # noqa: F401
 from ._loader import Batch, Loader, LoadStats, layers, parse_size  # noqa: F401
 from ._safe_open import safe_open  # noqa: F401
+from ._serialize import TensorSpec, deserialize, serialize, serialize_file  # noqa: F401
 from ._shard import TensorSlice, rule_slice, shard_spec, tensor_slice  # noqa: F401
 
 
@@ -70,6 +72,10 @@ def describe_object_store(url, storage_options=None):
 
 __all__ = [
     "safe_open",
+    "TensorSpec",
+    "serialize",
+    "serialize_file",
+    "deserialize",
     "cuda_available",
     "mapping_stats",
     "check_mapped_files",

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <span>
 #include <string>
@@ -34,17 +35,18 @@ class HeldBuffers {
   }
   // The bytes of `object` (any object with the buffer protocol, C-contiguous).
   std::span<const std::byte> Hold(nb::handle object) {
-    Py_buffer view;
+    // Filled in place (an exporter may point its fields into the struct) and never moved.
+    Py_buffer& view = views_.emplace_back();
     if (PyObject_GetBuffer(object.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+      views_.pop_back();
       throw nb::python_error();
     }
-    views_.push_back(view);
     return std::span<const std::byte>(static_cast<const std::byte*>(view.buf),
                                       static_cast<size_t>(view.len));
   }
 
  private:
-  std::vector<Py_buffer> views_;
+  std::deque<Py_buffer> views_;
 };
 
 // entries: [(name, dtype name, shape, data, byte length)] where data is an address (an int:
@@ -185,7 +187,7 @@ nb::list Deserialize(nb::handle data, int framework) {
 
 // The tensors of a whole safetensors file held in `data` (any object with the buffer protocol),
 // as (name, dtype name, shape, bytearray of its bytes) in the order of their bytes in the file
-// (safetensors.deserialize's).
+// (safetensors.deserialize's order is its hash map's).
 nb::list DeserializeRaw(nb::handle data) {
   HeldBuffers held;
   const std::span<const std::byte> bytes = held.Hold(data);

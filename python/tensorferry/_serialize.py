@@ -1,5 +1,6 @@
 """The safetensors package's raw API: TensorSpec, serialize, serialize_file and deserialize, over
 tensorferry's writer and strict parser (docs/python.md, "Raw bytes")."""
+import operator
 import os
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -27,10 +28,17 @@ def _st_dtype(dtype):
 
 
 def _unsigned(value, what):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    """`value` as a Python int in [0, 2**64), as the reference converts it: anything with
+    __index__ (numpy integers and bools included), never a float."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: '{type(value).__name__}' object cannot be interpreted as an "
+                        "integer") from None
     if value < 0:
         raise OverflowError(f"{what}: can't convert negative int to unsigned")
+    if value >= 1 << 64:
+        raise OverflowError(f"{what}: int too big to convert")
     return value
 
 
@@ -46,6 +54,8 @@ def _header_shape(st, shape, what):
                 f"{what}: a 0-d float4_e2m1fn_x2 tensor holds two 4-bit values, which an F4 header "
                 "cannot describe (its shape counts values): give shape [1] instead")
         dims[-1] *= 2
+        if dims[-1] >= 1 << 64:
+            raise OverflowError(f"{what}: shape dimension: int too big to convert")
     return dims
 
 
@@ -57,7 +67,8 @@ class TensorSpec:
 
     The memory at `data_ptr` is the caller's: it must stay valid and unchanged during every
     serialize or serialize_file call given this spec (an address of 0 with a length is refused;
-    any other address is trusted)."""
+    any other address is trusted). As the reference's, specs compare by identity and are
+    hashable; integers are taken from anything with __index__ (numpy scalars too)."""
 
     __slots__ = ("_dtype", "_shape", "_data_ptr", "_data_len")
 
@@ -75,14 +86,6 @@ class TensorSpec:
     def __repr__(self):
         return (f"TensorSpec(dtype={self._dtype!r}, shape={self._shape!r}, "
                 f"data_ptr={self._data_ptr}, data_len={self._data_len})")
-
-    def __eq__(self, other):
-        if not isinstance(other, TensorSpec):
-            return NotImplemented
-        return (self._dtype, self._shape, self._data_ptr, self._data_len) == \
-            (other._dtype, other._shape, other._data_ptr, other._data_len)
-
-    __hash__ = None
 
 
 def _entries(tensor_dict):
@@ -103,6 +106,8 @@ def _entries(tensor_dict):
                 raise ValueError(f"tensor {name!r}: the dict lacks {sorted(missing)}")
             st = _st_dtype(spec["dtype"])
             data = memoryview(spec["data"])
+            if not data.c_contiguous:
+                raise ValueError(f"tensor {name!r}: data is not C-contiguous")
             entries.append((name, st, _header_shape(st, spec["shape"], f"tensor {name!r}"),
                             spec["data"], data.nbytes))
         else:

@@ -554,7 +554,10 @@ class Vm {
         std::string_view s;
         const unsigned n = op == 'C' ? 1 : (op == 'B' ? 4 : 8);
         TF_RETURN_IF_ERROR(ReadPayload(op, n, s));
-        return PushString(Kind::kBytes, s);
+        TF_RETURN_IF_ERROR(PushString(Kind::kBytes, s));
+        // BYTEARRAY8 (protocol 5): a bytearray, as builtins.bytearray(...) is below 5.
+        if (op == 0x96) r_.objects[stack_.back().ref].bytearray = true;
+        return Status::Ok();
       }
       case 't': {
         std::vector<Value> items;

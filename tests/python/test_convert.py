@@ -240,11 +240,11 @@ def test_nested_state_dict_and_optimizer(tmp_path):
     assert meta == {"format": "pt"}
 
 
-@pytest.mark.parametrize("protocol", [2, 4])
+@pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_sets_bytes_and_bytearrays_as_values(tmp_path, protocol):
     # torch.save's default protocol 2 pickles a set as __builtin__.set([...]), b'' as
     # __builtin__.bytes() and a bytearray as __builtin__.bytearray(_codecs.encode(...)); 4 has
-    # opcodes for sets and bytes, and builtins.bytearray(b'...').
+    # opcodes for sets and bytes, and builtins.bytearray(b'...'); 5 an opcode for bytearrays.
     values = {"tags": {3}, "frozen": frozenset([7]), "none": set(), "nofrozen": frozenset(),
               "empty": b"", "raw": b"\x00ab\xff", "buf": bytearray(b"x\xfey"), "nobuf": bytearray(),
               "nested": [{5}, (b"", bytearray(b"z"))]}

@@ -661,7 +661,7 @@ class Vm {
         auto g = Resolve(module, name);
         if (!g.ok()) return RefuseGlobal(module, name, "INST");
         return Fail(Code::kPickleRefusedCall,
-                    "refused INST " + std::string(module) + "." + std::string(name) +
+                    "refused INST " + Shown(module) + "." + Shown(name) +
                         ": objects are only built through REDUCE of the allowlist");
       }
       case 'o':
@@ -795,14 +795,19 @@ class Vm {
     return Status(Code::kPickleRefusedGlobal, "");
   }
 
+  // A module or class name as a message shows it: its first 200 bytes (cut at a UTF-8 character),
+  // then its length; a pickle may name a global of megabytes.
+  static std::string Shown(std::string_view s) {
+    constexpr size_t kMax = 200;
+    if (s.size() <= kMax) return std::string(s);
+    size_t cut = kMax;
+    while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+    return std::string(s.substr(0, cut)) + "... (" + std::to_string(s.size()) + " bytes)";
+  }
+
   Status RefuseGlobal(std::string_view module, std::string_view name, std::string_view how) {
-    std::string what = "refused ";
-    what += how;
-    what += " ";
-    what += module;
-    what += ".";
-    what += name;
-    return Fail(Code::kPickleRefusedGlobal, what);
+    return Fail(Code::kPickleRefusedGlobal,
+                "refused " + std::string(how) + " " + Shown(module) + "." + Shown(name));
   }
 
   Status PushGlobal(std::string_view module, std::string_view name, std::string_view how) {

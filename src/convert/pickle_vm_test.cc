@@ -241,6 +241,18 @@ TEST(PickleVm, RefusesEveryGlobalOutsideTheAllowlist) {
     EXPECT_TRUE(Fails(RunP(q), Code::kPickleRefusedGlobal, "refused global " + module + "." + name))
         << module << "." << name;
   }
+  // A name of megabytes is shown by its start and its length (cut between UTF-8 characters).
+  std::string module = "m";
+  for (int i = 0; i < 150; ++i) module += "\xc3\xa9";  // 301 bytes
+  PickleBuilder big;
+  big.Proto(2).Global(module, "Cls").Stop();
+  Result<PickleResult> r = RunP(big);
+  ASSERT_FALSE(r.ok());
+  const std::string& m = r.status().message();
+  EXPECT_NE(m.find("refused global " + module.substr(0, 199) + "... (301 bytes).Cls"),
+            std::string::npos)
+      << m;
+  EXPECT_LT(m.size(), 400u) << m;
 }
 
 TEST(PickleVm, RefusesNestedAndObfuscatedReductions) {

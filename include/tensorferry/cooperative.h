@@ -66,11 +66,14 @@ namespace tensorferry {
 // Which rank reads each tensor, given the tensors' byte sizes in checkpoint order ((file,
 // offset) order) and the world size (>= 1). The rule, identical in C++ and Python (the Python
 // package calls this function): the sequence is cut into `world` contiguous runs, rank r reading
-// run r, so that the largest run's bytes are as small as possible (the minimum over all contiguous
-// cuts, found by binary search on that maximum, with each run then filled greedily up to it from
-// the front). Contiguous runs keep each rank's reads sequential in the files; balance is within
-// one tensor of the ideal share. Ranks may get empty runs (fewer tensors than ranks).
-std::vector<uint32_t> AssignReaders(std::span<const uint64_t> sizes, uint32_t world);
+// run r, so that the most bytes a rank reads, `loaded`[r] (what it reads besides, such as its
+// pieces of the tensors split among the readers; missing entries are 0) plus its run's, is as
+// small as possible (the minimum over all contiguous cuts, found by binary search on that
+// maximum, with each run then filled greedily up to it from the front). Contiguous runs keep each
+// rank's reads sequential in the files; balance is within one tensor of the ideal share. Ranks
+// may get empty runs (fewer tensors than ranks, or a rank loaded already).
+std::vector<uint32_t> AssignReaders(std::span<const uint64_t> sizes, uint32_t world,
+                                    std::span<const uint64_t> loaded = {});
 
 // Round of each tensor: every rank walks its own run in order and starts a new round when the
 // next tensor would take its bytes in the current round above `round_bytes` (0: one round). Round
@@ -167,11 +170,14 @@ struct CooperativeTensorPlan {
   uint32_t reader = 0;     // exchanged and read whole: the rank that reads it
   uint32_t round = 0;      // exchanged: its round (split among readers: its last piece's)
   // Exchanged: 1 when one reader reads it whole; world when it is split among every rank by rows
-  // (a huge tensor, see PlanCooperative): piece p, the rows ShardRule::Split(0) gives rank p of
-  // world, is read by rank p in round piece_rounds[p], and each rank receives its part of every
-  // piece from the piece's reader.
+  // (a huge tensor, see PlanCooperative): piece p, the rows a ShardRule::Split(0) with granule
+  // `piece_granule` gives rank p of world, is read by rank p in round piece_rounds[p], and each
+  // rank receives its part of every piece from the piece's reader. The granule is 1, or with
+  // checksum records the fewest rows whose bytes are a multiple of the file's chunk size: every
+  // piece starts on a chunk, so that its reader checks every chunk it holds whole.
   uint32_t readers = 1;
   std::vector<uint32_t> piece_rounds;
+  uint64_t piece_granule = 1;
   // Bytes per host, averaged over the hosts: read from storage when each rank reads its own part
   // (its slice's covering reads, gaps up to max_gap included; a replicated tensor once per
   // rank), read when exchanged (the tensor's size over the hosts), and received from other hosts

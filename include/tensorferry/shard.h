@@ -10,7 +10,8 @@
 //
 // Uneven sizes: n indices over w ranks (numpy.array_split / torch.tensor_split): rank r gets
 // n / w indices, plus one if r < n % w, starting at r * (n / w) + min(r, n % w). With fused parts
-// the rule applies to each part separately, offset by the part's start.
+// the rule applies to each part separately, offset by the part's start. With a granule g, the
+// same over the part's ceil(n / g) units of g indices (the last unit holds what is left).
 //
 // A split that would leave some rank with nothing of a part (a part of n < world indices) is
 // refused (kInvalidArgument) rather than handing out empty slices: tensor-parallel layers assume
@@ -46,6 +47,11 @@ struct ShardRule {
   // (it must divide shape[dim]); for fused tensors whose sizes depend on the model (GPT-2's
   // c_attn: 3 equal blocks). 0 or 1: one block. Ignored when `parts` is given.
   uint32_t equal_parts = 0;
+  // kSplit: indices along `dim` are dealt out in units of `granule` (0 or 1: single indices):
+  // each rank's run of each part starts on a multiple of `granule` within the part, and the
+  // uneven remainder goes by whole units (the part's last unit may be shorter). A part needs at
+  // least `world` units. Cooperative loads use it to cut row pieces on checksum chunks.
+  uint64_t granule = 0;
 
   static ShardRule Replicate();
   static ShardRule Split(uint32_t dim, std::vector<uint64_t> parts = {});
@@ -53,7 +59,7 @@ struct ShardRule {
 
   bool is_split() const noexcept { return kind == Kind::kSplit; }
   // "replicate", "split(dim=1)", "split(dim=0, parts=[4096,1024,1024])",
-  // "split(dim=1, equal_parts=3)": for messages and `load --explain`.
+  // "split(dim=1, equal_parts=3)", "split(dim=0, granule=64)": for messages and `load --explain`.
   std::string ToString() const;
   friend bool operator==(const ShardRule&, const ShardRule&) = default;
 };
@@ -78,7 +84,8 @@ struct ShardRule {
 //     "ties": { "lm_head.weight": "model.embed_tokens.weight" }
 //   }
 // A rule object has exactly one of "split" (dimension, an integer) or "replicate" (true), and
-// with "split" optionally "parts" (array of positive integers) or "equal_parts" (integer >= 1).
+// with "split" optionally "parts" (array of positive integers) or "equal_parts" (integer >= 1),
+// and "granule" (integer >= 1, ShardRule::granule).
 // ToJson writes "rules" (the patterns in order, Builtin's expanded), "overrides" and "ties"
 // (sorted by name); FromJson(ToJson()) equals the original.
 class ShardSpec {

@@ -31,9 +31,9 @@ using Block = std::pair<uint64_t, uint64_t>;
 // One rank's part: local shape, blocks along the split dimension, bytes.
 using RankPart = std::tuple<std::vector<uint64_t>, std::vector<Block>, uint64_t>;
 // One tensor to read (see distributed.h).
-using PlanEntry =
-    std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, bool, uint32_t, uint32_t,
-               std::vector<Block>, std::vector<uint32_t>, int64_t, std::vector<RankPart>, bool>;
+using PlanEntry = std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t, bool,
+                             uint32_t, uint32_t, std::vector<Block>, std::vector<uint32_t>, int64_t,
+                             std::vector<RankPart>, bool, uint64_t>;
 
 Result<ShardSpec> SpecOf(const std::string& spec) {
   if (spec == "builtin") return ShardSpec::Builtin();
@@ -85,18 +85,20 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
           parts.emplace_back(std::move(slice.shape), std::move(slice.blocks), slice.bytes);
         }
       }
-      // Rows of each piece of a tensor split among the readers: the rows Split(0) gives rank p
-      // (the same rule the C++ ranks read by).
+      // Rows of each piece of a tensor split among the readers: the rows Split(0) in units of
+      // piece_granule rows gives rank p (the same rule the C++ ranks read by).
       std::vector<Block> piece_rows;
       if (t.exchanged && t.readers > 1) {
+        ShardRule pieces = ShardRule::Split(0);
+        pieces.granule = t.piece_granule;
         for (uint32_t p = 0; p < t.readers; ++p) {
-          piece_rows.push_back(Unwrap(SliceOf(info, ShardRule::Split(0), p, t.readers)).blocks[0]);
+          piece_rows.push_back(Unwrap(SliceOf(info, pieces, p, t.readers)).blocks[0]);
         }
       }
       entries.emplace_back(info.name, std::string(DTypeName(info.dtype)), info.shape, info.size,
                            t.exchanged, t.reader, t.round, std::move(piece_rows), t.piece_rounds,
                            rule.is_split() ? static_cast<int64_t>(rule.dim) : -1, std::move(parts),
-                           t.SavesReads());
+                           t.SavesReads(), t.piece_granule);
     }
   }
   return nb::cast(std::make_tuple(std::move(entries), std::move(outputs), checksums_digest));

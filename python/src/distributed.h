@@ -22,10 +22,11 @@ void RegisterDistributed(nanobind::module_& m);
 // `probe_seconds` (0: none ran). Returns (entries, outputs, checksums_digest:
 // CooperativePlan::checksums_digest, what the ranks compare beside the plan). entries: one
 // (name, dtype, shape, nbytes, exchanged, reader, round, piece_rows, piece_rounds, dim, parts,
-// saves_reads) per tensor to read, in checkpoint order: exchanged false: every rank reads its own
-// part;
+// saves_reads, piece_granule) per tensor to read, in checkpoint order: exchanged false: every
+// rank reads its own part;
 // piece_rows non-empty: split among the readers, piece p (rows (start, count)) read by rank p in
-// round piece_rounds[p]; else read whole by `reader` in `round`. dim: the split dimension (-1:
+// round piece_rounds[p], the rows {"split": 0, "granule": piece_granule} gives rank p; else read
+// whole by `reader` in `round`. dim: the split dimension (-1:
 // replicated); parts: per rank (local shape, blocks, bytes), empty for a replicated tensor;
 // saves_reads: CooperativeTensorPlan::SavesReads (false: read during a probe, whatever it finds).
 // outputs: (name, name of the read tensor whose data it is) in Loader order (tied aliases).

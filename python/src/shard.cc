@@ -20,7 +20,7 @@ namespace tensorferry::python {
 namespace {
 
 // A rule as the JSON schema's dict: {"replicate": True} or {"split": dim[, "parts": [...] |
-// "equal_parts": k]}.
+// "equal_parts": k][, "granule": g]}.
 nb::dict RuleDict(const ShardRule& rule) {
   nb::dict d;
   if (!rule.is_split()) {
@@ -33,6 +33,7 @@ nb::dict RuleDict(const ShardRule& rule) {
   } else if (rule.equal_parts != 0) {
     d["equal_parts"] = rule.equal_parts;
   }
+  if (rule.granule != 0) d["granule"] = rule.granule;
   return d;
 }
 

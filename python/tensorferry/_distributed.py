@@ -295,12 +295,12 @@ class _Unit:
 class _Entry:
     """A plan entry of Reader.cooperative_plan (python/src/distributed.h)."""
     __slots__ = ("name", "st_dtype", "shape", "nbytes", "exchanged", "reader", "round",
-                 "piece_rows", "piece_rounds", "dim", "parts", "saves_reads")
+                 "piece_rows", "piece_rounds", "dim", "parts", "saves_reads", "piece_granule")
 
     def __init__(self, t):
         (self.name, self.st_dtype, self.shape, self.nbytes, self.exchanged, self.reader,
          self.round, self.piece_rows, self.piece_rounds, self.dim, self.parts,
-         self.saves_reads) = t
+         self.saves_reads, self.piece_granule) = t
 
     def part_bytes(self, q):
         return self.nbytes if self.dim < 0 else self.parts[q][2]
@@ -484,14 +484,15 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             # (this rank's own slices, as the independent sliced load reads them): those not read
             # during the probe once this rank's reads of the first round are done.
             reader = _core.Reader(base, base_options)
-            pieced = [e.name for e in plan if e.exchanged and e.piece_rows]
+            pieced = [e for e in plan if e.exchanged and e.piece_rows]
             local = [e.name for e in plan if not e.exchanged and e.name not in preread]
             if stats is not None:
                 stats.update(figures)
             fw.check(reader, [e.name for e in plan])
             if pieced:
-                spec = json.dumps({"base": "none",
-                                   "overrides": {n: {"split": 0} for n in pieced}})
+                # The rows the plan cut the pieces at (whole checksum chunks: piece_granule).
+                spec = json.dumps({"base": "none", "overrides": {
+                    e.name: {"split": 0, "granule": e.piece_granule} for e in pieced}})
                 piece_reader = _core.Reader(base, dict(base_options, tp_rank=rank, tp_size=world,
                                                        shard_rules=spec))
         except Exception as e:  # re-raised by _agree_plan, after the others know

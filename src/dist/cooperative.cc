@@ -35,18 +35,20 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Number of contiguous runs, each at most `limit` bytes, that greedy filling from the front needs.
-uint64_t RunsNeeded(std::span<const uint64_t> sizes, uint64_t limit) {
-  uint64_t runs = 1;
-  uint64_t current = 0;
+// Whether `sizes` fit in contiguous runs, rank r's in order, each rank's bytes (`loaded`[r]
+// plus its run's) at most `limit`: greedy filling from the front (as much as each rank holds,
+// which never leaves less room for the rest).
+bool RunsFit(std::span<const uint64_t> sizes, std::span<const uint64_t> loaded, uint64_t limit) {
+  uint32_t rank = 0;
+  uint64_t room = limit - std::min(limit, loaded[0]);
   for (uint64_t s : sizes) {
-    if (current + s > limit) {
-      ++runs;
-      current = 0;
+    while (s > room) {
+      if (++rank == loaded.size()) return false;
+      room = limit - std::min(limit, loaded[rank]);
     }
-    current += s;
+    room -= s;
   }
-  return runs;
+  return true;
 }
 
 // One selected tensor and every rank's part of it.
@@ -60,18 +62,21 @@ struct Item {
 
 }  // namespace
 
-std::vector<uint32_t> AssignReaders(std::span<const uint64_t> sizes, uint32_t world) {
+std::vector<uint32_t> AssignReaders(std::span<const uint64_t> sizes, uint32_t world,
+                                    std::span<const uint64_t> loaded) {
   std::vector<uint32_t> readers(sizes.size(), 0);
   if (sizes.empty() || world <= 1) return readers;
-  // The smallest run limit at which `world` runs suffice: between the largest tensor and the
-  // total (always feasible). Binary search over that range (monotone: a larger limit never
-  // needs more runs).
-  uint64_t lo = *std::max_element(sizes.begin(), sizes.end());
-  uint64_t hi = 0;
+  std::vector<uint64_t> before(world, 0);
+  for (uint32_t r = 0; r < world && r < loaded.size(); ++r) before[r] = loaded[r];
+  // The smallest limit on a rank's bytes at which the runs fit: between the most any rank holds
+  // already and that plus the total (always feasible: everything on rank 0). Binary search over
+  // that range (monotone: a larger limit never fits worse).
+  const uint64_t most = *std::max_element(before.begin(), before.end());
+  uint64_t lo = most, hi = most;
   for (uint64_t s : sizes) hi += s;
   while (lo < hi) {
     const uint64_t mid = lo + (hi - lo) / 2;
-    if (RunsNeeded(sizes, mid) <= world) {
+    if (RunsFit(sizes, before, mid)) {
       hi = mid;
     } else {
       lo = mid + 1;
@@ -80,7 +85,7 @@ std::vector<uint32_t> AssignReaders(std::span<const uint64_t> sizes, uint32_t wo
   uint32_t rank = 0;
   uint64_t current = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    if (current + sizes[i] > lo && current > 0 && rank + 1 < world) {
+    while (before[rank] + current + sizes[i] > lo && rank + 1 < world) {
       ++rank;
       current = 0;
     }
@@ -198,6 +203,7 @@ struct Costed {
   std::vector<uint64_t> local_read;  // per host: bytes its ranks read for their own parts
   std::vector<uint64_t> received;    // per host: bytes its ranks end with (their parts)
   bool splittable = false;           // may be split among the readers by rows (SplitAmongReaders)
+  uint64_t granule = 1;              // split: the pieces' rows in units of this many (PieceGranule)
   bool preread = false;  // read while the network probe ran (it ran, and this saves no reads)
 };
 
@@ -221,30 +227,51 @@ struct Model {
   }
 };
 
+// The rule by which a tensor split among the readers is read: by rows, in units of `granule`
+// rows (CooperativeTensorPlan::piece_granule).
+ShardRule PieceRule(uint64_t granule) {
+  ShardRule rule = ShardRule::Split(0);
+  rule.granule = granule;
+  return rule;
+}
+
 // Byte range [begin, end) of the tensor that rank p of `world` reads when the tensor is split
-// among the readers by rows: the rows Split(0) gives rank p (the uneven rule of shard.h, which
-// SliceOf applies and the piece Loader reads). REQUIRES: the tensor is splittable (CanSplit).
-std::pair<uint64_t, uint64_t> PieceRange(const TensorInfo& info, uint32_t p, uint32_t world) {
-  const uint64_t rows = info.shape[0];
-  const uint64_t row = info.size / rows;
-  const uint64_t base = rows / world, extra = rows % world;
-  const uint64_t start = p * base + std::min<uint64_t>(p, extra);
-  const uint64_t count = base + (p < extra ? 1 : 0);
+// among the readers by rows: the rows PieceRule(granule) gives rank p (the uneven rule of
+// shard.h, which SliceOf applies and the piece Loader reads). REQUIRES: the tensor is splittable
+// (CanSplit with that granule).
+std::pair<uint64_t, uint64_t> PieceRange(const TensorInfo& info, uint32_t p, uint32_t world,
+                                         uint64_t granule) {
+  const Result<TensorSlice> slice = SliceOf(info, PieceRule(granule), p, world);
+  if (!slice.ok() || slice->blocks.size() != 1) return {0, p == 0 ? info.size : 0};  // not met
+  const uint64_t row = info.size / info.shape[0];
+  const auto [start, count] = slice->blocks[0];
   return {start * row, (start + count) * row};
 }
 
-// True when `info` can be split among `world` readers by rows: at least one row per reader and
-// whole bytes per row (a sub-byte dtype may not be).
-bool CanSplit(const TensorInfo& info, uint32_t world) {
-  return world > 1 && !info.shape.empty() && info.shape[0] >= world && info.size > 0 &&
-         info.size % info.shape[0] == 0;
+// The unit of rows a tensor split among the readers is cut in: 1, or with checksum chunks of
+// `chunk` bytes (0: none) the fewest rows whose bytes are a multiple of it, so that every piece
+// starts on a chunk (its reader checks the chunks it holds whole; a piece cutting chunks would
+// leave those unchecked). REQUIRES: whole bytes per row.
+uint64_t PieceGranule(const TensorInfo& info, uint64_t chunk) {
+  if (chunk == 0 || info.shape.empty() || info.shape[0] == 0) return 1;
+  const uint64_t row = info.size / info.shape[0];
+  return row == 0 ? 1 : chunk / std::gcd(chunk, row);
+}
+
+// True when `info` can be split among `world` readers by rows in units of `granule` rows: at
+// least one unit per reader and whole bytes per row (a sub-byte dtype may not be).
+bool CanSplit(const TensorInfo& info, uint32_t world, uint64_t granule) {
+  if (world <= 1 || info.shape.empty() || info.size == 0 || info.shape[0] == 0 ||
+      info.size % info.shape[0] != 0) {
+    return false;
+  }
+  const uint64_t rows = info.shape[0];
+  return rows / granule + (rows % granule != 0 ? 1 : 0) >= world;
 }
 
 // The checksum records of the files a load checks (LoadOptions::verify on, or auto with a
-// record): each file's chunk size (0 without a record), and the records of `indices` combined.
-// A row piece's reader checks the chunks the piece holds whole: a tensor is split only where
-// every piece starts on a chunk, so that no chunk goes unchecked (a piece smaller than a chunk
-// would check nothing). Errors are the loads' to report.
+// record): each file's chunk size (0 without a record, PieceGranule), and the records of
+// `indices` combined. Errors are the loads' to report.
 struct CheckedFiles {
   std::vector<uint64_t> chunk_size;  // per file
   uint64_t digest = 0;
@@ -281,16 +308,6 @@ CheckedFiles Checked(const Checkpoint& ckpt, std::span<const uint32_t> indices,
   }
   if (!digests.empty()) out.digest = CombineChunkDigests(digests) | 1;  // never 0
   return out;
-}
-
-// Whether every row piece of `info` among `world` readers starts on a multiple of `chunk` (0: no
-// checksums to keep whole).
-bool PiecesKeepChunksWhole(const TensorInfo& info, uint32_t world, uint64_t chunk) {
-  if (chunk == 0) return true;
-  for (uint32_t p = 0; p < world; ++p) {
-    if (PieceRange(info, p, world).first % chunk != 0) return false;
-  }
-  return true;
 }
 
 // Which exchanged tensors are split among every rank by rows (CooperativeTensorPlan::readers):
@@ -336,11 +353,21 @@ CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
   const std::span<const uint32_t> host_of_rank = model.host_of_rank;
   const uint32_t world = static_cast<uint32_t>(host_of_rank.size()), hosts = model.hosts;
   const std::vector<bool> split = SplitAmongReaders(costed, exchanged, world, model.budget);
-  std::vector<uint64_t> sizes;
+  // The readers of the tensors read whole balance the pieces too: the units of several chunks
+  // that pieces are cut in leave the uneven remainder with the first ranks.
+  std::vector<uint64_t> sizes, pieces(world, 0);
   for (size_t i = 0; i < costed.size(); ++i) {
-    if (exchanged[i] && !split[i]) sizes.push_back(costed[i].item.info->size);
+    if (!exchanged[i]) continue;
+    if (!split[i]) {
+      sizes.push_back(costed[i].item.info->size);
+      continue;
+    }
+    for (uint32_t p = 0; p < world; ++p) {
+      const auto [begin, end] = PieceRange(*costed[i].item.info, p, world, costed[i].granule);
+      pieces[p] += end - begin;
+    }
   }
-  const std::vector<uint32_t> readers = AssignReaders(sizes, world);
+  const std::vector<uint32_t> readers = AssignReaders(sizes, world, pieces);
   std::vector<uint64_t> read(hosts, 0), preread(hosts, 0), network(hosts, 0);
   std::vector<uint64_t> ranks_on(hosts, 0);
   for (uint32_t h : host_of_rank) ranks_on[h]++;
@@ -358,7 +385,7 @@ CooperativePlan::Estimate Estimate(const std::vector<Costed>& costed,
       // Rank p reads piece p; a host receives its ranks' parts of the pieces read elsewhere,
       // counted as the other hosts' share of the rows.
       for (uint32_t p = 0; p < world; ++p) {
-        const auto [begin, end] = PieceRange(*c.item.info, p, world);
+        const auto [begin, end] = PieceRange(*c.item.info, p, world, c.granule);
         read[host_of_rank[p]] += end - begin;
       }
       for (uint32_t h = 0; h < hosts; ++h) {
@@ -516,9 +543,8 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
   for (const uint32_t index : indices) {
     Costed c;
     TF_ASSIGN_OR_RETURN(c.item, MakeItem(infos[index], spec, me, world));
-    c.splittable =
-        CanSplit(infos[index], world) &&
-        PiecesKeepChunksWhole(infos[index], world, checked.chunk_size[infos[index].file]);
+    c.granule = PieceGranule(infos[index], checked.chunk_size[infos[index].file]);
+    c.splittable = CanSplit(infos[index], world, c.granule);
     c.local_read.assign(hosts, 0);
     c.received.assign(hosts, 0);
     const uint64_t size = infos[index].size;
@@ -583,7 +609,7 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
     const TensorInfo& info = *costed[i].item.info;
     if (split[i]) {
       for (uint32_t p = 0; p < world; ++p) {
-        const auto [begin, end] = PieceRange(info, p, world);
+        const auto [begin, end] = PieceRange(info, p, world, costed[i].granule);
         unit_sizes.push_back(end - begin);
         unit_readers.push_back(p);
       }
@@ -601,6 +627,7 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
     t.exchanged = true;
     if (split[i]) {
       t.readers = world;
+      t.piece_granule = costed[i].granule;
       t.piece_rounds.assign(rounds.begin() + next, rounds.begin() + next + world);
       t.reader = 0;
       t.round = *std::max_element(t.piece_rounds.begin(), t.piece_rounds.end());
@@ -641,7 +668,7 @@ Result<std::unique_ptr<Loader>> OpenPieceLoader(std::shared_ptr<const Checkpoint
   bool any = false;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     if (plan.tensors[i].exchanged && plan.tensors[i].readers > 1) {
-      pieces.Set(items[i].info->name, ShardRule::Split(0));
+      pieces.Set(items[i].info->name, PieceRule(plan.tensors[i].piece_granule));
       any = true;
     }
   }
@@ -714,7 +741,7 @@ class RoundRunner {
         continue;
       }
       for (uint32_t p = 0; p < t.readers; ++p) {
-        const auto [begin, end] = PieceRange(info, p, t.readers);
+        const auto [begin, end] = PieceRange(info, p, t.readers, t.piece_granule);
         units_.push_back({i, p, t.piece_rounds[p], true, begin, end});
       }
       // Every rank's part as ranges of the tensor, in the part's order.
@@ -1392,7 +1419,7 @@ uint64_t CooperativePlan::ExchangedBytesReadBy(const Checkpoint& checkpoint, uin
   for (const CooperativeTensorPlan& t : tensors) {
     const TensorInfo& info = checkpoint.tensors()[t.tensor];
     if (t.exchanged && t.readers > 1 && rank < t.readers) {
-      const auto [begin, end] = PieceRange(info, rank, t.readers);
+      const auto [begin, end] = PieceRange(info, rank, t.readers, t.piece_granule);
       bytes += end - begin;
     } else if (t.exchanged && t.readers <= 1 && t.reader == rank) {
       bytes += info.size;

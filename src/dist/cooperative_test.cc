@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -60,6 +61,51 @@ TEST(AssignReaders, ContiguousRunsWithTheSmallestLargestRun) {
   }
   EXPECT_TRUE(AssignReaders({}, 4).empty());
   EXPECT_EQ(AssignReaders(std::vector<uint64_t>{7}, 4), std::vector<uint32_t>{0});
+}
+
+// With bytes the ranks read besides (their pieces of split tensors), the runs minimize the most a
+// rank reads in all: the brute-force minimum over every contiguous assignment in rank order.
+TEST(AssignReaders, RunsBalanceWhatTheRanksReadBesides) {
+  const std::vector<uint64_t> sizes = {5, 1, 1, 1, 1, 9, 2, 2, 3, 0, 4};
+  const std::vector<std::vector<uint64_t>> loads = {
+      {0, 0, 0}, {6, 0, 0}, {0, 0, 12}, {3, 2, 1, 0}, {40, 0}, {0, 40}, {7, 7, 7, 7, 7}, {1}};
+  for (const std::vector<uint64_t>& loaded : loads) {
+    for (uint32_t world = 1; world <= 5; ++world) {
+      SCOPED_TRACE("world " + std::to_string(world) + ", " + std::to_string(loaded.size()) +
+                   " loads from " + std::to_string(loaded[0]));
+      const std::vector<uint32_t> readers = AssignReaders(sizes, world, loaded);
+      ASSERT_EQ(readers.size(), sizes.size());
+      std::vector<uint64_t> load(world, 0);
+      for (uint32_t r = 0; r < world && r < loaded.size(); ++r) load[r] = loaded[r];
+      const std::vector<uint64_t> base = load;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        ASSERT_LT(readers[i], world);
+        if (i > 0) {
+          EXPECT_GE(readers[i], readers[i - 1]);
+        }
+        load[readers[i]] += sizes[i];
+      }
+      // Every non-decreasing assignment of the tensors to ranks.
+      uint64_t best = UINT64_MAX;
+      std::vector<uint32_t> at(sizes.size(), 0);
+      std::function<void(size_t, uint32_t)> walk = [&](size_t i, uint32_t from) {
+        if (i == sizes.size()) {
+          std::vector<uint64_t> l = base;
+          for (size_t j = 0; j < sizes.size(); ++j) l[at[j]] += sizes[j];
+          best = std::min(best, *std::max_element(l.begin(), l.end()));
+          return;
+        }
+        for (uint32_t r = from; r < world; ++r) {
+          at[i] = r;
+          walk(i + 1, r);
+        }
+      };
+      walk(0, 0);
+      EXPECT_EQ(*std::max_element(load.begin(), load.end()), best);
+    }
+  }
+  // No loads: the same runs as without them.
+  EXPECT_EQ(AssignReaders(sizes, 3, std::vector<uint64_t>{0, 0, 0}), AssignReaders(sizes, 3));
 }
 
 TEST(AssignRounds, EachRankFillsItsRoundsUpToTheLimit) {
@@ -762,9 +808,9 @@ TEST(Cooperative, RanksThatPlanDifferentlyFailAtOnceAndSaySo) {
 // Checksum records guard the exchange. Two copies of one layout with other bytes (a stale copy on
 // one rank's host) plan alike, but their records differ: every rank fails before any exchange
 // instead of mixing the two. A corrupt byte in a tensor split among the readers is found by its
-// reader: a piece checks the chunks it holds whole, so a tensor is split only where every piece
-// starts on a chunk (world 2: pieces of 512 KiB on 64 KiB chunks, split; world 3: pieces that
-// start mid-chunk, read whole).
+// reader: a piece checks the chunks it holds whole, so pieces are cut on chunks (rows in units of
+// 16, 64 KiB: world 2, pieces of 512 KiB; world 3, of 6, 5 and 5 chunks where single rows would
+// start mid-chunk).
 TEST(Cooperative, ChecksumRecordsGuardTheExchangedBytes) {
   TempDir a, b;
   testing::TestTensors mine(
@@ -815,6 +861,26 @@ TEST(Cooperative, ChecksumRecordsGuardTheExchangedBytes) {
   testing::WriteBytes(path, bytes);
   for (uint32_t world : {2u, 3u}) {
     SCOPED_TRACE("world " + std::to_string(world));
+    ShardSpec rows = ShardSpec::None();
+    rows.Add("*", ShardRule::Split(0));
+    const CooperativePlan plan =
+        PlanCooperative(*ours, Selection::All(), rows, options, std::vector<uint32_t>(world, 0))
+            .ValueOrThrow();
+    const CooperativeTensorPlan& split = plan.tensors[0];
+    ASSERT_EQ(ours->tensors()[split.tensor].name, "big.w");
+    EXPECT_EQ(split.readers, world);
+    EXPECT_EQ(split.piece_granule, 16u);  // rows of 4 KiB, chunks of 64 KiB
+    ShardRule pieces = ShardRule::Split(0);
+    pieces.granule = split.piece_granule;
+    uint64_t next_row = 0;
+    for (uint32_t p = 0; p < world; ++p) {
+      const TensorSlice piece = SliceOf(big, pieces, p, world).ValueOrThrow();
+      ASSERT_EQ(piece.blocks.size(), 1u);
+      EXPECT_EQ(piece.blocks[0].first, next_row);
+      EXPECT_EQ(piece.blocks[0].first * 4096 % (64 << 10), 0u) << "piece " << p;
+      next_row += piece.blocks[0].second;
+    }
+    EXPECT_EQ(next_row, 256u);
     auto corrupt = Checkpoint::Open(a.path()).ValueOrThrow();
     s = run(std::vector<std::shared_ptr<const Checkpoint>>(world, corrupt));
     bool mismatch = false;

@@ -54,6 +54,7 @@ std::string ShardRule::ToString() const {
   } else if (equal_parts > 1) {
     out += ", equal_parts=" + std::to_string(equal_parts);
   }
+  if (granule > 1) out += ", granule=" + std::to_string(granule);
   return out + ")";
 }
 
@@ -265,6 +266,10 @@ void AppendRule(std::string& out, const ShardRule& r) {
     out += ",\"equal_parts\":";
     json::AppendUint(out, r.equal_parts);
   }
+  if (r.granule != 0) {
+    out += ",\"granule\":";
+    json::AppendUint(out, r.granule);
+  }
 }
 
 Status SpecError(const std::string& where, const std::string& message) {
@@ -291,7 +296,7 @@ Result<ShardRule> ParseRule(simdjson::dom::object obj, const std::string& where,
   }
   bool has_split = false, has_replicate = false;
   ShardRule rule;
-  bool has_parts = false, has_equal = false;
+  bool has_parts = false, has_equal = false, has_granule = false;
   for (auto field : obj) {
     const std::string_view key = field.key;
     if (key == "pattern" && allow_pattern) continue;
@@ -324,6 +329,11 @@ Result<ShardRule> ParseRule(simdjson::dom::object obj, const std::string& where,
       if (n == 0 || n > UINT32_MAX) return SpecError(where, "\"equal_parts\" must be >= 1");
       rule.equal_parts = static_cast<uint32_t>(n);
       has_equal = true;
+    } else if (key == "granule") {
+      TF_ASSIGN_OR_RETURN(uint64_t n, GetUint(field.value, where, key));
+      if (n == 0) return SpecError(where, "\"granule\" must be >= 1");
+      rule.granule = n;
+      has_granule = true;
     } else {
       return SpecError(where, "unknown key " + json::Quote(key));
     }
@@ -331,8 +341,8 @@ Result<ShardRule> ParseRule(simdjson::dom::object obj, const std::string& where,
   if (has_split == has_replicate) {
     return SpecError(where, "a rule needs exactly one of \"split\" or \"replicate\"");
   }
-  if (has_replicate && (has_parts || has_equal)) {
-    return SpecError(where, "\"parts\"/\"equal_parts\" need \"split\"");
+  if (has_replicate && (has_parts || has_equal || has_granule)) {
+    return SpecError(where, "\"parts\"/\"equal_parts\"/\"granule\" need \"split\"");
   }
   if (has_parts && has_equal) {
     return SpecError(where, "\"parts\" and \"equal_parts\" exclude each other");
@@ -572,18 +582,24 @@ Result<TensorSlice> SliceOf(const TensorInfo& tensor, const ShardRule& rule, uin
   uint64_t start = 0, local = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const uint64_t p = parts[i];
-    if (p < world && world > 1) {  // alone, a rank holds even an empty dimension whole
-      return SliceError(tensor, rule, rank, world,
-                        (parts.size() > 1 ? "part " + std::to_string(i) + " has " : "it has ") +
-                            std::to_string(p) + " indices along dim " + std::to_string(rule.dim) +
-                            ", fewer than the world size: some rank would get nothing (replicate "
-                            "it instead)");
+    // Units of g indices (one unit when g exceeds the part: then g * units cannot overflow).
+    const uint64_t g = std::clamp<uint64_t>(rule.granule, 1, std::max<uint64_t>(p, 1));
+    const uint64_t units = p / g + (p % g != 0 ? 1 : 0);
+    if (units < world && world > 1) {  // alone, a rank holds even an empty dimension whole
+      return SliceError(
+          tensor, rule, rank, world,
+          (parts.size() > 1 ? "part " + std::to_string(i) + " has " : "it has ") +
+              std::to_string(p) + " indices along dim " + std::to_string(rule.dim) +
+              (g > 1 ? " (" + std::to_string(units) + " units of " + std::to_string(g) + ")"
+                     : std::string()) +
+              ", fewer than the world size: some rank would get nothing (replicate it instead)");
     }
-    const uint64_t q = p / world, rem = p % world;
-    const uint64_t off = rank * q + std::min<uint64_t>(rank, rem);
-    const uint64_t len = q + (rank < rem ? 1 : 0);
-    slice.blocks.emplace_back(start + off, len);
-    local += len;
+    const uint64_t q = units / world, rem = units % world;
+    const uint64_t first = rank * q + std::min<uint64_t>(rank, rem);
+    const uint64_t count = q + (rank < rem ? 1 : 0);
+    const uint64_t off = std::min(first * g, p), end = std::min((first + count) * g, p);
+    slice.blocks.emplace_back(start + off, end - off);
+    local += end - off;
     start += p;
   }
   slice.shape = tensor.shape;

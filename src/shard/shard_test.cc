@@ -126,6 +126,60 @@ TEST(ShardTest, UnevenRuleIsArraySplit) {
   }
 }
 
+// A granule deals indices out in units: each rank's run starts on a unit (within each part), the
+// uneven remainder by whole units, the last unit shorter; granule 0 and 1 are single indices, a
+// granule above the dimension one unit.
+TEST(ShardTest, GranuleDealsIndicesInUnits) {
+  const TensorInfo t = Info("w", DType::kBF16, {100, 8});
+  auto blocks = [&](const ShardRule& r, uint32_t world) {
+    std::vector<std::pair<uint64_t, uint64_t>> out;
+    for (uint32_t rank = 0; rank < world; ++rank) {
+      const TensorSlice s = SliceOf(t, r, rank, world).ValueOrThrow();
+      out.insert(out.end(), s.blocks.begin(), s.blocks.end());
+      uint64_t rows = 0;
+      for (const auto& b : s.blocks) rows += b.second;
+      EXPECT_EQ(s.bytes, rows * 16);
+      EXPECT_EQ(s.shape, (std::vector<uint64_t>{rows, 8}));
+    }
+    return out;
+  };
+  using Blocks = std::vector<std::pair<uint64_t, uint64_t>>;
+  ShardRule g16 = ShardRule::Split(0);
+  g16.granule = 16;  // 100 rows: 7 units (6 of 16, then 4); over 3: 3, 2, 2 units
+  EXPECT_EQ(blocks(g16, 3), (Blocks{{0, 48}, {48, 32}, {80, 20}}));
+  EXPECT_EQ(blocks(g16, 7),
+            (Blocks{{0, 16}, {16, 16}, {32, 16}, {48, 16}, {64, 16}, {80, 16}, {96, 4}}));
+  for (uint64_t g : {0, 1}) {
+    ShardRule r = ShardRule::Split(0);
+    r.granule = g;
+    EXPECT_EQ(blocks(r, 3), blocks(ShardRule::Split(0), 3));
+  }
+  // Fewer units than ranks: refused, naming the units.
+  Result<TensorSlice> few = SliceOf(t, g16, 0, 8);
+  ASSERT_FALSE(few.ok());
+  EXPECT_NE(few.status().message().find("it has 100 indices along dim 0 (7 units of 16), fewer "
+                                        "than the world size"),
+            std::string::npos)
+      << few.status().ToString();
+  ShardRule huge = ShardRule::Split(0);
+  huge.granule = ~uint64_t{0};  // one unit: whole for world 1, refused for more
+  EXPECT_EQ(blocks(huge, 1), (Blocks{{0, 100}}));
+  EXPECT_FALSE(SliceOf(t, huge, 0, 2).ok());
+  // Per fused part, offset by the part's start.
+  ShardRule fused = ShardRule::Split(0, {64, 36});
+  fused.granule = 16;  // 4 units over 2: 2, 2; 3 units (16, 16, 4) over 2: 2, 1
+  EXPECT_EQ(blocks(fused, 2), (Blocks{{0, 32}, {64, 32}, {32, 32}, {96, 4}}));
+  EXPECT_EQ(g16.ToString(), "split(dim=0, granule=16)");
+  // In JSON as "granule"; 0 refused there, and with "replicate".
+  ShardSpec spec = ShardSpec::None();
+  spec.Set("w", g16).Add("*.x", fused);
+  const ShardSpec back = ShardSpec::FromJson(spec.ToJson()).ValueOrThrow();
+  EXPECT_EQ(back, spec);
+  EXPECT_EQ(back.RuleFor("w").granule, 16u);
+  EXPECT_FALSE(ShardSpec::FromJson(R"({"overrides":{"w":{"split":0,"granule":0}}})").ok());
+  EXPECT_FALSE(ShardSpec::FromJson(R"({"overrides":{"w":{"replicate":true,"granule":2}}})").ok());
+}
+
 TEST(ShardTest, FusedBlocksInDestinationOrder) {
   const TensorInfo t = Info("qkv", DType::kF16, {24, 2});
   auto s = SliceOf(t, ShardRule::Split(0, {16, 4, 4}), 1, 2).ValueOrThrow();

@@ -3,6 +3,7 @@ equal torch.tensor_split slices of the full tensors (per fused part), byte for b
 together read every byte once."""
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -416,10 +417,12 @@ def _split_corrupt_main(rank, world, path, init, results):
     import tensorferry
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="none",
-                           process_group=dist.group.WORLD, coop_exchange="all",
-                           coop_timeout_ms=60000).load()
-        outcome = {"error": None}
+        loader = tensorferry.Loader(path, tp_rank=rank, tp_size=world, shard_rules="none",
+                                    process_group=dist.group.WORLD, coop_exchange="all",
+                                    coop_timeout_ms=60000)
+        out = loader.load()
+        outcome = {"error": None, "bytes_read": loader.cooperative_stats["bytes_read"],
+                   "tensors": {n: t.numpy().tobytes().hex() for n, t in out.items()}}
     except Exception as e:  # the test checks the message
         outcome = {"error": str(e), "type": type(e).__name__}
     with open(f"{results}.{rank}", "w") as f:
@@ -447,3 +450,50 @@ def test_cooperative_gloo_checks_a_tensor_split_among_the_readers(tmp_path, worl
     outcomes = _outcomes(results, world)
     assert all(o["error"] is not None for o in outcomes), outcomes
     assert any("checksum" in o["error"] and "norm.weight" in o["error"] for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cooperative_gloo_cuts_pieces_on_checksum_chunks(tmp_path, world):
+    """A tensor split among the readers is cut in units of rows that fill whole checksum chunks
+    (rows of 40 bytes, chunks of 4 KiB recorded by the manifest: units of 512 rows), so every
+    piece starts on a chunk and its reader checks the chunks it holds: the ranks share the reads
+    (each reads about 1/world of it, where single-row pieces would have cut chunks and the tensor
+    was read whole by one rank), the bytes are the file's, and a corrupt byte in the last piece is
+    found."""
+    from safetensors.torch import save_file as ref_save_file
+    from conftest import CLI
+
+    g = torch.Generator().manual_seed(11)
+    tensors = {"w": torch.randn(3000, 10, generator=g), "bias": torch.arange(6.0)}
+    path = str(tmp_path / "m.safetensors")
+    ref_save_file(tensors, path)  # no embedded records: the manifest's chunks count
+    subprocess.run([CLI, "checksum", str(tmp_path), "--chunk-size", "4KiB"], check=True,
+                   capture_output=True)
+    results = str(tmp_path / "outcome")
+    mp.spawn(_split_corrupt_main, args=(world, path, f"file://{tmp_path}/init", results),
+             nprocs=world, join=True)
+    outcomes = _outcomes(results, world)
+    size = 3000 * 40
+    for r, o in enumerate(outcomes):
+        assert o["error"] is None, (r, o)
+        for name, t in tensors.items():
+            assert bytes.fromhex(o["tensors"][name]) == t.numpy().tobytes(), (r, name)
+    reads = sorted(o["bytes_read"] for o in outcomes)
+    # Pieces of whole 512-row units (3000 rows: 6 units, the last of 440 rows); bias (24 bytes)
+    # read whole by one rank.
+    assert reads[-1] <= (6 // world + (6 % world > 0)) * 512 * 40 + 24, reads
+    assert sum(reads) == size + 24, reads
+    # One byte of row 2900 (the last piece's) flipped: its reader's check finds it.
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        at = 8 + n + header["w"]["data_offsets"][0] + 2900 * 40 + 3
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+    mp.spawn(_split_corrupt_main, args=(world, path, f"file://{tmp_path}/init2", results),
+             nprocs=world, join=True)
+    outcomes = _outcomes(results, world)
+    assert all(o["error"] is not None for o in outcomes), outcomes
+    assert any("checksum" in o["error"] and '"w"' in o["error"] for o in outcomes), outcomes

@@ -173,8 +173,9 @@ struct CooperativeTensorPlan {
   // (a huge tensor, see PlanCooperative): piece p, the rows a ShardRule::Split(0) with granule
   // `piece_granule` gives rank p of world, is read by rank p in round piece_rounds[p], and each
   // rank receives its part of every piece from the piece's reader. The granule is 1, or with
-  // checksum records the fewest rows whose bytes are a multiple of the file's chunk size: every
-  // piece starts on a chunk, so that its reader checks every chunk it holds whole.
+  // checksums checked (a record, verify not off) the fewest rows whose bytes are a multiple of the
+  // file's chunk size: every piece starts on a chunk, so that its reader checks every chunk it
+  // holds whole.
   uint32_t readers = 1;
   std::vector<uint32_t> piece_rounds;
   uint64_t piece_granule = 1;
@@ -248,16 +249,18 @@ struct CooperativePlan {
 // plan, else 0; it enters the estimates (Estimate above).
 // An exchanged tensor larger than half the even share of the exchanged bytes (share = total /
 // world), or than share / 128 if also over 1 MiB, or than options.budget, with at least one row
-// per rank, is split among every rank by rows instead of given to one reader
-// (CooperativeTensorPlan::readers): one reader of a huge embedding or lm_head would hold up every
-// round-synchronised rank and hold it all in memory, and AssignReaders' contiguous runs balance
-// within one unsplit tensor, so no rank reads more than its share + max(share / 128, 1 MiB); the
-// estimates count a split tensor's reads spread over the hosts. The other exchanged tensors get
-// their readers from AssignReaders.
-// Covering reads use options.tensor_parallel's max_gap when it is set, else the default 64 KiB.
-// Rounds are bounded by options.budget (AssignRounds over the tensors read whole and the pieces).
-// Errors: those of DescribeSelection (SliceOf included), kInvalidArgument for an empty host_of_rank
-// or host indices that are not dense.
+// per rank (one unit of rows per rank with checksums checked: piece_granule), is split among
+// every rank by rows instead of given to one reader (CooperativeTensorPlan::readers): one reader
+// of a huge embedding or lm_head would hold up every round-synchronised rank and hold it all in
+// memory, and AssignReaders' contiguous runs, the pieces counted, balance within one unsplit
+// tensor, so no rank reads more than its share + max(share / 128, 1 MiB) plus, with checksums
+// checked, up to a unit of rows per split tensor (whole units go to the first ranks, a short
+// last one to the last rank); the estimates count a split tensor's reads spread over the hosts. The
+// other exchanged tensors get their readers from AssignReaders. Covering reads use
+// options.tensor_parallel's max_gap when it is set, else the default 64 KiB. Rounds are bounded by
+// options.budget (AssignRounds over the tensors read whole and the pieces). Errors: those of
+// DescribeSelection (SliceOf included), kInvalidArgument for an empty host_of_rank or host indices
+// that are not dense.
 Result<CooperativePlan> PlanCooperative(const Checkpoint& checkpoint, const Selection& selection,
                                         const ShardSpec& spec, const LoadOptions& options,
                                         std::span<const uint32_t> host_of_rank,

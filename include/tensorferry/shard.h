@@ -13,7 +13,8 @@
 // the rule applies to each part separately, offset by the part's start. With a granule g, the
 // same over the part's ceil(n / g) units of g indices (the last unit holds what is left).
 //
-// A split that would leave some rank with nothing of a part (a part of n < world indices) is
+// A split that would leave some rank with nothing of a part (a part of fewer than `world`
+// indices, or units with a granule) is
 // refused (kInvalidArgument) rather than handing out empty slices: tensor-parallel layers assume
 // every rank holds a piece of every split tensor, so an empty piece is a rule error (replicate
 // small tensors instead), and refusing it early names the tensor instead of failing in a matmul.

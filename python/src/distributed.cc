@@ -146,12 +146,13 @@ void RegisterDistributed(nb::module_& m) {
       "Bytes per second per host when the probe's round took `nanos` (the slowest rank's)");
   m.def(
       "assign_readers",
-      [](const std::vector<uint64_t>& sizes, uint32_t world) {
+      [](const std::vector<uint64_t>& sizes, uint32_t world, const std::vector<uint64_t>& loaded) {
         if (world == 0) Check(Status(Code::kInvalidArgument, "assign_readers: world size 0"));
-        return AssignReaders(sizes, world);
+        return AssignReaders(sizes, world, loaded);
       },
-      nb::arg("sizes"), nb::arg("world"),
-      "Reader rank of each tensor (sizes in checkpoint order): tensorferry::AssignReaders");
+      nb::arg("sizes"), nb::arg("world"), nb::arg("loaded") = std::vector<uint64_t>(),
+      "Reader rank of each tensor (sizes in checkpoint order), given the bytes each rank reads "
+      "besides (`loaded`, missing entries 0): tensorferry::AssignReaders");
 }
 
 }  // namespace tensorferry::python

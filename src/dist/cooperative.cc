@@ -1109,6 +1109,7 @@ uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& i
     f.Add(t.reader);
     f.Add(t.round);
     f.Add(t.readers);
+    f.Add(t.piece_granule);
     for (uint32_t r : t.piece_rounds) f.Add(r);
   }
   return f.value();

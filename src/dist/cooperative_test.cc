@@ -294,8 +294,8 @@ TEST(Cooperative, EveryRankGetsItsSliceByteExact) {
           options.budget = budget;
           options.cooperative.exchange = choice;
           options.threads = 2;
-          // The splitting rules alone: the fixture's checksum records would keep tensors whose
-          // pieces cut a chunk whole (ChecksumRecordsGuardTheExchangedBytes).
+          // The splitting rules alone: with the fixture's checksum records checked, pieces are cut
+          // in units of whole chunks (CheckedPiecesAreCutOnChunksAndLoadByteExact).
           options.verify = VerifyMode::kOff;
           // Per-rank slicing options of the caller are ignored (the cooperative loader reads whole
           // tensors and slices by the spec it is given).
@@ -336,8 +336,8 @@ TEST(Cooperative, HugeTensorsAreSplitAmongTheReadersByRows) {
       options.threads = 2;
       options.budget = budget;
       options.cooperative.exchange = ExchangeChoice::kAll;
-      // The splitting rules alone: the fixtures' checksum records would keep tensors whose pieces
-      // cut a chunk whole (ChecksumRecordsGuardTheExchangedBytes).
+      // The splitting rules alone: with the fixtures' checksum records checked, pieces are cut in
+      // units of whole chunks (CheckedPiecesAreCutOnChunksAndLoadByteExact).
       options.verify = VerifyMode::kOff;
       const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
                                                    std::vector<uint32_t>(world, 0))
@@ -429,8 +429,8 @@ TEST(Cooperative, ReadersAreBalancedWithinTheSplitThreshold) {
     SCOPED_TRACE("world " + std::to_string(world));
     LoadOptions options;
     options.cooperative.exchange = ExchangeChoice::kAll;
-    // The splitting rules alone: the fixture's checksum records would keep tensors whose pieces
-    // cut a chunk whole (ChecksumRecordsGuardTheExchangedBytes).
+    // The splitting rules alone: with the fixture's checksum records checked, pieces are cut in
+    // units of whole chunks (CheckedPiecesAreCutOnChunksAndLoadByteExact).
     options.verify = VerifyMode::kOff;
     const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
                                                  std::vector<uint32_t>(world, 0))
@@ -803,6 +803,85 @@ TEST(Cooperative, RanksThatPlanDifferentlyFailAtOnceAndSaySo) {
   // Agreeing ranks load as before.
   s = run({columns, columns});
   EXPECT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << " / " << s[1].ToString();
+}
+
+// With checksums checked, the pieces of a split tensor are cut on chunks (rows of 64 bytes, chunks
+// of 1 KiB: units of 16 rows), every rank ends with its part byte for byte (dim 0, dim 1 and fused
+// slices of split tensors), each reads what the plan's pieces say, and a byte flipped in the first
+// chunk of a piece other than the first is found by that piece's reader.
+TEST(Cooperative, CheckedPiecesAreCutOnChunksAndLoadByteExact) {
+  testing::TestCheckpoint t;
+  t.checksum_chunk_size = 1024;
+  t.Add("embed.weight", DType::kF32, {1000, 16}, ShardRule::Replicate());             // 64 KB
+  t.Add("cols.weight", DType::kBF16, {400, 32}, ShardRule::Split(1));                 // 25.6 KB
+  t.Add("fused.weight", DType::kF16, {480, 32}, ShardRule::Split(0, {320, 96, 64}));  // 30.7 KB
+  t.Add("norm.weight", DType::kF32, {8}, ShardRule::Replicate());
+  t.Write(1 << 20);
+  auto checkpoint = Checkpoint::Open(t.dir.path()).ValueOrThrow();
+  const TensorInfo& embed = *checkpoint->Find("embed.weight");
+  LoadOptions options;
+  options.engine = Engine::kPread;
+  options.threads = 2;
+  options.verify = VerifyMode::kOn;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  for (uint32_t world : {2u, 3u, 4u}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
+                                                 std::vector<uint32_t>(world, 0))
+                                     .ValueOrThrow();
+    GroupRun run = RunCooperativeGroup(checkpoint, Selection::All(), t.spec, options, world);
+    uint64_t split = 0;
+    for (const CooperativeTensorPlan& p : plan.tensors) {
+      if (p.readers <= 1) continue;
+      ++split;
+      EXPECT_EQ(p.piece_granule, 16u) << checkpoint->tensors()[p.tensor].name;
+    }
+    EXPECT_GE(split, 1u);
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_TRUE(run.results[r].ok())
+          << "rank " << r << ": " << run.results[r].status().ToString();
+      LoadOptions independent_options;
+      independent_options.tensor_parallel = TensorParallelOptions{t.spec, r, world};
+      auto independent = Loader::Open(checkpoint, independent_options).ValueOrThrow();
+      const std::vector<Tensor> theirs = independent->Load().ValueOrThrow();
+      const std::vector<Tensor>& mine = *run.results[r];
+      ASSERT_EQ(theirs.size(), mine.size());
+      for (size_t i = 0; i < mine.size(); ++i) {
+        EXPECT_EQ(Bytes(mine[i]), Bytes(theirs[i])) << mine[i].name() << " rank " << r;
+      }
+      // Rank r read its pieces (starting on a chunk) and the tensors it reads whole.
+      uint64_t expected = 0;
+      for (const CooperativeTensorPlan& p : plan.tensors) {
+        const TensorInfo& info = checkpoint->tensors()[p.tensor];
+        if (p.readers > 1) {
+          ShardRule rule = ShardRule::Split(0);
+          rule.granule = p.piece_granule;
+          const TensorSlice piece = SliceOf(info, rule, r, world).ValueOrThrow();
+          EXPECT_EQ(piece.blocks[0].first * (info.size / info.shape[0]) % 1024, 0u) << info.name;
+          expected += piece.bytes;
+        } else if (p.reader == r) {
+          expected += info.size;
+        }
+      }
+      EXPECT_EQ(run.stats[r].bytes_read, expected) << "rank " << r;
+    }
+  }
+  // The embedding's piece 1 starts at row 512 (world 2: 63 units, 32 and 31): a byte in its
+  // first chunk.
+  ShardRule rule = ShardRule::Split(0);
+  rule.granule = 16;
+  const uint64_t row = SliceOf(embed, rule, 1, 2).ValueOrThrow().blocks[0].first;
+  ASSERT_EQ(row, 512u);
+  const std::string path = checkpoint->files()[embed.file].path;
+  std::string bytes = testing::ReadBytes(path);
+  bytes[embed.offset + row * 64 + 100] ^= 1;
+  testing::WriteBytes(path, bytes);
+  auto corrupt = Checkpoint::Open(t.dir.path()).ValueOrThrow();
+  GroupRun run = RunCooperativeGroup(corrupt, Selection::All(), t.spec, options, 2);
+  EXPECT_FALSE(run.results[0].ok());
+  ASSERT_FALSE(run.results[1].ok());
+  EXPECT_EQ(run.results[1].status().code(), Code::kChecksumMismatch)
+      << run.results[1].status().ToString();
 }
 
 // Checksum records guard the exchange. Two copies of one layout with other bytes (a stale copy on

@@ -582,7 +582,8 @@ Result<TensorSlice> SliceOf(const TensorInfo& tensor, const ShardRule& rule, uin
   uint64_t start = 0, local = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const uint64_t p = parts[i];
-    // Units of g indices (one unit when g exceeds the part: then g * units cannot overflow).
+    // Units of g indices (one unit when g exceeds the part). A run's end is the part's end or a
+    // unit's start, below p: no product overflows.
     const uint64_t g = std::clamp<uint64_t>(rule.granule, 1, std::max<uint64_t>(p, 1));
     const uint64_t units = p / g + (p % g != 0 ? 1 : 0);
     if (units < world && world > 1) {  // alone, a rank holds even an empty dimension whole
@@ -597,7 +598,8 @@ Result<TensorSlice> SliceOf(const TensorInfo& tensor, const ShardRule& rule, uin
     const uint64_t q = units / world, rem = units % world;
     const uint64_t first = rank * q + std::min<uint64_t>(rank, rem);
     const uint64_t count = q + (rank < rem ? 1 : 0);
-    const uint64_t off = std::min(first * g, p), end = std::min((first + count) * g, p);
+    const uint64_t off = first * g;
+    const uint64_t end = first + count == units ? p : (first + count) * g;
     slice.blocks.emplace_back(start + off, end - off);
     local += end - off;
     start += p;

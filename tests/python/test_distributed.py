@@ -214,6 +214,11 @@ def test_assign_readers_is_the_cpp_rule():
     assert readers == sorted(readers) and set(readers) == {0, 1, 2}
     loads = [sum(s for s, r in zip(sizes, readers) if r == q) for q in range(3)]
     assert max(loads) == 11
+    # Rank 0 reads 12 bytes besides (its pieces): it takes nothing more, the others share the rest.
+    readers = core.assign_readers(sizes, 3, [12, 0, 0])
+    assert readers == sorted(readers) and 0 not in readers
+    loads = [12 * (q == 0) + sum(s for s, r in zip(sizes, readers) if r == q) for q in range(3)]
+    assert max(loads) == 15, loads
 
 
 def _stalled_main(rank, path, init, results):

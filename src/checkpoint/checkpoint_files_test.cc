@@ -4,6 +4,7 @@
 // file, a directory and an index checkpoint.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -168,6 +169,69 @@ TEST(CheckpointFiles, AFileOpenedAgainMustBeTheSameFile) {
   bool named = false;
   for (const std::string& shard : shards) named |= s.message().find(shard) != std::string::npos;
   EXPECT_TRUE(named) << s.ToString();
+}
+
+// Env::Default()'s files without their descriptors (every read through Read, identity by size):
+// once armed, the first read of `victim` appends a byte to it first (cp of a longer file over it,
+// in place) and disarms.
+class GrowOnReadEnv : public Env {
+ public:
+  class File : public RandomAccessFile {
+   public:
+    File(std::unique_ptr<RandomAccessFile> base, GrowOnReadEnv* env)
+        : base_(std::move(base)), env_(env) {}
+    Result<size_t> Read(uint64_t offset, std::span<std::byte> dst) const override {
+      if (path() == env_->victim && env_->armed.exchange(false)) {
+        std::ofstream(path(), std::ios::binary | std::ios::app) << 'x';
+      }
+      return base_->Read(offset, dst);
+    }
+    Result<uint64_t> Size() const override { return base_->Size(); }
+    const std::string& path() const noexcept override { return base_->path(); }
+
+   private:
+    std::unique_ptr<RandomAccessFile> base_;
+    GrowOnReadEnv* env_;
+  };
+  Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
+    Result<std::unique_ptr<RandomAccessFile>> base = Env::Default()->OpenRandomAccess(path);
+    if (!base.ok()) return base.status();
+    return std::unique_ptr<RandomAccessFile>(std::make_unique<File>(std::move(*base), this));
+  }
+  std::string victim;
+  std::atomic<bool> armed{false};
+};
+
+// A batch reading more files than half the descriptor bound reads them in windows, and the files
+// of an early window may be closed before the batch ends: a file changed while its window was
+// read is still caught (checked at the window's end), not handed out mixed.
+TEST(CheckpointFiles, AFileChangedWhileItsWindowIsReadFailsTheBatch) {
+  TempDir dir;
+  std::vector<std::string> shards;
+  const std::string path = WriteCheckpoint(dir, Layout::kIndex, &shards);
+  GrowOnReadEnv env;
+  OpenOptions open;
+  open.env = &env;
+  open.max_open_files = 2;  // windows of one file: each closed when the third is opened
+  auto checkpoint = Checkpoint::Open(path, open);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status().ToString();
+  LoadOptions options;
+  options.engine = Engine::kPread;
+  options.env = &env;
+  options.budget = 0;  // one batch over the three files
+  auto loader = Loader::Open(*checkpoint, options);
+  ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+  ASSERT_TRUE((*loader)->Load().ok());  // nothing changed: fine
+  env.victim = shards.front();
+  env.armed = true;
+  const auto loaded = (*loader)->Load();
+  EXPECT_FALSE(env.armed.load()) << "the victim was not read";
+  ASSERT_FALSE(loaded.ok()) << "a batch read across a change was handed out";
+  EXPECT_EQ(loaded.status().code(), Code::kIoError) << loaded.status().ToString();
+  EXPECT_NE(loaded.status().message().find(shards.front() +
+                                           ": file changed since the checkpoint was opened"),
+            std::string::npos)
+      << loaded.status().ToString();
 }
 
 class SameSizeReplacement : public ::testing::TestWithParam<Layout> {};

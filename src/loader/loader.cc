@@ -180,6 +180,11 @@ Status Loader::Impl::InFileWindows(
       TF_ASSIGN_OR_RETURN(pins[f], files->Get(f, f < want_direct.size() && want_direct[f]));
     }
     TF_RETURN_IF_ERROR(run(pins));
+    if (used.size() > window) {
+      // The window's files may be closed (evicted) before the batch ends, and then
+      // CheckFilesAfterReads would not see them: each is checked now, after its reads.
+      for (size_t i = w; i < end; ++i) TF_RETURN_IF_ERROR(pins[used[i]].file->CheckUnchanged());
+    }
     for (size_t i = w; i < end; ++i) pins[used[i]] = {};
   }
   return Status::Ok();

@@ -402,10 +402,10 @@ Result<std::unique_ptr<DevicePipeline::GdsFile>> DevicePipeline::OpenGdsFile(
                   file.path() + ": not used with GDS: no file descriptor (not a file on disk)");
   }
   auto direct = io::DirectFile::Open(file);
-  if (direct.ok()) {
+  if (direct.ok() && *direct) {
     gds->direct = std::move(direct).value();
     fd = gds->direct->fd();
-  } else if (direct.status().code() != Code::kUnsupported) {
+  } else if (!direct.ok() && direct.status().code() != Code::kUnsupported) {
     // E.g. the path now names another file: never read it.
     return Status(Code::kGdsUnavailable, "not used with GDS: " + direct.status().message());
   }

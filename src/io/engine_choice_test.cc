@@ -3,28 +3,15 @@
 // the io_uring engine can be made here (not only whether the kernel allows io_uring).
 #include <gtest/gtest.h>
 #include <stdlib.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <filesystem>
 #include <string>
-#include <system_error>
 
 #include "io/filesystem.h"
 #include "io/read_engine.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/loader.h"
 #include "testing/test_util.h"
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define TF_UNDER_SANITIZER 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
-    __has_feature(undefined_behavior_sanitizer)
-#define TF_UNDER_SANITIZER 1
-#endif
-#endif
 
 namespace tensorferry {
 namespace {
@@ -60,35 +47,6 @@ TEST(EngineChoice, ASymlinkIsClassifiedByTheFileItLeadsTo) {
   EXPECT_EQ(tensors->size(), 2u);
 }
 
-// Lowers this process's descriptor limit (the soft one) to what is open now plus `spare`, and
-// restores it.
-class FewDescriptors {
- public:
-  explicit FewDescriptors(rlim_t spare) {
-    ok_ = ::getrlimit(RLIMIT_NOFILE, &saved_) == 0;
-    if (!ok_) return;
-    rlim_t open = 0;
-    std::error_code ec;
-    for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
-         !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-      ++open;
-    }
-    struct rlimit low = saved_;
-    low.rlim_cur = std::min(saved_.rlim_cur, open + spare);
-    ok_ = !ec && ::setrlimit(RLIMIT_NOFILE, &low) == 0;
-  }
-  ~FewDescriptors() {
-    if (ok_) ::setrlimit(RLIMIT_NOFILE, &saved_);
-  }
-  FewDescriptors(const FewDescriptors&) = delete;
-  FewDescriptors& operator=(const FewDescriptors&) = delete;
-  bool ok() const { return ok_; }
-
- private:
-  struct rlimit saved_ {};
-  bool ok_ = false;
-};
-
 // The kernel allows io_uring (the probe ring), but one ring per worker does not fit the
 // descriptor limit (`ulimit -n 40` with 64 threads): auto reads with pread and says why; an
 // explicit io_uring still fails.
@@ -108,7 +66,7 @@ TEST(EngineChoice, AutoReadsWithPreadWhenTheRingsCannotBeMade) {
   o.threads = 64;
   o.prefer_mmap = false;
   {
-    FewDescriptors few(16);
+    testing::FewDescriptors few(16);
     ASSERT_TRUE(few.ok());
     auto loader = Loader::Open(*checkpoint, o);
     ASSERT_TRUE(loader.ok()) << loader.status().ToString();

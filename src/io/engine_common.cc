@@ -397,6 +397,9 @@ Result<std::unique_ptr<DirectFile>> DirectFile::Open(const RandomAccessFile& fil
       return Status(Code::kUnsupported,
                     file.path() + ": the file system does not support O_DIRECT");
     }
+    if (err == EMFILE || err == ENFILE || err == ENOMEM || err == EACCES || err == EPERM) {
+      return std::unique_ptr<DirectFile>();  // not now: the buffered descriptor reads the file
+    }
     return Status(Code::kIoError, file.path() + ": cannot open with O_DIRECT: " + ErrnoText(err));
   }
   auto direct = std::unique_ptr<DirectFile>(new DirectFile(fd));

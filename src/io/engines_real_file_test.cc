@@ -122,8 +122,10 @@ TEST_P(RealFileEngineTest, EndOfFileNamesFileAndOffset) {
   auto d = DirectFile::Open(*file);
   Aligned scratch(1 << 20);
   // Congruent destination, crossing the end: the direct middle or the tail hits EOF.
-  const ReadRequest past{
-      file.get(), 8192, {scratch.data + 0, 16384}, GetParam().direct && d.ok() ? (*d)->fd() : -1};
+  const ReadRequest past{file.get(),
+                         8192,
+                         {scratch.data + 0, 16384},
+                         GetParam().direct && d.ok() && *d ? (*d)->fd() : -1};
   auto engine = Make(2);
   const Status s = engine->Execute({&past, 1});
   EXPECT_EQ(s.code(), Code::kUnexpectedEof) << s.ToString();

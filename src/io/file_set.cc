@@ -42,8 +42,10 @@ Result<FileSet::Pin> FileSet::Get(uint32_t f, bool want_direct) {
   if (want_direct && !e.direct && !e.direct_refused && e.spec.open->native_handle() >= 0) {
     Result<std::unique_ptr<DirectFile>> d = DirectFile::Open(*e.spec.open);
     if (d.ok()) {
-      e.direct = std::move(d).value();
-      ++open_;
+      if (*d) {  // (null: not now, e.g. descriptors exhausted: buffered this time)
+        e.direct = std::move(d).value();
+        ++open_;
+      }
     } else if (d.status().code() == Code::kUnsupported) {
       e.direct_refused = true;  // the file system refuses O_DIRECT: buffered from now on
     } else {

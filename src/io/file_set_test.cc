@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <span>
 #include <string>
 #include <vector>
 
+#include "io/read_engine.h"
+#include "tensorferry/env.h"
 #include "testing/test_util.h"
 
 namespace tensorferry::io {
@@ -88,6 +91,48 @@ TEST(FileSet, DefaultBoundIsAQuarterOfTheDescriptorLimit) {
   const size_t n = FileSet::DefaultMaxOpen();
   EXPECT_GE(n, 8u);
   EXPECT_LE(n, 1024u);
+}
+
+// O_DIRECT wanted when no descriptor is left (EMFILE): the file is read buffered this time, not
+// failed, and O_DIRECT is tried again later (the file system did not refuse it).
+TEST(FileSet, WithNoDescriptorLeftADirectReadIsBufferedThisTime) {
+#if defined(TF_UNDER_SANITIZER)
+  GTEST_SKIP() << "sanitizer build: the test leaves the process no spare descriptors";
+#endif
+  testing::TempDir dir;
+  const std::string path = dir.Join("f");
+  testing::WriteBytes(path, std::string(8192, 'z'));
+  {
+    auto probe_file = Env::Default()->OpenRandomAccess(path);
+    ASSERT_TRUE(probe_file.ok()) << probe_file.status().ToString();
+    auto probe = DirectFile::Open(**probe_file);
+    if (!probe.ok() || !*probe) GTEST_SKIP() << "no O_DIRECT on " << dir.path();
+  }
+  std::shared_ptr<Source> source = MakeEnvSource();
+  auto opened = source->Open(path);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  const FileIdentity id = (*opened)->identity();
+  FileSet set(source, {{path, id, nullptr}}, 8);
+  {
+    auto buffered = set.Get(0);  // opened (one descriptor) before the limit is lowered
+    ASSERT_TRUE(buffered.ok()) << buffered.status().ToString();
+  }
+  {
+    testing::FewDescriptors none(0);
+    ASSERT_TRUE(none.ok());
+    auto pin = set.Get(0, /*want_direct=*/true);
+    ASSERT_TRUE(pin.ok()) << pin.status().ToString();
+    EXPECT_EQ(pin->direct, nullptr);
+    EXPECT_EQ(pin->direct_fd(), -1);
+    std::string got(8192, '\0');
+    ASSERT_TRUE(ReadFully(*pin->file, 0,
+                          std::span<std::byte>(reinterpret_cast<std::byte*>(got.data()), 8192))
+                    .ok());
+    EXPECT_EQ(got, std::string(8192, 'z'));
+  }
+  auto pin = set.Get(0, /*want_direct=*/true);
+  ASSERT_TRUE(pin.ok()) << pin.status().ToString();
+  EXPECT_NE(pin->direct, nullptr);  // descriptors again: O_DIRECT this time
 }
 
 }  // namespace

@@ -187,7 +187,9 @@ Status CheckIoUringOps(const IoUringOps& ops);
 // its descriptor's /proc/self/fd link (whatever its path names now; through the path where /proc
 // is not mounted, then checked to be the same inode: kIoError naming a file replaced since).
 // kUnsupported when the file system refuses O_DIRECT (tmpfs, some FUSE) or the file has no native
-// handle. RAII: closes the descriptor.
+// handle. nullptr (no error) when it cannot be had now: descriptors or memory exhausted (EMFILE,
+// ENFILE, ENOMEM), the /proc link not permitted (EACCES, EPERM); the file is read buffered then.
+// RAII: closes the descriptor.
 class DirectFile {
  public:
   static Result<std::unique_ptr<DirectFile>> Open(const RandomAccessFile& file);

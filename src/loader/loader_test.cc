@@ -552,7 +552,8 @@ TEST(LoaderEngines, DirectReadsBypassThePageCacheWhereSupported) {
   // Whether this file system takes O_DIRECT at all (tmpfs does not).
   auto any = Env::Default()->OpenRandomAccess((*Checkpoint::Open(f.dir.path()))->files()[0].path);
   ASSERT_TRUE(any.ok());
-  const bool supported = io::DirectFile::Open(**any).ok();
+  auto probe = io::DirectFile::Open(**any);
+  const bool supported = probe.ok() && *probe;
   for (Engine e : {Engine::kPread, Engine::kIoUring}) {
     if (e == Engine::kIoUring && !IoUringWorks()) continue;
     LoadOptions o;

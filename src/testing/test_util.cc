@@ -1,6 +1,8 @@
 #include "testing/test_util.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 #include "util/macros.h"
@@ -27,6 +30,27 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+FewDescriptors::FewDescriptors(unsigned long spare) {
+  struct rlimit limit;
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  saved_cur_ = limit.rlim_cur;
+  // The limit bounds descriptor numbers, and an open takes the lowest free one: from the lowest
+  // free number on, `spare` more (descriptors open above it, inherited ones, stay usable).
+  const int lowest = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (lowest < 0) return;
+  ::close(lowest);
+  limit.rlim_cur = std::min<rlim_t>(limit.rlim_cur, static_cast<rlim_t>(lowest) + spare);
+  ok_ = ::setrlimit(RLIMIT_NOFILE, &limit) == 0;
+}
+
+FewDescriptors::~FewDescriptors() {
+  struct rlimit limit;
+  if (ok_ && ::getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+    limit.rlim_cur = saved_cur_;
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+  }
 }
 
 ShmTempDir::ShmTempDir() {

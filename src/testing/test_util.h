@@ -17,6 +17,17 @@
 
 #include "tensorferry/env.h"
 
+// TF_UNDER_SANITIZER: defined in ASan, TSan and (with clang) UBSan builds, for tests that cannot
+// run under them (e.g. ones that leave the process no spare descriptors).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define TF_UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(undefined_behavior_sanitizer)
+#define TF_UNDER_SANITIZER 1
+#endif
+#endif
+
 namespace tensorferry::testing {
 
 // A fresh directory under $TMPDIR, removed with its contents on destruction.
@@ -31,6 +42,23 @@ class TempDir {
 
  private:
   std::string path_;
+};
+
+// Lowers this process's soft descriptor limit to the lowest free descriptor number plus `spare`
+// (so at most `spare` more can be opened), and restores it. ok(): whether it could (tests skip
+// otherwise). Process-wide: for tests that open nothing on other threads meanwhile; sanitizer
+// builds need spare descriptors of their own (TF_UNDER_SANITIZER).
+class FewDescriptors {
+ public:
+  explicit FewDescriptors(unsigned long spare);
+  ~FewDescriptors();
+  FewDescriptors(const FewDescriptors&) = delete;
+  FewDescriptors& operator=(const FewDescriptors&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  unsigned long saved_cur_ = 0;
+  bool ok_ = false;
 };
 
 // A directory under /dev/shm (tmpfs where it exists), removed with its contents; path() is empty

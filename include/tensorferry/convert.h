@@ -194,6 +194,14 @@ class TorchCheckpoint {
   // kIoError.
   Status CheckStoragesRead() const;
 
+  // The same for the storage of tensors()[index] alone: for a caller that hands out each tensor
+  // as soon as it is read (call it after reading the tensor whole, before handing it out). Costs
+  // nothing when the read checked the entry (a tensor viewing its whole storage, read in order);
+  // else the entry is read once more whole (once: later calls find it checked). Legacy files
+  // carry no CRC: nothing to check. Errors: kInvalidArgument (index out of range), kZipBadEntry,
+  // kIoError.
+  Status CheckTensorRead(size_t index) const;
+
  private:
   friend class TorchCheckpointOpener;
   struct Impl;

@@ -4,7 +4,8 @@
 // One file per concept: errors (Status -> exceptions), options (LoadOptions, LoadStats), export
 // (bytes -> framework arrays), reader (Reader: one checkpoint), iterator (BatchStream: pull-style
 // batches), shard (tensor-parallel slicing), io (whole files to and from bytes), distributed
-// (cooperative loads). This file holds the module and its small free functions.
+// (cooperative loads), torch_file (torch.save checkpoints read without running them). This file
+// holds the module and its small free functions.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -37,6 +38,7 @@
 #include "tensorferry/plan.h"
 #include "tensorferry/shard.h"
 #include "tensorferry/size.h"
+#include "torch_file.h"
 
 namespace nb = nanobind;
 
@@ -54,6 +56,9 @@ NB_MODULE(_core, m) {
   RegisterReader(m);
   RegisterShard(m);
   RegisterIo(m);
+#ifdef TENSORFERRY_PY_TORCH_FILE
+  RegisterTorchFile(m);
+#endif
   RegisterOptions(m);
   m.def("format_bytes", &FormatBytes);
   m.def("cuda_available", [] { return CudaAvailable(); });

@@ -14,6 +14,13 @@ live on (a CUDA GPU: read straight into GPU memory), and feeds them to `model.lo
 shards, fuses and converts them as it does for every vLLM loader. Then it checks that every
 parameter was loaded, exactly as vLLM's DefaultModelLoader does (same rule, same ValueError).
 
+A model without safetensors files is read from its torch.save files (pytorch_model*.bin, then
+*.pt, as vLLM's default loader picks them, its files not needed for inference left out) without
+running their pickles (tensorferry's own unpickler, as `tensorferry convert`: docs/convert.md),
+tensor by tensor into CPU tensors (vLLM's own .bin iterator torch.loads each file whole), each
+zip storage's CRC-32 checked before its tensor is given out. Local files only (a hub id's are
+downloaded by vLLM first); not cooperative.
+
 Options come from `--model-loader-extra-config` (LoadConfig.model_loader_extra_config), checked
 by parse_options(); an unknown key or a bad value is a ValueError naming it:
 
@@ -216,9 +223,30 @@ def _keep(is_unused_weight):
 @dataclasses.dataclass
 class Part:
     """One Loader's worth of a weight source: a checkpoint path (an index or a .safetensors file)
-    and the names to load from it (None: all)."""
+    and the names to load from it (None: all). torch: a torch.save file (.bin, .pt) read by
+    _torch_file (select is then a callable or None)."""
     checkpoint: str
     select: list = None
+    torch: bool = False
+
+
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def is_torch_file(path):
+    """Whether `path` names a torch.save file by its suffix (.bin, .pt, .pth), as vLLM tells
+    them from safetensors files."""
+    return path.endswith(TORCH_SUFFIXES)
+
+
+def weight_patterns(allow_patterns=None, fall_back_to_pt=True):
+    """The file patterns a weight source is looked up with, in order (the first that matches
+    any file picks the files), as vLLM's default loader for --load-format auto: safetensors,
+    then .bin, then .pt unless the model or source says not to fall back to them; the model's
+    allow_patterns_overrides instead when it has them."""
+    if allow_patterns is not None:
+        return list(allow_patterns)
+    return ["*.safetensors", "*.bin"] + (["*.pt"] if fall_back_to_pt else [])
 
 
 def plan_parts(folder, files, is_unused_weight=None):
@@ -401,6 +429,7 @@ def _make_class():
         by this process), peak_held_bytes, budget, rounds, seconds, cooperative."""
 
         _reloading = False  # in get_all_weights (vLLM's in-place reload)
+        _told_not_cooperative = False  # logged once: torch.save files are read by every rank
 
         def __init__(self, load_config):
             super().__init__(load_config)
@@ -409,16 +438,15 @@ def _make_class():
 
         # --- files, as vLLM's default loader finds them ----------------------------------------
 
-        def _files(self, model_or_path, revision, subfolder=None, allow_patterns=None):
-            """(folder, safetensors files) of one weight source; downloads when not local."""
+        def _files(self, model_or_path, revision, subfolder=None, allow_patterns=None,
+                   fall_back_to_pt=True):
+            """(folder, files, safetensors) of one weight source, found as vLLM's default
+            loader finds them (weight_patterns: safetensors first, else torch.save files);
+            downloads when not local. safetensors: whether the files are safetensors (else
+            .bin/.pt files, vLLM's files not needed for inference left out)."""
             found = weight_utils.maybe_download_from_modelscope(model_or_path, revision)
             model_or_path = found or model_or_path
-            patterns = ["*.safetensors"] if allow_patterns is None else \
-                [p for p in allow_patterns if p.endswith(".safetensors")]
-            if not patterns:
-                raise RuntimeError(
-                    f"load format {LOAD_FORMAT!r} reads safetensors only: the model's "
-                    f"allow_patterns_overrides {list(allow_patterns)} name no .safetensors files")
+            patterns = weight_patterns(allow_patterns, fall_back_to_pt)
             if os.path.isdir(model_or_path):
                 folder = model_or_path
             else:
@@ -430,20 +458,29 @@ def _make_class():
                     subfolder=subfolder, revision=revision)
             if subfolder is not None:
                 folder = os.path.join(folder, subfolder)
-            files = []
+            files, pattern = [], None
             for pattern in patterns:  # the first pattern that matches, as vLLM
                 files = sorted(glob.glob(os.path.join(folder, pattern)))
                 if files:
                     break
-            if allow_patterns is None:
-                files = weight_utils.filter_duplicate_safetensors_files(files, folder,
-                                                                        INDEX_NAME)
+            safetensors = bool(files) and pattern.endswith(".safetensors")
+            if safetensors:
+                if allow_patterns is None:
+                    files = weight_utils.filter_duplicate_safetensors_files(files, folder,
+                                                                            INDEX_NAME)
+            else:
+                files = weight_utils.filter_files_not_needed_for_inference(files)
+                other = [f for f in files if not is_torch_file(f)]
+                if other:
+                    raise RuntimeError(
+                        f"load format {LOAD_FORMAT!r} reads safetensors files and torch.save "
+                        f"files (.bin, .pt, .pth): the weight pattern {pattern!r} of "
+                        f"{model_or_path!r} picks {os.path.basename(other[0])!r}")
             if not files:
                 raise RuntimeError(
-                    f"Cannot find any safetensors weights in {model_or_path!r} (load format "
-                    f"{LOAD_FORMAT!r} reads *.safetensors only; --load-format auto reads .bin "
-                    f"and .pt)")
-            return folder, files
+                    f"Cannot find any model weights in {model_or_path!r} (load format "
+                    f"{LOAD_FORMAT!r} looks for {', '.join(patterns)})")
+            return folder, files, safetensors
 
         def _primary(self, model_config):
             """Where the model's own weights are: the `weights` option (for the served model
@@ -553,11 +590,12 @@ def _make_class():
         def _sources(self, model, model_config):
             yield (self._primary(model_config), model_config.revision, None, "",
                    getattr(model, "allow_patterns_overrides", None),
-                   getattr(model, "is_unused_checkpoint_weight", None))
+                   getattr(model, "is_unused_checkpoint_weight", None),
+                   getattr(model, "fall_back_to_pt_during_load", True))
             for s in getattr(model, "secondary_weights", ()):
                 yield (s.model_or_path, s.revision, getattr(s, "subfolder", None),
                        getattr(s, "prefix", ""), getattr(s, "allow_patterns_overrides", None),
-                       getattr(s, "is_unused_weight", None))
+                       getattr(s, "is_unused_weight", None), getattr(s, "fall_back_to_pt", True))
 
         # --- weights ---------------------------------------------------------------------------
 
@@ -584,7 +622,11 @@ def _make_class():
             stacked parameters, and a batch is at most half the budget: BUDGET_FACTOR)."""
             outputs = loader._describe()
             largest = max(outputs, key=lambda o: o.bytes, default=None)
-            size = largest.bytes if largest is not None else 0
+            return self._budget_for(largest.name if largest is not None else None,
+                                    largest.bytes if largest is not None else 0, checkpoint)
+
+        def _budget_for(self, largest, size, checkpoint):
+            """The byte budget given the largest tensor to load (its name and byte size)."""
             budget = self.options.budget
             if budget == "auto":
                 return max(DEFAULT_BUDGET, BUDGET_FACTOR * size)
@@ -593,7 +635,7 @@ def _make_class():
                 raise ValueError(
                     f"model_loader_extra_config['budget'] for load format {LOAD_FORMAT!r}: "
                     f"{fmt(budget)} is less than four times the largest tensor, "
-                    f"{largest.name!r} ({fmt(size)}, of {checkpoint!r}): vLLM's load_weights "
+                    f"{largest!r} ({fmt(size)}, of {checkpoint!r}): vLLM's load_weights "
                     f"may keep two earlier tensors alive while it asks for the next, and a "
                     f"batch is at most half the budget, so the budget must hold two tensors "
                     f"and a batch; use at least {BUDGET_FACTOR * size} bytes, "
@@ -684,6 +726,35 @@ def _make_class():
                     loader = tensorferry.Loader(current, device=device, budget=budget,
                                                 select=rest, **self._common())
 
+        def _stream_torch(self, part, prefix, tp):
+            """(name, tensor) of one torch.save file (Part.torch), read tensor by tensor into
+            CPU tensors without running its pickle (_torch_file), as vLLM's own .bin/.pt
+            iterator gives them (its weight loaders copy them to the device). The budget is
+            checked as for safetensors (this reader holds one tensor at a time; load_weights
+            may keep two more). Not cooperative: each rank reads the files it loads."""
+            from . import _torch_file
+            if tp is not None and not self._told_not_cooperative:
+                self._told_not_cooperative = True
+                logger.info("tensorferry: torch.save weights (%s) are not read cooperatively: "
+                            "each rank reads them whole", part.checkpoint)
+            with _torch_file.TorchFile(part.checkpoint) as f:
+                keep = part.select
+                chosen = [e for e in f.entries if keep is None or keep(e[0])]
+                largest = max(chosen, key=lambda e: e[3], default=None)
+                budget = self._budget_for(largest[0] if largest is not None else None,
+                                          largest[3] if largest is not None else 0,
+                                          part.checkpoint)
+                count = total = 0
+                try:
+                    for name, tensor in f.tensors(keep):
+                        count += 1
+                        total += tensor.numel() * tensor.element_size()
+                        yield prefix + name, tensor
+                        del tensor
+                finally:
+                    self._account(count, total, total,
+                                  largest[3] if largest is not None else 0, 1, budget)
+
         def _cooperative(self, part, prefix, device, tp):
             """(name, tensor) of one Part, read cooperatively by the tensor-parallel group in
             rounds of at most half the budget (each round: every rank reads ~1/N of its bytes,
@@ -735,7 +806,7 @@ def _make_class():
             device = self._device(model)
             tp = self._tp()
             self._model_name = type(model).__name__
-            for k, (model_or_path, revision, subfolder, prefix, patterns, unused) in \
+            for k, (model_or_path, revision, subfolder, prefix, patterns, unused, pt) in \
                     enumerate(self._sources(model, model_config)):
                 if k == 0:
                     self._check_weights(model_or_path)  # a missing local path: raises
@@ -745,14 +816,22 @@ def _make_class():
                 elif _is_url(model_or_path):
                     parts = self._remote_parts(model_or_path, patterns, unused)
                 elif os.path.isfile(model_or_path):  # the `weights` option: one file
-                    parts = [Part(model_or_path, _keep(unused))]
+                    parts = [Part(model_or_path, _keep(unused),
+                                  torch=is_torch_file(model_or_path))]
                 else:
-                    folder, files = self._files(model_or_path, revision, subfolder, patterns)
-                    if unused is not None:
-                        files = weight_utils.filter_safetensors_files_by_weight_name(files, unused)
-                    parts = plan_parts(folder, files, unused)
+                    folder, files, safetensors = self._files(model_or_path, revision, subfolder,
+                                                             patterns, pt)
+                    if not safetensors:
+                        parts = [Part(f, _keep(unused), torch=True) for f in files]
+                    else:
+                        if unused is not None:
+                            files = weight_utils.filter_safetensors_files_by_weight_name(
+                                files, unused)
+                        parts = plan_parts(folder, files, unused)
                 for part in parts:
-                    if tp is None:
+                    if part.torch:
+                        yield from self._stream_torch(part, prefix, tp)
+                    elif tp is None:
                         yield from self._stream(part, prefix, device)
                     else:
                         yield from self._cooperative(part, prefix, device, tp)

@@ -1001,4 +1001,16 @@ Status TorchCheckpoint::CheckStoragesRead() const {
   return Status::Ok();
 }
 
+Status TorchCheckpoint::CheckTensorRead(size_t index) const {
+  if (index >= impl_->tensors.size()) {
+    return Status(Code::kInvalidArgument,
+                  "tensor index " + std::to_string(index) + " out of range");
+  }
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const uint32_t storage = impl_->tensors[index].storage;
+  const OpenFile& f = impl_->open_files[impl_->storages[storage].file];
+  if (!f.zip) return Status::Ok();
+  return f.zip->CheckEntryRead(impl_->locations[storage].zip_entry);
+}
+
 }  // namespace tensorferry

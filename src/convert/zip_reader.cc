@@ -290,38 +290,42 @@ Result<std::string> ZipReader::ReadAll(size_t index, uint64_t max_size) {
 }
 
 Status ZipReader::CheckEntriesRead() {
-  std::vector<std::byte> buffer;
   for (size_t index = 0; index < entries_.size(); ++index) {
-    if (checked_[index] != 1) continue;
-    const ZipEntry& e = entries_[index];
-    zip_file_t* zf = zip_fopen_index(Archive(archive_), index, 0);
-    if (zf == nullptr)
-      return EntryError(index, "cannot be opened", zip_strerror(Archive(archive_)));
-    buffer.resize(static_cast<size_t>(std::min<uint64_t>(e.size + 1, uint64_t{1} << 20)));
-    uint64_t done = 0;
-    Status status;
-    for (;;) {  // to libzip's end of the entry, where it compares the CRC
-      const zip_int64_t got = zip_fread(zf, buffer.data(), buffer.size());
-      if (got < 0) {
-        status = EntryError(index,
-                            "read failed (checking its CRC-32 after a read in part or "
-                            "out of order)",
-                            zip_error_strerror(zip_file_get_error(zf)));
-        break;
-      }
-      if (got == 0) break;
-      done += static_cast<uint64_t>(got);
-    }
-    zip_fclose(zf);
-    TF_RETURN_IF_ERROR(status);
-    if (done != e.size) {
-      return EntryError(
-          index,
-          "holds " + std::to_string(done) + " bytes, not its recorded " + std::to_string(e.size),
-          nullptr);
-    }
-    checked_[index] = 2;
+    TF_RETURN_IF_ERROR(CheckEntryRead(index));
   }
+  return Status::Ok();
+}
+
+Status ZipReader::CheckEntryRead(size_t index) {
+  if (index >= entries_.size() || checked_[index] != 1) return Status::Ok();
+  const ZipEntry& e = entries_[index];
+  zip_file_t* zf = zip_fopen_index(Archive(archive_), index, 0);
+  if (zf == nullptr) return EntryError(index, "cannot be opened", zip_strerror(Archive(archive_)));
+  std::vector<std::byte> buffer(
+      static_cast<size_t>(std::min<uint64_t>(e.size + 1, uint64_t{1} << 20)));
+  uint64_t done = 0;
+  Status status;
+  for (;;) {  // to libzip's end of the entry, where it compares the CRC
+    const zip_int64_t got = zip_fread(zf, buffer.data(), buffer.size());
+    if (got < 0) {
+      status = EntryError(index,
+                          "read failed (checking its CRC-32 after a read in part or "
+                          "out of order)",
+                          zip_error_strerror(zip_file_get_error(zf)));
+      break;
+    }
+    if (got == 0) break;
+    done += static_cast<uint64_t>(got);
+  }
+  zip_fclose(zf);
+  TF_RETURN_IF_ERROR(status);
+  if (done != e.size) {
+    return EntryError(
+        index,
+        "holds " + std::to_string(done) + " bytes, not its recorded " + std::to_string(e.size),
+        nullptr);
+  }
+  checked_[index] = 2;
   return Status::Ok();
 }
 

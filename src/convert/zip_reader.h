@@ -61,6 +61,9 @@ class ZipReader {
   // its start to its end. For callers that hand out bytes only once this returned ok (a
   // conversion, before its output is put in place). Errors: as ReadAt's.
   Status CheckEntriesRead();
+  // The same for one entry: nothing to do when ReadAt has not read it, or a read checked it.
+  // (An out-of-range index has nothing to check.) Errors: as ReadAt's.
+  Status CheckEntryRead(size_t index);
 
   const std::string& path() const;
 

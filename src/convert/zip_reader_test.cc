@@ -190,6 +190,27 @@ TEST(ZipReader, EntriesReadInPartOrOutOfOrderAreCheckedOnRequest) {
   }
 }
 
+// CheckEntryRead checks the one entry it is given: an entry read in part elsewhere stays
+// unchecked (and its bad CRC unreported) until it is asked for; a checked entry is not read again.
+TEST(ZipReader, CheckEntryReadChecksOneEntry) {
+  const std::string data = Pattern(10000);
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto zip = OpenBytes(env, MakeZip({{"a/good", data}, {"a/bad", data, true}}), file);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  ZipReader& z = **zip;
+  std::vector<std::byte> half(5000);
+  ASSERT_TRUE(z.ReadAt(1, 0, half).ok());
+  ASSERT_TRUE(z.ReadAt(0, 0, half).ok());
+  EXPECT_TRUE(z.CheckEntryRead(0).ok());
+  EXPECT_TRUE(z.CheckEntryRead(7).ok());  // out of range: nothing to check
+  const Status bad = z.CheckEntryRead(1);
+  EXPECT_EQ(bad.code(), Code::kZipBadEntry) << bad.ToString();
+  EXPECT_NE(bad.message().find("zip entry \"a/bad\""), std::string::npos) << bad.message();
+  // Entry 0 was checked: the whole check reads it no more and finds entry 1 still bad.
+  EXPECT_EQ(z.CheckEntriesRead().code(), Code::kZipBadEntry);
+}
+
 // Sizes an archive records that its bytes cannot hold are refused at open: a stored entry
 // claiming more (or fewer) bytes than it holds, and a compressed one claiming more than deflate
 // can expand to.

@@ -393,10 +393,43 @@ def test_a_missing_tensor_is_refused_as_vllm_refuses_it(single):
     assert "model.layers.1.post_attention_layernorm.weight" in ours["message"]
 
 
-def test_a_model_without_safetensors_is_an_error_saying_so(single):
+def test_a_model_without_weights_is_an_error_saying_so(single):
     e = single["errors"]["no_safetensors"]
     assert e["type"] == "RuntimeError"
-    assert "Cannot find any safetensors weights" in e["message"]
+    assert "Cannot find any model weights" in e["message"]
+    assert "*.safetensors, *.bin, *.pt" in e["message"]
+
+
+@pytest.mark.parametrize("case", ["bin", "bin_sharded_budget", "bin_legacy", "pt_weights_option"])
+def test_torch_save_weights_are_read_without_unpickling_to_vllms_weights(single, case):
+    load = single["torch_loads"][case]
+    assert "error" not in load, load["error"]
+    assert load["compared"] == 24 and load["differences"] == []
+    assert load["stats"]["tensors"] == 21
+    assert load["stats"]["bytes"] == single["loads"]["sharded_default"]["model_bytes"]
+    assert load["stats"]["cooperative"] is False
+
+
+def test_vllms_own_loader_reads_the_bin_folder_to_the_same_weights(single):
+    # (the reference the torch.save cases are compared with is the safetensors model; vLLM's
+    # --load-format auto reading the .bin folder agrees with it)
+    assert single["torch_loads"]["bin_vllm_auto"]["differences"] == []
+
+
+def test_a_byte_flipped_in_a_bin_file_is_an_error_naming_file_and_tensor(single):
+    e = single["errors"]["bin_flipped"]
+    assert e is not None, "the load of a corrupted .bin succeeded"
+    assert e["type"] == "SafetensorError", e
+    assert "CRC" in e["message"] and "llama-bin-flipped/pytorch_model.bin" in e["message"]
+    assert '(reading tensor "model.norm.weight")' in e["message"]
+
+
+def test_a_bin_whose_pickle_calls_os_system_is_refused_before_it_runs(single):
+    e = single["errors"]["bin_evil"]
+    assert e is not None and e["type"] == "UnsupportedError", e  # tensorferry's refusal
+    assert "llama-bin-evil/pytorch_model.bin: pytorch_model/data.pkl: refused global " \
+        "posix.system at pickle offset" in e["message"], e
+    assert single["errors"]["bin_evil_ran"] is False
 
 
 @pytest.mark.parametrize("case", ["cooperative", "cooperative_unbounded", "plain"])

@@ -11,6 +11,7 @@ point). Prints one JSON object of findings on its last line; test_vllm.py assert
 vLLM runs on its CPU platform (VLLM_TARGET_DEVICE=cpu, set by the caller): its PyPI wheel is
 built for CUDA and has no compiled CPU kernels (vllm._C_AVX2/_C_AVX512 are missing), which
 does not matter here: models are built and filled, never run."""
+import collections
 import json
 import os
 import sys
@@ -267,6 +268,7 @@ def single(workdir):
         os.makedirs(empty)
         shutil.copy(os.path.join(single_file, "config.json"), empty)
     out["errors"]["no_safetensors"] = error_of(lambda: build(empty, "tensorferry"))
+    out.update(torch_files(workdir, single_file, reference, empty, out["errors"]))
 
     # A model whose load_weights holds every weight (BERT-style list(weights)) under the
     # automatic budget (4 x the largest tensor here, as for a model of 256 MiB tensors): the
@@ -316,6 +318,102 @@ def single(workdir):
     finally:
         vc.get_current_vllm_config_or_none = current
     return out
+
+
+def make_torch_checkpoints(workdir, single_file):
+    """The single-file Llama's weights as torch.save files: one pytorch_model.bin (beside a
+    training_args.bin no reader may unpickle: it names a global tensorferry refuses), two
+    shards with their index, one legacy-format file, and a .pt file (for the weights option)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    state = load_file(os.path.join(single_file, "model.safetensors"))
+    paths = {k: os.path.join(workdir, "llama-" + k) for k in ("bin", "bin-sharded", "bin-legacy")}
+    if os.path.exists(os.path.join(paths["bin-legacy"], "pytorch_model.bin")):
+        return paths
+    for folder in paths.values():
+        os.makedirs(folder, exist_ok=True)
+        shutil.copy(os.path.join(single_file, "config.json"), folder)
+    torch.save(state, os.path.join(paths["bin"], "pytorch_model.bin"))
+    torch.save({"args": collections.Counter(a=1)}, os.path.join(paths["bin"], "training_args.bin"))
+    names = sorted(state)
+    half = len(names) // 2
+    weight_map = {}
+    for i, chunk in enumerate((names[:half], names[half:])):
+        file = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({n: state[n] for n in chunk}, os.path.join(paths["bin-sharded"], file))
+        weight_map.update({n: file for n in chunk})
+    with open(os.path.join(paths["bin-sharded"], "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    torch.save(state, os.path.join(paths["bin-legacy"], "pytorch_model.bin"),
+               _use_new_zipfile_serialization=False)
+    torch.save(state, os.path.join(workdir, "llama-weights.pt"))
+    return paths
+
+
+def torch_files(workdir, single_file, reference, config_only, errors):
+    """Loads of .bin/.pt checkpoints (read without running their pickles) compared with the
+    reference; their errors (a byte flipped in a storage, a pickle naming os.system) go into
+    `errors`."""
+    import torch
+    paths = make_torch_checkpoints(workdir, single_file)
+    out = {"torch_loads": {}}
+    cases = {
+        "bin": (paths["bin"], {}),
+        "bin_sharded_budget": (paths["bin-sharded"], {"budget": "128KiB"}),
+        "bin_legacy": (paths["bin-legacy"], {}),
+        "pt_weights_option": (config_only,
+                              {"weights": os.path.join(workdir, "llama-weights.pt")}),
+    }
+    for key, (path, extra) in cases.items():
+        try:
+            model, ldr = build(path, "tensorferry", extra)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["torch_loads"][key] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        diff, count = differences(model, reference)
+        out["torch_loads"][key] = {"differences": diff, "compared": count, "stats": ldr.stats}
+        del model
+    # vLLM's own loader reads the same folder to the same weights (the reference for "auto").
+    model, _ = build(paths["bin"], "auto")
+    out["torch_loads"]["bin_vllm_auto"] = {"differences": differences(model, reference)[0]}
+    del model
+    # One byte flipped inside a tensor's storage (the zip stores storages uncompressed).
+    import shutil
+    flipped = os.path.join(workdir, "llama-bin-flipped")
+    if not os.path.exists(flipped):
+        shutil.copytree(paths["bin"], flipped)
+        os.remove(os.path.join(flipped, "training_args.bin"))
+        file = os.path.join(flipped, "pytorch_model.bin")
+        data = bytearray(open(file, "rb").read())
+        needle = raw(dict(reference.named_parameters())["model.norm.weight"])
+        at = data.find(needle)
+        assert at > 0 and data.find(needle, at + 1) < 0, "the norm's bytes once in the file"
+        data[at + 5] ^= 0x01
+        open(file, "wb").write(bytes(data))
+    errors["bin_flipped"] = error_of(lambda: build(flipped, "tensorferry"))
+    # A pickle naming os.system: refused before anything runs.
+    evil = os.path.join(workdir, "llama-bin-evil")
+    if not os.path.exists(evil):
+        shutil.copytree(paths["bin"], evil)
+        os.remove(os.path.join(evil, "training_args.bin"))
+    marker = os.path.join(workdir, "evil-ran")
+    torch.save({"w": torch.ones(2), "x": Evil(marker)}, os.path.join(evil, "pytorch_model.bin"))
+    errors["bin_evil"] = error_of(lambda: build(evil, "tensorferry"))
+    errors["bin_evil_ran"] = os.path.exists(marker)
+    return out
+
+
+class Evil:
+    """Pickles as a call of os.system creating `marker` (torch.save writes its __reduce__)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, ("touch " + self.marker,))
 
 
 def zero(model):

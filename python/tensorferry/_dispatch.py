@@ -68,7 +68,8 @@ def _accelerate():
     return accelerate
 
 
-def _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype):
+def _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype,
+                        offload_buffers=False):
     """(dict name-prefix -> device or None for "leave where it is", the map for dispatch_model)."""
     if device_map is None:
         return None, None
@@ -81,7 +82,7 @@ def _resolve_device_map(model, device_map, max_memory, no_split_module_classes, 
                                              dtype=dtype, low_zero=device_map == "balanced_low_0")
         device_map = infer_auto_device_map(model, max_memory=max_memory,
                                            no_split_module_classes=no_split_module_classes,
-                                           dtype=dtype)
+                                           dtype=dtype, offload_buffers=offload_buffers)
     elif not isinstance(device_map, dict):
         device_map = {"": device_map}
     resolved = {prefix: _as_device(where) for prefix, where in device_map.items()}
@@ -179,14 +180,17 @@ def _local_shape(fw, name, torch_dtype, shape, rank, world, spec):
 
 
 # Stored tensors whose split dimension runs over attention heads, under the names the builtin
-# shard rules split (Llama-family q/k/v/o_proj, GPT-2's attention): (name suffix, dimension,
-# True for the key/value heads).
-_HEAD_SPLITS = (("q_proj.weight", 0, False), ("q_proj.bias", 0, False),
-                ("k_proj.weight", 0, True), ("k_proj.bias", 0, True),
-                ("v_proj.weight", 0, True), ("v_proj.bias", 0, True),
-                ("o_proj.weight", 1, False),
-                ("attn.c_attn.weight", 1, False), ("attn.c_attn.bias", 0, False),
-                ("attn.c_proj.weight", 0, False))
+# shard rules split (Llama-family q/k/v/o_proj, GPT-2's attention, BLOOM / GPT-NeoX / Falcon
+# query_key_value and their attention output): (name suffix, dimension, which heads: "q" the
+# attention heads, "kv" the key/value heads, "qkv" the fused projection's interleaved groups).
+_HEAD_SPLITS = (("q_proj.weight", 0, "q"), ("q_proj.bias", 0, "q"),
+                ("k_proj.weight", 0, "kv"), ("k_proj.bias", 0, "kv"),
+                ("v_proj.weight", 0, "kv"), ("v_proj.bias", 0, "kv"),
+                ("o_proj.weight", 1, "q"),
+                ("attn.c_attn.weight", 1, "q"), ("attn.c_attn.bias", 0, "q"),
+                ("attn.c_proj.weight", 0, "q"),
+                ("query_key_value.weight", 0, "qkv"), ("query_key_value.bias", 0, "qkv"),
+                ("attention.dense.weight", 1, "q"), ("self_attention.dense.weight", 1, "q"))
 
 
 def _check_head_splits(model, names, world, spec):
@@ -203,15 +207,35 @@ def _check_head_splits(model, names, world, spec):
     if not isinstance(heads, int) or heads <= 0 or world <= 1:
         return
     kv_heads = getattr(config, "num_key_value_heads", None)
+    if not isinstance(kv_heads, int) or kv_heads <= 0:
+        kv_heads = getattr(config, "num_kv_heads", None)  # Falcon's name
     kv_heads = kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads
+    # A fused query_key_value interleaves q, k and v per head (BLOOM, GPT-NeoX, Falcon-RW), or
+    # per key/value group (Falcon's new_decoder_architecture); Falcon's multi_query layout
+    # without it holds all the query heads, then one key and one value head, which no
+    # contiguous split gives each rank a share of.
+    new_arch = getattr(config, "new_decoder_architecture", False) is True
+    multi_query = getattr(config, "multi_query", False) is True and not new_arch
+    qkv_groups = kv_heads if new_arch else heads
     for name in sorted(names):
-        for suffix, dim, kv in _HEAD_SPLITS:
+        for suffix, dim, kind in _HEAD_SPLITS:
             if name != suffix and not name.endswith("." + suffix):
                 continue
-            count = kv_heads if kv else heads
-            if spec.rule_for(name).get("split") == dim and count % world:
-                what = "key/value heads (num_key_value_heads)" if kv else \
-                    "attention heads (num_attention_heads)"
+            if spec.rule_for(name).get("split") != dim:
+                break
+            if kind == "qkv" and multi_query:
+                raise _core.InvalidArgumentError(
+                    f"tp_size={world}: {name} of {type(model).__name__} (multi_query) holds all "
+                    f"its query heads and then one key and one value head, which a split of "
+                    f"dimension {dim} into {world} contiguous blocks does not give each rank "
+                    f"a share of: use shard_rules that replicate "
+                    f"{suffix.rsplit('.', 1)[0]}, or no tensor parallelism")
+            count = {"q": heads, "kv": kv_heads, "qkv": qkv_groups}[kind]
+            if count % world:
+                what = {"q": "attention heads (num_attention_heads)",
+                        "kv": "key/value heads (num_key_value_heads)",
+                        "qkv": ("key/value groups (num_kv_heads)" if new_arch else
+                                "attention heads (num_attention_heads)")}[kind]
                 raise _core.InvalidArgumentError(
                     f"tp_size={world}: {name} holds {count} {what} of {type(model).__name__}, "
                     f"which {world} ranks cannot share as whole heads (the shard rules split "
@@ -233,37 +257,48 @@ def _target_dtype(model_dtype, file_dtype, dtype):
     return dtype
 
 
+# The default budget of the converting reads: batch buffers of at most this many bytes (or twice
+# the largest tensor converted, when larger).
+_CONVERT_BUDGET = 256 << 20
+
+
 def _KEEP(name, tensor):
     """init_missing for strict=False: the model's values, as they are."""
 
 
-def _init_missing(model, groups, init_missing):
-    if init_missing is None or init_missing is _KEEP:
-        return
-    if callable(init_missing):
-        with torch.no_grad():
-            for g in groups:
-                for name in g.names[:1]:
-                    init_missing(name, g.target)
+def _check_init_missing(model, groups, init_missing):
+    """Raises InvalidArgumentError when `init_missing` cannot initialise `groups` (a string other
+    than 'init_fn' / 'reset_parameters', or a module without that method): called before the
+    model is changed, so that a refused call leaves it as it was."""
+    if init_missing is None or init_missing is _KEEP or callable(init_missing):
         return
     if init_missing not in ("init_fn", "reset_parameters"):
         raise _core.InvalidArgumentError(
             f"init_missing: {init_missing!r}: a callable(name, tensor), 'init_fn' or "
             "'reset_parameters'")
-    done = set()
+    for g in groups:
+        module, _ = _owner(model, g.names[0])
+        if not callable(getattr(module, init_missing, None)):
+            raise _core.InvalidArgumentError(
+                f"init_missing={init_missing!r}: {g.names[0]!r} is missing from the "
+                f"checkpoint and its module ({type(module).__name__}) has no {init_missing}()")
+
+
+def _init_missing(model, groups, init_missing):
+    """Initialises `groups` (checked by _check_init_missing)."""
+    if init_missing is None or init_missing is _KEEP:
+        return
     with torch.no_grad():
+        if callable(init_missing):
+            for g in groups:
+                init_missing(g.names[0], g.target)
+            return
+        done = set()
         for g in groups:
             module, _ = _owner(model, g.names[0])
-            if id(module) in done:
-                continue
-            method = getattr(module, init_missing, None)
-            if not callable(method):
-                raise _core.InvalidArgumentError(
-                    f"init_missing={init_missing!r}: {g.names[0]!r} is missing from the "
-                    f"checkpoint and its module ({type(module).__name__}) has no "
-                    f"{init_missing}()")
-            method()
-            done.add(id(module))
+            if id(module) not in done:
+                getattr(module, init_missing)()
+                done.add(id(module))
 
 
 def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memory=None,
@@ -291,7 +326,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     tensor is allocated at the rank-local shape of its slice (init_missing's too, unless the
     model holds rank-local shapes already) and only this rank's bytes are read.
     budget: bytes of batch buffers held at once by the converting reads (the reads into the model
-    need none). offload_buffers, skip_keys, preload_module_classes, force_hooks: passed to
+    need none); by default 256 MiB, or twice the largest tensor converted when that is more. offload_buffers, skip_keys, preload_module_classes, force_hooks: passed to
     accelerate's dispatch_model, as accelerate's function does (a device_map given);
     offload_state_dict: accepted and unused (nothing is offloaded while loading).
     offload_folder: unused, as accelerate's is without "disk" entries in the map
@@ -310,7 +345,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     if callable(tie):
         tie()
     resolved, dispatch_map = _resolve_device_map(model, device_map, max_memory,
-                                                 no_split_module_classes, dtype)
+                                                 no_split_module_classes, dtype, offload_buffers)
     tp = tp_rank is not None or tp_size is not None
     if tp and resolved is not None and len(set(resolved.values())) > 1:
         raise _core.InvalidArgumentError(
@@ -363,6 +398,13 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
             "(init_missing= initialises them; a materialized model's tensors keep their values "
             "with init_missing=lambda name, tensor: None or strict=False)")
+    # Every refusal before the model is changed.
+    _check_init_missing(model, missing, init_missing)
+    for name, b in transient:
+        if b.device.type == "meta":
+            raise _core.InvalidArgumentError(
+                f"{name}: a non-persistent buffer on the meta device (no file holds it): build the "
+                "model with its buffers materialized (accelerate's init_empty_weights does)")
 
     def device_of(g):
         if resolved is not None:
@@ -412,7 +454,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     slice_missing = tp and missing and not (held_local and not held_full)
     spec = shard_spec(shard_rules) if slice_missing else None
     for g in missing:
-        want = dtype if (dtype is not None and g.tensor.dtype.is_floating_point) else g.tensor.dtype
+        # A materialized model's tensor keeps its dtype (accelerate leaves the tensors the files
+        # lack as they are); a meta one takes `dtype`, as the tensors read do.
+        want = g.tensor.dtype
+        if g.tensor.device.type == "meta" and dtype is not None and want.is_floating_point:
+            want = dtype
         shape = tuple(g.tensor.shape)
         if slice_missing:
             shape = _local_shape(fw, g.names[0], g.tensor.dtype, shape, tp_rank, tp_size, spec)
@@ -464,10 +510,6 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             put(g)
     for name, b in transient:
         module, leaf = _owner(model, name)
-        if b.device.type == "meta":
-            raise _core.InvalidArgumentError(
-                f"{name}: a non-persistent buffer on the meta device (no file holds it): build the "
-                "model with its buffers materialized (accelerate's init_empty_weights does)")
         device = _device_for(name, resolved, required=False) if resolved is not None else None
         if device is not None:  # not in state dicts: a map need not place it (as accelerate)
             module._buffers[leaf] = b.to(device)
@@ -503,7 +545,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     with torch.no_grad():
         for device, gs in by_device.items():
             targets = {g.source: g.target for g in gs}
-            with Loader(checkpoint, device=device, budget=budget, allow_oversized=True,
+            # Bounded by default: the converted tensors are allocated already, so an unbounded
+            # batch would hold the file's copy of them all beside them.
+            held = budget if budget is not None else max(
+                _CONVERT_BUDGET, 2 * max(described[g.source].bytes for g in gs))
+            with Loader(checkpoint, device=device, budget=held, allow_oversized=True,
                         select=list(targets),
                         progress=progress, **loader_kw) as loader:
                 for batch in loader.iter_batches():

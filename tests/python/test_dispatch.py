@@ -560,7 +560,8 @@ def test_a_materialized_models_missing_tensors_keep_their_values(checkpoint, tmp
         m = tft.load_checkpoint_and_dispatch(model, path, device_map=device_map, dtype=dtype,
                                              init_missing=lambda name, tensor: None)
         kept = m.layers[1].mlp.up_proj.weight
-        assert torch.equal(kept.to(before.dtype), before), (device_map, dtype)
+        # Its dtype too: accelerate leaves the tensors the files lack as they are.
+        assert kept.dtype == before.dtype and torch.equal(kept, before), (device_map, dtype)
         got = m.layers[1].mlp.gate_proj.weight
         want = checkpoint["ref"].layers[1].mlp.gate_proj.weight
         assert torch.equal(got.to(want.dtype), want), (device_map, dtype)
@@ -626,3 +627,120 @@ def test_dispatch_arguments_reach_dispatch_model_and_parameter_attributes_stay(c
         if load is tft.load_checkpoint_and_dispatch:
             assert weight.weight_loader is print
         _assert_same_model(got, checkpoint["ref"])
+
+
+def test_a_refused_load_leaves_the_model_as_it_was(checkpoint, tmp_path):
+    """Every refusal comes before the model is changed: an init_missing its modules cannot run
+    and a non-persistent buffer on the meta device leave every parameter object in place."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    del sd["layers.1.mlp.up_proj.weight"]
+    path = str(tmp_path / "missing.safetensors")
+    save_file(sd, path)
+
+    def objects(model):
+        return {n: id(t) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+    for init_missing, match in (("init_fn", r"\(Linear\) has no init_fn"),
+                                ("reset", r"init_missing: 'reset': a callable")):
+        for model in (_meta_model(), _reference(seed=3)):
+            before = objects(model)
+            values = {n: t.detach().clone() for n, t in model.state_dict().items()
+                      if t.device.type != "meta"}
+            with pytest.raises(tensorferry.InvalidArgumentError, match=match):
+                tft.load_checkpoint_and_dispatch(model, path, device_map={"": "cpu"},
+                                                 init_missing=init_missing)
+            assert objects(model) == before
+            for n, v in values.items():
+                assert torch.equal(model.state_dict()[n], v), n
+
+    model = _on_meta(Tiny)  # its non-persistent buffers on the meta device too
+    model.tie_weights()
+    before = objects(model)
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match=r"layers.0.scale: a non-persistent buffer on the meta device"):
+        tft.load_checkpoint_and_dispatch(model, checkpoint["single"], device_map={"": "cpu"})
+    assert objects(model) == before
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_converting_reads_are_bounded_by_default(checkpoint, monkeypatch):
+    """Without a budget, the reads that change dtype stream under the default budget (twice the
+    largest tensor converted when that is more), not the whole checkpoint in one batch."""
+    import tensorferry._dispatch as dispatch
+    seen = []
+    real = dispatch.Loader
+
+    class Spy(real):
+        def iter_batches(self, *args, **kwargs):
+            for batch in super().iter_batches(*args, **kwargs):
+                seen.append(sum(t.numel() * t.element_size() for t in batch.tensors.values()))
+                yield batch
+
+    monkeypatch.setattr(dispatch, "Loader", Spy)
+    monkeypatch.setattr(dispatch, "_CONVERT_BUDGET", 1024)
+    largest = VOCAB * HIDDEN * 4  # the embedding, float32 in the file
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], dtype=torch.float64)
+    assert len(seen) > 1 and max(seen) <= 2 * largest, seen
+    for name, p in checkpoint["ref"].named_parameters():
+        assert m.get_parameter(name).dtype == torch.float64, name
+        assert torch.equal(m.get_parameter(name), p.double()), name
+
+
+def _fused_qkv_checkpoint(tmp_path, model):
+    from safetensors.torch import save_file
+    path = str(tmp_path / f"{type(model).__name__}.safetensors")
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, path,  # (tied: copies)
+              metadata={"format": "pt"})
+    return path
+
+
+def test_tensor_parallel_refuses_to_cut_fused_qkv_heads(tmp_path):
+    """GPT-NeoX and BLOOM interleave q, k and v per head in query_key_value, Falcon's new
+    decoder architecture per key/value group: a tp_size that does not divide that count is
+    refused naming the first tensor it would cut, the attention output (dense) or
+    query_key_value (and a dividing one loads whole heads); Falcon's multi_query
+    layout, all query heads then one key and one value head, is refused for any tp_size."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM,
+                              GPTNeoXConfig, GPTNeoXForCausalLM)
+    cases = [
+        (GPTNeoXForCausalLM, GPTNeoXConfig(hidden_size=64, intermediate_size=96,
+                                           num_hidden_layers=1, num_attention_heads=4,
+                                           vocab_size=128),
+         3, "gpt_neox.layers.0.attention.dense.weight", 4, "attention heads"),
+        (BloomForCausalLM, BloomConfig(hidden_size=64, n_layer=1, n_head=4, vocab_size=128),
+         3, "transformer.h.0.self_attention.dense.weight", 4, "attention heads"),
+        (FalconForCausalLM, FalconConfig(hidden_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_kv_heads=2,
+                                         new_decoder_architecture=True, vocab_size=128),
+         4, "transformer.h.0.self_attention.query_key_value.weight", 2, "key/value groups"),
+    ]
+    for cls, config, world, name, count, what in cases:
+        torch.manual_seed(0)
+        full = cls(config)
+        path = _fused_qkv_checkpoint(tmp_path, full)
+
+        def meta():
+            with init_empty_weights():
+                return cls(config)
+
+        with pytest.raises(tensorferry.InvalidArgumentError) as refused:
+            tft.load_checkpoint_and_dispatch(meta(), path, tp_rank=0, tp_size=world,
+                                             strict=False)
+        assert f"tp_size={world}: {name} holds {count} {what}" in str(refused.value), \
+            refused.value
+        m = tft.load_checkpoint_and_dispatch(meta(), path, tp_rank=1, tp_size=2, strict=False)
+        qkv = name.replace("dense", "query_key_value")
+        rows = full.get_parameter(qkv).shape[0] // 2
+        assert torch.equal(m.get_parameter(qkv), full.get_parameter(qkv)[rows:]), cls
+
+    config = FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          multi_query=True, new_decoder_architecture=False, vocab_size=128)
+    path = _fused_qkv_checkpoint(tmp_path, FalconForCausalLM(config))
+    with init_empty_weights():
+        model = FalconForCausalLM(config)
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match=r"tp_size=2: transformer.h.0.self_attention.query_key_value.weight "
+                             r"of FalconForCausalLM \(multi_query\) holds all its query heads"):
+        tft.load_checkpoint_and_dispatch(model, path, tp_rank=0, tp_size=2, strict=False)

@@ -21,14 +21,17 @@ sliced load byte for byte. A read error on any rank is made known to all (an all
 per round, and one for the local reads at the end), so every rank raises instead of waiting in a
 collective. Every collective waits at
 most coop_timeout_ms (LoadOptions' key, default 300000; 0: forever): a rank that died or hangs, or
-a link that went down, ends the waiting ranks with an OSError naming the rank and the step (and
-the process group is unusable afterwards, as after any failed collective).
+a link that went down, ends the waiting ranks with an OSError naming the rank, the step and the
+ranks that never reached it (_Wait's roll call; the process group is unusable afterwards, as
+after any failed collective).
 """
 import datetime
 import errno
 import functools
 import hashlib
 import json
+import queue
+import threading
 import time
 
 from . import _core
@@ -129,28 +132,130 @@ def _as_bytes(torch, tensor):
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _collective(step, rank, timeout, start):
+# Cooperative loads this process started per group (its global ranks): the roll call's keys.
+_LOADS = {}
+
+# The longest a rank that gave up waits for the store to say which ranks are missing.
+_ROLL_CHECK_SECONDS = 5.0
+
+
+class _Wait:
+    """How long a collective step may wait (`timeout`: a timedelta; None: forever), and the roll
+    call that names the ranks missing when a step of the whole group fails: before each such
+    step a rank sets its key in the default process group's store (one key per rank and step,
+    under the group's global ranks and this process's count of cooperative loads on it, the
+    same on every rank; each rank's key of the step before is deleted), and a rank whose step
+    failed names the ranks whose key is absent. The store is used from a thread of its own (a
+    store call blocks while its host is unreachable: the steps never wait for it) and asked at
+    most _ROLL_CHECK_SECONDS. Best effort: without a default store, or when the store fails or
+    does not answer, errors say what they said without it. close() ends the thread."""
+
+    def __init__(self, timeout, dist, group, rank, world):
+        self.timeout, self._rank, self._world = timeout, rank, world
+        self._store = self._prefix = self._mine = self._thread = None
+        self._step = 0
+        try:
+            ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+            self._store = dist.distributed_c10d._get_default_store()
+            _LOADS[ranks] = _LOADS.get(ranks, 0) + 1
+            self._prefix = f"tensorferry/roll/{ranks}/{_LOADS[ranks]}/"
+        except Exception:  # noqa: BLE001 - no roll call: the errors stay as they were
+            self._store = None
+        self._jobs = queue.Queue()
+        self._broken = False  # a store call failed: no roll call from then on
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done = job
+            try:
+                if not self._broken:
+                    fn()
+            except Exception:  # noqa: BLE001 - see the class comment
+                self._broken = True
+            if done is not None:
+                done.set()
+
+    def _submit(self, fn, done=None):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tensorferry-roll",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((fn, done))
+
+    def arrive(self):
+        """Marks this rank at the next step of the whole group (on the roll call's thread): the
+        step's key prefix, or None."""
+        if self._store is None or self._broken:
+            return None
+        self._step += 1
+        step = f"{self._prefix}{self._step}/"
+        mine, before = step + str(self._rank), self._mine
+        self._mine = mine
+
+        def mark():
+            if before is not None:
+                self._store.delete_key(before)
+            self._store.set(mine, "1")
+        self._submit(mark)
+        return step
+
+    def missing(self, step):
+        """The ranks whose key of `step` (arrive()'s) is absent; None when the store cannot
+        tell within _ROLL_CHECK_SECONDS."""
+        if step is None or self._store is None or self._broken:
+            return None
+        found, done = [], threading.Event()
+
+        def check():
+            found.extend(q for q in range(self._world)
+                         if not self._store.check([step + str(q)]))
+            found.append(None)  # complete
+        self._submit(check, done)
+        if not done.wait(_ROLL_CHECK_SECONDS) or not found or found[-1] is not None:
+            return None
+        return found[:-1]
+
+    def close(self):
+        """Ends the roll call's thread once its queued store calls are done (not waited for)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+
+def _collective(step, rank, wait, start, everyone=True):
     """Runs start() (a torch.distributed call with async_op=True) and waits for it at most
-    `timeout` (a timedelta; None: forever); its failure as an OSError naming this rank and
-    `step`."""
+    wait.timeout (None: forever); its failure as an OSError naming this rank and `step`, and
+    with `everyone` (a step of the whole group, not a pairwise one) the ranks that never
+    reached it (wait's roll call)."""
+    arrived = wait.arrive() if everyone else None
     try:
         work = start()
         if work is not None:
-            if timeout is None:
+            if wait.timeout is None:
                 work.wait()
-            elif not work.wait(timeout=timeout):
-                raise TimeoutError(f"not done after {timeout.total_seconds():g} s")
+            elif not work.wait(timeout=wait.timeout):
+                raise TimeoutError(f"not done after {wait.timeout.total_seconds():g} s")
     except Exception as e:
-        raise _gave_up(step, rank, e) from e
+        raise _gave_up(step, rank, e, wait.missing(arrived)) from e
 
 
-def _gave_up(step, rank, e):
-    """The OSError of a collective step that failed or timed out with `e`."""
-    return OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} (a rank died "
-                              "or hangs, or a link is down?)")
+def _gave_up(step, rank, e, missing=None):
+    """The OSError of a collective step that failed or timed out with `e`; `missing`: the ranks
+    that never reached it (None: not known)."""
+    if missing:
+        who = ", ".join(f"rank {q}" for q in missing)
+        why = f"{who} never reached this step (died or hangs?)"
+    elif missing is not None:
+        why = "every rank reached this step (a link is down, or a rank died in it?)"
+    else:
+        why = "a rank died or hangs, or a link is down?"
+    return OSError(errno.EIO, f"cooperative load: rank {rank} gave up in {step}: {e} ({why})")
 
 
-def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, recv, send,
+def _all_to_all(torch, dist, group, rank, world, comm_device, wait, step, recv, send,
                 recv_splits, send_splits):
     """All-to-all of flat uint8 buffers (all_to_all_single's layout: rank q's block of `send` goes
     to q, q's block for this rank lands in `recv`, blocks in rank order); every rank of `group`
@@ -159,9 +264,9 @@ def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, rec
     empty blocks skipped on both sides): with every rank sending to all at once, the flows into a
     host met in one link queue and a loss stalled the whole exchange for seconds now and then (the
     multi-host rehearsal: docs/benchmarks.md); pairwise, a host receives a few flows at a time.
-    Each wait is bounded by `timeout` and named `step`, as _collective does."""
+    Each wait is bounded by wait.timeout and named `step`, as _collective does."""
     if comm_device.type != "cpu":
-        _collective(step, rank, timeout,
+        _collective(step, rank, wait,
                     lambda: dist.all_to_all_single(recv, send, list(recv_splits),
                                                    list(send_splits), group=group, async_op=True))
         return
@@ -193,7 +298,7 @@ def _all_to_all(torch, dist, group, rank, world, comm_device, timeout, step, rec
             except Exception as e:
                 raise _gave_up(paired, rank, e) from e
             for work in works:
-                _collective(paired, rank, timeout, lambda work=work: work)
+                _collective(paired, rank, wait, lambda work=work: work, everyone=False)
 
 
 def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None, budget=0,
@@ -215,7 +320,7 @@ def load_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     return {name: out[name] for name in order}
 
 
-def _hosts(torch, dist, group, rank, world, comm_device, timeout):
+def _hosts(torch, dist, group, rank, world, comm_device, wait):
     """Host index of every rank of `group` (dense, in order of first appearance): an all-gather of
     a hash of each rank's host name (FNV-1a, as tensorferry::HostsOfRanks)."""
     import socket
@@ -225,13 +330,13 @@ def _hosts(torch, dist, group, rank, world, comm_device, timeout):
     mine = torch.tensor([h - (1 << 64) if h >= 1 << 63 else h], dtype=torch.int64,
                         device=comm_device)
     every = [torch.empty(1, dtype=torch.int64, device=comm_device) for _ in range(world)]
-    _collective("the start (learning every rank's host)", rank, timeout,
+    _collective("the start (learning every rank's host)", rank, wait,
                 lambda: dist.all_gather(every, mine, group=group, async_op=True))
     seen = {}
     return [seen.setdefault(int(t.item()), len(seen)) for t in every]
 
 
-def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts, nbytes):
+def _measure_network_rate(torch, dist, group, rank, comm_device, wait, hosts, nbytes):
     """(rate, seconds): the network rate the plan is made with, measured as
     tensorferry::MeasureNetworkRate measures it (the same NetworkProbe exchange and arithmetic,
     through _all_to_all, as the rounds exchange), bytes per second per host, and the probe's
@@ -244,14 +349,14 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
         send, recv = _core.network_probe_counts(hosts, size, rank, warmup)
         out = torch.full((sum(send),), 0x5A, dtype=torch.uint8, device=comm_device)
         into = torch.empty(sum(recv), dtype=torch.uint8, device=comm_device)
-        _all_to_all(torch, dist, group, rank, len(hosts), comm_device, timeout, step, into, out,
+        _all_to_all(torch, dist, group, rank, len(hosts), comm_device, wait, step, into, out,
                     recv, send)
 
     exchange(1, True, "the network probe (opening the connections)")
     rate = 0
     size = _core.network_probe_first_bytes(nbytes)
     while size:
-        _collective("the network probe (barrier)", rank, timeout,
+        _collective("the network probe (barrier)", rank, wait,
                     lambda: dist.barrier(group=group, async_op=True))
         t0 = time.perf_counter_ns()
         exchange(size, False, "the network probe")
@@ -260,7 +365,7 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
         mine = torch.tensor([time.perf_counter_ns() - t0], dtype=torch.int64, device=comm_device)
         every = [torch.empty(1, dtype=torch.int64, device=comm_device)
                  for _ in range(len(hosts))]
-        _collective("the network probe (gathering the times)", rank, timeout,
+        _collective("the network probe (gathering the times)", rank, wait,
                     lambda: dist.all_gather(every, mine, group=group, async_op=True))
         slowest = max(int(t.item()) for t in every)
         rate = _core.network_probe_rate(hosts, size, slowest)
@@ -269,7 +374,7 @@ def _measure_network_rate(torch, dist, group, rank, comm_device, timeout, hosts,
     mine = torch.tensor([time.perf_counter_ns() - probe_start], dtype=torch.int64,
                         device=comm_device)
     every = [torch.empty(1, dtype=torch.int64, device=comm_device) for _ in range(len(hosts))]
-    _collective("the network probe (gathering the times)", rank, timeout,
+    _collective("the network probe (gathering the times)", rank, wait,
                 lambda: dist.all_gather(every, mine, group=group, async_op=True))
     return rate, max(1, max(int(t.item()) for t in every)) / 1e9
 
@@ -355,11 +460,16 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     if rank < 0:
         raise _core.InvalidArgumentError("this process is not a member of process_group")
     start = time.perf_counter()
-    timeout = datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else None
+    wait = _Wait(datetime.timedelta(milliseconds=timeout_ms) if timeout_ms else None, dist,
+                 group, rank, world)
     on_gpu = device.type != "cpu"
     # NCCL needs every buffer on the GPU, gloo on the CPU.
     comm_device = device if on_gpu else torch.device("cpu")
-    hosts = _hosts(torch, dist, group, rank, world, comm_device, timeout)
+    try:
+        hosts = _hosts(torch, dist, group, rank, world, comm_device, wait)
+    except BaseException:
+        wait.close()
+        raise
     options = {k: v for k, v in (plan_options or {}).items() if v is not None}
     options["budget"] = budget or 0
     # shard_max_gap is an option of tensor parallelism, which needs a rank and a world: without
@@ -440,7 +550,7 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                                        _core.cooperative_options_digest(options), digest)
         except Exception as e:  # re-raised by _agree_plan, after the others know
             error = e
-        _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint,
+        _agree_plan(torch, dist, group, rank, world, comm_device, wait, error, fingerprint,
                     "the plan's inputs", "planning (slices and options)")
         preread = set()
         if nbytes:
@@ -448,7 +558,7 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             preread = set(first)
             start_local(first)
         measured, probe_seconds = _measure_network_rate(torch, dist, group, rank, comm_device,
-                                                        timeout, hosts, nbytes)
+                                                        wait, hosts, nbytes)
         if measured:
             options["coop_network_rate"] = measured
         error = fingerprint = None
@@ -497,7 +607,7 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                                                        shard_rules=spec))
         except Exception as e:  # re-raised by _agree_plan, after the others know
             error = e
-        _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint,
+        _agree_plan(torch, dist, group, rank, world, comm_device, wait, error, fingerprint,
                     "the plan", "the plan")
         if not rounds:
             start_local(local)
@@ -521,11 +631,11 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 ahead = round_pool.submit(read_round, k + 1)
             t0 = time.perf_counter()
             step = f"round {k} of {rounds}"
-            _agree(torch, dist, group, rank, world, comm_device, timeout, error,
+            _agree(torch, dist, group, rank, world, comm_device, wait, error,
                    f"{step} (every rank's reads)", "reading its share")
             got = {}  # this round's whole tensors and completed parts, by name
             if rounds:
-                _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step,
+                _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step,
                           [u for u in units if u.round == k], loaded, got, mine_parts, figures)
             del loaded
             if k == rounds - 1 or rounds == 0:
@@ -544,7 +654,7 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 if spans:  # from the start of the first local read to the end of the last
                     figures["local_seconds"] = (max(e for _, e in spans)
                                                 - min(b for b, _ in spans))
-                _agree(torch, dist, group, rank, world, comm_device, timeout, error,
+                _agree(torch, dist, group, rank, world, comm_device, wait, error,
                        "the end (every rank's local reads)", "reading its local tensors")
                 got.update(local_got)
                 del local_got
@@ -596,17 +706,18 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         for r in (reader, piece_reader, local_reader):
             if r is not None:
                 r.close()
+        wait.close()
         figures["seconds"] = time.perf_counter() - start
         if stats is not None:
             stats.update(figures)
 
 
-def _agree(torch, dist, group, rank, world, comm_device, timeout, error, step, what):
+def _agree(torch, dist, group, rank, world, comm_device, wait, error, step, what):
     """Every rank's read status to every rank: raises this rank's own error, or names the first
     rank that failed, so that no rank waits in a collective for one that gave up."""
     flags = torch.zeros(world, dtype=torch.int32, device=comm_device)
     flags[rank] = 1 if error is not None else 0
-    _collective(step, rank, timeout,
+    _collective(step, rank, wait,
                 lambda: dist.all_reduce(flags, group=group, async_op=True))
     if error is not None:
         raise error
@@ -623,7 +734,7 @@ def _fingerprint(*parts):
     return int.from_bytes(digest, "little") >> 1
 
 
-def _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fingerprint, step,
+def _agree_plan(torch, dist, group, rank, world, comm_device, wait, error, fingerprint, step,
                 what):
     """Every rank's planning outcome to every rank: raises this rank's own error, or names a rank
     that failed, or two ranks whose fingerprints differ (another checkpoint, selection, shard
@@ -632,7 +743,7 @@ def _agree_plan(torch, dist, group, rank, world, comm_device, timeout, error, fi
     table = torch.zeros((world, 2), dtype=torch.int64, device=comm_device)
     table[rank, 0] = 1 if error is not None else 0
     table[rank, 1] = 0 if error is not None else fingerprint
-    _collective(step, rank, timeout,
+    _collective(step, rank, wait,
                 lambda: dist.all_reduce(table, group=group, async_op=True))
     if error is not None:
         raise error
@@ -743,7 +854,7 @@ def _place_piece(torch, e, unit, target, rows, rank):
         at += n
 
 
-def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, units, loaded,
+def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, units, loaded,
               got, mine_parts, figures):
     """One round's exchange in one _all_to_all: every rank sends each other rank that
     rank's parts of what it read this round (unit order, each padded to 64 bytes) and receives
@@ -795,7 +906,7 @@ def _exchange(torch, dist, group, rank, world, comm_device, timeout, fw, step, u
     recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
     if sum(send_splits) or sum(recv_splits):
         t0 = time.perf_counter()
-        _all_to_all(torch, dist, group, rank, world, comm_device, timeout,
+        _all_to_all(torch, dist, group, rank, world, comm_device, wait,
                     f"{step} (the exchange)", recv_buf, send_buf, recv_splits, send_splits)
         figures["network_seconds"] += time.perf_counter() - t0
     del send_buf

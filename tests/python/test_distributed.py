@@ -253,7 +253,7 @@ def _stalled_main(rank, path, init, results):
 
 def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
     """A rank that never takes part: the other gives up after coop_timeout_ms with an OSError
-    naming itself and the step, instead of waiting forever."""
+    naming itself, the step and the rank that never reached it, instead of waiting forever."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _make_checkpoint(str(ckpt))
@@ -266,6 +266,8 @@ def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
     # The first collective: the all-gather of every rank's host.
     assert "cooperative load: rank 0 gave up in the start (learning every rank's host)" in \
         outcome["error"], outcome
+    # The roll call in the store: rank 1 never set its key of that step.
+    assert "(rank 1 never reached this step (died or hangs?))" in outcome["error"], outcome
     assert outcome["seconds"] < 8, outcome
 
 

@@ -44,7 +44,8 @@ struct MemoryLimit {
   // 210 MiB used; MemAvailable 20.1 GiB: 814 MiB available".
   std::string Describe() const;
   // The host memory a load may fill when LoadOptions::memory_limit is 0 (the default): 3/4 of
-  // Available(); 0 (no check) when that is unknown.
+  // Available(), at least 1 (a cgroup with nothing left: a whole load fails naming it, a stream
+  // gets one tensor per batch); 0 (no check) when that is unknown.
   uint64_t DefaultLoadLimit() const noexcept;
 };
 

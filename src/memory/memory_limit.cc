@@ -114,7 +114,9 @@ std::string Parent(const std::string& dir) {
 
 uint64_t MemoryLimit::DefaultLoadLimit() const noexcept {
   const uint64_t available = Available();
-  return available == UINT64_MAX ? 0 : available / 4 * 3;
+  if (available == UINT64_MAX) return 0;
+  // Nothing left (a cgroup used up) is a limit too: 1 byte, not 0 (which means no check).
+  return std::max<uint64_t>(available / 4 * 3, 1);
 }
 
 uint64_t MemoryLimit::Available() const noexcept {

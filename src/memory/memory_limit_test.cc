@@ -154,6 +154,8 @@ TEST(MemoryLimit, UsageAboveTheLimitLeavesNothing) {
   const MemoryLimit m = ReadMemoryLimit(r.path());
   EXPECT_EQ(m.cgroup_limit, 1000u);
   EXPECT_EQ(m.Available(), 0u);
+  // Still a limit (0 would mean none: no check at all).
+  EXPECT_EQ(m.DefaultLoadLimit(), 1u);
 }
 
 TEST(MemoryLimit, ThisMachineReadsWithoutErrors) {

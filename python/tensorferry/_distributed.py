@@ -142,23 +142,30 @@ _ROLL_CHECK_SECONDS = 5.0
 class _Wait:
     """How long a collective step may wait (`timeout`: a timedelta; None: forever), and the roll
     call that names the ranks missing when a step of the whole group fails: before each such
-    step a rank sets its key in the default process group's store (one key per rank and step,
-    under the group's global ranks and this process's count of cooperative loads on it, the
-    same on every rank; each rank's key of the step before is deleted), and a rank whose step
-    failed names the ranks whose key is absent. The store is used from a thread of its own (a
-    store call blocks while its host is unreachable: the steps never wait for it) and asked at
-    most _ROLL_CHECK_SECONDS. Best effort: without a default store, or when the store fails or
-    does not answer, errors say what they said without it. close() ends the thread."""
+    step a rank appends its number to the step's key in the default process group's store (one
+    key per step, under a hash of the group's global ranks and this process's count of
+    cooperative loads on it, the same on every rank), and a rank whose step failed reads the
+    key (one get: its own append went first) and names the ranks absent from it. A rank at
+    step N has seen step N - 1 complete, so every rank reached N - 1 and finished N - 2: it
+    deletes the key of N - 2 (a rank still waiting in N - 1, its link stalled, still finds every
+    number there). The store is used from a thread of its own (a store call blocks while its
+    host is unreachable: the steps never wait for it) and asked at most _ROLL_CHECK_SECONDS.
+    Best effort: without a default store (or Store.append), or when the store fails or does not
+    answer, errors say what they said without it. close() ends the thread (the last two keys
+    stay: another rank may still be reading them)."""
 
     def __init__(self, timeout, dist, group, rank, world):
         self.timeout, self._rank, self._world = timeout, rank, world
-        self._store = self._prefix = self._mine = self._thread = None
+        self._store = self._prefix = self._thread = None
         self._step = 0
         try:
             ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
-            self._store = dist.distributed_c10d._get_default_store()
-            _LOADS[ranks] = _LOADS.get(ranks, 0) + 1
-            self._prefix = f"tensorferry/roll/{ranks}/{_LOADS[ranks]}/"
+            store = dist.distributed_c10d._get_default_store()
+            if not callable(getattr(store, "append", None)):
+                raise AttributeError("Store.append")
+            digest = hashlib.sha256(ranks.encode()).hexdigest()[:16]
+            _LOADS[digest] = _LOADS.get(digest, 0) + 1
+            self._store, self._prefix = store, f"tensorferry/roll/{digest}/{_LOADS[digest]}/"
         except Exception:  # noqa: BLE001 - no roll call: the errors stay as they were
             self._store = None
         self._jobs = queue.Queue()
@@ -187,36 +194,36 @@ class _Wait:
 
     def arrive(self):
         """Marks this rank at the next step of the whole group (on the roll call's thread): the
-        step's key prefix, or None."""
+        step's key, or None."""
         if self._store is None or self._broken:
             return None
         self._step += 1
-        step = f"{self._prefix}{self._step}/"
-        mine, before = step + str(self._rank), self._mine
-        self._mine = mine
+        key = f"{self._prefix}{self._step}"
+        old = f"{self._prefix}{self._step - 2}" if self._step > 2 else None
+        mine = f"{self._rank},"
 
         def mark():
-            if before is not None:
-                self._store.delete_key(before)
-            self._store.set(mine, "1")
+            self._store.append(key, mine)
+            if old is not None:
+                self._store.delete_key(old)
         self._submit(mark)
-        return step
+        return key
 
-    def missing(self, step):
-        """The ranks whose key of `step` (arrive()'s) is absent; None when the store cannot
-        tell within _ROLL_CHECK_SECONDS."""
-        if step is None or self._store is None or self._broken:
+    def missing(self, key):
+        """The ranks absent from `key` (arrive()'s); None when the store cannot tell within
+        _ROLL_CHECK_SECONDS."""
+        if key is None or self._store is None or self._broken:
             return None
         found, done = [], threading.Event()
 
         def check():
-            found.extend(q for q in range(self._world)
-                         if not self._store.check([step + str(q)]))
-            found.append(None)  # complete
+            found.append(self._store.get(key))
         self._submit(check, done)
-        if not done.wait(_ROLL_CHECK_SECONDS) or not found or found[-1] is not None:
+        if not done.wait(_ROLL_CHECK_SECONDS) or not found:
             return None
-        return found[:-1]
+        text = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+        present = {int(r) for r in text.split(",") if r.strip().isdigit()}
+        return [q for q in range(self._world) if q not in present]
 
     def close(self):
         """Ends the roll call's thread once its queued store calls are done (not waited for)."""
@@ -904,7 +911,11 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
         if u.piece:
             loaded.pop(e.name, None)
     recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
-    if sum(send_splits) or sum(recv_splits):
+    # On a GPU the exchange is one all_to_all_single of the whole group: every rank takes part,
+    # with nothing to send or receive too (a rank that skipped it left the others waiting in it;
+    # the plan's rounds can hold only pieces other ranks read and need). gloo's pairwise steps
+    # skip empty blocks on both sides.
+    if comm_device.type != "cpu" or sum(send_splits) or sum(recv_splits):
         t0 = time.perf_counter()
         _all_to_all(torch, dist, group, rank, world, comm_device, wait,
                     f"{step} (the exchange)", recv_buf, send_buf, recv_splits, send_splits)

@@ -23,8 +23,8 @@ namespace {
 constexpr uint64_t kReadStep = uint64_t{64} << 20;
 
 // One opened checkpoint (a file, an index or a directory, as TorchCheckpoint::Open takes them).
-// Thread-safety: as TorchCheckpoint's (reads are serialized inside); close() while another
-// thread reads is not supported (Python callers use it from one thread).
+// Thread-safety: as TorchCheckpoint's (reads are serialized inside); a read holds the checkpoint
+// (shared ownership), so close() from another thread meanwhile frees it only after that read.
 class TorchFile {
  public:
   explicit TorchFile(nb::handle path_object) : path_(ToPath(path_object, "path")) {
@@ -38,7 +38,8 @@ class TorchFile {
 
   // [(name, torch dtype name, shape, byte size)] in the order the pickles hold them.
   nb::list Tensors() const {
-    const TorchCheckpoint& c = Open();
+    const std::shared_ptr<const TorchCheckpoint> held = Open();
+    const TorchCheckpoint& c = *held;
     nb::list out;
     for (const TorchTensor& t : c.tensors()) {
       nb::list shape;
@@ -52,7 +53,8 @@ class TorchFile {
   // bytes of tensors[index], contiguous and little-endian, and checks its storage's CRC-32
   // (zip) before returning: bytes are handed out only once checked.
   void Read(size_t index, nb::handle out) {
-    const TorchCheckpoint& c = Open();
+    const std::shared_ptr<const TorchCheckpoint> held = Open();  // through a close() meanwhile
+    const TorchCheckpoint& c = *held;
     if (index >= c.tensors().size()) {
       throw StatusError(
           Status(Code::kInvalidArgument, path_ + ": tensor index " + std::to_string(index) +
@@ -95,13 +97,13 @@ class TorchFile {
   void Close() { checkpoint_.reset(); }
 
  private:
-  const TorchCheckpoint& Open() const {
+  std::shared_ptr<const TorchCheckpoint> Open() const {
     if (!checkpoint_) throw nb::value_error(("TorchFile of " + path_ + " is closed").c_str());
-    return *checkpoint_;
+    return checkpoint_;
   }
 
   std::string path_;
-  std::unique_ptr<TorchCheckpoint> checkpoint_;
+  std::shared_ptr<const TorchCheckpoint> checkpoint_;  // (Python calls hold the GIL to swap it)
 };
 
 }  // namespace

@@ -235,8 +235,9 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 def is_torch_file(path):
     """Whether `path` names a torch.save file by its suffix (.bin, .pt, .pth), as vLLM tells
-    them from safetensors files."""
-    return path.endswith(TORCH_SUFFIXES)
+    them from safetensors files, or the index of such files (pytorch_model.bin.index.json)."""
+    return path.endswith(TORCH_SUFFIXES) or \
+        path.endswith(tuple(s + ".index.json" for s in TORCH_SUFFIXES))
 
 
 def weight_patterns(allow_patterns=None, fall_back_to_pt=True):

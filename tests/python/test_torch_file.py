@@ -138,3 +138,30 @@ def test_errors_name_what_is_wrong(tmp_path):
     raw.close()
     with pytest.raises(ValueError, match="closed"):
         raw.tensors
+
+
+def test_close_while_another_thread_reads_ends_after_that_read(tmp_path):
+    """close() from another thread during a read (the GIL is released while it reads): the read
+    still completes with the right bytes (it holds the checkpoint), later calls say closed."""
+    import threading
+    big = torch.arange(24 << 20, dtype=torch.int32)  # 96 MiB: two read steps of 64 MiB
+    path = str(tmp_path / "big.pt")
+    torch.save({"big": big}, path)
+    f = _core.TorchFile(path)
+    out = torch.full_like(big, -1)
+    errors = []
+
+    def read():
+        try:
+            f.read(0, out.numpy())
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+    reader = threading.Thread(target=read)
+    reader.start()
+    while out[0].item() == -1 and reader.is_alive():  # the read has begun (bytes landing)
+        pass
+    f.close()
+    reader.join()
+    assert errors == [] and torch.equal(out, big)
+    with pytest.raises(ValueError, match="is closed"):
+        f.read(0, out.numpy())

@@ -400,7 +400,8 @@ def test_a_model_without_weights_is_an_error_saying_so(single):
     assert "*.safetensors, *.bin, *.pt" in e["message"]
 
 
-@pytest.mark.parametrize("case", ["bin", "bin_sharded_budget", "bin_legacy", "pt_weights_option"])
+@pytest.mark.parametrize("case", ["bin", "bin_sharded_budget", "bin_legacy", "pt_weights_option",
+                                  "bin_index_weights_option"])
 def test_torch_save_weights_are_read_without_unpickling_to_vllms_weights(single, case):
     load = single["torch_loads"][case]
     assert "error" not in load, load["error"]

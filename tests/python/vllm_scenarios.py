@@ -366,6 +366,8 @@ def torch_files(workdir, single_file, reference, config_only, errors):
         "bin_legacy": (paths["bin-legacy"], {}),
         "pt_weights_option": (config_only,
                               {"weights": os.path.join(workdir, "llama-weights.pt")}),
+        "bin_index_weights_option": (config_only, {"weights": os.path.join(
+            paths["bin-sharded"], "pytorch_model.bin.index.json")}),
     }
     for key, (path, extra) in cases.items():
         try:

@@ -29,7 +29,8 @@ class TorchFile:
 
     entries: [(name, torch dtype name, shape tuple, byte size)] in the order the pickles hold
     them. Errors at open: the refused globals, calls and malformed pickles `tensorferry convert`
-    reports (SafetensorError naming the file and the pickle offset), FileNotFoundError. Use it
+    reports (UnsupportedError for a refused global, SafetensorError for a malformed pickle, each
+    naming the file and the pickle offset), FileNotFoundError. Use it
     from one thread; close() (or the with block) releases the files."""
 
     def __init__(self, path):
@@ -56,7 +57,8 @@ class TorchFile:
         """(name, torch.Tensor) of the tensors keep(name) selects (None: all), in entries'
         order, each a fresh contiguous CPU tensor read when the generator reaches it. Errors
         while reading: OSError or SafetensorError naming the file and tensor (a CRC mismatch
-        among them); Ctrl-C ends a read within 64 MiB."""
+        among them); Ctrl-C ends a read within 64 MiB (not the CRC check that follows it, which
+        re-reads the tensor's whole storage when the read covered only part of it)."""
         import torch
         for index, (name, dtype, shape, nbytes) in enumerate(self.entries):
             if keep is not None and not keep(name):

@@ -1,19 +1,19 @@
-// Internal: writing JSON text.
-//
-// AppendJsonString escapes exactly as serde_json does (the reference writer), so headers we write
-// are byte-identical to the reference's: '"' and '\\' escaped, \b \f \n \r \t in short form, other
-// control characters below 0x20 as \u00xx with lowercase hex; everything else (UTF-8, '/', DEL)
-// copied as is.
+// Internal: writing JSON text. The escaping and UTF-8 rules are the public ones
+// (tensorferry/json.h); this adds the short forms the library's writers use.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
 
+#include "tensorferry/json.h"
+
 namespace tensorferry::json {
 
-// Appends `s` as a quoted JSON string.
-void AppendString(std::string& out, std::string_view s);
+// Appends `s` as a quoted JSON string (bytes copied as they are: InvalidUtf8::kCopy).
+inline void AppendString(std::string& out, std::string_view s) {
+  AppendJsonString(out, s);
+}
 
 // Appends a decimal unsigned integer.
 void AppendUint(std::string& out, uint64_t v);
@@ -25,7 +25,6 @@ inline std::string Quote(std::string_view s) {
   return out;
 }
 
-// True when `s` is valid UTF-8 (no overlong forms, no surrogates, at most U+10FFFF).
-bool IsValidUtf8(std::string_view s) noexcept;
+using ::tensorferry::IsValidUtf8;
 
 }  // namespace tensorferry::json

@@ -180,11 +180,10 @@ Status Loader::Impl::InFileWindows(
       TF_ASSIGN_OR_RETURN(pins[f], files->Get(f, f < want_direct.size() && want_direct[f]));
     }
     TF_RETURN_IF_ERROR(run(pins));
-    if (used.size() > window) {
-      // The window's files may be closed (evicted) before the batch ends, and then
-      // CheckFilesAfterReads would not see them: each is checked now, after its reads.
-      for (size_t i = w; i < end; ++i) TF_RETURN_IF_ERROR(pins[used[i]].file->CheckUnchanged());
-    }
+    // Each file read is checked now, after its reads, through its pin: once unpinned it may be
+    // closed (evicted from the file set) before the batch ends, by the next window or by another
+    // loader of the checkpoint opening files, and then CheckFilesAfterReads would not see it.
+    for (size_t i = w; i < end; ++i) TF_RETURN_IF_ERROR(pins[used[i]].file->CheckUnchanged());
     for (size_t i = w; i < end; ++i) pins[used[i]] = {};
   }
   return Status::Ok();

@@ -87,9 +87,10 @@ struct Loader::Impl {
 
   // Runs `run` over windows of the files in `used` (distinct file indices), each window at most
   // half the file set's descriptor bound, with the window's files pinned: pins[f].file is set for
-  // exactly the files of the window. One window unless a batch reads hundreds of files; with
-  // several, each window's files are checked unchanged after its reads (before they may be closed
-  // to make room for the next window's, which would hide them from CheckFilesAfterReads).
+  // exactly the files of the window. One window unless a batch reads hundreds of files. Each
+  // window's files are checked unchanged after its reads, while pinned (once unpinned they may be
+  // closed to make room for the next window's files or another loader's, which would hide them
+  // from CheckFilesAfterReads).
   Status InFileWindows(const std::vector<uint32_t>& used, const std::vector<bool>& want_direct,
                        const std::function<Status(const std::vector<io::FileSet::Pin>&)>& run);
 

@@ -120,10 +120,13 @@ std::mutex& MapsMutex() {
   return mu;
 }
 
-// maps[f], mapped now if it is not yet; MapsMutex() held.
+// maps[f], mapped now if it is not yet, or again if a page of it faulted (the handler put a
+// page of zeros there for good: reused, it would hand out zeros without a new fault to say so;
+// the old mapping lives on with whatever holds it); MapsMutex() held.
 Result<const io::MappedFile*> MappingLocked(const SinkContext& context,
                                             std::vector<std::shared_ptr<io::MappedFile>>& maps,
                                             uint32_t f, io::MappedFile::Use use) {
+  if (maps[f] && maps[f]->faults() != 0) maps[f].reset();
   if (!maps[f]) {
     TF_ASSIGN_OR_RETURN(io::FileSet::Pin pin, context.files->Get(f));
     io::MappedFile::About about = [checkpoint = context.checkpoint_ref, f](uint64_t offset,
@@ -147,7 +150,7 @@ Status MapForViews(const SinkContext& context, const PlanBatch& batch) {
   const std::vector<TensorInfo>& infos = context.checkpoint->tensors();
   for (const PlannedTensor& pt : batch.tensors) {
     const uint32_t f = infos[pt.tensor].file;
-    if (maps[f] && viewed[f].count(pt.tensor) != 0) {
+    if (maps[f] && (viewed[f].count(pt.tensor) != 0 || maps[f]->faults() != 0)) {
       maps[f].reset();  // the tensors of earlier loads keep it
       viewed[f].clear();
     }

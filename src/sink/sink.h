@@ -118,7 +118,8 @@ std::unique_ptr<BatchSink> MakeMappedSink(const SinkContext& context, const Plan
 Status MapForViews(const SinkContext& context, const PlanBatch& batch);
 // The transient mapping the device sink gathers rows of file `f` from (context.gather_maps[f],
 // io::MappedFile::Use::kTransient: read-only, no read lease, pages dropped as they are copied).
-// Errors: those of FileSet::Get and MappedFile::Map.
+// A mapping with a faulted page (zeros mapped over it) is never reused: that file is mapped
+// again (also by MapForViews). Errors: those of FileSet::Get and MappedFile::Map.
 Result<const io::MappedFile*> GatherMappingOf(const SinkContext& context, uint32_t f);
 // At the end of a load, with no batch in flight: unmaps the gather mappings (they are needed only
 // while rows are copied; the next load maps again).

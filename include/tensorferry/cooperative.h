@@ -306,8 +306,9 @@ struct CooperativeStats {
 // share at once); options.cooperative chooses what is exchanged (PlanCooperative, with the hosts
 // of HostsOfRanks); options.tensor_parallel gives only max_gap, for the local tensors' reads and
 // the cost model (the spec and the collective decide the rest). Errors:
-// those of DescribeSelection (SliceOf included) on the failing rank (kIoError naming it on the
-// others), kInvalidArgument on every rank when the ranks' plans differ, kUnsupported for a CUDA
+// those of DescribeSelection (SliceOf included) and of ChecksumsForLoad (integrity.h: an
+// unreadable manifest or record) on the failing rank (kIoError naming it on the others), before
+// any read; kInvalidArgument on every rank when the ranks' plans differ, kUnsupported for a CUDA
 // target in `options` (device or placement: the exchange moves host memory; for slices on a GPU use
 // LoadOptions::tensor_parallel per rank, docs/gpu.md), of the Loader on any rank (the failing rank
 // returns its own error, the others kIoError naming the failed rank), of the collective.

@@ -236,6 +236,18 @@ Status VerifyCheckpointChecksums(
     const Checkpoint& ckpt, unsigned threads = 1,
     const std::function<void(uint32_t f, ChecksumSource source, uint64_t bytes)>& on_file = {});
 
+enum class VerifyMode : uint8_t;  // options.h: LoadOptions::verify
+
+// The checksums a load of `ckpt` checks under `verify` (LoadOptions::verify), per file: for each
+// file those ChecksumsForFile finds (the embedded ones, else the manifest's entry beside a local
+// checkpoint), nullopt for a file without; an empty vector when no file has any, or with kOff.
+// Records of an algorithm this version does not know are ignored with kAuto. Errors: those of
+// ReadChecksumManifest and ChecksumsForFile (kUnsupported only with kOn); kChecksumsInvalid
+// naming the file when kOn finds a file without checksums. The Loader and the cooperative
+// planner both take the checksums they check from here.
+Result<std::vector<std::optional<FileChecksums>>> ChecksumsForLoad(const Checkpoint& ckpt,
+                                                                   VerifyMode verify);
+
 // --- Hugging Face hub caches ------------------------------------------------------------------
 // SHA-256 of a whole file, as 64 lowercase hex digits (OpenSSL's EVP). Errors: kNotFound,
 // kIoError naming the path and offset.

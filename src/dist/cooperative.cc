@@ -269,33 +269,24 @@ bool CanSplit(const TensorInfo& info, uint32_t world, uint64_t granule) {
   return rows / granule + (rows % granule != 0 ? 1 : 0) >= world;
 }
 
-// The checksum records of the files a load checks (LoadOptions::verify on, or auto with a
-// record): each file's chunk size (0 without a record, PieceGranule), and the records of
-// `indices` combined. Errors are the loads' to report.
+// The checksum records of the files a load checks (ChecksumsForLoad): each file's chunk size (0
+// without a record, PieceGranule), and the records of `indices` combined. Errors: those of
+// ChecksumsForLoad (an unreadable manifest or record), which the loads would report too:
+// reported in planning, by the rank that met them, rather than as a disagreement of the plans.
 struct CheckedFiles {
   std::vector<uint64_t> chunk_size;  // per file
   uint64_t digest = 0;
 };
 
-CheckedFiles Checked(const Checkpoint& ckpt, std::span<const uint32_t> indices,
-                     const LoadOptions& options) {
+Result<CheckedFiles> Checked(const Checkpoint& ckpt, std::span<const uint32_t> indices,
+                             const LoadOptions& options) {
   CheckedFiles out;
   out.chunk_size.assign(ckpt.files().size(), 0);
-  if (options.verify == VerifyMode::kOff || ckpt.files().empty()) return out;
-  std::optional<ChecksumManifest> manifest;
-  if (ckpt.files()[0].path.find("://") == std::string::npos) {  // beside local files only
-    Result<std::optional<ChecksumManifest>> read = ReadChecksumManifest(ckpt);
-    if (read.ok() && *read) manifest = std::move(**read);
-  }
-  std::vector<std::optional<FileChecksums>> sums(ckpt.files().size());
+  TF_ASSIGN_OR_RETURN(const std::vector<std::optional<FileChecksums>> sums,
+                      ChecksumsForLoad(ckpt, options.verify));
+  if (sums.empty()) return out;
   for (uint32_t f = 0; f < sums.size(); ++f) {
-    ChecksumSource source = ChecksumSource::kNone;
-    Result<std::optional<FileChecksums>> got =
-        ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source);
-    if (got.ok() && *got) {
-      out.chunk_size[f] = (*got)->chunk_size;
-      sums[f] = std::move(**got);
-    }
+    if (sums[f]) out.chunk_size[f] = sums[f]->chunk_size;
   }
   std::vector<uint64_t> digests;
   for (const uint32_t index : indices) {
@@ -536,7 +527,7 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
 
   // Every rank's slice of every tensor, before any I/O: a rule error stops every rank here.
   const std::vector<TensorInfo>& infos = checkpoint.tensors();
-  const CheckedFiles checked = Checked(checkpoint, indices, options);
+  TF_ASSIGN_OR_RETURN(const CheckedFiles checked, Checked(checkpoint, indices, options));
   plan.checksums_digest = checked.digest;
   std::vector<Costed> costed;
   costed.reserve(indices.size());
@@ -763,7 +754,7 @@ class RoundRunner {
     if (current.ok()) after_first_read();
     for (uint32_t k = 0; k < plan_.rounds; ++k) {
       std::future<Result<std::vector<Tensor>>> next;
-      if (k + 1 < plan_.rounds) {
+      if (k + 1 < plan_.rounds && current.ok()) {  // (this rank's failed read ends the load)
         next = std::async(std::launch::async, [this, k] { return Read(k + 1); });
       }
       // On an error the future's destructor waits for the read in flight (bounded) before the

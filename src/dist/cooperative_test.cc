@@ -12,6 +12,7 @@
 #include <numeric>
 #include <thread>
 
+#include "tensorferry/integrity.h"
 #include "testing/shard_fixture.h"
 #include "testing/test_util.h"
 
@@ -969,6 +970,38 @@ TEST(Cooperative, ChecksumRecordsGuardTheExchangedBytes) {
     }
     EXPECT_TRUE(mismatch) << s[0].ToString();
   }
+}
+
+// A rank that cannot read the checksum records (here: a damaged manifest beside its copy) fails
+// in planning with that error, and the others name it, before any read: not a disagreement of
+// the plans, nor a failure later in the reads.
+TEST(Cooperative, AnUnreadableManifestOnOneRankFailsPlanningNamingIt) {
+  TempDir a, b;
+  for (TempDir* d : {&a, &b}) ASSERT_TRUE(testing::WriteShardFixture(d->path()).ok());
+  const std::string manifest = a.Join(std::string(kChecksumManifestName));
+  testing::WriteBytes(manifest, "{\"version\": 1, \"files\": ");  // cut short
+  auto damaged = Checkpoint::Open(a.path()).ValueOrThrow();
+  auto fine = Checkpoint::Open(b.path()).ValueOrThrow();
+  LoadOptions options;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  options.cooperative.timeout_ms = 60'000;
+  auto group = MakeInProcessGroup(2).ValueOrThrow();
+  std::vector<Status> s(2);
+  std::vector<CooperativeStats> stats(2);
+  std::vector<std::thread> threads;
+  const std::vector<std::shared_ptr<const Checkpoint>> ckpts = {damaged, fine};
+  for (uint32_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      s[r] = LoadCooperative(ckpts[r], Selection::All(), testing::ShardFixtureSpec(), options,
+                             *group[r], &stats[r])
+                 .status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_FALSE(s[0].ok());
+  EXPECT_NE(s[0].message().find(manifest), std::string::npos) << s[0].ToString();
+  EXPECT_NE(s[1].message().find("rank 0 failed planning"), std::string::npos) << s[1].ToString();
+  for (uint32_t r = 0; r < 2; ++r) EXPECT_EQ(stats[r].bytes_read, 0u) << "rank " << r;
 }
 
 // The cost model's local reads are the covering reads of each rank's slice: every slice range

@@ -13,6 +13,7 @@
 #include "io/read_engine.h"
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/integrity.h"
+#include "tensorferry/options.h"
 #include "util/json_writer.h"
 #include "util/macros.h"
 #include "util/parallel.h"
@@ -425,6 +426,49 @@ Result<std::optional<FileChecksums>> ChecksumsForFile(const Checkpoint& ckpt, ui
                       " tensors, the file has " + std::to_string(covered));
   }
   return sums;
+}
+
+Result<std::vector<std::optional<FileChecksums>>> ChecksumsForLoad(const Checkpoint& ckpt,
+                                                                   VerifyMode verify) {
+  std::vector<std::optional<FileChecksums>> per_file;
+  if (verify == VerifyMode::kOff) return per_file;
+  std::optional<ChecksumManifest> manifest;
+  // The sidecar manifest sits beside local files (an object store has no "beside").
+  if (!ckpt.files().empty() && ckpt.files()[0].path.find("://") == std::string::npos) {
+    auto read = ReadChecksumManifest(ckpt);
+    if (!read.ok()) {
+      // A manifest of an algorithm this version does not know is ignored in auto mode.
+      if (read.status().code() != Code::kUnsupported || verify == VerifyMode::kOn) {
+        return read.status();
+      }
+    } else {
+      manifest = std::move(*read);
+    }
+  }
+  per_file.resize(ckpt.files().size());
+  bool any = false;
+  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
+    ChecksumSource source = ChecksumSource::kNone;
+    auto sums = ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source);
+    if (!sums.ok()) {
+      if (sums.status().code() == Code::kUnsupported && verify == VerifyMode::kAuto) {
+        continue;  // checksums of a newer algorithm: loaded unchecked
+      }
+      return sums.status();
+    }
+    if (!sums->has_value() && verify == VerifyMode::kOn) {
+      return Status(Code::kChecksumsInvalid,
+                    ckpt.files()[f].path +
+                        ": verify=on, but the file has no checksums (none in its metadata, none "
+                        "in a " +
+                        std::string(kChecksumManifestName) +
+                        " beside it; `tensorferry checksum` writes one)");
+    }
+    any = any || sums->has_value();
+    per_file[f] = std::move(*sums);
+  }
+  if (!any) per_file.clear();
+  return per_file;
 }
 
 Status VerifyFileChecksums(const Checkpoint& ckpt, uint32_t f, const FileChecksums& checksums,

@@ -20,44 +20,7 @@ unsigned Loader::Impl::VerifyThreads() const {
 
 Status Loader::Impl::LoadChecksums() {
   checksums.clear();
-  if (options.verify == VerifyMode::kOff) return Status::Ok();
-  const Checkpoint& ckpt = *checkpoint;
-  std::optional<ChecksumManifest> manifest;
-  // The sidecar manifest sits beside local files (an object store has no "beside").
-  if (!ckpt.files().empty() && ckpt.files()[0].path.find("://") == std::string::npos) {
-    auto read = ReadChecksumManifest(ckpt);
-    if (!read.ok()) {
-      // A manifest of an algorithm this version does not know is ignored in auto mode.
-      if (read.status().code() != Code::kUnsupported || options.verify == VerifyMode::kOn) {
-        return read.status();
-      }
-    } else {
-      manifest = std::move(*read);
-    }
-  }
-  std::vector<std::optional<FileChecksums>> per_file(ckpt.files().size());
-  bool any = false;
-  for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
-    ChecksumSource source = ChecksumSource::kNone;
-    auto sums = ChecksumsForFile(ckpt, f, manifest ? &*manifest : nullptr, &source);
-    if (!sums.ok()) {
-      if (sums.status().code() == Code::kUnsupported && options.verify == VerifyMode::kAuto) {
-        continue;  // checksums of a newer algorithm: loaded unchecked
-      }
-      return sums.status();
-    }
-    if (!sums->has_value() && options.verify == VerifyMode::kOn) {
-      return Status(Code::kChecksumsInvalid,
-                    ckpt.files()[f].path +
-                        ": verify=on, but the file has no checksums (none in its metadata, none "
-                        "in a " +
-                        std::string(kChecksumManifestName) +
-                        " beside it; `tensorferry checksum` writes one)");
-    }
-    any = any || sums->has_value();
-    per_file[f] = std::move(*sums);
-  }
-  if (any) checksums = std::move(per_file);
+  TF_ASSIGN_OR_RETURN(checksums, ChecksumsForLoad(*checkpoint, options.verify));
   return Status::Ok();
 }
 

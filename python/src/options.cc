@@ -81,6 +81,7 @@ nb::dict OptionsDict(const LoadOptions& o) {
   d["staging_slot"] = o.staging_slot;
   d["device_budget"] = o.device_budget;
   d["keep_staging"] = o.keep_staging;
+  d["coop_timeout_ms"] = o.cooperative.timeout_ms;
   if (o.tensor_parallel) {
     d["tp_rank"] = o.tensor_parallel->rank;
     d["tp_size"] = o.tensor_parallel->world;

@@ -71,9 +71,11 @@ class Cooperative:
         self._group = process_group
         self._fw = fw
         self._device = device
-        self._budget = options.get("budget") or 0
-        timeout_ms = options.get("coop_timeout_ms")
-        self._timeout_ms = 300000 if timeout_ms is None else int(timeout_ms)
+        # The budget (the bytes each rank reads per round) and the timeout as the core read
+        # them: the arguments, else their TENSORFERRY_* variables, else the defaults.
+        resolved = reader.options()
+        self._budget = int(resolved["budget"])
+        self._timeout_ms = int(resolved["coop_timeout_ms"])
         self._reader_options = {k: v for k, v in options.items()
                                 if v is not None and k not in _TP_KEYS and k != "budget"}
         self._plan_options = {k: options.get(k) for k in _PLAN_KEYS if options.get(k) is not None}
@@ -134,6 +136,11 @@ def _as_bytes(torch, tensor):
 
 # Cooperative loads this process started per group (its global ranks): the roll call's keys.
 _LOADS = {}
+# Per group, the keys the last load's roll call left in the store (its last two steps').
+_LEFT = {}
+
+# Backends whose collectives are waited for by polling Work.is_completed() (_wait_polling).
+_POLLED_BACKENDS = ("nccl",)
 
 # The longest a rank that gave up waits for the store to say which ranks are missing.
 _ROLL_CHECK_SECONDS = 5.0
@@ -151,11 +158,18 @@ class _Wait:
     number there). The store is used from a thread of its own (a store call blocks while its
     host is unreachable: the steps never wait for it) and asked at most _ROLL_CHECK_SECONDS.
     Best effort: without a default store (or Store.append), or when the store fails or does not
-    answer, errors say what they said without it. close() ends the thread (the last two keys
-    stay: another rank may still be reading them)."""
+    answer, errors say what they said without it. close() ends the thread; the load's last two
+    keys stay (another rank may still be reading them) until the next load on the group reaches
+    its step 2: step 1 done means every rank left this load, and that rank deletes them (each
+    rank deletes what it left; deleting a key twice is harmless), so a process that loads
+    again and again (weight reloads) keeps at most two keys per group in the store."""
 
     def __init__(self, timeout, dist, group, rank, world):
         self.timeout, self._rank, self._world = timeout, rank, world
+        try:  # the backends whose Work.wait(timeout) may return before the work is done
+            self.poll = str(dist.get_backend(group)).lower() in _POLLED_BACKENDS
+        except Exception:  # noqa: BLE001 - a group without a backend name: wait(timeout)
+            self.poll = False
         self._store = self._prefix = self._thread = None
         self._step = 0
         try:
@@ -166,10 +180,12 @@ class _Wait:
             digest = hashlib.sha256(ranks.encode()).hexdigest()[:16]
             _LOADS[digest] = _LOADS.get(digest, 0) + 1
             self._store, self._prefix = store, f"tensorferry/roll/{digest}/{_LOADS[digest]}/"
+            self._digest = digest
         except Exception:  # noqa: BLE001 - no roll call: the errors stay as they were
             self._store = None
         self._jobs = queue.Queue()
         self._broken = False  # a store call failed: no roll call from then on
+        self._closed = False
 
     def _run(self):
         while True:
@@ -199,13 +215,15 @@ class _Wait:
             return None
         self._step += 1
         key = f"{self._prefix}{self._step}"
-        old = f"{self._prefix}{self._step - 2}" if self._step > 2 else None
+        old = [f"{self._prefix}{self._step - 2}"] if self._step > 2 else []
+        if self._step == 2:  # every rank left the group's previous load: its keys can go
+            old = _LEFT.pop(self._digest, [])
         mine = f"{self._rank},"
 
         def mark():
             self._store.append(key, mine)
-            if old is not None:
-                self._store.delete_key(old)
+            for k in old:
+                self._store.delete_key(k)
         self._submit(mark)
         return key
 
@@ -227,6 +245,11 @@ class _Wait:
 
     def close(self):
         """Ends the roll call's thread once its queued store calls are done (not waited for)."""
+        if self._store is not None and self._step > 0 and not self._closed:
+            self._closed = True
+            # (added to what an earlier load left when this one never reached its step 2)
+            _LEFT.setdefault(self._digest, []).extend(
+                f"{self._prefix}{k}" for k in range(max(1, self._step - 1), self._step + 1))
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
@@ -243,10 +266,28 @@ def _collective(step, rank, wait, start, everyone=True):
         if work is not None:
             if wait.timeout is None:
                 work.wait()
+            elif wait.poll and everyone:  # (the pairwise steps are gloo's: never polled)
+                _wait_polling(work, wait.timeout)
             elif not work.wait(timeout=wait.timeout):
                 raise TimeoutError(f"not done after {wait.timeout.total_seconds():g} s")
     except Exception as e:
         raise _gave_up(step, rank, e, wait.missing(arrived)) from e
+
+
+def _wait_polling(work, timeout):
+    """Waits for `work` at most `timeout` (a timedelta) by asking is_completed(), for backends
+    whose Work.wait(timeout) does not block the thread: NCCL's (without TORCH_NCCL_BLOCKING_WAIT)
+    only makes the current CUDA stream wait and returns at once, and the next .item() would then
+    wait without a bound. The pauses grow from 50 us to 5 ms (a collective done within
+    microseconds is seen at once; a long one costs a poll every 5 ms)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 50e-6
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not done after {timeout.total_seconds():g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    work.wait()  # (raises the collective's error, if any; makes the stream wait for NCCL)
 
 
 def _gave_up(step, rank, e, missing=None):
@@ -482,7 +523,12 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
     # shard_max_gap is an option of tensor parallelism, which needs a rank and a world: without
     # them the core refused the options (the plan reads only the gap of them).
     options.update(tp_rank=rank, tp_size=world)
+    # The readers of the rounds, pieces and local tensors each read what the plan gave them at
+    # once: no budget of theirs (not even a TENSORFERRY_BUDGET or TENSORFERRY_DEVICE_BUDGET,
+    # which would refuse a round larger than it); `budget` sized the rounds.
     base_options = dict(reader_options or {})
+    base_options["budget"] = 0
+    base_options.setdefault("device_budget", 0)
     figures = {"tensors": 0, "bytes": 0, "bytes_read": 0, "bytes_sent": 0,
                "bytes_received": 0, "rounds": 0, "read_seconds": 0.0, "exchange_seconds": 0.0,
                "local_seconds": 0.0, "network_seconds": 0.0, "remote_requests": 0,

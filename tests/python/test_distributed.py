@@ -206,6 +206,29 @@ def test_process_group_needs_matching_tp_arguments(tmp_path):
         dist.destroy_process_group()
 
 
+def test_cooperative_rounds_follow_tensorferry_budget(tmp_path, monkeypatch):
+    """TENSORFERRY_BUDGET sizes the rounds as budget= does; the readers of each round hold no
+    budget of their own (under the variable's 1000 bytes they would refuse every round larger
+    than it, and the larger tensors are)."""
+    import tensorferry
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    full = _make_checkpoint(str(ckpt))
+    assert max(t.nbytes for t in full.values()) > 1000
+    monkeypatch.setenv("TENSORFERRY_BUDGET", "1000")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        loader = tensorferry.Loader(str(ckpt), tp_rank=0, tp_size=1, shard_rules=json.dumps(SPEC),
+                                    process_group=dist.group.WORLD, coop_exchange="all")
+        got = loader.load()
+        assert loader.cooperative_stats["rounds"] >= 2, loader.cooperative_stats
+        assert sorted(got) == sorted(full)
+        for name, t in got.items():
+            assert _bytes(t) == _bytes(full[name]), name
+    finally:
+        dist.destroy_process_group()
+
+
 def test_assign_readers_is_the_cpp_rule():
     import tensorferry._core as core
     sizes = [5, 1, 1, 1, 1, 9, 2, 2, 3, 0, 4]
@@ -227,11 +250,14 @@ def test_assign_readers_is_the_cpp_rule():
     assert readers == sorted(readers) and most(readers) == best, readers
 
 
-def _stalled_main(rank, path, init, results):
+def _stalled_main(rank, path, init, results, timeout_option=True, polled=False):
     import time
     import traceback
 
     import tensorferry
+    import tensorferry._distributed
+    if polled:  # gloo waited for as NCCL is: Work.is_completed() polled against the deadline
+        tensorferry._distributed._POLLED_BACKENDS = ("gloo",)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     if rank == 1:
         time.sleep(8)  # never takes part: a hung rank, as far as rank 0 can tell
@@ -240,7 +266,8 @@ def _stalled_main(rank, path, init, results):
     start = time.monotonic()
     try:
         loader = tensorferry.Loader(path, tp_rank=0, tp_size=2, shard_rules=json.dumps(SPEC),
-                                    process_group=dist.group.WORLD, coop_timeout_ms=1500)
+                                    process_group=dist.group.WORLD,
+                                    coop_timeout_ms=1500 if timeout_option else None)
         loader.load()
         outcome = {"error": None}
     except Exception as e:  # the test checks the type
@@ -251,15 +278,22 @@ def _stalled_main(rank, path, init, results):
     os._exit(0)  # the group is unusable after a failed collective: no orderly teardown
 
 
-def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
-    """A rank that never takes part: the other gives up after coop_timeout_ms with an OSError
-    naming itself, the step and the rank that never reached it, instead of waiting forever."""
+@pytest.mark.parametrize("given_as", ["argument", "environment", "argument, polled"])
+def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path, monkeypatch, given_as):
+    """A rank that never takes part: the other gives up after coop_timeout_ms (the argument, or
+    TENSORFERRY_COOP_TIMEOUT_MS) with an OSError naming itself, the step and the rank that never
+    reached it, instead of waiting forever; also when the wait polls Work.is_completed() (as for
+    NCCL, whose Work.wait(timeout) does not block)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _make_checkpoint(str(ckpt))
     results = str(tmp_path / "outcome.json")
-    mp.spawn(_stalled_main, args=(str(ckpt), f"file://{tmp_path}/init", results), nprocs=2,
-             join=True)
+    if given_as == "environment":
+        monkeypatch.setenv("TENSORFERRY_COOP_TIMEOUT_MS", "1500")
+    mp.spawn(_stalled_main,
+             args=(str(ckpt), f"file://{tmp_path}/init", results, given_as != "environment",
+                   given_as.endswith("polled")),
+             nprocs=2, join=True)
     with open(results) as f:
         outcome = json.load(f)
     assert outcome["error"] is not None and outcome["type"] == "OSError", outcome
@@ -269,6 +303,62 @@ def test_cooperative_gloo_times_out_naming_rank_and_step(tmp_path):
     # The roll call in the store: rank 1 never set its key of that step.
     assert "(rank 1 never reached this step (died or hangs?))" in outcome["error"], outcome
     assert outcome["seconds"] < 8, outcome
+
+
+def _reloads_main(rank, path, init, results):
+    import hashlib
+    import time
+
+    import tensorferry
+    import tensorferry._distributed
+    # (every collective waited for by polling, as NCCL's are: loads that succeed that way)
+    tensorferry._distributed._POLLED_BACKENDS = ("gloo",)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        digest = hashlib.sha256(b"0,1").hexdigest()[:16]
+
+        def keys(load):  # the steps whose roll-call key of `load` is in the store
+            return [k for k in range(1, 200)
+                    if store.check([f"tensorferry/roll/{digest}/{load}/{k}"])]
+        seen = []
+        for _ in range(3):
+            loader = tensorferry.Loader(path, tp_rank=rank, tp_size=2,
+                                        shard_rules=json.dumps(SPEC),
+                                        process_group=dist.group.WORLD)
+            loader.load()
+            loader.close()
+            dist.barrier()
+            deadline = time.monotonic() + 5  # the roll call's thread deletes in the background
+            while True:
+                now = [keys(load) for load in (1, 2, 3)]
+                if sum(map(len, now)) <= 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            seen.append(now)
+            dist.barrier()
+        with open(f"{results}.{rank}", "w") as f:
+            json.dump({"seen": seen}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cooperative_gloo_reloads_leave_two_roll_call_keys(tmp_path):
+    """A process that loads again and again keeps at most the last load's two roll-call keys in
+    the store: the next load deletes them once every rank has left the earlier one. (The
+    collectives are waited for by polling Work.is_completed(), NCCL's way here.)"""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _make_checkpoint(str(ckpt))
+    results = str(tmp_path / "outcome")
+    mp.spawn(_reloads_main, args=(str(ckpt), f"file://{tmp_path}/init", results), nprocs=2,
+             join=True)
+    for outcome in _outcomes(results, 2):
+        first, second, third = outcome["seen"]
+        steps = first[0]
+        assert len(steps) == 2 and steps[1] == steps[0] + 1, outcome
+        assert second[0] == [] and len(second[1]) == 2, outcome
+        assert third[0] == [] and third[1] == [] and third[2] == second[1], outcome
 
 
 def _corrupt_round_main(rank, world, path, init, results):

@@ -27,6 +27,7 @@
 // ReadTensor may be called from several threads (calls on one checkpoint are serialized).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -198,9 +199,10 @@ class TorchCheckpoint {
   // as soon as it is read (call it after reading the tensor whole, before handing it out). Costs
   // nothing when the read checked the entry (a tensor viewing its whole storage, read in order);
   // else the entry is read once more whole (once: later calls find it checked). Legacy files
-  // carry no CRC: nothing to check. Errors: kInvalidArgument (index out of range), kZipBadEntry,
-  // kIoError.
-  Status CheckTensorRead(size_t index) const;
+  // carry no CRC: nothing to check. A set `*cancel` (another thread's Ctrl-C) stops the re-read
+  // between 1 MiB steps, the storage left unchecked. Errors: kInvalidArgument (index out of
+  // range), kZipBadEntry, kIoError, kCancelled.
+  Status CheckTensorRead(size_t index, const std::atomic<bool>* cancel = nullptr) const;
 
  private:
   friend class TorchCheckpointOpener;

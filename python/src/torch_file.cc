@@ -86,7 +86,7 @@ class TorchFile {
         if (Status s = c.ReadTensor(index, done, dst.subspan(done, n)); !s.ok()) return s;
         done += n;
       }
-      return c.CheckTensorRead(index);
+      return c.CheckTensorRead(index, &cancel);
     });
     if (!read.ok()) {
       throw StatusError(

@@ -57,8 +57,9 @@ class TorchFile:
         """(name, torch.Tensor) of the tensors keep(name) selects (None: all), in entries'
         order, each a fresh contiguous CPU tensor read when the generator reaches it. Errors
         while reading: OSError or SafetensorError naming the file and tensor (a CRC mismatch
-        among them); Ctrl-C ends a read within 64 MiB (not the CRC check that follows it, which
-        re-reads the tensor's whole storage when the read covered only part of it)."""
+        among them); Ctrl-C ends a read within 64 MiB, and the CRC check that follows it (which
+        re-reads the tensor's whole storage when the read covered only part of it) within
+        1 MiB."""
         import torch
         for index, (name, dtype, shape, nbytes) in enumerate(self.entries):
             if keep is not None and not keep(name):

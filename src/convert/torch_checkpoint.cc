@@ -1001,7 +1001,7 @@ Status TorchCheckpoint::CheckStoragesRead() const {
   return Status::Ok();
 }
 
-Status TorchCheckpoint::CheckTensorRead(size_t index) const {
+Status TorchCheckpoint::CheckTensorRead(size_t index, const std::atomic<bool>* cancel) const {
   if (index >= impl_->tensors.size()) {
     return Status(Code::kInvalidArgument,
                   "tensor index " + std::to_string(index) + " out of range");
@@ -1010,7 +1010,7 @@ Status TorchCheckpoint::CheckTensorRead(size_t index) const {
   const uint32_t storage = impl_->tensors[index].storage;
   const OpenFile& f = impl_->open_files[impl_->storages[storage].file];
   if (!f.zip) return Status::Ok();
-  return f.zip->CheckEntryRead(impl_->locations[storage].zip_entry);
+  return f.zip->CheckEntryRead(impl_->locations[storage].zip_entry, cancel);
 }
 
 }  // namespace tensorferry

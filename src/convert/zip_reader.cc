@@ -296,7 +296,7 @@ Status ZipReader::CheckEntriesRead() {
   return Status::Ok();
 }
 
-Status ZipReader::CheckEntryRead(size_t index) {
+Status ZipReader::CheckEntryRead(size_t index, const std::atomic<bool>* cancel) {
   if (index >= entries_.size() || checked_[index] != 1) return Status::Ok();
   const ZipEntry& e = entries_[index];
   zip_file_t* zf = zip_fopen_index(Archive(archive_), index, 0);
@@ -306,6 +306,13 @@ Status ZipReader::CheckEntryRead(size_t index) {
   uint64_t done = 0;
   Status status;
   for (;;) {  // to libzip's end of the entry, where it compares the CRC
+    if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+      zip_fclose(zf);
+      return Status(Code::kCancelled, path() + ": zip entry " + json::Quote(e.name) +
+                                          ": checking its CRC-32 cancelled after " +
+                                          std::to_string(done) + " of " + std::to_string(e.size) +
+                                          " bytes");
+    }
     const zip_int64_t got = zip_fread(zf, buffer.data(), buffer.size());
     if (got < 0) {
       status = EntryError(index,

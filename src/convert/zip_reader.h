@@ -8,6 +8,7 @@
 // Thread-safety: none; the owner serializes calls (libzip handles are not thread-safe).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -62,8 +63,9 @@ class ZipReader {
   // conversion, before its output is put in place). Errors: as ReadAt's.
   Status CheckEntriesRead();
   // The same for one entry: nothing to do when ReadAt has not read it, or a read checked it.
-  // (An out-of-range index has nothing to check.) Errors: as ReadAt's.
-  Status CheckEntryRead(size_t index);
+  // (An out-of-range index has nothing to check.) A set `*cancel` stops the re-read between
+  // 1 MiB steps with kCancelled, the entry left unchecked. Errors: as ReadAt's, kCancelled.
+  Status CheckEntryRead(size_t index, const std::atomic<bool>* cancel = nullptr);
 
   const std::string& path() const;
 

@@ -211,6 +211,27 @@ TEST(ZipReader, CheckEntryReadChecksOneEntry) {
   EXPECT_EQ(z.CheckEntriesRead().code(), Code::kZipBadEntry);
 }
 
+// A set cancel flag stops the re-read with kCancelled and leaves the entry unchecked: a later
+// check without the flag still reads it and finds its bad CRC.
+TEST(ZipReader, CheckEntryReadStopsWhenCancelled) {
+  const std::string data = Pattern(3 << 20);  // three of the check's 1 MiB steps
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto zip = OpenBytes(env, MakeZip({{"a/bad", data, true}}), file);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  ZipReader& z = **zip;
+  std::vector<std::byte> part(5000);
+  ASSERT_TRUE(z.ReadAt(0, 0, part).ok());
+  const std::atomic<bool> cancel{true};
+  const Status cancelled = z.CheckEntryRead(0, &cancel);
+  EXPECT_EQ(cancelled.code(), Code::kCancelled) << cancelled.ToString();
+  EXPECT_NE(cancelled.message().find("zip entry \"a/bad\": checking its CRC-32 cancelled"),
+            std::string::npos)
+      << cancelled.message();
+  const std::atomic<bool> go_on{false};
+  EXPECT_EQ(z.CheckEntryRead(0, &go_on).code(), Code::kZipBadEntry);
+}
+
 // Sizes an archive records that its bytes cannot hold are refused at open: a stored entry
 // claiming more (or fewer) bytes than it holds, and a compressed one claiming more than deflate
 // can expand to.

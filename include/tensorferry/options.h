@@ -109,14 +109,15 @@ struct CooperativeOptions {
 //   kMmap:    zero-copy: each file is mapped read-only once per loader and every Tensor is a view
 //             into the mapping (owner() keeps the mapping alive after the loader is gone). Pages
 //             are read on first touch unless LoadOptions::populate. No budget applies (the page
-//             cache owns the memory). Files that change under their tensors
-//             (include/tensorferry/mapping.h): each mapping holds a read lease, and a writer
-//             that opens or truncates the file makes tensorferry copy the mapping into private
-//             memory first, so tensors keep their bytes; where no lease can be had, a page that
-//             vanished reads as zeros, is reported on stderr at once and by CheckMappedFiles
-//             (every Stream, Load and LoadInto starts with it), and a batch from that mapping is
-//             refused with kUnexpectedEof naming the file and offset (docs/runtime_settings.md,
-//             "mmap and files that change").
+//             cache owns the memory; so do the host buffers that tensor-parallel slices of more
+//             than one range, split on a dimension past the first, are gathered into). Files that
+//             change under their tensors (include/tensorferry/mapping.h): each mapping holds a read
+//             lease, and a writer that opens or truncates the file makes tensorferry copy the
+//             mapping into private memory first, so tensors keep their bytes; where no lease can be
+//             had, a page that vanished reads as zeros, is reported on stderr at once and by
+//             CheckMappedFiles (every Stream, Load and LoadInto starts with it), and a batch from
+//             that mapping is refused with kUnexpectedEof naming the file and offset
+//             (docs/runtime_settings.md, "mmap and files that change").
 enum class Engine : uint8_t { kAuto, kPread, kIoUring, kMmap };
 
 // O_DIRECT (bypassing the page cache) for the copying engines.

@@ -42,13 +42,17 @@ class Collective {
 
   // The root's `send` bytes arrive in every other member's `recv`. The root passes `send` (recv
   // is ignored); the others pass `recv` of exactly the root's send.size() bytes (send ignored).
+  // Arguments any member gets wrong (a root outside the group, or differing between members, a
+  // recv of another size) are kInvalidArgument on every member, before any byte moves.
   virtual Status Broadcast(std::span<const std::byte> send, std::span<std::byte> recv,
                            uint32_t root) = 0;
 
   // Scatter of variable-size blocks: `counts` (identical on every member, size() entries) gives
   // the bytes for each member; the root passes `send`, the concatenation of the blocks in rank
   // order (sum of counts bytes); every member, the root included, receives its block in `recv`
-  // (exactly counts[rank()] bytes). Non-roots pass an empty `send`.
+  // (exactly counts[rank()] bytes). Non-roots pass an empty `send`. Arguments any member gets
+  // wrong (counts or root differing between members, sizes that do not match the counts) are
+  // kInvalidArgument on every member, before any byte moves.
   virtual Status Scatterv(std::span<const std::byte> send, std::span<const uint64_t> counts,
                           std::span<std::byte> recv, uint32_t root) = 0;
 

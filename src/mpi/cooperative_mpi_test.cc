@@ -82,6 +82,37 @@ void Run(Collective& c, const std::string& path, const LoadOptions& options) {
          "the ranks read " + std::to_string(total) + " bytes of exchanged tensors, not each once");
 }
 
+// Arguments one member gets wrong end the call on every member with kInvalidArgument, before any
+// transfer (the others would wait in it forever); the communicator still works afterwards.
+void ArgumentErrorsEndEveryMember(Collective& c) {
+  if (c.size() < 2) return;
+  const uint32_t last = c.size() - 1;
+  const std::string me = "rank " + std::to_string(c.rank());
+  const std::string payload = "tensorferry";
+  std::string into(payload.size() + (c.rank() == last ? 1 : 0), '\0');
+  Status s = c.Broadcast(std::as_bytes(std::span<const char>(payload)),
+                         std::as_writable_bytes(std::span<char>(into)), 0);
+  Expect(s.code() == Code::kInvalidArgument,
+         "Broadcast, a wrong size on the last rank: " + me + " got " + s.ToString());
+  if (c.rank() != last && c.rank() != 0) {
+    Expect(s.message().find("rank " + std::to_string(last) + " refused") != std::string::npos,
+           "Broadcast: " + me + " does not name the rank at fault: " + s.ToString());
+  }
+  std::vector<uint64_t> counts(c.size(), 3);
+  if (c.rank() == last) counts[0] = 4;  // the counts differ on one member
+  std::string block(counts[c.rank()], '\0');
+  const std::string blocks(c.rank() == 0 ? 3 * c.size() : 0, 'x');
+  s = c.Scatterv(std::as_bytes(std::span<const char>(blocks)), counts,
+                 std::as_writable_bytes(std::span<char>(block)), 0);
+  Expect(s.code() == Code::kInvalidArgument,
+         "Scatterv, other counts on the last rank: " + me + " got " + s.ToString());
+  std::string again(payload.size(), '\0');
+  s = c.Broadcast(std::as_bytes(std::span<const char>(payload)),
+                  std::as_writable_bytes(std::span<char>(again)), 0);
+  Expect(s.ok() && (c.rank() == 0 || again == payload),
+         "Broadcast after the refused calls: " + me + " got " + s.ToString());
+}
+
 int Main() {
   auto c = MpiCollective::Create(MPI_COMM_WORLD).ValueOrThrow();
   // Rank 0 writes the checkpoint and tells the others where.
@@ -97,6 +128,7 @@ int Main() {
   ThrowIfError(c->Broadcast(std::as_bytes(std::span<const char>(path)),
                             std::as_writable_bytes(std::span<char>(received)), 0));
   if (c->rank() != 0) path = received;
+  ArgumentErrorsEndEveryMember(*c);
 
   for (Engine engine : {Engine::kPread, Engine::kMmap}) {
     for (uint64_t budget : {uint64_t{0}, uint64_t{1500}}) {

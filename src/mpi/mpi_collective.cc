@@ -21,6 +21,38 @@ Status MpiError(int rc, const char* op) {
                                     " (MPI error " + std::to_string(rc) + ")");
 }
 
+// One verdict for every member before a transfer: a member that refused its arguments alone
+// would leave the others waiting in the transfer. `mine` is this member's own verdict; `key`
+// (the root, a digest of the counts) must be the same everywhere. Errors: `mine` on the member
+// that failed, kInvalidArgument naming it on the others, or naming the disagreement.
+Status AgreeOnArguments(MPI_Comm comm, uint32_t rank, const Status& mine, uint64_t key,
+                        const char* op) {
+  const uint64_t flagged[4] = {mine.ok() ? 0u : 1u, mine.ok() ? 0u : uint64_t{rank} + 1, key, ~key};
+  uint64_t most[4] = {0, 0, 0, 0};
+  const int rc = MPI_Allreduce(flagged, most, 4, MPI_UINT64_T, MPI_MAX, comm);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allreduce");
+  if (!mine.ok()) return mine;
+  if (most[0] != 0) {
+    return Status(Code::kInvalidArgument, std::string(op) + ": rank " +
+                                              std::to_string(most[1] - 1) +
+                                              " refused its arguments; see that rank's error");
+  }
+  if (most[2] != key || most[3] != ~key) {
+    return Status(Code::kInvalidArgument,
+                  std::string(op) + ": the members disagree on the root or the counts");
+  }
+  return Status::Ok();
+}
+
+constexpr uint64_t kFnvBasis = 14695981039346656037ull;
+uint64_t Digest(uint64_t h, uint64_t v) {  // FNV-1a over the 8 bytes of v
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<MpiCollective>> MpiCollective::Create(MPI_Comm comm) {
@@ -47,9 +79,14 @@ MpiCollective::~MpiCollective() {
 
 Status MpiCollective::Broadcast(std::span<const std::byte> send, std::span<std::byte> recv,
                                 uint32_t root) {
+  Status mine;
   if (root >= size_) {
-    return Status(Code::kInvalidArgument, "Broadcast: root " + std::to_string(root) +
+    mine = Status(Code::kInvalidArgument, "Broadcast: root " + std::to_string(root) +
                                               " outside a group of " + std::to_string(size_));
+  }
+  if (Status agreed = AgreeOnArguments(comm_, rank_, mine, Digest(kFnvBasis, root), "Broadcast");
+      !agreed.ok()) {
+    return agreed;
   }
   // The root's buffer is only read (MPI_Bcast's buffer argument is not const).
   std::byte* data = rank_ == root ? const_cast<std::byte*>(send.data()) : recv.data();
@@ -59,10 +96,13 @@ Status MpiCollective::Broadcast(std::span<const std::byte> send, std::span<std::
   int rc = MPI_Bcast(&root_total, 1, MPI_UINT64_T, static_cast<int>(root), comm_);
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Bcast");
   if (root_total != total) {
-    return Status(Code::kInvalidArgument, "Broadcast: rank " + std::to_string(rank_) + " expects " +
-                                              std::to_string(total) + " bytes, root " +
-                                              std::to_string(root) + " sends " +
-                                              std::to_string(root_total));
+    mine =
+        Status(Code::kInvalidArgument,
+               "Broadcast: rank " + std::to_string(rank_) + " expects " + std::to_string(total) +
+                   " bytes, root " + std::to_string(root) + " sends " + std::to_string(root_total));
+  }
+  if (Status agreed = AgreeOnArguments(comm_, rank_, mine, root_total, "Broadcast"); !agreed.ok()) {
+    return agreed;
   }
   for (uint64_t done = 0; done < total; done += kPiece) {
     const int count = static_cast<int>(std::min(kPiece, total - done));
@@ -74,31 +114,38 @@ Status MpiCollective::Broadcast(std::span<const std::byte> send, std::span<std::
 
 Status MpiCollective::Scatterv(std::span<const std::byte> send, std::span<const uint64_t> counts,
                                std::span<std::byte> recv, uint32_t root) {
-  if (root >= size_) {
-    return Status(Code::kInvalidArgument, "Scatterv: root " + std::to_string(root) +
-                                              " outside a group of " + std::to_string(size_));
-  }
-  if (counts.size() != size_) {
-    return Status(Code::kInvalidArgument, "Scatterv: " + std::to_string(counts.size()) +
-                                              " counts for a group of " + std::to_string(size_));
-  }
-  if (recv.size() != counts[rank_]) {
-    return Status(Code::kInvalidArgument, "Scatterv: rank " + std::to_string(rank_) +
-                                              " receives into " + std::to_string(recv.size()) +
-                                              " bytes, its count is " +
-                                              std::to_string(counts[rank_]));
-  }
+  // Every member's arguments checked, and the root and counts compared, before any transfer.
+  Status verdict;
   std::vector<uint64_t> offsets(size_, 0);
   uint64_t total = 0;
   uint64_t largest = 0;
-  for (uint32_t r = 0; r < size_; ++r) {
-    offsets[r] = total;
-    total += counts[r];
-    largest = std::max(largest, counts[r]);
+  uint64_t key = Digest(kFnvBasis, root);
+  for (const uint64_t count : counts) key = Digest(key, count);
+  if (root >= size_) {
+    verdict = Status(Code::kInvalidArgument, "Scatterv: root " + std::to_string(root) +
+                                                 " outside a group of " + std::to_string(size_));
+  } else if (counts.size() != size_) {
+    verdict = Status(Code::kInvalidArgument, "Scatterv: " + std::to_string(counts.size()) +
+                                                 " counts for a group of " + std::to_string(size_));
+  } else if (recv.size() != counts[rank_]) {
+    verdict =
+        Status(Code::kInvalidArgument, "Scatterv: rank " + std::to_string(rank_) +
+                                           " receives into " + std::to_string(recv.size()) +
+                                           " bytes, its count is " + std::to_string(counts[rank_]));
+  } else {
+    for (uint32_t r = 0; r < size_; ++r) {
+      offsets[r] = total;
+      total += counts[r];
+      largest = std::max(largest, counts[r]);
+    }
+    if (rank_ == root && send.size() != total) {
+      verdict =
+          Status(Code::kInvalidArgument, "Scatterv: root sends " + std::to_string(send.size()) +
+                                             " bytes, the counts sum to " + std::to_string(total));
+    }
   }
-  if (rank_ == root && send.size() != total) {
-    return Status(Code::kInvalidArgument, "Scatterv: root sends " + std::to_string(send.size()) +
-                                              " bytes, the counts sum to " + std::to_string(total));
+  if (Status agreed = AgreeOnArguments(comm_, rank_, verdict, key, "Scatterv"); !agreed.ok()) {
+    return agreed;
   }
   // Piece p carries bytes [p * kPiece, (p + 1) * kPiece) of every block; displacements are int
   // too, so each piece goes through MPI with the root's blocks addressed relative to the lowest

@@ -10,7 +10,9 @@
 // above 1 GiB are cut into 1 GiB pieces (MPI counts are int).
 //
 // Thread-safety: one thread at a time per object (MPI_THREAD_FUNNELED or better suffices when
-// that thread is not the main one, MPI_THREAD_SINGLE when it is).
+// that thread is not the main one, MPI_THREAD_SINGLE when it is). Abort, called from another
+// thread (the cooperative load's watchdog), calls MPI_Abort only under MPI_THREAD_MULTIPLE;
+// below it, it ends the process (std::_Exit(1)), which the launcher sees as a rank that died.
 #pragma once
 
 // The C API only: the deprecated C++ bindings of Open MPI / MPICH are not wanted.

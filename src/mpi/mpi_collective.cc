@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -273,10 +274,17 @@ Result<std::vector<uint64_t>> MpiCollective::AllGather(uint64_t value) {
 }
 
 bool MpiCollective::Abort(const Status& why) {
-  std::fprintf(stderr, "error: rank %u: %s; aborting the MPI job\n", rank_, why.ToString().c_str());
+  // Called from the watchdog's thread while another thread is inside an MPI call: only
+  // MPI_THREAD_MULTIPLE allows that. Below it, the process ends itself, which the launcher sees
+  // as a rank that died (it ends the job too).
+  int provided = MPI_THREAD_SINGLE;
+  const bool multiple =
+      MPI_Query_thread(&provided) == MPI_SUCCESS && provided == MPI_THREAD_MULTIPLE;
+  std::fprintf(stderr, "error: rank %u: %s; %s\n", rank_, why.ToString().c_str(),
+               multiple ? "aborting the MPI job" : "ending this rank");
   std::fflush(stderr);
-  MPI_Abort(comm_, 1);
-  return true;  // not reached when MPI_Abort ends the process
+  if (multiple) MPI_Abort(comm_, 1);
+  std::_Exit(1);
 }
 
 Status MpiCollective::Barrier() {

@@ -442,7 +442,10 @@ int main(int argc, char** argv) {
   // A file past the file-size limit (an object cache's copy) fails its write with EFBIG, and
   // is removed, instead of SIGXFSZ killing the rank.
   ::signal(SIGXFSZ, SIG_IGN);
-  MPI_Init(&argc, &argv);
+  // MPI_THREAD_MULTIPLE: the watchdog (coop_timeout_ms) calls MPI_Abort from its own thread while
+  // the main thread waits in a collective (MpiCollective::Abort ends the rank itself below it).
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   const int rc = tensorferry::Main(argc, argv);
   MPI_Finalize();
   return rc;

@@ -185,6 +185,15 @@ class CheckpointBuilder {
     std::error_code ec;
     if (fs::exists(index_path, ec)) return FromIndex(index_path);
     if (ec) return Status(Code::kIoError, index_path + ": " + ec.message());
+    // An index that is a link to nothing (a hub snapshot whose blob is gone) is a missing file,
+    // not an absent index: the folder's *.safetensors are not what it selects.
+    std::error_code index_link_ec;
+    if (fs::is_symlink(fs::symlink_status(index_path, index_link_ec))) {
+      const fs::path target = fs::read_symlink(index_path, index_link_ec);
+      return Status(Code::kCheckpointIncomplete,
+                    index_path + ": a symbolic link to " + json::Quote(target.string()) +
+                        ", which does not exist (an incomplete download or copy?)");
+    }
 
     std::vector<std::string> paths;
     fs::directory_iterator it(dir, ec);

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <new>
 #include <numeric>
@@ -191,6 +192,13 @@ Result<SerializedHeader> BuildHeader(
                     TensorLabel(t.name) + ": " + std::to_string(t.shape.size()) +
                         " dimensions, more than the " + std::to_string(limits.max_rank) +
                         " a reader accepts (ParseLimits::max_rank)");
+    }
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (t.shape[d] > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Status(Code::kInvalidShape, TensorLabel(t.name) + ": shape " + JsonShape(t.shape) +
+                                               ": dimension " + std::to_string(d) +
+                                               " is more than 2^63-1, which a reader refuses");
+      }
     }
     uint64_t end;
     if (__builtin_add_overflow(offset, sizes[index], &end)) {
@@ -555,7 +563,9 @@ Status CheckChecksumOptions(const WriteOptions& options) {
 Status HashGenerated(const TensorToWrite& t, uint64_t size, size_t buffer_size, uint64_t chunk_size,
                      TensorChecksum& out) {
   ChecksumBuilder builder(chunk_size);
-  std::vector<std::byte> scratch(static_cast<size_t>(std::min<uint64_t>(buffer_size, size)));
+  // (buffer_size 0 acts as 1, as for the file's buffer: a scratch of none would never advance)
+  std::vector<std::byte> scratch(
+      static_cast<size_t>(std::min<uint64_t>(std::max<size_t>(buffer_size, 1), size)));
   for (uint64_t done = 0; done < size;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(size - done, scratch.size()));
     std::span<std::byte> piece(scratch.data(), n);

@@ -89,9 +89,12 @@ fs::path Resolve(const std::string& path, std::error_code& ec) {
     if (!fs::is_symlink(fs::symlink_status(p, missing))) break;
     const fs::path target = fs::read_symlink(p, ec);
     // Relative to the link's directory as the kernel sees it (its own symlinks resolved first).
+    // Not lexically normalized: "sub/../x" is the parent of where the symlink "sub" points, not
+    // "x" beside it; weakly_canonical (below, and on the next link's parent) lets the kernel
+    // resolve each ".." after the links before it.
     const fs::path base =
         target.is_absolute() ? fs::path() : fs::weakly_canonical(p.parent_path(), ec);
-    p = (base / target).lexically_normal();
+    p = base / target;
   }
   return ec ? p : fs::weakly_canonical(p, ec);
 }

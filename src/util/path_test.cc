@@ -92,5 +92,34 @@ TEST(PathSafety, SymlinksStayInsideOrInTheRepositorysBlobs) {
             Code::kIndexPathEscape);
 }
 
+// A link whose target climbs out of a directory symlink ("sub/../secret", "sub" a link to a
+// directory elsewhere) points where the kernel goes: beside sub's target, outside, not at a
+// "secret" beside the link. Read as text, it would look inside.
+TEST(PathSafety, DotDotAfterADirectorySymlinkIsFollowedAsTheKernelDoes) {
+  testing::TempDir tmp;
+  const fs::path root(tmp.path());
+  const fs::path ckpt = root / "ckpt";
+  fs::create_directories(ckpt);
+  fs::create_directories(root / "elsewhere" / "dir");
+  testing::WriteBytes((root / "elsewhere" / "secret").string(), "outside");
+  fs::create_symlink(root / "elsewhere" / "dir", ckpt / "sub");
+  fs::create_symlink("sub/../secret", ckpt / "model.safetensors");
+  ASSERT_EQ(testing::ReadBytes((ckpt / "model.safetensors").string()), "outside");
+  // A file by that name inside does not change where the link leads.
+  testing::WriteBytes((ckpt / "secret").string(), "inside");
+  auto dir = CanonicalDirectory(ckpt, "index");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  const Status s =
+      CheckContained(*dir, (ckpt / "model.safetensors").string(), "index", "file \"m\"");
+  EXPECT_EQ(s.code(), Code::kIndexPathEscape) << s.ToString();
+  EXPECT_NE(s.message().find("elsewhere/secret"), std::string::npos) << s.ToString();
+  // The same shape kept inside is fine: a link through a directory link that stays in.
+  fs::create_directories(ckpt / "a" / "b");
+  testing::WriteBytes((ckpt / "a" / "x").string(), "x");
+  fs::create_symlink(ckpt / "a" / "b", ckpt / "inner");
+  fs::create_symlink("inner/../x", ckpt / "ok.safetensors");
+  EXPECT_TRUE(CheckContained(*dir, (ckpt / "ok.safetensors").string(), "index", "f").ok());
+}
+
 }  // namespace
 }  // namespace tensorferry

@@ -184,7 +184,9 @@ enum class RecordedChecksums : uint8_t {
 // purpose: then ask to replace its entry ...))"), also for a file whose size differs from its
 // entry's; kChecksumsInvalid for an entry whose tensors are not the file's; those of
 // ReadChecksumManifest (with kCheck), of EmbeddedChecksums but kUnsupported, and the read errors
-// of the checkpoint's files.
+// of the checkpoint's files; kInvalidArgument, before any read, for files outside the manifest's
+// folder (files given one by one from several folders: a manifest records its own folder's; the
+// manifest of that folder is never consulted for a file outside it, either).
 Result<ChecksumManifest> ComputeChecksumManifest(
     const Checkpoint& ckpt, uint64_t chunk_size = kDefaultChecksumChunkSize, unsigned threads = 1,
     RecordedChecksums recorded = RecordedChecksums::kCheck);

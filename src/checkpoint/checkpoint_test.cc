@@ -365,6 +365,20 @@ TEST(CheckpointTest, DirectoryWithoutIndexDanglingLink) {
       << s.message();
 }
 
+// An index that is a link to nothing is missing, not absent: the folder's other files are not
+// opened in its place (they may be more, or other, files than it selects).
+TEST(CheckpointTest, DanglingIndexLinkIsIncomplete) {
+  TempDir dir;
+  WriteBytes(dir.Join("model.safetensors"), Shard({{"a", 1}}));
+  WriteBytes(dir.Join("consolidated.safetensors"), Shard({{"b", 1}}));
+  fs::create_symlink(dir.Join("blobs/gone"), dir.Join(std::string(kIndexFileName)));
+  Status s = OpenError(dir.path());
+  EXPECT_EQ(s.code(), Code::kCheckpointIncomplete) << s.ToString();
+  EXPECT_EQ(s.message(), dir.Join(std::string(kIndexFileName)) + ": a symbolic link to \"" +
+                             dir.Join("blobs/gone") +
+                             "\", which does not exist (an incomplete download or copy?)");
+}
+
 TEST(CheckpointTest, EmptyDirectory) {
   TempDir dir;
   WriteBytes(dir.Join("readme.md"), "x");

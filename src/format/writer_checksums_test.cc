@@ -144,6 +144,14 @@ TEST(WriterChecksums, GeneratedTensorsHashedWhileStreamingOrFirst) {
   EXPECT_EQ(ReadBytes(dir.Join("g.safetensors")), ReadBytes(dir.Join("s.safetensors")));
   EXPECT_EQ(ReadChecksums(dir.Join("g.safetensors")).tensors.at("big"),
             ComputeTensorChecksum(big, 1024));
+  // buffer_size 0 acts as 1 when the generator is run to hash first, too (it never advanced).
+  const auto tiny = Pattern(300, 6);
+  const std::vector<TensorToWrite> one = {{"tiny", DType::kU8, {300}, {}, Generator(tiny)}};
+  options.buffer_size = 0;
+  options.env = &env;
+  ASSERT_TRUE(WriteFile(dir.Join("t.safetensors"), one, {}, options).ok());
+  EXPECT_EQ(ReadChecksums(dir.Join("t.safetensors")).tensors.at("tiny"),
+            ComputeTensorChecksum(tiny, 1024));
 }
 
 TEST(WriterChecksums, EveryShardCarriesItsOwnTensors) {

@@ -410,6 +410,11 @@ std::vector<InvalidCase> InvalidCases(const std::vector<std::byte>& four) {
                    {},
                    Code::kRankTooLarge,
                    {"\"w\"", "65 dimensions", "64"}});
+  cases.push_back({"dimension above 2^63-1",
+                   {Tensor("e", DType::kU8, {uint64_t{1} << 63, 0}, {})},
+                   {},
+                   Code::kInvalidShape,
+                   {"\"e\"", "dimension 0", "2^63-1"}});
   cases.push_back(
       {"metadata key not utf8", {}, {{"k\xc0\x80", "v"}}, Code::kInvalidArgument, {"UTF-8"}});
   cases.push_back({"metadata value not utf8",

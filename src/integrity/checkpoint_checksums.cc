@@ -69,13 +69,19 @@ std::string DirectoryOf(const std::string& path) {
   return p.has_parent_path() ? p.parent_path().string() : std::string();
 }
 
-// The file's name relative to the manifest's directory.
-std::string RelativeName(const std::string& dir, const std::string& path) {
-  if (!dir.empty() && path.size() > dir.size() && path.compare(0, dir.size(), dir) == 0 &&
+// The file's name relative to the manifest's directory; nullopt for a file outside it (files
+// given one by one from several folders): the manifest has no entry for it, and none of its
+// entries (another file of the same name there) is its.
+std::optional<std::string> RelativeName(const std::string& dir, const std::string& path) {
+  if (dir.empty()) {
+    if (path.find('/') == std::string::npos) return path;
+    return std::nullopt;
+  }
+  if (path.size() > dir.size() && path.compare(0, dir.size(), dir) == 0 &&
       path[dir.size()] == '/') {
     return path.substr(dir.size() + 1);
   }
-  return std::filesystem::path(path).filename().string();
+  return std::nullopt;
 }
 
 std::string ManifestPathIn(const std::string& dir) {
@@ -234,6 +240,16 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_
   ChecksumManifest manifest;
   manifest.chunk_size = chunk_size;
   const std::string dir = DirectoryOf(ChecksumManifestPath(ckpt));
+  for (const FileInfo& info : ckpt.files()) {  // before any file is read
+    if (!RelativeName(dir, info.path)) {
+      return Status(Code::kInvalidArgument,
+                    info.path + ": not in " + json::Quote(dir.empty() ? "." : dir) +
+                        ", the folder of the checksum manifest (" +
+                        json::Quote(ManifestPathIn(dir)) +
+                        "): a manifest records the files of its own folder; checksum each "
+                        "folder's files on their own");
+    }
+  }
   for (uint32_t f = 0; f < ckpt.files().size(); ++f) {
     // What the file must hold: its own checksums (written by tensorferry), else the manifest's
     // entry. Digests of damaged bytes must not be recorded as the truth about the file. (A record
@@ -299,7 +315,7 @@ Result<ChecksumManifest> ComputeChecksumManifest(const Checkpoint& ckpt, uint64_
           return Status::Ok();
         }));
     for (auto& [name, sum] : entry.checksums.tensors) sum.digest = CombineChunkDigests(sum.chunks);
-    const std::string name = RelativeName(dir, path);
+    const std::string name = *RelativeName(dir, path);  // (checked above)
     if (!manifest.files.emplace(name, std::move(entry)).second) {
       return Status(Code::kInvalidArgument,
                     path + ": has the same name in the checksum manifest (" + json::Quote(name) +
@@ -316,7 +332,9 @@ Status WriteChecksumManifest(const Checkpoint& ckpt, const ChecksumManifest& man
     return Status(Code::kInvalidArgument, "a checkpoint of no file has no manifest");
   const std::string dir = DirectoryOf(path);
   std::set<std::string> ours;
-  for (const FileInfo& f : ckpt.files()) ours.insert(RelativeName(dir, f.path));
+  for (const FileInfo& f : ckpt.files()) {
+    if (std::optional<std::string> name = RelativeName(dir, f.path)) ours.insert(std::move(*name));
+  }
   // The entries of other files in the manifest already there (a folder of single-file
   // checkpoints shares one) are kept; this checkpoint's are replaced. Read, merged and written
   // back under the manifest's lock: another writer's entries written meanwhile are kept too.
@@ -391,8 +409,9 @@ Result<std::optional<FileChecksums>> ChecksumsForFile(const Checkpoint& ckpt, ui
   if (sums) {
     from = ChecksumSource::kEmbedded;
   } else if (manifest != nullptr) {
-    const std::string name = RelativeName(DirectoryOf(ChecksumManifestPath(ckpt)), info.path);
-    auto it = manifest->files.find(name);
+    const std::optional<std::string> name =
+        RelativeName(DirectoryOf(ChecksumManifestPath(ckpt)), info.path);
+    auto it = name ? manifest->files.find(*name) : manifest->files.end();
     if (it != manifest->files.end()) {
       if (it->second.size != info.file_size) {
         return Status(Code::kChecksumMismatch, info.path + ": the checksum manifest records " +

@@ -25,9 +25,10 @@ using ::tensorferry::testing::Pattern;
 using ::tensorferry::testing::ReadBytes;
 using ::tensorferry::testing::TempDir;
 
-Status WriteOne(const std::string& path, size_t bytes, unsigned seed) {
+Status WriteOne(const std::string& path, size_t bytes, unsigned seed,
+                const std::string& name = "w") {
   const auto data = Pattern(bytes, seed);
-  const std::vector<TensorToWrite> tensors = {{"w", DType::kU8, {bytes}, data, nullptr}};
+  const std::vector<TensorToWrite> tensors = {{name, DType::kU8, {bytes}, data, nullptr}};
   WriteOptions options;
   options.checksums = false;  // a third-party file: only the manifest can describe it
   options.sync = false;
@@ -140,6 +141,45 @@ TEST(ChecksumManifestRace, ASaveRenamesOnlyUnderTheManifestLock) {
 // `verify` pass again). The file is checked against its entry, in the manifest's chunk size (as
 // the digests are computed) or in another (a pass of its own); RecordedChecksums::kReplace
 // records a file changed on purpose.
+// Files given one by one from two folders: the manifest beside the first records none of the
+// other folder's files, and its entry for a file of the same name there is not theirs.
+TEST(ChecksumManifestCheck, FilesOfAnotherFolderAreNotTheManifests) {
+  TempDir root;
+  std::filesystem::create_directories(root.Join("a"));
+  std::filesystem::create_directories(root.Join("b"));
+  const std::string ax = root.Join("a/x.safetensors"), ay = root.Join("a/y.safetensors");
+  const std::string by = root.Join("b/y.safetensors");
+  ASSERT_TRUE(WriteOne(ax, 3000, 1, "x").ok());
+  ASSERT_TRUE(WriteOne(ay, 5000, 2, "y").ok());
+  ASSERT_TRUE(WriteOne(by, 5000, 3, "y").ok());  // the same names and size, other bytes
+  {
+    auto a = Checkpoint::OpenFiles(std::vector<std::string>{ax, ay}).ValueOrThrow();
+    ASSERT_TRUE(WriteChecksumManifest(*a, ComputeChecksumManifest(*a).ValueOrThrow()).ok());
+  }
+  const std::string sidecar = root.Join("a/" + std::string(kChecksumManifestName));
+  const std::string recorded = ReadBytes(sidecar);
+  auto mixed = Checkpoint::OpenFiles(std::vector<std::string>{ax, by}).ValueOrThrow();
+  ASSERT_EQ(mixed->files()[0].path, ax);
+  const Result<ChecksumManifest> m = ComputeChecksumManifest(*mixed);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), Code::kInvalidArgument) << m.status().ToString();
+  EXPECT_TRUE(Contains(m.status().message(), by + ": not in \"" + root.Join("a") + "\""))
+      << m.status().ToString();
+  EXPECT_EQ(ReadBytes(sidecar), recorded);
+  // b/y is checked against nothing (a/y's entry is not its), a/x against its entry.
+  ChecksumSource source = ChecksumSource::kEmbedded;
+  const auto manifest = ReadChecksumManifest(*mixed).ValueOrThrow();
+  ASSERT_TRUE(manifest.has_value());
+  auto for_by = ChecksumsForFile(*mixed, 1, &*manifest, &source);
+  ASSERT_TRUE(for_by.ok()) << for_by.status().ToString();
+  EXPECT_FALSE(for_by->has_value());
+  EXPECT_EQ(source, ChecksumSource::kNone);
+  auto for_ax = ChecksumsForFile(*mixed, 0, &*manifest, &source);
+  ASSERT_TRUE(for_ax.ok() && for_ax->has_value());
+  EXPECT_EQ(source, ChecksumSource::kManifest);
+  EXPECT_TRUE(VerifyCheckpointChecksums(*mixed).ok());
+}
+
 TEST(ChecksumManifestCheck, AFileTheManifestRecordsIsCheckedAgainstItsEntry) {
   TempDir dir;
   const std::string path = dir.Join("model.safetensors");

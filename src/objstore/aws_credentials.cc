@@ -47,8 +47,8 @@ bool HeaderSafe(std::string_view value) {
 std::string HttpProblem(const HttpResponse& r) {
   std::string out = "HTTP " + std::to_string(r.status);
   if (auto error = ParseS3Error(r.text)) {
-    out += " " + error->code;
-    if (!error->message.empty()) out += ": " + error->message;
+    out += " " + Excerpt(error->code, 80);
+    if (!error->message.empty()) out += ": " + Excerpt(error->message);
     return out;
   }
   const std::string excerpt = Excerpt(r.text);

@@ -51,6 +51,7 @@ struct Transfer {
   uint32_t timeout_ms = 0;
   bool stalled = false;
   bool too_slow = false;
+  bool text_cut = false;  // a body for `text` ran past request.text_limit: the transfer stopped
 };
 
 // The slowest transfer kept: fewer bytes than this a second, over a whole timeout_ms, abandon it
@@ -182,6 +183,17 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
   const size_t room =
       t->request->text_limit > r.text.size() ? t->request->text_limit - r.text.size() : 0;
   r.text.append(data, std::min(n, room));
+  if (n > room) {
+    // Past what is kept: the rest is not read (an endless or huge error page, or listing, would
+    // hold the request for as long as the server sends it; no transfer timeout bounds a body
+    // that keeps coming). An error is judged by what was kept; a 2xx answer is refused.
+    t->text_cut = true;
+    if (r.status >= 200 && r.status <= 299 && r.rejected.empty()) {
+      r.rejected = "the server sent more than the " + std::to_string(t->request->text_limit) +
+                   " bytes kept of such an answer";
+    }
+    return 0;  // aborts the transfer (CURLE_WRITE_ERROR)
+  }
   return n;
 }
 
@@ -341,6 +353,9 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
     c.easy_setopt(h, CURLOPT_PASSWORD, keys.secret_access_key.c_str());
   }
   c.easy_setopt(h, CURLOPT_HTTPHEADER, headers);
+  // The stall watchdog counts from here: fetching a token or keys above (STS, a credential
+  // process waiting for an MFA code, another thread's fetch) is not the transfer's silence.
+  t.last_byte = t.window_start = Clock::now();
   const CURLcode code = c.easy_perform(h);
   c.slist_free_all(headers);
   long status = 0;
@@ -375,6 +390,10 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
     response.curl_error = error[0] != '\0' ? error : c.easy_strerror(code);
     if (t.stalled) {
       response.curl_error = "stalled: no byte received for " + std::to_string(t.timeout_ms) + " ms";
+    }
+    if (t.text_cut) {
+      response.curl_error = "the body is longer than the " + std::to_string(request.text_limit) +
+                            " bytes kept: cut off";
     }
     if (t.too_slow) {
       response.curl_error = "too slow: fewer than " + std::to_string(kMinBytesPerSecond) +

@@ -939,6 +939,9 @@ UniqueFd ObjectCache::Lock(const Place& place, const CachedObject& object) {
     Clock::time_point changed = Clock::now();
     std::chrono::milliseconds pause{1};
     while ((e = Flock(lock.get(), LOCK_EX | LOCK_NB)) == EWOULDBLOCK) {
+      // This thread's load was cancelled: not waited for (the read goes to the store, which
+      // sees the cancel at once), however long the other download still takes.
+      if (io::CancelScope::Requested()) return UniqueFd();
       std::string now = FillProgress(place.tmp_dir, place.tmp_stem, incomplete, lock.get());
       if (now != seen) {
         seen = std::move(now);

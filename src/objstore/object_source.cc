@@ -142,10 +142,11 @@ Verdict Judge(const HttpResponse& r) {
   v.status = r.status;
   v.why = "HTTP " + std::to_string(r.status);
   if (std::optional<S3ErrorBody> e = ParseS3Error(r.text)) {
+    // (the server's text, shown shortened and without control characters)
     s3code = e->code;
-    v.why += " " + e->code;
-    if (!e->message.empty()) v.why += ": " + e->message;
-    if (!e->request_id.empty()) v.why += " (request id " + e->request_id + ")";
+    v.why += " " + Excerpt(e->code, 80);
+    if (!e->message.empty()) v.why += ": " + Excerpt(e->message);
+    if (!e->request_id.empty()) v.why += " (request id " + Excerpt(e->request_id, 80) + ")";
     if (e->code == "RequestTimeTooSkewed") {  // signed with this machine's clock: not retried
       v.why += " (this machine's clock is more than 15 minutes off the store's: set it right)";
     }
@@ -575,11 +576,14 @@ HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
     return answer;
   };
   HttpResponse r;
+  bool answered_directly = false;  // by the remembered target, without a redirect
   if (direct.empty()) {
     r = ask(origin);
   } else {
     r = ask(direct);
+    answered_directly = true;
     if (r.status == 401 || r.status == 403 || r.status == 404 || r.status == 410) {
+      answered_directly = false;
       {
         std::lock_guard<std::mutex> lock(direct_mu_);
         const auto it = direct_.find(origin);
@@ -597,6 +601,12 @@ HttpResponse ObjectSource::Fetch(const HttpClient& client, const Target& target,
   } else if (r.redirected_to.empty() && !direct.empty()) {
     if (r.linked_etag.empty()) r.linked_etag = known.linked_etag;
     if (r.repo_commit.empty()) r.repo_commit = known.repo_commit;
+  }
+  // A failure of the remembered target is named as a redirect's would be ("(redirected to
+  // ...)", redacted), not as the origin's, which was not asked (not remembered again: a 2xx
+  // only is).
+  if (answered_directly && r.redirected_to.empty() && (r.status < 200 || r.status > 299)) {
+    r.redirected_to = direct;
   }
   return r;
 }
@@ -793,9 +803,12 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
                         "the object opened (Last-Modified " +
                         modified + ", no ETag), so they are not used (" + what + ")");
     }
-    const bool other_etag = !etag.empty() && !r.etag.empty() && r.etag != etag;
-    const bool other_time = !modified.empty() && !r.last_modified.empty() &&
-                            r.last_modified != modified && r.status != 412;
+    // Validators of an answer with the object's bytes only: an error page (a proxy's 502 with an
+    // ETag of its own) says nothing about the object, and is judged (retried) as an error.
+    const bool object_answer = r.status >= 200 && r.status <= 299;
+    const bool other_etag = object_answer && !etag.empty() && !r.etag.empty() && r.etag != etag;
+    const bool other_time = object_answer && !modified.empty() && !r.last_modified.empty() &&
+                            r.last_modified != modified;
     if (r.status == 412 || other_etag || other_time ||
         (r.status == 206 && r.TotalSize() && *r.TotalSize() != size)) {
       std::string detail =
@@ -812,7 +825,10 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
                         " (" + what + ")");
     }
     received += r.body_bytes;
-    if (received == dst.size() && r.curl_code == 0 && r.rejected.empty()) return Status::Ok();
+    // Every byte, checked against the version opened: done, also when the transfer failed after
+    // the last one (a stream reset after the last frame, a lost end of a chunked body); asking
+    // again would ask for an empty, inverted range.
+    if (received == dst.size() && r.rejected.empty()) return Status::Ok();
     if (r.cancelled) return CancelledRead(target.name, what);
     if (r.status == 206 && r.curl_code == 0 && r.rejected.empty() && r.body_bytes > 0) {
       // A well-formed 206 for the start of the range asked (a server or gateway that caps its
@@ -888,7 +904,19 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
       found.key = o.key;
       out.push_back(found.ToString());
     }
-    if (!listed->truncated || listed->next_token.empty()) break;
+    if (!listed->truncated) break;
+    if (listed->next_token.empty()) {
+      // (a server answering in ListObjects version 1's way, with a NextMarker: the rest of the
+      // listing cannot be asked for, and a partial listing would pass for the whole)
+      return Status(Code::kIoError,
+                    target.name +
+                        ": listing "
+                        " + prefix + "
+                        ": page " +
+                        std::to_string(page + 1) +
+                        " is truncated but carries no NextContinuationToken (does the store "
+                        "answer ListObjectsV2?); the rest of the listing cannot be asked for");
+    }
     if (!tokens.insert(listed->next_token).second) {
       return Status(Code::kIoError, target.name + ": listing \"" + prefix + "\": the store gave " +
                                         "the same continuation token twice (page " +
@@ -1239,7 +1267,7 @@ Result<std::unique_ptr<SourceFile>> OpenObject(const std::string& url,
                                                const ObjectStoreOptions& options) {
   if (!IsObjectUrl(url)) {
     return Status(Code::kInvalidArgument,
-                  "\"" + url + "\" is not an s3://, gs://, http:// or https:// URL");
+                  "\"" + RedactUrl(url) + "\" is not an s3://, gs://, http:// or https:// URL");
   }
   TF_ASSIGN_OR_RETURN(std::shared_ptr<Source> source, MakeObjectSource(options));
   // The file keeps its source alive (ObjectFile holds it).

@@ -335,13 +335,20 @@ def test_selected_tensors_transfer_their_bytes_only(stores):
 @contextlib.contextmanager
 def answering(respond):
     """An HTTP server on loopback whose every GET is answered by respond(path) -> (status,
-    {header: value}, body); yields its URL."""
+    {header: value}, body); yields its URL. respond may instead return a callable, called with
+    the request handler to answer in its own way (raw bytes on handler.wfile)."""
     import http.server
     import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_GET(self):
-            status, headers, body = respond(self.path)
+            answer = respond(self.path)
+            if callable(answer):
+                answer(self)
+                return
+            status, headers, body = answer
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)
@@ -383,6 +390,143 @@ def test_a_listing_that_repeats_its_token_ends_with_an_error():
         with pytest.raises(OSError, match="the same continuation token twice"):
             tensorferry.Loader("s3://b/p", storage_options=opts)
     assert len(lists) == 2, lists
+
+def test_a_truncated_listing_without_a_token_is_an_error():
+    """A page that says it is truncated but gives no NextContinuationToken (a server answering
+    in ListObjects version 1's way) would end the listing early, its other files silently left
+    out: an error naming the listing instead."""
+    page = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name>'
+            b'<Prefix>p/</Prefix><KeyCount>1</KeyCount><IsTruncated>true</IsTruncated>'
+            b'<NextMarker>p/a.safetensors</NextMarker><Contents>'
+            b'<Key>p/a.safetensors</Key><Size>16</Size></Contents></ListBucketResult>')
+    missing = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+               b'<Message>no</Message></Error>')
+
+    def respond(path):
+        if "list-type=2" not in path:
+            return 404, {"Content-Type": "application/xml"}, missing
+        return 200, {"Content-Type": "application/xml"}, page
+
+    with answering(respond) as url:
+        opts = {"s3_endpoint": url, "s3_anonymous": "1", "object_retries": 0}
+        with pytest.raises(OSError, match="truncated but carries no NextContinuationToken"):
+            tensorferry.Loader("s3://b/p", storage_options=opts)
+
+
+@pytest.mark.timeout(120)
+def test_an_endless_error_body_is_cut_off(tmp_path):
+    """A 503 whose body never ends (sent as fast as the client takes it: no stall, no slow
+    transfer) is read up to what is kept of an error and no further, then retried; the load
+    completes byte-exact."""
+    tensorferry.torch.save_file({"w": torch.arange(50_000, dtype=torch.float32)},
+                                str(tmp_path / "m.safetensors"))
+    data = (tmp_path / "m.safetensors").read_bytes()
+    answered = {"endless": 0, "ranges": 0}
+
+    def endless(handler):
+        answered["endless"] += 1
+        handler.send_response(503)
+        handler.send_header("Content-Type", "application/xml")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        chunk = b"<Error><Code>SlowDown</Code><Message>" + b"x" * 65536 + b"</Message></Error>"
+        framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+        until = time.monotonic() + 60  # endless, as far as the client can tell
+        try:
+            while time.monotonic() < until:
+                handler.wfile.write(framed)
+        except OSError:
+            pass  # the client hung up: what it should do
+        handler.close_connection = True
+
+    def respond(path):
+        if "m.safetensors" not in path:
+            return 404, {}, b""
+        answered["ranges"] += 1
+        if answered["ranges"] == 3:  # a data read (the open took the first)
+            return endless
+
+        def ranged(handler):
+            first, last = map(int, handler.headers["Range"].split("=")[1].split("-"))
+            last = min(last, len(data) - 1)
+            body = data[first:last + 1]
+            handler.send_response(206)
+            handler.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+            handler.send_header("Content-Length", str(len(body)))
+            handler.send_header("ETag", '"v1"')
+            handler.end_headers()
+            handler.wfile.write(body)
+        return ranged
+
+    with answering(respond) as url:
+        opts = {"object_header_bytes": 4096, "object_part_size": "64KiB", "object_concurrency": 1,
+                "object_timeout_ms": 30000}
+        start = time.monotonic()
+        with tensorferry.Loader(f"{url}/m.safetensors", storage_options=opts) as loader:
+            got = loader.load()
+            retries = loader.stats.remote_retries
+        seconds = time.monotonic() - start
+    assert answered["endless"] == 1
+    assert retries >= 1
+    assert torch.equal(got["w"], torch.arange(50_000, dtype=torch.float32))
+    assert seconds < 30, seconds
+
+
+def test_a_transfer_that_fails_after_its_last_byte_is_not_asked_again(tmp_path):
+    """A ranged GET whose every byte arrived before the transfer failed (a chunked 206 whose end
+    never came, then a reset) is complete: no request for the empty, inverted range that is left
+    (which nginx answers 416, and a server ignoring an invalid Range with the whole object)."""
+    import socket
+    import struct
+
+    tensorferry.torch.save_file({"w": torch.arange(50_000, dtype=torch.float32)},
+                                str(tmp_path / "m.safetensors"))
+    data = (tmp_path / "m.safetensors").read_bytes()
+    asked = []
+
+    def respond(path):
+        if "m.safetensors" not in path:
+            return 404, {}, b""
+
+        def ranged(handler):
+            spec = handler.headers["Range"].split("=")[1]
+            asked.append(spec)
+            first, last = map(int, spec.split("-"))
+            if first > last:
+                handler.send_response(416)
+                handler.send_header("Content-Range", f"bytes */{len(data)}")
+                handler.send_header("Content-Length", "0")
+                handler.end_headers()
+                return
+            last = min(last, len(data) - 1)
+            body = data[first:last + 1]
+            handler.send_response(206)
+            handler.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+            handler.send_header("ETag", '"v1"')
+            if len(asked) == 2:  # the first data read: every byte, then no end and a reset
+                handler.send_header("Transfer-Encoding", "chunked")
+                handler.end_headers()
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(body), body))
+                handler.wfile.flush()
+                time.sleep(0.2)
+                handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                              struct.pack("ii", 1, 0))
+                handler.close_connection = True
+                handler.connection.close()
+                return
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+        return ranged
+
+    with answering(respond) as url:
+        opts = {"object_header_bytes": 4096, "object_concurrency": 1, "object_retries": 2}
+        with tensorferry.Loader(f"{url}/m.safetensors", storage_options=opts) as loader:
+            got = loader.load()
+    assert torch.equal(got["w"], torch.arange(50_000, dtype=torch.float32))
+    inverted = [a for a in asked if int(a.split("-")[0]) > int(a.split("-")[1])]
+    assert not inverted, asked
+
 
 def test_a_server_that_ignores_ranges_is_named_so(tmp_path):
     """Python's http.server answers every GET with the whole file (HTTP 200): the error says the

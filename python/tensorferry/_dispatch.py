@@ -508,11 +508,15 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     for g in groups:
         if g.target is not None:
             put(g)
+    moved = {}  # one buffer registered under several names is moved once, and stays shared
     for name, b in transient:
         module, leaf = _owner(model, name)
         device = _device_for(name, resolved, required=False) if resolved is not None else None
         if device is not None:  # not in state dicts: a map need not place it (as accelerate)
-            module._buffers[leaf] = b.to(device)
+            key = (id(b), device)
+            if key not in moved:
+                moved[key] = b.to(device)
+            module._buffers[leaf] = moved[key]
 
     _init_missing(model, missing, init_missing)
 
@@ -534,8 +538,13 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         del views
     mapped_ids = {id(g) for g in mapped}
     reading = [g for g in present if id(g) not in mapped_ids]
-    direct = {g.source: g.target.data for g in reading if g.target.dtype == g.file_dtype}
-    converted = [g for g in reading if g.target.dtype != g.file_dtype]
+    # Read in place (load_into): same dtype, in host or CUDA memory. The rest (a dtype change, or
+    # another accelerator: XPU, NPU, MPS, which load_into cannot write) is streamed and copied.
+    in_place = [g for g in reading
+                if g.target.dtype == g.file_dtype and g.target.device.type in ("cpu", "cuda")]
+    direct = {g.source: g.target.data for g in in_place}
+    in_place_ids = {id(g) for g in in_place}
+    converted = [g for g in reading if id(g) not in in_place_ids]
     if direct:
         with Loader(checkpoint, progress=progress, **loader_kw) as loader:
             loader.load_into(direct)
@@ -549,7 +558,10 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             # batch would hold the file's copy of them all beside them.
             held = budget if budget is not None else max(
                 _CONVERT_BUDGET, 2 * max(described[g.source].bytes for g in gs))
-            with Loader(checkpoint, device=device, budget=held, allow_oversized=True,
+            # Batches on the target's device where tensorferry reads to it (CPU, CUDA: a dtype
+            # change there is done by the device), else in host memory, copied over.
+            read_on = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+            with Loader(checkpoint, device=read_on, budget=held, allow_oversized=True,
                         select=list(targets),
                         progress=progress, **loader_kw) as loader:
                 for batch in loader.iter_batches():

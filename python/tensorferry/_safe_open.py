@@ -2,6 +2,7 @@
 import errno
 import os
 import re
+import threading
 import weakref
 
 from . import _core, _frameworks, _slicing
@@ -172,6 +173,7 @@ class safe_open:
         self._reader = open_file(filename, options)
         self._closed = False
         self._slices = 0  # live get_slice results (_track): they keep the file open
+        self._slices_lock = threading.Lock()
 
     def __enter__(self):
         return self
@@ -182,21 +184,28 @@ class safe_open:
     def close(self):
         """Closes the file. Tensors already returned stay valid, and so do slices (get_slice):
         the file is closed when the last of them goes, as safetensors keeps it."""
-        if not self._closed:
+        with self._slices_lock:
+            if self._closed:
+                return
             self._closed = True
-            if not self._slices:
-                self._reader.close()
+            last = not self._slices
+        if last:
+            self._reader.close()
 
     def _track(self, piece):
         """Counts `piece` (a get_slice result) as holding the file open until it goes: the file
-        (its descriptor) is closed when the handle is closed and its last slice has gone."""
-        self._slices += 1
+        (its descriptor) is closed when the handle is closed and its last slice has gone. (The
+        count is locked: a slice's finalizer runs on whichever thread drops it last.)"""
+        with self._slices_lock:
+            self._slices += 1
         weakref.finalize(piece, self._slice_gone)
         return piece
 
     def _slice_gone(self):
-        self._slices -= 1
-        if self._closed and not self._slices:
+        with self._slices_lock:
+            self._slices -= 1
+            last = self._closed and not self._slices
+        if last:
             self._reader.close()
 
     def _open_reader(self):

@@ -367,9 +367,12 @@ class safe_open(_safe_open):
         if views is None:
             with self._map_lock:
                 if self._pending is not None:  # the read onto the device: wait for it once
-                    self._views = self._pending.get()  # what the read raised, every time
+                    read = self._pending.get()  # what the read raised, every time
                     self._pending = None
-                    self._on_device = self._views is not None
+                    # _on_device before _views: a thread that finds _views set without the
+                    # lock must find _on_device true with it (or it would not pop the tensor).
+                    self._on_device = read is not None
+                    self._views = read
                 if self._views is None:
                     try:
                         # backend="mmap" maps whatever the file system; else the mapping
@@ -435,6 +438,10 @@ class _MappedSlice(_Slice):
         if self._owner._closed:  # the slice outlives its file handle: read through its reader
             return super().__getitem__(index)
         whole = _whole(index)
+        if not whole and self._dtype == "F4":
+            # Indexed in the file's 4-bit elements (_slicing.packed_index), not in the packed
+            # pairs a mapped view holds: the reader's way.
+            return super().__getitem__(index)
         view = self._owner._view(self._name, whole)
         if view is None:
             return super().__getitem__(index)

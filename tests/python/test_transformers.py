@@ -408,6 +408,28 @@ def test_to_device_hands_each_tensor_out_once_and_reads_it_again_after(tmp_path,
 
 @pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"),
                     reason="this torch has no float4_e2m1fn_x2 (F4 tensors)")
+def test_mapped_float4_slices_index_4_bit_values(tmp_path):
+    """The mapping route's slices of an F4 tensor are indexed as tensorferry.safe_open's are, in
+    the file's 4-bit values (get_shape()), not in the packed pairs the mapped view holds."""
+    f4 = torch.float4_e2m1fn_x2
+    packed = torch.arange(24, dtype=torch.uint8).view(f4).reshape(4, 6)
+    path = str(tmp_path / "f4.safetensors")
+    tensorferry.torch.save_file({"w": packed}, path)
+    with tft.safe_open(path, framework="pt") as f, tensorferry.safe_open(path, "pt") as g:
+        sl, ref = f.get_slice("w"), g.get_slice("w")
+        assert sl.get_shape() == ref.get_shape() == [4, 12]
+        for index in [(slice(None), slice(6, 12)), (slice(None), slice(0, 6)), (1,),
+                      (slice(1, 3), slice(2, 10)), (Ellipsis,)]:
+            got, want = sl[index], ref[index]
+            assert got.dtype == want.dtype == f4, index
+            assert tuple(got.shape) == tuple(want.shape), index
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), index
+        with pytest.raises(tensorferry.InvalidArgumentError, match="splits a byte"):
+            sl[:, 1:3]
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"),
+                    reason="this torch has no float4_e2m1fn_x2 (F4 tensors)")
 def test_to_device_reads_float4_at_torchs_packed_shape(tmp_path, to_device_route):
     """An F4 header counts 4-bit values ([2, 8]); torch's float4_e2m1fn_x2 counts packed pairs
     ([2, 4]): the device route allocates torch's shape and gives the file's bytes, as the mapped

@@ -384,14 +384,15 @@ class TorchCheckpointOpener {
                           std::to_string(s.pickle_offset) + ") has no entry " + json::Quote(entry));
       }
       if (zip.entries()[*index].size != s.nbytes) {
-        return Status(Code::kTorchMissingStorage,
-                      path + ": entry " + json::Quote(entry) + " holds " +
-                          std::to_string(zip.entries()[*index].size) + " bytes but its storage (" +
-                          std::to_string(s.numel) + " x " +
-                          std::string(convert::TorchDtypes()[s.dtype].storage_name.empty()
-                                          ? "UntypedStorage"
-                                          : convert::TorchDtypes()[s.dtype].storage_name) +
-                          ") needs " + std::to_string(s.nbytes));
+        return Status(
+            Code::kTorchMissingStorage,
+            path + ": entry " + json::Quote(entry) + " holds " +
+                std::to_string(zip.entries()[*index].size) + " bytes but its storage (" +
+                std::to_string(s.numel) + " x " +
+                std::string(s.untyped || convert::TorchDtypes()[s.dtype].storage_name.empty()
+                                ? "UntypedStorage"
+                                : convert::TorchDtypes()[s.dtype].storage_name) +
+                ") needs " + std::to_string(s.nbytes));
       }
       AddStorage(s, file_index);
       impl_.locations.push_back({*index, 0});
@@ -453,6 +454,7 @@ class TorchCheckpointOpener {
         if (d == nullptr) {
           return Status(Code::kTorchLegacyInvalid, path + ": legacy system info is not a dict");
         }
+        bool little_endian = false;  // torch always writes it: a file without is not read
         for (size_t k = 0; k + 1 < d->items.size(); k += 2) {
           const Object* key = x.As(d->items[k], Kind::kStr);
           if (key != nullptr && key->str == "little_endian") {
@@ -462,7 +464,12 @@ class TorchCheckpointOpener {
                                 ": saved on a big-endian machine in the legacy format; not "
                                 "supported");
             }
+            little_endian = true;
           }
+        }
+        if (!little_endian) {
+          return Status(Code::kTorchLegacyInvalid,
+                        path + ": the legacy system info does not say little_endian: True");
         }
       } else if (i == 4) {
         const Object* list = x.As(x.root, Kind::kList);
@@ -655,6 +662,19 @@ class TorchCheckpointOpener {
     }
 
     Status Walk(const Value& v, const std::string& name, uint32_t depth) {
+      TF_RETURN_IF_ERROR(Charge(name));
+      if (depth > o.options_.limits.max_depth) {
+        return Status(Code::kPickleLimitExceeded,
+                      info.path + ": " + json::Quote(name) +
+                          " is nested deeper than TorchLimits::max_depth (" +
+                          std::to_string(o.options_.limits.max_depth) + ")");
+      }
+      return WalkCharged(v, name, depth);
+    }
+
+    // Counts one name that flattening makes (a value walked, or an entry recorded for an item
+    // whose key has no name) against TorchLimits::max_entries and the names' byte budget.
+    Status Charge(const std::string& name) {
       // Shared sub-dicts are walked once per name that reaches them, which a crafted DAG could
       // make exponential: every visit counts.
       if (++o.visits_ > o.options_.limits.max_entries) {
@@ -674,12 +694,10 @@ class TorchCheckpointOpener {
                           "the pickle's size; a container shared under many names?), at " +
                           json::Quote(name.substr(0, 200)));
       }
-      if (depth > o.options_.limits.max_depth) {
-        return Status(Code::kPickleLimitExceeded,
-                      info.path + ": " + json::Quote(name) +
-                          " is nested deeper than TorchLimits::max_depth (" +
-                          std::to_string(o.options_.limits.max_depth) + ")");
-      }
+      return Status::Ok();
+    }
+
+    Status WalkCharged(const Value& v, const std::string& name, uint32_t depth) {
       if (v.tag == Tag::kRef) {
         const Object& obj = r.objects[v.ref];
         if (obj.kind == Kind::kTensor) return AddTensor(obj, name);
@@ -732,7 +750,11 @@ class TorchCheckpointOpener {
                 std::string why = "its key is a ";
                 why += key_type;
                 why += ", which has no name";
-                o.AddValue(Join(name, label), convert::PyTypeName(r, obj.items[value_of[i]]), "",
+                // An entry made per visit, as a walked value is: charged the same (a dict of
+                // such items shared under many names would make entries without bound).
+                std::string entry = Join(name, label);
+                TF_RETURN_IF_ERROR(Charge(entry));
+                o.AddValue(std::move(entry), convert::PyTypeName(r, obj.items[value_of[i]]), "",
                            std::move(why), file_index);
                 continue;
               }

@@ -389,6 +389,42 @@ TEST(TorchCheckpoint, SharedGraphsCannotBlowUp) {
       << (*c)->values()[4999].note;
 }
 
+// Items whose keys have no name (a tuple) are recorded as entries, one per visit of their dict:
+// a dict of many such items shared under many names is charged as walked values are, not free
+// (1000 items x 10000 names would be 10^7 entries from a 90 KB pickle).
+TEST(TorchCheckpoint, UnnamedKeysOfASharedDictAreCharged) {
+  PickleBuilder p;
+  p.Proto(2).EmptyTuple().Put(0).Op('0');
+  p.EmptyDict().Mark();
+  for (int i = 0; i < 1000; ++i) p.Get(0).None();
+  p.SetItems().Put(1).Op('0');
+  p.EmptyDict().Mark();
+  for (int i = 0; i < 10000; ++i) {
+    std::string key = "k";
+    key += std::to_string(i);
+    p.Str(key).Get(1);
+  }
+  p.SetItems().Stop();
+  MemoryEnv env;
+  env.AddFile("m.pt", MakeTorchZip(p.bytes(), {}));
+  const auto start = std::chrono::steady_clock::now();
+  auto r = OpenIn(env, "m.pt");
+  EXPECT_TRUE(Fails(r.status(), Code::kPickleLimitExceeded,
+                    "flatten_base + flatten_per_pickle_byte x the pickle's size"))
+      << r.status().ToString();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
+  // One visit of such a dict is fine: its items are listed as values that have no name.
+  PickleBuilder once;
+  once.Proto(2).EmptyDict().Mark().Str("d").EmptyDict().Mark();
+  once.EmptyTuple().Int(1).Str("w").Int(2);
+  once.SetItems().SetItems().Stop();
+  MemoryEnv env2;
+  env2.AddFile("m.pt", MakeTorchZip(once.bytes(), {}));
+  auto c = OpenIn(env2, "m.pt");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ((*c)->values().size(), 2u);
+}
+
 TEST(TorchCheckpoint, FlatteningASharedDagIsBoundedByThePicklesSize) {
   // A 59-level shared dict of ~1 KB (2^59 names): refused after a bounded amount of names, by
   // the limit proportional to the pickle (the default max_entries would allow 4M names, ~700 MB).

@@ -165,6 +165,11 @@ Result<std::unique_ptr<ZipReader>> ZipReader::Open(const RandomAccessFile& file,
                                          std::to_string(max_entries));
   }
   reader->entries_.reserve(static_cast<size_t>(n));
+  // Entries whose data overlap (each valid alone: libzip's consistency check compares headers,
+  // not extents) could make a small archive hold terabytes of storages: every entry takes its
+  // local header (30 bytes and its name at least) and its data in the archive, and together
+  // they fit in it.
+  uint64_t occupied = 0;
   for (zip_int64_t i = 0; i < n; ++i) {
     zip_stat_t st;
     if (zip_stat_index(za, static_cast<zip_uint64_t>(i), ZIP_FL_ENC_RAW, &st) != 0 ||
@@ -197,6 +202,14 @@ Result<std::unique_ptr<ZipReader>> ZipReader::Open(const RandomAccessFile& file,
       return Status(Code::kZipInvalid, where + std::to_string(e.size) + " bytes compressed into " +
                                            std::to_string(e.compressed_size) +
                                            ", more than deflate's largest " + "ratio (1032:1)");
+    }
+    occupied += 30 + e.name.size() + e.compressed_size;  // each term below the archive's size
+    if (occupied > src.size) {
+      return Status(Code::kZipInvalid,
+                    file.path() + ": the zip archive's entries up to " +
+                        json::Quote(e.name.substr(0, 200)) + " take " + std::to_string(occupied) +
+                        " bytes or more (local headers and data), more than the archive's " +
+                        std::to_string(src.size) + ": their data overlap");
     }
     reader->entries_.push_back(std::move(e));
   }

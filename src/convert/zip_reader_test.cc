@@ -211,6 +211,71 @@ TEST(ZipReader, CheckEntryReadChecksOneEntry) {
   EXPECT_EQ(z.CheckEntriesRead().code(), Code::kZipBadEntry);
 }
 
+// Entries whose data overlap: "a"'s data is "b"'s local header and data, so "b"'s bytes are read
+// twice (each entry valid alone: its own local header, its CRC). Many such entries would let a
+// small archive claim terabytes of storages: refused at open.
+TEST(ZipReader, RefusesEntriesWhoseDataOverlap) {
+  const auto le = [](std::string& out, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  const auto local = [&](const std::string& name, const std::string& data) {
+    std::string h;
+    le(h, 0x04034b50, 4);
+    le(h, 20, 2);
+    le(h, 0, 2);
+    le(h, 0, 2);  // stored
+    le(h, 0, 4);  // time, date
+    le(h, testing::Crc32(data), 4);
+    le(h, data.size(), 4);
+    le(h, data.size(), 4);
+    le(h, name.size(), 2);
+    le(h, 0, 2);
+    return h + name;
+  };
+  const auto central = [&](const std::string& name, const std::string& data, uint64_t offset) {
+    std::string c;
+    le(c, 0x02014b50, 4);
+    le(c, 20, 2);
+    le(c, 20, 2);
+    le(c, 0, 2);
+    le(c, 0, 2);
+    le(c, 0, 4);
+    le(c, testing::Crc32(data), 4);
+    le(c, data.size(), 4);
+    le(c, data.size(), 4);
+    le(c, name.size(), 2);
+    le(c, 0, 2);
+    le(c, 0, 2);
+    le(c, 0, 2);
+    le(c, 0, 2);
+    le(c, 0, 4);
+    le(c, offset, 4);
+    return c + name;
+  };
+  const std::string b_data(4096, 'b');
+  const std::string b = local("b", b_data) + b_data;  // at offset 31
+  const std::string a_data = b;                       // a's data: b's header and data
+  std::string zip = local("a", a_data) + b;
+  const uint64_t cd_offset = zip.size();
+  const std::string cd = central("a", a_data, 0) + central("b", b_data, 31);
+  zip += cd;
+  le(zip, 0x06054b50, 4);
+  le(zip, 0, 2);
+  le(zip, 0, 2);
+  le(zip, 2, 2);
+  le(zip, 2, 2);
+  le(zip, cd.size(), 4);
+  le(zip, cd_offset, 4);
+  le(zip, 0, 2);
+  MemoryEnv env;
+  std::unique_ptr<RandomAccessFile> file;
+  auto opened = OpenBytes(env, zip, file);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), Code::kZipInvalid) << opened.status().ToString();
+  EXPECT_NE(opened.status().message().find("their data overlap"), std::string::npos)
+      << opened.status().ToString();
+}
+
 // A set cancel flag stops the re-read with kCancelled and leaves the entry unchecked: a later
 // check without the flag still reads it and finds its bad CRC.
 TEST(ZipReader, CheckEntryReadStopsWhenCancelled) {

@@ -180,7 +180,7 @@ NB_MODULE(_core, m) {
   m.def("set_mapping_leases", [](bool enabled) { SetMappingLeases(enabled); });
   m.def(
       "copy_to_host",
-      [](nb::ndarray<> array) {
+      [](nb::ndarray<nb::c_contig> array) {  // (a strided view's bytes are not one range)
         // The bytes of any DLPack array, host or CUDA (a synchronous cudaMemcpy for device memory):
         // lets tests check what was exported without a CUDA-enabled framework.
         const size_t n = array.nbytes();

@@ -267,6 +267,7 @@ void Reader::Stream(const std::optional<std::vector<std::string>>& names, int fr
   {
     WithoutGil release;
     Lock lock(*this);
+    cancel_->store(false);  // an earlier load's cancel (an iteration left early, Ctrl-C) is over
     Loader& loader = EnsureLoader();
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
     status = loader.Stream(selection, [&](Batch batch) -> Status {
@@ -277,6 +278,9 @@ void Reader::Stream(const std::optional<std::vector<std::string>>& names, int fr
         callback(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
       } catch (nb::python_error& e) {
         raised.emplace(std::move(e));
+        // The batch read ahead is abandoned within a chunk, not read to its end before the
+        // exception (Ctrl-C included) comes out.
+        cancel_->store(true);
         return Status(Code::kInternal, "the stream callback raised an exception");
       }
       return Status::Ok();
@@ -343,6 +347,9 @@ nb::dict Reader::Engine() {
   LoadStats s;
   {
     WithoutGil release;
+    // The loader is made, read and closed under the lock (close() on another thread); as a step,
+    // so that an iteration in progress does not make this refuse.
+    Lock lock(*this, /*step=*/true);
     s = EnsureLoader().stats();
   }
   nb::dict out;

@@ -190,6 +190,16 @@ def test_stream_callback(tiny_checkpoint, reference, sizes):
     assert calls == [0]
     with pytest.raises(tensorferry.InvalidArgumentError, match="busy"):
         loader.stream(lambda b: loader.load())  # re-entering its own loader
+    # A callback that raised cancelled that stream; the next one starts afresh, as does one
+    # after an iteration left early (its close cancels its reads).
+    again = []
+    loader.stream(lambda b: again.append(b.index))
+    assert again == list(range(batches[0][1]))
+    for _ in loader.iter_batches():
+        break
+    after_break = []
+    loader.stream(lambda b: after_break.append(sorted(b.tensors)))
+    assert sorted(n for names in after_break for n in names) == sorted(reference)
 
 
 def test_busy_and_close_during_iteration(tiny_checkpoint, reference, sizes):

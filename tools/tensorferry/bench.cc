@@ -512,6 +512,13 @@ void RunCold(const BenchArgs& args, const std::string& self,
     if (fio < 0) {
       if (r == 0) out.notes.push_back(why + ": storage limit from the internal O_DIRECT reader");
       fio = DirectRead(files);
+      if (fio < 0) {  // no O_DIRECT here either (tmpfs before Linux 6.6): no figure, a note
+        if (r == 0)
+          out.notes.push_back(
+              "the internal O_DIRECT reader cannot open the files: no "
+              "storage limit measured");
+        continue;
+      }
       out.results["ref: storage limit (O_DIRECT reader)"].values.push_back(fio);
     } else {
       out.results["ref: storage limit (fio O_DIRECT)"].values.push_back(fio);
@@ -604,6 +611,14 @@ int RunBench(const BenchArgs& args) {
   Result<std::shared_ptr<const Checkpoint>> checkpoint = OpenCheckpoint(args.path);
   if (!checkpoint.ok()) return Failed(args.json, args.path, checkpoint.status());
   const Checkpoint& ckpt = **checkpoint;
+  // An hf:// path not in the local hub cache opens its files on the hub: not local storage.
+  if (!ckpt.files().empty() && ckpt.files()[0].path.find("://") != std::string::npos) {
+    return UsageError(Shown(args.path) + ": its files are read from " +
+                      Shown(ckpt.files()[0].path) +
+                      ", not local storage: bench measures local storage (engines, page cache, "
+                      "fio); for a remote checkpoint use `tensorferry load PATH --repeat N "
+                      "--json`");
+  }
   std::vector<std::string> files;
   std::vector<Region> regions;
   uint64_t total = 0;

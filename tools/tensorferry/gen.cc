@@ -27,6 +27,7 @@
 #include "json_out.h"
 #include "tensorferry/format.h"
 #include "tensorferry/integrity.h"
+#include "tensorferry/json.h"
 #include "tensorferry/writer.h"
 
 namespace tensorferry::cli {
@@ -546,6 +547,7 @@ Command AddGenCommand(CLI::App& parent) {
               return "'" + std::string(kChecksumsMetadataKey) +
                      "' is the writer's own checksum record, not a key to set";
             }
+            if (!IsValidUtf8(s)) return "not valid UTF-8 (a header holds JSON text)";
             return "";
           },
           "KEY=VALUE"))

@@ -430,6 +430,17 @@ bool Reshard(const ReshardArgs& a, const ShardOptions& so, const ShardSpec& spec
   out.tensors = ckpt.tensors().size();
   out.world = a.tp == 0 ? 1 : a.tp;
   out.max_shard_size = so.max_shard_size;
+  if (a.tp > 0) {
+    // Rules that cannot split the checkpoint this many ways fail here, before the destination's
+    // rank folders are checked one by one (a --tp of billions would check for ever).
+    TensorParallelOptions first;
+    first.spec = spec;
+    first.rank = 0;
+    first.world = out.world;
+    if (Result<Description> d = DescribeSelection(ckpt, Selection::All(), &first); !d.ok()) {
+      return Fail(failure, a.src, d.status());
+    }
+  }
   std::optional<DirectoryTransaction> dst = PrepareDestination(a, out.world, failure);
   if (!dst) return false;
   // The writer computes new checksums over what it reads: a corrupt source would come out
@@ -524,7 +535,8 @@ Command AddReshardCommand(CLI::App& parent) {
       "files with --max-shard-size");
   AddCheckpointPath(*app, args->src, "src");
   app->add_option("dst", args->dst, "Output directory")->required();
-  app->add_option("--tp", args->tp, "Number of tensor-parallel ranks");
+  app->add_option("--tp", args->tp, "Number of tensor-parallel ranks (a folder each)")
+      ->check(CLI::Range(0u, 65536u));
   app->add_option("--rules", args->rules,
                   "Shard rules, a JSON file (shard.h schema; default: the builtin rules)");
   app->add_option("--max-shard-size", args->max_shard_size,

@@ -211,8 +211,10 @@ Result<std::unique_ptr<ZipReader>> ZipReader::Open(const RandomAccessFile& file,
                         " bytes or more (local headers and data), more than the archive's " +
                         std::to_string(src.size) + ": their data overlap");
     }
+    if (e.method != ZIP_CM_STORE || e.encrypted) reader->skip_budget_ += 8 * e.size;
     reader->entries_.push_back(std::move(e));
   }
+  reader->skip_budget_ += uint64_t{256} << 20;
   reader->checked_.assign(reader->entries_.size(), 0);
   reader->by_name_.reserve(reader->entries_.size());
   for (size_t i = 0; i < reader->entries_.size(); ++i) {
@@ -402,7 +404,19 @@ Status ZipReader::ReadAt(size_t index, uint64_t offset, std::span<std::byte> out
   // Compressed: read forward to `offset`.
   std::byte skip[16384];
   while (c.pos < offset) {
-    TF_RETURN_IF_ERROR(read_exactly(skip, std::min<uint64_t>(sizeof skip, offset - c.pos)));
+    const uint64_t n = std::min<uint64_t>(sizeof skip, offset - c.pos);
+    skipped_ += n;
+    if (skipped_ > skip_budget_) {
+      cursor_.reset();
+      return EntryError(
+          index,
+          "is compressed and read out of order: reaching byte " + std::to_string(offset) +
+              " would make the reads inflate more than " + std::to_string(skip_budget_) +
+              " bytes only to skip them (8 x the compressed entries' sizes + 256 MiB); save the "
+              "checkpoint uncompressed (torch.save stores its entries) or convert it in order",
+          nullptr);
+    }
+    TF_RETURN_IF_ERROR(read_exactly(skip, n));
   }
   TF_RETURN_IF_ERROR(read_exactly(out.data(), out.size()));
   if (c.pos == e.size) {

@@ -50,11 +50,12 @@ class ZipReader {
   // unknown compression, larger than max_size), kIoError.
   Result<std::string> ReadAll(size_t index, uint64_t max_size);
 
-  // Bytes [offset, offset + out.size()) of the entry. When an entry has been read from its start
-  // to its end in order (the usual way, chunk after chunk), the read that reaches the end also
-  // checks the entry's CRC-32; CheckEntriesRead checks the others.
-  // Errors: kInvalidArgument (range outside the entry), kZipBadEntry (CRC mismatch included),
-  // kIoError.
+  // Bytes [offset, offset + out.size()) of the entry (a compressed entry read behind its last
+  // read is inflated again from its start: kZipBadEntry once such skipping has inflated more than
+  // 8 x the archive's compressed entries' sizes + 256 MiB). When an entry has been read from its
+  // start to its end in order (the usual way, chunk after chunk), the read that reaches the end
+  // also checks the entry's CRC-32; CheckEntriesRead checks the others. Errors: kInvalidArgument
+  // (range outside the entry), kZipBadEntry (CRC mismatch included), kIoError.
   Status ReadAt(size_t index, uint64_t offset, std::span<std::byte> out);
 
   // Checks the CRC-32 of every entry ReadAt read that no read checked (read in part, or out of
@@ -82,6 +83,12 @@ class ZipReader {
   std::unique_ptr<Cursor> cursor_;
   // Per entry: 0 not read by ReadAt, 1 read but its CRC not checked, 2 checked.
   std::vector<uint8_t> checked_;
+  // Bytes of compressed entries inflated only to reach the bytes asked for (a read behind the
+  // cursor starts the entry again), and the most allowed: kSkipFactor x the compressed entries'
+  // sizes + kSkipBase. Many small reads going backwards through a large compressed entry would
+  // otherwise inflate it again for each (a crafted archive: hours of work from a small file).
+  uint64_t skipped_ = 0;
+  uint64_t skip_budget_ = 0;
 };
 
 }  // namespace tensorferry::convert

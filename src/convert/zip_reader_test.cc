@@ -87,6 +87,38 @@ TEST(ZipReader, DeflatedEntriesReadForwardAndBack) {
   }
 }
 
+// Reads going backwards through a compressed entry inflate it again from its start each time:
+// bounded (8 x the compressed entries' sizes + 256 MiB of bytes inflated only to be skipped),
+// then an error naming the entry, instead of work growing with reads x size.
+TEST(ZipReader, ReadsBackwardsThroughACompressedEntryAreBounded) {
+  TempDir dir;
+  const std::string big = Pattern(uint64_t{4} << 20);
+  testing::WriteDeflatedZip(dir.Join("d.zip"), {{"x/data/0", big}});
+  auto file = Env::Default()->OpenRandomAccess(dir.Join("d.zip"));
+  ASSERT_TRUE(file.ok());
+  auto zip = ZipReader::Open(**file, 100);
+  ASSERT_TRUE(zip.ok()) << zip.status().ToString();
+  ZipReader& z = **zip;
+  std::vector<std::byte> one(1);
+  // Forward, byte after byte across the entry: no skipping charged but the gaps.
+  for (uint64_t off = 0; off < big.size(); off += 4096) ASSERT_TRUE(z.ReadAt(0, off, one).ok());
+  // Backwards from the end: each read starts the entry again (~4 MiB skipped each); the budget
+  // (32 + 256 MiB) ends it within about 72 reads.
+  Status last;
+  int reads = 0;
+  for (uint64_t off = big.size() - 1; reads < 200; off -= 1, ++reads) {
+    last = z.ReadAt(0, off, one);
+    if (!last.ok()) break;
+    ASSERT_EQ(static_cast<char>(one[0]), big[off]);
+  }
+  ASSERT_FALSE(last.ok()) << "200 backward reads of a 4 MiB compressed entry were all allowed";
+  EXPECT_LT(reads, 100);
+  EXPECT_EQ(last.code(), Code::kZipBadEntry) << last.ToString();
+  EXPECT_NE(last.message().find("zip entry \"x/data/0\": is compressed and read out of order"),
+            std::string::npos)
+      << last.ToString();
+}
+
 TEST(ZipReader, RefusesWhatIsNotAZip) {
   MemoryEnv env;
   std::unique_ptr<RandomAccessFile> file;

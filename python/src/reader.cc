@@ -347,10 +347,14 @@ nb::dict Reader::Engine() {
   LoadStats s;
   {
     WithoutGil release;
-    // The loader is made, read and closed under the lock (close() on another thread); as a step,
-    // so that an iteration in progress does not make this refuse.
-    Lock lock(*this, /*step=*/true);
-    s = EnsureLoader().stats();
+    if (lock_owner_.load() == std::this_thread::get_id()) {
+      s = loader_->stats();  // a stream callback: this thread holds the lock, the loader is open
+    } else {
+      // The loader is made, read and closed under the lock (close() on another thread); as a
+      // step, so that an iteration in progress does not make this refuse.
+      Lock lock(*this, /*step=*/true);
+      s = EnsureLoader().stats();
+    }
   }
   nb::dict out;
   out["engine"] = s.engine;

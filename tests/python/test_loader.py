@@ -190,6 +190,9 @@ def test_stream_callback(tiny_checkpoint, reference, sizes):
     assert calls == [0]
     with pytest.raises(tensorferry.InvalidArgumentError, match="busy"):
         loader.stream(lambda b: loader.load())  # re-entering its own loader
+    engines = []  # what the loader reads with may be asked from its own callback
+    loader.stream(lambda b: engines.append(loader.engine_info["engine"]))
+    assert engines and all(e == engines[0] for e in engines)
     # A callback that raised cancelled that stream; the next one starts afresh, as does one
     # after an iteration left early (its close cancels its reads).
     again = []

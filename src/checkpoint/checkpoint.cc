@@ -106,6 +106,11 @@ class CheckpointBuilder {
     const bool on_disk = options_.env == nullptr && !IsObjectUrl(index_path);
     TF_ASSIGN_OR_RETURN(const std::vector<IndexedFile> indexed,
                         IndexedFiles(index.weight_map, index_path, on_disk));
+    if (on_disk) {
+      TF_ASSIGN_OR_RETURN(const fs::path canonical_dir,
+                          CanonicalDirectory(fs::path(index_path).parent_path(), index_path));
+      contain_ = Containment{canonical_dir, index_path};
+    }
     // A URL's files are keys under the index's prefix: objstore::Join percent-encodes a name
     // for http(s) (so that ' ', '#', '?' and '%' in a file name stay part of that name), where
     // IndexedFiles' path join puts it into the URL raw.
@@ -249,6 +254,7 @@ class CheckpointBuilder {
       TF_RETURN_IF_ERROR(CheckContained(canonical_dir, path, dir,
                                         "file " + json::Quote(fs::path(path).filename().string())));
     }
+    contain_ = Containment{canonical_dir, dir};
     return FromFiles(std::move(paths));
   }
 
@@ -278,6 +284,14 @@ class CheckpointBuilder {
 
   Result<Opened> OpenFile(const std::string& path) const {
     TF_ASSIGN_OR_RETURN(std::shared_ptr<const SourceFile> file, source_->Open(path));
+    if (contain_) {
+      // Checked by name before the open (for an early error), and again on what was opened: a
+      // symlink swapped in between would otherwise be followed outside the directory. Later
+      // opens of the path (the file table's) must find this identity.
+      TF_RETURN_IF_ERROR(
+          CheckOpenedContained(contain_->dir, path, file->native_handle(), contain_->where,
+                               "file " + json::Quote(fs::path(path).filename().string())));
+    }
     TF_ASSIGN_OR_RETURN(Header header, ReadHeader(*file, options_.parse_limits));
     if (file->identity().size != header.data_offset() + header.data_size) {
       // Changed between the identity and the header reads: the size read is not the size now.
@@ -415,6 +429,14 @@ class CheckpointBuilder {
   std::unordered_map<std::string_view, uint32_t> where_;  // tensor name -> file
   std::vector<std::pair<std::string, std::string>> index_metadata_;
   std::string index_path_;
+  // A checkpoint directory on the real file system, whose files must stay inside it (the path
+  // rule of util/path.h): checked on each file once it is open. Unset for files given one by one
+  // and for object-store URLs.
+  struct Containment {
+    fs::path dir;       // canonical
+    std::string where;  // the index or the directory, for messages
+  };
+  std::optional<Containment> contain_;
 };
 
 namespace {

@@ -497,6 +497,56 @@ TEST_F(CheckpointTraversalTest, SymlinkInsideAccepted) {
   EXPECT_EQ(cp->files()[0].path, Dir() + "/link.safetensors");
 }
 
+// The link is checked, then swapped to a file outside just for the open, then back: the name
+// check alone passes both times; the check of what was opened refuses it, for an index and for
+// a directory listed without one.
+TEST_F(CheckpointTraversalTest, LinkSwappedBetweenTheCheckAndTheOpen) {
+  class SwappingSource : public Source {
+   public:
+    SwappingSource(std::string link, std::string inside, std::string outside)
+        : link_(std::move(link)), inside_(std::move(inside)), outside_(std::move(outside)) {}
+    Result<std::unique_ptr<SourceFile>> Open(const std::string& path,
+                                             const FileIdentity* expected) override {
+      if (path != link_) return env_->Open(path, expected);
+      Point(outside_);
+      auto opened = env_->Open(path, expected);
+      Point(inside_);
+      ++swaps;
+      return opened;
+    }
+    int swaps = 0;
+
+   private:
+    void Point(const std::string& target) {
+      fs::remove(link_);
+      fs::create_symlink(target, link_);
+    }
+    std::string link_, inside_, outside_;
+    std::unique_ptr<Source> env_ = MakeEnvSource();
+  };
+  fs::create_directory(Dir() + "/real");
+  WriteBytes(Dir() + "/real/model.safetensors", Shard({{"t", 1}}));
+  const std::string link = Dir() + "/link.safetensors";
+  fs::create_symlink("real/model.safetensors", link);
+  auto source =
+      std::make_shared<SwappingSource>(link, "real/model.safetensors", "../outside/x.safetensors");
+  OpenOptions options;
+  options.source = source;
+  WriteBytes(Dir() + "/" + std::string(kIndexFileName), Index({{"t", "link.safetensors"}}));
+  Status s = OpenError(Dir(), options);
+  EXPECT_EQ(source->swaps, 1);
+  EXPECT_EQ(s.code(), Code::kIndexPathEscape) << s.ToString();
+  EXPECT_TRUE(Contains(s.message(), "\"link.safetensors\" was replaced while it was opened"))
+      << s.ToString();
+  // The same directory without its index: the listed files are checked the same way.
+  fs::remove(Dir() + "/" + std::string(kIndexFileName));
+  s = OpenError(Dir(), options);
+  EXPECT_EQ(source->swaps, 2);
+  EXPECT_EQ(s.code(), Code::kIndexPathEscape) << s.ToString();
+  // Unswapped, the same checkpoint opens.
+  EXPECT_NE(OpenOk(Dir()), nullptr);
+}
+
 TEST_F(CheckpointTraversalTest, HuggingFaceHubCacheLayout) {
   // <repo>/snapshots/<rev>/model.safetensors -> ../../blobs/<hash>: accepted.
   const std::string repo = root_.Join("models--org--name");

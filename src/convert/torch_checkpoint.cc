@@ -182,6 +182,13 @@ class TorchCheckpointOpener {
     const bool on_disk = options_.env == nullptr;
     TF_ASSIGN_OR_RETURN(const std::vector<IndexedFile> indexed,
                         IndexedFiles(index.weight_map, index_path, on_disk));
+    if (on_disk) {
+      // Checked by name above; each file again once open (OpenOne), so that a symlink swapped
+      // in between is not followed outside the directory.
+      TF_ASSIGN_OR_RETURN(contain_dir_,
+                          CanonicalDirectory(fs::path(index_path).parent_path(), index_path));
+      contain_where_ = index_path;
+    }
     std::map<std::string, uint32_t> file_number;  // relative path -> files index
     for (const IndexedFile& f : indexed) {
       const std::string& rel = f.rel;
@@ -228,6 +235,11 @@ class TorchCheckpointOpener {
   // --- one file ----------------------------------------------------------------------------------
   Status OpenOne(const std::string& path) {
     TF_ASSIGN_OR_RETURN(auto file, env_->OpenRandomAccess(path));
+    if (!contain_where_.empty()) {
+      TF_RETURN_IF_ERROR(
+          CheckOpenedContained(contain_dir_, path, file->native_handle(), contain_where_,
+                               "file " + json::Quote(fs::path(path).filename().string())));
+    }
     TF_ASSIGN_OR_RETURN(const uint64_t size, file->Size());
     std::array<std::byte, 512> head{};
     const size_t n = static_cast<size_t>(std::min<uint64_t>(size, head.size()));
@@ -833,6 +845,10 @@ class TorchCheckpointOpener {
   std::vector<uint32_t> value_file_;
   uint64_t visits_ = 0;
   size_t text_left_ = kMaxTotalValueText;
+  // An index's directory on the real file system, which its files must stay inside (util/path.h);
+  // contain_where_ (the index, for messages) is empty when files are not checked.
+  fs::path contain_dir_;
+  std::string contain_where_;
 };
 
 Result<std::unique_ptr<TorchCheckpoint>> TorchCheckpoint::Open(const std::string& path,

@@ -1,6 +1,10 @@
 // Path safety (path.h).
 #include "util/path.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <map>
 #include <system_error>
 
@@ -101,10 +105,13 @@ fs::path Resolve(const std::string& path, std::error_code& ec) {
 
 }  // namespace
 
-Status CheckContained(const fs::path& canonical_dir, const std::string& path,
-                      std::string_view where, std::string_view what) {
+namespace {
+
+// CheckContained, with the resolved path in `canonical` when it is Ok.
+Status CheckContainedAt(const fs::path& canonical_dir, const std::string& path,
+                        std::string_view where, std::string_view what, fs::path& canonical) {
   std::error_code ec;
-  const fs::path canonical = Resolve(path, ec);
+  canonical = Resolve(path, ec);
   if (!ec && (IsInside(canonical_dir, canonical) || IsInsideHubBlobs(canonical_dir, canonical))) {
     return Status::Ok();
   }
@@ -118,6 +125,46 @@ Status CheckContained(const fs::path& canonical_dir, const std::string& path,
                              : "resolves to " + json::Quote(canonical.string());
   return Status(Code::kIndexPathEscape, prefix + why + ", outside the checkpoint directory " +
                                             json::Quote(canonical_dir.string()));
+}
+
+}  // namespace
+
+Status CheckContained(const fs::path& canonical_dir, const std::string& path,
+                      std::string_view where, std::string_view what) {
+  fs::path canonical;
+  return CheckContainedAt(canonical_dir, path, where, what, canonical);
+}
+
+Status CheckOpenedContained(const fs::path& canonical_dir, const std::string& path, int fd,
+                            std::string_view where, std::string_view what) {
+  fs::path canonical;
+  TF_RETURN_IF_ERROR(CheckContainedAt(canonical_dir, path, where, what, canonical));
+  if (fd < 0) return Status::Ok();
+  struct stat open_st {};
+  struct stat named_st {};
+  const std::string prefix = std::string(where) + ": " + std::string(what) + " ";
+  if (::fstat(fd, &open_st) != 0) {
+    return Status(Code::kIoError,
+                  prefix + "cannot be checked once opened: fstat: " + std::strerror(errno));
+  }
+  if (::stat(canonical.c_str(), &named_st) != 0) {
+    return Status(Code::kIndexPathEscape,
+                  prefix + "was replaced while it was opened: " + json::Quote(canonical.string()) +
+                      ", where it resolves, is gone (" + std::strerror(errno) +
+                      "): the file opened may lie outside the checkpoint directory " +
+                      json::Quote(canonical_dir.string()));
+  }
+  if (open_st.st_dev != named_st.st_dev || open_st.st_ino != named_st.st_ino) {
+    return Status(Code::kIndexPathEscape,
+                  prefix + "was replaced while it was opened: the file opened (inode " +
+                      std::to_string(open_st.st_ino) + " on device " +
+                      std::to_string(open_st.st_dev) + ") is not " +
+                      json::Quote(canonical.string()) + " (inode " +
+                      std::to_string(named_st.st_ino) + "), where the path resolves inside " +
+                      "the checkpoint directory " + json::Quote(canonical_dir.string()) +
+                      " (a symbolic link changed between the check and the open?)");
+  }
+  return Status::Ok();
 }
 
 Result<std::vector<IndexedFile>> IndexedFiles(

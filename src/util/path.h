@@ -6,7 +6,9 @@
 //   * lexical (RelativePathProblem): a path written in an index must be relative and stay below
 //     its directory: no absolute path, no ".." component, no NUL byte, no backslash (a Windows
 //     separator, or an escape such as "..\\x" some consumers would read as one);
-//   * resolved (CheckContained): with symlinks followed, the file must lie strictly inside the
+//   * resolved (CheckContained, and CheckOpenedContained once the file is open, so that a link
+//     swapped between the check and the open is caught): with symlinks followed, the file must
+//     lie strictly inside the
 //     checkpoint directory, with one exception that keeps the Hugging Face hub cache working:
 //     when the directory is <repo>/snapshots/<rev>, a file resolving into <repo>/blobs/ (that
 //     repository's own blobs, where the hub cache keeps the bytes: snapshots/<rev>/x ->
@@ -43,6 +45,15 @@ Result<std::filesystem::path> CanonicalDirectory(const std::filesystem::path& di
 // kIndexPathEscape "<where>: <what> resolves to ..., outside the checkpoint directory ...".
 Status CheckContained(const std::filesystem::path& canonical_dir, const std::string& path,
                       std::string_view where, std::string_view what);
+
+// The check after the open that closes the race of CheckContained (checked by name, opened by
+// name later: a symlink swapped between the two would be followed outside): Ok when `path`
+// resolves inside `canonical_dir` as CheckContained says AND names the very file open on
+// descriptor `fd` (same device and inode, by fstat and stat). A descriptor of another file (the
+// path changed since it was opened) is kIndexPathEscape "<where>: <what> was replaced while it
+// was opened ...". `fd` < 0 (a file without a descriptor): CheckContained alone.
+Status CheckOpenedContained(const std::filesystem::path& canonical_dir, const std::string& path,
+                            int fd, std::string_view where, std::string_view what);
 
 // One distinct file an index names: its lexically normalized relative path, the path to open
 // (joined with the index's directory) and one tensor the index maps to it (for messages).

@@ -1,6 +1,8 @@
 #include "util/path.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <string>
@@ -119,6 +121,42 @@ TEST(PathSafety, DotDotAfterADirectorySymlinkIsFollowedAsTheKernelDoes) {
   fs::create_symlink(ckpt / "a" / "b", ckpt / "inner");
   fs::create_symlink("inner/../x", ckpt / "ok.safetensors");
   EXPECT_TRUE(CheckContained(*dir, (ckpt / "ok.safetensors").string(), "index", "f").ok());
+}
+
+// Checked by name, then opened by name: a link swapped in between is followed outside. Once the
+// file is open, its descriptor must be the file the path resolves to inside.
+TEST(PathSafety, TheOpenedFileMustBeTheOneThePathResolvesToInside) {
+  testing::TempDir tmp;
+  const fs::path root(tmp.path());
+  const fs::path ckpt = root / "ckpt";
+  fs::create_directories(ckpt);
+  testing::WriteBytes((ckpt / "real").string(), "inside");
+  testing::WriteBytes((root / "secret").string(), "outside");
+  fs::create_symlink("real", ckpt / "model.safetensors");
+  auto dir = CanonicalDirectory(ckpt, "index");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  const std::string link = (ckpt / "model.safetensors").string();
+
+  const int inside = ::open((ckpt / "real").c_str(), O_RDONLY | O_CLOEXEC);
+  const int outside = ::open((root / "secret").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(inside, 0);
+  ASSERT_GE(outside, 0);
+  EXPECT_TRUE(CheckOpenedContained(*dir, link, inside, "index", "file \"m\"").ok());
+  EXPECT_TRUE(CheckOpenedContained(*dir, link, -1, "index", "file \"m\"").ok());
+  // The open followed the link while it pointed outside; it points inside again at the check.
+  const Status swapped = CheckOpenedContained(*dir, link, outside, "index", "file \"m\"");
+  EXPECT_EQ(swapped.code(), Code::kIndexPathEscape) << swapped.ToString();
+  EXPECT_TRUE(
+      testing::Contains(swapped.message(), "index: file \"m\" was replaced while it was opened"));
+  EXPECT_TRUE(testing::Contains(swapped.message(), (ckpt / "real").string()));
+  // The link points outside at the check: the name check's own error.
+  fs::remove(ckpt / "model.safetensors");
+  fs::create_symlink("../secret", ckpt / "model.safetensors");
+  const Status out = CheckOpenedContained(*dir, link, outside, "index", "file \"m\"");
+  EXPECT_EQ(out.code(), Code::kIndexPathEscape);
+  EXPECT_TRUE(testing::Contains(out.message(), "outside the checkpoint directory"));
+  ::close(inside);
+  ::close(outside);
 }
 
 }  // namespace

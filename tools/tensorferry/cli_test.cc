@@ -1005,6 +1005,14 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
             Checkpoint::Open(dir.Join("src")).value()->files().size());
   EXPECT_TRUE(LoadAll(split) == LoadAll(dir.Join("src")));
   EXPECT_EQ(RunCli({"reshard", dir.Join("src"), dir.Join("x")}).exit_code, 2);
+  // Rules without --tp would be ignored (a plain re-split slices nothing): a usage error, and
+  // nothing written.
+  testing::WriteBytes(dir.Join("rules.json"), R"({"overrides":{}})");
+  r = RunCli({"reshard", dir.Join("src"), dir.Join("y"), "--max-shard-size", "16KB", "--rules",
+              dir.Join("rules.json"), "--no-sync"});
+  EXPECT_EQ(r.exit_code, 2) << Describe(r);
+  EXPECT_NE(r.err.find("--tp"), std::string::npos) << Describe(r);
+  EXPECT_FALSE(fs::exists(dir.Join("y")));
 }
 
 // Found by a review: reshard sliced each tensor by its own rule and ignored the rules' ties, so a
@@ -1071,8 +1079,9 @@ TEST(CliReshard, OneRankAppliesTheRulesTies) {
   EXPECT_TRUE(resharded == LoadAll(dir.Join("src"), TensorParallelOptions{spec, 0, 1, 0}));
   EXPECT_TRUE(resharded.at("head") == resharded.at("emb"));
   // A plain re-split (no --tp) writes every tensor as it is: head keeps its own bytes.
-  r = RunCli({"reshard", dir.Join("src"), dir.Join("split"), "--max-shard-size", "1MB", "--rules",
-              dir.Join("rules.json"), "--no-sync"});
+  // (--rules needs --tp: CliReshard.EachRankEqualsTheSlicedLoad.)
+  r = RunCli(
+      {"reshard", dir.Join("src"), dir.Join("split"), "--max-shard-size", "1MB", "--no-sync"});
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   const auto split = LoadAll(dir.Join("split"));
   EXPECT_TRUE(split == LoadAll(dir.Join("src")));

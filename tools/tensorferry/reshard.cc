@@ -535,10 +535,14 @@ Command AddReshardCommand(CLI::App& parent) {
       "files with --max-shard-size");
   AddCheckpointPath(*app, args->src, "src");
   app->add_option("dst", args->dst, "Output directory")->required();
-  app->add_option("--tp", args->tp, "Number of tensor-parallel ranks (a folder each)")
-      ->check(CLI::Range(0u, 65536u));
+  CLI::Option* tp =
+      app->add_option("--tp", args->tp, "Number of tensor-parallel ranks (a folder each)")
+          ->check(CLI::Range(0u, 65536u));
+  // Rules apply only to a tensor-parallel reshard: without --tp they would be read and ignored.
   app->add_option("--rules", args->rules,
-                  "Shard rules, a JSON file (shard.h schema; default: the builtin rules)");
+                  "Shard rules, a JSON file (shard.h schema; default: the builtin rules); "
+                  "needs --tp")
+      ->needs(tp);
   app->add_option("--max-shard-size", args->max_shard_size,
                   "Largest data size of one output file (default 5GB)");
   app->add_flag("--no-sync", args->no_sync, "Skip fsync (scratch output)");

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "tensorferry/cooperative.h"
+#include "tensorferry/json.h"
 #include "tensorferry/mpi.h"
 #include "tensorferry/options.h"
 #include "tensorferry/residency.h"
@@ -195,10 +197,21 @@ int Fail(const Status& s) {
   return 1;
 }
 
-// The environment's load options with the flags applied and validated.
-Result<LoadOptions> ResolveLoadOptions(const Args& args) {
+// A setting refused before anything is loaded: its error and the exit code by the CLI's rule
+// (commands.h): the command line's is a usage error (2), the environment's a failure (1).
+struct Refusal {
+  Status status;
+  int exit_code = cli::kExitUsage;
+};
+
+// The environment's load options with the flags applied and validated, or what refused them.
+Result<LoadOptions> ResolveLoadOptions(const Args& args, int& exit_code) {
+  exit_code = cli::kExitError;
   auto options_or = LoadOptions::FromEnvironment();
-  if (!options_or.ok()) return options_or.status();
+  if (!options_or.ok()) {
+    return options_or.status().WithPrefix("TENSORFERRY_* environment variables");
+  }
+  exit_code = cli::kExitUsage;
   LoadOptions options = *options_or;
   // The flags go through LoadOptions::Set, as every edge's options do (options.h).
   for (const auto& [key, flag, value] :
@@ -213,8 +226,56 @@ Result<LoadOptions> ResolveLoadOptions(const Args& args) {
     if (value.empty()) continue;
     if (Status s = SetContext(options, key, value, flag); !s.ok()) return s;
   }
-  if (Status s = options.Validate(); !s.ok()) return s;
+  if (Status s = options.Validate(); !s.ok()) {
+    // The variables' own contradiction, which no flag changed, is the environment's.
+    if (const Status alone = options_or->Validate();
+        !alone.ok() && alone.message() == s.message()) {
+      exit_code = cli::kExitError;
+      return alone.WithPrefix("TENSORFERRY_* environment variables");
+    }
+    return s;
+  }
   return options;
+}
+
+// What every rank checks before its first collective step: the options, the shard rules, the
+// combination of flags. Null when all is well.
+std::optional<Refusal> CheckSettings(const Args& args, LoadOptions& options, ShardSpec& spec) {
+  if (args.explain && args.mode != "cooperative") {
+    return Refusal{
+        Status(Code::kInvalidArgument,
+               "--explain prints the cooperative mode's plan: not with --mode " + args.mode),
+        cli::kExitUsage};
+  }
+  int exit_code = cli::kExitUsage;
+  Result<LoadOptions> resolved = ResolveLoadOptions(args, exit_code);
+  if (!resolved.ok()) return Refusal{resolved.status(), exit_code};
+  options = std::move(resolved).value();
+  Result<ShardSpec> rules = cli::ReadShardRules(args.shard_rules);
+  if (!rules.ok()) return Refusal{rules.status().WithPrefix("--shard-rules"), cli::kExitUsage};
+  spec = std::move(rules).value();
+  return std::nullopt;
+}
+
+// Every rank learns whether any refused its settings (the ranks of one job normally agree, but
+// each has its own environment): each then ends with the exit code of the first rank that
+// refused, which alone prints its error, so that no rank goes on alone into a collective step and
+// the job does not end in MPI_Abort for a wrong flag. Null when every rank accepted.
+std::optional<int> AgreeOnSettings(Collective& group, const std::optional<Refusal>& mine) {
+  auto all = group.AllGather(mine ? static_cast<uint64_t>(mine->exit_code) : 0);
+  if (!all.ok()) return Fail(all.status());
+  for (uint32_t r = 0; r < all->size(); ++r) {
+    if ((*all)[r] == 0) continue;
+    if (r == group.rank()) {
+      std::fprintf(stderr, "error: %s\n", mine->status.ToString().c_str());
+      if (mine->exit_code == cli::kExitUsage) {
+        std::fprintf(stderr, "Run with --help for more information.\n");
+      }
+      std::fflush(stderr);
+    }
+    return static_cast<int>((*all)[r]);
+  }
+  return std::nullopt;
 }
 
 // --cold: the first rank of each host (HostsOfRanks) evicts the files from that host's page cache
@@ -372,15 +433,18 @@ int Main(int argc, char** argv) {
   auto c = MpiCollective::Create(MPI_COMM_WORLD);
   if (!c.ok()) return Fail(c.status());
   Collective& group = **c;
-  auto options = ResolveLoadOptions(args);
-  if (!options.ok()) return Fail(options.status());
-  auto spec = cli::ReadShardRules(args.shard_rules);
-  if (!spec.ok()) return Fail(spec.status());
-  auto checkpoint = Checkpoint::Open(args.path);
+  LoadOptions load_options;
+  ShardSpec rules;
+  if (const std::optional<int> refused =
+          AgreeOnSettings(group, CheckSettings(args, load_options, rules))) {
+    return *refused;
+  }
+  // With the object-store settings of the environment, as `tensorferry load` opens a URL.
+  auto checkpoint = cli::OpenCheckpoint(args.path);
   if (!checkpoint.ok()) return Fail(checkpoint.status());
 
   // The tool's own collective steps (the load's are watched inside LoadCooperative).
-  CollectiveWatchdog watchdog(group, options->cooperative.timeout_ms, "tensorferry-mpi");
+  CollectiveWatchdog watchdog(group, load_options.cooperative.timeout_ms, "tensorferry-mpi");
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
   std::string json = "{\"mode\": \"" + args.mode + "\", \"ranks\": " + std::to_string(world) +
@@ -393,13 +457,13 @@ int Main(int argc, char** argv) {
     // With the network rate measured as LoadCooperative measures it (each load measures again).
     NetworkMeasurement measured;
     auto planned = watchdog.Watch("the network probe", [&] {
-      return WithMeasuredNetworkRate(group, *hosts, *options, &measured);
+      return WithMeasuredNetworkRate(group, *hosts, load_options, &measured);
     });
     if (!planned.ok()) return Fail(planned.status());
     auto plan =
-        PlanCooperative(**checkpoint, Selection::All(), *spec, *planned, *hosts, measured.seconds);
+        PlanCooperative(**checkpoint, Selection::All(), rules, *planned, *hosts, measured.seconds);
     if (!plan.ok()) return Fail(plan.status());
-    if (args.explain) {
+    if (args.explain && !args.json) {
       if (root) std::printf("%s", plan->ToString(**checkpoint).c_str());
       return 0;
     }
@@ -425,10 +489,18 @@ int Main(int argc, char** argv) {
               ", \"network\": " + std::to_string(e->network) + "}";
     }
     json += "}";
+    if (args.explain) {  // with --json: the plan's text in the document, nothing loaded
+      if (root) {
+        json += ", \"explain\": ";
+        AppendJsonString(json, plan->ToString(**checkpoint), InvalidUtf8::kReplace);
+        std::printf("%s}\n", json.c_str());
+      }
+      return 0;
+    }
   }
   json += ", \"runs\": [";
   for (unsigned run = 0; run < args.repeat; ++run) {
-    Status s = RunRepetition(group, watchdog, *checkpoint, *spec, *options, args, run, json);
+    Status s = RunRepetition(group, watchdog, *checkpoint, rules, load_options, args, run, json);
     if (!s.ok()) return Fail(s);
   }
   if (root && args.json) std::printf("%s]}\n", json.c_str());

@@ -30,6 +30,17 @@ class StagingRingTest : public testing::FakeCudaTest {
     return ring.ok() ? std::move(ring).value() : nullptr;
   }
 
+  // Waits (up to 60 s) until the fake has failed a cudaHostAlloc: the waiter thread then has
+  // tried to grow, failed, and waits for a slot (or is about to: it waits for one either way).
+  bool WaitForTheFailedPinning() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (fake_->Stats().host_alloc_failures == 0) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
+  }
+
   void* Malloc(size_t size) {
     void* p = nullptr;
     EXPECT_EQ(runtime_->api().cudaMalloc(&p, size), cuda::kSuccess);
@@ -107,7 +118,9 @@ TEST_F(StagingRingTest, APinningFailureStopsGrowthAndTheRingGoesOnWithItsSlots) 
     other = *slot;
     got = true;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const bool failed = WaitForTheFailedPinning();
+  EXPECT_TRUE(failed) << "the waiter never tried to pin its slot";
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_FALSE(got.load()) << "handed out a slot that was never pinned";
   r.Release(*held);
   waiter.join();
@@ -137,9 +150,13 @@ TEST_F(StagingRingTest, AfterRetryGrowthTheSlotThatFailedIsPinned) {
     ASSERT_TRUE(slot.ok()) << slot.status().ToString();
     r.Release(*slot);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Released only once the waiter's pinning failed: released before, the slot would be taken
+  // without a try, and the failure would come to this thread's Acquire below, with `a` held.
+  const bool failed = WaitForTheFailedPinning();
   r.Release(*held);
   waiter.join();
+  ASSERT_TRUE(failed) << "the waiter never tried to pin its slot";
+  EXPECT_EQ(fake_->Stats().host_alloc_failures, 1u);
   EXPECT_EQ(r.pinned_bytes(), 4096u);
   r.RetryGrowth();
   auto a = r.Acquire();

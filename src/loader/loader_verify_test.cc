@@ -119,7 +119,8 @@ TEST(LoaderVerify, MismatchFailsTheBatchNamingFileTensorChunkAndRange) {
     options.populate = true;
     options.budget = 41'000;
     auto loader = Loader::Open(f.path, options);
-    if (!loader.ok()) continue;
+    if (!loader.ok() && loader.status().code() == Code::kUnsupported) continue;  // no io_uring
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
     std::vector<std::string> delivered;
     const Status s = (*loader)->Stream(Selection::All(), [&](Batch batch) {
       for (const Tensor& t : batch.tensors) delivered.push_back(t.name());

@@ -248,14 +248,19 @@ TEST(AwsCredentials, WaitersGetTheErrorOfTheFetchTheyWaitedForWithoutFetchingAga
   started.get_future().wait();
   for (int i = 1; i < 4; ++i)
     threads.emplace_back([&, i] { got[i] = value.Get(failing).status(); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let them wait (not required)
-  EXPECT_EQ(fetches.load(), 1);                                 // nobody fetches while a fetch runs
+  // The three others wait for the running fetch (up to 60 s for them to get there).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (value.waiting() < 3 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(value.waiting(), 3u);
+  EXPECT_EQ(fetches.load(), 1);  // nobody fetches while a fetch runs
   release.set_value();
   for (std::thread& t : threads) t.join();
-  // Each caller either waited for the one fetch or came after it and fetched for itself; none
-  // fetched while a fetch ran, and every one got the error.
+  // Every waiter got that fetch's error, without fetching again.
   for (const Status& status : got) EXPECT_EQ(status.message(), "down");
-  EXPECT_LE(fetches.load(), 4);
+  EXPECT_EQ(fetches.load(), 1);
+  EXPECT_EQ(value.waiting(), 0u);
   EXPECT_EQ(value.fetches(), 0u);
 }
 

@@ -113,12 +113,15 @@ class Refreshing {
       if (!fetching_) break;
       if (have_ && now < expires_at_) return value_;  // another caller is fetching its successor
       const uint64_t ended = ended_;
+      ++waiting_;
       while (fetching_ && ended_ == ended) {
         done_.wait_for(lock, std::chrono::milliseconds(50));
         if (io::CancelScope::Requested()) {
+          --waiting_;
           return Status(Code::kCancelled, "the load was cancelled while credentials were fetched");
         }
       }
+      --waiting_;
       // That fetch failed and left nothing good: its error, unless it failed because its own
       // caller's load was cancelled (then this caller fetches for itself).
       if (ended_ != ended && !have_ && last_error_.code() != Code::kCancelled) return last_error_;
@@ -187,6 +190,12 @@ class Refreshing {
     return fetches_;
   }
 
+  // Callers waiting now for another's fetch to end (for tests).
+  unsigned waiting() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return waiting_;
+  }
+
  private:
   mutable std::mutex mu_;
   std::condition_variable done_;  // a fetch ended
@@ -198,6 +207,7 @@ class Refreshing {
   std::chrono::steady_clock::time_point refresh_at_{};
   std::chrono::steady_clock::time_point expires_at_{};
   uint64_t fetches_ = 0;  // fetches that succeeded
+  unsigned waiting_ = 0;  // callers in the wait for another's fetch
 };
 
 }  // namespace tensorferry::objstore

@@ -735,6 +735,7 @@ TF_FAKE_EXPORT Error cudaHostAlloc(void** ptr, size_t size, unsigned flags) {
     std::lock_guard<std::mutex> lock(s.mu);
     ++s.host_alloc_calls;
     if (s.config.fail_host_alloc_at > 0 && s.host_alloc_calls == s.config.fail_host_alloc_at) {
+      ++s.stats.host_alloc_failures;
       return Fail(kMemoryAllocation);
     }
   }

@@ -64,6 +64,7 @@ typedef struct TfFakeCudaStats {
    * cudaSetDevice(d), or a call that needs the current device's context (cudaMalloc, cudaFree,
    * stream and event creation) with d current. cuDevicePrimaryCtxGetState reports it. */
   uint64_t contexts_active_mask;
+  uint64_t host_alloc_failures; /* cudaHostAlloc calls failed by fail_host_alloc_at */
 } TfFakeCudaStats;
 
 /* Fills `config` with the defaults: 1 device, 1 GiB, no delay, no bandwidth limit, pageable copies

@@ -184,11 +184,19 @@ def test_cli_on_more_files_than_descriptors(many_files):
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
+    sums = set()
     for args in (["verify", many_files], ["load", many_files, "--budget", "1MB"],
                  ["load", many_files, "--engine", "mmap"]):
-        r = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300,
+        r = subprocess.run([CLI, *args, "--json"], capture_output=True, text=True, timeout=300,
                            preexec_fn=low_limit)
         assert r.returncode == 0, (args, r.stderr)
+        doc = json.loads(r.stdout)
+        assert doc["ok"] and doc["tensors"] == 1100, (args, doc)
+        if args[0] == "verify":
+            assert doc["files"] == 1100, doc
+        else:
+            sums.add(doc["checksum"])
+    assert len(sums) == 1, sums  # the same bytes through both engines
 
 
 # --- 4. ties that do not fit the checkpoint ------------------------------------------------------------

@@ -48,7 +48,10 @@ def test_load_every_engine(tiny_checkpoint, reference, engine):
         assert stats.engine in ("pread", "io_uring", "mmap")
         if engine != "auto":
             assert stats.engine == engine
-        assert str(loader.total_bytes // 1000) in str(stats).replace(".", "") or "KB" in str(stats)
+        text = str(stats)
+        assert text.startswith(f"{len(reference)} tensors in {stats.batches} batches: "), text
+        assert f"{tensorferry._core.format_bytes(loader.total_bytes)} in " in text, text
+        assert f"with {stats.engine};" in text, text
 
 
 def test_index_file_and_single_shard(tiny_checkpoint, reference):

@@ -349,14 +349,18 @@ def test_metadata_server(gate, oauth, seaweed, uploaded, monkeypatch):
 
 def test_a_failed_early_refresh_keeps_the_token_that_is_still_good(gate, oauth, seaweed,
                                                                      uploaded, monkeypatch):
-    """Tokens are refreshed before they expire (here: 8 s tokens, refreshed from 4 s); a metadata
-    server that fails then costs nothing while the token in hand is still good."""
+    """Tokens are refreshed before they expire (here: 12 s tokens, refreshed from 6 s, good
+    until 9 s); a metadata server that fails then costs nothing while the token in hand is still
+    good."""
     import time
-    oauth.expires_in = 8
+    oauth.expires_in = 12
     monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{oauth.port}")
+    before_grant = time.monotonic()
     assert_same(load(public_url(seaweed), s3_endpoint=gate.url), local_tensors(uploaded))
     oauth.failing = True
-    time.sleep(4.5)
+    # Past the refresh point, timed from before the grant (not from the end of a slow load):
+    # the second load has until 9 s after the grant, 2.5 s or more.
+    time.sleep(max(0.0, before_grant + 6.5 - time.monotonic()))
     assert_same(load(public_url(seaweed), s3_endpoint=gate.url), local_tensors(uploaded))
     assert oauth.grants[0] == ("metadata", True) and ("metadata", False) in oauth.grants
 

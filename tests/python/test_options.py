@@ -59,4 +59,8 @@ def test_stats_carry_every_field(path):
 
 def test_cuda_available_is_public():
     assert "cuda_available" in tensorferry.__all__
-    assert isinstance(tensorferry.cuda_available(), bool)
+    available = tensorferry.cuda_available()
+    assert isinstance(available, bool)
+    # The same answer as torch's, which finds the same runtime and devices.
+    import torch
+    assert available == torch.cuda.is_available()

@@ -486,7 +486,8 @@ class CliVerifyCorrupt : public ::testing::Test {
     shards_ = Shards(dir_);
     ASSERT_GE(shards_.size(), 2u);
   }
-  void ExpectVerifyFails(const std::string& path) {
+  // verify fails on `path`, with --json the error code `code`.
+  void ExpectVerifyFails(const std::string& path, std::string_view code) {
     ExpectOneLineError(RunCli({"verify", path}));
     const RunResult j = RunCli({"verify", path, "--json"});
     EXPECT_EQ(j.exit_code, 1) << Describe(j);
@@ -494,7 +495,7 @@ class CliVerifyCorrupt : public ::testing::Test {
     simdjson::dom::element doc;
     ASSERT_EQ(parser.parse(simdjson::padded_string(j.out)).get(doc), simdjson::SUCCESS) << j.out;
     EXPECT_FALSE(bool(doc["ok"]));
-    EXPECT_FALSE(std::string_view(doc["error"]["code"]).empty());
+    EXPECT_EQ(std::string_view(doc["error"]["code"]), code) << j.out;
   }
 
   TempDir t_;
@@ -504,15 +505,15 @@ class CliVerifyCorrupt : public ::testing::Test {
 
 TEST_F(CliVerifyCorrupt, TruncatedShard) {
   fs::resize_file(shards_[1], fs::file_size(shards_[1]) - 1000);
-  ExpectVerifyFails(dir_);
-  ExpectVerifyFails(shards_[1]);
+  ExpectVerifyFails(dir_, "data_truncated");
+  ExpectVerifyFails(shards_[1], "data_truncated");
 }
 
 TEST_F(CliVerifyCorrupt, CorruptLengthPrefix) {
   std::string bytes = ReadBytes(shards_[0]);
   for (int i = 0; i < 8; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>(0xFF);
   WriteBytes(shards_[0], bytes);
-  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(dir_, "header_too_large");
 }
 
 TEST_F(CliVerifyCorrupt, GarbageJson) {
@@ -520,12 +521,16 @@ TEST_F(CliVerifyCorrupt, GarbageJson) {
   // Keep the length prefix; scribble over the start of the JSON.
   bytes.replace(8, 12, "}{garbage\n\x01\xff");
   WriteBytes(shards_[0], bytes);
-  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(dir_, "header_not_utf8");  // the 0xff byte is checked first
+  // The same scribble in ASCII: invalid JSON.
+  bytes.replace(8, 12, "}{garbage\n\x01 ");
+  WriteBytes(shards_[0], bytes);
+  ExpectVerifyFails(dir_, "header_invalid_json");
 }
 
 TEST_F(CliVerifyCorrupt, IndexNamesMissingFile) {
   fs::remove(shards_.back());
-  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(dir_, "index_missing_file");
 }
 
 TEST_F(CliVerifyCorrupt, PathTraversal) {
@@ -541,14 +546,14 @@ TEST_F(CliVerifyCorrupt, PathTraversal) {
   }
   ASSERT_GT(replaced, 0) << index;
   WriteBytes(index_path, index);
-  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(dir_, "index_path_escape");
 }
 
 TEST_F(CliVerifyCorrupt, EmptyAndTinyFiles) {
   WriteBytes(shards_[0], "");
-  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(dir_, "file_too_small");
   WriteBytes(shards_[0], "abc");
-  ExpectVerifyFails(dir_);
+  ExpectVerifyFails(dir_, "file_too_small");
 }
 
 // A write past the file-size limit (ulimit -f) is an error that removes what was written, not

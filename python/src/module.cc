@@ -61,6 +61,12 @@ NB_MODULE(_core, m) {
 #endif
   RegisterOptions(m);
   m.def("format_bytes", &FormatBytes);
+  // The keys LoadOptions::Set accepts (Loader keywords and TENSORFERRY_* settings), in order.
+  m.def("option_keys", [] {
+    std::vector<std::string> keys;
+    for (std::string_view k : LoadOptionKeys()) keys.emplace_back(k);
+    return keys;
+  });
   m.def("cuda_available", [] { return CudaAvailable(); });
   m.def(
       "release_idle_staging", [] { return ReleaseIdleStaging(); },

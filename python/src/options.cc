@@ -81,7 +81,49 @@ nb::dict OptionsDict(const LoadOptions& o) {
   d["staging_slot"] = o.staging_slot;
   d["device_budget"] = o.device_budget;
   d["keep_staging"] = o.keep_staging;
+  d["device_producers"] = o.device_producers;
+  d["prefer_mmap"] = o.prefer_mmap;
+  // UINT64_MAX: no limit ("off").
+  if (o.memory_limit == UINT64_MAX) {
+    d["memory_limit"] = nb::none();
+  } else {
+    d["memory_limit"] = o.memory_limit;
+  }
+  d["drop_cache"] = o.drop_cache;
+  d["verify"] = std::string(VerifyModeName(o.verify));
   d["coop_timeout_ms"] = o.cooperative.timeout_ms;
+  d["coop_exchange"] = std::string(ExchangeChoiceName(o.cooperative.exchange));
+  d["coop_storage_rate"] = o.cooperative.storage_rate;
+  d["coop_network_rate"] = o.cooperative.network_rate;
+  d["coop_probe_bytes"] = o.cooperative.probe_bytes;
+  // Object storage. Secrets are not handed out: "<set>" when given, "" otherwise.
+  const ObjectStoreOptions& s = o.object_store;
+  const auto secret = [](const std::string& v) { return std::string(v.empty() ? "" : "<set>"); };
+  const auto tri = [](int v) -> nb::object {
+    return v < 0 ? nb::none() : nb::cast(v != 0);  // -1: decided per URL
+  };
+  d["s3_endpoint"] = s.endpoint;
+  d["s3_region"] = s.region;
+  d["s3_profile"] = s.profile;
+  d["s3_access_key_id"] = s.access_key_id;
+  d["s3_secret_access_key"] = secret(s.secret_access_key);
+  d["s3_session_token"] = secret(s.session_token);
+  d["s3_anonymous"] = tri(s.anonymous);
+  d["s3_path_style"] = tri(s.path_style);
+  d["gcs_token"] = secret(s.gcs_token);
+  d["http_token"] = secret(s.http_token);
+  d["object_concurrency"] = s.concurrency;  // 0 (and part size 0): chosen per endpoint
+  d["object_part_size"] = s.part_size;
+  d["object_retries"] = s.retries;
+  d["object_timeout_ms"] = s.timeout_ms;
+  d["object_header_bytes"] = s.header_bytes;
+  d["object_verify_tls"] = s.verify_tls;
+  d["object_ca_bundle"] = s.ca_bundle;
+  d["object_cache_dir"] = s.cache_dir;
+  d["object_cache_max"] = s.cache_max;
+  d["object_hub_cache"] = s.hub_cache;
+  d["object_cache_write_behind"] = s.cache_write_behind;
+  d["object_cache_fetch_once"] = s.cache_fetch_once;
   if (o.tensor_parallel) {
     d["tp_rank"] = o.tensor_parallel->rank;
     d["tp_size"] = o.tensor_parallel->world;

@@ -47,6 +47,31 @@ def test_text_and_ints_mean_the_same(path):
     assert a["budget"] == 1 << 20 and a["threads"] == 3 and a["populate"] is True
 
 
+def test_options_show_every_key_and_no_secret(path, monkeypatch):
+    # Every key Set accepts is in Loader.options (the tensor-parallel ones with tp_size), each
+    # as the loader took it; secrets are shown as set or not, never as their value.
+    monkeypatch.setenv("TENSORFERRY_VERIFY", "off")
+    monkeypatch.setenv("TENSORFERRY_MEMORY_LIMIT", "off")
+    with tensorferry.Loader(path, engine="pread", tp_rank=0, tp_size=2, drop_cache=True,
+                            coop_exchange="none",
+                            storage_options={"object_concurrency": 3,
+                                             "s3_secret_access_key": "hunter2",
+                                             "s3_access_key_id": "AKID",
+                                             "http_token": "tok"}) as loader:
+        options = loader.options
+    assert set(_core.option_keys()) <= set(options), set(_core.option_keys()) - set(options)
+    assert options["verify"] == "off" and options["memory_limit"] is None
+    assert options["drop_cache"] is True and options["coop_exchange"] == "none"
+    assert options["object_concurrency"] == 3 and options["tp_size"] == 2
+    assert options["s3_access_key_id"] == "AKID"
+    assert options["s3_secret_access_key"] == "<set>" and options["http_token"] == "<set>"
+    assert options["gcs_token"] == "" and options["s3_anonymous"] is None
+    assert "hunter2" not in repr(options) and "tok" not in repr(options).replace("token", "")
+    with tensorferry.Loader(path, engine="pread", memory_limit="1GiB") as loader:
+        assert loader.options["memory_limit"] == 1 << 30
+        assert "tp_size" not in loader.options  # no tensor parallelism
+
+
 def test_stats_carry_every_field(path):
     with tensorferry.Loader(path, engine="pread") as loader:
         loader.load()

@@ -8,8 +8,10 @@
 
 #include <nanobind/nanobind.h>
 
+#include <atomic>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "export.h"
 #include "reader.h"
@@ -31,7 +33,9 @@ class BatchStream {
   nanobind::object Next();
 
   // Stops the iteration (tensors already handed out stay valid), waiting for a step in flight on
-  // another thread; a later Next raises.
+  // another thread (cancelled: it stops within a chunk); a later Next raises. From a signal
+  // handler run during a step on the same thread, it cancels the step, which then ends the
+  // iteration and raises (or lets the handler's exception through).
   void Close();
 
  private:
@@ -44,6 +48,10 @@ class BatchStream {
   std::optional<BatchIterator> batches_;  // empty once ended
   const Framework framework_;
   bool closed_ = false;  // Close() was called: Next raises
+  // The thread running a step (holding mu_), for Close from a signal handler on that thread.
+  std::atomic<std::thread::id> step_thread_{};
+  std::atomic<bool> close_requested_{false};  // such a Close: the step ends the iteration
+  std::atomic<bool> running_{true};           // until End: batches_ without mu_, for Close
 };
 
 // Binds BatchStream into `m`.

@@ -190,7 +190,7 @@ nb::list Reader::Load(const std::optional<std::vector<std::string>>& names, int 
     WithoutGil release;
     lock.emplace(*this);
   }
-  cancel_->store(false);
+  ResetCancel();
   std::vector<Tensor> tensors = Interruptible(*cancel_, [&] {
     Loader& loader = EnsureLoader();
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
@@ -267,7 +267,7 @@ void Reader::Stream(const std::optional<std::vector<std::string>>& names, int fr
   {
     WithoutGil release;
     Lock lock(*this);
-    cancel_->store(false);  // an earlier load's cancel (an iteration left early, Ctrl-C) is over
+    ResetCancel();  // an earlier load's cancel (an iteration left early, Ctrl-C) is over
     Loader& loader = EnsureLoader();
     const Selection selection = names ? Selection::Names(*names) : Selection::All();
     status = loader.Stream(selection, [&](Batch batch) -> Status {
@@ -329,7 +329,7 @@ void Reader::LoadInto(const nb::list& entries) {
     WithoutGil release;
     lock.emplace(*this);
   }
-  cancel_->store(false);
+  ResetCancel();
   Interruptible(*cancel_, [&] {
     Loader& loader = EnsureLoader();
     const Status s = loader.LoadInto(destinations);
@@ -369,33 +369,70 @@ nb::dict Reader::Options() const {
 
 void Reader::Close() {
   WithoutGil release;
-  Lock lock(*this);  // refused while an iteration is open (close it first)
+  if (lock_owner_.load() == std::this_thread::get_id()) {
+    // Called from inside a call of this Reader on this thread (a signal handler run by the
+    // Ctrl-C check of a load or of an iteration's step, or a stream callback): waiting for the
+    // lock would wait for ever. The call in progress is cancelled (its reads stop within a
+    // chunk), later calls are refused, and the call's lock drops the loader and the checkpoint
+    // when it is released (Lock::~Lock).
+    close_pending_.store(true);
+    cancel_->store(true);
+    return;
+  }
+  // A load running on another thread stops within a chunk instead of being waited for; calls
+  // not started yet are refused.
+  close_pending_.store(true);
+  cancel_->store(true);
+  Lock lock(*this, /*step=*/false, /*closing=*/true);  // refused while an iteration is open
+  DropLocked();
+}
+
+void Reader::DropLocked() noexcept {
   loader_.reset();
-  std::shared_ptr<const Checkpoint> dropped;  // released after the lock, outside checkpoint_mu_
+  std::shared_ptr<const Checkpoint> dropped;  // released outside checkpoint_mu_
   {
     std::lock_guard<std::mutex> l(checkpoint_mu_);
     dropped = std::move(checkpoint_);
   }
 }
 
-Reader::Lock::Lock(Reader& r, bool step) : r_(r) {
+void Reader::ResetCancel() noexcept {
+  // A close pending since (set before cancel_ by Close) keeps the load cancelled.
+  cancel_->store(close_pending_.load());
+}
+
+Reader::Lock::Lock(Reader& r, bool step, bool closing) : r_(r) {
   if (r.lock_owner_.load() == std::this_thread::get_id()) {
     throw StatusError(Status(Code::kInvalidArgument,
                              "this loader is busy on this thread: a stream callback may not "
                              "read through the loader that called it"));
   }
+  if (!closing) ThrowIfClosing();
   if (!step) ThrowIfStreaming();
   r.mu_.lock();
   if (!step && r.streaming_.load()) {
     r.mu_.unlock();
     ThrowIfStreaming();
   }
+  if (!closing && r.close_pending_.load()) {
+    r.mu_.unlock();
+    ThrowIfClosing();
+  }
   r.lock_owner_.store(std::this_thread::get_id());
 }
 
 Reader::Lock::~Lock() {
   r_.lock_owner_.store(std::thread::id());
+  // A close asked for from inside the call that held this lock (Close) is done now, unless an
+  // iteration still holds the loader (its end releases the step's lock again).
+  if (r_.close_pending_.load() && !r_.streaming_.load()) r_.DropLocked();
   r_.mu_.unlock();
+}
+
+void Reader::Lock::ThrowIfClosing() const {
+  if (r_.close_pending_.load()) {
+    throw StatusError(Status(Code::kInvalidArgument, "this Reader is closed"));
+  }
 }
 
 void Reader::Lock::ThrowIfStreaming() const {

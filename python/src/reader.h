@@ -9,7 +9,11 @@
 // Close() drops the Reader's loader and its reference to the checkpoint: the files close when
 // nothing else holds the checkpoint (another Reader made from this one, a cooperative load).
 // Tensors already handed out stay valid (mapped tensors hold their mappings, not the
-// descriptors). Every later call raises InvalidArgumentError "this Reader is closed".
+// descriptors). Every later call raises InvalidArgumentError "this Reader is closed". A load
+// running on another thread is cancelled (it raises within a chunk per worker) rather than
+// waited for; Close from inside a call of this Reader on the same thread (a signal handler run
+// during a load or an iteration's step, a stream callback) cancels that call and returns at
+// once, and the resources are dropped when that call ends.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -141,13 +145,16 @@ class Reader {
   // never be resumed; its own steps (`step`) take the lock for the step only.
   class Lock {
    public:
-    explicit Lock(Reader& r, bool step = false);
+    // `closing`: Close's own lock, taken once close_pending_ is set (other locks are then
+    // refused: "this Reader is closed").
+    explicit Lock(Reader& r, bool step = false, bool closing = false);
     ~Lock();
     Lock(const Lock&) = delete;
     Lock& operator=(const Lock&) = delete;
 
    private:
     void ThrowIfStreaming() const;
+    void ThrowIfClosing() const;
     Reader& r_;
   };
 
@@ -168,6 +175,10 @@ class Reader {
 
   // REQUIRES: the lock is held.
   Loader& EnsureLoader();
+  // Drops the loader and the checkpoint (Close). REQUIRES: the lock is held.
+  void DropLocked() noexcept;
+  // Clears cancel_ at the start of a load, unless a close is pending. REQUIRES: the lock is held.
+  void ResetCancel() noexcept;
 
   // Reads `length` bytes of `t` from `begin` into a new block, on Interruptible's helper thread
   // (Ctrl-C gives a remote file's read up). REQUIRES: the GIL is held (Interruptible's rule).
@@ -183,6 +194,8 @@ class Reader {
   std::mutex mu_;
   std::atomic<std::thread::id> lock_owner_{};
   std::atomic<bool> streaming_{false};
+  // Close was called: later calls are refused; set before cancel_ (ResetCancel relies on it).
+  std::atomic<bool> close_pending_{false};
   mutable std::mutex stats_mu_;
   std::unique_ptr<Loader> loader_;
   std::vector<std::optional<bool>> has_metadata_;  // per file, once asked (see FileMetadata)

@@ -289,6 +289,104 @@ def test_ctrl_c_interrupts_a_long_load_quickly(tmp_path):
         assert took < 10.0, (how, took)
 
 
+def _sparse_file(tmp_path, size):
+    path = str(tmp_path / "big.safetensors")
+    header = json.dumps({"t": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}})
+    header += " " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header.encode())
+        f.truncate(8 + len(header) + size)
+    return path
+
+
+@pytest.mark.parametrize("how", ["load", "iter_tensors", "stream_callback"])
+@pytest.mark.parametrize("then", ["raise", "return"])
+def test_a_signal_handler_may_close_the_loader_it_interrupts(tmp_path, how, then):
+    # A handler (SIGALRM here; SIGTERM in a server) closes the loader whose load or iteration
+    # step it interrupted, on the same thread: the load stops within a chunk, the handler's
+    # exception comes out (or, when it returns, the load says it was stopped), the loader is
+    # closed, and nothing waits for ever (a step held a lock the close waited for).
+    path = _sparse_file(tmp_path, 2 << 30)
+    r = run_python(f"""
+        import signal, time, tensorferry
+        loader = tensorferry.Loader({path!r}, engine="pread", threads=1, chunk_size=4096,
+                                    budget="3GB")
+        class Stop(Exception):
+            pass
+        def handler(signum, frame):
+            loader.close()
+            if {then!r} == "raise":
+                raise Stop()
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.monotonic()
+        try:
+            if {how!r} == "load":
+                loader.load()
+            elif {how!r} == "iter_tensors":
+                for name, t in loader.iter_tensors():
+                    pass
+            else:
+                loader.stream(lambda batch: None)
+        except Stop:
+            print("stopped by the handler", flush=True)
+        except tensorferry.SafetensorError as e:
+            print("ended:", type(e).__name__, e, flush=True)
+        else:
+            print("finished", flush=True)
+        took = time.monotonic() - start
+        try:
+            loader.load()
+        except tensorferry.SafetensorError as e:
+            print("after:", e)
+        print("took", took)
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    if then == "raise":
+        assert lines[0] == "stopped by the handler", r.stdout
+    elif how == "stream_callback":
+        # stream() sees signals in its callbacks (between batches): the handler ran after the
+        # one batch was read, so the stream ends as it would have; the close applies after it.
+        assert lines[0] == "finished" or "cancel" in lines[0].lower(), r.stdout
+    else:
+        assert lines[0].startswith("ended:"), r.stdout
+        assert "stopped" in lines[0] or "cancel" in lines[0].lower(), r.stdout
+    assert "closed" in lines[1], r.stdout
+    # The read of 2 GiB in 4 KiB reads takes far longer than the 0.3 s before the signal.
+    assert float(lines[2].split()[1]) < 30, r.stdout
+
+
+def test_close_from_another_thread_stops_a_running_load(tmp_path):
+    # Loader.close() on another thread while load() runs: the load is cancelled (it raises
+    # within a chunk) instead of being waited for to its end.
+    path = _sparse_file(tmp_path, 2 << 30)
+    r = run_python(f"""
+        import threading, time, tensorferry
+        loader = tensorferry.Loader({path!r}, engine="pread", threads=1, chunk_size=4096)
+        result = []
+        def run():
+            try:
+                loader.load()
+                result.append("finished")
+            except tensorferry.SafetensorError as e:
+                result.append(type(e).__name__ + ": " + str(e))
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        loader.close()
+        closed = time.monotonic() - start
+        t.join()
+        print(result[0])
+        print("close took", closed)
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()
+    assert first != "finished" and "cancel" in first.lower(), r.stdout
+    assert float(second.split()[2]) < 30, r.stdout
+
+
 # --- error quality ------------------------------------------------------------------------------------
 
 def test_os_errors_carry_the_real_errno(tmp_path):

@@ -391,14 +391,15 @@ struct ObjectCache::Fill {
     return failed;
   }
 
-  enum class Kind { kDone, kMine, kStore };
+  enum class Kind { kDone, kMine, kStore, kCancelled };
   struct Span {
     Kind kind;
     uint64_t end;
   };
   // What to do with the bytes from `at` (at < limit): read [at, end) from the copy, fetch it (now
   // the caller's claim), or read it from the store (the download was given up). Waits while
-  // another thread fetches the bytes at `at`.
+  // another thread fetches the bytes at `at`, unless this thread's load is cancelled
+  // (io::CancelScope: kCancelled; that fetch goes on for the others).
   Span Next(uint64_t at, uint64_t limit) {
     std::unique_lock<std::mutex> lk(mu);
     for (;;) {
@@ -407,7 +408,8 @@ struct ObjectCache::Fill {
       if (it != claimed.begin() && std::prev(it)->second.end > at) {
         const Claimed& c = std::prev(it)->second;
         if (c.done) return {Kind::kDone, std::min(limit, c.end)};
-        cv.wait(lk);  // someone else's, in flight
+        if (io::CancelScope::Requested()) return {Kind::kCancelled, at};
+        cv.wait_for(lk, std::chrono::milliseconds(50));  // someone else's, in flight
         continue;
       }
       if (failed) return {Kind::kStore, next};
@@ -770,6 +772,12 @@ class FillingFile final : public SourceFile {
       switch (span.kind) {
         case Kind::kDone: TF_RETURN_IF_ERROR(FromCopy(fill, at, out)); break;
         case Kind::kStore: TF_RETURN_IF_ERROR(FromStore(at, out)); break;
+        case Kind::kCancelled:
+          return Status(Code::kCancelled, object_.name +
+                                              ": the load was cancelled while bytes from " +
+                                              std::to_string(at) +
+                                              " were being fetched for the cache by another "
+                                              "reader");
         case Kind::kMine:
           TF_RETURN_IF_ERROR(fill.FetchClaim(at, out));
           cache_->WriteLater(shared, at, out);

@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "io/read_engine.h"
 #include "tensorferry/object_store.h"
 #include "tensorferry/residency.h"
 #include "testing/test_util.h"
@@ -243,6 +244,46 @@ TEST(ObjectCache, ReadsFetchWhatTheFillerHasNotClaimed) {
   const std::string blob = tmp.Join("c/blobs/" + ObjectCache::Key(remote.Object()));
   EXPECT_EQ(testing::ReadBytes(blob),
             std::string(reinterpret_cast<const char*>(remote.bytes.data()), remote.bytes.size()));
+  EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+}
+
+// A read of bytes another reader (here the filler) is fetching waits for them, unless its load is
+// cancelled: then it returns kCancelled at once instead of waiting for that fetch (which may
+// take minutes of retries), and the fetch goes on for the others.
+TEST(ObjectCache, ACancelledReadStopsWaitingForAnotherReadersFetch) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  const uint64_t top = remote.bytes.size() - (64u << 10);  // the filler's first range: held
+  remote.hold_offset = static_cast<int64_t>(top);
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  std::vector<std::byte> got(1000);
+  ASSERT_TRUE((*file)->Read(5000, got).ok());  // starts the download: one fetch
+  ASSERT_EQ(remote.calls.load(), 1u);
+  // The filler starts once reads are quiet, from the top: its fetch is held.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (remote.calls.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_GE(remote.calls.load(), 2u);  // (its other fetches, lower down, go on)
+  {
+    const std::atomic<bool> cancelled{true};
+    const io::CancelScope scope(&cancelled);
+    const auto start = std::chrono::steady_clock::now();
+    Result<size_t> n = (*file)->Read(top + 10, got);
+    ASSERT_FALSE(n.ok());
+    EXPECT_EQ(n.status().code(), Code::kCancelled) << n.status().ToString();
+    EXPECT_TRUE(Contains(n.status().message(), "cancelled while bytes from"));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  }
+  // Not cancelled: the same read waits for the filler's fetch and gets its bytes.
+  remote.released = true;
+  Result<size_t> n = (*file)->Read(top + 10, got);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), remote.bytes.begin() + top + 10));
+  EXPECT_EQ(ReadAll(**file), remote.bytes);
+  cache.Drain();
   EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
 }
 

@@ -702,6 +702,45 @@ struct PieceSpan {
   uint64_t from = 0, to = 0, length = 0;
 };
 
+// The cancel flag of the loaders one cooperative load opens (its rounds', its local reads'): set
+// by the load itself to abandon reads it no longer needs (this or another rank failed), or when
+// the caller's LoadOptions::cancel is set (which the caller alone may set): a watcher thread,
+// only when the caller gave a flag, polls it every 10 ms while this object lives.
+class LinkedCancel {
+ public:
+  explicit LinkedCancel(std::shared_ptr<const std::atomic<bool>> caller) {
+    if (caller == nullptr) return;
+    watcher_ = std::thread([this, caller = std::move(caller)] {
+      std::unique_lock<std::mutex> lk(mu_);
+      while (!stop_) {
+        if (caller->load(std::memory_order_relaxed)) flag_->store(true);
+        cv_.wait_for(lk, std::chrono::milliseconds(10));
+      }
+    });
+  }
+  ~LinkedCancel() {
+    if (!watcher_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    watcher_.join();
+  }
+  LinkedCancel(const LinkedCancel&) = delete;
+  LinkedCancel& operator=(const LinkedCancel&) = delete;
+
+  const std::shared_ptr<std::atomic<bool>>& flag() const noexcept { return flag_; }
+  void Set() noexcept { flag_->store(true); }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> flag_ = std::make_shared<std::atomic<bool>>(false);
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread watcher_;
+};
+
 // This rank's side of the rounds: its reads, the status exchange, the tensor exchange.
 class RoundRunner {
  public:
@@ -710,8 +749,9 @@ class RoundRunner {
   // why) or is not needed. `items[i]` is the item of plan.tensors[i].
   RoundRunner(const CooperativePlan& plan, const std::vector<Item>& items, Collective& collective,
               CollectiveWatchdog& watchdog, Loader* loader, Loader* piece_loader,
-              Status open_status, CooperativeStats& stats)
-      : plan_(plan),
+              Status open_status, CooperativeStats& stats, LinkedCancel& cancel)
+      : cancel_(cancel),
+        plan_(plan),
         watchdog_(watchdog),
         items_(items),
         collective_(collective),
@@ -757,8 +797,17 @@ class RoundRunner {
       if (k + 1 < plan_.rounds && current.ok()) {  // (this rank's failed read ends the load)
         next = std::async(std::launch::async, [this, k] { return Read(k + 1); });
       }
-      // On an error the future's destructor waits for the read in flight (bounded) before the
-      // loader goes away.
+      // On an error (here or on another rank) the read ahead is cancelled, then waited for
+      // (within a chunk per worker) before the loader goes away.
+      struct AbandonAhead {
+        std::future<Result<std::vector<Tensor>>>& next;
+        LinkedCancel& cancel;
+        ~AbandonAhead() {
+          if (!next.valid()) return;
+          cancel.Set();
+          next.wait();
+        }
+      } abandon{next, cancel_};
       const Clock::time_point exchange_start = Clock::now();
       const std::string round =
           "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds);
@@ -1011,6 +1060,7 @@ class RoundRunner {
   static constexpr uint64_t kPartAlign = 64;
   static uint64_t AlignPart(uint64_t n) { return (n + kPartAlign - 1) / kPartAlign * kPartAlign; }
 
+  LinkedCancel& cancel_;  // the loaders' flag: set to abandon a round read ahead
   const CooperativePlan& plan_;
   CollectiveWatchdog& watchdog_;
   const std::vector<Item>& items_;
@@ -1207,17 +1257,17 @@ Result<LocalReads> ReadLocal(std::shared_ptr<const Checkpoint> checkpoint,
 }
 
 // A ReadLocal on a helper thread; an empty list reads nothing (and starts no thread). One that is
-// abandoned (destroyed before Get, on an error path) is cancelled, so that the error reaches the
-// caller within a chunk per worker instead of after every local read: through its own
-// LoadOptions::cancel, or the caller's when the caller gave one (which it alone may set).
+// abandoned (destroyed before Get, on an error path) is cancelled through the load's
+// LinkedCancel, so that the error reaches the caller within a chunk per worker instead of after
+// every local read.
 class LocalReadTask {
  public:
-  LocalReadTask() = default;
+  explicit LocalReadTask(LinkedCancel& cancel) : cancel_(cancel) {}
   LocalReadTask(const LocalReadTask&) = delete;
   LocalReadTask& operator=(const LocalReadTask&) = delete;
   ~LocalReadTask() {
     if (!future_.valid()) return;
-    cancel_->store(true, std::memory_order_relaxed);
+    cancel_.Set();
     future_.wait();
   }
 
@@ -1225,7 +1275,7 @@ class LocalReadTask {
              const ShardSpec& spec, uint32_t me, uint32_t world, std::vector<std::string> names) {
     if (names.empty()) return;
     LoadOptions o = options;
-    if (o.cancel == nullptr) o.cancel = cancel_;
+    o.cancel = cancel_.flag();
     future_ = std::async(std::launch::async, [=, names = std::move(names)]() mutable {
       return ReadLocal(std::move(checkpoint), o, spec, me, world, std::move(names));
     });
@@ -1234,7 +1284,7 @@ class LocalReadTask {
   Result<LocalReads> Get() { return future_.valid() ? future_.get() : LocalReads{}; }
 
  private:
-  std::shared_ptr<std::atomic<bool>> cancel_ = std::make_shared<std::atomic<bool>>(false);
+  LinkedCancel& cancel_;
   std::future<Result<LocalReads>> future_;
 };
 
@@ -1506,7 +1556,11 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   // With a network probe ahead (auto, no rate given, several hosts), the tensors that no
   // exchange saves reads of (exact dim-0 slices) are local whatever it measures: they are read
   // while it runs, so the storage works while the network is measured.
-  LocalReadTask preread;
+  // The loaders below read under this flag: set when this load returns early (an error here or
+  // on another rank), so that reads in flight (a round read ahead, the local reads) stop within
+  // a chunk per worker instead of running to their end; and when the caller's flag is.
+  LinkedCancel cancel(options.cancel);
+  LocalReadTask preread(cancel);
   std::unordered_set<std::string_view> preread_names;
   if (NetworkProbeBytes(options, hosts) > 0) {
     std::vector<std::string> names;
@@ -1555,7 +1609,7 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   }
   local.local_tensors = local_names.size() + preread_planned;
   local.exchanged_tensors = plan.tensors.size() - local.local_tensors;
-  LocalReadTask rest;
+  LocalReadTask rest(cancel);
   auto start_rest = [&] {
     rest.Start(checkpoint, options, spec, me, world, std::move(local_names));
   };
@@ -1565,18 +1619,20 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   if (plan.rounds > 0) {
     // A rank whose loader cannot open still takes part in the first status exchange, so the
     // others learn of it instead of waiting for it in a collective.
-    Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, options);
+    LoadOptions round_options = options;
+    round_options.cancel = cancel.flag();
+    Result<std::unique_ptr<Loader>> opened = OpenRoundLoader(checkpoint, round_options);
     Status open_status = opened.status();
     std::unique_ptr<Loader> loader = opened.ok() ? std::move(opened).value() : nullptr;
     std::unique_ptr<Loader> piece_loader;
     if (open_status.ok()) {
       Result<std::unique_ptr<Loader>> pieces =
-          OpenPieceLoader(checkpoint, options, plan, items, me, world);
+          OpenPieceLoader(checkpoint, round_options, plan, items, me, world);
       open_status = pieces.status();
       if (pieces.ok()) piece_loader = std::move(pieces).value();
     }
     RoundRunner rounds(plan, items, collective, watchdog, loader.get(), piece_loader.get(),
-                       open_status, local);
+                       open_status, local, cancel);
     rounds_status = rounds.RunAll(exchanged, start_rest);
   } else {
     start_rest();

@@ -1169,6 +1169,78 @@ TEST(Cooperative, AFailedRoundCancelsTheLocalReads) {
       << "all local " << all_local << " s, failed load " << failed << " s";
 }
 
+// A round that fails on one rank ends the others without reading the next round, which they had
+// started reading ahead: that read is cancelled (within a chunk per worker), not run to its end.
+TEST(Cooperative, AFailedRoundCancelsTheRoundReadAhead) {
+  // Twelve replicated tensors of 1 MiB, every one exchanged (one reader each), one per rank and
+  // round under a 1 MiB budget: four rounds. In memory; every read a slow 4 KiB.
+  testing::TestTensors tensors;
+  for (int i = 0; i < 12; ++i) {
+    tensors.Add("n" + std::to_string(i) + ".weight", DType::kF32, {262144});  // 1 MiB
+  }
+  TempDir dir;
+  ASSERT_TRUE(tensors.WriteTo(dir.path(), 1ull << 30).ok());
+  testing::MemoryEnv env;
+  std::string shard;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    const std::string name = entry.path().filename().string();
+    env.AddFile("/mem/" + name, testing::ReadBytes(entry.path().string()));
+    if (name.ends_with(".safetensors")) shard = "/mem/" + name;
+  }
+  OpenOptions open;
+  open.env = &env;
+  auto checkpoint = Checkpoint::Open("/mem", open).ValueOrThrow();
+  LoadOptions options;
+  options.env = &env;
+  options.engine = Engine::kPread;
+  options.threads = 2;
+  options.chunk_size = 16 * kMinChunkSize;  // 64 KiB: 16 reads of 4 KiB
+  options.budget = 1u << 20;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  constexpr uint32_t kWorld = 3;
+  const std::vector<uint32_t> one_host(kWorld, 0);
+  const CooperativePlan plan =
+      PlanCooperative(*checkpoint, Selection::All(), tensors.spec, options, one_host)
+          .ValueOrThrow();
+  ASSERT_GE(plan.rounds, 2u) << plan.ToString(*checkpoint);
+  // Rank 2 fails at the first read of its round-0 tensor; ranks 0 and 1 read theirs, then start
+  // reading round 1 ahead.
+  const CooperativeTensorPlan* victim = nullptr;
+  uint64_t round0 = 0, round1 = 0;  // bytes ranks 0 and 1 read in rounds 0 and 1
+  for (const CooperativeTensorPlan& t : plan.tensors) {
+    ASSERT_TRUE(t.exchanged && t.readers == 1) << plan.ToString(*checkpoint);
+    const uint64_t size = checkpoint->tensors()[t.tensor].size;
+    if (t.reader == 2 && t.round == 0 && victim == nullptr) victim = &t;
+    if (t.reader != 2 && t.round == 0) round0 += size;
+    if (t.reader != 2 && t.round == 1) round1 += size;
+  }
+  ASSERT_NE(victim, nullptr) << plan.ToString(*checkpoint);
+  ASSERT_GE(round1, 2u << 20) << plan.ToString(*checkpoint);
+  testing::MemoryEnv::Faults faults;
+  faults.max_read = 4096;
+  faults.delay_us = 1000;
+  faults.eio_at = static_cast<int64_t>(checkpoint->tensors()[victim->tensor].offset) + 1;
+  env.SetFaults(shard, faults);
+  const uint64_t reads_before = env.reads(shard);
+  const GroupRun run =
+      RunCooperativeGroup(checkpoint, Selection::All(), tensors.spec, options, kWorld);
+  EXPECT_EQ(run.status(2).code(), Code::kIoError) << run.status(2).ToString();
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(run.status(r).code(), Code::kIoError) << run.status(r).ToString();
+    EXPECT_NE(run.status(r).message().find("rank 2 failed"), std::string::npos)
+        << run.status(r).ToString();
+  }
+  // Reads of 4 KiB: round 0's (a tensor may start off a 4 KiB boundary: one more each), rank 2's
+  // few before its error, and at most two chunks per worker of round 1 on ranks 0 and 1; read to
+  // its end, round 1 alone would take round1 / 4 KiB.
+  const uint64_t reads = env.reads(shard) - reads_before;
+  const uint64_t round0_reads = round0 / 4096 + 2;
+  const uint64_t cancelled_ahead = 2 * options.threads * 2 * 16;
+  EXPECT_LE(reads, round0_reads + 2 * 16 + cancelled_ahead)
+      << "round 0: " << round0_reads << " reads; round 1 in full: " << round1 / 4096;
+  EXPECT_LT(reads, round0_reads + round1 / 4096);
+}
+
 // The network probe: the same rate on every rank of a group spread over hosts (here fake hosts
 // of an in-process group, which exchanges through memory), none when every rank is on one host,
 // and the options it changes only when the plan may choose and no rate was given.

@@ -471,11 +471,11 @@ const TensorInfo& Reader::Lookup(const Checkpoint& checkpoint, const std::string
 }
 
 Loader& Reader::EnsureLoader() {
-  if (!loader_) {
-    std::lock_guard<std::mutex> lock(checkpoint_mu_);
-    if (!checkpoint_) throw StatusError(Status(Code::kInvalidArgument, "this Reader is closed"));
-    loader_ = Unwrap(Loader::Open(checkpoint_, options_));
-  }
+  // Opened outside checkpoint_mu_ (a copy of the checkpoint keeps it alive): other threads' calls
+  // that read the checkpoint (names, info) take that mutex holding the GIL, and would hold every
+  // Python thread for as long as the loader takes to open. The Reader's lock (held) serializes
+  // the open itself.
+  if (!loader_) loader_ = Unwrap(Loader::Open(Open(), options_));
   return *loader_;
 }
 

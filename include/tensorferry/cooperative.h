@@ -204,11 +204,15 @@ struct CooperativePlan {
   double probe_seconds = 0;  // the network probe's time before the plan (0: no probe)
   std::vector<CooperativeTensorPlan> tensors;  // the tensors read, in checkpoint order
   uint32_t rounds = 0;                         // rounds of the exchanged tensors
-  // The checksum records (docs/integrity.md) of the tensors read, combined: two copies of a
-  // checkpoint with the same layout but other bytes (a stale copy on one host) plan alike, and
-  // only their records tell them apart; 0 when no file has a record or LoadOptions::verify is off.
-  // Part of what the ranks compare before any exchange.
-  uint64_t checksums_digest = 0;
+  // What tells two copies of a checkpoint with the same layout but other bytes apart (a stale
+  // copy on one host, a hub branch that moved between two ranks' opens), combined over the files
+  // and tensors read: the checksum records (docs/integrity.md) of the tensors, unless
+  // LoadOptions::verify is off; the commit of a hub repository's files (a snapshot folder of the
+  // hub cache or the hub's resolve/<commit> URL: a rank reading the cache and one streaming from
+  // the hub agree); the ETag of an object-store file. 0 when none applies (local files without
+  // records: their identities differ between hosts). Part of what the ranks compare before any
+  // exchange.
+  uint64_t content_digest = 0;
   // The model's prediction for a placement of the reads: the busiest host's bytes read from
   // storage and received over the network, both flowing at once, per host h:
   // seconds = max(read_h / storage_rate, network_h / network_rate), the largest over the hosts.

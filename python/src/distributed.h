@@ -19,8 +19,8 @@ void RegisterDistributed(nanobind::module_& m);
 // the checkpoint is opened once) over len(hosts) ranks, rank r on host hosts[r] (dense indices):
 // PlanCooperative with LoadOptions from `options` (MakeLoadOptions: budget, coop_exchange,
 // coop_storage_rate, coop_network_rate, shard_max_gap), made after a network probe of
-// `probe_seconds` (0: none ran). Returns (entries, outputs, checksums_digest:
-// CooperativePlan::checksums_digest, what the ranks compare beside the plan). entries: one
+// `probe_seconds` (0: none ran). Returns (entries, outputs, content_digest:
+// CooperativePlan::content_digest, what the ranks compare beside the plan). entries: one
 // (name, dtype, shape, nbytes, exchanged, reader, round, piece_rows, piece_rounds, dim, parts,
 // saves_reads, piece_granule) per tensor to read, in checkpoint order: exchanged false: every
 // rank reads its own part;

@@ -596,7 +596,8 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             nbytes = _core.network_probe_bytes(hosts, options)
             raw, _, digest = base.cooperative_plan(names, shard_spec, hosts,
                                                    dict(options, coop_exchange="none"))
-            # The checksum records tell two copies of one layout with other bytes apart; the
+            # The content digest (checksum records, hub commits, ETags: CooperativePlan::
+            # content_digest) tells two copies of one layout with other bytes apart; the
             # names as a set (the load's order is the files' whatever the order given); the
             # options as parsed ("64MB" and 64000000 agree).
             fingerprint = _fingerprint(raw, sorted(names) if names else names,
@@ -809,8 +810,8 @@ def _agree_plan(torch, dist, group, rank, world, comm_device, wait, error, finge
     if other:
         raise _core.InvalidArgumentError(
             f"cooperative load: rank {other[0]} and rank {rank} disagree on {what}: every rank "
-            "needs the same checkpoint (the same bytes, where checksum records tell), selection, "
-            "shard rules and cooperative options")
+            "needs the same checkpoint (the same bytes, where checksum records, a hub commit or "
+            "an ETag tell), selection, shard rules and cooperative options")
 
 
 def _blocks(e, full, q):

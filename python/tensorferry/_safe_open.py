@@ -124,6 +124,52 @@ def hub_root(first_file):
     return match.group(1) if match else None
 
 
+_HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
+_SNAPSHOT_ROOT = re.compile(r"^.*/(models|datasets|spaces)--([^/]+)/snapshots/([0-9a-f]{40})$")
+_RESOLVE_ROOT = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+(?:/[^/]+)?)/resolve/([0-9a-f]{40})$")
+
+
+def is_pinned_hub_path(path):
+    """True for an hf:// path whose revision is a commit (hf://REPO@<40 hex digits>[/PATH]): it
+    names the same bytes wherever and whenever it is read."""
+    if not is_hub_path(path):
+        return False
+    head = path[5:].split("/")
+    for part in head[:3]:  # [datasets/|spaces/]OWNER/NAME: the revision is on the repository
+        if "@" in part:
+            return _HUB_COMMIT.fullmatch(part.split("@", 1)[1]) is not None
+    return False
+
+
+def pinned_hub_path(path, root):
+    """`path`, an hf:// path, at the commit that `root` (hub_root of a file its load read: a
+    snapshot folder of the hub cache, or <HF_ENDPOINT>/[TYPE/]REPO/resolve/<commit>) lies in:
+    hf://[TYPE/]REPO@<commit>[/PATH], which names the same files on any host and at any later
+    time (the local hub cache's snapshot of that commit, else the hub at it). None when `root`
+    is neither, or `path` does not name root's repository."""
+    if not is_hub_path(path) or not isinstance(root, str):
+        return None
+    match = _SNAPSHOT_ROOT.match(root)
+    if match:
+        kind, repo, commit = match.group(1), match.group(2).replace("--", "/"), match.group(3)
+    else:
+        endpoint = (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or "https://huggingface.co"
+        match = _RESOLVE_ROOT.match(root[len(endpoint):]) if root.startswith(endpoint) else None
+        if not match:
+            return None
+        kind, repo, commit = match.group(1) or "models", match.group(2), match.group(3)
+    rest = path[5:]
+    prefix = "" if kind == "models" else kind + "/"
+    if not rest.startswith(prefix + repo):
+        return None
+    rest = rest[len(prefix + repo):]
+    if rest.startswith("@"):
+        rest = rest[rest.find("/"):] if "/" in rest else ""
+    if rest and not rest.startswith("/"):
+        return None  # another repository whose name starts with root's
+    return f"hf://{prefix}{repo}@{commit}{rest}"
+
+
 def open_file(filename, options):
     """A _core.Reader of one file. `filename`: str, bytes or os.PathLike; a name that is not
     UTF-8 (a str from os.fsdecode, with surrogate escapes) opens the file os.fsencode names."""

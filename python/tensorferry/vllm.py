@@ -561,32 +561,93 @@ def _make_class():
             """The Parts of a hub id's weights read as its hf:// path (_hub_path), or None: not
             a hub id streamed, or weights neither in an index nor in a model.safetensors there,
             or none of them matching the model's allow_patterns_overrides (then vLLM downloads
-            them)."""
+            them). With several ranks and a branch, every rank reads the commit the first rank
+            found (_pinned)."""
             if _is_url(model_or_path):
                 return None
             path = self._hub_path(model_or_path, revision, subfolder)
-            if path is None:
-                return None
+            world = None
+            if self.options.hub == "stream" and _safe_open.is_hub_id(model_or_path) \
+                    and not _safe_open.is_pinned_hub_path(
+                        _safe_open.hub_id_path(model_or_path, revision)):
+                world = self._world()  # the same answer on every rank: all join, or none
+            if world is None:
+                return self._hub_parts_at(path, subfolder, patterns, unused, True)[0] \
+                    if path is not None else None
+            return self._pinned(world, path, lambda: self._hub_parts_at(
+                path, subfolder, patterns, unused, True) if path is not None else (None, None),
+                lambda pinned: self._hub_parts_at(pinned, subfolder, patterns, unused,
+                                                  False)[0])
+
+        def _hub_parts_at(self, path, subfolder, patterns, unused, fall_back):
+            """(Parts, the hf:// path pinned to the commit read) of the hf:// path `path`, or
+            (None, None) when `fall_back` and vLLM's download applies instead."""
             try:
                 with tensorferry.Loader(path, **self._common()) as probe:
                     files = probe.files
             except FileNotFoundError as e:
+                if not fall_back:
+                    raise
                 logger.info("tensorferry: %s: not streamed (%s); vLLM's download instead",
                             path, e)
-                return None
+                return None, None
             if patterns is not None and not matching_files(files, patterns):
+                if not fall_back:
+                    raise RuntimeError(
+                        f"{path}: none of its files {files} match the model's "
+                        f"allow_patterns_overrides {list(patterns)}")
                 # (a model whose allow_patterns_overrides name files the index does not, such
                 # as consolidated*.safetensors beside the shards: vLLM's download finds them)
                 logger.info("tensorferry: %s: none of its files match the model's "
                             "allow_patterns_overrides %s; vLLM's download instead", path,
                             list(patterns))
-                return None
+                return None, None
             # Later opens read where this one did (the snapshot, or the hub at the commit the
             # branch named now), not the branch again: one commit, and no more API requests.
             root = _safe_open.hub_root(files[0]) if files else None
+            pinned = _safe_open.pinned_hub_path(path, root)
             if root is not None:
                 path = root + ("/" + subfolder.strip("/") if subfolder else "")
-            return plan_remote(path, files, patterns, unused)
+            return plan_remote(path, files, patterns, unused), pinned
+
+        def _world(self):
+            """vLLM's world group (every rank that loads this model) when it has more than one
+            rank, else None."""
+            try:
+                from vllm.distributed import get_world_group
+                world = get_world_group()
+            except (ImportError, AssertionError):  # no distributed state: one process
+                return None
+            return world if world.world_size > 1 else None
+
+        def _pinned(self, world, what, first, others):
+            """What the ranks of `world` read from `what`, an hf:// path naming a branch (or a
+            hub id streamed as one), at one commit: the first rank runs `first()`, which
+            returns (its result, the hf:// path pinned to the commit it read, or None), and
+            sends the others that path; they return `others(path)`. Without this, each rank
+            would ask the hub which commit the branch names, and a branch that moves between
+            their questions would give the ranks other weights. When the first rank reads
+            without a commit (vLLM's download instead: the result None) the others return None
+            too; when it fails, they fail naming it."""
+            if world.rank_in_group == 0:
+                try:
+                    result, pinned = first()
+                except BaseException as e:
+                    world.broadcast_object(("failed", f"{type(e).__name__}: {e}"))
+                    raise
+                world.broadcast_object(("none", None) if result is None else ("ok", pinned))
+                return result
+            kind, pinned = world.broadcast_object(None)
+            if kind == "failed":
+                raise RuntimeError(f"load format {LOAD_FORMAT!r}: the first rank of vLLM's "
+                                   f"group could not open {what}: {pinned}")
+            if kind == "none":
+                return None
+            if pinned is None:  # read without a commit (no hub root): as the first rank did
+                return first()[0]
+            logger.info("tensorferry: %s read at %s, the commit the first rank read", what,
+                        pinned)
+            return others(pinned)
 
         def _sources(self, model, model_config):
             yield (self._primary(model_config), model_config.revision, None, "",
@@ -658,12 +719,32 @@ def _make_class():
                     if v is not None}
 
         def _remote_parts(self, url, patterns, unused):
-            """The Parts of an object-storage weight source (plan_remote)."""
+            """The Parts of an object-storage weight source (plan_remote). An hf:// path naming
+            a branch is read at one commit by every rank (_pinned)."""
+            world = None
+            if _safe_open.is_hub_path(url) and not _safe_open.is_pinned_hub_path(url):
+                world = self._world()
+            if world is None:
+                return self._remote_parts_at(url, patterns, unused)[0]
+            return self._pinned(world, url, lambda: self._remote_parts_at(url, patterns, unused,
+                                                                          pin=True),
+                                lambda pinned: self._remote_parts_at(pinned, patterns,
+                                                                     unused)[0])
+
+        def _remote_parts_at(self, url, patterns, unused, pin=False):
+            """(Parts, `url` pinned to the commit read when `pin`: _safe_open.pinned_hub_path).
+            Pinned, the Parts read the pinned path too: opening `url` again would ask the hub
+            for the branch again."""
             files = None
-            if patterns is not None:
+            if patterns is not None or pin:
                 with tensorferry.Loader(url, **self._common()) as probe:
                     files = probe.files
-            return plan_remote(url, files, patterns, unused)
+            pinned = None
+            if pin and files:
+                pinned = _safe_open.pinned_hub_path(url, _safe_open.hub_root(files[0]))
+                if pinned is not None:
+                    return self._remote_parts_at(pinned, patterns, unused)[0], pinned
+            return plan_remote(url, files, patterns, unused), pinned
 
         def _stream(self, part, prefix, device):
             """(name, tensor) of one Part through Loader.iter_tensors under the budget. A model

@@ -16,13 +16,16 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "io/file_set.h"
 #include "tensorferry/integrity.h"
+#include "tensorferry/object_store.h"
 #include "tensorferry/size.h"
 #include "util/macros.h"
 
@@ -269,10 +272,68 @@ bool CanSplit(const TensorInfo& info, uint32_t world, uint64_t granule) {
   return rows / granule + (rows % granule != 0 ? 1 : 0) >= world;
 }
 
+// FNV-1a over what the ranks must agree on (not adversarial: it tells honest ranks apart).
+class Fingerprint {
+ public:
+  void Add(uint64_t v) {
+    for (int i = 0; i < 8; ++i) Byte(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  void Add(std::string_view s) {
+    Add(s.size());
+    for (char c : s) Byte(static_cast<uint8_t>(c));
+  }
+  uint64_t value() const noexcept { return h_; }
+
+ private:
+  void Byte(uint8_t b) { h_ = (h_ ^ b) * 0x100000001b3ull; }
+  uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
+// The hub commit a file path lies under: <...>/snapshots/<commit>/<file> (the hub cache) or
+// <...>/resolve/<commit>/<file> (the hub), as (commit, file); nullopt for any other path.
+std::optional<std::pair<std::string_view, std::string_view>> HubCommitOf(std::string_view path) {
+  for (const std::string_view marker : {"/snapshots/", "/resolve/"}) {
+    for (size_t at = path.find(marker); at != std::string_view::npos;
+         at = path.find(marker, at + 1)) {
+      const size_t commit = at + marker.size();
+      if (path.size() <= commit + 41 || path[commit + 40] != '/') continue;
+      const std::string_view id = path.substr(commit, 40);
+      if (std::all_of(id.begin(), id.end(),
+                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); })) {
+        return std::make_pair(id, path.substr(commit + 41));
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+// What names the bytes of `ckpt`'s files beyond their layout, the same on every rank that reads
+// the same bytes (CooperativePlan::content_digest): a hub file's commit and name, an object's
+// ETag (the version tag of its identity, source.h); local files add nothing.
+void AddContentIdentities(const Checkpoint& ckpt, std::span<const uint32_t> indices,
+                          Fingerprint& f) {
+  std::vector<bool> seen(ckpt.files().size(), false);
+  for (const uint32_t index : indices) {
+    const uint32_t file = ckpt.tensors()[index].file;
+    if (seen[file]) continue;
+    seen[file] = true;
+    const std::string& path = ckpt.files()[file].path;
+    if (const auto hub = HubCommitOf(path)) {
+      f.Add(file);
+      f.Add(hub->first);
+      f.Add(hub->second);
+    } else if (IsObjectUrl(path)) {
+      f.Add(file);
+      f.Add(ckpt.file_set() != nullptr ? ckpt.file_set()->identity(file).inode : 0);
+    }
+  }
+}
+
 // The checksum records of the files a load checks (ChecksumsForLoad): each file's chunk size (0
-// without a record, PieceGranule), and the records of `indices` combined. Errors: those of
-// ChecksumsForLoad (an unreadable manifest or record), which the loads would report too:
-// reported in planning, by the rank that met them, rather than as a disagreement of the plans.
+// without a record, PieceGranule), and the records of `indices` combined with their files'
+// content identities (CooperativePlan::content_digest). Errors: those of ChecksumsForLoad (an
+// unreadable manifest or record), which the loads would report too: reported in planning, by the
+// rank that met them, rather than as a disagreement of the plans.
 struct CheckedFiles {
   std::vector<uint64_t> chunk_size;  // per file
   uint64_t digest = 0;
@@ -284,7 +345,14 @@ Result<CheckedFiles> Checked(const Checkpoint& ckpt, std::span<const uint32_t> i
   out.chunk_size.assign(ckpt.files().size(), 0);
   TF_ASSIGN_OR_RETURN(const std::vector<std::optional<FileChecksums>> sums,
                       ChecksumsForLoad(ckpt, options.verify));
-  if (sums.empty()) return out;
+  Fingerprint sources;
+  AddContentIdentities(ckpt, indices, sources);
+  const uint64_t nothing = Fingerprint().value();
+  const uint64_t identities = sources.value() != nothing ? sources.value() | 1 : 0;
+  if (sums.empty()) {
+    out.digest = identities;
+    return out;
+  }
   for (uint32_t f = 0; f < sums.size(); ++f) {
     if (sums[f]) out.chunk_size[f] = sums[f]->chunk_size;
   }
@@ -297,6 +365,7 @@ Result<CheckedFiles> Checked(const Checkpoint& ckpt, std::span<const uint32_t> i
     digests.push_back(index);
     digests.push_back(CombineChunkDigests(it->second.chunks));
   }
+  if (identities != 0) digests.push_back(identities);
   if (!digests.empty()) out.digest = CombineChunkDigests(digests) | 1;  // never 0
   return out;
 }
@@ -528,7 +597,7 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
   // Every rank's slice of every tensor, before any I/O: a rule error stops every rank here.
   const std::vector<TensorInfo>& infos = checkpoint.tensors();
   TF_ASSIGN_OR_RETURN(const CheckedFiles checked, Checked(checkpoint, indices, options));
-  plan.checksums_digest = checked.digest;
+  plan.content_digest = checked.digest;
   std::vector<Costed> costed;
   costed.reserve(indices.size());
   for (const uint32_t index : indices) {
@@ -1099,25 +1168,6 @@ std::vector<Tensor> Deliver(const Description& described, size_t tensor_count,
   return delivered;
 }
 
-// Every rank's `status` to every rank: an error unless every rank's is ok (this rank's own
-// error first; else kIoError naming the first failed rank and `what` it failed at).
-// FNV-1a over what the ranks must agree on (not adversarial: it tells honest ranks apart).
-class Fingerprint {
- public:
-  void Add(uint64_t v) {
-    for (int i = 0; i < 8; ++i) Byte(static_cast<uint8_t>(v >> (8 * i)));
-  }
-  void Add(std::string_view s) {
-    Add(s.size());
-    for (char c : s) Byte(static_cast<uint8_t>(c));
-  }
-  uint64_t value() const noexcept { return h_; }
-
- private:
-  void Byte(uint8_t b) { h_ = (h_ ^ b) * 0x100000001b3ull; }
-  uint64_t h_ = 0xcbf29ce484222325ull;
-};
-
 // What a plan stands on, the same on every rank when they agree: each tensor read (name, dtype,
 // shape, place in its file), every rank's slice of it, and the plan's choices per tensor.
 uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& items) {
@@ -1127,7 +1177,7 @@ uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& i
   f.Add(plan.storage_rate);
   f.Add(plan.network_rate);
   f.Add(plan.rounds);
-  f.Add(plan.checksums_digest);
+  f.Add(plan.content_digest);
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const CooperativeTensorPlan& t = plan.tensors[i];
     const TensorInfo& info = *items[i].info;
@@ -1200,7 +1250,8 @@ Status AgreeOnPlan(Collective& collective, const Result<uint64_t>& fingerprint, 
                     "cooperative load: rank " + std::to_string(q) + " and rank " +
                         std::to_string(collective.rank()) + " disagree on " + what +
                         ": every rank needs the same checkpoint (the same bytes, where checksum "
-                        "records tell), selection, shard rules and cooperative options");
+                        "records, a hub commit or an ETag tell), selection, shard rules and "
+                        "cooperative options");
     }
   }
   return Status::Ok();

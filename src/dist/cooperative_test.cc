@@ -972,6 +972,75 @@ TEST(Cooperative, ChecksumRecordsGuardTheExchangedBytes) {
   }
 }
 
+// Two commits of a hub repository with the same layout and other bytes, in snapshot folders of the
+// hub cache, and no checksum records: a branch that moved between two ranks' opens. The ranks fail
+// at once instead of mixing the commits (the commit is part of CooperativePlan::content_digest);
+// two folders of one commit (the cache on two hosts) load together.
+TEST(Cooperative, RanksReadingTwoCommitsOfAHubRepositoryDisagree) {
+  TempDir cache;
+  const std::string repo = cache.path() + "/models--org--name/snapshots/";
+  const std::string old_commit(40, 'a'), new_commit = "0123456789abcdef0123456789abcdef01234567";
+  testing::TestTensors before(
+      [](uint64_t i, size_t h) { return static_cast<char>((i * 3 + h) & 0xff); });
+  testing::TestTensors after(
+      [](uint64_t i, size_t h) { return static_cast<char>((i * 3 + h + 1) & 0xff); });
+  for (testing::TestTensors* t : {&before, &after}) {
+    t->Add("a.w", DType::kF32, {16, 8});
+    t->Add("b.w", DType::kF32, {16, 8});
+  }
+  std::filesystem::create_directories(repo + old_commit);
+  std::filesystem::create_directories(repo + new_commit);
+  ASSERT_TRUE(before.WriteTo(repo + old_commit, 1ull << 30).ok());
+  ASSERT_TRUE(after.WriteTo(repo + new_commit, 1ull << 30).ok());
+  // The same commit in another cache (another host's).
+  TempDir other;
+  const std::string copy = other.path() + "/models--org--name/snapshots/" + old_commit;
+  std::filesystem::create_directories(copy);
+  ASSERT_TRUE(before.WriteTo(copy, 1ull << 30).ok());
+  LoadOptions options;
+  options.cooperative.exchange = ExchangeChoice::kAll;
+  options.cooperative.timeout_ms = 60'000;
+  options.verify = VerifyMode::kOff;  // records unused: only the commit tells the two apart
+  ShardSpec rows = ShardSpec::None();
+  rows.Add("*", ShardRule::Split(0));
+  const auto run = [&](const std::vector<std::shared_ptr<const Checkpoint>>& ckpts,
+                       std::vector<std::vector<Tensor>>* got) {
+    auto group = MakeInProcessGroup(2).ValueOrThrow();
+    std::vector<Status> statuses(2);
+    got->assign(2, {});
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        auto loaded = LoadCooperative(ckpts[r], Selection::All(), rows, options, *group[r]);
+        statuses[r] = loaded.status();
+        if (loaded.ok()) (*got)[r] = std::move(*loaded);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return statuses;
+  };
+  auto old_ckpt = Checkpoint::Open(repo + old_commit).ValueOrThrow();
+  auto new_ckpt = Checkpoint::Open(repo + new_commit).ValueOrThrow();
+  auto copy_ckpt = Checkpoint::Open(copy).ValueOrThrow();
+  std::vector<std::vector<Tensor>> got;
+  std::vector<Status> s = run({old_ckpt, new_ckpt}, &got);
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(s[r].code(), Code::kInvalidArgument) << s[r].ToString();
+    EXPECT_NE(s[r].message().find("disagree on planning"), std::string::npos) << s[r].ToString();
+  }
+  s = run({old_ckpt, copy_ckpt}, &got);
+  ASSERT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << " / " << s[1].ToString();
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[r].size(), 2u);
+    for (const Tensor& t : got[r]) {
+      const TensorInfo& info = *old_ckpt->Find(t.name());
+      EXPECT_EQ(Bytes(t),
+                testing::NaiveSlice(info, rows.RuleFor(info.name), r, 2, before.Full(info.name)))
+          << t.name() << " rank " << r;
+    }
+  }
+}
+
 // A rank that cannot read the checksum records (here: a damaged manifest beside its copy) fails
 // in planning with that error, and the others name it, before any read: not a disagreement of
 // the plans, nor a failure later in the reads.

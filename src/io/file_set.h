@@ -55,6 +55,8 @@ class FileSet {
 
   size_t size() const noexcept { return files_.size(); }
   const std::string& path(uint32_t f) const noexcept { return files_[f].spec.path; }
+  // The identity file `f` had at Checkpoint::Open (fixed from then on).
+  const FileIdentity& identity(uint32_t f) const noexcept { return files_[f].spec.identity; }
 
   // File `f`, open (and with want_direct, its O_DIRECT descriptor where the file system allows).
   // Errors: those of Source::Open (FileChangedError for a file replaced since the checkpoint was

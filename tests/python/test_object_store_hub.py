@@ -365,6 +365,109 @@ def test_a_branch_that_moves_during_a_load_is_read_at_the_commit_it_named(hf_hub
     assert resolved_revisions(hf_hub, "org/moving") == {pr}
 
 
+def test_the_commit_a_load_read_names_the_same_files_later_and_elsewhere(hf_hub, tmp_path,
+                                                                           monkeypatch):
+    """What the vLLM plugin sends its other ranks (_safe_open.pinned_hub_path): the path a load
+    read, at the commit it read, from the root of its files whether streamed from the hub or
+    read from the hub cache; it reads the same bytes after the branch moved."""
+    from tensorferry import _safe_open
+    v1 = _single_model(str(tmp_path / "v1"), 1)
+    v2 = _single_model(str(tmp_path / "v2"), 2)
+    first = hf_hub.add_repo("org/pinned", str(tmp_path / "v1"))
+    with tensorferry.Loader("hf://org/pinned") as loader:
+        root = _safe_open.hub_root(loader.files[0])
+    assert root == f"{hf_hub.endpoint}/org/pinned/resolve/{first}"
+    pinned = _safe_open.pinned_hub_path("hf://org/pinned", root)
+    assert pinned == f"hf://org/pinned@{first}" and _safe_open.is_pinned_hub_path(pinned)
+    assert not _safe_open.is_pinned_hub_path("hf://org/pinned")
+    assert not _safe_open.is_pinned_hub_path("hf://org/pinned@main/" + "a" * 40)
+    hf_hub.add_repo("org/pinned", str(tmp_path / "v2"))
+    assert_same(load_all(pinned)[0], v1)
+    assert_same(load_all("hf://org/pinned")[0], v2)
+    # A file or folder inside, a revision named, another kind of repository; from the cache's
+    # snapshot folder as from the hub's URL.
+    snapshot = f"/c/hub/models--org--pinned/snapshots/{first}"
+    for path, want in (("hf://org/pinned@main/model.safetensors",
+                        f"hf://org/pinned@{first}/model.safetensors"),
+                       ("hf://org/pinned@refs%2Fpr%2F1/sub/x.json",
+                        f"hf://org/pinned@{first}/sub/x.json"),
+                       ("hf://org/pinned/sub", f"hf://org/pinned@{first}/sub"),
+                       ("hf://org/pinnedmore", None), ("hf://other/pinned", None),
+                       ("s3://org/pinned", None)):
+        assert _safe_open.pinned_hub_path(path, root) == want, path
+        assert _safe_open.pinned_hub_path(path, snapshot) == want, path
+    assert _safe_open.pinned_hub_path(
+        "hf://datasets/org/d/x.safetensors",
+        f"/c/hub/datasets--org--d/snapshots/{first}") == f"hf://datasets/org/d@{first}/x.safetensors"
+    assert _safe_open.pinned_hub_path(
+        "hf://gpt2", f"{hf_hub.endpoint}/gpt2/resolve/{first}") == f"hf://gpt2@{first}"
+    assert _safe_open.pinned_hub_path("hf://org/pinned", "/not/a/root") is None
+    monkeypatch.setenv("HF_ENDPOINT", "https://elsewhere.example")  # not this hub's URL
+    assert _safe_open.pinned_hub_path("hf://org/pinned", root) is None
+
+
+def _coop_open_rank(rank, world, path, init, marks, out):
+    """Rank 0 opens `path` first; rank 1 opens it once the test moved the branch."""
+    import time
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        pg = dist.new_group(list(range(world)))
+        if rank == 1:
+            while not os.path.exists(os.path.join(marks, "moved")):
+                time.sleep(0.05)
+        with tensorferry.Loader(path, tp_rank=rank, tp_size=world, process_group=pg,
+                                shard_rules="none") as loader:
+            if rank == 0:
+                open(os.path.join(marks, "opened"), "w").close()
+            try:
+                loader.load()
+                result = {"ok": True}
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result = {"ok": False, "type": type(e).__name__, "message": str(e)}
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cooperative_ranks_that_read_two_commits_of_a_branch_fail_at_once(hf_hub, tmp_path):
+    """A branch that moves between two ranks' opens (same layout, other bytes, no checksum
+    records): the ranks refuse to exchange, each naming the disagreement, instead of mixing the
+    two commits' bytes (the commit is part of what cooperative ranks compare)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import time
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import save_file  # the reference writer: no checksum records
+    for seed in (1, 2):
+        os.makedirs(tmp_path / f"v{seed}")
+        torch.manual_seed(seed)
+        save_file({"w": torch.randn(256, 256), "b": torch.randn(256)},
+                  str(tmp_path / f"v{seed}" / "model.safetensors"))
+    hf_hub.add_repo("org/coop", str(tmp_path / "v1"))
+    marks, out = str(tmp_path / "marks"), str(tmp_path / "result")
+    os.makedirs(marks)
+    ctx = mp.spawn(_coop_open_rank, args=(2, "hf://org/coop", f"file://{tmp_path}/init", marks,
+                                          out), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(marks, "opened")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hf_hub.add_repo("org/coop", str(tmp_path / "v2"))
+    open(os.path.join(marks, "moved"), "w").close()
+    while not ctx.join():
+        pass
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            result = json.load(f)
+        assert not result["ok"], rank
+        assert "disagree on planning" in result["message"], result
+    assert len(resolved_revisions(hf_hub, "org/coop")) == 2  # each rank read its own commit
+
+
 def test_the_cache_wins_and_an_incomplete_snapshot_reads_the_hub(hf_hub, models, tmp_path):
     """huggingface_hub's own snapshot_download from this hub fills the cache: then nothing is
     asked of the hub. A snapshot holding only config.json (what AutoConfig fetches) is not the

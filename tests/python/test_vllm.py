@@ -16,6 +16,7 @@ The model is never run: the PyPI wheel is built for CUDA and carries no CPU kern
 import importlib.metadata
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -219,19 +220,23 @@ def single(vllm_env):
     return _result(r.stdout + r.stderr, "vllm_scenarios.py single")
 
 
-def _tensor_parallel(vllm_env, world, url=None, more_env=None):
-    """The `tp` scenario in `world` processes; their results by rank."""
+def _tensor_parallel(vllm_env, world, url=None, more_env=None, scenario="tp"):
+    """The `tp` scenario (or `scenario`) in `world` processes; their results by rank."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = _env(vllm_env["path"])
-        env.update(more_env or {})
+        for name, value in (more_env or {}).items():  # None: unset
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         env["TF_TEST_RANK"] = str(rank)
         procs.append(subprocess.Popen(
-            [VLLM_PYTHON, SCENARIOS, "tp", vllm_env["work"], str(world), str(port)]
+            [VLLM_PYTHON, SCENARIOS, scenario, vllm_env["work"], str(world), str(port)]
             + ([url] if url else []), env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = []
+    results, crashes = [], []
     for rank, p in enumerate(procs):
         try:
             out, _ = p.communicate(timeout=900)
@@ -239,7 +244,12 @@ def _tensor_parallel(vllm_env, world, url=None, more_env=None):
             for q in procs:
                 q.kill()
             pytest.fail(f"tensor-parallel rank {rank} did not finish in 900 s")
-        results.append(_result(out, f"vllm_scenarios.py tp rank {rank}"))
+        try:  # every rank's failure shown: the first rank's is often "the other one crashed"
+            results.append(_result(out, f"vllm_scenarios.py {scenario} rank {rank}"))
+        except AssertionError as e:
+            crashes.append(str(e))
+    if crashes:
+        pytest.fail("\n".join(crashes))
     return results
 
 
@@ -542,6 +552,40 @@ def test_tensor_parallel_ranks_get_vllms_shards_from_object_storage(remote_tp2, 
         assert sum(read) == total and all(0 < r < total for r in read)
     else:
         assert read == [total, total]
+
+
+@pytest.mark.parametrize("how", ["hf_path", "hub_id"])
+def test_tensor_parallel_ranks_read_one_commit_of_a_moving_branch(vllm_env, single, how):
+    """--model a hub id (or the `weights` option an hf:// path) of a branch that moves to another
+    commit, with other weights, at every question asked of the hub's API: every rank reads the
+    commit the first rank found (one question per load, not one per rank), plain and
+    cooperative."""
+    from hub_server import ModelHub
+    work = vllm_env["work"]
+    with ModelHub() as hub:
+        commits = [hub.add_repo("org/moving", os.path.join(work, "llama-newer")),
+                   hub.add_repo("org/moving", os.path.join(work, "llama-single"))]
+
+        def move():  # after each answer of the API: main names the other commit
+            hub._refs[("org/moving", "main")] = commits[0] \
+                if hub._refs[("org/moving", "main")] == commits[1] else commits[1]
+
+        hub.on_api = move
+        # The hf:// path with nothing kept in the hub cache: each load asks the hub (the count
+        # below). The hub id as by default: the first rank keeps what it streams in the hub
+        # cache, where the other rank (same host) may find the commit it was sent.
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
+               "HF_HUB_CACHE": os.path.join(work, f"moving-hf-cache-{how}"),
+               "TENSORFERRY_OBJECT_HUB_CACHE": "0" if how == "hf_path" else None}
+        shutil.rmtree(env["HF_HUB_CACHE"], ignore_errors=True)
+        path = "hf://org/moving" if how == "hf_path" else "org/moving"
+        results = _tensor_parallel(vllm_env, 2, path, env, scenario="tp_hub")
+        questions = [x for x in hub.log if x[0] == "api"]
+    for case in ("plain", "cooperative"):
+        matches = [r["loads"][case]["matches"] for r in results]
+        assert matches[0] in (["old"], ["new"]) and matches[1] == matches[0], (case, matches)
+    if how == "hf_path":  # vLLM asks nothing of the hub (its --model is a local folder)
+        assert len(questions) == 2, questions  # one per load, by the first rank
 
 
 def test_weights_option_errors_name_what_is_wrong(remote):

@@ -641,6 +641,33 @@ def tp(workdir, world, port, url=None):
     return out
 
 
+def tp_hub(workdir, world, port, path):
+    """Every rank reads the weights of `path` (an hf:// path of a branch, or a hub id, on the hub
+    at HF_ENDPOINT, the local hub cache empty) at one commit, while the branch moves between the
+    single-file checkpoint and its changed copy (llama-newer) at every question asked of the
+    hub's API: each rank's weights are compared with both."""
+    rank = int(os.environ["TF_TEST_RANK"])
+    _, single_file = make_checkpoints(workdir)
+    newer = make_newer(workdir, single_file)
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    init_distributed(single_file, rank, world, port)
+    references = {"old": build(single_file, "safetensors", tp=world)[0],
+                  "new": build(newer, "safetensors", tp=world)[0]}
+    out = {"rank": rank, "loads": {}}
+    for key, extra in (("plain", {"budget": 131072}), ("cooperative", {"cooperative": True})):
+        if path.startswith("hf://"):
+            model, ldr = build(single_file, "tensorferry", dict(extra, weights=path), tp=world)
+        else:  # a hub id: vLLM's configuration from the hub too
+            model, ldr = build(path, "tensorferry", extra, tp=world)
+        out["loads"][key] = {
+            "matches": sorted(k for k, ref in references.items()
+                              if differences(model, ref)[0] == []),
+            "stats": ldr.stats}
+        del model
+    return out
+
+
 def main():
     what, workdir = sys.argv[1], sys.argv[2]
     try:
@@ -648,6 +675,8 @@ def main():
             result = single(workdir)
         elif what == "remote":
             result = remote(workdir, sys.argv[3])
+        elif what == "tp_hub":
+            result = tp_hub(workdir, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         else:
             result = tp(workdir, int(sys.argv[3]), int(sys.argv[4]),
                         sys.argv[5] if len(sys.argv) > 5 else None)

@@ -495,10 +495,16 @@ struct ObjectCache::Fill {
     ++busy;
   }
   // Fetches [begin, begin + buffer.size()) (claimed) into `buffer`; the store's error (the claim
-  // released) or OK (then the caller writes it: Write, or the writer thread).
+  // released) or OK (then the caller writes it: Write, or the writer thread). A fetch cancelled
+  // by its read's load (closed, or a cooperative load's read ahead abandoned) gives the claim
+  // back for the filler instead of giving the download up: the store did not fail.
   Status FetchClaim(uint64_t begin, std::span<std::byte> buffer) {
     Status st = fetch(begin, buffer, &progress);
-    if (!st.ok()) Release(begin, st.message());
+    if (st.code() == Code::kCancelled) {
+      GiveBack(begin);
+    } else if (!st.ok()) {
+      Release(begin, st.message());
+    }
     return st;
   }
   // Writes the claim at `begin` (its bytes in `bytes`) to the copy and releases it (a failed
@@ -1098,8 +1104,12 @@ std::unique_ptr<SourceFile> ObjectCache::Find(const CachedObject& object, const 
     return nullptr;
   }
   Link(object);  // kHub: this commit's link to a blob another commit (or tool) wrote
-  // Recently used, for eviction (a read-only cache shared by others keeps its times).
-  ::utimensat(AT_FDCWD, blob.c_str(), nullptr, 0);
+  // Recently used, for eviction (a read-only cache shared by others keeps its times). Not in the
+  // hub cache, which is not evicted from: its blobs are read as local files too (a snapshot
+  // opened by path: another rank on this host, the next start), whose identity includes the
+  // modification time; a touch would fail those loads with "file changed since the checkpoint
+  // was opened".
+  if (layout_ == Layout::kObjects) ::utimensat(AT_FDCWD, blob.c_str(), nullptr, 0);
   return std::make_unique<CachedFile>(std::move(fd), object.name, blob, identity);
 }
 

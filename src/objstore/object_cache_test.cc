@@ -37,6 +37,7 @@ struct Remote {
   std::string etag = "\"v1\"";
   std::atomic<uint64_t> fetched{0}, calls{0};
   std::atomic<int> fail_from_call{-1};   // every call from this one (0-based) on fails; -1: none
+  std::atomic<int> cancel_call{-1};      // this call (0-based) is cancelled (its load's flag)
   std::atomic<int64_t> fail_offset{-1};  // the first fetch at this offset fails; -1: none
   std::atomic<int64_t> hold_offset{-1};  // a fetch at this offset waits for `released`
   std::atomic<bool> released{false};
@@ -76,6 +77,9 @@ struct Remote {
     return
         [this](uint64_t offset, std::span<std::byte> dst, const BodyProgress* on_body) -> Status {
           const int call = static_cast<int>(calls.fetch_add(1));
+          if (call == cancel_call.load()) {
+            return Status(Code::kCancelled, "GET cancelled: the load was cancelled");
+          }
           const int from = fail_from_call.load();
           int64_t at = static_cast<int64_t>(offset);
           if ((from >= 0 && call >= from) || fail_offset.compare_exchange_strong(at, -1)) {
@@ -285,6 +289,35 @@ TEST(ObjectCache, ACancelledReadStopsWaitingForAnotherReadersFetch) {
   EXPECT_EQ(ReadAll(**file), remote.bytes);
   cache.Drain();
   EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+}
+
+// A read whose own fetch is cancelled (its load closed, or a cooperative load's read ahead
+// abandoned) fails with kCancelled, and its range goes back to the filler: the download is not
+// given up, the copy is whole and committed.
+TEST(ObjectCache, AReadCancelledDuringItsFetchLeavesTheDownloadToTheFiller) {
+  testing::TempDir tmp;
+  Remote remote(1'000'000);
+  remote.cancel_call = 0;
+  {
+    ObjectCache cache(tmp.Join("c"), 0);
+    Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+    ASSERT_TRUE(file.ok() && *file != nullptr);
+    std::vector<std::byte> got(1000);
+    Result<size_t> n = (*file)->Read(5000, got);  // its own fetch, cancelled
+    ASSERT_FALSE(n.ok());
+    EXPECT_EQ(n.status().code(), Code::kCancelled) << n.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+    cache.Drain();
+    EXPECT_EQ(cache.stats().errors, 0u) << cache.stats().last_error;
+    EXPECT_EQ(cache.stats().fills, 1u);
+  }
+  remote.fetched = 0;
+  ObjectCache again(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(again);
+  ASSERT_TRUE(file.ok() && *file != nullptr);
+  EXPECT_EQ(ReadAll(**file), remote.bytes);
+  EXPECT_EQ(remote.fetched.load(), 0u);  // from the copy
+  EXPECT_EQ(again.stats().hits, 1u);
 }
 
 // Reads hand what they fetched to the cache's writer thread through its ring (32 MiB): ranges of
@@ -942,9 +975,21 @@ TEST(HubLayout, KeepsWholeObjectsAtOnce) {
       root + "/models--org--tiny/snapshots/" + object.hub_commit + "/model.safetensors.index.json";
   ASSERT_TRUE(fs::is_symlink(link));
   EXPECT_EQ(testing::ToBytes(testing::ReadBytes(link)), remote.bytes);
+  // Found there again (by Keep, by Open): the blob is left as it is, so a load that opened the
+  // snapshot as a local file (another rank on this host) finds it unchanged.
+  struct stat before {};
+  ASSERT_EQ(::stat(link.c_str(), &before), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
   cache.Keep(object, remote.bytes);  // there already
   EXPECT_EQ(cache.stats().fills, 1u);
   EXPECT_EQ(cache.stats().hits, 1u);
+  Result<std::unique_ptr<SourceFile>> found = remote.OpenAs(cache, object, 100);
+  ASSERT_TRUE(found.ok() && *found != nullptr);
+  EXPECT_EQ(cache.stats().hits, 2u);
+  struct stat after {};
+  ASSERT_EQ(::stat(link.c_str(), &after), 0);
+  EXPECT_EQ(after.st_mtim.tv_sec, before.st_mtim.tv_sec);
+  EXPECT_EQ(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
   cache.Keep(object, std::span(remote.bytes).first(10));  // not the whole object: nothing
   EXPECT_EQ(testing::ToBytes(testing::ReadBytes(link)), remote.bytes);
 }

@@ -140,9 +140,27 @@ Status CheckOpenedContained(const fs::path& canonical_dir, const std::string& pa
   fs::path canonical;
   TF_RETURN_IF_ERROR(CheckContainedAt(canonical_dir, path, where, what, canonical));
   if (fd < 0) return Status::Ok();
+  const std::string prefix = std::string(where) + ": " + std::string(what) + " ";
+  // Where the kernel says the open file lies (the descriptor's own path, fully resolved when it
+  // was opened): no name is resolved again, so no link or directory swapped after the open can
+  // pass this check.
+  std::error_code ec;
+  const fs::path opened = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), ec);
+  if (!ec && opened.is_absolute() && !opened.string().ends_with(" (deleted)")) {
+    if (IsInside(canonical_dir, opened) || IsInsideHubBlobs(canonical_dir, opened)) {
+      return Status::Ok();
+    }
+    return Status(Code::kIndexPathEscape,
+                  prefix + "was replaced while it was opened: the file opened, " +
+                      json::Quote(opened.string()) + ", lies outside the checkpoint directory " +
+                      json::Quote(canonical_dir.string()) + ", though the path resolves to " +
+                      json::Quote(canonical.string()) +
+                      " inside it now (a symbolic link changed between the check and the open?)");
+  }
+  // Without /proc (or a file removed since): the file the name resolves to now must be the one
+  // open (same device and inode).
   struct stat open_st {};
   struct stat named_st {};
-  const std::string prefix = std::string(where) + ": " + std::string(what) + " ";
   if (::fstat(fd, &open_st) != 0) {
     return Status(Code::kIoError,
                   prefix + "cannot be checked once opened: fstat: " + std::strerror(errno));

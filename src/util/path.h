@@ -48,10 +48,12 @@ Status CheckContained(const std::filesystem::path& canonical_dir, const std::str
 
 // The check after the open that closes the race of CheckContained (checked by name, opened by
 // name later: a symlink swapped between the two would be followed outside): Ok when `path`
-// resolves inside `canonical_dir` as CheckContained says AND names the very file open on
-// descriptor `fd` (same device and inode, by fstat and stat). A descriptor of another file (the
-// path changed since it was opened) is kIndexPathEscape "<where>: <what> was replaced while it
-// was opened ...". `fd` < 0 (a file without a descriptor): CheckContained alone.
+// resolves inside `canonical_dir` as CheckContained says AND the file open on descriptor `fd`
+// lies inside it too (its path by /proc/self/fd, which no later swap of a link or directory
+// changes; without /proc, the file the path names now must be the one open: same device and
+// inode, by fstat and stat). A descriptor of another file (the path changed since it was opened)
+// is kIndexPathEscape "<where>: <what> was replaced while it was opened ...". `fd` < 0 (a file
+// without a descriptor): CheckContained alone.
 Status CheckOpenedContained(const std::filesystem::path& canonical_dir, const std::string& path,
                             int fd, std::string_view where, std::string_view what);
 

@@ -149,6 +149,13 @@ TEST(PathSafety, TheOpenedFileMustBeTheOneThePathResolvesToInside) {
   EXPECT_TRUE(
       testing::Contains(swapped.message(), "index: file \"m\" was replaced while it was opened"));
   EXPECT_TRUE(testing::Contains(swapped.message(), (ckpt / "real").string()));
+  // A name inside for the very file opened outside (a hard link: same device and inode): what
+  // counts is where the open file lies, not what a name resolves to.
+  fs::create_hard_link(root / "secret", ckpt / "secret-link");
+  const Status linked =
+      CheckOpenedContained(*dir, (ckpt / "secret-link").string(), outside, "index", "file \"m\"");
+  EXPECT_EQ(linked.code(), Code::kIndexPathEscape) << linked.ToString();
+  EXPECT_TRUE(testing::Contains(linked.message(), (root / "secret").string()));
   // The link points outside at the check: the name check's own error.
   fs::remove(ckpt / "model.safetensors");
   fs::create_symlink("../secret", ckpt / "model.safetensors");

@@ -2,7 +2,8 @@
 # The tensorferry-mpi tool under mpirun, 2 ranks: tests/mpi/tool_test.sh TOOL CLI.
 #   * a wrong flag, rules file or flag combination is a usage error (exit 2), a wrong
 #     TENSORFERRY_* variable a failure (exit 1), each with one "error:" line naming it, from every
-#     rank together (no rank left waiting in a collective, no MPI_Abort);
+#     rank together (no rank left waiting in a collective, no MPI_Abort); so is a checkpoint that
+#     one rank cannot open (exit 1);
 #   * --explain --json is one JSON document holding the plan's text, and loads nothing;
 #   * cooperative and sliced give every rank the same slices (their --checksum per rank agree).
 # Exit 77 (ctest: skipped) where mpirun or python3 is missing.
@@ -43,6 +44,24 @@ expect 2 "--explain prints the cooperative mode's plan: not with --mode sliced" 
 TENSORFERRY_BUDGET=banana expect 1 "error: invalid_argument: TENSORFERRY_* environment variables" \
   load "$tmp/ckpt"
 expect 2 "--mode: banana not in" load "$tmp/ckpt" --mode banana
+# A checkpoint only one rank cannot open (missing on its host): that rank's error, every rank's
+# exit 1, no MPI_Abort.
+cat >"$tmp/per_rank.sh" <<SH
+#!/usr/bin/env bash
+rank=\${OMPI_COMM_WORLD_RANK:-\${PMI_RANK:-0}}
+if [[ \$rank == 1 ]]; then exec "$tool" "\$1" "$tmp/missing"; fi
+exec "$tool" "\$@"
+SH
+chmod +x "$tmp/per_rank.sh"
+real_tool=$tool
+tool="$tmp/per_rank.sh"
+expect 1 "error: not_found:" load "$tmp/ckpt"
+tool=$real_tool
+if grep -q "MPI_ABORT" "$tmp/err" "$tmp/out"; then
+  echo "FAIL: a checkpoint one rank cannot open ended in MPI_Abort"
+  cat "$tmp/err"
+  failures=$((failures + 1))
+fi
 
 # --explain --json: one document with the plan's text.
 if ! "$here/run.sh" 2 "$tool" load "$tmp/ckpt" --explain --json >"$tmp/explain" 2>"$tmp/err" ||

@@ -258,10 +258,11 @@ std::optional<Refusal> CheckSettings(const Args& args, LoadOptions& options, Sha
 }
 
 // Every rank learns whether any refused its settings (the ranks of one job normally agree, but
-// each has its own environment): each then ends with the exit code of the first rank that
-// refused, which alone prints its error, so that no rank goes on alone into a collective step and
-// the job does not end in MPI_Abort for a wrong flag. Null when every rank accepted.
-std::optional<int> AgreeOnSettings(Collective& group, const std::optional<Refusal>& mine) {
+// each has its own environment) or could not open the checkpoint (a path missing on one host):
+// each then ends with the exit code of the first rank that refused, which alone prints its error,
+// so that no rank goes on alone into a collective step and the job does not end in MPI_Abort for
+// a wrong flag or path. Null when every rank accepted.
+std::optional<int> AgreeToGoOn(Collective& group, const std::optional<Refusal>& mine) {
   auto all = group.AllGather(mine ? static_cast<uint64_t>(mine->exit_code) : 0);
   if (!all.ok()) return Fail(all.status());
   for (uint32_t r = 0; r < all->size(); ++r) {
@@ -436,12 +437,16 @@ int Main(int argc, char** argv) {
   LoadOptions load_options;
   ShardSpec rules;
   if (const std::optional<int> refused =
-          AgreeOnSettings(group, CheckSettings(args, load_options, rules))) {
+          AgreeToGoOn(group, CheckSettings(args, load_options, rules))) {
     return *refused;
   }
   // With the object-store settings of the environment, as `tensorferry load` opens a URL.
   auto checkpoint = cli::OpenCheckpoint(args.path);
-  if (!checkpoint.ok()) return Fail(checkpoint.status());
+  if (const std::optional<int> refused = AgreeToGoOn(
+          group, checkpoint.ok() ? std::nullopt
+                                 : std::optional<Refusal>(Refusal{checkpoint.status(), 1}))) {
+    return *refused;
+  }
 
   // The tool's own collective steps (the load's are watched inside LoadCooperative).
   CollectiveWatchdog watchdog(group, load_options.cooperative.timeout_ms, "tensorferry-mpi");

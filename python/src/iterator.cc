@@ -96,7 +96,10 @@ void BatchStream::Close() {
   }
   // A step in flight on another thread stops within a chunk instead of reading its batch to the
   // end first (not once the iteration ended: the Reader may be running another load by then).
-  if (running_.load()) reader_.cancel_->store(true);
+  {
+    std::lock_guard<std::mutex> running(running_mu_);  // End cannot pass between check and store
+    if (running_.load()) reader_.cancel_->store(true);
+  }
   std::lock_guard<std::mutex> l(mu_);
   Stop();
   closed_ = true;
@@ -110,7 +113,10 @@ void BatchStream::Stop() {
 
 void BatchStream::End() {
   if (!batches_) return;
-  running_.store(false);
+  {
+    std::lock_guard<std::mutex> running(running_mu_);
+    running_.store(false);
+  }
   batches_.reset();
   reader_.SetStats(loader_.stats());
   reader_.streaming_.store(false);

@@ -52,6 +52,9 @@ class BatchStream {
   std::atomic<std::thread::id> step_thread_{};
   std::atomic<bool> close_requested_{false};  // such a Close: the step ends the iteration
   std::atomic<bool> running_{true};           // until End: batches_ without mu_, for Close
+  // Held by Close from its check of running_ to its cancel, and by End to clear running_: a
+  // Close cannot cancel a load that started on the Reader after this iteration ended.
+  std::mutex running_mu_;
 };
 
 // Binds BatchStream into `m`.

@@ -397,8 +397,12 @@ void Reader::DropLocked() noexcept {
 }
 
 void Reader::ResetCancel() noexcept {
-  // A close pending since (set before cancel_ by Close) keeps the load cancelled.
-  cancel_->store(close_pending_.load());
+  // A close pending since keeps the load cancelled. Cleared first, then close_pending_ read:
+  // Close sets close_pending_ then cancel_, so either this read sees its close, or its cancel_
+  // comes after this clear (a read-then-store of close_pending_ into cancel_ could write false
+  // over a cancel set in between).
+  cancel_->store(false);
+  if (close_pending_.load()) cancel_->store(true);
 }
 
 Reader::Lock::Lock(Reader& r, bool step, bool closing) : r_(r) {

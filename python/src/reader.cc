@@ -348,7 +348,15 @@ nb::dict Reader::Engine() {
   {
     WithoutGil release;
     if (lock_owner_.load() == std::this_thread::get_id()) {
-      s = loader_->stats();  // a stream callback: this thread holds the lock, the loader is open
+      // A stream callback, or a signal handler while this thread's load runs on its worker
+      // (which may be opening the loader now): what the open decided, if it is done.
+      std::lock_guard<std::mutex> l(stats_mu_);
+      if (!opened_) {
+        throw StatusError(Status(Code::kInvalidArgument,
+                                 "the loader's engine is not known yet: this thread's load is "
+                                 "still opening it"));
+      }
+      s = *opened_;
     } else {
       // The loader is made, read and closed under the lock (close() on another thread); as a
       // step, so that an iteration in progress does not make this refuse.
@@ -388,6 +396,10 @@ void Reader::Close() {
 }
 
 void Reader::DropLocked() noexcept {
+  {
+    std::lock_guard<std::mutex> l(stats_mu_);
+    opened_.reset();
+  }
   loader_.reset();
   std::shared_ptr<const Checkpoint> dropped;  // released outside checkpoint_mu_
   {
@@ -479,7 +491,11 @@ Loader& Reader::EnsureLoader() {
   // that read the checkpoint (names, info) take that mutex holding the GIL, and would hold every
   // Python thread for as long as the loader takes to open. The Reader's lock (held) serializes
   // the open itself.
-  if (!loader_) loader_ = Unwrap(Loader::Open(Open(), options_));
+  if (!loader_) {
+    loader_ = Unwrap(Loader::Open(Open(), options_));
+    std::lock_guard<std::mutex> l(stats_mu_);
+    opened_ = loader_->stats();
+  }
   return *loader_;
 }
 

@@ -198,6 +198,10 @@ class Reader {
   std::atomic<bool> close_pending_{false};
   mutable std::mutex stats_mu_;
   std::unique_ptr<Loader> loader_;
+  // What the loader's Open decided (engine, engine_reason, filesystem), under stats_mu_, for
+  // Engine() from the thread holding the lock (a stream callback, a signal handler during a
+  // load), which must not read loader_ while the load's worker may be opening it.
+  std::optional<LoadStats> opened_;
   std::vector<std::optional<bool>> has_metadata_;  // per file, once asked (see FileMetadata)
   LoadStats stats_;
 };

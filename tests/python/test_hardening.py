@@ -357,6 +357,37 @@ def test_a_signal_handler_may_close_the_loader_it_interrupts(tmp_path, how, then
     assert float(lines[2].split()[1]) < 30, r.stdout
 
 
+def test_a_signal_handler_may_ask_the_engine_of_the_load_it_interrupts(tmp_path):
+    # A handler on the thread whose load runs (on a worker that opened the loader: what the open
+    # decided is read, not the loader the worker is using) gets the engine; the load goes on
+    # (until a later signal's handler stops it).
+    path = _sparse_file(tmp_path, 2 << 30)
+    r = run_python(f"""
+        import signal, tensorferry
+        loader = tensorferry.Loader({path!r}, engine="pread", threads=1, chunk_size=4096,
+                                    budget="3GB")
+        seen = []
+        class Stop(Exception):
+            pass
+        def handler(signum, frame):
+            seen.append(loader.engine_info)
+            if len(seen) == 3:
+                raise Stop()
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
+        try:
+            loader.load()
+            print("finished")
+        except Stop:
+            print("stopped")
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        print(len(seen), sorted({{e["engine"] for e in seen}}))
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # The read of 2 GiB in 4 KiB reads takes far longer than 0.3 s.
+    assert r.stdout.splitlines() == ["stopped", "3 ['pread']"], r.stdout
+
+
 def test_close_from_another_thread_stops_a_running_load(tmp_path):
     # Loader.close() on another thread while load() runs: the load is cancelled (it raises
     # within a chunk) instead of being waited for to its end.

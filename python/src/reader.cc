@@ -6,7 +6,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <span>
+#include <thread>
 #include <utility>
 
 #include "distributed.h"
@@ -258,34 +262,148 @@ nb::object Reader::ReadRange(const std::string& name, uint64_t begin, uint64_t e
   return Export(fw, keeper, block.get(), end - begin, DType::kU8, flat);
 }
 
+namespace {
+
+// Loader::Stream on a worker thread, each batch handed to this (the main) thread for
+// `deliver`, so that this thread checks for signals every kSignalPoll while batches are read, as
+// Interruptible does for a load: Ctrl-C (a handler's exception) during a read cancels it (within a
+// chunk) instead of waiting for the batch. The callback still runs on the caller's thread (its
+// thread-local state: CUDA's current stream, signal handlers). Called with the GIL held;
+// `deliver` runs with it held; the worker never takes it.
+Status StreamOnWorker(Loader& loader, const Selection& selection, std::atomic<bool>& cancel,
+                      const std::function<Status(Batch&)>& deliver,
+                      std::optional<nb::python_error>& interrupted) {
+  struct Handoff {
+    std::mutex mu;
+    std::condition_variable cv;
+    Batch* batch = nullptr;  // posted by the worker until replied
+    bool posted = false;     // a batch waits to be taken
+    bool replied = false;
+    bool stop = false;  // no batch is delivered any more (a signal's exception)
+    Status reply;
+    bool done = false;
+    Status status;  // Loader::Stream's, once done
+  } h;
+  std::thread worker([&] {
+    Status s = loader.Stream(selection, [&](Batch b) -> Status {
+      std::unique_lock<std::mutex> lk(h.mu);
+      if (h.stop) return Status(Code::kCancelled, "the stream was interrupted");
+      h.batch = &b;
+      h.posted = true;
+      h.replied = false;
+      h.cv.notify_all();
+      h.cv.wait(lk, [&] { return h.replied; });
+      h.batch = nullptr;
+      return h.reply;
+    });
+    std::lock_guard<std::mutex> lk(h.mu);
+    h.status = std::move(s);
+    h.done = true;
+    h.cv.notify_all();
+  });
+  // Whatever ends this function (a signal, an exception from the delivery): the batches posted
+  // from then on are refused, and the worker is waited for.
+  struct Finish {
+    Handoff& h;
+    std::thread& worker;
+    ~Finish() {
+      WithoutGil release;
+      std::unique_lock<std::mutex> lk(h.mu);
+      h.stop = true;
+      while (!h.done) {
+        if (h.posted) {
+          h.posted = false;
+          h.reply = Status(Code::kCancelled, "the stream was interrupted");
+          h.replied = true;
+          h.cv.notify_all();
+        }
+        h.cv.wait(lk, [&] { return h.posted || h.done; });
+      }
+      lk.unlock();
+      worker.join();
+    }
+  } finish{h, worker};
+  for (;;) {
+    Batch* batch = nullptr;
+    {
+      WithoutGil release;
+      std::unique_lock<std::mutex> lk(h.mu);
+      h.cv.wait_for(lk, kSignalPoll, [&] { return h.posted || h.done; });
+      if (h.posted) {
+        h.posted = false;
+        batch = h.batch;
+      } else if (h.done) {
+        return h.status;
+      }
+    }
+    if (batch != nullptr) {
+      Status reply = deliver(*batch);
+      std::lock_guard<std::mutex> lk(h.mu);
+      h.reply = std::move(reply);
+      h.replied = true;
+      h.cv.notify_all();
+    }
+    if (!interrupted && PyErr_CheckSignals() != 0) {
+      cancel.store(true);
+      interrupted.emplace();  // takes the handler's exception
+      return Status(Code::kCancelled, "the stream was interrupted");
+    }
+  }
+}
+
+}  // namespace
+
 void Reader::Stream(const std::optional<std::vector<std::string>>& names, int framework,
                     const nb::callable& callback) {
   const Framework fw = ToFramework(framework);
   if (names) DescribeNames(*Open(), names);  // SafetensorError naming a missing tensor
   std::optional<nb::python_error> raised;
-  Status status;
+  // Called with the GIL held.
+  const std::function<Status(Batch&)> deliver = [&](Batch& batch) -> Status {
+    try {
+      nb::list tensors = ExportTensors(fw, batch.tensors);
+      batch.tensors.clear();
+      callback(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
+    } catch (nb::python_error& e) {
+      raised.emplace(std::move(e));
+      // The batch read ahead is abandoned within a chunk, not read to its end before the
+      // exception (Ctrl-C included) comes out.
+      cancel_->store(true);
+      return Status(Code::kInternal, "the stream callback raised an exception");
+    }
+    return Status::Ok();
+  };
+  // The Reader's lock, released without the GIL however this ends (a close deferred to it
+  // drops the loader: its threads joined while other Python threads run).
+  struct Held {
+    std::optional<Lock> lock;
+    ~Held() {
+      WithoutGil release;
+      lock.reset();
+    }
+  } held;
+  Loader* loader = nullptr;
+  Selection selection = names ? Selection::Names(*names) : Selection::All();
   {
     WithoutGil release;
-    Lock lock(*this);
+    held.lock.emplace(*this);
     ResetCancel();  // an earlier load's cancel (an iteration left early, Ctrl-C) is over
-    Loader& loader = EnsureLoader();
-    const Selection selection = names ? Selection::Names(*names) : Selection::All();
-    status = loader.Stream(selection, [&](Batch batch) -> Status {
+    loader = &EnsureLoader();
+  }
+  Status status;
+  if (OnMainThread()) {
+    status = StreamOnWorker(*loader, selection, *cancel_, deliver, raised);
+  } else {  // no signal handler runs here: the stream runs on this thread
+    WithoutGil release;
+    status = loader->Stream(selection, [&](Batch batch) -> Status {
       nb::gil_scoped_acquire acquire;
-      try {
-        nb::list tensors = ExportTensors(fw, batch.tensors);
-        batch.tensors.clear();
-        callback(batch.index, batch.count, batch.bytes, tensors, DeviceName(batch.device));
-      } catch (nb::python_error& e) {
-        raised.emplace(std::move(e));
-        // The batch read ahead is abandoned within a chunk, not read to its end before the
-        // exception (Ctrl-C included) comes out.
-        cancel_->store(true);
-        return Status(Code::kInternal, "the stream callback raised an exception");
-      }
-      return Status::Ok();
+      return deliver(batch);
     });
-    SetStats(loader.stats());
+  }
+  {
+    WithoutGil release;
+    SetStats(loader->stats());
+    held.lock.reset();
   }
   if (raised) throw std::move(*raised);
   Check(status);

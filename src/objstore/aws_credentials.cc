@@ -568,6 +568,8 @@ Result<TimedAwsKeys> AwsCredentials::FetchInstanceMetadata() const {
   list.headers = headers;
   const HttpResponse roles = AskCredentialsEndpoint(*client_, list, 1);
   if (roles.cancelled) return NoAnswer(where, roles);
+  if (roles.status == 0 && imds_answered_keys_.load())
+    return NoAnswer(where + ": GET " + list.url, roles);
   if (roles.status == 0) return none("no instance metadata service answered");
   if (roles.status == 404) return none("no IAM role is attached to this instance");
   if (roles.status != 200) return Refused(where + ": GET " + list.url, roles);
@@ -584,9 +586,11 @@ Result<TimedAwsKeys> AwsCredentials::FetchInstanceMetadata() const {
   get.headers = headers;
   const HttpResponse r = AskCredentialsEndpoint(*client_, get);
   const std::string at = where + ": GET " + get.url;
-  if (r.status == 0) return NoAnswer(at, r);
+  if (r.status == 0 || r.cancelled) return NoAnswer(at, r);
   if (r.status != 200) return Refused(at, r);
-  return ParseAwsCredentialsJson(r.text, at, /*process=*/false);
+  Result<TimedAwsKeys> keys = ParseAwsCredentialsJson(r.text, at, /*process=*/false);
+  if (keys.ok()) imds_answered_keys_.store(true);
+  return keys;
 }
 
 }  // namespace tensorferry::objstore

@@ -23,6 +23,7 @@
 //     tokens never appear in messages.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -84,6 +85,10 @@ class AwsCredentials {
   const S3Config config_;
   const std::unique_ptr<HttpClient> client_;  // null for kProcess
   Refreshing<AwsKeys> keys_;
+  // The instance metadata service answered keys once: from then on, no answer from it (a
+  // throttled or briefly unreachable service) is an error, so that the keys held are kept until
+  // they expire (Refreshing), not replaced by "no credentials here" (unsigned requests).
+  mutable std::atomic<bool> imds_answered_keys_{false};
   std::mutex refused_mu_;
   AwsKeys refused_;  // the keys last refused and forgotten, and when
   std::chrono::steady_clock::time_point refused_at_{};

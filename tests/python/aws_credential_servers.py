@@ -303,7 +303,8 @@ class Imds(_RecordingServer):
     issued, else 401. GET /latest/meta-data/iam/security-credentials/ -> `role` (text), or 404
     when role is None; GET .../security-credentials/<role> -> {Code: Success, Type: AWS-HMAC,
     AccessKeyId, SecretAccessKey, Token, Expiration: now + lifetime_s, LastUpdated}. Anything
-    else 404."""
+    else 404. With `stall_after` set, once it has handed out that many credentials its role list
+    answers only after 2 s (a throttled service: later than the 1 s clients wait)."""
 
     TOKEN_PATH = "/latest/api/token"
     CREDS_PATH = "/latest/meta-data/iam/security-credentials/"
@@ -313,6 +314,8 @@ class Imds(_RecordingServer):
         self.role = role
         self.lifetime_s = lifetime_s
         self.issued = set()
+        self.stall_after = None
+        self.handed_out = 0
         super().__init__(host)
 
     @property
@@ -336,8 +339,14 @@ class Imds(_RecordingServer):
         if not known:
             return _text(401, "Unauthorized")
         if req.path == self.CREDS_PATH:
+            with self._lock:
+                stall = self.stall_after is not None and self.handed_out >= self.stall_after
+            if stall:
+                time.sleep(2)
             return _text(200, self.role) if self.role else _text(404, "Not Found")
         if self.role and req.path == self.CREDS_PATH + self.role:
+            with self._lock:
+                self.handed_out += 1
             c = self.credentials()
             return _json(200, {"Code": "Success", "Type": "AWS-HMAC",
                                "LastUpdated": iso8601(time.time()),

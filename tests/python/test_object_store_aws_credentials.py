@@ -532,6 +532,25 @@ def test_an_instance_without_a_role_reads_anonymously(seaweed, ckpt, tmp_path):
                                                      for p in paths), paths
 
 
+def test_keys_are_kept_when_the_instance_metadata_service_does_not_answer_a_refresh(
+        seaweed, ckpt, tmp_path):
+    """Keys of 12 s (fetched again from 6 s on, used until 9 s): when the refresh gets no answer
+    in time (the role list answers after 2 s, a throttled service), the keys held are used until
+    they expire; they are not replaced by "no credentials here", whose unsigned requests the
+    private bucket refuses."""
+    server = Imds(session_creds(seaweed), lifetime_s=12)
+    server.stall_after = 1
+    try:
+        env = imds_env(seaweed, tmp_path, server.endpoint)
+        loads = run_child(ckpt.url, env, 6.5, str(tmp_path / "unused"), "")
+        paths = [(r.method, r.path) for r in server.requests]
+    finally:
+        server.stop()
+    assert [load.get("tensors") for load in loads] == [ckpt.tensors] * 2, loads
+    assert paths.count(("GET", Imds.CREDS_PATH)) == 2, paths  # the refresh asked, and waited
+    assert paths.count(("GET", Imds.CREDS_PATH + server.role)) == 1, paths
+
+
 # -- a role a profile assumes with static keys (AssumeRole) ----------------------------------------
 ASSUMER_SESSION = "tensorferry-assumer-session"
 EXTERNAL_ID = "tensorferry-external-id-0042"

@@ -52,6 +52,9 @@ struct Transfer {
   bool stalled = false;
   bool too_slow = false;
   bool text_cut = false;  // a body for `text` ran past request.text_limit: the transfer stopped
+  // The body bytes the response may bring: a 206's Content-Range length (else no bound beyond
+  // the request's buffer).
+  uint64_t body_limit = UINT64_MAX;
 };
 
 // The slowest transfer kept: fewer bytes than this a second, over a whole timeout_ms, abandon it
@@ -144,11 +147,22 @@ void CheckBody(Transfer& t) {
   const uint64_t first = q.range ? q.range->first : 0;
   if (r.status == 206) {
     const std::optional<uint64_t> start = r.RangeStart();
+    const std::optional<uint64_t> end = r.RangeEnd();
     if (!start || *start != first) {
       r.rejected = "206 response for " + (r.content_range.empty() ? "no range" : r.content_range) +
                    ", not for the range starting at byte " + std::to_string(first);
       return;
     }
+    // Its bytes are those its Content-Range names: a last byte before the first, or past the
+    // range asked, is not an answer to this request; a body longer than it names is refused as
+    // it arrives (OnBody).
+    if (!end || *end < *start || (q.range && *end > q.range->second)) {
+      r.rejected = "206 response for " + r.content_range + ", not within the range asked (bytes " +
+                   std::to_string(first) + "-" +
+                   (q.range ? std::to_string(q.range->second) : std::string()) + ")";
+      return;
+    }
+    t.body_limit = *end - *start + 1;
   } else if (first != 0) {
     r.rejected = "the server ignored the Range header (HTTP " + std::to_string(r.status) + ")";
     return;
@@ -165,6 +179,11 @@ size_t OnBody(char* data, size_t size, size_t count, void* user) {
   HttpResponse& r = *t->response;
   if (t->into_body) {
     const std::span<std::byte> dst = t->request->body;
+    if (r.body_bytes + n > t->body_limit) {
+      r.rejected = "the server sent more than the " + std::to_string(t->body_limit) +
+                   " bytes its Content-Range (" + r.content_range + ") names";
+      return 0;  // aborts the transfer (CURLE_WRITE_ERROR)
+    }
     if (r.body_bytes + n > dst.size()) {
       r.rejected =
           r.status == 200 && t->request->range
@@ -203,6 +222,17 @@ std::optional<uint64_t> HttpResponse::TotalSize() const {
   const size_t slash = content_range.rfind('/');
   if (slash == std::string::npos) return std::nullopt;
   return ParseDecimal(Trim(std::string_view(content_range).substr(slash + 1)));
+}
+
+std::optional<uint64_t> HttpResponse::RangeEnd() const {
+  std::string_view s = content_range;
+  if (s.rfind("bytes ", 0) != 0) return std::nullopt;
+  const size_t dash = s.find('-');
+  const size_t slash = s.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) {
+    return std::nullopt;
+  }
+  return ParseDecimal(Trim(s.substr(dash + 1, slash - dash - 1)));
 }
 
 std::optional<uint64_t> HttpResponse::RangeStart() const {

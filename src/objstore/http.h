@@ -108,6 +108,8 @@ struct HttpResponse {
   std::optional<uint64_t> TotalSize() const;
   // First byte of a "bytes a-b/total" Content-Range; nullopt without one.
   std::optional<uint64_t> RangeStart() const;
+  // Last byte of a "bytes a-b/total" Content-Range; nullopt without one.
+  std::optional<uint64_t> RangeEnd() const;
 };
 
 class HttpClient {

@@ -786,17 +786,22 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
     if (!modified.empty()) req.headers.push_back("If-Unmodified-Since: " + modified);
     HttpResponse r = Fetch(*client, target, req);
     CountBytes(r.body_bytes);
+    // Whether the response's headers are all here: the transfer completed, or its body began. A
+    // connection reset or stalled within the headers leaves a status without the headers after
+    // it: a transport failure, retried, not an answer without validators.
+    const bool headers_whole = r.curl_code == 0 || r.body_bytes > 0;
     // Pinned: the object answering must be the one opened. A 2xx without an ETag cannot be
     // confirmed to be it (a server or proxy ignoring If-Match could serve another version of
     // the same size): never taken.
-    if (!etag.empty() && r.etag.empty() && r.status >= 200 && r.status <= 299) {
+    if (headers_whole && !etag.empty() && r.etag.empty() && r.status >= 200 && r.status <= 299) {
       return Status(Code::kIoError,
                     target.name + ": HTTP " + std::to_string(r.status) +
                         " without an ETag: the bytes cannot be confirmed to be those of the "
                         "object opened (ETag " +
                         etag + "), so they are not used (" + what + ")");
     }
-    if (!modified.empty() && r.last_modified.empty() && r.status >= 200 && r.status <= 299) {
+    if (headers_whole && !modified.empty() && r.last_modified.empty() && r.status >= 200 &&
+        r.status <= 299) {
       return Status(Code::kIoError,
                     target.name + ": HTTP " + std::to_string(r.status) +
                         " without a Last-Modified: the bytes cannot be confirmed to be those of "

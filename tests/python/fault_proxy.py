@@ -9,6 +9,8 @@ fault. Responses are streamed, never held whole in memory.
 
 Faults, chosen per response by the first matching `Rule` (see Rule):
   reset_mid_body       status line, headers and `fraction` of the body, then RST (SO_LINGER 0)
+  reset_mid_head       the status line and the headers before the ETag (or the first header),
+                       then RST: a client has the status of a response whose headers never ended
   stall                the same, then nothing for `stall_s` seconds, then RST
   status_503_slowdown  503 with an S3 <Error><Code>SlowDown</Code> body; the server is not contacted
   status_500           500 with an S3 <Error><Code>InternalError</Code> body; idem
@@ -36,7 +38,8 @@ import threading
 import time
 
 # The faults a retry gets past, and the others.
-KINDS = ("reset_mid_body", "stall", "status_503_slowdown", "status_500", "truncate")
+KINDS = ("reset_mid_body", "reset_mid_head", "stall", "status_503_slowdown", "status_500",
+         "truncate")
 ALL_KINDS = KINDS + ("no_etag",)
 _CHUNK = 256 * 1024
 _MAX_HEAD = 64 * 1024
@@ -500,6 +503,13 @@ class FaultProxy:
 
     def _inject(self, rule, client, head, body, length):
         """Head, then rule.cut(length) body bytes, then the fault; the client socket is closed."""
+        if rule.kind == "reset_mid_head":
+            lines = head.split(b"\r\n")
+            cut = next((i for i, line in enumerate(lines[1:], 1)
+                        if line.partition(b":")[0].strip().lower() == b"etag"), 2)
+            client.sendall(b"\r\n".join(lines[:cut]) + b"\r\n")
+            _reset(client)
+            return
         client.sendall(head)
         left = rule.cut(length)
         for piece in body:

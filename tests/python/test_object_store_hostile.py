@@ -28,7 +28,9 @@ def serving(data, mode, release, arrived=None):
     normal, capped (206s of at most 64 KiB), gzip (a Content-Encoding header), drip (data ranges
     500 bytes a second), hang (data ranges: the headers, then nothing until `release`),
     no_size_416 (416 without a Content-Range), hang_open (every GET hangs, the open's too),
-    silent (every request is read and never answered until `release`). The first 4096 bytes (the
+    silent (every request is read and never answered until `release`), overlong (data ranges: a
+    Content-Range naming the first half of the range asked, and a body of the whole range, its
+    second half 0xff bytes). The first 4096 bytes (the
     open) come normally in the other modes. `arrived` (an Event) is set when a request that hangs
     has reached the server (in the hang modes, its headers sent)."""
 
@@ -54,9 +56,13 @@ def serving(data, mode, release, arrived=None):
             if mode == "capped":
                 last = min(last, first + (64 << 10) - 1)
             body = data[first:last + 1]
+            named = last
+            if mode == "overlong" and not opening and len(body) > 1:
+                named = first + len(body) // 2 - 1
+                body = body[:len(body) // 2] + b"\xff" * (len(body) - len(body) // 2)
             self.send_response(206)
             self.send_header("ETag", ETAG)
-            self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {first}-{named}/{len(data)}")
             self.send_header("Content-Length", str(len(body)))
             if mode == "gzip":
                 self.send_header("Content-Encoding", "gzip")
@@ -64,7 +70,7 @@ def serving(data, mode, release, arrived=None):
             try:
                 if mode == "hang_open":
                     hang()
-                elif opening or mode in ("normal", "capped", "gzip"):
+                elif opening or mode in ("normal", "capped", "gzip", "overlong"):
                     self.wfile.write(body)
                 elif mode == "drip":
                     for at in range(0, len(body), 100):
@@ -111,6 +117,17 @@ def test_capped_ranged_responses_load_byte_exact_without_retries(checkpoint):
     assert got.keys() == tensors.keys()
     for k, v in tensors.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+def test_a_body_longer_than_its_content_range_is_refused(checkpoint):
+    # Bytes past the last one a 206's Content-Range names are not the object's (here 0xff):
+    # refused, never delivered (checksums off: nothing else would catch them).
+    data, _ = checkpoint
+    with serving(data, "overlong", threading.Event()) as url:
+        loader = tensorferry.Loader(url, verify="off",
+                                    storage_options={**OPTS, "object_retries": 1})
+        with pytest.raises(OSError, match=r"bytes its Content-Range \(bytes \d+-\d+/\d+\) names"):
+            loader.load()
 
 
 def test_an_encoded_body_is_refused_at_once(checkpoint):

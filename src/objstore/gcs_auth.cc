@@ -289,6 +289,9 @@ Result<std::pair<std::string, std::chrono::seconds>> BearerTokens::Fetch() const
   const std::string where =
       "GCS credentials (" + config_.s3.credentials_from + "): token request to " + req.url;
   const HttpResponse r = AskCredentialsEndpoint(*client_, req);
+  // A fetch its caller's load cancelled (the transfer, or the backoff after a 5xx): kCancelled,
+  // which the callers waiting for this fetch do not take as their own error (they fetch again).
+  if (r.cancelled) return Status(Code::kCancelled, where + ": the load was cancelled");
   if (r.status == 0) {
     return Status(Code::kIoError, where + ": no response (" + r.curl_error + ")");
   }

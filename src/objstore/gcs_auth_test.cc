@@ -5,12 +5,23 @@
 #include <openssl/pem.h>
 #include <openssl/rsa.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include "io/read_engine.h"
 
 namespace tensorferry::objstore {
 namespace {
@@ -395,6 +406,80 @@ TEST(GcsTokens, AGivenTokenIsSentAsIsAndNeverReplaced) {
   tokens = BearerTokens::Make(c, HttpSettings{});
   ASSERT_TRUE(tokens.ok());
   EXPECT_EQ(*tokens, nullptr);
+}
+
+// A metadata server that accepts connections and never answers (a token fetch that hangs).
+class SilentServer {
+ public:
+  SilentServer() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd_, 16) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      ADD_FAILURE() << "cannot listen on loopback";
+    }
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      for (;;) {
+        const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) return;  // shut down
+        accepted_.push_back(c);
+      }
+    });
+  }
+  ~SilentServer() {
+    ::shutdown(fd_, SHUT_RDWR);
+    ::close(fd_);
+    thread_.join();
+    for (int c : accepted_) ::close(c);
+  }
+  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+  std::vector<int> accepted_;
+};
+
+// A token fetch cancelled by its caller's load is kCancelled, and another caller waiting for that
+// fetch does not take it as its own error: it fetches for itself (and is cancelled by its own
+// load here, later).
+TEST(GcsTokens, ACancelledTokenFetchIsCancelledForItsCallerOnly) {
+  SilentServer server;
+  GcsConfig c;
+  c.token_kind = GcsTokenKind::kMetadata;
+  c.metadata_host = server.host();
+  c.s3.credentials_from = "the metadata server (test)";
+  Result<std::shared_ptr<BearerTokens>> tokens = BearerTokens::Make(c, HttpSettings{});
+  ASSERT_TRUE(tokens.ok()) << tokens.status().ToString();
+  ASSERT_NE(*tokens, nullptr);
+  std::atomic<bool> first_cancel{false}, second_cancel{false};
+  Status first, second;
+  std::chrono::steady_clock::time_point second_cancelled_at{}, second_ended{};
+  std::thread a([&] {
+    const io::CancelScope scope(&first_cancel);
+    first = (*tokens)->Get().status();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a's fetch is under way
+  std::thread b([&] {
+    const io::CancelScope scope(&second_cancel);
+    second = (*tokens)->Get().status();
+    second_ended = std::chrono::steady_clock::now();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // b waits for a's fetch
+  first_cancel = true;
+  a.join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // b fetches for itself
+  second_cancelled_at = std::chrono::steady_clock::now();
+  second_cancel = true;
+  b.join();
+  EXPECT_EQ(first.code(), Code::kCancelled) << first.ToString();
+  EXPECT_EQ(second.code(), Code::kCancelled) << second.ToString();
+  EXPECT_GE(second_ended, second_cancelled_at);  // not a's error, handed on when a's fetch ended
 }
 
 }  // namespace

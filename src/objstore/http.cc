@@ -338,6 +338,7 @@ HttpResponse HttpClient::Get(const HttpRequest& request) const {
       c.slist_free_all(headers);
       Give(h);
       response.no_token = true;
+      response.cancelled = token.status().code() == Code::kCancelled;
       response.curl_code = CURLE_LOGIN_DENIED;
       response.curl_error = token.status().message();
       return response;

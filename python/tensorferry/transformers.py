@@ -945,6 +945,27 @@ def _with_target(original):
     return staticmethod(wrapper)
 
 
+def _disk_offload(original):
+    """transformers' accelerate_disk_offload, given no checkpoint files when they are URLs (a
+    model in object storage or streamed from the hub): the weights a device map puts on "disk"
+    are then saved into offload_folder as they load (transformers' own error when there is none),
+    because accelerate reads offloaded weights later with the stock safe_open, which opens local
+    files only; an offload index naming the URLs would fail at the model's first forward."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        args = list(args)
+        files = kwargs.get("checkpoint_files", args[2] if len(args) > 2 else None)
+        if files and any(is_url(os.fspath(f)) or is_hub_path(os.fspath(f)) for f in files):
+            if "checkpoint_files" in kwargs:
+                kwargs["checkpoint_files"] = None
+            else:
+                args[2] = None
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
 def _apply():
     original = _original_safe_open()
     for name in _LOADING_MODULES:
@@ -972,6 +993,10 @@ def _apply():
         original_function = vars(hub).get(attr)
         if original_function is not None:
             _patch_modules(attr, original_function, wrap(original_function))
+    offload = vars(importlib.import_module("transformers.integrations.accelerate")).get(
+        "accelerate_disk_offload")
+    if offload is not None:
+        _patch_modules("accelerate_disk_offload", offload, _disk_offload(offload))
     missing = [n for n in _LOADING_MODULES
                if getattr(sys.modules[n], "safe_open", None) is not _TransformersSafeOpen]
     if missing:

@@ -714,6 +714,27 @@ def test_from_pretrained_of_an_http_server(tmp_path, nginx_http, opened):
     _assert_same_parameters(ref, got)
 
 
+def test_from_pretrained_of_an_http_server_with_layers_offloaded_to_disk(tmp_path, nginx_http):
+    """A device map putting layers on "disk": their weights are saved into offload_folder as
+    they load (accelerate reads them later with the stock safe_open, local files only), and the
+    model runs, equal to the same map from the local folder."""
+    _save(_tiny_llama(), tmp_path / "model", "60KB")
+    nginx_http.copy_dir(tmp_path / "model", "fp-llama-disk")
+    url = nginx_http.url("fp-llama-disk")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "cpu"}
+    with tft.loading():
+        got = AutoModelForCausalLM.from_pretrained(url, dtype=torch.float32,
+                                                   device_map=device_map,
+                                                   offload_folder=str(tmp_path / "offload"))
+    assert any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "offload"))
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 4]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
+
+
 def test_from_pretrained_of_an_http_server_whose_index_disagrees_with_its_shards(
         tmp_path, nginx_http, opened, monkeypatch):
     """The background read of a model in object storage (host memory) reads, as transformers

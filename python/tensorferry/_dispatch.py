@@ -439,9 +439,10 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 held_local = held_local or tuple(g.tensor.shape) == shape
         want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
         if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
-                and tuple(g.tensor.shape) == shape and g.tensor.is_contiguous()):
+                and tuple(g.tensor.shape) == shape):
             # A materialized model and no device map: read into its own tensors, as torch's
-            # load_state_dict copies into them (references held elsewhere stay the model's).
+            # load_state_dict copies into them (references held elsewhere stay the model's); a
+            # non-contiguous one (a transposed view) through a batch and copy_ (below).
             g.target, g.in_place = g.tensor.detach(), True
             continue
         if mappable and want == g.file_dtype and device_of(g) == cpu:
@@ -538,10 +539,12 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
         del views
     mapped_ids = {id(g) for g in mapped}
     reading = [g for g in present if id(g) not in mapped_ids]
-    # Read in place (load_into): same dtype, in host or CUDA memory. The rest (a dtype change, or
-    # another accelerator: XPU, NPU, MPS, which load_into cannot write) is streamed and copied.
+    # Read in place (load_into): same dtype, in host or CUDA memory, contiguous. The rest (a
+    # dtype change, another accelerator: XPU, NPU, MPS, which load_into cannot write, or a
+    # model's non-contiguous tensor filled in place) is streamed and copied.
     in_place = [g for g in reading
-                if g.target.dtype == g.file_dtype and g.target.device.type in ("cpu", "cuda")]
+                if g.target.dtype == g.file_dtype and g.target.device.type in ("cpu", "cuda")
+                and g.target.is_contiguous()]
     direct = {g.source: g.target.data for g in in_place}
     in_place_ids = {id(g) for g in in_place}
     converted = [g for g in reading if id(g) not in in_place_ids]

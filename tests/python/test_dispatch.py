@@ -257,10 +257,16 @@ def test_parameters_keep_their_class_and_a_materialized_model_its_objects(checkp
 
     torch.manual_seed(5)
     model = Tiny()
+    # A non-contiguous parameter (a transposed view) too: filled in place, strides kept.
+    down = model.layers[0].mlp.down_proj
+    down.weight = nn.Parameter(down.weight.detach().t().contiguous().t())
+    assert not down.weight.is_contiguous()
+    strides = down.weight.stride()
     held = dict(model.named_parameters())
     tft.load_checkpoint_and_dispatch(model, checkpoint["sharded"])
     for name, p in model.named_parameters():
         assert p is held[name], name
+    assert down.weight.stride() == strides
     _assert_same_model(model, checkpoint["ref"])
 
 

@@ -129,7 +129,10 @@ def _settings():
     return enabled[0] if enabled else None
 
 # The _DeviceRead of the from_pretrained call running on this thread (transformers opens the files
-# on it; its loading threads materialize the tensors later).
+# on it; its loading threads materialize the tensors later), and (populate) whether the files it
+# maps are read whole at their first request: not when its device map offloads to disk (the
+# memory-constrained case: a mapping faulted in as tensors are used, as transformers' own,
+# reads nothing of the offloaded weights it never asks for).
 _target = threading.local()
 
 
@@ -347,6 +350,7 @@ class safe_open(_safe_open):
                           and backend in (None, "mmap"))
         self._on_device = False  # the views are tensors on a device, each handed out once
         self._pending = None  # a _Pending until the first request: the tensors on the device
+        self._populate = getattr(_target, "populate", True)
         call = getattr(_target, "call", None)
         if call is not None and self._mappable:
             self._pending = call.take(filename)
@@ -379,7 +383,7 @@ class safe_open(_safe_open):
                         # is for local file systems (Loader's prefer_mmap).
                         engine = "mmap" if self._backend == "mmap" else "auto"
                         with Loader(self._filename, engine=engine, prefer_mmap=True,
-                                    populate=whole,
+                                    populate=whole and self._populate,
                                     storage_options=self._storage_options) as loader:
                             if whole or loader.engine_info["engine"] == "mmap":
                                 self._views = loader.load()
@@ -931,14 +935,18 @@ def _with_target(original):
             import torch
             device, check_room = torch.device("cpu"), False
         previous = getattr(_target, "call", None)
+        previous_populate = getattr(_target, "populate", True)
         storage = _storage_in_force()
         call = _DeviceRead(device, files, check_room=check_room, storage_options=storage) \
             if device is not None and readable else None
         _target.call = call
+        device_map = getattr(load_config, "device_map", None) or {}
+        _target.populate = "disk" not in (str(v) for v in device_map.values())
         try:
             return function(*args, **kwargs)
         finally:
             _target.call = previous
+            _target.populate = previous_populate
             if call is not None:
                 call.finish()
 

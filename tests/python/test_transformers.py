@@ -714,6 +714,39 @@ def test_from_pretrained_of_an_http_server(tmp_path, nginx_http, opened):
     _assert_same_parameters(ref, got)
 
 
+def test_a_device_map_offloading_to_disk_maps_the_files_without_reading_them_whole(
+        tmp_path, monkeypatch):
+    """With "disk" in the device map (the memory-constrained case) the files are mapped and
+    faulted in as transformers uses their tensors, as its own mapping is, not read whole at the
+    first request (the offloaded weights it never asks for stay unread); equal logits. Without
+    it, read whole (populated) as before."""
+    _save(_tiny_llama(), tmp_path, "60KB")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    populate = []
+    init = tensorferry.Loader.__init__
+
+    def spy(self, *args, **kwargs):
+        populate.append(kwargs.get("populate"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(tensorferry.Loader, "__init__", spy)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "cpu"}
+    with tft.loading():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                   device_map=device_map,
+                                                   offload_folder=str(tmp_path / "offload"))
+    assert populate and not any(populate), populate
+    ids = torch.tensor([[1, 5, 9, 33, 70, 2, 4]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
+    populate.clear()
+    with tft.loading():
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device_map="cpu")
+    assert populate and all(populate), populate
+
+
 def test_from_pretrained_of_an_http_server_with_layers_offloaded_to_disk(tmp_path, nginx_http):
     """A device map putting layers on "disk": their weights are saved into offload_folder as
     they load (accelerate reads them later with the stock safe_open, local files only), and the

@@ -19,6 +19,7 @@ The order of the work:
   6. accelerate's dispatch_model when a device map was given (hooks for multi-device maps), as
      accelerate's load_checkpoint_and_dispatch does.
 """
+import itertools
 import os
 import warnings
 
@@ -301,13 +302,26 @@ def _init_missing(model, groups, init_missing):
                 done.add(id(module))
 
 
+def _first_dtensor(model):
+    """The name of the first parameter or buffer of `model` that is a DTensor, or None."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return None
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if isinstance(t, DTensor):
+            return name
+    return None
+
+
 def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memory=None,
                                  no_split_module_classes=None, dtype=None, offload_folder=None,
                                  strict=True, tp_rank=None, tp_size=None, shard_rules=None,
                                  init_missing=None, budget=None, progress=False,
                                  storage_options=None, offload_buffers=False,
                                  offload_state_dict=None, skip_keys=None,
-                                 preload_module_classes=None, force_hooks=False):
+                                 preload_module_classes=None, force_hooks=False,
+                                 full_state_dict=True, broadcast_from_rank0=False):
     """Fills `model` (on the meta device or materialized) from `checkpoint` (a file, a directory
     or index of a sharded checkpoint, or an s3://, gs:// or http(s):// URL) and returns it, like
     accelerate.load_checkpoint_and_dispatch; see docs/models.md for the differences.
@@ -332,8 +346,23 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     offload_folder: unused, as accelerate's is without "disk" entries in the map
     (disk offload is not supported: a "disk" entry is an error naming it). A local folder means
     its model.safetensors when it has one, else its one *.index.json (accelerate's rule), else
-    all its .safetensors files."""
+    all its .safetensors files. full_state_dict, broadcast_from_rank0: accelerate's options for
+    models whose parameters are DTensors (FSDP2), which are not loaded here: accepted at their
+    defaults (every tensor read whole, or as this rank's slice with tp_rank/tp_size); other values
+    are an error naming them."""
     # offload_folder is only used for "disk" entries of the map, which are refused (_as_device).
+    if full_state_dict is not True or broadcast_from_rank0 is not False:
+        raise _core.InvalidArgumentError(
+            f"full_state_dict={full_state_dict!r}, broadcast_from_rank0="
+            f"{broadcast_from_rank0!r}: these are accelerate's options for models of DTensors "
+            "(FSDP2), which tensorferry does not load; for tensor parallelism use tp_rank/"
+            "tp_size (each rank reads its slice), or a cooperative tensorferry.Loader("
+            "process_group=...) (each rank reads a share and the rest is exchanged)")
+    dtensor = _first_dtensor(model)
+    if dtensor is not None:
+        raise _core.InvalidArgumentError(
+            f"{dtensor}: a DTensor (an FSDP2 or torch tensor-parallel model): tensorferry loads "
+            "plain tensors; load before sharding the model, or use tp_rank/tp_size")
     checkpoint = _checkpoint_file(checkpoint)
     dtype = _as_dtype(dtype)
     # The model's own tie declarations (transformers' tie_weights; init_empty_weights unties

@@ -270,6 +270,30 @@ def test_parameters_keep_their_class_and_a_materialized_model_its_objects(checkp
     _assert_same_model(model, checkpoint["ref"])
 
 
+def test_accelerates_fsdp_options_are_taken_at_their_defaults_and_named_otherwise(checkpoint):
+    """full_state_dict and broadcast_from_rank0 (accelerate's options for DTensor models): the
+    defaults load as without them; other values, and a model of DTensors, are errors naming
+    them."""
+    m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], device_map="cpu",
+                                         full_state_dict=True, broadcast_from_rank0=False)
+    _assert_same_model(m, checkpoint["ref"])
+    for kw in ({"full_state_dict": False}, {"broadcast_from_rank0": True}):
+        with pytest.raises(tensorferry.InvalidArgumentError, match=next(iter(kw))):
+            tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], **kw)
+    dist_tensor = pytest.importorskip("torch.distributed.tensor")
+
+    class Sharded(nn.Parameter):  # stands for DTensor (a real one needs a process group)
+        pass
+
+    model = _meta_model()
+    model.layers[0].mlp.up_proj.weight = Sharded(model.layers[0].mlp.up_proj.weight)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist_tensor, "DTensor", Sharded)
+        with pytest.raises(tensorferry.InvalidArgumentError,
+                           match=r"layers.0.mlp.up_proj.weight: a DTensor"):
+            tft.load_checkpoint_and_dispatch(model, checkpoint["single"])
+
+
 def test_unexpected_and_mismatched_tensors(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
     sd = load_file(checkpoint["single"])

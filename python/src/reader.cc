@@ -310,14 +310,16 @@ Status StreamOnWorker(Loader& loader, const Selection& selection, std::atomic<bo
       WithoutGil release;
       std::unique_lock<std::mutex> lk(h.mu);
       h.stop = true;
+      // A batch waiting for its reply (posted, or taken by a delivery that threw) is refused.
+      const auto unanswered = [&] { return h.batch != nullptr && !h.replied; };
       while (!h.done) {
-        if (h.posted) {
+        if (unanswered()) {
           h.posted = false;
           h.reply = Status(Code::kCancelled, "the stream was interrupted");
           h.replied = true;
           h.cv.notify_all();
         }
-        h.cv.wait(lk, [&] { return h.posted || h.done; });
+        h.cv.wait(lk, [&] { return unanswered() || h.done; });
       }
       lk.unlock();
       worker.join();

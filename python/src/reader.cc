@@ -561,7 +561,16 @@ Reader::Lock::~Lock() {
   r_.lock_owner_.store(std::thread::id());
   // A close asked for from inside the call that held this lock (Close) is done now, unless an
   // iteration still holds the loader (its end releases the step's lock again).
-  if (r_.close_pending_.load() && !r_.streaming_.load()) r_.DropLocked();
+  if (r_.close_pending_.load() && !r_.streaming_.load()) {
+    if (PyGILState_Check() != 0) {
+      // Released by a call that holds the GIL (a load's end, its unwinding): the loader's
+      // threads are joined and its buffers freed while other Python threads run.
+      WithoutGil release;
+      r_.DropLocked();
+    } else {
+      r_.DropLocked();
+    }
+  }
   r_.mu_.unlock();
 }
 

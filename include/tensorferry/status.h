@@ -56,6 +56,7 @@ enum class Code : uint16_t {
   kInternal = 7,         // category kInternal
   kUnexpectedEof = 8,    // category kIo: a file ended before a byte the format promised
   kCancelled = 9,        // category kCancelled
+  kAccessDenied = 10,    // category kIo: a store or server refused access (HTTP 401/403)
 
   // --- safetensors header (category kCorrupt) -------------------------------------------------
   kFileTooSmall = 100,       // fewer than 8 bytes: no length prefix

@@ -77,7 +77,9 @@ void SetError(const Status& status) {
   switch (status.category()) {
     case Category::kNotFound:
     case Category::kIo: {
-      const int err = status.category() == Category::kNotFound ? ENOENT : OsErrno(message);
+      const int err = status.category() == Category::kNotFound ? ENOENT
+                      : status.code() == Code::kAccessDenied   ? EACCES  // PermissionError
+                                                               : OsErrno(message);
       try {
         exc = OsError(err, text, nb::none());
       } catch (nb::python_error& e) {

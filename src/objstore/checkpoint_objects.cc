@@ -35,7 +35,9 @@ Result<CheckpointObjects> FindCheckpointObjects(Source& source, const ObjectUrl&
     // file (a Hugging Face model's model.safetensors), if it has one. Asked also when the index
     // was refused rather than missing: a bucket served over HTTP (S3's website or REST endpoint,
     // CloudFront) answers 403 AccessDenied for a key it does not have when listing is not
-    // granted.
+    // granted. Not when the index could not be read for another reason (a 503 after the
+    // retries, a timeout): the prefix may hold both, and the index's error is the answer.
+    if (missing != Code::kNotFound && missing != Code::kAccessDenied) return probe.status();
     const std::string single = Join(url, kSingleFileName).ToString();
     ask(single, false);
     Result<std::unique_ptr<SourceFile>> file = source.Open(single);

@@ -186,6 +186,8 @@ Verdict Judge(const HttpResponse& r) {
   if (r.status == 404 || s3code == "NoSuchKey" || s3code == "NoSuchBucket" ||
       s3code == "RepositoryNotFound" || s3code == "RevisionNotFound" || s3code == "EntryNotFound") {
     v.code = Code::kNotFound;
+  } else if (r.status == 401 || r.status == 403) {
+    v.code = Code::kAccessDenied;
   }
   v.retryable = r.status == 429 || r.status == 500 || r.status == 502 || r.status == 503 ||
                 r.status == 504 || RetryableS3Code(s3code) || r.token_replaced;

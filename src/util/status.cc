@@ -6,7 +6,8 @@ Category CategoryOf(Code code) noexcept {
   switch (code) {
     case Code::kOk: return Category::kOk;
     case Code::kIoError:
-    case Code::kUnexpectedEof: return Category::kIo;
+    case Code::kUnexpectedEof:
+    case Code::kAccessDenied: return Category::kIo;
     case Code::kNotFound: return Category::kNotFound;
     case Code::kInvalidArgument:
     case Code::kBadTensorName:
@@ -49,6 +50,7 @@ std::string_view CodeName(Code code) noexcept {
     case Code::kInternal: return "internal";
     case Code::kUnexpectedEof: return "unexpected_eof";
     case Code::kCancelled: return "cancelled";
+    case Code::kAccessDenied: return "access_denied";
     case Code::kTooManyMetadataEntries: return "too_many_metadata_entries";
     case Code::kCheckpointTooLarge: return "checkpoint_too_large";
     case Code::kFileTooSmall: return "file_too_small";

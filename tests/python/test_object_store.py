@@ -517,6 +517,7 @@ def test_anonymous_read_of_the_public_bucket(stores, monkeypatch):
     with pytest.raises(OSError, match="AccessDenied") as e:
         load_all(seaweed.url(f"{PREFIX}/tiny"), storage_options=opts)
     assert "anonymous" in str(e.value)
+    assert isinstance(e.value, PermissionError) and e.value.code == "access_denied", e.value
     # The same through the environment (AWS_NO_SIGN_REQUEST), keys present but not used.
     monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint)
     monkeypatch.setenv("AWS_NO_SIGN_REQUEST", "true")

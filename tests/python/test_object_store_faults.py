@@ -178,6 +178,27 @@ def test_status_that_is_not_retried_fails_at_once(stores, s3_proxy):
     assert s3_proxy.stats()["requests"] == 1
 
 
+def test_an_http_prefix_whose_index_cannot_be_read_is_that_error(stores, nginx_proxy, tmp_path):
+    """A folder with an index and a model.safetensors too: when the index cannot be read (503
+    after the retries), that is the error, not a quiet load of the other file; when it is
+    missing (or refused: a bucket served over HTTP), the single file is the checkpoint."""
+    import shutil
+    folder = tmp_path / "both"
+    shutil.copytree(stores.tiny, folder)
+    tensorferry.torch.save_file({"other": torch.zeros(3)}, str(folder / "model.safetensors"))
+    stores.nginx.copy_dir(str(folder), f"{PREFIX}/both")
+    url = f"{nginx_proxy.url}/{PREFIX}/both"
+    opts = dict(FAST, object_retries=1)
+    nginx_proxy.set_rules([Rule("status_503_slowdown", every=1,
+                                match=lambda r: r.target.endswith("index.json"))])
+    with pytest.raises(OSError, match=r"model.safetensors.index.json.*HTTP 503") as e:
+        tensorferry.Loader(url, storage_options=opts)
+    assert "model.safetensors:" not in str(e.value)  # the single file was not asked
+    nginx_proxy.set_rules([])
+    with tensorferry.Loader(url, storage_options=opts) as loader:
+        assert "other" not in loader.keys()  # the index's checkpoint
+
+
 def changed_copy(path, shorter):
     """The file's bytes with every data byte flipped: same header, other content; `shorter`:
     without its last 1000 bytes too."""

@@ -306,10 +306,12 @@ Status StreamOnWorker(Loader& loader, const Selection& selection, std::atomic<bo
   struct Finish {
     Handoff& h;
     std::thread& worker;
+    std::atomic<bool>& cancel;
     ~Finish() {
       WithoutGil release;
       std::unique_lock<std::mutex> lk(h.mu);
       h.stop = true;
+      if (!h.done) cancel.store(true);  // the batch read ahead stops within a chunk
       // A batch waiting for its reply (posted, or taken by a delivery that threw) is refused.
       const auto unanswered = [&] { return h.batch != nullptr && !h.replied; };
       while (!h.done) {
@@ -324,7 +326,7 @@ Status StreamOnWorker(Loader& loader, const Selection& selection, std::atomic<bo
       lk.unlock();
       worker.join();
     }
-  } finish{h, worker};
+  } finish{h, worker, cancel};
   for (;;) {
     Batch* batch = nullptr;
     {

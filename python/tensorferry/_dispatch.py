@@ -302,6 +302,12 @@ def _init_missing(model, groups, init_missing):
                 done.add(id(module))
 
 
+def _overlaps(t):
+    """Whether elements of `t` share memory (a stride 0 over a dimension of more than one: an
+    expand()ed tensor), so that it cannot be written element by element."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
 def _first_dtensor(model):
     """The name of the first parameter or buffer of `model` that is a DTensor, or None."""
     try:
@@ -346,18 +352,14 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
     offload_folder: unused, as accelerate's is without "disk" entries in the map
     (disk offload is not supported: a "disk" entry is an error naming it). A local folder means
     its model.safetensors when it has one, else its one *.index.json (accelerate's rule), else
-    all its .safetensors files. full_state_dict, broadcast_from_rank0: accelerate's options for
-    models whose parameters are DTensors (FSDP2), which are not loaded here: accepted at their
-    defaults (every tensor read whole, or as this rank's slice with tp_rank/tp_size); other values
-    are an error naming them."""
+    all its .safetensors files. full_state_dict, broadcast_from_rank0: what accelerate passes to
+    torch's set_model_state_dict without a device map. For a model of plain tensors both give
+    what they give there, every tensor whole on every rank: full_state_dict only concerns
+    DTensors, and with broadcast_from_rank0 each rank reads the files itself rather than
+    receiving rank 0's (so every rank needs them). A model holding DTensors (FSDP2) is an error
+    naming one: tensorferry loads plain tensors (tp_rank/tp_size for a rank's slices)."""
     # offload_folder is only used for "disk" entries of the map, which are refused (_as_device).
-    if full_state_dict is not True or broadcast_from_rank0 is not False:
-        raise _core.InvalidArgumentError(
-            f"full_state_dict={full_state_dict!r}, broadcast_from_rank0="
-            f"{broadcast_from_rank0!r}: these are accelerate's options for models of DTensors "
-            "(FSDP2), which tensorferry does not load; for tensor parallelism use tp_rank/"
-            "tp_size (each rank reads its slice), or a cooperative tensorferry.Loader("
-            "process_group=...) (each rank reads a share and the rest is exchanged)")
+    del full_state_dict, broadcast_from_rank0  # see the docstring
     dtensor = _first_dtensor(model)
     if dtensor is not None:
         raise _core.InvalidArgumentError(
@@ -468,10 +470,11 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 held_local = held_local or tuple(g.tensor.shape) == shape
         want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
         if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
-                and tuple(g.tensor.shape) == shape):
+                and tuple(g.tensor.shape) == shape and not _overlaps(g.tensor)):
             # A materialized model and no device map: read into its own tensors, as torch's
             # load_state_dict copies into them (references held elsewhere stay the model's); a
-            # non-contiguous one (a transposed view) through a batch and copy_ (below).
+            # non-contiguous one (a transposed view) through a batch and copy_ (below). One
+            # whose elements share memory (an expand()ed buffer) cannot be written: replaced.
             g.target, g.in_place = g.tensor.detach(), True
             continue
         if mappable and want == g.file_dtype and device_of(g) == cpu:

@@ -611,36 +611,49 @@ def _make_class():
             return plan_remote(path, files, patterns, unused), pinned
 
         def _world(self):
-            """vLLM's world group (every rank that loads this model) when it has more than one
-            rank, else None."""
+            """(vLLM's tensor-parallel group, its pipeline-parallel group) of this rank: the
+            ranks of this model replica (not the data-parallel replicas, which may load or
+            reload on their own), when they are more than one; else None."""
             try:
-                from vllm.distributed import get_world_group
-                world = get_world_group()
+                from vllm.distributed import get_pp_group, get_tp_group
+                tp, pp = get_tp_group(), get_pp_group()
             except (ImportError, AssertionError):  # no distributed state: one process
                 return None
-            return world if world.world_size > 1 else None
+            return (tp, pp) if tp.world_size * pp.world_size > 1 else None
 
         def _pinned(self, world, what, first, others):
-            """What the ranks of `world` read from `what`, an hf:// path naming a branch (or a
-            hub id streamed as one), at one commit: the first rank runs `first()`, which
-            returns (its result, the hf:// path pinned to the commit it read, or None), and
-            sends the others that path; they return `others(path)`. Without this, each rank
-            would ask the hub which commit the branch names, and a branch that moves between
-            their questions would give the ranks other weights. When the first rank reads
-            without a commit (vLLM's download instead: the result None) the others return None
-            too; when it fails, they fail naming it."""
-            if world.rank_in_group == 0:
+            """What the ranks of this replica (`world`: its tensor- and pipeline-parallel
+            groups) read from `what`, an hf:// path naming a branch (or a hub id streamed as
+            one), at one commit: the replica's first rank (first of both groups) runs
+            `first()`, which returns (its result, the hf:// path pinned to the commit it read,
+            or None), and sends the others that path, over its tensor-parallel group and then
+            every pipeline-parallel group (each rank of the first stage to the ranks of the
+            other stages with its tensor-parallel rank); they return `others(path)`. Without
+            this, each rank would ask the hub which commit the branch names, and a branch that
+            moves between their questions would give the ranks other weights. When the first
+            rank reads without a commit (vLLM's download instead: the result None) the others
+            return None too; when it fails, they fail naming it."""
+            tp, pp = world
+            leader = tp.rank_in_group == 0 and pp.rank_in_group == 0
+            message = result = failure = None
+            if leader:
                 try:
                     result, pinned = first()
+                    message = ("none", None) if result is None else ("ok", pinned)
                 except BaseException as e:
-                    world.broadcast_object(("failed", f"{type(e).__name__}: {e}"))
-                    raise
-                world.broadcast_object(("none", None) if result is None else ("ok", pinned))
+                    failure = e
+                    message = ("failed", f"{type(e).__name__}: {e}")
+            # (A group of one rank returns what it is given.)
+            message = tp.broadcast_object(message if tp.rank_in_group == 0 else None)
+            message = pp.broadcast_object(message if pp.rank_in_group == 0 else None)
+            if leader:
+                if failure is not None:
+                    raise failure
                 return result
-            kind, pinned = world.broadcast_object(None)
+            kind, pinned = message
             if kind == "failed":
                 raise RuntimeError(f"load format {LOAD_FORMAT!r}: the first rank of vLLM's "
-                                   f"group could not open {what}: {pinned}")
+                                   f"model replica could not open {what}: {pinned}")
             if kind == "none":
                 return None
             if pinned is None:  # read without a commit (no hub root): as the first rank did

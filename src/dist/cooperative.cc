@@ -289,6 +289,27 @@ class Fingerprint {
   uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
+// `s` with each %XX decoded (a hub URL's file name is percent-encoded, the cache's is not).
+std::string PercentDecoded(std::string_view s) {
+  const auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && hex(s[i + 1]) >= 0 && hex(s[i + 2]) >= 0) {
+      out += static_cast<char>(hex(s[i + 1]) * 16 + hex(s[i + 2]));
+      i += 2;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
 // The hub commit a file path lies under: <...>/snapshots/<commit>/<file> (the hub cache) or
 // <...>/resolve/<commit>/<file> (the hub), as (commit, file); nullopt for any other path.
 std::optional<std::pair<std::string_view, std::string_view>> HubCommitOf(std::string_view path) {
@@ -321,7 +342,7 @@ void AddContentIdentities(const Checkpoint& ckpt, std::span<const uint32_t> indi
     if (const auto hub = HubCommitOf(path)) {
       f.Add(file);
       f.Add(hub->first);
-      f.Add(hub->second);
+      f.Add(PercentDecoded(hub->second));
     } else if (IsObjectUrl(path)) {
       f.Add(file);
       f.Add(ckpt.file_set() != nullptr ? ckpt.file_set()->identity(file).inode : 0);

@@ -1030,6 +1030,27 @@ TEST(Cooperative, RanksReadingTwoCommitsOfAHubRepositoryDisagree) {
   }
   s = run({old_ckpt, copy_ckpt}, &got);
   ASSERT_TRUE(s[0].ok() && s[1].ok()) << s[0].ToString() << " / " << s[1].ToString();
+  // A file name as the hub's URL writes it (percent-encoded) and as the cache does: one file.
+  {
+    TempDir a, b;
+    for (const auto& [dir, name] : {std::pair{&a, std::string("a+b.safetensors")},
+                                    std::pair{&b, std::string("a%2Bb.safetensors")}}) {
+      const std::string snapshot = dir->path() + "/models--org--name/snapshots/" + old_commit;
+      std::filesystem::create_directories(snapshot);
+      ASSERT_TRUE(before.WriteTo(snapshot, 1ull << 30).ok());
+      std::filesystem::rename(snapshot + "/model.safetensors", snapshot + "/" + name);
+    }
+    const auto plan_of = [&](TempDir& dir, const std::string& name) {
+      auto ckpt =
+          Checkpoint::Open(dir.path() + "/models--org--name/snapshots/" + old_commit + "/" + name)
+              .ValueOrThrow();
+      return PlanCooperative(*ckpt, Selection::All(), rows, options, std::vector<uint32_t>(2, 0))
+          .ValueOrThrow()
+          .content_digest;
+    };
+    EXPECT_EQ(plan_of(a, "a+b.safetensors"), plan_of(b, "a%2Bb.safetensors"));
+    EXPECT_NE(plan_of(a, "a+b.safetensors"), 0u);
+  }
   for (uint32_t r = 0; r < 2; ++r) {
     ASSERT_EQ(got[r].size(), 2u);
     for (const Tensor& t : got[r]) {

@@ -141,9 +141,9 @@ Status CheckOpenedContained(const fs::path& canonical_dir, const std::string& pa
   TF_RETURN_IF_ERROR(CheckContainedAt(canonical_dir, path, where, what, canonical));
   if (fd < 0) return Status::Ok();
   const std::string prefix = std::string(where) + ": " + std::string(what) + " ";
-  // Where the kernel says the open file lies (the descriptor's own path, fully resolved when it
-  // was opened): no name is resolved again, so no link or directory swapped after the open can
-  // pass this check.
+  // Where the kernel says the open file lies (the descriptor's own path: the file's current name,
+  // links resolved): no name is resolved again, so no link or directory swapped after the open
+  // can pass this check.
   std::error_code ec;
   const fs::path opened = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), ec);
   if (!ec && opened.is_absolute() && !opened.string().ends_with(" (deleted)")) {

@@ -242,7 +242,7 @@ def test_dtype_rule_is_accelerates_for_integers_and_booleans(tmp_path):
                                                                  torch.tensor([True, False]))
 
 
-def test_parameters_keep_their_class_and_a_materialized_model_its_objects(checkpoint):
+def test_parameters_keep_their_class_and_a_materialized_model_its_objects(checkpoint, tmp_path):
     """A torch.nn.Parameter subclass stays one (as accelerate keeps it); with no device map, a
     materialized model's parameters are filled in place: references held elsewhere (an
     optimizer's) see the loaded values."""
@@ -268,18 +268,31 @@ def test_parameters_keep_their_class_and_a_materialized_model_its_objects(checkp
         assert p is held[name], name
     assert down.weight.stride() == strides
     _assert_same_model(model, checkpoint["ref"])
+    # A buffer whose elements share memory (expand()ed) cannot be filled: it is replaced, and
+    # the rest still filled in place.
+    torch.manual_seed(5)
+    model = Tiny()
+    model.register_buffer("pos", torch.arange(8.0).expand(2, -1))
+    weight = model.layers[0].mlp.up_proj.weight
+    from safetensors.torch import load_file, save_file
+    sd = load_file(checkpoint["single"])
+    sd["pos"] = torch.ones(2, 8)
+    path = str(tmp_path / "with-pos.safetensors")
+    save_file(sd, path)
+    tft.load_checkpoint_and_dispatch(model, path)
+    assert torch.equal(model.pos, torch.ones(2, 8))
+    assert model.layers[0].mlp.up_proj.weight is weight
+    _assert_same_model(model, checkpoint["ref"])
 
 
-def test_accelerates_fsdp_options_are_taken_at_their_defaults_and_named_otherwise(checkpoint):
-    """full_state_dict and broadcast_from_rank0 (accelerate's options for DTensor models): the
-    defaults load as without them; other values, and a model of DTensors, are errors naming
-    them."""
-    m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], device_map="cpu",
-                                         full_state_dict=True, broadcast_from_rank0=False)
-    _assert_same_model(m, checkpoint["ref"])
-    for kw in ({"full_state_dict": False}, {"broadcast_from_rank0": True}):
-        with pytest.raises(tensorferry.InvalidArgumentError, match=next(iter(kw))):
-            tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"], **kw)
+def test_accelerates_state_dict_options_and_a_model_of_dtensors(checkpoint):
+    """full_state_dict and broadcast_from_rank0 (what accelerate passes to torch's
+    set_model_state_dict): a model of plain tensors loads whole with any of them (each rank
+    reads); a model holding DTensors is an error naming one."""
+    for kw in ({}, {"full_state_dict": False}, {"broadcast_from_rank0": True}):
+        m = tft.load_checkpoint_and_dispatch(_meta_model(), checkpoint["single"],
+                                             device_map="cpu", **kw)
+        _assert_same_model(m, checkpoint["ref"])
     dist_tensor = pytest.importorskip("torch.distributed.tensor")
 
     class Sharded(nn.Parameter):  # stands for DTensor (a real one needs a process group)

@@ -756,7 +756,10 @@ def _make_class():
             if pin and files:
                 pinned = _safe_open.pinned_hub_path(url, _safe_open.hub_root(files[0]))
                 if pinned is not None:
-                    return self._remote_parts_at(pinned, patterns, unused)[0], pinned
+                    # Its files listed again (under the pinned path) only when patterns choose.
+                    parts = self._remote_parts_at(pinned, patterns, unused)[0] \
+                        if patterns is not None else plan_remote(pinned, None, None, unused)
+                    return parts, pinned
             return plan_remote(url, files, patterns, unused), pinned
 
         def _stream(self, part, prefix, device):

@@ -714,6 +714,17 @@ def test_from_pretrained_of_an_http_server(tmp_path, nginx_http, opened):
     _assert_same_parameters(ref, got)
 
 
+def _load_with_layers_on_disk(where, offload_folder):
+    """_tiny_llama's model from `where` through tensorferry, in F32, layers 1 and 2 on "disk"."""
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "cpu"}
+    with tft.loading():
+        return AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32,
+                                                    device_map=device_map,
+                                                    offload_folder=str(offload_folder))
+
+
 def test_a_device_map_offloading_to_disk_maps_the_files_without_reading_them_whole(
         tmp_path, monkeypatch):
     """With "disk" in the device map (the memory-constrained case) the files are mapped and
@@ -730,13 +741,7 @@ def test_a_device_map_offloading_to_disk_maps_the_files_without_reading_them_who
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(tensorferry.Loader, "__init__", spy)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "cpu"}
-    with tft.loading():
-        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                   device_map=device_map,
-                                                   offload_folder=str(tmp_path / "offload"))
+    got = _load_with_layers_on_disk(tmp_path, tmp_path / "offload")
     assert populate and not any(populate), populate
     ids = torch.tensor([[1, 5, 9, 33, 70, 2, 4]])
     with torch.no_grad():
@@ -755,13 +760,7 @@ def test_from_pretrained_of_an_http_server_with_layers_offloaded_to_disk(tmp_pat
     nginx_http.copy_dir(tmp_path / "model", "fp-llama-disk")
     url = nginx_http.url("fp-llama-disk")
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "cpu"}
-    with tft.loading():
-        got = AutoModelForCausalLM.from_pretrained(url, dtype=torch.float32,
-                                                   device_map=device_map,
-                                                   offload_folder=str(tmp_path / "offload"))
+    got = _load_with_layers_on_disk(url, tmp_path / "offload")
     assert any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "offload"))
     ids = torch.tensor([[1, 5, 9, 33, 70, 2, 4]])
     with torch.no_grad():

@@ -12,6 +12,7 @@ the issue's 4 GB in 1 GB). Needs root and a writable memory controller (cgroup v
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,7 +104,8 @@ def checkpoint(tmp_path_factory):
     for i in range(count):
         t = (np.arange(TENSOR // 4, dtype=np.uint32) * 2654435761 + i).astype(np.uint32)
         digest.update(t.tobytes())
-    return str(d), digest.hexdigest()
+    yield str(d), digest.hexdigest()
+    shutil.rmtree(d, ignore_errors=True)  # 1 GiB: not kept on disk for the rest of the session
 
 
 def _cli():

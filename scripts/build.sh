@@ -20,8 +20,8 @@ common=(-G Ninja -DTENSORFERRY_DEVELOPER_MODE=ON -DTENSORFERRY_WERROR="${WERROR:
         -DTENSORFERRY_PYTHON="$PWD/.venv/bin/python"
         -DTENSORFERRY_UNITY_TOOLS="${UNITY:-$unity}" -DTENSORFERRY_UNITY_TESTS="${UNITY:-$unity}")
 # The sanitizer and fuzz flavours carry line tables only (-gline-tables-only, unless
-# DEBUG_INFO=full): their reports name every frame's function, file and line as with -g, in a
-# third of the disk (the asan build: 1.1 GB with -g), which CI's machines are short of.
+# DEBUG_INFO=full): their reports name every frame's function, file and line as with -g, in less
+# disk, which CI's machines are short of (the asan build: 0.87 GB, 1.1 GB with -g).
 lines=-gline-tables-only
 [ "${DEBUG_INFO:-}" = full ] && lines=-g
 case "$flavour" in

@@ -763,6 +763,14 @@ Result<std::unique_ptr<SourceFile>> ObjectSource::Open(const std::string& path,
       new ObjectFile(shared_from_this(), std::move(target), id, version, std::move(prefix)));
 }
 
+// The fewest bytes a 206 cut short of the range asked must bring for the rest to be asked for at
+// once, as no retry (a server or gateway capping its responses caps them at megabytes), but for
+// the first kShortCappedResponses of a range; shorter ones after those are failures, retried
+// and counted, so a server dripping a few bytes per response ends in an error, not in millions
+// of requests.
+constexpr uint64_t kMinCappedResponse = 64 << 10;
+constexpr unsigned kShortCappedResponses = 4;
+
 Status ObjectSource::ReadRange(const Target& target, const Version& version, uint64_t size,
                                uint64_t first, std::span<std::byte> dst,
                                const BodyProgress* on_body) const {
@@ -772,8 +780,9 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
   const uint64_t last = first + dst.size() - 1;
   const std::string what = "GET " + RangeText(first, last);
   uint64_t received = 0;
-  unsigned attempt = 0;  // failures retried so far
-  bool retry = false;    // this request repeats a failed one
+  unsigned attempt = 0;       // failures retried so far
+  bool retry = false;         // this request repeats a failed one
+  unsigned short_capped = 0;  // 206s cut short at fewer than kMinCappedResponse bytes
   for (;;) {
     CountRequest(retry ? 1 : 0);
     retry = false;
@@ -837,17 +846,30 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
     // again would ask for an empty, inverted range.
     if (received == dst.size() && r.rejected.empty()) return Status::Ok();
     if (r.cancelled) return CancelledRead(target.name, what);
-    if (r.status == 206 && r.curl_code == 0 && r.rejected.empty() && r.body_bytes > 0) {
+    const bool capped = r.status == 206 && r.curl_code == 0 && r.rejected.empty();
+    if (capped && r.body_bytes > 0 &&
+        (r.body_bytes >= kMinCappedResponse || short_capped++ < kShortCappedResponses)) {
       // A well-formed 206 for the start of the range asked (a server or gateway that caps its
       // responses): not a failure; the rest is asked for at once, as no retry. Each such
-      // response brings bytes, so this ends.
+      // response brings at least kMinCappedResponse bytes, but for a few (a cap at aligned
+      // boundaries cuts the first response of a range anywhere), so this ends soon.
       continue;
     }
     Verdict v = Judge(r);
     if (r.status >= 200 && r.status <= 299 && r.curl_code == 0 && r.rejected.empty()) {
-      v.retryable = true;  // a complete response with fewer bytes than asked
+      // A complete response with fewer bytes than asked; a capped one with fewer than
+      // kMinCappedResponse after kShortCappedResponses such (a server dripping a few bytes per
+      // response would otherwise be asked again without end): retried, each time counted.
+      v.retryable = true;
       v.why += " (body ended after " + std::to_string(received) + " of " +
-               std::to_string(dst.size()) + " bytes)";
+               std::to_string(dst.size()) + " bytes";
+      if (capped) {
+        v.why += "; a 206 of " + std::to_string(r.body_bytes) + " bytes for " +
+                 std::to_string(dst.size() - (received - r.body_bytes)) +
+                 " asked: a server capping its responses must send at least " +
+                 std::to_string(kMinCappedResponse) + " bytes each";
+      }
+      v.why += ")";
     }
     if (!v.retryable || attempt >= options_.retries) {
       if (received > 0 && received < dst.size()) {

@@ -30,7 +30,8 @@ def serving(data, mode, release, arrived=None):
     no_size_416 (416 without a Content-Range), hang_open (every GET hangs, the open's too),
     silent (every request is read and never answered until `release`), overlong (data ranges: a
     Content-Range naming the first half of the range asked, and a body of the whole range, its
-    second half 0xff bytes). The first 4096 bytes (the
+    second half 0xff bytes), trickle (data ranges: 206s of at most 16 bytes; `arrived` a list,
+    each request's first byte appended). The first 4096 bytes (the
     open) come normally in the other modes. `arrived` (an Event) is set when a request that hangs
     has reached the server (in the hang modes, its headers sent)."""
 
@@ -55,6 +56,10 @@ def serving(data, mode, release, arrived=None):
                 return
             if mode == "capped":
                 last = min(last, first + (64 << 10) - 1)
+            if mode == "trickle" and not opening:
+                last = min(last, first + 15)
+                if arrived is not None:
+                    arrived.append(first)
             body = data[first:last + 1]
             named = last
             if mode == "overlong" and not opening and len(body) > 1:
@@ -70,7 +75,7 @@ def serving(data, mode, release, arrived=None):
             try:
                 if mode == "hang_open":
                     hang()
-                elif opening or mode in ("normal", "capped", "gzip", "overlong"):
+                elif opening or mode in ("normal", "capped", "gzip", "overlong", "trickle"):
                     self.wfile.write(body)
                 elif mode == "drip":
                     for at in range(0, len(body), 100):
@@ -117,6 +122,21 @@ def test_capped_ranged_responses_load_byte_exact_without_retries(checkpoint):
     assert got.keys() == tensors.keys()
     for k, v in tensors.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+def test_a_server_capping_its_responses_at_a_few_bytes_ends_in_an_error_not_endless_requests(
+        checkpoint):
+    # 16 bytes per 206 would take tens of thousands of requests for this checkpoint's data: a few
+    # short ones are taken (a cap at aligned boundaries cuts a range's first response anywhere),
+    # then each is a failure, retried and counted, and the load fails saying why.
+    data, _ = checkpoint
+    requests = []
+    with serving(data, "trickle", threading.Event(), requests) as url:
+        loader = tensorferry.Loader(url, storage_options={**OPTS, "object_retries": 2})
+        with pytest.raises(OSError, match=r"a 206 of 16 bytes for \d+ asked: a server capping its "
+                                          r"responses must send at least 65536 bytes each"):
+            loader.load()
+    assert 0 < len(requests) < 1000, len(requests)  # not the ~100,000 16-byte pieces
 
 
 def test_a_body_longer_than_its_content_range_is_refused(checkpoint):

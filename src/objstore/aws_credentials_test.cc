@@ -289,27 +289,46 @@ TEST(AwsCredentials, KeysThatExpiredAlreadyAreAnError) {
       << keys.status().ToString();
 }
 
+// A clock the test moves (Refreshing's Clock): the schedule checked to the millisecond, whatever
+// the machine's load.
+struct TestClock {
+  using duration = std::chrono::nanoseconds;
+  using rep = duration::rep;
+  using period = duration::period;
+  using time_point = std::chrono::time_point<TestClock>;
+  static constexpr bool is_steady = true;
+  static time_point now() { return time_point(duration(at.load())); }
+  static void Advance(std::chrono::milliseconds by) { at += duration(by).count(); }
+  static inline std::atomic<rep> at{0};
+};
+
 TEST(AwsCredentials, ShortLivedKeysAreFetchedAgainAfterHalfTheirLife) {
   // Keys living 4 s: fetched again after 2 s; a failing fetch then keeps them until 1 s (a
   // quarter of their life) before their end, and the next fetch after that replaces them.
-  Refreshing<int> value;
+  using std::chrono::milliseconds;
+  Refreshing<int, TestClock> value;
   int calls = 0;
-  const auto fetch = [&]() -> Result<Refreshing<int>::Fetched> {
+  const auto fetch = [&]() -> Result<Refreshing<int, TestClock>::Fetched> {
     ++calls;
-    return Refreshing<int>::Fetched{calls, std::chrono::seconds(4)};
+    return Refreshing<int, TestClock>::Fetched{calls, std::chrono::seconds(4)};
   };
-  const auto failing = []() -> Result<Refreshing<int>::Fetched> {
+  const auto failing = []() -> Result<Refreshing<int, TestClock>::Fetched> {
     return Status(Code::kIoError, "down");
   };
+  const auto never = []() -> Result<Refreshing<int, TestClock>::Fetched> {
+    ADD_FAILURE() << "a fetch when none is due";
+    return Status(Code::kIoError, "no");
+  };
   EXPECT_EQ(*value.Get(fetch), 1);
-  EXPECT_EQ(*value.Get(failing), 1);  // not asked before half its life
-  std::this_thread::sleep_for(std::chrono::milliseconds(2100));
+  TestClock::Advance(milliseconds(1999));
+  EXPECT_EQ(*value.Get(never), 1);  // not asked before half its life
+  TestClock::Advance(milliseconds(1));
   {
     // While one caller fetches (slowly), the others go on with the value it replaces.
     std::promise<void> started, release;
     std::shared_future<void> go = release.get_future().share();
     std::thread slow([&] {
-      auto got = value.Get([&]() -> Result<Refreshing<int>::Fetched> {
+      auto got = value.Get([&]() -> Result<Refreshing<int, TestClock>::Fetched> {
         started.set_value();
         go.wait();
         return Status(Code::kIoError, "slow and down");
@@ -317,21 +336,23 @@ TEST(AwsCredentials, ShortLivedKeysAreFetchedAgainAfterHalfTheirLife) {
       EXPECT_EQ(*got, 1);  // failed, still good: the old value
     });
     started.get_future().wait();
-    const auto never = []() -> Result<Refreshing<int>::Fetched> {
-      ADD_FAILURE() << "a second fetch while one runs";
-      return Status(Code::kIoError, "no");
-    };
     EXPECT_EQ(*value.Get(never), 1);
     release.set_value();
     slow.join();
   }
-  auto kept = value.Get(failing);  // the failed fetch is tried again in 10 s: not asked
+  TestClock::Advance(milliseconds(999));  // 2.999 s: the failed fetch is tried again in 10 s,
+  auto kept = value.Get(never);           // but no later than the good part's end (3 s)
   ASSERT_TRUE(kept.ok());
   EXPECT_EQ(*kept, 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-  EXPECT_EQ(*value.Get(fetch), 2);  // past the good part: fetched again
+  TestClock::Advance(milliseconds(1));
+  auto gone = value.Get(failing);  // past the good part: a failed fetch is the caller's error
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().message(), "down");
+  EXPECT_EQ(*value.Get(fetch), 2);  // and the next fetch replaces them
+  TestClock::Advance(milliseconds(1999));
+  EXPECT_EQ(*value.Get(never), 2);
   value.ForgetIf([](int v) { return v == 2; });
-  auto gone = value.Get(failing);
+  gone = value.Get(failing);
   ASSERT_FALSE(gone.ok());
   EXPECT_EQ(gone.status().message(), "down");
   EXPECT_EQ(value.fetches(), 2u);

@@ -91,7 +91,8 @@ Result<std::shared_ptr<T>> SharedPerProcess(std::initializer_list<const std::str
 // good (until 30 s, or a quarter of a shorter life, before its end), and wait for the fetch only
 // without one. A fetch that fails while the old value is still good keeps it and is tried again
 // in 10 s; without a good one its error is returned (to that caller and to those that waited).
-template <typename T>
+// Clock: steady_clock, or a test's (a type with steady_clock's members, its now() static).
+template <typename T, typename Clock = std::chrono::steady_clock>
 class Refreshing {
  public:
   // A fetched value and how long it lives; nullopt: for ever (never fetched again).
@@ -105,7 +106,6 @@ class Refreshing {
   // (io::CancelScope: kCancelled).
   template <typename Fetch>
   Result<T> Get(Fetch&& fetch) {
-    using Clock = std::chrono::steady_clock;
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       const auto now = Clock::now();
@@ -204,8 +204,8 @@ class Refreshing {
   bool have_ = false;
   T value_{};
   Status last_error_;
-  std::chrono::steady_clock::time_point refresh_at_{};
-  std::chrono::steady_clock::time_point expires_at_{};
+  typename Clock::time_point refresh_at_{};
+  typename Clock::time_point expires_at_{};
   uint64_t fetches_ = 0;  // fetches that succeeded
   unsigned waiting_ = 0;  // callers in the wait for another's fetch
 };

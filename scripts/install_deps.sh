@@ -27,14 +27,15 @@ else
   echo "[deps] Debian packages present"
 fi
 
-# Free space first, in MB, as measured on a fresh clone (a CI rehearsal on an 11.0 GB file system
-# peaked at 9.3 GB used): .venv 6,200; .venv-vllm 1,700 (a layer over .venv:
-# scripts/install_vllm.sh); the builds still missing (release 100, asan 900, tsan 300, fuzz 200);
-# the tests' temporary files 1,100 (pip's temporary files while it installs, up to 3,000, are gone
-# before the builds). Failing here names what is missing instead of pip's ENOSPC half-way through
+# Free space first, in MB (MiB), as measured on a fresh clone (a CI rehearsal on an 11.0 GB file
+# system peaked at 9.3 GB used): .venv 6,200; .venv-vllm 1,700 (a layer over .venv:
+# scripts/install_vllm.sh); then the larger of the release build with the tests' temporary files
+# (100 + 1,100: the Python suite's go when it ends) and all the builds still missing (release 100,
+# asan 900, tsan 300, fuzz 200). pip's temporary files while it installs (up to 3,000) are gone
+# before the builds. Failing here names what is missing instead of pip's ENOSPC half-way through
 # an install. Where everything but .venv-vllm fits, it is left out (.venv-vllm.skipped says why,
 # and the vLLM plugin's tests skip with that reason) rather than failing every other test.
-need_mb=1100
+need_mb=0
 PY=${PYTHON:-python3}
 # A virtual environment is current when its interpreter still runs and it was installed from the
 # same requirements by the same Python ABI (sys.implementation.cache_tag, e.g. cpython-311:
@@ -51,21 +52,29 @@ want=$( (cat requirements.txt requirements-nodeps.txt
 venv_current=1
 [ "$(cat .venv/.requirements.sha256 2>/dev/null)" = "$want" ] || { venv_current=0; need_mb=$((need_mb + 6200)); }
 vllm_mb=0
-# (.venv-vllm is a layer over .venv: made anew whenever .venv is)
-{ [ "$venv_current" = 1 ] && scripts/install_vllm.sh --current; } || vllm_mb=1700
+# (.venv-vllm is a layer over .venv: made anew whenever .venv is; one not current goes now, so that
+# the space it held counts as free)
+if ! { [ "$venv_current" = 1 ] && scripts/install_vllm.sh --current; }; then
+  vllm_mb=1700
+  rm -rf .venv-vllm
+fi
 declare -A build_mb=([release]=100 [asan]=900 [tsan]=300 [fuzz]=200)
+builds_mb=0
 for flavour in "${!build_mb[@]}"; do
-  [ -d "build/$flavour" ] || need_mb=$((need_mb + build_mb[$flavour]))
+  [ -d "build/$flavour" ] || builds_mb=$((builds_mb + build_mb[$flavour]))
 done
+tests_mb=1100
+[ -d build/release ] || tests_mb=$((tests_mb + build_mb[release]))
+need_mb=$((need_mb + (builds_mb > tests_mb ? builds_mb : tests_mb)))
 free_mb=$(($(df -Pk . | awk 'NR == 2 {print $4}') / 1024))
-gb() { awk -v mb="$1" 'BEGIN {printf "%.1f GB", mb / 1024}'; }
+gb() { awk -v mb="$1" 'BEGIN {printf "%.1f GiB", mb / 1024}'; }
 with_vllm=1
 if ((free_mb < need_mb + vllm_mb)); then
   if ((free_mb < need_mb)); then
     echo "[deps] not enough disk space: $(gb $free_mb) free on the file system of $PWD; the" \
       "install, builds and tests still to do need about $(gb $((need_mb + vllm_mb))), or" \
-      "$(gb $need_mb) without .venv-vllm (.venv 6.1, .venv-vllm 1.7, builds 1.5, the tests'" \
-      "temporary files 1.1)" >&2
+      "$(gb $need_mb) without .venv-vllm (MiB: .venv 6,200, .venv-vllm 1,700, then the larger" \
+      "of the release build with the tests' temporary files, 1,200, and the builds, 1,500)" >&2
     exit 1
   fi
   with_vllm=0

@@ -8,10 +8,11 @@
 # The environment is a layer over .venv, to fit machines with little disk: a .pth file puts
 # .venv's site-packages after its own, so torch (with its CUDA libraries, about 5 GB: requirements.txt
 # pins the torch vLLM pins) and every other package .venv holds at a version vLLM accepts are
-# shared; pip installs only the rest (vLLM, and the transformers it pins) into .venv-vllm, whose
-# own site-packages come first. vLLM's requirements are installed except those that are GPU
-# kernels or media codecs (SKIP below, about 3 GB), which its CPU platform never imports when it
-# builds a model and loads its weights, all these tests do with it.
+# shared; pip installs only the rest (vLLM, the transformers it pins, its server's and tokenizers'
+# packages, a numpy below 2.4 for mistral_common: about 110 packages) into .venv-vllm, whose own
+# site-packages come first. vLLM's requirements are installed except those that are GPU kernels or
+# media codecs (SKIP below, about 2.5 GB), which its CPU platform never imports when it builds a
+# model and loads its weights, all these tests do with it.
 #
 # The interpreter is the one .venv was made with (the tests load the compiled module built for
 # .venv into this environment). The environment is made again from scratch when its interpreter
@@ -36,14 +37,16 @@ base_version=$(version "$base") || {
 }
 # vLLM's requirements not installed: GPU kernels (CUDA, cuDNN, CUTLASS, FlashInfer, TileLang,
 # Triton MLA kernels) and audio, image and video codecs.
-SKIP=(flashinfer-python apache-tvm-ffi tilelang nvidia-cudnn-frontend nvtx nvidia-cutlass-dsl
+# (Only those nothing else installed requires: apache-tvm-ffi, which xgrammar needs, and OpenCV,
+# which mistral_common[image] needs, are installed at vLLM's versions.)
+SKIP=(flashinfer-python tilelang nvidia-cudnn-frontend nvtx nvidia-cutlass-dsl
       quack-kernels tokenspeed-mla humming-kernels numba
-      torchaudio torchvision torchcodec PyNvVideoCodec opencv-python-headless)
+      torchaudio torchvision torchcodec PyNvVideoCodec)
 stamp=$venv/.requirements.sha256
 # (.venv's packages: the names and versions of its distributions, which the layer was resolved
 # over, but for tensorferry's own, which install_python.sh adds after)
 want=$( (cat requirements-vllm.txt; echo "$base_version"; echo "${SKIP[*]}"; echo "$base_site"
-         ls "$base_site" | grep -E '\.dist-info$' | grep -v '^tensorferry-' | sort) | sha256sum | cut -d' ' -f1)
+         ls "$base_site" | grep -E '\.dist-info$' | grep -v '^tensorferry-' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
 fresh=0
 [ -x "$venv/bin/python" ] && [ "$(version "$venv/bin/python")" = "$base_version" ] || fresh=1
 [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] || fresh=1
@@ -68,7 +71,7 @@ echo "[vllm] installing requirements-vllm.txt into $venv"
 # vLLM without its requirements, then those requirements less SKIP, with the rest of the file.
 vllm_pin=$(grep -E '^vllm==' requirements-vllm.txt)
 "$venv/bin/python" -m pip install -q --no-deps "$vllm_pin"
-mapfile -t reqs < <("$venv/bin/python" - "${SKIP[@]}" <<'PYEOF'
+reqs_text=$("$venv/bin/python" - "${SKIP[@]}" <<'PYEOF'
 import importlib.metadata, re, sys
 try:
     from packaging.requirements import Requirement
@@ -83,16 +86,17 @@ for line in importlib.metadata.requires("vllm") or []:
     if norm(r.name) not in skip:
         print(line.split(";")[0].strip())
 PYEOF
-)
+)  # (a failure here stops the script: set -e, unlike a process substitution)
+mapfile -t reqs <<< "$reqs_text"
 grep -vE '^(vllm==|#|$)' requirements-vllm.txt > "$venv/requirements-rest.txt" || true
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 rc=0
 "$venv/bin/python" -m pip install -q "${reqs[@]}" -r "$venv/requirements-rest.txt" 2> "$log" || rc=$?
-# pip's resolver then names each of vLLM's requirements SKIP left out: expected, not shown; any
-# other conflict or error is.
+# pip's resolver then names each of vLLM's requirements SKIP left out as not installed: expected,
+# not shown; any other conflict (a version vLLM does not accept) or error is.
 skip_re=$(IFS='|'; echo "${SKIP[*]}")
-other=$(grep -viE "^vllm [^ ]+ requires ($skip_re)[^a-z0-9_.-]|^ERROR: pip's dependency resolver does not currently" "$log" || true)
+other=$(grep -viE "^vllm [^ ]+ requires ($skip_re)[^a-z0-9_.-].*, which is not installed\.\$|^ERROR: pip's dependency resolver does not currently" "$log" || true)
 if [ -n "$other" ]; then
   grep -iE "^ERROR: pip's dependency resolver" "$log" >&2 || true
   echo "$other" >&2

@@ -863,7 +863,7 @@ Status ObjectSource::ReadRange(const Target& target, const Version& version, uin
       v.retryable = true;
       v.why += " (body ended after " + std::to_string(received) + " of " +
                std::to_string(dst.size()) + " bytes";
-      if (capped) {
+      if (capped && r.body_bytes > 0) {
         v.why += "; a 206 of " + std::to_string(r.body_bytes) + " bytes for " +
                  std::to_string(dst.size() - (received - r.body_bytes)) +
                  " asked: a server capping its responses must send at least " +

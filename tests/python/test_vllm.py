@@ -1,7 +1,7 @@
 """The vLLM loader plugin (tensorferry.vllm) against the real vLLM from PyPI.
 
-vLLM pins its own torch and transformers, so it lives in .venv-vllm (scripts/install_vllm.sh,
-requirements-vllm.txt). The tests here run in the suite's Python; everything that needs vLLM runs
+vLLM pins its own transformers (and numpy), so it lives in .venv-vllm, a layer over .venv that
+shares its torch (scripts/install_vllm.sh, requirements-vllm.txt). The tests here run in the suite's Python; everything that needs vLLM runs
 in vllm_scenarios.py under .venv-vllm's Python, with the tensorferry package under test (the one
 this suite imports) and its dist-info on PYTHONPATH, so vLLM finds the plugin through the
 `vllm.general_plugins` entry point exactly as a pip-installed tensorferry provides it.

@@ -134,6 +134,16 @@ Status CheckChunkDigest(const TensorChecksum& expected, uint64_t chunk_size, uin
 Status VerifyTensor(const TensorChecksum& expected, uint64_t chunk_size,
                     std::span<const std::byte> bytes, std::string_view file,
                     std::string_view tensor, uint64_t file_offset, unsigned threads = 1);
+// Verifies the chunks of a tensor of `tensor_size` bytes that lie wholly inside its bytes
+// [begin, begin + bytes.size()), which `bytes` holds (a partial read: one block of rows); the
+// chunks cut by the range's ends are not checked. Returns the bytes of the chunks checked (0 when
+// the range holds none; tensor_size for the whole tensor). Errors: those of CheckChecksumShape
+// and VerifyChunk (the first mismatching chunk); kInvalidArgument when the range passes the
+// tensor's end.
+Result<uint64_t> VerifyTensorRange(const TensorChecksum& expected, uint64_t chunk_size,
+                                   uint64_t tensor_size, uint64_t begin,
+                                   std::span<const std::byte> bytes, std::string_view file,
+                                   std::string_view tensor, uint64_t file_offset);
 
 // --- the sidecar manifest ---------------------------------------------------------------------
 struct ManifestFile {

@@ -642,8 +642,30 @@ std::shared_ptr<std::byte> Reader::ReadBytes(const Checkpoint& checkpoint, const
     if (length == 0) return block;
     const std::shared_ptr<const SourceFile> file = Unwrap(checkpoint.File(t.file));
     Check(ReadFully(*file, t.offset + begin, std::span<std::byte>(block.get(), length), &cancel));
+    CheckRead(checkpoint, t, begin, std::span<const std::byte>(block.get(), length));
     return block;
   });
+}
+
+void Reader::CheckRead(const Checkpoint& checkpoint, const TensorInfo& t, uint64_t begin,
+                       std::span<const std::byte> bytes) {
+  if (options_.verify == VerifyMode::kOff) return;
+  std::shared_ptr<const std::vector<std::optional<FileChecksums>>> sums;
+  {
+    std::lock_guard<std::mutex> lock(sums_mu_);
+    if (!sums_) {
+      sums_ = std::make_shared<const std::vector<std::optional<FileChecksums>>>(
+          Unwrap(ChecksumsForLoad(checkpoint, options_.verify)));
+    }
+    sums = sums_;
+  }
+  if (t.file >= sums->size() || !(*sums)[t.file]) return;  // the file has none (kAuto)
+  const FileChecksums& file = *(*sums)[t.file];
+  const auto it = file.tensors.find(t.name);
+  if (it == file.tensors.end()) return;  // ChecksumsForFile matched them to the file's tensors
+  Check(VerifyTensorRange(it->second, file.chunk_size, t.size, begin, bytes,
+                          checkpoint.files()[t.file].path, t.name, t.offset)
+            .status());
 }
 
 void RegisterReader(nb::module_& m) {

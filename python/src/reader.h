@@ -23,11 +23,13 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "tensorferry/checkpoint.h"
+#include "tensorferry/integrity.h"
 #include "tensorferry/loader.h"
 #include "tensorferry/options.h"
 #include "tensorferry/stats.h"
@@ -185,6 +187,16 @@ class Reader {
   std::shared_ptr<std::byte> ReadBytes(const Checkpoint& checkpoint, const TensorInfo& t,
                                        uint64_t begin, uint64_t length);
 
+  // Checks bytes [begin, begin + bytes.size()) of `t`, just read outside a load (GetTensor's
+  // small tensors, ReadRange), against the checksums options_.verify applies (ChecksumsForLoad,
+  // found on first use): the chunks they hold whole (every chunk of a whole tensor). Raises
+  // ChecksumMismatchError naming file, tensor, chunk and byte ranges. Thread-safe; call without
+  // the GIL.
+  void CheckRead(const Checkpoint& checkpoint, const TensorInfo& t, uint64_t begin,
+                 std::span<const std::byte> bytes);
+
+  std::mutex sums_mu_;                                                     // guards sums_
+  std::shared_ptr<const std::vector<std::optional<FileChecksums>>> sums_;  // CheckRead's
   mutable std::mutex checkpoint_mu_;  // guards checkpoint_ (reset by Close)
   std::shared_ptr<const Checkpoint> checkpoint_;
   // LoadOptions::cancel of every load: cleared when a load starts, set by Ctrl-C (Interruptible)

@@ -495,6 +495,32 @@ Status VerifyTensor(const TensorChecksum& expected, uint64_t chunk_size,
   });
 }
 
+Result<uint64_t> VerifyTensorRange(const TensorChecksum& expected, uint64_t chunk_size,
+                                   uint64_t tensor_size, uint64_t begin,
+                                   std::span<const std::byte> bytes, std::string_view file,
+                                   std::string_view tensor, uint64_t file_offset) {
+  TF_RETURN_IF_ERROR(CheckChecksumShape(expected, chunk_size, tensor_size, file, tensor));
+  if (begin > tensor_size || bytes.size() > tensor_size - begin) {
+    return Status(Code::kInvalidArgument,
+                  std::string(file) + ": tensor " + json::Quote(tensor) + ": bytes [" +
+                      std::to_string(begin) + ", " + std::to_string(begin + bytes.size()) +
+                      ") pass its end (" + std::to_string(tensor_size) + " bytes)");
+  }
+  const uint64_t end = begin + bytes.size();
+  uint64_t checked = 0;
+  // The first chunk starting at or after `begin`, then each one that ends by `end`.
+  for (uint64_t i = (begin + chunk_size - 1) / chunk_size; i * chunk_size < end; ++i) {
+    const uint64_t from = i * chunk_size;
+    const uint64_t to = std::min(from + chunk_size, tensor_size);
+    if (to > end) break;
+    TF_RETURN_IF_ERROR(VerifyChunk(expected, chunk_size, tensor_size, i,
+                                   bytes.subspan(from - begin, to - from), file, tensor,
+                                   file_offset));
+    checked += to - from;
+  }
+  return checked;
+}
+
 std::string SerializeChecksumManifest(const ChecksumManifest& manifest) {
   std::string out = "{\n  \"algorithm\": \"";
   out += kChecksumAlgorithm;

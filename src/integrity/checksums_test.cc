@@ -267,6 +267,55 @@ TEST(Checksums, VerifyNamesFileTensorChunkAndRange) {
             Code::kChecksumsInvalid);
 }
 
+// A partial read (a block of rows) is checked over the chunks inside it: those cut by its ends
+// are left out, and a flipped byte is found only where a checked chunk holds it.
+TEST(Checksums, ARangeIsCheckedOverTheChunksItHoldsWhole) {
+  auto data = Bytes(5000);  // chunks of 1024: [0, 1024), ..., [4096, 5000)
+  const TensorChecksum sum = ComputeTensorChecksum(data, 1024);
+  auto range = [&](uint64_t begin, uint64_t end) {
+    return VerifyTensorRange(sum, 1024, 5000, begin,
+                             std::span<const std::byte>(data).subspan(begin, end - begin), "f", "w",
+                             80);
+  };
+  struct Case {
+    uint64_t begin, end, checked;
+  };
+  for (const Case& c :
+       {Case{0, 5000, 5000}, Case{0, 1024, 1024}, Case{1, 1024, 0}, Case{0, 1023, 0},
+        Case{1000, 4100, 3072}, Case{1024, 5000, 3976}, Case{4096, 5000, 904}, Case{4097, 5000, 0},
+        Case{5000, 5000, 0}, Case{2048, 2048, 0}}) {
+    SCOPED_TRACE(std::to_string(c.begin) + ".." + std::to_string(c.end));
+    const Result<uint64_t> got = range(c.begin, c.end);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, c.checked);
+  }
+  data[2100] ^= std::byte{1};  // chunk 2: [2048, 3072)
+  const Result<uint64_t> bad = range(1000, 4100);
+  ASSERT_EQ(bad.status().code(), Code::kChecksumMismatch);
+  EXPECT_NE(bad.status().message().find("chunk 2 of 5 (tensor bytes [2048, 3072), file bytes "
+                                        "[2128, 3152))"),
+            std::string::npos)
+      << bad.status().message();
+  EXPECT_TRUE(range(2100, 4100).ok()) << "chunk 2 is cut by the range: not checked";
+  EXPECT_TRUE(range(0, 2048).ok());
+  // A range past the tensor's end, and a checksum of another size, are refused.
+  EXPECT_EQ(VerifyTensorRange(sum, 1024, 5000, 4000, std::span<const std::byte>(data).first(1001),
+                              "f", "w", 0)
+                .status()
+                .code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(
+      VerifyTensorRange(sum, 1024, 6000, 0, std::span<const std::byte>(data).first(10), "f", "w", 0)
+          .status()
+          .code(),
+      Code::kChecksumsInvalid);
+  EXPECT_EQ(
+      VerifyTensorRange(sum, 0, 5000, 0, std::span<const std::byte>(data).first(10), "f", "w", 0)
+          .status()
+          .code(),
+      Code::kChecksumsInvalid);
+}
+
 // A mismatch in a file of a Hugging Face hub cache's snapshot (a link into blobs/) names the blob
 // and how to get it again; another link, or a blob-like name that is not one, adds nothing.
 TEST(Checksums, AMismatchInAHubCacheSnapshotNamesTheBlob) {

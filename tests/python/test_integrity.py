@@ -206,3 +206,49 @@ def test_convert_keeps_its_checksums_over_a_value_of_that_name(tmp_path):
     assert sorted(json.loads(meta[KEY])["tensors"]) == ["w"]
     r = subprocess.run([cli, "verify", str(dst)], capture_output=True, text=True)
     assert r.returncode == 0 and "1 embedded" in r.stdout, (r.stdout, r.stderr)
+
+
+def flip(path, name, at):
+    """Flips one bit of byte `at` of tensor `name` in the file."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    n = int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8:8 + n])[name]["data_offsets"][0]
+    data[8 + n + begin + at] ^= 0x20
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_safe_open_checks_small_tensors_and_the_blocks_slices_read(tmp_path):
+    # safe_open's reads outside loads: a small tensor read with one pread, and the block of rows
+    # get_slice reads. "a" is 12,000,000 bytes in three 4 MiB checksum chunks; a bit flipped in
+    # chunk 2 fails every read whose block holds that chunk whole, and "b" (80 bytes) fails get_tensor.
+    path = str(tmp_path / "m.safetensors")
+    a = torch.randn(3000, 1000, generator=torch.Generator().manual_seed(5))
+    b = torch.arange(10)
+    tensorferry.torch.save_file({"a": a, "b": b}, path)
+    flip(path, "a", 10_000_000)
+    flip(path, "b", 3)
+    with tensorferry.safe_open(path, framework="pt") as f:
+        with pytest.raises(tensorferry.SafetensorError) as e:
+            f.get_tensor("b")
+        assert e.value.code == "checksum_mismatch"
+        assert 'tensor "b": checksum mismatch in chunk 0 of 1' in str(e.value)
+        s = f.get_slice("a")
+        assert torch.equal(s[:1500], a[:1500])  # rows [0, 1500): chunk 0 whole, chunk 1 cut
+        for index in (slice(1500, None), (slice(None), slice(0, 10))):
+            with pytest.raises(tensorferry.SafetensorError) as e:
+                s[index]
+            assert e.value.code == "checksum_mismatch"
+            assert 'tensor "a": checksum mismatch in chunk 2 of 3 (tensor bytes [8388608, ' \
+                "12000000)" in str(e.value)
+        # Rows [2400, 2600) hold no whole chunk: read unchecked (docs/integrity.md).
+        got = s[2400:2600]
+        assert not torch.equal(got, a[2400:2600])
+    code = ("import tensorferry, sys\n"
+            f"with tensorferry.safe_open({path!r}, framework='pt') as f:\n"
+            "    print(f.get_tensor('b').tolist(), tuple(f.get_slice('a')[1500:].shape))")
+    env = dict(os.environ, TENSORFERRY_VERIFY="off")
+    out = subprocess.run([os.sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[536870912, 1, 2, 3, 4, 5, 6, 7, 8, 9] (1500, 1000)"

@@ -212,6 +212,14 @@ class DirectoryTransaction {
 
   // `dir` (complete, in place) and `files`, the paths of what was written in it.
   void Add(const std::string& dir, const std::vector<std::string>& files);
+  // What Add(dir, ...) handed over is the caller's again: neither the destructor nor the signal
+  // path removes it (a rename into `dir` that failed: `dir` may be someone else's).
+  void Forget(const std::string& dir);
+  // Makes the directories Create() made durable: fsyncs the directory holding each of them,
+  // innermost first (`env`: nullptr for Env::Default()). Call before Commit() when the write is
+  // synced; the folders and files added are the caller's to sync. Errors: kIoError naming the
+  // directory whose fsync failed.
+  Status SyncCreated(Env* env = nullptr) const;
   // Keeps everything added, and releases the lock.
   void Commit() noexcept;
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 
 namespace tensorferry::internal {
@@ -26,13 +27,27 @@ struct RollbackNode {
 namespace {
 
 std::atomic<RollbackNode*> g_head{nullptr};
+// About how many nodes are free: none, and the list is not walked (a write registering thousands
+// of entries, `reshard --tp` of many ranks, would walk every live one per entry: quadratic).
+// A race can only make Claim allocate a node where a free one appeared meanwhile.
+std::atomic<int64_t> g_free{0};  // may dip below 0 between a claim and its Free's count
+
+void Free(RollbackNode* n) noexcept {
+  n->state.store(kFree, std::memory_order_seq_cst);
+  g_free.fetch_add(1, std::memory_order_release);
+}
 
 // A node with room for `need` bytes per path, in state kClaimed.
 RollbackNode* Claim(size_t need) {
-  for (RollbackNode* n = g_head.load(std::memory_order_acquire); n != nullptr; n = n->next) {
-    if (n->capacity < need) continue;
-    int expected = kFree;
-    if (n->state.compare_exchange_strong(expected, kClaimed, std::memory_order_acquire)) return n;
+  if (g_free.load(std::memory_order_acquire) > 0) {
+    for (RollbackNode* n = g_head.load(std::memory_order_acquire); n != nullptr; n = n->next) {
+      if (n->capacity < need) continue;
+      int expected = kFree;
+      if (n->state.compare_exchange_strong(expected, kClaimed, std::memory_order_acquire)) {
+        g_free.fetch_sub(1, std::memory_order_relaxed);
+        return n;
+      }
+    }
   }
   auto* n = new RollbackNode;
   n->capacity = std::max<size_t>(need, 256);
@@ -61,7 +76,7 @@ RollbackGroup::RollbackGroup() : node_(Claim(1)) {
 }
 
 RollbackGroup::~RollbackGroup() {
-  node_->state.store(kFree, std::memory_order_release);
+  Free(node_);
 }
 
 void RollbackGroup::Commit() noexcept {
@@ -89,7 +104,7 @@ RollbackEntry& RollbackEntry::operator=(RollbackEntry&& other) noexcept {
 
 void RollbackEntry::Reset() noexcept {
   if (node_ == nullptr) return;
-  node_->state.store(kFree, std::memory_order_seq_cst);
+  Free(node_);
   node_ = nullptr;
 }
 

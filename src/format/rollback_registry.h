@@ -8,8 +8,8 @@
 // async-signal-safe.
 //
 // Nodes are allocated on first need and never freed (they are reused), so a handler may walk the
-// list while another thread registers or unregisters entries. Memory is bounded by the largest
-// number of entries alive at once.
+// list while another thread registers or unregisters entries. Memory is bounded by about the
+// largest number of entries alive at once.
 #pragma once
 
 #include <string_view>

@@ -1092,10 +1092,14 @@ Result<ManifestChange> DropManifestEntries(Env* env, const std::string& dir,
 }  // namespace
 
 struct DirectoryTransaction::Rep {
-  std::vector<std::string> created;  // by Create(), outermost first
-  std::vector<std::string> dirs;     // added
-  std::vector<std::string> files;    // added
-  std::vector<internal::RollbackEntry> entries;
+  std::vector<std::string> created;              // by Create(), outermost first
+  std::vector<internal::RollbackEntry> entries;  // the created levels'
+  struct Added {
+    std::string dir;
+    std::vector<std::string> files;
+    std::vector<internal::RollbackEntry> entries;  // the files', then the directory's
+  };
+  std::vector<Added> added;
   std::optional<FileLock> lock;        // kDirectoryLockName in the root
   internal::RollbackEntry lock_entry;  // its file, for the signal path
   bool committed = false;
@@ -1158,25 +1162,42 @@ Result<DirectoryTransaction> DirectoryTransaction::Create(const std::string& roo
 }
 
 void DirectoryTransaction::Add(const std::string& dir, const std::vector<std::string>& files) {
+  Rep::Added added{dir, files, {}};
+  added.entries.reserve(files.size() + 1);
   for (const std::string& f : files) {
-    rep_->entries.emplace_back(internal::RollbackEntry::Kind::kTemporary, f);
-    rep_->files.push_back(f);
+    added.entries.emplace_back(internal::RollbackEntry::Kind::kTemporary, f);
   }
-  rep_->entries.emplace_back(internal::RollbackEntry::Kind::kDirectory, dir);
-  rep_->dirs.push_back(dir);
+  added.entries.emplace_back(internal::RollbackEntry::Kind::kDirectory, dir);
+  rep_->added.push_back(std::move(added));
+}
+
+void DirectoryTransaction::Forget(const std::string& dir) {
+  std::erase_if(rep_->added, [&](const Rep::Added& a) { return a.dir == dir; });
+}
+
+Status DirectoryTransaction::SyncCreated(Env* env) const {
+  if (env == nullptr) env = Env::Default();
+  for (auto d = rep_->created.rbegin(); d != rep_->created.rend(); ++d) {
+    const std::filesystem::path holder = std::filesystem::path(*d).parent_path();
+    TF_RETURN_IF_ERROR(env->SyncDirectory(holder.empty() ? "." : holder.string()));
+  }
+  return Status::Ok();
 }
 
 void DirectoryTransaction::Commit() noexcept {
   if (rep_ == nullptr) return;
   rep_->committed = true;
   rep_->entries.clear();
+  rep_->added.clear();
   rep_->ReleaseLock();
 }
 
 DirectoryTransaction::~DirectoryTransaction() {
   if (rep_ == nullptr || rep_->committed) return;
-  for (const std::string& f : rep_->files) ::unlink(f.c_str());
-  for (auto d = rep_->dirs.rbegin(); d != rep_->dirs.rend(); ++d) ::rmdir(d->c_str());
+  for (const Rep::Added& a : rep_->added) {
+    for (const std::string& f : a.files) ::unlink(f.c_str());
+  }
+  for (auto a = rep_->added.rbegin(); a != rep_->added.rend(); ++a) ::rmdir(a->dir.c_str());
   // Before the levels Create() made, the root among them: its lock file is in it.
   rep_->ReleaseLock();
   for (auto d = rep_->created.rbegin(); d != rep_->created.rend(); ++d) ::rmdir(d->c_str());
@@ -1310,6 +1331,10 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   ShardedCommit commit(env, dir, options.write.sync);
   TF_RETURN_IF_ERROR(commit.Run(commit_files, old_names));
   manifest.lock.reset();
+  // The levels of `dir` this call made (commit.Run synced `dir` itself): without this, a crash
+  // could lose the whole new folder after the call reported it written. As for AtomicWrite's
+  // directory fsync, a failure here leaves the files in place and is still the caller's error.
+  const Status levels = options.write.sync ? created_dirs.SyncCreated(env) : Status::Ok();
   created_dirs.Commit();
   std::vector<std::string> written;
   written.reserve(temps.size());
@@ -1319,6 +1344,7 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
   // Only the backups' removal can fail now; the new checkpoint is complete either way.
   TF_RETURN_IF_ERROR(commit.RemoveBackups());
   (void)util::RemoveDeadWritersFiles(dir, {util::kBackupKind}, ours);
+  TF_RETURN_IF_ERROR(levels.WithPrefix(dir));
   return written;
 }
 

@@ -1154,6 +1154,74 @@ TEST(DirectoryTransaction, UncommittedFoldersGoWithTheLevelsItCreated) {
       << bad.status().ToString();
 }
 
+// Found by a review: the levels a sharded write (or a transaction) made were never synced into
+// the directories holding them, so a crash after the write reported success could lose the whole
+// new folder. Now each is, innermost first, with the folder itself; without sync, none is.
+TEST(DirectoryTransaction, TheLevelsItMadeAreSyncedIntoTheirParents) {
+  TempDir dir;
+  const ShardInput in = MakeShardInput({4, 4});
+  for (const bool sync : {true, false}) {
+    SCOPED_TRACE(sync);
+    const std::string root = dir.Join(sync ? "a" : "n");
+    testing::FaultInjectionEnv env;
+    ShardOptions o = TwoShards(&env);
+    o.write.sync = sync;
+    auto r = WriteSharded(root + "/b/c/", in.tensors, {}, o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    const std::vector<std::string> synced = env.synced_directories();
+    for (const std::string& d : {root + "/b", root, dir.path()}) {
+      EXPECT_EQ(std::count(synced.begin(), synced.end(), d), sync ? 1 : 0) << d;
+    }
+    if (!sync) {
+      EXPECT_EQ(synced, std::vector<std::string>{});
+    }
+  }
+  // A failing fsync of a level fails the write, naming that directory (as a file's directory
+  // fsync does, after the rename: the files are in place).
+  testing::FaultInjectionEnv env;
+  ShardOptions o = TwoShards(&env);
+  auto r = WriteSharded(dir.Join("f/g"), in.tensors, {}, o);
+  ASSERT_TRUE(r.ok());
+  const size_t syncs = env.synced_directories().size();
+  env.SetFaults({.fail_sync_directory = syncs});  // the last of the next write's (counts restart)
+  r = WriteSharded(dir.Join("h/i"), in.tensors, {}, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(dir.path() + ": fsync of directory failed"),
+            std::string::npos)
+      << r.status().ToString();
+  EXPECT_EQ(ListDir(dir.Join("h/i")), ListDir(dir.Join("f/g")));
+  EXPECT_FALSE(ListDir(dir.Join("h/i")).empty());
+  // The transaction alone: each level made, and the folder holding the outermost.
+  auto t = DirectoryTransaction::Create(dir.Join("t/u"));
+  ASSERT_TRUE(t.ok());
+  testing::FaultInjectionEnv counting;
+  ASSERT_TRUE(t->SyncCreated(&counting).ok());
+  EXPECT_EQ(counting.synced_directories(), (std::vector<std::string>{dir.Join("t"), dir.path()}));
+}
+
+// Found by a review: a rank folder whose rename into place failed (the name taken meanwhile by
+// something else) was still the transaction's, so its cleanup removed files it never wrote.
+// Forget() hands an added folder back: the destructor and the signal path leave it.
+TEST(DirectoryTransaction, AForgottenFolderIsLeftAsItIs) {
+  for (const bool by_signal : {false, true}) {
+    TempDir dir;
+    {
+      auto t = DirectoryTransaction::Create(dir.Join("root"));
+      ASSERT_TRUE(t.ok());
+      std::filesystem::create_directories(dir.Join("root/theirs"));
+      WriteBytes(dir.Join("root/theirs/model.safetensors"), "not ours");
+      std::filesystem::create_directories(dir.Join("root/ours"));
+      WriteBytes(dir.Join("root/ours/model.safetensors"), "ours");
+      t->Add(dir.Join("root/ours"), {dir.Join("root/ours/model.safetensors")});
+      t->Add(dir.Join("root/theirs"), {dir.Join("root/theirs/model.safetensors")});
+      t->Forget(dir.Join("root/theirs"));
+      if (by_signal) AbandonWritesInProgress();
+    }
+    EXPECT_EQ(ReadBytes(dir.Join("root/theirs/model.safetensors")), "not ours") << by_signal;
+    EXPECT_FALSE(std::filesystem::exists(dir.Join("root/ours"))) << by_signal;
+  }
+}
+
 // One writer of a root at a time (two `reshard --tp` into one destination would write the same
 // hidden partial folders and remove each other's): a second transaction is refused at once,
 // naming the root and the holder, and touches nothing; the lock goes with Commit().

@@ -261,9 +261,15 @@ Status FaultInjectionEnv::RenameFile(const std::string& from, const std::string&
   return Env::Default()->RenameFile(from, to);
 }
 
+std::vector<std::string> FaultInjectionEnv::synced_directories() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return synced_dirs_;
+}
+
 Status FaultInjectionEnv::SyncDirectory(const std::string& dir) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    synced_dirs_.push_back(dir);
     if (Hit(dir_syncs_, faults_.fail_sync_directory)) {
       return Status(Code::kIoError,
                     dir + ": fsync of directory failed: Input/output error (errno 5)");

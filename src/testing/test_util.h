@@ -158,6 +158,7 @@ class FaultInjectionEnv : public Env {
 
   uint64_t appends() const;
   uint64_t renames() const;
+  std::vector<std::string> synced_directories() const;  // SyncDirectory's arguments, in order
 
   Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override;
   Result<std::unique_ptr<WritableFile>> NewTempFile(
@@ -174,6 +175,7 @@ class FaultInjectionEnv : public Env {
   mutable std::mutex mu_;
   Faults faults_;
   uint64_t appends_ = 0, syncs_ = 0, renames_ = 0, dir_syncs_ = 0;
+  std::vector<std::string> synced_dirs_;
 };
 
 }  // namespace tensorferry::testing

@@ -1020,6 +1020,36 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
   EXPECT_FALSE(fs::exists(dir.Join("y")));
 }
 
+// Found by a review: the rows of a dim-1 slice were read together with the other ranks' rows
+// between them without bound (a split over W ranks read W times the writer's buffer at once).
+// Now one read spans at most max(the writer's piece, 1 MiB): a 2 MiB tensor split 8 ways on dim 1
+// (64-byte rows, 448-byte gaps) takes two reads per rank, and every rank's bytes are still the
+// sliced load's.
+TEST(CliReshard, AStridedSliceIsReadInBoundedSpans) {
+  TempDir dir;
+  std::vector<std::byte> w(4096 * 128 * 4);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::byte(static_cast<uint8_t>(i * 7 + (i >> 11)));
+  WriteOptions plain;
+  plain.checksums = false;
+  const std::vector<TensorToWrite> tensors = {{"w", DType::kF32, {4096, 128}, w, nullptr}};
+  fs::create_directories(dir.Join("src"));
+  ASSERT_TRUE(WriteFile(dir.Join("src/model.safetensors"), tensors, {}, plain).ok());
+  const std::string json = R"({"overrides":{"w":{"split":1}}})";
+  testing::WriteBytes(dir.Join("rules.json"), json);
+  const std::string dst = dir.Join("tp8");
+  RunResult r = RunCli({"reshard", dir.Join("src"), dst, "--tp", "8", "--rules",
+                        dir.Join("rules.json"), "--no-sync"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  const ShardSpec spec = ShardSpec::FromJson(json).value();
+  for (uint32_t rank = 0; rank < 8; ++rank) {
+    const auto resharded = LoadAll(dst + "/rank-0000" + std::to_string(rank) + "-of-00008");
+    const auto sliced = LoadAll(dir.Join("src"), TensorParallelOptions{spec, rank, 8, 0});
+    ASSERT_EQ(resharded.size(), 1u);
+    EXPECT_EQ(resharded.at("w").first, (std::vector<uint64_t>{4096, 16}));
+    EXPECT_TRUE(resharded == sliced) << "rank " << rank;
+  }
+}
+
 // Found by a review: reshard sliced each tensor by its own rule and ignored the rules' ties, so a
 // rank folder's tied alias held other bytes than a sliced load gives, and ties the loader refuses
 // were written anyway.

@@ -5,8 +5,8 @@
 //
 // Streaming: tensors are never held whole. The writer asks each tensor for its bytes in buffer
 // sized pieces (TensorToWrite::generate), which are read from the source's slice ranges with
-// positional reads; memory stays at the writer's buffer. Nothing is half-written: each rank is
-// written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
+// positional reads; memory stays at about twice the writer's buffer. Nothing is half-written: each
+// rank is written into "DST/.rank-...partial" (each file itself atomic) and renamed into place when
 // complete. The ranks are one unit (DirectoryTransaction): a failure, or SIGINT/SIGTERM/SIGHUP
 // (handled), removes every rank written and the folders the command created, so a rerun starts
 // clean. A death no handler sees (SIGKILL, the OOM killer, a power loss) at any moment after the
@@ -64,6 +64,7 @@ struct ReshardArgs {
 // read each would be a ranged GET each from an object store).
 struct SliceSource {
   static constexpr uint64_t kMaxGap = 64u << 10;  // as the loader's default max_gap
+  static constexpr uint64_t kMinCover = 1u << 20;
 
   std::shared_ptr<const RandomAccessFile> file;
   std::vector<std::pair<uint64_t, uint64_t>> pieces;
@@ -87,6 +88,10 @@ struct SliceSource {
                                    starts.begin()) -
                1;
     uint64_t done = 0;
+    // A read's span (the gaps included) is at most max(out, kMinCover): memory stays at about
+    // twice the writer's buffer however many ranks' rows lie between this one's (a split on
+    // dim 1 over `world` ranks reads `world` bytes per byte kept).
+    const uint64_t max_cover = std::max<uint64_t>(out.size(), kMinCover);
     std::vector<std::byte> cover;
     while (done < out.size()) {
       if (i >= pieces.size()) {
@@ -101,6 +106,7 @@ struct SliceSource {
         const auto [poff, plen] = pieces[j];
         if (poff < end || poff - end > kMaxGap) break;
         const uint64_t take = std::min<uint64_t>(plen, out.size() - done - total);
+        if (poff + take - begin > max_cover) break;
         end = poff + take;
         total += take;
       }
@@ -392,6 +398,9 @@ bool WriteOneRank(const ReshardArgs& a, const Checkpoint& ckpt,
     dst.Add(final_dir, placed);
     fs::rename(partial, final_dir, ec);
     if (ec) {
+      // The rank folder is not ours (made by something else since PrepareDestination checked):
+      // left as it is.
+      dst.Forget(final_dir);
       fs::remove_all(partial, ec);
       return Fail(failure, final_dir, Status(Code::kIoError, "rename failed: " + ec.message()));
     }
@@ -458,13 +467,15 @@ bool Reshard(const ReshardArgs& a, const ShardOptions& so, const ShardSpec& spec
       return false;
     }
   }
-  // The rank folders' renames (and a destination folder the command made) made durable before
-  // the set counts as written.
-  if (a.tp > 0 && !a.no_sync) {
-    const std::string parent = fs::path(a.dst).parent_path().string();
-    for (const std::string& dir : {a.dst, parent.empty() ? std::string(".") : parent}) {
-      if (Status s = Env::Default()->SyncDirectory(dir); !s.ok()) return Fail(failure, dir, s);
+  // The rank folders' renames, and the levels of the destination the command made, made durable
+  // before the set counts as written (without --tp, the writer synced the destination itself).
+  if (!a.no_sync) {
+    if (a.tp > 0) {
+      if (Status s = Env::Default()->SyncDirectory(a.dst); !s.ok()) {
+        return Fail(failure, a.dst, s);
+      }
     }
+    if (Status s = dst->SyncCreated(); !s.ok()) return Fail(failure, a.dst, s);
   }
   dst->Commit();
   return true;

@@ -693,7 +693,7 @@ Result<std::optional<ChecksumManifest>> ForgetInManifest(Env* env, const std::st
   const std::string name = target.filename().string();
   using internal::ManifestEdit;
   std::optional<ChecksumManifest> forgotten;
-  TF_RETURN_IF_ERROR(internal::UpdateManifestLocked(
+  const Status updated = internal::UpdateManifestLocked(
       env, dir, options.sync,
       [&](const Result<std::optional<ChecksumManifest>>& now) -> Result<ManifestEdit> {
         ManifestEdit edit;  // kKeep
@@ -708,7 +708,13 @@ Result<std::optional<ChecksumManifest>> ForgetInManifest(Env* env, const std::st
         edit.action = edit.manifest.files.empty() ? ManifestEdit::Action::kRemove
                                                   : ManifestEdit::Action::kWrite;
         return edit;
-      }));
+      });
+  if (!updated.ok()) {
+    // The edit may be in place (only the directory's fsync failed): the old file stays, and so
+    // does its entry.
+    if (forgotten) (void)RestoreInManifest(env, path, options, *forgotten);
+    return updated;
+  }
   return forgotten;
 }
 

@@ -384,230 +384,237 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             f"{sorted(set(map(str, resolved.values())))})")
     loader_kw = dict(tp_rank=tp_rank, tp_size=tp_size, shard_rules=shard_rules,
                      storage_options=storage_options)
-    with Loader(checkpoint, **loader_kw) as probe:
-        described = {o.name: o for o in probe._describe()}
-        fw = probe._fw
+    # The checkpoint is opened once for the whole call: every read below derives from this
+    # open (Loader(opened, ...)), so a file replaced meanwhile is never read with the shapes
+    # checked here (its replacement's bytes under the old header's names).
+    with Loader(checkpoint, **loader_kw) as opened:
+        described = {o.name: o for o in opened._describe()}
+        fw = opened._fw
         # The stored tensors' header shapes: with tensor parallelism, the model may hold the full
         # shape (built from its config) or already the rank-local one (described).
-        full_shapes = {o.name: probe._reader.info(o.stored).shape
+        full_shapes = {o.name: opened._reader.info(o.stored).shape
                        for o in described.values()} if tp else {}
-    if tp:
-        _check_head_splits(model, [o.stored for o in described.values()], tp_size,
-                           shard_spec(shard_rules))
-
-    groups, transient = _model_groups(model)
-    model_names = {n for g in groups for n in g.names}
-    missing, present = [], []
-    for g in groups:
-        g.source = next((n for n in g.names if n in described), None)
-        (present if g.source is not None else missing).append(g)
-    unexpected = [n for n in described if n not in model_names]
-    if unexpected:
-        text = (f"{type(model).__name__}: {len(unexpected)} checkpoint tensor(s) the model does not "
-                f"have: {', '.join(sorted(unexpected)[:20])}" +
-                (" ..." if len(unexpected) > 20 else ""))
-        if strict:
-            raise _core.InvalidArgumentError("Unexpected key(s) in state_dict: " + text)
-        warnings.warn(text, stacklevel=2)
-    if missing and init_missing is None and not strict:
-        # As torch's load_state_dict(strict=False) and accelerate: a materialized model's tensors
-        # the files lack keep their values (a warning names them); meta ones have none to keep.
-        kept = sorted(n for g in missing if g.tensor.device.type != "meta" for n in g.names)
-        if kept:
-            warnings.warn(f"{type(model).__name__}: {len(kept)} tensor(s) are not in "
-                          f"{checkpoint} and keep the model's values: "
-                          f"{', '.join(kept[:20])}{' ...' if len(kept) > 20 else ''}",
-                          stacklevel=2)
-        if len(kept) == sum(len(g.names) for g in missing):
-            init_missing = _KEEP
-    if missing and init_missing is None:
-        names = sorted(n for g in missing for n in g.names
-                       if strict or g.tensor.device.type == "meta")
-        raise _core.InvalidArgumentError(
-            f"Missing key(s) in state_dict: {type(model).__name__}: {len(names)} tensor(s) are not "
-            f"in {checkpoint}{'' if strict else ' and are on the meta device'}: "
-            f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
-            "(init_missing= initialises them; a materialized model's tensors keep their values "
-            "with init_missing=lambda name, tensor: None or strict=False)")
-    # Every refusal before the model is changed.
-    _check_init_missing(model, missing, init_missing)
-    for name, b in transient:
-        if b.device.type == "meta":
-            raise _core.InvalidArgumentError(
-                f"{name}: a non-persistent buffer on the meta device (no file holds it): build the "
-                "model with its buffers materialized (accelerate's init_empty_weights does)")
-
-    def device_of(g):
-        if resolved is not None:
-            return _device_for(g.names[0], resolved)
-        return torch.device("cpu") if g.tensor.device.type == "meta" else g.tensor.device
-
-    # Allocate, checking shapes (the rank-local ones with tensor parallelism). Host tensors that
-    # keep the file's dtype are not allocated: they become views of the file's mapping below
-    # (copy-on-write, so they stay writable), as safetensors' and accelerate's are.
-    # Shapes are torch's (fw.shape): a header's F4 shape counts 4-bit values, torch's
-    # float4_e2m1fn_x2 packed pairs.
-    cpu = torch.device("cpu")
-    mappable = not tp and not is_url(os.fspath(checkpoint))
-    mapped = []
-    held_full = held_local = False  # with tensor parallelism: which shapes the model holds
-    for g in present:
-        o = described[g.source]
-        g.file_dtype = fw.dtype(o.dtype, g.source)
-        shape = tuple(fw.shape(o.dtype, o.shape, g.source))
-        if not tp and tuple(g.tensor.shape) != shape:
-            raise _core.InvalidArgumentError(
-                f"size mismatch for {g.source}: the checkpoint has shape {list(shape)}, the model "
-                f"{list(g.tensor.shape)}")
         if tp:
-            full = tuple(fw.shape(o.dtype, full_shapes[g.source], g.source))
-            if tuple(g.tensor.shape) not in (full, shape):
+            _check_head_splits(model, [o.stored for o in described.values()], tp_size,
+                               shard_spec(shard_rules))
+
+        groups, transient = _model_groups(model)
+        model_names = {n for g in groups for n in g.names}
+        missing, present = [], []
+        for g in groups:
+            g.source = next((n for n in g.names if n in described), None)
+            (present if g.source is not None else missing).append(g)
+        unexpected = [n for n in described if n not in model_names]
+        if unexpected:
+            text = (f"{type(model).__name__}: {len(unexpected)} checkpoint tensor(s) the model "
+                    f"does not have: {', '.join(sorted(unexpected)[:20])}" +
+                    (" ..." if len(unexpected) > 20 else ""))
+            if strict:
+                raise _core.InvalidArgumentError("Unexpected key(s) in state_dict: " + text)
+            warnings.warn(text, stacklevel=2)
+        if missing and init_missing is None and not strict:
+            # As torch's load_state_dict(strict=False) and accelerate: a materialized model's
+            # tensors the files lack keep their values (a warning names them); meta ones have
+            # none to keep.
+            kept = sorted(n for g in missing if g.tensor.device.type != "meta" for n in g.names)
+            if kept:
+                warnings.warn(f"{type(model).__name__}: {len(kept)} tensor(s) are not in "
+                              f"{checkpoint} and keep the model's values: "
+                              f"{', '.join(kept[:20])}{' ...' if len(kept) > 20 else ''}",
+                              stacklevel=2)
+            if len(kept) == sum(len(g.names) for g in missing):
+                init_missing = _KEEP
+        if missing and init_missing is None:
+            names = sorted(n for g in missing for n in g.names
+                           if strict or g.tensor.device.type == "meta")
+            raise _core.InvalidArgumentError(
+                f"Missing key(s) in state_dict: {type(model).__name__}: {len(names)} tensor(s) "
+                f"are not in {checkpoint}{'' if strict else ' and are on the meta device'}: "
+                f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''} "
+                "(init_missing= initialises them; a materialized model's tensors keep their values "
+                "with init_missing=lambda name, tensor: None or strict=False)")
+        # Every refusal before the model is changed.
+        _check_init_missing(model, missing, init_missing)
+        for name, b in transient:
+            if b.device.type == "meta":
                 raise _core.InvalidArgumentError(
-                    f"size mismatch for {g.source}: the checkpoint has shape {list(full)} "
-                    f"(rank {tp_rank}'s slice {list(shape)}), the model {list(g.tensor.shape)}")
-            if full != shape:
-                held_full = held_full or tuple(g.tensor.shape) == full
-                held_local = held_local or tuple(g.tensor.shape) == shape
-        want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
-        if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
-                and tuple(g.tensor.shape) == shape and not _overlaps(g.tensor)):
-            # A materialized model and no device map: read into its own tensors, as torch's
-            # load_state_dict copies into them (references held elsewhere stay the model's); a
-            # non-contiguous one (a transposed view) through a batch and copy_ (below). One
-            # whose elements share memory (an expand()ed buffer) cannot be written: replaced.
-            g.target, g.in_place = g.tensor.detach(), True
-            continue
-        if mappable and want == g.file_dtype and device_of(g) == cpu:
-            mapped.append(g)
-            continue
-        g.target = torch.empty(shape, dtype=want, device=device_of(g))
-    # The tensors the files lack, at the model's shape; with tensor parallelism, at the
-    # rank-local shape of their slice under the shard rules (as a stored tensor of that name
-    # would be read), unless the model already holds the rank-local shapes of the tensors read.
-    slice_missing = tp and missing and not (held_local and not held_full)
-    spec = shard_spec(shard_rules) if slice_missing else None
-    for g in missing:
-        # A materialized model's tensor keeps its dtype (accelerate leaves the tensors the files
-        # lack as they are); a meta one takes `dtype`, as the tensors read do.
-        want = g.tensor.dtype
-        if g.tensor.device.type == "meta" and dtype is not None and want.is_floating_point:
-            want = dtype
-        shape = tuple(g.tensor.shape)
-        if slice_missing:
-            shape = _local_shape(fw, g.names[0], g.tensor.dtype, shape, tp_rank, tp_size, spec)
-        if g.tensor.device.type != "meta" and tuple(g.tensor.shape) == shape:
-            # A materialized model's tensor the files lack starts from its own values (as
-            # accelerate keeps them), never from uninitialised memory; init_missing may change
-            # them.
-            if resolved is None and want == g.tensor.dtype:
+                    f"{name}: a non-persistent buffer on the meta device (no file holds it): "
+                    "build the model with its buffers materialized (accelerate's "
+                    "init_empty_weights does)")
+
+        def device_of(g):
+            if resolved is not None:
+                return _device_for(g.names[0], resolved)
+            return torch.device("cpu") if g.tensor.device.type == "meta" else g.tensor.device
+
+        # Allocate, checking shapes (the rank-local ones with tensor parallelism). Host tensors that
+        # keep the file's dtype are not allocated: they become views of the file's mapping below
+        # (copy-on-write, so they stay writable), as safetensors' and accelerate's are.
+        # Shapes are torch's (fw.shape): a header's F4 shape counts 4-bit values, torch's
+        # float4_e2m1fn_x2 packed pairs.
+        cpu = torch.device("cpu")
+        mappable = not tp and not is_url(os.fspath(checkpoint))
+        mapped = []
+        held_full = held_local = False  # with tensor parallelism: which shapes the model holds
+        for g in present:
+            o = described[g.source]
+            g.file_dtype = fw.dtype(o.dtype, g.source)
+            shape = tuple(fw.shape(o.dtype, o.shape, g.source))
+            if not tp and tuple(g.tensor.shape) != shape:
+                raise _core.InvalidArgumentError(
+                    f"size mismatch for {g.source}: the checkpoint has shape {list(shape)}, the "
+                    f"model {list(g.tensor.shape)}")
+            if tp:
+                full = tuple(fw.shape(o.dtype, full_shapes[g.source], g.source))
+                if tuple(g.tensor.shape) not in (full, shape):
+                    raise _core.InvalidArgumentError(
+                        f"size mismatch for {g.source}: the checkpoint has shape {list(full)} "
+                        f"(rank {tp_rank}'s slice {list(shape)}), the model {list(g.tensor.shape)}")
+                if full != shape:
+                    held_full = held_full or tuple(g.tensor.shape) == full
+                    held_local = held_local or tuple(g.tensor.shape) == shape
+            want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
+            if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
+                    and tuple(g.tensor.shape) == shape and not _overlaps(g.tensor)):
+                # A materialized model and no device map: read into its own tensors, as torch's
+                # load_state_dict copies into them (references held elsewhere stay the model's); a
+                # non-contiguous one (a transposed view) through a batch and copy_ (below). One
+                # whose elements share memory (an expand()ed buffer) cannot be written: replaced.
                 g.target, g.in_place = g.tensor.detach(), True
-            else:
-                g.target = g.tensor.detach().to(device=device_of(g), dtype=want, copy=True)
-            continue
-        if g.tensor.device.type != "meta" and slice_missing:
-            # Materialized at the full shape: the rank's slice of its own values.
-            values = _local_values(fw, g.names[0], g.tensor.detach(), tp_rank, tp_size, spec)
-            g.target = values.to(device=device_of(g), dtype=want, copy=True).contiguous()
-            continue
-        g.target = torch.empty(shape, dtype=want, device=device_of(g))
+                continue
+            if mappable and want == g.file_dtype and device_of(g) == cpu:
+                mapped.append(g)
+                continue
+            g.target = torch.empty(shape, dtype=want, device=device_of(g))
+        # The tensors the files lack, at the model's shape; with tensor parallelism, at the
+        # rank-local shape of their slice under the shard rules (as a stored tensor of that name
+        # would be read), unless the model already holds the rank-local shapes of the tensors read.
+        slice_missing = tp and missing and not (held_local and not held_full)
+        spec = shard_spec(shard_rules) if slice_missing else None
+        for g in missing:
+            # A materialized model's tensor keeps its dtype (accelerate leaves the tensors the files
+            # lack as they are); a meta one takes `dtype`, as the tensors read do.
+            want = g.tensor.dtype
+            if g.tensor.device.type == "meta" and dtype is not None and want.is_floating_point:
+                want = dtype
+            shape = tuple(g.tensor.shape)
+            if slice_missing:
+                shape = _local_shape(fw, g.names[0], g.tensor.dtype, shape, tp_rank, tp_size, spec)
+            if g.tensor.device.type != "meta" and tuple(g.tensor.shape) == shape:
+                # A materialized model's tensor the files lack starts from its own values (as
+                # accelerate keeps them), never from uninitialised memory; init_missing may change
+                # them.
+                if resolved is None and want == g.tensor.dtype:
+                    g.target, g.in_place = g.tensor.detach(), True
+                else:
+                    g.target = g.tensor.detach().to(device=device_of(g), dtype=want, copy=True)
+                continue
+            if g.tensor.device.type != "meta" and slice_missing:
+                # Materialized at the full shape: the rank's slice of its own values.
+                values = _local_values(fw, g.names[0], g.tensor.detach(), tp_rank, tp_size, spec)
+                g.target = values.to(device=device_of(g), dtype=want, copy=True).contiguous()
+                continue
+            g.target = torch.empty(shape, dtype=want, device=device_of(g))
 
-    # Into the model: every name of a group gets the same object; a parameter keeps its class
-    # (a subclass of torch.nn.Parameter), as accelerate keeps it.
-    def put(g):
-        if g.in_place:
-            return
-        value = g.target
-        if g.is_param:
-            cls = type(g.tensor) if isinstance(g.tensor, torch.nn.Parameter) else None
-            try:
-                value = cls(g.target, requires_grad=g.tensor.requires_grad) if cls else None
-            except TypeError:  # a subclass whose constructor takes other arguments
-                value = None
-            if value is None:
-                value = torch.nn.Parameter(g.target, requires_grad=g.tensor.requires_grad)
-            # Attributes set on the model's parameter (transformers' _is_hf_initialized, a
-            # serving engine's weight_loader, ...) stay on the one that replaces it.
-            for key, attr in getattr(g.tensor, "__dict__", {}).items():
-                if key not in value.__dict__:
-                    setattr(value, key, attr)
-        for name in g.names:
-            module, leaf = _owner(model, name)
+        # Into the model: every name of a group gets the same object; a parameter keeps its class
+        # (a subclass of torch.nn.Parameter), as accelerate keeps it.
+        def put(g):
+            if g.in_place:
+                return
+            value = g.target
             if g.is_param:
-                module._parameters[leaf] = value
-            else:
-                module._buffers[leaf] = value
-        g.target = value
+                cls = type(g.tensor) if isinstance(g.tensor, torch.nn.Parameter) else None
+                try:
+                    value = cls(g.target, requires_grad=g.tensor.requires_grad) if cls else None
+                except TypeError:  # a subclass whose constructor takes other arguments
+                    value = None
+                if value is None:
+                    value = torch.nn.Parameter(g.target, requires_grad=g.tensor.requires_grad)
+                # Attributes set on the model's parameter (transformers' _is_hf_initialized, a
+                # serving engine's weight_loader, ...) stay on the one that replaces it.
+                for key, attr in getattr(g.tensor, "__dict__", {}).items():
+                    if key not in value.__dict__:
+                        setattr(value, key, attr)
+            for name in g.names:
+                module, leaf = _owner(model, name)
+                if g.is_param:
+                    module._parameters[leaf] = value
+                else:
+                    module._buffers[leaf] = value
+            g.target = value
 
-    for g in groups:
-        if g.target is not None:
-            put(g)
-    moved = {}  # one buffer registered under several names is moved once, and stays shared
-    for name, b in transient:
-        module, leaf = _owner(model, name)
-        device = _device_for(name, resolved, required=False) if resolved is not None else None
-        if device is not None:  # not in state dicts: a map need not place it (as accelerate)
-            key = (id(b), device)
-            if key not in moved:
-                moved[key] = b.to(device)
-            module._buffers[leaf] = moved[key]
+        for g in groups:
+            if g.target is not None:
+                put(g)
+        moved = {}  # one buffer registered under several names is moved once, and stays shared
+        for name, b in transient:
+            module, leaf = _owner(model, name)
+            device = _device_for(name, resolved, required=False) if resolved is not None else None
+            if device is not None:  # not in state dicts: a map need not place it (as accelerate)
+                key = (id(b), device)
+                if key not in moved:
+                    moved[key] = b.to(device)
+                module._buffers[leaf] = moved[key]
 
-    _init_missing(model, missing, init_missing)
+        _init_missing(model, missing, init_missing)
 
-    # The reads.
-    if mapped:
-        # populate=True: every page is read during the call, in parallel (each range asked for at
-        # once with MADV_WILLNEED, then faulted in with MADV_POPULATE_READ: mapped_file.cc), so
-        # the model is resident when it returns; accelerate's and safetensors' mappings are read
-        # at first use, one fault at a time (docs/benchmarks.md, "Models").
-        # On a network or FUSE file system the files are read instead (prefer_mmap: the mapping
-        # is for local file systems), into memory the tensors own.
-        with Loader(checkpoint, engine="auto", prefer_mmap=True, populate=True,
-                    select=[g.source for g in mapped],
-                    progress=progress, **loader_kw) as loader:
-            views = loader.load()
-        for g in mapped:
-            g.target = views.pop(g.source)
-            put(g)
-        del views
-    mapped_ids = {id(g) for g in mapped}
-    reading = [g for g in present if id(g) not in mapped_ids]
-    # Read in place (load_into): same dtype, in host or CUDA memory, contiguous. The rest (a
-    # dtype change, another accelerator: XPU, NPU, MPS, which load_into cannot write, or a
-    # model's non-contiguous tensor filled in place) is streamed and copied.
-    in_place = [g for g in reading
-                if g.target.dtype == g.file_dtype and g.target.device.type in ("cpu", "cuda")
-                and g.target.is_contiguous()]
-    direct = {g.source: g.target.data for g in in_place}
-    in_place_ids = {id(g) for g in in_place}
-    converted = [g for g in reading if id(g) not in in_place_ids]
-    if direct:
-        with Loader(checkpoint, progress=progress, **loader_kw) as loader:
-            loader.load_into(direct)
-    by_device = {}
-    for g in converted:
-        by_device.setdefault(g.target.device, []).append(g)
-    with torch.no_grad():
-        for device, gs in by_device.items():
-            targets = {g.source: g.target for g in gs}
-            # Bounded by default: the converted tensors are allocated already, so an unbounded
-            # batch would hold the file's copy of them all beside them.
-            held = budget if budget is not None else max(
-                _CONVERT_BUDGET, 2 * max(described[g.source].bytes for g in gs))
-            # Batches on the target's device where tensorferry reads to it (CPU, CUDA: a dtype
-            # change there is done by the device), else in host memory, copied over.
-            read_on = device if device.type in ("cpu", "cuda") else torch.device("cpu")
-            with Loader(checkpoint, device=read_on, budget=held, allow_oversized=True,
-                        select=list(targets),
+        # The reads.
+        if mapped:
+            # populate=True: every page is read during the call, in parallel (each range asked
+            # for at once with MADV_WILLNEED, then faulted in with MADV_POPULATE_READ:
+            # mapped_file.cc), so the model is resident when it returns; accelerate's and
+            # safetensors' mappings are read at first use, one fault at a time
+            # (docs/benchmarks.md, "Models").
+            # On a network or FUSE file system the files are read instead (prefer_mmap: the mapping
+            # is for local file systems), into memory the tensors own.
+            with Loader(opened, engine="auto", prefer_mmap=True, populate=True,
+                        select=[g.source for g in mapped],
                         progress=progress, **loader_kw) as loader:
-                for batch in loader.iter_batches():
-                    for name, t in batch.tensors.items():
-                        targets[name].copy_(t)
-                        del t  # hold nothing of the batch while the next one is read
-                    del batch
+                views = loader.load()
+            for g in mapped:
+                g.target = views.pop(g.source)
+                put(g)
+            del views
+        mapped_ids = {id(g) for g in mapped}
+        reading = [g for g in present if id(g) not in mapped_ids]
+        # Read in place (load_into): same dtype, in host or CUDA memory, contiguous. The rest (a
+        # dtype change, another accelerator: XPU, NPU, MPS, which load_into cannot write, or a
+        # model's non-contiguous tensor filled in place) is streamed and copied.
+        in_place = [g for g in reading
+                    if g.target.dtype == g.file_dtype and g.target.device.type in ("cpu", "cuda")
+                    and g.target.is_contiguous()]
+        direct = {g.source: g.target.data for g in in_place}
+        in_place_ids = {id(g) for g in in_place}
+        converted = [g for g in reading if id(g) not in in_place_ids]
+        if direct:
+            with Loader(opened, progress=progress, **loader_kw) as loader:
+                loader.load_into(direct)
+        by_device = {}
+        for g in converted:
+            by_device.setdefault(g.target.device, []).append(g)
+        with torch.no_grad():
+            for device, gs in by_device.items():
+                targets = {g.source: g.target for g in gs}
+                # Bounded by default: the converted tensors are allocated already, so an unbounded
+                # batch would hold the file's copy of them all beside them.
+                held = budget if budget is not None else max(
+                    _CONVERT_BUDGET, 2 * max(described[g.source].bytes for g in gs))
+                # Batches on the target's device where tensorferry reads to it (CPU, CUDA: a dtype
+                # change there is done by the device), else in host memory, copied over.
+                read_on = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+                with Loader(opened, device=read_on, budget=held, allow_oversized=True,
+                            select=list(targets),
+                            progress=progress, **loader_kw) as loader:
+                    for batch in loader.iter_batches():
+                        for name, t in batch.tensors.items():
+                            targets[name].copy_(t)
+                            del t  # hold nothing of the batch while the next one is read
+                        del batch
 
-    if dispatch_map is not None:
-        from accelerate import dispatch_model
-        model = dispatch_model(model, device_map=dispatch_map, offload_buffers=offload_buffers,
-                               skip_keys=skip_keys, preload_module_classes=preload_module_classes,
-                               force_hooks=force_hooks)
-    return model
+        if dispatch_map is not None:
+            from accelerate import dispatch_model
+            model = dispatch_model(model, device_map=dispatch_map, offload_buffers=offload_buffers,
+                                   skip_keys=skip_keys,
+                                   preload_module_classes=preload_module_classes,
+                                   force_hooks=force_hooks)
+        return model

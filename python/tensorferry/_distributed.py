@@ -889,6 +889,15 @@ def _joined(torch, dim, views):
     return out
 
 
+def _own(t):
+    """`t`, or a copy of it when it is a view of a larger storage (this rank's rows of a
+    tensor it read whole, a tensor received in a round's buffer): a result holds no more memory
+    than its own bytes."""
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone()
+
+
 def _copy_blocks(torch, dim, views, into):
     """Copies the views, concatenated along dim, into `into` (a flat uint8 tensor of exactly
     their bytes): one copy, no intermediate tensor."""
@@ -947,7 +956,7 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
                     _place_piece(torch, e, u,
                                  _target(torch, fw, e, rank, mine_parts, comm_device), part, rank)
                 else:
-                    got[e.name] = part
+                    got[e.name] = _own(part)
                 continue
             n = size[q]
             _copy_blocks(torch, dim, views, send_buf[cursor[q]:cursor[q] + n])
@@ -981,7 +990,10 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
         tdtype = fw.dtype(e.st_dtype)
         if not u.piece:
             shape = e.parts[rank][0] if e.dim >= 0 else e.shape
-            got[e.name] = data.view(tdtype).reshape(fw.shape(e.st_dtype, shape, e.name))
+            # A storage of its own (docs/python.md), not a view of the round's buffer: torch.save
+            # of it saves it alone, safetensors' save_file sees no shared memory, and the round's
+            # buffer goes at the end of the round.
+            got[e.name] = _own(data.view(tdtype).reshape(fw.shape(e.st_dtype, shape, e.name)))
             continue
         target = _target(torch, fw, e, rank, mine_parts, comm_device)
         row_shape = list(target.shape[1:])

@@ -300,6 +300,8 @@ class Loader:
         given = {k: v for k, v in options.items() if v is not None}
         if isinstance(checkpoint, Loader):
             self._reader = _core.Reader(checkpoint._reader, given)
+        elif isinstance(checkpoint, _core.Reader):  # an open file's (safe_open's): not reopened
+            self._reader = _core.Reader(checkpoint, given)
         else:
             self._reader = _core.Reader(os.fspath(checkpoint), False, given)
         self._cooperative = None if process_group is None else _distributed.Cooperative(

@@ -381,13 +381,18 @@ class safe_open(_safe_open):
                     try:
                         # backend="mmap" maps whatever the file system; else the mapping
                         # is for local file systems (Loader's prefer_mmap).
+                        # The file this handle opened (its header checked), not its path
+                        # again: a file replaced meanwhile is not read under the old names.
                         engine = "mmap" if self._backend == "mmap" else "auto"
-                        with Loader(self._filename, engine=engine, prefer_mmap=True,
-                                    populate=whole and self._populate,
-                                    storage_options=self._storage_options) as loader:
-                            if whole or loader.engine_info["engine"] == "mmap":
+                        populate = whole and self._populate
+                        with Loader(self._open_reader(), engine=engine, prefer_mmap=True,
+                                    populate=populate) as loader:
+                            if loader.engine_info["engine"] == "mmap" or (whole and populate):
                                 self._views = loader.load()
-                            else:  # a part first, files not mapped: each slice reads its bytes
+                            else:
+                                # Files not mapped (network or FUSE file systems), and a part
+                                # first or nothing to read ahead (a map with disk offload):
+                                # each request reads its own bytes, none held by the handle.
                                 self._views = {}
                     except UnsupportedDTypeError:
                         self._views = {}  # per tensor, each with its own error if it has one
@@ -395,8 +400,24 @@ class safe_open(_safe_open):
         if self._on_device and whole:
             # Handed out once: the parameter owns its memory from now on (converted to another
             # dtype, the original is freed as soon as transformers drops it).
-            return views.pop(name, None)
+            view = views.pop(name, None)
+            if view is not None:
+                self._check_as_opened(name, view)
+            return view
         return views.get(name)
+
+    def _check_as_opened(self, name, view):
+        """SafetensorError unless `view` (read onto the device by _DeviceRead, which opens the
+        files by their names) has the dtype and shape this handle's header gives `name`: the file
+        was replaced between the two opens."""
+        info = self._open_reader().info(name)
+        fw = self._fw
+        if view.dtype != fw.dtype(info.dtype, name) or \
+                list(view.shape) != fw.shape(info.dtype, info.shape, name):
+            raise _core.SafetensorError(
+                f"{self._filename}: tensor {name!r} read as {view.dtype} {list(view.shape)}, but "
+                f"the file opened says {info.dtype} {list(info.shape)}: the file was replaced "
+                "while it was being loaded; load again once it is complete")
 
     def get_tensor(self, name):
         view = self._view(name)

@@ -787,3 +787,34 @@ def test_tensor_parallel_refuses_to_cut_fused_qkv_heads(tmp_path):
                        match=r"tp_size=2: transformer.h.0.self_attention.query_key_value.weight "
                              r"of FalconForCausalLM \(multi_query\) holds all its query heads"):
         tft.load_checkpoint_and_dispatch(model, path, tp_rank=0, tp_size=2, strict=False)
+
+
+@pytest.mark.parametrize("route", ["mapped", "in_place", "converted"])
+def test_a_file_replaced_during_the_call_is_never_read_under_the_shapes_checked(tmp_path, route):
+    """Found by a review: the reads opened the checkpoint again by its name after the shapes were
+    checked, so a file replaced meanwhile put its tensors into the model whatever their shape
+    (a (2, 8) weight into Linear(4, 4)). Every read derives from the one open: the old bytes, or
+    an error saying the file was replaced."""
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file({"a.weight": torch.zeros(4, 4)}, path, metadata={"format": "pt"})
+
+    def concurrent_writer(name, t):  # init_missing runs after the check, before the reads
+        tensorferry.torch.save_file({"a.weight": torch.ones(2, 8)}, path + ".new",
+                                    metadata={"format": "pt"})
+        os.replace(path + ".new", path)
+        t.zero_()
+
+    if route == "mapped":
+        with init_empty_weights():
+            model = nn.ModuleDict({"a": nn.Linear(4, 4, bias=True)})
+        kw = dict(device_map="cpu")
+    else:
+        model = nn.ModuleDict({"a": nn.Linear(4, 4, bias=True)})
+        kw = dict(dtype=torch.float64) if route == "converted" else {}
+    try:
+        got = tft.load_checkpoint_and_dispatch(model, path, init_missing=concurrent_writer, **kw)
+    except OSError as e:
+        assert "replaced" in str(e) and path in str(e), str(e)
+    else:
+        assert got["a"].weight.shape == (4, 4)
+        assert torch.equal(got["a"].weight, torch.zeros(4, 4, dtype=got["a"].weight.dtype))

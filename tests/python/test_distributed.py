@@ -102,6 +102,12 @@ def _rank_main(rank, world, path, init, configs, results):
                 assert list(t.shape) == list(want.shape), (name, t.shape, want.shape)
                 assert _bytes(t) == _bytes(want), name
                 assert _bytes(t) == _bytes(independent[name]), name
+                # A storage of its own, as every loaded tensor (docs/python.md): not this rank's
+                # rows of a tensor it read whole, nor a slice of a round's receive buffer.
+                assert t.untyped_storage().nbytes() == t.nbytes, (name, exchange)
+            # safetensors' save_file refuses tensors that share memory.
+            from safetensors.torch import save as ref_save
+            ref_save(dict(got))
             assert loader.stats.bytes_read == stats["bytes_read"]
             # The time inside the exchanges' collectives is part of the exchange's time.
             assert 0 <= stats["network_seconds"] <= stats["exchange_seconds"]

@@ -272,6 +272,65 @@ def test_whole_first_reads_the_file_and_a_part_first_only_its_pages(tmp_path):
         assert cached_fraction([path]) > 0.95  # the whole file, read at once
 
 
+def test_a_file_replaced_after_it_was_opened_is_never_read_under_its_old_header(tmp_path):
+    """Found by a review: the first request opened the file again by its name, so a file
+    replaced since the handle opened it (a save_pretrained into the same folder) was read under
+    the old header's dtypes and shapes. The bytes come from the file opened (the same descriptor,
+    or a mapping checked to be that file): the reference's old bytes, or an error saying it was
+    replaced, never the new bytes under the old shape."""
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file({"w": torch.zeros(4), "v": torch.zeros(2)}, path)
+    for first in ("slice", "tensor"):
+        with tft.safe_open(path, framework="pt") as f:
+            part = f.get_slice("w")
+            tensorferry.torch.save_file({"w": torch.ones(8, dtype=torch.float16),
+                                         "v": torch.ones(2)}, path + ".new")
+            os.replace(path + ".new", path)
+            try:
+                got = part[...] if first == "slice" else f.get_tensor("w")
+            except OSError as e:
+                assert "replaced" in str(e) and path in str(e), str(e)
+            else:
+                assert got.dtype == torch.float32 and torch.equal(got, torch.zeros(4))
+        tensorferry.torch.save_file({"w": torch.zeros(4), "v": torch.zeros(2)}, path)
+
+
+def test_a_tensor_read_onto_the_device_is_checked_against_the_handles_header(tmp_path):
+    """The device route reads the files by their names (in the background, from the first
+    open): a tensor it hands a handle whose header says another dtype or shape (the file was
+    replaced between the two opens) is an error naming file and tensor, not a parameter."""
+    path = str(tmp_path / "m.safetensors")
+    tensorferry.torch.save_file({"w": torch.zeros(4)}, path)
+    with tft.safe_open(path, framework="pt") as f:
+        f._check_as_opened("w", torch.zeros(4))
+        for other in (torch.zeros(8), torch.zeros(4, dtype=torch.float16), torch.zeros(2, 2)):
+            with pytest.raises(tensorferry.SafetensorError, match="was replaced") as e:
+                f._check_as_opened("w", other)
+            assert path in str(e.value) and "'w'" in str(e.value)
+
+
+def test_a_file_not_mapped_and_not_read_ahead_is_read_tensor_by_tensor(tmp_path, monkeypatch):
+    """Found by a review: on a file system where files are read rather than mapped (NFS, FUSE),
+    the first request read the whole file and the handle held it even where nothing is to be
+    read ahead (a device map offloading to disk): each request now reads its own tensor."""
+    path = str(tmp_path / "m.safetensors")
+    tensors = {f"t{i}": torch.full((256, 256), float(i)) for i in range(6)}
+    tensorferry.torch.save_file(tensors, path)
+
+    class Reading(tensorferry.Loader):  # a file system whose files are read: engine pread
+        def __init__(self, checkpoint, engine=None, prefer_mmap=None, **kw):
+            super().__init__(checkpoint, engine="pread" if engine == "auto" else engine, **kw)
+
+    monkeypatch.setattr(tft, "Loader", Reading)
+    for populate, held in ((False, 0), (True, 6)):
+        monkeypatch.setattr(tft._target, "populate", populate, raising=False)
+        f = tft._TransformersSafeOpen(path, "pt", "cpu", backend="mmap")
+        with f:
+            assert torch.equal(f.get_slice("t2")[...], tensors["t2"])
+            assert torch.equal(f.get_tensor("t4"), tensors["t4"])
+            assert len(f._views) == held
+
+
 def test_the_one_device_of_a_device_map():
     from types import SimpleNamespace as Config
     one = torch.device("cuda", 0)

@@ -889,13 +889,15 @@ def _joined(torch, dim, views):
     return out
 
 
-def _own(t):
+def _own(torch, t):
     """`t`, or a copy of it when it is a view of a larger storage (this rank's rows of a
     tensor it read whole, a tensor received in a round's buffer): a result holds no more memory
-    than its own bytes."""
+    than its own bytes. Copied as _assign copies (not on torch's thread pool)."""
     if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
-    return t.clone()
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    _assign(torch, out, t)
+    return out
 
 
 def _copy_blocks(torch, dim, views, into):
@@ -956,7 +958,7 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
                     _place_piece(torch, e, u,
                                  _target(torch, fw, e, rank, mine_parts, comm_device), part, rank)
                 else:
-                    got[e.name] = _own(part)
+                    got[e.name] = _own(torch, part)
                 continue
             n = size[q]
             _copy_blocks(torch, dim, views, send_buf[cursor[q]:cursor[q] + n])
@@ -993,7 +995,8 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
             # A storage of its own (docs/python.md), not a view of the round's buffer: torch.save
             # of it saves it alone, safetensors' save_file sees no shared memory, and the round's
             # buffer goes at the end of the round.
-            got[e.name] = _own(data.view(tdtype).reshape(fw.shape(e.st_dtype, shape, e.name)))
+            got[e.name] = _own(torch, data.view(tdtype).reshape(
+                fw.shape(e.st_dtype, shape, e.name)))
             continue
         target = _target(torch, fw, e, rank, mine_parts, comm_device)
         row_shape = list(target.shape[1:])

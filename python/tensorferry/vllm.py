@@ -286,6 +286,42 @@ def plan_parts(folder, files, is_unused_weight=None):
     return parts
 
 
+# What tensorferry checks of a whole checkpoint (an index, a folder) and vLLM's own loader never
+# sees: it reads each selected file whole, using the index only to choose the files.
+_PER_FILE_CODES = frozenset({"index_path_escape", "index_missing_tensor", "index_unlisted_tensor",
+                             "index_duplicate_tensor", "index_missing_file"})
+
+
+def openable_parts(parts, files, is_unused_weight=None, warn=None):
+    """`parts` (plan_parts' for `files`), where a Part over the folder's index or the folder
+    itself is opened first: when tensorferry refuses that whole checkpoint for what vLLM's own
+    loader does not check (shards that are links to files outside the folder, an index that
+    leaves out or misplaces a tensor, one tensor name in two files of a folder without an
+    index), one Part per file instead, as vLLM reads them; warn(message) says why. Other errors
+    (a damaged file, an incomplete numbered series) are raised."""
+    import tensorferry
+    from . import _core
+    out = []
+    for part in parts:
+        if part.torch or not (part.checkpoint.endswith(INDEX_NAME) or
+                              os.path.isdir(part.checkpoint)):
+            out.append(part)
+            continue
+        try:
+            tensorferry.Loader(part.checkpoint).close()
+        except _core.SafetensorError as e:
+            if getattr(e, "code", None) not in _PER_FILE_CODES:
+                raise
+            if warn is not None:
+                warn(f"tensorferry: {part.checkpoint} is read file by file, as vLLM's own "
+                     f"loader reads it: as one checkpoint it is refused ({e})")
+            keep = _keep(is_unused_weight)
+            out.extend(Part(p, keep) for p in sorted(files))
+            continue
+        out.append(part)
+    return out
+
+
 def matching_files(files, patterns):
     """The files (URLs or paths) the first of `patterns` that matches any of them picks, by file
     name, as vLLM picks local files; [] when none matches."""
@@ -925,7 +961,8 @@ def _make_class():
                         if unused is not None:
                             files = weight_utils.filter_safetensors_files_by_weight_name(
                                 files, unused)
-                        parts = plan_parts(folder, files, unused)
+                        parts = openable_parts(plan_parts(folder, files, unused), files,
+                                               unused, logger.warning)
                 for part in parts:
                     if part.torch:
                         yield from self._stream_torch(part, prefix, tp)

@@ -146,6 +146,62 @@ def test_plan_parts_refuses_an_incomplete_shard_series(tmp_path):
     assert e.value.code == "checkpoint_incomplete"
 
 
+def test_a_checkpoint_refused_whole_is_read_file_by_file_as_vllm_reads_it(tmp_path):
+    """Found by a review: vLLM's own loader reads each selected file whole and uses the index
+    only to choose them, so shards that are links out of the folder (a --local-dir download, a
+    model store made with ln -s), an index that leaves out a tensor, or one name in two files of
+    a folder without an index load there; opened as one checkpoint, tensorferry refused them.
+    Such a Part is now one Part per file (with a warning); other errors are still raised."""
+    from tensorferry.vllm import INDEX_NAME, Part, openable_parts, plan_parts
+    store = tmp_path / "store"
+    store.mkdir()
+    _save(store / "a.safetensors", ["x", "y"])
+    _save(store / "b.safetensors", ["z"])
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        os.symlink(store / name, linked / name)
+    index = {"weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}}
+    (linked / INDEX_NAME).write_text(json.dumps(index))
+    stale = tmp_path / "stale"  # the index leaves out "y"
+    stale.mkdir()
+    _save(stale / "a.safetensors", ["x", "y"])
+    _save(stale / "b.safetensors", ["z"])
+    (stale / INDEX_NAME).write_text(json.dumps(
+        {"weight_map": {"x": "a.safetensors", "z": "b.safetensors"}}))
+    twice = tmp_path / "twice"  # no index; "x" in both files
+    twice.mkdir()
+    _save(twice / "model.safetensors", ["x", "y"])
+    _save(twice / "model.fp16.safetensors", ["x"])
+    for folder, code in ((linked, "index_path_escape"), (stale, "index_unlisted_tensor"),
+                         (twice, "index_duplicate_tensor")):
+        files = sorted(str(p) for p in folder.glob("*.safetensors"))
+        parts = plan_parts(str(folder), files)
+        assert len(parts) == 1
+        with pytest.raises(tensorferry.SafetensorError) as e:
+            tensorferry.Loader(parts[0].checkpoint)
+        assert e.value.code == code
+        said = []
+        per_file = openable_parts(parts, files, None, said.append)
+        assert per_file == [Part(f, None) for f in files], folder
+        assert len(said) == 1 and str(folder) in said[0] and str(e.value) in said[0]
+        got = {}
+        for part in per_file:
+            with tensorferry.Loader(part.checkpoint) as loader:
+                got.update(loader.load())
+        assert sorted(got) == (["x", "y"] if folder == twice else ["x", "y", "z"])
+    # A whole checkpoint that opens is kept whole; a damaged one is still an error.
+    _save(tmp_path / "ok.safetensors", ["x"])
+    ok = [Part(str(linked / "a.safetensors"), None)]
+    assert openable_parts(ok, []) == ok
+    os.truncate(stale / "b.safetensors", 20)
+    (stale / INDEX_NAME).write_text(json.dumps(
+        {"weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}}))
+    files = sorted(str(p) for p in stale.glob("*.safetensors"))
+    with pytest.raises(tensorferry.SafetensorError):
+        openable_parts(plan_parts(str(stale), files), files)
+
+
 # --- with the real vLLM (in .venv-vllm) -----------------------------------------------------------
 
 
@@ -275,7 +331,7 @@ def test_get_model_loader_returns_the_plugin(single):
 
 
 @pytest.mark.parametrize("case", ["sharded_default", "sharded_budget", "single_budget",
-                                  "sharded_unbounded", "sharded_cpu_mmap"])
+                                  "sharded_unbounded", "sharded_cpu_mmap", "sharded_linked"])
 def test_vllm_llama_gets_the_same_weights_as_from_vllms_default_loader(single, case):
     assert single["model_class"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
     load = single["loads"][case]

@@ -199,7 +199,20 @@ def single(workdir):
                 yield item
         return original(self, gen())
 
+    # A model folder whose shards are links to files elsewhere (a --local-dir download linked
+    # into a cache, a model store made with ln -s): read file by file, as vLLM reads it.
+    import shutil
+    linked = os.path.join(workdir, "llama-linked")
+    if not os.path.isdir(linked):
+        os.makedirs(linked)
+        for name in os.listdir(sharded):
+            source = os.path.join(sharded, name)
+            if name.endswith(".safetensors"):
+                os.symlink(source, os.path.join(linked, name))
+            else:
+                shutil.copy(source, linked)
     cases = {
+        "sharded_linked": (linked, {}),
         "sharded_default": (sharded, {}),
         "sharded_budget": (sharded, {"budget": 131072, "threads": 2, "engine": "pread"}),
         "single_budget": (single_file, {"budget": "128KiB"}),

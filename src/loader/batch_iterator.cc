@@ -226,6 +226,7 @@ Result<BatchIterator> Loader::Iterate(const Selection& selection) {
   auto s = std::make_unique<BatchIterator::State>();
   s->m = &m;
   s->start = Clock::now();
+  m.budget->ResetPeak();  // LoadStats::peak_budget_bytes is this load's (held tensors included)
   s->reused0 = m.pool->reused();
   s->source0 = m.SourceNow();
   s->allocated0 = m.pool->allocated();

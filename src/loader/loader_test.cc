@@ -302,6 +302,30 @@ TEST(Loader, SelectionByNameMissingIsNotFound) {
   EXPECT_EQ(r.status().code(), Code::kNotFound);
 }
 
+// Found by a review: peak_budget_bytes kept the highest of every earlier load of the loader.
+// It is each load's own peak (tensors still held from earlier loads included).
+TEST(Loader, PeakBudgetBytesIsTheLastLoads) {
+  Fixture f(8);
+  LoadOptions o;
+  o.budget = 1 << 20;
+  auto loader = Loader::Open(f.dir.path(), o);
+  ASSERT_TRUE(loader.ok());
+  uint64_t all = 0;
+  {
+    auto everything = (*loader)->Load();
+    ASSERT_TRUE(everything.ok()) << everything.status().ToString();
+    all = (*loader)->stats().peak_budget_bytes;
+    EXPECT_GT(all, 0u);
+  }
+  const std::string one = f.tensors[0].name;
+  auto small = (*loader)->Load(Selection::Names({one}));
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+  const uint64_t peak = (*loader)->stats().peak_budget_bytes;
+  EXPECT_GT(peak, 0u);
+  EXPECT_LT(peak, all);
+  EXPECT_LE(peak, (*small)[0].size() + 4096) << "one tensor's buffer (alignment at most)";
+}
+
 TEST(Loader, StreamUnderBudgetNeverExceedsIt) {
   Fixture f(8);
   const uint64_t budget = 600;

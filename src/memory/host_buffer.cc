@@ -265,6 +265,11 @@ uint64_t Budget::peak() const {
   return peak_;
 }
 
+void Budget::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_ = in_use_;
+}
+
 void Budget::Release(uint64_t bytes) {
   if (bytes == 0) return;
   {

@@ -133,7 +133,8 @@ class Budget : public std::enable_shared_from_this<Budget> {
 
   uint64_t limit() const noexcept { return limit_; }
   uint64_t in_use() const;
-  uint64_t peak() const;  // highest in_use() seen
+  uint64_t peak() const;  // highest in_use() seen (since creation or ResetPeak)
+  void ResetPeak();       // peak() restarts from in_use()
 
  private:
   explicit Budget(uint64_t limit) : limit_(limit) {}

@@ -383,7 +383,7 @@ std::vector<Span> CutIntoSpans(const std::vector<Item>& items, const PlanOptions
 // next (a plain Python loop) needs every two consecutive batches to fit the alone budget
 // together. A batch within `budget` fits beside any tensor up to the alone budget, but two
 // tensors that went alone one after the other may not: then the next batch within `budget` of
-// the same group (the same layer under DeliveryOrder::kLayer) is delivered between them, read
+// the second one's group (its layer under DeliveryOrder::kLayer) is delivered between them, read
 // earlier than its file order. Batches within `budget` keep their order among themselves, and so
 // do the alone ones; where no such batch is left, the order stays (the caller must drop a batch
 // before asking for the next, as documented).
@@ -412,8 +412,9 @@ std::vector<Span> SeparateAloneSpans(const std::vector<Item>& items, std::vector
     if (!out.empty() && out_cost.back() > options.budget && alone(next) &&
         out_cost.back() + cost[next] > limit) {
       while (normal < spans.size() && (used[normal] || alone(normal))) ++normal;
-      if (normal < spans.size() && spans[normal].group == spans[next].group &&
-          spans[normal].group == out.back().group) {
+      // Of `next`'s group: moved to its start, it keeps the delivery by groups (`next` is the
+      // first of its group left when the group changes here).
+      if (normal < spans.size() && spans[normal].group == spans[next].group) {
         pick = normal;
       }
     }

@@ -53,7 +53,7 @@ struct DevicePipeline::Chunk {
   // (length = rows * row_bytes) and offset is the first row's file offset.
   const std::byte* gather = nullptr;
   const io::MappedFile* gather_map = nullptr;  // DeviceTask::source_map
-  // DeviceTask::passed (contiguous staged chunks only).
+  // DeviceTask::passed (staged chunks): as pieces land, or row by row for a strided chunk.
   const std::function<Status(const std::byte*, std::span<const std::byte>)>* passed = nullptr;
   const std::function<std::string(const io::ReadRequest&)>* about = nullptr;  // DeviceTask::about
 
@@ -293,7 +293,7 @@ void DevicePipeline::ChunkRanges(size_t index, const DeviceTask& t, uint64_t slo
       c.cancel = t.cancel;
       c.about = t.about;
       c.gds = gds;
-      if (t.rows == 0 && !gds) c.passed = t.passed;
+      if (!gds) c.passed = t.passed;  // (a row longer than a slot: contiguous pieces too)
       chunks.push_back(c);
       at = end;
     }
@@ -324,6 +324,7 @@ void DevicePipeline::ChunkRows(size_t index, const DeviceTask& t, uint64_t slot,
     c.direct_fd = t.direct_fd;
     c.cancel = t.cancel;
     c.about = t.about;
+    c.passed = t.passed;
     chunks.push_back(c);
     r += n;
   }
@@ -348,6 +349,7 @@ void DevicePipeline::ChunkGathered(size_t index, const DeviceTask& t, uint64_t s
     c.about = t.about;
     c.gather = t.source + c.offset;
     c.gather_map = t.source_map;
+    c.passed = t.passed;
     chunks.push_back(c);
   }
 }
@@ -533,11 +535,25 @@ Status DevicePipeline::Stage(const Chunk& chunk, cuda::Stream stream, io::ReadEn
         [&](const io::ReadRequest& piece) {
           return (*chunk.passed)(chunk.dst + (piece.dst.data() - buffer.data()), piece.dst);
         };
-    if (chunk.passed != nullptr) request.landed = &on_piece;
+    if (chunk.passed != nullptr && chunk.rows == 0) request.landed = &on_piece;
     Status read = engine.Execute(std::span<const io::ReadRequest>(&request, 1));
     if (!read.ok()) {
       ring_->Release(slot);
       return read;
+    }
+  }
+  if (chunk.passed != nullptr && chunk.rows > 0) {
+    // A strided chunk: its rows (packed when gathered, at the source pitch when read with the
+    // gaps between them), each with its destination.
+    const uint64_t pitch = chunk.gather != nullptr ? chunk.row_bytes : chunk.src_pitch;
+    for (uint64_t r = 0; r < chunk.rows; ++r) {
+      Status passed = (*chunk.passed)(
+          chunk.dst + r * chunk.dst_pitch,
+          buffer.subspan(static_cast<size_t>(r * pitch), static_cast<size_t>(chunk.row_bytes)));
+      if (!passed.ok()) {
+        ring_->Release(slot);
+        return passed;
+      }
     }
   }
   const cuda::RuntimeApi& api = runtime_->api();

@@ -105,11 +105,13 @@ struct DeviceTask {
   // each chunk drops the pages it gathered from the process once they are in its slot, so the
   // process does not hold the rows it has copied (RSS stays about the slots' worth).
   const io::MappedFile* source_map = nullptr;
-  // Contiguous staged tasks only: called with each piece of the task's bytes while it is in its
-  // staging slot, before the slot's copy to the device (as the engine lands it: a piece at a time
-  // where the engine hands them out, io::ReadRequest::landed), with the piece's destination
-  // address. Not called for bytes read with GDS or for strided tasks. An error fails the run
-  // like a read error (the copy is not queued). Checksums use it (sink/landing_check.h).
+  // Staged tasks: called with each piece of the task's bytes while it is in its staging slot,
+  // before the slot's copy to the device, with the piece's destination address: a contiguous
+  // task's (or a row longer than a slot's) as the engine lands it (a piece at a time where the
+  // engine hands them out, io::ReadRequest::landed); a strided task's row by row once its chunk
+  // is in the slot (the gaps between rows are not the task's). Not called for bytes read with
+  // GDS. An error fails the run like a read error (the copy is not queued). Checksums use it
+  // (sink/landing_check.h).
   const std::function<Status(const std::byte* dst, std::span<const std::byte> bytes)>* passed =
       nullptr;
   // Names what the task's bytes hold for a failed read of them (io::ReadRequest::about): staged

@@ -69,6 +69,7 @@ class DeviceSink final : public BatchSink {
     if (b < strided_.size()) {
       for (const StridedRead& r : strided_[b]) {
         device::DeviceTask task = DeviceTaskOf(r, buffer->data(), cancel);
+        if (check) task.passed = check->passed_hook();  // row by row (the pipeline)
         if (r.gather) {
           // A file that cannot be mapped (the mapping table full, mmap refused) is read as
           // covering ranges instead: slower, not wrong; errors of the file itself surface there.

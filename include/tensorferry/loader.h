@@ -279,7 +279,8 @@ class Loader {
   // total must fit it (kBudgetExceeded otherwise: use Stream).
   Result<std::vector<Tensor>> Load(const Selection& selection = Selection::All());
   // The check Load makes before any read: every device's total of `selection` fits its budget
-  // (the host's: `budget`, or the memory limit's when that set it). Errors: kBudgetExceeded
+  // (the host's: `budget`, or the memory limit's when that set it; a CUDA device's: its batches'
+  // buffers, alignment padding included, as its allocator charges them). Errors: kBudgetExceeded
   // naming the totals and the limit, those of MakePlan. For callers that load a selection in
   // parts but promise it whole (the Python Loader's load() with a progress bar, file by file).
   Status CheckFitsAtOnce(const Selection& selection = Selection::All()) const;

@@ -549,7 +549,14 @@ Status Loader::CheckFitsAtOnce(const Selection& selection) const {
     TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved.read));
     for (const Group& g : groups) {
       const Device dev = g.device;
-      const uint64_t total = std::max(g.plan.tensor_bytes, g.plan.read_bytes);
+      uint64_t total = std::max(g.plan.tensor_bytes, g.plan.read_bytes);
+      if (dev.is_cuda()) {
+        // What the device allocator charges: each batch's buffer, alignment padding included
+        // (a load that passed on tensor bytes failed part-way, after batches were read).
+        uint64_t buffers = 0;
+        for (const PlanBatch& b : g.plan.batches) buffers += b.buffer_size;
+        total = std::max(total, buffers);
+      }
       const uint64_t limit =
           dev.is_cpu() ? (host_budget ? m.options.budget : 0) : m.options.device_budget;
       if (limit > 0 && total > limit && dev.is_cpu() && !m.memory_note.empty()) {

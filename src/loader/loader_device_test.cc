@@ -338,6 +338,34 @@ TEST_F(LoaderDeviceTest, HoldingDeviceBatchesIsAClearBudgetError) {
   EXPECT_TRUE(Contains(all.status().message(), "device budget")) << all.status().message();
 }
 
+// Found by a review: Load's check before any read compared the tensors' bytes with the device
+// budget, but the device allocator charges each batch's buffer, alignment padding included (with
+// gds=auto, 4 KiB per range): a load that passed failed part-way, after batches were read. It
+// is said before any read now, and a budget that holds the buffers loads.
+TEST_F(LoaderDeviceTest, LoadChecksTheDeviceBuffersAgainstTheDeviceBudgetBeforeAnyRead) {
+  testing::TestCheckpoint c;
+  for (int i = 0; i < 8; ++i) c.Add("t" + std::to_string(i), DType::kU8, {1000004});
+  c.Write(1 << 30);
+  LoadOptions o = DeviceOptions();
+  o.gds = GdsMode::kAuto;
+  o.device_budget = c.total;
+  {
+    auto loader = Loader::Open(c.dir.path(), o);
+    ASSERT_TRUE(loader.ok()) << loader.status().ToString();
+    auto all = (*loader)->Load();
+    EXPECT_EQ(all.status().code(), Code::kBudgetExceeded) << all.status().ToString();
+    EXPECT_TRUE(Contains(all.status().message(), "Load returns every tensor at once"))
+        << all.status().message();
+    EXPECT_EQ(fake_->Stats().copies_enqueued, 0u) << "refused before any read";
+  }
+  o.device_budget = c.total + 8 * 8192;
+  auto loader = Loader::Open(c.dir.path(), o);
+  ASSERT_TRUE(loader.ok());
+  auto all = (*loader)->Load();
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  for (const Tensor& t : *all) EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
+}
+
 // A load onto cuda:1 never creates a context on GPU 0: not on the producer threads (which
 // never chose a device: "restoring" their device 0 would create one), not when the last tensor
 // is dropped on a thread that never used CUDA (cudaFree on its own device).

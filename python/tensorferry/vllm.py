@@ -424,11 +424,26 @@ def _same_model(a, b):
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
+def _torchao_serialized(model_config, load_config):
+    """Whether vLLM's default loader would take the checkpoint of `--quantization torchao` as
+    torchao-serialized (its quantization config's quant_method names torchao), as its
+    load_weights decides; True where that cannot be told (the config does not load)."""
+    try:
+        from vllm.model_executor.model_loader.weight_utils import get_quant_config
+        quant_config = get_quant_config(model_config, load_config)
+    except Exception:  # noqa: BLE001 - undecidable: refused, as before
+        return True
+    return bool(getattr(quant_config, "is_checkpoint_torchao_serialized", False))
+
+
 def refuse_torchao(model_config, load_config):
-    """ValueError for a torchao-serialized checkpoint (--quantization torchao, or the load
-    config's safetensors_load_strategy "torchao"): its tensors are torchao tensor subclasses
-    that only vLLM's own safetensors loading rebuilds."""
-    if getattr(model_config, "quantization", None) == "torchao":
+    """ValueError for a torchao-serialized checkpoint (--quantization torchao with a checkpoint
+    whose quantization config names torchao, or the load config's safetensors_load_strategy
+    "torchao"): its tensors are torchao tensor subclasses that only vLLM's own safetensors
+    loading rebuilds. Online torchao quantization (--quantization torchao over a plain
+    checkpoint, quantized after loading) is streamed as any other."""
+    if getattr(model_config, "quantization", None) == "torchao" and \
+            _torchao_serialized(model_config, load_config):
         setting = "quantization='torchao'"
     elif getattr(load_config, "safetensors_load_strategy", None) == "torchao":
         setting = "safetensors_load_strategy='torchao'"

@@ -447,6 +447,16 @@ def test_torchao_serialized_checkpoints_are_refused_naming_the_setting(single, c
     assert setting in e["message"], e
 
 
+def test_online_torchao_quantization_is_streamed(single):
+    """Found by a review: --quantization torchao was refused whatever the checkpoint, but vLLM's
+    default loader treats only a checkpoint whose quantization config names torchao as serialized
+    (online quantization of a plain checkpoint loads plain tensors)."""
+    assert single["torchao"]["online"] is None, single["torchao"]["online"]
+    serialized = single["torchao"]["serialized"]
+    assert serialized["type"] == "ValueError", serialized
+    assert "quantization='torchao'" in serialized["message"], serialized
+
+
 def test_download_get_all_weights_and_a_draft_model(single):
     assert single["download_file_weights"] is None, single["download_file_weights"]
     assert len(single["all_weights"]) == 21 and "lm_head.weight" in single["all_weights"]

@@ -545,6 +545,21 @@ def layerwise(workdir, single_file, tfv, releases):
         "strategy_reload": error_of(lambda: list(strategy.get_all_weights(plain,
                                                                           kv_reference))),
     }
+    # Decided as vLLM's default loader decides (torchao is not installed here: its quantization
+    # config is stood in for): a checkpoint whose quant_method names torchao is refused; online
+    # quantization of a plain checkpoint (quantized after loading) is streamed.
+    import types
+
+    import vllm.model_executor.model_loader.weight_utils as weight_utils
+    real = weight_utils.get_quant_config
+    try:
+        for serialized in (False, True):
+            weight_utils.get_quant_config = lambda mc, lc, _s=serialized: types.SimpleNamespace(
+                is_checkpoint_torchao_serialized=_s)
+            out["torchao"]["serialized" if serialized else "online"] = error_of(
+                lambda: ldr.download_model(config.model_config))
+    finally:
+        weight_utils.get_quant_config = real
     return out
 
 

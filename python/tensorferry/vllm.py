@@ -34,8 +34,9 @@ by parse_options(); an unknown key or a bad value is a ValueError naming it:
                   quantization or an in-place reload; every weight, with list(weights)) grows
                   the automatic budget (doubled, with a warning, reading on from the next
                   tensor: no weight is given twice); an explicit budget is never exceeded (an
-                  error naming the last tensor given). On a GPU it bounds the GPU memory of
-                  the batches.
+                  error naming the last tensor given), counting every weight given and still
+                  alive, whichever file or weight source it came from. On a GPU it bounds the
+                  GPU memory of the batches.
     cooperative   false (default) or true: with tensor parallelism, each rank of vLLM's
                   tensor-parallel group reads 1/N of the checkpoint's bytes and receives the rest
                   through that group's collectives (NCCL on GPUs, gloo on CPUs), round by round
@@ -89,7 +90,9 @@ import fnmatch
 import glob
 import json
 import os
+import threading
 import time
+import weakref
 
 LOAD_FORMAT = "tensorferry"
 INDEX_NAME = "model.safetensors.index.json"
@@ -487,6 +490,39 @@ def _make_class():
             super().__init__(load_config)
             self.options = parse_options(load_config.model_loader_extra_config)
             self.stats = {}
+            # Bytes of the tensors handed to load_weights that are still alive, whatever read
+            # them (every Part, source and load of this loader): an explicit budget bounds them
+            # all, not each Loader's own.
+            self._held = 0
+            self._held_lock = threading.Lock()
+
+        def _hand_out(self, tensor):
+            """Counts `tensor` (about to be given to load_weights) as held until it goes."""
+            n = tensor.nbytes
+            with self._held_lock:
+                self._held += n
+            weakref.finalize(tensor, self._given_back, n)
+
+        def _given_back(self, n):
+            with self._held_lock:
+                self._held -= n
+
+        def _explicit(self, budget):
+            return self.options.budget != "auto" and bool(budget)
+
+        def _refuse_held(self, budget, nbytes, what, checkpoint):
+            """BudgetExceededError when an explicit `budget` cannot hold `nbytes` more (`what`,
+            of `checkpoint`) beside the weights load_weights still holds."""
+            held = self._held
+            if not self._explicit(budget) or held + nbytes <= budget:
+                return
+            fmt = _core.format_bytes
+            raise _core.BudgetExceededError(
+                f"load format {LOAD_FORMAT!r}: the model's load_weights keeps {fmt(held)} of "
+                f"the weights it was given alive, and {what} of {checkpoint!r} ({fmt(nbytes)}) "
+                f"does not fit model_loader_extra_config['budget'] ({fmt(budget)}) beside them "
+                f"(a model that keeps weights across its weight sources or files): raise the "
+                f"budget, or use \"auto\" or 0 (unbounded)")
 
         # --- files, as vLLM's default loader finds them ----------------------------------------
 
@@ -825,7 +861,15 @@ def _make_class():
             with tensorferry.Loader(part.checkpoint, select=part.select,
                                     **self._common()) as probe:
                 budget = self._budget(probe, part.checkpoint)
-                names = [o.name for o in probe._describe()]
+                described = probe._describe()
+                names = [o.name for o in described]
+                if self._explicit(budget) and self._held:
+                    # What earlier Parts gave is still held: this Loader gets the rest of the
+                    # budget, which must still hold a batch of its largest tensor.
+                    largest = max((o.bytes for o in described), default=0)
+                    self._refuse_held(budget, max(budget // 2, largest), "the next batch",
+                                      part.checkpoint)
+                    budget -= self._held
                 loader = tensorferry.Loader(probe, device=device, budget=budget,
                                             select=part.select,
                                             progress=self._progress(),
@@ -839,6 +883,7 @@ def _make_class():
                         for name, tensor in current.iter_tensors():
                             given.add(name)
                             last = name
+                            self._hand_out(tensor)
                             yield prefix + name, tensor
                             del tensor  # before the next batch is asked for
                         exceeded = None
@@ -898,6 +943,9 @@ def _make_class():
                     for name, tensor in f.tensors(keep):
                         count += 1
                         total += tensor.numel() * tensor.element_size()
+                        self._refuse_held(budget, tensor.nbytes, f"tensor {name!r}",
+                                          part.checkpoint)
+                        self._hand_out(tensor)
                         yield prefix + name, tensor
                         del tensor
                 finally:
@@ -930,6 +978,8 @@ def _make_class():
                 if current:
                     rounds.append((current, held))
                 for names, held in rounds:
+                    self._refuse_held(budget, held, f"a round of {len(names)} tensors",
+                                      part.checkpoint)
                     # One cooperative load per round: what Loader.load() does for all of them.
                     tensors, stats = loader._cooperative.load(names, _loader.LoadStats)
                     read = loader.cooperative_stats["bytes_read"]
@@ -937,6 +987,7 @@ def _make_class():
                     while tensors:
                         name = next(iter(tensors))
                         tensor = tensors.pop(name)
+                        self._hand_out(tensor)
                         yield prefix + name, tensor
                         del tensor
 

@@ -457,6 +457,22 @@ def test_online_torchao_quantization_is_streamed(single):
     assert "quantization='torchao'" in serialized["message"], serialized
 
 
+def test_an_explicit_budget_bounds_what_is_held_across_files_and_sources(single):
+    """Found by a review: each Loader's budget counted only its own tensors, so a model keeping
+    weights across two weight sources, or every tensor of a .bin file, held twice an explicit
+    budget without an error. Every tensor given and still alive counts now."""
+    r = single["held_across"]
+    one = r["tensor_bytes"]
+    for case in ("parts", "bin"):
+        e = r[case]["error"]
+        assert e is not None and e["type"] == "BudgetExceededError", (case, r[case])
+        assert "keeps" in e["message"] and "alive" in e["message"], e
+        assert r[case]["held"] <= 5 * one, (case, r[case])
+    for case in ("parts_auto", "parts_fit"):
+        assert r[case]["error"] is None, (case, r[case])
+        assert r[case]["tensors"] == 8 and r[case]["held"] == 8 * one, (case, r[case])
+
+
 def test_download_get_all_weights_and_a_draft_model(single):
     assert single["download_file_weights"] is None, single["download_file_weights"]
     assert len(single["all_weights"]) == 21 and "lm_head.weight" in single["all_weights"]

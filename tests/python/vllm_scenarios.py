@@ -330,7 +330,51 @@ def single(workdir):
                           "served": ldr._primary(config.model_config)}
     finally:
         vc.get_current_vllm_config_or_none = current
+    out["held_across"] = held_across(workdir, tfv)
     return out
+
+
+def held_across(workdir, tfv):
+    """An explicit budget bounds every weight load_weights still holds, whatever read it: a
+    model keeping its weights across two weight sources (a secondary_weights folder), or every
+    tensor of a .bin file, is refused once they pass the budget; "auto" grows instead."""
+    import types
+
+    import torch
+    from vllm.config.load import LoadConfig
+    base = os.path.join(workdir, "held-across")
+    for sub, names in (("A", range(0, 4)), ("B", range(4, 8))):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+        tfv_save = __import__("tensorferry.torch", fromlist=["save_file"]).save_file
+        tfv_save({f"t{i}": torch.full((256, 256), float(i)) for i in names},
+                 os.path.join(base, sub, "model.safetensors"))
+    os.makedirs(os.path.join(base, "bin"), exist_ok=True)
+    torch.save({f"t{i}": torch.full((256, 256), float(i)) for i in range(8)},
+               os.path.join(base, "bin", "pytorch_model.bin"))
+
+    class Model(torch.nn.Module):
+        def __init__(self, secondary):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+            self.secondary_weights = [types.SimpleNamespace(
+                model_or_path=secondary, revision=None, prefix="")] if secondary else []
+
+    def hoard(folder, secondary, budget):
+        cls = tfv.loader_class()
+        ldr = cls(LoadConfig(load_format="tensorferry",
+                             model_loader_extra_config={"budget": budget, "engine": "pread"}))
+        ldr._reset_stats()
+        mc = types.SimpleNamespace(model=folder, revision=None, quantization=None,
+                                   model_weights="")
+        held = []
+        error = error_of(lambda: held.extend(t for _, t in ldr.weights(Model(secondary), mc)))
+        return {"error": error, "held": sum(t.nbytes for t in held), "tensors": len(held)}
+
+    a, b, binary = (os.path.join(base, x) for x in ("A", "B", "bin"))
+    one = 256 * 256 * 4
+    return {"tensor_bytes": one,
+            "parts": hoard(a, b, 5 * one), "bin": hoard(binary, None, 5 * one),
+            "parts_auto": hoard(a, b, "auto"), "parts_fit": hoard(a, b, 8 * one)}
 
 
 def make_torch_checkpoints(workdir, single_file):

@@ -404,7 +404,10 @@ class safe_open(_safe_open):
             if view is not None:
                 self._check_as_opened(name, view)
             return view
-        return views.get(name)
+        view = views.get(name)
+        if view is not None and self._on_device:
+            self._check_as_opened(name, view)  # a part of it first (get_slice)
+        return view
 
     def _check_as_opened(self, name, view):
         """SafetensorError unless `view` (read onto the device by _DeviceRead, which opens the

@@ -92,7 +92,6 @@ import json
 import os
 import threading
 import time
-import weakref
 
 LOAD_FORMAT = "tensorferry"
 INDEX_NAME = "model.safetensors.index.json"
@@ -291,8 +290,20 @@ def plan_parts(folder, files, is_unused_weight=None):
 
 # What tensorferry checks of a whole checkpoint (an index, a folder) and vLLM's own loader never
 # sees: it reads each selected file whole, using the index only to choose the files.
+# (A file the index names but the folder lacks stays an error: vLLM's loader would load the others
+# and say only at the end which weights were not initialized.)
 _PER_FILE_CODES = frozenset({"index_path_escape", "index_missing_tensor", "index_unlisted_tensor",
-                             "index_duplicate_tensor", "index_missing_file"})
+                             "index_duplicate_tensor"})
+
+
+def natural_order(paths):
+    """`paths` in vLLM's file order (its _natural_sort_key: numbers in the file name compared
+    as numbers), so that of one name in two files the same file's tensor is given last."""
+    import re
+
+    def key(path):
+        return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", os.path.basename(path))]
+    return sorted(paths, key=key)
 
 
 def openable_parts(parts, files, is_unused_weight=None, warn=None):
@@ -319,7 +330,7 @@ def openable_parts(parts, files, is_unused_weight=None, warn=None):
                 warn(f"tensorferry: {part.checkpoint} is read file by file, as vLLM's own "
                      f"loader reads it: as one checkpoint it is refused ({e})")
             keep = _keep(is_unused_weight)
-            out.extend(Part(p, keep) for p in sorted(files))
+            out.extend(Part(p, keep) for p in natural_order(files))
             continue
         out.append(part)
     return out
@@ -493,19 +504,29 @@ def _make_class():
             # Bytes of the tensors handed to load_weights that are still alive, whatever read
             # them (every Part, source and load of this loader): an explicit budget bounds them
             # all, not each Loader's own.
-            self._held = 0
+            self._held = 0  # at least the bytes of self._given still alive (_held_now: exactly)
+            self._given = {}  # storage (StorageWeakRef.cdata) -> (StorageWeakRef, bytes)
             self._held_lock = threading.Lock()
 
         def _hand_out(self, tensor):
-            """Counts `tensor` (about to be given to load_weights) as held until it goes."""
-            n = tensor.nbytes
+            """Counts the memory of `tensor` (about to be given to load_weights) as held until
+            its storage goes: views the model keeps of it (narrow, slices of stacked experts)
+            keep it counted."""
+            from torch.multiprocessing.reductions import StorageWeakRef
+            storage = tensor.untyped_storage()
+            ref = StorageWeakRef(storage)
             with self._held_lock:
-                self._held += n
-            weakref.finalize(tensor, self._given_back, n)
+                if ref.cdata not in self._given:
+                    self._given[ref.cdata] = (ref, storage.nbytes())
+                    self._held += storage.nbytes()
 
-        def _given_back(self, n):
+        def _held_now(self):
+            """The bytes of the storages given that are still alive (those gone dropped)."""
             with self._held_lock:
-                self._held -= n
+                gone = [k for k, (ref, _) in self._given.items() if ref.expired()]
+                for k in gone:
+                    self._held -= self._given.pop(k)[1]
+                return self._held
 
         def _explicit(self, budget):
             return self.options.budget != "auto" and bool(budget)
@@ -513,8 +534,10 @@ def _make_class():
         def _refuse_held(self, budget, nbytes, what, checkpoint):
             """BudgetExceededError when an explicit `budget` cannot hold `nbytes` more (`what`,
             of `checkpoint`) beside the weights load_weights still holds."""
-            held = self._held
-            if not self._explicit(budget) or held + nbytes <= budget:
+            if not self._explicit(budget) or self._held + nbytes <= budget:
+                return  # (_held never counts less than is alive: nothing to look up)
+            held = self._held_now()
+            if held + nbytes <= budget:
                 return
             fmt = _core.format_bytes
             raise _core.BudgetExceededError(
@@ -863,14 +886,15 @@ def _make_class():
                 budget = self._budget(probe, part.checkpoint)
                 described = probe._describe()
                 names = [o.name for o in described]
-                if self._explicit(budget) and self._held:
+                rest_of_budget = budget  # (messages and stats say the budget given)
+                if self._explicit(budget) and self._held_now():
                     # What earlier Parts gave is still held: this Loader gets the rest of the
                     # budget, which must still hold a batch of its largest tensor.
                     largest = max((o.bytes for o in described), default=0)
                     self._refuse_held(budget, max(budget // 2, largest), "the next batch",
                                       part.checkpoint)
-                    budget -= self._held
-                loader = tensorferry.Loader(probe, device=device, budget=budget,
+                    rest_of_budget = budget - self._held_now()
+                loader = tensorferry.Loader(probe, device=device, budget=rest_of_budget,
                                             select=part.select,
                                             progress=self._progress(),
                                             **self._common())

@@ -307,6 +307,11 @@ def test_a_tensor_read_onto_the_device_is_checked_against_the_handles_header(tmp
             with pytest.raises(tensorferry.SafetensorError, match="was replaced") as e:
                 f._check_as_opened("w", other)
             assert path in str(e.value) and "'w'" in str(e.value)
+        # Both ways in: a whole tensor, and a part of it first (get_slice).
+        for ask in (lambda: f.get_tensor("w"), lambda: f.get_slice("w")[1:]):
+            f._views, f._on_device = {"w": torch.zeros(8)}, True
+            with pytest.raises(tensorferry.SafetensorError, match="was replaced"):
+                ask()
 
 
 def test_a_file_not_mapped_and_not_read_ahead_is_read_tensor_by_tensor(tmp_path, monkeypatch):

@@ -152,7 +152,7 @@ def test_a_checkpoint_refused_whole_is_read_file_by_file_as_vllm_reads_it(tmp_pa
     model store made with ln -s), an index that leaves out a tensor, or one name in two files of
     a folder without an index load there; opened as one checkpoint, tensorferry refused them.
     Such a Part is now one Part per file (with a warning); other errors are still raised."""
-    from tensorferry.vllm import INDEX_NAME, Part, openable_parts, plan_parts
+    from tensorferry.vllm import INDEX_NAME, Part, natural_order, openable_parts, plan_parts
     store = tmp_path / "store"
     store.mkdir()
     _save(store / "a.safetensors", ["x", "y"])
@@ -190,6 +190,20 @@ def test_a_checkpoint_refused_whole_is_read_file_by_file_as_vllm_reads_it(tmp_pa
             with tensorferry.Loader(part.checkpoint) as loader:
                 got.update(loader.load())
         assert sorted(got) == (["x", "y"] if folder == twice else ["x", "y", "z"])
+    # A shard the index names but the folder lacks is still an error (vLLM's loader would say
+    # only at the end which weights it did not initialize).
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    _save(missing / "model-00001-of-00002.safetensors", ["x"])
+    (missing / INDEX_NAME).write_text(json.dumps({"weight_map": {
+        "x": "model-00001-of-00002.safetensors", "z": "model-00002-of-00002.safetensors"}}))
+    files = [str(missing / "model-00001-of-00002.safetensors")]
+    with pytest.raises(tensorferry.SafetensorError) as e:
+        openable_parts(plan_parts(str(missing), files), files)
+    assert e.value.code == "index_missing_file"
+    # Per file, in vLLM's order (numbers in names compared as numbers).
+    assert natural_order(["/m/w-10.safetensors", "/m/w-2.safetensors", "/m/a.safetensors"]) == \
+        ["/m/a.safetensors", "/m/w-2.safetensors", "/m/w-10.safetensors"]
     # A whole checkpoint that opens is kept whole; a damaged one is still an error.
     _save(tmp_path / "ok.safetensors", ["x"])
     ok = [Part(str(linked / "a.safetensors"), None)]
@@ -463,7 +477,7 @@ def test_an_explicit_budget_bounds_what_is_held_across_files_and_sources(single)
     budget without an error. Every tensor given and still alive counts now."""
     r = single["held_across"]
     one = r["tensor_bytes"]
-    for case in ("parts", "bin"):
+    for case in ("parts", "bin", "parts_views"):
         e = r[case]["error"]
         assert e is not None and e["type"] == "BudgetExceededError", (case, r[case])
         assert "keeps" in e["message"] and "alive" in e["message"], e

@@ -359,7 +359,7 @@ def held_across(workdir, tfv):
             self.secondary_weights = [types.SimpleNamespace(
                 model_or_path=secondary, revision=None, prefix="")] if secondary else []
 
-    def hoard(folder, secondary, budget):
+    def hoard(folder, secondary, budget, keep=lambda t: t):
         cls = tfv.loader_class()
         ldr = cls(LoadConfig(load_format="tensorferry",
                              model_loader_extra_config={"budget": budget, "engine": "pread"}))
@@ -367,14 +367,18 @@ def held_across(workdir, tfv):
         mc = types.SimpleNamespace(model=folder, revision=None, quantization=None,
                                    model_weights="")
         held = []
-        error = error_of(lambda: held.extend(t for _, t in ldr.weights(Model(secondary), mc)))
-        return {"error": error, "held": sum(t.nbytes for t in held), "tensors": len(held)}
+        error = error_of(lambda: held.extend(keep(t) for _, t in ldr.weights(Model(secondary),
+                                                                              mc)))
+        return {"error": error, "held": sum(t.untyped_storage().nbytes() for t in held),
+                "tensors": len(held)}
 
     a, b, binary = (os.path.join(base, x) for x in ("A", "B", "bin"))
     one = 256 * 256 * 4
     return {"tensor_bytes": one,
             "parts": hoard(a, b, 5 * one), "bin": hoard(binary, None, 5 * one),
-            "parts_auto": hoard(a, b, "auto"), "parts_fit": hoard(a, b, 8 * one)}
+            "parts_auto": hoard(a, b, "auto"), "parts_fit": hoard(a, b, 8 * one),
+            # a model keeping views of what it was given (narrow, slices of stacked experts)
+            "parts_views": hoard(a, b, 5 * one, lambda t: t[:1])}
 
 
 def make_torch_checkpoints(workdir, single_file):

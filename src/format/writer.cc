@@ -1348,9 +1348,10 @@ Result<std::vector<std::string>> WriteSharded(const std::string& dir,
     written.push_back(commit_files[i].target());
   }
   // Only the backups' removal can fail now; the new checkpoint is complete either way.
-  TF_RETURN_IF_ERROR(commit.RemoveBackups());
-  (void)util::RemoveDeadWritersFiles(dir, {util::kBackupKind}, ours);
-  TF_RETURN_IF_ERROR(levels.WithPrefix(dir));
+  const Status backups = commit.RemoveBackups();
+  if (backups.ok()) (void)util::RemoveDeadWritersFiles(dir, {util::kBackupKind}, ours);
+  TF_RETURN_IF_ERROR(levels.WithPrefix(dir));  // (both said: the folder's durability first)
+  TF_RETURN_IF_ERROR(backups);
   return written;
 }
 

@@ -90,15 +90,17 @@ class DeviceSink final : public BatchSink {
     }
     std::vector<uint64_t> faults;
     for (const io::MappedFile* map : gathered) faults.push_back(map->faults());
-    TF_RETURN_IF_ERROR(RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get()));
-    if (check) check->Count();
+    const Status ran = RunDeviceTasks(c_, slot_, tasks, task_file, buffer.get());
     for (size_t i = 0; i < gathered.size(); ++i) {
       const io::MappedFile& map = *gathered[i];
       if (map.faults() != faults[i]) {
-        // Rows read as zeros (the file shrank under the mapping, or an I/O error): not handed out.
+        // Rows read as zeros (the file shrank under the mapping, or an I/O error): not handed
+        // out, and said first (their checksums, checked in the slots, fail too).
         return MappedFaultError(*c_.checkpoint, gathered_file[i], map);
       }
     }
+    TF_RETURN_IF_ERROR(ran);
+    if (check) check->Count();
     return BatchInBuffer(*c_.checkpoint, batch, buffer->data(), buffer, device_);
   }
 

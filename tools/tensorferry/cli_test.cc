@@ -1048,6 +1048,27 @@ TEST(CliReshard, AStridedSliceIsReadInBoundedSpans) {
     EXPECT_EQ(resharded.at("w").first, (std::vector<uint64_t>{4096, 16}));
     EXPECT_TRUE(resharded == sliced) << "rank " << rank;
   }
+#ifndef TF_UNDER_SANITIZER  // (the sanitizers' own memory would hide the bound)
+  // The memory: 64 MiB split 32 ways on dim 1 (4-byte rows, 124-byte gaps). Each rank's 2 MiB
+  // came from one read of the whole tensor (peak RSS about 90 MB); now from reads of at most
+  // 2 MiB (about 25 MB). This test process's children are this test's CLI runs only.
+  // (Generated in pieces: a spawned child's peak RSS counts this process's peak before its exec.)
+  TensorToWrite wide{"w", DType::kF16, {524288, 64}, {}, nullptr};
+  wide.generate = [](uint64_t offset, std::span<std::byte> out) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i] = std::byte(static_cast<uint8_t>((offset + i) * 13));
+    }
+    return Status::Ok();
+  };
+  fs::create_directories(dir.Join("wide"));
+  ASSERT_TRUE(WriteFile(dir.Join("wide/model.safetensors"), std::span(&wide, 1), {}, plain).ok());
+  r = RunCli({"reshard", dir.Join("wide"), dir.Join("tp32"), "--tp", "32", "--rules",
+              dir.Join("rules.json"), "--no-sync", "--no-verify"});
+  ASSERT_EQ(r.exit_code, 0) << Describe(r);
+  struct rusage children {};
+  ASSERT_EQ(getrusage(RUSAGE_CHILDREN, &children), 0);
+  EXPECT_LT(children.ru_maxrss, 48 << 10) << "KiB of peak RSS in reshard --tp 32";
+#endif
 }
 
 // Found by a review: reshard sliced each tensor by its own rule and ignored the rules' ties, so a

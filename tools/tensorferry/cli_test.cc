@@ -13,6 +13,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -1020,6 +1021,26 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
   EXPECT_FALSE(fs::exists(dir.Join("y")));
 }
 
+// Writes `tensors` as DIR/src/model.safetensors (no checksums) and the rules `json` as
+// DIR/rules.json, then reshards the source `world` ways with those rules into DIR/<name>.
+RunResult ReshardWithRules(const TempDir& dir, const std::vector<TensorToWrite>& tensors,
+                           const std::string& json, uint32_t world, const std::string& name) {
+  WriteOptions plain;
+  plain.checksums = false;
+  fs::create_directories(dir.Join("src"));
+  EXPECT_TRUE(WriteFile(dir.Join("src/model.safetensors"), tensors, {}, plain).ok());
+  testing::WriteBytes(dir.Join("rules.json"), json);
+  return RunCli({"reshard", dir.Join("src"), dir.Join(name), "--tp", std::to_string(world),
+                 "--rules", dir.Join("rules.json"), "--no-sync"});
+}
+
+// Rank `rank`'s folder of a reshard into `dst` for `world` ranks.
+std::string RankDir(const std::string& dst, uint32_t rank, uint32_t world) {
+  char name[40];
+  std::snprintf(name, sizeof name, "/rank-%05u-of-%05u", rank, world);
+  return dst + name;
+}
+
 // Found by a review: the rows of a dim-1 slice were read together with the other ranks' rows
 // between them without bound (a split over W ranks read W times the writer's buffer at once).
 // Now one read spans at most max(the writer's piece, 1 MiB): a 2 MiB tensor split 8 ways on dim 1
@@ -1029,20 +1050,13 @@ TEST(CliReshard, AStridedSliceIsReadInBoundedSpans) {
   TempDir dir;
   std::vector<std::byte> w(4096 * 128 * 4);
   for (size_t i = 0; i < w.size(); ++i) w[i] = std::byte(static_cast<uint8_t>(i * 7 + (i >> 11)));
-  WriteOptions plain;
-  plain.checksums = false;
-  const std::vector<TensorToWrite> tensors = {{"w", DType::kF32, {4096, 128}, w, nullptr}};
-  fs::create_directories(dir.Join("src"));
-  ASSERT_TRUE(WriteFile(dir.Join("src/model.safetensors"), tensors, {}, plain).ok());
   const std::string json = R"({"overrides":{"w":{"split":1}}})";
-  testing::WriteBytes(dir.Join("rules.json"), json);
-  const std::string dst = dir.Join("tp8");
-  RunResult r = RunCli({"reshard", dir.Join("src"), dst, "--tp", "8", "--rules",
-                        dir.Join("rules.json"), "--no-sync"});
+  RunResult r =
+      ReshardWithRules(dir, {{"w", DType::kF32, {4096, 128}, w, nullptr}}, json, 8, "tp8");
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   const ShardSpec spec = ShardSpec::FromJson(json).value();
   for (uint32_t rank = 0; rank < 8; ++rank) {
-    const auto resharded = LoadAll(dst + "/rank-0000" + std::to_string(rank) + "-of-00008");
+    const auto resharded = LoadAll(RankDir(dir.Join("tp8"), rank, 8));
     const auto sliced = LoadAll(dir.Join("src"), TensorParallelOptions{spec, rank, 8, 0});
     ASSERT_EQ(resharded.size(), 1u);
     EXPECT_EQ(resharded.at("w").first, (std::vector<uint64_t>{4096, 16}));
@@ -1060,6 +1074,8 @@ TEST(CliReshard, AStridedSliceIsReadInBoundedSpans) {
     }
     return Status::Ok();
   };
+  WriteOptions plain;
+  plain.checksums = false;
   fs::create_directories(dir.Join("wide"));
   ASSERT_TRUE(WriteFile(dir.Join("wide/model.safetensors"), std::span(&wide, 1), {}, plain).ok());
   r = RunCli({"reshard", dir.Join("wide"), dir.Join("tp32"), "--tp", "32", "--rules",
@@ -1080,22 +1096,15 @@ TEST(CliReshard, TiesAreResolvedAsTheLoaderResolvesThem) {
   for (size_t i = 0; i < emb.size(); ++i) emb[i] = std::byte(static_cast<uint8_t>(i * 3 + 1));
   for (size_t i = 0; i < head.size(); ++i) head[i] = std::byte(static_cast<uint8_t>(i * 5 + 2));
   for (size_t i = 0; i < other.size(); ++i) other[i] = std::byte(static_cast<uint8_t>(i + 9));
-  WriteOptions plain;
-  plain.checksums = false;
   const std::vector<TensorToWrite> tensors = {{"emb", DType::kF32, {8, 4}, emb, nullptr},
                                               {"head", DType::kF32, {8, 4}, head, nullptr},
                                               {"other", DType::kF32, {6, 4}, other, nullptr}};
-  fs::create_directories(dir.Join("src"));
-  ASSERT_TRUE(WriteFile(dir.Join("src/model.safetensors"), tensors, {}, plain).ok());
   const std::string json = R"({"overrides":{"emb":{"split":0}},"ties":{"head":"emb"}})";
-  testing::WriteBytes(dir.Join("rules.json"), json);
-  const std::string dst = dir.Join("tp2");
-  RunResult r = RunCli({"reshard", dir.Join("src"), dst, "--tp", "2", "--rules",
-                        dir.Join("rules.json"), "--no-sync"});
+  RunResult r = ReshardWithRules(dir, tensors, json, 2, "tp2");
   ASSERT_EQ(r.exit_code, 0) << Describe(r);
   const ShardSpec spec = ShardSpec::FromJson(json).value();
   for (uint32_t rank = 0; rank < 2; ++rank) {
-    const auto resharded = LoadAll(dst + "/rank-0000" + std::to_string(rank) + "-of-00002");
+    const auto resharded = LoadAll(RankDir(dir.Join("tp2"), rank, 2));
     const auto sliced = LoadAll(dir.Join("src"), TensorParallelOptions{spec, rank, 2, 0});
     ASSERT_EQ(resharded.size(), 3u);
     EXPECT_TRUE(resharded == sliced) << "rank " << rank;

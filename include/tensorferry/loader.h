@@ -26,10 +26,10 @@
 // that the next one cannot fit, Stream returns kBudgetExceeded rather than wait forever (nothing
 // else can free it). The mmap engine holds no tensor memory of its own (the page cache does), so
 // the budget only shapes its batches; the exception is a tensor-parallel slice of several ranges
-// (rows of a dim > 0 split), which it copies into pooled host memory that the tensor owns: the
-// batch's lease covers that copy while the batch is made, not after it is delivered (a caller
-// holding such slices holds memory the budget no longer counts; a copying engine's batches stay
-// counted until dropped).
+// (rows of a dim > 0 split), which it copies into pooled host memory that the tensor owns: those
+// copies keep their bytes of the budget until the last tensor in their buffer is dropped, as a
+// copying engine's batches do (so Load refuses up front when the copies and a batch cannot fit
+// together).
 //
 // Device loads (LoadOptions::device, or a per-tensor LoadOptions::placement; docs/gpu.md): a batch
 // bound for CUDA device d gets one device buffer (one cudaMalloc, from a budgeted allocator), its

@@ -541,7 +541,8 @@ Result<std::vector<Tensor>> Loader::Load(const Selection& selection) {
 Status Loader::CheckFitsAtOnce(const Selection& selection) const {
   const Impl& m = *impl_;
   const bool host_budget = m.options.budget > 0 && m.engine_kind != Engine::kMmap;
-  if (host_budget || m.options.device_budget > 0) {
+  const bool mapped_budget = m.options.budget > 0 && m.engine_kind == Engine::kMmap;
+  if (host_budget || mapped_budget || m.options.device_budget > 0) {
     // Load returns every tensor at once: each device's total must fit its budget. The totals are
     // the plans' (local sizes of tensor-parallel slices, and on the host their covered gaps, as
     // the leases will count them).
@@ -549,6 +550,30 @@ Status Loader::CheckFitsAtOnce(const Selection& selection) const {
     TF_ASSIGN_OR_RETURN(std::vector<Group> groups, m.MakeGroups(resolved.read));
     for (const Group& g : groups) {
       const Device dev = g.device;
+      if (mapped_budget && dev.is_cpu()) {
+        // Views cost the budget nothing once made, but copies of slices of several ranges keep
+        // their share until dropped: each batch's lease must fit beside the copies before it.
+        uint64_t copies = 0;
+        for (size_t k = 0; k < g.plan.batches.size(); ++k) {
+          const PlanBatch& b = g.plan.batches[k];
+          if (copies > 0 && copies + sink::HostLeaseBytes(b) > m.options.budget) {
+            return Status(
+                Code::kBudgetExceeded,
+                "Load returns every tensor at once: the mmap engine's copies of "
+                "tensor-parallel slices of several ranges (" +
+                    std::to_string(copies) + " bytes before batch " + std::to_string(k + 1) +
+                    " of " + std::to_string(g.plan.batches.size()) +
+                    ") leave too little of the budget of " + std::to_string(m.options.budget) +
+                    " bytes for the next batch; use Stream to load batch by batch");
+          }
+          for (const PlannedTensor& pt : b.tensors) {
+            if (pt.slice && SliceRangeCount(m.checkpoint->tensors()[pt.tensor], *pt.slice) > 1) {
+              copies += pt.slice->bytes;
+            }
+          }
+        }
+        continue;
+      }
       uint64_t total = std::max(g.plan.tensor_bytes, g.plan.read_bytes);
       if (dev.is_cuda()) {
         // What the device allocator charges: each batch's buffer, alignment padding included

@@ -249,6 +249,77 @@ TEST(TensorParallelLoad, MmapDimZeroSlicesAreViews) {
   EXPECT_EQ(tensors.size(), f.tensors.size());
 }
 
+// The mmap engine's copies of slices of several ranges (dim > 0 splits) hold their share of the
+// budget until dropped, as a copying engine's batches do; views cost it nothing once made. A
+// caller holding every tensor is refused the next batch before the copies pass the budget (they
+// were not counted at all), one dropping the copies streams to the end, and Load is refused up
+// front when the copies and a batch cannot fit together.
+TEST(TensorParallelLoad, MmapCopiesHoldTheBudgetUntilDropped) {
+  TpFixture f(64);
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  o.budget = 128 << 10;
+  o.tensor_parallel = TensorParallelOptions{f.spec, 1, 2, 0};
+  auto loader = Loader::Open(f.dir.path(), o).value();
+  const Checkpoint& ckpt = *loader->checkpoint();
+  auto copied = [&](const Tensor& t) {
+    const TensorInfo& info = *ckpt.Find(t.name());
+    const TensorSlice slice = SliceOf(info, f.spec.RuleFor(t.name()), 1, 2).value();
+    return SliceRangeCount(info, slice) > 1 ? t.size() : uint64_t{0};
+  };
+  uint64_t all_copies = 0;
+  {
+    LoadOptions unbudgeted = o;
+    unbudgeted.budget = 0;
+    auto whole = Loader::Open(f.dir.path(), unbudgeted).value()->Load().value();
+    for (const Tensor& t : whole) all_copies += copied(t);
+  }
+  ASSERT_GT(all_copies, o.budget) << "the test needs more copies than the budget";
+
+  std::vector<Tensor> held;
+  uint64_t held_copies = 0;
+  Status s = loader->Stream(Selection::All(), [&](Batch b) {
+    for (Tensor& t : b.tensors) {
+      held_copies += copied(t);
+      held.push_back(std::move(t));
+    }
+    EXPECT_LE(held_copies, o.budget);
+    return Status::Ok();
+  });
+  EXPECT_EQ(s.code(), Code::kBudgetExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("held by tensors of earlier batches"), std::string::npos)
+      << s.message();
+  for (const Tensor& t : held) {
+    EXPECT_EQ(HostBytes(t),
+              NaiveSlice(*ckpt.Find(t.name()), f.spec.RuleFor(t.name()), 1, 2, f.Full(t.name())))
+        << t.name();
+  }
+  held.clear();
+
+  // Keeping the views and dropping the copies: every batch comes.
+  size_t seen = 0;
+  s = loader->Stream(Selection::All(), [&](Batch b) {
+    for (Tensor& t : b.tensors) {
+      ++seen;
+      if (copied(t) == 0) held.push_back(std::move(t));
+    }
+    return Status::Ok();
+  });
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(seen, f.tensors.size());
+  EXPECT_LE(loader->stats().peak_budget_bytes, o.budget);
+  held.clear();
+
+  auto refused = loader->Load();
+  EXPECT_EQ(refused.status().code(), Code::kBudgetExceeded) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("copies of tensor-parallel slices"), std::string::npos)
+      << refused.status().message();
+  o.budget = all_copies + (128 << 10);
+  auto fits = Loader::Open(f.dir.path(), o).value()->Load();
+  ASSERT_TRUE(fits.ok()) << fits.status().ToString();
+  EXPECT_EQ(fits->size(), f.tensors.size());
+}
+
 TEST(TensorParallelLoad, TiedAliasesShareTheTargetAndAreReadOnce) {
   TpFixture f(4, /*twin=*/true);
   for (Engine engine : AvailableEngines()) {

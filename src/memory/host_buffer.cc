@@ -209,6 +209,12 @@ BudgetLease::~BudgetLease() {
   if (budget_) budget_->Release(bytes_);
 }
 
+BudgetLease BudgetLease::Split(uint64_t bytes) {
+  const uint64_t n = std::min(bytes, bytes_);
+  bytes_ -= n;
+  return BudgetLease(budget_, n);
+}
+
 std::shared_ptr<Budget> Budget::Create(uint64_t limit) {
   return std::shared_ptr<Budget>(new Budget(limit));
 }

@@ -105,6 +105,9 @@ class BudgetLease {
   BudgetLease& operator=(BudgetLease&& other) noexcept;
   ~BudgetLease();
   uint64_t bytes() const noexcept { return bytes_; }
+  // Moves min(bytes, this->bytes()) of this lease into a new lease of the same budget (nothing is
+  // released or acquired: the two together hold what this one held).
+  BudgetLease Split(uint64_t bytes);
 
  private:
   friend class Budget;

@@ -9,14 +9,6 @@
 namespace tensorferry::sink {
 namespace {
 
-// What every Tensor of a batch co-owns: the buffer and the batch's share of the budget. Both are
-// released together when the last tensor goes: the buffer first (back to the pool), then the
-// lease, so that a read-ahead waiting for the lease finds the buffer in the pool.
-struct BatchMemory {
-  memory::BudgetLease lease;
-  std::shared_ptr<memory::HostBuffer> buffer;
-};
-
 class HostSink final : public BatchSink {
  public:
   HostSink(const SinkContext& context, const Plan& plan)

@@ -18,8 +18,9 @@ class MappedSink final : public BatchSink {
  public:
   MappedSink(const SinkContext& context, const Plan& plan) : c_(context), plan_(plan) {}
 
-  // The budget only shapes the batches (the page cache owns the memory): the lease is dropped as
-  // soon as the batch is made.
+  // The budget shapes the batches; the page cache owns the memory of views, so that part of the
+  // lease is dropped as soon as the batch is made. Copies of slices of several ranges keep their
+  // bytes' share of it until the last tensor in their buffer goes (as a copying engine's batches).
   Result<std::optional<Reservation>> Reserve(const PlanBatch& batch) override {
     return ReserveHost(*c_.budget, batch);
   }
@@ -28,11 +29,11 @@ class MappedSink final : public BatchSink {
   }
   bool reads_ahead() const override { return false; }
 
-  Result<Batch> Complete(size_t b, Reservation) override {
+  Result<Batch> Complete(size_t b, Reservation memory) override {
     const PlanBatch& batch = plan_.batches[b];
     TF_RETURN_IF_ERROR(MapForViews(c_, batch));
     if (c_.options->populate && !batch.tasks.empty()) TF_RETURN_IF_ERROR(Populate(batch));
-    return MakeTensors(batch);
+    return MakeTensors(batch, memory.lease);
   }
 
  private:
@@ -57,12 +58,12 @@ class MappedSink final : public BatchSink {
   }
 
   // Views, or copies gathered into one pooled buffer for slices of several ranges (dim-0 slices,
-  // one range, stay views).
-  Result<Batch> MakeTensors(const PlanBatch& batch) {
+  // one range, stay views); the copies take their bytes out of the batch's `lease`.
+  Result<Batch> MakeTensors(const PlanBatch& batch, memory::BudgetLease& lease) {
     const auto& infos = c_.checkpoint->tensors();
     std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(batch.tensors.size());
     std::vector<uint64_t> gather_at(batch.tensors.size(), 0);
-    uint64_t gather_bytes = 0;
+    uint64_t gather_bytes = 0, copied_bytes = 0;
     for (size_t i = 0; i < batch.tensors.size(); ++i) {
       const PlannedTensor& pt = batch.tensors[i];
       if (!pt.slice) continue;
@@ -70,11 +71,14 @@ class MappedSink final : public BatchSink {
       if (pieces[i].size() > 1) {
         gather_at[i] = gather_bytes;
         gather_bytes += (pt.slice->bytes + 63) & ~uint64_t{63};
+        copied_bytes += pt.slice->bytes;
       }
     }
-    std::shared_ptr<memory::HostBuffer> gathered;
+    std::shared_ptr<BatchMemory> gathered;
     if (gather_bytes > 0) {
-      TF_ASSIGN_OR_RETURN(gathered, c_.pool->Acquire(gather_bytes));
+      gathered = std::make_shared<BatchMemory>();
+      TF_ASSIGN_OR_RETURN(gathered->buffer, c_.pool->Acquire(gather_bytes));
+      gathered->lease = lease.Split(copied_bytes);
     }
     Batch out;
     out.bytes = batch.tensor_bytes;
@@ -86,12 +90,12 @@ class MappedSink final : public BatchSink {
       const std::byte* data = nullptr;
       std::shared_ptr<const void> owner;
       if (pieces[i].size() > 1) {
-        std::byte* dst = gathered->data() + gather_at[i];
+        std::byte* dst = gathered->buffer->data() + gather_at[i];
         for (const auto& [off, len] : pieces[i]) {
           std::memcpy(dst, map->data() + info.offset + off, len);
           dst += len;
         }
-        data = gathered->data() + gather_at[i];
+        data = gathered->buffer->data() + gather_at[i];
         owner = std::shared_ptr<const void>(gathered, data);
       } else {
         const uint64_t off = pieces[i].empty() ? 0 : pieces[i][0].first;

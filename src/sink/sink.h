@@ -40,6 +40,14 @@ struct Reservation {
   std::shared_ptr<device::DeviceBuffer> device;
 };
 
+// What every Tensor of a batch co-owns: a pooled buffer and its share of the budget. Both are
+// released together when the last tensor goes: the buffer first (back to the pool), then the
+// lease, so that a read-ahead waiting for the lease finds the buffer in the pool.
+struct BatchMemory {
+  memory::BudgetLease lease;
+  std::shared_ptr<memory::HostBuffer> buffer;
+};
+
 // Per CUDA device: the budgeted allocator of batch buffers and the pipeline (pinned ring, streams,
 // cuFile driver), made once per Loader and reused by every load.
 struct DeviceSlot {

@@ -222,6 +222,29 @@ TEST(BufferPoolTest, ConcurrentAcquireRelease) {
 
 // --- Budget --------------------------------------------------------------------------------------
 
+// A split lease holds part of the bytes on its own: each part is released when it goes, and a
+// split of more than is held takes what there is.
+TEST(BudgetTest, SplitLeasesReleaseTheirOwnParts) {
+  auto budget = Budget::Create(100);
+  auto whole = budget->TryAcquire(80);
+  ASSERT_TRUE(whole.has_value());
+  {
+    BudgetLease part = whole->Split(30);
+    EXPECT_EQ(part.bytes(), 30u);
+    EXPECT_EQ(whole->bytes(), 50u);
+    EXPECT_EQ(budget->in_use(), 80u);
+    whole.reset();
+    EXPECT_EQ(budget->in_use(), 30u);
+    BudgetLease rest = part.Split(500);
+    EXPECT_EQ(rest.bytes(), 30u);
+    EXPECT_EQ(part.bytes(), 0u);
+  }
+  EXPECT_EQ(budget->in_use(), 0u);
+  EXPECT_EQ(budget->peak(), 80u);
+  BudgetLease empty;
+  EXPECT_EQ(empty.Split(10).bytes(), 0u);
+}
+
 TEST(BudgetTest, TryAcquireAndPeak) {
   auto budget = Budget::Create(100);
   EXPECT_EQ(budget->limit(), 100u);

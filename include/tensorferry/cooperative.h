@@ -147,8 +147,9 @@ uint64_t NetworkProbeBytes(const LoadOptions& options, std::span<const uint32_t>
 
 // A digest of the options the ranks of a cooperative load must agree on, as parsed (so "2GB" and
 // 2000000000 agree, as do a default left unset and the same value given): cooperative.exchange,
-// storage_rate, network_rate (0, measured, is a value of its own) and probe_bytes, budget and the
-// shard rules' max_gap. LoadCooperative and Python's cooperative load compare it across ranks
+// storage_rate, network_rate (0, measured, is a value of its own) and probe_bytes, budget, the
+// shard rules' max_gap and verify (it decides the pieces' granule and the records compared).
+// LoadCooperative and Python's cooperative load compare it across ranks
 // before any I/O, with the plan's per-tensor figures.
 uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept;
 
@@ -213,6 +214,11 @@ struct CooperativePlan {
   // records: their identities differ between hosts). Part of what the ranks compare before any
   // exchange.
   uint64_t content_digest = 0;
+  // What the plan stands on, equal on ranks that planned alike: every tensor read (name, dtype,
+  // shape, file and offset), every rank's slice of it, the plan's choices per tensor and
+  // content_digest. The ranks compare it before any exchange (LoadCooperative, and Python's
+  // cooperative load through _core.Checkpoint.cooperative_plan).
+  uint64_t fingerprint = 0;
   // The model's prediction for a placement of the reads: the busiest host's bytes read from
   // storage and received over the network, both flowing at once, per host h:
   // seconds = max(read_h / storage_rate, network_h / network_rate), the largest over the hosts.

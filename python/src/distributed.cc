@@ -56,7 +56,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
   const uint32_t world = static_cast<uint32_t>(hosts.size());
   const LoadOptions load_options = MakeLoadOptions(options);
   std::vector<Output> outputs;
-  uint64_t content_digest = 0;
+  uint64_t fingerprint = 0;
   std::vector<PlanEntry> entries;
   {
     nb::gil_scoped_release release;
@@ -71,7 +71,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
     }
     const tensorferry::CooperativePlan plan =
         Unwrap(PlanCooperative(*checkpoint, selection, spec, load_options, hosts, probe_seconds));
-    content_digest = plan.content_digest;
+    fingerprint = plan.fingerprint;
     const std::vector<TensorInfo>& infos = checkpoint->tensors();
     entries.reserve(plan.tensors.size());
     for (const CooperativeTensorPlan& t : plan.tensors) {
@@ -101,7 +101,7 @@ nb::object CooperativePlan(const Checkpoint& checkpoint_ref,
                            t.SavesReads(), t.piece_granule);
     }
   }
-  return nb::cast(std::make_tuple(std::move(entries), std::move(outputs), content_digest));
+  return nb::cast(std::make_tuple(std::move(entries), std::move(outputs), fingerprint));
 }
 
 void RegisterDistributed(nb::module_& m) {

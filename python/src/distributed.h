@@ -18,9 +18,10 @@ void RegisterDistributed(nanobind::module_& m);
 // Reader.cooperative_plan: the schedule of a cooperative load of `checkpoint` (the Reader's, so
 // the checkpoint is opened once) over len(hosts) ranks, rank r on host hosts[r] (dense indices):
 // PlanCooperative with LoadOptions from `options` (MakeLoadOptions: budget, coop_exchange,
-// coop_storage_rate, coop_network_rate, shard_max_gap), made after a network probe of
-// `probe_seconds` (0: none ran). Returns (entries, outputs, content_digest:
-// CooperativePlan::content_digest, what the ranks compare beside the plan). entries: one
+// coop_storage_rate, coop_network_rate, shard_max_gap, verify), made after a network probe of
+// `probe_seconds` (0: none ran). Returns (entries, outputs, fingerprint:
+// CooperativePlan::fingerprint, what the ranks compare: it covers the tensors' files and offsets
+// and the content digest, which the entries lack). entries: one
 // (name, dtype, shape, nbytes, exchanged, reader, round, piece_rows, piece_rounds, dim, parts,
 // saves_reads, piece_granule) per tensor to read, in checkpoint order: exchanged false: every
 // rank reads its own part;

@@ -708,8 +708,8 @@ void RegisterReader(nb::module_& m) {
            "A Reader of other's checkpoint (its open files) with its own options.")
       .def("cooperative_plan", &Reader::CooperativePlan, nb::arg("names").none(), nb::arg("spec"),
            nb::arg("hosts"), nb::arg("options"), nb::arg("probe_seconds") = 0.0,
-           "The schedule of a cooperative load of this checkpoint: (entries, outputs), see "
-           "distributed.h.")
+           "The schedule of a cooperative load of this checkpoint: (entries, outputs, "
+           "fingerprint), see distributed.h.")
       .def("names", &Reader::Names, nb::arg("by_offset"))
       .def(
           "files",

@@ -39,8 +39,9 @@ from . import _core
 # Options of the per-rank sliced path: the cooperative reader reads whole tensors.
 _TP_KEYS = ("tp_rank", "tp_size", "shard_rules", "shard_max_gap")
 # Options of the plan (PlanCooperative's cost model and covering reads).
+# verify: the pieces' granule (whole checksum chunks) and the records the ranks compare.
 _PLAN_KEYS = ("coop_exchange", "coop_storage_rate", "coop_network_rate", "coop_probe_bytes",
-              "shard_max_gap")
+              "shard_max_gap", "verify")
 
 
 class Cooperative:
@@ -594,14 +595,15 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
         error = fingerprint = None
         try:
             nbytes = _core.network_probe_bytes(hosts, options)
-            raw, _, digest = base.cooperative_plan(names, shard_spec, hosts,
-                                                   dict(options, coop_exchange="none"))
-            # The content digest (checksum records, hub commits, ETags: CooperativePlan::
-            # content_digest) tells two copies of one layout with other bytes apart; the
-            # names as a set (the load's order is the files' whatever the order given); the
-            # options as parsed ("64MB" and 64000000 agree).
+            raw, _, planned = base.cooperative_plan(names, shard_spec, hosts,
+                                                    dict(options, coop_exchange="none"))
+            # The plan's fingerprint (CooperativePlan::fingerprint: the tensors' files and
+            # offsets, and the content digest of checksum records, hub commits and ETags, which
+            # tells two copies of one layout with other bytes apart); the names as a set (the
+            # load's order is the files' whatever the order given); the options as parsed
+            # ("64MB" and 64000000 agree).
             fingerprint = _fingerprint(raw, sorted(names) if names else names,
-                                       _core.cooperative_options_digest(options), digest)
+                                       _core.cooperative_options_digest(options), planned)
         except Exception as e:  # re-raised by _agree_plan, after the others know
             error = e
         _agree_plan(torch, dist, group, rank, world, comm_device, wait, error, fingerprint,
@@ -617,9 +619,9 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
             options["coop_network_rate"] = measured
         error = fingerprint = None
         try:
-            raw_plan, outputs, _ = base.cooperative_plan(names, shard_spec, hosts, options,
-                                                         probe_seconds)
-            fingerprint = _fingerprint(raw_plan, outputs)
+            raw_plan, outputs, planned = base.cooperative_plan(names, shard_spec, hosts,
+                                                               options, probe_seconds)
+            fingerprint = _fingerprint(raw_plan, outputs, planned)
             plan = [_Entry(t) for t in raw_plan]
             if any(e.exchanged for e in plan if e.name in preread):
                 raise _core.SafetensorError(
@@ -889,11 +891,13 @@ def _joined(torch, dim, views):
     return out
 
 
-def _own(torch, t):
+def _own(torch, t, shared=False):
     """`t`, or a copy of it when it is a view of a larger storage (this rank's rows of a
-    tensor it read whole, a tensor received in a round's buffer): a result holds no more memory
-    than its own bytes. Copied as _assign copies (not on torch's thread pool)."""
-    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+    tensor it read whole, a tensor received in a round's buffer) or `shared` (a tensor of a
+    reader's batch of several: its storage is its own bytes, but what owns it holds the whole
+    batch): a result holds no more memory than its own bytes. Copied as _assign copies (not on
+    torch's thread pool)."""
+    if not shared and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
     _assign(torch, out, t)
@@ -939,6 +943,9 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
         else:
             sizes.append(u.entry.unit_bytes(u, rank))
             recv_splits[u.reader] += _align(sizes[-1])
+    # What this rank read this round came in batches of several tensors (the readers' whole
+    # batch is what a tensor of it keeps alive): a whole tensor it keeps is copied out of them.
+    batched = len(loaded) > 1
     send_buf = torch.empty(sum(send_splits), dtype=torch.uint8, device=comm_device)
     cursor, at = [], 0
     for n in send_splits:
@@ -958,7 +965,7 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
                     _place_piece(torch, e, u,
                                  _target(torch, fw, e, rank, mine_parts, comm_device), part, rank)
                 else:
-                    got[e.name] = _own(torch, part)
+                    got[e.name] = _own(torch, part, shared=batched)
                 continue
             n = size[q]
             _copy_blocks(torch, dim, views, send_buf[cursor[q]:cursor[q] + n])

@@ -589,6 +589,44 @@ Result<Description> DescribeForRank(const Checkpoint& checkpoint, const Selectio
 // (docs/benchmarks.md, "Multi-host rehearsal"), the exchange's fixed costs being outside the model.
 constexpr double kMinExchangeGain = 0.10;
 
+// What a plan stands on, the same on every rank when they agree: each tensor read (name, dtype,
+// shape, place in its file), every rank's slice of it, and the plan's choices per tensor.
+uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& items) {
+  Fingerprint f;
+  f.Add(plan.world);
+  f.Add(static_cast<uint64_t>(plan.choice));
+  f.Add(plan.storage_rate);
+  f.Add(plan.network_rate);
+  f.Add(plan.rounds);
+  f.Add(plan.content_digest);
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const CooperativeTensorPlan& t = plan.tensors[i];
+    const TensorInfo& info = *items[i].info;
+    f.Add(info.name);
+    f.Add(static_cast<uint64_t>(info.dtype));
+    for (uint64_t d : info.shape) f.Add(d);
+    f.Add(info.file);
+    f.Add(info.offset);
+    f.Add(info.size);
+    f.Add(items[i].whole);
+    for (const TensorSlice& slice : items[i].slices) {
+      f.Add(slice.rule.dim);
+      for (const auto& [start, length] : slice.blocks) {
+        f.Add(start);
+        f.Add(length);
+      }
+      f.Add(slice.bytes);
+    }
+    f.Add(t.exchanged);
+    f.Add(t.reader);
+    f.Add(t.round);
+    f.Add(t.readers);
+    f.Add(t.piece_granule);
+    for (uint32_t r : t.piece_rounds) f.Add(r);
+  }
+  return f.value();
+}
+
 // The plan of the tensors `indices` (checkpoint order), with the items of rank `me`, made after a
 // network probe of `probe_seconds` (0: none ran; see PlanCooperative).
 Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const uint32_t> indices,
@@ -720,10 +758,11 @@ Result<CooperativePlan> MakePlan(const Checkpoint& checkpoint, std::span<const u
     }
     plan.rounds = std::max(plan.rounds, t.round + 1);
   }
-  if (items_out != nullptr) {
-    items_out->clear();
-    for (Costed& c : costed) items_out->push_back(std::move(c.item));
-  }
+  std::vector<Item> items;
+  items.reserve(costed.size());
+  for (Costed& c : costed) items.push_back(std::move(c.item));
+  plan.fingerprint = PlanFingerprint(plan, items);
+  if (items_out != nullptr) *items_out = std::move(items);
   return plan;
 }
 
@@ -1105,6 +1144,26 @@ class RoundRunner {
       cursor[p] = offset;
       offset += recv_counts[p];
     }
+    // What a kept tensor would hold alive besides its bytes. A whole tensor this rank read shares
+    // its loader's batch: when the batch holds other tensors (read only to be sent, or sliced)
+    // it is copied out. Received tensors share the receive buffer: when more than an eighth of
+    // it is parts of row pieces (copied into their assembly below, then dead), they are copied
+    // out too, so the result holds little more than its own bytes.
+    size_t sources = 0;
+    for (size_t j = 0; j < round.size(); ++j) sources += source[j] != nullptr ? 1 : 0;
+    uint64_t piece_bytes_received = 0;
+    for (size_t j = 0; j < round.size(); ++j) {
+      const Unit& unit = units_[round[j]];
+      if (unit.piece && unit.reader != me_) piece_bytes_received += AlignPart(bytes(j, me_));
+    }
+    const bool copy_received = piece_bytes_received * 8 > recv_total;
+    auto own_copy = [](const TensorInfo& info, const std::vector<uint64_t>& shape,
+                       const std::byte* from, uint64_t n) {
+      std::shared_ptr<std::byte[]> buffer(new std::byte[std::max<uint64_t>(n, 1)]);
+      if (n > 0) std::memcpy(buffer.get(), from, n);
+      const std::byte* data = buffer.get();
+      return Tensor(info.name, info.dtype, shape, data, n, std::move(buffer));
+    };
     for (size_t j = 0; j < round.size(); ++j) {
       const Unit& unit = units_[round[j]];
       const size_t i = unit.tensor;
@@ -1130,7 +1189,8 @@ class RoundRunner {
       }
       if (unit.reader == me_) {
         if (item.whole) {
-          out[i] = *source[j];  // shares the loader's buffer
+          out[i] = sources == 1 ? *source[j]  // the batch holds this tensor alone
+                                : own_copy(info, info.shape, source[j]->data(), info.size);
           continue;
         }
         std::shared_ptr<std::byte[]> buffer(new std::byte[std::max<uint64_t>(mine, 1)]);
@@ -1141,7 +1201,9 @@ class RoundRunner {
       }
       const std::byte* data = received.get() + cursor[unit.reader];
       cursor[unit.reader] += AlignPart(mine);
-      out[i] = Tensor(info.name, info.dtype, item.local_shape, data, mine, received);
+      out[i] = copy_received
+                   ? own_copy(info, item.local_shape, data, mine)
+                   : Tensor(info.name, info.dtype, item.local_shape, data, mine, received);
     }
     return Status::Ok();
   }
@@ -1189,44 +1251,6 @@ std::vector<Tensor> Deliver(const Description& described, size_t tensor_count,
   return delivered;
 }
 
-// What a plan stands on, the same on every rank when they agree: each tensor read (name, dtype,
-// shape, place in its file), every rank's slice of it, and the plan's choices per tensor.
-uint64_t PlanFingerprint(const CooperativePlan& plan, const std::vector<Item>& items) {
-  Fingerprint f;
-  f.Add(plan.world);
-  f.Add(static_cast<uint64_t>(plan.choice));
-  f.Add(plan.storage_rate);
-  f.Add(plan.network_rate);
-  f.Add(plan.rounds);
-  f.Add(plan.content_digest);
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const CooperativeTensorPlan& t = plan.tensors[i];
-    const TensorInfo& info = *items[i].info;
-    f.Add(info.name);
-    f.Add(static_cast<uint64_t>(info.dtype));
-    for (uint64_t d : info.shape) f.Add(d);
-    f.Add(info.file);
-    f.Add(info.offset);
-    f.Add(info.size);
-    f.Add(items[i].whole);
-    for (const TensorSlice& slice : items[i].slices) {
-      f.Add(slice.rule.dim);
-      for (const auto& [start, length] : slice.blocks) {
-        f.Add(start);
-        f.Add(length);
-      }
-      f.Add(slice.bytes);
-    }
-    f.Add(t.exchanged);
-    f.Add(t.reader);
-    f.Add(t.round);
-    f.Add(t.readers);
-    f.Add(t.piece_granule);
-    for (uint32_t r : t.piece_rounds) f.Add(r);
-  }
-  return f.value();
-}
-
 }  // namespace
 
 uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept {
@@ -1241,6 +1265,7 @@ uint64_t CooperativeOptionsDigest(const LoadOptions& options) noexcept {
   f.Add(options.budget);
   f.Add(options.tensor_parallel ? options.tensor_parallel->max_gap
                                 : TensorParallelOptions{}.max_gap);
+  f.Add(static_cast<uint64_t>(options.verify));  // the pieces' granule, the records compared
   return f.value();
 }
 
@@ -1609,15 +1634,14 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   // agree on them (and on the options the probe and the plan depend on), or every rank fails.
   Description described;
   CooperativePlan figures;
-  std::vector<Item> figure_items;
   const Result<uint64_t> inputs = [&]() -> Result<uint64_t> {
     TF_ASSIGN_OR_RETURN(described, DescribeForRank(*checkpoint, selection, spec, me, world));
     LoadOptions o = options;
     o.cooperative.exchange = ExchangeChoice::kNone;  // only the per-tensor figures are needed
     TF_ASSIGN_OR_RETURN(figures,
-                        MakePlan(*checkpoint, described.read, spec, o, hosts, me, &figure_items));
+                        MakePlan(*checkpoint, described.read, spec, o, hosts, me, nullptr));
     Fingerprint f;
-    f.Add(PlanFingerprint(figures, figure_items));
+    f.Add(figures.fingerprint);
     f.Add(CooperativeOptionsDigest(options));
     return f.value();
   }();
@@ -1657,7 +1681,7 @@ Result<std::vector<Tensor>> LoadCooperative(std::shared_ptr<const Checkpoint> ch
   const Result<uint64_t> planned_fingerprint = [&]() -> Result<uint64_t> {
     TF_ASSIGN_OR_RETURN(plan, MakePlan(*checkpoint, described.read, spec, planned, hosts, me,
                                        &items, measured.seconds));
-    return PlanFingerprint(plan, items);
+    return plan.fingerprint;
   }();
   TF_RETURN_IF_ERROR(watchdog.Watch(
       "the plan", [&] { return AgreeOnPlan(collective, planned_fingerprint, "the plan"); }));

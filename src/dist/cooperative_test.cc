@@ -271,6 +271,7 @@ TEST(CooperativeOptionsDigest, ComparesValuesNotSpellings) {
       digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"coop_probe_bytes", "1MB"}}));
   EXPECT_NE(base,
             digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"shard_max_gap", "1MB"}}));
+  EXPECT_NE(base, digest({{"budget", "64MB"}, {"coop_storage_rate", "2GB"}, {"verify", "off"}}));
   // A default given explicitly is the default: the storage rate, and the gap of the shard rules
   // (set, or left to tensor parallelism's default).
   EXPECT_EQ(digest({}), digest({{"coop_storage_rate", std::to_string(kDefaultStorageRate)}}));
@@ -410,6 +411,55 @@ TEST(Cooperative, HugeTensorsAreSplitAmongTheReadersByRows) {
   EXPECT_NE(plan.ToString(*checkpoint).find("embed.weight: exchanged (split among 4 readers"),
             std::string::npos)
       << plan.ToString(*checkpoint);
+}
+
+// A result holds its own bytes, not a round's buffers: a replicated tensor a rank read beside
+// others (read only to be sent or sliced) is copied out of its loader's batch, and tensors
+// received with parts of row pieces are copied out of the receive buffer (the pieces' parts go
+// into their assembly). Before, one small norm kept its whole round of reads alive.
+TEST(Cooperative, ResultsHoldTheirOwnBytesNotTheRoundsBuffers) {
+  testing::TestCheckpoint t;
+  t.Add("embed.weight", DType::kF32, {1001, 33}, ShardRule::Replicate());  // split among readers
+  for (int layer = 0; layer < 6; ++layer) {
+    const std::string p = "layers." + std::to_string(layer);
+    t.Add(p + ".norm.weight", DType::kF32, {33}, ShardRule::Replicate());
+    t.Add(p + ".o.weight", DType::kBF16, {40, 64}, ShardRule::Split(1));
+    t.Add(p + ".bias", DType::kF16, {17}, ShardRule::Replicate());
+  }
+  t.Write(1 << 20);
+  auto checkpoint = Checkpoint::Open(t.dir.path()).ValueOrThrow();
+  for (uint32_t world : {2u, 3u}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    LoadOptions options;
+    options.engine = Engine::kPread;
+    options.threads = 2;
+    options.cooperative.exchange = ExchangeChoice::kAll;
+    options.verify = VerifyMode::kOff;
+    const CooperativePlan plan = PlanCooperative(*checkpoint, Selection::All(), t.spec, options,
+                                                 std::vector<uint32_t>(world, 0))
+                                     .ValueOrThrow();
+    ASSERT_EQ(plan.rounds, 1u);
+    GroupRun run = RunCooperativeGroup(checkpoint, Selection::All(), t.spec, options, world);
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_TRUE(run.results[r].ok())
+          << "rank " << r << ": " << run.results[r].status().ToString();
+      const std::vector<Tensor>& mine = *run.results[r];
+      LoadOptions independent_options;
+      independent_options.tensor_parallel = TensorParallelOptions{t.spec, r, world};
+      const std::vector<Tensor> theirs =
+          Loader::Open(checkpoint, independent_options).ValueOrThrow()->Load().ValueOrThrow();
+      ASSERT_EQ(theirs.size(), mine.size());
+      for (size_t i = 0; i < mine.size(); ++i) {
+        EXPECT_EQ(Bytes(mine[i]), Bytes(theirs[i])) << mine[i].name() << " rank " << r;
+        for (size_t k = 0; k < i; ++k) {
+          const bool same = !mine[i].owner().owner_before(mine[k].owner()) &&
+                            !mine[k].owner().owner_before(mine[i].owner());
+          EXPECT_FALSE(same) << mine[i].name() << " and " << mine[k].name() << " share a buffer"
+                             << " on rank " << r;
+        }
+      }
+    }
+  }
 }
 
 // The readers' contiguous runs balance within one unsplit tensor, so tensors over 1/128 of the

@@ -454,13 +454,16 @@ def _disagreeing_main(rank, paths, init, specs, results, options=({}, {})):
     os._exit(0)
 
 
-@pytest.mark.parametrize("case", ["rows_vs_columns", "one_rank_cannot_plan", "stale_copy"])
+@pytest.mark.parametrize("case", ["rows_vs_columns", "one_rank_cannot_plan", "stale_copy",
+                                  "shifted_copy"])
 def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
     """Rules that split square tensors along another dimension on each rank give equal byte
     counts (an exchange would hand each rank another's bytes); a rule only one rank cannot apply
     would leave the other waiting in a collective; a copy of the checkpoint with the same layout
     and other bytes on one rank (a stale copy) plans alike, and only the checksum records tell it
-    apart. Both ranks fail at once, saying which."""
+    apart; a copy without records whose header is longer (metadata: every tensor at another
+    offset) and one tensor other bytes was loaded, each rank's rows from another version (the
+    ranks compared no files or offsets). Both ranks fail at once, saying which."""
     import tensorferry.torch
     path = str(tmp_path / "m.safetensors")
     g = torch.Generator().manual_seed(3)
@@ -474,6 +477,15 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
         tensorferry.torch.save_file({n: torch.randn(8, 8, generator=g) for n in "abcd"},
                                     paths[1])
         other = rows
+    if case == "shifted_copy":
+        import safetensors.torch
+        g = torch.Generator().manual_seed(3)
+        tensors = {n: torch.randn(8, 8, generator=g) for n in "abcd"}
+        safetensors.torch.save_file(tensors, path)  # no checksum records
+        tensors["b"] = tensors["b"] + 1
+        paths[1] = str(tmp_path / "shifted.safetensors")
+        safetensors.torch.save_file(tensors, paths[1], metadata={"note": "x" * 100})
+        other = rows
     results = str(tmp_path / "outcome")
     mp.spawn(_disagreeing_main, args=(paths, f"file://{tmp_path}/init", [rows, other], results),
              nprocs=2, join=True)
@@ -481,7 +493,7 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
     for r, o in enumerate(outcomes):
         assert o["error"] is not None, (r, o)
         assert o["seconds"] < 30, (r, o)
-    if case in ("rows_vs_columns", "stale_copy"):
+    if case in ("rows_vs_columns", "stale_copy", "shifted_copy"):
         for o in outcomes:
             assert o["type"] == "InvalidArgumentError", o
             assert "disagree on planning (slices and options)" in o["error"], o
@@ -490,13 +502,13 @@ def test_ranks_that_plan_differently_fail_at_once_and_say_so(tmp_path, case):
         assert "cooperative load: rank 1 failed planning" in outcomes[0]["error"], outcomes[0]
 
 
-@pytest.mark.parametrize("case", ["spelled_differently", "other_budget"])
+@pytest.mark.parametrize("case", ["spelled_differently", "other_budget", "other_verify"])
 def test_ranks_compare_their_options_as_parsed(tmp_path, case):
     """The ranks compare the options they plan with as parsed, not as written: a storage rate of
     "2GB" on one rank and 2000000000 on the other is one rate, "64KiB" and 65536 one shard_max_gap
     (which a cooperative load refused before: the core wanted tp_rank and tp_size beside it), and
-    the load goes on (each rank's own slice); two budgets that differ (rounds planned apart) fail
-    at once on both ranks."""
+    the load goes on (each rank's own slice); two budgets that differ (rounds planned apart), or
+    two verify settings (pieces cut on other granules), fail at once on both ranks."""
     import tensorferry.torch
     path = str(tmp_path / "m.safetensors")
     g = torch.Generator().manual_seed(5)
@@ -504,8 +516,10 @@ def test_ranks_compare_their_options_as_parsed(tmp_path, case):
     tensorferry.torch.save_file(tensors, path)
     rows = json.dumps({"rules": [{"pattern": "*", "split": 0}]})
     options = [{"budget": "64MB", "coop_storage_rate": "2GB", "shard_max_gap": "64KiB"},
-               {"budget": 64000000 if case == "spelled_differently" else 32000000,
+               {"budget": 32000000 if case == "other_budget" else 64000000,
                 "coop_storage_rate": 2000000000, "shard_max_gap": 65536}]
+    if case == "other_verify":  # the pieces' granule and the records compared differ
+        options[0]["verify"], options[1]["verify"] = "on", "off"
     results = str(tmp_path / "outcome")
     mp.spawn(_disagreeing_main,
              args=([path, path], f"file://{tmp_path}/init", [rows, rows], results, options),

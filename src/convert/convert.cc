@@ -314,6 +314,9 @@ Status WriteSingleOutput(const TorchCheckpoint& ckpt, const std::string& dst,
                     path + ": the output would replace the source file " + f.path);
     }
   }
+  // Into a directory, an older sharded checkpoint there is replaced (its shards removed): none of
+  // them may be the source, as for a sharded output.
+  if (into_dir) TF_RETURN_IF_ERROR(CheckNoSourceInDir(ckpt, dst));
   if (into_dir) {
     // One file, but through WriteSharded so that an older sharded checkpoint in the directory
     // (whose index would shadow the new file) is replaced all or nothing.

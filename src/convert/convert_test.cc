@@ -144,6 +144,24 @@ TEST(ConvertTorchCheckpoint, NeverReplacesItsSource) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
   EXPECT_EQ(ReadBytes(dir.Join("model.safetensors")), ModelZip());
+  // A source named as a shard of an older sharded checkpoint in the directory: the single-file
+  // output into it would remove that shard (it did, the sharded output refused).
+  TempDir old;
+  const std::string shard = old.Join("model-00001-of-00002.safetensors");
+  WriteBytes(shard, ModelZip());
+  WriteBytes(old.Join("model.safetensors.index.json"),
+             R"({"metadata":{},"weight_map":{"a":"model-00001-of-00002.safetensors"}})");
+  for (uint64_t max_shard_size : {uint64_t{0}, uint64_t{1} << 20}) {
+    ConvertOptions options;
+    options.write.sync = false;
+    options.max_shard_size = max_shard_size;
+    auto into = ConvertTorchCheckpoint(shard, old.path(), options);
+    ASSERT_FALSE(into.ok()) << max_shard_size;
+    EXPECT_EQ(into.status().code(), Code::kInvalidArgument) << into.status().ToString();
+    EXPECT_NE(into.status().message().find("could replace the source file"), std::string::npos)
+        << into.status().ToString();
+    EXPECT_EQ(ReadBytes(shard), ModelZip());
+  }
 }
 
 TEST(ConvertTorchCheckpoint, RefusalsWriteNothing) {

@@ -450,10 +450,27 @@ Status AtomicWrite(const std::string& path, uint64_t size, const WriteOptions& o
   // The rename over a directory would fail only after the whole file was written. (A path
   // without a file name, "a/", is refused as such by WriteTemp.)
   std::error_code ec;
-  if (env == Env::Default() && !name.empty() &&
-      std::filesystem::symlink_status(path, ec).type() == std::filesystem::file_type::directory) {
+  using std::filesystem::file_type;
+  const file_type type = env == Env::Default() && !name.empty()
+                             ? std::filesystem::symlink_status(path, ec).type()
+                             : file_type::not_found;
+  if (type == file_type::directory) {
     return Status(Code::kIoError, path + ": is a directory, not a file's path (errno " +
                                       std::to_string(EISDIR) + ")");
+  }
+  // A device, FIFO or socket would be replaced by the rename (`convert x.pt /dev/null` as root
+  // put a regular file in place of /dev/null): refused before anything is written.
+  if (type == file_type::block || type == file_type::character || type == file_type::fifo ||
+      type == file_type::socket || type == file_type::unknown) {
+    const char* what = type == file_type::block       ? "a block device"
+                       : type == file_type::character ? "a character device"
+                       : type == file_type::fifo      ? "a FIFO"
+                       : type == file_type::socket    ? "a socket"
+                                                      : "not a regular file";
+    return Status(Code::kInvalidArgument,
+                  path + ": is " + what +
+                      ", not a regular file: the output is written beside it and renamed over "
+                      "the path, which would replace it (give a file's path)");
   }
   (void)util::RemoveDeadWritersFiles(dir, {name}, {util::kTemporaryKind});
   TF_ASSIGN_OR_RETURN(TempFile temp, WriteTemp(path, size, options, std::forward<Body>(body)));

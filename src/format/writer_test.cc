@@ -4,7 +4,9 @@
 
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -661,6 +663,41 @@ TEST(WriterFile, DestinationIsADirectory) {
   EXPECT_FALSE(generated);
   EXPECT_EQ(ListDir(dir.path()), std::vector<std::string>{"sub"});
   EXPECT_EQ(ListDir(path), std::vector<std::string>{});
+}
+
+// A FIFO or socket (or a device: `convert x.pt /dev/null` as root) at the path is refused before
+// a byte is produced, and stays: the rename of the new file would have replaced it.
+TEST(WriterFile, DestinationThatIsNotARegularFileStays) {
+  TempDir dir;
+  const std::string fifo = dir.Join("fifo"), sock = dir.Join("sock");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(sock.size(), sizeof(addr.sun_path));
+  std::memcpy(addr.sun_path, sock.c_str(), sock.size() + 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  close(fd);
+  for (const auto& [path, what] : {std::pair{fifo, "a FIFO"}, std::pair{sock, "a socket"}}) {
+    bool generated = false;
+    const std::vector<TensorToWrite> tensors = {
+        {"w", DType::kU8, {1000}, {}, [&](uint64_t, std::span<std::byte> out) {
+           generated = true;
+           std::fill(out.begin(), out.end(), std::byte{1});
+           return Status::Ok();
+         }}};
+    const Status s = WriteFile(path, tensors);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+    ExpectMessageHas(s, {path, std::string(": is ") + what, "not a regular file"}, what);
+    EXPECT_FALSE(generated);
+  }
+  struct stat st {};
+  ASSERT_EQ(lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  ASSERT_EQ(lstat(sock.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(ListDir(dir.path()), (std::vector<std::string>{"fifo", "sock"}));
 }
 
 TEST(WriterFile, PathWithoutFileNameIsRefused) {

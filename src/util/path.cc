@@ -3,6 +3,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -27,16 +28,38 @@ bool IsInside(const fs::path& dir, const fs::path& child) {
   return c != child.end();
 }
 
+// huggingface_hub's cache-wide store of Xet files (on by default since huggingface_hub 1.x):
+// <cache>/blobs/<first 2 hex digits>/<64 hex digits>, a regular file the repositories'
+// blobs/<etag> links lead to, in a store marked by <cache>/blobs/.huggingface-shared-blobs.
+bool IsInSharedHubStore(const fs::path& cache, const fs::path& target) {
+  const std::string name = target.filename().string();
+  const fs::path prefix = target.parent_path();
+  if (name.size() != 64 || prefix.filename().string() != name.substr(0, 2) ||
+      prefix.parent_path() != cache / "blobs" || !std::all_of(name.begin(), name.end(), [](char c) {
+        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+      })) {
+    return false;
+  }
+  std::error_code ec;
+  return fs::is_regular_file(fs::symlink_status(cache / "blobs" / ".huggingface-shared-blobs", ec));
+}
+
 // The hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, or in a subfolder of
 // the snapshot (<revision>/transformer/<file>: diffusers' layout, hf://OWNER/NAME/SUBFOLDER), each
-// file a symlink to <repo>/blobs/<hash>: a target inside that repository's own blobs/ is
+// file a symlink to <repo>/blobs/<hash>, which may itself lead to the cache's shared store of Xet
+// files: a target inside that repository's own blobs/, or in that store (IsInSharedHubStore), is
 // accepted, for a checkpoint folder at any depth below a revision.
 bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
   for (fs::path revision = canonical_dir; revision.has_relative_path();
        revision = revision.parent_path()) {
     const fs::path snapshots = revision.parent_path();
     if (snapshots.filename() == "snapshots") {
-      return IsInside(snapshots.parent_path() / "blobs", target);
+      const fs::path repo = snapshots.parent_path();
+      const std::string kind = repo.filename().string();
+      const bool hub_repo = kind.starts_with("models--") || kind.starts_with("datasets--") ||
+                            kind.starts_with("spaces--");
+      return IsInside(repo / "blobs", target) ||
+             (hub_repo && IsInSharedHubStore(repo.parent_path(), target));
     }
     if (snapshots == revision) break;  // the root
   }

@@ -94,6 +94,46 @@ TEST(PathSafety, SymlinksStayInsideOrInTheRepositorysBlobs) {
             Code::kIndexPathEscape);
 }
 
+// huggingface_hub's cache-wide store of Xet files: <repo>/blobs/<etag> links to
+// <cache>/blobs/<2 hex>/<64 hex> in a store marked by .huggingface-shared-blobs. A snapshot's file
+// reaching it is inside (it was refused: a model huggingface_hub downloaded could not be loaded);
+// without the marker, under another name, or from a folder that is not a hub repository's, it is
+// not.
+TEST(PathSafety, TheHubsSharedStoreOfXetFilesIsInside) {
+  testing::TempDir tmp;
+  const fs::path cache(tmp.path());
+  const std::string hash(64, 'a');
+  const fs::path store = cache / "blobs" / "aa";
+  fs::create_directories(store);
+  testing::WriteBytes((store / hash).string(), "x");
+  testing::WriteBytes((store / (hash + ".refs")).string(), "x");
+  const auto link_all = [&](const fs::path& repo) {
+    const fs::path snapshot = repo / "snapshots" / "rev1";
+    fs::create_directories(snapshot);
+    fs::create_directories(repo / "blobs");
+    fs::create_symlink("../../blobs/aa/" + hash, repo / "blobs" / "etag");
+    fs::create_symlink("../../blobs/aa/" + hash + ".refs", repo / "blobs" / "refs");
+    fs::create_symlink("../../blobs/etag", snapshot / "model.safetensors");
+    fs::create_symlink("../../blobs/refs", snapshot / "other.safetensors");
+    return snapshot;
+  };
+  const fs::path snapshot = link_all(cache / "models--a--b");
+  const fs::path not_hub = link_all(cache / "mine");
+  auto dir = CanonicalDirectory(snapshot, "index");
+  ASSERT_TRUE(dir.ok()) << dir.status().ToString();
+  const std::string model = (snapshot / "model.safetensors").string();
+  // No marker: not a store.
+  EXPECT_EQ(CheckContained(*dir, model, "index", "file").code(), Code::kIndexPathEscape);
+  testing::WriteBytes((cache / "blobs" / ".huggingface-shared-blobs").string(), "1\n");
+  EXPECT_TRUE(CheckContained(*dir, model, "index", "file").ok());
+  EXPECT_EQ(CheckContained(*dir, (snapshot / "other.safetensors").string(), "index", "file").code(),
+            Code::kIndexPathEscape);
+  auto mine = CanonicalDirectory(not_hub, "index");
+  ASSERT_TRUE(mine.ok());
+  EXPECT_EQ(CheckContained(*mine, (not_hub / "model.safetensors").string(), "index", "file").code(),
+            Code::kIndexPathEscape);
+}
+
 // A link whose target climbs out of a directory symlink ("sub/../secret", "sub" a link to a
 // directory elsewhere) points where the kernel goes: beside sub's target, outside, not at a
 // "secret" beside the link. Read as text, it would look inside.

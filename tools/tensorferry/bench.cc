@@ -345,8 +345,20 @@ struct BenchResults {
   std::map<std::string, Sample> results;
   std::map<std::string, uint64_t> memory;
   std::vector<std::string> notes;
-  bool verified_note = false;  // the note that the loads checked checksums is in `notes`
+  bool verified_note = false;       // the note that the loads checked checksums is in `notes`
+  std::vector<std::string> failed;  // the loads that failed (the bench then fails: exit 1)
 };
+
+// The bench's outcome: an error naming the loads that failed, if any did (a checksum mismatch, a
+// budget smaller than a tensor: their rows are missing from the report).
+Status BenchStatus(const BenchResults& out) {
+  if (out.failed.empty()) return Status::Ok();
+  std::string text = std::to_string(out.failed.size()) + " of the measured loads failed (";
+  for (size_t i = 0; i < out.failed.size(); ++i) text += (i ? "; " : "") + out.failed[i];
+  return Status(Code::kIoError, text +
+                                    "): their figures are missing; run them with `tensorferry "
+                                    "load` to see why");
+}
 
 // Checks --engines and --budget as `tensorferry load` will read them (LoadOptions::Set) and
 // collects the engines; the error of the first invalid one.
@@ -427,7 +439,10 @@ std::string LoadJson(const BenchArgs& args, const std::string& self, const std::
   int rc = 0;
   std::string json = RunCapture(argv, &rc);
   if (rc != 0) {
-    out.notes.push_back("load --engine " + engine + " failed with exit " + std::to_string(rc));
+    std::string what = "load --engine " + engine;
+    for (const std::string& e : extra) what += " " + e;
+    out.notes.push_back(what + " failed with exit " + std::to_string(rc));
+    out.failed.push_back(what + ": exit " + std::to_string(rc));
     return "";
   }
   return json;
@@ -540,10 +555,11 @@ struct BenchContext {
 
 // The --json report.
 std::string BenchJson(const BenchContext& c, const BenchResults& out) {
+  const Status status = BenchStatus(out);
   JsonOut j;
   j.BeginObject()
       .Field("path", Shown(c.path))
-      .Field("ok", true)
+      .Field("ok", status.ok())
       .Field("bytes", c.total)
       .Field("files", c.files)
       .Field("tensors", c.tensors)
@@ -562,7 +578,9 @@ std::string BenchJson(const BenchContext& c, const BenchResults& out) {
   for (const auto& [name, bytes] : out.memory) j.Field(name, bytes);
   j.EndObject().Key("notes").BeginArray();
   for (const std::string& n : out.notes) j.String(n);
-  j.EndArray().EndObject();
+  j.EndArray();
+  if (!status.ok()) JsonError(j, c.path, status);
+  j.EndObject();
   return j.str();
 }
 
@@ -651,7 +669,9 @@ int RunBench(const BenchArgs& args) {
   ::uname(&u);
   const BenchContext c{args.path, total, files.size(),          ckpt.tensors().size(),
                        runs,      cores, std::string(u.release)};
-  return PrintReport(args.json ? BenchJson(c, out) : BenchText(c, out));
+  const Status status = BenchStatus(out);
+  if (!status.ok() && !args.json) PrintError(args.path, status);
+  return PrintReport(args.json ? BenchJson(c, out) : BenchText(c, out), status);
 }
 
 }  // namespace

@@ -758,6 +758,15 @@ TEST(CliBench, ReportsReferencesAndEveryEngine) {
   }
   EXPECT_EQ(uint64_t(e["tensors"]), kTinyTensors);
   EXPECT_EQ(RunCli({"bench", dir.Join("c"), "--engines", "warp"}).exit_code, 2);
+  // A measured load that fails (here: a budget smaller than a tensor) fails the bench, naming it;
+  // it exited 0 with "ok": true and the row missing.
+  const RunResult failed =
+      RunCli({"bench", dir.Join("c"), "--runs", "1", "--no-cold", "--budget", "100", "--json"});
+  EXPECT_EQ(failed.exit_code, 1) << Describe(failed);
+  simdjson::dom::element f = parser.parse(failed.out);
+  EXPECT_FALSE(bool(f["ok"])) << failed.out;
+  const std::string message{std::string_view(f["error"]["message"])};
+  EXPECT_NE(message.find("load --engine auto --budget 100: exit 1"), std::string::npos) << message;
 }
 
 // The cold runs evict the files and measure the storage with fio: nothing may ever write to the
@@ -1018,6 +1027,12 @@ TEST(CliReshard, EachRankEqualsTheSlicedLoad) {
               dir.Join("rules.json"), "--no-sync"});
   EXPECT_EQ(r.exit_code, 2) << Describe(r);
   EXPECT_NE(r.err.find("--tp"), std::string::npos) << Describe(r);
+  EXPECT_FALSE(fs::exists(dir.Join("y")));
+  // Nor with --tp 0 (no tensor parallelism: it was accepted, and the rules ignored).
+  r = RunCli({"reshard", dir.Join("src"), dir.Join("y"), "--tp", "0", "--max-shard-size", "16KB",
+              "--rules", dir.Join("rules.json"), "--no-sync"});
+  EXPECT_EQ(r.exit_code, 2) << Describe(r);
+  EXPECT_NE(r.err.find("--rules needs --tp of at least 1"), std::string::npos) << Describe(r);
   EXPECT_FALSE(fs::exists(dir.Join("y")));
 }
 

@@ -518,6 +518,10 @@ int RunReshard(const ReshardArgs& a) {
   if (a.tp == 0 && a.max_shard_size.empty()) {
     return UsageError("reshard: give --tp N, --max-shard-size SIZE, or both");
   }
+  if (a.tp == 0 && !a.rules.empty()) {  // --tp 0 is no tensor parallelism: the rules would be
+                                        // ignored
+    return UsageError("reshard: --rules needs --tp of at least 1 (--tp 0 splits no tensor)");
+  }
   ShardOptions so;
   ShardSpec spec = ShardSpec::Builtin();
   if (std::optional<std::string> usage = ParseReshardOptions(a, so, spec)) {

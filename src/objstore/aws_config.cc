@@ -53,17 +53,6 @@ std::string CollapseSpaces(std::string_view s) {
   return out;
 }
 
-// A value with an inline comment (a '#' or ';' preceded by whitespace) removed, trimmed.
-std::string_view ValueWithoutComment(std::string_view value) {
-  for (size_t i = 1; i < value.size(); ++i) {
-    if ((value[i] == '#' || value[i] == ';') && IsSpace(value[i - 1])) {
-      value = value.substr(0, i);
-      break;
-    }
-  }
-  return Trim(value);
-}
-
 // The state of ParseAwsIni between lines.
 struct IniState {
   AwsIni ini;
@@ -85,7 +74,7 @@ std::optional<std::pair<std::string, std::string>> SplitProperty(std::string_vie
   if (eq == std::string_view::npos) return std::nullopt;
   const std::string_view key = Trim(line.substr(0, eq));
   if (key.empty()) return std::nullopt;
-  return std::pair(std::string(key), std::string(ValueWithoutComment(line.substr(eq + 1))));
+  return std::pair(std::string(key), std::string(Trim(line.substr(eq + 1))));
 }
 
 Status IniSectionLine(IniState& state, std::string_view line, std::string_view file, size_t n) {
@@ -216,10 +205,10 @@ Result<Profile> LoadProfile(const S3Request& request, const GetEnv& env) {
   Profile p;
   if (!request.profile.empty()) {
     p.name = request.profile, p.named_by = "options";
+  } else if (auto d = Env(env, "AWS_DEFAULT_PROFILE")) {  // before AWS_PROFILE, as botocore
+    p.name = *d, p.named_by = "AWS_DEFAULT_PROFILE";
   } else if (auto v = Env(env, "AWS_PROFILE")) {
     p.name = *v, p.named_by = "AWS_PROFILE";
-  } else if (auto d = Env(env, "AWS_DEFAULT_PROFILE")) {
-    p.name = *d, p.named_by = "AWS_DEFAULT_PROFILE";
   } else {
     p.name = "default";
   }
@@ -278,8 +267,11 @@ Result<bool> ProfileKeys(S3Config& c, const Profile& p,
   std::string id = value("aws_access_key_id"), secret = value("aws_secret_access_key");
   if (id.empty() && secret.empty()) return false;
   const std::string& file = &section == &p.credentials ? p.credentials_path : p.config_path;
-  TF_RETURN_IF_ERROR(SetKeys(c, std::move(id), std::move(secret), value("aws_session_token"),
-                             p.Where(file), "aws_access_key_id", "aws_secret_access_key"));
+  // The session token under its legacy name too, as botocore reads it (aws_security_token).
+  std::string token = value("aws_session_token");
+  if (token.empty()) token = value("aws_security_token");
+  TF_RETURN_IF_ERROR(SetKeys(c, std::move(id), std::move(secret), std::move(token), p.Where(file),
+                             "aws_access_key_id", "aws_secret_access_key"));
   return true;
 }
 
@@ -566,9 +558,11 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
   // come first then, as there).
   const auto id = Env(env, "AWS_ACCESS_KEY_ID"), secret = Env(env, "AWS_SECRET_ACCESS_KEY");
   if ((id || secret) && r.profile.empty()) {
-    return SetKeys(c, id.value_or(""), secret.value_or(""),
-                   Env(env, "AWS_SESSION_TOKEN").value_or(""), "environment (AWS_ACCESS_KEY_ID)",
-                   "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
+    // The token under its legacy name too (AWS_SECURITY_TOKEN), as botocore reads it.
+    return SetKeys(
+        c, id.value_or(""), secret.value_or(""),
+        Env(env, "AWS_SESSION_TOKEN").value_or(Env(env, "AWS_SECURITY_TOKEN").value_or("")),
+        "environment (AWS_ACCESS_KEY_ID)", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
   }
   // botocore's order: a role assumed with the profile's source, web identity (the environment's
   // settings not read when a profile was named in the options), the profile's keys and process.

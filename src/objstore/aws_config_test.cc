@@ -105,6 +105,12 @@ TEST(AwsConfig, CredentialsPrecedence) {
   EXPECT_EQ(c.secret_access_key, "ENV_SECRET");
   EXPECT_EQ(c.session_token, "ENV_TOKEN");
   EXPECT_EQ(c.credentials_from, "environment (AWS_ACCESS_KEY_ID)");
+  // The token's legacy name, as botocore reads it: AWS_SESSION_TOKEN first.
+  aws.Set("AWS_SECURITY_TOKEN", "LEGACY_TOKEN");
+  EXPECT_EQ(aws.MustResolve().session_token, "ENV_TOKEN");
+  aws.Unset("AWS_SESSION_TOKEN");
+  EXPECT_EQ(aws.MustResolve().session_token, "LEGACY_TOKEN");
+  aws.Unset("AWS_SECURITY_TOKEN");
 
   c = aws.MustResolve(WithKeys("OPT_ID", "OPT_SECRET"));
   EXPECT_EQ(c.access_key_id, "OPT_ID");
@@ -112,6 +118,20 @@ TEST(AwsConfig, CredentialsPrecedence) {
   EXPECT_EQ(c.session_token, "");  // the environment's token does not go with other keys
   EXPECT_EQ(c.credentials_from, "options");
   EXPECT_FALSE(c.anonymous);
+}
+
+// A profile's session token under its legacy name (aws_security_token), as botocore reads it;
+// aws_session_token first.
+TEST(AwsConfig, ProfileTokenUnderItsLegacyName) {
+  FakeAws aws;
+  aws.Credentials(
+      "[default]\naws_access_key_id=ID\naws_secret_access_key=S\n"
+      "aws_security_token=LEGACY\n");
+  EXPECT_EQ(aws.MustResolve().session_token, "LEGACY");
+  aws.Credentials(
+      "[default]\naws_access_key_id=ID\naws_secret_access_key=S\n"
+      "aws_security_token=LEGACY\naws_session_token=TOKEN\n");
+  EXPECT_EQ(aws.MustResolve().session_token, "TOKEN");
 }
 
 TEST(AwsConfig, HalfAPairOfKeysIsAnError) {
@@ -464,10 +484,11 @@ TEST(AwsConfig, ProfileSelectionAndSections) {
       "[opt]\nregion = wrong\n[profile opt]\naws_access_key_id = O\n"
       "aws_secret_access_key = OS\nregion = eu-west-3\n");
   EXPECT_EQ(aws.MustResolve().access_key_id, "D");
-  aws.Set("AWS_DEFAULT_PROFILE", "envdefault");
-  EXPECT_EQ(aws.MustResolve().access_key_id, "ED");
   aws.Set("AWS_PROFILE", "env");
   EXPECT_EQ(aws.MustResolve().access_key_id, "E");
+  // Both set: AWS_DEFAULT_PROFILE, as botocore (and so boto3 and the AWS CLI) read them.
+  aws.Set("AWS_DEFAULT_PROFILE", "envdefault");
+  EXPECT_EQ(aws.MustResolve().access_key_id, "ED");
   S3Request request;
   request.profile = "opt";
   const S3Config c = aws.MustResolve(request);
@@ -723,7 +744,9 @@ TEST(AwsIni, CommentsWhitespaceAndNestedSections) {
   auto& d = ini->at("default");
   EXPECT_EQ(d.at("upper_case"), "kept");  // names lower-cased, values kept
   EXPECT_EQ(d.at("region"), "us-west-2");
-  EXPECT_EQ(d.at("output"), "json");
+  // No inline comments, as botocore's parser (RawConfigParser) reads values: a
+  // credential_process "a ; b" is run whole.
+  EXPECT_EQ(d.at("output"), "json  # inline comment");
   EXPECT_EQ(d.at("secret"), "abc#not-a-comment");
   auto& dev = ini->at("profile dev");
   EXPECT_EQ(dev.at("s3.endpoint_url"), "http://localhost:8333");

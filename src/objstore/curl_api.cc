@@ -45,7 +45,10 @@ Result<CurlApi> LoadCurl() {
   TF_RETURN_IF_ERROR(dynlib::Resolve(*lib, "curl_version_info", api.version_info, missing));
   const curl_version_info_data* info = api.version_info(CURLVERSION_NOW);
   if (info != nullptr && info->version != nullptr) api.version = info->version;
-  api.has_sigv4 = info != nullptr && info->version_num >= 0x074b00;  // 7.75.0
+  // 7.75.0 signs, but only 7.87.0 signs the x-amz-content-sha256 header S3 requires
+  // (UNSIGNED-PAYLOAD, sent with every request): older versions sign the hash of an empty body,
+  // and S3 answers SignatureDoesNotMatch to every signed read (curl PRs 9804 and 9995).
+  api.has_sigv4 = info != nullptr && info->version_num >= 0x075700;  // 7.87.0
   const CURLcode init = api.global_init(CURL_GLOBAL_ALL);
   if (init != CURLE_OK) {
     return Status(Code::kUnsupported,

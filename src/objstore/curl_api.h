@@ -33,7 +33,7 @@ struct CurlApi {
   curl_version_info_data* (*version_info)(CURLversion) = nullptr;
   std::string path;        // the library file loaded
   std::string version;     // "8.x.y"
-  bool has_sigv4 = false;  // 7.75 and later: CURLOPT_AWS_SIGV4
+  bool has_sigv4 = false;  // 7.87 and later: CURLOPT_AWS_SIGV4 signing x-amz-content-sha256
 };
 
 // The loaded library, or why it could not be loaded (kUnsupported: "libcurl not found; tried: ...

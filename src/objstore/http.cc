@@ -247,8 +247,10 @@ std::optional<uint64_t> HttpResponse::RangeStart() const {
 Result<std::unique_ptr<HttpClient>> HttpClient::Make(HttpSettings settings) {
   TF_ASSIGN_OR_RETURN(const CurlApi* api, Curl());
   if ((!settings.access_key_id.empty() || settings.aws_credentials != nullptr) && !api->has_sigv4) {
-    return Status(Code::kUnsupported, api->path + " is libcurl " + api->version +
-                                          ": signed S3 requests need libcurl 7.75 or later");
+    return Status(Code::kUnsupported,
+                  api->path + " is libcurl " + api->version +
+                      ": signed S3 requests need libcurl 7.87 or later (earlier versions do not "
+                      "sign the x-amz-content-sha256 header S3 requires)");
   }
   return std::unique_ptr<HttpClient>(new HttpClient(api, std::move(settings)));
 }

@@ -938,11 +938,7 @@ Result<std::vector<std::string>> ObjectSource::List(const std::string& dir,
       // (a server answering in ListObjects version 1's way, with a NextMarker: the rest of the
       // listing cannot be asked for, and a partial listing would pass for the whole)
       return Status(Code::kIoError,
-                    target.name +
-                        ": listing "
-                        " + prefix + "
-                        ": page " +
-                        std::to_string(page + 1) +
+                    target.name + ": listing \"" + prefix + "\": page " + std::to_string(page + 1) +
                         " is truncated but carries no NextContinuationToken (does the store "
                         "answer ListObjectsV2?); the rest of the listing cannot be asked for");
     }

@@ -430,7 +430,8 @@ def test_a_truncated_listing_without_a_token_is_an_error():
 
     with answering(respond) as url:
         opts = {"s3_endpoint": url, "s3_anonymous": "1", "object_retries": 0}
-        with pytest.raises(OSError, match="truncated but carries no NextContinuationToken"):
+        with pytest.raises(OSError, match='listing "p/": page 1 is truncated but carries no '
+                                          'NextContinuationToken'):
             tensorferry.Loader("s3://b/p", storage_options=opts)
 
 

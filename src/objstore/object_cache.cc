@@ -214,11 +214,11 @@ void ReadDescription(const std::string& path, ObjectCacheEntry& entry) {
 // does, or when the lock file cannot be opened (then `*error`, if given, says why).
 UniqueFd TryLockKey(const std::string& dir, const std::string& key, std::string* error = nullptr) {
   const std::string path = dir + "/locks/" + key + ".lock";
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
   if (fd.get() < 0 && errno == ENOENT) {
     // locks/ removed (or a cache copied without it): made again, as the cache's open makes it.
     (void)::mkdir((dir + "/locks").c_str(), 0755);
-    fd = UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    fd = UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
   }
   if (fd.get() < 0) {
     if (error != nullptr) *error = path + ": " + Errno(errno);
@@ -869,8 +869,9 @@ std::string ObjectCache::Where() const {
 namespace {
 
 // What shows a download of `place` in progress (by any process): the names, sizes and times of
-// change of its files in tmp_dir (ours, and huggingface_hub's <blob>.incomplete in the hub
-// cache), and who holds the lock. Compared between polls: a change is progress.
+// change of its files in tmp_dir (ours, and huggingface_hub's <blob>.incomplete or
+// <blob>.<random>.incomplete in the hub cache: `incomplete` is <blob>.incomplete), and who holds
+// the lock. Compared between polls: a change is progress.
 std::string FillProgress(const std::string& tmp_dir, const std::string& stem,
                          const std::string& incomplete, int lock_fd) {
   std::string out;
@@ -878,7 +879,12 @@ std::string FillProgress(const std::string& tmp_dir, const std::string& stem,
     while (const dirent* e = ::readdir(d)) {
       const std::string_view name = e->d_name;
       struct stat st {};
-      if ((name.substr(0, stem.size()) != stem && name != incomplete) ||
+      // huggingface_hub's: <blob>.incomplete, or <blob>.<8 hex>.incomplete (1.x and later).
+      const std::string_view blob = std::string_view(incomplete).substr(0, incomplete.size() - 11);
+      const bool theirs =
+          name == incomplete || (name.size() > incomplete.size() && name.starts_with(blob) &&
+                                 name[blob.size()] == '.' && name.ends_with(".incomplete"));
+      if ((name.substr(0, stem.size()) != stem && !theirs) ||
           ::fstatat(::dirfd(d), e->d_name, &st, 0) != 0) {
         continue;
       }
@@ -915,6 +921,21 @@ void WriteLockHolder(int fd) {
     static_cast<void>(PwriteFully(fd, std::as_bytes(std::span(text)), 0));
 }
 
+// Lets go of a key's lock held as `fd` and closes it. Unlocked first: a child forked meanwhile
+// (multiprocessing, a DataLoader) shares the open file the lock belongs to, and closing our
+// descriptor alone would leave the key locked until that child exits (eviction skipping it,
+// others waiting on a download long done).
+void ReleaseKeyLock(UniqueFd& fd) {
+  if (fd.get() >= 0) static_cast<void>(::flock(fd.get(), LOCK_UN));
+  fd.Reset();
+}
+
+// ReleaseKeyLock at the end of a scope.
+struct KeyLockScope {
+  UniqueFd& fd;
+  ~KeyLockScope() { ReleaseKeyLock(fd); }
+};
+
 std::string Seconds(std::chrono::milliseconds t) {
   const auto ms = t.count();
   return ms % 1000 == 0 ? std::to_string(ms / 1000) + " s"
@@ -932,7 +953,7 @@ UniqueFd ObjectCache::Lock(const Place& place, const CachedObject& object) {
       return UniqueFd();
     }
   }
-  UniqueFd lock(::open(place.lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  UniqueFd lock(::open(place.lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
   if (lock.get() < 0) {
     NoteError(Where() + "cannot open " + place.lock + ": " + Errno(errno));
     return UniqueFd();
@@ -942,7 +963,7 @@ UniqueFd ObjectCache::Lock(const Place& place, const CachedObject& object) {
     // Another thread or process is filling this key: say that we wait (a shared lock on
     // <lock>.want, held while waiting), so that its filler runs now rather than once its load is
     // done with the file (Fill::AwaitTurn). Best effort: without it we only wait longer.
-    const UniqueFd want(::open(WantPath(place.lock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    const UniqueFd want(::open(WantPath(place.lock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
     if (want.get() >= 0) static_cast<void>(Flock(want.get(), LOCK_SH));
     // Polled, not a blocking flock: a holder that stopped (SIGSTOP, a frozen cgroup, a debugger)
     // keeps its lock forever, and a cache never makes a load wait for ever. A download that goes
@@ -982,8 +1003,9 @@ void ObjectCache::Keep(const CachedObject& object, std::span<const std::byte> by
   if (layout_ != Layout::kHub || bytes.size() != object.size) return;
   const Place place = PlaceOf(object);
   const std::string where = Where();
-  const UniqueFd lock = Lock(place, object);
+  UniqueFd lock = Lock(place, object);
   if (lock.get() < 0) return;
+  const KeyLockScope unlock{lock};
   if (Find(object, place, FileIdentity{})) {  // there already (and linked)
     hits_.fetch_add(1);
     return;
@@ -1348,7 +1370,7 @@ void ObjectCache::Finish(Fill& fill) {
   if (drop_pages) {  // asked for while downloading (drop_cache); a cache: best effort
     static_cast<void>(io::DropPages(fill.fd.get(), fill.blob));
   }
-  fill.lock.Reset();  // the key is free: waiting openers find the entry (or fill it themselves)
+  ReleaseKeyLock(fill.lock);  // the key is free: waiting openers find the entry (or fill it)
 }
 
 std::string ObjectCache::Commit(const CachedObject& object, int fd, const std::string& tmp,

@@ -8,11 +8,14 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <thread>
@@ -932,6 +935,105 @@ TEST(HubLayout, FillsTheBlobThenLinksTheSnapshot) {
   EXPECT_EQ(remote.fetched.load(), fetched);
   EXPECT_EQ(fs::read_symlink(repo + "/snapshots/" + again.hub_commit + "/model.safetensors"),
             fs::path("../../blobs/" + object.hub_blob));
+}
+
+// huggingface_hub (1.x and later) downloads a blob to <blob>.<8 hex>.incomplete under its lock:
+// a tensorferry load waiting for that lock sees the file grow as progress and waits for the
+// download however long it takes (it gave up after lock_wait, seeing no <blob>.incomplete), then
+// reads the blob. Lock files are made for the group (0666 less the umask, as huggingface_hub's).
+TEST(HubLayout, AHuggingfaceHubDownloadInProgressIsWaitedFor) {
+  testing::TempDir tmp;
+  Remote remote(300'000);
+  const std::string root = tmp.Join("hub");
+  const CachedObject object = remote.HubObject();
+  const std::string repo = root + "/models--org--tiny";
+  const std::string blob = repo + "/blobs/" + object.hub_blob;
+  const std::string locks = root + "/.locks/models--org--tiny";
+  fs::create_directories(repo + "/blobs");
+  fs::create_directories(locks);
+  const int held =
+      ::open((locks + "/" + object.hub_blob + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0664);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  std::thread hub([&] {
+    const std::string part = blob + ".deadbeef.incomplete";
+    const size_t step = remote.bytes.size() / 10;
+    for (size_t at = 0; at < remote.bytes.size(); at += step) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const size_t n = std::min(step, remote.bytes.size() - at);
+      std::string text(reinterpret_cast<const char*>(remote.bytes.data()) + at, n);
+      std::FILE* f = std::fopen(part.c_str(), "ab");
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+    }
+    fs::rename(part, blob);
+    ::flock(held, LOCK_UN);
+  });
+  {
+    ObjectCache waiter(root, 0, ObjectCache::Layout::kHub, 32u << 20, false,
+                       std::chrono::milliseconds(300));
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(waiter, object);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+    file->reset();
+    waiter.Drain();
+    EXPECT_EQ(waiter.stats().errors, 0u) << waiter.stats().last_error;
+    EXPECT_EQ(waiter.stats().fills, 0u);
+  }
+  hub.join();
+  ::close(held);
+  EXPECT_EQ(CountFiles(repo + "/blobs"), 1u);
+
+  // A lock file tensorferry makes: read-write for the group under umask 002.
+  const std::string other_root = tmp.Join("hub2");
+  const mode_t old_mask = ::umask(002);
+  {
+    ObjectCache cache(other_root, 0, ObjectCache::Layout::kHub);
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, object);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+  }
+  ::umask(old_mask);
+  struct stat st {};
+  ASSERT_EQ(
+      ::stat((other_root + "/.locks/models--org--tiny/" + object.hub_blob + ".lock").c_str(), &st),
+      0);
+  EXPECT_EQ(st.st_mode & 0777, 0664u);
+}
+
+// A child forked while a download runs shares the open file its lock belongs to: the lock is
+// let go of explicitly when the copy is done, not only closed (which left the key locked until
+// the child exited: eviction skipped it, others waited).
+TEST(CacheKeyLock, AForkedChildDoesNotKeepTheKeyLocked) {
+  testing::TempDir tmp;
+  Remote remote(1u << 20);
+  remote.hold_offset = 4096;  // the download waits until released
+  ObjectCache cache(tmp.Join("c"), 0);
+  Result<std::unique_ptr<SourceFile>> file = remote.Open(cache, 4096, 2, 64u << 10);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  std::thread reader([&] {
+    std::vector<std::byte> got(4096);
+    EXPECT_TRUE((*file)->Read(4096, got).ok());
+  });
+  AwaitLocked(tmp.Join("c"), remote.Object());
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::sleep(30);
+    ::_exit(0);
+  }
+  remote.released = true;
+  reader.join();
+  file->reset();
+  cache.Drain();
+  EXPECT_EQ(cache.stats().fills, 1u) << cache.stats().last_error;
+  const std::string lock = tmp.Join("c") + "/locks/" + ObjectCache::Key(remote.Object()) + ".lock";
+  const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  EXPECT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0) << "the key is still locked (by the child)";
+  ::close(fd);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
 }
 
 // A read-only hub cache holding the blob but not this commit's link: the file is read from the

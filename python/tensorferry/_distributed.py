@@ -687,12 +687,18 @@ def iter_cooperative(base, *, process_group, shard_spec, fw, device, names=None,
                 ahead = round_pool.submit(read_round, k + 1)
             t0 = time.perf_counter()
             step = f"round {k} of {rounds}"
-            _agree(torch, dist, group, rank, world, comm_device, wait, error,
-                   f"{step} (every rank's reads)", "reading its share")
+            def agree(failure, step=step):
+                _agree(torch, dist, group, rank, world, comm_device, wait, failure,
+                       f"{step} (every rank's reads)", "reading its share")
+
             got = {}  # this round's whole tensors and completed parts, by name
             if rounds:
+                # (agrees once this rank's reads are in and its buffers allocated)
                 _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step,
-                          [u for u in units if u.round == k], loaded, got, mine_parts, figures)
+                          [u for u in units if u.round == k], loaded, got, mine_parts, figures,
+                          agree, error)
+            else:
+                agree(error)
             del loaded
             if k == rounds - 1 or rounds == 0:
                 # The last round: every piece has arrived, and the local tensors come too.
@@ -924,11 +930,16 @@ def _place_piece(torch, e, unit, target, rows, rank):
 
 
 def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, units, loaded,
-              got, mine_parts, figures):
+              got, mine_parts, figures, agree, error):
     """One round's exchange in one _all_to_all: every rank sends each other rank that
     rank's parts of what it read this round (unit order, each padded to 64 bytes) and receives
-    its own from every reader. Whole tensors land in `got` (views of the round's receive buffer,
-    or the reader's own tensor); parts of row pieces are copied into mine_parts[name]."""
+    its own from every reader. Whole tensors land in `got` (copies of their own); parts of row
+    pieces are copied into mine_parts[name]. agree(failure) is the ranks' agreement on the
+    round's outcome (raises when any rank failed): called with this rank's read `error`, or
+    once the send and receive buffers are allocated, so that no rank waits in the exchange for
+    one that could not allocate them."""
+    if error is not None:
+        agree(error)
     send_splits = [0] * world
     recv_splits = [0] * world
     # The sizes first, so the parts are copied once, straight into one send buffer: per unit,
@@ -946,7 +957,12 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
     # What this rank read this round came in batches of several tensors (the readers' whole
     # batch is what a tensor of it keeps alive): a whole tensor it keeps is copied out of them.
     batched = len(loaded) > 1
-    send_buf = torch.empty(sum(send_splits), dtype=torch.uint8, device=comm_device)
+    try:
+        send_buf = torch.empty(sum(send_splits), dtype=torch.uint8, device=comm_device)
+        recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
+    except Exception as e:  # (torch.OutOfMemoryError, RuntimeError): the others are told
+        agree(e)
+    agree(None)
     cursor, at = [], 0
     for n in send_splits:
         cursor.append(at)
@@ -975,7 +991,6 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
             figures["bytes_sent"] += n
         if u.piece:
             loaded.pop(e.name, None)
-    recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
     # On a GPU the exchange is one all_to_all_single of the whole group: every rank takes part,
     # with nothing to send or receive too (a rank that skipped it left the others waiting in it;
     # the plan's rounds can hold only pieces other ranks read and need). gloo's pairwise steps

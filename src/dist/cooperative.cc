@@ -940,11 +940,7 @@ class RoundRunner {
       const Clock::time_point exchange_start = Clock::now();
       const std::string round =
           "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds);
-      TF_RETURN_IF_ERROR(watchdog_.Watch(round + " (every rank's reads)", [&] {
-        // Nobody waits in a collective for a rank that gave up.
-        return AgreeOnStatus(collective_, current.status(), "reading its share");
-      }));
-      TF_RETURN_IF_ERROR(Exchange(k, *current, out));
+      TF_RETURN_IF_ERROR(Exchange(k, current, out, round));
       stats_.exchange_seconds += SecondsSince(exchange_start);
       stats_.rounds++;
       if (next.valid()) {
@@ -1054,7 +1050,18 @@ class RoundRunner {
   // receives its parts from every reader the same way; all links are busy at once. The received
   // parts of tensors read whole stay in one buffer that the tensors co-own; parts of pieces are
   // copied into place. `loaded`: this rank's reads of the round (Read).
-  Status Exchange(uint32_t k, const std::vector<Tensor>& loaded, std::vector<Tensor>& out) {
+  // Round k's exchange of this rank's reads `current` (or its read error). Every rank agrees on
+  // its outcome once its reads are in and its exchange buffers allocated: nobody waits in the
+  // exchange for a rank that gave up (a failed read, a buffer it could not allocate).
+  Status Exchange(uint32_t k, const Result<std::vector<Tensor>>& current, std::vector<Tensor>& out,
+                  const std::string& round_name) {
+    const auto agree = [&](const Status& status) {
+      return watchdog_.Watch(round_name + " (every rank's reads)", [&] {
+        return AgreeOnStatus(collective_, status, "reading its share");
+      });
+    };
+    if (!current.ok()) return agree(current.status());
+    const std::vector<Tensor>& loaded = *current;
     std::vector<size_t> round;  // the round's units
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].round == k) round.push_back(u);
@@ -1067,8 +1074,8 @@ class RoundRunner {
       const Unit& unit = units_[round[j]];
       if (unit.reader == me_) {
         if (next_loaded >= loaded.size()) {
-          return Status(Code::kInternal, "cooperative load: round " + std::to_string(k) +
-                                             " has fewer reads than units");
+          return agree(Status(Code::kInternal, "cooperative load: round " + std::to_string(k) +
+                                                   " has fewer reads than units"));
         }
         source[j] = &loaded[next_loaded++];
       }
@@ -1104,7 +1111,17 @@ class RoundRunner {
       send_total += send_counts[q];
       recv_total += recv_counts[q];
     }
-    if (pack_.size() < send_total) pack_.resize(send_total);
+    std::shared_ptr<std::byte[]> received;
+    try {
+      if (pack_.size() < send_total) pack_.resize(send_total);
+      received.reset(new std::byte[std::max<uint64_t>(recv_total, 1)]);
+    } catch (const std::bad_alloc&) {
+      return agree(Status(Code::kBudgetExceeded,
+                          "cooperative load: " + round_name + ": cannot allocate the exchange's " +
+                              std::to_string(send_total) + "-byte send and " +
+                              std::to_string(recv_total) + "-byte receive buffers"));
+    }
+    TF_RETURN_IF_ERROR(agree(Status::Ok()));
     for (size_t j = 0; j < round.size(); ++j) {
       if (source[j] == nullptr) continue;
       const Unit& unit = units_[round[j]];
@@ -1125,7 +1142,6 @@ class RoundRunner {
         cursor[q] += AlignPart(bytes(j, q));
       }
     }
-    std::shared_ptr<std::byte[]> received(new std::byte[std::max<uint64_t>(recv_total, 1)]);
     const std::string step =
         "round " + std::to_string(k) + " of " + std::to_string(plan_.rounds) + " (the exchange)";
     const Clock::time_point network_start = Clock::now();

@@ -50,10 +50,14 @@ Result<CheckpointObjects> FindCheckpointObjects(Source& source, const ObjectUrl&
       return Status(missing, probe.status().message() + "; and " + file.status().message());
     }
     if (file.status().code() != Code::kNotFound) return file.status();
+    // What the server said of the file goes with it: a hub's 401 RepositoryNotFound (a private
+    // model asked for without a token) or 404 RevisionNotFound says more than "neither".
     return Status(Code::kNotFound, url.ToString() + ": neither " + std::string(kIndexFileName) +
                                        " nor " + std::string(kSingleFileName) +
                                        " under this prefix (an HTTP server cannot be listed: give "
-                                       "the URL of the index or of a .safetensors file)");
+                                       "the URL of the index or of a .safetensors file); for " +
+                                       std::string(kSingleFileName) + ": " +
+                                       file.status().message());
   }
   if (missing != Code::kNotFound) return probe.status();
   ask(url.ToString(), true);

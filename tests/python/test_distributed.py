@@ -4,6 +4,7 @@ together read every byte once."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -388,6 +389,53 @@ def _corrupt_round_main(rank, world, path, init, results):
             json.dump(outcome, f)
     finally:
         dist.destroy_process_group()
+
+
+def _unallocatable_main(rank, path, init, results):
+    import time
+
+    import tensorferry
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:
+        # The exchange's buffers cannot be allocated on rank 1 (out of memory), after its reads.
+        real = torch.empty
+
+        def empty(*args, **kwargs):
+            if sys._getframe(1).f_code.co_name == "_exchange":
+                raise RuntimeError("injected: out of memory for the exchange")
+            return real(*args, **kwargs)
+        torch.empty = empty
+    start = time.monotonic()
+    try:
+        loader = tensorferry.Loader(path, tp_rank=rank, tp_size=2, shard_rules="none",
+                                    process_group=dist.group.WORLD, coop_exchange="all",
+                                    coop_timeout_ms=60000)
+        loader.load()
+        outcome = {"error": None}
+    except Exception as e:  # the test checks the message
+        outcome = {"error": str(e), "type": type(e).__name__}
+    outcome["seconds"] = time.monotonic() - start
+    with open(f"{results}.{rank}", "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
+
+
+def test_a_rank_that_cannot_allocate_the_exchange_stops_every_rank(tmp_path):
+    """A rank whose exchange buffers cannot be allocated (after every rank's reads were agreed
+    on) says so to the others, which stop at once naming it, instead of waiting in the exchange
+    until the timeout (60 s here)."""
+    import tensorferry.torch
+    path = str(tmp_path / "m.safetensors")
+    g = torch.Generator().manual_seed(9)
+    tensorferry.torch.save_file({n: torch.randn(8, 8, generator=g) for n in "abcd"}, path)
+    results = str(tmp_path / "outcome")
+    mp.spawn(_unallocatable_main, args=(path, f"file://{tmp_path}/init", results), nprocs=2,
+             join=True)
+    outcomes = _outcomes(results, 2)
+    for r, o in enumerate(outcomes):
+        assert o["seconds"] < 30, (r, o)
+    assert "injected: out of memory for the exchange" in outcomes[1]["error"], outcomes[1]
+    assert "rank 1 failed reading its share" in outcomes[0]["error"], outcomes[0]
 
 
 def _outcomes(results, world):

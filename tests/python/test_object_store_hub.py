@@ -122,6 +122,13 @@ def test_a_gated_model_loads_with_its_token_sent_to_the_hub_only(models, no_hf_t
         message = str(e.value)
         assert "HTTP 401" in message and "restricted" in message, message
         assert "no access token was sent" in message and "HF_TOKEN" in message
+        # A repository the hub does not show without a token (401 RepositoryNotFound), asked
+        # for as a prefix: the hub's answer is told, not only "neither file under this prefix".
+        with pytest.raises(OSError) as e:
+            tensorferry.Loader(h.repo_url("org/private"))
+        message = str(e.value)
+        assert "neither model.safetensors.index.json nor model.safetensors" in message, message
+        assert "RepositoryNotFound" in message and "no access token was sent" in message, message
         got, _ = load_all(url, storage_options={"http_token": "hf_secret_1"})
         assert_same(got, want)
         # First GETs of 512 bytes: the index and every header take more GETs, which go straight

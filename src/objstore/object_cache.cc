@@ -815,7 +815,26 @@ ObjectCache::ObjectCache(std::string dir, uint64_t max_bytes, Layout layout, siz
       layout_(layout),
       fetch_once_(fetch_once),
       lock_wait_(std::max(lock_wait, std::chrono::milliseconds(1))),
+      room_(RoomOf(dir_)),
       writer_(std::make_unique<WriteBehind>(write_behind)) {}
+
+std::shared_ptr<ObjectCache::Room> ObjectCache::RoomOf(const std::string& dir) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<Room>> rooms;  // by canonical path
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  const std::string key = ec ? dir : canonical.string();
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = rooms.begin(); it != rooms.end();) {  // the rooms no cache uses any more
+    it = it->second.expired() ? rooms.erase(it) : std::next(it);
+  }
+  std::shared_ptr<Room> room = rooms[key].lock();
+  if (!room) {
+    room = std::make_shared<Room>();
+    rooms[key] = room;
+  }
+  return room;
+}
 
 void ObjectCache::WriteLater(const std::shared_ptr<Fill>& fill, uint64_t begin,
                              std::span<const std::byte> bytes) {
@@ -1166,16 +1185,16 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   }
   std::string why;
   {
-    std::lock_guard<std::mutex> room(room_mu_);
+    std::lock_guard<std::mutex> room(room_->mu);
     if (max_bytes_ != 0 && !MakeRoom(key, object.size, why)) {  // kObjects only
       NoteError(where + object.name + " not cached: " + why);
       return nullptr;
     }
-    reserved_ += object.size;
+    room_->reserved += object.size;
   }
   const auto unreserve = [this, &object] {
-    std::lock_guard<std::mutex> room(room_mu_);
-    reserved_ -= object.size;
+    std::lock_guard<std::mutex> room(room_->mu);
+    room_->reserved -= object.size;
   };
   // Downloads of this key left by a process that died (we hold the key's lock).
   if (DIR* d = ::opendir(place.tmp_dir.c_str())) {
@@ -1352,8 +1371,8 @@ void ObjectCache::Finish(Fill& fill) {
     NoteError(where + fill.object.name + " not cached: " + why);
   }
   {
-    std::lock_guard<std::mutex> room(room_mu_);
-    reserved_ -= fill.object.size;
+    std::lock_guard<std::mutex> room(room_->mu);
+    room_->reserved -= fill.object.size;
   }
   bool distrusted = false, drop_pages = false;
   {
@@ -1411,10 +1430,11 @@ std::string ObjectCache::Commit(const CachedObject& object, int fd, const std::s
 }
 
 bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::string& why) {
-  if (incoming > max_bytes_ || reserved_ + incoming > max_bytes_) {
+  const uint64_t reserved = room_->reserved;
+  if (incoming > max_bytes_ || reserved + incoming > max_bytes_) {
     if (incoming <= max_bytes_) {
       why = std::to_string(incoming) + " bytes do not fit object_cache_max (" +
-            std::to_string(max_bytes_) + ") beside the " + std::to_string(reserved_) +
+            std::to_string(max_bytes_) + ") beside the " + std::to_string(reserved) +
             " bytes of downloads in progress";
       return false;
     }
@@ -1423,10 +1443,9 @@ bool ObjectCache::MakeRoom(const std::string& keep, uint64_t incoming, std::stri
     return false;
   }
   std::vector<ObjectCacheEntry> removed;
-  const uint64_t total =
-      EvictUntil(dir_, max_bytes_ - incoming - reserved_, keep, removed, nullptr);
+  const uint64_t total = EvictUntil(dir_, max_bytes_ - incoming - reserved, keep, removed, nullptr);
   evicted_.fetch_add(removed.size());
-  if (total + reserved_ + incoming > max_bytes_) {
+  if (total + reserved + incoming > max_bytes_) {
     why = "object_cache_max (" + std::to_string(max_bytes_) + " bytes) holds " +
           std::to_string(total) + " bytes of entries in use; " + std::to_string(incoming) +
           " more do not fit";

@@ -226,7 +226,8 @@ class ObjectCache {
                      const std::string& blob);
   // Removes least recently used entries until `incoming` more bytes fit under max_bytes_; false
   // (with `why`) when they cannot.
-  // The downloads in progress count as entries (reserved_): make room and reserve under room_mu_.
+  // The downloads in progress count as entries (room_->reserved, this process's on the
+  // directory): make room and reserve under room_->mu.
   bool MakeRoom(const std::string& keep, uint64_t incoming, std::string& why);
   void NoteError(const std::string& why);
   // kHub: the snapshot link of `object` not made (stats().unlinked, once per link).
@@ -266,8 +267,14 @@ class ObjectCache {
   std::condition_variable queue_cv_, idle_cv_;
   std::deque<std::shared_ptr<Fill>> queue_;
   size_t active_ = 0;  // downloads queued or running
-  std::mutex room_mu_;
-  uint64_t reserved_ = 0;  // room_mu_: the sizes of this cache's downloads in progress
+  // The downloads in progress of every ObjectCache of this process on the same directory (each
+  // source of a URL has its own cache: a safe_open per shard, two Loaders), under its mutex.
+  struct Room {
+    std::mutex mu;
+    uint64_t reserved = 0;  // mu: the sizes of the downloads in progress
+  };
+  static std::shared_ptr<Room> RoomOf(const std::string& dir);
+  const std::shared_ptr<Room> room_;
   bool stop_ = false;
   std::thread filler_;  // started by the first download
   std::unique_ptr<WriteBehind> writer_;

@@ -876,6 +876,38 @@ TEST(ObjectCache, EvictsTheLeastRecentlyUsed) {
   EXPECT_TRUE(Contains(cache.stats().last_error, "300000 bytes, more than object_cache_max"));
 }
 
+// Two caches of one process on one directory (each source of a URL has its own: a safe_open per
+// shard, two Loaders) count each other's downloads in progress against object_cache_max: the
+// second download does not fit beside the first (both were cached, 200 kB under a 150 kB limit).
+TEST(ObjectCache, TheLimitCountsTheDownloadsOfEveryCacheOfTheProcess) {
+  testing::TempDir tmp;
+  const std::string dir = tmp.Join("c");
+  ObjectCache first(dir, 150'000), second(tmp.path() + "/./c", 150'000);
+  Remote a(100'000, 1), b(100'000, 2);
+  a.hold_offset = 4096;  // a's download waits until released
+  Result<std::unique_ptr<SourceFile>> held = a.Open(first, 4096, 2, 16u << 10, "http://h:1/a");
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  std::thread reader([&] {
+    std::vector<std::byte> got(4096);
+    EXPECT_TRUE((*held)->Read(4096, got).ok());
+  });
+  AwaitLocked(dir, a.Object("http://h:1/a"));
+  Fill(second, b, "http://h:1/b");  // read from the store
+  EXPECT_EQ(b.fetched.load(), b.bytes.size());
+  EXPECT_TRUE(Contains(second.stats().last_error,
+                       "100000 bytes do not fit object_cache_max (150000) beside the 100000 "
+                       "bytes of downloads in progress"))
+      << second.stats().last_error;
+  a.released = true;
+  reader.join();
+  held->reset();
+  first.Drain();
+  EXPECT_EQ(first.stats().fills, 1u) << first.stats().last_error;
+  // a's done: b fits now.
+  Fill(second, b, "http://h:1/b");
+  EXPECT_EQ(second.stats().fills, 1u) << second.stats().last_error;
+}
+
 TEST(ObjectCache, EntriesInUseByAFillerAreNotEvicted) {
   testing::TempDir tmp;
   const std::string dir = tmp.Join("c");

@@ -327,6 +327,27 @@ void RemoveLeftovers(const std::string& dir) {
   }
 }
 
+// The hub layout's downloads left by processes that died, in one repository's blobs/ folder
+// (`blobs`): <blob>.tensorferry.<pid>.<n> whose blob's lock (in `locks`) nobody holds. Each was
+// allocated at its object's full size, and huggingface_hub's tools do not know them.
+void RemoveHubLeftovers(const std::string& blobs, const std::string& locks) {
+  constexpr std::string_view kMark = ".tensorferry.";
+  DIR* d = ::opendir(blobs.c_str());
+  if (d == nullptr) return;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view name = e->d_name;
+    const size_t mark = name.find(kMark);
+    if (mark == 0 || mark == std::string_view::npos) continue;
+    const std::string lock_path = locks + "/" + std::string(name.substr(0, mark)) + ".lock";
+    const UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CLOEXEC));
+    if (lock.get() >= 0 && Flock(lock.get(), LOCK_EX | LOCK_NB) == 0) {
+      ::unlinkat(::dirfd(d), e->d_name, 0);
+      static_cast<void>(::flock(lock.get(), LOCK_UN));
+    }
+  }
+  ::closedir(d);
+}
+
 }  // namespace
 
 void AbandonDownloads() {
@@ -1182,6 +1203,18 @@ std::shared_ptr<ObjectCache::Fill> ObjectCache::Start(const CachedObject& object
   if ((found = Find(object, place, identity))) {
     hits_.fetch_add(1);
     return nullptr;
+  }
+  // Downloads of other keys left by processes that died: swept at this cache's first download
+  // (of each repository, in the hub layout), else nothing would remove them but a prune.
+  bool sweep = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    sweep = swept_.insert(layout_ == Layout::kHub ? object.hub_folder : std::string()).second;
+  }
+  if (sweep && layout_ == Layout::kHub) {
+    RemoveHubLeftovers(place.tmp_dir, dir_ + "/.locks/" + object.hub_folder);
+  } else if (sweep) {
+    RemoveLeftovers(dir_);
   }
   std::string why;
   {

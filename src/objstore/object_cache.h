@@ -74,6 +74,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <thread>
@@ -264,6 +265,7 @@ class ObjectCache {
   std::deque<std::string> error_log_;  // the latest kErrorLog failures (the last is errors_ - 1)
   std::vector<std::string> unlinked_;  // mu_: the links NoteUnlinked counted (commit/path)
   std::string last_unlinked_;          // mu_
+  std::set<std::string> swept_;        // mu_: leftovers swept (hub layout: per repository)
   std::condition_variable queue_cv_, idle_cv_;
   std::deque<std::shared_ptr<Fill>> queue_;
   size_t active_ = 0;  // downloads queued or running

@@ -819,11 +819,57 @@ TEST(ObjectCache, LeftoversOfADeadFillerAreRemoved) {
   const std::string key = ObjectCache::Key(remote.Object());
   fs::create_directories(tmp.Join("c/tmp"));
   testing::WriteBytes(tmp.Join("c/tmp/" + key + ".999999.0"), "half a download");
-  testing::WriteBytes(tmp.Join("c/tmp/other.1.0"), "another key's");
+  testing::WriteBytes(tmp.Join("c/tmp/other.1.0"), "not a download's name");
+  // Another key's download, left by a process that died (nobody holds its lock), and one whose
+  // key is held (a download going on): the first is removed too (it stayed until a prune: a
+  // full-size file the limit did not count), the second stays.
+  const std::string dead = std::string(64, 'd'), live = std::string(64, 'e');
+  testing::WriteBytes(tmp.Join("c/tmp/" + dead + ".999999.3"), "another key's half");
+  testing::WriteBytes(tmp.Join("c/tmp/" + live + ".999999.4"), "another key's, going on");
+  fs::create_directories(tmp.Join("c/locks"));
+  const int held =
+      ::open(tmp.Join("c/locks/" + live + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
   ObjectCache cache(tmp.Join("c"), 0);
   Fill(cache, remote);
   EXPECT_FALSE(fs::exists(tmp.Join("c/tmp/" + key + ".999999.0")));
+  EXPECT_FALSE(fs::exists(tmp.Join("c/tmp/" + dead + ".999999.3")));
+  EXPECT_TRUE(fs::exists(tmp.Join("c/tmp/" + live + ".999999.4")));
   EXPECT_TRUE(fs::exists(tmp.Join("c/tmp/other.1.0")));
+  ::close(held);
+}
+
+// The hub layout: a dead process's <blob>.tensorferry.<pid>.<n> beside the blobs of a repository
+// is removed at the next download into that repository when nobody holds its blob's lock
+// (huggingface_hub's tools do not know these files; each was as large as its object).
+TEST(HubLayout, LeftoversOfADeadFillerAreRemoved) {
+  testing::TempDir tmp;
+  Remote remote(100'000);
+  const std::string root = tmp.Join("hub");
+  const CachedObject object = remote.HubObject();
+  const std::string blobs = root + "/models--org--tiny/blobs/";
+  fs::create_directories(blobs);
+  const std::string dead = std::string(64, 'd'), live = std::string(64, 'e');
+  testing::WriteBytes(blobs + dead + ".tensorferry.999999.0", "half");
+  testing::WriteBytes(blobs + live + ".tensorferry.999999.1", "going on");
+  testing::WriteBytes(blobs + dead + ".incomplete", "huggingface_hub's own");
+  const std::string locks = root + "/.locks/models--org--tiny/";
+  fs::create_directories(locks);
+  testing::WriteBytes(locks + dead + ".lock", "");
+  const int held = ::open((locks + live + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  {
+    ObjectCache cache(root, 0, ObjectCache::Layout::kHub);
+    Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, object);
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(ReadAll(**file), remote.bytes);
+  }
+  EXPECT_FALSE(fs::exists(blobs + dead + ".tensorferry.999999.0"));
+  EXPECT_TRUE(fs::exists(blobs + live + ".tensorferry.999999.1"));
+  EXPECT_TRUE(fs::exists(blobs + dead + ".incomplete"));
+  ::close(held);
 }
 
 TEST(ObjectCache, ConcurrentReadersDownloadOnce) {

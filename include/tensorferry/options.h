@@ -253,8 +253,11 @@ struct LoadOptions {
   // which reads it; without populate only with kOn) and on a CUDA device (in the pinned staging
   // slots, before each copy). Tensor-parallel slices: the checksum chunks a slice holds whole
   // (verify_partial_tensors when bytes at its edges are left out). Not checked
-  // (verify_skipped_tensors): slices that hold no whole chunk (most strided splits), tensors read
-  // with GDS (never in host memory), lazily mapped tensors (no populate) under kAuto.
+  // (verify_skipped_tensors): slices that hold no whole chunk (most strided splits), and under
+  // kAuto tensors read with GDS (never in host memory) and lazily mapped tensors (no populate).
+  // Under kOn tensors with checksums are staged through host memory, not read with GDS (with
+  // gds=on the load fails saying so); a GDS read that fails over to the staging ring is staged
+  // whole, so its bytes are checked.
   VerifyMode verify = VerifyMode::kAuto;
 
   // Sets the option `key` (see the file comment) from text. Values: engine/direct/order/device/gds

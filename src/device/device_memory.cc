@@ -16,15 +16,16 @@ struct DeviceBuffer::Accounting {
 };
 
 DeviceBuffer::~DeviceBuffer() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (cufile_driver_) cufile_driver_->cufile().api().cuFileBufDeregister(data_);
-    cufile_driver_.reset();
-  }
   if (data_ != nullptr) {
-    // On its own device: a thread that never chose one (the last owner of a tensor, say) would
-    // otherwise have the runtime create a context on device 0 for the call.
+    // On its own device, the deregistration too (cuFile wants a context on the buffer's device
+    // current): a thread that never chose one (the last owner of a tensor, say) would otherwise
+    // have the runtime create a context on device 0 for the calls.
     cuda::ScopedDevice scoped(*runtime_, device_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cufile_driver_) cufile_driver_->cufile().api().cuFileBufDeregister(data_);
+      cufile_driver_.reset();
+    }
     runtime_->api().cudaFree(data_);
   }
   std::lock_guard<std::mutex> lock(accounting_->mu);
@@ -36,6 +37,8 @@ Status DeviceBuffer::RegisterWithCufile(const std::shared_ptr<cuda::CufileDriver
   if (register_attempted_) return register_status_;
   register_attempted_ = true;
   if (data_ == nullptr) return register_status_;
+  // On the buffer's device (a read-ahead thread new to CUDA, or a caller on another GPU).
+  cuda::ScopedDevice scoped(*runtime_, device_);
   const cuda::CufileError error =
       driver->cufile().api().cuFileBufRegister(data_, static_cast<size_t>(size_), 0);
   if (error.err != cuda::kCufileSuccess) {

@@ -88,7 +88,7 @@ struct DevicePipeline::RunState {
   bool destination_registered = false;
   uint64_t tasks = 0, gds_tasks = 0, staged_tasks = 0;
   // Staged with GDS on, by cause (Plan); failed_before: files whose cuFileRead failed earlier.
-  uint64_t strided = 0, unaligned = 0, refused = 0, failed_before = 0;
+  uint64_t strided = 0, unaligned = 0, refused = 0, failed_before = 0, checked = 0;
   std::vector<std::string> reasons;
 
   std::atomic<size_t> next{0};
@@ -245,6 +245,16 @@ Result<bool> DevicePipeline::ChooseGds(const DeviceTask& t, RunState& run) {
     return false;
   }
   const bool forced = options_.gds == GdsMode::kOn;
+  if (t.host_only) {
+    if (forced) {
+      return Status(Code::kInvalidArgument,
+                    t.file->path() + ": gds=on reads with GDS, whose bytes never pass through " +
+                        "host memory, but verify=on wants every tensor checked there: set " +
+                        "gds=auto (checked tensors staged) or verify=auto (GDS tensors unchecked)");
+    }
+    ++run.checked;
+    return false;
+  }
   if (!forced && GdsFailedFor(*t.file, /*count=*/false)) {  // staged since a cuFileRead failed
     ++run.failed_before;
     return false;
@@ -293,7 +303,9 @@ void DevicePipeline::ChunkRanges(size_t index, const DeviceTask& t, uint64_t slo
       c.cancel = t.cancel;
       c.about = t.about;
       c.gds = gds;
-      if (!gds) c.passed = t.passed;  // (a row longer than a slot: contiguous pieces too)
+      // (a row longer than a slot: contiguous pieces too). A GDS chunk keeps the hook for a
+      // fall back to the ring, which stages it whole so that every byte passes it.
+      c.passed = t.passed;
       chunks.push_back(c);
       at = end;
     }
@@ -376,6 +388,10 @@ void DevicePipeline::ExplainStaging(RunState& run) const {
   if (run.failed_before > 0) {
     run.reasons.push_back(Plural(run.failed_before, "task") +
                           " of files whose cuFileRead failed before used the staging ring");
+  }
+  if (run.checked > 0) {
+    run.reasons.push_back(Plural(run.checked, "task") +
+                          " checked against checksums (verify=on) used the staging ring");
   }
 }
 
@@ -636,7 +652,9 @@ Status DevicePipeline::ReadGds(const Chunk& chunk, cuda::Stream stream, io::Read
       if (!fall_back) return error;
       NoteGdsFailure(*chunk.file, error.message());
       run.gds_bytes.fetch_add(done, std::memory_order_relaxed);
-      return staged_from(done);
+      // Checked bytes are staged from the chunk's start: those cuFile wrote never passed the
+      // check (read twice, counted twice).
+      return staged_from(chunk.passed != nullptr ? 0 : done);
     }
     if (n == 0) {
       return io::LabelReadError(

@@ -114,6 +114,9 @@ struct DeviceTask {
   // (sink/landing_check.h).
   const std::function<Status(const std::byte* dst, std::span<const std::byte> bytes)>* passed =
       nullptr;
+  // Its bytes must pass `passed` (checksums under verify=on): never read with GDS, whose bytes
+  // do not pass through host memory (with gds=on: an error naming the conflict).
+  bool host_only = false;
   // Names what the task's bytes hold for a failed read of them (io::ReadRequest::about): staged
   // reads pass it to the engine; a failed GDS read is labelled with it too (io::LabelReadError).
   const std::function<std::string(const io::ReadRequest&)>* about = nullptr;

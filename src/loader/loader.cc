@@ -347,6 +347,7 @@ void Loader::Impl::CollectDeviceStats(const std::map<int, device::DevicePipeline
     stats.gathered_bytes += gathered;
     stats.bytes_read += gathered;  // the engine did not read these: the mapping did
     stats.gds_bytes += now.gds_bytes - gds0;
+    stats.bytes_read += now.gds_bytes - gds0;  // read by cuFile, not by the engine
     stats.peak_device_bytes += slot.allocator->peak();
     if (now.tasks != tasks0 && !now.gds_reason.empty()) {
       if (!reasons.empty()) reasons += "; ";

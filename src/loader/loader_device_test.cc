@@ -573,15 +573,34 @@ TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
     ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
     for (const Tensor& t : *tensors) EXPECT_EQ(Bytes(t), c.Full(t.name())) << t.name();
     const LoadStats s = (*loader)->stats();
-    EXPECT_EQ(s.verified_tensors + s.verify_skipped_tensors, n);
-    if (s.gds_bytes == 0) {
-      EXPECT_EQ(s.verified_tensors, n);
-      EXPECT_EQ(s.verified_bytes, c.total);
-    } else {
-      EXPECT_GT(s.verify_skipped_tensors, 0u) << "GDS bytes never pass through the host";
-    }
+    // verify=on: every tensor checked, so none read with GDS (their bytes would never pass
+    // through the host: they were counted as skipped, and the load succeeded).
+    EXPECT_EQ(s.verified_tensors, n);
+    EXPECT_EQ(s.verified_bytes, c.total);
+    EXPECT_EQ(s.gds_bytes, 0u);
     if (o.gds == GdsMode::kAuto && o.engine != Engine::kMmap) {
-      EXPECT_GT(s.gds_bytes, 0u);
+      EXPECT_TRUE(Contains(s.gds_reason, "checked against checksums (verify=on) used the staging"))
+          << s.gds_reason;
+      // verify=auto: read with GDS, those tensors unchecked (counted), every byte read once
+      // (bytes_read counts cuFile's reads: it left them out).
+      LoadOptions a = o;
+      a.verify = VerifyMode::kAuto;
+      auto gds = Loader::Open(c.dir.path(), a);
+      ASSERT_TRUE(gds.ok()) << gds.status().ToString();
+      ASSERT_TRUE((*gds)->Load().ok());
+      const LoadStats g = (*gds)->stats();
+      EXPECT_GT(g.gds_bytes, 0u);
+      EXPECT_GT(g.verify_skipped_tensors, 0u) << "GDS bytes never pass through the host";
+      EXPECT_EQ(g.verified_tensors + g.verify_skipped_tensors, n);
+      EXPECT_EQ(g.bytes_read, c.total);
+      // gds=on and verify=on cannot both be had: refused, saying so.
+      LoadOptions on = o;
+      on.gds = GdsMode::kOn;
+      auto forced = Loader::Open(c.dir.path(), on);
+      ASSERT_TRUE(forced.ok()) << forced.status().ToString();
+      const auto refused = (*forced)->Load();
+      EXPECT_EQ(refused.status().code(), Code::kInvalidArgument) << refused.status().ToString();
+      EXPECT_TRUE(Contains(refused.status().message(), "set gds=auto")) << refused.status().ToString();
     }
   }
   const std::string name = "model.layers.1.mlp.up_proj.weight";

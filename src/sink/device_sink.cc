@@ -52,16 +52,21 @@ class DeviceSink final : public BatchSink {
     const std::atomic<bool>* cancel = c_.options->cancel.get();
     // Checksums (LoadOptions::verify): whole tensors hashed in the staging slots, each piece as
     // it lands there, before the slot is copied to the device; a mismatch fails the batch before
-    // any of it is handed out. Bytes read with GDS never pass through host memory: their
-    // tensors are counted as skipped.
+    // any of it is handed out. Bytes read with GDS never pass through host memory: under
+    // verify=auto their tensors are counted as skipped; under verify=on they are staged.
     std::unique_ptr<LandingCheck> check;
     if (c_.checksums != nullptr && !c_.checksums->empty()) {
       check = LandingCheck::Make(*c_.checkpoint, batch.tensors, *c_.checksums, buffer->data(),
                                  *c_.verify_counts);
     }
+    // Under verify=on every tensor is checked: its reads are staged, never GDS (options.h).
+    const bool host_only = c_.options->verify == VerifyMode::kOn;
     for (const ReadTask& t : batch.tasks) {
       tasks.push_back(DeviceTaskOf(AsRead(t), buffer->data(), cancel));
-      if (check) tasks.back().passed = check->passed_hook();
+      if (check) {
+        tasks.back().passed = check->passed_hook();
+        tasks.back().host_only = host_only;
+      }
       task_file.push_back(t.file);
     }
     std::vector<const io::MappedFile*> gathered;  // the mappings rows are gathered from

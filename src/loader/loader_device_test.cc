@@ -600,7 +600,8 @@ TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
       ASSERT_TRUE(forced.ok()) << forced.status().ToString();
       const auto refused = (*forced)->Load();
       EXPECT_EQ(refused.status().code(), Code::kInvalidArgument) << refused.status().ToString();
-      EXPECT_TRUE(Contains(refused.status().message(), "set gds=auto")) << refused.status().ToString();
+      EXPECT_TRUE(Contains(refused.status().message(), "set gds=auto"))
+          << refused.status().ToString();
     }
   }
   const std::string name = "model.layers.1.mlp.up_proj.weight";

@@ -11,8 +11,10 @@
 //     memory put in its place (one mremap) and then releases the lease; the writer proceeds and
 //     the tensors keep their bytes. Cost: the mapping's size in anonymous memory, paid only then.
 //  2. Loud failure (no lease could be taken: a file this user does not own without CAP_LEASE, a
-//     file already open for writing, a filesystem without leases, more than kMaxLeases mappings,
-//     or a copy that outlasted the kernel's lease-break-time). A page that vanished reads as zeros
+//     file already open for writing, a filesystem without leases, more than kMaxLeases mappings;
+//     or a lease broken without a copy in the mapping's place: no memory for the copy, or a copy
+//     slower than the kernel's lease-break-time, which is dropped). A page that vanished reads as
+//     zeros
 //     instead of killing the process, and then: a line naming the file and offset is written to
 //     stderr at once, every later batch from that mapping is refused, CheckMappedFiles() (called
 //     by every Loader entry point, every Python call and the CLI at exit) reports it as an error,

@@ -14,6 +14,21 @@
 
 namespace tensorferry::io {
 
+int OpenForReading(const std::string& path) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    // A lease held by another: a read-only open of a FIFO never says EAGAIN, so this is a regular
+    // file; opened blocking, it waits for the lease's break (at most lease-break-time).
+    do {
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+  }
+  return fd;
+}
+
 std::string ErrnoText(int err) {
   return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
 }

@@ -92,6 +92,12 @@ Status ReadRequestSync(const ReadRequest& request, EngineCounters& counters);
 
 std::string ErrnoText(int err);
 
+// open(2) of `path` for reading (O_RDONLY | O_CLOEXEC) without waiting for a FIFO's writer
+// (O_NONBLOCK: such files are refused by the callers), but waiting for a write lease on a regular
+// file to be broken (Samba's oplocks, NFS delegations: an O_NONBLOCK open fails with EAGAIN
+// there). Retries EINTR. The descriptor, or -1 with errno set.
+int OpenForReading(const std::string& path);
+
 // How a read answers EINTR and EAGAIN (a FUSE daemon may answer EAGAIN; an io_uring read may
 // complete with -EINTR or -EAGAIN): it is issued again, but not forever. One object per read;
 // both engines use it, so a file system that keeps answering EAGAIN fails a load the same way

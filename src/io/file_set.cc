@@ -24,7 +24,8 @@ FileSet::FileSet(std::shared_ptr<Source> source, std::vector<FileSpec> files, si
 size_t FileSet::DefaultMaxOpen() {
   struct rlimit limit;
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 1024;
-  return std::clamp<size_t>(limit.rlim_cur / 4, 8, 1024);
+  // (at least 2, FileSet's own minimum: a floor of 8 took more than a quarter of small limits)
+  return std::clamp<size_t>(limit.rlim_cur / 4, 2, 1024);
 }
 
 Result<FileSet::Pin> FileSet::Get(uint32_t f, bool want_direct) {

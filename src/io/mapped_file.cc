@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -152,6 +153,7 @@ std::atomic<uint64_t> g_live{0};
 std::atomic<uint64_t> g_unleasable{0};
 std::atomic<uint64_t> g_copied{0};
 std::atomic<bool> g_leases_enabled{true};
+std::atomic<bool> g_fail_lease_copies{false};  // FailLeaseCopiesForTesting
 
 // Room for kMaxMappings slots (~20 MiB) reserved with mmap and never unmapped: untouched pages cost
 // no memory, and a slot is constructed when first claimed (Map: the lowest free slot, so slots
@@ -319,7 +321,7 @@ class LeaseKeeper {
   // Takes a read lease on a new descriptor for the file behind `fd` guarding [addr, addr + size).
   // Returns the lease's descriptor, or -1 when no lease can be had (the caller falls back on the
   // SIGBUS guard).
-  int Acquire(int fd, std::byte* addr, uint64_t size) {
+  int Acquire(int fd, std::byte* addr, uint64_t size, size_t slot, uint64_t generation) {
     if (!g_leases_enabled.load(std::memory_order_relaxed) || size == 0) return -1;
     if (!Start()) return -1;
     std::lock_guard<std::mutex> lock(mu_);
@@ -335,7 +337,7 @@ class LeaseKeeper {
       ::close(lease_fd);
       return -1;
     }
-    leases_[lease_fd] = Lease{addr, size};
+    leases_[lease_fd] = Lease{addr, size, slot, generation};
     return lease_fd;
   }
 
@@ -365,6 +367,8 @@ class LeaseKeeper {
   struct Lease {
     std::byte* addr;
     uint64_t size;
+    size_t slot;  // the mapping's slot in Table() and its generation then (Break)
+    uint64_t generation;
   };
 
   // Starts the thread once; false if it cannot run (then no leases are taken).
@@ -377,6 +381,15 @@ class LeaseKeeper {
     struct rlimit limit;
     if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
       max_leases_ = std::min<size_t>(max_leases_, limit.rlim_cur / 4);
+    }
+    // How long the kernel waits for a lease's break before it takes the lease away (and lets the
+    // writer go): a copy that takes longer may hold some of the writer's bytes.
+    if (std::FILE* f = std::fopen("/proc/sys/fs/lease-break-time", "r")) {
+      long seconds = 0;
+      if (std::fscanf(f, "%ld", &seconds) == 1 && seconds > 0) {
+        break_time_ = std::chrono::seconds(seconds);
+      }
+      std::fclose(f);
     }
     try {
       std::thread([this] { Run(); }).detach();
@@ -426,19 +439,41 @@ class LeaseKeeper {
   // copied pages (POSIX wants SIGBUS past the end), so the copy is made in anonymous memory and
   // moved over the mapping with one mremap, which other threads see atomically (their faults wait
   // for it, then find the copy). The file is intact while we copy: the writer waits for us.
+  // When no copy takes the mapping's place (no memory for it, the mremap refused, or a copy slower
+  // than the kernel's lease-break time, which may hold some of the writer's bytes), the mapping
+  // stays the file's and is watched as one without a lease is (CheckMappedFiles reports an
+  // in-place rewrite; a truncation faults loudly): never a silent change of the views' bytes.
   void Break(std::map<int, Lease>::iterator it) {
+    const auto start = std::chrono::steady_clock::now();
     const Lease& lease = it->second;
     const uint64_t page = static_cast<uint64_t>(g_page_size);
     const uint64_t length = (lease.size + page - 1) / page * page;
     void* copy =
-        ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        g_fail_lease_copies.load(std::memory_order_relaxed)
+            ? MAP_FAILED
+            : ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    bool replaced = false;
     if (copy != MAP_FAILED) {
       std::memcpy(copy, lease.addr, lease.size);
-      if (::mremap(copy, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, lease.addr) == MAP_FAILED) {
-        ::munmap(copy, length);  // the loud guard stays
-      } else {
+      const bool in_time =
+          std::chrono::steady_clock::now() - start < break_time_ - std::chrono::milliseconds(500);
+      if (in_time &&
+          ::mremap(copy, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, lease.addr) != MAP_FAILED) {
+        replaced = true;
         g_copied.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        ::munmap(copy, length);
       }
+    }
+    if (!replaced) {
+      std::lock_guard<std::mutex> table(g_table_mu);
+      Slot& s = Table()[lease.slot];
+      if (s.generation.load(std::memory_order_relaxed) == lease.generation &&
+          s.begin.load(std::memory_order_relaxed) == reinterpret_cast<uintptr_t>(lease.addr) &&
+          s.path_whole) {
+        s.watch = true;
+      }
+      g_unleasable.fetch_add(1, std::memory_order_relaxed);
     }
     ::fcntl(it->first, F_SETLEASE, F_UNLCK);
     ::close(it->first);
@@ -451,7 +486,8 @@ class LeaseKeeper {
   pid_t tid_ = 0;  // the thread's id; -1 if it could not block the signal
   int signal_ = 0;
   size_t max_leases_ = MappedFile::kMaxLeases;
-  std::map<int, Lease> leases_;  // by lease descriptor
+  std::chrono::milliseconds break_time_{45'000};  // /proc/sys/fs/lease-break-time
+  std::map<int, Lease> leases_;                   // by lease descriptor
 };
 
 }  // namespace
@@ -521,7 +557,10 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
   }
   int lease_fd = -1;
   if (use == Use::kViews) {
-    lease_fd = LeaseKeeper::Get().Acquire(fd, static_cast<std::byte*>(addr), size);
+    const uint64_t generation =
+        slot < kMaxMappings ? Table()[slot].generation.load(std::memory_order_relaxed) : 0;
+    lease_fd =
+        LeaseKeeper::Get().Acquire(fd, static_cast<std::byte*>(addr), size, slot, generation);
     if (lease_fd < 0 && size > 0) g_unleasable.fetch_add(1, std::memory_order_relaxed);
   }
   g_live.fetch_add(1, std::memory_order_relaxed);
@@ -532,7 +571,9 @@ Result<std::shared_ptr<MappedFile>> MappedFile::Map(const RandomAccessFile& file
     std::vector<const MappedFile*>& owners = Owners();
     if (owners.size() <= slot) owners.resize(slot + 1, nullptr);
     owners[slot] = map.get();
-    Table()[slot].watch = use == Use::kViews && lease_fd < 0 && Table()[slot].path_whole;
+    // (or'ed: a lease broken since Acquire without a copy set it already)
+    Table()[slot].watch =
+        Table()[slot].watch || (use == Use::kViews && lease_fd < 0 && Table()[slot].path_whole);
   }
   return map;
 }
@@ -647,6 +688,12 @@ MappingStats GetMappingStats() {
 void SetMappingLeases(bool enabled) noexcept {
   io::g_leases_enabled.store(enabled, std::memory_order_relaxed);
 }
+
+namespace io {
+void FailLeaseCopiesForTesting(bool fail) {
+  g_fail_lease_copies.store(fail, std::memory_order_relaxed);
+}
+}  // namespace io
 
 namespace io {
 namespace {

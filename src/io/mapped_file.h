@@ -53,6 +53,10 @@
 
 namespace tensorferry::io {
 
+// Test-only: while set, a broken lease finds no memory for its copy (as when mmap of the copy
+// fails), so the mapping stays the file's and is watched (mapped_file.cc, LeaseKeeper::Break).
+void FailLeaseCopiesForTesting(bool fail);
+
 class MappedFile {
  public:
   static constexpr size_t kMaxMappings = 65536;

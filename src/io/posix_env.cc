@@ -68,12 +68,8 @@ class PosixEnv final : public Env {
  public:
   Result<std::unique_ptr<RandomAccessFile>> OpenRandomAccess(const std::string& path) override {
     TF_RETURN_IF_ERROR(CheckPathString(path));
-    int fd;
-    do {
-      // O_NONBLOCK: opening a FIFO (or some devices) for reading would otherwise block until a
-      // writer appears; such files are refused below. It has no effect on regular files.
-      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    } while (fd < 0 && errno == EINTR);
+    // Not waiting for a FIFO's writer (such files are refused below), waiting for a lease.
+    const int fd = io::OpenForReading(path);
     if (fd < 0) {
       const int err = errno;
       std::string why = ErrnoText(err);

@@ -1,7 +1,10 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <algorithm>
 #include <chrono>
@@ -554,6 +557,40 @@ TEST(ResidencyTest, AFifoOrADirectoryIsRefusedWithoutWaiting) {
   testing::WriteBytes(file, Pattern(5000, 3));
   EXPECT_TRUE(DropFromPageCache(file).ok());
   EXPECT_TRUE(::tensorferry::CachedFraction(file).ok());
+}
+
+// A regular file another process holds a write lease on (Samba's oplocks, NFS delegations): the
+// open waits for the lease's break, as `cat` does, where the non-blocking open (for FIFOs) failed
+// at once with EAGAIN. Here the holder takes the break's SIGIO and dies, which ends its lease.
+TEST(ResidencyTest, AFileUnderAnotherProcesssWriteLeaseIsOpenedAfterTheBreak) {
+  testing::TempDir dir;
+  const std::string file = dir.Join("leased.bin");
+  testing::WriteBytes(file, Pattern(5000, 4));
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const int fd = ::open(file.c_str(), O_RDWR);
+    const char ok = fd >= 0 && ::fcntl(fd, F_SETLEASE, F_WRLCK) == 0 ? '1' : '0';
+    if (::write(ready[1], &ok, 1) != 1) ::_exit(1);
+    ::pause();  // the break's SIGIO ends it
+    ::_exit(0);
+  }
+  ::close(ready[1]);
+  char ok = '0';
+  ASSERT_EQ(::read(ready[0], &ok, 1), 1);
+  ::close(ready[0]);
+  if (ok != '1') {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    GTEST_SKIP() << "no write lease on this file system";
+  }
+  auto opened = Env::Default()->OpenRandomAccess(file);
+  EXPECT_TRUE(opened.ok()) << opened.status().ToString();
+  EXPECT_TRUE(::tensorferry::CachedFraction(file).ok());
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
 }
 
 }  // namespace

@@ -39,12 +39,8 @@ class Mapping {
 }  // namespace
 
 Result<UniqueFd> OpenRegularFile(const std::string& path) {
-  int raw_fd;
-  do {
-    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (forever, for
-    // these calls); such files are refused below. It changes nothing for a regular file.
-    raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  } while (raw_fd < 0 && errno == EINTR);
+  // Not waiting for a FIFO's writer (such files are refused below), waiting for a lease.
+  const int raw_fd = OpenForReading(path);
   if (raw_fd < 0) {
     const int err = errno;
     return Status(err == ENOENT ? Code::kNotFound : Code::kIoError,

@@ -707,6 +707,50 @@ TEST(LoaderEngines, MmapLeaseKeepsTensorsWhenAnotherProcessRewritesTheFile) {
   EXPECT_TRUE(CheckMappedFiles().ok());
 }
 
+// A lease broken without a copy taking the mapping's place (no memory for the copy here; also a
+// copy slower than the kernel's lease-break time): the mapping stays the file's, so another
+// process's in-place rewrite shows through the views. It is watched as a mapping without a lease
+// is: CheckMappedFiles reports the rewrite (it went unsaid).
+TEST(LoaderEngines, MmapLeaseBrokenWithoutACopyReportsAnInPlaceRewrite) {
+  Fixture f(2, 1u << 30, 100);
+  const std::string path = f.dir.Join("model.safetensors");
+  LoadOptions o;
+  o.engine = Engine::kMmap;
+  auto loader = Loader::Open(path, o).value();
+  auto tensors = loader->Load();
+  ASSERT_TRUE(tensors.ok());
+  ASSERT_GE(GetMappingStats().leased, 1u) << "no read lease taken (filesystem without leases?)";
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // its checks are 200 ms apart
+  EXPECT_TRUE(CheckMappedFiles().ok());
+  io::FailLeaseCopiesForTesting(true);
+  const MappingStats s0 = GetMappingStats();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // the writer waits for the break, then rewrites every byte in place
+    const int fd = ::open(path.c_str(), O_RDWR);
+    if (fd < 0) ::_exit(3);
+    unsigned char junk[4096];
+    for (unsigned char& c : junk) c = 0xEE;
+    for (off_t at = 0; at < (1 << 16); at += sizeof junk) {
+      if (::pwrite(fd, junk, sizeof junk, at) < 0) ::_exit(4);
+    }
+    const struct timespec later[2] = {{0, UTIME_OMIT}, {::time(nullptr) + 5, 0}};
+    if (::futimens(fd, later) != 0) ::_exit(5);
+    ::_exit(::close(fd) == 0 ? 0 : 6);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  io::FailLeaseCopiesForTesting(false);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(GetMappingStats().copied, s0.copied);  // no copy was made
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  const Status s = CheckMappedFiles();
+  EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
+  EXPECT_NE(s.message().find(path + ": file rewritten in place"), std::string::npos)
+      << s.ToString();
+}
+
 // Without a lease (leases off here; in practice: a file of another user, or already open for
 // writing): touching the vanished pages must not kill the process (SIGBUS); they read as zeros,
 // stderr says so at once, CheckMappedFiles reports it once, the next load refuses to start, and a

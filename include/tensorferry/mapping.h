@@ -14,9 +14,8 @@
 //     file already open for writing, a filesystem without leases, more than kMaxLeases mappings;
 //     or a lease broken without a copy in the mapping's place: no memory for the copy, or a copy
 //     slower than the kernel's lease-break-time, which is dropped). A page that vanished reads as
-//     zeros
-//     instead of killing the process, and then: a line naming the file and offset is written to
-//     stderr at once, every later batch from that mapping is refused, CheckMappedFiles() (called
+//     zeros instead of killing the process, and then: a line naming the file and offset is written
+//     to stderr at once, every later batch from that mapping is refused, CheckMappedFiles() (called
 //     by every Loader entry point, every Python call and the CLI at exit) reports it as an error,
 //     and the CLI exits 1. A file rewritten in place without shrinking (no page vanishes; the new
 //     bytes show through) is seen by its size or mtime: CheckMappedFiles reports it once.

@@ -473,6 +473,17 @@ Result<std::vector<std::optional<FileChecksums>>> ChecksumsForLoad(const Checkpo
       if (sums.status().code() == Code::kUnsupported && verify == VerifyMode::kAuto) {
         continue;  // checksums of a newer algorithm: loaded unchecked
       }
+      // A well-formed embedded record of other tensors than the file's was copied with the
+      // metadata by a writer that does not update it (safetensors.save_file(..., metadata=
+      // f.metadata()) of new tensors): in auto mode the file loads unchecked, as the safetensors
+      // package loads it. verify=on, and `tensorferry verify`, report it; so does auto a record
+      // that is not one (malformed: the header is damaged).
+      if (sums.status().code() == Code::kChecksumsInvalid && verify == VerifyMode::kAuto) {
+        const FileInfo& info = ckpt.files()[f];
+        const Result<std::optional<FileChecksums>> embedded =
+            EmbeddedChecksums(info.metadata, info.path);
+        if (embedded.ok() && embedded->has_value()) continue;
+      }
       return sums.status();
     }
     if (!sums->has_value() && verify == VerifyMode::kOn) {

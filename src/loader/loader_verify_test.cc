@@ -1,6 +1,7 @@
 // Load-time checksums (LoadOptions::verify, src/loader/verify.cc): every engine checks whole host
 // tensors before a batch is delivered; mismatches name file, tensor, chunk and ranges.
 #include <gtest/gtest.h>
+#include <simdjson.h>
 
 #include <algorithm>
 #include <cstring>
@@ -193,6 +194,26 @@ TEST(LoaderVerify, UnknownAlgorithmIgnoredInAutoRefusedWhenOn) {
   EXPECT_NE(malformed.status().message().find("__metadata__[\"tensorferry.checksums\"]"),
             std::string::npos)
       << malformed.status().ToString();
+  // A well-formed record of other tensors (copied with another file's metadata by a writer that
+  // does not update it): auto loads the file unchecked, as the safetensors package does; on
+  // refuses it, naming the record.
+  const std::string other = f.path + ".other";
+  const std::vector<TensorToWrite> others = {{"zzz", DType::kU8, {10}, f.c, nullptr}};
+  ASSERT_TRUE(WriteFile(other, others).ok());
+  const std::string written = testing::ReadBytes(other);
+  uint64_t n = 0;
+  std::memcpy(&n, written.data(), 8);
+  simdjson::dom::parser parser;
+  std::string_view text;
+  ASSERT_EQ(parser.parse(written.substr(8, n))["__metadata__"][kChecksumsMetadataKey].get(text),
+            simdjson::SUCCESS);
+  const std::string record(text);
+  WriteWithRecord(f.path, tensors, record);
+  auto copied = LoadWith(f.path, Engine::kPread, VerifyMode::kAuto);
+  ASSERT_TRUE(copied.ok()) << copied.status().ToString();
+  EXPECT_EQ(copied->verified_tensors, 0u);
+  const auto refused = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
+  EXPECT_EQ(refused.status().code(), Code::kChecksumsInvalid) << refused.status().ToString();
 }
 
 TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {

@@ -191,6 +191,44 @@ def test_verify_on_needs_checksums_and_the_environment_sets_the_default(tmp_path
     assert out.strip() == "['a', 'b']"
 
 
+def test_a_record_copied_with_the_metadata_of_another_file(tmp_path):
+    """safetensors.save_file(new tensors, metadata=f.metadata()) copies tensorferry's record,
+    which then describes other tensors: a record of other tensors is left aside under
+    verify=auto, and the file loads as the safetensors package loads it (it was refused);
+    verify=on refuses it, naming the record. A copy over tensors of the same names (and chunk
+    counts) cannot be told from damage: refused, the message saying that a copied record is one
+    cause. A record that is not one (not JSON) is damage: refused."""
+    ours = str(tmp_path / "ours.safetensors")
+    tensorferry.torch.save_file(tensors(), ours)
+    with tensorferry.safe_open(ours, "pt") as f:
+        metadata = f.metadata()
+    assert KEY in metadata
+    cases = {
+        "other_tensors": ({"a": torch.arange(10.)}, metadata),
+        "renamed": ({"a": torch.ones(7), "c": torch.ones(3, dtype=torch.int64)}, metadata),
+    }
+    for case, (values, meta) in cases.items():
+        path = str(tmp_path / f"{case}.safetensors")
+        ref_save_file(values, path, metadata=meta)
+        got = tensorferry.torch.load_file(path)
+        assert sorted(got) == sorted(values), case
+        for name, want in values.items():
+            assert torch.equal(got[name], want), (case, name)
+        with tensorferry.safe_open(path, "pt") as f:
+            assert torch.equal(f.get_tensor("a"), values["a"]), case
+        with pytest.raises(tensorferry.SafetensorError, match="checksum|record|JSON"):
+            tensorferry.torch.load_file(path, verify="on")
+    same = str(tmp_path / "same_layout.safetensors")
+    ref_save_file({n: t + 1 for n, t in tensors().items()}, same, metadata=metadata)
+    with pytest.raises(tensorferry.SafetensorError,
+                       match="checksum mismatch.*a tool that copies a file's metadata copies"):
+        tensorferry.torch.load_file(same)
+    garbage = str(tmp_path / "not_json.safetensors")
+    ref_save_file({"a": torch.ones(7)}, garbage, metadata={KEY: "garbage"})
+    with pytest.raises(tensorferry.SafetensorError, match="not valid JSON"):
+        tensorferry.torch.load_file(garbage)
+
+
 def test_convert_keeps_its_checksums_over_a_value_of_that_name(tmp_path):
     cli = os.environ.get("TENSORFERRY_CLI", "build/release/bin/tensorferry")
     src, dst = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"

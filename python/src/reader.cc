@@ -146,9 +146,11 @@ nb::object Reader::FileMetadata(size_t index) {
   bool present = !file.metadata.empty();
   if (!present) {
     // An empty table is either "__metadata__": {} or no "__metadata__" at all; only the header
-    // tells (read again, once, only in this case).
+    // tells (read again, once, only in this case). Under a lock of its own, not the Reader's:
+    // asked during an iteration or from a stream callback (which hold that one), or beside a
+    // load on another thread; reading the header beside a load is safe.
     WithoutGil release;
-    Lock lock(*this);
+    std::lock_guard<std::mutex> lock(metadata_mu_);
     std::optional<bool>& known = has_metadata_[index];
     if (!known) {
       known =

@@ -214,6 +214,7 @@ class Reader {
   // Engine() from the thread holding the lock (a stream callback, a signal handler during a
   // load), which must not read loader_ while the load's worker may be opening it.
   std::optional<LoadStats> opened_;
+  std::mutex metadata_mu_;                         // has_metadata_
   std::vector<std::optional<bool>> has_metadata_;  // per file, once asked (see FileMetadata)
   LoadStats stats_;
 };

@@ -315,3 +315,27 @@ def test_numpy_framework(tmp_path):
     assert {k for k, _ in tensorferry.Loader(path, framework="np").iter_tensors()} == set(arrays)
     with pytest.raises(tensorferry.SafetensorError, match="device"):
         tensorferry.Loader(path, framework="np", device="cuda")
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"note": "x"}])
+def test_metadata_is_answered_during_an_iteration_and_from_a_stream_callback(tmp_path, metadata):
+    # A file without metadata, or with an empty table, is read again to tell the two apart: that
+    # read took the loader's lock, so metadata() raised "busy" in a loop or callback.
+    path = str(tmp_path / "m.safetensors")
+    ref_pt.save_file({"a": torch.ones(100000), "b": torch.ones(100000)}, path, metadata=metadata)
+    want = None if metadata is None else metadata
+    with safe_open_reference(path) as f:
+        assert f.metadata() == want
+    loader = tensorferry.Loader(path, budget="1MB")
+    seen = []
+    for _name, _t in loader.iter_tensors():
+        seen.append(loader.metadata())
+    assert seen == [want, want]
+    calls = []
+    loader.stream(lambda batch: calls.append(loader.metadata()))
+    assert calls and all(m == want for m in calls)
+
+
+def safe_open_reference(path):
+    import safetensors
+    return safetensors.safe_open(path, "pt")

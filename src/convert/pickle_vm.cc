@@ -444,20 +444,42 @@ class Vm {
     Value* top = nullptr;
     TF_RETURN_IF_ERROR(Top(top));
     if (index >= limits_.max_memo_index) return Limit("max_memo_index", limits_.max_memo_index);
-    auto it = memo_.find(index);
-    if (it != memo_.end()) {
+    if (index < memo_dense_.size()) {
+      memo_dense_[index] = *top;
+      return Status::Ok();
+    }
+    auto it = memo_sparse_.find(index);
+    if (it != memo_sparse_.end() && index != memo_dense_.size()) {
       it->second = *top;
       return Status::Ok();
     }
-    if (memo_.size() >= limits_.max_memo) return Limit("max_memo", limits_.max_memo);
-    memo_.emplace(index, *top);
+    if (it == memo_sparse_.end() && MemoSize() >= limits_.max_memo) {
+      return Limit("max_memo", limits_.max_memo);
+    }
+    if (index == memo_dense_.size()) {  // the usual case (MEMOIZE, BINPUT 0, 1, 2, ...)
+      if (it != memo_sparse_.end()) memo_sparse_.erase(it);
+      memo_dense_.push_back(*top);
+      // Keys put out of order that now follow on move over (each key in one place only).
+      for (auto next = memo_sparse_.find(memo_dense_.size()); next != memo_sparse_.end();
+           next = memo_sparse_.find(memo_dense_.size())) {
+        memo_dense_.push_back(next->second);
+        memo_sparse_.erase(next);
+      }
+    } else {
+      memo_sparse_.emplace(index, *top);
+    }
     return Status::Ok();
   }
   Status MemoGet(uint64_t index) {
-    auto it = memo_.find(index);
-    if (it == memo_.end()) return Malformed("memo key " + std::to_string(index) + " was never set");
+    if (index < memo_dense_.size()) return Push(memo_dense_[index]);
+    auto it = memo_sparse_.find(index);
+    if (it == memo_sparse_.end()) {
+      return Malformed("memo key " + std::to_string(index) + " was never set");
+    }
     return Push(it->second);
   }
+  // len(memo): its keys, dense and sparse (no key is in both).
+  uint64_t MemoSize() const { return memo_dense_.size() + memo_sparse_.size(); }
 
   Object* Obj(const Value& v, Kind kind) {
     return v.tag == Tag::kRef && r_.objects[v.ref].kind == kind ? &r_.objects[v.ref] : nullptr;
@@ -632,7 +654,7 @@ class Vm {
       }
       case 'q': TF_RETURN_IF_ERROR(Need(1, op)); return MemoPut(ReadLe(1));
       case 'r': TF_RETURN_IF_ERROR(Need(4, op)); return MemoPut(ReadLe(4));
-      case 0x94: return MemoPut(memo_.size());  // MEMOIZE: Python uses len(memo)
+      case 0x94: return MemoPut(MemoSize());  // MEMOIZE: Python uses len(memo)
       case 'h': TF_RETURN_IF_ERROR(Need(1, op)); return MemoGet(ReadLe(1));
       case 'j': TF_RETURN_IF_ERROR(Need(4, op)); return MemoGet(ReadLe(4));
       case 'c': {
@@ -1253,7 +1275,10 @@ class Vm {
   uint64_t op_pos_ = 0;
   std::vector<Value> stack_;
   std::vector<size_t> marks_;
-  std::map<uint64_t, Value> memo_;
+  // The memo: keys 0 .. n-1 in a vector (16 bytes a key: pickles memoize in order, and a map's
+  // ~64 bytes a key let a 16 MB pickle of MEMOIZEs take a GB), other keys in a map.
+  std::vector<Value> memo_dense_;
+  std::map<uint64_t, Value> memo_sparse_;
   uint64_t total_items_ = 0;
   uint64_t copied_ = 0;  // CountCopied
   std::map<std::string, uint32_t, std::less<>> storage_by_key_;

@@ -137,6 +137,33 @@ TEST(PickleVm, MemoForms) {
   bad.Proto(2).Get(7).Stop();
   EXPECT_TRUE(
       Fails(RunP(bad), Code::kPickleMalformed, "memo key 7 was never set at pickle offset 2"));
+
+  // Keys put out of order, then filled in, overwritten, and MEMOIZE numbering them as Python
+  // does (len(memo)): a, b, c under keys 2, 0, 1; then d memoized as 3; then key 0 overwritten
+  // by e, and f memoized as 4 (len(memo) is still 4 before it).
+  PickleBuilder order;
+  order.Proto(4).EmptyList();
+  order.ShortStr("a").Put(2).Append().ShortStr("b").Put(0).Append().ShortStr("c").Put(1).Append();
+  order.ShortStr("d").Memoize().Append().ShortStr("e").Put(0).Append().ShortStr("f").Memoize();
+  order.Append();
+  for (uint32_t key : {0u, 1u, 2u, 3u, 4u}) order.Get(key).Append();
+  order.Stop();
+  auto o = RunP(order);
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  const Object& items = o->object(o->root);
+  ASSERT_EQ(items.items.size(), 11u);
+  std::string got;
+  for (size_t i = 6; i < 11; ++i) got += o->object(items.items[i]).str;
+  EXPECT_EQ(got, "ecadf");
+  // A limit of 4 keys: 4 distinct keys fit, overwriting one of them too, the fifth does not.
+  PickleLimits four;
+  four.max_memo = 4;
+  PickleBuilder fits;
+  fits.Proto(4).None().Put(3).Put(1).Put(0).Put(2).Put(3).Memoize().Stop();
+  EXPECT_TRUE(Fails(RunP(fits, four), Code::kPickleLimitExceeded, "max_memo (4)"));
+  PickleBuilder overwrites;
+  overwrites.Proto(4).None().Put(3).Put(1).Put(0).Put(2).Put(3).Put(0).Stop();
+  EXPECT_TRUE(RunP(overwrites, four).ok());
 }
 
 TEST(PickleVm, TorchTensorAndStorage) {

@@ -86,7 +86,8 @@ struct CooperativeOptions {
   // rate of a link is not what an exchange achieves over it (docs/distributed.md).
   uint64_t probe_bytes = 16u << 20;
   // The longest a rank waits in one step of the load for the other ranks (a round's reads, an
-  // exchange) before it gives up, in milliseconds; 0: forever (TENSORFERRY_COOP_TIMEOUT_MS). A
+  // exchange) before it gives up, in milliseconds; 0: forever; at most kMaxCoopTimeoutMs
+  // (TENSORFERRY_COOP_TIMEOUT_MS). A
   // rank that died or hangs, or a link that went down, then ends every waiting rank with an error
   // naming the rank and the step (Collective::Abort: an MPI job is aborted).
   uint64_t timeout_ms = 300'000;
@@ -142,6 +143,7 @@ Result<DirectIO> ParseDirectIO(std::string_view name);
 inline constexpr uint64_t kMinChunkSize = 4096;  // chunk_size below it reads as 4 KiB (a page)
 inline constexpr unsigned kMaxThreads = 256;     // more threads start 256
 inline constexpr unsigned kMaxQueueDepth = 4096;
+inline constexpr uint64_t kMaxCoopTimeoutMs = 1'000'000'000'000;  // cooperative.timeout_ms
 // Reads kAuto keeps in flight on a network or user-space file system (Engine::kAuto).
 inline constexpr unsigned kSlowFsInFlight = 64;  // io_uring's own bound on a ring's entries
 // The pread engine's workers when `threads` is 0: one per online CPU, at least this many. Its
@@ -233,7 +235,8 @@ struct LoadOptions {
   uint64_t staging_bytes = 64ull << 20;
   // Bytes per staging slot: per read and per host-to-device copy (TENSORFERRY_STAGING_SLOT).
   uint64_t staging_slot = 8ull << 20;
-  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(8, slots).
+  // Producer threads of the pipeline, each with its own CUDA stream; 0: min(8, slots); at most
+  // kMaxThreads (Set refuses more).
   unsigned device_producers = 0;
   // Keep the device pipeline (pinned staging ring, streams, cuFile driver) when the Loader goes,
   // for the next Loader in this process with the same device and staging options

@@ -936,8 +936,8 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
     its own from every reader. Whole tensors land in `got` (copies of their own); parts of row
     pieces are copied into mine_parts[name]. agree(failure) is the ranks' agreement on the
     round's outcome (raises when any rank failed): called with this rank's read `error`, or
-    once the send and receive buffers are allocated, so that no rank waits in the exchange for
-    one that could not allocate them."""
+    once its buffers are allocated and packed, so that no rank waits in the exchange for one
+    that could not allocate them."""
     if error is not None:
         agree(error)
     send_splits = [0] * world
@@ -958,39 +958,42 @@ def _exchange(torch, dist, group, rank, world, comm_device, wait, fw, step, unit
     # batch is what a tensor of it keeps alive): a whole tensor it keeps is copied out of them.
     batched = len(loaded) > 1
     try:
+        # Everything this rank allocates before the exchange (the buffers, this rank's kept
+        # copies and parts, joined views), before the ranks agree: an out-of-memory here is told
+        # to the others instead of leaving them in the exchange until the timeout.
         send_buf = torch.empty(sum(send_splits), dtype=torch.uint8, device=comm_device)
         recv_buf = torch.empty(sum(recv_splits), dtype=torch.uint8, device=comm_device)
+        cursor, at = [], 0
+        for n in send_splits:
+            cursor.append(at)
+            at += n
+        for u, size in zip(units, sizes):
+            e = u.entry
+            if u.reader != rank:
+                figures["bytes_received"] += size
+                continue
+            src = loaded.pop(e.name) if not u.piece else loaded[e.name]
+            for q in range(world):
+                dim, views = _piece_blocks(e, u, src, q) if u.piece else _blocks(e, src, q)
+                if q == rank:
+                    part = _joined(torch, dim, views)
+                    if u.piece:
+                        _place_piece(torch, e, u, _target(torch, fw, e, rank, mine_parts,
+                                                          comm_device), part, rank)
+                    else:
+                        got[e.name] = _own(torch, part, shared=batched)
+                    continue
+                n = size[q]
+                _copy_blocks(torch, dim, views, send_buf[cursor[q]:cursor[q] + n])
+                if _align(n) > n:  # the padding zeroed: no stale memory goes over the network
+                    send_buf[cursor[q] + n:cursor[q] + _align(n)].zero_()
+                cursor[q] += _align(n)
+                figures["bytes_sent"] += n
+            if u.piece:
+                loaded.pop(e.name, None)
     except Exception as e:  # (torch.OutOfMemoryError, RuntimeError): the others are told
         agree(e)
     agree(None)
-    cursor, at = [], 0
-    for n in send_splits:
-        cursor.append(at)
-        at += n
-    for u, size in zip(units, sizes):
-        e = u.entry
-        if u.reader != rank:
-            figures["bytes_received"] += size
-            continue
-        src = loaded.pop(e.name) if not u.piece else loaded[e.name]
-        for q in range(world):
-            dim, views = _piece_blocks(e, u, src, q) if u.piece else _blocks(e, src, q)
-            if q == rank:
-                part = _joined(torch, dim, views)
-                if u.piece:
-                    _place_piece(torch, e, u,
-                                 _target(torch, fw, e, rank, mine_parts, comm_device), part, rank)
-                else:
-                    got[e.name] = _own(torch, part, shared=batched)
-                continue
-            n = size[q]
-            _copy_blocks(torch, dim, views, send_buf[cursor[q]:cursor[q] + n])
-            if _align(n) > n:  # the padding zeroed: no stale memory goes over the network
-                send_buf[cursor[q] + n:cursor[q] + _align(n)].zero_()
-            cursor[q] += _align(n)
-            figures["bytes_sent"] += n
-        if u.piece:
-            loaded.pop(e.name, None)
     # On a GPU the exchange is one all_to_all_single of the whole group: every rank takes part,
     # with nothing to send or receive too (a rank that skipped it left the others waiting in it;
     # the plan's rounds can hold only pieces other ranks read and need). gloo's pairwise steps

@@ -482,7 +482,19 @@ Result<std::vector<std::optional<FileChecksums>>> ChecksumsForLoad(const Checkpo
         const FileInfo& info = ckpt.files()[f];
         const Result<std::optional<FileChecksums>> embedded =
             EmbeddedChecksums(info.metadata, info.path);
-        if (embedded.ok() && embedded->has_value()) continue;
+        if (embedded.ok() && embedded->has_value()) {
+          // Other names: another file's. The same names (with other chunk counts) are this
+          // file's tensors rewritten, or damaged: that stays an error.
+          std::set<std::string_view> names;
+          for (const TensorInfo& t : ckpt.tensors()) {
+            if (t.file == f) names.insert(t.name);
+          }
+          bool same = names.size() == (*embedded)->tensors.size();
+          for (const auto& [name, sum] : (*embedded)->tensors) {
+            same = same && names.contains(name);
+          }
+          if (!same) continue;
+        }
       }
       return sums.status();
     }

@@ -197,7 +197,11 @@ Status Loader::LoadInto(std::span<const Destination> destinations) {
     device_check = sink::LandingCheck::Make(ckpt, device, m.checksums, nullptr, verified);
     if (device_check) {
       for (auto& [index, tasks] : reads.device_tasks) {
-        for (device::DeviceTask& t : tasks) t.passed = device_check->passed_hook();
+        for (device::DeviceTask& t : tasks) {
+          t.passed = device_check->passed_hook();
+          // verify=on: checked in host memory, so not read with GDS (as the device sink's)
+          t.host_only = m.options.verify == VerifyMode::kOn;
+        }
       }
     }
   }

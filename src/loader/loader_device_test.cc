@@ -617,6 +617,23 @@ TEST_F(LoaderDeviceTest, ChecksumsAreCheckedInTheStagingSlots) {
     EXPECT_EQ((*loader)->stats().verified_tensors, 1u);
     EXPECT_EQ((*loader)->stats().verified_bytes, size);
   }
+  {
+    // With GDS on hand and verify=on, a caller's device destination is staged and checked too
+    // (it was read with GDS, counted as skipped); gds=on with verify=on is refused.
+    LoadOptions o = DeviceOptions();
+    o.gds = GdsMode::kAuto;
+    o.verify = VerifyMode::kOn;
+    auto loader = Loader::Open(c.dir.path(), o);
+    ASSERT_TRUE(loader.ok());
+    ASSERT_TRUE((*loader)->LoadInto(dsts).ok());
+    EXPECT_EQ(fake_->ReadDevice(dev, size), c.Full(name));
+    EXPECT_EQ((*loader)->stats().verified_tensors, 1u);
+    EXPECT_EQ((*loader)->stats().gds_bytes, 0u);
+    o.gds = GdsMode::kOn;
+    auto forced = Loader::Open(c.dir.path(), o);
+    ASSERT_TRUE(forced.ok());
+    EXPECT_EQ((*forced)->LoadInto(dsts).code(), Code::kInvalidArgument);
+  }
   // A flipped byte in the middle of an up projection: its 1 KiB chunk fails.
   {
     auto ckpt = tensorferry::Checkpoint::Open(c.dir.path());

@@ -214,6 +214,19 @@ TEST(LoaderVerify, UnknownAlgorithmIgnoredInAutoRefusedWhenOn) {
   EXPECT_EQ(copied->verified_tensors, 0u);
   const auto refused = LoadWith(f.path, Engine::kPread, VerifyMode::kOn);
   EXPECT_EQ(refused.status().code(), Code::kChecksumsInvalid) << refused.status().ToString();
+  // A record of the same names (other sizes: other chunk counts) is this file's tensors
+  // rewritten, or damaged: refused in auto mode too.
+  const std::vector<TensorToWrite> bigger = {{"c", DType::kU8, {20'000}, f.a, nullptr}};
+  WriteOptions chunked;
+  chunked.checksum_chunk_size = 4096;
+  ASSERT_TRUE(WriteFile(other, bigger, {}, chunked).ok());
+  const std::string rewritten = testing::ReadBytes(other);
+  std::memcpy(&n, rewritten.data(), 8);
+  ASSERT_EQ(parser.parse(rewritten.substr(8, n))["__metadata__"][kChecksumsMetadataKey].get(text),
+            simdjson::SUCCESS);
+  WriteWithRecord(f.path, tensors, std::string(text));
+  const auto same_names = LoadWith(f.path, Engine::kPread, VerifyMode::kAuto);
+  EXPECT_EQ(same_names.status().code(), Code::kChecksumsInvalid) << same_names.status().ToString();
 }
 
 TEST(LoaderVerify, TensorParallelSlicesAreSkippedAndCounted) {

@@ -267,9 +267,9 @@ Result<bool> ProfileKeys(S3Config& c, const Profile& p,
   std::string id = value("aws_access_key_id"), secret = value("aws_secret_access_key");
   if (id.empty() && secret.empty()) return false;
   const std::string& file = &section == &p.credentials ? p.credentials_path : p.config_path;
-  // The session token under its legacy name too, as botocore reads it (aws_security_token).
-  std::string token = value("aws_session_token");
-  if (token.empty()) token = value("aws_security_token");
+  // The session token under its legacy name too, first, as botocore reads it.
+  const auto legacy = section.find("aws_security_token");
+  std::string token = legacy != section.end() ? legacy->second : value("aws_session_token");
   TF_RETURN_IF_ERROR(SetKeys(c, std::move(id), std::move(secret), std::move(token), p.Where(file),
                              "aws_access_key_id", "aws_secret_access_key"));
   return true;
@@ -497,8 +497,8 @@ Result<bool> AssumeRole(S3Config& c, const GetEnv& env, const Profile& p) {
     }
     keys.access_key_id = *id;
     keys.secret_access_key = *secret;
-    keys.session_token =
-        Env(env, "AWS_SESSION_TOKEN").value_or(Env(env, "AWS_SECURITY_TOKEN").value_or(""));
+    keys.session_token =  // botocore's order: the legacy name first
+        Env(env, "AWS_SECURITY_TOKEN").value_or(Env(env, "AWS_SESSION_TOKEN").value_or(""));
     keys_from = "the environment's keys (credential_source = Environment)";
   } else {
     return unsupported(p.Where(credential_source->second) + ": credential_source = " +
@@ -558,10 +558,10 @@ Status ResolveCredentials(S3Config& c, const S3Request& r, const GetEnv& env, co
   // come first then, as there).
   const auto id = Env(env, "AWS_ACCESS_KEY_ID"), secret = Env(env, "AWS_SECRET_ACCESS_KEY");
   if ((id || secret) && r.profile.empty()) {
-    // The token under its legacy name too (AWS_SECURITY_TOKEN), as botocore reads it.
+    // The token under its legacy name too (AWS_SECURITY_TOKEN), first, as botocore reads it.
     return SetKeys(
         c, id.value_or(""), secret.value_or(""),
-        Env(env, "AWS_SESSION_TOKEN").value_or(Env(env, "AWS_SECURITY_TOKEN").value_or("")),
+        Env(env, "AWS_SECURITY_TOKEN").value_or(Env(env, "AWS_SESSION_TOKEN").value_or("")),
         "environment (AWS_ACCESS_KEY_ID)", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
   }
   // botocore's order: a role assumed with the profile's source, web identity (the environment's

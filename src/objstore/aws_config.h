@@ -143,8 +143,8 @@ Result<std::string> NormalizeEndpoint(const std::string& value, const std::strin
 //   names only a source not implemented (sso_session, sso_start_url; role_arn with nothing to
 //   assume it with) is kUnsupported. Sources 3b, 4, 6, 8 and 9 are fetched later, by
 //   AwsCredentials (aws_credentials.h): credential_source says which, keys stay empty.
-// - profile: request, AWS_PROFILE, AWS_DEFAULT_PROFILE, "default". A profile named explicitly
-// (request or
+// - profile: request, AWS_DEFAULT_PROFILE, AWS_PROFILE (botocore's order), "default". A profile
+// named explicitly (request or
 //   env) that exists in neither file is an error (kInvalidArgument naming the profile and both
 //   files).
 // - files: AWS_SHARED_CREDENTIALS_FILE / AWS_CONFIG_FILE (a leading "~/" is $HOME), else

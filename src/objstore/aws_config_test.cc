@@ -105,9 +105,9 @@ TEST(AwsConfig, CredentialsPrecedence) {
   EXPECT_EQ(c.secret_access_key, "ENV_SECRET");
   EXPECT_EQ(c.session_token, "ENV_TOKEN");
   EXPECT_EQ(c.credentials_from, "environment (AWS_ACCESS_KEY_ID)");
-  // The token's legacy name, as botocore reads it: AWS_SESSION_TOKEN first.
+  // The token's legacy name, as botocore reads it: first (botocore's EnvProvider.TOKENS).
   aws.Set("AWS_SECURITY_TOKEN", "LEGACY_TOKEN");
-  EXPECT_EQ(aws.MustResolve().session_token, "ENV_TOKEN");
+  EXPECT_EQ(aws.MustResolve().session_token, "LEGACY_TOKEN");
   aws.Unset("AWS_SESSION_TOKEN");
   EXPECT_EQ(aws.MustResolve().session_token, "LEGACY_TOKEN");
   aws.Unset("AWS_SECURITY_TOKEN");
@@ -120,8 +120,8 @@ TEST(AwsConfig, CredentialsPrecedence) {
   EXPECT_FALSE(c.anonymous);
 }
 
-// A profile's session token under its legacy name (aws_security_token), as botocore reads it;
-// aws_session_token first.
+// A profile's session token under its legacy name (aws_security_token), as botocore reads it:
+// the legacy name first.
 TEST(AwsConfig, ProfileTokenUnderItsLegacyName) {
   FakeAws aws;
   aws.Credentials(
@@ -131,6 +131,10 @@ TEST(AwsConfig, ProfileTokenUnderItsLegacyName) {
   aws.Credentials(
       "[default]\naws_access_key_id=ID\naws_secret_access_key=S\n"
       "aws_security_token=LEGACY\naws_session_token=TOKEN\n");
+  EXPECT_EQ(aws.MustResolve().session_token, "LEGACY");
+  aws.Credentials(
+      "[default]\naws_access_key_id=ID\naws_secret_access_key=S\n"
+      "aws_session_token=TOKEN\n");
   EXPECT_EQ(aws.MustResolve().session_token, "TOKEN");
 }
 

@@ -1003,8 +1003,9 @@ UniqueFd ObjectCache::Lock(const Place& place, const CachedObject& object) {
     // Another thread or process is filling this key: say that we wait (a shared lock on
     // <lock>.want, held while waiting), so that its filler runs now rather than once its load is
     // done with the file (Fill::AwaitTurn). Best effort: without it we only wait longer.
-    const UniqueFd want(::open(WantPath(place.lock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
+    UniqueFd want(::open(WantPath(place.lock).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666));
     if (want.get() >= 0) static_cast<void>(Flock(want.get(), LOCK_SH));
+    const KeyLockScope unwant{want};  // let go of explicitly (a forked child shares it)
     // Polled, not a blocking flock: a holder that stopped (SIGSTOP, a frozen cgroup, a debugger)
     // keeps its lock forever, and a cache never makes a load wait for ever. A download that goes
     // on is waited for however long it takes; one that shows no progress for lock_wait_ is not.

@@ -1034,8 +1034,10 @@ TEST(HubLayout, AHuggingfaceHubDownloadInProgressIsWaitedFor) {
   ASSERT_GE(held, 0);
   ASSERT_EQ(::flock(held, LOCK_EX), 0);
   std::thread hub([&] {
+    // 2 s of writes 100 ms apart: longer than the waiter's lock_wait (700 ms) by far, each
+    // write well within it (a loaded machine's stall of a few hundred ms does not matter).
     const std::string part = blob + ".deadbeef.incomplete";
-    const size_t step = remote.bytes.size() / 10;
+    const size_t step = remote.bytes.size() / 20;
     for (size_t at = 0; at < remote.bytes.size(); at += step) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       const size_t n = std::min(step, remote.bytes.size() - at);
@@ -1049,7 +1051,7 @@ TEST(HubLayout, AHuggingfaceHubDownloadInProgressIsWaitedFor) {
   });
   {
     ObjectCache waiter(root, 0, ObjectCache::Layout::kHub, 32u << 20, false,
-                       std::chrono::milliseconds(300));
+                       std::chrono::milliseconds(700));
     Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(waiter, object);
     ASSERT_TRUE(file.ok()) << file.status().ToString();
     EXPECT_EQ(ReadAll(**file), remote.bytes);

@@ -268,7 +268,7 @@ const std::array<Key, 52> kKeys = {{
     {"staging_bytes", "TENSORFERRY_STAGING_BYTES", SetSize<&LoadOptions::staging_bytes, false>},
     {"staging_slot", "TENSORFERRY_STAGING_SLOT", SetSize<&LoadOptions::staging_slot, false>},
     {"device_producers", "TENSORFERRY_DEVICE_PRODUCERS",
-     SetCount<&LoadOptions::device_producers, kU32, true>},
+     SetCount<&LoadOptions::device_producers, kMaxThreads, true>},
     {"device_budget", "TENSORFERRY_DEVICE_BUDGET", SetSize<&LoadOptions::device_budget, true>},
     {"keep_staging", "TENSORFERRY_KEEP_STAGING", SetBool<&LoadOptions::keep_staging>},
     {"tp_rank", "",
@@ -341,7 +341,9 @@ const std::array<Key, 52> kKeys = {{
      }},
     {"coop_timeout_ms", "TENSORFERRY_COOP_TIMEOUT_MS",
      [](LoadOptions& o, std::string_view v) -> Status {
-       TF_ASSIGN_OR_RETURN(o.cooperative.timeout_ms, Count(v, UINT64_MAX));
+       // At most about 31 years: the watchdog adds it to the clock (larger values overflowed and
+       // aborted every load at its first step).
+       TF_ASSIGN_OR_RETURN(o.cooperative.timeout_ms, Count(v, kMaxCoopTimeoutMs));
        return Status::Ok();
      }},
     {"coop_network_rate", "TENSORFERRY_COOP_NETWORK_RATE",

@@ -391,20 +391,22 @@ def _corrupt_round_main(rank, world, path, init, results):
         dist.destroy_process_group()
 
 
-def _unallocatable_main(rank, path, init, results):
+def _unallocatable_main(rank, path, init, results, where):
     import time
 
     import tensorferry
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     if rank == 1:
-        # The exchange's buffers cannot be allocated on rank 1 (out of memory), after its reads.
-        real = torch.empty
+        # Rank 1 cannot allocate (out of memory), after its reads: the exchange's buffers
+        # (torch.empty in _exchange), or the copy of a tensor it keeps (torch.empty_like in _own).
+        caller, function = where
+        real = getattr(torch, function)
 
-        def empty(*args, **kwargs):
-            if sys._getframe(1).f_code.co_name == "_exchange":
+        def failing(*args, **kwargs):
+            if sys._getframe(1).f_code.co_name == caller:
                 raise RuntimeError("injected: out of memory for the exchange")
             return real(*args, **kwargs)
-        torch.empty = empty
+        setattr(torch, function, failing)
     start = time.monotonic()
     try:
         loader = tensorferry.Loader(path, tp_rank=rank, tp_size=2, shard_rules="none",
@@ -420,7 +422,8 @@ def _unallocatable_main(rank, path, init, results):
     os._exit(0)
 
 
-def test_a_rank_that_cannot_allocate_the_exchange_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("where", [("_exchange", "empty"), ("_own", "empty_like")])
+def test_a_rank_that_cannot_allocate_the_exchange_stops_every_rank(tmp_path, where):
     """A rank whose exchange buffers cannot be allocated (after every rank's reads were agreed
     on) says so to the others, which stop at once naming it, instead of waiting in the exchange
     until the timeout (60 s here)."""
@@ -429,8 +432,8 @@ def test_a_rank_that_cannot_allocate_the_exchange_stops_every_rank(tmp_path):
     g = torch.Generator().manual_seed(9)
     tensorferry.torch.save_file({n: torch.randn(8, 8, generator=g) for n in "abcd"}, path)
     results = str(tmp_path / "outcome")
-    mp.spawn(_unallocatable_main, args=(path, f"file://{tmp_path}/init", results), nprocs=2,
-             join=True)
+    mp.spawn(_unallocatable_main, args=(path, f"file://{tmp_path}/init", results, where),
+             nprocs=2, join=True)
     outcomes = _outcomes(results, 2)
     for r, o in enumerate(outcomes):
         assert o["seconds"] < 30, (r, o)

@@ -943,6 +943,10 @@ TEST(CliExitCodes, ContradictionsAreTheirSourcesFault) {
       << Describe(bench);
   const RunResult overridden = RunCli({"load", dir, "--engine", "pread"}, env);
   EXPECT_EQ(overridden.exit_code, 0) << Describe(overridden);
+  // A switch turned off over its variable ("--drop-cache=false" was dropped: the mmap load
+  // stayed refused).
+  const RunResult off = RunCli({"load", dir, "--drop-cache=false"}, env);
+  EXPECT_EQ(off.exit_code, 0) << Describe(off);
   // Overridden, but the flags contradict each other: theirs.
   const RunResult flags =
       RunCli({"load", dir, "--engine", "pread", "--tp-rank", "2", "--tp-size", "2"}, env);

@@ -47,6 +47,10 @@ struct LoadArgs {
   unsigned repeat = 1;
   std::string layers;  // "A-B"
   bool allow_oversized = false;
+  // The switches above that are LoadOptions (populate, prefer_mmap, drop_cache, allow_oversized)
+  // as given: "--populate=false" sets 0 over a TENSORFERRY_POPULATE=1 (not given: the
+  // environment's). Their CLI11 options, which outlive the run.
+  std::map<std::string, std::pair<CLI::Option*, bool*>> switches;
   bool explain = false;
   bool json = false;
   bool no_checksum = false;
@@ -83,10 +87,9 @@ std::optional<int> MakeOptions(const LoadArgs& a, LoadOptions& out) {
   for (const auto& [key, flag] : a.options) {
     if (s.ok() && !flag.value.empty()) s = SetContext(o, key, flag.value, flag.flag);
   }
-  if (s.ok() && a.populate) s = o.Set("populate", "1");
-  if (s.ok() && a.prefer_mmap) s = o.Set("prefer_mmap", "1");
-  if (s.ok() && a.drop_cache) s = o.Set("drop_cache", "1");
-  if (s.ok() && a.allow_oversized) s = o.Set("allow_oversized", "1");
+  for (const auto& [key, given] : a.switches) {
+    if (s.ok() && given.first->count() > 0) s = o.Set(key, *given.second ? "1" : "0");
+  }
   if (s.ok() && !a.rules.empty()) {
     Result<ShardSpec> spec = ReadShardRules(a.rules);
     if (!spec.ok()) return invalid(Origin::kCommandLine, spec.status());
@@ -429,7 +432,8 @@ Command AddLoadCommand(CLI::App& parent) {
          "gs:// URLs https://storage.googleapis.com)");
   option("s3_region", "S3 region (default: AWS_REGION, profile, us-east-1)");
   option("s3_profile",
-         "AWS profile of ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE)");
+         "AWS profile of ~/.aws/credentials and ~/.aws/config (default: AWS_DEFAULT_PROFILE, else "
+         "AWS_PROFILE, else \"default\")");
   option("s3_anonymous", "Unsigned S3 requests (public buckets): 1/0");
   option("s3_path_style", "S3 path-style addressing: 1, 0 or auto (auto: path-style off AWS)");
   option("object_concurrency",
@@ -453,19 +457,25 @@ Command AddLoadCommand(CLI::App& parent) {
   option("object_hub_cache",
          "Keep the files of hf:// paths streamed from the hub in the Hugging Face hub cache, "
          "as `hf download` would: 1/0 (default 1)");
-  app->add_flag("--populate", args->populate, "mmap engine: read every page during the load");
-  app->add_flag("--prefer-mmap", args->prefer_mmap,
-                "--engine auto: map the files when they are on local file systems");
-  app->add_flag("--drop-cache", args->drop_cache,
-                "Drop the files read from the page cache after the load (not with --engine mmap)");
+  const auto load_switch = [&](const std::string& key, const std::string& flag, bool& value,
+                               const std::string& what) {
+    args->switches[key] = {
+        app->add_flag(flag, value, what + " (=false: off, over the environment)"), &value};
+  };
+  load_switch("populate", "--populate", args->populate,
+              "mmap engine: read every page during the load");
+  load_switch("prefer_mmap", "--prefer-mmap", args->prefer_mmap,
+              "--engine auto: map the files when they are on local file systems");
+  load_switch("drop_cache", "--drop-cache", args->drop_cache,
+              "Drop the files read from the page cache after the load (not with --engine mmap)");
   app->add_flag("--touch", args->touch,
                 "Read one byte per page of every tensor; GB/s then counts that time too");
   app->add_option("--repeat", args->repeat,
                   "Load N times with the same loader (later runs reuse its buffers)")
       ->check(CLI::Range(1u, 1000000u));
   app->add_option("--layers", args->layers, "Only layers N or A-B");
-  app->add_flag("--allow-oversized", args->allow_oversized,
-                "Load a tensor larger than the budget in a batch of its own");
+  load_switch("allow_oversized", "--allow-oversized", args->allow_oversized,
+              "Load a tensor larger than the budget in a batch of its own");
   app->add_flag("--explain", args->explain,
                 "Print the read plan first (with --json: as the document's \"explain\" text)");
   app->add_flag("--no-checksum", args->no_checksum, "Skip the checksum");

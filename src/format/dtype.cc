@@ -50,14 +50,8 @@ Result<uint64_t> TensorByteSize(DType dtype, std::span<const uint64_t> shape) {
   auto n = NumElements(shape);
   if (!n) return Status(Code::kOverflow, "element count of the shape overflows 64 bits");
   const uint64_t width = DTypeBits(dtype);
-  if (width % 8 == 0) {
-    uint64_t bytes;
-    if (__builtin_mul_overflow(*n, width / 8, &bytes)) {
-      return Status(Code::kOverflow, "byte count (" + std::to_string(*n) + " elements of " +
-                                         std::string(DTypeName(dtype)) + ") overflows 64 bits");
-    }
-    return bytes;
-  }
+  // In bits for every dtype, as the safetensors package checks it (elements x bits): counting
+  // bytes let shapes of 2^61 bytes and more through, which it refuses (never looser).
   uint64_t bits;
   if (__builtin_mul_overflow(*n, width, &bits)) {
     return Status(Code::kOverflow, "bit count (" + std::to_string(*n) + " elements of " +

@@ -67,10 +67,13 @@ TEST(DType, ByteSizes) {
   const uint64_t s4[] = {4};
   EXPECT_EQ(*TensorByteSize(DType::kF6_E3M2, s4), 3u);
   EXPECT_EQ(*TensorByteSize(DType::kF32, {}), 4u) << "a scalar has one element";
-  const uint64_t big[] = {1ull << 62, 2};
-  EXPECT_TRUE(TensorByteSize(DType::kU8, big).ok()) << "2^63 bytes fits";
-  const uint64_t huge[] = {1ull << 62, 4};
-  EXPECT_EQ(TensorByteSize(DType::kU8, huge).status().code(), Code::kOverflow);
+  // The bit count must fit 64 bits, as the reference checks it (elements x bits).
+  const uint64_t big[] = {1ull << 59, 2};
+  EXPECT_EQ(*TensorByteSize(DType::kU8, big), 1ull << 60) << "2^63 bits fit";
+  const uint64_t huge[] = {1ull << 60, 2};
+  EXPECT_EQ(TensorByteSize(DType::kU8, huge).status().code(), Code::kOverflow) << "2^64 bits";
+  const uint64_t f64[] = {1ull << 58};
+  EXPECT_EQ(TensorByteSize(DType::kF64, f64).status().code(), Code::kOverflow);
   const uint64_t bits_overflow[] = {1ull << 61, 2};
   EXPECT_EQ(TensorByteSize(DType::kF64, bits_overflow).status().code(), Code::kOverflow);
   const uint64_t zero[] = {0, 1ull << 63, 5};

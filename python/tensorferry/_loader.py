@@ -321,7 +321,9 @@ class Loader:
         if isinstance(select, str):
             select = [select]
         if callable(select):
-            return [n for n in reader.names(True) if select(n)]
+            # Asked of every tensor a load delivers: tied aliases the files lack too (as
+            # Selection::Where offers them), not only the stored names.
+            return [o.name for o in reader.describe(None) if select(o.name)]
         names = list(select)
         for n in names:
             if not isinstance(n, str):

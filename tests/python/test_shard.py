@@ -7,6 +7,7 @@ import torch
 from conftest import reference_slice
 
 import tensorferry
+import tensorferry.torch
 from tensorferry import InvalidArgumentError, ShardSpec, shard_spec, tensor_slice
 
 
@@ -180,6 +181,27 @@ def test_loader_custom_rules_and_ties(tiny_checkpoint, full_tensors):
         tensorferry.Loader(tiny_checkpoint, tp_rank=2, tp_size=2)
     with pytest.raises(InvalidArgumentError):
         tensorferry.Loader(tiny_checkpoint, shard_rules="builtin")
+
+
+def test_a_predicate_select_is_asked_of_tied_aliases_the_files_lack(tmp_path):
+    # It was asked of the stored names only: the alias never came (select=None delivers it).
+    path = str(tmp_path / "m.safetensors")
+    g = torch.Generator().manual_seed(4)
+    full = {"model.embed_tokens.weight": torch.randn(8, 4, generator=g),
+            "model.layers.0.w": torch.randn(4, 4, generator=g)}
+    tensorferry.torch.save_file(full, path)
+    rules = {"rules": [], "ties": {"lm_head.weight": "model.embed_tokens.weight"}}
+    with tensorferry.Loader(path, tp_rank=0, tp_size=1, shard_rules=rules) as loader:
+        everything = sorted(loader.keys())
+    assert "lm_head.weight" in everything
+    with tensorferry.Loader(path, tp_rank=0, tp_size=1, shard_rules=rules,
+                            select=lambda n: n.startswith("lm_head")) as loader:
+        assert loader.keys() == ["lm_head.weight"]
+        only = loader.load()
+    assert torch.equal(only["lm_head.weight"], full["model.embed_tokens.weight"])
+    with tensorferry.Loader(path, tp_rank=0, tp_size=1, shard_rules=rules,
+                            select=lambda n: True) as loader:
+        assert sorted(loader.keys()) == everything
 
 
 def test_load_file_shards(tmp_path):

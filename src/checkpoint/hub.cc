@@ -6,6 +6,7 @@
 // huggingface_hub's own (snapshot_download with local_files_only).
 #include "tensorferry/hub.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
@@ -109,6 +110,20 @@ Result<Candidate> MakeCandidate(std::string_view hub_path, const Parsed& p, size
     c.folder += part;
   }
   c.path_begin = n;
+  // huggingface_hub's own form of a pull request's or a conversion's ref: "@refs/pr/1" and
+  // "@refs/convert/parquet" unescaped (parse_hf_uri reads them so): the ref's components are
+  // the revision's, not PATH's.
+  if (c.revision == "refs" && n + 1 < p.parts.size()) {
+    const std::string_view kind = p.parts[n], name = p.parts[n + 1];
+    const bool pr =
+        kind == "pr" && !name.empty() &&
+        std::all_of(name.begin(), name.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    const bool convert = kind == "convert" && objstore::IsHubIdPart(name);
+    if (pr || convert) {
+      c.revision += "/" + std::string(kind) + "/" + std::string(name);
+      c.path_begin = n + 2;
+    }
+  }
   return c;
 }
 

@@ -67,6 +67,11 @@ TEST_F(HubCacheTest, RepositoriesRevisionsAndPaths) {
   EXPECT_EQ(Resolve("hf://org/llama@" + kOld).value(), Snapshot("models--org--llama", kOld));
   EXPECT_EQ(Resolve("hf://org/llama@refs%2Fpr%2F1/sub").value(),
             Snapshot("models--org--llama", kPr) + "/sub");
+  // huggingface_hub's own unescaped form (parse_hf_uri): the ref's components are the revision's
+  // (they were read as PATH: revision "refs", path "pr/1/sub").
+  EXPECT_EQ(Resolve("hf://org/llama@refs/pr/1/sub").value(),
+            Snapshot("models--org--llama", kPr) + "/sub");
+  EXPECT_EQ(Resolve("hf://org/llama@refs/pr/1").value(), Snapshot("models--org--llama", kPr));
   // Without an owner; "gpt2/x" is a path inside gpt2 when the cache has no models--gpt2--x.
   EXPECT_EQ(Resolve("hf://gpt2").value(), Snapshot("models--gpt2", kOld));
   EXPECT_EQ(Resolve("hf://gpt2@main").value(), Snapshot("models--gpt2", kOld));

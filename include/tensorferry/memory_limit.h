@@ -4,12 +4,12 @@
 // cgroup's limit is OOM-killed, whatever `free` says. ReadMemoryLimit finds the process's memory
 // cgroup (cgroup v2: the "0::" line of /proc/self/cgroup; v1: the line naming the "memory"
 // controller), where its hierarchy is mounted (/proc/self/mountinfo), and reads the limit of that
-// cgroup and of every ancestor up to the mount (v2 memory.max, v1 memory.limit_in_bytes; the
-// smallest applies) with what each uses (memory.current / memory.usage_in_bytes) and how much of
-// that is reclaimable file cache (memory.stat "file" / "total_cache", less "shmem" /
-// "total_shmem": tmpfs pages, a checkpoint in /dev/shm, are charged as cache but stay). With the
-// machine's MemAvailable (/proc/meminfo) that gives Available(): the bytes a load may still
-// allocate.
+// cgroup and of every ancestor up to the mount (v2 memory.max, or memory.high when lower; v1
+// memory.limit_in_bytes; the smallest applies) with what each uses (memory.current /
+// memory.usage_in_bytes) and how much of that is reclaimable file cache (memory.stat "file" /
+// "total_cache", less "shmem" / "total_shmem": tmpfs pages, a checkpoint in /dev/shm, are charged
+// as cache but stay). With the machine's MemAvailable (/proc/meminfo) that gives Available(): the
+// bytes a load may still allocate.
 //
 // Used by the loader (a whole load of more tensor bytes than Available() fails before reading,
 // naming the limit; a streaming load with no budget gets one from it: loader.h), and by

@@ -199,7 +199,18 @@ MemoryLimit ReadMemoryLimit(const std::string& root) {
   for (std::string dir = rel;; dir = Parent(dir)) {
     const std::string base = root + mount.point + (dir == "/" ? "" : dir);
     uint64_t limit = 0;
-    if (ReadValue(base + "/" + limit_name, &limit) && limit < kUnlimited) {
+    bool limited = ReadValue(base + "/" + limit_name, &limit) && limit < kUnlimited;
+    std::string file = limit_name;
+    // v2's memory.high (systemd's MemoryHigh=, Kubernetes' memory QoS) below memory.max: past it
+    // the kernel throttles the cgroup hard, so it is the limit a budget must stay under.
+    uint64_t high = 0;
+    if (v2 && ReadValue(base + "/memory.high", &high) && high < kUnlimited &&
+        (!limited || high < limit)) {
+      limit = high;
+      limited = true;
+      file = "memory.high";
+    }
+    if (limited) {
       uint64_t usage = 0, reclaimable = 0;
       ReadValue(base + "/" + usage_name, &usage);
       std::string stat;
@@ -226,7 +237,7 @@ MemoryLimit ReadMemoryLimit(const std::string& root) {
         m.cgroup_limit = limit;
         m.cgroup_usage = usage;
         m.cgroup_reclaimable = reclaimable;
-        m.cgroup_file = mount.point + (dir == "/" ? "" : dir) + "/" + limit_name;
+        m.cgroup_file = mount.point + (dir == "/" ? "" : dir) + "/" + file;
       }
     }
     if (dir == "/") break;

@@ -72,6 +72,14 @@ TEST(MemoryLimit, CgroupV2TheTightestAncestorBinds) {
   EXPECT_EQ(m.cgroup_limit, 536870912u);
   EXPECT_EQ(m.cgroup_file, "/sys/fs/cgroup/pod/memory.max");
   EXPECT_EQ(m.Available(), 536870912u - 52428800u);
+  // memory.high below memory.max (systemd's MemoryHigh=, Kubernetes' memory QoS): past it the
+  // kernel throttles, so it binds (it was not read).
+  r.Write("/sys/fs/cgroup/pod/ctr/memory.high", "268435456\n");  // 256 MiB
+  const MemoryLimit high = ReadMemoryLimit(r.path());
+  EXPECT_EQ(high.cgroup_limit, 268435456u);
+  EXPECT_EQ(high.cgroup_file, "/sys/fs/cgroup/pod/ctr/memory.high");
+  r.Write("/sys/fs/cgroup/pod/ctr/memory.high", "max\n");
+  EXPECT_EQ(ReadMemoryLimit(r.path()).cgroup_file, "/sys/fs/cgroup/pod/memory.max");
 }
 
 // Shared-memory pages (a checkpoint in /dev/shm or a memory-backed emptyDir) are charged as page

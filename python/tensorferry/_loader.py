@@ -151,8 +151,10 @@ class Loader:
         threads: I/O threads (None: one per CPU; the pread engine keeps at least 8).
         engine: "auto", "pread", "io_uring" or "mmap". Default: "auto" (io_uring where the
             kernel allows, else pread), which with no budget prefers "mmap" with populate, as
-            load_file, for files on local file systems (prefer_mmap); files on network or FUSE
-            file systems are read, never mapped (docs/python.md, "Slow file systems").
+            load_file, for files on local file systems (prefer_mmap), unless a setting only the
+            copying engines use is given (direct, chunk_size, queue_depth, drop_cache,
+            memory_limit); files on network or FUSE file systems are read, never mapped
+            (docs/python.md, "Slow file systems").
             TENSORFERRY_ENGINE overrides the default. `engine_info` says what was chosen.
         select: which tensors: None (all), a name, a list of names, or a predicate on the name
             (e.g. tensorferry.layers(0, 3)).
@@ -285,10 +287,15 @@ class Loader:
             self._device = None
         elif core_device is not None:
             self._device = None  # already on the device
-        if engine is None and not options.get("budget") \
+        # Settings only a copying engine uses, given explicitly: asking for one (the mmap default
+        # below made them do nothing, silently).
+        copying = any(options.get(k) is not None
+                      for k in ("direct", "chunk_size", "queue_depth", "drop_cache",
+                                "memory_limit"))
+        if engine is None and not options.get("budget") and not copying \
                 and not os.environ.get("TENSORFERRY_ENGINE") \
-                and not os.environ.get("TENSORFERRY_BUDGET") and core_device is None \
-                and placement is None:
+                and os.environ.get("TENSORFERRY_BUDGET", "0").strip() in ("", "0") \
+                and core_device is None and placement is None:
             # Unbounded: the same default as load_file (mmap with populate on local file
             # systems), the fastest measured way to tensors in host memory (docs/python.md).
             # Under a budget, the copying engines.

@@ -339,3 +339,21 @@ def test_metadata_is_answered_during_an_iteration_and_from_a_stream_callback(tmp
 def safe_open_reference(path):
     import safetensors
     return safetensors.safe_open(path, "pt")
+
+
+def test_settings_only_a_copying_engine_uses_ask_for_one(tiny_checkpoint, monkeypatch):
+    # Without a budget the Loader maps local files (mmap with populate); an explicit setting
+    # only the copying engines use (direct, chunk_size, queue_depth, drop_cache, memory_limit)
+    # was silently ignored that way. TENSORFERRY_BUDGET=0 (unbounded) is no budget.
+    monkeypatch.delenv("TENSORFERRY_ENGINE", raising=False)
+    monkeypatch.delenv("TENSORFERRY_BUDGET", raising=False)
+    with tensorferry.Loader(tiny_checkpoint) as loader:
+        assert loader.engine_info["engine"] == "mmap"
+    for given in ({"direct": "on"}, {"chunk_size": "1MiB"}, {"queue_depth": 8},
+                  {"drop_cache": True}, {"memory_limit": "1GB"}):
+        with tensorferry.Loader(tiny_checkpoint, **given) as loader:
+            assert loader.engine_info["engine"] != "mmap", given
+            assert len(loader.load()) == len(loader.keys())
+    monkeypatch.setenv("TENSORFERRY_BUDGET", "0")
+    with tensorferry.Loader(tiny_checkpoint) as loader:
+        assert loader.engine_info["engine"] == "mmap"

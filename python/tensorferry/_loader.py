@@ -4,7 +4,7 @@ import os
 import time
 
 from . import _core, _distributed, _frameworks, _safe_open
-from ._core import InvalidArgumentError
+from ._core import InvalidArgumentError, SafetensorError
 from ._shard import shard_spec
 
 
@@ -120,6 +120,18 @@ class _Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _environment_budget():
+    """Whether TENSORFERRY_BUDGET sets a budget ("0", "0MB" or unset: none; a value the core
+    refuses counts as one: the core reports it)."""
+    text = os.environ.get("TENSORFERRY_BUDGET", "").strip()
+    if not text:
+        return False
+    try:
+        return _core.parse_size(text) != 0
+    except SafetensorError:
+        return True
 
 
 class Loader:
@@ -287,14 +299,17 @@ class Loader:
             self._device = None
         elif core_device is not None:
             self._device = None  # already on the device
-        # Settings only a copying engine uses, given explicitly: asking for one (the mmap default
-        # below made them do nothing, silently).
-        copying = any(options.get(k) is not None
-                      for k in ("direct", "chunk_size", "queue_depth", "drop_cache",
-                                "memory_limit"))
+        # Settings only a copying engine uses, turned on explicitly: asking for one (the mmap
+        # default below made them do nothing, silently). Values that turn them off do not.
+        def on(key):
+            value = options.get(key)
+            if value is None or value is False:
+                return False
+            return str(value).strip().lower() not in ("off", "0", "false", "no", "none", "")
+        copying = any(options.get(k) is not None for k in ("chunk_size", "queue_depth")) or \
+            any(on(k) for k in ("direct", "drop_cache", "memory_limit"))
         if engine is None and not options.get("budget") and not copying \
-                and not os.environ.get("TENSORFERRY_ENGINE") \
-                and os.environ.get("TENSORFERRY_BUDGET", "0").strip() in ("", "0") \
+                and not os.environ.get("TENSORFERRY_ENGINE") and not _environment_budget() \
                 and core_device is None and placement is None:
             # Unbounded: the same default as load_file (mmap with populate on local file
             # systems), the fastest measured way to tensors in host memory (docs/python.md).
@@ -329,8 +344,14 @@ class Loader:
             select = [select]
         if callable(select):
             # Asked of every tensor a load delivers: tied aliases the files lack too (as
-            # Selection::Where offers them), not only the stored names.
-            return [o.name for o in reader.describe(None) if select(o.name)]
+            # Selection::Where offers them), not only the stored names. When describing them
+            # all fails (a tensor-parallel rule that cannot split a tensor the predicate may
+            # leave out), of the stored names; the selected ones are described after.
+            try:
+                candidates = [o.name for o in reader.describe(None)]
+            except SafetensorError:
+                candidates = reader.names(True)
+            return [n for n in candidates if select(n)]
         names = list(select)
         for n in names:
             if not isinstance(n, str):

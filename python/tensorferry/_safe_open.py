@@ -129,6 +129,22 @@ _SNAPSHOT_ROOT = re.compile(r"^.*/(models|datasets|spaces)--([^/]+)/snapshots/([
 _RESOLVE_ROOT = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+(?:/[^/]+)?)/resolve/([0-9a-f]{40})$")
 
 
+# huggingface_hub's unescaped form of a pull request's or a conversion's ref after '@'
+# (parse_hf_uri reads "hf://o/n@refs/pr/1/sub" as revision refs/pr/1, path sub): the core reads
+# it so too (src/checkpoint/hub.cc).
+_UNESCAPED_REF = re.compile(r"refs/(?:pr/[0-9]+|convert/[A-Za-z0-9._-]+)(?=/|$)")
+
+
+def hub_revision_length(text):
+    """How much of `text` (what follows '@' in an hf:// path) is the revision: up to the first
+    '/', or an unescaped refs/pr/N or refs/convert/NAME whole."""
+    match = _UNESCAPED_REF.match(text)
+    if match:
+        return match.end()
+    slash = text.find("/")
+    return len(text) if slash < 0 else slash
+
+
 def is_pinned_hub_path(path):
     """True for an hf:// path whose revision is a commit (hf://REPO@<40 hex digits>[/PATH]): it
     names the same bytes wherever and whenever it is read."""
@@ -164,7 +180,7 @@ def pinned_hub_path(path, root):
         return None
     rest = rest[len(prefix + repo):]
     if rest.startswith("@"):
-        rest = rest[rest.find("/"):] if "/" in rest else ""
+        rest = rest[1 + hub_revision_length(rest[1:]):]
     if rest and not rest.startswith("/"):
         return None  # another repository whose name starts with root's
     return f"hf://{prefix}{repo}@{commit}{rest}"

@@ -91,8 +91,8 @@ from contextlib import contextmanager
 from . import _core, _frameworks
 from ._frameworks import UnsupportedDTypeError
 from ._loader import Loader
-from ._safe_open import (_Slice, hub_id_path, hub_root, is_hub_id, is_hub_path, is_url,
-                         storage_load_options)
+from ._safe_open import (_Slice, hub_id_path, hub_revision_length, hub_root, is_hub_id,
+                         is_hub_path, is_url, storage_load_options)
 from ._safe_open import safe_open as _safe_open
 
 __all__ = ["enable", "disable", "enabled", "loading", "safe_open"]
@@ -636,14 +636,17 @@ class _HubLoad(str):
         if not self.streamed and self.requested not in (None, "main"):
             raise OSError(f"{path}: revision={self.requested!r}: name the revision in the path "
                           f"(hf://OWNER/NAME@REVISION)")
-        parts = path[5:].strip("/").split("/")
-        if len(parts) > 2 or (len(parts) == 2 and "@" in parts[0]) or \
-                parts[0] in ("datasets", "spaces"):
+        body = path[5:].strip("/")
+        revision, after = "", ""
+        at = body.find("@")
+        if at >= 0:  # (an unescaped refs/pr/N is the revision whole: hub_revision_length)
+            end = at + 1 + hub_revision_length(body[at + 1:])
+            revision, after, body = body[at + 1:end], body[end:], body[:at]
+        parts = body.split("/")
+        if len(parts) > 2 or after or parts[0] in ("datasets", "spaces"):
             raise OSError(f"{path}: from_pretrained takes a model repository, hf://OWNER/NAME"
                           f"[@REVISION] (a folder inside it: subfolder=...)")
-        name, _, revision = parts[-1].partition("@")
-        repo = "/".join(parts[:-1] + [name])
-        return repo, revision.replace("%2F", "/").replace("%2f", "/") or None
+        return body, revision.replace("%2F", "/").replace("%2f", "/") or None
 
     def root(self, subfolder=None):
         """The snapshot folder in the local hub cache or the https://.../resolve/<commit> prefix on

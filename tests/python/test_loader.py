@@ -354,6 +354,12 @@ def test_settings_only_a_copying_engine_uses_ask_for_one(tiny_checkpoint, monkey
         with tensorferry.Loader(tiny_checkpoint, **given) as loader:
             assert loader.engine_info["engine"] != "mmap", given
             assert len(loader.load()) == len(loader.keys())
-    monkeypatch.setenv("TENSORFERRY_BUDGET", "0")
-    with tensorferry.Loader(tiny_checkpoint) as loader:
-        assert loader.engine_info["engine"] == "mmap"
+    # Values that turn them off keep the default (memory_limit="off" left a copying engine
+    # without its guard).
+    for given in ({"direct": "off"}, {"drop_cache": False}, {"memory_limit": "off"}):
+        with tensorferry.Loader(tiny_checkpoint, **given) as loader:
+            assert loader.engine_info["engine"] == "mmap", given
+    for unbounded in ("0", "0MB"):
+        monkeypatch.setenv("TENSORFERRY_BUDGET", unbounded)
+        with tensorferry.Loader(tiny_checkpoint) as loader:
+            assert loader.engine_info["engine"] == "mmap", unbounded

@@ -398,6 +398,11 @@ def test_the_commit_a_load_read_names_the_same_files_later_and_elsewhere(hf_hub,
                         f"hf://org/pinned@{first}/model.safetensors"),
                        ("hf://org/pinned@refs%2Fpr%2F1/sub/x.json",
                         f"hf://org/pinned@{first}/sub/x.json"),
+                       # huggingface_hub's unescaped form: the ref whole is the revision
+                       ("hf://org/pinned@refs/pr/1/sub/x.json",
+                        f"hf://org/pinned@{first}/sub/x.json"),
+                       ("hf://org/pinned@refs/convert/parquet",
+                        f"hf://org/pinned@{first}"),
                        ("hf://org/pinned/sub", f"hf://org/pinned@{first}/sub"),
                        ("hf://org/pinnedmore", None), ("hf://other/pinned", None),
                        ("s3://org/pinned", None)):

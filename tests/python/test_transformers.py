@@ -1115,3 +1115,20 @@ def test_an_hf_path_with_a_subfolder_or_without_weights(hf_hub, tmp_path, opened
                               for f in files]
     assert config.to_dict() | {"_name_or_path": ""} == ref.config.to_dict() | {"_name_or_path": ""}
     assert "hf://org/nothere" in str(raised.value)
+
+
+def test_hf_paths_name_their_repository_and_revision_for_from_pretrained():
+    # huggingface_hub's unescaped refs/pr/N is the revision whole (it was taken for a folder
+    # inside the repository, and refused).
+    from tensorferry.transformers import _HubLoad
+    for path, want in (("hf://org/m", ("org/m", None)),
+                       ("hf://org/m@v1", ("org/m", "v1")),
+                       ("hf://gpt2@main", ("gpt2", "main")),
+                       ("hf://org/m@refs%2Fpr%2F3", ("org/m", "refs/pr/3")),
+                       ("hf://org/m@refs/pr/3", ("org/m", "refs/pr/3")),
+                       ("hf://org/m@refs/convert/parquet", ("org/m", "refs/convert/parquet"))):
+        assert _HubLoad(path, path, None).repo() == want, path
+    for path in ("hf://org/m/sub", "hf://org/m@v1/sub", "hf://org/m@refs/pr/3/sub",
+                 "hf://org@v1/m", "hf://datasets/org/d"):
+        with pytest.raises(OSError, match="from_pretrained takes a model repository"):
+            _HubLoad(path, path, None).repo()

@@ -645,19 +645,22 @@ TEST(WriterFile, MissingDirectoryIsIoError) {
   ExpectMessageHas(s, {path, "No such file or directory"}, "missing dir");
 }
 
+// One generated tensor of 1000 ones; `generated` is set once a byte of it is produced.
+std::vector<TensorToWrite> GeneratedOnes(bool& generated) {
+  return {{"w", DType::kU8, {1000}, {}, [&generated](uint64_t, std::span<std::byte> out) {
+             generated = true;
+             std::fill(out.begin(), out.end(), std::byte{1});
+             return Status::Ok();
+           }}};
+}
+
 TEST(WriterFile, DestinationIsADirectory) {
   TempDir dir;
   const std::string path = dir.Join("sub");
   std::filesystem::create_directory(path);
   // Refused before a byte is produced (the rename over it would fail after the whole file).
   bool generated = false;
-  const std::vector<TensorToWrite> tensors = {
-      {"w", DType::kU8, {1000}, {}, [&](uint64_t, std::span<std::byte> out) {
-         generated = true;
-         std::fill(out.begin(), out.end(), std::byte{1});
-         return Status::Ok();
-       }}};
-  const Status s = WriteFile(path, tensors);
+  const Status s = WriteFile(path, GeneratedOnes(generated));
   EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
   ExpectMessageHas(s, {path, ": is a directory"}, "dir");
   EXPECT_FALSE(generated);
@@ -681,13 +684,7 @@ TEST(WriterFile, DestinationThatIsNotARegularFileStays) {
   close(fd);
   for (const auto& [path, what] : {std::pair{fifo, "a FIFO"}, std::pair{sock, "a socket"}}) {
     bool generated = false;
-    const std::vector<TensorToWrite> tensors = {
-        {"w", DType::kU8, {1000}, {}, [&](uint64_t, std::span<std::byte> out) {
-           generated = true;
-           std::fill(out.begin(), out.end(), std::byte{1});
-           return Status::Ok();
-         }}};
-    const Status s = WriteFile(path, tensors);
+    const Status s = WriteFile(path, GeneratedOnes(generated));
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
     ExpectMessageHas(s, {path, std::string(": is ") + what, "not a regular file"}, what);
     EXPECT_FALSE(generated);

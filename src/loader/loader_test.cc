@@ -651,6 +651,31 @@ std::vector<std::vector<std::byte>> CopyBytes(const std::vector<Tensor>& tensors
   return out;
 }
 
+// Another process opens `path` for writing (waiting for a lease's break), overwrites its first
+// `bytes` with 0xEE, then shrinks it to `shrink_to` bytes (>= 0) and/or moves its mtime 5 s on.
+// Returns the child's exit status (0: all done), -1 when it did not exit normally.
+int RewriteInAnotherProcess(const std::string& path, off_t bytes, off_t shrink_to,
+                            bool later_mtime) {
+  const pid_t child = ::fork();
+  if (child < 0) return -1;
+  if (child == 0) {  // only async-signal-safe calls here
+    const int fd = ::open(path.c_str(), O_WRONLY);
+    if (fd < 0) ::_exit(3);
+    unsigned char junk[4096];
+    for (unsigned char& c : junk) c = 0xEE;
+    for (off_t at = 0; at < bytes; at += sizeof junk) {
+      if (::pwrite(fd, junk, sizeof junk, at) < 0) ::_exit(4);
+    }
+    if (shrink_to >= 0 && ::ftruncate(fd, shrink_to) != 0) ::_exit(5);
+    const struct timespec later[2] = {{0, UTIME_OMIT}, {::time(nullptr) + 5, 0}};
+    if (later_mtime && ::futimens(fd, later) != 0) ::_exit(5);
+    ::_exit(::close(fd) == 0 ? 0 : 6);
+  }
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
 // With a read lease (the default), a file truncated under the mmap engine's views does not take
 // their bytes: the truncation waits until the mapping has been copied into private memory.
 TEST(LoaderEngines, MmapLeaseKeepsTensorsWhenTheFileIsTruncated) {
@@ -685,24 +710,8 @@ TEST(LoaderEngines, MmapLeaseKeepsTensorsWhenAnotherProcessRewritesTheFile) {
   auto tensors = (*loader)->Load();
   ASSERT_TRUE(tensors.ok());
   const auto before = CopyBytes(*tensors);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    // Only async-signal-safe calls here: overwrite every byte with 0xEE, then shrink the file.
-    const int fd = ::open(path.c_str(), O_WRONLY);
-    if (fd < 0) ::_exit(3);
-    unsigned char junk[4096];
-    for (unsigned char& c : junk) c = 0xEE;
-    for (off_t at = 0; at < (1 << 17); at += sizeof junk) {
-      if (::pwrite(fd, junk, sizeof junk, at) < 0) ::_exit(4);
-    }
-    if (::ftruncate(fd, 100) != 0) ::_exit(5);
-    ::_exit(::close(fd) == 0 ? 0 : 6);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  ASSERT_EQ(WEXITSTATUS(status), 0);
+  // Every byte overwritten, then the file shrunk.
+  ASSERT_EQ(RewriteInAnotherProcess(path, 1 << 17, /*shrink_to=*/100, /*later_mtime=*/false), 0);
   EXPECT_EQ(CopyBytes(*tensors), before);
   EXPECT_TRUE(CheckMappedFiles().ok());
 }
@@ -724,25 +733,11 @@ TEST(LoaderEngines, MmapLeaseBrokenWithoutACopyReportsAnInPlaceRewrite) {
   EXPECT_TRUE(CheckMappedFiles().ok());
   io::FailLeaseCopiesForTesting(true);
   const MappingStats s0 = GetMappingStats();
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {  // the writer waits for the break, then rewrites every byte in place
-    const int fd = ::open(path.c_str(), O_RDWR);
-    if (fd < 0) ::_exit(3);
-    unsigned char junk[4096];
-    for (unsigned char& c : junk) c = 0xEE;
-    for (off_t at = 0; at < (1 << 16); at += sizeof junk) {
-      if (::pwrite(fd, junk, sizeof junk, at) < 0) ::_exit(4);
-    }
-    const struct timespec later[2] = {{0, UTIME_OMIT}, {::time(nullptr) + 5, 0}};
-    if (::futimens(fd, later) != 0) ::_exit(5);
-    ::_exit(::close(fd) == 0 ? 0 : 6);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  // The writer waits for the break, then rewrites every byte in place.
+  const int rewritten =
+      RewriteInAnotherProcess(path, 1 << 16, /*shrink_to=*/-1, /*later_mtime=*/true);
   io::FailLeaseCopiesForTesting(false);
-  ASSERT_TRUE(WIFEXITED(status));
-  ASSERT_EQ(WEXITSTATUS(status), 0);
+  ASSERT_EQ(rewritten, 0);
   EXPECT_EQ(GetMappingStats().copied, s0.copied);  // no copy was made
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
   const Status s = CheckMappedFiles();

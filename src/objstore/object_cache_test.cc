@@ -152,6 +152,17 @@ void AwaitLocked(const std::string& dir, const CachedObject& object) {
   }
 }
 
+// Opens (creating it) and locks the lock file `path` as another process would (huggingface_hub,
+// a filler); an empty UniqueFd when it cannot (a failure added).
+UniqueFd HoldLock(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0664));
+  if (fd.get() < 0 || ::flock(fd.get(), LOCK_EX) != 0) {
+    ADD_FAILURE() << path << ": cannot open and lock: " << std::strerror(errno);
+    return UniqueFd();
+  }
+  return fd;
+}
+
 size_t CountFiles(const std::string& dir) {
   size_t n = 0;
   if (fs::exists(dir)) {
@@ -827,17 +838,14 @@ TEST(ObjectCache, LeftoversOfADeadFillerAreRemoved) {
   testing::WriteBytes(tmp.Join("c/tmp/" + dead + ".999999.3"), "another key's half");
   testing::WriteBytes(tmp.Join("c/tmp/" + live + ".999999.4"), "another key's, going on");
   fs::create_directories(tmp.Join("c/locks"));
-  const int held =
-      ::open(tmp.Join("c/locks/" + live + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  ASSERT_GE(held, 0);
-  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  const UniqueFd held = HoldLock(tmp.Join("c/locks/" + live + ".lock"));
+  ASSERT_GE(held.get(), 0);
   ObjectCache cache(tmp.Join("c"), 0);
   Fill(cache, remote);
   EXPECT_FALSE(fs::exists(tmp.Join("c/tmp/" + key + ".999999.0")));
   EXPECT_FALSE(fs::exists(tmp.Join("c/tmp/" + dead + ".999999.3")));
   EXPECT_TRUE(fs::exists(tmp.Join("c/tmp/" + live + ".999999.4")));
   EXPECT_TRUE(fs::exists(tmp.Join("c/tmp/other.1.0")));
-  ::close(held);
 }
 
 // The hub layout: a dead process's <blob>.tensorferry.<pid>.<n> beside the blobs of a repository
@@ -857,9 +865,8 @@ TEST(HubLayout, LeftoversOfADeadFillerAreRemoved) {
   const std::string locks = root + "/.locks/models--org--tiny/";
   fs::create_directories(locks);
   testing::WriteBytes(locks + dead + ".lock", "");
-  const int held = ::open((locks + live + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  ASSERT_GE(held, 0);
-  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  const UniqueFd held = HoldLock(locks + live + ".lock");
+  ASSERT_GE(held.get(), 0);
   {
     ObjectCache cache(root, 0, ObjectCache::Layout::kHub);
     Result<std::unique_ptr<SourceFile>> file = remote.OpenAs(cache, object);
@@ -869,7 +876,6 @@ TEST(HubLayout, LeftoversOfADeadFillerAreRemoved) {
   EXPECT_FALSE(fs::exists(blobs + dead + ".tensorferry.999999.0"));
   EXPECT_TRUE(fs::exists(blobs + live + ".tensorferry.999999.1"));
   EXPECT_TRUE(fs::exists(blobs + dead + ".incomplete"));
-  ::close(held);
 }
 
 TEST(ObjectCache, ConcurrentReadersDownloadOnce) {
@@ -1029,10 +1035,8 @@ TEST(HubLayout, AHuggingfaceHubDownloadInProgressIsWaitedFor) {
   const std::string locks = root + "/.locks/models--org--tiny";
   fs::create_directories(repo + "/blobs");
   fs::create_directories(locks);
-  const int held =
-      ::open((locks + "/" + object.hub_blob + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0664);
-  ASSERT_GE(held, 0);
-  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  const UniqueFd held = HoldLock(locks + "/" + object.hub_blob + ".lock");
+  ASSERT_GE(held.get(), 0);
   std::thread hub([&] {
     // 2 s of writes 100 ms apart: longer than the waiter's lock_wait (700 ms) by far, each
     // write well within it (a loaded machine's stall of a few hundred ms does not matter).
@@ -1047,7 +1051,7 @@ TEST(HubLayout, AHuggingfaceHubDownloadInProgressIsWaitedFor) {
       std::fclose(f);
     }
     fs::rename(part, blob);
-    ::flock(held, LOCK_UN);
+    ::flock(held.get(), LOCK_UN);
   });
   {
     ObjectCache waiter(root, 0, ObjectCache::Layout::kHub, 32u << 20, false,
@@ -1061,7 +1065,6 @@ TEST(HubLayout, AHuggingfaceHubDownloadInProgressIsWaitedFor) {
     EXPECT_EQ(waiter.stats().fills, 0u);
   }
   hub.join();
-  ::close(held);
   EXPECT_EQ(CountFiles(repo + "/blobs"), 1u);
 
   // A lock file tensorferry makes: read-write for the group under umask 002.

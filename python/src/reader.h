@@ -183,7 +183,9 @@ class Reader {
   void ResetCancel() noexcept;
 
   // Reads `length` bytes of `t` from `begin` into a new block, on Interruptible's helper thread
-  // (Ctrl-C gives a remote file's read up). REQUIRES: the GIL is held (Interruptible's rule).
+  // (Ctrl-C gives a remote file's read up), or on this thread for at most kReadOnCallerBytes of a
+  // local file. REQUIRES: the GIL is held (Interruptible's rule).
+  static constexpr uint64_t kReadOnCallerBytes = uint64_t{4} << 20;
   std::shared_ptr<std::byte> ReadBytes(const Checkpoint& checkpoint, const TensorInfo& t,
                                        uint64_t begin, uint64_t length);
 

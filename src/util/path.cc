@@ -28,6 +28,11 @@ bool IsInside(const fs::path& dir, const fs::path& child) {
   return c != child.end();
 }
 
+bool IsHex(std::string_view name) {
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
 // huggingface_hub's cache-wide store of Xet files (on by default since huggingface_hub 1.x):
 // <cache>/blobs/<first 2 hex digits>/<64 hex digits>, a regular file the repositories'
 // blobs/<etag> links lead to, in a store marked by <cache>/blobs/.huggingface-shared-blobs.
@@ -35,20 +40,32 @@ bool IsInSharedHubStore(const fs::path& cache, const fs::path& target) {
   const std::string name = target.filename().string();
   const fs::path prefix = target.parent_path();
   if (name.size() != 64 || prefix.filename().string() != name.substr(0, 2) ||
-      prefix.parent_path() != cache / "blobs" || !std::all_of(name.begin(), name.end(), [](char c) {
-        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-      })) {
+      prefix.parent_path() != cache / "blobs" || !IsHex(name)) {
     return false;
   }
   std::error_code ec;
   return fs::is_regular_file(fs::symlink_status(cache / "blobs" / ".huggingface-shared-blobs", ec));
 }
 
+// huggingface_hub before 0.23 downloaded into a local folder (`--local-dir`, with
+// local_dir_use_symlinks "auto", its default, or True) as links into its cache: DIR/<file> ->
+// <cache>/models--OWNER--NAME/blobs/<sha256>, or a 40-digit git blob id for a small file. Such a
+// target is a hub repository's blob, wherever the cache is.
+bool IsHubRepoBlob(const fs::path& target) {
+  const std::string name = target.filename().string();
+  const fs::path blobs = target.parent_path();
+  const std::string repo = blobs.parent_path().filename().string();
+  return (name.size() == 64 || name.size() == 40) && IsHex(name) && blobs.filename() == "blobs" &&
+         (repo.starts_with("models--") || repo.starts_with("datasets--") ||
+          repo.starts_with("spaces--"));
+}
+
 // The hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, or in a subfolder of
 // the snapshot (<revision>/transformer/<file>: diffusers' layout, hf://OWNER/NAME/SUBFOLDER), each
 // file a symlink to <repo>/blobs/<hash>, which may itself lead to the cache's shared store of Xet
 // files: a target inside that repository's own blobs/, or in that store (IsInSharedHubStore), is
-// accepted, for a checkpoint folder at any depth below a revision.
+// accepted, for a checkpoint folder at any depth below a revision. Anywhere else, a hub
+// repository's blob (IsHubRepoBlob) is accepted.
 bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
   for (fs::path revision = canonical_dir; revision.has_relative_path();
        revision = revision.parent_path()) {
@@ -63,7 +80,7 @@ bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
     }
     if (snapshots == revision) break;  // the root
   }
-  return false;
+  return IsHubRepoBlob(target);  // a local folder downloaded as links into a hub cache
 }
 
 }  // namespace

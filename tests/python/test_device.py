@@ -410,6 +410,20 @@ def test_tensorferry_device_variable_does_not_move_python_loads(tiny_checkpoint)
     assert out["types"] == ["cpu"]
 
 
+def test_an_invalid_tensorferry_device_is_refused_by_python_too(tiny_checkpoint):
+    # Its value is not used there, but a typo in it is not let through quietly (as documented in
+    # docs/runtime_settings.md): the error names the variable.
+    out = _run(f"""
+        import tensorferry
+        try:
+            tensorferry.Loader({tiny_checkpoint!r})
+            emit({{"raised": None}})
+        except tensorferry.InvalidArgumentError as e:
+            emit({{"raised": str(e)}})
+    """, {"TENSORFERRY_DEVICE": "cuda:zero"})
+    assert out["raised"] and 'TENSORFERRY_DEVICE="cuda:zero"' in out["raised"], out
+
+
 # --- tensor parallelism on the device (docs/gpu.md, "Tensor-parallel slices") ---------------
 
 _TP_RULES = {"rules": [

@@ -33,6 +33,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tensorferry/checkpoint.h"
 #include "tensorferry/device.h"
@@ -300,6 +301,18 @@ struct LoadOptions {
 std::span<const std::string_view> LoadOptionKeys() noexcept;
 // The environment variable of `key` ("TENSORFERRY_CHUNK_SIZE"), "" for a key without one.
 std::string LoadOptionVariable(std::string_view key);
+
+// The TENSORFERRY_* variables of this process's environment that nothing of tensorferry reads,
+// sorted by name, each in words: "NAME is not a tensorferry setting: it is ignored", followed by
+// " (did you mean KNOWN?)" when a known name is at most 3 edits away (the nearest):
+// a misspelt TENSORFERRY_BUGDET is otherwise ignored without a word, and the load it was meant
+// to bound runs without a budget. Known: the variables of LoadOptionKeys, the library's others
+// (TENSORFERRY_CUDA_RUNTIME, TENSORFERRY_CUFILE_LIBRARY, TENSORFERRY_CURL_LIBRARY) and those of
+// its test suite and scripts (UnknownEnvironmentVariables's list, options.cc). The CLI prints
+// them as warnings before a command runs; the Python package warns at import. Not an error:
+// another version's variable must not break this one. Reads `environ`: call it while no other
+// thread changes the environment.
+std::vector<std::string> UnknownEnvironmentVariables();
 
 // options.Set(key, value) with the edge's spelling of the key (e.g. "--budget",
 // "TENSORFERRY_BUDGET=\"1x\"") put in front of an error message: "<where>: <Set's message>".

@@ -67,6 +67,8 @@ NB_MODULE(_core, m) {
     for (std::string_view k : LoadOptionKeys()) keys.emplace_back(k);
     return keys;
   });
+  // TENSORFERRY_* variables set that nothing reads (a typo), with a suggestion (options.h).
+  m.def("unknown_environment_variables", [] { return UnknownEnvironmentVariables(); });
   m.def("cuda_available", [] { return CudaAvailable(); });
   m.def(
       "release_idle_staging", [] { return ReleaseIdleStaging(); },

@@ -60,6 +60,18 @@ def _wait_for_caches_at_exit():
 atexit.register(_wait_for_caches_at_exit)
 
 
+def _warn_about_unknown_variables():
+    # A misspelt setting (TENSORFERRY_BUGDET) would otherwise be ignored without a word.
+    import warnings
+    from ._core import unknown_environment_variables
+    for unknown in unknown_environment_variables():
+        warnings.warn(f"{unknown}; docs/runtime_settings.md lists the TENSORFERRY_* variables",
+                      RuntimeWarning, stacklevel=3)
+
+
+_warn_about_unknown_variables()
+
+
 def describe_object_store(url, storage_options=None):
     """How the store of `url` (s3://, gs://, http(s)://; a prefix ends with '/') is reached, as
     a dict: the endpoint, region and addressing with where each came from, where the credentials

@@ -1,12 +1,15 @@
 // LoadOptions (tensorferry/options.h): the one place that reads options from text and checks them.
 #include "tensorferry/options.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "tensorferry/size.h"
 #include "util/macros.h"
@@ -485,6 +488,66 @@ Result<LoadOptions> LoadOptions::Validated() const {
     TF_RETURN_IF_ERROR(tp.spec.Validate());
   }
   return o;
+}
+
+namespace {
+
+// Edits (insertions, deletions, substitutions, swaps of neighbours) between a and b.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> before(b.size() + 1), row(b.size() + 1), now(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    now[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      now[j] = std::min({row[j] + 1, now[j - 1] + 1, row[j - 1] + (a[i - 1] != b[j - 1])});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        now[j] = std::min(now[j], before[j - 2] + 1);
+      }
+    }
+    before.swap(row);
+    row.swap(now);
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::vector<std::string> UnknownEnvironmentVariables() {
+  // Read outside the options table: by the library (run-time libraries to load), and by the test
+  // suite and scripts (tests/python/test_options.py checks that the sources read no other).
+  static constexpr std::array<std::string_view, 11> kOthers = {
+      "TENSORFERRY_CUDA_RUNTIME", "TENSORFERRY_CUFILE_LIBRARY",
+      "TENSORFERRY_CURL_LIBRARY", "TENSORFERRY_CLI",
+      "TENSORFERRY_KIT",          "TENSORFERRY_TESTS_OFFLINE",
+      "TENSORFERRY_TEST_S3_URL",  "TENSORFERRY_TEST_S3_LOCAL",
+      "TENSORFERRY_VLLM_PYTHON",  "TENSORFERRY_CGROUP_TEST_GIB",
+      "TENSORFERRY_FAKE_CUDA"};
+  std::vector<std::string_view> known(kOthers.begin(), kOthers.end());
+  for (const Key& k : kKeys) {
+    if (!k.variable.empty()) known.push_back(k.variable);
+  }
+  constexpr std::string_view kPrefix = "TENSORFERRY_";
+  std::vector<std::string> unknown;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    if (!name.starts_with(kPrefix) || std::find(known.begin(), known.end(), name) != known.end()) {
+      continue;
+    }
+    std::string_view closest;
+    size_t best = 4;  // at most 3 edits away, and nearer than any other
+    for (std::string_view k : known) {
+      const size_t d = EditDistance(name.substr(kPrefix.size()), k.substr(kPrefix.size()));
+      if (d < best) {
+        best = d;
+        closest = k;
+      }
+    }
+    unknown.push_back(std::string(name) + " is not a tensorferry setting: it is ignored" +
+                      (closest.empty() ? "" : " (did you mean " + std::string(closest) + "?)"));
+  }
+  std::sort(unknown.begin(), unknown.end());
+  return unknown;
 }
 
 Result<LoadOptions> LoadOptions::FromEnvironment() {

@@ -5,8 +5,12 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
+#include <vector>
+
+#include "testing/test_util.h"
 
 namespace tensorferry {
 namespace {
@@ -276,6 +280,28 @@ TEST(LoadOptionsEnvironment, VariablesGoThroughSet) {
                         "TENSORFERRY_THREADS", "TENSORFERRY_QUEUE_DEPTH"}) {
     ::unsetenv(v);
   }
+}
+
+// A misspelt variable would be ignored without a word: it is named, with the nearest known name
+// when one is at most 3 edits away; known variables, the library's others and the test suite's
+// are not named.
+TEST(LoadOptionsEnvironment, UnknownVariablesAreNamedWithTheNearestKnownOne) {
+  std::vector<std::string> want = UnknownEnvironmentVariables();  // the caller's, if any
+  testing::ScopedEnv typo("TENSORFERRY_BUGDET", "1GB");
+  testing::ScopedEnv swapped("TENSORFERRY_TRHEADS", "4");
+  testing::ScopedEnv far("TENSORFERRY_NOTHING_LIKE_IT", "1");
+  testing::ScopedEnv known("TENSORFERRY_BUDGET", "1GB");
+  testing::ScopedEnv library("TENSORFERRY_CURL_LIBRARY", "/x.so");
+  testing::ScopedEnv suite("TENSORFERRY_TEST_S3_URL", "http://x");
+  testing::ScopedEnv other("NOT_TENSORFERRY_BUGDET", "1");
+  want.insert(want.end(),
+              {"TENSORFERRY_BUGDET is not a tensorferry setting: it is ignored (did you mean "
+               "TENSORFERRY_BUDGET?)",
+               "TENSORFERRY_NOTHING_LIKE_IT is not a tensorferry setting: it is ignored",
+               "TENSORFERRY_TRHEADS is not a tensorferry setting: it is ignored (did you mean "
+               "TENSORFERRY_THREADS?)"});
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(UnknownEnvironmentVariables(), want);
 }
 
 TEST(LoadOptionsNames, RoundTrip) {

@@ -89,3 +89,57 @@ def test_cuda_available_is_public():
     # The same answer as torch's, which finds the same runtime and devices.
     import torch
     assert available == torch.cuda.is_available()
+
+
+def test_a_misspelt_variable_is_named_by_the_cli_and_at_import(path):
+    """TENSORFERRY_BUGDET would be ignored without a word (and the load it was meant to bound
+    run without a budget): the CLI warns on stderr, the package at import, with the nearest
+    known name; the command still runs."""
+    import os
+    import subprocess
+    import sys
+    from conftest import CLI
+    env = {**os.environ, "TENSORFERRY_BUGDET": "1GB", "TENSORFERRY_BUDGET": "1GB"}
+    r = subprocess.run([CLI, "inspect", path], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ("tensorferry: warning: TENSORFERRY_BUGDET is not a tensorferry setting: "
+                        "it is ignored (did you mean TENSORFERRY_BUDGET?)\n"), r.stderr
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", "import tensorferry"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and "RuntimeWarning: TENSORFERRY_BUGDET is not a tensorferry " \
+        "setting: it is ignored (did you mean TENSORFERRY_BUDGET?)" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", "import tensorferry"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TENSORFERRY_BUDGET": "1GB"})
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_variable_the_sources_read_is_known(monkeypatch):
+    """The list of variables read outside the options table (options.cc) keeps up with the
+    sources: every TENSORFERRY_* name read from the environment anywhere in the repository
+    (getenv, os.environ, a shell's $NAME) or written as a literal in the library's sources is
+    known, so that no user of it is warned."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2]
+    read = re.compile(r'(?:getenv\(\s*|environ\.get\(\s*|environ\[\s*)["\'](TENSORFERRY_\w+)["\']'
+                      r'|\$\{?(TENSORFERRY_\w+)')
+    literal = re.compile(r'"(TENSORFERRY_[A-Z0-9_]*[A-Z0-9])"')
+    names = set()
+    for folder in ("src", "python", "tools", "tests", "scripts", "bench", ".ci", "fuzz"):
+        for p in (root / folder).rglob("*"):
+            if not p.is_file() or p.suffix not in {".cc", ".h", ".py", ".sh", ""}:
+                continue
+            try:
+                text = p.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            names.update(a or b for a, b in read.findall(text))
+            if folder in ("src", "python", "tools") and not p.name.endswith("_test.cc"):
+                names.update(literal.findall(text))
+    assert {"TENSORFERRY_CLI", "TENSORFERRY_CURL_LIBRARY", "TENSORFERRY_CUDA_RUNTIME",
+            "TENSORFERRY_BUDGET"} <= names, names  # the scan finds what it must
+    for name in names:
+        monkeypatch.setenv(name, "1")
+    assert _core.unknown_environment_variables() == []

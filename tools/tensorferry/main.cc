@@ -28,6 +28,7 @@
 #include "commands.h"
 #include "tensorferry/mapping.h"
 #include "tensorferry/object_store.h"
+#include "tensorferry/options.h"
 #include "tensorferry/writer.h"
 
 #ifndef TENSORFERRY_VERSION_STRING
@@ -169,6 +170,11 @@ int main(int argc, char** argv) {
       // --help and --version are "errors" with exit code 0; everything else is a usage error.
       const int code = app.exit(e);
       return code == 0 ? kExitOk : kExitUsage;
+    }
+    // A misspelt setting (TENSORFERRY_BUGDET) would otherwise be ignored without a word.
+    for (const std::string& unknown : tensorferry::UnknownEnvironmentVariables()) {
+      const std::string line = "tensorferry: warning: " + unknown + "\n";
+      std::fputs(line.c_str(), stderr);
     }
     for (const Command& command : commands) {
       if (!command.app->parsed()) continue;

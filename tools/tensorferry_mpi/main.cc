@@ -452,6 +452,11 @@ int Main(int argc, char** argv) {
   CollectiveWatchdog watchdog(group, load_options.cooperative.timeout_ms, "tensorferry-mpi");
   const uint32_t world = group.size();
   const bool root = group.rank() == 0;
+  if (root) {  // a misspelt setting (TENSORFERRY_BUGDET) would otherwise be ignored silently
+    for (const std::string& unknown : UnknownEnvironmentVariables()) {
+      std::fprintf(stderr, "tensorferry-mpi: warning: %s\n", unknown.c_str());
+    }
+  }
   std::string json = "{\"mode\": \"" + args.mode + "\", \"ranks\": " + std::to_string(world) +
                      ", \"cold\": " + (args.cold ? "true" : "false");
   if (args.mode == "cooperative" || args.explain) {

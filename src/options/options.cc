@@ -226,6 +226,18 @@ Status SetObjectNumber(LoadOptions& o, std::string_view value) {
   return Status::Ok();
 }
 
+// A setting whose 0 is "auto" (chosen per store when a URL is opened): "auto" or 0 sets that,
+// anything else goes through SetObjectNumber's range; a variable set for a process can so be
+// put back to the default by a Python keyword or a flag.
+template <auto Field, uint64_t Min, uint64_t Max>
+Status SetObjectNumberOrAuto(LoadOptions& o, std::string_view value) {
+  if (value == "auto" || value == "0") {
+    o.object_store.*Field = 0;
+    return Status::Ok();
+  }
+  return SetObjectNumber<Field, Min, Max>(o, value);
+}
+
 template <bool ObjectStoreOptions::*Field>
 Status SetObjectBool(LoadOptions& o, std::string_view value) {
   TF_ASSIGN_OR_RETURN(o.object_store.*Field, ParseBool(value));
@@ -311,9 +323,9 @@ const std::array<Key, 52> kKeys = {{
     // hosts; http_auth.h).
     {"http_token", "", SetText<&ObjectStoreOptions::http_token>},
     {"object_concurrency", "TENSORFERRY_OBJECT_CONCURRENCY",
-     SetObjectNumber<&ObjectStoreOptions::concurrency, 1, kMaxThreads>},
+     SetObjectNumberOrAuto<&ObjectStoreOptions::concurrency, 1, kMaxThreads>},
     {"object_part_size", "TENSORFERRY_OBJECT_PART_SIZE",
-     SetObjectNumber<&ObjectStoreOptions::part_size, 4096, (1ull << 32)>},
+     SetObjectNumberOrAuto<&ObjectStoreOptions::part_size, 4096, (1ull << 32)>},
     {"object_retries", "TENSORFERRY_OBJECT_RETRIES",
      SetObjectNumber<&ObjectStoreOptions::retries, 0, 100>},
     {"object_timeout_ms", "TENSORFERRY_OBJECT_TIMEOUT_MS",

@@ -140,6 +140,16 @@ TEST(LoadOptionsSet, EveryKey) {
   std::set<std::string_view> keys(LoadOptionKeys().begin(), LoadOptionKeys().end());
   EXPECT_EQ(keys.size(), LoadOptionKeys().size());
   EXPECT_EQ(keys.size(), 52u);
+
+  // The per-store defaults (0) can be set again over a value ("auto" or 0): a variable set for
+  // the process could not be undone by a keyword or a flag.
+  for (const char* reset : {"auto", "0"}) {
+    LoadOptions r = o;
+    ASSERT_TRUE(r.Set("object_concurrency", reset).ok()) << reset;
+    ASSERT_TRUE(r.Set("object_part_size", reset).ok()) << reset;
+    EXPECT_EQ(r.object_store.concurrency, 0u);
+    EXPECT_EQ(r.object_store.part_size, 0u);
+  }
 }
 
 TEST(LoadOptionsSet, BadValuesNameKeyAndValueAndLeaveOptionsUnchanged) {

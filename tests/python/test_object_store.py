@@ -559,8 +559,10 @@ def test_unknown_storage_option_is_invalid_argument(stores):
         tensorferry.torch.load_file(url, storage_options={"s3_secret": "x"})
     with pytest.raises(InvalidArgumentError, match="endpoint"):
         tensorferry.torch.load_file(url, storage_options={"endpoint": "x"})
-    with pytest.raises(InvalidArgumentError):
-        safe_open(url, "pt", storage_options={"object_concurrency": 0})
+    with pytest.raises(InvalidArgumentError, match="object_concurrency = 257 is out of range"):
+        safe_open(url, "pt", storage_options={"object_concurrency": 257})
+    with pytest.raises(InvalidArgumentError, match="object_part_size = 100 must be at least 4096"):
+        safe_open(url, "pt", storage_options={"object_part_size": 100})
 
 
 # --- edges ----------------------------------------------------------------------------------------

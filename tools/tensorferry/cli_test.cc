@@ -1348,15 +1348,19 @@ TEST(CliReshard, RefusesToWriteOverItsOwnSource) {
   GenTiny(src);
   fs::create_symlink(src, dir.Join("link"));
   fs::create_directories(dir.Join("sub"));
+  // A link elsewhere to one of its files: the write moved that file aside and removed it.
+  fs::create_directories(dir.Join("other"));
+  fs::create_symlink("../src/model.safetensors", dir.Join("other/link.safetensors"));
   const auto before = DirContents(src);
   // The same directory by any path: itself, a symlink, a ".." detour; and a source given as its
-  // index file or one of its files.
+  // index file or one of its files, or a link to one of them.
   for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
            {src, src},
            {src, dir.Join("link")},
            {src, dir.Join("sub/../src")},
            {src + "/model.safetensors.index.json", src},
-           {dir.Join("link"), src}}) {
+           {dir.Join("link"), src},
+           {dir.Join("other/link.safetensors"), src}}) {
     const RunResult r = RunCli({"reshard", from, to, "--max-shard-size", "100KB", "--no-sync"});
     ExpectOneLineError(r);
     EXPECT_NE(r.err.find("source"), std::string::npos) << Describe(r);

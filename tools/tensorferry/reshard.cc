@@ -266,22 +266,28 @@ void SetMetadata(Metadata& m, const std::string& k, const std::string& v) {
   m.emplace_back(k, v);
 }
 
-// Fails if DST is the directory of a source file. Re-splitting into the source's own directory
-// would replace (and obsolete) the files being read. The same directory is recognized by device
-// and inode, whatever path leads there (symlinks, "..", bind mounts).
+// Fails if DST is the directory of a source file: the directory its path names, or the one it
+// lies in once links are followed (a link to a file in DST given as the source: the write would
+// move that file aside and remove it). Re-splitting into the source's own directory would replace
+// (and obsolete) the files being read. The same directory is recognized by device and inode,
+// whatever path leads there (symlinks, "..", bind mounts).
 bool CheckDstIsNotSource(const ReshardArgs& a, const Checkpoint& ckpt, Failure& failure) {
   struct stat dst_st;
   if (::stat(a.dst.c_str(), &dst_st) != 0) return true;
   for (const FileInfo& f : ckpt.files()) {
-    const fs::path parent = fs::path(f.path).parent_path();
-    struct stat src_st;
-    if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
-        src_st.st_dev == dst_st.st_dev && src_st.st_ino == dst_st.st_ino) {
-      return Fail(failure, a.dst,
-                  Status(Code::kInvalidArgument,
-                         "is the directory of the source file " + f.path +
-                             "; writing there would replace the checkpoint being read (choose "
-                             "another output directory)"));
+    std::error_code ec;
+    const fs::path resolved = fs::canonical(f.path, ec);
+    for (const fs::path& file : {fs::path(f.path), ec ? fs::path(f.path) : resolved}) {
+      const fs::path parent = file.parent_path();
+      struct stat src_st;
+      if (::stat(parent.empty() ? "." : parent.c_str(), &src_st) == 0 &&
+          src_st.st_dev == dst_st.st_dev && src_st.st_ino == dst_st.st_ino) {
+        return Fail(failure, a.dst,
+                    Status(Code::kInvalidArgument,
+                           "is the directory of the source file " + file.string() +
+                               "; writing there would replace the checkpoint being read (choose "
+                               "another output directory)"));
+      }
     }
   }
   return true;

@@ -103,6 +103,31 @@ def _device_for(name, resolved, required=True):
     return best
 
 
+def _check_tied_copies(present, described, opened, model, loader_kw):
+    """Names the model ties (one tensor) that the checkpoint stores apart, as after a fine-tune
+    that untied the head: only one of them would be read, the other dropped without a word (the
+    logits then wrong). Equal copies are the same tensor and load as one; different ones are an
+    InvalidArgumentError naming them, before the model is changed (transformers unties such
+    names, accelerate loads each: build the model with them untied, e.g. tie_word_embeddings=
+    False). Reads the stored copies (on the host) only where there are some."""
+    for g in present:
+        stored = [n for n in g.names if n in described]
+        if len(stored) < 2:
+            continue
+        with Loader(opened, select=stored, **loader_kw) as loader:
+            copies = loader.load()
+        first = copies[stored[0]]
+        for other in stored[1:]:
+            t = copies[other]
+            if t.dtype != first.dtype or t.shape != first.shape or not torch.equal(
+                    t.reshape(-1).view(torch.uint8), first.reshape(-1).view(torch.uint8)):
+                raise _core.InvalidArgumentError(
+                    f"{type(model).__name__} ties {stored[0]} and {other} (one tensor), but the "
+                    f"checkpoint stores them with different values: reading one would drop the "
+                    f"other; build the model with them untied (e.g. tie_word_embeddings=False)")
+        del copies, first
+
+
 def _checkpoint_file(checkpoint):
     """What a local folder means, as accelerate's load_checkpoint_in_model (and transformers)
     decide: its model.safetensors when there is one, else its one *.index.json; otherwise the
@@ -435,6 +460,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 "with init_missing=lambda name, tensor: None or strict=False)")
         # Every refusal before the model is changed.
         _check_init_missing(model, missing, init_missing)
+        _check_tied_copies(present, described, opened, model, loader_kw)
         for name, b in transient:
             if b.device.type == "meta":
                 raise _core.InvalidArgumentError(

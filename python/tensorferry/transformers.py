@@ -812,6 +812,30 @@ def _streamed_id(repo_id, args, kwargs):
     return hub_id_path(repo_id, kwargs.get("revision"))
 
 
+def _snapshot_files(original, own, snapshot, filenames, args, kwargs):
+    """cached_files from a snapshot of the hub cache that holds this load's weights. It may hold
+    only some of the repository's files (an earlier load of the weights and configuration alone,
+    `hf download --include "*.safetensors"`, a vLLM download, tensorferry's own streaming, which
+    keeps what it read): the names it lacks are looked up by `own` (transformers' own lookup at
+    the load's commit, which downloads into the same snapshot), whose rules (a missing file an
+    error or left out) then apply. In the order of `filenames`; None when none is found."""
+    filenames = list(filenames)
+    quiet = dict(kwargs, _raise_exceptions_for_missing_entries=False)
+    found = set(original(snapshot, filenames, *args, **quiet) or ())
+    sub = kwargs.get("subfolder") or ""
+    local = {n: os.path.join(snapshot, os.path.join(sub, n)) for n in filenames}
+    lacking = [n for n in filenames if local[n] not in found]
+    more = (own(lacking) or []) if lacking else []
+
+    def fetched(name):  # where the lookup put `name`, if it found it
+        tail = os.sep + os.path.join(sub, name)
+        return next((f for f in more if str(f).endswith(tail)), None)
+
+    ordered = [local[n] if local[n] in found else fetched(n) for n in filenames]
+    ordered = [f for f in ordered if f is not None]
+    return ordered or None
+
+
 def _resolving(original):
     """transformers.utils.hub.cached_files, taking s3://, gs:// and http(s):// URLs (_url_files)
     and hf:// paths and plain hub ids read as their hf:// paths (_HubLoad)."""
@@ -824,12 +848,18 @@ def _resolving(original):
         if load is not None:
             root = load.root(kwargs.get("subfolder"))
             kwargs.pop("revision", None)
-            if root is None:  # transformers' own lookup, of the repository at this load's commit
+
+            def own(names):  # transformers' own lookup, of the repository at this load's commit
                 return load.own(lambda repo, revision: original(
-                    repo, filenames, *args, revision=revision, **kwargs), kwargs.get("subfolder"))
+                    repo, names, *args, revision=revision, **kwargs), kwargs.get("subfolder"))
+
+            # Weights tensorferry does not read (use_safetensors=False, gguf_file=): the hub
+            # serves them, through transformers' own download.
+            if root is None or any(str(n).endswith(_OTHER_WEIGHTS) for n in filenames):
+                return own(filenames)
             path_or_repo_id = root
             if not is_url(path_or_repo_id):  # a snapshot in the hub cache: a local folder
-                return original(path_or_repo_id, filenames, *args, **kwargs)
+                return _snapshot_files(original, own, root, filenames, args, kwargs)
         else:
             _own_revision(path_or_repo_id, kwargs)
         if not is_url(path_or_repo_id if isinstance(path_or_repo_id, str) else None):

@@ -1132,3 +1132,45 @@ def test_hf_paths_name_their_repository_and_revision_for_from_pretrained():
                  "hf://org@v1/m", "hf://datasets/org/d"):
         with pytest.raises(OSError, match="from_pretrained takes a model repository"):
             _HubLoad(path, path, None).repo()
+
+
+def test_a_hub_cache_snapshot_holding_only_the_weights_is_completed_from_the_hub(
+        hf_hub, tmp_path, opened, monkeypatch):
+    """A snapshot of the hub cache that holds a model's weights but not every file of its
+    repository (`hf download org/llama config.json model.safetensors`, an earlier load of the
+    weights alone, tensorferry's own streaming, which keeps what it read) was taken for the whole
+    repository: what it lacked was missing (the generation settings silently, use_safetensors=
+    False's .bin weights and the tokenizer as errors) where transformers downloads them. They are
+    looked up on the hub at the load's commit; the weights are still read from the snapshot."""
+    from transformers import GenerationConfig
+    src = tmp_path / "src"
+    model = _tiny_llama()
+    _save(model, src, None)
+    GenerationConfig(do_sample=True, temperature=0.6, max_length=4096).save_pretrained(src)
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    ref = _load(AutoModelForCausalLM, src, False, dtype=torch.bfloat16)
+    commit = hf_hub.add_repo("org/llama", str(src))
+    _transformers_downloads_from(hf_hub, monkeypatch)
+    repo = os.path.join(os.environ["HF_HUB_CACHE"], "models--org--llama")
+    snapshot = os.path.join(repo, "snapshots", commit)
+    os.makedirs(snapshot)
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(commit)
+    for name in ("config.json", "model.safetensors"):
+        with open(src / name, "rb") as a, open(os.path.join(snapshot, name), "wb") as b:
+            b.write(a.read())
+    with tft.loading():
+        got = AutoModelForCausalLM.from_pretrained("org/llama", revision="main",
+                                                   dtype=torch.bfloat16)
+        assert opened == [os.path.join(snapshot, "model.safetensors")]
+        _assert_same_parameters(ref, got)
+        assert got.generation_config.do_sample is True
+        assert got.generation_config.temperature == 0.6
+        assert got.generation_config.max_length == 4096
+        from_bin = AutoModelForCausalLM.from_pretrained("org/llama", revision="main",
+                                                        use_safetensors=False,
+                                                        dtype=torch.bfloat16)
+        _assert_same_parameters(ref, from_bin)
+    assert os.path.exists(os.path.join(snapshot, "generation_config.json"))
+    assert os.path.exists(os.path.join(snapshot, "pytorch_model.bin"))

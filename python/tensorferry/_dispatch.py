@@ -500,6 +500,14 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                     held_full = held_full or tuple(g.tensor.shape) == full
                     held_local = held_local or tuple(g.tensor.shape) == shape
             want = _target_dtype(g.tensor.dtype, g.file_dtype, dtype)
+            if g.is_param and g.tensor.requires_grad and not (want.is_floating_point
+                                                              or want.is_complex):
+                # torch refuses such a parameter; found here, not half way through the model.
+                raise _core.InvalidArgumentError(
+                    f"{g.source}: the checkpoint stores it as {o.dtype}, so the model's parameter "
+                    f"would be {want}, and a {want} parameter cannot require gradients (only "
+                    "floating point and complex ones can): give the model a parameter with "
+                    "requires_grad=False, or a buffer, for it")
             if (resolved is None and g.tensor.device.type != "meta" and want == g.tensor.dtype
                     and tuple(g.tensor.shape) == shape and not _overlaps(g.tensor)):
                 # A materialized model and no device map: read into its own tensors, as torch's
@@ -543,10 +551,9 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
             g.target = torch.empty(shape, dtype=want, device=device_of(g))
 
         # Into the model: every name of a group gets the same object; a parameter keeps its class
-        # (a subclass of torch.nn.Parameter), as accelerate keeps it.
-        def put(g):
-            if g.in_place:
-                return
+        # (a subclass of torch.nn.Parameter), as accelerate keeps it. Every object is made before
+        # the first is put: one that cannot be made leaves the model as it was.
+        def value_of(g):
             value = g.target
             if g.is_param:
                 cls = type(g.tensor) if isinstance(g.tensor, torch.nn.Parameter) else None
@@ -561,6 +568,9 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 for key, attr in getattr(g.tensor, "__dict__", {}).items():
                     if key not in value.__dict__:
                         setattr(value, key, attr)
+            return value
+
+        def put(g, value):
             for name in g.names:
                 module, leaf = _owner(model, name)
                 if g.is_param:
@@ -569,9 +579,9 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                     module._buffers[leaf] = value
             g.target = value
 
-        for g in groups:
-            if g.target is not None:
-                put(g)
+        made = [(g, value_of(g)) for g in groups if g.target is not None and not g.in_place]
+        for g, value in made:
+            put(g, value)
         moved = {}  # one buffer registered under several names is moved once, and stays shared
         for name, b in transient:
             module, leaf = _owner(model, name)
@@ -599,7 +609,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 views = loader.load()
             for g in mapped:
                 g.target = views.pop(g.source)
-                put(g)
+                put(g, value_of(g))
             del views
         mapped_ids = {id(g) for g in mapped}
         reading = [g for g in present if id(g) not in mapped_ids]

@@ -850,3 +850,23 @@ def test_tied_names_stored_apart_load_as_one_only_when_equal(checkpoint, tmp_pat
         tft.load_checkpoint_and_dispatch(m, str(tmp_path / "untied.safetensors"),
                                          device_map=device_map)
     assert all(p.device.type == "meta" for p in m.parameters())  # unchanged
+
+
+@pytest.mark.parametrize("device_map", [None, {"": "cpu"}])
+def test_an_integer_tensor_for_a_parameter_that_requires_grad_is_refused_first(
+        checkpoint, tmp_path, device_map):
+    """A checkpoint that stores a parameter as integers: torch refuses an integer parameter that
+    requires gradients. That RuntimeError came half way through the model (some of its tensors
+    put in, empty and never read) and named no tensor; it is an InvalidArgumentError naming it,
+    before the model is changed."""
+    from safetensors.torch import load_file, save_file
+    stored = load_file(checkpoint["single"])
+    stored["layers.0.norm.weight"] = torch.ones(HIDDEN, dtype=torch.int32)
+    path = str(tmp_path / "int.safetensors")
+    save_file(stored, path)
+    m = _meta_model()
+    with pytest.raises(tensorferry.InvalidArgumentError,
+                       match=r"layers.0.norm.weight: the checkpoint stores it as I32.* cannot "
+                             r"require gradients"):
+        tft.load_checkpoint_and_dispatch(m, path, dtype=torch.bfloat16, device_map=device_map)
+    assert all(p.device.type == "meta" for p in m.parameters())

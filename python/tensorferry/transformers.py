@@ -615,6 +615,9 @@ class _HubLoad(str):
         self._roots = {}  # subfolder -> root, or None: transformers' own lookup reads it
         self._why = {}  # subfolder -> why an hf:// path's root is None (tensorferry's error)
         resolved = getattr(upstream, "resolved", None)  # the commit transformers pinned, if any
+        if not (isinstance(resolved, str) and _COMMIT.fullmatch(resolved)) and streamed \
+                and isinstance(requested, str) and _COMMIT.fullmatch(requested):
+            resolved = requested  # a commit asked for is pinned, whether the hub answered or not
         self._commit = resolved if isinstance(resolved, str) and _COMMIT.fullmatch(resolved) \
             else None
         return self
@@ -664,6 +667,12 @@ class _HubLoad(str):
             return self._roots[sub]
 
     def _find(self, repo, sub):
+        if self.streamed and self._commit is None:
+            # transformers could not pin the branch (its resolve_revision failed: a rate limit,
+            # a mirror without the API, a hub not reachable): a cached refs/main may be stale,
+            # where transformers' own lookup asks the hub file by file (and falls back to the
+            # cache itself). Its own lookup reads the model then.
+            return None
         probe = self.path if self._commit is None else f"hf://{repo}@{self._commit}"
         if sub:
             probe += "/" + sub

@@ -24,7 +24,9 @@ points a branch (`revision`, default main) at it; `/resolve/<revision>/` takes a
 (`%2F` for a '/' in a branch name), and the hub's API answers
 `GET /api/models/<repo>/revision/<revision>` with the commit a branch points to now (`"sha"`, as
 huggingface_hub's model_info reads it; 401 RepositoryNotFound for a repository it does not have, 404
-RevisionNotFound for a revision) and `GET /api/models/<repo>/tree/<revision>` with its files (as
+RevisionNotFound for a revision), `GET /api/models/<repo>` the same for its default branch (what
+huggingface_hub's resolve_revision asks for revision=None), and
+`GET /api/models/<repo>/tree/<revision>` with its files (as
 snapshot_download lists them). `on_api`, when set, is called after each API answer (a branch
 moved while a load runs). `log` lists every request as (kind, repo, revision, path), `connections`
 counts the connections the hub accepted.
@@ -194,6 +196,10 @@ class ModelHub:
                     repo = "/".join(parts[2:at])
                     revision = urllib.parse.unquote("/".join(parts[at + 1:]))
                     return self._tree(repo, revision, head)
+                if parts[:2] == ["api", "models"] and len(parts) in (3, 4) and parts[-1]:
+                    # /api/models/<repo>: the repository's information, its default branch's
+                    # commit as "sha" (huggingface_hub's repo_info, resolve_revision(None)).
+                    return self._api("/".join(parts[2:]), "main", head)
                 if parts[:2] == ["api", "models"] and "revision" in parts[3:5]:
                     # /api/models/<repo>/revision/<revision>: the commit a branch points to.
                     at = parts.index("revision", 3)

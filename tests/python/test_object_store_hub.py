@@ -695,6 +695,11 @@ def test_from_pretrained_of_a_plain_hub_id_streams_inside_loading(hf_hub, tmp_pa
     # transformers' own downloads below ask the hub huggingface_hub was imported with: this one.
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "ENDPOINT", hf_hub.endpoint)
+    # And its cache (where transformers' resolve_revision records refs/main).
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    # transformers' one HfApi (its resolve_revision's) keeps the endpoint it was made with.
+    import transformers.utils.hub
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
                         hf_hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
 
@@ -706,7 +711,7 @@ def test_from_pretrained_of_a_plain_hub_id_streams_inside_loading(hf_hub, tmp_pa
         assert got.hidden_size == config.hidden_size
     assert [x for x in hf_hub.log if x[0] == "api" and x[1] == "org/llama"] == \
         [("api", "org/llama", "main", "")], hf_hub.log  # tensorferry's pinning, once
-    assert resolved_revisions(hf_hub, "org/llama") == {commit}
+    assert resolved_revisions(hf_hub, "org/llama") == {commit}, hf_hub.log
     tensorferry.wait_for_caches()  # the copies finish after the load
     repo_dir = os.path.join(cache, "models--org--llama")
     kept = sorted(os.listdir(os.path.join(repo_dir, "snapshots", commit)))

@@ -1024,6 +1024,9 @@ def _transformers_downloads_from(hub, monkeypatch):
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_CACHE", os.environ["HF_HUB_CACHE"])
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    # transformers' one HfApi (its resolve_revision's) keeps the endpoint it was made with.
+    import transformers.utils.hub
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
                         hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
 
@@ -1079,7 +1082,7 @@ def test_after_enable_each_load_decides_where_a_hub_model_is_read_from(hf_hub, t
             AutoModelForCausalLM.from_pretrained("org/llama", dtype=torch.bfloat16)
         except Exception:  # noqa: BLE001 - transformers' own lookup, whatever its environment
             pass
-        assert failed == ["hf://org/llama"]
+        assert failed == [f"hf://org/llama@{commit}"]  # the branch pinned by transformers
         assert not any(f.startswith("http") for f in opened)
         opened.clear()
         _assert_same_parameters(ref_new, AutoModelForCausalLM.from_pretrained(
@@ -1174,3 +1177,37 @@ def test_a_hub_cache_snapshot_holding_only_the_weights_is_completed_from_the_hub
         _assert_same_parameters(ref, from_bin)
     assert os.path.exists(os.path.join(snapshot, "generation_config.json"))
     assert os.path.exists(os.path.join(snapshot, "pytorch_model.bin"))
+
+
+def test_a_hub_id_whose_branch_could_not_be_pinned_is_not_read_from_a_stale_cache(
+        hf_hub, tmp_path, opened, monkeypatch):
+    """transformers' resolve_revision fails open (a rate limit, a mirror without the API): the
+    branch is not pinned. The hub cache's refs/main then named an older commit, whose snapshot
+    tensorferry read, where transformers alone asks the hub file by file and gets the branch's
+    current commit. Without a pinned commit, transformers' own lookup reads the model."""
+    import huggingface_hub
+    old, new = tmp_path / "old", tmp_path / "new"
+    _save(_tiny_llama(), old, None)
+    newer = _tiny_llama()
+    with torch.no_grad():
+        newer.lm_head.weight.neg_()
+    _save(newer, new, None)
+    ref_new = _load(AutoModelForCausalLM, new, False, dtype=torch.bfloat16)
+    first = hf_hub.add_repo("org/llama", str(old))
+    _transformers_downloads_from(hf_hub, monkeypatch)
+    AutoModelForCausalLM.from_pretrained("org/llama", dtype=torch.bfloat16)  # cached: refs/main
+    refs = os.path.join(os.environ["HF_HUB_CACHE"], "models--org--llama", "refs", "main")
+    with open(refs) as f:
+        assert f.read().strip() == first
+    second = hf_hub.add_repo("org/llama", str(new))  # the branch moves on the hub
+
+    def unreachable(self, *args, **kwargs):
+        raise RuntimeError("the hub's API did not answer (test)")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "resolve_revision", unreachable)
+    opened.clear()
+    with tft.loading():
+        got = AutoModelForCausalLM.from_pretrained("org/llama", dtype=torch.bfloat16)
+    _assert_same_parameters(ref_new, got)
+    # transformers' own lookup found the branch's new commit (downloaded), tensorferry read it.
+    assert len(opened) == 1 and f"/snapshots/{second}/" in opened[0], opened

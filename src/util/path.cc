@@ -50,7 +50,9 @@ bool IsInSharedHubStore(const fs::path& cache, const fs::path& target) {
 // huggingface_hub before 0.23 downloaded into a local folder (`--local-dir`, with
 // local_dir_use_symlinks "auto", its default, or True) as links into its cache: DIR/<file> ->
 // <cache>/models--OWNER--NAME/blobs/<sha256>, or a 40-digit git blob id for a small file. Such a
-// target is a hub repository's blob, wherever the cache is.
+// link is refused like any other that leaves the folder (accepting every hub blob would let an
+// untrusted folder read any model of the machine's hub caches, private ones included); its
+// refusal says how to make the folder loadable.
 bool IsHubRepoBlob(const fs::path& target) {
   const std::string name = target.filename().string();
   const fs::path blobs = target.parent_path();
@@ -64,8 +66,7 @@ bool IsHubRepoBlob(const fs::path& target) {
 // the snapshot (<revision>/transformer/<file>: diffusers' layout, hf://OWNER/NAME/SUBFOLDER), each
 // file a symlink to <repo>/blobs/<hash>, which may itself lead to the cache's shared store of Xet
 // files: a target inside that repository's own blobs/, or in that store (IsInSharedHubStore), is
-// accepted, for a checkpoint folder at any depth below a revision. Anywhere else, a hub
-// repository's blob (IsHubRepoBlob) is accepted.
+// accepted, for a checkpoint folder at any depth below a revision.
 bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
   for (fs::path revision = canonical_dir; revision.has_relative_path();
        revision = revision.parent_path()) {
@@ -80,7 +81,7 @@ bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
     }
     if (snapshots == revision) break;  // the root
   }
-  return IsHubRepoBlob(target);  // a local folder downloaded as links into a hub cache
+  return false;
 }
 
 }  // namespace
@@ -163,8 +164,14 @@ Status CheckContainedAt(const fs::path& canonical_dir, const std::string& path,
   }
   const std::string why = ec ? "resolves to an unresolvable path: " + ec.message()
                              : "resolves to " + json::Quote(canonical.string());
+  const std::string hint =
+      !ec && IsHubRepoBlob(canonical)
+          ? " (a link into a hub cache, as huggingface_hub before 0.23 downloaded with "
+            "--local-dir: load the model by its hf://OWNER/NAME path, download it again with a "
+            "current huggingface_hub, or replace the links by their files: cp -rL)"
+          : "";
   return Status(Code::kIndexPathEscape, prefix + why + ", outside the checkpoint directory " +
-                                            json::Quote(canonical_dir.string()));
+                                            json::Quote(canonical_dir.string()) + hint);
 }
 
 }  // namespace

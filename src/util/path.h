@@ -12,10 +12,9 @@
 //     checkpoint directory, with one exception that keeps the Hugging Face hub cache working:
 //     when the directory is <repo>/snapshots/<rev>, a file resolving into <repo>/blobs/ (that
 //     repository's own blobs, where the hub cache keeps the bytes: snapshots/<rev>/x ->
-//     ../../blobs/<sha>) is accepted, and so is, from any directory, a link to a file of a hub
-//     repository's blobs/ (<cache>/models--OWNER--NAME/blobs/<40 or 64 hex digits>: a folder
-//     downloaded by huggingface_hub before 0.23 with --local-dir, as links into its cache). This
-//     layer needs the real file system.
+//     ../../blobs/<sha>) is accepted. A link from elsewhere into a hub repository's blobs/ (a
+//     folder huggingface_hub before 0.23 downloaded with --local-dir) is refused with a hint
+//     saying how to load it. This layer needs the real file system.
 #pragma once
 
 #include <filesystem>

@@ -179,31 +179,30 @@ def test_the_cache_folder_follows_huggingface_hubs_environment(tmp_path, variabl
     assert str(tmp_path) in hub_cache
 
 
-def test_a_local_dir_download_linked_into_the_cache_loads(cache, tmp_path):
+def test_a_local_dir_download_linked_into_the_cache_says_how_to_load_it(cache, tmp_path):
     """huggingface_hub before 0.23 downloaded with --local-dir as links into its cache
     (local_dir_use_symlinks="auto": files of 5 MB and more; True: every file), absolute links to
-    <cache>/models--OWNER--NAME/blobs/<sha256>. Such a folder was refused as leaving itself; it
-    loads like the snapshot, through the Loader, the drop-in API and the CLI."""
+    <cache>/models--OWNER--NAME/blobs/<sha256>. They leave the folder and are refused (accepting
+    any hub blob would let an untrusted folder read every model of the machine's hub caches), the
+    error saying how to load it; its hf:// path loads the same model, and so does a copy of the
+    folder with the links replaced by their files."""
+    import shutil
     root, files = cache
     snapshot = root / "models--org--tiny" / "snapshots" / MAIN
     local = tmp_path / "local"
     local.mkdir()
     for entry in snapshot.iterdir():
         (local / entry.name).symlink_to(os.path.realpath(entry))
-    want = {k: v for by_file in files[MAIN].values() for k, v in by_file.items()}
-    with tensorferry.Loader(str(local)) as loader:
-        got = loader.load()
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    with tensorferry.safe_open(str(local / "model-00001-of-00002.safetensors"), "pt") as f:
-        assert torch.equal(f.get_tensor("a"), want["a"])
-    r = subprocess.run([CLI, "load", str(local), "--json"], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["tensors"] == len(want)
-    # A link to a file of the cache that is not a repository's blob still leaves the folder.
-    (local / "model-00002-of-00002.safetensors").unlink()
-    stray = root / "stray.safetensors"
-    stray.write_bytes(safetensors.torch.save(files[MAIN]["model-00002-of-00002.safetensors"]))
-    (local / "model-00002-of-00002.safetensors").symlink_to(stray)
-    with pytest.raises(Exception, match="outside the checkpoint directory"):
+    with pytest.raises(tensorferry.SafetensorError) as e:
         tensorferry.Loader(str(local))
+    assert "outside the checkpoint directory" in str(e.value)
+    assert "huggingface_hub before 0.23" in str(e.value) and "cp -rL" in str(e.value)
+    r = subprocess.run([CLI, "load", str(local)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "hf://OWNER/NAME" in r.stderr, r.stderr
+    want = {k: v for by_file in files[MAIN].values() for k, v in by_file.items()}
+    copied = tmp_path / "copied"
+    shutil.copytree(local, copied, symlinks=False)  # cp -rL
+    for path in (str(copied), "hf://org/tiny"):
+        with tensorferry.Loader(path) as loader:
+            got = loader.load()
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), path

@@ -309,7 +309,7 @@ std::string LoadOptionVariable(std::string_view key);
 // to bound runs without a budget. Known: the variables of LoadOptionKeys, the library's others
 // (TENSORFERRY_CUDA_RUNTIME, TENSORFERRY_CUFILE_LIBRARY, TENSORFERRY_CURL_LIBRARY) and those of
 // its test suite and scripts (UnknownEnvironmentVariables's list, options.cc). The CLI prints
-// them as warnings before a command runs; the Python package warns at import. Not an error:
+// them as warnings before a command runs; the Python package logs them at import. Not an error:
 // another version's variable must not break this one. Reads `environ`: call it while no other
 // thread changes the environment.
 std::vector<std::string> UnknownEnvironmentVariables();

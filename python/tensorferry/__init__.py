@@ -61,12 +61,15 @@ atexit.register(_wait_for_caches_at_exit)
 
 
 def _warn_about_unknown_variables():
-    # A misspelt setting (TENSORFERRY_BUGDET) would otherwise be ignored without a word.
-    import warnings
+    # A misspelt setting (TENSORFERRY_BUGDET) would otherwise be ignored without a word. Logged
+    # (logger "tensorferry", level WARNING: on stderr unless logging is configured otherwise),
+    # not a Python warning: under -W error that would make the import fail, and a variable of
+    # another version must not break this one.
+    import logging
     from ._core import unknown_environment_variables
     for unknown in unknown_environment_variables():
-        warnings.warn(f"{unknown}; docs/runtime_settings.md lists the TENSORFERRY_* variables",
-                      RuntimeWarning, stacklevel=3)
+        logging.getLogger("tensorferry").warning(
+            "%s; docs/runtime_settings.md lists the TENSORFERRY_* variables", unknown)
 
 
 _warn_about_unknown_variables()

@@ -103,18 +103,20 @@ def _device_for(name, resolved, required=True):
     return best
 
 
-def _check_tied_copies(present, described, opened, model, loader_kw):
+def _check_tied_copies(present, described, opened, model, storage_options):
     """Names the model ties (one tensor) that the checkpoint stores apart, as after a fine-tune
-    that untied the head: only one of them would be read, the other dropped without a word (the
-    logits then wrong). Equal copies are the same tensor and load as one; different ones are an
-    InvalidArgumentError naming them, before the model is changed (transformers unties such
-    names, accelerate loads each: build the model with them untied, e.g. tie_word_embeddings=
-    False). Reads the stored copies (on the host) only where there are some."""
+    that untied the head: only one of them would be read, the other's values dropped without a
+    word (the logits then wrong; accelerate's retie drops them so too, transformers unties such
+    names with a warning). Equal copies are the same tensor and load as one; different ones are
+    an InvalidArgumentError naming them, before the model is changed: build the model with them
+    untied (e.g. tie_word_embeddings=False). The stored copies are compared whole (on the host),
+    whatever rank reads them: every rank of a tensor-parallel load decides alike, and copies
+    sliced by different shard rules are still equal. Read only where there are some."""
     for g in present:
         stored = [n for n in g.names if n in described]
         if len(stored) < 2:
             continue
-        with Loader(opened, select=stored, **loader_kw) as loader:
+        with Loader(opened, select=stored, storage_options=storage_options) as loader:
             copies = loader.load()
         first = copies[stored[0]]
         for other in stored[1:]:
@@ -460,7 +462,7 @@ def load_checkpoint_and_dispatch(model, checkpoint, device_map=None, *, max_memo
                 "with init_missing=lambda name, tensor: None or strict=False)")
         # Every refusal before the model is changed.
         _check_init_missing(model, missing, init_missing)
-        _check_tied_copies(present, described, opened, model, loader_kw)
+        _check_tied_copies(present, described, opened, model, storage_options)
         for name, b in transient:
             if b.device.type == "meta":
                 raise _core.InvalidArgumentError(

@@ -852,6 +852,29 @@ def test_tied_names_stored_apart_load_as_one_only_when_equal(checkpoint, tmp_pat
     assert all(p.device.type == "meta" for p in m.parameters())  # unchanged
 
 
+
+def test_tied_copies_are_compared_whole_by_every_tensor_parallel_rank(checkpoint, tmp_path):
+    """With tensor parallelism the copies are compared whole, not as this rank's slices: copies
+    differing only in rank 1's rows are refused by both ranks (a rank that went on while another
+    failed would hang the job's next collective), equal copies load on both."""
+    from safetensors.torch import load_file, save_file
+    stored = load_file(checkpoint["single"])
+    head = stored["embed_tokens.weight"].clone()
+    head[VOCAB - 1] += 1  # a row of the last rank's slice only
+    save_file(dict(stored, **{"lm_head.weight": head}), str(tmp_path / "untied.safetensors"))
+    save_file(dict(stored, **{"lm_head.weight": stored["embed_tokens.weight"].clone()}),
+              str(tmp_path / "same.safetensors"))
+    for rank in range(2):
+        with pytest.raises(tensorferry.InvalidArgumentError, match="different values"):
+            tft.load_checkpoint_and_dispatch(_meta_model(), str(tmp_path / "untied.safetensors"),
+                                             tp_rank=rank, tp_size=2)
+        got = tft.load_checkpoint_and_dispatch(_meta_model(), str(tmp_path / "same.safetensors"),
+                                               tp_rank=rank, tp_size=2)
+        assert got.lm_head.weight is got.embed_tokens.weight
+        assert torch.equal(got.embed_tokens.weight,
+                           torch.tensor_split(stored["embed_tokens.weight"], 2, 0)[rank])
+
+
 @pytest.mark.parametrize("device_map", [None, {"": "cpu"}])
 def test_an_integer_tensor_for_a_parameter_that_requires_grad_is_refused_first(
         checkpoint, tmp_path, device_map):

@@ -48,6 +48,31 @@ def test_get_tensor_of_tensors_around_twice_the_chunk_size(tmp_path):
             assert np.array_equal(got, sd[k].numpy())
 
 
+def test_get_tensor_and_get_slice_around_the_read_on_the_calling_thread(tmp_path):
+    """Reads of at most 4 MiB of a local file run on the calling thread, longer ones on the
+    interruptible helper: tensors and slices just below, at and above the switch equal the
+    reference, opened by an absolute and by a relative path."""
+    switch = 4 << 20
+    n = switch // 4
+    sd = {"below": torch.arange(n - 1, dtype=torch.float32),
+          "at": torch.arange(n, dtype=torch.float32) * 2,
+          "above": torch.arange(n + 1, dtype=torch.float32).reshape(-1, 1) * 3}
+    path = tmp_path / "around.safetensors"
+    safetensors.torch.save_file(sd, str(path))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        for opened in (str(path), "around.safetensors"):
+            with tensorferry.safe_open(opened, "pt") as f, \
+                    safetensors.safe_open(str(path), "pt") as ref:
+                for k in f.keys():
+                    assert torch.equal(f.get_tensor(k), ref.get_tensor(k)), (opened, k)
+                    for index in (slice(0, n - 1), slice(0, n), slice(1, None)):
+                        assert torch.equal(f.get_slice(k)[index], ref.get_slice(k)[index]), k
+    finally:
+        os.chdir(cwd)
+
+
 # --- 3. silent zeros after truncation of a mapped file ----------------------------------------------
 
 def _state_dict(count=38):

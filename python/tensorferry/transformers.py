@@ -614,12 +614,11 @@ class _HubLoad(str):
         self._lock = threading.Lock()
         self._roots = {}  # subfolder -> root, or None: transformers' own lookup reads it
         self._why = {}  # subfolder -> why an hf:// path's root is None (tensorferry's error)
-        resolved = getattr(upstream, "resolved", None)  # the commit transformers pinned, if any
-        if not (isinstance(resolved, str) and _COMMIT.fullmatch(resolved)) and streamed \
-                and isinstance(requested, str) and _COMMIT.fullmatch(requested):
-            resolved = requested  # a commit asked for is pinned, whether the hub answered or not
-        self._commit = resolved if isinstance(resolved, str) and _COMMIT.fullmatch(resolved) \
-            else None
+        # The commit transformers pinned, else (a hub id) a commit asked for, whether the hub
+        # answered or not.
+        pinned = (getattr(upstream, "resolved", None), requested if streamed else None)
+        self._commit = next((c for c in pinned if isinstance(c, str) and _COMMIT.fullmatch(c)),
+                            None)
         return self
 
     def __copy__(self):

@@ -33,6 +33,12 @@ bool IsHex(std::string_view name) {
                      [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
 }
 
+// A hub cache's repository folder: models--OWNER--NAME, datasets--..., spaces--....
+bool IsHubRepoFolder(const std::string& name) {
+  return name.starts_with("models--") || name.starts_with("datasets--") ||
+         name.starts_with("spaces--");
+}
+
 // huggingface_hub's cache-wide store of Xet files (on by default since huggingface_hub 1.x):
 // <cache>/blobs/<first 2 hex digits>/<64 hex digits>, a regular file the repositories'
 // blobs/<etag> links lead to, in a store marked by <cache>/blobs/.huggingface-shared-blobs.
@@ -56,10 +62,8 @@ bool IsInSharedHubStore(const fs::path& cache, const fs::path& target) {
 bool IsHubRepoBlob(const fs::path& target) {
   const std::string name = target.filename().string();
   const fs::path blobs = target.parent_path();
-  const std::string repo = blobs.parent_path().filename().string();
   return (name.size() == 64 || name.size() == 40) && IsHex(name) && blobs.filename() == "blobs" &&
-         (repo.starts_with("models--") || repo.starts_with("datasets--") ||
-          repo.starts_with("spaces--"));
+         IsHubRepoFolder(blobs.parent_path().filename().string());
 }
 
 // The hub cache keeps a checkpoint as <repo>/snapshots/<revision>/<file>, or in a subfolder of
@@ -73,11 +77,8 @@ bool IsInsideHubBlobs(const fs::path& canonical_dir, const fs::path& target) {
     const fs::path snapshots = revision.parent_path();
     if (snapshots.filename() == "snapshots") {
       const fs::path repo = snapshots.parent_path();
-      const std::string kind = repo.filename().string();
-      const bool hub_repo = kind.starts_with("models--") || kind.starts_with("datasets--") ||
-                            kind.starts_with("spaces--");
-      return IsInside(repo / "blobs", target) ||
-             (hub_repo && IsInSharedHubStore(repo.parent_path(), target));
+      return IsInside(repo / "blobs", target) || (IsHubRepoFolder(repo.filename().string()) &&
+                                                  IsInSharedHubStore(repo.parent_path(), target));
     }
     if (snapshots == revision) break;  // the root
   }
